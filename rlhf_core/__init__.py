@@ -1,0 +1,1 @@
+"""Offline RLHF: PPO for language models, verl-style, wrapped in a ZenML pipeline."""

@@ -1,0 +1,741 @@
+"""The typed config tree, with verl's key names and defaults.
+
+Loading order: the dataclass defaults (mirrored, one comment per key, by
+``configs/ppo_trainer.yaml``), then an optional YAML file of overrides, then
+command-line overrides ``a.b.c=value``. Values are parsed as YAML scalars (ints,
+floats, bools, null, lists ``[a,b]``) and typed against the dataclass fields.
+
+Every problem is collected and raised together as a :class:`ConfigError` before
+any model or data is touched; each message names the key, the value and the fix.
+
+    python -m rlhf_core.config [--config FILE] [key=value ...]
+
+prints the resolved tree as YAML (exit 0) or the errors on stderr (exit 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+# ----------------------------------------------------------------------------- names
+
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ROLLOUT_NAMES = ("hf", "vllm")
+STRATEGIES = ("fsdp", "fsdp2")
+LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
+TRUNCATIONS = ("error", "left", "right")
+LR_SCHEDULERS = ("constant", "cosine")
+KL_CTRL_TYPES = ("fixed", "adaptive")
+RESUME_MODES = ("auto", "disable", "resume_path")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _k(default: Any, help: str) -> Any:  # noqa: A002 - 'help' reads best in the tree below
+    """A config key: its default and the one-line comment written beside it in the YAML."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _section(cls: type, help: str) -> Any:  # noqa: A002
+    return field(default_factory=cls, metadata={"help": help})
+
+
+# ----------------------------------------------------------------------------- the tree
+
+
+@dataclass
+class DataConfig:
+    tokenizer: str | None = _k(None, "tokenizer path for the dataset; null = the actor's tokenizer")
+    train_files: str | list[str] = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
+    val_files: str | list[str] = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
+    prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")
+    reward_fn_key: str = _k("data_source", "column that selects the reward function")
+    max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
+    max_response_length: int = _k(512, "maximum number of generated tokens per response")
+    train_batch_size: int = _k(1024, "prompts per PPO iteration")
+    val_batch_size: int | None = _k(None, "prompts per validation batch; null = the whole validation set")
+    return_raw_chat: bool = _k(False, "keep the raw chat messages in the batch")
+    shuffle: bool = _k(True, "shuffle the training prompts each epoch")
+    seed: int = _k(1, "seed of the training-data shuffle")
+    truncation: str = _k("error", "over-long prompts: error | left | right")
+    filter_overlong_prompts: bool = _k(False, "drop prompts longer than max_prompt_length before training")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _k("~/models/deepseek-llm-7b-chat", "local HF model directory of the policy")
+    tokenizer_path: str | None = _k(None, "tokenizer directory; null = model.path")
+    dtype: str = _k("float32", "dtype of the trained weights: float32 | bfloat16 | float16")
+    enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward to save memory")
+    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
+    lora_alpha: int = _k(16, "LoRA scaling numerator")
+    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    trust_remote_code: bool = _k(False, "allow model code from the model directory")
+    external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _k(1e-6, "AdamW learning rate")
+    betas: list[float] = _k([0.9, 0.999], "AdamW betas")
+    weight_decay: float = _k(0.01, "AdamW weight decay")
+    lr_warmup_steps: int = _k(-1, "warm-up steps; -1 = use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = _k(0.0, "warm-up steps as a share of total training steps")
+    lr_scheduler_type: str = _k("constant", "after warm-up: constant | cosine")
+    min_lr_ratio: float = _k(0.0, "cosine schedule floor as a share of lr")
+    num_cycles: float = _k(0.5, "cosine cycles over the run (0.5 = one half-wave down)")
+
+
+@dataclass
+class FSDPConfig:
+    param_offload: bool = _k(False, "keep sharded parameters on CPU between uses")
+    optimizer_offload: bool = _k(False, "keep optimizer state on CPU")
+    reshard_after_forward: bool = _k(True, "free gathered parameters after each forward")
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = _k("fsdp", "training backend: fsdp | fsdp2 (both use torch FSDP2 fully_shard)")
+    ppo_mini_batch_size: int = _k(256, "prompts per optimizer step (times rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: int | None = _k(4, "sequences per forward/backward on one worker")
+    use_dynamic_bsz: bool = _k(False, "cut micro-batches by token count instead of sequence count")
+    ppo_max_token_len_per_gpu: int = _k(16384, "tokens per micro-batch with use_dynamic_bsz")
+    ppo_epochs: int = _k(1, "passes over each rollout batch")
+    shuffle: bool = _k(False, "shuffle sequences between mini-batches")
+    clip_ratio: float = _k(0.2, "PPO clip range epsilon")
+    clip_ratio_low: float | None = _k(None, "lower clip range; null = clip_ratio")
+    clip_ratio_high: float | None = _k(None, "upper clip range; null = clip_ratio")
+    clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = _k(False, "add a KL(actor || ref) term to the policy loss")
+    kl_loss_coef: float = _k(0.001, "coefficient of the KL loss")
+    kl_loss_type: str = _k("low_var_kl", "KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1/k2/k3)")
+    grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    optim: OptimConfig = _section(OptimConfig, "actor optimizer")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "actor sharding")
+
+
+@dataclass
+class RefConfig:
+    log_prob_micro_batch_size_per_gpu: int | None = _k(16, "sequences per reference forward")
+    log_prob_use_dynamic_bsz: bool = _k(False, "cut reference micro-batches by tokens")
+    log_prob_max_token_len_per_gpu: int = _k(16384, "tokens per reference micro-batch")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "reference sharding")
+
+
+@dataclass
+class ValKwargsConfig:
+    do_sample: bool = _k(False, "sample during validation (false = greedy)")
+    temperature: float = _k(0.0, "validation temperature when sampling")
+    top_p: float = _k(1.0, "validation nucleus sampling")
+    top_k: int = _k(-1, "validation top-k; -1 = off")
+    n: int = _k(1, "responses per validation prompt")
+
+
+@dataclass
+class RolloutConfig:
+    name: str = _k("hf", "rollout engine: hf (transformers generate) | vllm (GPU)")
+    n: int = _k(1, "responses sampled per prompt")
+    temperature: float = _k(1.0, "sampling temperature")
+    top_p: float = _k(1.0, "nucleus sampling threshold")
+    top_k: int = _k(-1, "top-k sampling; -1 = off")
+    do_sample: bool = _k(True, "sample (false = greedy) during training rollouts")
+    dtype: str = _k("bfloat16", "dtype of the rollout engine's weights (vllm)")
+    tensor_model_parallel_size: int = _k(1, "vLLM tensor parallel size")
+    gpu_memory_utilization: float = _k(0.5, "share of GPU memory vLLM may take")
+    free_cache_engine: bool = _k(True, "sleep vLLM and free its KV cache while training")
+    enforce_eager: bool = _k(True, "disable CUDA graphs in vLLM")
+    max_num_batched_tokens: int = _k(8192, "vLLM scheduler token budget")
+    log_prob_micro_batch_size_per_gpu: int | None = _k(8, "sequences per old-log-prob forward")
+    log_prob_use_dynamic_bsz: bool = _k(False, "cut old-log-prob micro-batches by tokens")
+    log_prob_max_token_len_per_gpu: int = _k(16384, "tokens per old-log-prob micro-batch")
+    val_kwargs: ValKwargsConfig = _section(ValKwargsConfig, "generation settings for validation")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = _k(True, "actor, rollout and reference share workers and weights")
+    model: ModelConfig = _section(ModelConfig, "the policy model")
+    actor: ActorConfig = _section(ActorConfig, "the policy update")
+    ref: RefConfig = _section(RefConfig, "the frozen reference policy")
+    rollout: RolloutConfig = _section(RolloutConfig, "response generation")
+
+
+@dataclass
+class CriticModelConfig:
+    path: str | None = _k(None, "critic initialisation; null = the actor's model path")
+    tokenizer_path: str | None = _k(None, "tokenizer directory; null = the actor's")
+    enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward")
+    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
+    lora_alpha: int = _k(16, "LoRA scaling numerator")
+    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    trust_remote_code: bool = _k(False, "allow model code from the model directory")
+
+
+@dataclass
+class CriticConfig:
+    strategy: str = _k("fsdp", "training backend: fsdp | fsdp2")
+    model: CriticModelConfig = _section(CriticModelConfig, "the value model")
+    optim: OptimConfig = _section(lambda: OptimConfig(lr=1e-5), "critic optimizer")
+    ppo_mini_batch_size: int | None = _k(None, "prompts per critic step; null = the actor's")
+    ppo_micro_batch_size_per_gpu: int | None = _k(4, "sequences per critic forward/backward")
+    use_dynamic_bsz: bool | None = _k(None, "token-count micro-batches; null = the actor's setting")
+    ppo_max_token_len_per_gpu: int = _k(32768, "tokens per critic micro-batch with dynamic batching")
+    ppo_epochs: int | None = _k(None, "passes over each rollout batch; null = the actor's")
+    shuffle: bool = _k(False, "shuffle sequences between mini-batches")
+    grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
+    cliprange_value: float = _k(0.5, "value clipping range around the old values")
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "critic sharding")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = _k(False, "use a learned reward model (not supported: rule rewards only)")
+    reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: str | None = _k(None, "python file defining a reward function; null = built-in rules")
+    name: str = _k("compute_score", "function name in that file")
+
+
+@dataclass
+class KLCtrlConfig:
+    type: str = _k("fixed", "KL-in-reward coefficient controller: fixed | adaptive")
+    kl_coef: float = _k(0.001, "initial KL coefficient beta")
+    horizon: int = _k(10000, "adaptive controller horizon")
+    target_kl: float = _k(0.1, "adaptive controller target KL")
+
+
+@dataclass
+class AlgorithmConfig:
+    gamma: float = _k(1.0, "discount factor")
+    lam: float = _k(1.0, "GAE lambda")
+    adv_estimator: str = _k("gae", "gae | grpo | rloo | reinforce_plus_plus")
+    norm_adv_by_std_in_grpo: bool = _k(True, "divide GRPO advantages by the group std")
+    use_kl_in_reward: bool = _k(False, "subtract beta * KL(actor || ref) from the token rewards")
+    kl_penalty: str = _k("kl", "KL estimator in the reward: kl | abs | mse | low_var_kl")
+    kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "KL-in-reward controller")
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = _k("verl_examples", "project name for loggers and checkpoint paths")
+    experiment_name: str = _k("gsm8k", "run name for loggers and checkpoint paths")
+    logger: list[str] = _k(["console"], "console | file | tensorboard | wandb | mlflow")
+    log_val_generations: int = _k(0, "validation responses printed after each validation")
+    total_epochs: int = _k(30, "passes over the training data")
+    total_training_steps: int | None = _k(None, "stop after this many steps; null = epochs decide")
+    save_freq: int = _k(-1, "save a checkpoint every N steps (and at the end); -1 = only at the end")
+    test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
+    val_before_train: bool = _k(True, "validate before the first step")
+    critic_warmup: int = _k(0, "steps that train only the critic")
+    resume_mode: str = _k("auto", "auto | disable | resume_path")
+    resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
+    default_local_dir: str = _k(
+        "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint and metrics directory"
+    )
+    max_actor_ckpt_to_keep: int | None = _k(None, "keep at most this many actor checkpoints")
+    max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints")
+    n_gpus_per_node: int = _k(8, "workers per node (GPUs, or CPU processes with device=cpu)")
+    nnodes: int = _k(1, "number of nodes")
+    device: str = _k("cuda", "cuda | cpu")
+    seed: int = _k(1, "seed of model init, sampling and mini-batch order")
+
+
+@dataclass
+class PPOConfig:
+    data: DataConfig = _section(DataConfig, "prompt data")
+    actor_rollout_ref: ActorRolloutRefConfig = _section(ActorRolloutRefConfig, "policy, rollout and reference")
+    critic: CriticConfig = _section(CriticConfig, "the value model and its update")
+    reward_model: RewardModelConfig = _section(RewardModelConfig, "learned reward model")
+    custom_reward_function: CustomRewardFunctionConfig = _section(
+        CustomRewardFunctionConfig, "user reward function"
+    )
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "advantages and KL in reward")
+    trainer: TrainerConfig = _section(TrainerConfig, "the run: steps, logging, checkpoints, workers")
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+# ----------------------------------------------------------------------------- aliases
+
+# alias -> (canonical key, extra assignments made alongside)
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "actor_rollout_ref.actor.optim.max_grad_norm": ("actor_rollout_ref.actor.grad_clip", {}),
+    "critic.optim.max_grad_norm": ("critic.grad_clip", {}),
+    "trainer.checkpoint.every_n_steps": ("trainer.save_freq", {}),
+    "algorithm.kl_ctrl_target": ("algorithm.kl_ctrl.target_kl", {"algorithm.kl_ctrl.type": "adaptive"}),
+}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class ConfigError(ValueError):
+    """One or more invalid settings; ``errors`` holds one message per problem."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__("invalid config:\n" + "\n".join(f"  - {e}" for e in self.errors))
+
+
+# ----------------------------------------------------------------------------- key walking
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section_type(cls: type, name: str) -> type | None:
+    hint = _hints(cls)[name]
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
+    """Every leaf key of the tree, dotted."""
+    keys = []
+    for name in _fields(cls):
+        sub = _section_type(cls, name)
+        dotted = f"{prefix}{name}"
+        keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
+    return keys
+
+
+def _suggest(key: str) -> str:
+    known = all_keys()
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+        close = by_leaf[:1] or difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)
+        if close and close[0] not in known:
+            close = [k for k in known if k.endswith("." + close[0])][:1]
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and dotted not in ALIASES and not _is_dict_leaf(dotted):
+            yield from _flatten(value, dotted + ".")
+        else:
+            yield dotted, value
+
+
+def _is_dict_leaf(dotted: str) -> bool:
+    return False  # no leaf of the tree holds a mapping today
+
+
+# ----------------------------------------------------------------------------- typing of values
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Type ``value`` as ``hint``; raises ValueError with a user-facing reason."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        # try list types first for lists, scalar types first for scalars
+        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is not list)
+        if not isinstance(value, list):
+            ordered.reverse()
+        for arg in ordered:
+            try:
+                return _coerce(value, arg, key)
+            except ValueError as exc:
+                errors.append(str(exc))
+        raise ValueError(errors[-1])
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
+        return [_coerce(v, item, key) for v in value]
+    if value is None:
+        raise ValueError(f"{key} must not be null")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key}={value!r} must be true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be an integer")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ValueError(f"{key}={value!r} must be an integer")
+    if hint is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} must be a number")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-6" as a string
+            except ValueError:
+                pass
+        raise ValueError(f"{key}={value!r} must be a number")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ValueError(f"{key}={value!r} must be a string")
+    raise TypeError(f"unsupported config type {hint} for {key}")
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``a.b=1`` -> ("a.b", 1); values are YAML scalars or flow lists. A leading '+' is ignored."""
+    if "=" not in text:
+        raise ConfigError([f"override {text!r} is not of the form key=value"])
+    key, raw = text.split("=", 1)
+    key = key.strip().lstrip("+")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _set(cfg: Any, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = cfg
+    for part in parts[:-1]:
+        node = getattr(node, part)
+    hint = _hints(type(node))[parts[-1]]
+    setattr(node, parts[-1], _coerce(value, hint, key))
+
+
+def _is_leaf(key: str) -> bool:
+    node: Any = PPOConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in _fields(node):
+            return False
+        node = _section_type(node, part) or "leaf"
+    return node == "leaf"
+
+
+def apply_overrides(
+    cfg: PPOConfig, items: Iterable[tuple[str, Any]], notice: Callable[[str], None], errors: list[str]
+) -> None:
+    for key, value in items:
+        if key in ALIASES:
+            canonical, extra = ALIASES[key]
+            notice(f"notice: {key} is an alias; use {canonical}")
+            key_values = [(canonical, value), *extra.items()]
+        else:
+            key_values = [(key, value)]
+        for k, v in key_values:
+            if not _is_leaf(k):
+                errors.append(f"unknown config key {k}{_suggest(k)}")
+                continue
+            try:
+                _set(cfg, k, v)
+            except ValueError as exc:
+                errors.append(str(exc))
+
+
+_INTERP = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
+
+
+def _get(cfg: Any, key: str) -> Any:
+    node = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _resolve_interpolations(cfg: PPOConfig, errors: list[str]) -> None:
+    for key in all_keys():
+        value = _get(cfg, key)
+        if isinstance(value, str) and "${" in value:
+
+            def repl(match: re.Match, key: str = key) -> str:
+                ref = match.group(1)
+                if not _is_leaf(ref):
+                    errors.append(f"{key}: ${{{ref}}} does not name a config key")
+                    return match.group(0)
+                return str(_get(cfg, ref))
+
+            _set(cfg, key, _INTERP.sub(repl, value))
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def load_config(
+    overrides: Iterable[str] = (),
+    config_file: str | Path | None = None,
+    notice: Callable[[str], None] = _stderr,
+    validate: bool = True,
+) -> PPOConfig:
+    """Build the config: defaults, then ``config_file`` (a YAML tree of overrides), then ``overrides``."""
+    cfg = PPOConfig()
+    errors: list[str] = []
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError([f"config file {path} does not exist"])
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
+        if not isinstance(tree, dict):
+            raise ConfigError([f"config file {path} must hold a mapping of config keys"])
+        apply_overrides(cfg, _flatten(tree), notice, errors)
+    parsed = []
+    for text in overrides:
+        try:
+            parsed.append(parse_override(text))
+        except ConfigError as exc:
+            errors.extend(exc.errors)
+    apply_overrides(cfg, parsed, notice, errors)
+    _resolve_interpolations(cfg, errors)
+    if errors:
+        raise ConfigError(errors)
+    if validate:
+        validate_config(cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _one_of(errors: list[str], key: str, value: Any, valid: Iterable[str]) -> None:
+    valid = tuple(valid)
+    if value not in valid:
+        close = difflib.get_close_matches(str(value), valid, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        errors.append(f"{key}={value!r} is not one of {', '.join(valid)}{hint}")
+
+
+def _positive(errors: list[str], key: str, value: float | None) -> None:
+    if value is not None and not value > 0:
+        errors.append(f"{key}={value} must be > 0")
+
+
+def _check_batches(errors: list[str], prefix: str, mini: int, micro: int | None, dynamic: bool,
+                   max_tok: int, cfg: PPOConfig, check_train_batch: bool = True) -> None:
+    data, n, world = cfg.data, cfg.actor_rollout_ref.rollout.n, cfg.world_size
+    if check_train_batch and data.train_batch_size % mini:
+        errors.append(
+            f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
+            f"{prefix}.ppo_mini_batch_size ({mini}): set ppo_mini_batch_size to a divisor, "
+            f"e.g. {_divisor_near(data.train_batch_size, mini)}"
+        )
+    if dynamic:
+        budget = data.max_prompt_length + data.max_response_length
+        if max_tok < budget:
+            errors.append(
+                f"{prefix}.ppo_max_token_len_per_gpu ({max_tok}) must be >= max_prompt_length + "
+                f"max_response_length ({budget}) with use_dynamic_bsz, or one sequence cannot fit"
+            )
+    elif micro is None:
+        errors.append(f"{prefix}.ppo_micro_batch_size_per_gpu is required when use_dynamic_bsz is off")
+    elif (mini * n) % (micro * world):
+        errors.append(
+            f"{prefix}.ppo_mini_batch_size * rollout.n ({mini} * {n} = {mini * n} sequences) must be "
+            f"divisible by {prefix}.ppo_micro_batch_size_per_gpu * world size ({micro} * {world}): "
+            "change either so each worker gets whole micro-batches"
+        )
+
+
+def _divisor_near(total: int, wanted: int) -> int:
+    divisors = [d for d in range(1, total + 1) if total % d == 0]
+    return min(divisors, key=lambda d: (abs(d - wanted), -d))
+
+
+def validate_config(cfg: PPOConfig) -> None:
+    """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
+    errors: list[str] = []
+    data, arr, algo, trainer = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
+    actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+
+    for key, value in [
+        ("data.train_batch_size", data.train_batch_size),
+        ("data.max_prompt_length", data.max_prompt_length),
+        ("data.max_response_length", data.max_response_length),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
+        ("actor_rollout_ref.rollout.n", rollout.n),
+        ("trainer.n_gpus_per_node", trainer.n_gpus_per_node),
+        ("trainer.nnodes", trainer.nnodes),
+        ("trainer.total_epochs", trainer.total_epochs),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu),
+        ("critic.ppo_micro_batch_size_per_gpu", critic.ppo_micro_batch_size_per_gpu),
+    ]:
+        _positive(errors, key, value)
+    if errors:  # the batch arithmetic below needs positive sizes
+        raise ConfigError(errors)
+
+    _check_batches(errors, "actor_rollout_ref.actor", actor.ppo_mini_batch_size,
+                   actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, cfg)
+    if algo.adv_estimator == "gae":
+        critic_mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+        critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+        _positive(errors, "critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)
+        if critic_mini > 0:
+            _check_batches(errors, "critic", critic_mini, critic.ppo_micro_batch_size_per_gpu, critic_dynamic,
+                           critic.ppo_max_token_len_per_gpu, cfg,
+                           check_train_batch=critic.ppo_mini_batch_size is not None)
+    if data.val_batch_size is not None:
+        _positive(errors, "data.val_batch_size", data.val_batch_size)
+
+    for key, value in [
+        ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),
+        ("actor_rollout_ref.actor.clip_ratio_low", actor.clip_ratio_low),
+        ("actor_rollout_ref.actor.clip_ratio_high", actor.clip_ratio_high),
+        ("critic.cliprange_value", critic.cliprange_value),
+        ("actor_rollout_ref.actor.optim.lr", actor.optim.lr),
+        ("critic.optim.lr", critic.optim.lr),
+        ("actor_rollout_ref.actor.grad_clip", actor.grad_clip),
+        ("critic.grad_clip", critic.grad_clip),
+        ("algorithm.kl_ctrl.horizon", algo.kl_ctrl.horizon),
+        ("algorithm.kl_ctrl.target_kl", algo.kl_ctrl.target_kl),
+    ]:
+        _positive(errors, key, value)
+    if actor.clip_ratio_c <= 1:
+        errors.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip bound)")
+    if not 0 <= algo.lam <= 1:
+        errors.append(f"algorithm.lam={algo.lam} must be in [0, 1]")
+    if not 0 < algo.gamma <= 1:
+        errors.append(f"algorithm.gamma={algo.gamma} must be in (0, 1]")
+    if algo.kl_ctrl.kl_coef < 0:
+        errors.append(f"algorithm.kl_ctrl.kl_coef={algo.kl_ctrl.kl_coef} must be >= 0")
+    if actor.kl_loss_coef < 0:
+        errors.append(f"actor_rollout_ref.actor.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
+    if rollout.temperature < 0:
+        errors.append(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
+    if not 0 < rollout.top_p <= 1:
+        errors.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    if not 0 < rollout.gpu_memory_utilization <= 1:
+        errors.append(
+            f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
+        )
+    for name, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", critic.optim)):
+        if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+            errors.append(f"{name}.betas={optim.betas} must be two numbers in [0, 1)")
+        if not 0 <= optim.lr_warmup_steps_ratio <= 1:
+            errors.append(f"{name}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1]")
+        _one_of(errors, f"{name}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULERS)
+
+    _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
+    _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
+    _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
+    _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, KL_CTRL_TYPES)
+    _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of(errors, "actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
+    _one_of(errors, "actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
+    _one_of(errors, "critic.strategy", critic.strategy, STRATEGIES)
+    _one_of(errors, "actor_rollout_ref.model.dtype", arr.model.dtype, DTYPES)
+    _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
+    _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
+    _one_of(errors, "trainer.device", trainer.device, DEVICES)
+    for name in trainer.logger:
+        _one_of(errors, "trainer.logger", name, LOGGERS)
+    if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
+        errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
+    if cfg.reward_model.enable:
+        errors.append("reward_model.enable=true: learned reward models are not supported; use rule rewards "
+                      "or custom_reward_function.path")
+    if trainer.total_training_steps is not None:
+        _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    if errors:
+        raise ConfigError(errors)
+
+
+# ----------------------------------------------------------------------------- the commented YAML
+
+
+def _scalar(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text[:-4].strip() if text.endswith("\n...") else text.removesuffix("...").strip()
+
+
+def defaults_yaml() -> str:
+    """The default tree as YAML with each key's one-line comment (the source of configs/ppo_trainer.yaml)."""
+    header = (
+        "# PPO trainer defaults: verl's key tree, one comment per key.\n"
+        "# Generated from rlhf_core/config.py by `python -m rlhf_core.config --defaults`; a test keeps them equal.\n"
+        "# Override any key with --config FILE or key=value on the command line.\n"
+    )
+    return header + _sub_yaml(PPOConfig(), 0) + "\n"
+
+
+def _sub_yaml(instance: Any, indent: int) -> str:
+    lines = []
+    for name, f in _fields(type(instance)).items():
+        pad = "  " * indent
+        value = getattr(instance, name)
+        if dataclasses.is_dataclass(value):
+            lines.append(f"{pad}{name}:  # {f.metadata['help']}")
+            lines.append(_sub_yaml(value, indent + 1))
+        else:
+            lines.append(f"{pad}{name}: {_scalar(value)}  # {f.metadata['help']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.config", description="Print the resolved PPO config tree as YAML."
+    )
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    args = parser.parse_args(argv)
+    if args.defaults:
+        sys.stdout.write(defaults_yaml())
+        return 0
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Shared fixtures: where the real GSM8K files are, and the repository root."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir() -> Path:
+    """The real GSM8K release (env GSM8K_DIR, default ../shared/data/gsm8k); skips when absent."""
+    path = Path(os.environ.get("GSM8K_DIR", REPO_ROOT.parent / "shared" / "data" / "gsm8k"))
+    if not (path / "test.jsonl").is_file():
+        pytest.skip(f"real GSM8K not found at {path} (set GSM8K_DIR)")
+    return path
