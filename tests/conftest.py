@@ -19,6 +19,6 @@ def repo_root() -> Path:
 def gsm8k_dir() -> Path:
     """The real GSM8K release (env GSM8K_DIR, default ../shared/data/gsm8k); skips when absent."""
     path = Path(os.environ.get("GSM8K_DIR", REPO_ROOT.parent / "shared" / "data" / "gsm8k"))
-    if not (path / "test.jsonl").is_file():
+    if not all((path / name).is_file() for name in ("train.jsonl", "test.jsonl")):
         pytest.skip(f"real GSM8K not found at {path} (set GSM8K_DIR)")
     return path

@@ -1,0 +1,135 @@
+"""Reward functions, looked up by a sample's ``data_source``.
+
+Every reward function has the signature::
+
+    fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
+
+and is called with keyword arguments of exactly those names (as verl does). A dict result must
+carry the reward under ``"score"``; its other numeric entries (for example ``"acc"``) are reported
+as metrics by :class:`rlhf_core.rewards.manager.RewardManager`.
+
+Built-in sources are listed in :data:`REWARD_FNS`; anything else needs a user function loaded with
+:func:`load_custom_reward_fn` (configured as ``custom_reward_function.path`` and
+``custom_reward_function.name``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.rewards import gsm8k
+
+RewardFn = Callable[..., "float | dict[str, Any]"]
+
+
+class UnknownDataSourceError(KeyError, ValueError):
+    """No built-in reward function for a data source (catchable as KeyError or ValueError)."""
+
+    def __str__(self) -> str:  # KeyError would show the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+def gsm8k_reward(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
+) -> float:
+    """GSM8K rule: 1.0 when the answer after the last ``#### `` equals the ground truth, else 0.0."""
+    return gsm8k.compute_score(solution_str, ground_truth, method="strict")
+
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "openai/gsm8k": gsm8k_reward,
+    "synthetic/arithmetic": gsm8k_reward,
+}
+
+
+def known_data_sources() -> list[str]:
+    """The data sources with a built-in reward function, sorted."""
+    return sorted(REWARD_FNS)
+
+
+def get_reward_fn(data_source: str) -> RewardFn:
+    """The built-in reward function for ``data_source``.
+
+    Raises :class:`UnknownDataSourceError` naming the source and the known ones.
+    """
+    try:
+        return REWARD_FNS[data_source]
+    except (KeyError, TypeError):
+        raise UnknownDataSourceError(
+            f"no reward function for data_source {data_source!r}; built-in sources are "
+            f"{known_data_sources()}. For another source, write fn(data_source, solution_str, "
+            "ground_truth, extra_info) -> float | dict in a Python file and set "
+            "custom_reward_function.path (and custom_reward_function.name) to it."
+        ) from None
+
+
+def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
+    """Load the function ``name`` from the Python file ``path``.
+
+    The file is executed as a fresh module on each call. Raises FileNotFoundError (no such file),
+    ImportError (the file fails to run), AttributeError (no ``name`` in it; the message lists the
+    functions it does define) or TypeError (``name`` is not callable). The return type is checked
+    when the function is used, by the reward manager.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        hint = " (it is a folder; give the .py file)" if file.is_dir() else ""
+        raise FileNotFoundError(
+            f"custom reward function file {str(file)!r} not found{hint}; "
+            "check custom_reward_function.path (relative paths resolve against the working directory "
+            f"{str(Path.cwd())!r})"
+        )
+    module_name = "_custom_reward_" + hashlib.sha1(str(file.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(
+            f"cannot load {str(file)!r} as a Python module; custom_reward_function.path must be a .py file"
+        )
+    module = importlib.util.module_from_spec(spec)
+    # Registered only while the file runs (dataclasses and the like look their module up); once
+    # removed, the function pickles by value, so worker processes can receive it without the file.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise ImportError(
+            f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        sys.modules.pop(module_name, None)
+
+    if not hasattr(module, name):
+        defined = sorted(
+            attr
+            for attr, value in vars(module).items()
+            if inspect.isfunction(value) and value.__module__ == module_name and not attr.startswith("_")
+        )
+        listing = ", ".join(defined) if defined else "none"
+        raise AttributeError(
+            f"custom reward file {str(file)!r} has no function {name!r}; functions it defines: {listing}. "
+            "Set custom_reward_function.name to one of them."
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(
+            f"{name!r} in custom reward file {str(file)!r} is a {type(fn).__name__}, not a function; "
+            "it must be fn(data_source, solution_str, ground_truth, extra_info) -> float | dict"
+        )
+    return fn
+
+
+__all__ = [
+    "REWARD_FNS",
+    "RewardFn",
+    "UnknownDataSourceError",
+    "get_reward_fn",
+    "gsm8k_reward",
+    "known_data_sources",
+    "load_custom_reward_fn",
+]

@@ -1,0 +1,61 @@
+"""The verl prompt-dataset schema shared by every data source.
+
+A row is ``data_source``, ``prompt`` (chat messages), ``ability``,
+``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
+REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+_FINAL_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
+
+
+def extract_final_answer(solution: str) -> str | None:
+    """The text after the last ``####`` of a reference solution, commas removed; None if absent."""
+    if "####" not in solution:
+        return None
+    tail = solution.rsplit("####", 1)[1].strip()
+    match = _FINAL_ANSWER.search("####" + tail)
+    answer = match.group(1).replace(",", "").strip() if match else ""
+    return answer or None
+
+
+def make_record(question: str, solution: str, ground_truth: str, split: str, index: int, data_source: str) -> dict:
+    """One dataset row in verl's schema."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question + INSTRUCTION}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": int(index), "answer": solution, "question": question},
+    }
+
+
+def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write ``frame`` to ``path`` through a temporary file in the same directory, then rename.
+
+    A reader never sees a half-written file; an existing file is kept unless ``overwrite``.
+    """
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        frame.to_parquet(tmp, index=False)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

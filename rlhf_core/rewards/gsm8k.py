@@ -1,0 +1,62 @@
+"""Rule-based reward for GSM8K-style answers.
+
+A response is graded on its final numeric answer only. Two ways of finding it:
+
+* ``strict``: the answer must follow ``#### `` (the format the prompt asks for); the last
+  such marker in the response wins.
+* ``flexible``: the last number anywhere in the response, whatever surrounds it.
+
+Only the last :data:`SOLUTION_CLIP_CHARS` characters of a response are searched, which bounds
+the regex cost on runaway generations and matches where a final answer belongs.
+The extracted answer (commas and dollar signs removed) must equal the ground truth exactly as
+strings: ``"18"`` and ``"18.0"`` are different answers.
+"""
+
+from __future__ import annotations
+
+import re
+
+SOLUTION_CLIP_CHARS = 300
+METHODS = ("strict", "flexible")
+
+_STRICT = re.compile(r"#### (-?[0-9.,]+)")
+_NUMBER = re.compile(r"(-?[0-9.,]+)")
+_NOT_A_NUMBER = ("", ".")
+
+
+def _clean(text: str) -> str:
+    return text.replace(",", "").replace("$", "")
+
+
+def extract_solution(solution_str: str, method: str = "strict") -> str | None:
+    """The final answer found in ``solution_str`` by ``method``, cleaned of ``,`` and ``$``; None if none."""
+    if method not in METHODS:
+        raise ValueError(f"unknown GSM8K extraction method {method!r}; use one of {list(METHODS)}")
+    if not isinstance(solution_str, str):
+        raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
+    tail = solution_str[-SOLUTION_CLIP_CHARS:]
+    if method == "strict":
+        matches = _STRICT.findall(tail)
+        return _clean(matches[-1]) if matches else None
+    for candidate in reversed(_NUMBER.findall(tail)):
+        cleaned = _clean(candidate)
+        if cleaned not in _NOT_A_NUMBER:
+            return cleaned
+    return None
+
+
+def compute_score(
+    solution_str: str,
+    ground_truth: str,
+    method: str = "strict",
+    format_score: float = 0.0,
+    score: float = 1.0,
+) -> float:
+    """``score`` if the extracted answer equals ``ground_truth``; ``format_score`` if an answer was
+    found but is wrong; 0.0 if no answer was found."""
+    answer = extract_solution(solution_str, method=method)
+    if answer is None:
+        return 0.0
+    if answer == str(ground_truth).strip():
+        return float(score)
+    return float(format_score)

@@ -1,0 +1,187 @@
+"""Turn generated responses into token-level rewards.
+
+:class:`RewardManager` decodes each response, scores it with the reward function for its
+``data_source`` (or one custom function for every source) and puts the scalar score on the
+response's last valid token, the convention PPO's advantage estimators expect.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from rlhf_core.rewards import RewardFn, UnknownDataSourceError, get_reward_fn
+
+
+def _is_number(value: object) -> bool:
+    """A real number (bool, int, float, numpy scalar) that is not a complex or a string."""
+    return isinstance(value, numbers.Real)
+
+
+class RewardManager:
+    """Score a batch of responses.
+
+    Args:
+        tokenizer: anything with ``batch_decode(list_of_id_lists, skip_special_tokens=True)``.
+        reward_fn: ``fn(data_source, solution_str, ground_truth, extra_info) -> float | dict``
+            used for every sample whatever its source; when None, each sample's function is
+            looked up in :data:`rlhf_core.rewards.REWARD_FNS` by its data_source.
+        full_score: the score of a fully correct answer; a numeric result ``>= full_score``
+            counts as accurate in ``extras["acc"]`` (1.0 for the built-in rules).
+    """
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn | None = None, full_score: float = 1.0) -> None:
+        if reward_fn is not None and not callable(reward_fn):
+            raise TypeError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.full_score = float(full_score)
+
+    def _fn_for(self, data_source: str) -> RewardFn:
+        return self.reward_fn if self.reward_fn is not None else get_reward_fn(data_source)
+
+    def __call__(
+        self,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        data_sources: Sequence[str],
+        ground_truths: Sequence[Any],
+        extra_infos: Sequence[dict | None] | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Score every response.
+
+        Args:
+            response_ids: (bs, T) token ids.
+            response_mask: (bs, T) of 0/1, 1 on the response's valid tokens (right padding:
+                valid tokens first, then zeros).
+            data_sources, ground_truths: one per response.
+            extra_infos: one dict (or None) per response, passed on to the reward function.
+
+        Returns:
+            ``token_level_scores``: float32 (bs, T), zero except each response's score placed on
+            its last valid token (the last position where the mask is 1). A response with no
+            valid token is still scored (on the empty string) and reported in ``extras``, but
+            its row of ``token_level_scores`` stays all zero, since there is no token to carry it.
+
+            ``extras``: ``"score"`` float32 (bs,), ``"acc"`` float32 (bs,) (for a dict result its
+            ``"acc"`` entry if present, else ``score > 0``; for a number, ``score >= full_score``),
+            ``"responses"`` the decoded strings, and one float32 (bs,) tensor per other numeric
+            key returned by dict-returning functions (NaN for samples that did not return it).
+
+        Raises:
+            ValueError: inconsistent shapes or lengths, or a mask that is not 0/1.
+            UnknownDataSourceError: a data_source without a built-in function (and no custom one).
+            RuntimeError: the reward function raised on a sample (index, data_source and the
+                original error in the message; the original is chained).
+            TypeError: the reward function returned something other than a number or a dict
+                with a numeric ``"score"``, naming the sample.
+        """
+        if response_ids.dim() != 2:
+            raise ValueError(f"response_ids must be (batch, length), got shape {tuple(response_ids.shape)}")
+        if response_mask.shape != response_ids.shape:
+            raise ValueError(
+                f"response_mask shape {tuple(response_mask.shape)} differs from response_ids shape "
+                f"{tuple(response_ids.shape)}"
+            )
+        batch, length = response_ids.shape
+        for label, values in (("data_sources", data_sources), ("ground_truths", ground_truths)):
+            if len(values) != batch:
+                raise ValueError(f"{label} has {len(values)} entries but the batch has {batch} responses")
+        if extra_infos is None:
+            extra_infos = [None] * batch
+        elif len(extra_infos) != batch:
+            raise ValueError(
+                f"extra_infos has {len(extra_infos)} entries but the batch has {batch} responses"
+            )
+
+        valid = response_mask.detach().cpu()
+        if not bool(((valid == 0) | (valid == 1)).all()):
+            raise ValueError("response_mask must contain only 0 and 1")
+        valid = valid.bool()
+        ids = response_ids.detach().cpu()
+        id_lists = [ids[i][valid[i]].tolist() for i in range(batch)]
+        responses = list(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)) if batch else []
+
+        scores: list[float] = []
+        accs: list[float] = []
+        metrics: dict[str, list[float]] = {}
+        for i in range(batch):
+            data_source = data_sources[i]
+            try:
+                fn = self._fn_for(data_source)
+            except UnknownDataSourceError as exc:
+                raise UnknownDataSourceError(f"sample {i}: {exc}") from None
+            try:
+                result = fn(
+                    data_source=data_source,
+                    solution_str=responses[i],
+                    ground_truth=ground_truths[i],
+                    extra_info=extra_infos[i],
+                )
+            except Exception as exc:
+                raise RuntimeError(
+                    f"reward function {getattr(fn, '__name__', fn)!r} failed on sample {i} "
+                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}"
+                ) from exc
+            score, acc, extra = self._unpack(result, i, data_source, fn)
+            scores.append(score)
+            accs.append(acc)
+            for key, value in extra.items():
+                metrics.setdefault(key, [math.nan] * batch)[i] = value
+
+        token_level_scores = torch.zeros((batch, length), dtype=torch.float32, device=response_ids.device)
+        if batch and length:
+            positions = torch.arange(length).expand(batch, length)
+            last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=1).values
+            rows = torch.nonzero(last >= 0).flatten()
+            token_level_scores[rows.to(response_ids.device), last[rows].to(response_ids.device)] = (
+                torch.tensor(
+                    [scores[r] for r in rows.tolist()], dtype=torch.float32, device=response_ids.device
+                )
+            )
+
+        extras: dict[str, Any] = {
+            "score": torch.tensor(scores, dtype=torch.float32),
+            "acc": torch.tensor(accs, dtype=torch.float32),
+        }
+        for key, values in metrics.items():
+            extras[key] = torch.tensor(values, dtype=torch.float32)
+        extras["responses"] = responses
+        return token_level_scores, extras
+
+    def _unpack(
+        self, result: Any, index: int, data_source: str, fn: RewardFn
+    ) -> tuple[float, float, dict[str, float]]:
+        """(score, acc, other numeric entries) of one reward result, checked."""
+        name = getattr(fn, "__name__", repr(fn))
+        where = f"sample {index} (data_source={data_source!r})"
+        if isinstance(result, dict):
+            if "score" not in result or not _is_number(result["score"]):
+                raise TypeError(
+                    f"reward function {name!r} returned a dict without a numeric 'score' for {where}: "
+                    f"keys {sorted(map(str, result))}; return a number or a dict with a 'score' entry"
+                )
+            score = float(result["score"])
+            acc_value = result.get("acc")
+            acc = float(acc_value) if _is_number(acc_value) else float(score > 0)
+            extra = {
+                str(key): float(value)
+                for key, value in result.items()
+                if key not in ("score", "acc") and _is_number(value)
+            }
+        elif _is_number(result):
+            score = float(result)
+            acc = float(score >= self.full_score)
+            extra = {}
+        else:
+            raise TypeError(
+                f"reward function {name!r} returned {type(result).__name__} ({result!r:.60}) for {where}; "
+                "it must return a float/int/bool or a dict with a 'score' key"
+            )
+        if not math.isfinite(score):
+            raise ValueError(f"reward function {name!r} returned a non-finite score ({score}) for {where}")
+        return score, acc, extra

@@ -1,0 +1,256 @@
+"""GSM8K preprocessing: both real layouts, schema, determinism and the error paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, main, preprocess_gsm8k
+from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _raw_rows(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def jsonl_out(gsm8k_dir, tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("jsonl_out")
+    return out, preprocess_gsm8k(gsm8k_dir, out)
+
+
+@pytest.fixture(scope="module")
+def frames(jsonl_out) -> dict[str, pd.DataFrame]:
+    out, _ = jsonl_out
+    return {split: pd.read_parquet(out / f"{split}.parquet") for split in ("train", "test")}
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _small_release(folder: Path, train: list[dict] | None = None) -> Path:
+    good = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    _write_jsonl(folder / "train.jsonl", train if train is not None else good)
+    _write_jsonl(folder / "test.jsonl", good[:2])
+    return folder
+
+
+# --- real data ---------------------------------------------------------------------------------
+
+
+def test_jsonl_layout_row_counts(jsonl_out, frames):
+    _, summary = jsonl_out
+    assert summary["layout"] == "jsonl"
+    assert summary["train"]["rows"] == 7473 and summary["test"]["rows"] == 1319
+    assert summary["train"]["skipped"] == summary["test"]["skipped"] == 0
+    assert len(frames["train"]) == 7473 and len(frames["test"]) == 1319
+
+
+@pytest.mark.parametrize("nested", [True, False], ids=["main-subfolder", "shards-folder"])
+def test_parquet_layout_gives_identical_output(gsm8k_dir, jsonl_out, tmp_path, nested):
+    # The real shards are linked, not copied, into a folder that holds only the parquet layout.
+    shards = tmp_path / "in" / "main" if nested else tmp_path / "in"
+    shards.mkdir(parents=True)
+    for source in sorted((gsm8k_dir / "main").glob("*.parquet")):
+        (shards / source.name).symlink_to(source)
+    summary = preprocess_gsm8k(tmp_path / "in", tmp_path / "out")
+    assert summary["layout"] == "parquet"
+    assert (summary["train"]["rows"], summary["test"]["rows"]) == (7473, 1319)
+    jsonl_dir, _ = jsonl_out
+    for split in ("train", "test"):
+        assert (tmp_path / "out" / f"{split}.parquet").read_bytes() == (
+            jsonl_dir / f"{split}.parquet"
+        ).read_bytes()
+
+
+def test_schema_and_prompt_of_row_zero(gsm8k_dir, frames):
+    raw = _raw_rows(gsm8k_dir / "train.jsonl")
+    train = frames["train"]
+    assert tuple(train.columns) == REQUIRED_COLUMNS
+    row = train.iloc[0]
+    assert row["data_source"] == "openai/gsm8k"
+    assert row["ability"] == "math"
+    prompt = list(row["prompt"])
+    assert len(prompt) == 1 and prompt[0]["role"] == "user"
+    assert prompt[0]["content"] == raw[0]["question"] + INSTRUCTION
+    assert prompt[0]["content"].startswith("Natalia sold clips to 48 of her friends in April")
+    assert prompt[0]["content"].endswith('output the final answer after "####".')
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "72"}
+    assert row["extra_info"] == {
+        "split": "train",
+        "index": 0,
+        "answer": raw[0]["answer"],
+        "question": raw[0]["question"],
+    }
+    for split, frame in frames.items():
+        assert [info["index"] for info in frame["extra_info"]] == list(range(len(frame)))
+        assert {info["split"] for info in frame["extra_info"]} == {split}
+        assert set(frame["data_source"]) == {"openai/gsm8k"}
+
+
+@pytest.mark.parametrize(
+    ("split", "index", "expected"),
+    [
+        ("train", 0, "72"),  # "#### 72"
+        ("train", 1, "10"),  # "#### 10"
+        ("train", 345, "1080"),  # "#### 1,080": thousands separator dropped
+        ("train", 367, "850000"),  # "#### 850,000"
+        ("train", 5844, "-47"),  # "#### -47": negative answer
+        ("test", 0, "18"),  # "#### 18"
+        ("test", 4, "20"),  # "#### 20"
+    ],
+)
+def test_ground_truth_by_hand(frames, split, index, expected):
+    assert frames[split].iloc[index]["reward_model"]["ground_truth"] == expected
+
+
+def test_deterministic(gsm8k_dir, jsonl_out, tmp_path):
+    preprocess_gsm8k(gsm8k_dir, tmp_path)
+    jsonl_dir, _ = jsonl_out
+    for split in ("train", "test"):
+        assert (tmp_path / f"{split}.parquet").read_bytes() == (jsonl_dir / f"{split}.parquet").read_bytes()
+
+
+# --- overwrite ----------------------------------------------------------------------------------
+
+
+def test_refuses_to_overwrite(tmp_path, capsys):
+    source = _small_release(tmp_path / "in")
+    out = tmp_path / "out"
+    assert main(["--input", str(source), "--output", str(out)]) == 0
+    before = (out / "train.parquet").read_bytes()
+    capsys.readouterr()
+
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        preprocess_gsm8k(source, out)
+    assert main(["--input", str(source), "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "already exists" in err and "--overwrite" in err and "Traceback" not in err
+    assert (out / "train.parquet").read_bytes() == before
+
+    assert main(["--input", str(source), "--output", str(out), "--overwrite"]) == 0
+    assert (out / "train.parquet").read_bytes() == before
+
+
+def test_module_entry_point(tmp_path):
+    source = _small_release(tmp_path / "in")
+    command = [
+        sys.executable,
+        "-m",
+        "rlhf_core.data.gsm8k",
+        "--input",
+        str(source),
+        "--output",
+        str(tmp_path / "out"),
+    ]
+    first = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("train: 3 rows") and lines[1].startswith("test: 2 rows")
+    again = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)
+    assert again.returncode == 2 and "Traceback" not in again.stderr and "--overwrite" in again.stderr
+
+
+# --- invalid rows -------------------------------------------------------------------------------
+
+
+def _with_bad_row() -> list[dict]:
+    return [
+        {"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"},
+        {"question": "What is 2 + 2?", "answer": "2 + 2 = 4, no final marker here"},
+        {"question": "What is 3 + 3?", "answer": "3 + 3 = 6\n#### 6"},
+    ]
+
+
+def test_invalid_row_is_reported_and_fails(tmp_path, capsys):
+    source = _small_release(tmp_path / "in", train=_with_bad_row())
+    assert main(["--input", str(source), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert str(source / "train.jsonl") in err
+    assert "row 1 (line 2)" in err
+    assert "2 + 2 = 4, no final marker here" in err
+    assert "--skip-invalid" in err
+    assert not (tmp_path / "out" / "train.parquet").exists()
+    assert not (tmp_path / "out" / "test.parquet").exists()
+
+
+def test_skip_invalid_counts_and_keeps_source_index(tmp_path, capsys):
+    source = _small_release(tmp_path / "in", train=_with_bad_row())
+    out = tmp_path / "out"
+    assert main(["--input", str(source), "--output", str(out), "--skip-invalid"]) == 0
+    captured = capsys.readouterr()
+    assert "train: 2 rows" in captured.out and "skipped 1 invalid row" in captured.out
+    assert "test: 2 rows" in captured.out and "skipped 0 invalid row" in captured.out
+    assert "row 1 (line 2)" in captured.err
+    train = pd.read_parquet(out / "train.parquet")
+    assert [info["index"] for info in train["extra_info"]] == [0, 2]
+    assert [rm["ground_truth"] for rm in train["reward_model"]] == ["2", "6"]
+
+
+def test_missing_key_in_jsonl(tmp_path):
+    source = _small_release(tmp_path / "in", train=[{"question": "q", "solution": "#### 1"}])
+    with pytest.raises(GSM8KDataError, match=r"train\.jsonl, line 1 .*missing key\(s\) \['answer'\]"):
+        preprocess_gsm8k(source, tmp_path / "out")
+
+
+def test_missing_column_in_parquet(tmp_path, capsys):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pd.DataFrame({"question": ["q"], "solution": ["#### 1"]}).to_parquet(
+        folder / "train-00000-of-00001.parquet"
+    )
+    pd.DataFrame({"question": ["q"], "answer": ["#### 1"]}).to_parquet(folder / "test-00000-of-00001.parquet")
+    assert main(["--input", str(folder), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "train-00000-of-00001.parquet" in err and "missing column(s) ['answer']" in err
+    assert "found columns ['question', 'solution']" in err
+
+
+def test_malformed_json_line(tmp_path):
+    source = _small_release(tmp_path / "in")
+    with open(source / "test.jsonl", "a", encoding="utf-8") as handle:
+        handle.write('{"question": "oops"\n')
+    with pytest.raises(GSM8KDataError, match=r"test\.jsonl, line 3: not valid JSON"):
+        preprocess_gsm8k(source, tmp_path / "out")
+
+
+# --- layout detection ---------------------------------------------------------------------------
+
+
+def test_unknown_layout_lists_what_was_looked_for(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "notes.txt").write_text("nothing here")
+    assert main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "no GSM8K data found" in err and "Traceback" not in err
+    for looked_for in ("train.jsonl", "test.jsonl", "main/train-*.parquet", "train-*.parquet"):
+        assert looked_for in err
+
+
+def test_missing_input_folder(tmp_path):
+    with pytest.raises(GSM8KDataError, match="does not exist"):
+        preprocess_gsm8k(tmp_path / "absent", tmp_path / "out")
+
+
+def test_missing_split_is_named(tmp_path):
+    _write_jsonl(tmp_path / "in" / "train.jsonl", [{"question": "q", "answer": "#### 1"}])
+    with pytest.raises(GSM8KDataError, match="lacks the test split"):
+        preprocess_gsm8k(tmp_path / "in", tmp_path / "out")
+
+
+def test_real_folder_holds_both_layouts(gsm8k_dir):
+    assert detect_layout(gsm8k_dir)[0] == "jsonl"
+    layout, files = detect_layout(gsm8k_dir, layout="parquet")
+    assert layout == "parquet" and files["train"][0].parent.name == "main"

@@ -1,0 +1,393 @@
+"""GSM8K reward rule, reward registry, custom reward loading and the reward manager."""
+
+from __future__ import annotations
+
+import json
+import math
+import string
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from rlhf_core.data.schema import extract_final_answer
+from rlhf_core.rewards import (
+    REWARD_FNS,
+    UnknownDataSourceError,
+    get_reward_fn,
+    known_data_sources,
+    load_custom_reward_fn,
+)
+from rlhf_core.rewards.gsm8k import SOLUTION_CLIP_CHARS, compute_score, extract_solution
+from rlhf_core.rewards.manager import RewardManager
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character, plus [PAD]=0, [EOS]=1, [UNK]=2; decoding concatenates."""
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2}
+    for char in sorted(set(string.printable)):
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]"
+    )
+
+
+def _batch(tokenizer, texts: list[str], length: int = 40, eos: bool = False):
+    """Right-padded ids and mask; ``eos`` appends [EOS] as the last valid token."""
+    ids = torch.zeros((len(texts), length), dtype=torch.long)
+    mask = torch.zeros((len(texts), length), dtype=torch.long)
+    for row, text in enumerate(texts):
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"] + (
+            [tokenizer.eos_token_id] if eos else []
+        )
+        ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        mask[row, : len(tokens)] = 1
+    return ids, mask
+
+
+# --- extraction and scoring: hand cases ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "method", "expected"),
+    [
+        ("so 48 + 24 = 72\n#### 72", "strict", "72"),
+        ("#### 1,080", "strict", "1080"),  # thousands separators removed
+        ("#### -47", "strict", "-47"),
+        ("#### 0.5", "strict", "0.5"),
+        ("#### 5\nwait, no\n#### 6", "strict", "6"),  # last match wins
+        ("####72", "strict", None),  # the space after #### is required
+        ("#### $18", "strict", None),  # the strict pattern has no room for a dollar sign
+        ("the answer is 72", "strict", None),
+        ("", "strict", None),
+        ("it costs $1,250 in total", "flexible", "1250"),
+        ("first 3, then -4", "flexible", "-4"),
+        ("12 apples .", "flexible", "12"),  # a lone '.' is not a number
+        ("12 apples ...", "flexible", "..."),  # but only '' and '.' are passed over, as in verl
+        ("#### 5 but really 7", "flexible", "7"),  # flexible ignores the marker
+        ("no digits at all.", "flexible", None),
+        ("The answer is 18.", "flexible", "18."),  # the period is part of the match, as in verl
+    ],
+)
+def test_extract_solution(text, method, expected):
+    assert extract_solution(text, method) == expected
+
+
+def test_only_last_300_characters_count():
+    filler = "x" * SOLUTION_CLIP_CHARS
+    assert extract_solution("#### 42" + filler, "strict") is None
+    assert extract_solution("7" + filler, "flexible") is None
+    inside = "#### 42" + "x" * (SOLUTION_CLIP_CHARS - len("#### 42"))
+    assert len(inside) == SOLUTION_CLIP_CHARS and extract_solution(inside, "strict") == "42"
+    assert extract_solution("y" + inside, "strict") == "42"
+    # A marker cut by the window is not seen (only " 42" and later remain).
+    assert extract_solution("#### 42" + "x" * (SOLUTION_CLIP_CHARS - 3), "strict") is None
+    assert compute_score("#### 42" + filler, "42") == 0.0
+
+
+def test_compute_score_values():
+    assert compute_score("#### 72", "72") == 1.0
+    assert compute_score("#### 1,080", "1080") == 1.0
+    assert compute_score("#### 71", "72") == 0.0
+    assert compute_score("#### 71", "72", format_score=0.1) == 0.1  # well-formed but wrong
+    assert compute_score("no answer", "72", format_score=0.1) == 0.0  # nothing found: always 0
+    assert compute_score("#### 72", "72", score=2.0) == 2.0
+    assert compute_score("72.0 is it", "72", method="flexible") == 0.0  # exact string match only
+    assert compute_score("so it is 72", "72", method="flexible") == 1.0
+    assert compute_score("so it is 72", "72") == 0.0  # strict needs the marker
+    assert isinstance(compute_score("#### 72", "72"), float)
+
+
+def test_unknown_method_is_rejected():
+    with pytest.raises(ValueError, match="unknown GSM8K extraction method 'loose'"):
+        compute_score("#### 1", "1", method="loose")
+
+
+# --- extraction: properties ---------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(max_size=600), method=st.sampled_from(["strict", "flexible"]))
+def test_parser_never_raises(text, method):
+    answer = extract_solution(text, method)
+    assert answer is None or (answer not in ("", ".") and "," not in answer and "$" not in answer)
+    assert compute_score(text, "1", method=method, format_score=0.25) in (0.0, 0.25, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prefix=st.text(alphabet=string.ascii_letters + " \n+-=*/", max_size=200),
+    value=st.integers(min_value=-(10**12), max_value=10**12),
+)
+def test_marked_integer_round_trips(prefix, value):
+    text = f"{prefix}\n#### {value:,}"
+    assert extract_solution(text, "strict") == str(value)
+    assert compute_score(text, str(value)) == 1.0
+    assert compute_score(text, str(value), method="flexible") == 1.0
+
+
+# --- real data ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_reference_solutions_score_full(gsm8k_dir, split):
+    rows = _read_jsonl(gsm8k_dir / f"{split}.jsonl")
+    failures = [
+        i
+        for i, row in enumerate(rows)
+        if compute_score(row["answer"], extract_final_answer(row["answer"])) != 1.0
+    ]
+    assert len(rows) == {"train": 7473, "test": 1319}[split]
+    assert failures == []
+
+
+def _model_solution_agreement(gsm8k_dir: Path, method: str) -> tuple[float, int, list]:
+    """Share of (question, model) pairs where ``score == 1`` agrees with the ``is_correct`` label.
+
+    Ground truth comes from test.jsonl (same questions, same order). Model solutions end with
+    ``A: <answer>`` rather than ``#### <answer>``; for ``strict`` the final ``A:`` is rewritten as
+    ``#### `` so the rule the trainer uses is tested as it is, for ``flexible`` the text is scored
+    unchanged.
+    """
+    reference = _read_jsonl(gsm8k_dir / "test.jsonl")
+    examples = _read_jsonl(gsm8k_dir / "example_model_solutions.jsonl")
+    assert len(examples) == len(reference) == 1319
+    agree, total, disagreements = 0, 0, []
+    for row, (ref, example) in enumerate(zip(reference, examples)):
+        assert example["question"] == ref["question"], f"row {row}: question differs from test.jsonl"
+        truth = extract_final_answer(ref["answer"])
+        for model in MODELS:
+            solution, label = example[model]["solution"], example[model]["is_correct"]
+            if method == "strict" and "A:" in solution:
+                head, answer = solution.rsplit("A:", 1)
+                solution = f"{head}#### {answer.strip()}"
+            correct = compute_score(solution, truth, method=method) == 1.0
+            total += 1
+            agree += correct == label
+            if correct != label:
+                disagreements.append((row, model, truth, solution[-60:]))
+    return agree / total, total, disagreements
+
+
+@pytest.mark.parametrize("method", ["strict", "flexible"])
+def test_agreement_with_model_solution_labels(gsm8k_dir, method):
+    # The is_correct labels were produced by comparing each model's final answer with the reference
+    # answer, so a correct rule should reproduce them almost exactly. Measured: 1.0 (5276/5276) for
+    # both methods. The threshold allows about 26 disagreements (formatting quirks such as a
+    # trailing period), far fewer than any real extraction bug would produce.
+    agreement, total, disagreements = _model_solution_agreement(gsm8k_dir, method)
+    print(f"\n{method}: score agrees with is_correct on {agreement:.4f} of {total} model solutions")
+    assert total == 4 * 1319
+    assert agreement >= 0.995, disagreements[:10]
+
+
+# --- registry -----------------------------------------------------------------------------------
+
+
+def test_registry_lookups():
+    assert known_data_sources() == sorted(REWARD_FNS)
+    assert {"openai/gsm8k", "synthetic/arithmetic"} <= set(known_data_sources())
+    for source in ("openai/gsm8k", "synthetic/arithmetic"):
+        fn = get_reward_fn(source)
+        assert fn(data_source=source, solution_str="#### 3", ground_truth="3", extra_info=None) == 1.0
+        assert fn(source, "#### 4", "3", {}) == 0.0
+
+
+def test_unknown_data_source_error():
+    with pytest.raises(KeyError) as caught:
+        get_reward_fn("lighteval/MATH")
+    message = str(caught.value)
+    assert "'lighteval/MATH'" in message and "openai/gsm8k" in message and "synthetic/arithmetic" in message
+    assert "custom_reward_function.path" in message
+    assert not message.startswith('"')  # plain text, not a quoted KeyError repr
+    assert isinstance(caught.value, ValueError)
+
+
+# --- custom reward functions --------------------------------------------------------------------
+
+
+def test_load_custom_reward_fn(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(solution_str.strip() == ground_truth), 'length': len(solution_str)}\n"
+    )
+    fn = load_custom_reward_fn(path)
+    assert fn("any", "5", "5", None) == {"score": 1.0, "length": 1}
+    assert load_custom_reward_fn(str(path), "compute_score") is not fn  # fresh module each time
+
+
+def test_custom_fn_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.py.*custom_reward_function\.path"):
+        load_custom_reward_fn(tmp_path / "nope.py", "compute_score")
+    with pytest.raises(FileNotFoundError, match="it is a folder"):
+        load_custom_reward_fn(tmp_path, "compute_score")
+
+
+def test_custom_fn_missing_function_lists_defined_ones(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text(
+        "import math\n"
+        "def reward_a(data_source, solution_str, ground_truth, extra_info):\n    return 1.0\n"
+        "def reward_b(data_source, solution_str, ground_truth, extra_info):\n    return 0.0\n"
+        "def _helper():\n    pass\n"
+    )
+    with pytest.raises(AttributeError) as caught:
+        load_custom_reward_fn(path, "compute_score")
+    message = str(caught.value)
+    assert "no function 'compute_score'" in message and "reward_a, reward_b" in message
+    assert "_helper" not in message and "sqrt" not in message
+    assert "custom_reward_function.name" in message
+
+
+def test_custom_fn_not_callable_and_broken_file(tmp_path):
+    path = tmp_path / "rewards.py"
+    path.write_text("compute_score = 3\n")
+    with pytest.raises(TypeError, match="is a int, not a function"):
+        load_custom_reward_fn(path, "compute_score")
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise RuntimeError('cannot import this')\n")
+    with pytest.raises(ImportError, match="broken.py.*cannot import this"):
+        load_custom_reward_fn(broken, "compute_score")
+
+
+def test_custom_fn_wrong_return_type_is_caught_by_manager(tmp_path, char_tokenizer):
+    path = tmp_path / "rewards.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return 'correct' if solution_str == ground_truth else 0.0\n"
+    )
+    manager = RewardManager(char_tokenizer, reward_fn=load_custom_reward_fn(path))
+    ids, mask = _batch(char_tokenizer, ["1", "2"])
+    with pytest.raises(TypeError, match=r"returned str .*sample 1 \(data_source='mine'\)"):
+        manager(ids, mask, ["mine", "mine"], ["9", "2"])
+
+
+def test_dict_without_score_is_rejected(char_tokenizer):
+    manager = RewardManager(char_tokenizer, reward_fn=lambda **_: {"acc": 1.0})
+    ids, mask = _batch(char_tokenizer, ["1"])
+    with pytest.raises(TypeError, match=r"without a numeric 'score' for sample 0.*keys \['acc'\]"):
+        manager(ids, mask, ["x"], ["1"])
+
+
+# --- reward manager -----------------------------------------------------------------------------
+
+
+def test_score_on_last_valid_token(char_tokenizer):
+    texts = ["so #### 12", "#### 7", "", "answer 5"]
+    ids, mask = _batch(char_tokenizer, texts, eos=True)
+    mask[2] = 0  # a response with no valid token at all
+    ids[2] = char_tokenizer.pad_token_id
+    manager = RewardManager(char_tokenizer)
+    scores, extras = manager(
+        ids,
+        mask,
+        ["openai/gsm8k", "synthetic/arithmetic", "openai/gsm8k", "openai/gsm8k"],
+        ["12", "8", "1", "5"],
+    )
+    assert scores.dtype == torch.float32 and scores.shape == ids.shape
+    assert extras["responses"] == texts  # [EOS] dropped by skip_special_tokens
+    last = [len(text) for text in texts]  # index of [EOS], the last valid token
+    assert scores[0, last[0]] == 1.0 and scores[0].sum() == 1.0
+    assert scores[1].abs().sum() == 0.0  # wrong answer scores 0
+    assert scores[2].abs().sum() == 0.0  # no valid token: no place for a score
+    assert scores[3].abs().sum() == 0.0  # strict rule: no #### marker
+    assert extras["score"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert extras["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert extras["score"].dtype == torch.float32
+
+
+def test_custom_fn_overrides_registry_and_reports_extra_keys(char_tokenizer):
+    def reward(data_source, solution_str, ground_truth, extra_info):
+        if extra_info and extra_info.get("plain"):
+            return 0.5
+        return {"score": 0.5, "acc": True, "length": len(solution_str), "note": "text is ignored"}
+
+    ids, mask = _batch(char_tokenizer, ["abc", "de"])
+    scores, extras = RewardManager(char_tokenizer, reward_fn=reward, full_score=0.5)(
+        ids, mask, ["unregistered/source", "also/unknown"], ["", ""], [{}, {"plain": True}]
+    )
+    assert scores[0, 2] == 0.5 and scores[1, 1] == 0.5
+    assert extras["acc"].tolist() == [1.0, 1.0]  # dict 'acc'; number >= full_score
+    assert extras["length"][0] == 3.0 and math.isnan(extras["length"][1])
+    assert "note" not in extras
+
+
+def test_dict_without_acc_uses_positive_score(char_tokenizer):
+    ids, mask = _batch(char_tokenizer, ["a", "b"])
+    manager = RewardManager(
+        char_tokenizer, reward_fn=lambda solution_str, **_: {"score": 1.0 if solution_str == "a" else -1.0}
+    )
+    scores, extras = manager(ids, mask, ["s", "s"], ["", ""])
+    assert extras["acc"].tolist() == [1.0, 0.0]
+    assert scores[1, 0] == -1.0
+
+
+def test_failing_reward_fn_names_the_sample(char_tokenizer):
+    def reward(data_source, solution_str, ground_truth, extra_info):
+        if solution_str == "boom":
+            raise ZeroDivisionError("division by zero in my rule")
+        return 1.0
+
+    ids, mask = _batch(char_tokenizer, ["fine", "boom", "fine"])
+    with pytest.raises(RuntimeError, match=r"sample 1 \(data_source='src/b'\).*ZeroDivisionError") as caught:
+        RewardManager(char_tokenizer, reward_fn=reward)(ids, mask, ["src/a", "src/b", "src/c"], ["", "", ""])
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+def test_unknown_data_source_in_batch(char_tokenizer):
+    ids, mask = _batch(char_tokenizer, ["#### 1", "#### 1"])
+    with pytest.raises(
+        UnknownDataSourceError, match=r"sample 1: .*'mystery/source'.*custom_reward_function\.path"
+    ):
+        RewardManager(char_tokenizer)(ids, mask, ["openai/gsm8k", "mystery/source"], ["1", "1"])
+
+
+def test_non_finite_score_is_rejected(char_tokenizer):
+    ids, mask = _batch(char_tokenizer, ["x"])
+    with pytest.raises(ValueError, match="non-finite score"):
+        RewardManager(char_tokenizer, reward_fn=lambda **_: float("nan"))(ids, mask, ["s"], [""])
+
+
+def test_input_validation(char_tokenizer):
+    ids, mask = _batch(char_tokenizer, ["a", "b"])
+    manager = RewardManager(char_tokenizer)
+    with pytest.raises(ValueError, match="data_sources has 1 entries but the batch has 2"):
+        manager(ids, mask, ["openai/gsm8k"], ["1", "2"])
+    with pytest.raises(ValueError, match="shape"):
+        manager(ids, mask[:, :-1], ["openai/gsm8k"] * 2, ["1", "2"])
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        manager(ids, mask * 2, ["openai/gsm8k"] * 2, ["1", "2"])
+
+
+def test_decodes_in_one_batch_call(char_tokenizer):
+    calls = []
+
+    class Spy:
+        def batch_decode(self, sequences, skip_special_tokens=False):
+            calls.append(skip_special_tokens)
+            return char_tokenizer.batch_decode(sequences, skip_special_tokens=skip_special_tokens)
+
+        def decode(self, *args, **kwargs):  # pragma: no cover - must not be used
+            raise AssertionError("decode per sample; use batch_decode")
+
+    ids, mask = _batch(char_tokenizer, ["#### 1", "#### 2", "#### 3"], eos=True)
+    _, extras = RewardManager(Spy())(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"])
+    assert calls == [True]
+    assert extras["score"].tolist() == [1.0, 1.0, 0.0]

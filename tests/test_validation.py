@@ -1,0 +1,446 @@
+"""Tests for the Great Expectations checks on verl prompt datasets."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from rlhf_core.data.schema import extract_final_answer, make_record
+from rlhf_core.data.validation import (
+    DataReadError,
+    ValidationReport,
+    fingerprint,
+    flatten,
+    main,
+    validate_dataset,
+    validate_frames,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = "openai/gsm8k"
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def records(n: int = 5, split: str = "train", offset: int = 0) -> list[dict]:
+    rows = []
+    for i in range(offset, offset + n):
+        question = f"Tom has {i} apples and buys {i + 3} more. How many apples does he have?"
+        solution = f"He has {i} + {i + 3} = {2 * i + 3} apples.\n#### {2 * i + 3}"
+        rows.append(make_record(question, solution, str(2 * i + 3), split, i, SOURCE))
+    return rows
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return path
+
+
+def failed(report: ValidationReport) -> list[tuple[str, str | None, str]]:
+    return [(o.name, o.column, o.dataset) for o in report.failures]
+
+
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    """A character-level tokenizer without a chat template (built offline)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[PAD]": 1}
+    for code in list(range(32, 127)) + [10]:
+        vocab.setdefault(chr(code), len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(char_tokenizer, tmp_path_factory):
+    """The same tokenizer with a chat template, saved to a folder."""
+    tokenizer = copy.deepcopy(char_tokenizer)
+    tokenizer.chat_template = TEMPLATE
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def valid_files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("valid")
+    train = records(6)
+    # Every accepted ground-truth form: thousands commas, minus sign, decimals, padding.
+    for row, truth in zip(train, ["1,234", "-7", "3.25", " 42 ", "0"]):
+        row["reward_model"]["ground_truth"] = truth
+    return write(folder / "train.parquet", train), write(folder / "val.parquet", records(3, "test", 100))
+
+
+# ---------------------------------------------------------------------------------------------
+# Valid data
+
+
+def test_valid_data_passes(valid_files, chat_tokenizer_dir):
+    train, val = valid_files
+    report = validate_dataset(train, val, tokenizer=chat_tokenizer_dir, max_prompt_length=512)
+    assert report.success, report.summary()
+    assert report.failures == []
+    names = {o.name for o in report.results}
+    assert {
+        "has_rows",
+        "column_exists",
+        "not_null",
+        "data_source_known",
+        "prompt_is_non_empty_message_list",
+        "prompt_has_user_turn",
+        "prompt_user_content_non_empty",
+        "ground_truth_numeric",
+        "no_train_val_leakage",
+        "prompt_length_within_limit",
+    } <= names
+    assert report.find("no_train_val_leakage")[0].dataset == "val"
+    assert [d.rows for d in report.datasets] == [6, 3]
+    assert report.fingerprint == fingerprint([val, train])
+    payload = json.loads(json.dumps(report.to_dict()))
+    assert payload["success"] is True
+    assert payload["statistics"]["unsuccessful_expectations"] == 0
+    assert "PASSED" in report.summary()
+    length = report.find("prompt_length_within_limit", dataset="train")[0]
+    assert length.statistics["share_over"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# One bad row at a time
+
+
+def _null_ground_truth(row):
+    row["reward_model"]["ground_truth"] = None
+
+
+def _text_ground_truth(row):
+    row["reward_model"]["ground_truth"] = "12 apples"
+
+
+def _empty_prompt(row):
+    row["prompt"] = []
+
+
+def _empty_content(row):
+    row["prompt"] = [{"role": "user", "content": ""}]
+
+
+def _blank_content(row):
+    row["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  \n "}]
+
+
+def _no_user_turn(row):
+    row["prompt"] = [{"role": "system", "content": "You are a helpful assistant."}]
+
+
+def _unknown_source(row):
+    row["data_source"] = "nobody/knows"
+
+
+def _null_source(row):
+    row["data_source"] = None
+
+
+# Each case breaks one row of a shared table: (mutation, expectation, helper column, reported value).
+BAD_ROWS = [
+    (_null_ground_truth, "not_null", "ground_truth", None),
+    (_text_ground_truth, "ground_truth_numeric", "ground_truth", "12 apples"),
+    (_empty_prompt, "prompt_is_non_empty_message_list", "prompt_num_messages", 0),
+    (_empty_content, "prompt_user_content_non_empty", "prompt_user_content", ""),
+    (_blank_content, "prompt_user_content_non_empty", "prompt_user_content", "  \n "),
+    (_no_user_turn, "prompt_has_user_turn", "prompt_has_user_turn", False),
+    (_unknown_source, "data_source_known", "data_source", "nobody/knows"),
+    (_null_source, "not_null", "data_source", None),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_report(tmp_path_factory):
+    """One validation run over a table whose row ``i + 1`` carries bad case ``i``."""
+    rows = records(len(BAD_ROWS) + 2)
+    for position, (mutate, *_rest) in enumerate(BAD_ROWS):
+        mutate(rows[position + 1])
+    path = write(tmp_path_factory.mktemp("bad") / "train.parquet", rows)
+    return validate_dataset(path)
+
+
+def test_bad_rows_fail_exactly_their_expectations(bad_report):
+    expected: dict[tuple[str, str], list[int]] = {}
+    for position, (_mutate, name, column, _value) in enumerate(BAD_ROWS):
+        expected.setdefault((name, column), []).append(position + 1)
+    assert not bad_report.success
+    got = {(o.name, o.column): [index for index, _ in o.examples] for o in bad_report.failures}
+    assert got == expected, bad_report.summary()
+    for outcome in bad_report.failures:
+        assert outcome.dataset == "train"
+        assert outcome.statistics["unexpected_count"] == len(expected[(outcome.name, outcome.column)])
+
+
+@pytest.mark.parametrize(
+    ("position", "case"), list(enumerate(BAD_ROWS)), ids=[case[0].__name__.strip("_") for case in BAD_ROWS]
+)
+def test_bad_row_is_named_with_its_value(bad_report, position, case):
+    _mutate, name, column, value = case
+    [outcome] = bad_report.find(name, column)
+    assert not outcome.success
+    assert (position + 1, value) in outcome.examples
+    summary = bad_report.summary()
+    assert f"FAILED {name} [train.{column}]" in summary
+    assert f"row {position + 1}: {value!r}" in summary
+
+
+def test_missing_column_is_reported_and_dependent_checks_skipped(tmp_path):
+    frame = pd.DataFrame(records(4)).drop(columns=["reward_model"])
+    report = validate_dataset(write(tmp_path / "train.parquet", frame.to_dict("records")))
+    assert failed(report) == [("column_exists", "reward_model", "train")]
+    assert report.failures[0].statistics.get("missing") is True
+    assert not any(o.column == "ground_truth" for o in report.results)
+    assert any("ground_truth_numeric" in item and "reward_model" in item for item in report.skipped)
+    assert report.find("column_exists", "prompt")[0].success
+    assert "reward_model" in report.summary()
+
+
+def test_empty_table_fails_has_rows():
+    frame = pd.DataFrame(records(2)).iloc[0:0]
+    report = validate_frames(frame)
+    assert failed(report) == [("has_rows", None, "train")]
+
+
+def test_train_val_leakage_names_the_leaking_val_row(tmp_path):
+    train = records(5)
+    val = records(4, "test", 50)
+    val[2]["prompt"] = copy.deepcopy(train[1]["prompt"])
+    report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
+    assert failed(report) == [("no_train_val_leakage", "prompt_user_content", "val")]
+    outcome = report.failures[0]
+    assert outcome.examples == [(2, train[1]["prompt"][0]["content"])]
+    assert outcome.statistics["unexpected_count"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt length with a real tokenizer
+
+
+def test_token_counts_use_the_chat_template_when_present(char_tokenizer, chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    frame = pd.DataFrame(records(2))
+    content = frame["prompt"][0][0]["content"]
+    plain = flatten(frame, char_tokenizer)["prompt_tokens"].tolist()
+    templated = flatten(frame, AutoTokenizer.from_pretrained(str(chat_tokenizer_dir)))[
+        "prompt_tokens"
+    ].tolist()
+    assert plain[0] == len(content)
+    assert templated[0] == len(f"<user>{content}\n<assistant>")
+
+
+def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):
+    rows = records(4)
+    rows[2]["prompt"][0]["content"] += " Please show every step of your working." * 5
+    limit = max(len(r["prompt"][0]["content"]) for i, r in enumerate(rows) if i != 2)
+    path = write(tmp_path / "train.parquet", rows)
+    report = validate_dataset(path, tokenizer=char_tokenizer, max_prompt_length=limit)
+    assert failed(report) == [("prompt_length_within_limit", "prompt_tokens", "train")]
+    outcome = report.failures[0]
+    assert outcome.statistics["share_over"] == pytest.approx(0.25)
+    assert outcome.statistics["over_count"] == 1
+    assert outcome.examples == [(2, len(rows[2]["prompt"][0]["content"]))]
+    assert "25.0%" in report.summary()
+
+    tolerant = validate_dataset(
+        path, tokenizer=char_tokenizer, max_prompt_length=limit, overlong_tolerance=0.3
+    )
+    assert tolerant.success
+    assert tolerant.find("prompt_length_within_limit")[0].statistics["share_over"] == pytest.approx(0.25)
+
+
+def test_length_check_needs_tokenizer_and_limit(valid_files, char_tokenizer):
+    with pytest.raises(ValueError):
+        validate_dataset(valid_files[0], max_prompt_length=10)
+    with pytest.raises(ValueError):
+        validate_dataset(valid_files[0], tokenizer=char_tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unreadable input
+
+
+def _missing(folder: Path) -> Path:
+    return folder / "absent.parquet"
+
+
+def _not_parquet(folder: Path) -> Path:
+    path = folder / "notes.parquet"
+    path.write_text("question,answer\n1+1,2\n")
+    return path
+
+
+def _truncated(folder: Path) -> Path:
+    whole = write(folder / "whole.parquet", records(20))
+    data = whole.read_bytes()
+    path = folder / "cut.parquet"
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+@pytest.mark.parametrize("make", [_missing, _not_parquet, _truncated], ids=lambda f: f.__name__.strip("_"))
+def test_unreadable_input(tmp_path, capsys, make):
+    path = make(tmp_path)
+    with pytest.raises(DataReadError) as caught:
+        validate_dataset(path)
+    assert caught.value.path == str(path)
+    assert "\n" not in caught.value.reason and caught.value.reason
+
+    assert main([str(path)]) == 2
+    captured = capsys.readouterr()
+    err_lines = captured.err.strip().splitlines()
+    assert len(err_lines) == 1 and str(path) in err_lines[0]
+    assert "Traceback" not in captured.err + captured.out
+
+
+def test_unreadable_val_file(valid_files, tmp_path, capsys):
+    assert main([str(valid_files[0]), "--val", str(_truncated(tmp_path))]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-m", "rlhf_core.data.validation", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_truncated_file_exits_2_without_traceback(tmp_path):
+    result = _run_cli(str(_truncated(tmp_path)))
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def test_cli_failing_data_exits_1_and_writes_html(tmp_path):
+    rows = records(5)
+    _text_ground_truth(rows[4])
+    train = write(tmp_path / "train.parquet", rows)
+    val = write(tmp_path / "val.parquet", records(2, "test", 0))  # both rows leak
+    html_path = tmp_path / "report.html"
+    result = _run_cli(
+        str(train),
+        "--val",
+        str(val),
+        "--html",
+        str(html_path),
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    out = result.stdout
+    assert "ground_truth_numeric" in out and "row 4: '12 apples'" in out
+    assert "no_train_val_leakage" in out and "row 0:" in out and "row 1:" in out
+    assert "Calculating Metrics" not in out + result.stderr and "%|" not in result.stderr
+    page = html_path.read_text()
+    assert "ground_truth_numeric" in page and "no_train_val_leakage" in page
+
+
+def test_cli_valid_data_exits_0_with_json(valid_files, chat_tokenizer_dir, capsys):
+    train, val = valid_files
+    argv = [
+        str(train),
+        "--val",
+        str(val),
+        "--tokenizer",
+        str(chat_tokenizer_dir),
+        "--max-prompt-length",
+        "512",
+    ]
+    assert main([*argv, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["success"] is True
+    assert payload["datasets"][0]["path"] == str(train)
+    assert any(r["name"] == "prompt_length_within_limit" for r in payload["results"])
+
+
+def test_cli_rejects_tokenizer_without_limit(valid_files, chat_tokenizer_dir, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)])
+    assert caught.value.code == 2
+    assert "--max-prompt-length" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint and HTML
+
+
+def test_fingerprint_is_order_independent_and_byte_sensitive(tmp_path):
+    a = tmp_path / "a.parquet"
+    b = tmp_path / "b.parquet"
+    a.write_bytes(b"first file bytes")
+    b.write_bytes(b"second file bytes")
+    assert fingerprint([a, b]) == fingerprint([b, a]) == fingerprint([str(b), str(a)])
+    assert len(fingerprint([a, b])) == 64
+    assert fingerprint([a]) != fingerprint([a, b])
+    before = fingerprint([a, b])
+    data = bytearray(b.read_bytes())
+    data[3] ^= 0x01
+    b.write_bytes(bytes(data))
+    assert fingerprint([a, b]) != before
+    with pytest.raises(DataReadError):
+        fingerprint([tmp_path / "nope.parquet"])
+
+
+def test_html_report_names_failed_expectations(tmp_path):
+    rows = records(4)
+    _no_user_turn(rows[1])
+    _unknown_source(rows[2])
+    report = validate_frames(pd.DataFrame(rows), paths=("data/<train>.parquet", None))
+    page = report.to_html()
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "prompt_has_user_turn" in page and "data_source_known" in page
+    assert page.count('class="fail"') == 2
+    assert 'class="pass"' in page
+    assert "nobody/knows" in page
+    assert "&lt;train&gt;" in page and "<train>" not in page
+    assert "4</td>" in page  # row count of the dataset
+
+
+# ---------------------------------------------------------------------------------------------
+# Real data
+
+
+def _gsm8k_rows(path: Path, split: str) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for index, line in enumerate(handle):
+            item = json.loads(line)
+            truth = extract_final_answer(item["answer"])
+            rows.append(make_record(item["question"], item["answer"], truth, split, index, SOURCE))
+    return rows
+
+
+def test_real_gsm8k_rows_pass(tmp_path, char_tokenizer, gsm8k_dir):
+    test_file = gsm8k_dir / "test.jsonl"
+    rows = _gsm8k_rows(test_file, "test")
+    path = write(tmp_path / "test.parquet", rows)
+    report = validate_dataset(path, tokenizer=char_tokenizer, max_prompt_length=4096)
+    assert report.success, report.summary()
+    assert report.datasets[0].rows == len(rows)
+    assert report.find("ground_truth_numeric")[0].statistics["element_count"] == len(rows)
