@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint clean
+TOY_MODEL := outputs/toy-demo
+DEMO_DATA := outputs/data/synthetic
+
+.PHONY: setup test lint clean demo-assets demo-train
 
 setup: $(STAMP)
 
@@ -22,6 +25,17 @@ lint: setup
 
 test: lint
 	$(VENV)/bin/pytest -q
+
+# The tiny warm-started model (cached: rebuilt only when its settings change) and synthetic data
+# drawn from the same task it was warm-started on.
+demo-assets: setup
+	$(PY) -m rlhf_core.models.toy --output $(TOY_MODEL) --preset demo
+	@[ -f $(DEMO_DATA)/train.parquet ] || $(PY) -m rlhf_core.data.synthetic --output $(DEMO_DATA) \
+		--n-train 8192 --n-test 1024 --seed 1 --max-ops 1 --max-operand 12
+
+# The PPO trainer alone on the demo config (verl-style command line).
+demo-train: demo-assets
+	$(VENV)/bin/rlhf-ppo --config configs/ppo_demo_cpu.yaml
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -239,6 +239,19 @@ class AlgorithmConfig:
 
 
 @dataclass
+class GuardConfig:
+    max_consecutive_skips: int | None = _k(3, "consecutive steps with a non-finite loss or gradient before "
+                                              "restoring the last good checkpoint and stopping; null = off")
+    max_kl: float | None = _k(1.0, "KL (actor/ppo_kl, actor/reward_kl_penalty, actor/kl_loss) above this is an "
+                                   "explosion; null = off")
+    patience: int = _k(3, "consecutive steps above max_kl before rolling back")
+    target_kl: float = _k(0.01, "target KL of the adaptive KL controller switched on after a KL rollback")
+    max_val_drop: float | None = _k(0.2, "roll back to the best checkpoint when validation accuracy falls this "
+                                         "far below the best seen; null = off")
+    max_rollbacks: int = _k(3, "rollbacks allowed in a run; the next trigger stops it with an error")
+
+
+@dataclass
 class TrainerConfig:
     project_name: str = _k("verl_examples", "project name for loggers and checkpoint paths")
     experiment_name: str = _k("gsm8k", "run name for loggers and checkpoint paths")
@@ -250,17 +263,25 @@ class TrainerConfig:
     test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
     val_before_train: bool = _k(True, "validate before the first step")
     critic_warmup: int = _k(0, "steps that train only the critic")
-    resume_mode: str = _k("auto", "auto | disable | resume_path")
+    resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
+                                  "resume_path")
     resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
     default_local_dir: str = _k(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint and metrics directory"
     )
-    max_actor_ckpt_to_keep: int | None = _k(None, "keep at most this many actor checkpoints")
-    max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints")
+    max_actor_ckpt_to_keep: int | None = _k(None, "keep at most this many actor checkpoints (never pruned: the "
+                                                  "latest, a guard's rollback target); null = all")
+    max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints; null = all")
     n_gpus_per_node: int = _k(8, "workers per node (GPUs, or CPU processes with device=cpu)")
     nnodes: int = _k(1, "number of nodes")
     device: str = _k("cuda", "cuda | cpu")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
+    save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
+    guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "
+                                               "validation drops")
+    warn_kl: float | None = _k(0.02, "console warning when the step's KL exceeds this; null = off")
+    warn_grad_norm: float | None = _k(5.0, "console warning when a grad norm exceeds this; null = off")
+    prometheus_port: int | None = _k(None, "serve Prometheus gauges on 127.0.0.1:PORT; null = off")
 
 
 @dataclass
@@ -680,6 +701,24 @@ def validate_config(cfg: PPOConfig) -> None:
                       "or custom_reward_function.path")
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    guard = trainer.guard
+    for key, value in [
+        ("trainer.guard.max_consecutive_skips", guard.max_consecutive_skips),
+        ("trainer.guard.max_kl", guard.max_kl),
+        ("trainer.guard.patience", guard.patience),
+        ("trainer.guard.target_kl", guard.target_kl),
+        ("trainer.guard.max_val_drop", guard.max_val_drop),
+        ("trainer.warn_kl", trainer.warn_kl),
+        ("trainer.warn_grad_norm", trainer.warn_grad_norm),
+        ("trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep),
+        ("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep),
+    ]:
+        _positive(errors, key, value)
+    if guard.max_rollbacks < 0:
+        errors.append(f"trainer.guard.max_rollbacks={guard.max_rollbacks} must be >= 0")
+    if trainer.prometheus_port is not None and not 1 <= trainer.prometheus_port <= 65535:
+        errors.append(f"trainer.prometheus_port={trainer.prometheus_port} must be a TCP port in 1..65535 "
+                      "(or null to switch the exporter off)")
     if errors:
         raise ConfigError(errors)
 

@@ -1,0 +1,14 @@
+"""Rollout engines: HF generate (CPU/GPU) and vLLM (GPU)."""
+
+from rlhf_core.rollout.base import RolloutEngine, SamplingParams
+
+__all__ = ["RolloutEngine", "SamplingParams", "make_rollout_engine"]
+
+
+def make_rollout_engine(name: str, module, tokenizer, seed: int = 0, **kwargs) -> RolloutEngine:
+    """The engine named by ``actor_rollout_ref.rollout.name``; vllm is imported only when asked for."""
+    if name == "hf":
+        from rlhf_core.rollout.hf import HFRolloutEngine
+
+        return HFRolloutEngine(module, tokenizer, seed=seed, **kwargs)
+    raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: no such rollout engine here (valid: hf)")

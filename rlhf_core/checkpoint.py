@@ -1,0 +1,650 @@
+"""Checkpoints: atomic saves, exact resume, rollback targets and the Hugging Face export.
+
+Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
+
+    latest_checkpointed_iteration.txt     N, the step of the newest complete checkpoint
+    global_step_N/
+      actor/model_state.pt                module.state_dict()                 (torch.save)
+      actor/optim_state.pt                {"optimizer": ..., "scheduler": ...}
+      actor/extra_state.pt                the worker's generators (mini-batch shuffle, rollout sampling)
+      actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
+      critic/model_state.pt, optim_state.pt, extra_state.pt     (GAE only)
+      trainer_state.json                  step, data sampler, KL controller, guard, skip counters
+      rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
+      config.yaml                         the resolved config the run started with
+      manifest.json                       every file above with its size; written last
+
+A save writes everything into ``.global_step_N.tmp-XXXX`` in the same directory, fsyncs
+each file and directory, renames it to ``global_step_N`` and only then replaces
+``latest_checkpointed_iteration.txt`` (temp file, fsync, ``os.replace``). A save that
+fails at any point removes its temp directory, leaves the previous latest checkpoint
+as it was and raises :class:`CheckpointError` saying what failed. A directory without
+its manifest, or whose files do not match it, is incomplete and is never loaded.
+
+Resuming refuses a checkpoint whose config differs from the current one outside
+:data:`RESUME_SAFE_KEYS` (logging, frequencies, run length, names, guard and warning
+thresholds, memory knobs that leave the math unchanged): anything else may change
+shapes, batch sizes or the training math, and the error names the keys.
+
+``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` prune the actor or critic part
+of the oldest checkpoints (a directory left with neither is removed); the latest
+checkpoint and those the guards may still restore are never pruned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fnmatch
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+import yaml
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+RNG_STATE = "rng_state.pt"
+CONFIG_FILE = "config.yaml"
+HF_DIR = "huggingface"
+PARTS = ("actor", "critic")
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"global_step_(\d+)")
+
+#: Config keys (fnmatch patterns) that may differ between a checkpoint and the run resuming it.
+RESUME_SAFE_KEYS = (
+    "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.log_val_generations",
+    "trainer.total_epochs", "trainer.total_training_steps", "trainer.save_freq", "trainer.test_freq",
+    "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
+    "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
+    "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
+    "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
+    # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
+    "*.ppo_micro_batch_size_per_gpu", "*.log_prob_micro_batch_size_per_gpu", "*.ppo_max_token_len_per_gpu",
+    "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
+    "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
+    "actor_rollout_ref.rollout.max_num_batched_tokens",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, found, or used; the message names the path."""
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+
+
+def step_dir(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"global_step_{step}"
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """N of a ``global_step_N`` directory; CheckpointError for any other name."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path} is not a checkpoint directory: its name must be global_step_N")
+    return int(match.group(1))
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a complete checkpoint; CheckpointError naming the path if it is missing or incomplete."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is incomplete: {manifest_file} is unreadable ({exc})") from exc
+    missing = [rel for rel, size in manifest["files"].items()
+               if not (path / rel).is_file() or (path / rel).stat().st_size != size]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"checkpoint {path} is incomplete: {shown} missing or truncated "
+                              "(pruned by max_*_ckpt_to_keep, or copied partially?)")
+    return manifest
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(step, directory) of every ``global_step_N`` directory with a manifest, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.fullmatch(child.name)
+        if match and (child / MANIFEST).is_file():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The checkpoint named by ``latest_checkpointed_iteration.txt``; None when there is no such file."""
+    marker = Path(root) / LATEST_FILE
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{marker} should hold a step number, found {text[:40]!r}")
+    path = step_dir(root, int(text))
+    try:
+        read_manifest(path)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{marker} names step {text}, but {exc}") from exc
+    return path
+
+
+def find_resume_checkpoint(config) -> Path | None:
+    """The checkpoint ``trainer.resume_mode`` asks to resume from, or None to start afresh.
+
+    ``auto``: the latest checkpoint under ``trainer.default_local_dir`` if there is one;
+    ``disable``: None; ``resume_path``: ``trainer.resume_from_path``, a ``global_step_N`` directory.
+    """
+    trainer = config.trainer
+    if trainer.resume_mode == "disable":
+        return None
+    if trainer.resume_mode == "resume_path":
+        if not trainer.resume_from_path:
+            raise CheckpointError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        path = Path(os.path.expanduser(trainer.resume_from_path))
+        try:
+            step_of(path)
+            read_manifest(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"trainer.resume_from_path: {exc}") from exc
+        return path
+    if trainer.resume_mode == "auto":
+        return latest_checkpoint(os.path.expanduser(trainer.default_local_dir))
+    raise CheckpointError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of auto, disable, resume_path")
+
+
+def read_trainer_state(path: str | os.PathLike) -> dict:
+    """``trainer_state.json`` of a complete checkpoint (step, sampler, KL controller, guard, ...)."""
+    read_manifest(path)
+    return json.loads((Path(path) / TRAINER_STATE).read_text())
+
+
+# ----------------------------------------------------------------------------- low-level writing
+
+
+def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
+    """Create ``path``, fill it with ``write(file)``, and fsync it. Every checkpoint file goes through here."""
+    with open(path, "xb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    """fsync every file and directory under ``path`` (files written by other libraries' save functions)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(folder))
+
+
+def _remove(path: Path) -> None:
+    """Take ``path`` out of view atomically (rename), then delete it."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_stale(root: Path) -> None:
+    """Temp, set-aside and trash directories left by a process killed mid-save."""
+    for child in root.iterdir():
+        if child.name.startswith((".global_step_", ".trash-")) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _write_latest(root: Path, step: int) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``step`` atomically."""
+    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        _write(tmp, lambda f: f.write(f"{step}\n".encode()))
+        os.replace(tmp, root / LATEST_FILE)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    _fsync_dir(root)
+
+
+def mark_latest(root: str | os.PathLike, step: int) -> None:
+    """Make the complete checkpoint of ``step`` the one a resume starts from."""
+    read_manifest(step_dir(root, step))
+    _write_latest(Path(root), step)
+
+
+def _explain(exc: OSError, root: Path, final: Path, current: str | None) -> str:
+    what = f"{current} of checkpoint {final}" if current else f"checkpoint {final}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (f"disk full while writing {what}; free space or set trainer.default_local_dir to a larger disk "
+                f"({exc.strerror or exc})")
+    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"checkpoint directory {root} is not writable ({exc.strerror or exc}); fix its permissions or set "
+                "trainer.default_local_dir")
+    if exc.errno == errno.ENOTDIR or isinstance(exc, NotADirectoryError):
+        return f"checkpoint directory {root} is not a directory; set trainer.default_local_dir"
+    return f"could not write {what}: {exc}"
+
+
+class _Files:
+    """Writes the files of one checkpoint into its temp directory and remembers their sizes."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.sizes: dict[str, int] = {}
+        self.current: str | None = None
+
+    def write(self, rel: str, write: Callable[[IO[bytes]], Any]) -> None:
+        self.current = rel
+        path = self.folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(path, write)
+        self.sizes[rel] = path.stat().st_size
+
+    def torch(self, rel: str, obj: Any) -> None:
+        self.write(rel, lambda f: torch.save(obj, f))
+
+    def text(self, rel: str, text: str) -> None:
+        self.write(rel, lambda f: f.write(text.encode()))
+
+    def tree(self, rel: str, fill: Callable[[Path], None]) -> None:
+        """A directory written by someone else's save function (``save_pretrained``)."""
+        self.current = rel + "/"
+        target = self.folder / rel
+        fill(target)
+        _fsync_tree(target)
+        for file in sorted(p for p in target.rglob("*") if p.is_file()):
+            self.sizes[file.relative_to(self.folder).as_posix()] = file.stat().st_size
+
+
+# ----------------------------------------------------------------------------- what goes in
+
+
+def _rng_state() -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "python": random.getstate(),
+        "numpy": {"bit_generator": numpy_state["bit_generator"],
+                  "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+                  "pos": int(numpy_state["state"]["pos"]), "has_gauss": int(numpy_state["has_gauss"]),
+                  "gauss": float(numpy_state["gauss"])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    numpy_state = state["numpy"]
+    np.random.set_state({"bit_generator": numpy_state["bit_generator"],
+                         "state": {"key": numpy_state["key"].numpy().astype(np.uint32), "pos": numpy_state["pos"]},
+                         "has_gauss": numpy_state["has_gauss"], "gauss": numpy_state["gauss"]})
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        cuda_states = state["cuda"]
+        if len(cuda_states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _kl_ctrl_state(ctrl) -> dict:
+    from rlhf_core.algos import AdaptiveKLController
+
+    if isinstance(ctrl, AdaptiveKLController):
+        return {"type": "adaptive", "value": ctrl.value, "target": ctrl.target, "horizon": ctrl.horizon}
+    return {"type": "fixed", "value": ctrl.value}
+
+
+def _make_kl_ctrl(state: dict):
+    from rlhf_core.algos import AdaptiveKLController, FixedKLController
+
+    if state["type"] == "adaptive":
+        return AdaptiveKLController(state["value"], state["target"], state["horizon"])
+    return FixedKLController(state["value"])
+
+
+def _workers(trainer) -> dict[str, Any]:
+    workers = {"actor": trainer.actor}
+    if getattr(trainer, "critic", None) is not None:
+        workers["critic"] = trainer.critic
+    return workers
+
+
+def _config_yaml(trainer) -> str:
+    return getattr(trainer, "config_yaml", None) or trainer.config.to_yaml()
+
+
+def _trainer_state(trainer) -> dict:
+    guard = getattr(trainer, "guard", None)
+    return {
+        "format": FORMAT_VERSION,
+        "global_step": int(trainer.global_step),
+        "total_steps": int(getattr(trainer, "total_steps", 0) or 0),
+        "sampler": trainer.sampler.state_dict(),
+        "kl_ctrl": _kl_ctrl_state(trainer.kl_ctrl),
+        "kl_loss_coef": trainer.config.actor_rollout_ref.actor.kl_loss_coef,
+        "skipped_steps": {name: int(w.skipped_steps) for name, w in _workers(trainer).items()},
+        "guard": guard.state_dict() if guard is not None else None,
+        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _write_hf(trainer, target: Path) -> None:
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the training log at every save
+    try:
+        trainer.actor.module.save_pretrained(target)
+        if trainer.tokenizer is not None:
+            trainer.tokenizer.save_pretrained(target)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _fill(files: _Files, trainer) -> list[str]:
+    parts = []
+    for name, worker in _workers(trainer).items():
+        state = worker.state_dict()
+        files.torch(f"{name}/model_state.pt", state.pop("model"))
+        files.torch(f"{name}/optim_state.pt", {"optimizer": state.pop("optimizer"),
+                                               "scheduler": state.pop("scheduler")})
+        files.torch(f"{name}/extra_state.pt", state)
+        parts.append(name)
+    files.tree(f"actor/{HF_DIR}", lambda target: _write_hf(trainer, target))
+    files.text(TRAINER_STATE, json.dumps(_trainer_state(trainer), indent=1))
+    files.torch(RNG_STATE, _rng_state())
+    files.text(CONFIG_FILE, _config_yaml(trainer))
+    return parts
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
+    """Save the trainer's full state as ``root/global_step_<trainer.global_step>``, atomically.
+
+    Then marks it latest and prunes old checkpoints (``trainer.max_*_ckpt_to_keep``, never the
+    latest nor ``trainer.guard.protected_steps()``). Returns the checkpoint directory.
+    """
+    root = Path(os.path.expanduser(str(root)))
+    step = int(trainer.global_step)
+    final = step_dir(root, step)
+    previous = None
+    with contextlib.suppress(CheckpointError):
+        previous = latest_checkpoint(root)
+    intact = f"; the previous checkpoint {previous} is intact" if previous else ""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f".global_step_{step}.tmp-", dir=root))
+    except OSError as exc:
+        raise CheckpointError(_explain(exc, root, final, None) + intact) from exc
+
+    files = _Files(tmp)
+    aside: Path | None = None
+    renamed = False
+    try:
+        parts = _fill(files, trainer)
+        files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
+                                         "files": dict(files.sizes)}, indent=1))
+        files.current = None
+        _fsync_dir(tmp)
+        if final.exists():  # a step saved again (e.g. after resuming from an older checkpoint)
+            aside = root / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        renamed = True
+        _fsync_dir(root)
+        files.current = LATEST_FILE
+        _write_latest(root, step)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if renamed:  # not marked latest: put things back as they were
+            shutil.rmtree(final, ignore_errors=True)
+        if aside is not None and aside.exists() and not final.exists():
+            os.rename(aside, final)
+        if isinstance(exc, OSError):
+            raise CheckpointError(_explain(exc, root, final, files.current) + intact) from exc
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+    guard = getattr(trainer, "guard", None)
+    if guard is not None:
+        guard.on_checkpoint(step)
+    cfg = trainer.config.trainer
+    protected = guard.protected_steps() if guard is not None else set()
+    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, protected)
+    return final
+
+
+def prune_checkpoints(root: str | os.PathLike, max_actor: int | None, max_critic: int | None,
+                      protected: Iterable[int] = ()) -> list[Path]:
+    """Remove the actor (critic) part of all but the newest ``max_actor`` (``max_critic``) checkpoints.
+
+    The latest checkpoint and the ``protected`` steps are kept whole; a checkpoint left with
+    neither part is removed. Checkpoints newer than the latest (left by a run that a guard
+    rolled back to an older one) are neither counted nor pruned: the run replaces them as it
+    reaches their steps again. Returns the paths removed.
+    """
+    root = Path(root)
+    keep = set(protected)
+    marker = root / LATEST_FILE
+    latest = int(marker.read_text().strip()) if marker.is_file() and marker.read_text().strip().isdigit() else None
+    if latest is not None:
+        keep.add(latest)
+    removed: list[Path] = []
+    checkpoints = [(step, path) for step, path in list_checkpoints(root) if latest is None or step <= latest]
+    for part, limit in (("actor", max_actor), ("critic", max_critic)):
+        if limit is None or limit <= 0:
+            continue
+        having = [(step, path) for step, path in checkpoints if (path / part).is_dir()]
+        for step, path in having[:-limit] if len(having) > limit else []:
+            if step not in keep:
+                _remove(path / part)
+                removed.append(path / part)
+    for step, path in checkpoints:
+        if step not in keep and not any((path / part).is_dir() for part in PARTS):
+            _remove(path)
+            removed.append(path)
+    return removed
+
+
+def export_hf(trainer, directory: str | os.PathLike) -> Path:
+    """Write the actor as a plain Hugging Face model directory (weights, config, tokenizer), atomically."""
+    target = Path(os.path.expanduser(str(directory)))
+    if target.exists() and any(target.iterdir()):
+        raise CheckpointError(f"{target} already exists and is not empty; export into a new directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _write_hf(trainer, tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            target.rmdir()
+        os.rename(tmp, target)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise CheckpointError(_explain(exc, target.parent, target, None)) from exc
+        raise
+    return target
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ between two config trees and are not in :data:`RESUME_SAFE_KEYS`.
+
+    Keys absent from ``saved`` (written by an older version) are not compared.
+    """
+    old, new = _flatten(saved), _flatten(current)
+    return [key for key in new if key in old and old[key] != new[key]
+            and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
+
+
+def check_config(path: str | os.PathLike, config) -> None:
+    """Refuse to resume from ``path`` when its config differs from ``config`` in a key that matters."""
+    path = Path(path)
+    try:
+        saved = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {CONFIG_FILE} ({exc})") from exc
+    current = config.to_dict()
+    differing = config_differences(saved, current)
+    if differing:
+        old, new = _flatten(saved), _flatten(current)
+        listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
+        raise CheckpointError(
+            f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
+            f"training math ({listed}). Restore those values, or start a new run with "
+            "trainer.resume_mode=disable or another trainer.default_local_dir")
+
+
+def _load(path: Path, device: torch.device | str = "cpu") -> Any:
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
+
+
+def _check_shapes(path: Path, saved: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
+    expected = module.state_dict()
+    problems = [f"{k} missing" for k in expected if k not in saved]
+    problems += [f"{k} unexpected" for k in saved if k not in expected]
+    problems += [f"{k} has shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+                 for k, v in expected.items() if k in saved and saved[k].shape != v.shape]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise CheckpointError(f"checkpoint {path} does not fit the model being trained ({shown}): was it saved "
+                              "from another model or architecture?")
+
+
+def _load_worker(path: Path, name: str, worker) -> None:
+    device = getattr(worker, "device", "cpu")
+    model = _load(path / name / "model_state.pt", device)
+    _check_shapes(path / name / "model_state.pt", model, worker.module)
+    optim = _load(path / name / "optim_state.pt", device)
+    extra = _load(path / name / "extra_state.pt", "cpu")
+    try:
+        worker.load_state_dict({"model": model, **optim, **extra})
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path / name} does not fit the {name} being trained: {exc}") from exc
+
+
+def _loadable(trainer, path: Path) -> Path:
+    path = Path(os.path.expanduser(str(path)))
+    manifest = read_manifest(path)
+    for name in _workers(trainer):
+        if name not in manifest["parts"] or not (path / name).is_dir():
+            raise CheckpointError(f"checkpoint {path} has no {name} state (pruned by max_{name}_ckpt_to_keep, "
+                                  "or saved by a run without a critic)")
+    return path
+
+
+def load_checkpoint(trainer, path: str | os.PathLike) -> None:
+    """Restore everything :func:`save_checkpoint` saved, for an exact resume.
+
+    Raises CheckpointError naming the path when the checkpoint is missing, incomplete, saved with a
+    config that differs in a key that matters, or saved from a model of another shape.
+    """
+    path = _loadable(trainer, path)
+    check_config(path, trainer.config)
+    state = json.loads((path / TRAINER_STATE).read_text())
+    for name, worker in _workers(trainer).items():
+        _load_worker(path, name, worker)
+        worker.skipped_steps = int(state.get("skipped_steps", {}).get(name, 0))
+    trainer.global_step = int(state["global_step"])
+    trainer.sampler.load_state_dict(state["sampler"])
+    trainer.kl_ctrl = _make_kl_ctrl(state["kl_ctrl"])
+    trainer.config.actor_rollout_ref.actor.kl_loss_coef = float(state["kl_loss_coef"])
+    guard = getattr(trainer, "guard", None)
+    if guard is not None:
+        if state.get("guard"):
+            guard.load_state_dict(state["guard"])
+        guard.on_checkpoint(trainer.global_step)
+    _set_rng_state(_load(path / RNG_STATE, "cpu"))
+    trainer.actor.rollout.sync_weights()
+
+
+def restore_weights(trainer, path: str | os.PathLike) -> None:
+    """Roll the workers back to a checkpoint's weights and optimizer moments (a guard's rollback).
+
+    The step counter, the LR schedule position, the data sampler and the random streams are
+    left as they are, so training carries on with new batches. The current learning rate is
+    re-applied after loading the optimizer state (which carries the checkpoint's).
+    """
+    path = _loadable(trainer, path)
+    for name, worker in _workers(trainer).items():
+        device = getattr(worker, "device", "cpu")
+        model = _load(path / name / "model_state.pt", device)
+        _check_shapes(path / name / "model_state.pt", model, worker.module)
+        worker.module.load_state_dict(model)
+        worker.optimizer.load_state_dict(_load(path / name / "optim_state.pt", device)["optimizer"])
+        for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
+            group["lr"] = lr
+    trainer.actor.rollout.sync_weights()
+
+
+def load_model_state(path: str | os.PathLike, part: str = "actor") -> dict[str, torch.Tensor]:
+    """The saved ``state_dict`` of a checkpoint's actor or critic model."""
+    path = Path(path)
+    read_manifest(path)
+    return _load(path / part / "model_state.pt")
+
+
+def check_writable(root: str | os.PathLike) -> None:
+    """Raise CheckpointError unless checkpoints can be written under ``root`` (creates it)."""
+    root = Path(os.path.expanduser(str(root)))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CheckpointError(_explain(exc, root, root, None)) from exc

@@ -1,0 +1,186 @@
+"""The RL prompt dataset: verl-schema parquet files -> left-padded prompt batches.
+
+Prompts are tokenized once, up front (so an over-long prompt is reported before any
+training), with the tokenizer's chat template when it has one. A
+:class:`PromptSampler` walks the rows in a seeded order, epoch by epoch, and its
+state (epoch, next batch) is saved in checkpoints so a resumed run continues with
+the next unseen batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow
+import torch
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import DataConfig
+
+
+class DataError(ValueError):
+    """Bad or missing data, named by file and row."""
+
+
+def as_file_list(files: str | Sequence[str]) -> list[Path]:
+    names = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    return [Path(os.path.expanduser(str(name))) for name in names]
+
+
+def check_files(files: str | Sequence[str], key: str) -> list[Path]:
+    """Every file exists; raises DataError naming the config key otherwise."""
+    paths = as_file_list(files)
+    if not paths:
+        raise DataError(f"{key} is empty: give at least one parquet file")
+    for path in paths:
+        if not path.is_file():
+            raise DataError(f"{key}: {path} does not exist (preprocess your data first, "
+                            "e.g. python -m rlhf_core.data.gsm8k or python -m rlhf_core.data.synthetic)")
+    return paths
+
+
+def read_frames(paths: Sequence[Path]) -> pd.DataFrame:
+    frames = []
+    for path in paths:
+        try:
+            frame = pd.read_parquet(path)
+        except (pyarrow.ArrowException, OSError, ValueError) as exc:
+            raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
+        frame["_source_file"] = str(path)
+        frame["_source_row"] = np.arange(len(frame))
+        frames.append(frame)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _messages(value) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return [dict(m) for m in value]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> str:
+    """The prompt text: the chat template with a generation prompt, or the contents joined."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n".join(m["content"] for m in messages)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Left-pad token lists to the longest: input_ids, attention_mask, position_ids, each (bs, L)."""
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for row, ids in enumerate(sequences):
+        if ids:
+            input_ids[row, length - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[row, length - len(ids):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+class RLHFDataset:
+    """Tokenized prompts with their ground truth, data source and row index."""
+
+    def __init__(self, files: str | Sequence[str], tokenizer, config: DataConfig, key: str = "data.train_files"):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.paths = check_files(files, key)
+        frame = read_frames(self.paths)
+        missing = [c for c in (config.prompt_key, "reward_model", config.reward_fn_key) if c not in frame.columns]
+        if missing:
+            raise DataError(f"{key}: column(s) {missing} missing; found {list(frame.columns)}")
+        self.prompt_ids: list[list[int]] = []
+        self.rows: list[dict] = []
+        limit = config.max_prompt_length
+        for record in frame.to_dict("records"):
+            where = f"{record['_source_file']} row {record['_source_row']}"
+            messages = _messages(record[config.prompt_key])
+            ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+            if len(ids) > limit:
+                if config.filter_overlong_prompts:
+                    continue
+                if config.truncation == "error":
+                    raise DataError(
+                        f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length ({limit}); raise "
+                        "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right"
+                    )
+                ids = ids[-limit:] if config.truncation == "left" else ids[:limit]
+            reward_model = record["reward_model"]
+            if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+                raise DataError(f"{where}: reward_model.ground_truth is missing")
+            extra = record.get("extra_info")
+            extra = dict(extra) if isinstance(extra, dict) else {}
+            self.prompt_ids.append(list(ids))
+            self.rows.append({
+                "ground_truth": str(reward_model["ground_truth"]),
+                "data_source": str(record[config.reward_fn_key]),
+                "index": int(extra.get("index", record["_source_row"])),
+                "extra_info": extra,
+                "messages": messages,
+            })
+        if not self.rows:
+            raise DataError(f"{key}: no prompts left (all {len(frame)} longer than max_prompt_length={limit}?)")
+        self.data_sources = sorted({row["data_source"] for row in self.rows})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Rows ``indices`` as a left-padded batch with their metadata."""
+        tensors = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
+        meta = {
+            "ground_truth": [self.rows[i]["ground_truth"] for i in indices],
+            "data_source": [self.rows[i]["data_source"] for i in indices],
+            "index": [self.rows[i]["index"] for i in indices],
+            "extra_info": [self.rows[i]["extra_info"] for i in indices],
+            "uid": [int(i) for i in indices],
+        }
+        if self.config.return_raw_chat:
+            meta["raw_prompt"] = [self.rows[i]["messages"] for i in indices]
+        return Batch(tensors, meta)
+
+
+class PromptSampler:
+    """Seeded epoch-by-epoch order over ``n`` rows, in whole batches (the remainder is dropped).
+
+    The state is (epoch, batch index within the epoch); restoring it resumes with the
+    next unseen batch, and the order of every epoch depends only on (seed, epoch).
+    """
+
+    def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size > n:
+            raise DataError(f"data.train_batch_size ({batch_size}) is larger than the dataset ({n} prompts)")
+        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
+        self.epoch, self.batch_in_epoch = 0, 0
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.batch_size
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
+        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        return torch.randperm(self.n, generator=generator).tolist()
+
+    def next_batch(self) -> tuple[int, list[int]]:
+        """(epoch, row indices) of the next batch; advances the state."""
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        start = self.batch_in_epoch * self.batch_size
+        rows = self._order(self.epoch)[start:start + self.batch_size]
+        epoch = self.epoch
+        self.batch_in_epoch += 1
+        return epoch, rows
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed, "n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("n", self.n) != self.n:
+            raise DataError(f"the checkpoint's sampler covered {state['n']} prompts; this dataset has {self.n}")
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

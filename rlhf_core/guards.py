@@ -1,0 +1,213 @@
+"""Guards: what the trainer does when a run goes wrong, decided step by step.
+
+:class:`Guard` watches every step's metrics and every validation and answers with a
+:class:`GuardEvent` when a limit of ``trainer.guard`` is crossed; the trainer carries
+the event out (restore a checkpoint, adjust the KL control, stop). Three guards:
+
+non-finite steps
+    A step whose loss or gradient was not finite is skipped by the workers (no
+    optimizer step). After ``max_consecutive_skips`` such steps in a row the run
+    restores the last checkpoint saved before the streak began, marks it latest and
+    stops with a :class:`GuardError`: the cause (data, reward, learning rate) needs a
+    person.
+KL explosion
+    The measured KL is the largest of ``actor/ppo_kl``, ``actor/reward_kl_penalty``
+    and ``actor/kl_loss`` present in the step's metrics (a non-finite value counts as
+    above any limit). After ``patience`` consecutive steps above ``max_kl`` the run
+    restores the last checkpoint saved before the streak began and tightens the KL
+    control (:func:`tighten_kl_control`), then continues.
+validation drop
+    When the validation accuracy falls more than ``max_val_drop`` below the best seen,
+    the run restores the checkpoint of the best validation and continues. So that one
+    exists, the trainer saves a checkpoint whenever a validation sets a new best.
+
+A rollback restores the weights and the optimizer moments of the checkpoint; the step
+counter, the LR schedule, the data order and the random streams carry on, so the run
+sees new batches instead of replaying the ones that led it astray. Each rollback is
+counted (``training/rollbacks``); once ``max_rollbacks`` have been made, the next
+trigger restores its checkpoint and stops the run with a :class:`GuardError`.
+
+The checkpoints a guard may still need (the best one, and the last good one while a
+streak is running) are reported by :meth:`Guard.protected_steps` and never pruned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rlhf_core.config import GuardConfig
+
+KL_METRICS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")
+KL_LOSS_COEF_FACTOR = 2.0  # a KL rollback with actor.use_kl_loss multiplies kl_loss_coef by this
+LR_FACTOR = 0.5  # a KL rollback with no KL term at all multiplies the actor learning rate by this
+MIN_ADAPTIVE_KL_COEF = 1e-3  # an adaptive controller cannot grow from a zero coefficient
+
+
+class GuardError(RuntimeError):
+    """A guard stopped the run; the message says what happened and what was restored."""
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C or SIGTERM stopped the run between steps (after saving a checkpoint when asked to)."""
+
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None):
+        self.signal_name, self.signal_number, self.step, self.checkpoint = signal_name, signal_number, step, checkpoint
+        saved = (f"checkpoint saved at {checkpoint}; rerun the same command to resume"
+                 if checkpoint else "no checkpoint saved")
+        super().__init__(f"interrupted by {signal_name} after step {step}: {saved}")
+
+
+@dataclass
+class GuardEvent:
+    """What a guard asks the trainer to do.
+
+    ``action`` is ``rollback`` (restore ``target_step`` and continue) or ``stop`` (restore
+    ``target_step`` when there is one, then raise). ``target_step`` is None when no checkpoint
+    was saved early enough to restore.
+    """
+
+    kind: str  # non_finite | kl_explosion | val_drop
+    action: str  # rollback | stop
+    target_step: int | None
+    message: str
+
+
+def measured_kl(metrics: Mapping[str, float]) -> float | None:
+    """The largest KL metric of a step; ``inf`` when one is not finite; None when there is none."""
+    values = [float(metrics[k]) for k in KL_METRICS if k in metrics and metrics[k] is not None]
+    if not values:
+        return None
+    return max(v if math.isfinite(v) else math.inf for v in values)
+
+
+class Guard:
+    """The state of the three guards; ``state_dict`` goes into every checkpoint."""
+
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.consecutive_skips = 0
+        self.skip_anchor: int | None = None  # last checkpoint saved before the current skip streak
+        self.kl_streak = 0
+        self.kl_anchor: int | None = None  # last checkpoint saved before the current KL streak
+        self.best_val: float | None = None
+        self.best_step: int | None = None
+        self.rollbacks = 0
+        self.last_checkpoint: int | None = None
+
+    # ------------------------------------------------------------------ observations
+    def on_checkpoint(self, step: int) -> None:
+        """A checkpoint of ``step`` now exists."""
+        self.last_checkpoint = step
+
+    def observe_step(self, step: int, metrics: Mapping[str, float], skipped: bool) -> GuardEvent | None:
+        """Check one finished step; ``skipped`` is True when any of its updates was skipped."""
+        cfg = self.config
+        if skipped:
+            if self.consecutive_skips == 0:
+                self.skip_anchor = self.last_checkpoint
+            self.consecutive_skips += 1
+            if cfg.max_consecutive_skips is not None and self.consecutive_skips >= cfg.max_consecutive_skips:
+                target = self.skip_anchor
+                return GuardEvent(
+                    "non_finite", "stop", target,
+                    f"{self.consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or "
+                    f"gradient and were skipped (trainer.guard.max_consecutive_skips="
+                    f"{cfg.max_consecutive_skips}); check the rewards and the data for NaN/inf and lower the "
+                    "learning rate")
+        else:
+            self.consecutive_skips, self.skip_anchor = 0, None
+
+        kl = measured_kl(metrics)
+        if cfg.max_kl is not None and kl is not None and not kl <= cfg.max_kl:
+            if self.kl_streak == 0:
+                self.kl_anchor = self.last_checkpoint
+            self.kl_streak += 1
+            if self.kl_streak >= cfg.patience:
+                target = self.kl_anchor
+                reason = (f"KL {kl:.4g} > trainer.guard.max_kl={cfg.max_kl} for {self.kl_streak} consecutive "
+                          f"steps (up to step {step})")
+                self.kl_streak, self.kl_anchor = 0, None
+                return self._rollback("kl_explosion", target, reason)
+        else:
+            self.kl_streak, self.kl_anchor = 0, None
+        return None
+
+    def observe_validation(self, step: int, accuracy: float | None) -> tuple[bool, GuardEvent | None]:
+        """Check a validation; returns (new best that needs a checkpoint at ``step``, event)."""
+        cfg = self.config
+        if accuracy is None or cfg.max_val_drop is None:
+            return False, None
+        if self.best_val is None or accuracy > self.best_val:
+            self.best_val, self.best_step = float(accuracy), step
+            return True, None
+        if self.best_val - accuracy > cfg.max_val_drop:
+            reason = (f"validation accuracy {accuracy:.4g} at step {step} is {self.best_val - accuracy:.4g} below "
+                      f"the best {self.best_val:.4g} (step {self.best_step}; trainer.guard.max_val_drop="
+                      f"{cfg.max_val_drop})")
+            return False, self._rollback("val_drop", self.best_step, reason)
+        return False, None
+
+    def _rollback(self, kind: str, target: int | None, reason: str) -> GuardEvent:
+        if self.rollbacks >= self.config.max_rollbacks:
+            return GuardEvent(kind, "stop", target,
+                              f"{reason}; the run already rolled back {self.rollbacks} time(s) "
+                              f"(trainer.guard.max_rollbacks={self.config.max_rollbacks})")
+        self.rollbacks += 1
+        return GuardEvent(kind, "rollback", target, reason)
+
+    # ------------------------------------------------------------------ checkpoints
+    def protected_steps(self) -> set[int]:
+        """Checkpoints a guard may restore later: never prune these."""
+        return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor) if s is not None}
+
+    def state_dict(self) -> dict:
+        return {"consecutive_skips": self.consecutive_skips, "skip_anchor": self.skip_anchor,
+                "kl_streak": self.kl_streak, "kl_anchor": self.kl_anchor, "best_val": self.best_val,
+                "best_step": self.best_step, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.skip_anchor = state.get("skip_anchor")
+        self.kl_streak = int(state.get("kl_streak", 0))
+        self.kl_anchor = state.get("kl_anchor")
+        self.best_val = state.get("best_val")
+        self.best_step = state.get("best_step")
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+
+def tighten_kl_control(trainer) -> str:
+    """After a KL rollback, make the policy stay closer to where it was; returns what changed.
+
+    * KL in the reward (``algorithm.use_kl_in_reward``): a fixed controller becomes adaptive
+      (Ziegler et al.) with ``trainer.guard.target_kl``, starting from the current coefficient
+      (at least 1e-3); an adaptive one gets the lower of its target and ``target_kl``.
+    * KL loss (``actor.use_kl_loss``): ``kl_loss_coef`` is doubled (there is no controller to adapt).
+    * Neither: the only lever left on ``actor/ppo_kl`` is the step size; the actor learning
+      rate (its schedule included) is halved.
+    """
+    from rlhf_core.algos import AdaptiveKLController
+
+    cfg = trainer.config
+    guard_cfg, kl_cfg, actor_cfg = cfg.trainer.guard, cfg.algorithm.kl_ctrl, cfg.actor_rollout_ref.actor
+    changes = []
+    if cfg.algorithm.use_kl_in_reward:
+        ctrl = trainer.kl_ctrl
+        if isinstance(ctrl, AdaptiveKLController):
+            ctrl.target = min(ctrl.target, guard_cfg.target_kl)
+            changes.append(f"adaptive KL controller target {ctrl.target:.4g}")
+        else:
+            start = max(ctrl.value, MIN_ADAPTIVE_KL_COEF)
+            trainer.kl_ctrl = AdaptiveKLController(start, guard_cfg.target_kl, kl_cfg.horizon)
+            changes.append(f"KL controller fixed -> adaptive (target_kl {guard_cfg.target_kl}, coef {start:.4g})")
+    if actor_cfg.use_kl_loss:
+        actor_cfg.kl_loss_coef *= KL_LOSS_COEF_FACTOR
+        changes.append(f"actor kl_loss_coef -> {actor_cfg.kl_loss_coef:.4g}")
+    if not changes:
+        scheduler, optimizer = trainer.actor.scheduler, trainer.actor.optimizer
+        scheduler.base_lrs = [lr * LR_FACTOR for lr in scheduler.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"] *= LR_FACTOR
+        changes.append(f"actor learning rate x{LR_FACTOR} (no KL term to tighten)")
+    return "; ".join(changes)

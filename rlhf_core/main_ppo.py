@@ -1,0 +1,225 @@
+"""The verl-style command line: ``python -m rlhf_core.main_ppo key=value ...`` (also ``rlhf-ppo``).
+
+A verl command works after changing the module name. The config and the data are
+checked before any model is loaded; then the trainer resumes from the latest
+checkpoint (``trainer.resume_mode``), runs, and a summary says where the metrics and
+checkpoints are. The same command run again after a crash or a kill continues the run.
+
+Exit codes: 0 done; 1 a guard stopped the run; 2 bad input (config, data, model,
+checkpoint) or a checkpoint that could not be written; 128 + signal number after
+Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrupt`` is saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from rlhf_core.checkpoint import CheckpointError, check_config, check_writable, find_resume_checkpoint
+from rlhf_core.config import ConfigError, PPOConfig, load_config
+from rlhf_core.data.dataset import DataError, RLHFDataset, check_files
+from rlhf_core.guards import GuardError, TrainingInterrupted
+from rlhf_core.models.loading import (
+    ModelError,
+    check_model_dir,
+    check_tokenizer_dir,
+    load_tokenizer,
+    max_positions,
+)
+from rlhf_core.monitoring import PortInUseError, PrometheusExporter
+from rlhf_core.rewards import known_data_sources, load_custom_reward_fn
+from rlhf_core.rewards.manager import RewardManager
+
+
+class PreflightError(ValueError):
+    """Problems found before any model is loaded; ``errors`` holds one message each."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("cannot start training:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+def _data_sources(paths: list[Path], column: str) -> set[str]:
+    sources: set[str] = set()
+    for path in paths:
+        try:
+            sources.update(pd.read_parquet(path, columns=[column])[column].astype(str).unique())
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+            raise DataError(f"{path}: cannot read column {column!r}: {exc}") from exc
+    return sources
+
+
+def preflight(cfg: PPOConfig) -> None:
+    """Check models, data, rewards and length budgets without loading weights; raise PreflightError."""
+    errors: list[str] = []
+    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    if trainer.device == "cuda" and not torch.cuda.is_available():
+        errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
+    try:
+        check_writable(trainer.default_local_dir)
+    except CheckpointError as exc:
+        errors.append(f"trainer.default_local_dir: {exc}")
+    if cfg.world_size > 1:
+        errors.append(f"trainer.n_gpus_per_node * trainer.nnodes = {cfg.world_size}: this version trains in one "
+                      "process; set trainer.n_gpus_per_node=1 trainer.nnodes=1")
+    try:
+        model_dir = check_model_dir(arr.model.path, "actor_rollout_ref.model.path")
+        check_tokenizer_dir(arr.model.tokenizer_path or model_dir, "actor_rollout_ref.model.tokenizer_path")
+        limit = max_positions(model_dir, arr.model.trust_remote_code)
+        budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+        if limit is not None and budget > limit:
+            errors.append(
+                f"data.max_prompt_length + data.max_response_length = {budget} exceeds the model's "
+                f"max_position_embeddings ({limit}); lower data.max_response_length or data.max_prompt_length")
+    except ModelError as exc:
+        errors.append(str(exc))
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path:
+        try:
+            check_model_dir(cfg.critic.model.path, "critic.model.path")
+        except ModelError as exc:
+            errors.append(str(exc))
+    custom = cfg.custom_reward_function
+    if custom.path:
+        try:
+            load_custom_reward_fn(custom.path, custom.name)
+        except (OSError, ImportError, AttributeError, TypeError) as exc:
+            errors.append(f"custom_reward_function: {exc}")
+    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        try:
+            paths = check_files(files, key)
+            if not custom.path:
+                unknown = sorted(_data_sources(paths, cfg.data.reward_fn_key) - set(known_data_sources()))
+                if unknown:
+                    errors.append(
+                        f"{key}: no reward function for data_source {', '.join(unknown)} (known: "
+                        f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
+        except DataError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise PreflightError(errors)
+
+
+def build_trainer(cfg: PPOConfig, logger=None):
+    """Tokenizer, datasets, reward manager and trainer for a checked config."""
+    from rlhf_core.trainer import PPOTrainer
+
+    arr = cfg.actor_rollout_ref
+    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
+    train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
+    val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files") if cfg.data.val_files else None
+    custom = cfg.custom_reward_function
+    reward_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
+                      device=cfg.trainer.device)
+
+
+@contextlib.contextmanager
+def stop_on_signals(trainer, enabled: bool = True):
+    """While inside, Ctrl-C and SIGTERM ask ``trainer`` to stop after its current step (and save);
+    a second signal stops at once. Only in the main thread (where Python delivers signals)."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if trainer.stop_requested is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        trainer.stop_requested = (signal.Signals(signum).name, signum)
+        print(f"received {signal.Signals(signum).name}: finishing step {trainer.global_step + 1}, then saving a "
+              "checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _warn_thresholds(trainer_cfg) -> dict[str, float]:
+    pairs = (("kl", trainer_cfg.warn_kl), ("grad_norm", trainer_cfg.warn_grad_norm))
+    return {key: value for key, value in pairs if value is not None}
+
+
+def run(cfg: PPOConfig) -> dict:
+    """Train with a validated config, resuming per ``trainer.resume_mode``; returns a summary."""
+    from rlhf_core.tracking import Tracking
+
+    preflight(cfg)
+    trainer_cfg = cfg.trainer
+    start = time.time()
+    local_dir = Path(trainer_cfg.default_local_dir)
+    resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
+    if resume_from is not None:
+        check_config(resume_from, cfg)
+    trainer = build_trainer(cfg)
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+        print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})", file=sys.stderr)
+    with contextlib.ExitStack() as stack:
+        tracking = stack.enter_context(Tracking(
+            trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
+            config=cfg.to_dict(), total_steps=trainer.total_steps, warn_thresholds=_warn_thresholds(trainer_cfg)))
+        sinks = [tracking.log]
+        if trainer_cfg.prometheus_port is not None:
+            exporter = stack.enter_context(PrometheusExporter(
+                trainer_cfg.prometheus_port, trainer_cfg.project_name, trainer_cfg.experiment_name))
+            print(f"prometheus metrics at {exporter.url}", file=sys.stderr)
+            sinks.append(exporter.log)
+
+        def log(metrics: dict, step: int) -> None:
+            for sink in sinks:
+                sink(metrics, step)
+
+        trainer.logger = log
+        stack.enter_context(stop_on_signals(trainer, trainer_cfg.save_on_interrupt))
+        history = trainer.fit()
+    final = history[-1].metrics if history else {}
+    return {
+        "steps": trainer.global_step,
+        "final_val_acc": trainer.val_accuracy(final),
+        "final_score": final.get("critic/score/mean"),
+        "wall_s": time.time() - start,
+        "local_dir": str(local_dir),
+        "metrics_file": str(local_dir / "metrics.jsonl") if "file" in trainer_cfg.logger else None,
+        "resumed_from": str(resume_from) if resume_from is not None else None,
+        "checkpoint": str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}")
+        if trainer.last_saved_step is not None else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+        summary = run(cfg)
+    except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except GuardError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 128 + exc.signal_number
+    acc = summary["final_val_acc"]
+    print(f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s"
+          + (f"; final validation accuracy {acc:.3f}" if acc is not None else ""))
+    print(f"outputs: {summary['local_dir']}" + (f" (metrics: {summary['metrics_file']})"
+                                                 if summary["metrics_file"] else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Loading the actor, critic, reference and tokenizer from local HF model directories."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model directory that cannot be used, named by its config key and path."""
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    return Path(os.path.expanduser(str(path)))
+
+
+def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model.path",
+                    need_weights: bool = True) -> Path:
+    """Raise ModelError unless ``path`` is a complete local HF model directory."""
+    folder = resolve(path)
+    if not folder.is_dir():
+        raise ModelError(f"{key}: {folder} is not a directory (models load from local HF directories; "
+                         "build the demo model with python -m rlhf_core.models.toy --output DIR)")
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"{key}: {folder} has no config.json; it is not a HF model directory")
+    if need_weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
+        raise ModelError(f"{key}: {folder} has no weights (looked for {', '.join(WEIGHT_FILES)}); "
+                         "is the download or copy incomplete?")
+    return folder
+
+
+def check_tokenizer_dir(path: str | os.PathLike, key: str) -> Path:
+    folder = resolve(path)
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not folder.is_dir() or not any((folder / n).is_file() for n in names):
+        raise ModelError(f"{key}: {folder} holds no tokenizer files (looked for {', '.join(names)})")
+    return folder
+
+
+def import_external_lib(name: str | None) -> None:
+    if name:
+        importlib.import_module(name)
+
+
+def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def max_positions(path: str | os.PathLike, trust_remote_code: bool = False) -> int | None:
+    config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.device) -> PreTrainedModel:
+    if gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # the 5.x name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = True
+    return model.to(device).eval()  # no dropout: log-probs must be reproducible between phases
+
+
+def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
+               trust_remote_code: bool = False, device: torch.device | str = "cpu") -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        str(resolve(path)), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+    )
+    return _finish(model, gradient_checkpointing, torch.device(device))
+
+
+def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
+                trust_remote_code: bool = False, device: torch.device | str = "cpu",
+                seed: int = 0) -> PreTrainedModel:
+    """A token-level value model (one label) on the actor's backbone; the value head starts at zero."""
+    quiet = logging.getLogger("transformers.modeling_utils")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # "newly initialised score weights" is expected here
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForTokenClassification.from_pretrained(
+            str(resolve(path)), num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
+    finally:
+        quiet.setLevel(level)
+    head = getattr(model, "score", None) or getattr(model, "classifier", None)
+    if head is not None:
+        with torch.no_grad():
+            head.weight.zero_()  # values start at 0: early advantages are the rewards themselves
+            if getattr(head, "bias", None) is not None:
+                head.bias.zero_()
+    return _finish(model, gradient_checkpointing, torch.device(device))
+
+
+def make_reference(actor: PreTrainedModel) -> PreTrainedModel:
+    """A frozen copy of the initial actor."""
+    reference = copy.deepcopy(actor).eval()
+    for param in reference.parameters():
+        param.requires_grad_(False)
+    return reference

@@ -1,0 +1,131 @@
+"""Rollout with the actor module itself (no weight copy): a KV-cached sampling loop.
+
+Each prompt is encoded once; its KV cache is then repeated for the ``n`` samples of
+its group, so the prompt cost does not grow with ``n``. The loop stops when every
+sequence has produced EOS (or when ``synced`` says every rank has, so that sharded
+models run the same number of forward passes on every rank).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from rlhf_core.batch import Batch
+from rlhf_core.rollout.base import SamplingParams
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from ``logits`` (bs, V): greedy, or temperature / top-k / top-p sampling."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (bs, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)  # (bs, V)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class HFRolloutEngine:
+    """Generation with a transformers causal LM, sharing the actor's module."""
+
+    def __init__(self, module: torch.nn.Module, tokenizer, seed: int = 0,
+                 synced: Callable[[bool], bool] | None = None):
+        self.module = module
+        eos = module.generation_config.eos_token_id if getattr(module, "generation_config", None) else None
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(tokenizer.eos_token_id)
+        if not eos_ids:
+            raise ValueError("the tokenizer and the model's generation_config name no EOS token")
+        self.eos_ids = torch.tensor(sorted(eos_ids))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+        self.generator = torch.Generator(device=self._device()).manual_seed(seed)
+        # transformers renamed the forward's `past_key_values` argument to `cache` during 5.x
+        self.cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
+
+    def _device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    def sync_weights(self) -> None:  # the module is the actor itself
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        device = self._device()
+        was_training = self.module.training
+        self.module.eval()
+        prompt_ids = prompts["input_ids"].to(device)
+        prompt_mask = prompts["attention_mask"].to(device)
+        prompt_pos = prompts["position_ids"].to(device)
+        n = params.n
+        eos_ids = self.eos_ids.to(device)
+
+        cache = DynamicCache()  # filled in place by every forward below
+        out = self.module(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+                          use_cache=True, **{self.cache_arg: cache})
+        logits = out.logits[:, -1, :]  # (B, V)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+            prompt_pos = prompt_pos.repeat_interleave(n, dim=0)
+        rows = prompt_ids.shape[0]
+        attention_mask = prompt_mask
+        next_pos = prompt_pos[:, -1] + 1  # (B*n,)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens, masks = [], []
+        for step in range(params.max_new_tokens):
+            token = sample_next_token(logits, params, self.generator)
+            token = torch.where(done, torch.full_like(token, self.pad_id), token)
+            valid = ~done  # this token belongs to the response (EOS included)
+            tokens.append(token)
+            masks.append(valid)
+            done = done | torch.isin(token, eos_ids)
+            all_done = bool(done.all())
+            if self.synced is not None:
+                all_done = self.synced(all_done)
+            if all_done or step == params.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, valid.long()[:, None]], dim=1)
+            out = self.module(input_ids=token[:, None], attention_mask=attention_mask,
+                              position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+        if was_training:
+            self.module.train()
+
+        responses = torch.stack(tokens, dim=1)  # (B*n, R)
+        response_mask = torch.stack(masks, dim=1).long()  # (B*n, R)
+        steps = torch.arange(1, responses.shape[1] + 1, device=device)
+        response_pos = prompt_pos[:, -1:] + steps  # (B*n, R)
+        result = Batch(
+            {
+                "prompts": prompt_ids,
+                "responses": responses,
+                "response_mask": response_mask,
+                "input_ids": torch.cat([prompt_ids, responses], dim=1),
+                "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+                "position_ids": torch.cat([prompt_pos, response_pos], dim=1),
+            },
+            {k: [x for x in v for _ in range(n)] for k, v in prompts.meta.items()},
+        )
+        return result.to("cpu")

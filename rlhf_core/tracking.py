@@ -1,0 +1,563 @@
+"""Experiment tracking: one ``Tracking`` object fans each step's metrics out to several backends.
+
+Usage::
+
+    with Tracking(["console", "file"], "verl_examples", "gsm8k", "checkpoints/run1",
+                  config=cfg_dict, total_steps=40, warn_thresholds={"kl": 0.02}) as tracker:
+        for step in range(1, 41):
+            tracker.log(metrics, step=step)
+
+Backends (``VALID_LOGGERS``):
+
+``console``
+    One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a tqdm progress
+    bar with ETA on stderr when ``total_steps`` is known. Lines go through ``tqdm.write`` so they do
+    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line.
+``file``
+    JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``.
+    Non-finite values (NaN, +-inf) are written as ``null`` so every line is valid JSON. Each line is
+    flushed as soon as it is written, so a killed run keeps every finished step. An existing file is
+    appended to (a resumed run continues it; a step logged twice appears twice, readers should keep
+    the last record of a step).
+``tensorboard``
+    ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name.
+    Needs the ``tensorboard`` package.
+``wandb``
+    ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
+    ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
+``mlflow``
+    Tracking URI ``$MLFLOW_TRACKING_URI`` if set, else a local SQLite store at
+    ``<local_dir>/mlruns/mlflow.db`` with artifacts under ``<local_dir>/mlruns/artifacts`` (MLflow 3
+    refuses its old ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE=true``). Experiment =
+    project name, run name = experiment name; the flattened config is logged as params. Metric and
+    param names are sanitised to MLflow's alphabet (``@`` becomes ``_at_``). MLflow's usage telemetry
+    is switched off unless ``MLFLOW_DISABLE_TELEMETRY`` is already set. Needs ``mlflow-skinny`` (or
+    ``mlflow``) and SQLAlchemy + Alembic for the local store.
+
+The optional packages are imported only when their backend is asked for; all are in the ``dev`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from tqdm import tqdm
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "CONSOLE_KEYS",
+    "VALID_LOGGERS",
+    "WARN_THRESHOLD_KEYS",
+    "ConsoleLogger",
+    "FileLogger",
+    "MlflowLogger",
+    "RunInfo",
+    "TensorBoardLogger",
+    "Tracking",
+    "WandbLogger",
+    "flatten_dict",
+    "mlflow_tracking_uri",
+    "sanitize_mlflow_name",
+    "to_float",
+]
+
+#: Console line fields, in order: (label, candidate metric keys). The first candidate present in a
+#: step's metrics is shown; a field with no candidate present is left out. A candidate containing
+#: ``*`` is a glob (``fnmatch``): every matching key is shown, labelled ``label[<match>]`` when there
+#: is more than one. ``timing_s/step`` is appended last as ``<seconds>s``.
+CONSOLE_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("score", ("critic/score/mean",)),
+    ("acc", ("val-core/*/acc/mean@1",)),
+    ("kl", ("actor/ppo_kl", "actor/reward_kl_penalty")),
+    ("pg_loss", ("actor/pg_loss",)),
+    ("vf_loss", ("critic/vf_loss",)),
+    ("entropy", ("actor/entropy",)),
+    ("resp_len", ("response_length/mean",)),
+)
+STEP_TIME_KEY = "timing_s/step"
+
+#: Keys ``warn_thresholds`` accepts: ``kl`` checks ``actor/ppo_kl`` (else ``actor/reward_kl_penalty``);
+#: ``grad_norm`` checks ``actor/grad_norm`` and ``critic/grad_norm``.
+WARN_THRESHOLD_KEYS = ("kl", "grad_norm")
+_KL_KEYS = ("actor/ppo_kl", "actor/reward_kl_penalty")
+_GRAD_NORM_KEYS = {
+    "actor/grad_norm": ("actor", "actor_rollout_ref.actor"),
+    "critic/grad_norm": ("critic", "critic"),
+}
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def flatten_dict(d: Mapping[str, Any], sep: str = ".") -> dict[str, Any]:
+    """Flatten nested mappings into one level with ``sep``-joined keys.
+
+    ``{"a": {"b": 1, "c": [1, 2]}, "d": {}}`` becomes ``{"a.b": 1, "a.c": [1, 2], "d": {}}``: lists and
+    other values are leaves; an empty mapping is kept as a leaf so its key is not lost.
+    """
+    out: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            name = f"{prefix}{sep}{key}" if prefix else str(key)
+            if isinstance(value, Mapping) and value:
+                walk(value, name)
+            else:
+                out[name] = value
+
+    walk(d, "")
+    return out
+
+
+def to_float(value: Any) -> float | None:
+    """A metric value as a Python float, or None when it is not a single number.
+
+    Accepts bools, ints, floats, numpy scalars / one-element arrays and one-element torch tensors
+    (anything with ``.item()``). Strings are not numbers here.
+    """
+    if isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            value = item()
+        except (ValueError, RuntimeError, TypeError):  # more than one element
+            return None
+        if isinstance(value, (str, bytes)):
+            return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return dataclasses.asdict(config)
+    if isinstance(config, Mapping):
+        return dict(config)
+    raise TypeError(f"config must be a dict (or a dataclass instance), got {type(config).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """What every backend is built from."""
+
+    project_name: str
+    experiment_name: str
+    local_dir: Path
+    config: dict[str, Any]
+    total_steps: int | None = None
+    warn_thresholds: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def _missing(package: str, backend: str, pip_name: str, error: ImportError) -> ImportError:
+    return ImportError(
+        f"the '{backend}' logger needs the {package} package, which could not be imported ({error}). "
+        f"Install it with `pip install {pip_name}` (it is in this project's dev extra: "
+        f"`pip install -e '.[dev]'`), or drop '{backend}' from trainer.logger."
+    )
+
+
+# ----------------------------------------------------------------------------------------------- backends
+
+
+class Backend:
+    """A tracking backend: built from a ``RunInfo``, then ``log`` per step and ``finish`` once."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, run: RunInfo) -> None:
+        self.run = run
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+    def finish(self, failed: bool = False) -> None:
+        """Flush and close; ``failed`` marks a run that ended with an exception (where supported)."""
+
+
+class ConsoleLogger(Backend):
+    """One compact line per step on stdout; a progress bar with ETA on stderr when the total is known."""
+
+    name = "console"
+
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        self._bar: tqdm | None = None
+
+    def format_line(self, metrics: Mapping[str, float], step: int) -> str:
+        total = self.run.total_steps
+        parts = [f"step {step}/{total}" if total else f"step {step}"]
+        for label, candidates in CONSOLE_KEYS:
+            for candidate in candidates:
+                if "*" in candidate:
+                    matches = sorted(k for k in metrics if fnmatch.fnmatchcase(k, candidate))
+                    if not matches:
+                        continue
+                    if len(matches) == 1:
+                        parts.append(f"{label} {_fmt(metrics[matches[0]])}")
+                    else:
+                        head, _, tail = candidate.partition("*")
+                        for key in matches:
+                            source = key[len(head) : len(key) - len(tail)]
+                            parts.append(f"{label}[{source}] {_fmt(metrics[key])}")
+                    break
+                if candidate in metrics:
+                    parts.append(f"{label} {_fmt(metrics[candidate])}")
+                    break
+        if STEP_TIME_KEY in metrics:
+            parts.append(f"{metrics[STEP_TIME_KEY]:.3g}s")
+        parts.extend(f"WARNING {w}" for w in self.warnings(metrics))
+        return " | ".join(parts)
+
+    def warnings(self, metrics: Mapping[str, float]) -> list[str]:
+        """Advice for every threshold in ``warn_thresholds`` the step's metrics exceed."""
+        limits = self.run.warn_thresholds
+        out = []
+        kl_limit = limits.get("kl")
+        if kl_limit is not None:
+            kl = next((metrics[k] for k in _KL_KEYS if k in metrics), None)
+            if kl is not None and kl > kl_limit:
+                out.append(
+                    f"KL {_fmt(kl)} > {_fmt(kl_limit)}: lower actor_rollout_ref.actor.optim.lr or raise the "
+                    "KL coefficient (algorithm.kl_ctrl.kl_coef / actor_rollout_ref.actor.kl_loss_coef)"
+                )
+        gn_limit = limits.get("grad_norm")
+        if gn_limit is not None:
+            for key, (who, prefix) in _GRAD_NORM_KEYS.items():
+                value = metrics.get(key)
+                if value is not None and value > gn_limit:
+                    out.append(
+                        f"{who} grad_norm {_fmt(value)} > {_fmt(gn_limit)}: lower the learning rate "
+                        f"({prefix}.optim.lr) or grad_clip ({prefix}.grad_clip)"
+                    )
+        return out
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        total = self.run.total_steps
+        if total and self._bar is None:
+            # Created at the first logged step, which counts as done: the rate (hence the ETA) is
+            # measured over the steps after it, so neither startup nor a resume's skipped steps skew it.
+            self._bar = tqdm(total=total, initial=min(max(step, 0), total), desc="training", unit="step", file=sys.stderr,
+                             dynamic_ncols=True)
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(min(step, self._bar.total) - self._bar.n)
+        tqdm.write(self.format_line(metrics, step), file=sys.stdout)  # clears and redraws the bar
+        sys.stdout.flush()
+
+    def finish(self, failed: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+class FileLogger(Backend):
+    """JSON lines at ``<local_dir>/metrics.jsonl``; non-finite values become null; appends; flushes."""
+
+    name = "file"
+    FILENAME = "metrics.jsonl"
+
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        self.path = run.local_dir / self.FILENAME
+        # A run killed mid-write may have left a partial last line: start ours on a fresh line.
+        needs_newline = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                needs_newline = f.read(1) != b"\n"
+        self._file = open(self.path, "a", encoding="utf-8")  # closed in finish()
+        if needs_newline:
+            self._file.write("\n")
+            self._file.flush()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        record: dict[str, Any] = {"step": step}
+        for key, value in metrics.items():
+            if key != "step":
+                record[key] = value if math.isfinite(value) else None
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.flush()
+
+    def finish(self, failed: bool = False) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorBoardLogger(Backend):
+    """Scalars by metric name in ``<local_dir>/tensorboard``."""
+
+    name = "tensorboard"
+    SUBDIR = "tensorboard"
+
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise _missing("tensorboard", self.name, "tensorboard", e) from e
+        self.log_dir = run.local_dir / self.SUBDIR
+        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def finish(self, failed: bool = False) -> None:
+        self.writer.close()
+
+
+class WandbLogger(Backend):
+    """Weights & Biases, offline unless ``WANDB_MODE`` says otherwise; files under ``<local_dir>/wandb``."""
+
+    name = "wandb"
+
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        try:
+            import wandb
+        except ImportError as e:
+            raise _missing("wandb", self.name, "wandb", e) from e
+        self.mode = os.environ.get("WANDB_MODE", "offline")
+        self.wandb_run = wandb.init(
+            project=run.project_name,
+            name=run.experiment_name,
+            config=run.config,
+            dir=str(run.local_dir),
+            mode=self.mode,
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.wandb_run.log(metrics, step=step)
+
+    def finish(self, failed: bool = False) -> None:
+        self.wandb_run.finish(exit_code=1 if failed else 0)
+
+
+_MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-./ ]")
+
+
+def sanitize_mlflow_name(name: str) -> str:
+    """A metric/param name MLflow accepts on every platform.
+
+    MLflow allows letters, digits, ``_ - . / space`` (and ``:`` except on Windows), and rejects names
+    that are not already normalised paths (leading/trailing or doubled ``/``, ``.``/``..`` parts).
+    ``@`` becomes ``_at_`` (``acc/mean@1`` -> ``acc/mean_at_1``), every other character outside the
+    set becomes ``_``, and path parts are cleaned up. Names are cut to MLflow's 250 characters.
+    """
+    name = _MLFLOW_BAD_CHARS.sub("_", str(name).replace("@", "_at_"))
+    parts = [p for p in name.split("/") if p]
+    parts = ["_" * len(p) if p in (".", "..") else p for p in parts]
+    return "/".join(parts)[:250].rstrip("/") or "_"
+
+
+def mlflow_tracking_uri(local_dir: str | Path) -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else the SQLite store ``<local_dir>/mlruns/mlflow.db``."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    return "sqlite:///" + (Path(local_dir).resolve() / "mlruns" / "mlflow.db").as_posix()
+
+
+class MlflowLogger(Backend):
+    """MLflow: experiment = project name, run = experiment name, params = flattened config."""
+
+    name = "mlflow"
+    MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
+    PARAMS_PER_BATCH = 100
+    METRICS_PER_BATCH = 1000
+
+    def __init__(self, run: RunInfo) -> None:
+        super().__init__(run)
+        # MLflow sends usage telemetry from a background thread; an offline trainer opts out unless the
+        # user decided otherwise. Must be set before mlflow is first imported.
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        try:
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise _missing("mlflow", self.name, "mlflow-skinny", e) from e
+        self._Metric, self._Param = Metric, Param
+        self._names: dict[str, str] = {}  # metric name -> sanitised, unique name
+        self._taken: set[str] = set()
+
+        self.tracking_uri = mlflow_tracking_uri(run.local_dir)
+        local = not os.environ.get("MLFLOW_TRACKING_URI")
+        if local:
+            (run.local_dir / "mlruns").mkdir(parents=True, exist_ok=True)
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = self.client.get_experiment_by_name(run.project_name)
+        if experiment is None:
+            artifacts = (run.local_dir.resolve() / "mlruns" / "artifacts").as_uri() if local else None
+            experiment_id = self.client.create_experiment(run.project_name, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
+            if experiment.lifecycle_stage == "deleted":
+                self.client.restore_experiment(experiment_id)
+        self.run_id = self.client.create_run(experiment_id, run_name=run.experiment_name).info.run_id
+        self._log_params(flatten_dict(run.config))
+
+    def _unique(self, name: str, taken: set[str]) -> str:
+        clean = sanitize_mlflow_name(name)
+        candidate, n = clean, 2
+        while candidate in taken:
+            candidate, n = f"{clean[:240]}_{n}", n + 1
+        taken.add(candidate)
+        return candidate
+
+    def _log_params(self, params: Mapping[str, Any]) -> None:
+        taken: set[str] = set()
+        entries = [
+            self._Param(self._unique(key, taken), str(value)[: self.MAX_PARAM_VALUE])
+            for key, value in params.items()
+        ]
+        for i in range(0, len(entries), self.PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=entries[i : i + self.PARAMS_PER_BATCH])
+
+    def _metric_name(self, name: str) -> str:
+        if name not in self._names:
+            self._names[name] = self._unique(name, self._taken)
+        return self._names[name]
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        entries = [self._Metric(self._metric_name(k), v, now, step) for k, v in metrics.items()]
+        for i in range(0, len(entries), self.METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=entries[i : i + self.METRICS_PER_BATCH])
+
+    def finish(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+#: Logger name -> backend class. ``Tracking`` builds one instance per requested name.
+BACKENDS: dict[str, type[Backend]] = {
+    cls.name: cls for cls in (ConsoleLogger, FileLogger, TensorBoardLogger, WandbLogger, MlflowLogger)
+}
+VALID_LOGGERS: tuple[str, ...] = tuple(BACKENDS)
+
+
+# ----------------------------------------------------------------------------------------------- tracking
+
+
+class Tracking:
+    """Sends each step's metrics to every requested backend (see the module docstring).
+
+    ``log`` converts values to floats first (tensors, numpy scalars); a value that is not a single
+    number is skipped with a warning (once per key). Use as a context manager, or call ``finish``.
+    """
+
+    def __init__(
+        self,
+        loggers: Iterable[str] | str,
+        project_name: str,
+        experiment_name: str,
+        local_dir: str | Path,
+        config: dict | None = None,
+        total_steps: int | None = None,
+        warn_thresholds: dict | None = None,
+    ) -> None:
+        names = [loggers] if isinstance(loggers, str) else list(loggers)
+        unknown = [n for n in names if n not in BACKENDS]
+        if unknown:
+            raise ValueError(
+                f"unknown logger(s) {', '.join(map(repr, unknown))}; valid loggers are: "
+                f"{', '.join(VALID_LOGGERS)}"
+            )
+        thresholds = dict(warn_thresholds or {})
+        bad = [k for k in thresholds if k not in WARN_THRESHOLD_KEYS]
+        if bad:
+            raise ValueError(
+                f"unknown warn_thresholds key(s) {', '.join(map(repr, bad))}; valid keys are: "
+                f"{', '.join(WARN_THRESHOLD_KEYS)}"
+            )
+        for key, value in thresholds.items():
+            number = to_float(value)
+            if number is None or not number > 0:
+                raise ValueError(f"warn_thresholds[{key!r}] must be a positive number, got {value!r}")
+            thresholds[key] = number
+        if total_steps is not None and (int(total_steps) != total_steps or total_steps < 1):
+            raise ValueError(f"total_steps must be a positive integer or None, got {total_steps!r}")
+
+        local = Path(local_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        self.run = RunInfo(
+            project_name=project_name,
+            experiment_name=experiment_name,
+            local_dir=local,
+            config=_config_dict(config),
+            total_steps=int(total_steps) if total_steps is not None else None,
+            warn_thresholds=thresholds,
+        )
+        self.backends: dict[str, Backend] = {}
+        self._skipped: set[str] = set()
+        self._finished = False
+        try:
+            for name in dict.fromkeys(names):  # de-duplicated, order kept
+                self.backends[name] = BACKENDS[name](self.run)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the construction error is the one to report
+                self.finish(failed=True)
+            raise
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record one step's metrics (name -> number) in every backend."""
+        if self._finished:
+            raise RuntimeError("Tracking.log called after finish()")
+        step = int(step)
+        clean: dict[str, float] = {}
+        for key, value in metrics.items():
+            number = to_float(value)
+            if number is None:
+                if key not in self._skipped:
+                    self._skipped.add(key)
+                    warnings.warn(
+                        f"metric {key!r} is not a single number ({type(value).__name__}); not logged",
+                        stacklevel=2,
+                    )
+                continue
+            clean[str(key)] = number
+        for backend in self.backends.values():
+            backend.log(clean, step)
+
+    def finish(self, failed: bool = False) -> None:
+        """Close every backend (idempotent). ``failed`` marks the run as failed where supported."""
+        if self._finished:
+            return
+        self._finished = True
+        errors = []
+        for backend in self.backends.values():
+            try:
+                backend.finish(failed=failed)
+            except Exception as e:  # close the others before reporting
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Tracking:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.finish(failed=exc_type is not None)

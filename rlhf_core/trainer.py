@@ -1,0 +1,309 @@
+"""The PPO loop: one controller drives the actor, critic and reward, step by step.
+
+One iteration reads as the data flow of the design: generate -> reward -> old
+log-probs -> reference log-probs -> values -> KL in reward -> advantages -> critic
+update -> actor update -> metrics. Each phase is timed under its verl name
+(``timing_s/gen``, ``timing_s/update_actor``, ...).
+
+Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, lets the
+guards (:mod:`rlhf_core.guards`) judge each step, logs it, then checkpoints it every
+``save_freq`` steps, at the end, after a rollback and when a validation sets a new best.
+A stop request (set by a signal handler) ends the run between steps, after a save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlhf_core import algos, checkpoint
+from rlhf_core.batch import Batch
+from rlhf_core.config import PPOConfig
+from rlhf_core.data.dataset import PromptSampler, RLHFDataset
+from rlhf_core.guards import Guard, GuardError, GuardEvent, TrainingInterrupted, tighten_kl_control
+from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.rollout import SamplingParams
+from rlhf_core.workers.actor import ActorWorker
+from rlhf_core.workers.critic import CriticWorker
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated, or the process's peak resident set size on CPU, in GiB."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+@contextmanager
+def timed(name: str, timings: dict[str, float]):
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(algos.masked_mean(values, mask)) if mask.sum() > 0 else 0.0
+
+
+def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """verl's per-step data metrics: scores, rewards, advantages, returns, values, lengths."""
+    mask = batch["response_mask"].float()
+    response_length = mask.sum(-1)  # (bs,)
+    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(-1)
+    scores = batch["token_level_scores"].sum(-1)
+    rewards = batch["token_level_rewards"].sum(-1)
+    metrics = {
+        "critic/score/mean": float(scores.mean()),
+        "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": _mean(batch["advantages"], mask),
+        "critic/returns/mean": _mean(batch["returns"], mask),
+        "response_length/mean": float(response_length.mean()),
+        "response_length/max": float(response_length.max()),
+        "response_length/clip_ratio": float((response_length >= max_response_length).float().mean()),
+        "prompt_length/mean": float(prompt_length.mean()),
+    }
+    if "values" in batch:
+        metrics["critic/values/mean"] = _mean(batch["values"], mask)
+        if mask.sum() >= 2:
+            metrics["critic/vf_explained_var"] = algos.compute_explained_variance(
+                batch["values"], batch["returns"], mask)
+    return metrics
+
+
+@dataclass
+class StepResult:
+    step: int
+    metrics: dict[str, float]
+
+
+class PPOTrainer:
+    """Runs PPO on prompt data with an actor (and, for GAE, a critic)."""
+
+    def __init__(self, config: PPOConfig, tokenizer, train_dataset: RLHFDataset, val_dataset: RLHFDataset | None,
+                 reward_manager: RewardManager, logger: Callable[[dict[str, float], int], None] | None = None,
+                 device: str = "cpu"):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.train_dataset = train_dataset
+        self.val_dataset = val_dataset
+        self.reward_manager = reward_manager
+        self.logger = logger
+        arr, algo = config.actor_rollout_ref, config.algorithm
+        self.use_critic = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_CRITIC
+        self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
+        self.sampler = PromptSampler(len(train_dataset), config.data.train_batch_size, config.data.shuffle,
+                                     config.data.seed)
+        self.total_steps = config.trainer.total_training_steps or (
+            self.sampler.batches_per_epoch * config.trainer.total_epochs)
+        seed = config.trainer.seed
+        torch.manual_seed(seed)
+        self.actor = ActorWorker(arr, tokenizer, self.total_steps, self.use_ref, seed=seed, device=device)
+        self.critic = None
+        if self.use_critic:
+            self.critic = CriticWorker(
+                config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
+                arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
+                device=device)
+        kl = algo.kl_ctrl
+        self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.global_step = 0
+        self.history: list[StepResult] = []
+        self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
+        self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
+        self.guard = Guard(config.trainer.guard)
+        self.last_saved_step: int | None = None
+        self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
+
+    # ------------------------------------------------------------------ sampling settings
+    def _train_params(self) -> SamplingParams:
+        r = self.config.actor_rollout_ref.rollout
+        return SamplingParams(n=r.n, max_new_tokens=self.config.data.max_response_length, do_sample=r.do_sample,
+                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+
+    def _val_params(self) -> SamplingParams:
+        v = self.config.actor_rollout_ref.rollout.val_kwargs
+        return SamplingParams(n=v.n, max_new_tokens=self.config.data.max_response_length, do_sample=v.do_sample,
+                              temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
+
+    def _score(self, batch: Batch) -> dict:
+        scores, extras = self.reward_manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
+                                             batch.meta["ground_truth"], batch.meta["extra_info"])
+        batch["token_level_scores"] = scores
+        return extras
+
+    # ------------------------------------------------------------------ one iteration
+    def train_step(self, prompts: Batch) -> dict[str, float]:
+        cfg, algo = self.config, self.config.algorithm
+        n = cfg.actor_rollout_ref.rollout.n
+        timings: dict[str, float] = {}
+        with timed("step", timings):
+            with timed("gen", timings):
+                batch = self.actor.generate(prompts, self._train_params())
+            with timed("reward", timings):
+                extras = self._score(batch)
+            with timed("old_log_prob", timings):
+                batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
+            if self.use_ref:
+                with timed("ref", timings):
+                    batch["ref_log_prob"] = self.actor.compute_ref_log_prob(batch)
+            if self.use_critic:
+                with timed("values", timings):
+                    batch["values"] = self.critic.compute_values(batch)
+            metrics: dict[str, float] = {"actor/entropy": _mean(entropy, batch["response_mask"].float())}
+            with timed("adv", timings):
+                if algo.use_kl_in_reward:
+                    rewards, _, kl_metrics = algos.apply_kl_penalty(
+                        batch["token_level_scores"], batch["old_log_prob"], batch["ref_log_prob"],
+                        batch["response_mask"], self.kl_ctrl, algo.kl_penalty)
+                    metrics.update(kl_metrics)
+                else:
+                    rewards = batch["token_level_scores"]
+                batch["token_level_rewards"] = rewards
+                batch["advantages"], batch["returns"] = algos.compute_advantage(
+                    algo.adv_estimator, rewards, batch["response_mask"].float(),
+                    values=batch.tensors.get("values"), index=batch.meta["uid"], gamma=algo.gamma, lam=algo.lam,
+                    norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+            if self.use_critic:
+                with timed("update_critic", timings):
+                    metrics.update(self.critic.update_critic(batch, n))
+            if self.global_step >= cfg.trainer.critic_warmup:
+                with timed("update_actor", timings):
+                    metrics.update(self.actor.update_policy(batch, n))
+        metrics.update(data_metrics(batch, cfg.data.max_response_length))
+        metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
+        metrics.update(timings)
+        metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timings["timing_s/gen"], 1e-9)
+        tokens = int(batch["attention_mask"].sum())
+        metrics["perf/total_num_tokens"] = tokens
+        metrics["perf/throughput"] = tokens / timings["timing_s/step"] / max(1, self.config.world_size)
+        metrics["perf/max_memory_allocated_gb"] = peak_memory_gb()
+        metrics["training/skipped_steps"] = self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """Greedy (val_kwargs) accuracy and reward on the validation set, per data source."""
+        if self.val_dataset is None:
+            return {}
+        size = self.config.data.val_batch_size or len(self.val_dataset)
+        params = self._val_params()
+        acc: dict[str, list[float]] = {}
+        score: dict[str, list[float]] = {}
+        for start in range(0, len(self.val_dataset), size):
+            rows = list(range(start, min(start + size, len(self.val_dataset))))
+            batch = self.actor.generate(self.val_dataset.collate(rows), params)
+            extras = self._score(batch)
+            for source, a, s in zip(batch.meta["data_source"], extras["acc"], extras["score"]):
+                acc.setdefault(source, []).append(float(a))
+                score.setdefault(source, []).append(float(s))
+        n = params.n
+        metrics = {}
+        for source in acc:
+            metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(acc[source]))
+            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(score[source]))
+        return metrics
+
+    def val_accuracy(self, metrics: dict[str, float]) -> float | None:
+        """The mean of the per-source validation accuracies in ``metrics``."""
+        values = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+        return float(np.mean(values)) if values else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.checkpoint`)."""
+        path = checkpoint.save_checkpoint(self, self.checkpoint_dir)
+        self.last_saved_step = self.global_step
+        return path
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off."""
+        checkpoint.load_checkpoint(self, path)
+        self.last_saved_step = self.global_step
+
+    def _skipped_total(self) -> int:
+        return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
+
+    def _handle(self, event: GuardEvent) -> None:
+        """Carry out a guard's event: restore its checkpoint, then stop (GuardError) or adjust and go on."""
+        restored = None
+        if event.target_step is not None:
+            restored = checkpoint.step_dir(self.checkpoint_dir, event.target_step)
+            checkpoint.restore_weights(self, restored)
+        if event.action == "stop":
+            if restored is not None:
+                checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
+                where = f"restored {restored} and marked it latest: fix the cause, then rerun to resume from it"
+            else:
+                where = "no checkpoint was saved before the problem began, so nothing was restored"
+            raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
+        adjusted = tighten_kl_control(self) if event.kind == "kl_explosion" else ""
+        print(f"WARNING guard: rollback {self.guard.rollbacks}/{self.config.trainer.guard.max_rollbacks} at step "
+              f"{self.global_step}: {event.message}; "
+              + (f"restored {restored}" if restored else "no earlier checkpoint to restore")
+              + (f"; {adjusted}" if adjusted else ""), file=sys.stderr, flush=True)
+
+    def _stop_if_requested(self) -> None:
+        if self.stop_requested is None:
+            return
+        name, number = self.stop_requested
+        saved = None
+        if self.last_saved_step == self.global_step:
+            saved = checkpoint.step_dir(self.checkpoint_dir, self.global_step)
+        elif self.config.trainer.save_on_interrupt and self.global_step > 0:
+            saved = self.save_checkpoint()
+        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None)
+
+    # ------------------------------------------------------------------ the loop
+    def _log(self, metrics: dict[str, float], step: int) -> None:
+        if self.logger is not None:
+            self.logger(metrics, step)
+
+    def fit(self) -> list[StepResult]:
+        trainer_cfg = self.config.trainer
+        if trainer_cfg.val_before_train and self.val_dataset is not None and self.global_step == 0:
+            val_metrics = self.validate()
+            new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
+            self._log(val_metrics, 0)
+            if new_best:  # the val-drop guard's first rollback target
+                self.save_checkpoint()
+        while self.global_step < self.total_steps:
+            self._stop_if_requested()
+            epoch, rows = self.sampler.next_batch()
+            skipped_before = self._skipped_total()
+            metrics = self.train_step(self.train_dataset.collate(rows))
+            self.global_step += 1
+            step = self.global_step
+            last = step == self.total_steps
+            save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
+            event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
+            if self.val_dataset is not None and (
+                    last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0)):
+                metrics.update(self.validate())
+                if event is None:
+                    new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
+                    save = save or new_best
+            metrics["training/global_step"] = step
+            metrics["training/epoch"] = epoch
+            metrics["training/rollbacks"] = self.guard.rollbacks
+            self.history.append(StepResult(step, metrics))
+            self._log(metrics, step)
+            if event is not None:
+                self._handle(event)
+                save = True  # the next resume and the next rollback start from the restored state
+            if save:
+                self.save_checkpoint()
+        return self.history

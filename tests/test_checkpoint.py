@@ -1,0 +1,353 @@
+"""Checkpoints: the layout, a full round trip, the HF export, atomicity under injected faults,
+pruning, resume modes, and the errors for missing, incomplete or mismatched checkpoints."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from rlhf_core import checkpoint
+from rlhf_core.checkpoint import CheckpointError
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import random_toy_model
+
+DIGIT_FIRST_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
+)
+
+
+def tiny_overrides(root, model, out, *extra):
+    """Two PPO steps of this setup take about a second on one CPU core."""
+    return [
+        f"actor_rollout_ref.model.path={model}",
+        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "critic.optim.lr=1e-2", f"custom_reward_function.path={root / 'reward.py'}",
+        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+        "trainer.logger=[file]", f"trainer.default_local_dir={out}", *extra,
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: identical numerics in every process, and no spinning threads on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
+    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
+    return root, model
+
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    """A trainer after two steps with a checkpoint at each step."""
+    root, model = workspace
+    out = root / "trained"
+    cfg = load_config(tiny_overrides(root, model, out, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                                     "trainer.test_freq=1"))
+    trainer = build_trainer(cfg)
+    trainer.fit()
+    return trainer, out
+
+
+def _assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _optimizer_tensors(optimizer) -> dict:
+    return {f"{pid}.{key}": value for pid, state in optimizer.state_dict()["state"].items()
+            for key, value in state.items()}
+
+
+def test_layout_and_exact_round_trip(workspace, trained):
+    root, model = workspace
+    trainer, out = trained
+    assert (out / checkpoint.LATEST_FILE).read_text().strip() == "2"
+    ckpt = out / "global_step_2"
+    for rel in ("actor/model_state.pt", "actor/optim_state.pt", "actor/extra_state.pt", "critic/model_state.pt",
+                "critic/optim_state.pt", "critic/extra_state.pt", "actor/huggingface/config.json",
+                "actor/huggingface/model.safetensors", "actor/huggingface/tokenizer.json", "trainer_state.json",
+                "rng_state.pt", "config.yaml", "manifest.json"):
+        assert (ckpt / rel).is_file(), rel
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": 2, "seed": 1, "n": 32}
+    assert state["kl_ctrl"]["type"] == "adaptive" and state["kl_ctrl"]["value"] == trainer.kl_ctrl.value
+    assert yaml.safe_load((ckpt / "config.yaml").read_text())["data"]["train_batch_size"] == 8
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp directory left behind
+
+    fresh = build_trainer(load_config(tiny_overrides(root, model, out, "trainer.total_training_steps=2")))
+    torch.manual_seed(12345)  # the load must put the global generator back too
+    fresh.load_checkpoint(ckpt)
+    assert fresh.global_step == 2
+    assert fresh.sampler.state_dict() == trainer.sampler.state_dict()
+    assert fresh.kl_ctrl.value == trainer.kl_ctrl.value and fresh.kl_ctrl.target == trainer.kl_ctrl.target
+    for mine, theirs in ((fresh.actor, trainer.actor), (fresh.critic, trainer.critic)):
+        _assert_same_tensors(mine.module.state_dict(), theirs.module.state_dict())
+        _assert_same_tensors(_optimizer_tensors(mine.optimizer), _optimizer_tensors(theirs.optimizer))
+        assert mine.scheduler.state_dict() == theirs.scheduler.state_dict()
+        assert torch.equal(mine.shuffle_generator.get_state(), theirs.shuffle_generator.get_state())
+    assert torch.equal(fresh.actor.rollout.generator.get_state(), trainer.actor.rollout.generator.get_state())
+    assert torch.equal(torch.get_rng_state(), torch.load(ckpt / "rng_state.pt")["torch"])
+    assert fresh.guard.state_dict() == trainer.guard.state_dict()
+
+
+def test_hf_directory_loads_with_plain_transformers_and_generates(trained, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    trainer, out = trained
+    hf_dir = out / "global_step_2" / "actor" / "huggingface"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    for name, value in trainer.actor.module.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    inputs = tokenizer(["User: 2 + 3?\nAssistant: "], return_tensors="pt")
+    generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert generated.shape[1] > inputs["input_ids"].shape[1]
+    assert isinstance(tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:]), str)
+
+    exported = checkpoint.export_hf(trainer, tmp_path / "export")  # the standalone export, same content
+    assert (exported / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        checkpoint.export_hf(trainer, tmp_path / "export")
+
+
+@pytest.fixture
+def scratch(trained, tmp_path):
+    """A copy of the two-step run's checkpoints that a test may damage."""
+    trainer, out = trained
+    copy = tmp_path / "ckpts"
+    shutil.copytree(out, copy)
+    trainer.checkpoint_dir = copy
+    trainer.global_step = 3
+    yield trainer, copy
+    trainer.checkpoint_dir, trainer.global_step = out, 2
+
+
+def _fail_on_call(monkeypatch, number: int, error: OSError):
+    real = checkpoint._write
+    calls = []
+
+    def write(path, fill):
+        calls.append(path)
+        if len(calls) == number:
+            raise error
+        real(path, fill)
+
+    monkeypatch.setattr(checkpoint, "_write", write)
+    return calls
+
+
+@pytest.mark.parametrize(("call", "what"), [(1, "actor/model_state.pt"), (4, "critic/model_state.pt"),
+                                             (10, "manifest.json"), (11, checkpoint.LATEST_FILE)])
+def test_disk_full_midway_keeps_the_previous_checkpoint(scratch, monkeypatch, call, what):
+    trainer, root = scratch
+    calls = _fail_on_call(monkeypatch, call, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.save_checkpoint(trainer, root)
+    message = str(info.value)
+    assert f"disk full while writing {what}" in message and "global_step_3" in message
+    assert "previous checkpoint" in message and "global_step_2 is intact" in message
+    assert len(calls) == call
+    assert (root / checkpoint.LATEST_FILE).read_text().strip() == "2"
+    assert not (root / "global_step_3").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_2"
+    checkpoint.read_manifest(root / "global_step_2")
+    monkeypatch.undo()
+    assert checkpoint.save_checkpoint(trainer, root) == root / "global_step_3"  # and the next save works
+    assert (root / checkpoint.LATEST_FILE).read_text().strip() == "3"
+
+
+def test_unwritable_directory_is_reported(scratch, monkeypatch, tmp_path):
+    trainer, root = scratch
+    _fail_on_call(monkeypatch, 2, PermissionError(errno.EACCES, "Permission denied"))
+    with pytest.raises(CheckpointError, match=f"checkpoint directory {root} is not writable"):
+        checkpoint.save_checkpoint(trainer, root)
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_2"
+    monkeypatch.undo()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        checkpoint.save_checkpoint(trainer, blocker / "sub")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        checkpoint.check_writable(blocker / "sub")
+
+
+def test_a_save_killed_midway_leaves_nothing_that_loads(scratch):
+    trainer, root = scratch
+    (root / ".global_step_3.tmp-killed").mkdir()  # what a SIGKILL during a save leaves
+    (root / ".global_step_3.tmp-killed" / "actor").mkdir()
+    (root / "global_step_7").mkdir()  # a directory without a manifest is not a checkpoint
+    assert [step for step, _ in checkpoint.list_checkpoints(root)] == [1, 2]
+    with pytest.raises(CheckpointError, match="global_step_7 is incomplete: it has no manifest.json"):
+        checkpoint.read_manifest(root / "global_step_7")
+    checkpoint.save_checkpoint(trainer, root)
+    assert not (root / ".global_step_3.tmp-killed").exists()
+    assert [step for step, _ in checkpoint.list_checkpoints(root)] == [1, 2, 3]
+
+
+def test_missing_incomplete_and_mismatched_checkpoints_are_clear_errors(workspace, scratch, tmp_path):
+    trainer, root = scratch
+    with pytest.raises(CheckpointError, match=f"checkpoint {tmp_path / 'nowhere' / 'global_step_5'} does not"):
+        trainer.load_checkpoint(tmp_path / "nowhere" / "global_step_5")
+    (root / "global_step_1" / "critic" / "optim_state.pt").unlink()
+    with pytest.raises(CheckpointError, match="global_step_1 is incomplete: critic/optim_state.pt missing"):
+        trainer.load_checkpoint(root / "global_step_1")
+    (root / checkpoint.LATEST_FILE).write_text("9\n")
+    with pytest.raises(CheckpointError, match="names step 9, but checkpoint .*global_step_9 does not exist"):
+        checkpoint.latest_checkpoint(root)
+    (root / checkpoint.LATEST_FILE).write_text("oops")
+    with pytest.raises(CheckpointError, match="should hold a step number"):
+        checkpoint.latest_checkpoint(root)
+
+    # the same model directory now holds a model of another width: a shape mismatch, named
+    workspace_root, _ = workspace
+    other = tmp_path / "model"
+    random_toy_model(other, n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    small = build_trainer(load_config(tiny_overrides(workspace_root, other, root)))
+    checkpoint.save_checkpoint(small, tmp_path / "small")
+    shutil.rmtree(other)
+    random_toy_model(other, n_layers=1, hidden_size=48, max_position_embeddings=512, seed=0)
+    wide = build_trainer(load_config(tiny_overrides(workspace_root, other, root)))
+    with pytest.raises(CheckpointError, match=r"global_step_0/actor/model_state.pt does not fit the model being "
+                                              r"trained \(.* has shape \(\d+, 32\) in the checkpoint, \(\d+, 48\)"):
+        wide.load_checkpoint(tmp_path / "small" / "global_step_0")
+
+
+def test_resume_modes(workspace, trained, tmp_path):
+    root, model = workspace
+    _, out = trained
+    auto = load_config(tiny_overrides(root, model, out))
+    assert checkpoint.find_resume_checkpoint(auto) == out / "global_step_2"
+    assert checkpoint.find_resume_checkpoint(load_config(tiny_overrides(root, model, tmp_path / "empty"))) is None
+    disabled = load_config(tiny_overrides(root, model, out, "trainer.resume_mode=disable"))
+    assert checkpoint.find_resume_checkpoint(disabled) is None
+    chosen = load_config(tiny_overrides(root, model, tmp_path / "elsewhere", "trainer.resume_mode=resume_path",
+                                        f"trainer.resume_from_path={out / 'global_step_1'}"))
+    assert checkpoint.find_resume_checkpoint(chosen) == out / "global_step_1"
+    for wrong, needle in ((out, "must be global_step_N"), (out / "global_step_8", "global_step_8 does not exist")):
+        cfg = load_config(tiny_overrides(root, model, out, "trainer.resume_mode=resume_path",
+                                         f"trainer.resume_from_path={wrong}"))
+        with pytest.raises(CheckpointError, match=f"trainer.resume_from_path: .*{needle}"):
+            checkpoint.find_resume_checkpoint(cfg)
+
+
+DENIED = {
+    "data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "4", "data.max_response_length": "16",
+    "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
+    "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.lr": "0.5",
+}
+ALLOWED = {
+    "trainer.logger": "[console]", "trainer.test_freq": "5", "trainer.save_freq": "3",
+    "trainer.total_training_steps": "50", "trainer.experiment_name": "renamed", "trainer.guard.max_kl": "0.5",
+    "trainer.guard.max_val_drop": "null", "trainer.warn_kl": "0.5", "trainer.prometheus_port": "9400",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
+}
+
+
+def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(workspace, trained):
+    root, model = workspace
+    _, out = trained
+    ckpt = out / "global_step_2"
+    base = tiny_overrides(root, model, out, "trainer.total_training_steps=2")
+    checkpoint.check_config(ckpt, load_config(base))
+    allowed = load_config(base + [f"{k}={v}" for k, v in ALLOWED.items()], validate=False)
+    checkpoint.check_config(ckpt, allowed)
+    for key, value in DENIED.items():
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.check_config(ckpt, load_config(base + [f"{key}={value}"], validate=False))
+        assert f"cannot resume from {ckpt}" in str(info.value)
+        assert f"{key}: " in str(info.value) and "in the checkpoint" in str(info.value), key
+    everything = load_config(base + [f"{k}={v}" for k, v in DENIED.items()], validate=False)
+    assert sorted(checkpoint.config_differences(yaml.safe_load((ckpt / "config.yaml").read_text()),
+                                                everything.to_dict())) == sorted(DENIED)
+
+
+def test_pruning_keeps_the_latest_and_the_protected(scratch):
+    trainer, root = scratch
+    cfg = trainer.config.trainer
+    cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep = 2, 1
+    trainer.guard.best_step = 1  # the val-drop guard's rollback target
+    try:
+        for step in range(3, 7):
+            trainer.global_step = step
+            checkpoint.save_checkpoint(trainer, root)
+    finally:
+        cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
+        trainer.guard.best_step = None
+    layout = {step: sorted(p.name for p in path.iterdir() if p.is_dir()) for step, path in
+              checkpoint.list_checkpoints(root)}
+    assert layout == {1: ["actor", "critic"], 5: ["actor"], 6: ["actor", "critic"]}
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_6"
+    with pytest.raises(CheckpointError, match="global_step_5 .*critic/model_state.pt"):
+        trainer.load_checkpoint(root / "global_step_5")
+
+
+
+def test_after_a_guard_moves_latest_back_newer_checkpoints_are_replaced_not_counted(scratch):
+    trainer, root = scratch
+    for step in (3, 4):
+        trainer.global_step = step
+        checkpoint.save_checkpoint(trainer, root)
+    checkpoint.mark_latest(root, 2)  # what a guard's stop does
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_2"
+    stale = (root / "global_step_3" / "manifest.json").stat().st_mtime_ns
+    cfg = trainer.config.trainer
+    cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = 1
+    try:
+        trainer.global_step = 3
+        checkpoint.save_checkpoint(trainer, root)  # the rerun reaches step 3 again
+    finally:
+        cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
+    assert (root / "global_step_3" / "manifest.json").stat().st_mtime_ns != stale
+    assert [step for step, _ in checkpoint.list_checkpoints(root)] == [3, 4]
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_3"
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_checkpoint_round_trip_and_resume(workspace, tmp_path):
+    root, model = workspace
+    out = tmp_path / "cuda"
+    overrides = tiny_overrides(root, model, out, "trainer.device=cuda", "trainer.total_training_steps=2",
+                               "trainer.save_freq=1")
+    reference = build_trainer(load_config(overrides))
+    metrics: dict[int, dict] = {}
+    reference.logger = lambda m, step: metrics.__setitem__(step, dict(m))
+    reference.fit()
+    cuda_rng = torch.load(out / "global_step_1" / "rng_state.pt")["cuda"]
+    assert cuda_rng is not None and len(cuda_rng) == torch.cuda.device_count()
+
+    resumed = build_trainer(load_config(overrides))
+    resumed.load_checkpoint(out / "global_step_1")
+    assert all(torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), cuda_rng))
+    assert next(resumed.actor.module.parameters()).is_cuda
+    again: dict[int, dict] = {}
+    resumed.logger = lambda m, step: again.__setitem__(step, dict(m))
+    resumed.fit()
+    for key in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl", "critic/values/mean"):
+        assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-4, abs=1e-6), key

@@ -1,0 +1,134 @@
+"""The RL prompt dataset and its sampler: padding, templates, truncation, seeded order, resume."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import DataConfig
+from rlhf_core.data.dataset import DataError, PromptSampler, RLHFDataset, left_pad
+from rlhf_core.data.schema import INSTRUCTION, make_record
+from rlhf_core.models.toy import build_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def _write(path, questions, source="synthetic/arithmetic"):
+    rows = [make_record(q, f"{q} #### {i}", str(i), "train", i, source) for i, q in enumerate(questions)]
+    pd.DataFrame(rows).to_parquet(path)
+    return str(path)
+
+
+def test_left_pad_by_hand():
+    out = left_pad([[5, 6, 7], [8]], pad_id=0)
+    assert out["input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert out["position_ids"].tolist() == [[0, 1, 2], [0, 0, 0]]
+
+
+def test_prompts_use_the_chat_template(tmp_path, tokenizer):
+    path = _write(tmp_path / "a.parquet", ["What is 3+4?", "Tom has 2 cats."])
+    dataset = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200))
+    batch = dataset.collate([0, 1])
+    first = batch["input_ids"][0][batch["attention_mask"][0].bool()]
+    assert tokenizer.decode(first) == f"User: What is 3+4?{INSTRUCTION}\nAssistant: "
+    assert batch.meta["ground_truth"] == ["0", "1"]
+    assert batch.meta["data_source"] == ["synthetic/arithmetic"] * 2
+    assert batch.meta["index"] == [0, 1]
+    # left padding: the shorter prompt starts with pads and its positions count from its first token
+    short = batch["attention_mask"][0]
+    assert short[0] == 0 and short[-1] == 1
+    assert batch["position_ids"][0][short.bool()].tolist() == list(range(int(short.sum())))
+
+
+def test_plain_text_without_a_template(tmp_path, tokenizer):
+    plain = build_char_tokenizer()
+    plain.chat_template = None
+    path = _write(tmp_path / "a.parquet", ["Hi"])
+    dataset = RLHFDataset(path, plain, DataConfig(max_prompt_length=200))
+    assert plain.decode(dataset.prompt_ids[0]) == "Hi" + INSTRUCTION
+
+
+def test_many_files_are_concatenated(tmp_path, tokenizer):
+    a = _write(tmp_path / "a.parquet", ["one"])
+    b = _write(tmp_path / "b.parquet", ["two", "three"])
+    dataset = RLHFDataset([a, b], tokenizer, DataConfig(max_prompt_length=200))
+    assert len(dataset) == 3
+
+
+def test_overlong_prompt_error_names_the_row_and_length(tmp_path, tokenizer):
+    path = _write(tmp_path / "a.parquet", ["short", "x" * 300])
+    with pytest.raises(DataError) as info:
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="error"))
+    message = str(info.value)
+    expected_len = len(f"User: {'x' * 300}{INSTRUCTION}\nAssistant: ")
+    assert "row 1" in message and f"{expected_len} tokens" in message and "max_prompt_length (100)" in message
+
+
+def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer):
+    path = _write(tmp_path / "a.parquet", ["short", "y" * 300])
+    left = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="left"))
+    right = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="right"))
+    assert len(left.prompt_ids[1]) == len(right.prompt_ids[1]) == 100
+    assert tokenizer.decode(left.prompt_ids[1]).endswith("Assistant: ")
+    assert tokenizer.decode(right.prompt_ids[1]).startswith("User: yyy")
+    kept = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))
+    assert len(kept) == 1
+
+
+def test_missing_file_and_missing_column(tmp_path, tokenizer):
+    with pytest.raises(DataError, match="does not exist"):
+        RLHFDataset(str(tmp_path / "nope.parquet"), tokenizer, DataConfig())
+    pd.DataFrame({"prompt": ["x"]}).to_parquet(tmp_path / "bad.parquet")
+    with pytest.raises(DataError, match="reward_model"):
+        RLHFDataset(str(tmp_path / "bad.parquet"), tokenizer, DataConfig())
+
+
+def test_sampler_covers_each_epoch_once_in_seeded_order():
+    sampler = PromptSampler(10, 3, shuffle=True, seed=5)
+    assert sampler.batches_per_epoch == 3
+    epoch0 = [sampler.next_batch() for _ in range(3)]
+    rows0 = [r for _, rows in epoch0 for r in rows]
+    assert {e for e, _ in epoch0} == {0}
+    assert len(rows0) == len(set(rows0)) == 9  # one row dropped, none repeated
+    epoch, rows = sampler.next_batch()
+    assert epoch == 1
+    again = PromptSampler(10, 3, shuffle=True, seed=5)
+    assert [again.next_batch()[1] for _ in range(3)] == [rows for _, rows in epoch0]
+    other = PromptSampler(10, 3, shuffle=True, seed=6)
+    assert [other.next_batch()[1] for _ in range(3)] != [rows for _, rows in epoch0]
+
+
+def test_sampler_resumes_with_the_next_unseen_batch():
+    straight = PromptSampler(20, 4, seed=1)
+    expected = [straight.next_batch() for _ in range(9)]
+    first = PromptSampler(20, 4, seed=1)
+    seen = [first.next_batch() for _ in range(6)]
+    resumed = PromptSampler(20, 4, seed=1)
+    resumed.load_state_dict(first.state_dict())
+    seen += [resumed.next_batch() for _ in range(3)]
+    assert seen == expected
+
+
+def test_sampler_rejects_a_batch_larger_than_the_data():
+    with pytest.raises(DataError, match=r"train_batch_size \(8\) is larger than the dataset \(5"):
+        PromptSampler(5, 8)
+
+
+def test_batch_select_split_repeat_concat():
+    batch = Batch({"x": torch.arange(6).view(3, 2)}, {"m": ["a", "b", "c"]})
+    assert batch.select([2, 0])["x"].tolist() == [[4, 5], [0, 1]]
+    assert batch.select([2, 0]).meta["m"] == ["c", "a"]
+    parts = batch.split(2)
+    assert [len(p) for p in parts] == [2, 1]
+    assert Batch.concat(parts)["x"].tolist() == batch["x"].tolist()
+    rep = batch.repeat_interleave(2)
+    assert rep.meta["m"] == ["a", "a", "b", "b", "c", "c"]
+    assert rep["x"][:, 0].tolist() == [0, 0, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match="disagree"):
+        Batch({"x": torch.zeros(2)}, {"m": ["a"]})

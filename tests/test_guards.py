@@ -1,0 +1,262 @@
+"""Guards: their decisions worked out by hand, and each one provoked in a real run (NaN rewards, an
+absurd learning rate, a validation collapse) with the rollback checked against the checkpoint's weights."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_core import checkpoint
+from rlhf_core.algos import AdaptiveKLController, FixedKLController
+from rlhf_core.config import ConfigError, GuardConfig, load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.guards import Guard, GuardError, measured_kl, tighten_kl_control
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import random_toy_model
+
+DIGIT_FIRST_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
+)
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_consecutive_skips_stop_at_the_limit_and_target_the_checkpoint_before_the_streak():
+    guard = Guard(GuardConfig(max_consecutive_skips=3))
+    guard.on_checkpoint(2)
+    assert guard.observe_step(3, {}, skipped=True) is None
+    guard.on_checkpoint(3)  # saved during the streak: not a good state
+    assert guard.observe_step(4, {}, skipped=True) is None
+    assert guard.protected_steps() == {2}
+    event = guard.observe_step(5, {}, skipped=True)
+    assert (event.kind, event.action, event.target_step) == ("non_finite", "stop", 2)
+    assert "3 consecutive steps (up to step 5)" in event.message
+
+    guard = Guard(GuardConfig(max_consecutive_skips=2))
+    guard.observe_step(1, {}, skipped=True)
+    guard.observe_step(2, {}, skipped=False)  # a healthy step ends the streak
+    assert guard.observe_step(3, {}, skipped=True) is None
+    assert Guard(GuardConfig(max_consecutive_skips=None)).observe_step(1, {}, skipped=True) is None
+
+
+def test_measured_kl_is_the_largest_kl_metric_and_non_finite_counts_as_infinite():
+    assert measured_kl({"actor/ppo_kl": 0.1, "actor/reward_kl_penalty": 0.3, "actor/pg_loss": 9.0}) == 0.3
+    assert measured_kl({"actor/kl_loss": float("nan")}) == math.inf
+    assert measured_kl({"critic/vf_loss": 1.0}) is None
+
+
+def test_kl_above_the_limit_for_patience_steps_rolls_back_until_max_rollbacks():
+    guard = Guard(GuardConfig(max_kl=0.5, patience=2, max_rollbacks=1))
+    guard.on_checkpoint(1)
+    assert guard.observe_step(2, {"actor/ppo_kl": 0.6}, skipped=False) is None
+    assert guard.observe_step(3, {"actor/ppo_kl": 0.4}, skipped=False) is None  # the streak resets
+    guard.on_checkpoint(3)
+    assert guard.observe_step(4, {"actor/ppo_kl": 0.6}, skipped=False) is None
+    guard.on_checkpoint(4)
+    event = guard.observe_step(5, {"actor/reward_kl_penalty": float("nan")}, skipped=False)
+    assert (event.kind, event.action, event.target_step, guard.rollbacks) == ("kl_explosion", "rollback", 3, 1)
+    guard.observe_step(6, {"actor/ppo_kl": 2.0}, skipped=False)
+    event = guard.observe_step(7, {"actor/ppo_kl": 2.0}, skipped=False)
+    assert event.action == "stop" and "already rolled back 1 time(s)" in event.message
+    assert Guard(GuardConfig(max_kl=None, patience=1)).observe_step(1, {"actor/ppo_kl": 1e9}, False) is None
+
+
+def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
+    guard = Guard(GuardConfig(max_val_drop=0.2, max_rollbacks=3))
+    assert guard.observe_validation(0, 0.5) == (True, None)
+    assert guard.observe_validation(2, 0.6) == (True, None)
+    assert guard.observe_validation(4, 0.45) == (False, None)  # 0.15 below the best: within the limit
+    new_best, event = guard.observe_validation(6, 0.35)
+    assert not new_best and (event.kind, event.action, event.target_step) == ("val_drop", "rollback", 2)
+    assert "0.35 at step 6 is 0.25 below the best 0.6 (step 2" in event.message
+    assert guard.protected_steps() == {2}
+    copy = Guard(GuardConfig())
+    copy.load_state_dict(guard.state_dict())
+    assert copy.state_dict() == guard.state_dict() == {
+        "consecutive_skips": 0, "skip_anchor": None, "kl_streak": 0, "kl_anchor": None, "best_val": 0.6,
+        "best_step": 2, "rollbacks": 1}
+    assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
+
+
+def _fake_trainer(use_kl_in_reward: bool, use_kl_loss: bool, ctrl):
+    config = load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
+                          f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return SimpleNamespace(config=config, kl_ctrl=ctrl,
+                           actor=SimpleNamespace(optimizer=optimizer, scheduler=scheduler))
+
+
+def test_tightening_the_kl_control_after_a_kl_rollback():
+    trainer = _fake_trainer(True, False, FixedKLController(0.0))
+    assert "fixed -> adaptive" in tighten_kl_control(trainer)
+    assert isinstance(trainer.kl_ctrl, AdaptiveKLController)
+    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target, trainer.kl_ctrl.horizon) == (1e-3, 0.01, 10000)
+
+    trainer = _fake_trainer(True, False, AdaptiveKLController(0.2, 0.1, 500))
+    tighten_kl_control(trainer)
+    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target) == (0.2, 0.01)
+
+    trainer = _fake_trainer(False, True, FixedKLController(0.001))
+    assert "kl_loss_coef -> 0.002" in tighten_kl_control(trainer)
+    assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == 0.002
+
+    trainer = _fake_trainer(False, False, FixedKLController(0.001))
+    assert "learning rate x0.5" in tighten_kl_control(trainer)
+    assert trainer.actor.optimizer.param_groups[0]["lr"] == 0.05 and trainer.actor.scheduler.base_lrs == [0.05]
+
+
+def test_guard_keys_are_validated():
+    with pytest.raises(ConfigError) as info:
+        load_config(["trainer.guard.patience=0", "trainer.guard.max_kl=-1", "trainer.guard.max_rollbacks=-1",
+                     "trainer.prometheus_port=70000", "trainer.warn_kl=0"])
+    text = str(info.value)
+    for needle in ("trainer.guard.patience=0 must be > 0", "trainer.guard.max_kl=-1.0 must be > 0",
+                   "trainer.guard.max_rollbacks=-1 must be >= 0", "trainer.prometheus_port=70000 must be a TCP port",
+                   "trainer.warn_kl=0.0 must be > 0"):
+        assert needle in text
+
+
+# ----------------------------------------------------------------------------- provoked in real runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("guards")
+    random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=48, n_test=8, seed=0, max_ops=1)
+    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
+    return root
+
+
+def make_trainer(root, out, *extra):
+    return build_trainer(load_config([
+        f"actor_rollout_ref.model.path={root / 'model'}",
+        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "critic.optim.lr=1e-2", f"custom_reward_function.path={root / 'reward.py'}",
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+        "trainer.logger=[file]", f"trainer.default_local_dir={out}", *extra,
+    ]))
+
+
+def run_recording(trainer):
+    """fit(), keeping each step's metrics and the weights right after each train step."""
+    metrics, weights = {}, {}
+    train_step = trainer.train_step
+
+    def recording_step(prompts):
+        result = train_step(prompts)
+        weights[trainer.global_step + 1] = {k: v.clone() for k, v in trainer.actor.module.state_dict().items()}
+        return result
+
+    trainer.train_step = recording_step
+    trainer.logger = lambda m, step: metrics.__setitem__(step, dict(m))
+    error = None
+    try:
+        trainer.fit()
+    except GuardError as exc:
+        error = exc
+    return metrics, weights, error
+
+
+def assert_weights(module: torch.nn.Module, expected: dict[str, torch.Tensor], equal: bool = True) -> None:
+    same = all(torch.equal(value, expected[name]) for name, value in module.state_dict().items())
+    assert same == equal
+
+
+def test_nan_rewards_are_skipped_then_the_run_stops_restoring_the_last_good_checkpoint(workspace, tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.save_freq=2",
+                           "trainer.guard.max_consecutive_skips=2")
+    real_reward = trainer.reward_manager
+
+    def nan_from_step_4(*args):
+        scores, extras = real_reward(*args)
+        return (scores * math.nan if trainer.global_step >= 3 else scores), extras
+
+    trainer.reward_manager = nan_from_step_4
+    metrics, weights, error = run_recording(trainer)
+
+    assert error is not None and sorted(metrics) == [1, 2, 3, 4, 5]
+    assert "training stopped at step 5: 2 consecutive steps (up to step 5) had a non-finite loss or gradient" \
+        in str(error)
+    assert f"restored {out / 'global_step_2'} and marked it latest" in str(error)
+    assert metrics[3]["training/skipped_steps"] == 0 and metrics[5]["training/skipped_steps"] == 8
+    assert torch.equal(weights[5]["model.norm.weight"], weights[3]["model.norm.weight"])  # 4, 5: no update
+    saved = checkpoint.load_model_state(out / "global_step_2")
+    assert_weights(trainer.actor.module, weights[3], equal=False)  # step 3 had moved the policy on ...
+    assert_weights(trainer.actor.module, saved)  # ... and the rollback took it back to step 2
+    assert_weights(trainer.critic.module, checkpoint.load_model_state(out / "global_step_2", "critic"))
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
+
+
+def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_control_adaptive(
+        workspace, tmp_path, capsys):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=4", "trainer.save_freq=1",
+                           "algorithm.use_kl_in_reward=true", "trainer.guard.max_kl=0.5", "trainer.guard.patience=2")
+    train_step = trainer.train_step
+
+    def absurd_lr_from_step_3(prompts):
+        if trainer.global_step == 2:
+            trainer.actor.scheduler.base_lrs = [10.0]
+            trainer.actor.optimizer.param_groups[0]["lr"] = 10.0
+        return train_step(prompts)
+
+    trainer.train_step = absurd_lr_from_step_3
+    metrics, weights, error = run_recording(trainer)
+
+    assert error is None
+    assert [measured_kl(metrics[s]) > 0.5 for s in (1, 2, 3, 4)] == [False, False, True, True]
+    assert [metrics[s]["training/rollbacks"] for s in (1, 2, 3, 4)] == [0, 0, 0, 1]
+    assert "WARNING guard: rollback 1/3 at step 4: KL" in capsys.readouterr().err
+    before = checkpoint.load_model_state(out / "global_step_2")
+    assert_weights(trainer.actor.module, weights[4], equal=False)
+    assert_weights(trainer.actor.module, before)
+    assert_weights(trainer.critic.module, checkpoint.load_model_state(out / "global_step_2", "critic"))
+    assert isinstance(trainer.kl_ctrl, AdaptiveKLController) and trainer.kl_ctrl.target == 0.01
+    state = checkpoint.read_trainer_state(out / "global_step_4")  # saved after the rollback
+    assert state["kl_ctrl"]["type"] == "adaptive" and state["guard"]["rollbacks"] == 1
+    assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_4"))
+
+
+def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollbacks(workspace, tmp_path, capsys):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.test_freq=1",
+                           "trainer.guard.max_rollbacks=1", "trainer.max_actor_ckpt_to_keep=1",
+                           "trainer.max_critic_ckpt_to_keep=1")
+    accuracy = {1: 0.5, 2: 0.6, 3: 0.3, 4: 0.35}
+    trainer.validate = lambda: {"val-core/synthetic/acc/mean@1": accuracy[trainer.global_step]}
+    metrics, weights, error = run_recording(trainer)
+
+    assert sorted(metrics) == [1, 2, 3, 4]
+    assert [metrics[s]["training/rollbacks"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert "rollback 1/1 at step 3: validation accuracy 0.3 at step 3 is 0.3 below the best 0.6" in \
+        capsys.readouterr().err
+    best = checkpoint.load_model_state(out / "global_step_2")
+    assert not all(torch.equal(v, best[k]) for k, v in weights[3].items())
+    saved_after_rollback = checkpoint.load_model_state(out / "global_step_3")
+    assert all(torch.equal(v, best[k]) for k, v in saved_after_rollback.items())
+    assert error is not None and "already rolled back 1 time(s) (trainer.guard.max_rollbacks=1)" in str(error)
+    assert_weights(trainer.actor.module, best)
+    # the best checkpoint outlived max_*_ckpt_to_keep=1; the first one did not
+    assert [step for step, _ in checkpoint.list_checkpoints(out)] == [2, 3]
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_2"

@@ -1,0 +1,221 @@
+"""Exact resume: a run killed at any moment and started again with the same command continues from
+its latest checkpoint with the metrics an uninterrupted run has, seeing every batch of the epoch
+once. SIGKILL and SIGTERM are sent to real ``python -m rlhf_core.main_ppo`` processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import random_toy_model
+
+STEPS = 4  # one epoch: 32 prompts in batches of 8
+REL_TOL = 1e-6
+DIGIT_FIRST_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
+)
+
+
+def overrides(root, out, *extra):
+    return [
+        f"actor_rollout_ref.model.path={root / 'model'}",
+        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "critic.optim.lr=1e-2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+        f"custom_reward_function.path={root / 'reward.py'}", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+        f"trainer.total_training_steps={STEPS}", "trainer.logger=[file]", f"trainer.default_local_dir={out}",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: identical numerics in every process, and no spinning threads on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
+    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
+    return root
+
+
+def _fit(trainer) -> tuple[dict[int, dict], dict[int, list[int]]]:
+    """Run ``trainer.fit``, returning each step's metrics (as the file logger stores them) and prompt rows."""
+    metrics: dict[int, dict] = {}
+    rows: dict[int, list[int]] = {}
+    collate = trainer.train_dataset.collate
+
+    def recording_collate(indices):
+        rows[trainer.global_step + 1] = list(indices)
+        return collate(indices)
+
+    trainer.train_dataset.collate = recording_collate
+    trainer.logger = lambda m, step: metrics.__setitem__(step, json.loads(json.dumps(m)))
+    trainer.fit()
+    return metrics, rows
+
+
+@pytest.fixture(scope="module")
+def reference(workspace):
+    """The uninterrupted run, checkpointing every step."""
+    out = workspace / "reference"
+    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
+    metrics, rows = _fit(trainer)
+    return out, metrics, rows
+
+
+def _comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "step" and not k.startswith(("timing_s/", "perf/"))}
+
+
+def assert_same_metrics(got: dict, expected: dict, step: int) -> None:
+    got, expected = _comparable(got), _comparable(expected)
+    assert got.keys() == expected.keys(), (step, got.keys() ^ expected.keys())
+    for key, value in expected.items():
+        other = got[key]
+        if value is None or other is None:
+            assert value is other, (step, key, other, value)
+        else:
+            assert math.isclose(other, value, rel_tol=REL_TOL, abs_tol=1e-9), (step, key, other, value)
+
+
+def read_metrics(path) -> dict[int, dict]:
+    """The last record of each step (a step may be logged twice around a kill); a torn last line is skipped."""
+    records: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        records[record["step"]] = record
+    return records
+
+
+def test_resume_in_process_sees_each_batch_once_and_matches(workspace, reference):
+    out, expected, expected_rows = reference
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    epoch = [row for step in sorted(expected_rows) for row in expected_rows[step]]
+    assert sorted(epoch) == list(range(32))  # the uninterrupted run sees each prompt once per epoch
+
+    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
+    trainer.load_checkpoint(out / "global_step_2")
+    metrics, rows = _fit(trainer)
+    assert sorted(metrics) == [3, 4]
+    assert rows == {3: expected_rows[3], 4: expected_rows[4]}
+    for step in (3, 4):
+        assert_same_metrics(metrics[step], expected[step], step)
+    assert metrics[4]["actor/kl_loss"] > 0 and metrics[4]["actor/reward_kl_penalty_coeff"] != 0.001
+
+
+def _cli(workspace, out, *extra) -> list[str]:
+    return [sys.executable, "-m", "rlhf_core.main_ppo", *overrides(workspace, out, *extra)]
+
+
+def _start(command, log_dir, name):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")  # as in this process (one_thread)
+    stdout = open(log_dir / f"{name}.out", "w")  # closed by _finish
+    stderr = open(log_dir / f"{name}.err", "w")
+    process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env=env, cwd=log_dir)
+    process.logs = (stdout, stderr)
+    return process
+
+
+def _finish(process, timeout=180) -> tuple[int, str]:
+    code = process.wait(timeout=timeout)
+    for f in process.logs:
+        f.close()
+    return code, open(process.logs[1].name).read()
+
+
+def _wait_for(condition, process, timeout=180.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if process.poll() is not None:
+            raise AssertionError(f"the run ended (rc {process.returncode}) before {what}: "
+                                 + open(process.logs[1].name).read()[-2000:])
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _latest(out) -> int | None:
+    try:
+        text = (out / "latest_checkpointed_iteration.txt").read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def test_sigkill_after_a_checkpoint_then_the_same_command_continues_exactly(workspace, reference, tmp_path):
+    _, expected, _ = reference
+    out = tmp_path / "run"
+    command = _cli(workspace, out, "trainer.save_freq=1")
+
+    first = _start(command, tmp_path, "killed")
+    _wait_for(lambda: (_latest(out) or 0) >= 2, first, what="the checkpoint of step 2")
+    first.send_signal(signal.SIGKILL)
+    code, _ = _finish(first)
+    assert code == -signal.SIGKILL
+    killed_at = _latest(out)
+    assert killed_at is not None and killed_at < STEPS
+
+    second = _start(command, tmp_path, "resumed")
+    code, err = _finish(second)
+    assert code == 0, err[-3000:]
+    assert f"resumed from {out / f'global_step_{killed_at}'} (step {killed_at} of {STEPS})" in err
+
+    got = read_metrics(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert_same_metrics(got[step], expected[step], step)
+    state = json.loads((out / f"global_step_{STEPS}" / "trainer_state.json").read_text())
+    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": STEPS, "seed": 1, "n": 32}
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_nonzero(workspace, reference, tmp_path):
+    _, expected, _ = reference
+    out = tmp_path / "run"
+    process = _start(_cli(workspace, out, "trainer.save_freq=-1"), tmp_path, "terminated")
+    _wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip(), process,
+              what="the first logged step")
+    process.send_signal(signal.SIGTERM)
+    code, err = _finish(process)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    step = _latest(out)
+    assert step is not None and 1 <= step < STEPS, err[-3000:]
+    assert "received SIGTERM: finishing step" in err
+    assert f"interrupted by SIGTERM after step {step}: checkpoint saved at {out / f'global_step_{step}'}" in err
+    state = json.loads((out / f"global_step_{step}" / "trainer_state.json").read_text())
+    assert state["global_step"] == step and state["sampler"]["batch_in_epoch"] == step
+    got = read_metrics(out / "metrics.jsonl")
+    assert sorted(got) == list(range(1, step + 1))
+    for s in got:
+        assert_same_metrics(got[s], expected[s], s)

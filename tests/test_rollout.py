@@ -1,0 +1,124 @@
+"""The HF rollout engine: EOS handling, groups of samples, greedy equals transformers' generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.batch import Batch
+from rlhf_core.data.dataset import left_pad
+from rlhf_core.models.loading import load_actor, load_tokenizer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import SamplingParams, make_rollout_engine
+from rlhf_core.rollout.hf import sample_next_token
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return random_toy_model(tmp_path_factory.mktemp("rollout") / "model", n_layers=1, hidden_size=32, seed=3)
+
+
+@pytest.fixture(scope="module")
+def actor(model_dir):
+    return load_actor(model_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    return load_tokenizer(model_dir)
+
+
+def _prompts(tokenizer, texts):
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return Batch(left_pad(ids, tokenizer.pad_token_id), {"uid": list(range(len(texts)))})
+
+
+def test_greedy_matches_transformers_generate(actor, tokenizer):
+    prompts = _prompts(tokenizer, ["What is 3+4?", "Hi", "Tom has 12 apples and"])
+    engine = make_rollout_engine("hf", actor, tokenizer, seed=0)
+    out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=12, do_sample=False))
+    reference = actor.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                               max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = reference[:, prompts["input_ids"].shape[1]:]
+    for row in range(3):
+        length = int(out["response_mask"][row].sum())
+        assert out["responses"][row, :length].tolist() == expected[row, :length].tolist()
+
+
+class _EosAfter(torch.nn.Module):
+    """A fake causal LM that emits token 7 until step k_row, then EOS, per row."""
+
+    def __init__(self, stop_at, eos_id, vocab=16):
+        super().__init__()
+        self.stop_at, self.eos_id, self.vocab = stop_at, eos_id, vocab
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=True, **kwargs):
+        step = self.calls
+        self.calls += 1
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.vocab), -1e4)
+        for row in range(input_ids.shape[0]):
+            token = self.eos_id if step >= self.stop_at[row % len(self.stop_at)] else 7
+            logits[row, -1, token] = 0.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_eos_is_kept_in_the_mask_and_everything_after_is_masked(tokenizer):
+    eos = tokenizer.eos_token_id
+    fake = _EosAfter(stop_at=[0, 2, 9], eos_id=eos)
+    fake.generation_config = None
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    prompts = Batch(left_pad([[5, 6], [5], [6, 6, 6]], tokenizer.pad_token_id), {"uid": [0, 1, 2]})
+    out = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=5, do_sample=False))
+    assert out["responses"].shape == (3, 5)
+    assert out["responses"][0].tolist()[:1] == [eos]
+    assert out["response_mask"].tolist() == [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert out["responses"][1].tolist() == [7, 7, eos, tokenizer.pad_token_id, tokenizer.pad_token_id]
+    # the full sequence carries the prompt then the response, masks aligned
+    assert out["attention_mask"][1].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert out["position_ids"][1, 2:6].tolist() == [0, 1, 2, 3]
+
+
+def test_generation_stops_once_every_row_has_ended(tokenizer):
+    fake = _EosAfter(stop_at=[1, 1], eos_id=tokenizer.eos_token_id)
+    fake.generation_config = None
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    prompts = Batch(left_pad([[5], [6]], tokenizer.pad_token_id), {"uid": [0, 1]})
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=50, do_sample=False))
+    assert out["responses"].shape[1] == 2
+    assert fake.calls == 2  # one prompt forward, one decode step; no wasted passes
+
+
+def test_n_samples_are_adjacent_and_share_their_prompt(actor, tokenizer):
+    prompts = _prompts(tokenizer, ["ab", "cde"])
+    engine = make_rollout_engine("hf", actor, tokenizer, seed=1)
+    out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=6, temperature=1.0))
+    assert len(out) == 6
+    assert out.meta["uid"] == [0, 0, 0, 1, 1, 1]
+    assert torch.equal(out["prompts"][0], out["prompts"][2])
+    assert torch.equal(out["prompts"][3], prompts["input_ids"][1])
+
+
+def test_sampling_is_reproducible_by_seed(actor, tokenizer):
+    prompts = _prompts(tokenizer, ["ab", "cde"])
+    params = SamplingParams(n=2, max_new_tokens=8)
+    first = make_rollout_engine("hf", actor, tokenizer, seed=4).generate(prompts, params)
+    second = make_rollout_engine("hf", actor, tokenizer, seed=4).generate(prompts, params)
+    third = make_rollout_engine("hf", actor, tokenizer, seed=5).generate(prompts, params)
+    assert torch.equal(first["responses"], second["responses"])
+    assert not torch.equal(first["responses"], third["responses"])
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
+    gen = torch.Generator().manual_seed(0)
+    top1 = sample_next_token(logits, SamplingParams(top_k=1), gen)
+    assert set(top1.tolist()) == {3}
+    top2 = sample_next_token(logits, SamplingParams(top_k=2), gen)
+    assert set(top2.tolist()) == {2, 3}
+    # softmax([0,1,2,3]) = [.032, .087, .237, .644]: top_p=0.7 keeps {3, 2} (0.644 < 0.7 <= 0.881)
+    nucleus = sample_next_token(logits, SamplingParams(top_p=0.7), gen)
+    assert set(nucleus.tolist()) == {2, 3}
+    share = (nucleus == 3).float().mean().item()
+    assert abs(share - 0.644 / 0.881) < 0.04

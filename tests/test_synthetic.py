@@ -1,0 +1,296 @@
+"""Synthetic arithmetic problems: correctness by an independent evaluator, schema, determinism, CLI."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlhf_core.data import synthetic
+from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
+from rlhf_core.data.synthetic import DATA_SOURCE, build_dataset, build_splits, generate_problems, main
+from rlhf_core.rewards.gsm8k import compute_score
+
+ROOT = Path(__file__).resolve().parents[1]
+_STEP = re.compile(r"<<(\d+)([-+*/])(\d+)=(\d+)>>(\d+)")
+_SHOWN = re.compile(r"(\d+) ([-+*/]) (\d+) = <<")
+
+
+def _evaluate(a: int, op: str, b: int) -> int:
+    """Integer arithmetic, refusing inexact division."""
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    assert b != 0 and a % b == 0, f"inexact division {a}/{b}"
+    return a // b
+
+
+def check_problem(
+    problem: dict, min_ops=1, max_ops=3, min_operand=1, max_operand=20, max_value=999, operations="+-*/"
+) -> None:
+    """Recompute every step of a problem from its ``<<a op b=c>>`` annotations and check it."""
+    assert set(problem) == {"question", "solution", "answer"}
+    lines = problem["solution"].split("\n")
+    assert lines[-1] == f"#### {problem['answer']}"
+    steps = []
+    for line in lines[:-1]:
+        matches = _STEP.findall(line)
+        assert len(matches) == 1, line
+        a, op, b, c, shown = matches[0]
+        a, b, c, shown = int(a), int(b), int(c), int(shown)
+        assert _evaluate(a, op, b) == c, line
+        assert shown == c, line
+        # The plain-text expression in front of the annotation matches the annotation.
+        assert _SHOWN.findall(line) == [(str(a), op, str(b))], line
+        steps.append((a, op, b, c))
+    assert min_ops <= len(steps) <= max_ops
+    for (_, _, _, before), (after_a, _, _, _) in zip(steps, steps[1:]):
+        assert after_a == before, "each step continues from the previous result"
+    numbers_in_question = [int(n) for n in re.findall(r"\d+", problem["question"])]
+    assert numbers_in_question[0] == steps[0][0], "the question starts from the first operand"
+    assert numbers_in_question[1:] == [b for _, _, b, _ in steps], "each operand is stated in order"
+    for _a, op, b, c in steps:
+        assert op in operations
+        assert min_operand <= b <= max_operand
+        if op in "*/":
+            assert b >= 2
+        assert 1 <= c <= max_value, "amounts stay positive and bounded"
+    assert min_operand <= steps[0][0] <= max_operand
+    assert problem["answer"] == str(steps[-1][3])
+    assert compute_score(problem["solution"], problem["answer"], method="strict") == 1.0
+    assert problem["question"].endswith("?")
+
+
+def test_default_problems_are_correct():
+    problems = generate_problems(500, seed=3)
+    for problem in problems:
+        check_problem(problem)
+    counts = {op: sum(f"<<{op}" in re.sub(r"<<\d+", "<<", p["solution"]) for p in problems) for op in "+-*/"}
+    assert all(count > 0 for count in counts.values()), counts
+    assert {len(p["solution"].split("\n")) - 1 for p in problems} == {1, 2, 3}
+
+
+def test_example_style():
+    problem = generate_problems(1, seed=0, max_ops=1, operations="+")[0]
+    first_line = problem["solution"].split("\n")[0]
+    assert re.fullmatch(r"(He|She) has \d+ \+ \d+ = <<\d+\+\d+=\d+>>\d+ [a-z ]+\.", first_line)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 10**6),
+    min_ops=st.integers(1, 3),
+    extra_ops=st.integers(0, 2),
+    max_operand=st.integers(2, 60),
+    operations=st.sampled_from(["+", "-", "+-", "*/", "+-*/", "-/", "+*"]),
+)
+def test_random_options_are_correct(seed, min_ops, extra_ops, max_operand, operations):
+    options = {
+        "min_ops": min_ops,
+        "max_ops": min(3, min_ops + extra_ops),
+        "max_operand": max_operand,
+        "operations": operations,
+    }
+    try:
+        problems = generate_problems(20, seed=seed, **options)
+    except ValueError as exc:  # some narrow combinations admit no problem at all
+        assert "admit" in str(exc)
+        return
+    for problem in problems:
+        check_problem(problem, **options)
+
+
+def test_max_value_bounds_intermediates():
+    for problem in generate_problems(300, seed=5, min_ops=3, max_ops=3, max_operand=30, max_value=100):
+        check_problem(problem, min_ops=3, max_ops=3, max_operand=30, max_value=100)
+
+
+def test_deterministic_per_seed_and_different_across_seeds():
+    assert generate_problems(50, seed=7) == generate_problems(50, seed=7)
+    assert generate_problems(50, seed=7) != generate_problems(50, seed=8)
+    assert build_splits(40, 20, seed=1) == build_splits(40, 20, seed=1)
+    assert build_splits(40, 20, seed=1) != build_splits(40, 20, seed=2)
+
+
+def test_splits_are_distinct_and_test_split_is_stable():
+    splits = build_splits(300, 100, seed=0, max_ops=1, max_operand=5)
+    train = [p["question"] for p in splits["train"]]
+    test = [p["question"] for p in splits["test"]]
+    assert len(set(train)) == len(train) == 300
+    assert len(set(test)) == len(test) == 100
+    assert not set(train) & set(test)
+    # The test split does not depend on how many training problems are asked for.
+    assert build_splits(10, 100, seed=0, max_ops=1, max_operand=5)["test"] == splits["test"]
+
+
+def test_unique_and_exclude():
+    problems = generate_problems(200, seed=1, max_ops=1, max_operand=3, operations="+", unique=True)
+    questions = [p["question"] for p in problems]
+    assert len(set(questions)) == 200
+    excluded = set(questions[:50])
+    again = generate_problems(100, seed=1, max_ops=1, max_operand=3, operations="+", exclude=excluded)
+    assert not excluded & {p["question"] for p in again}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"min_ops": 3, "max_ops": 2}, "min_ops"),
+        ({"min_ops": 0}, "min_ops"),
+        ({"max_ops": 7}, "max_ops"),
+        ({"max_operand": 1}, "max_operand"),
+        ({"min_operand": 0}, "min_operand"),
+        ({"min_operand": 9, "max_operand": 5}, "min_operand"),
+        ({"max_value": 5, "max_operand": 10}, "max_value"),
+        ({"operations": "+%"}, "unknown operation"),
+        ({"operations": ""}, "operations"),
+        ({"min_ops": 1.5}, "min_ops"),
+    ],
+)
+def test_option_validation(options, message):
+    with pytest.raises(ValueError, match=message):
+        generate_problems(3, seed=0, **options)
+
+
+def test_count_validation_and_dead_ends():
+    with pytest.raises(ValueError, match="n must be"):
+        generate_problems(-1)
+    with pytest.raises(ValueError, match="n_train"):
+        build_splits(-1, 3)
+    # Only halving by 2 with numbers up to 2 cannot make three steps.
+    with pytest.raises(ValueError, match="admit"):
+        generate_problems(1, seed=0, min_ops=3, max_ops=3, max_operand=2, operations="/")
+
+
+def _read(path: Path) -> pd.DataFrame:
+    return pd.read_parquet(path)
+
+
+def test_build_dataset_schema(tmp_path):
+    paths = build_dataset(tmp_path, n_train=60, n_test=20, seed=4, max_ops=2)
+    assert set(paths) == {"train", "test"}
+    train, test = _read(tmp_path / "train.parquet"), _read(tmp_path / "test.parquet")
+    assert len(train) == 60 and len(test) == 20
+    for split, frame in (("train", train), ("test", test)):
+        assert tuple(frame.columns) == REQUIRED_COLUMNS
+        assert set(frame["data_source"]) == {DATA_SOURCE} == {"synthetic/arithmetic"}
+        assert set(frame["ability"]) == {"math"}
+        for i, row in enumerate(frame.itertuples()):
+            prompt = list(row.prompt)
+            assert len(prompt) == 1 and prompt[0]["role"] == "user"
+            extra = row.extra_info
+            assert prompt[0]["content"] == extra["question"] + INSTRUCTION
+            assert extra["split"] == split and extra["index"] == i
+            assert row.reward_model["style"] == "rule"
+            problem = {
+                "question": extra["question"],
+                "solution": extra["answer"],
+                "answer": row.reward_model["ground_truth"],
+            }
+            check_problem(problem, max_ops=2)
+    assert not set(train["extra_info"].map(lambda e: e["question"])) & set(
+        test["extra_info"].map(lambda e: e["question"])
+    )
+
+
+def test_build_dataset_is_deterministic_and_guards_existing_files(tmp_path):
+    build_dataset(tmp_path / "a", 30, 10, seed=2)
+    build_dataset(tmp_path / "b", 30, 10, seed=2)
+    for split in ("train", "test"):
+        pd.testing.assert_frame_equal(
+            _read(tmp_path / "a" / f"{split}.parquet"), _read(tmp_path / "b" / f"{split}.parquet")
+        )
+    with pytest.raises(FileExistsError):
+        build_dataset(tmp_path / "a", 30, 10, seed=3)
+    build_dataset(tmp_path / "a", 30, 10, seed=3, overwrite=True)
+    assert not _read(tmp_path / "a" / "train.parquet").equals(_read(tmp_path / "b" / "train.parquet"))
+    with pytest.raises(ValueError, match="min_ops"):
+        build_dataset(tmp_path / "c", 3, 3, min_ops=2, max_ops=1)
+    assert not (tmp_path / "c").exists()
+
+
+def test_cli_writes_both_files(tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [
+        "--output",
+        str(out),
+        "--n-train",
+        "25",
+        "--n-test",
+        "8",
+        "--seed",
+        "1",
+        "--max-ops",
+        "2",
+        "--max-operand",
+        "9",
+        "--operations",
+        "+-",
+    ]
+    assert main(args) == 0
+    assert "train: 25 rows" in capsys.readouterr().out
+    train = _read(out / "train.parquet")
+    assert len(train) == 25 and len(_read(out / "test.parquet")) == 8
+    for row in train.itertuples():
+        check_problem(
+            {
+                "question": row.extra_info["question"],
+                "solution": row.extra_info["answer"],
+                "answer": row.reward_model["ground_truth"],
+            },
+            max_ops=2,
+            max_operand=9,
+            operations="+-",
+        )
+    assert main(args) == 2
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0
+
+
+def test_cli_rejects_bad_options(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(
+            ["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--min-ops", "3", "--max-ops", "1"]
+        )
+    assert exc.value.code == 2
+    assert "min_ops" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--operations", "x"])
+    assert not (tmp_path / "train.parquet").exists()
+
+
+def test_module_entry_point(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rlhf_core.data.synthetic",
+            "--output",
+            str(tmp_path),
+            "--n-train",
+            "5",
+            "--n-test",
+            "3",
+            "--seed",
+            "0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "train.parquet").exists() and (tmp_path / "test.parquet").exists()
+
+
+def test_module_exports():
+    assert synthetic.DEFAULT_OPTIONS["operations"] == synthetic.OPERATIONS == ("+", "-", "*", "/")

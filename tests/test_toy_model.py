@@ -1,0 +1,224 @@
+"""The toy model: character tokenizer round trips, HF loading, generation, build cache and determinism.
+
+Only the small ``test`` preset is built here.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_core.data.schema import INSTRUCTION
+from rlhf_core.models import toy
+
+TEXTS = [
+    "What is 3+4?",
+    "  two  spaces, then a tab-free line\nand a newline\n\nand two more\n",
+    "Tom has 7 apples. He buys 5 more.\nHe has 7 + 5 = <<7+5=12>>12 apples.\n#### 12",
+    string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", ""),
+    " leading and trailing ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy") / "test-model"
+    path = toy.build_toy_model(out, preset="test", seed=0, progress=False)
+    assert path == out
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(built):
+    return AutoTokenizer.from_pretrained(built)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_round_trip_from_pretrained(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text), "one token per character"
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id], skip_special_tokens=True) == text
+
+
+def test_tokenizer_special_tokens(tokenizer):
+    assert (tokenizer.pad_token, tokenizer.bos_token, tokenizer.eos_token, tokenizer.unk_token) == (
+        "<pad>",
+        "<s>",
+        "</s>",
+        "<unk>",
+    )
+    assert (
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.unk_token_id,
+    ) == (0, 1, 2, 3)
+    assert len(tokenizer) == 4 + 95 + 1  # specials, printable ASCII, newline
+    assert (
+        tokenizer("What is 3+4?")["input_ids"]
+        == tokenizer("What is 3+4?", add_special_tokens=False)["input_ids"]
+    ), "no special tokens are added"
+    assert tokenizer.decode(tokenizer("é\tx")["input_ids"]) == "<unk><unk>x"
+    assert tokenizer.is_fast
+
+
+def test_build_char_tokenizer_matches_saved(tokenizer):
+    fresh = toy.build_char_tokenizer()
+    assert fresh.get_vocab() == tokenizer.get_vocab()
+    for text in TEXTS:
+        assert fresh(text)["input_ids"] == tokenizer(text)["input_ids"]
+        assert fresh.decode(fresh(text)["input_ids"]) == text
+
+
+def test_chat_template(tokenizer):
+    user = [{"role": "user", "content": "What is 3+4?"}]
+    assert tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True) == (
+        "User: What is 3+4?\nAssistant: "
+    )
+    assert tokenizer.apply_chat_template(user, tokenize=False) == "User: What is 3+4?\n"
+    dialogue = user + [{"role": "assistant", "content": "#### 7"}]
+    assert (
+        tokenizer.apply_chat_template(dialogue, tokenize=False)
+        == "User: What is 3+4?\nAssistant: #### 7</s>\n"
+    )
+    ids = tokenizer.apply_chat_template(user, tokenize=True, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
+    assert tokenizer.decode(ids) == "User: What is 3+4?\nAssistant: "
+    assert toy.prompt_text(tokenizer, "Q?") == f"User: Q?{INSTRUCTION}\nAssistant: "
+
+
+def test_model_loads_and_generates(built, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(built)
+    config = model.config
+    assert config.model_type == "llama"
+    assert config.tie_word_embeddings
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
+    assert config.vocab_size == len(tokenizer)
+    assert config.max_position_embeddings >= 512
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+    assert model.generation_config.pad_token_id == tokenizer.pad_token_id
+    tokenizer.padding_side = "left"
+    prompts = [
+        toy.prompt_text(tokenizer, "Tom has 7 apples. He buys 5 more. How many apples does he have now?"),
+        toy.prompt_text(tokenizer, "What is 3+4?"),
+    ]
+    enc = tokenizer(prompts, padding=True, return_tensors="pt")
+    out = model.generate(**enc, max_new_tokens=8, do_sample=False)
+    assert out.shape[0] == 2 and enc["input_ids"].shape[1] < out.shape[1] <= enc["input_ids"].shape[1] + 8
+    assert isinstance(tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True), str)
+
+
+def test_marker_records_the_build(built):
+    marker = json.loads((built / toy.MARKER).read_text())
+    assert marker["hash"] == toy.settings_hash("test", 0)
+    assert marker["preset"] == "test" and marker["seed"] == 0
+    assert marker["settings"] == toy.preset_settings("test")
+    assert marker["parameters"] > 0
+    for key in ("greedy_accuracy", "sampled_accuracy"):
+        assert 0.0 <= marker[key] <= 1.0
+    assert marker["eval_problems"] == toy.PRESETS["test"]["eval_problems"]
+    assert marker["max_prompt_tokens"] > marker["max_reference_response_tokens"] > 0
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert (built / name).is_file(), name
+
+
+def test_second_build_reuses_the_folder(built):
+    marker, weights = built / toy.MARKER, built / "model.safetensors"
+    before = (marker.stat().st_mtime_ns, weights.stat().st_mtime_ns)
+    assert toy.build_toy_model(built, preset="test", seed=0, progress=False) == built
+    assert (marker.stat().st_mtime_ns, weights.stat().st_mtime_ns) == before
+
+
+def test_hash_depends_on_seed_preset_and_code_version(monkeypatch):
+    assert toy.settings_hash("test", 0) == toy.settings_hash("test", 0)
+    assert toy.settings_hash("test", 0) != toy.settings_hash("test", 1)
+    assert toy.settings_hash("test", 0) != toy.settings_hash("demo", 0)
+    before = toy.settings_hash("test", 0)
+    monkeypatch.setattr(toy, "CODE_VERSION", toy.CODE_VERSION + 1)
+    assert toy.settings_hash("test", 0) != before
+    with pytest.raises(ValueError, match="unknown toy preset"):
+        toy.settings_hash("huge", 0)
+
+
+def test_same_seed_same_weights_other_seed_rebuilds(built, tmp_path):
+    again = toy.build_toy_model(tmp_path / "again", preset="test", seed=0, progress=False, threads=1)
+    first, second = load_file(built / "model.safetensors"), load_file(again / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    # A different seed in the same folder is a different build: it is redone, not reused.
+    toy.build_toy_model(again, preset="test", seed=1, progress=False)
+    assert toy.read_marker(again)["hash"] == toy.settings_hash("test", 1)
+    third = load_file(again / "model.safetensors")
+    assert not all(torch.equal(first[k], third[k]) for k in first)
+
+
+def test_incomplete_or_forced_build_is_redone(tmp_path):
+    out = toy.build_toy_model(tmp_path / "m", preset="test", seed=2, progress=False)
+    marker = out / toy.MARKER
+    first = marker.stat().st_mtime_ns
+    toy.build_toy_model(out, preset="test", seed=2, force=True, progress=False)
+    assert marker.stat().st_mtime_ns != first
+    marker.unlink()  # as if the build had been interrupted before its last write
+    assert toy.read_marker(out) is None
+    toy.build_toy_model(out, preset="test", seed=2, progress=False)
+    assert toy.read_marker(out)["hash"] == toy.settings_hash("test", 2)
+
+
+def test_ensure_toy_model_uses_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(toy.CACHE_ENV, str(tmp_path / "cache"))
+    assert toy.default_cache_dir() == tmp_path / "cache"
+    path = toy.ensure_toy_model("test", seed=0, progress=False)
+    assert path == tmp_path / "cache" / f"test-{toy.settings_hash('test', 0)}"
+    mtime = (path / toy.MARKER).stat().st_mtime_ns
+    assert toy.ensure_toy_model("test", seed=0, progress=False) == path
+    assert (path / toy.MARKER).stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [path.name], "no staging folder is left"
+    monkeypatch.delenv(toy.CACHE_ENV)
+    assert toy.default_cache_dir().parts[-3:] == (".cache", "rlhf_ppo", "toy")
+
+
+def test_random_toy_model(tmp_path):
+    out = toy.random_toy_model(tmp_path / "rand", n_layers=3, hidden_size=64, intermediate_size=96, seed=1)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama"
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size) == (
+        3,
+        64,
+        96,
+    )
+    assert tokenizer.decode(tokenizer("a b\nc")["input_ids"]) == "a b\nc"
+    assert not (out / toy.MARKER).exists()
+    again = toy.random_toy_model(tmp_path / "rand2", n_layers=3, hidden_size=64, intermediate_size=96, seed=1)
+    first, second = load_file(out / "model.safetensors"), load_file(again / "model.safetensors")
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    with pytest.raises(ValueError, match="multiple"):
+        toy.random_toy_model(tmp_path / "bad", hidden_size=64, n_heads=3)
+
+
+def test_cli_reports_the_build(built, capsys):
+    assert toy.main(["--output", str(built), "--preset", "test", "--seed", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters:" in out and "greedy accuracy:" in out and "sampled accuracy" in out
+    assert "(reused)" in out
+
+
+def test_threads_setting_is_sane():
+    assert 1 <= toy.auto_threads() <= 4
+    assert torch.get_num_threads() >= 1

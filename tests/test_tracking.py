@@ -1,0 +1,347 @@
+"""Tracking: console line and warnings, JSON-lines file, and the real tensorboard / wandb / mlflow backends."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import re
+import socket
+import sqlite3
+import sys
+
+import pytest
+import torch
+
+from rlhf_core.tracking import (
+    VALID_LOGGERS,
+    Tracking,
+    flatten_dict,
+    mlflow_tracking_uri,
+    sanitize_mlflow_name,
+    to_float,
+)
+
+STEP_METRICS = {
+    "critic/score/mean": 0.41,
+    "val-core/openai/gsm8k/acc/mean@1": 0.41,
+    "actor/ppo_kl": 0.0021,
+    "actor/pg_loss": -0.013,
+    "critic/vf_loss": 0.21,
+    "actor/entropy": 0.5,
+    "response_length/mean": 37.5,
+    "timing_s/step": 3.2,
+    "actor/grad_norm": 1.0,
+    "critic/grad_norm": 2.0,
+}
+KL_ADVICE = (
+    "KL 0.05 > 0.02: lower actor_rollout_ref.actor.optim.lr or raise the KL coefficient "
+    "(algorithm.kl_ctrl.kl_coef / actor_rollout_ref.actor.kl_loss_coef)"
+)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Refuse (and record) every DNS lookup or connection that would leave this machine."""
+    attempts: list[str] = []
+    real_connect, real_connect_ex, real_getaddrinfo = (
+        socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo)
+
+    def remote(host) -> bool:
+        if host in (None, "", "localhost"):
+            return False
+        try:
+            return not ipaddress.ip_address(str(host).split("%")[0]).is_loopback
+        except ValueError:  # a host name other than localhost
+            return True
+
+    def connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and remote(address[0]):
+            attempts.append(f"connect {address}")
+            raise OSError("network access blocked in tests")
+        return real_connect(self, address)
+
+    def connect_ex(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and remote(address[0]):
+            attempts.append(f"connect_ex {address}")
+            return 111
+        return real_connect_ex(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if remote(host):
+            attempts.append(f"getaddrinfo {host}")
+            raise socket.gaierror("network access blocked in tests")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return attempts
+
+
+def test_network_guard_blocks_remote_hosts(no_network):
+    with pytest.raises(OSError):
+        socket.create_connection(("203.0.113.7", 443), timeout=0.5)  # TEST-NET-3, never routed
+    with pytest.raises(socket.gaierror):
+        socket.getaddrinfo("api.wandb.ai", 443)
+    assert no_network == ["getaddrinfo 203.0.113.7", "getaddrinfo api.wandb.ai"]
+    with socket.socket() as server:  # loopback stays allowed (wandb talks to its local service)
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        socket.create_connection(server.getsockname(), timeout=2).close()
+    assert len(no_network) == 2
+    with socket.socket() as client, pytest.raises(OSError):  # a direct connect is caught too
+        client.connect(("203.0.113.7", 443))
+    assert no_network[-1] == "connect ('203.0.113.7', 443)"
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def test_flatten_dict():
+    cfg = {"a": {"b": 1, "c": {"d": "x"}}, "e": [1, 2], "f": {}}
+    assert flatten_dict(cfg) == {"a.b": 1, "a.c.d": "x", "e": [1, 2], "f": {}}
+    assert flatten_dict({"a": {"b": 1}}, sep="/") == {"a/b": 1}
+
+
+def test_to_float_converts_tensors_and_numpy_scalars():
+    np = pytest.importorskip("numpy")
+    assert to_float(torch.tensor(0.5)) == 0.5
+    assert to_float(torch.tensor([2.0])) == 2.0
+    assert to_float(np.float32(0.25)) == 0.25
+    assert to_float(np.int64(3)) == 3.0
+    assert to_float(True) == 1.0
+    assert math.isnan(to_float(float("nan")))
+    assert to_float(torch.ones(3)) is None
+    assert to_float(np.ones(3)) is None
+    assert to_float("1.5") is None
+    assert to_float([1.0]) is None
+
+
+def test_unknown_logger_names_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError) as err:
+        Tracking(["console", "neptune"], "p", "e", tmp_path)
+    message = str(err.value)
+    assert "'neptune'" in message
+    for name in ("console", "file", "tensorboard", "wandb", "mlflow"):
+        assert name in message
+    assert VALID_LOGGERS == ("console", "file", "tensorboard", "wandb", "mlflow")
+
+
+def test_bad_warn_thresholds_rejected(tmp_path):
+    with pytest.raises(ValueError, match="valid keys are: kl, grad_norm"):
+        Tracking(["console"], "p", "e", tmp_path, warn_thresholds={"kL": 0.1})
+    with pytest.raises(ValueError, match="positive number"):
+        Tracking(["console"], "p", "e", tmp_path, warn_thresholds={"kl": -1})
+
+
+def test_sanitize_mlflow_name():
+    assert sanitize_mlflow_name("val-core/openai/gsm8k/acc/mean@1") == "val-core/openai/gsm8k/acc/mean_at_1"
+    assert sanitize_mlflow_name("timing_s/step") == "timing_s/step"
+    assert sanitize_mlflow_name("/a//b/") == "a/b"
+    assert sanitize_mlflow_name("a/../b") == "a/__/b"
+    assert sanitize_mlflow_name("x[0]:y") == "x_0__y"
+    assert len(sanitize_mlflow_name("k" * 400)) == 250
+
+
+def test_mlflow_tracking_uri(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert mlflow_tracking_uri(tmp_path) == f"sqlite:///{(tmp_path / 'mlruns' / 'mlflow.db').as_posix()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://tracking.example:5000")
+    assert mlflow_tracking_uri(tmp_path) == "http://tracking.example:5000"
+
+
+# ----------------------------------------------------------------------------------------------- console
+
+
+def test_console_line_and_progress_bar(tmp_path, capsys):
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=40) as tracker:
+        tracker.log(STEP_METRICS, step=12)  # e.g. a resumed run: the bar starts at 12/40
+        tracker.log({"critic/score/mean": 0.5}, step=13)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "step 12/40 | score 0.41 | acc 0.41 | kl 0.0021 | pg_loss -0.013 | vf_loss 0.21 | entropy 0.5 "
+        "| resp_len 37.5 | 3.2s",
+        "step 13/40 | score 0.5",
+    ]
+    # tqdm bar on stderr (stdout keeps only the lines): description, position/total, elapsed<ETA
+    assert "training:" in err and "training:" not in out
+    assert "12/40 [" in err
+    assert re.search(r"13/40 \[\d+:\d+<\d+:\d+", err), err
+
+
+def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, capsys):
+    metrics = {
+        "val-core/openai/gsm8k/acc/mean@1": 0.5,
+        "val-core/math/acc/mean@1": 0.25,
+        "actor/reward_kl_penalty": 0.001,
+        "unrelated/metric": 7.0,
+    }
+    with Tracking(["console"], "p", "e", tmp_path) as tracker:
+        tracker.log(metrics, step=3)
+        tracker.log({}, step=4)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 3 | acc[math] 0.25 | acc[openai/gsm8k] 0.5 | kl 0.001", "step 4"]
+    assert err == ""
+
+
+def test_console_warnings_name_the_knob(tmp_path, capsys):
+    thresholds = {"kl": 0.02, "grad_norm": 5.0}
+    with Tracking(["console"], "p", "e", tmp_path, warn_thresholds=thresholds) as tracker:
+        tracker.log(STEP_METRICS, step=1)  # all below the thresholds
+        tracker.log({"actor/ppo_kl": 0.05}, step=2)
+        tracker.log({"actor/reward_kl_penalty": 0.05}, step=3)
+        tracker.log({"actor/grad_norm": 7.5, "critic/grad_norm": 12.0}, step=4)
+    lines = capsys.readouterr().out.splitlines()
+    assert "WARNING" not in lines[0]
+    assert lines[1] == f"step 2 | kl 0.05 | WARNING {KL_ADVICE}"
+    assert lines[2] == f"step 3 | kl 0.05 | WARNING {KL_ADVICE}"
+    assert "actor grad_norm 7.5 > 5: lower the learning rate (actor_rollout_ref.actor.optim.lr) or grad_clip " \
+           "(actor_rollout_ref.actor.grad_clip)" in lines[3]
+    assert "critic grad_norm 12 > 5: lower the learning rate (critic.optim.lr) or grad_clip (critic.grad_clip)" \
+           in lines[3]
+
+
+# ----------------------------------------------------------------------------------------------- file
+
+
+def test_file_logger_writes_valid_json_lines_and_appends(tmp_path):
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        tracker.log({"a": 1.5, "b": torch.tensor(2.0), "bad": float("nan"), "big": float("inf")}, step=1)
+        tracker.log({"a": 2.5, "val-core/x/acc/mean@1": 0.75}, step=2)
+    path = tmp_path / "metrics.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records == [
+        {"step": 1, "a": 1.5, "b": 2.0, "bad": None, "big": None},
+        {"step": 2, "a": 2.5, "val-core/x/acc/mean@1": 0.75},
+    ]
+    assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
+
+    # a run killed mid-write leaves a partial line; the resumed run appends on a fresh line
+    with open(path, "a") as f:
+        f.write('{"step": 3, "a"')
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        tracker.log({"a": 3.5}, step=3)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4
+    assert json.loads(lines[-1]) == {"step": 3, "a": 3.5}
+
+
+def test_file_logger_flushes_every_step(tmp_path):
+    tracker = Tracking(["file"], "p", "e", tmp_path)
+    tracker.log({"a": 1.0}, step=1)
+    # not finished yet: the line is already on disk for another reader
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "a": 1.0}
+    tracker.finish()
+    tracker.finish()  # idempotent
+    with pytest.raises(RuntimeError, match="after finish"):
+        tracker.log({"a": 2.0}, step=2)
+
+
+def test_non_numeric_metric_is_skipped_with_one_warning(tmp_path):
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        with pytest.warns(UserWarning, match="'hist' is not a single number"):
+            tracker.log({"a": 1.0, "hist": torch.ones(4)}, step=1)
+        tracker.log({"a": 2.0, "hist": torch.ones(4)}, step=2)  # warned once already
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+
+
+# ----------------------------------------------------------------------------------------------- optional backends
+
+
+def test_missing_packages_say_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match="pip install wandb"):
+        Tracking(["wandb"], "p", "e", tmp_path)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        Tracking(["file", "tensorboard"], "p", "e", tmp_path)
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ImportError, match="pip install mlflow-skinny"):
+        Tracking(["mlflow"], "p", "e", tmp_path)
+
+
+def test_tensorboard_scalars_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracking(["tensorboard"], "p", "e", tmp_path) as tracker:
+        tracker.log({"critic/score/mean": 0.25, "actor/pg_loss": -0.5}, step=1)
+        tracker.log({"critic/score/mean": 0.75}, step=2)
+    log_dir = tmp_path / "tensorboard"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert {"critic/score/mean", "actor/pg_loss"} <= set(acc.Tags()["scalars"])
+    assert [(e.step, e.value) for e in acc.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.75)]
+
+
+def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    # keep wandb's own config/cache out of the home directory; a closed local port as the server
+    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+    local_dir = tmp_path / "run"
+    with Tracking(["wandb"], "proj", "exp", local_dir, config={"a": {"b": 1}}) as tracker:
+        backend = tracker.backends["wandb"]
+        assert backend.mode == "offline"
+        assert backend.wandb_run.settings.mode == "offline"
+        tracker.log({"critic/score/mean": 0.5, "val-core/x/acc/mean@1": 0.25}, step=1)
+        tracker.log({"critic/score/mean": 0.75}, step=2)
+    runs = list((local_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    data = list(runs[0].glob("run-*.wandb"))
+    assert data and data[0].stat().st_size > 0
+    assert no_network == []
+
+
+@pytest.fixture
+def sqlite_without_fsync():
+    """Test speed only: a fresh MLflow store runs dozens of schema migrations, each a synced SQLite
+    commit (seconds on a slow disk). Durability is irrelevant to what the test checks."""
+    sqlalchemy = pytest.importorskip("sqlalchemy")
+
+    def no_sync(dbapi_connection, _record):
+        if isinstance(dbapi_connection, sqlite3.Connection):
+            dbapi_connection.execute("PRAGMA synchronous=OFF")
+
+    sqlalchemy.event.listen(sqlalchemy.engine.Engine, "connect", no_sync)
+    yield
+    sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", no_sync)
+
+
+def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network, sqlite_without_fsync):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory either
+    local_dir = tmp_path / "run"
+    config = {"actor": {"optim": {"lr": 1e-6}}, "trainer": {"logger": ["mlflow"]}, "note": "x" * 7000}
+    with Tracking(["mlflow"], "proj", "exp", local_dir, config=config) as tracker:
+        tracker.log({"critic/score/mean": 0.5, "val-core/openai/gsm8k/acc/mean@1": 0.25}, step=1)
+        tracker.log({"critic/score/mean": 0.75, "actor/ppo_kl": float("nan")}, step=2)
+        run_id = tracker.backends["mlflow"].run_id
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    run = client.get_run(run_id)
+    assert run.info.run_name == "exp"
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "proj"
+    history = client.get_metric_history(run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in history] == [(1, 0.5), (2, 0.75)]
+    assert [m.value for m in client.get_metric_history(run_id, "val-core/openai/gsm8k/acc/mean_at_1")] == [0.25]
+    assert math.isnan(client.get_metric_history(run_id, "actor/ppo_kl")[0].value)
+    params = run.data.params
+    assert params["actor.optim.lr"] == "1e-06"
+    assert params["trainer.logger"] == "['mlflow']"
+    assert params["note"] == "x" * 6000
+    assert no_network == []
