@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 
-.PHONY: setup test lint clean demo-assets demo-train
+.PHONY: setup test lint clean demo demo-assets demo-train
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ demo-assets: setup
 	$(PY) -m rlhf_core.models.toy --output $(TOY_MODEL) --preset demo
 	@[ -f $(DEMO_DATA)/train.parquet ] || $(PY) -m rlhf_core.data.synthetic --output $(DEMO_DATA) \
 		--n-train 8192 --n-test 1024 --seed 1 --max-ops 1 --max-operand 12
+
+# The README's main job: the whole pipeline on the local ZenML stack (SQLite store, no server),
+# then the run, the promotion decision and how to browse the lineage.
+demo: demo-assets
+	@[ -d .zen ] || $(VENV)/bin/zenml init
+	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
+		-c configs/demo_cpu.yaml --stack default
+	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
 
 # The PPO trainer alone on the demo config (verl-style command line).
 demo-train: demo-assets

@@ -1,0 +1,47 @@
+"""Retraining: the training pipeline, warm-started from the production version's checkpoint.
+
+    zenml pipeline run pipelines.retrain.rlhf_retrain_pipeline -c configs/retrain_demo.yaml
+    rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00
+
+When the data's fingerprint equals the one production was trained on, ``check_new_data`` says so
+and the smoke test, training and evaluation are skipped; the new version is recorded but not
+promoted.
+"""
+
+from __future__ import annotations
+
+from zenml import Model, get_pipeline_context, pipeline
+from zenml.enums import ExecutionMode, ModelStages
+
+from pipelines.rlhf_ppo import DEFAULT_MODEL
+from steps.check_new_data import check_new_data
+from steps.define_reward import define_reward
+from steps.evaluate import evaluate
+from steps.load_ppo_config import load_ppo_config
+from steps.promote import promote
+from steps.smoke_test import smoke_test
+from steps.train_ppo import train_ppo
+from steps.validate_data import validate_data
+
+
+@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST)
+def rlhf_retrain_pipeline(
+    trainer_config: str = "configs/ppo_demo_cpu.yaml",
+    overrides: list[str] | None = None,
+    train_files: str | list[str] | None = None,
+    val_files: str | list[str] | None = None,
+    min_improvement: float = 0.0,
+) -> None:
+    """Train a new version from the production checkpoint on new data; skip when the data is unchanged."""
+    production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    _, _, dataset_fingerprint = validate_data(ppo_config)
+    skip_reason = check_new_data(dataset_fingerprint)
+    reward_spec = define_reward(ppo_config, dataset_fingerprint)
+    smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
+                                                init_from=production.get_model_artifact("ppo_checkpoint"),
+                                                skip_reason=skip_reason)
+    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary, skip_reason=skip_reason)
+    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
+            skip_reason=skip_reason)

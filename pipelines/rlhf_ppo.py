@@ -1,0 +1,40 @@
+"""The training pipeline: validate data -> define reward -> smoke test -> train -> evaluate -> promote.
+
+    zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml
+
+The run config names the model (``model.name``), the trainer config and its overrides, and the
+data (``parameters.train_files`` / ``val_files``), so the same pipeline trains on any data.
+"""
+
+from __future__ import annotations
+
+from zenml import Model, pipeline
+from zenml.enums import ExecutionMode
+
+from steps.define_reward import define_reward
+from steps.evaluate import evaluate
+from steps.load_ppo_config import load_ppo_config
+from steps.promote import promote
+from steps.smoke_test import smoke_test
+from steps.train_ppo import train_ppo
+from steps.validate_data import validate_data
+
+DEFAULT_MODEL = Model(name="rlhf-ppo-policy", description="PPO-trained policy (rlhf_ppo_pipeline)")
+
+
+@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST)
+def rlhf_ppo_pipeline(
+    trainer_config: str = "configs/ppo_demo_cpu.yaml",
+    overrides: list[str] | None = None,
+    train_files: str | list[str] | None = None,
+    val_files: str | list[str] | None = None,
+    min_improvement: float = 0.0,
+) -> None:
+    """Train a new version of the run config's model and promote it if it beats production."""
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    _, _, dataset_fingerprint = validate_data(ppo_config)
+    reward_spec = define_reward(ppo_config, dataset_fingerprint)
+    smoke_report = smoke_test(ppo_config, reward_spec)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report)
+    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary)
+    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement)

@@ -1,0 +1,221 @@
+"""Where a model version came from: data -> validation -> reward -> smoke test -> checkpoint ->
+evaluation -> promotion, with the artifact version ids, the run and the metadata of each link.
+
+    rlhf-lineage                       # the production version of the (only / last promoted) model
+    rlhf-lineage --model gsm8k-ppo-policy --version 3 --json
+
+The chain is read from the pipeline store through a ZenML ``Client``; this module imports ZenML
+only inside :func:`default_client`, so the rest of ``rlhf_core`` (and this module's formatting)
+works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+# (stage, step name, what the stage is about); the retraining gate appears only in retraining runs
+CHAIN = [
+    ("data", "load_ppo_config", "the trainer config and the data files"),
+    ("validation", "validate_data", "Great Expectations suite over the data; its fingerprint"),
+    ("retraining gate", "check_new_data", "new data since production?"),
+    ("reward", "define_reward", "reward function identity, source hash, self-check"),
+    ("smoke test", "smoke_test", "two PPO iterations on a tiny clone"),
+    ("checkpoint", "train_ppo", "the trained policy"),
+    ("evaluation", "evaluate", "greedy accuracy of the policy and the base model"),
+    ("promotion", "promote", "the decision and its reason"),
+]
+
+
+class LineageError(LookupError):
+    """The model, version or run asked for is not in the store."""
+
+
+def default_client():
+    from zenml.client import Client
+
+    return Client()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)
+
+
+def _pick_model(client) -> str:
+    models = list(client.list_models(size=100))
+    if not models:
+        raise LineageError("no models in the store yet: run the training pipeline first")
+    if len(models) == 1:
+        return models[0].name
+    promoted = []
+    for model in models:
+        try:
+            version = client.get_model_version(model.name, "production")
+        except KeyError:
+            continue
+        promoted.append((version.updated, model.name))
+    if not promoted:
+        raise LineageError(f"no model has a production version; pass --model (one of "
+                           f"{', '.join(m.name for m in models)}) and --version")
+    return max(promoted)[1]
+
+
+def _get_version(client, model_name: str, version: str | None):
+    wanted: Any = version or "production"
+    if isinstance(wanted, str) and wanted.isdigit():
+        wanted = int(wanted)
+    try:
+        return client.get_model_version(model_name, wanted)
+    except KeyError as exc:
+        what = "no production version" if version is None else f"no version {version!r}"
+        raise LineageError(f"model {model_name!r} has {what} (try --version latest or a number)") from exc
+
+
+def _artifact(artifact) -> dict[str, Any]:
+    return {"name": artifact.artifact.name, "id": str(artifact.id), "version": str(artifact.version),
+            "type": str(artifact.type), "uri": artifact.uri}
+
+
+def lineage(model: str | None = None, version: str | None = None, client=None) -> dict[str, Any]:
+    """The chain behind one model version (default: the production version) as a JSON-able dict."""
+    client = client or default_client()
+    model_name = model or _pick_model(client)
+    model_version = _get_version(client, model_name, version)
+    metadata = dict(model_version.run_metadata)
+    run_id = metadata.get("pipeline_run_id")
+    if run_id is None:
+        run_ids = list(model_version.pipeline_run_ids.values())
+        if not run_ids:
+            raise LineageError(f"model {model_name!r} version {model_version.name} is linked to no pipeline run")
+        run_id = run_ids[0]
+    run = client.get_pipeline_run(run_id)
+    steps = run.steps
+    chain = []
+    for stage, step_name, about in CHAIN:
+        step = steps.get(step_name)
+        if step is None:
+            continue
+        chain.append({
+            "stage": stage,
+            "about": about,
+            "step": step_name,
+            "status": str(step.status),
+            "run": run.name,
+            "inputs": {name: [str(a.id) for a in artifacts] for name, artifacts in step.regular_inputs.items()},
+            "artifacts": [_artifact(a) for outputs in step.outputs.values() for a in outputs],
+            "metadata": _jsonable(dict(step.run_metadata)),
+        })
+    return {
+        "model": model_name,
+        "version": model_version.name,
+        "number": model_version.number,
+        "stage": str(model_version.stage) if model_version.stage else None,
+        "pipeline": run.pipeline.name if run.pipeline else None,
+        "run": run.name,
+        "run_id": str(run.id),
+        "run_status": str(run.status),
+        "model_version_metadata": _jsonable(metadata),
+        "chain": chain,
+    }
+
+
+_HIGHLIGHTS = {
+    "data": ("trainer_config", "train_files", "val_files", "model_path", "overrides"),
+    "validation": ("success", "dataset_fingerprint", "evaluated_expectations", "unsuccessful_expectations",
+                   "failed_expectations"),
+    "retraining gate": ("production_version", "skipped", "reason"),
+    "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
+    "smoke test": ("passed", "wall_s", "cloned", "parameters"),
+    "checkpoint": ("steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started"),
+    "evaluation": ("accuracy", "base_accuracy", "n"),
+    "promotion": ("promoted", "decision_reason"),
+}
+
+
+def _short(value: Any, width: int = 160) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_lineage(record: Mapping[str, Any]) -> str:
+    """The chain as indented text, one block per stage."""
+    lines = [f"model {record['model']} version {record['version']} (stage: {record['stage'] or 'none'})",
+             f"  produced by run {record['run']} of {record['pipeline']} ({record['run_status']}, id {record['run_id']})"]
+    for index, link in enumerate(record["chain"]):
+        arrow = "   " if index == 0 else "-> "
+        lines.append(f"{arrow}{link['stage']}: step {link['step']} [{link['status']}] - {link['about']}")
+        for artifact in link["artifacts"]:
+            lines.append(f"      artifact {artifact['name']} v{artifact['version']} id {artifact['id']}")
+        for name, ids in link["inputs"].items():
+            if name in ("init_from",):
+                lines.append(f"      warm-started from artifact {', '.join(ids)}")
+        for key in _HIGHLIGHTS.get(link["stage"], ()):
+            if key in link["metadata"]:
+                lines.append(f"      {key}: {_short(link['metadata'][key])}")
+    meta = record["model_version_metadata"]
+    for key in ("dataset_fingerprint", "reward_sha256", "checkpoint_artifact_id", "accuracy", "baseline",
+                "baseline_accuracy", "previous_production_version"):
+        if key in meta:
+            lines.append(f"   model version {key}: {_short(meta[key])}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, client=None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-lineage",
+                                     description="Show the data, reward, checkpoint and decision behind a model version.")
+    parser.add_argument("--model", help="model name (default: the only model, or the last one promoted)")
+    parser.add_argument("--version", help="version number, name or stage (default: production)")
+    parser.add_argument("--json", action="store_true", help="print the chain as JSON")
+    args = parser.parse_args(argv)
+    try:
+        record = lineage(args.model, args.version, client=client)
+    except LineageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=2) if args.json else format_lineage(record))
+    return 0
+
+
+def demo_summary(argv: list[str] | None = None, client=None) -> int:
+    """``rlhf-demo-summary``: the model's latest run, its promotion decision, and how to browse it."""
+    parser = argparse.ArgumentParser(prog="rlhf-demo-summary", description="Summarise the latest run of a model.")
+    parser.add_argument("--model", default="demo-ppo-policy", help="model name (default demo-ppo-policy)")
+    args = parser.parse_args(argv)
+    client = client or default_client()
+    try:
+        latest = _get_version(client, args.model, "latest")
+    except LineageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    meta = latest.run_metadata
+    run = client.get_pipeline_run(meta["pipeline_run_id"]) if "pipeline_run_id" in meta else None
+    try:
+        production = client.get_model_version(args.model, "production").name
+    except KeyError:
+        production = None
+    print(f"run:        {run.name if run else '?'} ({run.status if run else 'no run recorded'})")
+    print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
+          f"(base model {meta.get('base_accuracy', 'n/a')})")
+    print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
+    print(f"production: {'version ' + production if production else 'none yet'}")
+    print("browse:")
+    print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")
+    print("  zenml login --local                         # the dashboard on http://127.0.0.1:8237")
+    if run is not None:
+        print(f"  then open http://127.0.0.1:8237/projects/{client.active_project.name}/runs/{run.id}")
+    print("  zenml login --local --blocking              # the same in the foreground; Ctrl-C stops it")
+    print("  zenml logout --local                        # stop the background dashboard")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Scheduled retraining in the foreground, for stacks whose orchestrator does not schedule.
+
+    rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00, until Ctrl-C
+    rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml --print-crontab   # the crontab line instead
+
+Each run is ``zenml pipeline run <pipeline> -c <config>`` in a child process, started by an
+APScheduler ``BlockingScheduler``. A job never overlaps itself (``max_instances=1``): a fire time
+that arrives while the previous run is still going is skipped and logged, and missed fire times
+are coalesced into one. On orchestrators that schedule (Kubernetes, Kubeflow) put a ``schedule:``
+block in the run config instead; see ``configs/retrain_demo.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+RETRAIN_PIPELINE = "pipelines.retrain.rlhf_retrain_pipeline"
+
+logger = logging.getLogger("rlhf_core.schedule")
+
+
+def zenml_executable() -> str:
+    """The ``zenml`` command of this environment (next to the running python), else the one on PATH."""
+    beside = Path(sys.executable).with_name("zenml")
+    return str(beside) if beside.is_file() else (shutil.which("zenml") or "zenml")
+
+
+def pipeline_command(config: str | Path, pipeline: str = RETRAIN_PIPELINE) -> list[str]:
+    return [zenml_executable(), "pipeline", "run", pipeline, "-c", str(config)]
+
+
+def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str | Path | None = None) -> int:
+    """One run of ``pipeline`` with run config ``config`` in a child process; its exit status."""
+    command = pipeline_command(config, pipeline)
+    logger.info("starting: %s", shlex.join(command))
+    return subprocess.run(command, cwd=cwd, check=False).returncode
+
+
+def make_trigger(cron: str | None = None, every: float | None = None):
+    """An APScheduler trigger from a 5-field crontab expression or an interval in seconds."""
+    from apscheduler.triggers.cron import CronTrigger
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    if (cron is None) == (every is None):
+        raise ValueError("give exactly one of a cron expression or an interval in seconds")
+    if every is not None:
+        if every <= 0:
+            raise ValueError(f"the interval must be positive, got {every} s")
+        return IntervalTrigger(seconds=every)
+    try:
+        return CronTrigger.from_crontab(cron)
+    except ValueError as exc:
+        raise ValueError(f"invalid cron expression {cron!r} (minute hour day month weekday, e.g. "
+                         f"'0 3 * * *'): {exc}") from exc
+
+
+def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE, repo: str | Path | None = None,
+                 log_file: str | Path | None = None) -> str:
+    """A crontab entry running the pipeline from ``repo``; ``flock -n`` keeps two runs from overlapping."""
+    make_trigger(cron=cron)  # reject a bad expression here rather than in cron's mail
+    repo = Path(repo or Path.cwd()).resolve()
+    log_file = Path(log_file) if log_file else repo / "outputs" / "logs" / "retrain.log"
+    lock = repo / "outputs" / ".retrain.lock"
+    command = shlex.join(["flock", "-n", str(lock), *pipeline_command(config, pipeline)])
+    return f"{cron} cd {shlex.quote(str(repo))} && mkdir -p {shlex.quote(str(log_file.parent))} && {command} " \
+           f">> {shlex.quote(str(log_file))} 2>&1"
+
+
+def serve(runner: Callable[[], Any], cron: str | None = None, every: float | None = None,
+          max_runs: int | None = None, run_now: bool = False) -> list[dict[str, Any]]:
+    """Call ``runner`` on the schedule, in the foreground, until Ctrl-C (or ``max_runs`` runs).
+
+    Returns one record per run: start and end times and the runner's result (or error).
+    """
+    from apscheduler.events import EVENT_JOB_MAX_INSTANCES
+    from apscheduler.schedulers.blocking import BlockingScheduler
+
+    trigger = make_trigger(cron, every)
+    scheduler = BlockingScheduler()
+    runs: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def job() -> None:
+        record: dict[str, Any] = {"started": time.time()}
+        logger.info("scheduled run %d starting", len(runs) + 1)
+        try:
+            record["result"] = runner()
+        except Exception as exc:  # noqa: BLE001 - a failed run is logged; the schedule goes on
+            record["error"] = f"{type(exc).__name__}: {exc}"
+            logger.error("scheduled run failed: %s", record["error"])
+        record["ended"] = time.time()
+        with lock:
+            runs.append(record)
+            done = max_runs is not None and len(runs) >= max_runs
+        logger.info("scheduled run %d finished in %.1f s", len(runs), record["ended"] - record["started"])
+        if done:
+            scheduler.shutdown(wait=False)
+
+    def skipped(event) -> None:
+        logger.warning("fire time %s skipped: the previous run is still going", event.scheduled_run_times)
+
+    scheduler.add_listener(skipped, EVENT_JOB_MAX_INSTANCES)
+    # an explicit next_run_time=None would add the job paused, so it is only passed to run at once
+    first = {"next_run_time": datetime.now().astimezone()} if run_now else {}
+    scheduler.add_job(job, trigger, id="retrain", max_instances=1, coalesce=True, misfire_grace_time=None, **first)
+    logger.info("schedule %s: next run at %s (Ctrl-C stops)", cron or f"every {every} s",
+                trigger.get_next_fire_time(None, datetime.now().astimezone()))
+    try:
+        scheduler.start()
+    except (KeyboardInterrupt, SystemExit):
+        logger.info("stopped after %d run(s)", len(runs))
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-schedule", description="Run the retraining pipeline on a schedule.")
+    when = parser.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
+    when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval instead of a cron expression")
+    parser.add_argument("-c", "--config", required=True, help="the pipeline run config, e.g. configs/retrain_demo.yaml")
+    parser.add_argument("--pipeline", default=RETRAIN_PIPELINE, help=f"pipeline source (default {RETRAIN_PIPELINE})")
+    parser.add_argument("--print-crontab", action="store_true", help="print the crontab line and exit")
+    parser.add_argument("--run-now", action="store_true", help="also run once right away")
+    parser.add_argument("--max-runs", type=int, help="stop after this many runs (default: run until Ctrl-C)")
+    args = parser.parse_args(argv)
+    if not Path(args.config).is_file():
+        parser.error(f"run config {args.config} does not exist")
+    try:
+        if args.print_crontab:
+            if args.cron is None:
+                parser.error("--print-crontab needs --cron")
+            print(crontab_line(args.cron, args.config, args.pipeline))
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        serve(lambda: run_pipeline(args.config, args.pipeline), cron=args.cron, every=args.every,
+              max_runs=args.max_runs, run_now=args.run_now)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

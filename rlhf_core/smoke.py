@@ -1,0 +1,290 @@
+"""The small-model dry run: catch a broken run in two minutes on a CPU, not after hours on GPUs.
+
+The run config is kept exactly, except for what must shrink:
+
+* the model: a random-weight clone of the target's architecture (same model type and tokenizer,
+  two small layers), unless the target is already tiny (under ``tiny_threshold`` parameters,
+  counted from its config without loading weights);
+* the data: the first ``n_prompts`` real training prompts and as many validation prompts;
+* batch sizes shrunk consistently (one mini-batch of all prompts; micro-batches that divide it),
+  short responses, one process, the HF rollout on CPU unless a GPU is there, two iterations.
+
+Then it checks what a real run would trip over first: every loss and gradient norm finite, no
+skipped step, the first step on-policy (``actor/ppo_kl`` ~ 0: the log-probs of the update match
+those of the rollout), and a checkpoint that saves, loads into a fresh trainer and restores the
+weights exactly. The first failing check raises :class:`SmokeTestError` naming it.
+
+    python -m rlhf_core.smoke --config configs/ppo_demo_cpu.yaml [key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from rlhf_core.config import ConfigError, PPOConfig, load_config, validate_config
+from rlhf_core.data.dataset import as_file_list
+
+TINY_THRESHOLD = 5_000_000
+KL_TOLERANCE = 1e-3
+FINITE_KEYS = ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm",
+               "actor/entropy", "critic/score/mean")
+
+
+class SmokeTestError(RuntimeError):
+    """A check of the dry run failed; the message names the check and what to look at."""
+
+
+@dataclass
+class SmokeReport:
+    target_model: str
+    model: str
+    cloned: bool
+    target_parameters: int
+    parameters: int
+    n_prompts: int
+    steps: int
+    checks: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[dict[str, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(check["passed"] for check in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "passed": self.passed}
+
+    def summary(self) -> str:
+        what = (f"a 2-layer random clone ({self.parameters:,} parameters) of {self.target_model} "
+                f"({self.target_parameters:,})" if self.cloned else f"{self.model} ({self.parameters:,} parameters)")
+        lines = [f"smoke test {'PASSED' if self.passed else 'FAILED'} in {self.wall_s:.1f} s: {self.steps} PPO "
+                 f"iterations of the run config on {self.n_prompts} prompts with {what}"]
+        lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in self.checks]
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def count_parameters_from_config(model_path: str | Path, trust_remote_code: bool = False) -> int:
+    """Parameters of the model in ``model_path``, built on the meta device (no weights are read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(Path(model_path).expanduser()), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def build_tiny_clone(model_path: str | Path, output_dir: str | Path, tokenizer_path: str | Path | None = None,
+                     num_layers: int = 2, hidden_size: int = 64, num_heads: int = 4, intermediate_size: int = 128,
+                     seed: int = 0, trust_remote_code: bool = False) -> Path:
+    """Save a random-weight model of the same type as ``model_path`` with small layers, and its tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    source = Path(model_path).expanduser()
+    out = Path(output_dir)
+    config = AutoConfig.from_pretrained(str(source), trust_remote_code=trust_remote_code)
+    config.num_hidden_layers = num_layers
+    config.hidden_size = hidden_size
+    if hasattr(config, "intermediate_size"):
+        config.intermediate_size = intermediate_size
+    if hasattr(config, "num_attention_heads"):
+        config.num_attention_heads = num_heads
+        kv_heads = getattr(config, "num_key_value_heads", None)
+        if kv_heads is not None:  # keep grouped-query attention when the target has it
+            config.num_key_value_heads = max(d for d in range(1, num_heads + 1)
+                                             if num_heads % d == 0 and d <= min(kv_heads, num_heads))
+        if getattr(config, "head_dim", None) is not None:
+            config.head_dim = hidden_size // num_heads
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:num_layers]
+    if getattr(config, "max_window_layers", None) is not None:
+        config.max_window_layers = min(config.max_window_layers, num_layers)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(tokenizer_path or source).expanduser()),
+                                              trust_remote_code=trust_remote_code)
+    tokenizer.save_pretrained(out)
+    try:
+        GenerationConfig.from_pretrained(str(source)).save_pretrained(out)
+    except OSError:  # no generation_config.json: the model config's defaults stand
+        pass
+    return out
+
+
+# ----------------------------------------------------------------------------- data and config
+
+
+def write_subset(files: str | Sequence[str], output: str | Path, n_rows: int) -> Path:
+    """The first ``n_rows`` rows of ``files`` (in order) as one parquet file."""
+    frames, remaining = [], n_rows
+    for path in as_file_list(files):
+        if remaining <= 0:
+            break
+        frame = pd.read_parquet(path).head(remaining)
+        frames.append(frame)
+        remaining -= len(frame)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    pd.concat(frames, ignore_index=True).to_parquet(output, index=False)
+    return output
+
+
+def _divisor_at_most(total: int, limit: int | None) -> int:
+    limit = total if limit is None else max(1, min(limit, total))
+    return max(d for d in range(1, limit + 1) if total % d == 0)
+
+
+def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_file: Path, work_dir: Path,
+                 n_prompts: int, response_length: int, cloned: bool, steps: int = 2) -> PPOConfig:
+    """The run config shrunk for the dry run (see the module docstring); validated."""
+    small = copy.deepcopy(cfg)
+    data, arr, critic, trainer = small.data, small.actor_rollout_ref, small.critic, small.trainer
+    arr.model.path = str(model_path)
+    if cloned:  # the clone carries the target's tokenizer and also initialises the critic
+        arr.model.tokenizer_path = None
+        critic.model.path = None
+        critic.model.tokenizer_path = None
+    data.train_files, data.val_files = [str(train_file)], [str(val_file)]
+    data.train_batch_size = n_prompts
+    data.val_batch_size = None
+    data.max_response_length = min(response_length, cfg.data.max_response_length)
+    sequences = n_prompts * arr.rollout.n
+    actor = arr.actor
+    actor.ppo_mini_batch_size = n_prompts  # one mini-batch: the first update starts exactly on-policy
+    actor.ppo_micro_batch_size_per_gpu = _divisor_at_most(sequences, actor.ppo_micro_batch_size_per_gpu)
+    if critic.ppo_mini_batch_size is not None:
+        critic.ppo_mini_batch_size = n_prompts
+    critic.ppo_micro_batch_size_per_gpu = _divisor_at_most(sequences, critic.ppo_micro_batch_size_per_gpu)
+    for section in (arr.rollout, arr.ref):
+        section.log_prob_micro_batch_size_per_gpu = _divisor_at_most(sequences,
+                                                                     section.log_prob_micro_batch_size_per_gpu)
+    on_gpu = cfg.trainer.device == "cuda" and torch.cuda.is_available()
+    trainer.device = "cuda" if on_gpu else "cpu"
+    if not on_gpu:
+        arr.rollout.name = "hf"
+    trainer.n_gpus_per_node, trainer.nnodes = 1, 1
+    trainer.total_training_steps, trainer.total_epochs = steps, steps
+    trainer.test_freq, trainer.save_freq, trainer.val_before_train = -1, -1, False
+    trainer.critic_warmup = 0  # the actor must update on the first step for the KL check
+    trainer.resume_mode, trainer.resume_from_path = "disable", None
+    trainer.default_local_dir = str(work_dir / "checkpoints")
+    trainer.logger = []
+    if hasattr(trainer, "prometheus_port"):
+        trainer.prometheus_port = None
+    validate_config(small)
+    return small
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _check(report: SmokeReport, name: str, passed: bool, detail: str) -> None:
+    report.checks.append({"name": name, "passed": bool(passed), "detail": detail})
+    if not passed:
+        raise SmokeTestError(f"smoke test failed at '{name}': {detail}\n{report.summary()}")
+
+
+def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> list[str]:
+    state_a, state_b = module_a.state_dict(), module_b.state_dict()
+    if state_a.keys() != state_b.keys():
+        return sorted(set(state_a) ^ set(state_b))
+    return [name for name, value in state_a.items() if not torch.equal(value, state_b[name])]
+
+
+def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
+                   steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
+    """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
+    from rlhf_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from rlhf_core.main_ppo import build_trainer, preflight
+
+    started = time.perf_counter()
+    work_dir = Path(work_dir)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_cfg = cfg.actor_rollout_ref.model
+    target = Path(model_cfg.path).expanduser()
+    target_parameters = count_parameters_from_config(target, model_cfg.trust_remote_code)
+    cloned = target_parameters >= tiny_threshold
+    model_path = target
+    if cloned:
+        model_path = build_tiny_clone(target, work_dir / "tiny_model", model_cfg.tokenizer_path,
+                                      trust_remote_code=model_cfg.trust_remote_code)
+    parameters = count_parameters_from_config(model_path, model_cfg.trust_remote_code) if cloned else target_parameters
+    train_file = write_subset(cfg.data.train_files, work_dir / "data" / "train.parquet", n_prompts)
+    val_file = write_subset(cfg.data.val_files, work_dir / "data" / "val.parquet", n_prompts)
+    n_prompts = min(n_prompts, len(pd.read_parquet(train_file)))
+    small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)
+    report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps)
+
+    preflight(small)
+    trainer = build_trainer(small)
+    history = trainer.fit()
+    report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
+                      for step in history]
+    _check(report, "iterations", len(history) == steps, f"{len(history)} of {steps} PPO iterations ran")
+    bad = [f"step {i + 1} {key}={metrics[key]}" for i, metrics in enumerate(report.metrics)
+           for key in FINITE_KEYS if key in metrics and not math.isfinite(metrics[key])]
+    _check(report, "finite losses", not bad, ", ".join(bad) or "every loss and gradient norm is finite")
+    skipped = report.metrics[-1].get("training/skipped_steps", 0.0)
+    _check(report, "no skipped updates", skipped == 0,
+           f"{skipped:.0f} optimizer steps skipped for non-finite gradients")
+    first_kl = report.metrics[0].get("actor/ppo_kl")
+    _check(report, "on-policy first step", first_kl is not None and abs(first_kl) < KL_TOLERANCE,
+           f"actor/ppo_kl on step 1 = {first_kl} (must be |kl| < {KL_TOLERANCE}: the update's log-probs must "
+           "equal the rollout's; look at dropout, dtype or padding differences between the two)")
+
+    root = Path(small.trainer.default_local_dir)
+    latest = latest_checkpoint(root)
+    if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
+        latest = save_checkpoint(trainer, root)
+    fresh = build_trainer(small)
+    load_checkpoint(fresh, latest)
+    differing = _state_differences(trainer.actor.module, fresh.actor.module)
+    if trainer.critic is not None:
+        differing += [f"critic.{name}" for name in _state_differences(trainer.critic.module, fresh.critic.module)]
+    _check(report, "checkpoint round trip", not differing,
+           f"saved {latest.name} and loaded it into a fresh trainer: "
+           + (f"{len(differing)} tensors differ, e.g. {differing[:3]}" if differing else "weights equal"))
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.smoke", description="Dry-run a PPO config.")
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
+        try:
+            report = run_smoke_test(cfg, args.work_dir or scratch)
+        except SmokeTestError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    print(report.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

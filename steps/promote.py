@@ -1,0 +1,79 @@
+"""Promote the new model version to production when it beats the current one; record why either way."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from zenml import get_step_context, log_metadata, step
+from zenml.client import Client
+from zenml.enums import ModelStages
+from zenml.logger import get_logger
+
+from rlhf_core.promotion import decide
+
+logger = get_logger(__name__)
+
+
+def _production(client: Client, model_name: str):
+    try:
+        return client.get_model_version(model_name, ModelStages.PRODUCTION)
+    except KeyError:  # no version has been promoted yet
+        return None
+
+
+def _run_artifacts(client: Client, run_id) -> dict[str, str]:
+    """``artifact name -> artifact version id`` for every output of this run so far."""
+    run = client.get_pipeline_run(run_id)
+    return {artifact.artifact.name: str(artifact.id)
+            for step_run in run.steps.values() for outputs in step_run.outputs.values() for artifact in outputs}
+
+
+@step(enable_cache=False)
+def promote(
+    evaluation: dict,
+    dataset_fingerprint: str,
+    reward_spec: dict,
+    smoke_report: dict,
+    min_improvement: float = 0.0,
+    skip_reason: str = "",
+) -> Annotated[dict, "promotion_decision"]:
+    """Compare with production (or, for the first version, the base model) and set the stage."""
+    context = get_step_context()
+    model, client = context.model, Client()
+    production = _production(client, model.name)
+    production_accuracy = production.run_metadata.get("accuracy") if production else None
+    decision = decide(
+        candidate_accuracy=evaluation.get("accuracy"),
+        base_accuracy=evaluation.get("base_accuracy"),
+        production_accuracy=production_accuracy,
+        production_version=production.name if production else None,
+        min_improvement=min_improvement,
+        skipped_reason=skip_reason or None,
+    )
+    artifacts = _run_artifacts(client, context.pipeline_run.id)
+    record = {
+        "promoted": decision.promote,
+        "decision_reason": decision.reason,
+        "baseline": decision.baseline,
+        "baseline_accuracy": decision.baseline_accuracy,
+        "previous_production_version": production.name if production else None,
+        "min_improvement": min_improvement,
+        "accuracy": evaluation.get("accuracy"),
+        "base_accuracy": evaluation.get("base_accuracy"),
+        "dataset_fingerprint": dataset_fingerprint,
+        "reward_sha256": reward_spec.get("sha256"),
+        "smoke_test_passed": smoke_report.get("passed"),
+        "checkpoint_artifact_id": artifacts.get("ppo_checkpoint"),
+        "pipeline_run": context.pipeline_run.name,
+        "pipeline_run_id": str(context.pipeline_run.id),
+        "artifact_ids": artifacts,
+    }
+    if skip_reason:
+        record["skipped"] = skip_reason
+    record = {key: value for key, value in record.items() if value is not None}
+    log_metadata(record, infer_model=True)
+    log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
+    if decision.promote:
+        model.set_stage(ModelStages.PRODUCTION, force=True)
+    logger.info("model %s version %s: %s", model.name, model.version, decision.reason)
+    return {**record, "model": model.name, "version": str(model.version), **decision.to_dict()}

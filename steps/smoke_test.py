@@ -1,0 +1,33 @@
+"""Dry-run the exact run config on a tiny model and a handful of prompts before the real training."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Annotated
+
+from zenml import log_metadata, step
+from zenml.logger import get_logger
+
+from rlhf_core.smoke import run_smoke_test
+from steps._config import config_from_dict
+
+logger = get_logger(__name__)
+
+
+@step(enable_cache=False)
+def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: int = 4,
+               response_length: int = 16) -> Annotated[dict, "smoke_report"]:
+    """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip."""
+    if skip_reason:
+        logger.info("smoke test skipped: %s", skip_reason)
+        return {"passed": None, "skipped": skip_reason}
+    cfg = config_from_dict(ppo_config)
+    with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
+        report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
+    logger.info(report.summary())
+    result = report.to_dict()
+    result["reward_sha256"] = reward_spec.get("sha256")
+    log_metadata({"passed": report.passed, "wall_s": round(report.wall_s, 2), "cloned": report.cloned,
+                  "parameters": report.parameters, "target_parameters": report.target_parameters,
+                  "checks": {check["name"]: check["detail"] for check in report.checks}})
+    return result

@@ -1,0 +1,62 @@
+"""rlhf-lineage: the chain behind the production version, as text and as JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_pipeline import trained_model, zenml_client
+
+from rlhf_core.lineage import lineage, main
+
+CHAIN = ["data", "validation", "reward", "smoke test", "checkpoint", "evaluation", "promotion"]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return trained_model()
+
+
+def test_production_lineage_links_every_stage_to_its_artifacts(trained):
+    model, _ = trained
+    client = zenml_client()
+    production = client.get_model_version(model, "production")
+    record = lineage(model, client=client)
+    assert record["version"] == production.name
+    assert record["stage"] == "production"
+    stages = [link["stage"] for link in record["chain"] if link["stage"] != "retraining gate"]
+    assert stages == CHAIN
+    run = client.get_pipeline_run(record["run_id"])
+    links = {link["stage"]: link for link in record["chain"]}
+    for link in record["chain"]:  # every artifact id is the one the run's step produced
+        produced = {str(a.id) for outputs in run.steps[link["step"]].outputs.values() for a in outputs}
+        assert {a["id"] for a in link["artifacts"]} == produced
+    meta = record["model_version_metadata"]
+    checkpoint_ids = [a["id"] for a in links["checkpoint"]["artifacts"] if a["name"] == "ppo_checkpoint"]
+    assert checkpoint_ids == [meta["checkpoint_artifact_id"]]
+    assert links["validation"]["metadata"]["dataset_fingerprint"] == meta["dataset_fingerprint"]
+    assert links["reward"]["metadata"]["reward_sha256"] == meta["reward_sha256"]
+    assert links["data"]["metadata"]["train_files"]
+    assert links["smoke test"]["metadata"]["passed"] is True
+    assert links["promotion"]["metadata"]["promoted"] is True
+
+
+def test_cli_prints_the_chain_and_json(trained, capsys):
+    model, _ = trained
+    client = zenml_client()
+    assert main(["--model", model], client=client) == 0
+    text = capsys.readouterr().out
+    for stage in CHAIN[1:]:
+        assert f"-> {stage}: step " in text
+    assert "(stage: production)" in text
+    assert "decision_reason: promoted" in text
+
+    assert main(["--model", model, "--version", "1", "--json"], client=client) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["number"] == 1
+    assert record["chain"][-1]["stage"] == "promotion"
+
+
+def test_cli_names_what_is_missing(trained, capsys):
+    assert main(["--model", "no-such-model"], client=zenml_client()) == 2
+    assert "error:" in capsys.readouterr().err

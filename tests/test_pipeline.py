@@ -1,0 +1,231 @@
+"""The ZenML pipelines end to end on a tiny setup, in-process, on a throwaway local store.
+
+One model is trained once per session (:func:`trained_model`) and shared with test_lineage.py and
+test_dashboard.py: version 1 from ``rlhf_ppo_pipeline``, version 2 from ``rlhf_retrain_pipeline``
+on new data, warm-started from version 1 and judged against it.
+
+The tiny setup: a random 1-layer character model, 32 synthetic problems, and a reward that a few
+PPO steps can learn for sure (full marks when the response starts with a digit; the reference
+solutions are the bare answers, so the reward's self-check passes).
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny-ppo-policy"
+STEPS = ["load_ppo_config", "validate_data", "define_reward", "smoke_test", "train_ppo", "evaluate", "promote"]
+
+# ZenML reads where its store lives when it first starts, so this comes before any zenml import. The
+# repository path holds no .zen/: a repository made with `zenml init` in the checkout is never touched.
+ZENML_HOME = Path(tempfile.mkdtemp(prefix="rlhf-zenml-tests-"))
+atexit.register(shutil.rmtree, ZENML_HOME, ignore_errors=True)
+os.environ.update({
+    "ZENML_CONFIG_PATH": str(ZENML_HOME / "config"),
+    "ZENML_REPOSITORY_PATH": str(ZENML_HOME),
+    "ZENML_ANALYTICS_OPT_IN": "false",
+    "ZENML_LOGGING_VERBOSITY": os.environ.get("ZENML_LOGGING_VERBOSITY", "WARN"),
+    "ZENML_ENABLE_RICH_TRACEBACK": "false",
+    "ZENML_AUTO_OPEN_DASHBOARD": "false",
+})
+
+
+@functools.cache
+def zenml_client():
+    """The client of the throwaway store, with step sources resolved against the checkout."""
+    from zenml.client import Client
+    from zenml.config.global_config import GlobalConfiguration
+    from zenml.utils import source_utils
+
+    GlobalConfiguration._reset_instance()  # in case anything read the configuration before the env was set
+    Client._reset_instance()
+    source_utils.set_custom_source_root(str(REPO_ROOT))
+    return Client()
+
+
+@dataclass(frozen=True)
+class TinySetup:
+    root: Path
+    trainer_config: Path
+    train_file: Path
+    val_file: Path
+    new_train_file: Path  # the same problems and 16 more: "new data" for retraining
+
+
+def _bare_answers(path: Path) -> None:
+    frame = pd.read_parquet(path)
+    frame["extra_info"] = [{**extra, "answer": reward["ground_truth"]}
+                           for extra, reward in zip(frame["extra_info"], frame["reward_model"])]
+    frame.to_parquet(path, index=False)
+
+
+@functools.cache
+def tiny_setup() -> TinySetup:
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.models.toy import random_toy_model
+
+    root = ZENML_HOME / "tiny"
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    first = build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
+    more = build_dataset(root / "new_data", n_train=48, n_test=8, seed=0, max_ops=1)
+    for path in (first["train"], first["test"], more["train"]):
+        _bare_answers(path)
+    reward = root / "digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    trainer_config = root / "ppo_tiny.yaml"
+    trainer_config.write_text(f"""\
+data: {{train_batch_size: 8, max_prompt_length: 320, max_response_length: 4}}
+actor_rollout_ref:
+  model: {{path: {model}, enable_gradient_checkpointing: false}}
+  actor: {{ppo_mini_batch_size: 8, ppo_micro_batch_size_per_gpu: 32, optim: {{lr: 2.0e-2}}}}
+  rollout: {{n: 4, log_prob_micro_batch_size_per_gpu: 32}}
+  ref: {{log_prob_micro_batch_size_per_gpu: 32}}
+algorithm: {{adv_estimator: grpo}}
+custom_reward_function: {{path: {reward}, name: compute_score}}
+trainer: {{total_training_steps: 3, test_freq: -1, val_before_train: false, n_gpus_per_node: 1, device: cpu,
+          logger: [file], default_local_dir: {root / 'checkpoints'}}}
+""")
+    return TinySetup(root, trainer_config, first["train"], first["test"], more["train"])
+
+
+def run_pipeline(model_name: str, retrain: bool = False, train_file: Path | None = None, **parameters):
+    """One in-process run of the training (or retraining) pipeline on the tiny setup."""
+    zenml_client()
+    from zenml import Model
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+
+    setup = tiny_setup()
+    pipeline = (rlhf_retrain_pipeline if retrain else rlhf_ppo_pipeline).with_options(model=Model(name=model_name))
+    return pipeline(trainer_config=str(setup.trainer_config), train_files=str(train_file or setup.train_file),
+                    val_files=str(setup.val_file), **parameters)
+
+
+@functools.cache
+def trained_model() -> tuple[str, tuple]:
+    """(model name, run ids): version 1 trained, version 2 retrained on new data and judged against 1."""
+    first = run_pipeline(MODEL)
+    second = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file)
+    return MODEL, (first.id, second.id)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return trained_model()
+
+
+def _version(number_or_stage):
+    return zenml_client().get_model_version(MODEL, number_or_stage)
+
+
+def test_first_run_trains_and_promotes_version_1(trained):
+    _, (first_run_id, _) = trained
+    run = zenml_client().get_pipeline_run(first_run_id)
+    assert str(run.status) == "completed"
+    assert sorted(run.steps) == sorted(STEPS)
+    version = _version(1)
+    meta = version.run_metadata
+    assert meta["promoted"] is True, meta["decision_reason"]
+    assert meta["baseline"] == "base_model"
+    assert meta["accuracy"] > meta["base_accuracy"]
+    assert meta["checkpoint_artifact_id"] == str(run.steps["train_ppo"].outputs["ppo_checkpoint"][0].id)
+    assert meta["dataset_fingerprint"] == run.steps["validate_data"].outputs["dataset_fingerprint"][0].load()
+    assert meta["reward_sha256"] == run.steps["define_reward"].outputs["reward_spec"][0].load()["sha256"]
+    assert meta["smoke_test_passed"] is True
+
+
+def test_second_run_creates_version_2_and_decides_against_the_first(trained):
+    _, (_, second_run_id) = trained
+    run = zenml_client().get_pipeline_run(second_run_id)
+    assert str(run.status) == "completed"
+    assert "check_new_data" in run.steps
+    first, second = _version(1), _version(2)
+    meta = second.run_metadata
+    assert meta["baseline"] == "production"
+    assert meta["previous_production_version"] == "1"
+    assert meta["baseline_accuracy"] == first.run_metadata["accuracy"]
+    assert meta["dataset_fingerprint"] != first.run_metadata["dataset_fingerprint"]
+    # warm start: training began from version 1's checkpoint artifact
+    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
+    assert str(init_from.id) == first.run_metadata["checkpoint_artifact_id"]
+    assert _version("production").number == (2 if meta["promoted"] else 1)
+
+
+def test_artifacts_carry_visualizations_and_a_loadable_hf_checkpoint(trained):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.evaluate import resolve_policy_dir
+
+    _, (first_run_id, _) = trained
+    steps = zenml_client().get_pipeline_run(first_run_id).steps
+    kinds = {name: {str(v.type) for v in steps[step].outputs[name][0].visualizations}
+             for step, name in (("validate_data", "validation_report"), ("evaluate", "evaluation_report"),
+                                ("train_ppo", "training_curves"))}
+    assert kinds == {"validation_report": {"html"}, "evaluation_report": {"html"}, "training_curves": {"image"}}
+    report = steps["evaluate"].outputs["evaluation_report"][0].load()
+    assert "right" in report and "<img" in report
+    checkpoint = steps["train_ppo"].outputs["ppo_checkpoint"][0].load()
+    model = AutoModelForCausalLM.from_pretrained(resolve_policy_dir(checkpoint))
+    assert model.config.num_hidden_layers == 1
+
+
+def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
+    production = _version("production")
+    same_data = tiny_setup().train_file if production.number == 1 else tiny_setup().new_train_file
+    run = run_pipeline(MODEL, retrain=True, train_file=same_data)
+    assert str(run.status) == "completed"
+    version = zenml_client().get_model_version(MODEL, "latest")
+    meta = version.run_metadata
+    assert meta["promoted"] is False
+    assert "unchanged since production version" in meta["skipped"]
+    assert meta["decision_reason"].startswith("not promoted: training was skipped")
+    assert _version("production").number == production.number
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    assert summary["steps"] == 0
+
+
+def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
+    """Through the command line users run: `zenml pipeline run ... -c run_config.yaml`."""
+    setup = tiny_setup()
+    bad = pd.read_parquet(setup.train_file)
+    bad.at[3, "reward_model"] = {"style": "rule", "ground_truth": None}
+    bad.to_parquet(tmp_path / "train.parquet", index=False)
+    run_config = tmp_path / "bad_data.yaml"
+    run_config.write_text(f"""\
+model: {{name: tiny-bad-data}}
+parameters:
+  trainer_config: {setup.trainer_config}
+  train_files: {tmp_path / 'train.parquet'}
+  val_files: {setup.val_file}
+""")
+    zenml_client()  # the store exists before a second process opens it
+    zenml = Path(sys.executable).with_name("zenml")
+    result = subprocess.run([str(zenml), "pipeline", "run", "pipelines.rlhf_ppo.rlhf_ppo_pipeline", "-c",
+                             str(run_config)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Dataset validation FAILED" in output
+    assert "not_null [train.ground_truth]" in output
+    assert "row 3" in output
+
+    client = zenml_client()
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed"
+    assert str(run.steps["validate_data"].status) == "failed"
+    assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
+    with pytest.raises(KeyError):
+        client.get_model_version("tiny-bad-data", "production")

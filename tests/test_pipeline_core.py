@@ -1,0 +1,112 @@
+"""The rlhf_core pieces behind the pipeline steps: the smoke test's dry run (a tiny clone of a big
+model, the run config shrunk) and the reward spec with its self-check on reference solutions."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig
+
+from rlhf_core.config import PPOConfig, load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.smoke import SmokeTestError, _check, count_parameters_from_config, run_smoke_test, scale_config
+
+
+@pytest.fixture(scope="module")
+def big_model_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("smoke")
+    # 4 layers of width 384: ~7M parameters, over the 5M line, so the dry run clones it
+    model = random_toy_model(root / "big", n_layers=4, hidden_size=384, n_heads=6, max_position_embeddings=512)
+    data = build_dataset(root / "data", n_train=16, n_test=8, seed=0, max_ops=1)
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}", f"data.val_files={data['test']}",
+        "data.train_batch_size=16", "data.max_prompt_length=320", "data.max_response_length=64",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+        f"trainer.default_local_dir={root / 'unused'}",
+    ])
+    return root, model, cfg
+
+
+def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
+    _, model, cfg = big_model_setup
+    assert count_parameters_from_config(model) > 5_000_000
+    report = run_smoke_test(cfg, tmp_path, n_prompts=4, response_length=8)
+    assert report.passed, report.summary()
+    assert report.cloned
+    assert report.parameters < 1_000_000
+    clone = AutoConfig.from_pretrained(report.model)
+    assert (clone.model_type, clone.num_hidden_layers, clone.vocab_size) == ("llama", 2, AutoConfig.from_pretrained(
+        model).vocab_size)
+    assert [c["name"] for c in report.checks] == ["iterations", "finite losses", "no skipped updates",
+                                                  "on-policy first step", "checkpoint round trip"]
+    assert len(report.metrics) == 2
+    assert abs(report.metrics[0]["actor/ppo_kl"]) < 1e-3
+    assert "smoke test PASSED" in report.summary()
+
+
+def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_root, tmp_path):
+    cfg = load_config(config_file=repo_root / "configs" / "gsm8k_qwen2.5_0.5b_8gpu.yaml")
+    small = scale_config(cfg, tmp_path / "clone", tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path,
+                         n_prompts=4, response_length=16, cloned=True)
+    assert (small.world_size, small.data.train_batch_size, small.data.max_response_length) == (1, 4, 16)
+    assert small.actor_rollout_ref.actor.ppo_mini_batch_size == 4
+    assert small.trainer.total_training_steps == 2
+    assert small.critic.model.path is None  # the clone initialises the critic too
+    # kept as the recipe has them
+    actor = small.actor_rollout_ref.actor
+    assert (actor.ppo_epochs, actor.use_dynamic_bsz, actor.clip_ratio, actor.optim.lr) == (4, True, 0.2, 1e-6)
+    assert small.algorithm.lam == 0.95
+
+
+def test_a_failed_check_stops_with_its_name_and_the_report():
+    from rlhf_core.smoke import SmokeReport
+
+    report = SmokeReport("target", "target", False, 10, 10, 4, 2)
+    with pytest.raises(SmokeTestError, match="smoke test failed at 'finite losses': step 1 actor/pg_loss=nan"):
+        _check(report, "finite losses", False, "step 1 actor/pg_loss=nan")
+
+
+def test_reward_spec_names_the_function_and_hashes_its_source(tmp_path):
+    builtin = reward_spec(PPOConfig(), data_sources=["openai/gsm8k"])
+    entry = builtin["functions"]["openai/gsm8k"]
+    assert entry["function"] == "rlhf_core.rewards.gsm8k_reward"
+    assert entry["calls"] == {"rlhf_core.rewards.gsm8k.compute_score":
+                              {"method": "strict", "format_score": 0.0, "score": 1.0}}
+    custom = tmp_path / "my_reward.py"
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    hashes = []
+    for body in ("return 1.0", "return 0.5"):
+        custom.write_text(f"def score_it(data_source, solution_str, ground_truth, extra_info=None):\n    {body}\n")
+        spec = reward_spec(cfg, data_sources=["anything"])
+        assert spec["functions"]["anything"]["function"] == f"{custom.resolve()}:score_it"
+        hashes.append((spec["functions"]["anything"]["source_sha256"], spec["sha256"]))
+    assert hashes[0][0] != hashes[1][0] and hashes[0][1] != hashes[1][1]
+
+
+def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
+    import pandas as pd
+
+    paths = build_dataset(tmp_path / "data", n_train=4, n_test=6, seed=0, max_ops=1)
+    cfg = PPOConfig()
+    cfg.data.val_files = str(paths["test"])
+    assert check_reference_solutions(cfg).success
+    frame = pd.read_parquet(paths["test"])
+    frame.at[2, "reward_model"] = {"style": "rule", "ground_truth": "99999"}
+    frame.to_parquet(paths["test"], index=False)
+    check = check_reference_solutions(cfg)
+    assert (check.checked, [m["row"] for m in check.mismatches]) == (6, [2])
+    assert f"{paths['test']} row 2" in check.summary() and "'99999'" in check.summary()
+
+
+def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport rlhf_core.evaluate, rlhf_core.lineage, rlhf_core.promotion, rlhf_core.schedule, "
+            "rlhf_core.smoke\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
