@@ -4,7 +4,7 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
 
     latest_checkpointed_iteration.txt     N, the step of the newest complete checkpoint
     global_step_N/
-      actor/model_state.pt                module.state_dict()                 (torch.save)
+      actor/model_state.pt                module.state_dict() (with LoRA: the adapters only)  (torch.save)
       actor/optim_state.pt                {"optimizer": ..., "scheduler": ...}
       actor/extra_state.pt                the worker's generators (mini-batch shuffle, rollout sampling)
       actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
@@ -13,6 +13,11 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
       config.yaml                         the resolved config the run started with
       manifest.json                       every file above with its size; written last
+
+With several workers (FSDP2) each role directory holds instead ``dcp/`` (every rank's shards of
+the model and optimizer state, torch.distributed.checkpoint) and ``extra_state_rank_R.pt`` (each
+rank's scheduler and generators), written by the workers themselves: ``default_local_dir`` must
+then be a filesystem every worker sees. ``huggingface/`` is gathered and written by rank 0.
 
 A save writes everything into ``.global_step_N.tmp-XXXX`` in the same directory, fsyncs
 each file and directory, renames it to ``global_step_N`` and only then replaces
@@ -68,6 +73,7 @@ RESUME_SAFE_KEYS = (
     "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
+    "trainer.ray_address",
     "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
     "*.ppo_micro_batch_size_per_gpu", "*.log_prob_micro_batch_size_per_gpu", "*.ppo_max_token_len_per_gpu",
@@ -367,7 +373,7 @@ def _write_hf(trainer, target: Path) -> None:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the training log at every save
     try:
-        trainer.actor.module.save_pretrained(target)
+        trainer.actor.save_hf(target)  # LoRA merged; with several workers gathered and written by rank 0
         if trainer.tokenizer is not None:
             trainer.tokenizer.save_pretrained(target)
     finally:
@@ -378,6 +384,10 @@ def _write_hf(trainer, target: Path) -> None:
 def _fill(files: _Files, trainer) -> list[str]:
     parts = []
     for name, worker in _workers(trainer).items():
+        if getattr(worker, "sharded", False):  # each rank writes its own shards (and generators)
+            files.tree(name, worker.save_shards)
+            parts.append(name)
+            continue
         state = worker.state_dict()
         files.torch(f"{name}/model_state.pt", state.pop("model"))
         files.torch(f"{name}/optim_state.pt", {"optimizer": state.pop("optimizer"),
@@ -553,8 +563,8 @@ def _load(path: Path, device: torch.device | str = "cpu") -> Any:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 
-def _check_shapes(path: Path, saved: dict[str, torch.Tensor], module: torch.nn.Module) -> None:
-    expected = module.state_dict()
+def _check_shapes(path: Path, saved: dict[str, torch.Tensor], worker) -> None:
+    expected = worker.model_state_dict()
     problems = [f"{k} missing" for k in expected if k not in saved]
     problems += [f"{k} unexpected" for k in saved if k not in expected]
     problems += [f"{k} has shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
@@ -565,10 +575,21 @@ def _check_shapes(path: Path, saved: dict[str, torch.Tensor], module: torch.nn.M
                               "from another model or architecture?")
 
 
+def _load_sharded(path: Path, name: str, worker, weights_only: bool = False) -> None:
+    try:
+        worker.load_shards(path / name, weights_only)
+    except Exception as exc:  # noqa: BLE001 - the workers' errors come wrapped; say which checkpoint
+        raise CheckpointError(f"checkpoint {path / name} cannot be loaded into the {name} being trained: {exc}") \
+            from exc
+
+
 def _load_worker(path: Path, name: str, worker) -> None:
+    if getattr(worker, "sharded", False):
+        _load_sharded(path, name, worker)
+        return
     device = getattr(worker, "device", "cpu")
     model = _load(path / name / "model_state.pt", device)
-    _check_shapes(path / name / "model_state.pt", model, worker.module)
+    _check_shapes(path / name / "model_state.pt", model, worker)
     optim = _load(path / name / "optim_state.pt", device)
     extra = _load(path / name / "extra_state.pt", "cpu")
     try:
@@ -609,7 +630,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
             guard.load_state_dict(state["guard"])
         guard.on_checkpoint(trainer.global_step)
     _set_rng_state(_load(path / RNG_STATE, "cpu"))
-    trainer.actor.rollout.sync_weights()
+    if not getattr(trainer.actor, "sharded", False):  # sharded workers sync as they load
+        trainer.actor.rollout.sync_weights()
 
 
 def restore_weights(trainer, path: str | os.PathLike) -> None:
@@ -621,14 +643,18 @@ def restore_weights(trainer, path: str | os.PathLike) -> None:
     """
     path = _loadable(trainer, path)
     for name, worker in _workers(trainer).items():
+        if getattr(worker, "sharded", False):
+            _load_sharded(path, name, worker, weights_only=True)
+            continue
         device = getattr(worker, "device", "cpu")
         model = _load(path / name / "model_state.pt", device)
-        _check_shapes(path / name / "model_state.pt", model, worker.module)
-        worker.module.load_state_dict(model)
+        _check_shapes(path / name / "model_state.pt", model, worker)
+        worker.load_model_state_dict(model)
         worker.optimizer.load_state_dict(_load(path / name / "optim_state.pt", device)["optimizer"])
         for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
             group["lr"] = lr
-    trainer.actor.rollout.sync_weights()
+    if not getattr(trainer.actor, "sharded", False):
+        trainer.actor.rollout.sync_weights()
 
 
 def load_model_state(path: str | os.PathLike, part: str = "actor") -> dict[str, torch.Tensor]:

@@ -107,6 +107,8 @@ class FSDPConfig:
     param_offload: bool = _k(False, "keep sharded parameters on CPU between uses")
     optimizer_offload: bool = _k(False, "keep optimizer state on CPU")
     reshard_after_forward: bool = _k(True, "free gathered parameters after each forward")
+    param_dtype: str = _k("bfloat16", "dtype of gathered parameters in forward/backward on GPU (CPU: float32)")
+    reduce_dtype: str = _k("float32", "dtype of the gradient reduce-scatter on GPU (CPU: float32)")
 
 
 @dataclass
@@ -274,6 +276,8 @@ class TrainerConfig:
     max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints; null = all")
     n_gpus_per_node: int = _k(8, "workers per node (GPUs, or CPU processes with device=cpu)")
     nnodes: int = _k(1, "number of nodes")
+    ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
+                                       "a local cluster")
     device: str = _k("cuda", "cuda | cpu")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
@@ -583,6 +587,11 @@ def _check_batches(errors: list[str], prefix: str, mini: int, micro: int | None,
             f"{prefix}.ppo_mini_batch_size ({mini}): set ppo_mini_batch_size to a divisor, "
             f"e.g. {_divisor_near(data.train_batch_size, mini)}"
         )
+    if dynamic and (mini * n) % world:
+        errors.append(
+            f"{prefix}.ppo_mini_batch_size * rollout.n ({mini} * {n} = {mini * n} sequences) must be divisible "
+            f"by the world size ({world}) so each worker gets an equal share of every mini-batch"
+        )
     if dynamic:
         budget = data.max_prompt_length + data.max_response_length
         if max_tok < budget:
@@ -689,6 +698,22 @@ def validate_config(cfg: PPOConfig) -> None:
     _one_of(errors, "actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
     _one_of(errors, "critic.strategy", critic.strategy, STRATEGIES)
     _one_of(errors, "actor_rollout_ref.model.dtype", arr.model.dtype, DTYPES)
+    for name, fsdp in (("actor_rollout_ref.actor", actor.fsdp_config), ("actor_rollout_ref.ref", arr.ref.fsdp_config),
+                       ("critic", critic.fsdp_config)):
+        _one_of(errors, f"{name}.fsdp_config.param_dtype", fsdp.param_dtype, DTYPES)
+        _one_of(errors, f"{name}.fsdp_config.reduce_dtype", fsdp.reduce_dtype, DTYPES)
+    for name, model in (("actor_rollout_ref.model", arr.model), ("critic.model", critic.model)):
+        if model.lora_rank < 0:
+            errors.append(f"{name}.lora_rank={model.lora_rank} must be >= 0 (0 trains all weights)")
+        if model.lora_rank > 0 and model.lora_alpha <= 0:
+            errors.append(f"{name}.lora_alpha={model.lora_alpha} must be > 0 with lora_rank > 0")
+    if rollout.name == "vllm":
+        if trainer.device != "cuda":
+            errors.append("actor_rollout_ref.rollout.name=vllm needs trainer.device=cuda; use rollout.name=hf on CPU")
+        tp = rollout.tensor_model_parallel_size
+        if tp < 1 or cfg.world_size % tp:
+            errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the world size "
+                          f"({cfg.world_size} = trainer.n_gpus_per_node * trainer.nnodes)")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)

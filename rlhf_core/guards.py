@@ -205,9 +205,12 @@ def tighten_kl_control(trainer) -> str:
         actor_cfg.kl_loss_coef *= KL_LOSS_COEF_FACTOR
         changes.append(f"actor kl_loss_coef -> {actor_cfg.kl_loss_coef:.4g}")
     if not changes:
-        scheduler, optimizer = trainer.actor.scheduler, trainer.actor.optimizer
-        scheduler.base_lrs = [lr * LR_FACTOR for lr in scheduler.base_lrs]
-        for group in optimizer.param_groups:
-            group["lr"] *= LR_FACTOR
+        if getattr(trainer.actor, "sharded", False):  # the actor lives on a worker group
+            trainer.actor.scale_lr(LR_FACTOR)
+        else:
+            scheduler, optimizer = trainer.actor.scheduler, trainer.actor.optimizer
+            scheduler.base_lrs = [lr * LR_FACTOR for lr in scheduler.base_lrs]
+            for group in optimizer.param_groups:
+                group["lr"] *= LR_FACTOR
         changes.append(f"actor learning rate x{LR_FACTOR} (no KL term to tighten)")
     return "; ".join(changes)

@@ -5,7 +5,7 @@ checked before any model is loaded; then the trainer resumes from the latest
 checkpoint (``trainer.resume_mode``), runs, and a summary says where the metrics and
 checkpoints are. The same command run again after a crash or a kill continues the run.
 
-Exit codes: 0 done; 1 a guard stopped the run; 2 bad input (config, data, model,
+Exit codes: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config, data, model,
 checkpoint) or a checkpoint that could not be written; 128 + signal number after
 Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrupt`` is saved.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -37,6 +38,7 @@ from rlhf_core.models.loading import (
 from rlhf_core.monitoring import PortInUseError, PrometheusExporter
 from rlhf_core.rewards import known_data_sources, load_custom_reward_fn
 from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.workers.group import WorkerError
 
 
 class PreflightError(ValueError):
@@ -68,8 +70,13 @@ def preflight(cfg: PPOConfig) -> None:
     except CheckpointError as exc:
         errors.append(f"trainer.default_local_dir: {exc}")
     if cfg.world_size > 1:
-        errors.append(f"trainer.n_gpus_per_node * trainer.nnodes = {cfg.world_size}: this version trains in one "
-                      "process; set trainer.n_gpus_per_node=1 trainer.nnodes=1")
+        ray_address = trainer.ray_address or os.environ.get("RAY_ADDRESS")
+        if trainer.nnodes > 1 and not ray_address:
+            errors.append(f"trainer.nnodes={trainer.nnodes} needs an existing Ray cluster: set trainer.ray_address "
+                          "(or RAY_ADDRESS) to it")
+        elif not ray_address and trainer.device == "cuda" and torch.cuda.device_count() < trainer.n_gpus_per_node:
+            errors.append(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this machine has "
+                          f"{torch.cuda.device_count()} GPUs; lower it or set trainer.ray_address to a larger cluster")
     try:
         model_dir = check_model_dir(arr.model.path, "actor_rollout_ref.model.path")
         check_tokenizer_dir(arr.model.tokenizer_path or model_dir, "actor_rollout_ref.model.tokenizer_path")
@@ -107,8 +114,9 @@ def preflight(cfg: PPOConfig) -> None:
         raise PreflightError(errors)
 
 
-def build_trainer(cfg: PPOConfig, logger=None):
-    """Tokenizer, datasets, reward manager and trainer for a checked config."""
+def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
+    """Tokenizer, datasets, reward manager and trainer for a checked config (on a Ray worker group when
+    the world size is above 1, or when ``use_worker_group`` says so)."""
     from rlhf_core.trainer import PPOTrainer
 
     arr = cfg.actor_rollout_ref
@@ -118,7 +126,7 @@ def build_trainer(cfg: PPOConfig, logger=None):
     custom = cfg.custom_reward_function
     reward_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
-                      device=cfg.trainer.device)
+                      device=cfg.trainer.device, use_worker_group=use_worker_group)
 
 
 @contextlib.contextmanager
@@ -161,10 +169,12 @@ def run(cfg: PPOConfig) -> dict:
     if resume_from is not None:
         check_config(resume_from, cfg)
     trainer = build_trainer(cfg)
-    if resume_from is not None:
-        trainer.load_checkpoint(resume_from)
-        print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})", file=sys.stderr)
     with contextlib.ExitStack() as stack:
+        stack.callback(trainer.close)  # the workers of a multi-worker run
+        if resume_from is not None:
+            trainer.load_checkpoint(resume_from)
+            print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})",
+                  file=sys.stderr)
         tracking = stack.enter_context(Tracking(
             trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
             config=cfg.to_dict(), total_steps=trainer.total_steps, warn_thresholds=_warn_thresholds(trainer_cfg)))
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    except GuardError as exc:
+    except (GuardError, WorkerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except TrainingInterrupted as exc:

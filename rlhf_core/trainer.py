@@ -9,6 +9,11 @@ Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, le
 guards (:mod:`rlhf_core.guards`) judge each step, logs it, then checkpoints it every
 ``save_freq`` steps, at the end, after a rollback and when a validation sets a new best.
 A stop request (set by a signal handler) ends the run between steps, after a save.
+
+With more than one worker (``trainer.n_gpus_per_node * trainer.nnodes > 1``) the actor and the
+critic live on a Ray worker group sharded with FSDP2 (:mod:`rlhf_core.workers.group`); the
+trainer drives them through the same calls, and a worker that fails stops the run with its
+error and the step, leaving the latest checkpoint as it was.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.workers.actor import ActorWorker
 from rlhf_core.workers.critic import CriticWorker
+from rlhf_core.workers.group import WorkerError
 
 
 def peak_memory_gb() -> float:
@@ -95,7 +101,7 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, tokenizer, train_dataset: RLHFDataset, val_dataset: RLHFDataset | None,
                  reward_manager: RewardManager, logger: Callable[[dict[str, float], int], None] | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", use_worker_group: bool | None = None):
         self.config = config
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
@@ -111,13 +117,22 @@ class PPOTrainer:
             self.sampler.batches_per_epoch * config.trainer.total_epochs)
         seed = config.trainer.seed
         torch.manual_seed(seed)
-        self.actor = ActorWorker(arr, tokenizer, self.total_steps, self.use_ref, seed=seed, device=device)
-        self.critic = None
-        if self.use_critic:
-            self.critic = CriticWorker(
-                config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
-                arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
-                device=device)
+        self.worker_group = None
+        if config.world_size > 1 if use_worker_group is None else use_worker_group:
+            from rlhf_core.workers.group import build_worker_groups
+
+            self.worker_group, self.actor, self.critic = build_worker_groups(
+                config, self.total_steps, self.use_ref, self.use_critic)
+        else:
+            max_model_len = config.data.max_prompt_length + config.data.max_response_length
+            self.actor = ActorWorker(arr, tokenizer, self.total_steps, self.use_ref, seed=seed, device=device,
+                                     max_model_len=max_model_len)
+            self.critic = None
+            if self.use_critic:
+                self.critic = CriticWorker(
+                    config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
+                    arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
+                    device=device)
         kl = algo.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.global_step = 0
@@ -164,6 +179,9 @@ class PPOTrainer:
                 with timed("values", timings):
                     batch["values"] = self.critic.compute_values(batch)
             metrics: dict[str, float] = {"actor/entropy": _mean(entropy, batch["response_mask"].float())}
+            if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
+                metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
+                                                       batch["response_mask"].float())
             with timed("adv", timings):
                 if algo.use_kl_in_reward:
                     rewards, _, kl_metrics = algos.apply_kl_penalty(
@@ -190,7 +208,8 @@ class PPOTrainer:
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/throughput"] = tokens / timings["timing_s/step"] / max(1, self.config.world_size)
-        metrics["perf/max_memory_allocated_gb"] = peak_memory_gb()
+        metrics["perf/max_memory_allocated_gb"] = peak_memory_gb() if self.worker_group is None \
+            else max(peak_memory_gb(), self.actor.peak_memory_gb())
         metrics["training/skipped_steps"] = self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
         return metrics
 
@@ -225,7 +244,10 @@ class PPOTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.checkpoint`)."""
-        path = checkpoint.save_checkpoint(self, self.checkpoint_dir)
+        try:
+            path = checkpoint.save_checkpoint(self, self.checkpoint_dir)
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
         return path
 
@@ -267,6 +289,22 @@ class PPOTrainer:
             saved = self.save_checkpoint()
         raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None)
 
+    def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError:
+        """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from."""
+        latest = None
+        try:
+            latest = checkpoint.latest_checkpoint(self.checkpoint_dir)
+        except checkpoint.CheckpointError:
+            pass
+        resume = (f"the latest checkpoint {latest} is intact: rerun to resume from it" if latest is not None
+                  else "no checkpoint was saved yet")
+        return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
+
+    def close(self) -> None:
+        """Stop the workers (with a worker group); the trainer cannot train afterwards."""
+        if self.worker_group is not None:
+            self.worker_group.shutdown()
+
     # ------------------------------------------------------------------ the loop
     def _log(self, metrics: dict[str, float], step: int) -> None:
         if self.logger is not None:
@@ -275,7 +313,10 @@ class PPOTrainer:
     def fit(self) -> list[StepResult]:
         trainer_cfg = self.config.trainer
         if trainer_cfg.val_before_train and self.val_dataset is not None and self.global_step == 0:
-            val_metrics = self.validate()
+            try:
+                val_metrics = self.validate()
+            except WorkerError as exc:
+                raise self._worker_failure(exc, "validating before", 1) from exc
             new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
             self._log(val_metrics, 0)
             if new_best:  # the val-drop guard's first rollback target
@@ -284,7 +325,10 @@ class PPOTrainer:
             self._stop_if_requested()
             epoch, rows = self.sampler.next_batch()
             skipped_before = self._skipped_total()
-            metrics = self.train_step(self.train_dataset.collate(rows))
+            try:
+                metrics = self.train_step(self.train_dataset.collate(rows))
+            except WorkerError as exc:
+                raise self._worker_failure(exc, "training", self.global_step + 1) from exc
             self.global_step += 1
             step = self.global_step
             last = step == self.total_steps
@@ -292,7 +336,10 @@ class PPOTrainer:
             event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
             if self.val_dataset is not None and (
                     last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0)):
-                metrics.update(self.validate())
+                try:
+                    metrics.update(self.validate())
+                except WorkerError as exc:
+                    raise self._worker_failure(exc, "validating after", step) from exc
                 if event is None:
                     new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
                     save = save or new_best

@@ -166,3 +166,15 @@ def test_cli_rejects_a_data_source_without_reward(workspace, capsys, tmp_path):
     err = capsys.readouterr().err
     assert "no reward function for data_source my/unknown_source" in err
     assert "custom_reward_function.path" in err
+
+
+def test_critic_has_no_dropout_so_update_time_values_match_rollout_time(workspace):
+    from rlhf_core.models.loading import load_critic
+
+    _, model, _ = workspace
+    critic = load_critic(model).train()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    first = critic(input_ids=ids).logits
+    critic.score.weight.data.normal_()  # a value head that is not zero, so dropout would show
+    first, second = critic(input_ids=ids).logits, critic(input_ids=ids).logits
+    assert torch.equal(first, second)

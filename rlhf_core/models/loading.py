@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -81,28 +82,48 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.
     return model.to(device).eval()  # no dropout: log-probs must be reproducible between phases
 
 
+def attention_for(use_remove_padding: bool, device: torch.device | str) -> str | None:
+    """``flash_attention_2`` when packed sequences are asked for and can run (CUDA + flash-attn);
+    None (the model's default attention) otherwise."""
+    if use_remove_padding and torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn"):
+        return "flash_attention_2"
+    return None
+
+
+def _attn_kwargs(attn_implementation: str | None) -> dict:
+    return {"attn_implementation": attn_implementation} if attn_implementation else {}
+
+
 def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
-               trust_remote_code: bool = False, device: torch.device | str = "cpu") -> PreTrainedModel:
+               trust_remote_code: bool = False, device: torch.device | str = "cpu",
+               attn_implementation: str | None = None) -> PreTrainedModel:
     model = AutoModelForCausalLM.from_pretrained(
-        str(resolve(path)), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        str(resolve(path)), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        **_attn_kwargs(attn_implementation)
     )
     return _finish(model, gradient_checkpointing, torch.device(device))
 
 
 def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
                 trust_remote_code: bool = False, device: torch.device | str = "cpu",
-                seed: int = 0) -> PreTrainedModel:
+                seed: int = 0, attn_implementation: str | None = None) -> PreTrainedModel:
     """A token-level value model (one label) on the actor's backbone; the value head starts at zero."""
-    quiet = logging.getLogger("transformers.modeling_utils")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # "newly initialised score weights" is expected here
+    quiet = [logging.getLogger("transformers.modeling_utils"),  # "newly initialised score weights" is expected
+             logging.getLogger("transformers.distributed.tensor_parallel")]  # and so is "score was not sharded"
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
     try:
         torch.manual_seed(seed)
+        config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1, trust_remote_code=trust_remote_code)
+        config.classifier_dropout = 0.0  # values must not differ between the rollout-time pass and the update
         model = AutoModelForTokenClassification.from_pretrained(
-            str(resolve(path)), num_labels=1, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+            str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+            **_attn_kwargs(attn_implementation)
         )
     finally:
-        quiet.setLevel(level)
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
     head = getattr(model, "score", None) or getattr(model, "classifier", None)
     if head is not None:
         with torch.no_grad():
@@ -118,3 +139,26 @@ def make_reference(actor: PreTrainedModel) -> PreTrainedModel:
     for param in reference.parameters():
         param.requires_grad_(False)
     return reference
+
+
+def hf_class(model: torch.nn.Module) -> type[PreTrainedModel]:
+    """The transformers class of ``model``, looking through the class FSDP2 wraps it in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(model).__mro__:
+        if issubclass(cls, PreTrainedModel) and not issubclass(cls, FSDPModule):
+            return cls
+    raise TypeError(f"{type(model).__name__} is not a transformers model")
+
+
+def save_hf_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], target: str | os.PathLike) -> None:
+    """``save_pretrained`` of ``model``'s architecture holding ``state_dict`` (full tensors under the
+    transformers names, e.g. gathered from FSDP shards or with LoRA merged in). The model is rebuilt
+    on the meta device, so nothing is allocated besides ``state_dict`` itself."""
+    with torch.device("meta"):
+        clean = hf_class(model)(copy.deepcopy(model.config))
+    clean.load_state_dict(state_dict, strict=True, assign=True)
+    clean.tie_weights()
+    if getattr(model, "generation_config", None) is not None:
+        clean.generation_config = copy.deepcopy(model.generation_config)
+    clean.save_pretrained(target)

@@ -11,4 +11,8 @@ def make_rollout_engine(name: str, module, tokenizer, seed: int = 0, **kwargs) -
         from rlhf_core.rollout.hf import HFRolloutEngine
 
         return HFRolloutEngine(module, tokenizer, seed=seed, **kwargs)
-    raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: no such rollout engine here (valid: hf)")
+    if name == "vllm":
+        from rlhf_core.rollout.vllm import VLLMRolloutEngine
+
+        return VLLMRolloutEngine(module, tokenizer, seed=seed, **kwargs)
+    raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: no such rollout engine here (valid: hf, vllm)")

@@ -4,31 +4,51 @@ It computes log-probs of responses (old policy and reference) and performs the P
 policy update: ``ppo_epochs`` x mini-batches x micro-batches with gradient
 accumulation, losses normalised over the whole mini-batch, gradient clipping and
 skipping of mini-batch updates whose loss or gradient is not finite.
+
+The same class runs alone in the trainer's process or as one rank of a worker group
+(:mod:`rlhf_core.workers.group`): when a process group is up, the policy and the
+reference are sharded with FSDP2 and the mini-batch is the union of the ranks' shares
+(token counts, metrics and the skip decision are all-reduced). With LoRA the reference
+is the policy itself with its adapters switched off.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
 from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import ActorRolloutRefConfig
-from rlhf_core.models.loading import load_actor, make_reference
+from rlhf_core.models import lora
+from rlhf_core.models.loading import attention_for, load_actor, make_reference, resolve, save_hf_model
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
+from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
-    batch_token_counts,
     build_optimizer,
     build_scheduler,
     clip_and_check,
+    global_token_counts,
+    load_shards,
     micro_batches,
+    move_optimizer_state,
+    packed_inputs,
     pad_response,
+    resolve_remove_padding,
+    save_shards,
     trimmed_inputs,
+    unpack,
 )
 
 
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                      with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each."""
+    if remove_padding:
+        return packed_response_log_prob(model, batch, temperature, with_entropy)
     inputs, response_start, kept = trimmed_inputs(batch)
     logits = model(**inputs, use_cache=False).logits  # (bs, L, V)
     logits = logits[:, response_start - 1:response_start - 1 + kept].float()  # position t predicts t+1
@@ -42,19 +62,57 @@ def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
     return log_prob, entropy
 
 
+def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
+                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``)."""
+    inputs, valid = packed_inputs(batch)
+    logits = model(**inputs, use_cache=False).logits.float()  # (1, T, V)
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    next_ids = torch.roll(inputs["input_ids"], -1, dims=1)  # (1, T): the token each position predicts
+    prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    window = slice(prompt_len - 1, prompt_len - 1 + response_len)  # positions that predict the response
+    log_prob = unpack(algos.logprobs_from_logits(logits, next_ids)[0], valid)[:, window]  # (bs, R)
+    entropy = unpack(algos.entropy_from_logits(logits)[0], valid)[:, window] if with_entropy else None
+    return log_prob, entropy
+
+
 class ActorWorker:
     def __init__(self, config: ActorRolloutRefConfig, tokenizer, total_steps: int, need_ref: bool,
-                 seed: int = 0, device: str = "cpu"):
+                 seed: int = 0, device: str = "cpu", max_model_len: int | None = None):
         self.config = config
         model_cfg, actor_cfg = config.model, config.actor
         self.device = torch.device(device)
         torch.manual_seed(seed)
-        self.module = load_actor(model_cfg.path, model_cfg.dtype, model_cfg.enable_gradient_checkpointing,
-                                 model_cfg.trust_remote_code, self.device)
-        self.ref_module = make_reference(self.module) if need_ref else None
-        self.optimizer = build_optimizer(self.module.parameters(), actor_cfg.optim)
+        module = load_actor(model_cfg.path, model_cfg.dtype, model_cfg.enable_gradient_checkpointing,
+                            model_cfg.trust_remote_code, self.device,
+                            attn_implementation=attention_for(model_cfg.use_remove_padding, self.device))
+        self.lora = model_cfg.lora_rank > 0
+        if self.lora:
+            module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)
+        reference = make_reference(module) if need_ref and not self.lora else None
+        self.sharded = distributed.in_worker_group()  # one rank of a worker group: FSDP2
+        if self.sharded:
+            distributed.fsdp_wrap(lora.base_model(module), self.device, actor_cfg.fsdp_config)
+            if reference is not None:
+                distributed.fsdp_wrap(reference, self.device, config.ref.fsdp_config)
+        self.module = module  # the trained module (a PEFT wrapper with LoRA)
+        self.forward_module = lora.base_model(module)  # the transformers model (adapters active, if any)
+        self.ref_module = reference
+        self.need_ref = need_ref
+        self.remove_padding = resolve_remove_padding(model_cfg.use_remove_padding, self.forward_module,
+                                                     "actor_rollout_ref.model.use_remove_padding")
+        self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
-        self.rollout = make_rollout_engine(config.rollout.name, self.module, tokenizer, seed=seed)
+        rollout = config.rollout
+        if rollout.name == "vllm":
+            engine_kwargs = {"config": rollout, "model_path": str(resolve(model_cfg.path)),
+                             "max_model_len": max_model_len, "weights": self.rollout_weights,
+                             "trust_remote_code": model_cfg.trust_remote_code}
+        else:
+            engine_kwargs = {"synced": distributed.all_done if self.sharded else None}
+        self.rollout = make_rollout_engine(rollout.name, self.forward_module, tokenizer,
+                                           seed=seed + distributed.rank(), **engine_kwargs)
         self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.skipped_steps = 0
 
@@ -62,18 +120,28 @@ class ActorWorker:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         self.rollout.resume()
         try:
+            if self.sharded and self.config.rollout.name == "hf":  # gather the weights once, not per token
+                with distributed.gathered(self.forward_module, self.config.actor.fsdp_config.reshard_after_forward):
+                    return self.rollout.generate(prompts, params)
             return self.rollout.generate(prompts, params)
         finally:
             self.rollout.release()
 
+    def rollout_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The policy's full weights under transformers names (LoRA merged), one tensor at a time; sharded,
+        every rank must iterate to the end (each tensor is gathered from the shards)."""
+        tensors = distributed.iter_full_tensors(self.module)
+        return lora.merged_tensors(tensors, lora.lora_scaling(self.module)) if self.lora else tensors
+
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def _log_prob(self, model: torch.nn.Module, batch: Batch, micro: int | None, dynamic: bool, max_tok: int,
-                  with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool, max_tok: int,
+                  with_entropy: bool, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = model if model is not None else self.forward_module
         log_probs, entropies = [], []
         for mb in micro_batches(batch, micro, dynamic, max_tok):
             log_prob, entropy = response_log_prob(model, mb.to(self.device), self.config.rollout.temperature,
-                                                  with_entropy)
+                                                  with_entropy, self.remove_padding)
             log_probs.append(log_prob.cpu())
             if entropy is not None:
                 entropies.append(entropy.cpu())
@@ -82,21 +150,27 @@ class ActorWorker:
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies under the current policy, (bs, R) each."""
         rollout = self.config.rollout
-        return self._log_prob(self.module, batch, rollout.log_prob_micro_batch_size_per_gpu,
-                              rollout.log_prob_use_dynamic_bsz, rollout.log_prob_max_token_len_per_gpu, True)
+        return self._log_prob(batch, rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+                              rollout.log_prob_max_token_len_per_gpu, True)
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        if self.ref_module is None:
+        if not self.need_ref:
             raise RuntimeError("no reference policy: enable algorithm.use_kl_in_reward or actor.use_kl_loss")
         ref = self.config.ref
-        return self._log_prob(self.ref_module, batch, ref.log_prob_micro_batch_size_per_gpu,
-                              ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu, False)[0]
+        adapters_off = self.module.disable_adapter() if self.lora else nullcontext()
+        with adapters_off:
+            return self._log_prob(batch, ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                                  ref.log_prob_max_token_len_per_gpu, False, model=self.ref_module)[0]
 
     # ------------------------------------------------------------------ update
     def update_policy(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
-        """PPO policy update on a rollout batch with ``old_log_prob``, ``advantages`` (and ``ref_log_prob``)."""
+        """PPO policy update on a rollout batch with ``old_log_prob``, ``advantages`` (and ``ref_log_prob``).
+
+        As one of N ranks, ``batch`` is this rank's share: each mini-batch is this rank's
+        ``1/N`` of the global mini-batch (the worker group lays the rows out that way).
+        """
         cfg = self.config.actor
-        mini_rows = cfg.ppo_mini_batch_size * n_per_prompt
+        mini_rows = cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size()
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
 
@@ -104,24 +178,29 @@ class ActorWorker:
             sums[name] = sums.get(name, 0.0) + value
             counts[name] = counts.get(name, 0) + 1
 
+        fsdp = self.config.actor.fsdp_config  # moments on the CPU between updates (param_offload: always)
+        offload = fsdp.optimizer_offload and not fsdp.param_offload and self.device.type == "cuda"
+        if offload:
+            move_optimizer_state(self.optimizer, self.device)
         self.module.train()
         for _ in range(cfg.ppo_epochs):
             order = (torch.randperm(len(batch), generator=self.shuffle_generator) if cfg.shuffle
                      else torch.arange(len(batch)))
             for start in range(0, len(batch), mini_rows):
                 mini = batch.select(order[start:start + mini_rows])
-                token_count, seq_count = batch_token_counts(mini)
+                token_count, seq_count = global_token_counts(mini)
                 counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1)}
                 self.optimizer.zero_grad(set_to_none=True)
-                step_metrics: dict[str, float] = {}
+                summed: dict[str, float] = {}  # this rank's share of each mini-batch metric; summed over ranks
+                constant: dict[str, float] = {}
                 loss_finite = True
                 for mb in micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                         cfg.ppo_max_token_len_per_gpu):
                     mb = mb.to(self.device)
                     mask = mb["response_mask"]
                     need_entropy = cfg.entropy_coeff != 0
-                    log_prob, entropy = response_log_prob(self.module, mb, self.config.rollout.temperature,
-                                                          need_entropy)
+                    log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
+                                                          need_entropy, self.remove_padding)
                     pg_loss, pg_metrics = algos.compute_policy_loss(
                         mb["old_log_prob"], log_prob, mb["advantages"], mask,
                         cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
@@ -136,13 +215,14 @@ class ActorWorker:
                         kld = algos.kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type)
                         kl_loss = algos.agg_loss(kld, mask, cfg.loss_agg_mode, **counts_kw)
                         loss = loss + cfg.kl_loss_coef * kl_loss
-                        step_metrics["actor/kl_loss"] = step_metrics.get("actor/kl_loss", 0.0) + kl_loss.item()
-                        step_metrics["actor/kl_coef"] = cfg.kl_loss_coef
+                        summed["actor/kl_loss"] = summed.get("actor/kl_loss", 0.0) + kl_loss.item()
+                        constant["actor/kl_coef"] = cfg.kl_loss_coef
                     loss_finite = loss_finite and bool(torch.isfinite(loss))
                     loss.backward()
-                    step_metrics["actor/pg_loss"] = step_metrics.get("actor/pg_loss", 0.0) + pg_loss.item()
+                    summed["actor/pg_loss"] = summed.get("actor/pg_loss", 0.0) + pg_loss.item()
                     for name, value in pg_metrics.items():  # token-weighted over the mini-batch
-                        step_metrics[name] = step_metrics.get(name, 0.0) + value * share
+                        summed[name] = summed.get(name, 0.0) + value * share
+                loss_finite = distributed.all_true(loss_finite)
                 grad_norm, finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
                 if finite and loss_finite:
                     self.optimizer.step()
@@ -150,26 +230,73 @@ class ActorWorker:
                     self.skipped_steps += 1
                     self.optimizer.zero_grad(set_to_none=True)
                 record("actor/grad_norm", grad_norm)
-                for name, value in step_metrics.items():
+                names = sorted(summed)
+                for name, value in zip(names, distributed.all_reduce_sum([summed[n] for n in names])):
+                    record(name, value)
+                for name, value in constant.items():
                     record(name, value)
         self.scheduler.step()
         self.module.eval()
+        if offload:
+            move_optimizer_state(self.optimizer, "cpu")
         metrics = {name: sums[name] / counts[name] for name in sums}
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         self.rollout.sync_weights()
         return metrics
 
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate, its schedule included, by ``factor`` (a guard's last lever on KL)."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+
     # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model_state.pt`` holds: all weights, or with LoRA only the adapters."""
+        return lora.trainable_state_dict(self.module) if self.lora else self.module.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            lora.load_trainable_state_dict(self.module, state)
+        else:
+            self.module.load_state_dict(state)
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
                 "rollout_generator": self.rollout.generator.get_state()
                 if hasattr(self.rollout, "generator") else None}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_generator.set_state(state["shuffle_generator"])
         if state.get("rollout_generator") is not None and hasattr(self.rollout, "generator"):
             self.rollout.generator.set_state(state["rollout_generator"])
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_extra_state(state)
+
+    def save_shards(self, folder: str | Path) -> None:
+        """Sharded: every rank writes its shards and its own generators into ``folder``."""
+        save_shards(self, Path(folder))
+
+    def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
+        load_shards(self, Path(folder), weights_only)
+        self.rollout.sync_weights()
+
+    # ------------------------------------------------------------------ export
+    def save_hf(self, target: str | Path) -> None:
+        """The policy as a plain transformers model directory (LoRA merged); sharded, every rank must call
+        this (the weights are gathered) and rank 0 writes."""
+        if not self.lora and not self.sharded:
+            self.module.save_pretrained(target)
+            return
+        state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
+        if distributed.rank() == 0:
+            if self.lora:
+                state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
+            save_hf_model(self.forward_module, state, target)

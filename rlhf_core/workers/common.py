@@ -1,30 +1,61 @@
-"""What the actor and critic workers share: micro-batching, trimmed forwards, optimizers."""
+"""What the actor and critic workers share: micro-batching, trimmed and packed forwards, optimizers.
+
+With several workers (FSDP2) every forward is a collective, so every rank must run the same
+number of micro-batches: :func:`micro_batches` splits further where a rank has fewer; and the
+losses are normalised by the token and sequence counts of the global mini-batch
+(:func:`global_token_counts`), so one worker and N workers take the same optimizer step.
+"""
 
 from __future__ import annotations
 
 import math
+import os
+import sys
+from pathlib import Path
 
 import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
+from rlhf_core.workers import distributed
+
+SHARDS_DIR = "dcp"
 
 
 def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[Batch]:
     """Split ``batch`` into micro-batches: ``micro_size`` sequences each, or with ``use_dynamic_bsz``
     consecutive runs of sequences whose valid tokens (prompt + response) stay within ``max_token_len``."""
-    if not use_dynamic_bsz:
-        return batch.split(micro_size or len(batch))
     lengths = batch["attention_mask"].sum(-1).tolist()
-    groups: list[list[int]] = [[]]
-    tokens = 0
-    for row, length in enumerate(lengths):
-        if groups[-1] and tokens + length > max_token_len:
-            groups.append([])
-            tokens = 0
-        groups[-1].append(row)
-        tokens += length
+    if not use_dynamic_bsz:
+        size = micro_size or len(batch)
+        groups = [list(range(start, min(start + size, len(batch)))) for start in range(0, len(batch), size)]
+    else:
+        groups = [[]]
+        tokens = 0
+        for row, length in enumerate(lengths):
+            if groups[-1] and tokens + length > max_token_len:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(row)
+            tokens += length
+    groups = _same_count_on_all_ranks([g for g in groups if g], lengths)
     return [batch.select(rows) for rows in groups]
+
+
+def _same_count_on_all_ranks(groups: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Split the heaviest groups in two until this rank has as many as the rank with the most
+    (a sharded forward is a collective: every rank must run the same number of them)."""
+    target = distributed.all_reduce_max(len(groups))
+    while len(groups) < target:
+        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
+        if not splittable:
+            raise RuntimeError(f"rank {distributed.rank()} has {len(groups)} sequences but must run {target} "
+                               "micro-batches to stay in step with the other workers; raise the micro-batch "
+                               "token budget or give each worker more sequences")
+        heaviest = max(splittable, key=lambda i: sum(lengths[r] for r in groups[i]))
+        rows = groups[heaviest]
+        groups[heaviest:heaviest + 1] = [rows[:len(rows) // 2], rows[len(rows) // 2:]]
+    return groups
 
 
 def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
@@ -56,10 +87,51 @@ def pad_response(values: torch.Tensor, response_len: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, response_len - values.shape[1]))
 
 
+def packed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The model inputs of a micro-batch without any padding: the valid tokens of every row
+    concatenated into one row ``(1, T)``, with position ids that restart at 0 for each sequence
+    (attention implementations with variable-length kernels keep the sequences apart by them).
+    Returns (inputs, valid) where ``valid`` (bs, L) marks where the T tokens came from."""
+    valid = batch["attention_mask"].bool()
+    inputs = {"input_ids": batch["input_ids"][valid][None], "position_ids": batch["position_ids"][valid][None]}
+    return inputs, valid
+
+
+def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per-token ``values`` (T,) of a packed row back into the padded layout (bs, L), zeros elsewhere."""
+    padded = values.new_zeros(valid.shape)
+    padded[valid] = values
+    return padded
+
+
+def supports_packing(module: torch.nn.Module) -> bool:
+    """Whether the model's attention has variable-length kernels (flash attention) for packed rows."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
+    return implementation.startswith("flash_attention")
+
+
+def resolve_remove_padding(requested: bool, module: torch.nn.Module, key: str) -> bool:
+    """``use_remove_padding`` as it can run: packing needs flash attention; elsewhere a one-line notice
+    and the padded path (which trims all-padding columns)."""
+    if not requested or supports_packing(module):
+        return requested
+    implementation = getattr(module.config, "_attn_implementation", None)
+    if distributed.rank() == 0:
+        print(f"notice: {key}=true needs flash_attention_2 (CUDA with flash-attn installed); attention here is "
+              f"{implementation}, so sequences run padded", file=sys.stderr, flush=True)
+    return False
+
+
 def batch_token_counts(batch: Batch) -> tuple[int, int]:
     """(response tokens, sequences with at least one response token) of a (mini-)batch."""
     mask = batch["response_mask"]
     return int(mask.sum()), int((mask.sum(-1) > 0).sum())
+
+
+def global_token_counts(batch: Batch) -> tuple[int, int]:
+    """:func:`batch_token_counts` summed over all workers: the normalisers of the global mini-batch loss."""
+    tokens, sequences = distributed.all_reduce_sum(list(batch_token_counts(batch)))
+    return int(tokens), int(sequences)
 
 
 def build_optimizer(params, optim: OptimConfig) -> torch.optim.AdamW:
@@ -84,7 +156,49 @@ def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
 
 
 def clip_and_check(params, max_norm: float) -> tuple[float, bool]:
-    """Clip the gradient norm; returns (norm before clipping, finite?)."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    value = float(norm)
+    """Clip the gradient norm; returns (norm before clipping, finite?).
+
+    With FSDP2 the gradients are DTensor shards and ``clip_grad_norm_`` reduces their norms over
+    the ranks: the norm is the total one, the same on every rank, and so is the decision to skip.
+    """
+    norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    value = distributed.grad_norm_value(norm)
     return value, math.isfinite(value)
+
+
+def save_shards(worker, folder: Path) -> None:
+    """A sharded worker's checkpoint: every rank writes its shards of the model (with LoRA only the
+    trainable tensors) and optimizer state under ``folder/dcp`` (torch DCP), and its own scheduler
+    and generator states as ``extra_state_rank_R.pt``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    distributed.save_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
+    with open(folder / f"extra_state_rank_{distributed.rank()}.pt", "xb") as f:
+        torch.save(worker.extra_state(), f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_shards(worker, folder: Path, weights_only: bool = False) -> None:
+    """Read :func:`save_shards`; ``weights_only`` (a guard's rollback) keeps the current learning rate,
+    schedule position and generators and takes only the weights and optimizer moments."""
+    lrs = [group["lr"] for group in worker.optimizer.param_groups]
+    distributed.load_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
+    if weights_only:
+        for group, lr in zip(worker.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        return
+    extra = folder / f"extra_state_rank_{distributed.rank()}.pt"
+    if not extra.is_file():
+        raise FileNotFoundError(f"{extra} is missing: the checkpoint was saved with another number of workers")
+    worker.load_extra_state(torch.load(extra, map_location="cpu", weights_only=True))
+    for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
+        group["lr"] = lr
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move the optimizer's moments (``fsdp_config.optimizer_offload``: to the CPU between updates and
+    back to the GPU for them); FSDP2's DTensor moments move shard by shard."""
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device != torch.device(device):
+                state[name] = value.to(device, non_blocking=True)

@@ -1,30 +1,49 @@
-"""The critic worker: a token-level value model, its value predictions and its clipped update."""
+"""The critic worker: a token-level value model, its value predictions and its clipped update.
+
+As for the actor, the same class runs alone or as one FSDP2-sharded rank of a worker group,
+optionally with LoRA adapters (``critic.model.lora_rank``) and a fully trained value head.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import CriticConfig
-from rlhf_core.models.loading import load_critic
+from rlhf_core.models import lora
+from rlhf_core.models.loading import attention_for, load_critic
+from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
-    batch_token_counts,
     build_optimizer,
     build_scheduler,
     clip_and_check,
+    global_token_counts,
+    load_shards,
     micro_batches,
+    move_optimizer_state,
+    packed_inputs,
     pad_response,
+    resolve_remove_padding,
+    save_shards,
     trimmed_inputs,
+    unpack,
 )
 
 
-def response_values(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool = False) -> torch.Tensor:
     """V(s_t) for each response token t: the value read at the position before the token. (bs, R)."""
+    prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    if remove_padding:
+        inputs, valid = packed_inputs(batch)
+        values = unpack(model(**inputs, use_cache=False).logits[0, :, 0].float(), valid)  # (bs, L)
+        return values[:, prompt_len - 1:prompt_len - 1 + response_len] * batch["response_mask"]
     inputs, response_start, kept = trimmed_inputs(batch)
-    values = model(**inputs).logits[..., 0]  # (bs, L)
+    values = model(**inputs, use_cache=False).logits[..., 0]  # (bs, L)
     values = values[:, response_start - 1:response_start - 1 + kept].float()
-    return pad_response(values, batch["responses"].shape[1]) * batch["response_mask"]
+    return pad_response(values, response_len) * batch["response_mask"]
 
 
 class CriticWorker:
@@ -32,9 +51,22 @@ class CriticWorker:
                  mini_batch_size: int, use_dynamic_bsz: bool, ppo_epochs: int, seed: int = 0, device: str = "cpu"):
         self.config = config
         self.device = torch.device(device)
-        self.module = load_critic(model_path, dtype, config.model.enable_gradient_checkpointing,
-                                  config.model.trust_remote_code, self.device, seed=seed)
-        self.optimizer = build_optimizer(self.module.parameters(), config.optim)
+        model_cfg = config.model
+        module = load_critic(model_path, dtype, model_cfg.enable_gradient_checkpointing, model_cfg.trust_remote_code,
+                             self.device, seed=seed,
+                             attn_implementation=attention_for(model_cfg.use_remove_padding, self.device))
+        self.lora = model_cfg.lora_rank > 0
+        if self.lora:
+            module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules,
+                                     critic=True)
+        self.sharded = distributed.in_worker_group()  # one rank of a worker group: FSDP2
+        if self.sharded:
+            distributed.fsdp_wrap(lora.base_model(module), self.device, config.fsdp_config)
+        self.module = module
+        self.forward_module = lora.base_model(module)
+        self.remove_padding = resolve_remove_padding(model_cfg.use_remove_padding, self.forward_module,
+                                                     "critic.model.use_remove_padding")
+        self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.mini_batch_size = config.ppo_mini_batch_size or mini_batch_size
         self.use_dynamic_bsz = use_dynamic_bsz if config.use_dynamic_bsz is None else config.use_dynamic_bsz
@@ -49,29 +81,36 @@ class CriticWorker:
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        return torch.cat([response_values(self.module, mb.to(self.device)).cpu()
+        return torch.cat([response_values(self.forward_module, mb.to(self.device), self.remove_padding).cpu()
                           for mb in self._micro_batches(batch)])
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
-        """Clipped value regression on ``returns`` around the rollout-time ``values``."""
+        """Clipped value regression on ``returns`` around the rollout-time ``values``.
+
+        As one of N ranks, ``batch`` is this rank's share and each mini-batch its ``1/N`` of the global one.
+        """
         cfg = self.config
-        mini_rows = self.mini_batch_size * n_per_prompt
+        mini_rows = self.mini_batch_size * n_per_prompt // distributed.world_size()
         sums: dict[str, float] = {}
         steps = 0
+        fsdp = self.config.fsdp_config  # moments on the CPU between updates (param_offload: always)
+        offload = fsdp.optimizer_offload and not fsdp.param_offload and self.device.type == "cuda"
+        if offload:
+            move_optimizer_state(self.optimizer, self.device)
         self.module.train()
         for _ in range(self.ppo_epochs):
             order = (torch.randperm(len(batch), generator=self.shuffle_generator) if cfg.shuffle
                      else torch.arange(len(batch)))
             for start in range(0, len(batch), mini_rows):
                 mini = batch.select(order[start:start + mini_rows])
-                token_count, seq_count = batch_token_counts(mini)
+                token_count, seq_count = global_token_counts(mini)
                 counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1)}
                 self.optimizer.zero_grad(set_to_none=True)
                 vf_loss_sum, clipfrac_sum = 0.0, 0.0
                 loss_finite = True
                 for mb in self._micro_batches(mini):
                     mb = mb.to(self.device)
-                    vpreds = response_values(self.module, mb)
+                    vpreds = response_values(self.forward_module, mb, self.remove_padding)
                     vf_loss, clipfrac = algos.compute_value_loss(
                         vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value,
                         cfg.loss_agg_mode, **counts_kw,
@@ -80,28 +119,54 @@ class CriticWorker:
                     vf_loss.backward()
                     vf_loss_sum += vf_loss.item()
                     clipfrac_sum += clipfrac * float(mb["response_mask"].sum()) / max(token_count, 1)
+                loss_finite = distributed.all_true(loss_finite)
                 grad_norm, finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
                 if finite and loss_finite:
                     self.optimizer.step()
                 else:
                     self.skipped_steps += 1
                     self.optimizer.zero_grad(set_to_none=True)
+                vf_loss_sum, clipfrac_sum = distributed.all_reduce_sum([vf_loss_sum, clipfrac_sum])
                 for name, value in (("critic/vf_loss", vf_loss_sum), ("critic/vf_clipfrac", clipfrac_sum),
                                     ("critic/grad_norm", grad_norm)):
                     sums[name] = sums.get(name, 0.0) + value
                 steps += 1
         self.scheduler.step()
         self.module.eval()
+        if offload:
+            move_optimizer_state(self.optimizer, "cpu")
         metrics = {name: value / steps for name, value in sums.items()}
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
 
-    def state_dict(self) -> dict:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state()}
+    # ------------------------------------------------------------------ state
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model_state.pt`` holds: all weights, or with LoRA the adapters and the value head."""
+        return lora.trainable_state_dict(self.module) if self.lora else self.module.state_dict()
 
-    def load_state_dict(self, state: dict) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            lora.load_trainable_state_dict(self.module, state)
+        else:
+            self.module.load_state_dict(state)
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state()}
+
+    def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_generator.set_state(state["shuffle_generator"])
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_extra_state(state)
+
+    def save_shards(self, folder: str | Path) -> None:
+        save_shards(self, Path(folder))
+
+    def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
+        load_shards(self, Path(folder), weights_only)

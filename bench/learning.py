@@ -1,0 +1,143 @@
+"""Learning proof: PPO lifts the warm-started tiny model's greedy accuracy on held-out problems.
+
+For each run (gae, grpo, gae + KL loss) the same warm-started demo model trains for a wall-clock
+budget on synthetic arithmetic prompts; greedy accuracy is measured before and after on 1,000
+problems held out from both the warm start and the RL prompts. Prints one line per run:
+
+    accuracy: 0.31 -> 0.52 (+21.0 points) in 40 steps, 480 s [gae]
+
+and saves the reward and accuracy curves as a PNG.
+
+    python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data.schema import make_record
+from rlhf_core.data.synthetic import DATA_SOURCE, generate_problems
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import ensure_toy_model, heldout_problems, preset_settings
+
+REPO = Path(__file__).resolve().parents[1]
+RUNS = {
+    "gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"],
+    "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false"],
+    "kl_loss": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"],
+}
+
+
+def prepare_data(out: Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
+    """RL prompts from the demo task, and a validation set held out from the warm start and the prompts."""
+    out.mkdir(parents=True, exist_ok=True)
+    val = heldout_problems("demo", seed=0, n=n_val)
+    val_questions = {p["question"] for p in val}
+    task = preset_settings("demo")["task"]
+    train = generate_problems(n_train, seed=seed + 17, unique=True, exclude=val_questions, **task)
+    paths = []
+    for split, problems in (("train", train), ("test", val)):
+        rows = [make_record(p["question"], p["solution"], p["answer"], split, i, DATA_SOURCE)
+                for i, p in enumerate(problems)]
+        path = out / f"{split}.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out: Path, extra: list[str]) -> dict:
+    overrides = [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
+        "trainer.total_training_steps=100000", "trainer.logger=[]", f"trainer.default_local_dir={out / name}",
+        "data.val_batch_size=500", *RUNS[name], *extra,
+    ]
+    cfg = load_config(overrides, config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+    trainer = build_trainer(cfg)
+    before = trainer.val_accuracy(trainer.validate())
+    curve, budget, start = [], minutes * 60, time.perf_counter()
+    checkpoints = {budget * f for f in (0.25, 0.5, 0.75)}
+    acc_curve = [(0, 0.0, before)]
+    train_seconds = 0.0
+    while train_seconds < budget:
+        _, rows = trainer.sampler.next_batch()
+        metrics = trainer.train_step(trainer.train_dataset.collate(rows))
+        trainer.global_step += 1
+        train_seconds += metrics["timing_s/step"]
+        curve.append({"step": trainer.global_step, "seconds": train_seconds,
+                      "score": metrics["critic/score/mean"],
+                      "kl": metrics.get("actor/kl_loss", metrics.get("actor/ppo_kl", 0.0))})
+        for mark in sorted(checkpoints):
+            if train_seconds >= mark:
+                checkpoints.discard(mark)
+                acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(trainer.validate())))
+        print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f}",
+              flush=True)
+    after = trainer.val_accuracy(trainer.validate())
+    acc_curve.append((trainer.global_step, train_seconds, after))
+    return {"name": name, "before": before, "after": after, "steps": trainer.global_step,
+            "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - start,
+            "mean_kl": sum(c["kl"] for c in curve) / len(curve), "curve": curve, "acc_curve": acc_curve}
+
+
+def summary_line(r: dict) -> str:
+    delta = 100 * (r["after"] - r["before"])
+    return (f"accuracy: {r['before']:.2f} -> {r['after']:.2f} ({delta:+.1f} points) in {r['steps']} steps, "
+            f"{r['train_seconds']:.0f} s, mean KL {r['mean_kl']:.4f} [{r['name']}]")
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for result in results:
+        seconds = [c["seconds"] for c in result["curve"]]
+        scores = pd.Series([c["score"] for c in result["curve"]]).rolling(5, min_periods=1).mean()
+        left.plot(seconds, scores, label=result["name"])
+        right.plot([a[1] for a in result["acc_curve"]], [a[2] for a in result["acc_curve"]], marker="o",
+                   label=result["name"])
+    left.set(title="training reward (rolling mean of 5 steps)", xlabel="training seconds", ylabel="mean score")
+    right.set(title="greedy accuracy, 1,000 held-out problems", xlabel="training seconds", ylabel="accuracy")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="training budget per run")
+    parser.add_argument("--runs", default="gae,grpo,kl_loss", help=f"comma list of {', '.join(RUNS)}")
+    parser.add_argument("--n-val", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    out = Path(args.out)
+    model = ensure_toy_model("demo")
+    train, val = prepare_data(out / "data", n_train=20000, n_val=args.n_val, seed=args.seed)
+    results = []
+    for name in args.runs.split(","):
+        results.append(run_one(name, model, train, val, args.minutes, out,
+                               args.overrides + [f"trainer.seed={args.seed}"]))
+        print(summary_line(results[-1]), flush=True)
+    plot(results, out / "learning_curves.png")
+    (out / "learning.json").write_text(json.dumps(results, indent=1))
+    print(f"\nmodel: {model}\nvalidation: {args.n_val} held-out problems, greedy\ncurves: {out / 'learning_curves.png'}")
+    for result in results:
+        print(summary_line(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""The cost of one PPO iteration: where the time goes, and how close the trainer is to the floor.
+
+The trainer runs N iterations on a fixed prompt batch after a warm-up; per-phase times come
+from its own ``timing_s/*`` metrics. The floor is a minimal hand-written PPO iteration on the
+same model and batch with the same math (one ``generate`` call, then plain forward/backward
+passes, no trainer, workers or batching machinery), timed in the same process. Prints
+``trainer/floor: <ratio of median step times>`` and the per-phase comparison.
+
+    python bench/ppo_step.py [--iters 5] [--model demo|random] [--hidden 128 --layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core import algos
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.loading import load_critic
+from rlhf_core.models.toy import ensure_toy_model, random_toy_model
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor"]
+
+
+def floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg) -> dict[str, float]:
+    """One PPO iteration in plain torch: the least work the same algorithm can do on this batch."""
+    n = cfg.actor_rollout_ref.rollout.n
+    eos, pad = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id
+    times: dict[str, float] = {}
+
+    def mark(name, start):
+        times[name] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = actor.generate(input_ids=prompts["input_ids"], attention_mask=prompts["attention_mask"],
+                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+                             max_new_tokens=cfg.data.max_response_length, eos_token_id=eos, pad_token_id=pad)
+    prompt_len = prompts["input_ids"].shape[1]
+    responses = out[:, prompt_len:]  # (bs, R)
+    after_eos = (responses == eos).long().cumsum(-1) - (responses == eos).long()  # tokens after the first EOS
+    response_mask = (after_eos == 0).float()
+    attention_mask = torch.cat([prompts["attention_mask"].repeat_interleave(n, 0), response_mask.long()], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    mark("gen", start)
+
+    start = time.perf_counter()
+    texts = trainer.tokenizer.batch_decode(responses, skip_special_tokens=True)
+    truths = [t for t in prompts.meta["ground_truth"] for _ in range(n)]
+    from rlhf_core.rewards.gsm8k import compute_score
+
+    scores = torch.zeros_like(response_mask)
+    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
+    scores[torch.arange(len(texts)), last] = torch.tensor([compute_score(t, g) for t, g in zip(texts, truths)])
+    mark("reward", start)
+
+    R = responses.shape[1]
+
+    micro = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
+    chunks = [slice(lo, lo + micro) for lo in range(0, out.shape[0], micro)]
+
+    def log_prob_of(model):
+        parts = []
+        for sl in chunks:
+            logits = model(input_ids=out[sl], attention_mask=attention_mask[sl], position_ids=position_ids[sl]).logits
+            parts.append(algos.logprobs_from_logits(logits[:, prompt_len - 1:-1].float(), responses[sl]))
+        return torch.cat(parts)
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        old_log_prob = log_prob_of(actor)
+    mark("old_log_prob", start)
+    start = time.perf_counter()
+    with torch.no_grad():
+        ref_log_prob = log_prob_of(ref)
+    mark("ref", start)
+
+    def values_of(model):
+        return torch.cat([model(input_ids=out[sl], attention_mask=attention_mask[sl], position_ids=position_ids[sl],
+                                use_cache=False).logits[:, prompt_len - 1:-1, 0].float() for sl in chunks])
+
+    start = time.perf_counter()
+    with torch.no_grad():
+        values = values_of(critic) * response_mask
+    mark("values", start)
+    start = time.perf_counter()
+    advantages, returns = algos.compute_gae_advantage_return(scores, values, response_mask, 1.0,
+                                                             cfg.algorithm.lam)
+    mark("adv", start)
+
+    mini = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+    start = time.perf_counter()
+    for lo in range(0, len(texts), mini):
+        critic_opt.zero_grad()
+        tokens = response_mask[lo:lo + mini].sum()
+        for mlo in range(lo, min(lo + mini, len(texts)), cfg.critic.ppo_micro_batch_size_per_gpu):
+            sl = slice(mlo, min(mlo + cfg.critic.ppo_micro_batch_size_per_gpu, lo + mini))
+            vpred = critic(input_ids=out[sl], attention_mask=attention_mask[sl], position_ids=position_ids[sl],
+                           use_cache=False).logits[:, prompt_len - 1:-1, 0].float()
+            loss, _ = algos.compute_value_loss(vpred, returns[sl], values[sl], response_mask[sl],
+                                               cfg.critic.cliprange_value, global_token_count=tokens)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(critic.parameters(), 1.0)
+        critic_opt.step()
+    mark("update_critic", start)
+    start = time.perf_counter()
+    actor_cfg = cfg.actor_rollout_ref.actor
+    for lo in range(0, len(texts), mini):
+        actor_opt.zero_grad()
+        tokens = response_mask[lo:lo + mini].sum()
+        for mlo in range(lo, min(lo + mini, len(texts)), actor_cfg.ppo_micro_batch_size_per_gpu):
+            sl = slice(mlo, min(mlo + actor_cfg.ppo_micro_batch_size_per_gpu, lo + mini))
+            logits = actor(input_ids=out[sl], attention_mask=attention_mask[sl], position_ids=position_ids[sl]).logits
+            log_prob = algos.logprobs_from_logits(logits[:, prompt_len - 1:-1].float(), responses[sl])
+            loss, _ = algos.compute_policy_loss(old_log_prob[sl], log_prob, advantages[sl], response_mask[sl],
+                                                global_token_count=tokens)
+            if actor_cfg.use_kl_loss:
+                kl = algos.kl_penalty(log_prob, ref_log_prob[sl], actor_cfg.kl_loss_type)
+                loss = loss + actor_cfg.kl_loss_coef * algos.agg_loss(kl, response_mask[sl], "token-mean",
+                                                                      global_token_count=tokens)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        actor_opt.step()
+    mark("update_actor", start)
+    times["step"] = sum(times.values())
+    times["tokens"] = float(attention_mask.sum())
+    times["response_tokens"] = float(response_mask.sum())
+    assert R > 0
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--model", choices=["demo", "random"], default="demo")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="ppo_step_"))
+    if args.model == "demo":
+        model = ensure_toy_model("demo")
+    else:
+        model = random_toy_model(work / "model", n_layers=args.layers, hidden_size=args.hidden, seed=0)
+    build_dataset(work / "data", n_train=256, n_test=8, seed=0, max_ops=1)
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
+                       f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
+                       f"trainer.default_local_dir={work / 'out'}", *args.overrides],
+                      config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+    trainer = build_trainer(cfg)
+    prompts = trainer.train_dataset.collate(list(range(cfg.data.train_batch_size)))
+    n_params = sum(p.numel() for p in trainer.actor.module.parameters())
+
+    ours = []
+    for i in range(args.warmup + args.iters):
+        metrics = trainer.train_step(prompts)
+        if i >= args.warmup:
+            ours.append(metrics)
+    peak_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    from transformers import AutoModelForCausalLM
+
+    actor = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+    critic = load_critic(model)
+    actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_rollout_ref.actor.optim.lr)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.optim.lr)
+    floor = []
+    for i in range(args.warmup + args.iters):
+        times = floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
+        if i >= args.warmup:
+            floor.append(times)
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    print(f"model: {model} ({n_params / 1e6:.2f}M parameters), batch {cfg.data.train_batch_size} prompts x "
+          f"{cfg.actor_rollout_ref.rollout.n} samples, response <= {cfg.data.max_response_length} tokens, "
+          f"{args.iters} iterations after {args.warmup} warm-up, {args.threads} threads")
+    print(f"{'phase':<15}{'ours s':>10}{'floor s':>10}{'ratio':>8}")
+    for phase in PHASES:
+        o = med(ours, f"timing_s/{phase}") if f"timing_s/{phase}" in ours[0] else 0.0
+        f = med(floor, phase)
+        print(f"{phase:<15}{o:>10.3f}{f:>10.3f}{(o / f if f else float('nan')):>8.2f}")
+    step_ours, step_floor = med(ours, "timing_s/step"), med(floor, "step")
+    gen_share = med(ours, "timing_s/gen") / step_ours
+    tokens_ours = med(ours, "perf/total_num_tokens") / step_ours
+    tokens_floor = med(floor, "tokens") / step_floor
+    print(f"step: ours {step_ours:.3f} s, floor {step_floor:.3f} s")
+    print(f"tokens/s: ours {tokens_ours:.0f}, floor {tokens_floor:.0f}")
+    print(f"generation share of the step: {gen_share:.0%} (training {1 - gen_share:.0%})")
+    print(f"peak RSS after our iterations: {peak_ours:.2f} GiB")
+    print(f"response tokens per step: ours {med(ours, 'response_length/mean') * len(prompts) * cfg.actor_rollout_ref.rollout.n:.0f}, "
+          f"floor {med(floor, 'response_tokens'):.0f}")
+    print(f"trainer/floor: {step_ours / step_floor:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""LoRA adapters (PEFT) on the actor and the critic.
+
+With ``model.lora_rank > 0`` only the low-rank adapters (and, for the critic, its value head)
+are trained; the base weights stay frozen, so the reference policy is the same module with its
+adapters switched off (``with module.disable_adapter():``) and no second copy of the weights
+exists. Checkpoints hold the trainable tensors only; the Hugging Face export and the vLLM weight
+sync get the merged weights ``W + (alpha / r) * B @ A`` under the base model's own names
+(:func:`merged_state_dict`), computed from a state dict so the module itself is never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+ADAPTER = "default"
+PEFT_PREFIX = "base_model.model."
+CRITIC_HEADS = ("score", "classifier")
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str],
+               critic: bool = False) -> torch.nn.Module:
+    """``model`` wrapped with fresh LoRA adapters (B = 0: the wrapped model computes what it did before).
+
+    For a critic the value head is excluded from the adapters and trained in full (``modules_to_save``).
+    """
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    heads = [name for name in CRITIC_HEADS if hasattr(model, name)] if critic else []
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+        exclude_modules=heads or None, modules_to_save=heads or None,
+        task_type=TaskType.TOKEN_CLS if critic else TaskType.CAUSAL_LM,
+    )
+    wrapped = get_peft_model(model, config)
+    wrapped.config.use_cache = True
+    return wrapped
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    return hasattr(module, "disable_adapter") and hasattr(module, "peft_config")
+
+
+def lora_scaling(module: torch.nn.Module) -> float:
+    config = module.peft_config[ADAPTER]
+    return config.lora_alpha / config.r
+
+
+def trainable_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, param in module.named_parameters() if param.requires_grad}
+
+
+def trainable_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a LoRA checkpoint holds: the adapters (and a critic's head), under the module's own names."""
+    names = trainable_names(module)
+    return {name: tensor for name, tensor in module.state_dict().items() if name in names}
+
+
+def load_trainable_state_dict(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    names = trainable_names(module)
+    missing = sorted(names - set(state))
+    unexpected = sorted(set(state) - set(module.state_dict()))
+    if missing or unexpected:
+        raise RuntimeError(f"LoRA state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    module.load_state_dict(state, strict=False)
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """A PEFT LoRA state dict -> the base model's state dict with the adapters merged in.
+
+    ``...q_proj.base_layer.weight`` + ``lora_A`` / ``lora_B`` -> ``...q_proj.weight = W + scaling * B @ A``;
+    ``modules_to_save`` copies replace their originals; the ``base_model.model.`` prefix is removed.
+    A state dict without adapters passes through unchanged.
+    """
+    merged: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if ".lora_" in name or ".original_module." in name:
+            continue
+        key = name.removeprefix(PEFT_PREFIX)
+        if ".base_layer." in name:
+            prefix, leaf = name.split(".base_layer.")
+            key = f"{prefix.removeprefix(PEFT_PREFIX)}.{leaf}"
+            lora_a = state.get(f"{prefix}.lora_A.{ADAPTER}.weight")
+            lora_b = state.get(f"{prefix}.lora_B.{ADAPTER}.weight")
+            if leaf == "weight" and lora_a is not None and lora_b is not None:
+                delta = scaling * (lora_b.float() @ lora_a.float())  # (out, r) @ (r, in)
+                tensor = (tensor.float() + delta).to(tensor.dtype)
+        elif f".modules_to_save.{ADAPTER}." in name:
+            key = key.replace(f".modules_to_save.{ADAPTER}.", ".")
+        merged[key] = tensor
+    return merged
+
+
+def base_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (the module itself otherwise)."""
+    return module.get_base_model() if is_lora(module) else module
+
+
+def _merge_group(name: str) -> str | None:
+    """The layer prefix of a tensor that takes part in a LoRA merge (base weight, A, B), else None."""
+    for marker in (".base_layer.weight", f".lora_A.{ADAPTER}.weight", f".lora_B.{ADAPTER}.weight"):
+        if name.endswith(marker):
+            return name[: -len(marker)]
+    return None
+
+
+def merged_tensors(named: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`merged_state_dict` over a stream of (name, tensor): each merged weight is yielded as soon
+    as its base weight and both adapter matrices have been seen, so at most a layer is held at once."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        prefix = _merge_group(name)
+        if prefix is None:
+            yield from merged_state_dict({name: tensor}, scaling).items()
+            continue
+        group = pending.setdefault(prefix, {})
+        group[name] = tensor
+        if len(group) == 3:
+            yield from merged_state_dict(pending.pop(prefix), scaling).items()
+    for group in pending.values():  # a base weight without adapters
+        yield from merged_state_dict(group, scaling).items()

@@ -1,0 +1,402 @@
+"""Ray worker groups: the trainer's process drives N workers, each one rank of torch.distributed.
+
+:class:`WorkerGroup` is the generic part: it reserves one bundle per worker in a Ray placement
+group (``{"GPU": 1, "CPU": 1}``, or ``{"CPU": 1}`` with ``trainer.device=cpu``), starts one
+worker per bundle (rank = bundle index), makes them join one process group (NCCL on GPU, gloo
+on CPU), and calls their methods: the same arguments on every rank, or one :class:`Batch` share
+per rank. A worker that raises or dies fails the call at once with a :class:`WorkerError`
+naming the rank and carrying the worker's own error; the group is then shut down, since its
+other ranks may be blocked in a collective that will never complete.
+
+The PPO part follows verl's hybrid engine: every worker (:class:`HybridWorker`) holds the actor
+with its rollout engine and reference and, for GAE, the critic, all sharded with FSDP2 over the
+group. :class:`ActorGroup` and :class:`CriticGroup` are what the trainer sees: the methods of
+:class:`~rlhf_core.workers.actor.ActorWorker` and :class:`~rlhf_core.workers.critic.CriticWorker`,
+with the batch split by rank and the results gathered back in order.
+
+Ray: ``trainer.ray_address`` or ``$RAY_ADDRESS`` joins an existing cluster (where ``rlhf_core``
+must be installed on every node and ``trainer.default_local_dir`` be a shared filesystem);
+otherwise a local cluster sized to this machine is started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import PPOConfig
+from rlhf_core.rollout import SamplingParams
+from rlhf_core.workers import distributed
+
+#: How long to wait, after a first failure, for the others (to report a death rather than its echo).
+FAILURE_GRACE_S = 2.0
+
+
+class WorkerError(RuntimeError):
+    """A worker of a group raised or died; the message names the rank, the method and the cause."""
+
+
+# ----------------------------------------------------------------------------- the remote side
+
+
+class DistributedWorker:
+    """Base class of a remote worker: its rank, and joining the group's process group."""
+
+    def __init__(self, rank: int, world_size: int, device: str = "cpu", threads: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.device = device
+        if device == "cuda":
+            torch.cuda.set_device(0)  # Ray shows each worker only the GPU of its bundle
+        else:
+            torch.set_num_threads(threads)
+
+    def node_address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), distributed.free_port()
+
+    def init_distributed(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        distributed.init_process_group(self.rank, self.world_size, master_addr, master_port, backend, timeout_s)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def ensure_ray(address: str | None, world_size: int, device: str) -> None:
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address)
+        return
+    cpus = os.cpu_count() or 1
+    if device == "cpu":  # one CPU per worker; a smaller machine runs them oversubscribed
+        ray.init(num_cpus=max(cpus, world_size), num_gpus=0, include_dashboard=False)
+    else:
+        ray.init(num_cpus=max(cpus, world_size), num_gpus=torch.cuda.device_count(), include_dashboard=False)
+
+
+class WorkerGroup:
+    """``world_size`` instances of ``worker_cls`` (a :class:`DistributedWorker`) in one process group."""
+
+    def __init__(self, worker_cls: type, world_size: int, device: str = "cpu", ray_address: str | None = None,
+                 placement_timeout_s: float = 300.0, collective_timeout_s: float = 1800.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ensure_ray(ray_address, world_size, device)
+        self.world_size = world_size
+        self.failed: str | None = None
+        bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
+        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self.placement_group)
+            raise WorkerError(
+                f"cannot place {world_size} workers of {bundle} each within {placement_timeout_s:.0f} s: the Ray "
+                f"cluster has {ray.cluster_resources()}; lower trainer.n_gpus_per_node * trainer.nnodes or add nodes")
+        remote_cls = ray.remote(worker_cls)
+        self.workers = [
+            remote_cls.options(
+                num_cpus=1, num_gpus=1 if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement_group, placement_group_bundle_index=rank),
+            ).remote(rank, world_size, device)
+            for rank in range(world_size)
+        ]
+        self.pids = self.execute_all("pid")
+        master_addr, master_port = self.execute_rank(0, "node_address")
+        self.execute_all("init_distributed", master_addr, master_port, distributed.backend_for(device),
+                         collective_timeout_s)
+
+    # ------------------------------------------------------------------ calls
+    def execute_all(self, method: str, *args, **kwargs) -> list:
+        """``method(*args, **kwargs)`` on every rank; the results in rank order."""
+        self._check_alive(method)
+        return self._wait([getattr(w, method).remote(*args, **kwargs) for w in self.workers], method)
+
+    def execute_rank(self, rank: int, method: str, *args, **kwargs):
+        self._check_alive(method)
+        return self._wait([getattr(self.workers[rank], method).remote(*args, **kwargs)], method, ranks=[rank])[0]
+
+    def dispatch(self, method: str, shares: list[Batch], *args, **kwargs) -> list:
+        """``method(shares[rank], *args, **kwargs)`` on each rank; the results in rank order."""
+        if len(shares) != self.world_size:
+            raise ValueError(f"{len(shares)} batch shares for {self.world_size} workers")
+        self._check_alive(method)
+        refs = [getattr(w, method).remote(share, *args, **kwargs) for w, share in zip(self.workers, shares)]
+        return self._wait(refs, method)
+
+    def _check_alive(self, method: str) -> None:
+        if self.failed is not None:
+            raise WorkerError(f"cannot call {method}: the worker group was shut down after a failure ({self.failed})")
+
+    def _wait(self, refs: list, method: str, ranks: list[int] | None = None) -> list:
+        """Results of ``refs`` in order; on the first failure, the failure (see :meth:`_raise`)."""
+        import ray
+
+        ranks = ranks if ranks is not None else list(range(len(refs)))
+        rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
+        results: dict = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            for ref in ready:
+                try:
+                    results[ref] = ray.get(ref)
+                except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                    failures = [(rank_of[ref], exc)] + self._more_failures(pending, rank_of)
+                    self._raise(method, failures)
+        return [results[ref] for ref in refs]
+
+    @staticmethod
+    def _more_failures(pending: list, rank_of: dict) -> list:
+        import ray
+
+        more = []
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+                more.append((rank_of[ref], exc))
+        return more
+
+    def _raise(self, method: str, failures: list) -> None:
+        """Shut the group down and raise the most telling failure: a dead worker before the errors
+        its peers see in their collectives."""
+        import ray
+
+        failures.sort(key=lambda item: not isinstance(item[1], ray.exceptions.RayActorError))
+        rank, exc = failures[0]
+        pid = self.pids[rank] if getattr(self, "pids", None) else "?"
+        if isinstance(exc, ray.exceptions.RayActorError):
+            cause = f"worker rank {rank} (pid {pid}) died during {method}: {exc}"
+        else:
+            cause = f"worker rank {rank} (pid {pid}) raised in {method}:\n{exc}"
+        others = sorted({r for r, _ in failures[1:]} - {rank})
+        if others:
+            cause += f"\n(ranks {others} failed after it)"
+        self.failed = f"rank {rank} failed in {method}"
+        self.shutdown()
+        raise WorkerError(cause) from exc
+
+    def shutdown(self) -> None:
+        """Stop every worker and free the placement group (idempotent)."""
+        import ray
+
+        for worker in getattr(self, "workers", []):
+            try:
+                ray.kill(worker, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.workers = []
+        if getattr(self, "placement_group", None) is not None:
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001 - already removed
+                pass
+            self.placement_group = None
+        self.failed = self.failed or "shut down"
+
+
+# ----------------------------------------------------------------------------- batch layouts
+
+
+def split_evenly(batch: Batch, parts: int) -> tuple[list[Batch], int]:
+    """``parts`` equal consecutive shares of ``batch``, padded (by repeating its last row) to a multiple
+    of ``parts``; returns (shares, number of padding rows, all at the end of the last share)."""
+    pad = -len(batch) % parts
+    if pad:
+        batch = Batch.concat([batch, batch.select([len(batch) - 1] * pad)])
+    return batch.chunk(parts), pad
+
+
+def minibatch_shares(batch: Batch, mini_rows: int, parts: int) -> list[Batch]:
+    """Each rank's share of a rollout batch for a PPO update: rank r gets the r-th ``1/parts`` of every
+    mini-batch of ``mini_rows`` consecutive rows, so rank r's k-th local mini-batch is its part of the
+    k-th global one and N workers update on exactly the mini-batches one worker would."""
+    if len(batch) % mini_rows or mini_rows % parts:
+        raise ValueError(f"a batch of {len(batch)} rows in mini-batches of {mini_rows} cannot be shared evenly "
+                         f"by {parts} workers")
+    share = mini_rows // parts
+    rows = [[start + r * share + k for start in range(0, len(batch), mini_rows) for k in range(share)]
+            for r in range(parts)]
+    return [batch.select(r) for r in rows]
+
+
+def gather(batches: list[Batch], drop_last: int = 0) -> Batch:
+    """The ranks' outputs concatenated in rank order, less ``drop_last`` padding rows at the end."""
+    widths = {b["responses"].shape[1] for b in batches if "responses" in b}
+    if len(widths) > 1:
+        raise WorkerError(f"workers returned responses of different lengths {sorted(widths)}; generation must run "
+                          "the same number of steps on every rank")
+    merged = Batch.concat(batches)
+    return merged.select(slice(0, len(merged) - drop_last)) if drop_last else merged
+
+
+# ----------------------------------------------------------------------------- the PPO workers
+
+
+class HybridWorker(DistributedWorker):
+    """One rank of the hybrid engine: actor + rollout + reference (and the critic), FSDP2-sharded."""
+
+    def setup(self, config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool) -> None:
+        from rlhf_core.models.loading import import_external_lib, load_tokenizer
+        from rlhf_core.workers.actor import ActorWorker
+        from rlhf_core.workers.critic import CriticWorker
+
+        arr = config.actor_rollout_ref
+        import_external_lib(arr.model.external_lib)
+        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
+        seed, device = config.trainer.seed, self.device
+        self.actor = ActorWorker(arr, tokenizer, total_steps, use_ref, seed=seed, device=device,
+                                 max_model_len=config.data.max_prompt_length + config.data.max_response_length)
+        self.critic = None
+        if use_critic:
+            self.critic = CriticWorker(
+                config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, total_steps,
+                arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
+                device=device)
+
+    def _role(self, role: str):
+        return self.actor if role == "actor" else self.critic
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        return self.actor.generate(prompts, params)
+
+    def compute_log_prob(self, batch: Batch):
+        return self.actor.compute_log_prob(batch)
+
+    def compute_ref_log_prob(self, batch: Batch):
+        return self.actor.compute_ref_log_prob(batch)
+
+    def compute_values(self, batch: Batch):
+        return self.critic.compute_values(batch)
+
+    def update(self, batch: Batch, role: str, n_per_prompt: int) -> tuple[dict[str, float], int]:
+        """(metrics, optimizer steps skipped in this call) of a policy or critic update on this rank's share."""
+        worker = self._role(role)
+        skipped = worker.skipped_steps
+        metrics = worker.update_policy(batch, n_per_prompt) if role == "actor" \
+            else worker.update_critic(batch, n_per_prompt)
+        return metrics, worker.skipped_steps - skipped
+
+    def save_shards(self, role: str, folder: str) -> None:
+        self._role(role).save_shards(folder)
+
+    def load_shards(self, role: str, folder: str, weights_only: bool) -> None:
+        self._role(role).load_shards(folder, weights_only)
+
+    def save_hf(self, folder: str) -> None:
+        self.actor.save_hf(folder)
+
+    def scale_lr(self, factor: float) -> None:
+        self.actor.scale_lr(factor)
+
+    def peak_memory_gb(self) -> float:
+        from rlhf_core.trainer import peak_memory_gb
+
+        return peak_memory_gb()
+
+
+class _RoleGroup:
+    """What the trainer and the checkpoint code see of one role on a worker group."""
+
+    sharded = True
+    role = ""
+
+    def __init__(self, group: WorkerGroup, mini_batch_size: int):
+        self.group = group
+        self.mini_batch_size = mini_batch_size  # prompts per optimizer step
+        self.skipped_steps = 0
+
+    def _gather_tensors(self, method: str, batch: Batch) -> tuple[list, int]:
+        """Per-rank results of ``method`` on even shares of ``batch``, and the padding rows added."""
+        shares, pad = split_evenly(batch, self.group.world_size)
+        return self.group.dispatch(method, shares), pad
+
+    def _update(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
+        shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size)
+        results = self.group.dispatch("update", shares, self.role, n_per_prompt)
+        self.skipped_steps += results[0][1]  # the skip decision is the same on every rank
+        return results[0][0]  # metrics are already reduced over the ranks
+
+    def save_shards(self, folder: str | Path) -> None:
+        self.group.execute_all("save_shards", self.role, str(folder))
+
+    def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
+        self.group.execute_all("load_shards", self.role, str(folder), weights_only)
+
+
+def _cat(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
+    merged = torch.cat(parts)
+    return merged[:len(merged) - pad] if pad else merged
+
+
+class ActorGroup(_RoleGroup):
+    role = "actor"
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        shares, pad = split_evenly(prompts, self.group.world_size)
+        return gather(self.group.dispatch("generate", shares, params), drop_last=pad * params.n)
+
+    def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        results, pad = self._gather_tensors("compute_log_prob", batch)
+        return _cat([r[0] for r in results], pad), _cat([r[1] for r in results], pad)
+
+    def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
+        results, pad = self._gather_tensors("compute_ref_log_prob", batch)
+        return _cat(results, pad)
+
+    def update_policy(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
+        return self._update(batch, n_per_prompt)
+
+    def save_hf(self, target: str | Path) -> None:
+        self.group.execute_all("save_hf", str(target))
+
+    def scale_lr(self, factor: float) -> None:
+        self.group.execute_all("scale_lr", factor)
+
+    def peak_memory_gb(self) -> float:
+        return max(self.group.execute_all("peak_memory_gb"))
+
+
+class CriticGroup(_RoleGroup):
+    role = "critic"
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        results, pad = self._gather_tensors("compute_values", batch)
+        return _cat(results, pad)
+
+    def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
+        return self._update(batch, n_per_prompt)
+
+
+def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool,
+                        worker_cls: type = HybridWorker) -> tuple[WorkerGroup, ActorGroup, CriticGroup | None]:
+    """Start ``trainer.n_gpus_per_node * trainer.nnodes`` hybrid workers and load the models on them."""
+    trainer = config.trainer
+    started = time.perf_counter()
+    group = WorkerGroup(worker_cls, config.world_size, device=trainer.device, ray_address=trainer.ray_address)
+    try:
+        group.execute_all("setup", config, total_steps, use_ref, use_critic)
+    except BaseException:
+        group.shutdown()
+        raise
+    arr = config.actor_rollout_ref
+    actor = ActorGroup(group, arr.actor.ppo_mini_batch_size)
+    critic = CriticGroup(group, config.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size) \
+        if use_critic else None
+    print(f"started {config.world_size} workers ({trainer.device}, FSDP2) in {time.perf_counter() - started:.1f} s",
+          file=sys.stderr, flush=True)
+    return group, actor, critic

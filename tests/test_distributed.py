@@ -1,0 +1,290 @@
+"""Several workers on CPU (gloo): FSDP2 updates equal one worker's, generation stays in step when
+one rank finishes first, and the Ray worker group trains, checkpoints, resumes and fails fast.
+
+Everything runs on one local Ray cluster of 2 CPUs: a group of two test workers (FSDP2 checks,
+batch layouts, a worker dying in a collective), then the trainer with two workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+from rlhf_core import checkpoint
+from rlhf_core.batch import Batch
+from rlhf_core.config import load_config
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import SamplingParams
+from rlhf_core.workers import distributed
+from rlhf_core.workers.group import DistributedWorker, minibatch_shares, split_evenly
+
+WORLD = 2
+
+
+def _config(model, *extra):
+    return load_config([
+        f"actor_rollout_ref.model.path={model}", "data.train_batch_size=4", "data.max_prompt_length=16",
+        "data.max_response_length=6", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+        "critic.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.optim.lr=1e-2", "critic.optim.lr=1e-2", "actor_rollout_ref.actor.grad_clip=0.05",
+        "critic.grad_clip=0.05", "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "critic.model.enable_gradient_checkpointing=false",
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", *extra,
+    ])
+
+
+def rollout_batch(n_rows: int = 8, prompt_len: int = 5, response_len: int = 6, seed: int = 0) -> Batch:
+    """A fixed rollout batch (no sampling): left-padded prompts, responses of varied lengths, and the
+    old log-probs, advantages, returns and values a PPO update needs."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_valid = torch.randint(2, prompt_len + 1, (n_rows,), generator=g)
+    response_valid = torch.randint(1, response_len + 1, (n_rows,), generator=g)
+    prompts = torch.randint(4, 90, (n_rows, prompt_len), generator=g)
+    responses = torch.randint(4, 90, (n_rows, response_len), generator=g)
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_valid[:, None]).long()
+    response_mask = (torch.arange(response_len) < response_valid[:, None]).long()
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    shape = (n_rows, response_len)
+    return Batch({
+        "prompts": prompts, "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "old_log_prob": -4.5 + 0.3 * torch.randn(shape, generator=g),
+        "ref_log_prob": -4.5 + 0.3 * torch.randn(shape, generator=g),
+        "advantages": torch.randn(shape, generator=g), "returns": torch.randn(shape, generator=g),
+        "values": 0.1 * torch.randn(shape, generator=g),
+    })
+
+
+# the actor trains all weights (its reference is a sharded copy); the critic trains LoRA adapters and its head
+UPDATE_OVERRIDES = ("critic.model.lora_rank=4", "critic.model.lora_alpha=8")
+
+
+def one_update(cfg, tokenizer, batch: Batch, n: int, shares: Batch | None = None) -> dict:
+    """Log-probs, values, one actor and one critic update; the full weights after it (rank 0)."""
+    from rlhf_core.workers.actor import ActorWorker
+    from rlhf_core.workers.critic import CriticWorker
+
+    arr = cfg.actor_rollout_ref
+    actor = ActorWorker(arr, tokenizer, total_steps=1, need_ref=True, seed=0)
+    critic = CriticWorker(cfg.critic, arr.model.path, "float32", 1, arr.actor.ppo_mini_batch_size,
+                          False, arr.actor.ppo_epochs, seed=0)
+    local = shares if shares is not None else batch
+    log_prob, entropy = actor.compute_log_prob(local)
+    values = critic.compute_values(local)
+    actor_metrics = actor.update_policy(local, n)
+    critic_metrics = critic.update_critic(local, n)
+    return {"log_prob": log_prob, "entropy": entropy, "values": values, "actor_metrics": actor_metrics,
+            "critic_metrics": critic_metrics, "actor": distributed.full_state_dict(actor.module),
+            "critic": distributed.full_state_dict(critic.module), "skipped": actor.skipped_steps, "worker": actor}
+
+
+def _steering_hook(token_id: int, force: bool):
+    """A forward hook that makes ``token_id`` the argmax (``force``) or impossible (not ``force``)."""
+    def hook(module, args, output):
+        output.logits[..., token_id] = 1e4 if force else -1e4
+        return output
+    return hook
+
+
+class _TestWorker(DistributedWorker):
+    """A rank of the test group (the class travels to the workers by value)."""
+
+    def fsdp_update_and_generate(self, model: str) -> dict:
+        """The sharded update on this rank's share; then a generation in which rank 0's responses end at
+        their first token while rank 1's run to the length limit."""
+        cfg = _config(model, *UPDATE_OVERRIDES)
+        tokenizer = load_tokenizer(model)
+        batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
+        mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+        result = one_update(cfg, tokenizer, batch, n, minibatch_shares(batch, mini_rows, WORLD)[self.rank])
+        actor = result.pop("worker")
+        hook = actor.forward_module.register_forward_hook(
+            _steering_hook(tokenizer.eos_token_id, force=self.rank == 0))
+        mine = slice(2 * self.rank, 2 * self.rank + 2)  # two prompts per rank, two samples each
+        prompts = Batch({"input_ids": batch["prompts"][mine], "attention_mask": batch["attention_mask"][mine, :5],
+                         "position_ids": batch["position_ids"][mine, :5]})
+        result["generated_mask"] = actor.generate(prompts, SamplingParams(n=2, max_new_tokens=6))["response_mask"]
+        hook.remove()
+        return result
+
+    def rows(self, share: Batch) -> list[int]:
+        return [self.rank, *share["row"].tolist()]
+
+    def die_during_all_reduce(self, dying_rank: int) -> float:
+        if self.rank == dying_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        total = torch.ones(1)
+        torch.distributed.all_reduce(total)  # the other rank waits here for a peer that is gone
+        return float(total)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    return str(random_toy_model(root / "model", n_layers=2, hidden_size=32, max_position_embeddings=512, seed=0))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's worker class, by value
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def test_group(ray_cluster):
+    from rlhf_core.workers.group import WorkerGroup
+
+    group = WorkerGroup(_TestWorker, WORLD, device="cpu")
+    yield group
+    group.shutdown()
+
+
+def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir):
+    """Actor (full weights, reference copy) and critic (LoRA): the same log-probs, values, metrics and
+    weights after an update with grad clipping active, on one worker and on two."""
+    from transformers import AutoModelForCausalLM
+
+    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir)
+    cfg = _config(model_dir, *UPDATE_OVERRIDES)
+    batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
+    single = one_update(cfg, load_tokenizer(model_dir), batch, n)
+
+    # log-probs and values of the shares, gathered in rank order, are the single worker's (the shares
+    # interleave mini-batches: undo that layout to compare row by row)
+    mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+    layout = minibatch_shares(Batch({"row": torch.arange(len(batch))}), mini_rows, WORLD)
+    rows = torch.cat([share["row"] for share in layout])
+    for key in ("log_prob", "entropy", "values"):
+        gathered = torch.cat([r[key] for r in ranks])
+        torch.testing.assert_close(gathered, single[key][rows], rtol=1e-5, atol=1e-6, msg=key)
+    # the clip is active (grad norm above grad_clip), so the total norm over the shards matters
+    assert single["actor_metrics"]["actor/grad_norm"] > 0.05 and single["critic_metrics"]["critic/grad_norm"] > 0.05
+    for role in ("actor_metrics", "critic_metrics"):
+        for name, value in single[role].items():
+            # a clip fraction counts exact ties decided by rounding (values + (vpreds - values) vs vpreds)
+            tolerance = {"abs": 0.05} if "clipfrac" in name else {"rel": 1e-4, "abs": 1e-6}
+            assert ranks[0][role][name] == pytest.approx(value, **tolerance), name
+    for role in ("actor", "critic"):
+        sharded = ranks[0][role]
+        assert sharded.keys() == single[role].keys()
+        for name, value in single[role].items():
+            torch.testing.assert_close(sharded[name], value, rtol=1e-4, atol=1e-6, msg=f"{role} {name}")
+    initial = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert any(not torch.allclose(single["actor"][name], initial[name]) for name in initial)  # the update moved
+
+    # generation: rank 0 stopped after one token, rank 1 ran to the limit; both ran the same steps
+    assert ranks[0]["generated_mask"].sum(-1).tolist() == [1] * 4
+    assert ranks[1]["generated_mask"].sum(-1).tolist() == [6] * 4
+    assert ranks[0]["generated_mask"].shape == ranks[1]["generated_mask"].shape == (4, 6)
+
+
+def test_batch_layouts_for_the_ranks(test_group):
+    batch = Batch({"row": torch.arange(8)})
+    shares = minibatch_shares(batch, mini_rows=4, parts=2)
+    assert [s["row"].tolist() for s in shares] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match="cannot be shared evenly"):
+        minibatch_shares(batch, mini_rows=3, parts=2)
+    chunks, pad = split_evenly(Batch({"row": torch.arange(5)}), 2)
+    assert pad == 1 and [c["row"].tolist() for c in chunks] == [[0, 1, 2], [3, 4, 4]]
+    assert test_group.dispatch("rows", chunks) == [[0, 0, 1, 2], [1, 3, 4, 4]]  # rank order kept
+
+
+def test_a_worker_dying_in_a_collective_fails_the_call_at_once(test_group):
+    from rlhf_core.workers.group import WorkerError
+
+    started = time.perf_counter()
+    with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died during die_during_all_reduce"):
+        test_group.execute_all("die_during_all_reduce", 1)
+    assert time.perf_counter() - started < 30  # not the 30 minutes of the collective's timeout
+    with pytest.raises(WorkerError, match="shut down after a failure"):
+        test_group.execute_all("rows", Batch({"row": torch.arange(2)}))
+
+
+def _trainer_overrides(root, model, out):
+    return [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+        f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=4", "data.val_batch_size=3",
+        "data.max_prompt_length=320", "data.max_response_length=4", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "critic.optim.lr=1e-3", "actor_rollout_ref.actor.strategy=fsdp2", "critic.strategy=fsdp2",
+        "trainer.n_gpus_per_node=2", "trainer.device=cpu", "trainer.val_before_train=false",
+        "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=2", "trainer.logger=[]",
+        f"trainer.default_local_dir={out}",
+    ]
+
+
+def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_step(ray_cluster, model_dir,
+                                                                                     tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.main_ppo import build_trainer
+    from rlhf_core.workers.group import WorkerError
+
+    build_dataset(tmp_path / "data", n_train=8, n_test=3, seed=0, max_ops=1)
+    out = tmp_path / "out"
+    trainer = build_trainer(load_config(_trainer_overrides(tmp_path, model_dir, out)))
+    try:
+        assert trainer.worker_group is not None and trainer.worker_group.world_size == 2
+        history = trainer.fit()
+        assert [h.step for h in history] == [1, 2]
+        last = history[-1].metrics
+        assert all(torch.isfinite(torch.tensor(v)) for v in last.values() if isinstance(v, float))
+        assert "val-core/synthetic/arithmetic/acc/mean@1" in last  # 3 prompts over 2 workers: padded, dropped
+        for step in (1, 2):
+            saved = checkpoint.read_manifest(out / f"global_step_{step}")["files"]
+            for role in ("actor", "critic"):
+                assert f"{role}/extra_state_rank_0.pt" in saved and f"{role}/extra_state_rank_1.pt" in saved
+                assert any(name.startswith(f"{role}/dcp/") for name in saved)
+        exported = AutoModelForCausalLM.from_pretrained(out / "global_step_2" / "actor" / "huggingface")
+        initial = AutoModelForCausalLM.from_pretrained(model_dir)
+        assert exported.config.architectures == ["LlamaForCausalLM"]
+        changed = [n for n, p in exported.state_dict().items() if not torch.equal(p, initial.state_dict()[n])]
+        assert changed  # the export holds the trained weights, gathered from both shards
+
+        # resume from step 1: step 2 again gives the same metrics
+        trainer.load_checkpoint(out / "global_step_1")
+        assert trainer.global_step == 1
+        again = trainer.fit()[-1].metrics
+        for name, value in last.items():
+            if not name.startswith(("timing_s/", "perf/")):
+                assert again[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+        # rank 1 raises inside generation (a token id outside the vocabulary in its share of the prompts)
+        # while rank 0 waits in an FSDP all-gather: the step fails with rank 1's error, not a hang
+        collate = trainer.train_dataset.collate
+
+        def poisoned(rows):
+            prompts = collate(rows)
+            prompts["input_ids"][-1, -1] = 10_000  # the last prompt is rank 1's
+            return prompts
+
+        trainer.train_dataset.collate = poisoned
+        trainer.total_steps = 3
+        started = time.perf_counter()
+        with pytest.raises(WorkerError, match=r"(?s)training step 3 failed: worker rank 1 \(pid \d+\) raised in "
+                                              r"generate.*IndexError.*global_step_2 is intact"):
+            trainer.fit()
+        assert time.perf_counter() - started < 60
+        assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
+        assert json.loads((out / "global_step_2" / "trainer_state.json").read_text())["global_step"] == 2
+    finally:
+        trainer.close()

@@ -1,0 +1,113 @@
+"""LoRA on the actor and the critic: the reference is the base model (adapters off, no copy), only the
+adapters (and the value head) learn, checkpoints hold the adapters, the export is merged and plain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core import checkpoint
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.lora import merged_state_dict
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.workers.actor import response_log_prob
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=8, n_test=4, seed=0, max_ops=1)
+    (root / "reward.py").write_text(  # about half the responses score: advantages that move the policy
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(ord((solution_str or ' ')[0]) % 2)\n")
+    return root, model
+
+
+def _trainer(root, model, out, *extra):
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+        f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=4",
+        "data.max_prompt_length=320", "data.max_response_length=6", "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.model.lora_alpha=8", "critic.model.lora_rank=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.optim.lr=5e-2", "critic.optim.lr=5e-2",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+        "trainer.val_before_train=false", "trainer.logger=[]", f"trainer.default_local_dir={out}",
+        f"custom_reward_function.path={root / 'reward.py'}", *extra,
+    ])
+    return build_trainer(cfg)
+
+
+@pytest.fixture(scope="module")
+def trained(workspace):
+    """A LoRA trainer after one PPO step, its rollout batch, and the base weights it started from."""
+    root, model = workspace
+    trainer = _trainer(root, model, root / "out")
+    base = AutoModelForCausalLM.from_pretrained(model).eval()
+    initial = {name: p.detach().clone() for name, p in trainer.actor.module.named_parameters()}
+    prompts = trainer.train_dataset.collate(list(range(4)))
+    trainer.train_step(prompts)
+    batch = trainer.actor.generate(prompts, trainer._train_params())
+    return trainer, base, initial, batch
+
+
+def test_reference_is_the_base_model_without_a_copy(trained):
+    trainer, base, _, batch = trained
+    actor = trainer.actor
+    assert actor.ref_module is None  # the reference is the policy with its adapters switched off
+    with torch.no_grad():
+        expected, _ = response_log_prob(base, batch, actor.config.rollout.temperature, False)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(actor.compute_ref_log_prob(batch)[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    policy, _ = actor.compute_log_prob(batch)
+    assert (policy[mask] - expected[mask]).abs().max() > 1e-3  # the adapters did move the policy
+
+
+def test_only_the_adapters_and_the_value_head_learn(trained):
+    trainer, _, initial, _ = trained
+    actor_params = dict(trainer.actor.module.named_parameters())
+    trainable = {name for name, p in actor_params.items() if p.requires_grad}
+    assert trainable and all(".lora_A." in name or ".lora_B." in name for name in trainable)
+    for name, param in actor_params.items():
+        if name not in trainable:  # the base weights: no gradient, not a bit changed
+            assert param.grad is None and torch.equal(param, initial[name]), name
+    assert all(not torch.equal(actor_params[n], initial[n]) for n in trainable if ".lora_B." in n)
+    critic_trainable = [n for n, p in trainer.critic.module.named_parameters() if p.requires_grad]
+    assert any("score" in n for n in critic_trainable)  # the value head is trained in full
+    assert all("lora_" in n or "score" in n for n in critic_trainable)
+
+
+def test_checkpoint_holds_adapters_and_the_export_is_merged_plain_transformers(trained, workspace, tmp_path):
+    trainer, _, _, batch = trained
+    root, model = workspace
+    trainer.checkpoint_dir = tmp_path / "ckpt"
+    path = trainer.save_checkpoint()
+    actor_state = checkpoint.load_model_state(path, "actor")
+    assert actor_state and all(".lora_" in name for name in actor_state)
+    assert all(".lora_" in n or "score" in n for n in checkpoint.load_model_state(path, "critic"))
+
+    exported = AutoModelForCausalLM.from_pretrained(path / "actor" / "huggingface").eval()  # plain transformers
+    assert not any("lora" in name for name in exported.state_dict())
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        torch.testing.assert_close(exported(**inputs).logits, trainer.actor.module(**inputs).logits,
+                                   rtol=1e-4, atol=1e-5)
+
+    fresh = _trainer(root, model, tmp_path / "other")
+    fresh.load_checkpoint(path)
+    torch.testing.assert_close(fresh.actor.compute_log_prob(batch)[0], trainer.actor.compute_log_prob(batch)[0])
+
+
+def test_merge_is_w_plus_scaled_b_a():
+    weight, lora_a, lora_b = torch.randn(3, 4), torch.randn(2, 4), torch.randn(3, 2)
+    state = {"base_model.model.proj.base_layer.weight": weight, "base_model.model.proj.lora_A.default.weight": lora_a,
+             "base_model.model.proj.lora_B.default.weight": lora_b, "base_model.model.norm.weight": torch.ones(4)}
+    merged = merged_state_dict(state, scaling=0.5)
+    assert sorted(merged) == ["norm.weight", "proj.weight"]
+    torch.testing.assert_close(merged["proj.weight"], weight + 0.5 * lora_b @ lora_a)
