@@ -28,17 +28,16 @@ from rlhf_core.models.loading import attention_for, load_actor, make_reference, 
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
+    CheckpointableWorker,
     build_optimizer,
     build_scheduler,
     clip_and_check,
     global_token_counts,
-    load_shards,
     micro_batches,
     move_optimizer_state,
     packed_inputs,
     pad_response,
     resolve_remove_padding,
-    save_shards,
     trimmed_inputs,
     unpack,
 )
@@ -77,7 +76,7 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     return log_prob, entropy
 
 
-class ActorWorker:
+class ActorWorker(CheckpointableWorker):
     def __init__(self, config: ActorRolloutRefConfig, tokenizer, total_steps: int, need_ref: bool,
                  seed: int = 0, device: str = "cpu", max_model_len: int | None = None):
         self.config = config
@@ -272,20 +271,8 @@ class ActorWorker:
         if state.get("rollout_generator") is not None and hasattr(self.rollout, "generator"):
             self.rollout.generator.set_state(state["rollout_generator"])
 
-    def state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load_model_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_extra_state(state)
-
-    def save_shards(self, folder: str | Path) -> None:
-        """Sharded: every rank writes its shards and its own generators into ``folder``."""
-        save_shards(self, Path(folder))
-
     def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
-        load_shards(self, Path(folder), weights_only)
+        super().load_shards(folder, weights_only)
         self.rollout.sync_weights()
 
     # ------------------------------------------------------------------ export

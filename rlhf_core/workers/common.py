@@ -202,3 +202,25 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and value.device != torch.device(device):
                 state[name] = value.to(device, non_blocking=True)
+
+
+class CheckpointableWorker:
+    """The checkpoint surface shared by the actor and critic workers.
+
+    Subclasses provide ``model_state_dict``/``load_model_state_dict``, ``extra_state``/``load_extra_state``
+    and an ``optimizer``."""
+
+    def state_dict(self) -> dict:
+        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_model_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.load_extra_state(state)
+
+    def save_shards(self, folder: str | os.PathLike) -> None:
+        """Sharded: every rank writes its shards and its own generators into ``folder``."""
+        save_shards(self, Path(folder))
+
+    def load_shards(self, folder: str | os.PathLike, weights_only: bool = False) -> None:
+        load_shards(self, Path(folder), weights_only)

@@ -6,8 +6,6 @@ optionally with LoRA adapters (``critic.model.lora_rank``) and a fully trained v
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from rlhf_core import algos
@@ -17,17 +15,16 @@ from rlhf_core.models import lora
 from rlhf_core.models.loading import attention_for, load_critic
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
+    CheckpointableWorker,
     build_optimizer,
     build_scheduler,
     clip_and_check,
     global_token_counts,
-    load_shards,
     micro_batches,
     move_optimizer_state,
     packed_inputs,
     pad_response,
     resolve_remove_padding,
-    save_shards,
     trimmed_inputs,
     unpack,
 )
@@ -46,7 +43,7 @@ def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool =
     return pad_response(values, response_len) * batch["response_mask"]
 
 
-class CriticWorker:
+class CriticWorker(CheckpointableWorker):
     def __init__(self, config: CriticConfig, model_path: str, dtype: str, total_steps: int,
                  mini_batch_size: int, use_dynamic_bsz: bool, ppo_epochs: int, seed: int = 0, device: str = "cpu"):
         self.config = config
@@ -157,16 +154,3 @@ class CriticWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_generator.set_state(state["shuffle_generator"])
 
-    def state_dict(self) -> dict:
-        return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load_model_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.load_extra_state(state)
-
-    def save_shards(self, folder: str | Path) -> None:
-        save_shards(self, Path(folder))
-
-    def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
-        load_shards(self, Path(folder), weights_only)
