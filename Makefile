@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 
-.PHONY: setup test lint clean demo demo-assets demo-train
+.PHONY: setup test lint clean demo demo-assets demo-train bench bench-setup
 
 setup: $(STAMP)
 
@@ -44,6 +44,23 @@ demo: demo-assets
 # The PPO trainer alone on the demo config (verl-style command line).
 demo-train: demo-assets
 	$(VENV)/bin/rlhf-ppo --config configs/ppo_demo_cpu.yaml
+
+# The CPU benchmarks (about an hour in all; figures in bench/RESULTS.md). TRL comes with the
+# `bench` extra, for the side-by-side run only.
+BENCH_STAMP := $(VENV)/.bench-installed
+bench-setup: setup $(BENCH_STAMP)
+$(BENCH_STAMP): pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	touch $(BENCH_STAMP)
+
+bench: bench-setup demo-assets
+	$(PY) bench/ppo_step.py --growth
+	$(PY) bench/ppo_step.py --model random --hidden 512 --layers 6 --iters 3
+	$(PY) bench/vs_trl.py
+	$(PY) bench/scaling.py
+	$(PY) bench/lora_memory.py
+	$(PY) bench/pipeline_overhead.py
+	$(PY) bench/learning.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

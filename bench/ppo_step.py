@@ -6,7 +6,7 @@ same model and batch with the same math (one ``generate`` call, then plain forwa
 passes, no trainer, workers or batching machinery), timed in the same process. Prints
 ``trainer/floor: <ratio of median step times>`` and the per-phase comparison.
 
-    python bench/ppo_step.py [--iters 5] [--model demo|random] [--hidden 128 --layers 4]
+    python bench/ppo_step.py [--iters 5] [--model demo|random] [--hidden 128 --layers 4] [--growth]
 """
 
 from __future__ import annotations
@@ -138,6 +138,40 @@ def floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
     return times
 
 
+def growth(model: Path, work: Path, args) -> None:
+    """Step time as the work grows: batch x2, x4 and response length x2, x4, against the base."""
+    base = {"data.train_batch_size": 16, "data.max_response_length": 32}
+    shapes = [("base", 1, 1), ("batch x2", 2, 1), ("batch x4", 4, 1), ("response x2", 1, 2), ("response x4", 1, 4)]
+    rows = []
+    for label, batch_factor, response_factor in shapes:
+        batch, response = base["data.train_batch_size"] * batch_factor, base["data.max_response_length"] * response_factor
+        cfg = load_config([
+            f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
+            f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
+            f"trainer.default_local_dir={work / 'growth'}", f"data.train_batch_size={batch}",
+            f"data.max_response_length={response}", f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch // 2}",
+            f"critic.ppo_micro_batch_size_per_gpu={batch // 2}", *args.overrides,
+        ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+        trainer = build_trainer(cfg)
+        prompts = trainer.train_dataset.collate(list(range(batch)))
+        runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+        step = statistics.median(r["timing_s/step"] for r in runs)
+        tokens = statistics.median(r["perf/total_num_tokens"] for r in runs)
+        response_tokens = statistics.median(r["response_length/mean"] for r in runs) * batch * cfg.actor_rollout_ref.rollout.n
+        rows.append((label, batch, response, step, tokens, response_tokens))
+        trainer.close()
+    _, _, _, step0, tokens0, response0 = rows[0]
+    print(f"\ngrowth (model {model.name}, {args.iters} iterations after {args.warmup} warm-up each)")
+    print(f"{'shape':<13}{'prompts':>8}{'resp':>6}{'step s':>9}{'x time':>8}{'x tokens':>10}{'x resp tok':>11}"
+          f"{'time/token':>11}")
+    for label, batch, response, step, tokens, response_tokens in rows:
+        print(f"{label:<13}{batch:>8}{response:>6}{step:>9.3f}{step / step0:>8.2f}{tokens / tokens0:>10.2f}"
+              f"{response_tokens / response0:>11.2f}{(step / step0) / (tokens / tokens0):>11.2f}")
+    print("x time / x tokens near 1.00 means linear growth; above 1, the work grows faster than the tokens "
+          "(attention is quadratic in the sequence length; generation adds one forward per response token)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5)
@@ -146,6 +180,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--growth", action="store_true",
+                        help="also time batch x2, x4 and response length x2, x4 (a random-weight model, whose "
+                             "responses run to the length limit)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -205,6 +242,9 @@ def main() -> None:
     print(f"response tokens per step: ours {med(ours, 'response_length/mean') * len(prompts) * cfg.actor_rollout_ref.rollout.n:.0f}, "
           f"floor {med(floor, 'response_tokens'):.0f}")
     print(f"trainer/floor: {step_ours / step_floor:.2f}")
+    if args.growth:
+        growth(random_toy_model(work / "growth_model", n_layers=args.layers, hidden_size=args.hidden, seed=0),
+               work, args)
 
 
 if __name__ == "__main__":

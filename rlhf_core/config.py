@@ -286,6 +286,9 @@ class TrainerConfig:
     warn_kl: float | None = _k(0.02, "console warning when the step's KL exceeds this; null = off")
     warn_grad_norm: float | None = _k(5.0, "console warning when a grad norm exceeds this; null = off")
     prometheus_port: int | None = _k(None, "serve Prometheus gauges on 127.0.0.1:PORT; null = off")
+    profile_steps: list[int] | None = _k(None, "record a torch.profiler trace of these steps, e.g. [2,3]; null = off")
+    profile_dir: str = _k("${trainer.default_local_dir}/profile", "where the traces go (TensorBoard / Perfetto "
+                                                                   "*.pt.trace.json)")
 
 
 @dataclass
@@ -726,6 +729,9 @@ def validate_config(cfg: PPOConfig) -> None:
                       "or custom_reward_function.path")
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    if trainer.profile_steps is not None and not all(isinstance(s, int) and s >= 1 for s in trainer.profile_steps):
+        errors.append(f"trainer.profile_steps={trainer.profile_steps} must be a list of step numbers >= 1, "
+                      "e.g. [2,3]")
     guard = trainer.guard
     for key, value in [
         ("trainer.guard.max_consecutive_skips", guard.max_consecutive_skips),

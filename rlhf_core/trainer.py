@@ -3,7 +3,9 @@
 One iteration reads as the data flow of the design: generate -> reward -> old
 log-probs -> reference log-probs -> values -> KL in reward -> advantages -> critic
 update -> actor update -> metrics. Each phase is timed under its verl name
-(``timing_s/gen``, ``timing_s/update_actor``, ...).
+(``timing_s/gen``, ``timing_s/update_actor``, ...) and marked as a named range, so the
+steps listed in ``trainer.profile_steps`` are recorded as torch.profiler traces that show the
+rollout/training split (in ``trainer.profile_dir``; TensorBoard or Perfetto open them).
 
 Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, lets the
 guards (:mod:`rlhf_core.guards`) judge each step, logs it, then checkpoints it every
@@ -52,11 +54,32 @@ def peak_memory_gb() -> float:
 
 @contextmanager
 def timed(name: str, timings: dict[str, float]):
+    """Time a phase into ``timings`` and mark it as a named range for torch.profiler traces."""
     start = time.perf_counter()
     try:
-        yield
+        with torch.profiler.record_function(name):
+            yield
     finally:
         timings[f"timing_s/{name}"] = timings.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+@contextmanager
+def profiled(step: int, steps: list[int] | None, directory: str):
+    """Record a torch.profiler trace of ``step`` when it is one of ``steps``.
+
+    The trace is written as ``<directory>/step_<N>.*.pt.trace.json``, which TensorBoard's profiler
+    plugin and Perfetto (ui.perfetto.dev) open; each phase of the step is a named range.
+    """
+    if not steps or step not in steps:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    handler = torch.profiler.tensorboard_trace_handler(directory, worker_name=f"step_{step}")
+    with torch.profiler.profile(activities=activities, on_trace_ready=handler, record_shapes=False):
+        yield
 
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
@@ -326,7 +349,8 @@ class PPOTrainer:
             epoch, rows = self.sampler.next_batch()
             skipped_before = self._skipped_total()
             try:
-                metrics = self.train_step(self.train_dataset.collate(rows))
+                with profiled(self.global_step + 1, trainer_cfg.profile_steps, trainer_cfg.profile_dir):
+                    metrics = self.train_step(self.train_dataset.collate(rows))
             except WorkerError as exc:
                 raise self._worker_failure(exc, "training", self.global_step + 1) from exc
             self.global_step += 1

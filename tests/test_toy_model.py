@@ -222,3 +222,25 @@ def test_cli_reports_the_build(built, capsys):
 def test_threads_setting_is_sane():
     assert 1 <= toy.auto_threads() <= 4
     assert torch.get_num_threads() >= 1
+
+
+def test_a_slip_keeps_the_working_and_writes_the_first_number_as_the_answer():
+    problem = {"question": "Eli has 4 marbles. He gets 11 more marbles from his mother. How many marbles does Eli "
+                           "have at the end?",
+               "solution": "He has 4 + 11 = <<4+11=15>>15 marbles.\n#### 15", "answer": "15"}
+    slipped = toy.with_slip(problem)
+    assert slipped["solution"] == "He has 4 + 11 = <<4+11=15>>15 marbles.\n#### 4"
+    assert slipped["answer"] == "15" and problem["solution"].endswith("#### 15")  # the truth and the input stay
+    from rlhf_core.rewards.gsm8k import compute_score
+
+    assert compute_score(slipped["solution"], slipped["answer"]) == 0.0
+
+
+def test_the_slip_rate_sets_the_share_of_slipped_training_solutions():
+    settings = {**toy.preset_settings("test"), "train_steps": 1000, "batch_size": 8, "slip_rate": 0.3}
+    problems = toy._training_problems(settings, seed=0)
+    slipped = [p for p in problems if p["solution"].rpartition("#### ")[2] != p["answer"]]
+    # a slip can coincide with the right answer (4 * 1 = 4), so count the written answers that differ
+    assert 0.27 < len(slipped) / len(problems) < 0.32  # 8,000 draws: one standard error is 0.005
+    clean = toy._training_problems({**settings, "slip_rate": 0.0}, seed=0)
+    assert all(p["solution"].rpartition("#### ")[2] == p["answer"] for p in clean)

@@ -178,3 +178,26 @@ def test_critic_has_no_dropout_so_update_time_values_match_rollout_time(workspac
     critic.score.weight.data.normal_()  # a value head that is not zero, so dropout would show
     first, second = critic(input_ids=ids).logits, critic(input_ids=ids).logits
     assert torch.equal(first, second)
+
+
+def test_profile_steps_record_a_trace_with_each_phase_as_a_named_range(workspace):
+    root, model, _ = workspace
+    out = root / "profiled"
+    code = main(_overrides(root, model, "trainer.total_training_steps=2", "trainer.profile_steps=[2]",
+                           f"trainer.default_local_dir={out}", "trainer.logger=[]"))
+    assert code == 0
+    traces = sorted((out / "profile").glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["step_2"]  # step 1 is not profiled
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    names = {e.get("name") for e in events}
+    phases = {"step", "gen", "reward", "old_log_prob", "values", "adv", "update_critic", "update_actor"}
+    assert phases <= names, phases - names
+    step = next(e for e in events if e.get("name") == "step" and e.get("ph") == "X")
+    gen = next(e for e in events if e.get("name") == "gen" and e.get("ph") == "X")
+    assert step["ts"] <= gen["ts"] and gen["ts"] + gen["dur"] <= step["ts"] + step["dur"]  # nested in the step
+
+
+def test_profile_steps_must_be_step_numbers(workspace, capsys):
+    root, model, _ = workspace
+    assert main(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2
+    assert "trainer.profile_steps=[0, 2] must be a list of step numbers >= 1" in capsys.readouterr().err

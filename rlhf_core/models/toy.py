@@ -7,8 +7,9 @@ and four special tokens), saved as a standard Hugging Face folder: ``AutoTokeniz
 Presets:
 
 * ``demo``: warm-started by supervised fine-tuning on synthetic arithmetic word problems
-  (:mod:`rlhf_core.data.synthetic`) for a fixed number of steps, so that it solves a good share of
-  held-out problems greedily but far from all of them, leaving PPO room to improve;
+  (:mod:`rlhf_core.data.synthetic`), half of whose solutions carry a systematic slip, so that it
+  solves a good share of held-out problems but far from all of them, and often samples the right
+  answer where it writes the slip: room for PPO to improve;
 * ``test``: a much smaller model trained for a handful of steps, built in seconds for unit tests.
 
 A build is deterministic for a seed and is cached by a hash of its settings: a folder whose
@@ -32,6 +33,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import string
 import sys
@@ -69,12 +71,14 @@ CHAT_TEMPLATE = (
 
 # The task both presets are trained on (and that the demo's RL dataset should use, e.g.
 # ``build_dataset(out, n_train, n_test, seed, **TOY_TASK)``): one-step problems, all four
-# operations, operands up to 12. The 0.3M-parameter demo model learns the answer format and the
-# copying of numbers within its first few hundred steps, and only part of the arithmetic facts in
-# its step budget: with seed 0 it answers 36.8% of 1,000 held-out problems right greedily (89% of
-# the divisions, 37% of the differences, 15% of the products, 11% of the sums) and 21.7% when
-# sampling at temperature 1, so PPO has plenty to select from and to improve. Across seeds the
-# greedy accuracy varies by several points (the step at which copying clicks varies).
+# operations, operands up to 12.
+#
+# The demo model (0.54M parameters) is warm-started on solutions of which half carry a
+# systematic slip (:func:`with_slip`: the working is right, the final answer line repeats the
+# problem's first number), as SFT data with a recurring mistake would. It learns the format, the
+# copying and most of the arithmetic, and writes the slip about half the time: with seed 0 it
+# answers 40.7% of 1,000 held-out problems right greedily and 33.5% when sampling at temperature 1,
+# so its samples hold right answers often but not by default, which is what PPO can select.
 TOY_TASK = {
     "min_ops": 1,
     "max_ops": 1,
@@ -86,14 +90,15 @@ TOY_TASK = {
 
 PRESETS: dict[str, dict] = {
     "demo": {
-        "hidden_size": 96,
+        "hidden_size": 128,
         "num_layers": 2,
-        "num_heads": 3,
-        "intermediate_size": 384,
+        "num_heads": 4,
+        "intermediate_size": 512,
         "max_position_embeddings": 1024,
         "task": TOY_TASK,
-        "train_steps": 800,
-        "batch_size": 11,
+        "slip_rate": 0.5,
+        "train_steps": 1000,
+        "batch_size": 24,
         "learning_rate": 3e-3,
         "warmup_steps": 10,
         "min_lr_ratio": 0.0,
@@ -312,7 +317,24 @@ def heldout_problems(preset: str = "demo", seed: int = 0, n: int | None = None) 
 def _training_problems(settings: dict, seed: int) -> list[dict]:
     train_seed, _ = _problem_seeds(seed)
     stream = iter_problems(train_seed, **settings["task"])
-    return [next(stream) for _ in range(settings["train_steps"] * settings["batch_size"])]
+    problems = [next(stream) for _ in range(settings["train_steps"] * settings["batch_size"])]
+    rate = settings.get("slip_rate", 0.0)
+    if rate > 0:
+        rng = random.Random(f"toy-slips-{seed}")
+        problems = [with_slip(p) if rng.random() < rate else p for p in problems]
+    return problems
+
+
+def with_slip(problem: dict) -> dict:
+    """The problem with a systematic slip in its solution: the final answer line repeats the
+    problem's first number instead of the result worked out above it (the working stays right).
+
+    Warm-start data with a share of such solutions gives a policy that knows the right answer
+    but often writes the slip: what RL should learn to select against.
+    """
+    first = re.search(r"\d+", problem["question"]).group(0)
+    working, _, _ = problem["solution"].rpartition("####")
+    return {**problem, "solution": f"{working}#### {first}"}
 
 
 # ----------------------------------------------------------------------------- evaluation
