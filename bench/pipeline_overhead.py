@@ -65,6 +65,11 @@ def main() -> None:
     print(f"run {run.name}: {run.status}")
     for name, seconds in sorted(durations.items(), key=lambda kv: run.steps[kv[0]].start_time):
         print(f"  {name:<18}{seconds:8.1f} s")
+    model_name = yaml.safe_load(config_path.read_text())["model"]["name"]
+    version = Client().get_model_version(model_name, "latest")
+    meta = version.run_metadata
+    print(f"model {model_name} version {version.number}: promoted={meta.get('promoted')} "
+          f"({meta.get('decision_reason')})")
     print(f"pipeline overhead: {wall - steps_total:.1f} s (wall {wall:.1f} s - steps {steps_total:.1f} s)")
 
 

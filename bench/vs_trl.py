@@ -14,7 +14,7 @@ mean reward over the last steps, so that speed is not bought with learning.
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 
-    python bench/vs_trl.py [--steps 8] [--warmup 2] [--prompts 8] [--group 4] [--response 64]
+    python bench/vs_trl.py [--steps 6] [--warmup 1] [--prompts 8] [--group 4] [--response 64]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def run_ours(model: Path, data: Path, args) -> dict:
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     trainer = build_trainer(cfg)
-    times, tokens, rewards = [], [], []
+    times, tokens, rewards, phases = [], [], [], []
     for step in range(args.warmup + args.steps):
         _, rows = trainer.sampler.next_batch()
         start = time.perf_counter()
@@ -64,8 +64,11 @@ def run_ours(model: Path, data: Path, args) -> dict:
             times.append(elapsed)
             tokens.append(metrics["response_length/mean"] * args.prompts * args.group)
             rewards.append(metrics["critic/score/mean"])
+            phases.append({k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                           if k.startswith("timing_s/") and k != "timing_s/step"})
+    phase_s = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
     return {"step_s": statistics.median(times), "tokens_per_s": sum(tokens) / sum(times),
-            "reward": statistics.mean(rewards[-args.last:])}
+            "reward": statistics.mean(rewards[-args.last:]), "phases": phase_s}
 
 
 def run_trl(model: Path, data: Path, args) -> dict:
@@ -118,9 +121,9 @@ def run_trl(model: Path, data: Path, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed optimisation steps per trainer")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--last", type=int, default=4, help="steps averaged for the final reward")
+    parser.add_argument("--steps", type=int, default=6, help="timed optimisation steps per trainer")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--last", type=int, default=3, help="steps averaged for the final reward")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--response", type=int, default=64)
@@ -153,10 +156,12 @@ def main() -> None:
             f"[{name}] step time: ours {ours['step_s']:.3f} s, trl {trl['step_s']:.3f} s",
             f"[{name}] tokens per second: ours {ours['tokens_per_s']:.0f}, trl {trl['tokens_per_s']:.0f}",
             f"[{name}] mean reward over the last {args.last} steps: ours {ours['reward']:.3f}, trl {trl['reward']:.3f}",
+            f"[{name}] our phases (median s): "
+            + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in ours["phases"].items()),
             f"[{name}] ours/trl step time: {ours['step_s'] / trl['step_s']:.2f}",
             f"[{name}] ours/trl tokens per second: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}",
         ]
-        print("\n".join(lines[-6:]), flush=True)
+        print("\n".join(lines[-7:]), flush=True)
     print("\nsummary")
     print("\n".join(lines))
 

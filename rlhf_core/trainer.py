@@ -184,6 +184,17 @@ class PPOTrainer:
         return extras
 
     # ------------------------------------------------------------------ one iteration
+    def _on_policy_update(self) -> bool:
+        """Whether the actor update is one epoch over one mini-batch of this step's samples, so that the
+        old log-probs are the update's own (detached) and need no separate pass: nothing uses them before
+        the update (no KL in the reward, an HF rollout with no log-probs of its own to compare) and the
+        actor updates this step (past ``critic_warmup``)."""
+        cfg = self.config
+        actor = cfg.actor_rollout_ref.actor
+        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+                and not cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.rollout.name == "hf"
+                and self.global_step >= cfg.trainer.critic_warmup)
+
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, algo = self.config, self.config.algorithm
         n = cfg.actor_rollout_ref.rollout.n
@@ -193,15 +204,18 @@ class PPOTrainer:
                 batch = self.actor.generate(prompts, self._train_params())
             with timed("reward", timings):
                 extras = self._score(batch)
-            with timed("old_log_prob", timings):
-                batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
+            if not self._on_policy_update():
+                with timed("old_log_prob", timings):
+                    batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
             if self.use_ref:
                 with timed("ref", timings):
                     batch["ref_log_prob"] = self.actor.compute_ref_log_prob(batch)
             if self.use_critic:
                 with timed("values", timings):
                     batch["values"] = self.critic.compute_values(batch)
-            metrics: dict[str, float] = {"actor/entropy": _mean(entropy, batch["response_mask"].float())}
+            metrics: dict[str, float] = {}
+            if "old_log_prob" in batch:  # else the update measures the entropy
+                metrics["actor/entropy"] = _mean(entropy, batch["response_mask"].float())
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())

@@ -8,11 +8,13 @@ import math
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer, main
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.trainer import PPOTrainer
 
 REQUIRED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm",
@@ -201,3 +203,36 @@ def test_profile_steps_must_be_step_numbers(workspace, capsys):
     root, model, _ = workspace
     assert main(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2
     assert "trainer.profile_steps=[0, 2] must be a list of step numbers >= 1" in capsys.readouterr().err
+
+
+def test_on_policy_update_skips_the_old_log_prob_pass_and_updates_the_same(workspace, monkeypatch):
+    """One epoch over one mini-batch: the update's own detached log-probs replace the separate pass."""
+    root, model, _ = workspace
+    overrides = _overrides(root, model, "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.optim.lr=1e-2",
+                           "algorithm.adv_estimator=grpo", "trainer.seed=3")
+    prompts = list(range(8))
+    shortcut = build_trainer(load_config(overrides))
+    assert shortcut._on_policy_update()
+    fast = shortcut.train_step(shortcut.train_dataset.collate(prompts))
+    monkeypatch.setattr(PPOTrainer, "_on_policy_update", lambda self: False)
+    separate = build_trainer(load_config(overrides))
+    slow = separate.train_step(separate.train_dataset.collate(prompts))
+    assert "timing_s/old_log_prob" not in fast and "timing_s/old_log_prob" in slow
+    assert fast["actor/entropy"] == pytest.approx(slow["actor/entropy"], rel=1e-5)
+    assert fast["actor/pg_loss"] == pytest.approx(slow["actor/pg_loss"], rel=1e-4, abs=1e-7)
+    assert fast["actor/ppo_kl"] == 0.0 and fast["actor/pg_clipfrac"] == 0.0
+    for (name, a), b in zip(shortcut.actor.module.state_dict().items(), separate.actor.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+    initial = AutoModelForCausalLM.from_pretrained(str(model)).state_dict()
+    changed = any(not torch.equal(a, initial[name]) for name, a in shortcut.actor.module.state_dict().items())
+    assert changed  # the update did something, so the equality above means something
+
+
+def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_update(workspace):
+    root, model, _ = workspace
+    for extra in (["actor_rollout_ref.actor.ppo_mini_batch_size=4"], ["actor_rollout_ref.actor.ppo_epochs=2"],
+                  ["algorithm.use_kl_in_reward=true"], ["trainer.critic_warmup=1"]):
+        trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                                                       *extra)))
+        assert not trainer._on_policy_update(), extra

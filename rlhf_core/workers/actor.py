@@ -14,6 +14,8 @@ is the policy itself with its adapters switched off.
 
 from __future__ import annotations
 
+import inspect
+
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -43,14 +45,23 @@ from rlhf_core.workers.common import (
 )
 
 
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each."""
     if remove_padding:
         return packed_response_log_prob(model, batch, temperature, with_entropy)
-    inputs, response_start, kept = trimmed_inputs(batch)
-    logits = model(**inputs, use_cache=False).logits  # (bs, L, V)
-    logits = logits[:, response_start - 1:response_start - 1 + kept].float()  # position t predicts t+1
+    inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
+    # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
+    # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
+    if _takes_logits_to_keep(model):
+        logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :kept]  # (bs, kept, V)
+    else:
+        logits = model(**inputs, use_cache=False).logits[:, response_start - 1:response_start - 1 + kept]
+    logits = logits.float()
     if temperature and temperature != 1.0:
         logits = logits / temperature
     responses = batch["responses"][:, :kept]
@@ -167,6 +178,11 @@ class ActorWorker(CheckpointableWorker):
 
         As one of N ranks, ``batch`` is this rank's share: each mini-batch is this rank's
         ``1/N`` of the global mini-batch (the worker group lays the rows out that way).
+
+        Without ``old_log_prob`` the update is on-policy (one epoch over one mini-batch, so the policy
+        is still the one that sampled): the old log-probs are this forward pass's own, detached
+        (ratio 1, the same value and gradient as a separate recomputation), and the entropy of the
+        batch is measured here as ``actor/entropy``.
         """
         cfg = self.config.actor
         mini_rows = cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size()
@@ -197,11 +213,18 @@ class ActorWorker(CheckpointableWorker):
                                         cfg.ppo_max_token_len_per_gpu):
                     mb = mb.to(self.device)
                     mask = mb["response_mask"]
-                    need_entropy = cfg.entropy_coeff != 0
+                    on_policy = "old_log_prob" not in mb
+                    need_entropy = cfg.entropy_coeff != 0 or on_policy
                     log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
                                                           need_entropy, self.remove_padding)
+                    if on_policy:
+                        old_log_prob = log_prob.detach()
+                        entropy_sum = float((entropy.detach() * mask).sum()) / max(token_count, 1)
+                        summed["actor/entropy"] = summed.get("actor/entropy", 0.0) + entropy_sum
+                    else:
+                        old_log_prob = mb["old_log_prob"]
                     pg_loss, pg_metrics = algos.compute_policy_loss(
-                        mb["old_log_prob"], log_prob, mb["advantages"], mask,
+                        old_log_prob, log_prob, mb["advantages"], mask,
                         cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
                         cfg.loss_agg_mode, **counts_kw,
                     )
