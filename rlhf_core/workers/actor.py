@@ -15,7 +15,6 @@ is the policy itself with its adapters switched off.
 from __future__ import annotations
 
 import inspect
-
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
