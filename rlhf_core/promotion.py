@@ -96,7 +96,8 @@ def decide(
 
     improvement = candidate_accuracy - baseline_accuracy
     numbers = (f"accuracy {candidate_accuracy:.4f} vs {baseline_accuracy:.4f} of {label}: "
-               f"{improvement:+.4f}, required >= {min_improvement:.4f}")
+               f"{improvement:+.4f}, required " +
+               (f">= {min_improvement:.4f}" if min_improvement > _TOLERANCE else "> 0 (any gain)"))
     if improvement > _TOLERANCE and improvement >= min_improvement - _TOLERANCE:
         return outcome(True, f"promoted: {numbers}")
     if improvement <= _TOLERANCE and min_improvement <= _TOLERANCE:
