@@ -14,6 +14,7 @@ is the policy itself with its adapters switched off.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -44,8 +45,10 @@ from rlhf_core.workers.common import (
 )
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+@functools.cache
+def _takes_logits_to_keep(model_class: type) -> bool:
+    """Whether the class's forward accepts ``logits_to_keep`` (asked once per class, not per micro-batch)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
@@ -56,7 +59,7 @@ def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
     inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
     # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
     # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
-    if _takes_logits_to_keep(model):
+    if _takes_logits_to_keep(type(model)):
         logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :kept]  # (bs, kept, V)
     else:
         logits = model(**inputs, use_cache=False).logits[:, response_start - 1:response_start - 1 + kept]
@@ -272,24 +275,12 @@ class ActorWorker(CheckpointableWorker):
             group["lr"] *= factor
 
     # ------------------------------------------------------------------ state
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``model_state.pt`` holds: all weights, or with LoRA only the adapters."""
-        return lora.trainable_state_dict(self.module) if self.lora else self.module.state_dict()
-
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            lora.load_trainable_state_dict(self.module, state)
-        else:
-            self.module.load_state_dict(state)
-
     def extra_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state(),
-                "rollout_generator": self.rollout.generator.get_state()
+        return {**super().extra_state(), "rollout_generator": self.rollout.generator.get_state()
                 if hasattr(self.rollout, "generator") else None}
 
     def load_extra_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.shuffle_generator.set_state(state["shuffle_generator"])
+        super().load_extra_state(state)
         if state.get("rollout_generator") is not None and hasattr(self.rollout, "generator"):
             self.rollout.generator.set_state(state["rollout_generator"])
 

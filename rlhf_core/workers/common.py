@@ -17,6 +17,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
+from rlhf_core.models import lora
 from rlhf_core.workers import distributed
 
 SHARDS_DIR = "dcp"
@@ -207,8 +208,27 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
 class CheckpointableWorker:
     """The checkpoint surface shared by the actor and critic workers.
 
-    Subclasses provide ``model_state_dict``/``load_model_state_dict``, ``extra_state``/``load_extra_state``
-    and an ``optimizer``."""
+    Subclasses provide ``module``, ``lora`` (whether only adapters train), an ``optimizer``, a
+    ``scheduler`` and a ``shuffle_generator``; they extend ``extra_state``/``load_extra_state`` with
+    any state of their own."""
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """What ``model_state.pt`` holds: all weights, or with LoRA only the trained ones (adapters, and
+        the critic's value head)."""
+        return lora.trainable_state_dict(self.module) if self.lora else self.module.state_dict()
+
+    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.lora:
+            lora.load_trainable_state_dict(self.module, state)
+        else:
+            self.module.load_state_dict(state)
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state()}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.shuffle_generator.set_state(state["shuffle_generator"])
 
     def state_dict(self) -> dict:
         return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}

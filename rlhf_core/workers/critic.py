@@ -135,22 +135,3 @@ class CriticWorker(CheckpointableWorker):
         metrics = {name: value / steps for name, value in sums.items()}
         metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
-
-    # ------------------------------------------------------------------ state
-    def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """What ``model_state.pt`` holds: all weights, or with LoRA the adapters and the value head."""
-        return lora.trainable_state_dict(self.module) if self.lora else self.module.state_dict()
-
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if self.lora:
-            lora.load_trainable_state_dict(self.module, state)
-        else:
-            self.module.load_state_dict(state)
-
-    def extra_state(self) -> dict:
-        return {"scheduler": self.scheduler.state_dict(), "shuffle_generator": self.shuffle_generator.get_state()}
-
-    def load_extra_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.shuffle_generator.set_state(state["shuffle_generator"])
-
