@@ -24,10 +24,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from rlhf_core.checkpoint import CheckpointError, check_config, check_writable, find_resume_checkpoint
 from rlhf_core.config import ConfigError, PPOConfig, load_config
 from rlhf_core.data.dataset import DataError, RLHFDataset, check_files
-from rlhf_core.guards import GuardError, TrainingInterrupted
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
@@ -35,9 +33,16 @@ from rlhf_core.models.loading import (
     load_tokenizer,
     max_positions,
 )
-from rlhf_core.monitoring import PortInUseError, PrometheusExporter
 from rlhf_core.rewards import known_data_sources, load_custom_reward_fn
 from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.training.checkpoint import (
+    CheckpointError,
+    check_config,
+    check_writable,
+    find_resume_checkpoint,
+)
+from rlhf_core.training.guards import GuardError, TrainingInterrupted
+from rlhf_core.training.monitoring import PortInUseError, PrometheusExporter
 from rlhf_core.workers.group import WorkerError
 
 
@@ -117,7 +122,7 @@ def preflight(cfg: PPOConfig) -> None:
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
     """Tokenizer, datasets, reward manager and trainer for a checked config (on a Ray worker group when
     the world size is above 1, or when ``use_worker_group`` says so)."""
-    from rlhf_core.trainer import PPOTrainer
+    from rlhf_core.training.trainer import PPOTrainer
 
     arr = cfg.actor_rollout_ref
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
@@ -159,7 +164,7 @@ def _warn_thresholds(trainer_cfg) -> dict[str, float]:
 
 def run(cfg: PPOConfig) -> dict:
     """Train with a validated config, resuming per ``trainer.resume_mode``; returns a summary."""
-    from rlhf_core.tracking import Tracking
+    from rlhf_core.training.tracking import Tracking
 
     preflight(cfg)
     trainer_cfg = cfg.trainer

@@ -7,7 +7,7 @@ from typing import Annotated
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 
-from rlhf_core.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
 from steps._config import config_from_dict
 
 logger = get_logger(__name__)

@@ -10,7 +10,7 @@ from zenml import log_metadata, step
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
-from rlhf_core.evaluate import evaluate_policy, evaluation_html, training_curves_png
+from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, training_curves_png
 from rlhf_core.rewards import load_custom_reward_fn
 from steps._config import config_from_dict
 

@@ -9,7 +9,7 @@ from zenml.client import Client
 from zenml.enums import ModelStages
 from zenml.logger import get_logger
 
-from rlhf_core.promotion import decide
+from rlhf_core.pipeline.promotion import decide
 
 logger = get_logger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 
-from rlhf_core.smoke import run_smoke_test
+from rlhf_core.pipeline.smoke import run_smoke_test
 from steps._config import config_from_dict
 
 logger = get_logger(__name__)

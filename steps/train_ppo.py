@@ -13,10 +13,10 @@ from zenml import ArtifactConfig, get_step_context, log_metadata, step
 from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
-from rlhf_core.checkpoint import latest_checkpoint, save_checkpoint
-from rlhf_core.evaluate import resolve_policy_dir, training_curves_png
 from rlhf_core.main_ppo import build_trainer, preflight
-from rlhf_core.tracking import Tracking
+from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
+from rlhf_core.training.checkpoint import latest_checkpoint, save_checkpoint
+from rlhf_core.training.tracking import Tracking
 from steps._config import config_from_dict
 
 logger = get_logger(__name__)

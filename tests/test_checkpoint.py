@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from rlhf_core import checkpoint
-from rlhf_core.checkpoint import CheckpointError
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training import checkpoint
+from rlhf_core.training.checkpoint import CheckpointError
 
 DIGIT_FIRST_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

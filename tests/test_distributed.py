@@ -16,12 +16,12 @@ import time
 import pytest
 import torch
 
-from rlhf_core import checkpoint
 from rlhf_core.batch import Batch
 from rlhf_core.config import load_config
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rollout import SamplingParams
+from rlhf_core.training import checkpoint
 from rlhf_core.workers import distributed
 from rlhf_core.workers.group import DistributedWorker, minibatch_shares, split_evenly
 

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf_core import checkpoint
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import ConfigError, GuardConfig, load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.guards import Guard, GuardError, measured_kl, tighten_kl_control
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training import checkpoint
+from rlhf_core.training.guards import Guard, GuardError, measured_kl, tighten_kl_control
 
 DIGIT_FIRST_REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -7,7 +7,7 @@ import json
 import pytest
 from test_pipeline import trained_model, zenml_client
 
-from rlhf_core.lineage import lineage, main
+from rlhf_core.pipeline.lineage import lineage, main
 
 CHAIN = ["data", "validation", "reward", "smoke test", "checkpoint", "evaluation", "promotion"]
 

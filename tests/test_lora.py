@@ -7,12 +7,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlhf_core import checkpoint
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.lora import merged_state_dict
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training import checkpoint
 from rlhf_core.workers.actor import response_log_prob
 
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import main
 from rlhf_core.models.toy import random_toy_model
-from rlhf_core.monitoring import GAUGES, PortInUseError, PrometheusExporter
+from rlhf_core.training.monitoring import GAUGES, PortInUseError, PrometheusExporter
 
 
 def free_port() -> int:

@@ -168,7 +168,7 @@ def test_second_run_creates_version_2_and_decides_against_the_first(trained):
 def test_artifacts_carry_visualizations_and_a_loadable_hf_checkpoint(trained):
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.evaluate import resolve_policy_dir
+    from rlhf_core.pipeline.evaluate import resolve_policy_dir
 
     _, (first_run_id, _) = trained
     steps = zenml_client().get_pipeline_run(first_run_id).steps

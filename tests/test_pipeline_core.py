@@ -8,9 +8,15 @@ from transformers import AutoConfig
 
 from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.evaluate import check_reference_solutions, reward_spec
 from rlhf_core.models.toy import random_toy_model
-from rlhf_core.smoke import SmokeTestError, _check, count_parameters_from_config, run_smoke_test, scale_config
+from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.pipeline.smoke import (
+    SmokeTestError,
+    _check,
+    count_parameters_from_config,
+    run_smoke_test,
+    scale_config,
+)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,7 @@ def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_roo
 
 
 def test_a_failed_check_stops_with_its_name_and_the_report():
-    from rlhf_core.smoke import SmokeReport
+    from rlhf_core.pipeline.smoke import SmokeReport
 
     report = SmokeReport("target", "target", False, 10, 10, 4, 2)
     with pytest.raises(SmokeTestError, match="smoke test failed at 'finite losses': step 1 actor/pg_loss=nan"):
@@ -107,6 +113,6 @@ def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():
     import subprocess
     import sys
 
-    code = ("import sys\nimport rlhf_core.evaluate, rlhf_core.lineage, rlhf_core.promotion, rlhf_core.schedule, "
-            "rlhf_core.smoke\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
+    code = ("import sys\nimport rlhf_core.pipeline.evaluate, rlhf_core.pipeline.lineage, rlhf_core.pipeline.promotion, rlhf_core.pipeline.schedule, "
+            "rlhf_core.pipeline.smoke\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

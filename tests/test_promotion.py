@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.promotion import decide
+from rlhf_core.pipeline.promotion import decide
 
 
 def test_first_version_is_compared_with_the_base_model():

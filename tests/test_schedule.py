@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rlhf_core import schedule
+from rlhf_core.pipeline import schedule
 
 
 def test_runs_fire_on_an_interval_and_never_overlap():

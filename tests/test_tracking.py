@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from rlhf_core.tracking import (
+from rlhf_core.training.tracking import (
     VALID_LOGGERS,
     Tracking,
     flatten_dict,

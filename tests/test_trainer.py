@@ -14,7 +14,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer, main
 from rlhf_core.models.toy import random_toy_model
-from rlhf_core.trainer import PPOTrainer
+from rlhf_core.training.trainer import PPOTrainer
 
 REQUIRED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm",

@@ -244,3 +244,12 @@ class CheckpointableWorker:
 
     def load_shards(self, folder: str | os.PathLike, weights_only: bool = False) -> None:
         load_shards(self, Path(folder), weights_only)
+
+
+def peak_memory_gb() -> float:
+    """Peak CUDA memory allocated, or the process's peak resident set size on CPU, in GiB."""
+    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux

@@ -32,6 +32,7 @@ from rlhf_core.batch import Batch
 from rlhf_core.config import PPOConfig
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.workers import distributed
+from rlhf_core.workers.common import peak_memory_gb
 
 #: How long to wait, after a first failure, for the others (to report a death rather than its echo).
 FAILURE_GRACE_S = 2.0
@@ -304,8 +305,6 @@ class HybridWorker(DistributedWorker):
         self.actor.scale_lr(factor)
 
     def peak_memory_gb(self) -> float:
-        from rlhf_core.trainer import peak_memory_gb
-
         return peak_memory_gb()
 
 

@@ -8,7 +8,7 @@ steps listed in ``trainer.profile_steps`` are recorded as torch.profiler traces 
 rollout/training split (in ``trainer.profile_dir``; TensorBoard or Perfetto open them).
 
 Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, lets the
-guards (:mod:`rlhf_core.guards`) judge each step, logs it, then checkpoints it every
+guards (:mod:`rlhf_core.training.guards`) judge each step, logs it, then checkpoints it every
 ``save_freq`` steps, at the end, after a rollback and when a validation sets a new best.
 A stop request (set by a signal handler) ends the run between steps, after a save.
 
@@ -31,25 +31,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlhf_core import algos, checkpoint
+from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import PromptSampler, RLHFDataset
-from rlhf_core.guards import Guard, GuardError, GuardEvent, TrainingInterrupted, tighten_kl_control
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
+from rlhf_core.training import checkpoint
+from rlhf_core.training.guards import Guard, GuardError, GuardEvent, TrainingInterrupted, tighten_kl_control
 from rlhf_core.workers.actor import ActorWorker
+from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
 from rlhf_core.workers.group import WorkerError
-
-
-def peak_memory_gb() -> float:
-    """Peak CUDA memory allocated, or the process's peak resident set size on CPU, in GiB."""
-    if torch.cuda.is_available() and torch.cuda.max_memory_allocated() > 0:
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 @contextmanager
@@ -280,7 +273,7 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
-        """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.checkpoint`)."""
+        """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
         try:
             path = checkpoint.save_checkpoint(self, self.checkpoint_dir)
         except WorkerError as exc:

@@ -8,7 +8,7 @@
   solution in the validation data earns full marks against its own ground truth.
 * :func:`training_curves_png` and :func:`evaluation_html`: the figures and the HTML report.
 
-    python -m rlhf_core.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--html out.html]
+    python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--html out.html]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def resolve_policy_dir(path: str | Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     if (folder / "latest_checkpointed_iteration.txt").is_file():
-        from rlhf_core.checkpoint import latest_checkpoint
+        from rlhf_core.training.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(folder)
         if latest is not None:
@@ -433,7 +433,7 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.evaluate",
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.evaluate",
                                      description="Greedy accuracy of a HF model directory on a validation parquet.")
     parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
     parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")

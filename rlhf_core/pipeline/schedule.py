@@ -27,7 +27,7 @@ from typing import Any
 
 RETRAIN_PIPELINE = "pipelines.retrain.rlhf_retrain_pipeline"
 
-logger = logging.getLogger("rlhf_core.schedule")
+logger = logging.getLogger("rlhf_core.pipeline.schedule")
 
 
 def zenml_executable() -> str:

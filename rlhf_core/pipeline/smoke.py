@@ -14,7 +14,7 @@ skipped step, the first step on-policy (``actor/ppo_kl`` ~ 0: the log-probs of t
 those of the rollout), and a checkpoint that saves, loads into a fresh trainer and restores the
 weights exactly. The first failing check raises :class:`SmokeTestError` naming it.
 
-    python -m rlhf_core.smoke --config configs/ppo_demo_cpu.yaml [key=value ...]
+    python -m rlhf_core.pipeline.smoke --config configs/ppo_demo_cpu.yaml [key=value ...]
 """
 
 from __future__ import annotations
@@ -209,8 +209,8 @@ def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> 
 def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
                    steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
     """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
-    from rlhf_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from rlhf_core.main_ppo import build_trainer, preflight
+    from rlhf_core.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 
     started = time.perf_counter()
     work_dir = Path(work_dir)
@@ -266,7 +266,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
 def main(argv: list[str] | None = None) -> int:
     import tempfile
 
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.smoke", description="Dry-run a PPO config.")
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.smoke", description="Dry-run a PPO config.")
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")

@@ -1,0 +1,1 @@
+"""What the pipeline steps call: smoke test, evaluation, promotion, lineage, scheduled retraining."""
