@@ -32,10 +32,7 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import (
-    InterpolationResolutionError,
-    ValidationError,
-)
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 from rlhf_core import algos
 from rlhf_core.rollout import ROLLOUT_NAMES
@@ -413,8 +410,8 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
 
 
 def _default(key: str) -> Any:
-    """The schema's default of ``key``: a value, or a whole section."""
-    return functools.reduce(getattr, key.split("."), PPOConfig())
+    """The schema's default of ``key``: a value, or a whole section (None for a key it does not have)."""
+    return functools.reduce(lambda node, name: getattr(node, name, None), key.split("."), PPOConfig())
 
 
 @functools.cache
@@ -439,8 +436,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
             return
         for target in _targets(key, None, notice):
-            _assign(cfg, target, _default(target) if target in _known_keys_and_sections() else None, errors,
-                    merge=False)
+            _assign(cfg, target, _default(target), errors, merge=False)
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice).items():
             _assign(cfg, target, value, errors)
@@ -728,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
+                        "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
     args = parser.parse_args(argv)
     if args.defaults:
         sys.stdout.write(defaults_yaml())
