@@ -34,13 +34,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
-from rlhf_core import algos
-from rlhf_core.rollout import ROLLOUT_NAMES
-from rlhf_core.training.tracking import VALID_LOGGERS
-
 # ----------------------------------------------------------------------------- names without a registry
 # (estimators, KL types, aggregation modes, KL controllers, rollout engines and loggers are the keys of their
-# registries in algos, rollout and tracking)
+# registries in algos, rollout and tracking: validate_config reads them there)
 
 STRATEGIES = ("fsdp", "fsdp2")
 TRUNCATIONS = ("error", "left", "right")
@@ -134,7 +130,7 @@ class ActorConfig:
     clip_ratio_low: float | None = _k(None, "lower clip range; null = clip_ratio")
     clip_ratio_high: float | None = _k(None, "upper clip range; null = clip_ratio")
     clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
-    loss_agg_mode: str = _k("token-mean", " | ".join(algos.LOSS_AGG_MODES))
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
     entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = _k(False, "add a KL(actor || ref) term to the policy loss")
     kl_loss_coef: float = _k(0.001, "coefficient of the KL loss")
@@ -215,7 +211,7 @@ class CriticConfig:
     shuffle: bool = _k(False, "shuffle sequences between mini-batches")
     grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
     cliprange_value: float = _k(0.5, "value clipping range around the old values")
-    loss_agg_mode: str = _k("token-mean", " | ".join(algos.LOSS_AGG_MODES))
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "critic sharding")
 
 
@@ -243,7 +239,7 @@ class KLCtrlConfig:
 class AlgorithmConfig:
     gamma: float = _k(1.0, "discount factor")
     lam: float = _k(1.0, "GAE lambda")
-    adv_estimator: str = _k("gae", " | ".join(algos.ADV_ESTIMATORS))
+    adv_estimator: str = _k("gae", "gae | grpo | rloo | reinforce_plus_plus")
     norm_adv_by_std_in_grpo: bool = _k(True, "divide GRPO advantages by the group std")
     use_kl_in_reward: bool = _k(False, "subtract beta * KL(actor || ref) from the token rewards")
     kl_penalty: str = _k("kl", "KL estimator in the reward: kl | abs | mse | low_var_kl")
@@ -267,7 +263,7 @@ class GuardConfig:
 class TrainerConfig:
     project_name: str = _k("verl_examples", "project name for loggers and checkpoint paths")
     experiment_name: str = _k("gsm8k", "run name for loggers and checkpoint paths")
-    logger: list[str] = _k(["console"], " | ".join(VALID_LOGGERS))
+    logger: list[str] = _k(["console"], "console | file | tensorboard | wandb | mlflow")
     log_val_generations: int = _k(0, "validation responses printed after each validation")
     total_epochs: int = _k(30, "passes over the training data")
     total_training_steps: int | None = _k(None, "stop after this many steps; null = epochs decide")
@@ -545,6 +541,11 @@ def _divisor_near(total: int, wanted: int) -> int:
 
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
+    # the registries name the valid values; imported here so that importing the config does not import torch
+    from rlhf_core import algos
+    from rlhf_core.rollout import ROLLOUT_NAMES
+    from rlhf_core.training.tracking import VALID_LOGGERS
+
     errors: list[str] = []
     data, arr, algo, trainer = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic

@@ -72,6 +72,18 @@ def test_yaml_file_holds_every_key_with_its_default_and_its_comment(repo_root):
     assert load_config(config_file=repo_root / "configs" / "ppo_trainer.yaml") == load_config([])
 
 
+def test_help_lists_the_names_the_registries_hold():
+    from rlhf_core import algos
+    from rlhf_core.training.tracking import VALID_LOGGERS
+
+    helps = {key: help_text for key, _, help_text in _dataclass_tree(PPOConfig())}
+    assert helps["algorithm.adv_estimator"].split(" | ") == list(algos.ADV_ESTIMATORS)
+    assert helps["actor_rollout_ref.actor.loss_agg_mode"].split(" | ") == list(algos.LOSS_AGG_MODES)
+    assert helps["critic.loss_agg_mode"].split(" | ") == list(algos.LOSS_AGG_MODES)
+    assert helps["trainer.logger"].split(" | ") == list(VALID_LOGGERS)
+    assert helps["algorithm.kl_ctrl.type"].endswith(" | ".join(algos.KL_CTRL_TYPES))
+
+
 def test_overrides_are_typed():
     cfg = load_config(
         [
