@@ -28,6 +28,7 @@ import torch
 __all__ = [
     "ADV_ESTIMATORS",
     "ADV_ESTIMATORS_NEED_CRITIC",
+    "KL_CTRL_TYPES",
     "KL_TYPES",
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
@@ -693,6 +694,7 @@ _KL_CONTROLLERS: dict[str, Callable[..., FixedKLController | AdaptiveKLControlle
     "fixed": _make_fixed,
     "adaptive": _make_adaptive,
 }
+KL_CTRL_TYPES: tuple[str, ...] = tuple(_KL_CONTROLLERS)
 
 
 def make_kl_controller(

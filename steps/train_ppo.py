@@ -13,11 +13,11 @@ from zenml import ArtifactConfig, get_step_context, log_metadata, step
 from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.main_ppo import build_trainer, preflight
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
 from rlhf_core.training.checkpoint import latest_checkpoint, save_checkpoint
 from rlhf_core.training.tracking import Tracking
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -43,7 +43,7 @@ def train_ppo(
             raise ValueError(f"training skipped ({skip_reason}) but there is no checkpoint to carry forward")
         logger.info("training skipped: %s; the warm-start checkpoint is carried forward unchanged", skip_reason)
         return init_from, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
         model.tokenizer_path = model.tokenizer_path or model.path

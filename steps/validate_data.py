@@ -9,9 +9,9 @@ from zenml import log_metadata, step
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import fingerprint, read_parquet, validate_frames
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -31,7 +31,7 @@ def validate_data(ppo_config: dict) -> tuple[
     Annotated[str, "dataset_fingerprint"],
 ]:
     """The suite's result, its HTML report and the SHA-256 of the data files; fails on any failed expectation."""
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     data, model = cfg.data, cfg.actor_rollout_ref.model
     train_paths, val_paths = as_file_list(data.train_files), as_file_list(data.val_files)
     # over-long prompts only break a run whose trainer rejects them
