@@ -382,10 +382,11 @@ def test_cli_valid_data_exits_0_with_json(valid_files, chat_tokenizer_dir, capsy
 
 
 def test_cli_rejects_tokenizer_without_limit(valid_files, chat_tokenizer_dir, capsys):
-    with pytest.raises(SystemExit) as caught:
-        main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)])
-    assert caught.value.code == 2
-    assert "--max-prompt-length" in capsys.readouterr().err
+    assert main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert str(valid_files[0]) in line and "needs both a tokenizer and the limit" in line
+    assert main([str(valid_files[0]), "--max-chars", "100"]) == 2  # a preference-data limit
+    assert "max_chars does not apply to prompt data" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

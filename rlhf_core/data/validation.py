@@ -1,43 +1,31 @@
-"""Check prompt and preference parquet files with Great Expectations (1.x) before training.
+"""Check prompt and preference parquet files with a Great Expectations (1.x) suite before training.
 
-Each table gets helper columns (pandas), then one GX suite runs over it on an ephemeral context.
-GX's own result (:class:`ExpectationSuiteValidationResult`) is the record: its JSON is the report's
-``to_dict``, its Data Docs page the report's ``to_html``; :class:`Outcome` only reads off the name,
-rows and counts the summary prints. Row numbers are the table's positions, counted from 0.
+pandas adds helper columns (the user turn, the ground truth, a pair's key, lengths), then one GX
+suite runs over each table on an ephemeral context. GX's ``ExpectationSuiteValidationResult`` is the
+record: its JSON is :meth:`ValidationReport.to_dict`, its Data Docs page :meth:`~ValidationReport.to_html`.
+Each expectation carries its check name (``meta.check``) and says what it checks (``description``):
+see :func:`_suite`. Rows are named by their position in the table, from 0.
 
-Both kinds, the kind told by the columns (``chosen``/``rejected``: preference data,
-``reward_model``: prompt data, neither: every column either kind needs is reported missing):
-
-* ``has_rows``; ``column_exists`` for each column of the kind (a check needing a missing column
-  is listed in :attr:`ValidationReport.skipped`); ``not_null`` for each of them;
-* ``prompt_is_non_empty_message_list`` (helper ``prompt_num_messages``, ``-1`` when ``prompt`` is
-  not a list of ``{role, content}`` strings), ``prompt_has_user_turn``,
-  ``prompt_user_content_non_empty`` (the last user turn holds a non-blank character);
-* ``no_train_val_leakage`` (validation file): no validation row repeats a training prompt (prompt
-  data: the user turn, exact match) or pair (preference data: prompt, chosen and rejected).
-
-Prompt data (verl's schema): ``not_null`` on ``reward_model.ground_truth``; ``ground_truth_numeric``
-(:data:`GROUND_TRUTH_REGEX`: optional minus, digits with optional thousands commas and decimals);
-``data_source_known`` (a registered reward function); ``prompt_length_within_limit`` (with a
-tokenizer and ``max_prompt_length``: the chat template with a generation prompt, else the contents
-joined by newlines; at most ``overlong_tolerance`` of the rows may be over, GX ``mostly``).
-
-Preference data (``prompt``, ``chosen``, ``rejected``, ``data_source``, ``extra_info``):
-``chosen_non_empty`` / ``rejected_non_empty``; ``chosen_differs_from_rejected``;
-``no_duplicate_pairs`` (every row of a repeated prompt+chosen+rejected is named);
-``pair_length_within_limit``: the prompt with the longer response, in tokens (``max_length`` with a
-tokenizer: the chat template with the response as assistant turn) or in characters (``max_chars``:
-the contents joined by newlines).
+The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make preference data
+(:data:`~rlhf_core.data.schema.PREFERENCE_COLUMNS`), ``reward_model`` prompt data (verl's schema,
+:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`); a table with neither is reported with every column
+either kind needs that it lacks. Both kinds check the rows, columns, nulls and the prompt messages, and
+the validation file for rows that repeat training data (prompt data: the same user turn; preference
+data: the same prompt, chosen and rejected). Length limits: prompt data in tokens (a tokenizer and
+``max_prompt_length``: the chat template with a generation prompt, else the contents joined by
+newlines); preference data the prompt with the longer response, in tokens (a tokenizer and
+``max_length``, the response as the assistant turn) or characters (``max_chars``, the contents joined
+by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``).
 
 Usage::
 
     python -m rlhf_core.data.validation TRAIN.parquet [--val VAL.parquet] [--html OUT.html] [--json]
-        [--tokenizer DIR --max-prompt-length N]                  # prompt data
-        [--tokenizer DIR --max-length N | --max-chars N]         # preference data
+        [--tokenizer DIR --max-prompt-length N]            # prompt data
+        [--tokenizer DIR --max-length N | --max-chars N]   # preference data
         [--overlong-tolerance F]
 
-Exit status: 0 when every expectation holds, 1 when any fails, 2 when an input cannot be read or
-the command line is wrong (a one-line reason on stderr).
+Exit status: 0 when every expectation holds, 1 when any fails, 2 when an input cannot be read or the
+command line is wrong (a one-line reason on stderr).
 """
 
 from __future__ import annotations
@@ -64,11 +52,13 @@ import pandas as pd
 
 from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS
 
-GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"
+GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
 NON_BLANK_REGEX = r"\S"
 MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
+_LIMITS = {"prompt": ("max_prompt_length",), "preference": ("max_length", "max_chars"), None: ()}
+Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no usage reports (there is no network anyway)
 
@@ -90,14 +80,8 @@ def detect_kind(columns: Iterable[str]) -> str | None:
     return "prompt" if "reward_model" in columns else None
 
 
-def _required(kind: str | None) -> tuple[str, ...]:
-    if kind is None:  # name what each kind lacks
-        return tuple(dict.fromkeys(REQUIRED_COLUMNS + PREFERENCE_COLUMNS))
-    return PREFERENCE_COLUMNS if kind == "preference" else REQUIRED_COLUMNS
-
-
 # ---------------------------------------------------------------------------------------------
-# The report: GX's results plus what the summary reads off them
+# The report: GX's results, and what the summary reads off them
 
 
 @dataclass(frozen=True)
@@ -120,10 +104,10 @@ class Outcome:
         stats = {key: raw[key] for key in _STATS if key in raw}
         if (item.exception_info or {}).get("raised_exception"):
             stats["error"] = _one_line(item.exception_info.get("exception_message") or "exception")
-        if "max_value" in config.kwargs and "unexpected_percent" in raw:
+        if "max_value" in config.kwargs and "unexpected_percent" in raw:  # a length limit
             stats["share_over"] = raw["unexpected_percent"] / 100.0
-        rows = zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or [])
-        examples = [(int(row), _tidy(value)) for row, value in list(rows)[:MAX_EXAMPLES]]
+        rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
+        examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
         return cls(config.meta["check"], column, dataset, bool(item.success), config.type,
                    config.description or "", stats, examples)
 
@@ -144,7 +128,7 @@ class DatasetInfo:
 
 @dataclass
 class ValidationReport:
-    """GX's result for each dataset (train, then val), with the checks that could not run."""
+    """GX's result for each dataset (train, then val), and the checks that could not run."""
 
     kind: str | None
     gx_results: dict[str, Any]
@@ -154,8 +138,9 @@ class ValidationReport:
 
     @property
     def results(self) -> list[Outcome]:
+        order = lambda item: item.expectation_config.meta["order"]  # noqa: E731
         return [Outcome.of(item, name) for name, result in self.gx_results.items()
-                for item in sorted(result.results, key=lambda item: item.expectation_config.meta["order"])]
+                for item in sorted(result.results, key=order)]
 
     @property
     def success(self) -> bool:
@@ -166,48 +151,46 @@ class ValidationReport:
         return [outcome for outcome in self.results if not outcome.success]
 
     def find(self, name: str, column: str | None = None, dataset: str | None = None) -> list[Outcome]:
-        return [o for o in self.results if o.name == name and column in (None, o.column)
-                and dataset in (None, o.dataset)]
+        return [o for o in self.results
+                if o.name == name and column in (None, o.column) and dataset in (None, o.dataset)]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: GX's validation result of each dataset under ``datasets[i].result``."""
-        totals: dict[str, int] = {}
-        for result in self.gx_results.values():
-            for key in ("evaluated_expectations", "successful_expectations", "unsuccessful_expectations"):
-                totals[key] = totals.get(key, 0) + int(result.statistics[key])
-        datasets = [{"name": d.name, "path": d.path, "rows": d.rows, "columns": d.columns,
-                     "result": self.gx_results[d.name].to_json_dict()} for d in self.datasets]
+        """JSON-ready; GX's validation result of each dataset is under ``datasets[i]["result"]``."""
+        keys = ("evaluated_expectations", "successful_expectations", "unsuccessful_expectations")
+        totals = {key: sum(int(r.statistics[key]) for r in self.gx_results.values()) for key in keys}
+        datasets = [{**vars(d), "result": self.gx_results[d.name].to_json_dict()} for d in self.datasets]
         return {"success": self.success, "kind": self.kind, "fingerprint": self.fingerprint,
                 "statistics": totals, "datasets": datasets, "skipped": list(self.skipped)}
 
     def summary(self) -> str:
         results, failures = self.results, self.failures
         what = f"{self.kind} data" if self.kind else "neither prompt nor preference data"
-        head = (f"Dataset validation PASSED: all {len(results)} expectations hold ({what})" if self.success
-                else f"Dataset validation FAILED: {len(failures)} of {len(results)} expectations failed ({what})")
-        lines = [head] + [f"  {d.name}: {d.path or '<in memory>'} ({d.rows} rows)" for d in self.datasets]
+        lines = [f"Dataset validation PASSED: all {len(results)} expectations hold ({what})" if self.success
+                 else f"Dataset validation FAILED: {len(failures)} of {len(results)} expectations failed ({what})"]
+        lines += [f"  {d.name}: {d.path or '<in memory>'} ({d.rows} rows)" for d in self.datasets]
         if self.fingerprint:
             lines.append(f"  fingerprint: {self.fingerprint}")
         if self.kind is None:
-            lines.append("  prompt data needs the columns " + ", ".join(REQUIRED_COLUMNS)
-                         + "; preference data needs " + ", ".join(PREFERENCE_COLUMNS))
+            lines.append(f"  prompt data needs the columns {', '.join(REQUIRED_COLUMNS)}; "
+                         f"preference data needs {', '.join(PREFERENCE_COLUMNS)}")
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
             lines += [f"    row {row}: {_excerpt(value)}" for row, value in o.examples]
-        for o in results:
-            if o.success and "share_over" in o.statistics:
-                lines.append(f"  {o.dataset}: {_percent(o.statistics['share_over'])} of rows over the limit"
-                             f" ({o.description})")
+        lines += [f"  {o.dataset}: {_percent(o.statistics['share_over'])} of rows over the limit ({o.description})"
+                  for o in results if o.success and "share_over" in o.statistics]
         return "\n".join(lines + [f"  skipped: {item}" for item in self.skipped])
 
     def to_html(self) -> str:
-        """GX's Data Docs page of the validation results, one overview per dataset."""
+        """GX's Data Docs page of the validation results, one overview per dataset.
+
+        The page takes its styles and scripts from CDNs; offline it shows unstyled, with every table.
+        """
         from great_expectations.render.renderer import ValidationResultsPageRenderer
         from great_expectations.render.view import DefaultJinjaPageView
 
         pages = []
         for d in self.datasets:
-            # GX 1.x writes table cells unescaped; the data's text (GSM8K's "<<6*2=12>>") must show as text
+            # GX 1.x writes these table cells unescaped; data text (GSM8K's "<<6*2=12>>") must stay text
             result = copy.deepcopy(self.gx_results[d.name])
             result.meta["run_id"] = {"run_name": _escape(f"{d.name}: {d.path or 'in memory'} ({d.rows} rows)")}
             for item in result.results:
@@ -236,18 +219,22 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     try:
         return pq.read_table(path).to_pandas()
     except (OSError, pa.ArrowException, ValueError) as exc:
-        raise DataReadError(path, f"not a readable parquet file ({_one_line(str(exc)) or type(exc).__name__})") from exc
+        reason = _one_line(str(exc)) or type(exc).__name__
+        raise DataReadError(path, f"not a readable parquet file ({reason})") from exc
 
 
-def fingerprint(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> str:
+def _files(paths: Paths) -> list[Path]:
+    return [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+
+
+def fingerprint(paths: Paths) -> str:
     """SHA-256 over the bytes of ``paths``, independent of the order they are given in.
 
     The files are hashed in order of their file name (ties broken by the full path), each one
     preceded by its byte length so that moving bytes from one file into another changes the
     digest. Moving a dataset to another folder keeps its fingerprint.
     """
-    files = sorted((Path(p) for p in ([paths] if isinstance(paths, (str, os.PathLike)) else paths)),
-                   key=lambda p: (p.name, str(p)))
+    files = sorted(_files(paths), key=lambda p: (p.name, str(p)))
     if not files:
         raise ValueError("fingerprint needs at least one file")
     digest = hashlib.sha256()
@@ -273,7 +260,8 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
         return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a broken folder
-        raise DataReadError(tokenizer, f"cannot load tokenizer ({_one_line(str(exc)) or type(exc).__name__})") from exc
+        reason = _one_line(str(exc)) or type(exc).__name__
+        raise DataReadError(tokenizer, f"cannot load tokenizer ({reason})") from exc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,65 +282,66 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return messages if ok else None
 
 
-def _lengths(tokenizer: Any, conversations: Sequence[list[dict[str, str]] | None], generation: bool) -> list[float]:
+def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generation: bool) -> list[float]:
     """Tokens per conversation (characters without a tokenizer); NaN where there is none."""
     template = bool(getattr(tokenizer, "chat_template", None))
     texts: dict[int, str] = {}
     for position, messages in enumerate(conversations):
         if not messages:
             continue
-        if template:
-            try:
-                texts[position] = tokenizer.apply_chat_template(messages, tokenize=False,
-                                                                add_generation_prompt=generation)
-            except Exception:  # a template may reject a conversation (e.g. no user turn)
-                continue
-        else:
-            texts[position] = "\n".join(m["content"] for m in messages)
+        try:
+            texts[position] = (tokenizer.apply_chat_template(messages, tokenize=False,
+                                                             add_generation_prompt=generation)
+                               if template else "\n".join(m["content"] for m in messages))
+        except Exception:  # a template may reject a conversation (e.g. no user turn)
+            continue
     counts = [math.nan] * len(conversations)
-    if tokenizer is None:
-        return [float(len(texts[p])) if p in texts else math.nan for p in range(len(conversations))]
     if texts:  # a chat template already writes the special tokens it wants
-        encoded = tokenizer(list(texts.values()), add_special_tokens=not template)["input_ids"]
+        encoded = (tokenizer(list(texts.values()), add_special_tokens=not template)["input_ids"]
+                   if tokenizer is not None else list(texts.values()))
         for position, ids in zip(texts, encoded):
             counts[position] = float(len(ids))
     return counts
 
 
-def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prompt", measure: bool | None = None) -> pd.DataFrame:
+def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prompt",
+            measure: bool | None = None) -> pd.DataFrame:
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
-    prompt data: ``ground_truth`` and (``measure``, default: with a tokenizer) ``prompt_tokens``;
-    preference data: ``pair`` (the JSON of prompt, chosen, rejected) and with ``measure``
+    prompt data: ``ground_truth`` and, if ``measure`` (default: with a tokenizer), ``prompt_tokens``;
+    preference data: ``pair`` (the JSON of prompt, chosen, rejected) and, if ``measure``,
     ``pair_length`` (tokens with a tokenizer, else characters).
     """
-    out = frame.copy()
+    out, index = frame.copy(), frame.index
     measure = tokenizer is not None if measure is None else measure
-    index = frame.index
+
+    def column(values: Iterable[Any], dtype: str = "object") -> pd.Series:
+        return pd.Series(list(values), index=index, dtype=dtype)
+
     parsed = [None if _is_missing(v) else _messages(v) for v in frame["prompt"]] if "prompt" in frame else None
     if parsed is not None:
-        users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None for messages in parsed]
-        out["prompt_num_messages"] = pd.Series(
-            [math.nan if _is_missing(v) else -1.0 if m is None else float(len(m))
-             for v, m in zip(frame["prompt"], parsed)], index=index, dtype="float64")
-        out["prompt_has_user_turn"] = pd.Series([bool(u) if u is not None else None for u in users], index=index, dtype="object")
-        out["prompt_user_content"] = pd.Series([u[-1] if u else None for u in users], index=index, dtype="object")
+        users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
+                 for messages in parsed]
+        out["prompt_num_messages"] = column((math.nan if _is_missing(v) else -1.0 if m is None else len(m)
+                                             for v, m in zip(frame["prompt"], parsed)), "float64")
+        out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
+        out["prompt_user_content"] = column(u[-1] if u else None for u in users)
     if kind == "prompt" and "reward_model" in frame:
         truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
-        out["ground_truth"] = pd.Series([None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
-                                         for t in truths], index=index, dtype="object")
+        out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
+                                     for t in truths)
         if measure and parsed is not None:
-            out["prompt_tokens"] = pd.Series(_lengths(tokenizer, parsed, True), index=index, dtype="float64")
+            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True), "float64")
     if kind == "preference" and parsed is not None and {"chosen", "rejected"} <= set(frame.columns):
         pairs = list(zip(parsed, frame["chosen"], frame["rejected"]))
-        out["pair"] = pd.Series([json.dumps([m, c, r], ensure_ascii=False) if m and isinstance(c, str)
-                                 and isinstance(r, str) else None for m, c, r in pairs], index=index, dtype="object")
+        out["pair"] = column(json.dumps([m, c, r], ensure_ascii=False)
+                             if m and isinstance(c, str) and isinstance(r, str) else None for m, c, r in pairs)
         if measure:  # each response after the prompt as the assistant turn; the longer one counts
             turns = [m + [{"role": "assistant", "content": text}] if m and isinstance(text, str) else None
                      for m, chosen, rejected in pairs for text in (chosen, rejected)]
             lengths = np.asarray(_lengths(tokenizer, turns, False), dtype="float64").reshape(-1, 2)
-            out["pair_length"] = pd.Series(np.fmax(lengths[:, 0], lengths[:, 1]), index=index)
+            out["pair_length"] = column(np.fmax(lengths[:, 0], lengths[:, 1]), "float64")
     return out
 
 
@@ -360,72 +349,77 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 # The suite
 
 
-def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, limit: float | None,
-           unit: str, mostly: float, known_sources: Sequence[str], skipped: list[str]) -> list[Any]:
+# Where a helper column comes from, for the note on a check that could not run
+_SOURCES = {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
+                             "prompt_tokens"), "'prompt'"), "ground_truth": "'reward_model'",
+            **dict.fromkeys(("pair", "pair_length"), "'prompt', 'chosen' and 'rejected'")}
+
+
+def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
+           limit: float | None, unit: str, mostly: float, known_sources: Sequence[str],
+           skipped: list[str]) -> list[Any]:
+    """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
+
+    ``leaked``: the training prompts (or pairs) that a validation table must not hold.
+    """
     import great_expectations.expectations as gxe
 
-    def check(name: str, expectation: type, description: str, **kwargs: Any) -> Any:
-        return expectation(**kwargs, description=f"{name}: {description}", meta={"check": name})
-
-    def needs(column: str, *names: str) -> bool:
-        skipped.extend(f"{dataset}: {name} (column '{column}' missing)" for name in names if column not in frame)
-        return column in frame
-
-    required = _required(kind)
-    checks = [check("has_rows", gxe.ExpectTableRowCountToBeBetween, "the table has at least one row", min_value=1)]
-    checks += [check("column_exists", gxe.ExpectColumnToExist, f"column '{c}' is present", column=c) for c in required]
-    checks += [check("not_null", gxe.ExpectColumnValuesToNotBeNull, f"'{c}' is never null", column=c)
-               for c in required if c in frame]
-    prompt_checks = ["prompt_is_non_empty_message_list", "prompt_has_user_turn", "prompt_user_content_non_empty"]
-    if needs("prompt", *prompt_checks):
-        checks += [
-            check(prompt_checks[0], gxe.ExpectColumnValuesToBeBetween, "prompt is a non-empty list of "
-                  "{role, content} string messages (-1: malformed)", column="prompt_num_messages", min_value=1),
-            check(prompt_checks[1], gxe.ExpectColumnValuesToBeInSet, "prompt has a 'user' turn",
-                  column="prompt_has_user_turn", value_set=[True]),
-            check(prompt_checks[2], gxe.ExpectColumnValuesToMatchRegex, "the last user turn is not blank",
-                  column="prompt_user_content", regex=NON_BLANK_REGEX),
-        ]
+    required = dict.fromkeys(REQUIRED_COLUMNS + PREFERENCE_COLUMNS) if kind is None else (
+        PREFERENCE_COLUMNS if kind == "preference" else REQUIRED_COLUMNS)
     key = "pair" if kind == "preference" else "prompt_user_content"
-    if leaked is not None and key in frame:
-        checks.append(check("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet,
-                            f"no validation row repeats a training {'pair' if key == 'pair' else 'prompt'}",
-                            column=key, value_set=leaked))
-    elif dataset != "train" and kind is not None:
-        skipped.append(f"{dataset}: no_train_val_leakage (prompt or pair columns missing)")
-    if kind == "prompt" and needs("data_source", "data_source_known"):
-        checks.append(check("data_source_known", gxe.ExpectColumnValuesToBeInSet, "data_source has a registered "
-                            "reward function", column="data_source", value_set=list(known_sources)))
-    if kind == "prompt" and needs("reward_model", "not_null(ground_truth)", "ground_truth_numeric"):
-        checks += [
-            check("not_null", gxe.ExpectColumnValuesToNotBeNull, "reward_model.ground_truth is never null",
-                  column="ground_truth"),
-            check("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "reward_model.ground_truth is a "
-                  "number (optional minus, thousands commas, decimals)", column="ground_truth", regex=GROUND_TRUTH_REGEX),
+    # (check, GX expectation, column or columns, what it checks, the expectation's arguments)
+    specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
+        ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
+        *[("column_exists", gxe.ExpectColumnToExist, c, f"column '{c}' is present", {}) for c in required],
+        *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in required
+          if c in frame],
+        ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeBetween, "prompt_num_messages",
+         "prompt is a non-empty list of {role, content} string messages (-1: malformed)", {"min_value": 1}),
+        ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
+         "prompt has a 'user' turn", {"value_set": [True]}),
+        ("prompt_user_content_non_empty", gxe.ExpectColumnValuesToMatchRegex, "prompt_user_content",
+         "the last user turn is not blank", {"regex": NON_BLANK_REGEX}),
+    ]
+    if is_val and kind is not None and leaked is None:
+        skipped.append(f"{dataset}: no_train_val_leakage (needs {_SOURCES[key]} in both files)")
+    elif is_val and kind is not None:
+        specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
+                      f"no validation row repeats a training {key.split('_')[-1]}", {"value_set": leaked}))
+    if kind == "prompt":
+        specs += [
+            ("data_source_known", gxe.ExpectColumnValuesToBeInSet, "data_source",
+             "data_source has a registered reward function", {"value_set": list(known_sources)}),
+            ("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
+             "reward_model.ground_truth is never null", {}),
+            ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth", "reward_model.ground_truth"
+             " is a number (optional minus, thousands commas, decimals)", {"regex": GROUND_TRUTH_REGEX}),
         ]
-    if kind == "prompt" and limit is not None and "prompt_tokens" in frame:
-        checks.append(check("prompt_length_within_limit", gxe.ExpectColumnValuesToBeBetween,
-                            f"prompt is at most {limit:g} tokens", column="prompt_tokens", max_value=limit, mostly=mostly))
+        length = ("prompt_length_within_limit", "prompt_tokens", f"prompt is at most {limit} tokens")
     if kind == "preference":
-        for column in ("chosen", "rejected"):
-            if needs(column, f"{column}_non_empty"):
-                checks.append(check(f"{column}_non_empty", gxe.ExpectColumnValuesToMatchRegex,
-                                    f"'{column}' holds a non-blank character", column=column, regex=NON_BLANK_REGEX))
-        if {"chosen", "rejected"} <= set(frame.columns):
-            checks.append(check("chosen_differs_from_rejected", gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord,
-                                "chosen and rejected are different texts", column_list=["chosen", "rejected"]))
-        if "pair" in frame:
-            checks.append(check("no_duplicate_pairs", gxe.ExpectColumnValuesToBeUnique,
-                                "each prompt, chosen, rejected triple appears once", column="pair"))
-        else:
-            skipped.append(f"{dataset}: no_duplicate_pairs (prompt, chosen or rejected missing)")
-        if limit is not None and "pair_length" in frame:
-            checks.append(check("pair_length_within_limit", gxe.ExpectColumnValuesToBeBetween,
-                                f"prompt and the longer response are at most {limit:g} {unit}",
-                                column="pair_length", max_value=limit, mostly=mostly))
-    for order, expectation in enumerate(checks):
-        expectation.meta["order"] = order
-    return checks
+        specs += [
+            *[(f"{c}_non_empty", gxe.ExpectColumnValuesToMatchRegex, c, f"'{c}' holds a non-blank character",
+               {"regex": NON_BLANK_REGEX}) for c in ("chosen", "rejected")],
+            ("chosen_differs_from_rejected", gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord,
+             ("chosen", "rejected"), "chosen and rejected are different texts", {}),
+            ("no_duplicate_pairs", gxe.ExpectColumnValuesToBeUnique, "pair",
+             "each prompt, chosen, rejected triple appears once", {}),
+        ]
+        length = ("pair_length_within_limit", "pair_length",
+                  f"prompt and the longer response are at most {limit} {unit}")
+    if kind is not None and limit is not None:
+        specs.append((length[0], gxe.ExpectColumnValuesToBeBetween, length[1], length[2],
+                      {"max_value": limit, "mostly": mostly}))
+    expectations = []
+    for name, expectation, columns, description, kwargs in specs:
+        names = (columns,) if isinstance(columns, str) else columns or ()
+        missing = [c for c in names if c not in frame]
+        if missing and name != "column_exists":
+            skipped.append(f"{dataset}: {name} (needs column {_SOURCES.get(missing[0], repr(missing[0]))})")
+            continue
+        where = {"column_list": list(names)} if len(names) > 1 else {"column": columns} if names else {}
+        expectations.append(expectation(**where, **kwargs, description=f"{name}: {description}",
+                                        meta={"check": name, "order": len(expectations)}))
+    return expectations
 
 
 _gx_lock = threading.Lock()
@@ -447,20 +441,43 @@ def _batch_definition() -> Any:
 def _run(frame: pd.DataFrame, expectations: list[Any], name: str) -> Any:
     import great_expectations as gx
 
-    with _gx_lock:
-        suite = gx.ExpectationSuite(name=name, expectations=expectations)
+    with _gx_lock, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         batch = _batch_definition().get_batch(batch_parameters={"dataframe": frame})
-        return batch.validate(suite, result_format={"result_format": "COMPLETE"})
+        return batch.validate(gx.ExpectationSuite(name=name, expectations=expectations),
+                              result_format={"result_format": "COMPLETE"})
 
 
 # ---------------------------------------------------------------------------------------------
 # Entry points
 
 
-def _validate(kind: str | None, train: pd.DataFrame, val: pd.DataFrame | None, tokenizer: Any,
-              limit: float | None, *, unit: str, measure: bool, overlong_tolerance: float,
-              known_sources: Iterable[str] | None = None, names: tuple[str, str] = ("train", "val"),
-              paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
+def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokenizer: Any = None,
+                    max_prompt_length: int | None = None, *, kind: str | None = "prompt",
+                    max_length: int | None = None, max_chars: int | None = None,
+                    known_sources: Iterable[str] | None = None, overlong_tolerance: float = 0.0,
+                    names: tuple[str, str] = ("train", "val"),
+                    paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
+    """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
+
+    A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
+    needs the tokenizer; ``max_chars`` (preference data) counts characters. A limit given for the
+    other kind, or a tokenizer without a limit, is a ValueError.
+    """
+    kind = detect_kind(train.columns) if kind == "auto" else kind
+    if kind is None:  # the missing columns are the finding; no limit applies
+        tokenizer = max_prompt_length = max_length = max_chars = None
+    given = {"max_prompt_length": max_prompt_length, "max_length": max_length, "max_chars": max_chars}
+    wrong = [name for name, value in given.items() if value is not None and name not in _LIMITS[kind]]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} does not apply to {kind or 'this'} data; limits by kind: "
+                         "prompt data max_prompt_length, preference data max_length (tokens) or max_chars")
+    token_limit = max_prompt_length if kind == "prompt" else max_length
+    if (tokenizer is None) != (token_limit is None):
+        raise ValueError("a length limit in tokens needs both a tokenizer and the limit")
+    if token_limit is not None and max_chars is not None:
+        raise ValueError("give a token limit (max_length) or a character limit (max_chars), not both")
+    limit = token_limit if token_limit is not None else max_chars
     if limit is not None and limit < 1:
         raise ValueError("the length limit must be a positive integer")
     if not 0.0 <= overlong_tolerance <= 1.0:
@@ -471,101 +488,46 @@ def _validate(kind: str | None, train: pd.DataFrame, val: pd.DataFrame | None, t
         known_sources = known_data_sources()
     tokenizer = load_tokenizer(tokenizer)
     tables = [(names[0], paths[0], train)] + ([(names[1], paths[1], val)] if val is not None else [])
-    flat = [flatten(frame, tokenizer, kind, measure) for _, _, frame in tables]
-    key = "pair" if kind == "preference" else "prompt_user_content"
-    leaked = None
+    flat = [flatten(frame, tokenizer, kind, limit is not None) for _, _, frame in tables]
+    key, leaked = "pair" if kind == "preference" else "prompt_user_content", None
     if len(flat) == 2 and key in flat[0] and key in flat[1]:
         seen = set(flat[0][key].dropna())
         leaked = sorted({value for value in flat[1][key].dropna() if value in seen})
     skipped: list[str] = []
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
-        suite = _suite(kind, frame, name, leaked=leaked if position else None, limit=limit, unit=unit,
-                       mostly=1.0 - overlong_tolerance, known_sources=sorted(map(str, known_sources or [])),
-                       skipped=skipped)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
-    datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns]) for name, path, frame in tables]
+        suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
+                       unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
+                       known_sources=sorted(map(str, known_sources or [])), skipped=skipped)
+        results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
+    datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
+                for name, path, frame in tables]
     return ValidationReport(kind, results, datasets, skipped)
 
 
-def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokenizer: Any = None,
-                    max_prompt_length: int | None = None, *, known_sources: Iterable[str] | None = None,
-                    overlong_tolerance: float = 0.0, names: tuple[str, str] = ("train", "val"),
-                    paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
-    """Validate in-memory prompt frames; the length check needs both tokenizer and max_prompt_length."""
-    if (tokenizer is None) != (max_prompt_length is None):
-        raise ValueError("the prompt length check needs both a tokenizer and max_prompt_length")
-    return _validate("prompt", train, val, tokenizer, max_prompt_length, unit="tokens",
-                     measure=tokenizer is not None, overlong_tolerance=overlong_tolerance,
-                     known_sources=known_sources, names=names, paths=paths)
+def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = None,
+                     max_prompt_length: int | None = None, *, kind: str | None = "auto",
+                     **options: Any) -> ValidationReport:
+    """Read the parquet file(s) and validate them (see :func:`validate_frames` for ``options``).
 
-
-def validate_preference_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokenizer: Any = None,
-                               max_length: int | None = None, *, max_chars: int | None = None,
-                               overlong_tolerance: float = 0.0,
-                               paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
-    """Validate in-memory preference frames; a token budget (tokenizer + max_length) or a character one."""
-    if (tokenizer is None) != (max_length is None):
-        raise ValueError("the token budget needs both a tokenizer and max_length")
-    if max_length is not None and max_chars is not None:
-        raise ValueError("give a token budget (max_length) or a character budget (max_chars), not both")
-    limit = max_length if max_length is not None else max_chars
-    return _validate("preference", train, val, tokenizer, limit, unit="tokens" if tokenizer is not None else "characters",
-                     measure=limit is not None, overlong_tolerance=overlong_tolerance, paths=paths)
-
-
-def _read_all(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[pd.DataFrame, list[Path]]:
-    files = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
-    return pd.concat([read_parquet(path) for path in files], ignore_index=True), files
-
-
-def validate_preference_files(train: str | os.PathLike | Sequence[str | os.PathLike],
-                              val: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
-                              tokenizer: Any = None, max_length: int | None = None, *,
-                              max_chars: int | None = None, overlong_tolerance: float = 0.0) -> ValidationReport:
-    """Read preference parquet file(s) (several files of one split are joined, rows renumbered) and validate."""
-    train_frame, train_files = _read_all(train)
-    val_frame, val_files = _read_all(val) if val is not None else (None, [])
-    report = validate_preference_frames(
-        train_frame, val_frame, tokenizer, max_length, max_chars=max_chars, overlong_tolerance=overlong_tolerance,
-        paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None))
+    Several files of one split are joined, their rows numbered on; the report carries the files'
+    :func:`fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
+    """
+    train_files, val_files = _files(train), _files(val) if val is not None else []
+    frames = [pd.concat([read_parquet(p) for p in files], ignore_index=True) if files else None
+              for files in (train_files, val_files)]
+    report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
+                             paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None))
     report.fingerprint = fingerprint(train_files + val_files)
     return report
 
 
-def validate_dataset(train_path: str | os.PathLike, val_path: str | os.PathLike | None = None, tokenizer: Any = None,
-                     max_prompt_length: int | None = None, *, max_length: int | None = None,
-                     max_chars: int | None = None, known_sources: Iterable[str] | None = None,
-                     overlong_tolerance: float = 0.0) -> ValidationReport:
-    """Read the parquet file(s), tell their kind by the training file's columns, and validate.
-
-    ``max_prompt_length`` applies to prompt data, ``max_length``/``max_chars`` to preference data;
-    one given for the other kind is a ValueError. Raises :class:`DataReadError` for an unreadable
-    file or tokenizer.
-    """
-    train = read_parquet(train_path)
-    val = read_parquet(val_path) if val_path is not None else None
-    kind = detect_kind(train.columns)
-    paths = (str(train_path), None if val_path is None else str(val_path))
-    if kind == "preference":
-        if max_prompt_length is not None:
-            raise ValueError(f"{train_path} is preference data: use max_length (tokens) or max_chars, "
-                             "not max_prompt_length")
-        report = validate_preference_frames(train, val, tokenizer, max_length, max_chars=max_chars,
-                                            overlong_tolerance=overlong_tolerance, paths=paths)
-    elif max_length is not None or max_chars is not None:
-        raise ValueError(f"{train_path} is not preference data (no 'chosen'/'rejected' column): "
-                         "max_length and max_chars apply to preference files")
-    elif kind == "prompt":
-        report = validate_frames(train, val, tokenizer, max_prompt_length, known_sources=known_sources,
-                                 overlong_tolerance=overlong_tolerance, paths=paths)
-    else:  # neither kind: the columns each kind lacks are reported
-        report = _validate(None, train, val, None, None, unit="", measure=False, overlong_tolerance=0.0,
-                           paths=paths)
-    report.fingerprint = fingerprint([p for p in (train_path, val_path) if p is not None])
-    return report
+def validate_preference_files(train: Paths, val: Paths | None = None, tokenizer: Any = None,
+                              max_length: int | None = None, *, max_chars: int | None = None,
+                              overlong_tolerance: float = 0.0) -> ValidationReport:
+    """Validate preference parquet file(s): a token (tokenizer + max_length) or character limit."""
+    return validate_dataset(train, val, tokenizer, kind="preference", max_length=max_length,
+                            max_chars=max_chars, overlong_tolerance=overlong_tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -577,16 +539,15 @@ def _one_line(text: str) -> str:
 
 
 def _tidy(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        value = value.item()
+    value = value.item() if isinstance(value, np.generic) else value
     if isinstance(value, float):
         return None if math.isnan(value) else int(value) if value.is_integer() else value
     return value
 
 
 def _excerpt(value: Any) -> str:
-    text = repr(value) if value is None or isinstance(value, (str, bool, int, float)) else json.dumps(
-        value, ensure_ascii=False, default=str)
+    plain = value is None or isinstance(value, (str, bool, int, float))
+    text = repr(value) if plain else json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= _EXCERPT_CHARS else text[: _EXCERPT_CHARS - 3] + "..."
 
 
@@ -620,44 +581,33 @@ def _describe_failure(outcome: Outcome) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.data.validation",
-                                     description="Validate verl prompt or preference parquet files with Great "
-                                                 "Expectations (the kind is told by the columns).")
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.data.validation", description="Validate verl "
+                                     "prompt or preference parquet files (told by their columns) with GX.")
     parser.add_argument("train", help="training parquet file")
     parser.add_argument("--val", help="validation parquet file (also checked for train/val leakage)")
-    parser.add_argument("--tokenizer", help="saved tokenizer directory for a length check in tokens")
+    parser.add_argument("--tokenizer", help="saved tokenizer directory for a length limit in tokens")
     parser.add_argument("--max-prompt-length", type=int, help="prompt data: largest prompt in tokens")
     parser.add_argument("--max-length", type=int, help="preference data: largest prompt + response in tokens")
     parser.add_argument("--max-chars", type=int, help="preference data: largest prompt + response in characters")
     parser.add_argument("--overlong-tolerance", type=float, default=0.0,
                         help="share of rows allowed over the length limit (default 0)")
-    parser.add_argument("--html", help="also write GX's HTML report (Data Docs page) to this file")
+    parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    token_limits = [v for v in (args.max_prompt_length, args.max_length) if v is not None]
-    if (args.tokenizer is None) != (not token_limits):
-        parser.error("--tokenizer goes with --max-prompt-length (prompt data) or --max-length (preference data)")
-    if any(v < 1 for v in token_limits + [args.max_chars or 1]):
-        parser.error("--max-prompt-length, --max-length and --max-chars must be positive")
-    if args.max_chars is not None and args.max_length is not None:
-        parser.error("--max-length and --max-chars exclude each other")
-    if not 0.0 <= args.overlong_tolerance <= 1.0:
-        parser.error("--overlong-tolerance must lie in [0, 1]")
+    args = _parser().parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")
     try:
-        report = validate_dataset(args.train, args.val, tokenizer=args.tokenizer,
-                                  max_prompt_length=args.max_prompt_length, max_length=args.max_length,
-                                  max_chars=args.max_chars, overlong_tolerance=args.overlong_tolerance)
+        report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
+                                  max_length=args.max_length, max_chars=args.max_chars,
+                                  overlong_tolerance=args.overlong_tolerance)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:  # an option for the other kind of data
-        print(f"error: {_one_line(str(exc))}", file=sys.stderr)
+    except ValueError as exc:  # an inconsistent limit, or one for the other kind of data
+        print(f"error: {args.train}: {_one_line(str(exc))}", file=sys.stderr)
         return 2
     if args.html:
         try:
