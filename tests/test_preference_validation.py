@@ -5,10 +5,10 @@ from __future__ import annotations
 import collections
 import copy
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_validation import char_tokenizer, chat_tokenizer_dir, failed, plant, write  # noqa: F401 (fixtures)
 
 from rlhf_core.data.schema import PREFERENCE_COLUMNS
 from rlhf_core.data.validation import (
@@ -22,10 +22,6 @@ from rlhf_core.data.validation import (
 )
 
 SOURCE = "synthetic/arithmetic"
-TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
 
 
 def pairs(n: int = 5, offset: int = 0, split: str = "train") -> list[dict]:
@@ -41,33 +37,8 @@ def pairs(n: int = 5, offset: int = 0, split: str = "train") -> list[dict]:
     return rows
 
 
-def write(path: Path, rows: list[dict]) -> Path:
-    pd.DataFrame(rows).to_parquet(path, index=False)
-    return path
-
-
 def validate_preference_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, **options) -> ValidationReport:
     return validate_frames(train, val, kind="preference", **options)
-
-
-def failed(report: ValidationReport) -> list[tuple[str, str | None, str]]:
-    return [(o.name, o.column, o.dataset) for o in report.failures]
-
-
-@pytest.fixture(scope="module")
-def char_tokenizer():
-    """A character-level tokenizer with the chat template above (built offline)."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[UNK]": 0, "[PAD]": 1}
-    for code in list(range(32, 127)) + [10]:
-        vocab.setdefault(chr(code), len(vocab))
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
-    tokenizer.chat_template = TEMPLATE
-    return tokenizer
 
 
 def test_schema_names_the_five_columns_and_kind_follows_the_columns():
@@ -158,12 +129,9 @@ BAD_ROWS = [
 
 @pytest.fixture(scope="module")
 def bad(tmp_path_factory):
-    """Row ``i + 1`` of one table carries bad case ``i``; rows 0 and the last stay good."""
-    rows = pairs(len(BAD_ROWS) + 2)
-    for position, (mutate, *_rest) in enumerate(BAD_ROWS):
-        mutate(rows[position + 1])
-    path = write(tmp_path_factory.mktemp("bad") / "train.parquet", rows)
-    return rows, validate_dataset(path)
+    """One validation run over a table whose row ``i + 1`` carries bad case ``i``, and its rows."""
+    rows = plant(pairs(len(BAD_ROWS) + 2), BAD_ROWS)
+    return rows, validate_dataset(write(tmp_path_factory.mktemp("bad") / "train.parquet", rows))
 
 
 def test_bad_rows_fail_exactly_their_expectations(bad):
@@ -239,7 +207,7 @@ def test_character_budget_names_the_long_row_with_its_length():
     assert "25.0% of rows over the limit" in tolerant.summary()
 
 
-def test_token_budget_counts_the_chat_template_with_the_response(char_tokenizer):
+def test_token_budget_counts_the_chat_template_with_the_response(chat_tokenizer_dir):  # noqa: F811
     rows = pairs(3)
     rows[1]["chosen"] = "A much longer chosen answer with all of its working shown. #### 9"
     # the template writes "<role>content\n" per turn; the response is the assistant turn
@@ -247,7 +215,7 @@ def test_token_budget_counts_the_chat_template_with_the_response(char_tokenizer)
               for r in rows]
     limit = tokens[0]
     assert tokens[1] > limit >= tokens[2]
-    report = validate_preference_frames(pd.DataFrame(rows), tokenizer=char_tokenizer, max_length=limit)
+    report = validate_preference_frames(pd.DataFrame(rows), tokenizer=chat_tokenizer_dir, max_length=limit)
     assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
     assert report.failures[0].examples == [(1, tokens[1])]
     assert f"{limit} tokens" in report.summary()

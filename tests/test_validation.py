@@ -165,14 +165,18 @@ BAD_ROWS = [
 ]
 
 
+def plant(rows: list[dict], cases: list[tuple]) -> list[dict]:
+    """``rows`` with bad case ``i`` (its mutation first) in row ``i + 1``: rows 0 and the last stay good."""
+    for position, (mutate, *_rest) in enumerate(cases):
+        mutate(rows[position + 1])
+    return rows
+
+
 @pytest.fixture(scope="module")
 def bad_report(tmp_path_factory):
     """One validation run over a table whose row ``i + 1`` carries bad case ``i``."""
-    rows = records(len(BAD_ROWS) + 2)
-    for position, (mutate, *_rest) in enumerate(BAD_ROWS):
-        mutate(rows[position + 1])
-    path = write(tmp_path_factory.mktemp("bad") / "train.parquet", rows)
-    return validate_dataset(path)
+    rows = plant(records(len(BAD_ROWS) + 2), BAD_ROWS)
+    return validate_dataset(write(tmp_path_factory.mktemp("bad") / "train.parquet", rows))
 
 
 def test_bad_rows_fail_exactly_their_expectations(bad_report):
