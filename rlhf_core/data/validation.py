@@ -108,8 +108,9 @@ class Outcome:
             stats["share_over"] = raw["unexpected_percent"] / 100.0
         rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
         examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
-        return cls(config.meta["check"], column, dataset, bool(item.success), config.type,
-                   config.description or "", stats, examples)
+        name = config.meta["check"]
+        description = (config.description or "").removeprefix(f"{name}: ")
+        return cls(name, column, dataset, bool(item.success), config.type, description, stats, examples)
 
     @property
     def label(self) -> str:
