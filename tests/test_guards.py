@@ -4,7 +4,6 @@ absurd learning rate, a validation collapse) with the rollback checked against t
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,33 +81,35 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
 
 
-def _fake_trainer(use_kl_in_reward: bool, use_kl_loss: bool, ctrl):
-    config = load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
-                          f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return SimpleNamespace(config=config, kl_ctrl=ctrl,
-                           actor=SimpleNamespace(optimizer=optimizer, scheduler=scheduler))
+def _config(use_kl_in_reward: bool, use_kl_loss: bool):
+    return load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
+                        f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
 
 
-def test_tightening_the_kl_control_after_a_kl_rollback():
-    trainer = _fake_trainer(True, False, FixedKLController(0.0))
-    assert "fixed -> adaptive" in tighten_kl_control(trainer)
-    assert isinstance(trainer.kl_ctrl, AdaptiveKLController)
-    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target, trainer.kl_ctrl.horizon) == (1e-3, 0.01, 10000)
+def test_tightening_the_kl_control_after_a_kl_rollback_is_a_decision_not_a_change():
+    config = _config(True, False)
+    ctrl = FixedKLController(0.0)
+    decision = tighten_kl_control(config, ctrl, 0.001)
+    assert "fixed -> adaptive" in decision.summary
+    assert isinstance(decision.kl_ctrl, AdaptiveKLController)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (1e-3, 0.01, 10000)
+    assert (decision.kl_loss_coef, decision.lr_factor) == (None, None)
+    assert ctrl.value == 0.0 and config.to_dict() == _config(True, False).to_dict()  # nothing was changed
 
-    trainer = _fake_trainer(True, False, AdaptiveKLController(0.2, 0.1, 500))
-    tighten_kl_control(trainer)
-    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target) == (0.2, 0.01)
+    ctrl = AdaptiveKLController(0.2, 0.1, 500)
+    decision = tighten_kl_control(_config(True, False), ctrl, 0.001)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.2, 0.01, 500)
+    assert ctrl.target == 0.1
 
-    trainer = _fake_trainer(False, True, FixedKLController(0.001))
-    assert "kl_loss_coef -> 0.002" in tighten_kl_control(trainer)
-    assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == 0.002
+    config = _config(False, True)
+    decision = tighten_kl_control(config, FixedKLController(0.001), 0.003)
+    assert "kl_loss_coef -> 0.006" in decision.summary
+    assert (decision.kl_ctrl, decision.kl_loss_coef, decision.lr_factor) == (None, 0.006, None)
+    assert config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # the config keeps the value the run started with
 
-    trainer = _fake_trainer(False, False, FixedKLController(0.001))
-    assert "learning rate x0.5" in tighten_kl_control(trainer)
-    assert trainer.actor.optimizer.param_groups[0]["lr"] == 0.05 and trainer.actor.scheduler.base_lrs == [0.05]
+    decision = tighten_kl_control(_config(False, False), FixedKLController(0.001), 0.001)
+    assert "learning rate x0.5" in decision.summary
+    assert (decision.kl_ctrl, decision.kl_loss_coef, decision.lr_factor) == (None, None, 0.5)
 
 
 def test_guard_keys_are_validated():
