@@ -5,6 +5,10 @@ checked before any model is loaded; then the trainer resumes from the latest
 checkpoint (``trainer.resume_mode``), runs, and a summary says where the metrics and
 checkpoints are. The same command run again after a crash or a kill continues the run.
 
+Code trains through the same function, :func:`run` (the pipeline's training step does); code that
+drives the trainer step by step (benchmarks, the smoke test) opens it with :func:`trainer_session`,
+which closes it, and its Ray workers, however the block ends.
+
 Exit codes: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config, data, model,
 checkpoint) or a checkpoint that could not be written; 128 + signal number after
 Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrupt`` is saved.

@@ -31,6 +31,10 @@ Resuming refuses a checkpoint whose config differs from the current one outside
 thresholds, memory knobs that leave the math unchanged): anything else may change
 shapes, batch sizes or the training math, and the error names the keys.
 
+This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
+``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
+``trainer.config_yaml`` and ``trainer.guard.protected_steps()``.
+
 ``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` prune the actor or critic part
 of the oldest checkpoints (a directory left with neither is removed); the latest
 checkpoint and those the guards may still restore are never pruned.
