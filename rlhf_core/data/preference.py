@@ -131,7 +131,8 @@ def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None =
     from rlhf_core.data.synthetic import build_splits
     from rlhf_core.models.toy import TOY_TASK, with_slip
 
-    splits = build_splits(n_train, n_val, seed=seed, **(task or TOY_TASK))
+    # a stream of its own, apart from the prompt datasets' (synthetic-train-S / synthetic-test-S)
+    splits = build_splits(n_train, n_val, seed=f"preference-{seed}", **(task or TOY_TASK))
     out = []
     for name in ("train", "test"):
         pairs = []
