@@ -202,6 +202,31 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     return frame
 
 
+def _prompt_key(prompt) -> str:
+    return json.dumps([dict(m) for m in prompt], sort_keys=True)
+
+
+def check_preference_files(train: list[Path], val: list[Path]) -> dict:
+    """Read every file (:func:`read_preferences`) and refuse pairs whose chosen and rejected are the same
+    text, or a prompt that has pairs in both train and val; returns counts. PreferenceDataError otherwise."""
+    frames = {"train": [(p, read_preferences(p)) for p in train], "val": [(p, read_preferences(p)) for p in val]}
+    for items in frames.values():
+        for path, frame in items:
+            same = [i for i, (c, r) in enumerate(zip(frame["chosen"], frame["rejected"])) if c == r]
+            if same:
+                raise PreferenceDataError(f"{path}: chosen and rejected are the same text in row(s) "
+                                          f"{', '.join(map(str, same[:5]))}; such a pair teaches nothing, drop it")
+    prompts = {split: {_prompt_key(p) for _, f in items for p in f["prompt"]} for split, items in frames.items()}
+    shared = prompts["train"] & prompts["val"]
+    if shared:
+        example = json.loads(next(iter(shared)))[-1]["content"][:80]
+        raise PreferenceDataError(f"{len(shared)} prompt(s) have pairs in both the training and the validation "
+                                  f"files (e.g. {example!r}); split by question so the held-out accuracy means "
+                                  "something")
+    return {f"{split}_pairs": sum(len(f) for _, f in items) for split, items in frames.items()} | {
+        f"{split}_prompts": len(keys) for split, keys in prompts.items()}
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
