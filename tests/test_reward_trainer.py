@@ -227,3 +227,14 @@ def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
     assert (tmp_path / "two" / "global_step_3" / "reward_model" / "extra_state_rank_1.pt").is_file()
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "two" / "huggingface")
     assert loaded.config.num_labels == 1
+
+
+def test_demo_run_config_resolves(repo_root):
+    import yaml
+
+    run = yaml.safe_load((repo_root / "configs" / "demo_rm_cpu.yaml").read_text())
+    params = run["parameters"]
+    cfg = load_config(params["overrides"], config_file=repo_root / params["trainer_config"])
+    rm = cfg.reward_model.train
+    assert rm.model.path == "outputs/toy-demo" and rm.train_batch_size == 32 and rm.optim.lr == 2e-3
+    assert 0 < params["min_pair_accuracy"] <= 1

@@ -363,7 +363,10 @@ def preflight(cfg: PPOConfig) -> dict:
     for split, files in (("train", rm.train_files), ("val", rm.val_files)):
         if files is None:
             continue
-        frames[split] = [read_preferences(path) for path in as_file_list(files)]
+        try:
+            frames[split] = [read_preferences(path) for path in as_file_list(files)]
+        except PreferenceDataError as exc:
+            raise PreferenceDataError(f"{KEY}.{split}_files: {exc}") from exc
     n_train = sum(len(f) for f in frames["train"])
     if n_train < rm.train_batch_size:
         errors.append(f"{KEY}.train_files hold {n_train} pairs, fewer than {KEY}.train_batch_size "
