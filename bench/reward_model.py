@@ -34,7 +34,7 @@ from rlhf_core.training.reward_trainer import RewardModelTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 #: per task: (train batch, micro batch, lr, max_length)
-SETTINGS = {"demo": (32, 16, 2e-3, 256), "gsm8k": (32, 8, 1e-3, 1024)}
+SETTINGS = {"demo": (32, 16, 2e-3, 320), "gsm8k": (32, 8, 1e-3, 1024)}
 
 
 def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path) -> Path:
