@@ -34,7 +34,7 @@ from rlhf_core.training.reward_trainer import RewardModelTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 #: per task: (train batch, micro batch, lr, max_length)
-SETTINGS = {"demo": (32, 16, 2e-3, 320), "gsm8k": (32, 8, 1e-3, 1024)}
+SETTINGS = {"demo": (32, 16, 2e-3, 256), "gsm8k": (32, 8, 1e-3, 1024)}
 
 
 def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path) -> Path:
@@ -50,8 +50,10 @@ def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path) ->
     return out
 
 
-def run(task: str, model: Path, pairs: Path, work: Path, epochs: int, lora_rank: int, steps: int | None) -> dict:
-    batch, micro, lr, max_length = SETTINGS[task]
+def run(task: str, model: Path, pairs: Path, work: Path, epochs: int, lora_rank: int, steps: int | None,
+        measure_before: bool = True, max_length: int | None = None) -> dict:
+    batch, micro, lr, default_length = SETTINGS[task]
+    max_length = max_length or default_length
     overrides = [
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={model}",
         f"reward_model.train.train_files={pairs / 'train.parquet'}",
@@ -68,7 +70,7 @@ def run(task: str, model: Path, pairs: Path, work: Path, epochs: int, lora_rank:
     cfg = load_config(overrides)
     started = time.perf_counter()
     trainer = RewardModelTrainer(cfg)
-    before = trainer.validate()
+    before = trainer.validate() if measure_before else {"val/pair_accuracy": float("nan")}
     loaded = time.perf_counter()
     val = trainer.fit()
     seconds = time.perf_counter() - loaded
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--steps", type=int, default=None, help="stop each run after this many steps")
     parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--max-length", type=int, default=None, help="tokens per sequence (default per task)")
+    parser.add_argument("--skip-before", action="store_true", help="do not measure the untrained head first")
     parser.add_argument("--n-train", type=int, default=2000, help="synthetic training pairs (demo)")
     parser.add_argument("--n-val", type=int, default=400, help="synthetic held-out pairs (demo)")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bench_reward_model")
@@ -102,7 +106,8 @@ def main() -> None:
     records = []
     for task in args.tasks.split(","):
         pairs = prepare(task, args.work, args.n_train, args.n_val, gsm8k_dir)
-        records.append(run(task, model, pairs, args.work, args.epochs, args.lora_rank, args.steps))
+        records.append(run(task, model, pairs, args.work, args.epochs, args.lora_rank, args.steps,
+                           measure_before=not args.skip_before, max_length=args.max_length))
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "load": os.getloadavg(),
               "date": time.strftime("%Y-%m-%d %H:%M"), "runs": records}
