@@ -121,3 +121,24 @@ def test_read_preferences_names_missing_columns(tmp_path):
                   "extra_info": [{"split": "train"}]}).to_parquet(path)
     with pytest.raises(PreferenceDataError, match=r"lacks the column\(s\) chosen, rejected"):
         read_preferences(path)
+
+
+def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):
+    from rlhf_core.data.preference import check_preference_files, to_frame
+
+    def write(name, pairs):
+        path = tmp_path / name
+        to_frame(pairs, "x", "s").to_parquet(path)
+        return path
+
+    train = write("train.parquet", [{"question": "Q1", "chosen": "a", "rejected": "b", "group": "1"},
+                                    {"question": "Q2", "chosen": "c", "rejected": "d", "group": "2"}])
+    val = write("val.parquet", [{"question": "Q3", "chosen": "e", "rejected": "f", "group": "3"}])
+    assert check_preference_files([train], [val]) == {"train_pairs": 2, "val_pairs": 1, "train_prompts": 2,
+                                                      "val_prompts": 1}
+    leaky = write("leaky.parquet", [{"question": "Q2", "chosen": "x", "rejected": "y", "group": "2"}])
+    with pytest.raises(PreferenceDataError, match="1 prompt"):
+        check_preference_files([train], [leaky])
+    same = write("same.parquet", [{"question": "Q4", "chosen": "z", "rejected": "z", "group": "4"}])
+    with pytest.raises(PreferenceDataError, match=r"same.parquet: chosen and rejected are the same text in row\(s\) 0"):
+        check_preference_files([same], [])
