@@ -216,9 +216,52 @@ class CriticConfig:
 
 
 @dataclass
+class RewardTrainModelConfig:
+    path: str = _k("~/models/deepseek-llm-7b-chat", "causal LM (or reward model) directory the reward model starts "
+                                                      "from; a one-label scalar head is added")
+    tokenizer_path: str | None = _k(None, "tokenizer directory; null = path")
+    dtype: str = _k("float32", "dtype of the trained weights: float32 | bfloat16 | float16")
+    enable_gradient_checkpointing: bool = _k(False, "recompute activations in backward to save memory")
+    lora_rank: int = _k(0, "LoRA rank; 0 trains all weights (the scalar head is always trained in full)")
+    lora_alpha: int = _k(16, "LoRA scaling numerator")
+    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    trust_remote_code: bool = _k(False, "allow model code from the model directory")
+
+
+@dataclass
+class RewardTrainConfig:
+    train_files: str | list[str] = _k("~/data/preference/train.parquet", "preference parquet file(s): prompt, "
+                                                                           "chosen, rejected")
+    val_files: str | list[str] | None = _k("~/data/preference/val.parquet", "held-out preference file(s); null "
+                                                                               "= no validation")
+    model: RewardTrainModelConfig = _section(RewardTrainModelConfig, "the backbone and its adapters")
+    train_batch_size: int = _k(64, "pairs per optimizer step (over all workers)")
+    micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
+    max_length: int = _k(1024, "tokens per prompt + response; longer ones lose prompt tokens from the left")
+    total_epochs: int = _k(1, "passes over the training pairs")
+    total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
+    margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
+    grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    optim: OptimConfig = _section(lambda: OptimConfig(lr=1e-5, lr_warmup_steps_ratio=0.03),
+                                  "reward-model optimizer (AdamW; warm-up then constant | cosine)")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "reward-model sharding with several workers")
+    seed: int = _k(1, "seed of the head init and the pair order")
+    test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
+    save_freq: int = _k(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    default_local_dir: str = _k("checkpoints/${trainer.project_name}/${trainer.experiment_name}/reward_model",
+                                "reward-model checkpoints, metrics.jsonl and the huggingface/ export")
+    resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
+                                  "resume_path")
+    resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
+    min_pair_accuracy: float = _k(0.0, "the pipeline stops before PPO when held-out pair accuracy is below this")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = _k(False, "use a learned reward model (not supported: rule rewards only)")
     reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
+    train: RewardTrainConfig = _section(RewardTrainConfig, "training a reward model on preference pairs "
+                                                           "(rlhf-train-rm)")
 
 
 @dataclass
@@ -661,6 +704,7 @@ def validate_config(cfg: PPOConfig) -> None:
                       "or custom_reward_function.path")
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    _check_reward_training(errors, cfg)
     if trainer.profile_steps is not None and not all(isinstance(s, int) and s >= 1 for s in trainer.profile_steps):
         errors.append(f"trainer.profile_steps={trainer.profile_steps} must be a list of step numbers >= 1, "
                       "e.g. [2,3]")
@@ -684,6 +728,37 @@ def validate_config(cfg: PPOConfig) -> None:
                       "(or null to switch the exporter off)")
     if errors:
         raise ConfigError(errors)
+
+
+def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
+    rm, key = cfg.reward_model.train, "reward_model.train"
+    for name in ("train_batch_size", "micro_batch_size_per_gpu", "max_length", "total_epochs",
+                 "total_training_steps", "grad_clip", "optim.lr"):
+        value = rm
+        for part in name.split("."):
+            value = getattr(value, part)
+        _positive(errors, f"{key}.{name}", value)
+    world = cfg.world_size
+    if rm.train_batch_size > 0 and rm.micro_batch_size_per_gpu > 0 and \
+            rm.train_batch_size % (rm.micro_batch_size_per_gpu * world):
+        errors.append(f"{key}.train_batch_size ({rm.train_batch_size}) must be divisible by "
+                      f"{key}.micro_batch_size_per_gpu * world size ({rm.micro_batch_size_per_gpu} * {world}) so "
+                      "each worker gets whole micro-batches")
+    if rm.margin < 0:
+        errors.append(f"{key}.margin={rm.margin} must be >= 0")
+    if not 0 <= rm.min_pair_accuracy <= 1:
+        errors.append(f"{key}.min_pair_accuracy={rm.min_pair_accuracy} must be in [0, 1]")
+    if rm.model.lora_rank < 0:
+        errors.append(f"{key}.model.lora_rank={rm.model.lora_rank} must be >= 0 (0 trains all weights)")
+    if len(rm.optim.betas) != 2 or not all(0 <= b < 1 for b in rm.optim.betas):
+        errors.append(f"{key}.optim.betas={rm.optim.betas} must be two numbers in [0, 1)")
+    if not 0 <= rm.optim.lr_warmup_steps_ratio <= 1:
+        errors.append(f"{key}.optim.lr_warmup_steps_ratio={rm.optim.lr_warmup_steps_ratio} must be in [0, 1]")
+    _one_of(errors, f"{key}.optim.lr_scheduler_type", rm.optim.lr_scheduler_type, LR_SCHEDULERS)
+    _one_of(errors, f"{key}.model.dtype", rm.model.dtype, DTYPES)
+    _one_of(errors, f"{key}.resume_mode", rm.resume_mode, RESUME_MODES)
+    if rm.resume_mode == "resume_path" and not rm.resume_from_path:
+        errors.append(f"{key}.resume_mode=resume_path needs {key}.resume_from_path (a global_step_N directory)")
 
 
 # ----------------------------------------------------------------------------- the commented YAML

@@ -29,12 +29,15 @@ def train_ppo(
     smoke_report: dict,
     init_from: Path | None = None,
     skip_reason: str = "",
+    reward_model: Path | None = None,
 ) -> tuple[
     Annotated[Path, ArtifactConfig(name="ppo_checkpoint", artifact_type=ArtifactType.MODEL)],
     Annotated[dict, "training_summary"],
     Annotated[Image.Image, "training_curves"],
 ]:
-    """Train; ``init_from`` (a checkpoint artifact) warm-starts the actor from its HF export."""
+    """Train; ``init_from`` (a checkpoint artifact) warm-starts the actor from its HF export; ``reward_model``
+    (the artifact of train_reward_model) scores the rollouts: ``reward_model.enable=true
+    reward_model.model.path=<artifact>``."""
     if skip_reason:
         if init_from is None:
             raise ValueError(f"training skipped ({skip_reason}) but there is no checkpoint to carry forward")
@@ -46,6 +49,10 @@ def train_ppo(
         model.tokenizer_path = model.tokenizer_path or model.path
         model.path = str(resolve_policy_dir(init_from))
         logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
+    if reward_model is not None:
+        cfg.reward_model.enable = True
+        cfg.reward_model.model.path = str(reward_model)
+        logger.info("rollouts are scored by the reward model %s", reward_model)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir) / get_step_context().pipeline_run.name)
     result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
