@@ -38,12 +38,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf_core.data.schema import INSTRUCTION, write_parquet_atomic
-
-try:  # the schema module defines it beside the prompt columns
-    from rlhf_core.data.schema import PREFERENCE_COLUMNS
-except ImportError:  # pragma: no cover - older schema module
-    PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
+from rlhf_core.data.schema import INSTRUCTION, PREFERENCE_COLUMNS, write_parquet_atomic
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
