@@ -175,12 +175,16 @@ def cached_tokenizer(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike 
     vocabulary takes seconds, loading the saved folder a fraction of that."""
     from transformers import AutoTokenizer
 
-    file = check_gguf(gguf_file)
+    file = Path(gguf_file).expanduser()
     cache = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "rlhf_ppo" / "gguf-tokenizers"
+    if file.is_file():  # a cached conversion of this very file (path, size, mtime) needs no parsing
+        stamp = source_stamp(file)
+        final = cache / f"{file.stem}-{stamp['size']}"
+        if (read_marker(final) or {}).get("source") == stamp:
+            return final
+    file = check_gguf(file)
     stamp = source_stamp(file)
     final = cache / f"{file.stem}-{stamp['size']}"
-    if (read_marker(final) or {}).get("source") == stamp:
-        return final
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
     try:
