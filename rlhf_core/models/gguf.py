@@ -148,10 +148,10 @@ def _usual_modes(folder: Path) -> None:
 
 def import_gguf(gguf_file: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> tuple[Path, bool]:
     """Import ``gguf_file`` into the HF directory ``output``; returns (output, reused)."""
-    file = check_gguf(gguf_file)
-    out = Path(output).expanduser()
-    if not force and is_imported(out, file):
+    file, out = Path(gguf_file).expanduser(), Path(output).expanduser()
+    if not force and file.is_file() and is_imported(out, file):  # before parsing: that takes seconds
         return out, True
+    file = check_gguf(file)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
