@@ -79,6 +79,8 @@ def base_accuracy(model_dir: Path, test_file: Path, max_new_tokens: int, batch_s
             example = example or {"question": dataset.rows[index]["messages"][-1]["content"], "response": text,
                                   "ground_truth": truth}
         tokens += int(mask.sum())
+        print(f"  base model: {len(strict)}/{len(dataset)} problems answered, {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
     wall = time.perf_counter() - start
     n = len(strict)
     return {"n": n, "strict_acc": sum(strict) / n, "flexible_acc": sum(flexible) / n,
@@ -144,12 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=str(REPO / "outputs" / "smollm2-135m-instruct"))
     parser.add_argument("--gsm8k", default=os.environ.get("GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k")))
     parser.add_argument("--eval", type=int, default=128, help="test problems for the base accuracy")
-    parser.add_argument("--eval-tokens", type=int, default=256, help="greedy response budget")
+    parser.add_argument("--eval-tokens", type=int, default=128, help="greedy response budget")
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2, help="PPO iterations")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per PPO iteration")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per PPO iteration")
     parser.add_argument("--n", type=int, default=2, help="responses per prompt")
-    parser.add_argument("--response-length", type=int, default=128)
+    parser.add_argument("--response-length", type=int, default=64)
     parser.add_argument("--output", default=str(REPO / "bench" / "results" / "real_model.json"))
     args = parser.parse_args(argv)
     model_dir = Path(args.model)
