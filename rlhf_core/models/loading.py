@@ -196,7 +196,12 @@ def tokenizer_problems(actor_tokenizer: tuple[str, str | os.PathLike], tokenizer
     vocab = tokenizer.get_vocab()
     for other_key, other_path in tokenizers:
         folder = resolve(other_path)
-        if folder == resolve(path) or not _has_tokenizer_files(folder):
+        if folder == resolve(path):
+            continue
+        if not _has_tokenizer_files(folder):  # a model directory may leave its tokenizer to the actor's
+            if not other_key.endswith("model.path"):
+                problems.append(f"{other_key}: {folder} holds no tokenizer files (tokenizer.json, "
+                                "tokenizer_config.json or tokenizer.model)")
             continue
         other = load_tokenizer(folder, trust_remote_code).get_vocab()
         if other != vocab:
