@@ -89,18 +89,16 @@ def base_accuracy(model_dir: Path, test_file: Path, max_new_tokens: int, batch_s
             "example": example}
 
 
-def ppo_steps(model_dir: Path, train_file: Path, val_file: Path, out: Path, args) -> dict:
-    from transformers import AutoModelForCausalLM
-
+def ppo_config(model_dir: Path, train_file: Path, val_file: Path, out: Path, args):
     from rlhf_core.config import load_config
-    from rlhf_core.main_ppo import build_trainer, preflight
 
-    cfg = load_config([
+    micro = min(8, args.prompts * args.n)
+    return load_config([
         f"actor_rollout_ref.model.path={model_dir}", f"data.train_files={train_file}", f"data.val_files={val_file}",
         f"data.train_batch_size={args.prompts}", "data.max_prompt_length=320",
         f"data.max_response_length={args.response_length}", f"actor_rollout_ref.rollout.n={args.n}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}", f"critic.ppo_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
@@ -109,6 +107,13 @@ def ppo_steps(model_dir: Path, train_file: Path, val_file: Path, out: Path, args
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.logger=[console]",
         f"trainer.total_training_steps={args.steps}", f"trainer.default_local_dir={out}",
     ])
+
+
+def ppo_steps(cfg, model_dir: Path, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.main_ppo import build_trainer, preflight
+
     preflight(cfg)
     start = time.perf_counter()
     trainer = build_trainer(cfg)
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(REPO / "outputs" / "smollm2-135m-instruct"))
     parser.add_argument("--gsm8k", default=os.environ.get("GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k")))
-    parser.add_argument("--eval", type=int, default=128, help="test problems for the base accuracy")
+    parser.add_argument("--eval", type=int, default=128, help="test problems for the base accuracy (0: skip it)")
     parser.add_argument("--eval-tokens", type=int, default=128, help="greedy response budget")
     parser.add_argument("--eval-batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2, help="PPO iterations")
@@ -169,22 +174,25 @@ def main(argv: list[str] | None = None) -> int:
                     "load_average_before": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rlhf-real-") as work:
-        train, test = prepare_data(gsm8k, Path(work), args.eval, args.prompts * args.steps)
-        result["base"] = base_accuracy(model_dir, test, args.eval_tokens, args.eval_batch)
-        print(f"base greedy accuracy on {result['base']['n']} GSM8K test problems: strict "
-              f"{result['base']['strict_acc']:.3f}, flexible {result['base']['flexible_acc']:.3f} "
-              f"({result['base']['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-        result["ppo"] = ppo_steps(model_dir, train, test, Path(work) / "ckpt", args)
+        train, test = prepare_data(gsm8k, Path(work), max(args.eval, 1), args.prompts * args.steps)
+        cfg = ppo_config(model_dir, train, test, Path(work) / "ckpt", args)  # a bad setting fails before any work
+        if args.eval:
+            result["base"] = base_accuracy(model_dir, test, args.eval_tokens, args.eval_batch)
+            print(f"base greedy accuracy on {result['base']['n']} GSM8K test problems: strict "
+                  f"{result['base']['strict_acc']:.3f}, flexible {result['base']['flexible_acc']:.3f} "
+                  f"({result['base']['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+        result["ppo"] = ppo_steps(cfg, model_dir, args)
     result["wall_s"] = time.perf_counter() - start
     result["peak_rss_gb"] = peak_rss_gb()
     result["load_average_after"] = os.getloadavg()
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
 
-    base, ppo = result["base"], result["ppo"]
-    print(f"base: strict {base['strict_acc']:.3f}, flexible {base['flexible_acc']:.3f} on {base['n']} problems; "
-          f"mean response {base['mean_response_tokens']:.0f} tokens, {base['ended_with_eos']:.0%} ended with EOS; "
-          f"{base['generated_tokens_per_s']:.0f} generated tokens/s")
+    base, ppo = result.get("base"), result["ppo"]
+    if base:
+        print(f"base: strict {base['strict_acc']:.3f}, flexible {base['flexible_acc']:.3f} on {base['n']} problems; "
+              f"mean response {base['mean_response_tokens']:.0f} tokens, {base['ended_with_eos']:.0%} ended with EOS; "
+              f"{base['generated_tokens_per_s']:.0f} generated tokens/s")
     for i, step in enumerate(ppo["steps"], 1):
         phases = ", ".join(f"{p} {step.get(f'timing_s/{p}', 0):.1f}" for p in PHASES)
         print(f"ppo step {i}: {step['timing_s/step']:.1f} s ({phases}); {step['perf/throughput']:.1f} tokens/s")
