@@ -44,6 +44,9 @@ from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
 from rlhf_core.workers.group import WorkerError
 
+#: Per-sequence extras of a reward model (rlhf_core.rewards.reward_model): its raw score and the rule's.
+REWARD_MODEL_KEYS = ("rm_score", "gold_reward")
+
 
 @contextmanager
 def timed(name: str, timings: dict[str, float]):
@@ -149,6 +152,13 @@ class PPOTrainer:
                     config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
                     arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
                     device=device)
+        if config.reward_model.enable:  # a learned reward model, on the worker group where there is one
+            from rlhf_core.rewards.reward_model import RewardModelManager, RewardModelWorker
+            from rlhf_core.workers.group import RewardModelGroup
+
+            scorer = RewardModelGroup(self.worker_group) if self.worker_group is not None \
+                else RewardModelWorker(config.reward_model, device=device)
+            self.reward_manager = RewardModelManager(reward_manager, scorer, config.reward_model)
         kl = algo.kl_ctrl
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.global_step = 0
@@ -171,8 +181,7 @@ class PPOTrainer:
                               temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
 
     def _score(self, batch: Batch) -> dict:
-        scores, extras = self.reward_manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
-                                             batch.meta["ground_truth"], batch.meta["extra_info"])
+        scores, extras = self.reward_manager.score_batch(batch)
         batch["token_level_scores"] = scores
         return extras
 
@@ -233,6 +242,9 @@ class PPOTrainer:
                     metrics.update(self.actor.update_policy(batch, n))
         metrics.update(data_metrics(batch, cfg.data.max_response_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
+        for key in REWARD_MODEL_KEYS:  # with a reward model: its score and the rule's (gold) apart
+            if key in extras:
+                metrics[f"critic/{key}/mean"] = float(extras[key].mean())
         metrics.update(timings)
         metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timings["timing_s/gen"], 1e-9)
         tokens = int(batch["attention_mask"].sum())
@@ -252,6 +264,7 @@ class PPOTrainer:
         params = self._val_params()
         acc: dict[str, list[float]] = {}
         score: dict[str, list[float]] = {}
+        apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         for start in range(0, len(self.val_dataset), size):
             rows = list(range(start, min(start + size, len(self.val_dataset))))
             batch = self.actor.generate(self.val_dataset.collate(rows), params)
@@ -259,11 +272,17 @@ class PPOTrainer:
             for source, a, s in zip(batch.meta["data_source"], extras["acc"], extras["score"]):
                 acc.setdefault(source, []).append(float(a))
                 score.setdefault(source, []).append(float(s))
+            for key in REWARD_MODEL_KEYS:
+                for source, value in zip(batch.meta["data_source"], extras.get(key, [])):
+                    apart.setdefault((key, source), []).append(float(value))
         n = params.n
         metrics = {}
         for source in acc:
             metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(acc[source]))
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(score[source]))
+        for (key, source), values in apart.items():  # the proxy (reward) and the gold side by side
+            section = "val-core" if key == "gold_reward" else "val-aux"
+            metrics[f"{section}/{source}/{key}/mean@{n}"] = float(np.mean(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
