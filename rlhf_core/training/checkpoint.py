@@ -363,6 +363,7 @@ def _trainer_state(trainer) -> dict:
         "kl_loss_coef": trainer.config.actor_rollout_ref.actor.kl_loss_coef,
         "skipped_steps": {name: int(w.skipped_steps) for name, w in _workers(trainer).items()},
         "guard": guard.state_dict() if guard is not None else None,
+        "overopt": trainer.overopt.state_dict() if getattr(trainer, "overopt", None) is not None else None,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -458,6 +459,8 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
         guard.on_checkpoint(step)
     cfg = trainer.config.trainer
     protected = guard.protected_steps() if guard is not None else set()
+    if getattr(trainer, "overopt", None) is not None:
+        protected |= trainer.overopt.protected_steps()
     prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, protected)
     return final
 
@@ -629,6 +632,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
         if state.get("guard"):
             guard.load_state_dict(state["guard"])
         guard.on_checkpoint(trainer.global_step)
+    if getattr(trainer, "overopt", None) is not None and state.get("overopt"):
+        trainer.overopt.load_state_dict(state["overopt"])
     _set_rng_state(_load(path / RNG_STATE, "cpu"))
     if not getattr(trainer.actor, "sharded", False):  # sharded workers sync as they load
         trainer.actor.rollout.sync_weights()

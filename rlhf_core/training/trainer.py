@@ -38,7 +38,15 @@ from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.training import checkpoint
-from rlhf_core.training.guards import Guard, GuardError, GuardEvent, TrainingInterrupted, tighten_kl_control
+from rlhf_core.training.guards import (
+    Guard,
+    GuardError,
+    GuardEvent,
+    OverOptimisationGuard,
+    TrainingInterrupted,
+    proxy_and_gold,
+    tighten_kl_control,
+)
 from rlhf_core.workers.actor import ActorWorker
 from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
@@ -166,6 +174,7 @@ class PPOTrainer:
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
+        self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
         self.last_saved_step: int | None = None
         self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
 
@@ -321,8 +330,9 @@ class PPOTrainer:
             else:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
-        adjusted = tighten_kl_control(self) if event.kind == "kl_explosion" else ""
-        print(f"WARNING guard: rollback {self.guard.rollbacks}/{self.config.trainer.guard.max_rollbacks} at step "
+        adjusted = tighten_kl_control(self) if event.kind in ("kl_explosion", "over_optimisation") else ""
+        count = self.overopt.rollbacks if event.kind == "over_optimisation" else self.guard.rollbacks
+        print(f"WARNING guard: rollback {count}/{self.config.trainer.guard.max_rollbacks} at step "
               f"{self.global_step}: {event.message}; "
               + (f"restored {restored}" if restored else "no earlier checkpoint to restore")
               + (f"; {adjusted}" if adjusted else ""), file=sys.stderr, flush=True)
@@ -367,8 +377,9 @@ class PPOTrainer:
             except WorkerError as exc:
                 raise self._worker_failure(exc, "validating before", 1) from exc
             new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
+            new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
             self._log(val_metrics, 0)
-            if new_best:  # the val-drop guard's first rollback target
+            if new_best:  # the val-drop (and over-optimisation) guard's first rollback target
                 self.save_checkpoint()
         while self.global_step < self.total_steps:
             self._stop_if_requested()
@@ -393,9 +404,12 @@ class PPOTrainer:
                 if event is None:
                     new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
                     save = save or new_best
+                if event is None:
+                    new_best, event = self.overopt.observe(step, *proxy_and_gold(metrics))
+                    save = save or new_best
             metrics["training/global_step"] = step
             metrics["training/epoch"] = epoch
-            metrics["training/rollbacks"] = self.guard.rollbacks
+            metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
             self.history.append(StepResult(step, metrics))
             self._log(metrics, step)
             if event is not None:
