@@ -10,7 +10,8 @@ other ranks may be blocked in a collective that will never complete.
 
 The PPO part follows verl's hybrid engine: every worker (:class:`HybridWorker`) holds the actor
 with its rollout engine and reference and, for GAE, the critic, all sharded with FSDP2 over the
-group. :class:`ActorGroup` and :class:`CriticGroup` are what the trainer sees: the methods of
+group (and, with ``reward_model.enable``, the reward model, scored through :class:`RewardModelGroup`).
+:class:`ActorGroup` and :class:`CriticGroup` are what the trainer sees: the methods of
 :class:`~rlhf_core.workers.actor.ActorWorker` and :class:`~rlhf_core.workers.critic.CriticWorker`,
 with the batch split by rank and the results gathered back in order.
 
