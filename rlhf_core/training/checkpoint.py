@@ -81,6 +81,8 @@ RESUME_SAFE_KEYS = (
     "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.max_num_batched_tokens", "reward_model.micro_batch_size_per_gpu",
+    # follows actor_rollout_ref.model.path by default, a change of which is refused by itself
+    "reward_model.model.input_tokenizer",
 )
 
 

@@ -190,7 +190,12 @@ class PPOTrainer:
                               temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
 
     def _score(self, batch: Batch) -> dict:
-        scores, extras = self.reward_manager.score_batch(batch)
+        if hasattr(self.reward_manager, "score_batch"):  # a manager (a reward model reads whole sequences)
+            scores, extras = self.reward_manager.score_batch(batch)
+        else:  # a plain function of the responses, as RewardManager.__call__
+            scores, extras = self.reward_manager(batch["responses"], batch["response_mask"],
+                                                 batch.meta["data_source"], batch.meta["ground_truth"],
+                                                 batch.meta["extra_info"])
         batch["token_level_scores"] = scores
         return extras
 
