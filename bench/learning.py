@@ -61,11 +61,12 @@ def preference_pairs(n: int, seed: int, exclude: set[str]) -> list[dict]:
 
 
 def train_pair_reward_model(base: Path, out: Path, train_pairs: list[dict], val_pairs: list[dict], steps: int,
-                            batch_pairs: int = 16, lr: float = 3e-4, seed: int = 0) -> dict:
+                            batch_pairs: int = 16, lr: float = 3e-4, seed: int = 0, max_seconds: float = 1e9) -> dict:
     """A quick Bradley-Terry reward model: the demo model with a scalar head, trained on
     ``-log sigmoid(r_chosen - r_rejected)`` (AdamW, constant lr, grad clip 1). Sequences are laid out as
     PPO feeds them (chat prompt with the generation prompt, response, EOS); the score is read at the
-    last token. Saved as an HF sequence-classification directory; returns held-out pair accuracies."""
+    last token. Stops after ``steps`` steps or ``max_seconds`` of training, whichever comes first. Saved
+    as an HF sequence-classification directory; returns held-out pair accuracies."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     from rlhf_core.data.dataset import left_pad
@@ -101,6 +102,8 @@ def train_pair_reward_model(base: Path, out: Path, train_pairs: list[dict], val_
     generator = torch.Generator().manual_seed(seed)
     started, losses = time.perf_counter(), []
     for step in range(steps):
+        if time.perf_counter() - started > max_seconds:
+            break
         model.train()
         rows = torch.randint(len(train_pairs), (batch_pairs,), generator=generator).tolist()
         inputs, n = encode([train_pairs[r] for r in rows])
@@ -117,7 +120,7 @@ def train_pair_reward_model(base: Path, out: Path, train_pairs: list[dict], val_
     after = pair_accuracy(val_pairs)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    return {"path": str(out), "pair_acc_before": before, "pair_acc": after, "rm_steps": steps,
+    return {"path": str(out), "pair_acc_before": before, "pair_acc": after, "rm_steps": len(losses),
             "rm_train_seconds": seconds, "rm_train_pairs": len(train_pairs), "rm_val_pairs": len(val_pairs),
             "rm_final_loss": sum(losses[-25:]) / max(1, len(losses[-25:]))}
 
@@ -233,6 +236,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
     parser.add_argument("--rm-steps", type=int, default=300, help="Bradley-Terry steps of the rm run's reward model")
+    parser.add_argument("--rm-minutes", type=float, default=5.0, help="training-time cap of that reward model")
+    parser.add_argument("--rm-lr", type=float, default=3e-4, help="its learning rate")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -247,7 +252,7 @@ def main() -> None:
             exclude |= set(pd.read_parquet(train)["extra_info"].map(lambda e: e["question"]))
             pairs = preference_pairs(2500, seed=args.seed + 101, exclude=exclude)
             rm = train_pair_reward_model(model, out / "reward_model", pairs[:2000], pairs[2000:], args.rm_steps,
-                                         seed=args.seed)
+                                         lr=args.rm_lr, seed=args.seed, max_seconds=60 * args.rm_minutes)
             print(f"reward model: held-out pair accuracy {rm['pair_acc_before']:.3f} -> {rm['pair_acc']:.3f} in "
                   f"{rm['rm_train_seconds']:.0f} s", flush=True)
             extra = [f"reward_model.model.path={rm['path']}"]
