@@ -1,11 +1,15 @@
-"""The typed config tree, with verl's key names and defaults.
+"""The typed config tree, with verl's key names and defaults, built on OmegaConf structured configs.
 
-Loading order: the dataclass defaults (mirrored, one comment per key, by
-``configs/ppo_trainer.yaml``), then an optional YAML file of overrides, then
-command-line overrides ``a.b.c=value``. Values are parsed as YAML scalars (ints,
-floats, bools, null, lists ``[a,b]``) and typed against the dataclass fields.
+The dataclasses below are the schema (each key's default and one-line help, mirrored by
+``configs/ppo_trainer.yaml``). Loading order: the defaults, then an optional YAML file of overrides, then
+command-line overrides in Hydra's grammar, as verl users type them:
 
-Every problem is collected and raised together as a :class:`ConfigError` before
+    key=value   +key=value   ~key (back to the default)   trainer.logger=[console,wandb]
+    data.train_files='["a.parquet","b.parquet"]'   trainer.default_local_dir=out/${trainer.experiment_name}
+
+OmegaConf types each value against the schema and resolves ``${...}`` interpolations. What it does not do
+is done here: the aliases (with a notice), "did you mean" for unknown keys, and the consistency checks of
+:func:`validate_config`. Every problem is collected and raised together as a :class:`ConfigError` before
 any model or data is touched; each message names the key, the value and the fix.
 
     python -m rlhf_core.config [--config FILE] [key=value ...]
@@ -17,31 +21,33 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
+import functools
 import sys
-import types
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
-# ----------------------------------------------------------------------------- names
+# ----------------------------------------------------------------------------- names without a registry
+# (estimators, KL types, aggregation modes, KL controllers, rollout engines and loggers are the keys of their
+# registries in algos, rollout and tracking: validate_config reads them there)
 
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-ROLLOUT_NAMES = ("hf", "vllm")
 STRATEGIES = ("fsdp", "fsdp2")
-LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 TRUNCATIONS = ("error", "left", "right")
 LR_SCHEDULERS = ("constant", "cosine")
-KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+#: a string or a list of strings: OmegaConf has no union of the two, so validate_config checks it
+StrOrList = Any
 
 
 def _k(default: Any, help: str) -> Any:  # noqa: A002 - 'help' reads best in the tree below
@@ -61,8 +67,8 @@ def _section(cls: type, help: str) -> Any:  # noqa: A002
 @dataclass
 class DataConfig:
     tokenizer: str | None = _k(None, "tokenizer path for the dataset; null = the actor's tokenizer")
-    train_files: str | list[str] = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
-    val_files: str | list[str] = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
+    train_files: StrOrList = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
+    val_files: StrOrList = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
     prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")
     reward_fn_key: str = _k("data_source", "column that selects the reward function")
     max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
@@ -85,7 +91,7 @@ class ModelConfig:
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
 
@@ -188,7 +194,7 @@ class CriticModelConfig:
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
 
 
@@ -333,6 +339,11 @@ class PPOConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
+    @classmethod
+    def from_dict(cls, tree: Mapping[str, Any]) -> PPOConfig:
+        """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps."""
+        return _build(OmegaConf.create(dict(tree)), (), notice=_stderr, validate=True)
+
 
 # ----------------------------------------------------------------------------- aliases
 
@@ -356,194 +367,129 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {e}" for e in self.errors))
 
 
-# ----------------------------------------------------------------------------- key walking
+# ----------------------------------------------------------------------------- loading
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _leaves(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every ``(dotted key, value)`` below ``node``: mappings are walked (an alias is a key), lists are values."""
+    for key, value in node.items_ex(resolve=False):
+        dotted = f"{prefix}{key}"
+        if isinstance(value, DictConfig) and dotted not in ALIASES:
+            yield from _leaves(value, dotted + ".")
+        else:
+            yield dotted, OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
 
 
-def _section_type(cls: type, name: str) -> type | None:
-    hint = _hints(cls)[name]
-    return hint if dataclasses.is_dataclass(hint) else None
+@functools.cache
+def _known_keys() -> tuple[str, ...]:
+    return tuple(key for key, _ in _leaves(OmegaConf.structured(PPOConfig)))
 
 
-def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
-    """Every leaf key of the tree, dotted."""
-    keys = []
-    for name in _fields(cls):
-        sub = _section_type(cls, name)
-        dotted = f"{prefix}{name}"
-        keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
-    return keys
+@functools.cache
+def _known_keys_and_sections() -> frozenset[str]:
+    return frozenset(key.rsplit(".", i)[0] for key in _known_keys() for i in range(key.count(".") + 1))
 
 
 def _suggest(key: str) -> str:
-    known = all_keys()
+    known = _known_keys()
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        by_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
-        close = by_leaf[:1] or difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)
-        if close and close[0] not in known:
-            close = [k for k in known if k.endswith("." + close[0])][:1]
+    if not close:  # the right leaf name in the wrong section, or a misspelt leaf
+        leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(known)}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)
+        close = [leaves[leaf[0]]] if leaf else []
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted not in ALIASES and not _is_dict_leaf(dotted):
-            yield from _flatten(value, dotted + ".")
-        else:
-            yield dotted, value
+def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, Any]:
+    """The assignments that setting ``key`` makes: itself, or the key an alias stands for (with a notice)."""
+    if key not in ALIASES:
+        return {key: value}
+    canonical, extra = ALIASES[key]
+    notice(f"notice: {key} is an alias; use {canonical}")
+    return {canonical: value, **extra}
 
 
-def _is_dict_leaf(dotted: str) -> bool:
-    return False  # no leaf of the tree holds a mapping today
-
-
-# ----------------------------------------------------------------------------- typing of values
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Type ``value`` as ``hint``; raises ValueError with a user-facing reason."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        # try list types first for lists, scalar types first for scalars
-        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is not list)
-        if not isinstance(value, list):
-            ordered.reverse()
-        for arg in ordered:
-            try:
-                return _coerce(value, arg, key)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[-1])
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(value, tuple):
-            value = list(value)
-        if not isinstance(value, list):
-            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
-        return [_coerce(v, item, key) for v in value]
-    if value is None:
-        raise ValueError(f"{key} must not be null")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key}={value!r} must be true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ValueError(f"{key}={value!r} must be an integer")
-    if hint is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads "1e-6" as a string
-            except ValueError:
-                pass
-        raise ValueError(f"{key}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ValueError(f"{key}={value!r} must be a string")
-    raise TypeError(f"unsupported config type {hint} for {key}")
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``a.b=1`` -> ("a.b", 1); values are YAML scalars or flow lists. A leading '+' is ignored."""
-    if "=" not in text:
-        raise ConfigError([f"override {text!r} is not of the form key=value"])
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("+")
+def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: bool = True) -> None:
+    """Set one key (or a section) of the schema, typed by OmegaConf; a problem is added to ``errors``."""
+    if key not in _known_keys_and_sections():
+        errors.append(f"unknown config key {key}{_suggest(key)}")
+        return
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key, value
+        OmegaConf.update(cfg, key, value, merge=merge)
+    except ValidationError as exc:
+        hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
+        errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
 
 
-# ----------------------------------------------------------------------------- loading
+def _default(key: str) -> Any:
+    """The schema's default of ``key``: a value, or a whole section (None for a key it does not have)."""
+    return functools.reduce(lambda node, name: getattr(node, name, None), key.split("."), PPOConfig())
 
 
-def _set(cfg: Any, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = cfg
-    for part in parts[:-1]:
-        node = getattr(node, part)
-    hint = _hints(type(node))[parts[-1]]
-    setattr(node, parts[-1], _coerce(value, hint, key))
+@functools.cache
+def _parser() -> OverridesParser:
+    return OverridesParser.create()
 
 
-def _is_leaf(key: str) -> bool:
-    node: Any = PPOConfig
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node) or part not in _fields(node):
-            return False
-        node = _section_type(node, part) or "leaf"
-    return node == "leaf"
+def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str]) -> None:
+    """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``."""
+    try:
+        override = _parser().parse_override(text)
+    except HydraException as exc:
+        errors.append(f"override {text!r} is not key=value ({str(exc).splitlines()[0]}); quote a value that "
+                      "holds special characters, e.g. data.train_files='~/data/train.parquet'")
+        return
+    key = override.key_or_group
+    if override.package is not None or override.is_sweep_override():
+        errors.append(f"override {text!r}: sweeps and @package are not supported here; write a list as "
+                      f"{key}=[a,b]")
+    elif override.is_delete():  # ~key: back to the default
+        if override.value_type is not None:
+            errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
+            return
+        for target in _targets(key, None, notice):
+            _assign(cfg, target, _default(target), errors, merge=False)
+    else:  # key=value, +key=value and ++key=value all set a key of the schema
+        for target, value in _targets(key, override.value(), notice).items():
+            _assign(cfg, target, value, errors)
 
 
-def apply_overrides(
-    cfg: PPOConfig, items: Iterable[tuple[str, Any]], notice: Callable[[str], None], errors: list[str]
-) -> None:
-    for key, value in items:
-        if key in ALIASES:
-            canonical, extra = ALIASES[key]
-            notice(f"notice: {key} is an alias; use {canonical}")
-            key_values = [(canonical, value), *extra.items()]
-        else:
-            key_values = [(key, value)]
-        for k, v in key_values:
-            if not _is_leaf(k):
-                errors.append(f"unknown config key {k}{_suggest(k)}")
-                continue
-            try:
-                _set(cfg, k, v)
-            except ValueError as exc:
-                errors.append(str(exc))
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"])
+    try:
+        tree = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
+    if not isinstance(tree, DictConfig):
+        raise ConfigError([f"config file {path} must hold a mapping of config keys"])
+    return tree
 
 
-_INTERP = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
-
-
-def _get(cfg: Any, key: str) -> Any:
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def _resolve_interpolations(cfg: PPOConfig, errors: list[str]) -> None:
-    for key in all_keys():
-        value = _get(cfg, key)
-        if isinstance(value, str) and "${" in value:
-
-            def repl(match: re.Match, key: str = key) -> str:
-                ref = match.group(1)
-                if not _is_leaf(ref):
-                    errors.append(f"{key}: ${{{ref}}} does not name a config key")
-                    return match.group(0)
-                return str(_get(cfg, ref))
-
-            _set(cfg, key, _INTERP.sub(repl, value))
+def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[str], None],
+           validate: bool) -> PPOConfig:
+    """Defaults, then the keys of ``tree``, then ``overrides``; resolved, typed and (optionally) validated."""
+    cfg = OmegaConf.structured(PPOConfig)
+    errors: list[str] = []
+    for key, value in _leaves(tree) if tree is not None else ():
+        for target, target_value in _targets(key, value, notice).items():
+            _assign(cfg, target, target_value, errors)
+    for text in overrides:
+        _apply_override(cfg, text, notice, errors)
+    if not errors:
+        try:
+            resolved = OmegaConf.to_object(cfg)  # resolves ${...}
+        except InterpolationResolutionError as exc:
+            errors.append(f"{exc.full_key}: {exc.msg.splitlines()[0]}")
+    if errors:
+        raise ConfigError(errors)
+    if validate:
+        validate_config(resolved)
+    return resolved
 
 
 def _stderr(message: str) -> None:
@@ -557,32 +503,8 @@ def load_config(
     validate: bool = True,
 ) -> PPOConfig:
     """Build the config: defaults, then ``config_file`` (a YAML tree of overrides), then ``overrides``."""
-    cfg = PPOConfig()
-    errors: list[str] = []
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError([f"config file {path} does not exist"])
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
-        if not isinstance(tree, dict):
-            raise ConfigError([f"config file {path} must hold a mapping of config keys"])
-        apply_overrides(cfg, _flatten(tree), notice, errors)
-    parsed = []
-    for text in overrides:
-        try:
-            parsed.append(parse_override(text))
-        except ConfigError as exc:
-            errors.extend(exc.errors)
-    apply_overrides(cfg, parsed, notice, errors)
-    _resolve_interpolations(cfg, errors)
-    if errors:
-        raise ConfigError(errors)
-    if validate:
-        validate_config(cfg)
-    return cfg
+    tree = _read_yaml(Path(config_file)) if config_file is not None else None
+    return _build(tree, overrides, notice, validate)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -639,6 +561,11 @@ def _divisor_near(total: int, wanted: int) -> int:
 
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
+    # the registries name the valid values; imported here so that importing the config does not import torch
+    from rlhf_core import algos
+    from rlhf_core.rollout import ROLLOUT_NAMES
+    from rlhf_core.training.tracking import VALID_LOGGERS
+
     errors: list[str] = []
     data, arr, algo, trainer = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
@@ -711,12 +638,12 @@ def validate_config(cfg: PPOConfig) -> None:
             errors.append(f"{name}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1]")
         _one_of(errors, f"{name}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULERS)
 
-    _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
-    _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
-    _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
-    _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, KL_CTRL_TYPES)
-    _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, algos.KL_TYPES)
+    _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, algos.KL_TYPES)
+    _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, algos.ADV_ESTIMATORS)
+    _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, algos.KL_CTRL_TYPES)
+    _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, algos.LOSS_AGG_MODES)
+    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, algos.LOSS_AGG_MODES)
     _one_of(errors, "actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
     _one_of(errors, "actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
     _one_of(errors, "critic.strategy", critic.strategy, STRATEGIES)
@@ -737,11 +664,16 @@ def validate_config(cfg: PPOConfig) -> None:
         if tp < 1 or cfg.world_size % tp:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the world size "
                           f"({cfg.world_size} = trainer.n_gpus_per_node * trainer.nnodes)")
+    for key, value in [("data.train_files", data.train_files), ("data.val_files", data.val_files),
+                       ("actor_rollout_ref.model.target_modules", arr.model.target_modules),
+                       ("critic.model.target_modules", critic.model.target_modules)]:
+        if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)
     for name in trainer.logger:
-        _one_of(errors, "trainer.logger", name, LOGGERS)
+        _one_of(errors, "trainer.logger", name, VALID_LOGGERS)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
     rm = cfg.reward_model
@@ -798,7 +730,7 @@ def defaults_yaml() -> str:
     """The default tree as YAML with each key's one-line comment (the source of configs/ppo_trainer.yaml)."""
     header = (
         "# PPO trainer defaults: verl's key tree, one comment per key.\n"
-        "# Generated from rlhf_core/config.py by `python -m rlhf_core.config --defaults`; a test keeps them equal.\n"
+        "# Generated from rlhf_core/config.py by `python -m rlhf_core.config --defaults`; a test checks each key against it.\n"
         "# Override any key with --config FILE or key=value on the command line.\n"
     )
     return header + _sub_yaml(PPOConfig(), 0) + "\n"
@@ -825,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
+                        "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
     args = parser.parse_args(argv)
     if args.defaults:
         sys.stdout.write(defaults_yaml())

@@ -173,7 +173,8 @@ def _expected_proxy_and_gold(truths: list[str], validation: int) -> tuple[float,
 
 def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold(space, tmp_path):
     root, model = space
-    trainer, tokenizer, logged = _trainer(root, model, tmp_path / "out")
+    kl_loss = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001")
+    trainer, tokenizer, logged = _trainer(root, model, tmp_path / "out", *kl_loss)
     try:
         trainer.fit()
         source = "synthetic/arithmetic"
@@ -195,8 +196,27 @@ def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold
         assert all(torch.equal(restored[k], best[k]) for k in best)
         trained = checkpoint.load_model_state(checkpoint.step_dir(tmp_path / "out", 2))
         assert any(not torch.equal(trained[k], best[k]) for k in best)  # PPO did move the weights before
+        # the rollback tightened the KL term as after a KL explosion: kl_loss_coef doubled, the config left as started
+        assert trainer.kl_loss_coef == pytest.approx(0.002)
+        assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == pytest.approx(0.001)
+        # steps 4 and 5 validate short right answers: gold ties the best (1.0), so no new best and no streak
+        proxy0, _ = _expected_proxy_and_gold(truths, 0)
+        proxy5, _ = _expected_proxy_and_gold(truths, 5)
+        expected = {"streak": 0, "previous": [pytest.approx(proxy5), 1.0], "best_gold": 1.0,
+                    "best_proxy": pytest.approx(proxy0), "best_step": 0, "rollbacks": 1}
+        assert trainer.state_dict()["overopt"] == expected
     finally:
         trainer.close()
+    # the guard's state and the tightened coefficient are trainer state: a resume from step 5 carries them on
+    fresh, _, _ = _trainer(root, model, tmp_path / "out", *kl_loss)
+    try:
+        assert fresh.overopt.rollbacks == 0 and fresh.kl_loss_coef == pytest.approx(0.001)
+        fresh.load_checkpoint(checkpoint.step_dir(tmp_path / "out", 5))
+        assert fresh.overopt.state_dict() == expected
+        assert fresh.kl_loss_coef == pytest.approx(0.002)
+        assert 0 in fresh.protected_steps()  # the best-gold checkpoint is never pruned
+    finally:
+        fresh.close()
 
 
 def test_overopt_action_stop_restores_the_best_gold_and_stops(space, tmp_path):

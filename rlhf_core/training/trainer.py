@@ -42,6 +42,7 @@ from rlhf_core.training.guards import (
     Guard,
     GuardError,
     GuardEvent,
+    KLTightening,
     OverOptimisationGuard,
     TrainingInterrupted,
     proxy_and_gold,
@@ -168,7 +169,10 @@ class PPOTrainer:
                 else RewardModelWorker(config.reward_model, device=device)
             self.reward_manager = RewardModelManager(reward_manager, scorer, config.reward_model)
         kl = algo.kl_ctrl
+        # runtime coefficients: they start from the config and are trainer state from then on (a guard
+        # may change them; checkpoints save them); the config stays as the run was started
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.kl_loss_coef = arr.actor.kl_loss_coef
         self.global_step = 0
         self.history: list[StepResult] = []
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
@@ -253,7 +257,7 @@ class PPOTrainer:
                     metrics.update(self.critic.update_critic(batch, n))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timed("update_actor", timings):
-                    metrics.update(self.actor.update_policy(batch, n))
+                    metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
         for key in REWARD_MODEL_KEYS:  # with a reward model: its score and the rule's (gold) apart
@@ -304,7 +308,40 @@ class PPOTrainer:
         values = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
         return float(np.mean(values)) if values else None
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ state and checkpoints
+    def workers(self) -> dict[str, ActorWorker | CriticWorker]:
+        """The workers by checkpoint part name: ``actor``, and ``critic`` with GAE."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def state_dict(self) -> dict:
+        """The loop's own state (JSON-able): step, data order, KL coefficients, guards, skip counters.
+        The workers' weights, optimizers and generators are theirs (``worker.state_dict()``)."""
+        return {
+            "global_step": self.global_step,
+            "total_steps": self.total_steps,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "kl_loss_coef": self.kl_loss_coef,
+            "guard": self.guard.state_dict(),
+            "overopt": self.overopt.state_dict(),
+            "skipped_steps": {name: int(worker.skipped_steps) for name, worker in self.workers().items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = int(state["global_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl = algos.kl_controller_from_state(state["kl_ctrl"])
+        self.kl_loss_coef = float(state["kl_loss_coef"])
+        self.guard.load_state_dict(state["guard"])
+        self.overopt.load_state_dict(state["overopt"])
+        for name, worker in self.workers().items():
+            worker.skipped_steps = int(state["skipped_steps"].get(name, 0))
+
+    def protected_steps(self) -> set[int]:
+        """Checkpoints a guard may still roll back to (never pruned): the KL / val-drop guard's and the
+        best-gold one of the over-optimisation guard."""
+        return self.guard.protected_steps() | self.overopt.protected_steps()
+
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
         try:
@@ -312,12 +349,14 @@ class PPOTrainer:
         except WorkerError as exc:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
+        self.guard.on_checkpoint(self.global_step)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off."""
         checkpoint.load_checkpoint(self, path)
         self.last_saved_step = self.global_step
+        self.guard.on_checkpoint(self.global_step)
 
     def _skipped_total(self) -> int:
         return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
@@ -335,12 +374,24 @@ class PPOTrainer:
             else:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
-        adjusted = tighten_kl_control(self) if event.kind in ("kl_explosion", "over_optimisation") else ""
+        adjusted = ""
+        if event.kind in ("kl_explosion", "over_optimisation"):
+            adjusted = self._apply(tighten_kl_control(self.config, self.kl_ctrl, self.kl_loss_coef))
         count = self.overopt.rollbacks if event.kind == "over_optimisation" else self.guard.rollbacks
         print(f"WARNING guard: rollback {count}/{self.config.trainer.guard.max_rollbacks} at step "
               f"{self.global_step}: {event.message}; "
               + (f"restored {restored}" if restored else "no earlier checkpoint to restore")
               + (f"; {adjusted}" if adjusted else ""), file=sys.stderr, flush=True)
+
+    def _apply(self, decision: KLTightening) -> str:
+        """Carry out a guard's tightening of the KL control; returns what changed."""
+        if decision.kl_ctrl is not None:
+            self.kl_ctrl = decision.kl_ctrl
+        if decision.kl_loss_coef is not None:
+            self.kl_loss_coef = decision.kl_loss_coef
+        if decision.lr_factor is not None:
+            self.actor.scale_lr(decision.lr_factor)
+        return decision.summary
 
     def _stop_if_requested(self) -> None:
         if self.stop_requested is None:
