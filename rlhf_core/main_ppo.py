@@ -128,6 +128,8 @@ def preflight(cfg: PPOConfig) -> None:
             check_model_dir(cfg.critic.model.path, "critic.model.path")
         except ModelError as exc:
             errors.append(str(exc))
+    if cfg.reward_model.enable:
+        errors.extend(_reward_model_problems(cfg))
     custom = cfg.custom_reward_function
     if custom.path:
         try:
@@ -147,6 +149,23 @@ def preflight(cfg: PPOConfig) -> None:
             errors.append(str(exc))
     if errors:
         raise PreflightError(errors)
+
+
+def _reward_model_problems(cfg: PPOConfig) -> list[str]:
+    """What is wrong with the reward model of ``reward_model.enable=true`` (config and tokenizers only)."""
+    from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
+
+    rm = cfg.reward_model
+    try:
+        check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
+        if needs_template_switch(rm) and not cfg.data.return_raw_chat:
+            return [f"reward_model.model.path: the tokenizer or chat template of {rm.model.path} differs from "
+                    f"reward_model.model.input_tokenizer ({rm.model.input_tokenizer}), so responses are re-encoded "
+                    "from the chat messages: set data.return_raw_chat=true (or input_tokenizer=null to feed the "
+                    "policy's ids as they are)"]
+    except ModelError as exc:
+        return [str(exc)]
+    return []
 
 
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
