@@ -1,4 +1,4 @@
-"""Promote the new model version to production when it beats the current one; record why either way."""
+"""Promote the new model version to production when it beats the current one significantly; record why."""
 
 from __future__ import annotations
 
@@ -35,20 +35,30 @@ def promote(
     reward_spec: dict,
     smoke_report: dict,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
     skip_reason: str = "",
 ) -> Annotated[dict, "promotion_decision"]:
-    """Compare with production (or, for the first version, the base model) and set the stage."""
+    """Compare with production (or, for the first version, the base model) on the same problems and
+    set the stage when the gain is large enough and significant at ``alpha``."""
     context = get_step_context()
     model, client = context.model, Client()
     production = _production(client, model.name)
-    production_accuracy = production.run_metadata.get("accuracy") if production else None
+    problems = evaluation.get("problems") or {}
+    evaluated_against = evaluation.get("production_version")
+    refusal = evaluation.get("production_refusal")
+    if production is not None and not skip_reason and evaluated_against != production.name:
+        refusal = (f"production is version {production.name} but the evaluation was paired with "
+                   f"{evaluated_against or 'no production version'}: it changed during this run; run again")
+    production_results = evaluation.get("production_results")
     decision = decide(
-        candidate_accuracy=evaluation.get("accuracy"),
-        base_accuracy=evaluation.get("base_accuracy"),
-        production_accuracy=production_accuracy,
+        candidate=list(problems.values()) if problems else None,
+        base=[evaluation["base_problems"][pid] for pid in problems] if problems else None,
+        production=[production_results[pid] for pid in problems] if production_results and not refusal else None,
         production_version=production.name if production else None,
         min_improvement=min_improvement,
+        alpha=alpha,
         skipped_reason=skip_reason or None,
+        refusal=refusal,
     )
     artifacts = _run_artifacts(client, context.pipeline_run.id)
     record = {
@@ -58,6 +68,11 @@ def promote(
         "baseline_accuracy": decision.baseline_accuracy,
         "previous_production_version": production.name if production else None,
         "min_improvement": min_improvement,
+        "alpha": alpha,
+        "p_value": decision.comparison.p_value if decision.comparison else None,
+        "gain": decision.comparison.gain if decision.comparison else None,
+        "gain_ci": [decision.comparison.ci_low, decision.comparison.ci_high] if decision.comparison else None,
+        "val_fingerprint": evaluation.get("val_fingerprint"),
         "accuracy": evaluation.get("accuracy"),
         "base_accuracy": evaluation.get("base_accuracy"),
         "dataset_fingerprint": dataset_fingerprint,
