@@ -92,10 +92,17 @@ def test_run_page_shows_every_step(dashboard):
     assert SCREENSHOT.stat().st_size > 10_000
 
 
-def _open_visualization(page, artifact: str):
-    """Click the artifact's node in the run graph, then its Visualization tab."""
+def _open_visualization(page, artifact: str, which: str | None = None):
+    """Click the artifact's node in the run graph, its panel's Visualization tab, pick one of its
+    visualizations (``which``) and load the preview."""
     page.get_by_text(artifact, exact=True).first.click(timeout=120_000)
-    page.get_by_text("Visualization", exact=True).first.click(timeout=60_000)
+    panel = page.get_by_role("dialog")
+    panel.get_by_text("Visualization", exact=True).click(timeout=60_000)
+    if which is not None:
+        panel.get_by_role("combobox").click(timeout=60_000)
+        page.get_by_role("option", name=which).click(timeout=30_000)
+    panel.get_by_role("button", name="Load Preview").click(timeout=60_000)
+    return panel
 
 
 def test_run_page_renders_the_evaluation_report_and_the_per_problem_table(dashboard):
@@ -117,9 +124,9 @@ def test_run_page_renders_the_evaluation_report_and_the_per_problem_table(dashbo
             page.screenshot(path=str(REPORT_SCREENSHOT), timeout=60_000)
 
             page.goto(f"{url}/projects/{project}/runs/{run.id}", wait_until="domcontentloaded")
-            _open_visualization(page, "per_problem")
-            page.get_by_text(table["problem_id"].iloc[0]).first.wait_for(timeout=120_000)
-            page.get_by_text("candidate_correct").first.wait_for(timeout=30_000)
+            panel = _open_visualization(page, "per_problem", "sample.csv")
+            panel.get_by_text("candidate_correct", exact=True).wait_for(timeout=120_000)
+            panel.get_by_text(table["problem_id"].iloc[0], exact=True).wait_for(timeout=30_000)
         finally:
             browser.close()
     assert REPORT_SCREENSHOT.stat().st_size > 10_000
