@@ -112,3 +112,35 @@ def test_a_validation_set_without_ground_truths_cannot_be_scored(setup, tmp_path
     frame.to_parquet(tmp_path / "no_truth.parquet", index=False)
     with pytest.raises(DataError, match=r"row 0: reward_model.ground_truth is missing"):
         evaluate_policy(model, str(tmp_path / "no_truth.parquet"), DATA, reward_fn=digit_first)
+
+
+def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_path):
+    import math
+
+    from rlhf_core.config import load_config
+    from rlhf_core.main_ppo import build_trainer
+
+    model, val = setup
+    reward = tmp_path / "digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={val}", f"data.val_files={val}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.rollout.val_kwargs.n=3", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp_path / 'out'}", "trainer.logger=[file]",
+        f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
+    ], notice=lambda _notice: None)
+    metrics = build_trainer(cfg).validate()
+    for source, prompts in (("synthetic/a", 30), ("synthetic/b", 10)):
+        mean, best, vote = (metrics[f"val-core/{source}/acc/{name}"] for name in ("mean@3", "best@3/mean", "maj@3/mean"))
+        assert 0 <= mean <= best <= 1 and 0 <= vote <= best
+        assert round(mean * 3 * prompts, 6) == int(round(mean * 3 * prompts))  # whole responses right
+        for name, share in (("best@3", best), ("maj@3", vote)):  # per-prompt 0/1: sqrt(p (1 - p) / m)
+            assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
+        assert f"val-core/{source}/reward/mean@3" in metrics
+    assert len(metrics) == 2 * 7
