@@ -11,7 +11,8 @@
   solution in the validation data earns full marks against its own ground truth.
 * :func:`training_curves_png` and :func:`evaluation_html`: the figures and the HTML report.
 
-    python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--html out.html]
+    python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--max-problems 500]
+                                          [--html out.html]
 """
 
 from __future__ import annotations
@@ -603,12 +604,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-length", type=int, default=1024)
     parser.add_argument("--max-response-length", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
+    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left")
-    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size)
-    print(f"accuracy {result.accuracy:.2%} on {result.n} prompts ({result.model})")
+    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
+                             max_problems=args.max_problems, sample_seed=args.sample_seed)
+    low, high = result.interval
+    print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
+          f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
+          f"to +-{stats.half_width(result.n):.1%} (95%)")
     if args.html:
         Path(args.html).write_text(evaluation_html({"policy": result}))
         print(f"report: {args.html}")
