@@ -9,7 +9,7 @@ from zenml.client import Client
 from zenml.enums import ModelStages
 from zenml.logger import get_logger
 
-from rlhf_core.pipeline.promotion import decide
+from rlhf_core.pipeline.promotion import decide_from_evaluation
 
 logger = get_logger(__name__)
 
@@ -43,23 +43,8 @@ def promote(
     context = get_step_context()
     model, client = context.model, Client()
     production = _production(client, model.name)
-    problems = evaluation.get("problems") or {}
-    evaluated_against = evaluation.get("production_version")
-    refusal = evaluation.get("production_refusal")
-    if production is not None and not skip_reason and evaluated_against != production.name:
-        refusal = (f"production is version {production.name} but the evaluation was paired with "
-                   f"{evaluated_against or 'no production version'}: it changed during this run; run again")
-    production_results = evaluation.get("production_results")
-    decision = decide(
-        candidate=list(problems.values()) if problems else None,
-        base=[evaluation["base_problems"][pid] for pid in problems] if problems else None,
-        production=[production_results[pid] for pid in problems] if production_results and not refusal else None,
-        production_version=production.name if production else None,
-        min_improvement=min_improvement,
-        alpha=alpha,
-        skipped_reason=skip_reason or None,
-        refusal=refusal,
-    )
+    decision = decide_from_evaluation(evaluation, production.name if production else None,
+                                      min_improvement=min_improvement, alpha=alpha, skipped_reason=skip_reason or None)
     artifacts = _run_artifacts(client, context.pipeline_run.id)
     record = {
         "promoted": decision.promote,

@@ -147,3 +147,26 @@ def test_decision_serialises_with_its_gain_interval_and_p_value():
     assert record["p_value"] == pytest.approx(2 / 256)
     assert (record["fixed"], record["broken"], record["n_compared"]) == (8, 0, 8)
     assert set(record) >= {"reason", "baseline", "baseline_accuracy", "min_improvement", "alpha", "gain_ci"}
+
+
+def test_the_evaluate_steps_record_is_paired_by_problem_id():
+    from rlhf_core.pipeline.promotion import decide_from_evaluation
+
+    ids = [f"s/{i}" for i in range(10)]
+    evaluation = {
+        "problems": dict(zip(ids, results(9, 1))),                    # candidate
+        "base_problems": dict(zip(ids, results(1, 9))),
+        "production_results": dict(zip(reversed(ids), results(9, 1))),  # right on s/9 .. s/1, wrong on s/0
+        "production_version": "4",
+    }
+    # against production: fixed s/0, broken s/9; 1 vs 1 discordant, p = 1
+    decision = decide_from_evaluation(evaluation, "4")
+    assert (decision.comparison.fixed, decision.comparison.broken, decision.comparison.p_value) == (1, 1, 1.0)
+    assert not decision.promote and decision.baseline == "production"
+    # no production version: against the base model, 8 fixed, 0 broken, p = 2 / 2^8
+    first = decide_from_evaluation({**evaluation, "production_results": None, "production_version": None}, None)
+    assert first.promote and first.comparison.p_value == pytest.approx(2 / 256)
+    # production changed between evaluate and promote: refused
+    moved = decide_from_evaluation(evaluation, "5")
+    assert not moved.promote
+    assert "production is version 5 but the evaluation was paired with version 4" in moved.reason

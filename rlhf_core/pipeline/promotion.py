@@ -159,3 +159,31 @@ def decide(
         return outcome(False, f"not promoted: the gain is not significant, within the noise of {c.n} problems "
                               f"({numbers})", c)
     return outcome(True, f"promoted: {numbers}", c)
+
+
+def decide_from_evaluation(evaluation: Mapping[str, Any], production_version: str | None,
+                           min_improvement: float = 0.0, alpha: float = 0.05,
+                           skipped_reason: str | None = None) -> PromotionDecision:
+    """:func:`decide` on the evaluate step's record: per-problem results of the candidate (``problems``),
+    the base model (``base_problems``) and production (``production_results``, or the
+    ``production_refusal`` why not), all keyed by problem id. ``production_version`` is the production
+    version now; if it is not the one the evaluation paired with, production changed during the run
+    and the comparison is refused."""
+    problems = evaluation.get("problems") or {}
+    refusal = evaluation.get("production_refusal")
+    paired_with = evaluation.get("production_version")
+    if production_version is not None and not skipped_reason and paired_with != production_version:
+        refusal = (f"production is version {production_version} but the evaluation was paired with "
+                   f"{'version ' + str(paired_with) if paired_with else 'no production version'}: production "
+                   "changed during this run; run it again")
+    production = evaluation.get("production_results")
+    return decide(
+        candidate=list(problems.values()) if problems else None,
+        base=[evaluation["base_problems"][pid] for pid in problems] if problems else None,
+        production=[production[pid] for pid in problems] if production and not refusal else None,
+        production_version=production_version,
+        min_improvement=min_improvement,
+        alpha=alpha,
+        skipped_reason=skipped_reason,
+        refusal=refusal,
+    )
