@@ -508,8 +508,8 @@ def accuracy_bar_png(results: Mapping[str, EvalResult]) -> bytes:
     errors = np.array([[value - (results[name].interval or (value, value))[0] for name, value in zip(names, values)],
                        [(results[name].interval or (value, value))[1] - value for name, value in zip(names, values)]])
     bars = axes.bar(names, values, yerr=errors, capsize=6, color=["#9aa5b1", "#f2994a", "#2f80ed"][: len(names)])
-    for bar, value in zip(bars, values):
-        axes.text(bar.get_x() + bar.get_width() / 2, value + 0.01, f"{value:.1%}", ha="center", fontsize=9)
+    for bar, value, above in zip(bars, values, errors[1]):
+        axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
     axes.set_ylim(0, max(1.0, max(values, default=0) + 0.1))
     axes.set_ylabel("greedy accuracy (95% interval)")
     axes.set_title(f"validation accuracy (n={next(iter(results.values())).n if results else 0})")
