@@ -14,6 +14,7 @@ from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
+from rlhf_core.stats import check_alpha
 from steps.check_new_data import check_new_data
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
@@ -31,8 +32,10 @@ def rlhf_retrain_pipeline(
     train_files: str | list[str] | None = None,
     val_files: str | list[str] | None = None,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
 ) -> None:
     """Train a new version from the production checkpoint on new data; skip when the data is unchanged."""
+    check_alpha(alpha, "alpha")  # while the pipeline compiles: a bad level fails before any step runs
     production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
@@ -42,6 +45,6 @@ def rlhf_retrain_pipeline(
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
                                                 init_from=production.get_model_artifact("ppo_checkpoint"),
                                                 skip_reason=skip_reason)
-    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary, skip_reason=skip_reason)
+    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, skip_reason=skip_reason)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
-            skip_reason=skip_reason)
+            alpha=alpha, skip_reason=skip_reason)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
+from rlhf_core.stats import check_alpha
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -29,12 +30,14 @@ def rlhf_ppo_pipeline(
     train_files: str | list[str] | None = None,
     val_files: str | list[str] | None = None,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
 ) -> None:
     """Train a new version of the run config's model and promote it if it beats production."""
+    check_alpha(alpha, "alpha")  # while the pipeline compiles: a bad level fails before any step runs
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     smoke_report = smoke_test(ppo_config, reward_spec)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report)
-    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary)
-    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement)
+    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary)
+    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)

@@ -1,20 +1,42 @@
-"""Greedy accuracy of the trained policy and of the base model on the validation data."""
+"""Greedy accuracy of the trained policy, the base model and production, problem by problem."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
 
+import pandas as pd
 import torch
-from zenml import log_metadata, step
+from zenml import get_step_context, log_metadata, step
+from zenml.client import Client
+from zenml.enums import ModelStages
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
+from rlhf_core import stats
 from rlhf_core.config import PPOConfig
-from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, training_curves_png
+from rlhf_core.pipeline.evaluate import (
+    EvalResult,
+    changed_problems,
+    evaluate_policy,
+    evaluation_html,
+    per_problem_table,
+    training_curves_png,
+)
+from rlhf_core.pipeline.promotion import match_production
 from rlhf_core.rewards import load_custom_reward_fn
 
 logger = get_logger(__name__)
+
+
+def _production_evaluation(model_name: str) -> tuple[str | None, dict | None]:
+    """(version name, its evaluation record) of the model's production version; (None, None) if none."""
+    try:
+        production = Client().get_model_version(model_name, ModelStages.PRODUCTION)
+    except KeyError:
+        return None, None
+    artifact = production.get_artifact("evaluation")
+    return production.name, (artifact.load() if artifact is not None else {})
 
 
 @step(enable_cache=False)
@@ -24,11 +46,19 @@ def evaluate(
     training_summary: dict,
     skip_reason: str = "",
     batch_size: int = 64,
-) -> tuple[Annotated[dict, "evaluation"], Annotated[HTMLString, "evaluation_report"]]:
-    """The policy's and the base model's accuracy, with an HTML report of figures and examples."""
+    max_problems: int | None = None,
+    sample_seed: int = 0,
+) -> tuple[
+    Annotated[dict, "evaluation"],
+    Annotated[HTMLString, "evaluation_report"],
+    Annotated[pd.DataFrame, "per_problem"],
+]:
+    """Base model and trained policy on the same (capped, stratified) problems, paired with production's
+    results when it was evaluated on them; an HTML report and the per-problem table."""
     if skip_reason:
         logger.info("evaluation skipped: %s", skip_reason)
-        return {"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>")
+        return ({"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>"),
+                pd.DataFrame({"skipped": [skip_reason]}))
     cfg = PPOConfig.from_dict(ppo_config)
     model = cfg.actor_rollout_ref.model
     custom = cfg.custom_reward_function
@@ -38,18 +68,50 @@ def evaluate(
         "reward_fn": load_custom_reward_fn(custom.path, custom.name) if custom.path else None,
         "device": "cuda" if cfg.trainer.device == "cuda" and torch.cuda.is_available() else "cpu",
         "dtype": model.dtype,
+        "max_problems": max_problems,
+        "sample_seed": sample_seed,
+        "val_kwargs": cfg.actor_rollout_ref.rollout.val_kwargs,
+        "seed": cfg.trainer.seed,
     }
     base_model = model.path
-    results = {
-        "base model": evaluate_policy(base_model, cfg.data.val_files, tokenizer_path=model.tokenizer_path, **kwargs),
-        "trained policy": evaluate_policy(ppo_checkpoint, cfg.data.val_files, **kwargs),
+    base = evaluate_policy(base_model, cfg.data.val_files, tokenizer_path=model.tokenizer_path, **kwargs)
+    policy = evaluate_policy(ppo_checkpoint, cfg.data.val_files, **kwargs)
+    budget = (f"{policy.n} of {policy.total_problems} validation problems"
+              f"{' (max_problems, stratified by data source)' if policy.n < policy.total_problems else ''}: "
+              f"an accuracy near 50% is known to +-{stats.half_width(policy.n):.1%} (95%)")
+    logger.info("evaluating on %s", budget)
+
+    candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems}}
+    version, production = _production_evaluation(get_step_context().model.name)
+    production_results, refusal = (None, None) if version is None else match_production(candidate, production, version)
+    table = per_problem_table(policy, base, production_results)
+    results = {"base model": base}
+    if production_results is not None:
+        results[f"production (version {version})"] = EvalResult.from_dict(
+            {**production["policy"], "problems": []})
+    results["trained policy"] = policy
+    baseline = "production" if production_results is not None else "base"
+    changed = changed_problems(table, baseline)
+    logger.info("greedy accuracy on %d prompts: trained %.2f%% vs base %.2f%%; fixed %d, broke %d against the %s",
+                policy.n, 100 * policy.accuracy, 100 * base.accuracy, changed["n_fixed"], changed["n_broken"], baseline)
+    evaluation = {
+        "accuracy": policy.accuracy, "accuracy_ci": list(policy.interval), "base_accuracy": base.accuracy,
+        "base_accuracy_ci": list(base.interval), "n": policy.n, "total_problems": policy.total_problems,
+        "base_model": base_model, "policy": policy.to_dict(with_problems=False), "base": base.to_dict(False),
+        **candidate, "base_problems": {p["id"]: p["correct"] for p in base.problems},
+        "production_version": version, "production_results": production_results, "production_refusal": refusal,
+        "changed": changed,
     }
-    policy, base = results["trained policy"], results["base model"]
-    logger.info("greedy accuracy on %d prompts: trained %.2f%% vs base %.2f%%", policy.n,
-                100 * policy.accuracy, 100 * base.accuracy)
-    evaluation = {"accuracy": policy.accuracy, "base_accuracy": base.accuracy, "n": policy.n,
-                  "base_model": base_model, "policy": policy.to_dict(), "base": base.to_dict()}
-    log_metadata({"accuracy": policy.accuracy, "base_accuracy": base.accuracy, "n": policy.n,
-                  "per_source": policy.per_source})
+    log_metadata({"accuracy": policy.accuracy, "accuracy_ci": list(policy.interval), "base_accuracy": base.accuracy,
+                  "n": policy.n, "per_source": policy.per_source, "val_fingerprint": policy.val_fingerprint,
+                  "budget": budget, "fixed": changed["fixed"], "broken": changed["broken"],
+                  "n_fixed": changed["n_fixed"], "n_broken": changed["n_broken"], "compared_with": baseline,
+                  **policy.sampled})
+    notes = [f"Evaluated on {budget}."]
+    if refusal:
+        notes.append(f"Production cannot be compared: {refusal}")
     curves = training_curves_png(training_summary.get("history", []))
-    return evaluation, HTMLString(evaluation_html(results, curves))
+    report = evaluation_html(results, curves, changed=changed,
+                             baseline_name=f"production version {version}" if baseline == "production" else "base model",
+                             notes=notes)
+    return evaluation, HTMLString(report), table

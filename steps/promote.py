@@ -1,4 +1,4 @@
-"""Promote the new model version to production when it beats the current one; record why either way."""
+"""Promote the new model version to production when it beats the current one significantly; record why."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from zenml.client import Client
 from zenml.enums import ModelStages
 from zenml.logger import get_logger
 
-from rlhf_core.pipeline.promotion import decide
+from rlhf_core.pipeline.promotion import decide_from_evaluation
 
 logger = get_logger(__name__)
 
@@ -35,21 +35,16 @@ def promote(
     reward_spec: dict,
     smoke_report: dict,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
     skip_reason: str = "",
 ) -> Annotated[dict, "promotion_decision"]:
-    """Compare with production (or, for the first version, the base model) and set the stage."""
+    """Compare with production (or, for the first version, the base model) on the same problems and
+    set the stage when the gain is large enough and significant at ``alpha``."""
     context = get_step_context()
     model, client = context.model, Client()
     production = _production(client, model.name)
-    production_accuracy = production.run_metadata.get("accuracy") if production else None
-    decision = decide(
-        candidate_accuracy=evaluation.get("accuracy"),
-        base_accuracy=evaluation.get("base_accuracy"),
-        production_accuracy=production_accuracy,
-        production_version=production.name if production else None,
-        min_improvement=min_improvement,
-        skipped_reason=skip_reason or None,
-    )
+    decision = decide_from_evaluation(evaluation, production.name if production else None,
+                                      min_improvement=min_improvement, alpha=alpha, skipped_reason=skip_reason or None)
     artifacts = _run_artifacts(client, context.pipeline_run.id)
     record = {
         "promoted": decision.promote,
@@ -58,6 +53,11 @@ def promote(
         "baseline_accuracy": decision.baseline_accuracy,
         "previous_production_version": production.name if production else None,
         "min_improvement": min_improvement,
+        "alpha": alpha,
+        "p_value": decision.comparison.p_value if decision.comparison else None,
+        "gain": decision.comparison.gain if decision.comparison else None,
+        "gain_ci": [decision.comparison.ci_low, decision.comparison.ci_high] if decision.comparison else None,
+        "val_fingerprint": evaluation.get("val_fingerprint"),
         "accuracy": evaluation.get("accuracy"),
         "base_accuracy": evaluation.get("base_accuracy"),
         "dataset_fingerprint": dataset_fingerprint,

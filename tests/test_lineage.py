@@ -60,3 +60,19 @@ def test_cli_prints_the_chain_and_json(trained, capsys):
 def test_cli_names_what_is_missing(trained, capsys):
     assert main(["--model", "no-such-model"], client=zenml_client()) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_lineage_shows_the_problems_the_version_fixed_and_broke(trained, capsys):
+    model, (first_run_id, _) = trained
+    client = zenml_client()
+    table = client.get_pipeline_run(first_run_id).steps["evaluate"].outputs["per_problem"][0].load()
+    fixed = table[~table["base_correct"] & table["candidate_correct"]]
+    broken = table[table["base_correct"] & ~table["candidate_correct"]]
+    assert main(["--model", model, "--version", "1"], client=client) == 0
+    text = capsys.readouterr().out
+    assert f"against the base: fixed {len(fixed)}, broke {len(broken)} problem(s)" in text
+    shown = [line for line in text.splitlines() if line.strip().startswith(("fixed ", "broken "))]
+    assert len(shown) == min(len(fixed), 5) + min(len(broken), 5)
+    for problem_id, answer in list(zip(fixed["problem_id"], fixed["ground_truth"]))[:5]:
+        assert f"fixed {problem_id} (answer {answer}): " in text
+    assert "model version p_value: " in text and "model version gain_ci: " in text

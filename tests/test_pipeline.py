@@ -236,3 +236,75 @@ parameters:
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
     with pytest.raises(KeyError):
         client.get_model_version("tiny-bad-data", "production")
+
+
+def _mcnemar_by_hand(fixed: int, broken: int) -> float:
+    """2 * P(X <= min(fixed, broken)) for X ~ Bin(fixed + broken, 1/2), capped at 1."""
+    import math
+
+    d = fixed + broken
+    return 1.0 if d == 0 else min(1.0, 2 * sum(math.comb(d, k) for k in range(min(fixed, broken) + 1)) / 2 ** d)
+
+
+def test_every_problem_is_kept_and_the_gate_states_gain_interval_and_p(trained):
+    _, (first_run_id, second_run_id) = trained
+    client = zenml_client()
+    first = client.get_pipeline_run(first_run_id)
+    table = first.steps["evaluate"].outputs["per_problem"][0].load()
+    assert list(table.columns[:6]) == ["problem_id", "data_source", "index", "base_correct", "candidate_correct",
+                                       "production_correct"]
+    assert len(table) == 8 and table["problem_id"].is_unique
+    assert table["production_correct"].isna().all()  # no production version before the first
+    assert table["candidate_response"].map(type).eq(str).all()
+    meta = _version(1).run_metadata
+    assert meta["accuracy"] == table["candidate_correct"].mean()
+    fixed = int((~table["base_correct"] & table["candidate_correct"]).sum())
+    broken = int((table["base_correct"] & ~table["candidate_correct"]).sum())
+    assert meta["p_value"] == _mcnemar_by_hand(fixed, broken) < meta["alpha"] == 0.05
+    assert meta["gain"] == (fixed - broken) / 8
+    assert f"McNemar exact p = {meta['p_value']:.4g} ({fixed} fixed, {broken} broken)" in meta["decision_reason"]
+    assert "95% CI [" in meta["decision_reason"]
+    report = first.steps["evaluate"].outputs["evaluation_report"][0].load()
+    assert "95% interval" in report and f"fixed {fixed}, broke {broken}" in report
+
+    # the retrained version is judged against version 1's results on the very same problems
+    second = client.get_pipeline_run(second_run_id)
+    paired = second.steps["evaluate"].outputs["per_problem"][0].load()
+    by_id = dict(zip(table["problem_id"], table["candidate_correct"]))
+    assert [bool(v) for v in paired["production_correct"]] == [by_id[pid] for pid in paired["problem_id"]]
+    meta = _version(2).run_metadata
+    fixed = int((~paired["production_correct"].astype(bool) & paired["candidate_correct"]).sum())
+    broken = int((paired["production_correct"].astype(bool) & ~paired["candidate_correct"]).sum())
+    assert meta["p_value"] == _mcnemar_by_hand(fixed, broken)
+    assert "of production version 1 on the same 8 problems" in meta["decision_reason"]
+
+
+def test_production_evaluated_on_other_problems_is_not_compared(trained, tmp_path):
+    from rlhf_core.data.synthetic import build_dataset
+
+    other = build_dataset(tmp_path / "other", n_train=8, n_test=8, seed=7, max_ops=1)["test"]
+    _bare_answers(other)
+    production = _version("production")
+    zenml_client()
+    from zenml import Model
+
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+
+    setup = tiny_setup()
+    # the training pipeline on the same training data but other validation problems
+    run = rlhf_ppo_pipeline.with_options(model=Model(name=MODEL))(
+        trainer_config=str(setup.trainer_config), train_files=str(setup.train_file), val_files=str(other))
+    assert str(run.status) == "completed"
+    meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
+    assert meta["promoted"] is False
+    assert meta["decision_reason"].startswith("not promoted: cannot compare with production: production version")
+    assert "was evaluated on other validation problems" in meta["decision_reason"]
+    assert _version("production").number == production.number
+
+
+def test_a_significance_level_outside_0_1_fails_before_any_step(trained):
+    client = zenml_client()
+    before = client.list_pipeline_runs(size=1).total
+    with pytest.raises(ValueError, match=r"alpha=1.5 must be a significance level strictly between 0 and 1"):
+        run_pipeline(MODEL, alpha=1.5)
+    assert client.list_pipeline_runs(size=1).total == before

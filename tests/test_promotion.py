@@ -1,73 +1,172 @@
-"""The promotion rule, worked out by hand: beat production (or, first, the base model) by the margin."""
+"""The promotion gate on constructed per-problem results whose p-values are worked out by hand."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
-from rlhf_core.pipeline.promotion import decide
+from rlhf_core.pipeline.promotion import decide, match_production
 
 
-def test_first_version_is_compared_with_the_base_model():
-    decision = decide(candidate_accuracy=0.42, base_accuracy=0.30)
+def results(right: int, wrong: int) -> list[bool]:
+    return [True] * right + [False] * wrong
+
+
+def test_first_version_significantly_better_than_the_base_model_is_promoted():
+    # 8 problems, all fixed, none broken: p = 2 * (1/2)^8 = 0.0078125
+    decision = decide(candidate=results(8, 0), base=results(0, 8))
     assert decision.promote
     assert decision.baseline == "base_model"
-    assert decision.baseline_accuracy == 0.30
-    assert decision.improvement == pytest.approx(0.12)
-    assert decision.reason.startswith("promoted: accuracy 0.4200 vs 0.3000 of the base model")
+    assert (decision.candidate_accuracy, decision.baseline_accuracy) == (1.0, 0.0)
+    assert decision.comparison.p_value == pytest.approx(0.0078125)
+    assert decision.reason.startswith("promoted: accuracy 1.0000 vs 0.0000 of the base model (no production "
+                                      "version yet) on the same 8 problems: gain +1.0000, 95% CI [")
+    assert "McNemar exact p = 0.007812 (8 fixed, 0 broken)" in decision.reason
 
 
-def test_first_version_that_does_not_beat_the_base_model_stays_out():
-    decision = decide(candidate_accuracy=0.30, base_accuracy=0.30)
+def test_a_gain_within_the_noise_is_not_promoted_and_the_reason_says_so():
+    # 100 problems; the candidate fixes 6 and breaks 2: +4 points, p = 2 * (1 + 8 + 28) / 2^8 = 0.2890625
+    base = results(50, 50)
+    candidate = [True] * 50 + [False] * 50
+    for i in range(2):
+        candidate[i] = False       # broken
+    for i in range(50, 56):
+        candidate[i] = True        # fixed
+    decision = decide(candidate, base)
+    assert decision.improvement == pytest.approx(0.04)
     assert not decision.promote
-    assert "no improvement" in decision.reason
+    assert decision.comparison.p_value == pytest.approx(74 / 256)
+    se = math.sqrt(6 + 2 - 4 ** 2 / 100) / 100
+    low, high = 0.04 - 1.959964 * se, 0.04 + 1.959964 * se
+    assert decision.reason.startswith("not promoted: the gain is not significant, within the noise of 100 problems")
+    assert f"gain +0.0400, 95% CI [{low:+.4f}, {high:+.4f}]" in decision.reason
+    assert "p = 0.2891" in decision.reason
 
 
 def test_production_is_the_baseline_once_there_is_one():
-    # 0.55 beats the base model (0.30) by far but production (0.54) only by 0.01 < 0.02
-    decision = decide(0.55, 0.30, production_accuracy=0.54, production_version="3", min_improvement=0.02)
+    # 20 problems: base 2 right, production 18 right, candidate 19 right (1 fixed vs production, p = 1)
+    base = results(2, 18)
+    production = results(18, 2)
+    candidate = results(19, 1)
+    decision = decide(candidate, base, production=production, production_version="3")
     assert not decision.promote
     assert decision.baseline == "production"
-    assert decision.production_version == "3"
-    assert "improvement too small" in decision.reason
-    assert "production version 3" in decision.reason
+    assert decision.baseline_accuracy == pytest.approx(0.9)
+    assert decision.comparison.p_value == 1.0
+    assert "production version 3 on the same 20 problems" in decision.reason
+
+
+def test_significant_but_below_the_margin_stays_out():
+    # 200 problems, 12 fixed, 0 broken: p = 2 / 2^12 (significant), gain 0.06 < 0.10
+    decision = decide(results(112, 88), results(100, 100), production=results(100, 100), min_improvement=0.10)
+    assert decision.comparison.p_value == pytest.approx(2 / 4096)
+    assert not decision.promote
+    assert decision.reason.startswith("not promoted: improvement too small")
+    assert decide(results(112, 88), results(100, 100), production=results(100, 100), min_improvement=0.06).promote
 
 
 @pytest.mark.parametrize(
-    ("candidate", "production", "margin", "promoted"),
+    ("fixed", "broken", "alpha", "promoted"),
     [
-        (0.52, 0.50, 0.02, True),   # exactly the margin: 0.52 - 0.50 is 0.020000000000000018 in floats
-        (0.30, 0.28, 0.02, True),   # ... and 0.019999999999999962 here: the tolerance makes both count
-        (0.519, 0.50, 0.02, False),
-        (0.51, 0.50, 0.0, True),    # any gain with no margin
-        (0.50, 0.50, 0.0, False),   # a tie never replaces production
-        (0.49, 0.50, 0.0, False),
+        (6, 0, 0.05, True),    # p = 2/64 = 0.03125
+        (5, 0, 0.05, False),   # p = 2/32 = 0.0625
+        (5, 0, 0.10, True),
+        (6, 0, 0.01, False),
+        (9, 1, 0.05, True),    # p = 2 * 11 / 1024 = 0.021484
+        (8, 2, 0.05, False),   # p = 2 * 56 / 1024 = 0.109375
     ],
 )
-def test_margin_against_production(candidate, production, margin, promoted):
-    assert decide(candidate, 0.1, production_accuracy=production, min_improvement=margin).promote is promoted
+def test_significance_level_decides(fixed, broken, alpha, promoted):
+    n = 40
+    baseline = [False] * fixed + [True] * broken + [True] * 10 + [False] * (n - fixed - broken - 10)
+    candidate = [True] * fixed + [False] * broken + [True] * 10 + [False] * (n - fixed - broken - 10)
+    assert decide(candidate, results(0, n), production=baseline, alpha=alpha).promote is promoted
+
+
+def test_a_tie_never_replaces_production():
+    decision = decide(results(5, 5), results(0, 10), production=[False, True] * 5)
+    assert not decision.promote
+    assert decision.reason.startswith("not promoted: no improvement")
+
+
+def test_two_evaluations_of_the_same_model_under_different_seeds_do_not_promote():
+    """The same model sampled twice: each problem right with its own probability, independently."""
+    skill = np.random.default_rng(0).uniform(0, 1, size=300)  # one model's per-problem chance of success
+    promoted = 0
+    for seed in range(200):
+        first = np.random.default_rng(1000 + seed).uniform(size=300) < skill
+        second = np.random.default_rng(5000 + seed).uniform(size=300) < skill
+        promoted += decide(list(second), list(first), production=list(first)).promote
+    # under "no difference" the two-sided level 0.05 gives at most 2.5% false promotions
+    assert promoted <= 200 * 0.05
+    first = np.random.default_rng(1).uniform(size=300) < skill
+    second = np.random.default_rng(2).uniform(size=300) < skill
+    assert not decide(list(second), list(first), production=list(first)).promote
 
 
 def test_a_skipped_run_is_never_promoted():
-    decision = decide(None, None, production_accuracy=0.5, skipped_reason="the data is unchanged")
+    decision = decide(None, None, skipped_reason="the data is unchanged")
     assert not decision.promote
     assert decision.reason == "not promoted: training was skipped (the data is unchanged)"
 
 
-def test_missing_accuracies_are_explained():
-    assert "has no accuracy" in decide(None, 0.3).reason
-    assert "neither a production version nor a base model" in decide(0.3, None).reason
+def test_missing_results_are_explained():
+    assert "has no per-problem results" in decide(None, results(1, 1)).reason
+    assert "neither a production version nor a base model" in decide(results(1, 1), None).reason
 
 
-@pytest.mark.parametrize("bad", [{"candidate_accuracy": 1.5, "base_accuracy": 0.1},
-                                 {"candidate_accuracy": 0.5, "base_accuracy": float("nan")},
-                                 {"candidate_accuracy": 0.5, "base_accuracy": 0.1, "min_improvement": -0.1}])
-def test_invalid_inputs_are_rejected(bad):
-    with pytest.raises(ValueError):
-        decide(**bad)
+def test_production_on_other_problems_is_refused_and_nothing_promoted():
+    candidate = {"val_fingerprint": "abc123", "problems": {"s/0": True, "s/1": True}}
+    same = {"val_fingerprint": "abc123", "problems": {"s/1": False, "s/0": True, "s/9": False}}
+    assert match_production(candidate, same, "2") == ({"s/0": True, "s/1": False}, None)
+
+    other = {"val_fingerprint": "fff999", "problems": {"s/0": False, "s/1": False}}
+    matched, refusal = match_production(candidate, other, "2")
+    assert matched is None
+    assert "production version 2 was evaluated on other validation problems (fingerprint fff999 vs abc123 here)" in refusal
+    decision = decide(results(50, 0), results(0, 50), refusal=refusal)
+    assert not decision.promote and decision.baseline == "production"
+    assert decision.reason == f"not promoted: cannot compare with production: {refusal}"
+
+    assert "kept no per-problem evaluation results" in match_production(candidate, {"accuracy": 0.5}, "1")[1]
 
 
-def test_decision_serialises_with_its_improvement():
-    record = decide(0.6, 0.4).to_dict()
+@pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"alpha": 1.0}, {"alpha": 1.2}, {"alpha": -0.05},
+                                 {"min_improvement": -0.1}, {"min_improvement": float("nan")}])
+def test_invalid_settings_are_rejected(bad):
+    with pytest.raises(ValueError, match="alpha|min_improvement"):
+        decide(results(5, 0), results(0, 5), **bad)
+
+
+def test_decision_serialises_with_its_gain_interval_and_p_value():
+    record = decide(results(8, 0), results(0, 8)).to_dict()
     assert record["promote"] is True
-    assert record["improvement"] == pytest.approx(0.2)
-    assert set(record) >= {"reason", "baseline", "baseline_accuracy", "min_improvement", "production_version"}
+    assert record["improvement"] == pytest.approx(1.0)
+    assert record["p_value"] == pytest.approx(2 / 256)
+    assert (record["fixed"], record["broken"], record["n_compared"]) == (8, 0, 8)
+    assert set(record) >= {"reason", "baseline", "baseline_accuracy", "min_improvement", "alpha", "gain_ci"}
+
+
+def test_the_evaluate_steps_record_is_paired_by_problem_id():
+    from rlhf_core.pipeline.promotion import decide_from_evaluation
+
+    ids = [f"s/{i}" for i in range(10)]
+    evaluation = {
+        "problems": dict(zip(ids, results(9, 1))),                    # candidate
+        "base_problems": dict(zip(ids, results(1, 9))),
+        "production_results": dict(zip(reversed(ids), results(9, 1))),  # right on s/9 .. s/1, wrong on s/0
+        "production_version": "4",
+    }
+    # against production: fixed s/0, broken s/9; 1 vs 1 discordant, p = 1
+    decision = decide_from_evaluation(evaluation, "4")
+    assert (decision.comparison.fixed, decision.comparison.broken, decision.comparison.p_value) == (1, 1, 1.0)
+    assert not decision.promote and decision.baseline == "production"
+    # no production version: against the base model, 8 fixed, 0 broken, p = 2 / 2^8
+    first = decide_from_evaluation({**evaluation, "production_results": None, "production_version": None}, None)
+    assert first.promote and first.comparison.p_value == pytest.approx(2 / 256)
+    # production changed between evaluate and promote: refused
+    moved = decide_from_evaluation(evaluation, "5")
+    assert not moved.promote
+    assert "production is version 5 but the evaluation was paired with version 4" in moved.reason

@@ -1,14 +1,18 @@
 """How good is a policy, and is the reward that says so the one we think it is.
 
-* :func:`evaluate_policy`: greedy accuracy of a local HF model directory on a validation set,
-  generated with the project's HF rollout engine and scored by the :class:`RewardManager`, as
-  training scores it; a few right and wrong responses are kept as examples.
+* :func:`evaluate_policy`: greedy accuracy of a local HF model directory on a validation set (or a
+  stratified sample of it, ``max_problems``), with its interval, every problem's result and, with
+  ``val_kwargs.n > 1``, the sampled ``mean@n`` / ``best@n`` / ``maj@n``; generated with the project's
+  HF rollout engine and scored by the :class:`RewardManager`, as training scores it.
+* :func:`per_problem_table` and :func:`changed_problems`: the models side by side, problem by
+  problem, and the problems the new version fixed and broke.
 * :func:`reward_spec` and :func:`check_reference_solutions`: the identity of the reward (which
   function, its parameters, a SHA-256 of its source) and the self-check that every reference
   solution in the validation data earns full marks against its own ground truth.
 * :func:`training_curves_png` and :func:`evaluation_html`: the figures and the HTML report.
 
-    python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--html out.html]
+    python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--max-problems 500]
+                                          [--html out.html]
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rlhf_core.config import DataConfig, PPOConfig
+from rlhf_core import stats
+from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.rewards import RewardFn, get_reward_fn, load_custom_reward_fn
 
 EXAMPLES_PER_KIND = 3
+CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
 
 
 # ----------------------------------------------------------------------------- where the policy is
@@ -71,7 +77,7 @@ def resolve_policy_dir(path: str | Path) -> Path:
 
 @dataclass
 class EvalResult:
-    """Greedy accuracy of one model on one validation set."""
+    """Greedy accuracy of one model on one validation set (the problems ``val_fingerprint`` names)."""
 
     model: str
     accuracy: float
@@ -80,9 +86,17 @@ class EvalResult:
     per_source: dict[str, float]
     mean_response_length: float
     examples: list[dict[str, Any]] = field(default_factory=list)
+    interval: tuple[float, float] | None = None  # 95% Wilson interval of the accuracy
+    val_fingerprint: str | None = None
+    total_problems: int | None = None  # in the validation set, before max_problems
+    sampled: dict[str, float] = field(default_factory=dict)  # val-core/val-aux metrics with val_kwargs
+    problems: list[dict[str, Any]] = field(default_factory=list)  # one row per problem, in order
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self, with_problems: bool = True) -> dict[str, Any]:
+        record = asdict(self)
+        if not with_problems:
+            record.pop("problems")
+        return record
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EvalResult:
@@ -93,6 +107,40 @@ def _pick_examples(rows: list[dict[str, Any]], per_kind: int) -> list[dict[str, 
     right = [row for row in rows if row["correct"]][:per_kind]
     wrong = [row for row in rows if not row["correct"]][:per_kind]
     return right + wrong
+
+
+def problem_id(data_source: str, index: int) -> str:
+    return f"{data_source}/{index}"
+
+
+def val_fingerprint(problems: Sequence[Mapping[str, Any]]) -> str:
+    """SHA-256 over the evaluated problems (id, prompt, ground truth): equal only for the same problems."""
+    items = sorted((str(p["id"]), str(p["prompt"]), str(p["ground_truth"])) for p in problems)
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwargs: ValKwargsConfig,
+                     max_new_tokens: int, batch_size: int) -> tuple[dict[str, float], list[float]]:
+    """``val_kwargs.n`` sampled responses per problem: the verl metrics and each problem's mean@n."""
+    from rlhf_core.rollout import SamplingParams
+
+    params = SamplingParams(n=val_kwargs.n, max_new_tokens=max_new_tokens, do_sample=val_kwargs.do_sample,
+                            temperature=val_kwargs.temperature, top_p=val_kwargs.top_p, top_k=val_kwargs.top_k)
+    sources, prompts, acc, reward, answers = [], [], [], [], []
+    for start in range(0, len(selected), batch_size):
+        batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
+        _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
+                            batch.meta["ground_truth"], batch.meta["extra_info"])
+        sources += batch.meta["data_source"]
+        prompts += batch.meta["uid"]
+        acc += [float(a) for a in extras["acc"]]
+        reward += [float(s) for s in extras["score"]]
+        answers += [stats.vote_answer(text) for text in extras["responses"]]
+    per_problem: dict[int, list[float]] = {}
+    for prompt, a in zip(prompts, acc):
+        per_problem.setdefault(prompt, []).append(a)
+    return stats.validation_metrics(sources, prompts, acc, reward, answers), \
+        [float(np.mean(per_problem[i])) for i in selected]
 
 
 @torch.no_grad()
@@ -107,12 +155,20 @@ def evaluate_policy(
     device: str = "cpu",
     dtype: str = "float32",
     examples_per_kind: int = EXAMPLES_PER_KIND,
+    max_problems: int | None = None,
+    sample_seed: int = 0,
+    val_kwargs: ValKwargsConfig | None = None,
+    seed: int = 0,
 ) -> EvalResult:
     """Greedy (one response per prompt) accuracy of the model in ``model_dir`` on ``val_files``.
 
     ``data_config`` gives the prompt settings (key, length limit, truncation) and, when
     ``max_new_tokens`` is None, the response length; ``reward_fn`` replaces the built-in reward
-    by data source, as ``custom_reward_function`` does in training.
+    by data source, as ``custom_reward_function`` does in training. ``max_problems`` caps the
+    problems at a sample stratified by data source (``sample_seed`` draws it: the same data, cap
+    and seed give the same problems). With ``val_kwargs`` asking for sampling (``n > 1`` or
+    ``do_sample``) each problem is also sampled ``n`` times (generator seed ``seed``) for the
+    verl ``mean@n`` / ``best@n`` / ``maj@n`` metrics in ``sampled``; greedy stays the headline.
     """
     from rlhf_core.data.dataset import RLHFDataset
     from rlhf_core.models.loading import load_actor, load_tokenizer
@@ -123,16 +179,20 @@ def evaluate_policy(
     model_dir = resolve_policy_dir(model_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_dir)
     dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
+    selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
     module = load_actor(model_dir, dtype=dtype, device=device)
-    engine = make_rollout_engine("hf", module, tokenizer, seed=0)
-    params = SamplingParams(n=1, max_new_tokens=max_new_tokens or data_config.max_response_length, do_sample=False)
+    engine = make_rollout_engine("hf", module, tokenizer, seed=seed)
+    response_length = max_new_tokens or data_config.max_response_length
+    params = SamplingParams(n=1, max_new_tokens=response_length, do_sample=False)
     manager = RewardManager(tokenizer, reward_fn)
 
     rows: list[dict[str, Any]] = []
     scores: list[float] = []
     lengths: list[float] = []
-    for start in range(0, len(dataset), batch_size):
-        indices = list(range(start, min(start + batch_size, len(dataset))))
+    for start in range(0, len(selected), batch_size):
+        indices = selected[start:start + batch_size]
         batch = engine.generate(dataset.collate(indices), params)
         _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
                             batch.meta["ground_truth"], batch.meta["extra_info"])
@@ -140,6 +200,7 @@ def evaluate_policy(
         for row, index in enumerate(indices):
             scores.append(float(extras["score"][row]))
             rows.append({
+                "id": problem_id(batch.meta["data_source"][row], dataset.rows[index]["index"]),
                 "index": dataset.rows[index]["index"],
                 "data_source": batch.meta["data_source"][row],
                 "prompt": dataset.rows[index]["messages"][-1]["content"],
@@ -148,18 +209,79 @@ def evaluate_policy(
                 "score": float(extras["score"][row]),
                 "correct": bool(extras["acc"][row] > 0),
             })
+    sampled: dict[str, float] = {}
+    if val_kwargs is not None and (val_kwargs.n > 1 or val_kwargs.do_sample):
+        sampled, sampled_acc = _sampled_metrics(engine, dataset, selected, manager, val_kwargs, response_length,
+                                                batch_size)
+        for row, value in zip(rows, sampled_acc):
+            row[f"mean@{val_kwargs.n}"] = value
     per_source: dict[str, list[bool]] = {}
     for row in rows:
         per_source.setdefault(row["data_source"], []).append(row["correct"])
+    right = sum(row["correct"] for row in rows)
     return EvalResult(
         model=str(model_dir),
-        accuracy=float(np.mean([row["correct"] for row in rows])),
+        accuracy=right / len(rows),
         n=len(rows),
         mean_score=float(np.mean(scores)),
         per_source={source: float(np.mean(values)) for source, values in sorted(per_source.items())},
         mean_response_length=float(np.mean(lengths)),
         examples=_pick_examples(rows, examples_per_kind),
+        interval=stats.wilson_interval(right, len(rows)),
+        val_fingerprint=val_fingerprint(rows),
+        total_problems=len(dataset),
+        sampled=sampled,
+        problems=rows,
     )
+
+
+# ----------------------------------------------------------------------------- problem by problem
+
+
+def per_problem_table(candidate: EvalResult, base: EvalResult,
+                      production: Mapping[str, bool] | None = None) -> pd.DataFrame:
+    """One row per problem: id, data source, base / candidate / production correctness, the responses.
+
+    ``production`` maps problem id to the production version's correctness (absent: no column
+    values, ``None``). Base and candidate must have been evaluated on the same problems.
+    """
+    if base.val_fingerprint != candidate.val_fingerprint:
+        raise ValueError(f"base model and candidate were evaluated on different problems (fingerprints "
+                         f"{base.val_fingerprint} and {candidate.val_fingerprint})")
+    base_rows = {row["id"]: row for row in base.problems}
+    records = []
+    for row in candidate.problems:
+        records.append({
+            "problem_id": row["id"],
+            "data_source": row["data_source"],
+            "index": row["index"],
+            "base_correct": bool(base_rows[row["id"]]["correct"]),
+            "candidate_correct": bool(row["correct"]),
+            "production_correct": None if production is None else production.get(row["id"]),
+            "ground_truth": str(row["ground_truth"]),
+            "prompt": row["prompt"],
+            "candidate_response": row["response"],
+            "base_response": base_rows[row["id"]]["response"],
+        })
+    return pd.DataFrame.from_records(records, columns=[
+        "problem_id", "data_source", "index", "base_correct", "candidate_correct", "production_correct",
+        "ground_truth", "prompt", "candidate_response", "base_response"])
+
+
+def changed_problems(table: pd.DataFrame, baseline: str = "base", limit: int = CHANGED_SHOWN) -> dict[str, Any]:
+    """The problems the candidate fixed (``baseline`` wrong, candidate right) and broke, ``limit`` of each."""
+    column = f"{baseline}_correct"
+    known = table[table[column].notna()]
+    before = known[column].astype(bool)
+    after = known["candidate_correct"].astype(bool)
+
+    def listed(rows: pd.DataFrame) -> list[dict[str, Any]]:
+        return [{"problem_id": r["problem_id"], "data_source": r["data_source"], "ground_truth": r["ground_truth"],
+                 "candidate_response": r["candidate_response"]} for _, r in rows.head(limit).iterrows()]
+
+    fixed, broken = known[~before & after], known[before & ~after]
+    return {"baseline": baseline, "n_fixed": len(fixed), "n_broken": len(broken),
+            "fixed": listed(fixed), "broken": listed(broken)}
 
 
 # ----------------------------------------------------------------------------- the reward under test
@@ -383,11 +505,13 @@ def accuracy_bar_png(results: Mapping[str, EvalResult]) -> bytes:
     axes = figure.add_subplot(1, 1, 1)
     names = list(results)
     values = [results[name].accuracy for name in names]
-    bars = axes.bar(names, values, color=["#9aa5b1", "#2f80ed", "#27ae60"][: len(names)])
-    for bar, value in zip(bars, values):
-        axes.text(bar.get_x() + bar.get_width() / 2, value + 0.01, f"{value:.1%}", ha="center", fontsize=9)
+    errors = np.array([[value - (results[name].interval or (value, value))[0] for name, value in zip(names, values)],
+                       [(results[name].interval or (value, value))[1] - value for name, value in zip(names, values)]])
+    bars = axes.bar(names, values, yerr=errors, capsize=6, color=["#9aa5b1", "#f2994a", "#2f80ed"][: len(names)])
+    for bar, value, above in zip(bars, values, errors[1]):
+        axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
     axes.set_ylim(0, max(1.0, max(values, default=0) + 0.1))
-    axes.set_ylabel("greedy accuracy")
+    axes.set_ylabel("greedy accuracy (95% interval)")
     axes.set_title(f"validation accuracy (n={next(iter(results.values())).n if results else 0})")
     figure.tight_layout()
     return _png(figure)
@@ -397,12 +521,39 @@ def _img(png: bytes, alt: str) -> str:
     return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{base64.b64encode(png).decode()}"/>'
 
 
+def _interval(result: EvalResult) -> str:
+    if not result.interval:
+        return "n/a"
+    low, high = result.interval
+    return f"[{low:.1%}, {high:.1%}]"
+
+
+def _changed_html(changed: Mapping[str, Any], baseline_name: str) -> str:
+    parts = [f"<h2>Problems the new version fixed and broke (against the {html.escape(baseline_name)})</h2>",
+             f"<p id='changed-counts'>fixed {changed['n_fixed']}, broke {changed['n_broken']}; "
+             f"the first {CHANGED_SHOWN} of each:</p>",
+             "<table id='changed'><tr><th></th><th>problem</th><th>data source</th><th>ground truth</th>"
+             "<th>new response</th></tr>"]
+    for kind, css in (("fixed", "right"), ("broken", "wrong")):
+        for item in changed[kind]:
+            parts.append(f"<tr class='{css}'><td>{kind}</td><td>{html.escape(str(item['problem_id']))}</td>"
+                         f"<td>{html.escape(str(item['data_source']))}</td>"
+                         f"<td>{html.escape(str(item['ground_truth']))}</td>"
+                         f"<td><pre>{html.escape(str(item['candidate_response']))}</pre></td></tr>")
+    parts.append("</table>")
+    return "".join(parts)
+
+
 def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None = None,
-                    title: str = "Policy evaluation") -> str:
-    """A self-contained HTML page: the accuracy figure, the curves, and right and wrong examples."""
+                    title: str = "Policy evaluation", changed: Mapping[str, Any] | None = None,
+                    baseline_name: str = "base model", notes: Sequence[str] = ()) -> str:
+    """A self-contained HTML page: accuracy with its 95% interval per model, the problems the new
+    version fixed and broke (``changed``, from :func:`changed_problems`), the sampled metrics,
+    the training curves, and right and wrong examples."""
     rows = "".join(
-        f"<tr><td>{html.escape(name)}</td><td>{r.accuracy:.2%}</td><td>{r.n}</td><td>{r.mean_score:.3f}</td>"
-        f"<td>{r.mean_response_length:.1f}</td><td><code>{html.escape(r.model)}</code></td></tr>"
+        f"<tr><td>{html.escape(name)}</td><td>{r.accuracy:.2%}</td><td>{_interval(r)}</td><td>{r.n}</td>"
+        f"<td>{r.mean_score:.3f}</td><td>{r.mean_response_length:.1f}</td>"
+        f"<td><code>{html.escape(r.model)}</code></td></tr>"
         for name, r in results.items())
     parts = [
         f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
@@ -410,10 +561,23 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
         "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top} pre{white-space:pre-wrap;margin:0}"
         ".right{background:#eefbea}.wrong{background:#fdecea}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        "<table><tr><th>model</th><th>accuracy</th><th>prompts</th><th>mean reward</th>"
-        f"<th>mean response tokens</th><th>path</th></tr>{rows}</table>",
+        "<table id='accuracy'><tr><th>model</th><th>accuracy</th><th>95% interval</th><th>prompts</th>"
+        f"<th>mean reward</th><th>mean response tokens</th><th>path</th></tr>{rows}</table>",
+        "".join(f"<p>{html.escape(note)}</p>" for note in notes),
         _img(accuracy_bar_png(results), "accuracy"),
     ]
+    if changed is not None:
+        parts.append(_changed_html(changed, baseline_name))
+    sampled = {name: r.sampled for name, r in results.items() if r.sampled}
+    if sampled:
+        keys = sorted({key for values in sampled.values() for key in values})
+        parts.append("<h2>Sampled metrics (val_kwargs)</h2><table><tr><th>metric</th>" +
+                     "".join(f"<th>{html.escape(name)}</th>" for name in sampled) + "</tr>")
+        for key in keys:
+            cells = "".join(f"<td>{values[key]:.4f}</td>" if key in values else "<td></td>"
+                            for values in sampled.values())
+            parts.append(f"<tr><td><code>{html.escape(key)}</code></td>{cells}</tr>")
+        parts.append("</table>")
     if curves_png:
         parts += ["<h2>Training curves</h2>", _img(curves_png, "training curves")]
     for name, result in results.items():
@@ -440,12 +604,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-length", type=int, default=1024)
     parser.add_argument("--max-response-length", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
+    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left")
-    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size)
-    print(f"accuracy {result.accuracy:.2%} on {result.n} prompts ({result.model})")
+    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
+                             max_problems=args.max_problems, sample_seed=args.sample_seed)
+    low, high = result.interval
+    print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
+          f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
+          f"to +-{stats.half_width(result.n):.1%} (95%)")
     if args.html:
         Path(args.html).write_text(evaluation_html({"policy": result}))
         print(f"report: {args.html}")

@@ -27,7 +27,7 @@ CHAIN = [
     ("reward", "define_reward", "reward function identity, source hash, self-check"),
     ("smoke test", "smoke_test", "two PPO iterations on a tiny clone"),
     ("checkpoint", "train_ppo", "the trained policy"),
-    ("evaluation", "evaluate", "greedy accuracy of the policy and the base model"),
+    ("evaluation", "evaluate", "greedy accuracy with its interval, problem by problem, against base and production"),
     ("promotion", "promote", "the decision and its reason"),
 ]
 
@@ -138,7 +138,7 @@ _HIGHLIGHTS = {
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
     "smoke test": ("passed", "wall_s", "cloned", "parameters"),
     "checkpoint": ("steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started"),
-    "evaluation": ("accuracy", "base_accuracy", "n"),
+    "evaluation": ("accuracy", "accuracy_ci", "base_accuracy", "n", "budget", "val_fingerprint"),
     "promotion": ("promoted", "decision_reason"),
 }
 
@@ -146,6 +146,19 @@ _HIGHLIGHTS = {
 def _short(value: Any, width: int = 160) -> str:
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _changed_lines(metadata: Mapping[str, Any]) -> list[str]:
+    """The problems the version fixed and broke against what it was compared with, a few of each."""
+    if "n_fixed" not in metadata:
+        return []
+    lines = [f"      against the {metadata.get('compared_with', 'baseline')}: fixed {metadata['n_fixed']}, "
+             f"broke {metadata['n_broken']} problem(s)"]
+    for kind in ("fixed", "broken"):
+        for item in metadata.get(kind) or []:
+            lines.append(f"        {kind} {item['problem_id']} (answer {item['ground_truth']}): "
+                         f"{_short(item['candidate_response'], 80)!r}")
+    return lines
 
 
 def format_lineage(record: Mapping[str, Any]) -> str:
@@ -163,9 +176,11 @@ def format_lineage(record: Mapping[str, Any]) -> str:
         for key in _HIGHLIGHTS.get(link["stage"], ()):
             if key in link["metadata"]:
                 lines.append(f"      {key}: {_short(link['metadata'][key])}")
+        if link["stage"] == "evaluation":
+            lines += _changed_lines(link["metadata"])
     meta = record["model_version_metadata"]
     for key in ("dataset_fingerprint", "reward_sha256", "checkpoint_artifact_id", "accuracy", "baseline",
-                "baseline_accuracy", "previous_production_version"):
+                "baseline_accuracy", "previous_production_version", "gain", "gain_ci", "p_value", "alpha"):
         if key in meta:
             lines.append(f"   model version {key}: {_short(meta[key])}")
     return "\n".join(lines)

@@ -2,21 +2,29 @@
 
 The rule:
 
-* a candidate is compared with the current production version's accuracy; when there is no
-  production version yet (or it carries no accuracy), with the base model it was trained from;
-* it is promoted when it beats that baseline by at least ``min_improvement`` (an absolute
-  difference of accuracies, 0.02 = two points) and by more than nothing at all: a tie never
-  replaces production;
-* a run that did not train (retraining on unchanged data) is never promoted.
+* the candidate is compared problem by problem with the current production version on the same
+  validation problems; when there is no production version yet, with the base model it was
+  trained from (evaluated in the same run, on the same problems);
+* it is promoted only when its gain in accuracy is at least ``min_improvement`` (an absolute
+  difference, 0.02 = two points), more than nothing (a tie never replaces production), *and*
+  significant: McNemar's exact test on the problems where the two disagree gives ``p < alpha``.
+  On a few hundred problems a couple of points is noise; this gate says so instead of promoting;
+* a run that did not train (retraining on unchanged data) is never promoted, and neither is a
+  candidate that cannot be compared: production's evaluation was on other problems (their
+  fingerprints differ) or kept no per-problem results.
 
-Accuracies are shares in [0, 1]. Differences are compared with a tolerance of 1e-9 so that
-0.52 - 0.50 counts as the 0.02 it is.
+The reason states the gain, its ``1 - alpha`` confidence interval and the p-value. Accuracies are
+shares in [0, 1]; gains are compared with a tolerance of 1e-9 so that 0.52 - 0.50 counts as 0.02.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
+
+from rlhf_core.stats import PairedComparison, check_alpha, paired_comparison
 
 _TOLERANCE = 1e-9
 
@@ -32,6 +40,8 @@ class PromotionDecision:
     baseline_accuracy: float | None
     min_improvement: float
     production_version: str | None = None
+    alpha: float = 0.05
+    comparison: PairedComparison | None = None
 
     @property
     def improvement(self) -> float | None:
@@ -39,67 +49,141 @@ class PromotionDecision:
             return None
         return self.candidate_accuracy - self.baseline_accuracy
 
-    def to_dict(self) -> dict:
-        return {**asdict(self), "improvement": self.improvement}
+    def to_dict(self) -> dict[str, Any]:
+        record = {key: value for key, value in asdict(self).items() if key != "comparison"}
+        record["improvement"] = self.improvement
+        if self.comparison is not None:
+            c = self.comparison
+            record.update(p_value=c.p_value, gain_ci=[c.ci_low, c.ci_high], fixed=c.fixed, broken=c.broken,
+                          n_compared=c.n)
+        return record
 
 
-def _check_accuracy(name: str, value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= 1):
-        raise ValueError(f"{name}={value!r} must be an accuracy in [0, 1] (or None when unknown)")
+def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | None:
+    if values is None:
+        return None
+    values = list(values)
+    if not all(isinstance(v, bool) or v in (0, 1) for v in values):
+        raise ValueError(f"{name} must be per-problem correctness (true/false), got {values[:5]!r}...")
+    return [bool(v) for v in values]
+
+
+def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any] | None,
+                     production_version: str | None) -> tuple[dict[str, bool] | None, str | None]:
+    """Production's per-problem correctness on the candidate's problems, or why it cannot be compared.
+
+    ``candidate`` and ``production`` are evaluation records holding ``val_fingerprint`` and
+    ``problems`` (``{problem_id: correct}``). Returns ``(results, None)`` when they were evaluated on
+    the same problems, ``(None, refusal)`` otherwise.
+    """
+    label = f"production version {production_version}" if production_version else "the production version"
+    if production is None or not production.get("problems"):
+        return None, (f"{label} kept no per-problem evaluation results to pair with, so the candidate cannot be "
+                      "compared on the same problems; evaluate production on this validation set (or demote it)")
+    theirs, ours = production.get("val_fingerprint"), candidate.get("val_fingerprint")
+    if theirs != ours:
+        return None, (f"{label} was evaluated on other validation problems (fingerprint {str(theirs)[:12]} vs "
+                      f"{str(ours)[:12]} here): use the same val_files and evaluate max_problems / sample_seed "
+                      "as production's run, or evaluate production on this set")
+    results = production["problems"]
+    missing = [pid for pid in candidate["problems"] if pid not in results]
+    if missing:
+        return None, f"{label} has no result for problem(s) {missing[:5]} although the fingerprints match"
+    return {pid: bool(results[pid]) for pid in candidate["problems"]}, None
 
 
 def decide(
-    candidate_accuracy: float | None,
-    base_accuracy: float | None,
-    production_accuracy: float | None = None,
+    candidate: Sequence[bool] | None,
+    base: Sequence[bool] | None,
+    production: Sequence[bool] | None = None,
     production_version: str | None = None,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
     skipped_reason: str | None = None,
+    refusal: str | None = None,
 ) -> PromotionDecision:
     """Decide whether the candidate goes to production.
 
     Args:
-        candidate_accuracy: greedy validation accuracy of the newly trained policy.
-        base_accuracy: the same measure for the model training started from.
-        production_accuracy: the current production version's accuracy, None when there is
-            none (or it was never measured).
+        candidate: per-problem greedy correctness of the newly trained policy.
+        base: the same for the model training started from, on the same problems (same order).
+        production: the same for the current production version, None when there is none.
         production_version: its name or number, for the reason text.
-        min_improvement: the margin the candidate must beat the baseline by (>= 0).
+        min_improvement: the margin (absolute accuracy) the candidate must gain over the baseline (>= 0).
+        alpha: significance level of McNemar's exact test, in (0, 1).
         skipped_reason: set when the run did not train; the candidate is then never promoted.
+        refusal: set when production exists but cannot be compared (see :func:`match_production`).
     """
-    if min_improvement < 0 or not math.isfinite(min_improvement):
+    if not (isinstance(min_improvement, (int, float)) and math.isfinite(min_improvement) and min_improvement >= 0):
         raise ValueError(f"min_improvement={min_improvement!r} must be a finite number >= 0")
-    for name, value in (("candidate_accuracy", candidate_accuracy), ("base_accuracy", base_accuracy),
-                        ("production_accuracy", production_accuracy)):
-        _check_accuracy(name, value)
+    check_alpha(alpha, "promotion alpha")
+    candidate, base, production = (_check_results(name, values) for name, values in
+                                   (("candidate", candidate), ("base", base), ("production", production)))
 
-    if production_accuracy is not None:
-        baseline, baseline_accuracy = "production", production_accuracy
+    if production is not None or refusal:
+        baseline, baseline_results = "production", production
         label = f"production version {production_version}" if production_version else "the production version"
-    elif base_accuracy is not None:
-        baseline, baseline_accuracy = "base_model", base_accuracy
-        label = "the base model (no production version yet)"
+    elif base is not None:
+        baseline, baseline_results, label = "base_model", base, "the base model (no production version yet)"
     else:
-        baseline, baseline_accuracy, label = "none", None, ""
+        baseline, baseline_results, label = "none", None, ""
 
-    def outcome(promote: bool, reason: str) -> PromotionDecision:
-        return PromotionDecision(promote, reason, candidate_accuracy, baseline, baseline_accuracy,
-                                 min_improvement, production_version)
+    def accuracy(values: list[bool] | None) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    def outcome(promote: bool, reason: str, comparison: PairedComparison | None = None) -> PromotionDecision:
+        return PromotionDecision(promote, reason, accuracy(candidate), baseline, accuracy(baseline_results),
+                                 min_improvement, production_version, alpha, comparison)
 
     if skipped_reason:
         return outcome(False, f"not promoted: training was skipped ({skipped_reason})")
-    if candidate_accuracy is None:
-        return outcome(False, "not promoted: the candidate has no accuracy (evaluation did not run)")
-    if baseline_accuracy is None:
-        return outcome(False, "not promoted: there is neither a production version nor a base model accuracy "
+    if refusal:
+        return outcome(False, f"not promoted: cannot compare with production: {refusal}")
+    if not candidate:
+        return outcome(False, "not promoted: the candidate has no per-problem results (evaluation did not run)")
+    if baseline_results is None:
+        return outcome(False, "not promoted: there is neither a production version nor a base model evaluation "
                               "to compare with")
 
-    improvement = candidate_accuracy - baseline_accuracy
-    numbers = (f"accuracy {candidate_accuracy:.4f} vs {baseline_accuracy:.4f} of {label}: "
-               f"{improvement:+.4f}, required " +
-               (f">= {min_improvement:.4f}" if min_improvement > _TOLERANCE else "> 0 (any gain)"))
-    if improvement > _TOLERANCE and improvement >= min_improvement - _TOLERANCE:
-        return outcome(True, f"promoted: {numbers}")
-    if improvement <= _TOLERANCE and min_improvement <= _TOLERANCE:
-        return outcome(False, f"not promoted: no improvement ({numbers})")
-    return outcome(False, f"not promoted: improvement too small ({numbers})")
+    c = paired_comparison(candidate, baseline_results, alpha)
+    required = f">= {min_improvement:.4f}" if min_improvement > _TOLERANCE else "> 0 (any gain)"
+    numbers = (f"accuracy {c.candidate_accuracy:.4f} vs {c.baseline_accuracy:.4f} of {label} on the same "
+               f"{c.n} problems: gain {c.gain:+.4f}, {100 * (1 - alpha):g}% CI [{c.ci_low:+.4f}, {c.ci_high:+.4f}], "
+               f"McNemar exact p = {c.p_value:.4g} ({c.fixed} fixed, {c.broken} broken); required gain {required} "
+               f"and p < {alpha:g}")
+    if c.gain <= _TOLERANCE:
+        return outcome(False, f"not promoted: no improvement ({numbers})", c)
+    if c.gain < min_improvement - _TOLERANCE:
+        return outcome(False, f"not promoted: improvement too small ({numbers})", c)
+    if not c.significant:
+        return outcome(False, f"not promoted: the gain is not significant, within the noise of {c.n} problems "
+                              f"({numbers})", c)
+    return outcome(True, f"promoted: {numbers}", c)
+
+
+def decide_from_evaluation(evaluation: Mapping[str, Any], production_version: str | None,
+                           min_improvement: float = 0.0, alpha: float = 0.05,
+                           skipped_reason: str | None = None) -> PromotionDecision:
+    """:func:`decide` on the evaluate step's record: per-problem results of the candidate (``problems``),
+    the base model (``base_problems``) and production (``production_results``, or the
+    ``production_refusal`` why not), all keyed by problem id. ``production_version`` is the production
+    version now; if it is not the one the evaluation paired with, production changed during the run
+    and the comparison is refused."""
+    problems = evaluation.get("problems") or {}
+    refusal = evaluation.get("production_refusal")
+    paired_with = evaluation.get("production_version")
+    if production_version is not None and not skipped_reason and paired_with != production_version:
+        refusal = (f"production is version {production_version} but the evaluation was paired with "
+                   f"{'version ' + str(paired_with) if paired_with else 'no production version'}: production "
+                   "changed during this run; run it again")
+    production = evaluation.get("production_results")
+    return decide(
+        candidate=list(problems.values()) if problems else None,
+        base=[evaluation["base_problems"][pid] for pid in problems] if problems else None,
+        production=[production[pid] for pid in problems] if production and not refusal else None,
+        production_version=production_version,
+        min_improvement=min_improvement,
+        alpha=alpha,
+        skipped_reason=skipped_reason,
+        refusal=refusal,
+    )

@@ -37,6 +37,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
+from rlhf_core.stats import validation_metrics, vote_answer
 from rlhf_core.training import checkpoint
 from rlhf_core.training.guards import (
     Guard,
@@ -275,32 +276,30 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """Greedy (val_kwargs) accuracy and reward on the validation set, per data source."""
+        """Accuracy and reward on the validation set with val_kwargs, per data source: ``mean@n`` and,
+        with ``n > 1``, ``best@n`` and ``maj@n``, with their standard errors (:func:`validation_metrics`)."""
         if self.val_dataset is None:
             return {}
         size = self.config.data.val_batch_size or len(self.val_dataset)
         params = self._val_params()
-        acc: dict[str, list[float]] = {}
-        score: dict[str, list[float]] = {}
+        sources, prompts, acc, score, answers = [], [], [], [], []
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         for start in range(0, len(self.val_dataset), size):
             rows = list(range(start, min(start + size, len(self.val_dataset))))
             batch = self.actor.generate(self.val_dataset.collate(rows), params)
             extras = self._score(batch)
-            for source, a, s in zip(batch.meta["data_source"], extras["acc"], extras["score"]):
-                acc.setdefault(source, []).append(float(a))
-                score.setdefault(source, []).append(float(s))
+            sources += batch.meta["data_source"]
+            prompts += batch.meta["uid"]
+            acc += [float(a) for a in extras["acc"]]
+            score += [float(s) for s in extras["score"]]
+            answers += [vote_answer(text) for text in extras["responses"]]
             for key in REWARD_MODEL_KEYS:
                 for source, value in zip(batch.meta["data_source"], extras.get(key, [])):
                     apart.setdefault((key, source), []).append(float(value))
-        n = params.n
-        metrics = {}
-        for source in acc:
-            metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(acc[source]))
-            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(score[source]))
+        metrics = validation_metrics(sources, prompts, acc, score, answers)
         for (key, source), values in apart.items():  # the proxy (reward) and the gold side by side
             section = "val-core" if key == "gold_reward" else "val-aux"
-            metrics[f"{section}/{source}/{key}/mean@{n}"] = float(np.mean(values))
+            metrics[f"{section}/{source}/{key}/mean@{params.n}"] = float(np.mean(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:

@@ -1,0 +1,146 @@
+"""Policy evaluation on a tiny random model: the cap, the fingerprint, every problem kept, sampled
+metrics, the report, bad input; and two evaluations of one model under different seeds."""
+
+from __future__ import annotations
+
+import functools
+
+import pandas as pd
+import pytest
+
+from rlhf_core.config import DataConfig, ValKwargsConfig
+from rlhf_core.data.dataset import DataError
+from rlhf_core.pipeline.evaluate import changed_problems, evaluate_policy, evaluation_html, per_problem_table
+from rlhf_core.pipeline.promotion import decide
+
+
+def digit_first(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str[:1].isdigit() else 0.0
+
+
+@functools.cache
+def _setup(root):
+    from pathlib import Path
+
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.models.toy import random_toy_model
+
+    root = Path(root)
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    data = build_dataset(root / "data", n_train=8, n_test=40, seed=0, max_ops=1)
+    frame = pd.read_parquet(data["test"])  # two data sources, 30 and 10 problems
+    frame["data_source"] = ["synthetic/a"] * 30 + ["synthetic/b"] * 10
+    frame.to_parquet(root / "val.parquet", index=False)
+    return model, root / "val.parquet"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return _setup(str(tmp_path_factory.mktemp("evaluate")))
+
+
+DATA = DataConfig(max_prompt_length=320, max_response_length=4)
+
+
+def test_a_capped_evaluation_keeps_each_source_share_and_every_problem(setup):
+    model, val = setup
+    result = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, batch_size=7, max_problems=8)
+    assert (result.n, result.total_problems) == (8, 40)
+    sources = [row["data_source"] for row in result.problems]
+    assert sources.count("synthetic/a") == 6 and sources.count("synthetic/b") == 2
+    assert result.accuracy == sum(row["correct"] for row in result.problems) / 8
+    assert all(row["correct"] == (row["response"][:1].isdigit()) for row in result.problems)
+    low, high = result.interval
+    assert low <= result.accuracy <= high
+    again = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, batch_size=64, max_problems=8)
+    assert again.val_fingerprint == result.val_fingerprint  # same cap and seed: the same problems
+    assert [row["response"] for row in again.problems] == [row["response"] for row in result.problems]
+    other = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=8, sample_seed=1)
+    assert other.val_fingerprint != result.val_fingerprint
+
+
+def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setup):
+    model, val = setup
+    greedy = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10)
+    sampled = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10,
+                              val_kwargs=ValKwargsConfig(do_sample=True, temperature=1.0, n=3), seed=5)
+    assert sampled.accuracy == greedy.accuracy
+    metrics = sampled.sampled
+    for source, count in (("synthetic/a", 8), ("synthetic/b", 2)):
+        rows = [row for row in sampled.problems if row["data_source"] == source]
+        assert len(rows) == count
+        assert metrics[f"val-core/{source}/acc/mean@3"] == pytest.approx(sum(r["mean@3"] for r in rows) / count)
+        assert metrics[f"val-core/{source}/acc/best@3/mean"] >= metrics[f"val-core/{source}/acc/mean@3"]
+        assert f"val-core/{source}/acc/maj@3/mean" in metrics and f"val-aux/{source}/acc/maj@3/std" in metrics
+    assert not greedy.sampled
+
+
+def test_two_evaluations_of_one_model_under_different_seeds_are_not_promoted(setup):
+    model, val = setup
+    runs = [evaluate_policy(model, str(val), DATA, reward_fn=digit_first, seed=seed,
+                            val_kwargs=ValKwargsConfig(do_sample=True, temperature=1.0, n=1)) for seed in (1, 2)]
+    first, second = ([row["mean@1"] == 1.0 for row in run.problems] for run in runs)
+    assert first != second  # the seeds do change the answers ...
+    decision = decide(second, first, production=first)
+    assert not decision.promote  # ... but not enough to call it progress
+    assert "p = " in decision.reason
+
+
+def test_report_shows_intervals_and_what_was_fixed_and_broken(setup):
+    model, val = setup
+    base = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=6)
+    candidate = evaluate_policy(model, str(val), DATA, reward_fn=lambda **kw: 1.0 - digit_first(**kw),
+                                max_problems=6)
+    table = per_problem_table(candidate, base)
+    assert list(table["candidate_correct"]) == [not v for v in table["base_correct"]]
+    changed = changed_problems(table, "base", limit=2)
+    assert changed["n_fixed"] == int((~table["base_correct"]).sum())
+    assert changed["n_broken"] == int(table["base_correct"].sum())
+    assert len(changed["fixed"]) == min(2, changed["n_fixed"])
+    page = evaluation_html({"base model": base, "trained policy": candidate}, changed=changed)
+    low, high = candidate.interval
+    assert f"<td>{candidate.accuracy:.2%}</td><td>[{low:.1%}, {high:.1%}]</td><td>6</td>" in page
+    assert f"fixed {changed['n_fixed']}, broke {changed['n_broken']}" in page
+    for item in changed["fixed"]:
+        assert f"<td>fixed</td><td>{item['problem_id']}</td>" in page
+
+
+def test_a_validation_set_without_ground_truths_cannot_be_scored(setup, tmp_path):
+    model, val = setup
+    frame = pd.read_parquet(val)
+    frame["reward_model"] = [{"style": "rule", "ground_truth": None}] * len(frame)
+    frame.to_parquet(tmp_path / "no_truth.parquet", index=False)
+    with pytest.raises(DataError, match=r"row 0: reward_model.ground_truth is missing"):
+        evaluate_policy(model, str(tmp_path / "no_truth.parquet"), DATA, reward_fn=digit_first)
+
+
+def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_path):
+    import math
+
+    from rlhf_core.config import load_config
+    from rlhf_core.main_ppo import build_trainer
+
+    model, val = setup
+    reward = tmp_path / "digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={val}", f"data.val_files={val}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=1",
+        "actor_rollout_ref.rollout.val_kwargs.n=3", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+        f"trainer.default_local_dir={tmp_path / 'out'}", "trainer.logger=[file]",
+        f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
+    ], notice=lambda _notice: None)
+    metrics = build_trainer(cfg).validate()
+    for source, prompts in (("synthetic/a", 30), ("synthetic/b", 10)):
+        mean, best, vote = (metrics[f"val-core/{source}/acc/{name}"] for name in ("mean@3", "best@3/mean", "maj@3/mean"))
+        assert 0 <= mean <= best <= 1 and 0 <= vote <= best
+        assert round(mean * 3 * prompts, 6) == int(round(mean * 3 * prompts))  # whole responses right
+        for name, share in (("best@3", best), ("maj@3", vote)):  # per-prompt 0/1: sqrt(p (1 - p) / m)
+            assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
+        assert f"val-core/{source}/reward/mean@3" in metrics
+    assert len(metrics) == 2 * 7
