@@ -78,8 +78,8 @@ RESUME_SAFE_KEYS = (
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
     "trainer.ray_address", "trainer.profile_steps", "trainer.profile_dir",
-    "data.val_files", "data.val_batch_size",
-    "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes) "actor_rollout_ref.rollout.val_kwargs.*",
+    "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
+    "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
     "*.ppo_micro_batch_size_per_gpu", "*.log_prob_micro_batch_size_per_gpu", "*.ppo_max_token_len_per_gpu",
     "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
