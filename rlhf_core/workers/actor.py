@@ -206,7 +206,8 @@ class ActorWorker(CheckpointableWorker):
             for start in range(0, len(batch), mini_rows):
                 mini = batch.select(order[start:start + mini_rows])
                 token_count, seq_count = global_token_counts(mini)
-                counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1)}
+                counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1),
+                             "loss_scale_factor": cfg.loss_scale_factor}
                 self.optimizer.zero_grad(set_to_none=True)
                 summed: dict[str, float] = {}  # this rank's share of each mini-batch metric; summed over ranks
                 constant: dict[str, float] = {}
@@ -225,10 +226,11 @@ class ActorWorker(CheckpointableWorker):
                         summed["actor/entropy"] = summed.get("actor/entropy", 0.0) + entropy_sum
                     else:
                         old_log_prob = mb["old_log_prob"]
-                    pg_loss, pg_metrics = algos.compute_policy_loss(
+                    policy_loss = algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
+                    pg_loss, pg_metrics = policy_loss(
                         old_log_prob, log_prob, mb["advantages"], mask,
                         cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                        cfg.loss_agg_mode, **counts_kw,
+                        cfg.loss_agg_mode, rollout_is_weights=mb.tensors.get("rollout_is_weights"), **counts_kw,
                     )
                     loss = pg_loss
                     share = float(mask.sum()) / max(token_count, 1)  # this micro-batch's share of the tokens
