@@ -1,6 +1,6 @@
 """Learning proof: PPO lifts the warm-started tiny model's greedy accuracy on held-out problems.
 
-For each run (gae, grpo, gae + KL loss) the same warm-started demo model trains for a wall-clock
+For each run (gae, grpo, gae + KL loss, and the dapo and gspo recipes) the same warm-started demo model trains for a wall-clock
 budget on synthetic arithmetic prompts; greedy accuracy is measured before and after on 1,000
 problems held out from both the warm start and the RL prompts, and at the end the KL of the policy
 to the base model on its own samples. Prints one line per run:
@@ -9,7 +9,7 @@ to the base model on its own samples. Prints one line per run:
 
 and saves the reward and accuracy curves as a PNG.
 
-    python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss] [--out bench/results]
+    python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss,dapo,gspo] [--out bench/results] [--model DIR]
 """
 
 from __future__ import annotations
@@ -33,6 +33,17 @@ RUNS = {
     "gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false"],
     "kl_loss": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"],
+    # DAPO (Yu et al. 2025): no KL, clip-higher, token-mean loss, dynamic sampling, overlong shaping
+    "dapo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false",
+             "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+             "actor_rollout_ref.actor.loss_agg_mode=token-mean", "algorithm.filter_groups.enable=true",
+             "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+             "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=16",
+             "reward_model.overlong_buffer.penalty_factor=1.0"],
+    # GSPO (Zheng et al. 2025): GRPO advantages, the sequence-level ratio with the paper's clip range
+    "gspo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false",
+             "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+             "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
 }
 
 
@@ -143,11 +154,13 @@ def main() -> None:
     parser.add_argument("--n-val", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--model", default=None, help="a built demo model directory (default: the cached "
+                                                       "build of preset demo, built on first use)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)
     out = Path(args.out)
-    model = ensure_toy_model("demo")
+    model = Path(args.model) if args.model else ensure_toy_model("demo")
     train, val = prepare_data(out / "data", n_train=20000, n_val=args.n_val, seed=args.seed)
     results = []
     for name in args.runs.split(","):

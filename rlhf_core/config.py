@@ -118,8 +118,8 @@ class FSDPConfig:
 
 @dataclass
 class PolicyLossConfig:
-    loss_mode: str = _k("vanilla", "vanilla (PPO clip) | gspo (sequence-level ratio) | cispo (clipped, detached IS "
-                                   "weight)")
+    loss_mode: str = _k("vanilla", "vanilla (PPO clip) | gspo (sequence-level ratio; always seq-mean-token-mean) | "
+                                   "cispo (truncated, detached IS weight)")
 
 
 @dataclass
