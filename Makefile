@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
+DEMO_PREFERENCES := outputs/data/preference_synthetic
 
-.PHONY: setup test lint clean demo demo-assets demo-train bench bench-setup
+.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup
 
 setup: $(STAMP)
 
@@ -40,6 +41,14 @@ demo: demo-assets
 	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
 		-c configs/demo_cpu.yaml --stack default
 	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
+
+# RLHF from preferences: synthetic pairs, a reward model trained from the demo model, PPO against it.
+demo-rm: demo-assets
+	@[ -f $(DEMO_PREFERENCES)/train.parquet ] || $(PY) -m rlhf_core.data.preference --synthetic \
+		--output $(DEMO_PREFERENCES)
+	@[ -d .zen ] || $(VENV)/bin/zenml init
+	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
+		-c configs/demo_rm_cpu.yaml --stack default
 
 # The PPO trainer alone on the demo config (verl-style command line).
 demo-train: demo-assets

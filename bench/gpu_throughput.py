@@ -26,7 +26,7 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models import toy
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,17 +63,16 @@ def run(engine: str, model: Path, work: Path, args) -> dict:
         "actor_rollout_ref.model.dtype=bfloat16", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
         "trainer.logger=[]", f"trainer.default_local_dir={work / engine}", "trainer.val_before_train=false",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-    trainer = build_trainer(cfg)
-    rows = []
-    for step in range(args.warmup + args.steps):
-        _, batch_rows = trainer.sampler.next_batch()
-        metrics = trainer.train_step(trainer.train_dataset.collate(batch_rows))
-        trainer.global_step += 1
-        print(f"[{engine}] step {step + 1}: {metrics['timing_s/step']:.1f} s, "
-              f"{metrics['perf/throughput']:.0f} tokens/s/GPU", flush=True)
-        if step >= args.warmup:
-            rows.append(metrics)
-    trainer.close()
+    with trainer_session(cfg) as trainer:
+        rows = []
+        for step in range(args.warmup + args.steps):
+            _, batch_rows = trainer.sampler.next_batch()
+            metrics = trainer.train_step(trainer.train_dataset.collate(batch_rows))
+            trainer.global_step += 1
+            print(f"[{engine}] step {step + 1}: {metrics['timing_s/step']:.1f} s, "
+                  f"{metrics['perf/throughput']:.0f} tokens/s/GPU", flush=True)
+            if step >= args.warmup:
+                rows.append(metrics)
     del trainer
     torch.cuda.empty_cache()
     return {key: statistics.median(r[key] for r in rows) for key in

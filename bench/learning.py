@@ -25,7 +25,7 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.data.schema import make_record
 from rlhf_core.data.synthetic import DATA_SOURCE, generate_problems
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models.toy import ensure_toy_model, heldout_problems, preset_settings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,30 +93,30 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
         "data.val_batch_size=500", *RUNS[name], *extra,
     ]
     cfg = load_config(overrides, config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-    trainer = build_trainer(cfg)
-    before = trainer.val_accuracy(trainer.validate())
-    curve, budget, start = [], minutes * 60, time.perf_counter()
-    checkpoints = {budget * f for f in (0.25, 0.5, 0.75)}
-    acc_curve = [(0, 0.0, before)]
-    train_seconds = 0.0
-    while train_seconds < budget:
-        _, rows = trainer.sampler.next_batch()
-        metrics = trainer.train_step(trainer.train_dataset.collate(rows))
-        trainer.global_step += 1
-        train_seconds += metrics["timing_s/step"]
-        curve.append({"step": trainer.global_step, "seconds": train_seconds,
-                      "score": metrics["critic/score/mean"], "kl_loss": metrics.get("actor/kl_loss")})
-        for mark in sorted(checkpoints):
-            if train_seconds >= mark:
-                checkpoints.discard(mark)
-                acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(trainer.validate())))
-        print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f}",
-              flush=True)
-    after = trainer.val_accuracy(trainer.validate())
-    acc_curve.append((trainer.global_step, train_seconds, after))
-    return {"name": name, "before": before, "after": after, "steps": trainer.global_step,
-            "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - start,
-            "kl_to_base": kl_to_base(trainer, model), "curve": curve, "acc_curve": acc_curve}
+    with trainer_session(cfg) as trainer:
+        before = trainer.val_accuracy(trainer.validate())
+        curve, budget, start = [], minutes * 60, time.perf_counter()
+        checkpoints = {budget * f for f in (0.25, 0.5, 0.75)}
+        acc_curve = [(0, 0.0, before)]
+        train_seconds = 0.0
+        while train_seconds < budget:
+            _, rows = trainer.sampler.next_batch()
+            metrics = trainer.train_step(trainer.train_dataset.collate(rows))
+            trainer.global_step += 1
+            train_seconds += metrics["timing_s/step"]
+            curve.append({"step": trainer.global_step, "seconds": train_seconds,
+                          "score": metrics["critic/score/mean"], "kl_loss": metrics.get("actor/kl_loss")})
+            for mark in sorted(checkpoints):
+                if train_seconds >= mark:
+                    checkpoints.discard(mark)
+                    acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(trainer.validate())))
+            print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f}",
+                  flush=True)
+        after = trainer.val_accuracy(trainer.validate())
+        acc_curve.append((trainer.global_step, train_seconds, after))
+        return {"name": name, "before": before, "after": after, "steps": trainer.global_step,
+                "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - start,
+                "kl_to_base": kl_to_base(trainer, model), "curve": curve, "acc_curve": acc_curve}
 
 
 def summary_line(r: dict) -> str:

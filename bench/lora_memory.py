@@ -29,7 +29,7 @@ def child(args) -> None:
     import torch
 
     from rlhf_core.config import load_config
-    from rlhf_core.main_ppo import build_trainer
+    from rlhf_core.main_ppo import trainer_session
 
     torch.set_num_threads(args.threads)
     work = Path(args.work)
@@ -45,14 +45,14 @@ def child(args) -> None:
         "trainer.val_before_train=false", "trainer.logger=[]", f"trainer.default_local_dir={work / 'out'}",
         *(lora if args.variant == "lora" else []),
     ])
-    trainer = build_trainer(cfg)
-    loaded = peak_rss_mib()
-    trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
-    prompts = trainer.train_dataset.collate([0, 1])
-    for _ in range(args.steps):
-        trainer.train_step(prompts)
-    print(json.dumps({"loaded_mib": loaded, "peak_mib": peak_rss_mib(), "actor_trainable": trainable,
-                      "state_mib": state_mib(trainer)}))
+    with trainer_session(cfg) as trainer:
+        loaded = peak_rss_mib()
+        trainable = sum(p.numel() for p in trainer.actor.module.parameters() if p.requires_grad)
+        prompts = trainer.train_dataset.collate([0, 1])
+        for _ in range(args.steps):
+            trainer.train_step(prompts)
+        print(json.dumps({"loaded_mib": loaded, "peak_mib": peak_rss_mib(), "actor_trainable": trainable,
+                          "state_mib": state_mib(trainer)}))
 
 
 def state_mib(trainer) -> float:

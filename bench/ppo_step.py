@@ -23,7 +23,7 @@ import torch
 from rlhf_core import algos
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models.loading import load_critic
 from rlhf_core.models.toy import ensure_toy_model, random_toy_model
 
@@ -153,14 +153,13 @@ def growth(model: Path, work: Path, args) -> None:
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch // 2}",
             f"critic.ppo_micro_batch_size_per_gpu={batch // 2}", *args.overrides,
         ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-        trainer = build_trainer(cfg)
-        prompts = trainer.train_dataset.collate(list(range(batch)))
-        runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
-        step = statistics.median(r["timing_s/step"] for r in runs)
-        tokens = statistics.median(r["perf/total_num_tokens"] for r in runs)
-        response_tokens = statistics.median(r["response_length/mean"] for r in runs) * batch * cfg.actor_rollout_ref.rollout.n
-        rows.append((label, batch, response, step, tokens, response_tokens))
-        trainer.close()
+        with trainer_session(cfg) as trainer:
+            prompts = trainer.train_dataset.collate(list(range(batch)))
+            runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+            step = statistics.median(r["timing_s/step"] for r in runs)
+            tokens = statistics.median(r["perf/total_num_tokens"] for r in runs)
+            response_tokens = statistics.median(r["response_length/mean"] for r in runs) * batch * cfg.actor_rollout_ref.rollout.n
+            rows.append((label, batch, response, step, tokens, response_tokens))
     _, _, _, step0, tokens0, response0 = rows[0]
     print(f"\ngrowth (model {model.name}, {args.iters} iterations after {args.warmup} warm-up each)")
     print(f"{'shape':<13}{'prompts':>8}{'resp':>6}{'step s':>9}{'x time':>8}{'x tokens':>10}{'x resp tok':>11}"
@@ -196,52 +195,52 @@ def main() -> None:
                        f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
                        f"trainer.default_local_dir={work / 'out'}", *args.overrides],
                       config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-    trainer = build_trainer(cfg)
-    prompts = trainer.train_dataset.collate(list(range(cfg.data.train_batch_size)))
-    n_params = sum(p.numel() for p in trainer.actor.module.parameters())
+    with trainer_session(cfg) as trainer:
+        prompts = trainer.train_dataset.collate(list(range(cfg.data.train_batch_size)))
+        n_params = sum(p.numel() for p in trainer.actor.module.parameters())
 
-    ours = []
-    for i in range(args.warmup + args.iters):
-        metrics = trainer.train_step(prompts)
-        if i >= args.warmup:
-            ours.append(metrics)
-    peak_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        ours = []
+        for i in range(args.warmup + args.iters):
+            metrics = trainer.train_step(prompts)
+            if i >= args.warmup:
+                ours.append(metrics)
+        peak_ours = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
-    from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-    actor = AutoModelForCausalLM.from_pretrained(str(model)).eval()
-    ref = AutoModelForCausalLM.from_pretrained(str(model)).eval()
-    critic = load_critic(model)
-    actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_rollout_ref.actor.optim.lr)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.optim.lr)
-    floor = []
-    for i in range(args.warmup + args.iters):
-        times = floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
-        if i >= args.warmup:
-            floor.append(times)
+        actor = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+        ref = AutoModelForCausalLM.from_pretrained(str(model)).eval()
+        critic = load_critic(model)
+        actor_opt = torch.optim.AdamW(actor.parameters(), lr=cfg.actor_rollout_ref.actor.optim.lr)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic.optim.lr)
+        floor = []
+        for i in range(args.warmup + args.iters):
+            times = floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
+            if i >= args.warmup:
+                floor.append(times)
 
-    def med(rows, key):
-        return statistics.median(r[key] for r in rows)
+        def med(rows, key):
+            return statistics.median(r[key] for r in rows)
 
-    print(f"model: {model} ({n_params / 1e6:.2f}M parameters), batch {cfg.data.train_batch_size} prompts x "
-          f"{cfg.actor_rollout_ref.rollout.n} samples, response <= {cfg.data.max_response_length} tokens, "
-          f"{args.iters} iterations after {args.warmup} warm-up, {args.threads} threads")
-    print(f"{'phase':<15}{'ours s':>10}{'floor s':>10}{'ratio':>8}")
-    for phase in PHASES:
-        o = med(ours, f"timing_s/{phase}") if f"timing_s/{phase}" in ours[0] else 0.0
-        f = med(floor, phase)
-        print(f"{phase:<15}{o:>10.3f}{f:>10.3f}{(o / f if f else float('nan')):>8.2f}")
-    step_ours, step_floor = med(ours, "timing_s/step"), med(floor, "step")
-    gen_share = med(ours, "timing_s/gen") / step_ours
-    tokens_ours = med(ours, "perf/total_num_tokens") / step_ours
-    tokens_floor = med(floor, "tokens") / step_floor
-    print(f"step: ours {step_ours:.3f} s, floor {step_floor:.3f} s")
-    print(f"tokens/s: ours {tokens_ours:.0f}, floor {tokens_floor:.0f}")
-    print(f"generation share of the step: {gen_share:.0%} (training {1 - gen_share:.0%})")
-    print(f"peak RSS after our iterations: {peak_ours:.2f} GiB")
-    print(f"response tokens per step: ours {med(ours, 'response_length/mean') * len(prompts) * cfg.actor_rollout_ref.rollout.n:.0f}, "
-          f"floor {med(floor, 'response_tokens'):.0f}")
-    print(f"trainer/floor: {step_ours / step_floor:.2f}")
+        print(f"model: {model} ({n_params / 1e6:.2f}M parameters), batch {cfg.data.train_batch_size} prompts x "
+              f"{cfg.actor_rollout_ref.rollout.n} samples, response <= {cfg.data.max_response_length} tokens, "
+              f"{args.iters} iterations after {args.warmup} warm-up, {args.threads} threads")
+        print(f"{'phase':<15}{'ours s':>10}{'floor s':>10}{'ratio':>8}")
+        for phase in PHASES:
+            o = med(ours, f"timing_s/{phase}") if f"timing_s/{phase}" in ours[0] else 0.0
+            f = med(floor, phase)
+            print(f"{phase:<15}{o:>10.3f}{f:>10.3f}{(o / f if f else float('nan')):>8.2f}")
+        step_ours, step_floor = med(ours, "timing_s/step"), med(floor, "step")
+        gen_share = med(ours, "timing_s/gen") / step_ours
+        tokens_ours = med(ours, "perf/total_num_tokens") / step_ours
+        tokens_floor = med(floor, "tokens") / step_floor
+        print(f"step: ours {step_ours:.3f} s, floor {step_floor:.3f} s")
+        print(f"tokens/s: ours {tokens_ours:.0f}, floor {tokens_floor:.0f}")
+        print(f"generation share of the step: {gen_share:.0%} (training {1 - gen_share:.0%})")
+        print(f"peak RSS after our iterations: {peak_ours:.2f} GiB")
+        print(f"response tokens per step: ours {med(ours, 'response_length/mean') * len(prompts) * cfg.actor_rollout_ref.rollout.n:.0f}, "
+              f"floor {med(floor, 'response_tokens'):.0f}")
+        print(f"trainer/floor: {step_ours / step_floor:.2f}")
     if args.growth:
         growth(random_toy_model(work / "growth_model", n_layers=args.layers, hidden_size=args.hidden, seed=0),
                work, args)

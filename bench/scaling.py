@@ -26,7 +26,7 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models.toy import random_toy_model
 
 
@@ -49,8 +49,7 @@ def overrides(work: Path, model: Path, args, workers: int) -> list[str]:
 
 def measure(work: Path, model: Path, args, workers: int, group: bool) -> dict[str, float]:
     """Median step seconds and tokens/s over ``args.iters`` steps on one fixed batch, after warm-up."""
-    trainer = build_trainer(load_config(overrides(work, model, args, workers)), use_worker_group=group)
-    try:
+    with trainer_session(load_config(overrides(work, model, args, workers)), use_worker_group=group) as trainer:
         prompts = trainer.train_dataset.collate(list(range(args.batch)))
         steps, tokens = [], []
         for i in range(args.warmup + args.iters):
@@ -60,8 +59,6 @@ def measure(work: Path, model: Path, args, workers: int, group: bool) -> dict[st
                 tokens.append(metrics["perf/total_num_tokens"] / metrics["timing_s/step"])
         return {"step_s": statistics.median(steps), "tokens_per_s": statistics.median(tokens),
                 "gen_s": metrics["timing_s/gen"], "update_s": metrics["timing_s/update_actor"]}
-    finally:
-        trainer.close()
 
 
 def _matmuls(_: int = 0) -> float:

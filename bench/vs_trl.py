@@ -31,7 +31,7 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models.toy import ensure_toy_model, random_toy_model
 from rlhf_core.rewards.gsm8k import compute_score
 
@@ -52,20 +52,20 @@ def run_ours(model: Path, data: Path, args) -> dict:
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.logger=[]",
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-    trainer = build_trainer(cfg)
-    times, tokens, rewards, phases = [], [], [], []
-    for step in range(args.warmup + args.steps):
-        _, rows = trainer.sampler.next_batch()
-        start = time.perf_counter()
-        metrics = trainer.train_step(trainer.train_dataset.collate(rows))
-        elapsed = time.perf_counter() - start
-        trainer.global_step += 1
-        if step >= args.warmup:
-            times.append(elapsed)
-            tokens.append(metrics["response_length/mean"] * args.prompts * args.group)
-            rewards.append(metrics["critic/score/mean"])
-            phases.append({k.removeprefix("timing_s/"): v for k, v in metrics.items()
-                           if k.startswith("timing_s/") and k != "timing_s/step"})
+    with trainer_session(cfg) as trainer:
+        times, tokens, rewards, phases = [], [], [], []
+        for step in range(args.warmup + args.steps):
+            _, rows = trainer.sampler.next_batch()
+            start = time.perf_counter()
+            metrics = trainer.train_step(trainer.train_dataset.collate(rows))
+            elapsed = time.perf_counter() - start
+            trainer.global_step += 1
+            if step >= args.warmup:
+                times.append(elapsed)
+                tokens.append(metrics["response_length/mean"] * args.prompts * args.group)
+                rewards.append(metrics["critic/score/mean"])
+                phases.append({k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                               if k.startswith("timing_s/") and k != "timing_s/step"})
     phase_s = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
     return {"step_s": statistics.median(times), "tokens_per_s": sum(tokens) / sum(times),
             "reward": statistics.mean(rewards[-args.last:]), "phases": phase_s}

@@ -28,7 +28,7 @@ References:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +37,8 @@ __all__ = [
     "ADV_ESTIMATORS",
     "ADV_ESTIMATORS_NEED_CRITIC",
     "ADV_ESTIMATORS_NEED_GROUPS",
+    "FILTER_GROUPS_METRICS",
+    "KL_CTRL_TYPES",
     "KL_TYPES",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -544,8 +546,9 @@ def compute_value_loss(
 ) -> tuple[torch.Tensor, float]:
     """Clipped value loss (Schulman et al. 2017; as in the OpenAI baselines PPO2 critic).
 
-    ``vpredclipped = values + clamp(vpreds - values, -cliprange_value, cliprange_value)`` and
-    ``loss = 0.5 * agg(max((vpreds - R)^2, (vpredclipped - R)^2))``.
+    ``vpredclipped = clamp(vpreds, values - cliprange_value, values + cliprange_value)`` and
+    ``loss = 0.5 * agg(max((vpreds - R)^2, (vpredclipped - R)^2))``. Where ``vpreds`` stays within the
+    clip range, ``vpredclipped`` is ``vpreds`` bit for bit, so such a token never counts as clipped.
 
     Args:
         vpreds: (bs, T) current critic predictions (carry gradient).
@@ -559,7 +562,7 @@ def compute_value_loss(
         loss: scalar tensor with its autograd graph.
         clipfrac: fraction of unmasked tokens where the clipped loss is the larger one (python float).
     """
-    vpredclipped = values + torch.clamp(vpreds - values, -cliprange_value, cliprange_value)  # (bs, T)
+    vpredclipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)  # (bs, T)
     vf_losses1 = (vpreds - returns).square()
     vf_losses2 = (vpredclipped - returns).square()
     clipped_vf_losses = torch.maximum(vf_losses1, vf_losses2)  # (bs, T)
@@ -898,10 +901,10 @@ class FixedKLController:
     def update(self, current_kl: float, n_steps: int) -> None:
         """Nothing to adapt."""
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "fixed", "value": self.value}
 
-    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.value = float(state_dict["value"])
 
 
@@ -926,11 +929,13 @@ class AdaptiveKLController:
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "adaptive", "value": self.value, "target": self.target, "horizon": self.horizon}
 
-    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.value = float(state_dict["value"])
+        self.target = float(state_dict.get("target", self.target))
+        self.horizon = float(state_dict.get("horizon", self.horizon))
 
 
 def _make_fixed(kl_coef: float, target_kl: float | None, horizon: float | None) -> FixedKLController:
@@ -947,6 +952,7 @@ _KL_CONTROLLERS: dict[str, Callable[..., FixedKLController | AdaptiveKLControlle
     "fixed": _make_fixed,
     "adaptive": _make_adaptive,
 }
+KL_CTRL_TYPES: tuple[str, ...] = tuple(_KL_CONTROLLERS)
 
 
 def make_kl_controller(
@@ -960,6 +966,13 @@ def make_kl_controller(
             f"unknown KL controller type {type!r}; valid types are {', '.join(_KL_CONTROLLERS)}"
         ) from None
     return factory(kl_coef, target_kl, horizon)
+
+
+def kl_controller_from_state(state: Mapping[str, Any]) -> FixedKLController | AdaptiveKLController:
+    """The controller a ``state_dict()`` describes (its type included: a guard may have swapped it)."""
+    ctrl = make_kl_controller(state["type"], state["value"], state.get("target"), state.get("horizon"))
+    ctrl.load_state_dict(state)
+    return ctrl
 
 
 @torch.no_grad()
@@ -1001,6 +1014,10 @@ def apply_kl_penalty(
 # --------------------------------------------------------------------------------------------------
 # DAPO (Yu et al. 2025): dynamic sampling and overlong reward shaping
 # --------------------------------------------------------------------------------------------------
+
+#: What must differ within a prompt group for dynamic sampling to keep it (``algorithm.filter_groups.metric``):
+#: the summed token scores, or the ``score`` / ``acc`` the reward function reported.
+FILTER_GROUPS_METRICS: tuple[str, ...] = ("seq_reward", "score", "acc")
 
 
 @torch.no_grad()

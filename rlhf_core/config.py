@@ -1,11 +1,15 @@
-"""The typed config tree, with verl's key names and defaults.
+"""The typed config tree, with verl's key names and defaults, built on OmegaConf structured configs.
 
-Loading order: the dataclass defaults (mirrored, one comment per key, by
-``configs/ppo_trainer.yaml``), then an optional YAML file of overrides, then
-command-line overrides ``a.b.c=value``. Values are parsed as YAML scalars (ints,
-floats, bools, null, lists ``[a,b]``) and typed against the dataclass fields.
+The dataclasses below are the schema (each key's default and one-line help, mirrored by
+``configs/ppo_trainer.yaml``). Loading order: the defaults, then an optional YAML file of overrides, then
+command-line overrides in Hydra's grammar, as verl users type them:
 
-Every problem is collected and raised together as a :class:`ConfigError` before
+    key=value   +key=value   ~key (back to the default)   trainer.logger=[console,wandb]
+    data.train_files='["a.parquet","b.parquet"]'   trainer.default_local_dir=out/${trainer.experiment_name}
+
+OmegaConf types each value against the schema and resolves ``${...}`` interpolations. What it does not do
+is done here: the aliases (with a notice), "did you mean" for unknown keys, and the consistency checks of
+:func:`validate_config`. Every problem is collected and raised together as a :class:`ConfigError` before
 any model or data is touched; each message names the key, the value and the fix.
 
     python -m rlhf_core.config [--config FILE] [key=value ...]
@@ -17,36 +21,33 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
+import functools
 import sys
-import types
-import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, ValidationError
 
-# ----------------------------------------------------------------------------- names
+# ----------------------------------------------------------------------------- names without a registry
+# (estimators, KL types, aggregation modes, KL controllers, rollout engines and loggers are the keys of their
+# registries in algos, rollout and tracking: validate_config reads them there)
 
-KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
-ADV_ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "grpo_passk")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSS_MODES = ("vanilla", "gspo", "cispo")
-FILTER_GROUPS_METRICS = ("seq_reward", "score", "acc")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-                    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
-ROLLOUT_NAMES = ("hf", "vllm")
 STRATEGIES = ("fsdp", "fsdp2")
-LOGGERS = ("console", "file", "tensorboard", "wandb", "mlflow")
 TRUNCATIONS = ("error", "left", "right")
 LR_SCHEDULERS = ("constant", "cosine")
-KL_CTRL_TYPES = ("fixed", "adaptive")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
+
+
+#: a string or a list of strings: OmegaConf has no union of the two, so validate_config checks it
+StrOrList = Any
 
 
 def _k(default: Any, help: str) -> Any:  # noqa: A002 - 'help' reads best in the tree below
@@ -66,8 +67,8 @@ def _section(cls: type, help: str) -> Any:  # noqa: A002
 @dataclass
 class DataConfig:
     tokenizer: str | None = _k(None, "tokenizer path for the dataset; null = the actor's tokenizer")
-    train_files: str | list[str] = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
-    val_files: str | list[str] = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
+    train_files: StrOrList = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
+    val_files: StrOrList = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
     prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")
     reward_fn_key: str = _k("data_source", "column that selects the reward function")
     max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
@@ -90,7 +91,7 @@ class ModelConfig:
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
 
@@ -136,8 +137,8 @@ class ActorConfig:
     clip_ratio_high: float | None = _k(None, "upper clip range; null = clip_ratio")
     clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
-                                          "seq-mean-token-sum-norm (Dr. GRPO)")
-    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm; null = the padded response width "
+                                          "seq-mean-token-sum-norm")
+    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = the padded response width "
                                              "of the batch; set data.max_response_length for a constant one")
     policy_loss: PolicyLossConfig = _section(PolicyLossConfig, "which policy loss")
     entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
@@ -203,7 +204,7 @@ class CriticModelConfig:
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: str | list[str] = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
 
 
@@ -220,7 +221,8 @@ class CriticConfig:
     shuffle: bool = _k(False, "shuffle sequences between mini-batches")
     grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
     cliprange_value: float = _k(0.5, "value clipping range around the old values")
-    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                          "seq-mean-token-sum-norm")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "critic sharding")
 
 
@@ -233,10 +235,53 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RewardTrainModelConfig:
+    path: str = _k("~/models/deepseek-llm-7b-chat", "causal LM (or reward model) directory the reward model starts "
+                                                      "from; a one-label scalar head is added")
+    tokenizer_path: str | None = _k(None, "tokenizer directory; null = path")
+    dtype: str = _k("float32", "dtype of the trained weights: float32 | bfloat16 | float16")
+    enable_gradient_checkpointing: bool = _k(False, "recompute activations in backward to save memory")
+    lora_rank: int = _k(0, "LoRA rank; 0 trains all weights (the scalar head is always trained in full)")
+    lora_alpha: int = _k(16, "LoRA scaling numerator")
+    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
+    trust_remote_code: bool = _k(False, "allow model code from the model directory")
+
+
+@dataclass
+class RewardTrainConfig:
+    train_files: StrOrList = _k("~/data/preference/train.parquet", "preference parquet file(s): prompt, "
+                                                                           "chosen, rejected")
+    val_files: StrOrList = _k("~/data/preference/val.parquet", "held-out preference file(s); null "
+                                                                               "= no validation")
+    model: RewardTrainModelConfig = _section(RewardTrainModelConfig, "the backbone and its adapters")
+    train_batch_size: int = _k(64, "pairs per optimizer step (over all workers)")
+    micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
+    max_length: int = _k(1024, "tokens per prompt + response; longer ones lose prompt tokens from the left")
+    total_epochs: int = _k(1, "passes over the training pairs")
+    total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
+    margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
+    grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    optim: OptimConfig = _section(lambda: OptimConfig(lr=1e-5, lr_warmup_steps_ratio=0.03),
+                                  "reward-model optimizer (AdamW; warm-up then constant | cosine)")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "reward-model sharding with several workers")
+    seed: int = _k(1, "seed of the head init and the pair order")
+    test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
+    save_freq: int = _k(-1, "checkpoint every N steps (and at the end); -1 = only at the end")
+    default_local_dir: str = _k("checkpoints/${trainer.project_name}/${trainer.experiment_name}/reward_model",
+                                "reward-model checkpoints, metrics.jsonl and the huggingface/ export")
+    resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
+                                  "resume_path")
+    resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
+    min_pair_accuracy: float = _k(0.0, "the pipeline stops before PPO when held-out pair accuracy is below this")
+
+
+@dataclass
 class RewardModelConfig:
     enable: bool = _k(False, "use a learned reward model (not supported: rule rewards only)")
     reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig, "DAPO overlong reward shaping")
+    train: RewardTrainConfig = _section(RewardTrainConfig, "training a reward model on preference pairs "
+                                                           "(rlhf-train-rm)")
 
 
 @dataclass
@@ -360,6 +405,11 @@ class PPOConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
+    @classmethod
+    def from_dict(cls, tree: Mapping[str, Any]) -> PPOConfig:
+        """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps."""
+        return _build(OmegaConf.create(dict(tree)), (), notice=_stderr, validate=True)
+
 
 # ----------------------------------------------------------------------------- aliases
 
@@ -383,194 +433,129 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {e}" for e in self.errors))
 
 
-# ----------------------------------------------------------------------------- key walking
+# ----------------------------------------------------------------------------- loading
 
 
 def _fields(cls: type) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _leaves(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every ``(dotted key, value)`` below ``node``: mappings are walked (an alias is a key), lists are values."""
+    for key, value in node.items_ex(resolve=False):
+        dotted = f"{prefix}{key}"
+        if isinstance(value, DictConfig) and dotted not in ALIASES:
+            yield from _leaves(value, dotted + ".")
+        else:
+            yield dotted, OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
 
 
-def _section_type(cls: type, name: str) -> type | None:
-    hint = _hints(cls)[name]
-    return hint if dataclasses.is_dataclass(hint) else None
+@functools.cache
+def _known_keys() -> tuple[str, ...]:
+    return tuple(key for key, _ in _leaves(OmegaConf.structured(PPOConfig)))
 
 
-def all_keys(cls: type = PPOConfig, prefix: str = "") -> list[str]:
-    """Every leaf key of the tree, dotted."""
-    keys = []
-    for name in _fields(cls):
-        sub = _section_type(cls, name)
-        dotted = f"{prefix}{name}"
-        keys.extend(all_keys(sub, dotted + ".") if sub else [dotted])
-    return keys
+@functools.cache
+def _known_keys_and_sections() -> frozenset[str]:
+    return frozenset(key.rsplit(".", i)[0] for key in _known_keys() for i in range(key.count(".") + 1))
 
 
 def _suggest(key: str) -> str:
-    known = all_keys()
+    known = _known_keys()
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        by_leaf = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
-        close = by_leaf[:1] or difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known], n=1)
-        if close and close[0] not in known:
-            close = [k for k in known if k.endswith("." + close[0])][:1]
+    if not close:  # the right leaf name in the wrong section, or a misspelt leaf
+        leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(known)}
+        leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)
+        close = [leaves[leaf[0]]] if leaf else []
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _flatten(tree: dict, prefix: str = "") -> Iterable[tuple[str, Any]]:
-    for key, value in tree.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, dict) and dotted not in ALIASES and not _is_dict_leaf(dotted):
-            yield from _flatten(value, dotted + ".")
-        else:
-            yield dotted, value
+def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, Any]:
+    """The assignments that setting ``key`` makes: itself, or the key an alias stands for (with a notice)."""
+    if key not in ALIASES:
+        return {key: value}
+    canonical, extra = ALIASES[key]
+    notice(f"notice: {key} is an alias; use {canonical}")
+    return {canonical: value, **extra}
 
 
-def _is_dict_leaf(dotted: str) -> bool:
-    return False  # no leaf of the tree holds a mapping today
-
-
-# ----------------------------------------------------------------------------- typing of values
-
-
-def _coerce(value: Any, hint: Any, key: str) -> Any:
-    """Type ``value`` as ``hint``; raises ValueError with a user-facing reason."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        # try list types first for lists, scalar types first for scalars
-        ordered = sorted((a for a in args if a is not type(None)), key=lambda a: typing.get_origin(a) is not list)
-        if not isinstance(value, list):
-            ordered.reverse()
-        for arg in ordered:
-            try:
-                return _coerce(value, arg, key)
-            except ValueError as exc:
-                errors.append(str(exc))
-        raise ValueError(errors[-1])
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if isinstance(value, tuple):
-            value = list(value)
-        if not isinstance(value, list):
-            raise ValueError(f"{key}={value!r} must be a list, e.g. {key}=[a,b]")
-        return [_coerce(v, item, key) for v in value]
-    if value is None:
-        raise ValueError(f"{key} must not be null")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ValueError(f"{key}={value!r} must be true or false")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be an integer")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ValueError(f"{key}={value!r} must be an integer")
-    if hint is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{key}={value!r} must be a number")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)  # YAML 1.1 reads "1e-6" as a string
-            except ValueError:
-                pass
-        raise ValueError(f"{key}={value!r} must be a number")
-    if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ValueError(f"{key}={value!r} must be a string")
-    raise TypeError(f"unsupported config type {hint} for {key}")
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``a.b=1`` -> ("a.b", 1); values are YAML scalars or flow lists. A leading '+' is ignored."""
-    if "=" not in text:
-        raise ConfigError([f"override {text!r} is not of the form key=value"])
-    key, raw = text.split("=", 1)
-    key = key.strip().lstrip("+")
+def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: bool = True) -> None:
+    """Set one key (or a section) of the schema, typed by OmegaConf; a problem is added to ``errors``."""
+    if key not in _known_keys_and_sections():
+        errors.append(f"unknown config key {key}{_suggest(key)}")
+        return
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return key, value
+        OmegaConf.update(cfg, key, value, merge=merge)
+    except ValidationError as exc:
+        hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
+        errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
 
 
-# ----------------------------------------------------------------------------- loading
+def _default(key: str) -> Any:
+    """The schema's default of ``key``: a value, or a whole section (None for a key it does not have)."""
+    return functools.reduce(lambda node, name: getattr(node, name, None), key.split("."), PPOConfig())
 
 
-def _set(cfg: Any, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = cfg
-    for part in parts[:-1]:
-        node = getattr(node, part)
-    hint = _hints(type(node))[parts[-1]]
-    setattr(node, parts[-1], _coerce(value, hint, key))
+@functools.cache
+def _parser() -> OverridesParser:
+    return OverridesParser.create()
 
 
-def _is_leaf(key: str) -> bool:
-    node: Any = PPOConfig
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(node) or part not in _fields(node):
-            return False
-        node = _section_type(node, part) or "leaf"
-    return node == "leaf"
+def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str]) -> None:
+    """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``."""
+    try:
+        override = _parser().parse_override(text)
+    except HydraException as exc:
+        errors.append(f"override {text!r} is not key=value ({str(exc).splitlines()[0]}); quote a value that "
+                      "holds special characters, e.g. data.train_files='~/data/train.parquet'")
+        return
+    key = override.key_or_group
+    if override.package is not None or override.is_sweep_override():
+        errors.append(f"override {text!r}: sweeps and @package are not supported here; write a list as "
+                      f"{key}=[a,b]")
+    elif override.is_delete():  # ~key: back to the default
+        if override.value_type is not None:
+            errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
+            return
+        for target in _targets(key, None, notice):
+            _assign(cfg, target, _default(target), errors, merge=False)
+    else:  # key=value, +key=value and ++key=value all set a key of the schema
+        for target, value in _targets(key, override.value(), notice).items():
+            _assign(cfg, target, value, errors)
 
 
-def apply_overrides(
-    cfg: PPOConfig, items: Iterable[tuple[str, Any]], notice: Callable[[str], None], errors: list[str]
-) -> None:
-    for key, value in items:
-        if key in ALIASES:
-            canonical, extra = ALIASES[key]
-            notice(f"notice: {key} is an alias; use {canonical}")
-            key_values = [(canonical, value), *extra.items()]
-        else:
-            key_values = [(key, value)]
-        for k, v in key_values:
-            if not _is_leaf(k):
-                errors.append(f"unknown config key {k}{_suggest(k)}")
-                continue
-            try:
-                _set(cfg, k, v)
-            except ValueError as exc:
-                errors.append(str(exc))
+def _read_yaml(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError([f"config file {path} does not exist"])
+    try:
+        tree = OmegaConf.load(path)
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
+    if not isinstance(tree, DictConfig):
+        raise ConfigError([f"config file {path} must hold a mapping of config keys"])
+    return tree
 
 
-_INTERP = re.compile(r"\$\{([a-zA-Z0-9_.]+)\}")
-
-
-def _get(cfg: Any, key: str) -> Any:
-    node = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
-def _resolve_interpolations(cfg: PPOConfig, errors: list[str]) -> None:
-    for key in all_keys():
-        value = _get(cfg, key)
-        if isinstance(value, str) and "${" in value:
-
-            def repl(match: re.Match, key: str = key) -> str:
-                ref = match.group(1)
-                if not _is_leaf(ref):
-                    errors.append(f"{key}: ${{{ref}}} does not name a config key")
-                    return match.group(0)
-                return str(_get(cfg, ref))
-
-            _set(cfg, key, _INTERP.sub(repl, value))
+def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[str], None],
+           validate: bool) -> PPOConfig:
+    """Defaults, then the keys of ``tree``, then ``overrides``; resolved, typed and (optionally) validated."""
+    cfg = OmegaConf.structured(PPOConfig)
+    errors: list[str] = []
+    for key, value in _leaves(tree) if tree is not None else ():
+        for target, target_value in _targets(key, value, notice).items():
+            _assign(cfg, target, target_value, errors)
+    for text in overrides:
+        _apply_override(cfg, text, notice, errors)
+    if not errors:
+        try:
+            resolved = OmegaConf.to_object(cfg)  # resolves ${...}
+        except InterpolationResolutionError as exc:
+            errors.append(f"{exc.full_key}: {exc.msg.splitlines()[0]}")
+    if errors:
+        raise ConfigError(errors)
+    if validate:
+        validate_config(resolved)
+    return resolved
 
 
 def _stderr(message: str) -> None:
@@ -584,32 +569,8 @@ def load_config(
     validate: bool = True,
 ) -> PPOConfig:
     """Build the config: defaults, then ``config_file`` (a YAML tree of overrides), then ``overrides``."""
-    cfg = PPOConfig()
-    errors: list[str] = []
-    if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError([f"config file {path} does not exist"])
-        try:
-            tree = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
-        if not isinstance(tree, dict):
-            raise ConfigError([f"config file {path} must hold a mapping of config keys"])
-        apply_overrides(cfg, _flatten(tree), notice, errors)
-    parsed = []
-    for text in overrides:
-        try:
-            parsed.append(parse_override(text))
-        except ConfigError as exc:
-            errors.extend(exc.errors)
-    apply_overrides(cfg, parsed, notice, errors)
-    _resolve_interpolations(cfg, errors)
-    if errors:
-        raise ConfigError(errors)
-    if validate:
-        validate_config(cfg)
-    return cfg
+    tree = _read_yaml(Path(config_file)) if config_file is not None else None
+    return _build(tree, overrides, notice, validate)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -666,10 +627,12 @@ def _divisor_near(total: int, wanted: int) -> int:
 
 def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
     """Policy loss, estimator, dynamic sampling, overlong shaping and rollout correction settings."""
+    from rlhf_core import algos  # the registries name the valid values (see validate_config)
+
     actor, rollout, algo = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
     prefix = "actor_rollout_ref.actor"
     loss_mode = actor.policy_loss.loss_mode
-    _one_of(errors, f"{prefix}.policy_loss.loss_mode", loss_mode, POLICY_LOSS_MODES)
+    _one_of(errors, f"{prefix}.policy_loss.loss_mode", loss_mode, algos.POLICY_LOSS_MODES)
     needed = {"gspo": ("clip_ratio_low", "clip_ratio_high"), "cispo": ("clip_ratio_high",)}.get(loss_mode, ())
     unset = [f"{prefix}.{key}" for key in needed if getattr(actor, key) is None]
     if unset:
@@ -686,7 +649,7 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
                       "it credits the best response of each group over the second best")
 
     groups = algo.filter_groups
-    _one_of(errors, "algorithm.filter_groups.metric", groups.metric, FILTER_GROUPS_METRICS)
+    _one_of(errors, "algorithm.filter_groups.metric", groups.metric, algos.FILTER_GROUPS_METRICS)
     if groups.enable and rollout.n < 2:
         errors.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}): "
                       "with one response per prompt there is no group to filter")
@@ -702,10 +665,10 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
     corr = algo.rollout_correction
     key = "algorithm.rollout_correction"
     if corr.rollout_is is not None:
-        _one_of(errors, f"{key}.rollout_is", corr.rollout_is, ROLLOUT_IS_LEVELS)
+        _one_of(errors, f"{key}.rollout_is", corr.rollout_is, algos.ROLLOUT_IS_LEVELS)
         _positive(errors, f"{key}.rollout_is_threshold", corr.rollout_is_threshold)
     if corr.rollout_rs is not None:
-        _one_of(errors, f"{key}.rollout_rs", corr.rollout_rs, ROLLOUT_RS_MODES)
+        _one_of(errors, f"{key}.rollout_rs", corr.rollout_rs, algos.ROLLOUT_RS_MODES)
         if corr.rollout_rs_threshold is None:
             errors.append(f"{key}.rollout_rs={corr.rollout_rs} needs {key}.rollout_rs_threshold set, e.g. 2.0")
         elif corr.rollout_rs.endswith("k1") and not corr.rollout_rs_threshold > 1:
@@ -717,6 +680,11 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
 
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
+    # the registries name the valid values; imported here so that importing the config does not import torch
+    from rlhf_core import algos
+    from rlhf_core.rollout import ROLLOUT_NAMES
+    from rlhf_core.training.tracking import VALID_LOGGERS
+
     errors: list[str] = []
     data, arr, algo, trainer = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
@@ -789,12 +757,12 @@ def validate_config(cfg: PPOConfig) -> None:
             errors.append(f"{name}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1]")
         _one_of(errors, f"{name}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULERS)
 
-    _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, KL_TYPES)
-    _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, KL_TYPES)
-    _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS)
-    _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, KL_CTRL_TYPES)
-    _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, LOSS_AGG_MODES)
+    _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, algos.KL_TYPES)
+    _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, algos.KL_TYPES)
+    _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, algos.ADV_ESTIMATORS)
+    _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, algos.KL_CTRL_TYPES)
+    _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, algos.LOSS_AGG_MODES)
+    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, algos.LOSS_AGG_MODES)
     _one_of(errors, "actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
     _one_of(errors, "actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
     _one_of(errors, "critic.strategy", critic.strategy, STRATEGIES)
@@ -815,11 +783,16 @@ def validate_config(cfg: PPOConfig) -> None:
         if tp < 1 or cfg.world_size % tp:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the world size "
                           f"({cfg.world_size} = trainer.n_gpus_per_node * trainer.nnodes)")
+    for key, value in [("data.train_files", data.train_files), ("data.val_files", data.val_files),
+                       ("actor_rollout_ref.model.target_modules", arr.model.target_modules),
+                       ("critic.model.target_modules", critic.model.target_modules)]:
+        if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)
     for name in trainer.logger:
-        _one_of(errors, "trainer.logger", name, LOGGERS)
+        _one_of(errors, "trainer.logger", name, VALID_LOGGERS)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
     if cfg.reward_model.enable:
@@ -827,6 +800,7 @@ def validate_config(cfg: PPOConfig) -> None:
                       "or custom_reward_function.path")
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    _check_reward_training(errors, cfg)
     if trainer.profile_steps is not None and not all(isinstance(s, int) and s >= 1 for s in trainer.profile_steps):
         errors.append(f"trainer.profile_steps={trainer.profile_steps} must be a list of step numbers >= 1, "
                       "e.g. [2,3]")
@@ -853,6 +827,43 @@ def validate_config(cfg: PPOConfig) -> None:
         raise ConfigError(errors)
 
 
+def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
+    rm, key = cfg.reward_model.train, "reward_model.train"
+    for name in ("train_batch_size", "micro_batch_size_per_gpu", "max_length", "total_epochs",
+                 "total_training_steps", "grad_clip", "optim.lr"):
+        value = rm
+        for part in name.split("."):
+            value = getattr(value, part)
+        _positive(errors, f"{key}.{name}", value)
+    world = cfg.world_size
+    if rm.train_batch_size > 0 and rm.micro_batch_size_per_gpu > 0 and \
+            rm.train_batch_size % (rm.micro_batch_size_per_gpu * world):
+        errors.append(f"{key}.train_batch_size ({rm.train_batch_size}) must be divisible by "
+                      f"{key}.micro_batch_size_per_gpu * world size ({rm.micro_batch_size_per_gpu} * {world}) so "
+                      "each worker gets whole micro-batches")
+    if rm.margin < 0:
+        errors.append(f"{key}.margin={rm.margin} must be >= 0")
+    if not 0 <= rm.min_pair_accuracy <= 1:
+        errors.append(f"{key}.min_pair_accuracy={rm.min_pair_accuracy} must be in [0, 1]")
+    if rm.model.lora_rank < 0:
+        errors.append(f"{key}.model.lora_rank={rm.model.lora_rank} must be >= 0 (0 trains all weights)")
+    if len(rm.optim.betas) != 2 or not all(0 <= b < 1 for b in rm.optim.betas):
+        errors.append(f"{key}.optim.betas={rm.optim.betas} must be two numbers in [0, 1)")
+    if not 0 <= rm.optim.lr_warmup_steps_ratio <= 1:
+        errors.append(f"{key}.optim.lr_warmup_steps_ratio={rm.optim.lr_warmup_steps_ratio} must be in [0, 1]")
+    _one_of(errors, f"{key}.optim.lr_scheduler_type", rm.optim.lr_scheduler_type, LR_SCHEDULERS)
+    _one_of(errors, f"{key}.model.dtype", rm.model.dtype, DTYPES)
+    _one_of(errors, f"{key}.resume_mode", rm.resume_mode, RESUME_MODES)
+    if rm.resume_mode == "resume_path" and not rm.resume_from_path:
+        errors.append(f"{key}.resume_mode=resume_path needs {key}.resume_from_path (a global_step_N directory)")
+    for name, value, optional in [("train_files", rm.train_files, False), ("val_files", rm.val_files, True),
+                                  ("model.target_modules", rm.model.target_modules, False)]:
+        if value is None and optional:
+            continue
+        if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            errors.append(f"{key}.{name}={value!r} must be a string or a list of strings, e.g. {key}.{name}=[a,b]")
+
+
 # ----------------------------------------------------------------------------- the commented YAML
 
 
@@ -865,7 +876,7 @@ def defaults_yaml() -> str:
     """The default tree as YAML with each key's one-line comment (the source of configs/ppo_trainer.yaml)."""
     header = (
         "# PPO trainer defaults: verl's key tree, one comment per key.\n"
-        "# Generated from rlhf_core/config.py by `python -m rlhf_core.config --defaults`; a test keeps them equal.\n"
+        "# Generated from rlhf_core/config.py by `python -m rlhf_core.config --defaults`; a test checks each key against it.\n"
         "# Override any key with --config FILE or key=value on the command line.\n"
     )
     return header + _sub_yaml(PPOConfig(), 0) + "\n"
@@ -892,7 +903,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
+                        "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
     args = parser.parse_args(argv)
     if args.defaults:
         sys.stdout.write(defaults_yaml())

@@ -5,6 +5,10 @@ checked before any model is loaded; then the trainer resumes from the latest
 checkpoint (``trainer.resume_mode``), runs, and a summary says where the metrics and
 checkpoints are. The same command run again after a crash or a kill continues the run.
 
+Code trains through the same function, :func:`run` (the pipeline's training step does); code that
+drives the trainer step by step (benchmarks, the smoke test) opens it with :func:`trainer_session`,
+which closes it, and its Ray workers, however the block ends.
+
 Exit codes: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config, data, model,
 checkpoint) or a checkpoint that could not be written; 128 + signal number after
 Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrupt`` is saved.
@@ -19,7 +23,9 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 import torch
@@ -44,6 +50,9 @@ from rlhf_core.training.checkpoint import (
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError, PrometheusExporter
 from rlhf_core.workers.group import WorkerError
+
+if TYPE_CHECKING:  # the trainer (and the models) load only once a run starts
+    from rlhf_core.training.trainer import StepResult
 
 
 class PreflightError(ValueError):
@@ -121,7 +130,7 @@ def preflight(cfg: PPOConfig) -> None:
 
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
     """Tokenizer, datasets, reward manager and trainer for a checked config (on a Ray worker group when
-    the world size is above 1, or when ``use_worker_group`` says so)."""
+    the world size is above 1, or when ``use_worker_group`` says so). :func:`trainer_session` closes it."""
     from rlhf_core.training.trainer import PPOTrainer
 
     arr = cfg.actor_rollout_ref
@@ -162,8 +171,43 @@ def _warn_thresholds(trainer_cfg) -> dict[str, float]:
     return {key: value for key, value in pairs if value is not None}
 
 
-def run(cfg: PPOConfig) -> dict:
-    """Train with a validated config, resuming per ``trainer.resume_mode``; returns a summary."""
+@contextlib.contextmanager
+def trainer_session(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
+    """:func:`build_trainer`, closed on the way out whatever happens (with a worker group its Ray actors stop
+    there instead of outliving the caller). What the benchmarks and the smoke test drive step by step."""
+    trainer = build_trainer(cfg, logger=logger, use_worker_group=use_worker_group)
+    try:
+        yield trainer
+    finally:
+        trainer.close()
+
+
+@dataclass
+class RunResult:
+    """What :func:`run` produced: the steps done, the final metrics and where everything was written."""
+
+    steps: int
+    wall_s: float
+    local_dir: str
+    checkpoint: str | None  # the checkpoint of the last step (saved if the loop had not)
+    history: list[StepResult] = field(default_factory=list)  # the steps run by this call (not those resumed past)
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    final_val_acc: float | None = None
+    final_score: float | None = None
+    metrics_file: str | None = None
+    resumed_from: str | None = None
+
+
+def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
+    """Train with a validated config: check it, resume per ``trainer.resume_mode``, track (loggers,
+    Prometheus), stop cleanly on Ctrl-C/SIGTERM, make sure the last step is checkpointed, close the workers.
+
+    The one way a whole run is made: the command line, the pipeline's training step and anything else
+    that trains call this. Signal handlers are installed only when ``handle_signals`` and
+    ``trainer.save_on_interrupt`` are on and this is the main thread (Python delivers signals there
+    only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
+    Raises the errors :func:`main` turns into exit codes.
+    """
     from rlhf_core.training.tracking import Tracking
 
     preflight(cfg)
@@ -173,9 +217,8 @@ def run(cfg: PPOConfig) -> dict:
     resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
     if resume_from is not None:
         check_config(resume_from, cfg)
-    trainer = build_trainer(cfg)
     with contextlib.ExitStack() as stack:
-        stack.callback(trainer.close)  # the workers of a multi-worker run
+        trainer = stack.enter_context(trainer_session(cfg))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)
             print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})",
@@ -195,20 +238,23 @@ def run(cfg: PPOConfig) -> dict:
                 sink(metrics, step)
 
         trainer.logger = log
-        stack.enter_context(stop_on_signals(trainer, trainer_cfg.save_on_interrupt))
+        stack.enter_context(stop_on_signals(trainer, handle_signals and trainer_cfg.save_on_interrupt))
         history = trainer.fit()
+        if trainer.last_saved_step != trainer.global_step:
+            trainer.save_checkpoint()
     final = history[-1].metrics if history else {}
-    return {
-        "steps": trainer.global_step,
-        "final_val_acc": trainer.val_accuracy(final),
-        "final_score": final.get("critic/score/mean"),
-        "wall_s": time.time() - start,
-        "local_dir": str(local_dir),
-        "metrics_file": str(local_dir / "metrics.jsonl") if "file" in trainer_cfg.logger else None,
-        "resumed_from": str(resume_from) if resume_from is not None else None,
-        "checkpoint": str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}")
-        if trainer.last_saved_step is not None else None,
-    }
+    return RunResult(
+        steps=trainer.global_step,
+        wall_s=time.time() - start,
+        local_dir=str(local_dir),
+        checkpoint=str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}"),
+        history=history,
+        final_metrics=final,
+        final_val_acc=trainer.val_accuracy(final),
+        final_score=final.get("critic/score/mean"),
+        metrics_file=str(local_dir / "metrics.jsonl") if "file" in trainer_cfg.logger else None,
+        resumed_from=str(resume_from) if resume_from is not None else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.overrides, config_file=args.config)
-        summary = run(cfg)
+        result = run(cfg)
     except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -228,11 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         return 128 + exc.signal_number
-    acc = summary["final_val_acc"]
-    print(f"done: {summary['steps']} steps in {summary['wall_s']:.0f} s"
+    acc = result.final_val_acc
+    print(f"done: {result.steps} steps in {result.wall_s:.0f} s"
           + (f"; final validation accuracy {acc:.3f}" if acc is not None else ""))
-    print(f"outputs: {summary['local_dir']}" + (f" (metrics: {summary['metrics_file']})"
-                                                 if summary["metrics_file"] else ""))
+    print(f"outputs: {result.local_dir}" + (f" (metrics: {result.metrics_file})" if result.metrics_file else ""))
     return 0
 
 

@@ -7,8 +7,8 @@ from typing import Annotated
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -20,7 +20,7 @@ class RewardCheckError(ValueError):
 @step(enable_cache=False)
 def define_reward(ppo_config: dict, dataset_fingerprint: str) -> Annotated[dict, "reward_spec"]:
     """The versioned reward spec; stops the run when a reference solution scores below full marks."""
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     spec = reward_spec(cfg)
     check = check_reference_solutions(cfg)
     spec["self_check"] = {"dataset_fingerprint": dataset_fingerprint, "checked": check.checked,

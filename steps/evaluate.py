@@ -10,9 +10,9 @@ from zenml import log_metadata, step
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, training_curves_png
 from rlhf_core.rewards import load_custom_reward_fn
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -29,7 +29,7 @@ def evaluate(
     if skip_reason:
         logger.info("evaluation skipped: %s", skip_reason)
         return {"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>")
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     model = cfg.actor_rollout_ref.model
     custom = cfg.custom_reward_function
     kwargs = {

@@ -8,8 +8,8 @@ from typing import Annotated
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.smoke import run_smoke_test
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -21,7 +21,7 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     if skip_reason:
         logger.info("smoke test skipped: %s", skip_reason)
         return {"passed": None, "skipped": skip_reason}
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
         report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
     logger.info(report.summary())

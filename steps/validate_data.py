@@ -4,24 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import pandas as pd
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
-from rlhf_core.data.validation import fingerprint, read_parquet, validate_frames
-from steps._config import config_from_dict
+from rlhf_core.data.validation import validate_dataset
 
 logger = get_logger(__name__)
 
 
 class DataValidationError(ValueError):
     """At least one expectation failed; the message lists them with example rows."""
-
-
-def _read(paths) -> pd.DataFrame:
-    return pd.concat([read_parquet(path) for path in paths], ignore_index=True)
 
 
 @step(enable_cache=False)
@@ -31,17 +26,15 @@ def validate_data(ppo_config: dict) -> tuple[
     Annotated[str, "dataset_fingerprint"],
 ]:
     """The suite's result, its HTML report and the SHA-256 of the data files; fails on any failed expectation."""
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     data, model = cfg.data, cfg.actor_rollout_ref.model
     train_paths, val_paths = as_file_list(data.train_files), as_file_list(data.val_files)
     # over-long prompts only break a run whose trainer rejects them
     rejects_overlong = data.truncation == "error" and not data.filter_overlong_prompts
-    report = validate_frames(
-        _read(train_paths), _read(val_paths), data.tokenizer or model.tokenizer_path or model.path,
-        data.max_prompt_length, overlong_tolerance=0.0 if rejects_overlong else 1.0,
-        paths=(",".join(map(str, train_paths)), ",".join(map(str, val_paths))),
+    report = validate_dataset(
+        train_paths, val_paths, data.tokenizer or model.tokenizer_path or model.path, data.max_prompt_length,
+        kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,
     )
-    report.fingerprint = fingerprint([*train_paths, *val_paths])
     result = report.to_dict()
     statistics = result["statistics"]
     log_metadata({"success": report.success, "dataset_fingerprint": report.fingerprint,

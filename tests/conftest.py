@@ -1,8 +1,10 @@
-"""Shared fixtures: where the real GSM8K files are, and the repository root."""
+"""Shared fixtures: where the real GSM8K files are, the repository root, and the tiny PPO run of the
+checkpoint, guard and resume tests (``workspace``, ``one_thread``)."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,62 @@ def gsm8k_dir() -> Path:
     if not all((path / name).is_file() for name in ("train.jsonl", "test.jsonl")):
         pytest.skip(f"real GSM8K not found at {path} (set GSM8K_DIR)")
     return path
+
+
+DIGIT_FIRST_REWARD = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
+)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: identical numerics in every process, and no spinning threads on a shared CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class TinyWorkspace:
+    """A random 1-layer character model, synthetic problems and a digit-first reward: a PPO step of this
+    setup takes about half a second on one CPU core."""
+
+    root: Path
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    def overrides(self, out: Path, *extra: str, model: Path | None = None) -> list[str]:
+        """The tiny run's config (checkpoints under ``out``), then ``extra``."""
+        root = self.root
+        return [
+            f"actor_rollout_ref.model.path={model or self.model}",
+            f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
+            "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+            "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
+            "critic.optim.lr=1e-2", f"custom_reward_function.path={root / 'reward.py'}",
+            "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
+            "trainer.logger=[file]", f"trainer.default_local_dir={out}", *extra,
+        ]
+
+
+@pytest.fixture(scope="module")
+def workspace(request, tmp_path_factory) -> TinyWorkspace:
+    """The module's :class:`TinyWorkspace`, with ``TINY_TRAIN_PROMPTS`` training problems (default 32)."""
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.models.toy import random_toy_model
+
+    root = tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+    random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=getattr(request.module, "TINY_TRAIN_PROMPTS", 32), n_test=8, seed=0,
+                  max_ops=1)
+    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
+    return TinyWorkspace(root)

@@ -30,6 +30,7 @@ from rlhf_core.algos import (
     compute_value_loss,
     entropy_from_logits,
     get_adv_estimator,
+    kl_controller_from_state,
     kl_penalty,
     logprobs_from_logits,
     make_kl_controller,
@@ -473,6 +474,33 @@ def test_value_loss_golden():
     assert vpreds.grad.tolist()[0] == pytest.approx([0.0, 1 / 3, 0.0, 0.0])
 
 
+def test_value_loss_counts_only_tokens_beyond_the_clip():
+    # clip 0.2 around old values 0 (token 4 is masked and would count):
+    # t0 vpred 0.1 (inside), R 1: 0.81 both ways -> not clipped
+    # t1 vpred 0.3 -> 0.2, R 1: unclipped 0.49 < clipped 0.64 -> clipped
+    # t2 vpred -0.5 -> -0.2, R 1: unclipped 2.25 > clipped 1.44 -> not clipped
+    # t3 vpred 0.15 (inside), R -1: 1.3225 both ways -> not clipped
+    vpreds = t([[0.1, 0.3, -0.5, 0.15, 5.0]])
+    returns = t([[1.0, 1.0, 1.0, -1.0, 0.0]])
+    mask = t([[1, 1, 1, 1, 0]])
+    loss, clipfrac = compute_value_loss(vpreds, returns, torch.zeros_like(vpreds), mask, cliprange_value=0.2)
+    assert clipfrac == 0.25
+    assert loss.item() == pytest.approx(0.5 * (0.81 + 0.64 + 2.25 + 1.3225) / 4)
+
+
+def test_value_loss_clipfrac_is_exactly_zero_when_no_value_moves_beyond_the_clip():
+    generator = torch.Generator().manual_seed(0)
+    centre = 0.05 * torch.randn(64, 32, generator=generator, dtype=torch.float64)
+    moved = 0.19 * (2 * torch.rand(64, 32, generator=generator, dtype=torch.float64) - 1)
+    values, vpreds = centre.float(), (centre + moved).float()  # float32, each within 0.2 of the other
+    assert ((vpreds - values).abs() < 0.2).all()
+    returns = torch.randn(64, 32, generator=generator)
+    # a batch where values + (vpreds - values) rounds away from vpreds: the form that miscounted
+    assert ((values + (vpreds - values)) != vpreds).any()
+    _, clipfrac = compute_value_loss(vpreds, returns, values, torch.ones(64, 32), cliprange_value=0.2)
+    assert clipfrac == 0.0
+
+
 def test_value_loss_seq_mode():
     vpreds = t([[1.0, 2.0], [3.0, 0.0]])
     returns = torch.zeros(2, 2, dtype=torch.float64)
@@ -673,8 +701,14 @@ def test_controllers_state_round_trip_and_factory():
     restored = make_kl_controller("adaptive", 0.2, target_kl=1.0, horizon=100)
     restored.load_state_dict(adaptive.state_dict())
     assert restored.value == adaptive.value == pytest.approx(0.2 * 1.02)
+    assert adaptive.state_dict() == {"type": "adaptive", "value": pytest.approx(0.204), "target": 1.0,
+                                     "horizon": 100.0}
     fixed.load_state_dict({"value": 0.3})
-    assert fixed.state_dict() == {"value": 0.3}
+    assert fixed.state_dict() == {"type": "fixed", "value": 0.3}
+    swapped = kl_controller_from_state({"type": "adaptive", "value": 0.5, "target": 0.01, "horizon": 20.0})
+    assert isinstance(swapped, AdaptiveKLController)
+    assert (swapped.value, swapped.target, swapped.horizon) == (0.5, 0.01, 20.0)
+    assert isinstance(kl_controller_from_state({"type": "fixed", "value": 0.3}), FixedKLController)
     with pytest.raises(ValueError, match="unknown KL controller type 'pid'.*fixed.*adaptive"):
         make_kl_controller("pid", 0.1)
     with pytest.raises(ValueError, match="target_kl"):

@@ -11,60 +11,27 @@ import pytest
 import torch
 import yaml
 
+from rlhf_core.algos import AdaptiveKLController
 from rlhf_core.config import load_config
-from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training import checkpoint
 from rlhf_core.training.checkpoint import CheckpointError
 
-DIGIT_FIRST_REWARD = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
-)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def tiny_overrides(root, model, out, *extra):
-    """Two PPO steps of this setup take about a second on one CPU core."""
-    return [
-        f"actor_rollout_ref.model.path={model}",
-        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
-        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "critic.optim.lr=1e-2", f"custom_reward_function.path={root / 'reward.py'}",
-        "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
-        "trainer.logger=[file]", f"trainer.default_local_dir={out}", *extra,
-    ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: identical numerics in every process, and no spinning threads on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
-    build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
-    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
-    return root, model
+def tiny_overrides(workspace, out, *extra, model=None):
+    """Two PPO steps of the tiny run (with an adaptive KL controller to save) take about a second."""
+    return workspace.overrides(out, "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", *extra,
+                               model=model)
 
 
 @pytest.fixture(scope="module")
 def trained(workspace):
     """A trainer after two steps with a checkpoint at each step."""
-    root, model = workspace
-    out = root / "trained"
-    cfg = load_config(tiny_overrides(root, model, out, "trainer.total_training_steps=2", "trainer.save_freq=1",
+    out = workspace.root / "trained"
+    cfg = load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=2", "trainer.save_freq=1",
                                      "trainer.test_freq=1"))
     trainer = build_trainer(cfg)
     trainer.fit()
@@ -83,7 +50,6 @@ def _optimizer_tensors(optimizer) -> dict:
 
 
 def test_layout_and_exact_round_trip(workspace, trained):
-    root, model = workspace
     trainer, out = trained
     assert (out / checkpoint.LATEST_FILE).read_text().strip() == "2"
     ckpt = out / "global_step_2"
@@ -99,7 +65,7 @@ def test_layout_and_exact_round_trip(workspace, trained):
     assert yaml.safe_load((ckpt / "config.yaml").read_text())["data"]["train_batch_size"] == 8
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp directory left behind
 
-    fresh = build_trainer(load_config(tiny_overrides(root, model, out, "trainer.total_training_steps=2")))
+    fresh = build_trainer(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=2")))
     torch.manual_seed(12345)  # the load must put the global generator back too
     fresh.load_checkpoint(ckpt)
     assert fresh.global_step == 2
@@ -124,10 +90,14 @@ def test_hf_directory_loads_with_plain_transformers_and_generates(trained, tmp_p
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     for name, value in trainer.actor.module.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
-    inputs = tokenizer(["User: 2 + 3?\nAssistant: "], return_tensors="pt")
+    text = "User: 2 + 3?\nAssistant: "
+    inputs = tokenizer([text], return_tensors="pt")
+    assert inputs["input_ids"].tolist() == trainer.tokenizer([text], return_tensors="pt")["input_ids"].tolist()
     generated = model.generate(**inputs, max_new_tokens=5, do_sample=False)
     assert generated.shape[1] > inputs["input_ids"].shape[1]
-    assert isinstance(tokenizer.decode(generated[0, inputs["input_ids"].shape[1]:]), str)
+    # the exported model and tokenizer answer as the trained policy does
+    trained_policy = trainer.actor.module.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert generated.tolist() == trained_policy.tolist()
 
     exported = checkpoint.export_hf(trainer, tmp_path / "export")  # the standalone export, same content
     assert (exported / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
@@ -225,32 +195,30 @@ def test_missing_incomplete_and_mismatched_checkpoints_are_clear_errors(workspac
         checkpoint.latest_checkpoint(root)
 
     # the same model directory now holds a model of another width: a shape mismatch, named
-    workspace_root, _ = workspace
     other = tmp_path / "model"
     random_toy_model(other, n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
-    small = build_trainer(load_config(tiny_overrides(workspace_root, other, root)))
+    small = build_trainer(load_config(tiny_overrides(workspace, root, model=other)))
     checkpoint.save_checkpoint(small, tmp_path / "small")
     shutil.rmtree(other)
     random_toy_model(other, n_layers=1, hidden_size=48, max_position_embeddings=512, seed=0)
-    wide = build_trainer(load_config(tiny_overrides(workspace_root, other, root)))
+    wide = build_trainer(load_config(tiny_overrides(workspace, root, model=other)))
     with pytest.raises(CheckpointError, match=r"global_step_0/actor/model_state.pt does not fit the model being "
                                               r"trained \(.* has shape \(\d+, 32\) in the checkpoint, \(\d+, 48\)"):
         wide.load_checkpoint(tmp_path / "small" / "global_step_0")
 
 
 def test_resume_modes(workspace, trained, tmp_path):
-    root, model = workspace
     _, out = trained
-    auto = load_config(tiny_overrides(root, model, out))
+    auto = load_config(tiny_overrides(workspace, out))
     assert checkpoint.find_resume_checkpoint(auto) == out / "global_step_2"
-    assert checkpoint.find_resume_checkpoint(load_config(tiny_overrides(root, model, tmp_path / "empty"))) is None
-    disabled = load_config(tiny_overrides(root, model, out, "trainer.resume_mode=disable"))
+    assert checkpoint.find_resume_checkpoint(load_config(tiny_overrides(workspace, tmp_path / "empty"))) is None
+    disabled = load_config(tiny_overrides(workspace, out, "trainer.resume_mode=disable"))
     assert checkpoint.find_resume_checkpoint(disabled) is None
-    chosen = load_config(tiny_overrides(root, model, tmp_path / "elsewhere", "trainer.resume_mode=resume_path",
+    chosen = load_config(tiny_overrides(workspace, tmp_path / "elsewhere", "trainer.resume_mode=resume_path",
                                         f"trainer.resume_from_path={out / 'global_step_1'}"))
     assert checkpoint.find_resume_checkpoint(chosen) == out / "global_step_1"
     for wrong, needle in ((out, "must be global_step_N"), (out / "global_step_8", "global_step_8 does not exist")):
-        cfg = load_config(tiny_overrides(root, model, out, "trainer.resume_mode=resume_path",
+        cfg = load_config(tiny_overrides(workspace, out, "trainer.resume_mode=resume_path",
                                          f"trainer.resume_from_path={wrong}"))
         with pytest.raises(CheckpointError, match=f"trainer.resume_from_path: .*{needle}"):
             checkpoint.find_resume_checkpoint(cfg)
@@ -260,20 +228,21 @@ DENIED = {
     "data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "4", "data.max_response_length": "16",
     "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
     "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.lr": "0.5",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo", "algorithm.filter_groups.enable": "true",
 }
 ALLOWED = {
     "trainer.logger": "[console]", "trainer.test_freq": "5", "trainer.save_freq": "3",
     "trainer.total_training_steps": "50", "trainer.experiment_name": "renamed", "trainer.guard.max_kl": "0.5",
     "trainer.guard.max_val_drop": "null", "trainer.warn_kl": "0.5", "trainer.prometheus_port": "9400",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
+    "reward_model.train.margin": "0.5", "reward_model.overlong_buffer.log": "true",
 }
 
 
 def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(workspace, trained):
-    root, model = workspace
     _, out = trained
     ckpt = out / "global_step_2"
-    base = tiny_overrides(root, model, out, "trainer.total_training_steps=2")
+    base = tiny_overrides(workspace, out, "trainer.total_training_steps=2")
     checkpoint.check_config(ckpt, load_config(base))
     allowed = load_config(base + [f"{k}={v}" for k, v in ALLOWED.items()], validate=False)
     checkpoint.check_config(ckpt, allowed)
@@ -285,6 +254,25 @@ def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(work
     everything = load_config(base + [f"{k}={v}" for k, v in DENIED.items()], validate=False)
     assert sorted(checkpoint.config_differences(yaml.safe_load((ckpt / "config.yaml").read_text()),
                                                 everything.to_dict())) == sorted(DENIED)
+
+
+def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as_started(workspace, scratch):
+    trainer, root = scratch
+    saved = trainer.kl_ctrl, trainer.kl_loss_coef
+    trainer.kl_ctrl, trainer.kl_loss_coef = AdaptiveKLController(0.25, 0.01, 50), 0.004  # as a guard leaves them
+    try:
+        path = checkpoint.save_checkpoint(trainer, root)
+    finally:
+        trainer.kl_ctrl, trainer.kl_loss_coef = saved
+    fresh = build_trainer(load_config(tiny_overrides(workspace, root)))
+    fresh.load_checkpoint(path)
+    assert fresh.kl_loss_coef == 0.004
+    assert isinstance(fresh.kl_ctrl, AdaptiveKLController)
+    assert (fresh.kl_ctrl.value, fresh.kl_ctrl.target, fresh.kl_ctrl.horizon) == (0.25, 0.01, 50)
+    assert fresh.config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # the config is what the run started with
+    assert fresh.config.algorithm.kl_ctrl.target_kl == 0.1
+    state = checkpoint.read_trainer_state(path)
+    assert state["kl_loss_coef"] == 0.004 and state["format"] == checkpoint.FORMAT_VERSION
 
 
 def test_pruning_keeps_the_latest_and_the_protected(scratch):
@@ -331,9 +319,8 @@ def test_after_a_guard_moves_latest_back_newer_checkpoints_are_replaced_not_coun
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_checkpoint_round_trip_and_resume(workspace, tmp_path):
-    root, model = workspace
     out = tmp_path / "cuda"
-    overrides = tiny_overrides(root, model, out, "trainer.device=cuda", "trainer.total_training_steps=2",
+    overrides = tiny_overrides(workspace, out, "trainer.device=cuda", "trainer.total_training_steps=2",
                                "trainer.save_freq=1")
     reference = build_trainer(load_config(overrides))
     metrics: dict[int, dict] = {}

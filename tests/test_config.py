@@ -1,14 +1,16 @@
-"""The config tree: defaults, YAML mirror, overrides, aliases and every validation error."""
+"""The config tree: defaults, YAML mirror, the override grammar, aliases and every validation error."""
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from rlhf_core.config import ConfigError, all_keys, defaults_yaml, load_config, parse_override
+from rlhf_core.config import ConfigError, PPOConfig, load_config
 
 
 def _errors(*overrides: str) -> str:
@@ -28,71 +30,164 @@ def test_defaults_are_valid_and_match_verl():
     assert cfg.actor_rollout_ref.rollout.name == "hf"
     assert cfg.algorithm.kl_ctrl.kl_coef == 0.001
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    assert cfg.trainer.profile_dir == "checkpoints/verl_examples/gsm8k/profile"  # an interpolation of one
+    assert cfg.world_size == 8
 
 
-def test_yaml_file_mirrors_the_dataclasses(repo_root):
+def _dataclass_tree(instance, prefix=""):
+    """(dotted key, default, help) of every key and section, read from the dataclass fields themselves."""
+    for f in dataclasses.fields(instance):
+        value = getattr(instance, f.name)
+        yield f"{prefix}{f.name}", value, f.metadata["help"]
+        if dataclasses.is_dataclass(value):
+            yield from _dataclass_tree(value, f"{prefix}{f.name}.")
+
+
+def _yaml_comments(text):
+    """dotted key -> the comment written on its line, from the indentation (two spaces a level)."""
+    comments, stack = {}, []
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        stack[depth:] = [line.strip().split(":", 1)[0]]
+        comments[".".join(stack)] = line.partition("  # ")[2].strip()
+    return comments
+
+
+def test_yaml_file_holds_every_key_with_its_default_and_its_comment(repo_root):
     text = (repo_root / "configs" / "ppo_trainer.yaml").read_text()
-    assert text == defaults_yaml(), "regenerate with: python -m rlhf_core.config --defaults > configs/ppo_trainer.yaml"
-    tree = yaml.safe_load(text)
-    # every key in the YAML has a comment, and the YAML holds exactly the dataclass keys
-    body = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    assert all("  # " in line for line in body)
-    flat = []
-
-    def walk(node, prefix=""):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                flat.append(f"{prefix}{key}")
-
-    walk(tree)
-    assert sorted(flat) == sorted(all_keys())
-    loaded = load_config(config_file=repo_root / "configs" / "ppo_trainer.yaml")
-    assert loaded == load_config([])
+    regenerate = "regenerate with: python -m rlhf_core.config --defaults > configs/ppo_trainer.yaml"
+    tree, comments = yaml.safe_load(text), _yaml_comments(text)
+    expected = list(_dataclass_tree(PPOConfig()))
+    assert len(expected) > 150
+    assert sorted(comments) == sorted(key for key, _, _ in expected), regenerate
+    for key, default, help_text in expected:
+        assert help_text and comments[key] == help_text, f"{key}: comment {comments[key]!r}; {regenerate}"
+        if not dataclasses.is_dataclass(default):
+            node = tree
+            for part in key.split("."):
+                node = node[part]
+            assert node == default and type(node) is type(default), f"{key}: {node!r} != {default!r}; {regenerate}"
+    assert load_config(config_file=repo_root / "configs" / "ppo_trainer.yaml") == load_config([])
 
 
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("a.b=3", 3),
-        ("a.b=0.5", 0.5),
-        ("a.b=true", True),
-        ("a.b=False", False),
-        ("a.b=null", None),
-        ("a.b=[x,y]", ["x", "y"]),
-        ("a.b=[0.9, 0.95]", [0.9, 0.95]),
-        ("a.b=hello", "hello"),
-        ("+a.b=1", 1),
-    ],
-)
-def test_parse_override_values(text, expected):
-    key, value = parse_override(text)
-    assert key == "a.b"
-    assert value == expected
+def test_help_lists_the_names_the_registries_hold():
+    from rlhf_core import algos
+    from rlhf_core.training.tracking import VALID_LOGGERS
+
+    helps = {key: help_text for key, _, help_text in _dataclass_tree(PPOConfig())}
+    assert helps["algorithm.adv_estimator"].split(" | ") == list(algos.ADV_ESTIMATORS)
+    assert helps["actor_rollout_ref.actor.loss_agg_mode"].split(" | ") == list(algos.LOSS_AGG_MODES)
+    assert helps["critic.loss_agg_mode"].split(" | ") == list(algos.LOSS_AGG_MODES)
+    assert helps["trainer.logger"].split(" | ") == list(VALID_LOGGERS)
+    assert helps["algorithm.kl_ctrl.type"].endswith(" | ".join(algos.KL_CTRL_TYPES))
 
 
 def test_overrides_are_typed():
     cfg = load_config(
         [
-            "actor_rollout_ref.actor.optim.lr=1e-5",  # YAML 1.1 reads this as a string
+            "actor_rollout_ref.actor.optim.lr=1e-5",  # YAML 1.1 would read this as a string
             "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
             "data.train_batch_size=512",
             "critic.optim.weight_decay=0",
             "trainer.logger=[console,file]",
             "data.train_files=[a.parquet,b.parquet]",
+            "data.val_files=c.parquet",
             "trainer.total_training_steps=null",
+            "actor_rollout_ref.actor.clip_ratio_low=null",
             "trainer.experiment_name=run7",
+            "trainer.warn_kl=0.5",
         ]
     )
-    assert cfg.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
-    assert isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5 and isinstance(cfg.actor_rollout_ref.actor.optim.lr, float)
     assert cfg.actor_rollout_ref.actor.optim.betas == [0.9, 0.95]
     assert cfg.data.train_batch_size == 512
     assert cfg.critic.optim.weight_decay == 0.0 and isinstance(cfg.critic.optim.weight_decay, float)
-    assert cfg.trainer.logger == ["console", "file"]
-    assert cfg.data.train_files == ["a.parquet", "b.parquet"]
+    assert cfg.trainer.logger == ["console", "file"] and type(cfg.trainer.logger) is list
+    assert cfg.data.train_files == ["a.parquet", "b.parquet"] and type(cfg.data.train_files) is list
+    assert cfg.data.val_files == "c.parquet"
+    assert cfg.trainer.total_training_steps is None
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None
     assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/run7"
+    assert cfg.trainer.warn_kl == 0.5
+
+
+@pytest.mark.parametrize(
+    "typed",
+    [
+        "trainer.logger=[console,wandb]",
+        'trainer.logger=["console","wandb"]',
+        "trainer.logger='[console,wandb]'",  # as typed in a shell, which removes the quotes
+        """trainer.logger='["console","wandb"]'""",  # verl's example scripts
+        "'trainer.logger=[ console , wandb ]'",
+    ],
+)
+def test_both_list_syntaxes(typed):
+    (override,) = shlex.split(typed)
+    assert load_config([override]).trainer.logger == ["console", "wandb"]
+
+
+def test_tilde_key_restores_the_default(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  seed: 7\n  guard:\n    patience: 9\n    max_kl: 3.0\n")
+    cfg = load_config(["~trainer.seed", "~trainer.guard", "trainer.experiment_name=x", "~trainer.experiment_name"],
+                      config_file=path)
+    assert cfg.trainer.seed == 1
+    assert (cfg.trainer.guard.patience, cfg.trainer.guard.max_kl) == (3, 1.0)
+    assert cfg.trainer.experiment_name == "gsm8k"
+    assert cfg.trainer.default_local_dir == "checkpoints/verl_examples/gsm8k"
+    assert "unknown config key trainer.sed; did you mean trainer.seed?" in _errors("~trainer.sed")
+    assert "write ~trainer.seed" in _errors("~trainer.seed=7")
+
+
+def test_plus_key_sets_a_known_key_and_rejects_an_unknown_one():
+    cfg = load_config(["+trainer.seed=5", "++data.seed=6"])
+    assert (cfg.trainer.seed, cfg.data.seed) == (5, 6)
+    message = _errors("+actor_rollout_ref.actor.clip_ratio_hgih=0.3")
+    assert "unknown config key actor_rollout_ref.actor.clip_ratio_hgih" in message
+    assert "did you mean actor_rollout_ref.actor.clip_ratio_high?" in message
+
+
+def test_interpolations_follow_the_keys_they_name():
+    cfg = load_config(["trainer.project_name=proj", "trainer.experiment_name=exp"])
+    assert cfg.trainer.default_local_dir == "checkpoints/proj/exp"
+    assert cfg.trainer.profile_dir == "checkpoints/proj/exp/profile"
+    cfg = load_config(["trainer.default_local_dir=/out/${trainer.experiment_name}-${trainer.seed}", "trainer.seed=3"])
+    assert cfg.trainer.default_local_dir == "/out/gsm8k-3"
+    assert cfg.trainer.profile_dir == "/out/gsm8k-3/profile"
+
+
+def test_a_value_outside_the_grammar_asks_for_quotes():
+    message = _errors("data.train_files=~/data/train.parquet")
+    assert "override 'data.train_files=~/data/train.parquet' is not key=value" in message
+    assert "quote a value" in message
+    assert load_config(["data.train_files='~/data/train.parquet'"]).data.train_files == "~/data/train.parquet"
+    assert "sweeps" in _errors("trainer.logger=console,wandb")
+
+
+def test_yaml_file_reads_yaml_1_1_floats_and_null(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n    clip_ratio_high: 3e-1\n"
+                    "trainer:\n  warn_kl: null\n  logger: [console, file]\n")
+    cfg = load_config(config_file=path)
+    assert cfg.actor_rollout_ref.actor.optim.lr == 1e-5
+    assert cfg.actor_rollout_ref.actor.clip_ratio_high == 0.3
+    assert cfg.trainer.warn_kl is None
+    assert cfg.trainer.logger == ["console", "file"]
+
+
+def test_the_dict_form_round_trips_and_is_validated():
+    cfg = load_config(["trainer.logger=[console,file]", "data.train_files=[a,b]", "trainer.seed=9",
+                       "trainer.experiment_name=e"])
+    tree = cfg.to_dict()
+    assert PPOConfig.from_dict(tree) == cfg
+    assert yaml.safe_load(cfg.to_yaml()) == tree  # what a checkpoint's config.yaml holds
+    assert PPOConfig.from_dict({"trainer": {"seed": 4}}).trainer.seed == 4  # keys it lacks keep their defaults
+    with pytest.raises(ConfigError, match="data.train_batch_size \\(1000\\)"):
+        PPOConfig.from_dict({"data": {"train_batch_size": 1000}})
+    with pytest.raises(ConfigError, match="unknown config key trainer.sed"):
+        PPOConfig.from_dict({"trainer": {"sed": 4}})
 
 
 def test_config_file_then_command_line(tmp_path):
@@ -124,6 +219,22 @@ def test_aliases_map_to_canonical_keys_with_a_notice():
     assert len(notices) == 4
     assert "actor_rollout_ref.actor.grad_clip" in notices[0]
     assert "trainer.save_freq" in notices[2]
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="missing.yaml does not exist"):
+        load_config(config_file=tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="list.yaml must hold a mapping"):
+        load_config(config_file=tmp_path / "list.yaml")
+    (tmp_path / "bad.yaml").write_text("trainer: [\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        load_config(config_file=tmp_path / "bad.yaml")
+    (tmp_path / "typo.yaml").write_text("trainer:\n  sav_freq: 3\n  seed: x\n")
+    with pytest.raises(ConfigError) as info:  # every problem in the file, not only the first
+        load_config(config_file=tmp_path / "typo.yaml")
+    assert info.value.errors == ["unknown config key trainer.sav_freq; did you mean trainer.save_freq?",
+                                 "trainer.seed='x': Value 'x' of type 'str' could not be converted to Integer"]
 
 
 def test_alias_inside_a_yaml_file(tmp_path):
@@ -203,7 +314,13 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("actor_rollout_ref.actor.loss_agg_mode=mean", "loss_agg_mode='mean' is not one of"),
         ("actor_rollout_ref.rollout.name=sglang", "rollout.name='sglang' is not one of hf, vllm"),
         ("trainer.logger=[console,neptune]", "trainer.logger='neptune' is not one of"),
-        ("data.train_batch_size=abc", "data.train_batch_size='abc' must be an integer"),
+        ("data.train_batch_size=abc", "data.train_batch_size='abc': Value 'abc' of type 'str' could not be converted"),
+        ("data.train_files=5", "data.train_files=5 must be a string or a list of strings"),
+        ("trainer.logger=wandb", "trainer.logger='wandb': Invalid value assigned: str is not a ListConfig"),
+        ("trainer.default_local_dir=out/${trainer.nope}", "trainer.default_local_dir: Interpolation key 'trainer.nope'"),
+        ("algorithm.adv_estimator=ppo", "is not one of gae, grpo, rloo, reinforce_plus_plus"),
+        ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type='pid' is not one of fixed, adaptive"),
+        ("trainer.logger=[neptune]", "is not one of console, file, tensorboard, wandb, mlflow"),
         ("trainer.resume_mode=resume_path", "needs trainer.resume_from_path"),
     ],
 )
@@ -229,6 +346,15 @@ def test_cli_rejects_inconsistent_batches_with_exit_2():
     assert result.returncode == 2
     assert "data.train_batch_size" in result.stderr and "ppo_mini_batch_size" in result.stderr
     assert result.stdout == ""
+
+
+def test_cli_reports_every_input_error_with_exit_2_and_no_traceback():
+    result = _cli("trainer.sav_freq=3", "data.train_files=~/x", "data.train_batch_size=abc")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("invalid config:\n")
+    assert "unknown config key trainer.sav_freq; did you mean trainer.save_freq?" in result.stderr
+    assert "quote a value" in result.stderr and "data.train_batch_size='abc'" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_cli_alias_prints_grad_clip_and_a_notice():

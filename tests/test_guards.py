@@ -4,23 +4,15 @@ absurd learning rate, a validation collapse) with the rollback checked against t
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import ConfigError, GuardConfig, load_config
-from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
-from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training import checkpoint
 from rlhf_core.training.guards import Guard, GuardError, measured_kl, tighten_kl_control
-
-DIGIT_FIRST_REWARD = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
-)
 
 # ----------------------------------------------------------------------------- decisions
 
@@ -82,33 +74,35 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
 
 
-def _fake_trainer(use_kl_in_reward: bool, use_kl_loss: bool, ctrl):
-    config = load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
-                          f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
-    param = torch.nn.Parameter(torch.zeros(1))
-    optimizer = torch.optim.AdamW([param], lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return SimpleNamespace(config=config, kl_ctrl=ctrl,
-                           actor=SimpleNamespace(optimizer=optimizer, scheduler=scheduler))
+def _config(use_kl_in_reward: bool, use_kl_loss: bool):
+    return load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
+                        f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
 
 
-def test_tightening_the_kl_control_after_a_kl_rollback():
-    trainer = _fake_trainer(True, False, FixedKLController(0.0))
-    assert "fixed -> adaptive" in tighten_kl_control(trainer)
-    assert isinstance(trainer.kl_ctrl, AdaptiveKLController)
-    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target, trainer.kl_ctrl.horizon) == (1e-3, 0.01, 10000)
+def test_tightening_the_kl_control_after_a_kl_rollback_is_a_decision_not_a_change():
+    config = _config(True, False)
+    ctrl = FixedKLController(0.0)
+    decision = tighten_kl_control(config, ctrl, 0.001)
+    assert "fixed -> adaptive" in decision.summary
+    assert isinstance(decision.kl_ctrl, AdaptiveKLController)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (1e-3, 0.01, 10000)
+    assert (decision.kl_loss_coef, decision.lr_factor) == (None, None)
+    assert ctrl.value == 0.0 and config.to_dict() == _config(True, False).to_dict()  # nothing was changed
 
-    trainer = _fake_trainer(True, False, AdaptiveKLController(0.2, 0.1, 500))
-    tighten_kl_control(trainer)
-    assert (trainer.kl_ctrl.value, trainer.kl_ctrl.target) == (0.2, 0.01)
+    ctrl = AdaptiveKLController(0.2, 0.1, 500)
+    decision = tighten_kl_control(_config(True, False), ctrl, 0.001)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.2, 0.01, 500)
+    assert ctrl.target == 0.1
 
-    trainer = _fake_trainer(False, True, FixedKLController(0.001))
-    assert "kl_loss_coef -> 0.002" in tighten_kl_control(trainer)
-    assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == 0.002
+    config = _config(False, True)
+    decision = tighten_kl_control(config, FixedKLController(0.001), 0.003)
+    assert "kl_loss_coef -> 0.006" in decision.summary
+    assert (decision.kl_ctrl, decision.kl_loss_coef, decision.lr_factor) == (None, 0.006, None)
+    assert config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # the config keeps the value the run started with
 
-    trainer = _fake_trainer(False, False, FixedKLController(0.001))
-    assert "learning rate x0.5" in tighten_kl_control(trainer)
-    assert trainer.actor.optimizer.param_groups[0]["lr"] == 0.05 and trainer.actor.scheduler.base_lrs == [0.05]
+    decision = tighten_kl_control(_config(False, False), FixedKLController(0.001), 0.001)
+    assert "learning rate x0.5" in decision.summary
+    assert (decision.kl_ctrl, decision.kl_loss_coef, decision.lr_factor) == (None, None, 0.5)
 
 
 def test_guard_keys_are_validated():
@@ -125,36 +119,11 @@ def test_guard_keys_are_validated():
 # ----------------------------------------------------------------------------- provoked in real runs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+TINY_TRAIN_PROMPTS = 48  # the conftest workspace: six steps without a second epoch
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("guards")
-    random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
-    build_dataset(root / "data", n_train=48, n_test=8, seed=0, max_ops=1)
-    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
-    return root
-
-
-def make_trainer(root, out, *extra):
-    return build_trainer(load_config([
-        f"actor_rollout_ref.model.path={root / 'model'}",
-        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
-        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "critic.optim.lr=1e-2", f"custom_reward_function.path={root / 'reward.py'}",
-        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
-        "trainer.logger=[file]", f"trainer.default_local_dir={out}", *extra,
-    ]))
+def make_trainer(workspace, out, *extra):
+    return build_trainer(load_config(workspace.overrides(out, *extra)))
 
 
 def run_recording(trainer):
@@ -182,6 +151,7 @@ def assert_weights(module: torch.nn.Module, expected: dict[str, torch.Tensor], e
     assert same == equal
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_nan_rewards_are_skipped_then_the_run_stops_restoring_the_last_good_checkpoint(workspace, tmp_path):
     out = tmp_path / "run"
     trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.save_freq=2",
@@ -208,6 +178,7 @@ def test_nan_rewards_are_skipped_then_the_run_stops_restoring_the_last_good_chec
     assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_control_adaptive(
         workspace, tmp_path, capsys):
     out = tmp_path / "run"
@@ -238,6 +209,7 @@ def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_c
     assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_4"))
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollbacks(workspace, tmp_path, capsys):
     out = tmp_path / "run"
     trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.test_freq=1",

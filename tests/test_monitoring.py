@@ -51,8 +51,8 @@ def test_exporter_serves_every_gauge_from_a_steps_metrics():
                     "rlhf_skipped_steps": 2, "rlhf_rollbacks": 1, "rlhf_val_accuracy": 0.5}
         assert {k: values[k] for k in expected} == pytest.approx(expected)
         assert math.isnan(values["rlhf_critic_grad_norm"])
-        exporter.log({"actor/ppo_kl": 0.01, "actor/reward_kl_penalty": 0.5}, step=8)  # ppo_kl comes first
-        assert scrape(exporter.url)["rlhf_kl"] == pytest.approx(0.01)
+        exporter.log({"actor/ppo_kl": 0.01, "actor/reward_kl_penalty": 0.5, "actor/kl_loss": 0.2}, step=8)
+        assert scrape(exporter.url)["rlhf_kl"] == pytest.approx(0.5)  # the largest, as the KL guard reads it
         url = exporter.url
     with pytest.raises(urllib.error.URLError):
         scrape(url)

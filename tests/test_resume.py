@@ -13,56 +13,21 @@ import sys
 import time
 
 import pytest
-import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
-from rlhf_core.models.toy import random_toy_model
 
 STEPS = 4  # one epoch: 32 prompts in batches of 8
 REL_TOL = 1e-6
-DIGIT_FIRST_REWARD = (
-    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-    "    return 1.0 if solution_str[:1].isdigit() else 0.0\n"
-)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def overrides(root, out, *extra):
-    return [
-        f"actor_rollout_ref.model.path={root / 'model'}",
-        f"data.train_files={root / 'data' / 'train.parquet'}", f"data.val_files={root / 'data' / 'test.parquet'}",
-        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "critic.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.ppo_epochs=2",
-        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
-        "critic.model.enable_gradient_checkpointing=false", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "critic.optim.lr=1e-2", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
-        f"custom_reward_function.path={root / 'reward.py'}", "algorithm.use_kl_in_reward=true",
+def overrides(workspace, out, *extra):
+    return workspace.overrides(
+        out, "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true",
-        "trainer.n_gpus_per_node=1", "trainer.device=cpu", "trainer.val_before_train=false",
-        f"trainer.total_training_steps={STEPS}", "trainer.logger=[file]", f"trainer.default_local_dir={out}",
-        *extra,
-    ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: identical numerics in every process, and no spinning threads on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume")
-    random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
-    build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
-    (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
-    return root
+        f"trainer.total_training_steps={STEPS}", *extra)
 
 
 def _fit(trainer) -> tuple[dict[int, dict], dict[int, list[int]]]:
@@ -84,7 +49,7 @@ def _fit(trainer) -> tuple[dict[int, dict], dict[int, list[int]]]:
 @pytest.fixture(scope="module")
 def reference(workspace):
     """The uninterrupted run, checkpointing every step."""
-    out = workspace / "reference"
+    out = workspace.root / "reference"
     trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
     metrics, rows = _fit(trainer)
     return out, metrics, rows

@@ -165,14 +165,18 @@ BAD_ROWS = [
 ]
 
 
+def plant(rows: list[dict], cases: list[tuple]) -> list[dict]:
+    """``rows`` with bad case ``i`` (its mutation first) in row ``i + 1``: rows 0 and the last stay good."""
+    for position, (mutate, *_rest) in enumerate(cases):
+        mutate(rows[position + 1])
+    return rows
+
+
 @pytest.fixture(scope="module")
 def bad_report(tmp_path_factory):
     """One validation run over a table whose row ``i + 1`` carries bad case ``i``."""
-    rows = records(len(BAD_ROWS) + 2)
-    for position, (mutate, *_rest) in enumerate(BAD_ROWS):
-        mutate(rows[position + 1])
-    path = write(tmp_path_factory.mktemp("bad") / "train.parquet", rows)
-    return validate_dataset(path)
+    rows = plant(records(len(BAD_ROWS) + 2), BAD_ROWS)
+    return validate_dataset(write(tmp_path_factory.mktemp("bad") / "train.parquet", rows))
 
 
 def test_bad_rows_fail_exactly_their_expectations(bad_report):
@@ -200,15 +204,14 @@ def test_bad_row_is_named_with_its_value(bad_report, position, case):
     assert f"row {position + 1}: {value!r}" in summary
 
 
-def test_missing_column_is_reported_and_dependent_checks_skipped(tmp_path):
+def test_missing_column_is_reported_and_dependent_checks_skipped():
     frame = pd.DataFrame(records(4)).drop(columns=["reward_model"])
-    report = validate_dataset(write(tmp_path / "train.parquet", frame.to_dict("records")))
+    report = validate_frames(frame)  # prompt data by the caller's word, so only reward_model is missing
     assert failed(report) == [("column_exists", "reward_model", "train")]
-    assert report.failures[0].statistics.get("missing") is True
     assert not any(o.column == "ground_truth" for o in report.results)
     assert any("ground_truth_numeric" in item and "reward_model" in item for item in report.skipped)
     assert report.find("column_exists", "prompt")[0].success
-    assert "reward_model" in report.summary()
+    assert "column 'reward_model' is missing" in report.summary()
 
 
 def test_empty_table_fails_has_rows():
@@ -254,7 +257,7 @@ def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):
     assert failed(report) == [("prompt_length_within_limit", "prompt_tokens", "train")]
     outcome = report.failures[0]
     assert outcome.statistics["share_over"] == pytest.approx(0.25)
-    assert outcome.statistics["over_count"] == 1
+    assert outcome.statistics["unexpected_count"] == 1
     assert outcome.examples == [(2, len(rows[2]["prompt"][0]["content"]))]
     assert "25.0%" in report.summary()
 
@@ -374,16 +377,20 @@ def test_cli_valid_data_exits_0_with_json(valid_files, chat_tokenizer_dir, capsy
     ]
     assert main([*argv, "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
-    assert payload["success"] is True
+    assert payload["success"] is True and payload["kind"] == "prompt"
     assert payload["datasets"][0]["path"] == str(train)
-    assert any(r["name"] == "prompt_length_within_limit" for r in payload["results"])
+    checks = [r["expectation_config"]["meta"]["check"] for r in payload["datasets"][0]["result"]["results"]]
+    assert "prompt_length_within_limit" in checks
+    assert payload["statistics"]["evaluated_expectations"] == sum(
+        len(d["result"]["results"]) for d in payload["datasets"])
 
 
 def test_cli_rejects_tokenizer_without_limit(valid_files, chat_tokenizer_dir, capsys):
-    with pytest.raises(SystemExit) as caught:
-        main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)])
-    assert caught.value.code == 2
-    assert "--max-prompt-length" in capsys.readouterr().err
+    assert main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert str(valid_files[0]) in line and "needs both a tokenizer and the limit" in line
+    assert main([str(valid_files[0]), "--max-chars", "100"]) == 2  # a preference-data limit
+    assert "max_chars does not apply to prompt data" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,19 +414,22 @@ def test_fingerprint_is_order_independent_and_byte_sensitive(tmp_path):
         fingerprint([tmp_path / "nope.parquet"])
 
 
-def test_html_report_names_failed_expectations(tmp_path):
+def test_html_report_is_gx_data_docs_naming_failed_rows():
     rows = records(4)
     _no_user_turn(rows[1])
     _unknown_source(rows[2])
-    report = validate_frames(pd.DataFrame(rows), paths=("data/<train>.parquet", None))
+    val = records(3, "test", 30)
+    _unknown_source(val[0])
+    report = validate_frames(pd.DataFrame(rows), pd.DataFrame(val), paths=("data/<train>.parquet", None))
     page = report.to_html()
-    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
-    assert "prompt_has_user_turn" in page and "data_source_known" in page
-    assert page.count('class="fail"') == 2
-    assert 'class="pass"' in page
-    assert "nobody/knows" in page
-    assert "&lt;train&gt;" in page and "<train>" not in page
-    assert "4</td>" in page  # row count of the dataset
+    assert page.lstrip().startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    assert "Great Expectations" in page
+    assert "prompt_has_user_turn" in page and "data_source_known" in page and "nobody/knows" in page
+    # GX's query for the failing rows of each expectation: train rows 1 and 2, val row 0
+    assert "df.filter(items=[1], axis=0)" in page and "df.filter(items=[2], axis=0)" in page
+    assert "df.filter(items=[0], axis=0)" in page
+    assert page.count("Evaluated Expectations") == 2  # one overview per dataset
+    assert "data/&lt;train&gt;.parquet" in page and "<train>" not in page
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""The verl prompt-dataset schema shared by every data source.
+"""The verl prompt-dataset schema shared by every data source, and the preference schema beside it.
 
-A row is ``data_source``, ``prompt`` (chat messages), ``ability``,
+A prompt row is ``data_source``, ``prompt`` (chat messages), ``ability``,
 ``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``.
+A preference row (for reward models) is ``prompt`` (chat messages, as above), ``chosen`` and
+``rejected`` (assistant texts, the preferred one first), ``data_source`` and ``extra_info`` (a dict).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pandas as pd
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
 _FINAL_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 

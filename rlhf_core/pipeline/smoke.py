@@ -209,8 +209,8 @@ def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> 
 def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
                    steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
     """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
-    from rlhf_core.main_ppo import build_trainer, preflight
-    from rlhf_core.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from rlhf_core.main_ppo import preflight, trainer_session
+    from rlhf_core.training.checkpoint import latest_checkpoint
 
     started = time.perf_counter()
     work_dir = Path(work_dir)
@@ -231,34 +231,35 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps)
 
     preflight(small)
-    trainer = build_trainer(small)
-    history = trainer.fit()
-    report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
-                      for step in history]
-    _check(report, "iterations", len(history) == steps, f"{len(history)} of {steps} PPO iterations ran")
-    bad = [f"step {i + 1} {key}={metrics[key]}" for i, metrics in enumerate(report.metrics)
-           for key in FINITE_KEYS if key in metrics and not math.isfinite(metrics[key])]
-    _check(report, "finite losses", not bad, ", ".join(bad) or "every loss and gradient norm is finite")
-    skipped = report.metrics[-1].get("training/skipped_steps", 0.0)
-    _check(report, "no skipped updates", skipped == 0,
-           f"{skipped:.0f} optimizer steps skipped for non-finite gradients")
-    first_kl = report.metrics[0].get("actor/ppo_kl")
-    _check(report, "on-policy first step", first_kl is not None and abs(first_kl) < KL_TOLERANCE,
-           f"actor/ppo_kl on step 1 = {first_kl} (must be |kl| < {KL_TOLERANCE}: the update's log-probs must "
-           "equal the rollout's; look at dropout, dtype or padding differences between the two)")
+    with trainer_session(small) as trainer:
+        history = trainer.fit()
+        report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
+                          for step in history]
+        _check(report, "iterations", len(history) == steps, f"{len(history)} of {steps} PPO iterations ran")
+        bad = [f"step {i + 1} {key}={metrics[key]}" for i, metrics in enumerate(report.metrics)
+               for key in FINITE_KEYS if key in metrics and not math.isfinite(metrics[key])]
+        _check(report, "finite losses", not bad, ", ".join(bad) or "every loss and gradient norm is finite")
+        skipped = report.metrics[-1].get("training/skipped_steps", 0.0)
+        _check(report, "no skipped updates", skipped == 0,
+               f"{skipped:.0f} optimizer steps skipped for non-finite gradients")
+        first_kl = report.metrics[0].get("actor/ppo_kl")
+        _check(report, "on-policy first step", first_kl is not None and abs(first_kl) < KL_TOLERANCE,
+               f"actor/ppo_kl on step 1 = {first_kl} (must be |kl| < {KL_TOLERANCE}: the update's log-probs must "
+               "equal the rollout's; look at dropout, dtype or padding differences between the two)")
 
-    root = Path(small.trainer.default_local_dir)
-    latest = latest_checkpoint(root)
-    if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
-        latest = save_checkpoint(trainer, root)
-    fresh = build_trainer(small)
-    load_checkpoint(fresh, latest)
-    differing = _state_differences(trainer.actor.module, fresh.actor.module)
-    if trainer.critic is not None:
-        differing += [f"critic.{name}" for name in _state_differences(trainer.critic.module, fresh.critic.module)]
-    _check(report, "checkpoint round trip", not differing,
-           f"saved {latest.name} and loaded it into a fresh trainer: "
-           + (f"{len(differing)} tensors differ, e.g. {differing[:3]}" if differing else "weights equal"))
+        root = Path(small.trainer.default_local_dir)
+        latest = latest_checkpoint(root)
+        if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
+            latest = trainer.save_checkpoint()
+        with trainer_session(small) as fresh:
+            fresh.load_checkpoint(latest)
+            differing = _state_differences(trainer.actor.module, fresh.actor.module)
+            if trainer.critic is not None:
+                differing += [f"critic.{name}" for name in _state_differences(trainer.critic.module,
+                                                                              fresh.critic.module)]
+        _check(report, "checkpoint round trip", not differing,
+               f"saved {latest.name} and loaded it into a fresh trainer: "
+               + (f"{len(differing)} tensors differ, e.g. {differing[:3]}" if differing else "weights equal"))
     report.wall_s = time.perf_counter() - started
     return report
 

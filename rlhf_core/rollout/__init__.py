@@ -2,7 +2,10 @@
 
 from rlhf_core.rollout.base import RolloutEngine, SamplingParams
 
-__all__ = ["RolloutEngine", "SamplingParams", "make_rollout_engine"]
+__all__ = ["ROLLOUT_NAMES", "RolloutEngine", "SamplingParams", "make_rollout_engine"]
+
+#: the engines ``make_rollout_engine`` builds, by ``actor_rollout_ref.rollout.name``
+ROLLOUT_NAMES = ("hf", "vllm")
 
 
 def make_rollout_engine(name: str, module, tokenizer, seed: int = 0, **kwargs) -> RolloutEngine:
@@ -15,4 +18,4 @@ def make_rollout_engine(name: str, module, tokenizer, seed: int = 0, **kwargs) -
         from rlhf_core.rollout.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(module, tokenizer, seed=seed, **kwargs)
-    raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: no such rollout engine here (valid: hf, vllm)")
+    raise ValueError(f"actor_rollout_ref.rollout.name={name!r}: no such rollout engine here (valid: {', '.join(ROLLOUT_NAMES)})")

@@ -9,7 +9,7 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       actor/extra_state.pt                the worker's generators (mini-batch shuffle, rollout sampling)
       actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
       critic/model_state.pt, optim_state.pt, extra_state.pt     (GAE only)
-      trainer_state.json                  step, data sampler, KL controller, guard, skip counters
+      trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guard, skips
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
       config.yaml                         the resolved config the run started with
       manifest.json                       every file above with its size; written last
@@ -30,6 +30,10 @@ Resuming refuses a checkpoint whose config differs from the current one outside
 :data:`RESUME_SAFE_KEYS` (logging, frequencies, run length, names, guard and warning
 thresholds, memory knobs that leave the math unchanged): anything else may change
 shapes, batch sizes or the training math, and the error names the keys.
+
+This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
+``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
+``trainer.config_yaml`` and ``trainer.guard.protected_steps()``.
 
 ``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` prune the actor or critic part
 of the oldest checkpoints (a directory left with neither is removed); the latest
@@ -63,7 +67,7 @@ RNG_STATE = "rng_state.pt"
 CONFIG_FILE = "config.yaml"
 HF_DIR = "huggingface"
 PARTS = ("actor", "critic")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the trainer's runtime coefficients are its own state (kl_loss_coef, the controller type)
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 #: Config keys (fnmatch patterns) that may differ between a checkpoint and the run resuming it.
@@ -81,6 +85,9 @@ RESUME_SAFE_KEYS = (
     "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.max_num_batched_tokens",
+    "reward_model.overlong_buffer.log",
+    # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
+    "reward_model.train.*",
 )
 
 
@@ -325,48 +332,6 @@ def _set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def _kl_ctrl_state(ctrl) -> dict:
-    from rlhf_core.algos import AdaptiveKLController
-
-    if isinstance(ctrl, AdaptiveKLController):
-        return {"type": "adaptive", "value": ctrl.value, "target": ctrl.target, "horizon": ctrl.horizon}
-    return {"type": "fixed", "value": ctrl.value}
-
-
-def _make_kl_ctrl(state: dict):
-    from rlhf_core.algos import AdaptiveKLController, FixedKLController
-
-    if state["type"] == "adaptive":
-        return AdaptiveKLController(state["value"], state["target"], state["horizon"])
-    return FixedKLController(state["value"])
-
-
-def _workers(trainer) -> dict[str, Any]:
-    workers = {"actor": trainer.actor}
-    if getattr(trainer, "critic", None) is not None:
-        workers["critic"] = trainer.critic
-    return workers
-
-
-def _config_yaml(trainer) -> str:
-    return getattr(trainer, "config_yaml", None) or trainer.config.to_yaml()
-
-
-def _trainer_state(trainer) -> dict:
-    guard = getattr(trainer, "guard", None)
-    return {
-        "format": FORMAT_VERSION,
-        "global_step": int(trainer.global_step),
-        "total_steps": int(getattr(trainer, "total_steps", 0) or 0),
-        "sampler": trainer.sampler.state_dict(),
-        "kl_ctrl": _kl_ctrl_state(trainer.kl_ctrl),
-        "kl_loss_coef": trainer.config.actor_rollout_ref.actor.kl_loss_coef,
-        "skipped_steps": {name: int(w.skipped_steps) for name, w in _workers(trainer).items()},
-        "guard": guard.state_dict() if guard is not None else None,
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-
-
 def _write_hf(trainer, target: Path) -> None:
     from transformers.utils import logging as hf_logging
 
@@ -374,8 +339,7 @@ def _write_hf(trainer, target: Path) -> None:
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the training log at every save
     try:
         trainer.actor.save_hf(target)  # LoRA merged; with several workers gathered and written by rank 0
-        if trainer.tokenizer is not None:
-            trainer.tokenizer.save_pretrained(target)
+        trainer.tokenizer.save_pretrained(target)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -383,8 +347,8 @@ def _write_hf(trainer, target: Path) -> None:
 
 def _fill(files: _Files, trainer) -> list[str]:
     parts = []
-    for name, worker in _workers(trainer).items():
-        if getattr(worker, "sharded", False):  # each rank writes its own shards (and generators)
+    for name, worker in trainer.workers().items():
+        if worker.sharded:  # each rank writes its own shards (and generators)
             files.tree(name, worker.save_shards)
             parts.append(name)
             continue
@@ -395,9 +359,10 @@ def _fill(files: _Files, trainer) -> list[str]:
         files.torch(f"{name}/extra_state.pt", state)
         parts.append(name)
     files.tree(f"actor/{HF_DIR}", lambda target: _write_hf(trainer, target))
-    files.text(TRAINER_STATE, json.dumps(_trainer_state(trainer), indent=1))
+    state = {"format": FORMAT_VERSION, **trainer.state_dict(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    files.text(TRAINER_STATE, json.dumps(state, indent=1))
     files.torch(RNG_STATE, _rng_state())
-    files.text(CONFIG_FILE, _config_yaml(trainer))
+    files.text(CONFIG_FILE, trainer.config_yaml)
     return parts
 
 
@@ -453,12 +418,8 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
 
-    guard = getattr(trainer, "guard", None)
-    if guard is not None:
-        guard.on_checkpoint(step)
     cfg = trainer.config.trainer
-    protected = guard.protected_steps() if guard is not None else set()
-    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, protected)
+    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, trainer.guard.protected_steps())
     return final
 
 
@@ -584,10 +545,10 @@ def _load_sharded(path: Path, name: str, worker, weights_only: bool = False) -> 
 
 
 def _load_worker(path: Path, name: str, worker) -> None:
-    if getattr(worker, "sharded", False):
+    if worker.sharded:
         _load_sharded(path, name, worker)
         return
-    device = getattr(worker, "device", "cpu")
+    device = worker.device
     model = _load(path / name / "model_state.pt", device)
     _check_shapes(path / name / "model_state.pt", model, worker)
     optim = _load(path / name / "optim_state.pt", device)
@@ -601,7 +562,11 @@ def _load_worker(path: Path, name: str, worker) -> None:
 def _loadable(trainer, path: Path) -> Path:
     path = Path(os.path.expanduser(str(path)))
     manifest = read_manifest(path)
-    for name in _workers(trainer):
+    if manifest.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')}, this version reads format "
+                              f"{FORMAT_VERSION}: start a new run (trainer.resume_mode=disable or another "
+                              "trainer.default_local_dir)")
+    for name in trainer.workers():
         if name not in manifest["parts"] or not (path / name).is_dir():
             raise CheckpointError(f"checkpoint {path} has no {name} state (pruned by max_{name}_ckpt_to_keep, "
                                   "or saved by a run without a critic)")
@@ -616,21 +581,11 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     """
     path = _loadable(trainer, path)
     check_config(path, trainer.config)
-    state = json.loads((path / TRAINER_STATE).read_text())
-    for name, worker in _workers(trainer).items():
+    for name, worker in trainer.workers().items():
         _load_worker(path, name, worker)
-        worker.skipped_steps = int(state.get("skipped_steps", {}).get(name, 0))
-    trainer.global_step = int(state["global_step"])
-    trainer.sampler.load_state_dict(state["sampler"])
-    trainer.kl_ctrl = _make_kl_ctrl(state["kl_ctrl"])
-    trainer.config.actor_rollout_ref.actor.kl_loss_coef = float(state["kl_loss_coef"])
-    guard = getattr(trainer, "guard", None)
-    if guard is not None:
-        if state.get("guard"):
-            guard.load_state_dict(state["guard"])
-        guard.on_checkpoint(trainer.global_step)
+    trainer.load_state_dict(json.loads((path / TRAINER_STATE).read_text()))
     _set_rng_state(_load(path / RNG_STATE, "cpu"))
-    if not getattr(trainer.actor, "sharded", False):  # sharded workers sync as they load
+    if not trainer.actor.sharded:  # sharded workers sync as they load
         trainer.actor.rollout.sync_weights()
 
 
@@ -642,18 +597,18 @@ def restore_weights(trainer, path: str | os.PathLike) -> None:
     re-applied after loading the optimizer state (which carries the checkpoint's).
     """
     path = _loadable(trainer, path)
-    for name, worker in _workers(trainer).items():
-        if getattr(worker, "sharded", False):
+    for name, worker in trainer.workers().items():
+        if worker.sharded:
             _load_sharded(path, name, worker, weights_only=True)
             continue
-        device = getattr(worker, "device", "cpu")
+        device = worker.device
         model = _load(path / name / "model_state.pt", device)
         _check_shapes(path / name / "model_state.pt", model, worker)
         worker.load_model_state_dict(model)
         worker.optimizer.load_state_dict(_load(path / name / "optim_state.pt", device)["optimizer"])
         for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
             group["lr"] = lr
-    if not getattr(trainer.actor, "sharded", False):
+    if not trainer.actor.sharded:
         trainer.actor.rollout.sync_weights()
 
 

@@ -29,7 +29,8 @@ def group_metric(batch: Batch, extras: dict, metric: str) -> torch.Tensor:
         return batch["token_level_scores"].sum(-1)
     if metric in ("score", "acc"):
         return torch.as_tensor(extras[metric], dtype=torch.float64)
-    raise ValueError(f"unknown algorithm.filter_groups.metric {metric!r}; valid metrics are seq_reward, score, acc")
+    raise ValueError(f"unknown algorithm.filter_groups.metric {metric!r}; valid metrics are "
+                     f"{', '.join(algos.FILTER_GROUPS_METRICS)}")
 
 
 def select_extras(extras: dict, rows: list[int]) -> dict:

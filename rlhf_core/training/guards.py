@@ -15,7 +15,7 @@ KL explosion
     and ``actor/kl_loss`` present in the step's metrics (a non-finite value counts as
     above any limit). After ``patience`` consecutive steps above ``max_kl`` the run
     restores the last checkpoint saved before the streak began and tightens the KL
-    control (:func:`tighten_kl_control`), then continues.
+    control (:func:`tighten_kl_control` says how; the trainer applies it), then continues.
 validation drop
     When the validation accuracy falls more than ``max_val_drop`` below the best seen,
     the run restores the checkpoint of the best validation and continues. So that one
@@ -37,7 +37,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rlhf_core.config import GuardConfig
+from rlhf_core.algos import AdaptiveKLController, FixedKLController
+from rlhf_core.config import GuardConfig, PPOConfig
 
 KL_METRICS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")
 KL_LOSS_COEF_FACTOR = 2.0  # a KL rollback with actor.use_kl_loss multiplies kl_loss_coef by this
@@ -75,7 +76,8 @@ class GuardEvent:
 
 
 def measured_kl(metrics: Mapping[str, float]) -> float | None:
-    """The largest KL metric of a step; ``inf`` when one is not finite; None when there is none."""
+    """The step's KL: the largest of :data:`KL_METRICS` present; ``inf`` when one is not finite; None when
+    there is none. The KL guard, the console warnings and the Prometheus gauge all read this one."""
     values = [float(metrics[k]) for k in KL_METRICS if k in metrics and metrics[k] is not None]
     if not values:
         return None
@@ -177,8 +179,18 @@ class Guard:
         self.rollbacks = int(state.get("rollbacks", 0))
 
 
-def tighten_kl_control(trainer) -> str:
-    """After a KL rollback, make the policy stay closer to where it was; returns what changed.
+@dataclass
+class KLTightening:
+    """What a KL rollback changes; the trainer applies it (its KL controller, coefficient, learning rate)."""
+
+    kl_ctrl: FixedKLController | AdaptiveKLController | None = None  # the controller to use from now on
+    kl_loss_coef: float | None = None  # the new actor.kl_loss_coef
+    lr_factor: float | None = None  # multiply the actor learning rate (and its schedule) by this
+    summary: str = ""
+
+
+def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTightening:
+    """After a KL rollback, how to make the policy stay closer to where it was (reads, never writes, state).
 
     * KL in the reward (``algorithm.use_kl_in_reward``): a fixed controller becomes adaptive
       (Ziegler et al.) with ``trainer.guard.target_kl``, starting from the current coefficient
@@ -187,30 +199,22 @@ def tighten_kl_control(trainer) -> str:
     * Neither: the only lever left on ``actor/ppo_kl`` is the step size; the actor learning
       rate (its schedule included) is halved.
     """
-    from rlhf_core.algos import AdaptiveKLController
-
-    cfg = trainer.config
-    guard_cfg, kl_cfg, actor_cfg = cfg.trainer.guard, cfg.algorithm.kl_ctrl, cfg.actor_rollout_ref.actor
-    changes = []
-    if cfg.algorithm.use_kl_in_reward:
-        ctrl = trainer.kl_ctrl
-        if isinstance(ctrl, AdaptiveKLController):
-            ctrl.target = min(ctrl.target, guard_cfg.target_kl)
-            changes.append(f"adaptive KL controller target {ctrl.target:.4g}")
+    guard_cfg, kl_cfg = config.trainer.guard, config.algorithm.kl_ctrl
+    decision, changes = KLTightening(), []
+    if config.algorithm.use_kl_in_reward:
+        if isinstance(kl_ctrl, AdaptiveKLController):
+            target = min(kl_ctrl.target, guard_cfg.target_kl)
+            decision.kl_ctrl = AdaptiveKLController(kl_ctrl.value, target, kl_ctrl.horizon)
+            changes.append(f"adaptive KL controller target {target:.4g}")
         else:
-            start = max(ctrl.value, MIN_ADAPTIVE_KL_COEF)
-            trainer.kl_ctrl = AdaptiveKLController(start, guard_cfg.target_kl, kl_cfg.horizon)
+            start = max(kl_ctrl.value, MIN_ADAPTIVE_KL_COEF)
+            decision.kl_ctrl = AdaptiveKLController(start, guard_cfg.target_kl, kl_cfg.horizon)
             changes.append(f"KL controller fixed -> adaptive (target_kl {guard_cfg.target_kl}, coef {start:.4g})")
-    if actor_cfg.use_kl_loss:
-        actor_cfg.kl_loss_coef *= KL_LOSS_COEF_FACTOR
-        changes.append(f"actor kl_loss_coef -> {actor_cfg.kl_loss_coef:.4g}")
+    if config.actor_rollout_ref.actor.use_kl_loss:
+        decision.kl_loss_coef = kl_loss_coef * KL_LOSS_COEF_FACTOR
+        changes.append(f"actor kl_loss_coef -> {decision.kl_loss_coef:.4g}")
     if not changes:
-        if getattr(trainer.actor, "sharded", False):  # the actor lives on a worker group
-            trainer.actor.scale_lr(LR_FACTOR)
-        else:
-            scheduler, optimizer = trainer.actor.scheduler, trainer.actor.optimizer
-            scheduler.base_lrs = [lr * LR_FACTOR for lr in scheduler.base_lrs]
-            for group in optimizer.param_groups:
-                group["lr"] *= LR_FACTOR
+        decision.lr_factor = LR_FACTOR
         changes.append(f"actor learning rate x{LR_FACTOR} (no KL term to tighten)")
-    return "; ".join(changes)
+    decision.summary = "; ".join(changes)
+    return decision

@@ -6,8 +6,9 @@ run's ``project`` and ``experiment``. ``configs/monitoring/prometheus.yml`` scra
 ``configs/monitoring/grafana_dashboard.json`` plots it.
 
 Each gauge maps to the first of its metric keys present in a step's metrics (a step
-without any of them leaves the gauge as it was). The exporter has its own registry,
-so several can live in one process (tests) without clashing with the default one.
+without any of them leaves the gauge as it was); ``rlhf_kl`` is the step's KL as the KL
+guard measures it (:func:`~rlhf_core.training.guards.measured_kl`). The exporter has its own
+registry, so several can live in one process (tests) without clashing with the default one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import math
 from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from rlhf_core.training.guards import KL_METRICS, measured_kl
 
 #: gauge name -> (help, metric keys tried in order)
 GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -28,8 +31,7 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
                                           ("perf/throughput",)),
     "rlhf_response_length_mean": ("mean response length (tokens)", ("response_length/mean",)),
     "rlhf_reward_mean": ("mean sequence score of the rollout batch", ("critic/score/mean",)),
-    "rlhf_kl": ("KL of the step: actor/ppo_kl, else actor/reward_kl_penalty",
-                ("actor/ppo_kl", "actor/reward_kl_penalty")),
+    "rlhf_kl": ("KL of the step: the largest of " + ", ".join(KL_METRICS), ()),
     "rlhf_actor_grad_norm": ("actor gradient norm before clipping", ("actor/grad_norm",)),
     "rlhf_critic_grad_norm": ("critic gradient norm before clipping", ("critic/grad_norm",)),
     "rlhf_skipped_steps": ("mini-batch updates skipped for a non-finite loss or gradient, in total",
@@ -68,6 +70,9 @@ class PrometheusExporter:
                 if value is not None:
                     self.gauges[name].set(float(value) if math.isfinite(float(value)) else math.nan)
                     break
+        kl = measured_kl(metrics)
+        if kl is not None:
+            self.gauges["rlhf_kl"].set(kl if math.isfinite(kl) else math.nan)
         accuracies = [float(v) for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
         if accuracies:
             self.gauges["rlhf_val_accuracy"].set(sum(accuracies) / len(accuracies))

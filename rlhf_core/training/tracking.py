@@ -55,6 +55,8 @@ from typing import Any, ClassVar
 
 from tqdm import tqdm
 
+from rlhf_core.training.guards import measured_kl
+
 __all__ = [
     "BACKENDS",
     "Backend",
@@ -77,11 +79,12 @@ __all__ = [
 #: Console line fields, in order: (label, candidate metric keys). The first candidate present in a
 #: step's metrics is shown; a field with no candidate present is left out. A candidate containing
 #: ``*`` is a glob (``fnmatch``): every matching key is shown, labelled ``label[<match>]`` when there
-#: is more than one. ``timing_s/step`` is appended last as ``<seconds>s``.
-CONSOLE_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
+#: is more than one. A callable candidate computes the value from the metrics (``kl``: the step's KL,
+#: as the KL guard measures it). ``timing_s/step`` is appended last as ``<seconds>s``.
+CONSOLE_KEYS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("score", ("critic/score/mean",)),
     ("acc", ("val-core/*/acc/mean@1",)),
-    ("kl", ("actor/ppo_kl", "actor/reward_kl_penalty")),
+    ("kl", (measured_kl,)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),
     ("entropy", ("actor/entropy",)),
@@ -89,10 +92,9 @@ CONSOLE_KEYS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 STEP_TIME_KEY = "timing_s/step"
 
-#: Keys ``warn_thresholds`` accepts: ``kl`` checks ``actor/ppo_kl`` (else ``actor/reward_kl_penalty``);
+#: Keys ``warn_thresholds`` accepts: ``kl`` checks the step's KL (:func:`~rlhf_core.training.guards.measured_kl`);
 #: ``grad_norm`` checks ``actor/grad_norm`` and ``critic/grad_norm``.
 WARN_THRESHOLD_KEYS = ("kl", "grad_norm")
-_KL_KEYS = ("actor/ppo_kl", "actor/reward_kl_penalty")
 _GRAD_NORM_KEYS = {
     "actor/grad_norm": ("actor", "actor_rollout_ref.actor"),
     "critic/grad_norm": ("critic", "critic"),
@@ -212,6 +214,12 @@ class ConsoleLogger(Backend):
         parts = [f"step {step}/{total}" if total else f"step {step}"]
         for label, candidates in CONSOLE_KEYS:
             for candidate in candidates:
+                if callable(candidate):
+                    value = candidate(metrics)
+                    if value is not None:
+                        parts.append(f"{label} {_fmt(value)}")
+                        break
+                    continue
                 if "*" in candidate:
                     matches = sorted(k for k in metrics if fnmatch.fnmatchcase(k, candidate))
                     if not matches:
@@ -238,7 +246,7 @@ class ConsoleLogger(Backend):
         out = []
         kl_limit = limits.get("kl")
         if kl_limit is not None:
-            kl = next((metrics[k] for k in _KL_KEYS if k in metrics), None)
+            kl = measured_kl(metrics)
             if kl is not None and kl > kl_limit:
                 out.append(
                     f"KL {_fmt(kl)} > {_fmt(kl_limit)}: lower actor_rollout_ref.actor.optim.lr or raise the "

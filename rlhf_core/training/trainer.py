@@ -39,7 +39,14 @@ from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.training import checkpoint, dynamic_sampling
-from rlhf_core.training.guards import Guard, GuardError, GuardEvent, TrainingInterrupted, tighten_kl_control
+from rlhf_core.training.guards import (
+    Guard,
+    GuardError,
+    GuardEvent,
+    KLTightening,
+    TrainingInterrupted,
+    tighten_kl_control,
+)
 from rlhf_core.workers.actor import ActorWorker
 from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
@@ -151,7 +158,10 @@ class PPOTrainer:
                     arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
                     device=device)
         kl = algo.kl_ctrl
+        # runtime coefficients: they start from the config and are trainer state from then on (a guard
+        # may change them; checkpoints save them); the config stays as the run was started
         self.kl_ctrl = algos.make_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.kl_loss_coef = arr.actor.kl_loss_coef
         self.global_step = 0
         self.history: list[StepResult] = []
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
@@ -298,7 +308,7 @@ class PPOTrainer:
                     metrics.update(self.critic.update_critic(batch, n))
             if self.global_step >= cfg.trainer.critic_warmup:
                 with timed("update_actor", timings):
-                    metrics.update(self.actor.update_policy(batch, n))
+                    metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
@@ -342,7 +352,33 @@ class PPOTrainer:
         values = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
         return float(np.mean(values)) if values else None
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ state and checkpoints
+    def workers(self) -> dict[str, ActorWorker | CriticWorker]:
+        """The workers by checkpoint part name: ``actor``, and ``critic`` with GAE."""
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
+
+    def state_dict(self) -> dict:
+        """The loop's own state (JSON-able): step, data order, KL coefficients, guard, skip counters.
+        The workers' weights, optimizers and generators are theirs (``worker.state_dict()``)."""
+        return {
+            "global_step": self.global_step,
+            "total_steps": self.total_steps,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "kl_loss_coef": self.kl_loss_coef,
+            "guard": self.guard.state_dict(),
+            "skipped_steps": {name: int(worker.skipped_steps) for name, worker in self.workers().items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.global_step = int(state["global_step"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl = algos.kl_controller_from_state(state["kl_ctrl"])
+        self.kl_loss_coef = float(state["kl_loss_coef"])
+        self.guard.load_state_dict(state["guard"])
+        for name, worker in self.workers().items():
+            worker.skipped_steps = int(state["skipped_steps"].get(name, 0))
+
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
         try:
@@ -350,12 +386,14 @@ class PPOTrainer:
         except WorkerError as exc:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
+        self.guard.on_checkpoint(self.global_step)
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off."""
         checkpoint.load_checkpoint(self, path)
         self.last_saved_step = self.global_step
+        self.guard.on_checkpoint(self.global_step)
 
     def _skipped_total(self) -> int:
         return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
@@ -373,11 +411,23 @@ class PPOTrainer:
             else:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
-        adjusted = tighten_kl_control(self) if event.kind == "kl_explosion" else ""
+        adjusted = ""
+        if event.kind == "kl_explosion":
+            adjusted = self._apply(tighten_kl_control(self.config, self.kl_ctrl, self.kl_loss_coef))
         print(f"WARNING guard: rollback {self.guard.rollbacks}/{self.config.trainer.guard.max_rollbacks} at step "
               f"{self.global_step}: {event.message}; "
               + (f"restored {restored}" if restored else "no earlier checkpoint to restore")
               + (f"; {adjusted}" if adjusted else ""), file=sys.stderr, flush=True)
+
+    def _apply(self, decision: KLTightening) -> str:
+        """Carry out a guard's tightening of the KL control; returns what changed."""
+        if decision.kl_ctrl is not None:
+            self.kl_ctrl = decision.kl_ctrl
+        if decision.kl_loss_coef is not None:
+            self.kl_loss_coef = decision.kl_loss_coef
+        if decision.lr_factor is not None:
+            self.actor.scale_lr(decision.lr_factor)
+        return decision.summary
 
     def _stop_if_requested(self) -> None:
         if self.stop_requested is None:

@@ -33,12 +33,10 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
-    clip_and_check,
-    global_token_counts,
     micro_batches,
-    move_optimizer_state,
     packed_inputs,
     pad_response,
+    ppo_update,
     resolve_remove_padding,
     trimmed_inputs,
     unpack,
@@ -175,9 +173,10 @@ class ActorWorker(CheckpointableWorker):
                                   ref.log_prob_max_token_len_per_gpu, False, model=self.ref_module)[0]
 
     # ------------------------------------------------------------------ update
-    def update_policy(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
+    def update_policy(self, batch: Batch, n_per_prompt: int, kl_loss_coef: float | None = None) -> dict[str, float]:
         """PPO policy update on a rollout batch with ``old_log_prob``, ``advantages`` (and ``ref_log_prob``).
 
+        ``kl_loss_coef`` is the trainer's current coefficient of the KL loss (default: the config's).
         As one of N ranks, ``batch`` is this rank's share: each mini-batch is this rank's
         ``1/N`` of the global mini-batch (the worker group lays the rows out that way).
 
@@ -187,88 +186,60 @@ class ActorWorker(CheckpointableWorker):
         batch is measured here as ``actor/entropy``.
         """
         cfg = self.config.actor
-        mini_rows = cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size()
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def record(name: str, value: float) -> None:
-            sums[name] = sums.get(name, 0.0) + value
-            counts[name] = counts.get(name, 0) + 1
-
-        fsdp = self.config.actor.fsdp_config  # moments on the CPU between updates (param_offload: always)
-        offload = fsdp.optimizer_offload and not fsdp.param_offload and self.device.type == "cuda"
-        if offload:
-            move_optimizer_state(self.optimizer, self.device)
-        self.module.train()
-        for _ in range(cfg.ppo_epochs):
-            order = (torch.randperm(len(batch), generator=self.shuffle_generator) if cfg.shuffle
-                     else torch.arange(len(batch)))
-            for start in range(0, len(batch), mini_rows):
-                mini = batch.select(order[start:start + mini_rows])
-                token_count, seq_count = global_token_counts(mini)
-                counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1),
-                             "loss_scale_factor": cfg.loss_scale_factor}
-                self.optimizer.zero_grad(set_to_none=True)
-                summed: dict[str, float] = {}  # this rank's share of each mini-batch metric; summed over ranks
-                constant: dict[str, float] = {}
-                loss_finite = True
-                for mb in micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                        cfg.ppo_max_token_len_per_gpu):
-                    mb = mb.to(self.device)
-                    mask = mb["response_mask"]
-                    on_policy = "old_log_prob" not in mb
-                    need_entropy = cfg.entropy_coeff != 0 or on_policy
-                    log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
-                                                          need_entropy, self.remove_padding)
-                    if on_policy:
-                        old_log_prob = log_prob.detach()
-                        entropy_sum = float((entropy.detach() * mask).sum()) / max(token_count, 1)
-                        summed["actor/entropy"] = summed.get("actor/entropy", 0.0) + entropy_sum
-                    else:
-                        old_log_prob = mb["old_log_prob"]
-                    policy_loss = algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
-                    pg_loss, pg_metrics = policy_loss(
-                        old_log_prob, log_prob, mb["advantages"], mask,
-                        cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-                        cfg.loss_agg_mode, rollout_is_weights=mb.tensors.get("rollout_is_weights"), **counts_kw,
-                    )
-                    loss = pg_loss
-                    share = float(mask.sum()) / max(token_count, 1)  # this micro-batch's share of the tokens
-                    if need_entropy:
-                        entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts_kw)
-                        loss = loss - cfg.entropy_coeff * entropy_loss
-                    if cfg.use_kl_loss:
-                        kld = algos.kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type)
-                        kl_loss = algos.agg_loss(kld, mask, cfg.loss_agg_mode, **counts_kw)
-                        loss = loss + cfg.kl_loss_coef * kl_loss
-                        summed["actor/kl_loss"] = summed.get("actor/kl_loss", 0.0) + kl_loss.item()
-                        constant["actor/kl_coef"] = cfg.kl_loss_coef
-                    loss_finite = loss_finite and bool(torch.isfinite(loss))
-                    loss.backward()
-                    summed["actor/pg_loss"] = summed.get("actor/pg_loss", 0.0) + pg_loss.item()
-                    for name, value in pg_metrics.items():  # token-weighted over the mini-batch
-                        summed[name] = summed.get(name, 0.0) + value * share
-                loss_finite = distributed.all_true(loss_finite)
-                grad_norm, finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
-                if finite and loss_finite:
-                    self.optimizer.step()
-                else:
-                    self.skipped_steps += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                record("actor/grad_norm", grad_norm)
-                names = sorted(summed)
-                for name, value in zip(names, distributed.all_reduce_sum([summed[n] for n in names])):
-                    record(name, value)
-                for name, value in constant.items():
-                    record(name, value)
-        self.scheduler.step()
-        self.module.eval()
-        if offload:
-            move_optimizer_state(self.optimizer, "cpu")
-        metrics = {name: sums[name] / counts[name] for name in sums}
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        coef = cfg.kl_loss_coef if kl_loss_coef is None else kl_loss_coef
+        metrics = ppo_update(
+            self, batch, prefix="actor", epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+            mini_rows=cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size(),
+            micro_batches_of=lambda mini: micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                                        cfg.ppo_max_token_len_per_gpu),
+            loss_fn=lambda mb, tokens, seqs: self.policy_loss(mb, tokens, seqs, coef),
+            grad_clip=cfg.grad_clip, fsdp_config=cfg.fsdp_config)
         self.rollout.sync_weights()
         return metrics
+
+    def policy_loss(self, mb: Batch, token_count: int, seq_count: int,
+                    kl_loss_coef: float) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+        """The loss of one micro-batch of the policy update: the policy loss of ``policy_loss.loss_mode``
+        (weighted by rollout correction's ``rollout_is_weights`` when the batch has them), minus the entropy
+        bonus, plus the KL loss to the reference; normalised by the global mini-batch counts (and
+        ``loss_scale_factor``). Returns (loss, metrics to sum over micro-batches and ranks, metrics that are
+        the same everywhere)."""
+        cfg = self.config.actor
+        counts_kw = {"global_token_count": token_count, "global_seq_count": seq_count,
+                     "loss_scale_factor": cfg.loss_scale_factor}
+        mask = mb["response_mask"]
+        on_policy = "old_log_prob" not in mb
+        need_entropy = cfg.entropy_coeff != 0 or on_policy
+        log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
+                                              need_entropy, self.remove_padding)
+        summed: dict[str, float] = {}
+        constant: dict[str, float] = {}
+        if on_policy:
+            old_log_prob = log_prob.detach()
+            summed["actor/entropy"] = float((entropy.detach() * mask).sum()) / token_count
+        else:
+            old_log_prob = mb["old_log_prob"]
+        compute_policy_loss = algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        pg_loss, pg_metrics = compute_policy_loss(
+            old_log_prob, log_prob, mb["advantages"], mask,
+            cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
+            cfg.loss_agg_mode, rollout_is_weights=mb.tensors.get("rollout_is_weights"), **counts_kw,
+        )
+        loss = pg_loss
+        if need_entropy:
+            entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts_kw)
+            loss = loss - cfg.entropy_coeff * entropy_loss
+        if cfg.use_kl_loss:
+            kld = algos.kl_penalty(log_prob, mb["ref_log_prob"], cfg.kl_loss_type)
+            kl_loss = algos.agg_loss(kld, mask, cfg.loss_agg_mode, **counts_kw)
+            loss = loss + kl_loss_coef * kl_loss
+            summed["actor/kl_loss"] = kl_loss.item()
+            constant["actor/kl_coef"] = kl_loss_coef
+        summed["actor/pg_loss"] = pg_loss.item()
+        share = float(mask.sum()) / token_count  # this micro-batch's share of the mini-batch's tokens
+        for name, value in pg_metrics.items():  # token-weighted over the mini-batch
+            summed[name] = value * share
+        return loss, summed, constant
 
     def scale_lr(self, factor: float) -> None:
         """Multiply the learning rate, its schedule included, by ``factor`` (a guard's last lever on KL)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -194,6 +195,74 @@ def load_shards(worker, folder: Path, weights_only: bool = False) -> None:
     worker.load_extra_state(torch.load(extra, map_location="cpu", weights_only=True))
     for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+#: The loss of one micro-batch (on the worker's device), given the global token and sequence counts of its
+#: mini-batch (each at least 1): (loss with its graph, metrics summed over micro-batches and ranks,
+#: metrics that are the same on every micro-batch and rank).
+MicroBatchLoss = Callable[[Batch, int, int], tuple[torch.Tensor, dict[str, float], dict[str, float]]]
+
+
+def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int, shuffle: bool,
+               micro_batches_of: Callable[[Batch], list[Batch]], loss_fn: MicroBatchLoss, grad_clip: float,
+               fsdp_config) -> dict[str, float]:
+    """The update loop the actor and the critic share, around ``loss_fn`` (one micro-batch's loss).
+
+    ``epochs`` passes over ``batch`` (reshuffled each time with the worker's ``shuffle_generator`` when
+    ``shuffle``), each in mini-batches of ``mini_rows`` rows; per mini-batch the gradients of its
+    micro-batches accumulate, are clipped to ``grad_clip`` and make one optimizer step, which is skipped
+    (and counted in ``worker.skipped_steps``) when a loss or the gradient is not finite on any rank.
+    The LR schedule steps once per call. Returns the metrics averaged over the mini-batches, with
+    ``<prefix>/grad_norm`` and ``<prefix>/lr``. With ``fsdp_config.optimizer_offload`` the optimizer
+    moments come to the GPU for the update only.
+    """
+    offload = fsdp_config.optimizer_offload and not fsdp_config.param_offload and worker.device.type == "cuda"
+    if offload:  # moments on the CPU between updates (param_offload: always)
+        move_optimizer_state(worker.optimizer, worker.device)
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+
+    def record(name: str, value: float) -> None:
+        sums[name] = sums.get(name, 0.0) + value
+        counts[name] = counts.get(name, 0) + 1
+
+    worker.module.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(batch), generator=worker.shuffle_generator) if shuffle else torch.arange(len(batch))
+        for start in range(0, len(batch), mini_rows):
+            mini = batch.select(order[start:start + mini_rows])
+            token_count, seq_count = (max(count, 1) for count in global_token_counts(mini))
+            worker.optimizer.zero_grad(set_to_none=True)
+            summed: dict[str, float] = {}  # this rank's share of each mini-batch metric; summed over ranks
+            constant: dict[str, float] = {}
+            loss_finite = True
+            for mb in micro_batches_of(mini):
+                loss, mb_summed, mb_constant = loss_fn(mb.to(worker.device), token_count, seq_count)
+                loss_finite = loss_finite and bool(torch.isfinite(loss))
+                loss.backward()
+                for name, value in mb_summed.items():
+                    summed[name] = summed.get(name, 0.0) + value
+                constant.update(mb_constant)
+            loss_finite = distributed.all_true(loss_finite)
+            grad_norm, finite = clip_and_check(worker.module.parameters(), grad_clip)
+            if finite and loss_finite:
+                worker.optimizer.step()
+            else:
+                worker.skipped_steps += 1
+                worker.optimizer.zero_grad(set_to_none=True)
+            record(f"{prefix}/grad_norm", grad_norm)
+            names = sorted(summed)
+            for name, value in zip(names, distributed.all_reduce_sum([summed[n] for n in names])):
+                record(name, value)
+            for name, value in constant.items():
+                record(name, value)
+    worker.scheduler.step()
+    worker.module.eval()
+    if offload:
+        move_optimizer_state(worker.optimizer, "cpu")
+    metrics = {name: sums[name] / counts[name] for name in sums}
+    metrics[f"{prefix}/lr"] = worker.scheduler.get_last_lr()[0]
+    return metrics
 
 
 def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> None:

@@ -18,12 +18,10 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
-    clip_and_check,
-    global_token_counts,
     micro_batches,
-    move_optimizer_state,
     packed_inputs,
     pad_response,
+    ppo_update,
     resolve_remove_padding,
     trimmed_inputs,
     unpack,
@@ -87,51 +85,17 @@ class CriticWorker(CheckpointableWorker):
         As one of N ranks, ``batch`` is this rank's share and each mini-batch its ``1/N`` of the global one.
         """
         cfg = self.config
-        mini_rows = self.mini_batch_size * n_per_prompt // distributed.world_size()
-        sums: dict[str, float] = {}
-        steps = 0
-        fsdp = self.config.fsdp_config  # moments on the CPU between updates (param_offload: always)
-        offload = fsdp.optimizer_offload and not fsdp.param_offload and self.device.type == "cuda"
-        if offload:
-            move_optimizer_state(self.optimizer, self.device)
-        self.module.train()
-        for _ in range(self.ppo_epochs):
-            order = (torch.randperm(len(batch), generator=self.shuffle_generator) if cfg.shuffle
-                     else torch.arange(len(batch)))
-            for start in range(0, len(batch), mini_rows):
-                mini = batch.select(order[start:start + mini_rows])
-                token_count, seq_count = global_token_counts(mini)
-                counts_kw = {"global_token_count": max(token_count, 1), "global_seq_count": max(seq_count, 1)}
-                self.optimizer.zero_grad(set_to_none=True)
-                vf_loss_sum, clipfrac_sum = 0.0, 0.0
-                loss_finite = True
-                for mb in self._micro_batches(mini):
-                    mb = mb.to(self.device)
-                    vpreds = response_values(self.forward_module, mb, self.remove_padding)
-                    vf_loss, clipfrac = algos.compute_value_loss(
-                        vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value,
-                        cfg.loss_agg_mode, **counts_kw,
-                    )
-                    loss_finite = loss_finite and bool(torch.isfinite(vf_loss))
-                    vf_loss.backward()
-                    vf_loss_sum += vf_loss.item()
-                    clipfrac_sum += clipfrac * float(mb["response_mask"].sum()) / max(token_count, 1)
-                loss_finite = distributed.all_true(loss_finite)
-                grad_norm, finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
-                if finite and loss_finite:
-                    self.optimizer.step()
-                else:
-                    self.skipped_steps += 1
-                    self.optimizer.zero_grad(set_to_none=True)
-                vf_loss_sum, clipfrac_sum = distributed.all_reduce_sum([vf_loss_sum, clipfrac_sum])
-                for name, value in (("critic/vf_loss", vf_loss_sum), ("critic/vf_clipfrac", clipfrac_sum),
-                                    ("critic/grad_norm", grad_norm)):
-                    sums[name] = sums.get(name, 0.0) + value
-                steps += 1
-        self.scheduler.step()
-        self.module.eval()
-        if offload:
-            move_optimizer_state(self.optimizer, "cpu")
-        metrics = {name: value / steps for name, value in sums.items()}
-        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
-        return metrics
+        return ppo_update(self, batch, prefix="critic", epochs=self.ppo_epochs, shuffle=cfg.shuffle,
+                          mini_rows=self.mini_batch_size * n_per_prompt // distributed.world_size(),
+                          micro_batches_of=self._micro_batches, loss_fn=self.value_loss, grad_clip=cfg.grad_clip,
+                          fsdp_config=cfg.fsdp_config)
+
+    def value_loss(self, mb: Batch, token_count: int, seq_count: int) -> tuple[torch.Tensor, dict, dict]:
+        """The clipped value loss of one micro-batch, normalised by the global mini-batch counts."""
+        cfg = self.config
+        vpreds = response_values(self.forward_module, mb, self.remove_padding)
+        vf_loss, clipfrac = algos.compute_value_loss(
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, cfg.loss_agg_mode,
+            global_token_count=token_count, global_seq_count=seq_count)
+        clipped = clipfrac * float(mb["response_mask"].sum()) / token_count  # token-weighted over the mini-batch
+        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipped}, {}

@@ -284,11 +284,12 @@ class HybridWorker(DistributedWorker):
     def compute_values(self, batch: Batch):
         return self.critic.compute_values(batch)
 
-    def update(self, batch: Batch, role: str, n_per_prompt: int) -> tuple[dict[str, float], int]:
-        """(metrics, optimizer steps skipped in this call) of a policy or critic update on this rank's share."""
+    def update(self, batch: Batch, role: str, n_per_prompt: int, **kwargs) -> tuple[dict[str, float], int]:
+        """(metrics, optimizer steps skipped in this call) of a policy or critic update on this rank's share;
+        ``kwargs`` go to the update (the policy's ``kl_loss_coef``)."""
         worker = self._role(role)
         skipped = worker.skipped_steps
-        metrics = worker.update_policy(batch, n_per_prompt) if role == "actor" \
+        metrics = worker.update_policy(batch, n_per_prompt, **kwargs) if role == "actor" \
             else worker.update_critic(batch, n_per_prompt)
         return metrics, worker.skipped_steps - skipped
 
@@ -324,9 +325,9 @@ class _RoleGroup:
         shares, pad = split_evenly(batch, self.group.world_size)
         return self.group.dispatch(method, shares), pad
 
-    def _update(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
+    def _update(self, batch: Batch, n_per_prompt: int, **kwargs) -> dict[str, float]:
         shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size)
-        results = self.group.dispatch("update", shares, self.role, n_per_prompt)
+        results = self.group.dispatch("update", shares, self.role, n_per_prompt, **kwargs)
         self.skipped_steps += results[0][1]  # the skip decision is the same on every rank
         return results[0][0]  # metrics are already reduced over the ranks
 
@@ -357,8 +358,8 @@ class ActorGroup(_RoleGroup):
         results, pad = self._gather_tensors("compute_ref_log_prob", batch)
         return _cat(results, pad)
 
-    def update_policy(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
-        return self._update(batch, n_per_prompt)
+    def update_policy(self, batch: Batch, n_per_prompt: int, kl_loss_coef: float | None = None) -> dict[str, float]:
+        return self._update(batch, n_per_prompt, kl_loss_coef=kl_loss_coef)
 
     def save_hf(self, target: str | Path) -> None:
         self.group.execute_all("save_hf", str(target))

@@ -1,0 +1,180 @@
+"""How far each PPO phase is from what this machine allows.
+
+Measured in the same process, before the trainer runs:
+
+- the fp32 matrix-multiply rate (GFLOP/s) at the shapes of the update: (tokens of a micro-batch) x
+  hidden @ hidden x intermediate, the largest matmul of a transformer block;
+- the memory bandwidth (GB/s) as a matrix-vector product reads it: one pass over a matrix the size of
+  the model's weights, which is what one decode step of a small batch does.
+
+Then a few trainer iterations, and each phase against its bound:
+
+- update and log-prob passes: achieved FLOP/s over the matmul rate, with 6 x (matmul parameters) x
+  tokens for a forward and backward and 2 x for a forward alone (embeddings are look-ups, not
+  matmuls; the LM head counts only on the positions it runs on);
+- generation: seconds per decode step over (weight bytes / bandwidth).
+
+    python bench/roofline.py [--models demo,random25m,smollm2] [--iters 2] [--threads 2]
+
+``smollm2`` needs the imported checkpoint (``make real-model``); it is skipped with a reason otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import ensure_toy_model, random_toy_model
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2 = REPO / "outputs" / "smollm2-135m-instruct"
+
+
+def _best_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: allocations, thread pool
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) -> float:
+    """fp32 GFLOP/s of (tokens, hidden) @ (hidden, intermediate): 2 * t * h * i floating-point operations."""
+    a = torch.randn(tokens, hidden)
+    b = torch.randn(hidden, intermediate)
+    seconds = _best_seconds(lambda: torch.mm(a, b), reps)
+    return 2 * tokens * hidden * intermediate / seconds / 1e9
+
+
+def read_bandwidth_gbs(n_bytes: int, batch: int = 1, reps: int = 5) -> float:
+    """GB/s of a (rows, cols) fp32 matrix times a (cols, batch) block: the matrix is read once per call."""
+    cols = 1024
+    rows = max(1, n_bytes // (4 * cols))
+    weight = torch.randn(rows, cols)
+    x = torch.randn(cols, batch)
+    seconds = _best_seconds(lambda: torch.mm(weight, x), reps)
+    return rows * cols * 4 / seconds / 1e9
+
+
+def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
+    """(parameters of the Linear layers other than the LM head, parameters of the LM head)."""
+    head = module.get_output_embeddings()
+    body = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    return body, head.weight.numel()
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes one decode step reads: every matmul weight once (the embedding only a row per token)."""
+    body, head = matmul_params(module)
+    return (body + head) * next(module.parameters()).element_size()
+
+
+def _model(name: str, work: Path) -> Path | None:
+    if name == "demo":
+        return ensure_toy_model("demo")
+    if name == "random25m":
+        return random_toy_model(work / "random25m", n_layers=6, hidden_size=512, seed=0)
+    if name == "smollm2":
+        return SMOLLM2 if (SMOLLM2 / "config.json").is_file() else None
+    raise SystemExit(f"unknown model {name!r}: use demo, random25m or smollm2")
+
+
+def run(name: str, model: Path, work: Path, args) -> dict:
+    batch, n = (4, 4) if name == "smollm2" else (16, 4)
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
+        f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
+        f"trainer.default_local_dir={work / name}", f"data.train_batch_size={batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}", f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * n}",
+        f"critic.ppo_micro_batch_size_per_gpu={batch * n}", f"data.max_response_length={args.response}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16", *args.overrides,
+    ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+    trainer = build_trainer(cfg)
+    try:
+        module = trainer.actor.module
+        hf_config = module.config
+        body, head = matmul_params(module)
+        prompts = trainer.train_dataset.collate(list(range(batch)))
+        runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+    finally:
+        trainer.close()
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    sequences = batch * n
+    tokens = med("perf/total_num_tokens")
+    response_tokens = med("response_length/mean") * sequences
+    decode_steps = med("response_length/max")
+    micro = min(sequences, 16)
+    seq_len = tokens / sequences
+    rate = matmul_gflops(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
+    bandwidth = read_bandwidth_gbs(weight_bytes(module), batch=sequences)
+
+    def fraction(phase: str, passes: int) -> float | None:
+        key = f"timing_s/{phase}"
+        if key not in runs[0]:
+            return None
+        flop = passes * (body * tokens + head * response_tokens)
+        return flop / med(key) / 1e9 / rate
+
+    decode_s = med("timing_s/gen") / max(decode_steps, 1)
+    bound_s = weight_bytes(module) / bandwidth / 1e9
+    return {
+        "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
+        "matmul_gflops": rate, "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
+        "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6),
+        "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),
+        "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
+        "batch": sequences, "tokens": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,random25m,smollm2")
+    parser.add_argument("--iters", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--response", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("overrides", nargs="*", help="trainer key=value overrides")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="roofline_"))
+    build_dataset(work / "data", n_train=64, n_test=8, seed=0, max_ops=1)
+    rows = []
+    for name in args.models.split(","):
+        model = _model(name, work)
+        if model is None:
+            print(f"{name}: skipped, no checkpoint at {SMOLLM2} (run `make real-model`)")
+            continue
+        rows.append(run(name, model, work, args))
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    print(f"\n{'model':<11}{'params':>8}{'GFLOP/s':>9}{'GB/s':>7}{'step s':>8}{'upd act':>8}{'upd crit':>9}"
+          f"{'old lp':>7}{'ref':>6}{'values':>7}{'decode ms':>10}{'bound ms':>9}{'x bound':>8}")
+    for r in rows:
+        print(f"{r['model']:<11}{r['params_m']:>7.1f}M{r['matmul_gflops']:>9.1f}{r['bandwidth_gbs']:>7.1f}"
+              f"{r['step_s']:>8.2f}{pct(r['update_actor']):>8}{pct(r['update_critic']):>9}{pct(r['old_log_prob']):>7}"
+              f"{pct(r['ref']):>6}{pct(r['values']):>7}{r['decode_ms']:>10.2f}{r['decode_bound_ms']:>9.2f}"
+              f"{r['decode_x_bound']:>8.2f}")
+    print("update/log-prob columns: achieved FLOP/s as a share of the measured matmul rate (1.00 = at the limit); "
+          "x bound: seconds per decode step over weight bytes / bandwidth (1.00 = at the limit)")
+
+
+if __name__ == "__main__":
+    main()

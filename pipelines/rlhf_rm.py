@@ -1,0 +1,49 @@
+"""RLHF from preferences: validate data and preferences -> train reward model -> smoke test -> PPO against
+the reward model -> evaluate -> promote.
+
+    zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline -c configs/demo_rm_cpu.yaml
+
+The reward model is trained from ``reward_model.train.*`` of the trainer config (its preference files,
+base model, batch sizes) and handed to PPO as a MODEL artifact; the run stops before PPO when its
+held-out pair accuracy is below ``min_pair_accuracy`` (``reward_model.train.min_pair_accuracy`` when
+not given). The rule reward is still defined and self-checked: evaluation measures the policy with it
+(the gold reward), while PPO optimises the learned one (the proxy).
+"""
+
+from __future__ import annotations
+
+from zenml import Model, pipeline
+from zenml.enums import ExecutionMode
+
+from steps.define_reward import define_reward
+from steps.evaluate import evaluate
+from steps.load_ppo_config import load_ppo_config
+from steps.promote import promote
+from steps.smoke_test import smoke_test
+from steps.train_ppo import train_ppo
+from steps.train_reward_model import train_reward_model
+from steps.validate_data import validate_data
+from steps.validate_preferences import validate_preferences
+
+DEFAULT_MODEL = Model(name="rlhf-rm-policy", description="policy trained with PPO against a learned reward model")
+
+
+@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST)
+def rlhf_rm_pipeline(
+    trainer_config: str = "configs/ppo_demo_cpu.yaml",
+    overrides: list[str] | None = None,
+    train_files: str | list[str] | None = None,
+    val_files: str | list[str] | None = None,
+    min_pair_accuracy: float | None = None,
+    min_improvement: float = 0.0,
+) -> None:
+    """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    _, _, dataset_fingerprint = validate_data(ppo_config)
+    preference_fingerprint = validate_preferences(ppo_config)
+    reward_model, _ = train_reward_model(ppo_config, preference_fingerprint, min_pair_accuracy=min_pair_accuracy)
+    reward_spec = define_reward(ppo_config, dataset_fingerprint, after="train_reward_model")
+    smoke_report = smoke_test(ppo_config, reward_spec)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_model=reward_model)
+    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary)
+    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement)

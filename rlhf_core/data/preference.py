@@ -1,0 +1,278 @@
+"""Preference pairs for reward models: the parquet schema, its writer, and two sources of pairs.
+
+A row is ``prompt`` (chat messages, as in the prompt schema), ``chosen`` and ``rejected`` (the
+assistant's text, without the end-of-sequence token), ``data_source`` and ``extra_info {split,
+index, group, ...}``; ``group`` names the question a pair belongs to, so that a split keeps all
+pairs of one question on one side.
+
+Sources:
+
+* ``--gsm8k-solutions FILE``: the real model solutions of the GSM8K release
+  (``example_model_solutions.jsonl``: per test question, four models' solutions with an
+  ``is_correct`` label). Every (correct, incorrect) pair of solutions to the same question
+  becomes a pair; identical pairs (two models wrote the same text) are kept once. These are
+  GSM8K **test** questions: a policy that is evaluated on GSM8K test must not be trained
+  against a reward model fitted on these pairs, or its score leaks the test set.
+* ``--synthetic``: the demo task (:data:`rlhf_core.models.toy.TOY_TASK`): chosen is the worked
+  solution with the right final answer, rejected the same working with the demo model's slip
+  (:func:`rlhf_core.models.toy.with_slip`: the final line repeats the problem's first number).
+
+Usage::
+
+    python -m rlhf_core.data.preference --gsm8k-solutions FILE --output DIR [--val-fraction 0.2] [--seed 0]
+    python -m rlhf_core.data.preference --synthetic --output DIR [--n-train 2000] [--n-val 400] [--seed 0]
+
+writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both.
+Exit status: 0 on success, 1 for unusable input, 2 when an output exists (without
+``--overwrite``) or the command line is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+import pandas as pd
+
+from rlhf_core.data.schema import INSTRUCTION, PREFERENCE_COLUMNS, write_parquet_atomic
+
+GSM8K_SOURCE = "openai/gsm8k"
+GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
+TEST_SET_WARNING = (
+    "These pairs are built from GSM8K *test* questions: do not evaluate on GSM8K test a policy "
+    "trained against a reward model fitted on them (the reward would leak the test set)."
+)
+
+
+class PreferenceDataError(ValueError):
+    """Preference input that cannot be used; the message names the file, the row or the columns."""
+
+
+def make_pair(question: str, chosen: str, rejected: str, data_source: str, split: str, index: int,
+              group: str, **extra) -> dict:
+    """One preference row; the prompt is the question as the prompt datasets present it."""
+    return {
+        "prompt": [{"role": "user", "content": question + INSTRUCTION}],
+        "chosen": chosen,
+        "rejected": rejected,
+        "data_source": data_source,
+        "extra_info": {"split": split, "index": int(index), "group": group, "question": question, **extra},
+    }
+
+
+# ----------------------------------------------------------------------------- GSM8K model solutions
+
+
+def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
+    """Every distinct (correct, incorrect) pair of model solutions to the same question in ``path``.
+
+    Returns ``{question, chosen, rejected, group, chosen_model, rejected_model, answer}`` dicts in file
+    order; ``group`` is the question's line number. PreferenceDataError names the line of a malformed row.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PreferenceDataError(f"{path} does not exist; point --gsm8k-solutions at example_model_solutions.jsonl "
+                                  "of the GSM8K release")
+    pairs = []
+    with path.open() as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question = row["question"]
+                solutions = [(name, row[name]["solution"], bool(row[name]["is_correct"])) for name in GSM8K_MODELS]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise PreferenceDataError(
+                    f"{path}, line {line_no}: not a model-solutions row ({type(exc).__name__}: {exc}); each line "
+                    f"needs 'question' and {', '.join(GSM8K_MODELS)} with 'solution' and 'is_correct'") from exc
+            answer = str(row.get("ground_truth", "")).rsplit("A:", 1)[-1].strip()
+            seen = set()
+            for chosen_model, chosen, chosen_ok in solutions:
+                for rejected_model, rejected, rejected_ok in solutions:
+                    if not chosen_ok or rejected_ok or chosen == rejected or (chosen, rejected) in seen:
+                        continue
+                    seen.add((chosen, rejected))
+                    pairs.append({"question": question, "chosen": chosen, "rejected": rejected,
+                                  "group": f"line-{line_no}", "chosen_model": chosen_model,
+                                  "rejected_model": rejected_model, "answer": answer})
+    return pairs
+
+
+def split_by_group(pairs: list[dict], val_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, val): a seeded ``val_fraction`` of the groups (questions) go to val with all their pairs."""
+    if not 0 < val_fraction < 1:
+        raise PreferenceDataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
+    groups = sorted({p["group"] for p in pairs}, key=lambda g: (len(g), g))
+    random.Random(f"preference-split-{seed}").shuffle(groups)
+    n_val = max(1, round(val_fraction * len(groups))) if len(groups) > 1 else 0
+    val_groups = set(groups[:n_val])
+    return [p for p in pairs if p["group"] not in val_groups], [p for p in pairs if p["group"] in val_groups]
+
+
+# ----------------------------------------------------------------------------- the synthetic demo task
+
+
+def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None = None) -> tuple[list[dict], list[dict]]:
+    """Pairs on the demo task: chosen = the right final answer, rejected = the demo model's slip.
+
+    Train and val questions are distinct (:func:`rlhf_core.data.synthetic.build_splits`); a problem
+    whose slip gives the right answer anyway (first number = result) yields no pair.
+    """
+    from rlhf_core.data.synthetic import build_splits
+    from rlhf_core.models.toy import TOY_TASK, with_slip
+
+    # a stream of its own, apart from the prompt datasets' (synthetic-train-S / synthetic-test-S)
+    splits = build_splits(n_train, n_val, seed=f"preference-{seed}", **(task or TOY_TASK))
+    out = []
+    for name in ("train", "test"):
+        pairs = []
+        for i, problem in enumerate(splits[name]):
+            slipped = with_slip(problem)["solution"]
+            if slipped.rsplit("####", 1)[1].strip() == problem["answer"]:
+                continue
+            pairs.append({"question": problem["question"], "chosen": problem["solution"], "rejected": slipped,
+                          "group": f"{name}-{i}", "answer": problem["answer"]})
+        out.append(pairs)
+    return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------- writing and reading
+
+
+def to_frame(pairs: Iterable[dict], split: str, data_source: str) -> pd.DataFrame:
+    rows = []
+    for index, pair in enumerate(pairs):
+        extra = {k: v for k, v in pair.items() if k not in ("question", "chosen", "rejected", "group")}
+        rows.append(make_pair(pair["question"], pair["chosen"], pair["rejected"], data_source, split, index,
+                              pair["group"], **extra))
+    return pd.DataFrame(rows, columns=list(PREFERENCE_COLUMNS))
+
+
+def write_splits(output_dir: str | Path, train: list[dict], val: list[dict], data_source: str,
+                 overwrite: bool = False) -> dict[str, Path]:
+    """Write ``train.parquet`` and ``val.parquet`` (each atomically); both are checked before either is written."""
+    out = Path(output_dir)
+    paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
+    if not overwrite:
+        existing = [str(p) for p in paths.values() if p.exists()]
+        if existing:
+            raise FileExistsError(f"{', '.join(existing)} exist(s); pass --overwrite to replace")
+    for split, pairs in (("train", train), ("val", val)):
+        write_parquet_atomic(to_frame(pairs, split, data_source), paths[split], overwrite=overwrite)
+    return paths
+
+
+def check_columns(columns: Iterable[str], where: str) -> None:
+    """PreferenceDataError naming the missing preference columns of ``where``."""
+    missing = [c for c in PREFERENCE_COLUMNS if c not in set(columns)]
+    if missing:
+        raise PreferenceDataError(
+            f"{where} is not a preference file: it lacks the column(s) {', '.join(missing)} (a preference row "
+            f"has {', '.join(PREFERENCE_COLUMNS)}); write one with python -m rlhf_core.data.preference")
+
+
+def read_preferences(path: str | Path) -> pd.DataFrame:
+    """A preference parquet, its columns checked (only the schema is read before that check)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise PreferenceDataError(f"preference file {path} does not exist")
+    try:
+        columns = pq.read_schema(path).names
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise PreferenceDataError(f"{path} is not a readable parquet file ({exc})") from exc
+    check_columns(columns, str(path))
+    frame = pd.read_parquet(path)
+    for column in ("chosen", "rejected"):
+        bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text]
+        if bad:
+            raise PreferenceDataError(f"{path}: column {column} is empty or not text in row(s) "
+                                      f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
+    return frame
+
+
+def _prompt_key(prompt) -> str:
+    return json.dumps([dict(m) for m in prompt], sort_keys=True)
+
+
+def check_preference_files(train: list[Path], val: list[Path]) -> dict:
+    """Read every file (:func:`read_preferences`) and refuse pairs whose chosen and rejected are the same
+    text, or a prompt that has pairs in both train and val; returns counts. PreferenceDataError otherwise."""
+    frames = {"train": [(p, read_preferences(p)) for p in train], "val": [(p, read_preferences(p)) for p in val]}
+    for items in frames.values():
+        for path, frame in items:
+            same = [i for i, (c, r) in enumerate(zip(frame["chosen"], frame["rejected"])) if c == r]
+            if same:
+                raise PreferenceDataError(f"{path}: chosen and rejected are the same text in row(s) "
+                                          f"{', '.join(map(str, same[:5]))}; such a pair teaches nothing, drop it")
+    prompts = {split: {_prompt_key(p) for _, f in items for p in f["prompt"]} for split, items in frames.items()}
+    shared = prompts["train"] & prompts["val"]
+    if shared:
+        example = json.loads(next(iter(shared)))[-1]["content"][:80]
+        raise PreferenceDataError(f"{len(shared)} prompt(s) have pairs in both the training and the validation "
+                                  f"files (e.g. {example!r}); split by question so the held-out accuracy means "
+                                  "something")
+    return {f"{split}_pairs": sum(len(f) for _, f in items) for split, items in frames.items()} | {
+        f"{split}_prompts": len(keys) for split, keys in prompts.items()}
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.data.preference",
+        description="Write preference pairs (prompt, chosen, rejected) as train/val parquet files, split by "
+                    "question.",
+        epilog=TEST_SET_WARNING,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gsm8k-solutions", metavar="FILE",
+                        help="example_model_solutions.jsonl of the GSM8K release (GSM8K test questions)")
+    source.add_argument("--synthetic", action="store_true",
+                        help="pairs on the demo task: the right final answer vs the demo model's slip")
+    parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
+    parser.add_argument("--val-fraction", type=float, default=0.2,
+                        help="share of questions held out for validation (GSM8K; default 0.2)")
+    parser.add_argument("--n-train", type=int, default=2000, help="synthetic training questions (default 2000)")
+    parser.add_argument("--n-val", type=int, default=400, help="synthetic validation questions (default 400)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    args = parser.parse_args(argv)
+    try:
+        if args.synthetic:
+            if args.n_train < 1 or args.n_val < 1:
+                parser.error("--n-train and --n-val must be at least 1")
+            from rlhf_core.data.synthetic import DATA_SOURCE
+
+            train, val = synthetic_pairs(args.n_train, args.n_val, args.seed)
+            data_source = DATA_SOURCE
+        else:
+            pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
+            if not pairs:
+                raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
+                                          "and an incorrect solution")
+            train, val = split_by_group(pairs, args.val_fraction, args.seed)
+            data_source = GSM8K_SOURCE
+            print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
+        paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (PreferenceDataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for split, pairs in (("train", train), ("val", val)):
+        questions = len({p["group"] for p in pairs})
+        print(f"{split}: {len(pairs)} pairs over {questions} questions -> {paths[split]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

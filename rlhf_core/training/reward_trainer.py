@@ -1,0 +1,678 @@
+"""Reward-model training on preference pairs: ``rlhf-train-rm key=value ...``.
+
+The model is a causal checkpoint with a one-label scalar head
+(``AutoModelForSequenceClassification``, ``num_labels=1``). A sequence's score is the head's output
+at its last non-pad token: the prompt in its chat template, the response and the end-of-sequence
+token, right-padded, with ``config.pad_token_id`` set so that transformers' own pooling finds that
+token. Training minimises the Bradley-Terry loss (Bradley & Terry 1952; Ouyang et al. 2022)
+
+    loss = -log sigmoid(r_chosen - r_rejected - margin)
+
+averaged over the pairs of an optimizer step, with AdamW, linear warm-up, gradient clipping and
+micro-batches; ``reward_model.train.model.lora_rank > 0`` trains LoRA adapters and the head only.
+With ``trainer.n_gpus_per_node * trainer.nnodes > 1`` the model is sharded with FSDP2 over a Ray
+worker group (each rank takes an equal share of every step's pairs; losses are divided by the
+step's global pair count and gradients summed, so N workers take the step one would).
+
+Checkpoints (``reward_model.train.default_local_dir``) follow the PPO layout: ``global_step_N/``
+with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), ``trainer_state.json``
+(step, epoch, position in the epoch), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
+written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
+(``reward_model.train.resume_mode``). The end of the run writes ``huggingface/``: the model
+(LoRA merged) and its tokenizer, which ``AutoModelForSequenceClassification.from_pretrained``
+loads. Metrics go to ``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``,
+``train/pair_accuracy``, ``train/margin_mean``, ``train/grad_norm``, ``train/lr`` and at each
+validation ``val/loss``, ``val/pair_accuracy``, ``val/margin_mean``.
+
+Exit codes: 0 done; 1 unusable preference data (the message names the file, columns or rows);
+2 bad config, model directory or checkpoint; 3 a worker failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fnmatch
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from rlhf_core.config import ConfigError, PPOConfig, RewardTrainConfig, load_config
+from rlhf_core.data.dataset import as_file_list
+from rlhf_core.data.preference import PreferenceDataError, read_preferences
+from rlhf_core.models import lora
+from rlhf_core.models.loading import (
+    DTYPES,
+    ModelError,
+    check_model_dir,
+    check_tokenizer_dir,
+    load_tokenizer,
+    resolve,
+    save_hf_model,
+)
+from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.workers import distributed
+from rlhf_core.workers.common import CheckpointableWorker, build_optimizer, build_scheduler, clip_and_check
+from rlhf_core.workers.group import DistributedWorker, WorkerError, WorkerGroup
+
+PART = "reward_model"
+HF_DIR = "huggingface"
+KEY = "reward_model.train"
+#: reward_model.train keys that may change between a checkpoint and the run resuming it.
+RESUME_SAFE = ("val_files", "total_epochs", "total_training_steps", "test_freq", "save_freq", "default_local_dir",
+               "resume_mode", "resume_from_path", "min_pair_accuracy", "micro_batch_size_per_gpu",
+               "model.enable_gradient_checkpointing", "fsdp_config.*")
+
+
+class RewardTrainingError(ValueError):
+    """Input that stops reward-model training before any weights load; ``errors`` holds one message each."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("cannot train the reward model:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+# ----------------------------------------------------------------------------- the math
+
+
+def bradley_terry_loss(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, margin: float = 0.0,
+                       weight: torch.Tensor | None = None, normaliser: float | None = None) -> torch.Tensor:
+    """``sum_i w_i * -log sigmoid(r_c,i - r_r,i - margin) / normaliser`` over pairs i.
+
+    ``chosen_reward``, ``rejected_reward``, ``weight``: (n_pairs,). ``normaliser`` defaults to the
+    weight sum (the mean over the pairs); a rank of a worker group passes the global pair count.
+    """
+    per_pair = -F.logsigmoid(chosen_reward - rejected_reward - margin)  # (n_pairs,)
+    weight = torch.ones_like(per_pair) if weight is None else weight.to(per_pair)
+    total = float(weight.sum()) if normaliser is None else normaliser
+    return (per_pair * weight).sum() / max(total, 1e-12)
+
+
+def pair_statistics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, margin: float = 0.0) -> dict:
+    """Sums over pairs (so ranks and micro-batches add up): loss, correct orderings, margin, count."""
+    delta = (chosen_reward - rejected_reward).double()
+    return {"loss": float(-F.logsigmoid(delta - margin).sum()), "correct": float((delta > 0).sum()),
+            "margin": float(delta.sum()), "pairs": float(len(delta))}
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def encode_response(tokenizer, messages: list[dict], response: str, max_length: int) -> tuple[list[int], bool]:
+    """Token ids of ``messages`` (chat template, generation prompt) + ``response`` + EOS, as PPO's
+    rollout lays a prompt and its response out; over ``max_length`` the prompt loses tokens from the
+    left (the response end, where the score is read, is kept). Returns (ids, truncated)."""
+    prompt = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    ids = (tokenizer(prompt, add_special_tokens=False)["input_ids"]
+           + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+    return (ids[-max_length:], True) if len(ids) > max_length else (ids, False)
+
+
+def encode_pairs(frame, tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(chosen ids, rejected ids) of every row of a preference frame, and how many sequences were cut."""
+    pairs, cut = [], 0
+    for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
+        messages = [dict(m) for m in prompt]
+        chosen_ids, chosen_cut = encode_response(tokenizer, messages, chosen, max_length)
+        rejected_ids, rejected_cut = encode_response(tokenizer, messages, rejected, max_length)
+        pairs.append((chosen_ids, rejected_ids))
+        cut += chosen_cut + rejected_cut
+    return pairs, cut
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded ``input_ids`` / ``attention_mask`` (2 * n_pairs, L): the chosen rows, then the rejected."""
+    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention_mask[i, :len(row)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The scalar head at each row's last non-pad token (transformers' pooling). (bs,)."""
+    return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_reward_backbone(path: str | os.PathLike, pad_token_id: int, dtype: str = "float32",
+                         trust_remote_code: bool = False, seed: int = 0, device: torch.device | str = "cpu"):
+    """A one-label sequence classifier on the checkpoint at ``path`` (a fresh head unless it has one)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    quiet = [logging.getLogger("transformers.modeling_utils"),  # "newly initialised score weights" is expected
+             logging.getLogger("transformers.distributed.tensor_parallel")]  # and so is "score was not sharded"
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    with _no_hf_bars():
+        try:
+            torch.manual_seed(seed)
+            config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1,
+                                                trust_remote_code=trust_remote_code)
+            config.pad_token_id = pad_token_id  # where the pooling stops: the last token that is not padding
+            model = AutoModelForSequenceClassification.from_pretrained(
+                str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code)
+        finally:
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
+    return model.to(torch.device(device))
+
+
+@contextlib.contextmanager
+def _no_hf_bars():
+    """No "Loading weights" / "Writing model shards" bars inside the training's own progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+class RewardModelWorker(CheckpointableWorker):
+    """The reward model, its optimizer and its step; alone, or one FSDP2-sharded rank of a worker group."""
+
+    def __init__(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int, device: str = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        model_cfg = config.model
+        module = load_reward_backbone(model_cfg.path, pad_token_id, model_cfg.dtype, model_cfg.trust_remote_code,
+                                      config.seed, self.device)
+        if model_cfg.enable_gradient_checkpointing:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.lora = model_cfg.lora_rank > 0
+        if self.lora:  # the head stays out of the adapters and is trained in full
+            module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules,
+                                     critic=True)
+        self.sharded = distributed.in_worker_group()
+        if self.sharded:
+            distributed.fsdp_wrap(lora.base_model(module), self.device, config.fsdp_config)
+        self.module = module
+        self.forward_module = lora.base_model(module)
+        self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config.optim)
+        self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
+        self.shuffle_generator = torch.Generator()  # unused: the controller orders the pairs
+
+    def _micro_batches(self, pairs: list, weights: list[float]) -> list[tuple[list, list[float]]]:
+        size = self.config.micro_batch_size_per_gpu
+        return [(pairs[i:i + size], weights[i:i + size]) for i in range(0, len(pairs), size)]
+
+    def _rewards(self, pairs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = collate(pairs, self.forward_module.config.pad_token_id)
+        scores = sequence_scores(self.forward_module, inputs["input_ids"].to(self.device),
+                                 inputs["attention_mask"].to(self.device))  # (2 * n,)
+        return scores[:len(pairs)], scores[len(pairs):]
+
+    def train_step(self, pairs: list, weights: list[float], global_pairs: int) -> dict[str, float]:
+        """One optimizer step on this rank's share of the step's pairs (``weights`` 0 for padding rows)."""
+        cfg = self.config
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
+        finite = True
+        for micro, micro_weights in self._micro_batches(pairs, weights):
+            chosen, rejected = self._rewards(micro)
+            weight = torch.tensor(micro_weights, device=chosen.device)
+            loss = bradley_terry_loss(chosen, rejected, cfg.margin, weight, normaliser=global_pairs)
+            finite = finite and bool(torch.isfinite(loss))
+            loss.backward()
+            keep = weight > 0
+            for name, value in pair_statistics(chosen.detach()[keep], rejected.detach()[keep], cfg.margin).items():
+                sums[name] += value
+        finite = distributed.all_true(finite)
+        grad_norm, grad_finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
+        if finite and grad_finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.module.eval()
+        totals = dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
+        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped": float(not (finite and grad_finite))}
+
+    @torch.no_grad()
+    def evaluate(self, pairs: list, weights: list[float]) -> dict[str, float]:
+        """Summed statistics over this rank's share of the held-out pairs, reduced over the ranks."""
+        self.module.eval()
+        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
+        for micro, micro_weights in self._micro_batches(pairs, weights):
+            chosen, rejected = self._rewards(micro)
+            keep = torch.tensor(micro_weights, device=chosen.device) > 0
+            for name, value in pair_statistics(chosen[keep], rejected[keep], self.config.margin).items():
+                sums[name] += value
+        return dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
+
+    def extra_state(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict()}
+
+    def load_extra_state(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def save_hf(self, target: str | Path) -> None:
+        """The model as a plain transformers directory (LoRA merged); sharded, every rank calls this."""
+        state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
+        if distributed.rank() == 0:
+            if self.lora:
+                state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
+            with _no_hf_bars():
+                save_hf_model(self.forward_module, state, target)
+
+
+class RewardModelRayWorker(DistributedWorker):
+    """The remote side: one rank of a worker group holding a :class:`RewardModelWorker`."""
+
+    def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int) -> None:
+        self.worker = RewardModelWorker(config, pad_token_id, total_steps, self.device)
+
+    def train_share(self, share: tuple[list, list[float]], global_pairs: int) -> dict[str, float]:
+        return self.worker.train_step(*share, global_pairs)
+
+    def evaluate_share(self, share: tuple[list, list[float]]) -> dict[str, float]:
+        return self.worker.evaluate(*share)
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+
+class _GroupWorker:
+    """What the trainer sees of the worker group: the :class:`RewardModelWorker` methods, each rank on an
+    equal share of the pairs (padded with weight-0 repeats, so every rank runs as many forwards)."""
+
+    sharded = True
+
+    def __init__(self, group):
+        self.group = group
+
+    def _shares(self, pairs: list, weights: list[float]) -> list[tuple[list, list[float]]]:
+        world = self.group.world_size
+        pad = -len(pairs) % world
+        pairs, weights = pairs + [pairs[-1]] * pad, weights + [0.0] * pad
+        size = len(pairs) // world
+        return [(pairs[r * size:(r + 1) * size], weights[r * size:(r + 1) * size]) for r in range(world)]
+
+    def train_step(self, pairs, weights, global_pairs):
+        return self.group.dispatch("train_share", self._shares(pairs, weights), global_pairs)[0]
+
+    def evaluate(self, pairs, weights):
+        return self.group.dispatch("evaluate_share", self._shares(pairs, weights))[0]
+
+    def save_shards(self, folder) -> None:
+        self.group.execute_all("call", "save_shards", str(folder))
+
+    def load_shards(self, folder, weights_only: bool = False) -> None:
+        self.group.execute_all("call", "load_shards", str(folder), weights_only)
+
+    def save_hf(self, target) -> None:
+        self.group.execute_all("call", "save_hf", str(target))
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def preflight(cfg: PPOConfig) -> dict:
+    """Check data, model and output without loading weights or writing anything; returns the frames.
+
+    Raises PreferenceDataError for unusable preference files, RewardTrainingError for the rest.
+    """
+    rm, errors = cfg.reward_model.train, []
+    model_path = rm.model.path
+    try:
+        check_model_dir(model_path, f"{KEY}.model.path")
+        check_tokenizer_dir(rm.model.tokenizer_path or model_path,
+                            f"{KEY}.model.tokenizer_path" if rm.model.tokenizer_path else f"{KEY}.model.path")
+    except ModelError as exc:
+        errors.append(str(exc))
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
+    out = resolve(rm.default_local_dir)
+    existing = _nearest_existing(out.absolute())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        errors.append(f"{KEY}.default_local_dir: {out} cannot be created ({existing} is not a writable directory)")
+    if rm.resume_mode == "resume_path":
+        try:
+            ckpt.read_manifest(resolve(rm.resume_from_path))
+        except ckpt.CheckpointError as exc:
+            errors.append(f"{KEY}.resume_from_path: {exc}")
+    frames = {}
+    for split, files in (("train", rm.train_files), ("val", rm.val_files)):
+        if files is None:
+            continue
+        try:
+            frames[split] = [read_preferences(path) for path in as_file_list(files)]
+        except PreferenceDataError as exc:
+            raise PreferenceDataError(f"{KEY}.{split}_files: {exc}") from exc
+    n_train = sum(len(f) for f in frames["train"])
+    if n_train < rm.train_batch_size:
+        errors.append(f"{KEY}.train_files hold {n_train} pairs, fewer than {KEY}.train_batch_size "
+                      f"({rm.train_batch_size}): lower the batch size or add pairs")
+    if errors:
+        raise RewardTrainingError(errors)
+    return frames
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+class RewardModelTrainer:
+    """The single controller: orders the pairs, drives the worker(s), validates, checkpoints, exports."""
+
+    def __init__(self, cfg: PPOConfig, frames: dict | None = None):
+        self.cfg, self.rm = cfg, cfg.reward_model.train
+        frames = preflight(cfg) if frames is None else frames
+        self.local_dir = resolve(self.rm.default_local_dir)
+        tokenizer_path = self.rm.model.tokenizer_path or self.rm.model.path
+        self.tokenizer = load_tokenizer(tokenizer_path, self.rm.model.trust_remote_code)
+        import pandas as pd
+
+        self.train_pairs, cut = encode_pairs(pd.concat(frames["train"], ignore_index=True), self.tokenizer,
+                                             self.rm.max_length)
+        self.val_pairs = []
+        if frames.get("val"):
+            self.val_pairs, val_cut = encode_pairs(pd.concat(frames["val"], ignore_index=True), self.tokenizer,
+                                                   self.rm.max_length)
+            cut += val_cut
+        if cut:
+            print(f"notice: {cut} sequences were longer than {KEY}.max_length ({self.rm.max_length}) and lost "
+                  "prompt tokens from the left", file=sys.stderr)
+        self.steps_per_epoch = len(self.train_pairs) // self.rm.train_batch_size  # the last partial batch waits
+        self.total_steps = self.steps_per_epoch * self.rm.total_epochs
+        if self.rm.total_training_steps is not None:
+            self.total_steps = min(self.total_steps, self.rm.total_training_steps)
+        self.global_step = 0
+        self.group = None
+        pad_id = self.tokenizer.pad_token_id
+        if cfg.world_size > 1:
+            self.group = WorkerGroup(RewardModelRayWorker, cfg.world_size, device=cfg.trainer.device,
+                                     ray_address=cfg.trainer.ray_address)
+            try:
+                self.group.execute_all("setup", self.rm, pad_id, self.total_steps)
+            except BaseException:
+                self.group.shutdown()
+                raise
+            self.worker = _GroupWorker(self.group)
+        else:
+            self.worker = RewardModelWorker(self.rm, pad_id, self.total_steps, cfg.trainer.device)
+
+    # ------------------------------------------------------------------ order of the pairs
+    def _epoch_order(self, epoch: int) -> list[int]:
+        generator = torch.Generator().manual_seed(self.rm.seed * 100_003 + epoch)
+        return torch.randperm(len(self.train_pairs), generator=generator).tolist()
+
+    def _step_pairs(self, step: int) -> list:
+        """The pairs of optimizer step ``step`` (0-based): a function of the step alone, so a resume is exact."""
+        epoch, position = divmod(step, self.steps_per_epoch)
+        order = self._epoch_order(epoch)
+        size = self.rm.train_batch_size
+        return [self.train_pairs[i] for i in order[position * size:(position + 1) * size]]
+
+    # ------------------------------------------------------------------ phases
+    def validate(self) -> dict[str, float]:
+        if not self.val_pairs:
+            return {}
+        sums = self.worker.evaluate(self.val_pairs, [1.0] * len(self.val_pairs))
+        return {"val/loss": sums["loss"] / sums["pairs"], "val/pair_accuracy": sums["correct"] / sums["pairs"],
+                "val/margin_mean": sums["margin"] / sums["pairs"]}
+
+    def train_step(self) -> dict[str, float]:
+        pairs = self._step_pairs(self.global_step)
+        started = time.perf_counter()
+        sums = self.worker.train_step(pairs, [1.0] * len(pairs), len(pairs))
+        self.global_step += 1
+        return {"train/loss": sums["loss"] / sums["pairs"], "train/pair_accuracy": sums["correct"] / sums["pairs"],
+                "train/margin_mean": sums["margin"] / sums["pairs"], "train/grad_norm": sums["grad_norm"],
+                "train/lr": sums["lr"], "train/skipped_step": sums["skipped"],
+                "timing_s/step": time.perf_counter() - started}
+
+    def fit(self, log=None) -> dict[str, float]:
+        """Train to ``total_steps`` (resuming first), validating and saving as configured; returns the last
+        validation metrics (``val/pair_accuracy``, ...) and writes the HF export."""
+        from tqdm.auto import tqdm
+
+        self.resume()
+        log = log or (lambda metrics, step: None)
+        rm, last_val = self.rm, {}
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
+                   dynamic_ncols=True, file=sys.stderr)
+        try:
+            while self.global_step < self.total_steps:
+                metrics = self.train_step()
+                step = self.global_step
+                if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
+                    last_val = self.validate()
+                    metrics.update(last_val)
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/pair_accuracy']:.2f}")
+                log(metrics, step)
+                if rm.save_freq > 0 and step % rm.save_freq == 0 and step < self.total_steps:
+                    self.save()
+        finally:
+            bar.close()
+        last_val = self.validate()
+        if last_val:
+            log(last_val, self.global_step)
+        if self.latest_step() != self.global_step:
+            self.save()
+        self.export(self.local_dir / HF_DIR)
+        return last_val
+
+    # ------------------------------------------------------------------ checkpoints
+    def latest_step(self) -> int | None:
+        path = ckpt.latest_checkpoint(self.local_dir)
+        return ckpt.step_of(path) if path is not None else None
+
+    def _fill(self, files) -> None:
+        if getattr(self.worker, "sharded", False):
+            files.tree(PART, self.worker.save_shards)
+        else:
+            state = self.worker.state_dict()
+            files.torch(f"{PART}/model_state.pt", state.pop("model"))
+            files.torch(f"{PART}/optim_state.pt", {"optimizer": state.pop("optimizer")})
+            files.torch(f"{PART}/extra_state.pt", state)
+        epoch, position = divmod(self.global_step, max(self.steps_per_epoch, 1))
+        files.text(ckpt.TRAINER_STATE, json.dumps({"format": ckpt.FORMAT_VERSION, "global_step": self.global_step,
+                                                   "epoch": epoch, "step_in_epoch": position,
+                                                   "total_steps": self.total_steps}, indent=1))
+        files.torch(ckpt.RNG_STATE, ckpt._rng_state())
+        files.text(ckpt.CONFIG_FILE, self.cfg.to_yaml())
+
+    def save(self) -> Path:
+        """``global_step_N`` written into a temp directory, renamed into place, then marked latest."""
+        root, step = self.local_dir, self.global_step
+        final = ckpt.step_dir(root, step)
+        root.mkdir(parents=True, exist_ok=True)
+        ckpt._remove_stale(root)
+        tmp = Path(tempfile.mkdtemp(prefix=f".global_step_{step}.tmp-", dir=root))
+        files = ckpt._Files(tmp)
+        try:
+            self._fill(files)
+            files.text(ckpt.MANIFEST, json.dumps({"format": ckpt.FORMAT_VERSION, "step": step, "parts": [PART],
+                                                  "files": dict(files.sizes)}, indent=1))
+            ckpt._fsync_dir(tmp)
+            if final.exists():
+                ckpt._remove(final)
+            os.rename(tmp, final)
+            ckpt._fsync_dir(root)
+            ckpt._write_latest(root, step)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise ckpt.CheckpointError(ckpt._explain(exc, root, final, files.current)) from exc
+            raise
+        return final
+
+    def _resume_path(self) -> Path | None:
+        rm = self.rm
+        if rm.resume_mode == "disable":
+            return None
+        if rm.resume_mode == "resume_path":
+            return resolve(rm.resume_from_path)
+        return ckpt.latest_checkpoint(self.local_dir)
+
+    def _check_config(self, path: Path) -> None:
+        saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
+        old = _flatten(saved.get("reward_model", {}).get("train", {}))
+        new = _flatten(dataclasses.asdict(self.rm))
+        differing = [k for k in new if k in old and old[k] != new[k]
+                     and not any(fnmatch.fnmatchcase(k, pattern) for pattern in RESUME_SAFE)]
+        if differing:
+            listed = "; ".join(f"{KEY}.{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
+            raise ckpt.CheckpointError(f"cannot resume from {path}: the config differs ({listed}); restore those "
+                                       f"values or start afresh with {KEY}.resume_mode=disable or another "
+                                       f"{KEY}.default_local_dir")
+
+    def resume(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        ckpt.read_manifest(path)
+        self._check_config(path)
+        if getattr(self.worker, "sharded", False):
+            self.worker.load_shards(path / PART)
+        else:
+            model = ckpt._load(path / PART / "model_state.pt")
+            optim = ckpt._load(path / PART / "optim_state.pt")
+            extra = ckpt._load(path / PART / "extra_state.pt")
+            self.worker.load_state_dict({"model": model, **optim, **extra})
+        state = json.loads((path / ckpt.TRAINER_STATE).read_text())
+        self.global_step = int(state["global_step"])
+        ckpt._set_rng_state(ckpt._load(path / ckpt.RNG_STATE))
+        print(f"resumed the reward model from {path} (step {self.global_step})", file=sys.stderr)
+
+    def export(self, target: Path) -> Path:
+        """The model and tokenizer as a HF directory, written beside ``target`` and renamed into place."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            with _no_hf_bars():
+                self.worker.save_hf(tmp)
+                self.tokenizer.save_pretrained(tmp)
+            ckpt._fsync_tree(tmp)
+            if target.exists():
+                ckpt._remove(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    def shutdown(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+
+
+def train_reward_model(cfg: PPOConfig, log=None) -> tuple[Path, dict[str, float]]:
+    """Preflight, train (resuming), export; returns (HF directory, last validation metrics)."""
+    trainer = RewardModelTrainer(cfg)
+    try:
+        val = trainer.fit(log)
+    finally:
+        trainer.shutdown()
+    return trainer.local_dir / HF_DIR, val
+
+
+def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float) -> tuple[bool, str]:
+    """(passed, reason): whether the held-out pair accuracy reaches ``min_pair_accuracy``."""
+    accuracy = val.get("val/pair_accuracy")
+    if accuracy is None:
+        if min_pair_accuracy > 0:
+            return False, (f"{KEY}.min_pair_accuracy={min_pair_accuracy} needs held-out pairs: set {KEY}.val_files")
+        return True, "no held-out pairs and no accuracy required"
+    if accuracy < min_pair_accuracy:
+        return False, (f"the reward model ranks {accuracy:.1%} of the held-out pairs right, below "
+                       f"{KEY}.min_pair_accuracy ({min_pair_accuracy:.1%}): PPO against it would chase noise; "
+                       "train longer, add pairs or start from a stronger model")
+    return True, f"held-out pair accuracy {accuracy:.1%} >= {min_pair_accuracy:.1%}"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlhf-train-rm",
+        description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
+                    "those of the PPO config tree, under reward_model.train.",
+    )
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+        frames = preflight(cfg)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except PreferenceDataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except RewardTrainingError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from rlhf_core.training.tracking import Tracking
+
+    trainer_cfg = cfg.trainer
+    loggers = [name for name in trainer_cfg.logger if name != "console"] + ["file"]
+    started = time.time()
+    try:
+        trainer = RewardModelTrainer(cfg, frames)
+        try:
+            with Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
+                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1)) as tracking:
+                val = trainer.fit(tracking.log)
+        finally:
+            trainer.shutdown()
+    except ckpt.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
+    print(f"reward model: {trainer.global_step} steps in {time.time() - started:.0f} s; {shown or 'no validation'}")
+    print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
+    print(f"metrics: {trainer.local_dir / 'metrics.jsonl'}")
+    return 0
+
+
+if __name__ == "__main__":
+    # run the imported module, not __main__, so Ray ships the worker classes by reference
+    from rlhf_core.training.reward_trainer import main as _main
+
+    sys.exit(_main())
+

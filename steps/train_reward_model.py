@@ -1,0 +1,49 @@
+"""Train the reward model on the preference pairs: a versioned MODEL artifact, gated on held-out accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from zenml import ArtifactConfig, get_step_context, log_metadata, step
+from zenml.enums import ArtifactType
+from zenml.logger import get_logger
+
+from rlhf_core.training.reward_trainer import pair_accuracy_gate
+from rlhf_core.training.reward_trainer import train_reward_model as train
+from steps._config import config_from_dict
+
+logger = get_logger(__name__)
+
+
+class RewardModelGateError(RuntimeError):
+    """The reward model ranks too few held-out pairs correctly to train a policy against."""
+
+
+@step(enable_cache=False)
+def train_reward_model(
+    ppo_config: dict,
+    preference_fingerprint: str,
+    min_pair_accuracy: float | None = None,
+) -> tuple[
+    Annotated[Path, ArtifactConfig(name="reward_model", artifact_type=ArtifactType.MODEL)],
+    Annotated[dict, "reward_model_summary"],
+]:
+    """The HF directory of the trained reward model; stops the run (before PPO) below ``min_pair_accuracy``
+    (default ``reward_model.train.min_pair_accuracy``)."""
+    cfg = config_from_dict(ppo_config)
+    rm = cfg.reward_model.train
+    rm.default_local_dir = str(Path(rm.default_local_dir) / get_step_context().pipeline_run.name)
+    threshold = rm.min_pair_accuracy if min_pair_accuracy is None else min_pair_accuracy
+    export, val = train(cfg)
+    passed, reason = pair_accuracy_gate(val, threshold)
+    summary = {"held_out_pair_accuracy": val.get("val/pair_accuracy"), "held_out_loss": val.get("val/loss"),
+               "held_out_margin_mean": val.get("val/margin_mean"), "min_pair_accuracy": threshold,
+               "passed": passed, "reason": reason, "preference_fingerprint": preference_fingerprint,
+               "base_model": rm.model.path, "local_dir": rm.default_local_dir}
+    log_metadata({k: v for k, v in summary.items() if v is not None})
+    if not passed:
+        logger.error(reason)
+        raise RewardModelGateError(reason)
+    logger.info(reason)
+    return export, summary

@@ -1,0 +1,144 @@
+"""Preference pairs: the GSM8K model-solution converter, the split by question, the synthetic demo pairs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import pytest
+
+from rlhf_core.data.preference import (
+    GSM8K_MODELS,
+    PREFERENCE_COLUMNS,
+    PreferenceDataError,
+    gsm8k_solution_pairs,
+    main,
+    read_preferences,
+    split_by_group,
+    synthetic_pairs,
+)
+
+
+def _row(question: str, solutions: list[tuple[str, bool]]) -> str:
+    row = {"question": question, "ground_truth": "work\nA: 5"}
+    for name, (text, ok) in zip(GSM8K_MODELS, solutions):
+        row[name] = {"solution": text, "is_correct": ok}
+    return json.dumps(row)
+
+
+def test_pairs_are_correct_against_incorrect_with_identical_pairs_once(tmp_path):
+    path = tmp_path / "solutions.jsonl"
+    path.write_text("\n".join([
+        # 2 correct solutions with the same text, 2 different incorrect ones: 2 distinct pairs (not 4)
+        _row("Q1", [("right", True), ("right", True), ("wrong a", False), ("wrong b", False)]),
+        # all correct: no pair
+        _row("Q2", [("r1", True), ("r2", True), ("r3", True), ("r4", True)]),
+        # 1 correct, 3 incorrect: 3 pairs
+        _row("Q3", [("w1", False), ("ok", True), ("w2", False), ("w3", False)]),
+    ]) + "\n")
+    pairs = gsm8k_solution_pairs(path)
+    got = [(p["question"], p["chosen"], p["rejected"]) for p in pairs]
+    assert got == [("Q1", "right", "wrong a"), ("Q1", "right", "wrong b"),
+                   ("Q3", "ok", "w1"), ("Q3", "ok", "w2"), ("Q3", "ok", "w3")]
+    assert {p["group"] for p in pairs} == {"line-1", "line-3"}
+    assert pairs[0]["answer"] == "5"
+
+
+def test_malformed_row_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(_row("Q1", [("a", True), ("b", False), ("c", False), ("d", False)]) + "\n{\"question\": 1}\n")
+    with pytest.raises(PreferenceDataError, match="line 2"):
+        gsm8k_solution_pairs(path)
+
+
+def test_real_gsm8k_pairs_count(gsm8k_dir):
+    """2,429 (correct, incorrect) combinations over 731 questions; 3 repeat an earlier pair's text."""
+    source = gsm8k_dir / "example_model_solutions.jsonl"
+    combinations, distinct, questions = 0, 0, 0
+    for line in source.read_text().splitlines():
+        row = json.loads(line)
+        right = [row[m]["solution"] for m in GSM8K_MODELS if row[m]["is_correct"]]
+        wrong = [row[m]["solution"] for m in GSM8K_MODELS if not row[m]["is_correct"]]
+        combinations += len(right) * len(wrong)
+        distinct += len({(r, w) for r in right for w in wrong})
+        questions += bool(right and wrong)
+    assert (combinations, questions) == (2429, 731)
+    pairs = gsm8k_solution_pairs(source)
+    assert len(pairs) == distinct == 2426
+    assert len({p["group"] for p in pairs}) == 731
+
+
+def test_split_keeps_each_question_on_one_side():
+    pairs = [{"group": f"q{g}", "i": i} for g in range(50) for i in range(g % 4 + 1)]
+    train, val = split_by_group(pairs, 0.2, seed=3)
+    assert len(train) + len(val) == len(pairs)
+    assert not {p["group"] for p in train} & {p["group"] for p in val}
+    assert len({p["group"] for p in val}) == 10  # 20% of 50 questions
+    assert split_by_group(pairs, 0.2, seed=3) == (train, val)  # seeded
+    with pytest.raises(PreferenceDataError, match="val-fraction"):
+        split_by_group(pairs, 1.0)
+
+
+def test_synthetic_pairs_right_answer_against_the_slip():
+    train, val = synthetic_pairs(30, 10, seed=0)
+    assert len(train) == 30 and len(val) == 10  # one-step problems: the slip never equals the result
+    assert not {p["question"] for p in train} & {p["question"] for p in val}
+    for pair in train + val:
+        first_number = re.search(r"\d+", pair["question"]).group(0)
+        assert pair["chosen"].rsplit("####", 1)[1].strip() == pair["answer"]
+        assert pair["rejected"].rsplit("####", 1)[1].strip() == first_number != pair["answer"]
+        assert pair["chosen"].rsplit("####", 1)[0] == pair["rejected"].rsplit("####", 1)[0]  # same working
+
+
+def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
+    source = tmp_path / "solutions.jsonl"
+    source.write_text("\n".join(
+        _row(f"Q{i}", [(f"right {i}", True), (f"wrong {i}", False), (f"bad {i}", False), (f"right2 {i}", True)])
+        for i in range(20)) + "\n")
+    out = tmp_path / "pairs"
+    assert main(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.25"]) == 0
+    assert "test" in capsys.readouterr().err  # the warning about GSM8K test questions
+    train, val = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
+    assert tuple(train.columns) == tuple(val.columns) == PREFERENCE_COLUMNS
+    assert (len(train), len(val)) == (15 * 4, 5 * 4)
+    assert not set(train["extra_info"].map(lambda e: e["question"])) & set(val["extra_info"].map(lambda e: e["question"]))
+    assert list(train["prompt"].iloc[0][0].keys()) == ["role", "content"]
+    assert set(train["data_source"]) == {"openai/gsm8k"}
+    # an existing output is kept
+    assert main(["--gsm8k-solutions", str(source), "--output", str(out)]) == 2
+
+
+def test_help_says_the_questions_are_gsm8k_test(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "GSM8K *test* questions" in capsys.readouterr().out
+
+
+def test_read_preferences_names_missing_columns(tmp_path):
+    path = tmp_path / "prompts.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "x"}]], "data_source": ["s"],
+                  "extra_info": [{"split": "train"}]}).to_parquet(path)
+    with pytest.raises(PreferenceDataError, match=r"lacks the column\(s\) chosen, rejected"):
+        read_preferences(path)
+
+
+def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):
+    from rlhf_core.data.preference import check_preference_files, to_frame
+
+    def write(name, pairs):
+        path = tmp_path / name
+        to_frame(pairs, "x", "s").to_parquet(path)
+        return path
+
+    train = write("train.parquet", [{"question": "Q1", "chosen": "a", "rejected": "b", "group": "1"},
+                                    {"question": "Q2", "chosen": "c", "rejected": "d", "group": "2"}])
+    val = write("val.parquet", [{"question": "Q3", "chosen": "e", "rejected": "f", "group": "3"}])
+    assert check_preference_files([train], [val]) == {"train_pairs": 2, "val_pairs": 1, "train_prompts": 2,
+                                                      "val_prompts": 1}
+    leaky = write("leaky.parquet", [{"question": "Q2", "chosen": "x", "rejected": "y", "group": "2"}])
+    with pytest.raises(PreferenceDataError, match="1 prompt"):
+        check_preference_files([train], [leaky])
+    same = write("same.parquet", [{"question": "Q4", "chosen": "z", "rejected": "z", "group": "4"}])
+    with pytest.raises(PreferenceDataError, match=r"same.parquet: chosen and rejected are the same text in row\(s\) 0"):
+        check_preference_files([same], [])

@@ -1,0 +1,322 @@
+"""Tests for the Great Expectations checks on preference (chosen/rejected) parquet files."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import json
+
+import pandas as pd
+import pytest
+from test_validation import char_tokenizer, chat_tokenizer_dir, failed, plant, write  # noqa: F401 (fixtures)
+
+from rlhf_core.data.schema import PREFERENCE_COLUMNS
+from rlhf_core.data.validation import (
+    ValidationReport,
+    detect_kind,
+    fingerprint,
+    main,
+    validate_dataset,
+    validate_frames,
+    validate_preference_files,
+)
+
+SOURCE = "synthetic/arithmetic"
+
+
+def pairs(n: int = 5, offset: int = 0, split: str = "train") -> list[dict]:
+    rows = []
+    for i in range(offset, offset + n):
+        rows.append({
+            "prompt": [{"role": "user", "content": f"What is {i} + {i + 3}?"}],
+            "chosen": f"{i} + {i + 3} = {2 * i + 3}\n#### {2 * i + 3}",
+            "rejected": f"{i} + {i + 3} = {2 * i + 4}\n#### {2 * i + 4}",
+            "data_source": SOURCE,
+            "extra_info": {"split": split, "index": i},
+        })
+    return rows
+
+
+def validate_preference_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, **options) -> ValidationReport:
+    return validate_frames(train, val, kind="preference", **options)
+
+
+def test_schema_names_the_five_columns_and_kind_follows_the_columns():
+    assert PREFERENCE_COLUMNS == ("prompt", "chosen", "rejected", "data_source", "extra_info")
+    assert detect_kind(PREFERENCE_COLUMNS) == "preference"
+    assert detect_kind(["prompt", "chosen"]) == "preference"
+    assert detect_kind(["prompt", "reward_model", "data_source"]) == "prompt"
+    assert detect_kind(["prompt", "data_source", "extra_info"]) is None
+
+
+def test_valid_pairs_pass(tmp_path):
+    train = write(tmp_path / "train.parquet", pairs(6))
+    val = write(tmp_path / "val.parquet", pairs(3, offset=100, split="test"))
+    report = validate_dataset(train, val, max_chars=200)
+    assert report.kind == "preference"
+    assert report.success, report.summary()
+    names = {o.name for o in report.results}
+    assert {"has_rows", "column_exists", "not_null", "prompt_is_non_empty_message_list", "chosen_non_empty",
+            "rejected_non_empty", "chosen_differs_from_rejected", "no_duplicate_pairs",
+            "no_train_val_leakage", "pair_length_within_limit"} <= names
+    assert "ground_truth_numeric" not in names and "data_source_known" not in names
+    assert [(o.column, o.success) for o in report.find("column_exists", dataset="train")] == [
+        (c, True) for c in PREFERENCE_COLUMNS]
+    assert report.find("no_train_val_leakage")[0].dataset == "val"
+    assert report.fingerprint == fingerprint([train, val])
+    assert "PASSED" in report.summary() and "preference data" in report.summary()
+    json.dumps(report.to_dict(), allow_nan=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# One bad row at a time
+
+
+def _null_chosen(row):
+    row["chosen"] = None
+
+
+def _null_rejected(row):
+    row["rejected"] = None
+
+
+def _empty_chosen(row):
+    row["chosen"] = ""
+
+
+def _blank_rejected(row):
+    row["rejected"] = "  \n "
+
+
+def _identical(row):
+    row["rejected"] = row["chosen"]
+
+
+def _null_prompt(row):
+    row["prompt"] = None
+
+
+def _no_user_turn(row):
+    row["prompt"] = [{"role": "system", "content": "Answer briefly."}]
+
+
+def _blank_user_turn(row):
+    row["prompt"] = [{"role": "user", "content": "   "}]
+
+
+def _null_source(row):
+    row["data_source"] = None
+
+
+def _null_extra_info(row):
+    row["extra_info"] = None
+
+
+# (mutation, expectation, column, reported value); the value of the identical pair is worked out per row
+BAD_ROWS = [
+    (_null_chosen, "not_null", "chosen", None),
+    (_null_rejected, "not_null", "rejected", None),
+    (_empty_chosen, "chosen_non_empty", "chosen", ""),
+    (_blank_rejected, "rejected_non_empty", "rejected", "  \n "),
+    (_identical, "chosen_differs_from_rejected", "chosen,rejected", "same"),
+    (_null_prompt, "not_null", "prompt", None),
+    (_no_user_turn, "prompt_has_user_turn", "prompt_has_user_turn", False),
+    (_blank_user_turn, "prompt_user_content_non_empty", "prompt_user_content", "   "),
+    (_null_source, "not_null", "data_source", None),
+    (_null_extra_info, "not_null", "extra_info", None),
+]
+
+
+@pytest.fixture(scope="module")
+def bad(tmp_path_factory):
+    """One validation run over a table whose row ``i + 1`` carries bad case ``i``, and its rows."""
+    rows = plant(pairs(len(BAD_ROWS) + 2), BAD_ROWS)
+    return rows, validate_dataset(write(tmp_path_factory.mktemp("bad") / "train.parquet", rows))
+
+
+def test_bad_rows_fail_exactly_their_expectations(bad):
+    _rows, report = bad
+    expected: dict[tuple[str, str], list[int]] = {}
+    for position, (_mutate, name, column, _value) in enumerate(BAD_ROWS):
+        expected.setdefault((name, column), []).append(position + 1)
+    got = {(o.name, o.column): [row for row, _ in o.examples] for o in report.failures}
+    assert not report.success
+    assert got == expected, report.summary()
+    for outcome in report.failures:
+        assert outcome.statistics["unexpected_count"] == len(expected[(outcome.name, outcome.column)])
+
+
+@pytest.mark.parametrize(("position", "case"), list(enumerate(BAD_ROWS)),
+                         ids=[case[0].__name__.strip("_") for case in BAD_ROWS])
+def test_bad_row_is_named_with_its_value(bad, position, case):
+    rows, report = bad
+    _mutate, name, column, value = case
+    if value == "same":
+        text = rows[position + 1]["chosen"]
+        value = {"chosen": text, "rejected": text}
+    [outcome] = report.find(name, column)
+    assert (position + 1, value) in outcome.examples
+    summary = report.summary()
+    assert f"FAILED {name} [train.{column}]" in summary
+    assert f"    row {position + 1}: " in summary
+
+
+def test_duplicate_pairs_name_every_row_of_the_repeated_pair():
+    rows = pairs(6)
+    rows[4] = copy.deepcopy(rows[1])  # the same prompt, chosen and rejected
+    rows[5] = copy.deepcopy(rows[2])
+    rows[5]["rejected"] = "another wrong answer\n#### 0"  # same prompt and chosen, another rejected: a new pair
+    report = validate_preference_frames(pd.DataFrame(rows))
+    assert failed(report) == [("no_duplicate_pairs", "pair", "train")]
+    outcome = report.failures[0]
+    assert [row for row, _ in outcome.examples] == [1, 4]
+    assert outcome.statistics["unexpected_count"] == 2
+    assert json.loads(outcome.examples[0][1]) == [rows[1]["prompt"], rows[1]["chosen"], rows[1]["rejected"]]
+
+
+def test_pairs_shared_by_train_and_val_name_the_val_row():
+    train = pairs(5)
+    val = pairs(4, offset=50, split="test")
+    val[2] = copy.deepcopy(train[3])
+    val[3]["prompt"] = copy.deepcopy(train[0]["prompt"])  # a shared prompt with other answers is allowed
+    report = validate_preference_frames(pd.DataFrame(train), pd.DataFrame(val))
+    assert failed(report) == [("no_train_val_leakage", "pair", "val")]
+    assert [row for row, _ in report.failures[0].examples] == [2]
+    assert report.failures[0].statistics["unexpected_count"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Length budget
+
+
+def test_character_budget_names_the_long_row_with_its_length():
+    rows = pairs(4)
+    rows[2]["rejected"] = "Let me work through every step very slowly. " * 4 + "#### 7"
+    # characters: the user turn, a newline, the longer response
+    lengths = [len(r["prompt"][0]["content"]) + 1 + max(len(r["chosen"]), len(r["rejected"])) for r in rows]
+    limit = max(length for i, length in enumerate(lengths) if i != 2)
+    report = validate_preference_frames(pd.DataFrame(rows), max_chars=limit)
+    assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
+    outcome = report.failures[0]
+    assert outcome.examples == [(2, lengths[2])]
+    assert outcome.statistics["share_over"] == pytest.approx(0.25)
+    assert "25.0%" in report.summary() and f"{limit} characters" in report.summary()
+
+    tolerant = validate_preference_frames(pd.DataFrame(rows), max_chars=limit, overlong_tolerance=0.3)
+    assert tolerant.success
+    assert "25.0% of rows over the limit" in tolerant.summary()
+
+
+def test_token_budget_counts_the_chat_template_with_the_response(chat_tokenizer_dir):  # noqa: F811
+    rows = pairs(3)
+    rows[1]["chosen"] = "A much longer chosen answer with all of its working shown. #### 9"
+    # the template writes "<role>content\n" per turn; the response is the assistant turn
+    tokens = [len(f"<user>{r['prompt'][0]['content']}\n<assistant>{max(r['chosen'], r['rejected'], key=len)}\n")
+              for r in rows]
+    limit = tokens[0]
+    assert tokens[1] > limit >= tokens[2]
+    report = validate_preference_frames(pd.DataFrame(rows), tokenizer=chat_tokenizer_dir, max_length=limit)
+    assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
+    assert report.failures[0].examples == [(1, tokens[1])]
+    assert f"{limit} tokens" in report.summary()
+
+
+def test_budget_options_are_checked():
+    frame = pd.DataFrame(pairs(2))
+    with pytest.raises(ValueError, match="tokenizer"):
+        validate_preference_frames(frame, max_length=10)
+    with pytest.raises(ValueError, match="not both"):
+        validate_preference_frames(frame, tokenizer=object(), max_length=10, max_chars=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Missing columns and the command line
+
+
+def test_missing_rejected_is_exit_1_naming_the_column(tmp_path, capsys):
+    rows = [{k: v for k, v in row.items() if k != "rejected"} for row in pairs(3)]
+    path = write(tmp_path / "train.parquet", rows)
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED column_exists [train.rejected]" in out and "column 'rejected' is missing" in out
+    assert "skipped: train: rejected_non_empty (needs column 'rejected')" in out
+    assert "skipped: train: chosen_differs_from_rejected (needs column 'rejected')" in out
+    assert "skipped: train: no_duplicate_pairs (needs column 'prompt', 'chosen' and 'rejected')" in out
+    assert "FAILED column_exists [train.chosen]" not in out
+
+
+def test_prompt_without_chosen_rejected_or_reward_model_is_exit_1_naming_the_columns(tmp_path, capsys):
+    rows = [{k: v for k, v in row.items() if k not in ("chosen", "rejected")} for row in pairs(3)]
+    path = write(tmp_path / "train.parquet", rows)
+    assert main([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "neither prompt nor preference data" in out
+    missing = [line.split("[train.")[1].split("]")[0] for line in out.splitlines()
+               if line.startswith("FAILED column_exists")]
+    assert missing == ["ability", "reward_model", "chosen", "rejected"]
+
+
+def test_cli_checks_a_preference_file_and_its_val(tmp_path, capsys):
+    train = write(tmp_path / "train.parquet", pairs(4))
+    val = pairs(2, offset=10, split="test")
+    val[1] = copy.deepcopy(pairs(4)[0])
+    val_path = write(tmp_path / "val.parquet", val)
+    html_path = tmp_path / "report.html"
+    assert main([str(train), "--val", str(val_path), "--max-chars", "500", "--html", str(html_path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED no_train_val_leakage [val.pair]" in out and "    row 1: " in out
+    page = html_path.read_text()
+    assert "no_train_val_leakage" in page and "df.filter(items=[1], axis=0)" in page
+
+    assert main([str(train), "--max-chars", "500", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["kind"] == "preference" and payload["success"] is True
+
+
+def test_cli_rejects_an_option_of_the_other_kind(tmp_path, capsys):
+    train = write(tmp_path / "train.parquet", pairs(2))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    assert main([str(train), "--tokenizer", str(folder), "--max-prompt-length", "10"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "preference data" in err[0] and "max_length" in err[0]
+    assert main([str(train), "--max-chars", "10", "--max-length", "10", "--tokenizer", str(folder)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main([str(train), "--max-chars", "0"]) == 2
+    assert "positive" in capsys.readouterr().err
+
+
+def test_validate_preference_files_joins_files_and_fingerprints_them(tmp_path):
+    first = write(tmp_path / "a.parquet", pairs(3))
+    second = write(tmp_path / "b.parquet", pairs(3, offset=1))  # its rows 0 and 1 repeat rows 1 and 2 of a
+    val = write(tmp_path / "val.parquet", pairs(2, offset=40, split="test"))
+    report = validate_preference_files([first, second], val, max_chars=300)
+    assert failed(report) == [("no_duplicate_pairs", "pair", "train")]
+    assert [row for row, _ in report.failures[0].examples] == [1, 2, 3]  # of 6 joined rows: 1, 2 and 3, 4
+    assert report.failures[0].statistics["unexpected_count"] == 4
+    assert report.datasets[0].rows == 6 and report.datasets[1].rows == 2
+    assert report.fingerprint == fingerprint([first, second, val])
+
+
+# ---------------------------------------------------------------------------------------------
+# Real pairs
+
+
+def test_real_gsm8k_solution_pairs(gsm8k_dir):
+    """Every correct x incorrect model solution of a test question; duplicates counted independently."""
+    rows = []
+    with open(gsm8k_dir / "example_model_solutions.jsonl", encoding="utf-8") as handle:
+        for line in handle:
+            item = json.loads(line)
+            solutions = [v for v in item.values() if isinstance(v, dict) and "solution" in v]
+            for good in (s["solution"] for s in solutions if s["is_correct"]):
+                for wrong in (s["solution"] for s in solutions if not s["is_correct"]):
+                    rows.append({"prompt": [{"role": "user", "content": item["question"]}], "chosen": good,
+                                 "rejected": wrong, "data_source": "openai/gsm8k", "extra_info": {"split": "test"}})
+    counts = collections.Counter((r["prompt"][0]["content"], r["chosen"], r["rejected"]) for r in rows)
+    repeated = [i for i, r in enumerate(rows) if counts[(r["prompt"][0]["content"], r["chosen"], r["rejected"])] > 1]
+    assert (len(rows), len(repeated)) == (2429, 6)  # three pairs occur twice (two models wrote the same text)
+    report = validate_preference_frames(pd.DataFrame(rows), max_chars=4096)
+    assert failed(report) == [("no_duplicate_pairs", "pair", "train")], report.summary()
+    assert report.failures[0].statistics["unexpected_count"] == len(repeated)
+    assert [row for row, _ in report.failures[0].examples] == repeated[:3]

@@ -1,0 +1,87 @@
+"""The reward-model steps in ZenML: a MODEL artifact with its held-out accuracy, and the gate before PPO."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from test_pipeline import tiny_setup, zenml_client
+
+from rlhf_core.data.preference import synthetic_pairs, write_splits
+from rlhf_core.data.synthetic import DATA_SOURCE
+
+
+@functools.cache
+def rm_overrides() -> tuple[str, ...]:
+    setup = tiny_setup()
+    pairs = setup.root / "preferences"
+    if not (pairs / "train.parquet").exists():
+        train, val = synthetic_pairs(16, 16, seed=0)
+        write_splits(pairs, train, val, DATA_SOURCE)
+    return (f"reward_model.train.model.path={setup.root / 'model'}",
+            f"reward_model.train.train_files={pairs / 'train.parquet'}",
+            f"reward_model.train.val_files={pairs / 'val.parquet'}",
+            "reward_model.train.train_batch_size=8", "reward_model.train.micro_batch_size_per_gpu=8",
+            f"reward_model.train.default_local_dir={setup.root / 'reward_models'}")
+
+
+def _reward_model_only():
+    from zenml import pipeline
+
+    from steps.load_ppo_config import load_ppo_config
+    from steps.train_reward_model import train_reward_model
+    from steps.validate_preferences import validate_preferences
+
+    @pipeline(enable_cache=False)
+    def reward_model_only(trainer_config: str, overrides: list[str]) -> None:
+        ppo_config = load_ppo_config(trainer_config, overrides)
+        fingerprint = validate_preferences(ppo_config)
+        train_reward_model(ppo_config, fingerprint, min_pair_accuracy=0.0)
+
+    return reward_model_only
+
+
+@pytest.fixture(scope="module")
+def passing_run():
+    zenml_client()
+    return _reward_model_only()(trainer_config=str(tiny_setup().trainer_config), overrides=list(rm_overrides()))
+
+
+def test_reward_model_is_a_model_artifact_with_its_held_out_accuracy(passing_run):
+    from transformers import AutoModelForSequenceClassification
+    from zenml.enums import ArtifactType
+
+    run = zenml_client().get_pipeline_run(passing_run.id)
+    assert str(run.status) == "completed"
+    step = run.steps["train_reward_model"]
+    artifact = step.outputs["reward_model"][0]
+    assert artifact.type == ArtifactType.MODEL
+    model = AutoModelForSequenceClassification.from_pretrained(artifact.load())
+    assert model.config.num_labels == 1
+    summary = step.outputs["reward_model_summary"][0].load()
+    accuracy = step.run_metadata["held_out_pair_accuracy"]
+    assert accuracy == summary["held_out_pair_accuracy"]
+    assert 0.0 <= accuracy < 1.0  # 16 held-out pairs, 2 steps of a random model: far from perfect
+    assert accuracy * 16 == round(accuracy * 16)  # a share of the 16 pairs
+    assert step.run_metadata["passed"] is True
+    fingerprint = run.steps["validate_preferences"].outputs["preference_fingerprint"][0].load()
+    assert step.run_metadata["preference_fingerprint"] == fingerprint
+
+
+def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
+    from zenml import Model
+
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+
+    setup = tiny_setup()
+    accuracy = zenml_client().get_pipeline_run(passing_run.id).steps["train_reward_model"] \
+        .run_metadata["held_out_pair_accuracy"]
+    with pytest.raises(RuntimeError):  # the same training (seeded) falls just short of the bar
+        rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-gated"))(
+            trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+            val_files=str(setup.val_file), overrides=list(rm_overrides()), min_pair_accuracy=accuracy + 0.01)
+    run = zenml_client().list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed"
+    assert str(run.steps["train_reward_model"].status) == "failed"
+    assert "below reward_model.train.min_pair_accuracy" in str(run.steps["train_reward_model"].run_metadata["reason"])
+    assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)

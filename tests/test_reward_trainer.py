@@ -1,0 +1,240 @@
+"""Reward-model training: the Bradley-Terry loss, last-token scores, the CLI, resume, LoRA, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from rlhf_core.config import load_config
+from rlhf_core.data.preference import synthetic_pairs, write_splits
+from rlhf_core.data.synthetic import DATA_SOURCE
+from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training.reward_trainer import (
+    RewardModelTrainer,
+    bradley_terry_loss,
+    collate,
+    encode_response,
+    load_reward_backbone,
+    main,
+    sequence_scores,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return random_toy_model(tmp_path_factory.mktemp("rm") / "model", n_layers=1, hidden_size=32,
+                            max_position_embeddings=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tmp_path_factory):
+    train, val = synthetic_pairs(24, 8, seed=0)
+    out = tmp_path_factory.mktemp("pairs")
+    write_splits(out, train, val, DATA_SOURCE)
+    return out
+
+
+def _overrides(model, pairs_dir, out, *extra):
+    return ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={model}",
+            f"reward_model.train.train_files={pairs_dir / 'train.parquet'}",
+            f"reward_model.train.val_files={pairs_dir / 'val.parquet'}", "reward_model.train.train_batch_size=8",
+            "reward_model.train.micro_batch_size_per_gpu=4", "reward_model.train.optim.lr=1e-3",
+            f"reward_model.train.default_local_dir={out}", *extra]
+
+
+# ----------------------------------------------------------------------------- the math
+
+
+def test_bradley_terry_loss_by_hand():
+    chosen, rejected = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.0])
+    # -log sigmoid(x) = log(1 + exp(-x)): log(1 + e^-2) = 0.126928, log 2 = 0.693147
+    assert bradley_terry_loss(chosen, rejected).item() == pytest.approx((0.126928 + 0.693147) / 2, abs=1e-6)
+    # margin 1: log(1 + e^-1) = 0.313262, log(1 + e) = 1.313262
+    assert bradley_terry_loss(chosen, rejected, margin=1.0).item() == pytest.approx(0.813262, abs=1e-6)
+    # weights and a global normaliser: only the first pair counts, divided by 4 pairs
+    weighted = bradley_terry_loss(chosen, rejected, weight=torch.tensor([1.0, 0.0]), normaliser=4)
+    assert weighted.item() == pytest.approx(0.126928 / 4, abs=1e-6)
+
+
+def test_score_is_the_head_at_the_last_non_pad_token(tiny):
+    tokenizer = load_tokenizer(tiny)
+    model = load_reward_backbone(tiny, tokenizer.pad_token_id, seed=0).eval()
+    messages = [{"role": "user", "content": "Tom has 3 apples. How many?"}]
+    short, _ = encode_response(tokenizer, messages, "3", 512)
+    long, _ = encode_response(tokenizer, messages, "He has 3 apples.\n#### 3", 512)
+    assert short[-1] == long[-1] == tokenizer.eos_token_id and len(short) < len(long)
+    batch = collate([(long, short)], tokenizer.pad_token_id)  # rows: long, then short right-padded
+    assert batch["input_ids"][1, len(short):].eq(tokenizer.pad_token_id).all()
+    with torch.no_grad():
+        scores = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
+        expected = []
+        for ids in (long, short):  # each sequence alone, no padding: hidden state of its last token
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1]
+            expected.append(float(hidden @ model.score.weight[0]))
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_encode_keeps_the_response_end_when_truncating(tiny):
+    tokenizer = load_tokenizer(tiny)
+    full, cut = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 512)
+    short, cut_short = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 20)
+    assert not cut and cut_short and len(short) == 20 and short == full[-20:]
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
+    out = tmp_path / "rm"
+    assert main(_overrides(tiny, pairs_dir, out, "reward_model.train.total_epochs=2",
+                           "reward_model.train.test_freq=2")) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if "train/loss" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]  # 24 pairs / 8 per step * 2 epochs
+    assert {"train/pair_accuracy", "train/margin_mean", "train/grad_norm", "train/lr"} <= set(records[0])
+    val = [r for r in records if "val/pair_accuracy" in r]
+    assert [r["step"] for r in val] == [2, 4, 6]
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+    export = out / "huggingface"
+    loaded = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    tokenizer = load_tokenizer(export)
+    assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == tokenizer.pad_token_id
+    # the exported model reproduces the last validation: recompute loss and accuracy over the val pairs
+    frame = pd.read_parquet(pairs_dir / "val.parquet")
+    deltas = []
+    with torch.no_grad():
+        for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
+            messages = [dict(m) for m in prompt]
+            ids = [encode_response(tokenizer, messages, text, 1024)[0] for text in (chosen, rejected)]
+            r = [float(loaded(input_ids=torch.tensor([i])).logits[0, 0]) for i in ids]
+            deltas.append(r[0] - r[1])
+    loss = sum(math.log1p(math.exp(-d)) for d in deltas) / len(deltas)
+    assert val[-1]["val/loss"] == pytest.approx(loss, abs=1e-5)
+    assert val[-1]["val/pair_accuracy"] == pytest.approx(sum(d > 0 for d in deltas) / len(deltas))
+    assert val[-1]["val/margin_mean"] == pytest.approx(sum(deltas) / len(deltas), abs=1e-5)
+
+
+def _trained_weights(cfg) -> dict[str, torch.Tensor]:
+    trainer = RewardModelTrainer(cfg)
+    trainer.fit()
+    return {k: v.clone() for k, v in trainer.worker.module.state_dict().items()}
+
+
+def test_resume_is_exact(tiny, pairs_dir, tmp_path):
+    straight = _trained_weights(load_config(_overrides(tiny, pairs_dir, tmp_path / "a",
+                                                       "reward_model.train.total_epochs=2")))
+    half = load_config(_overrides(tiny, pairs_dir, tmp_path / "b", "reward_model.train.total_epochs=2",
+                                  "reward_model.train.total_training_steps=4"))
+    _trained_weights(half)  # stops after 4 of 6 steps, saved
+    resumed = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                        "reward_model.train.total_epochs=2")))
+    resumed.fit()
+    assert resumed.global_step == 6
+    weights = resumed.worker.module.state_dict()
+    assert weights.keys() == straight.keys()
+    assert all(torch.equal(weights[k], straight[k]) for k in straight)
+    # an interrupted run with another learning rate must not resume silently
+    with pytest.raises(ValueError, match="optim.lr"):
+        RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                  "reward_model.train.optim.lr=5e-4"))).resume()
+
+
+def test_learns_the_demo_preference(tiny, pairs_dir, tmp_path):
+    """24 pairs, 5 epochs: the tiny random model learns to rank its training pairs (above chance)."""
+    cfg = load_config(_overrides(tiny, pairs_dir, tmp_path / "learn", "reward_model.train.total_epochs=8",
+                                 "reward_model.train.optim.lr=3e-3", "reward_model.train.val_files=null"))
+    trainer = RewardModelTrainer(cfg)
+    before = trainer.worker.evaluate(trainer.train_pairs, [1.0] * 24)
+    trainer.fit()
+    after = trainer.worker.evaluate(trainer.train_pairs, [1.0] * 24)
+    assert after["loss"] < before["loss"] * 0.8
+    assert after["correct"] / after["pairs"] >= 0.75
+
+
+def test_lora_trains_adapters_and_head_and_exports_merged(tiny, pairs_dir, tmp_path):
+    out = tmp_path / "lora"
+    cfg = load_config(_overrides(tiny, pairs_dir, out, "reward_model.train.model.lora_rank=4",
+                                 "reward_model.train.model.lora_alpha=8", "reward_model.train.optim.lr=1e-2"))
+    trainer = RewardModelTrainer(cfg)
+    trainable = {n for n, p in trainer.worker.module.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or "score" in n for n in trainable)
+    assert any("score" in n for n in trainable)
+    trainer.fit()
+    loaded = AutoModelForSequenceClassification.from_pretrained(out / "huggingface").eval()
+    ids = collate(trainer.val_pairs[:4], trainer.tokenizer.pad_token_id)
+    with torch.no_grad():
+        mine = sequence_scores(trainer.worker.forward_module, ids["input_ids"], ids["attention_mask"])
+        theirs = sequence_scores(loaded, ids["input_ids"], ids["attention_mask"])
+    assert torch.allclose(mine, theirs, atol=1e-5)
+    # the adapters moved away from B = 0, so the merge is not the base model
+    assert any(p.abs().sum() > 0 for n, p in trainer.worker.module.named_parameters() if "lora_B" in n)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_preference_file_without_chosen_rejected(tiny, tmp_path, capsys):
+    bad = tmp_path / "prompts.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["x"],
+                  "extra_info": [{"split": "train"}]}).to_parquet(bad)
+    out = tmp_path / "never"
+    code = main(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+                 f"reward_model.train.train_files={bad}", "reward_model.train.val_files=null",
+                 f"reward_model.train.default_local_dir={out}"])
+    assert code == 1
+    assert "chosen, rejected" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_model_path_that_is_not_a_model_or_has_no_tokenizer(tiny, pairs_dir, tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(_overrides(tmp_path / "nowhere", pairs_dir, out)) == 2
+    assert "reward_model.train.model.path" in capsys.readouterr().err
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tok / name).write_bytes((tiny / name).read_bytes())
+    assert main(_overrides(no_tok, pairs_dir, out)) == 2
+    assert "holds no tokenizer files" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):
+    assert main(_overrides(tiny, pairs_dir, tmp_path / "never", "reward_model.train.micro_batch_size_per_gpu=3")) == 2
+    assert "must be divisible by reward_model.train.micro_batch_size_per_gpu" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
+    """FSDP2 over 2 Ray workers takes the steps one process takes (same validation to float precision)."""
+    single = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "one")))
+    one = single.fit()
+    two = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "two", "trainer.n_gpus_per_node=2",
+                                                    "reward_model.train.micro_batch_size_per_gpu=2")))
+    try:
+        two_val = two.fit()
+    finally:
+        two.shutdown()
+    assert two_val["val/loss"] == pytest.approx(one["val/loss"], abs=1e-5)
+    assert two_val["val/pair_accuracy"] == one["val/pair_accuracy"]
+    assert (tmp_path / "two" / "global_step_3" / "reward_model" / "extra_state_rank_1.pt").is_file()
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "two" / "huggingface")
+    assert loaded.config.num_labels == 1
+
+
+def test_demo_run_config_resolves(repo_root):
+    import yaml
+
+    run = yaml.safe_load((repo_root / "configs" / "demo_rm_cpu.yaml").read_text())
+    params = run["parameters"]
+    cfg = load_config(params["overrides"], config_file=repo_root / params["trainer_config"])
+    rm = cfg.reward_model.train
+    assert rm.model.path == "outputs/toy-demo" and rm.train_batch_size == 32 and rm.optim.lr == 2e-3
+    assert 0 < params["min_pair_accuracy"] <= 1
