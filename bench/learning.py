@@ -1,15 +1,22 @@
 """Learning proof: PPO lifts the warm-started tiny model's greedy accuracy on held-out problems.
 
-For each run (gae, grpo, gae + KL loss, and the dapo and gspo recipes) the same warm-started demo model trains for a wall-clock
-budget on synthetic arithmetic prompts; greedy accuracy is measured before and after on 1,000
-problems held out from both the warm start and the RL prompts, and at the end the KL of the policy
-to the base model on its own samples. Prints one line per run:
+For each run (gae, grpo, gae + KL loss, the dapo and gspo recipes, rm) the same warm-started demo
+model trains for a wall-clock budget on synthetic arithmetic prompts; greedy accuracy is measured
+before and after on 1,000 problems held out from both the warm start and the RL prompts, and at the
+end the KL of the policy to the base model on its own samples. Prints one line per run:
 
     accuracy: 0.31 -> 0.52 (+21.0 points) in 40 steps, 480 s [gae]
 
 and saves the reward and accuracy curves as a PNG.
 
-    python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss,dapo,gspo] [--out bench/results] [--model DIR]
+The ``rm`` run trains against a learned reward model instead of the rule: a Bradley-Terry reward
+model is first fitted on synthetic preference pairs of the demo task (chosen: the right final
+answer; rejected: the demo's systematic slip, :func:`rlhf_core.models.toy.with_slip`), starting
+from the demo model, by the small local :func:`train_pair_reward_model`; its held-out pair accuracy
+is reported beside the policy's held-out gold (rule) accuracy before and after PPO.
+
+    python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss,rm,dapo,gspo] [--out bench/results]
+        [--model DIR]
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ RUNS = {
     "gae": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false"],
     "grpo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false"],
     "kl_loss": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"],
+    "rm": ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=false", "reward_model.enable=true",
+           "reward_model.micro_batch_size_per_gpu=128"],  # + reward_model.model.path, set by main()
     # DAPO (Yu et al. 2025): no KL, clip-higher, token-mean loss, dynamic sampling, overlong shaping
     "dapo": ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.use_kl_loss=false",
              "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
@@ -45,6 +54,87 @@ RUNS = {
              "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
              "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
 }
+
+
+def preference_pairs(n: int, seed: int, exclude: set[str]) -> list[dict]:
+    """Synthetic pairs on the demo task: chosen = the right solution, rejected = the slip (same working,
+    the first number of the question as the final answer); problems where the two coincide are skipped."""
+    from rlhf_core.models.toy import with_slip
+
+    task = preset_settings("demo")["task"]
+    pairs = []
+    for problem in generate_problems(3 * n, seed=seed, unique=True, exclude=exclude, **task):
+        rejected = with_slip(problem)["solution"]
+        if rejected != problem["solution"]:
+            pairs.append({"question": problem["question"], "chosen": problem["solution"], "rejected": rejected})
+        if len(pairs) == n:
+            break
+    return pairs
+
+
+def train_pair_reward_model(base: Path, out: Path, train_pairs: list[dict], val_pairs: list[dict], steps: int,
+                            batch_pairs: int = 16, lr: float = 3e-4, seed: int = 0, max_seconds: float = 1e9) -> dict:
+    """A quick Bradley-Terry reward model: the demo model with a scalar head, trained on
+    ``-log sigmoid(r_chosen - r_rejected)`` (AdamW, constant lr, grad clip 1). Sequences are laid out as
+    PPO feeds them (chat prompt with the generation prompt, response, EOS); the score is read at the
+    last token. Stops after ``steps`` steps or ``max_seconds`` of training, whichever comes first. Saved
+    as an HF sequence-classification directory; returns held-out pair accuracies."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core.data.dataset import left_pad
+    from rlhf_core.models.toy import prompt_text
+    from rlhf_core.rewards.reward_model import sequence_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base, num_labels=1)
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_pretrained(base, config=config)
+
+    def encode(pairs: list[dict]) -> tuple[dict, int]:
+        rows = []
+        for key in ("chosen", "rejected"):
+            for pair in pairs:
+                text = prompt_text(tokenizer, pair["question"]) + pair[key]
+                rows.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+        return left_pad(rows, tokenizer.pad_token_id), len(pairs)
+
+    @torch.no_grad()
+    def pair_accuracy(pairs: list[dict]) -> float:
+        model.eval()
+        hits = 0
+        for start in range(0, len(pairs), 128):
+            inputs, n = encode(pairs[start:start + 128])
+            scores = sequence_scores(model, **inputs)
+            hits += int((scores[:n] > scores[n:]).sum())
+        return hits / len(pairs)
+
+    before = pair_accuracy(val_pairs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    started, losses = time.perf_counter(), []
+    for step in range(steps):
+        if time.perf_counter() - started > max_seconds:
+            break
+        model.train()
+        rows = torch.randint(len(train_pairs), (batch_pairs,), generator=generator).tolist()
+        inputs, n = encode([train_pairs[r] for r in rows])
+        scores = sequence_scores(model, **inputs)
+        loss = -torch.nn.functional.logsigmoid(scores[:n] - scores[n:]).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if (step + 1) % 25 == 0:
+            print(f"[rm-train] step {step + 1} loss {sum(losses[-25:]) / 25:.4f}", flush=True)
+    seconds = time.perf_counter() - started
+    after = pair_accuracy(val_pairs)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return {"path": str(out), "pair_acc_before": before, "pair_acc": after, "rm_steps": len(losses),
+            "rm_train_seconds": seconds, "rm_train_pairs": len(train_pairs), "rm_val_pairs": len(val_pairs),
+            "rm_final_loss": sum(losses[-25:]) / max(1, len(losses[-25:]))}
 
 
 def prepare_data(out: Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
@@ -121,8 +211,10 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
 
 def summary_line(r: dict) -> str:
     delta = 100 * (r["after"] - r["before"])
+    rm = (f", reward model held-out pair accuracy {r['pair_acc_before']:.2f} -> {r['pair_acc']:.2f} "
+          f"({r['rm_steps']} steps, {r['rm_train_seconds']:.0f} s)") if "pair_acc" in r else ""
     return (f"accuracy: {r['before']:.2f} -> {r['after']:.2f} ({delta:+.1f} points) in {r['steps']} steps, "
-            f"{r['train_seconds']:.0f} s, KL to base {r['kl_to_base']:.5f} [{r['name']}]")
+            f"{r['train_seconds']:.0f} s, KL to base {r['kl_to_base']:.5f}{rm} [{r['name']}]")
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -154,8 +246,10 @@ def main() -> None:
     parser.add_argument("--n-val", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
-    parser.add_argument("--model", default=None, help="a built demo model directory (default: the cached "
-                                                       "build of preset demo, built on first use)")
+    parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
+    parser.add_argument("--rm-steps", type=int, default=300, help="Bradley-Terry steps of the rm run's reward model")
+    parser.add_argument("--rm-minutes", type=float, default=5.0, help="training-time cap of that reward model")
+    parser.add_argument("--rm-lr", type=float, default=3e-4, help="its learning rate")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -164,8 +258,19 @@ def main() -> None:
     train, val = prepare_data(out / "data", n_train=20000, n_val=args.n_val, seed=args.seed)
     results = []
     for name in args.runs.split(","):
+        extra, rm = [], {}
+        if name == "rm":
+            exclude = set(pd.read_parquet(val)["extra_info"].map(lambda e: e["question"]))
+            exclude |= set(pd.read_parquet(train)["extra_info"].map(lambda e: e["question"]))
+            pairs = preference_pairs(2500, seed=args.seed + 101, exclude=exclude)
+            rm = train_pair_reward_model(model, out / "reward_model", pairs[:2000], pairs[2000:], args.rm_steps,
+                                         lr=args.rm_lr, seed=args.seed, max_seconds=60 * args.rm_minutes)
+            print(f"reward model: held-out pair accuracy {rm['pair_acc_before']:.3f} -> {rm['pair_acc']:.3f} in "
+                  f"{rm['rm_train_seconds']:.0f} s", flush=True)
+            extra = [f"reward_model.model.path={rm['path']}"]
         results.append(run_one(name, model, train, val, args.minutes, out,
-                               args.overrides + [f"trainer.seed={args.seed}"]))
+                               args.overrides + [f"trainer.seed={args.seed}"] + extra))
+        results[-1].update(rm)
         print(summary_line(results[-1]), flush=True)
     plot(results, out / "learning_curves.png")
     (out / "learning.json").write_text(json.dumps(results, indent=1))

@@ -35,8 +35,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 # ----------------------------------------------------------------------------- names without a registry
-# (estimators, KL types, aggregation modes, KL controllers, rollout engines and loggers are the keys of their
-# registries in algos, rollout and tracking: validate_config reads them there)
+# (estimators, KL types, aggregation modes, KL controllers, policy losses, dynamic-sampling metrics, rollout
+# correction modes, rollout engines and loggers are the keys of their registries in algos, rollout and tracking:
+# validate_config reads them there)
 
 STRATEGIES = ("fsdp", "fsdp2")
 TRUNCATIONS = ("error", "left", "right")
@@ -138,8 +139,9 @@ class ActorConfig:
     clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
                                           "seq-mean-token-sum-norm")
-    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = the padded response width "
-                                             "of the batch; set data.max_response_length for a constant one")
+    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = the padded "
+                                             "response width of the batch; set data.max_response_length for a "
+                                             "constant one")
     policy_loss: PolicyLossConfig = _section(PolicyLossConfig, "which policy loss")
     entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = _k(False, "add a KL(actor || ref) term to the policy loss")
@@ -276,8 +278,25 @@ class RewardTrainConfig:
 
 
 @dataclass
+class RewardModelModelConfig:
+    path: str | None = _k(None, "HF sequence-classification directory (num_labels=1, with its tokenizer) of the "
+                                "reward model")
+    input_tokenizer: str | None = _k("${actor_rollout_ref.model.path}", "tokenizer of the policy's ids; where it "
+                                     "differs from the reward model's, responses are decoded and re-encoded with "
+                                     "the reward model's chat template; null = feed the policy's ids as they are")
+    trust_remote_code: bool = _k(False, "allow model code from the reward model directory")
+    fsdp_config: FSDPConfig = _section(FSDPConfig, "reward model sharding (with more than one worker)")
+
+
+@dataclass
 class RewardModelConfig:
-    enable: bool = _k(False, "use a learned reward model (not supported: rule rewards only)")
+    enable: bool = _k(False, "score responses with a learned reward model (reward_model.model.path)")
+    model: RewardModelModelConfig = _section(RewardModelModelConfig, "the reward model")
+    micro_batch_size_per_gpu: int = _k(16, "sequences per reward-model forward on one worker")
+    rm_coef: float = _k(1.0, "with enable: score = rm_coef * model score + rule_coef * rule score, on the last "
+                             "response token")
+    rule_coef: float = _k(0.0, "weight of the rule (or custom) reward in that sum; 0 = the model alone (as verl); "
+                               "the rule is still logged as the gold reward")
     reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig, "DAPO overlong reward shaping")
     train: RewardTrainConfig = _section(RewardTrainConfig, "training a reward model on preference pairs "
@@ -343,6 +362,9 @@ class GuardConfig:
     max_val_drop: float | None = _k(0.2, "roll back to the best checkpoint when validation accuracy falls this "
                                          "far below the best seen; null = off")
     max_rollbacks: int = _k(3, "rollbacks allowed in a run; the next trigger stops it with an error")
+    overopt_patience: int | None = _k(3, "with a reward model: validations in a row where the proxy (model) reward "
+                                         "rose while the gold (rule) reward fell before acting; null = off")
+    overopt_action: str = _k("rollback", "then: rollback (to the best-gold checkpoint) | stop")
 
 
 @dataclass
@@ -785,7 +807,12 @@ def validate_config(cfg: PPOConfig) -> None:
                           f"({cfg.world_size} = trainer.n_gpus_per_node * trainer.nnodes)")
     for key, value in [("data.train_files", data.train_files), ("data.val_files", data.val_files),
                        ("actor_rollout_ref.model.target_modules", arr.model.target_modules),
-                       ("critic.model.target_modules", critic.model.target_modules)]:
+                       ("critic.model.target_modules", critic.model.target_modules),
+                       ("reward_model.train.train_files", cfg.reward_model.train.train_files),
+                       ("reward_model.train.val_files", cfg.reward_model.train.val_files),
+                       ("reward_model.train.model.target_modules", cfg.reward_model.train.model.target_modules)]:
+        if value is None and key == "reward_model.train.val_files":
+            continue  # no held-out pairs
         if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
@@ -795,9 +822,19 @@ def validate_config(cfg: PPOConfig) -> None:
         _one_of(errors, "trainer.logger", name, VALID_LOGGERS)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:
         errors.append("trainer.resume_mode=resume_path needs trainer.resume_from_path (a global_step_N directory)")
-    if cfg.reward_model.enable:
-        errors.append("reward_model.enable=true: learned reward models are not supported; use rule rewards "
-                      "or custom_reward_function.path")
+    rm = cfg.reward_model
+    if rm.enable:
+        if not rm.model.path:
+            errors.append("reward_model.enable=true needs reward_model.model.path (an HF sequence-classification "
+                          "directory with num_labels=1 and its tokenizer)")
+        _positive(errors, "reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
+        for key, value in (("reward_model.rm_coef", rm.rm_coef), ("reward_model.rule_coef", rm.rule_coef)):
+            if value < 0:
+                errors.append(f"{key}={value} must be >= 0")
+        if rm.rm_coef == 0 and rm.rule_coef == 0:
+            errors.append("reward_model.rm_coef and reward_model.rule_coef are both 0: every reward would be 0")
+        _one_of(errors, "reward_model.model.fsdp_config.param_dtype", rm.model.fsdp_config.param_dtype, DTYPES)
+        _one_of(errors, "reward_model.model.fsdp_config.reduce_dtype", rm.model.fsdp_config.reduce_dtype, DTYPES)
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
     _check_reward_training(errors, cfg)
@@ -817,6 +854,8 @@ def validate_config(cfg: PPOConfig) -> None:
         ("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep),
     ]:
         _positive(errors, key, value)
+    _positive(errors, "trainer.guard.overopt_patience", guard.overopt_patience)
+    _one_of(errors, "trainer.guard.overopt_action", guard.overopt_action, ("rollback", "stop"))
     if guard.max_rollbacks < 0:
         errors.append(f"trainer.guard.max_rollbacks={guard.max_rollbacks} must be >= 0")
     _check_algorithms(errors, cfg)
@@ -856,12 +895,6 @@ def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
     _one_of(errors, f"{key}.resume_mode", rm.resume_mode, RESUME_MODES)
     if rm.resume_mode == "resume_path" and not rm.resume_from_path:
         errors.append(f"{key}.resume_mode=resume_path needs {key}.resume_from_path (a global_step_N directory)")
-    for name, value, optional in [("train_files", rm.train_files, False), ("val_files", rm.val_files, True),
-                                  ("model.target_modules", rm.model.target_modules, False)]:
-        if value is None and optional:
-            continue
-        if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            errors.append(f"{key}.{name}={value!r} must be a string or a list of strings, e.g. {key}.{name}=[a,b]")
 
 
 # ----------------------------------------------------------------------------- the commented YAML

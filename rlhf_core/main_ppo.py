@@ -38,6 +38,7 @@ from rlhf_core.models.loading import (
     check_tokenizer_dir,
     load_tokenizer,
     max_positions,
+    tokenizer_problems,
 )
 from rlhf_core.rewards import known_data_sources, load_custom_reward_fn
 from rlhf_core.rewards.manager import RewardManager
@@ -73,6 +74,23 @@ def _data_sources(paths: list[Path], column: str) -> set[str]:
     return sources
 
 
+def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:
+    """The actor's tokenizer has a chat template; the data's and the critic's tokenizers (where set)
+    share its vocabulary; the actor's and the critic's embeddings cover it. Reads files, no weights."""
+    tokenizers, models = [], [("actor_rollout_ref.model.path", model_dir)]
+    if cfg.data.tokenizer:
+        tokenizers.append(("data.tokenizer", cfg.data.tokenizer))
+    critic = cfg.critic.model
+    if cfg.algorithm.adv_estimator == "gae":
+        if critic.tokenizer_path:
+            tokenizers.append(("critic.model.tokenizer_path", critic.tokenizer_path))
+        elif critic.path:
+            tokenizers.append(("critic.model.path", critic.path))
+        if critic.path and Path(os.path.expanduser(critic.path), "config.json").is_file():
+            models.append(("critic.model.path", critic.path))
+    return tokenizer_problems((tokenizer_key, tokenizer_dir), tokenizers, models, cfg.actor_rollout_ref.model.trust_remote_code)
+
+
 def preflight(cfg: PPOConfig) -> None:
     """Check models, data, rewards and length budgets without loading weights; raise PreflightError."""
     errors: list[str] = []
@@ -93,7 +111,10 @@ def preflight(cfg: PPOConfig) -> None:
                           f"{torch.cuda.device_count()} GPUs; lower it or set trainer.ray_address to a larger cluster")
     try:
         model_dir = check_model_dir(arr.model.path, "actor_rollout_ref.model.path")
-        check_tokenizer_dir(arr.model.tokenizer_path or model_dir, "actor_rollout_ref.model.tokenizer_path")
+        tokenizer_key = "actor_rollout_ref.model.tokenizer_path" if arr.model.tokenizer_path else \
+            "actor_rollout_ref.model.path"
+        tokenizer_dir = check_tokenizer_dir(arr.model.tokenizer_path or model_dir, tokenizer_key)
+        errors += _tokenizer_errors(cfg, tokenizer_key, tokenizer_dir, model_dir)
         limit = max_positions(model_dir, arr.model.trust_remote_code)
         budget = cfg.data.max_prompt_length + cfg.data.max_response_length
         if limit is not None and budget > limit:
@@ -107,6 +128,8 @@ def preflight(cfg: PPOConfig) -> None:
             check_model_dir(cfg.critic.model.path, "critic.model.path")
         except ModelError as exc:
             errors.append(str(exc))
+    if cfg.reward_model.enable:
+        errors.extend(_reward_model_problems(cfg))
     custom = cfg.custom_reward_function
     if custom.path:
         try:
@@ -126,6 +149,23 @@ def preflight(cfg: PPOConfig) -> None:
             errors.append(str(exc))
     if errors:
         raise PreflightError(errors)
+
+
+def _reward_model_problems(cfg: PPOConfig) -> list[str]:
+    """What is wrong with the reward model of ``reward_model.enable=true`` (config and tokenizers only)."""
+    from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
+
+    rm = cfg.reward_model
+    try:
+        check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
+        if needs_template_switch(rm) and not cfg.data.return_raw_chat:
+            return [f"reward_model.model.path: the tokenizer or chat template of {rm.model.path} differs from "
+                    f"reward_model.model.input_tokenizer ({rm.model.input_tokenizer}), so responses are re-encoded "
+                    "from the chat messages: set data.return_raw_chat=true (or input_tokenizer=null to feed the "
+                    "policy's ids as they are)"]
+    except ModelError as exc:
+        return [str(exc)]
+    return []
 
 
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):

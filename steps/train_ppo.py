@@ -59,12 +59,16 @@ def train_ppo(
 
     records = [{"step": step.step, **_finite(step.metrics)} for step in result.history]
     checkpoint = Path(result.checkpoint)
+    # the artifact is the policy's HF export: what evaluation, promotion and a warm start read. The full
+    # checkpoint (critic, optimizer moments: about 6x the export) stays in local_dir for a resume.
+    policy = resolve_policy_dir(checkpoint)
     summary = {
         "steps": result.steps,
         "wall_s": round(result.wall_s, 2),
         "final_val_acc": result.final_val_acc,
         "final_score": result.final_score,
         "checkpoint": checkpoint.name,
+        "checkpoint_dir": str(checkpoint),
         "local_dir": result.local_dir,
         "resumed_from": result.resumed_from,
         "warm_started": init_from is not None,
@@ -74,4 +78,4 @@ def train_ppo(
     }
     log_metadata({key: value for key, value in summary.items() if key != "history" and value is not None})
     curves = Image.open(io.BytesIO(training_curves_png(records)))
-    return checkpoint, summary, curves
+    return policy, summary, curves

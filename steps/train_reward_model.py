@@ -9,9 +9,9 @@ from zenml import ArtifactConfig, get_step_context, log_metadata, step
 from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
+from rlhf_core.config import PPOConfig
 from rlhf_core.training.reward_trainer import pair_accuracy_gate
 from rlhf_core.training.reward_trainer import train_reward_model as train
-from steps._config import config_from_dict
 
 logger = get_logger(__name__)
 
@@ -31,7 +31,7 @@ def train_reward_model(
 ]:
     """The HF directory of the trained reward model; stops the run (before PPO) below ``min_pair_accuracy``
     (default ``reward_model.train.min_pair_accuracy``)."""
-    cfg = config_from_dict(ppo_config)
+    cfg = PPOConfig.from_dict(ppo_config)
     rm = cfg.reward_model.train
     rm.default_local_dir = str(Path(rm.default_local_dir) / get_step_context().pipeline_run.name)
     threshold = rm.min_pair_accuracy if min_pair_accuracy is None else min_pair_accuracy

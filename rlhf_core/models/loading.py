@@ -162,3 +162,58 @@ def save_hf_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], t
     if getattr(model, "generation_config", None) is not None:
         clean.generation_config = copy.deepcopy(model.generation_config)
     clean.save_pretrained(target)
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _first_difference(vocab: dict[str, int], other: dict[str, int]) -> str:
+    by_id, other_by_id = {i: t for t, i in vocab.items()}, {i: t for t, i in other.items()}
+    for index in sorted(set(by_id) | set(other_by_id)):
+        if by_id.get(index) != other_by_id.get(index):
+            return f"id {index} is {by_id.get(index)!r} vs {other_by_id.get(index)!r}"
+    return "the same ids"
+
+
+def tokenizer_problems(actor_tokenizer: tuple[str, str | os.PathLike], tokenizers: list[tuple[str, str | os.PathLike]],
+                       models: list[tuple[str, str | os.PathLike]], trust_remote_code: bool = False) -> list[str]:
+    """What stops the tokenizers from working together, read from their files (no weights load).
+
+    ``actor_tokenizer`` is (config key, directory) of the tokenizer that encodes prompts and decodes
+    responses: it needs a chat template (the prompts are chat messages). Every other tokenizer in
+    ``tokenizers`` (key, directory) must have the same vocabulary, and every model in ``models``
+    (key, directory) an embedding large enough for its ids.
+    """
+    key, path = actor_tokenizer
+    tokenizer = load_tokenizer(path, trust_remote_code)
+    problems = []
+    if not getattr(tokenizer, "chat_template", None):
+        problems.append(
+            f"{key}: the tokenizer in {resolve(path)} has no chat template, so chat-message prompts cannot be "
+            "rendered as the model was trained to read them; use the instruct checkpoint's tokenizer (a "
+            "chat_template in tokenizer_config.json or a chat_template.jinja file)")
+    vocab = tokenizer.get_vocab()
+    for other_key, other_path in tokenizers:
+        folder = resolve(other_path)
+        if folder == resolve(path):
+            continue
+        if not _has_tokenizer_files(folder):  # a model directory may leave its tokenizer to the actor's
+            if not other_key.endswith("model.path"):
+                problems.append(f"{other_key}: {folder} holds no tokenizer files (tokenizer.json, "
+                                "tokenizer_config.json or tokenizer.model)")
+            continue
+        other = load_tokenizer(folder, trust_remote_code).get_vocab()
+        if other != vocab:
+            problems.append(
+                f"{other_key} and {key} have different vocabularies ({len(other)} vs {len(vocab)} tokens; "
+                f"{_first_difference(other, vocab)}): every model reads the actor's token ids, so use one "
+                f"tokenizer family (point {other_key} at {resolve(path)}, or a model of the actor's family)")
+    for model_key, model_path in models:
+        config = AutoConfig.from_pretrained(str(resolve(model_path)), trust_remote_code=trust_remote_code)
+        size = getattr(config.get_text_config(), "vocab_size", None)
+        if size is not None and size < len(tokenizer):
+            problems.append(
+                f"{model_key}: {resolve(model_path)} has vocab_size {size} but the tokenizer of {key} has "
+                f"{len(tokenizer)} tokens; its embedding cannot read them: use a model of the tokenizer's family")
+    return problems

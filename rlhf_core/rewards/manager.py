@@ -41,6 +41,11 @@ class RewardManager:
         self.reward_fn = reward_fn
         self.full_score = float(full_score)
 
+    def score_batch(self, batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        """:meth:`__call__` on a rollout :class:`~rlhf_core.batch.Batch` (its responses, mask and metadata)."""
+        return self(batch["responses"], batch["response_mask"], batch.meta["data_source"],
+                    batch.meta["ground_truth"], batch.meta["extra_info"])
+
     def _fn_for(self, data_source: str) -> RewardFn:
         return self.reward_fn if self.reward_fn is not None else get_reward_fn(data_source)
 

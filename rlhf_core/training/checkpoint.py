@@ -9,7 +9,7 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       actor/extra_state.pt                the worker's generators (mini-batch shuffle, rollout sampling)
       actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
       critic/model_state.pt, optim_state.pt, extra_state.pt     (GAE only)
-      trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guard, skips
+      trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guards, skips
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
       config.yaml                         the resolved config the run started with
       manifest.json                       every file above with its size; written last
@@ -33,7 +33,7 @@ shapes, batch sizes or the training math, and the error names the keys.
 
 This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
 ``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
-``trainer.config_yaml`` and ``trainer.guard.protected_steps()``.
+``trainer.config_yaml`` and ``trainer.protected_steps()`` (what the guards may still restore).
 
 ``max_actor_ckpt_to_keep`` / ``max_critic_ckpt_to_keep`` prune the actor or critic part
 of the oldest checkpoints (a directory left with neither is removed); the latest
@@ -84,7 +84,9 @@ RESUME_SAFE_KEYS = (
     "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
     "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
-    "actor_rollout_ref.rollout.max_num_batched_tokens",
+    "actor_rollout_ref.rollout.max_num_batched_tokens", "reward_model.micro_batch_size_per_gpu",
+    # follows actor_rollout_ref.model.path by default, a change of which is refused by itself
+    "reward_model.model.input_tokenizer",
     "reward_model.overlong_buffer.log",
     # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
     "reward_model.train.*",
@@ -373,7 +375,7 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
     """Save the trainer's full state as ``root/global_step_<trainer.global_step>``, atomically.
 
     Then marks it latest and prunes old checkpoints (``trainer.max_*_ckpt_to_keep``, never the
-    latest nor ``trainer.guard.protected_steps()``). Returns the checkpoint directory.
+    latest nor ``trainer.protected_steps()``). Returns the checkpoint directory.
     """
     root = Path(os.path.expanduser(str(root)))
     step = int(trainer.global_step)
@@ -419,7 +421,7 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
         shutil.rmtree(aside, ignore_errors=True)
 
     cfg = trainer.config.trainer
-    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, trainer.guard.protected_steps())
+    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, trainer.protected_steps())
     return final
 
 

@@ -69,7 +69,7 @@ class GuardEvent:
     was saved early enough to restore.
     """
 
-    kind: str  # non_finite | kl_explosion | val_drop
+    kind: str  # non_finite | kl_explosion | val_drop | over_optimisation
     action: str  # rollback | stop
     target_step: int | None
     message: str
@@ -218,3 +218,82 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
         changes.append(f"actor learning rate x{LR_FACTOR} (no KL term to tighten)")
     decision.summary = "; ".join(changes)
     return decision
+
+
+def proxy_and_gold(metrics: Mapping[str, float]) -> tuple[float | None, float | None]:
+    """The validation's proxy reward (``val-core/<source>/reward/mean@n``, what PPO maximises) and gold
+    reward (``val-core/<source>/gold_reward/mean@n``, the rule), each the mean over data sources; (None,
+    None) unless both are there (a run with a reward model and rows with a ground truth)."""
+    proxy = [v for k, v in metrics.items() if k.startswith("val-core/") and "/reward/mean@" in k]
+    gold = [v for k, v in metrics.items() if k.startswith("val-core/") and "/gold_reward/mean@" in k]
+    if not proxy or not gold:
+        return None, None
+    return sum(proxy) / len(proxy), sum(gold) / len(gold)
+
+
+class OverOptimisationGuard:
+    """Reward-model over-optimisation (Gao et al. 2022, "Scaling laws for reward model overoptimization").
+
+    Past some distance from the start, a policy pushed up a learned (proxy) reward keeps raising it
+    while the true (gold) reward turns down. At every validation that carries both, this guard
+    compares them with the previous validation: after ``trainer.guard.overopt_patience`` validations
+    in a row where the proxy rose and the gold fell, it asks for a rollback to the checkpoint of the
+    best gold reward seen (``overopt_action=rollback``; the trainer also tightens the KL control, as
+    after a KL explosion, so the policy drifts more slowly the next time) or a stop there
+    (``overopt_action=stop``, or once ``max_rollbacks`` of its own have been made). So that the best
+    gold checkpoint exists, :meth:`observe` reports each new best for the trainer to save.
+    """
+
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.streak = 0
+        self.previous: tuple[float, float] | None = None  # (proxy, gold) of the last validation
+        self.best_gold: float | None = None
+        self.best_proxy: float | None = None
+        self.best_step: int | None = None
+        self.rollbacks = 0
+
+    def observe(self, step: int, proxy: float | None, gold: float | None) -> tuple[bool, GuardEvent | None]:
+        """Check one validation; returns (a new best gold that needs a checkpoint at ``step``, event)."""
+        cfg = self.config
+        if cfg.overopt_patience is None or proxy is None or gold is None:
+            return False, None
+        new_best = self.best_gold is None or gold > self.best_gold
+        if new_best:
+            self.best_gold, self.best_proxy, self.best_step = float(gold), float(proxy), step
+        diverging = self.previous is not None and proxy > self.previous[0] and gold < self.previous[1]
+        self.streak = self.streak + 1 if diverging else 0
+        self.previous = (float(proxy), float(gold))
+        if self.streak < cfg.overopt_patience:
+            return new_best, None
+        reason = (f"reward over-optimisation: the proxy (reward model) reward rose while the gold (rule) reward "
+                  f"fell for {self.streak} validations in a row (up to step {step}: proxy {proxy:.4g}, gold "
+                  f"{gold:.4g}; best gold {self.best_gold:.4g} at step {self.best_step}; "
+                  f"trainer.guard.overopt_patience={cfg.overopt_patience})")
+        self.streak = 0
+        self.previous = (self.best_proxy, self.best_gold)  # what the restored policy scored
+        if cfg.overopt_action == "stop":
+            return False, GuardEvent("over_optimisation", "stop", self.best_step, reason)
+        if self.rollbacks >= cfg.max_rollbacks:
+            return False, GuardEvent("over_optimisation", "stop", self.best_step,
+                                     f"{reason}; already rolled back {self.rollbacks} time(s) for this "
+                                     f"(trainer.guard.max_rollbacks={cfg.max_rollbacks})")
+        self.rollbacks += 1
+        return False, GuardEvent("over_optimisation", "rollback", self.best_step, reason)
+
+    def protected_steps(self) -> set[int]:
+        """The best-gold checkpoint: never prune it."""
+        return {self.best_step} if self.best_step is not None else set()
+
+    def state_dict(self) -> dict:
+        return {"streak": self.streak, "previous": list(self.previous) if self.previous else None,
+                "best_gold": self.best_gold, "best_proxy": self.best_proxy, "best_step": self.best_step,
+                "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.streak = int(state.get("streak", 0))
+        previous = state.get("previous")
+        self.previous = (float(previous[0]), float(previous[1])) if previous else None
+        self.best_gold, self.best_proxy = state.get("best_gold"), state.get("best_proxy")
+        self.best_step = state.get("best_step")
+        self.rollbacks = int(state.get("rollbacks", 0))

@@ -44,13 +44,18 @@ from rlhf_core.training.guards import (
     GuardError,
     GuardEvent,
     KLTightening,
+    OverOptimisationGuard,
     TrainingInterrupted,
+    proxy_and_gold,
     tighten_kl_control,
 )
 from rlhf_core.workers.actor import ActorWorker
 from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
 from rlhf_core.workers.group import WorkerError
+
+#: Per-sequence extras of a reward model (rlhf_core.rewards.reward_model): its raw score and the rule's.
+REWARD_MODEL_KEYS = ("rm_score", "gold_reward")
 
 
 @contextmanager
@@ -157,6 +162,13 @@ class PPOTrainer:
                     config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
                     arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
                     device=device)
+        if config.reward_model.enable:  # a learned reward model, on the worker group where there is one
+            from rlhf_core.rewards.reward_model import RewardModelManager, RewardModelWorker
+            from rlhf_core.workers.group import RewardModelGroup
+
+            scorer = RewardModelGroup(self.worker_group) if self.worker_group is not None \
+                else RewardModelWorker(config.reward_model, device=device)
+            self.reward_manager = RewardModelManager(reward_manager, scorer, config.reward_model)
         kl = algo.kl_ctrl
         # runtime coefficients: they start from the config and are trainer state from then on (a guard
         # may change them; checkpoints save them); the config stays as the run was started
@@ -167,6 +179,7 @@ class PPOTrainer:
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
+        self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
         self.last_saved_step: int | None = None
         self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
         corr = algo.rollout_correction
@@ -187,8 +200,12 @@ class PPOTrainer:
                               temperature=v.temperature, top_p=v.top_p, top_k=v.top_k)
 
     def _score(self, batch: Batch) -> dict:
-        scores, extras = self.reward_manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
-                                             batch.meta["ground_truth"], batch.meta["extra_info"])
+        if hasattr(self.reward_manager, "score_batch"):  # a manager (a reward model reads whole sequences)
+            scores, extras = self.reward_manager.score_batch(batch)
+        else:  # a plain function of the responses, as RewardManager.__call__
+            scores, extras = self.reward_manager(batch["responses"], batch["response_mask"],
+                                                 batch.meta["data_source"], batch.meta["ground_truth"],
+                                                 batch.meta["extra_info"])
         batch["token_level_scores"] = scores
         return extras
 
@@ -314,6 +331,9 @@ class PPOTrainer:
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
+        for key in REWARD_MODEL_KEYS:  # with a reward model: its score and the rule's (gold) apart
+            if key in extras:
+                metrics[f"critic/{key}/mean"] = float(extras[key].mean())
         metrics.update(timings)
         metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timings["timing_s/gen"], 1e-9)
         tokens = int(batch["attention_mask"].sum())
@@ -333,6 +353,7 @@ class PPOTrainer:
         params = self._val_params()
         acc: dict[str, list[float]] = {}
         score: dict[str, list[float]] = {}
+        apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         for start in range(0, len(self.val_dataset), size):
             rows = list(range(start, min(start + size, len(self.val_dataset))))
             batch = self.actor.generate(self.val_dataset.collate(rows), params)
@@ -340,11 +361,17 @@ class PPOTrainer:
             for source, a, s in zip(batch.meta["data_source"], extras["acc"], extras["score"]):
                 acc.setdefault(source, []).append(float(a))
                 score.setdefault(source, []).append(float(s))
+            for key in REWARD_MODEL_KEYS:
+                for source, value in zip(batch.meta["data_source"], extras.get(key, [])):
+                    apart.setdefault((key, source), []).append(float(value))
         n = params.n
         metrics = {}
         for source in acc:
             metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(acc[source]))
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(score[source]))
+        for (key, source), values in apart.items():  # the proxy (reward) and the gold side by side
+            section = "val-core" if key == "gold_reward" else "val-aux"
+            metrics[f"{section}/{source}/{key}/mean@{n}"] = float(np.mean(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
@@ -358,7 +385,7 @@ class PPOTrainer:
         return {"actor": self.actor, **({"critic": self.critic} if self.critic is not None else {})}
 
     def state_dict(self) -> dict:
-        """The loop's own state (JSON-able): step, data order, KL coefficients, guard, skip counters.
+        """The loop's own state (JSON-able): step, data order, KL coefficients, guards, skip counters.
         The workers' weights, optimizers and generators are theirs (``worker.state_dict()``)."""
         return {
             "global_step": self.global_step,
@@ -367,6 +394,7 @@ class PPOTrainer:
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "kl_loss_coef": self.kl_loss_coef,
             "guard": self.guard.state_dict(),
+            "overopt": self.overopt.state_dict(),
             "skipped_steps": {name: int(worker.skipped_steps) for name, worker in self.workers().items()},
         }
 
@@ -376,8 +404,14 @@ class PPOTrainer:
         self.kl_ctrl = algos.kl_controller_from_state(state["kl_ctrl"])
         self.kl_loss_coef = float(state["kl_loss_coef"])
         self.guard.load_state_dict(state["guard"])
+        self.overopt.load_state_dict(state["overopt"])
         for name, worker in self.workers().items():
             worker.skipped_steps = int(state["skipped_steps"].get(name, 0))
+
+    def protected_steps(self) -> set[int]:
+        """Checkpoints a guard may still roll back to (never pruned): the KL / val-drop guard's and the
+        best-gold one of the over-optimisation guard."""
+        return self.guard.protected_steps() | self.overopt.protected_steps()
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
@@ -412,9 +446,10 @@ class PPOTrainer:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
         adjusted = ""
-        if event.kind == "kl_explosion":
+        if event.kind in ("kl_explosion", "over_optimisation"):
             adjusted = self._apply(tighten_kl_control(self.config, self.kl_ctrl, self.kl_loss_coef))
-        print(f"WARNING guard: rollback {self.guard.rollbacks}/{self.config.trainer.guard.max_rollbacks} at step "
+        count = self.overopt.rollbacks if event.kind == "over_optimisation" else self.guard.rollbacks
+        print(f"WARNING guard: rollback {count}/{self.config.trainer.guard.max_rollbacks} at step "
               f"{self.global_step}: {event.message}; "
               + (f"restored {restored}" if restored else "no earlier checkpoint to restore")
               + (f"; {adjusted}" if adjusted else ""), file=sys.stderr, flush=True)
@@ -469,8 +504,9 @@ class PPOTrainer:
             except WorkerError as exc:
                 raise self._worker_failure(exc, "validating before", 1) from exc
             new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
+            new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
             self._log(val_metrics, 0)
-            if new_best:  # the val-drop guard's first rollback target
+            if new_best:  # the val-drop (and over-optimisation) guard's first rollback target
                 self.save_checkpoint()
         while self.global_step < self.total_steps:
             self._stop_if_requested()
@@ -495,9 +531,12 @@ class PPOTrainer:
                 if event is None:
                     new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
                     save = save or new_best
+                if event is None:
+                    new_best, event = self.overopt.observe(step, *proxy_and_gold(metrics))
+                    save = save or new_best
             metrics["training/global_step"] = step
             metrics["training/epoch"] = epoch
-            metrics["training/rollbacks"] = self.guard.rollbacks
+            metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
             self.history.append(StepResult(step, metrics))
             self._log(metrics, step)
             if event is not None:

@@ -10,7 +10,8 @@ other ranks may be blocked in a collective that will never complete.
 
 The PPO part follows verl's hybrid engine: every worker (:class:`HybridWorker`) holds the actor
 with its rollout engine and reference and, for GAE, the critic, all sharded with FSDP2 over the
-group. :class:`ActorGroup` and :class:`CriticGroup` are what the trainer sees: the methods of
+group (and, with ``reward_model.enable``, the reward model, scored through :class:`RewardModelGroup`).
+:class:`ActorGroup` and :class:`CriticGroup` are what the trainer sees: the methods of
 :class:`~rlhf_core.workers.actor.ActorWorker` and :class:`~rlhf_core.workers.critic.CriticWorker`,
 with the batch split by rank and the results gathered back in order.
 
@@ -268,6 +269,11 @@ class HybridWorker(DistributedWorker):
                 config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, total_steps,
                 arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
                 device=device)
+        self.reward_model = None
+        if config.reward_model.enable:
+            from rlhf_core.rewards.reward_model import RewardModelWorker
+
+            self.reward_model = RewardModelWorker(config.reward_model, device=device)
 
     def _role(self, role: str):
         return self.actor if role == "actor" else self.critic
@@ -283,6 +289,9 @@ class HybridWorker(DistributedWorker):
 
     def compute_values(self, batch: Batch):
         return self.critic.compute_values(batch)
+
+    def compute_rm_score(self, batch: Batch):
+        return self.reward_model.compute_rm_score(batch)
 
     def update(self, batch: Batch, role: str, n_per_prompt: int, **kwargs) -> tuple[dict[str, float], int]:
         """(metrics, optimizer steps skipped in this call) of a policy or critic update on this rank's share;
@@ -380,6 +389,17 @@ class CriticGroup(_RoleGroup):
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         return self._update(batch, n_per_prompt)
+
+
+class RewardModelGroup:
+    """The reward model on a worker group, sharded with FSDP2 like the critic: each rank scores an even share."""
+
+    def __init__(self, group: WorkerGroup):
+        self.group = group
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        shares, pad = split_evenly(batch, self.group.world_size)
+        return _cat(self.group.dispatch("compute_rm_score", shares), pad)
 
 
 def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool,

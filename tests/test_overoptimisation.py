@@ -1,0 +1,231 @@
+"""Reward-model over-optimisation: the guard's rule on hand-written validation sequences, and a PPO run
+against a planted reward model that pays for length, with the GSM8K rule as gold, rolled back (or stopped)
+at the best-gold checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import GuardConfig, load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.rewards.reward_model import RewardModelManager
+from rlhf_core.training import checkpoint
+from rlhf_core.training.guards import GuardError, OverOptimisationGuard, proxy_and_gold
+
+# ----------------------------------------------------------------------------- the rule
+
+
+def _guard(**kw) -> OverOptimisationGuard:
+    return OverOptimisationGuard(GuardConfig(**{"overopt_patience": 2, "max_rollbacks": 3, **kw}))
+
+
+def test_proxy_up_gold_down_for_patience_validations_rolls_back_to_the_best_gold():
+    guard = _guard()
+    assert guard.observe(0, 0.1, 0.5) == (True, None)  # first validation: the best gold so far
+    assert guard.observe(10, 0.2, 0.6) == (True, None)  # both rise: a new best gold, no divergence
+    assert guard.observe(20, 0.3, 0.55) == (False, None)  # proxy up, gold down: 1 of 2
+    new_best, event = guard.observe(30, 0.4, 0.5)  # 2 of 2
+    assert not new_best
+    assert (event.kind, event.action, event.target_step) == ("over_optimisation", "rollback", 10)
+    assert "proxy (reward model) reward rose while the gold (rule) reward fell for 2 validations" in event.message
+    assert guard.rollbacks == 1
+    # the restored policy is compared with what the best-gold one scored (0.2, 0.6): one more divergence is 1 of 2
+    assert guard.observe(40, 0.5, 0.4) == (False, None)
+    assert guard.streak == 1
+    assert guard.protected_steps() == {10}
+
+
+def test_no_event_unless_the_divergence_is_unbroken():
+    guard = _guard()
+    for step, proxy, gold in [(0, 0.1, 0.5), (1, 0.2, 0.4), (2, 0.1, 0.3), (3, 0.3, 0.2), (4, 0.4, 0.3),
+                              (5, 0.5, 0.2), (6, 0.5, 0.1)]:  # a falling proxy, a rising gold, a flat proxy
+        assert guard.observe(step, proxy, gold)[1] is None
+
+
+def test_stop_action_and_spent_rollbacks_stop_at_the_best_gold():
+    guard = _guard(overopt_action="stop", overopt_patience=1)
+    guard.observe(0, 0.1, 0.5)
+    _, event = guard.observe(1, 0.2, 0.4)
+    assert (event.action, event.target_step) == ("stop", 0)
+    guard = _guard(overopt_patience=1, max_rollbacks=0)
+    guard.observe(5, 0.1, 0.5)
+    _, event = guard.observe(6, 0.2, 0.4)
+    assert (event.action, event.target_step) == ("stop", 5)
+    assert "max_rollbacks=0" in event.message
+
+
+def test_off_without_patience_or_without_both_rewards():
+    guard = _guard(overopt_patience=None)
+    for step, proxy, gold in [(0, 0.1, 0.5), (1, 0.2, 0.4), (2, 0.3, 0.3)]:
+        assert guard.observe(step, proxy, gold) == (False, None)
+    guard = _guard()
+    assert guard.observe(0, None, None) == (False, None)
+
+
+def test_state_round_trips():
+    guard = _guard()
+    for step, proxy, gold in [(0, 0.1, 0.5), (1, 0.2, 0.4)]:
+        guard.observe(step, proxy, gold)
+    again = _guard()
+    again.load_state_dict(guard.state_dict())
+    assert again.state_dict() == guard.state_dict() == {
+        "streak": 1, "previous": [0.2, 0.4], "best_gold": 0.5, "best_proxy": 0.1, "best_step": 0, "rollbacks": 0}
+
+
+def test_proxy_and_gold_are_the_means_over_sources():
+    metrics = {"val-core/a/reward/mean@1": 2.0, "val-core/b/reward/mean@1": 4.0, "val-core/a/gold_reward/mean@1": 0.5,
+               "val-core/b/gold_reward/mean@1": 0.25, "val-core/a/acc/mean@1": 0.5, "val-aux/a/rm_score/mean@1": 9.0}
+    assert proxy_and_gold(metrics) == (3.0, 0.375)
+    assert proxy_and_gold({"val-core/a/reward/mean@1": 2.0}) == (None, None)  # no gold: the guard is off
+
+
+# ----------------------------------------------------------------------------- a planted reward model in PPO
+
+
+class LengthRewardModel(torch.nn.Module):
+    """A planted reward model that pays for length: its score is the number of response tokens."""
+
+    def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+        return batch["response_mask"].sum(-1).float()
+
+
+# What the validations see: answers grow longer while their final answers go wrong. (suffix, right?)
+SCHEDULE = [("", True), (" The answer is", True), (" Let me write a longer answer", None),
+            (" Let me write an even much longer answer", False), (" short", True), (" short", True)]
+
+
+def _scripted(prompts: Batch, tokenizer, text_for) -> Batch:
+    """``prompts`` with the responses ``text_for(row)``, laid out as a rollout (EOS kept, right padding)."""
+    ids = [tokenizer(text_for(i), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+           for i in range(len(prompts))]
+    width = max(len(r) for r in ids)
+    responses = torch.full((len(ids), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, r in enumerate(ids):
+        responses[row, :len(r)], mask[row, :len(r)] = torch.tensor(r), 1
+    pos = prompts["position_ids"][:, -1:] + torch.arange(1, width + 1)
+    return Batch({"prompts": prompts["input_ids"], "responses": responses, "response_mask": mask,
+                  "input_ids": torch.cat([prompts["input_ids"], responses], 1),
+                  "attention_mask": torch.cat([prompts["attention_mask"], mask], 1),
+                  "position_ids": torch.cat([prompts["position_ids"], pos], 1)}, dict(prompts.meta))
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    root = tmp_path_factory.mktemp("overopt")
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=16, n_test=4, seed=0, max_ops=1)
+    return root, model
+
+
+def _trainer(root, model, out, *extra):
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+        f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=320",
+        "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.optim.lr=1e-3",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "critic.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+        f"trainer.default_local_dir={out}", "trainer.logger=[]", "trainer.total_training_steps=5",
+        "trainer.test_freq=1", "trainer.val_before_train=true", "trainer.guard.overopt_patience=2",
+        "trainer.guard.max_val_drop=null", "trainer.save_freq=1", *extra])
+    trainer = build_trainer(cfg)
+    tokenizer = trainer.tokenizer
+    trainer.reward_manager = RewardModelManager(RewardManager(tokenizer), LengthRewardModel(), cfg.reward_model)
+    real_generate, seen = trainer.actor.generate, []
+
+    def generate(prompts, params):
+        if params.do_sample:  # training rollouts: the policy's own samples, paid for their length
+            return real_generate(prompts, params)
+        suffix, right = SCHEDULE[len(seen)]
+        seen.append(suffix)
+        truths = prompts.meta["ground_truth"]
+
+        def text_for(i):
+            ok = right if right is not None else i % 2 == 0  # None: half of them right
+            return _text(suffix, truths[i], ok)
+
+        return _scripted(prompts, tokenizer, text_for)
+
+    trainer.actor.generate = generate
+    logged = {}
+    trainer.logger = lambda metrics, step: logged.setdefault(step, dict(metrics))
+    return trainer, tokenizer, logged
+
+
+def _text(suffix: str, truth: str, right: bool) -> str:
+    return f"{suffix} #### {truth if right else truth + '0'}".strip()  # a trailing 0 makes it wrong
+
+
+def _expected_proxy_and_gold(truths: list[str], validation: int) -> tuple[float, float]:
+    """By hand: the mean response length (one token per character plus EOS) and the share of right answers."""
+    suffix, right = SCHEDULE[validation]
+    oks = [right if right is not None else i % 2 == 0 for i in range(len(truths))]
+    lengths = [len(_text(suffix, t, ok)) + 1 for t, ok in zip(truths, oks)]
+    return sum(lengths) / len(lengths), sum(oks) / len(oks)
+
+
+def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold(space, tmp_path):
+    root, model = space
+    kl_loss = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001")
+    trainer, tokenizer, logged = _trainer(root, model, tmp_path / "out", *kl_loss)
+    try:
+        trainer.fit()
+        source = "synthetic/arithmetic"
+        truths = [row["ground_truth"] for row in trainer.val_dataset.rows]
+        for validation, step in enumerate(range(0, 4)):
+            proxy, gold = _expected_proxy_and_gold(truths, validation)
+            metrics = logged[step]
+            assert metrics[f"val-core/{source}/gold_reward/mean@1"] == pytest.approx(gold)
+            assert metrics[f"val-core/{source}/reward/mean@1"] == pytest.approx(proxy)
+            assert metrics[f"val-aux/{source}/rm_score/mean@1"] == pytest.approx(proxy)
+        # validations 2 and 3 (steps 2, 3): proxy up, gold down -> rollback at step 3 to the best gold (step 0)
+        assert logged[2]["training/rollbacks"] == 0
+        assert logged[3]["training/rollbacks"] == 1
+        assert trainer.overopt.best_step == 0
+        best = checkpoint.load_model_state(checkpoint.step_dir(tmp_path / "out", 0))
+        # after the rollback at step 3 the actor trained steps 4 and 5; the step-3 checkpoint is the restored one
+        restored = checkpoint.load_model_state(checkpoint.step_dir(tmp_path / "out", 3))
+        assert restored.keys() == best.keys()
+        assert all(torch.equal(restored[k], best[k]) for k in best)
+        trained = checkpoint.load_model_state(checkpoint.step_dir(tmp_path / "out", 2))
+        assert any(not torch.equal(trained[k], best[k]) for k in best)  # PPO did move the weights before
+        # the rollback tightened the KL term as after a KL explosion: kl_loss_coef doubled, the config left as started
+        assert trainer.kl_loss_coef == pytest.approx(0.002)
+        assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == pytest.approx(0.001)
+        # steps 4 and 5 validate short right answers: gold ties the best (1.0), so no new best and no streak
+        proxy0, _ = _expected_proxy_and_gold(truths, 0)
+        proxy5, _ = _expected_proxy_and_gold(truths, 5)
+        expected = {"streak": 0, "previous": [pytest.approx(proxy5), 1.0], "best_gold": 1.0,
+                    "best_proxy": pytest.approx(proxy0), "best_step": 0, "rollbacks": 1}
+        assert trainer.state_dict()["overopt"] == expected
+    finally:
+        trainer.close()
+    # the guard's state and the tightened coefficient are trainer state: a resume from step 5 carries them on
+    fresh, _, _ = _trainer(root, model, tmp_path / "out", *kl_loss)
+    try:
+        assert fresh.overopt.rollbacks == 0 and fresh.kl_loss_coef == pytest.approx(0.001)
+        fresh.load_checkpoint(checkpoint.step_dir(tmp_path / "out", 5))
+        assert fresh.overopt.state_dict() == expected
+        assert fresh.kl_loss_coef == pytest.approx(0.002)
+        assert 0 in fresh.protected_steps()  # the best-gold checkpoint is never pruned
+    finally:
+        fresh.close()
+
+
+def test_overopt_action_stop_restores_the_best_gold_and_stops(space, tmp_path):
+    root, model = space
+    trainer, _, logged = _trainer(root, model, tmp_path / "out", "trainer.guard.overopt_action=stop")
+    try:
+        with pytest.raises(GuardError, match="reward over-optimisation"):
+            trainer.fit()
+        assert checkpoint.latest_checkpoint(tmp_path / "out") == checkpoint.step_dir(tmp_path / "out", 0)
+        assert max(logged) == 3
+    finally:
+        trainer.close()

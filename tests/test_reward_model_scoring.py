@@ -1,0 +1,258 @@
+"""PPO against a learned reward model: the score read at the last token, placed on the last response
+token, re-encoded with the reward model's chat template where tokenizers differ, combined with the rule,
+and the checks made before any weights load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.data.dataset import left_pad
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import main
+from rlhf_core.models.loading import ModelError
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.rewards.reward_model import (
+    RewardModelManager,
+    RewardModelWorker,
+    check_reward_model_dir,
+    place_on_last_token,
+)
+
+OTHER_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}### Q: {{ message['content'] }}\n"
+    "{% else %}### A: {{ message['content'] }}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def make_reward_model(folder, base, seed=0, num_labels=1, template=None, pad=True):
+    """A random sequence-classification head on the toy architecture, saved with the character tokenizer."""
+    config = AutoConfig.from_pretrained(base, num_labels=num_labels)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config.pad_token_id = tokenizer.pad_token_id if pad else None
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():  # a head large enough that scores differ clearly between sequences
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(folder)
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rm")
+    base = random_toy_model(root / "policy", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    same = make_reward_model(root / "rm_same", base, seed=1)
+    other = make_reward_model(root / "rm_other", base, seed=2, template=OTHER_TEMPLATE)
+    return root, base, same, other
+
+
+def _rollout_batch(tokenizer, prompts: list[str], responses: list[str], messages=None) -> Batch:
+    """A rollout-shaped batch: left-padded prompts, right-padded responses ending with EOS."""
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    response_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+    left = left_pad(prompt_ids, tokenizer.pad_token_id)
+    width = max(len(r) for r in response_ids) + 2  # trailing all-padding columns, as a rollout leaves them
+    responses_t = torch.full((len(prompts), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, ids in enumerate(response_ids):
+        responses_t[i, :len(ids)] = torch.tensor(ids)
+        mask[i, :len(ids)] = 1
+    positions = left["position_ids"][:, -1:] + torch.arange(1, width + 1)
+    meta = {"data_source": ["synthetic/arithmetic"] * len(prompts), "ground_truth": ["7"] * len(prompts),
+            "extra_info": [{}] * len(prompts)}
+    if messages is not None:
+        meta["raw_prompt"] = messages
+    return Batch({"prompts": left["input_ids"], "responses": responses_t, "response_mask": mask,
+                  "input_ids": torch.cat([left["input_ids"], responses_t], 1),
+                  "attention_mask": torch.cat([left["attention_mask"], mask], 1),
+                  "position_ids": torch.cat([left["position_ids"], positions], 1)}, meta)
+
+
+def _hf_score(folder, ids: list[int]) -> float:
+    """The reference: the HF sequence-classification model on one unpadded sequence."""
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+def _rm_config(path, input_tokenizer, micro=16, rm_coef=1.0, rule_coef=0.0):
+    cfg = load_config([f"reward_model.model.path={path}", f"reward_model.model.input_tokenizer={input_tokenizer}",
+                       f"reward_model.micro_batch_size_per_gpu={micro}", f"reward_model.rm_coef={rm_coef}",
+                       f"reward_model.rule_coef={rule_coef}", "reward_model.enable=true"], validate=False)
+    return cfg.reward_model
+
+
+PROMPTS = ["User: 3 + 4?\nAssistant: ", "User: What is 10 - 3? Think.\nAssistant: "]
+RESPONSES = ["3 + 4 = 7\n#### 7", "#### 8"]
+
+
+def test_same_tokenizer_feeds_the_ids_and_reads_the_last_token(space):
+    root, base, same, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES)
+    worker = RewardModelWorker(_rm_config(same, base, micro=1))
+    assert not worker.switch_template
+    got = worker.compute_rm_score(batch)
+    expected = [_hf_score(same, tokenizer(p + r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+                for p, r in zip(PROMPTS, RESPONSES)]
+    assert got.shape == (2,)
+    assert got.tolist() == pytest.approx(expected, abs=1e-4)
+    assert abs(expected[0] - expected[1]) > 1e-2  # the two sequences really score differently
+    # the micro-batch size changes nothing
+    assert RewardModelWorker(_rm_config(same, base, micro=2)).compute_rm_score(batch).tolist() == \
+        pytest.approx(expected, abs=1e-4)
+
+
+def test_other_chat_template_decodes_and_re_encodes_the_conversation(space):
+    root, base, _, other = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    questions = ["3 + 4?", "What is 10 - 3? Think."]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    worker = RewardModelWorker(_rm_config(other, base))
+    assert worker.switch_template
+    got = worker.compute_rm_score(batch)
+    # the reward model's own format, written out by hand: "### Q: ...\n### A: ...</s>"
+    expected = [_hf_score(other, tokenizer(f"### Q: {q}\n### A: {r}</s>", add_special_tokens=False)["input_ids"])
+                for q, r in zip(questions, RESPONSES)]
+    assert got.tolist() == pytest.approx(expected, abs=1e-4)
+    del batch.meta["raw_prompt"]
+    with pytest.raises(ValueError, match="data.return_raw_chat=true"):
+        worker.compute_rm_score(batch)
+
+
+def test_input_tokenizer_null_feeds_the_ids_even_with_another_template(space):
+    root, base, _, other = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _rollout_batch(tokenizer, PROMPTS[:1], RESPONSES[:1])
+    cfg = _rm_config(other, base)
+    cfg.model.input_tokenizer = None
+    worker = RewardModelWorker(cfg)
+    assert not worker.switch_template
+    ids = tokenizer(PROMPTS[0] + RESPONSES[0], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert float(worker.compute_rm_score(batch)[0]) == pytest.approx(_hf_score(other, ids), abs=1e-4)
+
+
+def test_place_on_last_token_puts_each_score_on_its_last_valid_response_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    placed = place_on_last_token(torch.tensor([0.5, -2.0, 3.0]), mask)
+    expected = torch.tensor([[0, 0, 0.5, 0], [-2.0, 0, 0, 0], [0, 0, 0, 3.0]])
+    assert torch.equal(placed, expected)
+
+
+def test_combined_reward_is_rm_coef_times_model_plus_rule_coef_times_rule(space):
+    root, base, same, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES)  # ground truth 7: first right, second wrong
+    cfg = _rm_config(same, base, rm_coef=2.0, rule_coef=0.5)
+    manager = RewardModelManager(RewardManager(tokenizer), RewardModelWorker(cfg), cfg)
+    token_level, extras = manager.score_batch(batch)
+    rm = [_hf_score(same, tokenizer(p + r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+          for p, r in zip(PROMPTS, RESPONSES)]
+    expected = [2.0 * rm[0] + 0.5 * 1.0, 2.0 * rm[1] + 0.5 * 0.0]
+    last = [len(r) for r in RESPONSES]  # the EOS after the response text
+    assert token_level[0, last[0]].item() == pytest.approx(expected[0], abs=1e-4)
+    assert token_level[1, last[1]].item() == pytest.approx(expected[1], abs=1e-4)
+    assert token_level.abs().sum().item() == pytest.approx(abs(expected[0]) + abs(expected[1]), abs=1e-4)
+    assert extras["gold_reward"].tolist() == [1.0, 0.0]
+    assert extras["acc"].tolist() == [1.0, 0.0]
+    assert extras["rm_score"].tolist() == pytest.approx(rm, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- checks before weights load
+
+
+def test_reward_model_dir_checks_name_what_is_wrong(space, tmp_path):
+    root, base, same, _ = space
+    assert check_reward_model_dir(same) == same
+    with pytest.raises(ModelError, match="is not set"):
+        check_reward_model_dir(None)
+    with pytest.raises(ModelError, match="is not a directory"):
+        check_reward_model_dir(tmp_path / "missing")
+    with pytest.raises(ModelError, match="num_labels=2"):
+        check_reward_model_dir(make_reward_model(tmp_path / "two", base, num_labels=2))
+    with pytest.raises(ModelError, match="not a sequence-classification"):
+        check_reward_model_dir(base)  # a causal LM
+    no_pad = make_reward_model(tmp_path / "nopad", base, pad=False)
+    with pytest.raises(ModelError, match="no pad_token_id"):
+        check_reward_model_dir(no_pad)
+    bare = tmp_path / "bare"
+    AutoModelForSequenceClassification.from_pretrained(same).save_pretrained(bare)  # weights, no tokenizer
+    with pytest.raises(ModelError, match="no tokenizer"):
+        check_reward_model_dir(bare)
+
+
+def test_enable_without_a_path_is_a_config_error():
+    with pytest.raises(ConfigError, match="reward_model.enable=true needs reward_model.model.path"):
+        load_config(["reward_model.enable=true"])
+
+
+@pytest.fixture(scope="module")
+def data(space):
+    root = space[0]
+    build_dataset(root / "data", n_train=16, n_test=4, seed=0, max_ops=1)
+    return root / "data"
+
+
+def _cli(root, base, data, out, *extra):
+    return [f"actor_rollout_ref.model.path={base}", f"data.train_files={data / 'train.parquet'}",
+            f"data.val_files={data / 'test.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=320",
+            "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+            "critic.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+            f"trainer.default_local_dir={out}", "trainer.logger=[file]", "reward_model.enable=true", *extra]
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda root, base, tmp: tmp / "nowhere", "is not a directory"),
+    (lambda root, base, tmp: make_reward_model(tmp / "two", base, num_labels=2), "num_labels=2"),
+    (lambda root, base, tmp: root / "policy", "not a sequence-classification"),
+    (lambda root, base, tmp: root / "rm_other", "data.return_raw_chat=true"),
+])
+def test_cli_rejects_a_bad_reward_model_before_loading_weights(space, data, tmp_path, capsys, monkeypatch, make,
+                                                               needle):
+    root, base, _, _ = space
+    import rlhf_core.main_ppo as main_ppo
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the reward model was checked")
+
+    monkeypatch.setattr(main_ppo, "build_trainer", no_weights)
+    out = tmp_path / "out"
+    code = main(_cli(root, base, data, out, f"reward_model.model.path={make(root, base, tmp_path)}",
+                     "trainer.total_training_steps=1"))
+    assert code == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+
+
+def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, tmp_path):
+    root, base, same, _ = space
+    out = tmp_path / "out"
+    code = main(_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
+                     "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=1"))
+    assert code == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1]
+    final = final.get("metrics", final)
+    source = "synthetic/arithmetic"
+    for name in (f"val-core/{source}/reward/mean@1", f"val-core/{source}/gold_reward/mean@1",
+                 f"val-aux/{source}/rm_score/mean@1", "critic/rm_score/mean", "critic/gold_reward/mean"):
+        assert name in final, name
+    # rule_coef=0: the reward optimised is the model score alone
+    assert final[f"val-core/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
+    assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
