@@ -16,10 +16,18 @@ References:
     - Shao et al. 2024, "DeepSeekMath" (GRPO).
     - Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization" (RLOO).
     - Hu 2025, "REINFORCE++".
+    - Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for LLMs".
+    - Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and Exploitation" (grpo_passk).
+    - Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale".
+    - Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective" (Dr. GRPO).
+    - Zheng et al. 2025, "Group Sequence Policy Optimization" (GSPO).
+    - MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention" (CISPO).
+    - Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (TIS).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -28,23 +36,42 @@ import torch
 __all__ = [
     "ADV_ESTIMATORS",
     "ADV_ESTIMATORS_NEED_CRITIC",
+    "ADV_ESTIMATORS_NEED_GROUPS",
+    "FILTER_GROUPS_METRICS",
     "KL_CTRL_TYPES",
     "KL_TYPES",
     "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_MODES",
+    "ROLLOUT_IS_LEVELS",
+    "ROLLOUT_RS_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "add_at_last_token",
     "agg_loss",
     "apply_kl_penalty",
     "compute_advantage",
     "compute_explained_variance",
     "compute_gae_advantage_return",
     "compute_grpo_outcome_advantage",
+    "compute_grpo_passk_outcome_advantage",
+    "compute_offpolicy_metrics",
+    "compute_overlong_penalty",
     "compute_policy_loss",
+    "compute_policy_loss_cispo",
+    "compute_policy_loss_gspo",
+    "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
+    "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_correction",
+    "compute_rollout_is_weights",
+    "compute_rollout_rejection_mask",
     "compute_value_loss",
     "entropy_from_logits",
+    "filter_groups_keep",
     "get_adv_estimator",
+    "get_policy_loss_fn",
     "kl_penalty",
     "logprobs_from_logits",
     "make_kl_controller",
@@ -261,6 +288,16 @@ def _agg_seq_mean_token_sum(
     return _mean_over_seqs(seq_losses, loss_mask, global_seq_count)
 
 
+def _agg_seq_mean_token_sum_norm(
+    loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_token_count: Count, global_seq_count: Count,
+    loss_scale_factor: Count = None,
+) -> torch.Tensor:
+    """Dr. GRPO: per-sequence masked sum, mean over sequences, divided by a constant ``loss_scale_factor``
+    (default: the padded response width ``T``), so a token weighs the same in a short and a long response."""
+    scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return _agg_seq_mean_token_sum(loss_mat, loss_mask, global_token_count, global_seq_count) / scale
+
+
 def _agg_seq_mean_token_mean(
     loss_mat: torch.Tensor, loss_mask: torch.Tensor, global_token_count: Count, global_seq_count: Count
 ) -> torch.Tensor:
@@ -275,6 +312,7 @@ _LOSS_AGGREGATORS: dict[str, Callable[..., torch.Tensor]] = {
     "token-mean": _agg_token_mean,
     "seq-mean-token-sum": _agg_seq_mean_token_sum,
     "seq-mean-token-mean": _agg_seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _agg_seq_mean_token_sum_norm,
 }
 LOSS_AGG_MODES: tuple[str, ...] = tuple(_LOSS_AGGREGATORS)
 
@@ -286,6 +324,7 @@ def agg_loss(
     *,
     global_token_count: Count = None,
     global_seq_count: Count = None,
+    loss_scale_factor: Count = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss matrix (bs, T) to a scalar.
 
@@ -293,6 +332,9 @@ def agg_loss(
         - ``token-mean``: masked mean over every token of the batch.
         - ``seq-mean-token-sum``: masked sum per sequence, then the mean over sequences with >= 1 token.
         - ``seq-mean-token-mean``: masked mean per sequence, then the mean over sequences with >= 1 token.
+        - ``seq-mean-token-sum-norm`` (Dr. GRPO, Liu et al. 2025): ``seq-mean-token-sum`` divided by the
+          constant ``loss_scale_factor`` (default ``T``, the padded response width), so that every token
+          of every response has the same weight whatever the response's length.
 
     With gradient accumulation, pass the token count (``token-mean``) or the count of sequences with
     tokens (``seq-*`` modes) of the whole mini-batch (over all workers) as ``global_token_count`` /
@@ -305,6 +347,8 @@ def agg_loss(
         raise ValueError(
             f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes are {', '.join(LOSS_AGG_MODES)}"
         ) from None
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return aggregate(loss_mat, loss_mask, global_token_count, global_seq_count, loss_scale_factor)
     return aggregate(loss_mat, loss_mask, global_token_count, global_seq_count)
 
 
@@ -323,12 +367,15 @@ def compute_policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
     **agg_kwargs: Any,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped PPO surrogate (Schulman et al. 2017, eq. 7) with dual clip (Ye et al. 2020).
+    """Clipped PPO surrogate (Schulman et al. 2017, eq. 7) with dual clip (Ye et al. 2020): loss mode ``vanilla``.
 
     The ratio is clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]`` (both default to ``clip_ratio``).
-    For negative advantages the loss is further bounded by ``-A * clip_ratio_c``.
+    For negative advantages the loss is further bounded by ``-A * clip_ratio_c``. A ``clip_ratio_high``
+    above ``clip_ratio_low`` is DAPO's clip-higher (Yu et al. 2025: 0.2 / 0.28): it only widens the
+    upper bound, which binds for positive advantages, so unlikely tokens can gain probability faster.
 
     Args:
         old_log_prob: (bs, T) log-probs of the sampled tokens under the rollout policy.
@@ -338,6 +385,8 @@ def compute_policy_loss(
         clip_ratio, clip_ratio_low, clip_ratio_high: PPO clip range.
         clip_ratio_c: dual-clip bound, must be > 1.
         loss_agg_mode: see ``agg_loss``; ``agg_kwargs`` (global counts) are passed to it.
+        rollout_is_weights: (bs, T) optional truncated importance weights from rollout correction,
+            multiplied into the per-token loss (no gradient).
 
     Returns:
         loss: scalar tensor with its autograd graph.
@@ -357,6 +406,8 @@ def compute_policy_loss(
     pg_losses3 = -advantages * clip_ratio_c
     clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)  # dual clip, only for A < 0
     pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)  # (bs, T)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
 
     loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
 
@@ -371,6 +422,117 @@ def compute_policy_loss(
         "actor/pg_clipfrac_lower": pg_clipfrac_lower.item(),
     }
     return loss, metrics
+
+
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, eq. 5-7): loss mode ``gspo``.
+
+    The ratio is the sequence's length-normalised likelihood ratio
+    ``s_i = exp(mean_t(log_prob - old_log_prob))``, clipped to ``[1 - clip_ratio_low, 1 + clip_ratio_high]``
+    and paired with the sequence's advantage: ``loss_i = max(-A_i * s_i, -A_i * clip(s_i))``. Per token it
+    is written ``s_i,t = sg(s_i) * pi_t / sg(pi_t)`` (same value as ``s_i``; its gradient is
+    ``s_i * grad log pi_t``), so the token mean of ``loss_i,t`` over the response has the paper's gradient.
+    The objective is a mean over sequences of per-sequence token means, so the loss is always aggregated
+    ``seq-mean-token-mean`` (``loss_agg_mode`` is accepted for a uniform signature and not used); no dual clip.
+    The paper's clip ranges are tiny (3e-4 / 4e-4): a sequence-level ratio moves much less than a token's.
+
+    Shapes: all (bs, T). Returns the loss and ``actor/pg_clipfrac`` (share of tokens in clipped
+    sequences), ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (always 0: no dual clip).
+    """
+    low = clip_ratio if clip_ratio_low is None else clip_ratio_low
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    log_ratio = log_prob - old_log_prob  # (bs, T)
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (bs,) log s_i; 0 for an empty row
+    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)  # (bs, T)
+    seq_ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))  # (bs, T): value s_i on every token
+
+    pg_losses1 = -advantages * seq_ratio
+    pg_losses2 = -advantages * torch.clamp(seq_ratio, 1.0 - low, 1.0 + high)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)  # (bs, T)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", **agg_kwargs)
+
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask).item(),
+            "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+            "actor/pg_clipfrac_lower": 0.0,
+        }
+    return loss, metrics
+
+
+def compute_policy_loss_cispo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio: float = 0.2,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 3.0,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    **agg_kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped IS-weight Policy Optimization (MiniMax 2025, "MiniMax-M1", eq. 4): loss mode ``cispo``.
+
+    ``loss_t = -sg(clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * log_prob_t``: the
+    importance weight is truncated and detached instead of the token being dropped from the gradient, so
+    every token keeps a REINFORCE gradient. Without ``clip_ratio_low`` there is no lower bound (as in the
+    paper); ``clip_ratio_high`` is the truncation bound (large, e.g. 5; ``clip_ratio`` when unset).
+
+    Shapes: all (bs, T). Returns the loss and ``actor/pg_clipfrac`` (share of tokens whose weight was
+    truncated), ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (always 0).
+    """
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (bs, T)
+    ratio = torch.exp(log_ratio)  # (bs, T)
+    lower = 0.0 if clip_ratio_low is None else 1.0 - clip_ratio_low
+    truncated = torch.clamp(ratio, min=lower, max=1.0 + high).detach()  # (bs, T)
+    pg_losses = -truncated * advantages * log_prob  # (bs, T)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **agg_kwargs)
+
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_clipfrac": masked_mean(torch.ne(ratio, truncated).float(), response_mask).item(),
+            "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
+            "actor/pg_clipfrac_lower": 0.0,
+        }
+    return loss, metrics
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, float]]]] = {
+    "vanilla": compute_policy_loss,
+    "gspo": compute_policy_loss_gspo,
+    "cispo": compute_policy_loss_cispo,
+}
+POLICY_LOSS_MODES: tuple[str, ...] = tuple(POLICY_LOSSES)
+
+
+def get_policy_loss_fn(loss_mode: str) -> Callable[..., tuple[torch.Tensor, dict[str, float]]]:
+    """The policy loss registered under ``loss_mode`` (``POLICY_LOSS_MODES``); all share the signature of
+    :func:`compute_policy_loss`."""
+    try:
+        return POLICY_LOSSES[loss_mode]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy loss_mode {loss_mode!r}; valid modes are {', '.join(POLICY_LOSS_MODES)}"
+        ) from None
 
 
 def compute_value_loss(
@@ -570,6 +732,89 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+@torch.no_grad()
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025, section 3.2): ``s - mean_group(s)``, then whitened.
+
+    Each response's score minus the mean score of its prompt's group (0 for a group of one, as in verl)
+    is broadcast over its response tokens and whitened over every token of the batch.
+
+    Shapes: ``token_level_rewards`` and ``response_mask`` (bs, T); ``index`` bs hashable group ids.
+    Returns (advantages, returns), both (bs, T) and equal, 0 at masked positions.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)  # (bs,)
+    group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
+    group_size = _group_sum(torch.ones_like(scores), group_ids)  # (bs,)
+    group_mean = torch.where(group_size < 2, torch.zeros_like(scores), _group_sum(scores, group_ids) / group_size)
+    centred = (scores - group_mean).unsqueeze(-1).expand_as(token_level_rewards)  # (bs, T)
+    advantages = _zero_where_masked(masked_whiten(centred, response_mask), response_mask)
+    return advantages, advantages
+
+
+@torch.no_grad()
+def compute_remax_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023): reward-to-go minus the score of the prompt's greedy response.
+
+    ``G_t = sum_{t' >= t} r_t'`` over the response, and ``A_t = G_t - b`` where ``b`` is the score of a
+    greedy (argmax) response to the same prompt, which needs no critic and no group.
+
+    Shapes: ``token_level_rewards`` and ``response_mask`` (bs, T); ``reward_baselines`` (bs,).
+    Returns advantages (bs, T) and returns ``G`` (bs, T), both 0 at masked positions.
+    """
+    masked_rewards = _zero_where_masked(token_level_rewards, response_mask)  # (bs, T)
+    returns = masked_rewards.flip(-1).cumsum(-1).flip(-1)  # (bs, T) reward-to-go
+    returns = _zero_where_masked(returns, response_mask)
+    advantages = _zero_where_masked(returns - reward_baselines.unsqueeze(-1), response_mask)
+    return advantages, returns
+
+
+@torch.no_grad()
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Sequence[Hashable],
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, arXiv:2503.19595): only each group's best response is credited.
+
+    In every group the response with the highest score gets ``s_max - s_second`` (divided by the group's
+    unbiased std + ``epsilon`` when ``norm_adv_by_std_in_grpo``); every other response gets 0. A tie at
+    the top gives 0. Ties for the best go to the first such row.
+
+    Shapes: ``token_level_rewards`` and ``response_mask`` (bs, T); ``index`` bs hashable group ids.
+    Returns (advantages, returns), both (bs, T).
+
+    Raises:
+        ValueError: when a group holds a single response (there is no second best).
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)  # (bs,)
+    group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
+    seq_advantages = torch.zeros_like(scores)
+    for group in range(int(group_ids.max()) + 1 if group_ids.numel() else 0):
+        rows = torch.nonzero(group_ids == group).squeeze(-1)  # (k,)
+        if rows.numel() < 2:
+            raise ValueError(f"grpo_passk needs at least 2 responses per prompt; group {index[int(rows[0])]!r} "
+                             "has 1: set actor_rollout_ref.rollout.n >= 2")
+        group_scores = scores[rows]
+        top2 = torch.topk(group_scores, 2)
+        gap = top2.values[0] - top2.values[1]
+        if norm_adv_by_std_in_grpo:
+            gap = gap / (group_scores.std() + epsilon)
+        seq_advantages[rows[int(torch.argmax(group_scores))]] = gap
+    advantages = _zero_where_masked(seq_advantages.unsqueeze(-1).expand_as(token_level_rewards), response_mask)
+    return advantages, advantages
+
+
 # --------------------------------------------------------------------------------------------------
 # Advantage estimator registry
 # --------------------------------------------------------------------------------------------------
@@ -579,8 +824,12 @@ ADV_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "grpo": compute_grpo_outcome_advantage,
     "rloo": compute_rloo_outcome_advantage,
     "reinforce_plus_plus": compute_reinforce_plus_plus_outcome_advantage,
+    "reinforce_plus_plus_baseline": compute_reinforce_plus_plus_baseline_outcome_advantage,
+    "remax": compute_remax_outcome_advantage,
+    "grpo_passk": compute_grpo_passk_outcome_advantage,
 }
 ADV_ESTIMATORS_NEED_CRITIC = frozenset({"gae"})
+ADV_ESTIMATORS_NEED_GROUPS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline", "grpo_passk"})
 
 # The arguments of ``compute_advantage`` each estimator takes besides ``token_level_rewards`` and
 # ``response_mask``.
@@ -589,6 +838,9 @@ _ADV_ESTIMATOR_ARGS: dict[str, tuple[str, ...]] = {
     "grpo": ("index", "norm_adv_by_std_in_grpo"),
     "rloo": ("index",),
     "reinforce_plus_plus": ("gamma",),
+    "reinforce_plus_plus_baseline": ("index",),
+    "remax": ("reward_baselines",),
+    "grpo_passk": ("index", "norm_adv_by_std_in_grpo"),
 }
 
 
@@ -611,16 +863,19 @@ def compute_advantage(
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    reward_baselines: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator named ``adv_estimator`` with the arguments it takes.
 
-    ``gae`` needs ``values`` (bs, T); ``grpo`` and ``rloo`` need ``index`` (bs group ids). Arguments an
-    estimator does not take are ignored. Returns ``(advantages, returns)``, both (bs, T).
+    ``gae`` needs ``values`` (bs, T); the group estimators (``ADV_ESTIMATORS_NEED_GROUPS``) need ``index``
+    (bs group ids); ``remax`` needs ``reward_baselines`` (bs,). Arguments an estimator does not take are
+    ignored. Returns ``(advantages, returns)``, both (bs, T).
     """
     estimator = get_adv_estimator(adv_estimator)
     available = {
         "values": values,
         "index": index,
+        "reward_baselines": reward_baselines,
         "gamma": gamma,
         "lam": lam,
         "norm_adv_by_std_in_grpo": norm_adv_by_std_in_grpo,
@@ -754,6 +1009,235 @@ def apply_kl_penalty(
     kl_ctrl.update(batch_kl, n_steps=token_level_scores.shape[0])
     metrics = {"actor/reward_kl_penalty": batch_kl, "actor/reward_kl_penalty_coeff": beta}
     return token_level_rewards, batch_kl, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# DAPO (Yu et al. 2025): dynamic sampling and overlong reward shaping
+# --------------------------------------------------------------------------------------------------
+
+#: What must differ within a prompt group for dynamic sampling to keep it (``algorithm.filter_groups.metric``):
+#: the summed token scores, or the ``score`` / ``acc`` the reward function reported.
+FILTER_GROUPS_METRICS: tuple[str, ...] = ("seq_reward", "score", "acc")
+
+
+@torch.no_grad()
+def filter_groups_keep(metric: torch.Tensor, index: Sequence[Hashable]) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: which rows belong to a group whose responses do not all score the same.
+
+    A group where every response has the same ``metric`` (all right, all wrong) gives every response a
+    zero group-relative advantage and so no gradient; it is dropped. A group of one is kept (there is
+    nothing to compare it with), as in verl.
+
+    Shapes: ``metric`` (bs,) one value per response; ``index`` bs hashable group ids -> (bs,) bool.
+    """
+    group_ids = _group_ids(index, metric.shape[0], metric.device)  # (bs,)
+    num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    values = metric.double()
+    group_max = torch.full((num_groups,), -torch.inf, dtype=values.dtype).scatter_reduce(
+        0, group_ids, values, reduce="amax")
+    group_min = torch.full((num_groups,), torch.inf, dtype=values.dtype).scatter_reduce(
+        0, group_ids, values, reduce="amin")
+    group_size = _group_sum(torch.ones_like(values), group_ids)  # (bs,)
+    return (group_max[group_ids] > group_min[group_ids]) | (group_size < 2)
+
+
+@torch.no_grad()
+def compute_overlong_penalty(
+    response_length: torch.Tensor, max_response_length: int, overlong_buffer_len: int, penalty_factor: float
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each response's reward.
+
+    0 up to ``L_max - L_buffer`` tokens, then falling linearly to ``-penalty_factor`` at ``L_max``:
+    ``min(0, -(len - (L_max - L_buffer)) / L_buffer * penalty_factor)``.
+
+    Shapes: ``response_length`` (bs,) tokens per response -> (bs,) penalty (<= 0).
+    """
+    if not 0 < overlong_buffer_len < max_response_length:
+        raise ValueError(f"overlong_buffer_len ({overlong_buffer_len}) must be in (0, max_response_length = "
+                         f"{max_response_length})")
+    expected_length = max_response_length - overlong_buffer_len
+    exceed = response_length.double() - expected_length  # (bs,)
+    return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, max=0.0)
+
+
+def add_at_last_token(token_level_scores: torch.Tensor, response_mask: torch.Tensor,
+                      seq_values: torch.Tensor) -> torch.Tensor:
+    """``token_level_scores`` with ``seq_values`` added at each row's last unmasked token (where the outcome
+    reward sits). Rows without a response token are unchanged. Shapes: (bs, T), (bs, T), (bs,) -> (bs, T)."""
+    positions = torch.arange(response_mask.shape[-1], device=response_mask.device)  # (T,)
+    last = torch.where(response_mask != 0, positions, -1).max(dim=-1).values  # (bs,)
+    has_token = last >= 0
+    rows = torch.nonzero(has_token).squeeze(-1)
+    shaped = token_level_scores.clone()
+    shaped[rows, last[rows]] += seq_values[rows].to(shaped.dtype)
+    return shaped
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout correction: importance weights between the rollout engine's and the trainer's log-probs
+# --------------------------------------------------------------------------------------------------
+
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+ROLLOUT_RS_MODES = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+                    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+_SAFETY_BOUND = 20.0  # |log ratio| bound before exponentiating
+
+
+def _seq_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of ``values`` over each row's unmasked tokens, 0 for an empty row. (bs, T) -> (bs,)."""
+    filled = torch.where(mask != 0, values, torch.full_like(values, -torch.inf))
+    row_max = filled.max(dim=-1).values
+    return torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+
+
+@torch.no_grad()
+def compute_rollout_is_weights(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_is: str, rollout_is_threshold: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) weights ``min(pi_train / pi_rollout, threshold)``.
+
+    ``log_ratio = old_log_prob - rollout_log_prob`` (bs, T). ``rollout_is='token'`` gives one weight per
+    token, ``'sequence'`` the product over the response (``exp`` of the masked sum) on every token of it.
+    Returns weights (bs, T), 0 at masked positions, and verl's ``rollout_is_*`` metrics (unprefixed).
+    """
+    if rollout_is == "token":
+        log_weights = torch.clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND)  # (bs, T)
+    elif rollout_is == "sequence":
+        seq_log = torch.clamp(masked_sum(log_ratio, response_mask, dim=-1), -_SAFETY_BOUND, _SAFETY_BOUND)
+        log_weights = seq_log.unsqueeze(-1).expand_as(log_ratio)  # (bs, T)
+    else:
+        raise ValueError(f"unknown rollout_is {rollout_is!r}; valid levels are {', '.join(ROLLOUT_IS_LEVELS)}")
+    raw = _zero_where_masked(torch.exp(log_weights), response_mask)  # (bs, T)
+    weights = raw.clamp(max=rollout_is_threshold)
+    normalised = weights / masked_mean(weights, response_mask).clamp(min=1e-8)
+    seq_has_tokens = _seq_has_tokens(response_mask)
+    seq_weights = masked_mean(weights, response_mask, dim=-1)[seq_has_tokens]  # (n_seq,)
+    valid = response_mask != 0
+    metrics = {
+        "rollout_is_mean": masked_mean(weights, response_mask).item(),
+        "rollout_is_max": weights[valid].max().item(),
+        "rollout_is_min": weights[valid].min().item(),
+        "rollout_is_ratio_fraction_high": masked_mean((raw > rollout_is_threshold).float(), response_mask).item(),
+        "rollout_is_ratio_fraction_low": masked_mean((raw < 1.0 / rollout_is_threshold).float(),
+                                                     response_mask).item(),
+        "rollout_is_eff_sample_size": 1.0 / masked_mean(normalised.square(), response_mask).item(),
+        "rollout_is_seq_mean": seq_weights.mean().item(),
+        "rollout_is_seq_max": seq_weights.max().item(),
+        "rollout_is_seq_min": seq_weights.min().item(),
+    }
+    return weights, metrics
+
+
+@torch.no_grad()
+def compute_rollout_rejection_mask(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_rs: str, rollout_rs_threshold: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Rejection sampling: mask tokens (``token_*``) or whole responses (``seq_*``) whose divergence between
+    the trainer's and the rollout engine's policy is out of bounds.
+
+    The divergence is a KL estimator of ``log_ratio = old_log_prob - rollout_log_prob`` per token:
+    ``k1 = -log_ratio``, ``k2 = log_ratio^2 / 2``, ``k3 = exp(log_ratio) - 1 - log_ratio``; ``seq_sum``,
+    ``seq_mean`` and ``seq_max`` reduce it over the response. ``k1`` statistics must lie in
+    ``[-log(threshold), log(threshold)]`` (a ratio bound of ``[1/threshold, threshold]``); ``k2``/``k3``
+    statistics must be ``<= threshold``.
+
+    Shapes: (bs, T), (bs, T) -> the new response mask (bs, T) and verl's ``rollout_rs_*`` metrics.
+    """
+    if rollout_rs not in ROLLOUT_RS_MODES:
+        raise ValueError(f"unknown rollout_rs {rollout_rs!r}; valid modes are {', '.join(ROLLOUT_RS_MODES)}")
+    level, estimator = rollout_rs.rsplit("_", 1)
+    safe = torch.clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND)  # (bs, T)
+    per_token = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": torch.expm1(safe) - safe}[estimator]
+    if level == "token":
+        statistic = per_token  # (bs, T)
+    else:
+        reduce = {"seq_sum": lambda v: masked_sum(v, response_mask, dim=-1),
+                  "seq_mean": lambda v: masked_mean(v, response_mask, dim=-1),
+                  "seq_max": lambda v: _seq_max(v, response_mask)}[level]
+        statistic = reduce(per_token).unsqueeze(-1).expand_as(log_ratio)  # (bs, T)
+    if estimator == "k1":
+        bound = math.log(rollout_rs_threshold)
+        keep = (statistic >= -bound) & (statistic <= bound)
+    else:
+        keep = statistic <= rollout_rs_threshold
+    new_mask = response_mask * keep.to(response_mask.dtype)  # (bs, T)
+    valid = response_mask != 0
+    rejected = valid & ~keep
+    seq_has_tokens = _seq_has_tokens(response_mask)
+    seq_rejected = rejected.any(dim=-1)[seq_has_tokens].float()
+    metrics = {
+        f"rollout_rs_{rollout_rs}_mean": masked_mean(statistic, response_mask).item(),
+        f"rollout_rs_{rollout_rs}_max": statistic[valid].max().item(),
+        f"rollout_rs_{rollout_rs}_min": statistic[valid].min().item(),
+        "rollout_rs_masked_fraction": masked_mean(rejected.float(), response_mask).item(),
+        "rollout_rs_seq_masked_fraction": seq_rejected.mean().item() if seq_rejected.numel() else 0.0,
+    }
+    return new_mask, metrics
+
+
+@torch.no_grad()
+def compute_offpolicy_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the rollout engine's policy is from the trainer's, as verl reports it (unprefixed names).
+
+    ``kl`` = mean(rollout - old) (k1 of KL(rollout || train)), ``k3_kl``, the per-sequence perplexities of
+    both (``training_ppl``, ``rollout_ppl``) and their log difference, and the chi-square divergences
+    ``chi2_token = E[rho^2] - 1`` and ``chi2_seq = E[(prod rho)^2] - 1`` with ``rho = pi_train / pi_rollout``.
+    Shapes: (bs, T) each; only rows with response tokens count for the per-sequence figures.
+    """
+    has_tokens = _seq_has_tokens(response_mask)
+    log_ratio = old_log_prob - rollout_log_prob  # (bs, T)
+    seq_train = masked_mean(old_log_prob, response_mask, dim=-1)[has_tokens]  # (n_seq,)
+    seq_rollout = masked_mean(rollout_log_prob, response_mask, dim=-1)[has_tokens]
+    safe = torch.clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND)
+    seq_log_ratio = torch.clamp(masked_sum(log_ratio, response_mask, dim=-1)[has_tokens], -_SAFETY_BOUND,
+                                _SAFETY_BOUND)
+    return {
+        "kl": masked_mean(-log_ratio, response_mask).item(),
+        "k3_kl": masked_mean(torch.expm1(safe) - safe, response_mask).item(),
+        "training_ppl": torch.exp(-seq_train).mean().item(),
+        "rollout_ppl": torch.exp(-seq_rollout).mean().item(),
+        "log_ppl_diff": (seq_rollout - seq_train).mean().item(),
+        "chi2_token": (masked_mean(torch.exp(2 * safe), response_mask) - 1.0).item(),
+        "chi2_seq": (torch.exp(2 * seq_log_ratio).mean() - 1.0).item(),
+    }
+
+
+@torch.no_grad()
+def compute_rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """Rollout correction (verl's decoupled mode): weights and rejections between the rollout engine's
+    log-probs (``rollout_log_prob``, e.g. vLLM bf16) and the trainer's (``old_log_prob``).
+
+    Importance weights are computed on the response mask as given; rejection then narrows the mask.
+    Returns ``(rollout_is_weights or None, response_mask after rejection, metrics)``, with every metric
+    under ``rollout_corr/`` as verl names them. Shapes: (bs, T) each.
+    """
+    if response_mask.sum() == 0:
+        raise ValueError("rollout correction needs at least one response token in the batch")
+    log_ratio = old_log_prob - rollout_log_prob  # (bs, T)
+    metrics: dict[str, float] = {}
+    weights = None
+    if rollout_is is not None:
+        weights, is_metrics = compute_rollout_is_weights(log_ratio, response_mask, rollout_is, rollout_is_threshold)
+        metrics.update(is_metrics)
+    new_mask = response_mask
+    if rollout_rs is not None:
+        if rollout_rs_threshold is None:
+            raise ValueError("rollout_rs needs rollout_rs_threshold")
+        new_mask, rs_metrics = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs,
+                                                              rollout_rs_threshold)
+        metrics.update(rs_metrics)
+    metrics.update(compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
+    return weights, new_mask, {f"rollout_corr/{name}": value for name, value in metrics.items()}
 
 
 # --------------------------------------------------------------------------------------------------

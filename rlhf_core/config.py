@@ -35,8 +35,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, ValidationError
 
 # ----------------------------------------------------------------------------- names without a registry
-# (estimators, KL types, aggregation modes, KL controllers, rollout engines and loggers are the keys of their
-# registries in algos, rollout and tracking: validate_config reads them there)
+# (estimators, KL types, aggregation modes, KL controllers, policy losses, dynamic-sampling metrics, rollout
+# correction modes, rollout engines and loggers are the keys of their registries in algos, rollout and tracking:
+# validate_config reads them there)
 
 STRATEGIES = ("fsdp", "fsdp2")
 TRUNCATIONS = ("error", "left", "right")
@@ -118,6 +119,12 @@ class FSDPConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = _k("vanilla", "vanilla (PPO clip) | gspo (sequence-level ratio; always seq-mean-token-mean) | "
+                                   "cispo (truncated, detached IS weight)")
+
+
+@dataclass
 class ActorConfig:
     strategy: str = _k("fsdp", "training backend: fsdp | fsdp2 (both use torch FSDP2 fully_shard)")
     ppo_mini_batch_size: int = _k(256, "prompts per optimizer step (times rollout.n sequences)")
@@ -130,7 +137,12 @@ class ActorConfig:
     clip_ratio_low: float | None = _k(None, "lower clip range; null = clip_ratio")
     clip_ratio_high: float | None = _k(None, "upper clip range; null = clip_ratio")
     clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
-    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                          "seq-mean-token-sum-norm")
+    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = the padded "
+                                             "response width of the batch; set data.max_response_length for a "
+                                             "constant one")
+    policy_loss: PolicyLossConfig = _section(PolicyLossConfig, "which policy loss")
     entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = _k(False, "add a KL(actor || ref) term to the policy loss")
     kl_loss_coef: float = _k(0.001, "coefficient of the KL loss")
@@ -211,8 +223,17 @@ class CriticConfig:
     shuffle: bool = _k(False, "shuffle sequences between mini-batches")
     grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
     cliprange_value: float = _k(0.5, "value clipping range around the old values")
-    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean")
+    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                          "seq-mean-token-sum-norm")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "critic sharding")
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = _k(False, "DAPO's soft penalty on responses that run into the last len tokens before the limit")
+    len: int = _k(0, "tokens before data.max_response_length where the penalty grows linearly from 0")
+    penalty_factor: float = _k(1.0, "penalty at data.max_response_length (subtracted from the score)")
+    log: bool = _k(False, "log critic/overlong_reward/mean and critic/overlong/ratio")
 
 
 @dataclass
@@ -277,6 +298,7 @@ class RewardModelConfig:
     rule_coef: float = _k(0.0, "weight of the rule (or custom) reward in that sum; 0 = the model alone (as verl); "
                                "the rule is still logged as the gold reward")
     reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
+    overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig, "DAPO overlong reward shaping")
     train: RewardTrainConfig = _section(RewardTrainConfig, "training a reward model on preference pairs "
                                                            "(rlhf-train-rm)")
 
@@ -296,14 +318,37 @@ class KLCtrlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = _k(False, "DAPO dynamic sampling: drop prompt groups whose responses all score the same")
+    metric: str = _k("seq_reward", "what must differ within a group: seq_reward (summed token scores) | score | acc")
+    max_num_gen_batches: int = _k(10, "generation batches per step before training on a partial batch; <= 0 = no "
+                                      "limit")
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    rollout_is: str | None = _k(None, "truncated importance weights pi_train / pi_rollout: null | token | sequence")
+    rollout_is_threshold: float = _k(2.0, "upper bound of the importance weights")
+    rollout_rs: str | None = _k(None, "rejection of out-of-bound tokens/responses: null | token_k1|k2|k3 | "
+                                      "seq_sum_k1|k2|k3 | seq_mean_k1|k2|k3 | seq_max_k2|k3")
+    rollout_rs_threshold: float | None = _k(None, "rejection bound: k1 ratio in [1/t, t], k2/k3 statistic <= t")
+
+
+@dataclass
 class AlgorithmConfig:
     gamma: float = _k(1.0, "discount factor")
     lam: float = _k(1.0, "GAE lambda")
-    adv_estimator: str = _k("gae", "gae | grpo | rloo | reinforce_plus_plus")
-    norm_adv_by_std_in_grpo: bool = _k(True, "divide GRPO advantages by the group std")
+    adv_estimator: str = _k("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax "
+                                   "| grpo_passk")
+    norm_adv_by_std_in_grpo: bool = _k(True, "divide GRPO advantages by the group std (false + "
+                                             "loss_agg_mode=seq-mean-token-sum-norm = Dr. GRPO)")
     use_kl_in_reward: bool = _k(False, "subtract beta * KL(actor || ref) from the token rewards")
     kl_penalty: str = _k("kl", "KL estimator in the reward: kl | abs | mse | low_var_kl")
     kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "KL-in-reward controller")
+    filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig, "DAPO dynamic sampling")
+    rollout_correction: RolloutCorrectionConfig = _section(
+        RolloutCorrectionConfig, "importance weights and rejection between the rollout engine's log-probs and the "
+                                 "trainer's (vLLM; a no-op with hf)")
 
 
 @dataclass
@@ -602,6 +647,59 @@ def _divisor_near(total: int, wanted: int) -> int:
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
 
 
+def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
+    """Policy loss, estimator, dynamic sampling, overlong shaping and rollout correction settings."""
+    from rlhf_core import algos  # the registries name the valid values (see validate_config)
+
+    actor, rollout, algo = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
+    prefix = "actor_rollout_ref.actor"
+    loss_mode = actor.policy_loss.loss_mode
+    _one_of(errors, f"{prefix}.policy_loss.loss_mode", loss_mode, algos.POLICY_LOSS_MODES)
+    needed = {"gspo": ("clip_ratio_low", "clip_ratio_high"), "cispo": ("clip_ratio_high",)}.get(loss_mode, ())
+    unset = [f"{prefix}.{key}" for key in needed if getattr(actor, key) is None]
+    if unset:
+        hint = ("the paper clips a sequence's ratio to [1 - 3e-4, 1 + 4e-4]: set clip_ratio_low=3e-4 "
+                "clip_ratio_high=4e-4" if loss_mode == "gspo" else
+                "it is the truncation bound of the importance weight, far above PPO's 0.2: e.g. clip_ratio_high=5.0")
+        errors.append(f"{prefix}.policy_loss.loss_mode={loss_mode} needs {' and '.join(unset)} set; {hint}")
+    if loss_mode == "gspo" and actor.loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        errors.append(f"{prefix}.loss_agg_mode={actor.loss_agg_mode} conflicts with policy_loss.loss_mode=gspo, "
+                      "whose objective is a mean over sequences of token means: use seq-mean-token-mean")
+    _positive(errors, f"{prefix}.loss_scale_factor", actor.loss_scale_factor)
+    if algo.adv_estimator == "grpo_passk" and rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator=grpo_passk needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}): "
+                      "it credits the best response of each group over the second best")
+
+    groups = algo.filter_groups
+    _one_of(errors, "algorithm.filter_groups.metric", groups.metric, algos.FILTER_GROUPS_METRICS)
+    if groups.enable and rollout.n < 2:
+        errors.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}): "
+                      "with one response per prompt there is no group to filter")
+
+    overlong = cfg.reward_model.overlong_buffer
+    if overlong.enable:
+        if not 0 < overlong.len < cfg.data.max_response_length:
+            errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in (0, data.max_response_length = "
+                          f"{cfg.data.max_response_length}) with reward_model.overlong_buffer.enable=true")
+        if overlong.penalty_factor < 0:
+            errors.append(f"reward_model.overlong_buffer.penalty_factor={overlong.penalty_factor} must be >= 0")
+
+    corr = algo.rollout_correction
+    key = "algorithm.rollout_correction"
+    if corr.rollout_is is not None:
+        _one_of(errors, f"{key}.rollout_is", corr.rollout_is, algos.ROLLOUT_IS_LEVELS)
+        _positive(errors, f"{key}.rollout_is_threshold", corr.rollout_is_threshold)
+    if corr.rollout_rs is not None:
+        _one_of(errors, f"{key}.rollout_rs", corr.rollout_rs, algos.ROLLOUT_RS_MODES)
+        if corr.rollout_rs_threshold is None:
+            errors.append(f"{key}.rollout_rs={corr.rollout_rs} needs {key}.rollout_rs_threshold set, e.g. 2.0")
+        elif corr.rollout_rs.endswith("k1") and not corr.rollout_rs_threshold > 1:
+            errors.append(f"{key}.rollout_rs_threshold={corr.rollout_rs_threshold} must be > 1 with "
+                          f"rollout_rs={corr.rollout_rs} (it bounds the ratio to [1/t, t])")
+        else:
+            _positive(errors, f"{key}.rollout_rs_threshold", corr.rollout_rs_threshold)
+
+
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
     # the registries name the valid values; imported here so that importing the config does not import torch
@@ -760,6 +858,7 @@ def validate_config(cfg: PPOConfig) -> None:
     _one_of(errors, "trainer.guard.overopt_action", guard.overopt_action, ("rollback", "stop"))
     if guard.max_rollbacks < 0:
         errors.append(f"trainer.guard.max_rollbacks={guard.max_rollbacks} must be >= 0")
+    _check_algorithms(errors, cfg)
     if trainer.prometheus_port is not None and not 1 <= trainer.prometheus_port <= 65535:
         errors.append(f"trainer.prometheus_port={trainer.prometheus_port} must be a TCP port in 1..65535 "
                       "(or null to switch the exporter off)")

@@ -640,7 +640,8 @@ def test_reinforce_plus_plus_skips_middle_mask_by_hand():
 
 
 def test_registry_contents():
-    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus"}
+    assert set(ADV_ESTIMATORS) == {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
+                                   "remax", "grpo_passk"}
     assert set(ADV_ESTIMATORS_NEED_CRITIC) == {"gae"}
     assert get_adv_estimator("grpo") is compute_grpo_outcome_advantage
 

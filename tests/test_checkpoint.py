@@ -228,12 +228,14 @@ DENIED = {
     "data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "4", "data.max_response_length": "16",
     "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
     "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.lr": "0.5",
+    "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo", "algorithm.filter_groups.enable": "true",
 }
 ALLOWED = {
     "trainer.logger": "[console]", "trainer.test_freq": "5", "trainer.save_freq": "3",
     "trainer.total_training_steps": "50", "trainer.experiment_name": "renamed", "trainer.guard.max_kl": "0.5",
     "trainer.guard.max_val_drop": "null", "trainer.warn_kl": "0.5", "trainer.prometheus_port": "9400",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
+    "reward_model.train.margin": "0.5", "reward_model.overlong_buffer.log": "true",
 }
 
 

@@ -88,6 +88,9 @@ RESUME_SAFE_KEYS = (
     "actor_rollout_ref.rollout.max_num_batched_tokens", "reward_model.micro_batch_size_per_gpu",
     # follows actor_rollout_ref.model.path by default, a change of which is refused by itself
     "reward_model.model.input_tokenizer",
+    "reward_model.overlong_buffer.log",
+    # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
+    "reward_model.train.*",
 )
 
 

@@ -20,12 +20,13 @@ error and the step, leaving the latest checkpoint as it was.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +39,7 @@ from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.stats import validation_metrics, vote_answer
-from rlhf_core.training import checkpoint
+from rlhf_core.training import checkpoint, dynamic_sampling
 from rlhf_core.training.guards import (
     Guard,
     GuardError,
@@ -182,6 +183,11 @@ class PPOTrainer:
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
         self.last_saved_step: int | None = None
         self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
+        corr = algo.rollout_correction
+        if (corr.rollout_is or corr.rollout_rs) and arr.rollout.name == "hf":
+            print("NOTE algorithm.rollout_correction is a no-op with actor_rollout_ref.rollout.name=hf: the HF engine "
+                  "samples with the trainer's own weights and returns no log-probs of its own to correct",
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ sampling settings
     def _train_params(self) -> SamplingParams:
@@ -204,6 +210,70 @@ class PPOTrainer:
         batch["token_level_scores"] = scores
         return extras
 
+    # ------------------------------------------------------------------ rollout and its variants
+    def _shape_overlong(self, batch: Batch, extras: dict) -> None:
+        """DAPO's overlong reward shaping: the soft length penalty added to each score (``overlong_reward``)."""
+        overlong = self.config.reward_model.overlong_buffer
+        if not overlong.enable:
+            return
+        mask = batch["response_mask"]
+        penalty = algos.compute_overlong_penalty(mask.sum(-1), self.config.data.max_response_length, overlong.len,
+                                                 overlong.penalty_factor)  # (bs,)
+        batch["token_level_scores"] = algos.add_at_last_token(batch["token_level_scores"], mask, penalty)
+        extras["overlong_reward"] = penalty.float()
+
+    def _rollout(self, prompts: Batch, timings: dict[str, float]) -> tuple[Batch, dict]:
+        """One generation batch: responses and their scores, and for ``remax`` the score of each prompt's
+        greedy response as ``reward_baselines`` (bs,)."""
+        with timed("gen", timings):
+            batch = self.actor.generate(prompts, self._train_params())
+        with timed("reward", timings):
+            extras = self._score(batch)
+            self._shape_overlong(batch, extras)
+        if self.config.algorithm.adv_estimator == "remax":
+            with timed("gen_max", timings):
+                greedy = self.actor.generate(prompts, replace(self._train_params(), n=1, do_sample=False))
+            with timed("reward", timings):
+                self._score(greedy)
+                self._shape_overlong(greedy, {})
+            n = self.config.actor_rollout_ref.rollout.n
+            batch["reward_baselines"] = greedy["token_level_scores"].sum(-1).repeat_interleave(n)  # (bs,)
+        return batch, extras
+
+    def _generate_and_score(self, prompts: Batch, timings: dict[str, float]) -> tuple[Batch, dict, dict]:
+        """The step's scored rollouts: one generation batch, or DAPO's dynamic sampling over as many as it takes
+        (see :mod:`rlhf_core.training.dynamic_sampling`)."""
+        groups = self.config.algorithm.filter_groups
+        if not groups.enable:
+            return (*self._rollout(prompts, timings), {})
+
+        def next_prompts() -> Batch:
+            return self.train_dataset.collate(self.sampler.next_batch()[1])
+
+        multiple = 1
+        if self.worker_group is not None:  # each update shares whole mini-batches among the workers
+            actor_mini = self.config.actor_rollout_ref.actor.ppo_mini_batch_size
+            multiple = math.lcm(actor_mini, self.config.critic.ppo_mini_batch_size or actor_mini) \
+                if self.use_critic else actor_mini
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        return dynamic_sampling.collect_groups(
+            prompts, next_prompts, lambda p: self._rollout(p, timings), metric=groups.metric,
+            max_num_gen_batches=groups.max_num_gen_batches, pad_id=pad_id, group_multiple=multiple)
+
+    def _correct_rollout(self, batch: Batch, metrics: dict[str, float]) -> None:
+        """Rollout correction between the engine's ``rollout_log_prob`` and ``old_log_prob``: truncated
+        importance weights (``rollout_is_weights``) and rejection (a narrower ``response_mask``)."""
+        corr = self.config.algorithm.rollout_correction
+        if not (corr.rollout_is or corr.rollout_rs) or "rollout_log_prob" not in batch:
+            return
+        weights, mask, corr_metrics = algos.compute_rollout_correction(
+            batch["old_log_prob"], batch["rollout_log_prob"], batch["response_mask"].float(), corr.rollout_is,
+            corr.rollout_is_threshold, corr.rollout_rs, corr.rollout_rs_threshold)
+        batch["response_mask"] = mask.to(batch["response_mask"].dtype)
+        if weights is not None:
+            batch["rollout_is_weights"] = weights
+        metrics.update(corr_metrics)
+
     # ------------------------------------------------------------------ one iteration
     def _on_policy_update(self) -> bool:
         """Whether the actor update is one epoch over one mini-batch of this step's samples, so that the
@@ -221,10 +291,7 @@ class PPOTrainer:
         n = cfg.actor_rollout_ref.rollout.n
         timings: dict[str, float] = {}
         with timed("step", timings):
-            with timed("gen", timings):
-                batch = self.actor.generate(prompts, self._train_params())
-            with timed("reward", timings):
-                extras = self._score(batch)
+            batch, extras, metrics = self._generate_and_score(prompts, timings)
             if not self._on_policy_update():
                 with timed("old_log_prob", timings):
                     batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
@@ -234,12 +301,12 @@ class PPOTrainer:
             if self.use_critic:
                 with timed("values", timings):
                     batch["values"] = self.critic.compute_values(batch)
-            metrics: dict[str, float] = {}
             if "old_log_prob" in batch:  # else the update measures the entropy
                 metrics["actor/entropy"] = _mean(entropy, batch["response_mask"].float())
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())
+                self._correct_rollout(batch, metrics)
             with timed("adv", timings):
                 if algo.use_kl_in_reward:
                     rewards, _, kl_metrics = algos.apply_kl_penalty(
@@ -252,7 +319,8 @@ class PPOTrainer:
                 batch["advantages"], batch["returns"] = algos.compute_advantage(
                     algo.adv_estimator, rewards, batch["response_mask"].float(),
                     values=batch.tensors.get("values"), index=batch.meta["uid"], gamma=algo.gamma, lam=algo.lam,
-                    norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+                    norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+                    reward_baselines=batch.tensors.get("reward_baselines"))
             if self.use_critic:
                 with timed("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch, n))
@@ -261,6 +329,9 @@ class PPOTrainer:
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
+        if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
+            metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
+            metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
         for key in REWARD_MODEL_KEYS:  # with a reward model: its score and the rule's (gold) apart
             if key in extras:
                 metrics[f"critic/{key}/mean"] = float(extras[key].mean())

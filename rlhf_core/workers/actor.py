@@ -199,11 +199,14 @@ class ActorWorker(CheckpointableWorker):
 
     def policy_loss(self, mb: Batch, token_count: int, seq_count: int,
                     kl_loss_coef: float) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
-        """The loss of one micro-batch of the policy update: clipped PPO surrogate, minus the entropy bonus,
-        plus the KL loss to the reference; normalised by the global mini-batch counts. Returns (loss, metrics
-        to sum over micro-batches and ranks, metrics that are the same everywhere)."""
+        """The loss of one micro-batch of the policy update: the policy loss of ``policy_loss.loss_mode``
+        (weighted by rollout correction's ``rollout_is_weights`` when the batch has them), minus the entropy
+        bonus, plus the KL loss to the reference; normalised by the global mini-batch counts (and
+        ``loss_scale_factor``). Returns (loss, metrics to sum over micro-batches and ranks, metrics that are
+        the same everywhere)."""
         cfg = self.config.actor
-        counts_kw = {"global_token_count": token_count, "global_seq_count": seq_count}
+        counts_kw = {"global_token_count": token_count, "global_seq_count": seq_count,
+                     "loss_scale_factor": cfg.loss_scale_factor}
         mask = mb["response_mask"]
         on_policy = "old_log_prob" not in mb
         need_entropy = cfg.entropy_coeff != 0 or on_policy
@@ -216,10 +219,11 @@ class ActorWorker(CheckpointableWorker):
             summed["actor/entropy"] = float((entropy.detach() * mask).sum()) / token_count
         else:
             old_log_prob = mb["old_log_prob"]
-        pg_loss, pg_metrics = algos.compute_policy_loss(
+        compute_policy_loss = algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
+        pg_loss, pg_metrics = compute_policy_loss(
             old_log_prob, log_prob, mb["advantages"], mask,
             cfg.clip_ratio, cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c,
-            cfg.loss_agg_mode, **counts_kw,
+            cfg.loss_agg_mode, rollout_is_weights=mb.tensors.get("rollout_is_weights"), **counts_kw,
         )
         loss = pg_loss
         if need_entropy:

@@ -1,0 +1,608 @@
+"""The 2026 recipes: GSPO, CISPO, DAPO (clip-higher, dynamic sampling, overlong shaping), Dr. GRPO,
+REINFORCE++ with baseline, ReMax, pass@k and rollout correction.
+
+Every expected value is worked out by hand in the comments or by a separate plain-python formula here,
+never taken from the code under test. The last part runs one short training step per new mode on a
+random tiny model to show the pieces are wired into the trainer and report their metrics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rlhf_core import algos
+from rlhf_core.batch import Batch
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.training import dynamic_sampling
+
+
+def t(rows, dtype=torch.float64):
+    return torch.tensor(rows, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dr. GRPO: the aggregation and its length-unbiasedness
+# ---------------------------------------------------------------------------------------------------
+
+LOSS = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]]
+LOSS_MASK = [[1, 1, 0], [0, 0, 0], [1, 1, 1]]
+
+
+def test_seq_mean_token_sum_norm_by_hand():
+    loss, mask = t(LOSS), t(LOSS_MASK)
+    # per-sequence sums 3 and 24 (the empty row is no sequence), mean 13.5, divided by T = 3
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(4.5)
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=10).item() == pytest.approx(1.35)
+    # with a global count of 4 sequences (gradient accumulation): 27 / 4 / 3
+    assert algos.agg_loss(loss, mask, "seq-mean-token-sum-norm", global_seq_count=4).item() == pytest.approx(2.25)
+    assert algos.agg_loss(t(LOSS), torch.zeros(3, 3), "seq-mean-token-sum-norm").item() == 0.0
+
+
+def _token_gradients(loss_agg_mode: str, advantages: torch.Tensor, mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    log_prob = torch.full(mask.shape, -1.0, dtype=torch.float64, requires_grad=True)
+    loss, _ = algos.compute_policy_loss(log_prob.detach(), log_prob, advantages, mask,
+                                        loss_agg_mode=loss_agg_mode, **kwargs)
+    loss.backward()
+    return log_prob.grad
+
+
+def test_dr_grpo_weighs_every_token_the_same_whatever_the_response_length():
+    # two responses to one prompt, of 2 and 6 tokens, both with advantage +1 (on-policy: ratio 1)
+    mask = t([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]])
+    advantages = mask.clone()
+    # Dr. GRPO: loss = -(sum of all token terms) / (2 sequences * T = 6): every token's gradient is -1/12
+    grads = _token_gradients("seq-mean-token-sum-norm", advantages, mask)
+    np.testing.assert_allclose(grads[mask.bool()].numpy(), np.full(8, -1 / 12))
+    # GRPO's seq-mean-token-mean gives a token of the short response three times the weight of the long one's:
+    # -1 / (2 * 2) against -1 / (2 * 6), the length bias Dr. GRPO removes
+    biased = _token_gradients("seq-mean-token-mean", advantages, mask)
+    np.testing.assert_allclose(biased[0, :2].numpy(), [-1 / 4, -1 / 4])
+    np.testing.assert_allclose(biased[1].numpy(), np.full(6, -1 / 12))
+    # and with a negative advantage the short wrong answer is no longer punished harder per token either
+    grads_neg = _token_gradients("seq-mean-token-sum-norm", -advantages, mask)
+    np.testing.assert_allclose(grads_neg[mask.bool()].numpy(), np.full(8, 1 / 12))
+    assert torch.all(grads[~mask.bool()] == 0)
+
+
+def test_dr_grpo_recipe_advantage_is_the_centred_score():
+    rewards = t([[0, 0, 1.0], [0, 0, 0], [0, 3.0, 0], [0, 0, 0]])
+    mask = t([[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    adv, _ = algos.compute_advantage("grpo", rewards, mask, index=[0, 0, 1, 1], norm_adv_by_std_in_grpo=False)
+    # group 0 scores (1, 0): mean 0.5; group 1 scores (3, 0): mean 1.5; no division by the std
+    expected = t([[0.5, 0.5, 0.5], [-0.5, -0.5, -0.5], [1.5, 1.5, 0], [-1.5, 0, 0]])
+    torch.testing.assert_close(adv, expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Policy losses
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_vanilla_clip_ratio_low_high_is_dapo_clip_higher():
+    # DAPO's clip-higher: the upper bound (binding for A > 0) widened to 0.28, the lower one kept at 0.2
+    old = t([[0.0, 0.0, 0.0]])
+    log_prob = torch.log(t([[1.25, 1.30, 0.75]])).requires_grad_(True)
+    advantages = t([[1.0, 1.0, -1.0]])
+    loss, metrics = algos.compute_policy_loss(old, log_prob, advantages, torch.ones(1, 3, dtype=torch.float64),
+                                              clip_ratio_low=0.2, clip_ratio_high=0.28)
+    # token 1: ratio 1.25 inside 1 + 0.28, loss -1.25; token 2: 1.30 clipped to 1.28; token 3: A < 0 and
+    # ratio 0.75 below 1 - 0.2: max(0.75, 0.8) = 0.8
+    assert loss.item() == pytest.approx((-1.25 - 1.28 + 0.8) / 3)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
+    loss.backward()
+    # a clipped token has no gradient; the unclipped one has d(-r)/d log_prob = -r / 3
+    np.testing.assert_allclose(log_prob.grad.numpy(), [[-1.25 / 3, 0.0, 0.0]])
+    # the symmetric 0.2 of plain PPO would clip the first token too
+    symmetric, _ = algos.compute_policy_loss(old, log_prob.detach(), advantages, torch.ones(1, 3, dtype=torch.float64))
+    assert symmetric.item() == pytest.approx((-1.2 - 1.2 + 0.8) / 3)
+
+
+def test_gspo_uses_the_length_normalised_sequence_ratio_by_hand():
+    old = t([[-1.0, -1.0, -1.0], [-2.0, -2.0, 0.0], [-1.0, -1.0, -1.0]])
+    # row 0 log-ratios (0.3, -0.1, 0.1): mean 0.1; row 1 (0.2, 0.0) over 2 tokens: mean 0.1; row 2 empty
+    log_prob = (old + t([[0.3, -0.1, 0.1], [0.2, 0.0, 5.0], [9.0, 9.0, 9.0]])).requires_grad_(True)
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    advantages = t([[1.0, 1.0, 1.0], [-2.0, -2.0, 0.0], [4.0, 4.0, 4.0]])
+    loss, metrics = algos.compute_policy_loss_gspo(old, log_prob, advantages, mask, clip_ratio_low=0.5,
+                                                   clip_ratio_high=0.5)
+    s = math.exp(0.1)  # both sequences' ratio, inside [0.5, 1.5]
+    # mean over the two sequences of the per-sequence token mean of -A * s
+    assert loss.item() == pytest.approx(((-1.0 * s) + (2.0 * s)) / 2)
+    assert metrics["actor/pg_clipfrac"] == 0.0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-(0.3 - 0.1 + 0.1 + 0.2 + 0.0) / 5)
+    loss.backward()
+    # d loss / d log_prob_t = -A_i * s_i / |y_i| / (number of sequences)
+    expected = [[-s / 3 / 2] * 3, [2 * s / 2 / 2, 2 * s / 2 / 2, 0.0], [0.0, 0.0, 0.0]]
+    np.testing.assert_allclose(log_prob.grad.numpy(), expected, rtol=1e-12)
+
+
+def test_gspo_clips_the_whole_sequence():
+    old = t([[0.0, 0.0], [0.0, 0.0]])
+    # row 0: mean log-ratio 0.5, s = e^0.5 = 1.65 > 1 + 0.2 with A > 0: clipped; row 1: s = 1 inside
+    log_prob = t([[0.4, 0.6], [0.1, -0.1]]).requires_grad_(True)
+    advantages = t([[1.0, 1.0], [1.0, 1.0]])
+    loss, metrics = algos.compute_policy_loss_gspo(old, log_prob, advantages, torch.ones(2, 2, dtype=torch.float64),
+                                                   clip_ratio_low=0.2, clip_ratio_high=0.2)
+    assert loss.item() == pytest.approx((-1.2 - 1.0) / 2)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)  # both tokens of row 0 out of 4
+    loss.backward()
+    np.testing.assert_allclose(log_prob.grad.numpy(), [[0.0, 0.0], [-1 / 2 / 2, -1 / 2 / 2]])
+
+
+def test_cispo_truncates_and_detaches_the_weight_but_keeps_every_gradient():
+    old = t([[0.0, 0.0, 0.0, 0.0]])
+    ratios = [2.0, 1.1, 0.1, 1.0]
+    log_prob = torch.log(t([ratios])).requires_grad_(True)
+    advantages = t([[1.0, 1.0, -1.0, 1.0]])
+    mask = t([[1, 1, 1, 0]])
+    loss, metrics = algos.compute_policy_loss_cispo(old, log_prob, advantages, mask, clip_ratio_high=0.5)
+    weights = [1.5, 1.1, 0.1]  # 2.0 truncated at 1 + 0.5; no lower bound without clip_ratio_low
+    lp = [math.log(r) for r in ratios[:3]]
+    expected = sum(-w * a * p for w, a, p in zip(weights, [1.0, 1.0, -1.0], lp)) / 3
+    assert loss.item() == pytest.approx(expected)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
+    loss.backward()
+    # the gradient of -sg(w) * A * log_prob is -w * A / 3 on every token, the truncated one included
+    np.testing.assert_allclose(log_prob.grad.numpy(), [[-1.5 / 3, -1.1 / 3, 0.1 / 3, 0.0]])
+    # with clip_ratio_low = 0.2 the third weight is raised to 0.8
+    lowered, metrics = algos.compute_policy_loss_cispo(old, log_prob.detach(), advantages, mask, clip_ratio_low=0.2,
+                                                       clip_ratio_high=0.5)
+    assert lowered.item() == pytest.approx(sum(-w * a * p for w, a, p in zip([1.5, 1.1, 0.8], [1, 1, -1], lp)) / 3)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_rollout_is_weights_multiply_every_policy_loss():
+    old = t([[-1.0, -1.0], [-1.0, -1.0]])
+    log_prob = t([[-0.9, -1.1], [-1.0, -1.2]])
+    advantages = t([[1.0, 1.0], [-1.0, -1.0]])
+    mask = torch.ones(2, 2, dtype=torch.float64)
+    weights = [[0.5, 2.0], [1.0, 0.0]]
+    ratio = [[math.exp(0.1), math.exp(-0.1)], [1.0, math.exp(-0.2)]]  # all inside [0.5, 1.5]: no clipping
+    seq = [math.exp(0.0), math.exp(-0.1)]  # GSPO's per-sequence ratios (mean log-ratios 0 and -0.1)
+    adv = [[1.0, 1.0], [-1.0, -1.0]]
+    lp = [[-0.9, -1.1], [-1.0, -1.2]]
+    cells = [(i, j) for i in range(2) for j in range(2)]
+    expected = {
+        "vanilla": sum(weights[i][j] * -adv[i][j] * ratio[i][j] for i, j in cells) / 4,
+        "cispo": sum(weights[i][j] * -ratio[i][j] * adv[i][j] * lp[i][j] for i, j in cells) / 4,
+        "gspo": sum(sum(weights[i][j] * -adv[i][j] * seq[i] for j in range(2)) / 2 for i in range(2)) / 2,
+    }
+    for name, value in expected.items():
+        loss, _ = algos.get_policy_loss_fn(name)(old, log_prob, advantages, mask, clip_ratio_low=0.5,
+                                                 clip_ratio_high=0.5, rollout_is_weights=t(weights))
+        assert loss.item() == pytest.approx(value), name
+
+
+def test_unknown_loss_mode_lists_the_valid_ones():
+    assert set(algos.POLICY_LOSS_MODES) == {"vanilla", "gspo", "cispo"}
+    assert algos.get_policy_loss_fn("vanilla") is algos.compute_policy_loss
+    with pytest.raises(ValueError, match="unknown policy loss_mode 'gpso'.*vanilla, gspo, cispo"):
+        algos.get_policy_loss_fn("gpso")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Advantage estimators
+# ---------------------------------------------------------------------------------------------------
+
+
+def _whiten_reference(values: list[float]) -> list[float]:
+    mean = sum(values) / len(values)
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+def test_reinforce_plus_plus_baseline_by_hand_with_a_group_of_one_and_an_empty_row():
+    # scores: group a (1, 0, 2) -> mean 1; group b (5) alone -> baseline 0; group c (3, 3) -> 0 (all equal)
+    rewards = t([[0, 1.0], [0, 0], [2.0, 0], [0, 5.0], [0, 3.0], [0, 3.0], [7.0, 7.0]])
+    mask = t([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [1, 1], [0, 0]])
+    index = ["a", "a", "a", "b", "c", "c", "d"]
+    adv, returns = algos.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, index)
+    centred = {0: 0.0, 1: -1.0, 2: 1.0, 3: 5.0, 4: 0.0, 5: 0.0}
+    tokens = [(row, col) for row in range(7) for col in range(2) if mask[row, col]]
+    whitened = _whiten_reference([centred[row] for row, _ in tokens])
+    expected = torch.zeros(7, 2, dtype=torch.float64)
+    for (row, col), value in zip(tokens, whitened):
+        expected[row, col] = value
+    torch.testing.assert_close(adv, expected)
+    assert torch.equal(adv, returns)
+    assert torch.all(adv[6] == 0)
+
+
+def test_reinforce_plus_plus_baseline_with_all_equal_rewards_is_zero():
+    rewards = t([[0, 1.0], [0, 1.0], [0, 1.0], [0, 1.0]])
+    adv, _ = algos.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, torch.ones(4, 2), [0, 0, 1, 1])
+    assert torch.all(adv == 0)
+
+
+def test_remax_subtracts_the_greedy_score_from_the_reward_to_go():
+    rewards = t([[0.5, 0.0, 1.0], [0.0, 2.0, 0.0], [1.0, 1.0, 1.0]])
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    baselines = t([0.5, 1.0, 3.0])
+    adv, returns = algos.compute_remax_outcome_advantage(rewards, mask, baselines)
+    # reward-to-go row 0: (1.5, 1.0, 1.0); row 1: (2, 2, -) ; row 2: nothing
+    torch.testing.assert_close(returns, t([[1.5, 1.0, 1.0], [2.0, 2.0, 0.0], [0, 0, 0]]))
+    torch.testing.assert_close(adv, t([[1.0, 0.5, 0.5], [1.0, 1.0, 0.0], [0, 0, 0]]))
+    dispatched = algos.compute_advantage("remax", rewards, mask, reward_baselines=baselines)
+    assert torch.equal(dispatched[0], adv)
+    with pytest.raises(ValueError, match="reward_baselines"):
+        algos.compute_advantage("remax", rewards, mask)
+
+
+def test_grpo_passk_credits_only_the_best_response():
+    scores = [1.0, 0.0, 0.5, 2.0, 2.0, 0.0, 3.0, 3.0]
+    rewards = t([[0.0, s] for s in scores])
+    mask = torch.ones(8, 2, dtype=torch.float64)
+    index = [0, 0, 0, 1, 1, 1, 2, 2]
+    adv, _ = algos.compute_grpo_passk_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    # group 0: best 1.0 over second 0.5 -> 0.5 on row 0; group 1: a tie at the top -> 0; group 2 equal -> 0
+    np.testing.assert_allclose(adv[:, 0].numpy(), [0.5, 0, 0, 0, 0, 0, 0, 0])
+    adv_std, _ = algos.compute_grpo_passk_outcome_advantage(rewards, mask, index)
+    std0 = float(np.std([1.0, 0.0, 0.5], ddof=1))
+    assert adv_std[0, 0].item() == pytest.approx(0.5 / (std0 + 1e-6))
+    with pytest.raises(ValueError, match="at least 2 responses per prompt.*rollout.n"):
+        algos.compute_grpo_passk_outcome_advantage(rewards[:3], mask[:3], [0, 0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# DAPO: group filter and overlong shaping
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_filter_groups_drops_all_equal_groups_and_keeps_groups_of_one():
+    metric = t([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.7, 0.5, 0.5, 0.5])
+    index = ["a", "a", "b", "b", "c", "c", "d", "e", "e", "e"]
+    keep = algos.filter_groups_keep(metric, index)
+    # a: all 1 -> drop; b: mixed -> keep; c: all 0 -> drop; d: alone -> keep; e: all 0.5 -> drop
+    assert keep.tolist() == [False, False, True, True, False, False, True, False, False, False]
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([0, 6, 7, 9, 10])
+    # limit 10, buffer 4: free up to 6 tokens, then -(len - 6) / 4 * factor
+    penalty = algos.compute_overlong_penalty(lengths, max_response_length=10, overlong_buffer_len=4,
+                                             penalty_factor=0.5)
+    np.testing.assert_allclose(penalty.numpy(), [0.0, 0.0, -0.125, -0.375, -0.5])
+    with pytest.raises(ValueError, match="overlong_buffer_len"):
+        algos.compute_overlong_penalty(lengths, 10, 10, 1.0)
+
+
+def test_add_at_last_token_handles_inner_masks_and_empty_rows():
+    scores = t([[0, 0, 1.0, 0], [0, 2.0, 0, 0], [0, 0, 0, 0]])
+    mask = t([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    shaped = algos.add_at_last_token(scores, mask, t([-0.5, -1.0, -3.0]))
+    torch.testing.assert_close(shaped, t([[0, 0, 0.5, 0], [0, 1.0, 0, 0], [0, 0, 0, 0]]))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dynamic sampling on a fixed reward table
+# ---------------------------------------------------------------------------------------------------
+
+# the scores of the 2 responses of each prompt; prompts come in generation batches of 4
+TABLE = {
+    0: (1.0, 1.0), 1: (0.0, 1.0), 2: (0.0, 0.0), 3: (1.0, 1.0),  # batch 1: keeps 1 (prompt 1)
+    4: (1.0, 0.0), 5: (0.0, 0.0), 6: (0.0, 1.0), 7: (1.0, 1.0),  # batch 2: keeps 2 (4, 6)
+    8: (1.0, 1.0), 9: (1.0, 0.0), 10: (0.0, 1.0), 11: (0.0, 0.0),  # batch 3: keeps 2 (9, 10)
+}
+
+
+def _prompts(uids: list[int], width: int) -> Batch:
+    ids = torch.ones(len(uids), width, dtype=torch.long)
+    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "position_ids": torch.arange(width).repeat(len(uids), 1)}, {"uid": list(uids)})
+
+
+def _fake_rollout(prompts: Batch) -> tuple[Batch, dict]:
+    """Two responses per prompt whose width (3 + batch parity) differs between batches; the score sits on
+    the last token, and the response token ids encode the prompt (uid * 10 + sample)."""
+    uids = prompts.meta["uid"]
+    width = 3 + uids[0] // 4 % 2
+    rows = [(uid, k) for uid in uids for k in range(2)]
+    responses = torch.tensor([[uid * 10 + k] * width for uid, k in rows])
+    scores = torch.zeros(len(rows), width)
+    scores[:, -1] = torch.tensor([TABLE[uid][k] for uid, k in rows])
+    p = prompts["input_ids"].shape[1]
+    mask = torch.ones(len(rows), width, dtype=torch.long)
+    batch = Batch({
+        "prompts": prompts["input_ids"].repeat_interleave(2, 0), "responses": responses, "response_mask": mask,
+        "input_ids": torch.cat([prompts["input_ids"].repeat_interleave(2, 0), responses], 1),
+        "attention_mask": torch.ones(len(rows), p + width, dtype=torch.long),
+        "position_ids": torch.arange(p + width).repeat(len(rows), 1), "token_level_scores": scores,
+    }, {"uid": [uid for uid, _ in rows]})
+    extras = {"score": scores.sum(-1), "acc": scores.sum(-1), "responses": [f"r{uid}-{k}" for uid, k in rows]}
+    return batch, extras
+
+
+def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward"):
+    batches = iter([[4, 5, 6, 7], [8, 9, 10, 11]])
+    calls = []
+
+    def next_prompts():
+        uids = next(batches)
+        calls.append(uids)
+        return _prompts(uids, width=2 + len(calls))  # the prompt width differs too
+
+    result = dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), next_prompts, _fake_rollout, metric=metric,
+                                             max_num_gen_batches=max_num_gen_batches, pad_id=0,
+                                             group_multiple=group_multiple)
+    return result, calls
+
+
+def test_dynamic_sampling_fills_the_batch_from_the_reward_table():
+    (batch, extras, metrics), calls = _collect()
+    assert calls == [[4, 5, 6, 7], [8, 9, 10, 11]]
+    # 4 groups wanted: prompt 1, then 4 and 6, then 9 (10 is the surplus of the last batch)
+    prompt_of_row = [int(r[0]) // 10 for r in batch["responses"]]
+    assert prompt_of_row == [1, 1, 4, 4, 6, 6, 9, 9]
+    assert metrics == {"train/num_gen_batches": 3.0, "train/filter_groups/kept": 5.0,
+                       "train/filter_groups/dropped": 7.0, "train/filter_groups/trained": 4.0,
+                       # dropped: prompts 0, 3, 7, 8 (both 1) and 2, 5, 11 (both 0): the common value averages 4 / 7
+                       "train/filter_groups/dropped_metric_mean": pytest.approx(4 / 7)}
+    assert extras["responses"] == ["r1-0", "r1-1", "r4-0", "r4-1", "r6-0", "r6-1", "r9-0", "r9-1"]
+    torch.testing.assert_close(extras["score"], torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]))
+    # uids are unique per generation batch, so a prompt drawn twice never merges two groups
+    assert batch.meta["uid"][::2] == [(0, 1), (1, 4), (1, 6), (2, 9)]
+
+
+def test_dynamic_sampling_pads_batches_of_different_widths():
+    (batch, _, _), _ = _collect()
+    # batch 1 (prompt width 2, responses 3), batch 2 (width 3, responses 4), batch 3 (width 4, responses 3)
+    assert batch["prompts"].shape == (8, 4) and batch["responses"].shape == (8, 4)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (8, 8)
+    # prompt 1 (batch 1): prompt left-padded by 2, response right-padded by 1
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0]
+    assert batch["response_mask"][0].tolist() == [1, 1, 1, 0]
+    assert batch["responses"][0].tolist() == [10, 10, 10, 0]
+    assert batch["token_level_scores"][1].tolist() == [0.0, 0.0, 1.0, 0.0]
+    # prompt 4 (batch 2): prompt left-padded by 1, response full width
+    assert batch["attention_mask"][2].tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
+    assert batch["input_ids"][2].tolist() == [0, 1, 1, 1, 40, 40, 40, 40]
+    assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+
+
+def test_dynamic_sampling_at_the_limit_trains_on_what_it_has_with_a_warning(capsys):
+    (batch, _, metrics), _ = _collect(max_num_gen_batches=2)
+    assert metrics["train/num_gen_batches"] == 2 and metrics["train/filter_groups/trained"] == 3
+    assert [int(r[0]) // 10 for r in batch["responses"][::2]] == [1, 4, 6]
+    err = capsys.readouterr().err
+    assert "WARNING dynamic sampling: only 3 of 4 prompt groups" in err
+    assert "algorithm.filter_groups.max_num_gen_batches=2" in err
+    # with a worker group the partial batch is cut to whole mini-batches of 2 prompts
+    (batch, _, metrics), _ = _collect(max_num_gen_batches=2, group_multiple=2)
+    assert metrics["train/filter_groups/trained"] == 2 and len(batch) == 4
+
+
+def test_dynamic_sampling_without_any_varied_group_is_an_error():
+    with pytest.raises(RuntimeError, match="every one of the 4 prompt groups scored the same.*"
+                                           "algorithm.filter_groups.metric=seq_reward.*max_num_gen_batches"):
+        dynamic_sampling.collect_groups(_prompts([0, 2, 3, 5], 2), lambda: None, _fake_rollout,
+                                        metric="seq_reward", max_num_gen_batches=1, pad_id=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rollout correction
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_token_truncated_importance_weights_by_hand():
+    rollout = t([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0], [-1.0, -1.0, -1.0]])
+    old = rollout + torch.log(t([[3.0, 0.4, 1.0], [1.5, 1.0, 9.0], [4.0, 4.0, 4.0]]))
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    weights, new_mask, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_is="token",
+                                                                  rollout_is_threshold=2.0)
+    torch.testing.assert_close(weights, t([[2.0, 0.4, 1.0], [1.5, 1.0, 0.0], [0, 0, 0]]))
+    assert torch.equal(new_mask, mask)
+    applied = [2.0, 0.4, 1.0, 1.5, 1.0]
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(sum(applied) / 5)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(0.4)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # the 3.0
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 5)  # the 0.4
+    mean = sum(applied) / 5
+    assert metrics["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
+        1 / (sum((w / mean) ** 2 for w in applied) / 5))
+    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx((3.4 / 3 + 2.5 / 2) / 2)
+    # off-policy diagnostics: k1 of KL(rollout || train) is the mean of log(rollout / train) over 5 tokens
+    logs = [math.log(r) for r in (3.0, 0.4, 1.0, 1.5, 1.0)]
+    assert metrics["rollout_corr/kl"] == pytest.approx(-sum(logs) / 5)
+    assert metrics["rollout_corr/chi2_token"] == pytest.approx(sum(r * r for r in (3.0, 0.4, 1.0, 1.5, 1.0)) / 5 - 1)
+    assert metrics["rollout_corr/chi2_seq"] == pytest.approx(((3 * 0.4) ** 2 + 1.5 ** 2) / 2 - 1)
+
+
+def test_sequence_importance_weight_is_the_truncated_product():
+    rollout = torch.zeros(2, 3, dtype=torch.float64)
+    old = torch.log(t([[1.2, 1.5, 1.0], [0.5, 0.8, 7.0]]))
+    mask = t([[1, 1, 1], [1, 1, 0]])
+    weights, _, _ = algos.compute_rollout_correction(old, rollout, mask, rollout_is="sequence",
+                                                     rollout_is_threshold=1.5)
+    # row 0: 1.2 * 1.5 = 1.8, truncated to 1.5; row 1: 0.5 * 0.8 = 0.4 (the masked 7.0 does not count)
+    torch.testing.assert_close(weights, t([[1.5, 1.5, 1.5], [0.4, 0.4, 0.0]]))
+
+
+def test_rejection_masks_tokens_or_whole_responses():
+    rollout = torch.zeros(3, 3, dtype=torch.float64)
+    ratios = t([[1.0, 3.0, 1.2], [0.9, 1.1, 1.0], [0.2, 1.0, 1.0]])
+    old = torch.log(ratios)
+    mask = t([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    # token_k1 with threshold 2: a ratio outside [1/2, 2] is rejected (3.0 and 0.2)
+    _, token_mask, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_rs="token_k1",
+                                                              rollout_rs_threshold=2.0)
+    torch.testing.assert_close(token_mask, t([[1, 0, 1], [1, 1, 1], [0, 1, 0]]))
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(2 / 8)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(2 / 3)
+    # seq_mean_k3: per-token r - 1 - log r, averaged per response, must stay <= 0.1
+    k3 = (ratios - 1 - torch.log(ratios)) * mask
+    seq_mean = k3.sum(-1) / mask.sum(-1)  # (0.2347, 0.0035, 0.4047)
+    _, seq_mask, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_rs="seq_mean_k3",
+                                                            rollout_rs_threshold=0.1)
+    assert seq_mean[0] > 0.1 > seq_mean[1] and seq_mean[2] > 0.1
+    torch.testing.assert_close(seq_mask, t([[0, 0, 0], [1, 1, 1], [0, 0, 0]]))
+    assert metrics["rollout_corr/rollout_rs_seq_mean_k3_mean"] == pytest.approx(
+        float((seq_mean.unsqueeze(-1) * mask).sum() / mask.sum()))
+
+
+def test_rollout_correction_needs_tokens():
+    with pytest.raises(ValueError, match="at least one response token"):
+        algos.compute_rollout_correction(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2), rollout_is="token")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config: defaults, did-you-mean, preflight errors that name the keys
+# ---------------------------------------------------------------------------------------------------
+
+
+def _errors(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(list(overrides))
+    return str(info.value)
+
+
+def test_defaults_leave_todays_behaviour():
+    cfg = load_config([])
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+    assert cfg.algorithm.filter_groups.enable is False
+    assert cfg.algorithm.rollout_correction.rollout_is is None and cfg.algorithm.rollout_correction.rollout_rs is None
+    assert cfg.reward_model.overlong_buffer.enable is False
+
+
+def test_unknown_names_get_a_suggestion():
+    assert "did you mean gspo?" in _errors("actor_rollout_ref.actor.policy_loss.loss_mode=gpso")
+    assert "did you mean reinforce_plus_plus_baseline?" in _errors(
+        "algorithm.adv_estimator=reinforce_plus_plus_baselin")
+    assert "did you mean seq_mean_k3?" in _errors("algorithm.rollout_correction.rollout_rs=seq_mean_k4",
+                                                  "algorithm.rollout_correction.rollout_rs_threshold=2")
+    assert "did you mean acc?" in _errors("algorithm.filter_groups.metric=accc")
+
+
+def test_filter_groups_with_one_response_per_prompt_is_a_preflight_error():
+    message = _errors("algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1")
+    assert "algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got 1)" in message
+
+
+def test_loss_modes_name_the_keys_they_need():
+    message = _errors("actor_rollout_ref.actor.policy_loss.loss_mode=gspo")
+    assert "needs actor_rollout_ref.actor.clip_ratio_low and actor_rollout_ref.actor.clip_ratio_high set" in message
+    message = _errors("actor_rollout_ref.actor.policy_loss.loss_mode=cispo")
+    assert "needs actor_rollout_ref.actor.clip_ratio_high set" in message
+    load_config(["actor_rollout_ref.actor.policy_loss.loss_mode=cispo", "actor_rollout_ref.actor.clip_ratio_high=5"])
+    assert "use seq-mean-token-mean" in _errors(
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+        "actor_rollout_ref.actor.clip_ratio_high=4e-4", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum")
+
+
+def test_other_preflight_errors():
+    assert "grpo_passk needs actor_rollout_ref.rollout.n >= 2" in _errors("algorithm.adv_estimator=grpo_passk")
+    assert "reward_model.overlong_buffer.len=512 must be in (0, data.max_response_length = 512)" in _errors(
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=512")
+    assert "needs algorithm.rollout_correction.rollout_rs_threshold set" in _errors(
+        "algorithm.rollout_correction.rollout_rs=token_k2")
+    assert "must be > 1 with rollout_rs=token_k1" in _errors(
+        "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5")
+
+
+# ---------------------------------------------------------------------------------------------------
+# One short training step per new mode on a random tiny model
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.models.toy import random_toy_model
+
+    root = tmp_path_factory.mktemp("algos2026")
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=32, n_test=8, seed=0, max_ops=1)
+    reward = root / "reward_digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    return root, model, reward
+
+
+def _trainer(tiny, *extra):
+    from rlhf_core.main_ppo import build_trainer
+
+    root, model, reward = tiny
+    overrides = [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+        f"data.val_files={root / 'data' / 'test.parquet'}", f"custom_reward_function.path={reward}",
+        "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1",
+        "trainer.device=cpu", "trainer.val_before_train=false", f"trainer.default_local_dir={root / 'out'}",
+        "trainer.logger=[]", "algorithm.adv_estimator=grpo", *extra,
+    ]
+    return build_trainer(load_config(overrides))
+
+
+def _step(trainer) -> dict[str, float]:
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    for name in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/grad_norm", "critic/score/mean"):
+        assert math.isfinite(metrics[name]), name
+    return metrics
+
+
+@pytest.mark.parametrize("extra", [
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+     "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
+    ["actor_rollout_ref.actor.policy_loss.loss_mode=cispo", "actor_rollout_ref.actor.clip_ratio_high=5.0"],
+    ["algorithm.norm_adv_by_std_in_grpo=false", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+     "actor_rollout_ref.actor.loss_scale_factor=8"],
+    ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+    ["algorithm.adv_estimator=grpo_passk"],
+], ids=["gspo", "cispo", "dr_grpo", "reinforce_plus_plus_baseline", "grpo_passk"])
+def test_a_training_step_runs_in_each_new_mode(tiny, extra):
+    trainer = _trainer(tiny, *extra)
+    before = {k: v.clone() for k, v in trainer.actor.module.state_dict().items()}
+    _step(trainer)
+    changed = any(not torch.equal(v, before[k]) for k, v in trainer.actor.module.state_dict().items())
+    assert changed
+
+
+def test_remax_step_generates_a_greedy_baseline(tiny):
+    trainer = _trainer(tiny, "algorithm.adv_estimator=remax")
+    metrics = _step(trainer)
+    assert metrics["timing_s/gen_max"] > 0
+
+
+def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny):
+    trainer = _trainer(tiny, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                       "algorithm.filter_groups.max_num_gen_batches=4", "actor_rollout_ref.actor.clip_ratio_low=0.2",
+                       "actor_rollout_ref.actor.clip_ratio_high=0.28", "reward_model.overlong_buffer.enable=true",
+                       "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.log=true")
+    metrics = _step(trainer)
+    kept, dropped = metrics["train/filter_groups/kept"], metrics["train/filter_groups/dropped"]
+    assert kept + dropped == 8 * metrics["train/num_gen_batches"]
+    assert metrics["train/filter_groups/trained"] == min(kept, 8)
+    assert 1 <= metrics["train/num_gen_batches"] <= 4
+    assert metrics["critic/overlong_reward/mean"] <= 0 and 0 <= metrics["critic/overlong/ratio"] <= 1
+
+
+def test_rollout_correction_is_said_once_to_be_a_no_op_with_hf(tiny, capsys):
+    trainer = _trainer(tiny, "algorithm.rollout_correction.rollout_is=token")
+    metrics = _step(trainer)
+    _step(trainer)
+    assert capsys.readouterr().err.count("rollout_correction is a no-op") == 1
+    assert not any(name.startswith("rollout_corr/") for name in metrics)
+
+
+def test_rollout_correction_weights_an_engine_with_its_own_log_probs(tiny):
+    trainer = _trainer(tiny, "algorithm.rollout_correction.rollout_is=token",
+                       "algorithm.rollout_correction.rollout_is_threshold=1.5")
+    generate = trainer.actor.generate
+
+    def engine_with_log_probs(prompts, params):  # an engine whose log-probs are 0.5 below the trainer's
+        batch = generate(prompts, params)
+        batch["rollout_log_prob"] = trainer.actor.compute_log_prob(batch)[0] - 0.5
+        return batch
+
+    trainer.actor.generate = engine_with_log_probs
+    metrics = _step(trainer)
+    # every token's ratio is e^0.5 = 1.65, truncated to 1.5
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.5)
+    assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1.0)
+    assert metrics["rollout_corr/kl"] == pytest.approx(-0.5, abs=1e-5)
