@@ -15,6 +15,7 @@ from __future__ import annotations
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
+from rlhf_core.stats import check_alpha
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -36,8 +37,10 @@ def rlhf_rm_pipeline(
     val_files: str | list[str] | None = None,
     min_pair_accuracy: float | None = None,
     min_improvement: float = 0.0,
+    alpha: float = 0.05,
 ) -> None:
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
+    check_alpha(alpha, "alpha")  # while the pipeline compiles: a bad level fails before any step runs
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     preference_fingerprint = validate_preferences(ppo_config)
@@ -45,5 +48,5 @@ def rlhf_rm_pipeline(
     reward_spec = define_reward(ppo_config, dataset_fingerprint, after="train_reward_model")
     smoke_report = smoke_test(ppo_config, reward_spec)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_model=reward_model)
-    evaluation, _ = evaluate(ppo_config, checkpoint, training_summary)
-    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement)
+    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary)
+    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)
