@@ -379,16 +379,6 @@ def preflight(cfg: PPOConfig) -> dict:
 # ----------------------------------------------------------------------------- the trainer
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 class RewardModelTrainer:
     """The single controller: orders the pairs, drives the worker(s), validates, checkpoints, exports."""
 
@@ -546,8 +536,8 @@ class RewardModelTrainer:
 
     def _check_config(self, path: Path) -> None:
         saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
-        old = _flatten(saved.get("reward_model", {}).get("train", {}))
-        new = _flatten(dataclasses.asdict(self.rm))
+        old = ckpt._flatten(saved.get("reward_model", {}).get("train", {}))
+        new = ckpt._flatten(dataclasses.asdict(self.rm))
         differing = [k for k in new if k in old and old[k] != new[k]
                      and not any(fnmatch.fnmatchcase(k, pattern) for pattern in RESUME_SAFE)]
         if differing:
