@@ -12,11 +12,13 @@ and saves the reward and accuracy curves as a PNG.
 The ``rm`` run trains against a learned reward model instead of the rule: a Bradley-Terry reward
 model is first fitted on synthetic preference pairs of the demo task (chosen: the right final
 answer; rejected: the demo's systematic slip, :func:`rlhf_core.models.toy.with_slip`), starting
-from the demo model, by the small local :func:`train_pair_reward_model`; its held-out pair accuracy
-is reported beside the policy's held-out gold (rule) accuracy before and after PPO.
+from the demo model, by the project's reward-model trainer with the settings of
+``bench/reward_model.py``; its held-out pair accuracy is reported beside the policy's held-out gold
+(rule) accuracy before and after PPO. The pairs' questions are disjoint from the RL prompts and from
+the held-out problems.
 
     python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss,rm,dapo,gspo] [--out bench/results]
-        [--model DIR]
+        [--model DIR] [--rm-pairs 2000]
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from reward_model import run as train_reward_model  # bench/reward_model.py, beside this script
 
 from rlhf_core.config import load_config
+from rlhf_core.data.preference import write_splits
 from rlhf_core.data.schema import make_record
 from rlhf_core.data.synthetic import DATA_SOURCE, generate_problems
 from rlhf_core.main_ppo import trainer_session
@@ -70,71 +74,6 @@ def preference_pairs(n: int, seed: int, exclude: set[str]) -> list[dict]:
         if len(pairs) == n:
             break
     return pairs
-
-
-def train_pair_reward_model(base: Path, out: Path, train_pairs: list[dict], val_pairs: list[dict], steps: int,
-                            batch_pairs: int = 16, lr: float = 3e-4, seed: int = 0, max_seconds: float = 1e9) -> dict:
-    """A quick Bradley-Terry reward model: the demo model with a scalar head, trained on
-    ``-log sigmoid(r_chosen - r_rejected)`` (AdamW, constant lr, grad clip 1). Sequences are laid out as
-    PPO feeds them (chat prompt with the generation prompt, response, EOS); the score is read at the
-    last token. Stops after ``steps`` steps or ``max_seconds`` of training, whichever comes first. Saved
-    as an HF sequence-classification directory; returns held-out pair accuracies."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-    from rlhf_core.data.dataset import left_pad
-    from rlhf_core.models.toy import prompt_text
-    from rlhf_core.rewards.reward_model import sequence_scores
-
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    config = AutoConfig.from_pretrained(base, num_labels=1)
-    config.pad_token_id = tokenizer.pad_token_id
-    torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_pretrained(base, config=config)
-
-    def encode(pairs: list[dict]) -> tuple[dict, int]:
-        rows = []
-        for key in ("chosen", "rejected"):
-            for pair in pairs:
-                text = prompt_text(tokenizer, pair["question"]) + pair[key]
-                rows.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-        return left_pad(rows, tokenizer.pad_token_id), len(pairs)
-
-    @torch.no_grad()
-    def pair_accuracy(pairs: list[dict]) -> float:
-        model.eval()
-        hits = 0
-        for start in range(0, len(pairs), 128):
-            inputs, n = encode(pairs[start:start + 128])
-            scores = sequence_scores(model, **inputs)
-            hits += int((scores[:n] > scores[n:]).sum())
-        return hits / len(pairs)
-
-    before = pair_accuracy(val_pairs)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
-    started, losses = time.perf_counter(), []
-    for step in range(steps):
-        if time.perf_counter() - started > max_seconds:
-            break
-        model.train()
-        rows = torch.randint(len(train_pairs), (batch_pairs,), generator=generator).tolist()
-        inputs, n = encode([train_pairs[r] for r in rows])
-        scores = sequence_scores(model, **inputs)
-        loss = -torch.nn.functional.logsigmoid(scores[:n] - scores[n:]).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if (step + 1) % 25 == 0:
-            print(f"[rm-train] step {step + 1} loss {sum(losses[-25:]) / 25:.4f}", flush=True)
-    seconds = time.perf_counter() - started
-    after = pair_accuracy(val_pairs)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return {"path": str(out), "pair_acc_before": before, "pair_acc": after, "rm_steps": len(losses),
-            "rm_train_seconds": seconds, "rm_train_pairs": len(train_pairs), "rm_val_pairs": len(val_pairs),
-            "rm_final_loss": sum(losses[-25:]) / max(1, len(losses[-25:]))}
 
 
 def prepare_data(out: Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
@@ -247,9 +186,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
-    parser.add_argument("--rm-steps", type=int, default=300, help="Bradley-Terry steps of the rm run's reward model")
-    parser.add_argument("--rm-minutes", type=float, default=5.0, help="training-time cap of that reward model")
-    parser.add_argument("--rm-lr", type=float, default=3e-4, help="its learning rate")
+    parser.add_argument("--rm-pairs", type=int, default=2000, help="training pairs of the rm run's reward model")
+    parser.add_argument("--rm-epochs", type=int, default=1, help="its epochs over them")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -262,9 +200,16 @@ def main() -> None:
         if name == "rm":
             exclude = set(pd.read_parquet(val)["extra_info"].map(lambda e: e["question"]))
             exclude |= set(pd.read_parquet(train)["extra_info"].map(lambda e: e["question"]))
-            pairs = preference_pairs(2500, seed=args.seed + 101, exclude=exclude)
-            rm = train_pair_reward_model(model, out / "reward_model", pairs[:2000], pairs[2000:], args.rm_steps,
-                                         lr=args.rm_lr, seed=args.seed, max_seconds=60 * args.rm_minutes)
+            pairs = preference_pairs(args.rm_pairs + 500, seed=args.seed + 101, exclude=exclude)
+            for i, pair in enumerate(pairs):
+                pair["group"] = f"q{i}"
+            pair_dir = out / "data" / "preference"
+            write_splits(pair_dir, pairs[:args.rm_pairs], pairs[args.rm_pairs:], DATA_SOURCE, overwrite=True)
+            record = train_reward_model("demo", model, pair_dir, out, args.rm_epochs, lora_rank=0, steps=None)
+            rm = {"pair_acc_before": record["pair_accuracy_before"], "pair_acc": record["pair_accuracy"],
+                  "rm_steps": record["steps"], "rm_train_seconds": record["train_seconds"],
+                  "rm_train_pairs": record["train_pairs"], "rm_val_pairs": record["val_pairs"],
+                  "path": record["path"]}
             print(f"reward model: held-out pair accuracy {rm['pair_acc_before']:.3f} -> {rm['pair_acc']:.3f} in "
                   f"{rm['rm_train_seconds']:.0f} s", flush=True)
             extra = [f"reward_model.model.path={rm['path']}"]

@@ -30,7 +30,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.preference import gsm8k_solution_pairs, split_by_group, synthetic_pairs, write_splits
 from rlhf_core.data.synthetic import DATA_SOURCE
 from rlhf_core.models.toy import ensure_toy_model
-from rlhf_core.training.reward_trainer import RewardModelTrainer
+from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 #: per task: (train batch, micro batch, lr, max_length)
@@ -75,7 +75,7 @@ def run(task: str, model: Path, pairs: Path, work: Path, epochs: int, lora_rank:
     val = trainer.fit()
     seconds = time.perf_counter() - loaded
     n_val = len(trainer.val_pairs)
-    record = {"task": task, "model": str(model), "lora_rank": lora_rank, "train_pairs": len(trainer.train_pairs),
+    record = {"task": task, "model": str(model), "path": str(trainer.local_dir / HF_DIR), "lora_rank": lora_rank, "train_pairs": len(trainer.train_pairs),
               "val_pairs": n_val, "steps": trainer.global_step, "train_seconds": round(seconds, 1),
               "total_seconds": round(time.perf_counter() - started, 1),
               "pair_accuracy_before": before["val/pair_accuracy"], "pair_accuracy": val["val/pair_accuracy"],
