@@ -7,6 +7,8 @@ passes, no trainer, workers or batching machinery), timed in the same process. P
 ``trainer/floor: <ratio of median step times>`` and the per-phase comparison.
 
     python bench/ppo_step.py [--iters 5] [--model demo|random] [--hidden 128 --layers 4] [--growth]
+    python bench/ppo_step.py --growth-model outputs/smollm2-135m-instruct --growth-batch 2 --growth-response 16 \
+        --iters 1                       # the growth table (time and peak RSS per phase) of a real checkpoint
 """
 
 from __future__ import annotations
@@ -138,37 +140,119 @@ def floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
     return times
 
 
+class PhaseMemory:
+    """Peak resident memory per trainer phase: a thread samples VmRSS every 10 ms while the trainer's
+    ``timed`` phases tag which phase is running (the innermost one)."""
+
+    def __init__(self):
+        import threading
+
+        from rlhf_core.training import trainer as trainer_module
+
+        self.peaks: dict[str, float] = {}
+        self.stack: list[str] = []
+        self.module, self.original = trainer_module, trainer_module.timed
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    @staticmethod
+    def rss_gb() -> float:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 2**20  # kB -> GiB
+        return float("nan")
+
+    def _sample(self) -> None:
+        while not self.stop.wait(0.01):
+            if self.stack:
+                phase = self.stack[-1]
+                self.peaks[phase] = max(self.peaks.get(phase, 0.0), self.rss_gb())
+
+    def __enter__(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def tagged(name, timings):
+            self.stack.append(name)
+            try:
+                with self.original(name, timings):
+                    yield
+            finally:
+                self.stack.pop()
+
+        self.module.timed = tagged
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.module.timed = self.original
+
+
+def growth_shape(model: Path, work: Path, batch: int, response: int, args) -> dict:
+    """One shape of the growth table, timed (and its memory sampled) in this process."""
+    if not (work / "data" / "train.parquet").exists():
+        build_dataset(work / "data", n_train=256, n_test=8, seed=0, max_ops=1)
+    cfg = load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
+        f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
+        f"trainer.default_local_dir={work / 'growth'}", f"data.train_batch_size={batch}",
+        f"data.max_response_length={response}", f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, batch // 2)}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={max(1, batch // 2)}",
+        f"critic.ppo_micro_batch_size_per_gpu={max(1, batch // 2)}", *args.overrides,
+    ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+    with trainer_session(cfg) as trainer:
+        loaded = PhaseMemory.rss_gb()
+        prompts = trainer.train_dataset.collate(list(range(batch)))
+        with PhaseMemory() as memory:
+            runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+        n = cfg.actor_rollout_ref.rollout.n
+        return {"step": statistics.median(r["timing_s/step"] for r in runs),
+                "tokens": statistics.median(r["perf/total_num_tokens"] for r in runs),
+                "response_tokens": statistics.median(r["response_length/mean"] for r in runs) * batch * n,
+                "rss_loaded_gb": loaded, "rss_peak_gb": memory.peaks}
+
+
 def growth(model: Path, work: Path, args) -> None:
-    """Step time as the work grows: batch x2, x4 and response length x2, x4, against the base."""
-    base = {"data.train_batch_size": 16, "data.max_response_length": 32}
+    """Step time and peak memory as the work grows: batch x2, x4 and response length x2, x4, against the
+    base. Each shape runs in a fresh process, so that one shape's memory high-water mark (which the
+    allocator keeps) does not show up in the next."""
+    import json
+    import subprocess
+    import sys
+
+    batch0, response0 = args.growth_batch, args.growth_response
     shapes = [("base", 1, 1), ("batch x2", 2, 1), ("batch x4", 4, 1), ("response x2", 1, 2), ("response x4", 1, 4)]
     rows = []
     for label, batch_factor, response_factor in shapes:
-        batch, response = base["data.train_batch_size"] * batch_factor, base["data.max_response_length"] * response_factor
-        cfg = load_config([
-            f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
-            f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
-            f"trainer.default_local_dir={work / 'growth'}", f"data.train_batch_size={batch}",
-            f"data.max_response_length={response}", f"actor_rollout_ref.actor.ppo_mini_batch_size={batch // 2}",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch // 2}",
-            f"critic.ppo_micro_batch_size_per_gpu={batch // 2}", *args.overrides,
-        ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
-        with trainer_session(cfg) as trainer:
-            prompts = trainer.train_dataset.collate(list(range(batch)))
-            runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
-            step = statistics.median(r["timing_s/step"] for r in runs)
-            tokens = statistics.median(r["perf/total_num_tokens"] for r in runs)
-            response_tokens = statistics.median(r["response_length/mean"] for r in runs) * batch * cfg.actor_rollout_ref.rollout.n
-            rows.append((label, batch, response, step, tokens, response_tokens))
-    _, _, _, step0, tokens0, response0 = rows[0]
-    print(f"\ngrowth (model {model.name}, {args.iters} iterations after {args.warmup} warm-up each)")
+        batch, response = batch0 * batch_factor, response0 * response_factor
+        command = [sys.executable, __file__, "--growth-shape", f"{batch}:{response}", "--growth-model", str(model),
+                   "--work", str(work), "--iters", str(args.iters), "--warmup", str(args.warmup),
+                   "--threads", str(args.threads), *args.overrides]
+        out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        record = json.loads(out.strip().splitlines()[-1])
+        rows.append((label, batch, response, record))
+        print(f"[growth] {label}: {record['step']:.2f} s, peak RSS {max(record['rss_peak_gb'].values()):.2f} GiB",
+              flush=True)
+    base = rows[0][3]
+    phases = [p for p in ("gen", "ref", "values", "update_critic", "update_actor") if p in base["rss_peak_gb"]]
+    print(f"\ngrowth (model {model}, {args.iters} iterations after {args.warmup} warm-up each, a fresh process each)")
     print(f"{'shape':<13}{'prompts':>8}{'resp':>6}{'step s':>9}{'x time':>8}{'x tokens':>10}{'x resp tok':>11}"
-          f"{'time/token':>11}")
-    for label, batch, response, step, tokens, response_tokens in rows:
-        print(f"{label:<13}{batch:>8}{response:>6}{step:>9.3f}{step / step0:>8.2f}{tokens / tokens0:>10.2f}"
-              f"{response_tokens / response0:>11.2f}{(step / step0) / (tokens / tokens0):>11.2f}")
+          f"{'time/token':>11}{'RSS load':>9}" + "".join(f"{p[:12]:>13}" for p in phases) + f"{'x peak-load':>12}")
+    peak0 = max(base["rss_peak_gb"].values()) - base["rss_loaded_gb"]
+    for label, batch, response, r in rows:
+        x_time, x_tokens = r["step"] / base["step"], r["tokens"] / base["tokens"]
+        peak = max(r["rss_peak_gb"].values()) - r["rss_loaded_gb"]
+        print(f"{label:<13}{batch:>8}{response:>6}{r['step']:>9.3f}{x_time:>8.2f}{x_tokens:>10.2f}"
+              f"{r['response_tokens'] / base['response_tokens']:>11.2f}{x_time / x_tokens:>11.2f}"
+              f"{r['rss_loaded_gb']:>9.2f}" + "".join(f"{r['rss_peak_gb'].get(p, float('nan')):>13.2f}" for p in phases)
+              + f"{peak / peak0 if peak0 > 0 else float('nan'):>12.2f}")
     print("x time / x tokens near 1.00 means linear growth; above 1, the work grows faster than the tokens "
-          "(attention is quadratic in the sequence length; generation adds one forward per response token)")
+          "(attention is quadratic in the sequence length; generation adds one forward per response token). "
+          "RSS columns: GiB after loading, then the peak during each phase; x peak-load: the growth of the "
+          "memory the step adds above the loaded models, to set against x tokens")
 
 
 def main() -> None:
@@ -182,10 +266,25 @@ def main() -> None:
     parser.add_argument("--growth", action="store_true",
                         help="also time batch x2, x4 and response length x2, x4 (a random-weight model, whose "
                              "responses run to the length limit)")
+    parser.add_argument("--growth-model", help="a model directory for the growth table instead of the random one "
+                                               "(e.g. outputs/smollm2-135m-instruct); skips the floor comparison")
+    parser.add_argument("--growth-batch", type=int, default=16, help="prompts of the growth table's base shape")
+    parser.add_argument("--growth-response", type=int, default=32, help="response length of its base shape")
+    parser.add_argument("--growth-shape", help=argparse.SUPPRESS)  # BATCH:RESPONSE, one shape in this process
+    parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.growth_shape:
+        import json
+
+        batch, response = map(int, args.growth_shape.split(":"))
+        print(json.dumps(growth_shape(Path(args.growth_model), Path(args.work), batch, response, args)))
+        return
     work = Path(tempfile.mkdtemp(prefix="ppo_step_"))
+    if args.growth_model:
+        growth(Path(args.growth_model), work, args)
+        return
     if args.model == "demo":
         model = ensure_toy_model("demo")
     else:

@@ -37,7 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {"demo": (32, 16, 2e-3, 256), "gsm8k": (32, 8, 1e-3, 1024)}
 
 
-def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path) -> Path:
+def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path,
+            max_pairs: tuple[int | None, int | None] = (None, None)) -> Path:
     out = work / f"pairs_{task}"
     if task == "demo":
         train, val = synthetic_pairs(n_train, n_val, seed=0)
@@ -45,6 +46,7 @@ def prepare(task: str, work: Path, n_train: int, n_val: int, gsm8k_dir: Path) ->
     else:
         pairs = gsm8k_solution_pairs(gsm8k_dir / "example_model_solutions.jsonl")
         train, val = split_by_group(pairs, 0.2, seed=0)
+        train, val = train[:max_pairs[0]], val[:max_pairs[1]]  # a subset keeps the split by question
         source = "openai/gsm8k"
     write_splits(out, train, val, source, overwrite=True)
     return out
@@ -98,6 +100,8 @@ def main() -> None:
     parser.add_argument("--skip-before", action="store_true", help="do not measure the untrained head first")
     parser.add_argument("--n-train", type=int, default=2000, help="synthetic training pairs (demo)")
     parser.add_argument("--n-val", type=int, default=400, help="synthetic held-out pairs (demo)")
+    parser.add_argument("--max-train-pairs", type=int, default=None, help="gsm8k: train on the first N pairs")
+    parser.add_argument("--max-val-pairs", type=int, default=None, help="gsm8k: hold out the first N pairs")
     parser.add_argument("--work", type=Path, default=REPO / "outputs" / "bench_reward_model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
@@ -105,7 +109,8 @@ def main() -> None:
     gsm8k_dir = Path(os.environ.get("GSM8K_DIR", REPO.parent / "shared" / "data" / "gsm8k"))
     records = []
     for task in args.tasks.split(","):
-        pairs = prepare(task, args.work, args.n_train, args.n_val, gsm8k_dir)
+        pairs = prepare(task, args.work, args.n_train, args.n_val, gsm8k_dir,
+                        (args.max_train_pairs, args.max_val_pairs))
         records.append(run(task, model, pairs, args.work, args.epochs, args.lora_rank, args.steps,
                            measure_before=not args.skip_before, max_length=args.max_length))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,18 +9,22 @@ after a warm-up, measured in the same process one trainer after the other. Print
     ours/trl step time: 0.61
     ours/trl tokens per second: 1.64
 
-per model (the demo's tiny model and a random-weight ~20M-parameter one), and both trainers'
-mean reward over the last steps, so that speed is not bought with learning.
+per model (the demo's tiny model, a random-weight ~25M-parameter one on synthetic arithmetic, and
+``smollm2``: the real SmolLM2-135M-Instruct of ``make real-model`` on real GSM8K train prompts from
+``GSM8K_DIR``), and both trainers' mean reward over the last steps, so that speed is not bought
+with learning.
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 
     python bench/vs_trl.py [--steps 6] [--warmup 1] [--prompts 8] [--group 4] [--response 64]
+    python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3      # the real checkpoint
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -30,6 +34,7 @@ import pandas as pd
 import torch
 
 from rlhf_core.config import load_config
+from rlhf_core.data.gsm8k import preprocess_gsm8k
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import trainer_session
 from rlhf_core.models.toy import ensure_toy_model, random_toy_model
@@ -39,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_ours(model: Path, data: Path, args) -> dict:
-    cfg = load_config([
+    cfg = load_config([f"data.max_prompt_length={args.max_prompt}",
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}", f"data.train_batch_size={args.prompts}",
         f"data.max_response_length={args.response}", "data.shuffle=false",
@@ -129,27 +134,39 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--models", default="demo,random20m", help="demo and/or random20m")
+    parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
+    parser.add_argument("--real-model", default=str(REPO / "outputs" / "smollm2-135m-instruct"),
+                        help="the smollm2 model directory (make real-model)")
+    parser.add_argument("--gsm8k", default=os.environ.get("GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k")),
+                        help="the GSM8K release (the smollm2 run's prompts)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
-    build_dataset(work / "data", n_train=512, n_test=8, seed=0, max_ops=1, max_operand=12)
-    models = {}
+    models = {}  # name -> (model directory, prompt data directory, longest prompt in tokens)
     for name in args.models.split(","):
+        if name in ("demo", "random20m") and not (work / "data").exists():
+            build_dataset(work / "data", n_train=512, n_test=8, seed=0, max_ops=1, max_operand=12)
         if name == "demo":
-            models[name] = ensure_toy_model("demo")
-        elif name == "random20m":  # hidden 512 x 6 layers: about 19M parameters
-            models[name] = random_toy_model(work / "random20m", n_layers=6, hidden_size=512, seed=0)
+            models[name] = (ensure_toy_model("demo"), work / "data", 256)
+        elif name == "random20m":  # hidden 512 x 6 layers: about 25M parameters
+            models[name] = (random_toy_model(work / "random20m", n_layers=6, hidden_size=512, seed=0),
+                            work / "data", 256)
+        elif name == "smollm2":
+            if not (Path(args.real_model) / "config.json").is_file():
+                parser.error(f"{args.real_model} is not a model directory; run make real-model first")
+            preprocess_gsm8k(args.gsm8k, work / "gsm8k", max_rows=512)
+            models[name] = (Path(args.real_model), work / "gsm8k", 512)
         else:
-            parser.error(f"unknown model {name!r}; use demo or random20m")
+            parser.error(f"unknown model {name!r}; use demo, random20m or smollm2")
     lines = []
-    for name, model in models.items():
+    for name, (model, data, max_prompt) in models.items():
         from transformers import AutoModelForCausalLM
 
+        args.max_prompt = max_prompt
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
-        ours = run_ours(model, work / "data", args)
-        trl = run_trl(model, work / "data", args)
+        ours = run_ours(model, data, args)
+        trl = run_trl(model, data, args)
         lines += [
             f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
             f"response <= {args.response}, {args.steps} steps after {args.warmup} warm-up, {args.threads} threads",
