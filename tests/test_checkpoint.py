@@ -118,16 +118,26 @@ def scratch(trained, tmp_path):
 
 
 def _fail_on_call(monkeypatch, number: int, error: OSError):
-    real = checkpoint._write
+    """Make writing the ``number``-th file of a save raise ``error``: the checkpoint's files in
+    order, then the latest marker."""
+    real_write, real_write_text = checkpoint.CheckpointFiles.write, checkpoint.write_text_atomic
     calls = []
 
-    def write(path, fill):
+    def fail(file):
+        raise error
+
+    def write(files, rel, fill):
+        calls.append(rel)
+        real_write(files, rel, fail if len(calls) == number else fill)
+
+    def write_text(path, text):
         calls.append(path)
         if len(calls) == number:
             raise error
-        real(path, fill)
+        real_write_text(path, text)
 
-    monkeypatch.setattr(checkpoint, "_write", write)
+    monkeypatch.setattr(checkpoint.CheckpointFiles, "write", write)
+    monkeypatch.setattr(checkpoint, "write_text_atomic", write_text)
     return calls
 
 

@@ -20,11 +20,11 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from rlhf_core.atomic import staged_directory
 
 MARKER = "gguf_import.json"
 MAGIC = b"GGUF"
@@ -136,36 +136,17 @@ def _build(file: Path, staging: Path) -> dict:
     }
 
 
-def _usual_modes(folder: Path) -> None:
-    """The temporary folder and some writers' files are private to their owner; give the usual modes."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    os.chmod(folder, 0o777 & ~mask)
-    for path in folder.iterdir():
-        if path.is_file():
-            os.chmod(path, 0o666 & ~mask)
-
-
 def import_gguf(gguf_file: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> tuple[Path, bool]:
     """Import ``gguf_file`` into the HF directory ``output``; returns (output, reused)."""
     file, out = Path(gguf_file).expanduser(), Path(output).expanduser()
     if not force and file.is_file() and is_imported(out, file):  # before parsing: that takes seconds
         return out, True
     file = check_gguf(file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staged_directory(out, replace=True) as staging:
         start = time.time()
         record = _build(file, staging)
         record.update(source=source_stamp(file), import_seconds=round(time.time() - start, 1))
         (staging / MARKER).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        _usual_modes(staging)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return out, False
 
 
@@ -185,22 +166,13 @@ def cached_tokenizer(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike 
     file = check_gguf(file)
     stamp = source_stamp(file)
     final = cache / f"{file.stem}-{stamp['size']}"
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
-    try:
+
+    def same_source(folder: Path) -> bool:  # a concurrent caller's conversion of this very file: keep it
+        return (read_marker(folder) or {}).get("source") == stamp
+
+    with staged_directory(final, replace=True, keep_existing=same_source) as staging:
         AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(staging)
         (staging / MARKER).write_text(json.dumps({"source": stamp}) + "\n")
-        _usual_modes(staging)
-        if final.exists():
-            shutil.rmtree(final, ignore_errors=True)
-        try:
-            os.replace(staging, final)
-        except OSError:  # a concurrent caller got there first
-            if (read_marker(final) or {}).get("source") != stamp:
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -34,10 +34,8 @@ import math
 import os
 import random
 import re
-import shutil
 import string
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +45,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from rlhf_core.atomic import current_umask, staged_directory, write_text_atomic
 from rlhf_core.data.schema import INSTRUCTION
 from rlhf_core.data.synthetic import DATA_SOURCE, iter_problems, validate_options
 from rlhf_core.rewards.gsm8k import compute_score
@@ -218,16 +217,10 @@ def _save(model: LlamaForCausalLM, tokenizer, output_dir: Path, progress: bool =
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
     # Some writers create files readable by their owner only; give every file the usual mode.
-    mode = 0o666 & ~_umask()
+    mode = 0o666 & ~current_umask()
     for path in output_dir.iterdir():
         if path.is_file():
             os.chmod(path, mode)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -457,21 +450,6 @@ def read_marker(output_dir: str | Path) -> dict | None:
         return None
 
 
-def _write_json_atomic(data: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
     """Seed torch's global generator for the block, restoring its previous state afterwards."""
@@ -646,7 +624,7 @@ def build_toy_model(
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     record = _build_into(out, preset, seed, progress, threads or auto_threads())
-    _write_json_atomic(record, out / MARKER)
+    write_text_atomic(out / MARKER, json.dumps(record, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -669,23 +647,12 @@ def ensure_toy_model(
     marker = read_marker(final)
     if marker is not None and marker.get("hash") == settings_hash(preset, seed):
         return final
-    cache.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache))
-    try:
-        os.chmod(staging, 0o777 & ~_umask())
+
+    def finished(folder: Path) -> bool:  # a concurrent build that finished first: use it
+        return read_marker(folder) is not None  # (one without its marker was interrupted: replaced)
+
+    with staged_directory(final, replace=True, keep_existing=finished) as staging:
         build_toy_model(staging, preset, seed, force=True, progress=progress, threads=threads)
-        if final.exists():
-            if read_marker(final) is not None:  # someone else finished first
-                return final
-            shutil.rmtree(final)  # a folder left by an interrupted build
-        try:
-            os.replace(staging, final)
-        except OSError:
-            if read_marker(final) is None:  # not a concurrent build that won the race
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -60,6 +60,8 @@ import numpy as np
 import torch
 import yaml
 
+from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -204,26 +206,6 @@ def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    """fsync every file and directory under ``path`` (files written by other libraries' save functions)."""
-    for folder, _, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        _fsync_dir(Path(folder))
-
-
 def _remove(path: Path) -> None:
     """Take ``path`` out of view atomically (rename), then delete it."""
     if not path.exists():
@@ -240,24 +222,10 @@ def _remove_stale(root: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _write_latest(root: Path, step: int) -> None:
-    """Point ``latest_checkpointed_iteration.txt`` at ``step`` atomically."""
-    tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    try:
-        _write(tmp, lambda f: f.write(f"{step}\n".encode()))
-        os.replace(tmp, root / LATEST_FILE)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-    _fsync_dir(root)
-
-
 def mark_latest(root: str | os.PathLike, step: int) -> None:
     """Make the complete checkpoint of ``step`` the one a resume starts from."""
     read_manifest(step_dir(root, step))
-    _write_latest(Path(root), step)
+    write_text_atomic(Path(root) / LATEST_FILE, f"{step}\n")
 
 
 def _explain(exc: OSError, root: Path, final: Path, current: str | None) -> str:
@@ -273,8 +241,12 @@ def _explain(exc: OSError, root: Path, final: Path, current: str | None) -> str:
     return f"could not write {what}: {exc}"
 
 
-class _Files:
-    """Writes the files of one checkpoint into its temp directory and remembers their sizes."""
+class CheckpointFiles:
+    """Writes the files of one checkpoint into its staging directory and remembers their sizes.
+
+    Every file is created new and fsynced; ``sizes`` (path relative to the checkpoint: bytes) goes
+    into the manifest, and ``current`` names the file being written, for the error message.
+    """
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -299,7 +271,7 @@ class _Files:
         self.current = rel + "/"
         target = self.folder / rel
         fill(target)
-        _fsync_tree(target)
+        fsync_tree(target)
         for file in sorted(p for p in target.rglob("*") if p.is_file()):
             self.sizes[file.relative_to(self.folder).as_posix()] = file.stat().st_size
 
@@ -307,7 +279,8 @@ class _Files:
 # ----------------------------------------------------------------------------- what goes in
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """The state of every random stream (python, numpy, torch CPU and CUDA), as ``torch.save`` keeps it."""
     numpy_state = np.random.get_state(legacy=False)
     state = {
         "python": random.getstate(),
@@ -321,7 +294,8 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore the random streams :func:`rng_state` saved (CUDA only onto as many devices)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
@@ -348,7 +322,7 @@ def _write_hf(trainer, target: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _fill(files: _Files, trainer) -> list[str]:
+def _fill(files: CheckpointFiles, trainer) -> list[str]:
     parts = []
     for name, worker in trainer.workers().items():
         if worker.sharded:  # each rank writes its own shards (and generators)
@@ -364,12 +338,48 @@ def _fill(files: _Files, trainer) -> list[str]:
     files.tree(f"actor/{HF_DIR}", lambda target: _write_hf(trainer, target))
     state = {"format": FORMAT_VERSION, **trainer.state_dict(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     files.text(TRAINER_STATE, json.dumps(state, indent=1))
-    files.torch(RNG_STATE, _rng_state())
+    files.torch(RNG_STATE, rng_state())
     files.text(CONFIG_FILE, trainer.config_yaml)
     return parts
 
 
 # ----------------------------------------------------------------------------- saving
+
+
+def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[CheckpointFiles], list[str]]) -> Path:
+    """Write ``root/global_step_<step>`` atomically and mark it latest; returns its directory.
+
+    ``fill(files)`` writes the checkpoint's files through ``files`` and returns the parts it saved
+    (``["actor", "critic"]``); the manifest follows. The directory is staged as
+    ``.global_step_N.tmp-XXXX`` and renamed into place; a checkpoint of the same step (saved again
+    after resuming from an older one) is removed only once the new one is in place and marked
+    latest. Any failure leaves the checkpoints and the latest marker as they were and raises
+    :class:`CheckpointError` saying what failed.
+    """
+    root = Path(os.path.expanduser(str(root)))
+    final = step_dir(root, step)
+    previous = None
+    with contextlib.suppress(CheckpointError):
+        previous = latest_checkpoint(root)
+    intact = f"; the previous checkpoint {previous} is intact" if previous else ""
+    files: CheckpointFiles | None = None
+
+    def mark_latest_now() -> None:  # once in place; a failure here puts things back as they were
+        files.current = LATEST_FILE
+        write_text_atomic(root / LATEST_FILE, f"{step}\n")
+
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root)
+        with staged_directory(final, replace=True, after_move=mark_latest_now, usual_modes=False) as tmp:
+            files = CheckpointFiles(tmp)
+            parts = fill(files)
+            files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
+                                             "files": dict(files.sizes)}, indent=1))
+            files.current = None
+    except OSError as exc:
+        raise CheckpointError(_explain(exc, root, final, files.current if files else None) + intact) from exc
+    return final
 
 
 def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
@@ -378,51 +388,10 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
     Then marks it latest and prunes old checkpoints (``trainer.max_*_ckpt_to_keep``, never the
     latest nor ``trainer.protected_steps()``). Returns the checkpoint directory.
     """
-    root = Path(os.path.expanduser(str(root)))
-    step = int(trainer.global_step)
-    final = step_dir(root, step)
-    previous = None
-    with contextlib.suppress(CheckpointError):
-        previous = latest_checkpoint(root)
-    intact = f"; the previous checkpoint {previous} is intact" if previous else ""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale(root)
-        tmp = Path(tempfile.mkdtemp(prefix=f".global_step_{step}.tmp-", dir=root))
-    except OSError as exc:
-        raise CheckpointError(_explain(exc, root, final, None) + intact) from exc
-
-    files = _Files(tmp)
-    aside: Path | None = None
-    renamed = False
-    try:
-        parts = _fill(files, trainer)
-        files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
-                                         "files": dict(files.sizes)}, indent=1))
-        files.current = None
-        _fsync_dir(tmp)
-        if final.exists():  # a step saved again (e.g. after resuming from an older checkpoint)
-            aside = root / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, aside)
-        os.rename(tmp, final)
-        renamed = True
-        _fsync_dir(root)
-        files.current = LATEST_FILE
-        _write_latest(root, step)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if renamed:  # not marked latest: put things back as they were
-            shutil.rmtree(final, ignore_errors=True)
-        if aside is not None and aside.exists() and not final.exists():
-            os.rename(aside, final)
-        if isinstance(exc, OSError):
-            raise CheckpointError(_explain(exc, root, final, files.current) + intact) from exc
-        raise
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
+    final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer))
     cfg = trainer.config.trainer
-    prune_checkpoints(root, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep, trainer.protected_steps())
+    prune_checkpoints(final.parent, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep,
+                      trainer.protected_steps())
     return final
 
 
@@ -463,30 +432,23 @@ def export_hf(trainer, directory: str | os.PathLike) -> Path:
     target = Path(os.path.expanduser(str(directory)))
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} already exists and is not empty; export into a new directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        _write_hf(trainer, tmp)
-        _fsync_tree(tmp)
-        if target.exists():
-            target.rmdir()
-        os.rename(tmp, target)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError):
-            raise CheckpointError(_explain(exc, target.parent, target, None)) from exc
-        raise
+        with staged_directory(target, replace=True, usual_modes=False) as tmp:  # replace: an empty folder
+            _write_hf(trainer, tmp)
+    except OSError as exc:
+        raise CheckpointError(_explain(exc, target.parent, target, None)) from exc
     return target
 
 
 # ----------------------------------------------------------------------------- loading
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """A nested config tree as one level of dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -497,7 +459,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 
     Keys absent from ``saved`` (written by an older version) are not compared.
     """
-    old, new = _flatten(saved), _flatten(current)
+    old, new = flatten_config(saved), flatten_config(current)
     return [key for key in new if key in old and old[key] != new[key]
             and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
 
@@ -512,7 +474,7 @@ def check_config(path: str | os.PathLike, config) -> None:
     current = config.to_dict()
     differing = config_differences(saved, current)
     if differing:
-        old, new = _flatten(saved), _flatten(current)
+        old, new = flatten_config(saved), flatten_config(current)
         listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
@@ -520,7 +482,8 @@ def check_config(path: str | os.PathLike, config) -> None:
             "trainer.resume_mode=disable or another trainer.default_local_dir")
 
 
-def _load(path: Path, device: torch.device | str = "cpu") -> Any:
+def load_file(path: Path, device: torch.device | str = "cpu") -> Any:
+    """One ``torch.save`` file of a checkpoint (tensors and plain data only); CheckpointError if unreadable."""
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
@@ -552,10 +515,10 @@ def _load_worker(path: Path, name: str, worker) -> None:
         _load_sharded(path, name, worker)
         return
     device = worker.device
-    model = _load(path / name / "model_state.pt", device)
+    model = load_file(path / name / "model_state.pt", device)
     _check_shapes(path / name / "model_state.pt", model, worker)
-    optim = _load(path / name / "optim_state.pt", device)
-    extra = _load(path / name / "extra_state.pt", "cpu")
+    optim = load_file(path / name / "optim_state.pt", device)
+    extra = load_file(path / name / "extra_state.pt", "cpu")
     try:
         worker.load_state_dict({"model": model, **optim, **extra})
     except (RuntimeError, KeyError, ValueError) as exc:
@@ -587,7 +550,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker)
     trainer.load_state_dict(json.loads((path / TRAINER_STATE).read_text()))
-    _set_rng_state(_load(path / RNG_STATE, "cpu"))
+    set_rng_state(load_file(path / RNG_STATE, "cpu"))
     if not trainer.actor.sharded:  # sharded workers sync as they load
         trainer.actor.rollout.sync_weights()
 
@@ -605,10 +568,10 @@ def restore_weights(trainer, path: str | os.PathLike) -> None:
             _load_sharded(path, name, worker, weights_only=True)
             continue
         device = worker.device
-        model = _load(path / name / "model_state.pt", device)
+        model = load_file(path / name / "model_state.pt", device)
         _check_shapes(path / name / "model_state.pt", model, worker)
         worker.load_model_state_dict(model)
-        worker.optimizer.load_state_dict(_load(path / name / "optim_state.pt", device)["optimizer"])
+        worker.optimizer.load_state_dict(load_file(path / name / "optim_state.pt", device)["optimizer"])
         for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
             group["lr"] = lr
     if not trainer.actor.sharded:
@@ -619,7 +582,7 @@ def load_model_state(path: str | os.PathLike, part: str = "actor") -> dict[str, 
     """The saved ``state_dict`` of a checkpoint's actor or critic model."""
     path = Path(path)
     read_manifest(path)
-    return _load(path / part / "model_state.pt")
+    return load_file(path / part / "model_state.pt")
 
 
 def check_writable(root: str | os.PathLike) -> None:

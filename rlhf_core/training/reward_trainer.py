@@ -38,9 +38,7 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +46,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from rlhf_core.atomic import staged_directory
 from rlhf_core.config import ConfigError, PPOConfig, RewardTrainConfig, load_config
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.preference import PreferenceDataError, read_preferences
@@ -486,7 +485,7 @@ class RewardModelTrainer:
         path = ckpt.latest_checkpoint(self.local_dir)
         return ckpt.step_of(path) if path is not None else None
 
-    def _fill(self, files) -> None:
+    def _fill(self, files: ckpt.CheckpointFiles) -> list[str]:
         if getattr(self.worker, "sharded", False):
             files.tree(PART, self.worker.save_shards)
         else:
@@ -498,33 +497,13 @@ class RewardModelTrainer:
         files.text(ckpt.TRAINER_STATE, json.dumps({"format": ckpt.FORMAT_VERSION, "global_step": self.global_step,
                                                    "epoch": epoch, "step_in_epoch": position,
                                                    "total_steps": self.total_steps}, indent=1))
-        files.torch(ckpt.RNG_STATE, ckpt._rng_state())
+        files.torch(ckpt.RNG_STATE, ckpt.rng_state())
         files.text(ckpt.CONFIG_FILE, self.cfg.to_yaml())
+        return [PART]
 
     def save(self) -> Path:
         """``global_step_N`` written into a temp directory, renamed into place, then marked latest."""
-        root, step = self.local_dir, self.global_step
-        final = ckpt.step_dir(root, step)
-        root.mkdir(parents=True, exist_ok=True)
-        ckpt._remove_stale(root)
-        tmp = Path(tempfile.mkdtemp(prefix=f".global_step_{step}.tmp-", dir=root))
-        files = ckpt._Files(tmp)
-        try:
-            self._fill(files)
-            files.text(ckpt.MANIFEST, json.dumps({"format": ckpt.FORMAT_VERSION, "step": step, "parts": [PART],
-                                                  "files": dict(files.sizes)}, indent=1))
-            ckpt._fsync_dir(tmp)
-            if final.exists():
-                ckpt._remove(final)
-            os.rename(tmp, final)
-            ckpt._fsync_dir(root)
-            ckpt._write_latest(root, step)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError):
-                raise ckpt.CheckpointError(ckpt._explain(exc, root, final, files.current)) from exc
-            raise
-        return final
+        return ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
 
     def _resume_path(self) -> Path | None:
         rm = self.rm
@@ -536,8 +515,8 @@ class RewardModelTrainer:
 
     def _check_config(self, path: Path) -> None:
         saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
-        old = ckpt._flatten(saved.get("reward_model", {}).get("train", {}))
-        new = ckpt._flatten(dataclasses.asdict(self.rm))
+        old = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}))
+        new = ckpt.flatten_config(dataclasses.asdict(self.rm))
         differing = [k for k in new if k in old and old[k] != new[k]
                      and not any(fnmatch.fnmatchcase(k, pattern) for pattern in RESUME_SAFE)]
         if differing:
@@ -555,30 +534,20 @@ class RewardModelTrainer:
         if getattr(self.worker, "sharded", False):
             self.worker.load_shards(path / PART)
         else:
-            model = ckpt._load(path / PART / "model_state.pt")
-            optim = ckpt._load(path / PART / "optim_state.pt")
-            extra = ckpt._load(path / PART / "extra_state.pt")
+            model = ckpt.load_file(path / PART / "model_state.pt")
+            optim = ckpt.load_file(path / PART / "optim_state.pt")
+            extra = ckpt.load_file(path / PART / "extra_state.pt")
             self.worker.load_state_dict({"model": model, **optim, **extra})
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         self.global_step = int(state["global_step"])
-        ckpt._set_rng_state(ckpt._load(path / ckpt.RNG_STATE))
+        ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         print(f"resumed the reward model from {path} (step {self.global_step})", file=sys.stderr)
 
     def export(self, target: Path) -> Path:
         """The model and tokenizer as a HF directory, written beside ``target`` and renamed into place."""
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-        try:
-            with _no_hf_bars():
-                self.worker.save_hf(tmp)
-                self.tokenizer.save_pretrained(tmp)
-            ckpt._fsync_tree(tmp)
-            if target.exists():
-                ckpt._remove(target)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with staged_directory(target, replace=True, usual_modes=False) as tmp, _no_hf_bars():
+            self.worker.save_hf(tmp)
+            self.tokenizer.save_pretrained(tmp)
         return target
 
     def shutdown(self) -> None:

@@ -1,0 +1,178 @@
+"""Publishing files and directories atomically: build beside the target, fsync, rename into place.
+
+A reader (another process, or this one after a crash) sees either the old target or the complete
+new one, never a half-written one::
+
+    with staged_directory(out, replace=True) as staging:
+        model.save_pretrained(staging)          # out appears only if this block finishes
+
+    write_text_atomic(root / "latest_checkpointed_iteration.txt", "12\\n")
+
+The staging folder lies in the target's own directory, so the final move is a rename on one
+filesystem. Its name starts with ``.<target name>.tmp-`` and a replaced target is set aside as
+``.<target name>.old-...``: a process killed midway leaves only such dot-names, which the owner of
+the directory may sweep up (checkpoints do). This module imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_usual_modes(folder: str | os.PathLike) -> None:
+    """Give ``folder``, the folders and the files under it the modes a plain ``mkdir`` / ``open`` would
+    (0o777 / 0o666 less the umask): ``mkdtemp`` and some writers make them private to their owner."""
+    mask = current_umask()
+    for parent, _, files in os.walk(folder):
+        os.chmod(parent, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(parent, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so that the names created or renamed in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: str | os.PathLike) -> None:
+    """fsync every file and directory under ``path`` (files written by other libraries' save functions)."""
+    for folder, _, files in os.walk(path):
+        for name in files:
+            file = os.path.join(folder, name)
+            if os.path.islink(file):
+                continue
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(folder)
+
+
+def _aside_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+
+
+@contextlib.contextmanager
+def staged_directory(
+    target: str | os.PathLike,
+    replace: bool = False,
+    *,
+    keep_existing: Callable[[Path], bool] | None = None,
+    after_move: Callable[[], None] | None = None,
+    usual_modes: bool = True,
+) -> Iterator[Path]:
+    """Yield an empty staging folder beside ``target``; on a clean exit publish it as ``target``.
+
+    Publishing gives the usual modes (``usual_modes``; False keeps the staging folder's
+    owner-only 0o700), fsyncs the whole tree, renames it to ``target`` and fsyncs the parent.
+    On an exception inside the block the staging folder is removed, ``target`` is left as it
+    was, and the exception propagates. The parent directory is created if missing.
+
+    Where ``target`` already exists when the block ends:
+
+    * ``keep_existing(target)`` true: it is kept and the staged folder discarded (another process
+      published an equivalent result first). Also asked when the rename fails because such a
+      result appeared at that moment;
+    * otherwise, without ``replace``: :class:`FileExistsError`, and nothing changes;
+    * with ``replace``: the old target is renamed aside, the new one renamed into place, and the
+      old one removed only then. If the rename fails the old one is put back.
+
+    ``after_move()`` runs once the new folder is in place and before an old one is removed (e.g.
+    marking it the latest checkpoint); if it raises, the new folder is removed, the old one put
+    back, and its exception propagates.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield staging
+        if usual_modes:
+            give_usual_modes(staging)
+        fsync_tree(staging)
+        _publish(staging, target, replace, keep_existing, after_move)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, target: Path, replace: bool, keep_existing: Callable[[Path], bool] | None,
+             after_move: Callable[[], None] | None) -> None:
+    aside: Path | None = None
+    if target.exists():
+        if keep_existing is not None and keep_existing(target):
+            return
+        if not replace:
+            raise FileExistsError(f"{target} already exists; remove it or publish with replace=True")
+        aside = _aside_name(target)
+        os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if aside is not None and not target.exists():
+            os.rename(aside, target)
+            raise
+        if target.exists() and keep_existing is not None and keep_existing(target):
+            if aside is not None:
+                shutil.rmtree(aside, ignore_errors=True)
+            return
+        raise
+    try:
+        fsync_dir(target.parent)
+        if after_move is not None:
+            after_move()
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        if aside is not None and not target.exists():
+            os.rename(aside, target)
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on a clean exit it replaces ``path`` atomically.
+
+    The block writes the file at the yielded path (by name: ``to_parquet(tmp)``, ``open(tmp, "w")``).
+    On exit it gets the usual mode (0o666 less the umask), is fsynced, renamed over ``path`` with
+    ``os.replace``, and the directory fsynced. On an exception the temporary file is removed.
+    """
+    path = Path(path)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        os.chmod(tmp, 0o666 & ~current_umask())
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically: readers see the old text or the new, whole."""
+    with staged_file(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")

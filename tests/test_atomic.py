@@ -1,0 +1,217 @@
+"""Publishing directories and files atomically (rlhf_core.atomic)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pytest
+
+from rlhf_core import atomic
+from rlhf_core.atomic import staged_directory, write_text_atomic
+
+
+def _entries(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _contents(folder):
+    return {p.name: p.read_text() for p in folder.iterdir()}
+
+
+@pytest.fixture
+def old(tmp_path):
+    """An existing target holding one file."""
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    return target
+
+
+@pytest.fixture
+def umask_027():
+    before = os.umask(0o027)
+    yield
+    os.umask(before)
+
+
+def test_target_appears_only_on_a_clean_exit(tmp_path):
+    target = tmp_path / "sub" / "model"  # the parent is created
+    with staged_directory(target) as staging:
+        assert staging.parent == target.parent and staging.name.startswith(".model.tmp-")
+        (staging / "weights.bin").write_text("w")
+        (staging / "nested").mkdir()
+        (staging / "nested" / "a.txt").write_text("a")
+        assert not target.exists()
+    assert _entries(target) == ["nested", "weights.bin"]
+    assert (target / "weights.bin").read_text() == "w" and (target / "nested" / "a.txt").read_text() == "a"
+    assert _entries(target.parent) == ["model"]
+
+
+def test_an_exception_inside_leaves_no_target_and_no_staging(tmp_path):
+    target = tmp_path / "model"
+    with pytest.raises(RuntimeError, match="build failed"):
+        with staged_directory(target) as staging:
+            (staging / "half.bin").write_text("half")
+            raise RuntimeError("build failed")
+    assert _entries(tmp_path) == []
+
+
+def test_an_exception_inside_leaves_an_existing_target_untouched(old):
+    with pytest.raises(KeyboardInterrupt):
+        with staged_directory(old, replace=True) as staging:
+            (staging / "new.txt").write_text("new")
+            raise KeyboardInterrupt
+    assert _contents(old) == {"old.txt": "old"}
+    assert _entries(old.parent) == ["model"]
+
+
+def test_replace_swaps_in_the_new_content_and_removes_the_old(old):
+    with staged_directory(old, replace=True) as staging:
+        (staging / "new.txt").write_text("new")
+    assert _contents(old) == {"new.txt": "new"}
+    assert _entries(old.parent) == ["model"]  # the old one set aside is gone too
+
+
+def test_without_replace_an_existing_target_is_an_error_and_stays(old):
+    with pytest.raises(FileExistsError, match="model already exists"):
+        with staged_directory(old) as staging:
+            (staging / "new.txt").write_text("new")
+    assert _contents(old) == {"old.txt": "old"}
+    assert _entries(old.parent) == ["model"]
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_keep_existing_keeps_an_accepted_target_and_discards_the_staged_one(old, replace):
+    with staged_directory(old, replace=replace, keep_existing=lambda folder: (folder / "old.txt").exists()) as s:
+        (s / "new.txt").write_text("new")
+    assert _contents(old) == {"old.txt": "old"}
+    assert _entries(old.parent) == ["model"]
+
+
+def test_keep_existing_refusing_the_target_lets_replace_go_ahead(old):
+    with staged_directory(old, replace=True, keep_existing=lambda folder: False) as staging:
+        (staging / "new.txt").write_text("new")
+    assert _contents(old) == {"new.txt": "new"}
+
+
+def _failing_rename_into(target, monkeypatch, before_failing=None):
+    """os.rename raises (EXDEV) when it is asked to move a staging folder onto ``target``."""
+    real = os.rename
+
+    def rename(src, dst):
+        if os.fspath(dst) == os.fspath(target) and ".tmp-" in os.fspath(src):
+            if before_failing is not None:
+                before_failing()
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", rename)
+
+
+def test_a_failed_move_puts_the_old_target_back(old, monkeypatch):
+    _failing_rename_into(old, monkeypatch)
+    with pytest.raises(OSError, match="cross-device"):
+        with staged_directory(old, replace=True) as staging:
+            (staging / "new.txt").write_text("new")
+    assert _contents(old) == {"old.txt": "old"}
+    assert _entries(old.parent) == ["model"]
+
+
+def test_a_failed_move_without_a_target_leaves_nothing(tmp_path, monkeypatch):
+    target = tmp_path / "model"
+    _failing_rename_into(target, monkeypatch)
+    with pytest.raises(OSError, match="cross-device"):
+        with staged_directory(target) as staging:
+            (staging / "new.txt").write_text("new")
+    assert _entries(tmp_path) == []
+
+
+def test_a_concurrent_writer_that_wins_the_race_is_kept_when_accepted(tmp_path, monkeypatch):
+    target = tmp_path / "model"
+
+    def theirs_lands_first():
+        target.mkdir()
+        (target / "done").write_text("theirs")
+
+    _failing_rename_into(target, monkeypatch, theirs_lands_first)
+    with staged_directory(target, keep_existing=lambda folder: (folder / "done").exists()) as staging:
+        (staging / "done").write_text("mine")
+    assert _contents(target) == {"done": "theirs"}
+    assert _entries(tmp_path) == ["model"]
+
+
+def test_a_concurrent_writer_that_is_not_accepted_makes_the_move_fail(tmp_path, monkeypatch):
+    target = tmp_path / "model"
+    _failing_rename_into(target, monkeypatch, lambda: target.mkdir())
+    with pytest.raises(OSError, match="cross-device"):
+        with staged_directory(target, keep_existing=lambda folder: (folder / "done").exists()) as staging:
+            (staging / "done").write_text("mine")
+    assert _entries(tmp_path) == ["model"] and _entries(target) == []
+
+
+def test_after_move_runs_with_the_new_target_in_place_and_a_failure_restores_the_old(old):
+    seen = []
+
+    def mark():
+        seen.append(_contents(old))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        with staged_directory(old, replace=True, after_move=mark) as staging:
+            (staging / "new.txt").write_text("new")
+    assert seen == [{"new.txt": "new"}]
+    assert _contents(old) == {"old.txt": "old"}
+    assert _entries(old.parent) == ["model"]
+
+
+def test_after_move_failing_without_an_old_target_removes_the_new_one(tmp_path):
+    target = tmp_path / "model"
+    with pytest.raises(ValueError):
+        with staged_directory(target, after_move=lambda: int("x")) as staging:
+            (staging / "new.txt").write_text("new")
+    assert _entries(tmp_path) == []
+
+
+def test_published_folders_get_the_usual_modes(tmp_path, umask_027):
+    target = tmp_path / "model"
+    with staged_directory(target) as staging:
+        (staging / "nested").mkdir()
+        for path in (staging / "a.txt", staging / "nested" / "b.txt"):
+            path.write_text("x")
+            os.chmod(path, 0o600)  # as some writers leave them
+    modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
+             for p in [target, target / "a.txt", target / "nested", target / "nested" / "b.txt"]}
+    assert modes == {"model": 0o750, "model/a.txt": 0o640, "model/nested": 0o750, "model/nested/b.txt": 0o640}
+
+
+def test_usual_modes_off_keeps_the_staging_folder_private(tmp_path, umask_027):
+    target = tmp_path / "model"
+    with staged_directory(target, usual_modes=False) as staging:
+        (staging / "a.txt").write_text("x")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o700
+    assert stat.S_IMODE((target / "a.txt").stat().st_mode) == 0o640  # as open() made it
+
+
+def test_write_text_atomic_writes_replaces_and_leaves_no_temp_file(tmp_path, umask_027):
+    path = tmp_path / "latest.txt"
+    write_text_atomic(path, "1\n")
+    write_text_atomic(path, "2\n")
+    assert path.read_text() == "2\n"
+    assert _entries(tmp_path) == ["latest.txt"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # not mkstemp's 0o600
+
+
+def test_write_text_atomic_failing_keeps_the_old_text_and_no_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "latest.txt"
+    path.write_text("1\n")
+
+    def replace(src, dst):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(atomic.os, "replace", replace)
+    with pytest.raises(OSError, match="I/O error"):
+        write_text_atomic(path, "2\n")
+    assert path.read_text() == "1\n"
+    assert _entries(tmp_path) == ["latest.txt"]
