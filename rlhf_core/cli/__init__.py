@@ -1,0 +1,1 @@
+"""The project's commands: argument parsing, printing and exit codes, one module per role."""
