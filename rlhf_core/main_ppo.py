@@ -243,7 +243,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     that trains call this. Signal handlers are installed only when ``handle_signals`` and
     ``trainer.save_on_interrupt`` are on and this is the main thread (Python delivers signals there
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
-    Raises the errors :func:`main` turns into exit codes.
+    Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes.
     """
     from rlhf_core.training.tracking import Tracking
 
