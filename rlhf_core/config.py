@@ -928,28 +928,6 @@ def _sub_yaml(instance: Any, indent: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.config", description="Print the resolved PPO config tree as YAML."
-    )
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
-    parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
-    parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
-                        "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
-    args = parser.parse_args(argv)
-    if args.defaults:
-        sys.stdout.write(defaults_yaml())
-        return 0
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    sys.stdout.write(cfg.to_yaml())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.config import config
+    sys.exit(config())

@@ -16,7 +16,6 @@ Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrup
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import signal
@@ -30,7 +29,7 @@ from typing import TYPE_CHECKING
 import pandas as pd
 import torch
 
-from rlhf_core.config import ConfigError, PPOConfig, load_config
+from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import DataError, RLHFDataset, check_files
 from rlhf_core.models.loading import (
     ModelError,
@@ -48,9 +47,7 @@ from rlhf_core.training.checkpoint import (
     check_writable,
     find_resume_checkpoint,
 )
-from rlhf_core.training.guards import GuardError, TrainingInterrupted
-from rlhf_core.training.monitoring import PortInUseError, PrometheusExporter
-from rlhf_core.workers.group import WorkerError
+from rlhf_core.training.monitoring import PrometheusExporter
 
 if TYPE_CHECKING:  # the trainer (and the models) load only once a run starts
     from rlhf_core.training.trainer import StepResult
@@ -246,7 +243,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     that trains call this. Signal handlers are installed only when ``handle_signals`` and
     ``trainer.save_on_interrupt`` are on and this is the main thread (Python delivers signals there
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
-    Raises the errors :func:`main` turns into exit codes.
+    Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes.
     """
     from rlhf_core.training.tracking import Tracking
 
@@ -297,29 +294,6 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-        result = run(cfg)
-    except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except (GuardError, WorkerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except TrainingInterrupted as exc:
-        print(exc, file=sys.stderr)
-        return 128 + exc.signal_number
-    acc = result.final_val_acc
-    print(f"done: {result.steps} steps in {result.wall_s:.0f} s"
-          + (f"; final validation accuracy {acc:.3f}" if acc is not None else ""))
-    print(f"outputs: {result.local_dir}" + (f" (metrics: {result.metrics_file})" if result.metrics_file else ""))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.train import ppo
+    sys.exit(ppo())

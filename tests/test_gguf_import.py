@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 
-from rlhf_core.models.gguf import GGUFImportError, import_gguf, main, package_gguf
+from rlhf_core.cli.models import gguf
+from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
 
 
 def _one_line_error(capsys) -> str:
@@ -17,21 +18,21 @@ def _one_line_error(capsys) -> str:
 
 
 def test_a_missing_file_is_a_one_line_error_with_exit_2(tmp_path, capsys):
-    assert main(["--gguf", str(tmp_path / "nope.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--gguf", str(tmp_path / "nope.gguf"), "--output", str(tmp_path / "out")]) == 2
     assert f"--gguf {tmp_path / 'nope.gguf'}: no such file" in _one_line_error(capsys)
     assert not (tmp_path / "out").exists()
 
 
 def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
     (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip archive, not a model")
-    assert main(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2
     assert "not a GGUF file (starts with b'PK\\x03\\x04', expected b'GGUF')" in _one_line_error(capsys)
 
 
 def test_a_corrupt_gguf_header_is_a_one_line_error(tmp_path, capsys):
     pytest.importorskip("gguf")
     (tmp_path / "broken.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 40)
-    assert main(["--gguf", str(tmp_path / "broken.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--gguf", str(tmp_path / "broken.gguf"), "--output", str(tmp_path / "out")]) == 2
     assert "corrupt or truncated GGUF file" in _one_line_error(capsys)
     assert list(tmp_path.iterdir()) == [tmp_path / "broken.gguf"]  # no half-written output left behind
 
@@ -45,14 +46,14 @@ def test_a_truncated_real_file_is_a_one_line_error(tmp_path, capsys):
         pytest.skip(str(exc))
     with open(source, "rb") as full, open(tmp_path / "cut.gguf", "wb") as cut:
         cut.write(full.read(4 << 20))  # the header and the vocabulary, a few tensors, then nothing
-    assert main(["--gguf", str(tmp_path / "cut.gguf"), "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--gguf", str(tmp_path / "cut.gguf"), "--output", str(tmp_path / "out")]) == 2
     assert "cut.gguf: corrupt or truncated GGUF file" in _one_line_error(capsys)
 
 
 def test_a_package_without_a_gguf_file_is_named(tmp_path, capsys):
-    assert main(["--package", "no_such_package_here", "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--package", "no_such_package_here", "--output", str(tmp_path / "out")]) == 2
     assert "--package no_such_package_here: not installed" in _one_line_error(capsys)
-    assert main(["--package", "pytest", "--output", str(tmp_path / "out")]) == 2
+    assert gguf(["--package", "pytest", "--output", str(tmp_path / "out")]) == 2
     assert "expected one .gguf file" in _one_line_error(capsys)
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, main, preprocess_gsm8k
+from rlhf_core.cli.data import gsm8k
+from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, preprocess_gsm8k
 from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -128,30 +129,30 @@ def test_deterministic(gsm8k_dir, jsonl_out, tmp_path):
 def test_refuses_to_overwrite(tmp_path, capsys):
     source = _small_release(tmp_path / "in")
     out = tmp_path / "out"
-    assert main(["--input", str(source), "--output", str(out)]) == 0
+    assert gsm8k(["--input", str(source), "--output", str(out)]) == 0
     before = (out / "train.parquet").read_bytes()
     capsys.readouterr()
 
     with pytest.raises(FileExistsError, match="--overwrite"):
         preprocess_gsm8k(source, out)
-    assert main(["--input", str(source), "--output", str(out)]) == 2
+    assert gsm8k(["--input", str(source), "--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err and "Traceback" not in err
     assert (out / "train.parquet").read_bytes() == before
 
-    assert main(["--input", str(source), "--output", str(out), "--overwrite"]) == 0
+    assert gsm8k(["--input", str(source), "--output", str(out), "--overwrite"]) == 0
     assert (out / "train.parquet").read_bytes() == before
 
 
 def test_max_rows_keeps_the_first_rows_of_each_split(tmp_path, capsys):
     source = _small_release(tmp_path / "in")  # 3 train rows, 2 test rows
-    assert main(["--input", str(source), "--output", str(tmp_path / "out"), "--max-rows", "2"]) == 0
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out"), "--max-rows", "2"]) == 0
     train, test = (pd.read_parquet(tmp_path / "out" / f"{name}.parquet") for name in ("train", "test"))
     assert [r["ground_truth"] for r in train["reward_model"]] == ["1", "2"]
     assert [r["ground_truth"] for r in test["reward_model"]] == ["1", "2"]
     assert "train: 2 rows" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["--input", str(source), "--output", str(tmp_path / "other"), "--max-rows", "0"])
+        gsm8k(["--input", str(source), "--output", str(tmp_path / "other"), "--max-rows", "0"])
 
 
 def test_module_entry_point(tmp_path):
@@ -186,7 +187,7 @@ def _with_bad_row() -> list[dict]:
 
 def test_invalid_row_is_reported_and_fails(tmp_path, capsys):
     source = _small_release(tmp_path / "in", train=_with_bad_row())
-    assert main(["--input", str(source), "--output", str(tmp_path / "out")]) == 1
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
     assert str(source / "train.jsonl") in err
@@ -200,7 +201,7 @@ def test_invalid_row_is_reported_and_fails(tmp_path, capsys):
 def test_skip_invalid_counts_and_keeps_source_index(tmp_path, capsys):
     source = _small_release(tmp_path / "in", train=_with_bad_row())
     out = tmp_path / "out"
-    assert main(["--input", str(source), "--output", str(out), "--skip-invalid"]) == 0
+    assert gsm8k(["--input", str(source), "--output", str(out), "--skip-invalid"]) == 0
     captured = capsys.readouterr()
     assert "train: 2 rows" in captured.out and "skipped 1 invalid row" in captured.out
     assert "test: 2 rows" in captured.out and "skipped 0 invalid row" in captured.out
@@ -223,7 +224,7 @@ def test_missing_column_in_parquet(tmp_path, capsys):
         folder / "train-00000-of-00001.parquet"
     )
     pd.DataFrame({"question": ["q"], "answer": ["#### 1"]}).to_parquet(folder / "test-00000-of-00001.parquet")
-    assert main(["--input", str(folder), "--output", str(tmp_path / "out")]) == 1
+    assert gsm8k(["--input", str(folder), "--output", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "train-00000-of-00001.parquet" in err and "missing column(s) ['answer']" in err
     assert "found columns ['question', 'solution']" in err
@@ -243,7 +244,7 @@ def test_malformed_json_line(tmp_path):
 def test_unknown_layout_lists_what_was_looked_for(tmp_path, capsys):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "notes.txt").write_text("nothing here")
-    assert main(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]) == 1
+    assert gsm8k(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "no GSM8K data found" in err and "Traceback" not in err
     for looked_for in ("train.jsonl", "test.jsonl", "main/train-*.parquet", "train-*.parquet"):

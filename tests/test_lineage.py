@@ -7,7 +7,8 @@ import json
 import pytest
 from test_pipeline import trained_model, zenml_client
 
-from rlhf_core.pipeline.lineage import lineage, main
+from rlhf_core.cli import pipeline as cli
+from rlhf_core.pipeline.lineage import lineage
 
 CHAIN = ["data", "validation", "reward", "smoke test", "checkpoint", "evaluation", "promotion"]
 
@@ -44,21 +45,21 @@ def test_production_lineage_links_every_stage_to_its_artifacts(trained):
 def test_cli_prints_the_chain_and_json(trained, capsys):
     model, _ = trained
     client = zenml_client()
-    assert main(["--model", model], client=client) == 0
+    assert cli.lineage(["--model", model], client=client) == 0
     text = capsys.readouterr().out
     for stage in CHAIN[1:]:
         assert f"-> {stage}: step " in text
     assert "(stage: production)" in text
     assert "decision_reason: promoted" in text
 
-    assert main(["--model", model, "--version", "1", "--json"], client=client) == 0
+    assert cli.lineage(["--model", model, "--version", "1", "--json"], client=client) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["number"] == 1
     assert record["chain"][-1]["stage"] == "promotion"
 
 
 def test_cli_names_what_is_missing(trained, capsys):
-    assert main(["--model", "no-such-model"], client=zenml_client()) == 2
+    assert cli.lineage(["--model", "no-such-model"], client=zenml_client()) == 2
     assert "error:" in capsys.readouterr().err
 
 
@@ -68,7 +69,7 @@ def test_lineage_shows_the_problems_the_version_fixed_and_broke(trained, capsys)
     table = client.get_pipeline_run(first_run_id).steps["evaluate"].outputs["per_problem"][0].load()
     fixed = table[~table["base_correct"] & table["candidate_correct"]]
     broken = table[table["base_correct"] & ~table["candidate_correct"]]
-    assert main(["--model", model, "--version", "1"], client=client) == 0
+    assert cli.lineage(["--model", model, "--version", "1"], client=client) == 0
     text = capsys.readouterr().out
     assert f"against the base: fixed {len(fixed)}, broke {len(broken)} problem(s)" in text
     shown = [line for line in text.splitlines() if line.strip().startswith(("fixed ", "broken "))]

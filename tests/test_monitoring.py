@@ -16,8 +16,8 @@ import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from rlhf_core.cli.train import ppo
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import main
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training.monitoring import GAUGES, PortInUseError, PrometheusExporter
 
@@ -116,7 +116,7 @@ def test_cli_serves_gauges_during_the_run_and_warns_on_thresholds(tiny_run, caps
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        code = main([*tiny_run, f"trainer.prometheus_port={port}", "trainer.logger=[console]",
+        code = ppo([*tiny_run, f"trainer.prometheus_port={port}", "trainer.logger=[console]",
                      "trainer.warn_kl=1e-12", "trainer.warn_grad_norm=1e-12"])
     finally:
         done.set()

@@ -8,12 +8,12 @@ import re
 import pandas as pd
 import pytest
 
+from rlhf_core.cli.data import preference
 from rlhf_core.data.preference import (
     GSM8K_MODELS,
     PREFERENCE_COLUMNS,
     PreferenceDataError,
     gsm8k_solution_pairs,
-    main,
     read_preferences,
     split_by_group,
     synthetic_pairs,
@@ -97,7 +97,7 @@ def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
         _row(f"Q{i}", [(f"right {i}", True), (f"wrong {i}", False), (f"bad {i}", False), (f"right2 {i}", True)])
         for i in range(20)) + "\n")
     out = tmp_path / "pairs"
-    assert main(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.25"]) == 0
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.25"]) == 0
     assert "test" in capsys.readouterr().err  # the warning about GSM8K test questions
     train, val = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
     assert tuple(train.columns) == tuple(val.columns) == PREFERENCE_COLUMNS
@@ -106,12 +106,12 @@ def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
     assert list(train["prompt"].iloc[0][0].keys()) == ["role", "content"]
     assert set(train["data_source"]) == {"openai/gsm8k"}
     # an existing output is kept
-    assert main(["--gsm8k-solutions", str(source), "--output", str(out)]) == 2
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out)]) == 2
 
 
 def test_help_says_the_questions_are_gsm8k_test(capsys):
     with pytest.raises(SystemExit):
-        main(["--help"])
+        preference(["--help"])
     assert "GSM8K *test* questions" in capsys.readouterr().out
 
 

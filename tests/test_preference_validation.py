@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 from test_validation import char_tokenizer, chat_tokenizer_dir, failed, plant, write  # noqa: F401 (fixtures)
 
+from rlhf_core.cli.data import validate
 from rlhf_core.data.schema import PREFERENCE_COLUMNS
 from rlhf_core.data.validation import (
     ValidationReport,
     detect_kind,
     fingerprint,
-    main,
     validate_dataset,
     validate_frames,
     validate_preference_files,
@@ -236,7 +236,7 @@ def test_budget_options_are_checked():
 def test_missing_rejected_is_exit_1_naming_the_column(tmp_path, capsys):
     rows = [{k: v for k, v in row.items() if k != "rejected"} for row in pairs(3)]
     path = write(tmp_path / "train.parquet", rows)
-    assert main([str(path)]) == 1
+    assert validate([str(path)]) == 1
     out = capsys.readouterr().out
     assert "FAILED column_exists [train.rejected]" in out and "column 'rejected' is missing" in out
     assert "skipped: train: rejected_non_empty (needs column 'rejected')" in out
@@ -248,7 +248,7 @@ def test_missing_rejected_is_exit_1_naming_the_column(tmp_path, capsys):
 def test_prompt_without_chosen_rejected_or_reward_model_is_exit_1_naming_the_columns(tmp_path, capsys):
     rows = [{k: v for k, v in row.items() if k not in ("chosen", "rejected")} for row in pairs(3)]
     path = write(tmp_path / "train.parquet", rows)
-    assert main([str(path)]) == 1
+    assert validate([str(path)]) == 1
     out = capsys.readouterr().out
     assert "neither prompt nor preference data" in out
     missing = [line.split("[train.")[1].split("]")[0] for line in out.splitlines()
@@ -262,13 +262,13 @@ def test_cli_checks_a_preference_file_and_its_val(tmp_path, capsys):
     val[1] = copy.deepcopy(pairs(4)[0])
     val_path = write(tmp_path / "val.parquet", val)
     html_path = tmp_path / "report.html"
-    assert main([str(train), "--val", str(val_path), "--max-chars", "500", "--html", str(html_path)]) == 1
+    assert validate([str(train), "--val", str(val_path), "--max-chars", "500", "--html", str(html_path)]) == 1
     out = capsys.readouterr().out
     assert "FAILED no_train_val_leakage [val.pair]" in out and "    row 1: " in out
     page = html_path.read_text()
     assert "no_train_val_leakage" in page and "df.filter(items=[1], axis=0)" in page
 
-    assert main([str(train), "--max-chars", "500", "--json"]) == 0
+    assert validate([str(train), "--max-chars", "500", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["kind"] == "preference" and payload["success"] is True
 
@@ -277,12 +277,12 @@ def test_cli_rejects_an_option_of_the_other_kind(tmp_path, capsys):
     train = write(tmp_path / "train.parquet", pairs(2))
     folder = tmp_path / "tok"
     folder.mkdir()
-    assert main([str(train), "--tokenizer", str(folder), "--max-prompt-length", "10"]) == 2
+    assert validate([str(train), "--tokenizer", str(folder), "--max-prompt-length", "10"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "preference data" in err[0] and "max_length" in err[0]
-    assert main([str(train), "--max-chars", "10", "--max-length", "10", "--tokenizer", str(folder)]) == 2
+    assert validate([str(train), "--max-chars", "10", "--max-length", "10", "--tokenizer", str(folder)]) == 2
     assert "not both" in capsys.readouterr().err
-    assert main([str(train), "--max-chars", "0"]) == 2
+    assert validate([str(train), "--max-chars", "0"]) == 2
     assert "positive" in capsys.readouterr().err
 
 

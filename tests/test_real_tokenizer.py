@@ -17,9 +17,10 @@ import torch
 from transformers import GenerationConfig, LlamaConfig
 
 from rlhf_core.batch import Batch
+from rlhf_core.cli.train import ppo
 from rlhf_core.config import DataConfig, load_config
 from rlhf_core.data.dataset import DataError, RLHFDataset
-from rlhf_core.main_ppo import PreflightError, main, preflight
+from rlhf_core.main_ppo import PreflightError, preflight
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.rewards import get_reward_fn
 from rlhf_core.rewards.manager import RewardManager
@@ -246,7 +247,7 @@ def test_a_tokenizer_without_a_chat_template_is_a_preflight_error(smollm2_tokeni
     assert error.value.errors[0].startswith(f"actor_rollout_ref.model.tokenizer_path: the tokenizer in {plain} "
                                             "has no chat template")
     no_template_model = _model_dir(tmp_path / "plain_model", plain, 49152)
-    code = main(_overrides(tmp_path, no_template_model))  # the command line: exit 2, the key named
+    code = ppo(_overrides(tmp_path, no_template_model))  # the command line: exit 2, the key named
     assert code == 2
     assert "actor_rollout_ref.model.path: the tokenizer in" in capsys.readouterr().err
 

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_core.batch import Batch
+from rlhf_core.cli.train import ppo
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import left_pad
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import main
 from rlhf_core.models.loading import ModelError
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rewards.manager import RewardManager
@@ -233,7 +233,7 @@ def test_cli_rejects_a_bad_reward_model_before_loading_weights(space, data, tmp_
 
     monkeypatch.setattr(main_ppo, "build_trainer", no_weights)
     out = tmp_path / "out"
-    code = main(_cli(root, base, data, out, f"reward_model.model.path={make(root, base, tmp_path)}",
+    code = ppo(_cli(root, base, data, out, f"reward_model.model.path={make(root, base, tmp_path)}",
                      "trainer.total_training_steps=1"))
     assert code == 2
     assert needle in capsys.readouterr().err
@@ -243,7 +243,7 @@ def test_cli_rejects_a_bad_reward_model_before_loading_weights(space, data, tmp_
 def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, tmp_path):
     root, base, same, _ = space
     out = tmp_path / "out"
-    code = main(_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
+    code = ppo(_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
                      "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=1"))
     assert code == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from rlhf_core.cli.train import train_rm
 from rlhf_core.config import load_config
 from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.synthetic import DATA_SOURCE
@@ -21,7 +22,6 @@ from rlhf_core.training.reward_trainer import (
     collate,
     encode_response,
     load_reward_backbone,
-    main,
     sequence_scores,
 )
 
@@ -92,7 +92,7 @@ def test_encode_keeps_the_response_end_when_truncating(tiny):
 
 def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
     out = tmp_path / "rm"
-    assert main(_overrides(tiny, pairs_dir, out, "reward_model.train.total_epochs=2",
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_epochs=2",
                            "reward_model.train.test_freq=2")) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train/loss" in r]
@@ -185,7 +185,7 @@ def test_preference_file_without_chosen_rejected(tiny, tmp_path, capsys):
     pd.DataFrame({"prompt": [[{"role": "user", "content": "q"}]], "data_source": ["x"],
                   "extra_info": [{"split": "train"}]}).to_parquet(bad)
     out = tmp_path / "never"
-    code = main(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+    code = train_rm(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
                  f"reward_model.train.train_files={bad}", "reward_model.train.val_files=null",
                  f"reward_model.train.default_local_dir={out}"])
     assert code == 1
@@ -195,19 +195,19 @@ def test_preference_file_without_chosen_rejected(tiny, tmp_path, capsys):
 
 def test_model_path_that_is_not_a_model_or_has_no_tokenizer(tiny, pairs_dir, tmp_path, capsys):
     out = tmp_path / "never"
-    assert main(_overrides(tmp_path / "nowhere", pairs_dir, out)) == 2
+    assert train_rm(_overrides(tmp_path / "nowhere", pairs_dir, out)) == 2
     assert "reward_model.train.model.path" in capsys.readouterr().err
     no_tok = tmp_path / "no_tokenizer"
     no_tok.mkdir()
     for name in ("config.json", "model.safetensors"):
         (no_tok / name).write_bytes((tiny / name).read_bytes())
-    assert main(_overrides(no_tok, pairs_dir, out)) == 2
+    assert train_rm(_overrides(no_tok, pairs_dir, out)) == 2
     assert "holds no tokenizer files" in capsys.readouterr().err
     assert not out.exists()
 
 
 def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):
-    assert main(_overrides(tiny, pairs_dir, tmp_path / "never", "reward_model.train.micro_batch_size_per_gpu=3")) == 2
+    assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "never", "reward_model.train.micro_batch_size_per_gpu=3")) == 2
     assert "must be divisible by reward_model.train.micro_batch_size_per_gpu" in capsys.readouterr().err
 
 

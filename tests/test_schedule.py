@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rlhf_core.cli import pipeline as cli
 from rlhf_core.pipeline import schedule
 
 
@@ -51,7 +52,7 @@ def test_print_crontab(tmp_path, capsys, monkeypatch):
     config = tmp_path / "retrain.yaml"
     config.write_text("parameters: {}\n")
     monkeypatch.chdir(tmp_path)
-    assert schedule.main(["--cron", "0 3 * * *", "-c", str(config), "--print-crontab"]) == 0
+    assert cli.schedule(["--cron", "0 3 * * *", "-c", str(config), "--print-crontab"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith(f"0 3 * * * cd {tmp_path.resolve()} && ")
     assert f"flock -n {tmp_path.resolve() / 'outputs' / '.retrain.lock'}" in line
@@ -63,5 +64,5 @@ def test_print_crontab(tmp_path, capsys, monkeypatch):
 def test_a_bad_cron_expression_is_an_error(tmp_path, capsys, cron):
     config = tmp_path / "retrain.yaml"
     config.write_text("parameters: {}\n")
-    assert schedule.main(["--cron", cron, "-c", str(config), "--print-crontab"]) == 2
+    assert cli.schedule(["--cron", cron, "-c", str(config), "--print-crontab"]) == 2
     assert "invalid cron expression" in capsys.readouterr().err

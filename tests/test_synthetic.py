@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlhf_core.cli import data as cli
 from rlhf_core.data import synthetic
 from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
-from rlhf_core.data.synthetic import DATA_SOURCE, build_dataset, build_splits, generate_problems, main
+from rlhf_core.data.synthetic import DATA_SOURCE, build_dataset, build_splits, generate_problems
 from rlhf_core.rewards.gsm8k import compute_score
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,7 +237,7 @@ def test_cli_writes_both_files(tmp_path, capsys):
         "--operations",
         "+-",
     ]
-    assert main(args) == 0
+    assert cli.synthetic(args) == 0
     assert "train: 25 rows" in capsys.readouterr().out
     train = _read(out / "train.parquet")
     assert len(train) == 25 and len(_read(out / "test.parquet")) == 8
@@ -251,20 +252,20 @@ def test_cli_writes_both_files(tmp_path, capsys):
             max_operand=9,
             operations="+-",
         )
-    assert main(args) == 2
+    assert cli.synthetic(args) == 2
     assert "--overwrite" in capsys.readouterr().err
-    assert main(args + ["--overwrite"]) == 0
+    assert cli.synthetic(args + ["--overwrite"]) == 0
 
 
 def test_cli_rejects_bad_options(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(
+        cli.synthetic(
             ["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--min-ops", "3", "--max-ops", "1"]
         )
     assert exc.value.code == 2
     assert "min_ops" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--operations", "x"])
+        cli.synthetic(["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--operations", "x"])
     assert not (tmp_path / "train.parquet").exists()
 
 

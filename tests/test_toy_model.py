@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhf_core.cli.models import toy_model
 from rlhf_core.data.schema import INSTRUCTION
 from rlhf_core.models import toy
 
@@ -221,7 +222,7 @@ def test_random_toy_model(tmp_path):
 
 
 def test_cli_reports_the_build(built, capsys):
-    assert toy.main(["--output", str(built), "--preset", "test", "--seed", "0"]) == 0
+    assert toy_model(["--output", str(built), "--preset", "test", "--seed", "0"]) == 0
     out = capsys.readouterr().out
     assert "parameters:" in out and "greedy accuracy:" in out and "sampled accuracy" in out
     assert "(reused)" in out

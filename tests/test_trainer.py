@@ -14,9 +14,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_core import main_ppo
+from rlhf_core.cli.train import ppo
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import build_trainer, main
+from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training.guards import GuardError
 from rlhf_core.training.trainer import PPOTrainer
@@ -152,7 +153,7 @@ def test_update_does_not_depend_on_the_micro_batch_size(workspace):
 def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
     root, model, _ = workspace
     out = root / "cli_run"
-    code = main(_overrides(root, model, "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
+    code = ppo(_overrides(root, model, "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
                            "trainer.total_training_steps=2", f"trainer.default_local_dir={out}",
                            "trainer.logger=[console,file]", "trainer.test_freq=1"))
     assert code == 0
@@ -217,7 +218,7 @@ def test_signal_handlers_only_in_the_main_thread_and_restored_after():
 )
 def test_cli_rejects_bad_input_before_loading_a_model(workspace, capsys, override, needle):
     root, model, _ = workspace
-    assert main(_overrides(root, model, override.format(root=root))) == 2
+    assert ppo(_overrides(root, model, override.format(root=root))) == 2
     assert needle in capsys.readouterr().err
 
 
@@ -228,7 +229,7 @@ def test_cli_rejects_a_data_source_without_reward(workspace, capsys, tmp_path):
     frame = pd.read_parquet(root / "data" / "train.parquet")
     frame["data_source"] = "my/unknown_source"
     frame.to_parquet(tmp_path / "train.parquet")
-    assert main(_overrides(root, model, f"data.train_files={tmp_path / 'train.parquet'}")) == 2
+    assert ppo(_overrides(root, model, f"data.train_files={tmp_path / 'train.parquet'}")) == 2
     err = capsys.readouterr().err
     assert "no reward function for data_source my/unknown_source" in err
     assert "custom_reward_function.path" in err
@@ -249,7 +250,7 @@ def test_critic_has_no_dropout_so_update_time_values_match_rollout_time(workspac
 def test_profile_steps_record_a_trace_with_each_phase_as_a_named_range(workspace):
     root, model, _ = workspace
     out = root / "profiled"
-    code = main(_overrides(root, model, "trainer.total_training_steps=2", "trainer.profile_steps=[2]",
+    code = ppo(_overrides(root, model, "trainer.total_training_steps=2", "trainer.profile_steps=[2]",
                            f"trainer.default_local_dir={out}", "trainer.logger=[]"))
     assert code == 0
     traces = sorted((out / "profile").glob("*.pt.trace.json"))
@@ -265,7 +266,7 @@ def test_profile_steps_record_a_trace_with_each_phase_as_a_named_range(workspace
 
 def test_profile_steps_must_be_step_numbers(workspace, capsys):
     root, model, _ = workspace
-    assert main(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2
+    assert ppo(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2
     assert "trainer.profile_steps=[0, 2] must be a list of step numbers >= 1" in capsys.readouterr().err
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from rlhf_core.cli.data import validate
 from rlhf_core.data.schema import extract_final_answer, make_record
 from rlhf_core.data.validation import (
     DataReadError,
     ValidationReport,
     fingerprint,
     flatten,
-    main,
     validate_dataset,
     validate_frames,
 )
@@ -305,7 +305,7 @@ def test_unreadable_input(tmp_path, capsys, make):
     assert caught.value.path == str(path)
     assert "\n" not in caught.value.reason and caught.value.reason
 
-    assert main([str(path)]) == 2
+    assert validate([str(path)]) == 2
     captured = capsys.readouterr()
     err_lines = captured.err.strip().splitlines()
     assert len(err_lines) == 1 and str(path) in err_lines[0]
@@ -313,7 +313,7 @@ def test_unreadable_input(tmp_path, capsys, make):
 
 
 def test_unreadable_val_file(valid_files, tmp_path, capsys):
-    assert main([str(valid_files[0]), "--val", str(_truncated(tmp_path))]) == 2
+    assert validate([str(valid_files[0]), "--val", str(_truncated(tmp_path))]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
@@ -375,7 +375,7 @@ def test_cli_valid_data_exits_0_with_json(valid_files, chat_tokenizer_dir, capsy
         "--max-prompt-length",
         "512",
     ]
-    assert main([*argv, "--json"]) == 0
+    assert validate([*argv, "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["success"] is True and payload["kind"] == "prompt"
     assert payload["datasets"][0]["path"] == str(train)
@@ -386,10 +386,10 @@ def test_cli_valid_data_exits_0_with_json(valid_files, chat_tokenizer_dir, capsy
 
 
 def test_cli_rejects_tokenizer_without_limit(valid_files, chat_tokenizer_dir, capsys):
-    assert main([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)]) == 2
+    assert validate([str(valid_files[0]), "--tokenizer", str(chat_tokenizer_dir)]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert str(valid_files[0]) in line and "needs both a tokenizer and the limit" in line
-    assert main([str(valid_files[0]), "--max-chars", "100"]) == 2  # a preference-data limit
+    assert validate([str(valid_files[0]), "--max-chars", "100"]) == 2  # a preference-data limit
     assert "max_chars does not apply to prompt data" in capsys.readouterr().err
 
 

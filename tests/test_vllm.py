@@ -18,9 +18,9 @@ if not torch.cuda.is_available():
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install -e .[gpu])", allow_module_level=True)
 
+from rlhf_core.cli.train import ppo  # noqa: E402
 from rlhf_core.config import load_config  # noqa: E402
 from rlhf_core.data.synthetic import build_dataset  # noqa: E402
-from rlhf_core.main_ppo import main  # noqa: E402
 from rlhf_core.models.loading import load_tokenizer  # noqa: E402
 from rlhf_core.models.toy import random_toy_model  # noqa: E402
 from rlhf_core.rollout import SamplingParams  # noqa: E402
@@ -91,7 +91,7 @@ def test_a_changed_actor_weight_changes_vllms_output_after_sync(actor, workspace
 def test_two_ppo_steps_with_vllm_log_the_logprob_gap(workspace, tmp_path):
     root, model = workspace
     out = tmp_path / "run"
-    code = main([
+    code = ppo([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
         f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=4", "data.max_prompt_length=320",
         "data.max_response_length=16", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.n=2",

@@ -22,7 +22,6 @@ Exit status: 0 on success, 1 for a problem with the input data, 2 when the outpu
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ SPLITS = ("train", "test")
 LAYOUTS = ("auto", "jsonl", "parquet")
 SOURCE_COLUMNS = ("question", "answer")
 _EXCERPT_CHARS = 80
-_MAX_REPORTED = 10
+MAX_REPORTED = 10
 
 
 class GSM8KDataError(ValueError):
@@ -231,8 +230,8 @@ def preprocess_gsm8k(
 
     problems = [p for split in splits for p in split.problems]
     if problems and not skip_invalid:
-        shown = "\n".join("  " + p.describe() for p in problems[:_MAX_REPORTED])
-        more = f"\n  ... and {len(problems) - _MAX_REPORTED} more" if len(problems) > _MAX_REPORTED else ""
+        shown = "\n".join("  " + p.describe() for p in problems[:MAX_REPORTED])
+        more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise GSM8KDataError(
             f"{len(problems)} invalid row(s) in {input_dir}:\n{shown}{more}\n"
             "Fix these rows, or rerun with --skip-invalid to leave them out."
@@ -257,49 +256,6 @@ def preprocess_gsm8k(
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.gsm8k",
-        description="Convert GSM8K (jsonl or parquet layout) into verl-style train.parquet and test.parquet.",
-    )
-    parser.add_argument(
-        "--input", required=True, help="folder with train.jsonl/test.jsonl or [main/]train-*.parquet"
-    )
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    parser.add_argument(
-        "--skip-invalid",
-        action="store_true",
-        help="leave out rows whose answer has no '####' (and say how many)",
-    )
-    parser.add_argument(
-        "--layout",
-        choices=LAYOUTS,
-        default="auto",
-        help="input layout; auto prefers jsonl when both are present",
-    )
-    parser.add_argument("--max-rows", type=int, default=None,
-                        help="keep the first N rows of each split (a small training or evaluation set)")
-    args = parser.parse_args(argv)
-    if args.max_rows is not None and args.max_rows < 1:
-        parser.error("--max-rows must be at least 1")
-    try:
-        summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
-                                   args.max_rows)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except GSM8KDataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    for name in SPLITS:
-        info = summary[name]
-        for description in info["skipped_rows"][:_MAX_REPORTED]:
-            print(f"skipped {description}", file=sys.stderr)
-        skipped = f", skipped {info['skipped']} invalid row(s)" if args.skip_invalid else ""
-        print(f"{name}: {info['rows']} rows -> {info['output']} (from {summary['layout']} input{skipped})")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.data import gsm8k
+    sys.exit(gsm8k())

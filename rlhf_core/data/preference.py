@@ -29,7 +29,6 @@ Exit status: 0 on success, 1 for unusable input, 2 when an output exists (withou
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -222,57 +221,6 @@ def check_preference_files(train: list[Path], val: list[Path]) -> dict:
         f"{split}_prompts": len(keys) for split, keys in prompts.items()}
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.preference",
-        description="Write preference pairs (prompt, chosen, rejected) as train/val parquet files, split by "
-                    "question.",
-        epilog=TEST_SET_WARNING,
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gsm8k-solutions", metavar="FILE",
-                        help="example_model_solutions.jsonl of the GSM8K release (GSM8K test questions)")
-    source.add_argument("--synthetic", action="store_true",
-                        help="pairs on the demo task: the right final answer vs the demo model's slip")
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
-    parser.add_argument("--val-fraction", type=float, default=0.2,
-                        help="share of questions held out for validation (GSM8K; default 0.2)")
-    parser.add_argument("--n-train", type=int, default=2000, help="synthetic training questions (default 2000)")
-    parser.add_argument("--n-val", type=int, default=400, help="synthetic validation questions (default 400)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    args = parser.parse_args(argv)
-    try:
-        if args.synthetic:
-            if args.n_train < 1 or args.n_val < 1:
-                parser.error("--n-train and --n-val must be at least 1")
-            from rlhf_core.data.synthetic import DATA_SOURCE
-
-            train, val = synthetic_pairs(args.n_train, args.n_val, args.seed)
-            data_source = DATA_SOURCE
-        else:
-            pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
-            if not pairs:
-                raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
-                                          "and an incorrect solution")
-            train, val = split_by_group(pairs, args.val_fraction, args.seed)
-            data_source = GSM8K_SOURCE
-            print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
-        paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (PreferenceDataError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    for split, pairs in (("train", train), ("val", val)):
-        questions = len({p["group"] for p in pairs})
-        print(f"{split}: {len(pairs)} pairs over {questions} questions -> {paths[split]}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.data import preference
+    sys.exit(preference())

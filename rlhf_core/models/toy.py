@@ -25,7 +25,6 @@ size, the build time and the greedy and sampled accuracy on held-out problems.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import hashlib
@@ -656,56 +655,6 @@ def ensure_toy_model(
     return final
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.models.toy",
-        description="Build the tiny offline toy model (character tokenizer + small Llama) into a folder.",
-    )
-    parser.add_argument(
-        "--output", default=None, help="folder to build into (default: the cache, <cache>/<preset>-<hash>)"
-    )
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="demo", help="which model (default demo)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the folder holds this build")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads for the build (default: the idle CPUs, 1 to 4)",
-    )
-    args = parser.parse_args(argv)
-    if args.threads is not None and args.threads < 1:
-        parser.error("--threads must be at least 1")
-    expected = settings_hash(args.preset, args.seed)
-    target = Path(args.output) if args.output else default_cache_dir() / f"{args.preset}-{expected}"
-    reused = not args.force and (read_marker(target) or {}).get("hash") == expected
-    if args.output is None and not args.force:
-        path = ensure_toy_model(args.preset, args.seed, threads=args.threads)
-    else:
-        path = build_toy_model(target, args.preset, args.seed, force=args.force, threads=args.threads)
-    record = read_marker(path) or {}
-    print(f"toy model ({args.preset}, seed {args.seed}) at {path}{' (reused)' if reused else ''}")
-    print(f"parameters: {record.get('parameters', 0):,}")
-    print(
-        f"build time: {record.get('build_seconds', 0.0):.1f} s (warm start {record.get('train_seconds', 0.0):.1f} s)"
-    )
-    print(f"held-out problems: {record.get('eval_problems', 0)}")
-    print(f"greedy accuracy: {record.get('greedy_accuracy', 0.0):.1%}")
-    print(
-        f"sampled accuracy (temperature {record.get('sample_temperature', 1.0)}): "
-        f"{record.get('sampled_accuracy', 0.0):.1%}"
-    )
-    print(
-        f"max prompt tokens: {record.get('max_prompt_tokens', 0)}, "
-        f"max reference response tokens: {record.get('max_reference_response_tokens', 0)}"
-    )
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.models import toy_model
+    sys.exit(toy_model())

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import argparse
 import base64
 import hashlib
 import html
@@ -593,35 +592,6 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
     return "".join(parts)
 
 
-# ----------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.evaluate",
-                                     description="Greedy accuracy of a HF model directory on a validation parquet.")
-    parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
-    parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")
-    parser.add_argument("--max-prompt-length", type=int, default=1024)
-    parser.add_argument("--max-response-length", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
-    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
-    parser.add_argument("--html", help="write the HTML report here")
-    args = parser.parse_args(argv)
-    data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
-                      truncation="left")
-    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
-                             max_problems=args.max_problems, sample_seed=args.sample_seed)
-    low, high = result.interval
-    print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
-          f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
-          f"to +-{stats.half_width(result.n):.1%} (95%)")
-    if args.html:
-        Path(args.html).write_text(evaluation_html({"policy": result}))
-        print(f"report: {args.html}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
-
+    from rlhf_core.cli.pipeline import evaluate
+    sys.exit(evaluate())

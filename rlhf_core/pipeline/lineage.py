@@ -11,7 +11,6 @@ works without it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Mapping
@@ -71,7 +70,7 @@ def _pick_model(client) -> str:
     return max(promoted)[1]
 
 
-def _get_version(client, model_name: str, version: str | None):
+def get_version(client, model_name: str, version: str | None):
     wanted: Any = version or "production"
     if isinstance(wanted, str) and wanted.isdigit():
         wanted = int(wanted)
@@ -91,7 +90,7 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
     """The chain behind one model version (default: the production version) as a JSON-able dict."""
     client = client or default_client()
     model_name = model or _pick_model(client)
-    model_version = _get_version(client, model_name, version)
+    model_version = get_version(client, model_name, version)
     metadata = dict(model_version.run_metadata)
     run_id = metadata.get("pipeline_run_id")
     if run_id is None:
@@ -186,53 +185,6 @@ def format_lineage(record: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, client=None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-lineage",
-                                     description="Show the data, reward, checkpoint and decision behind a model version.")
-    parser.add_argument("--model", help="model name (default: the only model, or the last one promoted)")
-    parser.add_argument("--version", help="version number, name or stage (default: production)")
-    parser.add_argument("--json", action="store_true", help="print the chain as JSON")
-    args = parser.parse_args(argv)
-    try:
-        record = lineage(args.model, args.version, client=client)
-    except LineageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(record, indent=2) if args.json else format_lineage(record))
-    return 0
-
-
-def demo_summary(argv: list[str] | None = None, client=None) -> int:
-    """``rlhf-demo-summary``: the model's latest run, its promotion decision, and how to browse it."""
-    parser = argparse.ArgumentParser(prog="rlhf-demo-summary", description="Summarise the latest run of a model.")
-    parser.add_argument("--model", default="demo-ppo-policy", help="model name (default demo-ppo-policy)")
-    args = parser.parse_args(argv)
-    client = client or default_client()
-    try:
-        latest = _get_version(client, args.model, "latest")
-    except LineageError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    meta = latest.run_metadata
-    run = client.get_pipeline_run(meta["pipeline_run_id"]) if "pipeline_run_id" in meta else None
-    try:
-        production = client.get_model_version(args.model, "production").name
-    except KeyError:
-        production = None
-    print(f"run:        {run.name if run else '?'} ({run.status if run else 'no run recorded'})")
-    print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
-          f"(base model {meta.get('base_accuracy', 'n/a')})")
-    print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
-    print(f"production: {'version ' + production if production else 'none yet'}")
-    print("browse:")
-    print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")
-    print("  zenml login --local                         # the dashboard on http://127.0.0.1:8237")
-    if run is not None:
-        print(f"  then open http://127.0.0.1:8237/projects/{client.active_project.name}/runs/{run.id}")
-    print("  zenml login --local --blocking              # the same in the foreground; Ctrl-C stops it")
-    print("  zenml logout --local                        # stop the background dashboard")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.pipeline import lineage
+    sys.exit(lineage())

@@ -12,7 +12,6 @@ block in the run config instead; see ``configs/retrain_demo.yaml``.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shlex
 import shutil
@@ -123,33 +122,6 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-schedule", description="Run the retraining pipeline on a schedule.")
-    when = parser.add_mutually_exclusive_group(required=True)
-    when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
-    when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval instead of a cron expression")
-    parser.add_argument("-c", "--config", required=True, help="the pipeline run config, e.g. configs/retrain_demo.yaml")
-    parser.add_argument("--pipeline", default=RETRAIN_PIPELINE, help=f"pipeline source (default {RETRAIN_PIPELINE})")
-    parser.add_argument("--print-crontab", action="store_true", help="print the crontab line and exit")
-    parser.add_argument("--run-now", action="store_true", help="also run once right away")
-    parser.add_argument("--max-runs", type=int, help="stop after this many runs (default: run until Ctrl-C)")
-    args = parser.parse_args(argv)
-    if not Path(args.config).is_file():
-        parser.error(f"run config {args.config} does not exist")
-    try:
-        if args.print_crontab:
-            if args.cron is None:
-                parser.error("--print-crontab needs --cron")
-            print(crontab_line(args.cron, args.config, args.pipeline))
-            return 0
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        serve(lambda: run_pipeline(args.config, args.pipeline), cron=args.cron, every=args.every,
-              max_runs=args.max_runs, run_now=args.run_now)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.pipeline import schedule
+    sys.exit(schedule())

@@ -19,7 +19,6 @@ weights exactly. The first failing check raises :class:`SmokeTestError` naming i
 
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import sys
@@ -32,7 +31,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from rlhf_core.config import ConfigError, PPOConfig, load_config, validate_config
+from rlhf_core.config import PPOConfig, validate_config
 from rlhf_core.data.dataset import as_file_list
 
 TINY_THRESHOLD = 5_000_000
@@ -264,28 +263,6 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    import tempfile
-
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.smoke", description="Dry-run a PPO config.")
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
-    parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
-        try:
-            report = run_smoke_test(cfg, args.work_dir or scratch)
-        except SmokeTestError as exc:
-            print(exc, file=sys.stderr)
-            return 1
-    print(report.summary())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from rlhf_core.cli.train import smoke
+    sys.exit(smoke())

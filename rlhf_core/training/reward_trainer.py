@@ -30,13 +30,11 @@ Exit codes: 0 done; 1 unusable preference data (the message names the file, colu
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import fnmatch
 import json
 import logging
-import math
 import os
 import sys
 import time
@@ -47,7 +45,7 @@ import torch.nn.functional as F
 import yaml
 
 from rlhf_core.atomic import staged_directory
-from rlhf_core.config import ConfigError, PPOConfig, RewardTrainConfig, load_config
+from rlhf_core.config import PPOConfig, RewardTrainConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.preference import PreferenceDataError, read_preferences
 from rlhf_core.models import lora
@@ -63,7 +61,7 @@ from rlhf_core.models.loading import (
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import CheckpointableWorker, build_optimizer, build_scheduler, clip_and_check
-from rlhf_core.workers.group import DistributedWorker, WorkerError, WorkerGroup
+from rlhf_core.workers.group import DistributedWorker, WorkerGroup
 
 PART = "reward_model"
 HF_DIR = "huggingface"
@@ -579,59 +577,7 @@ def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float) -> tuple
     return True, f"held-out pair accuracy {accuracy:.1%} >= {min_pair_accuracy:.1%}"
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rlhf-train-rm",
-        description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
-                    "those of the PPO config tree, under reward_model.train.",
-    )
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
-    parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-        frames = preflight(cfg)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except PreferenceDataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except RewardTrainingError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    from rlhf_core.training.tracking import Tracking
-
-    trainer_cfg = cfg.trainer
-    loggers = [name for name in trainer_cfg.logger if name != "console"] + ["file"]
-    started = time.time()
-    try:
-        trainer = RewardModelTrainer(cfg, frames)
-        try:
-            with Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
-                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1)) as tracking:
-                val = trainer.fit(tracking.log)
-        finally:
-            trainer.shutdown()
-    except ckpt.CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except WorkerError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 3
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
-    print(f"reward model: {trainer.global_step} steps in {time.time() - started:.0f} s; {shown or 'no validation'}")
-    print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
-    print(f"metrics: {trainer.local_dir / 'metrics.jsonl'}")
-    return 0
-
-
 if __name__ == "__main__":
-    # run the imported module, not __main__, so Ray ships the worker classes by reference
-    from rlhf_core.training.reward_trainer import main as _main
-
-    sys.exit(_main())
-
+    # the command runs this module as imported, not __main__, so Ray ships the worker classes by reference
+    from rlhf_core.cli.train import train_rm
+    sys.exit(train_rm())

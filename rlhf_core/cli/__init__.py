@@ -1,0 +1,57 @@
+"""The project's commands in one place: ``rlhf <command> [args]``.
+
+Each command is a function ``(argv) -> exit code`` in the module of its role (train, data, models,
+pipeline, config); the modules do the argument parsing, the printing and the exit codes, and call
+the library for everything else. The library's ``python -m`` paths and the ``rlhf-*`` console
+scripts call the same functions. A command's module is imported only when it runs, so ``rlhf --help``
+starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, function, one line of help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "ppo": ("rlhf_core.cli.train", "ppo", "PPO training with verl's config keys (also rlhf-ppo)"),
+    "train-rm": ("rlhf_core.cli.train", "train_rm", "train a reward model on preference pairs (also rlhf-train-rm)"),
+    "smoke": ("rlhf_core.cli.train", "smoke", "dry-run a PPO config on a tiny clone of its model"),
+    "gsm8k": ("rlhf_core.cli.data", "gsm8k", "convert GSM8K into verl-style train/test parquet files"),
+    "synthetic": ("rlhf_core.cli.data", "synthetic", "write synthetic arithmetic problems as train/test parquet files"),
+    "preference": ("rlhf_core.cli.data", "preference", "write preference pairs as train/val parquet files"),
+    "validate": ("rlhf_core.cli.data", "validate", "validate prompt or preference parquet files with GX"),
+    "toy-model": ("rlhf_core.cli.models", "toy_model", "build the tiny offline toy model"),
+    "gguf": ("rlhf_core.cli.models", "gguf", "import a GGUF file into a local HF model directory"),
+    "evaluate": ("rlhf_core.cli.pipeline", "evaluate", "greedy accuracy of a model directory on validation data"),
+    "lineage": ("rlhf_core.cli.pipeline", "lineage", "the data, reward, checkpoint and decision behind a model version "
+                "(also rlhf-lineage)"),
+    "demo-summary": ("rlhf_core.cli.pipeline", "demo_summary", "summarise the latest run of a model "
+                     "(also rlhf-demo-summary)"),
+    "schedule": ("rlhf_core.cli.pipeline", "schedule", "run the retraining pipeline on a schedule (also rlhf-schedule)"),
+    "config": ("rlhf_core.cli.config", "config", "print the resolved PPO config tree, or its commented defaults"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: rlhf <command> [args]    (rlhf <command> --help: the command's options)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_line}" for name, (_, _, help_line) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        print(usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"rlhf: unknown command '{name}'; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module, function, _ = COMMANDS[name]
+    return getattr(importlib.import_module(module), function)(rest)

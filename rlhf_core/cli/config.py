@@ -1,0 +1,33 @@
+"""``python -m rlhf_core.config`` (``rlhf config``): print the resolved PPO config tree, or the commented
+defaults (``--defaults``, the source of configs/ppo_trainer.yaml).
+
+Exit codes: 0 printed; 2 the config has errors (each on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlhf_core.config import ConfigError, defaults_yaml, load_config
+
+
+def config(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.config", description="Print the resolved PPO config tree as YAML."
+    )
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
+    parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
+                        "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
+    args = parser.parse_args(argv)
+    if args.defaults:
+        sys.stdout.write(defaults_yaml())
+        return 0
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0

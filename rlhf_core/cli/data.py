@@ -1,0 +1,233 @@
+"""The data commands: GSM8K and synthetic prompt files, preference pairs, and their validation.
+
+    rlhf gsm8k --input IN --output OUT                 # python -m rlhf_core.data.gsm8k
+    rlhf synthetic --output OUT --n-train N --n-test M # python -m rlhf_core.data.synthetic
+    rlhf preference --synthetic --output DIR           # python -m rlhf_core.data.preference
+    rlhf validate TRAIN.parquet [--val VAL.parquet]    # python -m rlhf_core.data.validation
+
+Each library module's docstring gives its command's options and exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rlhf_core.data.gsm8k import LAYOUTS, MAX_REPORTED, SPLITS, GSM8KDataError, preprocess_gsm8k
+from rlhf_core.data.preference import (
+    GSM8K_SOURCE,
+    TEST_SET_WARNING,
+    PreferenceDataError,
+    gsm8k_solution_pairs,
+    split_by_group,
+    synthetic_pairs,
+    write_splits,
+)
+from rlhf_core.data.synthetic import DATA_SOURCE, DEFAULT_OPTIONS, OPERATIONS, build_dataset, validate_options
+from rlhf_core.data.validation import DataReadError, one_line, validate_dataset
+
+# ----------------------------------------------------------------------------- prompt data
+
+
+def gsm8k(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.data.gsm8k",
+        description="Convert GSM8K (jsonl or parquet layout) into verl-style train.parquet and test.parquet.",
+    )
+    parser.add_argument(
+        "--input", required=True, help="folder with train.jsonl/test.jsonl or [main/]train-*.parquet"
+    )
+    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="leave out rows whose answer has no '####' (and say how many)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="auto",
+        help="input layout; auto prefers jsonl when both are present",
+    )
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="keep the first N rows of each split (a small training or evaluation set)")
+    args = parser.parse_args(argv)
+    if args.max_rows is not None and args.max_rows < 1:
+        parser.error("--max-rows must be at least 1")
+    try:
+        summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
+                                   args.max_rows)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except GSM8KDataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for name in SPLITS:
+        info = summary[name]
+        for description in info["skipped_rows"][:MAX_REPORTED]:
+            print(f"skipped {description}", file=sys.stderr)
+        skipped = f", skipped {info['skipped']} invalid row(s)" if args.skip_invalid else ""
+        print(f"{name}: {info['rows']} rows -> {info['output']} (from {summary['layout']} input{skipped})")
+    return 0
+
+
+def synthetic(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.data.synthetic",
+        description="Write synthetic GSM8K-style arithmetic problems as verl-style train/test parquet files.",
+    )
+    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--n-train", type=int, required=True, help="number of training problems")
+    parser.add_argument("--n-test", type=int, required=True, help="number of test problems")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument(
+        "--min-ops", type=int, default=DEFAULT_OPTIONS["min_ops"], help="fewest operations (default 1)"
+    )
+    parser.add_argument(
+        "--max-ops", type=int, default=DEFAULT_OPTIONS["max_ops"], help="most operations (default 3)"
+    )
+    parser.add_argument(
+        "--min-operand", type=int, default=DEFAULT_OPTIONS["min_operand"], help="smallest operand (default 1)"
+    )
+    parser.add_argument(
+        "--max-operand", type=int, default=DEFAULT_OPTIONS["max_operand"], help="largest operand (default 20)"
+    )
+    parser.add_argument(
+        "--max-value",
+        type=int,
+        default=DEFAULT_OPTIONS["max_value"],
+        help="largest intermediate amount (default 999; 0 for no limit)",
+    )
+    parser.add_argument(
+        "--operations", default="".join(OPERATIONS), help="operations to use, e.g. '+-' (default '+-*/')"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    args = parser.parse_args(argv)
+    options = {
+        "min_ops": args.min_ops,
+        "max_ops": args.max_ops,
+        "min_operand": args.min_operand,
+        "max_operand": args.max_operand,
+        "max_value": args.max_value or None,
+        "operations": tuple(args.operations.replace(",", "").replace(" ", "")),
+    }
+    try:
+        validate_options(**options)
+        for name in ("n_train", "n_test"):
+            if getattr(args, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be non-negative")
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        paths = build_dataset(args.output, args.n_train, args.n_test, args.seed, args.overwrite, **options)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"train: {args.n_train} rows -> {paths['train']}")
+    print(f"test: {args.n_test} rows -> {paths['test']}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- preference pairs
+
+
+def preference(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m rlhf_core.data.preference",
+        description="Write preference pairs (prompt, chosen, rejected) as train/val parquet files, split by "
+                    "question.",
+        epilog=TEST_SET_WARNING,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--gsm8k-solutions", metavar="FILE",
+                        help="example_model_solutions.jsonl of the GSM8K release (GSM8K test questions)")
+    source.add_argument("--synthetic", action="store_true",
+                        help="pairs on the demo task: the right final answer vs the demo model's slip")
+    parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
+    parser.add_argument("--val-fraction", type=float, default=0.2,
+                        help="share of questions held out for validation (GSM8K; default 0.2)")
+    parser.add_argument("--n-train", type=int, default=2000, help="synthetic training questions (default 2000)")
+    parser.add_argument("--n-val", type=int, default=400, help="synthetic validation questions (default 400)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
+    args = parser.parse_args(argv)
+    try:
+        if args.synthetic:
+            if args.n_train < 1 or args.n_val < 1:
+                parser.error("--n-train and --n-val must be at least 1")
+            train, val = synthetic_pairs(args.n_train, args.n_val, args.seed)
+            data_source = DATA_SOURCE
+        else:
+            pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
+            if not pairs:
+                raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
+                                          "and an incorrect solution")
+            train, val = split_by_group(pairs, args.val_fraction, args.seed)
+            data_source = GSM8K_SOURCE
+            print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
+        paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)
+    except FileExistsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (PreferenceDataError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    for split, pairs in (("train", train), ("val", val)):
+        questions = len({p["group"] for p in pairs})
+        print(f"{split}: {len(pairs)} pairs over {questions} questions -> {paths[split]}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.data.validation", description="Validate verl "
+                                     "prompt or preference parquet files (told by their columns) with GX.")
+    parser.add_argument("train", help="training parquet file")
+    parser.add_argument("--val", help="validation parquet file (also checked for train/val leakage)")
+    parser.add_argument("--tokenizer", help="saved tokenizer directory for a length limit in tokens")
+    parser.add_argument("--max-prompt-length", type=int, help="prompt data: largest prompt in tokens")
+    parser.add_argument("--max-length", type=int, help="preference data: largest prompt + response in tokens")
+    parser.add_argument("--max-chars", type=int, help="preference data: largest prompt + response in characters")
+    parser.add_argument("--overlong-tolerance", type=float, default=0.0,
+                        help="share of rows allowed over the length limit (default 0)")
+    parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
+    return parser
+
+
+def validate(argv: Sequence[str] | None = None) -> int:
+    args = _validate_parser().parse_args(argv)
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    try:
+        report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
+                                  max_length=args.max_length, max_chars=args.max_chars,
+                                  overlong_tolerance=args.overlong_tolerance)
+    except DataReadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # an inconsistent limit, or one for the other kind of data
+        print(f"error: {args.train}: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    if args.html:
+        try:
+            Path(args.html).write_text(report.to_html(), encoding="utf-8")
+        except OSError as exc:
+            print(f"error: cannot write {args.html}: {one_line(exc.strerror or str(exc))}", file=sys.stderr)
+            return 2
+    text = json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if args.json else report.summary()
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # e.g. piped into `head`; the exit status still tells the outcome
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0 if report.success else 1

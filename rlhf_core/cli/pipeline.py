@@ -1,0 +1,128 @@
+"""The pipeline commands: evaluate a policy, show a model version's lineage, summarise the demo run,
+schedule retraining.
+
+    rlhf evaluate MODEL_DIR VAL.parquet [--html out.html]   # python -m rlhf_core.pipeline.evaluate
+    rlhf lineage [--model NAME] [--version N] [--json]      # also rlhf-lineage
+    rlhf demo-summary [--model NAME]                        # also rlhf-demo-summary
+    rlhf schedule --cron "0 3 * * *" -c CONFIG              # also rlhf-schedule
+
+``evaluate`` imports torch when it runs, so the other three start without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rlhf_core.pipeline.lineage import LineageError, default_client, format_lineage, get_version
+from rlhf_core.pipeline.lineage import lineage as read_lineage
+from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, run_pipeline, serve
+
+
+def evaluate(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.evaluate",
+                                     description="Greedy accuracy of a HF model directory on a validation parquet.")
+    parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
+    parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")
+    parser.add_argument("--max-prompt-length", type=int, default=1024)
+    parser.add_argument("--max-response-length", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
+    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
+    parser.add_argument("--html", help="write the HTML report here")
+    args = parser.parse_args(argv)
+    from rlhf_core import stats
+    from rlhf_core.config import DataConfig
+    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html
+
+    data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
+                      truncation="left")
+    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
+                             max_problems=args.max_problems, sample_seed=args.sample_seed)
+    low, high = result.interval
+    print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
+          f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
+          f"to +-{stats.half_width(result.n):.1%} (95%)")
+    if args.html:
+        Path(args.html).write_text(evaluation_html({"policy": result}))
+        print(f"report: {args.html}")
+    return 0
+
+
+def lineage(argv: list[str] | None = None, client=None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-lineage",
+                                     description="Show the data, reward, checkpoint and decision behind a model version.")
+    parser.add_argument("--model", help="model name (default: the only model, or the last one promoted)")
+    parser.add_argument("--version", help="version number, name or stage (default: production)")
+    parser.add_argument("--json", action="store_true", help="print the chain as JSON")
+    args = parser.parse_args(argv)
+    try:
+        record = read_lineage(args.model, args.version, client=client)
+    except LineageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=2) if args.json else format_lineage(record))
+    return 0
+
+
+def demo_summary(argv: list[str] | None = None, client=None) -> int:
+    """``rlhf-demo-summary``: the model's latest run, its promotion decision, and how to browse it."""
+    parser = argparse.ArgumentParser(prog="rlhf-demo-summary", description="Summarise the latest run of a model.")
+    parser.add_argument("--model", default="demo-ppo-policy", help="model name (default demo-ppo-policy)")
+    args = parser.parse_args(argv)
+    client = client or default_client()
+    try:
+        latest = get_version(client, args.model, "latest")
+    except LineageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    meta = latest.run_metadata
+    run = client.get_pipeline_run(meta["pipeline_run_id"]) if "pipeline_run_id" in meta else None
+    try:
+        production = client.get_model_version(args.model, "production").name
+    except KeyError:
+        production = None
+    print(f"run:        {run.name if run else '?'} ({run.status if run else 'no run recorded'})")
+    print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
+          f"(base model {meta.get('base_accuracy', 'n/a')})")
+    print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
+    print(f"production: {'version ' + production if production else 'none yet'}")
+    print("browse:")
+    print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")
+    print("  zenml login --local                         # the dashboard on http://127.0.0.1:8237")
+    if run is not None:
+        print(f"  then open http://127.0.0.1:8237/projects/{client.active_project.name}/runs/{run.id}")
+    print("  zenml login --local --blocking              # the same in the foreground; Ctrl-C stops it")
+    print("  zenml logout --local                        # stop the background dashboard")
+    return 0
+
+
+def schedule(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-schedule", description="Run the retraining pipeline on a schedule.")
+    when = parser.add_mutually_exclusive_group(required=True)
+    when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
+    when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval instead of a cron expression")
+    parser.add_argument("-c", "--config", required=True, help="the pipeline run config, e.g. configs/retrain_demo.yaml")
+    parser.add_argument("--pipeline", default=RETRAIN_PIPELINE, help=f"pipeline source (default {RETRAIN_PIPELINE})")
+    parser.add_argument("--print-crontab", action="store_true", help="print the crontab line and exit")
+    parser.add_argument("--run-now", action="store_true", help="also run once right away")
+    parser.add_argument("--max-runs", type=int, help="stop after this many runs (default: run until Ctrl-C)")
+    args = parser.parse_args(argv)
+    if not Path(args.config).is_file():
+        parser.error(f"run config {args.config} does not exist")
+    try:
+        if args.print_crontab:
+            if args.cron is None:
+                parser.error("--print-crontab needs --cron")
+            print(crontab_line(args.cron, args.config, args.pipeline))
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        serve(lambda: run_pipeline(args.config, args.pipeline), cron=args.cron, every=args.every,
+              max_runs=args.max_runs, run_now=args.run_now)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,124 @@
+"""The training commands: ``rlhf-ppo`` (PPO), ``rlhf-train-rm`` (a reward model) and the smoke test.
+
+    rlhf ppo [--config FILE] [key=value ...]         # also rlhf-ppo, python -m rlhf_core.main_ppo
+    rlhf train-rm [--config FILE] [key=value ...]    # also rlhf-train-rm
+    rlhf smoke [--config FILE] [key=value ...]       # also python -m rlhf_core.pipeline.smoke
+
+Exit codes of ``ppo``: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config,
+data, model, checkpoint) or a checkpoint that could not be written; 128 + signal number after Ctrl-C
+or SIGTERM. ``train-rm``: 0 done; 1 unusable preference data; 2 bad config, model directory or
+checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.data.dataset import DataError
+from rlhf_core.data.preference import PreferenceDataError
+from rlhf_core.main_ppo import PreflightError, run
+from rlhf_core.models.loading import ModelError
+from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
+from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training.checkpoint import CheckpointError
+from rlhf_core.training.guards import GuardError, TrainingInterrupted
+from rlhf_core.training.monitoring import PortInUseError
+from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
+from rlhf_core.workers.group import WorkerError
+
+
+def ppo(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+        result = run(cfg)
+    except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except (GuardError, WorkerError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except TrainingInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 128 + exc.signal_number
+    acc = result.final_val_acc
+    print(f"done: {result.steps} steps in {result.wall_s:.0f} s"
+          + (f"; final validation accuracy {acc:.3f}" if acc is not None else ""))
+    print(f"outputs: {result.local_dir}" + (f" (metrics: {result.metrics_file})" if result.metrics_file else ""))
+    return 0
+
+
+def train_rm(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlhf-train-rm",
+        description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
+                    "those of the PPO config tree, under reward_model.train.",
+    )
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+        frames = preflight(cfg)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except PreferenceDataError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except RewardTrainingError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    from rlhf_core.training.tracking import Tracking
+
+    trainer_cfg = cfg.trainer
+    loggers = [name for name in trainer_cfg.logger if name != "console"] + ["file"]
+    started = time.time()
+    try:
+        trainer = RewardModelTrainer(cfg, frames)
+        try:
+            with Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
+                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1)) as tracking:
+                val = trainer.fit(tracking.log)
+        finally:
+            trainer.shutdown()
+    except ckpt.CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 3
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
+    print(f"reward model: {trainer.global_step} steps in {time.time() - started:.0f} s; {shown or 'no validation'}")
+    print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
+    print(f"metrics: {trainer.local_dir / 'metrics.jsonl'}")
+    return 0
+
+
+def smoke(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.smoke", description="Dry-run a PPO config.")
+    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
+        try:
+            report = run_smoke_test(cfg, args.work_dir or scratch)
+        except SmokeTestError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+    print(report.summary())
+    return 0
