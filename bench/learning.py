@@ -115,18 +115,32 @@ def kl_to_base(trainer, base_model: Path, n_prompts: int = 64) -> float:
     return float(((log_prob - base_log_prob) * mask).sum() / mask.sum())
 
 
-def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out: Path, extra: list[str]) -> dict:
+def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out: Path, extra: list[str],
+            guard_every: int = 0) -> dict:
+    """Train for ``minutes`` of step time; greedy held-out accuracy before, at 1/4, 1/2, 3/4 and after.
+
+    With ``guard_every`` (the rm run), the trainer's over-optimisation guard also watches a validation
+    every that many steps, as ``trainer.fit`` does at ``test_freq``: each new best gold accuracy is
+    checkpointed, and the guard's rollback (or stop) is carried out by the trainer."""
+    import shutil
+
+    from rlhf_core.training.guards import GuardError, proxy_and_gold
+
+    shutil.rmtree(out / name, ignore_errors=True)  # its checkpoints start afresh
     overrides = [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
         "trainer.total_training_steps=100000", "trainer.logger=[]", f"trainer.default_local_dir={out / name}",
-        "data.val_batch_size=500", *RUNS[name], *extra,
+        "data.val_batch_size=500", "trainer.resume_mode=disable", *RUNS[name], *extra,
     ]
     cfg = load_config(overrides, config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
-        before = trainer.val_accuracy(trainer.validate())
+        val_metrics = trainer.validate()
+        before = trainer.val_accuracy(val_metrics)
+        if guard_every and trainer.overopt.observe(0, *proxy_and_gold(val_metrics))[0]:
+            trainer.save_checkpoint()
         curve, budget, start = [], minutes * 60, time.perf_counter()
         checkpoints = {budget * f for f in (0.25, 0.5, 0.75)}
-        acc_curve = [(0, 0.0, before)]
+        acc_curve, events = [(0, 0.0, before)], []
         train_seconds = 0.0
         while train_seconds < budget:
             _, rows = trainer.sampler.next_batch()
@@ -134,18 +148,33 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
             trainer.global_step += 1
             train_seconds += metrics["timing_s/step"]
             curve.append({"step": trainer.global_step, "seconds": train_seconds,
-                          "score": metrics["critic/score/mean"], "kl_loss": metrics.get("actor/kl_loss")})
-            for mark in sorted(checkpoints):
-                if train_seconds >= mark:
-                    checkpoints.discard(mark)
-                    acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(trainer.validate())))
-            print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f}",
-                  flush=True)
+                          "score": metrics["critic/score/mean"], "kl_loss": metrics.get("actor/kl_loss"),
+                          "response_length": metrics["response_length/mean"]})
+            marks = [m for m in sorted(checkpoints) if train_seconds >= m]
+            checkpoints.difference_update(marks)
+            if marks or (guard_every and trainer.global_step % guard_every == 0):
+                val_metrics = trainer.validate()
+                acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(val_metrics)))
+                if guard_every:
+                    new_best, event = trainer.overopt.observe(trainer.global_step, *proxy_and_gold(val_metrics))
+                    if new_best:
+                        trainer.save_checkpoint()
+                    if event is not None:
+                        events.append({"step": trainer.global_step, "action": event.action,
+                                       "target_step": event.target_step})
+                        try:
+                            trainer._handle(event)  # what trainer.fit does with a guard's event
+                        except GuardError as exc:
+                            print(f"[{name}] {exc}", flush=True)
+                            break
+            print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f} "
+                  f"length {metrics['response_length/mean']:.1f}", flush=True)
         after = trainer.val_accuracy(trainer.validate())
         acc_curve.append((trainer.global_step, train_seconds, after))
         return {"name": name, "before": before, "after": after, "steps": trainer.global_step,
                 "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - start,
-                "kl_to_base": kl_to_base(trainer, model), "curve": curve, "acc_curve": acc_curve}
+                "kl_to_base": kl_to_base(trainer, model), "curve": curve, "acc_curve": acc_curve,
+                "guard_events": events}
 
 
 def summary_line(r: dict) -> str:
@@ -188,6 +217,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
     parser.add_argument("--rm-pairs", type=int, default=2000, help="training pairs of the rm run's reward model")
     parser.add_argument("--rm-epochs", type=int, default=1, help="its epochs over them")
+    parser.add_argument("--rm-guard-every", type=int, default=3,
+                        help="the rm run validates every N steps for the over-optimisation guard (0: no guard)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -214,7 +245,8 @@ def main() -> None:
                   f"{rm['rm_train_seconds']:.0f} s", flush=True)
             extra = [f"reward_model.model.path={rm['path']}"]
         results.append(run_one(name, model, train, val, args.minutes, out,
-                               args.overrides + [f"trainer.seed={args.seed}"] + extra))
+                               args.overrides + [f"trainer.seed={args.seed}"] + extra,
+                               guard_every=args.rm_guard_every if name == "rm" else 0))
         results[-1].update(rm)
         print(summary_line(results[-1]), flush=True)
     plot(results, out / "learning_curves.png")
