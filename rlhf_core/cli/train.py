@@ -24,7 +24,6 @@ from rlhf_core.data.preference import PreferenceDataError
 from rlhf_core.main_ppo import PreflightError, run
 from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
-from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.checkpoint import CheckpointError
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
@@ -90,7 +89,7 @@ def train_rm(argv: list[str] | None = None) -> int:
                 val = trainer.fit(tracking.log)
         finally:
             trainer.shutdown()
-    except ckpt.CheckpointError as exc:
+    except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except WorkerError as exc:
