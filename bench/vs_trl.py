@@ -43,8 +43,8 @@ from rlhf_core.rewards.gsm8k import compute_score
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_ours(model: Path, data: Path, args) -> dict:
-    cfg = load_config([f"data.max_prompt_length={args.max_prompt}",
+def run_ours(model: Path, data: Path, args, max_prompt: int) -> dict:
+    cfg = load_config([f"data.max_prompt_length={max_prompt}",
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}", f"data.train_batch_size={args.prompts}",
         f"data.max_response_length={args.response}", "data.shuffle=false",
@@ -163,9 +163,8 @@ def main() -> None:
     for name, (model, data, max_prompt) in models.items():
         from transformers import AutoModelForCausalLM
 
-        args.max_prompt = max_prompt
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
-        ours = run_ours(model, data, args)
+        ours = run_ours(model, data, args, max_prompt)
         trl = run_trl(model, data, args)
         lines += [
             f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
