@@ -163,7 +163,7 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
                         events.append({"step": trainer.global_step, "action": event.action,
                                        "target_step": event.target_step})
                         try:
-                            trainer._handle(event)  # what trainer.fit does with a guard's event
+                            trainer.apply_guard_event(event)  # what trainer.fit does with a guard's event
                         except GuardError as exc:
                             print(f"[{name}] {exc}", flush=True)
                             break

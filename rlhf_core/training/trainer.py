@@ -431,7 +431,7 @@ class PPOTrainer:
     def _skipped_total(self) -> int:
         return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
 
-    def _handle(self, event: GuardEvent) -> None:
+    def apply_guard_event(self, event: GuardEvent) -> None:
         """Carry out a guard's event: restore its checkpoint, then stop (GuardError) or adjust and go on."""
         restored = None
         if event.target_step is not None:
@@ -539,7 +539,7 @@ class PPOTrainer:
             self.history.append(StepResult(step, metrics))
             self._log(metrics, step)
             if event is not None:
-                self._handle(event)
+                self.apply_guard_event(event)
                 save = True  # the next resume and the next rollback start from the restored state
             if save:
                 self.save_checkpoint()
