@@ -79,9 +79,11 @@ def workspace(tmp_path_factory, smollm2_tokenizer_dir):
         "reward_model": [{"style": "rule", "ground_truth": "7"} for _ in questions],
         "extra_info": [{"split": "train", "index": i} for i in range(4)],
     }).to_parquet(root / "train.parquet", index=False)
-    reward = root / "reward_parity.py"  # random weights never write "#### 7"; a reward that varies does
+    # random weights never write "#### 7"; a reward that differs between the two prompts of a batch does,
+    # whatever is sampled (one by the response's parity could give four equal rewards and no gradient)
+    reward = root / "reward_by_prompt.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return float(len(solution_str) % 2)\n")
+                      "    return float(extra_info['index'] % 2)\n")
     return root, reward, smollm2_tokenizer_dir
 
 

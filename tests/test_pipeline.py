@@ -85,13 +85,15 @@ def tiny_setup() -> TinySetup:
     reward = root / "digit_first.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    # 8 samples per prompt: with 4, whether three steps find the digit-first answers depended on the random
+    # stream (3 of 6 runs over seeds 0-2 and two samplers missed); with 8, 10 of 10 (seeds 0-4) reached it
     trainer_config = root / "ppo_tiny.yaml"
     trainer_config.write_text(f"""\
 data: {{train_batch_size: 8, max_prompt_length: 320, max_response_length: 4}}
 actor_rollout_ref:
   model: {{path: {model}, enable_gradient_checkpointing: false}}
   actor: {{ppo_mini_batch_size: 8, ppo_micro_batch_size_per_gpu: 32, optim: {{lr: 2.0e-2}}}}
-  rollout: {{n: 4, log_prob_micro_batch_size_per_gpu: 32}}
+  rollout: {{n: 8, log_prob_micro_batch_size_per_gpu: 32}}
   ref: {{log_prob_micro_batch_size_per_gpu: 32}}
 algorithm: {{adv_estimator: grpo}}
 custom_reward_function: {{path: {reward}, name: compute_score}}

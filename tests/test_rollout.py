@@ -10,7 +10,8 @@ from rlhf_core.data.dataset import left_pad
 from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
-from rlhf_core.rollout.hf import sample_next_token
+from rlhf_core.rollout.cache import PreallocatedCache
+from rlhf_core.rollout.hf import draw_from, sample_next_token
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +123,50 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(nucleus.tolist()) == {2, 3}
     share = (nucleus == 3).float().mean().item()
     assert abs(share - 0.644 / 0.881) < 0.04
+
+
+def test_draw_from_follows_the_probabilities_and_never_picks_zero_mass():
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
+    gen = torch.Generator().manual_seed(0)
+    drawn = draw_from(probs, gen)
+    counts = torch.bincount(drawn, minlength=6).double() / len(drawn)
+    assert counts[[0, 2, 5]].sum() == 0
+    # binomial standard error at p=0.6, n=20000 is 0.0035: 0.015 is more than four of them
+    assert torch.allclose(counts, probs[0].double(), atol=0.015)
+    # rows are drawn independently, each with its own distribution (one-hot rows are certain)
+    eye = torch.eye(5)
+    assert draw_from(eye, gen).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_preallocated_cache_gives_the_logits_of_dynamic_cache(actor, tokenizer):
+    """Prompt pass, repeat for n samples, then decode steps: both caches see the same keys."""
+    from transformers import DynamicCache
+
+    prompts = _prompts(tokenizer, ["What is 3+4?", "Hi"])  # left padding in the second row
+    ids, mask, pos = prompts["input_ids"], prompts["attention_mask"], prompts["position_ids"]
+    steps = torch.randint(3, 40, (4, 5), generator=torch.Generator().manual_seed(0))  # 2 prompts x 2 samples
+
+    arg = make_rollout_engine("hf", actor, tokenizer).cache_arg  # `cache` or `past_key_values`
+
+    def run(cache):
+        logits = [actor(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                        **{arg: cache}).logits[:, -1]]
+        cache.batch_repeat_interleave(2)
+        attention = mask.repeat_interleave(2, dim=0)
+        next_pos = pos[:, -1].repeat_interleave(2) + 1
+        for step in range(steps.shape[1]):
+            attention = torch.cat([attention, torch.ones(4, 1, dtype=attention.dtype)], dim=1)
+            out = actor(input_ids=steps[:, step:step + 1], attention_mask=attention,
+                        position_ids=(next_pos + step)[:, None], use_cache=True, **{arg: cache})
+            logits.append(out.logits[:, -1])
+        return logits, cache
+
+    with torch.no_grad():
+        expected, _ = run(DynamicCache())
+        got, cache = run(PreallocatedCache(ids.shape[1] + steps.shape[1]))
+    assert cache.get_seq_length() == ids.shape[1] + steps.shape[1]
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="overflows"), torch.no_grad():  # full: one more position is refused
+        actor(input_ids=steps[:, :1], attention_mask=torch.ones(4, cache.get_seq_length() + 1, dtype=torch.long),
+              position_ids=torch.full((4, 1), 50), use_cache=True, **{arg: cache})

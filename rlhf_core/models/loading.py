@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -25,6 +27,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class ModelError(ValueError):
     """A model directory that cannot be used, named by its config key and path."""
+
+
+@functools.cache
+def takes_logits_to_keep(model_class: type) -> bool:
+    """Whether the class's forward accepts ``logits_to_keep`` (asked once per class, not per call)."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -1,7 +1,10 @@
 """Rollout with the actor module itself (no weight copy): a KV-cached sampling loop.
 
 Each prompt is encoded once; its KV cache is then repeated for the ``n`` samples of
-its group, so the prompt cost does not grow with ``n``. The loop stops when every
+its group, so the prompt cost does not grow with ``n``. The cache has room for the whole
+response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write in place
+rather than copy the cache, and the prompt pass runs the LM head on its last position only.
+The loop stops when every
 sequence has produced EOS (or when ``synced`` says every rank has, so that sharded
 models run the same number of forward passes on every rank).
 """
@@ -12,10 +15,11 @@ import inspect
 from collections.abc import Callable
 
 import torch
-from transformers import DynamicCache
 
 from rlhf_core.batch import Batch
+from rlhf_core.models.loading import takes_logits_to_keep
 from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.cache import PreallocatedCache
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -32,8 +36,22 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: t
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return draw_from(logits.softmax(dim=-1), generator)
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of ``probs`` (bs, V), drawn with those probabilities by inverting the CDF.
+
+    ``torch.multinomial`` draws an exponential variate for every vocabulary entry (bs x V random
+    numbers per token: 20 ms a step for 16 rows of a 49k vocabulary on 2 AVX2 cores); one uniform per
+    row and a cumulative sum do the same draw. A token of zero probability adds nothing to the
+    sum, so it is never returned; the sum and the draw are in float64 so that the probabilities of
+    rare tokens are not rounded away against a total of 1.
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (bs, V)
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
+    return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
 
 
 class HFRolloutEngine:
@@ -78,9 +96,11 @@ class HFRolloutEngine:
         n = params.n
         eos_ids = self.eos_ids.to(device)
 
-        cache = DynamicCache()  # filled in place by every forward below
+        # room for the prompt and the whole response, written in place by every forward below
+        cache = PreallocatedCache(prompt_ids.shape[1] + params.max_new_tokens)
+        head = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.module)) else {}  # the last position only
         out = self.module(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
-                          use_cache=True, **{self.cache_arg: cache})
+                          use_cache=True, **{self.cache_arg: cache}, **head)
         logits = out.logits[:, -1, :]  # (B, V)
         if n > 1:
             cache.batch_repeat_interleave(n)

@@ -14,8 +14,6 @@ is the policy itself with its adapters switched off.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -26,7 +24,14 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import ActorRolloutRefConfig
 from rlhf_core.models import lora
-from rlhf_core.models.loading import attention_for, load_actor, make_reference, resolve, save_hf_model
+from rlhf_core.models.loading import (
+    attention_for,
+    load_actor,
+    make_reference,
+    resolve,
+    save_hf_model,
+    takes_logits_to_keep,
+)
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -43,12 +48,6 @@ from rlhf_core.workers.common import (
 )
 
 
-@functools.cache
-def _takes_logits_to_keep(model_class: type) -> bool:
-    """Whether the class's forward accepts ``logits_to_keep`` (asked once per class, not per micro-batch)."""
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
-
-
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each."""
@@ -57,7 +56,7 @@ def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
     inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
     # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
     # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
-    if _takes_logits_to_keep(type(model)):
+    if takes_logits_to_keep(type(model)):
         logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :kept]  # (bs, kept, V)
     else:
         logits = model(**inputs, use_cache=False).logits[:, response_start - 1:response_start - 1 + kept]

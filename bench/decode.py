@@ -1,0 +1,117 @@
+"""The HF rollout's decode step, head to head with transformers' defaults, against the bandwidth bound.
+
+Two variants of the same sampling loop, run alternately in one process so that a change in the
+machine's speed hits both alike:
+
+- ``dynamic``: transformers' ``DynamicCache`` (every step concatenates the whole cache),
+  ``torch.multinomial`` (a random number per vocabulary entry) and the LM head over every prompt
+  position in the prompt pass: what the rollout did before;
+- ``ours``: the rollout as it is (a preallocated cache written in place, inverse-CDF sampling,
+  the LM head on the prompt's last position only).
+
+A decode step is timed as (time for R tokens - time for 1 token) / (R - 1), so that the prompt pass
+is left out, with EOS switched off so that every row runs all R steps. The bound is the one of
+``bench/roofline.py``: weight bytes over the bandwidth a weight-sized matrix times a block of
+``rows`` columns achieves here.
+
+    python bench/decode.py [--models demo,random25m,smollm2] [--rows 16,64] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+import rlhf_core.rollout.hf as hf
+from rlhf_core.batch import Batch
+from rlhf_core.models.loading import load_actor, load_tokenizer
+from rlhf_core.rollout import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from roofline import _model, read_bandwidth_gbs, weight_bytes  # noqa: E402
+
+
+def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+VARIANTS = {
+    "dynamic": {"PreallocatedCache": lambda capacity: DynamicCache(), "draw_from": _multinomial,
+                "takes_logits_to_keep": lambda cls: False},
+    "ours": {"PreallocatedCache": hf.PreallocatedCache, "draw_from": hf.draw_from,
+             "takes_logits_to_keep": hf.takes_logits_to_keep},
+}
+
+
+def _use(variant: str) -> None:
+    for name, value in VARIANTS[variant].items():
+        setattr(hf, name, value)
+
+
+def _prompts(rows: int, prompt_len: int, vocab: int, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, prompt_len), generator=g)
+    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "position_ids": torch.arange(prompt_len).expand(rows, prompt_len).clone()}, {})
+
+
+def decode_ms(engine, prompts: Batch, n: int, tokens: int) -> float:
+    def seconds(new_tokens: int) -> float:
+        start = time.perf_counter()
+        out = engine.generate(prompts, SamplingParams(n=n, temperature=1.0, max_new_tokens=new_tokens))
+        assert out["responses"].shape[1] == new_tokens  # EOS is off: every row ran every step
+        return time.perf_counter() - start
+    return (seconds(tokens) - seconds(1)) / (tokens - 1) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="demo,random25m,smollm2")
+    parser.add_argument("--rows", default="16,64", help="sequences per decode step (prompts x 4 samples)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.mkdtemp(prefix="decode_"))
+    lines = []
+    for name in args.models.split(","):
+        path = _model(name, work)
+        if path is None:
+            print(f"{name}: skipped, no checkpoint (run `make real-model`)")
+            continue
+        model, tokenizer = load_actor(path), load_tokenizer(path)
+        engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
+        engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
+        for rows in (int(r) for r in args.rows.split(",")):
+            prompts = _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000))
+            bound = weight_bytes(model) / read_bandwidth_gbs(weight_bytes(model), batch=rows) / 1e6
+            times = {v: [] for v in VARIANTS}
+            for variant in VARIANTS:  # warm-up
+                _use(variant)
+                decode_ms(engine, prompts, 4, 4)
+            for _ in range(args.reps):
+                for variant in VARIANTS:
+                    _use(variant)
+                    times[variant].append(decode_ms(engine, prompts, 4, args.tokens))
+            _use("ours")
+            med = {v: statistics.median(t) for v, t in times.items()}
+            lines.append(f"{name:<11}{rows:>5}{med['dynamic']:>12.1f}{med['ours']:>10.1f}"
+                         f"{med['dynamic'] / med['ours']:>9.2f}{bound:>10.1f}{med['ours'] / bound:>9.2f}")
+            print(lines[-1], flush=True)
+    print(f"\n{'model':<11}{'rows':>5}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}{'x bound':>9}")
+    print("\n".join(lines))
+    print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens, {args.tokens} new tokens, "
+          f"{args.threads} threads; x bound: our decode step over weight bytes / bandwidth (1.00 = at the limit)")
+
+
+if __name__ == "__main__":
+    main()
