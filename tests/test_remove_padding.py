@@ -94,3 +94,16 @@ def test_flash_attention_packed_rows_match_padded(model_dir):
         packed, _ = response_log_prob(flash, batch, 1.0, False, remove_padding=True)
         padded, _ = response_log_prob(flash, batch, 1.0, False)
     torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=5e-2)  # bf16
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_entropy_without_grad_is_a_metric_outside_the_graph(model_dir, remove_padding):
+    """With no entropy bonus the update measures entropy without a backward pass through it."""
+    batch = padded_batch()
+    mask = batch["response_mask"].bool()
+    actor = AutoModelForCausalLM.from_pretrained(model_dir)
+    log_prob, with_grad = response_log_prob(actor, batch, 1.0, True, remove_padding)
+    _, metric = response_log_prob(actor, batch, 1.0, True, remove_padding, entropy_grad=False)
+    assert log_prob.requires_grad and with_grad.requires_grad and not metric.requires_grad
+    torch.testing.assert_close(metric[mask], with_grad.detach()[mask])
+    assert metric[mask].min() > 0  # a random model's next-token distributions are far from one-hot

@@ -48,11 +48,22 @@ from rlhf_core.workers.common import (
 )
 
 
+def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
+    """Per-position entropy of ``logits`` (bs, T, V); without ``grad`` a metric only, outside the graph
+    (so that the backward pass does not run through a second softmax over the vocabulary)."""
+    if grad:
+        return algos.entropy_from_logits(logits)
+    with torch.no_grad():
+        return algos.entropy_from_logits(logits)
+
+
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                      with_entropy: bool, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each."""
+                      with_entropy: bool, remove_padding: bool = False,
+                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each.
+    With ``entropy_grad=False`` the entropies carry no gradient."""
     if remove_padding:
-        return packed_response_log_prob(model, batch, temperature, with_entropy)
+        return packed_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
     inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
     # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
     # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
@@ -67,12 +78,12 @@ def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
     log_prob = pad_response(algos.logprobs_from_logits(logits, responses), batch["responses"].shape[1])
     entropy = None
     if with_entropy:
-        entropy = pad_response(algos.entropy_from_logits(logits), batch["responses"].shape[1])
+        entropy = pad_response(_entropy(logits, entropy_grad), batch["responses"].shape[1])
     return log_prob, entropy
 
 
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``)."""
     inputs, valid = packed_inputs(batch)
     logits = model(**inputs, use_cache=False).logits.float()  # (1, T, V)
@@ -82,7 +93,7 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     window = slice(prompt_len - 1, prompt_len - 1 + response_len)  # positions that predict the response
     log_prob = unpack(algos.logprobs_from_logits(logits, next_ids)[0], valid)[:, window]  # (bs, R)
-    entropy = unpack(algos.entropy_from_logits(logits)[0], valid)[:, window] if with_entropy else None
+    entropy = unpack(_entropy(logits, entropy_grad)[0], valid)[:, window] if with_entropy else None
     return log_prob, entropy
 
 
@@ -208,9 +219,11 @@ class ActorWorker(CheckpointableWorker):
                      "loss_scale_factor": cfg.loss_scale_factor}
         mask = mb["response_mask"]
         on_policy = "old_log_prob" not in mb
-        need_entropy = cfg.entropy_coeff != 0 or on_policy
+        entropy_bonus = cfg.entropy_coeff != 0
+        # on-policy the entropy is also the batch's entropy metric; without a bonus it stays out of the graph
         log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
-                                              need_entropy, self.remove_padding)
+                                              entropy_bonus or on_policy, self.remove_padding,
+                                              entropy_grad=entropy_bonus)
         summed: dict[str, float] = {}
         constant: dict[str, float] = {}
         if on_policy:
@@ -225,7 +238,7 @@ class ActorWorker(CheckpointableWorker):
             cfg.loss_agg_mode, rollout_is_weights=mb.tensors.get("rollout_is_weights"), **counts_kw,
         )
         loss = pg_loss
-        if need_entropy:
+        if entropy_bonus:
             entropy_loss = algos.agg_loss(entropy, mask, cfg.loss_agg_mode, **counts_kw)
             loss = loss - cfg.entropy_coeff * entropy_loss
         if cfg.use_kl_loss:
