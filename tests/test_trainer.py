@@ -139,9 +139,11 @@ def test_update_does_not_depend_on_the_micro_batch_size(workspace):
         moved = [name for name, value in module.state_dict().items() if (value - before[name]).abs().max() > 1e-3]
         assert moved == list(before), sorted(set(before) - set(moved))
     for other, _, metrics in (_one_update(root, model, micro=2), _one_update(root, model, micro=1, dynamic=True)):
-        # the same gradient: its norm (before clipping) and the losses, which a wrong normalisation changes
+        # the same gradient: its norm (before clipping) and the losses, which a wrong normalisation changes.
+        # Micro-batches of other rows have other padded widths, so the sums round differently: pg_loss is a
+        # mean of per-token terms of order 1 that nearly cancel (~5e-3), hence an absolute floor of 1e-6
         for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "critic/vf_loss"):
-            assert metrics[key] == pytest.approx(expected[key], rel=1e-5), key
+            assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
         # the same step: within 1% of one Adam step (lr 1e-2); a gradient element near 0 (~Adam's eps) turns
         # rounding differences of the accumulation into steps of up to ~1e-5
         for module_a, module_b in ((reference.actor.module, other.actor.module),

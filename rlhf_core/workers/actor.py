@@ -38,6 +38,8 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
+    in_row_order,
+    micro_batch_rows,
     micro_batches,
     packed_inputs,
     pad_response,
@@ -60,10 +62,20 @@ def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False,
                       entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each.
+    """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each, 0
+    where ``response_mask`` is 0 (so that they do not depend on which rows share a micro-batch).
     With ``entropy_grad=False`` the entropies carry no gradient."""
     if remove_padding:
-        return packed_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
+        log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
+    else:
+        log_prob, entropy = padded_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
+    mask = batch["response_mask"]
+    return log_prob * mask, (entropy * mask if entropy is not None else None)
+
+
+def padded_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
+                             with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_log_prob` on the micro-batch's rows, less the columns that are padding in all of them."""
     inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
     # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
     # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
@@ -159,13 +171,14 @@ class ActorWorker(CheckpointableWorker):
                   with_entropy: bool, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = model if model is not None else self.forward_module
         log_probs, entropies = [], []
-        for mb in micro_batches(batch, micro, dynamic, max_tok):
-            log_prob, entropy = response_log_prob(model, mb.to(self.device), self.config.rollout.temperature,
-                                                  with_entropy, self.remove_padding)
+        groups = micro_batch_rows(batch, micro, dynamic, max_tok)
+        for rows in groups:
+            log_prob, entropy = response_log_prob(model, batch.select(rows).to(self.device),
+                                                  self.config.rollout.temperature, with_entropy, self.remove_padding)
             log_probs.append(log_prob.cpu())
             if entropy is not None:
                 entropies.append(entropy.cpu())
-        return torch.cat(log_probs), (torch.cat(entropies) if with_entropy else None)
+        return in_row_order(log_probs, groups), (in_row_order(entropies, groups) if with_entropy else None)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies under the current policy, (bs, R) each."""

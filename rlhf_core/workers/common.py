@@ -24,24 +24,45 @@ from rlhf_core.workers import distributed
 SHARDS_DIR = "dcp"
 
 
-def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[Batch]:
-    """Split ``batch`` into micro-batches: ``micro_size`` sequences each, or with ``use_dynamic_bsz``
-    consecutive runs of sequences whose valid tokens (prompt + response) stay within ``max_token_len``."""
+def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[list[int]]:
+    """The rows of each micro-batch of ``batch``: ``micro_size`` sequences each, or with ``use_dynamic_bsz``
+    runs of sequences whose valid tokens (prompt + response) stay within ``max_token_len``.
+
+    Rows are taken shortest first, so that sequences of similar length share a micro-batch: the
+    columns that are padding in every row of a micro-batch are cut before the forward
+    (:func:`trimmed_inputs`), so sorted micro-batches compute fewer pad tokens. The losses are
+    normalised by the mini-batch's counts, so the grouping does not change the update.
+    """
     lengths = batch["attention_mask"].sum(-1).tolist()
+    order = sorted(range(len(batch)), key=lengths.__getitem__)  # stable: equal lengths keep their order
     if not use_dynamic_bsz:
         size = micro_size or len(batch)
-        groups = [list(range(start, min(start + size, len(batch)))) for start in range(0, len(batch), size)]
+        groups = [order[start:start + size] for start in range(0, len(order), size)]
     else:
         groups = [[]]
         tokens = 0
-        for row, length in enumerate(lengths):
-            if groups[-1] and tokens + length > max_token_len:
+        for row in order:
+            if groups[-1] and tokens + lengths[row] > max_token_len:
                 groups.append([])
                 tokens = 0
             groups[-1].append(row)
-            tokens += length
-    groups = _same_count_on_all_ranks([g for g in groups if g], lengths)
-    return [batch.select(rows) for rows in groups]
+            tokens += lengths[row]
+    return _same_count_on_all_ranks([g for g in groups if g], lengths)
+
+
+def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[Batch]:
+    """The micro-batches of :func:`micro_batch_rows`, in length order, not row order: for an update, whose
+    loss sums over them; per-row results go back to row order with :func:`in_row_order`."""
+    return [batch.select(rows) for rows in micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len)]
+
+
+def in_row_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:
+    """Per-row results of the micro-batches ``groups`` (one tensor per group, in that order) as one
+    tensor in the batch's own row order."""
+    stacked = torch.cat(parts)
+    result = torch.empty_like(stacked)
+    result[torch.tensor([row for rows in groups for row in rows])] = stacked
+    return result
 
 
 def _same_count_on_all_ranks(groups: list[list[int]], lengths: list[int]) -> list[list[int]]:

@@ -18,7 +18,8 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
-    micro_batches,
+    in_row_order,
+    micro_batch_rows,
     packed_inputs,
     pad_response,
     ppo_update,
@@ -69,15 +70,19 @@ class CriticWorker(CheckpointableWorker):
         self.shuffle_generator = torch.Generator().manual_seed(seed + 2)
         self.skipped_steps = 0
 
-    def _micro_batches(self, batch: Batch) -> list[Batch]:
+    def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
         cfg = self.config
-        return micro_batches(batch, cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz,
-                             cfg.ppo_max_token_len_per_gpu)
+        return micro_batch_rows(batch, cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz,
+                                cfg.ppo_max_token_len_per_gpu)
+
+    def _micro_batches(self, batch: Batch) -> list[Batch]:
+        return [batch.select(rows) for rows in self._micro_batch_rows(batch)]
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        return torch.cat([response_values(self.forward_module, mb.to(self.device), self.remove_padding).cpu()
-                          for mb in self._micro_batches(batch)])
+        groups = self._micro_batch_rows(batch)
+        return in_row_order([response_values(self.forward_module, batch.select(rows).to(self.device),
+                                             self.remove_padding).cpu() for rows in groups], groups)
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         """Clipped value regression on ``returns`` around the rollout-time ``values``.
