@@ -90,6 +90,9 @@ class ModelConfig:
     dtype: str = _k("float32", "dtype of the trained weights: float32 | bfloat16 | float16")
     enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward to save memory")
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    use_fused_kernels: bool = _k(False, "log-probs through the LM head in chunks of positions, never the whole "
+                                        "(tokens x vocabulary) logits: less memory, one more head matmul "
+                                        "(one process, padded rows, Llama/Qwen/Mistral heads; else the usual path)")
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")

@@ -117,10 +117,10 @@ FIRST_CHARACTER_REWARD = (  # a score that differs between responses, so advanta
 )
 
 
-def _one_update(root, model, micro, dynamic=False):
+def _one_update(root, model, micro, dynamic=False, *extra):
     reward = root / "reward_first_character.py"
     reward.write_text(FIRST_CHARACTER_REWARD)
-    cfg = load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+    cfg = load_config(_overrides(root, model, *extra, f"custom_reward_function.path={reward}",
                                  f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
                                  f"critic.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.optim.lr=1e-2",
                                  "critic.optim.lr=1e-2", f"actor_rollout_ref.actor.use_dynamic_bsz={dynamic}",
@@ -303,3 +303,18 @@ def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_upd
         trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.ppo_mini_batch_size=8",
                                                        *extra)))
         assert not trainer._on_policy_update(), extra
+
+
+def test_fused_head_gives_the_same_update(workspace, capsys):
+    """use_fused_kernels: old and reference log-probs and the update through the chunked LM head."""
+    root, model, _ = workspace
+    extra = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2")  # off-policy, KL
+    reference, _, expected = _one_update(root, model, 2, False, *extra)
+    fused, _, metrics = _one_update(root, model, 2, False, *extra, "actor_rollout_ref.model.use_fused_kernels=true")
+    assert fused.actor.fused_head and not reference.actor.fused_head
+    assert "use_fused_kernels" not in capsys.readouterr().err  # no notice: it runs
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl", "critic/vf_loss"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert expected["actor/kl_loss"] > 0  # the second epoch is off the reference: the KL path ran
+    for (name, a), b in zip(reference.actor.module.state_dict().items(), fused.actor.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)

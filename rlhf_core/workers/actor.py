@@ -14,6 +14,7 @@ is the policy itself with its adapters switched off.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,6 +25,7 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import ActorRolloutRefConfig
 from rlhf_core.models import lora
+from rlhf_core.models.fused_head import chunked_head_log_prob, supports_fused_head
 from rlhf_core.models.loading import (
     attention_for,
     load_actor,
@@ -60,13 +62,17 @@ def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
 
 
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                      with_entropy: bool, remove_padding: bool = False,
-                      entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      with_entropy: bool, remove_padding: bool = False, entropy_grad: bool = True,
+                      fused_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each, 0
     where ``response_mask`` is 0 (so that they do not depend on which rows share a micro-batch).
-    With ``entropy_grad=False`` the entropies carry no gradient."""
+    With ``entropy_grad=False`` the entropies carry no gradient. ``fused_head`` (``use_fused_kernels``,
+    for a model that :func:`supports_fused_head`) runs the LM head in chunks of positions
+    (:mod:`rlhf_core.models.fused_head`), except where a gradient through the entropy is asked for."""
     if remove_padding:
         log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
+    elif fused_head and not (with_entropy and entropy_grad):
+        log_prob, entropy = fused_response_log_prob(model, batch, temperature, with_entropy)
     else:
         log_prob, entropy = padded_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
     mask = batch["response_mask"]
@@ -92,6 +98,18 @@ def padded_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     if with_entropy:
         entropy = pad_response(_entropy(logits, entropy_grad), batch["responses"].shape[1])
     return log_prob, entropy
+
+
+def fused_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
+                            with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`padded_response_log_prob` with the decoder's hidden states through the LM head in chunks."""
+    inputs, response_start, kept = trimmed_inputs(batch)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state  # (bs, L, H)
+    hidden = hidden[:, response_start - 1:response_start - 1 + kept]  # the positions that predict the response
+    response_len = batch["responses"].shape[1]
+    log_prob, entropy = chunked_head_log_prob(hidden, model.get_output_embeddings().weight,
+                                              batch["responses"][:, :kept], temperature, with_entropy=with_entropy)
+    return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
 
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
@@ -134,6 +152,7 @@ class ActorWorker(CheckpointableWorker):
         self.need_ref = need_ref
         self.remove_padding = resolve_remove_padding(model_cfg.use_remove_padding, self.forward_module,
                                                      "actor_rollout_ref.model.use_remove_padding")
+        self.fused_head = model_cfg.use_fused_kernels and self._fused_head_runs()
         self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
         rollout = config.rollout
@@ -147,6 +166,18 @@ class ActorWorker(CheckpointableWorker):
                                            seed=seed + distributed.rank(), **engine_kwargs)
         self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.skipped_steps = 0
+
+    def _fused_head_runs(self) -> bool:
+        """``use_fused_kernels`` as it can run: in one process (the decoder is called without the sharded
+        root module), on padded rows, with a plain head; elsewhere a one-line notice and the usual path."""
+        why = ("the model is sharded over a worker group" if self.sharded
+               else "use_remove_padding packs the rows" if self.remove_padding
+               else None if supports_fused_head(self.forward_module)
+               else f"the {getattr(self.forward_module.config, 'model_type', '?')} head is not a plain linear layer")
+        if why and distributed.rank() == 0:
+            print(f"notice: actor_rollout_ref.model.use_fused_kernels=true is not used: {why}, so log-probs go "
+                  "through the whole logits", file=sys.stderr, flush=True)
+        return why is None
 
     # ------------------------------------------------------------------ rollout
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
@@ -174,7 +205,8 @@ class ActorWorker(CheckpointableWorker):
         groups = micro_batch_rows(batch, micro, dynamic, max_tok)
         for rows in groups:
             log_prob, entropy = response_log_prob(model, batch.select(rows).to(self.device),
-                                                  self.config.rollout.temperature, with_entropy, self.remove_padding)
+                                                  self.config.rollout.temperature, with_entropy, self.remove_padding,
+                                                  fused_head=self.fused_head)
             log_probs.append(log_prob.cpu())
             if entropy is not None:
                 entropies.append(entropy.cpu())
@@ -236,7 +268,7 @@ class ActorWorker(CheckpointableWorker):
         # on-policy the entropy is also the batch's entropy metric; without a bonus it stays out of the graph
         log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
                                               entropy_bonus or on_policy, self.remove_padding,
-                                              entropy_grad=entropy_bonus)
+                                              entropy_grad=entropy_bonus, fused_head=self.fused_head)
         summed: dict[str, float] = {}
         constant: dict[str, float] = {}
         if on_policy:
