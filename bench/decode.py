@@ -35,7 +35,7 @@ from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import _model, read_bandwidth_gbs, weight_bytes  # noqa: E402
+from roofline import available_models, read_bandwidth_gbs, weight_bytes  # noqa: E402
 
 
 def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -83,11 +83,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="decode_"))
     lines = []
-    for name in args.models.split(","):
-        path = _model(name, work)
-        if path is None:
-            print(f"{name}: skipped, no checkpoint (run `make real-model`)")
-            continue
+    for name, path in available_models(args.models, work):
         model, tokenizer = load_actor(path), load_tokenizer(path)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row

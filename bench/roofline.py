@@ -25,6 +25,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -87,6 +88,16 @@ def _model(name: str, work: Path) -> Path | None:
     if name == "smollm2":
         return SMOLLM2 if (SMOLLM2 / "config.json").is_file() else None
     raise SystemExit(f"unknown model {name!r}: use demo, random25m or smollm2")
+
+
+def available_models(names: str, work: Path) -> Iterator[tuple[str, Path]]:
+    """(name, model directory) for each of the comma-separated ``names`` whose checkpoint is at hand."""
+    for name in names.split(","):
+        model = _model(name, work)
+        if model is None:
+            print(f"{name}: skipped, no checkpoint at {SMOLLM2} (run `make real-model`)")
+            continue
+        yield name, model
 
 
 def run(name: str, model: Path, work: Path, args) -> dict:
@@ -154,13 +165,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="roofline_"))
     build_dataset(work / "data", n_train=64, n_test=8, seed=0, max_ops=1)
-    rows = []
-    for name in args.models.split(","):
-        model = _model(name, work)
-        if model is None:
-            print(f"{name}: skipped, no checkpoint at {SMOLLM2} (run `make real-model`)")
-            continue
-        rows.append(run(name, model, work, args))
+    rows = [run(name, model, work, args) for name, model in available_models(args.models, work)]
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
