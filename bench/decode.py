@@ -55,11 +55,16 @@ def _use(variant: str) -> None:
         setattr(hf, name, value)
 
 
-def _prompts(rows: int, prompt_len: int, vocab: int, seed: int = 0) -> Batch:
+def _prompts(rows: int, prompt_len: int, vocab: int, ragged: bool, seed: int = 0) -> Batch:
+    """Random prompts of ``prompt_len`` tokens, or (``ragged``) of 1/2 to all of it, left-padded as the
+    trainer's are (so that the attention has a padding mask)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, prompt_len), generator=g)
-    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "position_ids": torch.arange(prompt_len).expand(rows, prompt_len).clone()}, {})
+    lengths = (torch.randint(prompt_len // 2, prompt_len + 1, (rows,), generator=g) if ragged
+               else torch.full((rows,), prompt_len))
+    mask = (torch.arange(prompt_len) >= prompt_len - lengths[:, None]).long()
+    return Batch({"input_ids": ids * mask, "attention_mask": mask,
+                  "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, {})
 
 
 def decode_ms(engine, prompts: Batch, n: int, tokens: int) -> float:
@@ -77,6 +82,7 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64", help="sequences per decode step (prompts x 4 samples)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--ragged", action="store_true", help="prompts of 1/2 to all of --prompt-len, left-padded")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -88,7 +94,7 @@ def main() -> None:
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
         for rows in (int(r) for r in args.rows.split(",")):
-            prompts = _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000))
+            prompts = _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), args.ragged)
             bound = weight_bytes(model) / read_bandwidth_gbs(weight_bytes(model), batch=rows) / 1e6
             times = {v: [] for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
@@ -105,7 +111,8 @@ def main() -> None:
             print(lines[-1], flush=True)
     print(f"\n{'model':<11}{'rows':>5}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}{'x bound':>9}")
     print("\n".join(lines))
-    print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens, {args.tokens} new tokens, "
+    print(f"medians of {args.reps}, prompts of {'up to ' if args.ragged else ''}{args.prompt_len} tokens, "
+          f"{args.tokens} new tokens, "
           f"{args.threads} threads; x bound: our decode step over weight bytes / bandwidth (1.00 = at the limit)")
 
 

@@ -88,9 +88,9 @@ def main() -> None:
         hidden, vocab = SHAPES[shape]
         rows.append(f"{shape:<9}{hidden:>7}{vocab:>8}{result['whole']['seconds']:>9.2f}{result['chunked']['seconds']:>10.2f}"
                     f"{result['chunked']['seconds'] / result['whole']['seconds']:>7.2f}{result['whole']['extra_gb']:>9.2f}"
-                    f"{result['chunked']['extra_gb']:>10.2f}")
+                    f"{result['chunked']['extra_gb']:>12.2f}")
         print(rows[-1], flush=True)
-    print(f"\n{'shape':<9}{'hidden':>7}{'vocab':>8}{'whole s':>9}{'chunked s':>10}{'ratio':>7}{'whole GB':>9}{'chunked GB':>10}")
+    print(f"\n{'shape':<9}{'hidden':>7}{'vocab':>8}{'whole s':>9}{'chunked s':>10}{'ratio':>7}{'whole GB':>9}{'chunked GB':>12}")
     print("\n".join(rows))
     print(f"{args.positions} positions, forward and backward, best of {args.reps}, {args.threads} threads; "
           "GB: peak RSS above the inputs")
