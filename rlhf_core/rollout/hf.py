@@ -4,9 +4,8 @@ Each prompt is encoded once; its KV cache is then repeated for the ``n`` samples
 its group, so the prompt cost does not grow with ``n``. The cache has room for the whole
 response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write in place
 rather than copy the cache, and the prompt pass runs the LM head on its last position only.
-The loop stops when every
-sequence has produced EOS (or when ``synced`` says every rank has, so that sharded
-models run the same number of forward passes on every rank).
+The loop stops when every sequence has produced EOS (or when ``synced`` says every rank has,
+so that sharded models run the same number of forward passes on every rank).
 """
 
 from __future__ import annotations
