@@ -37,7 +37,7 @@ from rlhf_core.config import RewardModelConfig
 from rlhf_core.data.dataset import left_pad
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
 from rlhf_core.workers import distributed
-from rlhf_core.workers.common import in_row_order, micro_batch_rows, trimmed_inputs
+from rlhf_core.workers.common import map_micro_batches, trimmed_inputs
 
 KEY = "reward_model.model.path"
 
@@ -188,9 +188,8 @@ class RewardModelWorker:
         inputs = self._switched_inputs(batch) if self.switch_template else self._direct_inputs(batch)
         if len(inputs) == 0:
             return torch.zeros(0)
-        groups = micro_batch_rows(inputs, self.config.micro_batch_size_per_gpu, False, 0)
-        return in_row_order([sequence_scores(self.module, **inputs.select(rows).to(self.device).tensors).cpu()
-                             for rows in groups], groups)
+        return map_micro_batches(inputs, lambda mb: sequence_scores(self.module, **mb.to(self.device).tensors),
+                                 self.config.micro_batch_size_per_gpu, False, 0)
 
 
 def render_conversation(tokenizer, messages: list[dict], response: str) -> str:

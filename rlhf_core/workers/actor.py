@@ -40,8 +40,7 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
-    in_row_order,
-    micro_batch_rows,
+    map_micro_batches,
     micro_batches,
     packed_inputs,
     pad_response,
@@ -201,16 +200,9 @@ class ActorWorker(CheckpointableWorker):
     def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool, max_tok: int,
                   with_entropy: bool, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         model = model if model is not None else self.forward_module
-        log_probs, entropies = [], []
-        groups = micro_batch_rows(batch, micro, dynamic, max_tok)
-        for rows in groups:
-            log_prob, entropy = response_log_prob(model, batch.select(rows).to(self.device),
-                                                  self.config.rollout.temperature, with_entropy, self.remove_padding,
-                                                  fused_head=self.fused_head)
-            log_probs.append(log_prob.cpu())
-            if entropy is not None:
-                entropies.append(entropy.cpu())
-        return in_row_order(log_probs, groups), (in_row_order(entropies, groups) if with_entropy else None)
+        return map_micro_batches(batch, lambda mb: response_log_prob(
+            model, mb.to(self.device), self.config.rollout.temperature, with_entropy, self.remove_padding,
+            fused_head=self.fused_head), micro, dynamic, max_tok)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies under the current policy, (bs, R) each."""

@@ -52,8 +52,21 @@ def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool
 
 def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[Batch]:
     """The micro-batches of :func:`micro_batch_rows`, in length order, not row order: for an update, whose
-    loss sums over them; per-row results go back to row order with :func:`in_row_order`."""
+    loss sums over them; passes that score rows use :func:`map_micro_batches`."""
     return [batch.select(rows) for rows in micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len)]
+
+
+def map_micro_batches(batch: Batch, fn: Callable[[Batch], torch.Tensor | tuple[torch.Tensor | None, ...]],
+                      micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int):
+    """``fn`` on each micro-batch of :func:`micro_batch_rows`, its per-row results (a tensor, or a tuple of
+    tensors and Nones) brought to the CPU and back to the batch's row order. For passes that score rows
+    (log-probs, values, rewards); ``batch`` must have at least one row."""
+    groups = micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len)
+    outputs = [fn(batch.select(rows)) for rows in groups]
+    if not isinstance(outputs[0], tuple):
+        return in_row_order([out.cpu() for out in outputs], groups)
+    return tuple(None if parts[0] is None else in_row_order([part.cpu() for part in parts], groups)
+                 for parts in zip(*outputs))
 
 
 def in_row_order(parts: list[torch.Tensor], groups: list[list[int]]) -> torch.Tensor:

@@ -18,8 +18,8 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
-    in_row_order,
-    micro_batch_rows,
+    map_micro_batches,
+    micro_batches,
     packed_inputs,
     pad_response,
     ppo_update,
@@ -70,19 +70,17 @@ class CriticWorker(CheckpointableWorker):
         self.shuffle_generator = torch.Generator().manual_seed(seed + 2)
         self.skipped_steps = 0
 
-    def _micro_batch_rows(self, batch: Batch) -> list[list[int]]:
+    def _micro_batching(self) -> tuple[int | None, bool, int]:
         cfg = self.config
-        return micro_batch_rows(batch, cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz,
-                                cfg.ppo_max_token_len_per_gpu)
+        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return [batch.select(rows) for rows in self._micro_batch_rows(batch)]
+        return micro_batches(batch, *self._micro_batching())
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        groups = self._micro_batch_rows(batch)
-        return in_row_order([response_values(self.forward_module, batch.select(rows).to(self.device),
-                                             self.remove_padding).cpu() for rows in groups], groups)
+        return map_micro_batches(batch, lambda mb: response_values(self.forward_module, mb.to(self.device),
+                                                                   self.remove_padding), *self._micro_batching())
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         """Clipped value regression on ``returns`` around the rollout-time ``values``.
