@@ -1,11 +1,15 @@
-"""The LM head's log-prob pass, forward and backward: the whole logits against chunks (``use_fused_kernels``).
+"""The LM head's log-prob pass, forward and backward: three ways through the (positions x vocab) logits.
 
 For each vocabulary, ``positions`` response tokens with hidden size ``hidden`` go through the head,
-log-softmax at the labels, and back to the hidden states and the head's weight:
+log-softmax at the labels (and the entropy, as a metric without gradient, as the actor's update
+measures it), and back to the hidden states and the head's weight:
 
-- ``whole``: ``linear`` then :func:`rlhf_core.algos.logprobs_from_logits` on the (positions x vocab)
-  logits, as the actor does without ``use_fused_kernels``;
-- ``chunked``: :func:`rlhf_core.models.fused_head.chunked_head_log_prob`.
+- ``whole``: ``linear``, then :func:`rlhf_core.algos.logprobs_from_logits` and
+  :func:`rlhf_core.algos.entropy_from_logits` on the whole logits (what the actor did before);
+- ``logits``: ``linear``, then :func:`rlhf_core.models.fused_head.logits_log_prob`, the softmax work
+  a few positions at a time (what the actor does by default);
+- ``chunked``: :func:`rlhf_core.models.fused_head.chunked_head_log_prob`, the head itself in chunks,
+  recomputed in the backward pass (``use_fused_kernels``).
 
 Each variant runs in a fresh process; memory is the peak RSS above the RSS once the inputs exist.
 
@@ -36,7 +40,7 @@ def _rss_gb() -> float:
 
 def one(variant: str, hidden: int, vocab: int, positions: int, reps: int, threads: int) -> dict:
     from rlhf_core import algos
-    from rlhf_core.models.fused_head import chunked_head_log_prob
+    from rlhf_core.models.fused_head import chunked_head_log_prob, logits_log_prob
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
@@ -50,9 +54,14 @@ def one(variant: str, hidden: int, vocab: int, positions: int, reps: int, thread
     def step() -> None:
         h.grad = w.grad = None
         if variant == "whole":
-            log_prob = algos.logprobs_from_logits(torch.nn.functional.linear(h, w)[None].float(), labels[None])[0]
+            logits = torch.nn.functional.linear(h, w)[None].float()
+            log_prob = algos.logprobs_from_logits(logits, labels[None])[0]
+            with torch.no_grad():
+                algos.entropy_from_logits(logits)
+        elif variant == "logits":
+            log_prob, _ = logits_log_prob(torch.nn.functional.linear(h, w), labels, with_entropy=True)
         else:
-            log_prob, _ = chunked_head_log_prob(h, w, labels)
+            log_prob, _ = chunked_head_log_prob(h, w, labels, with_entropy=True)
         (log_prob * upstream).sum().backward()
 
     step()
@@ -77,24 +86,26 @@ def main() -> None:
         variant, shape = args.one.split(":")
         print(json.dumps(one(variant, *SHAPES[shape], args.positions, args.reps, args.threads)))
         return
+    variants = ("whole", "logits", "chunked")
     rows = []
     for shape in args.shapes.split(","):
         result = {}
-        for variant in ("whole", "chunked"):
+        for variant in variants:
             out = subprocess.run([sys.executable, __file__, "--one", f"{variant}:{shape}", "--positions",
                                   str(args.positions), "--reps", str(args.reps), "--threads", str(args.threads)],
                                  check=True, capture_output=True, text=True).stdout
             result[variant] = json.loads(out.strip().splitlines()[-1])
         hidden, vocab = SHAPES[shape]
-        rows.append(f"{shape:<9}{hidden:>7}{vocab:>8}{result['whole']['seconds']:>9.2f}{result['chunked']['seconds']:>10.2f}"
-                    f"{result['chunked']['seconds'] / result['whole']['seconds']:>7.2f}{result['whole']['extra_gb']:>9.2f}"
-                    f"{result['chunked']['extra_gb']:>12.2f}")
+        whole = result["whole"]["seconds"]
+        rows.append(f"{shape:<9}{hidden:>7}{vocab:>8}" + "".join(
+            f"{result[v]['seconds']:>9.2f}{result[v]['seconds'] / whole:>7.2f}{result[v]['extra_gb']:>7.2f}"
+            for v in variants))
         print(rows[-1], flush=True)
-    print(f"\n{'shape':<9}{'hidden':>7}{'vocab':>8}{'whole s':>9}{'chunked s':>10}{'ratio':>7}{'whole GB':>9}{'chunked GB':>12}")
+    print(f"\n{'':<24}" + "".join(f"{v:^23}" for v in variants))
+    print(f"{'shape':<9}{'hidden':>7}{'vocab':>8}" + f"{'s':>9}{'ratio':>7}{'GB':>7}" * len(variants))
     print("\n".join(rows))
     print(f"{args.positions} positions, forward and backward, best of {args.reps}, {args.threads} threads; "
-          "GB: peak RSS above the inputs")
-
+          "ratio: time over whole's; GB: peak RSS above the inputs")
 
 if __name__ == "__main__":
     main()

@@ -25,7 +25,7 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import ActorRolloutRefConfig
 from rlhf_core.models import lora
-from rlhf_core.models.fused_head import chunked_head_log_prob, supports_fused_head
+from rlhf_core.models.fused_head import chunked_head_log_prob, logits_log_prob, supports_fused_head
 from rlhf_core.models.loading import (
     attention_for,
     load_actor,
@@ -51,60 +51,55 @@ from rlhf_core.workers.common import (
 )
 
 
-def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
-    """Per-position entropy of ``logits`` (bs, T, V); without ``grad`` a metric only, outside the graph
-    (so that the backward pass does not run through a second softmax over the vocabulary)."""
-    if grad:
-        return algos.entropy_from_logits(logits)
-    with torch.no_grad():
-        return algos.entropy_from_logits(logits)
-
-
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False, entropy_grad: bool = True,
                       fused_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each, 0
     where ``response_mask`` is 0 (so that they do not depend on which rows share a micro-batch).
-    With ``entropy_grad=False`` the entropies carry no gradient. ``fused_head`` (``use_fused_kernels``,
-    for a model that :func:`supports_fused_head`) runs the LM head in chunks of positions
-    (:mod:`rlhf_core.models.fused_head`), except where a gradient through the entropy is asked for."""
+    With ``entropy_grad=False`` the entropies carry no gradient. Log-softmax, gather and entropy run a
+    few positions at a time over the logits (:func:`logits_log_prob`); ``fused_head``
+    (``use_fused_kernels``, for a model that :func:`supports_fused_head`) runs the LM head that way too
+    (:func:`chunked_head_log_prob`), so that the logits are never built whole."""
     if remove_padding:
-        log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
-    elif fused_head and not (with_entropy and entropy_grad):
+        log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy)
+    elif fused_head:
         log_prob, entropy = fused_response_log_prob(model, batch, temperature, with_entropy)
     else:
-        log_prob, entropy = padded_response_log_prob(model, batch, temperature, with_entropy, entropy_grad)
+        log_prob, entropy = padded_response_log_prob(model, batch, temperature, with_entropy)
     mask = batch["response_mask"]
+    if entropy is not None and not entropy_grad:
+        entropy = entropy.detach()  # a metric only: the backward pass skips its term
     return log_prob * mask, (entropy * mask if entropy is not None else None)
 
 
+def _predicting_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
+    """:func:`trimmed_inputs` less the last column: position t predicts token t+1, so the last kept
+    response token is read but never fed. The last ``kept`` positions predict the response."""
+    inputs, response_start, kept = trimmed_inputs(batch)
+    return {k: v[:, :-1] for k, v in inputs.items()}, response_start, kept
+
+
 def padded_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                             with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_log_prob` on the micro-batch's rows, less the columns that are padding in all of them."""
-    inputs, response_start, kept = trimmed_inputs(batch)  # L = response_start + kept columns
-    # position t predicts token t+1: the last kept+1 positions, less the last, predict the response;
-    # the LM head runs on those only (for a 150k-token vocabulary, a good share of the forward's work)
+    inputs, response_start, kept = _predicting_inputs(batch)
+    # the LM head runs on the positions that predict the response only (for a 150k-token vocabulary, a
+    # good share of the forward's work), and the logits come out contiguous, as the chunks want them
     if takes_logits_to_keep(type(model)):
-        logits = model(**inputs, use_cache=False, logits_to_keep=kept + 1).logits[:, :kept]  # (bs, kept, V)
+        logits = model(**inputs, use_cache=False, logits_to_keep=kept).logits  # (bs, kept, V)
     else:
-        logits = model(**inputs, use_cache=False).logits[:, response_start - 1:response_start - 1 + kept]
-    logits = logits.float()
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
-    responses = batch["responses"][:, :kept]
-    log_prob = pad_response(algos.logprobs_from_logits(logits, responses), batch["responses"].shape[1])
-    entropy = None
-    if with_entropy:
-        entropy = pad_response(_entropy(logits, entropy_grad), batch["responses"].shape[1])
-    return log_prob, entropy
+        logits = model(**inputs, use_cache=False).logits[:, response_start - 1:]
+    log_prob, entropy = logits_log_prob(logits, batch["responses"][:, :kept], temperature, with_entropy=with_entropy)
+    response_len = batch["responses"].shape[1]
+    return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
 
 def fused_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`padded_response_log_prob` with the decoder's hidden states through the LM head in chunks."""
-    inputs, response_start, kept = trimmed_inputs(batch)
-    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state  # (bs, L, H)
-    hidden = hidden[:, response_start - 1:response_start - 1 + kept]  # the positions that predict the response
+    inputs, response_start, kept = _predicting_inputs(batch)
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state  # (bs, L - 1, H)
+    hidden = hidden[:, response_start - 1:]  # the positions that predict the response
     response_len = batch["responses"].shape[1]
     log_prob, entropy = chunked_head_log_prob(hidden, model.get_output_embeddings().weight,
                                               batch["responses"][:, :kept], temperature, with_entropy=with_entropy)
@@ -112,17 +107,16 @@ def fused_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: f
 
 
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                             with_entropy: bool, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``)."""
     inputs, valid = packed_inputs(batch)
-    logits = model(**inputs, use_cache=False).logits.float()  # (1, T, V)
-    if temperature and temperature != 1.0:
-        logits = logits / temperature
+    logits = model(**inputs, use_cache=False).logits  # (1, T, V)
     next_ids = torch.roll(inputs["input_ids"], -1, dims=1)  # (1, T): the token each position predicts
+    log_prob, entropy = logits_log_prob(logits, next_ids, temperature, with_entropy=with_entropy)
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     window = slice(prompt_len - 1, prompt_len - 1 + response_len)  # positions that predict the response
-    log_prob = unpack(algos.logprobs_from_logits(logits, next_ids)[0], valid)[:, window]  # (bs, R)
-    entropy = unpack(_entropy(logits, entropy_grad)[0], valid)[:, window] if with_entropy else None
+    log_prob = unpack(log_prob[0], valid)[:, window]  # (bs, R)
+    entropy = unpack(entropy[0], valid)[:, window] if with_entropy else None
     return log_prob, entropy
 
 
