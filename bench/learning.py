@@ -10,8 +10,9 @@ end the KL of the policy to the base model on its own samples. Prints one line p
 and saves the reward and accuracy curves as a PNG.
 
 The ``rm`` run trains against a learned reward model instead of the rule: a Bradley-Terry reward
-model is first fitted on synthetic preference pairs of the demo task (chosen: the right final
-answer; rejected: the demo's systematic slip, :func:`rlhf_core.models.toy.with_slip`), starting
+model is first fitted on synthetic preference pairs of the demo task
+(:func:`rlhf_core.data.preference.synthetic_pairs`; chosen: the right final answer; rejected: the
+demo's systematic slip, :func:`rlhf_core.models.toy.with_slip`), starting
 from the demo model, by the project's reward-model trainer with the settings of
 ``bench/reward_model.py``; its held-out pair accuracy is reported beside the policy's held-out gold
 (rule) accuracy before and after PPO. The pairs' questions are disjoint from the RL prompts and from
@@ -33,7 +34,7 @@ import torch
 from reward_model import run as train_reward_model  # bench/reward_model.py, beside this script
 
 from rlhf_core.config import load_config
-from rlhf_core.data.preference import write_splits
+from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.schema import make_record
 from rlhf_core.data.synthetic import DATA_SOURCE, generate_problems
 from rlhf_core.main_ppo import trainer_session
@@ -58,22 +59,6 @@ RUNS = {
              "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
              "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
 }
-
-
-def preference_pairs(n: int, seed: int, exclude: set[str]) -> list[dict]:
-    """Synthetic pairs on the demo task: chosen = the right solution, rejected = the slip (same working,
-    the first number of the question as the final answer); problems where the two coincide are skipped."""
-    from rlhf_core.models.toy import with_slip
-
-    task = preset_settings("demo")["task"]
-    pairs = []
-    for problem in generate_problems(3 * n, seed=seed, unique=True, exclude=exclude, **task):
-        rejected = with_slip(problem)["solution"]
-        if rejected != problem["solution"]:
-            pairs.append({"question": problem["question"], "chosen": problem["solution"], "rejected": rejected})
-        if len(pairs) == n:
-            break
-    return pairs
 
 
 def prepare_data(out: Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
@@ -215,7 +200,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
-    parser.add_argument("--rm-pairs", type=int, default=2000, help="training pairs of the rm run's reward model")
+    parser.add_argument("--rm-pairs", type=int, default=2000,
+                        help="problems for the rm run's reward-model training pairs (less those whose slip "
+                             "gives the right answer)")
     parser.add_argument("--rm-epochs", type=int, default=1, help="its epochs over them")
     parser.add_argument("--rm-guard-every", type=int, default=3,
                         help="the rm run validates every N steps for the over-optimisation guard (0: no guard)")
@@ -231,11 +218,10 @@ def main() -> None:
         if name == "rm":
             exclude = set(pd.read_parquet(val)["extra_info"].map(lambda e: e["question"]))
             exclude |= set(pd.read_parquet(train)["extra_info"].map(lambda e: e["question"]))
-            pairs = preference_pairs(args.rm_pairs + 500, seed=args.seed + 101, exclude=exclude)
-            for i, pair in enumerate(pairs):
-                pair["group"] = f"q{i}"
+            pairs = synthetic_pairs(args.rm_pairs, 500, seed=args.seed + 101, task=preset_settings("demo")["task"],
+                                    exclude=exclude)
             pair_dir = out / "data" / "preference"
-            write_splits(pair_dir, pairs[:args.rm_pairs], pairs[args.rm_pairs:], DATA_SOURCE, overwrite=True)
+            write_splits(pair_dir, *pairs, DATA_SOURCE, overwrite=True)
             record = train_reward_model("demo", model, pair_dir, out, args.rm_epochs, lora_rank=0, steps=None)
             rm = {"pair_acc_before": record["pair_accuracy_before"], "pair_acc": record["pair_accuracy"],
                   "rm_steps": record["steps"], "rm_train_seconds": record["train_seconds"],

@@ -91,6 +91,15 @@ def test_synthetic_pairs_right_answer_against_the_slip():
         assert pair["chosen"].rsplit("####", 1)[0] == pair["rejected"].rsplit("####", 1)[0]  # same working
 
 
+def test_synthetic_pairs_leave_out_excluded_questions():
+    train, val = synthetic_pairs(30, 10, seed=0)
+    excluded = {p["question"] for p in train[:5] + val[:3]}
+    train2, val2 = synthetic_pairs(30, 10, seed=0, exclude=excluded)
+    assert len(train2) == 30 and len(val2) == 10
+    assert not excluded & {p["question"] for p in train2 + val2}
+    assert not {p["question"] for p in train2} & {p["question"] for p in val2}
+
+
 def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
     source = tmp_path / "solutions.jsonl"
     source.write_text("\n".join(

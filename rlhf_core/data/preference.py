@@ -116,17 +116,19 @@ def split_by_group(pairs: list[dict], val_fraction: float, seed: int = 0) -> tup
 # ----------------------------------------------------------------------------- the synthetic demo task
 
 
-def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None = None) -> tuple[list[dict], list[dict]]:
+def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None = None,
+                    exclude: Iterable[str] = ()) -> tuple[list[dict], list[dict]]:
     """Pairs on the demo task: chosen = the right final answer, rejected = the demo model's slip.
 
-    Train and val questions are distinct (:func:`rlhf_core.data.synthetic.build_splits`); a problem
-    whose slip gives the right answer anyway (first number = result) yields no pair.
+    Train and val questions are distinct (:func:`rlhf_core.data.synthetic.build_splits`), and none is
+    in ``exclude`` (the questions of prompt sets the pairs must stay apart from); a problem whose slip
+    gives the right answer anyway (first number = result) yields no pair.
     """
     from rlhf_core.data.synthetic import build_splits
     from rlhf_core.models.toy import TOY_TASK, with_slip
 
     # a stream of its own, apart from the prompt datasets' (synthetic-train-S / synthetic-test-S)
-    splits = build_splits(n_train, n_val, seed=f"preference-{seed}", **(task or TOY_TASK))
+    splits = build_splits(n_train, n_val, seed=f"preference-{seed}", exclude=exclude, **(task or TOY_TASK))
     out = []
     for name in ("train", "test"):
         pairs = []

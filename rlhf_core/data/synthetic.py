@@ -375,8 +375,9 @@ def split_seeds(seed: int) -> tuple[str, str]:
     return f"synthetic-train-{seed}", f"synthetic-test-{seed}"
 
 
-def build_splits(n_train: int, n_test: int, seed: int = 0, **options) -> dict[str, list[dict]]:
-    """Distinct train and test problems with no question shared between them.
+def build_splits(n_train: int, n_test: int, seed: int = 0, exclude: Iterable[str] = (),
+                 **options) -> dict[str, list[dict]]:
+    """Distinct train and test problems with no question shared between them, nor with ``exclude``.
 
     The test problems come from their own stream, so they do not change with ``n_train``.
     """
@@ -384,8 +385,9 @@ def build_splits(n_train: int, n_test: int, seed: int = 0, **options) -> dict[st
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     train_seed, test_seed = split_seeds(seed)
-    test = _take_distinct(iter_problems(test_seed, **options), n_test, set())
-    train = _take_distinct(iter_problems(train_seed, **options), n_train, {p["question"] for p in test})
+    excluded = set(exclude)
+    test = _take_distinct(iter_problems(test_seed, **options), n_test, excluded)
+    train = _take_distinct(iter_problems(train_seed, **options), n_train, excluded | {p["question"] for p in test})
     return {"train": train, "test": test}
 
 
