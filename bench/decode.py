@@ -14,7 +14,11 @@ is left out, with EOS switched off so that every row runs all R steps. The bound
 ``bench/roofline.py``: weight bytes over the bandwidth a weight-sized matrix times a block of
 ``rows`` columns achieves here.
 
-    python bench/decode.py [--models demo,random25m,smollm2] [--rows 16,64] [--reps 3]
+With ``--layouts flat,ragged`` the prompts are also taken at 1/2 to all of ``--prompt-len`` tokens,
+left-padded as the trainer's are (so that attention has a padding mask), alternating with the
+flat ones in the same process.
+
+    python bench/decode.py [--models demo,random25m,smollm2] [--rows 16,64] [--layouts flat] [--reps 3]
 """
 
 from __future__ import annotations
@@ -82,11 +86,15 @@ def main() -> None:
     parser.add_argument("--rows", default="16,64", help="sequences per decode step (prompts x 4 samples)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=100)
-    parser.add_argument("--ragged", action="store_true", help="prompts of 1/2 to all of --prompt-len, left-padded")
+    parser.add_argument("--layouts", default="flat",
+                        help="flat (every prompt --prompt-len tokens) and/or ragged (1/2 to all of it, left-padded)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= {"flat", "ragged"}:
+        parser.error(f"--layouts takes flat and/or ragged, got {args.layouts}")
     work = Path(tempfile.mkdtemp(prefix="decode_"))
     lines = []
     for name, path in available_models(args.models, work):
@@ -94,25 +102,29 @@ def main() -> None:
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
         for rows in (int(r) for r in args.rows.split(",")):
-            prompts = _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), args.ragged)
+            prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
+                       for layout in layouts}
             bound = weight_bytes(model) / read_bandwidth_gbs(weight_bytes(model), batch=rows) / 1e6
-            times = {v: [] for v in VARIANTS}
+            times = {(v, layout): [] for layout in layouts for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 _use(variant)
-                decode_ms(engine, prompts, 4, 4)
+                decode_ms(engine, prompts[layouts[0]], 4, 4)
             for _ in range(args.reps):
-                for variant in VARIANTS:
+                for variant, layout in times:
                     _use(variant)
-                    times[variant].append(decode_ms(engine, prompts, 4, args.tokens))
+                    times[variant, layout].append(decode_ms(engine, prompts[layout], 4, args.tokens))
             _use("ours")
-            med = {v: statistics.median(t) for v, t in times.items()}
-            lines.append(f"{name:<11}{rows:>5}{med['dynamic']:>12.1f}{med['ours']:>10.1f}"
-                         f"{med['dynamic'] / med['ours']:>9.2f}{bound:>10.1f}{med['ours'] / bound:>9.2f}")
-            print(lines[-1], flush=True)
-    print(f"\n{'model':<11}{'rows':>5}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}{'x bound':>9}")
+            med = {key: statistics.median(t) for key, t in times.items()}
+            for layout in layouts:
+                old, new = med["dynamic", layout], med["ours", layout]
+                lines.append(f"{name:<11}{rows:>5}{layout:>8}{old:>12.1f}{new:>10.1f}{old / new:>9.2f}"
+                             f"{bound:>10.1f}{new / bound:>9.2f}")
+                print(lines[-1], flush=True)
+    print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}"
+          f"{'x bound':>9}")
     print("\n".join(lines))
-    print(f"medians of {args.reps}, prompts of {'up to ' if args.ragged else ''}{args.prompt_len} tokens, "
-          f"{args.tokens} new tokens, "
+    print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
+          f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
           f"{args.threads} threads; x bound: our decode step over weight bytes / bandwidth (1.00 = at the limit)")
 
 
