@@ -58,7 +58,7 @@ def test_logits_log_probs_entropies_and_gradients_match_log_softmax(chunk, tempe
     torch.testing.assert_close(log_prob, expected)
     torch.testing.assert_close(entropy, expected_entropy)
     for upstream in ((weights, None), (None, entropy_weights), (weights, entropy_weights)):
-        def total(lp, ent):
+        def total(lp, ent, upstream=upstream):
             return sum((t * u).sum() for t, u in zip((lp, ent), upstream) if u is not None)
         want, = torch.autograd.grad(total(expected, expected_entropy), logits, retain_graph=True)
         got, = torch.autograd.grad(total(log_prob, entropy), logits, retain_graph=True)
