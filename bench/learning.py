@@ -104,12 +104,12 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
             guard_every: int = 0) -> dict:
     """Train for ``minutes`` of step time; greedy held-out accuracy before, at 1/4, 1/2, 3/4 and after.
 
-    With ``guard_every`` (the rm run), the trainer's over-optimisation guard also watches a validation
-    every that many steps, as ``trainer.fit`` does at ``test_freq``: each new best gold accuracy is
-    checkpointed, and the guard's rollback (or stop) is carried out by the trainer."""
+    Each step is the trainer's own (``fit_step``), with its guards: a validation-accuracy drop (or,
+    with a reward model, over-optimisation) rolls back to the best checkpoint. With ``guard_every``
+    (the rm run) it also validates every that many steps, as ``trainer.test_freq`` would."""
     import shutil
 
-    from rlhf_core.training.guards import GuardError, proxy_and_gold
+    from rlhf_core.training.guards import GuardError
 
     shutil.rmtree(out / name, ignore_errors=True)  # its checkpoints start afresh
     overrides = [
@@ -119,40 +119,35 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
     ]
     cfg = load_config(overrides, config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
-        val_metrics = trainer.validate()
-        before = trainer.val_accuracy(val_metrics)
-        if guard_every and trainer.overopt.observe(0, *proxy_and_gold(val_metrics))[0]:
-            trainer.save_checkpoint()
+        before = trainer.val_accuracy(trainer.validate_before_train())
         curve, budget, start = [], minutes * 60, time.perf_counter()
-        checkpoints = {budget * f for f in (0.25, 0.5, 0.75)}
+        marks = {budget * f for f in (0.25, 0.5, 0.75)}
         acc_curve, events = [(0, 0.0, before)], []
         train_seconds = 0.0
+
+        def due(step: int, metrics: dict) -> bool:  # a quarter of the budget passed, or the guard's schedule
+            passed = {m for m in marks if train_seconds + metrics["timing_s/step"] >= m}
+            marks.difference_update(passed)
+            return bool(passed) or bool(guard_every and step % guard_every == 0)
+
         while train_seconds < budget:
-            _, rows = trainer.sampler.next_batch()
-            metrics = trainer.train_step(trainer.train_dataset.collate(rows))
-            trainer.global_step += 1
+            try:
+                result = trainer.fit_step(validate=due)
+            except GuardError as exc:
+                print(f"[{name}] {exc}", flush=True)
+                break
+            metrics = result.metrics
             train_seconds += metrics["timing_s/step"]
-            curve.append({"step": trainer.global_step, "seconds": train_seconds,
+            curve.append({"step": result.step, "seconds": train_seconds,
                           "score": metrics["critic/score/mean"], "kl_loss": metrics.get("actor/kl_loss"),
                           "response_length": metrics["response_length/mean"]})
-            marks = [m for m in sorted(checkpoints) if train_seconds >= m]
-            checkpoints.difference_update(marks)
-            if marks or (guard_every and trainer.global_step % guard_every == 0):
-                val_metrics = trainer.validate()
-                acc_curve.append((trainer.global_step, train_seconds, trainer.val_accuracy(val_metrics)))
-                if guard_every:
-                    new_best, event = trainer.overopt.observe(trainer.global_step, *proxy_and_gold(val_metrics))
-                    if new_best:
-                        trainer.save_checkpoint()
-                    if event is not None:
-                        events.append({"step": trainer.global_step, "action": event.action,
-                                       "target_step": event.target_step})
-                        try:
-                            trainer.apply_guard_event(event)  # what trainer.fit does with a guard's event
-                        except GuardError as exc:
-                            print(f"[{name}] {exc}", flush=True)
-                            break
-            print(f"[{name}] step {trainer.global_step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f} "
+            accuracy = trainer.val_accuracy(metrics)
+            if accuracy is not None:
+                acc_curve.append((result.step, train_seconds, accuracy))
+            if result.event is not None:
+                events.append({"step": result.step, "kind": result.event.kind, "action": result.event.action,
+                               "target_step": result.event.target_step})
+            print(f"[{name}] step {result.step} {train_seconds:.0f}s score {metrics['critic/score/mean']:.3f} "
                   f"length {metrics['response_length/mean']:.1f}", flush=True)
         after = trainer.val_accuracy(trainer.validate())
         acc_curve.append((trainer.global_step, train_seconds, after))
@@ -205,7 +200,7 @@ def main() -> None:
                              "gives the right answer)")
     parser.add_argument("--rm-epochs", type=int, default=1, help="its epochs over them")
     parser.add_argument("--rm-guard-every", type=int, default=3,
-                        help="the rm run validates every N steps for the over-optimisation guard (0: no guard)")
+                        help="the rm run also validates every N steps, for the over-optimisation guard (0: at the quarter marks only)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -232,3 +232,29 @@ def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollb
     # the best checkpoint outlived max_*_ckpt_to_keep=1; the first one did not
     assert [step for step, _ in checkpoint.list_checkpoints(out)] == [2, 3]
     assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_fit_step_on_a_callers_schedule_keeps_the_validation_guard(workspace, tmp_path):
+    """A caller's loop of fit_step (as bench/learning.py runs one against a time budget) validates where
+    its schedule says and still gets the val-drop guard's rollback, returned with the step."""
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=6")  # test_freq -1: no validation
+    accuracy = {2: 0.6, 3: 0.3}
+    trainer.validate = lambda: {"val-core/synthetic/acc/mean@1": accuracy[trainer.global_step]}
+    asked = []
+
+    def schedule(step, metrics):
+        asked.append((step, "timing_s/step" in metrics))
+        return step in accuracy
+
+    results = [trainer.fit_step(validate=schedule) for _ in range(3)]
+
+    assert asked == [(1, True), (2, True), (3, True)]  # asked after each train step, with its metrics
+    assert [r.step for r in results] == [1, 2, 3]
+    assert "val-core/synthetic/acc/mean@1" not in results[0].metrics
+    assert results[1].metrics["val-core/synthetic/acc/mean@1"] == 0.6 and results[1].event is None
+    event = results[2].event
+    assert (event.kind, event.action, event.target_step) == ("val_drop", "rollback", 2)
+    assert results[2].metrics["training/rollbacks"] == 1
+    assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_2"))

@@ -124,6 +124,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
 class StepResult:
     step: int
     metrics: dict[str, float]
+    event: GuardEvent | None = None  # a guard's event at this step (carried out: a rollback)
 
 
 class PPOTrainer:
@@ -496,51 +497,67 @@ class PPOTrainer:
             self.logger(metrics, step)
 
     def fit(self) -> list[StepResult]:
-        trainer_cfg = self.config.trainer
-        if trainer_cfg.val_before_train and self.val_dataset is not None and self.global_step == 0:
-            try:
-                val_metrics = self.validate()
-            except WorkerError as exc:
-                raise self._worker_failure(exc, "validating before", 1) from exc
-            new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
-            new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
-            self._log(val_metrics, 0)
-            if new_best:  # the val-drop (and over-optimisation) guard's first rollback target
-                self.save_checkpoint()
+        if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0:
+            self.validate_before_train()
         while self.global_step < self.total_steps:
             self._stop_if_requested()
-            epoch, rows = self.sampler.next_batch()
-            skipped_before = self._skipped_total()
-            try:
-                with profiled(self.global_step + 1, trainer_cfg.profile_steps, trainer_cfg.profile_dir):
-                    metrics = self.train_step(self.train_dataset.collate(rows))
-            except WorkerError as exc:
-                raise self._worker_failure(exc, "training", self.global_step + 1) from exc
-            self.global_step += 1
-            step = self.global_step
-            last = step == self.total_steps
-            save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
-            event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
-            if self.val_dataset is not None and (
-                    last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0)):
-                try:
-                    metrics.update(self.validate())
-                except WorkerError as exc:
-                    raise self._worker_failure(exc, "validating after", step) from exc
-                if event is None:
-                    new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
-                    save = save or new_best
-                if event is None:
-                    new_best, event = self.overopt.observe(step, *proxy_and_gold(metrics))
-                    save = save or new_best
-            metrics["training/global_step"] = step
-            metrics["training/epoch"] = epoch
-            metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
-            self.history.append(StepResult(step, metrics))
-            self._log(metrics, step)
-            if event is not None:
-                self.apply_guard_event(event)
-                save = True  # the next resume and the next rollback start from the restored state
-            if save:
-                self.save_checkpoint()
+            self.fit_step()
         return self.history
+
+    def validate_before_train(self) -> dict[str, float]:
+        """The validation before the first step, as :meth:`fit` runs it: logged at step 0, and the first
+        best of the val-drop and over-optimisation guards (checkpointed, their first rollback target)."""
+        try:
+            val_metrics = self.validate()
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "validating before", 1) from exc
+        new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
+        new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
+        self._log(val_metrics, 0)
+        if new_best:
+            self.save_checkpoint()
+        return val_metrics
+
+    def fit_step(self, validate: Callable[[int, dict[str, float]], bool] | None = None) -> StepResult:
+        """One iteration of :meth:`fit`: the next batch, a train step, the guards, a validation, logging
+        and checkpoints. The validation runs at ``trainer.test_freq`` and after the last step, or, with
+        ``validate``, where ``validate(step, metrics)`` says (a caller's own schedule). A guard's
+        rollback is carried out here and returned in the result; its stop raises :class:`GuardError`."""
+        trainer_cfg = self.config.trainer
+        epoch, rows = self.sampler.next_batch()
+        skipped_before = self._skipped_total()
+        try:
+            with profiled(self.global_step + 1, trainer_cfg.profile_steps, trainer_cfg.profile_dir):
+                metrics = self.train_step(self.train_dataset.collate(rows))
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "training", self.global_step + 1) from exc
+        self.global_step += 1
+        step = self.global_step
+        last = step == self.total_steps
+        save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
+        event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
+        due = (validate(step, metrics) if validate is not None
+               else last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0))
+        if self.val_dataset is not None and due:
+            try:
+                metrics.update(self.validate())
+            except WorkerError as exc:
+                raise self._worker_failure(exc, "validating after", step) from exc
+            if event is None:
+                new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
+                save = save or new_best
+            if event is None:
+                new_best, event = self.overopt.observe(step, *proxy_and_gold(metrics))
+                save = save or new_best
+        metrics["training/global_step"] = step
+        metrics["training/epoch"] = epoch
+        metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
+        result = StepResult(step, metrics, event)
+        self.history.append(result)
+        self._log(metrics, step)
+        if event is not None:
+            self.apply_guard_event(event)
+            save = True  # the next resume and the next rollback start from the restored state
+        if save:
+            self.save_checkpoint()
+        return result
