@@ -18,6 +18,7 @@ import resource
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -141,17 +142,15 @@ def floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg)
 
 
 class PhaseMemory:
-    """Peak resident memory per trainer phase: a thread samples VmRSS every 10 ms while the trainer's
-    ``timed`` phases tag which phase is running (the innermost one)."""
+    """Peak resident memory per trainer phase: a thread samples VmRSS every 10 ms while a phase hook of
+    the trainer (``trainer.phase_hooks``) tags which phase is running (the innermost one)."""
 
-    def __init__(self):
+    def __init__(self, trainer):
         import threading
 
-        from rlhf_core.training import trainer as trainer_module
-
+        self.trainer = trainer
         self.peaks: dict[str, float] = {}
         self.stack: list[str] = []
-        self.module, self.original = trainer_module, trainer_module.timed
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._sample, daemon=True)
 
@@ -169,26 +168,23 @@ class PhaseMemory:
                 phase = self.stack[-1]
                 self.peaks[phase] = max(self.peaks.get(phase, 0.0), self.rss_gb())
 
+    @contextmanager
+    def tag(self, name: str):
+        self.stack.append(name)
+        try:
+            yield
+        finally:
+            self.stack.pop()
+
     def __enter__(self):
-        from contextlib import contextmanager
-
-        @contextmanager
-        def tagged(name, timings):
-            self.stack.append(name)
-            try:
-                with self.original(name, timings):
-                    yield
-            finally:
-                self.stack.pop()
-
-        self.module.timed = tagged
+        self.trainer.phase_hooks.append(self.tag)
         self.thread.start()
         return self
 
     def __exit__(self, *exc):
         self.stop.set()
         self.thread.join()
-        self.module.timed = self.original
+        self.trainer.phase_hooks.remove(self.tag)
 
 
 def growth_shape(model: Path, work: Path, batch: int, response: int, args) -> dict:
@@ -206,7 +202,7 @@ def growth_shape(model: Path, work: Path, batch: int, response: int, args) -> di
     with trainer_session(cfg) as trainer:
         loaded = PhaseMemory.rss_gb()
         prompts = trainer.train_dataset.collate(list(range(batch)))
-        with PhaseMemory() as memory:
+        with PhaseMemory(trainer) as memory:
             runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
         n = cfg.actor_rollout_ref.rollout.n
         return {"step": statistics.median(r["timing_s/step"] for r in runs),

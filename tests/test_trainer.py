@@ -7,6 +7,7 @@ import json
 import math
 import signal
 import threading
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -264,6 +265,25 @@ def test_profile_steps_record_a_trace_with_each_phase_as_a_named_range(workspace
     step = next(e for e in events if e.get("name") == "step" and e.get("ph") == "X")
     gen = next(e for e in events if e.get("name") == "gen" and e.get("ph") == "X")
     assert step["ts"] <= gen["ts"] and gen["ts"] + gen["dur"] <= step["ts"] + step["dur"]  # nested in the step
+
+
+def test_phase_hooks_enter_around_each_timed_phase_in_order(workspace):
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model)))  # GAE: a critic; no KL: no reference
+    seen = []
+
+    @contextmanager
+    def hook(name):
+        seen.append(f"+{name}")
+        yield
+        seen.append(f"-{name}")
+
+    trainer.phase_hooks.append(hook)
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    trainer.close()
+    inner = ["gen", "reward", "old_log_prob", "values", "adv", "update_critic", "update_actor"]
+    assert seen == ["+step", *(f"{sign}{name}" for name in inner for sign in "+-"), "-step"]
+    assert {f"timing_s/{name}" for name in ["step", *inner]} <= set(metrics)  # still timed
 
 
 def test_profile_steps_must_be_step_numbers(workspace, capsys):

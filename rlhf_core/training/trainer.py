@@ -25,7 +25,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -178,6 +178,9 @@ class PPOTrainer:
         self.kl_loss_coef = arr.actor.kl_loss_coef
         self.global_step = 0
         self.history: list[StepResult] = []
+        #: context-manager factories entered around every timed phase, called with its name (innermost
+        #: last): a memory sampler's tag, a tracer's span
+        self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
@@ -226,15 +229,15 @@ class PPOTrainer:
     def _rollout(self, prompts: Batch, timings: dict[str, float]) -> tuple[Batch, dict]:
         """One generation batch: responses and their scores, and for ``remax`` the score of each prompt's
         greedy response as ``reward_baselines`` (bs,)."""
-        with timed("gen", timings):
+        with self.phase("gen", timings):
             batch = self.actor.generate(prompts, self._train_params())
-        with timed("reward", timings):
+        with self.phase("reward", timings):
             extras = self._score(batch)
             self._shape_overlong(batch, extras)
         if self.config.algorithm.adv_estimator == "remax":
-            with timed("gen_max", timings):
+            with self.phase("gen_max", timings):
                 greedy = self.actor.generate(prompts, replace(self._train_params(), n=1, do_sample=False))
-            with timed("reward", timings):
+            with self.phase("reward", timings):
                 self._score(greedy)
                 self._shape_overlong(greedy, {})
             n = self.config.actor_rollout_ref.rollout.n
@@ -287,20 +290,29 @@ class PPOTrainer:
                 and not cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.rollout.name == "hf"
                 and self.global_step >= cfg.trainer.critic_warmup)
 
+    @contextmanager
+    def phase(self, name: str, timings: dict[str, float]):
+        """A phase of the step, timed into ``timings`` (:func:`timed`) inside each of ``phase_hooks``."""
+        with ExitStack() as hooks:
+            for hook in self.phase_hooks:
+                hooks.enter_context(hook(name))
+            with timed(name, timings):
+                yield
+
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, algo = self.config, self.config.algorithm
         n = cfg.actor_rollout_ref.rollout.n
         timings: dict[str, float] = {}
-        with timed("step", timings):
+        with self.phase("step", timings):
             batch, extras, metrics = self._generate_and_score(prompts, timings)
             if not self._on_policy_update():
-                with timed("old_log_prob", timings):
+                with self.phase("old_log_prob", timings):
                     batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
             if self.use_ref:
-                with timed("ref", timings):
+                with self.phase("ref", timings):
                     batch["ref_log_prob"] = self.actor.compute_ref_log_prob(batch)
             if self.use_critic:
-                with timed("values", timings):
+                with self.phase("values", timings):
                     batch["values"] = self.critic.compute_values(batch)
             if "old_log_prob" in batch:  # else the update measures the entropy
                 metrics["actor/entropy"] = _mean(entropy, batch["response_mask"].float())
@@ -308,7 +320,7 @@ class PPOTrainer:
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())
                 self._correct_rollout(batch, metrics)
-            with timed("adv", timings):
+            with self.phase("adv", timings):
                 if algo.use_kl_in_reward:
                     rewards, _, kl_metrics = algos.apply_kl_penalty(
                         batch["token_level_scores"], batch["old_log_prob"], batch["ref_log_prob"],
@@ -323,10 +335,10 @@ class PPOTrainer:
                     norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
                     reward_baselines=batch.tensors.get("reward_baselines"))
             if self.use_critic:
-                with timed("update_critic", timings):
+                with self.phase("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch, n))
             if self.global_step >= cfg.trainer.critic_warmup:
-                with timed("update_actor", timings):
+                with self.phase("update_actor", timings):
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
