@@ -9,7 +9,8 @@ rollout/training split (in ``trainer.profile_dir``; TensorBoard or Perfetto open
 
 Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, lets the
 guards (:mod:`rlhf_core.training.guards`) judge each step, logs it, then checkpoints it every
-``save_freq`` steps, at the end, after a rollback and when a validation sets a new best.
+``save_freq`` steps, at the end, after a rollback and when a validation sets a new best; one such
+iteration is :meth:`PPOTrainer.fit_step`, which a caller's own loop can run on its own schedule.
 A stop request (set by a signal handler) ends the run between steps, after a save.
 
 With more than one worker (``trainer.n_gpus_per_node * trainer.nnodes > 1``) the actor and the
