@@ -200,7 +200,8 @@ def main() -> None:
                              "gives the right answer)")
     parser.add_argument("--rm-epochs", type=int, default=1, help="its epochs over them")
     parser.add_argument("--rm-guard-every", type=int, default=3,
-                        help="the rm run also validates every N steps, for the over-optimisation guard (0: at the quarter marks only)")
+                        help="the rm run also validates every N steps, for the over-optimisation guard "
+                             "(0: at the quarter marks only)")
     parser.add_argument("overrides", nargs="*", help="extra trainer overrides for every run")
     args = parser.parse_args()
     torch.set_num_threads(2)

@@ -82,6 +82,15 @@ def _chunk_grad(z: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad_l
     return grad
 
 
+def _upstream(rows: slice, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+              entropy: torch.Tensor, acc: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    """The incoming gradients of ``rows`` in ``acc`` (None where there is none), and the entropies that
+    the entropy's gradient needs: the last three arguments of :func:`_chunk_grad`."""
+    return (None if grad_log_prob is None else grad_log_prob[rows].to(acc),
+            None if grad_entropy is None else grad_entropy[rows].to(acc),
+            None if grad_entropy is None else entropy[rows])
+
+
 def _forward_chunks(chunk_logits, labels: torch.Tensor, acc: torch.dtype, chunk_size: int, with_entropy: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_chunk_forward` over the rows ``chunk_logits(rows)`` gives, ``chunk_size`` at a time: the
@@ -121,9 +130,7 @@ class _LogitsLogProb(torch.autograd.Function):
             rows = slice(start, start + ctx.chunk_size)
             z = _scaled(logits[rows], acc, temperature)
             chunk = _chunk_grad(z, labels[rows], log_norm[rows],
-                                None if grad_log_prob is None else grad_log_prob[rows].to(acc),
-                                None if grad_entropy is None else grad_entropy[rows].to(acc),
-                                entropy[rows] if grad_entropy is not None else None,
+                                *_upstream(rows, grad_log_prob, grad_entropy, entropy, acc),
                                 out=grad[rows] if direct else z)
             if not direct:
                 grad[rows] = chunk.div_(temperature) if temperature != 1.0 else chunk
@@ -154,9 +161,7 @@ class _ChunkedHeadLogProb(torch.autograd.Function):
             h = hidden[rows]
             z = _scaled(h @ weight.T, acc, temperature)  # the chunk's logits again, overwritten by their gradient
             grad_logits = _chunk_grad(z, labels[rows], log_norm[rows],
-                                      None if grad_log_prob is None else grad_log_prob[rows].to(acc),
-                                      None if grad_entropy is None else grad_entropy[rows].to(acc),
-                                      entropy[rows] if grad_entropy is not None else None, out=z)
+                                      *_upstream(rows, grad_log_prob, grad_entropy, entropy, acc), out=z)
             if temperature != 1.0:
                 grad_logits /= temperature
             grad_logits = grad_logits.to(hidden.dtype)
