@@ -170,8 +170,20 @@ def global_token_counts(batch: Batch) -> tuple[int, int]:
     return int(tokens), int(sequences)
 
 
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
+
 def build_optimizer(params, optim: OptimConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    """AdamW with torch's fused kernel where every parameter lives on a device that has one.
+
+    The fused step reads and writes each parameter and its two moments once; the per-parameter
+    default makes a pass per operation (lerp, mul, addcmul, sqrt, addcdiv...), 3-4x the time on
+    CPU for a 135M model. Same update rule, same state layout, so checkpoints load either way.
+    """
+    params = list(params)
+    fused = bool(params) and all(p.device.type in FUSED_ADAMW_DEVICES and p.is_floating_point() for p in params)
+    return torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                             fused=fused or None)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
