@@ -14,10 +14,15 @@ per model (the demo's tiny model, a random-weight ~25M-parameter one on syntheti
 ``GSM8K_DIR``), and both trainers' mean reward over the last steps, so that speed is not bought
 with learning.
 
+Sampled responses end at EOS, so the two trainers' token counts differ by chance (with random
+weights, EOS comes at a random step). ``--fixed-length`` makes every response ``--response`` tokens
+long in both, so that tokens per second compares speed alone.
+
 Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 
     python bench/vs_trl.py [--steps 6] [--warmup 1] [--prompts 8] [--group 4] [--response 64]
     python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3      # the real checkpoint
+    python bench/vs_trl.py --models random20m --fixed-length           # equal token counts
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int) -> dict:
         "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.entropy_coeff=0.0",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.logger=[]",
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
+        f"actor_rollout_ref.rollout.ignore_eos={str(args.fixed_length).lower()}",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         times, tokens, rewards, phases = [], [], [], []
@@ -109,6 +115,8 @@ def run_trl(model: Path, data: Path, args) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no",
         shuffle_dataset=False, seed=1, disable_tqdm=True, dataloader_num_workers=0,
+        # EOS suppressed until the last token: every completion is --response tokens, as ours with ignore_eos
+        generation_kwargs={"min_new_tokens": args.response} if args.fixed_length else None,
     )
     clock = Clock()
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model)), reward_funcs=reward, args=config,
@@ -134,6 +142,9 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fixed-length", action="store_true",
+                        help="every response runs to --response tokens in both trainers (ours: rollout.ignore_eos; "
+                             "TRL: min_new_tokens), so that both do exactly the same number of tokens")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
     parser.add_argument("--real-model", default=str(REPO / "outputs" / "smollm2-135m-instruct"),
                         help="the smollm2 model directory (make real-model)")
@@ -168,7 +179,7 @@ def main() -> None:
         trl = run_trl(model, data, args)
         lines += [
             f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
-            f"response <= {args.response}, {args.steps} steps after {args.warmup} warm-up, {args.threads} threads",
+            f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after {args.warmup} warm-up, {args.threads} threads",
             f"[{name}] step time: ours {ours['step_s']:.3f} s, trl {trl['step_s']:.3f} s",
             f"[{name}] tokens per second: ours {ours['tokens_per_s']:.0f}, trl {trl['tokens_per_s']:.0f}",
             f"[{name}] mean reward over the last {args.last} steps: ours {ours['reward']:.3f}, trl {trl['reward']:.3f}",

@@ -180,6 +180,8 @@ class RolloutConfig:
     top_p: float = _k(1.0, "nucleus sampling threshold")
     top_k: int = _k(-1, "top-k sampling; -1 = off")
     do_sample: bool = _k(True, "sample (false = greedy) during training rollouts")
+    ignore_eos: bool = _k(False, "training rollouts sample past EOS to max_response_length (fixed-length "
+                                 "responses, as for throughput benchmarks); validation always stops at EOS")
     dtype: str = _k("bfloat16", "dtype of the rollout engine's weights (vllm)")
     tensor_model_parallel_size: int = _k(1, "vLLM tensor parallel size")
     gpu_memory_utilization: float = _k(0.5, "share of GPU memory vLLM may take")

@@ -81,6 +81,20 @@ def test_eos_is_kept_in_the_mask_and_everything_after_is_masked(tokenizer):
     assert out["position_ids"][1, 2:6].tolist() == [0, 1, 2, 3]
 
 
+def test_ignore_eos_samples_every_response_to_the_full_length(tokenizer):
+    eos = tokenizer.eos_token_id
+    fake = _EosAfter(stop_at=[0, 2], eos_id=eos)
+    fake.generation_config = None
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    prompts = Batch(left_pad([[5, 6], [5]], tokenizer.pad_token_id), {"uid": [0, 1]})
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=4, do_sample=False, ignore_eos=True))
+    # the fake model keeps asking for EOS once it has started: the tokens after it are sampled, not padding
+    assert out["responses"].tolist() == [[eos, eos, eos, eos], [7, 7, eos, eos]]
+    assert out["response_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    assert fake.calls == 4  # one prompt forward and three decode steps
+    assert out["attention_mask"][1].tolist() == [0, 1, 1, 1, 1, 1]
+
+
 def test_generation_stops_once_every_row_has_ended(tokenizer):
     fake = _EosAfter(stop_at=[1, 1], eos_id=tokenizer.eos_token_id)
     fake.generation_config = None

@@ -286,6 +286,16 @@ def test_phase_hooks_enter_around_each_timed_phase_in_order(workspace):
     assert {f"timing_s/{name}" for name in ["step", *inner]} <= set(metrics)  # still timed
 
 
+def test_ignore_eos_gives_full_length_training_responses_and_leaves_validation_alone(workspace):
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.rollout.ignore_eos=true")))
+    assert trainer._train_params().ignore_eos and not trainer._val_params().ignore_eos
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    trainer.close()
+    # data.max_response_length=8: every one of the 16 responses is 8 tokens long
+    assert metrics["response_length/mean"] == 8.0 and metrics["response_length/min"] == 8.0
+
+
 def test_profile_steps_must_be_step_numbers(workspace, capsys):
     root, model, _ = workspace
     assert ppo(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2

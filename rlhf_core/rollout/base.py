@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    ignore_eos: bool = False  # keep sampling after EOS, to max_new_tokens (fixed-length responses)
 
     @property
     def greedy(self) -> bool:
@@ -32,7 +33,7 @@ class RolloutEngine(Protocol):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """Prompts (left-padded ``input_ids``, ``attention_mask``, ``position_ids``; B rows) ->
         B * n rows, each prompt's samples adjacent, with ``prompts`` (B*n, P), ``responses`` (B*n, R),
-        ``response_mask`` (B*n, R; EOS kept, everything after it 0) and the full ``input_ids``,
+        ``response_mask`` (B*n, R; EOS kept, everything after it 0; all 1 with ``ignore_eos``) and the full ``input_ids``,
         ``attention_mask``, ``position_ids`` (B*n, P+R). Per-row meta is repeated alongside."""
         ...
 

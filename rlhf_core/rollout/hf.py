@@ -5,7 +5,8 @@ its group, so the prompt cost does not grow with ``n``. The cache has room for t
 response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write in place
 rather than copy the cache, and the prompt pass runs the LM head on its last position only.
 The loop stops when every sequence has produced EOS (or when ``synced`` says every rank has,
-so that sharded models run the same number of forward passes on every rank).
+so that sharded models run the same number of forward passes on every rank); with ``ignore_eos``
+an EOS is a token like any other and every response runs to ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ class HFRolloutEngine:
             valid = ~done  # this token belongs to the response (EOS included)
             tokens.append(token)
             masks.append(valid)
-            done = done | torch.isin(token, eos_ids)
+            if not params.ignore_eos:
+                done = done | torch.isin(token, eos_ids)
             all_done = bool(done.all())
             if self.synced is not None:
                 all_done = self.synced(all_done)

@@ -148,7 +148,7 @@ class VLLMRolloutEngine:
         sampling = VLLMSamplingParams(
             n=params.n, max_tokens=params.max_new_tokens, logprobs=0,
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=params.top_k if params.top_k > 0 else -1, ignore_eos=params.ignore_eos,
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in everyone], sampling,
                                     use_tqdm=False)[mine]

@@ -110,6 +110,7 @@ def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
         "critic/returns/mean": _mean(batch["returns"], mask),
         "response_length/mean": float(response_length.mean()),
         "response_length/max": float(response_length.max()),
+        "response_length/min": float(response_length.min()),
         "response_length/clip_ratio": float((response_length >= max_response_length).float().mean()),
         "prompt_length/mean": float(prompt_length.mean()),
     }
@@ -198,7 +199,7 @@ class PPOTrainer:
     def _train_params(self) -> SamplingParams:
         r = self.config.actor_rollout_ref.rollout
         return SamplingParams(n=r.n, max_new_tokens=self.config.data.max_response_length, do_sample=r.do_sample,
-                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+                              temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, ignore_eos=r.ignore_eos)
 
     def _val_params(self) -> SamplingParams:
         v = self.config.actor_rollout_ref.rollout.val_kwargs
