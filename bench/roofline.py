@@ -14,7 +14,7 @@ Then a few trainer iterations, and each phase against its bound:
   matmuls; the LM head counts only on the positions it runs on);
 - generation: seconds per decode step over (weight bytes / bandwidth).
 
-    python bench/roofline.py [--models demo,random25m,smollm2] [--iters 2] [--threads 2]
+    python bench/roofline.py [--models demo,random25m,smollm2] [--iters 2] [--threads 2] [--json rows.json]
 
 ``smollm2`` needs the imported checkpoint (``make real-model``); it is skipped with a reason otherwise.
 """
@@ -22,6 +22,7 @@ Then a few trainer iterations, and each phase against its bound:
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -150,6 +151,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
         "batch": sequences, "tokens": tokens,
+        "phases": {key.removeprefix("timing_s/"): med(key) for key in runs[0] if key.startswith("timing_s/")},
     }
 
 
@@ -160,12 +162,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", help="also write the rows (with each phase's median seconds) to this file")
     parser.add_argument("overrides", nargs="*", help="trainer key=value overrides")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="roofline_"))
     build_dataset(work / "data", n_train=64, n_test=8, seed=0, max_ops=1)
     rows = [run(name, model, work, args) for name, model in available_models(args.models, work)]
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"

@@ -54,7 +54,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int) -> dict:
         f"data.val_files={data / 'test.parquet'}", f"data.train_batch_size={args.prompts}",
         f"data.max_response_length={args.response}", "data.shuffle=false",
         f"actor_rollout_ref.rollout.n={args.group}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro or args.prompts}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.group}",
         "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=false",
         f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
@@ -142,6 +142,9 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--micro", type=int, default=None,
+                        help="our sequences per update micro-batch (default --prompts; TRL takes all "
+                             "--prompts x --group in one)")
     parser.add_argument("--fixed-length", action="store_true",
                         help="every response runs to --response tokens in both trainers (ours: rollout.ignore_eos; "
                              "TRL: min_new_tokens), so that both do exactly the same number of tokens")

@@ -1,0 +1,76 @@
+"""Does ``torch.compile`` of the decoder layers shorten the update's forward and backward on this machine?
+
+Each decoder layer of the model is compiled (``module.compile()``, inductor; C++ on CPU, static
+shapes); a forward and backward of random tokens through the model's body is then timed compiled
+and eager, alternating in one process (this machine's timings drift between processes). Prints
+the compile time and, per round, the best of ``--reps`` passes each way.
+
+    python bench/compile.py [--model outputs/smollm2-135m-instruct] [--rows 16] [--tokens 135] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(REPO / "outputs" / "smollm2-135m-instruct"))
+    parser.add_argument("--rows", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=135, help="tokens per row (SmolLM2's update: 71 + 64)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"{args.model} is not a model directory: run `make real-model`, or pass --model DIR")
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    module = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    layers = list(module.model.layers)
+    ids = torch.randint(0, module.config.vocab_size, (args.rows, args.tokens))
+    mask = torch.ones_like(ids)
+
+    def step() -> None:
+        hidden = module.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        hidden.float().pow(2).mean().backward()
+        module.zero_grad(set_to_none=True)
+
+    def best() -> float:
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    step()  # warm-up, eager
+    start = time.perf_counter()
+    for layer in layers:
+        layer.compile(dynamic=False)
+    step()
+    print(f"compile and first compiled pass: {time.perf_counter() - start:.1f} s", flush=True)
+    compiled = [layer._compiled_call_impl for layer in layers]
+    wins = 0
+    for round_ in range(args.rounds):
+        for layer in layers:
+            layer._compiled_call_impl = None  # nn.Module's own switch between the two
+        eager_s = best()
+        for layer, fn in zip(layers, compiled):
+            layer._compiled_call_impl = fn
+        compiled_s = best()
+        wins += compiled_s < eager_s
+        print(f"round {round_ + 1}: eager {eager_s:.2f} s, compiled {compiled_s:.2f} s, "
+              f"compiled/eager {compiled_s / eager_s:.2f}", flush=True)
+    print(f"compiled faster in {wins} of {args.rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
