@@ -12,28 +12,25 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO / "outputs" / "smollm2-135m-instruct"))
+    parser.add_argument("--model", default=str(SMOLLM2))
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=135, help="tokens per row (SmolLM2's update: 71 + 64)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        parser.error(f"{args.model} is not a model directory: run `make real-model`, or pass --model DIR")
+    model = require_model_dir(parser, args.model)
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
-    module = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    module = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     layers = list(module.model.layers)
     ids = torch.randint(0, module.config.vocab_size, (args.rows, args.tokens))
     mask = torch.ones_like(ids)

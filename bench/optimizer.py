@@ -1,6 +1,6 @@
 """The AdamW step the workers take: torch's per-parameter loop against its fused kernel, on a model's shapes.
 
-Both optimizers step tensors of the model's parameter shapes with random gradients, alternating in
+The fused one is the workers' own (``build_optimizer``), the plain one torch's default. Both step tensors of the model's parameter shapes with random gradients, alternating in
 one process (this machine's timings drift between processes); prints the median seconds per step
 and the ratio.
 
@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 import torch
+from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
-REPO = Path(__file__).resolve().parents[1]
+from rlhf_core.config import OptimConfig
+from rlhf_core.workers.common import build_optimizer
 
 
 def parameter_shapes(model: Path) -> list[torch.Size]:
@@ -31,7 +33,10 @@ def seconds_per_step(shapes, fused: bool, steps: int) -> float:
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
     for p in params:
         p.grad = torch.randn_like(p)
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=fused or None)
+    optim = OptimConfig(lr=1e-4, weight_decay=0.01)
+    optimizer = (build_optimizer(params, optim) if fused else  # the workers' own
+                 torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay))
+    assert bool(optimizer.defaults["fused"]) == fused
     optimizer.step()  # creates the moments
     start = time.perf_counter()
     for _ in range(steps):
@@ -41,22 +46,21 @@ def seconds_per_step(shapes, fused: bool, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(REPO / "outputs" / "smollm2-135m-instruct"))
+    parser.add_argument("--model", default=str(SMOLLM2))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        parser.error(f"{args.model} is not a model directory: run `make real-model`, or pass --model DIR")
+    model = require_model_dir(parser, args.model)
     torch.set_num_threads(args.threads)
-    shapes = parameter_shapes(Path(args.model))
+    shapes = parameter_shapes(model)
     count = sum(torch.Size(s).numel() for s in shapes)
     times = {"plain": [], "fused": []}
     for _ in range(args.rounds):
         for kind in times:
             times[kind].append(seconds_per_step(shapes, kind == "fused", args.steps))
     plain, fused = statistics.median(times["plain"]), statistics.median(times["fused"])
-    print(f"{Path(args.model).name}: {count / 1e6:.1f}M parameters in {len(shapes)} tensors, {args.threads} threads")
+    print(f"{model.name}: {count / 1e6:.1f}M parameters in {len(shapes)} tensors, {args.threads} threads")
     for kind, values in times.items():
         print(f"{kind:<6} AdamW step: median {statistics.median(values):.3f} s  (rounds: "
               + ", ".join(f"{v:.3f}" for v in values) + ")")

@@ -40,6 +40,13 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "outputs" / "smollm2-135m-instruct"
 
 
+def require_model_dir(parser: argparse.ArgumentParser, path: str | Path) -> Path:
+    """``path`` as a Path, or the parser's usage error where it holds no model (no ``config.json``)."""
+    if not (Path(path) / "config.json").is_file():
+        parser.error(f"{path} is not a model directory: run `make real-model`, or pass another")
+    return Path(path)
+
+
 def _best_seconds(fn, reps: int) -> float:
     fn()  # warm-up: allocations, thread pool
     times = []

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from roofline import require_model_dir  # bench/roofline.py, beside this script
 
 from rlhf_core.config import load_config
 from rlhf_core.data.gsm8k import preprocess_gsm8k
@@ -167,10 +168,9 @@ def main() -> None:
             models[name] = (random_toy_model(work / "random20m", n_layers=6, hidden_size=512, seed=0),
                             work / "data", 256)
         elif name == "smollm2":
-            if not (Path(args.real_model) / "config.json").is_file():
-                parser.error(f"{args.real_model} is not a model directory; run make real-model first")
+            real_model = require_model_dir(parser, args.real_model)
             preprocess_gsm8k(args.gsm8k, work / "gsm8k", max_rows=512)
-            models[name] = (Path(args.real_model), work / "gsm8k", 512)
+            models[name] = (real_model, work / "gsm8k", 512)
         else:
             parser.error(f"unknown model {name!r}; use demo, random20m or smollm2")
     lines = []
