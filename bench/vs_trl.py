@@ -23,6 +23,7 @@ Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
     python bench/vs_trl.py [--steps 6] [--warmup 1] [--prompts 8] [--group 4] [--response 64]
     python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3      # the real checkpoint
     python bench/vs_trl.py --models random20m --fixed-length           # equal token counts
+    python bench/vs_trl.py --models random20m --shared-prefix both     # ours without and with use_shared_prefix
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from rlhf_core.rewards.gsm8k import compute_score
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_ours(model: Path, data: Path, args, max_prompt: int) -> dict:
+def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool = False) -> dict:
     cfg = load_config([f"data.max_prompt_length={max_prompt}",
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}", f"data.train_batch_size={args.prompts}",
@@ -63,6 +64,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int) -> dict:
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.logger=[]",
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
         f"actor_rollout_ref.rollout.ignore_eos={str(args.fixed_length).lower()}",
+        f"actor_rollout_ref.model.use_shared_prefix={str(shared_prefix).lower()}",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         times, tokens, rewards, phases = [], [], [], []
@@ -149,6 +151,9 @@ def main() -> None:
     parser.add_argument("--fixed-length", action="store_true",
                         help="every response runs to --response tokens in both trainers (ours: rollout.ignore_eos; "
                              "TRL: min_new_tokens), so that both do exactly the same number of tokens")
+    parser.add_argument("--shared-prefix", choices=("off", "on", "both"), default="off",
+                        help="our actor.model.use_shared_prefix (each prompt's tokens computed once per group in "
+                             "the update); both: our trainer twice, without and with, then TRL")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
     parser.add_argument("--real-model", default=str(REPO / "outputs" / "smollm2-135m-instruct"),
                         help="the smollm2 model directory (make real-model)")
@@ -178,20 +183,24 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
-        ours = run_ours(model, data, args, max_prompt)
+        variants = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
+        runs = {shared: run_ours(model, data, args, max_prompt, shared) for shared in variants}
         trl = run_trl(model, data, args)
-        lines += [
-            f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
-            f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after {args.warmup} warm-up, {args.threads} threads",
-            f"[{name}] step time: ours {ours['step_s']:.3f} s, trl {trl['step_s']:.3f} s",
-            f"[{name}] tokens per second: ours {ours['tokens_per_s']:.0f}, trl {trl['tokens_per_s']:.0f}",
-            f"[{name}] mean reward over the last {args.last} steps: ours {ours['reward']:.3f}, trl {trl['reward']:.3f}",
-            f"[{name}] our phases (median s): "
-            + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in ours["phases"].items()),
-            f"[{name}] ours/trl step time: {ours['step_s'] / trl['step_s']:.2f}",
-            f"[{name}] ours/trl tokens per second: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}",
-        ]
-        print("\n".join(lines[-7:]), flush=True)
+        lines.append(f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
+                     f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
+                     f"{args.warmup} warm-up, {args.threads} threads")
+        for shared, ours in runs.items():
+            tag = f"{name}{', shared prefix' if shared else ''}"
+            lines += [
+                f"[{tag}] step time: ours {ours['step_s']:.3f} s, trl {trl['step_s']:.3f} s",
+                f"[{tag}] tokens per second: ours {ours['tokens_per_s']:.0f}, trl {trl['tokens_per_s']:.0f}",
+                f"[{tag}] mean reward over the last {args.last} steps: ours {ours['reward']:.3f}, trl {trl['reward']:.3f}",
+                f"[{tag}] our phases (median s): "
+                + ", ".join(f"{phase} {seconds:.3f}" for phase, seconds in ours["phases"].items()),
+                f"[{tag}] ours/trl step time: {ours['step_s'] / trl['step_s']:.2f}",
+                f"[{tag}] ours/trl tokens per second: {ours['tokens_per_s'] / trl['tokens_per_s']:.2f}",
+            ]
+        print("\n".join(lines[-(1 + 6 * len(runs)):]), flush=True)
     print("\nsummary")
     print("\n".join(lines))
 

@@ -83,6 +83,11 @@ class DataConfig:
     filter_overlong_prompts: bool = _k(False, "drop prompts longer than max_prompt_length before training")
 
 
+SHARED_PREFIX_HELP = ("run each distinct prompt of a micro-batch once, its rollout.n responses attending to its "
+                      "KV cache: the same values and gradients for 1/n of the prompt's work (one process, padded "
+                      "rows, gradient checkpointing off, Llama/Qwen/Mistral heads; else the usual path)")
+
+
 @dataclass
 class ModelConfig:
     path: str = _k("~/models/deepseek-llm-7b-chat", "local HF model directory of the policy")
@@ -93,6 +98,7 @@ class ModelConfig:
     use_fused_kernels: bool = _k(False, "log-probs through the LM head in chunks of positions, never the whole "
                                         "(tokens x vocabulary) logits: less memory, one more head matmul "
                                         "(one process, padded rows, Llama/Qwen/Mistral heads; else the usual path)")
+    use_shared_prefix: bool = _k(False, SHARED_PREFIX_HELP)
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
@@ -209,6 +215,7 @@ class CriticModelConfig:
     tokenizer_path: str | None = _k(None, "tokenizer directory; null = the actor's")
     enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward")
     use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    use_shared_prefix: bool = _k(False, SHARED_PREFIX_HELP)
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")

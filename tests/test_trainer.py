@@ -335,6 +335,25 @@ def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_upd
         assert not trainer._on_policy_update(), extra
 
 
+def test_shared_prefix_gives_the_same_update(workspace, capsys):
+    """use_shared_prefix on the actor (old and reference log-probs, the update) and the critic (values, update)."""
+    root, model, _ = workspace
+    extra = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2")  # off-policy, KL
+    reference, _, expected = _one_update(root, model, 4, False, *extra)
+    shared, _, metrics = _one_update(root, model, 4, False, *extra, "actor_rollout_ref.model.use_shared_prefix=true",
+                                     "critic.model.use_shared_prefix=true")
+    assert shared.actor.shared_prefix and shared.critic.shared_prefix and not reference.actor.shared_prefix
+    assert "use_shared_prefix" not in capsys.readouterr().err  # no notice: it runs
+    for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
+                "critic/vf_loss"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert expected["actor/kl_loss"] > 0  # the second epoch is off the reference: the KL path ran
+    for worker in ("actor", "critic"):
+        for (name, a), b in zip(getattr(reference, worker).module.state_dict().items(),
+                                getattr(shared, worker).module.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+
+
 def test_fused_head_gives_the_same_update(workspace, capsys):
     """use_fused_kernels: old and reference log-probs and the update through the chunked LM head."""
     root, model, _ = workspace

@@ -11,13 +11,12 @@ an EOS is a token like any other and every response runs to ``max_new_tokens``.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 
 from rlhf_core.batch import Batch
-from rlhf_core.models.loading import takes_logits_to_keep
+from rlhf_core.models.loading import cache_argument, takes_logits_to_keep
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.cache import PreallocatedCache
 
@@ -69,8 +68,7 @@ class HFRolloutEngine:
         self.eos_ids = torch.tensor(sorted(eos_ids))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
-        # transformers renamed the forward's `past_key_values` argument to `cache` during 5.x
-        self.cache_arg = "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+        self.cache_arg = cache_argument(module)
         self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
 
     def _device(self) -> torch.device:

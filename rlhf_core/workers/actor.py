@@ -46,6 +46,8 @@ from rlhf_core.workers.common import (
     pad_response,
     ppo_update,
     resolve_remove_padding,
+    resolve_shared_prefix,
+    shared_prompt_hidden,
     trimmed_inputs,
     unpack,
 )
@@ -53,15 +55,19 @@ from rlhf_core.workers.common import (
 
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False, entropy_grad: bool = True,
-                      fused_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      fused_head: bool = False, shared_prefix: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the response tokens of ``batch`` under ``model``: (bs, R) each, 0
     where ``response_mask`` is 0 (so that they do not depend on which rows share a micro-batch).
     With ``entropy_grad=False`` the entropies carry no gradient. Log-softmax, gather and entropy run a
     few positions at a time over the logits (:func:`logits_log_prob`); ``fused_head``
     (``use_fused_kernels``, for a model that :func:`supports_fused_head`) runs the LM head that way too
-    (:func:`chunked_head_log_prob`), so that the logits are never built whole."""
+    (:func:`chunked_head_log_prob`), so that the logits are never built whole. ``shared_prefix``
+    (``use_shared_prefix``, for a model that :func:`supports_fused_head`) runs each distinct prompt once
+    (:func:`shared_prompt_hidden`)."""
     if remove_padding:
         log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy)
+    elif shared_prefix:
+        log_prob, entropy = shared_response_log_prob(model, batch, temperature, with_entropy, fused_head)
     elif fused_head:
         log_prob, entropy = fused_response_log_prob(model, batch, temperature, with_entropy)
     else:
@@ -106,6 +112,20 @@ def fused_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: f
     return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
 
+def shared_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool,
+                             fused_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`padded_response_log_prob` with each distinct prompt run once (:func:`shared_prompt_hidden`),
+    then the LM head, whole or in chunks (``fused_head``)."""
+    hidden, kept = shared_prompt_hidden(model.get_decoder(), batch)
+    labels, head = batch["responses"][:, :kept], model.get_output_embeddings()
+    if fused_head:
+        log_prob, entropy = chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
+    else:
+        log_prob, entropy = logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy)
+    response_len = batch["responses"].shape[1]
+    return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
+
+
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                              with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``)."""
@@ -146,6 +166,10 @@ class ActorWorker(CheckpointableWorker):
         self.remove_padding = resolve_remove_padding(model_cfg.use_remove_padding, self.forward_module,
                                                      "actor_rollout_ref.model.use_remove_padding")
         self.fused_head = model_cfg.use_fused_kernels and self._fused_head_runs()
+        self.shared_prefix = resolve_shared_prefix(
+            model_cfg.use_shared_prefix, self.forward_module, "actor_rollout_ref.model.use_shared_prefix",
+            sharded=self.sharded, remove_padding=self.remove_padding,
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing, head_runs=supports_fused_head(self.forward_module))
         self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], actor_cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
         rollout = config.rollout
@@ -196,7 +220,8 @@ class ActorWorker(CheckpointableWorker):
         model = model if model is not None else self.forward_module
         return map_micro_batches(batch, lambda mb: response_log_prob(
             model, mb.to(self.device), self.config.rollout.temperature, with_entropy, self.remove_padding,
-            fused_head=self.fused_head), micro, dynamic, max_tok)
+            fused_head=self.fused_head, shared_prefix=self.shared_prefix), micro, dynamic, max_tok,
+            by_prompt=self.shared_prefix)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies under the current policy, (bs, R) each."""
@@ -232,7 +257,7 @@ class ActorWorker(CheckpointableWorker):
             self, batch, prefix="actor", epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
             mini_rows=cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size(),
             micro_batches_of=lambda mini: micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                                        cfg.ppo_max_token_len_per_gpu),
+                                                        cfg.ppo_max_token_len_per_gpu, by_prompt=self.shared_prefix),
             loss_fn=lambda mb, tokens, seqs: self.policy_loss(mb, tokens, seqs, coef),
             grad_clip=cfg.grad_clip, fsdp_config=cfg.fsdp_config)
         self.rollout.sync_weights()
@@ -254,7 +279,8 @@ class ActorWorker(CheckpointableWorker):
         # on-policy the entropy is also the batch's entropy metric; without a bonus it stays out of the graph
         log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
                                               entropy_bonus or on_policy, self.remove_padding,
-                                              entropy_grad=entropy_bonus, fused_head=self.fused_head)
+                                              entropy_grad=entropy_bonus, fused_head=self.fused_head,
+                                              shared_prefix=self.shared_prefix)
         summed: dict[str, float] = {}
         constant: dict[str, float] = {}
         if on_policy:

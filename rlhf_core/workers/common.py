@@ -15,26 +15,36 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
 from rlhf_core.models import lora
+from rlhf_core.models.loading import cache_argument
 from rlhf_core.workers import distributed
 
 SHARDS_DIR = "dcp"
 
 
-def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[list[int]]:
+def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
+                     by_prompt: bool = False) -> list[list[int]]:
     """The rows of each micro-batch of ``batch``: ``micro_size`` sequences each, or with ``use_dynamic_bsz``
     runs of sequences whose valid tokens (prompt + response) stay within ``max_token_len``.
 
     Rows are taken shortest first, so that sequences of similar length share a micro-batch: the
     columns that are padding in every row of a micro-batch are cut before the forward
-    (:func:`trimmed_inputs`), so sorted micro-batches compute fewer pad tokens. The losses are
-    normalised by the mini-batch's counts, so the grouping does not change the update.
+    (:func:`trimmed_inputs`), so sorted micro-batches compute fewer pad tokens. ``by_prompt``
+    (``use_shared_prefix``) sorts by prompt length first and keeps the rows of one prompt together,
+    so that they share a micro-batch and its prompt is run once. The losses are normalised by the
+    mini-batch's counts, so the grouping does not change the update.
     """
     lengths = batch["attention_mask"].sum(-1).tolist()
-    order = sorted(range(len(batch)), key=lengths.__getitem__)  # stable: equal lengths keep their order
+    key = lengths.__getitem__
+    if by_prompt:
+        prompt_lengths = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).tolist()
+        group = prompt_groups(batch)[1].tolist()
+        key = lambda row: (prompt_lengths[row], group[row], lengths[row])  # noqa: E731
+    order = sorted(range(len(batch)), key=key)  # stable: equal keys keep their order
     if not use_dynamic_bsz:
         size = micro_size or len(batch)
         groups = [order[start:start + size] for start in range(0, len(order), size)]
@@ -50,18 +60,20 @@ def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool
     return _same_count_on_all_ranks([g for g in groups if g], lengths)
 
 
-def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int) -> list[Batch]:
+def micro_batches(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
+                  by_prompt: bool = False) -> list[Batch]:
     """The micro-batches of :func:`micro_batch_rows`, in length order, not row order: for an update, whose
     loss sums over them; passes that score rows use :func:`map_micro_batches`."""
-    return [batch.select(rows) for rows in micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len)]
+    return [batch.select(rows) for rows in micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len,
+                                                            by_prompt)]
 
 
 def map_micro_batches(batch: Batch, fn: Callable[[Batch], torch.Tensor | tuple[torch.Tensor | None, ...]],
-                      micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int):
+                      micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int, by_prompt: bool = False):
     """``fn`` on each micro-batch of :func:`micro_batch_rows`, its per-row results (a tensor, or a tuple of
     tensors and Nones) brought to the CPU and back to the batch's row order. For passes that score rows
     (log-probs, values, rewards); ``batch`` must have at least one row."""
-    groups = micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len)
+    groups = micro_batch_rows(batch, micro_size, use_dynamic_bsz, max_token_len, by_prompt)
     outputs = [fn(batch.select(rows)) for rows in groups]
     if not isinstance(outputs[0], tuple):
         return in_row_order([out.cpu() for out in outputs], groups)
@@ -94,6 +106,17 @@ def _same_count_on_all_ranks(groups: list[list[int]], lengths: list[int]) -> lis
     return groups
 
 
+def kept_columns(batch: Batch) -> tuple[int, int]:
+    """(first prompt column that is a token in some row, number of response columns that are a token in
+    some row): the columns outside are padding in every row of the micro-batch."""
+    prompt_len = batch["prompts"].shape[1]
+    prompt_valid = batch["attention_mask"][:, :prompt_len].any(dim=0)
+    first = int(prompt_valid.nonzero()[0]) if prompt_valid.any() else prompt_len - 1
+    response_valid = batch["response_mask"].any(dim=0)
+    kept = int(response_valid.nonzero()[-1]) + 1 if response_valid.any() else 1
+    return first, kept
+
+
 def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
     """The model inputs of a micro-batch without its all-padding columns.
 
@@ -103,10 +126,7 @@ def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
     """
     prompt_len = batch["prompts"].shape[1]
     attention_mask = batch["attention_mask"]
-    prompt_valid = attention_mask[:, :prompt_len].any(dim=0)
-    first = int(prompt_valid.nonzero()[0]) if prompt_valid.any() else prompt_len - 1
-    response_valid = batch["response_mask"].any(dim=0)
-    kept = int(response_valid.nonzero()[-1]) + 1 if response_valid.any() else 1
+    first, kept = kept_columns(batch)
     end = prompt_len + kept
     inputs = {
         "input_ids": batch["input_ids"][:, first:end],
@@ -114,6 +134,66 @@ def trimmed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], int, int]:
         "position_ids": batch["position_ids"][:, first:end],
     }
     return inputs, prompt_len - first, kept
+
+
+def prompt_groups(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(one row of each distinct prompt, each row's prompt among them): rows whose prompt tokens and
+    padding are identical (the ``rollout.n`` samples of a prompt) share one."""
+    prompt_len = batch["prompts"].shape[1]
+    keys = torch.cat([batch["prompts"], batch["attention_mask"][:, :prompt_len]], dim=1)
+    _, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.empty(int(inverse.max()) + 1, dtype=torch.long, device=inverse.device)
+    first[inverse] = torch.arange(len(inverse), device=inverse.device)  # any row of a group will do
+    return first, inverse
+
+
+def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+    """The decoder's last hidden states at the positions that predict the response tokens, (bs, kept, H),
+    with each distinct prompt of the micro-batch run once (``use_shared_prefix``).
+
+    The prompts (one row per group, less the columns that are padding in all) go through the decoder
+    with a KV cache; the cache is indexed out to every row, and the responses, less their all-padding
+    columns and their last token, attend to it. Gradients reach the prompt's activations through the
+    indexed cache, so value and gradient are those of the full forward: with ``rollout.n`` samples a
+    prompt's tokens are computed once instead of n times. ``kept`` is the number of response columns
+    that are a token in some row; the first of them is predicted by the prompt's last position.
+    """
+    cache_arg = cache_argument(decoder)
+    prompt_len = batch["prompts"].shape[1]
+    mask = batch["attention_mask"]
+    start, kept = kept_columns(batch)
+    first, inverse = prompt_groups(batch)
+    cache = DynamicCache(config=decoder.config)
+    prompt_out = decoder(input_ids=batch["prompts"][first, start:], attention_mask=mask[first, start:prompt_len],
+                         position_ids=batch["position_ids"][first, start:prompt_len], use_cache=True,
+                         **{cache_arg: cache})
+    hidden = prompt_out.last_hidden_state[inverse, -1:]  # the prompt's last position predicts response token 0
+    if kept > 1:
+        cache.reorder_cache(inverse)  # every row its prompt's keys and values (an index: gradients flow back)
+        end = prompt_len + kept - 1
+        response_out = decoder(input_ids=batch["input_ids"][:, prompt_len:end], attention_mask=mask[:, start:end],
+                               position_ids=batch["position_ids"][:, prompt_len:end], use_cache=True,
+                               **{cache_arg: cache})
+        hidden = torch.cat([hidden, response_out.last_hidden_state], dim=1)
+    return hidden, kept
+
+
+def resolve_shared_prefix(requested: bool, module: torch.nn.Module, key: str, *, sharded: bool,
+                          remove_padding: bool, gradient_checkpointing: bool, head_runs: bool) -> bool:
+    """``use_shared_prefix`` as it can run: in one process (the decoder is called without the sharded root
+    module), on padded rows, without gradient checkpointing (which turns the KV cache off in training), with
+    a head known to be a plain layer on the decoder's output; elsewhere a one-line notice and the usual path."""
+    if not requested:
+        return False
+    why = ("the model is sharded over a worker group" if sharded
+           else "use_remove_padding packs the rows" if remove_padding
+           else "gradient checkpointing is on" if gradient_checkpointing
+           else None if head_runs
+           else f"the {getattr(module.config, 'model_type', '?')} head is not known to be a plain layer")
+    if why and distributed.rank() == 0:
+        print(f"notice: {key}=true is not used: {why}, so every row runs its whole prompt", file=sys.stderr,
+              flush=True)
+    return why is None
 
 
 def pad_response(values: torch.Tensor, response_len: int) -> torch.Tensor:

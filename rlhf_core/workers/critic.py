@@ -12,6 +12,7 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import CriticConfig
 from rlhf_core.models import lora
+from rlhf_core.models.fused_head import PLAIN_HEADS
 from rlhf_core.models.loading import attention_for, load_critic
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -24,14 +25,30 @@ from rlhf_core.workers.common import (
     pad_response,
     ppo_update,
     resolve_remove_padding,
+    resolve_shared_prefix,
+    shared_prompt_hidden,
     trimmed_inputs,
     unpack,
 )
 
 
-def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool = False) -> torch.Tensor:
-    """V(s_t) for each response token t: the value read at the position before the token. (bs, R)."""
+def value_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The critic's value head where its values are known to be exactly ``head(decoder output)`` (a
+    transformers token-classification model of a plain architecture, its dropout 0), else None."""
+    if getattr(model.config, "model_type", None) not in PLAIN_HEADS:
+        return None
+    return getattr(model, "score", None)
+
+
+def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool = False,
+                    shared_prefix: bool = False) -> torch.Tensor:
+    """V(s_t) for each response token t: the value read at the position before the token. (bs, R).
+    ``shared_prefix`` (``use_shared_prefix``, for a model with a :func:`value_head`) runs each distinct
+    prompt once (:func:`shared_prompt_hidden`)."""
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    if shared_prefix and not remove_padding:
+        hidden, kept = shared_prompt_hidden(model.base_model, batch)
+        return pad_response(value_head(model)(hidden)[..., 0].float(), response_len) * batch["response_mask"]
     if remove_padding:
         inputs, valid = packed_inputs(batch)
         values = unpack(model(**inputs, use_cache=False).logits[0, :, 0].float(), valid)  # (bs, L)
@@ -62,6 +79,10 @@ class CriticWorker(CheckpointableWorker):
         self.forward_module = lora.base_model(module)
         self.remove_padding = resolve_remove_padding(model_cfg.use_remove_padding, self.forward_module,
                                                      "critic.model.use_remove_padding")
+        self.shared_prefix = resolve_shared_prefix(
+            model_cfg.use_shared_prefix, self.forward_module, "critic.model.use_shared_prefix",
+            sharded=self.sharded, remove_padding=self.remove_padding,
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing, head_runs=value_head(self.forward_module) is not None)
         self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.mini_batch_size = config.ppo_mini_batch_size or mini_batch_size
@@ -70,9 +91,9 @@ class CriticWorker(CheckpointableWorker):
         self.shuffle_generator = torch.Generator().manual_seed(seed + 2)
         self.skipped_steps = 0
 
-    def _micro_batching(self) -> tuple[int | None, bool, int]:
+    def _micro_batching(self) -> tuple[int | None, bool, int, bool]:
         cfg = self.config
-        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, self.shared_prefix
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         return micro_batches(batch, *self._micro_batching())
@@ -80,7 +101,8 @@ class CriticWorker(CheckpointableWorker):
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
         return map_micro_batches(batch, lambda mb: response_values(self.forward_module, mb.to(self.device),
-                                                                   self.remove_padding), *self._micro_batching())
+                                                                   self.remove_padding, self.shared_prefix),
+                                 *self._micro_batching())
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         """Clipped value regression on ``returns`` around the rollout-time ``values``.
@@ -96,7 +118,7 @@ class CriticWorker(CheckpointableWorker):
     def value_loss(self, mb: Batch, token_count: int, seq_count: int) -> tuple[torch.Tensor, dict, dict]:
         """The clipped value loss of one micro-batch, normalised by the global mini-batch counts."""
         cfg = self.config
-        vpreds = response_values(self.forward_module, mb, self.remove_padding)
+        vpreds = response_values(self.forward_module, mb, self.remove_padding, self.shared_prefix)
         vf_loss, clipfrac = algos.compute_value_loss(
             vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, cfg.loss_agg_mode,
             global_token_count=token_count, global_seq_count=seq_count)

@@ -1,0 +1,144 @@
+"""``use_shared_prefix``: each distinct prompt of a micro-batch runs once and its responses attend to its KV
+cache. Checked against the plain forward of every whole row (log-softmax of the full logits, the value
+head on every position), values and gradients, and for running each prompt once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import load_config
+from rlhf_core.models.loading import load_critic, load_tokenizer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.workers.actor import ActorWorker, response_log_prob
+from rlhf_core.workers.common import micro_batch_rows, prompt_groups
+from rlhf_core.workers.critic import response_values
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return random_toy_model(tmp_path_factory.mktemp("shared") / "model", n_layers=2, hidden_size=32,
+                            max_position_embeddings=512, seed=0)
+
+
+def grouped_batch(n_prompts: int = 3, n: int = 4, prompt_len: int = 9, response_len: int = 6, seed: int = 0) -> Batch:
+    """``n`` responses of varied lengths to each of ``n_prompts`` left-padded prompts of varied lengths,
+    rows shuffled, laid out as the rollout lays them out."""
+    g = torch.Generator().manual_seed(seed)
+    rows = n_prompts * n
+    prompt_valid = torch.tensor([prompt_len, 2, 5][:n_prompts]).repeat_interleave(n)
+    prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_valid[:, None]).long()
+    prompts = torch.randint(4, 90, (n_prompts, prompt_len), generator=g).repeat_interleave(n, 0) * prompt_mask
+    response_valid = torch.randint(1, response_len, (rows,), generator=g)
+    response_valid[0] = response_len - 1  # the longest leaves the last column empty in every row: it is cut
+    response_mask = (torch.arange(response_len) < response_valid[:, None]).long()
+    responses = torch.randint(4, 90, (rows, response_len), generator=g) * response_mask
+    order = torch.randperm(rows, generator=g)
+    prompts, prompt_mask, responses, response_mask = (t[order] for t in (prompts, prompt_mask, responses,
+                                                                        response_mask))
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    return Batch({"prompts": prompts, "responses": responses, "response_mask": response_mask,
+                  "input_ids": torch.cat([prompts, responses], 1), "attention_mask": attention_mask,
+                  "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)})
+
+
+def whole_row_outputs(model, batch: Batch) -> torch.Tensor:
+    """The model's output (logits or values) at the positions before each response token, from one
+    forward of every whole row: the reference the shared path must reproduce."""
+    prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                position_ids=batch["position_ids"], use_cache=False).logits
+    return out[:, prompt_len - 1:prompt_len - 1 + response_len]
+
+
+def assert_same_gradients(model, expected: dict[str, torch.Tensor]) -> None:
+    """Each parameter's gradient equals the expected one up to fp32 rounding, relative to its own size
+    (sums of up to thousands of terms differ in their last bits when added in another order)."""
+    for name, p in model.named_parameters():
+        error = float((p.grad - expected[name]).norm() / expected[name].norm())
+        assert error < 1e-5, (name, error)
+
+
+def test_prompt_groups_find_the_rows_of_each_prompt():
+    batch = grouped_batch()
+    first, inverse = prompt_groups(batch)
+    assert len(first) == 3
+    assert torch.equal(batch["prompts"][first][inverse], batch["prompts"])
+    assert torch.bincount(inverse).tolist() == [4, 4, 4]
+
+
+@pytest.mark.parametrize("fused_head", [False, True])
+def test_log_probs_entropies_and_gradients_match_the_whole_rows(model_dir, fused_head):
+    batch = grouped_batch()
+    mask = batch["response_mask"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir).train()
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+
+    logits = whole_row_outputs(model, batch) / 0.7
+    log_softmax = torch.log_softmax(logits, -1)
+    expected_lp = log_softmax.gather(-1, batch["responses"][..., None])[..., 0] * mask
+    expected_entropy = -(log_softmax.exp() * log_softmax).sum(-1) * mask
+    ((expected_lp + 0.1 * expected_entropy) * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+
+    log_prob, entropy = response_log_prob(model, batch, temperature=0.7, with_entropy=True, fused_head=fused_head,
+                                          shared_prefix=True)
+    ((log_prob + 0.1 * entropy) * weights).sum().backward()
+    torch.testing.assert_close(log_prob, expected_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), rtol=1e-5, atol=1e-5)
+    assert (log_prob[mask == 0] == 0).all()
+    assert_same_gradients(model, expected_grads)
+    assert expected_grads["model.embed_tokens.weight"].abs().sum() > 0
+
+
+def test_values_and_their_gradients_match_the_whole_rows(model_dir):
+    batch = grouped_batch(seed=2)
+    mask = batch["response_mask"]
+    critic = load_critic(model_dir).train()
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.score.weight, std=0.5)  # a value head that is not all zeros
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+    expected = whole_row_outputs(critic, batch)[..., 0] * mask
+    (expected * weights).sum().backward()
+    expected_grads = {name: p.grad.clone() for name, p in critic.named_parameters()}
+    critic.zero_grad()
+
+    values = response_values(critic, batch, shared_prefix=True)
+    (values * weights).sum().backward()
+    torch.testing.assert_close(values, expected.detach(), rtol=1e-5, atol=1e-5)
+    assert values[mask.bool()].abs().min() > 0
+    assert_same_gradients(critic, expected_grads)
+
+
+def test_each_prompt_runs_once(model_dir):
+    batch = grouped_batch()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    shapes = []
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        response_log_prob(model, batch, temperature=1.0, with_entropy=False, shared_prefix=True)
+    # 3 distinct prompts of up to 9 tokens, then 12 rows of the 5 response columns that predict (6 less the
+    # last, which no row fills, less the one the prompt's last position predicts)
+    assert shapes == [(3, 9), (12, 4)]
+
+
+def test_micro_batches_keep_the_rows_of_a_prompt_together():
+    batch = grouped_batch()
+    groups = micro_batch_rows(batch, 4, False, 0, by_prompt=True)
+    inverse = prompt_groups(batch)[1]
+    assert sorted(row for rows in groups for row in rows) == list(range(12))
+    assert [len({int(inverse[row]) for row in rows}) for rows in groups] == [1, 1, 1]
+    prompt_lengths = [int(batch["attention_mask"][rows[0], :9].sum()) for rows in groups]
+    assert prompt_lengths == [2, 5, 9]  # shortest prompts first
+
+
+def test_with_gradient_checkpointing_a_notice_and_the_usual_path(model_dir, capsys):
+    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_shared_prefix=true",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
+    worker = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
+    assert not worker.shared_prefix
+    assert ("actor_rollout_ref.model.use_shared_prefix=true is not used: gradient checkpointing is on"
+            in capsys.readouterr().err)
