@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from roofline import WHOLE_ROWS  # bench/roofline.py, beside this script
 
 from rlhf_core import algos
 from rlhf_core.config import load_config
@@ -197,7 +198,7 @@ def growth_shape(model: Path, work: Path, batch: int, response: int, args) -> di
         f"trainer.default_local_dir={work / 'growth'}", f"data.train_batch_size={batch}",
         f"data.max_response_length={response}", f"actor_rollout_ref.actor.ppo_mini_batch_size={max(1, batch // 2)}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={max(1, batch // 2)}",
-        f"critic.ppo_micro_batch_size_per_gpu={max(1, batch // 2)}", *args.overrides,
+        f"critic.ppo_micro_batch_size_per_gpu={max(1, batch // 2)}", *WHOLE_ROWS, *args.overrides,
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         loaded = PhaseMemory.rss_gb()
@@ -288,7 +289,7 @@ def main() -> None:
     build_dataset(work / "data", n_train=256, n_test=8, seed=0, max_ops=1)
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
                        f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
-                       f"trainer.default_local_dir={work / 'out'}", *args.overrides],
+                       f"trainer.default_local_dir={work / 'out'}", *WHOLE_ROWS, *args.overrides],
                       config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         prompts = trainer.train_dataset.collate(list(range(cfg.data.train_batch_size)))

@@ -40,6 +40,11 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM2 = REPO / "outputs" / "smollm2-135m-instruct"
 
 
+#: every row runs its whole prompt: the FLOP counts and floors of these benchmarks assume it (the demo
+#: config turns use_shared_prefix on, which computes a prompt once per group)
+WHOLE_ROWS = ("actor_rollout_ref.model.use_shared_prefix=false", "critic.model.use_shared_prefix=false")
+
+
 def require_model_dir(parser: argparse.ArgumentParser, path: str | Path) -> Path:
     """``path`` as a Path, or the parser's usage error where it holds no model (no ``config.json``)."""
     if not (Path(path) / "config.json").is_file():
@@ -118,7 +123,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={batch * n}",
         f"critic.ppo_micro_batch_size_per_gpu={batch * n}", f"data.max_response_length={args.response}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16", *args.overrides,
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16", *WHOLE_ROWS, *args.overrides,
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     trainer = build_trainer(cfg)
     try:

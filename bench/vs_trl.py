@@ -18,6 +18,9 @@ Sampled responses end at EOS, so the two trainers' token counts differ by chance
 weights, EOS comes at a random step). ``--fixed-length`` makes every response ``--response`` tokens
 long in both, so that tokens per second compares speed alone.
 
+Ours runs with ``use_shared_prefix`` (each prompt's tokens computed once for its group in the update, as
+the demo config does); ``--shared-prefix off`` runs every row whole, ``both`` runs ours both ways.
+
 Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 
     python bench/vs_trl.py [--steps 6] [--warmup 1] [--prompts 8] [--group 4] [--response 64]
@@ -151,9 +154,9 @@ def main() -> None:
     parser.add_argument("--fixed-length", action="store_true",
                         help="every response runs to --response tokens in both trainers (ours: rollout.ignore_eos; "
                              "TRL: min_new_tokens), so that both do exactly the same number of tokens")
-    parser.add_argument("--shared-prefix", choices=("off", "on", "both"), default="off",
-                        help="our actor.model.use_shared_prefix (each prompt's tokens computed once per group in "
-                             "the update); both: our trainer twice, without and with, then TRL")
+    parser.add_argument("--shared-prefix", choices=("off", "on", "both"), default="on",
+                        help="our actor_rollout_ref.model.use_shared_prefix, on in configs/ppo_demo_cpu.yaml (each "
+                             "prompt computed once for its group in the update); both: ours without, then with")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
     parser.add_argument("--real-model", default=str(REPO / "outputs" / "smollm2-135m-instruct"),
                         help="the smollm2 model directory (make real-model)")
