@@ -211,6 +211,27 @@ def test_packed_sequences_equal_the_padded_path(family):
         torch.testing.assert_close(padded[0][row][mask[row]], alone, rtol=1e-4, atol=1e-4)
 
 
+def test_shared_prefix_equals_the_padded_path(family):
+    """use_shared_prefix in each family: the prompt's KV cache (GQA in Mistral, biases in Qwen2, per-head
+    norms in Qwen3) shared by its rows gives the padded path's log-probs, entropies and values."""
+    from test_shared_prefix import grouped_batch
+
+    _, model_dir = family
+    batch = grouped_batch()
+    mask = batch["response_mask"].bool()
+    actor = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    critic = load_critic(model_dir)
+    with torch.no_grad():
+        torch.nn.init.normal_(critic.score.weight, std=0.5)
+        padded = response_log_prob(actor, batch, temperature=1.0, with_entropy=True)
+        shared = response_log_prob(actor, batch, temperature=1.0, with_entropy=True, shared_prefix=True)
+        values = response_values(critic, batch), response_values(critic, batch, shared_prefix=True)
+    for a, b in zip(padded, shared):
+        torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values[1][mask], values[0][mask], rtol=1e-5, atol=1e-5)
+    assert values[0][mask].abs().min() > 0
+
+
 # ----------------------------------------------------------------------------- two workers, FSDP2
 
 WORLD = 2
