@@ -186,20 +186,29 @@ def padded_batch(n_rows: int = 5, prompt_len: int = 9, response_len: int = 6, se
                   "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)})
 
 
-def test_packed_sequences_equal_the_padded_path(family):
-    _, model_dir = family
-    batch = padded_batch()
+def _same_as_padded(model_dir: Path, batch: Batch, **path) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Log-probs, entropies and values of ``batch`` along ``path`` (packed or shared prefix) equal the padded
+    path's; returns the actor and its padded log-probs."""
     mask = batch["response_mask"].bool()
     actor = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     critic = load_critic(model_dir)
     with torch.no_grad():
         torch.nn.init.normal_(critic.score.weight, std=0.5)
         padded = response_log_prob(actor, batch, temperature=1.0, with_entropy=True)
-        packed = response_log_prob(actor, batch, temperature=1.0, with_entropy=True, remove_padding=True)
-        values = response_values(critic, batch), response_values(critic, batch, remove_padding=True)
-    for a, b in zip(padded, packed):
+        other = response_log_prob(actor, batch, temperature=1.0, with_entropy=True, **path)
+        values = response_values(critic, batch), response_values(critic, batch, **path)
+    for a, b in zip(padded, other):
         torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(values[1][mask], values[0][mask], rtol=1e-5, atol=1e-5)
+    assert values[0][mask].abs().min() > 0
+    return actor, padded[0]
+
+
+def test_packed_sequences_equal_the_padded_path(family):
+    _, model_dir = family
+    batch = padded_batch()
+    mask = batch["response_mask"].bool()
+    actor, padded = _same_as_padded(model_dir, batch, remove_padding=True)
     # an independent reference: each sequence alone, without any padding, through the plain model
     for row in range(len(batch)):
         valid = batch["attention_mask"][row].bool()
@@ -208,7 +217,7 @@ def test_packed_sequences_equal_the_padded_path(family):
         with torch.no_grad():
             logits = actor(input_ids=ids).logits[0, -n_response - 1:-1]
         alone = logits.log_softmax(-1).gather(-1, ids[0, -n_response:, None]).squeeze(-1)
-        torch.testing.assert_close(padded[0][row][mask[row]], alone, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(padded[row][mask[row]], alone, rtol=1e-4, atol=1e-4)
 
 
 def test_shared_prefix_equals_the_padded_path(family):
@@ -216,20 +225,7 @@ def test_shared_prefix_equals_the_padded_path(family):
     norms in Qwen3) shared by its rows gives the padded path's log-probs, entropies and values."""
     from test_shared_prefix import grouped_batch
 
-    _, model_dir = family
-    batch = grouped_batch()
-    mask = batch["response_mask"].bool()
-    actor = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    critic = load_critic(model_dir)
-    with torch.no_grad():
-        torch.nn.init.normal_(critic.score.weight, std=0.5)
-        padded = response_log_prob(actor, batch, temperature=1.0, with_entropy=True)
-        shared = response_log_prob(actor, batch, temperature=1.0, with_entropy=True, shared_prefix=True)
-        values = response_values(critic, batch), response_values(critic, batch, shared_prefix=True)
-    for a, b in zip(padded, shared):
-        torch.testing.assert_close(b[mask], a[mask], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(values[1][mask], values[0][mask], rtol=1e-5, atol=1e-5)
-    assert values[0][mask].abs().min() > 0
+    _same_as_padded(family[1], grouped_batch(), shared_prefix=True)
 
 
 # ----------------------------------------------------------------------------- two workers, FSDP2
