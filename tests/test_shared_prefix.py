@@ -135,6 +135,24 @@ def test_micro_batches_keep_the_rows_of_a_prompt_together():
     assert prompt_lengths == [2, 5, 9]  # shortest prompts first
 
 
+def test_dynamic_micro_batches_count_a_shared_prompt_once():
+    batch = grouped_batch()  # prompts of 2, 5 and 9 tokens, 4 responses of 1-5 tokens each
+    prompt_lengths = batch["attention_mask"][:, :9].sum(-1)
+    response_lengths = batch["response_mask"].sum(-1)
+    inverse = prompt_groups(batch)[1]
+    # what each prompt's forward computes when it shares: the prompt once, then its responses
+    shared = {int(g): int(prompt_lengths[inverse == g][0] + response_lengths[inverse == g].sum()) for g in range(3)}
+    budget = max(shared.values())
+    whole = {int(g): int((prompt_lengths + response_lengths)[inverse == g].sum()) for g in range(3)}
+    assert max(whole.values()) > budget  # counted row by row, the largest prompt's rows would not fit
+    groups = micro_batch_rows(batch, None, True, budget, by_prompt=True)
+    in_batches = [sum(any(int(inverse[r]) == g for r in rows) for rows in groups) for g in range(3)]
+    assert in_batches == [1, 1, 1]  # every prompt in one micro-batch
+    for rows in groups:  # and each micro-batch's forward within the budget
+        computed = sum(shared[g] for g in {int(inverse[r]) for r in rows})
+        assert computed <= budget
+
+
 def test_with_gradient_checkpointing_a_notice_and_the_usual_path(model_dir, capsys):
     cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_shared_prefix=true",
                        "actor_rollout_ref.model.enable_gradient_checkpointing=true"])

@@ -35,11 +35,13 @@ def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool
     columns that are padding in every row of a micro-batch are cut before the forward
     (:func:`trimmed_inputs`), so sorted micro-batches compute fewer pad tokens. ``by_prompt``
     (``use_shared_prefix``) sorts by prompt length first and keeps the rows of one prompt together,
-    so that they share a micro-batch and its prompt is run once. The losses are normalised by the
+    so that they share a micro-batch and its prompt is run once; ``max_token_len`` then counts a
+    prompt once in each micro-batch it is in, as its forward does. The losses are normalised by the
     mini-batch's counts, so the grouping does not change the update.
     """
     lengths = batch["attention_mask"].sum(-1).tolist()
     key = lengths.__getitem__
+    prompt_lengths, group = [0] * len(batch), list(range(len(batch)))  # rows whole: every row its own prompt
     if by_prompt:
         prompt_lengths = batch["attention_mask"][:, :batch["prompts"].shape[1]].sum(-1).tolist()
         group = prompt_groups(batch)[1].tolist()
@@ -49,14 +51,23 @@ def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool
         size = micro_size or len(batch)
         groups = [order[start:start + size] for start in range(0, len(order), size)]
     else:
+        # what each prompt's rows cost together: the prompt once, then every response (rows whole: the row)
+        group_cost: dict[int, int] = {}
+        for row in order:
+            group_cost[group[row]] = group_cost.get(group[row], prompt_lengths[row]) + lengths[row] - prompt_lengths[row]
         groups = [[]]
         tokens = 0
         for row in order:
-            if groups[-1] and tokens + lengths[row] > max_token_len:
+            shares = bool(groups[-1]) and group[groups[-1][-1]] == group[row]
+            # a prompt's rows go together into a micro-batch that has room for all of them; a row whose prompt
+            # the micro-batch already has adds its response only
+            cost = lengths[row] - prompt_lengths[row] if shares else lengths[row]
+            needed = cost if shares else group_cost[group[row]]
+            if groups[-1] and tokens + needed > max_token_len:
                 groups.append([])
-                tokens = 0
+                tokens, cost = 0, lengths[row]
             groups[-1].append(row)
-            tokens += lengths[row]
+            tokens += cost
     return _same_count_on_all_ranks([g for g in groups if g], lengths)
 
 
