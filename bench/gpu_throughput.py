@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from roofline import WHOLE_ROWS  # bench/roofline.py, beside this script
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
@@ -62,6 +63,7 @@ def run(engine: str, model: Path, work: Path, args) -> dict:
         "actor_rollout_ref.model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true",
         "actor_rollout_ref.model.dtype=bfloat16", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
         "trainer.logger=[]", f"trainer.default_local_dir={work / engine}", "trainer.val_before_train=false",
+        *WHOLE_ROWS,  # gradient checkpointing is on, which the shared prefix cannot run with
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         rows = []

@@ -160,3 +160,24 @@ def test_with_gradient_checkpointing_a_notice_and_the_usual_path(model_dir, caps
     assert not worker.shared_prefix
     assert ("actor_rollout_ref.model.use_shared_prefix=true is not used: gradient checkpointing is on"
             in capsys.readouterr().err)
+
+
+@pytest.mark.gpu
+def test_on_cuda_in_bf16_the_shared_prefix_matches_the_whole_rows(model_dir):
+    """The same comparison on the GPU's attention kernels and in bf16, gradients included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    batch = grouped_batch().to("cuda")
+    mask = batch["response_mask"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().train()
+    expected = torch.log_softmax(whole_row_outputs(model, batch).float(), -1)
+    expected = expected.gather(-1, batch["responses"][..., None])[..., 0] * mask
+    (expected.sum()).backward()
+    expected_grads = {name: p.grad.float().clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    log_prob, _ = response_log_prob(model, batch, temperature=1.0, with_entropy=False, shared_prefix=True)
+    log_prob.sum().backward()
+    torch.testing.assert_close(log_prob, expected.detach(), rtol=0, atol=5e-2)  # bf16
+    for name, p in model.named_parameters():
+        error = float((p.grad.float() - expected_grads[name]).norm() / expected_grads[name].norm())
+        assert error < 2e-2, (name, error)
