@@ -335,10 +335,13 @@ def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_upd
         assert not trainer._on_policy_update(), extra
 
 
-def test_shared_prefix_gives_the_same_update(workspace, capsys):
-    """use_shared_prefix on the actor (old and reference log-probs, the update) and the critic (values, update)."""
+@pytest.mark.parametrize("lora", [False, True])
+def test_shared_prefix_gives_the_same_update(workspace, capsys, lora):
+    """use_shared_prefix on the actor (old and reference log-probs, the update) and the critic (values, update);
+    with LoRA the reference is the policy with its adapters off, and the critic's head a trained copy."""
     root, model, _ = workspace
-    extra = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2")  # off-policy, KL
+    extra = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",  # off-policy, KL
+             *(("actor_rollout_ref.model.lora_rank=4", "critic.model.lora_rank=4") if lora else ()))
     reference, _, expected = _one_update(root, model, 4, False, *extra)
     shared, _, metrics = _one_update(root, model, 4, False, *extra, "actor_rollout_ref.model.use_shared_prefix=true",
                                      "critic.model.use_shared_prefix=true")
