@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from roofline import require_model_dir  # bench/roofline.py, beside this script
+from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
 from rlhf_core.config import load_config
 from rlhf_core.data.gsm8k import preprocess_gsm8k
@@ -158,7 +158,7 @@ def main() -> None:
                         help="our actor_rollout_ref.model.use_shared_prefix, on in configs/ppo_demo_cpu.yaml (each "
                              "prompt computed once for its group in the update); both: ours without, then with")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
-    parser.add_argument("--real-model", default=str(REPO / "outputs" / "smollm2-135m-instruct"),
+    parser.add_argument("--real-model", default=str(SMOLLM2),
                         help="the smollm2 model directory (make real-model)")
     parser.add_argument("--gsm8k", default=os.environ.get("GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k")),
                         help="the GSM8K release (the smollm2 run's prompts)")

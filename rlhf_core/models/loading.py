@@ -35,10 +35,11 @@ def takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def cache_argument(module: torch.nn.Module) -> str:
-    """The name of the forward's KV-cache argument: transformers renamed ``past_key_values`` to ``cache``
-    during 5.x."""
-    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name of the class's forward's KV-cache argument (asked once per class): transformers renamed
+    ``past_key_values`` to ``cache`` during 5.x."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def resolve(path: str | os.PathLike) -> Path:

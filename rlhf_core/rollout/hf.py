@@ -68,7 +68,7 @@ class HFRolloutEngine:
         self.eos_ids = torch.tensor(sorted(eos_ids))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
-        self.cache_arg = cache_argument(module)
+        self.cache_arg = cache_argument(type(module))
         self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
 
     def _device(self) -> torch.device:

@@ -106,19 +106,24 @@ def fused_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: f
     inputs, response_start, kept = _predicting_inputs(batch)
     hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state  # (bs, L - 1, H)
     hidden = hidden[:, response_start - 1:]  # the positions that predict the response
-    response_len = batch["responses"].shape[1]
-    log_prob, entropy = chunked_head_log_prob(hidden, model.get_output_embeddings().weight,
-                                              batch["responses"][:, :kept], temperature, with_entropy=with_entropy)
-    return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
+    return _head_log_prob(model, hidden, batch, temperature, with_entropy, chunked=True)
 
 
 def shared_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool,
                              fused_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`padded_response_log_prob` with each distinct prompt run once (:func:`shared_prompt_hidden`),
     then the LM head, whole or in chunks (``fused_head``)."""
-    hidden, kept = shared_prompt_hidden(model.get_decoder(), batch)
-    labels, head = batch["responses"][:, :kept], model.get_output_embeddings()
-    if fused_head:
+    hidden, _ = shared_prompt_hidden(model.get_decoder(), batch)
+    return _head_log_prob(model, hidden, batch, temperature, with_entropy, chunked=fused_head)
+
+
+def _head_log_prob(model: torch.nn.Module, hidden: torch.Tensor, batch: Batch, temperature: float,
+                   with_entropy: bool, chunked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the first ``kept`` response tokens from the decoder's ``hidden`` states
+    (bs, kept, H) at the positions that predict them, through the LM head whole or in chunks (``chunked``),
+    right-padded to the response length."""
+    labels, head = batch["responses"][:, :hidden.shape[1]], model.get_output_embeddings()
+    if chunked:
         log_prob, entropy = chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
     else:
         log_prob, entropy = logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy)

@@ -169,7 +169,7 @@ def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> tuple[torch.
     prompt's tokens are computed once instead of n times. ``kept`` is the number of response columns
     that are a token in some row; the first of them is predicted by the prompt's last position.
     """
-    cache_arg = cache_argument(decoder)
+    cache_arg = cache_argument(type(decoder))
     prompt_len = batch["prompts"].shape[1]
     mask = batch["attention_mask"]
     start, kept = kept_columns(batch)

@@ -46,13 +46,13 @@ def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool =
     ``shared_prefix`` (``use_shared_prefix``, for a model with a :func:`value_head`) runs each distinct
     prompt once (:func:`shared_prompt_hidden`)."""
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
-    if shared_prefix and not remove_padding:
-        hidden, kept = shared_prompt_hidden(model.base_model, batch)
-        return pad_response(value_head(model)(hidden)[..., 0].float(), response_len) * batch["response_mask"]
     if remove_padding:
         inputs, valid = packed_inputs(batch)
         values = unpack(model(**inputs, use_cache=False).logits[0, :, 0].float(), valid)  # (bs, L)
         return values[:, prompt_len - 1:prompt_len - 1 + response_len] * batch["response_mask"]
+    if shared_prefix:
+        hidden, _ = shared_prompt_hidden(model.base_model, batch)
+        return pad_response(value_head(model)(hidden)[..., 0].float(), response_len) * batch["response_mask"]
     inputs, response_start, kept = trimmed_inputs(batch)
     values = model(**inputs, use_cache=False).logits[..., 0]  # (bs, L)
     values = values[:, response_start - 1:response_start - 1 + kept].float()
