@@ -82,13 +82,14 @@ $(BENCH_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
 	touch $(BENCH_STAMP)
 
-bench: bench-setup demo-assets
+bench: bench-setup demo-assets real-model
 	$(PY) bench/ppo_step.py --growth
 	$(PY) bench/ppo_step.py --model random --hidden 512 --layers 6 --iters 3
 	$(PY) bench/vs_trl.py
 	$(PY) bench/roofline.py
 	$(PY) bench/decode.py
 	$(PY) bench/fused_head.py
+	$(PY) bench/rm_scoring.py
 	$(PY) bench/scaling.py
 	$(PY) bench/lora_memory.py
 	$(PY) bench/pipeline_overhead.py

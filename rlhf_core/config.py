@@ -297,6 +297,10 @@ class RewardModelModelConfig:
                                      "differs from the reward model's, responses are decoded and re-encoded with "
                                      "the reward model's chat template; null = feed the policy's ids as they are")
     trust_remote_code: bool = _k(False, "allow model code from the reward model directory")
+    use_shared_prefix: bool = _k(False, "score each distinct prompt of a micro-batch once, its rollout.n responses "
+                                        "attending to its KV cache: the same scores for 1/n of the prompt's work "
+                                        "(one process, the policy's own ids, Llama/Qwen/Mistral heads; else the "
+                                        "usual path)")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "reward model sharding (with more than one worker)")
 
 

@@ -256,3 +256,22 @@ def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, 
     # rule_coef=0: the reward optimised is the model score alone
     assert final[f"val-core/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
     assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
+
+
+def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_path):
+    """``reward_model.model.use_shared_prefix`` in a run: the same seed, the same rollouts, the same scores."""
+    root, base, same, _ = space
+    finals = {}
+    for shared in ("false", "true"):
+        out = tmp_path / shared
+        code = ppo(_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
+                        "trainer.val_before_train=false", "actor_rollout_ref.rollout.n=2",
+                        f"reward_model.model.use_shared_prefix={shared}"))
+        assert code == 0
+        final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+        finals[shared] = final.get("metrics", final)
+    # rule_coef=0: critic/score/* are the reward model's scores of the training batch
+    for name in ("critic/rm_score/mean", "critic/score/max", "critic/score/min",
+                 "val-aux/synthetic/arithmetic/rm_score/mean@1"):
+        assert finals["true"][name] == pytest.approx(finals["false"][name], abs=1e-4), name
+    assert finals["true"]["critic/score/max"] - finals["true"]["critic/score/min"] > 1e-2  # the scores differ

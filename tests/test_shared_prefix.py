@@ -1,17 +1,19 @@
 """``use_shared_prefix``: each distinct prompt of a micro-batch runs once and its responses attend to its KV
 cache. Checked against the plain forward of every whole row (log-softmax of the full logits, the value
-head on every position), values and gradients, and for running each prompt once."""
+head on every position, a reward model's score of each sequence), values and gradients, and for running
+each prompt once."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import load_config
 from rlhf_core.models.loading import load_critic, load_tokenizer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards.reward_model import RewardModelWorker
 from rlhf_core.workers.actor import ActorWorker, response_log_prob
 from rlhf_core.workers.common import micro_batch_rows, prompt_groups
 from rlhf_core.workers.critic import response_values
@@ -160,6 +162,67 @@ def test_with_gradient_checkpointing_a_notice_and_the_usual_path(model_dir, caps
     assert not worker.shared_prefix
     assert ("actor_rollout_ref.model.use_shared_prefix=true is not used: gradient checkpointing is on"
             in capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(model_dir, tmp_path_factory):
+    """A random one-label sequence-classification model on the toy architecture, pad id 0 (grouped_batch's
+    padding; its tokens are 4-89), with the toy tokenizer, so that the policy's ids are fed as they are."""
+    folder = tmp_path_factory.mktemp("shared") / "rm"
+    config = AutoConfig.from_pretrained(model_dir, num_labels=1)
+    config.pad_token_id = 0
+    torch.manual_seed(5)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 1.0)  # scores that differ clearly between sequences
+    model.save_pretrained(folder)
+    load_tokenizer(model_dir).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("micro", [4, 16])
+def test_reward_model_scores_match_each_whole_sequence(reward_model_dir, micro):
+    batch = grouped_batch(seed=4)
+    empty = 5  # a row whose response is empty is scored at its prompt's last token
+    batch["response_mask"][empty] = 0
+    batch["attention_mask"][empty, 9:] = 0
+    # the reference: transformers' own sequence-classification forward of each unpadded sequence alone
+    reference = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    expected = []
+    with torch.no_grad():
+        for row in range(len(batch)):
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()]
+            expected.append(float(reference(input_ids=ids[None]).logits[0, 0]))
+    cfg = load_config([f"reward_model.model.path={reward_model_dir}", f"reward_model.model.input_tokenizer={reward_model_dir}",
+                       "reward_model.enable=true", "reward_model.model.use_shared_prefix=true",
+                       f"reward_model.micro_batch_size_per_gpu={micro}"], validate=False).reward_model
+    worker = RewardModelWorker(cfg)
+    assert worker.shared_prefix
+    shapes = []
+    worker.module.get_input_embeddings().register_forward_hook(
+        lambda module, args, out: shapes.append(tuple(args[0].shape)))
+    got = worker.compute_rm_score(batch)
+    assert got.tolist() == pytest.approx(expected, abs=1e-4)
+    assert len({round(v, 3) for v in expected}) == len(expected)  # every sequence scores differently
+    if micro == 16:  # 3 distinct prompts once, then all 12 rows through their 5 non-empty response columns
+        assert shapes == [(3, 9), (12, 5)]
+    else:  # a micro-batch per prompt, shortest prompt first
+        assert [shape[0] for shape in shapes] == [1, 4, 1, 4, 1, 4]
+
+
+def test_reward_model_re_encoding_conversations_gives_a_notice_and_the_usual_path(model_dir, reward_model_dir, capsys,
+                                                                                 tmp_path):
+    other = tmp_path / "other_tokenizer"
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    tokenizer.save_pretrained(other)
+    cfg = load_config([f"reward_model.model.path={reward_model_dir}", f"reward_model.model.input_tokenizer={other}",
+                       "reward_model.enable=true", "reward_model.model.use_shared_prefix=true"],
+                      validate=False).reward_model
+    worker = RewardModelWorker(cfg)
+    assert worker.switch_template and not worker.shared_prefix
+    assert ("reward_model.model.use_shared_prefix=true is not used: each conversation is re-encoded with the reward "
+            "model's chat template" in capsys.readouterr().err)
 
 
 @pytest.mark.gpu

@@ -35,9 +35,15 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.data.dataset import left_pad
+from rlhf_core.models.fused_head import PLAIN_HEADS
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
 from rlhf_core.workers import distributed
-from rlhf_core.workers.common import map_micro_batches, trimmed_inputs
+from rlhf_core.workers.common import (
+    map_micro_batches,
+    resolve_shared_prefix,
+    shared_prompt_hidden,
+    trimmed_inputs,
+)
 
 KEY = "reward_model.model.path"
 
@@ -127,6 +133,18 @@ def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return per_token[torch.arange(per_token.shape[0], device=per_token.device), last]
 
 
+def shared_prefix_scores(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """:func:`sequence_scores` of rollout rows (prompts left-padded, responses right-padded) with each distinct
+    prompt run once (``reward_model.model.use_shared_prefix``, a head that is a plain layer on the decoder's
+    output): the head on the hidden state of each row's last response token, or of its prompt's last token
+    where the response is empty. (bs,)."""
+    hidden, _ = shared_prompt_hidden(model.base_model, batch, through_last=True)  # index j: response column j - 1
+    response_valid = batch["attention_mask"][:, batch["prompts"].shape[1]:].long()
+    columns = torch.arange(1, response_valid.shape[1] + 1, device=response_valid.device)
+    last = (columns * response_valid).max(-1).values  # 1 + the last valid response column; 0 where none
+    return reward_head(model)(hidden[torch.arange(len(batch), device=hidden.device), last])[..., 0].float()
+
+
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """(bs,) sequence scores -> (bs, T) token-level scores, each on its response's last valid token."""
     token_level = torch.zeros(response_mask.shape, dtype=torch.float32)
@@ -163,6 +181,10 @@ class RewardModelWorker:
             distributed.fsdp_wrap(module, self.device, model_cfg.fsdp_config)
         self.module = module
         self.pad_id = int(module.config.pad_token_id)
+        plain_head = getattr(module.config, "model_type", None) in PLAIN_HEADS and hasattr(module, "score")
+        self.shared_prefix = resolve_shared_prefix(
+            model_cfg.use_shared_prefix, module, "reward_model.model.use_shared_prefix", sharded=self.sharded,
+            retokenized=self.switch_template, head_runs=plain_head)
 
     def _direct_inputs(self, batch: Batch) -> Batch:
         inputs, _, _ = trimmed_inputs(batch)
@@ -185,9 +207,12 @@ class RewardModelWorker:
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> torch.Tensor:
         """One score per sequence of ``batch`` (bs,), micro-batched by ``reward_model.micro_batch_size_per_gpu``."""
-        inputs = self._switched_inputs(batch) if self.switch_template else self._direct_inputs(batch)
-        if len(inputs) == 0:
+        if len(batch) == 0:
             return torch.zeros(0)
+        if self.shared_prefix:  # the rollout rows as they are: prompts and responses apart
+            return map_micro_batches(batch, lambda mb: shared_prefix_scores(self.module, mb.to(self.device)),
+                                     self.config.micro_batch_size_per_gpu, False, 0, by_prompt=True)
+        inputs = self._switched_inputs(batch) if self.switch_template else self._direct_inputs(batch)
         return map_micro_batches(inputs, lambda mb: sequence_scores(self.module, **mb.to(self.device).tensors),
                                  self.config.micro_batch_size_per_gpu, False, 0)
 

@@ -158,9 +158,11 @@ def prompt_groups(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return first, inverse
 
 
-def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
+def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch,
+                         through_last: bool = False) -> tuple[torch.Tensor, int]:
     """The decoder's last hidden states at the positions that predict the response tokens, (bs, kept, H),
-    with each distinct prompt of the micro-batch run once (``use_shared_prefix``).
+    with each distinct prompt of the micro-batch run once (``use_shared_prefix``); ``through_last`` adds the
+    position of the last kept response column, (bs, kept + 1, H), for a score read at a sequence's end.
 
     The prompts (one row per group, less the columns that are padding in all) go through the decoder
     with a KV cache; the cache is indexed out to every row, and the responses, less their all-padding
@@ -179,9 +181,9 @@ def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> tuple[torch.
                          position_ids=batch["position_ids"][first, start:prompt_len], use_cache=True,
                          **{cache_arg: cache})
     hidden = prompt_out.last_hidden_state[inverse, -1:]  # the prompt's last position predicts response token 0
-    if kept > 1:
+    if kept > 1 or through_last:
         cache.reorder_cache(inverse)  # every row its prompt's keys and values (an index: gradients flow back)
-        end = prompt_len + kept - 1
+        end = prompt_len + kept - (0 if through_last else 1)
         response_out = decoder(input_ids=batch["input_ids"][:, prompt_len:end], attention_mask=mask[:, start:end],
                                position_ids=batch["position_ids"][:, prompt_len:end], use_cache=True,
                                **{cache_arg: cache})
@@ -189,16 +191,19 @@ def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch) -> tuple[torch.
     return hidden, kept
 
 
-def resolve_shared_prefix(requested: bool, module: torch.nn.Module, key: str, *, sharded: bool,
-                          remove_padding: bool, gradient_checkpointing: bool, head_runs: bool) -> bool:
+def resolve_shared_prefix(requested: bool, module: torch.nn.Module, key: str, *, sharded: bool, head_runs: bool,
+                          remove_padding: bool = False, gradient_checkpointing: bool = False,
+                          retokenized: bool = False) -> bool:
     """``use_shared_prefix`` as it can run: in one process (the decoder is called without the sharded root
-    module), on padded rows, without gradient checkpointing (which turns the KV cache off in training), with
-    a head known to be a plain layer on the decoder's output; elsewhere a one-line notice and the usual path."""
+    module), on padded rows, without gradient checkpointing (which turns the KV cache off in training), on the
+    policy's own prompt and response ids, with a head known to be a plain layer on the decoder's output;
+    elsewhere a one-line notice and the usual path."""
     if not requested:
         return False
     why = ("the model is sharded over a worker group" if sharded
            else "use_remove_padding packs the rows" if remove_padding
            else "gradient checkpointing is on" if gradient_checkpointing
+           else "each conversation is re-encoded with the reward model's chat template" if retokenized
            else None if head_runs
            else f"the {getattr(module.config, 'model_type', '?')} head is not known to be a plain layer")
     if why and distributed.rank() == 0:
