@@ -85,7 +85,8 @@ class DataConfig:
 
 SHARED_PREFIX_HELP = ("run each distinct prompt of a micro-batch once, its rollout.n responses attending to its "
                       "KV cache: the same values and gradients for 1/n of the prompt's work (one process, padded "
-                      "rows, gradient checkpointing off, Llama/Qwen/Mistral heads; else the usual path)")
+                      "rows, Llama/Qwen/Mistral heads; with gradient checkpointing the passes without gradients "
+                      "only; else the usual path)")
 
 
 @dataclass

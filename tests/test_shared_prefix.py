@@ -15,8 +15,8 @@ from rlhf_core.models.loading import load_critic, load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rewards.reward_model import RewardModelWorker
 from rlhf_core.workers.actor import ActorWorker, response_log_prob
-from rlhf_core.workers.common import micro_batch_rows, prompt_groups
-from rlhf_core.workers.critic import response_values
+from rlhf_core.workers.common import SharedPrefix, micro_batch_rows, prompt_groups
+from rlhf_core.workers.critic import CriticWorker, response_values
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +155,56 @@ def test_dynamic_micro_batches_count_a_shared_prompt_once():
         assert computed <= budget
 
 
-def test_with_gradient_checkpointing_a_notice_and_the_usual_path(model_dir, capsys):
-    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_shared_prefix=true",
-                       "actor_rollout_ref.model.enable_gradient_checkpointing=true"])
-    worker = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
-    assert not worker.shared_prefix
-    assert ("actor_rollout_ref.model.use_shared_prefix=true is not used: gradient checkpointing is on"
-            in capsys.readouterr().err)
+def test_with_gradient_checkpointing_only_the_passes_without_gradients_share(model_dir, capsys):
+    """Gradient checkpointing turns the KV cache off where gradients are taken: the log-prob and value passes
+    still run each prompt once (and give the whole rows' values), the updates run every row whole."""
+    overrides = [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+                 "critic.model.enable_gradient_checkpointing=true", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                 "critic.ppo_micro_batch_size_per_gpu=16"]
+    on = ["actor_rollout_ref.model.use_shared_prefix=true", "critic.model.use_shared_prefix=true"]
+    batch = grouped_batch(seed=6)
+    workers = {}
+    for shared in (False, True):
+        cfg = load_config(overrides + (on if shared else []))
+        critic = CriticWorker(cfg.critic, str(model_dir), "float32", total_steps=1, mini_batch_size=3,
+                              use_dynamic_bsz=False, ppo_epochs=1)
+        with torch.no_grad():  # the same value head in both, not all zeros (as it starts)
+            critic.forward_module.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
+        workers[shared] = (ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False),
+                           critic)
+    actor, critic = workers[True]
+    assert actor.shared_prefix == critic.shared_prefix == SharedPrefix(scoring=True, update=False)
+    err = capsys.readouterr().err
+    for key in ("actor_rollout_ref", "critic"):
+        assert (f"{key}.model.use_shared_prefix=true runs in the passes without gradients only: gradient "
+                "checkpointing is on") in err
+    assert actor.module.is_gradient_checkpointing  # (the passes without gradients checkpoint nothing: cache kept)
+
+    shapes = []
+    for module in (actor.forward_module, critic.forward_module):
+        module.get_input_embeddings().register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    log_prob, entropy = actor.compute_log_prob(batch)
+    values = critic.compute_values(batch)
+    assert shapes == [(3, 9), (12, 4), (3, 9), (12, 4)]  # each prompt once, then the responses
+    expected_log_prob, expected_entropy = workers[False][0].compute_log_prob(batch)
+    torch.testing.assert_close(log_prob, expected_log_prob, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(values, workers[False][1].compute_values(batch), rtol=1e-5, atol=1e-5)
+    assert values[batch["response_mask"].bool()].abs().min() > 0
+
+    shapes.clear()  # the update's forward (in training mode, gradients on, checkpointed): every row whole
+    actor.module.train()
+    critic.module.train()
+    mask = batch["response_mask"]
+    mb = Batch({**batch.tensors, "advantages": torch.randn(mask.shape), "old_log_prob": log_prob,
+                "returns": torch.randn(mask.shape), "values": values})
+    loss, _, _ = actor.policy_loss(mb, int(mask.sum()), len(mb), 0.0)
+    vf_loss, _, _ = critic.value_loss(mb, int(mask.sum()), len(mb))
+    (loss + vf_loss).backward()
+    # all 12 rows with their 9 prompt columns; the actor feeds the 4 response columns that predict a later token,
+    # the critic all 5 (the trimmed whole-row layout of each)
+    assert shapes == [(12, 13), (12, 14)]
+    assert all(p.grad is not None for p in actor.module.parameters() if p.requires_grad)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +240,7 @@ def test_reward_model_scores_match_each_whole_sequence(reward_model_dir, micro):
                        "reward_model.enable=true", "reward_model.model.use_shared_prefix=true",
                        f"reward_model.micro_batch_size_per_gpu={micro}"], validate=False).reward_model
     worker = RewardModelWorker(cfg)
-    assert worker.shared_prefix
+    assert worker.shared_prefix is True
     shapes = []
     worker.module.get_input_embeddings().register_forward_hook(
         lambda module, args, out: shapes.append(tuple(args[0].shape)))

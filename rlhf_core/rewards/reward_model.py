@@ -184,7 +184,7 @@ class RewardModelWorker:
         plain_head = getattr(module.config, "model_type", None) in PLAIN_HEADS and hasattr(module, "score")
         self.shared_prefix = resolve_shared_prefix(
             model_cfg.use_shared_prefix, module, "reward_model.model.use_shared_prefix", sharded=self.sharded,
-            retokenized=self.switch_template, head_runs=plain_head)
+            retokenized=self.switch_template, head_runs=plain_head).scoring
 
     def _direct_inputs(self, batch: Batch) -> Batch:
         inputs, _, _ = trimmed_inputs(batch)

@@ -225,8 +225,8 @@ class ActorWorker(CheckpointableWorker):
         model = model if model is not None else self.forward_module
         return map_micro_batches(batch, lambda mb: response_log_prob(
             model, mb.to(self.device), self.config.rollout.temperature, with_entropy, self.remove_padding,
-            fused_head=self.fused_head, shared_prefix=self.shared_prefix), micro, dynamic, max_tok,
-            by_prompt=self.shared_prefix)
+            fused_head=self.fused_head, shared_prefix=self.shared_prefix.scoring), micro, dynamic, max_tok,
+            by_prompt=self.shared_prefix.scoring)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Old log-probs and entropies under the current policy, (bs, R) each."""
@@ -262,7 +262,8 @@ class ActorWorker(CheckpointableWorker):
             self, batch, prefix="actor", epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
             mini_rows=cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size(),
             micro_batches_of=lambda mini: micro_batches(mini, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                                        cfg.ppo_max_token_len_per_gpu, by_prompt=self.shared_prefix),
+                                                        cfg.ppo_max_token_len_per_gpu,
+                                                        by_prompt=self.shared_prefix.update),
             loss_fn=lambda mb, tokens, seqs: self.policy_loss(mb, tokens, seqs, coef),
             grad_clip=cfg.grad_clip, fsdp_config=cfg.fsdp_config)
         self.rollout.sync_weights()
@@ -285,7 +286,7 @@ class ActorWorker(CheckpointableWorker):
         log_prob, entropy = response_log_prob(self.forward_module, mb, self.config.rollout.temperature,
                                               entropy_bonus or on_policy, self.remove_padding,
                                               entropy_grad=entropy_bonus, fused_head=self.fused_head,
-                                              shared_prefix=self.shared_prefix)
+                                              shared_prefix=self.shared_prefix.update)
         summed: dict[str, float] = {}
         constant: dict[str, float] = {}
         if on_policy:

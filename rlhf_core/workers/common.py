@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import DynamicCache
@@ -191,25 +192,38 @@ def shared_prompt_hidden(decoder: torch.nn.Module, batch: Batch,
     return hidden, kept
 
 
+class SharedPrefix(NamedTuple):
+    """Where ``use_shared_prefix`` runs: the passes without gradients (log-probs, values, scores) and the update."""
+
+    scoring: bool
+    update: bool
+
+
 def resolve_shared_prefix(requested: bool, module: torch.nn.Module, key: str, *, sharded: bool, head_runs: bool,
                           remove_padding: bool = False, gradient_checkpointing: bool = False,
-                          retokenized: bool = False) -> bool:
+                          retokenized: bool = False) -> SharedPrefix:
     """``use_shared_prefix`` as it can run: in one process (the decoder is called without the sharded root
-    module), on padded rows, without gradient checkpointing (which turns the KV cache off in training), on the
-    policy's own prompt and response ids, with a head known to be a plain layer on the decoder's output;
-    elsewhere a one-line notice and the usual path."""
+    module), on padded rows, on the policy's own prompt and response ids, with a head known to be a plain layer
+    on the decoder's output; elsewhere a one-line notice and the usual path. Gradient checkpointing turns the KV
+    cache off where gradients are taken, so with it the passes without gradients share the prompt and the
+    update runs every row whole."""
     if not requested:
-        return False
+        return SharedPrefix(False, False)
     why = ("the model is sharded over a worker group" if sharded
            else "use_remove_padding packs the rows" if remove_padding
-           else "gradient checkpointing is on" if gradient_checkpointing
            else "each conversation is re-encoded with the reward model's chat template" if retokenized
            else None if head_runs
            else f"the {getattr(module.config, 'model_type', '?')} head is not known to be a plain layer")
+    if why is None and gradient_checkpointing:
+        if distributed.rank() == 0:
+            print(f"notice: {key}=true runs in the passes without gradients only: gradient checkpointing is on "
+                  "(it turns the KV cache off where gradients are taken), so the update runs every row's whole "
+                  "prompt", file=sys.stderr, flush=True)
+        return SharedPrefix(scoring=True, update=False)
     if why and distributed.rank() == 0:
         print(f"notice: {key}=true is not used: {why}, so every row runs its whole prompt", file=sys.stderr,
               flush=True)
-    return why is None
+    return SharedPrefix(why is None, why is None)
 
 
 def pad_response(values: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -91,18 +91,19 @@ class CriticWorker(CheckpointableWorker):
         self.shuffle_generator = torch.Generator().manual_seed(seed + 2)
         self.skipped_steps = 0
 
-    def _micro_batching(self) -> tuple[int | None, bool, int, bool]:
+    def _micro_batching(self, shared: bool) -> tuple[int | None, bool, int, bool]:
         cfg = self.config
-        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, self.shared_prefix
+        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, shared
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
-        return micro_batches(batch, *self._micro_batching())
+        return micro_batches(batch, *self._micro_batching(self.shared_prefix.update))
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> torch.Tensor:
+        shared = self.shared_prefix.scoring
         return map_micro_batches(batch, lambda mb: response_values(self.forward_module, mb.to(self.device),
-                                                                   self.remove_padding, self.shared_prefix),
-                                 *self._micro_batching())
+                                                                   self.remove_padding, shared),
+                                 *self._micro_batching(shared))
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         """Clipped value regression on ``returns`` around the rollout-time ``values``.
@@ -118,7 +119,7 @@ class CriticWorker(CheckpointableWorker):
     def value_loss(self, mb: Batch, token_count: int, seq_count: int) -> tuple[torch.Tensor, dict, dict]:
         """The clipped value loss of one micro-batch, normalised by the global mini-batch counts."""
         cfg = self.config
-        vpreds = response_values(self.forward_module, mb, self.remove_padding, self.shared_prefix)
+        vpreds = response_values(self.forward_module, mb, self.remove_padding, self.shared_prefix.update)
         vf_loss, clipfrac = algos.compute_value_loss(
             vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, cfg.loss_agg_mode,
             global_token_count=token_count, global_seq_count=seq_count)
