@@ -1,11 +1,14 @@
-"""Does ``torch.compile`` of the decoder layers shorten the update's forward and backward on this machine?
+"""Does ``torch.compile`` shorten the update's forward and backward on this machine?
 
-Each decoder layer of the model is compiled (``module.compile()``, inductor; C++ on CPU, static
-shapes); a forward and backward of random tokens through the model's body is then timed compiled
-and eager, alternating in one process (this machine's timings drift between processes). Prints
-the compile time and, per round, the best of ``--reps`` passes each way.
+``--blocks layers``: each decoder layer of the model is compiled (``module.compile()``, inductor; C++
+on CPU, static shapes). ``--blocks mlp-norms``: what ``actor_rollout_ref.actor.use_torch_compile``
+compiles (``compile_blocks``: each MLP and RMS norm, dynamic shapes). A forward and backward of random
+tokens through the model's body is then timed compiled and eager, alternating in one process (this
+machine's timings drift between processes). Prints the compile time and, per round, the best of
+``--reps`` passes each way.
 
-    python bench/compile.py [--model outputs/smollm2-135m-instruct] [--rows 16] [--tokens 135] [--rounds 3]
+    python bench/compile.py [--model outputs/smollm2-135m-instruct] [--blocks layers|mlp-norms] [--rows 16]
+                            [--tokens 135] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import time
 import torch
 from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
+from rlhf_core.models.loading import COMPILED_BLOCKS, compile_blocks
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,13 +30,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--blocks", choices=("layers", "mlp-norms"), default="layers")
     args = parser.parse_args()
     model = require_model_dir(parser, args.model)
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(args.threads)
     module = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    layers = list(module.model.layers)
+    if args.blocks == "layers":
+        layers = list(module.model.layers)
+    else:
+        layers = [m for m in module.modules() if type(m).__name__.endswith(COMPILED_BLOCKS)]
     ids = torch.randint(0, module.config.vocab_size, (args.rows, args.tokens))
     mask = torch.ones_like(ids)
 
@@ -50,8 +59,11 @@ def main() -> None:
 
     step()  # warm-up, eager
     start = time.perf_counter()
-    for layer in layers:
-        layer.compile(dynamic=False)
+    if args.blocks == "layers":
+        for layer in layers:
+            layer.compile(dynamic=False)
+    else:
+        compile_blocks(module)
     step()
     print(f"compile and first compiled pass: {time.perf_counter() - start:.1f} s", flush=True)
     compiled = [layer._compiled_call_impl for layer in layers]

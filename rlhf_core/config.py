@@ -158,6 +158,10 @@ class ActorConfig:
     kl_loss_coef: float = _k(0.001, "coefficient of the KL loss")
     kl_loss_type: str = _k("low_var_kl", "KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1/k2/k3)")
     grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    use_torch_compile: bool = _k(False, "torch.compile (inductor, dynamic shapes) each MLP and RMS norm of the "
+                                        "policy and reference, fusing their elementwise work; on by default in "
+                                        "verl, off here: on 2 CPU cores it did not pay for its compile time "
+                                        "(bench/RESULTS.md)")
     optim: OptimConfig = _section(OptimConfig, "actor optimizer")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "actor sharding")
 

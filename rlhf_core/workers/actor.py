@@ -28,6 +28,7 @@ from rlhf_core.models import lora
 from rlhf_core.models.fused_head import chunked_head_log_prob, logits_log_prob, supports_fused_head
 from rlhf_core.models.loading import (
     attention_for,
+    compile_blocks,
     load_actor,
     make_reference,
     resolve,
@@ -164,6 +165,10 @@ class ActorWorker(CheckpointableWorker):
             distributed.fsdp_wrap(lora.base_model(module), self.device, actor_cfg.fsdp_config)
             if reference is not None:
                 distributed.fsdp_wrap(reference, self.device, config.ref.fsdp_config)
+        if actor_cfg.use_torch_compile:
+            for model in (module, reference):
+                if model is not None:
+                    compile_blocks(model)
         self.module = module  # the trained module (a PEFT wrapper with LoRA)
         self.forward_module = lora.base_model(module)  # the transformers model (adapters active, if any)
         self.ref_module = reference
