@@ -30,6 +30,15 @@ LOGITS_CHUNK = 16
 PLAIN_HEADS = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
 
+def plain_score_head(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The scalar head (``score``) of a transformers token- or sequence-classification model where its
+    output is known to be exactly ``head(decoder output)`` at each position (a plain architecture, dropout
+    0): a critic's values, a reward model's per-token scores; else None."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in PLAIN_HEADS:
+        return None
+    return getattr(model, "score", None)
+
+
 def supports_fused_head(model: torch.nn.Module) -> bool:
     """Whether ``model`` (a transformers causal LM) can take :func:`chunked_head_log_prob`: a plain
     linear head without bias on a decoder it exposes, in an architecture known to apply nothing else."""

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.data.dataset import left_pad
-from rlhf_core.models.fused_head import PLAIN_HEADS
+from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -181,10 +181,9 @@ class RewardModelWorker:
             distributed.fsdp_wrap(module, self.device, model_cfg.fsdp_config)
         self.module = module
         self.pad_id = int(module.config.pad_token_id)
-        plain_head = getattr(module.config, "model_type", None) in PLAIN_HEADS and hasattr(module, "score")
         self.shared_prefix = resolve_shared_prefix(
             model_cfg.use_shared_prefix, module, "reward_model.model.use_shared_prefix", sharded=self.sharded,
-            retokenized=self.switch_template, head_runs=plain_head).scoring
+            retokenized=self.switch_template, head_runs=plain_score_head(module) is not None).scoring
 
     def _direct_inputs(self, batch: Batch) -> Batch:
         inputs, _, _ = trimmed_inputs(batch)

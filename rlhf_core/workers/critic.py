@@ -12,7 +12,7 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import CriticConfig
 from rlhf_core.models import lora
-from rlhf_core.models.fused_head import PLAIN_HEADS
+from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import attention_for, load_critic
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -32,18 +32,10 @@ from rlhf_core.workers.common import (
 )
 
 
-def value_head(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The critic's value head where its values are known to be exactly ``head(decoder output)`` (a
-    transformers token-classification model of a plain architecture, its dropout 0), else None."""
-    if getattr(model.config, "model_type", None) not in PLAIN_HEADS:
-        return None
-    return getattr(model, "score", None)
-
-
 def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool = False,
                     shared_prefix: bool = False) -> torch.Tensor:
     """V(s_t) for each response token t: the value read at the position before the token. (bs, R).
-    ``shared_prefix`` (``use_shared_prefix``, for a model with a :func:`value_head`) runs each distinct
+    ``shared_prefix`` (``use_shared_prefix``, for a model with a :func:`plain_score_head`) runs each distinct
     prompt once (:func:`shared_prompt_hidden`)."""
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     if remove_padding:
@@ -52,7 +44,7 @@ def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool =
         return values[:, prompt_len - 1:prompt_len - 1 + response_len] * batch["response_mask"]
     if shared_prefix:
         hidden, _ = shared_prompt_hidden(model.base_model, batch)
-        return pad_response(value_head(model)(hidden)[..., 0].float(), response_len) * batch["response_mask"]
+        return pad_response(plain_score_head(model)(hidden)[..., 0].float(), response_len) * batch["response_mask"]
     inputs, response_start, kept = trimmed_inputs(batch)
     values = model(**inputs, use_cache=False).logits[..., 0]  # (bs, L)
     values = values[:, response_start - 1:response_start - 1 + kept].float()
@@ -82,7 +74,7 @@ class CriticWorker(CheckpointableWorker):
         self.shared_prefix = resolve_shared_prefix(
             model_cfg.use_shared_prefix, self.forward_module, "critic.model.use_shared_prefix",
             sharded=self.sharded, remove_padding=self.remove_padding,
-            gradient_checkpointing=model_cfg.enable_gradient_checkpointing, head_runs=value_head(self.forward_module) is not None)
+            gradient_checkpointing=model_cfg.enable_gradient_checkpointing, head_runs=plain_score_head(self.forward_module) is not None)
         self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
         self.mini_batch_size = config.ppo_mini_batch_size or mini_batch_size
