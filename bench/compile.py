@@ -19,7 +19,7 @@ import time
 import torch
 from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
-from rlhf_core.models.loading import COMPILED_BLOCKS, compile_blocks
+from rlhf_core.models.loading import compile_blocks
 
 
 def main() -> None:
@@ -37,10 +37,6 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     module = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    if args.blocks == "layers":
-        layers = list(module.model.layers)
-    else:
-        layers = [m for m in module.modules() if type(m).__name__.endswith(COMPILED_BLOCKS)]
     ids = torch.randint(0, module.config.vocab_size, (args.rows, args.tokens))
     mask = torch.ones_like(ids)
 
@@ -60,10 +56,11 @@ def main() -> None:
     step()  # warm-up, eager
     start = time.perf_counter()
     if args.blocks == "layers":
+        layers = list(module.model.layers)
         for layer in layers:
             layer.compile(dynamic=False)
     else:
-        compile_blocks(module)
+        layers = compile_blocks(module)
     step()
     print(f"compile and first compiled pass: {time.perf_counter() - start:.1f} s", flush=True)
     compiled = [layer._compiled_call_impl for layer in layers]

@@ -152,15 +152,15 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
 COMPILED_BLOCKS = ("MLP", "RMSNorm")
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
+def compile_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """``torch.compile`` (inductor, dynamic shapes) each MLP and RMS norm of ``model`` in place, so that
     their activations, products and normalisations run as fused kernels in every pass, the rollout's
     included. Attention stays eager: its KV cache is Python state that changes every decode step.
-    Blocks of one class share their compiled code. Returns how many blocks were compiled."""
+    Blocks of one class share their compiled code. Returns the compiled blocks."""
     blocks = [module for module in model.modules() if type(module).__name__.endswith(COMPILED_BLOCKS)]
     for block in blocks:
         block.compile(dynamic=True)
-    return len(blocks)
+    return blocks
 
 
 def make_reference(actor: PreTrainedModel) -> PreTrainedModel:
