@@ -11,8 +11,9 @@ machine's speed hits both alike:
 
 A decode step is timed as (time for R tokens - time for 1 token) / (R - 1), so that the prompt pass
 is left out, with EOS switched off so that every row runs all R steps. The bound is the one of
-``bench/roofline.py``: weight bytes over the bandwidth a weight-sized matrix times a block of
-``rows`` columns achieves here.
+``bench/roofline.py``: the longer of reading every weight once at the measured bandwidth and the
+step's products at the faster kernel's matmul rate. ``--cpu-matmul`` picks the linear layers' kernel
+(``trainer.cpu_matmul``).
 
 With ``--layouts flat,ragged`` the prompts are also taken at 1/2 to all of ``--prompt-len`` tokens,
 left-padded as the trainer's are (so that attention has a padding mask), alternating with the
@@ -35,11 +36,12 @@ from transformers import DynamicCache
 
 import rlhf_core.rollout.hf as hf
 from rlhf_core.batch import Batch
+from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import available_models, read_bandwidth_gbs, weight_bytes  # noqa: E402
+from roofline import available_models, decode_bound_s, matmul_gflops, read_bandwidth_gbs, weight_bytes  # noqa: E402
 
 
 def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -90,8 +92,10 @@ def main() -> None:
                         help="flat (every prompt --prompt-len tokens) and/or ragged (1/2 to all of it, left-padded)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cpu-matmul", default="onednn", choices=cpu_matmul.CHOICES)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    cpu_matmul.configure(args.cpu_matmul)
     layouts = args.layouts.split(",")
     if not set(layouts) <= {"flat", "ragged"}:
         parser.error(f"--layouts takes flat and/or ragged, got {args.layouts}")
@@ -104,7 +108,8 @@ def main() -> None:
         for rows in (int(r) for r in args.rows.split(",")):
             prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
-            bound = weight_bytes(model) / read_bandwidth_gbs(weight_bytes(model), batch=rows) / 1e6
+            rate = max(matmul_gflops(2048, model.config.hidden_size, model.config.intermediate_size).values())
+            bound = decode_bound_s(model, rows, rate, read_bandwidth_gbs(weight_bytes(model))) * 1e3
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 _use(variant)
@@ -125,7 +130,8 @@ def main() -> None:
     print("\n".join(lines))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
-          f"{args.threads} threads; x bound: our decode step over weight bytes / bandwidth (1.00 = at the limit)")
+          f"{args.threads} threads, linear layers on {args.cpu_matmul}; x bound: our decode step over the longer of "
+          "weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
 
 
 if __name__ == "__main__":

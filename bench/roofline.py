@@ -1,18 +1,19 @@
 """How far each PPO phase is from what this machine allows.
 
-Measured in the same process, before the trainer runs:
+Measured in the same process, after the trainer's steps:
 
 - the fp32 matrix-multiply rate (GFLOP/s) at the shapes of the update: (tokens of a micro-batch) x
-  hidden @ hidden x intermediate, the largest matmul of a transformer block;
-- the memory bandwidth (GB/s) as a matrix-vector product reads it: one pass over a matrix the size of
-  the model's weights, which is what one decode step of a small batch does.
+  hidden @ hidden x intermediate, the largest matmul of a transformer block, by each kernel torch has
+  on CPU (``torch.mm``'s BLAS and oneDNN, ``trainer.cpu_matmul``); the faster is the machine's rate;
+- the memory bandwidth (GB/s): one read of a tensor the size of the model's weights.
 
-Then a few trainer iterations, and each phase against its bound:
+Then each phase of a few trainer iterations against its bound:
 
 - update and log-prob passes: achieved FLOP/s over the matmul rate, with 6 x (matmul parameters) x
   tokens for a forward and backward and 2 x for a forward alone (embeddings are look-ups, not
   matmuls; the LM head counts only on the positions it runs on);
-- generation: seconds per decode step over (weight bytes / bandwidth).
+- generation: seconds per decode step over its roofline, the longer of reading every weight once
+  (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate).
 
     python bench/roofline.py [--models demo,random25m,smollm2] [--iters 2] [--threads 2] [--json rows.json]
 
@@ -34,6 +35,7 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models import cpu_matmul
 from rlhf_core.models.toy import ensure_toy_model, random_toy_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,22 +64,30 @@ def _best_seconds(fn, reps: int) -> float:
     return min(times)
 
 
-def matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) -> float:
-    """fp32 GFLOP/s of (tokens, hidden) @ (hidden, intermediate): 2 * t * h * i floating-point operations."""
+def matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) -> dict[str, float]:
+    """fp32 GFLOP/s of (tokens, hidden) @ (hidden, intermediate), 2 * t * h * i floating-point operations, by
+    ``torch.mm`` (``blas``) and, where torch has it, by oneDNN (``onednn``)."""
     a = torch.randn(tokens, hidden)
     b = torch.randn(hidden, intermediate)
-    seconds = _best_seconds(lambda: torch.mm(a, b), reps)
-    return 2 * tokens * hidden * intermediate / seconds / 1e9
+    flop = 2 * tokens * hidden * intermediate
+    rates = {"blas": flop / _best_seconds(lambda: torch.mm(a, b), reps) / 1e9}
+    if cpu_matmul.available():
+        weight = b.t().contiguous()  # (intermediate, hidden), as a linear layer holds it
+        rates["onednn"] = flop / _best_seconds(lambda: cpu_matmul.onednn_linear(a, weight), reps) / 1e9
+    return rates
 
 
-def read_bandwidth_gbs(n_bytes: int, batch: int = 1, reps: int = 5) -> float:
-    """GB/s of a (rows, cols) fp32 matrix times a (cols, batch) block: the matrix is read once per call."""
-    cols = 1024
-    rows = max(1, n_bytes // (4 * cols))
-    weight = torch.randn(rows, cols)
-    x = torch.randn(cols, batch)
-    seconds = _best_seconds(lambda: torch.mm(weight, x), reps)
-    return rows * cols * 4 / seconds / 1e9
+def read_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
+    """GB/s of one pass over ``n_bytes`` of fp32 (a sum: each element read once, next to no arithmetic)."""
+    data = torch.randn(max(1, n_bytes // 4))
+    seconds = _best_seconds(lambda: data.sum(), reps)
+    return data.numel() * 4 / seconds / 1e9
+
+
+def decode_bound_s(module: torch.nn.Module, rows: int, gflops: float, bandwidth_gbs: float) -> float:
+    """A decode step's roofline: every weight read once, or its products at the matmul rate, whichever is longer."""
+    body, head = matmul_params(module)
+    return max(weight_bytes(module) / bandwidth_gbs, 2 * (body + head) * rows / gflops) / 1e9
 
 
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
@@ -144,8 +154,9 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     decode_steps = med("response_length/max")
     micro = min(sequences, 16)
     seq_len = tokens / sequences
-    rate = matmul_gflops(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
-    bandwidth = read_bandwidth_gbs(weight_bytes(module), batch=sequences)
+    rates = matmul_gflops(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
+    rate = max(rates.values())
+    bandwidth = read_bandwidth_gbs(weight_bytes(module))
 
     def fraction(phase: str, passes: int) -> float | None:
         key = f"timing_s/{phase}"
@@ -155,10 +166,11 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         return flop / med(key) / 1e9 / rate
 
     decode_s = med("timing_s/gen") / max(decode_steps, 1)
-    bound_s = weight_bytes(module) / bandwidth / 1e9
+    bound_s = decode_bound_s(module, sequences, rate, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
-        "matmul_gflops": rate, "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
+        "matmul_gflops": rate, "matmul_gflops_by_kernel": rates, "cpu_matmul": cfg.trainer.cpu_matmul,
+        "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
         "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6),
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
@@ -194,8 +206,13 @@ def main() -> None:
               f"{r['step_s']:>8.2f}{pct(r['update_actor']):>8}{pct(r['update_critic']):>9}{pct(r['old_log_prob']):>7}"
               f"{pct(r['ref']):>6}{pct(r['values']):>7}{r['decode_ms']:>10.2f}{r['decode_bound_ms']:>9.2f}"
               f"{r['decode_x_bound']:>8.2f}")
-    print("update/log-prob columns: achieved FLOP/s as a share of the measured matmul rate (1.00 = at the limit); "
-          "x bound: seconds per decode step over weight bytes / bandwidth (1.00 = at the limit)")
+    for r in rows:
+        print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
+                                                                  r["matmul_gflops_by_kernel"].items())
+              + f"; the trainer's linear layers ran on {r['cpu_matmul']}")
+    print("update/log-prob columns: achieved FLOP/s as a share of the faster kernel's matmul rate (1.00 = at the "
+          "limit); x bound: seconds per decode step over the longer of weight bytes / bandwidth and its products "
+          "at that rate (1.00 = at the limit)")
 
 
 if __name__ == "__main__":

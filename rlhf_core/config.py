@@ -44,6 +44,7 @@ TRUNCATIONS = ("error", "left", "right")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
+CPU_MATMULS = ("onednn", "blas")  # rlhf_core.models.cpu_matmul.CHOICES (that module imports torch)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -414,6 +415,8 @@ class TrainerConfig:
     ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
                                        "a local cluster")
     device: str = _k("cuda", "cuda | cpu")
+    cpu_matmul: str = _k("onednn", "kernel of float32 linear layers on CPU: onednn | blas (torch.mm's, MKL); "
+                                   "bench/RESULTS.md compares them")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
     guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "
@@ -839,6 +842,7 @@ def validate_config(cfg: PPOConfig) -> None:
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)
+    _one_of(errors, "trainer.cpu_matmul", trainer.cpu_matmul, CPU_MATMULS)
     for name in trainer.logger:
         _one_of(errors, "trainer.logger", name, VALID_LOGGERS)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:

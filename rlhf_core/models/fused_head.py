@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_core.models import cpu_matmul
+
 #: positions per chunk through the head: 256 x 49k fp32 is 50 MB
 DEFAULT_CHUNK = 256
 #: positions per chunk of given logits: 16 x 49k fp32 is 3 MB, so that a chunk's passes stay in cache
@@ -44,7 +46,7 @@ def supports_fused_head(model: torch.nn.Module) -> bool:
     linear head without bias on a decoder it exposes, in an architecture known to apply nothing else."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return (getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEADS
-            and type(head) is torch.nn.Linear and head.bias is None and hasattr(model, "get_decoder"))
+            and type(head) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and head.bias is None and hasattr(model, "get_decoder"))
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -20,6 +20,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlhf_core.models import cpu_matmul
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +96,9 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = True
-    return model.to(device).eval()  # no dropout: log-probs must be reproducible between phases
+    model = model.to(device).eval()
+    cpu_matmul.route(model)
+    return model  # no dropout: log-probs must be reproducible between phases
 
 
 def attention_for(use_remove_padding: bool, device: torch.device | str) -> str | None:

@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.data.dataset import left_pad
+from rlhf_core.models import cpu_matmul
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
 from rlhf_core.workers import distributed
@@ -174,6 +175,7 @@ class RewardModelWorker:
             str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code)
         module.config.use_cache = False
         module = module.to(self.device).eval()
+        cpu_matmul.route(module)
         for param in module.parameters():
             param.requires_grad_(False)
         self.sharded = distributed.in_worker_group()

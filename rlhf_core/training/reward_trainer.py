@@ -48,7 +48,7 @@ from rlhf_core.atomic import staged_directory
 from rlhf_core.config import PPOConfig, RewardTrainConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.preference import PreferenceDataError, read_preferences
-from rlhf_core.models import lora
+from rlhf_core.models import cpu_matmul, lora
 from rlhf_core.models.loading import (
     DTYPES,
     ModelError,
@@ -169,7 +169,9 @@ def load_reward_backbone(path: str | os.PathLike, pad_token_id: int, dtype: str 
         finally:
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
-    return model.to(torch.device(device))
+    model = model.to(torch.device(device))
+    cpu_matmul.route(model)
+    return model
 
 
 @contextlib.contextmanager
@@ -278,7 +280,8 @@ class RewardModelWorker(CheckpointableWorker):
 class RewardModelRayWorker(DistributedWorker):
     """The remote side: one rank of a worker group holding a :class:`RewardModelWorker`."""
 
-    def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int) -> None:
+    def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int, cpu_matmul_kind: str) -> None:
+        cpu_matmul.configure(cpu_matmul_kind)
         self.worker = RewardModelWorker(config, pad_token_id, total_steps, self.device)
 
     def train_share(self, share: tuple[list, list[float]], global_pairs: int) -> dict[str, float]:
@@ -381,6 +384,7 @@ class RewardModelTrainer:
 
     def __init__(self, cfg: PPOConfig, frames: dict | None = None):
         self.cfg, self.rm = cfg, cfg.reward_model.train
+        cpu_matmul.configure(cfg.trainer.cpu_matmul)
         frames = preflight(cfg) if frames is None else frames
         self.local_dir = resolve(self.rm.default_local_dir)
         tokenizer_path = self.rm.model.tokenizer_path or self.rm.model.path
@@ -408,7 +412,7 @@ class RewardModelTrainer:
             self.group = WorkerGroup(RewardModelRayWorker, cfg.world_size, device=cfg.trainer.device,
                                      ray_address=cfg.trainer.ray_address)
             try:
-                self.group.execute_all("setup", self.rm, pad_id, self.total_steps)
+                self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul)
             except BaseException:
                 self.group.shutdown()
                 raise

@@ -37,6 +37,7 @@ from rlhf_core import algos
 from rlhf_core.batch import Batch
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import PromptSampler, RLHFDataset
+from rlhf_core.models import cpu_matmul
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.stats import validation_metrics, vote_answer
@@ -150,6 +151,7 @@ class PPOTrainer:
             self.sampler.batches_per_epoch * config.trainer.total_epochs)
         seed = config.trainer.seed
         torch.manual_seed(seed)
+        cpu_matmul.configure(config.trainer.cpu_matmul)
         self.worker_group = None
         if config.world_size > 1 if use_worker_group is None else use_worker_group:
             from rlhf_core.workers.group import build_worker_groups

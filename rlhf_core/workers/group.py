@@ -253,11 +253,13 @@ class HybridWorker(DistributedWorker):
     """One rank of the hybrid engine: actor + rollout + reference (and the critic), FSDP2-sharded."""
 
     def setup(self, config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool) -> None:
+        from rlhf_core.models import cpu_matmul
         from rlhf_core.models.loading import import_external_lib, load_tokenizer
         from rlhf_core.workers.actor import ActorWorker
         from rlhf_core.workers.critic import CriticWorker
 
         arr = config.actor_rollout_ref
+        cpu_matmul.configure(config.trainer.cpu_matmul)
         import_external_lib(arr.model.external_lib)
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device

@@ -1,0 +1,93 @@
+"""fp32 linear layers on CPU through oneDNN rather than the BLAS behind ``torch.mm`` (``trainer.cpu_matmul``).
+
+torch's CPU build runs ``F.linear`` and ``torch.mm`` on MKL's sgemm. oneDNN, which ships in the same
+build (inductor calls it for frozen linear layers), has its own just-in-time kernels for the CPU it
+finds. On the 2-core AMD EPYC (AVX-512) these benchmarks ran on, oneDNN took about half MKL's time for
+every matmul of a linear layer, forward, input gradient and weight gradient alike, and 0.6x at a decode
+step's 16 rows (``bench/roofline.py``, ``bench/RESULTS.md``), in true fp32: its error against float64 is
+of MKL's order (1e-6 relative), not bf16's.
+
+:func:`route` gives a model's ``nn.Linear`` layers a forward that calls oneDNN's linear op where it
+applies (a CPU float32 input and weight, not sharded, not being compiled) and ``F.linear`` elsewhere;
+the layers stay ``nn.Linear`` with the same parameters and state dict. Their backward is written here
+as two more oneDNN products: ``grad_input = grad_out @ W`` and ``grad_W = grad_out^T @ input``.
+Which kernel runs is one choice for the process (:func:`configure`), as torch's own backend flags are.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHOICES = ("onednn", "blas")
+_kind = "onednn"
+
+
+def configure(kind: str) -> None:
+    """``onednn`` (the routed layers call oneDNN where it applies) or ``blas`` (every layer calls ``F.linear``)."""
+    global _kind
+    if kind not in CHOICES:
+        raise ValueError(f"trainer.cpu_matmul must be one of {', '.join(CHOICES)}, got {kind!r}")
+    _kind = kind
+
+
+def current() -> str:
+    return _kind
+
+
+def available() -> bool:
+    """Whether this torch build has oneDNN and its linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``input @ weight.T (+ bias)`` for 2-D float32 CPU tensors, by oneDNN (any strides)."""
+    return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        flat = input.reshape(-1, input.shape[-1])  # (tokens, in)
+        ctx.save_for_backward(flat, weight)
+        ctx.input_shape, ctx.has_bias = input.shape, bias is not None
+        return onednn_linear(flat, weight, bias).view(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        flat, weight = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = onednn_linear(grad, weight.t()).view(ctx.input_shape)  # grad @ W: (tokens, in)
+        if ctx.needs_input_grad[1]:
+            grad_weight = onednn_linear(grad.t(), flat.t())  # grad^T @ input: (out, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_input, grad_weight, grad_bias
+
+
+def _applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_kind == "onednn" and input.device.type == "cpu" and input.dtype == torch.float32
+            and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor and input.numel() > 0
+            and not torch.compiler.is_compiling())
+
+
+class RoutedLinear(torch.nn.Linear):
+    """``nn.Linear`` whose CPU float32 products run on oneDNN (see the module docstring)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _applies(input, self.weight):
+            return _OneDNNLinear.apply(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias)
+
+
+def route(model: torch.nn.Module) -> int:
+    """Give every plain ``nn.Linear`` of ``model`` the routed forward (in place; a no-op without oneDNN).
+    Returns how many layers were routed."""
+    if not available():
+        return 0
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    for layer in layers:
+        layer.__class__ = RoutedLinear
+    return len(layers)

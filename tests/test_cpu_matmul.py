@@ -1,0 +1,138 @@
+"""Linear layers routed to oneDNN on CPU (``trainer.cpu_matmul``): the same values and gradients as the
+float64 products written out here, the plain path where oneDNN does not apply, and models that load, copy,
+take LoRA adapters and train as before."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.models import cpu_matmul, lora
+from rlhf_core.models.loading import load_actor
+from rlhf_core.models.toy import random_toy_model
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="this torch build has no oneDNN linear op")
+
+
+@pytest.fixture
+def kind():
+    """Restores the process's choice after a test that changes it."""
+    before = cpu_matmul.current()
+    yield cpu_matmul.configure
+    cpu_matmul.configure(before)
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """How many products went through oneDNN."""
+    calls = []
+    real = cpu_matmul.onednn_linear
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(cpu_matmul, "onednn_linear", counting)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_values_and_gradients_are_the_products_in_float64(bias, kind, onednn_calls):
+    kind("onednn")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 20, bias=bias)
+    weight, b = layer.weight.detach().double(), (layer.bias.detach().double() if bias else None)
+    assert cpu_matmul.route(layer) == 1
+    x = torch.randn(3, 7, 48, requires_grad=True)
+    upstream = torch.randn(3, 7, 20)
+    out = layer(x)
+    out.backward(upstream)
+    assert len(onednn_calls) == 3  # forward, input gradient, weight gradient
+
+    x64, g64 = x.detach().double().reshape(21, 48), upstream.double().reshape(21, 20)
+    expected = x64 @ weight.T + (b if bias else 0)
+    torch.testing.assert_close(out.double().reshape(21, 20), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double().reshape(21, 48), g64 @ weight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.weight.grad.double(), g64.T @ x64, rtol=1e-5, atol=1e-5)
+    if bias:
+        torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), rtol=1e-5, atol=1e-5)
+    assert out.shape == (3, 7, 20) and x.grad.shape == x.shape
+
+
+def test_blas_and_the_inputs_oneDNN_does_not_take_run_the_plain_linear(kind, onednn_calls):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    plain = copy.deepcopy(layer)
+    cpu_matmul.route(layer)
+    x = torch.randn(5, 16)
+    kind("blas")
+    assert torch.equal(layer(x), plain(x))  # the same kernel: equal to the bit
+    kind("onednn")
+    assert layer(torch.randn(0, 16)).shape == (0, 8)  # no rows
+    half = copy.deepcopy(layer).to(torch.bfloat16)
+    assert torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), half.weight, half.bias))
+    assert onednn_calls == []
+    layer(x)
+    assert len(onednn_calls) == 1
+
+
+def test_a_routed_model_loads_copies_takes_lora_and_trains_as_the_plain_one(tmp_path, kind, onednn_calls):
+    kind("onednn")
+    path = random_toy_model(tmp_path / "model", n_layers=2, hidden_size=64, seed=0)
+    model = load_actor(path)  # routed at load
+    kind("blas")
+    plain = load_actor(path)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is cpu_matmul.RoutedLinear for m in linears)
+    assert list(model.state_dict()) == list(plain.state_dict())
+
+    ids = torch.randint(3, 40, (4, 12))
+
+    def loss_and_grads(m):
+        m.zero_grad()
+        loss = m(input_ids=ids, use_cache=False).logits.logsumexp(-1).mean()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in m.parameters()]
+
+    kind("onednn")
+    loss, grads = loss_and_grads(model)
+    assert len(onednn_calls) == 3 * len(linears)
+    kind("blas")
+    plain_loss, plain_grads = loss_and_grads(plain)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-6)
+    for grad, plain_grad in zip(grads, plain_grads):
+        torch.testing.assert_close(grad, plain_grad, rtol=1e-4, atol=1e-6)
+
+    kind("onednn")
+    assert type(copy.deepcopy(model).lm_head) is cpu_matmul.RoutedLinear  # the reference is a deep copy
+    adapted = lora.apply_lora(model, rank=4, alpha=8, target_modules="all-linear")
+    adapted.train()
+    out = adapted(input_ids=ids, use_cache=False).logits.logsumexp(-1).mean()
+    out.backward()
+    lora_grads = [p.grad for n, p in adapted.named_parameters() if "lora_A" in n]
+    assert lora_grads and all(g is not None for g in lora_grads)
+
+
+def test_the_key_takes_the_two_kernels_only():
+    assert load_config(["trainer.cpu_matmul=blas"]).trainer.cpu_matmul == "blas"
+    with pytest.raises(ConfigError, match="trainer.cpu_matmul"):
+        load_config(["trainer.cpu_matmul=mkl"])
+    with pytest.raises(ValueError, match="trainer.cpu_matmul"):
+        cpu_matmul.configure("mkl")
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
+def test_importing_the_package_asks_for_huge_pages_unless_told_otherwise(given, expected):
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    out = subprocess.run([sys.executable, "-c", "import os, rlhf_core; print(os.environ['THP_MEM_ALLOC_ENABLE'])"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected
