@@ -4,6 +4,7 @@ take LoRA adapters and train as before."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import subprocess
@@ -13,10 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.batch import Batch
 from rlhf_core.config import ConfigError, load_config
+from rlhf_core.data.dataset import left_pad
 from rlhf_core.models import cpu_matmul, lora
-from rlhf_core.models.loading import load_actor
+from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import SamplingParams, hf, make_rollout_engine
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="this torch build has no oneDNN linear op")
 
@@ -136,3 +140,54 @@ def test_importing_the_package_asks_for_huge_pages_unless_told_otherwise(given, 
     out = subprocess.run([sys.executable, "-c", "import os, rlhf_core; print(os.environ['THP_MEM_ALLOC_ENABLE'])"],
                          env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_packed_weights_give_the_same_products_and_are_dropped_on_exit(kind, onednn_calls):
+    kind("onednn")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(40, 24)
+    cpu_matmul.route(layer)
+    decode, prompt = torch.randn(6, 40), torch.randn(2, 9, 40)
+    with torch.no_grad():
+        expected = layer(decode), layer(prompt)
+        with pytest.raises(RuntimeError, match="inside"), cpu_matmul.packed_weights(layer, rows=6):
+            assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+            got = layer(decode), layer(prompt)  # the decode rows it was packed for, and another count
+            raise RuntimeError("inside")
+    assert layer.packed_weight is None  # dropped, even on an error
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))  # the same kernel on another layout
+    assert len(onednn_calls) == 4
+
+    with cpu_matmul.packed_weights(layer, rows=6):  # with gradients the parameter itself is used
+        x = torch.randn(3, 40, requires_grad=True)
+        layer(x).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, torch.ones(3, 24).T @ x.detach())
+    kind("blas")
+    with cpu_matmul.packed_weights(layer, rows=6):
+        assert layer.packed_weight is None
+
+
+def test_the_rollout_decodes_on_packed_weights_and_samples_as_without(tmp_path, kind, monkeypatch):
+    kind("onednn")
+    path = random_toy_model(tmp_path / "model", n_layers=1, hidden_size=32, seed=3)
+    model, tokenizer = load_actor(path), load_tokenizer(path)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["ab", "cde"]]
+    prompts = Batch(left_pad(ids, tokenizer.pad_token_id), {})
+    params = SamplingParams(n=2, max_new_tokens=8, ignore_eos=True)
+    packed_rows = []
+    real = cpu_matmul.onednn_linear
+
+    def spying(input, weight, bias=None):
+        if weight.is_mkldnn:
+            packed_rows.append(input.shape[0])
+        return real(input, weight, bias)
+
+    monkeypatch.setattr(cpu_matmul, "onednn_linear", spying)
+    packed = make_rollout_engine("hf", model, tokenizer, seed=4).generate(prompts, params)
+    layers = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    # the prompt pass (2 prompts x 3 columns; the LM head on each prompt's last position only), then 7 decode
+    # steps of 4 rows through every layer
+    assert packed_rows == [2 * 3] * (layers - 1) + [2] + [4] * (7 * layers)
+    monkeypatch.setattr(hf.cpu_matmul, "packed_weights", lambda module, rows: contextlib.nullcontext())
+    plain = make_rollout_engine("hf", model, tokenizer, seed=4).generate(prompts, params)
+    assert torch.equal(packed["responses"], plain["responses"])

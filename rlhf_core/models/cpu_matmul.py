@@ -12,9 +12,16 @@ applies (a CPU float32 input and weight, not sharded, not being compiled) and ``
 the layers stay ``nn.Linear`` with the same parameters and state dict. Their backward is written here
 as two more oneDNN products: ``grad_input = grad_out @ W`` and ``grad_W = grad_out^T @ input``.
 Which kernel runs is one choice for the process (:func:`configure`), as torch's own backend flags are.
+
+For generation, :func:`packed_weights` also holds each routed weight in oneDNN's blocked layout for the
+batch's row count while the rollout runs (one copy of the weights, made per rollout since the update
+changes them): each decode step then reads weights laid out as its kernel wants them.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -76,10 +83,33 @@ def _applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
 class RoutedLinear(torch.nn.Linear):
     """``nn.Linear`` whose CPU float32 products run on oneDNN (see the module docstring)."""
 
+    packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, inside packed_weights() only
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _applies(input, self.weight):
-            return _OneDNNLinear.apply(input, self.weight, self.bias)
-        return F.linear(input, self.weight, self.bias)
+        if not _applies(input, self.weight):
+            return F.linear(input, self.weight, self.bias)
+        if self.packed_weight is not None and not torch.is_grad_enabled():
+            flat = input.reshape(-1, input.shape[-1])
+            return onednn_linear(flat, self.packed_weight, self.bias).view(*input.shape[:-1], self.out_features)
+        return _OneDNNLinear.apply(input, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
+    """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
+    weights reordered by oneDNN for ``rows`` rows (a decode step's batch); the copies are dropped on exit."""
+    layers = [m for m in model.modules() if type(m) is RoutedLinear]
+    if _kind != "onednn" or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        layers = []
+    layers = [m for m in layers if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+              and type(m.weight.data) is torch.Tensor]
+    try:
+        for layer in layers:
+            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
+        yield
+    finally:
+        for layer in layers:
+            layer.packed_weight = None
 
 
 def route(model: torch.nn.Module) -> int:

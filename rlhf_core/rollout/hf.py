@@ -3,7 +3,9 @@
 Each prompt is encoded once; its KV cache is then repeated for the ``n`` samples of
 its group, so the prompt cost does not grow with ``n``. The cache has room for the whole
 response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write in place
-rather than copy the cache, and the prompt pass runs the LM head on its last position only.
+rather than copy the cache, and the prompt pass runs the LM head on its last position only. On CPU
+the linear layers read a copy of their weights in oneDNN's layout for the rollout
+(:func:`rlhf_core.models.cpu_matmul.packed_weights`).
 The loop stops when every sequence has produced EOS (or when ``synced`` says every rank has,
 so that sharded models run the same number of forward passes on every rank); with ``ignore_eos``
 an EOS is a token like any other and every response runs to ``max_new_tokens``.
@@ -16,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from rlhf_core.batch import Batch
+from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import cache_argument, takes_logits_to_keep
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.cache import PreallocatedCache
@@ -94,41 +97,43 @@ class HFRolloutEngine:
         n = params.n
         eos_ids = self.eos_ids.to(device)
 
-        # room for the prompt and the whole response, written in place by every forward below
-        cache = PreallocatedCache(prompt_ids.shape[1] + params.max_new_tokens)
-        head = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.module)) else {}  # the last position only
-        out = self.module(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
-                          use_cache=True, **{self.cache_arg: cache}, **head)
-        logits = out.logits[:, -1, :]  # (B, V)
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
-            prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
-            prompt_pos = prompt_pos.repeat_interleave(n, dim=0)
-        rows = prompt_ids.shape[0]
-        attention_mask = prompt_mask
-        next_pos = prompt_pos[:, -1] + 1  # (B*n,)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        tokens, masks = [], []
-        for step in range(params.max_new_tokens):
-            token = sample_next_token(logits, params, self.generator)
-            token = torch.where(done, torch.full_like(token, self.pad_id), token)
-            valid = ~done  # this token belongs to the response (EOS included)
-            tokens.append(token)
-            masks.append(valid)
-            if not params.ignore_eos:
-                done = done | torch.isin(token, eos_ids)
-            all_done = bool(done.all())
-            if self.synced is not None:
-                all_done = self.synced(all_done)
-            if all_done or step == params.max_new_tokens - 1:
-                break
-            attention_mask = torch.cat([attention_mask, valid.long()[:, None]], dim=1)
-            out = self.module(input_ids=token[:, None], attention_mask=attention_mask,
-                              position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+        # the weights in oneDNN's layout for the decode steps' rows, for this rollout (the update changes them)
+        with cpu_matmul.packed_weights(self.module, rows=prompt_ids.shape[0] * n):
+            # room for the prompt and the whole response, written in place by every forward below
+            cache = PreallocatedCache(prompt_ids.shape[1] + params.max_new_tokens)
+            head = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.module)) else {}  # the last position only
+            out = self.module(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
+                              use_cache=True, **{self.cache_arg: cache}, **head)
+            logits = out.logits[:, -1, :]  # (B, V)
+            if n > 1:
+                cache.batch_repeat_interleave(n)
+                logits = logits.repeat_interleave(n, dim=0)
+                prompt_ids = prompt_ids.repeat_interleave(n, dim=0)
+                prompt_mask = prompt_mask.repeat_interleave(n, dim=0)
+                prompt_pos = prompt_pos.repeat_interleave(n, dim=0)
+            rows = prompt_ids.shape[0]
+            attention_mask = prompt_mask
+            next_pos = prompt_pos[:, -1] + 1  # (B*n,)
+            done = torch.zeros(rows, dtype=torch.bool, device=device)
+            tokens, masks = [], []
+            for step in range(params.max_new_tokens):
+                token = sample_next_token(logits, params, self.generator)
+                token = torch.where(done, torch.full_like(token, self.pad_id), token)
+                valid = ~done  # this token belongs to the response (EOS included)
+                tokens.append(token)
+                masks.append(valid)
+                if not params.ignore_eos:
+                    done = done | torch.isin(token, eos_ids)
+                all_done = bool(done.all())
+                if self.synced is not None:
+                    all_done = self.synced(all_done)
+                if all_done or step == params.max_new_tokens - 1:
+                    break
+                attention_mask = torch.cat([attention_mask, valid.long()[:, None]], dim=1)
+                out = self.module(input_ids=token[:, None], attention_mask=attention_mask,
+                                  position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
+                logits = out.logits[:, -1, :]
+                next_pos = next_pos + 1
         if was_training:
             self.module.train()
 
