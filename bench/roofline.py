@@ -54,14 +54,19 @@ def require_model_dir(parser: argparse.ArgumentParser, path: str | Path) -> Path
     return Path(path)
 
 
-def _best_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: allocations, thread pool
+def run_times(fn, reps: int) -> list[float]:
+    """Seconds of ``reps`` calls of ``fn`` after one warm-up call (allocations, thread pool)."""
+    fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def _best_seconds(fn, reps: int) -> float:
+    return min(run_times(fn, reps))
 
 
 def matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) -> dict[str, float]:
