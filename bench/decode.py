@@ -105,11 +105,12 @@ def main() -> None:
         model, tokenizer = load_actor(path), load_tokenizer(path)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
+        rate = max(matmul_gflops(2048, model.config.hidden_size, model.config.intermediate_size).values())
+        bandwidth = read_bandwidth_gbs(weight_bytes(model))
         for rows in (int(r) for r in args.rows.split(",")):
             prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
-            rate = max(matmul_gflops(2048, model.config.hidden_size, model.config.intermediate_size).values())
-            bound = decode_bound_s(model, rows, rate, read_bandwidth_gbs(weight_bytes(model))) * 1e3
+            bound = decode_bound_s(model, rows, rate, bandwidth) * 1e3
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 _use(variant)

@@ -44,7 +44,7 @@ TRUNCATIONS = ("error", "left", "right")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
-CPU_MATMULS = ("onednn", "blas")  # rlhf_core.models.cpu_matmul.CHOICES (that module imports torch)
+CPU_MATMULS = ("onednn", "blas")  # trainer.cpu_matmul: the kernels of rlhf_core.models.cpu_matmul
 DTYPES = ("float32", "bfloat16", "float16")
 
 

@@ -26,7 +26,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-CHOICES = ("onednn", "blas")
+from rlhf_core.config import CPU_MATMULS as CHOICES
+
 _kind = "onednn"
 
 
@@ -74,10 +75,15 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+def _onednn_weight(weight: torch.Tensor) -> bool:
+    """Whether oneDNN is chosen and takes ``weight``: a plain (not sharded) float32 CPU tensor."""
+    return (_kind == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.float32
+            and type(weight.data) is torch.Tensor)
+
+
 def _applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_kind == "onednn" and input.device.type == "cpu" and input.dtype == torch.float32
-            and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor and input.numel() > 0
-            and not torch.compiler.is_compiling())
+    return (_onednn_weight(weight) and input.device.type == "cpu" and input.dtype == torch.float32
+            and input.numel() > 0 and not torch.compiler.is_compiling())
 
 
 class RoutedLinear(torch.nn.Linear):
@@ -98,14 +104,11 @@ class RoutedLinear(torch.nn.Linear):
 def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
     weights reordered by oneDNN for ``rows`` rows (a decode step's batch); the copies are dropped on exit."""
-    layers = [m for m in model.modules() if type(m) is RoutedLinear]
-    if _kind != "onednn" or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
-        layers = []
-    layers = [m for m in layers if m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
-              and type(m.weight.data) is torch.Tensor]
+    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if reorder else []
     try:
         for layer in layers:
-            layer.packed_weight = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), rows)
+            layer.packed_weight = reorder(layer.weight.detach(), rows)
         yield
     finally:
         for layer in layers:

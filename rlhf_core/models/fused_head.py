@@ -46,7 +46,8 @@ def supports_fused_head(model: torch.nn.Module) -> bool:
     linear head without bias on a decoder it exposes, in an architecture known to apply nothing else."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return (getattr(getattr(model, "config", None), "model_type", None) in PLAIN_HEADS
-            and type(head) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and head.bias is None and hasattr(model, "get_decoder"))
+            and type(head) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and head.bias is None
+            and hasattr(model, "get_decoder"))
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
