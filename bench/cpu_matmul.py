@@ -108,12 +108,13 @@ def model_pass(model: torch.nn.Module, batch: int, seq: int, reps: int) -> None:
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=64).logits
         logits.float().logsumexp(-1).mean().backward()
 
-    times = {kernel: [] for kernel in cpu_matmul.CHOICES}
+    times = {kernel: [] for kernel in cpu_matmul.KERNELS}
+    before = cpu_matmul.current()
     for _ in range(reps):
-        for kernel in cpu_matmul.CHOICES:
+        for kernel in cpu_matmul.KERNELS:
             cpu_matmul.configure(kernel)
             times[kernel].append(median_seconds(forward_backward, 1))
-    cpu_matmul.configure("onednn")
+    cpu_matmul.configure(before)
     blas, onednn = statistics.median(times["blas"]), statistics.median(times["onednn"])
     print(f"\nforward + backward of {batch} x {seq} tokens, medians of {reps}: BLAS {blas:.2f} s, oneDNN "
           f"{onednn:.2f} s ({onednn / blas:.2f}x)")

@@ -92,7 +92,7 @@ def main() -> None:
                         help="flat (every prompt --prompt-len tokens) and/or ragged (1/2 to all of it, left-padded)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cpu-matmul", default="onednn", choices=cpu_matmul.CHOICES)
+    parser.add_argument("--cpu-matmul", default="auto", choices=cpu_matmul.CHOICES)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_matmul.configure(args.cpu_matmul)

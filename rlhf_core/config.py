@@ -44,7 +44,7 @@ TRUNCATIONS = ("error", "left", "right")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
-CPU_MATMULS = ("onednn", "blas")  # trainer.cpu_matmul: the kernels of rlhf_core.models.cpu_matmul
+CPU_MATMULS = ("auto", "onednn", "blas")  # trainer.cpu_matmul: rlhf_core.models.cpu_matmul's choices
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -415,8 +415,9 @@ class TrainerConfig:
     ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
                                        "a local cluster")
     device: str = _k("cuda", "cuda | cpu")
-    cpu_matmul: str = _k("onednn", "kernel of float32 linear layers on CPU: onednn | blas (torch.mm's, MKL); "
-                                   "bench/RESULTS.md compares them")
+    cpu_matmul: str = _k("auto", "kernel of float32 linear layers on CPU: auto (oneDNN on AVX-512 CPUs; on "
+                                 "others BLAS, with oneDNN for decoding) | onednn | blas (torch.mm's, MKL); "
+                                 "bench/RESULTS.md compares them")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
     guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "

@@ -303,7 +303,7 @@ def worker_group():
 SHARDED_ATOL = 1e-4
 
 
-@pytest.mark.parametrize("kernel", cpu_matmul.CHOICES)
+@pytest.mark.parametrize("kernel", cpu_matmul.KERNELS)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FSDP else n
                                   for n in sorted(FAMILIES)])
 def test_two_fsdp2_workers_end_with_the_single_workers_weights(name, kernel, workspace, worker_group, tmp_path,

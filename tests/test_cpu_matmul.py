@@ -124,12 +124,34 @@ def test_a_routed_model_loads_copies_takes_lora_and_trains_as_the_plain_one(tmp_
     assert lora_grads and all(g is not None for g in lora_grads)
 
 
-def test_the_key_takes_the_two_kernels_only():
+def test_the_key_takes_auto_by_default_and_the_two_kernels():
+    assert load_config([]).trainer.cpu_matmul == "auto"
     assert load_config(["trainer.cpu_matmul=blas"]).trainer.cpu_matmul == "blas"
     with pytest.raises(ConfigError, match="trainer.cpu_matmul"):
         load_config(["trainer.cpu_matmul=mkl"])
     with pytest.raises(ValueError, match="trainer.cpu_matmul"):
         cpu_matmul.configure("mkl")
+
+
+@pytest.mark.parametrize(("capability", "training"), [("AVX512", "onednn"), ("AVX512_BF16", "onednn"),
+                                                      ("AVX2", "blas"), ("DEFAULT", "blas")])
+def test_auto_trains_on_oneDNN_with_AVX512_only_and_decodes_on_packed_weights_either_way(
+        capability, training, kind, onednn_calls, monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    kind("auto")
+    assert cpu_matmul.current() == "auto" and cpu_matmul.training_kernel() == training
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    cpu_matmul.route(layer)
+    x = torch.randn(5, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert len(onednn_calls) == (3 if training == "onednn" else 0)  # forward and both gradients, or none
+    torch.testing.assert_close(layer.weight.grad, torch.ones(5, 8).T @ x.detach())
+    onednn_calls.clear()
+    with torch.no_grad(), cpu_matmul.packed_weights(layer, rows=5):
+        assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
+        layer(x)
+    assert len(onednn_calls) == 1 and layer.packed_weight is None
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])

@@ -16,6 +16,14 @@ Which kernel runs is one choice for the process (:func:`configure`), as torch's 
 For generation, :func:`packed_weights` also holds each routed weight in oneDNN's blocked layout for the
 batch's row count while the rollout runs (one copy of the weights, made per rollout since the update
 changes them): each decode step then reads weights laid out as its kernel wants them.
+
+``auto``, the default, decides by the CPU. Where torch finds AVX-512, every product goes to oneDNN (above).
+On an AVX2-only CPU (a 2-core AMD EPYC of the Zen 3 family, ``bench/RESULTS.md``), MKL's own AVX2 kernels
+are the fast ones: the same model's forward and backward took 1.24-1.36x the time on oneDNN, partly because
+oneDNN's linear op copies a transposed operand to make it contiguous, which ``torch.mm`` need not do. There
+the products with gradients stay on BLAS, and only the rollout's decode steps run on packed oneDNN weights
+(0.55-0.69x BLAS's time for a decode step's products at 16 rows on that CPU). ``onednn`` and ``blas`` force one
+kernel everywhere (``blas``: no packed weights either).
 """
 
 from __future__ import annotations
@@ -28,19 +36,42 @@ import torch.nn.functional as F
 
 from rlhf_core.config import CPU_MATMULS as CHOICES
 
-_kind = "onednn"
+KERNELS = ("onednn", "blas")  # what ``auto`` resolves to for the products with gradients
+
+
+def avx512() -> bool:
+    """Whether torch's CPU kernels found AVX-512 on this machine."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+def resolve(kind: str) -> str:
+    """The kernel the routed layers' products with gradients run on for the choice ``kind``."""
+    if kind == "auto":
+        return "onednn" if avx512() else "blas"
+    return kind
+
+
+_kind = "auto"
+_training = resolve(_kind)
 
 
 def configure(kind: str) -> None:
-    """``onednn`` (the routed layers call oneDNN where it applies) or ``blas`` (every layer calls ``F.linear``)."""
-    global _kind
+    """``auto`` (by the CPU, see the module docstring), ``onednn`` (the routed layers call oneDNN where it
+    applies) or ``blas`` (every layer calls ``F.linear``, and the rollout packs no weights)."""
+    global _kind, _training
     if kind not in CHOICES:
         raise ValueError(f"trainer.cpu_matmul must be one of {', '.join(CHOICES)}, got {kind!r}")
-    _kind = kind
+    _kind, _training = kind, resolve(kind)
 
 
 def current() -> str:
+    """The choice as configured (``auto`` included)."""
     return _kind
+
+
+def training_kernel() -> str:
+    """What the products with gradients run on: ``onednn`` or ``blas``."""
+    return _training
 
 
 def available() -> bool:
@@ -76,14 +107,13 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 def _onednn_weight(weight: torch.Tensor) -> bool:
-    """Whether oneDNN is chosen and takes ``weight``: a plain (not sharded) float32 CPU tensor."""
-    return (_kind == "onednn" and weight.device.type == "cpu" and weight.dtype == torch.float32
-            and type(weight.data) is torch.Tensor)
+    """Whether oneDNN takes ``weight``: a plain (not sharded) float32 CPU tensor."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
 
 
-def _applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_onednn_weight(weight) and input.device.type == "cpu" and input.dtype == torch.float32
-            and input.numel() > 0 and not torch.compiler.is_compiling())
+def _onednn_input(input: torch.Tensor) -> bool:
+    return (input.device.type == "cpu" and input.dtype == torch.float32 and input.numel() > 0
+            and not torch.compiler.is_compiling())
 
 
 class RoutedLinear(torch.nn.Linear):
@@ -92,12 +122,14 @@ class RoutedLinear(torch.nn.Linear):
     packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, inside packed_weights() only
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _applies(input, self.weight):
+        if not _onednn_input(input):
             return F.linear(input, self.weight, self.bias)
         if self.packed_weight is not None and not torch.is_grad_enabled():
             flat = input.reshape(-1, input.shape[-1])
             return onednn_linear(flat, self.packed_weight, self.bias).view(*input.shape[:-1], self.out_features)
-        return _OneDNNLinear.apply(input, self.weight, self.bias)
+        if _training == "onednn" and _onednn_weight(self.weight):
+            return _OneDNNLinear.apply(input, self.weight, self.bias)
+        return F.linear(input, self.weight, self.bias)
 
 
 @contextlib.contextmanager
@@ -105,7 +137,8 @@ def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
     weights reordered by oneDNN for ``rows`` rows (a decode step's batch); the copies are dropped on exit."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if reorder else []
+    use = reorder is not None and _kind != "blas"
+    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if use else []
     try:
         for layer in layers:
             layer.packed_weight = reorder(layer.weight.detach(), rows)
