@@ -6,8 +6,11 @@ machine's speed hits both alike:
 - ``dynamic``: transformers' ``DynamicCache`` (every step concatenates the whole cache),
   ``torch.multinomial`` (a random number per vocabulary entry) and the LM head over every prompt
   position in the prompt pass: what the rollout did before;
-- ``ours``: the rollout as it is (a preallocated cache written in place, inverse-CDF sampling,
+- ``ours``: the rollout as it is (a preallocated cache written in place, two-level inverse-CDF sampling,
   the LM head on the prompt's last position only).
+
+The draws alone are timed too: multinomial, the one-level float64 CDF the rollout used before, and
+the two-level one it uses now (:func:`rlhf_core.rollout.hf.draw_from`).
 
 A decode step is timed as (time for R tokens - time for 1 token) / (R - 1), so that the prompt pass
 is left out, with EOS switched off so that every row runs all R steps. The bound is the one of
@@ -25,6 +28,7 @@ flat ones in the same process.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -41,11 +45,34 @@ from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from roofline import available_models, decode_bound_s, matmul_gflops, read_bandwidth_gbs, weight_bytes  # noqa: E402
+from roofline import (  # noqa: E402
+    available_models,
+    decode_bound_s,
+    matmul_gflops,
+    read_bandwidth_gbs,
+    run_times,
+    weight_bytes,
+)
 
 
 def _multinomial(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _one_level_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The inverse-CDF draw before the two-level one: a float64 cumulative sum over the whole vocabulary."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+
+
+def draw_ms(rows: int, vocab: int, reps: int = 50) -> dict[str, float]:
+    """Median ms of one token per row from ``rows`` distributions over ``vocab`` entries, by each draw."""
+    generator = torch.Generator().manual_seed(0)
+    probs = (torch.randn(rows, vocab, generator=generator) * 3).softmax(-1)
+    draws = {"multinomial": _multinomial, "one-level CDF": _one_level_cdf, "two-level CDF": hf.draw_from}
+    return {name: statistics.median(run_times(functools.partial(draw, probs, generator), reps)) * 1e3
+            for name, draw in draws.items()}
 
 
 VARIANTS = {
@@ -100,7 +127,7 @@ def main() -> None:
     if not set(layouts) <= {"flat", "ragged"}:
         parser.error(f"--layouts takes flat and/or ragged, got {args.layouts}")
     work = Path(tempfile.mkdtemp(prefix="decode_"))
-    lines = []
+    lines, draws = [], []
     for name, path in available_models(args.models, work):
         model, tokenizer = load_actor(path), load_tokenizer(path)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
@@ -111,6 +138,8 @@ def main() -> None:
             prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
             bound = decode_bound_s(model, rows, rate, bandwidth) * 1e3
+            draws.append(f"{name}, {rows} rows x {model.config.vocab_size} entries: " + ", ".join(
+                f"{draw} {ms:.2f} ms" for draw, ms in draw_ms(rows, model.config.vocab_size).items()))
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 _use(variant)
@@ -129,6 +158,7 @@ def main() -> None:
     print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}"
           f"{'x bound':>9}")
     print("\n".join(lines))
+    print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
           f"{args.threads} threads, linear layers on {args.cpu_matmul}; x bound: our decode step over the longer of "

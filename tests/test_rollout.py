@@ -152,6 +152,30 @@ def test_draw_from_follows_the_probabilities_and_never_picks_zero_mass():
     assert draw_from(eye, gen).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_the_two_level_draw_picks_what_one_float64_cdf_picks_for_the_same_uniform():
+    gen = torch.Generator().manual_seed(1)
+    probs = (torch.randn(3000, 1000, generator=gen) * 3).softmax(-1)  # 1000 = 3 blocks and a part one
+    probs[:, 256:512] = 0  # a block with no mass
+    probs[:, 3] = 1e-9  # a rare token beside likely ones
+    drawn = draw_from(probs, torch.Generator().manual_seed(7))
+    u = torch.rand(3000, 1, generator=torch.Generator().manual_seed(7), dtype=torch.float64)  # the same uniforms
+    cdf = probs.double().cumsum(-1)
+    assert torch.equal(drawn, torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1))
+    assert not ((drawn >= 256) & (drawn < 512)).any()
+
+
+def test_the_two_level_draw_follows_rare_and_scattered_mass():
+    probs = torch.zeros(40000, 600)  # blocks 0-255, 256-511 and 512-599 (padded)
+    probs[:, 3], probs[:, 4], probs[:, 300], probs[:, 599] = 0.5, 0.002, 0.25, 0.248
+    drawn = draw_from(probs, torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=600).double() / len(drawn)
+    assert counts.sum() == 1 and set(drawn.unique().tolist()) <= {3, 4, 300, 599}
+    # binomial standard errors at n=40000: 0.0025 at p=0.5, 0.00022 at p=0.002; the tolerances are 4 of them
+    assert abs(counts[4] - 0.002) < 0.0009
+    torch.testing.assert_close(counts[[3, 300, 599]], torch.tensor([0.5, 0.25, 0.248], dtype=torch.float64),
+                               atol=0.01, rtol=0)
+
+
 def test_preallocated_cache_gives_the_logits_of_dynamic_cache(actor, tokenizer):
     """Prompt pass, repeat for n samples, then decode steps: both caches see the same keys."""
     from transformers import DynamicCache

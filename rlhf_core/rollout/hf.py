@@ -41,19 +41,45 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: t
     return draw_from(logits.softmax(dim=-1), generator)
 
 
+#: entries per block of the two-level draw of :func:`draw_from`
+CDF_BLOCK = 256
+
+
 def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One index per row of ``probs`` (bs, V), drawn with those probabilities by inverting the CDF.
 
     ``torch.multinomial`` draws an exponential variate for every vocabulary entry (bs x V random
     numbers per token: 20 ms a step for 16 rows of a 49k vocabulary on 2 AVX2 cores); one uniform per
-    row and a cumulative sum do the same draw. A token of zero probability adds nothing to the
-    sum, so it is never returned; the sum and the draw are in float64 so that the probabilities of
-    rare tokens are not rounded away against a total of 1.
+    row does the same draw. It is inverted in two levels: the masses of blocks of :data:`CDF_BLOCK`
+    entries pick a block, then the cumulative sum of that block's entries picks the entry, so that the
+    only pass over the whole vocabulary is a vectorised block sum (16 rows of a 49k vocabulary: 0.3-0.4
+    ms, against 0.9-8.8 ms for one float64 cumulative sum over all of it, ``bench/decode.py``). The
+    running sums, over the blocks and within the chosen one, are float64, so a rare token's mass is not
+    rounded away against a total of 1 (its block's float32 mass only scales where in the block the draw
+    falls); an entry of zero probability adds nothing to either sum and is never returned.
     """
-    cdf = probs.double().cumsum(dim=-1)  # (bs, V)
-    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
-    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # first entry whose CDF exceeds the draw
-    return index.clamp_(max=probs.shape[-1] - 1).squeeze(-1)
+    rows, vocab = probs.shape
+    u = torch.rand(rows, 1, generator=generator, device=probs.device, dtype=torch.float64)
+    if vocab <= CDF_BLOCK:  # one block: its cumulative sum is the whole CDF
+        return _invert(probs.double().cumsum(-1), u).squeeze(-1)
+    blocks = -(-vocab // CDF_BLOCK)
+    if vocab % CDF_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))  # zero mass: never drawn
+    grouped = probs.view(rows, blocks, CDF_BLOCK)
+    outer = grouped.sum(-1).double().cumsum(-1)  # (bs, blocks)
+    block = _invert(outer, u)  # (bs, 1)
+    before = torch.where(block > 0, outer.gather(1, (block - 1).clamp(min=0)), 0.0)
+    share = (u * outer[:, -1:] - before) / (outer.gather(1, block) - before)  # where in its block the draw falls
+    inner = grouped.gather(1, block[:, :, None].expand(rows, 1, CDF_BLOCK)).squeeze(1).double().cumsum(-1)
+    return (block * CDF_BLOCK + _invert(inner, share.clamp(0, 1))).squeeze(-1)
+
+
+def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(bs, 1) indices of the first entries of the running sums ``cdf`` (bs, K) above ``u`` (bs, 1) in [0, 1]
+    times their totals; the target is kept below the total, so an entry of zero mass is never returned."""
+    total = cdf[:, -1:]
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True)
 
 
 class HFRolloutEngine:
