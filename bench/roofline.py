@@ -174,7 +174,8 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     bound_s = decode_bound_s(module, sequences, rate, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
-        "matmul_gflops": rate, "matmul_gflops_by_kernel": rates, "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients)",
+        "matmul_gflops": rate, "matmul_gflops_by_kernel": rates,
+        "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients)",
         "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
         "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6),
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),

@@ -122,13 +122,12 @@ class RoutedLinear(torch.nn.Linear):
     packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, inside packed_weights() only
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not _onednn_input(input):
-            return F.linear(input, self.weight, self.bias)
-        if self.packed_weight is not None and not torch.is_grad_enabled():
-            flat = input.reshape(-1, input.shape[-1])
-            return onednn_linear(flat, self.packed_weight, self.bias).view(*input.shape[:-1], self.out_features)
-        if _training == "onednn" and _onednn_weight(self.weight):
-            return _OneDNNLinear.apply(input, self.weight, self.bias)
+        if _onednn_input(input):
+            if self.packed_weight is not None and not torch.is_grad_enabled():
+                flat = input.reshape(-1, input.shape[-1])
+                return onednn_linear(flat, self.packed_weight, self.bias).view(*input.shape[:-1], self.out_features)
+            if _training == "onednn" and _onednn_weight(self.weight):
+                return _OneDNNLinear.apply(input, self.weight, self.bias)
         return F.linear(input, self.weight, self.bias)
 
 
