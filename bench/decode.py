@@ -16,7 +16,7 @@ A decode step is timed as (time for R tokens - time for 1 token) / (R - 1), so t
 is left out, with EOS switched off so that every row runs all R steps. The bound is the one of
 ``bench/roofline.py``: the longer of reading every weight once at the measured bandwidth and the
 step's products at the faster kernel's matmul rate. ``--cpu-matmul`` picks the linear layers' kernel
-(``trainer.cpu_matmul``).
+(``trainer.cpu_matmul``), ``--cpu-matmul-dtype`` the blocks' product dtype (``trainer.cpu_matmul_dtype``).
 
 With ``--layouts flat,ragged`` the prompts are also taken at 1/2 to all of ``--prompt-len`` tokens,
 left-padded as the trainer's are (so that attention has a padding mask), alternating with the
@@ -46,7 +46,9 @@ from rlhf_core.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import (  # noqa: E402
+    Rates,
     available_models,
+    bf16_matmul_gflops,
     decode_bound_s,
     matmul_gflops,
     read_bandwidth_gbs,
@@ -120,9 +122,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-matmul", default="auto", choices=cpu_matmul.CHOICES)
+    parser.add_argument("--cpu-matmul-dtype", default="float32", choices=cpu_matmul.DTYPE_CHOICES)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    cpu_matmul.configure(args.cpu_matmul)
+    cpu_matmul.configure(args.cpu_matmul, args.cpu_matmul_dtype)
     layouts = args.layouts.split(",")
     if not set(layouts) <= {"flat", "ragged"}:
         parser.error(f"--layouts takes flat and/or ragged, got {args.layouts}")
@@ -132,12 +135,14 @@ def main() -> None:
         model, tokenizer = load_actor(path), load_tokenizer(path)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
-        rate = max(matmul_gflops(2048, model.config.hidden_size, model.config.intermediate_size).values())
+        shape = (2048, model.config.hidden_size, model.config.intermediate_size)
+        rate = max(matmul_gflops(*shape).values())
+        rates = Rates(bf16_matmul_gflops(*shape) if args.cpu_matmul_dtype == "bfloat16" else rate, rate)
         bandwidth = read_bandwidth_gbs(weight_bytes(model))
         for rows in (int(r) for r in args.rows.split(",")):
             prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
-            bound = decode_bound_s(model, rows, rate, bandwidth) * 1e3
+            bound = decode_bound_s(model, rows, rates, bandwidth) * 1e3
             draws.append(f"{name}, {rows} rows x {model.config.vocab_size} entries: " + ", ".join(
                 f"{draw} {ms:.2f} ms" for draw, ms in draw_ms(rows, model.config.vocab_size).items()))
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
@@ -161,7 +166,7 @@ def main() -> None:
     print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
-          f"{args.threads} threads, linear layers on {args.cpu_matmul}; x bound: our decode step over the longer of "
+          f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}; x bound: our decode step over the longer of "
           "weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
 
 

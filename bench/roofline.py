@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -82,6 +83,13 @@ def matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) ->
     return rates
 
 
+def bf16_matmul_gflops(tokens: int, hidden: int, intermediate: int, reps: int = 5) -> float:
+    """GFLOP/s of the same product with bfloat16 operands (``torch.mm``: oneDNN's kernels; AMX where the CPU has
+    it), the rate of ``trainer.cpu_matmul_dtype=bfloat16``'s products."""
+    a, b = torch.randn(tokens, hidden, dtype=torch.bfloat16), torch.randn(hidden, intermediate, dtype=torch.bfloat16)
+    return 2 * tokens * hidden * intermediate / _best_seconds(lambda: torch.mm(a, b), reps) / 1e9
+
+
 def read_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
     """GB/s of one pass over ``n_bytes`` of fp32 (a sum: each element read once, next to no arithmetic)."""
     data = torch.randn(max(1, n_bytes // 4))
@@ -89,10 +97,18 @@ def read_bandwidth_gbs(n_bytes: int, reps: int = 5) -> float:
     return data.numel() * 4 / seconds / 1e9
 
 
-def decode_bound_s(module: torch.nn.Module, rows: int, gflops: float, bandwidth_gbs: float) -> float:
-    """A decode step's roofline: every weight read once, or its products at the matmul rate, whichever is longer."""
+class Rates(NamedTuple):
+    """GFLOP/s of the transformer blocks' products (float32, or bfloat16 under ``cpu_matmul_dtype``) and of the
+    LM head's (float32 always)."""
+
+    body: float
+    head: float
+
+
+def decode_bound_s(module: torch.nn.Module, rows: int, rates: Rates, bandwidth_gbs: float) -> float:
+    """A decode step's roofline: every weight read once, or its products at the matmul rates, whichever is longer."""
     body, head = matmul_params(module)
-    return max(weight_bytes(module) / bandwidth_gbs, 2 * (body + head) * rows / gflops) / 1e9
+    return max(weight_bytes(module) / bandwidth_gbs, 2 * rows * (body / rates.body + head / rates.head)) / 1e9
 
 
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
@@ -103,9 +119,11 @@ def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes one decode step reads: every matmul weight once (the embedding only a row per token)."""
+    """Bytes one decode step reads: every matmul weight once (the embedding only a row per token), the blocks'
+    in ``cpu_matmul.product_dtype()`` (the rollout packs them so)."""
     body, head = matmul_params(module)
-    return (body + head) * next(module.parameters()).element_size()
+    size = next(module.parameters()).element_size()
+    return body * min(size, cpu_matmul.product_dtype().itemsize) + head * size
 
 
 def _model(name: str, work: Path) -> Path | None:
@@ -159,23 +177,29 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     decode_steps = med("response_length/max")
     micro = min(sequences, 16)
     seq_len = tokens / sequences
-    rates = matmul_gflops(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
+    shape = (int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
+    rates = matmul_gflops(*shape)
     rate = max(rates.values())
+    bf16 = cfg.trainer.cpu_matmul_dtype == "bfloat16"
+    if bf16:
+        rates["bf16"] = bf16_matmul_gflops(*shape)
+    at = Rates(rates["bf16"] if bf16 else rate, rate)
     bandwidth = read_bandwidth_gbs(weight_bytes(module))
 
     def fraction(phase: str, passes: int) -> float | None:
+        """Seconds the phase's products take at the measured rates, over the seconds it took."""
         key = f"timing_s/{phase}"
         if key not in runs[0]:
             return None
-        flop = passes * (body * tokens + head * response_tokens)
-        return flop / med(key) / 1e9 / rate
+        return passes * (body * tokens / at.body + head * response_tokens / at.head) / 1e9 / med(key)
 
     decode_s = med("timing_s/gen") / max(decode_steps, 1)
-    bound_s = decode_bound_s(module, sequences, rate, bandwidth)
+    bound_s = decode_bound_s(module, sequences, at, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
-        "matmul_gflops": rate, "matmul_gflops_by_kernel": rates,
-        "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients)",
+        "matmul_gflops": at.body, "matmul_gflops_by_kernel": rates,
+        "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients), blocks' products "
+                      f"in {cfg.trainer.cpu_matmul_dtype}",
         "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
         "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6),
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),
@@ -216,9 +240,10 @@ def main() -> None:
         print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                   r["matmul_gflops_by_kernel"].items())
               + f"; the trainer's linear layers ran on {r['cpu_matmul']}")
-    print("update/log-prob columns: achieved FLOP/s as a share of the faster kernel's matmul rate (1.00 = at the "
-          "limit); x bound: seconds per decode step over the longer of weight bytes / bandwidth and its products "
-          "at that rate (1.00 = at the limit)")
+    print("GFLOP/s: the blocks' matmul rate (the faster float32 kernel's, or bf16's under cpu_matmul_dtype=bfloat16; "
+          "the LM head's is float32's); update/log-prob columns: the seconds the phase's products take at those "
+          "rates over the seconds it took (1.00 = at the limit); x bound: seconds per decode step over the longer of "
+          "weight bytes / bandwidth and its products at those rates (1.00 = at the limit)")
 
 
 if __name__ == "__main__":

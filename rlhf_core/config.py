@@ -45,6 +45,7 @@ LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
 CPU_MATMULS = ("auto", "onednn", "blas")  # trainer.cpu_matmul: rlhf_core.models.cpu_matmul's choices
+CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # trainer.cpu_matmul_dtype
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -415,9 +416,11 @@ class TrainerConfig:
     ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
                                        "a local cluster")
     device: str = _k("cuda", "cuda | cpu")
-    cpu_matmul: str = _k("auto", "kernel of float32 linear layers on CPU: auto (oneDNN on AVX-512 CPUs; on "
-                                 "others BLAS, with oneDNN for decoding) | onednn | blas (torch.mm's, MKL); "
+    cpu_matmul: str = _k("auto", "kernel of float32 linear layers on CPU: auto (oneDNN on AMD CPUs with "
+                                 "AVX-512; elsewhere BLAS, with oneDNN for decoding) | onednn | blas (torch.mm's, MKL); "
                                  "bench/RESULTS.md compares them")
+    cpu_matmul_dtype: str = _k("float32", "dtype of the transformer blocks' matmuls on CPU: float32 | bfloat16 "
+                                          "(weights, optimizer, heads and losses stay float32; pays on CPUs with AMX)")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
     guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "
@@ -844,6 +847,7 @@ def validate_config(cfg: PPOConfig) -> None:
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)
     _one_of(errors, "trainer.cpu_matmul", trainer.cpu_matmul, CPU_MATMULS)
+    _one_of(errors, "trainer.cpu_matmul_dtype", trainer.cpu_matmul_dtype, CPU_MATMUL_DTYPES)
     for name in trainer.logger:
         _one_of(errors, "trainer.logger", name, VALID_LOGGERS)
     if trainer.resume_mode == "resume_path" and not trainer.resume_from_path:

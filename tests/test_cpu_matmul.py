@@ -28,9 +28,9 @@ pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="this torch b
 @pytest.fixture
 def kind():
     """Restores the process's choice after a test that changes it."""
-    before = cpu_matmul.current()
+    before = cpu_matmul.current(), str(cpu_matmul.product_dtype()).removeprefix("torch.")
     yield cpu_matmul.configure
-    cpu_matmul.configure(before)
+    cpu_matmul.configure(*before)
 
 
 @pytest.fixture
@@ -133,11 +133,14 @@ def test_the_key_takes_auto_by_default_and_the_two_kernels():
         cpu_matmul.configure("mkl")
 
 
-@pytest.mark.parametrize(("capability", "training"), [("AVX512", "onednn"), ("AVX512_BF16", "onednn"),
-                                                      ("AVX2", "blas"), ("DEFAULT", "blas")])
-def test_auto_trains_on_oneDNN_with_AVX512_only_and_decodes_on_packed_weights_either_way(
-        capability, training, kind, onednn_calls, monkeypatch):
+@pytest.mark.parametrize(("capability", "vendor", "training"), [
+    ("AVX512", "AuthenticAMD", "onednn"), ("AVX512_BF16", "AuthenticAMD", "onednn"),
+    ("AVX512", "GenuineIntel", "blas"), ("AVX512", "", "blas"),
+    ("AVX2", "AuthenticAMD", "blas"), ("DEFAULT", "AuthenticAMD", "blas")])
+def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_packed_weights_either_way(
+        capability, vendor, training, kind, onednn_calls, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: vendor)
     kind("auto")
     assert cpu_matmul.current() == "auto" and cpu_matmul.training_kernel() == training
     torch.manual_seed(0)
@@ -152,6 +155,21 @@ def test_auto_trains_on_oneDNN_with_AVX512_only_and_decodes_on_packed_weights_ei
         assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
         layer(x)
     assert len(onednn_calls) == 1 and layer.packed_weight is None
+
+
+@pytest.mark.parametrize(("flags", "native"), [("fpu avx2 avx512f amx_bf16 amx_tile", True),
+                                               ("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 fma", False)])
+def test_the_cpu_vendor_and_bfloat16_support_are_read_from_cpuinfo(monkeypatch, tmp_path, flags, native):
+    info = tmp_path / "cpuinfo"
+    info.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+    cpu_matmul._cpuinfo.cache_clear()
+    try:
+        assert cpu_matmul.cpu_vendor() == "AuthenticAMD"
+        assert cpu_matmul.native_bf16() is native
+    finally:
+        cpu_matmul._cpuinfo.cache_clear()
 
 
 @pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
@@ -213,3 +231,67 @@ def test_the_rollout_decodes_on_packed_weights_and_samples_as_without(tmp_path, 
     monkeypatch.setattr(hf.cpu_matmul, "packed_weights", lambda module, rows: contextlib.nullcontext())
     plain = make_rollout_engine("hf", model, tokenizer, seed=4).generate(prompts, params)
     assert torch.equal(packed["responses"], plain["responses"])
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bfloat16, held in float64."""
+    return t.detach().to(torch.bfloat16).double()
+
+
+def test_bfloat16_products_are_the_products_of_the_rounded_operands_with_float32_gradients(kind, onednn_calls):
+    kind("auto", "bfloat16")
+    assert cpu_matmul.product_dtype() == torch.bfloat16
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32)
+    cpu_matmul.route(layer)
+    layer.in_block = True  # a layer alone is in no block; inside one it multiplies in bfloat16
+    x = torch.randn(4, 5, 64, requires_grad=True)
+    upstream = torch.randn(4, 5, 32)
+    out = layer(x)
+    out.backward(upstream)
+    assert onednn_calls == [] and out.dtype == x.grad.dtype == layer.weight.grad.dtype == torch.float32
+
+    x64, g64, w64 = x.detach().double().reshape(20, 64), upstream.double().reshape(20, 32), layer.weight.detach().double()
+    exact = x64 @ w64.T + layer.bias.detach().double()
+    rounded = _bf16(x64) @ _bf16(w64).T + layer.bias.detach().double()
+    got = out.detach().double().reshape(20, 32)
+    scale = exact.abs().max()
+    # the products of the bfloat16-rounded operands, to the rounding of a bfloat16 result (2^-8 relative) ...
+    assert (got - rounded).abs().max() <= 2 ** -8 * rounded.abs().max()
+    # ... and not float32's: bfloat16 rounding of the operands shows at this size
+    assert (got - exact).abs().max() > 1e-4 * scale
+    torch.testing.assert_close(x.grad.double().reshape(20, 64), _bf16(g64) @ _bf16(w64), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.weight.grad.double(), _bf16(g64).T @ _bf16(x64), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), rtol=1e-6, atol=1e-6)  # float32, not rounded
+
+
+def test_bfloat16_stays_inside_the_blocks_and_in_packed_decode_weights(tmp_path, kind):
+    path = random_toy_model(tmp_path / "model", n_layers=2, hidden_size=64, seed=0)
+    kind("auto", "bfloat16")
+    model = load_actor(path)
+    routed = {name: m for name, m in model.named_modules() if type(m) is cpu_matmul.RoutedLinear}
+    assert not routed["lm_head"].in_block
+    assert all(m.in_block for name, m in routed.items() if name != "lm_head") and len(routed) > 1
+    ids = torch.randint(3, 40, (3, 10))
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+        assert torch.equal(model.lm_head(hidden), F.linear(hidden, model.lm_head.weight))  # the head in float32
+        with cpu_matmul.packed_weights(model, rows=3):
+            assert routed["lm_head"].packed_weight.dtype == torch.float32
+            assert all(m.packed_weight.dtype == torch.bfloat16 for n, m in routed.items() if n != "lm_head")
+            packed = model(input_ids=ids, use_cache=False).logits
+        unpacked = model(input_ids=ids, use_cache=False).logits
+        kind("auto", "float32")
+        full = model(input_ids=ids, use_cache=False).logits
+    # packed and unpacked bfloat16 products agree to bfloat16's rounding, and both differ from float32
+    torch.testing.assert_close(packed, unpacked, rtol=2e-2, atol=2e-2)
+    assert (unpacked - full).abs().max() > 1e-5
+
+
+def test_the_product_dtype_key(kind):
+    assert load_config([]).trainer.cpu_matmul_dtype == "float32"
+    assert load_config(["trainer.cpu_matmul_dtype=bfloat16"]).trainer.cpu_matmul_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="trainer.cpu_matmul_dtype"):
+        load_config(["trainer.cpu_matmul_dtype=float16"])
+    with pytest.raises(ValueError, match="trainer.cpu_matmul_dtype"):
+        cpu_matmul.configure("auto", "float16")

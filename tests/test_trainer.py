@@ -396,3 +396,48 @@ def test_fused_head_gives_the_same_update(workspace, capsys):
     assert expected["actor/kl_loss"] > 0  # the second epoch is off the reference: the KL path ran
     for (name, a), b in zip(reference.actor.module.state_dict().items(), fused.actor.module.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+
+
+def test_bfloat16_products_on_cpu_train_the_blocks_in_bfloat16(workspace, monkeypatch):
+    """trainer.cpu_matmul_dtype=bfloat16: the blocks' linear layers of the actor, reference and critic multiply
+    in bfloat16 (rollout, log-prob passes, updates), the weights stay float32 and the step trains them."""
+    from rlhf_core.models import cpu_matmul
+    from rlhf_core.rollout import hf
+
+    root, model, _ = workspace
+    calls = {"forward": 0, "backward": 0}
+    for name in calls:
+        real = getattr(cpu_matmul._LowPrecisionLinear, name)
+
+        def counting(ctx, *args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(ctx, *args)
+
+        monkeypatch.setattr(cpu_matmul._LowPrecisionLinear, name, staticmethod(counting))
+    packed_dtypes = set()
+    real_packed = cpu_matmul.packed_weights
+
+    @contextmanager
+    def recording(module, rows):
+        with real_packed(module, rows):
+            packed_dtypes.update(m.packed_weight.dtype for m in module.modules()
+                                 if getattr(m, "packed_weight", None) is not None)
+            yield
+
+    monkeypatch.setattr(hf.cpu_matmul, "packed_weights", recording)
+    try:
+        trainer, before, metrics = _one_update(root, model, 4, False, "actor_rollout_ref.actor.use_kl_loss=true",
+                                               "trainer.cpu_matmul_dtype=bfloat16")
+        assert cpu_matmul.product_dtype() == torch.bfloat16
+    finally:
+        cpu_matmul.configure("auto")
+    assert packed_dtypes == {torch.bfloat16, torch.float32}  # the decode: blocks in bfloat16, the head not
+    blocks_linears = sum(1 for m in trainer.actor.module.modules() if getattr(m, "in_block", False))
+    assert blocks_linears > 0 and calls["backward"] >= 2 * blocks_linears  # actor and critic updates
+    assert calls["forward"] > calls["backward"]  # and the passes without gradients
+    for module, initial in zip((trainer.actor.module, trainer.critic.module), before):
+        assert all(v.dtype == torch.float32 for v in module.state_dict().values())
+        moved = [n for n, v in module.state_dict().items() if (v - initial[n]).abs().max() > 1e-3]
+        assert moved == list(initial)
+    for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
+        assert math.isfinite(metrics[key]), key

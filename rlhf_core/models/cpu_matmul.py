@@ -17,24 +17,39 @@ For generation, :func:`packed_weights` also holds each routed weight in oneDNN's
 batch's row count while the rollout runs (one copy of the weights, made per rollout since the update
 changes them): each decode step then reads weights laid out as its kernel wants them.
 
-``auto``, the default, decides by the CPU. Where torch finds AVX-512, every product goes to oneDNN (above).
-On an AVX2-only CPU (a 2-core AMD EPYC of the Zen 3 family, ``bench/RESULTS.md``), MKL's own AVX2 kernels
-are the fast ones: the same model's forward and backward took 1.24-1.36x the time on oneDNN, partly because
-oneDNN's linear op copies a transposed operand to make it contiguous, which ``torch.mm`` need not do. There
-the products with gradients stay on BLAS, and only the rollout's decode steps run on packed oneDNN weights
-(0.55-0.69x BLAS's time for a decode step's products at 16 rows on that CPU). ``onednn`` and ``blas`` force one
-kernel everywhere (``blas``: no packed weights either).
+``auto``, the default, decides by the CPU. What matters is which kernels MKL picks: on Intel CPUs it runs
+its AVX-512 code, on AMD CPUs its AVX2 code even where the CPU has AVX-512. So on an AMD CPU with AVX-512
+every product goes to oneDNN (above). Elsewhere MKL's kernels are the fast ones for the update: on an
+AVX2-only AMD EPYC (Zen 3) the model's forward and backward took 1.24-1.36x the time on oneDNN, and on an
+Intel Xeon with AVX-512 1.24-1.38x, partly because oneDNN's linear op copies a transposed operand to make it
+contiguous for the weight gradient, which ``torch.mm`` need not do (``bench/RESULTS.md``). There the products
+with gradients stay on BLAS, and only the rollout's decode steps run on packed oneDNN weights (0.55-0.69x
+BLAS's time for a decode step's products at 16 rows on the Zen 3, 0.8x on the Xeon). ``onednn`` and ``blas``
+force one kernel everywhere (``blas``: no packed weights either).
+
+``trainer.cpu_matmul_dtype=bfloat16`` (:func:`configure`'s ``dtype``) runs the products of the linear layers
+inside the transformer blocks in bfloat16: each call casts its input and weight, multiplies (float32
+accumulation inside the kernel) and hands back float32, the bias added in float32; the backward's two
+products likewise, so gradients, weights, optimizer state, norms, attention, the LM and value heads and the
+losses all stay float32, as in GPU mixed precision. The rollout packs the blocks' weights in bfloat16 too. On a
+CPU with AMX (Intel Xeon, Sapphire Rapids and later) a bfloat16 product ran at 2.4-2.9 TFLOP/s on 2 cores
+against 0.3 for float32, and SmolLM2's PPO step took 0.61x the time (``bench/RESULTS.md``); without AMX or
+AVX512-BF16 the products are emulated, and the trainer says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import platform
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from rlhf_core.config import CPU_MATMUL_DTYPES as DTYPE_CHOICES
 from rlhf_core.config import CPU_MATMULS as CHOICES
+from rlhf_core.workers.distributed import block_classes
 
 KERNELS = ("onednn", "blas")  # what ``auto`` resolves to for the products with gradients
 
@@ -44,29 +59,63 @@ def avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+@functools.cache
+def _cpuinfo(field: str) -> str:
+    """The first ``field`` line's value in ``/proc/cpuinfo``, or ``""`` where there is none (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            for line in info:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or ``""`` where it cannot be read."""
+    text = _cpuinfo("vendor_id") or platform.processor()  # e.g. "AMD64 Family 25 ..., AuthenticAMD" on Windows
+    return next((name for name in ("AuthenticAMD", "GenuineIntel") if name in text), text)
+
+
+def native_bf16() -> bool:
+    """Whether the CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16), as far as Linux tells."""
+    return bool({"amx_bf16", "avx512_bf16"} & set(_cpuinfo("flags").split()))
+
+
 def resolve(kind: str) -> str:
-    """The kernel the routed layers' products with gradients run on for the choice ``kind``."""
+    """The kernel the routed layers' products with gradients run on for the choice ``kind``: for ``auto``,
+    oneDNN on an AMD CPU with AVX-512 (where MKL keeps to its AVX2 kernels), BLAS elsewhere."""
     if kind == "auto":
-        return "onednn" if avx512() else "blas"
+        return "onednn" if avx512() and cpu_vendor() == "AuthenticAMD" else "blas"
     return kind
 
 
 _kind = "auto"
 _training = resolve(_kind)
+_dtype = torch.float32  # what the transformer blocks' products run in (trainer.cpu_matmul_dtype)
 
 
-def configure(kind: str) -> None:
+def configure(kind: str, dtype: str = "float32") -> None:
     """``auto`` (by the CPU, see the module docstring), ``onednn`` (the routed layers call oneDNN where it
-    applies) or ``blas`` (every layer calls ``F.linear``, and the rollout packs no weights)."""
-    global _kind, _training
+    applies) or ``blas`` (every layer calls ``F.linear``, and the rollout packs no weights); ``dtype``: the
+    products of the linear layers inside the transformer blocks in ``float32`` or ``bfloat16``."""
+    global _kind, _training, _dtype
     if kind not in CHOICES:
         raise ValueError(f"trainer.cpu_matmul must be one of {', '.join(CHOICES)}, got {kind!r}")
-    _kind, _training = kind, resolve(kind)
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"trainer.cpu_matmul_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    _kind, _training, _dtype = kind, resolve(kind), getattr(torch, dtype)
 
 
 def current() -> str:
     """The choice as configured (``auto`` included)."""
     return _kind
+
+
+def product_dtype() -> torch.dtype:
+    """What the routed layers inside the transformer blocks multiply in."""
+    return _dtype
 
 
 def training_kernel() -> str:
@@ -106,6 +155,37 @@ class _OneDNNLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
+class _LowPrecisionLinear(torch.autograd.Function):
+    """``input @ weight.T (+ bias)`` with the three products in ``dtype`` (bfloat16): float32 in and out, the
+    weight cast per call, the bias added in float32; the gradients are float32 as the parameters are."""
+
+    @staticmethod
+    def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+        flat = input.reshape(-1, input.shape[-1]).to(dtype)  # (tokens, in)
+        low_weight = weight.to(dtype)
+        ctx.save_for_backward(flat, low_weight)
+        ctx.input_shape = input.shape
+        out = F.linear(flat, low_weight).to(input.dtype)
+        if bias is not None:
+            out += bias
+        return out.view(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        flat, low_weight = ctx.saved_tensors
+        grad = grad_out.reshape(-1, grad_out.shape[-1])  # (tokens, out)
+        low_grad = grad.to(flat.dtype)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch.mm(low_grad, low_weight).to(grad_out.dtype).view(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.mm(low_grad.t(), flat).to(grad_out.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(0)
+        return grad_input, grad_weight, grad_bias, None
+
+
 def _onednn_weight(weight: torch.Tensor) -> bool:
     """Whether oneDNN takes ``weight``: a plain (not sharded) float32 CPU tensor."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
@@ -120,27 +200,38 @@ class RoutedLinear(torch.nn.Linear):
     """``nn.Linear`` whose CPU float32 products run on oneDNN (see the module docstring)."""
 
     packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, inside packed_weights() only
+    in_block = False  # inside a transformer block: multiplies in product_dtype() (not the heads)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _onednn_input(input):
             if self.packed_weight is not None and not torch.is_grad_enabled():
-                flat = input.reshape(-1, input.shape[-1])
-                return onednn_linear(flat, self.packed_weight, self.bias).view(*input.shape[:-1], self.out_features)
-            if _training == "onednn" and _onednn_weight(self.weight):
-                return _OneDNNLinear.apply(input, self.weight, self.bias)
+                packed, flat = self.packed_weight, input.reshape(-1, input.shape[-1])
+                if packed.dtype == input.dtype:
+                    out = onednn_linear(flat, packed, self.bias)
+                else:  # bfloat16 weights: the product in bfloat16, the bias added in float32
+                    out = onednn_linear(flat.to(packed.dtype), packed).to(input.dtype)
+                    if self.bias is not None:
+                        out += self.bias
+                return out.view(*input.shape[:-1], self.out_features)
+            if _onednn_weight(self.weight):
+                if self.in_block and _dtype != torch.float32:
+                    return _LowPrecisionLinear.apply(input, self.weight, self.bias, _dtype)
+                if _training == "onednn":
+                    return _OneDNNLinear.apply(input, self.weight, self.bias)
         return F.linear(input, self.weight, self.bias)
 
 
 @contextlib.contextmanager
 def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
-    weights reordered by oneDNN for ``rows`` rows (a decode step's batch); the copies are dropped on exit."""
+    weights reordered by oneDNN for ``rows`` rows (a decode step's batch), in ``product_dtype()`` inside the
+    transformer blocks; the copies are dropped on exit."""
     reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
     use = reorder is not None and _kind != "blas"
     layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if use else []
     try:
         for layer in layers:
-            layer.packed_weight = reorder(layer.weight.detach(), rows)
+            layer.packed_weight = reorder(layer.weight.detach().to(_dtype if layer.in_block else torch.float32), rows)
         yield
     finally:
         for layer in layers:
@@ -148,11 +239,14 @@ def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
 
 
 def route(model: torch.nn.Module) -> int:
-    """Give every plain ``nn.Linear`` of ``model`` the routed forward (in place; a no-op without oneDNN).
-    Returns how many layers were routed."""
+    """Give every plain ``nn.Linear`` of ``model`` the routed forward (in place; a no-op without oneDNN),
+    marking those inside its transformer blocks (``_no_split_modules``). Returns how many were routed."""
     if not available():
         return 0
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    blocks = block_classes(model)
+    inside = {id(m) for block in model.modules() if type(block).__name__ in blocks for m in block.modules()}
     for layer in layers:
         layer.__class__ = RoutedLinear
+        layer.in_block = id(layer) in inside
     return len(layers)

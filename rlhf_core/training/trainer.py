@@ -151,7 +151,10 @@ class PPOTrainer:
             self.sampler.batches_per_epoch * config.trainer.total_epochs)
         seed = config.trainer.seed
         torch.manual_seed(seed)
-        cpu_matmul.configure(config.trainer.cpu_matmul)
+        cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
+        if config.trainer.cpu_matmul_dtype == "bfloat16" and device == "cpu" and not cpu_matmul.native_bf16():
+            print("notice: trainer.cpu_matmul_dtype=bfloat16 on a CPU without AMX or AVX512-BF16: its bfloat16 "
+                  "products are emulated, likely slower than float32's", file=sys.stderr, flush=True)
         self.worker_group = None
         if config.world_size > 1 if use_worker_group is None else use_worker_group:
             from rlhf_core.workers.group import build_worker_groups

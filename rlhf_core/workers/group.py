@@ -259,7 +259,7 @@ class HybridWorker(DistributedWorker):
         from rlhf_core.workers.critic import CriticWorker
 
         arr = config.actor_rollout_ref
-        cpu_matmul.configure(config.trainer.cpu_matmul)
+        cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
         import_external_lib(arr.model.external_lib)
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
