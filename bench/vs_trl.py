@@ -27,6 +27,7 @@ Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
     python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3      # the real checkpoint
     python bench/vs_trl.py --models random20m --fixed-length           # equal token counts
     python bench/vs_trl.py --models random20m --shared-prefix both     # ours without and with use_shared_prefix
+    python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3 --bf16   # both in bf16 mixed precision
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
         f"actor_rollout_ref.rollout.ignore_eos={str(args.fixed_length).lower()}",
         f"actor_rollout_ref.model.use_shared_prefix={str(shared_prefix).lower()}",
+        f"trainer.cpu_matmul_dtype={'bfloat16' if args.bf16 else 'float32'}",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         times, tokens, rewards, phases = [], [], [], []
@@ -114,7 +116,7 @@ def run_trl(model: Path, data: Path, args) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     config = GRPOConfig(
-        output_dir=str(data.parent / "trl"), use_cpu=True, bf16=False, report_to="none",
+        output_dir=str(data.parent / "trl"), use_cpu=True, bf16=args.bf16, report_to="none",
         per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
         gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
         max_completion_length=args.response, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--shared-prefix", choices=("off", "on", "both"), default="on",
                         help="our actor_rollout_ref.model.use_shared_prefix, on in configs/ppo_demo_cpu.yaml (each "
                              "prompt computed once for its group in the update); both: ours without, then with")
+    parser.add_argument("--bf16", action="store_true",
+                        help="mixed precision in both: ours trainer.cpu_matmul_dtype=bfloat16, TRL's bf16=True (autocast)")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
     parser.add_argument("--real-model", default=str(SMOLLM2),
                         help="the smollm2 model directory (make real-model)")
@@ -191,7 +195,7 @@ def main() -> None:
         trl = run_trl(model, data, args)
         lines.append(f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
                      f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
-                     f"{args.warmup} warm-up, {args.threads} threads")
+                     f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}")
         for shared, ours in runs.items():
             tag = f"{name}{', shared prefix' if shared else ''}"
             lines += [

@@ -295,3 +295,33 @@ def test_the_product_dtype_key(kind):
         load_config(["trainer.cpu_matmul_dtype=float16"])
     with pytest.raises(ValueError, match="trainer.cpu_matmul_dtype"):
         cpu_matmul.configure("auto", "float16")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_bfloat16_weight_is_cast_again_after_each_change_of_the_weight(kind, fused):
+    kind("auto", "bfloat16")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    cpu_matmul.route(layer)
+    layer.in_block = True
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=fused)
+    x = torch.randn(6, 32)
+
+    def expected():  # the product of the weight as it is now, rounded to bfloat16
+        return (x.bfloat16() @ layer.weight.detach().bfloat16().T).float() + layer.bias.detach()
+
+    for _ in range(3):
+        out = layer(x)
+        torch.testing.assert_close(out.detach(), expected(), rtol=1e-2, atol=1e-2)
+        out.square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    layer(x)
+    first = layer._low[1]
+    layer(x)
+    assert layer._low[1] is first  # unchanged weight: the same copy
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)  # any in-place change
+    torch.testing.assert_close(layer(x).detach(), expected(), rtol=1e-2, atol=1e-2)
+    layer.load_state_dict({"weight": torch.zeros(16, 32), "bias": torch.zeros(16)})
+    assert torch.equal(layer(x), torch.zeros(6, 16))

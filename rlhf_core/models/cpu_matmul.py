@@ -29,7 +29,8 @@ force one kernel everywhere (``blas``: no packed weights either).
 
 ``trainer.cpu_matmul_dtype=bfloat16`` (:func:`configure`'s ``dtype``) runs the products of the linear layers
 inside the transformer blocks in bfloat16: each call casts its input and weight, multiplies (float32
-accumulation inside the kernel) and hands back float32, the bias added in float32; the backward's two
+accumulation inside the kernel) and hands back float32, the bias added in float32; the cast weight is kept
+until the weight changes (one more copy of the blocks' weights, at 2 bytes a parameter); the backward's two
 products likewise, so gradients, weights, optimizer state, norms, attention, the LM and value heads and the
 losses all stay float32, as in GPU mixed precision. The rollout packs the blocks' weights in bfloat16 too. On a
 CPU with AMX (Intel Xeon, Sapphire Rapids and later) a bfloat16 product ran at 2.4-2.9 TFLOP/s on 2 cores
@@ -46,6 +47,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from rlhf_core.config import CPU_MATMUL_DTYPES as DTYPE_CHOICES
 from rlhf_core.config import CPU_MATMULS as CHOICES
@@ -94,6 +96,15 @@ def resolve(kind: str) -> str:
 _kind = "auto"
 _training = resolve(_kind)
 _dtype = torch.float32  # what the transformer blocks' products run in (trainer.cpu_matmul_dtype)
+_optimizer_steps = 0  # every optimizer's steps in this process: fused AdamW changes weights without a version bump
+
+
+def _count_step(*_) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+register_optimizer_step_post_hook(_count_step)
 
 
 def configure(kind: str, dtype: str = "float32") -> None:
@@ -156,14 +167,13 @@ class _OneDNNLinear(torch.autograd.Function):
 
 
 class _LowPrecisionLinear(torch.autograd.Function):
-    """``input @ weight.T (+ bias)`` with the three products in ``dtype`` (bfloat16): float32 in and out, the
-    weight cast per call, the bias added in float32; the gradients are float32 as the parameters are."""
+    """``input @ weight.T (+ bias)`` with the three products in ``low_weight``'s dtype (bfloat16, a copy of
+    ``weight``): float32 in and out, the bias added in float32; the gradients are float32 as the parameters are."""
 
     @staticmethod
     def forward(ctx, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
-        flat = input.reshape(-1, input.shape[-1]).to(dtype)  # (tokens, in)
-        low_weight = weight.to(dtype)
+                low_weight: torch.Tensor) -> torch.Tensor:
+        flat = input.reshape(-1, input.shape[-1]).to(low_weight.dtype)  # (tokens, in)
         ctx.save_for_backward(flat, low_weight)
         ctx.input_shape = input.shape
         out = F.linear(flat, low_weight).to(input.dtype)
@@ -201,6 +211,17 @@ class RoutedLinear(torch.nn.Linear):
 
     packed_weight: torch.Tensor | None = None  # the weight in oneDNN's layout, inside packed_weights() only
     in_block = False  # inside a transformer block: multiplies in product_dtype() (not the heads)
+    _low: tuple[tuple, torch.Tensor] | None = None  # (the weight's identity and version, its low-precision copy)
+
+    def _low_weight(self) -> torch.Tensor:
+        """The weight in ``product_dtype()``, cast again only after the weight may have changed (any optimizer's
+        step, or an in-place write such as a load, which bumps its version): the micro-batches of an update, and
+        the passes without gradients between two steps, share one cast."""
+        weight = self.weight
+        key = (weight.data_ptr(), weight._version, weight.shape, _dtype, _optimizer_steps)
+        if self._low is None or self._low[0] != key:
+            self._low = (key, weight.detach().to(_dtype))
+        return self._low[1]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _onednn_input(input):
@@ -215,7 +236,7 @@ class RoutedLinear(torch.nn.Linear):
                 return out.view(*input.shape[:-1], self.out_features)
             if _onednn_weight(self.weight):
                 if self.in_block and _dtype != torch.float32:
-                    return _LowPrecisionLinear.apply(input, self.weight, self.bias, _dtype)
+                    return _LowPrecisionLinear.apply(input, self.weight, self.bias, self._low_weight())
                 if _training == "onednn":
                     return _OneDNNLinear.apply(input, self.weight, self.bias)
         return F.linear(input, self.weight, self.bias)
