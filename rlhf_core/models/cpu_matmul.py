@@ -34,7 +34,7 @@ until the weight changes (one more copy of the blocks' weights, at 2 bytes a par
 products likewise, so gradients, weights, optimizer state, norms, attention, the LM and value heads and the
 losses all stay float32, as in GPU mixed precision. The rollout packs the blocks' weights in bfloat16 too. On a
 CPU with AMX (Intel Xeon, Sapphire Rapids and later) a bfloat16 product ran at 2.4-2.9 TFLOP/s on 2 cores
-against 0.3 for float32, and SmolLM2's PPO step took 0.61x the time (``bench/RESULTS.md``); without AMX or
+against 0.3 for float32, and SmolLM2's PPO step took 0.61-0.66x the time (``bench/RESULTS.md``); without AMX or
 AVX512-BF16 the products are emulated, and the trainer says so.
 """
 
