@@ -325,3 +325,18 @@ def test_the_bfloat16_weight_is_cast_again_after_each_change_of_the_weight(kind,
     torch.testing.assert_close(layer(x).detach(), expected(), rtol=1e-2, atol=1e-2)
     layer.load_state_dict({"weight": torch.zeros(16, 32), "bias": torch.zeros(16)})
     assert torch.equal(layer(x), torch.zeros(6, 16))
+
+
+def test_sharded_bfloat16_layers_cast_at_each_call_and_keep_no_copy(kind, monkeypatch):
+    """Under a process group (FSDP2 gathers each weight into its own buffer before a forward, and a load writes the
+    shards), a kept copy could go stale unseen: the layer casts its weight at every call instead."""
+    kind("auto", "bfloat16")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 16)
+    cpu_matmul.route(layer)
+    layer.in_block = True
+    x = torch.randn(6, 32)
+    expected = (x.bfloat16() @ layer.weight.detach().bfloat16().T).float() + layer.bias.detach()
+    torch.testing.assert_close(layer(x).detach(), expected, rtol=1e-2, atol=1e-2)
+    assert layer._low is None

@@ -288,3 +288,27 @@ def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_
         assert json.loads((out / "global_step_2" / "trainer_state.json").read_text())["global_step"] == 2
     finally:
         trainer.close()
+
+
+def test_two_ray_workers_take_the_bfloat16_blocks(ray_cluster, model_dir, tmp_path):
+    """trainer.cpu_matmul_dtype reaches the sharded workers: their log-probs of the same responses in bfloat16 are
+    within bfloat16's rounding of the float32 ones, and not equal to them (float32 twice gives the same bits)."""
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.main_ppo import build_trainer
+
+    build_dataset(tmp_path / "data", n_train=8, n_test=3, seed=0, max_ops=1)
+    batch, log_probs = None, {}
+    for run, dtype in enumerate(("float32", "float32", "bfloat16")):
+        overrides = _trainer_overrides(tmp_path, model_dir, tmp_path / str(run)) + [f"trainer.cpu_matmul_dtype={dtype}"]
+        trainer = build_trainer(load_config(overrides))
+        try:
+            if batch is None:
+                batch = trainer.actor.generate(trainer.train_dataset.collate(list(range(4))), trainer._train_params())
+            log_probs.setdefault(dtype, []).append(trainer.actor.compute_log_prob(batch)[0])
+        finally:
+            trainer.close()
+    (full, again), (low,) = log_probs["float32"], log_probs["bfloat16"]
+    mask = batch["response_mask"].bool()
+    assert torch.equal(full[mask], again[mask])
+    assert (low - full)[mask].abs().max() > 1e-5
+    torch.testing.assert_close(low[mask], full[mask], rtol=0, atol=1e-2)

@@ -218,6 +218,10 @@ class RoutedLinear(torch.nn.Linear):
         step, or an in-place write such as a load, which bumps its version): the micro-batches of an update, and
         the passes without gradients between two steps, share one cast."""
         weight = self.weight
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # sharded, FSDP2 gathers the weight into a buffer of its own before each forward, and a load writes
+            # the shards, not that buffer: nothing stable to key a kept copy on, so cast at each call
+            return weight.detach().to(_dtype)
         key = (weight.data_ptr(), weight._version, weight.shape, _dtype, _optimizer_steps)
         if self._low is None or self._low[0] != key:
             self._low = (key, weight.detach().to(_dtype))
