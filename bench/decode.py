@@ -46,11 +46,9 @@ from rlhf_core.rollout import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import (  # noqa: E402
-    Rates,
     available_models,
-    bf16_matmul_gflops,
     decode_bound_s,
-    matmul_gflops,
+    measured_rates,
     read_bandwidth_gbs,
     run_times,
     weight_bytes,
@@ -135,9 +133,7 @@ def main() -> None:
         model, tokenizer = load_actor(path), load_tokenizer(path)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
-        shape = (2048, model.config.hidden_size, model.config.intermediate_size)
-        rate = max(matmul_gflops(*shape).values())
-        rates = Rates(bf16_matmul_gflops(*shape) if args.cpu_matmul_dtype == "bfloat16" else rate, rate)
+        rates, _ = measured_rates(2048, model.config.hidden_size, model.config.intermediate_size, args.cpu_matmul_dtype)
         bandwidth = read_bandwidth_gbs(weight_bytes(model))
         for rows in (int(r) for r in args.rows.split(",")):
             prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")

@@ -105,6 +105,16 @@ class Rates(NamedTuple):
     head: float
 
 
+def measured_rates(tokens: int, hidden: int, intermediate: int, product_dtype: str) -> tuple[Rates, dict[str, float]]:
+    """The blocks' and the LM head's matmul rates for products in ``product_dtype`` (``trainer.cpu_matmul_dtype``):
+    the faster float32 kernel's, or bfloat16's for the blocks; with every rate measured, by kernel."""
+    by_kernel = matmul_gflops(tokens, hidden, intermediate)
+    float32 = max(by_kernel.values())
+    if product_dtype == "bfloat16":
+        by_kernel["bf16"] = bf16_matmul_gflops(tokens, hidden, intermediate)
+    return Rates(by_kernel.get("bf16", float32), float32), by_kernel
+
+
 def decode_bound_s(module: torch.nn.Module, rows: int, rates: Rates, bandwidth_gbs: float) -> float:
     """A decode step's roofline: every weight read once, or its products at the matmul rates, whichever is longer."""
     body, head = matmul_params(module)
@@ -177,13 +187,8 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     decode_steps = med("response_length/max")
     micro = min(sequences, 16)
     seq_len = tokens / sequences
-    shape = (int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size)
-    rates = matmul_gflops(*shape)
-    rate = max(rates.values())
-    bf16 = cfg.trainer.cpu_matmul_dtype == "bfloat16"
-    if bf16:
-        rates["bf16"] = bf16_matmul_gflops(*shape)
-    at = Rates(rates["bf16"] if bf16 else rate, rate)
+    at, rates = measured_rates(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size,
+                               cfg.trainer.cpu_matmul_dtype)
     bandwidth = read_bandwidth_gbs(weight_bytes(module))
 
     def fraction(phase: str, passes: int) -> float | None:
