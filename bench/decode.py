@@ -1,13 +1,16 @@
 """The HF rollout's decode step, head to head with transformers' defaults, against the bandwidth bound.
 
-Two variants of the same sampling loop, run alternately in one process so that a change in the
+Three variants of the same sampling loop, run alternately in one process so that a change in the
 machine's speed hits both alike:
 
 - ``dynamic``: transformers' ``DynamicCache`` (every step concatenates the whole cache),
   ``torch.multinomial`` (a random number per vocabulary entry) and the LM head over every prompt
   position in the prompt pass: what the rollout did before;
-- ``ours``: the rollout as it is (a preallocated cache written in place, two-level inverse-CDF sampling,
-  the LM head on the prompt's last position only).
+- ``layers``: the rollout as it is (a preallocated cache written in place, two-level inverse-CDF sampling,
+  the LM head on the prompt's last position only) with the decode steps run by transformers' layers on
+  packed weights, as for models the fused step does not take;
+- ``ours``: the same with the fused decode step (:mod:`rlhf_core.rollout.fused_decode`) where the model
+  allows it (llama and qwen2; the demo, random 25M and SmolLM2 models are llama).
 
 The draws alone are timed too: multinomial, the one-level float64 CDF the rollout used before, and
 the two-level one it uses now (:func:`rlhf_core.rollout.hf.draw_from`).
@@ -77,9 +80,11 @@ def draw_ms(rows: int, vocab: int, reps: int = 50) -> dict[str, float]:
 
 VARIANTS = {
     "dynamic": {"PreallocatedCache": lambda capacity: DynamicCache(), "draw_from": _multinomial,
-                "takes_logits_to_keep": lambda cls: False},
+                "takes_logits_to_keep": lambda cls: False, "FUSED_DECODE": False},
+    "layers": {"PreallocatedCache": hf.PreallocatedCache, "draw_from": hf.draw_from,
+               "takes_logits_to_keep": hf.takes_logits_to_keep, "FUSED_DECODE": False},
     "ours": {"PreallocatedCache": hf.PreallocatedCache, "draw_from": hf.draw_from,
-             "takes_logits_to_keep": hf.takes_logits_to_keep},
+             "takes_logits_to_keep": hf.takes_logits_to_keep, "FUSED_DECODE": True},
 }
 
 
@@ -152,18 +157,19 @@ def main() -> None:
             _use("ours")
             med = {key: statistics.median(t) for key, t in times.items()}
             for layout in layouts:
-                old, new = med["dynamic", layout], med["ours", layout]
-                lines.append(f"{name:<11}{rows:>5}{layout:>8}{old:>12.1f}{new:>10.1f}{old / new:>9.2f}"
-                             f"{bound:>10.1f}{new / bound:>9.2f}")
+                old, layer, new = (med[variant, layout] for variant in ("dynamic", "layers", "ours"))
+                lines.append(f"{name:<11}{rows:>5}{layout:>8}{old:>12.1f}{layer:>11.1f}{new:>10.1f}{old / new:>9.2f}"
+                             f"{new / layer:>12.2f}{bound:>10.1f}{new / bound:>9.2f}")
                 print(lines[-1], flush=True)
-    print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'ours ms':>10}{'speed-up':>9}{'bound ms':>10}"
-          f"{'x bound':>9}")
+    print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'layers ms':>11}{'ours ms':>10}{'speed-up':>9}"
+          f"{'ours/layers':>12}{'bound ms':>10}{'x bound':>9}")
     print("\n".join(lines))
     print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
-          f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}; x bound: our decode step over the longer of "
-          "weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
+          f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}; speed-up: dynamic over "
+          "ours; ours/layers: the fused step's time over transformers' layers'; x bound: our decode step over the "
+          "longer of weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
 
 
 if __name__ == "__main__":

@@ -208,7 +208,9 @@ def test_packed_weights_give_the_same_products_and_are_dropped_on_exit(kind, one
 
 
 def test_the_rollout_decodes_on_packed_weights_and_samples_as_without(tmp_path, kind, monkeypatch):
+    """The model's own layers in the decode steps (a model the fused step does not take)."""
     kind("onednn")
+    monkeypatch.setattr(hf, "FUSED_DECODE", False)
     path = random_toy_model(tmp_path / "model", n_layers=1, hidden_size=32, seed=3)
     model, tokenizer = load_actor(path), load_tokenizer(path)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["ab", "cde"]]

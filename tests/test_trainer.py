@@ -402,7 +402,6 @@ def test_bfloat16_products_on_cpu_train_the_blocks_in_bfloat16(workspace, monkey
     """trainer.cpu_matmul_dtype=bfloat16: the blocks' linear layers of the actor, reference and critic multiply
     in bfloat16 (rollout, log-prob passes, updates), the weights stay float32 and the step trains them."""
     from rlhf_core.models import cpu_matmul
-    from rlhf_core.rollout import hf
 
     root, model, _ = workspace
     calls = {"forward": 0, "backward": 0}
@@ -415,16 +414,14 @@ def test_bfloat16_products_on_cpu_train_the_blocks_in_bfloat16(workspace, monkey
 
         monkeypatch.setattr(cpu_matmul._LowPrecisionLinear, name, staticmethod(counting))
     packed_dtypes = set()
-    real_packed = cpu_matmul.packed_weights
+    real_decode_weight = cpu_matmul.decode_weight
 
-    @contextmanager
-    def recording(module, rows):
-        with real_packed(module, rows):
-            packed_dtypes.update(m.packed_weight.dtype for m in module.modules()
-                                 if getattr(m, "packed_weight", None) is not None)
-            yield
+    def recording(weight, rows, in_block):  # the rollout's copies of the weights for its decode steps
+        copy = real_decode_weight(weight, rows, in_block)
+        packed_dtypes.add(copy.dtype)
+        return copy
 
-    monkeypatch.setattr(hf.cpu_matmul, "packed_weights", recording)
+    monkeypatch.setattr(cpu_matmul, "decode_weight", recording)
     try:
         trainer, before, metrics = _one_update(root, model, 4, False, "actor_rollout_ref.actor.use_kl_loss=true",
                                                "trainer.cpu_matmul_dtype=bfloat16")

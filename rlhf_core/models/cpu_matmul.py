@@ -230,13 +230,7 @@ class RoutedLinear(torch.nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if _onednn_input(input):
             if self.packed_weight is not None and not torch.is_grad_enabled():
-                packed, flat = self.packed_weight, input.reshape(-1, input.shape[-1])
-                if packed.dtype == input.dtype:
-                    out = onednn_linear(flat, packed, self.bias)
-                else:  # bfloat16 weights: the product in bfloat16, the bias added in float32
-                    out = onednn_linear(flat.to(packed.dtype), packed).to(input.dtype)
-                    if self.bias is not None:
-                        out += self.bias
+                out = decode_product(input.reshape(-1, input.shape[-1]), self.packed_weight, self.bias)
                 return out.view(*input.shape[:-1], self.out_features)
             if _onednn_weight(self.weight):
                 if self.in_block and _dtype != torch.float32:
@@ -246,17 +240,44 @@ class RoutedLinear(torch.nn.Linear):
         return F.linear(input, self.weight, self.bias)
 
 
+def packs() -> bool:
+    """Whether decode steps read weights reordered by oneDNN (:func:`decode_weight`): a build with the reorder
+    op, and a kernel choice other than ``blas``."""
+    return available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and _kind != "blas"
+
+
+def decode_weight(weight: torch.Tensor, rows: int, in_block: bool) -> torch.Tensor:
+    """A copy of ``weight`` for products without gradients at ``rows`` rows: in ``product_dtype()`` inside the
+    transformer blocks (``in_block``), float32 outside; in oneDNN's layout for that row count (an mkldnn tensor)
+    where :func:`packs` and the weight is a plain CPU float32 tensor, else a plain contiguous tensor."""
+    low = weight.detach().to(_dtype if in_block else torch.float32)
+    if packs() and _onednn_weight(weight):
+        return torch.ops.mkldnn._reorder_linear_weight(low, rows)
+    return low.contiguous()
+
+
+def decode_product(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``input @ weight.T (+ bias)`` for a 2-D ``input`` and a weight from :func:`decode_weight`: by oneDNN on a
+    reordered weight, ``F.linear`` on a plain one; a bfloat16 weight multiplies a bfloat16 copy of the input,
+    and the output is the input's dtype with the bias added in it."""
+    product = onednn_linear if weight.is_mkldnn else F.linear
+    if weight.dtype == input.dtype:
+        return product(input, weight, bias)
+    out = product(input.to(weight.dtype), weight).to(input.dtype)
+    if bias is not None:
+        out += bias
+    return out
+
+
 @contextlib.contextmanager
 def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
     weights reordered by oneDNN for ``rows`` rows (a decode step's batch), in ``product_dtype()`` inside the
     transformer blocks; the copies are dropped on exit."""
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    use = reorder is not None and _kind != "blas"
-    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if use else []
+    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if packs() else []
     try:
         for layer in layers:
-            layer.packed_weight = reorder(layer.weight.detach().to(_dtype if layer.in_block else torch.float32), rows)
+            layer.packed_weight = decode_weight(layer.weight, rows, layer.in_block)
         yield
     finally:
         for layer in layers:

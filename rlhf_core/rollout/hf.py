@@ -4,8 +4,9 @@ Each prompt is encoded once; its KV cache is then repeated for the ``n`` samples
 its group, so the prompt cost does not grow with ``n``. The cache has room for the whole
 response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write in place
 rather than copy the cache, and the prompt pass runs the LM head on its last position only. On CPU
-the linear layers read a copy of their weights in oneDNN's layout for the rollout
-(:func:`rlhf_core.models.cpu_matmul.packed_weights`).
+the decode steps of llama and qwen2 models run :class:`~rlhf_core.rollout.fused_decode.FusedDecoder`
+(the same step in fewer, fused operations); other models' linear layers read a copy of their weights
+in oneDNN's layout for the rollout (:func:`rlhf_core.models.cpu_matmul.packed_weights`).
 The loop stops when every sequence has produced EOS (or when ``synced`` says every rank has,
 so that sharded models run the same number of forward passes on every rank); with ``ignore_eos``
 an EOS is a token like any other and every response runs to ``max_new_tokens``.
@@ -13,6 +14,7 @@ an EOS is a token like any other and every response runs to ``max_new_tokens``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -22,6 +24,11 @@ from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import cache_argument, takes_logits_to_keep
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.cache import PreallocatedCache
+from rlhf_core.rollout.fused_decode import FusedDecoder, unsupported
+
+#: decode steps on :class:`FusedDecoder` where the model and device allow (off: transformers' layers, as for
+#: every other model)
+FUSED_DECODE = True
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
@@ -123,8 +130,11 @@ class HFRolloutEngine:
         n = params.n
         eos_ids = self.eos_ids.to(device)
 
-        # the weights in oneDNN's layout for the decode steps' rows, for this rollout (the update changes them)
-        with cpu_matmul.packed_weights(self.module, rows=prompt_ids.shape[0] * n):
+        # the decode steps' weights for their row count, copied for this rollout (the update changes them): the
+        # fused step's own, or the model's layers' in oneDNN's layout
+        fused = (FusedDecoder(self.module, prompt_ids.shape[0] * n)
+                 if FUSED_DECODE and device.type == "cpu" and unsupported(self.module) is None else None)
+        with contextlib.nullcontext() if fused else cpu_matmul.packed_weights(self.module, rows=prompt_ids.shape[0] * n):
             # room for the prompt and the whole response, written in place by every forward below
             cache = PreallocatedCache(prompt_ids.shape[1] + params.max_new_tokens)
             head = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.module)) else {}  # the last position only
@@ -156,9 +166,12 @@ class HFRolloutEngine:
                 if all_done or step == params.max_new_tokens - 1:
                     break
                 attention_mask = torch.cat([attention_mask, valid.long()[:, None]], dim=1)
-                out = self.module(input_ids=token[:, None], attention_mask=attention_mask,
-                                  position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
-                logits = out.logits[:, -1, :]
+                if fused is not None:
+                    logits = fused(token, attention_mask, next_pos, cache)
+                else:
+                    out = self.module(input_ids=token[:, None], attention_mask=attention_mask,
+                                      position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
+                    logits = out.logits[:, -1, :]
                 next_pos = next_pos + 1
         if was_training:
             self.module.train()

@@ -1,0 +1,171 @@
+"""One decode step of a Llama-family model with its projections fused, for the HF rollout on CPU.
+
+For one new token per row, transformers' decoder layer is some sixty small operations: seven projections,
+the RMS norms written out, rotary embedding through ``rotate_half``, the cache's and the modules' own
+bookkeeping. At a decode step's few rows each of them is short, so what surrounds them costs a fifth to a
+third of the step on 2 CPU cores (``bench/decode.py``). :class:`FusedDecoder` runs the same step from the
+same parameters and KV cache with four products per layer (q, k and v in one, gate and up in one, o, down),
+torch's RMS norm kernel, and the rotation on the two halves of each head. Its logits are transformers' to
+float32 rounding (``tests/test_fused_decode.py``). The products read copies of the weights made once per
+rollout for the step's row count (:func:`rlhf_core.models.cpu_matmul.decode_weight`: oneDNN's layout, the
+blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed layers do otherwise.
+
+:func:`unsupported` says why a model cannot take it; the rollout then runs transformers' layers. It takes
+llama and qwen2 models with full attention, a SiLU MLP, RMS norms, a rotary embedding given by the module's
+inverse frequencies (default, linear, llama3 or yarn), and float32 ``nn.Linear`` projections held whole on
+the CPU: not LoRA-wrapped, not sharded. The prompt pass is transformers' in every case.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache
+
+from rlhf_core.models import cpu_matmul, lora
+
+ARCHITECTURES = frozenset({"llama", "qwen2"})
+#: rope types whose rotation is fixed by the module's ``inv_freq`` and ``attention_scaling`` at every length
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def _plain_linear(layer: object) -> bool:
+    return (type(layer) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and layer.weight.device.type == "cpu"
+            and layer.weight.dtype == torch.float32 and type(layer.weight.data) is torch.Tensor)
+
+
+def unsupported(module: torch.nn.Module) -> str | None:
+    """Why :class:`FusedDecoder` cannot run ``module`` (a transformers causal LM), or None where it can."""
+    if lora.is_lora(module):
+        return "LoRA adapters wrap its layers"
+    config = getattr(module, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        return f"model_type {model_type!r} is not one of {sorted(ARCHITECTURES)}"
+    body = getattr(module, "model", None)
+    if not all(hasattr(body, name) for name in ("layers", "embed_tokens", "norm", "rotary_emb")):
+        return f"{type(module).__name__} does not hold a decoder with layers, embeddings, norm and rotary embedding"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not silu"
+    rope_type = getattr(body.rotary_emb, "rope_type", None)
+    if rope_type not in ROPE_TYPES or not hasattr(body.rotary_emb, "inv_freq"):
+        return f"rope type {rope_type!r} is not one of {sorted(ROPE_TYPES)}"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "some layers use sliding-window attention"
+    if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1:
+        return "sliding-window attention or tensor-parallel pretraining layout"
+    for index, layer in enumerate(body.layers):
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        linears = [getattr(attention, n, None) for n in ATTENTION] + [getattr(mlp, n, None) for n in MLP]
+        if not all(_plain_linear(linear) for linear in linears):
+            return f"layer {index}'s projections are not plain float32 CPU linear layers (LoRA, sharded or moved)"
+        if not all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
+                   for norm in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))):
+            return f"layer {index}'s norms are not RMS norms"
+    if not _plain_linear(getattr(module, "lm_head", None)):
+        return "the LM head is not a plain float32 CPU linear layer"
+    return None
+
+
+class _Layer(NamedTuple):
+    norm1: torch.Tensor
+    eps1: float
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    norm2: torch.Tensor
+    eps2: float
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+def _fused(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked into one product for ``rows`` rows, and their biases (zeros where a layer has
+    none, None where none has)."""
+    weight = cpu_matmul.decode_weight(torch.cat([linear.weight.detach() for linear in linears]), rows, in_block=True)
+    if all(linear.bias is None for linear in linears):
+        return weight, None
+    return weight, torch.cat([linear.bias.detach() if linear.bias is not None
+                              else linear.weight.new_zeros(linear.out_features) for linear in linears])
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+class FusedDecoder:
+    """The decode step of ``module`` at ``rows`` rows, on copies of its weights taken now (make one per rollout:
+    an update changes the weights). ``module`` must pass :func:`unsupported`."""
+
+    def __init__(self, module: torch.nn.Module, rows: int):
+        reason = unsupported(module)
+        if reason is not None:
+            raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        config, body = module.config, module.model
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.intermediate = config.intermediate_size
+        self.embed, self.final_norm = body.embed_tokens, body.norm
+        self.inv_freq = body.rotary_emb.inv_freq.detach().float()
+        self.rope_scaling = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
+        self.layers = []
+        for layer in body.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            qkv, qkv_bias = _fused([attention.q_proj, attention.k_proj, attention.v_proj], rows)
+            gate_up, gate_up_bias = _fused([mlp.gate_proj, mlp.up_proj], rows)
+            self.layers.append(_Layer(
+                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, qkv, qkv_bias,
+                cpu_matmul.decode_weight(attention.o_proj.weight, rows, in_block=True), _bias(attention.o_proj),
+                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
+                gate_up, gate_up_bias,
+                cpu_matmul.decode_weight(mlp.down_proj.weight, rows, in_block=True), _bias(mlp.down_proj)))
+        self.head = cpu_matmul.decode_weight(module.lm_head.weight, rows, in_block=False)
+        self.head_bias = _bias(module.lm_head)
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each row's position, (rows, 1, 1, head_dim / 2), as transformers' rotary module
+        computes them (float32, times the rope type's attention scaling)."""
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        return ((angles.cos() * self.rope_scaling)[:, None, None, :],
+                (angles.sin() * self.rope_scaling)[:, None, None, :])
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        first, second = x[..., :half], x[..., half:]
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 cache: Cache) -> torch.Tensor:
+        """Logits (rows, V) after ``tokens`` (rows,) at ``positions`` (rows,), whose keys and values are
+        appended to ``cache`` (filled by the prompt pass); ``attention_mask`` (rows, cached + 1) marks the
+        positions each row attends to, the new one included."""
+        rows = tokens.shape[0]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self._rotation(positions)
+        mask = attention_mask.bool()[:, None, None, :]
+        x = self.embed(tokens)  # (rows, hidden)
+        product = cpu_matmul.decode_product
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (x.shape[-1],), layer.norm1, layer.eps1)
+            q, k, v = product(h, layer.qkv, layer.qkv_bias).split(
+                [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q = self._rotate(q.reshape(rows, heads, 1, dim), cos, sin)
+            k = self._rotate(k.reshape(rows, kv_heads, 1, dim), cos, sin)
+            keys, values = cache.update(k, v.reshape(rows, kv_heads, 1, dim), index)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                      enable_gqa=kv_heads != heads)
+            x = x + product(attended.reshape(rows, heads * dim), layer.o, layer.o_bias)
+            h = F.rms_norm(x, (x.shape[-1],), layer.norm2, layer.eps2)
+            gate_up = product(h, layer.gate_up, layer.gate_up_bias)
+            x = x + product(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:],
+                            layer.down, layer.down_bias)
+        return product(self.final_norm(x), self.head, self.head_bias)

@@ -1,0 +1,174 @@
+"""The fused decode step against transformers' own layers, and the rollout's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from rlhf_core.batch import Batch
+from rlhf_core.data.dataset import left_pad
+from rlhf_core.models import cpu_matmul, lora
+from rlhf_core.models.loading import cache_argument, load_actor, load_tokenizer
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import SamplingParams, hf, make_rollout_engine
+from rlhf_core.rollout.cache import PreallocatedCache
+from rlhf_core.rollout.fused_decode import FusedDecoder, unsupported
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+FUSED_CALL = FusedDecoder.__call__
+CONFIGS = {
+    "llama, grouped kv heads, tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
+    "llama, biases, linear rope, untied": lambda: LlamaConfig(
+        **SMALL, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+    "llama, llama3 rope, one kv head per head": lambda: LlamaConfig(
+        **{**SMALL, "num_key_value_heads": 4}, rope_parameters=LLAMA3_ROPE),
+    "qwen2 (q, k, v biases)": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
+}
+
+
+def _model(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    for parameter in model.parameters():  # biases and norms away from their initial 0 and 1
+        parameter.data.add_(torch.randn_like(parameter) * 0.05)
+    cpu_matmul.route(model)
+    return model
+
+
+@pytest.fixture
+def kind():
+    before = cpu_matmul.current(), str(cpu_matmul.product_dtype()).removeprefix("torch.")
+    yield cpu_matmul.configure
+    cpu_matmul.configure(*before)
+
+
+def _prompt(rows: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded prompts of 2 to ``length`` tokens: ids, mask, positions."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(2, length + 1, (rows,), generator=g)
+    mask = (torch.arange(length) >= length - lengths[:, None]).long()
+    return torch.randint(3, vocab, (rows, length), generator=g) * mask, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _decode(model, step, tokens: torch.Tensor, rows: int = 5, length: int = 7) -> list[torch.Tensor]:
+    """The logits of each of ``tokens``' columns fed one per step after a prompt pass by transformers;
+    ``step(token, mask, positions, cache)`` runs one decode step."""
+    ids, mask, positions = _prompt(rows, length, model.config.vocab_size)
+    cache = PreallocatedCache(length + tokens.shape[1])
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+              **{cache_argument(type(model)): cache})
+    next_pos, logits = positions[:, -1] + 1, []
+    for column in tokens.T:
+        mask = torch.cat([mask, torch.ones(rows, 1, dtype=mask.dtype)], dim=1)
+        logits.append(step(column, mask, next_pos, cache))
+        next_pos = next_pos + 1
+    return logits
+
+
+def _layers_step(model):
+    @torch.no_grad()
+    def step(token, mask, positions, cache):
+        return model(input_ids=token[:, None], attention_mask=mask, position_ids=positions[:, None],
+                     use_cache=True, **{cache_argument(type(model)): cache}).logits[:, -1]
+    return step
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("kernel", ["onednn", "blas"])
+def test_the_fused_step_gives_transformers_logits(name, kernel, kind):
+    kind(kernel)
+    model = _model(CONFIGS[name]())
+    assert unsupported(model) is None
+    tokens = torch.randint(3, model.config.vocab_size, (5, 6), generator=torch.Generator().manual_seed(2))
+    expected = _decode(model, _layers_step(model), tokens)
+    fused = FusedDecoder(model, rows=5)
+    if kernel == "onednn":  # packed for the step's rows: the same copies the model's layers read otherwise
+        assert fused.layers[0].qkv.is_mkldnn and fused.head.is_mkldnn
+    got = _decode(model, fused, tokens)
+    for step, (a, b) in enumerate(zip(expected, got)):
+        assert b.shape == a.shape == (5, model.config.vocab_size)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    assert (expected[-1] - expected[0]).abs().max() > 0.1  # the steps differ: the cache and rotation move
+
+
+def test_in_bfloat16_the_fused_step_rounds_as_the_layers_do(kind):
+    """trainer.cpu_matmul_dtype=bfloat16: both multiply bfloat16 copies inside the blocks, the head in float32."""
+    model = _model(CONFIGS["llama, grouped kv heads, tied"]())
+    tokens = torch.randint(3, model.config.vocab_size, (5, 4), generator=torch.Generator().manual_seed(2))
+    kind("auto")
+    float32 = _decode(model, _layers_step(model), tokens)
+    kind("auto", "bfloat16")
+    fused = FusedDecoder(model, rows=5)
+    assert fused.layers[0].qkv.dtype == fused.layers[0].down.dtype == torch.bfloat16
+    assert fused.head.dtype == torch.float32
+    got = _decode(model, fused, tokens)
+    with cpu_matmul.packed_weights(model, rows=5):
+        layers = _decode(model, _layers_step(model), tokens)
+    for a, b, c in zip(layers, got, float32):
+        rounding = (a - c).abs().max()
+        assert rounding > 1e-4  # bfloat16 products do change the logits
+        assert (b - a).abs().max() <= 0.05 * rounding
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("mistral", "model_type 'mistral'"),
+    ("gelu", "hidden_act 'gelu'"),
+    ("dynamic rope", "rope type 'dynamic'"),
+    ("sliding window", "sliding-window"),
+    ("lora", "LoRA"),
+    ("float64", "plain float32"),
+])
+def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
+    if case == "mistral":
+        model = AutoModelForCausalLM.from_config(MistralConfig(**SMALL))
+    elif case == "gelu":
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL, hidden_act="gelu"))
+    elif case == "dynamic rope":
+        model = AutoModelForCausalLM.from_config(LlamaConfig(
+            **SMALL, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}))
+    elif case == "sliding window":
+        model = AutoModelForCausalLM.from_config(Qwen2Config(
+            **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1))
+    elif case == "lora":
+        model = lora.apply_lora(AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)), 4, 8, "all-linear")
+    else:
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)).double()
+    assert reason in unsupported(model)
+    with pytest.raises(ValueError, match="cannot run this model"):
+        FusedDecoder(model, rows=2)
+
+
+def _engine_run(tmp_path, monkeypatch, fused: bool):
+    path = tmp_path / "model"
+    if not path.exists():
+        random_toy_model(path, n_layers=2, hidden_size=32, seed=3)
+    model, tokenizer = load_actor(path), load_tokenizer(path)
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["ab", "cde", "f"]]
+    prompts = Batch(left_pad(ids, tokenizer.pad_token_id), {})
+    monkeypatch.setattr(hf, "FUSED_DECODE", fused)
+    steps = []
+
+    def counting(self, *args):
+        steps.append(args[0].shape[0])
+        return FUSED_CALL(self, *args)
+
+    monkeypatch.setattr(FusedDecoder, "__call__", counting)
+    out = make_rollout_engine("hf", model, tokenizer, seed=4).generate(
+        prompts, SamplingParams(n=2, max_new_tokens=12, temperature=1.0))
+    return out, steps
+
+
+def test_the_rollout_samples_the_same_tokens_with_the_fused_step(tmp_path, monkeypatch, kind):
+    kind("onednn")
+    layers, no_steps = _engine_run(tmp_path, monkeypatch, fused=False)
+    fused, steps = _engine_run(tmp_path, monkeypatch, fused=True)
+    assert no_steps == [] and steps == [6] * (fused["responses"].shape[1] - 1)  # every decode step, 3 x 2 rows
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(fused[key], layers[key]), key
+    assert fused["responses"].shape[1] > 1
