@@ -107,6 +107,8 @@ def test_in_bfloat16_the_fused_step_rounds_as_the_layers_do(kind):
     fused = FusedDecoder(model, rows=5)
     assert fused.layers[0].qkv.dtype == fused.layers[0].down.dtype == torch.bfloat16
     assert fused.head.dtype == torch.float32
+    unrouted = AutoModelForCausalLM.from_config(CONFIGS["llama, grouped kv heads, tied"]())
+    assert FusedDecoder(unrouted, rows=5).layers[0].qkv.dtype == torch.float32  # as its own layers multiply
     got = _decode(model, fused, tokens)
     with cpu_matmul.packed_weights(model, rows=5):
         layers = _decode(model, _layers_step(model), tokens)

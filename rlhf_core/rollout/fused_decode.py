@@ -89,7 +89,8 @@ class _Layer(NamedTuple):
 def _fused(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layers' weights stacked into one product for ``rows`` rows, and their biases (zeros where a layer has
     none, None where none has)."""
-    weight = cpu_matmul.decode_weight(torch.cat([linear.weight.detach() for linear in linears]), rows, in_block=True)
+    weight = cpu_matmul.decode_weight(torch.cat([linear.weight.detach() for linear in linears]), rows,
+                                      _in_block(linears[0]))
     if all(linear.bias is None for linear in linears):
         return weight, None
     return weight, torch.cat([linear.bias.detach() if linear.bias is not None
@@ -98,6 +99,12 @@ def _fused(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, tor
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
+
+
+def _in_block(linear: torch.nn.Linear) -> bool:
+    """Whether the layer multiplies in ``product_dtype()``, as :func:`rlhf_core.models.cpu_matmul.route` marks
+    the layers inside transformer blocks (an unrouted layer multiplies in float32 everywhere)."""
+    return getattr(linear, "in_block", False)
 
 
 class FusedDecoder:
@@ -122,11 +129,11 @@ class FusedDecoder:
             gate_up, gate_up_bias = _fused([mlp.gate_proj, mlp.up_proj], rows)
             self.layers.append(_Layer(
                 layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, qkv, qkv_bias,
-                cpu_matmul.decode_weight(attention.o_proj.weight, rows, in_block=True), _bias(attention.o_proj),
+                cpu_matmul.decode_weight(attention.o_proj.weight, rows, _in_block(attention.o_proj)), _bias(attention.o_proj),
                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
                 gate_up, gate_up_bias,
-                cpu_matmul.decode_weight(mlp.down_proj.weight, rows, in_block=True), _bias(mlp.down_proj)))
-        self.head = cpu_matmul.decode_weight(module.lm_head.weight, rows, in_block=False)
+                cpu_matmul.decode_weight(mlp.down_proj.weight, rows, _in_block(mlp.down_proj)), _bias(mlp.down_proj)))
+        self.head = cpu_matmul.decode_weight(module.lm_head.weight, rows, _in_block(module.lm_head))
         self.head_bias = _bias(module.lm_head)
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
