@@ -5,8 +5,9 @@ Four measurements, each kernel alternating with the other in one process (median
 1. the three products of one linear layer at the update's shape, (rows x hidden) @ (hidden x intermediate):
    forward, input gradient and weight gradient, in GFLOP/s, with each result's largest error against the
    same product in float64 (relative to the largest entry), so that speed is not bought with precision;
-2. a decode step's products: every linear layer of the model once, at ``--decode-rows`` rows, by BLAS,
-   by oneDNN, and by oneDNN on weights reordered into its blocked layout (what the rollout does);
+2. a decode step's products: every linear layer of the model once, and the fused step's stacked products
+   (:mod:`rlhf_core.rollout.fused_decode`), at ``--decode-rows`` rows, by BLAS, by oneDNN, by oneDNN on
+   weights reordered into its blocked layout (what the rollout does), and by MKL's packed sgemm;
 3. the model's forward and backward over ``--batch`` x ``--seq`` tokens (LM head on the last 64 positions),
    every linear layer on one kernel, then on the other;
 4. a fresh 200 MB tensor filled and added to, in a child process with and without
@@ -77,23 +78,41 @@ def layer_products(rows: int, hidden: int, intermediate: int, reps: int) -> None
               f"{rel_error(onednn(), exact):>11.1e}")
 
 
-def decode_products(model: torch.nn.Module, rows: int, reps: int) -> None:
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
-    packed = [torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), rows) for m in layers]
-    weight_bytes = sum(m.weight.numel() for m in layers) * 4
+def decode_weights(model: torch.nn.Module, fused: bool) -> list[torch.Tensor]:
+    """The weights a decode step multiplies by: every linear layer's, or (``fused``) those of the rollout's fused
+    step for llama-family models (q/k/v stacked, o, gate/up stacked, down per layer, then the LM head)."""
+    if not fused:
+        return [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    weights = []
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        weights += [torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).detach(),
+                    attention.o_proj.weight.detach(),
+                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()]
+    return weights + [model.lm_head.weight.detach()]
+
+
+def decode_products(model: torch.nn.Module, rows: int, reps: int, fused: bool = False) -> None:
+    weights = decode_weights(model, fused)
+    inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    weight_bytes = sum(w.numel() for w in weights) * 4
     variants = {
-        "BLAS (F.linear)": lambda: [F.linear(inputs[m.in_features], m.weight) for m in layers],
-        "oneDNN": lambda: [cpu_matmul.onednn_linear(inputs[m.in_features], m.weight) for m in layers],
-        "oneDNN, packed": lambda: [cpu_matmul.onednn_linear(inputs[m.in_features], p) for m, p in zip(layers, packed)],
+        "BLAS (F.linear)": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+        "oneDNN": lambda: [cpu_matmul.onednn_linear(inputs[w.shape[1]], w) for w in weights],
+        "oneDNN, packed": lambda: [cpu_matmul.onednn_linear(inputs[w.shape[1]], p) for w, p in zip(weights, packed)],
     }
+    if hasattr(torch.ops.mkl, "_mkl_linear"):  # MKL's packed sgemm, what inductor uses for frozen float32 layers
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
+        variants["MKL, packed"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
+                                           for w, m in zip(weights, mkl)]
     times = {name: [] for name in variants}
     with torch.no_grad():
         for _ in range(reps):  # alternating, so that a change in the machine's speed hits each alike
             for name, fn in variants.items():
                 times[name].append(median_seconds(fn, 2))
-    print(f"\na decode step's products: {len(layers)} linear layers ({weight_bytes / 1e6:.0f} MB of weights) at "
-          f"{rows} rows, medians of {reps}:")
+    print(f"\na decode step's products{' as the fused step has them' if fused else ''}: {len(weights)} products "
+          f"({weight_bytes / 1e6:.0f} MB of weights) at {rows} rows, medians of {reps}:")
     base = statistics.median(times["BLAS (F.linear)"])
     for name, t in times.items():
         print(f"{name:<18}{statistics.median(t) * 1e3:>8.1f} ms{weight_bytes / statistics.median(t) / 1e9:>7.1f} GB/s"
@@ -137,7 +156,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=3200, help="rows of the update-shaped product")
-    parser.add_argument("--decode-rows", type=int, default=16)
+    parser.add_argument("--decode-rows", default="16", help="comma-separated row counts of the decode products")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=200)
     args = parser.parse_args()
@@ -147,7 +166,9 @@ def main() -> None:
     model = load_actor(require_model_dir(parser, args.model))
     config = model.config
     layer_products(args.rows, config.hidden_size, config.intermediate_size, args.reps)
-    decode_products(model, args.decode_rows, args.reps)
+    for rows in (int(r) for r in str(args.decode_rows).split(",")):
+        decode_products(model, rows, args.reps)
+        decode_products(model, rows, args.reps, fused=True)
     model_pass(model, args.batch, args.seq, max(1, args.reps // 2))
     fresh_tensor(args.threads)
 
