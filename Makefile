@@ -87,6 +87,7 @@ bench: bench-setup demo-assets real-model
 	$(PY) bench/ppo_step.py --model random --hidden 512 --layers 6 --iters 3
 	$(PY) bench/vs_trl.py
 	$(PY) bench/roofline.py
+	$(PY) bench/page_faults.py
 	$(PY) bench/cpu_matmul.py
 	$(PY) bench/decode.py
 	$(PY) bench/fused_head.py

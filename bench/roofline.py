@@ -156,9 +156,11 @@ def available_models(names: str, work: Path) -> Iterator[tuple[str, Path]]:
         yield name, model
 
 
-def run(name: str, model: Path, work: Path, args) -> dict:
+def trainer_config(name: str, model: Path, work: Path, args):
+    """The PPO config these benchmarks run ``model`` with: 4 prompts x 4 samples for SmolLM2, 16 x 4 otherwise,
+    one mini-batch and one micro-batch per update, every row whole, ``args.response`` tokens at most."""
     batch, n = (4, 4) if name == "smollm2" else (16, 4)
-    cfg = load_config([
+    return load_config([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={work / 'data/train.parquet'}",
         f"data.val_files={work / 'data/test.parquet'}", "trainer.logger=[]",
         f"trainer.default_local_dir={work / name}", f"data.train_batch_size={batch}",
@@ -168,6 +170,11 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16", *WHOLE_ROWS, *args.overrides,
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
+
+
+def run(name: str, model: Path, work: Path, args) -> dict:
+    cfg = trainer_config(name, model, work, args)
+    batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
     trainer = build_trainer(cfg)
     try:
         module = trainer.actor.module
