@@ -30,6 +30,7 @@ from roofline import SMOLLM2, require_model_dir, run_times  # bench/roofline.py,
 
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import load_actor
+from rlhf_core.rollout import fused_decode
 
 FRESH_TENSOR = """
 import time, torch
@@ -83,12 +84,8 @@ def decode_weights(model: torch.nn.Module, fused: bool) -> list[torch.Tensor]:
     step for llama-family models (q/k/v stacked, o, gate/up stacked, down per layer, then the LM head)."""
     if not fused:
         return [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    weights = []
-    for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        weights += [torch.cat([attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight]).detach(),
-                    attention.o_proj.weight.detach(),
-                    torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(), mlp.down_proj.weight.detach()]
+    weights = [torch.cat([linear.weight for linear in group]).detach()
+               for layer in model.model.layers for group in fused_decode.layer_products(layer)]
     return weights + [model.lm_head.weight.detach()]
 
 

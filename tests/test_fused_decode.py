@@ -89,7 +89,7 @@ def test_the_fused_step_gives_transformers_logits(name, kernel, kind):
     expected = _decode(model, _layers_step(model), tokens)
     fused = FusedDecoder(model, rows=5)
     if kernel == "onednn":  # packed for the step's rows: the same copies the model's layers read otherwise
-        assert fused.layers[0].qkv.is_mkldnn and fused.head.is_mkldnn
+        assert fused.layers[0].products[0][0].is_mkldnn and fused.head[0].is_mkldnn
     got = _decode(model, fused, tokens)
     for step, (a, b) in enumerate(zip(expected, got)):
         assert b.shape == a.shape == (5, model.config.vocab_size)
@@ -105,10 +105,10 @@ def test_in_bfloat16_the_fused_step_rounds_as_the_layers_do(kind):
     float32 = _decode(model, _layers_step(model), tokens)
     kind("auto", "bfloat16")
     fused = FusedDecoder(model, rows=5)
-    assert fused.layers[0].qkv.dtype == fused.layers[0].down.dtype == torch.bfloat16
-    assert fused.head.dtype == torch.float32
+    assert fused.layers[0].products[0][0].dtype == fused.layers[0].products[3][0].dtype == torch.bfloat16
+    assert fused.head[0].dtype == torch.float32
     unrouted = AutoModelForCausalLM.from_config(CONFIGS["llama, grouped kv heads, tied"]())
-    assert FusedDecoder(unrouted, rows=5).layers[0].qkv.dtype == torch.float32  # as its own layers multiply
+    assert FusedDecoder(unrouted, rows=5).layers[0].products[0][0].dtype == torch.float32  # as its own layers multiply
     got = _decode(model, fused, tokens)
     with cpu_matmul.packed_weights(model, rows=5):
         layers = _decode(model, _layers_step(model), tokens)

@@ -196,8 +196,8 @@ class _LowPrecisionLinear(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None
 
 
-def _onednn_weight(weight: torch.Tensor) -> bool:
-    """Whether oneDNN takes ``weight``: a plain (not sharded) float32 CPU tensor."""
+def plain_cpu_float32(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a plain (not sharded) float32 CPU tensor: what oneDNN takes."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and type(weight.data) is torch.Tensor
 
 
@@ -232,7 +232,7 @@ class RoutedLinear(torch.nn.Linear):
             if self.packed_weight is not None and not torch.is_grad_enabled():
                 out = decode_product(input.reshape(-1, input.shape[-1]), self.packed_weight, self.bias)
                 return out.view(*input.shape[:-1], self.out_features)
-            if _onednn_weight(self.weight):
+            if plain_cpu_float32(self.weight):
                 if self.in_block and _dtype != torch.float32:
                     return _LowPrecisionLinear.apply(input, self.weight, self.bias, self._low_weight())
                 if _training == "onednn":
@@ -251,7 +251,7 @@ def decode_weight(weight: torch.Tensor, rows: int, in_block: bool) -> torch.Tens
     transformer blocks (``in_block``), float32 outside; in oneDNN's layout for that row count (an mkldnn tensor)
     where :func:`packs` and the weight is a plain CPU float32 tensor, else a plain contiguous tensor."""
     low = weight.detach().to(_dtype if in_block else torch.float32)
-    if packs() and _onednn_weight(weight):
+    if packs() and plain_cpu_float32(weight):
         return torch.ops.mkldnn._reorder_linear_weight(low, rows)
     return low.contiguous()
 
@@ -274,7 +274,7 @@ def packed_weights(model: torch.nn.Module, rows: int) -> Iterator[None]:
     """While inside, the routed layers of ``model`` run their products without gradients on a copy of their
     weights reordered by oneDNN for ``rows`` rows (a decode step's batch), in ``product_dtype()`` inside the
     transformer blocks; the copies are dropped on exit."""
-    layers = [m for m in model.modules() if type(m) is RoutedLinear and _onednn_weight(m.weight)] if packs() else []
+    layers = [m for m in model.modules() if type(m) is RoutedLinear and plain_cpu_float32(m.weight)] if packs() else []
     try:
         for layer in layers:
             layer.packed_weight = decode_weight(layer.weight, rows, layer.in_block)

@@ -29,13 +29,19 @@ from rlhf_core.models import cpu_matmul, lora
 ARCHITECTURES = frozenset({"llama", "qwen2"})
 #: rope types whose rotation is fixed by the module's ``inv_freq`` and ``attention_scaling`` at every length
 ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
+#: a decoder layer's projections as the step multiplies them, one product per group: q/k/v, o, gate/up, down
+PRODUCTS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+            ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",)))
+
+
+def layer_products(layer: torch.nn.Module) -> list[list[torch.nn.Module | None]]:
+    """The linear layers of a decoder ``layer`` grouped as :data:`PRODUCTS` (None where the layer has no such one)."""
+    return [[getattr(getattr(layer, part, None), name, None) for name in names] for part, names in PRODUCTS]
 
 
 def _plain_linear(layer: object) -> bool:
-    return (type(layer) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and layer.weight.device.type == "cpu"
-            and layer.weight.dtype == torch.float32 and type(layer.weight.data) is torch.Tensor)
+    return (type(layer) in (torch.nn.Linear, cpu_matmul.RoutedLinear)
+            and cpu_matmul.plain_cpu_float32(layer.weight))
 
 
 def unsupported(module: torch.nn.Module) -> str | None:
@@ -59,9 +65,7 @@ def unsupported(module: torch.nn.Module) -> str | None:
     if getattr(config, "use_sliding_window", False) or getattr(config, "pretraining_tp", 1) != 1:
         return "sliding-window attention or tensor-parallel pretraining layout"
     for index, layer in enumerate(body.layers):
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        linears = [getattr(attention, n, None) for n in ATTENTION] + [getattr(mlp, n, None) for n in MLP]
-        if not all(_plain_linear(linear) for linear in linears):
+        if not all(_plain_linear(linear) for group in layer_products(layer) for linear in group):
             return f"layer {index}'s projections are not plain float32 CPU linear layers (LoRA, sharded or moved)"
         if not all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
                    for norm in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))):
@@ -74,37 +78,26 @@ def unsupported(module: torch.nn.Module) -> str | None:
 class _Layer(NamedTuple):
     norm1: torch.Tensor
     eps1: float
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
     norm2: torch.Tensor
     eps2: float
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
-
-
-def _fused(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights stacked into one product for ``rows`` rows, and their biases (zeros where a layer has
-    none, None where none has)."""
-    weight = cpu_matmul.decode_weight(torch.cat([linear.weight.detach() for linear in linears]), rows,
-                                      _in_block(linears[0]))
-    if all(linear.bias is None for linear in linears):
-        return weight, None
-    return weight, torch.cat([linear.bias.detach() if linear.bias is not None
-                              else linear.weight.new_zeros(linear.out_features) for linear in linears])
-
-
-def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
+    products: list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) of q/k/v, o, gate/up, down
 
 
 def _in_block(linear: torch.nn.Linear) -> bool:
     """Whether the layer multiplies in ``product_dtype()``, as :func:`rlhf_core.models.cpu_matmul.route` marks
     the layers inside transformer blocks (an unrouted layer multiplies in float32 everywhere)."""
     return getattr(linear, "in_block", False)
+
+
+def _product(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked into one product for ``rows`` rows, and their biases (zeros where a layer has
+    none, None where none has)."""
+    weight = linears[0].weight if len(linears) == 1 else torch.cat([linear.weight.detach() for linear in linears])
+    weight = cpu_matmul.decode_weight(weight, rows, _in_block(linears[0]))
+    if all(linear.bias is None for linear in linears):
+        return weight, None
+    return weight, torch.cat([linear.bias.detach() if linear.bias is not None
+                              else linear.weight.new_zeros(linear.out_features) for linear in linears])
 
 
 class FusedDecoder:
@@ -122,19 +115,11 @@ class FusedDecoder:
         self.embed, self.final_norm = body.embed_tokens, body.norm
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()
         self.rope_scaling = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
-        self.layers = []
-        for layer in body.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _fused([attention.q_proj, attention.k_proj, attention.v_proj], rows)
-            gate_up, gate_up_bias = _fused([mlp.gate_proj, mlp.up_proj], rows)
-            self.layers.append(_Layer(
-                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon, qkv, qkv_bias,
-                cpu_matmul.decode_weight(attention.o_proj.weight, rows, _in_block(attention.o_proj)), _bias(attention.o_proj),
-                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
-                gate_up, gate_up_bias,
-                cpu_matmul.decode_weight(mlp.down_proj.weight, rows, _in_block(mlp.down_proj)), _bias(mlp.down_proj)))
-        self.head = cpu_matmul.decode_weight(module.lm_head.weight, rows, _in_block(module.lm_head))
-        self.head_bias = _bias(module.lm_head)
+        self.layers = [_Layer(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
+                              layer.post_attention_layernorm.weight.detach(),
+                              layer.post_attention_layernorm.variance_epsilon,
+                              [_product(group, rows) for group in layer_products(layer)]) for layer in body.layers]
+        self.head = _product([module.lm_head], rows)
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of each row's position, (rows, 1, 1, head_dim / 2), as transformers' rotary module
@@ -162,17 +147,16 @@ class FusedDecoder:
         x = self.embed(tokens)  # (rows, hidden)
         product = cpu_matmul.decode_product
         for index, layer in enumerate(self.layers):
+            qkv, o, gate_up, down = layer.products
             h = F.rms_norm(x, (x.shape[-1],), layer.norm1, layer.eps1)
-            q, k, v = product(h, layer.qkv, layer.qkv_bias).split(
-                [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q, k, v = product(h, *qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
             q = self._rotate(q.reshape(rows, heads, 1, dim), cos, sin)
             k = self._rotate(k.reshape(rows, kv_heads, 1, dim), cos, sin)
             keys, values = cache.update(k, v.reshape(rows, kv_heads, 1, dim), index)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                       enable_gqa=kv_heads != heads)
-            x = x + product(attended.reshape(rows, heads * dim), layer.o, layer.o_bias)
+            x = x + product(attended.reshape(rows, heads * dim), *o)
             h = F.rms_norm(x, (x.shape[-1],), layer.norm2, layer.eps2)
-            gate_up = product(h, layer.gate_up, layer.gate_up_bias)
-            x = x + product(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:],
-                            layer.down, layer.down_bias)
-        return product(self.final_norm(x), self.head, self.head_bias)
+            up = product(h, *gate_up)
+            x = x + product(F.silu(up[:, :self.intermediate]) * up[:, self.intermediate:], *down)
+        return product(self.final_norm(x), *self.head)

@@ -132,9 +132,10 @@ class HFRolloutEngine:
 
         # the decode steps' weights for their row count, copied for this rollout (the update changes them): the
         # fused step's own, or the model's layers' in oneDNN's layout
-        fused = (FusedDecoder(self.module, prompt_ids.shape[0] * n)
-                 if FUSED_DECODE and device.type == "cpu" and unsupported(self.module) is None else None)
-        with contextlib.nullcontext() if fused else cpu_matmul.packed_weights(self.module, rows=prompt_ids.shape[0] * n):
+        # (the fused step takes only models whose weights are on the CPU)
+        decode_rows = prompt_ids.shape[0] * n
+        fused = FusedDecoder(self.module, decode_rows) if FUSED_DECODE and unsupported(self.module) is None else None
+        with contextlib.nullcontext() if fused else cpu_matmul.packed_weights(self.module, rows=decode_rows):
             # room for the prompt and the whole response, written in place by every forward below
             cache = PreallocatedCache(prompt_ids.shape[1] + params.max_new_tokens)
             head = {"logits_to_keep": 1} if takes_logits_to_keep(type(self.module)) else {}  # the last position only
