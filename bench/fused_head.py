@@ -1,4 +1,4 @@
-"""The LM head's log-prob pass, forward and backward: three ways through the (positions x vocab) logits.
+"""The LM head's log-prob pass, forward and backward: four ways through the (positions x vocab) logits.
 
 For each vocabulary, ``positions`` response tokens with hidden size ``hidden`` go through the head,
 log-softmax at the labels (and the entropy, as a metric without gradient, as the actor's update
@@ -7,7 +7,9 @@ measures it), and back to the hidden states and the head's weight:
 - ``whole``: ``linear``, then :func:`rlhf_core.algos.logprobs_from_logits` and
   :func:`rlhf_core.algos.entropy_from_logits` on the whole logits (what the actor did before);
 - ``logits``: ``linear``, then :func:`rlhf_core.models.fused_head.logits_log_prob`, the softmax work
-  a few positions at a time (what the actor does by default);
+  a few positions at a time, the gradient in a tensor of its own;
+- ``overwrite``: the same, the gradient written over the logits (``overwrite=True``: what the actor does
+  for a plain linear head);
 - ``chunked``: :func:`rlhf_core.models.fused_head.chunked_head_log_prob`, the head itself in chunks,
   recomputed in the backward pass (``use_fused_kernels``).
 
@@ -58,8 +60,9 @@ def one(variant: str, hidden: int, vocab: int, positions: int, reps: int, thread
             log_prob = algos.logprobs_from_logits(logits, labels[None])[0]
             with torch.no_grad():
                 algos.entropy_from_logits(logits)
-        elif variant == "logits":
-            log_prob, _ = logits_log_prob(torch.nn.functional.linear(h, w), labels, with_entropy=True)
+        elif variant in ("logits", "overwrite"):
+            log_prob, _ = logits_log_prob(torch.nn.functional.linear(h, w), labels, with_entropy=True,
+                                          overwrite=variant == "overwrite")
         else:
             log_prob, _ = chunked_head_log_prob(h, w, labels, with_entropy=True)
         (log_prob * upstream).sum().backward()
@@ -86,7 +89,7 @@ def main() -> None:
         variant, shape = args.one.split(":")
         print(json.dumps(one(variant, *SHAPES[shape], args.positions, args.reps, args.threads)))
         return
-    variants = ("whole", "logits", "chunked")
+    variants = ("whole", "logits", "overwrite", "chunked")
     rows = []
     for shape in args.shapes.split(","):
         result = {}

@@ -65,6 +65,27 @@ def test_logits_log_probs_entropies_and_gradients_match_log_softmax(chunk, tempe
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_overwriting_the_logits_gives_the_same_gradients_in_their_storage(temperature, dtype):
+    h, w, labels = _inputs(n=10, hidden=6, vocab=40, dtype=dtype, seed=3)
+    upstream = torch.linspace(-1, 2, len(labels), dtype=dtype), torch.linspace(0.5, -1.5, len(labels), dtype=dtype)
+    expected, expected_entropy = _reference((h @ w.T) / temperature, labels)
+    want = torch.autograd.grad((expected * upstream[0] + expected_entropy * upstream[1]).sum(), (h, w))
+
+    logits = h @ w.T
+    seen = []
+    logits.register_hook(lambda grad: seen.append(grad))
+    log_prob, entropy = logits_log_prob(logits, labels, temperature, chunk_size=3, with_entropy=True, overwrite=True)
+    total = (log_prob * upstream[0] + entropy * upstream[1]).sum()
+    got = torch.autograd.grad(total, (h, w), retain_graph=True)
+    for g, expect in zip(got, want):
+        torch.testing.assert_close(g, expect)
+    assert seen[0].data_ptr() == logits.data_ptr()  # the gradient took the logits' storage
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(total, (h, w))  # the logits are gone: a second backward must not use them
+
+
 def test_logits_log_prob_in_bf16_is_computed_in_float32():
     g = torch.Generator().manual_seed(2)
     logits = (4 * torch.randn(5, 200, generator=g)).to(torch.bfloat16).requires_grad_()

@@ -7,8 +7,9 @@ go over tensors of that size several times, and each pass, with its allocation, 
 
 - :func:`logits_log_prob` takes the logits as the model built them and does that work ``LOGITS_CHUNK``
   positions at a time, in buffers that stay in cache; its backward pass writes the logits' gradient
-  chunk by chunk. It is the actor's default: on the 2-core CPU 0.66x the time and half the memory of
-  the whole-tensor path for the SmolLM2 head (``bench/fused_head.py``).
+  chunk by chunk, over the logits themselves where the caller gives them up (``overwrite``: the actor
+  does for a plain linear head). It is the actor's default: on the 2-core CPU 0.56-0.66x the time and
+  less than half the memory of the whole-tensor path for the SmolLM2 head (``bench/fused_head.py``).
 - :func:`chunked_head_log_prob` (``use_fused_kernels``) runs the LM head itself on ``chunk_size``
   positions at a time, so that the logits are never built whole; the backward pass recomputes each
   chunk's logits from the saved hidden states (one more head matmul) and accumulates the gradients of
@@ -121,12 +122,12 @@ def _forward_chunks(chunk_logits, labels: torch.Tensor, acc: torch.dtype, chunk_
 class _LogitsLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int,
-                with_entropy: bool):
+                with_entropy: bool, overwrite: bool):
         acc = _accumulation_dtype(logits.dtype)
         log_prob, log_norm, entropy = _forward_chunks(
             lambda rows: _scaled(logits[rows], acc, temperature), labels, acc, chunk_size, with_entropy)
         ctx.save_for_backward(logits, labels, log_norm, entropy)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.overwrite = temperature, chunk_size, overwrite
         ctx.set_materialize_grads(False)
         return log_prob, entropy
 
@@ -134,7 +135,10 @@ class _LogitsLogProb(torch.autograd.Function):
     def backward(ctx, grad_log_prob: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, labels, log_norm, entropy = ctx.saved_tensors
         acc, temperature = log_norm.dtype, ctx.temperature
-        grad = torch.empty_like(logits)
+        # with ``overwrite`` the gradient takes the logits' own storage (a chunk's logits are read before its
+        # gradient is written): no second logits-sized tensor, whose fresh pages cost as much as the passes
+        # over it. The write bumps the logits' version, so a second backward through them fails loudly.
+        grad = logits if ctx.overwrite else torch.empty_like(logits)
         # fp32 logits at temperature 1 are used as they are and each chunk's gradient is written into
         # `grad`; otherwise the chunk's scaled copy is overwritten by its gradient
         direct = logits.dtype == acc and temperature == 1.0
@@ -146,7 +150,7 @@ class _LogitsLogProb(torch.autograd.Function):
                                 out=grad[rows] if direct else z)
             if not direct:
                 grad[rows] = chunk.div_(temperature) if temperature != 1.0 else chunk
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class _ChunkedHeadLogProb(torch.autograd.Function):
@@ -187,22 +191,26 @@ class _ChunkedHeadLogProb(torch.autograd.Function):
 
 
 def _flat_call(function, inputs: torch.Tensor, extra: tuple, labels: torch.Tensor, temperature: float,
-               chunk_size: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               chunk_size: int, with_entropy: bool, *options) -> tuple[torch.Tensor, torch.Tensor | None]:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     lead = labels.shape
     log_prob, entropy = function.apply(inputs.reshape(-1, inputs.shape[-1]), *extra, labels.reshape(-1).long(),
-                                       float(temperature or 1.0), chunk_size, with_entropy)
+                                       float(temperature or 1.0), chunk_size, with_entropy, *options)
     return log_prob.reshape(lead), (entropy.reshape(lead) if with_entropy else None)
 
 
 def logits_log_prob(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
-                    chunk_size: int = LOGITS_CHUNK, with_entropy: bool = False
+                    chunk_size: int = LOGITS_CHUNK, with_entropy: bool = False, overwrite: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log_softmax(logits / temperature)`` at ``labels``, and optionally the entropy of each position's
     distribution, both differentiable. Shapes: logits (..., V), labels (...) -> (...) each, in float32
-    (float64 for float64 logits)."""
-    return _flat_call(_LogitsLogProb, logits, (), labels, temperature, chunk_size, with_entropy)
+    (float64 for float64 logits).
+
+    ``overwrite``: the backward pass writes the logits' gradient over the logits themselves. Only for
+    logits that nothing reads after it: no other backward function may have saved them (a plain linear
+    head's output qualifies; a soft-capped one, whose ``tanh`` saved its output, does not)."""
+    return _flat_call(_LogitsLogProb, logits, (), labels, temperature, chunk_size, with_entropy, overwrite)
 
 
 def chunked_head_log_prob(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,

@@ -96,7 +96,8 @@ def padded_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
         logits = model(**inputs, use_cache=False, logits_to_keep=kept).logits  # (bs, kept, V)
     else:
         logits = model(**inputs, use_cache=False).logits[:, response_start - 1:]
-    log_prob, entropy = logits_log_prob(logits, batch["responses"][:, :kept], temperature, with_entropy=with_entropy)
+    log_prob, entropy = logits_log_prob(logits, batch["responses"][:, :kept], temperature, with_entropy=with_entropy,
+                                        overwrite=supports_fused_head(model))
     response_len = batch["responses"].shape[1]
     return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
@@ -127,7 +128,8 @@ def _head_log_prob(model: torch.nn.Module, hidden: torch.Tensor, batch: Batch, t
     if chunked:
         log_prob, entropy = chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
     else:
-        log_prob, entropy = logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy)
+        log_prob, entropy = logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy,
+                                            overwrite=supports_fused_head(model))
     response_len = batch["responses"].shape[1]
     return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
@@ -138,7 +140,8 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     inputs, valid = packed_inputs(batch)
     logits = model(**inputs, use_cache=False).logits  # (1, T, V)
     next_ids = torch.roll(inputs["input_ids"], -1, dims=1)  # (1, T): the token each position predicts
-    log_prob, entropy = logits_log_prob(logits, next_ids, temperature, with_entropy=with_entropy)
+    log_prob, entropy = logits_log_prob(logits, next_ids, temperature, with_entropy=with_entropy,
+                                        overwrite=supports_fused_head(model))
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
     window = slice(prompt_len - 1, prompt_len - 1 + response_len)  # positions that predict the response
     log_prob = unpack(log_prob[0], valid)[:, window]  # (bs, R)
