@@ -31,14 +31,21 @@ from rlhf_core.main_ppo import build_trainer
 UPDATES = {"actor": "update_policy", "critic": "update_critic"}
 
 
+def resident_gb() -> float:
+    """The process's resident memory now (``VmRSS``), in GB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1e6
+
+
 def counted(method, role: str, lines: list[str]):
-    """``method`` with the process's faults and CPU seconds over its call appended to ``lines``."""
+    """``method`` with the process's faults, CPU seconds and resident memory after its call appended to ``lines``."""
     def wrapper(*args, **kwargs):
         before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         out = method(*args, **kwargs)
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
         lines.append(f"{role:<7}{after.ru_minflt - before.ru_minflt:>12,}{after.ru_majflt - before.ru_majflt:>8}"
-                     f"{after.ru_utime - before.ru_utime:>9.2f}{after.ru_stime - before.ru_stime:>9.2f}{wall:>9.2f}")
+                     f"{after.ru_utime - before.ru_utime:>9.2f}{after.ru_stime - before.ru_stime:>9.2f}{wall:>9.2f}"
+                     f"{resident_gb():>9.2f}")
         return out
     return wrapper
 
@@ -75,14 +82,14 @@ def main() -> None:
                 phases = {k.removeprefix("timing_s/"): v for k, v in metrics.items() if k.startswith("timing_s/")}
                 print(f"\n{name}, step {step + 1} after {args.warmup} warm-up"
                       f"{', gradients kept' if args.keep_grads else ''}:")
-                print(f"{'update':<7}{'minor faults':>12}{'major':>8}{'user s':>9}{'system s':>9}{'wall s':>9}")
+                print(f"{'update':<7}{'minor faults':>12}{'major':>8}{'user s':>9}{'system s':>9}{'wall s':>9}{'RSS GB':>9}")
                 print("\n".join(lines))
                 print("phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()), flush=True)
                 lines.clear()
         finally:
             trainer.close()
     print("\nuser/system s: CPU seconds of all the process's threads over the update (2 threads: up to twice the "
-          "wall time); minor faults: pages the kernel backed on first touch")
+          "wall time); minor faults: pages the kernel backed on first touch; RSS GB: the process's resident memory after the update")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,12 @@ Then each phase of a few trainer iterations against its bound:
 - generation: seconds per decode step over its roofline, the longer of reading every weight once
   (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate).
 
-    python bench/roofline.py [--models demo,random25m,smollm2] [--iters 2] [--threads 2] [--json rows.json]
+    python bench/roofline.py [--models demo,random25m,smollm2] [--warmup 3] [--iters 2] [--threads 2] [--json rows.json]
+
+The timed steps come after ``--warmup`` steps (3 by default): under glibc's allocator the process's heap
+grows over the first two or three steps, and the updates of those steps fault in fresh pages that a long
+run does not (SmolLM2's critic update: 916k, 332k, 113k, 50k, 28k minor faults in steps 1-5, resident
+memory 4.3, 9.4, 9.7, 9.8, 9.8 GB; ``bench/page_faults.py --warmup 0 --iters 5``).
 
 ``smollm2`` needs the imported checkpoint (``make real-model``); it is skipped with a reason otherwise.
 """
@@ -225,7 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,random25m,smollm2")
     parser.add_argument("--iters", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the heap's growth settles)")
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="also write the rows (with each phase's median seconds) to this file")
