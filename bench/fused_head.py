@@ -32,7 +32,8 @@ import torch
 SHAPES = {"smollm2": (576, 49152), "qwen05b": (896, 151936)}  # (hidden, vocabulary)
 
 
-def _rss_gb() -> float:
+def rss_gb() -> float:
+    """The process's resident memory now (``VmRSS``), in GB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
@@ -51,7 +52,7 @@ def one(variant: str, hidden: int, vocab: int, positions: int, reps: int, thread
     labels = torch.randint(0, vocab, (positions,), generator=g)
     upstream = torch.linspace(-1, 1, positions)
     h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-    base = _rss_gb()
+    base = rss_gb()
 
     def step() -> None:
         h.grad = w.grad = None

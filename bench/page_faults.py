@@ -23,18 +23,13 @@ import time
 from pathlib import Path
 
 import torch
+from fused_head import rss_gb  # bench/fused_head.py, beside this script
 from roofline import available_models, trainer_config  # bench/roofline.py, beside this script
 
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 
 UPDATES = {"actor": "update_policy", "critic": "update_critic"}
-
-
-def resident_gb() -> float:
-    """The process's resident memory now (``VmRSS``), in GB."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1e6
 
 
 def counted(method, role: str, lines: list[str]):
@@ -45,7 +40,7 @@ def counted(method, role: str, lines: list[str]):
         after, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter() - start
         lines.append(f"{role:<7}{after.ru_minflt - before.ru_minflt:>12,}{after.ru_majflt - before.ru_majflt:>8}"
                      f"{after.ru_utime - before.ru_utime:>9.2f}{after.ru_stime - before.ru_stime:>9.2f}{wall:>9.2f}"
-                     f"{resident_gb():>9.2f}")
+                     f"{rss_gb():>9.2f}")
         return out
     return wrapper
 
