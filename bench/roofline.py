@@ -11,7 +11,8 @@ Then each phase of a few trainer iterations against its bound:
 
 - update and log-prob passes: achieved FLOP/s over the matmul rate, with 6 x (matmul parameters) x
   tokens for a forward and backward and 2 x for a forward alone (embeddings are look-ups, not
-  matmuls; the LM head counts only on the positions it runs on);
+  matmuls; the LM head counts only on the positions it runs on, the actor's response positions, and
+  not at all in the critic's phases: the critic has a scalar value head in its place);
 - generation: seconds per decode step over its roofline, the longer of reading every weight once
   (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate).
 
@@ -127,10 +128,11 @@ def decode_bound_s(module: torch.nn.Module, rows: int, rates: Rates, bandwidth_g
 
 
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
-    """(parameters of the Linear layers other than the LM head, parameters of the LM head)."""
+    """(parameters of the Linear layers other than the LM head, parameters of the LM head); a critic (a
+    token-classification model: a scalar ``score`` on every position, no LM head) has 0 of the latter."""
     head = module.get_output_embeddings()
     body = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) and m is not head)
-    return body, head.weight.numel()
+    return body, 0 if head is None else head.weight.numel()
 
 
 def weight_bytes(module: torch.nn.Module) -> int:
@@ -184,7 +186,9 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     try:
         module = trainer.actor.module
         hf_config = module.config
-        body, head = matmul_params(module)
+        params = {"actor": matmul_params(module)}
+        if trainer.critic is not None:
+            params["critic"] = matmul_params(trainer.critic.module)
         prompts = trainer.train_dataset.collate(list(range(batch)))
         runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
     finally:
@@ -203,11 +207,13 @@ def run(name: str, model: Path, work: Path, args) -> dict:
                                cfg.trainer.cpu_matmul_dtype)
     bandwidth = read_bandwidth_gbs(weight_bytes(module))
 
-    def fraction(phase: str, passes: int) -> float | None:
-        """Seconds the phase's products take at the measured rates, over the seconds it took."""
+    def fraction(phase: str, passes: int, model: str = "actor") -> float | None:
+        """Seconds the phase's products take at the measured rates, over the seconds it took; the products are
+        those of the model that runs the phase (the critic's: its blocks and value head, no LM head)."""
         key = f"timing_s/{phase}"
         if key not in runs[0]:
             return None
+        body, head = params[model]
         return passes * (body * tokens / at.body + head * response_tokens / at.head) / 1e9 / med(key)
 
     decode_s = med("timing_s/gen") / max(decode_steps, 1)
@@ -218,8 +224,9 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients), blocks' products "
                       f"in {cfg.trainer.cpu_matmul_dtype}",
         "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
-        "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6),
-        "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2), "values": fraction("values", 2),
+        "update_actor": fraction("update_actor", 6), "update_critic": fraction("update_critic", 6, "critic"),
+        "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2),
+        "values": fraction("values", 2, "critic"),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
         "batch": sequences, "tokens": tokens,
         "phases": {key.removeprefix("timing_s/"): med(key) for key in runs[0] if key.startswith("timing_s/")},
