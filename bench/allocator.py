@@ -1,12 +1,14 @@
 """Which C allocator the trainer should run under: glibc's malloc against a preloaded jemalloc or tcmalloc.
 
 glibc hands blocks above its mmap threshold back to the kernel when they are freed, so each new
-activation or gradient of that size is faulted in page by page; a caching allocator keeps them.
+activation or gradient of that size is faulted in page by page; a caching allocator keeps them, and so does
+glibc under the trainer's ``trainer.keep_freed_memory`` (on by default: ``default`` here).
+``glibc-defaults`` is glibc as it comes (that key off).
 The allocator is chosen when the process starts (``LD_PRELOAD``), so each is measured in its own
 process: ``bench/roofline.py`` is run once per allocator per round, the allocators alternating,
 and each phase's median seconds are compared with the default's of the same round.
 
-    python bench/allocator.py [--models smollm2] [--rounds 2] [--iters 2] [--allocators default,tcmalloc]
+    python bench/allocator.py [--models smollm2] [--rounds 2] [--iters 2] [--allocators default,glibc-defaults,tcmalloc]
 
 jemalloc and tcmalloc are Debian's ``libjemalloc2`` and ``libtcmalloc-minimal4``; an allocator
 whose library is not installed is left out with a note. ``jemalloc-keep`` is jemalloc told to keep
@@ -34,6 +36,7 @@ LIBRARIES = {"jemalloc": ["libjemalloc.so.2"], "tcmalloc": ["libtcmalloc_minimal
 JEMALLOC_KEEP = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
                  "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")
 VARIANTS = {"jemalloc": ("jemalloc", None), "jemalloc-keep": ("jemalloc", JEMALLOC_KEEP), "tcmalloc": ("tcmalloc", None)}
+GLIBC_DEFAULTS = ["trainer.keep_freed_memory=false"]  # the trainer's overrides for glibc as it comes
 PHASES = ["step", "gen", "update_actor", "update_critic", "values", "ref", "old_log_prob"]
 
 
@@ -45,7 +48,7 @@ def find_library(name: str) -> str | None:
     return None
 
 
-def run_roofline(preload: tuple[str, str | None] | None, args, out: Path) -> list[dict]:
+def run_roofline(preload: tuple[str, str | None] | None, args, out: Path, overrides: list[str]) -> list[dict]:
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     env.pop("MALLOC_CONF", None)
@@ -54,7 +57,7 @@ def run_roofline(preload: tuple[str, str | None] | None, args, out: Path) -> lis
         if preload[1]:
             env["MALLOC_CONF"] = preload[1]
     command = [sys.executable, str(HERE / "roofline.py"), "--models", args.models, "--iters", str(args.iters),
-               "--threads", str(args.threads), "--json", str(out)]
+               "--threads", str(args.threads), "--json", str(out), *overrides]
     subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
@@ -65,11 +68,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="times each allocator is run, alternating")
     parser.add_argument("--iters", type=int, default=2, help="timed trainer steps per run")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--allocators", default="default,jemalloc,jemalloc-keep,tcmalloc")
+    parser.add_argument("--allocators", default="default,glibc-defaults,jemalloc,jemalloc-keep,tcmalloc")
     args = parser.parse_args()
     allocators = {}
     for name in args.allocators.split(","):
-        if name == "default":
+        if name in ("default", "glibc-defaults"):
             allocators[name] = None
         elif name in VARIANTS:
             library, conf = VARIANTS[name]
@@ -79,14 +82,15 @@ def main() -> None:
                 continue
             allocators[name] = (path, conf)
         else:
-            parser.error(f"unknown allocator {name!r}: use default, {', '.join(VARIANTS)}")
+            parser.error(f"unknown allocator {name!r}: use default, glibc-defaults, {', '.join(VARIANTS)}")
     if "default" not in allocators:
         parser.error("the default allocator is the baseline: keep it in --allocators")
     work = Path(tempfile.mkdtemp(prefix="allocator_"))
     results: dict[str, list[list[dict]]] = {name: [] for name in allocators}  # allocator -> rounds -> rows
     for round_ in range(args.rounds):
         for name, preload in allocators.items():
-            rows = run_roofline(preload, args, work / f"{name}_{round_}.json")
+            rows = run_roofline(preload, args, work / f"{name}_{round_}.json",
+                                GLIBC_DEFAULTS if name == "glibc-defaults" else [])
             results[name].append(rows)
             for row in rows:
                 print(f"round {round_ + 1} {name:<13} {row['model']:<10} "

@@ -6,9 +6,9 @@ kernel (system) CPU seconds, wall seconds. Each line is one update of one step; 
 
 The C allocator is the process's: compare allocators by running this under each, e.g.
 
-    python bench/page_faults.py --models smollm2
+    python bench/page_faults.py --models smollm2                                  # glibc, heap kept (the default)
+    python bench/page_faults.py --models smollm2 trainer.keep_freed_memory=false  # glibc as it comes
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python bench/page_faults.py --models smollm2
-    GLIBC_TUNABLES=glibc.malloc.trim_threshold=68719476736:glibc.malloc.mmap_threshold=33554432 python ...
 
 ``--keep-grads`` zeroes gradients in place between steps instead of freeing them (``set_to_none=False``), to
 see whether allocating them again is what faults.

@@ -421,6 +421,9 @@ class TrainerConfig:
                                  "bench/RESULTS.md compares them")
     cpu_matmul_dtype: str = _k("float32", "dtype of the transformer blocks' matmuls on CPU: float32 | bfloat16 "
                                           "(weights, optimizer, heads and losses stay float32; pays on CPUs with AMX)")
+    keep_freed_memory: bool = _k(True, "glibc: serve blocks up to 1 GB from the heap and keep freed memory for "
+                                       "reuse, so large tensors are not faulted in afresh at every micro-batch "
+                                       "(resident memory stays at its high-water mark); false = glibc's defaults")
     seed: int = _k(1, "seed of model init, sampling and mini-batch order")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
     guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "

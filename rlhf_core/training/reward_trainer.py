@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from rlhf_core import heap
 from rlhf_core.atomic import staged_directory
 from rlhf_core.config import PPOConfig, RewardTrainConfig
 from rlhf_core.data.dataset import as_file_list
@@ -280,8 +281,11 @@ class RewardModelWorker(CheckpointableWorker):
 class RewardModelRayWorker(DistributedWorker):
     """The remote side: one rank of a worker group holding a :class:`RewardModelWorker`."""
 
-    def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int, cpu_matmul_kind: str) -> None:
+    def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int, cpu_matmul_kind: str,
+              keep_freed_memory: bool = True) -> None:
         cpu_matmul.configure(cpu_matmul_kind)
+        if keep_freed_memory:
+            heap.keep_freed_memory()
         self.worker = RewardModelWorker(config, pad_token_id, total_steps, self.device)
 
     def train_share(self, share: tuple[list, list[float]], global_pairs: int) -> dict[str, float]:
@@ -385,6 +389,8 @@ class RewardModelTrainer:
     def __init__(self, cfg: PPOConfig, frames: dict | None = None):
         self.cfg, self.rm = cfg, cfg.reward_model.train
         cpu_matmul.configure(cfg.trainer.cpu_matmul)
+        if cfg.trainer.keep_freed_memory:
+            heap.keep_freed_memory()
         frames = preflight(cfg) if frames is None else frames
         self.local_dir = resolve(self.rm.default_local_dir)
         tokenizer_path = self.rm.model.tokenizer_path or self.rm.model.path
@@ -412,7 +418,8 @@ class RewardModelTrainer:
             self.group = WorkerGroup(RewardModelRayWorker, cfg.world_size, device=cfg.trainer.device,
                                      ray_address=cfg.trainer.ray_address)
             try:
-                self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul)
+                self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul,
+                                   cfg.trainer.keep_freed_memory)
             except BaseException:
                 self.group.shutdown()
                 raise

@@ -253,6 +253,7 @@ class HybridWorker(DistributedWorker):
     """One rank of the hybrid engine: actor + rollout + reference (and the critic), FSDP2-sharded."""
 
     def setup(self, config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool) -> None:
+        from rlhf_core import heap
         from rlhf_core.models import cpu_matmul
         from rlhf_core.models.loading import import_external_lib, load_tokenizer
         from rlhf_core.workers.actor import ActorWorker
@@ -260,6 +261,8 @@ class HybridWorker(DistributedWorker):
 
         arr = config.actor_rollout_ref
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
+        if config.trainer.keep_freed_memory:
+            heap.keep_freed_memory()
         import_external_lib(arr.model.external_lib)
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
