@@ -4,7 +4,7 @@ Both trainers get the same model directory, the same prompts (synthetic arithmet
 template applied by each), the same group size, response length, learning rate and number of
 optimisation steps; GRPO advantages, no KL term (TRL ``beta=0``, ours ``use_kl_loss=false``),
 one optimiser step per generation batch, one pass over it. Step times are wall-clock medians
-after a warm-up, measured in the same process one trainer after the other. Prints
+after a warm-up, ours in this process and TRL's in a child process, one after the other. Prints
 
     ours/trl step time: 0.61
     ours/trl tokens per second: 1.64
@@ -13,6 +13,11 @@ per model (the demo's tiny model, a random-weight ~25M-parameter one on syntheti
 ``smollm2``: the real SmolLM2-135M-Instruct of ``make real-model`` on real GSM8K train prompts from
 ``GSM8K_DIR``), and both trainers' mean reward over the last steps, so that speed is not bought
 with learning.
+
+Our trainer keeps glibc's heap for reuse (``trainer.keep_freed_memory``, on by default); TRL leaves glibc
+as it comes. So TRL runs in a fresh process of its own (``--trl-heap default``, as a TRL user has it), or,
+with ``--trl-heap kept``, in one that applies the same setting first, which shows how much of the gap is
+that setting.
 
 Sampled responses end at EOS, so the two trainers' token counts differ by chance (with random
 weights, EOS comes at a random step). ``--fixed-length`` makes every response ``--response`` tokens
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -44,6 +50,7 @@ import pandas as pd
 import torch
 from roofline import SMOLLM2, require_model_dir  # bench/roofline.py, beside this script
 
+from rlhf_core import heap
 from rlhf_core.config import load_config
 from rlhf_core.data.gsm8k import preprocess_gsm8k
 from rlhf_core.data.synthetic import build_dataset
@@ -90,7 +97,20 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool
             "reward": statistics.mean(rewards[-args.last:]), "phases": phase_s}
 
 
+def run_trl_in_child(model: Path, data: Path, args) -> dict:
+    """:func:`run_trl` in a fresh (spawned) process: its own C heap, which our trainer's settings do not reach,
+    kept for reuse as ours is only under ``--trl-heap kept``."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_trl, model, data, args).result()
+
+
 def run_trl(model: Path, data: Path, args) -> dict:
+    torch.set_num_threads(args.threads)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.trl_heap == "kept" and not heap.keep_freed_memory():
+        raise SystemExit("--trl-heap kept: this process's C library is not glibc")
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -161,6 +181,9 @@ def main() -> None:
                              "prompt computed once for its group in the update); both: ours without, then with")
     parser.add_argument("--bf16", action="store_true",
                         help="mixed precision in both: ours trainer.cpu_matmul_dtype=bfloat16, TRL's bf16=True (autocast)")
+    parser.add_argument("--trl-heap", choices=("default", "kept"), default="default",
+                        help="TRL's process under glibc's defaults, as TRL runs (default), or with glibc's heap "
+                             "kept as our trainer keeps it (kept)")
     parser.add_argument("--models", default="demo,random20m", help="comma list of demo, random20m, smollm2")
     parser.add_argument("--real-model", default=str(SMOLLM2),
                         help="the smollm2 model directory (make real-model)")
@@ -192,10 +215,11 @@ def main() -> None:
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
         variants = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
         runs = {shared: run_ours(model, data, args, max_prompt, shared) for shared in variants}
-        trl = run_trl(model, data, args)
+        trl = run_trl_in_child(model, data, args)
         lines.append(f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
                      f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
-                     f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}")
+                     f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}, "
+                     f"TRL's heap: {'kept, as ours' if args.trl_heap == 'kept' else 'glibc defaults'}")
         for shared, ours in runs.items():
             tag = f"{name}{', shared prefix' if shared else ''}"
             lines += [
