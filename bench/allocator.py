@@ -36,7 +36,6 @@ LIBRARIES = {"jemalloc": ["libjemalloc.so.2"], "tcmalloc": ["libtcmalloc_minimal
 JEMALLOC_KEEP = ("oversize_threshold:1,background_thread:true,metadata_thp:auto,"
                  "dirty_decay_ms:9000000000,muzzy_decay_ms:9000000000")
 VARIANTS = {"jemalloc": ("jemalloc", None), "jemalloc-keep": ("jemalloc", JEMALLOC_KEEP), "tcmalloc": ("tcmalloc", None)}
-GLIBC_DEFAULTS = ["trainer.keep_freed_memory=false"]  # the trainer's overrides for glibc as it comes
 PHASES = ["step", "gen", "update_actor", "update_critic", "values", "ref", "old_log_prob"]
 
 
@@ -70,17 +69,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--allocators", default="default,glibc-defaults,jemalloc,jemalloc-keep,tcmalloc")
     args = parser.parse_args()
-    allocators = {}
+    allocators = {}  # name -> (preload, the trainer's overrides)
     for name in args.allocators.split(","):
-        if name in ("default", "glibc-defaults"):
-            allocators[name] = None
+        if name == "default":
+            allocators[name] = (None, [])
+        elif name == "glibc-defaults":  # glibc as it comes
+            allocators[name] = (None, ["trainer.keep_freed_memory=false"])
         elif name in VARIANTS:
             library, conf = VARIANTS[name]
             path = find_library(library)
             if path is None:
                 print(f"{name}: left out, none of {LIBRARIES[library]} under {LIBRARY_DIRS}")
                 continue
-            allocators[name] = (path, conf)
+            allocators[name] = ((path, conf), [])
         else:
             parser.error(f"unknown allocator {name!r}: use default, glibc-defaults, {', '.join(VARIANTS)}")
     if "default" not in allocators:
@@ -88,15 +89,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="allocator_"))
     results: dict[str, list[list[dict]]] = {name: [] for name in allocators}  # allocator -> rounds -> rows
     for round_ in range(args.rounds):
-        for name, preload in allocators.items():
-            rows = run_roofline(preload, args, work / f"{name}_{round_}.json",
-                                GLIBC_DEFAULTS if name == "glibc-defaults" else [])
+        for name, (preload, overrides) in allocators.items():
+            rows = run_roofline(preload, args, work / f"{name}_{round_}.json", overrides)
             results[name].append(rows)
             for row in rows:
-                print(f"round {round_ + 1} {name:<13} {row['model']:<10} "
+                print(f"round {round_ + 1} {name:<15} {row['model']:<10} "
                       + " ".join(f"{p} {row['phases'][p]:.2f}" for p in PHASES if p in row["phases"]), flush=True)
 
-    print(f"\n{'model':<10}{'allocator':<14}{'phase':<14}{'median s':>9}{'x default':>10}{'faster in':>10}")
+    print(f"\n{'model':<10}{'allocator':<16}{'phase':<14}{'median s':>9}{'x default':>10}{'faster in':>10}")
     for index, model_row in enumerate(results["default"][0]):
         for phase in PHASES:
             if phase not in model_row["phases"]:
@@ -105,7 +105,7 @@ def main() -> None:
             for name in allocators:
                 mine = [rounds[index]["phases"][phase] for rounds in results[name]]
                 wins = sum(m < b for m, b in zip(mine, base))
-                print(f"{model_row['model']:<10}{name:<14}{phase:<14}{statistics.median(mine):>9.2f}"
+                print(f"{model_row['model']:<10}{name:<16}{phase:<14}{statistics.median(mine):>9.2f}"
                       f"{statistics.median(mine) / statistics.median(base):>10.2f}"
                       f"{'' if name == 'default' else f'{wins}/{len(mine)}':>10}")
     print("x default: median seconds over the default allocator's; faster in: rounds in which this allocator's "

@@ -5,8 +5,9 @@ threshold adapts to freed blocks, but never above 32 MB, so every tensor larger 
 of a large micro-batch, the logits of a response, a 49k-entry embedding's gradient) is faulted in page by
 page each time it is allocated, which in a training loop is every micro-batch. :func:`keep_freed_memory`
 raises the threshold to 1 GB and stops the heap's top from being handed back, so that after the first steps
-the process reuses its own pages. The cost is resident memory that stays at the run's high-water mark
-(about 2% more for SmolLM2's PPO step; ``bench/RESULTS.md``).
+the process reuses its own pages. The cost is resident memory that stays at the run's high-water mark, and a
+higher peak where freed blocks fall a few bytes short of the next request and the heap grows instead: 1.01x
+for SmolLM2's PPO step, 1.34x for a random 25M model's with 64-row micro-batches (``bench/RESULTS.md``).
 
 A process under another C allocator (a preloaded tcmalloc, say) allocates through that one instead, and
 glibc's settings change nothing there.
@@ -31,6 +32,13 @@ def glibc() -> bool:
         return os.confstr("CS_GNU_LIBC_VERSION") is not None
     except (AttributeError, ValueError, OSError):
         return False
+
+
+def configure(keep: bool) -> None:
+    """``trainer.keep_freed_memory``: keep glibc's freed memory for reuse where ``keep``; glibc's defaults (and
+    whatever an earlier call set: the settings are process-wide and not undone) otherwise."""
+    if keep:
+        keep_freed_memory()
 
 
 def keep_freed_memory() -> bool:

@@ -282,10 +282,9 @@ class RewardModelRayWorker(DistributedWorker):
     """The remote side: one rank of a worker group holding a :class:`RewardModelWorker`."""
 
     def setup(self, config: RewardTrainConfig, pad_token_id: int, total_steps: int, cpu_matmul_kind: str,
-              keep_freed_memory: bool = True) -> None:
+              keep_freed_memory: bool) -> None:
         cpu_matmul.configure(cpu_matmul_kind)
-        if keep_freed_memory:
-            heap.keep_freed_memory()
+        heap.configure(keep_freed_memory)
         self.worker = RewardModelWorker(config, pad_token_id, total_steps, self.device)
 
     def train_share(self, share: tuple[list, list[float]], global_pairs: int) -> dict[str, float]:
@@ -389,8 +388,7 @@ class RewardModelTrainer:
     def __init__(self, cfg: PPOConfig, frames: dict | None = None):
         self.cfg, self.rm = cfg, cfg.reward_model.train
         cpu_matmul.configure(cfg.trainer.cpu_matmul)
-        if cfg.trainer.keep_freed_memory:
-            heap.keep_freed_memory()
+        heap.configure(cfg.trainer.keep_freed_memory)
         frames = preflight(cfg) if frames is None else frames
         self.local_dir = resolve(self.rm.default_local_dir)
         tokenizer_path = self.rm.model.tokenizer_path or self.rm.model.path

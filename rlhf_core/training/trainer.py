@@ -152,8 +152,7 @@ class PPOTrainer:
         seed = config.trainer.seed
         torch.manual_seed(seed)
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
-        if config.trainer.keep_freed_memory:
-            heap.keep_freed_memory()
+        heap.configure(config.trainer.keep_freed_memory)
         if config.trainer.cpu_matmul_dtype == "bfloat16" and device == "cpu" and not cpu_matmul.native_bf16():
             print("notice: trainer.cpu_matmul_dtype=bfloat16 on a CPU without AMX or AVX512-BF16: its bfloat16 "
                   "products are emulated, likely slower than float32's", file=sys.stderr, flush=True)

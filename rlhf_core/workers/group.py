@@ -261,8 +261,7 @@ class HybridWorker(DistributedWorker):
 
         arr = config.actor_rollout_ref
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
-        if config.trainer.keep_freed_memory:
-            heap.keep_freed_memory()
+        heap.configure(config.trainer.keep_freed_memory)
         import_external_lib(arr.model.external_lib)
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
