@@ -10,7 +10,9 @@ machine's speed hits both alike:
   the LM head on the prompt's last position only) with the decode steps run by transformers' layers on
   packed weights, as for models the fused step does not take;
 - ``ours``: the same with the fused decode step (:mod:`rlhf_core.rollout.fused_decode`) where the model
-  allows it (llama and qwen2; the demo, random 25M and SmolLM2 models are llama).
+  allows it (llama and qwen2; the demo, random 25M and SmolLM2 models are llama);
+- ``ours, oneDNN``: the fused step with every weight in oneDNN's packed layout, where ``ours`` packs the
+  float32 ones for MKL's sgemm (``--cpu-matmul auto`` on an Intel CPU; elsewhere the two are the same).
 
 The draws alone are timed too: multinomial, the one-level float64 CDF the rollout used before, and
 the two-level one it uses now (:func:`rlhf_core.rollout.hf.draw_from`).
@@ -85,11 +87,16 @@ VARIANTS = {
                "takes_logits_to_keep": hf.takes_logits_to_keep, "FUSED_DECODE": False},
     "ours": {"PreallocatedCache": hf.PreallocatedCache, "draw_from": hf.draw_from,
              "takes_logits_to_keep": hf.takes_logits_to_keep, "FUSED_DECODE": True},
+    "ours, oneDNN": {"PreallocatedCache": hf.PreallocatedCache, "draw_from": hf.draw_from,
+                     "takes_logits_to_keep": hf.takes_logits_to_keep, "FUSED_DECODE": True, "mkl": False},
 }
+MKL_PACKS = cpu_matmul.mkl_packs
 
 
 def _use(variant: str) -> None:
-    for name, value in VARIANTS[variant].items():
+    settings = dict(VARIANTS[variant])
+    cpu_matmul.mkl_packs = MKL_PACKS if settings.pop("mkl", True) else (lambda: False)
+    for name, value in settings.items():
         setattr(hf, name, value)
 
 
@@ -157,18 +164,20 @@ def main() -> None:
             _use("ours")
             med = {key: statistics.median(t) for key, t in times.items()}
             for layout in layouts:
-                old, layer, new = (med[variant, layout] for variant in ("dynamic", "layers", "ours"))
+                old, layer, new, onednn = (med[variant, layout]
+                                           for variant in ("dynamic", "layers", "ours", "ours, oneDNN"))
                 lines.append(f"{name:<11}{rows:>5}{layout:>8}{old:>12.1f}{layer:>11.1f}{new:>10.1f}{old / new:>9.2f}"
-                             f"{new / layer:>12.2f}{bound:>10.1f}{new / bound:>9.2f}")
+                             f"{new / layer:>12.2f}{onednn:>11.1f}{new / onednn:>12.2f}{bound:>10.1f}{new / bound:>9.2f}")
                 print(lines[-1], flush=True)
     print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'layers ms':>11}{'ours ms':>10}{'speed-up':>9}"
-          f"{'ours/layers':>12}{'bound ms':>10}{'x bound':>9}")
+          f"{'ours/layers':>12}{'oneDNN ms':>11}{'ours/oneDNN':>12}{'bound ms':>10}{'x bound':>9}")
     print("\n".join(lines))
     print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
           f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}; speed-up: dynamic over "
-          "ours; ours/layers: the fused step's time over transformers' layers'; x bound: our decode step over the "
+          "ours; ours/layers: the fused step's time over transformers' layers'; ours/oneDNN: over the fused step's "
+          f"on oneDNN's packed weights (MKL's packed products in ours: {MKL_PACKS()}); x bound: our decode step over the "
           "longer of weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
 
 

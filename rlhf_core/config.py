@@ -417,7 +417,8 @@ class TrainerConfig:
                                        "a local cluster")
     device: str = _k("cuda", "cuda | cpu")
     cpu_matmul: str = _k("auto", "kernel of float32 linear layers on CPU: auto (oneDNN on AMD CPUs with "
-                                 "AVX-512; elsewhere BLAS, with oneDNN for decoding) | onednn | blas (torch.mm's, MKL); "
+                                 "AVX-512; elsewhere BLAS; decoding on packed weights, MKL's on Intel CPUs, oneDNN's "
+                                 "elsewhere) | onednn | blas (torch.mm's, MKL); "
                                  "bench/RESULTS.md compares them")
     cpu_matmul_dtype: str = _k("float32", "dtype of the transformer blocks' matmuls on CPU: float32 | bfloat16 "
                                           "(weights, optimizer, heads and losses stay float32; pays on CPUs with AMX)")

@@ -133,12 +133,18 @@ def test_the_key_takes_auto_by_default_and_the_two_kernels():
         cpu_matmul.configure("mkl")
 
 
-@pytest.mark.parametrize(("capability", "vendor", "training"), [
-    ("AVX512", "AuthenticAMD", "onednn"), ("AVX512_BF16", "AuthenticAMD", "onednn"),
-    ("AVX512", "GenuineIntel", "blas"), ("AVX512", "", "blas"),
-    ("AVX2", "AuthenticAMD", "blas"), ("DEFAULT", "AuthenticAMD", "blas")])
-def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_packed_weights_either_way(
-        capability, vendor, training, kind, onednn_calls, monkeypatch):
+MKL_OPS = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+@pytest.mark.parametrize(("capability", "vendor", "training", "decoding"), [
+    ("AVX512", "AuthenticAMD", "onednn", "onednn"), ("AVX512_BF16", "AuthenticAMD", "onednn", "onednn"),
+    ("AVX512", "GenuineIntel", "blas", "mkl"), ("AVX2", "GenuineIntel", "blas", "mkl"),
+    ("AVX512", "", "blas", "onednn"), ("AVX2", "AuthenticAMD", "blas", "onednn"),
+    ("DEFAULT", "AuthenticAMD", "blas", "onednn")])
+def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_MKL_packed_weights_on_Intel(
+        capability, vendor, training, decoding, kind, onednn_calls, monkeypatch):
+    if decoding == "mkl" and not MKL_OPS:
+        pytest.skip("this torch build has no MKL packed sgemm")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: vendor)
     kind("auto")
@@ -152,9 +158,54 @@ def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_packed_wei
     torch.testing.assert_close(layer.weight.grad, torch.ones(5, 8).T @ x.detach())
     onednn_calls.clear()
     with torch.no_grad(), cpu_matmul.packed_weights(layer, rows=5):
-        assert layer.packed_weight is not None and layer.packed_weight.is_mkldnn
-        layer(x)
-    assert len(onednn_calls) == 1 and layer.packed_weight is None
+        if decoding == "mkl":
+            assert isinstance(layer.packed_weight, cpu_matmul.MKLPacked)
+        else:
+            assert layer.packed_weight.is_mkldnn
+        out = layer(x)
+    torch.testing.assert_close(out.double(), x.detach().double() @ layer.weight.detach().double().T
+                               + layer.bias.detach().double(), rtol=1e-5, atol=1e-5)
+    assert len(onednn_calls) == (1 if decoding == "onednn" else 0) and layer.packed_weight is None
+    kind("onednn")  # a kernel named outright packs for oneDNN on any CPU
+    with torch.no_grad(), cpu_matmul.packed_weights(layer, rows=5):
+        assert layer.packed_weight.is_mkldnn
+
+
+@pytest.mark.skipif(not MKL_OPS, reason="this torch build has no MKL packed sgemm")
+@pytest.mark.parametrize("bias", [True, False])
+def test_mkl_packed_products_are_the_products_in_float64_at_every_row_count_they_may_take(
+        bias, kind, monkeypatch):
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")
+    kind("auto")
+    torch.manual_seed(0)
+    weight, b = torch.randn(24, 40), (torch.randn(24) if bias else None)
+    exact = lambda x: x.double() @ weight.double().T + (b.double() if bias else 0)  # noqa: E731
+    own = cpu_matmul.decode_weight(weight, rows=6, in_block=False, persistent=True)
+    stacked = cpu_matmul.decode_weight(weight.clone(), rows=6, in_block=False)  # a copy made for the packing
+    assert isinstance(own, cpu_matmul.MKLPacked) and own.original is not None and stacked.original is None
+    assert own.dtype == torch.float32 and own.shape == (24, 40)
+    for rows in (6, 3, 11):
+        x = torch.randn(rows, 40)
+        torch.testing.assert_close(cpu_matmul.decode_product(x, own, b).double(), exact(x), rtol=1e-5, atol=1e-5)
+    x = torch.randn(6, 40)
+    torch.testing.assert_close(cpu_matmul.decode_product(x, stacked, b).double(), exact(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed for products of 6 rows, not 3"):
+        cpu_matmul.decode_product(torch.randn(3, 40), stacked, b)
+
+
+@pytest.mark.skipif(not MKL_OPS, reason="this torch build has no MKL packed sgemm")
+def test_on_intel_bfloat16_block_weights_stay_on_oneDNN_while_the_head_packs_for_MKL(kind, monkeypatch):
+    """MKL packs no bfloat16: only the float32 products take its layout."""
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")
+    kind("auto", "bfloat16")
+    weight = torch.randn(24, 40)
+    block = cpu_matmul.decode_weight(weight, rows=4, in_block=True)
+    head = cpu_matmul.decode_weight(weight, rows=4, in_block=False)
+    assert block.is_mkldnn and block.dtype == torch.bfloat16
+    assert isinstance(head, cpu_matmul.MKLPacked)
+    kind("blas")  # nothing packed at all
+    plain = cpu_matmul.decode_weight(weight, rows=4, in_block=False)
+    assert type(plain) is torch.Tensor and not plain.is_mkldnn
 
 
 @pytest.mark.parametrize(("flags", "native"), [("fpu avx2 avx512f amx_bf16 amx_tile", True),

@@ -80,9 +80,13 @@ def _layers_step(model):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("kernel", ["onednn", "blas"])
-def test_the_fused_step_gives_transformers_logits(name, kernel, kind):
-    kind(kernel)
+@pytest.mark.parametrize("kernel", ["onednn", "blas", "auto, Intel"])
+def test_the_fused_step_gives_transformers_logits(name, kernel, kind, monkeypatch):
+    if kernel == "auto, Intel":  # MKL's packed products
+        if not hasattr(torch.ops.mkl, "_mkl_linear"):
+            pytest.skip("this torch build has no MKL packed sgemm")
+        monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")
+    kind(kernel.split(",")[0])
     model = _model(CONFIGS[name]())
     assert unsupported(model) is None
     tokens = torch.randint(3, model.config.vocab_size, (5, 6), generator=torch.Generator().manual_seed(2))
@@ -90,6 +94,8 @@ def test_the_fused_step_gives_transformers_logits(name, kernel, kind):
     fused = FusedDecoder(model, rows=5)
     if kernel == "onednn":  # packed for the step's rows: the same copies the model's layers read otherwise
         assert fused.layers[0].products[0][0].is_mkldnn and fused.head[0].is_mkldnn
+    elif kernel == "auto, Intel":
+        assert all(isinstance(w, cpu_matmul.MKLPacked) for w in (fused.layers[0].products[0][0], fused.head[0]))
     got = _decode(model, fused, tokens)
     for step, (a, b) in enumerate(zip(expected, got)):
         assert b.shape == a.shape == (5, model.config.vocab_size)

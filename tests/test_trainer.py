@@ -416,8 +416,8 @@ def test_bfloat16_products_on_cpu_train_the_blocks_in_bfloat16(workspace, monkey
     packed_dtypes = set()
     real_decode_weight = cpu_matmul.decode_weight
 
-    def recording(weight, rows, in_block):  # the rollout's copies of the weights for its decode steps
-        copy = real_decode_weight(weight, rows, in_block)
+    def recording(weight, rows, in_block, persistent=False):  # the rollout's copies for its decode steps
+        copy = real_decode_weight(weight, rows, in_block, persistent)
         packed_dtypes.add(copy.dtype)
         return copy
 

@@ -7,8 +7,8 @@ third of the step on 2 CPU cores (``bench/decode.py``). :class:`FusedDecoder` ru
 same parameters and KV cache with four products per layer (q, k and v in one, gate and up in one, o, down),
 torch's RMS norm kernel, and the rotation on the two halves of each head. Its logits are transformers' to
 float32 rounding (``tests/test_fused_decode.py``). The products read copies of the weights made once per
-rollout for the step's row count (:func:`rlhf_core.models.cpu_matmul.decode_weight`: oneDNN's layout, the
-blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed layers do otherwise.
+rollout for the step's row count (:func:`rlhf_core.models.cpu_matmul.decode_weight`: MKL's or oneDNN's packed
+layout, the blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed layers do otherwise.
 
 :func:`unsupported` says why a model cannot take it; the rollout then runs transformers' layers. It takes
 llama and qwen2 models with full attention, a SiLU MLP, RMS norms, a rotary embedding given by the module's

@@ -6,7 +6,7 @@ response from the start (:mod:`rlhf_core.rollout.cache`), so decode steps write 
 rather than copy the cache, and the prompt pass runs the LM head on its last position only. On CPU
 the decode steps of llama and qwen2 models run :class:`~rlhf_core.rollout.fused_decode.FusedDecoder`
 (the same step in fewer, fused operations); other models' linear layers read a copy of their weights
-in oneDNN's layout for the rollout (:func:`rlhf_core.models.cpu_matmul.packed_weights`).
+packed for the rollout, in MKL's layout or oneDNN's (:func:`rlhf_core.models.cpu_matmul.packed_weights`).
 The loop stops when every sequence has produced EOS (or when ``synced`` says every rank has,
 so that sharded models run the same number of forward passes on every rank); with ``ignore_eos``
 an EOS is a token like any other and every response runs to ``max_new_tokens``.
@@ -131,7 +131,7 @@ class HFRolloutEngine:
         eos_ids = self.eos_ids.to(device)
 
         # the decode steps' weights for their row count, copied for this rollout (the update changes them): the
-        # fused step's own, or the model's layers' in oneDNN's layout
+        # fused step's own, or the model's layers' packed (MKL's layout or oneDNN's)
         # (the fused step takes only models whose weights are on the CPU)
         decode_rows = prompt_ids.shape[0] * n
         fused = FusedDecoder(self.module, decode_rows) if FUSED_DECODE and unsupported(self.module) is None else None
