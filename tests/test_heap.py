@@ -19,13 +19,15 @@ pytestmark = pytest.mark.skipif(not heap.glibc(), reason="the settings are glibc
 
 BLOCK_FLOATS = 12_500_000  # 50 MB: above the 32 MB ceiling of glibc's own mmap threshold
 PAGES = BLOCK_FLOATS * 4 // 4096  # pages such a block spans, each faulted in once when it is fresh
+ROUNDS = 32  # the heap grows over the first 6-9 rounds (measured) before freed blocks fit the next request
 
 FAULTS = f"""
 import json, resource, sys, torch
+ROUNDS = {ROUNDS}
 from rlhf_core import heap
 kept = heap.keep_freed_memory() if sys.argv[1] == "keep" else False
 counts = []
-for _ in range(16):
+for _ in range(ROUNDS):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = torch.empty({BLOCK_FLOATS})
     block.fill_(1.0)
@@ -36,8 +38,8 @@ print(json.dumps({{"kept": kept, "faults": counts}}))
 
 
 def _faults(mode: str) -> dict:
-    """Minor page faults of 16 allocate-fill-free rounds of a 50 MB tensor, in a fresh process (the settings
-    are process-wide and cannot be undone)."""
+    """Minor page faults of ``ROUNDS`` allocate-fill-free rounds of a 50 MB tensor, in a fresh process (the
+    settings are process-wide and cannot be undone)."""
     out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -45,14 +47,18 @@ def _faults(mode: str) -> dict:
 def test_glibc_defaults_fault_every_fresh_block_in():
     run = _faults("default")
     assert run["kept"] is False
-    assert all(count >= 0.95 * PAGES for count in run["faults"][-4:]), run["faults"]
+    assert all(count >= 0.95 * PAGES for count in run["faults"][ROUNDS // 2:]), run["faults"]
 
 
 def test_kept_heap_hands_a_freed_block_out_again_without_faults():
     run = _faults("keep")
     assert run["kept"] is True
     assert run["faults"][0] >= 0.95 * PAGES  # the first block is fresh memory either way
-    assert run["faults"][-4:] == [0, 0, 0, 0], run["faults"]  # once the heap has grown, its pages come back
+    # once the heap has grown, a freed block's pages come back: in the second half no round faults a block in
+    # but for at most two (one stray fresh block, after seven rounds without, was seen once in a test run beside
+    # other work; glibc's defaults fault in every one)
+    fresh = [count for count in run["faults"][ROUNDS // 2:] if count >= 0.5 * PAGES]
+    assert len(fresh) <= 2 and sum(run["faults"][ROUNDS // 2:]) <= 2.1 * PAGES, run["faults"]
 
 
 def test_keep_freed_memory_is_once_per_process_and_idempotent():
