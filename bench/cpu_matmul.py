@@ -7,7 +7,8 @@ Four measurements, each kernel alternating with the other in one process (median
    same product in float64 (relative to the largest entry), so that speed is not bought with precision;
 2. a decode step's products: every linear layer of the model once, and the fused step's stacked products
    (:mod:`rlhf_core.rollout.fused_decode`), at ``--decode-rows`` rows, by BLAS, by oneDNN, by oneDNN on
-   weights reordered into its blocked layout (what the rollout does), and by MKL's packed sgemm;
+   weights reordered into its blocked layout (what the rollout does elsewhere), and by MKL's packed sgemm
+   (what the rollout does on Intel CPUs under ``trainer.cpu_matmul=auto``);
 3. the model's forward and backward over ``--batch`` x ``--seq`` tokens (LM head on the last 64 positions),
    every linear layer on one kernel, then on the other;
 4. a fresh 200 MB tensor filled and added to, in a child process with and without
