@@ -100,7 +100,7 @@ def decode_products(model: torch.nn.Module, rows: int, reps: int, fused: bool = 
         "oneDNN": lambda: [cpu_matmul.onednn_linear(inputs[w.shape[1]], w) for w in weights],
         "oneDNN, packed": lambda: [cpu_matmul.onednn_linear(inputs[w.shape[1]], p) for w, p in zip(weights, packed)],
     }
-    if hasattr(torch.ops.mkl, "_mkl_linear"):  # MKL's packed sgemm, what inductor uses for frozen float32 layers
+    if cpu_matmul.mkl_available():  # MKL's packed sgemm, what inductor uses for frozen float32 layers
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, rows) for w in weights]
         variants["MKL, packed"] = lambda: [torch.ops.mkl._mkl_linear(inputs[w.shape[1]], m, w, None, rows)
                                            for w, m in zip(weights, mkl)]

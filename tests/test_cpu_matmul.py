@@ -133,9 +133,6 @@ def test_the_key_takes_auto_by_default_and_the_two_kernels():
         cpu_matmul.configure("mkl")
 
 
-MKL_OPS = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
 @pytest.mark.parametrize(("capability", "vendor", "training", "decoding"), [
     ("AVX512", "AuthenticAMD", "onednn", "onednn"), ("AVX512_BF16", "AuthenticAMD", "onednn", "onednn"),
     ("AVX512", "GenuineIntel", "blas", "mkl"), ("AVX2", "GenuineIntel", "blas", "mkl"),
@@ -143,7 +140,7 @@ MKL_OPS = torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_lin
     ("DEFAULT", "AuthenticAMD", "blas", "onednn")])
 def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_MKL_packed_weights_on_Intel(
         capability, vendor, training, decoding, kind, onednn_calls, monkeypatch):
-    if decoding == "mkl" and not MKL_OPS:
+    if decoding == "mkl" and not cpu_matmul.mkl_available():
         pytest.skip("this torch build has no MKL packed sgemm")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: vendor)
@@ -171,7 +168,7 @@ def test_auto_trains_on_oneDNN_on_AMD_with_AVX512_only_and_decodes_on_MKL_packed
         assert layer.packed_weight.is_mkldnn
 
 
-@pytest.mark.skipif(not MKL_OPS, reason="this torch build has no MKL packed sgemm")
+@pytest.mark.skipif(not cpu_matmul.mkl_available(), reason="this torch build has no MKL packed sgemm")
 @pytest.mark.parametrize("bias", [True, False])
 def test_mkl_packed_products_are_the_products_in_float64_at_every_row_count_they_may_take(
         bias, kind, monkeypatch):
@@ -193,7 +190,7 @@ def test_mkl_packed_products_are_the_products_in_float64_at_every_row_count_they
         cpu_matmul.decode_product(torch.randn(3, 40), stacked, b)
 
 
-@pytest.mark.skipif(not MKL_OPS, reason="this torch build has no MKL packed sgemm")
+@pytest.mark.skipif(not cpu_matmul.mkl_available(), reason="this torch build has no MKL packed sgemm")
 def test_on_intel_bfloat16_block_weights_stay_on_oneDNN_while_the_head_packs_for_MKL(kind, monkeypatch):
     """MKL packs no bfloat16: only the float32 products take its layout."""
     monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")

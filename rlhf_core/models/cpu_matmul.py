@@ -146,6 +146,12 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def mkl_available() -> bool:
+    """Whether this torch build has MKL's packed sgemm ops (the reorder and the product)."""
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
 def onednn_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``input @ weight.T (+ bias)`` for 2-D float32 CPU tensors, by oneDNN (any strides)."""
     return torch.ops.mkldnn._linear_pointwise(input, weight, bias, "none", [], "")
@@ -257,8 +263,7 @@ def mkl_packs() -> bool:
     """Whether the decode steps' float32 products run on MKL's packed sgemm (:func:`decode_weight`): ``auto``
     on an Intel CPU, where MKL runs its own best code, with a build that has the op (inductor's for frozen
     float32 linear layers). On AMD CPUs MKL keeps to its AVX2 code, and oneDNN's packed layout stays."""
-    return (_kind == "auto" and cpu_vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_linear") and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    return _kind == "auto" and cpu_vendor() == "GenuineIntel" and mkl_available()
 
 
 class MKLPacked(NamedTuple):

@@ -417,7 +417,7 @@ class RewardModelTrainer:
                                      ray_address=cfg.trainer.ray_address)
             try:
                 self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul,
-                                   cfg.trainer.keep_freed_memory)
+                                       cfg.trainer.keep_freed_memory)
             except BaseException:
                 self.group.shutdown()
                 raise
