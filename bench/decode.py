@@ -124,7 +124,7 @@ def decode_ms(engine, prompts: Batch, n: int, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="demo,random25m,smollm2")
-    parser.add_argument("--rows", default="16,64", help="sequences per decode step (prompts x 4 samples)")
+    parser.add_argument("--rows", default="16,64", help="sequences per decode step (prompts x 4 samples; under 4 rows, one prompt x that many)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--layouts", default="flat",
@@ -148,7 +148,10 @@ def main() -> None:
         rates, _ = measured_rates(2048, model.config.hidden_size, model.config.intermediate_size, args.cpu_matmul_dtype)
         bandwidth = read_bandwidth_gbs(weight_bytes(model))
         for rows in (int(r) for r in args.rows.split(",")):
-            prompts = {layout: _prompts(rows // 4, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
+            n = min(4, rows)
+            if rows % n:
+                parser.error(f"--rows takes multiples of 4 (or 1 to 3), got {rows}")
+            prompts = {layout: _prompts(rows // n, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
             bound = decode_bound_s(model, rows, rates, bandwidth) * 1e3
             draws.append(f"{name}, {rows} rows x {model.config.vocab_size} entries: " + ", ".join(
@@ -156,11 +159,11 @@ def main() -> None:
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
             for variant in VARIANTS:  # warm-up
                 _use(variant)
-                decode_ms(engine, prompts[layouts[0]], 4, 4)
+                decode_ms(engine, prompts[layouts[0]], n, 4)
             for _ in range(args.reps):
                 for variant, layout in times:
                     _use(variant)
-                    times[variant, layout].append(decode_ms(engine, prompts[layout], 4, args.tokens))
+                    times[variant, layout].append(decode_ms(engine, prompts[layout], n, args.tokens))
             _use("ours")
             med = {key: statistics.median(t) for key, t in times.items()}
             for layout in layouts:

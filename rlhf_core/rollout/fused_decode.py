@@ -5,7 +5,7 @@ the RMS norms written out, rotary embedding through ``rotate_half``, the cache's
 bookkeeping. At a decode step's few rows each of them is short, so what surrounds them costs a fifth to a
 third of the step on 2 CPU cores (``bench/decode.py``). :class:`FusedDecoder` runs the same step from the
 same parameters and KV cache with four products per layer (q, k and v in one, gate and up in one, o, down),
-torch's RMS norm kernel, and the rotation on the two halves of each head. Its logits are transformers' to
+torch's RMS norm kernel, and the rotation of q's and k's heads in one pass. Its logits are transformers' to
 float32 rounding (``tests/test_fused_decode.py``). The products read copies of the weights made once per
 rollout for the step's row count (:func:`rlhf_core.models.cpu_matmul.decode_weight`: MKL's or oneDNN's packed
 layout, the blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed layers do otherwise.
@@ -122,17 +122,12 @@ class FusedDecoder:
         self.head = _product([module.lm_head], rows)
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of each row's position, (rows, 1, 1, head_dim / 2), as transformers' rotary module
-        computes them (float32, times the rope type's attention scaling)."""
+        """Factors that rotate each row's heads at ``positions`` (rows,) as transformers' rotary embedding does
+        (float32 angles, times the rope type's attention scaling), for a head viewed as its two halves (2, d/2):
+        ``x * cos + x.flip(halves) * sin`` gives ``(x1 cos - x2 sin, x2 cos + x1 sin)``. Both (rows, 1, 2, d/2)."""
         angles = positions[:, None].float() * self.inv_freq[None, :]
-        return ((angles.cos() * self.rope_scaling)[:, None, None, :],
-                (angles.sin() * self.rope_scaling)[:, None, None, :])
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        first, second = x[..., :half], x[..., half:]
-        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        cos, sin = angles.cos() * self.rope_scaling, angles.sin() * self.rope_scaling
+        return torch.stack((cos, cos), 1)[:, None], torch.stack((-sin, sin), 1)[:, None]
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
@@ -149,10 +144,13 @@ class FusedDecoder:
         for index, layer in enumerate(self.layers):
             qkv, o, gate_up, down = layer.products
             h = F.rms_norm(x, (x.shape[-1],), layer.norm1, layer.eps1)
-            q, k, v = product(h, *qkv).split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            q = self._rotate(q.reshape(rows, heads, 1, dim), cos, sin)
-            k = self._rotate(k.reshape(rows, kv_heads, 1, dim), cos, sin)
-            keys, values = cache.update(k, v.reshape(rows, kv_heads, 1, dim), index)
+            qkv_out = product(h, *qkv)
+            # q's and k's heads side by side, each as its two halves, rotated in one pass
+            qk = qkv_out[:, :(heads + kv_heads) * dim].reshape(rows, heads + kv_heads, 2, dim // 2)
+            qk = torch.addcmul(qk * cos, qk.flip(2), sin).view(rows, heads + kv_heads, 1, dim)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv_out[:, (heads + kv_heads) * dim:].reshape(rows, kv_heads, 1, dim)
+            keys, values = cache.update(k, v, index)
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                       enable_gqa=kv_heads != heads)
             x = x + product(attended.reshape(rows, heads * dim), *o)
