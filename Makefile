@@ -9,7 +9,7 @@ TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 DEMO_PREFERENCES := outputs/data/preference_synthetic
 
-.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data
+.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data gpu-wheels
 
 setup: $(STAMP)
 
@@ -96,6 +96,13 @@ bench: bench-setup demo-assets real-model
 	$(PY) bench/lora_memory.py
 	$(PY) bench/pipeline_overhead.py
 	$(PY) bench/learning.py
+
+# For bench/gpu_check.sh on a GPU machine that has torch, transformers, peft and accelerate but no package
+# index: the project's pure-Python needs beyond those (its config tree and override grammar), as wheels of
+# the versions installed here, into .whl/ (the script installs them from there; copy the folder along).
+gpu-wheels: setup
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir .whl \
+		$$($(PY) -m pip list --format=freeze | grep -iE '^(omegaconf|hydra-core|antlr4-python3-runtime)==')
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -12,7 +12,10 @@ generation rate, and the share of the step spent generating; then the ratio to t
 per GPU that verl's own example log shows for this model size (target: at least 2x on an H200).
 Planned to finish in under 8 minutes on one GPU.
 
-    python bench/gpu_throughput.py [--engines hf,vllm] [--batch 128 --n 4 --response 256] [--steps 3]
+``--smoke`` runs the same code on the CPU with a two-layer model of a few thousand parameters and a handful
+of rows, so that the script's own path is tested where there is no GPU (its figures mean nothing).
+
+    python bench/gpu_throughput.py [--engines hf,vllm] [--batch 128 --n 4 --response 256] [--steps 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -34,14 +37,17 @@ REPO = Path(__file__).resolve().parents[1]
 VERL_REFERENCE_TOKENS_PER_S = 1300.0  # verl's example PPO log for a 0.5B model, per GPU
 
 
-def qwen25_05b_shaped(out: Path) -> Path:
+def qwen25_05b_shaped(out: Path, smoke: bool = False) -> Path:
+    """Qwen2.5-0.5B's shapes with random bf16 weights at ``out`` (``smoke``: two small layers, on the CPU)."""
     tokenizer = toy.build_char_tokenizer(2048)
-    config = toy._llama_config(tokenizer, hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864,
-                               max_position_embeddings=2048)
-    config.vocab_size = 151_936  # the real vocabulary's size (the character tokenizer uses the first ids)
+    sizes = (dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128) if smoke else
+             dict(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864))
+    config = toy._llama_config(tokenizer, **sizes, max_position_embeddings=2048)
+    if not smoke:
+        config.vocab_size = 151_936  # the real vocabulary's size (the character tokenizer uses the first ids)
     config.num_key_value_heads = 2
     config.rope_theta = 1_000_000.0
-    with torch.device("cuda"):
+    with torch.device("cpu" if smoke else "cuda"):
         model = toy.LlamaForCausalLM(config).to(torch.bfloat16)
     toy._save(model.cpu(), tokenizer, out)
     del model
@@ -57,11 +63,12 @@ def run(engine: str, model: Path, work: Path, args) -> dict:
         f"actor_rollout_ref.rollout.name={engine}", f"actor_rollout_ref.rollout.n={args.n}",
         "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={args.batch // 2}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32", "critic.ppo_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=64",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
+        f"critic.ppo_micro_batch_size_per_gpu={args.micro}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={2 * args.micro}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={2 * args.micro}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=true", "critic.model.enable_gradient_checkpointing=true",
-        "actor_rollout_ref.model.dtype=bfloat16", "trainer.device=cuda", "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.model.dtype=bfloat16", f"trainer.device={args.device}", "trainer.n_gpus_per_node=1",
         "trainer.logger=[]", f"trainer.default_local_dir={work / engine}", "trainer.val_before_train=false",
         *WHOLE_ROWS,  # gradient checkpointing is on, which the shared prefix cannot run with
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
@@ -82,7 +89,7 @@ def run(engine: str, model: Path, work: Path, args) -> dict:
              "perf/max_memory_allocated_gb")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engines", default="hf,vllm")
     parser.add_argument("--batch", type=int, default=128, help="prompts per step")
@@ -90,13 +97,20 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench/gpu_throughput.py needs a CUDA GPU")
+    parser.add_argument("--smoke", action="store_true",
+                        help="on the CPU, a tiny model, 4 prompts x 2, responses of 8 tokens, one step each")
+    args = parser.parse_args(argv)
+    args.micro, args.device = 32, "cuda"
+    if args.smoke:
+        args.batch, args.n, args.response, args.warmup, args.steps = 4, 2, 8, 1, 1
+        args.micro, args.device = 4, "cpu"
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench/gpu_throughput.py needs a CUDA GPU (--smoke runs its code on the CPU)")
     work = Path(tempfile.mkdtemp(prefix="gpu_throughput_"))
     build_dataset(work / "data", n_train=4096, n_test=16, seed=0, max_ops=2)
-    model = qwen25_05b_shaped(work / "model")
-    print(f"GPU: {torch.cuda.get_device_name()}; model: Qwen2.5-0.5B shapes, random weights; "
+    model = qwen25_05b_shaped(work / "model", smoke=args.smoke)
+    print(f"{'CPU smoke run' if args.smoke else 'GPU: ' + torch.cuda.get_device_name()}; model: "
+          f"{'two small layers' if args.smoke else 'Qwen2.5-0.5B shapes'}, random weights; "
           f"{args.batch} prompts x {args.n}, responses of {args.response} tokens")
     results = {engine: run(engine, model, work, args) for engine in args.engines.split(",")}
     for engine, r in results.items():
@@ -105,6 +119,7 @@ def main() -> None:
               f"({r['perf/throughput'] / VERL_REFERENCE_TOKENS_PER_S:.1f}x verl's 1.3k); "
               f"generation {r['perf/rollout_tokens_per_s']:.0f} response tokens/s; "
               f"peak {r['perf/max_memory_allocated_gb']:.1f} GiB")
+    return results
 
 
 if __name__ == "__main__":
