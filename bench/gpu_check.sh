@@ -37,6 +37,6 @@ PY
 # Great Expectations and Ray); vLLM's are left out
 tests=$(grep -lE "^(@|pytestmark = )pytest\.mark\.gpu" tests/test_*.py | grep -v "tests/test_vllm")
 # shellcheck disable=SC2086
-timeout 240 "$py" -m pytest -q -rs -m gpu -p no:cacheprovider $tests 2>&1 | tee "$out/gpu_tests.txt" || status=1
-timeout 240 "$py" bench/gpu_throughput.py --engines hf --steps 2 2>&1 | tee "$out/gpu_throughput.txt" || status=1
+timeout 200 "$py" -m pytest -q -rs -m gpu -p no:cacheprovider $tests 2>&1 | tee "$out/gpu_tests.txt" || status=1
+timeout 250 "$py" bench/gpu_throughput.py --engines hf --steps 2 2>&1 | tee "$out/gpu_throughput.txt" || status=1
 exit $status
