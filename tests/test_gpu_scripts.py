@@ -28,7 +28,8 @@ def gpu_test_files() -> list[Path]:
 
 def test_the_gpu_checks_import_nothing_that_a_bare_gpu_machine_lacks():
     files = gpu_test_files()
-    assert {"test_checkpoint.py", "test_shared_prefix.py"} <= {path.name for path in files}
+    assert {"test_checkpoint.py", "test_shared_prefix.py", "test_fsdp_one_rank.py"} <= {path.name for path in files}
+    files.append(REPO / "tests" / "test_distributed.py")  # test_fsdp_one_rank.py's child process imports it
     probe = (
         "import importlib.util, json, sys\n"
         f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'bench')!r}]\n"
