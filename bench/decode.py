@@ -23,11 +23,16 @@ is left out, with EOS switched off so that every row runs all R steps. The bound
 step's products at the faster kernel's matmul rate. ``--cpu-matmul`` picks the linear layers' kernel
 (``trainer.cpu_matmul``), ``--cpu-matmul-dtype`` the blocks' product dtype (``trainer.cpu_matmul_dtype``).
 
+With ``--lora-rank R`` the model is wrapped with PEFT LoRA adapters of rank R on every projection (B drawn
+away from zero), as an actor with ``actor_rollout_ref.model.lora_rank=R`` is: ``layers`` then runs PEFT's
+wrapped layers (the base weights packed, the adapters' two small products beside each), ``ours`` the fused
+step on weights with the adapters merged in once per rollout.
+
 With ``--layouts flat,ragged`` the prompts are also taken at 1/2 to all of ``--prompt-len`` tokens,
 left-padded as the trainer's are (so that attention has a padding mask), alternating with the
 flat ones in the same process.
 
-    python bench/decode.py [--models demo,random25m,smollm2] [--rows 16,64] [--layouts flat] [--reps 3]
+    python bench/decode.py [--models demo,random25m,smollm2] [--rows 16,64] [--layouts flat] [--reps 3] [--lora-rank R]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from transformers import DynamicCache
 
 import rlhf_core.rollout.hf as hf
 from rlhf_core.batch import Batch
-from rlhf_core.models import cpu_matmul
+from rlhf_core.models import cpu_matmul, lora
 from rlhf_core.models.loading import load_actor, load_tokenizer
 from rlhf_core.rollout import SamplingParams
 
@@ -78,6 +83,16 @@ def draw_ms(rows: int, vocab: int, reps: int = 50) -> dict[str, float]:
     draws = {"multinomial": _multinomial, "one-level CDF": _one_level_cdf, "two-level CDF": hf.draw_from}
     return {name: statistics.median(run_times(functools.partial(draw, probs, generator), reps)) * 1e3
             for name, draw in draws.items()}
+
+
+def with_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on every projection, as the actor applies them, B away from zero."""
+    torch.manual_seed(0)
+    model = lora.apply_lora(model, rank, 2 * rank, "all-linear")
+    for name, parameter in model.named_parameters():
+        if ".lora_B." in name:
+            parameter.data.normal_(0.0, 0.01)
+    return model
 
 
 VARIANTS = {
@@ -133,6 +148,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cpu-matmul", default="auto", choices=cpu_matmul.CHOICES)
     parser.add_argument("--cpu-matmul-dtype", default="float32", choices=cpu_matmul.DTYPE_CHOICES)
+    parser.add_argument("--lora-rank", type=int, default=0, help="wrap the model with LoRA adapters of this rank")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cpu_matmul.configure(args.cpu_matmul, args.cpu_matmul_dtype)
@@ -143,6 +159,8 @@ def main() -> None:
     lines, draws = [], []
     for name, path in available_models(args.models, work):
         model, tokenizer = load_actor(path), load_tokenizer(path)
+        if args.lora_rank:
+            model = with_lora(model, args.lora_rank)
         engine = hf.HFRolloutEngine(model, tokenizer, seed=0)
         engine.eos_ids = torch.tensor([-1])  # no token ends a row: R steps for every row
         rates, _ = measured_rates(2048, model.config.hidden_size, model.config.intermediate_size, args.cpu_matmul_dtype)
@@ -178,7 +196,8 @@ def main() -> None:
     print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
           f"{args.prompt_len}, left-padded), {args.tokens} new tokens, "
-          f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}; speed-up: dynamic over "
+          f"{args.threads} threads, linear layers on {args.cpu_matmul}, blocks' products in {args.cpu_matmul_dtype}"
+          f"{f', LoRA adapters of rank {args.lora_rank}' if args.lora_rank else ''}; speed-up: dynamic over "
           "ours; ours/layers: the fused step's time over transformers' layers'; ours/oneDNN: over the fused step's "
           f"on oneDNN's packed weights (MKL's packed products in ours: {MKL_PACKS()}); x bound: our decode step over the "
           "longer of weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")

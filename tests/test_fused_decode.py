@@ -129,7 +129,7 @@ def test_in_bfloat16_the_fused_step_rounds_as_the_layers_do(kind):
     ("gelu", "hidden_act 'gelu'"),
     ("dynamic rope", "rope type 'dynamic'"),
     ("sliding window", "sliding-window"),
-    ("lora", "LoRA"),
+    ("dora", "DoRA"),
     ("float64", "plain float32"),
 ])
 def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
@@ -143,8 +143,10 @@ def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
     elif case == "sliding window":
         model = AutoModelForCausalLM.from_config(Qwen2Config(
             **SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=1))
-    elif case == "lora":
-        model = lora.apply_lora(AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)), 4, 8, "all-linear")
+    elif case == "dora":
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)),
+                               LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
     else:
         model = AutoModelForCausalLM.from_config(LlamaConfig(**SMALL)).double()
     assert reason in unsupported(model)
@@ -152,11 +154,47 @@ def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
         FusedDecoder(model, rows=2)
 
 
-def _engine_run(tmp_path, monkeypatch, fused: bool):
+def _lora_model() -> torch.nn.Module:
+    """The first configuration with LoRA adapters of rank 4 on every projection, A and B away from zero."""
+    model = lora.apply_lora(_model(CONFIGS["llama, grouped kv heads, tied"]()), 4, 8, "all-linear").eval()
+    generator = torch.Generator().manual_seed(5)
+    for name, parameter in model.named_parameters():
+        if ".lora_" in name:
+            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.2
+    return model
+
+
+def test_with_lora_the_fused_step_gives_the_adapted_layers_logits(kind):
+    kind("auto")
+    model = _lora_model()
+    tokens = torch.randint(3, model.config.vocab_size, (5, 5), generator=torch.Generator().manual_seed(2))
+    adapted = _decode(model, _layers_step(model), tokens)
+    # the PEFT model, and the transformers model inside it with its wrapped layers (what the actor's rollout holds)
+    for module in (model, lora.base_model(model)):
+        assert unsupported(module) is None
+        got = _decode(model, FusedDecoder(module, rows=5), tokens)
+        for step, (a, b) in enumerate(zip(adapted, got)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{type(module).__name__}, step {step}")
+    # with the adapters off (the reference policy's setting) the step multiplies the base weights alone
+    with model.disable_adapter():
+        base = _decode(model, _layers_step(model), tokens)
+        off = _decode(model, FusedDecoder(model, rows=5), tokens)
+    for a, b in zip(base, off):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    assert (adapted[0] - base[0]).abs().max() > 0.05  # the adapters do change the logits
+
+
+def _engine_run(tmp_path, monkeypatch, fused: bool, lora_rank: int = 0):
     path = tmp_path / "model"
     if not path.exists():
         random_toy_model(path, n_layers=2, hidden_size=32, seed=3)
     model, tokenizer = load_actor(path), load_tokenizer(path)
+    if lora_rank:
+        torch.manual_seed(0)  # PEFT draws A from the global generator: the same adapters in every run
+        model = lora.apply_lora(model, lora_rank, 2 * lora_rank, "all-linear")
+        for name, parameter in model.named_parameters():
+            if ".lora_B." in name:  # B away from zero: the adapters change what is sampled
+                parameter.data = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(6)) * 0.5
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["ab", "cde", "f"]]
     prompts = Batch(left_pad(ids, tokenizer.pad_token_id), {})
     monkeypatch.setattr(hf, "FUSED_DECODE", fused)
@@ -172,10 +210,11 @@ def _engine_run(tmp_path, monkeypatch, fused: bool):
     return out, steps
 
 
-def test_the_rollout_samples_the_same_tokens_with_the_fused_step(tmp_path, monkeypatch, kind):
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_rollout_samples_the_same_tokens_with_the_fused_step(tmp_path, monkeypatch, kind, lora_rank):
     kind("onednn")
-    layers, no_steps = _engine_run(tmp_path, monkeypatch, fused=False)
-    fused, steps = _engine_run(tmp_path, monkeypatch, fused=True)
+    layers, no_steps = _engine_run(tmp_path, monkeypatch, fused=False, lora_rank=lora_rank)
+    fused, steps = _engine_run(tmp_path, monkeypatch, fused=True, lora_rank=lora_rank)
     assert no_steps == [] and steps == [6] * (fused["responses"].shape[1] - 1)  # every decode step, 3 x 2 rows
     for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
         assert torch.equal(fused[key], layers[key]), key

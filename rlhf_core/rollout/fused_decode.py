@@ -13,7 +13,9 @@ layout, the blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed lay
 :func:`unsupported` says why a model cannot take it; the rollout then runs transformers' layers. It takes
 llama and qwen2 models with full attention, a SiLU MLP, RMS norms, a rotary embedding given by the module's
 inverse frequencies (default, linear, llama3 or yarn), and float32 ``nn.Linear`` projections held whole on
-the CPU: not LoRA-wrapped, not sharded. The prompt pass is transformers' in every case.
+the CPU (not sharded). Projections wrapped by PEFT's LoRA are multiplied by one weight per rollout,
+``W + (alpha / r) B A`` of the active adapter (the base weight alone while the adapters are off); DoRA, adapter
+biases and several adapters at once are not taken. The prompt pass is transformers' in every case.
 """
 
 from __future__ import annotations
@@ -39,15 +41,59 @@ def layer_products(layer: torch.nn.Module) -> list[list[torch.nn.Module | None]]
     return [[getattr(getattr(layer, part, None), name, None) for name in names] for part, names in PRODUCTS]
 
 
+def _is_lora_linear(layer: object) -> bool:
+    """Whether ``layer`` is a PEFT LoRA wrapper around a linear layer (its ``base_layer``)."""
+    return hasattr(layer, "base_layer") and hasattr(layer, "lora_A") and hasattr(layer, "get_delta_weight")
+
+
+def _base(layer: object) -> object:
+    """The linear layer that does the product: the base layer under a LoRA wrapper, else ``layer``."""
+    return layer.base_layer if _is_lora_linear(layer) else layer
+
+
+def _active_adapters(layer) -> list[str]:
+    """The LoRA adapters that change ``layer``'s output now (none while they are off or merged into its weight)."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [name for name in layer.active_adapters if name in layer.lora_A]
+
+
+def _adapter_problem(layer: object) -> str | None:
+    """Why a LoRA-wrapped ``layer`` cannot be multiplied as one merged weight (None where it can, or unwrapped)."""
+    if not _is_lora_linear(layer):
+        return None
+    adapters = _active_adapters(layer)
+    if len(adapters) > 1:
+        return f"several LoRA adapters are active at once ({adapters})"
+    if any(layer.use_dora.get(name) for name in adapters):
+        return "its LoRA adapters are DoRA"
+    if any(getattr(layer, "lora_bias", {}).get(name) for name in adapters):
+        return "its LoRA adapters have biases"
+    return None
+
+
 def _plain_linear(layer: object) -> bool:
-    return (type(layer) in (torch.nn.Linear, cpu_matmul.RoutedLinear)
-            and cpu_matmul.plain_cpu_float32(layer.weight))
+    base = _base(layer)
+    return (type(base) in (torch.nn.Linear, cpu_matmul.RoutedLinear)
+            and cpu_matmul.plain_cpu_float32(base.weight) and _adapter_problem(layer) is None)
+
+
+def _weight(layer: torch.nn.Module) -> torch.Tensor:
+    """The weight ``layer`` multiplies by, LoRA merged in: ``W + (alpha / r) B A`` of the active adapter."""
+    weight = _base(layer).weight.detach()
+    if _is_lora_linear(layer):
+        for name in _active_adapters(layer):
+            weight = weight + layer.get_delta_weight(name).detach()
+    return weight
 
 
 def unsupported(module: torch.nn.Module) -> str | None:
-    """Why :class:`FusedDecoder` cannot run ``module`` (a transformers causal LM), or None where it can."""
-    if lora.is_lora(module):
-        return "LoRA adapters wrap its layers"
+    """Why :class:`FusedDecoder` cannot run ``module`` (a transformers causal LM, PEFT-wrapped or not), or None
+    where it can."""
+    for layer in module.modules():
+        if _is_lora_linear(layer) and (problem := _adapter_problem(layer)) is not None:
+            return problem
+    module = lora.base_model(module)
     config = getattr(module, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in ARCHITECTURES:
@@ -66,7 +112,7 @@ def unsupported(module: torch.nn.Module) -> str | None:
         return "sliding-window attention or tensor-parallel pretraining layout"
     for index, layer in enumerate(body.layers):
         if not all(_plain_linear(linear) for group in layer_products(layer) for linear in group):
-            return f"layer {index}'s projections are not plain float32 CPU linear layers (LoRA, sharded or moved)"
+            return f"layer {index}'s projections are not plain float32 CPU linear layers (sharded or moved)"
         if not all(type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon")
                    for norm in (getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None))):
             return f"layer {index}'s norms are not RMS norms"
@@ -86,18 +132,19 @@ class _Layer(NamedTuple):
 def _in_block(linear: torch.nn.Linear) -> bool:
     """Whether the layer multiplies in ``product_dtype()``, as :func:`rlhf_core.models.cpu_matmul.route` marks
     the layers inside transformer blocks (an unrouted layer multiplies in float32 everywhere)."""
-    return getattr(linear, "in_block", False)
+    return getattr(_base(linear), "in_block", False)
 
 
-def _product(linears: list[torch.nn.Linear], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layers' weights stacked into one product for ``rows`` rows, and their biases (zeros where a layer has
-    none, None where none has)."""
-    weight = linears[0].weight if len(linears) == 1 else torch.cat([linear.weight.detach() for linear in linears])
+def _product(linears: list[torch.nn.Module], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights (LoRA merged in) stacked into one product for ``rows`` rows, and their biases (zeros
+    where a layer has none, None where none has)."""
+    weight = _weight(linears[0]) if len(linears) == 1 else torch.cat([_weight(linear) for linear in linears])
     weight = cpu_matmul.decode_weight(weight, rows, _in_block(linears[0]))
-    if all(linear.bias is None for linear in linears):
+    bases = [_base(linear) for linear in linears]
+    if all(base.bias is None for base in bases):
         return weight, None
-    return weight, torch.cat([linear.bias.detach() if linear.bias is not None
-                              else linear.weight.new_zeros(linear.out_features) for linear in linears])
+    return weight, torch.cat([base.bias.detach() if base.bias is not None
+                              else base.weight.new_zeros(base.out_features) for base in bases])
 
 
 class FusedDecoder:
@@ -108,6 +155,7 @@ class FusedDecoder:
         reason = unsupported(module)
         if reason is not None:
             raise ValueError(f"the fused decode step cannot run this model: {reason}")
+        module = lora.base_model(module)
         config, body = module.config, module.model
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
