@@ -91,7 +91,11 @@ def test_the_fused_step_gives_transformers_logits(name, kernel, kind, monkeypatc
     assert unsupported(model) is None
     tokens = torch.randint(3, model.config.vocab_size, (5, 6), generator=torch.Generator().manual_seed(2))
     expected = _decode(model, _layers_step(model), tokens)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     fused = FusedDecoder(model, rows=5)
+    # the norms' weights ride in the float32 products' copies; the model's own tensors are untouched
+    assert fused.layers[0].norm1 is None and fused.layers[0].norm2 is None and fused.final_norm is None
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
     if kernel == "onednn":  # packed for the step's rows: the same copies the model's layers read otherwise
         assert fused.layers[0].products[0][0].is_mkldnn and fused.head[0].is_mkldnn
     elif kernel == "auto, Intel":
@@ -112,6 +116,8 @@ def test_in_bfloat16_the_fused_step_rounds_as_the_layers_do(kind):
     kind("auto", "bfloat16")
     fused = FusedDecoder(model, rows=5)
     assert fused.layers[0].products[0][0].dtype == fused.layers[0].products[3][0].dtype == torch.bfloat16
+    # in bfloat16 the norms keep their weights on the float32 side, as the layers do; the float32 head takes its own
+    assert fused.layers[0].norm1 is not None and fused.final_norm is None
     assert fused.head[0].dtype == torch.float32
     unrouted = AutoModelForCausalLM.from_config(CONFIGS["llama, grouped kv heads, tied"]())
     assert FusedDecoder(unrouted, rows=5).layers[0].products[0][0].dtype == torch.float32  # as its own layers multiply
@@ -170,9 +176,11 @@ def test_with_lora_the_fused_step_gives_the_adapted_layers_logits(kind):
     tokens = torch.randint(3, model.config.vocab_size, (5, 5), generator=torch.Generator().manual_seed(2))
     adapted = _decode(model, _layers_step(model), tokens)
     # the PEFT model, and the transformers model inside it with its wrapped layers (what the actor's rollout holds)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     for module in (model, lora.base_model(model)):
         assert unsupported(module) is None
         got = _decode(model, FusedDecoder(module, rows=5), tokens)
+        assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
         for step, (a, b) in enumerate(zip(adapted, got)):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{type(module).__name__}, step {step}")
     # with the adapters off (the reference policy's setting) the step multiplies the base weights alone

@@ -5,7 +5,8 @@ the RMS norms written out, rotary embedding through ``rotate_half``, the cache's
 bookkeeping. At a decode step's few rows each of them is short, so what surrounds them costs a fifth to a
 third of the step on 2 CPU cores (``bench/decode.py``). :class:`FusedDecoder` runs the same step from the
 same parameters and KV cache with four products per layer (q, k and v in one, gate and up in one, o, down),
-torch's RMS norm kernel, and the rotation of q's and k's heads in one pass. Its logits are transformers' to
+torch's RMS norm kernel (each norm's weight folded into the float32 product after it:
+``W (w * x) = (W diag(w)) x``), and the rotation of q's and k's heads in one pass. Its logits are transformers' to
 float32 rounding (``tests/test_fused_decode.py``). The products read copies of the weights made once per
 rollout for the step's row count (:func:`rlhf_core.models.cpu_matmul.decode_weight`: MKL's or oneDNN's packed
 layout, the blocks in ``trainer.cpu_matmul_dtype``), as the rollout's packed layers do otherwise.
@@ -118,13 +119,15 @@ def unsupported(module: torch.nn.Module) -> str | None:
             return f"layer {index}'s norms are not RMS norms"
     if not _plain_linear(getattr(module, "lm_head", None)):
         return "the LM head is not a plain float32 CPU linear layer"
+    if not (type(body.norm).__name__.endswith("RMSNorm") and hasattr(body.norm, "variance_epsilon")):
+        return "the final norm is not an RMS norm"
     return None
 
 
 class _Layer(NamedTuple):
-    norm1: torch.Tensor
+    norm1: torch.Tensor | None  # None: folded into the q/k/v product
     eps1: float
-    norm2: torch.Tensor
+    norm2: torch.Tensor | None  # None: folded into the gate/up product
     eps2: float
     products: list[tuple[torch.Tensor, torch.Tensor | None]]  # (weight, bias) of q/k/v, o, gate/up, down
 
@@ -135,10 +138,21 @@ def _in_block(linear: torch.nn.Linear) -> bool:
     return getattr(_base(linear), "in_block", False)
 
 
-def _product(linears: list[torch.nn.Module], rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _folds(linear: torch.nn.Module) -> bool:
+    """Whether the weight of the RMS norm before ``linear`` is folded into its copy: where it multiplies in float32
+    (in bfloat16 the norm's weight stays on the float32 side of the rounding, as in the layers)."""
+    return not _in_block(linear) or cpu_matmul.product_dtype() == torch.float32
+
+
+def _product(linears: list[torch.nn.Module], rows: int, scale: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layers' weights (LoRA merged in) stacked into one product for ``rows`` rows, and their biases (zeros
-    where a layer has none, None where none has)."""
+    where a layer has none, None where none has). ``scale`` (the inputs' width) multiplies the weights' columns:
+    ``W (w * x) = (W diag(w)) x`` takes an RMS norm's weight ``w`` into the product."""
     weight = _weight(linears[0]) if len(linears) == 1 else torch.cat([_weight(linear) for linear in linears])
+    if scale is not None:  # in place on a copy made here (stacked or merged); the layers' own weights stay as they are
+        owned = len(linears) > 1 or weight.data_ptr() != _base(linears[0]).weight.data_ptr()
+        weight = weight.mul_(scale) if owned else weight * scale
     weight = cpu_matmul.decode_weight(weight, rows, _in_block(linears[0]))
     bases = [_base(linear) for linear in linears]
     if all(base.bias is None for base in bases):
@@ -160,14 +174,27 @@ class FusedDecoder:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.intermediate = config.intermediate_size
-        self.embed, self.final_norm = body.embed_tokens, body.norm
+        self.embed = body.embed_tokens
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()
         self.rope_scaling = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
-        self.layers = [_Layer(layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
-                              layer.post_attention_layernorm.weight.detach(),
-                              layer.post_attention_layernorm.variance_epsilon,
-                              [_product(group, rows) for group in layer_products(layer)]) for layer in body.layers]
-        self.head = _product([module.lm_head], rows)
+        self.layers = [self._layer(layer, rows) for layer in body.layers]
+        self.final_norm, self.final_eps = self._norm(body.norm, module.lm_head)
+        self.head = _product([module.lm_head], rows, None if self.final_norm is not None else body.norm.weight.detach())
+
+    @staticmethod
+    def _norm(norm: torch.nn.Module, linear: torch.nn.Module) -> tuple[torch.Tensor | None, float]:
+        """The RMS norm before ``linear`` as the step applies it: its weight (None where the product takes it) and eps."""
+        return (None if _folds(linear) else norm.weight.detach()), norm.variance_epsilon
+
+    def _layer(self, layer: torch.nn.Module, rows: int) -> _Layer:
+        qkv, o, gate_up, down = layer_products(layer)
+        norm1, eps1 = self._norm(layer.input_layernorm, qkv[0])
+        norm2, eps2 = self._norm(layer.post_attention_layernorm, gate_up[0])
+        return _Layer(norm1, eps1, norm2, eps2, [
+            _product(qkv, rows, layer.input_layernorm.weight.detach() if norm1 is None else None),
+            _product(o, rows),
+            _product(gate_up, rows, layer.post_attention_layernorm.weight.detach() if norm2 is None else None),
+            _product(down, rows)])
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Factors that rotate each row's heads at ``positions`` (rows,) as transformers' rotary embedding does
@@ -205,4 +232,4 @@ class FusedDecoder:
             h = F.rms_norm(x, (x.shape[-1],), layer.norm2, layer.eps2)
             up = product(h, *gate_up)
             x = x + product(F.silu(up[:, :self.intermediate]) * up[:, self.intermediate:], *down)
-        return product(self.final_norm(x), *self.head)
+        return product(F.rms_norm(x, (x.shape[-1],), self.final_norm, self.final_eps), *self.head)
