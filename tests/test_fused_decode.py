@@ -160,14 +160,20 @@ def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
         FusedDecoder(model, rows=2)
 
 
-def _lora_model() -> torch.nn.Module:
-    """The first configuration with LoRA adapters of rank 4 on every projection, A and B away from zero."""
-    model = lora.apply_lora(_model(CONFIGS["llama, grouped kv heads, tied"]()), 4, 8, "all-linear").eval()
-    generator = torch.Generator().manual_seed(5)
+def _with_adapters(model: torch.nn.Module, rank: int, std: float, seed: int) -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on every projection, A and B drawn from N(0, std^2) (PEFT starts
+    B at zero, where the adapters would change nothing)."""
+    model = lora.apply_lora(model, rank, 2 * rank, "all-linear")
+    generator = torch.Generator().manual_seed(seed)
     for name, parameter in model.named_parameters():
         if ".lora_" in name:
-            parameter.data = torch.randn(parameter.shape, generator=generator) * 0.2
+            parameter.data = torch.randn(parameter.shape, generator=generator) * std
     return model
+
+
+def _lora_model() -> torch.nn.Module:
+    """The first configuration with LoRA adapters of rank 4, A and B away from zero."""
+    return _with_adapters(_model(CONFIGS["llama, grouped kv heads, tied"]()), 4, 0.2, seed=5).eval()
 
 
 def test_with_lora_the_fused_step_gives_the_adapted_layers_logits(kind):
@@ -197,12 +203,8 @@ def _engine_run(tmp_path, monkeypatch, fused: bool, lora_rank: int = 0):
     if not path.exists():
         random_toy_model(path, n_layers=2, hidden_size=32, seed=3)
     model, tokenizer = load_actor(path), load_tokenizer(path)
-    if lora_rank:
-        torch.manual_seed(0)  # PEFT draws A from the global generator: the same adapters in every run
-        model = lora.apply_lora(model, lora_rank, 2 * lora_rank, "all-linear")
-        for name, parameter in model.named_parameters():
-            if ".lora_B." in name:  # B away from zero: the adapters change what is sampled
-                parameter.data = torch.randn(parameter.shape, generator=torch.Generator().manual_seed(6)) * 0.5
+    if lora_rank:  # adapters that change what is sampled, the same in every run
+        model = _with_adapters(model, lora_rank, 0.5, seed=6)
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["ab", "cde", "f"]]
     prompts = Batch(left_pad(ids, tokenizer.pad_token_id), {})
     monkeypatch.setattr(hf, "FUSED_DECODE", fused)

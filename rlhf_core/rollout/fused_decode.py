@@ -74,9 +74,10 @@ def _adapter_problem(layer: object) -> str | None:
 
 
 def _plain_linear(layer: object) -> bool:
+    """Whether ``layer``, or the base layer under its LoRA wrapper, is a plain float32 CPU linear layer (what the
+    adapters themselves allow is :func:`_adapter_problem`'s to say)."""
     base = _base(layer)
-    return (type(base) in (torch.nn.Linear, cpu_matmul.RoutedLinear)
-            and cpu_matmul.plain_cpu_float32(base.weight) and _adapter_problem(layer) is None)
+    return type(base) in (torch.nn.Linear, cpu_matmul.RoutedLinear) and cpu_matmul.plain_cpu_float32(base.weight)
 
 
 def _weight(layer: torch.nn.Module) -> torch.Tensor:
@@ -92,7 +93,7 @@ def unsupported(module: torch.nn.Module) -> str | None:
     """Why :class:`FusedDecoder` cannot run ``module`` (a transformers causal LM, PEFT-wrapped or not), or None
     where it can."""
     for layer in module.modules():
-        if _is_lora_linear(layer) and (problem := _adapter_problem(layer)) is not None:
+        if (problem := _adapter_problem(layer)) is not None:
             return problem
     module = lora.base_model(module)
     config = getattr(module, "config", None)
@@ -178,23 +179,22 @@ class FusedDecoder:
         self.inv_freq = body.rotary_emb.inv_freq.detach().float()
         self.rope_scaling = float(getattr(body.rotary_emb, "attention_scaling", 1.0))
         self.layers = [self._layer(layer, rows) for layer in body.layers]
-        self.final_norm, self.final_eps = self._norm(body.norm, module.lm_head)
-        self.head = _product([module.lm_head], rows, None if self.final_norm is not None else body.norm.weight.detach())
+        self.final_norm, scale, self.final_eps = self._norm(body.norm, module.lm_head)
+        self.head = _product([module.lm_head], rows, scale)
 
     @staticmethod
-    def _norm(norm: torch.nn.Module, linear: torch.nn.Module) -> tuple[torch.Tensor | None, float]:
-        """The RMS norm before ``linear`` as the step applies it: its weight (None where the product takes it) and eps."""
-        return (None if _folds(linear) else norm.weight.detach()), norm.variance_epsilon
+    def _norm(norm: torch.nn.Module, linear: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """The RMS norm before ``linear``: its weight where the step applies it and where the product after it
+        takes it in (one of the two None, by :func:`_folds`), and its eps."""
+        weight = norm.weight.detach()
+        return (None, weight, norm.variance_epsilon) if _folds(linear) else (weight, None, norm.variance_epsilon)
 
     def _layer(self, layer: torch.nn.Module, rows: int) -> _Layer:
         qkv, o, gate_up, down = layer_products(layer)
-        norm1, eps1 = self._norm(layer.input_layernorm, qkv[0])
-        norm2, eps2 = self._norm(layer.post_attention_layernorm, gate_up[0])
-        return _Layer(norm1, eps1, norm2, eps2, [
-            _product(qkv, rows, layer.input_layernorm.weight.detach() if norm1 is None else None),
-            _product(o, rows),
-            _product(gate_up, rows, layer.post_attention_layernorm.weight.detach() if norm2 is None else None),
-            _product(down, rows)])
+        norm1, scale1, eps1 = self._norm(layer.input_layernorm, qkv[0])
+        norm2, scale2, eps2 = self._norm(layer.post_attention_layernorm, gate_up[0])
+        return _Layer(norm1, eps1, norm2, eps2, [_product(qkv, rows, scale1), _product(o, rows),
+                                                 _product(gate_up, rows, scale2), _product(down, rows)])
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Factors that rotate each row's heads at ``positions`` (rows,) as transformers' rotary embedding does
