@@ -97,7 +97,7 @@ class ModelConfig:
     tokenizer_path: str | None = _k(None, "tokenizer directory; null = model.path")
     dtype: str = _k("float32", "dtype of the trained weights: float32 | bfloat16 | float16")
     enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward to save memory")
-    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash-attn on CUDA, or the CPU)")
     use_fused_kernels: bool = _k(False, "log-probs through the LM head in chunks of positions, never the whole "
                                         "(tokens x vocabulary) logits: less memory, one more head matmul "
                                         "(one process, padded rows, Llama/Qwen/Mistral heads; else the usual path)")
@@ -221,7 +221,7 @@ class CriticModelConfig:
     path: str | None = _k(None, "critic initialisation; null = the actor's model path")
     tokenizer_path: str | None = _k(None, "tokenizer directory; null = the actor's")
     enable_gradient_checkpointing: bool = _k(True, "recompute activations in backward")
-    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash attention only)")
+    use_remove_padding: bool = _k(False, "pack sequences without pad tokens (flash-attn on CUDA, or the CPU)")
     use_shared_prefix: bool = _k(False, SHARED_PREFIX_HELP)
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")

@@ -33,7 +33,7 @@ from transformers import (
 from rlhf_core.batch import Batch
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer, preflight
-from rlhf_core.models import cpu_matmul
+from rlhf_core.models import cpu_matmul, packed_attention
 from rlhf_core.models.loading import load_critic, load_tokenizer
 from rlhf_core.models.lora import apply_lora
 from rlhf_core.workers import distributed
@@ -187,12 +187,14 @@ def padded_batch(n_rows: int = 5, prompt_len: int = 9, response_len: int = 6, se
                   "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0)})
 
 
-def _same_as_padded(model_dir: Path, batch: Batch, **path) -> tuple[torch.nn.Module, torch.Tensor]:
-    """Log-probs, entropies and values of ``batch`` along ``path`` (packed or shared prefix) equal the padded
-    path's; returns the actor and its padded log-probs."""
+def _same_as_padded(model_dir: Path, batch: Batch, attention: str | None = None,
+                    **path) -> tuple[torch.nn.Module, torch.Tensor]:
+    """Log-probs, entropies and values of ``batch`` along ``path`` (packed or shared prefix, with the models
+    loaded with ``attention``) equal the padded path's; returns the actor and its padded log-probs."""
     mask = batch["response_mask"].bool()
-    actor = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    critic = load_critic(model_dir)
+    implementation = {"attn_implementation": attention} if attention else {}
+    actor = AutoModelForCausalLM.from_pretrained(model_dir, **implementation).eval()
+    critic = load_critic(model_dir, attn_implementation=attention)
     with torch.no_grad():
         torch.nn.init.normal_(critic.score.weight, std=0.5)
         padded = response_log_prob(actor, batch, temperature=1.0, with_entropy=True)
@@ -205,11 +207,13 @@ def _same_as_padded(model_dir: Path, batch: Batch, **path) -> tuple[torch.nn.Mod
     return actor, padded[0]
 
 
-def test_packed_sequences_equal_the_padded_path(family):
+@pytest.mark.parametrize("attention", [None, packed_attention.NAME])
+def test_packed_sequences_equal_the_padded_path(family, attention):
+    """transformers' sdpa (a block-diagonal mask) and packed_attention (a row per sequence) on packed rows."""
     _, model_dir = family
     batch = padded_batch()
     mask = batch["response_mask"].bool()
-    actor, padded = _same_as_padded(model_dir, batch, remove_padding=True)
+    actor, padded = _same_as_padded(model_dir, batch, attention, remove_padding=True)
     # an independent reference: each sequence alone, without any padding, through the plain model
     for row in range(len(batch)):
         valid = batch["attention_mask"][row].bool()

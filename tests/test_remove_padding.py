@@ -1,9 +1,10 @@
 """``use_remove_padding``: sequences packed into one row without pad tokens give the padded path's
-log-probs, entropies and values; without flash attention a notice and the padded path.
+log-probs, entropies, values and gradients.
 
-On CPU transformers keeps packed sequences apart with a block-diagonal mask built from the
-position ids (correct, though no cheaper than padding), so the packing code is checked here;
-with flash attention (``gpu``) the variable-length kernels run the same packed rows.
+On CPU the workers load their models with :mod:`rlhf_core.models.packed_attention`, which runs attention one
+sequence per row and every other operation on the real tokens only; transformers' own sdpa keeps packed
+sequences apart with a (tokens x tokens) block-diagonal mask built from the position ids, and both are checked
+here against each row run whole; with flash attention (``gpu``) the variable-length kernels run the same rows.
 """
 
 from __future__ import annotations
@@ -12,14 +13,16 @@ import importlib.util
 
 import pytest
 import torch
+from test_shared_prefix import assert_same_gradients, whole_row_outputs
 from transformers import AutoModelForCausalLM
 
 from rlhf_core.config import load_config
+from rlhf_core.models import packed_attention
 from rlhf_core.models.loading import load_critic, load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.workers.actor import ActorWorker, response_log_prob
-from rlhf_core.workers.common import packed_inputs
-from rlhf_core.workers.critic import response_values
+from rlhf_core.workers.common import packed_inputs, resolve_remove_padding
+from rlhf_core.workers.critic import CriticWorker, response_values
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +74,114 @@ def test_packed_and_padded_paths_give_the_same_log_probs_entropies_and_values(mo
     assert values[0][mask].abs().min() > 0
 
 
-def test_without_flash_attention_a_notice_and_the_padded_path(model_dir, capsys):
+@pytest.mark.parametrize("fused_head", [False, True])
+@pytest.mark.parametrize("attention", ["sdpa", packed_attention.NAME])
+def test_packed_log_probs_entropies_and_gradients_match_each_row_whole(model_dir, attention, fused_head):
+    batch = padded_batch(n_rows=7, prompt_len=9, response_len=6, seed=4)
+    mask = batch["response_mask"]
+    whole = AutoModelForCausalLM.from_pretrained(model_dir).train()  # the reference: transformers' sdpa, rows padded
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(5))
+    log_softmax = torch.log_softmax(whole_row_outputs(whole, batch) / 0.7, -1)
+    expected_lp = log_softmax.gather(-1, batch["responses"][..., None])[..., 0] * mask
+    expected_entropy = -(log_softmax.exp() * log_softmax).sum(-1) * mask
+    ((expected_lp + 0.1 * expected_entropy) * weights).sum().backward()
+    expected_grads = {name: p.grad for name, p in whole.named_parameters()}
+
+    packed = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=attention).train()
+    log_prob, entropy = response_log_prob(packed, batch, temperature=0.7, with_entropy=True, remove_padding=True,
+                                          fused_head=fused_head)
+    ((log_prob + 0.1 * entropy) * weights).sum().backward()
+    torch.testing.assert_close(log_prob, expected_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, expected_entropy.detach(), rtol=1e-5, atol=1e-5)
+    assert (log_prob[mask == 0] == 0).all() and (entropy[mask == 0] == 0).all()
+    assert_same_gradients(packed, expected_grads)
+
+
+def test_packed_values_and_their_gradients_match_each_row_whole(model_dir):
+    batch = padded_batch(n_rows=7, prompt_len=9, response_len=6, seed=6)
+    mask = batch["response_mask"]
+    whole = load_critic(model_dir).train()
+    with torch.no_grad():
+        torch.nn.init.normal_(whole.score.weight, std=0.5)  # a value head that is not all zeros
+    packed = load_critic(model_dir, attn_implementation=packed_attention.NAME).train()
+    packed.load_state_dict(whole.state_dict())
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(7))
+    expected = whole_row_outputs(whole, batch)[..., 0] * mask
+    (expected * weights).sum().backward()
+    values = response_values(packed, batch, remove_padding=True)
+    (values * weights).sum().backward()
+    torch.testing.assert_close(values, expected.detach(), rtol=1e-5, atol=1e-5)
+    assert values[mask.bool()].abs().min() > 0
+    assert_same_gradients(packed, {name: p.grad for name, p in whole.named_parameters()})
+
+
+def test_packed_attention_runs_each_sequence_causally_in_its_own_row_without_a_mask(model_dir, monkeypatch):
+    batch = padded_batch()
+    lengths = batch["attention_mask"].sum(-1)
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, **kwargs):
+        calls.append((tuple(query.shape), tuple(key.shape), attn_mask, kwargs.get("is_causal")))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", spy)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packed_attention.NAME).eval()
+    config = model.config
+    with torch.no_grad():
+        model(**packed_inputs(batch)[0], use_cache=False)
+    rows = (len(batch), config.num_attention_heads, int(lengths.max()), config.hidden_size // config.num_attention_heads)
+    assert len(calls) == config.num_hidden_layers
+    assert all(q == rows and k[2] == rows[2] and mask is None and causal for q, k, mask, causal in calls)
+
+
+def test_unpacked_calls_go_through_transformers_sdpa_unchanged(model_dir):
+    """The rollout decodes left-padded prompts against a KV cache with the same model: same logits, same tokens."""
+    sdpa = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    packed = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packed_attention.NAME).eval()
+    batch = padded_batch()
+    prompt_len = batch["prompts"].shape[1]
+    inputs = {"input_ids": batch["prompts"], "attention_mask": batch["attention_mask"][:, :prompt_len]}
+    with torch.no_grad():
+        torch.testing.assert_close(packed(**inputs).logits, sdpa(**inputs).logits, rtol=0, atol=0)
+        expected = sdpa.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = packed.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+def test_a_sliding_window_shorter_than_a_sequence_is_refused(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    attention = model.model.layers[0].self_attn
+    query = key = value = torch.randn(1, 2, 12, 8)
+    positions = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    out, _ = packed_attention.packed_sdpa_forward(attention, query, key, value, None, position_ids=positions,
+                                                  sliding_window=7)
+    assert out.shape == (1, 12, 2, 8)
+    with pytest.raises(NotImplementedError, match=r"sliding attention window \(6 positions\) shorter than a "
+                                                  r"sequence \(7\): set use_remove_padding=false"):
+        packed_attention.packed_sdpa_forward(attention, query, key, value, None, position_ids=positions,
+                                             sliding_window=6)
+
+
+def test_the_workers_pack_on_the_cpu_without_a_notice(model_dir, capsys):
     cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=true",
-                       "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.device=cpu",
-                       "trainer.n_gpus_per_node=1"])
-    actor = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
+                       "actor_rollout_ref.model.use_fused_kernels=true", "critic.model.use_remove_padding=true",
+                       "trainer.device=cpu", "trainer.n_gpus_per_node=1"])
+    actor = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=True)
+    critic = CriticWorker(cfg.critic, str(model_dir), "float32", total_steps=1, mini_batch_size=2,
+                          use_dynamic_bsz=False, ppo_epochs=1)
+    assert "notice:" not in capsys.readouterr().err
+    assert actor.remove_padding and critic.remove_padding and actor.fused_head  # packing keeps the chunked head
+    for model in (actor.forward_module, actor.ref_module, critic.forward_module):
+        assert model.config._attn_implementation == packed_attention.NAME
+
+
+def test_an_attention_that_cannot_pack_gives_a_notice_and_the_padded_path(model_dir, capsys):
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # transformers' sdpa, as on CUDA without flash-attn
+    assert resolve_remove_padding(True, model, "actor_rollout_ref.model.use_remove_padding") is False
     err = capsys.readouterr().err
-    assert "notice: actor_rollout_ref.model.use_remove_padding=true needs flash_attention_2" in err
-    assert "sequences run padded" in err and len([line for line in err.splitlines() if "notice:" in line]) == 1
-    assert actor.remove_padding is False
+    assert "notice: actor_rollout_ref.model.use_remove_padding=true needs flash_attention_2 on CUDA" in err
+    assert "attention here is sdpa, so sequences run padded" in err
 
 
 @pytest.mark.gpu

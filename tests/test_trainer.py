@@ -358,6 +358,28 @@ def test_shared_prefix_gives_the_same_update(workspace, capsys, lora):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_remove_padding_gives_the_same_update(workspace, capsys, lora):
+    """use_remove_padding on the CPU: the actor (old and reference log-probs, the update) and the critic (values,
+    update) run packed rows through packed_attention, and the step is the padded one to fp32 rounding."""
+    root, model, _ = workspace
+    extra = ("actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.ppo_epochs=2",
+             *(("actor_rollout_ref.model.lora_rank=4", "critic.model.lora_rank=4") if lora else ()))
+    reference, _, expected = _one_update(root, model, 4, False, *extra)
+    packed, _, metrics = _one_update(root, model, 4, False, *extra, "actor_rollout_ref.model.use_remove_padding=true",
+                                     "critic.model.use_remove_padding=true")
+    assert packed.actor.remove_padding and packed.critic.remove_padding and not reference.actor.remove_padding
+    assert "use_remove_padding" not in capsys.readouterr().err  # no notice: it runs
+    for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "actor/kl_loss", "actor/ppo_kl",
+                "critic/vf_loss"):
+        assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    assert expected["actor/kl_loss"] > 0
+    for worker in ("actor", "critic"):
+        for (name, a), b in zip(getattr(reference, worker).module.state_dict().items(),
+                                getattr(packed, worker).module.state_dict().values()):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+
+
 def test_torch_compile_gives_the_same_update(workspace):
     """use_torch_compile: the policy's and reference's MLPs and norms run compiled (inductor) in the rollout, the
     log-prob passes and the update, and the step is the eager one to fp32 rounding."""

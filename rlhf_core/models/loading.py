@@ -20,7 +20,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from rlhf_core.models import cpu_matmul
+from rlhf_core.models import cpu_matmul, packed_attention
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -102,11 +102,14 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.
 
 
 def attention_for(use_remove_padding: bool, device: torch.device | str) -> str | None:
-    """``flash_attention_2`` when packed sequences are asked for and can run (CUDA + flash-attn);
-    None (the model's default attention) otherwise."""
-    if use_remove_padding and torch.device(device).type == "cuda" and importlib.util.find_spec("flash_attn"):
+    """The attention for packed sequences where they are asked for: ``flash_attention_2`` on CUDA with flash-attn,
+    :data:`packed_attention.NAME` on the CPU; None (the model's default attention) otherwise."""
+    if not use_remove_padding:
+        return None
+    kind = torch.device(device).type
+    if kind == "cuda" and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    return None
+    return packed_attention.NAME if kind == "cpu" else None
 
 
 def _attn_kwargs(attn_implementation: str | None) -> dict:

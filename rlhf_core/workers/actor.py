@@ -50,7 +50,6 @@ from rlhf_core.workers.common import (
     resolve_shared_prefix,
     shared_prompt_hidden,
     trimmed_inputs,
-    unpack,
 )
 
 
@@ -66,7 +65,7 @@ def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
     (``use_shared_prefix``, for a model that :func:`supports_fused_head`) runs each distinct prompt once
     (:func:`shared_prompt_hidden`)."""
     if remove_padding:
-        log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy)
+        log_prob, entropy = packed_response_log_prob(model, batch, temperature, with_entropy, fused_head)
     elif shared_prefix:
         log_prob, entropy = shared_response_log_prob(model, batch, temperature, with_entropy, fused_head)
     elif fused_head:
@@ -134,19 +133,36 @@ def _head_log_prob(model: torch.nn.Module, hidden: torch.Tensor, batch: Batch, t
     return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
 
 
-def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
-                             with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``)."""
+def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool,
+                             fused_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`response_log_prob` on one packed row without pad tokens (``use_remove_padding``). The LM head runs
+    on the positions that predict a response token only (through the model's ``logits_to_keep``, or in chunks
+    with ``fused_head``), not on the prompts'."""
     inputs, valid = packed_inputs(batch)
-    logits = model(**inputs, use_cache=False).logits  # (1, T, V)
-    next_ids = torch.roll(inputs["input_ids"], -1, dims=1)  # (1, T): the token each position predicts
-    log_prob, entropy = logits_log_prob(logits, next_ids, temperature, with_entropy=with_entropy,
-                                        overwrite=supports_fused_head(model))
+    response_mask = batch["response_mask"].bool()
     prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
-    window = slice(prompt_len - 1, prompt_len - 1 + response_len)  # positions that predict the response
-    log_prob = unpack(log_prob[0], valid)[:, window]  # (bs, R)
-    entropy = unpack(entropy[0], valid)[:, window] if with_entropy else None
-    return log_prob, entropy
+    predicts = torch.zeros_like(valid)  # (bs, L): the positions whose next token is a response token
+    predicts[:, prompt_len - 1:prompt_len - 1 + response_len] = response_mask
+    keep = predicts[valid].nonzero().squeeze(1)  # their places in the packed row, in the responses' order
+    labels = batch["responses"][response_mask][None]  # (1, N)
+    if fused_head:
+        hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, keep]  # (1, N, H)
+        log_prob, entropy = chunked_head_log_prob(hidden, model.get_output_embeddings().weight, labels, temperature,
+                                                  with_entropy=with_entropy)
+    else:
+        if takes_logits_to_keep(type(model)):
+            logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (1, N, V)
+        else:
+            logits = model(**inputs, use_cache=False).logits[:, keep]
+        log_prob, entropy = logits_log_prob(logits, labels, temperature, with_entropy=with_entropy,
+                                            overwrite=supports_fused_head(model))
+
+    def unpacked(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(response_mask.shape)
+        out[response_mask] = values[0]
+        return out
+
+    return unpacked(log_prob), (unpacked(entropy) if with_entropy else None)
 
 
 class ActorWorker(CheckpointableWorker):
@@ -199,9 +215,8 @@ class ActorWorker(CheckpointableWorker):
 
     def _fused_head_runs(self) -> bool:
         """``use_fused_kernels`` as it can run: in one process (the decoder is called without the sharded
-        root module), on padded rows, with a plain head; elsewhere a one-line notice and the usual path."""
+        root module), with a plain head; elsewhere a one-line notice and the usual path."""
         why = ("the model is sharded over a worker group" if self.sharded
-               else "use_remove_padding packs the rows" if self.remove_padding
                else None if supports_fused_head(self.forward_module)
                else f"the {getattr(self.forward_module.config, 'model_type', '?')} head is not a plain linear layer")
         if why and distributed.rank() == 0:

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
-from rlhf_core.models import lora
+from rlhf_core.models import lora, packed_attention
 from rlhf_core.models.loading import cache_argument
 from rlhf_core.workers import distributed
 
@@ -251,20 +251,21 @@ def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def supports_packing(module: torch.nn.Module) -> bool:
-    """Whether the model's attention has variable-length kernels (flash attention) for packed rows."""
+    """Whether the model's attention keeps the sequences of a packed row apart without a (tokens x tokens) mask:
+    flash attention's variable-length kernel, or :mod:`packed_attention`'s one sequence per row."""
     implementation = getattr(getattr(module, "config", None), "_attn_implementation", None) or ""
-    return implementation.startswith("flash_attention")
+    return implementation.startswith("flash_attention") or implementation == packed_attention.NAME
 
 
 def resolve_remove_padding(requested: bool, module: torch.nn.Module, key: str) -> bool:
-    """``use_remove_padding`` as it can run: packing needs flash attention; elsewhere a one-line notice
-    and the padded path (which trims all-padding columns)."""
+    """``use_remove_padding`` as it can run: packing needs flash attention (CUDA) or :mod:`packed_attention`
+    (CPU); elsewhere a one-line notice and the padded path (which trims all-padding columns)."""
     if not requested or supports_packing(module):
         return requested
     implementation = getattr(module.config, "_attn_implementation", None)
     if distributed.rank() == 0:
-        print(f"notice: {key}=true needs flash_attention_2 (CUDA with flash-attn installed); attention here is "
-              f"{implementation}, so sequences run padded", file=sys.stderr, flush=True)
+        print(f"notice: {key}=true needs flash_attention_2 on CUDA (with flash-attn installed) or the CPU; attention "
+              f"here is {implementation}, so sequences run padded", file=sys.stderr, flush=True)
     return False
 
 
