@@ -32,7 +32,8 @@ def test_the_gpu_checks_import_nothing_that_a_bare_gpu_machine_lacks():
     files.append(REPO / "tests" / "test_distributed.py")  # test_fsdp_one_rank.py's child process imports it
     probe = (
         "import importlib.util, json, sys\n"
-        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'bench')!r}]\n"
+        # the tests' folder as pytest puts it first on the path (test files import their neighbours)
+        f"sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'bench')!r}, {str(REPO / 'tests')!r}]\n"
         f"for path in {[str(path) for path in files] + [str(REPO / 'bench' / 'gpu_throughput.py')]!r}:\n"
         "    spec = importlib.util.spec_from_file_location(path.rsplit('/', 1)[-1][:-3], path)\n"
         "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
