@@ -127,6 +127,26 @@ def test_each_prompt_runs_once(model_dir):
     assert shapes == [(3, 9), (12, 4)]
 
 
+@pytest.mark.parametrize("path", [{"shared_prefix": True, "fused_head": True}, {"shared_prefix": True},
+                                  {"fused_head": True}, {"remove_padding": True, "fused_head": True},
+                                  {"remove_padding": True}])
+def test_the_lm_head_runs_on_the_response_tokens_only(model_dir, monkeypatch, path):
+    """Not on the prompts, nor on the padding after a shorter response (the padded path without a plain head
+    excepted: it asks the model for whole columns of logits)."""
+    from rlhf_core.workers import actor as actor_module
+
+    batch = grouped_batch()
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    rows = []
+    chunked = actor_module.chunked_head_log_prob
+    monkeypatch.setattr(actor_module, "chunked_head_log_prob",
+                        lambda hidden, *args, **kwargs: rows.append(hidden.shape[:2]) or chunked(hidden, *args, **kwargs))
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: rows.append(args[0].shape[:2]))
+    with torch.no_grad():
+        response_log_prob(model, batch, temperature=1.0, with_entropy=True, **path)
+    assert rows == [(1, int(batch["response_mask"].sum()))]
+
+
 def test_micro_batches_keep_the_rows_of_a_prompt_together():
     batch = grouped_batch()
     groups = micro_batch_rows(batch, 4, False, 0, by_prompt=True)

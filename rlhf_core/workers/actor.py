@@ -121,16 +121,32 @@ def shared_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
 def _head_log_prob(model: torch.nn.Module, hidden: torch.Tensor, batch: Batch, temperature: float,
                    with_entropy: bool, chunked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of the first ``kept`` response tokens from the decoder's ``hidden`` states
-    (bs, kept, H) at the positions that predict them, through the LM head whole or in chunks (``chunked``),
-    right-padded to the response length."""
-    labels, head = batch["responses"][:, :hidden.shape[1]], model.get_output_embeddings()
+    (bs, kept, H) at the positions that predict them, (bs, R) each. The LM head, whole or in chunks
+    (``chunked``), runs only where ``response_mask`` holds a token, not on the padding of shorter responses."""
+    mask = batch["response_mask"].bool()
+    kept = mask[:, :hidden.shape[1]]
+    labels = batch["responses"][:, :hidden.shape[1]][kept][None]
+    log_prob, entropy = _tokens_log_prob(model, hidden[kept][None], labels, temperature, with_entropy, chunked)
+    return _at_responses(log_prob, mask), (_at_responses(entropy, mask) if with_entropy else None)
+
+
+def _tokens_log_prob(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
+                     with_entropy: bool, chunked: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of ``labels`` (1, N) from the hidden states that predict them (1, N, H), through
+    the LM head whole or in chunks (``chunked``)."""
+    head = model.get_output_embeddings()
     if chunked:
-        log_prob, entropy = chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
-    else:
-        log_prob, entropy = logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy,
-                                            overwrite=supports_fused_head(model))
-    response_len = batch["responses"].shape[1]
-    return pad_response(log_prob, response_len), (pad_response(entropy, response_len) if with_entropy else None)
+        return chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
+    return logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy,
+                           overwrite=supports_fused_head(model))
+
+
+def _at_responses(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token ``values`` (1, N) of the response tokens, in row order, back into the (bs, R) layout, zeros
+    elsewhere."""
+    out = values.new_zeros(response_mask.shape)
+    out[response_mask] = values[0]
+    return out
 
 
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool,
@@ -147,8 +163,7 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     labels = batch["responses"][response_mask][None]  # (1, N)
     if fused_head:
         hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state[:, keep]  # (1, N, H)
-        log_prob, entropy = chunked_head_log_prob(hidden, model.get_output_embeddings().weight, labels, temperature,
-                                                  with_entropy=with_entropy)
+        log_prob, entropy = _tokens_log_prob(model, hidden, labels, temperature, with_entropy, chunked=True)
     else:
         if takes_logits_to_keep(type(model)):
             logits = model(**inputs, use_cache=False, logits_to_keep=keep).logits  # (1, N, V)
@@ -156,13 +171,7 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
             logits = model(**inputs, use_cache=False).logits[:, keep]
         log_prob, entropy = logits_log_prob(logits, labels, temperature, with_entropy=with_entropy,
                                             overwrite=supports_fused_head(model))
-
-    def unpacked(values: torch.Tensor) -> torch.Tensor:
-        out = values.new_zeros(response_mask.shape)
-        out[response_mask] = values[0]
-        return out
-
-    return unpacked(log_prob), (unpacked(entropy) if with_entropy else None)
+    return _at_responses(log_prob, response_mask), (_at_responses(entropy, response_mask) if with_entropy else None)
 
 
 class ActorWorker(CheckpointableWorker):
