@@ -17,6 +17,10 @@ Then each phase of a few trainer iterations against its bound:
   (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate).
 
     python bench/roofline.py [--models demo,random25m,smollm2] [--warmup 3] [--iters 2] [--threads 2] [--json rows.json]
+                             [--gsm8k DIR] [key=value ...]
+
+Tokens are the real ones (the attention mask's), so padding a phase computes counts against it: the synthetic
+prompts are nearly even (1-3% of SmolLM2's micro-batch is padding), real GSM8K prompts (``--gsm8k``) are not.
 
 The timed steps come after ``--warmup`` steps (3 by default): under glibc's allocator the process's heap
 grows over the first two or three steps, and the updates of those steps fault in fresh pages that a long
@@ -40,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from rlhf_core.config import load_config
+from rlhf_core.data.gsm8k import preprocess_gsm8k
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models import cpu_matmul
@@ -240,12 +245,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the heap's growth settles)")
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gsm8k", metavar="DIR", help="prompts from this GSM8K release (its first train questions, "
+                        "whose lengths vary) instead of the synthetic ones (nearly even)")
     parser.add_argument("--json", help="also write the rows (with each phase's median seconds) to this file")
     parser.add_argument("overrides", nargs="*", help="trainer key=value overrides")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="roofline_"))
-    build_dataset(work / "data", n_train=64, n_test=8, seed=0, max_ops=1)
+    if args.gsm8k:
+        preprocess_gsm8k(args.gsm8k, work / "data", max_rows=64)
+    else:
+        build_dataset(work / "data", n_train=64, n_test=8, seed=0, max_ops=1)
     rows = [run(name, model, work, args) for name, model in available_models(args.models, work)]
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
