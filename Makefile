@@ -91,6 +91,7 @@ bench: bench-setup demo-assets real-model
 	$(PY) bench/cpu_matmul.py
 	$(PY) bench/decode.py
 	$(PY) bench/fused_head.py
+	GSM8K_DIR=$(GSM8K_DIR) $(PY) bench/packing.py
 	$(PY) bench/rm_scoring.py
 	$(PY) bench/scaling.py
 	$(PY) bench/lora_memory.py
