@@ -35,12 +35,14 @@ from rlhf_core.workers.critic import CriticWorker
 model, device, port, overrides = {model!r}, {device!r}, {port!r}, {overrides!r}
 cfg = _config(model, *UPDATE_OVERRIDES, *overrides)
 tokenizer, batch, n = load_tokenizer(model), rollout_batch(), cfg.actor_rollout_ref.rollout.n
+packed = []
 
 def update():
     arr = cfg.actor_rollout_ref
     actor = ActorWorker(arr, tokenizer, total_steps=1, need_ref=True, seed=0, device=device)
     critic = CriticWorker(cfg.critic, arr.model.path, "float32", 1, arr.actor.ppo_mini_batch_size, False,
                           arr.actor.ppo_epochs, seed=0, device=device)
+    packed.append(actor.remove_padding and critic.remove_padding)
     log_prob, _ = actor.compute_log_prob(batch)
     ref_log_prob = actor.compute_ref_log_prob(batch)
     values = critic.compute_values(batch)
@@ -53,7 +55,7 @@ def update():
 plain_sharded, plain, plain_metrics, plain_weights = update()
 distributed.init_process_group(0, 1, "127.0.0.1", port, distributed.backend_for(device), timeout_s=120)
 sharded_flag, sharded, sharded_metrics, sharded_weights = update()
-torch.save({{"flags": [plain_sharded, sharded_flag], "plain": plain, "sharded": sharded,
+torch.save({{"flags": [plain_sharded, sharded_flag], "packed": packed, "plain": plain, "sharded": sharded,
             "plain_weights": plain_weights, "sharded_weights": sharded_weights}}, sys.argv[1])
 print(json.dumps({{"plain": plain_metrics, "sharded": sharded_metrics}}))
 """
@@ -92,8 +94,12 @@ def assert_same(tensors: dict, metrics: dict, rtol: float, atol: float) -> None:
                                    msg=name)
 
 
-def test_fsdp2_on_one_cpu_rank_updates_as_the_unsharded_workers(tmp_path):
-    tensors, metrics = run_both(tmp_path, "cpu")
+@pytest.mark.parametrize("overrides", [(), ("actor_rollout_ref.model.use_remove_padding=true",
+                                              "critic.model.use_remove_padding=true")], ids=["padded", "packed"])
+def test_fsdp2_on_one_cpu_rank_updates_as_the_unsharded_workers(tmp_path, overrides):
+    """Packed rows too: sharded, the actor asks the root module for the response positions' logits only."""
+    tensors, metrics = run_both(tmp_path, "cpu", *overrides)
+    assert tensors["packed"] == [bool(overrides)] * 2
     assert_same(tensors, metrics, rtol=1e-5, atol=1e-6)
 
 
