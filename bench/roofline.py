@@ -14,7 +14,10 @@ Then each phase of a few trainer iterations against its bound:
   matmuls; the LM head counts only on the positions it runs on, the actor's response positions, and
   not at all in the critic's phases: the critic has a scalar value head in its place);
 - generation: seconds per decode step over its roofline, the longer of reading every weight once
-  (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate).
+  (weight bytes / bandwidth) and its products (2 x matmul parameters x rows / matmul rate). A decode step is
+  one turn of the HF rollout's decode loop (a draw and a one-token forward of every row), timed by the engine
+  apart from its prefill (the decode weights made for the rollout, the prompts' pass), which is printed
+  beside; before 2026-12-03 the column was the whole generation over its steps, prefill included.
 
     python bench/roofline.py [--models demo,random25m,smollm2] [--warmup 3] [--iters 2] [--threads 2] [--json rows.json]
                              [--gsm8k DIR] [key=value ...]
@@ -195,7 +198,12 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         if trainer.critic is not None:
             params["critic"] = matmul_params(trainer.critic.module)
         prompts = trainer.train_dataset.collate(list(range(batch)))
-        runs = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+        engine = trainer.actor.rollout
+        runs, rollouts = [], []
+        for _ in range(args.warmup + args.iters):
+            runs.append(trainer.train_step(prompts))
+            rollouts.append(dict(getattr(engine, "last_timing", {})))  # the HF engine's prefill and decode loop
+        runs, rollouts = runs[args.warmup:], rollouts[args.warmup:]
     finally:
         trainer.close()
 
@@ -221,7 +229,11 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         body, head = params[model]
         return passes * (body * tokens / at.body + head * response_tokens / at.head) / 1e9 / med(key)
 
-    decode_s = med("timing_s/gen") / max(decode_steps, 1)
+    if all(r.get("decode_forwards") for r in rollouts):  # the decode loop alone, its prefill apart
+        decode_s = statistics.median(r["decode_s"] / r["decode_forwards"] for r in rollouts)
+        prefill_s = statistics.median(r["prefill_s"] for r in rollouts)
+    else:  # an engine that does not say: the whole generation over its steps
+        decode_s, prefill_s = med("timing_s/gen") / max(decode_steps, 1), None
     bound_s = decode_bound_s(module, sequences, at, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
@@ -233,6 +245,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2),
         "values": fraction("values", 2, "critic"),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
+        "prefill_s": prefill_s, "gen_ms_per_token": med("timing_s/gen") / max(decode_steps, 1) * 1e3,
         "batch": sequences, "tokens": tokens,
         "phases": {key.removeprefix("timing_s/"): med(key) for key in runs[0] if key.startswith("timing_s/")},
     }
@@ -274,10 +287,15 @@ def main() -> None:
         print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                   r["matmul_gflops_by_kernel"].items())
               + f"; the trainer's linear layers ran on {r['cpu_matmul']}")
+        if r["prefill_s"] is not None:
+            print(f"{r['model']}: the rollout's prefill (decode weights, prompts' pass) {r['prefill_s']:.2f} s; its "
+                  f"generation over its tokens, prefill included, {r['gen_ms_per_token']:.2f} ms a token")
     print("GFLOP/s: the blocks' matmul rate (the faster float32 kernel's, or bf16's under cpu_matmul_dtype=bfloat16; "
           "the LM head's is float32's); update/log-prob columns: the seconds the phase's products take at those "
-          "rates over the seconds it took (1.00 = at the limit); x bound: seconds per decode step over the longer of "
-          "weight bytes / bandwidth and its products at those rates (1.00 = at the limit)")
+          "rates over the seconds it took (1.00 = at the limit); decode ms: the rollout's decode loop per step (a draw "
+          "and a one-token forward of every row; the prefill apart), or where the engine does not time it, the "
+          "generation over its steps; x bound: decode ms over the longer of weight bytes / bandwidth and its products "
+          "at those rates (1.00 = at the limit)")
 
 
 if __name__ == "__main__":

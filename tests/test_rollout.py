@@ -95,6 +95,31 @@ def test_ignore_eos_samples_every_response_to_the_full_length(tokenizer):
     assert out["attention_mask"][1].tolist() == [0, 1, 1, 1, 1, 1]
 
 
+def test_the_engine_times_its_prefill_and_its_decode_loop_apart(tokenizer, monkeypatch):
+    """On a clock that only the fake model moves (0.3 s for the prompts' pass, 0.05 s a decode step): the split
+    that bench/roofline.py reads."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rollout import hf
+
+    clock = [100.0]
+    monkeypatch.setattr(hf, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Timed(_EosAfter):
+        def forward(self, input_ids, *args, **kwargs):
+            clock[0] += 0.3 if self.calls == 0 else 0.05
+            return super().forward(input_ids, *args, **kwargs)
+
+    fake = Timed(stop_at=[9, 9], eos_id=tokenizer.eos_token_id)
+    fake.generation_config = None
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    prompts = Batch(left_pad([[5, 6], [5]], tokenizer.pad_token_id), {"uid": [0, 1]})
+    engine.generate(prompts, SamplingParams(max_new_tokens=5, do_sample=False))
+    # five tokens: the prompts' pass gives the first, four decode steps the rest
+    assert engine.last_timing == {"prefill_s": pytest.approx(0.3), "decode_s": pytest.approx(4 * 0.05),
+                                  "decode_forwards": 4}
+
+
 def test_generation_stops_once_every_row_has_ended(tokenizer):
     fake = _EosAfter(stop_at=[1, 1], eos_id=tokenizer.eos_token_id)
     fake.generation_config = None

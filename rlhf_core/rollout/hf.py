@@ -15,6 +15,7 @@ an EOS is a token like any other and every response runs to ``max_new_tokens``.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 
 import torch
@@ -106,6 +107,9 @@ class HFRolloutEngine:
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
         self.cache_arg = cache_argument(type(module))
         self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
+        #: the last rollout's seconds before its first token could be drawn (the decode weights, the prompts' pass)
+        #: and in its decode loop (each step: a draw, then a forward of one token a row), with the loop's forwards
+        self.last_timing: dict[str, float] = {}
 
     def _device(self) -> torch.device:
         return next(self.module.parameters()).device
@@ -121,6 +125,7 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        start = time.perf_counter()
         device = self._device()
         was_training = self.module.training
         self.module.eval()
@@ -153,6 +158,9 @@ class HFRolloutEngine:
             next_pos = prompt_pos[:, -1] + 1  # (B*n,)
             done = torch.zeros(rows, dtype=torch.bool, device=device)
             tokens, masks = [], []
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the prompts' pass counts as prefill, not as the first step
+            first, forwards = time.perf_counter(), 0
             for step in range(params.max_new_tokens):
                 token = sample_next_token(logits, params, self.generator)
                 token = torch.where(done, torch.full_like(token, self.pad_id), token)
@@ -174,6 +182,9 @@ class HFRolloutEngine:
                                       position_ids=next_pos[:, None], use_cache=True, **{self.cache_arg: cache})
                     logits = out.logits[:, -1, :]
                 next_pos = next_pos + 1
+                forwards += 1
+        self.last_timing = {"prefill_s": first - start, "decode_s": time.perf_counter() - first,
+                            "decode_forwards": forwards}
         if was_training:
             self.module.train()
 
