@@ -36,7 +36,7 @@ from rlhf_core.models import packed_attention
 from rlhf_core.models.fused_head import supports_fused_head
 from rlhf_core.models.loading import load_actor, load_critic, load_tokenizer
 from rlhf_core.workers.actor import response_log_prob
-from rlhf_core.workers.common import micro_batch_rows
+from rlhf_core.workers.common import kept_columns, micro_batch_rows
 from rlhf_core.workers.critic import response_values
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,13 +67,10 @@ def gsm8k_batch(tokenizer, gsm8k: Path, n_prompts: int, group: int, max_response
 
 
 def positions(batch: Batch, groups: list[list[int]]) -> int:
-    """Positions a padded pass computes: each micro-batch's rows x its columns that are a token in some row."""
-    total = 0
-    for rows in groups:
-        mask = batch["attention_mask"][rows]
-        columns = mask.any(0).nonzero()
-        total += len(rows) * int(columns[-1] - columns[0] + 1)
-    return total
+    """Positions a padded pass computes: each micro-batch's rows x the columns its forward keeps."""
+    prompt_len = batch["prompts"].shape[1]
+    return sum(len(rows) * (prompt_len - first + kept) for rows in groups
+               for first, kept in [kept_columns(batch.select(rows))])
 
 
 LAYOUTS = {"padded": {}, "packed": {"remove_padding": True}, "shared": {"shared_prefix": True}}

@@ -229,11 +229,12 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         body, head = params[model]
         return passes * (body * tokens / at.body + head * response_tokens / at.head) / 1e9 / med(key)
 
+    gen_per_token_s = med("timing_s/gen") / max(decode_steps, 1)  # the whole generation, prefill included
     if all(r.get("decode_forwards") for r in rollouts):  # the decode loop alone, its prefill apart
         decode_s = statistics.median(r["decode_s"] / r["decode_forwards"] for r in rollouts)
         prefill_s = statistics.median(r["prefill_s"] for r in rollouts)
-    else:  # an engine that does not say: the whole generation over its steps
-        decode_s, prefill_s = med("timing_s/gen") / max(decode_steps, 1), None
+    else:  # an engine that does not say
+        decode_s, prefill_s = gen_per_token_s, None
     bound_s = decode_bound_s(module, sequences, at, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
@@ -245,7 +246,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2),
         "values": fraction("values", 2, "critic"),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
-        "prefill_s": prefill_s, "gen_ms_per_token": med("timing_s/gen") / max(decode_steps, 1) * 1e3,
+        "prefill_s": prefill_s, "gen_ms_per_token": gen_per_token_s * 1e3,
         "batch": sequences, "tokens": tokens,
         "phases": {key.removeprefix("timing_s/"): med(key) for key in runs[0] if key.startswith("timing_s/")},
     }

@@ -50,6 +50,7 @@ from rlhf_core.workers.common import (
     resolve_shared_prefix,
     shared_prompt_hidden,
     trimmed_inputs,
+    unpack,
 )
 
 
@@ -127,7 +128,7 @@ def _head_log_prob(model: torch.nn.Module, hidden: torch.Tensor, batch: Batch, t
     kept = mask[:, :hidden.shape[1]]
     labels = batch["responses"][:, :hidden.shape[1]][kept][None]
     log_prob, entropy = _tokens_log_prob(model, hidden[kept][None], labels, temperature, with_entropy, chunked)
-    return _at_responses(log_prob, mask), (_at_responses(entropy, mask) if with_entropy else None)
+    return unpack(log_prob[0], mask), (unpack(entropy[0], mask) if with_entropy else None)
 
 
 def _tokens_log_prob(model: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
@@ -139,14 +140,6 @@ def _tokens_log_prob(model: torch.nn.Module, hidden: torch.Tensor, labels: torch
         return chunked_head_log_prob(hidden, head.weight, labels, temperature, with_entropy=with_entropy)
     return logits_log_prob(head(hidden), labels, temperature, with_entropy=with_entropy,
                            overwrite=supports_fused_head(model))
-
-
-def _at_responses(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token ``values`` (1, N) of the response tokens, in row order, back into the (bs, R) layout, zeros
-    elsewhere."""
-    out = values.new_zeros(response_mask.shape)
-    out[response_mask] = values[0]
-    return out
 
 
 def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float, with_entropy: bool,
@@ -171,7 +164,8 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
             logits = model(**inputs, use_cache=False).logits[:, keep]
         log_prob, entropy = logits_log_prob(logits, labels, temperature, with_entropy=with_entropy,
                                             overwrite=supports_fused_head(model))
-    return _at_responses(log_prob, response_mask), (_at_responses(entropy, response_mask) if with_entropy else None)
+    # the response tokens' values, in row order, back into the (bs, R) layout
+    return unpack(log_prob[0], response_mask), (unpack(entropy[0], response_mask) if with_entropy else None)
 
 
 class ActorWorker(CheckpointableWorker):

@@ -244,7 +244,8 @@ def packed_inputs(batch: Batch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
 
 
 def unpack(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Per-token ``values`` (T,) of a packed row back into the padded layout (bs, L), zeros elsewhere."""
+    """Per-token ``values`` (T,), in row order, back into the padded layout where ``valid`` (bs, L) holds, zeros
+    elsewhere: a packed row's positions, or the response tokens' values into (bs, R)."""
     padded = values.new_zeros(valid.shape)
     padded[valid] = values
     return padded
