@@ -166,7 +166,11 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
     for line in steps:
         missing = [name for name in REQUIRED_METRICS if name not in line]
         assert not missing, missing
-        assert all(v is not None and math.isfinite(v) for k, v in line.items() if isinstance(v, (int, float))), line
+        # the file logger writes a NaN or an infinity as null: every metric must come back a finite number
+        numbers = {k: v for k, v in line.items() if not isinstance(v, str)}
+        bad = {k: v for k, v in numbers.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
+        assert not bad, bad
+        assert set(REQUIRED_METRICS) <= set(numbers)
         assert "val-core/synthetic/arithmetic/acc/mean@1" in line
     assert "done: 2 steps" in capsys.readouterr().out
 
