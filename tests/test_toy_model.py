@@ -228,9 +228,24 @@ def test_cli_reports_the_build(built, capsys):
     assert "(reused)" in out
 
 
-def test_threads_setting_is_sane():
-    assert 1 <= toy.auto_threads() <= 4
-    assert torch.get_num_threads() >= 1
+@pytest.mark.parametrize("cpus, load, expected", [
+    (8, 0.0, 4),     # an idle machine: capped at 4
+    (3, 0.4, 3),     # fewer CPUs than the cap
+    (8, 6.2, 2),     # 1.8 CPUs free, rounded
+    (16, 13.4, 3),   # 2.6 free
+    (2, 5.0, 1),     # overloaded: still one
+    (8, None, 4),    # no load average on this platform: as if idle
+    (None, 0.0, 1),  # CPU count unknown
+])
+def test_threads_follow_the_free_cpus(monkeypatch, cpus, load, expected):
+    def loadavg():
+        if load is None:
+            raise OSError("no load average")
+        return (load, load, load)
+
+    monkeypatch.setattr(toy.os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(toy.os, "getloadavg", loadavg)
+    assert toy.auto_threads() == expected
 
 
 def test_a_slip_keeps_the_working_and_writes_the_first_number_as_the_answer():
