@@ -17,6 +17,7 @@ from rlhf_core.data.dataset import left_pad
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import ModelError
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards import reward_model
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rewards.reward_model import (
     RewardModelManager,
@@ -258,10 +259,17 @@ def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, 
     assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
 
 
-def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_path):
+def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_path, monkeypatch):
     """``reward_model.model.use_shared_prefix`` in a run: the same seed, the same rollouts, the same scores."""
     root, base, same, _ = space
-    finals = {}
+    finals, calls = {}, {"false": 0, "true": 0}
+    shared_scores = reward_model.shared_prefix_scores
+
+    def counted(*args, **kwargs):  # which path scored: equal scores alone would not tell
+        calls[shared] += 1
+        return shared_scores(*args, **kwargs)
+
+    monkeypatch.setattr(reward_model, "shared_prefix_scores", counted)
     for shared in ("false", "true"):
         out = tmp_path / shared
         code = ppo(_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
@@ -275,3 +283,4 @@ def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_pa
                  "val-aux/synthetic/arithmetic/rm_score/mean@1"):
         assert finals["true"][name] == pytest.approx(finals["false"][name], abs=1e-4), name
     assert finals["true"]["critic/score/max"] - finals["true"]["critic/score/min"] > 1e-2  # the scores differ
+    assert calls["false"] == 0 and calls["true"] > 0

@@ -269,9 +269,9 @@ def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):
 
 
 def test_length_check_needs_tokenizer_and_limit(valid_files, char_tokenizer):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs both a tokenizer and the limit"):
         validate_dataset(valid_files[0], max_prompt_length=10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs both a tokenizer and the limit"):
         validate_dataset(valid_files[0], tokenizer=char_tokenizer)
 
 
