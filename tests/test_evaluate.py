@@ -4,6 +4,8 @@ metrics, the report, bad input; and two evaluations of one model under different
 from __future__ import annotations
 
 import functools
+import math
+import re
 
 import pandas as pd
 import pytest
@@ -16,6 +18,59 @@ from rlhf_core.pipeline.promotion import decide
 
 def digit_first(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str[:1].isdigit() else 0.0
+
+
+def even_index(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if extra_info["index"] % 2 == 0 else 0.0  # right or wrong by the problem, whatever the answer
+
+
+Z95 = 1.959963984540054  # two-sided 95% normal quantile: evaluate_policy reports 95% Wilson intervals
+
+
+def wilson(right, n, z=Z95):
+    # the textbook form in counts: (x + z^2/2 +- z sqrt(x (n - x) / n + z^2/4)) / (n + z^2)
+    centre, spread = right + z * z / 2, z * math.sqrt(right * (n - right) / n + z * z / 4)
+    return max(0.0, (centre - spread) / (n + z * z)), min(1.0, (centre + spread) / (n + z * z))
+
+
+def last_number(text):
+    # GSM8K's flexible answer: the last run of digits, dots and commas, commas and $ dropped; a bare "." is none
+    for token in reversed(re.findall(r"-?[0-9.,]+", text)):
+        token = token.replace(",", "").replace("$", "")
+        if token not in ("", "."):
+            return token
+    return None
+
+
+def majority(texts, right):
+    # the answer most responses give, a tie to the one given first; that response's correctness; no answer: wrong
+    answers = [last_number(text) for text in texts]
+    counts = {}
+    for answer in answers:
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+    if not counts:
+        return 0.0
+    winner = next(answer for answer in answers if counts.get(answer) == max(counts.values()))
+    return right[answers.index(winner)]
+
+
+def expected_sampled(scored):
+    """mean@n, best@n and maj@n per data source from the (source, problem, response) triples scored, in order,
+    each response right by digit_first's rule."""
+    by_source = {}
+    for source, problem, text in scored:
+        by_source.setdefault(source, {}).setdefault(problem, []).append(text)
+    expected = {}
+    for source, problems in by_source.items():
+        right = {problem: [1.0 if text[:1].isdigit() else 0.0 for text in texts] for problem, texts in problems.items()}
+        expected[source] = {
+            "problems": {problem: sum(values) / len(values) for problem, values in right.items()},
+            "mean": sum(map(sum, right.values())) / sum(map(len, right.values())),  # every problem has n responses
+            "best": sum(max(values) for values in right.values()) / len(right),
+            "vote": sum(majority(problems[problem], values) for problem, values in right.items()) / len(right),
+        }
+    return expected
 
 
 @functools.cache
@@ -50,28 +105,44 @@ def test_a_capped_evaluation_keeps_each_source_share_and_every_problem(setup):
     assert sources.count("synthetic/a") == 6 and sources.count("synthetic/b") == 2
     assert result.accuracy == sum(row["correct"] for row in result.problems) / 8
     assert all(row["correct"] == (row["response"][:1].isdigit()) for row in result.problems)
-    low, high = result.interval
-    assert low <= result.accuracy <= high
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)  # the published 95% interval of 5/10
+    right = sum(row["response"][:1].isdigit() for row in result.problems)
+    assert result.interval == pytest.approx(wilson(right, 8))
     again = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, batch_size=64, max_problems=8)
     assert again.val_fingerprint == result.val_fingerprint  # same cap and seed: the same problems
     assert [row["response"] for row in again.problems] == [row["response"] for row in result.problems]
-    other = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=8, sample_seed=1)
-    assert other.val_fingerprint != result.val_fingerprint
+    other = evaluate_policy(model, str(val), DATA, reward_fn=even_index, max_problems=8, sample_seed=1)
+    assert other.val_fingerprint != result.val_fingerprint  # the reward is not in the fingerprint, the problems are
+    right = sum(row["index"] % 2 == 0 for row in other.problems)
+    assert 0 < right < 8  # an accuracy strictly inside (0, 1): every term of the interval counts
+    assert other.accuracy == right / 8 and other.interval == pytest.approx(wilson(right, 8))
 
 
 def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setup):
     model, val = setup
+    scored = []
+
+    def recorded(data_source, solution_str, ground_truth, extra_info=None):
+        scored.append((data_source, extra_info["index"], solution_str))
+        return digit_first(data_source, solution_str, ground_truth, extra_info)
+
     greedy = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10)
-    sampled = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10,
+    sampled = evaluate_policy(model, str(val), DATA, reward_fn=recorded, max_problems=10,
                               val_kwargs=ValKwargsConfig(do_sample=True, temperature=1.0, n=3), seed=5)
     assert sampled.accuracy == greedy.accuracy
+    # the greedy headline is scored first, one response per problem; then the 3 samples of each
+    assert scored[:10] == [(row["data_source"], row["index"], row["response"]) for row in greedy.problems]
+    assert len(scored) == 10 + 3 * 10
+    expected = expected_sampled(scored[10:])
     metrics = sampled.sampled
     for source, count in (("synthetic/a", 8), ("synthetic/b", 2)):
         rows = [row for row in sampled.problems if row["data_source"] == source]
-        assert len(rows) == count
-        assert metrics[f"val-core/{source}/acc/mean@3"] == pytest.approx(sum(r["mean@3"] for r in rows) / count)
-        assert metrics[f"val-core/{source}/acc/best@3/mean"] >= metrics[f"val-core/{source}/acc/mean@3"]
-        assert f"val-core/{source}/acc/maj@3/mean" in metrics and f"val-aux/{source}/acc/maj@3/std" in metrics
+        assert len(rows) == count == len(expected[source]["problems"])
+        assert [row["mean@3"] for row in rows] == pytest.approx([expected[source]["problems"][r["index"]] for r in rows])
+        for name, key in (("mean", "mean@3"), ("best", "best@3/mean"), ("vote", "maj@3/mean")):
+            assert metrics[f"val-core/{source}/acc/{key}"] == pytest.approx(expected[source][name]), (source, key)
+    # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
+    assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
     assert not greedy.sampled
 
 
@@ -115,14 +186,17 @@ def test_a_validation_set_without_ground_truths_cannot_be_scored(setup, tmp_path
 
 
 def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_path):
-    import math
+    import json
 
     from rlhf_core.config import load_config
     from rlhf_core.main_ppo import build_trainer
 
     model, val = setup
-    reward = tmp_path / "digit_first.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    reward, log = tmp_path / "digit_first.py", tmp_path / "scored.jsonl"
+    reward.write_text("import json\n"  # digit_first that also writes down every response it scores, in order
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    with open({str(log)!r}, 'a') as out:\n"
+                      "        out.write(json.dumps([data_source, extra_info['index'], solution_str]) + '\\n')\n"
                       "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
     cfg = load_config([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={val}", f"data.val_files={val}",
@@ -135,12 +209,20 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
         f"trainer.default_local_dir={tmp_path / 'out'}", "trainer.logger=[file]",
         f"custom_reward_function.path={reward}", "custom_reward_function.name=compute_score",
     ], notice=lambda _notice: None)
-    metrics = build_trainer(cfg).validate()
+    trainer = build_trainer(cfg)
+    log.unlink(missing_ok=True)  # only what validation scores
+    metrics = trainer.validate()
+    scored = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    assert len(scored) == 3 * 40  # val_kwargs.n responses for every prompt
+    expected = expected_sampled(scored)
     for source, prompts in (("synthetic/a", 30), ("synthetic/b", 10)):
-        mean, best, vote = (metrics[f"val-core/{source}/acc/{name}"] for name in ("mean@3", "best@3/mean", "maj@3/mean"))
-        assert 0 <= mean <= best <= 1 and 0 <= vote <= best
-        assert round(mean * 3 * prompts, 6) == int(round(mean * 3 * prompts))  # whole responses right
-        for name, share in (("best@3", best), ("maj@3", vote)):  # per-prompt 0/1: sqrt(p (1 - p) / m)
+        want = expected[source]
+        assert len(want["problems"]) == prompts
+        for name, key in (("mean", "mean@3"), ("best", "best@3/mean"), ("vote", "maj@3/mean")):
+            assert metrics[f"val-core/{source}/acc/{key}"] == pytest.approx(want[name]), (source, key)
+        assert metrics[f"val-core/{source}/reward/mean@3"] == pytest.approx(want["mean"])  # reward is 0/1 right
+        for name, share in (("best@3", want["best"]), ("maj@3", want["vote"])):  # per-prompt 0/1: sqrt(p (1 - p) / m)
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
-        assert f"val-core/{source}/reward/mean@3" in metrics
+    # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
+    assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
     assert len(metrics) == 2 * 7
