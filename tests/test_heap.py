@@ -3,7 +3,9 @@ instead of being faulted in afresh, and the trainer applies the setting only whe
 
 from __future__ import annotations
 
+import ctypes
 import json
+import platform
 import subprocess
 import sys
 
@@ -15,7 +17,9 @@ from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 
-pytestmark = pytest.mark.skipif(not heap.glibc(), reason="the settings are glibc's mallopt")
+#: whether this interpreter links glibc, read from its binary rather than from the module under test
+ON_GLIBC = platform.libc_ver()[0] == "glibc"
+needs_glibc = pytest.mark.skipif(not ON_GLIBC, reason="the settings are glibc's mallopt")
 
 BLOCK_FLOATS = 12_500_000  # 50 MB: above the 32 MB ceiling of glibc's own mmap threshold
 PAGES = BLOCK_FLOATS * 4 // 4096  # pages such a block spans, each faulted in once when it is fresh
@@ -44,12 +48,18 @@ def _faults(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_glibc_is_detected_as_the_interpreter_links_it():
+    assert heap.glibc() == ON_GLIBC
+
+
+@needs_glibc
 def test_glibc_defaults_fault_every_fresh_block_in():
     run = _faults("default")
     assert run["kept"] is False
     assert all(count >= 0.95 * PAGES for count in run["faults"][ROUNDS // 2:]), run["faults"]
 
 
+@needs_glibc
 def test_kept_heap_hands_a_freed_block_out_again_without_faults():
     run = _faults("keep")
     assert run["kept"] is True
@@ -61,9 +71,53 @@ def test_kept_heap_hands_a_freed_block_out_again_without_faults():
     assert len(fresh) <= 2 and sum(run["faults"][ROUNDS // 2:]) <= 2.1 * PAGES, run["faults"]
 
 
-def test_keep_freed_memory_is_once_per_process_and_idempotent():
+class _FakeLibc:
+    """Stands in for ``ctypes.CDLL``: records each ``mallopt(param, value)`` and answers ``answer`` (1 is glibc's
+    success), so the test process keeps its own malloc settings."""
+
+    def __init__(self, answer: int = 1):
+        self.answer, self.calls = answer, []
+
+    def __call__(self, name, *args, **kwargs):
+        return self
+
+    def mallopt(self, param, value):
+        self.calls.append((param, getattr(value, "value", value)))
+        return self.answer
+
+
+# glibc's <malloc.h>: M_TRIM_THRESHOLD is -1, M_MMAP_THRESHOLD is -3; the values are the documented 1 GB mmap
+# threshold and a trim threshold as large as mallopt's C int takes
+EXPECTED_MALLOPT = sorted([(-3, 1024 * 1024 * 1024), (-1, 2_147_483_647)])
+
+
+@needs_glibc
+def test_keep_freed_memory_sets_both_thresholds_once_per_process(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(ctypes, "CDLL", libc)
+    monkeypatch.setattr(heap, "_kept", False)  # as in a process that has not called it yet
     assert heap.keep_freed_memory() is True
+    assert sorted(libc.calls) == EXPECTED_MALLOPT
     assert heap.keep_freed_memory() is True
+    assert sorted(libc.calls) == EXPECTED_MALLOPT  # the second call sets nothing again
+
+
+@needs_glibc
+def test_keep_freed_memory_reports_a_refusal(monkeypatch):
+    libc = _FakeLibc(answer=0)  # mallopt returns 0 on error
+    monkeypatch.setattr(ctypes, "CDLL", libc)
+    monkeypatch.setattr(heap, "_kept", False)
+    assert heap.keep_freed_memory() is False
+    assert libc.calls and all(call in EXPECTED_MALLOPT for call in libc.calls)
+
+
+def test_keep_freed_memory_off_glibc_sets_nothing(monkeypatch):
+    libc = _FakeLibc()
+    monkeypatch.setattr(ctypes, "CDLL", libc)
+    monkeypatch.setattr(heap, "_kept", False)
+    monkeypatch.setattr(heap, "glibc", lambda: False)  # another C library's mallopt takes other numbers
+    assert heap.keep_freed_memory() is False
+    assert libc.calls == []
 
 
 @pytest.mark.parametrize("keep", [True, False])
