@@ -140,8 +140,12 @@ def test_refuses_to_overwrite(tmp_path, capsys):
     assert "already exists" in err and "--overwrite" in err and "Traceback" not in err
     assert (out / "train.parquet").read_bytes() == before
 
+    # a changed release, so that the output can only match it if --overwrite did write
+    _write_jsonl(source / "train.jsonl", [{"question": "What is 5 + 5?", "answer": "5 + 5 = 10\n#### 10"}])
     assert gsm8k(["--input", str(source), "--output", str(out), "--overwrite"]) == 0
-    assert (out / "train.parquet").read_bytes() == before
+    train = pd.read_parquet(out / "train.parquet")
+    assert [rm["ground_truth"] for rm in train["reward_model"]] == ["10"]
+    assert "What is 5 + 5?" in train["prompt"][0][0]["content"]
 
 
 def test_max_rows_keeps_the_first_rows_of_each_split(tmp_path, capsys):
