@@ -15,10 +15,14 @@ import pytest
 import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import GenerationConfig
 
 from rlhf_core.cli.train import ppo
+from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import make_rollout_engine
 from rlhf_core.training.monitoring import GAUGES, PortInUseError, PrometheusExporter
 
 
@@ -131,3 +135,38 @@ def test_cli_serves_gauges_during_the_run_and_warns_on_thresholds(tiny_run, caps
     assert "WARNING KL" in out and "actor grad_norm" in out and "> 1e-12" in out
     with pytest.raises(urllib.error.URLError):  # the exporter stops with the run
         scrape(f"http://127.0.0.1:{port}/metrics")
+
+
+class _ScriptedLM(torch.nn.Module):
+    """A causal LM whose row ``i`` emits ``scripts[i][step]`` (the last entry once a script runs out)."""
+
+    def __init__(self, scripts: list[list[int]], eos: int, vocab: int):
+        super().__init__()
+        self.scripts, self.vocab = scripts, vocab
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids, use_cache=True, **kwargs):
+        step, self.calls = self.calls, self.calls + 1
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.vocab), -1e4)
+        for row, script in enumerate(self.scripts):
+            logits[row, -1, script[min(step, len(script) - 1)]] = 0.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_rollout_tokens_per_second_counts_the_response_tokens(tiny_run):
+    trainer = build_trainer(load_config([*tiny_run, "trainer.logger=[]"]))
+    try:
+        tokenizer = trainer.tokenizer
+        digit, eos = tokenizer.convert_tokens_to_ids("7"), tokenizer.eos_token_id
+        # response lengths by hand, EOS included; the third row never ends and is cut at max_response_length=8,
+        # the others end early, so the (8, 8) response block holds 64 positions of which 26 are response tokens
+        lengths = [3, 1, 8, 2, 5, 4, 1, 2]
+        scripts = [[digit] * (length - 1) + [eos] for length in lengths]
+        scripts[2] = [digit]
+        trainer.actor.rollout = make_rollout_engine("hf", _ScriptedLM(scripts, eos, len(tokenizer)), tokenizer)
+        metrics = trainer.train_step(trainer.train_dataset.collate(trainer.sampler.next_batch()[1]))
+    finally:
+        trainer.close()
+    assert metrics["perf/rollout_tokens_per_s"] * metrics["timing_s/gen"] == pytest.approx(26)
