@@ -107,7 +107,10 @@ def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
         for i in range(20)) + "\n")
     out = tmp_path / "pairs"
     assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.25"]) == 0
-    assert "test" in capsys.readouterr().err  # the warning about GSM8K test questions
+    # the questions are GSM8K's test split: the warning says so, and what not to do with them
+    err = capsys.readouterr().err
+    assert "warning: These pairs are built from GSM8K *test* questions" in err
+    assert "do not evaluate on GSM8K test a policy" in err and "leak the test set" in err
     train, val = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
     assert tuple(train.columns) == tuple(val.columns) == PREFERENCE_COLUMNS
     assert (len(train), len(val)) == (15 * 4, 5 * 4)
