@@ -8,6 +8,7 @@ random tiny model to show the pieces are wired into the trainer and report their
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -546,40 +547,183 @@ def _step(trainer) -> dict[str, float]:
     return metrics
 
 
-@pytest.mark.parametrize("extra", [
-    ["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
-     "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
-    ["actor_rollout_ref.actor.policy_loss.loss_mode=cispo", "actor_rollout_ref.actor.clip_ratio_high=5.0"],
-    ["algorithm.norm_adv_by_std_in_grpo=false", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
-     "actor_rollout_ref.actor.loss_scale_factor=8"],
-    ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
-    ["algorithm.adv_estimator=grpo_passk"],
+def _named_arguments(fn, args: tuple, kwargs: dict) -> dict:
+    """The arguments of a call to ``fn`` by parameter name, its ``**kwargs`` spread out among them."""
+    signature = inspect.signature(fn)
+    named = dict(signature.bind(*args, **kwargs).arguments)
+    for param in signature.parameters.values():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.update(named.pop(param.name, {}))
+    return named
+
+
+def _record_calls(monkeypatch, registry: dict) -> list[tuple[str, dict, object]]:
+    """Wrap every function of ``registry`` (looked up by name at each call) to record (name, arguments,
+    result) of each call, so a test sees which one the trainer picked and what it was given."""
+    calls = []
+    for name, fn in list(registry.items()):
+        def recorded(*args, _name=name, _fn=fn, **kwargs):
+            result = _fn(*args, **kwargs)
+            calls.append((_name, _named_arguments(_fn, args, kwargs), result))
+            return result
+
+        monkeypatch.setitem(registry, name, recorded)
+    return calls
+
+
+def _assert_groups_of_4(index: list) -> None:
+    # each of the 8 prompts' 4 responses sit together under one id of their own
+    assert len(index) == 32 and len(set(index)) == 8
+    assert list(index) == [uid for uid in index[::4] for _ in range(4)]
+
+
+@pytest.mark.parametrize("extra, loss, loss_args, estimator, estimator_args", [
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
+      "actor_rollout_ref.actor.clip_ratio_high=4e-4"],
+     "gspo", {"clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4}, "grpo", {"norm_adv_by_std_in_grpo": True}),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo", "actor_rollout_ref.actor.clip_ratio_high=5.0"],
+     "cispo", {"clip_ratio_low": None, "clip_ratio_high": 5.0}, "grpo", {"norm_adv_by_std_in_grpo": True}),
+    (["algorithm.norm_adv_by_std_in_grpo=false", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+      "actor_rollout_ref.actor.loss_scale_factor=8"],
+     "vanilla", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 8},
+     "grpo", {"norm_adv_by_std_in_grpo": False}),
+    (["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+     "vanilla", {"loss_agg_mode": "token-mean"}, "reinforce_plus_plus_baseline", {}),
+    (["algorithm.adv_estimator=grpo_passk"],
+     "vanilla", {"loss_agg_mode": "token-mean"}, "grpo_passk", {"norm_adv_by_std_in_grpo": True}),
 ], ids=["gspo", "cispo", "dr_grpo", "reinforce_plus_plus_baseline", "grpo_passk"])
-def test_a_training_step_runs_in_each_new_mode(tiny, extra):
+def test_a_training_step_runs_in_each_new_mode(tiny, monkeypatch, extra, loss, loss_args, estimator, estimator_args):
+    losses = _record_calls(monkeypatch, algos.POLICY_LOSSES)
+    estimators = _record_calls(monkeypatch, algos.ADV_ESTIMATORS)
     trainer = _trainer(tiny, *extra)
     before = {k: v.clone() for k, v in trainer.actor.module.state_dict().items()}
     _step(trainer)
     changed = any(not torch.equal(v, before[k]) for k, v in trainer.actor.module.state_dict().items())
     assert changed
+    # one estimate for the batch, by the configured estimator with the configured options, over groups of 4
+    [(name, args, (advantages, _))] = estimators
+    assert name == estimator
+    assert {key: args[key] for key in estimator_args} == estimator_args
+    _assert_groups_of_4(args["index"])
+    # every micro-batch (32 responses, 4 at a time) went through the configured loss and no other one
+    assert [name for name, _, _ in losses] == [loss] * 8
+    for _, args, _ in losses:
+        assert {key: args[key] for key in loss_args} == loss_args
+    # fed the estimator's advantages: every row once (the micro-batches go in length order, not row order)
+    fed = torch.cat([args["advantages"] for _, args, _ in losses])
+    assert sorted(map(tuple, fed.float().tolist())) == sorted(map(tuple, advantages.float().tolist()))
 
 
-def test_remax_step_generates_a_greedy_baseline(tiny):
-    trainer = _trainer(tiny, "algorithm.adv_estimator=remax")
+def test_remax_step_subtracts_the_greedy_responses_score(tiny, tmp_path, monkeypatch):
+    # the random model's greedy responses are all spaces and score 0 on the digit reward, which would
+    # hide a missing baseline; this reward also scores them, and differently per prompt through its answer
+    reward = tmp_path / "reward_spaces.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return solution_str.count(' ') / 8 + int(ground_truth) % 4\n")
+    trainer = _trainer(tiny, "algorithm.adv_estimator=remax", f"custom_reward_function.path={reward}")
+    generated = []
+    generate = trainer.actor.generate
+
+    def recording_generate(prompts, params):
+        batch = generate(prompts, params)
+        generated.append((params, batch))
+        return batch
+
+    monkeypatch.setattr(trainer.actor, "generate", recording_generate)
+    estimators = _record_calls(monkeypatch, algos.ADV_ESTIMATORS)
     metrics = _step(trainer)
     assert metrics["timing_s/gen_max"] > 0
+    # two generations: the 4 samples per prompt, then one greedy response per prompt
+    (sampled_params, sampled), (greedy_params, greedy) = generated
+    assert (sampled_params.n, greedy_params.n, greedy_params.do_sample) == (4, 1, False)
+
+    def scores(batch: Batch) -> list[float]:  # the reward above, from the decoded responses and the answers
+        ids = [row[mask.bool()].tolist() for row, mask in zip(batch["responses"], batch["response_mask"])]
+        texts = trainer.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [text.count(" ") / 8 + int(answer) % 4 for text, answer in zip(texts, batch.meta["ground_truth"])]
+
+    greedy_scores = scores(greedy)
+    assert len(set(greedy_scores)) > 1  # so a baseline for the wrong prompt would show
+    baselines = [score for score in greedy_scores for _ in range(4)]  # each prompt's, for its 4 samples
+    [(name, args, (advantages, returns))] = estimators
+    assert name == "remax"
+    np.testing.assert_allclose(args["reward_baselines"].tolist(), baselines, rtol=1e-6)
+    # the rewards are the sampled responses' scores on their last token; the return is the reward-to-go
+    # G_t over the response tokens and the advantage G_t - b, both 0 off the response
+    expected_returns, expected_advantages = [], []
+    for rewards, mask, score, baseline in zip(args["token_level_rewards"].tolist(),
+                                              args["response_mask"].tolist(), scores(sampled), baselines):
+        assert sum(rewards) == pytest.approx(score, rel=1e-6)
+        to_go = [sum(rewards[t:]) if mask[t] else 0.0 for t in range(len(rewards))]
+        expected_returns.append(to_go)
+        expected_advantages.append([g - baseline if mask[t] else 0.0 for t, g in enumerate(to_go)])
+    np.testing.assert_allclose(returns.tolist(), expected_returns, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(advantages.tolist(), expected_advantages, rtol=1e-6, atol=1e-6)
 
 
-def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny):
+def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny, monkeypatch):
     trainer = _trainer(tiny, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
                        "algorithm.filter_groups.max_num_gen_batches=4", "actor_rollout_ref.actor.clip_ratio_low=0.2",
                        "actor_rollout_ref.actor.clip_ratio_high=0.28", "reward_model.overlong_buffer.enable=true",
-                       "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.log=true")
+                       "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.penalty_factor=0.5",
+                       "reward_model.overlong_buffer.log=true")
+    generated = []
+    rollout = trainer._rollout
+
+    def recording_rollout(prompts, timings):  # each generation batch as scored and shaped, before filtering
+        batch, extras = rollout(prompts, timings)
+        generated.append({"uid": list(batch.meta["uid"]), "mask": batch["response_mask"].tolist(),
+                          "scores": batch["token_level_scores"].tolist(), "texts": list(extras["responses"]),
+                          "acc": extras["acc"].tolist()})
+        return batch, extras
+
+    monkeypatch.setattr(trainer, "_rollout", recording_rollout)
+    estimators = _record_calls(monkeypatch, algos.ADV_ESTIMATORS)
     metrics = _step(trainer)
-    kept, dropped = metrics["train/filter_groups/kept"], metrics["train/filter_groups/dropped"]
-    assert kept + dropped == 8 * metrics["train/num_gen_batches"]
-    assert metrics["train/filter_groups/trained"] == min(kept, 8)
-    assert 1 <= metrics["train/num_gen_batches"] <= 4
-    assert metrics["critic/overlong_reward/mean"] <= 0 and 0 <= metrics["critic/overlong/ratio"] <= 1
+
+    kept_groups, dropped_values = [], []  # kept: the shaped score and penalty of each response of the group
+    for gen in generated:
+        # another batch is generated only while fewer than the 8 groups of data.train_batch_size are kept
+        assert len(kept_groups) < 8
+        shaped, penalties = [], []
+        for text, acc, mask, row in zip(gen["texts"], gen["acc"], gen["mask"], gen["scores"]):
+            raw = 1.0 if text[:1].isdigit() else 0.0  # the fixture's reward; a number >= 1.0 counts as acc
+            assert acc == raw
+            # max_response_length 8, buffer 4: free up to 4 tokens, then -(len - 4) / 4 * 0.5
+            penalty = -max(0, sum(mask) - 4) / 4 * 0.5
+            # the score plus the penalty on the last response token, nothing elsewhere
+            last = max(t for t, m in enumerate(mask) if m)
+            assert row == pytest.approx([raw + penalty if t == last else 0.0 for t in range(len(row))])
+            shaped.append(raw + penalty)
+            penalties.append(penalty)
+        # a group is kept when its 4 responses' acc values are not all equal (a group of one would be kept too)
+        for uid in dict.fromkeys(gen["uid"]):
+            rows = [i for i, u in enumerate(gen["uid"]) if u == uid]
+            assert len(rows) == 4
+            if len({gen["acc"][i] for i in rows}) > 1:
+                kept_groups.append([(shaped[i], penalties[i]) for i in rows])
+            else:
+                dropped_values.append(gen["acc"][rows[0]])
+    # and it stops at 8 kept groups or after max_num_gen_batches = 4 batches
+    assert len(kept_groups) >= 8 or len(generated) == 4
+    # the seeded run needs more than one batch and drops groups on the way, so the loop and filter are exercised
+    assert len(generated) > 1 and dropped_values
+    assert metrics["train/num_gen_batches"] == len(generated)
+    assert metrics["train/filter_groups/kept"] == len(kept_groups)
+    assert metrics["train/filter_groups/dropped"] == len(dropped_values)
+    assert metrics["train/filter_groups/trained"] == min(len(kept_groups), 8)
+    assert metrics["train/filter_groups/dropped_metric_mean"] == pytest.approx(sum(dropped_values) / len(dropped_values))
+
+    # the step trains on the first 8 kept groups, in order; the overlong metrics are over their responses
+    trained = [response for group in kept_groups[:8] for response in group]
+    penalties = [penalty for _, penalty in trained]
+    assert len(set(penalties)) > 1  # responses of several lengths, so the penalty is no constant
+    assert metrics["critic/overlong_reward/mean"] == pytest.approx(sum(penalties) / len(penalties))
+    assert metrics["critic/overlong/ratio"] == pytest.approx(sum(p < 0 for p in penalties) / len(penalties))
+    [(name, args, _)] = estimators
+    assert name == "grpo"
+    np.testing.assert_allclose(args["token_level_rewards"].sum(-1).tolist(), [s for s, _ in trained], atol=1e-6)
+    assert len(set(args["index"])) == min(len(kept_groups), 8)
 
 
 def test_rollout_correction_is_said_once_to_be_a_no_op_with_hf(tiny, capsys):
