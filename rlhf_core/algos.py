@@ -618,6 +618,16 @@ def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Ten
     return masked_sum(token_level_rewards, response_mask, dim=-1)
 
 
+def _group_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Outcome scores in float64, for statistics within groups. (bs, T) -> (bs,) float64.
+
+    A group whose responses all score the same must come out with deviations of exactly 0: a float32 sum of
+    ``n`` equal scores rounds, and the division by the group's std (itself near 0) turns that rounding into
+    advantages of up to ~0.5 (16 scores of 0.98: 0.19). In float64 ``n`` copies of a float32 score sum
+    exactly, so their mean is the score itself."""
+    return _sequence_scores(token_level_rewards.double(), response_mask)
+
+
 def _group_ids(index: Sequence[Hashable], batch_size: int, device: torch.device) -> torch.Tensor:
     """Map each row's group id (any hashable) to a dense integer id. -> (bs,) long."""
     if len(index) != batch_size:
@@ -656,7 +666,7 @@ def compute_grpo_outcome_advantage(
     Returns:
         (advantages, returns), both (bs, T): the per-sequence advantage on every unmasked token, 0 elsewhere.
     """
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (bs,)
+    scores = _group_scores(token_level_rewards, response_mask)  # (bs,) float64
     group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
     group_size = _group_sum(torch.ones_like(scores), group_ids)  # (bs,)
     group_mean = _group_sum(scores, group_ids) / group_size  # (bs,)
@@ -670,7 +680,7 @@ def compute_grpo_outcome_advantage(
     if norm_adv_by_std_in_grpo:
         seq_advantages = seq_advantages / (group_std + epsilon)
     advantages = _zero_where_masked(
-        seq_advantages.unsqueeze(-1).expand_as(token_level_rewards), response_mask
+        seq_advantages.to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards), response_mask
     )
     return advantages, advantages
 
@@ -691,7 +701,7 @@ def compute_rloo_outcome_advantage(
     Shapes: ``token_level_rewards`` and ``response_mask`` (bs, T); ``index`` bs hashable group ids.
     Returns (advantages, returns), both (bs, T), the per-sequence advantage broadcast over the mask.
     """
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (bs,)
+    scores = _group_scores(token_level_rewards, response_mask)  # (bs,) float64
     group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
     group_size = _group_sum(torch.ones_like(scores), group_ids)  # (bs,)
     others_sum = _group_sum(scores, group_ids) - scores  # (bs,)
@@ -699,7 +709,7 @@ def compute_rloo_outcome_advantage(
     others_mean = others_sum / torch.where(singleton, torch.ones_like(group_size), group_size - 1)
     seq_advantages = torch.where(singleton, scores, scores - others_mean)  # (bs,)
     advantages = _zero_where_masked(
-        seq_advantages.unsqueeze(-1).expand_as(token_level_rewards), response_mask
+        seq_advantages.to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards), response_mask
     )
     return advantages, advantages
 
@@ -747,11 +757,11 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     Shapes: ``token_level_rewards`` and ``response_mask`` (bs, T); ``index`` bs hashable group ids.
     Returns (advantages, returns), both (bs, T) and equal, 0 at masked positions.
     """
-    scores = _sequence_scores(token_level_rewards, response_mask)  # (bs,)
+    scores = _group_scores(token_level_rewards, response_mask)  # (bs,) float64
     group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
     group_size = _group_sum(torch.ones_like(scores), group_ids)  # (bs,)
     group_mean = torch.where(group_size < 2, torch.zeros_like(scores), _group_sum(scores, group_ids) / group_size)
-    centred = (scores - group_mean).unsqueeze(-1).expand_as(token_level_rewards)  # (bs, T)
+    centred = (scores - group_mean).to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards)
     advantages = _zero_where_masked(masked_whiten(centred, response_mask), response_mask)
     return advantages, advantages
 
