@@ -3,7 +3,8 @@
 Both trainers get the same model directory, the same prompts (synthetic arithmetic, the chat
 template applied by each), the same group size, response length, learning rate and number of
 optimisation steps; GRPO advantages, no KL term (TRL ``beta=0``, ours ``use_kl_loss=false``),
-one optimiser step per generation batch, one pass over it. Step times are wall-clock medians
+one optimiser step per generation batch, one pass over it, activation checkpointing off in both (TRL's
+``GRPOConfig`` turns it on unless told; ``--checkpointing`` turns it on in both). Step times are wall-clock medians
 after a warm-up, ours in this process and TRL's in a child process, one after the other. Prints
 
     ours/trl step time: 0.61
@@ -77,6 +78,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool
         f"actor_rollout_ref.rollout.ignore_eos={str(args.fixed_length).lower()}",
         f"actor_rollout_ref.model.use_shared_prefix={str(shared_prefix).lower()}",
         f"trainer.cpu_matmul_dtype={'bfloat16' if args.bf16 else 'float32'}",
+        f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.checkpointing).lower()}",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
         times, tokens, rewards, phases = [], [], [], []
@@ -129,7 +131,11 @@ def run_trl(model: Path, data: Path, args) -> dict:
         def __init__(self):
             self.times, self.start = [], 0.0
 
-        def on_step_begin(self, *_, **__):
+        def on_step_begin(self, *_, model=None, **__):
+            # the Trainer turns checkpointing on inside train(), so it is checked here, on the model it trains
+            if model is not None and model.is_activation_checkpointing != args.checkpointing:
+                raise RuntimeError(f"TRL trains with activation checkpointing {model.is_activation_checkpointing}, "
+                                   f"asked for {args.checkpointing}: the two trainers would not do the same work")
             self.start = time.perf_counter()
 
         def on_step_end(self, *_, **__):
@@ -143,6 +149,9 @@ def run_trl(model: Path, data: Path, args) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         max_grad_norm=1.0, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no",
         shuffle_dataset=False, seed=1, disable_tqdm=True, dataloader_num_workers=0,
+        # stated, not left to TRL: GRPOConfig turns activation checkpointing on by default (TRL >= 1.0), which
+        # recomputes each forward in the backward; ours follows --checkpointing too
+        gradient_checkpointing=args.checkpointing,
         # EOS suppressed until the last token: every completion is --response tokens, as ours with ignore_eos
         generation_kwargs={"min_new_tokens": args.response} if args.fixed_length else None,
     )
@@ -181,6 +190,9 @@ def main() -> None:
                              "prompt computed once for its group in the update); both: ours without, then with")
     parser.add_argument("--bf16", action="store_true",
                         help="mixed precision in both: ours trainer.cpu_matmul_dtype=bfloat16, TRL's bf16=True (autocast)")
+    parser.add_argument("--checkpointing", action="store_true",
+                        help="activation checkpointing in both trainers (ours: actor_rollout_ref.model."
+                             "enable_gradient_checkpointing; TRL: gradient_checkpointing); off in both by default")
     parser.add_argument("--trl-heap", choices=("default", "kept"), default="default",
                         help="TRL's process under glibc's defaults, as TRL runs (default), or with glibc's heap "
                              "kept as our trainer keeps it (kept)")
@@ -219,6 +231,7 @@ def main() -> None:
         lines.append(f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
                      f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
                      f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}, "
+                     f"activation checkpointing {'on' if args.checkpointing else 'off'} in both, "
                      f"TRL's heap: {'kept, as ours' if args.trl_heap == 'kept' else 'glibc defaults'}")
         for shared, ours in runs.items():
             tag = f"{name}{', shared prefix' if shared else ''}"
