@@ -36,7 +36,11 @@ PHASES = ["gen", "reward", "old_log_prob", "ref", "values", "adv", "update_criti
 
 
 def floor_step(trainer, actor, ref, critic, actor_opt, critic_opt, prompts, cfg) -> dict[str, float]:
-    """One PPO iteration in plain torch: the least work the same algorithm can do on this batch."""
+    """One PPO iteration in plain torch and transformers: the same math with none of the trainer's machinery.
+
+    A baseline of plain library calls rather than a lower bound on the work: ``generate`` encodes each prompt
+    once per sample, the passes compute logits at every position, and the models keep transformers' kernels
+    (not the trainer's packed or oneDNN ones), so the trainer can, and does, come in under it."""
     n = cfg.actor_rollout_ref.rollout.n
     eos, pad = trainer.tokenizer.eos_token_id, trainer.tokenizer.pad_token_id
     times: dict[str, float] = {}
