@@ -60,4 +60,4 @@ def test_gpu_throughput_runs_its_whole_path_on_the_cpu(tmp_path, monkeypatch, ca
     # verl's throughput counts the prompts too
     assert hf["perf/throughput"] * hf["timing_s/step"] > response_tokens
     printed = capsys.readouterr().out
-    assert "CPU smoke run" in printed and "[hf] step 1:" in printed and "x verl's 1.3k" in printed
+    assert "CPU smoke run" in printed and "[hf] step 1:" in printed and "x the 1.3k quoted for verl" in printed
