@@ -2,10 +2,12 @@
 
 For each run (gae, grpo, gae + KL loss, the dapo and gspo recipes, rm) the same warm-started demo
 model trains for a wall-clock budget on synthetic arithmetic prompts; greedy accuracy is measured
-before and after on 1,000 problems held out from both the warm start and the RL prompts, and at the
-end the KL of the policy to the base model on its own samples. Prints one line per run:
+before and after on 1,000 problems held out from the warm start, the RL prompts and the run itself
+(``--n-report``: no validation, guard or rollback sees them), beside the trainer's own validation set
+(``--n-val``, as many others), on which its guards choose checkpoints; and at the end the KL of the policy
+to the base model on its own samples. Prints one line per run:
 
-    accuracy: 0.31 -> 0.52 (+21.0 points) in 40 steps, 480 s [gae]
+    accuracy: 0.31 -> 0.52 (+21.0 points) on 1000 untouched problems (validation set 0.30 -> 0.53) in 40 steps, 480 s [gae]
 
 and saves the reward and accuracy curves as a PNG.
 
@@ -16,7 +18,7 @@ demo's systematic slip, :func:`rlhf_core.models.toy.with_slip`), starting
 from the demo model, by the project's reward-model trainer with the settings of
 ``bench/reward_model.py``; its held-out pair accuracy is reported beside the policy's held-out gold
 (rule) accuracy before and after PPO. The pairs' questions are disjoint from the RL prompts and from
-the held-out problems.
+both held-out sets.
 
     python bench/learning.py [--minutes 10] [--runs gae,grpo,kl_loss,rm,dapo,gspo] [--out bench/results]
         [--model DIR] [--rm-pairs 2000]
@@ -34,6 +36,7 @@ import torch
 from reward_model import run as train_reward_model  # bench/reward_model.py, beside this script
 
 from rlhf_core.config import load_config
+from rlhf_core.data.dataset import RLHFDataset
 from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.schema import make_record
 from rlhf_core.data.synthetic import DATA_SOURCE, generate_problems
@@ -61,21 +64,35 @@ RUNS = {
 }
 
 
-def prepare_data(out: Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
-    """RL prompts from the demo task, and a validation set held out from the warm start and the prompts."""
+def prepare_data(out: Path, n_train: int, n_val: int, n_report: int, seed: int) -> tuple[Path, Path, Path | None]:
+    """RL prompts from the demo task; a validation set for the trainer and its guards, and a report set that
+    only the before/after measurements see (none when ``n_report`` is 0), both held out from the warm start
+    and the prompts."""
     out.mkdir(parents=True, exist_ok=True)
-    val = heldout_problems("demo", seed=0, n=n_val)
-    val_questions = {p["question"] for p in val}
+    heldout = heldout_problems("demo", seed=0, n=n_val + n_report)
+    val, report = heldout[:n_val], heldout[n_val:]
     task = preset_settings("demo")["task"]
-    train = generate_problems(n_train, seed=seed + 17, unique=True, exclude=val_questions, **task)
+    train = generate_problems(n_train, seed=seed + 17, unique=True, exclude={p["question"] for p in heldout},
+                              **task)
     paths = []
-    for split, problems in (("train", train), ("test", val)):
+    for split, problems in (("train", train), ("test", val), ("report", report))[:3 if n_report else 2]:
         rows = [make_record(p["question"], p["solution"], p["answer"], split, i, DATA_SOURCE)
                 for i, p in enumerate(problems)]
         path = out / f"{split}.parquet"
         pd.DataFrame(rows).to_parquet(path)
         paths.append(path)
-    return paths[0], paths[1]
+    return paths[0], paths[1], paths[2] if n_report else None
+
+
+def report_accuracy(trainer, report: RLHFDataset) -> float:
+    """Greedy accuracy on the report set, through the trainer's own validation (the same prompts, sampling
+    settings and scoring), with its validation set put back afterwards."""
+    kept = trainer.val_dataset
+    trainer.val_dataset = report
+    try:
+        return trainer.val_accuracy(trainer.validate())
+    finally:
+        trainer.val_dataset = kept
 
 
 @torch.no_grad()
@@ -100,9 +117,10 @@ def kl_to_base(trainer, base_model: Path, n_prompts: int = 64) -> float:
     return float(((log_prob - base_log_prob) * mask).sum() / mask.sum())
 
 
-def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out: Path, extra: list[str],
-            guard_every: int = 0) -> dict:
-    """Train for ``minutes`` of step time; greedy held-out accuracy before, at 1/4, 1/2, 3/4 and after.
+def run_one(name: str, model: Path, train: Path, val: Path, report: Path, minutes: float, out: Path,
+            extra: list[str], guard_every: int = 0) -> dict:
+    """Train for ``minutes`` of step time; greedy accuracy on the validation set before, at 1/4, 1/2, 3/4 and
+    after, and on the report set before and after.
 
     Each step is the trainer's own (``fit_step``), with its guards: a validation-accuracy drop (or,
     with a reward model, over-optimisation) rolls back to the best checkpoint. With ``guard_every``
@@ -119,6 +137,8 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
     ]
     cfg = load_config(overrides, config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
     with trainer_session(cfg) as trainer:
+        report_set = RLHFDataset(str(report), trainer.tokenizer, trainer.config.data, key="report")
+        report_before = report_accuracy(trainer, report_set)
         before = trainer.val_accuracy(trainer.validate_before_train())
         curve, budget, start = [], minutes * 60, time.perf_counter()
         marks = {budget * f for f in (0.25, 0.5, 0.75)}
@@ -151,17 +171,21 @@ def run_one(name: str, model: Path, train: Path, val: Path, minutes: float, out:
                   f"length {metrics['response_length/mean']:.1f}", flush=True)
         after = trainer.val_accuracy(trainer.validate())
         acc_curve.append((trainer.global_step, train_seconds, after))
-        return {"name": name, "before": before, "after": after, "steps": trainer.global_step,
+        report_after = report_accuracy(trainer, report_set)
+        return {"name": name, "report_before": report_before, "report_after": report_after,
+                "report_problems": len(report_set), "before": before, "after": after, "steps": trainer.global_step,
                 "train_seconds": train_seconds, "wall_seconds": time.perf_counter() - start,
                 "kl_to_base": kl_to_base(trainer, model), "curve": curve, "acc_curve": acc_curve,
                 "guard_events": events}
 
 
 def summary_line(r: dict) -> str:
-    delta = 100 * (r["after"] - r["before"])
+    delta = 100 * (r["report_after"] - r["report_before"])
     rm = (f", reward model held-out pair accuracy {r['pair_acc_before']:.2f} -> {r['pair_acc']:.2f} "
           f"({r['rm_steps']} steps, {r['rm_train_seconds']:.0f} s)") if "pair_acc" in r else ""
-    return (f"accuracy: {r['before']:.2f} -> {r['after']:.2f} ({delta:+.1f} points) in {r['steps']} steps, "
+    return (f"accuracy: {r['report_before']:.3f} -> {r['report_after']:.3f} ({delta:+.1f} points) on "
+            f"{r['report_problems']} untouched problems (validation set {r['before']:.3f} -> {r['after']:.3f}) "
+            f"in {r['steps']} steps, "
             f"{r['train_seconds']:.0f} s, KL to base {r['kl_to_base']:.5f}{rm} [{r['name']}]")
 
 
@@ -179,7 +203,7 @@ def plot(results: list[dict], path: Path) -> None:
         right.plot([a[1] for a in result["acc_curve"]], [a[2] for a in result["acc_curve"]], marker="o",
                    label=result["name"])
     left.set(title="training reward (rolling mean of 5 steps)", xlabel="training seconds", ylabel="mean score")
-    right.set(title="greedy accuracy, 1,000 held-out problems", xlabel="training seconds", ylabel="accuracy")
+    right.set(title="greedy accuracy, the validation set", xlabel="training seconds", ylabel="accuracy")
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()
@@ -191,7 +215,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=10.0, help="training budget per run")
     parser.add_argument("--runs", default="gae,grpo,kl_loss", help=f"comma list of {', '.join(RUNS)}")
-    parser.add_argument("--n-val", type=int, default=1000)
+    parser.add_argument("--n-val", type=int, default=1000, help="validation problems (the trainer's and its guards')")
+    parser.add_argument("--n-report", type=int, default=1000,
+                        help="problems only the before/after measurements see (the headline accuracy)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--model", default=None, help="demo model directory (default: the cached demo build)")
@@ -207,13 +233,15 @@ def main() -> None:
     torch.set_num_threads(2)
     out = Path(args.out)
     model = Path(args.model) if args.model else ensure_toy_model("demo")
-    train, val = prepare_data(out / "data", n_train=20000, n_val=args.n_val, seed=args.seed)
+    train, val, report = prepare_data(out / "data", n_train=20000, n_val=args.n_val, n_report=args.n_report,
+                                      seed=args.seed)
     results = []
     for name in args.runs.split(","):
         extra, rm = [], {}
         if name == "rm":
-            exclude = set(pd.read_parquet(val)["extra_info"].map(lambda e: e["question"]))
-            exclude |= set(pd.read_parquet(train)["extra_info"].map(lambda e: e["question"]))
+            exclude = set()
+            for path in (train, val, report):
+                exclude |= set(pd.read_parquet(path)["extra_info"].map(lambda e: e["question"]))
             pairs = synthetic_pairs(args.rm_pairs, 500, seed=args.seed + 101, task=preset_settings("demo")["task"],
                                     exclude=exclude)
             pair_dir = out / "data" / "preference"
@@ -226,14 +254,15 @@ def main() -> None:
             print(f"reward model: held-out pair accuracy {rm['pair_acc_before']:.3f} -> {rm['pair_acc']:.3f} in "
                   f"{rm['rm_train_seconds']:.0f} s", flush=True)
             extra = [f"reward_model.model.path={rm['path']}"]
-        results.append(run_one(name, model, train, val, args.minutes, out,
+        results.append(run_one(name, model, train, val, report, args.minutes, out,
                                args.overrides + [f"trainer.seed={args.seed}"] + extra,
                                guard_every=args.rm_guard_every if name == "rm" else 0))
         results[-1].update(rm)
         print(summary_line(results[-1]), flush=True)
     plot(results, out / "learning_curves.png")
     (out / "learning.json").write_text(json.dumps(results, indent=1))
-    print(f"\nmodel: {model}\nvalidation: {args.n_val} held-out problems, greedy\ncurves: {out / 'learning_curves.png'}")
+    print(f"\nmodel: {model}\nvalidation: {args.n_val} held-out problems, report: {args.n_report} more, greedy\n"
+          f"curves: {out / 'learning_curves.png'}")
     for result in results:
         print(summary_line(result))
 

@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(2)
     out = Path(args.out)
     model = Path(args.model) if args.model else ensure_toy_model("demo")
-    train, val = prepare_data(out / "data", n_train=4000, n_val=args.n_val, seed=1)
+    train, val, _ = prepare_data(out / "data", n_train=4000, n_val=args.n_val, n_report=0, seed=1)
     cfg = load_config([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={train}", f"data.val_files={val}",
         f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.test_freq}", "trainer.logger=[]",
