@@ -300,6 +300,54 @@ def test_ignore_eos_gives_full_length_training_responses_and_leaves_validation_a
     assert metrics["response_length/mean"] == 8.0 and metrics["response_length/min"] == 8.0
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
+    """``actor/entropy`` under each ``loss_agg_mode``, as verl logs it: from the old-log-prob pass's entropies,
+    aggregated by hand here, and the same from the on-policy update's micro-batches."""
+    root, model, _ = workspace
+    overrides = _overrides(root, model, "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                           f"actor_rollout_ref.actor.loss_agg_mode={mode}", "algorithm.adv_estimator=grpo",
+                           # near-even draws over the vocabulary, so that some responses hit EOS early
+                           "data.max_response_length=48", "actor_rollout_ref.rollout.temperature=1.5",
+                           "trainer.seed=3")
+    prompts = list(range(8))
+
+    def sharpened(trainer):  # the random model's next-token distributions are near-even (entropy ~log V at
+        with torch.no_grad():  # every token, which hides how the tokens are weighted): a larger head varies it
+            trainer.actor.module.get_output_embeddings().weight.mul_(8.0)
+        return trainer
+
+    shortcut = sharpened(build_trainer(load_config(overrides)))
+    fast = shortcut.train_step(shortcut.train_dataset.collate(prompts))
+    monkeypatch.setattr(PPOTrainer, "_on_policy_update", lambda self: False)
+    separate = sharpened(build_trainer(load_config(overrides)))
+    seen = []
+    compute_log_prob = separate.actor.compute_log_prob
+
+    def recorded(batch):
+        log_prob, entropy = compute_log_prob(batch)
+        seen.append((entropy.tolist(), batch["response_mask"].tolist()))
+        return log_prob, entropy
+
+    monkeypatch.setattr(separate.actor, "compute_log_prob", recorded)
+    slow = separate.train_step(separate.train_dataset.collate(prompts))
+    [(entropy, mask)] = seen
+    rows = [[e for e, m in zip(es, ms) if m] for es, ms in zip(entropy, mask)]
+    rows = [row for row in rows if row]
+    assert len({len(row) for row in rows}) > 1  # responses of several lengths: the modes differ
+    means = [sum(row) / len(row) for row in rows]
+    assert max(means) - min(means) > 0.05  # and of different mean entropies, so that the weighting shows
+    expected = {
+        "token-mean": sum(map(sum, rows)) / sum(map(len, rows)),
+        "seq-mean-token-sum": sum(map(sum, rows)) / len(rows),
+        "seq-mean-token-mean": sum(sum(row) / len(row) for row in rows) / len(rows),
+        "seq-mean-token-sum-norm": sum(map(sum, rows)) / len(rows) / len(mask[0]),  # / the padded width
+    }[mode]
+    assert slow["actor/entropy"] == pytest.approx(expected, rel=1e-5)
+    assert fast["actor/entropy"] == pytest.approx(expected, rel=1e-5)
+
+
 def test_profile_steps_must_be_step_numbers(workspace, capsys):
     root, model, _ = workspace
     assert ppo(_overrides(root, model, "trainer.profile_steps=[0,2]")) == 2

@@ -323,7 +323,10 @@ class PPOTrainer:
                 with self.phase("values", timings):
                     batch["values"] = self.critic.compute_values(batch)
             if "old_log_prob" in batch:  # else the update measures the entropy
-                metrics["actor/entropy"] = _mean(entropy, batch["response_mask"].float())
+                actor_cfg = self.config.actor_rollout_ref.actor  # aggregated as the policy loss is, as verl does
+                metrics["actor/entropy"] = float(algos.agg_loss(entropy, batch["response_mask"].float(),
+                                                                actor_cfg.loss_agg_mode,
+                                                                loss_scale_factor=actor_cfg.loss_scale_factor))
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())

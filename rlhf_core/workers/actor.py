@@ -317,7 +317,8 @@ class ActorWorker(CheckpointableWorker):
         constant: dict[str, float] = {}
         if on_policy:
             old_log_prob = log_prob.detach()
-            summed["actor/entropy"] = float((entropy.detach() * mask).sum()) / token_count
+            # aggregated as the loss is (verl's metric): summed over micro-batches it is the mini-batch's
+            summed["actor/entropy"] = float(algos.agg_loss(entropy.detach(), mask, cfg.loss_agg_mode, **counts_kw))
         else:
             old_log_prob = mb["old_log_prob"]
         compute_policy_loss = algos.get_policy_loss_fn(cfg.policy_loss.loss_mode)
