@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import GenerationConfig
+from test_real_tokenizer import ScriptedLM
 
 from rlhf_core.cli.train import ppo
 from rlhf_core.config import load_config
@@ -137,24 +137,6 @@ def test_cli_serves_gauges_during_the_run_and_warns_on_thresholds(tiny_run, caps
         scrape(f"http://127.0.0.1:{port}/metrics")
 
 
-class _ScriptedLM(torch.nn.Module):
-    """A causal LM whose row ``i`` emits ``scripts[i][step]`` (the last entry once a script runs out)."""
-
-    def __init__(self, scripts: list[list[int]], eos: int, vocab: int):
-        super().__init__()
-        self.scripts, self.vocab = scripts, vocab
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
-        self.calls = 0
-
-    def forward(self, input_ids, attention_mask, position_ids, use_cache=True, **kwargs):
-        step, self.calls = self.calls, self.calls + 1
-        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.vocab), -1e4)
-        for row, script in enumerate(self.scripts):
-            logits[row, -1, script[min(step, len(script) - 1)]] = 0.0
-        return type("Out", (), {"logits": logits})()
-
-
 def test_rollout_tokens_per_second_counts_the_response_tokens(tiny_run):
     trainer = build_trainer(load_config([*tiny_run, "trainer.logger=[]"]))
     try:
@@ -165,7 +147,7 @@ def test_rollout_tokens_per_second_counts_the_response_tokens(tiny_run):
         lengths = [3, 1, 8, 2, 5, 4, 1, 2]
         scripts = [[digit] * (length - 1) + [eos] for length in lengths]
         scripts[2] = [digit]
-        trainer.actor.rollout = make_rollout_engine("hf", _ScriptedLM(scripts, eos, len(tokenizer)), tokenizer)
+        trainer.actor.rollout = make_rollout_engine("hf", ScriptedLM(scripts, eos, len(tokenizer)), tokenizer)
         metrics = trainer.train_step(trainer.train_dataset.collate(trainer.sampler.next_batch()[1]))
     finally:
         trainer.close()

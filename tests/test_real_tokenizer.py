@@ -106,7 +106,7 @@ def test_truncation_counts_bpe_tokens(tokenizer, tmp_path, mode):
         assert tokenizer.decode(ids).startswith(f"<|im_start|>system\n{SMOL_SYSTEM}<|im_end|>\n<|im_start|>user\n")
 
 
-class _Scripted(torch.nn.Module):
+class ScriptedLM(torch.nn.Module):
     """A causal LM that emits ``scripts[row][step]`` (the last entry once a script runs out)."""
 
     def __init__(self, scripts: list[list[int]], eos, vocab: int = 49152):
@@ -137,7 +137,7 @@ def test_generation_stops_at_im_end_which_stays_in_the_mask_and_pad_eos_does_not
     short = tokenizer("#### 7", add_special_tokens=False)["input_ids"]
     long = tokenizer("Three plus four is seven. #### 7", add_special_tokens=False)["input_ids"]
     assert IM_END not in short + long
-    module = _Scripted([short + [IM_END, 99, 98], long + [IM_END, 97]], eos=IM_END)
+    module = ScriptedLM([short + [IM_END, 99, 98], long + [IM_END, 97]], eos=IM_END)
     engine = make_rollout_engine("hf", module, tokenizer)
     out = engine.generate(_prompt_batch(tokenizer, 2), SamplingParams(max_new_tokens=30, do_sample=False))
     width = len(long) + 1
@@ -152,10 +152,10 @@ def test_every_eos_id_of_the_generation_config_stops_a_row(tokenizer):
     """Qwen's generation_config lists two EOS ids ([<|im_end|>, <|endoftext|>]); either ends a row."""
     words = tokenizer("one two three", add_special_tokens=False)["input_ids"]
     scripts = [words[:1] + [END_OF_TEXT], words + [IM_END], words[:2] + [IM_START] + words[:1] + [IM_END]]
-    two_eos = make_rollout_engine("hf", _Scripted(scripts, eos=[IM_END, END_OF_TEXT]), tokenizer)
+    two_eos = make_rollout_engine("hf", ScriptedLM(scripts, eos=[IM_END, END_OF_TEXT]), tokenizer)
     out = two_eos.generate(_prompt_batch(tokenizer, 3), SamplingParams(max_new_tokens=12, do_sample=False))
     assert out["response_mask"].sum(-1).tolist() == [2, len(words) + 1, 5]  # <|im_start|> is no EOS
-    one_eos = make_rollout_engine("hf", _Scripted(scripts, eos=IM_END), tokenizer)
+    one_eos = make_rollout_engine("hf", ScriptedLM(scripts, eos=IM_END), tokenizer)
     out = one_eos.generate(_prompt_batch(tokenizer, 3), SamplingParams(max_new_tokens=12, do_sample=False))
     assert out["response_mask"].sum(-1).tolist()[0] == 12  # without it in the config, <|endoftext|> runs on
 
