@@ -628,6 +628,11 @@ def _group_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor
     return _sequence_scores(token_level_rewards.double(), response_mask)
 
 
+def _over_tokens(seq_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """One value per sequence repeated over its tokens, in ``like``'s dtype. (bs,) -> ``like``'s (bs, T)."""
+    return seq_values.to(like.dtype).unsqueeze(-1).expand_as(like)
+
+
 def _group_ids(index: Sequence[Hashable], batch_size: int, device: torch.device) -> torch.Tensor:
     """Map each row's group id (any hashable) to a dense integer id. -> (bs,) long."""
     if len(index) != batch_size:
@@ -679,9 +684,7 @@ def compute_grpo_outcome_advantage(
     seq_advantages = scores - group_mean  # (bs,)
     if norm_adv_by_std_in_grpo:
         seq_advantages = seq_advantages / (group_std + epsilon)
-    advantages = _zero_where_masked(
-        seq_advantages.to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards), response_mask
-    )
+    advantages = _zero_where_masked(_over_tokens(seq_advantages, token_level_rewards), response_mask)
     return advantages, advantages
 
 
@@ -708,9 +711,7 @@ def compute_rloo_outcome_advantage(
     singleton = group_size < 2
     others_mean = others_sum / torch.where(singleton, torch.ones_like(group_size), group_size - 1)
     seq_advantages = torch.where(singleton, scores, scores - others_mean)  # (bs,)
-    advantages = _zero_where_masked(
-        seq_advantages.to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards), response_mask
-    )
+    advantages = _zero_where_masked(_over_tokens(seq_advantages, token_level_rewards), response_mask)
     return advantages, advantages
 
 
@@ -761,7 +762,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     group_ids = _group_ids(index, scores.shape[0], scores.device)  # (bs,)
     group_size = _group_sum(torch.ones_like(scores), group_ids)  # (bs,)
     group_mean = torch.where(group_size < 2, torch.zeros_like(scores), _group_sum(scores, group_ids) / group_size)
-    centred = (scores - group_mean).to(token_level_rewards.dtype).unsqueeze(-1).expand_as(token_level_rewards)
+    centred = _over_tokens(scores - group_mean, token_level_rewards)  # (bs, T)
     advantages = _zero_where_masked(masked_whiten(centred, response_mask), response_mask)
     return advantages, advantages
 
@@ -821,7 +822,7 @@ def compute_grpo_passk_outcome_advantage(
         if norm_adv_by_std_in_grpo:
             gap = gap / (group_scores.std() + epsilon)
         seq_advantages[rows[int(torch.argmax(group_scores))]] = gap
-    advantages = _zero_where_masked(seq_advantages.unsqueeze(-1).expand_as(token_level_rewards), response_mask)
+    advantages = _zero_where_masked(_over_tokens(seq_advantages, token_level_rewards), response_mask)
     return advantages, advantages
 
 
