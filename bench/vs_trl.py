@@ -25,7 +25,8 @@ weights, EOS comes at a random step). ``--fixed-length`` makes every response ``
 long in both, so that tokens per second compares speed alone.
 
 Ours runs with ``use_shared_prefix`` (each prompt's tokens computed once for its group in the update, as
-the demo config does); ``--shared-prefix off`` runs every row whole, ``both`` runs ours both ways.
+the demo config does); ``--shared-prefix off`` runs every row whole, ``both`` runs ours both ways; ``--packed`` adds a run of ours with
+every row whole and packed without padding (``use_remove_padding``, as verl runs on GPUs).
 
 Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 
@@ -33,6 +34,7 @@ Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
     python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3      # the real checkpoint
     python bench/vs_trl.py --models random20m --fixed-length           # equal token counts
     python bench/vs_trl.py --models random20m --shared-prefix both     # ours without and with use_shared_prefix
+    python bench/vs_trl.py --models random20m --shared-prefix off --packed   # ours padded, then packed (use_remove_padding)
     python bench/vs_trl.py --models smollm2 --prompts 4 --steps 3 --bf16   # both in bf16 mixed precision
 """
 
@@ -60,9 +62,13 @@ from rlhf_core.models.toy import ensure_toy_model, random_toy_model
 from rlhf_core.rewards.gsm8k import compute_score
 
 REPO = Path(__file__).resolve().parents[1]
+LAYOUT_TAGS = {"whole": "", "shared": ", shared prefix", "packed": ", packed"}
 
 
-def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool = False) -> dict:
+def run_ours(model: Path, data: Path, args, max_prompt: int, layout: str = "whole") -> dict:
+    """Our trainer's GRPO steps; ``layout``: ``whole`` (every row padded whole), ``shared`` (each prompt computed
+    once for its group, ``use_shared_prefix``) or ``packed`` (rows whole, packed without padding,
+    ``use_remove_padding``)."""
     cfg = load_config([f"data.max_prompt_length={max_prompt}",
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'test.parquet'}", f"data.train_batch_size={args.prompts}",
@@ -76,7 +82,8 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, shared_prefix: bool
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.logger=[]",
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
         f"actor_rollout_ref.rollout.ignore_eos={str(args.fixed_length).lower()}",
-        f"actor_rollout_ref.model.use_shared_prefix={str(shared_prefix).lower()}",
+        f"actor_rollout_ref.model.use_shared_prefix={str(layout == 'shared').lower()}",
+        f"actor_rollout_ref.model.use_remove_padding={str(layout == 'packed').lower()}",
         f"trainer.cpu_matmul_dtype={'bfloat16' if args.bf16 else 'float32'}",
         f"actor_rollout_ref.model.enable_gradient_checkpointing={str(args.checkpointing).lower()}",
     ], config_file=REPO / "configs" / "ppo_demo_cpu.yaml")
@@ -188,6 +195,9 @@ def main() -> None:
     parser.add_argument("--shared-prefix", choices=("off", "on", "both"), default="on",
                         help="our actor_rollout_ref.model.use_shared_prefix, on in configs/ppo_demo_cpu.yaml (each "
                              "prompt computed once for its group in the update); both: ours without, then with")
+    parser.add_argument("--packed", action="store_true",
+                        help="also run ours with every row whole and packed without padding "
+                             "(actor_rollout_ref.model.use_remove_padding), after the --shared-prefix runs")
     parser.add_argument("--bf16", action="store_true",
                         help="mixed precision in both: ours trainer.cpu_matmul_dtype=bfloat16, TRL's bf16=True (autocast)")
     parser.add_argument("--checkpointing", action="store_true",
@@ -225,16 +235,17 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(model)).parameters())
-        variants = {"off": [False], "on": [True], "both": [False, True]}[args.shared_prefix]
-        runs = {shared: run_ours(model, data, args, max_prompt, shared) for shared in variants}
+        layouts = {"off": ["whole"], "on": ["shared"], "both": ["whole", "shared"]}[args.shared_prefix]
+        runs = {layout: run_ours(model, data, args, max_prompt, layout)
+                for layout in layouts + ["packed"] * args.packed}
         trl = run_trl_in_child(model, data, args)
         lines.append(f"[{name}] ~{params / 1e6:.1f}M parameters, {args.prompts} prompts x {args.group} samples, "
                      f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
                      f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}, "
                      f"activation checkpointing {'on' if args.checkpointing else 'off'} in both, "
                      f"TRL's heap: {'kept, as ours' if args.trl_heap == 'kept' else 'glibc defaults'}")
-        for shared, ours in runs.items():
-            tag = f"{name}{', shared prefix' if shared else ''}"
+        for layout, ours in runs.items():
+            tag = f"{name}{LAYOUT_TAGS[layout]}"
             lines += [
                 f"[{tag}] step time: ours {ours['step_s']:.3f} s, trl {trl['step_s']:.3f} s",
                 f"[{tag}] tokens per second: ours {ours['tokens_per_s']:.0f}, trl {trl['tokens_per_s']:.0f}",
