@@ -1,5 +1,6 @@
 """Shared fixtures: where the real GSM8K files are, the repository root, and the tiny PPO run of the
-checkpoint, guard and resume tests (``workspace``, ``one_thread``)."""
+checkpoint, guard and resume tests (``workspace``, ``one_thread``); every test leaves the linear-layer kernel
+choice as it found it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _linear_kernel_restored():
+    """Each test leaves the process's linear-layer choice (``trainer.cpu_matmul`` and its dtype) as it found it:
+    building a trainer sets it process-wide, and a test's bfloat16 must not reach the next test's rollouts."""
+    from rlhf_core.models import cpu_matmul
+
+    before = cpu_matmul.current(), str(cpu_matmul.product_dtype()).removeprefix("torch.")
+    yield
+    cpu_matmul.configure(*before)
 
 
 @pytest.fixture(scope="session")

@@ -191,6 +191,8 @@ def test_mkl_packed_products_are_the_products_in_float64_at_every_row_count_they
 
 
 @pytest.mark.skipif(not cpu_matmul.mkl_available(), reason="this torch build has no MKL packed sgemm")
+@pytest.mark.skipif(not cpu_matmul.onednn_packs_bfloat16(),
+                    reason="oneDNN lays out bfloat16 weights only with AVX-NE-CONVERT or AVX-512 BW/VL/DQ")
 def test_on_intel_bfloat16_block_weights_stay_on_oneDNN_while_the_head_packs_for_MKL(kind, monkeypatch):
     """MKL packs no bfloat16: only the float32 products take its layout."""
     monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: "GenuineIntel")
@@ -200,14 +202,39 @@ def test_on_intel_bfloat16_block_weights_stay_on_oneDNN_while_the_head_packs_for
     head = cpu_matmul.decode_weight(weight, rows=4, in_block=False)
     assert block.is_mkldnn and block.dtype == torch.bfloat16
     assert isinstance(head, cpu_matmul.MKLPacked)
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_without_onednn_bfloat16_support_block_weights_stay_plain_bfloat16(kind, monkeypatch, vendor):
+    """On an AVX2-only CPU oneDNN refuses to lay out bfloat16 weights: the decode copy is a plain bfloat16 tensor
+    whose products are those of the rounded operands, and the float32 head is packed as before."""
+    monkeypatch.setattr(cpu_matmul, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(cpu_matmul, "onednn_packs_bfloat16", lambda: False)
+    kind("auto", "bfloat16")
+    weight, x = torch.randn(24, 40), torch.randn(4, 40)
+    block = cpu_matmul.decode_weight(weight, rows=4, in_block=True)
+    head = cpu_matmul.decode_weight(weight, rows=4, in_block=False)
+    assert type(block) is torch.Tensor and not block.is_mkldnn and block.dtype == torch.bfloat16
+    assert block.is_contiguous() and torch.equal(block, weight.bfloat16())
+    expected = (x.bfloat16().double() @ weight.bfloat16().double().T)  # the rounded operands' exact products
+    out = cpu_matmul.decode_product(x, block)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out.double(), expected, rtol=2**-7, atol=1e-2)
+    assert not torch.allclose(out, x @ weight.T, rtol=1e-5, atol=1e-5)  # bfloat16's rounding shows
+    if vendor == "GenuineIntel":
+        assert isinstance(head, cpu_matmul.MKLPacked)
+    else:
+        assert head.is_mkldnn and head.dtype == torch.float32
     kind("blas")  # nothing packed at all
     plain = cpu_matmul.decode_weight(weight, rows=4, in_block=False)
     assert type(plain) is torch.Tensor and not plain.is_mkldnn
 
 
-@pytest.mark.parametrize(("flags", "native"), [("fpu avx2 avx512f amx_bf16 amx_tile", True),
-                                               ("fpu avx2 avx512f avx512_bf16", True), ("fpu avx2 fma", False)])
-def test_the_cpu_vendor_and_bfloat16_support_are_read_from_cpuinfo(monkeypatch, tmp_path, flags, native):
+@pytest.mark.parametrize(("flags", "native", "onednn_bf16"), [
+    ("fpu avx2 avx512f avx512bw avx512vl avx512dq amx_bf16 amx_tile", True, True),
+    ("fpu avx2 avx512f avx512_bf16", True, False),  # AVX-512 without BW/VL/DQ: no oneDNN bfloat16 layout
+    ("fpu avx2 fma avx_ne_convert", False, True), ("fpu avx2 fma", False, False)])
+def test_the_cpu_vendor_and_bfloat16_support_are_read_from_cpuinfo(monkeypatch, tmp_path, flags, native, onednn_bf16):
     info = tmp_path / "cpuinfo"
     info.write_text(f"processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: {flags}\n\nprocessor\t: 1\n")
     real_open = open
@@ -216,6 +243,7 @@ def test_the_cpu_vendor_and_bfloat16_support_are_read_from_cpuinfo(monkeypatch, 
     try:
         assert cpu_matmul.cpu_vendor() == "AuthenticAMD"
         assert cpu_matmul.native_bf16() is native
+        assert cpu_matmul.onednn_packs_bfloat16() is onednn_bf16
     finally:
         cpu_matmul._cpuinfo.cache_clear()
 

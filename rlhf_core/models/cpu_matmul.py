@@ -38,7 +38,9 @@ inside the transformer blocks in bfloat16: each call casts its input and weight,
 accumulation inside the kernel) and hands back float32, the bias added in float32; the cast weight is kept
 until the weight changes (one more copy of the blocks' weights, at 2 bytes a parameter); the backward's two
 products likewise, so gradients, weights, optimizer state, norms, attention, the LM and value heads and the
-losses all stay float32, as in GPU mixed precision. The rollout packs the blocks' weights in bfloat16 too. On a
+losses all stay float32, as in GPU mixed precision. The rollout packs the blocks' weights in bfloat16 too
+(in oneDNN's layout where the CPU has AVX-NE-CONVERT or AVX-512 BW/VL/DQ, which oneDNN needs for it; as plain
+bfloat16 tensors elsewhere). On a
 CPU with AMX (Intel Xeon, Sapphire Rapids and later) a bfloat16 product ran at 2.4-2.9 TFLOP/s on 2 cores
 against 0.3 for float32, and SmolLM2's PPO step took 0.61-0.66x the time (``bench/RESULTS.md``); without AMX or
 AVX512-BF16 the products are emulated, and the trainer says so.
@@ -90,6 +92,14 @@ def cpu_vendor() -> str:
 def native_bf16() -> bool:
     """Whether the CPU multiplies bfloat16 in hardware (AMX or AVX512-BF16), as far as Linux tells."""
     return bool({"amx_bf16", "avx512_bf16"} & set(_cpuinfo("flags").split()))
+
+
+def onednn_packs_bfloat16() -> bool:
+    """Whether oneDNN can lay out bfloat16 weights for its linear op on this CPU: it needs AVX-NE-CONVERT or
+    AVX-512 with its BW, VL and DQ parts (torch's check for ``_reorder_linear_weight``); without them the
+    rollout's bfloat16 decode weights stay plain tensors."""
+    flags = set(_cpuinfo("flags").split())
+    return "avx_ne_convert" in flags or {"avx512bw", "avx512vl", "avx512dq"} <= flags
 
 
 def resolve(kind: str) -> str:
@@ -297,14 +307,15 @@ def decode_weight(weight: torch.Tensor, rows: int, in_block: bool, persistent: b
     """A copy of ``weight`` for products without gradients at ``rows`` rows, for :func:`decode_product`: in
     ``product_dtype()`` inside the transformer blocks (``in_block``), float32 outside. A plain CPU float32
     ``weight`` is laid out for that row count: by MKL where :func:`mkl_packs` and the product is float32, else
-    by oneDNN (an mkldnn tensor) where :func:`packs`; otherwise the copy is a plain contiguous tensor.
+    by oneDNN (an mkldnn tensor) where :func:`packs` (and, for bfloat16, :func:`onednn_packs_bfloat16`);
+    otherwise the copy is a plain contiguous tensor.
     ``persistent``: ``weight`` outlives the copy (a layer's own parameter), so other row counts may multiply it."""
     dtype = _dtype if in_block else torch.float32
     if plain_cpu_float32(weight) and dtype == torch.float32 and mkl_packs():
         packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), rows)
         return MKLPacked(packed, rows, weight.shape, weight.detach() if persistent else None)
     low = weight.detach().to(dtype)
-    if packs() and plain_cpu_float32(weight):
+    if packs() and plain_cpu_float32(weight) and (dtype == torch.float32 or onednn_packs_bfloat16()):
         return torch.ops.mkldnn._reorder_linear_weight(low, rows)
     return low.contiguous()
 
