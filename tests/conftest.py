@@ -24,6 +24,14 @@ def _linear_kernel_restored():
     cpu_matmul.configure(*before)
 
 
+@pytest.fixture
+def kind():
+    """``cpu_matmul.configure``, for a test that sets the linear-layer choice (put back after it, as above)."""
+    from rlhf_core.models import cpu_matmul
+
+    return cpu_matmul.configure
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT

@@ -26,14 +26,6 @@ pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="this torch b
 
 
 @pytest.fixture
-def kind():
-    """Restores the process's choice after a test that changes it."""
-    before = cpu_matmul.current(), str(cpu_matmul.product_dtype()).removeprefix("torch.")
-    yield cpu_matmul.configure
-    cpu_matmul.configure(*before)
-
-
-@pytest.fixture
 def onednn_calls(monkeypatch):
     """How many products went through oneDNN."""
     calls = []

@@ -40,13 +40,6 @@ def _model(config) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def kind():
-    before = cpu_matmul.current(), str(cpu_matmul.product_dtype()).removeprefix("torch.")
-    yield cpu_matmul.configure
-    cpu_matmul.configure(*before)
-
-
 def _prompt(rows: int, length: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-padded prompts of 2 to ``length`` tokens: ids, mask, positions."""
     g = torch.Generator().manual_seed(1)
