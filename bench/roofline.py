@@ -1,10 +1,13 @@
 """How far each PPO phase is from what this machine allows.
 
-Measured in the same process, after the trainer's steps:
+Measured in the same process, beside the trainer's steps:
 
 - the fp32 matrix-multiply rate (GFLOP/s) at the shapes of the update: (tokens of a micro-batch) x
   hidden @ hidden x intermediate, the largest matmul of a transformer block, by each kernel torch has
-  on CPU (``torch.mm``'s BLAS and oneDNN, ``trainer.cpu_matmul``); the faster is the machine's rate;
+  on CPU (``torch.mm``'s BLAS and oneDNN, ``trainer.cpu_matmul``); the faster is the machine's rate. It is
+  taken again right after each timed step, and each step's phases are set against the rate measured after
+  that step (a 2-core VM's speed can drift by a fifth within a process); the fractions printed are the medians
+  over the timed steps, the rate printed is the median rate, with its range;
 - the memory bandwidth (GB/s): one read of a tensor the size of the model's weights.
 
 Then each phase of a few trainer iterations against its bound:
@@ -199,35 +202,41 @@ def run(name: str, model: Path, work: Path, args) -> dict:
             params["critic"] = matmul_params(trainer.critic.module)
         prompts = trainer.train_dataset.collate(list(range(batch)))
         engine = trainer.actor.rollout
-        runs, rollouts = [], []
-        for _ in range(args.warmup + args.iters):
+        sequences, micro = batch * n, min(batch * n, 16)
+        runs, rollouts, step_rates = [], [], []
+        for i in range(args.warmup + args.iters):
             runs.append(trainer.train_step(prompts))
             rollouts.append(dict(getattr(engine, "last_timing", {})))  # the HF engine's prefill and decode loop
+            if i >= args.warmup:  # the rate beside each timed step: this machine's speed drifts within a process
+                micro_tokens = int(micro * runs[-1]["perf/total_num_tokens"] / sequences)
+                step_rates.append(measured_rates(micro_tokens, hf_config.hidden_size, hf_config.intermediate_size,
+                                                 cfg.trainer.cpu_matmul_dtype))
         runs, rollouts = runs[args.warmup:], rollouts[args.warmup:]
+        bandwidth = read_bandwidth_gbs(weight_bytes(module))
     finally:
         trainer.close()
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in runs)
 
-    sequences = batch * n
     tokens = med("perf/total_num_tokens")
-    response_tokens = med("response_length/mean") * sequences
     decode_steps = med("response_length/max")
-    micro = min(sequences, 16)
-    seq_len = tokens / sequences
-    at, rates = measured_rates(int(micro * seq_len), hf_config.hidden_size, hf_config.intermediate_size,
-                               cfg.trainer.cpu_matmul_dtype)
-    bandwidth = read_bandwidth_gbs(weight_bytes(module))
+    at = Rates(*(statistics.median(getattr(step_at, f) for step_at, _ in step_rates) for f in Rates._fields))
+    rates = {k: statistics.median(by_kernel[k] for _, by_kernel in step_rates) for k in step_rates[0][1]}
+    rate_range = (min(step_at.body for step_at, _ in step_rates), max(step_at.body for step_at, _ in step_rates))
 
     def fraction(phase: str, passes: int, model: str = "actor") -> float | None:
-        """Seconds the phase's products take at the measured rates, over the seconds it took; the products are
-        those of the model that runs the phase (the critic's: its blocks and value head, no LM head)."""
+        """Seconds the phase's products take at the rates measured right after its step, over the seconds it
+        took, the median over the timed steps; the products are those of the model that runs the phase (the
+        critic's: its blocks and value head, no LM head)."""
         key = f"timing_s/{phase}"
         if key not in runs[0]:
             return None
         body, head = params[model]
-        return passes * (body * tokens / at.body + head * response_tokens / at.head) / 1e9 / med(key)
+        return statistics.median(
+            passes * (body * r["perf/total_num_tokens"] / step_at.body
+                      + head * r["response_length/mean"] * sequences / step_at.head) / 1e9 / r[key]
+            for r, (step_at, _) in zip(runs, step_rates))
 
     gen_per_token_s = med("timing_s/gen") / max(decode_steps, 1)  # the whole generation, prefill included
     if all(r.get("decode_forwards") for r in rollouts):  # the decode loop alone, its prefill apart
@@ -238,7 +247,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     bound_s = decode_bound_s(module, sequences, at, bandwidth)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
-        "matmul_gflops": at.body, "matmul_gflops_by_kernel": rates,
+        "matmul_gflops": at.body, "matmul_gflops_by_kernel": rates, "matmul_gflops_range": rate_range,
         "cpu_matmul": f"{cfg.trainer.cpu_matmul} ({cpu_matmul.training_kernel()} with gradients), blocks' products "
                       f"in {cfg.trainer.cpu_matmul_dtype}",
         "bandwidth_gbs": bandwidth, "step_s": med("timing_s/step"),
@@ -285,9 +294,11 @@ def main() -> None:
               f"{pct(r['ref']):>6}{pct(r['values']):>7}{r['decode_ms']:>10.2f}{r['decode_bound_ms']:>9.2f}"
               f"{r['decode_x_bound']:>8.2f}")
     for r in rows:
+        low, high = r["matmul_gflops_range"]
         print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                   r["matmul_gflops_by_kernel"].items())
-              + f"; the trainer's linear layers ran on {r['cpu_matmul']}")
+              + f" (medians after the timed steps; the blocks' rate ranged {low:.1f}-{high:.1f}); the trainer's "
+              f"linear layers ran on {r['cpu_matmul']}")
         if r["prefill_s"] is not None:
             print(f"{r['model']}: the rollout's prefill (decode weights, prompts' pass) {r['prefill_s']:.2f} s; its "
                   f"generation over its tokens, prefill included, {r['gen_ms_per_token']:.2f} ms a token")
