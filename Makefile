@@ -90,6 +90,7 @@ bench: bench-setup demo-assets real-model
 	$(PY) bench/page_faults.py
 	$(PY) bench/cpu_matmul.py
 	$(PY) bench/decode.py
+	$(PY) bench/attention.py
 	$(PY) bench/fused_head.py
 	GSM8K_DIR=$(GSM8K_DIR) $(PY) bench/packing.py
 	$(PY) bench/rm_scoring.py
