@@ -67,6 +67,7 @@ def main() -> None:
             forward().sum().backward()
             if rep:  # the first round warms each kernel up
                 times[name].append(time.perf_counter() - start)
+            q.grad = k.grad = v.grad = None  # each call writes fresh gradients, not adds to the last call's
     # over the whole L x L grid: 2 products forward (scores, weighted sum), 4 backward, 2 n h L^2 d FLOP each
     flop = 12 * n * h * length * length * d
     print(f"attention forward and backward, {n} rows x {h} heads x {length} positions x {d}, {args.threads} threads, "
