@@ -352,7 +352,8 @@ class FilterGroupsConfig:
 class RolloutCorrectionConfig:
     rollout_is: str | None = _k(None, "truncated importance weights pi_train / pi_rollout: null | token | sequence")
     rollout_is_threshold: float = _k(2.0, "upper bound of the importance weights")
-    rollout_rs: str | None = _k(None, "rejection of out-of-bound tokens/responses: null | token_k1|k2|k3 | "
+    rollout_rs: str | None = _k(None, "rejection of out-of-bound tokens/responses from the losses (the KL penalty "
+                                      "and advantages stay over all sampled tokens): null | token_k1|k2|k3 | "
                                       "seq_sum_k1|k2|k3 | seq_mean_k1|k2|k3 | seq_max_k2|k3")
     rollout_rs_threshold: float | None = _k(None, "rejection bound: k1 ratio in [1/t, t], k2/k3 statistic <= t")
 

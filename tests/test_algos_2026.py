@@ -750,3 +750,68 @@ def test_rollout_correction_weights_an_engine_with_its_own_log_probs(tiny):
     assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.5)
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1.0)
     assert metrics["rollout_corr/kl"] == pytest.approx(-0.5, abs=1e-5)
+
+
+def test_rollout_rejection_leaves_the_kl_penalty_and_the_credit_to_the_responses_as_sampled(tiny):
+    """Rejection takes tokens out of the losses only. The KL penalty and its batch KL are over every sampled
+    token, each response's GRPO score is the sum of all its rewards (a rejected last token carries the
+    outcome), and a rejected response still counts in its group's mean and std: it just gets no gradient."""
+    coef = 0.5
+    trainer = _trainer(tiny, "algorithm.rollout_correction.rollout_rs=token_k1",
+                       "algorithm.rollout_correction.rollout_rs_threshold=2.0", "algorithm.use_kl_in_reward=true",
+                       "algorithm.kl_penalty=kl", f"algorithm.kl_ctrl.kl_coef={coef}")
+    generate, log_prob = trainer.actor.generate, trainer.actor.compute_log_prob
+    # a reference 0.1 nat below the actor on every token: the k1 KL is 0.1 per sampled token
+    trainer.actor.compute_ref_log_prob = lambda batch: log_prob(batch)[0] - 0.1
+    chosen = {}
+
+    def engine_with_log_probs(prompts, params):  # agrees with the trainer except on the tokens to reject
+        batch = generate(prompts, params)
+        own = log_prob(batch)[0]
+        lengths = batch["response_mask"].sum(-1)
+        # row 0 is off by a ratio of e^3 on every token; a response of >= 2 tokens in another group on its last
+        whole, last = 0, next(r for r in range(4, len(lengths)) if lengths[r] >= 2)
+        offset = torch.zeros_like(own)
+        offset[whole] = 3.0
+        offset[last, int(lengths[last]) - 1] = 3.0
+        chosen.update(whole=whole, last=last, lengths=lengths.tolist(), sampled=batch["response_mask"].clone())
+        batch["rollout_log_prob"] = own - offset
+        return batch
+
+    trainer.actor.generate = engine_with_log_probs
+    updated = {}
+    update_policy = trainer.actor.update_policy
+
+    def recording_update(batch, *args, **kwargs):
+        updated["batch"] = batch
+        return update_policy(batch, *args, **kwargs)
+
+    trainer.actor.update_policy = recording_update
+    metrics = _step(trainer)
+    batch, sampled = updated["batch"], chosen["sampled"].double()
+    whole, last, lengths = chosen["whole"], chosen["last"], chosen["lengths"]
+
+    # the batch KL is 0.1 over every sampled token (a fully rejected row must not count 0)
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(0.1, abs=1e-5)
+    rewards = batch["token_level_scores"].double() - coef * 0.1 * sampled
+    torch.testing.assert_close(batch["token_level_rewards"].double(), rewards, atol=1e-5, rtol=0)
+    # the losses' mask: row `whole` empty, row `last` without its last token, every other row as sampled
+    kept = sampled.clone()
+    kept[whole] = 0
+    kept[last, lengths[last] - 1] = 0
+    torch.testing.assert_close(batch["response_mask"].double(), kept)
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx((lengths[whole] + 1) / sum(lengths))
+
+    # GRPO by hand over groups of 4 consecutive rows, each score summed over all its sampled tokens (from the
+    # rewards as the step made them, checked above: their float32 KL differs from 0.1 in the last bits, which
+    # a group of equal scores divides by its near-0 std)
+    scores = (batch["token_level_rewards"].double() * sampled).sum(-1).numpy()
+    expected = np.zeros_like(scores)
+    for start in range(0, len(scores), 4):
+        group = scores[start:start + 4]
+        expected[start:start + 4] = (group - group.mean()) / (group.std(ddof=1) + 1e-6)
+    assert len(set(batch.meta["uid"][start] for start in range(0, len(scores), 4))) == len(scores) // 4
+    torch.testing.assert_close(batch["advantages"].double(), torch.from_numpy(expected)[:, None] * kept,
+                               atol=1e-4, rtol=0)
+    # lengths are the responses' as sampled
+    assert metrics["response_length/mean"] == pytest.approx(sum(lengths) / len(lengths))

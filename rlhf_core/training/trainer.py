@@ -97,9 +97,10 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     """verl's per-step data metrics: scores, rewards, advantages, returns, values, lengths."""
-    mask = batch["response_mask"].float()
-    response_length = mask.sum(-1)  # (bs,)
-    prompt_length = batch["attention_mask"][:, : batch["prompts"].shape[1]].float().sum(-1)
+    mask = batch["response_mask"].float()  # the losses' mask (narrower than the responses after rejection)
+    prompt_width = batch["prompts"].shape[1]
+    response_length = batch["attention_mask"][:, prompt_width:].float().sum(-1)  # (bs,) as sampled
+    prompt_length = batch["attention_mask"][:, :prompt_width].float().sum(-1)
     scores = batch["token_level_scores"].sum(-1)
     rewards = batch["token_level_rewards"].sum(-1)
     metrics = {
@@ -330,21 +331,28 @@ class PPOTrainer:
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())
-                self._correct_rollout(batch, metrics)
             with self.phase("adv", timings):
-                if algo.use_kl_in_reward:
+                sampled = batch["response_mask"]  # every token the engine sampled
+                if algo.use_kl_in_reward:  # over every sampled token, before any is rejected (as verl orders it)
                     rewards, _, kl_metrics = algos.apply_kl_penalty(
                         batch["token_level_scores"], batch["old_log_prob"], batch["ref_log_prob"],
-                        batch["response_mask"], self.kl_ctrl, algo.kl_penalty)
+                        sampled, self.kl_ctrl, algo.kl_penalty)
                     metrics.update(kl_metrics)
                 else:
                     rewards = batch["token_level_scores"]
                 batch["token_level_rewards"] = rewards
-                batch["advantages"], batch["returns"] = algos.compute_advantage(
-                    algo.adv_estimator, rewards, batch["response_mask"].float(),
+                self._correct_rollout(batch, metrics)  # rejection narrows batch["response_mask"], the losses' mask
+                # Credit is given over the responses as sampled: a rejected token still earned its reward and
+                # still counts in its group's statistics; rejection only keeps it out of the losses.
+                advantages, returns = algos.compute_advantage(
+                    algo.adv_estimator, rewards, sampled.float(),
                     values=batch.tensors.get("values"), index=batch.meta["uid"], gamma=algo.gamma, lam=algo.lam,
                     norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
                     reward_baselines=batch.tensors.get("reward_baselines"))
+                if batch["response_mask"] is not sampled:
+                    kept = batch["response_mask"].to(advantages.dtype)
+                    advantages, returns = advantages * kept, returns * kept
+                batch["advantages"], batch["returns"] = advantages, returns
             if self.use_critic:
                 with self.phase("update_critic", timings):
                     metrics.update(self.critic.update_critic(batch, n))
@@ -360,7 +368,8 @@ class PPOTrainer:
             if key in extras:
                 metrics[f"critic/{key}/mean"] = float(extras[key].mean())
         metrics.update(timings)
-        metrics["perf/rollout_tokens_per_s"] = float(batch["response_mask"].sum()) / max(timings["timing_s/gen"], 1e-9)
+        sampled_tokens = float(batch["attention_mask"][:, batch["prompts"].shape[1]:].sum())
+        metrics["perf/rollout_tokens_per_s"] = sampled_tokens / max(timings["timing_s/gen"], 1e-9)
         tokens = int(batch["attention_mask"].sum())
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/throughput"] = tokens / timings["timing_s/step"] / max(1, self.config.world_size)
