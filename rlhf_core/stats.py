@@ -2,8 +2,8 @@
 
 * :func:`validation_metrics`: verl's validation metric names from per-sample correctness. With
   ``n`` responses per prompt: ``mean@n`` (the average correctness), ``best@n`` (pass@n: any of the
-  ``n`` right) and ``maj@n`` (the answer most responses give is right), per data source, each with
-  its standard error over prompts. ``val-core/`` holds the headline values, ``val-aux/`` their
+  ``n`` right) and ``maj@n`` (the answer most responses give is right, where the reward function
+  says what each response answers), per data source, each with its standard error over prompts. ``val-core/`` holds the headline values, ``val-aux/`` their
   standard errors.
 * :func:`wilson_interval`: the confidence interval of one accuracy.
 * :func:`paired_comparison`: two models on the same problems: the gain, its interval, and McNemar's
@@ -22,8 +22,6 @@ from dataclasses import asdict, dataclass
 from statistics import NormalDist
 
 import numpy as np
-
-from rlhf_core.rewards.gsm8k import extract_solution
 
 
 def check_alpha(alpha: float, key: str = "alpha") -> float:
@@ -63,15 +61,12 @@ def half_width(n: int, alpha: float = 0.05, p: float = 0.5) -> float:
 # ----------------------------------------------------------------------------- sampled metrics
 
 
-def vote_answer(response: str) -> str | None:
-    """The answer a response votes for in ``maj@n``: its last number (GSM8K's flexible extraction)."""
-    return extract_solution(response, method="flexible")
-
-
 def majority_correct(answers: Sequence[Hashable | None], correct: Sequence[float]) -> float:
     """Correctness of the answer most of the responses give (``None``: no answer, no vote).
 
-    Ties go to the answer given first; with no answer at all the vote is wrong (0.0).
+    ``answers`` must be the answers ``correct`` grades (the reward function's ``pred``), so that every
+    response giving the winning answer is graded alike. Ties go to the answer given first; with no
+    answer at all the vote is wrong (0.0).
     """
     votes = Counter(answer for answer in answers if answer is not None)
     if not votes:
@@ -93,16 +88,19 @@ def validation_metrics(
     Args:
         data_sources, prompt_ids: per response; responses of one prompt share its id.
         acc: 1.0 for a correct response, else 0.0. reward: its score.
-        answers: the answer extracted from each response, for the majority vote (None: no answer).
+        answers: the answer each response gives, as ``acc`` graded it (the reward function's ``pred``;
+            None: no answer), for the majority vote; without them there is no ``maj@n``.
 
     Returns ``val-core/<source>/acc/mean@n`` and ``.../reward/mean@n``; for ``n > 1`` also
-    ``val-core/<source>/acc/best@n/mean`` and ``.../maj@n/mean``; and in ``val-aux/`` the standard
-    error over prompts of each (``.../acc/mean@n/std``, ``best@n/std``, ``maj@n/std``), as verl's
-    ``best@n/std`` is the spread of the estimate. ``n`` is the most responses any prompt has.
+    ``val-core/<source>/acc/best@n/mean`` (the share of prompts with a right response among their
+    ``n``: pass@n, not verl's bootstrap, which runs lower) and, given ``answers``, ``.../maj@n/mean``;
+    and in ``val-aux/`` the standard error over prompts of each (``.../acc/mean@n/std``,
+    ``best@n/std``, ``maj@n/std``). ``n`` is the most responses any prompt has.
     """
     if not len(data_sources) == len(prompt_ids) == len(acc) == len(reward):
         raise ValueError("data_sources, prompt_ids, acc and reward need one entry per response")
-    answers = list(answers) if answers is not None else [None] * len(acc)
+    if answers is not None and len(answers) != len(acc):
+        raise ValueError("answers needs one entry per response")
     groups: dict[str, dict[Hashable, list[int]]] = {}
     for position, (source, prompt) in enumerate(zip(data_sources, prompt_ids)):
         groups.setdefault(source, {}).setdefault(prompt, []).append(position)
@@ -116,11 +114,13 @@ def validation_metrics(
         metrics[f"val-aux/{source}/acc/mean@{n}/std"] = standard_error(mean_acc)
         if n > 1:
             best = [max(acc[i] for i in rows) for rows in prompts.values()]
-            vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows]) for rows in prompts.values()]
             metrics[f"val-core/{source}/acc/best@{n}/mean"] = float(np.mean(best))
             metrics[f"val-aux/{source}/acc/best@{n}/std"] = standard_error(best)
-            metrics[f"val-core/{source}/acc/maj@{n}/mean"] = float(np.mean(vote))
-            metrics[f"val-aux/{source}/acc/maj@{n}/std"] = standard_error(vote)
+            if answers is not None:
+                vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows])
+                        for rows in prompts.values()]
+                metrics[f"val-core/{source}/acc/maj@{n}/mean"] = float(np.mean(vote))
+                metrics[f"val-aux/{source}/acc/maj@{n}/std"] = standard_error(vote)
     return metrics
 
 

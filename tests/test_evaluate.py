@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 
 import pandas as pd
 import pytest
@@ -18,6 +17,11 @@ from rlhf_core.pipeline.promotion import decide
 
 def digit_first(data_source, solution_str, ground_truth, extra_info=None):
     return 1.0 if solution_str[:1].isdigit() else 0.0
+
+
+def first_character(data_source, solution_str, ground_truth, extra_info=None):
+    """digit_first that also says what each response answers: its first character (None when empty)."""
+    return {"score": digit_first(data_source, solution_str, ground_truth), "pred": solution_str[:1] or None}
 
 
 def even_index(data_source, solution_str, ground_truth, extra_info=None):
@@ -33,18 +37,10 @@ def wilson(right, n, z=Z95):
     return max(0.0, (centre - spread) / (n + z * z)), min(1.0, (centre + spread) / (n + z * z))
 
 
-def last_number(text):
-    # GSM8K's flexible answer: the last run of digits, dots and commas, commas and $ dropped; a bare "." is none
-    for token in reversed(re.findall(r"-?[0-9.,]+", text)):
-        token = token.replace(",", "").replace("$", "")
-        if token not in ("", "."):
-            return token
-    return None
-
-
 def majority(texts, right):
-    # the answer most responses give, a tie to the one given first; that response's correctness; no answer: wrong
-    answers = [last_number(text) for text in texts]
+    # the answer most responses give (first_character's: the first character), a tie to the one given first;
+    # that response's correctness; no answer: wrong
+    answers = [text[:1] or None for text in texts]
     counts = {}
     for answer in answers:
         if answer is not None:
@@ -124,7 +120,7 @@ def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setu
 
     def recorded(data_source, solution_str, ground_truth, extra_info=None):
         scored.append((data_source, extra_info["index"], solution_str))
-        return digit_first(data_source, solution_str, ground_truth, extra_info)
+        return first_character(data_source, solution_str, ground_truth, extra_info)
 
     greedy = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10)
     sampled = evaluate_policy(model, str(val), DATA, reward_fn=recorded, max_problems=10,
@@ -197,7 +193,7 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
                       "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       f"    with open({str(log)!r}, 'a') as out:\n"
                       "        out.write(json.dumps([data_source, extra_info['index'], solution_str]) + '\\n')\n"
-                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+                      "    return {'score': 1.0 if solution_str[:1].isdigit() else 0.0, 'pred': solution_str[:1] or None}\n")
     cfg = load_config([
         f"actor_rollout_ref.model.path={model}", f"data.train_files={val}", f"data.val_files={val}",
         "data.train_batch_size=8", "data.max_prompt_length=320", "data.max_response_length=4",

@@ -205,8 +205,10 @@ def test_registry_lookups():
     assert {"openai/gsm8k", "synthetic/arithmetic"} <= set(known_data_sources())
     for source in ("openai/gsm8k", "synthetic/arithmetic"):
         fn = get_reward_fn(source)
-        assert fn(data_source=source, solution_str="#### 3", ground_truth="3", extra_info=None) == 1.0
-        assert fn(source, "#### 4", "3", {}) == 0.0
+        assert fn(data_source=source, solution_str="#### 3", ground_truth="3", extra_info=None) == {
+            "score": 1.0, "acc": 1.0, "pred": "3"}
+        assert fn(source, "#### 4", "3", {}) == {"score": 0.0, "acc": 0.0, "pred": "4"}
+        assert fn(source, "it is 3", "3", {}) == {"score": 0.0, "acc": 0.0, "pred": None}
 
 
 def test_unknown_data_source_error():
@@ -329,14 +331,40 @@ def test_custom_fn_overrides_registry_and_reports_extra_keys(char_tokenizer):
     assert "note" not in extras
 
 
-def test_dict_without_acc_uses_positive_score(char_tokenizer):
-    ids, mask = _batch(char_tokenizer, ["a", "b"])
-    manager = RewardManager(
-        char_tokenizer, reward_fn=lambda solution_str, **_: {"score": 1.0 if solution_str == "a" else -1.0}
-    )
-    scores, extras = manager(ids, mask, ["s", "s"], ["", ""])
-    assert extras["acc"].tolist() == [1.0, 0.0]
-    assert scores[1, 0] == -1.0
+def test_dict_without_acc_is_accurate_at_full_score(char_tokenizer):
+    # "b" earns a format credit of 0.1: a positive score, but not a right answer
+    credit = {"a": 1.0, "b": 0.1, "c": -1.0}
+    ids, mask = _batch(char_tokenizer, ["a", "b", "c"])
+    manager = RewardManager(char_tokenizer, reward_fn=lambda solution_str, **_: {"score": credit[solution_str]})
+    scores, extras = manager(ids, mask, ["s"] * 3, [""] * 3)
+    assert extras["acc"].tolist() == [1.0, 0.0, 0.0]
+    assert scores[1, 0] == pytest.approx(0.1) and scores[2, 0] == -1.0
+    assert "pred" not in extras  # no function said what its responses answer
+
+
+def test_the_answers_graded_are_reported_for_the_vote(char_tokenizer):
+    texts = ["so #### 72", "it is 72", "#### 1,234 then #### 5"]
+    ids, mask = _batch(char_tokenizer, texts)
+    _, extras = RewardManager(char_tokenizer)(ids, mask, ["openai/gsm8k"] * 3, ["72", "72", "5"])
+    assert extras["pred"] == ["72", None, "5"]  # the strict answer the rule grades; none without "#### "
+    assert extras["acc"].tolist() == [1.0, 0.0, 1.0]
+    assert extras["score"].tolist() == [1.0, 0.0, 1.0]
+    assert "pred" not in {key for key, value in extras.items() if isinstance(value, torch.Tensor)}
+
+
+def test_the_majority_vote_counts_the_answers_the_rule_grades(char_tokenizer):
+    from rlhf_core.stats import validation_metrics
+
+    # ground truth 5: one response answers 10; three answer 5 and then check with a product that ends in 10.
+    # By the answers graded (after "#### ") the majority says 5, which is right; a vote on each response's last
+    # number would say 10 and count the one response that answered 10 (wrong).
+    texts = ["#### 10", "#### 5\nCheck: 5*2=10", "#### 5\nCheck: 5*2=10", "#### 5\nCheck: 5*2=10"]
+    ids, mask = _batch(char_tokenizer, texts)
+    _, extras = RewardManager(char_tokenizer)(ids, mask, ["openai/gsm8k"] * 4, ["5"] * 4)
+    metrics = validation_metrics(["openai/gsm8k"] * 4, [0] * 4, extras["acc"].tolist(), extras["score"].tolist(),
+                                 extras["pred"])
+    assert metrics["val-core/openai/gsm8k/acc/mean@4"] == pytest.approx(0.75)
+    assert metrics["val-core/openai/gsm8k/acc/maj@4/mean"] == 1.0
 
 
 def test_failing_reward_fn_names_the_sample(char_tokenizer):

@@ -14,7 +14,6 @@ from rlhf_core.stats import (
     paired_comparison,
     stratified_sample,
     validation_metrics,
-    vote_answer,
     wilson_interval,
 )
 
@@ -53,8 +52,16 @@ def test_majority_vote_ties_go_to_the_first_answer_and_silence_is_wrong():
     assert majority_correct(["4", "5"], [0, 1]) == 0.0
     assert majority_correct(["5", "4"], [1, 0]) == 1.0
     assert majority_correct([None, None], [0, 0]) == 0.0
-    assert vote_answer("so 3 + 4 = 7 apples") == "7"
-    assert vote_answer("no idea") is None
+
+
+def test_no_majority_vote_without_the_answers_graded():
+    # a reward function that does not say what its responses answer: mean@2 and best@2, no maj@2
+    metrics = validation_metrics(["s"] * 4, [0, 0, 1, 1], [1, 0, 0, 0], [1.0, 0.0, 0.0, 0.0])
+    assert metrics["val-core/s/acc/mean@2"] == pytest.approx(0.25)
+    assert metrics["val-core/s/acc/best@2/mean"] == pytest.approx(0.5)
+    assert not [key for key in metrics if "maj@" in key]
+    with pytest.raises(ValueError, match="answers needs one entry per response"):
+        validation_metrics(["s"] * 4, [0, 0, 1, 1], [1, 0, 0, 0], [1.0, 0.0, 0.0, 0.0], ["5"])
 
 
 def test_mcnemar_exact_p_values_by_hand():

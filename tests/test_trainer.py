@@ -112,6 +112,37 @@ def test_zero_learning_rate_changes_nothing_and_kl_stays_zero(workspace):
         assert torch.equal(value, critic_before[name]), name
 
 
+def test_other_numbers_a_reward_function_returns_are_logged_in_training_and_validation(workspace, tmp_path):
+    root, model, _ = workspace
+    reward, log = tmp_path / "with_length.py", tmp_path / "scored.jsonl"
+    reward.write_text(  # digit_first, plus each response's length when the length is even, written down in order
+        "import json\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    with open({str(log)!r}, 'a') as out:\n"
+        "        out.write(json.dumps([data_source, solution_str]) + '\\n')\n"
+        "    result = {'score': 1.0 if solution_str[:1].isdigit() else 0.0}\n"
+        "    if len(solution_str) % 2 == 0:\n"
+        "        result['length'] = len(solution_str)\n"
+        "    return result\n")
+    trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+                                                   "algorithm.adv_estimator=grpo")))
+
+    def even_lengths():
+        scored = [json.loads(line) for line in log.read_text().splitlines()]
+        log.unlink()
+        return scored, [len(text) for _, text in scored if len(text) % 2 == 0]
+
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    scored, lengths = even_lengths()
+    assert len(scored) == 16 and 0 < len(lengths) < 16  # some responses report a length, some do not
+    assert metrics["critic/length/mean"] == pytest.approx(sum(lengths) / len(lengths))
+    metrics = trainer.validate()
+    scored, lengths = even_lengths()
+    [source] = {source for source, _ in scored}
+    assert metrics[f"val-aux/{source}/length/mean@1"] == pytest.approx(sum(lengths) / len(lengths))
+    assert not [key for key in metrics if "maj@" in key]  # n = 1, and no answers reported to vote on
+
+
 FIRST_CHARACTER_REWARD = (  # a score that differs between responses, so advantages and value targets are not 0
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
     "    return (ord(solution_str[0]) % 5) / 4 if solution_str else 0.0\n"

@@ -125,7 +125,8 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
 
     params = SamplingParams(n=val_kwargs.n, max_new_tokens=max_new_tokens, do_sample=val_kwargs.do_sample,
                             temperature=val_kwargs.temperature, top_p=val_kwargs.top_p, top_k=val_kwargs.top_k)
-    sources, prompts, acc, reward, answers = [], [], [], [], []
+    sources, prompts, acc, reward = [], [], [], []
+    answers: list[str | None] | None = []  # what each response answers, if the reward function says
     for start in range(0, len(selected), batch_size):
         batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
         _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
@@ -134,7 +135,7 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
         prompts += batch.meta["uid"]
         acc += [float(a) for a in extras["acc"]]
         reward += [float(s) for s in extras["score"]]
-        answers += [stats.vote_answer(text) for text in extras["responses"]]
+        answers = answers + extras["pred"] if answers is not None and "pred" in extras else None
     per_problem: dict[int, list[float]] = {}
     for prompt, a in zip(prompts, acc):
         per_problem.setdefault(prompt, []).append(a)

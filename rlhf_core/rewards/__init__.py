@@ -5,8 +5,10 @@ Every reward function has the signature::
     fn(data_source, solution_str, ground_truth, extra_info) -> float | dict
 
 and is called with keyword arguments of exactly those names (as verl does). A dict result must
-carry the reward under ``"score"``; its other numeric entries (for example ``"acc"``) are reported
-as metrics by :class:`rlhf_core.rewards.manager.RewardManager`.
+carry the reward under ``"score"``; ``"acc"`` says whether the response is right (else ``score >=
+full_score``), ``"pred"`` the answer it gives (what ``maj@n`` votes on), and any other numeric entry
+is reported as a metric (``critic/<key>/mean`` in training, ``val-aux/<source>/<key>/mean@n`` in
+validation), as :class:`rlhf_core.rewards.manager.RewardManager` returns them.
 
 Built-in sources are listed in :data:`REWARD_FNS`; anything else needs a user function loaded with
 :func:`load_custom_reward_fn` (configured as ``custom_reward_function.path`` and
@@ -37,9 +39,12 @@ class UnknownDataSourceError(KeyError, ValueError):
 
 def gsm8k_reward(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None
-) -> float:
-    """GSM8K rule: 1.0 when the answer after the last ``#### `` equals the ground truth, else 0.0."""
-    return gsm8k.compute_score(solution_str, ground_truth, method="strict")
+) -> dict[str, Any]:
+    """GSM8K rule: score 1.0 when the answer after the last ``#### `` equals the ground truth, else 0.0;
+    ``acc`` the same as 0/1, and ``pred`` the answer graded (None when there is none), which the
+    majority vote of ``maj@n`` counts."""
+    score = gsm8k.compute_score(solution_str, ground_truth, method="strict")
+    return {"score": score, "acc": score, "pred": gsm8k.extract_solution(solution_str, method="strict")}
 
 
 REWARD_FNS: dict[str, RewardFn] = {

@@ -31,7 +31,8 @@ class RewardManager:
             used for every sample whatever its source; when None, each sample's function is
             looked up in :data:`rlhf_core.rewards.REWARD_FNS` by its data_source.
         full_score: the score of a fully correct answer; a numeric result ``>= full_score``
-            counts as accurate in ``extras["acc"]`` (1.0 for the built-in rules).
+            counts as accurate in ``extras["acc"]`` (1.0 for the built-in rules), and so does a dict
+            result without an ``"acc"`` entry whose ``"score"`` is.
     """
 
     def __init__(self, tokenizer: Any, reward_fn: RewardFn | None = None, full_score: float = 1.0) -> None:
@@ -73,9 +74,11 @@ class RewardManager:
             its row of ``token_level_scores`` stays all zero, since there is no token to carry it.
 
             ``extras``: ``"score"`` float32 (bs,), ``"acc"`` float32 (bs,) (for a dict result its
-            ``"acc"`` entry if present, else ``score > 0``; for a number, ``score >= full_score``),
-            ``"responses"`` the decoded strings, and one float32 (bs,) tensor per other numeric
-            key returned by dict-returning functions (NaN for samples that did not return it).
+            ``"acc"`` entry if present, else ``score >= full_score``, as for a number),
+            ``"responses"`` the decoded strings, ``"pred"`` (when the function returns one) the
+            answer each response gives as a string (None for none), and one float32 (bs,) tensor
+            per other numeric key returned by dict-returning functions (NaN for samples that did
+            not return it).
 
         Raises:
             ValueError: inconsistent shapes or lengths, or a mask that is not 0/1.
@@ -113,6 +116,8 @@ class RewardManager:
 
         scores: list[float] = []
         accs: list[float] = []
+        preds: list[str | None] = [None] * batch
+        any_pred = False
         metrics: dict[str, list[float]] = {}
         for i in range(batch):
             data_source = data_sources[i]
@@ -133,6 +138,9 @@ class RewardManager:
                     f"(data_source={data_source!r}): {type(exc).__name__}: {exc}"
                 ) from exc
             score, acc, extra = self._unpack(result, i, data_source, fn)
+            if isinstance(result, dict) and "pred" in result:
+                any_pred = True
+                preds[i] = None if result["pred"] is None else str(result["pred"])
             scores.append(score)
             accs.append(acc)
             for key, value in extra.items():
@@ -156,6 +164,8 @@ class RewardManager:
         for key, values in metrics.items():
             extras[key] = torch.tensor(values, dtype=torch.float32)
         extras["responses"] = responses
+        if any_pred:
+            extras["pred"] = preds
         return token_level_scores, extras
 
     def _unpack(
@@ -172,11 +182,11 @@ class RewardManager:
                 )
             score = float(result["score"])
             acc_value = result.get("acc")
-            acc = float(acc_value) if _is_number(acc_value) else float(score > 0)
+            acc = float(acc_value) if _is_number(acc_value) else float(score >= self.full_score)
             extra = {
                 str(key): float(value)
                 for key, value in result.items()
-                if key not in ("score", "acc") and _is_number(value)
+                if key not in ("score", "acc", "pred") and _is_number(value)
             }
         elif _is_number(result):
             score = float(result)

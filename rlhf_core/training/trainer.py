@@ -40,7 +40,7 @@ from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.models import cpu_matmul
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
-from rlhf_core.stats import validation_metrics, vote_answer
+from rlhf_core.stats import validation_metrics
 from rlhf_core.training import checkpoint, dynamic_sampling
 from rlhf_core.training.guards import (
     Guard,
@@ -57,8 +57,15 @@ from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker
 from rlhf_core.workers.group import WorkerError
 
-#: Per-sequence extras of a reward model (rlhf_core.rewards.reward_model): its raw score and the rule's.
-REWARD_MODEL_KEYS = ("rm_score", "gold_reward")
+#: Reward extras reported on their own terms, not as ``critic/<key>/mean`` of every response.
+_OWN_METRICS = ("score", "acc", "overlong_reward")
+
+
+def reported_extras(extras: dict) -> list[str]:
+    """The per-response numbers among the reward extras to report as they are: a reward model's
+    ``rm_score`` and ``gold_reward`` (the rule's score), and the other numeric entries a reward
+    function returns (``score``, ``acc`` and DAPO's ``overlong_reward`` have metrics of their own)."""
+    return [key for key, value in extras.items() if isinstance(value, torch.Tensor) and key not in _OWN_METRICS]
 
 
 @contextmanager
@@ -93,6 +100,11 @@ def profiled(step: int, steps: list[int] | None, directory: str):
 
 def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(algos.masked_mean(values, mask)) if mask.sum() > 0 else 0.0
+
+
+def _nanmean(values: torch.Tensor) -> float:
+    """The mean of the entries that are not NaN (a reward function's key missing on some responses)."""
+    return float(torch.nanmean(values.double()))
 
 
 def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
@@ -364,9 +376,8 @@ class PPOTrainer:
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
-        for key in REWARD_MODEL_KEYS:  # with a reward model: its score and the rule's (gold) apart
-            if key in extras:
-                metrics[f"critic/{key}/mean"] = float(extras[key].mean())
+        for key in reported_extras(extras):  # e.g. a reward model's score and the rule's (gold) apart
+            metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
         metrics.update(timings)
         sampled_tokens = float(batch["attention_mask"][:, batch["prompts"].shape[1]:].sum())
         metrics["perf/rollout_tokens_per_s"] = sampled_tokens / max(timings["timing_s/gen"], 1e-9)
@@ -386,7 +397,8 @@ class PPOTrainer:
             return {}
         size = self.config.data.val_batch_size or len(self.val_dataset)
         params = self._val_params()
-        sources, prompts, acc, score, answers = [], [], [], [], []
+        sources, prompts, acc, score = [], [], [], []
+        answers: list[str | None] | None = []  # what each response answers, if the reward function says
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         for start in range(0, len(self.val_dataset), size):
             rows = list(range(start, min(start + size, len(self.val_dataset))))
@@ -396,14 +408,14 @@ class PPOTrainer:
             prompts += batch.meta["uid"]
             acc += [float(a) for a in extras["acc"]]
             score += [float(s) for s in extras["score"]]
-            answers += [vote_answer(text) for text in extras["responses"]]
-            for key in REWARD_MODEL_KEYS:
-                for source, value in zip(batch.meta["data_source"], extras.get(key, [])):
+            answers = answers + extras["pred"] if answers is not None and "pred" in extras else None
+            for key in reported_extras(extras):
+                for source, value in zip(batch.meta["data_source"], extras[key]):
                     apart.setdefault((key, source), []).append(float(value))
         metrics = validation_metrics(sources, prompts, acc, score, answers)
-        for (key, source), values in apart.items():  # the proxy (reward) and the gold side by side
+        for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
             section = "val-core" if key == "gold_reward" else "val-aux"
-            metrics[f"{section}/{source}/{key}/mean@{params.n}"] = float(np.mean(values))
+            metrics[f"{section}/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
