@@ -114,7 +114,8 @@ class OptimConfig:
     lr: float = _k(1e-6, "AdamW learning rate")
     betas: list[float] = _k([0.9, 0.999], "AdamW betas")
     weight_decay: float = _k(0.01, "AdamW weight decay")
-    lr_warmup_steps: int = _k(-1, "warm-up steps; -1 = use lr_warmup_steps_ratio")
+    lr_warmup_steps: int = _k(-1, "warm-up steps, the rate rising linearly from 0 (as verl's); "
+                                  "-1 = use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = _k(0.0, "warm-up steps as a share of total training steps")
     lr_scheduler_type: str = _k("constant", "after warm-up: constant | cosine")
     min_lr_ratio: float = _k(0.0, "cosine schedule floor as a share of lr")

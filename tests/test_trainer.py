@@ -25,7 +25,7 @@ from rlhf_core.training.trainer import PPOTrainer
 
 REQUIRED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm",
-    "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/score/mean",
+    "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/score/mean",
     "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean", "critic/values/mean",
     "critic/vf_explained_var", "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
     "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
@@ -141,6 +141,54 @@ def test_other_numbers_a_reward_function_returns_are_logged_in_training_and_vali
     [source] = {source for source, _ in scored}
     assert metrics[f"val-aux/{source}/length/mean@1"] == pytest.approx(sum(lengths) / len(lengths))
     assert not [key for key in metrics if "maj@" in key]  # n = 1, and no answers reported to vote on
+
+
+def test_the_lr_schedule_warms_up_from_zero_then_decays_along_a_cosine():
+    from rlhf_core.config import OptimConfig
+    from rlhf_core.workers.common import build_scheduler
+
+    weight = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=2.0)
+    scheduler = build_scheduler(optimizer, OptimConfig(lr=2.0, lr_warmup_steps=4, lr_scheduler_type="cosine",
+                                                       min_lr_ratio=0.1, num_cycles=0.5), total_steps=10)
+    rates = []
+    for _ in range(11):
+        rates.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    # warm-up 0, 1/4, 2/4, 3/4 of lr; then 0.1 + 0.9 * (1 + cos(pi * (step - 4) / 6)) / 2 of it
+    by_hand = [0.0, 0.25, 0.5, 0.75] + [0.1 + 0.45 * (1 + math.cos(math.pi * k / 6)) for k in range(7)]
+    assert rates == pytest.approx([2.0 * share for share in by_hand])
+    assert rates[4] == pytest.approx(2.0) and rates[7] == pytest.approx(2.0 * 0.55) and rates[10] == pytest.approx(0.2)
+
+
+def test_the_logged_lr_is_the_one_the_update_used_and_vpred_mean_the_critics_values(workspace):
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.optim.lr=1e-3",
+                                                   "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+                                                   "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=2")))
+    seen = {}
+    update_critic = trainer.critic.update_critic
+
+    def recording(batch, *args):
+        seen["batch"] = batch
+        return update_critic(batch, *args)
+
+    trainer.critic.update_critic = recording
+    actor_before = {k: v.clone() for k, v in trainer.actor.module.state_dict().items()}
+    logged = []
+    for step in range(3):
+        metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8 * step, 8 * step + 8))))
+        logged += [metrics["actor/lr"], metrics["critic/lr"]]
+        if step == 0:
+            # the first update ran at lr 0: the actor is unchanged, and the critic's predictions during its update
+            # are the values it gave at rollout: two mini-batches of 8 rows (4 prompts x 2), token means averaged
+            for name, value in trainer.actor.module.state_dict().items():
+                assert torch.equal(value, actor_before[name]), name
+            values, mask = seen["batch"]["values"].double(), seen["batch"]["response_mask"].double()
+            halves = [(values[rows] * mask[rows]).sum() / mask[rows].sum() for rows in (slice(0, 8), slice(8, 16))]
+            assert metrics["critic/vpred_mean"] == pytest.approx(float(sum(halves) / 2), rel=1e-5)
+    assert logged == pytest.approx([0.0, 0.0, 5e-4, 5e-4, 1e-3, 1e-3])  # actor, critic at steps 0, 1, 2
 
 
 FIRST_CHARACTER_REWARD = (  # a score that differs between responses, so advantages and value targets are not 0

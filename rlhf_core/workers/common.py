@@ -300,12 +300,13 @@ def build_optimizer(params, optim: OptimConfig) -> torch.optim.AdamW:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
                     total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up, then constant or cosine decay to ``min_lr_ratio`` (stepped once per PPO iteration)."""
+    """Linear warm-up from 0 (``step / warmup``, as verl and transformers ramp it), then constant or cosine
+    decay to ``min_lr_ratio`` (stepped once per PPO iteration)."""
     warmup = optim.lr_warmup_steps if optim.lr_warmup_steps >= 0 else int(optim.lr_warmup_steps_ratio * total_steps)
 
     def factor(step: int) -> float:
         if step < warmup:
-            return (step + 1) / (warmup + 1)
+            return step / warmup
         if optim.lr_scheduler_type == "constant":
             return 1.0
         progress = (step - warmup) / max(1, total_steps - warmup)
@@ -370,8 +371,8 @@ def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int
     ``shuffle``), each in mini-batches of ``mini_rows`` rows; per mini-batch the gradients of its
     micro-batches accumulate, are clipped to ``grad_clip`` and make one optimizer step, which is skipped
     (and counted in ``worker.skipped_steps``) when a loss or the gradient is not finite on any rank.
-    The LR schedule steps once per call. Returns the metrics averaged over the mini-batches, with
-    ``<prefix>/grad_norm`` and ``<prefix>/lr``. With ``fsdp_config.optimizer_offload`` the optimizer
+    The LR schedule steps once per call, after it. Returns the metrics averaged over the mini-batches, with
+    ``<prefix>/grad_norm`` and ``<prefix>/lr`` (the rate this update used, as verl logs it). With ``fsdp_config.optimizer_offload`` the optimizer
     moments come to the GPU for the update only.
     """
     offload = fsdp_config.optimizer_offload and not fsdp_config.param_offload and worker.device.type == "cuda"
@@ -384,6 +385,7 @@ def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int
         sums[name] = sums.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
 
+    lr = worker.scheduler.get_last_lr()[0]
     worker.module.train()
     for _ in range(epochs):
         order = torch.randperm(len(batch), generator=worker.shuffle_generator) if shuffle else torch.arange(len(batch))
@@ -419,7 +421,7 @@ def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int
     if offload:
         move_optimizer_state(worker.optimizer, "cpu")
     metrics = {name: sums[name] / counts[name] for name in sums}
-    metrics[f"{prefix}/lr"] = worker.scheduler.get_last_lr()[0]
+    metrics[f"{prefix}/lr"] = lr
     return metrics
 
 

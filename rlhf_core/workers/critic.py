@@ -115,5 +115,8 @@ class CriticWorker(CheckpointableWorker):
         vf_loss, clipfrac = algos.compute_value_loss(
             vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, cfg.loss_agg_mode,
             global_token_count=token_count, global_seq_count=seq_count)
-        clipped = clipfrac * float(mb["response_mask"].sum()) / token_count  # token-weighted over the mini-batch
-        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipped}, {}
+        mask = mb["response_mask"].to(vpreds.dtype)
+        clipped = clipfrac * float(mask.sum()) / token_count  # token-weighted over the mini-batch
+        vpred_mean = float((vpreds.detach() * mask).sum()) / token_count  # likewise: the mini-batch's mean
+        return vf_loss, {"critic/vf_loss": vf_loss.item(), "critic/vf_clipfrac": clipped,
+                         "critic/vpred_mean": vpred_mean}, {}
