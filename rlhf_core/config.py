@@ -798,10 +798,14 @@ def validate_config(cfg: PPOConfig) -> None:
         errors.append(f"algorithm.kl_ctrl.kl_coef={algo.kl_ctrl.kl_coef} must be >= 0")
     if actor.kl_loss_coef < 0:
         errors.append(f"actor_rollout_ref.actor.kl_loss_coef={actor.kl_loss_coef} must be >= 0")
-    if rollout.temperature < 0:
-        errors.append(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be >= 0")
-    if not 0 < rollout.top_p <= 1:
-        errors.append(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
+    for name, sampling in (("actor_rollout_ref.rollout", rollout), ("actor_rollout_ref.rollout.val_kwargs",
+                                                                     rollout.val_kwargs)):
+        if sampling.temperature < 0:
+            errors.append(f"{name}.temperature={sampling.temperature} must be >= 0")
+        if not 0 < sampling.top_p <= 1:
+            errors.append(f"{name}.top_p={sampling.top_p} must be in (0, 1]")
+        if sampling.top_k < -1:
+            errors.append(f"{name}.top_k={sampling.top_k} must be >= 1, or -1 or 0 for off")
     if not 0 < rollout.gpu_memory_utilization <= 1:
         errors.append(
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"

@@ -322,6 +322,11 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type='pid' is not one of fixed, adaptive"),
         ("trainer.logger=[neptune]", "is not one of console, file, tensorboard, wandb, mlflow"),
         ("trainer.resume_mode=resume_path", "needs trainer.resume_from_path"),
+        ("actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p=0.0 must be in (0, 1]"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p=0", "rollout.val_kwargs.top_p=0.0 must be in (0, 1]"),
+        ("actor_rollout_ref.rollout.val_kwargs.temperature=-1", "val_kwargs.temperature=-1.0 must be >= 0"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_k=-2", "val_kwargs.top_k=-2 must be >= 1, or -1 or 0 for off"),
+        ("actor_rollout_ref.rollout.top_k=-3", "rollout.top_k=-3 must be >= 1, or -1 or 0 for off"),
     ],
 )
 def test_each_invalid_value_is_named(override, needle):
