@@ -258,3 +258,24 @@ def test_fit_step_on_a_callers_schedule_keeps_the_validation_guard(workspace, tm
     assert (event.kind, event.action, event.target_step) == ("val_drop", "rollback", 2)
     assert results[2].metrics["training/rollbacks"] == 1
     assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_2"))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_halved_learning_rate_survives_a_later_rollback_and_a_resume(workspace, tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=4")  # lr 1e-2, constant
+    saved = checkpoint.save_checkpoint(trainer, out)  # saved before the guard's lever
+    trainer.actor.scale_lr(0.5)  # the guard's last lever on KL: half the rate from now on
+
+    def rates(worker):  # the optimizer's, the schedule's current and its base
+        return worker.optimizer.param_groups[0]["lr"], worker.scheduler.get_last_lr()[0], worker.scheduler.base_lrs[0]
+
+    assert rates(trainer.actor) == pytest.approx((5e-3, 5e-3, 5e-3))
+    checkpoint.restore_weights(trainer, saved)  # a later rollback re-applies the schedule's current rate
+    assert rates(trainer.actor) == pytest.approx((5e-3, 5e-3, 5e-3))
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    assert metrics["actor/lr"] == pytest.approx(5e-3) and metrics["critic/lr"] == pytest.approx(1e-2)
+    trainer.global_step = 1
+    resumed = make_trainer(workspace, out)
+    checkpoint.load_checkpoint(resumed, checkpoint.save_checkpoint(trainer, out))
+    assert rates(resumed.actor) == pytest.approx((5e-3, 5e-3, 5e-3))

@@ -385,7 +385,7 @@ def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int
         sums[name] = sums.get(name, 0.0) + value
         counts[name] = counts.get(name, 0) + 1
 
-    lr = worker.scheduler.get_last_lr()[0]
+    lr = worker.optimizer.param_groups[0]["lr"]
     worker.module.train()
     for _ in range(epochs):
         order = torch.randperm(len(batch), generator=worker.shuffle_generator) if shuffle else torch.arange(len(batch))
