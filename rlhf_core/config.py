@@ -411,8 +411,12 @@ class TrainerConfig:
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint and metrics directory"
     )
     max_actor_ckpt_to_keep: int | None = _k(None, "keep at most this many actor checkpoints (never pruned: the "
-                                                  "latest, a guard's rollback target); null = all")
-    max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints; null = all")
+                                                  "latest, a guard's rollback target); null or 0 = all")
+    max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints; null or 0 = all")
+    default_hdfs_dir: str | None = _k(None, "verl's HDFS copy of the checkpoints: only null (checkpoints stay in "
+                                            "default_local_dir)")
+    del_local_ckpt_after_load: bool = _k(False, "verl's removal of the local checkpoint once loaded (with an HDFS "
+                                                "copy): only false")
     n_gpus_per_node: int = _k(8, "workers per node (GPUs, or CPU processes with device=cpu)")
     nnodes: int = _k(1, "number of nodes")
     ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
@@ -526,8 +530,19 @@ def _suggest(key: str) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
+# verl's deprecated switches: what setting one to true stands for (false or ~key: nothing)
+SWITCHES: dict[str, dict[str, Any]] = {
+    "trainer.remove_previous_ckpt_in_save": {"trainer.max_actor_ckpt_to_keep": 1, "trainer.max_critic_ckpt_to_keep": 1},
+}
+
+
 def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, Any]:
     """The assignments that setting ``key`` makes: itself, or the key an alias stands for (with a notice)."""
+    if key in SWITCHES and isinstance(value, bool | None):
+        if value:
+            notice(f"notice: {key} is deprecated (as in verl); use "
+                   + " and ".join(f"{k}={v}" for k, v in SWITCHES[key].items()))
+        return SWITCHES[key] if value else {}
     if key not in ALIASES:
         return {key: value}
     canonical, extra = ALIASES[key]
@@ -890,10 +905,18 @@ def validate_config(cfg: PPOConfig) -> None:
         ("trainer.guard.max_val_drop", guard.max_val_drop),
         ("trainer.warn_kl", trainer.warn_kl),
         ("trainer.warn_grad_norm", trainer.warn_grad_norm),
-        ("trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep),
-        ("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep),
     ]:
         _positive(errors, key, value)
+    for key, value in (("trainer.max_actor_ckpt_to_keep", trainer.max_actor_ckpt_to_keep),
+                       ("trainer.max_critic_ckpt_to_keep", trainer.max_critic_ckpt_to_keep)):
+        if value is not None and value < 0:
+            errors.append(f"{key}={value} must be >= 0 (0 or null: keep all)")
+    if trainer.default_hdfs_dir is not None:
+        errors.append(f"trainer.default_hdfs_dir={trainer.default_hdfs_dir!r}: there is no HDFS copy here; "
+                      "checkpoints stay in trainer.default_local_dir (set it to null)")
+    if trainer.del_local_ckpt_after_load:
+        errors.append("trainer.del_local_ckpt_after_load=true would delete the only copy of the checkpoint "
+                      "(there is no HDFS copy here); set it to false")
     _positive(errors, "trainer.guard.overopt_patience", guard.overopt_patience)
     _one_of(errors, "trainer.guard.overopt_action", guard.overopt_action, ("rollback", "stop"))
     if guard.max_rollbacks < 0:

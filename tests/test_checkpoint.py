@@ -306,6 +306,22 @@ def test_pruning_keeps_the_latest_and_the_protected(scratch):
 
 
 
+def test_zero_checkpoints_to_keep_keeps_them_all_as_in_verl(scratch):
+    trainer, root = scratch
+    cfg = trainer.config.trainer
+    cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep = 0, 1
+    try:
+        for step in range(3, 6):
+            trainer.global_step = step
+            checkpoint.save_checkpoint(trainer, root)
+    finally:
+        cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
+    layout = {step: sorted(p.name for p in path.iterdir() if p.is_dir()) for step, path in
+              checkpoint.list_checkpoints(root)}
+    assert {3, 4, 5} <= set(layout) and max(layout) == 5
+    assert all(parts == (["actor", "critic"] if step == 5 else ["actor"]) for step, parts in layout.items())
+
+
 def test_after_a_guard_moves_latest_back_newer_checkpoints_are_replaced_not_counted(scratch):
     trainer, root = scratch
     for step in (3, 4):

@@ -243,6 +243,27 @@ def test_alias_inside_a_yaml_file(tmp_path):
     assert load_config(config_file=path, notice=lambda _: None).trainer.save_freq == 10
 
 
+def test_verls_checkpoint_keys_are_taken_as_verl_means_them(tmp_path):
+    notices = []
+    cfg = load_config(["trainer.remove_previous_ckpt_in_save=true", "trainer.default_hdfs_dir=null",
+                       "trainer.del_local_ckpt_after_load=false"], notice=notices.append)
+    # verl's deprecated switch: one actor and one critic checkpoint kept, with a notice saying so
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (1, 1)
+    assert notices == ["notice: trainer.remove_previous_ckpt_in_save is deprecated (as in verl); use "
+                       "trainer.max_actor_ckpt_to_keep=1 and trainer.max_critic_ckpt_to_keep=1"]
+    path = tmp_path / "verl.yaml"  # as verl's own yaml spells them, false changes nothing
+    path.write_text("trainer:\n  remove_previous_ckpt_in_save: false\n  max_actor_ckpt_to_keep: 0\n"
+                    "  default_hdfs_dir: null\n")
+    cfg = load_config(config_file=path, notice=notices.append)
+    assert (cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep) == (0, None)  # both: keep all
+    assert len(notices) == 1
+    message = _errors("trainer.default_hdfs_dir=hdfs://ckpt", "trainer.del_local_ckpt_after_load=true",
+                      "trainer.max_critic_ckpt_to_keep=-1")
+    assert "trainer.default_hdfs_dir='hdfs://ckpt': there is no HDFS copy here" in message
+    assert "trainer.del_local_ckpt_after_load=true would delete the only copy of the checkpoint" in message
+    assert "trainer.max_critic_ckpt_to_keep=-1 must be >= 0 (0 or null: keep all)" in message
+
+
 def test_unknown_key_suggests_the_closest():
     message = _errors("actor_rollout_ref.actor.clip_ratoi=0.1")
     assert "unknown config key actor_rollout_ref.actor.clip_ratoi" in message
