@@ -285,39 +285,36 @@ def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as
     assert state["kl_loss_coef"] == 0.004 and state["format"] == checkpoint.FORMAT_VERSION
 
 
-def test_pruning_keeps_the_latest_and_the_protected(scratch):
-    trainer, root = scratch
+def _save_keeping(trainer, root, steps, max_actor, max_critic) -> dict[int, list[str]]:
+    """Save at ``steps`` with these ``max_*_ckpt_to_keep``; the parts left in each checkpoint."""
     cfg = trainer.config.trainer
-    cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep = 2, 1
-    trainer.guard.best_step = 1  # the val-drop guard's rollback target
+    cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep = max_actor, max_critic
     try:
-        for step in range(3, 7):
+        for step in steps:
             trainer.global_step = step
             checkpoint.save_checkpoint(trainer, root)
     finally:
         cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
+    return {step: sorted(p.name for p in path.iterdir() if p.is_dir()) for step, path in
+            checkpoint.list_checkpoints(root)}
+
+
+def test_pruning_keeps_the_latest_and_the_protected(scratch):
+    trainer, root = scratch
+    trainer.guard.best_step = 1  # the val-drop guard's rollback target
+    try:
+        layout = _save_keeping(trainer, root, range(3, 7), 2, 1)
+    finally:
         trainer.guard.best_step = None
-    layout = {step: sorted(p.name for p in path.iterdir() if p.is_dir()) for step, path in
-              checkpoint.list_checkpoints(root)}
     assert layout == {1: ["actor", "critic"], 5: ["actor"], 6: ["actor", "critic"]}
     assert checkpoint.latest_checkpoint(root) == root / "global_step_6"
     with pytest.raises(CheckpointError, match="global_step_5 .*critic/model_state.pt"):
         trainer.load_checkpoint(root / "global_step_5")
 
 
-
 def test_zero_checkpoints_to_keep_keeps_them_all_as_in_verl(scratch):
     trainer, root = scratch
-    cfg = trainer.config.trainer
-    cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep = 0, 1
-    try:
-        for step in range(3, 6):
-            trainer.global_step = step
-            checkpoint.save_checkpoint(trainer, root)
-    finally:
-        cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
-    layout = {step: sorted(p.name for p in path.iterdir() if p.is_dir()) for step, path in
-              checkpoint.list_checkpoints(root)}
+    layout = _save_keeping(trainer, root, range(3, 6), 0, 1)
     assert {3, 4, 5} <= set(layout) and max(layout) == 5
     assert all(parts == (["actor", "critic"] if step == 5 else ["actor"]) for step, parts in layout.items())
 
@@ -330,13 +327,7 @@ def test_after_a_guard_moves_latest_back_newer_checkpoints_are_replaced_not_coun
     checkpoint.mark_latest(root, 2)  # what a guard's stop does
     assert checkpoint.latest_checkpoint(root) == root / "global_step_2"
     stale = (root / "global_step_3" / "manifest.json").stat().st_mtime_ns
-    cfg = trainer.config.trainer
-    cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = 1
-    try:
-        trainer.global_step = 3
-        checkpoint.save_checkpoint(trainer, root)  # the rerun reaches step 3 again
-    finally:
-        cfg.max_actor_ckpt_to_keep = cfg.max_critic_ckpt_to_keep = None
+    _save_keeping(trainer, root, [3], 1, 1)  # the rerun reaches step 3 again
     assert (root / "global_step_3" / "manifest.json").stat().st_mtime_ns != stale
     assert [step for step, _ in checkpoint.list_checkpoints(root)] == [3, 4]
     assert checkpoint.latest_checkpoint(root) == root / "global_step_3"
