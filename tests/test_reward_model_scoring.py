@@ -146,6 +146,21 @@ def test_input_tokenizer_null_feeds_the_ids_even_with_another_template(space):
     assert float(worker.compute_rm_score(batch)[0]) == pytest.approx(_hf_score(other, ids), abs=1e-4)
 
 
+def test_a_critic_started_from_a_reward_model_keeps_its_head_and_a_new_head_starts_at_zero(space):
+    from rlhf_core.models.loading import load_critic
+
+    _, base, same, _ = space
+    trained = AutoModelForSequenceClassification.from_pretrained(same).score.weight  # drawn N(0, 1) above
+    critic = load_critic(same)
+    assert trained.abs().sum() > 1 and torch.equal(critic.score.weight, trained)  # as verl loads it
+    ids = torch.tensor([[5, 17, 23, 40, 2]])
+    with torch.no_grad():
+        values = critic(input_ids=ids).logits.squeeze(-1)
+    assert _hf_score(same, ids[0].tolist()) == pytest.approx(float(values[0, -1]), abs=1e-5)  # the RM's own score
+    fresh = load_critic(base)  # the actor's checkpoint has no head: a new one, at zero
+    assert not fresh.score.weight.any() and (fresh.score.bias is None or not fresh.score.bias.any())
+
+
 def test_place_on_last_token_puts_each_score_on_its_last_valid_response_token():
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
     placed = place_on_last_token(torch.tensor([0.5, -2.0, 3.0]), mask)

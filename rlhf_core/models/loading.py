@@ -129,7 +129,8 @@ def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpo
 def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
                 trust_remote_code: bool = False, device: torch.device | str = "cpu",
                 seed: int = 0, attn_implementation: str | None = None) -> PreTrainedModel:
-    """A token-level value model (one label) on the actor's backbone; the value head starts at zero."""
+    """A token-level value model (one label) on the backbone at ``path``. A head the checkpoint holds (a
+    reward model's, or a critic's) is kept, as verl keeps it; a new one starts at zero."""
     quiet = [logging.getLogger("transformers.modeling_utils"),  # "newly initialised score weights" is expected
              logging.getLogger("transformers.distributed.tensor_parallel")]  # and so is "score was not sharded"
     levels = [logger.level for logger in quiet]
@@ -139,15 +140,16 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
         torch.manual_seed(seed)
         config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1, trust_remote_code=trust_remote_code)
         config.classifier_dropout = 0.0  # values must not differ between the rollout-time pass and the update
-        model = AutoModelForTokenClassification.from_pretrained(
+        model, loading = AutoModelForTokenClassification.from_pretrained(
             str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-            **_attn_kwargs(attn_implementation)
+            output_loading_info=True, **_attn_kwargs(attn_implementation)
         )
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
-    head = getattr(model, "score", None) or getattr(model, "classifier", None)
-    if head is not None:
+    name = "score" if hasattr(model, "score") else "classifier"
+    head = getattr(model, name, None)
+    if head is not None and f"{name}.weight" in loading["missing_keys"]:
         with torch.no_grad():
             head.weight.zero_()  # values start at 0: early advantages are the rewards themselves
             if getattr(head, "bias", None) is not None:
