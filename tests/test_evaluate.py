@@ -114,6 +114,12 @@ def test_a_capped_evaluation_keeps_each_source_share_and_every_problem(setup):
     assert other.accuracy == right / 8 and other.interval == pytest.approx(wilson(right, 8))
 
 
+def test_problems_sharing_an_id_are_refused_before_any_generation(setup):
+    model, val = setup
+    with pytest.raises(ValueError, match="40 problem ids .* are shared by several rows, e.g. synthetic/a/0"):
+        evaluate_policy(model, [str(val), str(val)], DATA, reward_fn=digit_first)
+
+
 def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setup):
     model, val = setup
     scored = []

@@ -231,6 +231,34 @@ def test_train_val_leakage_names_the_leaking_val_row(tmp_path):
     assert outcome.statistics["unexpected_count"] == 1
 
 
+def test_problem_ids_repeated_across_files_fail_with_both_rows(tmp_path):
+    # two validation files numbered from 0 each: evaluation would pair problems by id and mix them up
+    first, second = records(3, "test", 0), records(2, "test", 0)
+    for row in second:
+        row["prompt"][0]["content"] += " Count carefully."  # other problems, same ids
+    report = validate_dataset([write(tmp_path / "a.parquet", first), write(tmp_path / "b.parquet", second)])
+    assert failed(report) == [("problem_id_unique", "problem_id", "train")]
+    outcome = report.failures[0]
+    assert outcome.statistics["unexpected_count"] == 4  # rows 0, 1 of the first file and 3, 4 (its second)
+    assert outcome.examples == [(0, f"{SOURCE}/0"), (1, f"{SOURCE}/1"), (3, f"{SOURCE}/0")]  # the first three
+
+
+def test_with_a_custom_reward_any_source_and_any_answer_pass(tmp_path):
+    rows = records(3)
+    rows[1]["data_source"], rows[1]["reward_model"]["ground_truth"] = "my/capitals", "Paris"
+    path = write(tmp_path / "custom.parquet", rows)
+    assert sorted(failed(validate_dataset(path))) == [("data_source_known", "data_source", "train"),
+                                                      ("ground_truth_numeric", "ground_truth", "train")]
+    report = validate_dataset(path, custom_reward=True)
+    assert report.success, report.summary()
+    assert "train: data_source_known, ground_truth_numeric (a custom reward function scores every source)" \
+        in report.skipped
+    assert report.find("not_null", "ground_truth")[0].success  # the trainer still needs a ground truth
+    from rlhf_core.cli.data import validate
+
+    assert (validate([str(path)]), validate([str(path), "--custom-reward"])) == (1, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt length with a real tokenizer
 

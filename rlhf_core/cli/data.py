@@ -201,6 +201,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-chars", type=int, help="preference data: largest prompt + response in characters")
     parser.add_argument("--overlong-tolerance", type=float, default=0.0,
                         help="share of rows allowed over the length limit (default 0)")
+    parser.add_argument("--custom-reward", action="store_true",
+                        help="prompt data scored by a custom reward function (custom_reward_function.path): "
+                             "any data_source and any form of ground truth")
     parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     return parser
@@ -212,7 +215,7 @@ def validate(argv: Sequence[str] | None = None) -> int:
     try:
         report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
                                   max_length=args.max_length, max_chars=args.max_chars,
-                                  overlong_tolerance=args.overlong_tolerance)
+                                  overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -309,7 +309,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
-    prompt data: ``ground_truth`` and, if ``measure`` (default: with a tokenizer), ``prompt_tokens``;
+    prompt data: ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``, null without an index) and,
+    if ``measure`` (default: with a tokenizer), ``prompt_tokens``;
     preference data: ``pair`` (the JSON of prompt, chosen, rejected) and, if ``measure``,
     ``pair_length`` (tokens with a tokenizer, else characters).
     """
@@ -331,6 +332,10 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
         out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
+    if kind == "prompt" and {"data_source", "extra_info"} <= set(frame.columns):
+        out["problem_id"] = column(f"{source}/{extra['index']}" if isinstance(extra, Mapping)
+                                   and not _is_missing(extra.get("index")) else None
+                                   for source, extra in zip(frame["data_source"], frame["extra_info"]))
         if measure and parsed is not None:
             out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True), "float64")
     if kind == "preference" and parsed is not None and {"chosen", "rejected"} <= set(frame.columns):
@@ -352,15 +357,18 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 # Where a helper column comes from, for the note on a check that could not run
 _SOURCES = {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
                              "prompt_tokens"), "'prompt'"), "ground_truth": "'reward_model'",
+            "problem_id": "'data_source' and 'extra_info'",
             **dict.fromkeys(("pair", "pair_length"), "'prompt', 'chosen' and 'rejected'")}
 
 
 def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
-           limit: float | None, unit: str, mostly: float, known_sources: Sequence[str],
+           limit: float | None, unit: str, mostly: float, known_sources: Sequence[str] | None,
            skipped: list[str]) -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
-    ``leaked``: the training prompts (or pairs) that a validation table must not hold.
+    ``leaked``: the training prompts (or pairs) that a validation table must not hold. ``known_sources``
+    None: a custom reward function scores every source, so neither the source nor the answer's form is
+    the built-in rules' business.
     """
     import great_expectations.expectations as gxe
 
@@ -387,13 +395,22 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                       f"no validation row repeats a training {key.split('_')[-1]}", {"value_set": leaked}))
     if kind == "prompt":
         specs += [
-            ("data_source_known", gxe.ExpectColumnValuesToBeInSet, "data_source",
-             "data_source has a registered reward function", {"value_set": list(known_sources)}),
             ("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
              "reward_model.ground_truth is never null", {}),
-            ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth", "reward_model.ground_truth"
-             " is a number (optional minus, thousands commas, decimals)", {"regex": GROUND_TRUTH_REGEX}),
+            ("problem_id_unique", gxe.ExpectColumnValuesToBeUnique, "problem_id",
+             "no two rows share data_source and extra_info.index (evaluation pairs problems by them)", {}),
         ]
+        if known_sources is None:
+            skipped.append(f"{dataset}: data_source_known, ground_truth_numeric (a custom reward function "
+                           "scores every source)")
+        else:
+            specs += [
+                ("data_source_known", gxe.ExpectColumnValuesToBeInSet, "data_source",
+                 "data_source has a registered reward function", {"value_set": list(known_sources)}),
+                ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth",
+                 "reward_model.ground_truth is a number (optional minus, thousands commas, decimals)",
+                 {"regex": GROUND_TRUTH_REGEX}),
+            ]
         length = ("prompt_length_within_limit", "prompt_tokens", f"prompt is at most {limit} tokens")
     if kind == "preference":
         specs += [
@@ -455,14 +472,17 @@ def _run(frame: pd.DataFrame, expectations: list[Any], name: str) -> Any:
 def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokenizer: Any = None,
                     max_prompt_length: int | None = None, *, kind: str | None = "prompt",
                     max_length: int | None = None, max_chars: int | None = None,
-                    known_sources: Iterable[str] | None = None, overlong_tolerance: float = 0.0,
+                    known_sources: Iterable[str] | None = None, custom_reward: bool = False,
+                    overlong_tolerance: float = 0.0,
                     names: tuple[str, str] = ("train", "val"),
                     paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
     needs the tokenizer; ``max_chars`` (preference data) counts characters. A limit given for the
-    other kind, or a tokenizer without a limit, is a ValueError.
+    other kind, or a tokenizer without a limit, is a ValueError. ``custom_reward``: a custom reward function
+    scores the data (``custom_reward_function.path``), so the checks of the built-in rules (a known data
+    source, a numeric ground truth) do not apply.
     """
     kind = detect_kind(train.columns) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -482,7 +502,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         raise ValueError("the length limit must be a positive integer")
     if not 0.0 <= overlong_tolerance <= 1.0:
         raise ValueError("overlong_tolerance must lie in [0, 1]")
-    if kind == "prompt" and known_sources is None:
+    if kind == "prompt" and known_sources is None and not custom_reward:
         from rlhf_core.rewards import known_data_sources
 
         known_sources = known_data_sources()
@@ -498,7 +518,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
                        unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
-                       known_sources=sorted(map(str, known_sources or [])), skipped=skipped)
+                       known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
+                       skipped=skipped)
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
                 for name, path, frame in tables]
