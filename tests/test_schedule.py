@@ -48,6 +48,20 @@ def test_a_failing_run_is_recorded_and_the_schedule_goes_on():
     assert runs[1]["result"] == 0
 
 
+def test_a_pipeline_run_that_exits_non_zero_is_recorded_as_failed(monkeypatch, caplog):
+    import sys
+
+    statuses = iter([3, 0])  # a failed run, then a good one
+    monkeypatch.setattr(schedule, "pipeline_command",
+                        lambda config, pipeline: [sys.executable, "-c", f"raise SystemExit({next(statuses)})"])
+    with caplog.at_level("INFO", logger=schedule.logger.name):
+        runs = schedule.serve(lambda: schedule.run_pipeline("retrain.yaml"), every=0.2, max_runs=2)
+    assert runs[0]["error"].startswith("RuntimeError: ") and runs[0]["error"].endswith(
+        "exited with status 3; its output says why")
+    assert "result" not in runs[0] and runs[1]["result"] == 0
+    assert "scheduled run 1 failed" in caplog.text and "scheduled run 2 finished" in caplog.text
+
+
 def test_print_crontab(tmp_path, capsys, monkeypatch):
     config = tmp_path / "retrain.yaml"
     config.write_text("parameters: {}\n")

@@ -40,10 +40,15 @@ def pipeline_command(config: str | Path, pipeline: str = RETRAIN_PIPELINE) -> li
 
 
 def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str | Path | None = None) -> int:
-    """One run of ``pipeline`` with run config ``config`` in a child process; its exit status."""
+    """One run of ``pipeline`` with run config ``config`` in a child process; its exit status, 0.
+
+    Raises RuntimeError when the run fails (a non-zero exit status), so that a schedule records a failure."""
     command = pipeline_command(config, pipeline)
     logger.info("starting: %s", shlex.join(command))
-    return subprocess.run(command, cwd=cwd, check=False).returncode
+    status = subprocess.run(command, cwd=cwd, check=False).returncode
+    if status != 0:
+        raise RuntimeError(f"{shlex.join(command)} exited with status {status}; its output says why")
+    return status
 
 
 def make_trigger(cron: str | None = None, every: float | None = None):
@@ -102,7 +107,8 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
         with lock:
             runs.append(record)
             done = max_runs is not None and len(runs) >= max_runs
-        logger.info("scheduled run %d finished in %.1f s", len(runs), record["ended"] - record["started"])
+        logger.info("scheduled run %d %s in %.1f s", len(runs), "failed" if "error" in record else "finished",
+                    record["ended"] - record["started"])
         if done:
             scheduler.shutdown(wait=False)
 
