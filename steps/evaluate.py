@@ -15,15 +15,18 @@ from zenml.types import HTMLString
 
 from rlhf_core import stats
 from rlhf_core.config import PPOConfig
+from rlhf_core.data.dataset import as_file_list
+from rlhf_core.data.validation import check_unchanged
 from rlhf_core.pipeline.evaluate import (
     EvalResult,
     changed_problems,
     evaluate_policy,
     evaluation_html,
     per_problem_table,
+    reward_spec,
     training_curves_png,
 )
-from rlhf_core.pipeline.promotion import match_production
+from rlhf_core.pipeline.promotion import match_production, scoring_settings
 from rlhf_core.rewards import load_custom_reward_fn
 
 logger = get_logger(__name__)
@@ -60,6 +63,8 @@ def evaluate(
         return ({"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>"),
                 pd.DataFrame({"skipped": [skip_reason]}))
     cfg = PPOConfig.from_dict(ppo_config)
+    check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
+                    training_summary.get("dataset_fingerprint"), "evaluate")
     model = cfg.actor_rollout_ref.model
     custom = cfg.custom_reward_function
     kwargs = {
@@ -81,7 +86,8 @@ def evaluate(
               f"an accuracy near 50% is known to +-{stats.half_width(policy.n):.1%} (95%)")
     logger.info("evaluating on %s", budget)
 
-    candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems}}
+    candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
+                 "scoring": scoring_settings(reward_spec(cfg)["sha256"], cfg.data)}
     version, production = _production_evaluation(get_step_context().model.name)
     production_results, refusal = (None, None) if version is None else match_production(candidate, production, version)
     table = per_problem_table(policy, base, production_results)

@@ -21,6 +21,21 @@ def _production(client: Client, model_name: str):
         return None
 
 
+def decide_against_production(client: Client, model_name: str, evaluation: dict, min_improvement: float,
+                              alpha: float, skip_reason: str = ""):
+    """(the decision, the production version it was made against). A promotion is decided again when production
+    changed after the first look (another run promoted meanwhile): the evaluation was paired with another
+    version, so that decision is a refusal."""
+    production = _production(client, model_name)
+    decision = decide_from_evaluation(evaluation, production.name if production else None,
+                                      min_improvement=min_improvement, alpha=alpha, skipped_reason=skip_reason or None)
+    if decision.promote:  # look again right before the stage changes
+        now = _production(client, model_name)
+        if now is not None and (production is None or now.id != production.id):
+            return decide_from_evaluation(evaluation, now.name, min_improvement=min_improvement, alpha=alpha), now
+    return decision, production
+
+
 def _run_artifacts(client: Client, run_id) -> dict[str, str]:
     """``artifact name -> artifact version id`` for every output of this run so far."""
     run = client.get_pipeline_run(run_id)
@@ -42,9 +57,8 @@ def promote(
     set the stage when the gain is large enough and significant at ``alpha``."""
     context = get_step_context()
     model, client = context.model, Client()
-    production = _production(client, model.name)
-    decision = decide_from_evaluation(evaluation, production.name if production else None,
-                                      min_improvement=min_improvement, alpha=alpha, skipped_reason=skip_reason or None)
+    decision, production = decide_against_production(client, model.name, evaluation, min_improvement, alpha,
+                                                     skip_reason)
     artifacts = _run_artifacts(client, context.pipeline_run.id)
     record = {
         "promoted": decision.promote,
@@ -73,7 +87,7 @@ def promote(
     record = {key: value for key, value in record.items() if value is not None}
     log_metadata(record, infer_model=True)
     log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
-    if decision.promote:
-        model.set_stage(ModelStages.PRODUCTION, force=True)
+    if decision.promote:  # force archives the version compared against; without one, a newcomer makes this fail
+        model.set_stage(ModelStages.PRODUCTION, force=production is not None)
     logger.info("model %s version %s: %s", model.name, model.version, decision.reason)
     return {**record, "model": model.name, "version": str(model.version), **decision.to_dict()}

@@ -13,6 +13,8 @@ from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.data.dataset import as_file_list
+from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
 
@@ -44,6 +46,8 @@ def train_ppo(
         logger.info("training skipped: %s; the warm-start checkpoint is carried forward unchanged", skip_reason)
         return init_from, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
+    validated = smoke_report.get("dataset_fingerprint")
+    check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files), validated, "train_ppo")
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
         model.tokenizer_path = model.tokenizer_path or model.path
@@ -73,6 +77,7 @@ def train_ppo(
         "resumed_from": result.resumed_from,
         "warm_started": init_from is not None,
         "smoke_test_passed": smoke_report.get("passed"),
+        "dataset_fingerprint": validated,
         "final_metrics": records[-1] if records else {},
         "history": records,
     }

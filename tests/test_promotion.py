@@ -133,6 +133,25 @@ def test_production_on_other_problems_is_refused_and_nothing_promoted():
     assert "kept no per-problem evaluation results" in match_production(candidate, {"accuracy": 0.5}, "1")[1]
 
 
+def test_production_scored_otherwise_is_refused_and_a_record_without_settings_is_compared():
+    from rlhf_core.config import DataConfig
+    from rlhf_core.pipeline.promotion import scoring_settings
+
+    settings = scoring_settings("aaa111", DataConfig(max_response_length=256))
+    assert settings == {"reward_sha256": "aaa111", "max_prompt_length": 512, "max_response_length": 256,
+                        "truncation": "error"}  # DataConfig's defaults besides the budget given
+    problems = {"s/0": True, "s/1": False}
+    candidate = {"val_fingerprint": "abc123", "problems": problems, "scoring": settings}
+    lenient = {**candidate, "scoring": scoring_settings("bbb222", DataConfig(max_response_length=512))}
+    matched, refusal = match_production(candidate, lenient, "3")
+    assert matched is None
+    assert refusal.startswith("production version 3 was scored otherwise on these problems "
+                              "(max_response_length, reward_sha256 changed since)")
+    assert match_production(candidate, {**candidate}, "3") == (problems, None)
+    older = {"val_fingerprint": "abc123", "problems": problems}  # kept before the settings were recorded
+    assert match_production(candidate, older, "3") == (problems, None)
+
+
 @pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"alpha": 1.0}, {"alpha": 1.2}, {"alpha": -0.05},
                                  {"min_improvement": -0.1}, {"min_improvement": float("nan")}])
 def test_invalid_settings_are_rejected(bad):
@@ -170,3 +189,29 @@ def test_the_evaluate_steps_record_is_paired_by_problem_id():
     moved = decide_from_evaluation(evaluation, "5")
     assert not moved.promote
     assert "production is version 5 but the evaluation was paired with version 4" in moved.reason
+
+
+def test_a_version_promoted_by_another_run_meanwhile_turns_the_promotion_into_a_refusal():
+    from types import SimpleNamespace
+
+    from steps.promote import decide_against_production
+
+    class Client:  # production as successive looks find it: none, then version 7 (another run promoted it)
+        def __init__(self, *looks):
+            self.looks = list(looks)
+
+        def get_model_version(self, name, stage):
+            version = self.looks.pop(0)
+            if version is None:
+                raise KeyError(name)
+            return version
+
+    ids = [f"s/{i}" for i in range(20)]
+    evaluation = {"problems": dict.fromkeys(ids, True), "base_problems": dict.fromkeys(ids, False),
+                  "production_version": None, "production_results": None}
+    decision, production = decide_against_production(Client(None, None), "m", evaluation, 0.0, 0.05)
+    assert decision.promote and production is None  # 20 fixed, none broken, against the base model
+    seven = SimpleNamespace(name="7", id="v7")
+    decision, production = decide_against_production(Client(None, seven), "m", evaluation, 0.0, 0.05)
+    assert not decision.promote and production is seven
+    assert "production is version 7 but the evaluation was paired with no production version" in decision.reason

@@ -259,6 +259,19 @@ def test_with_a_custom_reward_any_source_and_any_answer_pass(tmp_path):
     assert (validate([str(path)]), validate([str(path), "--custom-reward"])) == (1, 0)
 
 
+def test_data_replaced_after_validation_is_caught_before_it_is_used(tmp_path):
+    from rlhf_core.data.validation import DataChangedError, check_unchanged
+
+    train, val = write(tmp_path / "train.parquet", records(4)), write(tmp_path / "val.parquet", records(2, "test", 50))
+    validated = validate_dataset(train, val).fingerprint
+    check_unchanged([train, val], validated, "train_ppo")  # the same bytes: nothing to say
+    check_unchanged([train, val], None, "train_ppo")  # nothing validated (a skipped run): nothing to hold to
+    write(train, records(5))  # a nightly job drops new data in place mid-run
+    with pytest.raises(DataChangedError, match=rf"train_ppo: the data files changed since they were validated "
+                                               rf"\(fingerprint {validated[:12]} then, [0-9a-f]{{12}} now: "):
+        check_unchanged([train, val], validated, "train_ppo")
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompt length with a real tokenizer
 

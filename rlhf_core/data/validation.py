@@ -526,6 +526,24 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     return ValidationReport(kind, results, datasets, skipped)
 
 
+class DataChangedError(ValueError):
+    """The data files are no longer the bytes that were validated."""
+
+
+def check_unchanged(paths: Paths, validated: str | None, where: str) -> None:
+    """Raise :class:`DataChangedError` when the files ``paths`` no longer have the fingerprint ``validated``
+    (None: nothing to hold them to), so that a run never trains or evaluates on data other than the data
+    it validated and records."""
+    if validated is None:
+        return
+    now = fingerprint(paths)
+    if now != validated:
+        raise DataChangedError(
+            f"{where}: the data files changed since they were validated (fingerprint {validated[:12]} then, "
+            f"{now[:12]} now: {', '.join(map(str, _files(paths)))}); run the pipeline again on data that "
+            "stays put while it runs")
+
+
 def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = None,
                      max_prompt_length: int | None = None, *, kind: str | None = "auto",
                      **options: Any) -> ValidationReport:

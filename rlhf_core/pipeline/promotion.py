@@ -68,13 +68,21 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
     return [bool(v) for v in values]
 
 
+def scoring_settings(reward_sha256: str, data: Any) -> dict[str, Any]:
+    """What decides a response's grade besides the model: the reward (its spec's sha256) and the prompt and
+    response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`)."""
+    return {"reward_sha256": reward_sha256, "max_prompt_length": data.max_prompt_length,
+            "max_response_length": data.max_response_length, "truncation": data.truncation}
+
+
 def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any] | None,
                      production_version: str | None) -> tuple[dict[str, bool] | None, str | None]:
     """Production's per-problem correctness on the candidate's problems, or why it cannot be compared.
 
-    ``candidate`` and ``production`` are evaluation records holding ``val_fingerprint`` and
-    ``problems`` (``{problem_id: correct}``). Returns ``(results, None)`` when they were evaluated on
-    the same problems, ``(None, refusal)`` otherwise.
+    ``candidate`` and ``production`` are evaluation records holding ``val_fingerprint``, ``problems``
+    (``{problem_id: correct}``) and ``scoring`` (what decides a response's grade besides the model:
+    :func:`scoring_settings`). Returns ``(results, None)`` when they were evaluated on the same problems
+    and scored alike, ``(None, refusal)`` otherwise.
     """
     label = f"production version {production_version}" if production_version else "the production version"
     if production is None or not production.get("problems"):
@@ -85,6 +93,12 @@ def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any]
         return None, (f"{label} was evaluated on other validation problems (fingerprint {str(theirs)[:12]} vs "
                       f"{str(ours)[:12]} here): use the same val_files and evaluate max_problems / sample_seed "
                       "as production's run, or evaluate production on this set")
+    theirs, ours = production.get("scoring"), candidate.get("scoring")
+    if theirs is not None and ours is not None and theirs != ours:  # records from before it was kept: unknown
+        changed = sorted(key for key in set(theirs) | set(ours) if theirs.get(key) != ours.get(key))
+        return None, (f"{label} was scored otherwise on these problems ({', '.join(changed)} changed since), so its "
+                      "results and the candidate's do not measure the same thing; evaluate production under this "
+                      "run's settings (or demote it)")
     results = production["problems"]
     missing = [pid for pid in candidate["problems"] if pid not in results]
     if missing:
