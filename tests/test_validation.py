@@ -214,6 +214,14 @@ def test_missing_column_is_reported_and_dependent_checks_skipped():
     assert "column 'reward_model' is missing" in report.summary()
 
 
+def test_prompt_lengths_are_measured_without_extra_info(char_tokenizer):
+    frame = pd.DataFrame(records(3)).drop(columns=["extra_info"])
+    report = validate_frames(frame, tokenizer=char_tokenizer, max_prompt_length=512)
+    assert failed(report) == [("column_exists", "extra_info", "train")]
+    assert report.find("prompt_length_within_limit")[0].success  # measured: it needs only the prompt
+    assert any("problem_id_unique" in item and "'extra_info'" in item for item in report.skipped)
+
+
 def test_empty_table_fails_has_rows():
     frame = pd.DataFrame(records(2)).iloc[0:0]
     report = validate_frames(frame)

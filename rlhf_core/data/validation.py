@@ -332,12 +332,12 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
         out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
+        if measure and parsed is not None:
+            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True), "float64")
     if kind == "prompt" and {"data_source", "extra_info"} <= set(frame.columns):
         out["problem_id"] = column(f"{source}/{extra['index']}" if isinstance(extra, Mapping)
                                    and not _is_missing(extra.get("index")) else None
                                    for source, extra in zip(frame["data_source"], frame["extra_info"]))
-        if measure and parsed is not None:
-            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True), "float64")
     if kind == "preference" and parsed is not None and {"chosen", "rejected"} <= set(frame.columns):
         pairs = list(zip(parsed, frame["chosen"], frame["rejected"]))
         out["pair"] = column(json.dumps([m, c, r], ensure_ascii=False)
