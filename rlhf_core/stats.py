@@ -3,8 +3,8 @@
 * :func:`validation_metrics`: verl's validation metric names from per-sample correctness. With
   ``n`` responses per prompt: ``mean@n`` (the average correctness), ``best@n`` (pass@n: any of the
   ``n`` right) and ``maj@n`` (the answer most responses give is right, where the reward function
-  says what each response answers), per data source, each with its standard error over prompts. ``val-core/`` holds the headline values, ``val-aux/`` their
-  standard errors.
+  says what each response answers), per data source, each with its standard error over prompts.
+  ``val-core/`` holds the headline values, ``val-aux/`` their standard errors.
 * :func:`wilson_interval`: the confidence interval of one accuracy.
 * :func:`paired_comparison`: two models on the same problems: the gain, its interval, and McNemar's
   exact test on the problems where they disagree.

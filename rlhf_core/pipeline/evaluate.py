@@ -183,9 +183,10 @@ def evaluate_policy(
     ids = Counter(problem_id(row["data_source"], row["index"]) for row in dataset.rows)
     repeated = sorted(problem for problem, count in ids.items() if count > 1)
     if repeated:
-        raise ValueError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the row in "
-                         f"its file) are shared by several rows, e.g. {', '.join(repeated[:3])}; the evaluation pairs "
-                         "each problem with its result elsewhere by this id: give every row its own extra_info.index")
+        raise ValueError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
+                         f"row in its file) are shared by several rows, e.g. {', '.join(repeated[:3])}; the "
+                         "evaluation pairs each problem with its result elsewhere by this id: give every row its "
+                         "own extra_info.index")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
     selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)

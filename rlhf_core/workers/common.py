@@ -371,9 +371,9 @@ def ppo_update(worker, batch: Batch, *, prefix: str, epochs: int, mini_rows: int
     ``shuffle``), each in mini-batches of ``mini_rows`` rows; per mini-batch the gradients of its
     micro-batches accumulate, are clipped to ``grad_clip`` and make one optimizer step, which is skipped
     (and counted in ``worker.skipped_steps``) when a loss or the gradient is not finite on any rank.
-    The LR schedule steps once per call, after it. Returns the metrics averaged over the mini-batches, with
-    ``<prefix>/grad_norm`` and ``<prefix>/lr`` (the rate this update used, as verl logs it). With ``fsdp_config.optimizer_offload`` the optimizer
-    moments come to the GPU for the update only.
+    The LR schedule steps once per call, after it. Returns the metrics averaged over the mini-batches,
+    with ``<prefix>/grad_norm`` and ``<prefix>/lr`` (the rate this update used, as verl logs it). With
+    ``fsdp_config.optimizer_offload`` the optimizer moments come to the GPU for the update only.
     """
     offload = fsdp_config.optimizer_offload and not fsdp_config.param_offload and worker.device.type == "cuda"
     if offload:  # moments on the CPU between updates (param_offload: always)
