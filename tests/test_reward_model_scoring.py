@@ -125,13 +125,46 @@ def test_other_chat_template_decodes_and_re_encodes_the_conversation(space):
     worker = RewardModelWorker(_rm_config(other, base))
     assert worker.switch_template
     got = worker.compute_rm_score(batch)
-    # the reward model's own format, written out by hand: "### Q: ...\n### A: ...</s>"
-    expected = [_hf_score(other, tokenizer(f"### Q: {q}\n### A: {r}</s>", add_special_tokens=False)["input_ids"])
+    # the layout the reward model trains on, written out by hand: its template's prompt (this template has no
+    # generation prompt, so no "### A: "), the response, EOS; not the whole conversation in its template
+    expected = [_hf_score(other, tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"])
                 for q, r in zip(questions, RESPONSES)]
     assert got.tolist() == pytest.approx(expected, abs=1e-4)
     del batch.meta["raw_prompt"]
     with pytest.raises(ValueError, match="data.return_raw_chat=true"):
         worker.compute_rm_score(batch)
+
+
+def test_with_pad_equal_to_eos_ppo_scores_where_training_and_the_export_do(space, tmp_path):
+    from rlhf_core.training.reward_trainer import sequence_scores as training_scores
+
+    _, base, same, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    folder = tmp_path / "rm_pad_eos"  # a tokenizer without a pad token of its own: padding is EOS
+    model = AutoModelForSequenceClassification.from_pretrained(same)
+    model.config.pad_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    eos_padded = AutoTokenizer.from_pretrained(base)
+    eos_padded.pad_token = eos_padded.eos_token
+    eos_padded.save_pretrained(folder)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES)  # each response closes with EOS
+    rows = [tokenizer(p + r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            for p, r in zip(PROMPTS, RESPONSES)]
+    # transformers' pooling, as training reads it and as the export does: the last token that is not the pad id
+    # (so the one before the closing EOS); not the EOS itself
+    exported = [_hf_score(folder, ids) for ids in rows]
+    before_eos = [_hf_score(same, ids[:-1]) for ids in rows]  # the same head read one token earlier
+    assert exported == pytest.approx(before_eos, abs=1e-4)
+    assert not exported == pytest.approx([_hf_score(same, ids) for ids in rows], abs=1e-3)  # the EOS scores apart
+    with torch.no_grad():
+        trained = training_scores(model.eval(), torch.tensor([rows[0]]), torch.ones(1, len(rows[0]), dtype=torch.long))
+    assert float(trained[0]) == pytest.approx(exported[0], abs=1e-4)
+    for shared in (False, True):  # whole rows, and each prompt once
+        cfg = _rm_config(folder, base)
+        cfg.model.use_shared_prefix = shared
+        worker = RewardModelWorker(cfg)
+        assert worker.shared_prefix == shared
+        assert worker.compute_rm_score(batch).tolist() == pytest.approx(exported, abs=1e-4), shared
 
 
 def test_input_tokenizer_null_feeds_the_ids_even_with_another_template(space):

@@ -115,12 +115,24 @@ def reward_head(model: torch.nn.Module) -> torch.nn.Module:
     raise ModelError(f"{KEY}: {type(model).__name__} has no 'score' (or 'classifier') head to read the reward from")
 
 
+def scored_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """Which tokens may carry a sequence's score: valid ones (``attention_mask``) that are not the pad id. (bs, L).
+
+    The score is read at the last of them, where transformers' sequence-classification pooling reads it
+    (the last token that is not padding), so that PPO scores where the reward model was trained to score
+    and where its export scores: with a pad id equal to EOS (tokenizers without a pad token), the token
+    before a closing EOS."""
+    valid = attention_mask.bool()
+    return valid & (input_ids != pad_id) if pad_id is not None else valid
+
+
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The head's output at each sequence's last valid token (the last 1 of ``attention_mask``). (bs,).
+    """The head's output at each sequence's last scored token (:func:`scored_tokens`; the last valid token
+    where a row has none). (bs,).
 
-    The per-token head outputs are captured from the head itself, so padding of any kind (left,
-    right, or a pad id equal to EOS) is read by the mask, not by token ids.
+    The per-token head outputs are captured from the head itself, so padding on either side is read
+    by the mask and the pad id together.
     """
     captured: list[torch.Tensor] = []
     hook = reward_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
@@ -130,7 +142,9 @@ def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
         hook.remove()
     per_token = captured[-1][..., 0].float()  # (bs, L)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    last = (positions * attention_mask.long()).argmax(-1)  # (bs,)
+    scored = scored_tokens(input_ids, attention_mask, model.config.pad_token_id)
+    scored = torch.where(scored.any(-1, keepdim=True), scored, attention_mask.bool())
+    last = (positions * scored.long()).argmax(-1)  # (bs,)
     return per_token[torch.arange(per_token.shape[0], device=per_token.device), last]
 
 
@@ -140,7 +154,8 @@ def shared_prefix_scores(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     output): the head on the hidden state of each row's last response token, or of its prompt's last token
     where the response is empty. (bs,)."""
     hidden, _ = shared_prompt_hidden(model.base_model, batch, through_last=True)  # index j: response column j - 1
-    response_valid = batch["attention_mask"][:, batch["prompts"].shape[1]:].long()
+    response_valid = scored_tokens(batch["responses"], batch["attention_mask"][:, batch["prompts"].shape[1]:],
+                                   model.config.pad_token_id).long()
     columns = torch.arange(1, response_valid.shape[1] + 1, device=response_valid.device)
     last = (columns * response_valid).max(-1).values  # 1 + the last valid response column; 0 where none
     return reward_head(model)(hidden[torch.arange(len(batch), device=hidden.device), last])[..., 0].float()
@@ -200,8 +215,7 @@ class RewardModelWorker:
         valid = batch["response_mask"].bool()
         responses = self.input_tokenizer.batch_decode(
             [batch["responses"][i][valid[i]].tolist() for i in range(len(batch))], skip_special_tokens=True)
-        ids = [self.tokenizer(render_conversation(self.tokenizer, messages, response),
-                              add_special_tokens=not getattr(self.tokenizer, "chat_template", None))["input_ids"]
+        ids = [encode_response(self.tokenizer, messages, response)[0]
                for messages, response in zip(batch.meta["raw_prompt"], responses)]
         return Batch(left_pad(ids, self.pad_id))
 
@@ -218,13 +232,20 @@ class RewardModelWorker:
                                  self.config.micro_batch_size_per_gpu, False, 0)
 
 
-def render_conversation(tokenizer, messages: list[dict], response: str) -> str:
-    """The prompt messages and the response as the assistant's turn, in the tokenizer's chat template
-    (or the contents joined by newlines where it has none)."""
-    conversation = [dict(m) for m in messages] + [{"role": "assistant", "content": response}]
+def encode_response(tokenizer, messages: list[dict], response: str,
+                    max_length: int | None = None) -> tuple[list[int], bool]:
+    """Token ids of ``messages`` (chat template, generation prompt) + ``response`` + EOS, as PPO's rollout
+    lays a prompt and its response out: the layout the reward model trains on and scores (a tokenizer
+    without a chat template: the contents joined by newlines, with its special tokens). Over ``max_length``
+    the prompt loses tokens from the left (the response end, where the score is read, is kept). Returns
+    (ids, truncated)."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(conversation, tokenize=False)
-    return "\n".join(m["content"] for m in conversation)
+        prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
+    ids = ids + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return (ids[-max_length:], True) if max_length is not None and len(ids) > max_length else (ids, False)
 
 
 # ----------------------------------------------------------------------------- the combination

@@ -59,6 +59,7 @@ from rlhf_core.models.loading import (
     resolve,
     save_hf_model,
 )
+from rlhf_core.rewards.reward_model import encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import CheckpointableWorker, build_optimizer, build_scheduler, clip_and_check
@@ -107,16 +108,6 @@ def pair_statistics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, 
 # ----------------------------------------------------------------------------- tokens
 
 
-def encode_response(tokenizer, messages: list[dict], response: str, max_length: int) -> tuple[list[int], bool]:
-    """Token ids of ``messages`` (chat template, generation prompt) + ``response`` + EOS, as PPO's
-    rollout lays a prompt and its response out; over ``max_length`` the prompt loses tokens from the
-    left (the response end, where the score is read, is kept). Returns (ids, truncated)."""
-    prompt = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-    ids = (tokenizer(prompt, add_special_tokens=False)["input_ids"]
-           + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
-    return (ids[-max_length:], True) if len(ids) > max_length else (ids, False)
-
-
 def encode_pairs(frame, tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], int]:
     """(chosen ids, rejected ids) of every row of a preference frame, and how many sequences were cut."""
     pairs, cut = [], 0
@@ -142,7 +133,8 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
 
 
 def sequence_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The scalar head at each row's last non-pad token (transformers' pooling). (bs,)."""
+    """The scalar head at each row's last non-pad token (transformers' pooling, as PPO's scoring reads it:
+    :func:`rlhf_core.rewards.reward_model.sequence_scores`). (bs,)."""
     return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[:, 0].float()
 
 
