@@ -45,6 +45,15 @@ def test_pairs_are_correct_against_incorrect_with_identical_pairs_once(tmp_path)
     assert pairs[0]["answer"] == "5"
 
 
+def test_solutions_end_as_the_instruction_asks(tmp_path):
+    path = tmp_path / "solutions.jsonl"
+    path.write_text(_row("Q1", [("3 + 2 = <<3+2=5>>5\nA: 5", True), ("A: 6", False), ("no final line", False),
+                                ("so A: is 7", False)]) + "\n")
+    assert [(p["chosen"], p["rejected"]) for p in gsm8k_solution_pairs(path)] == [
+        ("3 + 2 = <<3+2=5>>5\n#### 5", "#### 6"), ("3 + 2 = <<3+2=5>>5\n#### 5", "no final line"),
+        ("3 + 2 = <<3+2=5>>5\n#### 5", "so A: is 7")]
+
+
 def test_malformed_row_names_the_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(_row("Q1", [("a", True), ("b", False), ("c", False), ("d", False)]) + "\n{\"question\": 1}\n")
@@ -67,6 +76,12 @@ def test_real_gsm8k_pairs_count(gsm8k_dir):
     pairs = gsm8k_solution_pairs(source)
     assert len(pairs) == distinct == 2426
     assert len({p["group"] for p in pairs}) == 731
+    # every real solution closes with "A: <answer>"; as pairs they close with "#### <answer>", which the GSM8K
+    # rule reads: each chosen solution earns full marks, no rejected one does
+    from rlhf_core.rewards.gsm8k import compute_score
+
+    assert all(compute_score(p["chosen"], p["answer"]) == 1.0 for p in pairs)
+    assert not any(compute_score(p["rejected"], p["answer"]) == 1.0 for p in pairs)
 
 
 def test_split_keeps_each_question_on_one_side():

@@ -66,11 +66,22 @@ def make_pair(question: str, chosen: str, rejected: str, data_source: str, split
 # ----------------------------------------------------------------------------- GSM8K model solutions
 
 
+def as_instructed(solution: str) -> str:
+    """A model solution with its closing ``A: <answer>`` line written ``#### <answer>``, the form the prompts'
+    instruction asks for (and the policy is rewarded for), so that a reward model learns from the endings it
+    will score. Anything else is left as it is."""
+    body, _, last = solution.rpartition("\n")
+    if not last.startswith("A:"):
+        return solution
+    return f"{body}\n#### {last[2:].strip()}" if body else f"#### {last[2:].strip()}"
+
+
 def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
     """Every distinct (correct, incorrect) pair of model solutions to the same question in ``path``.
 
     Returns ``{question, chosen, rejected, group, chosen_model, rejected_model, answer}`` dicts in file
-    order; ``group`` is the question's line number. PreferenceDataError names the line of a malformed row.
+    order; ``group`` is the question's line number; the solutions end as the instruction asks
+    (:func:`as_instructed`). PreferenceDataError names the line of a malformed row.
     """
     path = Path(path)
     if not path.is_file():
@@ -84,12 +95,13 @@ def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
             try:
                 row = json.loads(line)
                 question = row["question"]
-                solutions = [(name, row[name]["solution"], bool(row[name]["is_correct"])) for name in GSM8K_MODELS]
+                solutions = [(name, as_instructed(row[name]["solution"]), bool(row[name]["is_correct"]))
+                             for name in GSM8K_MODELS]
             except (ValueError, KeyError, TypeError) as exc:
                 raise PreferenceDataError(
                     f"{path}, line {line_no}: not a model-solutions row ({type(exc).__name__}: {exc}); each line "
                     f"needs 'question' and {', '.join(GSM8K_MODELS)} with 'solution' and 'is_correct'") from exc
-            answer = str(row.get("ground_truth", "")).rsplit("A:", 1)[-1].strip()
+            answer = str(row.get("ground_truth", "")).rsplit("A:", 1)[-1].strip().replace(",", "")  # as GSM8K's
             seen = set()
             for chosen_model, chosen, chosen_ok in solutions:
                 for rejected_model, rejected, rejected_ok in solutions:
