@@ -152,9 +152,8 @@ class ActorConfig:
     clip_ratio_c: float = _k(3.0, "dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
                                           "seq-mean-token-sum-norm")
-    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = the padded "
-                                             "response width of the batch; set data.max_response_length for a "
-                                             "constant one")
+    loss_scale_factor: int | None = _k(None, "divisor of seq-mean-token-sum-norm (Dr. GRPO); null = "
+                                             "data.max_response_length, the same for every batch")
     policy_loss: PolicyLossConfig = _section(PolicyLossConfig, "which policy loss")
     entropy_coeff: float = _k(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = _k(False, "add a KL(actor || ref) term to the policy loss")
@@ -227,7 +226,8 @@ class CriticModelConfig:
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
-    trust_remote_code: bool = _k(False, "allow model code from the model directory")
+    trust_remote_code: bool | None = _k(None, "allow model code from the model directory; null = the actor's "
+                                              "setting")
 
 
 @dataclass
@@ -240,11 +240,11 @@ class CriticConfig:
     use_dynamic_bsz: bool | None = _k(None, "token-count micro-batches; null = the actor's setting")
     ppo_max_token_len_per_gpu: int = _k(32768, "tokens per critic micro-batch with dynamic batching")
     ppo_epochs: int | None = _k(None, "passes over each rollout batch; null = the actor's")
-    shuffle: bool = _k(False, "shuffle sequences between mini-batches")
+    shuffle: bool | None = _k(None, "shuffle sequences between mini-batches; null = the actor's setting")
     grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
     cliprange_value: float = _k(0.5, "value clipping range around the old values")
-    loss_agg_mode: str = _k("token-mean", "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
-                                          "seq-mean-token-sum-norm")
+    loss_agg_mode: str | None = _k(None, "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                         "seq-mean-token-sum-norm; null = the actor's")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "critic sharding")
 
 
@@ -837,7 +837,8 @@ def validate_config(cfg: PPOConfig) -> None:
     _one_of(errors, "algorithm.adv_estimator", algo.adv_estimator, algos.ADV_ESTIMATORS)
     _one_of(errors, "algorithm.kl_ctrl.type", algo.kl_ctrl.type, algos.KL_CTRL_TYPES)
     _one_of(errors, "actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, algos.LOSS_AGG_MODES)
-    _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, algos.LOSS_AGG_MODES)
+    if critic.loss_agg_mode is not None:  # null: the actor's
+        _one_of(errors, "critic.loss_agg_mode", critic.loss_agg_mode, algos.LOSS_AGG_MODES)
     _one_of(errors, "actor_rollout_ref.rollout.name", rollout.name, ROLLOUT_NAMES)
     _one_of(errors, "actor_rollout_ref.actor.strategy", actor.strategy, STRATEGIES)
     _one_of(errors, "critic.strategy", critic.strategy, STRATEGIES)

@@ -587,11 +587,15 @@ def _assert_groups_of_4(index: list) -> None:
       "actor_rollout_ref.actor.loss_scale_factor=8"],
      "vanilla", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 8},
      "grpo", {"norm_adv_by_std_in_grpo": False}),
+    # without a divisor of its own Dr. GRPO divides by data.max_response_length (8), not each batch's width
+    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"],
+     "vanilla", {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 8},
+     "grpo", {"norm_adv_by_std_in_grpo": True}),
     (["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
      "vanilla", {"loss_agg_mode": "token-mean"}, "reinforce_plus_plus_baseline", {}),
     (["algorithm.adv_estimator=grpo_passk"],
      "vanilla", {"loss_agg_mode": "token-mean"}, "grpo_passk", {"norm_adv_by_std_in_grpo": True}),
-], ids=["gspo", "cispo", "dr_grpo", "reinforce_plus_plus_baseline", "grpo_passk"])
+], ids=["gspo", "cispo", "dr_grpo", "dr_grpo_default_divisor", "reinforce_plus_plus_baseline", "grpo_passk"])
 def test_a_training_step_runs_in_each_new_mode(tiny, monkeypatch, extra, loss, loss_args, estimator, estimator_args):
     losses = _record_calls(monkeypatch, algos.POLICY_LOSSES)
     estimators = _record_calls(monkeypatch, algos.ADV_ESTIMATORS)
@@ -815,3 +819,36 @@ def test_rollout_rejection_leaves_the_kl_penalty_and_the_credit_to_the_responses
                                atol=1e-4, rtol=0)
     # lengths are the responses' as sampled
     assert metrics["response_length/mean"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+@pytest.mark.parametrize("extra, agg, shuffle", [
+    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "actor_rollout_ref.actor.shuffle=true"],
+     "seq-mean-token-sum-norm", True),
+    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_agg_mode=token-mean",
+      "critic.shuffle=false", "actor_rollout_ref.actor.shuffle=true"], "token-mean", False),
+], ids=["the_actors", "its_own"])
+def test_the_critic_takes_the_actors_loss_settings_unless_given_its_own(tiny, monkeypatch, extra, agg, shuffle):
+    """As verl's config interpolates them: the critic's loss aggregation and shuffling are the actor's unless set,
+    and its Dr. GRPO divisor is data.max_response_length (8), as the actor's."""
+    from rlhf_core.workers import critic
+
+    calls = []
+    value_loss, update = algos.compute_value_loss, critic.ppo_update
+
+    def recorded(*args, **kwargs):
+        calls.append(_named_arguments(value_loss, args, kwargs))
+        return value_loss(*args, **kwargs)
+
+    updates = []
+
+    def recorded_update(*args, **kwargs):
+        updates.append(kwargs)
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(algos, "compute_value_loss", recorded)
+    monkeypatch.setattr(critic, "ppo_update", recorded_update)
+    _step(_trainer(tiny, "algorithm.adv_estimator=gae", *extra))
+    assert calls and all(call["loss_agg_mode"] == agg for call in calls)
+    assert all(call["loss_scale_factor"] == 8 for call in calls)
+    [critic_update] = updates
+    assert critic_update["prefix"] == "critic" and critic_update["shuffle"] is shuffle

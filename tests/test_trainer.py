@@ -3,6 +3,7 @@ the verl metrics, and the command line's checks before compute."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
@@ -388,7 +389,7 @@ def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                            f"actor_rollout_ref.actor.loss_agg_mode={mode}", "algorithm.adv_estimator=grpo",
                            # near-even draws over the vocabulary, so that some responses hit EOS early
-                           "data.max_response_length=48", "actor_rollout_ref.rollout.temperature=1.5",
+                           "data.max_response_length=96", "actor_rollout_ref.rollout.temperature=1.5",
                            "trainer.seed=3")
     prompts = list(range(8))
 
@@ -397,6 +398,9 @@ def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
             trainer.actor.module.get_output_embeddings().weight.mul_(8.0)
         return trainer
 
+    train_params = PPOTrainer._train_params  # rollouts stop at 48 tokens, under the 96 of the budget, so that
+    monkeypatch.setattr(PPOTrainer, "_train_params",  # Dr. GRPO's divisor (the budget) is not the batch's width
+                        lambda self: dataclasses.replace(train_params(self), max_new_tokens=48))
     shortcut = sharpened(build_trainer(load_config(overrides)))
     fast = shortcut.train_step(shortcut.train_dataset.collate(prompts))
     monkeypatch.setattr(PPOTrainer, "_on_policy_update", lambda self: False)
@@ -421,8 +425,9 @@ def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
         "token-mean": sum(map(sum, rows)) / sum(map(len, rows)),
         "seq-mean-token-sum": sum(map(sum, rows)) / len(rows),
         "seq-mean-token-mean": sum(sum(row) / len(row) for row in rows) / len(rows),
-        "seq-mean-token-sum-norm": sum(map(sum, rows)) / len(rows) / len(mask[0]),  # / the padded width
+        "seq-mean-token-sum-norm": sum(map(sum, rows)) / len(rows) / 96,  # / data.max_response_length
     }[mode]
+    assert len(mask[0]) == 48
     assert slow["actor/entropy"] == pytest.approx(expected, rel=1e-5)
     assert fast["actor/entropy"] == pytest.approx(expected, rel=1e-5)
 

@@ -54,7 +54,7 @@ from rlhf_core.training.guards import (
 )
 from rlhf_core.workers.actor import ActorWorker
 from rlhf_core.workers.common import peak_memory_gb
-from rlhf_core.workers.critic import CriticWorker
+from rlhf_core.workers.critic import CriticWorker, build_critic
 from rlhf_core.workers.group import WorkerError
 
 #: Reward extras reported on their own terms, not as ``critic/<key>/mean`` of every response.
@@ -178,13 +178,10 @@ class PPOTrainer:
         else:
             max_model_len = config.data.max_prompt_length + config.data.max_response_length
             self.actor = ActorWorker(arr, tokenizer, self.total_steps, self.use_ref, seed=seed, device=device,
-                                     max_model_len=max_model_len)
+                                     max_model_len=max_model_len, max_response_length=config.data.max_response_length)
             self.critic = None
             if self.use_critic:
-                self.critic = CriticWorker(
-                    config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, self.total_steps,
-                    arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
-                    device=device)
+                self.critic = build_critic(config, self.total_steps, seed, device)
         if config.reward_model.enable:  # a learned reward model, on the worker group where there is one
             from rlhf_core.rewards.reward_model import RewardModelManager, RewardModelWorker
             from rlhf_core.workers.group import RewardModelGroup
@@ -339,7 +336,8 @@ class PPOTrainer:
                 actor_cfg = self.config.actor_rollout_ref.actor  # aggregated as the policy loss is, as verl does
                 metrics["actor/entropy"] = float(algos.agg_loss(entropy, batch["response_mask"].float(),
                                                                 actor_cfg.loss_agg_mode,
-                                                                loss_scale_factor=actor_cfg.loss_scale_factor))
+                                                                loss_scale_factor=actor_cfg.loss_scale_factor
+                                                                or self.config.data.max_response_length))
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())

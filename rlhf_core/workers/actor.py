@@ -170,9 +170,12 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
 
 class ActorWorker(CheckpointableWorker):
     def __init__(self, config: ActorRolloutRefConfig, tokenizer, total_steps: int, need_ref: bool,
-                 seed: int = 0, device: str = "cpu", max_model_len: int | None = None):
+                 seed: int = 0, device: str = "cpu", max_model_len: int | None = None,
+                 max_response_length: int | None = None):
         self.config = config
         model_cfg, actor_cfg = config.model, config.actor
+        # Dr. GRPO's constant divisor: the configured one, else the response budget (None: each batch's width)
+        self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length
         self.device = torch.device(device)
         torch.manual_seed(seed)
         module = load_actor(model_cfg.path, model_cfg.dtype, model_cfg.enable_gradient_checkpointing,
@@ -304,7 +307,7 @@ class ActorWorker(CheckpointableWorker):
         the same everywhere)."""
         cfg = self.config.actor
         counts_kw = {"global_token_count": token_count, "global_seq_count": seq_count,
-                     "loss_scale_factor": cfg.loss_scale_factor}
+                     "loss_scale_factor": self.loss_scale_factor}
         mask = mb["response_mask"]
         on_policy = "old_log_prob" not in mb
         entropy_bonus = cfg.entropy_coeff != 0

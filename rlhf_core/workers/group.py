@@ -257,7 +257,7 @@ class HybridWorker(DistributedWorker):
         from rlhf_core.models import cpu_matmul
         from rlhf_core.models.loading import import_external_lib, load_tokenizer
         from rlhf_core.workers.actor import ActorWorker
-        from rlhf_core.workers.critic import CriticWorker
+        from rlhf_core.workers.critic import build_critic
 
         arr = config.actor_rollout_ref
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
@@ -266,13 +266,11 @@ class HybridWorker(DistributedWorker):
         tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
         self.actor = ActorWorker(arr, tokenizer, total_steps, use_ref, seed=seed, device=device,
-                                 max_model_len=config.data.max_prompt_length + config.data.max_response_length)
+                                 max_model_len=config.data.max_prompt_length + config.data.max_response_length,
+                                 max_response_length=config.data.max_response_length)
         self.critic = None
         if use_critic:
-            self.critic = CriticWorker(
-                config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, total_steps,
-                arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
-                device=device)
+            self.critic = build_critic(config, total_steps, seed, device)
         self.reward_model = None
         if config.reward_model.enable:
             from rlhf_core.rewards.reward_model import RewardModelWorker
