@@ -331,6 +331,7 @@ class RewardModelConfig:
 class CustomRewardFunctionConfig:
     path: str | None = _k(None, "python file defining a reward function; null = built-in rules")
     name: str = _k("compute_score", "function name in that file")
+    reward_kwargs: dict[str, Any] = _k({}, "keyword arguments given to the function at every call")
 
 
 @dataclass
@@ -504,10 +505,10 @@ def _leaves(node: DictConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
     """Every ``(dotted key, value)`` below ``node``: mappings are walked (an alias is a key), lists are values."""
     for key, value in node.items_ex(resolve=False):
         dotted = f"{prefix}{key}"
-        if isinstance(value, DictConfig) and dotted not in ALIASES:
+        if isinstance(value, DictConfig) and dotted not in ALIASES and dotted not in OPEN_KEYS:
             yield from _leaves(value, dotted + ".")
         else:
-            yield dotted, OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+            yield dotted, OmegaConf.to_container(value) if isinstance(value, ListConfig | DictConfig) else value
 
 
 @functools.cache
@@ -550,9 +551,13 @@ def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, A
     return {canonical: value, **extra}
 
 
+# mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
+OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs"})
+
+
 def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: bool = True) -> None:
     """Set one key (or a section) of the schema, typed by OmegaConf; a problem is added to ``errors``."""
-    if key not in _known_keys_and_sections():
+    if key not in _known_keys_and_sections() and not any(key.startswith(open_key + ".") for open_key in OPEN_KEYS):
         errors.append(f"unknown config key {key}{_suggest(key)}")
         return
     try:

@@ -39,7 +39,7 @@ from rlhf_core.models.loading import (
     max_positions,
     tokenizer_problems,
 )
-from rlhf_core.rewards import known_data_sources, load_custom_reward_fn
+from rlhf_core.rewards import custom_reward_fn, known_data_sources
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.training.checkpoint import (
     CheckpointError,
@@ -130,7 +130,7 @@ def preflight(cfg: PPOConfig) -> None:
     custom = cfg.custom_reward_function
     if custom.path:
         try:
-            load_custom_reward_fn(custom.path, custom.name)
+            custom_reward_fn(custom)
         except (OSError, ImportError, AttributeError, TypeError) as exc:
             errors.append(f"custom_reward_function: {exc}")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -174,8 +174,7 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
     train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
     val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files") if cfg.data.val_files else None
-    custom = cfg.custom_reward_function
-    reward_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    reward_fn = custom_reward_fn(cfg.custom_reward_function)
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
                       device=cfg.trainer.device, use_worker_group=use_worker_group)
 

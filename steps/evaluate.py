@@ -27,7 +27,7 @@ from rlhf_core.pipeline.evaluate import (
     training_curves_png,
 )
 from rlhf_core.pipeline.promotion import match_production, scoring_settings
-from rlhf_core.rewards import load_custom_reward_fn
+from rlhf_core.rewards import custom_reward_fn
 
 logger = get_logger(__name__)
 
@@ -66,11 +66,10 @@ def evaluate(
     check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
                     training_summary.get("dataset_fingerprint"), "evaluate")
     model = cfg.actor_rollout_ref.model
-    custom = cfg.custom_reward_function
     kwargs = {
         "data_config": cfg.data,
         "batch_size": batch_size,
-        "reward_fn": load_custom_reward_fn(custom.path, custom.name) if custom.path else None,
+        "reward_fn": custom_reward_fn(cfg.custom_reward_function),
         "device": "cuda" if cfg.trainer.device == "cuda" and torch.cuda.is_available() else "cpu",
         "dtype": model.dtype,
         "max_problems": max_problems,

@@ -200,6 +200,19 @@ def test_config_file_then_command_line(tmp_path):
     assert cfg.trainer.seed == 7
 
 
+def test_reward_kwargs_take_the_keys_the_user_names(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("custom_reward_function:\n  reward_kwargs:\n    scale: 2\n    modes: [strict, flexible]\n")
+    cfg = load_config(["+custom_reward_function.reward_kwargs.bonus=0.5", "custom_reward_function.reward_kwargs.scale=3",
+                       "trainer.n_gpus_per_node=1"], config_file=path, validate=False)
+    assert cfg.custom_reward_function.reward_kwargs == {"scale": 3, "modes": ["strict", "flexible"], "bonus": 0.5}
+    assert load_config(["custom_reward_function.reward_kwargs={a:1}", "~custom_reward_function.reward_kwargs"],
+                       validate=False).custom_reward_function.reward_kwargs == {}
+    # only that mapping is open: a key beside it is still unknown
+    assert "unknown config key custom_reward_function.reward_kwarg.scale" in _errors(
+        "+custom_reward_function.reward_kwarg.scale=2")
+
+
 def test_aliases_map_to_canonical_keys_with_a_notice():
     notices = []
     cfg = load_config(

@@ -54,6 +54,29 @@ def test_plain_text_without_a_template(tmp_path, tokenizer):
     assert plain.decode(dataset.prompt_ids[0]) == "Hi" + INSTRUCTION
 
 
+def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokenizer):
+    """As verl hands them over: a list, dict or number stays one (not its printed form), an extra_info that is
+    not a dict stays what it is, and an index may be a string id."""
+    def meta_of(name, ground_truth="3", extra_info=None):
+        row = make_record("q", "s", "0", "train", 0, "custom/source")
+        row["reward_model"] = {"style": "rule", "ground_truth": ground_truth}
+        if extra_info is not None:
+            row["extra_info"] = extra_info
+        pd.DataFrame([row]).to_parquet(tmp_path / name)
+        return RLHFDataset(str(tmp_path / name), tokenizer, DataConfig(max_prompt_length=200)).collate([0]).meta
+
+    listed = meta_of("list.parquet", ["12", "7"])["ground_truth"][0]
+    assert listed == ["12", "7"] and type(listed) is list
+    assert meta_of("dict.parquet", {"target": ["a", "b"], "n": 2})["ground_truth"] == [{"target": ["a", "b"], "n": 2}]
+    number = meta_of("int.parquet", 72)["ground_truth"][0]
+    assert number == 72 and type(number) is int
+    string_id = meta_of("id.parquet", extra_info={"split": "train", "index": "q-17"})
+    assert string_id["index"] == ["q-17"] and string_id["extra_info"] == [{"split": "train", "index": "q-17"}]
+    json_text = meta_of("json.parquet", extra_info='{"id": 5}')  # as some converted datasets store it
+    assert json_text["extra_info"] == ['{"id": 5}'] and json_text["index"] == [0]
+    assert json_text["ground_truth"] == ["3"]
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

@@ -94,6 +94,24 @@ def test_reward_spec_names_the_function_and_hashes_its_source(tmp_path):
     assert hashes[0][0] != hashes[1][0] and hashes[0][1] != hashes[1][1]
 
 
+def test_reward_spec_holds_the_reward_kwargs(tmp_path):
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                      "    return scale\n")
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    plain = reward_spec(cfg, data_sources=["anything"])
+    cfg.custom_reward_function.reward_kwargs = {"scale": 0.5}
+    bound = reward_spec(cfg, data_sources=["anything"])
+    # the same file and function, scoring with another scale: the spec says so and hashes differently
+    assert bound["functions"]["anything"]["function"] == plain["functions"]["anything"]["function"]
+    assert bound["functions"]["anything"]["source_sha256"] == plain["functions"]["anything"]["source_sha256"]
+    assert (plain["functions"]["anything"]["parameters"]["scale"], bound["functions"]["anything"]["parameters"]["scale"]) \
+        == (1.0, 0.5)
+    assert bound["reward_kwargs"] == {"scale": 0.5} and "reward_kwargs" not in plain
+    assert bound["sha256"] != plain["sha256"]
+
+
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     import pandas as pd
 

@@ -235,6 +235,31 @@ def test_load_custom_reward_fn(tmp_path):
     assert load_custom_reward_fn(str(path), "compute_score") is not fn  # fresh module each time
 
 
+def test_reward_kwargs_are_bound_and_checked(tmp_path):
+    path = tmp_path / "scaled.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                    "    return scale * float(solution_str.strip() == ground_truth)\n")
+    assert load_custom_reward_fn(path, reward_kwargs={"scale": 0.25})("any", "5", "5", None) == 0.25
+    assert load_custom_reward_fn(path)("any", "5", "5", None) == 1.0
+    with pytest.raises(TypeError, match=r"reward_kwargs \{'scael': 2\} do not fit 'compute_score'"):
+        load_custom_reward_fn(path, reward_kwargs={"scael": 2})
+
+
+def test_a_reward_may_check_in_a_process_pool(tmp_path):
+    """A reward that hands its own functions to a (forked) multiprocessing pool, as sandboxed checkers do:
+    the pool's workers find them by module name, so the loaded file stays registered."""
+    path = tmp_path / "pooled.py"
+    path.write_text(
+        "import multiprocessing\n\n"
+        "def _check(pair):\n"
+        "    return float(pair[0].strip() == pair[1])\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    with multiprocessing.get_context('fork').Pool(1) as pool:\n"
+        "        return pool.map(_check, [(solution_str, ground_truth)])[0]\n")
+    fn = load_custom_reward_fn(path)
+    assert (fn("any", " 7", "7", None), fn("any", "8", "7", None)) == (1.0, 0.0)
+
+
 def test_custom_fn_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.py.*custom_reward_function\.path"):
         load_custom_reward_fn(tmp_path / "nope.py", "compute_score")

@@ -56,6 +56,18 @@ def read_frames(paths: Sequence[Path]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def plain_value(value):
+    """A parquet cell as Python objects (lists, dicts, str, int, float), as ``datasets`` gives them to verl:
+    pandas reads a list as a NumPy array and a number as a NumPy scalar."""
+    if isinstance(value, np.ndarray):
+        return [plain_value(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_value(v) for k, v in value.items()}
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def _messages(value) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
@@ -123,13 +135,13 @@ class RLHFDataset:
             reward_model = record["reward_model"]
             if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
                 raise DataError(f"{where}: reward_model.ground_truth is missing")
-            extra = record.get("extra_info")
-            extra = dict(extra) if isinstance(extra, dict) else {}
+            extra = plain_value(record.get("extra_info", {}))
+            index = extra.get("index") if isinstance(extra, dict) else None
             self.prompt_ids.append(list(ids))
             self.rows.append({
-                "ground_truth": str(reward_model["ground_truth"]),
+                "ground_truth": plain_value(reward_model["ground_truth"]),  # as stored: str, number, list, dict
                 "data_source": str(record[config.reward_fn_key]),
-                "index": int(extra.get("index", record["_source_row"])),
+                "index": int(record["_source_row"]) if index is None else index,
                 "extra_info": extra,
                 "messages": messages,
             })

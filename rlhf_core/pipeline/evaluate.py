@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import html
 import inspect
@@ -38,8 +39,8 @@ import torch
 
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
-from rlhf_core.data.dataset import as_file_list
-from rlhf_core.rewards import RewardFn, get_reward_fn, load_custom_reward_fn
+from rlhf_core.data.dataset import as_file_list, plain_value
+from rlhf_core.rewards import RewardFn, custom_reward_fn, get_reward_fn
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -296,9 +297,8 @@ def changed_problems(table: pd.DataFrame, baseline: str = "base", limit: int = C
 
 
 def _reward_callables(cfg: PPOConfig, data_sources: Sequence[str]) -> dict[str, RewardFn]:
-    custom = cfg.custom_reward_function
-    if custom.path:
-        fn = load_custom_reward_fn(custom.path, custom.name)
+    fn = custom_reward_fn(cfg.custom_reward_function)
+    if fn is not None:
         return {source: fn for source in data_sources}
     return {source: get_reward_fn(source) for source in data_sources}
 
@@ -370,11 +370,12 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     custom = cfg.custom_reward_function
     functions = {}
     for source, fn in _reward_callables(cfg, data_sources).items():
+        body = fn.func if isinstance(fn, functools.partial) else fn  # reward_kwargs bound: the file's function
         functions[source] = {
-            "function": _identity(fn, custom.path),
-            "parameters": _parameters(fn),
-            "calls": {f"{f.__module__}.{f.__qualname__}": _parameters(f) for f in _called_functions(fn)},
-            "source_sha256": hashlib.sha256(_source_closure(fn).encode()).hexdigest(),
+            "function": _identity(body, custom.path),
+            "parameters": _parameters(fn),  # with reward_kwargs, their values in place of the defaults
+            "calls": {f"{f.__module__}.{f.__qualname__}": _parameters(f) for f in _called_functions(body)},
+            "source_sha256": hashlib.sha256(_source_closure(body).encode()).hexdigest(),
         }
     spec = {
         "kind": "custom" if custom.path else "builtin",
@@ -383,6 +384,8 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
         "full_score": float(full_score),
         "functions": functions,
     }
+    if custom.path and custom.reward_kwargs:  # (only then, so that a spec without them hashes as before)
+        spec["reward_kwargs"] = dict(custom.reward_kwargs)
     spec["sha256"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
     return spec
 
@@ -431,9 +434,9 @@ def check_reference_solutions(cfg: PPOConfig, files: str | Sequence[str] | None 
     for path in as_file_list(files):
         frame = pd.read_parquet(path)
         for row, record in enumerate(frame.to_dict("records")):
+            record = plain_value(record)  # the cells as training hands them to the reward function
             extra = record.get("extra_info")
-            extra = dict(extra) if isinstance(extra, Mapping) else {}
-            solution = extra.get("answer")
+            solution = extra.get("answer") if isinstance(extra, Mapping) else None
             if not isinstance(solution, str):
                 continue
             source = str(record[key])

@@ -17,15 +17,19 @@ Built-in sources are listed in :data:`REWARD_FNS`; anything else needs a user fu
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlhf_core.rewards import gsm8k
+
+if TYPE_CHECKING:
+    from rlhf_core.config import CustomRewardFunctionConfig
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
@@ -74,13 +78,17 @@ def get_reward_fn(data_source: str) -> RewardFn:
         ) from None
 
 
-def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> RewardFn:
-    """Load the function ``name`` from the Python file ``path``.
+def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
+                          reward_kwargs: Mapping[str, Any] | None = None) -> RewardFn:
+    """Load the function ``name`` from the Python file ``path``; with ``reward_kwargs``, the function with
+    those keyword arguments bound (a :func:`functools.partial`), as verl's ``reward_kwargs`` give them.
 
-    The file is executed as a fresh module on each call. Raises FileNotFoundError (no such file),
-    ImportError (the file fails to run), AttributeError (no ``name`` in it; the message lists the
-    functions it does define) or TypeError (``name`` is not callable). The return type is checked
-    when the function is used, by the reward manager.
+    The file is executed as a fresh module on each call and stays registered in ``sys.modules`` (so that
+    what it defines pickles by reference, as a ``multiprocessing`` pool inside the reward needs). Raises
+    FileNotFoundError (no such file), ImportError (the file fails to run), AttributeError (no ``name`` in
+    it; the message lists the functions it does define) or TypeError (``name`` is not callable, or does
+    not take the ``reward_kwargs``). The return type is checked when the function is used, by the reward
+    manager.
     """
     file = Path(path).expanduser()
     if not file.is_file():
@@ -97,17 +105,14 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Rewa
             f"cannot load {str(file)!r} as a Python module; custom_reward_function.path must be a .py file"
         )
     module = importlib.util.module_from_spec(spec)
-    # Registered only while the file runs (dataclasses and the like look their module up); once
-    # removed, the function pickles by value, so worker processes can receive it without the file.
-    sys.modules[module_name] = module
+    sys.modules[module_name] = module  # dataclasses, pickling and forked pool workers look it up
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        sys.modules.pop(module_name, None)
         raise ImportError(
             f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
-    finally:
-        sys.modules.pop(module_name, None)
 
     if not hasattr(module, name):
         defined = sorted(
@@ -126,7 +131,22 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score") -> Rewa
             f"{name!r} in custom reward file {str(file)!r} is a {type(fn).__name__}, not a function; "
             "it must be fn(data_source, solution_str, ground_truth, extra_info) -> float | dict"
         )
-    return fn
+    if not reward_kwargs:
+        return fn
+    try:
+        inspect.signature(fn).bind_partial(**reward_kwargs)
+    except TypeError as exc:
+        raise TypeError(f"custom_reward_function.reward_kwargs {dict(reward_kwargs)} do not fit {name!r} in "
+                        f"{str(file)!r}: {exc}") from None
+    return functools.partial(fn, **reward_kwargs)
+
+
+def custom_reward_fn(custom: CustomRewardFunctionConfig) -> RewardFn | None:
+    """The function that ``custom_reward_function`` (its path, name and reward_kwargs) names, or None
+    where it names none (the built-in rules by data source)."""
+    if not custom.path:
+        return None
+    return load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
 
 
 __all__ = [
@@ -136,5 +156,6 @@ __all__ = [
     "get_reward_fn",
     "gsm8k_reward",
     "known_data_sources",
+    "custom_reward_fn",
     "load_custom_reward_fn",
 ]
