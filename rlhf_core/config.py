@@ -400,7 +400,8 @@ class TrainerConfig:
     logger: list[str] = _k(["console"], "console | file | tensorboard | wandb | mlflow")
     log_val_generations: int = _k(0, "validation responses printed after each validation")
     total_epochs: int = _k(30, "passes over the training data")
-    total_training_steps: int | None = _k(None, "stop after this many steps; null = epochs decide")
+    total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; null = "
+                                                "epochs decide")
     save_freq: int = _k(-1, "save a checkpoint every N steps (and at the end); -1 = only at the end")
     test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
     val_before_train: bool = _k(True, "validate before the first step")

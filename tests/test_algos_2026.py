@@ -376,6 +376,36 @@ def test_dynamic_sampling_at_the_limit_trains_on_what_it_has_with_a_warning(caps
     assert metrics["train/filter_groups/trained"] == 2 and len(batch) == 4
 
 
+def test_dynamic_sampling_when_the_data_runs_out_trains_on_what_it_has(capsys):
+    batches = iter([_prompts([4, 5, 6, 7], 2), None])
+    batch, _, metrics = dynamic_sampling.collect_groups(
+        _prompts([0, 1, 2, 3], 2), lambda: next(batches), _fake_rollout, metric="seq_reward", max_num_gen_batches=0,
+        pad_id=0)
+    # prompt 1 of the first batch, then 4 and 6 (the reward table), and no third batch to draw
+    assert [int(r[0]) // 10 for r in batch["responses"][::2]] == [1, 4, 6]
+    assert metrics["train/num_gen_batches"] == 2 and metrics["train/filter_groups/trained"] == 3
+    assert "only 3 of 4 prompt groups" in capsys.readouterr().err
+    # nothing kept when the data runs out: the trainer's loop ends (DataExhausted), it is not a failure
+    with pytest.raises(dynamic_sampling.DataExhausted, match="training data ran out"):
+        dynamic_sampling.collect_groups(_prompts([0, 2, 3, 5], 2), lambda: None, _fake_rollout, metric="seq_reward",
+                                        max_num_gen_batches=0, pad_id=0)
+
+
+def test_training_ends_after_total_epochs_whatever_the_step_count(tiny):
+    """As verl's loop: total_training_steps past the epochs' batches stops at them; with dynamic sampling,
+    whose steps draw several batches, the loop stops once total_epochs passes are drawn."""
+    trainer = _trainer(tiny, "trainer.total_epochs=1", "trainer.total_training_steps=500")
+    assert trainer.total_steps == 4  # 32 prompts in batches of 8
+    assert _trainer(tiny, "trainer.total_epochs=2", "trainer.total_training_steps=3").total_steps == 3
+    trainer = _trainer(tiny, "trainer.total_epochs=1", "trainer.total_training_steps=500",
+                       "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                       "algorithm.filter_groups.max_num_gen_batches=0")
+    history = trainer.fit()
+    assert trainer.sampler.batches_drawn == 4 and trainer.sampler.epoch == 0
+    assert 1 <= len(history) <= 4 and all(r.metrics["training/epoch"] == 0 for r in history)
+    assert sum(r.metrics["train/num_gen_batches"] for r in history) <= 4
+
+
 def test_dynamic_sampling_without_any_varied_group_is_an_error():
     with pytest.raises(RuntimeError, match="every one of the 4 prompt groups scored the same.*"
                                            "algorithm.filter_groups.metric=seq_reward.*max_num_gen_batches"):

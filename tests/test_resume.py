@@ -184,3 +184,21 @@ def test_sigterm_finishes_the_step_saves_and_exits_nonzero(workspace, reference,
     assert sorted(got) == list(range(1, step + 1))
     for s in got:
         assert_same_metrics(got[s], expected[s], s)
+
+
+def test_a_resume_from_the_checkpoint_after_the_first_validation_does_not_validate_again(workspace):
+    """The validation before training saves global_step_0 (the guards' first best). A run stopped before its
+    next checkpoint resumes from there: it must not validate (and log step 0) again, or the sampled
+    validation's draws move every later sample away from the uninterrupted run's."""
+    out = workspace.root / "resume_at_0"
+    extra = ("trainer.val_before_train=true", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+             "actor_rollout_ref.rollout.val_kwargs.n=2", "trainer.total_training_steps=2", "trainer.test_freq=-1")
+    expected, _ = _fit(build_trainer(load_config(workspace.overrides(out, *extra))))
+    assert sorted(expected) == [0, 1, 2] and (out / "global_step_0").is_dir()
+
+    trainer = build_trainer(load_config(workspace.overrides(out, *extra)))
+    trainer.load_checkpoint(out / "global_step_0")
+    metrics, _ = _fit(trainer)
+    assert sorted(metrics) == [1, 2]
+    for step in (1, 2):
+        assert_same_metrics(metrics[step], expected[step], step)

@@ -184,6 +184,11 @@ class PromptSampler:
     def batches_per_epoch(self) -> int:
         return self.n // self.batch_size
 
+    @property
+    def batches_drawn(self) -> int:
+        """Batches handed out so far, over all epochs."""
+        return self.epoch * self.batches_per_epoch + self.batch_in_epoch
+
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))

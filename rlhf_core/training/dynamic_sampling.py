@@ -100,9 +100,13 @@ def _groups_in_order(uids: list) -> list:
     return list(seen)
 
 
+class DataExhausted(RuntimeError):
+    """The training data ran out before a step collected a group it could train on."""
+
+
 def collect_groups(
     first_prompts: Batch,
-    next_prompts: Callable[[], Batch],
+    next_prompts: Callable[[], Batch | None],
     rollout: Callable[[Batch], tuple[Batch, dict]],
     *,
     metric: str,
@@ -115,7 +119,8 @@ def collect_groups(
 
     Args:
         first_prompts: the step's prompts; their count is the number of groups to collect.
-        next_prompts: the next batch of prompts from the training data.
+        next_prompts: the next batch of prompts from the training data; None where it has run out (the
+            step then trains on the groups it has, as at ``max_num_gen_batches``).
         rollout: prompts -> (scored rollout batch, reward extras), each prompt's responses adjacent and
             sharing the meta ``uid``.
         metric: ``algorithm.filter_groups.metric``.
@@ -132,12 +137,14 @@ def collect_groups(
 
     Raises:
         RuntimeError: the limit was reached without a single group whose responses score differently.
+        DataExhausted: the data ran out before there was a group to train on.
     """
     target = len(first_prompts)
     kept_batches, kept_extras = [], []
     kept_groups = dropped_groups = num_gen_batches = 0
     dropped_values: list[float] = []
-    prompts = first_prompts
+    prompts: Batch | None = first_prompts
+    limit = f"algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}"
     while True:
         batch, extras = rollout(prompts)
         batch.meta["uid"] = [(num_gen_batches, uid) for uid in batch.meta["uid"]]
@@ -169,6 +176,12 @@ def collect_groups(
                     "set algorithm.filter_groups.enable=false")
             break
         prompts = next_prompts()
+        if prompts is None:
+            limit = "the training data ran out: trainer.total_epochs passes drawn"
+            if kept_groups == 0:
+                raise DataExhausted(f"dynamic sampling: {limit} before a prompt group scored differently "
+                                    f"({dropped_groups} groups dropped in {num_gen_batches} generation batches)")
+            break
 
     batch = concat_rollouts(kept_batches, pad_id)
     extras = concat_extras(kept_extras)
@@ -177,13 +190,13 @@ def collect_groups(
     if kept_groups < target:
         trained = kept_groups // group_multiple * group_multiple
         if trained == 0:
-            raise RuntimeError(
+            raise (RuntimeError if prompts is not None else DataExhausted)(
                 f"dynamic sampling: {kept_groups} prompt group(s) kept in {num_gen_batches} generation batches, fewer "
                 f"than one mini-batch of {group_multiple} prompts that every worker can share; raise "
                 "algorithm.filter_groups.max_num_gen_batches or set algorithm.filter_groups.enable=false")
         print(f"WARNING dynamic sampling: only {kept_groups} of {target} prompt groups had responses that scored "
-              f"differently after {num_gen_batches} generation batches (algorithm.filter_groups.max_num_gen_batches="
-              f"{max_num_gen_batches}); training this step on {trained} groups", file=sys.stderr, flush=True)
+              f"differently after {num_gen_batches} generation batches ({limit}); training this step on {trained} "
+              "groups", file=sys.stderr, flush=True)
     if trained < len(groups):
         wanted = set(groups[:trained])
         rows = [i for i, uid in enumerate(batch.meta["uid"]) if uid in wanted]

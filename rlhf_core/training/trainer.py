@@ -160,8 +160,10 @@ class PPOTrainer:
         self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
         self.sampler = PromptSampler(len(train_dataset), config.data.train_batch_size, config.data.shuffle,
                                      config.data.seed)
-        self.total_steps = config.trainer.total_training_steps or (
-            self.sampler.batches_per_epoch * config.trainer.total_epochs)
+        # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
+        # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
+        self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
+        self.total_steps = min(config.trainer.total_training_steps or self.total_batches, self.total_batches)
         seed = config.trainer.seed
         torch.manual_seed(seed)
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
@@ -196,6 +198,7 @@ class PPOTrainer:
         self.kl_loss_coef = arr.actor.kl_loss_coef
         self.global_step = 0
         self.history: list[StepResult] = []
+        self.resumed = False  # by load_checkpoint
         #: context-manager factories entered around every timed phase, called with its name (innermost
         #: last): a memory sampler's tag, a tracer's span
         self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
@@ -269,8 +272,8 @@ class PPOTrainer:
         if not groups.enable:
             return (*self._rollout(prompts, timings), {})
 
-        def next_prompts() -> Batch:
-            return self.train_dataset.collate(self.sampler.next_batch()[1])
+        def next_prompts() -> Batch | None:  # None: total_epochs passes drawn
+            return None if self.data_exhausted else self.train_dataset.collate(self.sampler.next_batch()[1])
 
         multiple = 1
         if self.worker_group is not None:  # each update shares whole mini-batches among the workers
@@ -468,6 +471,7 @@ class PPOTrainer:
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off."""
         checkpoint.load_checkpoint(self, path)
+        self.resumed = True  # the validation before training is behind it (a step-0 checkpoint follows it)
         self.last_saved_step = self.global_step
         self.guard.on_checkpoint(self.global_step)
 
@@ -539,12 +543,22 @@ class PPOTrainer:
             self.logger(metrics, step)
 
     def fit(self) -> list[StepResult]:
-        if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0:
+        if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
+                and not self.resumed:
             self.validate_before_train()
-        while self.global_step < self.total_steps:
+        while self.global_step < self.total_steps and not self.data_exhausted:
             self._stop_if_requested()
-            self.fit_step()
+            try:
+                self.fit_step()
+            except dynamic_sampling.DataExhausted as exc:
+                print(f"notice: {exc}; training ends at step {self.global_step}", file=sys.stderr, flush=True)
+                break
         return self.history
+
+    @property
+    def data_exhausted(self) -> bool:
+        """Whether ``trainer.total_epochs`` passes over the training data have been drawn."""
+        return self.sampler.batches_drawn >= self.total_batches
 
     def validate_before_train(self) -> dict[str, float]:
         """The validation before the first step, as :meth:`fit` runs it: logged at step 0, and the first
@@ -575,7 +589,7 @@ class PPOTrainer:
             raise self._worker_failure(exc, "training", self.global_step + 1) from exc
         self.global_step += 1
         step = self.global_step
-        last = step == self.total_steps
+        last = step == self.total_steps or self.data_exhausted
         save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
         event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
         due = (validate(step, metrics) if validate is not None
