@@ -83,6 +83,7 @@ __all__ = [
 
 WHITEN_EPS = 1e-8
 MASKED_MEAN_EPS = 1e-8
+EXPLAINED_VAR_EPS = 1e-5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1258,7 +1259,8 @@ def compute_rollout_correction(
 
 @torch.no_grad()
 def compute_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """Fraction of the return variance the critic explains: ``1 - var(R - V) / (var(R) + 1e-8)``.
+    """Fraction of the return variance the critic explains: ``1 - var(R - V) / (var(R) + 1e-5)`` (verl's
+    epsilon: with constant returns, as when every score is 0, it keeps the metric near -var(V) * 1e5).
 
     Variances are masked and unbiased. Shapes: (bs, T) each -> python float (``critic/vf_explained_var``).
     1 is a perfect critic; 0 is no better than a constant; negative is worse than a constant.
@@ -1266,4 +1268,4 @@ def compute_explained_variance(values: torch.Tensor, returns: torch.Tensor, mask
     """
     residual_var = masked_var(returns - values, mask)
     return_var = masked_var(returns, mask)
-    return (1.0 - residual_var / (return_var + WHITEN_EPS)).item()
+    return (1.0 - residual_var / (return_var + EXPLAINED_VAR_EPS)).item()

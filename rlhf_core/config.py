@@ -481,6 +481,20 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "critic.optim.max_grad_norm": ("critic.grad_clip", {}),
     "trainer.checkpoint.every_n_steps": ("trainer.save_freq", {}),
     "algorithm.kl_ctrl_target": ("algorithm.kl_ctrl.target_kl", {"algorithm.kl_ctrl.type": "adaptive"}),
+    # verl's deprecated name of the schedule
+    "actor_rollout_ref.actor.optim.warmup_style": ("actor_rollout_ref.actor.optim.lr_scheduler_type", {}),
+    "critic.optim.warmup_style": ("critic.optim.lr_scheduler_type", {}),
+}
+
+# verl's deprecated micro-batch sizes over all workers: set, each stands for its per-worker key at
+# value / (n_gpus_per_node * nnodes); null (as verl's generated config holds them) sets nothing
+GLOBAL_MICRO_BATCHES: dict[str, str] = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size": "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size":
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
+    "reward_model.micro_batch_size": "reward_model.micro_batch_size_per_gpu",
 }
 
 
@@ -552,6 +566,8 @@ def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, A
     return {canonical: value, **extra}
 
 
+# lists that take one name as a list of it
+ONE_OR_LIST = frozenset({"trainer.logger"})
 # mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
 OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs"})
 
@@ -561,6 +577,8 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
     if key not in _known_keys_and_sections() and not any(key.startswith(open_key + ".") for open_key in OPEN_KEYS):
         errors.append(f"unknown config key {key}{_suggest(key)}")
         return
+    if key in ONE_OR_LIST and isinstance(value, str):  # verl's trainer.logger=console
+        value = [value]
     try:
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:
@@ -578,7 +596,8 @@ def _parser() -> OverridesParser:
     return OverridesParser.create()
 
 
-def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str]) -> None:
+def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
+                    global_micro: dict[str, Any]) -> None:
     """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``."""
     try:
         override = _parser().parse_override(text)
@@ -594,11 +613,32 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if override.value_type is not None:
             errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
             return
+        if key in GLOBAL_MICRO_BATCHES:
+            global_micro.pop(key, None)
+            return
         for target in _targets(key, None, notice):
             _assign(cfg, target, _default(target), errors, merge=False)
+    elif key in GLOBAL_MICRO_BATCHES:
+        global_micro[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice).items():
             _assign(cfg, target, value, errors)
+
+
+def _assign_global_micro_batches(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
+                                 errors: list[str]) -> None:
+    """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES)."""
+    world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
+    for key, value in values.items():
+        if value is None:
+            continue
+        per_worker = GLOBAL_MICRO_BATCHES[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:
+            errors.append(f"{key}={value!r} (deprecated, over all {world} workers) must be a positive multiple of "
+                          f"trainer.n_gpus_per_node * trainer.nnodes; or set {per_worker}")
+            continue
+        notice(f"notice: {key} is deprecated (as in verl): {per_worker}={value // world} set in its place")
+        _assign(cfg, per_worker, value // world, errors)
 
 
 def _read_yaml(path: Path) -> DictConfig:
@@ -618,11 +658,16 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
     """Defaults, then the keys of ``tree``, then ``overrides``; resolved, typed and (optionally) validated."""
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
+    global_micro: dict[str, Any] = {}
     for key, value in _leaves(tree) if tree is not None else ():
+        if key in GLOBAL_MICRO_BATCHES:
+            global_micro[key] = value
+            continue
         for target, target_value in _targets(key, value, notice).items():
             _assign(cfg, target, target_value, errors)
     for text in overrides:
-        _apply_override(cfg, text, notice, errors)
+        _apply_override(cfg, text, notice, errors, global_micro)
+    _assign_global_micro_batches(cfg, global_micro, notice, errors)
     if not errors:
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}
@@ -773,6 +818,7 @@ def validate_config(cfg: PPOConfig) -> None:
         ("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size),
         ("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs),
         ("actor_rollout_ref.rollout.n", rollout.n),
+        ("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n),
         ("trainer.n_gpus_per_node", trainer.n_gpus_per_node),
         ("trainer.nnodes", trainer.nnodes),
         ("trainer.total_epochs", trainer.total_epochs),

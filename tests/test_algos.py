@@ -752,13 +752,17 @@ def test_explained_variance():
     returns = t([[1.0, 2.0, 3.0, 99.0]])
     mask = t([[1, 1, 1, 0]])
     assert compute_explained_variance(returns, returns, mask) == pytest.approx(1.0)
+    # V = 0: residual = R, var 1 each -> 1 - 1 / (1 + 1e-5), verl's epsilon
     assert compute_explained_variance(torch.zeros_like(returns), returns, mask) == pytest.approx(
-        0.0, abs=1e-6
+        1 - 1 / (1 + 1e-5), rel=1e-4
     )
-    # residual [0.5, 0, -0.5]: var 0.25; var(returns) = 1 -> 0.75
+    # residual [0.5, 0, -0.5]: var 0.25; var(returns) = 1 -> 1 - 0.25 / (1 + 1e-5)
     values = t([[0.5, 2.0, 3.5, 0.0]])
-    assert compute_explained_variance(values, returns, mask) == pytest.approx(0.75)
+    assert compute_explained_variance(values, returns, mask) == pytest.approx(1 - 0.25 / (1 + 1e-5))
     assert isinstance(compute_explained_variance(values, returns, mask), float)
+    # constant returns (every score 0): var(R) = 0, var(R - V) = var(V) = 1e-4 by hand; 1 - 1e-4 / 1e-5 = -9
+    flat = t([[0.0, 0.0, 0.0, 5.0]])
+    assert compute_explained_variance(t([[0.01, -0.01, 0.0, 0.0]]), flat, mask) == pytest.approx(-9.0, rel=1e-4)
 
 
 def test_module_exports_exist():
