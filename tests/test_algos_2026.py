@@ -758,6 +758,9 @@ def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny, monkeypatch)
     assert name == "grpo"
     np.testing.assert_allclose(args["token_level_rewards"].sum(-1).tolist(), [s for s, _ in trained], atol=1e-6)
     assert len(set(args["index"])) == min(len(kept_groups), 8)
+    # the rollout rate counts every sampled token over the generation time, the dropped batches' included
+    sampled = sum(sum(map(sum, gen["mask"])) for gen in generated)
+    assert metrics["perf/rollout_tokens_per_s"] * metrics["timing_s/gen"] == pytest.approx(sampled)
 
 
 def test_rollout_correction_is_said_once_to_be_a_no_op_with_hf(tiny, capsys):

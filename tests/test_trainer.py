@@ -16,23 +16,57 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf_core import main_ppo
+from rlhf_core.batch import Batch
 from rlhf_core.cli.train import ppo
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training.guards import GuardError
-from rlhf_core.training.trainer import PPOTrainer
+from rlhf_core.training.trainer import PPOTrainer, data_metrics, timing_per_token
 
 REQUIRED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm",
     "actor/lr", "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/grad_norm", "critic/score/mean",
     "critic/rewards/mean", "critic/advantages/mean", "critic/returns/mean", "critic/values/mean",
     "critic/vf_explained_var", "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
-    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
+    "critic/score/max", "critic/rewards/min", "critic/advantages/max", "critic/returns/min", "critic/values/max",
+    "prompt_length/max", "prompt_length/clip_ratio", "timing_per_token_ms/gen", "timing_per_token_ms/update_actor",
+    "perf/time_per_step", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/values", "timing_s/adv",
     "timing_s/update_critic", "timing_s/update_actor", "timing_s/step", "perf/throughput",
     "perf/max_memory_allocated_gb", "training/global_step", "training/epoch",
 ]
+
+
+def test_data_metrics_by_hand():
+    # two rows: prompts of 2 and 3 tokens (width 3, left-padded), responses of 2 and 4 tokens (width 4)
+    attention = torch.tensor([[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    loss_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0]])  # the second row's last token rejected
+    batch = Batch({
+        "prompts": torch.zeros(2, 3, dtype=torch.long), "attention_mask": attention, "response_mask": loss_mask,
+        "token_level_scores": torch.tensor([[0.0, 1.0, 0, 0], [0, 0, 0, 0.5]]),
+        "token_level_rewards": torch.tensor([[-0.1, 1.0, 0, 0], [0, 0, -0.2, 0.5]]),
+        "advantages": torch.tensor([[1.0, 2.0, 9.0, 9.0], [-1.0, 0.0, 3.0, 9.0]]),
+        "returns": torch.tensor([[0.5, 1.5, 9.0, 9.0], [0.0, 0.0, 0.5, 9.0]]),
+        "values": torch.tensor([[0.5, 1.0, 9.0, 9.0], [0.0, -0.5, 0.5, 9.0]]),
+    }, {})
+    m = data_metrics(batch, max_response_length=4, max_prompt_length=3)
+    assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (0.75, 1.0, 0.5)
+    assert (m["critic/rewards/mean"], m["critic/rewards/max"], m["critic/rewards/min"]) == \
+        pytest.approx((0.6, 0.9, 0.3))
+    # over the 5 loss tokens: advantages 1, 2, -1, 0, 3; returns .5, 1.5, 0, 0, .5; values .5, 1, 0, -.5, .5
+    assert (m["critic/advantages/mean"], m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, 3.0, -1.0)
+    assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.5, 1.5, 0.0)
+    assert (m["critic/values/mean"], m["critic/values/max"], m["critic/values/min"]) == pytest.approx((0.3, 1.0, -0.5))
+    # responses as sampled (2 and 4 tokens, the second at the limit); prompts 2 and 3 (the second at its limit)
+    assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
+    assert m["response_length/clip_ratio"] == 0.5
+    assert (m["prompt_length/mean"], m["prompt_length/max"], m["prompt_length/min"]) == (2.5, 3.0, 2.0)
+    assert m["prompt_length/clip_ratio"] == 0.5
+    # generation per response token, the other passes per token of the batch; phases that did not run are left out
+    per_token = timing_per_token({"timing_s/gen": 0.6, "timing_s/update_actor": 1.1, "timing_s/step": 3.0},
+                                 response_tokens=6, tokens=11)
+    assert per_token == pytest.approx({"timing_per_token_ms/gen": 100.0, "timing_per_token_ms/update_actor": 100.0})
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +285,7 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
         bad = {k: v for k, v in numbers.items() if not isinstance(v, (int, float)) or not math.isfinite(v)}
         assert not bad, bad
         assert set(REQUIRED_METRICS) <= set(numbers)
-        assert "val-core/synthetic/arithmetic/acc/mean@1" in line
+        assert "val-core/synthetic/arithmetic/acc/mean@1" in line and line["timing_s/testing"] > 0
     assert "done: 2 steps" in capsys.readouterr().out
 
 

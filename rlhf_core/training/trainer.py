@@ -107,33 +107,48 @@ def _nanmean(values: torch.Tensor) -> float:
     return float(torch.nanmean(values.double()))
 
 
-def data_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
-    """verl's per-step data metrics: scores, rewards, advantages, returns, values, lengths."""
-    mask = batch["response_mask"].float()  # the losses' mask (narrower than the responses after rejection)
+def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
+    """``<name>/mean``, ``/max`` and ``/min`` of ``values`` (0 when there are none)."""
+    if values.numel() == 0:
+        return {f"{name}/mean": 0.0, f"{name}/max": 0.0, f"{name}/min": 0.0}
+    values = values.float()
+    return {f"{name}/mean": float(values.mean()), f"{name}/max": float(values.max()), f"{name}/min": float(values.min())}
+
+
+def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int) -> dict[str, float]:
+    """verl's per-step data metrics: scores, rewards, advantages, returns, values (mean, max, min; the last three
+    over the loss tokens), response and prompt lengths (with the share at their limits)."""
+    mask = batch["response_mask"].bool()  # the losses' mask (narrower than the responses after rejection)
     prompt_width = batch["prompts"].shape[1]
     response_length = batch["attention_mask"][:, prompt_width:].float().sum(-1)  # (bs,) as sampled
     prompt_length = batch["attention_mask"][:, :prompt_width].float().sum(-1)
-    scores = batch["token_level_scores"].sum(-1)
-    rewards = batch["token_level_rewards"].sum(-1)
     metrics = {
-        "critic/score/mean": float(scores.mean()),
-        "critic/score/max": float(scores.max()),
-        "critic/score/min": float(scores.min()),
-        "critic/rewards/mean": float(rewards.mean()),
-        "critic/advantages/mean": _mean(batch["advantages"], mask),
-        "critic/returns/mean": _mean(batch["returns"], mask),
-        "response_length/mean": float(response_length.mean()),
-        "response_length/max": float(response_length.max()),
-        "response_length/min": float(response_length.min()),
+        **_spread("critic/score", batch["token_level_scores"].sum(-1)),
+        **_spread("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_spread("critic/advantages", batch["advantages"][mask]),
+        **_spread("critic/returns", batch["returns"][mask]),
+        **_spread("response_length", response_length),
         "response_length/clip_ratio": float((response_length >= max_response_length).float().mean()),
-        "prompt_length/mean": float(prompt_length.mean()),
+        **_spread("prompt_length", prompt_length),
+        "prompt_length/clip_ratio": float((prompt_length >= max_prompt_length).float().mean()),
     }
     if "values" in batch:
-        metrics["critic/values/mean"] = _mean(batch["values"], mask)
+        metrics.update(_spread("critic/values", batch["values"][mask]))
         if mask.sum() >= 2:
             metrics["critic/vf_explained_var"] = algos.compute_explained_variance(
-                batch["values"], batch["returns"], mask)
+                batch["values"], batch["returns"], mask.float())
     return metrics
+
+
+def timing_per_token(timings: dict[str, float], response_tokens: float, tokens: float) -> dict[str, float]:
+    """verl's ``timing_per_token_ms/<phase>``: generation per response token, the passes over whole sequences
+    (reference, values, advantages, the updates) per token of the batch."""
+    out = {}
+    for name, count in [("gen", response_tokens), *((n, tokens) for n in
+                                                    ("ref", "values", "adv", "update_critic", "update_actor"))]:
+        if f"timing_s/{name}" in timings and count > 0:
+            out[f"timing_per_token_ms/{name}"] = timings[f"timing_s/{name}"] * 1000 / count
+    return out
 
 
 @dataclass
@@ -199,6 +214,7 @@ class PPOTrainer:
         self.global_step = 0
         self.history: list[StepResult] = []
         self.resumed = False  # by load_checkpoint
+        self._sampled_tokens = 0.0  # response tokens the step's rollouts sampled (perf/rollout_tokens_per_s)
         #: context-manager factories entered around every timed phase, called with its name (innermost
         #: last): a memory sampler's tag, a tracer's span
         self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
@@ -252,6 +268,8 @@ class PPOTrainer:
         greedy response as ``reward_baselines`` (bs,)."""
         with self.phase("gen", timings):
             batch = self.actor.generate(prompts, self._train_params())
+        # every token sampled in timing_s/gen, the batches dynamic sampling drops included
+        self._sampled_tokens += float(batch["attention_mask"][:, batch["prompts"].shape[1]:].sum())
         with self.phase("reward", timings):
             extras = self._score(batch)
             self._shape_overlong(batch, extras)
@@ -324,6 +342,7 @@ class PPOTrainer:
         cfg, algo = self.config, self.config.algorithm
         n = cfg.actor_rollout_ref.rollout.n
         timings: dict[str, float] = {}
+        self._sampled_tokens = 0.0
         with self.phase("step", timings):
             batch, extras, metrics = self._generate_and_score(prompts, timings)
             if not self._on_policy_update():
@@ -372,7 +391,7 @@ class PPOTrainer:
             if self.global_step >= cfg.trainer.critic_warmup:
                 with self.phase("update_actor", timings):
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
-        metrics.update(data_metrics(batch, cfg.data.max_response_length))
+        metrics.update(data_metrics(batch, cfg.data.max_response_length, cfg.data.max_prompt_length))
         metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
@@ -380,10 +399,12 @@ class PPOTrainer:
         for key in reported_extras(extras):  # e.g. a reward model's score and the rule's (gold) apart
             metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
         metrics.update(timings)
-        sampled_tokens = float(batch["attention_mask"][:, batch["prompts"].shape[1]:].sum())
-        metrics["perf/rollout_tokens_per_s"] = sampled_tokens / max(timings["timing_s/gen"], 1e-9)
         tokens = int(batch["attention_mask"].sum())
+        response_tokens = metrics["response_length/mean"] * len(batch)
+        metrics.update(timing_per_token(timings, response_tokens, tokens))
+        metrics["perf/rollout_tokens_per_s"] = self._sampled_tokens / max(timings["timing_s/gen"], 1e-9)
         metrics["perf/total_num_tokens"] = tokens
+        metrics["perf/time_per_step"] = timings["timing_s/step"]
         metrics["perf/throughput"] = tokens / timings["timing_s/step"] / max(1, self.config.world_size)
         metrics["perf/max_memory_allocated_gb"] = peak_memory_gb() if self.worker_group is None \
             else max(peak_memory_gb(), self.actor.peak_memory_gb())
@@ -595,10 +616,12 @@ class PPOTrainer:
         due = (validate(step, metrics) if validate is not None
                else last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0))
         if self.val_dataset is not None and due:
+            started = time.perf_counter()
             try:
                 metrics.update(self.validate())
             except WorkerError as exc:
                 raise self._worker_failure(exc, "validating after", step) from exc
+            metrics["timing_s/testing"] = time.perf_counter() - started
             if event is None:
                 new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
                 save = save or new_best
