@@ -398,7 +398,8 @@ class TrainerConfig:
     project_name: str = _k("verl_examples", "project name for loggers and checkpoint paths")
     experiment_name: str = _k("gsm8k", "run name for loggers and checkpoint paths")
     logger: list[str] = _k(["console"], "console | file | tensorboard | wandb | mlflow")
-    log_val_generations: int = _k(0, "validation responses printed after each validation")
+    log_val_generations: int = _k(0, "validation samples (prompt, response, score) logged after each validation: "
+                                     "printed, in val_generations.jsonl, and to tensorboard, wandb or mlflow")
     total_epochs: int = _k(30, "passes over the training data")
     total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; null = "
                                                 "epochs decide")
@@ -945,6 +946,8 @@ def validate_config(cfg: PPOConfig) -> None:
         _one_of(errors, "reward_model.model.fsdp_config.reduce_dtype", rm.model.fsdp_config.reduce_dtype, DTYPES)
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    if trainer.log_val_generations < 0:
+        errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0")
     _check_reward_training(errors, cfg)
     if trainer.profile_steps is not None and not all(isinstance(s, int) and s >= 1 for s in trainer.profile_steps):
         errors.append(f"trainer.profile_steps={trainer.profile_steps} must be a list of step numbers >= 1, "

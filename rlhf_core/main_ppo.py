@@ -274,6 +274,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
                 sink(metrics, step)
 
         trainer.logger = log
+        trainer.generations_logger = tracking.log_generations
         stack.enter_context(stop_on_signals(trainer, handle_signals and trainer_cfg.save_on_interrupt))
         history = trainer.fit()
         if trainer.last_saved_step != trainer.global_step:

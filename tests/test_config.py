@@ -364,6 +364,7 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr=0.0 must be > 0"),
         ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be > 0"),
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be > 0"),
+        ("trainer.log_val_generations=-1", "trainer.log_val_generations=-1 must be >= 0"),
         ("actor_rollout_ref.actor.kl_loss_type=low_var", "kl_loss_type='low_var' is not one of"),
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of"),
         ("actor_rollout_ref.actor.loss_agg_mode=mean", "loss_agg_mode='mean' is not one of"),

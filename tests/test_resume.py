@@ -56,7 +56,8 @@ def reference(workspace):
 
 
 def _comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "step" and not k.startswith(("timing_s/", "perf/"))}
+    return {k: v for k, v in record.items()
+            if k != "step" and not k.startswith(("timing_s/", "timing_per_token_ms/", "perf/"))}
 
 
 def assert_same_metrics(got: dict, expected: dict, step: int) -> None:

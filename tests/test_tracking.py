@@ -9,6 +9,7 @@ import re
 import socket
 import sqlite3
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,12 +270,32 @@ def test_tensorboard_scalars_read_back(tmp_path):
     with Tracking(["tensorboard"], "p", "e", tmp_path) as tracker:
         tracker.log({"critic/score/mean": 0.25, "actor/pg_loss": -0.5}, step=1)
         tracker.log({"critic/score/mean": 0.75}, step=2)
+        tracker.log_generations(SAMPLES, step=2)
     log_dir = tmp_path / "tensorboard"
     assert list(log_dir.glob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(log_dir))
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
     acc.Reload()
     assert {"critic/score/mean", "actor/pg_loss"} <= set(acc.Tags()["scalars"])
     assert [(e.step, e.value) for e in acc.Scalars("critic/score/mean")] == [(1, 0.25), (2, 0.75)]
+    [text] = acc.Tensors("val/generations/text_summary")
+    assert text.step == 2
+    table = text.tensor_proto.string_val[0].decode()
+    assert "| input | output | score |" in table and "| Q: 2+2? | 4 \\| four<br>#### 4 | 1 |" in table
+
+
+SAMPLES = [{"input": "Q: 2+2?", "output": "4 | four\n#### 4", "score": 1.0}, {"input": "Q: 3*3?", "output": "6", "score": 0.0}]
+
+
+def test_validation_samples_in_the_console_and_a_file(tmp_path, capsys):
+    long = {"input": "x" * 150 + "y" * 150, "output": "z", "score": 0.5}
+    with Tracking(["console", "file"], "p", "e", tmp_path) as tracker:
+        tracker.log_generations(SAMPLES, step=3)
+        tracker.log_generations([long], step=4)
+    lines = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 3, **SAMPLES[0]}, {"step": 3, **SAMPLES[1]}, {"step": 4, **long}]  # whole texts
+    out = capsys.readouterr().out
+    assert "validation samples at step 3:" in out and "[score 1] 'Q: 2+2?' -> '4 | four\\n#### 4'" in out
+    assert f"'{'x' * 100} ... {'y' * 100}'" in out  # the console shows a long text's start and end
 
 
 def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):
@@ -294,6 +315,7 @@ def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_n
         assert backend.wandb_run.settings.mode == "offline"
         tracker.log({"critic/score/mean": 0.5, "val-core/x/acc/mean@1": 0.25}, step=1)
         tracker.log({"critic/score/mean": 0.75}, step=2)
+        tracker.log_generations(SAMPLES, step=2)
     runs = list((local_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     data = list(runs[0].glob("run-*.wandb"))
@@ -328,6 +350,7 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
     with Tracking(["mlflow"], "proj", "exp", local_dir, config=config) as tracker:
         tracker.log({"critic/score/mean": 0.5, "val-core/openai/gsm8k/acc/mean@1": 0.25}, step=1)
         tracker.log({"critic/score/mean": 0.75, "actor/ppo_kl": float("nan")}, step=2)
+        tracker.log_generations(SAMPLES, step=2)
         run_id = tracker.backends["mlflow"].run_id
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
@@ -344,4 +367,6 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
     assert params["actor.optim.lr"] == "1e-06"
     assert params["trainer.logger"] == "['mlflow']"
     assert params["note"] == "x" * 6000
+    saved = client.download_artifacts(run_id, "val_generations/step_2.json", str(tmp_path / "run" / "dl"))
+    assert json.loads(Path(saved).read_text()) == SAMPLES
     assert no_network == []

@@ -11,6 +11,7 @@ import threading
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -23,7 +24,7 @@ from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training.guards import GuardError
-from rlhf_core.training.trainer import PPOTrainer, data_metrics, timing_per_token
+from rlhf_core.training.trainer import PPOTrainer, data_metrics, pick_generations, timing_per_token
 
 REQUIRED_METRICS = [
     "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss", "actor/grad_norm",
@@ -67,6 +68,19 @@ def test_data_metrics_by_hand():
     per_token = timing_per_token({"timing_s/gen": 0.6, "timing_s/update_actor": 1.1, "timing_s/step": 3.0},
                                  response_tokens=6, tokens=11)
     assert per_token == pytest.approx({"timing_per_token_ms/gen": 100.0, "timing_per_token_ms/update_actor": 100.0})
+
+
+def test_validation_samples_are_picked_as_verl_picks_them():
+    texts = [(f"prompt {i}", f"answer {i}") for i in range(6)]
+    scores = [i / 10 for i in range(6)]
+    picked = pick_generations(texts, scores, 3)
+    # verl's rule written out here: sort the (input, output, score) triples, shuffle with RandomState(42), take 3
+    triples = sorted((p, r, s) for (p, r), s in zip(texts, scores))
+    order = np.random.RandomState(42).permutation(len(triples))  # what RandomState(42).shuffle does to a list
+    assert [(d["input"], d["output"], d["score"]) for d in picked] == [triples[i] for i in order[:3]]
+    # whatever order the batches came in, the same samples
+    assert pick_generations(texts[::-1], scores[::-1], 3) == picked
+    assert len(pick_generations(texts, scores, 10)) == 6
 
 
 @pytest.fixture(scope="module")
@@ -272,9 +286,16 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
     out = root / "cli_run"
     code = ppo(_overrides(root, model, "algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
                            "trainer.total_training_steps=2", f"trainer.default_local_dir={out}",
-                           "trainer.logger=[console,file]", "trainer.test_freq=1"))
+                           "trainer.logger=[console,file]", "trainer.test_freq=1", "trainer.val_before_train=true",
+                           "trainer.log_val_generations=3"))
     assert code == 0
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    # three validation samples after each of the three validations (before training, after steps 1 and 2), the
+    # same prompts each time; each score the reward fixture's on its response
+    samples = [json.loads(line) for line in (out / "val_generations.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert len({s["input"] for s in samples}) == 3 and [s["input"] for s in samples[:3]] == [s["input"] for s in samples[3:6]]
+    assert all("Assistant" in s["input"] and s["score"] == float(s["output"][:1].isdigit()) for s in samples)
     steps = [line for line in lines if "actor/pg_loss" in line]
     assert [line["step"] for line in steps] == [1, 2]
     for line in steps:
@@ -286,7 +307,8 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
         assert not bad, bad
         assert set(REQUIRED_METRICS) <= set(numbers)
         assert "val-core/synthetic/arithmetic/acc/mean@1" in line and line["timing_s/testing"] > 0
-    assert "done: 2 steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "done: 2 steps" in printed and printed.count("validation samples at step") == 3
 
 
 def test_run_closes_the_trainer_when_training_fails(workspace, monkeypatch):

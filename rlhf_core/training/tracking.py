@@ -152,6 +152,24 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
+GENERATIONS_KEY = "val/generations"
+GENERATIONS_FILENAME = "val_generations.jsonl"
+CLIP_CHARS = 200
+
+
+def _clip(text: str) -> str:
+    """The start and end of a long text (the console's samples); the file and the trackers keep it whole."""
+    return text if len(text) <= CLIP_CHARS else f"{text[:CLIP_CHARS // 2]} ... {text[-CLIP_CHARS // 2:]}"
+
+
+def _generations_markdown(samples: list[dict[str, Any]]) -> str:
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+    rows = [f"| {cell(s['input'])} | {cell(s['output'])} | {_fmt(s['score'])} |" for s in samples]
+    return "\n".join(["| input | output | score |", "|---|---|---|", *rows])
+
+
 def _config_dict(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
@@ -195,6 +213,10 @@ class Backend:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         raise NotImplementedError
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Validation samples (``input``, ``output``, ``score``) of ``step``; backends without a place for
+        text leave them out."""
 
     def finish(self, failed: bool = False) -> None:
         """Flush and close; ``failed`` marks a run that ended with an exception (where supported)."""
@@ -275,6 +297,13 @@ class ConsoleLogger(Backend):
         tqdm.write(self.format_line(metrics, step), file=sys.stdout)  # clears and redraws the bar
         sys.stdout.flush()
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        lines = [f"validation samples at step {step}:"]
+        for sample in samples:
+            lines.append(f"  [score {_fmt(sample['score'])}] {_clip(sample['input'])!r} -> {_clip(sample['output'])!r}")
+        tqdm.write("\n".join(lines), file=sys.stdout)
+        sys.stdout.flush()
+
     def finish(self, failed: bool = False) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -309,6 +338,11 @@ class FileLogger(Backend):
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        with open(self.run.local_dir / GENERATIONS_FILENAME, "a", encoding="utf-8") as f:
+            for sample in samples:
+                f.write(json.dumps({"step": step, **sample}) + "\n")
+
     def finish(self, failed: bool = False) -> None:
         if not self._file.closed:
             self._file.close()
@@ -332,6 +366,10 @@ class TensorBoardLogger(Backend):
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        self.writer.add_text(GENERATIONS_KEY, _generations_markdown(samples), global_step=step)
         self.writer.flush()
 
     def finish(self, failed: bool = False) -> None:
@@ -360,6 +398,13 @@ class WandbLogger(Backend):
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.wandb_run.log(metrics, step=step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        import wandb
+
+        table = wandb.Table(columns=["step", "input", "output", "score"],
+                            data=[[step, s["input"], s["output"], s["score"]] for s in samples])
+        self.wandb_run.log({GENERATIONS_KEY: table}, step=step)
 
     def finish(self, failed: bool = False) -> None:
         self.wandb_run.finish(exit_code=1 if failed else 0)
@@ -456,6 +501,9 @@ class MlflowLogger(Backend):
         for i in range(0, len(entries), self.METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=entries[i : i + self.METRICS_PER_BATCH])
 
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        self.client.log_text(self.run_id, json.dumps(samples, indent=1), f"val_generations/step_{step}.json")
+
     def finish(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
@@ -549,6 +597,13 @@ class Tracking:
             clean[str(key)] = number
         for backend in self.backends.values():
             backend.log(clean, step)
+
+    def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        """Validation samples (``input``, ``output``, ``score``; ``trainer.log_val_generations`` of them) in
+        every backend that keeps text: printed on the console, ``val_generations.jsonl`` beside the metrics
+        file, a text in TensorBoard, a table in wandb, a JSON artifact in MLflow."""
+        for backend in self.backends.values():
+            backend.log_generations(samples, int(step))
 
     def finish(self, failed: bool = False) -> None:
         """Close every backend (idempotent). ``failed`` marks the run as failed where supported."""

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -140,6 +140,14 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
     return metrics
 
 
+def pick_generations(texts: Sequence[tuple[str, str]], scores: Sequence[float], count: int) -> list[dict]:
+    """``count`` validation samples as verl picks them: sorted by (input, output, score), shuffled by a
+    generator seeded 42, the first ``count`` taken, so that the same prompts are shown at every validation."""
+    samples = sorted((prompt, response, float(score)) for (prompt, response), score in zip(texts, scores))
+    np.random.RandomState(42).shuffle(samples)
+    return [{"input": i, "output": o, "score": s} for i, o, s in samples[:count]]
+
+
 def timing_per_token(timings: dict[str, float], response_tokens: float, tokens: float) -> dict[str, float]:
     """verl's ``timing_per_token_ms/<phase>``: generation per response token, the passes over whole sequences
     (reference, values, advantages, the updates) per token of the batch."""
@@ -214,6 +222,9 @@ class PPOTrainer:
         self.global_step = 0
         self.history: list[StepResult] = []
         self.resumed = False  # by load_checkpoint
+        self.val_generations: list[dict] = []  # the last validation's samples (trainer.log_val_generations)
+        #: called with (samples, step) after each validation when trainer.log_val_generations > 0
+        self.generations_logger: Callable[[list[dict], int], None] | None = None
         self._sampled_tokens = 0.0  # response tokens the step's rollouts sampled (perf/rollout_tokens_per_s)
         #: context-manager factories entered around every timed phase, called with its name (innermost
         #: last): a memory sampler's tag, a tracer's span
@@ -422,10 +433,14 @@ class PPOTrainer:
         sources, prompts, acc, score = [], [], [], []
         answers: list[str | None] | None = []  # what each response answers, if the reward function says
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
+        texts: list[tuple[str, str]] = []  # (prompt, response) for trainer.log_val_generations
         for start in range(0, len(self.val_dataset), size):
             rows = list(range(start, min(start + size, len(self.val_dataset))))
             batch = self.actor.generate(self.val_dataset.collate(rows), params)
             extras = self._score(batch)
+            if self.config.trainer.log_val_generations > 0:
+                texts += zip(self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True),
+                             extras["responses"])
             sources += batch.meta["data_source"]
             prompts += batch.meta["uid"]
             acc += [float(a) for a in extras["acc"]]
@@ -435,6 +450,8 @@ class PPOTrainer:
                 for source, value in zip(batch.meta["data_source"], extras[key]):
                     apart.setdefault((key, source), []).append(float(value))
         metrics = validation_metrics(sources, prompts, acc, score, answers)
+        if texts:
+            self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
         for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
             section = "val-core" if key == "gold_reward" else "val-aux"
             metrics[f"{section}/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
@@ -563,6 +580,10 @@ class PPOTrainer:
         if self.logger is not None:
             self.logger(metrics, step)
 
+    def _log_generations(self, step: int) -> None:
+        if self.generations_logger is not None and self.val_generations:
+            self.generations_logger(self.val_generations, step)
+
     def fit(self) -> list[StepResult]:
         if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
                 and not self.resumed:
@@ -591,6 +612,7 @@ class PPOTrainer:
         new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
         new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
         self._log(val_metrics, 0)
+        self._log_generations(0)
         if new_best:
             self.save_checkpoint()
         return val_metrics
@@ -622,6 +644,7 @@ class PPOTrainer:
             except WorkerError as exc:
                 raise self._worker_failure(exc, "validating after", step) from exc
             metrics["timing_s/testing"] = time.perf_counter() - started
+            self._log_generations(step)
             if event is None:
                 new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
                 save = save or new_best
