@@ -321,7 +321,9 @@ class RewardModelConfig:
                              "response token")
     rule_coef: float = _k(0.0, "weight of the rule (or custom) reward in that sum; 0 = the model alone (as verl); "
                                "the rule is still logged as the gold reward")
-    reward_manager: str = _k("naive", "how rewards are computed per batch: naive")
+    reward_manager: str = _k("naive", "naive (the function per response; dapo: the same, its overlong shaping under "
+                                      "overlong_buffer) | batch (custom_reward_function called once a batch with "
+                                      "lists: data_sources, solution_strs, ground_truths, extra_infos)")
     overlong_buffer: OverlongBufferConfig = _section(OverlongBufferConfig, "DAPO overlong reward shaping")
     train: RewardTrainConfig = _section(RewardTrainConfig, "training a reward model on preference pairs "
                                                            "(rlhf-train-rm)")
@@ -567,6 +569,7 @@ def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, A
     return {canonical: value, **extra}
 
 
+REWARD_MANAGERS = ("naive", "dapo", "batch")
 # lists that take one name as a list of it
 ONE_OR_LIST = frozenset({"trainer.logger"})
 # mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
@@ -946,6 +949,10 @@ def validate_config(cfg: PPOConfig) -> None:
         _one_of(errors, "reward_model.model.fsdp_config.reduce_dtype", rm.model.fsdp_config.reduce_dtype, DTYPES)
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    _one_of(errors, "reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)
+    if cfg.reward_model.reward_manager == "batch" and not cfg.custom_reward_function.path:
+        errors.append("reward_model.reward_manager=batch calls custom_reward_function with whole batches: set "
+                      "custom_reward_function.path (the built-in rules score one response at a time)")
     if trainer.log_val_generations < 0:
         errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0")
     _check_reward_training(errors, cfg)

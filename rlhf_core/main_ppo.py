@@ -130,7 +130,7 @@ def preflight(cfg: PPOConfig) -> None:
     custom = cfg.custom_reward_function
     if custom.path:
         try:
-            custom_reward_fn(custom)
+            custom_reward_fn(cfg)
         except (OSError, ImportError, AttributeError, TypeError) as exc:
             errors.append(f"custom_reward_function: {exc}")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
@@ -174,7 +174,7 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
     tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
     train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
     val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files") if cfg.data.val_files else None
-    reward_fn = custom_reward_fn(cfg.custom_reward_function)
+    reward_fn = custom_reward_fn(cfg)
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
                       device=cfg.trainer.device, use_worker_group=use_worker_group)
 

@@ -69,7 +69,7 @@ def evaluate(
     kwargs = {
         "data_config": cfg.data,
         "batch_size": batch_size,
-        "reward_fn": custom_reward_fn(cfg.custom_reward_function),
+        "reward_fn": custom_reward_fn(cfg),
         "device": "cuda" if cfg.trainer.device == "cuda" and torch.cuda.is_available() else "cpu",
         "dtype": model.dtype,
         "max_problems": max_problems,

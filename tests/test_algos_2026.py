@@ -885,3 +885,30 @@ def test_the_critic_takes_the_actors_loss_settings_unless_given_its_own(tiny, mo
     assert all(call["loss_scale_factor"] == 8 for call in calls)
     [critic_update] = updates
     assert critic_update["prefix"] == "critic" and critic_update["shuffle"] is shuffle
+
+
+def test_a_batch_reward_scores_each_generation_batch_in_one_call(tiny, tmp_path):
+    """reward_model.reward_manager=batch: the custom function gets the whole rollout as lists, once per
+    generation batch, and its scores are the step's (the fixture's digit-first rule, written for lists)."""
+    reward = tmp_path / "batch_reward.py"
+    log = tmp_path / "calls.txt"
+    reward.write_text(
+        "def compute_score(data_sources, solution_strs, ground_truths, extra_infos, log=None):\n"
+        "    with open(log, 'a') as f:\n"
+        "        f.write(f'{len(solution_strs)}\\n')\n"
+        "    return [1.0 if s[:1].isdigit() else 0.0 for s in solution_strs]\n")
+    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "reward_model.reward_manager=batch",
+                       f"+custom_reward_function.reward_kwargs.log={log}")
+    generated = []
+    rollout = trainer._rollout
+
+    def recording_rollout(prompts, timings):
+        batch, extras = rollout(prompts, timings)
+        generated.append(list(extras["responses"]))
+        return batch, extras
+
+    trainer._rollout = recording_rollout
+    metrics = _step(trainer)
+    [responses] = generated
+    assert log.read_text().split() == ["32"]  # one call with the 8 prompts' 4 samples each
+    assert metrics["critic/score/mean"] == pytest.approx(sum(r[:1].isdigit() for r in responses) / 32)

@@ -365,6 +365,9 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be > 0"),
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be > 0"),
         ("trainer.log_val_generations=-1", "trainer.log_val_generations=-1 must be >= 0"),
+        ("reward_model.reward_manager=prime", "reward_model.reward_manager='prime' is not one of naive, dapo, batch"),
+        ("reward_model.reward_manager=batch", "reward_model.reward_manager=batch calls custom_reward_function with "
+                                              "whole batches: set custom_reward_function.path"),
         ("actor_rollout_ref.actor.kl_loss_type=low_var", "kl_loss_type='low_var' is not one of"),
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of"),
         ("actor_rollout_ref.actor.loss_agg_mode=mean", "loss_agg_mode='mean' is not one of"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import string
@@ -17,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 from rlhf_core.data.schema import extract_final_answer
 from rlhf_core.rewards import (
     REWARD_FNS,
+    BatchRewardFn,
     UnknownDataSourceError,
     get_reward_fn,
     known_data_sources,
@@ -338,6 +340,30 @@ def test_score_on_last_valid_token(char_tokenizer):
     assert extras["score"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert extras["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert extras["score"].dtype == torch.float32
+
+
+def test_a_batch_reward_function_scores_the_batch_in_one_call(char_tokenizer):
+    calls = []
+
+    def batch_reward(data_sources, solution_strs, ground_truths, extra_infos, bonus=0.0):
+        calls.append((list(data_sources), list(solution_strs), list(ground_truths), list(extra_infos)))
+        return [{"score": float(s.endswith(g)) + bonus, "pred": s[-1:]} if i % 2 else float(s.endswith(g))
+                for i, (s, g) in enumerate(zip(solution_strs, ground_truths))]
+
+    texts = ["#### 12", "#### 7", "x 3"]
+    ids, mask = _batch(char_tokenizer, texts, eos=True)
+    manager = RewardManager(char_tokenizer, BatchRewardFn(functools.partial(batch_reward, bonus=0.5)))
+    scores, extras = manager(ids, mask, ["a", "b", "c"], ["12", "8", "3"], [{"i": 0}, None, {"i": 2}])
+    assert calls == [(["a", "b", "c"], texts, ["12", "8", "3"], [{"i": 0}, None, {"i": 2}])]  # once, whole lists
+    # rows 0 and 2 return numbers (1 and 1), row 1 a dict (0 + bonus 0.5), each on its last valid token
+    assert extras["score"].tolist() == [1.0, 0.5, 1.0] and extras["acc"].tolist() == [1.0, 0.0, 1.0]
+    assert scores[1, len(texts[1])] == 0.5 and scores.sum() == 2.5
+    assert extras["pred"] == [None, "7", None]
+    # called as a function of one response (the reward's reference check), a batch of one
+    assert BatchRewardFn(batch_reward)("a", "#### 12", "12", None) == 1.0
+    short = RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0]))
+    with pytest.raises(TypeError, match="returned 1 scores for 3 responses"):
+        short(ids, mask, ["a", "b", "c"], ["12", "8", "3"])
 
 
 def test_custom_fn_overrides_registry_and_reports_extra_keys(char_tokenizer):

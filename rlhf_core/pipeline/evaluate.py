@@ -40,7 +40,7 @@ import torch
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import as_file_list, plain_value
-from rlhf_core.rewards import RewardFn, custom_reward_fn, get_reward_fn
+from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -297,7 +297,7 @@ def changed_problems(table: pd.DataFrame, baseline: str = "base", limit: int = C
 
 
 def _reward_callables(cfg: PPOConfig, data_sources: Sequence[str]) -> dict[str, RewardFn]:
-    fn = custom_reward_fn(cfg.custom_reward_function)
+    fn = custom_reward_fn(cfg)
     if fn is not None:
         return {source: fn for source in data_sources}
     return {source: get_reward_fn(source) for source in data_sources}
@@ -370,10 +370,11 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     custom = cfg.custom_reward_function
     functions = {}
     for source, fn in _reward_callables(cfg, data_sources).items():
-        body = fn.func if isinstance(fn, functools.partial) else fn  # reward_kwargs bound: the file's function
+        bound = fn.fn if isinstance(fn, BatchRewardFn) else fn  # reward_manager=batch: the file's function
+        body = bound.func if isinstance(bound, functools.partial) else bound  # reward_kwargs bound to it
         functions[source] = {
             "function": _identity(body, custom.path),
-            "parameters": _parameters(fn),  # with reward_kwargs, their values in place of the defaults
+            "parameters": _parameters(bound),  # with reward_kwargs, their values in place of the defaults
             "calls": {f"{f.__module__}.{f.__qualname__}": _parameters(f) for f in _called_functions(body)},
             "source_sha256": hashlib.sha256(_source_closure(body).encode()).hexdigest(),
         }
@@ -386,6 +387,8 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     }
     if custom.path and custom.reward_kwargs:  # (only then, so that a spec without them hashes as before)
         spec["reward_kwargs"] = dict(custom.reward_kwargs)
+    if cfg.reward_model.reward_manager == "batch":
+        spec["reward_manager"] = "batch"
     spec["sha256"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
     return spec
 

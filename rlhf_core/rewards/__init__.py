@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from rlhf_core.rewards import gsm8k
 
 if TYPE_CHECKING:
-    from rlhf_core.config import CustomRewardFunctionConfig
+    from rlhf_core.config import PPOConfig
 
 RewardFn = Callable[..., "float | dict[str, Any]"]
 
@@ -141,16 +141,50 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
     return functools.partial(fn, **reward_kwargs)
 
 
-def custom_reward_fn(custom: CustomRewardFunctionConfig) -> RewardFn | None:
-    """The function that ``custom_reward_function`` (its path, name and reward_kwargs) names, or None
-    where it names none (the built-in rules by data source)."""
+class BatchRewardFn:
+    """A reward function of whole batches, as verl's ``reward_model.reward_manager=batch`` calls it:
+    ``fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...]) -> list`` of one
+    number or dict per response. The reward manager calls :meth:`score_batch` once a batch; called as a
+    per-response function (the reference check) it scores a batch of one."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def score_batch(self, data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list) -> list:
+        results = self.fn(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
+                          extra_infos=extra_infos)
+        try:
+            results = list(results)
+        except TypeError:
+            raise TypeError(f"batch reward function {_name(self.fn)!r} returned {type(results).__name__}, not a "
+                            f"list of {len(solution_strs)} scores") from None
+        if len(results) != len(solution_strs):
+            raise TypeError(f"batch reward function {_name(self.fn)!r} returned {len(results)} scores for "
+                            f"{len(solution_strs)} responses")
+        return results
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
+        return self.score_batch([data_source], [solution_str], [ground_truth], [extra_info])[0]
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
+
+
+def custom_reward_fn(cfg: PPOConfig) -> RewardFn | None:
+    """The function that ``custom_reward_function`` (its path, name and reward_kwargs) names, as a
+    :class:`BatchRewardFn` under ``reward_model.reward_manager=batch``; None where it names none (the
+    built-in rules by data source)."""
+    custom = cfg.custom_reward_function
     if not custom.path:
         return None
-    return load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
+    fn = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
+    return BatchRewardFn(fn) if cfg.reward_model.reward_manager == "batch" else fn
 
 
 __all__ = [
     "REWARD_FNS",
+    "BatchRewardFn",
     "RewardFn",
     "UnknownDataSourceError",
     "get_reward_fn",

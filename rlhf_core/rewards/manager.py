@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlhf_core.rewards import RewardFn, UnknownDataSourceError, get_reward_fn
+from rlhf_core.rewards import BatchRewardFn, RewardFn, UnknownDataSourceError, get_reward_fn
 
 
 def _is_number(value: object) -> bool:
@@ -119,24 +119,9 @@ class RewardManager:
         preds: list[str | None] = [None] * batch
         any_pred = False
         metrics: dict[str, list[float]] = {}
-        for i in range(batch):
+        results = self._results(responses, data_sources, ground_truths, extra_infos)
+        for i, (fn, result) in enumerate(results):
             data_source = data_sources[i]
-            try:
-                fn = self._fn_for(data_source)
-            except UnknownDataSourceError as exc:
-                raise UnknownDataSourceError(f"sample {i}: {exc}") from None
-            try:
-                result = fn(
-                    data_source=data_source,
-                    solution_str=responses[i],
-                    ground_truth=ground_truths[i],
-                    extra_info=extra_infos[i],
-                )
-            except Exception as exc:
-                raise RuntimeError(
-                    f"reward function {getattr(fn, '__name__', fn)!r} failed on sample {i} "
-                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}"
-                ) from exc
             score, acc, extra = self._unpack(result, i, data_source, fn)
             if isinstance(result, dict) and "pred" in result:
                 any_pred = True
@@ -167,6 +152,42 @@ class RewardManager:
         if any_pred:
             extras["pred"] = preds
         return token_level_scores, extras
+
+    def _results(self, responses: list[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
+                 extra_infos: Sequence[Any]) -> list[tuple[RewardFn, Any]]:
+        """(function, result) of each response: one call a response, or one for the batch (BatchRewardFn)."""
+        if isinstance(self.reward_fn, BatchRewardFn):
+            if not responses:
+                return []
+            fn = self.reward_fn
+            try:
+                results = fn.score_batch(list(data_sources), responses, list(ground_truths), list(extra_infos))
+            except TypeError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"batch reward function {getattr(fn.fn, '__name__', fn.fn)!r} failed on a batch "
+                                   f"of {len(responses)}: {type(exc).__name__}: {exc}") from exc
+            return [(fn.fn, result) for result in results]
+        out = []
+        for i, data_source in enumerate(data_sources):
+            try:
+                fn = self._fn_for(data_source)
+            except UnknownDataSourceError as exc:
+                raise UnknownDataSourceError(f"sample {i}: {exc}") from None
+            try:
+                result = fn(
+                    data_source=data_source,
+                    solution_str=responses[i],
+                    ground_truth=ground_truths[i],
+                    extra_info=extra_infos[i],
+                )
+            except Exception as exc:
+                raise RuntimeError(
+                    f"reward function {getattr(fn, '__name__', fn)!r} failed on sample {i} "
+                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}"
+                ) from exc
+            out.append((fn, result))
+        return out
 
     def _unpack(
         self, result: Any, index: int, data_source: str, fn: RewardFn
