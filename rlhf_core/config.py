@@ -40,7 +40,7 @@ from omegaconf.errors import InterpolationResolutionError, ValidationError
 # validate_config reads them there)
 
 STRATEGIES = ("fsdp", "fsdp2")
-TRUNCATIONS = ("error", "left", "right")
+TRUNCATIONS = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
@@ -81,8 +81,10 @@ class DataConfig:
     return_raw_chat: bool = _k(False, "keep the raw chat messages in the batch")
     shuffle: bool = _k(True, "shuffle the training prompts each epoch")
     seed: int = _k(1, "seed of the training-data shuffle")
-    truncation: str = _k("error", "over-long prompts: error | left | right")
+    truncation: str = _k("error", "over-long prompts: error | left | right | middle (keep both ends)")
     filter_overlong_prompts: bool = _k(False, "drop prompts longer than max_prompt_length before training")
+    apply_chat_template_kwargs: dict[str, Any] = _k({}, "keyword arguments to the tokenizer's chat template, e.g. "
+                                                        "enable_thinking: false")
 
 
 SHARED_PREFIX_HELP = ("run each distinct prompt of a micro-batch once, its rollout.n responses attending to its "
@@ -107,6 +109,7 @@ class ModelConfig:
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
+    override_config: dict[str, Any] = _k({}, "model config attributes set before loading, e.g. attention_dropout: 0.0")
 
 
 @dataclass
@@ -228,6 +231,7 @@ class CriticModelConfig:
     target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
     trust_remote_code: bool | None = _k(None, "allow model code from the model directory; null = the actor's "
                                               "setting")
+    override_config: dict[str, Any] = _k({}, "critic model config attributes set before loading")
 
 
 @dataclass
@@ -408,6 +412,7 @@ class TrainerConfig:
     save_freq: int = _k(-1, "save a checkpoint every N steps (and at the end); -1 = only at the end")
     test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
     val_before_train: bool = _k(True, "validate before the first step")
+    val_only: bool = _k(False, "validate the model (or the checkpoint resumed) and stop, without training")
     critic_warmup: int = _k(0, "steps that train only the critic")
     resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
                                   "resume_path")
@@ -573,7 +578,8 @@ REWARD_MANAGERS = ("naive", "dapo", "batch")
 # lists that take one name as a list of it
 ONE_OR_LIST = frozenset({"trainer.logger"})
 # mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
-OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs"})
+OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs", "data.apply_chat_template_kwargs",
+                       "actor_rollout_ref.model.override_config", "critic.model.override_config"})
 
 
 def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: bool = True) -> None:
@@ -953,6 +959,8 @@ def validate_config(cfg: PPOConfig) -> None:
     if cfg.reward_model.reward_manager == "batch" and not cfg.custom_reward_function.path:
         errors.append("reward_model.reward_manager=batch calls custom_reward_function with whole batches: set "
                       "custom_reward_function.path (the built-in rules score one response at a time)")
+    if trainer.val_only and not data.val_files:
+        errors.append("trainer.val_only=true validates on data.val_files: set them")
     if trainer.log_val_generations < 0:
         errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0")
     _check_reward_training(errors, cfg)

@@ -277,7 +277,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         trainer.generations_logger = tracking.log_generations
         stack.enter_context(stop_on_signals(trainer, handle_signals and trainer_cfg.save_on_interrupt))
         history = trainer.fit()
-        if trainer.last_saved_step != trainer.global_step:
+        if trainer.last_saved_step != trainer.global_step and not trainer_cfg.val_only:
             trainer.save_checkpoint()
     final = history[-1].metrics if history else {}
     return RunResult(

@@ -912,3 +912,11 @@ def test_a_batch_reward_scores_each_generation_batch_in_one_call(tiny, tmp_path)
     [responses] = generated
     assert log.read_text().split() == ["32"]  # one call with the 8 prompts' 4 samples each
     assert metrics["critic/score/mean"] == pytest.approx(sum(r[:1].isdigit() for r in responses) / 32)
+
+
+def test_override_config_reaches_the_loaded_models(tiny):
+    trainer = _trainer(tiny, "algorithm.adv_estimator=gae", "+actor_rollout_ref.model.override_config.attention_dropout=0.25",
+                       "+critic.model.override_config.attention_dropout=0.125")
+    assert trainer.actor.module.config.attention_dropout == 0.25
+    assert trainer.critic.module.config.attention_dropout == 0.125
+    assert _trainer(tiny).actor.module.config.attention_dropout == 0.0  # the checkpoint's own value otherwise

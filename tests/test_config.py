@@ -208,7 +208,9 @@ def test_reward_kwargs_take_the_keys_the_user_names(tmp_path):
     assert cfg.custom_reward_function.reward_kwargs == {"scale": 3, "modes": ["strict", "flexible"], "bonus": 0.5}
     assert load_config(["custom_reward_function.reward_kwargs={a:1}", "~custom_reward_function.reward_kwargs"],
                        validate=False).custom_reward_function.reward_kwargs == {}
-    # only that mapping is open: a key beside it is still unknown
+    assert load_config(["+data.apply_chat_template_kwargs.enable_thinking=false"], validate=False) \
+        .data.apply_chat_template_kwargs == {"enable_thinking": False}
+    # only those mappings are open: a key beside one is still unknown
     assert "unknown config key custom_reward_function.reward_kwarg.scale" in _errors(
         "+custom_reward_function.reward_kwarg.scale=2")
 
@@ -365,6 +367,7 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be > 0"),
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be > 0"),
         ("trainer.log_val_generations=-1", "trainer.log_val_generations=-1 must be >= 0"),
+        ("trainer.val_only=true data.val_files=null", "trainer.val_only=true validates on data.val_files: set them"),
         ("reward_model.reward_manager=prime", "reward_model.reward_manager='prime' is not one of naive, dapo, batch"),
         ("reward_model.reward_manager=batch", "reward_model.reward_manager=batch calls custom_reward_function with "
                                               "whole batches: set custom_reward_function.path"),
@@ -389,7 +392,7 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
     ],
 )
 def test_each_invalid_value_is_named(override, needle):
-    assert needle in _errors(override)
+    assert needle in _errors(*override.split(" "))
 
 
 def test_unknown_name_suggests_a_close_valid_one():

@@ -102,6 +102,22 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer):
     assert tokenizer.decode(right.prompt_ids[1]).startswith("User: yyy")
     kept = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))
     assert len(kept) == 1
+    # middle: the first 50 tokens and the last 50 (a character tokenizer: one character a token)
+    middle = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="middle"))
+    whole = tokenizer.decode(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=400)).prompt_ids[1])
+    assert tokenizer.decode(middle.prompt_ids[1]) == whole[:50] + whole[-50:]
+
+
+def test_chat_template_kwargs_reach_the_template(tmp_path):
+    thinking = build_char_tokenizer()
+    thinking.chat_template = ("{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant: "
+                              "{% if enable_thinking is defined and not enable_thinking %}(no thinking) {% endif %}")
+    path = _write(tmp_path / "a.parquet", ["Hi"])
+    plain = RLHFDataset(path, thinking, DataConfig(max_prompt_length=200))
+    off = RLHFDataset(path, thinking, DataConfig(max_prompt_length=200,
+                                                 apply_chat_template_kwargs={"enable_thinking": False}))
+    assert thinking.decode(plain.prompt_ids[0]) == f"User: Hi{INSTRUCTION}\nAssistant: "
+    assert thinking.decode(off.prompt_ids[0]) == f"User: Hi{INSTRUCTION}\nAssistant: (no thinking) "
 
 
 def test_missing_file_and_missing_column(tmp_path, tokenizer):

@@ -311,6 +311,19 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
     assert "done: 2 steps" in printed and printed.count("validation samples at step") == 3
 
 
+def test_val_only_validates_and_stops_without_training_or_saving(workspace, capsys):
+    root, model, _ = workspace
+    out = root / "val_only"
+    code = ppo(_overrides(root, model, "trainer.val_only=true", f"trainer.default_local_dir={out}",
+                           "trainer.logger=[file]", "trainer.log_val_generations=2"))
+    assert code == 0
+    [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert record["step"] == 0 and "val-core/synthetic/arithmetic/acc/mean@1" in record
+    assert not any(key.startswith("actor/") for key in record)
+    assert not list(out.glob("global_step_*"))  # nothing trained, nothing saved
+    assert len((out / "val_generations.jsonl").read_text().splitlines()) == 2
+
+
 def test_run_closes_the_trainer_when_training_fails(workspace, monkeypatch):
     root, model, _ = workspace
     closed = []

@@ -74,22 +74,27 @@ def _messages(value) -> list[dict]:
     return [dict(m) for m in value]
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> str:
-    """The prompt text: the chat template with a generation prompt, or the contents joined."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "\n".join(m["content"] for m in messages)
-
-
-def prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
+def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """The prompt's token ids. With a chat template they are exactly what
-    ``apply_chat_template(messages, add_generation_prompt=True)`` gives: rendering to text and encoding
-    that again can differ on BPE vocabularies (merges across the template's boundaries, a BOS the
-    template writes and the encoder adds again)."""
+    ``apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)`` gives: rendering to
+    text and encoding that again can differ on BPE vocabularies (merges across the template's boundaries,
+    a BOS the template writes and the encoder adds again). Without one, the contents joined by newlines."""
     if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            **(template_kwargs or {}))
         return [int(i) for i in ids]
-    return tokenizer(render_prompt(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
+
+
+def truncate(ids: list[int], limit: int, side: str) -> list[int]:
+    """``ids`` cut to ``limit`` tokens: the last ones (``left``), the first (``right``) or both ends
+    (``middle``: the first half of the budget from the start, the rest from the end)."""
+    if side == "left":
+        return ids[-limit:]
+    if side == "right":
+        return ids[:limit]
+    head = limit // 2
+    return ids[:head] + ids[len(ids) - (limit - head):]
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -122,16 +127,16 @@ class RLHFDataset:
         for record in frame.to_dict("records"):
             where = f"{record['_source_file']} row {record['_source_row']}"
             messages = _messages(record[config.prompt_key])
-            ids = prompt_token_ids(tokenizer, messages)
+            ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
             if len(ids) > limit:
                 if config.filter_overlong_prompts:
                     continue
                 if config.truncation == "error":
                     raise DataError(
                         f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length ({limit}); raise "
-                        "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right"
+                        "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right|middle"
                     )
-                ids = ids[-limit:] if config.truncation == "left" else ids[:limit]
+                ids = truncate(ids, limit, config.truncation)
             reward_model = record["reward_model"]
             if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
                 raise DataError(f"{where}: reward_model.ground_truth is missing")

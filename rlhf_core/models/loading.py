@@ -118,9 +118,13 @@ def _attn_kwargs(attn_implementation: str | None) -> dict:
 
 def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
                trust_remote_code: bool = False, device: torch.device | str = "cpu",
-               attn_implementation: str | None = None) -> PreTrainedModel:
+               attn_implementation: str | None = None, override_config: dict | None = None) -> PreTrainedModel:
+    """The causal LM at ``path``; ``override_config`` sets attributes of its config before the weights load
+    (verl's ``model.override_config``, e.g. ``attention_dropout``)."""
+    config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code,
+                                        **(override_config or {}))
     model = AutoModelForCausalLM.from_pretrained(
-        str(resolve(path)), dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
         **_attn_kwargs(attn_implementation)
     )
     return _finish(model, gradient_checkpointing, torch.device(device))
@@ -128,9 +132,11 @@ def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpo
 
 def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
                 trust_remote_code: bool = False, device: torch.device | str = "cpu",
-                seed: int = 0, attn_implementation: str | None = None) -> PreTrainedModel:
+                seed: int = 0, attn_implementation: str | None = None,
+                override_config: dict | None = None) -> PreTrainedModel:
     """A token-level value model (one label) on the backbone at ``path``. A head the checkpoint holds (a
-    reward model's, or a critic's) is kept, as verl keeps it; a new one starts at zero."""
+    reward model's, or a critic's) is kept, as verl keeps it; a new one starts at zero. ``override_config``
+    as for :func:`load_actor`."""
     quiet = [logging.getLogger("transformers.modeling_utils"),  # "newly initialised score weights" is expected
              logging.getLogger("transformers.distributed.tensor_parallel")]  # and so is "score was not sharded"
     levels = [logger.level for logger in quiet]
@@ -138,7 +144,8 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
         logger.setLevel(logging.ERROR)
     try:
         torch.manual_seed(seed)
-        config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1, trust_remote_code=trust_remote_code,
+                                            **(override_config or {}))
         config.classifier_dropout = 0.0  # values must not differ between the rollout-time pass and the update
         model, loading = AutoModelForTokenClassification.from_pretrained(
             str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,

@@ -585,6 +585,12 @@ class PPOTrainer:
             self.generations_logger(self.val_generations, step)
 
     def fit(self) -> list[StepResult]:
+        if self.config.trainer.val_only:  # verl's: validate what is loaded (the model, or a resumed checkpoint)
+            metrics = self.validate()
+            self._log(metrics, self.global_step)
+            self._log_generations(self.global_step)
+            self.history.append(StepResult(self.global_step, metrics))
+            return self.history
         if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
                 and not self.resumed:
             self.validate_before_train()

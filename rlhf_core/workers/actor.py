@@ -180,7 +180,8 @@ class ActorWorker(CheckpointableWorker):
         torch.manual_seed(seed)
         module = load_actor(model_cfg.path, model_cfg.dtype, model_cfg.enable_gradient_checkpointing,
                             model_cfg.trust_remote_code, self.device,
-                            attn_implementation=attention_for(model_cfg.use_remove_padding, self.device))
+                            attn_implementation=attention_for(model_cfg.use_remove_padding, self.device),
+                            override_config=model_cfg.override_config)
         self.lora = model_cfg.lora_rank > 0
         if self.lora:
             module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)

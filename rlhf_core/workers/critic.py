@@ -68,7 +68,8 @@ class CriticWorker(CheckpointableWorker):
         self.loss_scale_factor = max_response_length
         module = load_critic(model_path, dtype, model_cfg.enable_gradient_checkpointing, trust_remote_code,
                              self.device, seed=seed,
-                             attn_implementation=attention_for(model_cfg.use_remove_padding, self.device))
+                             attn_implementation=attention_for(model_cfg.use_remove_padding, self.device),
+                             override_config=model_cfg.override_config)
         self.lora = model_cfg.lora_rank > 0
         if self.lora:
             module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules,
