@@ -494,6 +494,9 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "critic.optim.warmup_style": ("critic.optim.lr_scheduler_type", {}),
 }
 
+# sections verl keeps elsewhere: every key below the first stands for the same key below the second
+PREFIX_ALIASES: dict[str, str] = {"critic.model.fsdp_config.": "critic.fsdp_config."}
+
 # verl's deprecated micro-batch sizes over all workers: set, each stands for its per-worker key at
 # value / (n_gpus_per_node * nnodes); null (as verl's generated config holds them) sets nothing
 GLOBAL_MICRO_BATCHES: dict[str, str] = {
@@ -567,6 +570,11 @@ def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, A
             notice(f"notice: {key} is deprecated (as in verl); use "
                    + " and ".join(f"{k}={v}" for k, v in SWITCHES[key].items()))
         return SWITCHES[key] if value else {}
+    for prefix, canonical_prefix in PREFIX_ALIASES.items():
+        if key.startswith(prefix):
+            canonical = canonical_prefix + key[len(prefix):]
+            notice(f"notice: {key} is verl's place for {canonical}; use {canonical}")
+            return {canonical: value}
     if key not in ALIASES:
         return {key: value}
     canonical, extra = ALIASES[key]

@@ -229,6 +229,8 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     assert cfg.critic.optim.lr_scheduler_type == "cosine" and cfg.trainer.logger == ["console"]
     assert any("log_prob_micro_batch_size is deprecated" in n and "_per_gpu=6" in n for n in notices)
     assert any("critic.optim.warmup_style is an alias" in n for n in notices)
+    moved = load_config(["critic.model.fsdp_config.param_offload=true"], notice=notices.append, validate=False)
+    assert moved.critic.fsdp_config.param_offload is True  # verl's place for the critic's sharding keys
     message = _errors("trainer.n_gpus_per_node=2", "critic.ppo_micro_batch_size=3")
     assert "critic.ppo_micro_batch_size=3 (deprecated, over all 2 workers) must be a positive multiple" in message
     assert load_config(["actor_rollout_ref.actor.ppo_micro_batch_size=8", "~actor_rollout_ref.actor.ppo_micro_batch_size"],
