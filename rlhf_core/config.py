@@ -413,6 +413,8 @@ class TrainerConfig:
     test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
     val_before_train: bool = _k(True, "validate before the first step")
     val_only: bool = _k(False, "validate the model (or the checkpoint resumed) and stop, without training")
+    balance_batch: bool = _k(True, "with several workers: lay rows out so each worker's share of a log-prob, value "
+                                   "or update pass carries about equal tokens (the same mini-batches)")
     critic_warmup: int = _k(0, "steps that train only the critic")
     resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
                                   "resume_path")

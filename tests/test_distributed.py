@@ -23,7 +23,13 @@ from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.training import checkpoint
 from rlhf_core.workers import distributed
-from rlhf_core.workers.group import DistributedWorker, minibatch_shares, split_evenly
+from rlhf_core.workers.group import (
+    ActorGroup,
+    DistributedWorker,
+    balanced_order,
+    minibatch_shares,
+    split_evenly,
+)
 
 WORLD = 2
 
@@ -190,6 +196,41 @@ def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_s
     assert ranks[0]["generated_mask"].sum(-1).tolist() == [1] * 4
     assert ranks[1]["generated_mask"].sum(-1).tolist() == [6] * 4
     assert ranks[0]["generated_mask"].shape == ranks[1]["generated_mask"].shape == (4, 6)
+
+
+def test_balanced_layouts_by_hand():
+    # greedy, longest first, each row to the emptier share with room: 10 -> a, 9 -> b, 8 -> b, 3 -> a, 2 -> a
+    # (a full), 1 -> b: shares [0, 3, 5] (15 tokens) and [1, 2, 4] (18), against 20 and 13 as the rows come
+    assert balanced_order([10, 1, 9, 2, 8, 3], 2) == [0, 3, 5, 1, 2, 4]
+
+    def rows_of(lengths):
+        return Batch({"row": torch.arange(len(lengths)),
+                      "attention_mask": torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])})
+
+    # an update's shares: the same rows in each mini-batch of 6 (the same update), balanced within it
+    batch = rows_of([10, 1, 9, 2, 8, 3, 1, 1, 1, 1, 1, 10])
+    shares = minibatch_shares(batch, mini_rows=6, parts=2, balance=True)
+    # (the second mini-batch: 10 goes to the first share, then its ones to the second until it is full)
+    assert [s["row"].tolist() for s in shares] == [[0, 3, 5, 9, 10, 11], [1, 2, 4, 6, 7, 8]]
+    plain = minibatch_shares(batch, mini_rows=6, parts=2)
+    assert [s["row"].tolist() for s in plain] == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
+
+    class Group:  # two ranks that return each row's id and its tokens, as a log-prob pass returns per-row tensors
+        world_size = 2
+        seen: list = []
+
+        def dispatch(self, method, shares):
+            self.seen.append([int(s["attention_mask"].sum()) for s in shares])
+            return [(s["row"] * 10, s["attention_mask"].sum(-1)) for s in shares]
+
+    group = Group()
+    role = ActorGroup(group, mini_batch_size=3, balance=True)
+    batch = rows_of([10, 1, 9, 2, 8, 3])
+    ids, tokens = role.compute_log_prob(batch)
+    assert ids.tolist() == [0, 10, 20, 30, 40, 50] and tokens.tolist() == [10, 1, 9, 2, 8, 3]  # back in order
+    assert group.seen == [[15, 18]]  # the shares the ranks computed: 15 and 18 tokens, not 20 and 13
+    role.balance = False
+    assert role.compute_log_prob(batch)[0].tolist() == [0, 10, 20, 30, 40, 50] and group.seen[-1] == [20, 13]
 
 
 def test_batch_layouts_for_the_ranks(test_group):

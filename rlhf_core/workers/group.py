@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -223,15 +224,39 @@ def split_evenly(batch: Batch, parts: int) -> tuple[list[Batch], int]:
     return batch.chunk(parts), pad
 
 
-def minibatch_shares(batch: Batch, mini_rows: int, parts: int) -> list[Batch]:
+def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
+    """An order of the rows whose ``parts`` equal consecutive shares carry about equal token totals (verl's
+    ``balance_batch``): the longest row first, each to the share with the fewest tokens that has room."""
+    size = len(lengths) // parts
+    shares: list[list[int]] = [[] for _ in range(parts)]
+    totals = [0] * parts
+    for row in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        part = min((p for p in range(parts) if len(shares[p]) < size), key=lambda p: (totals[p], p))
+        shares[part].append(row)
+        totals[part] += lengths[row]
+    return [row for share in shares for row in sorted(share)]
+
+
+def _tokens(batch: Batch) -> list[int]:
+    return batch["attention_mask"].sum(-1).tolist()
+
+
+def minibatch_shares(batch: Batch, mini_rows: int, parts: int, balance: bool = False) -> list[Batch]:
     """Each rank's share of a rollout batch for a PPO update: rank r gets the r-th ``1/parts`` of every
     mini-batch of ``mini_rows`` consecutive rows, so rank r's k-th local mini-batch is its part of the
-    k-th global one and N workers update on exactly the mini-batches one worker would."""
+    k-th global one and N workers update on exactly the mini-batches one worker would. With ``balance``
+    each mini-batch's rows are first ordered so that its parts carry about equal tokens (the same rows in
+    the same mini-batch: the update is the same, the ranks wait less on each other)."""
     if len(batch) % mini_rows or mini_rows % parts:
         raise ValueError(f"a batch of {len(batch)} rows in mini-batches of {mini_rows} cannot be shared evenly "
                          f"by {parts} workers")
     share = mini_rows // parts
-    rows = [[start + r * share + k for start in range(0, len(batch), mini_rows) for k in range(share)]
+    order = list(range(len(batch)))
+    if balance:
+        tokens = _tokens(batch)
+        order = [start + i for start in range(0, len(batch), mini_rows)
+                 for i in balanced_order(tokens[start:start + mini_rows], parts)]
+    rows = [[order[start + r * share + k] for start in range(0, len(batch), mini_rows) for k in range(share)]
             for r in range(parts)]
     return [batch.select(r) for r in rows]
 
@@ -326,18 +351,28 @@ class _RoleGroup:
     sharded = True
     role = ""
 
-    def __init__(self, group: WorkerGroup, mini_batch_size: int):
+    def __init__(self, group: WorkerGroup, mini_batch_size: int, balance: bool = False):
         self.group = group
         self.mini_batch_size = mini_batch_size  # prompts per optimizer step
+        self.balance = balance  # trainer.balance_batch: the ranks' shares carry about equal tokens
         self.skipped_steps = 0
 
-    def _gather_tensors(self, method: str, batch: Batch) -> tuple[list, int]:
-        """Per-rank results of ``method`` on even shares of ``batch``, and the padding rows added."""
-        shares, pad = split_evenly(batch, self.group.world_size)
-        return self.group.dispatch(method, shares), pad
+    def _map(self, method: str, batch: Batch) -> list:
+        """``method`` on even shares of ``batch``, one per rank; each rank's results (one per row) joined in
+        the batch's row order. With ``balance`` the rows are first laid out so that the shares carry about
+        equal tokens, and the results put back in order."""
+        parts = self.group.world_size
+        if self.balance and len(batch) % parts == 0:
+            order = balanced_order(_tokens(batch), parts)
+            results = self.group.dispatch(method, batch.select(order).chunk(parts))
+            back = torch.empty(len(order), dtype=torch.long)
+            back[torch.tensor(order)] = torch.arange(len(order))
+            return [_cat(list(parts_of), 0)[back] for parts_of in _columns(results)]
+        shares, pad = split_evenly(batch, parts)
+        return [_cat(list(parts_of), pad) for parts_of in _columns(self.group.dispatch(method, shares))]
 
     def _update(self, batch: Batch, n_per_prompt: int, **kwargs) -> dict[str, float]:
-        shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size)
+        shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size, self.balance)
         results = self.group.dispatch("update", shares, self.role, n_per_prompt, **kwargs)
         self.skipped_steps += results[0][1]  # the skip decision is the same on every rank
         return results[0][0]  # metrics are already reduced over the ranks
@@ -354,6 +389,12 @@ def _cat(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
     return merged[:len(merged) - pad] if pad else merged
 
 
+def _columns(results: list) -> list[tuple]:
+    """Per-rank results as columns: ((rank 0's, rank 1's, ...),) for one tensor each, or one column per
+    element of the tuples the method returns."""
+    return list(zip(*results)) if isinstance(results[0], tuple) else [tuple(results)]
+
+
 class ActorGroup(_RoleGroup):
     role = "actor"
 
@@ -362,12 +403,12 @@ class ActorGroup(_RoleGroup):
         return gather(self.group.dispatch("generate", shares, params), drop_last=pad * params.n)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        results, pad = self._gather_tensors("compute_log_prob", batch)
-        return _cat([r[0] for r in results], pad), _cat([r[1] for r in results], pad)
+        log_prob, entropy = self._map("compute_log_prob", batch)
+        return log_prob, entropy
 
     def compute_ref_log_prob(self, batch: Batch) -> torch.Tensor:
-        results, pad = self._gather_tensors("compute_ref_log_prob", batch)
-        return _cat(results, pad)
+        [log_prob] = self._map("compute_ref_log_prob", batch)
+        return log_prob
 
     def update_policy(self, batch: Batch, n_per_prompt: int, kl_loss_coef: float | None = None) -> dict[str, float]:
         return self._update(batch, n_per_prompt, kl_loss_coef=kl_loss_coef)
@@ -386,8 +427,8 @@ class CriticGroup(_RoleGroup):
     role = "critic"
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
-        results, pad = self._gather_tensors("compute_values", batch)
-        return _cat(results, pad)
+        [values] = self._map("compute_values", batch)
+        return values
 
     def update_critic(self, batch: Batch, n_per_prompt: int) -> dict[str, float]:
         return self._update(batch, n_per_prompt)
@@ -416,8 +457,9 @@ def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_
         group.shutdown()
         raise
     arr = config.actor_rollout_ref
-    actor = ActorGroup(group, arr.actor.ppo_mini_batch_size)
-    critic = CriticGroup(group, config.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size) \
+    balance = trainer.balance_batch
+    actor = ActorGroup(group, arr.actor.ppo_mini_batch_size, balance)
+    critic = CriticGroup(group, config.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, balance) \
         if use_critic else None
     print(f"started {config.world_size} workers ({trainer.device}, FSDP2) in {time.perf_counter() - started:.1f} s",
           file=sys.stderr, flush=True)
