@@ -174,8 +174,10 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int | None = _k(16, "sequences per reference forward")
-    log_prob_use_dynamic_bsz: bool = _k(False, "cut reference micro-batches by tokens")
-    log_prob_max_token_len_per_gpu: int = _k(16384, "tokens per reference micro-batch")
+    log_prob_use_dynamic_bsz: bool | None = _k(None, "cut reference micro-batches by tokens; null = the actor's "
+                                                     "use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = _k(None, "tokens per reference micro-batch; null = the actor's "
+                                                          "ppo_max_token_len_per_gpu")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "reference sharding")
 
 
@@ -205,8 +207,10 @@ class RolloutConfig:
     enforce_eager: bool = _k(True, "disable CUDA graphs in vLLM")
     max_num_batched_tokens: int = _k(8192, "vLLM scheduler token budget")
     log_prob_micro_batch_size_per_gpu: int | None = _k(8, "sequences per old-log-prob forward")
-    log_prob_use_dynamic_bsz: bool = _k(False, "cut old-log-prob micro-batches by tokens")
-    log_prob_max_token_len_per_gpu: int = _k(16384, "tokens per old-log-prob micro-batch")
+    log_prob_use_dynamic_bsz: bool | None = _k(None, "cut old-log-prob micro-batches by tokens; null = the "
+                                                     "actor's use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = _k(None, "tokens per old-log-prob micro-batch; null = the actor's "
+                                                          "ppo_max_token_len_per_gpu")
     val_kwargs: ValKwargsConfig = _section(ValKwargsConfig, "generation settings for validation")
 
 

@@ -920,3 +920,25 @@ def test_override_config_reaches_the_loaded_models(tiny):
     assert trainer.actor.module.config.attention_dropout == 0.25
     assert trainer.critic.module.config.attention_dropout == 0.125
     assert _trainer(tiny).actor.module.config.attention_dropout == 0.0  # the checkpoint's own value otherwise
+
+
+def test_log_prob_passes_take_the_actors_token_batching_unless_given_their_own(tiny, monkeypatch):
+    from rlhf_core.workers import actor
+
+    calls = []
+    map_micro = actor.map_micro_batches
+
+    def recorded(batch, fn, micro, dynamic, max_tok, **kwargs):
+        calls.append((dynamic, max_tok))
+        return map_micro(batch, fn, micro, dynamic, max_tok, **kwargs)
+
+    monkeypatch.setattr(actor, "map_micro_batches", recorded)
+    # mini-batches of 4 prompts in a batch of 8: the old log-probs get a pass of their own; the KL loss a reference
+    common = ("actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2048",
+              "actor_rollout_ref.actor.use_kl_loss=true")
+    _step(_trainer(tiny, *common))
+    assert calls == [(True, 2048), (True, 2048)]  # old log-prob, then reference: the actor's settings
+    calls.clear()
+    _step(_trainer(tiny, *common, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
+                   "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024"))
+    assert calls == [(False, 2048), (True, 1024)]

@@ -250,8 +250,12 @@ class ActorWorker(CheckpointableWorker):
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool, max_tok: int,
+    def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool | None, max_tok: int | None,
                   with_entropy: bool, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``dynamic`` and ``max_tok`` null: the actor's ``use_dynamic_bsz`` and ``ppo_max_token_len_per_gpu``."""
+        actor = self.config.actor
+        dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
+        max_tok = actor.ppo_max_token_len_per_gpu if max_tok is None else max_tok
         model = model if model is not None else self.forward_module
         return map_micro_batches(batch, lambda mb: response_log_prob(
             model, mb.to(self.device), self.config.rollout.temperature, with_entropy, self.remove_padding,
