@@ -77,6 +77,8 @@ class DataConfig:
     max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
     max_response_length: int = _k(512, "maximum number of generated tokens per response")
     train_batch_size: int = _k(1024, "prompts per PPO iteration")
+    gen_batch_size: int | None = _k(None, "prompts per generation round of dynamic sampling "
+                                          "(algorithm.filter_groups); null = train_batch_size")
     val_batch_size: int | None = _k(None, "prompts per validation batch; null = the whole validation set")
     return_raw_chat: bool = _k(False, "keep the raw chat messages in the batch")
     shuffle: bool = _k(True, "shuffle the training prompts each epoch")
@@ -206,6 +208,7 @@ class RolloutConfig:
     free_cache_engine: bool = _k(True, "sleep vLLM and free its KV cache while training")
     enforce_eager: bool = _k(True, "disable CUDA graphs in vLLM")
     max_num_batched_tokens: int = _k(8192, "vLLM scheduler token budget")
+    enable_chunked_prefill: bool = _k(True, "vLLM splits long prompts' prefill into chunks")
     log_prob_micro_batch_size_per_gpu: int | None = _k(8, "sequences per old-log-prob forward")
     log_prob_use_dynamic_bsz: bool | None = _k(None, "cut old-log-prob micro-batches by tokens; null = the "
                                                      "actor's use_dynamic_bsz")
@@ -498,10 +501,52 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     # verl's deprecated name of the schedule
     "actor_rollout_ref.actor.optim.warmup_style": ("actor_rollout_ref.actor.optim.lr_scheduler_type", {}),
     "critic.optim.warmup_style": ("critic.optim.lr_scheduler_type", {}),
+    # verl's names in older examples and on other backends
+    "actor_rollout_ref.model.use_rmpad": ("actor_rollout_ref.model.use_remove_padding", {}),
+    "critic.model.use_rmpad": ("critic.model.use_remove_padding", {}),
+    "actor_rollout_ref.actor.optim.clip_grad": ("actor_rollout_ref.actor.grad_clip", {}),
+    "critic.optim.clip_grad": ("critic.grad_clip", {}),
 }
 
+# verl keys with no counterpart here: each with the values that mean what this trainer does anyway
+# (accepted with a notice) and what it does instead (any other value is an error that says so)
+WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{f"{section}.ulysses_sequence_parallel_size": (lambda v: v == 1, "there is no sequence parallelism here")
+       for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")},
+    **{f"{section}.fsdp_size": (lambda v: v == -1, "FSDP2 shards over all the workers")
+       for section in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
+                       "critic.model.fsdp_config", "critic.fsdp_config")},
+    **{f"{section}.grad_offload": (lambda v: v is False, "gradients stay on the device")
+       for section in ("actor_rollout_ref.actor.fsdp_config", "critic.model.fsdp_config", "critic.fsdp_config")},
+    "actor_rollout_ref.rollout.mode": (lambda v: True, "rollouts run in the trainer's workers, one batch at a time"),
+    "actor_rollout_ref.rollout.calculate_log_probs": (
+        lambda v: True, "the vllm rollout always returns its log-probs, the hf one none"),
+    "trainer.use_legacy_worker_impl": (lambda v: True, "this trainer has one worker implementation"),
+    "reward_model.model.use_remove_padding": (lambda v: True, "the reward model scores padded rows"),
+    "reward_model.model.use_rmpad": (lambda v: True, "the reward model scores padded rows"),
+    "reward_model.use_dynamic_bsz": (lambda v: True, "the reward model scores micro_batch_size_per_gpu rows a pass"),
+    "reward_model.forward_max_token_len_per_gpu": (
+        lambda v: True, "the reward model scores micro_batch_size_per_gpu rows a pass"),
+    "reward_model.reward_kwargs.max_resp_len": (
+        lambda v: True, "the overlong penalty (reward_model.overlong_buffer) counts to data.max_response_length"),
+    "actor_rollout_ref.model.use_shm": (lambda v: True, "models load from their directory"),
+    "actor_rollout_ref.model.use_liger": (
+        lambda v: True, "Liger's kernels are not used; model.use_fused_kernels chunks the LM head"),
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": (
+        lambda v: True, "model.use_fused_kernels runs this project's chunked head"),
+    "actor_rollout_ref.actor.entropy_checkpointing": (lambda v: True, "the entropy is computed chunk by chunk"),
+    "actor_rollout_ref.rollout.load_format": (lambda v: True, "the rollout takes the actor's weights after each update"),
+    "actor_rollout_ref.rollout.layered_summon": (lambda v: True, "LoRA weights are merged once per rollout"),
+}
+# sections of backends this trainer does not have: any key below them is refused with the reason
+REFUSED_SECTIONS = {".megatron.": "Megatron is not a backend here: the workers shard with FSDP2 (strategy=fsdp)"}
+
 # sections verl keeps elsewhere: every key below the first stands for the same key below the second
-PREFIX_ALIASES: dict[str, str] = {"critic.model.fsdp_config.": "critic.fsdp_config."}
+PREFIX_ALIASES: dict[str, str] = {
+    "critic.model.fsdp_config.": "critic.fsdp_config.",  # verl's place for the critic's sharding
+    "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward_model.overlong_buffer.",  # verl's DAPO recipe
+    "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",  # the recipe's first version
+}
 
 # verl's deprecated micro-batch sizes over all workers: set, each stands for its per-worker key at
 # value / (n_gpus_per_node * nnodes); null (as verl's generated config holds them) sets nothing
@@ -569,18 +614,27 @@ SWITCHES: dict[str, dict[str, Any]] = {
 }
 
 
-def _targets(key: str, value: Any, notice: Callable[[str], None]) -> dict[str, Any]:
+def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[str]) -> dict[str, Any]:
     """The assignments that setting ``key`` makes: itself, or the key an alias stands for (with a notice)."""
     if key in SWITCHES and isinstance(value, bool | None):
         if value:
             notice(f"notice: {key} is deprecated (as in verl); use "
                    + " and ".join(f"{k}={v}" for k, v in SWITCHES[key].items()))
         return SWITCHES[key] if value else {}
+    for section, reason in REFUSED_SECTIONS.items():
+        if section in f".{key}":
+            errors.append(f"{key} is not supported: {reason}")
+            return {}
+    if key in WITHOUT_EFFECT:
+        harmless, instead = WITHOUT_EFFECT[key]
+        if harmless(value):
+            notice(f"notice: {key}={value!r} has no effect: {instead}")
+        else:
+            errors.append(f"{key}={value!r} is not supported: {instead}")
+        return {}
     for prefix, canonical_prefix in PREFIX_ALIASES.items():
-        if key.startswith(prefix):
-            canonical = canonical_prefix + key[len(prefix):]
-            notice(f"notice: {key} is verl's place for {canonical}; use {canonical}")
-            return {canonical: value}
+        if key.startswith(prefix):  # verl's own key: taken without a notice
+            return {canonical_prefix + key[len(prefix):]: value}
     if key not in ALIASES:
         return {key: value}
     canonical, extra = ALIASES[key]
@@ -640,12 +694,14 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if key in GLOBAL_MICRO_BATCHES:
             global_micro.pop(key, None)
             return
-        for target in _targets(key, None, notice):
+        if key in WITHOUT_EFFECT:
+            return
+        for target in _targets(key, None, notice, errors):
             _assign(cfg, target, _default(target), errors, merge=False)
     elif key in GLOBAL_MICRO_BATCHES:
         global_micro[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
-        for target, value in _targets(key, override.value(), notice).items():
+        for target, value in _targets(key, override.value(), notice, errors).items():
             _assign(cfg, target, value, errors)
 
 
@@ -687,7 +743,7 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
         if key in GLOBAL_MICRO_BATCHES:
             global_micro[key] = value
             continue
-        for target, target_value in _targets(key, value, notice).items():
+        for target, target_value in _targets(key, value, notice, errors).items():
             _assign(cfg, target, target_value, errors)
     for text in overrides:
         _apply_override(cfg, text, notice, errors, global_micro)
@@ -775,7 +831,7 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
     """Policy loss, estimator, dynamic sampling, overlong shaping and rollout correction settings."""
     from rlhf_core import algos  # the registries name the valid values (see validate_config)
 
-    actor, rollout, algo = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm
+    actor, rollout, algo, data = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.algorithm, cfg.data
     prefix = "actor_rollout_ref.actor"
     loss_mode = actor.policy_loss.loss_mode
     _one_of(errors, f"{prefix}.policy_loss.loss_mode", loss_mode, algos.POLICY_LOSS_MODES)
@@ -796,6 +852,12 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
 
     groups = algo.filter_groups
     _one_of(errors, "algorithm.filter_groups.metric", groups.metric, algos.FILTER_GROUPS_METRICS)
+    if data.gen_batch_size is not None:
+        _positive(errors, "data.gen_batch_size", data.gen_batch_size)
+        if not groups.enable and data.gen_batch_size != data.train_batch_size:
+            errors.append(f"data.gen_batch_size={data.gen_batch_size} sets the prompts of each generation round of "
+                          "dynamic sampling (algorithm.filter_groups.enable=true); without it each step generates "
+                          f"data.train_batch_size ({data.train_batch_size}) prompts: leave it null")
     if groups.enable and rollout.n < 2:
         errors.append(f"algorithm.filter_groups.enable=true needs actor_rollout_ref.rollout.n >= 2 (got {rollout.n}): "
                       "with one response per prompt there is no group to filter")
@@ -1014,6 +1076,17 @@ def validate_config(cfg: PPOConfig) -> None:
         raise ConfigError(errors)
 
 
+def reward_training_batch_problems(cfg: PPOConfig) -> list[str]:
+    """How ``reward_model.train``'s batch does not share out over the workers (checked by ``rlhf-train-rm``
+    alone: a PPO run on another number of workers never uses these keys)."""
+    rm, key, world = cfg.reward_model.train, "reward_model.train", cfg.world_size
+    if rm.train_batch_size > 0 and rm.micro_batch_size_per_gpu > 0 and \
+            rm.train_batch_size % (rm.micro_batch_size_per_gpu * world):
+        return [f"{key}.train_batch_size ({rm.train_batch_size}) must be divisible by {key}.micro_batch_size_per_gpu "
+                f"* world size ({rm.micro_batch_size_per_gpu} * {world}) so each worker gets whole micro-batches"]
+    return []
+
+
 def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
     rm, key = cfg.reward_model.train, "reward_model.train"
     for name in ("train_batch_size", "micro_batch_size_per_gpu", "max_length", "total_epochs",
@@ -1022,12 +1095,6 @@ def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
         for part in name.split("."):
             value = getattr(value, part)
         _positive(errors, f"{key}.{name}", value)
-    world = cfg.world_size
-    if rm.train_batch_size > 0 and rm.micro_batch_size_per_gpu > 0 and \
-            rm.train_batch_size % (rm.micro_batch_size_per_gpu * world):
-        errors.append(f"{key}.train_batch_size ({rm.train_batch_size}) must be divisible by "
-                      f"{key}.micro_batch_size_per_gpu * world size ({rm.micro_batch_size_per_gpu} * {world}) so "
-                      "each worker gets whole micro-batches")
     if rm.margin < 0:
         errors.append(f"{key}.margin={rm.margin} must be >= 0")
     if not 0 <= rm.min_pair_accuracy <= 1:

@@ -942,3 +942,22 @@ def test_log_prob_passes_take_the_actors_token_batching_unless_given_their_own(t
     _step(_trainer(tiny, *common, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=false",
                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024"))
     assert calls == [(False, 2048), (True, 1024)]
+
+
+def test_dynamic_sampling_generates_gen_batch_size_prompts_a_round(tiny, monkeypatch):
+    trainer = _trainer(tiny, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
+                       "algorithm.filter_groups.max_num_gen_batches=0", "data.gen_batch_size=4", "trainer.total_epochs=1")
+    sizes = []
+    rollout = trainer._rollout
+
+    def recording_rollout(prompts, timings):
+        sizes.append(len(prompts))
+        return rollout(prompts, timings)
+
+    monkeypatch.setattr(trainer, "_rollout", recording_rollout)
+    metrics = trainer.fit_step().metrics
+    # rounds of 4 prompts (not data.train_batch_size's 8) until 8 groups are kept or the data runs out
+    assert sizes and set(sizes) == {4} and len(sizes) >= 2
+    assert metrics["train/num_gen_batches"] == len(sizes)
+    assert metrics["train/filter_groups/trained"] == min(8, metrics["train/filter_groups/kept"])
+    assert trainer.sampler.batch_size == 4 and trainer.total_steps == 8  # 32 prompts: 8 rounds an epoch

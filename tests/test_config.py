@@ -237,6 +237,30 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
                        validate=False).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
 
 
+def test_verl_keys_without_a_counterpart_are_taken_when_harmless():
+    notices = []
+    cfg = load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "trainer.use_legacy_worker_impl=auto",
+                       "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1", "critic.model.fsdp_config.grad_offload=false",
+                       "actor_rollout_ref.model.use_rmpad=true", "critic.optim.clip_grad=0.5",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+                       "+reward_model.reward_kwargs.overlong_buffer_cfg.len=64", "+reward_model.reward_kwargs.max_resp_len=512",
+                       "actor_rollout_ref.rollout.enable_chunked_prefill=false"], notice=notices.append, validate=False)
+    assert cfg.actor_rollout_ref.model.use_remove_padding is True and cfg.critic.grad_clip == 0.5
+    assert (cfg.reward_model.overlong_buffer.enable, cfg.reward_model.overlong_buffer.len) == (True, 64)
+    assert cfg.actor_rollout_ref.rollout.enable_chunked_prefill is False
+    assert any("ulysses_sequence_parallel_size=1 has no effect: there is no sequence parallelism here" in n
+               for n in notices)
+    assert any("use_legacy_worker_impl='auto' has no effect" in n for n in notices)
+    # a value that would mean something the trainer does not do is refused, saying what it does instead
+    message = _errors("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.model.fsdp_config.fsdp_size=4")
+    assert "ulysses_sequence_parallel_size=2 is not supported: there is no sequence parallelism here" in message
+    assert "critic.model.fsdp_config.fsdp_size=4 is not supported: FSDP2 shards over all the workers" in message
+    assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size is not supported: Megatron is not a backend" \
+        in _errors("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    # gen_batch_size is dynamic sampling's; elsewhere it can only be train_batch_size
+    assert "data.gen_batch_size=4 sets the prompts of each generation round" in _errors("data.gen_batch_size=4")
+
+
 def test_aliases_map_to_canonical_keys_with_a_notice():
     notices = []
     cfg = load_config(

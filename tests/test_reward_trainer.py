@@ -222,6 +222,11 @@ def test_model_path_that_is_not_a_model_or_has_no_tokenizer(tiny, pairs_dir, tmp
 def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):
     assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "never", "reward_model.train.micro_batch_size_per_gpu=3")) == 2
     assert "must be divisible by reward_model.train.micro_batch_size_per_gpu" in capsys.readouterr().err
+    # a PPO config never trains a reward model: 3 workers, whom the reward training's default 64 / 8 pairs
+    # do not divide, load; rlhf-train-rm is where that batch is checked
+    cfg = load_config(["trainer.n_gpus_per_node=3", "data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=12",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "critic.ppo_micro_batch_size_per_gpu=4"])
+    assert cfg.world_size == 3
 
 
 @pytest.mark.slow

@@ -255,7 +255,7 @@ def test_engine_arguments(fake, tokenizer, model_dir):
         "model": str(model_dir), "dtype": "float32", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.3,
         "enforce_eager": True, "enable_sleep_mode": True, "trust_remote_code": False,
         "max_num_batched_tokens": 512,  # raised to one whole sequence
-        "disable_custom_all_reduce": True, "skip_tokenizer_init": False, "seed": 7, "max_model_len": 512,
+        "enable_chunked_prefill": True, "disable_custom_all_reduce": True, "skip_tokenizer_init": False, "seed": 7, "max_model_len": 512,
         "logprobs_mode": "processed_logprobs", "generation_config": "vllm"}
 
 
@@ -263,11 +263,13 @@ def test_engine_arguments_of_an_older_vllm_in_a_worker_group(monkeypatch, tokeni
     fake = FakeVLLM(monkeypatch, engine_fields=())  # no logprobs_mode or generation_config yet
     monkeypatch.setattr(distributed, "in_worker_group", lambda: True)
     _engine(fake, tokenizer, model_dir, "actor_rollout_ref.rollout.free_cache_engine=false",
-            "actor_rollout_ref.rollout.enforce_eager=false", seed=3, max_model_len=None, trust_remote_code=True)
+            "actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.rollout.enable_chunked_prefill=false",
+            seed=3, max_model_len=None, trust_remote_code=True)
     assert fake.built[0][0] == {
         "model": str(model_dir), "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.5,
         "enforce_eager": False, "enable_sleep_mode": False, "trust_remote_code": True,
-        "max_num_batched_tokens": 8192, "disable_custom_all_reduce": True, "skip_tokenizer_init": False,
+        "max_num_batched_tokens": 8192, "enable_chunked_prefill": False, "disable_custom_all_reduce": True,
+        "skip_tokenizer_init": False,
         "seed": 3, "distributed_executor_backend": "external_launcher"}
 
 

@@ -78,6 +78,7 @@ class VLLMRolloutEngine:
             "gpu_memory_utilization": config.gpu_memory_utilization, "enforce_eager": config.enforce_eager,
             "enable_sleep_mode": config.free_cache_engine, "trust_remote_code": trust_remote_code,
             "max_num_batched_tokens": max(config.max_num_batched_tokens, max_model_len or 0),
+            "enable_chunked_prefill": config.enable_chunked_prefill,
             "disable_custom_all_reduce": True, "skip_tokenizer_init": False,
             "seed": seed - rank % self.tp,  # the same seed within a tensor-parallel engine
         }

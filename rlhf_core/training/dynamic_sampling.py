@@ -3,9 +3,9 @@
 A group whose responses all score the same (every one right, or every one wrong) has a zero
 group-relative advantage, so it adds no gradient and only dilutes the batch. With
 ``algorithm.filter_groups.enable`` the trainer drops such groups and generates further batches of
-``data.train_batch_size`` prompts until ``train_batch_size`` groups are kept (the surplus of the last
-batch is discarded) or ``max_num_gen_batches`` batches were generated. At the limit it trains on the
-groups it has, with a warning, and stops with an error if it has none.
+``data.gen_batch_size`` prompts (default ``data.train_batch_size``) until ``train_batch_size`` groups are
+kept (the surplus of the last batch is discarded) or ``max_num_gen_batches`` batches were generated. At
+the limit it trains on the groups it has, with a warning, and stops with an error if it has none.
 
 :func:`collect_groups` runs that loop over two callables (next prompts, rollout of prompts), so the
 trainer supplies its actor and reward and a test supplies a fixed reward table.
@@ -113,12 +113,13 @@ def collect_groups(
     max_num_gen_batches: int,
     pad_id: int,
     group_multiple: int = 1,
+    target: int | None = None,
 ) -> tuple[Batch, dict, dict[str, float]]:
-    """Generate, score and filter batches until ``len(first_prompts)`` prompt groups with differing scores
-    are kept (see the module docstring).
+    """Generate, score and filter batches until ``target`` prompt groups with differing scores are kept
+    (see the module docstring).
 
     Args:
-        first_prompts: the step's prompts; their count is the number of groups to collect.
+        first_prompts: the step's first generation batch of prompts.
         next_prompts: the next batch of prompts from the training data; None where it has run out (the
             step then trains on the groups it has, as at ``max_num_gen_batches``).
         rollout: prompts -> (scored rollout batch, reward extras), each prompt's responses adjacent and
@@ -128,6 +129,7 @@ def collect_groups(
         pad_id: pad token for the widths of batches generated separately.
         group_multiple: a partial batch is cut to a multiple of this many groups (whole mini-batches for
             a worker group).
+        target: the groups to collect (``data.train_batch_size``); None: as many as ``first_prompts`` holds.
 
     Returns:
         the batch of kept groups (uids made unique per generation batch), their extras, and the metrics
@@ -139,7 +141,7 @@ def collect_groups(
         RuntimeError: the limit was reached without a single group whose responses score differently.
         DataExhausted: the data ran out before there was a group to train on.
     """
-    target = len(first_prompts)
+    target = len(first_prompts) if target is None else target
     kept_batches, kept_extras = [], []
     kept_groups = dropped_groups = num_gen_batches = 0
     dropped_values: list[float] = []

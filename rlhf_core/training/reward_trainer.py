@@ -46,7 +46,7 @@ import yaml
 
 from rlhf_core import heap
 from rlhf_core.atomic import staged_directory
-from rlhf_core.config import PPOConfig, RewardTrainConfig
+from rlhf_core.config import PPOConfig, RewardTrainConfig, reward_training_batch_problems
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.preference import PreferenceDataError, read_preferences
 from rlhf_core.models import cpu_matmul, lora
@@ -335,7 +335,7 @@ def preflight(cfg: PPOConfig) -> dict:
 
     Raises PreferenceDataError for unusable preference files, RewardTrainingError for the rest.
     """
-    rm, errors = cfg.reward_model.train, []
+    rm, errors = cfg.reward_model.train, reward_training_batch_problems(cfg)
     model_path = rm.model.path
     try:
         check_model_dir(model_path, f"{KEY}.model.path")

@@ -181,8 +181,10 @@ class PPOTrainer:
         arr, algo = config.actor_rollout_ref, config.algorithm
         self.use_critic = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_CRITIC
         self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
-        self.sampler = PromptSampler(len(train_dataset), config.data.train_batch_size, config.data.shuffle,
-                                     config.data.seed)
+        # dynamic sampling draws data.gen_batch_size prompts a generation round (verl's DAPO key)
+        draw = config.data.gen_batch_size if algo.filter_groups.enable and config.data.gen_batch_size else \
+            config.data.train_batch_size
+        self.sampler = PromptSampler(len(train_dataset), draw, config.data.shuffle, config.data.seed)
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
@@ -312,7 +314,8 @@ class PPOTrainer:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return dynamic_sampling.collect_groups(
             prompts, next_prompts, lambda p: self._rollout(p, timings), metric=groups.metric,
-            max_num_gen_batches=groups.max_num_gen_batches, pad_id=pad_id, group_multiple=multiple)
+            max_num_gen_batches=groups.max_num_gen_batches, pad_id=pad_id, group_multiple=multiple,
+            target=self.config.data.train_batch_size)
 
     def _correct_rollout(self, batch: Batch, metrics: dict[str, float]) -> None:
         """Rollout correction between the engine's ``rollout_log_prob`` and ``old_log_prob``: truncated
