@@ -45,6 +45,6 @@ def rlhf_retrain_pipeline(
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
                                                 init_from=production.get_model_artifact("ppo_checkpoint"),
                                                 skip_reason=skip_reason)
-    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, skip_reason=skip_reason)
+    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec, skip_reason=skip_reason)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
             alpha=alpha, skip_reason=skip_reason)

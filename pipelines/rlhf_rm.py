@@ -48,5 +48,5 @@ def rlhf_rm_pipeline(
     reward_spec = define_reward(ppo_config, dataset_fingerprint, after="train_reward_model")
     smoke_report = smoke_test(ppo_config, reward_spec)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_model=reward_model)
-    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary)
+    evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)

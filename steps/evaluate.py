@@ -20,12 +20,13 @@ from rlhf_core.data.validation import check_unchanged
 from rlhf_core.pipeline.evaluate import (
     EvalResult,
     changed_problems,
+    check_reward_unchanged,
     evaluate_policy,
     evaluation_html,
     per_problem_table,
-    reward_spec,
     training_curves_png,
 )
+from rlhf_core.pipeline.evaluate import reward_spec as reward_spec_of
 from rlhf_core.pipeline.promotion import match_production, scoring_settings
 from rlhf_core.rewards import custom_reward_fn
 
@@ -47,6 +48,7 @@ def evaluate(
     ppo_config: dict,
     ppo_checkpoint: Path,
     training_summary: dict,
+    reward_spec: dict | None = None,
     skip_reason: str = "",
     batch_size: int = 64,
     max_problems: int | None = None,
@@ -57,7 +59,8 @@ def evaluate(
     Annotated[pd.DataFrame, "per_problem"],
 ]:
     """Base model and trained policy on the same (capped, stratified) problems, paired with production's
-    results when it was evaluated on them; an HTML report and the per-problem table."""
+    results when it was evaluated on them; an HTML report and the per-problem table. ``reward_spec`` (the
+    artifact of define_reward) is the reward the run pinned down: a reward changed since stops the step."""
     if skip_reason:
         logger.info("evaluation skipped: %s", skip_reason)
         return ({"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>"),
@@ -65,6 +68,7 @@ def evaluate(
     cfg = PPOConfig.from_dict(ppo_config)
     check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
                     training_summary.get("dataset_fingerprint"), "evaluate")
+    spec = check_reward_unchanged(cfg, reward_spec, "evaluate") if reward_spec is not None else reward_spec_of(cfg)
     model = cfg.actor_rollout_ref.model
     kwargs = {
         "data_config": cfg.data,
@@ -86,7 +90,7 @@ def evaluate(
     logger.info("evaluating on %s", budget)
 
     candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
-                 "scoring": scoring_settings(reward_spec(cfg)["sha256"], cfg.data)}
+                 "scoring": scoring_settings(spec["sha256"], cfg.data)}
     version, production = _production_evaluation(get_step_context().model.name)
     production_results, refusal = (None, None) if version is None else match_production(candidate, production, version)
     table = per_problem_table(policy, base, production_results)

@@ -9,7 +9,12 @@ from transformers import AutoConfig
 from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.toy import random_toy_model
-from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.pipeline.evaluate import (
+    RewardChangedError,
+    check_reference_solutions,
+    check_reward_unchanged,
+    reward_spec,
+)
 from rlhf_core.pipeline.smoke import (
     SmokeTestError,
     _check,
@@ -92,6 +97,26 @@ def test_reward_spec_names_the_function_and_hashes_its_source(tmp_path):
         assert spec["functions"]["anything"]["function"] == f"{custom.resolve()}:score_it"
         hashes.append((spec["functions"]["anything"]["source_sha256"], spec["sha256"]))
     assert hashes[0][0] != hashes[1][0] and hashes[0][1] != hashes[1][1]
+
+
+def test_a_reward_edited_after_it_was_pinned_stops_the_evaluation(tmp_path):
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    assert check_reward_unchanged(cfg, pinned, "evaluate")["sha256"] == pinned["sha256"]
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(RewardChangedError, match=r"evaluate: the reward changed since define_reward pinned it .*"
+                                                 r"data sources \['anything'\] differ"):
+        check_reward_unchanged(cfg, pinned, "evaluate")
+    cfg.custom_reward_function.reward_kwargs = {"scale": 2}  # the settings alone differ, too
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None, scale=1):\n"
+                      "    return 1.0\n")
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    cfg.custom_reward_function.reward_kwargs = {"scale": 3}
+    with pytest.raises(RewardChangedError):
+        check_reward_unchanged(cfg, pinned, "evaluate")
 
 
 def test_reward_spec_holds_the_reward_kwargs(tmp_path):

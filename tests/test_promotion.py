@@ -150,6 +150,12 @@ def test_production_scored_otherwise_is_refused_and_a_record_without_settings_is
     assert match_production(candidate, {**candidate}, "3") == (problems, None)
     older = {"val_fingerprint": "abc123", "problems": problems}  # kept before the settings were recorded
     assert match_production(candidate, older, "3") == (problems, None)
+    # chat-template keywords render other prompts: recorded when set, and a difference refuses the pairing
+    thinking = scoring_settings("aaa111", DataConfig(max_response_length=256,
+                                                     apply_chat_template_kwargs={"enable_thinking": False}))
+    assert thinking == {**settings, "apply_chat_template_kwargs": {"enable_thinking": False}}
+    matched, refusal = match_production({**candidate, "scoring": thinking}, candidate, "3")
+    assert matched is None and "apply_chat_template_kwargs" in refusal
 
 
 @pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"alpha": 1.0}, {"alpha": 1.2}, {"alpha": -0.05},

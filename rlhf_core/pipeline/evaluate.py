@@ -393,6 +393,23 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     return spec
 
 
+class RewardChangedError(ValueError):
+    """The reward (its function, source or settings) is no longer the one the run pinned down."""
+
+
+def check_reward_unchanged(cfg: PPOConfig, pinned: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The reward spec of ``cfg`` now; raises :class:`RewardChangedError` when it differs from ``pinned``
+    (``define_reward``'s spec): a reward file edited while the run went would grade with code nobody checked."""
+    now = reward_spec(cfg, data_sources=list(pinned.get("functions", {})) or None)
+    if now["sha256"] != pinned["sha256"]:
+        changed = sorted(source for source, entry in now["functions"].items()
+                         if pinned.get("functions", {}).get(source) != entry)
+        raise RewardChangedError(
+            f"{where}: the reward changed since define_reward pinned it (sha256 {pinned['sha256'][:12]} -> "
+            f"{now['sha256'][:12]}; data sources {changed or 'none'} differ, else its settings): rerun the pipeline")
+    return now
+
+
 def _full_marks(result: Any, full_score: float) -> bool:
     if isinstance(result, Mapping):
         if "acc" in result:

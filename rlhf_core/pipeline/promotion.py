@@ -71,8 +71,11 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
 def scoring_settings(reward_sha256: str, data: Any) -> dict[str, Any]:
     """What decides a response's grade besides the model: the reward (its spec's sha256) and the prompt and
     response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`)."""
-    return {"reward_sha256": reward_sha256, "max_prompt_length": data.max_prompt_length,
-            "max_response_length": data.max_response_length, "truncation": data.truncation}
+    settings = {"reward_sha256": reward_sha256, "max_prompt_length": data.max_prompt_length,
+                "max_response_length": data.max_response_length, "truncation": data.truncation}
+    if getattr(data, "apply_chat_template_kwargs", None):  # (only when set: records without it compare as before)
+        settings["apply_chat_template_kwargs"] = dict(data.apply_chat_template_kwargs)
+    return settings
 
 
 def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any] | None,
