@@ -527,8 +527,6 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reward_model.use_dynamic_bsz": (lambda v: True, "the reward model scores micro_batch_size_per_gpu rows a pass"),
     "reward_model.forward_max_token_len_per_gpu": (
         lambda v: True, "the reward model scores micro_batch_size_per_gpu rows a pass"),
-    "reward_model.reward_kwargs.max_resp_len": (
-        lambda v: True, "the overlong penalty (reward_model.overlong_buffer) counts to data.max_response_length"),
     "actor_rollout_ref.model.use_shm": (lambda v: True, "models load from their directory"),
     "actor_rollout_ref.model.use_liger": (
         lambda v: True, "Liger's kernels are not used; model.use_fused_kernels chunks the LM head"),
@@ -541,12 +539,30 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
 # sections of backends this trainer does not have: any key below them is refused with the reason
 REFUSED_SECTIONS = {".megatron.": "Megatron is not a backend here: the workers shard with FSDP2 (strategy=fsdp)"}
 
+# keys whose null means "the value of that other key" (as verl's config interpolates them); the workers
+# resolve them where they read them, and a resume compares them resolved
+FOLLOWS: dict[str, str] = {
+    "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+    "critic.shuffle": "actor_rollout_ref.actor.shuffle",
+    "critic.model.trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "critic.ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "critic.ppo_epochs": "actor_rollout_ref.actor.ppo_epochs",
+    "critic.use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+}
+
 # sections verl keeps elsewhere: every key below the first stands for the same key below the second
 PREFIX_ALIASES: dict[str, str] = {
     "critic.model.fsdp_config.": "critic.fsdp_config.",  # verl's place for the critic's sharding
     "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward_model.overlong_buffer.",  # verl's DAPO recipe
     "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",  # the recipe's first version
 }
+
+# the DAPO recipe's response budget of the length penalty (checked against data.max_response_length)
+MAX_RESP_LEN = "reward_model.reward_kwargs.max_resp_len"
 
 # verl's deprecated micro-batch sizes over all workers: set, each stands for its per-worker key at
 # value / (n_gpus_per_node * nnodes); null (as verl's generated config holds them) sets nothing
@@ -627,7 +643,7 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
             return {}
     if key in WITHOUT_EFFECT:
         harmless, instead = WITHOUT_EFFECT[key]
-        if harmless(value):
+        if harmless(value) or (isinstance(value, str) and value.startswith("${")):  # verl's interpolations
             notice(f"notice: {key}={value!r} has no effect: {instead}")
         else:
             errors.append(f"{key}={value!r} is not supported: {instead}")
@@ -638,6 +654,8 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
     if key not in ALIASES:
         return {key: value}
     canonical, extra = ALIASES[key]
+    if value is None and _default(canonical) is not None:  # verl's generated config: null, the key unused
+        return {}
     notice(f"notice: {key} is an alias; use {canonical}")
     return {canonical: value, **extra}
 
@@ -675,7 +693,7 @@ def _parser() -> OverridesParser:
 
 
 def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
-                    global_micro: dict[str, Any]) -> None:
+                    deferred: dict[str, Any]) -> None:
     """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``."""
     try:
         override = _parser().parse_override(text)
@@ -691,28 +709,37 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if override.value_type is not None:
             errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
             return
-        if key in GLOBAL_MICRO_BATCHES:
-            global_micro.pop(key, None)
+        if key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+            deferred.pop(key, None)
             return
         if key in WITHOUT_EFFECT:
             return
         for target in _targets(key, None, notice, errors):
             _assign(cfg, target, _default(target), errors, merge=False)
-    elif key in GLOBAL_MICRO_BATCHES:
-        global_micro[key] = override.value()
+    elif key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+        deferred[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
             _assign(cfg, target, value, errors)
 
 
-def _assign_global_micro_batches(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
+def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
                                  errors: list[str]) -> None:
-    """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES)."""
+    """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES),
+    and the DAPO recipe's response budget of its length penalty, which must be data.max_response_length."""
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     for key, value in values.items():
         if value is None:
             continue
+        if key == MAX_RESP_LEN:
+            if value != cfg.data.max_response_length:
+                errors.append(f"{key}={value!r} differs from data.max_response_length ({cfg.data.max_response_length}),"
+                              " to which the overlong penalty (reward_model.overlong_buffer) counts here")
+            continue
         per_worker = GLOBAL_MICRO_BATCHES[key]
+        if OmegaConf.select(cfg, per_worker) != _default(per_worker):
+            errors.append(f"{key} and {per_worker} are both set (as in verl, one or the other)")
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:
             errors.append(f"{key}={value!r} (deprecated, over all {world} workers) must be a positive multiple of "
                           f"trainer.n_gpus_per_node * trainer.nnodes; or set {per_worker}")
@@ -738,16 +765,16 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
     """Defaults, then the keys of ``tree``, then ``overrides``; resolved, typed and (optionally) validated."""
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
-    global_micro: dict[str, Any] = {}
+    deferred: dict[str, Any] = {}
     for key, value in _leaves(tree) if tree is not None else ():
-        if key in GLOBAL_MICRO_BATCHES:
-            global_micro[key] = value
+        if key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+            deferred[key] = value
             continue
         for target, target_value in _targets(key, value, notice, errors).items():
             _assign(cfg, target, target_value, errors)
     for text in overrides:
-        _apply_override(cfg, text, notice, errors, global_micro)
-    _assign_global_micro_batches(cfg, global_micro, notice, errors)
+        _apply_override(cfg, text, notice, errors, deferred)
+    _assign_deferred(cfg, deferred, notice, errors)
     if not errors:
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}

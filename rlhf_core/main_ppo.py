@@ -112,7 +112,7 @@ def preflight(cfg: PPOConfig) -> None:
             "actor_rollout_ref.model.path"
         tokenizer_dir = check_tokenizer_dir(arr.model.tokenizer_path or model_dir, tokenizer_key)
         errors += _tokenizer_errors(cfg, tokenizer_key, tokenizer_dir, model_dir)
-        limit = max_positions(model_dir, arr.model.trust_remote_code)
+        limit = max_positions(model_dir, arr.model.trust_remote_code, arr.model.override_config)
         budget = cfg.data.max_prompt_length + cfg.data.max_response_length
         if limit is not None and budget > limit:
             errors.append(

@@ -80,6 +80,7 @@ def evaluate(
         "sample_seed": sample_seed,
         "val_kwargs": cfg.actor_rollout_ref.rollout.val_kwargs,
         "seed": cfg.trainer.seed,
+        "override_config": dict(model.override_config),  # the base model as training loaded it
     }
     base_model = model.path
     base = evaluate_policy(base_model, cfg.data.val_files, tokenizer_path=model.tokenizer_path, **kwargs)

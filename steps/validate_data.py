@@ -34,7 +34,7 @@ def validate_data(ppo_config: dict) -> tuple[
     report = validate_dataset(
         train_paths, val_paths, data.tokenizer or model.tokenizer_path or model.path, data.max_prompt_length,
         kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,
-        custom_reward=bool(cfg.custom_reward_function.path),
+        custom_reward=bool(cfg.custom_reward_function.path), template_kwargs=dict(data.apply_chat_template_kwargs),
     )
     result = report.to_dict()
     statistics = result["statistics"]

@@ -761,6 +761,7 @@ def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny, monkeypatch)
     # the rollout rate counts every sampled token over the generation time, the dropped batches' included
     sampled = sum(sum(map(sum, gen["mask"])) for gen in generated)
     assert metrics["perf/rollout_tokens_per_s"] * metrics["timing_s/gen"] == pytest.approx(sampled)
+    assert metrics["timing_per_token_ms/gen"] * sampled == pytest.approx(metrics["timing_s/gen"] * 1000)
 
 
 def test_rollout_correction_is_said_once_to_be_a_no_op_with_hf(tiny, capsys):
@@ -922,6 +923,19 @@ def test_override_config_reaches_the_loaded_models(tiny):
     assert _trainer(tiny).actor.module.config.attention_dropout == 0.0  # the checkpoint's own value otherwise
 
 
+def test_override_config_counts_in_the_position_check(tiny):
+    from rlhf_core.main_ppo import PreflightError, preflight
+
+    root, model, reward = tiny
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+                       f"data.val_files={root / 'data' / 'test.parquet'}", f"custom_reward_function.path={reward}",
+                       "data.max_prompt_length=320", "data.max_response_length=8", "trainer.n_gpus_per_node=1",
+                       "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                       "+actor_rollout_ref.model.override_config.max_position_embeddings=256"])
+    with pytest.raises(PreflightError, match=r"= 328 exceeds the model's max_position_embeddings \(256\)"):
+        preflight(cfg)
+
+
 def test_log_prob_passes_take_the_actors_token_batching_unless_given_their_own(tiny, monkeypatch):
     from rlhf_core.workers import actor
 
@@ -961,3 +975,42 @@ def test_dynamic_sampling_generates_gen_batch_size_prompts_a_round(tiny, monkeyp
     assert metrics["train/num_gen_batches"] == len(sizes)
     assert metrics["train/filter_groups/trained"] == min(8, metrics["train/filter_groups/kept"])
     assert trainer.sampler.batch_size == 4 and trainer.total_steps == 8  # 32 prompts: 8 rounds an epoch
+
+
+def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, tmp_path):
+    """Responses score 0/1 alternately for the first 64 (two generation rounds of 8 prompts x 4), then all 0:
+    the third round keeps no group and the data (4 rounds) runs out inside the step, which ends the loop at
+    step 2 before the step it expected to be last; step 2 is then validated, as the last step always is."""
+    reward = tmp_path / "fading.py"
+    reward.write_text("import itertools\n_calls = itertools.count()\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    i = next(_calls)\n"
+                      "    return float(i % 2) if i < 64 else 0.0\n")
+    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
+                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
+                       "trainer.total_epochs=1", "trainer.test_freq=-1")
+    logged = []
+    trainer.logger = lambda metrics, step: logged.append((step, dict(metrics)))
+    history = trainer.fit()
+    assert [r.step for r in history] == [1, 2] and trainer.sampler.batches_drawn == 4
+    assert trainer.val_accuracy(history[-1].metrics) is not None
+    # logged: steps 1 and 2, then step 2 again whole, its validation added
+    assert [step for step, _ in logged] == [1, 2, 2]
+    assert "actor/pg_loss" in logged[-1][1] and trainer.val_accuracy(logged[-1][1]) is not None
+
+
+def test_the_dry_run_of_a_dynamic_sampling_config_has_data_for_its_rounds(tiny, tmp_path):
+    from rlhf_core.pipeline.smoke import scale_config
+
+    root, model, reward = tiny
+    cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
+                       f"data.val_files={root / 'data' / 'test.parquet'}", f"custom_reward_function.path={reward}",
+                       "data.train_batch_size=8", "data.gen_batch_size=16", "data.max_prompt_length=320",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
+                       "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo",
+                       "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"])
+    small = scale_config(cfg, model, root / "data" / "train.parquet", root / "data" / "test.parquet", tmp_path,
+                         n_prompts=4, response_length=8, cloned=False, steps=2)
+    # rounds of the dry run's 4 prompts, at most 8 a step, and data (epochs of the 4-prompt file) for all of them
+    assert small.data.gen_batch_size is None and small.algorithm.filter_groups.max_num_gen_batches == 8
+    assert small.trainer.total_epochs == 16 and small.trainer.total_training_steps == 2

@@ -3,6 +3,7 @@ pruning, resume modes, and the errors for missing, incomplete or mismatched chec
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import shutil
@@ -12,7 +13,7 @@ import torch
 import yaml
 
 from rlhf_core.algos import AdaptiveKLController
-from rlhf_core.config import load_config
+from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training import checkpoint
@@ -246,6 +247,7 @@ ALLOWED = {
     "trainer.guard.max_val_drop": "null", "trainer.warn_kl": "0.5", "trainer.prometheus_port": "9400",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
     "reward_model.train.margin": "0.5", "reward_model.overlong_buffer.log": "true",
+    "trainer.val_only": "true", "trainer.balance_batch": "false",
 }
 
 
@@ -263,7 +265,21 @@ def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(work
         assert f"{key}: " in str(info.value) and "in the checkpoint" in str(info.value), key
     everything = load_config(base + [f"{k}={v}" for k, v in DENIED.items()], validate=False)
     assert sorted(checkpoint.config_differences(yaml.safe_load((ckpt / "config.yaml").read_text()),
-                                                everything.to_dict())) == sorted(DENIED)
+                                                everything.to_dict())) == \
+        sorted([*DENIED, "critic.ppo_mini_batch_size"])  # null: the actor's, so it changed with it
+
+
+def test_a_key_that_follows_the_actors_compares_resolved():
+    """A checkpoint written when the critic's keys held their values (as before they defaulted to null = the
+    actor's) resumes under the same command; one whose value the null now resolves otherwise does not."""
+    current = PPOConfig().to_dict()
+    saved = copy.deepcopy(current)
+    saved["critic"].update(loss_agg_mode="token-mean", shuffle=False)
+    saved["critic"]["model"]["trust_remote_code"] = False
+    assert checkpoint.config_differences(saved, current) == []
+    current["actor_rollout_ref"]["actor"]["loss_agg_mode"] = saved["actor_rollout_ref"]["actor"]["loss_agg_mode"] = \
+        "seq-mean-token-mean"  # the critic followed token-mean then, the actor's seq-mean-token-mean now
+    assert checkpoint.config_differences(saved, current) == ["critic.loss_agg_mode"]
 
 
 def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as_started(workspace, scratch):

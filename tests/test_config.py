@@ -235,6 +235,17 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     assert "critic.ppo_micro_batch_size=3 (deprecated, over all 2 workers) must be a positive multiple" in message
     assert load_config(["actor_rollout_ref.actor.ppo_micro_batch_size=8", "~actor_rollout_ref.actor.ppo_micro_batch_size"],
                        validate=False).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    # both forms of one size: verl refuses it, and so does this loader
+    assert "ppo_micro_batch_size and actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu are both set" in _errors(
+        "actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    # verl's generated config: a deprecated alias at null sets nothing; an interpolation where a number is expected
+    loaded = load_config(["actor_rollout_ref.actor.optim.warmup_style=null", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                          "actor_rollout_ref.ref.ulysses_sequence_parallel_size=${oc.select:a.b,1}"], validate=False)
+    assert loaded.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    # the DAPO recipe's response budget of the length penalty must be the data's
+    assert "max_resp_len=100 differs from data.max_response_length (512)" in _errors(
+        "+reward_model.reward_kwargs.max_resp_len=100")
+    assert load_config(["+reward_model.reward_kwargs.max_resp_len=512"], validate=False).data.max_response_length == 512
 
 
 def test_verl_keys_without_a_counterpart_are_taken_when_harmless():

@@ -77,6 +77,17 @@ def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokeni
     assert json_text["ground_truth"] == ["3"]
 
 
+def test_a_file_without_extra_info_beside_one_with_it(tmp_path, tokenizer):
+    with_info = _write(tmp_path / "a.parquet", ["one"])
+    rows = [make_record("two", "s", "2", "train", 0, "synthetic/arithmetic")]
+    del rows[0]["extra_info"]
+    pd.DataFrame(rows).to_parquet(tmp_path / "b.parquet")
+    meta = RLHFDataset([with_info, str(tmp_path / "b.parquet")], tokenizer,
+                       DataConfig(max_prompt_length=200)).collate([0, 1]).meta
+    # the second file's row gets an empty extra_info (pandas fills the missing column with NaN), its row as index
+    assert meta["extra_info"][1] == {} and meta["index"] == [0, 0]
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

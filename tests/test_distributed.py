@@ -106,14 +106,14 @@ def _steering_hook(token_id: int, force: bool):
 class _TestWorker(DistributedWorker):
     """A rank of the test group (the class travels to the workers by value)."""
 
-    def fsdp_update_and_generate(self, model: str) -> dict:
-        """The sharded update on this rank's share; then a generation in which rank 0's responses end at
-        their first token while rank 1's run to the length limit."""
+    def fsdp_update_and_generate(self, model: str, balance: bool = False) -> dict:
+        """The sharded update on this rank's share (laid out by tokens with ``balance``); then a generation in
+        which rank 0's responses end at their first token while rank 1's run to the length limit."""
         cfg = _config(model, *UPDATE_OVERRIDES)
         tokenizer = load_tokenizer(model)
         batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
         mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
-        result = one_update(cfg, tokenizer, batch, n, minibatch_shares(batch, mini_rows, WORLD)[self.rank])
+        result = one_update(cfg, tokenizer, batch, n, minibatch_shares(batch, mini_rows, WORLD, balance)[self.rank])
         actor = result.pop("worker")
         hook = actor.forward_module.register_forward_hook(
             _steering_hook(tokenizer.eos_token_id, force=self.rank == 0))
@@ -159,12 +159,14 @@ def test_group(ray_cluster):
     group.shutdown()
 
 
-def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir):
+@pytest.mark.parametrize("balance", [False, True], ids=["as_the_rows_come", "balanced_by_tokens"])
+def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir, balance):
     """Actor (full weights, reference copy) and critic (LoRA): the same log-probs, values, metrics and
-    weights after an update with grad clipping active, on one worker and on two."""
+    weights after an update with grad clipping active, on one worker and on two, whether the ranks take
+    each mini-batch's rows as they come or laid out by tokens (trainer.balance_batch)."""
     from transformers import AutoModelForCausalLM
 
-    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir)
+    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir, balance)
     cfg = _config(model_dir, *UPDATE_OVERRIDES)
     batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
     single = one_update(cfg, load_tokenizer(model_dir), batch, n)
@@ -172,8 +174,12 @@ def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_s
     # log-probs and values of the shares, gathered in rank order, are the single worker's (the shares
     # interleave mini-batches: undo that layout to compare row by row)
     mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
-    layout = minibatch_shares(Batch({"row": torch.arange(len(batch))}), mini_rows, WORLD)
+    layout = minibatch_shares(Batch({"row": torch.arange(len(batch)), "attention_mask": batch["attention_mask"]}),
+                              mini_rows, WORLD, balance)
     rows = torch.cat([share["row"] for share in layout])
+    if balance:  # rows of 4 to 10 tokens: the balanced layout is another than the rows as they come
+        plain = minibatch_shares(Batch({"row": torch.arange(len(batch))}), mini_rows, WORLD)
+        assert rows.tolist() != torch.cat([share["row"] for share in plain]).tolist()
     for key in ("log_prob", "entropy", "values"):
         gathered = torch.cat([r[key] for r in ranks])
         torch.testing.assert_close(gathered, single[key][rows], rtol=1e-5, atol=1e-6, msg=key)

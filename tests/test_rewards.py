@@ -234,7 +234,11 @@ def test_load_custom_reward_fn(tmp_path):
     )
     fn = load_custom_reward_fn(path)
     assert fn("any", "5", "5", None) == {"score": 1.0, "length": 1}
-    assert load_custom_reward_fn(str(path), "compute_score") is not fn  # fresh module each time
+    assert load_custom_reward_fn(str(path), "compute_score") is fn  # the same file, the same module
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return 0.5\n")
+    edited = load_custom_reward_fn(path)
+    assert edited is not fn and edited("any", "5", "5", None) == 0.5  # an edited file runs again
 
 
 def test_reward_kwargs_are_bound_and_checked(tmp_path):
@@ -260,6 +264,9 @@ def test_a_reward_may_check_in_a_process_pool(tmp_path):
         "        return pool.map(_check, [(solution_str, ground_truth)])[0]\n")
     fn = load_custom_reward_fn(path)
     assert (fn("any", " 7", "7", None), fn("any", "8", "7", None)) == (1.0, 0.0)
+    # loaded again (the reference check loads it once per data source), the first copy still works
+    again = load_custom_reward_fn(path)
+    assert (fn("any", " 7", "7", None), again("any", "7", "7", None)) == (1.0, 1.0)
 
 
 def test_custom_fn_missing_file(tmp_path):

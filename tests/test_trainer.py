@@ -322,6 +322,15 @@ def test_val_only_validates_and_stops_without_training_or_saving(workspace, caps
     assert not any(key.startswith("actor/") for key in record)
     assert not list(out.glob("global_step_*"))  # nothing trained, nothing saved
     assert len((out / "val_generations.jsonl").read_text().splitlines()) == 2
+    # after a run that saved step 1, the same command with val_only validates that checkpoint and saves nothing
+    trained = root / "val_only_after"
+    assert ppo(_overrides(root, model, "trainer.total_training_steps=1", f"trainer.default_local_dir={trained}",
+                          "trainer.logger=[file]")) == 0
+    assert ppo(_overrides(root, model, "trainer.total_training_steps=1", f"trainer.default_local_dir={trained}",
+                          "trainer.logger=[file]", "trainer.val_only=true")) == 0
+    last = json.loads((trained / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 1 and "val-core/synthetic/arithmetic/acc/mean@1" in last and "actor/pg_loss" not in last
+    assert sorted(p.name for p in trained.glob("global_step_*")) == ["global_step_1"]
 
 
 def test_run_closes_the_trainer_when_training_fails(workspace, monkeypatch):

@@ -295,6 +295,12 @@ def test_token_counts_use_the_chat_template_when_present(char_tokenizer, chat_to
     ].tolist()
     assert plain[0] == len(content)
     assert templated[0] == len(f"<user>{content}\n<assistant>")
+    # the chat template's keywords, as the trainer passes them (data.apply_chat_template_kwargs)
+    thinking = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    thinking.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+                              "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    off = flatten(frame, thinking, template_kwargs={"enable_thinking": False})["prompt_tokens"].tolist()
+    assert off[0] == len(f"<user>{content}\n<assistant><no-think>")
 
 
 def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):

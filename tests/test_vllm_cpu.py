@@ -153,12 +153,12 @@ def _rollout_config(*overrides: str):
 
 
 def _engine(fake, tokenizer, model_dir, *overrides: str, seed: int = 0, max_model_len: int | None = 512,
-            trust_remote_code: bool = False):
+            trust_remote_code: bool = False, hf_overrides: dict | None = None):
     """Built as the actor worker builds it; the module is unused (vLLM keeps its own copy of the model)."""
     return make_rollout_engine("vllm", torch.nn.Linear(2, 2), tokenizer, seed=seed,
                                config=_rollout_config(*overrides), model_path=str(model_dir),
                                max_model_len=max_model_len, weights=fake.weights,
-                               trust_remote_code=trust_remote_code)
+                               trust_remote_code=trust_remote_code, hf_overrides=hf_overrides)
 
 
 def test_the_batch_pads_masks_and_repeats_vllms_samples(fake, tokenizer, model_dir):
@@ -264,13 +264,14 @@ def test_engine_arguments_of_an_older_vllm_in_a_worker_group(monkeypatch, tokeni
     monkeypatch.setattr(distributed, "in_worker_group", lambda: True)
     _engine(fake, tokenizer, model_dir, "actor_rollout_ref.rollout.free_cache_engine=false",
             "actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.rollout.enable_chunked_prefill=false",
-            seed=3, max_model_len=None, trust_remote_code=True)
+            seed=3, max_model_len=None, trust_remote_code=True, hf_overrides={"attention_dropout": 0.0})
     assert fake.built[0][0] == {
         "model": str(model_dir), "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.5,
         "enforce_eager": False, "enable_sleep_mode": False, "trust_remote_code": True,
         "max_num_batched_tokens": 8192, "enable_chunked_prefill": False, "disable_custom_all_reduce": True,
         "skip_tokenizer_init": False,
-        "seed": 3, "distributed_executor_backend": "external_launcher"}
+        "seed": 3, "distributed_executor_backend": "external_launcher",
+        "hf_overrides": {"attention_dropout": 0.0}}  # the actor's model.override_config
 
 
 def _tensor_parallel_pair(monkeypatch, rank: int, partner_prompts: list[list[int]]) -> tuple[list, object]:

@@ -9,6 +9,7 @@ the next unseen batch.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -140,7 +141,8 @@ class RLHFDataset:
             reward_model = record["reward_model"]
             if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
                 raise DataError(f"{where}: reward_model.ground_truth is missing")
-            extra = plain_value(record.get("extra_info", {}))
+            extra = record.get("extra_info", {})
+            extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
             index = extra.get("index") if isinstance(extra, dict) else None
             self.prompt_ids.append(list(ids))
             self.rows.append({
@@ -179,9 +181,10 @@ class PromptSampler:
     next unseen batch, and the order of every epoch depends only on (seed, epoch).
     """
 
-    def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0):
+    def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 key: str = "data.train_batch_size"):
         if batch_size > n:
-            raise DataError(f"data.train_batch_size ({batch_size}) is larger than the dataset ({n} prompts)")
+            raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts)")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.epoch, self.batch_in_epoch = 0, 0
 

@@ -282,8 +282,10 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return messages if ok else None
 
 
-def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generation: bool) -> list[float]:
-    """Tokens per conversation (characters without a tokenizer); NaN where there is none."""
+def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generation: bool,
+             template_kwargs: dict | None = None) -> list[float]:
+    """Tokens per conversation (characters without a tokenizer); NaN where there is none. ``template_kwargs``
+    go to the chat template, as the trainer renders prompts (``data.apply_chat_template_kwargs``)."""
     template = bool(getattr(tokenizer, "chat_template", None))
     texts: dict[int, str] = {}
     for position, messages in enumerate(conversations):
@@ -291,7 +293,8 @@ def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generat
             continue
         try:
             texts[position] = (tokenizer.apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=generation)
+                                                             add_generation_prompt=generation,
+                                                             **(template_kwargs or {}))
                                if template else "\n".join(m["content"] for m in messages))
         except Exception:  # a template may reject a conversation (e.g. no user turn)
             continue
@@ -305,7 +308,7 @@ def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generat
 
 
 def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prompt",
-            measure: bool | None = None) -> pd.DataFrame:
+            measure: bool | None = None, template_kwargs: dict | None = None) -> pd.DataFrame:
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
@@ -333,7 +336,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
         if measure and parsed is not None:
-            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True), "float64")
+            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True, template_kwargs), "float64")
     if kind == "prompt" and {"data_source", "extra_info"} <= set(frame.columns):
         out["problem_id"] = column(f"{source}/{extra['index']}" if isinstance(extra, Mapping)
                                    and not _is_missing(extra.get("index")) else None
@@ -473,7 +476,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     max_prompt_length: int | None = None, *, kind: str | None = "prompt",
                     max_length: int | None = None, max_chars: int | None = None,
                     known_sources: Iterable[str] | None = None, custom_reward: bool = False,
-                    overlong_tolerance: float = 0.0,
+                    overlong_tolerance: float = 0.0, template_kwargs: dict | None = None,
                     names: tuple[str, str] = ("train", "val"),
                     paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
@@ -482,7 +485,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     needs the tokenizer; ``max_chars`` (preference data) counts characters. A limit given for the
     other kind, or a tokenizer without a limit, is a ValueError. ``custom_reward``: a custom reward function
     scores the data (``custom_reward_function.path``), so the checks of the built-in rules (a known data
-    source, a numeric ground truth) do not apply.
+    source, a numeric ground truth) do not apply. ``template_kwargs``: the chat template's keywords when
+    prompts are measured (``data.apply_chat_template_kwargs``).
     """
     kind = detect_kind(train.columns) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -508,7 +512,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         known_sources = known_data_sources()
     tokenizer = load_tokenizer(tokenizer)
     tables = [(names[0], paths[0], train)] + ([(names[1], paths[1], val)] if val is not None else [])
-    flat = [flatten(frame, tokenizer, kind, limit is not None) for _, _, frame in tables]
+    flat = [flatten(frame, tokenizer, kind, limit is not None, template_kwargs) for _, _, frame in tables]
     key, leaked = "pair" if kind == "preference" else "prompt_user_content", None
     if len(flat) == 2 and key in flat[0] and key in flat[1]:
         seen = set(flat[0][key].dropna())

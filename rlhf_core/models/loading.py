@@ -84,8 +84,10 @@ def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
     return tokenizer
 
 
-def max_positions(path: str | os.PathLike, trust_remote_code: bool = False) -> int | None:
-    config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code)
+def max_positions(path: str | os.PathLike, trust_remote_code: bool = False,
+                  override_config: dict | None = None) -> int | None:
+    config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code,
+                                        **(override_config or {}))
     return getattr(config, "max_position_embeddings", None)
 
 

@@ -161,6 +161,7 @@ def evaluate_policy(
     sample_seed: int = 0,
     val_kwargs: ValKwargsConfig | None = None,
     seed: int = 0,
+    override_config: dict | None = None,
 ) -> EvalResult:
     """Greedy (one response per prompt) accuracy of the model in ``model_dir`` on ``val_files``.
 
@@ -171,6 +172,8 @@ def evaluate_policy(
     and seed give the same problems). With ``val_kwargs`` asking for sampling (``n > 1`` or
     ``do_sample``) each problem is also sampled ``n`` times (generator seed ``seed``) for the
     verl ``mean@n`` / ``best@n`` / ``maj@n`` metrics in ``sampled``; greedy stays the headline.
+    ``override_config`` sets model config attributes before loading, as training loads the actor
+    (``actor_rollout_ref.model.override_config``; a trained policy's export already holds them).
     """
     from rlhf_core.data.dataset import RLHFDataset
     from rlhf_core.models.loading import load_actor, load_tokenizer
@@ -191,7 +194,7 @@ def evaluate_policy(
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
     selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
-    module = load_actor(model_dir, dtype=dtype, device=device)
+    module = load_actor(model_dir, dtype=dtype, device=device, override_config=override_config)
     engine = make_rollout_engine("hf", module, tokenizer, seed=seed)
     response_length = max_new_tokens or data_config.max_response_length
     params = SamplingParams(n=1, max_new_tokens=response_length, do_sample=False)

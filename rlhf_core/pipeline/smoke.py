@@ -160,6 +160,7 @@ def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_f
         critic.model.tokenizer_path = None
     data.train_files, data.val_files = [str(train_file)], [str(val_file)]
     data.train_batch_size = n_prompts
+    data.gen_batch_size = None  # each of dynamic sampling's generation rounds draws the dry run's prompts
     data.val_batch_size = None
     data.max_response_length = min(response_length, cfg.data.max_response_length)
     sequences = n_prompts * arr.rollout.n
@@ -178,6 +179,10 @@ def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_f
         arr.rollout.name = "hf"
     trainer.n_gpus_per_node, trainer.nnodes = 1, 1
     trainer.total_training_steps, trainer.total_epochs = steps, steps
+    groups = small.algorithm.filter_groups
+    if groups.enable:  # a step may draw several generation rounds: data for as many as it is allowed
+        groups.max_num_gen_batches = groups.max_num_gen_batches if groups.max_num_gen_batches > 0 else 8
+        trainer.total_epochs = steps * groups.max_num_gen_batches
     trainer.test_freq, trainer.save_freq, trainer.val_before_train = -1, -1, False
     trainer.critic_warmup = 0  # the actor must update on the first step for the KL check
     trainer.resume_mode, trainer.resume_from_path = "disable", None

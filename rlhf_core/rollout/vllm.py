@@ -56,9 +56,10 @@ class VLLMRolloutEngine:
 
     def __init__(self, module: torch.nn.Module, tokenizer, config, model_path: str,
                  weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], max_model_len: int | None = None,
-                 seed: int = 0, trust_remote_code: bool = False):
+                 seed: int = 0, trust_remote_code: bool = False, hf_overrides: dict | None = None):
         """``config`` is the ``actor_rollout_ref.rollout`` section; ``weights`` yields the actor's
-        full tensors under transformers names (on every rank: gathering them is a collective)."""
+        full tensors under transformers names (on every rank: gathering them is a collective);
+        ``hf_overrides`` are the model config attributes the actor loaded with (``model.override_config``)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm is imported: an in-process core
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
@@ -84,6 +85,8 @@ class VLLMRolloutEngine:
         }
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
+        if hf_overrides:
+            kwargs["hf_overrides"] = hf_overrides
         if distributed.in_worker_group():
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
         engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}

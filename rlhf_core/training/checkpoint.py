@@ -61,6 +61,7 @@ import torch
 import yaml
 
 from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
+from rlhf_core.config import FOLLOWS
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -79,7 +80,8 @@ RESUME_SAFE_KEYS = (
     "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
-    "trainer.ray_address", "trainer.profile_steps", "trainer.profile_dir",
+    "trainer.ray_address", "trainer.profile_steps", "trainer.profile_dir", "trainer.val_only",
+    "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
     "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
@@ -87,7 +89,8 @@ RESUME_SAFE_KEYS = (
     "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
     "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
-    "actor_rollout_ref.rollout.max_num_batched_tokens", "reward_model.micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.enable_chunked_prefill",
+    "reward_model.micro_batch_size_per_gpu",
     # follows actor_rollout_ref.model.path by default, a change of which is refused by itself
     "reward_model.model.input_tokenizer",
     "reward_model.overlong_buffer.log",
@@ -459,9 +462,15 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 
     Keys absent from ``saved`` (written by an older version) are not compared.
     """
-    old, new = flatten_config(saved), flatten_config(current)
+    old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))
     return [key for key in new if key in old and old[key] != new[key]
             and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
+
+
+def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` with each null that stands for another key's value (:data:`~rlhf_core.config.FOLLOWS`) replaced
+    by it, so that a checkpoint written when the key held that value itself compares equal."""
+    return {key: flat.get(FOLLOWS[key]) if value is None and key in FOLLOWS else value for key, value in flat.items()}
 
 
 def check_config(path: str | os.PathLike, config) -> None:

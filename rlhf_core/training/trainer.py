@@ -182,9 +182,10 @@ class PPOTrainer:
         self.use_critic = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_CRITIC
         self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
         # dynamic sampling draws data.gen_batch_size prompts a generation round (verl's DAPO key)
-        draw = config.data.gen_batch_size if algo.filter_groups.enable and config.data.gen_batch_size else \
-            config.data.train_batch_size
-        self.sampler = PromptSampler(len(train_dataset), draw, config.data.shuffle, config.data.seed)
+        rounds = algo.filter_groups.enable and config.data.gen_batch_size
+        self.sampler = PromptSampler(len(train_dataset), config.data.gen_batch_size if rounds else
+                                     config.data.train_batch_size, config.data.shuffle, config.data.seed,
+                                     key="data.gen_batch_size" if rounds else "data.train_batch_size")
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
@@ -414,8 +415,7 @@ class PPOTrainer:
             metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
         metrics.update(timings)
         tokens = int(batch["attention_mask"].sum())
-        response_tokens = metrics["response_length/mean"] * len(batch)
-        metrics.update(timing_per_token(timings, response_tokens, tokens))
+        metrics.update(timing_per_token(timings, self._sampled_tokens, tokens))
         metrics["perf/rollout_tokens_per_s"] = self._sampled_tokens / max(timings["timing_s/gen"], 1e-9)
         metrics["perf/total_num_tokens"] = tokens
         metrics["perf/time_per_step"] = timings["timing_s/step"]
@@ -603,8 +603,24 @@ class PPOTrainer:
                 self.fit_step()
             except dynamic_sampling.DataExhausted as exc:
                 print(f"notice: {exc}; training ends at step {self.global_step}", file=sys.stderr, flush=True)
+                self._validate_last_step()
                 break
         return self.history
+
+    def _validate_last_step(self) -> None:
+        """The validation after the last step, where the loop ended before the step it expected to be last
+        (the data ran out inside a step): merged into that step's metrics and logged again with them."""
+        if not self.history or self.val_dataset is None or self.val_accuracy(self.history[-1].metrics) is not None:
+            return
+        last = self.history[-1]
+        started = time.perf_counter()
+        try:
+            last.metrics.update(self.validate())
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "validating after", last.step) from exc
+        last.metrics["timing_s/testing"] = time.perf_counter() - started
+        self._log(last.metrics, last.step)  # the step's whole record again: a reader keeps a step's last one
+        self._log_generations(last.step)
 
     @property
     def data_exhausted(self) -> bool:

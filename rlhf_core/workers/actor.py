@@ -212,7 +212,8 @@ class ActorWorker(CheckpointableWorker):
         if rollout.name == "vllm":
             engine_kwargs = {"config": rollout, "model_path": str(resolve(model_cfg.path)),
                              "max_model_len": max_model_len, "weights": self.rollout_weights,
-                             "trust_remote_code": model_cfg.trust_remote_code}
+                             "trust_remote_code": model_cfg.trust_remote_code,
+                             "hf_overrides": dict(model_cfg.override_config)}
         else:
             engine_kwargs = {"synced": distributed.all_done if self.sharded else None}
         self.rollout = make_rollout_engine(rollout.name, self.forward_module, tokenizer,
