@@ -714,6 +714,11 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             return
         if key in WITHOUT_EFFECT:
             return
+        if key in ALIASES:  # ~alias: back to the default, the key it stands for (and what it sets besides)
+            canonical, extra = ALIASES[key]
+            for target in (canonical, *extra):
+                _assign(cfg, target, _default(target), errors, merge=False)
+            return
         for target in _targets(key, None, notice, errors):
             _assign(cfg, target, _default(target), errors, merge=False)
     elif key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
@@ -732,12 +737,15 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
         if value is None:
             continue
         if key == MAX_RESP_LEN:
+            if isinstance(value, str) and value.startswith("${") and value.endswith("}"):  # e.g. the recipe's
+                value = OmegaConf.select(cfg, value[2:-1], default=value)  # ${data.max_response_length}
             if value != cfg.data.max_response_length:
                 errors.append(f"{key}={value!r} differs from data.max_response_length ({cfg.data.max_response_length}),"
                               " to which the overlong penalty (reward_model.overlong_buffer) counts here")
             continue
         per_worker = GLOBAL_MICRO_BATCHES[key]
-        if OmegaConf.select(cfg, per_worker) != _default(per_worker):
+        given = OmegaConf.select(cfg, per_worker)
+        if given is not None and given != _default(per_worker):  # (verl's generated config holds it null)
             errors.append(f"{key} and {per_worker} are both set (as in verl, one or the other)")
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:

@@ -997,6 +997,8 @@ def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, t
     # logged: steps 1 and 2, then step 2 again whole, its validation added
     assert [step for step, _ in logged] == [1, 2, 2]
     assert "actor/pg_loss" in logged[-1][1] and trainer.val_accuracy(logged[-1][1]) is not None
+    # the guards saw it as any validation: the first one is the val-drop guard's best, checkpointed
+    assert trainer.guard.best_step == 2 and trainer.last_saved_step == 2
 
 
 def test_the_dry_run_of_a_dynamic_sampling_config_has_data_for_its_rounds(tiny, tmp_path):

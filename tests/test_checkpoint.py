@@ -280,6 +280,14 @@ def test_a_key_that_follows_the_actors_compares_resolved():
     current["actor_rollout_ref"]["actor"]["loss_agg_mode"] = saved["actor_rollout_ref"]["actor"]["loss_agg_mode"] = \
         "seq-mean-token-mean"  # the critic followed token-mean then, the actor's seq-mean-token-mean now
     assert checkpoint.config_differences(saved, current) == ["critic.loss_agg_mode"]
+    # without a critic (GRPO) its keys are read by no one; trust_remote_code is a permission, not math
+    for tree in (saved, current):
+        tree["algorithm"]["adv_estimator"] = "grpo"
+    current["critic"]["model"]["trust_remote_code"] = current["actor_rollout_ref"]["model"]["trust_remote_code"] = True
+    assert checkpoint.config_differences(saved, current) == []
+    # the mappings the user fills are compared whole: an override_config entry added since is a change
+    current["actor_rollout_ref"]["model"]["override_config"] = {"rope_theta": 1000.0}
+    assert checkpoint.config_differences(saved, current) == ["actor_rollout_ref.model.override_config"]
 
 
 def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as_started(workspace, scratch):

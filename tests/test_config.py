@@ -13,6 +13,14 @@ import yaml
 from rlhf_core.config import ConfigError, PPOConfig, load_config
 
 
+def _errors_or_none(*overrides: str) -> str | None:
+    try:
+        load_config(list(overrides), notice=lambda _: None, validate=False)
+    except ConfigError as exc:
+        return "\n".join(exc.errors)
+    return None
+
+
 def _errors(*overrides: str) -> str:
     with pytest.raises(ConfigError) as info:
         load_config(list(overrides), notice=lambda _: None)
@@ -246,6 +254,16 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     assert "max_resp_len=100 differs from data.max_response_length (512)" in _errors(
         "+reward_model.reward_kwargs.max_resp_len=100")
     assert load_config(["+reward_model.reward_kwargs.max_resp_len=512"], validate=False).data.max_response_length == 512
+    assert not _errors_or_none("+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}")  # the recipe's
+    # a per-worker size left null (verl's generated config) beside the deprecated one: the deprecated one sets it
+    assert load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null", "trainer.n_gpus_per_node=2",
+                        "actor_rollout_ref.actor.ppo_micro_batch_size=8"], validate=False) \
+        .actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 4
+    # ~alias: the key it stands for back to its default, and what it set besides
+    assert load_config(["actor_rollout_ref.actor.optim.warmup_style=cosine", "~actor_rollout_ref.actor.optim.warmup_style"],
+                       validate=False).actor_rollout_ref.actor.optim.lr_scheduler_type == "constant"
+    reset = load_config(["algorithm.kl_ctrl_target=0.5", "~algorithm.kl_ctrl_target"], validate=False).algorithm.kl_ctrl
+    assert (reset.type, reset.target_kl) == ("fixed", PPOConfig().algorithm.kl_ctrl.target_kl)
 
 
 def test_verl_keys_without_a_counterpart_are_taken_when_harmless():

@@ -22,6 +22,7 @@ from rlhf_core.pipeline.smoke import (
     run_smoke_test,
     scale_config,
 )
+from rlhf_core.rewards import custom_module_name
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,20 @@ def test_a_reward_edited_after_it_was_pinned_stops_the_evaluation(tmp_path):
     cfg.custom_reward_function.reward_kwargs = {"scale": 3}
     with pytest.raises(RewardChangedError):
         check_reward_unchanged(cfg, pinned, "evaluate")
+
+
+def test_the_reward_spec_is_the_same_for_every_load_of_an_unchanged_reward(tmp_path):
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def _check(s):\n    return float(s == '1')\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return _check(solution_str)\n")
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    first = reward_spec(cfg, data_sources=["anything"])
+    assert list(first["functions"]["anything"]["calls"]) == [f"{custom_module_name(custom)}._check"]
+    assert reward_spec(cfg, data_sources=["anything"])["sha256"] == first["sha256"]  # another load, the same spec
+    custom.write_text(custom.read_text() + "# a comment outside the functions\n")
+    assert reward_spec(cfg, data_sources=["anything"])["sha256"] == first["sha256"]
 
 
 def test_reward_spec_holds_the_reward_kwargs(tmp_path):

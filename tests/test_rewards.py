@@ -234,11 +234,12 @@ def test_load_custom_reward_fn(tmp_path):
     )
     fn = load_custom_reward_fn(path)
     assert fn("any", "5", "5", None) == {"score": 1.0, "length": 1}
-    assert load_custom_reward_fn(str(path), "compute_score") is fn  # the same file, the same module
-    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    "    return 0.5\n")
-    edited = load_custom_reward_fn(path)
-    assert edited is not fn and edited("any", "5", "5", None) == 0.5  # an edited file runs again
+    # each load runs the file afresh: module-level state starts anew (a seeded generator, a counter)
+    path.write_text("import itertools\n_calls = itertools.count()\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    return float(next(_calls))\n")
+    first, second = load_custom_reward_fn(path), load_custom_reward_fn(path)
+    assert [first("a", "", "", None), first("a", "", "", None), second("a", "", "", None)] == [0.0, 1.0, 0.0]
 
 
 def test_reward_kwargs_are_bound_and_checked(tmp_path):

@@ -303,6 +303,22 @@ def test_token_counts_use_the_chat_template_when_present(char_tokenizer, chat_to
     assert off[0] == len(f"<user>{content}\n<assistant><no-think>")
 
 
+def test_the_command_line_measures_with_the_chat_template_keywords(tmp_path, chat_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    thinking = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    thinking.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+                              "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}")
+    thinking.save_pretrained(tmp_path / "tok")
+    path = tmp_path / "a.parquet"
+    frame = pd.DataFrame(records(1))
+    frame.to_parquet(path)
+    length = int(flatten(frame, thinking)["prompt_tokens"][0])  # without the keywords
+    common = [str(path), "--tokenizer", str(tmp_path / "tok"), "--max-prompt-length", str(length)]
+    assert validate(common) == 0
+    assert validate([*common, "--chat-template-kwargs", '{"enable_thinking": false}']) == 1  # 10 tokens longer
+
+
 def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):
     rows = records(4)
     rows[2]["prompt"][0]["content"] += " Please show every step of your working." * 5

@@ -204,6 +204,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--custom-reward", action="store_true",
                         help="prompt data scored by a custom reward function (custom_reward_function.path): "
                              "any data_source and any form of ground truth")
+    parser.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
+                        help="keywords to the chat template when prompts are measured, as data.apply_chat_template_"
+                             "kwargs gives them to the trainer, e.g. '{\"enable_thinking\": false}'")
     parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     return parser
@@ -215,7 +218,8 @@ def validate(argv: Sequence[str] | None = None) -> int:
     try:
         report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
                                   max_length=args.max_length, max_chars=args.max_chars,
-                                  overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward)
+                                  overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward,
+                                  template_kwargs=args.chat_template_kwargs)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import itertools
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -78,14 +79,23 @@ def get_reward_fn(data_source: str) -> RewardFn:
         ) from None
 
 
+_LOADS = itertools.count()
+
+
+def custom_module_name(file: str | Path) -> str:
+    """The module name of a custom reward file, the same for every load of that path (each load registers
+    ``<this>_<n>``): what the reward spec names its functions by."""
+    return "_custom_reward_" + hashlib.sha1(str(Path(file).expanduser().resolve()).encode()).hexdigest()[:12]
+
+
 def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
                           reward_kwargs: Mapping[str, Any] | None = None) -> RewardFn:
     """Load the function ``name`` from the Python file ``path``; with ``reward_kwargs``, the function with
     those keyword arguments bound (a :func:`functools.partial`), as verl's ``reward_kwargs`` give them.
 
-    The file runs once per content: loading it again while it is unchanged gives the same module, registered
-    in ``sys.modules`` (so that what it defines pickles by reference, as a ``multiprocessing`` pool inside the
-    reward needs); an edited file runs again as a new module. Raises
+    The file runs as a fresh module on each call (module-level state starts anew) and each stays registered
+    in ``sys.modules`` under a name of its own (so that what it defines pickles by reference, as a
+    ``multiprocessing`` pool inside the reward needs). Raises
     FileNotFoundError (no such file), ImportError (the file fails to run), AttributeError (no ``name`` in
     it; the message lists the functions it does define) or TypeError (``name`` is not callable, or does
     not take the ``reward_kwargs``). The return type is checked when the function is used, by the reward
@@ -99,26 +109,23 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
             "check custom_reward_function.path (relative paths resolve against the working directory "
             f"{str(Path.cwd())!r})"
         )
-    # one module per path and content: loading the same file again (each data source, each step of a pipeline)
-    # gives the same functions, which pickle by reference to it; an edited file is a new module
-    module_name = "_custom_reward_" + hashlib.sha1(str(file.resolve()).encode() + b"\0" + file.read_bytes()
-                                                   ).hexdigest()[:16]
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, file)
-        if spec is None or spec.loader is None:
-            raise ImportError(
-                f"cannot load {str(file)!r} as a Python module; custom_reward_function.path must be a .py file"
-            )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module  # dataclasses, pickling and forked pool workers look it up
-        try:
-            spec.loader.exec_module(module)
-        except Exception as exc:
-            sys.modules.pop(module_name, None)
-            raise ImportError(
-                f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
-            ) from exc
+    # a fresh module each load (its own module-level state), under a name of its own that stays registered, so
+    # that every copy's functions pickle by reference (a multiprocessing pool's workers look them up by name)
+    module_name = f"{custom_module_name(file)}_{next(_LOADS)}"
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(
+            f"cannot load {str(file)!r} as a Python module; custom_reward_function.path must be a .py file"
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise ImportError(
+            f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
     if not hasattr(module, name):
         defined = sorted(

@@ -60,8 +60,9 @@ import numpy as np
 import torch
 import yaml
 
+from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
 from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
-from rlhf_core.config import FOLLOWS
+from rlhf_core.config import FOLLOWS, OPEN_KEYS
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -87,7 +88,7 @@ RESUME_SAFE_KEYS = (
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
     "*.ppo_micro_batch_size_per_gpu", "*.log_prob_micro_batch_size_per_gpu", "*.ppo_max_token_len_per_gpu",
     "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
-    "*.enable_gradient_checkpointing", "*.fsdp_config.*", "actor_rollout_ref.rollout.gpu_memory_utilization",
+    "*.enable_gradient_checkpointing", "*.fsdp_config.*", "*.trust_remote_code", "actor_rollout_ref.rollout.gpu_memory_utilization",
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.enable_chunked_prefill",
     "reward_model.micro_batch_size_per_gpu",
@@ -447,10 +448,11 @@ def export_hf(trainer, directory: str | os.PathLike) -> Path:
 
 
 def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """A nested config tree as one level of dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    """A nested config tree as one level of dotted keys: ``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; the mappings
+    whose keys the user names (``OPEN_KEYS``: reward_kwargs, override_config, ...) stay whole values."""
     flat = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and f"{prefix}{key}" not in OPEN_KEYS:
             flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
@@ -463,8 +465,14 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     Keys absent from ``saved`` (written by an older version) are not compared.
     """
     old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))
+    no_critic = not _has_critic(saved) and not _has_critic(current)  # the critic's keys are read by no one
     return [key for key in new if key in old and old[key] != new[key]
+            and not (no_critic and key.startswith("critic."))
             and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
+
+
+def _has_critic(tree: dict) -> bool:
+    return tree.get("algorithm", {}).get("adv_estimator") in ADV_ESTIMATORS_NEED_CRITIC
 
 
 def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
@@ -483,7 +491,7 @@ def check_config(path: str | os.PathLike, config) -> None:
     current = config.to_dict()
     differing = config_differences(saved, current)
     if differing:
-        old, new = flatten_config(saved), flatten_config(current)
+        old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))  # nulls as they resolve
         listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "

@@ -607,20 +607,39 @@ class PPOTrainer:
                 break
         return self.history
 
+    def _validate_step(self, step: int, metrics: dict[str, float],
+                       event: GuardEvent | None) -> tuple[bool, GuardEvent | None]:
+        """Validate after ``step`` into ``metrics`` and show the result to the val-drop and over-optimisation
+        guards (unless ``event`` is already one of theirs): (a new best to checkpoint, the guards' event)."""
+        started = time.perf_counter()
+        try:
+            metrics.update(self.validate())
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "validating after", step) from exc
+        metrics["timing_s/testing"] = time.perf_counter() - started
+        self._log_generations(step)
+        new_best = False
+        if event is None:
+            new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
+        if event is None:
+            better, event = self.overopt.observe(step, *proxy_and_gold(metrics))
+            new_best = new_best or better
+        return new_best, event
+
     def _validate_last_step(self) -> None:
         """The validation after the last step, where the loop ended before the step it expected to be last
-        (the data ran out inside a step): merged into that step's metrics and logged again with them."""
+        (the data ran out inside a step): merged into that step's metrics, shown to the guards as any
+        validation is (a rollback or a stop carried out here), and the step's record logged again whole."""
         if not self.history or self.val_dataset is None or self.val_accuracy(self.history[-1].metrics) is not None:
             return
         last = self.history[-1]
-        started = time.perf_counter()
-        try:
-            last.metrics.update(self.validate())
-        except WorkerError as exc:
-            raise self._worker_failure(exc, "validating after", last.step) from exc
-        last.metrics["timing_s/testing"] = time.perf_counter() - started
+        new_best, event = self._validate_step(last.step, last.metrics, None)
         self._log(last.metrics, last.step)  # the step's whole record again: a reader keeps a step's last one
-        self._log_generations(last.step)
+        if event is not None:
+            last.event = event
+            self.apply_guard_event(event)
+        if new_best or event is not None:
+            self.save_checkpoint()
 
     @property
     def data_exhausted(self) -> bool:
@@ -663,19 +682,8 @@ class PPOTrainer:
         due = (validate(step, metrics) if validate is not None
                else last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0))
         if self.val_dataset is not None and due:
-            started = time.perf_counter()
-            try:
-                metrics.update(self.validate())
-            except WorkerError as exc:
-                raise self._worker_failure(exc, "validating after", step) from exc
-            metrics["timing_s/testing"] = time.perf_counter() - started
-            self._log_generations(step)
-            if event is None:
-                new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
-                save = save or new_best
-            if event is None:
-                new_best, event = self.overopt.observe(step, *proxy_and_gold(metrics))
-                save = save or new_best
+            new_best, event = self._validate_step(step, metrics, event)
+            save = save or new_best
         metrics["training/global_step"] = step
         metrics["training/epoch"] = epoch
         metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
