@@ -511,12 +511,12 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
 # verl keys with no counterpart here: each with the values that mean what this trainer does anyway
 # (accepted with a notice) and what it does instead (any other value is an error that says so)
 WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{f"{section}.ulysses_sequence_parallel_size": (lambda v: v == 1, "there is no sequence parallelism here")
+    **{f"{section}.ulysses_sequence_parallel_size": (lambda v: str(v) == "1", "there is no sequence parallelism here")
        for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")},
-    **{f"{section}.fsdp_size": (lambda v: v == -1, "FSDP2 shards over all the workers")
+    **{f"{section}.fsdp_size": (lambda v: str(v) == "-1", "FSDP2 shards over all the workers")
        for section in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
                        "critic.model.fsdp_config", "critic.fsdp_config")},
-    **{f"{section}.grad_offload": (lambda v: v is False, "gradients stay on the device")
+    **{f"{section}.grad_offload": (lambda v: str(v).lower() == "false", "gradients stay on the device")
        for section in ("actor_rollout_ref.actor.fsdp_config", "critic.model.fsdp_config", "critic.fsdp_config")},
     "actor_rollout_ref.rollout.mode": (lambda v: True, "rollouts run in the trainer's workers, one batch at a time"),
     "actor_rollout_ref.rollout.calculate_log_probs": (
@@ -643,7 +643,7 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
             return {}
     if key in WITHOUT_EFFECT:
         harmless, instead = WITHOUT_EFFECT[key]
-        if harmless(value) or (isinstance(value, str) and value.startswith("${")):  # verl's interpolations
+        if harmless(value):
             notice(f"notice: {key}={value!r} has no effect: {instead}")
         else:
             errors.append(f"{key}={value!r} is not supported: {instead}")
@@ -709,7 +709,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if override.value_type is not None:
             errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
             return
-        if key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+        if _deferred(key, None):
             deferred.pop(key, None)
             return
         if key in WITHOUT_EFFECT:
@@ -721,24 +721,44 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             return
         for target in _targets(key, None, notice, errors):
             _assign(cfg, target, _default(target), errors, merge=False)
-    elif key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+    elif _deferred(key, override.value()):
         deferred[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
             _assign(cfg, target, value, errors)
 
 
+def _deferred(key: str, value: Any) -> bool:
+    """Whether ``key`` is settled once every other key is: a value that depends on the others (a deprecated
+    size over all workers, the DAPO recipe's response budget, an interpolation on a key without effect)."""
+    return key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN or (
+        key in WITHOUT_EFFECT and isinstance(value, str) and value.startswith("${"))
+
+
+def _resolved_value(cfg: DictConfig, value: Any) -> Any:
+    """``value`` with its ``${...}`` interpolation resolved against ``cfg`` (as verl's config would resolve it)."""
+    if not (isinstance(value, str) and value.startswith("${")):
+        return value
+    try:
+        return OmegaConf.create({**OmegaConf.to_container(cfg), "_probe": value})._probe
+    except Exception:  # noqa: BLE001 - an interpolation that does not resolve here is reported as given
+        return value
+
+
 def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
-                                 errors: list[str]) -> None:
+                     errors: list[str]) -> None:
     """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES),
-    and the DAPO recipe's response budget of its length penalty, which must be data.max_response_length."""
+    the DAPO recipe's response budget of its length penalty, which must be data.max_response_length, and the
+    interpolations given to keys without effect, judged by what they resolve to."""
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     for key, value in values.items():
+        value = _resolved_value(cfg, value)
         if value is None:
             continue
+        if key in WITHOUT_EFFECT:
+            _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead
+            continue
         if key == MAX_RESP_LEN:
-            if isinstance(value, str) and value.startswith("${") and value.endswith("}"):  # e.g. the recipe's
-                value = OmegaConf.select(cfg, value[2:-1], default=value)  # ${data.max_response_length}
             if value != cfg.data.max_response_length:
                 errors.append(f"{key}={value!r} differs from data.max_response_length ({cfg.data.max_response_length}),"
                               " to which the overlong penalty (reward_model.overlong_buffer) counts here")
@@ -775,7 +795,7 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
     errors: list[str] = []
     deferred: dict[str, Any] = {}
     for key, value in _leaves(tree) if tree is not None else ():
-        if key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN:
+        if _deferred(key, value):
             deferred[key] = value
             continue
         for target, target_value in _targets(key, value, notice, errors).items():

@@ -1001,18 +1001,26 @@ def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, t
     assert trainer.guard.best_step == 2 and trainer.last_saved_step == 2
 
 
-def test_the_dry_run_of_a_dynamic_sampling_config_has_data_for_its_rounds(tiny, tmp_path):
-    from rlhf_core.pipeline.smoke import scale_config
+def test_the_dry_run_of_a_dynamic_sampling_config_runs_its_steps(tiny, tmp_path):
+    """The smoke test of a DAPO config: a step may take several generation rounds, so the dry run keeps data for
+    them. The reward makes the first group of each round of 4 prompts x 4 score alike (dropped), so a step of 4
+    groups takes 2 rounds; with data for only 2 rounds the dry run would end after 1 of its 2 steps."""
+    from rlhf_core.pipeline.smoke import run_smoke_test
 
-    root, model, reward = tiny
+    root, model, _ = tiny
+    reward = tmp_path / "three_of_four.py"
+    reward.write_text("import itertools\n_calls = itertools.count()\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    i = next(_calls)\n"
+                      "    return 0.0 if (i // 4) % 4 == 0 else float(i % 2)\n")
     cfg = load_config([f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
                        f"data.val_files={root / 'data' / 'test.parquet'}", f"custom_reward_function.path={reward}",
                        "data.train_batch_size=8", "data.gen_batch_size=16", "data.max_prompt_length=320",
-                       "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
-                       "trainer.n_gpus_per_node=1", "algorithm.adv_estimator=grpo",
-                       "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"])
-    small = scale_config(cfg, model, root / "data" / "train.parquet", root / "data" / "test.parquet", tmp_path,
-                         n_prompts=4, response_length=8, cloned=False, steps=2)
-    # rounds of the dry run's 4 prompts, at most 8 a step, and data (epochs of the 4-prompt file) for all of them
-    assert small.data.gen_batch_size is None and small.algorithm.filter_groups.max_num_gen_batches == 8
-    assert small.trainer.total_epochs == 16 and small.trainer.total_training_steps == 2
+                       "data.max_response_length=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                       "actor_rollout_ref.rollout.n=4", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
+                       "algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true",
+                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing=false"])
+    report = run_smoke_test(cfg, tmp_path / "smoke", n_prompts=4, response_length=8)
+    assert report.passed and len(report.metrics) == 2
+    assert [m["train/num_gen_batches"] for m in report.metrics] == [2.0, 2.0]

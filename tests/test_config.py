@@ -250,6 +250,9 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     loaded = load_config(["actor_rollout_ref.actor.optim.warmup_style=null", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
                           "actor_rollout_ref.ref.ulysses_sequence_parallel_size=${oc.select:a.b,1}"], validate=False)
     assert loaded.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    # an interpolation is judged by what it resolves to
+    assert "ulysses_sequence_parallel_size=4 is not supported" in _errors(
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=${oc.select:nothing.here,4}")
     # the DAPO recipe's response budget of the length penalty must be the data's
     assert "max_resp_len=100 differs from data.max_response_length (512)" in _errors(
         "+reward_model.reward_kwargs.max_resp_len=100")
