@@ -25,7 +25,6 @@ import inspect
 import io
 import json
 import math
-import re
 import sys
 import types
 from collections import Counter
@@ -41,7 +40,7 @@ import torch
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import as_file_list, plain_value
-from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn
+from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -339,15 +338,6 @@ def _called_functions(fn: Callable) -> list[Callable]:
     return found
 
 
-_LOADED_COPY = re.compile(r"^(_custom_reward_[0-9a-f]{12})_\d+$")
-
-
-def _module_of(fn: Callable) -> str:
-    """``fn``'s module by name, a custom reward file's loaded copy (``<name>_<n>``) by the file's one name."""
-    match = _LOADED_COPY.match(fn.__module__)
-    return match.group(1) if match else fn.__module__
-
-
 def _identity(fn: Callable, custom_path: str | None) -> str:
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
     if custom_path:
@@ -388,7 +378,8 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
         functions[source] = {
             "function": _identity(body, custom.path),
             "parameters": _parameters(bound),  # with reward_kwargs, their values in place of the defaults
-            "calls": {f"{_module_of(f)}.{f.__qualname__}": _parameters(f) for f in _called_functions(body)},
+            "calls": {f"{spec_module_name(f.__module__)}.{f.__qualname__}": _parameters(f)
+                      for f in _called_functions(body)},
             "source_sha256": hashlib.sha256(_source_closure(body).encode()).hexdigest(),
         }
     spec = {

@@ -82,10 +82,20 @@ def get_reward_fn(data_source: str) -> RewardFn:
 _LOADS = itertools.count()
 
 
+_CUSTOM_MODULE = "_custom_reward_"
+
+
 def custom_module_name(file: str | Path) -> str:
     """The module name of a custom reward file, the same for every load of that path (each load registers
     ``<this>_<n>``): what the reward spec names its functions by."""
-    return "_custom_reward_" + hashlib.sha1(str(Path(file).expanduser().resolve()).encode()).hexdigest()[:12]
+    return _CUSTOM_MODULE + hashlib.sha1(str(Path(file).expanduser().resolve()).encode()).hexdigest()[:12]
+
+
+def spec_module_name(module: str) -> str:
+    """A module's name as the reward spec writes it: a loaded copy of a custom reward file
+    (``<custom_module_name>_<n>``) by the file's one name, any other module by its own."""
+    base, _, copy = module.rpartition("_")
+    return base if base.startswith(_CUSTOM_MODULE) and copy.isdigit() else module
 
 
 def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
@@ -205,4 +215,5 @@ __all__ = [
     "known_data_sources",
     "custom_reward_fn",
     "load_custom_reward_fn",
+    "spec_module_name",
 ]
