@@ -19,6 +19,7 @@ prints the resolved tree as YAML (exit 0) or the errors on stderr (exit 2).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
@@ -484,6 +485,19 @@ class PPOConfig:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
 
+    def value(self, key: str) -> Any:
+        """The value of dotted ``key``; for a null key of :data:`FOLLOWS`, the value it stands for."""
+        return followed(functools.partial(_attribute, self), key)
+
+    def resolved(self) -> PPOConfig:
+        """A copy with each null of :data:`FOLLOWS` replaced by the value it stands for: what the workers read."""
+        out = copy.deepcopy(self)
+        values = {key: self.value(key) for key in FOLLOWS}
+        for key, value in values.items():
+            section, _, name = key.rpartition(".")
+            setattr(_attribute(out, section), name, value)
+        return out
+
     @classmethod
     def from_dict(cls, tree: Mapping[str, Any]) -> PPOConfig:
         """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps."""
@@ -539,9 +553,14 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
 # sections of backends this trainer does not have: any key below them is refused with the reason
 REFUSED_SECTIONS = {".megatron.": "Megatron is not a backend here: the workers shard with FSDP2 (strategy=fsdp)"}
 
-# keys whose null means "the value of that other key" (as verl's config interpolates them); the workers
-# resolve them where they read them, and a resume compares them resolved
+# keys whose null means "the value of that other key" (as verl's config interpolates them), possibly through
+# another such key: the workers are built from PPOConfig.resolved(), and a resume compares them resolved
 FOLLOWS: dict[str, str] = {
+    "critic.model.path": "actor_rollout_ref.model.path",
+    "critic.model.tokenizer_path": "actor_rollout_ref.model.tokenizer_path",
+    "actor_rollout_ref.model.tokenizer_path": "actor_rollout_ref.model.path",
+    "data.tokenizer": "actor_rollout_ref.model.tokenizer_path",
+    "actor_rollout_ref.actor.loss_scale_factor": "data.max_response_length",
     "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
     "critic.shuffle": "actor_rollout_ref.actor.shuffle",
     "critic.model.trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
@@ -553,6 +572,31 @@ FOLLOWS: dict[str, str] = {
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
 }
+
+def followed(value_of: Callable[[str], Any], key: str) -> Any:
+    """``key``'s value, or where it is null and in :data:`FOLLOWS`, the value it stands for (followed through
+    keys that are null in turn); ``value_of`` reads a dotted key."""
+    value = value_of(key)
+    while value is None and key in FOLLOWS:
+        key = FOLLOWS[key]
+        value = value_of(key)
+    return value
+
+
+def require_resolved(section: Any, prefix: str) -> None:
+    """Refuse a config section (``section`` at dotted ``prefix``) in which a key of :data:`FOLLOWS` is still
+    null: a worker reads its keys as they are, so it must be given a section of :meth:`PPOConfig.resolved`."""
+    start = f"{prefix}."
+    unresolved = [key for key in FOLLOWS if key.startswith(start) and _attribute(section, key[len(start):]) is None]
+    if unresolved:
+        raise ValueError(f"{', '.join(unresolved)} null: build the worker from PPOConfig.resolved()'s {prefix}")
+
+
+def _attribute(node: Any, dotted: str) -> Any:
+    for name in dotted.split(".") if dotted else ():
+        node = getattr(node, name)
+    return node
+
 
 # sections verl keeps elsewhere: every key below the first stands for the same key below the second
 PREFIX_ALIASES: dict[str, str] = {

@@ -170,8 +170,8 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
     the world size is above 1, or when ``use_worker_group`` says so). :func:`trainer_session` closes it."""
     from rlhf_core.training.trainer import PPOTrainer
 
-    arr = cfg.actor_rollout_ref
-    tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
+    tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"),
+                               cfg.actor_rollout_ref.model.trust_remote_code)
     train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files")
     val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files") if cfg.data.val_files else None
     reward_fn = custom_reward_fn(cfg)

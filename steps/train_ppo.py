@@ -50,7 +50,7 @@ def train_ppo(
     check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files), validated, "train_ppo")
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
-        model.tokenizer_path = model.tokenizer_path or model.path
+        model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")  # the tokenizer stays
         model.path = str(resolve_policy_dir(init_from))
         logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
     if reward_model is not None:

@@ -27,12 +27,12 @@ def validate_data(ppo_config: dict) -> tuple[
 ]:
     """The suite's result, its HTML report and the SHA-256 of the data files; fails on any failed expectation."""
     cfg = PPOConfig.from_dict(ppo_config)
-    data, model = cfg.data, cfg.actor_rollout_ref.model
+    data = cfg.data
     train_paths, val_paths = as_file_list(data.train_files), as_file_list(data.val_files)
     # over-long prompts only break a run whose trainer rejects them
     rejects_overlong = data.truncation == "error" and not data.filter_overlong_prompts
     report = validate_dataset(
-        train_paths, val_paths, data.tokenizer or model.tokenizer_path or model.path, data.max_prompt_length,
+        train_paths, val_paths, cfg.value("data.tokenizer"), data.max_prompt_length,
         kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,
         custom_reward=bool(cfg.custom_reward_function.path), template_kwargs=dict(data.apply_chat_template_kwargs),
     )

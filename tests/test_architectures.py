@@ -268,11 +268,10 @@ def update_once(model: str, share: Batch | None = None) -> dict[str, dict[str, t
     from rlhf_core.workers.critic import CriticWorker
 
     cfg = _update_config(model)
-    arr, n = cfg.actor_rollout_ref, cfg.actor_rollout_ref.rollout.n
+    resolved, n = cfg.resolved(), cfg.actor_rollout_ref.rollout.n
     batch = share if share is not None else _rollout()
-    actor = ActorWorker(arr, load_tokenizer(model), total_steps=1, need_ref=True, seed=0)
-    critic = CriticWorker(cfg.critic, model, "float32", 1, arr.actor.ppo_mini_batch_size, False,
-                          arr.actor.ppo_epochs, seed=0)
+    actor = ActorWorker(resolved.actor_rollout_ref, load_tokenizer(model), total_steps=1, need_ref=True, seed=0)
+    critic = CriticWorker(resolved.critic, "float32", 1, seed=0)
     actor.update_policy(batch, n)
     critic.update_critic(batch, n)
     return {"actor": distributed.full_state_dict(actor.module), "critic": distributed.full_state_dict(critic.module)}

@@ -266,7 +266,7 @@ def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(work
     everything = load_config(base + [f"{k}={v}" for k, v in DENIED.items()], validate=False)
     assert sorted(checkpoint.config_differences(yaml.safe_load((ckpt / "config.yaml").read_text()),
                                                 everything.to_dict())) == \
-        sorted([*DENIED, "critic.ppo_mini_batch_size"])  # null: the actor's, so it changed with it
+        sorted(DENIED)  # not the keys left null that stand for these (critic.model.path, data.tokenizer, ...)
 
 
 def test_a_key_that_follows_the_actors_compares_resolved():
@@ -277,6 +277,15 @@ def test_a_key_that_follows_the_actors_compares_resolved():
     saved["critic"].update(loss_agg_mode="token-mean", shuffle=False)
     saved["critic"]["model"]["trust_remote_code"] = False
     assert checkpoint.config_differences(saved, current) == []
+    # paths that stand for the actor's, written out (through a chain: the data's tokenizer is the actor's
+    # tokenizer, which is its model directory), resume; another directory does not
+    policy = current["actor_rollout_ref"]["model"]["path"]
+    written = copy.deepcopy(current)
+    written["critic"]["model"].update(path=policy, tokenizer_path=policy)
+    written["data"]["tokenizer"] = policy
+    assert checkpoint.config_differences(saved, written) == []
+    written["critic"]["model"]["path"] = "/elsewhere"
+    assert checkpoint.config_differences(saved, written) == ["critic.model.path"]
     current["actor_rollout_ref"]["actor"]["loss_agg_mode"] = saved["actor_rollout_ref"]["actor"]["loss_agg_mode"] = \
         "seq-mean-token-mean"  # the critic followed token-mean then, the actor's seq-mean-token-mean now
     assert checkpoint.config_differences(saved, current) == ["critic.loss_agg_mode"]

@@ -166,6 +166,51 @@ def test_interpolations_follow_the_keys_they_name():
     assert cfg.trainer.profile_dir == "/out/gsm8k-3/profile"
 
 
+def test_the_keys_that_stand_for_others_resolve_through_chains_and_leave_the_config_as_given():
+    cfg = load_config(["actor_rollout_ref.model.path=/m/policy", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                       "actor_rollout_ref.actor.ppo_epochs=3", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                       "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096", "data.max_response_length=96",
+                       "critic.ppo_epochs=2", "critic.model.path=/m/critic",
+                       "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=1024"])
+    resolved = cfg.resolved()
+    arr, critic = resolved.actor_rollout_ref, resolved.critic
+    # null: the value named, through a null in between (the critic's tokenizer: the actor's, then its model's)
+    assert (critic.model.tokenizer_path, arr.model.tokenizer_path, resolved.data.tokenizer) == ("/m/policy",) * 3
+    assert (critic.ppo_mini_batch_size, critic.use_dynamic_bsz) == (8, True)
+    assert (arr.rollout.log_prob_use_dynamic_bsz, arr.rollout.log_prob_max_token_len_per_gpu) == (True, 4096)
+    assert arr.actor.loss_scale_factor == 96
+    # a value given stays
+    assert (critic.ppo_epochs, critic.model.path, arr.ref.log_prob_max_token_len_per_gpu) == (2, "/m/critic", 1024)
+    assert cfg.critic.ppo_mini_batch_size is None and cfg.data.tokenizer is None  # the config itself unchanged
+    assert cfg.value("critic.model.tokenizer_path") == "/m/policy" and cfg.value("critic.ppo_epochs") == 2
+    assert resolved.resolved() == resolved
+
+
+def test_every_key_that_stands_for_another_names_a_key_that_exists_and_ends_in_a_value():
+    from rlhf_core.config import FOLLOWS
+
+    defaults = PPOConfig()
+    for key, target in FOLLOWS.items():
+        value = defaults
+        for name in target.split("."):
+            value = getattr(value, name)  # an AttributeError names a key that does not exist
+        seen = {key}
+        while target in FOLLOWS:  # a chain, never a loop
+            assert target not in seen, key
+            seen.add(target)
+            target = FOLLOWS[target]
+        assert defaults.value(key) is not None, key
+
+
+def test_a_worker_refuses_a_section_with_a_key_left_to_stand_for_another():
+    from rlhf_core.workers.critic import CriticWorker
+
+    cfg = load_config([])  # refused before any model is looked for
+    with pytest.raises(ValueError, match=r"critic.model.path, critic.model.tokenizer_path, .*critic.ppo_epochs.* "
+                                         r"null: build the worker from PPOConfig.resolved\(\)'s critic"):
+        CriticWorker(cfg.critic, "float32", total_steps=1)
+
+
 def test_a_value_outside_the_grammar_asks_for_quotes():
     message = _errors("data.train_files=~/data/train.parquet")
     assert "override 'data.train_files=~/data/train.parquet' is not key=value" in message

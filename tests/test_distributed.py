@@ -81,10 +81,9 @@ def one_update(cfg, tokenizer, batch: Batch, n: int, shares: Batch | None = None
     from rlhf_core.workers.actor import ActorWorker
     from rlhf_core.workers.critic import CriticWorker
 
-    arr = cfg.actor_rollout_ref
-    actor = ActorWorker(arr, tokenizer, total_steps=1, need_ref=True, seed=0)
-    critic = CriticWorker(cfg.critic, arr.model.path, "float32", 1, arr.actor.ppo_mini_batch_size,
-                          False, arr.actor.ppo_epochs, seed=0)
+    resolved = cfg.resolved()
+    actor = ActorWorker(resolved.actor_rollout_ref, tokenizer, total_steps=1, need_ref=True, seed=0)
+    critic = CriticWorker(resolved.critic, "float32", 1, seed=0)
     local = shares if shares is not None else batch
     log_prob, entropy = actor.compute_log_prob(local)
     values = critic.compute_values(local)

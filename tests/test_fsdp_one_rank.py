@@ -38,10 +38,9 @@ tokenizer, batch, n = load_tokenizer(model), rollout_batch(), cfg.actor_rollout_
 packed = []
 
 def update():
-    arr = cfg.actor_rollout_ref
-    actor = ActorWorker(arr, tokenizer, total_steps=1, need_ref=True, seed=0, device=device)
-    critic = CriticWorker(cfg.critic, arr.model.path, "float32", 1, arr.actor.ppo_mini_batch_size, False,
-                          arr.actor.ppo_epochs, seed=0, device=device)
+    resolved = cfg.resolved()
+    actor = ActorWorker(resolved.actor_rollout_ref, tokenizer, total_steps=1, need_ref=True, seed=0, device=device)
+    critic = CriticWorker(resolved.critic, "float32", 1, seed=0, device=device)
     packed.append(actor.remove_padding and critic.remove_padding)
     log_prob, _ = actor.compute_log_prob(batch)
     ref_log_prob = actor.compute_ref_log_prob(batch)

@@ -51,7 +51,7 @@ def test_in_row_order_undoes_the_grouping():
 def test_log_probs_in_micro_batches_equal_the_whole_batch(model_dir):  # noqa: F811
     cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu",
                        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1"])
-    actor = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
+    actor = ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
     batch = padded_batch(n_rows=6)
     mask = batch["response_mask"].bool()
     with torch.no_grad():

@@ -167,9 +167,8 @@ def test_the_workers_pack_on_the_cpu_without_a_notice(model_dir, capsys):
     cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=true",
                        "actor_rollout_ref.model.use_fused_kernels=true", "critic.model.use_remove_padding=true",
                        "trainer.device=cpu", "trainer.n_gpus_per_node=1"])
-    actor = ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=True)
-    critic = CriticWorker(cfg.critic, str(model_dir), "float32", total_steps=1, mini_batch_size=2,
-                          use_dynamic_bsz=False, ppo_epochs=1)
+    actor = ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=True)
+    critic = CriticWorker(cfg.resolved().critic, "float32", total_steps=1)
     assert "notice:" not in capsys.readouterr().err
     assert actor.remove_padding and critic.remove_padding and actor.fused_head  # packing keeps the chunked head
     for model in (actor.forward_module, actor.ref_module, critic.forward_module):

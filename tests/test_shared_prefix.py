@@ -186,11 +186,11 @@ def test_with_gradient_checkpointing_only_the_passes_without_gradients_share(mod
     workers = {}
     for shared in (False, True):
         cfg = load_config(overrides + (on if shared else []))
-        critic = CriticWorker(cfg.critic, str(model_dir), "float32", total_steps=1, mini_batch_size=3,
-                              use_dynamic_bsz=False, ppo_epochs=1)
+        critic = CriticWorker(cfg.resolved().critic, "float32", total_steps=1)
         with torch.no_grad():  # the same value head in both, not all zeros (as it starts)
             critic.forward_module.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
-        workers[shared] = (ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False),
+        workers[shared] = (ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model_dir), total_steps=1,
+                                       need_ref=False),
                            critic)
     actor, critic = workers[True]
     assert actor.shared_prefix == critic.shared_prefix == SharedPrefix(scoring=True, update=False)

@@ -43,7 +43,7 @@ def actor(workspace):
     cfg = load_config([f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.rollout.name=vllm",
                        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3", "actor_rollout_ref.rollout.dtype=float32",
                        "trainer.device=cuda", "trainer.n_gpus_per_node=1"])
-    return ActorWorker(cfg.actor_rollout_ref, load_tokenizer(model), total_steps=1, need_ref=False, device="cuda",
+    return ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model), total_steps=1, need_ref=False, device="cuda",
                        max_model_len=512)
 
 

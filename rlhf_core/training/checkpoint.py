@@ -62,7 +62,7 @@ import yaml
 
 from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
 from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
-from rlhf_core.config import FOLLOWS, OPEN_KEYS
+from rlhf_core.config import OPEN_KEYS, followed
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -464,10 +464,12 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 
     Keys absent from ``saved`` (written by an older version) are not compared.
     """
-    old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))
+    old_flat, new_flat = flatten_config(saved), flatten_config(current)
+    old, new = _resolved(old_flat), _resolved(new_flat)
     no_critic = not _has_critic(saved) and not _has_critic(current)  # the critic's keys are read by no one
     return [key for key in new if key in old and old[key] != new[key]
             and not (no_critic and key.startswith("critic."))
+            and not (old_flat[key] is None and new_flat[key] is None)  # null in both: the key it stands for differs
             and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
 
 
@@ -478,7 +480,7 @@ def _has_critic(tree: dict) -> bool:
 def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
     """``flat`` with each null that stands for another key's value (:data:`~rlhf_core.config.FOLLOWS`) replaced
     by it, so that a checkpoint written when the key held that value itself compares equal."""
-    return {key: flat.get(FOLLOWS[key]) if value is None and key in FOLLOWS else value for key, value in flat.items()}
+    return {key: followed(flat.get, key) for key in flat}
 
 
 def check_config(path: str | os.PathLike, config) -> None:

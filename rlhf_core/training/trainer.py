@@ -52,7 +52,7 @@ from rlhf_core.training.guards import (
     proxy_and_gold,
     tighten_kl_control,
 )
-from rlhf_core.workers.actor import ActorWorker
+from rlhf_core.workers.actor import ActorWorker, build_actor
 from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker, build_critic
 from rlhf_core.workers.group import WorkerError
@@ -204,9 +204,7 @@ class PPOTrainer:
             self.worker_group, self.actor, self.critic = build_worker_groups(
                 config, self.total_steps, self.use_ref, self.use_critic)
         else:
-            max_model_len = config.data.max_prompt_length + config.data.max_response_length
-            self.actor = ActorWorker(arr, tokenizer, self.total_steps, self.use_ref, seed=seed, device=device,
-                                     max_model_len=max_model_len, max_response_length=config.data.max_response_length)
+            self.actor = build_actor(config, tokenizer, self.total_steps, self.use_ref, seed, device)
             self.critic = None
             if self.use_critic:
                 self.critic = build_critic(config, self.total_steps, seed, device)
@@ -371,10 +369,9 @@ class PPOTrainer:
                     batch["values"] = self.critic.compute_values(batch)
             if "old_log_prob" in batch:  # else the update measures the entropy
                 actor_cfg = self.config.actor_rollout_ref.actor  # aggregated as the policy loss is, as verl does
-                metrics["actor/entropy"] = float(algos.agg_loss(entropy, batch["response_mask"].float(),
-                                                                actor_cfg.loss_agg_mode,
-                                                                loss_scale_factor=actor_cfg.loss_scale_factor
-                                                                or self.config.data.max_response_length))
+                metrics["actor/entropy"] = float(algos.agg_loss(
+                    entropy, batch["response_mask"].float(), actor_cfg.loss_agg_mode,
+                    loss_scale_factor=self.config.value("actor_rollout_ref.actor.loss_scale_factor")))
             if "rollout_log_prob" in batch:  # the sampler's own log-probs (vLLM): how far they are from ours
                 metrics["rollout/logprob_gap"] = _mean((batch["old_log_prob"] - batch["rollout_log_prob"]).abs(),
                                                        batch["response_mask"].float())

@@ -23,7 +23,7 @@ import torch
 
 from rlhf_core import algos
 from rlhf_core.batch import Batch
-from rlhf_core.config import ActorRolloutRefConfig
+from rlhf_core.config import ActorRolloutRefConfig, PPOConfig, require_resolved
 from rlhf_core.models import lora
 from rlhf_core.models.fused_head import chunked_head_log_prob, logits_log_prob, supports_fused_head
 from rlhf_core.models.loading import (
@@ -170,12 +170,13 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
 
 class ActorWorker(CheckpointableWorker):
     def __init__(self, config: ActorRolloutRefConfig, tokenizer, total_steps: int, need_ref: bool,
-                 seed: int = 0, device: str = "cpu", max_model_len: int | None = None,
-                 max_response_length: int | None = None):
+                 seed: int = 0, device: str = "cpu", max_model_len: int | None = None):
+        """``config``: the section of :meth:`~rlhf_core.config.PPOConfig.resolved` (its nulls that stand for
+        other keys filled in)."""
+        require_resolved(config, "actor_rollout_ref")
         self.config = config
         model_cfg, actor_cfg = config.model, config.actor
-        # Dr. GRPO's constant divisor: the configured one, else the response budget (None: each batch's width)
-        self.loss_scale_factor = actor_cfg.loss_scale_factor or max_response_length
+        self.loss_scale_factor = actor_cfg.loss_scale_factor  # Dr. GRPO's constant divisor
         self.device = torch.device(device)
         torch.manual_seed(seed)
         module = load_actor(model_cfg.path, model_cfg.dtype, model_cfg.enable_gradient_checkpointing,
@@ -251,12 +252,8 @@ class ActorWorker(CheckpointableWorker):
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
-    def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool | None, max_tok: int | None,
+    def _log_prob(self, batch: Batch, micro: int | None, dynamic: bool, max_tok: int,
                   with_entropy: bool, model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``dynamic`` and ``max_tok`` null: the actor's ``use_dynamic_bsz`` and ``ppo_max_token_len_per_gpu``."""
-        actor = self.config.actor
-        dynamic = actor.use_dynamic_bsz if dynamic is None else dynamic
-        max_tok = actor.ppo_max_token_len_per_gpu if max_tok is None else max_tok
         model = model if model is not None else self.forward_module
         return map_micro_batches(batch, lambda mb: response_log_prob(
             model, mb.to(self.device), self.config.rollout.temperature, with_entropy, self.remove_padding,
@@ -388,3 +385,10 @@ class ActorWorker(CheckpointableWorker):
             if self.lora:
                 state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
             save_hf_model(self.forward_module, state, target)
+
+
+def build_actor(config: PPOConfig, tokenizer, total_steps: int, need_ref: bool, seed: int, device: str) -> ActorWorker:
+    """The actor (with its rollout engine and reference) of ``config``, its unset keys resolved."""
+    resolved = config.resolved()
+    return ActorWorker(resolved.actor_rollout_ref, tokenizer, total_steps, need_ref, seed=seed, device=device,
+                       max_model_len=config.data.max_prompt_length + config.data.max_response_length)

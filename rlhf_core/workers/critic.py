@@ -10,7 +10,7 @@ import torch
 
 from rlhf_core import algos
 from rlhf_core.batch import Batch
-from rlhf_core.config import ActorRolloutRefConfig, CriticConfig, PPOConfig
+from rlhf_core.config import CriticConfig, PPOConfig, require_resolved
 from rlhf_core.models import lora
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import attention_for, load_critic
@@ -52,22 +52,18 @@ def response_values(model: torch.nn.Module, batch: Batch, remove_padding: bool =
 
 
 class CriticWorker(CheckpointableWorker):
-    def __init__(self, config: CriticConfig, model_path: str, dtype: str, total_steps: int,
-                 mini_batch_size: int, use_dynamic_bsz: bool, ppo_epochs: int, seed: int = 0, device: str = "cpu",
-                 actor: ActorRolloutRefConfig | None = None, max_response_length: int | None = None):
-        """The keys that default to the actor's (null in ``config``) take ``actor``'s values; Dr. GRPO's
-        divisor is ``max_response_length`` (None: each batch's response width)."""
+    def __init__(self, config: CriticConfig, dtype: str, total_steps: int, seed: int = 0, device: str = "cpu",
+                 loss_scale_factor: int | None = None):
+        """``config``: the critic section of :meth:`~rlhf_core.config.PPOConfig.resolved` (the keys that
+        default to the actor's filled in); ``loss_scale_factor``: Dr. GRPO's divisor (None: each batch's
+        response width)."""
+        require_resolved(config, "critic")
         self.config = config
         self.device = torch.device(device)
         model_cfg = config.model
-        actor = actor or ActorRolloutRefConfig()
-        self.loss_agg_mode = config.loss_agg_mode or actor.actor.loss_agg_mode
-        self.shuffle = actor.actor.shuffle if config.shuffle is None else config.shuffle
-        trust_remote_code = actor.model.trust_remote_code if model_cfg.trust_remote_code is None \
-            else model_cfg.trust_remote_code
-        self.loss_scale_factor = max_response_length
-        module = load_critic(model_path, dtype, model_cfg.enable_gradient_checkpointing, trust_remote_code,
-                             self.device, seed=seed,
+        self.loss_scale_factor = loss_scale_factor
+        module = load_critic(model_cfg.path, dtype, model_cfg.enable_gradient_checkpointing,
+                             model_cfg.trust_remote_code, self.device, seed=seed,
                              attn_implementation=attention_for(model_cfg.use_remove_padding, self.device),
                              override_config=model_cfg.override_config)
         self.lora = model_cfg.lora_rank > 0
@@ -87,15 +83,12 @@ class CriticWorker(CheckpointableWorker):
             gradient_checkpointing=model_cfg.enable_gradient_checkpointing, head_runs=plain_score_head(self.forward_module) is not None)
         self.optimizer = build_optimizer([p for p in module.parameters() if p.requires_grad], config.optim)
         self.scheduler = build_scheduler(self.optimizer, config.optim, total_steps)
-        self.mini_batch_size = config.ppo_mini_batch_size or mini_batch_size
-        self.use_dynamic_bsz = use_dynamic_bsz if config.use_dynamic_bsz is None else config.use_dynamic_bsz
-        self.ppo_epochs = config.ppo_epochs or ppo_epochs
         self.shuffle_generator = torch.Generator().manual_seed(seed + 2)
         self.skipped_steps = 0
 
     def _micro_batching(self, shared: bool) -> tuple[int | None, bool, int, bool]:
         cfg = self.config
-        return cfg.ppo_micro_batch_size_per_gpu, self.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, shared
+        return cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu, shared
 
     def _micro_batches(self, batch: Batch) -> list[Batch]:
         return micro_batches(batch, *self._micro_batching(self.shared_prefix.update))
@@ -113,8 +106,8 @@ class CriticWorker(CheckpointableWorker):
         As one of N ranks, ``batch`` is this rank's share and each mini-batch its ``1/N`` of the global one.
         """
         cfg = self.config
-        return ppo_update(self, batch, prefix="critic", epochs=self.ppo_epochs, shuffle=self.shuffle,
-                          mini_rows=self.mini_batch_size * n_per_prompt // distributed.world_size(),
+        return ppo_update(self, batch, prefix="critic", epochs=cfg.ppo_epochs, shuffle=cfg.shuffle,
+                          mini_rows=cfg.ppo_mini_batch_size * n_per_prompt // distributed.world_size(),
                           micro_batches_of=self._micro_batches, loss_fn=self.value_loss, grad_clip=cfg.grad_clip,
                           fsdp_config=cfg.fsdp_config)
 
@@ -123,7 +116,7 @@ class CriticWorker(CheckpointableWorker):
         cfg = self.config
         vpreds = response_values(self.forward_module, mb, self.remove_padding, self.shared_prefix.update)
         vf_loss, clipfrac = algos.compute_value_loss(
-            vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, self.loss_agg_mode,
+            vpreds, mb["returns"], mb["values"], mb["response_mask"], cfg.cliprange_value, cfg.loss_agg_mode,
             global_token_count=token_count, global_seq_count=seq_count, loss_scale_factor=self.loss_scale_factor)
         mask = mb["response_mask"].to(vpreds.dtype)
         clipped = clipfrac * float(mask.sum()) / token_count  # token-weighted over the mini-batch
@@ -134,7 +127,6 @@ class CriticWorker(CheckpointableWorker):
 
 def build_critic(config: PPOConfig, total_steps: int, seed: int, device: str) -> CriticWorker:
     """The critic of ``config``, its unset keys taken from the actor's (as verl's config interpolates them)."""
-    arr = config.actor_rollout_ref
-    return CriticWorker(config.critic, config.critic.model.path or arr.model.path, arr.model.dtype, total_steps,
-                        arr.actor.ppo_mini_batch_size, arr.actor.use_dynamic_bsz, arr.actor.ppo_epochs, seed=seed,
-                        device=device, actor=arr, max_response_length=config.data.max_response_length)
+    resolved = config.resolved()
+    return CriticWorker(resolved.critic, resolved.actor_rollout_ref.model.dtype, total_steps, seed=seed,
+                        device=device, loss_scale_factor=resolved.data.max_response_length)

@@ -281,18 +281,16 @@ class HybridWorker(DistributedWorker):
         from rlhf_core import heap
         from rlhf_core.models import cpu_matmul
         from rlhf_core.models.loading import import_external_lib, load_tokenizer
-        from rlhf_core.workers.actor import ActorWorker
+        from rlhf_core.workers.actor import build_actor
         from rlhf_core.workers.critic import build_critic
 
         arr = config.actor_rollout_ref
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
         heap.configure(config.trainer.keep_freed_memory)
         import_external_lib(arr.model.external_lib)
-        tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
+        tokenizer = load_tokenizer(config.value("actor_rollout_ref.model.tokenizer_path"), arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
-        self.actor = ActorWorker(arr, tokenizer, total_steps, use_ref, seed=seed, device=device,
-                                 max_model_len=config.data.max_prompt_length + config.data.max_response_length,
-                                 max_response_length=config.data.max_response_length)
+        self.actor = build_actor(config, tokenizer, total_steps, use_ref, seed, device)
         self.critic = None
         if use_critic:
             self.critic = build_critic(config, total_steps, seed, device)
@@ -459,7 +457,7 @@ def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_
     arr = config.actor_rollout_ref
     balance = trainer.balance_batch
     actor = ActorGroup(group, arr.actor.ppo_mini_batch_size, balance)
-    critic = CriticGroup(group, config.critic.ppo_mini_batch_size or arr.actor.ppo_mini_batch_size, balance) \
+    critic = CriticGroup(group, config.value("critic.ppo_mini_batch_size"), balance) \
         if use_critic else None
     print(f"started {config.world_size} workers ({trainer.device}, FSDP2) in {time.perf_counter() - started:.1f} s",
           file=sys.stderr, flush=True)
