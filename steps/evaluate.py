@@ -33,14 +33,12 @@ from rlhf_core.rewards import custom_reward_fn
 logger = get_logger(__name__)
 
 
-def _production_evaluation(model_name: str) -> tuple[str | None, dict | None]:
-    """(version name, its evaluation record) of the model's production version; (None, None) if none."""
+def _production_version(model_name: str):
+    """The model's production version, None if it has none."""
     try:
-        production = Client().get_model_version(model_name, ModelStages.PRODUCTION)
+        return Client().get_model_version(model_name, ModelStages.PRODUCTION)
     except KeyError:
-        return None, None
-    artifact = production.get_artifact("evaluation")
-    return production.name, (artifact.load() if artifact is not None else {})
+        return None
 
 
 @step(enable_cache=False)
@@ -59,8 +57,9 @@ def evaluate(
     Annotated[pd.DataFrame, "per_problem"],
 ]:
     """Base model and trained policy on the same (capped, stratified) problems, paired with production's
-    results when it was evaluated on them; an HTML report and the per-problem table. ``reward_spec`` (the
-    artifact of define_reward) is the reward the run pinned down: a reward changed since stops the step."""
+    results when it was evaluated on them and scored alike, else with its checkpoint evaluated here; an HTML
+    report and the per-problem table. ``reward_spec`` (the artifact of define_reward) is the reward the run
+    pinned down: a reward changed since stops the step."""
     if skip_reason:
         logger.info("evaluation skipped: %s", skip_reason)
         return ({"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>"),
@@ -92,13 +91,26 @@ def evaluate(
 
     candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
                  "scoring": scoring_settings(spec["sha256"], cfg.data)}
-    version, production = _production_evaluation(get_step_context().model.name)
-    production_results, refusal = (None, None) if version is None else match_production(candidate, production, version)
+    production_version = _production_version(get_step_context().model.name)
+    version = production_version.name if production_version is not None else None
+    production_results, refusal, production_result, reevaluated = None, None, None, None
+    if production_version is not None:
+        record = production_version.get_artifact("evaluation")
+        production = record.load() if record is not None else {}
+        production_results, refusal = match_production(candidate, production, version)
+        if production_results is not None:
+            production_result = EvalResult.from_dict({**production["policy"], "problems": []})
+        elif (checkpoint := production_version.get_artifact("ppo_checkpoint")) is not None:
+            # its stored results do not pair with these (other problems, another reward or budget): production's
+            # own checkpoint is evaluated here, on these problems under this run's settings
+            logger.info("production version %s: %s; evaluating its checkpoint on these problems", version, refusal)
+            production_result = evaluate_policy(checkpoint.load(), cfg.data.val_files, **kwargs)
+            production_results = {p["id"]: p["correct"] for p in production_result.problems}
+            reevaluated, refusal = refusal, None
     table = per_problem_table(policy, base, production_results)
     results = {"base model": base}
-    if production_results is not None:
-        results[f"production (version {version})"] = EvalResult.from_dict(
-            {**production["policy"], "problems": []})
+    if production_result is not None:
+        results[f"production (version {version})"] = production_result
     results["trained policy"] = policy
     baseline = "production" if production_results is not None else "base"
     changed = changed_problems(table, baseline)
@@ -110,7 +122,7 @@ def evaluate(
         "base_model": base_model, "policy": policy.to_dict(with_problems=False), "base": base.to_dict(False),
         **candidate, "base_problems": {p["id"]: p["correct"] for p in base.problems},
         "production_version": version, "production_results": production_results, "production_refusal": refusal,
-        "changed": changed,
+        "production_reevaluated": reevaluated, "changed": changed,
     }
     log_metadata({"accuracy": policy.accuracy, "accuracy_ci": list(policy.interval), "base_accuracy": base.accuracy,
                   "n": policy.n, "per_source": policy.per_source, "val_fingerprint": policy.val_fingerprint,
@@ -120,6 +132,9 @@ def evaluate(
     notes = [f"Evaluated on {budget}."]
     if refusal:
         notes.append(f"Production cannot be compared: {refusal}")
+    if reevaluated:
+        notes.append(f"Production's checkpoint was evaluated in this run: its stored results did not pair with "
+                     f"these ({reevaluated}).")
     curves = training_curves_png(training_summary.get("history", []))
     report = evaluation_html(results, curves, changed=changed,
                              baseline_name=f"production version {version}" if baseline == "production" else "base model",

@@ -281,12 +281,16 @@ def test_every_problem_is_kept_and_the_gate_states_gain_interval_and_p(trained):
     assert "of production version 1 on the same 8 problems" in meta["decision_reason"]
 
 
-def test_production_evaluated_on_other_problems_is_not_compared(trained, tmp_path):
+def test_production_evaluated_on_other_problems_is_evaluated_again_on_these(trained, tmp_path):
+    """Production's stored results are for other validation problems: its checkpoint is evaluated on this run's
+    problems. This run trains version 1's recipe again (same data, seed and base model), so the candidate is
+    version 1's policy: the two agree on every problem, and a tie is not promoted."""
     from rlhf_core.data.synthetic import build_dataset
 
     other = build_dataset(tmp_path / "other", n_train=8, n_test=8, seed=7, max_ops=1)["test"]
     _bare_answers(other)
     production = _version("production")
+    assert production.number == 1
     zenml_client()
     from zenml import Model
 
@@ -297,10 +301,17 @@ def test_production_evaluated_on_other_problems_is_not_compared(trained, tmp_pat
     run = rlhf_ppo_pipeline.with_options(model=Model(name=MODEL))(
         trainer_config=str(setup.trainer_config), train_files=str(setup.train_file), val_files=str(other))
     assert str(run.status) == "completed"
-    meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
-    assert meta["promoted"] is False
-    assert meta["decision_reason"].startswith("not promoted: cannot compare with production: production version")
-    assert "was evaluated on other validation problems" in meta["decision_reason"]
+    latest = zenml_client().get_model_version(MODEL, "latest")
+    evaluation = latest.get_artifact("evaluation").load()
+    assert "was evaluated on other validation problems" in evaluation["production_reevaluated"]
+    assert evaluation["production_refusal"] is None
+    assert sorted(evaluation["production_results"]) == sorted(evaluation["problems"]) and \
+        len(evaluation["problems"]) == 8
+    assert evaluation["production_results"] == evaluation["problems"]  # the same policy, problem by problem
+    meta = latest.run_metadata
+    assert meta["promoted"] is False and meta["baseline"] == "production"
+    assert meta["decision_reason"].startswith("not promoted: no improvement")
+    assert "(0 fixed, 0 broken)" in meta["decision_reason"]
     assert _version("production").number == production.number
 
 

@@ -11,7 +11,9 @@ The rule:
   On a few hundred problems a couple of points is noise; this gate says so instead of promoting;
 * a run that did not train (retraining on unchanged data) is never promoted, and neither is a
   candidate that cannot be compared: production's evaluation was on other problems (their
-  fingerprints differ) or kept no per-problem results.
+  fingerprints differ), scored otherwise, or kept no per-problem results, and production has no
+  checkpoint to evaluate again (the evaluate step evaluates production's checkpoint on the
+  candidate's problems when it has one).
 
 The reason states the gain, its ``1 - alpha`` confidence interval and the p-value. Accuracies are
 shares in [0, 1]; gains are compared with a tolerance of 1e-9 so that 0.52 - 0.50 counts as 0.02.
