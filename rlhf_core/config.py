@@ -983,6 +983,12 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
                           f"rollout_rs={corr.rollout_rs} (it bounds the ratio to [1/t, t])")
         else:
             _positive(errors, f"{key}.rollout_rs_threshold", corr.rollout_rs_threshold)
+    truncated = [f"top_p={rollout.top_p}"] * (rollout.top_p < 1) + [f"top_k={rollout.top_k}"] * (rollout.top_k > 0)
+    if (corr.rollout_is or corr.rollout_rs) and rollout.name == "vllm" and truncated:
+        errors.append(f"{key} with actor_rollout_ref.rollout.name=vllm and {' and '.join(truncated)}: vLLM's "
+                      "log-probs are renormalised over the tokens top-k / top-p keep, the trainer's over the whole "
+                      "vocabulary, so every ratio would be off even with equal weights; sample without them "
+                      "(top_p=1.0, top_k=-1) or turn rollout correction off")
 
 
 def validate_config(cfg: PPOConfig) -> None:

@@ -534,3 +534,13 @@ def test_cli_alias_prints_grad_clip_and_a_notice():
     assert tree["actor_rollout_ref"]["actor"]["grad_clip"] == 0.5
     assert tree["critic"]["grad_clip"] == 1.0
     assert "alias" in result.stderr and "actor_rollout_ref.actor.grad_clip" in result.stderr
+
+
+def test_rollout_correction_on_vllm_refuses_top_p_and_top_k():
+    """vLLM's processed log-probs are renormalised over the tokens top-p / top-k keep: with logits [2, 1, .5, 0, -1]
+    and top_p=0.8 the kept mass is 0.8957, so every ratio would read exp(ln 0.8957) = 0.896 with equal weights."""
+    on = ["actor_rollout_ref.rollout.name=vllm", "algorithm.rollout_correction.rollout_is=token"]
+    message = _errors(*on, "actor_rollout_ref.rollout.top_p=0.8", "actor_rollout_ref.rollout.top_k=20")
+    assert "algorithm.rollout_correction with actor_rollout_ref.rollout.name=vllm and top_p=0.8 and top_k=20" in message
+    load_config(on, notice=lambda _: None)  # whole vocabulary: the two log-probs are the same quantity
+    load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.top_p=0.8"], notice=lambda _: None)

@@ -111,3 +111,16 @@ def test_merge_is_w_plus_scaled_b_a():
     merged = merged_state_dict(state, scaling=0.5)
     assert sorted(merged) == ["norm.weight", "proj.weight"]
     torch.testing.assert_close(merged["proj.weight"], weight + 0.5 * lora_b @ lora_a)
+
+
+@pytest.mark.parametrize("targets, named", [("all-linear", "Conv1D"), (["wte"], "Embedding")])
+def test_adapters_the_merge_cannot_take_are_refused_when_applied(targets, named):
+    """GPT-2's projections are Conv1D (weights stored transposed) and an embedding's adapters are lora_embedding_A/B:
+    neither merges as W + s B A, so the rollout's weights and the export would be wrong; they are refused."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlhf_core.models.lora import apply_lora
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
+    with pytest.raises(ValueError, match=rf"LoRA adapters on .*\({named}\).*set model.target_modules"):
+        apply_lora(model, rank=2, alpha=4, target_modules=targets)

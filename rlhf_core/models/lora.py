@@ -34,8 +34,22 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: st
         task_type=TaskType.TOKEN_CLS if critic else TaskType.CAUSAL_LM,
     )
     wrapped = get_peft_model(model, config)
+    if unmergeable := [f"{name} ({type(getattr(layer, 'base_layer', layer)).__name__})"
+                       for name, layer in wrapped.named_modules() if _unmergeable(layer)]:
+        raise ValueError(f"LoRA adapters on {', '.join(unmergeable[:4])}: only adapters of linear layers are "
+                         "merged into the rollout's and the export's weights (:func:`merged_state_dict`); set "
+                         "model.target_modules to the model's linear projections (e.g. [q_proj,v_proj])")
     wrapped.config.use_cache = True
     return wrapped
+
+
+def _unmergeable(layer: torch.nn.Module) -> bool:
+    """An adapted layer whose merge is not ``W + s B A`` on an ``nn.Linear`` weight: GPT-2's Conv1D (its weight
+    stored transposed, ``fan_in_fan_out``), an embedding (``lora_embedding_A/B``), a convolution."""
+    if not hasattr(layer, "lora_A") or not hasattr(layer, "base_layer"):
+        return False
+    return (not isinstance(layer.base_layer, torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False)
+            or bool(getattr(layer, "lora_embedding_A", None)))
 
 
 def is_lora(module: torch.nn.Module) -> bool:

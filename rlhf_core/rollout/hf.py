@@ -67,7 +67,10 @@ def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.T
     falls); an entry of zero probability adds nothing to either sum and is never returned.
     """
     rows, vocab = probs.shape
-    u = torch.rand(rows, 1, generator=generator, device=probs.device, dtype=torch.float64)
+    # drawn where the generator lives: an engine built on offloaded (CPU) shards keeps a CPU generator while
+    # the gathered weights compute on the GPU
+    u = torch.rand(rows, 1, generator=generator, device=generator.device if generator is not None else probs.device,
+                   dtype=torch.float64).to(probs.device)
     if vocab <= CDF_BLOCK:  # one block: its cumulative sum is the whole CDF
         return _invert(probs.double().cumsum(-1), u).squeeze(-1)
     blocks = -(-vocab // CDF_BLOCK)

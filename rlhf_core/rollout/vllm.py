@@ -90,7 +90,9 @@ class VLLMRolloutEngine:
         if distributed.in_worker_group():
             kwargs["distributed_executor_backend"] = "external_launcher"  # vLLM joins the training world
         engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
-        if "logprobs_mode" in engine_fields:  # log-probs after temperature, like the training engine's
+        if "logprobs_mode" in engine_fields:
+            # log-probs after the sampler's processing: temperature, as the training engine's, but also top-k /
+            # top-p renormalised over the kept tokens (config validation keeps rollout correction off then)
             kwargs["logprobs_mode"] = "processed_logprobs"
         if "generation_config" in engine_fields:  # our sampling settings only, not the model's defaults
             kwargs["generation_config"] = "vllm"
@@ -128,6 +130,9 @@ class VLLMRolloutEngine:
         device = torch.device("cuda", torch.cuda.current_device())
         model.load_weights((name, tensor.to(device=device, dtype=self.dtype)) for name, tensor in self.weights())
         torch.cuda.synchronize()
+        # cached prefixes are keyed by tokens, not weights: without free_cache_engine (whose sleep resets it) a
+        # prompt seen before would reuse keys and values of the old policy
+        self.llm.reset_prefix_cache()
         self.stale = False
 
     # ------------------------------------------------------------------ generation
@@ -149,27 +154,28 @@ class VLLMRolloutEngine:
         prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
         own = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]  # no left padding
         everyone, mine = self._group_prompts(own)
+        n, width = params.n, params.max_new_tokens  # every rank pads to the same width
+        copies = n if params.greedy else 1  # vLLM refuses n > 1 when greedy: each prompt goes n times, n=1
         sampling = VLLMSamplingParams(
-            n=params.n, max_tokens=params.max_new_tokens, logprobs=0,
+            n=n // copies, max_tokens=width, logprobs=0,
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, ignore_eos=params.ignore_eos,
         )
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in everyone], sampling,
-                                    use_tqdm=False)[mine]
+        requests = [TokensPrompt(prompt_token_ids=ids) for ids in everyone for _ in range(copies)]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine.start * copies:mine.stop * copies]
+        samples = [sample for request in outputs for sample in request.outputs]  # a prompt's n are adjacent
 
-        n, width = params.n, params.max_new_tokens  # every rank pads to the same width
         rows = len(own) * n
         responses = torch.full((rows, width), self.pad_id, dtype=torch.long)
         response_mask = torch.zeros(rows, width, dtype=torch.long)
         rollout_log_prob = torch.zeros(rows, width)
-        for i, request in enumerate(outputs):
-            for j, sample in enumerate(request.outputs):  # the n samples of a prompt are adjacent
-                row, length = i * n + j, len(sample.token_ids)
-                responses[row, :length] = torch.tensor(sample.token_ids, dtype=torch.long)
-                response_mask[row, :length] = 1  # EOS, when sampled, is kept
-                if sample.logprobs is not None:
-                    rollout_log_prob[row, :length] = torch.tensor(
-                        [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
+        for row, sample in enumerate(samples):
+            length = len(sample.token_ids)
+            responses[row, :length] = torch.tensor(sample.token_ids, dtype=torch.long)
+            response_mask[row, :length] = 1  # EOS, when sampled, is kept
+            if sample.logprobs is not None:
+                rollout_log_prob[row, :length] = torch.tensor(
+                    [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)])
         prompt_ids = prompt_ids.repeat_interleave(n, dim=0).cpu()
         prompt_mask = prompt_mask.repeat_interleave(n, dim=0).cpu()
         prompt_pos = prompts["position_ids"].repeat_interleave(n, dim=0).cpu()
