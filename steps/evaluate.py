@@ -90,7 +90,8 @@ def evaluate(
     logger.info("evaluating on %s", budget)
 
     candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
-                 "scoring": scoring_settings(spec["sha256"], cfg.data)}
+                 "scoring": scoring_settings(spec["sha256"], cfg.data, dtype=kwargs["dtype"], device=kwargs["device"],
+                                             override_config=kwargs["override_config"])}
     production_version = _production_version(get_step_context().model.name)
     version = production_version.name if production_version is not None else None
     production_results, refusal, production_result, reevaluated = None, None, None, None

@@ -228,3 +228,20 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
     assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
     assert len(metrics) == 2 * 7
+
+
+def test_the_fingerprint_covers_every_message_of_a_prompt():
+    """Two problems alike in their last message but not in their system message are other problems."""
+    import hashlib
+    import json
+
+    from rlhf_core.pipeline.evaluate import val_fingerprint
+
+    question = {"role": "user", "content": "What is 2 + 3?"}
+    plain = [{"id": "s/0", "prompt": question["content"], "ground_truth": "5",
+              "messages": [{"role": "system", "content": "Answer after ####."}, question]}]
+    terse = [{**plain[0], "messages": [{"role": "system", "content": "Answer in one word."}, question]}]
+    assert val_fingerprint(plain) != val_fingerprint(terse)
+    # worked out by hand: the sorted (id, messages as sorted-key JSON, ground truth) triples, as JSON
+    items = [["s/0", json.dumps(plain[0]["messages"], sort_keys=True), "5"]]
+    assert val_fingerprint(plain) == hashlib.sha256(json.dumps(items).encode()).hexdigest()

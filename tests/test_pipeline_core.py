@@ -3,6 +3,11 @@ model, the run config shrunk) and the reward spec with its self-check on referen
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from transformers import AutoConfig
 
@@ -132,6 +137,53 @@ def test_the_reward_spec_is_the_same_for_every_load_of_an_unchanged_reward(tmp_p
     assert reward_spec(cfg, data_sources=["anything"])["sha256"] == first["sha256"]  # another load, the same spec
     custom.write_text(custom.read_text() + "# a comment outside the functions\n")
     assert reward_spec(cfg, data_sources=["anything"])["sha256"] == first["sha256"]
+
+
+REWARD_WITH_HELPERS = """\
+KEEP = {keep}
+
+def _inner(text):
+    return [c for c in text if c in KEEP][:LIMIT]
+
+def _helper(text):
+    return len(_inner(text))
+
+LIMIT = {limit}
+
+def score_it(data_source, solution_str, ground_truth, extra_info=None):
+    return float(_helper(solution_str) > 1)
+"""
+
+
+def _spec_hash(path: Path) -> str:
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(path), "score_it"
+    return reward_spec(cfg, data_sources=["anything"])["sha256"]
+
+
+def test_the_reward_spec_follows_helpers_of_helpers_and_the_constants_they_read(tmp_path):
+    custom = tmp_path / "my_reward.py"
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5))
+    first = _spec_hash(custom)
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5) + "# a comment\nUNUSED = 3\n")
+    assert _spec_hash(custom) == first  # nothing the reward reads changed
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=2))  # read by a helper's helper
+    assert _spec_hash(custom) != first
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2'}", limit=5))  # read inside a comprehension
+    assert _spec_hash(custom) != first
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5).replace("if c in KEEP", "if c not in KEEP"))
+    assert _spec_hash(custom) != first  # the helper's helper's body
+
+
+def test_the_reward_spec_of_a_set_constant_is_the_same_in_every_process(tmp_path):
+    """A set of strings iterates in an order salted per process (PYTHONHASHSEED): the spec sorts it."""
+    custom = tmp_path / "my_reward.py"
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'alpha', 'beta', 'gamma', 'delta', 'epsilon'}", limit=5))
+    script = (f"from pathlib import Path; import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              f"from test_pipeline_core import _spec_hash; print(_spec_hash(Path({str(custom)!r})))")
+    hashes = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
+    assert len(hashes) == 1 and _spec_hash(custom) in hashes
 
 
 def test_reward_spec_holds_the_reward_kwargs(tmp_path):

@@ -25,10 +25,11 @@ import inspect
 import io
 import json
 import math
+import re
 import sys
 import types
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,8 +116,10 @@ def problem_id(data_source: str, index: int) -> str:
 
 
 def val_fingerprint(problems: Sequence[Mapping[str, Any]]) -> str:
-    """SHA-256 over the evaluated problems (id, prompt, ground truth): equal only for the same problems."""
-    items = sorted((str(p["id"]), str(p["prompt"]), str(p["ground_truth"])) for p in problems)
+    """SHA-256 over the evaluated problems (id, prompt messages, ground truth): equal only for the same problems,
+    asked the same way (a system message or an earlier turn changed is another problem)."""
+    items = sorted((str(p["id"]), json.dumps(p.get("messages", p["prompt"]), sort_keys=True, default=str),
+                    str(p["ground_truth"])) for p in problems)
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()
 
 
@@ -216,6 +219,7 @@ def evaluate_policy(
                 "index": dataset.rows[index]["index"],
                 "data_source": batch.meta["data_source"][row],
                 "prompt": dataset.rows[index]["messages"][-1]["content"],
+                "messages": dataset.rows[index]["messages"],  # the whole prompt, for the fingerprint
                 "response": extras["responses"][row],
                 "ground_truth": batch.meta["ground_truth"][row],
                 "score": float(extras["score"][row]),
@@ -306,19 +310,77 @@ def _reward_callables(cfg: PPOConfig, data_sources: Sequence[str]) -> dict[str, 
     return {source: get_reward_fn(source) for source in data_sources}
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def _constant_text(value: Any, depth: int = 0) -> str | None:
+    """A module-level constant as text that is the same in every process (sets sorted: string hashing is
+    salted per process), or None for anything but plain data (a registry of functions, a generator)."""
+    if isinstance(value, _SCALARS):
+        return repr(value)
+    if isinstance(value, re.Pattern):
+        return f"re.compile({value.pattern!r}, {int(value.flags)})"
+    if depth > 4:
+        return None
+    if isinstance(value, dict):
+        items = [(_constant_text(k, depth + 1), _constant_text(v, depth + 1)) for k, v in value.items()]
+        return None if any(k is None or v is None for k, v in items) else "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_constant_text(item, depth + 1) for item in value]
+        if any(item is None for item in items):
+            return None
+        return f"{type(value).__name__}([{', '.join(sorted(items) if isinstance(value, (set, frozenset)) else items)}])"
+    return None
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    """The global names a code object reads, its nested functions' and comprehensions' included."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _global_names(constant)
+
+
 def _source_closure(fn: Callable) -> str:
-    """The function's source plus that of the modules and functions its body names (one level)."""
-    parts = [inspect.getsource(fn)]
-    code = getattr(fn, "__code__", None)
-    scope = getattr(fn, "__globals__", {})
-    for name in (code.co_names if code else ()):
-        target = scope.get(name)
-        if isinstance(target, types.ModuleType) or inspect.isfunction(target):
-            try:
-                parts.append(inspect.getsource(target))
-            except (OSError, TypeError):  # built-in or C modules have no source
+    """What decides the function's behaviour, as text: its source; the source of the functions it reaches by
+    global name, and of theirs in turn where they live in its own file; the values of the module-level
+    constants they read; the source of the classes and modules they name. Comments and code outside of these
+    do not enter it."""
+    parts: list[str] = []
+    home = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        function = todo.pop(0)
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        parts.append(inspect.getsource(function))
+        scope = getattr(function, "__globals__", {})
+        for name in dict.fromkeys(_global_names(function.__code__)):  # in order, once each
+            if name not in scope:  # a builtin or an attribute name
                 continue
+            target = scope[name]
+            if inspect.isfunction(target) and id(target) not in seen:
+                if target.__code__.co_filename == home:  # its own helpers, to any depth
+                    todo.append(target)
+                else:
+                    seen.add(id(target))
+                    parts.append(_source_or_name(target))
+            elif isinstance(target, types.ModuleType) or inspect.isclass(target):
+                if id(target) not in seen:
+                    seen.add(id(target))
+                    parts.append(_source_or_name(target))
+            elif (text := _constant_text(target)) is not None:
+                parts.append(f"{name} = {text}")
     return "\n".join(parts)
+
+
+def _source_or_name(target: Any) -> str:
+    try:
+        return inspect.getsource(target)
+    except (OSError, TypeError):  # built-in or C modules have no source
+        return getattr(target, "__name__", repr(target))
 
 
 def _called_functions(fn: Callable) -> list[Callable]:

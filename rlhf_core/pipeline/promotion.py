@@ -70,11 +70,12 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
     return [bool(v) for v in values]
 
 
-def scoring_settings(reward_sha256: str, data: Any) -> dict[str, Any]:
-    """What decides a response's grade besides the model: the reward (its spec's sha256) and the prompt and
-    response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`)."""
+def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
+    """What decides a response's grade besides the model's weights: the reward (its spec's sha256), the prompt
+    and response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`) and ``how_run``, how the policies
+    ran (dtype, device, model config overrides: greedy responses in bfloat16 on a GPU are not float32's)."""
     settings = {"reward_sha256": reward_sha256, "max_prompt_length": data.max_prompt_length,
-                "max_response_length": data.max_response_length, "truncation": data.truncation}
+                "max_response_length": data.max_response_length, "truncation": data.truncation, **how_run}
     if getattr(data, "apply_chat_template_kwargs", None):  # (only when set: records without it compare as before)
         settings["apply_chat_template_kwargs"] = dict(data.apply_chat_template_kwargs)
     return settings
