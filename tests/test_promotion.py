@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
+from scipy.stats import beta
 
 from rlhf_core.pipeline.promotion import decide, match_production
 
@@ -38,8 +37,8 @@ def test_a_gain_within_the_noise_is_not_promoted_and_the_reason_says_so():
     assert decision.improvement == pytest.approx(0.04)
     assert not decision.promote
     assert decision.comparison.p_value == pytest.approx(74 / 256)
-    se = math.sqrt(6 + 2 - 4 ** 2 / 100) / 100
-    low, high = 0.04 - 1.959964 * se, 0.04 + 1.959964 * se
+    # the 8 discordant problems, 6 fixed: the exact interval of the share fixed (beta quantiles), scaled to the gain
+    low, high = (0.08 * (2 * q - 1) for q in (beta.ppf(0.025, 6, 3), beta.ppf(0.975, 7, 2)))
     assert decision.reason.startswith("not promoted: the gain is not significant, within the noise of 100 problems")
     assert f"gain +0.0400, 95% CI [{low:+.4f}, {high:+.4f}]" in decision.reason
     assert "p = 0.2891" in decision.reason
@@ -156,6 +155,12 @@ def test_production_scored_otherwise_is_refused_and_a_record_without_settings_is
     assert thinking == {**settings, "apply_chat_template_kwargs": {"enable_thinking": False}}
     matched, refusal = match_production({**candidate, "scoring": thinking}, candidate, "3")
     assert matched is None and "apply_chat_template_kwargs" in refusal
+    # how the policies ran: greedy responses in bfloat16 on a GPU are not float32's on the CPU
+    gpu = scoring_settings("aaa111", DataConfig(max_response_length=256), dtype="bfloat16", device="cuda")
+    cpu = scoring_settings("aaa111", DataConfig(max_response_length=256), dtype="float32", device="cpu")
+    assert gpu == {**settings, "dtype": "bfloat16", "device": "cuda"}
+    matched, refusal = match_production({**candidate, "scoring": cpu}, {**candidate, "scoring": gpu}, "3")
+    assert matched is None and "(device, dtype changed since)" in refusal
 
 
 @pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"alpha": 1.0}, {"alpha": 1.2}, {"alpha": -0.05},

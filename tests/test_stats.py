@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from scipy.stats import beta
 
 from rlhf_core.stats import (
     check_alpha,
@@ -86,12 +87,27 @@ def test_paired_comparison_counts_the_gain_its_interval_and_p():
     assert (c.n, c.fixed, c.broken) == (10, 4, 1)
     assert (c.candidate_accuracy, c.baseline_accuracy) == (pytest.approx(0.7), pytest.approx(0.4))
     assert c.gain == pytest.approx(0.3)
-    se = math.sqrt(4 + 1 - (4 - 1) ** 2 / 10) / 10  # 0.20248...
-    assert (c.ci_low, c.ci_high) == (pytest.approx(0.3 - Z95 * se), pytest.approx(0.3 + Z95 * se))
+    # the 5 discordant problems: 4 fixed, an exact interval of the share fixed (beta quantiles), scaled to the gain
+    low, high = beta.ppf(0.025, 4, 2), beta.ppf(0.975, 5, 1)  # 0.2836, 0.9949
+    assert (c.ci_low, c.ci_high) == (pytest.approx(0.5 * (2 * low - 1)), pytest.approx(0.5 * (2 * high - 1)))
     assert c.p_value == pytest.approx(2 * (1 + 5) / 2 ** 5)  # 0.375
     assert not c.significant
     with pytest.raises(ValueError, match="same problems"):
         paired_comparison([1, 0], [1])
+
+
+@pytest.mark.parametrize("fixed, broken", [(5, 0), (6, 0), (9, 2), (10, 2), (30, 15), (0, 0)])
+def test_the_gain_interval_excludes_zero_exactly_when_the_test_rejects(fixed, broken):
+    """5 fixed, 0 broken of 100: p = 2 / 2^5 = 0.0625, and the interval's lower end is 5/100 * (2 * 0.025^(1/5) - 1),
+    just below 0 (a Wald interval read [+0.007, +0.093] there); 6 fixed: p = 0.03125 and the interval is above 0."""
+    n = 100
+    c = paired_comparison([True] * fixed + [False] * (n - fixed), [False] * fixed + [True] * broken + [False] * (n - fixed - broken))
+    assert (c.fixed, c.broken) == (fixed, broken)
+    assert (c.ci_low > 0) == c.significant
+    assert c.ci_low <= c.gain <= c.ci_high
+    if (fixed, broken) == (5, 0):
+        assert c.p_value == pytest.approx(0.0625)
+        assert c.ci_low == pytest.approx(0.05 * (2 * 0.025 ** 0.2 - 1)) and c.ci_low < 0 and c.ci_high == pytest.approx(0.05)
 
 
 def test_wilson_interval_matches_the_table():
