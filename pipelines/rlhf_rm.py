@@ -15,7 +15,7 @@ from __future__ import annotations
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
-from rlhf_core.stats import check_alpha
+from rlhf_core.pipeline.promotion import check_gate
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -40,7 +40,7 @@ def rlhf_rm_pipeline(
     alpha: float = 0.05,
 ) -> None:
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
-    check_alpha(alpha, "alpha")  # while the pipeline compiles: a bad level fails before any step runs
+    check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     preference_fingerprint = validate_preferences(ppo_config)

@@ -85,9 +85,9 @@ def promote(
     if skip_reason:
         record["skipped"] = skip_reason
     record = {key: value for key, value in record.items() if value is not None}
+    if decision.promote:  # force archives the version compared against; without one, a newcomer makes this fail
+        model.set_stage(ModelStages.PRODUCTION, force=production is not None)  # before the record says so
     log_metadata(record, infer_model=True)
     log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
-    if decision.promote:  # force archives the version compared against; without one, a newcomer makes this fail
-        model.set_stage(ModelStages.PRODUCTION, force=production is not None)
     logger.info("model %s version %s: %s", model.name, model.version, decision.reason)
     return {**record, "model": model.name, "version": str(model.version), **decision.to_dict()}

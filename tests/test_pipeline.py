@@ -315,9 +315,11 @@ def test_production_evaluated_on_other_problems_is_evaluated_again_on_these(trai
     assert _version("production").number == production.number
 
 
-def test_a_significance_level_outside_0_1_fails_before_any_step(trained):
+def test_a_gate_that_cannot_be_applied_fails_before_any_step(trained):
     client = zenml_client()
     before = client.list_pipeline_runs(size=1).total
     with pytest.raises(ValueError, match=r"alpha=1.5 must be a significance level strictly between 0 and 1"):
         run_pipeline(MODEL, alpha=1.5)
+    with pytest.raises(ValueError, match=r"min_improvement=-0.01 must be a finite number >= 0"):
+        run_pipeline(MODEL, retrain=True, min_improvement=-0.01)
     assert client.list_pipeline_runs(size=1).total == before

@@ -70,6 +70,14 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
     return [bool(v) for v in values]
 
 
+def check_gate(min_improvement: float, alpha: float) -> None:
+    """Refuse a promotion gate that cannot be applied: the pipelines call it while they compile, so that a bad
+    value fails before any step runs, not at the promote step after training."""
+    if not (isinstance(min_improvement, (int, float)) and math.isfinite(min_improvement) and min_improvement >= 0):
+        raise ValueError(f"min_improvement={min_improvement!r} must be a finite number >= 0")
+    check_alpha(alpha, "alpha")
+
+
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
     """What decides a response's grade besides the model's weights: the reward (its spec's sha256), the prompt
     and response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`) and ``how_run``, how the policies
@@ -134,9 +142,7 @@ def decide(
         skipped_reason: set when the run did not train; the candidate is then never promoted.
         refusal: set when production exists but cannot be compared (see :func:`match_production`).
     """
-    if not (isinstance(min_improvement, (int, float)) and math.isfinite(min_improvement) and min_improvement >= 0):
-        raise ValueError(f"min_improvement={min_improvement!r} must be a finite number >= 0")
-    check_alpha(alpha, "promotion alpha")
+    check_gate(min_improvement, alpha)
     candidate, base, production = (_check_results(name, values) for name, values in
                                    (("candidate", candidate), ("base", base), ("production", production)))
 

@@ -85,7 +85,8 @@ RESUME_SAFE_KEYS = (
     "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
     "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
-    # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged
+    # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged (the
+    # sharding's param_dtype / reduce_dtype change the rounding on a GPU, as a change of precision would)
     "*.ppo_micro_batch_size_per_gpu", "*.log_prob_micro_batch_size_per_gpu", "*.ppo_max_token_len_per_gpu",
     "*.log_prob_max_token_len_per_gpu", "*.use_dynamic_bsz", "*.log_prob_use_dynamic_bsz",
     "*.enable_gradient_checkpointing", "*.fsdp_config.*", "*.trust_remote_code", "actor_rollout_ref.rollout.gpu_memory_utilization",
