@@ -77,3 +77,47 @@ def test_lineage_shows_the_problems_the_version_fixed_and_broke(trained, capsys)
     for problem_id, answer in list(zip(fixed["problem_id"], fixed["ground_truth"]))[:5]:
         assert f"fixed {problem_id} (answer {answer}): " in text
     assert "model version p_value: " in text and "model version gain_ci: " in text
+
+
+def test_the_reward_model_stages_show_their_accuracy_and_fingerprint():
+    from rlhf_core.pipeline.lineage import format_lineage
+
+    def link(stage, step, about, metadata, artifacts=()):
+        return {"stage": stage, "about": about, "step": step, "status": "completed", "run": "rm-run", "inputs": {},
+                "artifacts": list(artifacts), "metadata": metadata}
+
+    record = {
+        "model": "rlhf-rm-policy", "version": "2", "stage": "production", "run": "rm-run",
+        "pipeline": "rlhf_rm_pipeline", "run_status": "completed", "run_id": "42", "model_version_metadata": {},
+        "chain": [
+            link("preference data", "validate_preferences", "the pairs",
+                 {"preference_fingerprint": "9f2c", "train_pairs": 48, "val_pairs": 16, "unrelated": 1}),
+            link("reward model", "train_reward_model", "the learned reward model and its held-out pair accuracy",
+                 {"held_out_pair_accuracy": 0.8125, "min_pair_accuracy": 0.6, "passed": True,
+                  "reason": "held-out pair accuracy 81.2% >= 60.0%", "preference_fingerprint": "9f2c",
+                  "local_dir": "/tmp/rm"},
+                 [{"name": "reward_model", "version": "3", "id": "rm-1"}]),
+        ],
+    }
+    assert format_lineage(record).splitlines() == [
+        "model rlhf-rm-policy version 2 (stage: production)",
+        "  produced by run rm-run of rlhf_rm_pipeline (completed, id 42)",
+        "   preference data: step validate_preferences [completed] - the pairs",
+        "      preference_fingerprint: 9f2c",
+        "      train_pairs: 48",
+        "      val_pairs: 16",
+        "-> reward model: step train_reward_model [completed] - the learned reward model and its held-out pair "
+        "accuracy",
+        "      artifact reward_model v3 id rm-1",
+        "      held_out_pair_accuracy: 0.8125",
+        "      min_pair_accuracy: 0.6",
+        "      passed: true",
+        "      reason: held-out pair accuracy 81.2% >= 60.0%",
+        "      preference_fingerprint: 9f2c",
+    ]
+
+
+def test_every_stage_of_the_chain_has_highlights():
+    from rlhf_core.pipeline import lineage as module
+
+    assert sorted(module._HIGHLIGHTS) == sorted(stage for stage, _, _ in module.CHAIN)

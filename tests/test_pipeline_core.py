@@ -4,15 +4,18 @@ model, the run config shrunk) and the reward spec with its self-check on referen
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from transformers import AutoConfig
 
 from rlhf_core.config import PPOConfig, load_config
 from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.pipeline.evaluate import (
     RewardChangedError,
@@ -24,6 +27,7 @@ from rlhf_core.pipeline.smoke import (
     SmokeTestError,
     _check,
     count_parameters_from_config,
+    first_prompts,
     run_smoke_test,
     scale_config,
 )
@@ -63,6 +67,68 @@ def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
     assert len(report.metrics) == 2
     assert abs(report.metrics[0]["actor/ppo_kl"]) < 1e-3
     assert "smoke test PASSED" in report.summary()
+
+
+@pytest.fixture(scope="module")
+def overlong_setup(tmp_path_factory):
+    """A tiny model and 8 training prompts, rows 0, 2 and 5 made far longer than data.max_prompt_length."""
+    root = tmp_path_factory.mktemp("overlong")
+    model = random_toy_model(root / "model", n_layers=1, hidden_size=32, max_position_embeddings=1024)
+    data = build_dataset(root / "data", n_train=8, n_test=8, seed=0, max_ops=1)
+    frame = pd.read_parquet(data["train"])
+    for row in (0, 2, 5):
+        messages = list(frame.at[row, "prompt"])
+        messages[-1] = {**messages[-1], "content": messages[-1]["content"] + " padding" * 400}
+        frame.at[row, "prompt"] = messages
+    frame.to_parquet(data["train"], index=False)
+    return root, model, data
+
+
+def _overlong_config(setup, *overrides):
+    root, model, data = setup
+    return load_config([
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}", f"data.val_files={data['test']}",
+        "data.max_prompt_length=320", "data.max_response_length=4", "data.filter_overlong_prompts=true",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1",
+        "trainer.device=cpu", "trainer.logger=[]", f"trainer.default_local_dir={root / 'unused'}", *overrides,
+    ])
+
+
+def test_the_dry_run_takes_the_first_prompts_the_trainer_keeps(overlong_setup, tmp_path):
+    root, model, data = overlong_setup
+    raw = pd.read_parquet(data["train"])
+    first, second = tmp_path / "a.parquet", tmp_path / "b.parquet"  # rows 0-2 and 3-7 of the file
+    raw.iloc[:3].to_parquet(first, index=False)
+    raw.iloc[3:].to_parquet(second, index=False)
+    cfg = _overlong_config(overlong_setup)
+    tokenizer = load_tokenizer(model)
+    # rows 0, 2 and 5 are dropped: the first four kept are rows 1, 3, 4 and 6, across both files
+    rows, kept = first_prompts([str(first), str(second)], tokenizer, cfg.data, 4, "data.train_files")
+    assert kept == 5
+    pd.testing.assert_frame_equal(rows, raw.iloc[[1, 3, 4, 6]].reset_index(drop=True))
+    rows, kept = first_prompts([str(first), str(second)], tokenizer, cfg.data, 8, "data.train_files")
+    assert kept == 5 and len(rows) == 5  # asked for more than are kept: all of them
+    pd.testing.assert_frame_equal(rows, raw.iloc[[1, 3, 4, 6, 7]].reset_index(drop=True))
+
+
+def test_an_overlong_first_prompt_does_not_shrink_the_dry_run(overlong_setup, tmp_path):
+    report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4"), tmp_path, n_prompts=4,
+                            response_length=4)
+    assert report.passed, report.summary()
+    assert report.n_prompts == 4
+    assert len(pd.read_parquet(tmp_path / "data" / "train.parquet")) == 4
+
+
+def test_too_few_kept_prompts_stop_the_dry_run_in_the_configs_terms(overlong_setup, tmp_path):
+    # 8 rows, 3 over data.max_prompt_length: 5 kept, fewer than a batch of 6
+    with pytest.raises(SmokeTestError, match=re.escape(
+            "data.train_batch_size (6) is larger than the 5 prompts of data.train_files left after "
+            "data.filter_overlong_prompts drops those over data.max_prompt_length (320 tokens)")):
+        run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=6",
+                                        "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                                        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"), tmp_path)
 
 
 def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_root, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -80,3 +81,68 @@ def test_a_bad_cron_expression_is_an_error(tmp_path, capsys, cron):
     config.write_text("parameters: {}\n")
     assert cli.schedule(["--cron", cron, "-c", str(config), "--print-crontab"]) == 2
     assert "invalid cron expression" in capsys.readouterr().err
+
+
+def _fire_days(cron: str, count: int) -> list[str]:
+    """The next ``count`` fire times of ``cron`` from Sunday 1 June 2025, 00:00 UTC, as 'Sun 01 03:00'."""
+    from datetime import datetime, timezone
+
+    trigger = schedule.make_trigger(cron=cron, timezone=timezone.utc)
+    previous, now, fires = None, datetime(2025, 6, 1, tzinfo=timezone.utc), []
+    for _ in range(count):
+        previous = now = trigger.get_next_fire_time(previous, now)
+        fires.append(now.strftime("%a %d %H:%M"))
+    return fires
+
+
+# June 2025 starts on a Sunday: Sundays 1, 8, 15; Monday 2 ... Saturday 7
+@pytest.mark.parametrize(("cron", "fires"), [
+    ("0 3 * * 0", ["Sun 01 03:00", "Sun 08 03:00", "Sun 15 03:00"]),
+    ("0 3 * * 7", ["Sun 01 03:00", "Sun 08 03:00", "Sun 15 03:00"]),
+    ("0 3 * * sun", ["Sun 01 03:00", "Sun 08 03:00", "Sun 15 03:00"]),
+    ("0 3 * * 1-5", ["Mon 02 03:00", "Tue 03 03:00", "Wed 04 03:00", "Thu 05 03:00", "Fri 06 03:00",
+                     "Mon 09 03:00"]),
+    ("0 3 * * mon-fri", ["Mon 02 03:00", "Tue 03 03:00", "Wed 04 03:00", "Thu 05 03:00", "Fri 06 03:00",
+                         "Mon 09 03:00"]),
+    ("0 3 * * 1-5/2", ["Mon 02 03:00", "Wed 04 03:00", "Fri 06 03:00", "Mon 09 03:00"]),
+    ("0 3 * * */2", ["Sun 01 03:00", "Tue 03 03:00", "Thu 05 03:00", "Sat 07 03:00", "Sun 08 03:00"]),
+    ("30 4 * * 6,0", ["Sun 01 04:30", "Sat 07 04:30", "Sun 08 04:30", "Sat 14 04:30"]),
+    ("0 3 * * 5-7", ["Sun 01 03:00", "Fri 06 03:00", "Sat 07 03:00", "Sun 08 03:00", "Fri 13 03:00"]),
+    ("0 3 * * fri-sun", ["Sun 01 03:00", "Fri 06 03:00", "Sat 07 03:00", "Sun 08 03:00", "Fri 13 03:00"]),
+    ("0 3 * * 0-7", ["Sun 01 03:00", "Mon 02 03:00", "Tue 03 03:00"]),
+    # a day of the month and a weekday: cron fires on either, so on the 10th (a Tuesday) and on every Sunday
+    ("0 3 10 * 0", ["Sun 01 03:00", "Sun 08 03:00", "Tue 10 03:00", "Sun 15 03:00"]),
+    # ... unless one of them starts with '*': then a day must match both (*/2 counts from the 1st: odd Sundays)
+    ("0 3 */2 * 0", ["Sun 01 03:00", "Sun 15 03:00", "Sun 29 03:00"]),
+])
+def test_weekdays_are_read_as_crontab_reads_them(cron, fires):
+    assert _fire_days(cron, len(fires)) == fires
+
+
+@pytest.mark.parametrize(("field", "names"), [
+    ("0", "sun"), ("7", "sun"), ("1-5", "mon,tue,wed,thu,fri"), ("1-5/2", "mon,wed,fri"),
+    ("*/2", "sun,tue,thu,sat"), ("*/3", "sun,wed,sat"), ("6,0", "sun,sat"), ("SAT-sun", "sun,sat"), ("*", "*"),
+    ("0-6", "*"),
+])
+def test_a_crontab_weekday_field_becomes_day_names(field, names):
+    assert schedule.crontab_weekdays(field) == names
+
+
+@pytest.mark.parametrize(("cron", "message"), [
+    ("0 3 * * 8", "day of week '8' in '8': use 0-7"),
+    ("0 3 * * 5-1", "range '5-1' in day of week '5-1' runs backwards"),
+    ("0 3 * * */0", "step '0' in day of week '*/0'"),
+    ("0 3 * * 1/2", "step after a single day '1/2'"),
+])
+def test_a_bad_weekday_names_the_field(cron, message):
+    with pytest.raises(ValueError, match=f"invalid cron expression '{re.escape(cron)}'.*{re.escape(message)}"):
+        schedule.make_trigger(cron=cron)
+
+
+def test_a_percent_sign_in_a_path_is_escaped_for_cron(monkeypatch):
+    monkeypatch.setattr(schedule, "zenml_executable", lambda: "zenml")
+    line = schedule.crontab_line("0 3 * * 0", "configs/retrain%v2.yaml", repo="/srv/rlhf%2/jobs")
+    assert line == (r"0 3 * * 0 cd /srv/rlhf\%2/jobs && mkdir -p /srv/rlhf\%2/jobs/outputs/logs && "
+                    r"flock -n /srv/rlhf\%2/jobs/outputs/.retrain.lock zenml pipeline run "
+                    r"pipelines.retrain.rlhf_retrain_pipeline -c configs/retrain\%v2.yaml "
+                    r">> /srv/rlhf\%2/jobs/outputs/logs/retrain.log 2>&1")

@@ -134,6 +134,10 @@ _HIGHLIGHTS = {
     "validation": ("success", "dataset_fingerprint", "evaluated_expectations", "unsuccessful_expectations",
                    "failed_expectations"),
     "retraining gate": ("production_version", "skipped", "reason"),
+    "preference data": ("preference_fingerprint", "train_pairs", "val_pairs", "train_prompts", "val_prompts"),
+    # the fingerprint again here: it ties the reward model to the preference data it was trained on
+    "reward model": ("held_out_pair_accuracy", "min_pair_accuracy", "passed", "reason", "held_out_loss",
+                     "preference_fingerprint", "base_model"),
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
     "smoke test": ("passed", "wall_s", "cloned", "parameters"),
     "checkpoint": ("steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started"),

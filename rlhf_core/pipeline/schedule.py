@@ -51,9 +51,73 @@ def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str 
     return status
 
 
-def make_trigger(cron: str | None = None, every: float | None = None):
-    """An APScheduler trigger from a 5-field crontab expression or an interval in seconds."""
+# crontab's day-of-week names by number; 7 is Sunday again
+CRON_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+
+
+def _weekday_number(token: str, field: str, closes_range: bool = False) -> int:
+    """Crontab day ``token`` (0-7 or a name) as 0-7; ``sun`` closing a range is 7, so ``fri-sun`` reads as cron does."""
+    name = token.lower()
+    if name in CRON_WEEKDAYS:
+        number = CRON_WEEKDAYS.index(name)
+        return 7 if closes_range and number == 0 else number
+    if token.isdigit() and int(token) <= 7:
+        return int(token)
+    raise ValueError(f"day of week {token!r} in {field!r}: use 0-7 (0 and 7 are Sunday) or sun, mon, ... sat")
+
+
+def crontab_weekdays(field: str) -> str:
+    """The crontab day-of-week ``field`` written as day names, which APScheduler 3 reads as crontab does.
+
+    APScheduler 3 numbers the days from Monday = 0 where crontab has Sunday = 0 (and 7), and its day
+    names take no step and no range through Sunday; so every item is expanded to its days here:
+    ``0`` -> ``sun``, ``1-5/2`` -> ``mon,wed,fri``, ``*/2`` -> ``sun,tue,thu,sat``; all seven -> ``*``.
+    """
+    days: set[int] = set()
+    for item in field.split(","):
+        span, slash, step_text = item.partition("/")
+        if slash and not (step_text.isdigit() and int(step_text) > 0):
+            raise ValueError(f"step {step_text!r} in day of week {field!r}: use a positive whole number, e.g. */2")
+        if span == "*":
+            first, last = 0, 6
+        elif "-" in span:
+            start, _, end = span.partition("-")
+            first, last = _weekday_number(start, field), _weekday_number(end, field, closes_range=True)
+            if first > last:
+                raise ValueError(f"range {span!r} in day of week {field!r} runs backwards: write it as a list, "
+                                 "e.g. 5-6,0 for Friday to Sunday")
+        elif slash:  # cron refuses a step after a single day, so a line that runs here would fail in crontab
+            raise ValueError(f"step after a single day {item!r} in day of week {field!r}: give a range, e.g. 1-5/2")
+        else:
+            first = last = _weekday_number(span, field)
+        days.update(day % 7 for day in range(first, last + 1, int(step_text or 1)))
+    if len(days) == 7:
+        return "*"
+    return ",".join(CRON_WEEKDAYS[day] for day in sorted(days))
+
+
+def _cron_trigger(cron: str, timezone: Any = None):
+    from apscheduler.triggers.combining import OrTrigger
     from apscheduler.triggers.cron import CronTrigger
+
+    fields = cron.split()
+    if len(fields) != 5:
+        raise ValueError(f"{len(fields)} field(s), crontab has 5")
+    minute, hour, day, month, weekday = fields
+    day_of_week = crontab_weekdays(weekday)
+
+    def trigger(day: str, day_of_week: str) -> CronTrigger:
+        return CronTrigger(minute=minute, hour=hour, day=day, month=month, day_of_week=day_of_week, timezone=timezone)
+
+    if day.startswith("*") or weekday.startswith("*"):
+        return trigger(day, day_of_week)
+    # both restricted: crontab fires on either ("0 3 1 * mon": the 1st and every Monday), APScheduler on both at once
+    return OrTrigger([trigger(day, "*"), trigger("*", day_of_week)])
+
+
+def make_trigger(cron: str | None = None, every: float | None = None, timezone: Any = None):
+    """An APScheduler trigger from a 5-field crontab expression (firing when cron would) or an interval in
+    seconds; ``timezone`` defaults to the local one."""
     from apscheduler.triggers.interval import IntervalTrigger
 
     if (cron is None) == (every is None):
@@ -61,9 +125,9 @@ def make_trigger(cron: str | None = None, every: float | None = None):
     if every is not None:
         if every <= 0:
             raise ValueError(f"the interval must be positive, got {every} s")
-        return IntervalTrigger(seconds=every)
+        return IntervalTrigger(seconds=every, timezone=timezone)
     try:
-        return CronTrigger.from_crontab(cron)
+        return _cron_trigger(cron, timezone)
     except ValueError as exc:
         raise ValueError(f"invalid cron expression {cron!r} (minute hour day month weekday, e.g. "
                          f"'0 3 * * *'): {exc}") from exc
@@ -77,8 +141,11 @@ def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE
     log_file = Path(log_file) if log_file else repo / "outputs" / "logs" / "retrain.log"
     lock = repo / "outputs" / ".retrain.lock"
     command = shlex.join(["flock", "-n", str(lock), *pipeline_command(config, pipeline)])
-    return f"{cron} cd {shlex.quote(str(repo))} && mkdir -p {shlex.quote(str(log_file.parent))} && {command} " \
-           f">> {shlex.quote(str(log_file))} 2>&1"
+    command = f"cd {shlex.quote(str(repo))} && mkdir -p {shlex.quote(str(log_file.parent))} && {command} " \
+              f">> {shlex.quote(str(log_file))} 2>&1"
+    # cron cuts the command at an unescaped % (the rest becomes its stdin) and drops the backslash of \%
+    escaped = command.replace("%", r"\%")
+    return f"{cron} {escaped}"
 
 
 def serve(runner: Callable[[], Any], cron: str | None = None, every: float | None = None,

@@ -5,7 +5,8 @@ The run config is kept exactly, except for what must shrink:
 * the model: a random-weight clone of the target's architecture (same model type and tokenizer,
   two small layers), unless the target is already tiny (under ``tiny_threshold`` parameters,
   counted from its config without loading weights);
-* the data: the first ``n_prompts`` real training prompts and as many validation prompts;
+* the data: the first ``n_prompts`` training prompts the trainer keeps (``data.filter_overlong_prompts``
+  drops some) and as many validation prompts;
 * batch sizes shrunk consistently (one mini-batch of all prompts; micro-batches that divide it),
   short responses, one process, the HF rollout on CPU unless a GPU is there, two iterations.
 
@@ -31,8 +32,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from rlhf_core.config import PPOConfig, validate_config
-from rlhf_core.data.dataset import as_file_list
+from rlhf_core.config import DataConfig, PPOConfig, validate_config
+from rlhf_core.data.dataset import RLHFDataset, _messages, check_files, plain_value, read_frames
 
 TINY_THRESHOLD = 5_000_000
 KL_TOLERANCE = 1e-3
@@ -128,18 +129,30 @@ def build_tiny_clone(model_path: str | Path, output_dir: str | Path, tokenizer_p
 # ----------------------------------------------------------------------------- data and config
 
 
-def write_subset(files: str | Sequence[str], output: str | Path, n_rows: int) -> Path:
-    """The first ``n_rows`` rows of ``files`` (in order) as one parquet file."""
-    frames, remaining = [], n_rows
-    for path in as_file_list(files):
-        if remaining <= 0:
+def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_prompts: int,
+                  key: str) -> tuple[pd.DataFrame, int]:
+    """The rows of the first ``n_prompts`` prompts that the trainer keeps from ``files`` (in order), and how
+    many it keeps in all.
+
+    The files are loaded as the trainer loads them (:class:`RLHFDataset`), so a row it drops is skipped
+    here too and any row it would refuse stops the dry run the same way."""
+    dataset = RLHFDataset(files, tokenizer, data, key=key)
+    frame = read_frames(check_files(files, key))
+    # the kept prompts are the rows in order with some left out, and whether a row is kept depends on its
+    # messages alone: so the next kept prompt is the next row with the same messages
+    rows: list[int] = []
+    for position, prompt in enumerate(frame[data.prompt_key]):
+        if len(rows) == min(n_prompts, len(dataset)):
             break
-        frame = pd.read_parquet(path).head(remaining)
-        frames.append(frame)
-        remaining -= len(frame)
+        if plain_value(_messages(prompt)) == plain_value(dataset.rows[len(rows)]["messages"]):
+            rows.append(position)
+    return frame.iloc[rows].drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
+
+
+def write_parquet(frame: pd.DataFrame, output: str | Path) -> Path:
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    pd.concat(frames, ignore_index=True).to_parquet(output, index=False)
+    frame.to_parquet(output, index=False)
     return output
 
 
@@ -214,6 +227,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                    steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
     """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
     from rlhf_core.main_ppo import preflight, trainer_session
+    from rlhf_core.models.loading import load_tokenizer
     from rlhf_core.training.checkpoint import latest_checkpoint
 
     started = time.perf_counter()
@@ -228,9 +242,24 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         model_path = build_tiny_clone(target, work_dir / "tiny_model", model_cfg.tokenizer_path,
                                       trust_remote_code=model_cfg.trust_remote_code)
     parameters = count_parameters_from_config(model_path, model_cfg.trust_remote_code) if cloned else target_parameters
-    train_file = write_subset(cfg.data.train_files, work_dir / "data" / "train.parquet", n_prompts)
-    val_file = write_subset(cfg.data.val_files, work_dir / "data" / "val.parquet", n_prompts)
-    n_prompts = min(n_prompts, len(pd.read_parquet(train_file)))
+    tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"), model_cfg.trust_remote_code)
+    train_rows, kept = first_prompts(cfg.data.train_files, tokenizer, cfg.data, n_prompts, "data.train_files")
+    # the real run draws this many prompts a round and stops when the kept ones are fewer: say so now, not there
+    rounds = cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size
+    batch_key, batch = ("data.gen_batch_size", cfg.data.gen_batch_size) if rounds else \
+        ("data.train_batch_size", cfg.data.train_batch_size)
+    if kept < batch:
+        if cfg.data.filter_overlong_prompts:
+            raise SmokeTestError(
+                f"{batch_key} ({batch}) is larger than the {kept} prompts of data.train_files left after "
+                f"data.filter_overlong_prompts drops those over data.max_prompt_length ({cfg.data.max_prompt_length}"
+                f" tokens): lower {batch_key}, raise data.max_prompt_length or add prompts")
+        raise SmokeTestError(f"{batch_key} ({batch}) is larger than the {kept} prompts of data.train_files: "
+                             f"lower {batch_key} or add prompts")
+    val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files")
+    train_file = write_parquet(train_rows, work_dir / "data" / "train.parquet")
+    val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
+    n_prompts = len(train_rows)
     small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)
     report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps)
 
