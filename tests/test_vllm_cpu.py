@@ -62,6 +62,8 @@ class TokensPrompt(TypedDict):  # a TypedDict in vllm.inputs too: calling it mak
 
 class FakeSamplingParams:
     def __init__(self, **kwargs):
+        if kwargs.get("temperature") == 0 and kwargs.get("n", 1) > 1:  # as vLLM's _verify_greedy_sampling
+            raise ValueError("n must be 1 when using greedy sampling.")
         self.kwargs = kwargs
 
 
@@ -113,6 +115,9 @@ class FakeVLLM:
 
             def wake_up(self, tags):
                 fake.events.append(f"wake_up({','.join(tags)})")
+
+            def reset_prefix_cache(self):
+                fake.events.append("reset_prefix_cache")
 
             def generate(self, prompts, sampling, **kwargs):
                 ids = [p["prompt_token_ids"] for p in prompts]
@@ -235,6 +240,20 @@ def test_sampling_settings_reach_vllm(fake, tokenizer, model_dir, params, temper
     assert (sampling["temperature"], sampling["top_k"]) == (temperature, top_k)
 
 
+def test_greedy_samples_are_asked_one_request_each(fake, tokenizer, model_dir):
+    """vLLM refuses n > 1 when greedy: each prompt goes n times with n=1, its n rows adjacent."""
+    prompts = Batch({"input_ids": torch.tensor([[5, 6], [0, 7]]), "attention_mask": torch.tensor([[1, 1], [0, 1]]),
+                     "position_ids": torch.tensor([[0, 1], [0, 0]])}, {"uid": [0, 1]})
+    fake.script = {(5, 6): [([20], [-0.5])], (7,): [([30, 31], [-0.25, -1.0])]}
+    out = _engine(fake, tokenizer, model_dir).generate(prompts, SamplingParams(n=3, max_new_tokens=2, do_sample=False))
+    [(sent, sampling, _)] = fake.requests
+    assert sent == [[5, 6]] * 3 + [[7]] * 3 and (sampling["n"], sampling["temperature"]) == (1, 0.0)
+    pad = tokenizer.pad_token_id
+    assert out["responses"].tolist() == [[20, pad]] * 3 + [[30, 31]] * 3
+    assert out["rollout_log_prob"].tolist() == [[-0.5, 0.0]] * 3 + [[-0.25, -1.0]] * 3
+    assert out.meta == {"uid": [0, 0, 0, 1, 1, 1]}
+
+
 def test_responses_are_padded_with_eos_when_the_tokenizer_has_no_pad(fake, model_dir):
     tokenizer = types.SimpleNamespace(pad_token_id=None, eos_token_id=3)
     prompts = Batch({"input_ids": torch.tensor([[5]]), "attention_mask": torch.tensor([[1]]),
@@ -338,7 +357,8 @@ def test_weights_are_loaded_between_waking_the_weights_and_the_kv_cache_and_only
 
     fake.events.clear()
     engine.resume()  # the checkpoint's weights are not the actor's: load them
-    assert fake.events == ["wake_up(weights)", "load_weights", "synchronize", "wake_up(kv_cache)"]
+    assert fake.events == ["wake_up(weights)", "load_weights", "synchronize", "reset_prefix_cache",
+                           "wake_up(kv_cache)"]
     assert fake.weight_calls == 1
 
     fake.events.clear()
@@ -358,7 +378,8 @@ def test_weights_are_loaded_between_waking_the_weights_and_the_kv_cache_and_only
     engine.sync_weights()
     assert fake.events == ["sleep(level=1)", "empty_cache"]  # nothing moves until the next rollout
     engine.resume()
-    assert fake.events[2:] == ["wake_up(weights)", "load_weights", "synchronize", "wake_up(kv_cache)"]
+    assert fake.events[2:] == ["wake_up(weights)", "load_weights", "synchronize", "reset_prefix_cache",
+                               "wake_up(kv_cache)"]
     assert fake.weight_calls == 2
     assert _loaded(fake)["lm_head.weight"].tolist() == [[4.0, -0.25]]  # the new values, not the first load's
 
@@ -368,10 +389,11 @@ def test_without_free_cache_engine_the_engine_never_sleeps(fake, tokenizer, mode
     engine.resume()
     engine.release()
     engine.resume()
-    assert fake.events == ["load_weights", "synchronize"]
+    # never asleep, so the prefix cache (keyed by tokens, not weights) is reset with each load
+    assert fake.events == ["load_weights", "synchronize", "reset_prefix_cache"]
     engine.sync_weights()
     engine.resume()
-    assert fake.events == ["load_weights", "synchronize"] * 2
+    assert fake.events == ["load_weights", "synchronize", "reset_prefix_cache"] * 2
     assert fake.weight_calls == 2
 
 
