@@ -65,6 +65,13 @@ def _section(cls: type, help: str) -> Any:  # noqa: A002
     return field(default_factory=cls, metadata={"help": help})
 
 
+# ${coalesce:a,b}: the first of its values that is not null. A default that follows another key through
+# an interpolation needs it where that key may itself be null (the policy's tokenizer_path), since null
+# keeps a meaning of its own in the key that follows (verl's reward_model.model.input_tokenizer)
+if not OmegaConf.has_resolver("coalesce"):
+    OmegaConf.register_new_resolver("coalesce", lambda *values: next((v for v in values if v is not None), None))
+
+
 # ----------------------------------------------------------------------------- the tree
 
 
@@ -290,7 +297,11 @@ class RewardTrainConfig:
     model: RewardTrainModelConfig = _section(RewardTrainModelConfig, "the backbone and its adapters")
     train_batch_size: int = _k(64, "pairs per optimizer step (over all workers)")
     micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
-    max_length: int = _k(1024, "tokens per prompt + response; longer ones lose prompt tokens from the left")
+    max_length: int = _k(1024, "tokens per prompt + response; longer ones lose tokens from the left (the prompt's, "
+                               "then the response's); a pair left with the same ids on both sides is dropped")
+    apply_chat_template_kwargs: dict[str, Any] = _k("${data.apply_chat_template_kwargs}",
+                                                    "keyword arguments to the chat template when encoding the pairs, "
+                                                    "recorded in the export's config.json (chat_template_kwargs)")
     total_epochs: int = _k(1, "passes over the training pairs")
     total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
     margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
@@ -313,9 +324,16 @@ class RewardTrainConfig:
 class RewardModelModelConfig:
     path: str | None = _k(None, "HF sequence-classification directory (num_labels=1, with its tokenizer) of the "
                                 "reward model")
-    input_tokenizer: str | None = _k("${actor_rollout_ref.model.path}", "tokenizer of the policy's ids; where it "
-                                     "differs from the reward model's, responses are decoded and re-encoded with "
-                                     "the reward model's chat template; null = feed the policy's ids as they are")
+    input_tokenizer: str | None = _k("${coalesce:${actor_rollout_ref.model.tokenizer_path},"
+                                     "${actor_rollout_ref.model.path}}",
+                                     "tokenizer of the policy's ids (the policy's tokenizer_path, else its path); "
+                                     "where it or input_chat_template_kwargs differs from the reward model's, "
+                                     "responses are decoded and re-encoded with the reward model's chat template; "
+                                     "null = feed the policy's ids as they are")
+    input_chat_template_kwargs: dict[str, Any] = _k("${data.apply_chat_template_kwargs}",
+                                                    "chat-template keyword arguments of the policy's prompts, "
+                                                    "compared with those the reward model was trained with (its "
+                                                    "config.json's chat_template_kwargs; none where absent)")
     trust_remote_code: bool = _k(False, "allow model code from the reward model directory")
     use_shared_prefix: bool = _k(False, "score each distinct prompt of a micro-batch once, its rollout.n responses "
                                         "attending to its KV cache: the same scores for 1/n of the prompt's work "
@@ -709,7 +727,8 @@ REWARD_MANAGERS = ("naive", "dapo", "batch")
 ONE_OR_LIST = frozenset({"trainer.logger"})
 # mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
 OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs", "data.apply_chat_template_kwargs",
-                       "actor_rollout_ref.model.override_config", "critic.model.override_config"})
+                       "actor_rollout_ref.model.override_config", "critic.model.override_config",
+                       "reward_model.train.apply_chat_template_kwargs", "reward_model.model.input_chat_template_kwargs"})
 
 
 def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: bool = True) -> None:
@@ -719,11 +738,24 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         return
     if key in ONE_OR_LIST and isinstance(value, str):  # verl's trainer.logger=console
         value = [value]
+    open_key = next((k for k in OPEN_KEYS if key.startswith(k + ".")), None)
+    followed_key = _interpolation(cfg, open_key) if open_key else None
+    if followed_key is not None:  # OmegaConf would write the entry into the mapping followed
+        errors.append(f"{key}: {open_key} is {followed_key} until it is set; set it whole, e.g. "
+                      f"{open_key}={{{key[len(open_key) + 1:]}: {value}}}")
+        return
     try:
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:
         hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
+
+
+def _interpolation(cfg: DictConfig, key: str) -> str | None:
+    """The ``${...}`` text that ``key`` of ``cfg`` holds, or None where it holds a value."""
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, section) if section else cfg
+    return OmegaConf.to_container(node)[name] if OmegaConf.is_interpolation(node, name) else None
 
 
 def _default(key: str) -> Any:

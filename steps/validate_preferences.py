@@ -1,5 +1,6 @@
 """Check the reward model's preference files before it trains: the Great Expectations preference suite (nulls,
-empty or identical texts, duplicate and shared pairs), then that no question has pairs on both sides."""
+empty or identical texts, duplicate and shared pairs), then that no question has pairs on both sides and that
+held-out files hold pairs (the checks rlhf-train-rm's preflight makes too)."""
 
 from __future__ import annotations
 

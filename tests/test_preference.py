@@ -169,3 +169,9 @@ def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_p
     same = write("same.parquet", [{"question": "Q4", "chosen": "z", "rejected": "z", "group": "4"}])
     with pytest.raises(PreferenceDataError, match=r"same.parquet: chosen and rejected are the same text in row\(s\) 0"):
         check_preference_files([same], [])
+    empty = write("empty.parquet", [{"question": "Q5", "chosen": "u", "rejected": "v", "group": "5"}])
+    pd.read_parquet(empty).iloc[:0].to_parquet(empty)
+    with pytest.raises(PreferenceDataError, match=r"validation file\(s\) .*empty.parquet hold no pair: .*"
+                                                  r"reward_model.train.val_files=null"):
+        check_preference_files([train], [empty])
+    assert check_preference_files([train], [])["val_pairs"] == 0  # no validation files: nothing to refuse

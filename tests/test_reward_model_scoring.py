@@ -16,6 +16,7 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import left_pad
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import ModelError
+from rlhf_core.models.toy import CHAT_TEMPLATE as TOY_TEMPLATE
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rewards import reward_model
 from rlhf_core.rewards.manager import RewardManager
@@ -59,10 +60,13 @@ def space(tmp_path_factory):
     return root, base, same, other
 
 
-def _rollout_batch(tokenizer, prompts: list[str], responses: list[str], messages=None) -> Batch:
-    """A rollout-shaped batch: left-padded prompts, right-padded responses ending with EOS."""
+def _rollout_batch(tokenizer, prompts: list[str], responses: list[str], messages=None, ended=None) -> Batch:
+    """A rollout-shaped batch: left-padded prompts, right-padded responses ending with EOS (where ``ended`` says
+    so: a response cut at the length limit has none)."""
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    response_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for r in responses]
+    ended = [True] * len(responses) if ended is None else ended
+    response_ids = [tokenizer(r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * e
+                    for r, e in zip(responses, ended)]
     left = left_pad(prompt_ids, tokenizer.pad_token_id)
     width = max(len(r) for r in response_ids) + 2  # trailing all-padding columns, as a rollout leaves them
     responses_t = torch.full((len(prompts), width), tokenizer.pad_token_id)
@@ -88,10 +92,10 @@ def _hf_score(folder, ids: list[int]) -> float:
         return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
 
 
-def _rm_config(path, input_tokenizer, micro=16, rm_coef=1.0, rule_coef=0.0):
+def _rm_config(path, input_tokenizer, micro=16, rm_coef=1.0, rule_coef=0.0, *extra):
     cfg = load_config([f"reward_model.model.path={path}", f"reward_model.model.input_tokenizer={input_tokenizer}",
                        f"reward_model.micro_batch_size_per_gpu={micro}", f"reward_model.rm_coef={rm_coef}",
-                       f"reward_model.rule_coef={rule_coef}", "reward_model.enable=true"], validate=False)
+                       f"reward_model.rule_coef={rule_coef}", "reward_model.enable=true", *extra], validate=False)
     return cfg.reward_model
 
 
@@ -165,6 +169,72 @@ def test_with_pad_equal_to_eos_ppo_scores_where_training_and_the_export_do(space
         worker = RewardModelWorker(cfg)
         assert worker.shared_prefix == shared
         assert worker.compute_rm_score(batch).tolist() == pytest.approx(exported, abs=1e-4), shared
+
+
+def test_a_response_cut_at_the_length_limit_is_re_encoded_without_eos(space):
+    root, base, _, other = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    questions = ["3 + 4?", "What is 10 - 3? Think."]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    # the second response was cut at data.max_response_length: no EOS among its ids
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages, ended=[True, False])
+    worker = RewardModelWorker(_rm_config(other, base))
+    assert worker.switch_template
+    expected = [_hf_score(other, tokenizer(text, add_special_tokens=False)["input_ids"])
+                for text in (f"### Q: {questions[0]}\n{RESPONSES[0]}</s>", f"### Q: {questions[1]}\n{RESPONSES[1]}")]
+    with_eos = _hf_score(other, tokenizer(f"### Q: {questions[1]}\n{RESPONSES[1]}</s>", add_special_tokens=False)["input_ids"])
+    assert abs(with_eos - expected[1]) > 1e-3  # the EOS would change the score
+    assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
+
+
+THINK_TEMPLATE = TOY_TEMPLATE.replace(
+    "{% if add_generation_prompt %}Assistant: {% endif %}",
+    "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"
+    "<nothink>{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_other_than_the_reward_models_re_encode(space, tmp_path):
+    _, base, _, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    policy = tmp_path / "policy_tokenizer"  # the reward model's tokenizer and template: only the keywords differ
+    think = AutoTokenizer.from_pretrained(base)
+    think.chat_template = THINK_TEMPLATE
+    think.save_pretrained(policy)
+    folder = make_reward_model(tmp_path / "rm_nothink", base, seed=1, template=THINK_TEMPLATE)
+    config = AutoConfig.from_pretrained(folder)
+    config.chat_template_kwargs = {"enable_thinking": False}  # as rlhf-train-rm records them
+    config.save_pretrained(folder)
+    messages = [[{"role": "user", "content": "3 + 4?"}]]
+    batch = _rollout_batch(tokenizer, PROMPTS[:1], RESPONSES[:1], messages=messages)  # rendered without keywords
+    plain = _rm_config(folder, policy)
+    assert reward_model.needs_template_switch(plain)
+    worker = RewardModelWorker(plain)
+    assert worker.switch_template
+    nothink = tokenizer("User: 3 + 4?\nAssistant: <nothink>" + RESPONSES[0] + "</s>", add_special_tokens=False)
+    assert float(worker.compute_rm_score(batch)[0]) == pytest.approx(_hf_score(folder, nothink["input_ids"]), abs=1e-4)
+    # the policy's prompts rendered with the keywords the reward model was trained with: its ids as they are
+    matching = _rm_config(folder, policy, 16, 1.0, 0.0, "data.apply_chat_template_kwargs={enable_thinking: false}")
+    assert matching.model.input_chat_template_kwargs == {"enable_thinking": False}
+    assert not reward_model.needs_template_switch(matching)
+    assert not RewardModelWorker(matching).switch_template
+
+
+def test_input_tokenizer_follows_the_policys_tokenizer_path(space, tmp_path):
+    from rlhf_core.main_ppo import _reward_model_problems
+
+    _, base, same, _ = space
+    weights = tmp_path / "weights"  # the policy's weights alone; its tokenizer lives elsewhere
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (weights / name).write_bytes((base / name).read_bytes())
+    policy = [f"actor_rollout_ref.model.path={weights}", f"reward_model.model.path={same}", "reward_model.enable=true"]
+    cfg = load_config([*policy, f"actor_rollout_ref.model.tokenizer_path={base}"], validate=False)
+    assert cfg.reward_model.model.input_tokenizer == str(base)
+    assert _reward_model_problems(cfg) == []
+    assert not RewardModelWorker(cfg.reward_model).switch_template
+    assert load_config(policy, validate=False).reward_model.model.input_tokenizer == str(weights)
+    assert load_config([*policy, "reward_model.model.input_tokenizer=null"],
+                       validate=False).reward_model.model.input_tokenizer is None
 
 
 def test_input_tokenizer_null_feeds_the_ids_even_with_another_template(space):

@@ -11,10 +11,11 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.cli.train import train_rm
-from rlhf_core.config import load_config
+from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.synthetic import DATA_SOURCE
 from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.models.toy import CHAT_TEMPLATE as TOY_TEMPLATE
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training.reward_trainer import (
     RewardModelTrainer,
@@ -66,8 +67,8 @@ def test_score_is_the_head_at_the_last_non_pad_token(tiny):
     tokenizer = load_tokenizer(tiny)
     model = load_reward_backbone(tiny, tokenizer.pad_token_id, seed=0).eval()
     messages = [{"role": "user", "content": "Tom has 3 apples. How many?"}]
-    short, _ = encode_response(tokenizer, messages, "3", 512)
-    long, _ = encode_response(tokenizer, messages, "He has 3 apples.\n#### 3", 512)
+    short, _, _ = encode_response(tokenizer, messages, "3", 512)
+    long, _, _ = encode_response(tokenizer, messages, "He has 3 apples.\n#### 3", 512)
     assert short[-1] == long[-1] == tokenizer.eos_token_id and len(short) < len(long)
     batch = collate([(long, short)], tokenizer.pad_token_id)  # rows: long, then short right-padded
     assert batch["input_ids"][1, len(short):].eq(tokenizer.pad_token_id).all()
@@ -82,9 +83,118 @@ def test_score_is_the_head_at_the_last_non_pad_token(tiny):
 
 def test_encode_keeps_the_response_end_when_truncating(tiny):
     tokenizer = load_tokenizer(tiny)
-    full, cut = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 512)
-    short, cut_short = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 20)
-    assert not cut and cut_short and len(short) == 20 and short == full[-20:]
+    full, *cut = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 512)
+    short, *cut_short = encode_response(tokenizer, [{"role": "user", "content": "a long question " * 5}], "#### 7", 20)
+    # "User: " + 80 characters + "\n" + "Assistant: " = 98 prompt tokens, "#### 7" + EOS = 7: 105 cut to 20
+    assert cut == [0, 0] and cut_short == [85, 0] and len(short) == 20 and short == full[-20:]
+
+
+def test_encode_counts_prompt_and_response_tokens_cut(tiny):
+    tokenizer = load_tokenizer(tiny)
+    messages = [{"role": "user", "content": "Q?"}]  # "User: Q?\nAssistant: ": 20 characters, one token each
+    ids, prompt_cut, response_cut = encode_response(tokenizer, messages, "abc", 22)  # 20 + 3 + EOS = 24
+    assert (prompt_cut, response_cut) == (2, 0)
+    assert tokenizer.decode(ids[:-1]) == "er: Q?\nAssistant: abc" and ids[-1] == tokenizer.eos_token_id
+    ids, prompt_cut, response_cut = encode_response(tokenizer, messages, "abc", 3)
+    assert (prompt_cut, response_cut) == (20, 1) and tokenizer.decode(ids[:-1]) == "bc"
+    ids, prompt_cut, response_cut = encode_response(tokenizer, messages, "abc", 3, eos=False)
+    assert (prompt_cut, response_cut) == (20, 0) and tokenizer.decode(ids) == "abc"
+
+
+def _preference_file(path, rows):
+    """A preference parquet of (question, chosen, rejected) rows, the question as the whole user turn."""
+    pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _, _ in rows],
+                  "chosen": [c for _, c, _ in rows], "rejected": [r for _, _, r in rows],
+                  "data_source": ["s"] * len(rows), "extra_info": [{"split": "train"}] * len(rows)}).to_parquet(path)
+    return path
+
+
+def test_pairs_that_truncation_makes_identical_are_left_out_with_a_notice(tiny, tmp_path, capsys):
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    # prompt "User: Q?\nAssistant: " = 20 tokens. Row 0: "Yes! total 7" / "No!! total 7" (12 + EOS each) differ in
+    # their first 3 characters; cut to 10 tokens (23 from the left) both are "! total 7" + EOS. Row 1: "#### 7" /
+    # "#### 8" (6 + EOS) lose 17 prompt tokens only, keeping "t: ", and still differ in their last character
+    train = _preference_file(tmp_path / "train.parquet", [("Q?", "Yes! total 7", "No!! total 7"),
+                                                            ("Q?", "#### 7", "#### 8")])
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+            f"reward_model.train.train_files={train}", "reward_model.train.val_files=null",
+            "reward_model.train.train_batch_size=1", "reward_model.train.micro_batch_size_per_gpu=1",
+            f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
+    prepared = preflight(load_config([*base, "reward_model.train.max_length=10"]))
+    tokenizer = prepared.tokenizer
+    assert [(tokenizer.decode(c), tokenizer.decode(r)) for c, r in prepared.train] == [
+        ("t: #### 7</s>", "t: #### 8</s>")]
+    err = capsys.readouterr().err
+    assert "4 sequences were longer than reward_model.train.max_length (10): 2 lost prompt tokens from the left; " \
+           "2 lost their whole prompt and the start of their response" in err
+    assert "1 pair(s) of reward_model.train.train_files are left out" in err and f"row 0 of {train}" in err
+    # 30 tokens cut 3 prompt tokens from row 0's sequences alone: both pairs kept
+    assert len(preflight(load_config([*base, "reward_model.train.max_length=30"])).train) == 2
+    err = capsys.readouterr().err
+    assert "2 sequences were longer than reward_model.train.max_length (30): 2 lost prompt tokens from the left " \
+           "(the response's end" in err and "left out" not in err
+    only_same = _preference_file(tmp_path / "same.parquet", [("Q?", "Yes! total 7", "No!! total 7")])
+    with pytest.raises(RewardTrainingError, match=r"train_files: in every pair chosen and rejected have the same "
+                                                  r"ids once cut to reward_model.train.max_length \(10\)"):
+        preflight(load_config([*base, f"reward_model.train.train_files={only_same}",
+                               "reward_model.train.max_length=10"]))
+
+
+def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp_path, capsys):
+    train = _preference_file(tmp_path / "train.parquet", [("Q1", "a", "b"), ("Q2", "c", "d")])
+    shared = _preference_file(tmp_path / "shared.parquet", [("Q2", "e", "f")])
+    empty = _preference_file(tmp_path / "empty.parquet", [("Q3", "g", "h")])
+    pd.read_parquet(empty).iloc[:0].to_parquet(empty)
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+            f"reward_model.train.train_files={train}", "reward_model.train.train_batch_size=2",
+            "reward_model.train.micro_batch_size_per_gpu=1", f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
+    assert train_rm([*base, f"reward_model.train.val_files={shared}"]) == 1
+    assert "1 prompt(s) have pairs in both the training and the validation files" in capsys.readouterr().err
+    assert train_rm([*base, f"reward_model.train.val_files={empty}"]) == 1
+    assert f"the validation file(s) {empty} hold no pair" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+THINK_TEMPLATE = TOY_TEMPLATE.replace(
+    "{% if add_generation_prompt %}Assistant: {% endif %}",
+    "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"
+    "<nothink>{% endif %}{% endif %}")
+
+
+def test_pairs_are_encoded_with_the_chat_template_kwargs_and_the_export_records_them(tiny, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rlhf_core.training.reward_trainer import preflight
+
+    model = tmp_path / "think"  # the tiny model, its template switching on enable_thinking
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((tiny / name).read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tokenizer.chat_template = THINK_TEMPLATE
+    tokenizer.save_pretrained(model)
+    train = _preference_file(tmp_path / "train.parquet", [("Q?", "#### 7", "#### 8")])
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={model}",
+            f"reward_model.train.train_files={train}", "reward_model.train.val_files=null",
+            "reward_model.train.train_batch_size=1", "reward_model.train.micro_batch_size_per_gpu=1",
+            "reward_model.train.total_training_steps=1", f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
+    # the policy's keywords unless set
+    cfg = load_config([*base, "data.apply_chat_template_kwargs={enable_thinking: false}"])
+    assert cfg.reward_model.train.apply_chat_template_kwargs == {"enable_thinking": False}
+    chosen, rejected = preflight(cfg).train[0]
+    assert tokenizer.decode(chosen) == "User: Q?\nAssistant: <nothink>#### 7</s>"
+    own = load_config([*base, "data.apply_chat_template_kwargs={enable_thinking: false}",
+                       "reward_model.train.apply_chat_template_kwargs={}"])
+    assert tokenizer.decode(preflight(own).train[0][0]) == "User: Q?\nAssistant: #### 7</s>"
+    with pytest.raises(ConfigError, match="set it whole"):  # an entry would land in data.apply_chat_template_kwargs
+        load_config([*base, "+reward_model.train.apply_chat_template_kwargs.enable_thinking=false"])
+    assert train_rm([*base, "data.apply_chat_template_kwargs={enable_thinking: false}"]) == 0
+    exported = AutoConfig.from_pretrained(tmp_path / "out" / "huggingface")
+    assert exported.chat_template_kwargs == {"enable_thinking": False}
+    # a resume with other keywords would train on other ids: refused, the entry added being compared
+    with pytest.raises(ValueError, match="apply_chat_template_kwargs"):
+        RewardModelTrainer(load_config([*base, "reward_model.train.total_training_steps=2"])).resume()
 
 
 # ----------------------------------------------------------------------------- the command

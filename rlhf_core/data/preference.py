@@ -215,15 +215,25 @@ def _prompt_key(prompt) -> str:
 
 
 def check_preference_files(train: list[Path], val: list[Path]) -> dict:
-    """Read every file (:func:`read_preferences`) and refuse pairs whose chosen and rejected are the same
-    text, or a prompt that has pairs in both train and val; returns counts. PreferenceDataError otherwise."""
-    frames = {"train": [(p, read_preferences(p)) for p in train], "val": [(p, read_preferences(p)) for p in val]}
+    """Read every file (:func:`read_preferences`) and check them together (:func:`check_preference_frames`);
+    returns counts. PreferenceDataError otherwise."""
+    return check_preference_frames([(p, read_preferences(p)) for p in train], [(p, read_preferences(p)) for p in val])
+
+
+def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tuple[Path, pd.DataFrame]]) -> dict:
+    """Refuse pairs whose chosen and rejected are the same text, a prompt that has pairs in both train and val,
+    and validation files without a pair; ``train`` and ``val`` hold (path, frame) per file. Returns counts."""
+    frames = {"train": train, "val": val}
     for items in frames.values():
         for path, frame in items:
             same = [i for i, (c, r) in enumerate(zip(frame["chosen"], frame["rejected"])) if c == r]
             if same:
                 raise PreferenceDataError(f"{path}: chosen and rejected are the same text in row(s) "
                                           f"{', '.join(map(str, same[:5]))}; such a pair teaches nothing, drop it")
+    if val and not any(len(frame) for _, frame in val):
+        raise PreferenceDataError(f"the validation file(s) {', '.join(str(p) for p, _ in val)} hold no pair: add "
+                                  "held-out pairs, or set reward_model.train.val_files=null to train without "
+                                  "validation (then no reward_model.train.min_pair_accuracy can be required)")
     prompts = {split: {_prompt_key(p) for _, f in items for p in f["prompt"]} for split, items in frames.items()}
     shared = prompts["train"] & prompts["val"]
     if shared:

@@ -7,13 +7,16 @@ the response's last valid token, where the rule reward goes too.
 
 Two ways in, as verl has them (``reward_model.model.input_tokenizer``):
 
-* the same tokenizer and chat template as the policy (or ``input_tokenizer: null``): the policy's
-  token ids are fed as they are (all-padding columns trimmed, the padding set to the reward
-  model's pad id);
-* another tokenizer or chat template: each response is decoded with the input tokenizer and the
-  conversation (the raw prompt messages, then the response as the assistant's turn) is rendered
-  with the reward model's own chat template and re-tokenized. This needs the raw chat messages
-  in the batch (``data.return_raw_chat=true``).
+* the same tokenizer and chat template as the policy, rendered with the same keyword arguments
+  (``reward_model.model.input_chat_template_kwargs``, the policy's ``data.apply_chat_template_kwargs``,
+  against those the reward model was trained with, :data:`TEMPLATE_KWARGS` in its config.json), or
+  ``input_tokenizer: null``: the policy's token ids are fed as they are (all-padding columns trimmed,
+  the padding set to the reward model's pad id);
+* anything else: each response is decoded with the input tokenizer and the conversation (the raw
+  prompt messages, then the response as the assistant's turn) is rendered with the reward model's
+  own chat template and keyword arguments and re-tokenized, with EOS where the policy's response
+  ended with one (not after a response cut at ``data.max_response_length``). This needs the raw
+  chat messages in the batch (``data.return_raw_chat=true``).
 
 :class:`RewardModelManager` then combines, per sequence,
 
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
@@ -47,6 +50,8 @@ from rlhf_core.workers.common import (
 )
 
 KEY = "reward_model.model.path"
+#: the reward model's config.json attribute holding the chat-template keyword arguments it was trained with
+TEMPLATE_KWARGS = "chat_template_kwargs"
 
 
 # ----------------------------------------------------------------------------- checks (no weights loaded)
@@ -83,9 +88,30 @@ def load_rm_tokenizer(folder: str | os.PathLike, trust_remote_code: bool = False
         raise ModelError(f"{key}: the tokenizer in {folder} cannot be loaded: {type(exc).__name__}: {exc}") from exc
 
 
-def same_tokenization(a, b) -> bool:
-    """Whether two tokenizers turn a conversation into the same ids: same vocabulary and chat template."""
-    return a.get_vocab() == b.get_vocab() and getattr(a, "chat_template", None) == getattr(b, "chat_template", None)
+def trained_template_kwargs(folder: str | os.PathLike, trust_remote_code: bool = False) -> dict:
+    """The chat-template keyword arguments the reward model in ``folder`` was trained with: its config.json's
+    :data:`TEMPLATE_KWARGS` (written by rlhf-train-rm), none for a model without that record."""
+    config = AutoConfig.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    return dict(getattr(config, TEMPLATE_KWARGS, None) or {})
+
+
+def stop_ids(folder: str | os.PathLike, tokenizer) -> set[int]:
+    """The ids a policy's response ends with where it was not cut, as the rollout stops on them: the tokenizer's
+    EOS and those of the generation config in ``folder``, where it holds one."""
+    try:
+        eos = GenerationConfig.from_pretrained(str(resolve(folder))).eos_token_id
+    except OSError:  # a tokenizer directory without the model's generation_config.json
+        eos = None
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def same_tokenization(a, b, a_kwargs: dict | None = None, b_kwargs: dict | None = None) -> bool:
+    """Whether two tokenizers turn a conversation into the same ids: same vocabulary and chat template,
+    rendered with the same keyword arguments (``a_kwargs`` for ``a``, ``b_kwargs`` for ``b``)."""
+    template = getattr(a, "chat_template", None)
+    return (a.get_vocab() == b.get_vocab() and template == getattr(b, "chat_template", None)
+            and (not template or (a_kwargs or {}) == (b_kwargs or {})))
 
 
 def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bool:
@@ -94,13 +120,16 @@ def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bo
     ``input_tokenizer`` (a loaded tokenizer) stands for ``reward_model.model.input_tokenizer``;
     with that key null, the ids are fed as they are.
     """
+    model_cfg = config.model
     if input_tokenizer is None:
-        if not config.model.input_tokenizer:
+        if not model_cfg.input_tokenizer:
             return False
-        input_tokenizer = load_rm_tokenizer(config.model.input_tokenizer, config.model.trust_remote_code,
+        input_tokenizer = load_rm_tokenizer(model_cfg.input_tokenizer, model_cfg.trust_remote_code,
                                             "reward_model.model.input_tokenizer")
-    folder = check_reward_model_dir(config.model.path, config.model.trust_remote_code)
-    return not same_tokenization(input_tokenizer, load_rm_tokenizer(folder, config.model.trust_remote_code))
+    folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
+    return not same_tokenization(input_tokenizer, load_rm_tokenizer(folder, model_cfg.trust_remote_code),
+                                 model_cfg.input_chat_template_kwargs,
+                                 trained_template_kwargs(folder, model_cfg.trust_remote_code))
 
 
 # ----------------------------------------------------------------------------- the forward
@@ -184,8 +213,12 @@ class RewardModelWorker:
         self.input_tokenizer = (load_rm_tokenizer(model_cfg.input_tokenizer, model_cfg.trust_remote_code,
                                                   "reward_model.model.input_tokenizer")
                                 if model_cfg.input_tokenizer else None)
+        self.input_stop_ids = (stop_ids(model_cfg.input_tokenizer, self.input_tokenizer)
+                               if self.input_tokenizer is not None else set())
+        self.template_kwargs = trained_template_kwargs(folder, model_cfg.trust_remote_code)
         self.switch_template = (self.input_tokenizer is not None
-                                and not same_tokenization(self.input_tokenizer, self.tokenizer))
+                                and not same_tokenization(self.input_tokenizer, self.tokenizer,
+                                                          model_cfg.input_chat_template_kwargs, self.template_kwargs))
         module = AutoModelForSequenceClassification.from_pretrained(
             str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code)
         module.config.use_cache = False
@@ -213,10 +246,13 @@ class RewardModelWorker:
             raise ValueError("the reward model's tokenizer or chat template differs from the policy's, so responses "
                              "are re-encoded from the chat messages: set data.return_raw_chat=true")
         valid = batch["response_mask"].bool()
-        responses = self.input_tokenizer.batch_decode(
-            [batch["responses"][i][valid[i]].tolist() for i in range(len(batch))], skip_special_tokens=True)
-        ids = [encode_response(self.tokenizer, messages, response)[0]
-               for messages, response in zip(batch.meta["raw_prompt"], responses)]
+        response_ids = [batch["responses"][i][valid[i]].tolist() for i in range(len(batch))]
+        responses = self.input_tokenizer.batch_decode(response_ids, skip_special_tokens=True)
+        # the decoded text has lost the policy's stop token (a special token), so whether a response ended is read
+        # from its ids: one cut at data.max_response_length gets no EOS, as its ids fed as they are have none
+        ids = [encode_response(self.tokenizer, messages, response, chat_template_kwargs=self.template_kwargs,
+                               eos=bool(policy_ids) and policy_ids[-1] in self.input_stop_ids)[0]
+               for messages, response, policy_ids in zip(batch.meta["raw_prompt"], responses, response_ids)]
         return Batch(left_pad(ids, self.pad_id))
 
     @torch.no_grad()
@@ -232,20 +268,22 @@ class RewardModelWorker:
                                  self.config.micro_batch_size_per_gpu, False, 0)
 
 
-def encode_response(tokenizer, messages: list[dict], response: str,
-                    max_length: int | None = None) -> tuple[list[int], bool]:
-    """Token ids of ``messages`` (chat template, generation prompt) + ``response`` + EOS, as PPO's rollout
-    lays a prompt and its response out: the layout the reward model trains on and scores (a tokenizer
-    without a chat template: the contents joined by newlines, with its special tokens). Over ``max_length``
-    the prompt loses tokens from the left (the response end, where the score is read, is kept). Returns
-    (ids, truncated)."""
+def encode_response(tokenizer, messages: list[dict], response: str, max_length: int | None = None,
+                    chat_template_kwargs: dict | None = None, eos: bool = True) -> tuple[list[int], int, int]:
+    """Token ids of ``messages`` (chat template with ``chat_template_kwargs``, generation prompt) + ``response``
+    + EOS (unless ``eos`` is false), as PPO's rollout lays a prompt and its response out: the layout the reward
+    model trains on and scores (a tokenizer without a chat template: the contents joined by newlines, with its
+    special tokens). Over ``max_length`` tokens are cut from the left, the prompt's first, then the response's
+    (its end, where the score is read, is kept). Returns (ids, prompt tokens cut, response tokens cut)."""
     if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True,
+                                               **(chat_template_kwargs or {}))
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     else:
-        ids = tokenizer("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
-    ids = ids + tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return (ids[-max_length:], True) if max_length is not None and len(ids) > max_length else (ids, False)
+        prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
+    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+    cut = max(len(prompt_ids) + len(response_ids) - max_length, 0) if max_length is not None else 0
+    return (prompt_ids + response_ids)[cut:], min(cut, len(prompt_ids)), max(cut - len(prompt_ids), 0)
 
 
 # ----------------------------------------------------------------------------- the combination

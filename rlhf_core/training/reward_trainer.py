@@ -20,9 +20,11 @@ with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), 
 written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
 (``reward_model.train.resume_mode``). The end of the run writes ``huggingface/``: the model
 (LoRA merged) and its tokenizer, which ``AutoModelForSequenceClassification.from_pretrained``
-loads. Metrics go to ``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``,
-``train/pair_accuracy``, ``train/margin_mean``, ``train/grad_norm``, ``train/lr`` and at each
-validation ``val/loss``, ``val/pair_accuracy``, ``val/margin_mean``.
+loads; its config.json records the chat-template keyword arguments the pairs were encoded with
+(``reward_model.train.apply_chat_template_kwargs``), which PPO compares with its own. Metrics go to
+``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``, ``train/pair_accuracy``,
+``train/margin_mean``, ``train/grad_norm``, ``train/lr`` and at each validation ``val/loss``,
+``val/pair_accuracy``, ``val/margin_mean``.
 
 Exit codes: 0 done; 1 unusable preference data (the message names the file, columns or rows);
 2 bad config, model directory or checkpoint; 3 a worker failed.
@@ -48,7 +50,7 @@ from rlhf_core import heap
 from rlhf_core.atomic import staged_directory
 from rlhf_core.config import PPOConfig, RewardTrainConfig, reward_training_batch_problems
 from rlhf_core.data.dataset import as_file_list
-from rlhf_core.data.preference import PreferenceDataError, read_preferences
+from rlhf_core.data.preference import PreferenceDataError, check_preference_frames, read_preferences
 from rlhf_core.models import cpu_matmul, lora
 from rlhf_core.models.loading import (
     DTYPES,
@@ -59,7 +61,7 @@ from rlhf_core.models.loading import (
     resolve,
     save_hf_model,
 )
-from rlhf_core.rewards.reward_model import encode_response
+from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import CheckpointableWorker, build_optimizer, build_scheduler, clip_and_check
@@ -108,16 +110,36 @@ def pair_statistics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, 
 # ----------------------------------------------------------------------------- tokens
 
 
-def encode_pairs(frame, tokenizer, max_length: int) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """(chosen ids, rejected ids) of every row of a preference frame, and how many sequences were cut."""
-    pairs, cut = [], 0
-    for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
-        messages = [dict(m) for m in prompt]
-        chosen_ids, chosen_cut = encode_response(tokenizer, messages, chosen, max_length)
-        rejected_ids, rejected_cut = encode_response(tokenizer, messages, rejected, max_length)
-        pairs.append((chosen_ids, rejected_ids))
-        cut += chosen_cut + rejected_cut
-    return pairs, cut
+@dataclasses.dataclass
+class EncodedPairs:
+    """The pairs of preference rows as token ids, and what ``max_length`` cost them."""
+
+    pairs: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
+    prompt_cut: int = 0  # sequences that lost prompt tokens only
+    response_cut: int = 0  # sequences that lost their whole prompt and response tokens too
+    identical: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (file, row) left out
+
+
+def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
+                 chat_template_kwargs: dict | None = None) -> EncodedPairs:
+    """(chosen ids, rejected ids) of each row of the preference frames in ``files`` ((path, frame) each), leaving
+    out the rows whose chosen and rejected have the same ids once cut to ``max_length`` (they teach nothing)."""
+    encoded = EncodedPairs()
+    for path, frame in files:
+        for row, (prompt, chosen, rejected) in enumerate(zip(frame["prompt"], frame["chosen"], frame["rejected"])):
+            messages = [dict(m) for m in prompt]
+            pair = []
+            for text in (chosen, rejected):
+                ids, prompt_cut, response_cut = encode_response(tokenizer, messages, text, max_length,
+                                                                chat_template_kwargs)
+                encoded.response_cut += response_cut > 0
+                encoded.prompt_cut += prompt_cut > 0 and not response_cut
+                pair.append(ids)
+            if pair[0] == pair[1]:
+                encoded.identical.append((path, row))
+            else:
+                encoded.pairs.append((pair[0], pair[1]))
+    return encoded
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -190,6 +212,8 @@ class RewardModelWorker(CheckpointableWorker):
         model_cfg = config.model
         module = load_reward_backbone(model_cfg.path, pad_token_id, model_cfg.dtype, model_cfg.trust_remote_code,
                                       config.seed, self.device)
+        # saved with the export, so that PPO can tell whether its prompts are rendered as these pairs were
+        setattr(module.config, TEMPLATE_KWARGS, dict(config.apply_chat_template_kwargs))
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = model_cfg.lora_rank > 0
@@ -330,8 +354,17 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def preflight(cfg: PPOConfig) -> dict:
-    """Check data, model and output without loading weights or writing anything; returns the frames.
+@dataclasses.dataclass
+class Preferences:
+    """What :func:`preflight` hands the trainer: the tokenizer and the encoded training and held-out pairs."""
+
+    tokenizer: object
+    train: list[tuple[list[int], list[int]]]
+    val: list[tuple[list[int], list[int]]]
+
+
+def preflight(cfg: PPOConfig) -> Preferences:
+    """Check config, model, output and data, and encode the pairs, without loading weights or writing anything.
 
     Raises PreferenceDataError for unusable preference files, RewardTrainingError for the rest.
     """
@@ -354,21 +387,63 @@ def preflight(cfg: PPOConfig) -> dict:
             ckpt.read_manifest(resolve(rm.resume_from_path))
         except ckpt.CheckpointError as exc:
             errors.append(f"{KEY}.resume_from_path: {exc}")
-    frames = {}
+    frames = {"train": [], "val": []}
     for split, files in (("train", rm.train_files), ("val", rm.val_files)):
         if files is None:
             continue
         try:
-            frames[split] = [read_preferences(path) for path in as_file_list(files)]
+            frames[split] = [(str(path), read_preferences(path)) for path in as_file_list(files)]
         except PreferenceDataError as exc:
             raise PreferenceDataError(f"{KEY}.{split}_files: {exc}") from exc
-    n_train = sum(len(f) for f in frames["train"])
+    check_preference_frames(frames["train"], frames["val"])
+    n_train = sum(len(frame) for _, frame in frames["train"])
     if n_train < rm.train_batch_size:
         errors.append(f"{KEY}.train_files hold {n_train} pairs, fewer than {KEY}.train_batch_size "
                       f"({rm.train_batch_size}): lower the batch size or add pairs")
     if errors:
         raise RewardTrainingError(errors)
-    return frames
+    tokenizer = load_tokenizer(rm.model.tokenizer_path or model_path, rm.model.trust_remote_code)
+    encoded = {split: encode_pairs(items, tokenizer, rm.max_length, rm.apply_chat_template_kwargs)
+               for split, items in frames.items()}
+    _notify_cuts(encoded.values(), rm.max_length)
+    for split, pairs in encoded.items():
+        errors += _check_identical(split, pairs, rm.max_length)
+    kept = len(encoded["train"].pairs)
+    if encoded["train"].pairs and kept < rm.train_batch_size:
+        errors.append(f"{KEY}.train_files hold {kept} pairs whose chosen and rejected differ once cut to "
+                      f"{KEY}.max_length ({rm.max_length}), fewer than {KEY}.train_batch_size "
+                      f"({rm.train_batch_size}): raise max_length, lower the batch size or add pairs")
+    if errors:
+        raise RewardTrainingError(errors)
+    return Preferences(tokenizer, encoded["train"].pairs, encoded["val"].pairs)
+
+
+def _notify_cuts(splits, max_length: int) -> None:
+    prompt_cut = sum(s.prompt_cut for s in splits)
+    response_cut = sum(s.response_cut for s in splits)
+    if not prompt_cut + response_cut:
+        return
+    parts = [f"{prompt_cut} lost prompt tokens from the left"] if prompt_cut else []
+    if response_cut:
+        parts.append(f"{response_cut} lost their whole prompt and the start of their response")
+    print(f"notice: {prompt_cut + response_cut} sequences were longer than {KEY}.max_length ({max_length}): "
+          f"{'; '.join(parts)} (the response's end, where the score is read, is kept)", file=sys.stderr)
+
+
+def _check_identical(split: str, encoded: EncodedPairs, max_length: int) -> list[str]:
+    """The error of a split left without a pair by those whose chosen and rejected are the same ids once cut;
+    a notice where only some are."""
+    if not encoded.identical:
+        return []
+    path, row = encoded.identical[0]
+    if not encoded.pairs:
+        return [f"{KEY}.{split}_files: in every pair chosen and rejected have the same ids once cut to "
+                f"{KEY}.max_length ({max_length}) (e.g. row {row} of {path}): raise max_length so that "
+                "their differences fit"]
+    print(f"notice: {len(encoded.identical)} pair(s) of {KEY}.{split}_files are left out: chosen and rejected "
+          f"have the same ids once cut to {KEY}.max_length ({max_length}) (the first: row {row} of {path}); "
+          "raise max_length to keep them", file=sys.stderr)
+    return []
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -377,26 +452,14 @@ def preflight(cfg: PPOConfig) -> dict:
 class RewardModelTrainer:
     """The single controller: orders the pairs, drives the worker(s), validates, checkpoints, exports."""
 
-    def __init__(self, cfg: PPOConfig, frames: dict | None = None):
+    def __init__(self, cfg: PPOConfig, preferences: Preferences | None = None):
         self.cfg, self.rm = cfg, cfg.reward_model.train
         cpu_matmul.configure(cfg.trainer.cpu_matmul)
         heap.configure(cfg.trainer.keep_freed_memory)
-        frames = preflight(cfg) if frames is None else frames
+        preferences = preflight(cfg) if preferences is None else preferences
         self.local_dir = resolve(self.rm.default_local_dir)
-        tokenizer_path = self.rm.model.tokenizer_path or self.rm.model.path
-        self.tokenizer = load_tokenizer(tokenizer_path, self.rm.model.trust_remote_code)
-        import pandas as pd
-
-        self.train_pairs, cut = encode_pairs(pd.concat(frames["train"], ignore_index=True), self.tokenizer,
-                                             self.rm.max_length)
-        self.val_pairs = []
-        if frames.get("val"):
-            self.val_pairs, val_cut = encode_pairs(pd.concat(frames["val"], ignore_index=True), self.tokenizer,
-                                                   self.rm.max_length)
-            cut += val_cut
-        if cut:
-            print(f"notice: {cut} sequences were longer than {KEY}.max_length ({self.rm.max_length}) and lost "
-                  "prompt tokens from the left", file=sys.stderr)
+        self.tokenizer = preferences.tokenizer
+        self.train_pairs, self.val_pairs = preferences.train, preferences.val
         self.steps_per_epoch = len(self.train_pairs) // self.rm.train_batch_size  # the last partial batch waits
         self.total_steps = self.steps_per_epoch * self.rm.total_epochs
         if self.rm.total_training_steps is not None:
@@ -514,12 +577,13 @@ class RewardModelTrainer:
 
     def _check_config(self, path: Path) -> None:
         saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
-        old = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}))
-        new = ckpt.flatten_config(dataclasses.asdict(self.rm))
+        # flattened under their full names, so that the chat-template keywords compare as one value
+        old = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}.")
+        new = ckpt.flatten_config(dataclasses.asdict(self.rm), f"{KEY}.")
         differing = [k for k in new if k in old and old[k] != new[k]
-                     and not any(fnmatch.fnmatchcase(k, pattern) for pattern in RESUME_SAFE)]
+                     and not any(fnmatch.fnmatchcase(k[len(KEY) + 1:], pattern) for pattern in RESUME_SAFE)]
         if differing:
-            listed = "; ".join(f"{KEY}.{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
+            listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
             raise ckpt.CheckpointError(f"cannot resume from {path}: the config differs ({listed}); restore those "
                                        f"values or start afresh with {KEY}.resume_mode=disable or another "
                                        f"{KEY}.default_local_dir")
