@@ -241,6 +241,49 @@ def test_the_reward_spec_follows_helpers_of_helpers_and_the_constants_they_read(
     assert _spec_hash(custom) != first  # the helper's helper's body
 
 
+REWARD_THROUGH_OBJECTS = """\
+import functools
+import logging
+
+STEP = {step}
+
+
+class Grader:
+    @staticmethod
+    def bound():
+        return BOUND
+
+
+BOUND = {bound}
+GRADER = Grader()
+
+
+@functools.lru_cache(maxsize=None)
+def normalize(text):
+    return text[::STEP]
+
+
+def score_it(data_source, solution_str, ground_truth, extra_info=None):
+    logging.getLogger(__name__).debug("scoring")
+    return float(len(normalize(solution_str)) > GRADER.bound())
+"""
+
+
+def test_the_reward_spec_follows_decorated_helpers_and_objects_and_not_values_made_at_import(tmp_path):
+    """A reward reading its module's __name__ (which differs at each load) hashes the same at every load; a
+    constant read by a cached helper or by an object's method is in the hash."""
+    custom = tmp_path / "my_reward.py"
+    custom.write_text(REWARD_THROUGH_OBJECTS.format(step=1, bound=3))
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    assert check_reward_unchanged(cfg, pinned, "evaluate")["sha256"] == pinned["sha256"]  # another load
+    custom.write_text(REWARD_THROUGH_OBJECTS.format(step=2, bound=3))  # read by the lru_cache'd helper
+    assert _spec_hash(custom) != pinned["sha256"]
+    custom.write_text(REWARD_THROUGH_OBJECTS.format(step=1, bound=4))  # read by a static method of an instance
+    assert _spec_hash(custom) != pinned["sha256"]
+
+
 def test_the_reward_spec_of_a_set_constant_is_the_same_in_every_process(tmp_path):
     """A set of strings iterates in an order salted per process (PYTHONHASHSEED): the spec sorts it."""
     custom = tmp_path / "my_reward.py"

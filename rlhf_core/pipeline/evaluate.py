@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ast
 import base64
 import functools
 import hashlib
@@ -25,11 +26,11 @@ import inspect
 import io
 import json
 import math
-import re
 import sys
+import textwrap
 import types
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,69 +311,58 @@ def _reward_callables(cfg: PPOConfig, data_sources: Sequence[str]) -> dict[str, 
     return {source: get_reward_fn(source) for source in data_sources}
 
 
-_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+def _top_level_sources(path: str) -> dict[str, str]:
+    """Each name a file's top level binds (assignment, ``def`` with its decorators, ``class``), with the source
+    of the statements that bind it."""
+    source = Path(path).read_text()
+    lines = source.splitlines()
+    bound: dict[str, list[str]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)]
+        else:
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        text = "\n".join(lines[first - 1:node.end_lineno])
+        for name in names:
+            bound.setdefault(name, []).append(text)
+    return {name: "\n".join(texts) for name, texts in bound.items()}
 
 
-def _constant_text(value: Any, depth: int = 0) -> str | None:
-    """A module-level constant as text that is the same in every process (sets sorted: string hashing is
-    salted per process), or None for anything but plain data (a registry of functions, a generator)."""
-    if isinstance(value, _SCALARS):
-        return repr(value)
-    if isinstance(value, re.Pattern):
-        return f"re.compile({value.pattern!r}, {int(value.flags)})"
-    if depth > 4:
-        return None
-    if isinstance(value, dict):
-        items = [(_constant_text(k, depth + 1), _constant_text(v, depth + 1)) for k, v in value.items()]
-        return None if any(k is None or v is None for k, v in items) else "{" + ", ".join(f"{k}: {v}" for k, v in items) + "}"
-    if isinstance(value, (list, tuple, set, frozenset)):
-        items = [_constant_text(item, depth + 1) for item in value]
-        if any(item is None for item in items):
-            return None
-        return f"{type(value).__name__}([{', '.join(sorted(items) if isinstance(value, (set, frozenset)) else items)}])"
-    return None
-
-
-def _global_names(code: types.CodeType) -> Iterator[str]:
-    """The global names a code object reads, its nested functions' and comprehensions' included."""
-    yield from code.co_names
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            yield from _global_names(constant)
+def _names_in(source: str) -> list[str]:
+    """The names a piece of source reads or binds, in order, once each."""
+    tree = ast.parse(textwrap.dedent(source))
+    return list(dict.fromkeys(node.id for node in ast.walk(tree) if isinstance(node, ast.Name)))
 
 
 def _source_closure(fn: Callable) -> str:
-    """What decides the function's behaviour, as text: its source; the source of the functions it reaches by
-    global name, and of theirs in turn where they live in its own file; the values of the module-level
-    constants they read; the source of the classes and modules they name. Comments and code outside of these
-    do not enter it."""
-    parts: list[str] = []
-    home = getattr(getattr(fn, "__code__", None), "co_filename", None)
-    seen: set[int] = set()
-    todo = [fn]
+    """What decides the function's behaviour, as source text: its own; that of every top-level statement of its
+    file that binds a name it reads (helpers, their decorators, classes, constants: as written, so a value made
+    at import, such as the module's ``__name__``, does not enter), and of theirs in turn; and the source of the
+    modules, functions and classes it names from elsewhere. Comments and code outside of these do not enter it."""
+    own = inspect.getsource(fn)
+    parts = [own]
+    scope = getattr(fn, "__globals__", {})
+    try:
+        home = _top_level_sources(inspect.getsourcefile(fn))
+        todo = _names_in(own)
+    except (OSError, TypeError, SyntaxError):  # no readable file, or a lambda's line that is not a statement
+        home, todo = {}, list(dict.fromkeys(fn.__code__.co_names))
+    seen = {fn.__name__}
     while todo:
-        function = todo.pop(0)
-        if id(function) in seen:
+        name = todo.pop(0)
+        if name in seen:
             continue
-        seen.add(id(function))
-        parts.append(inspect.getsource(function))
-        scope = getattr(function, "__globals__", {})
-        for name in dict.fromkeys(_global_names(function.__code__)):  # in order, once each
-            if name not in scope:  # a builtin or an attribute name
-                continue
-            target = scope[name]
-            if inspect.isfunction(target) and id(target) not in seen:
-                if target.__code__.co_filename == home:  # its own helpers, to any depth
-                    todo.append(target)
-                else:
-                    seen.add(id(target))
-                    parts.append(_source_or_name(target))
-            elif isinstance(target, types.ModuleType) or inspect.isclass(target):
-                if id(target) not in seen:
-                    seen.add(id(target))
-                    parts.append(_source_or_name(target))
-            elif (text := _constant_text(target)) is not None:
-                parts.append(f"{name} = {text}")
+        seen.add(name)
+        if name in home:
+            parts.append(home[name])
+            todo.extend(_names_in(home[name]))
+        elif isinstance(target := scope.get(name), types.ModuleType) or inspect.isfunction(target) \
+                or inspect.isclass(target):
+            parts.append(_source_or_name(target))
     return "\n".join(parts)
 
 
