@@ -42,6 +42,10 @@ def scrape(url: str) -> dict[str, float]:
 def test_exporter_serves_every_gauge_from_a_steps_metrics():
     with PrometheusExporter(free_port(), project="p", experiment="e") as exporter:
         assert exporter.url.startswith("http://127.0.0.1:")
+        exporter.log({"training/global_step": 101}, step=101)  # a resumed run's first step, before validating
+        first = scrape(exporter.url)
+        assert first["rlhf_global_step"] == 101 and set(first) == set(GAUGES)
+        assert all(math.isnan(value) for name, value in first.items() if name != "rlhf_global_step")  # not 0
         exporter.log({"training/global_step": 7, "timing_s/step": 1.5, "perf/rollout_tokens_per_s": 320.0,
                       "perf/throughput": 900.0, "response_length/mean": 12.0, "critic/score/mean": 0.25,
                       "actor/reward_kl_penalty": 0.03, "actor/grad_norm": 0.7, "critic/grad_norm": float("nan"),

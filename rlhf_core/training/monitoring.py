@@ -6,7 +6,8 @@ run's ``project`` and ``experiment``. ``configs/monitoring/prometheus.yml`` scra
 ``configs/monitoring/grafana_dashboard.json`` plots it.
 
 Each gauge maps to the first of its metric keys present in a step's metrics (a step
-without any of them leaves the gauge as it was); ``rlhf_kl`` is the step's KL as the KL
+without any of them leaves the gauge as it was, NaN until its first value: a GRPO run has no critic, a
+resumed run no validation yet); ``rlhf_kl`` is the step's KL as the KL
 guard measures it (:func:`~rlhf_core.training.guards.measured_kl`). The exporter has its own
 registry, so several can live in one process (tests) without clashing with the default one.
 """
@@ -53,6 +54,8 @@ class PrometheusExporter:
         labels = {"project": project, "experiment": experiment}
         self.gauges = {name: Gauge(name, help_text, list(labels), registry=self.registry).labels(**labels)
                        for name, (help_text, _) in GAUGES.items()}
+        for gauge in self.gauges.values():  # unknown until measured (not 0: a resumed run's accuracy is not 0)
+            gauge.set(math.nan)
         try:
             self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as exc:
