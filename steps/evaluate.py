@@ -18,16 +18,17 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.pipeline.evaluate import (
-    EvalResult,
+    ProductionPairing,
     changed_problems,
     check_reward_unchanged,
     evaluate_policy,
     evaluation_html,
+    pair_with_production,
     per_problem_table,
     training_curves_png,
 )
 from rlhf_core.pipeline.evaluate import reward_spec as reward_spec_of
-from rlhf_core.pipeline.promotion import match_production, scoring_settings
+from rlhf_core.pipeline.promotion import scoring_settings
 from rlhf_core.rewards import custom_reward_fn
 
 logger = get_logger(__name__)
@@ -94,24 +95,22 @@ def evaluate(
                                              override_config=kwargs["override_config"])}
     production_version = _production_version(get_step_context().model.name)
     version = production_version.name if production_version is not None else None
-    production_results, refusal, production_result, reevaluated = None, None, None, None
+    pairing = ProductionPairing()
     if production_version is not None:
-        record = production_version.get_artifact("evaluation")
-        production = record.load() if record is not None else {}
-        production_results, refusal = match_production(candidate, production, version)
-        if production_results is not None:
-            production_result = EvalResult.from_dict({**production["policy"], "problems": []})
-        elif (checkpoint := production_version.get_artifact("ppo_checkpoint")) is not None:
-            # its stored results do not pair with these (other problems, another reward or budget): production's
-            # own checkpoint is evaluated here, on these problems under this run's settings
-            logger.info("production version %s: %s; evaluating its checkpoint on these problems", version, refusal)
-            production_result = evaluate_policy(checkpoint.load(), cfg.data.val_files, **kwargs)
-            production_results = {p["id"]: p["correct"] for p in production_result.problems}
-            reevaluated, refusal = refusal, None
+        record, checkpoint = (production_version.get_artifact(name) for name in ("evaluation", "ppo_checkpoint"))
+        pairing = pair_with_production(candidate, version, record.load() if record is not None else {},
+                                       checkpoint.load if checkpoint is not None else None,
+                                       lambda path: evaluate_policy(path, cfg.data.val_files, **kwargs))
+        if pairing.reevaluated:
+            logger.info("production version %s: %s; its checkpoint was evaluated on these problems", version,
+                        pairing.reevaluated)
+        elif pairing.refusal:
+            logger.warning("production version %s cannot be compared: %s", version, pairing.refusal)
+    production_results, refusal, reevaluated = pairing.results, pairing.refusal, pairing.reevaluated
     table = per_problem_table(policy, base, production_results)
     results = {"base model": base}
-    if production_result is not None:
-        results[f"production (version {version})"] = production_result
+    if pairing.result is not None:
+        results[f"production (version {version})"] = pairing.result
     results["trained policy"] = policy
     baseline = "production" if production_results is not None else "base"
     changed = changed_problems(table, baseline)

@@ -226,3 +226,43 @@ def test_a_version_promoted_by_another_run_meanwhile_turns_the_promotion_into_a_
     decision, production = decide_against_production(Client(None, seven), "m", evaluation, 0.0, 0.05)
     assert not decision.promote and production is seven
     assert "production is version 7 but the evaluation was paired with no production version" in decision.reason
+
+
+def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do_not_pair():
+    from rlhf_core.pipeline.evaluate import EvalResult, pair_with_production
+
+    candidate = {"val_fingerprint": "abc123", "problems": {"s/0": True, "s/1": True}}
+    stored = {"val_fingerprint": "abc123", "problems": {"s/0": False, "s/1": True},
+              "policy": {"model": "prod", "accuracy": 0.5, "n": 2, "mean_score": 0.5, "per_source": {},
+                         "mean_response_length": 3.0}}
+    fresh = EvalResult("prod", 0.5, 2, 0.5, {}, 3.0, problems=[{"id": "s/0", "correct": True},
+                                                              {"id": "s/1", "correct": False}])
+    evaluated = []
+
+    def evaluate(path):
+        evaluated.append(path)
+        return fresh
+
+    # stored results on these problems: used, the checkpoint untouched
+    pairing = pair_with_production(candidate, "3", stored, lambda: "/ckpt", evaluate)
+    assert (pairing.results, pairing.refusal, pairing.reevaluated, evaluated) == ({"s/0": False, "s/1": True}, None,
+                                                                                  None, [])
+    assert pairing.result.accuracy == 0.5
+    # stored on other problems: the checkpoint is evaluated on the candidate's, and the record says why
+    other = {**stored, "val_fingerprint": "fff999"}
+    pairing = pair_with_production(candidate, "3", other, lambda: "/ckpt", evaluate)
+    assert evaluated == ["/ckpt"] and pairing.results == {"s/0": True, "s/1": False} and pairing.refusal is None
+    assert pairing.result is fresh
+    assert pairing.reevaluated == "production version 3 was evaluated on other validation problems " \
+                                  "(fingerprint fff999 vs abc123 here)"
+    # no checkpoint, or one that cannot be evaluated: refused, saying so, and the run goes on
+    assert pair_with_production(candidate, "3", other, None, evaluate).refusal.endswith(
+        "; it has no checkpoint to evaluate here")
+
+    def missing():
+        raise FileNotFoundError("the artifact's files are gone")
+
+    pairing = pair_with_production(candidate, "3", {}, missing, evaluate)
+    assert pairing.results is None and pairing.refusal == (
+        "production version 3 kept no per-problem evaluation results to pair with; its checkpoint could not be "
+        "evaluated here either (FileNotFoundError: the artifact's files are gone)")

@@ -255,6 +255,39 @@ def evaluate_policy(
 # ----------------------------------------------------------------------------- problem by problem
 
 
+@dataclass
+class ProductionPairing:
+    """Production's results on the candidate's problems (None: not compared, ``refusal`` says why), its summary
+    for the report, and why its checkpoint was evaluated in this run (None: its stored results paired)."""
+
+    results: dict[str, bool] | None = None
+    refusal: str | None = None
+    result: EvalResult | None = None
+    reevaluated: str | None = None
+
+
+def pair_with_production(candidate: Mapping[str, Any], version: str, record: Mapping[str, Any] | None,
+                         checkpoint: Callable[[], Any] | None,
+                         evaluate: Callable[[Any], EvalResult]) -> ProductionPairing:
+    """Production's stored evaluation ``record`` where it pairs with the ``candidate`` record
+    (:func:`~rlhf_core.pipeline.promotion.match_production`), else its checkpoint (``checkpoint()`` gives it)
+    run through ``evaluate`` on the candidate's problems. Without a checkpoint, or where it cannot be evaluated,
+    the refusal stands and says so."""
+    from rlhf_core.pipeline.promotion import match_production
+
+    results, refusal = match_production(candidate, record, version)
+    if results is not None:
+        return ProductionPairing(results, None, EvalResult.from_dict({**record["policy"], "problems": []}))
+    if checkpoint is None:
+        return ProductionPairing(refusal=f"{refusal}; it has no checkpoint to evaluate here")
+    try:
+        result = evaluate(checkpoint())
+    except Exception as exc:  # noqa: BLE001 - whatever it was, the candidate is then refused, not the run failed
+        return ProductionPairing(refusal=f"{refusal}; its checkpoint could not be evaluated here either "
+                                         f"({type(exc).__name__}: {exc})")
+    return ProductionPairing({p["id"]: p["correct"] for p in result.problems}, None, result, reevaluated=refusal)
+
+
 def per_problem_table(candidate: EvalResult, base: EvalResult,
                       production: Mapping[str, bool] | None = None) -> pd.DataFrame:
     """One row per problem: id, data source, base / candidate / production correctness, the responses.

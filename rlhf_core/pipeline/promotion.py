@@ -100,19 +100,16 @@ def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any]
     """
     label = f"production version {production_version}" if production_version else "the production version"
     if production is None or not production.get("problems"):
-        return None, (f"{label} kept no per-problem evaluation results to pair with, so the candidate cannot be "
-                      "compared on the same problems; evaluate production on this validation set (or demote it)")
+        return None, f"{label} kept no per-problem evaluation results to pair with"
     theirs, ours = production.get("val_fingerprint"), candidate.get("val_fingerprint")
     if theirs != ours:
         return None, (f"{label} was evaluated on other validation problems (fingerprint {str(theirs)[:12]} vs "
-                      f"{str(ours)[:12]} here): use the same val_files and evaluate max_problems / sample_seed "
-                      "as production's run, or evaluate production on this set")
+                      f"{str(ours)[:12]} here)")
     theirs, ours = production.get("scoring"), candidate.get("scoring")
     if theirs is not None and ours is not None and theirs != ours:  # records from before it was kept: unknown
         changed = sorted(key for key in set(theirs) | set(ours) if theirs.get(key) != ours.get(key))
         return None, (f"{label} was scored otherwise on these problems ({', '.join(changed)} changed since), so its "
-                      "results and the candidate's do not measure the same thing; evaluate production under this "
-                      "run's settings (or demote it)")
+                      "results and the candidate's do not measure the same thing")
     results = production["problems"]
     missing = [pid for pid in candidate["problems"] if pid not in results]
     if missing:

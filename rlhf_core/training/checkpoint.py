@@ -93,7 +93,7 @@ RESUME_SAFE_KEYS = (
     "actor_rollout_ref.rollout.free_cache_engine", "actor_rollout_ref.rollout.enforce_eager",
     "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.enable_chunked_prefill",
     "reward_model.micro_batch_size_per_gpu",
-    # follows actor_rollout_ref.model.path by default, a change of which is refused by itself
+    # follows the policy's tokenizer_path (else its model.path) by default, a change of which is refused by itself
     "reward_model.model.input_tokenizer",
     "reward_model.overlong_buffer.log",
     # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
