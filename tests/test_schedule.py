@@ -122,7 +122,7 @@ def test_weekdays_are_read_as_crontab_reads_them(cron, fires):
 @pytest.mark.parametrize(("field", "names"), [
     ("0", "sun"), ("7", "sun"), ("1-5", "mon,tue,wed,thu,fri"), ("1-5/2", "mon,wed,fri"),
     ("*/2", "sun,tue,thu,sat"), ("*/3", "sun,wed,sat"), ("6,0", "sun,sat"), ("SAT-sun", "sun,sat"), ("*", "*"),
-    ("0-6", "*"),
+    ("0-6", "*"), ("sun-sun", "sun"), ("0-sun", "sun"), ("sun-sat", "*"), ("sun-tue", "sun,mon,tue"),
 ])
 def test_a_crontab_weekday_field_becomes_day_names(field, names):
     assert schedule.crontab_weekdays(field) == names

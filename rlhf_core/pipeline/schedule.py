@@ -55,12 +55,11 @@ def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str 
 CRON_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
 
 
-def _weekday_number(token: str, field: str, closes_range: bool = False) -> int:
-    """Crontab day ``token`` (0-7 or a name) as 0-7; ``sun`` closing a range is 7, so ``fri-sun`` reads as cron does."""
+def _weekday_number(token: str, field: str) -> int:
+    """Crontab day ``token`` (0-7 or a name) as 0-7."""
     name = token.lower()
     if name in CRON_WEEKDAYS:
-        number = CRON_WEEKDAYS.index(name)
-        return 7 if closes_range and number == 0 else number
+        return CRON_WEEKDAYS.index(name)
     if token.isdigit() and int(token) <= 7:
         return int(token)
     raise ValueError(f"day of week {token!r} in {field!r}: use 0-7 (0 and 7 are Sunday) or sun, mon, ... sat")
@@ -82,7 +81,9 @@ def crontab_weekdays(field: str) -> str:
             first, last = 0, 6
         elif "-" in span:
             start, _, end = span.partition("-")
-            first, last = _weekday_number(start, field), _weekday_number(end, field, closes_range=True)
+            first, last = _weekday_number(start, field), _weekday_number(end, field)
+            if last == 0 and first > 0:  # sun closing a range that starts later in the week: fri-sun is 5-7
+                last = 7
             if first > last:
                 raise ValueError(f"range {span!r} in day of week {field!r} runs backwards: write it as a list, "
                                  "e.g. 5-6,0 for Friday to Sunday")
