@@ -369,11 +369,11 @@ def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, 
     final = records[-1]
     final = final.get("metrics", final)
     source = "synthetic/arithmetic"
-    for name in (f"val-core/{source}/reward/mean@1", f"val-core/{source}/gold_reward/mean@1",
+    for name in (f"val-aux/{source}/reward/mean@1", f"val-aux/{source}/gold_reward/mean@1",
                  f"val-aux/{source}/rm_score/mean@1", "critic/rm_score/mean", "critic/gold_reward/mean"):
         assert name in final, name
     # rule_coef=0: the reward optimised is the model score alone
-    assert final[f"val-core/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
+    assert final[f"val-aux/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
     assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
 
 
@@ -402,3 +402,19 @@ def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_pa
         assert finals["true"][name] == pytest.approx(finals["false"][name], abs=1e-4), name
     assert finals["true"]["critic/score/max"] - finals["true"]["critic/score/min"] > 1e-2  # the scores differ
     assert calls["false"] == 0 and calls["true"] > 0
+
+
+def test_the_stop_ids_are_the_policys_generation_configs(space, tmp_path):
+    """The rollout stops on the policy model's generation-config EOS ids; a tokenizer-only directory (the policy's
+    tokenizer_path, the input tokenizer's default) has none, so the policy's directory names them."""
+    from transformers import GenerationConfig
+
+    _, base, _, other = space
+    tokens_only = tmp_path / "tokenizer_only"
+    AutoTokenizer.from_pretrained(base).save_pretrained(tokens_only)
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    eos = AutoTokenizer.from_pretrained(base).eos_token_id
+    GenerationConfig(eos_token_id=[eos, 7]).save_pretrained(policy)  # 7: a second stop token of the model
+    assert RewardModelWorker(_rm_config(other, tokens_only)).input_stop_ids == {eos}
+    assert RewardModelWorker(_rm_config(other, tokens_only), policy_path=str(policy)).input_stop_ids == {eos, 7}

@@ -136,9 +136,17 @@ def test_pairs_that_truncation_makes_identical_are_left_out_with_a_notice(tiny, 
            "(the response's end" in err and "left out" not in err
     only_same = _preference_file(tmp_path / "same.parquet", [("Q?", "Yes! total 7", "No!! total 7")])
     with pytest.raises(RewardTrainingError, match=r"train_files: in every pair chosen and rejected have the same "
-                                                  r"ids once cut to reward_model.train.max_length \(10\)"):
+                                                  r"token ids; 1 with the same ids once cut to "
+                                                  r"reward_model.train.max_length \(10\) .*raise max_length"):
         preflight(load_config([*base, f"reward_model.train.train_files={only_same}",
                                "reward_model.train.max_length=10"]))
+    # texts that differ in characters the tokenizer does not know (both its unknown token) are the same ids
+    # uncut: raising max_length cannot help, and the message says what can
+    unknown = _preference_file(tmp_path / "unknown.parquet", [("Q?", "answer \u00e9", "answer \u0436")])
+    assert tokenizer("answer \u00e9")["input_ids"] == tokenizer("answer \u0436")["input_ids"]
+    with pytest.raises(RewardTrainingError, match=r"1 with the same ids uncut: the tokenizer reads their differences "
+                                                  r"as the same tokens .*make the texts differ"):
+        preflight(load_config([*base, f"reward_model.train.train_files={unknown}"]))
 
 
 def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp_path, capsys):

@@ -204,7 +204,10 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
 class RewardModelWorker:
     """The reward model on one worker (alone, or one FSDP2-sharded rank of a worker group)."""
 
-    def __init__(self, config: RewardModelConfig, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, config: RewardModelConfig, device: str = "cpu", dtype: str = "float32",
+                 policy_path: str | None = None):
+        """``policy_path``: the policy's model directory, whose generation config names the ids its rollout stops
+        on (default: the input tokenizer's directory)."""
         model_cfg = config.model
         self.config = config
         self.device = torch.device(device)
@@ -213,7 +216,7 @@ class RewardModelWorker:
         self.input_tokenizer = (load_rm_tokenizer(model_cfg.input_tokenizer, model_cfg.trust_remote_code,
                                                   "reward_model.model.input_tokenizer")
                                 if model_cfg.input_tokenizer else None)
-        self.input_stop_ids = (stop_ids(model_cfg.input_tokenizer, self.input_tokenizer)
+        self.input_stop_ids = (stop_ids(policy_path or model_cfg.input_tokenizer, self.input_tokenizer)
                                if self.input_tokenizer is not None else set())
         self.template_kwargs = trained_template_kwargs(folder, model_cfg.trust_remote_code)
         self.switch_template = (self.input_tokenizer is not None

@@ -117,7 +117,7 @@ class EncodedPairs:
     pairs: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list)
     prompt_cut: int = 0  # sequences that lost prompt tokens only
     response_cut: int = 0  # sequences that lost their whole prompt and response tokens too
-    identical: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (file, row) left out
+    identical: list[tuple[str, int, bool]] = dataclasses.field(default_factory=list)  # (file, row, cut) left out
 
 
 def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
@@ -128,15 +128,16 @@ def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
     for path, frame in files:
         for row, (prompt, chosen, rejected) in enumerate(zip(frame["prompt"], frame["chosen"], frame["rejected"])):
             messages = [dict(m) for m in prompt]
-            pair = []
+            pair, cut = [], False
             for text in (chosen, rejected):
                 ids, prompt_cut, response_cut = encode_response(tokenizer, messages, text, max_length,
                                                                 chat_template_kwargs)
                 encoded.response_cut += response_cut > 0
                 encoded.prompt_cut += prompt_cut > 0 and not response_cut
+                cut = cut or response_cut > 0
                 pair.append(ids)
             if pair[0] == pair[1]:
-                encoded.identical.append((path, row))
+                encoded.identical.append((path, row, cut))
             else:
                 encoded.pairs.append((pair[0], pair[1]))
     return encoded
@@ -435,14 +436,18 @@ def _check_identical(split: str, encoded: EncodedPairs, max_length: int) -> list
     a notice where only some are."""
     if not encoded.identical:
         return []
-    path, row = encoded.identical[0]
+    causes = []
+    for was_cut in (True, False):
+        rows = [(path, row) for path, row, cut in encoded.identical if cut == was_cut]
+        if rows:
+            why, fix = ((f"once cut to {KEY}.max_length ({max_length})", "raise max_length so that their differences fit")
+                        if was_cut else ("uncut: the tokenizer reads their differences as the same tokens",
+                                         "make the texts differ in what the tokenizer reads"))
+            causes.append(f"{len(rows)} with the same ids {why} (the first: row {rows[0][1]} of {rows[0][0]}): {fix}")
     if not encoded.pairs:
-        return [f"{KEY}.{split}_files: in every pair chosen and rejected have the same ids once cut to "
-                f"{KEY}.max_length ({max_length}) (e.g. row {row} of {path}): raise max_length so that "
-                "their differences fit"]
-    print(f"notice: {len(encoded.identical)} pair(s) of {KEY}.{split}_files are left out: chosen and rejected "
-          f"have the same ids once cut to {KEY}.max_length ({max_length}) (the first: row {row} of {path}); "
-          "raise max_length to keep them", file=sys.stderr)
+        return [f"{KEY}.{split}_files: in every pair chosen and rejected have the same token ids; {'; '.join(causes)}"]
+    print(f"notice: {len(encoded.identical)} pair(s) of {KEY}.{split}_files are left out, their chosen and rejected "
+          f"having the same token ids; {'; '.join(causes)}", file=sys.stderr)
     return []
 
 

@@ -213,7 +213,7 @@ class PPOTrainer:
             from rlhf_core.workers.group import RewardModelGroup
 
             scorer = RewardModelGroup(self.worker_group) if self.worker_group is not None \
-                else RewardModelWorker(config.reward_model, device=device)
+                else RewardModelWorker(config.reward_model, device=device, policy_path=arr.model.path)
             self.reward_manager = RewardModelManager(reward_manager, scorer, config.reward_model)
         kl = algo.kl_ctrl
         # runtime coefficients: they start from the config and are trainer state from then on (a guard

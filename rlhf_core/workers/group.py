@@ -298,7 +298,8 @@ class HybridWorker(DistributedWorker):
         if config.reward_model.enable:
             from rlhf_core.rewards.reward_model import RewardModelWorker
 
-            self.reward_model = RewardModelWorker(config.reward_model, device=device)
+            self.reward_model = RewardModelWorker(config.reward_model, device=device,
+                                                  policy_path=config.actor_rollout_ref.model.path)
 
     def _role(self, role: str):
         return self.actor if role == "actor" else self.critic
