@@ -2,7 +2,7 @@
 
 The proxy reward is the response length (a stand-in for a learned reward model with a length bias,
 the commonest flaw of real ones); the gold reward is the GSM8K rule. Validation logs both side by side
-(``val-core/<source>/reward/mean@1`` and ``val-core/<source>/gold_reward/mean@1``); the guard
+(``val-aux/<source>/reward/mean@1`` and ``val-aux/<source>/gold_reward/mean@1``); the guard
 ``trainer.guard.overopt_patience`` rolls the run back to its best-gold checkpoint, or stops it, once
 the proxy has risen while the gold fell for that many validations in a row. Prints one line per
 validation and what the guard did.
@@ -26,7 +26,7 @@ from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import ensure_toy_model
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rewards.reward_model import RewardModelManager
-from rlhf_core.training.guards import GuardError
+from rlhf_core.training.guards import GuardError, proxy_and_gold
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from learning import REPO, prepare_data  # noqa: E402
@@ -70,12 +70,11 @@ def main() -> None:
     rows = []
 
     def log(metrics: dict, step: int) -> None:
-        proxy = [v for k, v in metrics.items() if k.startswith("val-core/") and "/reward/mean@" in k]
-        gold = [v for k, v in metrics.items() if k.startswith("val-core/") and "/gold_reward/mean@" in k]
-        if proxy and gold:
-            rows.append({"step": step, "proxy": proxy[0], "gold": gold[0],
+        proxy, gold = proxy_and_gold(metrics)
+        if proxy is not None:
+            rows.append({"step": step, "proxy": proxy, "gold": gold,
                          "rollbacks": metrics.get("training/rollbacks", 0)})
-            print(f"step {step:3d}  proxy (length share) {proxy[0]:.3f}  gold (rule) {gold[0]:.3f}  "
+            print(f"step {step:3d}  proxy (length share) {proxy:.3f}  gold (rule) {gold:.3f}  "
                   f"rollbacks {rows[-1]['rollbacks']}", flush=True)
         elif "critic/score/mean" in metrics:
             print(f"step {step:3d}  train proxy {metrics['critic/score/mean']:.3f}  "

@@ -419,7 +419,8 @@ class GuardConfig:
     target_kl: float = _k(0.01, "target KL of the adaptive KL controller switched on after a KL rollback")
     max_val_drop: float | None = _k(0.2, "roll back to the best checkpoint when validation accuracy falls this "
                                          "far below the best seen; null = off")
-    max_rollbacks: int = _k(3, "rollbacks allowed in a run; the next trigger stops it with an error")
+    max_rollbacks: int = _k(3, "rollbacks each guard may make in a run (the KL / skip / val-drop guard and the "
+                               "over-optimisation guard count apart); its next trigger stops the run with an error")
     overopt_patience: int | None = _k(3, "with a reward model: validations in a row where the proxy (model) reward "
                                          "rose while the gold (rule) reward fell before acting; null = off")
     overopt_action: str = _k("rollback", "then: rollback (to the best-gold checkpoint) | stop")
@@ -1055,8 +1056,7 @@ def validate_config(cfg: PPOConfig) -> None:
     _check_batches(errors, "actor_rollout_ref.actor", actor.ppo_mini_batch_size,
                    actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, cfg)
     if algo.adv_estimator == "gae":
-        critic_mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-        critic_dynamic = actor.use_dynamic_bsz if critic.use_dynamic_bsz is None else critic.use_dynamic_bsz
+        critic_mini, critic_dynamic = cfg.value("critic.ppo_mini_batch_size"), cfg.value("critic.use_dynamic_bsz")
         _positive(errors, "critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)
         if critic_mini > 0:
             _check_batches(errors, "critic", critic_mini, critic.ppo_micro_batch_size_per_gpu, critic_dynamic,

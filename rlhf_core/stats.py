@@ -91,7 +91,8 @@ def validation_metrics(
         answers: the answer each response gives, as ``acc`` graded it (the reward function's ``pred``;
             None: no answer), for the majority vote; without them there is no ``maj@n``.
 
-    Returns ``val-core/<source>/acc/mean@n`` and ``.../reward/mean@n``; for ``n > 1`` also
+    Returns ``val-core/<source>/acc/mean@n`` and ``val-aux/<source>/reward/mean@n`` (as verl, where the reward
+    is core only when there is no accuracy); for ``n > 1`` also
     ``val-core/<source>/acc/best@n/mean`` (the share of prompts with a right response among their
     ``n``: pass@n, not verl's bootstrap, which runs lower) and, given ``answers``, ``.../maj@n/mean``;
     and in ``val-aux/`` the standard error over prompts of each (``.../acc/mean@n/std``,
@@ -110,7 +111,7 @@ def validation_metrics(
         mean_acc = [np.mean([acc[i] for i in rows]) for rows in prompts.values()]
         mean_reward = [np.mean([reward[i] for i in rows]) for rows in prompts.values()]
         metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(mean_acc))
-        metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
+        metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
         metrics[f"val-aux/{source}/acc/mean@{n}/std"] = standard_error(mean_acc)
         if n > 1:
             best = [max(acc[i] for i in rows) for rows in prompts.values()]

@@ -991,8 +991,17 @@ def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, t
                        "trainer.total_epochs=1", "trainer.test_freq=-1")
     logged = []
     trainer.logger = lambda metrics, step: logged.append((step, dict(metrics)))
+    observe = trainer.guard.observe_validation
+
+    def observe_and_count(step, accuracy):  # as if this validation had made the guard roll back once
+        trainer.guard.rollbacks += 1
+        return observe(step, accuracy)
+
+    trainer.guard.observe_validation = observe_and_count
     history = trainer.fit()
     assert [r.step for r in history] == [1, 2] and trainer.sampler.batches_drawn == 4
+    # the step's record logged again counts its validation's rollback
+    assert [metrics["training/rollbacks"] for _, metrics in logged] == [0, 0, 1]
     assert trainer.val_accuracy(history[-1].metrics) is not None
     # logged: steps 1 and 2, then step 2 again whole, its validation added
     assert [step for step, _ in logged] == [1, 2, 2]

@@ -222,7 +222,7 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
         assert len(want["problems"]) == prompts
         for name, key in (("mean", "mean@3"), ("best", "best@3/mean"), ("vote", "maj@3/mean")):
             assert metrics[f"val-core/{source}/acc/{key}"] == pytest.approx(want[name]), (source, key)
-        assert metrics[f"val-core/{source}/reward/mean@3"] == pytest.approx(want["mean"])  # reward is 0/1 right
+        assert metrics[f"val-aux/{source}/reward/mean@3"] == pytest.approx(want["mean"])  # reward is 0/1 right
         for name, share in (("best@3", want["best"]), ("maj@3", want["vote"])):  # per-prompt 0/1: sqrt(p (1 - p) / m)
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer

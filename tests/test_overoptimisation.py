@@ -78,10 +78,10 @@ def test_state_round_trips():
 
 
 def test_proxy_and_gold_are_the_means_over_sources():
-    metrics = {"val-core/a/reward/mean@1": 2.0, "val-core/b/reward/mean@1": 4.0, "val-core/a/gold_reward/mean@1": 0.5,
-               "val-core/b/gold_reward/mean@1": 0.25, "val-core/a/acc/mean@1": 0.5, "val-aux/a/rm_score/mean@1": 9.0}
+    metrics = {"val-aux/a/reward/mean@1": 2.0, "val-aux/b/reward/mean@1": 4.0, "val-aux/a/gold_reward/mean@1": 0.5,
+               "val-aux/b/gold_reward/mean@1": 0.25, "val-core/a/acc/mean@1": 0.5, "val-aux/a/rm_score/mean@1": 9.0}
     assert proxy_and_gold(metrics) == (3.0, 0.375)
-    assert proxy_and_gold({"val-core/a/reward/mean@1": 2.0}) == (None, None)  # no gold: the guard is off
+    assert proxy_and_gold({"val-aux/a/reward/mean@1": 2.0}) == (None, None)  # no gold: the guard is off
 
 
 # ----------------------------------------------------------------------------- a planted reward model in PPO
@@ -182,8 +182,8 @@ def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold
         for validation, step in enumerate(range(0, 4)):
             proxy, gold = _expected_proxy_and_gold(truths, validation)
             metrics = logged[step]
-            assert metrics[f"val-core/{source}/gold_reward/mean@1"] == pytest.approx(gold)
-            assert metrics[f"val-core/{source}/reward/mean@1"] == pytest.approx(proxy)
+            assert metrics[f"val-aux/{source}/gold_reward/mean@1"] == pytest.approx(gold)
+            assert metrics[f"val-aux/{source}/reward/mean@1"] == pytest.approx(proxy)
             assert metrics[f"val-aux/{source}/rm_score/mean@1"] == pytest.approx(proxy)
         # validations 2 and 3 (steps 2, 3): proxy up, gold down -> rollback at step 3 to the best gold (step 0)
         assert logged[2]["training/rollbacks"] == 0

@@ -79,6 +79,6 @@ def test_two_workers_score_like_one_process_and_train(ray_cluster, tmp_path):
         history = trainer.fit()
         last = history[-1].metrics
         assert last["critic/score/mean"] == pytest.approx(last["critic/rm_score/mean"], abs=1e-6)
-        assert "val-core/synthetic/arithmetic/gold_reward/mean@1" in last
+        assert "val-aux/synthetic/arithmetic/gold_reward/mean@1" in last
     finally:
         trainer.close()

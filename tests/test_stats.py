@@ -31,7 +31,7 @@ def test_sampled_metrics_mean_best_and_majority_with_standard_errors():
     answers = ["5", "7", "7", None, "3", "3"]
     metrics = validation_metrics(sources, prompts, acc, reward, answers)
     assert metrics["val-core/gsm8k/acc/mean@3"] == pytest.approx(0.5)            # (1/3 + 2/3) / 2
-    assert metrics["val-core/gsm8k/reward/mean@3"] == pytest.approx((1.2 / 3 + 2.0 / 3) / 2)
+    assert metrics["val-aux/gsm8k/reward/mean@3"] == pytest.approx((1.2 / 3 + 2.0 / 3) / 2)
     assert metrics["val-core/gsm8k/acc/best@3/mean"] == pytest.approx(1.0)
     assert metrics["val-core/gsm8k/acc/maj@3/mean"] == pytest.approx(0.5)
     # standard errors over the 2 prompts, sqrt(population variance / 2)

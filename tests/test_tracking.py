@@ -184,6 +184,10 @@ def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, c
     out, err = capsys.readouterr()
     assert out.splitlines() == ["step 3 | acc[math] 0.25 | acc[openai/gsm8k] 0.5 | kl 0.001", "step 4"]
     assert err == ""
+    with Tracking(["console"], "p", "e", tmp_path) as tracker:  # val_kwargs.n=4: mean@4, not a std or best@4
+        tracker.log({"val-core/math/acc/mean@4": 0.375, "val-aux/math/acc/mean@4/std": 0.1,
+                     "val-core/math/acc/best@4/mean": 0.75}, step=5)
+    assert capsys.readouterr().out.splitlines() == ["step 5 | acc 0.375"]
 
 
 def test_console_warnings_name_the_knob(tmp_path, capsys):
@@ -296,6 +300,13 @@ def test_validation_samples_in_the_console_and_a_file(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "validation samples at step 3:" in out and "[score 1] 'Q: 2+2?' -> '4 | four\\n#### 4'" in out
     assert f"'{'x' * 100} ... {'y' * 100}'" in out  # the console shows a long text's start and end
+
+
+def test_a_sample_without_a_score_is_written_as_json_null(tmp_path):
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        tracker.log_generations([{"input": "Q", "output": "A", "score": float("nan")}], step=1)
+    text = (tmp_path / "val_generations.jsonl").read_text()
+    assert text == '{"step": 1, "input": "Q", "output": "A", "score": null}\n'  # not NaN, which is not JSON
 
 
 def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):

@@ -221,11 +221,11 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
 
 
 def proxy_and_gold(metrics: Mapping[str, float]) -> tuple[float | None, float | None]:
-    """The validation's proxy reward (``val-core/<source>/reward/mean@n``, what PPO maximises) and gold
-    reward (``val-core/<source>/gold_reward/mean@n``, the rule), each the mean over data sources; (None,
+    """The validation's proxy reward (``val-aux/<source>/reward/mean@n``, what PPO maximises) and gold
+    reward (``val-aux/<source>/gold_reward/mean@n``, the rule), each the mean over data sources; (None,
     None) unless both are there (a run with a reward model and rows with a ground truth)."""
-    proxy = [v for k, v in metrics.items() if k.startswith("val-core/") and "/reward/mean@" in k]
-    gold = [v for k, v in metrics.items() if k.startswith("val-core/") and "/gold_reward/mean@" in k]
+    proxy = [v for k, v in metrics.items() if k.startswith("val-aux/") and "/reward/mean@" in k]
+    gold = [v for k, v in metrics.items() if k.startswith("val-aux/") and "/gold_reward/mean@" in k]
     if not proxy or not gold:
         return None, None
     return sum(proxy) / len(proxy), sum(gold) / len(gold)

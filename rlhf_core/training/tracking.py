@@ -83,7 +83,7 @@ __all__ = [
 #: as the KL guard measures it). ``timing_s/step`` is appended last as ``<seconds>s``.
 CONSOLE_KEYS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("score", ("critic/score/mean",)),
-    ("acc", ("val-core/*/acc/mean@1",)),
+    ("acc", ("val-core/*/acc/mean@*",)),
     ("kl", (measured_kl,)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),
@@ -341,7 +341,9 @@ class FileLogger(Backend):
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         with open(self.run.local_dir / GENERATIONS_FILENAME, "a", encoding="utf-8") as f:
             for sample in samples:
-                f.write(json.dumps({"step": step, **sample}) + "\n")
+                record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                          for key, value in {"step": step, **sample}.items()}  # NaN is not JSON
+                f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def finish(self, failed: bool = False) -> None:
         if not self._file.closed:

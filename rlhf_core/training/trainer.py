@@ -308,7 +308,7 @@ class PPOTrainer:
         multiple = 1
         if self.worker_group is not None:  # each update shares whole mini-batches among the workers
             actor_mini = self.config.actor_rollout_ref.actor.ppo_mini_batch_size
-            multiple = math.lcm(actor_mini, self.config.critic.ppo_mini_batch_size or actor_mini) \
+            multiple = math.lcm(actor_mini, self.config.value("critic.ppo_mini_batch_size")) \
                 if self.use_critic else actor_mini
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         return dynamic_sampling.collect_groups(
@@ -453,8 +453,7 @@ class PPOTrainer:
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
         for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
-            section = "val-core" if key == "gold_reward" else "val-aux"
-            metrics[f"{section}/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
+            metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
@@ -631,6 +630,7 @@ class PPOTrainer:
             return
         last = self.history[-1]
         new_best, event = self._validate_step(last.step, last.metrics, None)
+        last.metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks  # this one's too
         self._log(last.metrics, last.step)  # the step's whole record again: a reader keeps a step's last one
         if event is not None:
             last.event = event
