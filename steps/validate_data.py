@@ -35,6 +35,7 @@ def validate_data(ppo_config: dict) -> tuple[
         train_paths, val_paths, cfg.value("data.tokenizer"), data.max_prompt_length,
         kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,
         custom_reward=bool(cfg.custom_reward_function.path), template_kwargs=dict(data.apply_chat_template_kwargs),
+        prompt_key=data.prompt_key, reward_fn_key=data.reward_fn_key,  # the columns the trainer reads
     )
     result = report.to_dict()
     statistics = result["statistics"]

@@ -174,15 +174,53 @@ def test_duplicate_pairs_name_every_row_of_the_repeated_pair():
     assert json.loads(outcome.examples[0][1]) == [rows[1]["prompt"], rows[1]["chosen"], rows[1]["rejected"]]
 
 
-def test_pairs_shared_by_train_and_val_name_the_val_row():
+def test_prompts_shared_by_train_and_val_name_the_val_rows():
+    from pathlib import Path
+
+    from rlhf_core.data.preference import PreferenceDataError, check_preference_frames
+
     train = pairs(5)
     val = pairs(4, offset=50, split="test")
-    val[2] = copy.deepcopy(train[3])
-    val[3]["prompt"] = copy.deepcopy(train[0]["prompt"])  # a shared prompt with other answers is allowed
+    val[2] = copy.deepcopy(train[3])  # the same pair
+    val[3]["prompt"] = copy.deepcopy(train[0]["prompt"])  # same prompt, other answers: training refuses it
     report = validate_preference_frames(pd.DataFrame(train), pd.DataFrame(val))
-    assert failed(report) == [("no_train_val_leakage", "pair", "val")]
-    assert [row for row, _ in report.failures[0].examples] == [2]
-    assert report.failures[0].statistics["unexpected_count"] == 1
+    assert failed(report) == [("no_train_val_leakage", "prompt_json", "val")]
+    # the prompt as the reward model's trainer keys it: its messages, keys sorted
+    assert report.failures[0].examples == [(2, '[{"content": "What is 3 + 6?", "role": "user"}]'),
+                                           (3, '[{"content": "What is 0 + 3?", "role": "user"}]')]
+    assert report.failures[0].statistics["unexpected_count"] == 2
+    with pytest.raises(PreferenceDataError, match="2 prompt"):
+        check_preference_frames([(Path("train"), pd.DataFrame(train))], [(Path("val"), pd.DataFrame(val))])
+
+
+def test_numbers_as_chosen_or_rejected_fail_as_not_text():
+    rows = pairs(4)
+    rows[1]["chosen"] = 5  # GX's regex reads it as the text "5"; the reward model's trainer refuses it
+    rows[2]["rejected"] = 7.5
+    report = validate_preference_frames(pd.DataFrame(rows))
+    assert failed(report) == [("chosen_is_text", "chosen_non_text", "train"),
+                              ("rejected_is_text", "rejected_non_text", "train")]
+    assert [o.examples for o in report.failures] == [[(1, 5)], [(2, 7.5)]]
+    assert [o.statistics["unexpected_count"] for o in report.failures] == [1, 1]
+    summary = report.summary()
+    assert "FAILED chosen_is_text [train.chosen_non_text]" in summary and "    row 1: 5" in summary
+
+
+def test_a_check_gx_cannot_evaluate_reports_the_error_instead_of_a_row_count():
+    rows = pairs(3)
+    rows[1]["chosen"] = [{"role": "assistant", "content": "9"}]  # messages, not text: unhashable for GX
+    rows[1]["rejected"] = [{"role": "assistant", "content": "10"}]
+    report = validate_preference_frames(pd.DataFrame(rows))
+    [outcome] = report.find("chosen_differs_from_rejected")
+    assert not outcome.success
+    assert outcome.statistics == {"error": "unhashable type: 'list'"}
+    summary = report.summary()
+    assert ("FAILED chosen_differs_from_rejected [train.chosen,rejected] "
+            "(expect_select_column_values_to_be_unique_within_record): error: unhashable type: 'list' "
+            "(the check could not run: chosen and rejected are different texts)") in summary
+    assert "None of 0 rows" not in summary
+    [not_text] = report.find("chosen_is_text")
+    assert not_text.examples == [(1, [{"role": "assistant", "content": "9"}])]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +257,22 @@ def test_token_budget_counts_the_chat_template_with_the_response(chat_tokenizer_
     assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
     assert report.failures[0].examples == [(1, tokens[1])]
     assert f"{limit} tokens" in report.summary()
+
+
+def test_a_pair_the_chat_template_refuses_fails_with_the_templates_error(char_tokenizer):  # noqa: F811
+    tokenizer = copy.deepcopy(char_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    )
+    rows = pairs(3)
+    rows[2]["prompt"] = [{"role": "system", "content": "x" * 500}, {"role": "user", "content": "What is 1 + 1?"}]
+    report = validate_preference_frames(pd.DataFrame(rows), tokenizer=tokenizer, max_length=100)
+    assert failed(report) == [("pair_renders", "pair_template_error", "train")]
+    assert report.failures[0].examples == [(2, "TemplateError: System role not supported")]
+    length = report.find("pair_length_within_limit")[0]
+    assert length.success and length.statistics["missing_count"] == 1  # 500 characters that were never measured
 
 
 def test_budget_options_are_checked():
@@ -264,7 +318,7 @@ def test_cli_checks_a_preference_file_and_its_val(tmp_path, capsys):
     html_path = tmp_path / "report.html"
     assert validate([str(train), "--val", str(val_path), "--max-chars", "500", "--html", str(html_path)]) == 1
     out = capsys.readouterr().out
-    assert "FAILED no_train_val_leakage [val.pair]" in out and "    row 1: " in out
+    assert "FAILED no_train_val_leakage [val.prompt_json]" in out and "    row 1: " in out
     page = html_path.read_text()
     assert "no_train_val_leakage" in page and "df.filter(items=[1], axis=0)" in page
 

@@ -219,7 +219,9 @@ def test_prompt_lengths_are_measured_without_extra_info(char_tokenizer):
     report = validate_frames(frame, tokenizer=char_tokenizer, max_prompt_length=512)
     assert failed(report) == [("column_exists", "extra_info", "train")]
     assert report.find("prompt_length_within_limit")[0].success  # measured: it needs only the prompt
-    assert any("problem_id_unique" in item and "'extra_info'" in item for item in report.skipped)
+    # the trainer numbers rows without extra_info by their row in the file: ids 0, 1, 2, all distinct
+    assert report.find("problem_id_unique")[0].success
+    assert not any("problem_id_unique" in item for item in report.skipped)
 
 
 def test_empty_table_fails_has_rows():
@@ -501,6 +503,160 @@ def test_html_report_is_gx_data_docs_naming_failed_rows():
     assert "df.filter(items=[0], axis=0)" in page
     assert page.count("Evaluated Expectations") == 2  # one overview per dataset
     assert "data/&lt;train&gt;.parquet" in page and "<train>" not in page
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's view: its row numbers, its token counts, its columns, its chat template
+
+
+def test_an_error_gx_keeps_under_a_metric_id_is_the_reported_failure():
+    from types import SimpleNamespace
+
+    from rlhf_core.data.validation import Outcome, _describe_failure
+
+    config = SimpleNamespace(kwargs={"column": "pair"}, meta={"check": "no_duplicate_pairs"}, type="expect_x",
+                             description="no_duplicate_pairs: each triple appears once")
+    metric = "MetricConfigurationID(metric_name='column_values.unique.condition', metric_domain_kwargs_id=())"
+    for flag in (True, "True"):  # "True": a result read back from its JSON
+        nested = {metric: {"raised_exception": flag, "exception_message": "unhashable type:\n 'list'",
+                           "exception_traceback": "Traceback ..."}}
+        outcome = Outcome.of(SimpleNamespace(expectation_config=config, result={}, success=False,
+                                             exception_info=nested), "train")
+        assert outcome.statistics == {"error": "unhashable type: 'list'"}
+        assert _describe_failure(outcome) == ("error: unhashable type: 'list' (the check could not run: "
+                                              "each triple appears once)")
+    quiet = {"raised_exception": False, "exception_message": None, "exception_traceback": None}
+    outcome = Outcome.of(SimpleNamespace(expectation_config=config, result={"unexpected_count": 0},
+                                         success=True, exception_info=quiet), "train")
+    assert outcome.statistics == {"unexpected_count": 0}
+
+
+def test_rows_without_an_index_are_numbered_per_file_as_the_trainer_numbers_them(tmp_path, char_tokenizer):
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.dataset import RLHFDataset
+
+    first, second = records(2, "test", 0), records(2, "test", 10)
+    for row in first + second:
+        del row["extra_info"]["index"]
+    files = [write(tmp_path / "a.parquet", first), write(tmp_path / "b.parquet", second)]
+    report = validate_dataset(files)
+    # each file numbers its rows from 0: joined rows 0, 1, 2, 3 are openai/gsm8k/0, /1, /0, /1
+    assert failed(report) == [("problem_id_unique", "problem_id", "train")]
+    outcome = report.failures[0]
+    assert outcome.statistics["unexpected_count"] == 4
+    assert outcome.examples == [(0, f"{SOURCE}/0"), (1, f"{SOURCE}/1"), (2, f"{SOURCE}/0")]
+    dataset = RLHFDataset(files, char_tokenizer, DataConfig(), key="data.val_files")
+    ids = [f"{row['data_source']}/{row['index']}" for row in dataset.rows]
+    assert ids == [f"{SOURCE}/0", f"{SOURCE}/1", f"{SOURCE}/0", f"{SOURCE}/1"]
+
+    rows = records(3)
+    rows[0]["extra_info"]["index"] = 1
+    rows[1]["extra_info"]["index"] = None  # row 1 of its file: openai/gsm8k/1, the id row 0 already has
+    outcome = validate_frames(pd.DataFrame(rows)).find("problem_id_unique")[0]
+    assert not outcome.success
+    assert outcome.examples == [(0, f"{SOURCE}/1"), (1, f"{SOURCE}/1")]
+
+
+@pytest.fixture(scope="module")
+def no_system_tokenizer(char_tokenizer):
+    """The character tokenizer with a chat template that refuses a system turn (as Gemma's does)."""
+    tokenizer = copy.deepcopy(char_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+        "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return tokenizer
+
+
+def test_prompt_the_chat_template_refuses_fails_with_the_templates_error(no_system_tokenizer):
+    rows = records(3)
+    rows[1]["prompt"] = [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "What is 2+2?"}]
+    report = validate_frames(pd.DataFrame(rows), tokenizer=no_system_tokenizer, max_prompt_length=500)
+    assert failed(report) == [("prompt_renders", "prompt_template_error", "train")]
+    assert report.failures[0].examples == [(1, "TemplateError: System role not supported")]
+    assert report.failures[0].statistics["unexpected_count"] == 1
+    assert "row 1: 'TemplateError: System role not supported'" in report.summary()
+    length = report.find("prompt_length_within_limit")[0]
+    assert length.success and length.statistics["missing_count"] == 1  # the refused row has no length
+    content = rows[0]["prompt"][0]["content"]
+    tokens = flatten(pd.DataFrame(rows), no_system_tokenizer)["prompt_tokens"]
+    assert tokens[0] == len(f"<user>{content}\n<assistant>")
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer():
+    """A character tokenizer whose encoder puts <s> first, without a chat template."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, "<s>": 2}
+    for code in list(range(32, 127)) + [10]:
+        vocab.setdefault(chr(code), len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                   bos_token="<s>")
+
+
+def test_prompt_tokens_are_the_trainers_count_without_an_encoder_bos(bos_tokenizer):
+    rows = records(2)
+    rows[0]["prompt"] = [{"role": "user", "content": "y" * 40}]
+    rows[1]["prompt"] = [{"role": "user", "content": "z" * 10}]
+    # the trainer joins the contents and encodes them without special tokens: 40 tokens, not 41 with <s>
+    assert validate_frames(pd.DataFrame(rows), tokenizer=bos_tokenizer, max_prompt_length=40).success
+    report = validate_frames(pd.DataFrame(rows), tokenizer=bos_tokenizer, max_prompt_length=39)
+    assert failed(report) == [("prompt_length_within_limit", "prompt_tokens", "train")]
+    assert report.failures[0].examples == [(0, 40)]
+
+
+def _renamed(rows: list[dict]) -> list[dict]:
+    """``rows`` with the prompt in 'question' and the data source in 'source'."""
+    names = {"prompt": "question", "data_source": "source"}
+    return [{names.get(key, key): value for key, value in row.items()} for row in rows]
+
+
+def test_the_configured_prompt_and_source_columns_are_the_ones_checked():
+    rows = _renamed(records(3))
+    rows[2]["source"] = "nobody/knows"
+    keys = {"prompt_key": "question", "reward_fn_key": "source"}
+    report = validate_frames(pd.DataFrame(rows), **keys)
+    assert failed(report) == [("data_source_known", "source", "train")]
+    assert report.failures[0].examples == [(2, "nobody/knows")]
+    assert [o.column for o in report.find("column_exists")] == [
+        "source", "question", "ability", "reward_model", "extra_info"]
+    assert report.find("prompt_has_user_turn")[0].statistics["element_count"] == 3  # read from 'question'
+    assert report.find("problem_id_unique")[0].success  # openai/gsm8k/0, openai/gsm8k/1, nobody/knows/2
+    # with the default columns the same table lacks both
+    assert failed(validate_frames(pd.DataFrame(rows))) == [("column_exists", "data_source", "train"),
+                                                            ("column_exists", "prompt", "train")]
+
+
+def test_the_data_step_validates_the_columns_the_trainer_reads(tmp_path, monkeypatch, chat_tokenizer_dir):
+    import steps.validate_data as step
+    from rlhf_core.config import load_config
+
+    train = write(tmp_path / "train.parquet", _renamed(records(4)))
+    val = write(tmp_path / "val.parquet", _renamed(records(2, "test", 40)))
+    cfg = load_config([f"data.train_files={train}", f"data.val_files={val}",
+                       f"data.tokenizer={chat_tokenizer_dir}", "data.prompt_key=question",
+                       "data.reward_fn_key=source"])
+    monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
+    result, _html, fingerprint_ = step.validate_data.entrypoint(cfg.to_dict())
+    assert result["success"] is True and fingerprint_ == fingerprint([train, val])
+    checked = {r["expectation_config"]["kwargs"].get("column") for d in result["datasets"]
+               for r in d["result"]["results"]}
+    assert {"question", "source"} <= checked and not {"prompt", "data_source"} & checked
+
+
+def test_the_command_line_takes_the_prompt_and_source_columns(tmp_path, capsys):
+    train = write(tmp_path / "train.parquet", _renamed(records(3)))
+    assert validate([str(train)]) == 1  # the default columns are not there
+    assert "column_exists" in capsys.readouterr().out
+    assert validate([str(train), "--prompt-key", "question", "--reward-fn-key", "source"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -207,6 +207,11 @@ def _validate_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
                         help="keywords to the chat template when prompts are measured, as data.apply_chat_template_"
                              "kwargs gives them to the trainer, e.g. '{\"enable_thinking\": false}'")
+    parser.add_argument("--prompt-key", default="prompt",
+                        help="prompt data: the prompt column, as data.prompt_key names it (default prompt)")
+    parser.add_argument("--reward-fn-key", default="data_source",
+                        help="prompt data: the column naming each row's reward, as data.reward_fn_key "
+                             "(default data_source)")
     parser.add_argument("--html", help="also write GX's HTML report (a Data Docs page) to this file")
     parser.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     return parser
@@ -219,7 +224,8 @@ def validate(argv: Sequence[str] | None = None) -> int:
         report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
                                   max_length=args.max_length, max_chars=args.max_chars,
                                   overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward,
-                                  template_kwargs=args.chat_template_kwargs)
+                                  template_kwargs=args.chat_template_kwargs, prompt_key=args.prompt_key,
+                                  reward_fn_key=args.reward_fn_key)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

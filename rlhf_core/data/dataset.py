@@ -21,6 +21,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
+from rlhf_core.data.schema import problem_id
 
 
 class DataError(ValueError):
@@ -144,11 +145,13 @@ class RLHFDataset:
             extra = record.get("extra_info", {})
             extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
             index = extra.get("index") if isinstance(extra, dict) else None
+            source = str(record[config.reward_fn_key])
             self.prompt_ids.append(list(ids))
             self.rows.append({
                 "ground_truth": plain_value(reward_model["ground_truth"]),  # as stored: str, number, list, dict
-                "data_source": str(record[config.reward_fn_key]),
+                "data_source": source,
                 "index": int(record["_source_row"]) if index is None else index,
+                "id": problem_id(source, extra, record["_source_row"]),
                 "extra_info": extra,
                 "messages": messages,
             })

@@ -210,7 +210,7 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     return frame
 
 
-def _prompt_key(prompt) -> str:
+def canonical_prompt(prompt) -> str:
     return json.dumps([dict(m) for m in prompt], sort_keys=True)
 
 
@@ -234,7 +234,7 @@ def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tu
         raise PreferenceDataError(f"the validation file(s) {', '.join(str(p) for p, _ in val)} hold no pair: add "
                                   "held-out pairs, or set reward_model.train.val_files=null to train without "
                                   "validation (then no reward_model.train.min_pair_accuracy can be required)")
-    prompts = {split: {_prompt_key(p) for _, f in items for p in f["prompt"]} for split, items in frames.items()}
+    prompts = {split: {canonical_prompt(p) for _, f in items for p in f["prompt"]} for split, items in frames.items()}
     shared = prompts["train"] & prompts["val"]
     if shared:
         example = json.loads(next(iter(shared)))[-1]["content"][:80]

@@ -62,3 +62,10 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def problem_id(data_source: str, extra_info, source_row: int) -> str:
+    """A prompt row's id in training, validation and evaluation, ``data_source/index``: ``extra_info.index`` as
+    stored, else the row's number within its own file."""
+    index = extra_info.get("index") if isinstance(extra_info, dict) else None
+    return f"{data_source}/{int(source_row) if index is None else index}"

@@ -11,11 +11,13 @@ The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make
 :data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`); a table with neither is reported with every column
 either kind needs that it lacks. Both kinds check the rows, columns, nulls and the prompt messages, and
 the validation file for rows that repeat training data (prompt data: the same user turn; preference
-data: the same prompt, chosen and rejected). Length limits: prompt data in tokens (a tokenizer and
-``max_prompt_length``: the chat template with a generation prompt, else the contents joined by
-newlines); preference data the prompt with the longer response, in tokens (a tokenizer and
-``max_length``, the response as the assistant turn) or characters (``max_chars``, the contents joined
-by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``).
+data: the same prompt, as the reward model's trainer refuses it). Prompt data's prompt and data source
+are read from the trainer's columns (``prompt_key``, ``reward_fn_key``), its problem ids built as the
+trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and ``max_prompt_length``:
+counted as the trainer counts them); preference data the prompt with the longer response, in tokens (a
+tokenizer and ``max_length``, the response as the assistant turn) or characters (``max_chars``, the
+contents joined by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``); a
+conversation the chat template refuses fails on its own (``prompt_renders``, ``pair_renders``).
 
 Usage::
 
@@ -41,7 +43,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS
+from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS, problem_id
 
 GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
 NON_BLANK_REGEX = r"\S"
@@ -101,8 +103,9 @@ class Outcome:
         config, raw = item.expectation_config, item.result or {}
         column = config.kwargs.get("column") or ",".join(config.kwargs.get("column_list") or []) or None
         stats = {key: raw[key] for key in _STATS if key in raw}
-        if (item.exception_info or {}).get("raised_exception"):
-            stats["error"] = one_line(item.exception_info.get("exception_message") or "exception")
+        error = _raised(item.exception_info)
+        if error is not None:
+            stats["error"] = error
         if "max_value" in config.kwargs and "unexpected_percent" in raw:  # a length limit
             stats["share_over"] = raw["unexpected_percent"] / 100.0
         rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
@@ -114,6 +117,20 @@ class Outcome:
     @property
     def label(self) -> str:
         return f"{self.name} [{self.dataset}.{self.column}]" if self.column else f"{self.name} [{self.dataset}]"
+
+
+def _raised(exception_info: Any) -> str | None:
+    """The message of an exception GX caught while it evaluated an expectation, or None.
+
+    GX 1.x keeps it at the top level or, when a metric raised, under that metric's id
+    (``{"MetricConfigurationID(...)": {"raised_exception": True, ...}}``); a result read back from
+    JSON holds the flag as the string "True".
+    """
+    info = exception_info if isinstance(exception_info, Mapping) else {}
+    for entry in (info, *info.values()):
+        if isinstance(entry, Mapping) and str(entry.get("raised_exception")).lower() == "true":
+            return one_line(entry.get("exception_message") or "") or "an exception without a message"
+    return None
 
 
 @dataclass
@@ -282,74 +299,129 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return messages if ok else None
 
 
-def _lengths(tokenizer: Any, conversations: Sequence[list[dict] | None], generation: bool,
-             template_kwargs: dict | None = None) -> list[float]:
-    """Tokens per conversation (characters without a tokenizer); NaN where there is none. ``template_kwargs``
-    go to the chat template, as the trainer renders prompts (``data.apply_chat_template_kwargs``)."""
-    template = bool(getattr(tokenizer, "chat_template", None))
-    texts: dict[int, str] = {}
-    for position, messages in enumerate(conversations):
-        if not messages:
-            continue
-        try:
-            texts[position] = (tokenizer.apply_chat_template(messages, tokenize=False,
-                                                             add_generation_prompt=generation,
-                                                             **(template_kwargs or {}))
-                               if template else "\n".join(m["content"] for m in messages))
-        except Exception:  # a template may reject a conversation (e.g. no user turn)
-            continue
-    counts = [math.nan] * len(conversations)
-    if texts:  # a chat template already writes the special tokens it wants
-        encoded = (tokenizer(list(texts.values()), add_special_tokens=not template)["input_ids"]
-                   if tokenizer is not None else list(texts.values()))
-        for position, ids in zip(texts, encoded):
-            counts[position] = float(len(ids))
-    return counts
+def _measure(conversations: Sequence[list[dict] | None],
+             count: Callable[[list[dict]], int]) -> tuple[list[float], list[str | None]]:
+    """``count`` of each conversation (NaN where there is none), and the error where counting raised.
+
+    A chat template may refuse a conversation (``raise_exception('System role not supported')``); the
+    trainer would stop on that row, so the error is kept for the report instead of a length GX skips.
+    """
+    counts: list[float] = []
+    errors: list[str | None] = []
+    for messages in conversations:
+        length, error = math.nan, None
+        if messages:
+            try:
+                length = float(count(messages))
+            except Exception as exc:  # templates raise anything: TemplateError, KeyError, ValueError, ...
+                message = one_line(str(exc))
+                error = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+        counts.append(length)
+        errors.append(error)
+    return counts, errors
+
+
+def _joined(messages: list[dict]) -> str:
+    return "\n".join(m["content"] for m in messages)
+
+
+def _prompt_counter(tokenizer: Any, template_kwargs: dict | None) -> Callable[[list[dict]], int]:
+    """Prompt length as the trainer counts it (:func:`rlhf_core.data.dataset.prompt_token_ids`), else in
+    characters."""
+    if tokenizer is None:
+        return lambda messages: len(_joined(messages))
+    from rlhf_core.data.dataset import prompt_token_ids  # imports torch: only when prompts are measured
+
+    return lambda messages: len(prompt_token_ids(tokenizer, messages, template_kwargs))
+
+
+def _pair_counter(tokenizer: Any) -> Callable[[list[dict]], int]:
+    """Length of a prompt with a response as its assistant turn: tokens, else characters."""
+    if tokenizer is None:
+        return lambda messages: len(_joined(messages))
+    if getattr(tokenizer, "chat_template", None):  # the template already writes the special tokens it wants
+        return lambda messages: len(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False),
+                                              add_special_tokens=False)["input_ids"])
+    return lambda messages: len(tokenizer(_joined(messages))["input_ids"])
+
+
+def _canonical_prompt(messages: list[dict]) -> str | None:
+    """The prompt as :func:`rlhf_core.data.preference.check_preference_frames` compares train with val;
+    None for a message field JSON cannot write (the trainer's check could not compare it either)."""
+    from rlhf_core.data.preference import canonical_prompt
+
+    try:
+        return canonical_prompt(messages)
+    except (TypeError, ValueError):
+        return None
+
+
+def _not_text(value: Any) -> Any:
+    """``value`` when it is there but is not a string (a number, a list of messages), else None."""
+    return None if isinstance(value, str) or _is_missing(value) else value
 
 
 def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prompt",
-            measure: bool | None = None, template_kwargs: dict | None = None) -> pd.DataFrame:
+            measure: bool | None = None, template_kwargs: dict | None = None, *, prompt_key: str = "prompt",
+            reward_fn_key: str = "data_source", source_rows: Sequence[int] | None = None) -> pd.DataFrame:
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
-    prompt data: ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``, null without an index) and,
-    if ``measure`` (default: with a tokenizer), ``prompt_tokens``;
-    preference data: ``pair`` (the JSON of prompt, chosen, rejected) and, if ``measure``,
-    ``pair_length`` (tokens with a tokenizer, else characters).
+    prompt data: ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``; without an index the
+    row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
+    with a tokenizer), ``prompt_tokens`` with ``prompt_template_error`` (the chat template's error, else null);
+    preference data: ``pair`` (the JSON of prompt, chosen, rejected), ``prompt_json`` (the prompt as the
+    reward model's trainer keys it), ``chosen_non_text``/``rejected_non_text`` (a value that is not a string)
+    and, if ``measure``, ``pair_length`` (tokens with a tokenizer, else characters) with
+    ``pair_template_error``. ``prompt_key``, ``reward_fn_key``: prompt data's columns (``data.prompt_key``,
+    ``data.reward_fn_key``).
     """
     out, index = frame.copy(), frame.index
     measure = tokenizer is not None if measure is None else measure
+    prompt_key = prompt_key if kind != "preference" else "prompt"  # the reward model's trainer reads 'prompt'
 
     def column(values: Iterable[Any], dtype: str = "object") -> pd.Series:
         return pd.Series(list(values), index=index, dtype=dtype)
 
-    parsed = [None if _is_missing(v) else _messages(v) for v in frame["prompt"]] if "prompt" in frame else None
+    raw = list(frame[prompt_key]) if prompt_key in frame else None
+    parsed = [None if _is_missing(v) else _messages(v) for v in raw] if raw is not None else None
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
                  for messages in parsed]
         out["prompt_num_messages"] = column((math.nan if _is_missing(v) else -1.0 if m is None else len(m)
-                                             for v, m in zip(frame["prompt"], parsed)), "float64")
+                                             for v, m in zip(raw, parsed)), "float64")
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
+        # the messages as the trainers hand them to the chat template: every key of each message
+        conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
         truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
         out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
         if measure and parsed is not None:
-            out["prompt_tokens"] = column(_lengths(tokenizer, parsed, True, template_kwargs), "float64")
-    if kind == "prompt" and {"data_source", "extra_info"} <= set(frame.columns):
-        out["problem_id"] = column(f"{source}/{extra['index']}" if isinstance(extra, Mapping)
-                                   and not _is_missing(extra.get("index")) else None
-                                   for source, extra in zip(frame["data_source"], frame["extra_info"]))
+            counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
+            out["prompt_tokens"] = column(counts, "float64")
+            out["prompt_template_error"] = column(errors)
+    if kind == "prompt" and reward_fn_key in frame:
+        rows = range(len(frame)) if source_rows is None else source_rows
+        extras = frame["extra_info"] if "extra_info" in frame else [None] * len(frame)
+        out["problem_id"] = column(problem_id(source, extra, int(row))
+                                   for source, extra, row in zip(frame[reward_fn_key], extras, rows))
     if kind == "preference" and parsed is not None and {"chosen", "rejected"} <= set(frame.columns):
         pairs = list(zip(parsed, frame["chosen"], frame["rejected"]))
         out["pair"] = column(json.dumps([m, c, r], ensure_ascii=False)
                              if m and isinstance(c, str) and isinstance(r, str) else None for m, c, r in pairs)
+        out["prompt_json"] = column(_canonical_prompt(m) if m else None for m in conversations)
+        for name in ("chosen", "rejected"):
+            out[f"{name}_non_text"] = column(map(_not_text, frame[name]))
         if measure:  # each response after the prompt as the assistant turn; the longer one counts
             turns = [m + [{"role": "assistant", "content": text}] if m and isinstance(text, str) else None
-                     for m, chosen, rejected in pairs for text in (chosen, rejected)]
-            lengths = np.asarray(_lengths(tokenizer, turns, False), dtype="float64").reshape(-1, 2)
+                     for m, (_, chosen, rejected) in zip(conversations, pairs) for text in (chosen, rejected)]
+            counts, errors = _measure(turns, _pair_counter(tokenizer))
+            lengths = np.asarray(counts, dtype="float64").reshape(-1, 2)
             out["pair_length"] = column(np.fmax(lengths[:, 0], lengths[:, 1]), "float64")
+            out["pair_template_error"] = column(chosen or rejected
+                                                for chosen, rejected in zip(errors[::2], errors[1::2]))
     return out
 
 
@@ -357,27 +429,35 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 # The suite
 
 
-# Where a helper column comes from, for the note on a check that could not run
-_SOURCES = {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
-                             "prompt_tokens"), "'prompt'"), "ground_truth": "'reward_model'",
-            "problem_id": "'data_source' and 'extra_info'",
-            **dict.fromkeys(("pair", "pair_length"), "'prompt', 'chosen' and 'rejected'")}
+def _sources(prompt: str, source: str) -> dict[str, str]:
+    """Where each helper column comes from, for the note on a check that could not run."""
+    pair = "'prompt', 'chosen' and 'rejected'"
+    return {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
+                             "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
+            "ground_truth": "'reward_model'", "problem_id": repr(source),
+            **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
+            **{f"{c}_non_text": repr(c) for c in ("chosen", "rejected")}}
 
 
 def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
            limit: float | None, unit: str, mostly: float, known_sources: Sequence[str] | None,
-           skipped: list[str]) -> list[Any]:
+           skipped: list[str], prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
-    ``leaked``: the training prompts (or pairs) that a validation table must not hold. ``known_sources``
-    None: a custom reward function scores every source, so neither the source nor the answer's form is
-    the built-in rules' business.
+    ``leaked``: the training user turns (prompt data) or prompts (preference data) that a validation table
+    must not hold. ``known_sources`` None: a custom reward function scores every source, so neither the
+    source nor the answer's form is the built-in rules' business. ``prompt_key``, ``reward_fn_key``: the
+    columns prompt data keeps its prompt and its data source in.
     """
     import great_expectations.expectations as gxe
 
-    required = dict.fromkeys(REQUIRED_COLUMNS + PREFERENCE_COLUMNS) if kind is None else (
-        PREFERENCE_COLUMNS if kind == "preference" else REQUIRED_COLUMNS)
-    key = "pair" if kind == "preference" else "prompt_user_content"
+    # the trainer reads the prompt and the source from the configured columns; preference data has fixed ones
+    renamed = {"prompt": prompt_key, "data_source": reward_fn_key}
+    prompt_columns = tuple(renamed.get(c, c) for c in REQUIRED_COLUMNS)
+    required = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
+        PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
+    sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
+    key = "prompt_json" if kind == "preference" else "prompt_user_content"
     # (check, GX expectation, column or columns, what it checks, the expectation's arguments)
     specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
@@ -392,31 +472,38 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
          "the last user turn is not blank", {"regex": NON_BLANK_REGEX}),
     ]
     if is_val and kind is not None and leaked is None:
-        skipped.append(f"{dataset}: no_train_val_leakage (needs {_SOURCES[key]} in both files)")
+        skipped.append(f"{dataset}: no_train_val_leakage (needs {sources[key]} in both files)")
     elif is_val and kind is not None:
+        # preference data by prompt, as the reward model's trainer refuses it: a question's pairs stay on one side
+        what = "prompt" if kind == "preference" else "user turn"
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
-                      f"no validation row repeats a training {key.split('_')[-1]}", {"value_set": leaked}))
+                      f"no validation row repeats a training {what}", {"value_set": leaked}))
     if kind == "prompt":
         specs += [
             ("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
              "reward_model.ground_truth is never null", {}),
             ("problem_id_unique", gxe.ExpectColumnValuesToBeUnique, "problem_id",
-             "no two rows share data_source and extra_info.index (evaluation pairs problems by them)", {}),
+             f"no two rows share {reward_fn_key} and extra_info.index (without an index: the row's number in "
+             "its file, as the trainer numbers it); evaluation pairs problems by them", {}),
         ]
         if known_sources is None:
             skipped.append(f"{dataset}: data_source_known, ground_truth_numeric (a custom reward function "
                            "scores every source)")
         else:
             specs += [
-                ("data_source_known", gxe.ExpectColumnValuesToBeInSet, "data_source",
-                 "data_source has a registered reward function", {"value_set": list(known_sources)}),
+                ("data_source_known", gxe.ExpectColumnValuesToBeInSet, reward_fn_key,
+                 f"{reward_fn_key} has a registered reward function", {"value_set": list(known_sources)}),
                 ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth",
                  "reward_model.ground_truth is a number (optional minus, thousands commas, decimals)",
                  {"regex": GROUND_TRUTH_REGEX}),
             ]
+        renders = ("prompt_renders", "prompt_template_error",
+                   "the chat template renders the prompt (the trainer stops on a prompt it refuses)")
         length = ("prompt_length_within_limit", "prompt_tokens", f"prompt is at most {limit} tokens")
     if kind == "preference":
-        specs += [
+        specs += [  # a number passes a regex (GX matches its text), so a response is first checked to be text
+            *[(f"{c}_is_text", gxe.ExpectColumnValuesToBeNull, f"{c}_non_text", f"'{c}' is a string", {})
+              for c in ("chosen", "rejected")],
             *[(f"{c}_non_empty", gxe.ExpectColumnValuesToMatchRegex, c, f"'{c}' holds a non-blank character",
                {"regex": NON_BLANK_REGEX}) for c in ("chosen", "rejected")],
             ("chosen_differs_from_rejected", gxe.ExpectSelectColumnValuesToBeUniqueWithinRecord,
@@ -424,17 +511,21 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
             ("no_duplicate_pairs", gxe.ExpectColumnValuesToBeUnique, "pair",
              "each prompt, chosen, rejected triple appears once", {}),
         ]
+        renders = ("pair_renders", "pair_template_error",
+                   "the chat template renders the prompt with each response")
         length = ("pair_length_within_limit", "pair_length",
                   f"prompt and the longer response are at most {limit} {unit}")
     if kind is not None and limit is not None:
-        specs.append((length[0], gxe.ExpectColumnValuesToBeBetween, length[1], length[2],
-                      {"max_value": limit, "mostly": mostly}))
+        # a conversation the template refuses has no length, which GX would skip: it fails here instead
+        specs += [(renders[0], gxe.ExpectColumnValuesToBeNull, renders[1], renders[2], {}),
+                  (length[0], gxe.ExpectColumnValuesToBeBetween, length[1], length[2],
+                   {"max_value": limit, "mostly": mostly})]
     expectations = []
     for name, expectation, columns, description, kwargs in specs:
         names = (columns,) if isinstance(columns, str) else columns or ()
         missing = [c for c in names if c not in frame]
         if missing and name != "column_exists":
-            skipped.append(f"{dataset}: {name} (needs column {_SOURCES.get(missing[0], repr(missing[0]))})")
+            skipped.append(f"{dataset}: {name} (needs column {sources.get(missing[0], repr(missing[0]))})")
             continue
         where = {"column_list": list(names)} if len(names) > 1 else {"column": columns} if names else {}
         expectations.append(expectation(**where, **kwargs, description=f"{name}: {description}",
@@ -477,8 +568,11 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     max_length: int | None = None, max_chars: int | None = None,
                     known_sources: Iterable[str] | None = None, custom_reward: bool = False,
                     overlong_tolerance: float = 0.0, template_kwargs: dict | None = None,
+                    prompt_key: str = "prompt", reward_fn_key: str = "data_source",
                     names: tuple[str, str] = ("train", "val"),
-                    paths: tuple[str | None, str | None] = (None, None)) -> ValidationReport:
+                    paths: tuple[str | None, str | None] = (None, None),
+                    file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
+                    ) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -486,7 +580,10 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     other kind, or a tokenizer without a limit, is a ValueError. ``custom_reward``: a custom reward function
     scores the data (``custom_reward_function.path``), so the checks of the built-in rules (a known data
     source, a numeric ground truth) do not apply. ``template_kwargs``: the chat template's keywords when
-    prompts are measured (``data.apply_chat_template_kwargs``).
+    prompts are measured (``data.apply_chat_template_kwargs``). ``prompt_key``, ``reward_fn_key``: the columns
+    of prompt data's prompt and data source (``data.prompt_key``, ``data.reward_fn_key``). ``file_rows``: each
+    row's number within its file (default: its position in the frame), which numbers a row without
+    ``extra_info.index`` as the trainer does.
     """
     kind = detect_kind(train.columns) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -512,8 +609,10 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         known_sources = known_data_sources()
     tokenizer = load_tokenizer(tokenizer)
     tables = [(names[0], paths[0], train)] + ([(names[1], paths[1], val)] if val is not None else [])
-    flat = [flatten(frame, tokenizer, kind, limit is not None, template_kwargs) for _, _, frame in tables]
-    key, leaked = "pair" if kind == "preference" else "prompt_user_content", None
+    keys = {"prompt_key": prompt_key, "reward_fn_key": reward_fn_key}
+    flat = [flatten(frame, tokenizer, kind, limit is not None, template_kwargs, source_rows=rows, **keys)
+            for (_, _, frame), rows in zip(tables, file_rows)]
+    key, leaked = "prompt_json" if kind == "preference" else "prompt_user_content", None
     if len(flat) == 2 and key in flat[0] and key in flat[1]:
         seen = set(flat[0][key].dropna())
         leaked = sorted({value for value in flat[1][key].dropna() if value in seen})
@@ -523,7 +622,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
                        unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
                        known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
-                       skipped=skipped)
+                       skipped=skipped, **keys)
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
                 for name, path, frame in tables]
@@ -557,10 +656,13 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     :func:`fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
     """
     train_files, val_files = _files(train), _files(val) if val is not None else []
-    frames = [pd.concat([read_parquet(p) for p in files], ignore_index=True) if files else None
-              for files in (train_files, val_files)]
+    tables = [[read_parquet(p) for p in files] for files in (train_files, val_files)]
+    frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
+    # the trainer numbers a row without extra_info.index by its row in its own file, not in the joined table
+    rows = [np.concatenate([np.arange(len(f)) for f in table]) if table else None for table in tables]
     report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
-                             paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None))
+                             paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
+                             file_rows=(rows[0], rows[1]))
     report.fingerprint = fingerprint(train_files + val_files)
     return report
 
@@ -608,8 +710,8 @@ def _percent(share: float) -> str:
 
 def _describe_failure(outcome: Outcome) -> str:
     stats = outcome.statistics
-    if "error" in stats:
-        return f"error: {stats['error']}"
+    if "error" in stats:  # GX could not evaluate it: no row count would mean anything
+        return f"error: {stats['error']} (the check could not run: {outcome.description})"
     if outcome.name == "column_exists":
         return f"column '{outcome.column}' is missing"
     if outcome.name == "has_rows":

@@ -112,10 +112,6 @@ def _pick_examples(rows: list[dict[str, Any]], per_kind: int) -> list[dict[str, 
     return right + wrong
 
 
-def problem_id(data_source: str, index: int) -> str:
-    return f"{data_source}/{index}"
-
-
 def val_fingerprint(problems: Sequence[Mapping[str, Any]]) -> str:
     """SHA-256 over the evaluated problems (id, prompt messages, ground truth): equal only for the same problems,
     asked the same way (a system message or an earlier turn changed is another problem)."""
@@ -188,7 +184,7 @@ def evaluate_policy(
     model_dir = resolve_policy_dir(model_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_dir)
     dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files")
-    ids = Counter(problem_id(row["data_source"], row["index"]) for row in dataset.rows)
+    ids = Counter(row["id"] for row in dataset.rows)
     repeated = sorted(problem for problem, count in ids.items() if count > 1)
     if repeated:
         raise ValueError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
@@ -216,7 +212,7 @@ def evaluate_policy(
         for row, index in enumerate(indices):
             scores.append(float(extras["score"][row]))
             rows.append({
-                "id": problem_id(batch.meta["data_source"][row], dataset.rows[index]["index"]),
+                "id": dataset.rows[index]["id"],
                 "index": dataset.rows[index]["index"],
                 "data_source": batch.meta["data_source"][row],
                 "prompt": dataset.rows[index]["messages"][-1]["content"],
