@@ -98,7 +98,7 @@ def evaluate(
     pairing = ProductionPairing()
     if production_version is not None:
         record, checkpoint = (production_version.get_artifact(name) for name in ("evaluation", "ppo_checkpoint"))
-        pairing = pair_with_production(candidate, version, record.load() if record is not None else {},
+        pairing = pair_with_production(candidate, version, record.load if record is not None else None,
                                        checkpoint.load if checkpoint is not None else None,
                                        lambda path: evaluate_policy(path, cfg.data.val_files, **kwargs))
         if pairing.reevaluated:

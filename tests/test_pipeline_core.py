@@ -221,18 +221,26 @@ def score_it(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def _spec_hash(path: Path) -> str:
+def _custom_config(path: Path) -> PPOConfig:
+    """The defaults with the reward ``score_it`` of the file at ``path``."""
     cfg = PPOConfig()
     cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(path), "score_it"
-    return reward_spec(cfg, data_sources=["anything"])["sha256"]
+    return cfg
+
+
+def _spec_hash(path: Path) -> str:
+    return reward_spec(_custom_config(path), data_sources=["anything"])["sha256"]
 
 
 def test_the_reward_spec_follows_helpers_of_helpers_and_the_constants_they_read(tmp_path):
     custom = tmp_path / "my_reward.py"
     custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5))
     first = _spec_hash(custom)
-    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5) + "# a comment\nUNUSED = 3\n")
-    assert _spec_hash(custom) == first  # nothing the reward reads changed
+    custom.write_text("# a comment\n\n\n" + REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5)
+                      .replace("return float(", "return  float(  ") + "# another\n")
+    assert _spec_hash(custom) == first  # comments and layout are not code
+    custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5) + "UNUSED = 3\n")
+    assert _spec_hash(custom) != first  # code is code, reached or not
     custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=2))  # read by a helper's helper
     assert _spec_hash(custom) != first
     custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2'}", limit=5))  # read inside a comprehension
@@ -274,14 +282,52 @@ def test_the_reward_spec_follows_decorated_helpers_and_objects_and_not_values_ma
     constant read by a cached helper or by an object's method is in the hash."""
     custom = tmp_path / "my_reward.py"
     custom.write_text(REWARD_THROUGH_OBJECTS.format(step=1, bound=3))
-    cfg = PPOConfig()
-    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    cfg = _custom_config(custom)
     pinned = reward_spec(cfg, data_sources=["anything"])
     assert check_reward_unchanged(cfg, pinned, "evaluate")["sha256"] == pinned["sha256"]  # another load
     custom.write_text(REWARD_THROUGH_OBJECTS.format(step=2, bound=3))  # read by the lru_cache'd helper
     assert _spec_hash(custom) != pinned["sha256"]
     custom.write_text(REWARD_THROUGH_OBJECTS.format(step=1, bound=4))  # read by a static method of an instance
     assert _spec_hash(custom) != pinned["sha256"]
+
+
+@pytest.mark.parametrize("files, edit", [
+    # a constant imported from another of the user's files, beside the reward
+    ({"mylib.py": "LIMIT = 5\n",
+      "my_reward.py": "from mylib import LIMIT\n\ndef score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) > LIMIT)\n"}, ("mylib.py", "5", "50")),
+    # a constant set in a top-level try
+    ({"my_reward.py": "try:\n    import numpy\n    LIMIT = 5\nexcept ImportError:\n    LIMIT = 6\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) > LIMIT)\n"}, ("my_reward.py", "LIMIT = 5", "LIMIT = 50")),
+    # a reward made by a factory
+    ({"my_reward.py": "def make(limit):\n    return lambda data_source, solution_str, ground_truth, extra_info=None: "
+                      "float(len(solution_str) > limit)\n\nscore_it = make(5)\n"}, ("my_reward.py", "make(5)", "make(50)")),
+    # a lambda over several lines
+    ({"my_reward.py": "def _h(s):\n    return len(s) > 5\n\nscore_it = (lambda data_source, solution_str, ground_truth,\n"
+                      "            extra_info=None: float(_h(solution_str)))\n"},
+     ("my_reward.py", "float(_h(", "float(not _h(")),
+])
+def test_the_reward_spec_sees_a_change_wherever_the_reward_file_or_its_own_modules_hold_it(tmp_path, monkeypatch,
+                                                                                        files, edit):
+    monkeypatch.syspath_prepend(str(tmp_path))  # the reward's own modules are importable, as on PYTHONPATH
+    monkeypatch.delitem(sys.modules, "mylib", raising=False)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    first = _spec_hash(tmp_path / "my_reward.py")
+    name, old, new = edit
+    (tmp_path / name).write_text((tmp_path / name).read_text().replace(old, new))
+    assert _spec_hash(tmp_path / "my_reward.py") != first
+
+
+def test_a_reward_that_is_a_callable_object_has_the_same_spec_at_every_load(tmp_path):
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("class Scorer:\n    def __call__(self, data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "        return 1.0\n\nscore_it = Scorer()\n")
+    cfg = _custom_config(custom)
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    assert pinned["functions"]["anything"]["function"] == f"{custom.resolve()}:score_it"  # no object address
+    assert check_reward_unchanged(cfg, pinned, "evaluate")["sha256"] == pinned["sha256"]
 
 
 def test_the_reward_spec_of_a_set_constant_is_the_same_in_every_process(tmp_path):

@@ -244,25 +244,30 @@ def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do
         return fresh
 
     # stored results on these problems: used, the checkpoint untouched
-    pairing = pair_with_production(candidate, "3", stored, lambda: "/ckpt", evaluate)
+    pairing = pair_with_production(candidate, "3", lambda: stored, lambda: "/ckpt", evaluate)
     assert (pairing.results, pairing.refusal, pairing.reevaluated, evaluated) == ({"s/0": False, "s/1": True}, None,
                                                                                   None, [])
     assert pairing.result.accuracy == 0.5
     # stored on other problems: the checkpoint is evaluated on the candidate's, and the record says why
     other = {**stored, "val_fingerprint": "fff999"}
-    pairing = pair_with_production(candidate, "3", other, lambda: "/ckpt", evaluate)
+    pairing = pair_with_production(candidate, "3", lambda: other, lambda: "/ckpt", evaluate)
     assert evaluated == ["/ckpt"] and pairing.results == {"s/0": True, "s/1": False} and pairing.refusal is None
     assert pairing.result is fresh
     assert pairing.reevaluated == "production version 3 was evaluated on other validation problems " \
                                   "(fingerprint fff999 vs abc123 here)"
     # no checkpoint, or one that cannot be evaluated: refused, saying so, and the run goes on
-    assert pair_with_production(candidate, "3", other, None, evaluate).refusal.endswith(
+    assert pair_with_production(candidate, "3", lambda: other, None, evaluate).refusal.endswith(
         "; it has no checkpoint to evaluate here")
 
     def missing():
         raise FileNotFoundError("the artifact's files are gone")
 
-    pairing = pair_with_production(candidate, "3", {}, missing, evaluate)
+    pairing = pair_with_production(candidate, "3", None, missing, evaluate)
     assert pairing.results is None and pairing.refusal == (
         "production version 3 kept no per-problem evaluation results to pair with; its checkpoint could not be "
         "evaluated here either (FileNotFoundError: the artifact's files are gone)")
+    # a stored record that cannot be read counts as none: the checkpoint is evaluated, and the record says why
+    pairing = pair_with_production(candidate, "3", missing, lambda: "/ckpt", evaluate)
+    assert pairing.results == {"s/0": True, "s/1": False} and pairing.reevaluated == (
+        "production version 3 kept no per-problem evaluation results to pair with (its evaluation record could "
+        "not be read: FileNotFoundError: the artifact's files are gone)")

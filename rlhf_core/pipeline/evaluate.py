@@ -262,18 +262,25 @@ class ProductionPairing:
     reevaluated: str | None = None
 
 
-def pair_with_production(candidate: Mapping[str, Any], version: str, record: Mapping[str, Any] | None,
+def pair_with_production(candidate: Mapping[str, Any], version: str, record: Callable[[], Mapping[str, Any]] | None,
                          checkpoint: Callable[[], Any] | None,
                          evaluate: Callable[[Any], EvalResult]) -> ProductionPairing:
-    """Production's stored evaluation ``record`` where it pairs with the ``candidate`` record
-    (:func:`~rlhf_core.pipeline.promotion.match_production`), else its checkpoint (``checkpoint()`` gives it)
-    run through ``evaluate`` on the candidate's problems. Without a checkpoint, or where it cannot be evaluated,
-    the refusal stands and says so."""
+    """Production's stored evaluation record (``record()`` gives it) where it pairs with the ``candidate``
+    record (:func:`~rlhf_core.pipeline.promotion.match_production`), else its checkpoint (``checkpoint()``)
+    run through ``evaluate`` on the candidate's problems. A record that cannot be read counts as none; without
+    a checkpoint, or where it cannot be evaluated, the refusal stands and says so."""
     from rlhf_core.pipeline.promotion import match_production
 
-    results, refusal = match_production(candidate, record, version)
+    try:
+        stored = record() if record is not None else {}
+    except Exception as exc:  # noqa: BLE001 - an unreadable record is one that cannot pair
+        stored, unread = {}, f" (its evaluation record could not be read: {type(exc).__name__}: {exc})"
+    else:
+        unread = ""
+    results, refusal = match_production(candidate, stored, version)
     if results is not None:
-        return ProductionPairing(results, None, EvalResult.from_dict({**record["policy"], "problems": []}))
+        return ProductionPairing(results, None, EvalResult.from_dict({**stored["policy"], "problems": []}))
+    refusal += unread
     if checkpoint is None:
         return ProductionPairing(refusal=f"{refusal}; it has no checkpoint to evaluate here")
     try:
@@ -395,6 +402,37 @@ def _source_closure(fn: Callable) -> str:
     return "\n".join(parts)
 
 
+def _user_code(path: Path) -> str:
+    """A custom reward file's code without its comments or layout (its syntax tree written back), and that of
+    each module it imports from beside it, in turn. Any change to the code counts, even to code the reward may
+    not reach (its production results are then evaluated again, where a missed change would grade the
+    candidate and production by different rules)."""
+    path = path.expanduser().resolve()
+    root, parts, seen, todo = path.parent, [], set(), [path]
+    absolute = [root, Path.cwd()]  # where an absolute import of the user's own modules is found
+    while todo:
+        file = todo.pop(0)
+        if file in seen:
+            continue
+        seen.add(file)
+        tree = ast.parse(file.read_text(), filename=str(file))
+        parts.append(f"# {file.relative_to(root) if file.is_relative_to(root) else file.name}\n{ast.unparse(tree)}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names, bases = [alias.name for alias in node.names], absolute
+            elif isinstance(node, ast.ImportFrom):
+                bases = [file.parents[node.level - 1]] if node.level else absolute
+                names = ([node.module] if node.module else []) + [
+                    f"{node.module}.{alias.name}" if node.module else alias.name for alias in node.names]
+            else:
+                continue
+            for base in bases:
+                for name in names:
+                    stem = base.joinpath(*name.split("."))
+                    todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
+    return "\n".join(parts)
+
+
 def _source_or_name(target: Any) -> str:
     try:
         return inspect.getsource(target)
@@ -419,11 +457,12 @@ def _called_functions(fn: Callable) -> list[Callable]:
     return found
 
 
-def _identity(fn: Callable, custom_path: str | None) -> str:
-    name = getattr(fn, "__qualname__", getattr(fn, "__name__", repr(fn)))
+def _identity(fn: Callable, custom_path: str | None, custom_name: str | None) -> str:
+    """The reward function's name: a custom file's path and the configured name (what it is bound to there,
+    whatever it is: a function, a lambda, a callable object), else the built-in function's module and name."""
     if custom_path:
-        return f"{Path(custom_path).expanduser().resolve()}:{name}"
-    return f"{fn.__module__}.{name}"
+        return f"{Path(custom_path).expanduser().resolve()}:{custom_name}"
+    return f"{fn.__module__}.{getattr(fn, '__qualname__', getattr(fn, '__name__', repr(fn)))}"
 
 
 def _parameters(fn: Callable) -> dict[str, Any]:
@@ -457,11 +496,12 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
         bound = fn.fn if isinstance(fn, BatchRewardFn) else fn  # reward_manager=batch: the file's function
         body = bound.func if isinstance(bound, functools.partial) else bound  # reward_kwargs bound to it
         functions[source] = {
-            "function": _identity(body, custom.path),
+            "function": _identity(body, custom.path, custom.name),
             "parameters": _parameters(bound),  # with reward_kwargs, their values in place of the defaults
             "calls": {f"{spec_module_name(f.__module__)}.{f.__qualname__}": _parameters(f)
                       for f in _called_functions(body)},
-            "source_sha256": hashlib.sha256(_source_closure(body).encode()).hexdigest(),
+            "source_sha256": hashlib.sha256((_user_code(Path(custom.path)) if custom.path
+                                             else _source_closure(body)).encode()).hexdigest(),
         }
     spec = {
         "kind": "custom" if custom.path else "builtin",
