@@ -133,6 +133,7 @@ def test_a_crontab_weekday_field_becomes_day_names(field, names):
     ("0 3 * * 5-1", "range '5-1' in day of week '5-1' runs backwards"),
     ("0 3 * * */0", "step '0' in day of week '*/0'"),
     ("0 3 * * 1/2", "step after a single day '1/2'"),
+    ("0 3 * * 6-0", "range '6-0' in day of week '6-0' runs backwards"),  # a digit 0 is not 7, as in cron
 ])
 def test_a_bad_weekday_names_the_field(cron, message):
     with pytest.raises(ValueError, match=f"invalid cron expression '{re.escape(cron)}'.*{re.escape(message)}"):

@@ -82,8 +82,8 @@ def crontab_weekdays(field: str) -> str:
         elif "-" in span:
             start, _, end = span.partition("-")
             first, last = _weekday_number(start, field), _weekday_number(end, field)
-            if last == 0 and first > 0:  # sun closing a range that starts later in the week: fri-sun is 5-7
-                last = 7
+            if end.lower() == "sun" and first > 0:  # sun closing a range that starts later: fri-sun is 5-7
+                last = 7  # (a digit 0 does not: cron refuses 6-0 as a range that runs backwards)
             if first > last:
                 raise ValueError(f"range {span!r} in day of week {field!r} runs backwards: write it as a list, "
                                  "e.g. 5-6,0 for Friday to Sunday")
