@@ -681,3 +681,17 @@ def test_real_gsm8k_rows_pass(tmp_path, char_tokenizer, gsm8k_dir):
     assert report.success, report.summary()
     assert report.datasets[0].rows == len(rows)
     assert report.find("ground_truth_numeric")[0].statistics["element_count"] == len(rows)
+
+
+def test_a_plain_string_prompt_is_one_user_turn_as_the_trainer_takes_it(char_tokenizer):
+    """The RL dataset reads a string prompt as one user turn; validation does too, and measures it that way: with
+    a character tokenizer and no chat template, the 46 characters of the question are its 46 tokens."""
+    question = "Tom has 1 apple. How many apples does he have?"
+    assert len(question) == 46
+    row = {**records(1)[0], "prompt": question}
+    assert failed(validate_frames(pd.DataFrame([row]), tokenizer=char_tokenizer, max_prompt_length=46)) == []
+    assert failed(validate_frames(pd.DataFrame([row]), tokenizer=char_tokenizer, max_prompt_length=45)) == [
+        ("prompt_length_within_limit", "prompt_tokens", "train")]
+    row["prompt"] = 5  # not text and not messages: still malformed
+    assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
+        validate_frames(pd.DataFrame([row])))

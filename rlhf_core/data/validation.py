@@ -384,6 +384,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         return pd.Series(list(values), index=index, dtype=dtype)
 
     raw = list(frame[prompt_key]) if prompt_key in frame else None
+    if raw is not None and kind == "prompt":  # the RL dataset takes a plain string as one user turn
+        raw = [[{"role": "user", "content": v}] if isinstance(v, str) else v for v in raw]
     parsed = [None if _is_missing(v) else _messages(v) for v in raw] if raw is not None else None
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
