@@ -40,6 +40,27 @@ def test_proxy_up_gold_down_for_patience_validations_rolls_back_to_the_best_gold
     assert guard.protected_steps() == {10}
 
 
+def test_a_validation_that_rolls_back_is_no_accuracy_best():
+    """Validation at step 30 is the best accuracy so far and the over-optimisation guard's second divergence:
+    the weights it measured are replaced by step 10's, so the val-drop guard keeps step 10 as its best."""
+    import types
+
+    from rlhf_core.training.guards import Guard
+    from rlhf_core.training.trainer import PPOTrainer
+
+    config = GuardConfig(overopt_patience=2, max_rollbacks=3, max_val_drop=0.1)
+    trainer = types.SimpleNamespace(guard=Guard(config), overopt=OverOptimisationGuard(config),
+                                    _log_generations=lambda step: None)
+    trainer.val_accuracy = lambda metrics: metrics["val-core/a/acc/mean@1"]
+    validations = {0: (0.30, 0.1, 0.5), 10: (0.40, 0.2, 0.6), 20: (0.35, 0.3, 0.55), 30: (0.45, 0.4, 0.5)}
+    for step, (acc, proxy, gold) in validations.items():
+        trainer.validate = lambda acc=acc, proxy=proxy, gold=gold: {
+            "val-core/a/acc/mean@1": acc, "val-aux/a/reward/mean@1": proxy, "val-aux/a/gold_reward/mean@1": gold}
+        new_best, event = PPOTrainer._validate_step(trainer, step, {}, None)
+    assert (event.kind, event.target_step, new_best) == ("over_optimisation", 10, False)
+    assert (trainer.guard.best_step, trainer.guard.best_val) == (10, 0.40)  # not step 30's 0.45
+
+
 def test_no_event_unless_the_divergence_is_unbroken():
     guard = _guard()
     for step, proxy, gold in [(0, 0.1, 0.5), (1, 0.2, 0.4), (2, 0.1, 0.3), (3, 0.3, 0.2), (4, 0.4, 0.3),

@@ -616,10 +616,13 @@ class PPOTrainer:
         self._log_generations(step)
         new_best = False
         if event is None:
+            before = self.guard.state_dict()
             new_best, event = self.guard.observe_validation(step, self.val_accuracy(metrics))
-        if event is None:
-            better, event = self.overopt.observe(step, *proxy_and_gold(metrics))
-            new_best = new_best or better
+            if event is None:
+                better, event = self.overopt.observe(step, *proxy_and_gold(metrics))
+                if event is not None and new_best:  # the weights it measured are being replaced: not a best
+                    self.guard.load_state_dict(before)
+                new_best = (new_best or better) and event is None
         return new_best, event
 
     def _validate_last_step(self) -> None:
