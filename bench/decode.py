@@ -57,6 +57,7 @@ from rlhf_core.rollout import SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import (  # noqa: E402
     available_models,
+    cache_bytes,
     decode_bound_s,
     measured_rates,
     read_bandwidth_gbs,
@@ -172,6 +173,8 @@ def main() -> None:
             prompts = {layout: _prompts(rows // n, args.prompt_len, min(tokenizer.vocab_size, 1000), layout == "ragged")
                        for layout in layouts}
             bound = decode_bound_s(model, rows, rates, bandwidth) * 1e3
+            bound_kv = decode_bound_s(model, rows, rates, bandwidth,
+                                      cache_bytes(model, rows, args.prompt_len + args.tokens / 2)) * 1e3
             draws.append(f"{name}, {rows} rows x {model.config.vocab_size} entries: " + ", ".join(
                 f"{draw} {ms:.2f} ms" for draw, ms in draw_ms(rows, model.config.vocab_size).items()))
             times = {(v, layout): [] for layout in layouts for v in VARIANTS}
@@ -188,10 +191,11 @@ def main() -> None:
                 old, layer, new, onednn = (med[variant, layout]
                                            for variant in ("dynamic", "layers", "ours", "ours, oneDNN"))
                 lines.append(f"{name:<11}{rows:>5}{layout:>8}{old:>12.1f}{layer:>11.1f}{new:>10.1f}{old / new:>9.2f}"
-                             f"{new / layer:>12.2f}{onednn:>11.1f}{new / onednn:>12.2f}{bound:>10.1f}{new / bound:>9.2f}")
+                             f"{new / layer:>12.2f}{onednn:>11.1f}{new / onednn:>12.2f}{bound:>10.1f}{new / bound:>9.2f}"
+                             f"{new / bound_kv:>8.2f}")
                 print(lines[-1], flush=True)
     print(f"\n{'model':<11}{'rows':>5}{'prompts':>8}{'dynamic ms':>12}{'layers ms':>11}{'ours ms':>10}{'speed-up':>9}"
-          f"{'ours/layers':>12}{'oneDNN ms':>11}{'ours/oneDNN':>12}{'bound ms':>10}{'x bound':>9}")
+          f"{'ours/layers':>12}{'oneDNN ms':>11}{'ours/oneDNN':>12}{'bound ms':>10}{'x bound':>9}{'x b+kv':>8}")
     print("\n".join(lines))
     print("\none token per row drawn from softmax probabilities (medians of 50):\n" + "\n".join(draws))
     print(f"medians of {args.reps}, prompts of {args.prompt_len} tokens (ragged: {args.prompt_len // 2} to "
@@ -200,7 +204,8 @@ def main() -> None:
           f"{f', LoRA adapters of rank {args.lora_rank}' if args.lora_rank else ''}; speed-up: dynamic over "
           "ours; ours/layers: the fused step's time over transformers' layers'; ours/oneDNN: over the fused step's "
           f"on oneDNN's packed weights (MKL's packed products in ours: {MKL_PACKS()}); x bound: our decode step over the "
-          "longer of weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit)")
+          "longer of weight bytes / bandwidth and its products at the matmul rate (1.00 = at the limit); x b+kv: the "
+          "same with the keys and values attention reads added to the bytes (the prompt and half the new tokens, a row)")
 
 
 if __name__ == "__main__":

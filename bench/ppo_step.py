@@ -327,8 +327,11 @@ def main() -> None:
               f"{args.iters} iterations after {args.warmup} warm-up, {args.threads} threads")
         print(f"{'phase':<15}{'ours s':>10}{'floor s':>10}{'ratio':>8}")
         for phase in PHASES:
-            o = med(ours, f"timing_s/{phase}") if f"timing_s/{phase}" in ours[0] else 0.0
             f = med(floor, phase)
+            if f"timing_s/{phase}" not in ours[0]:  # a pass ours left out (on-policy: no old log-probs)
+                print(f"{phase:<15}{'-':>10}{f:>10.3f}{'-':>8}")
+                continue
+            o = med(ours, f"timing_s/{phase}")
             print(f"{phase:<15}{o:>10.3f}{f:>10.3f}{(o / f if f else float('nan')):>8.2f}")
         step_ours, step_floor = med(ours, "timing_s/step"), med(floor, "step")
         gen_share = med(ours, "timing_s/gen") / step_ours

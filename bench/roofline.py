@@ -132,10 +132,22 @@ def measured_rates(tokens: int, hidden: int, intermediate: int, product_dtype: s
     return Rates(by_kernel.get("bf16", float32), float32), by_kernel
 
 
-def decode_bound_s(module: torch.nn.Module, rows: int, rates: Rates, bandwidth_gbs: float) -> float:
-    """A decode step's roofline: every weight read once, or its products at the matmul rates, whichever is longer."""
+def decode_bound_s(module: torch.nn.Module, rows: int, rates: Rates, bandwidth_gbs: float,
+                   cache_bytes: int = 0) -> float:
+    """A decode step's roofline: every weight read once (and ``cache_bytes`` of keys and values, where given), or
+    its products at the matmul rates, whichever is longer."""
     body, head = matmul_params(module)
-    return max(weight_bytes(module) / bandwidth_gbs, 2 * rows * (body / rates.body + head / rates.head)) / 1e9
+    return max((weight_bytes(module) + cache_bytes) / bandwidth_gbs,
+               2 * rows * (body / rates.body + head / rates.head)) / 1e9
+
+
+def cache_bytes(module: torch.nn.Module, rows: int, positions: float) -> int:
+    """Bytes of keys and values a decode step's attention reads: ``positions`` cached per row (on average over
+    the steps: the prompt's width and half the response), every layer, key and value heads, in the model's dtype."""
+    config = module.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim
+    return int(rows * positions * per_position * next(module.parameters()).element_size())
 
 
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
@@ -245,6 +257,8 @@ def run(name: str, model: Path, work: Path, args) -> dict:
     else:  # an engine that does not say
         decode_s, prefill_s = gen_per_token_s, None
     bound_s = decode_bound_s(module, sequences, at, bandwidth)
+    cached = cache_bytes(module, sequences, prompts["input_ids"].shape[1] + decode_steps / 2)
+    bound_kv_s = decode_bound_s(module, sequences, at, bandwidth, cached)
     return {
         "model": name, "params_m": sum(p.numel() for p in module.parameters()) / 1e6,
         "matmul_gflops": at.body, "matmul_gflops_by_kernel": rates, "matmul_gflops_range": rate_range,
@@ -255,6 +269,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         "old_log_prob": fraction("old_log_prob", 2), "ref": fraction("ref", 2),
         "values": fraction("values", 2, "critic"),
         "decode_ms": decode_s * 1e3, "decode_bound_ms": bound_s * 1e3, "decode_x_bound": decode_s / bound_s,
+        "decode_x_bound_kv": decode_s / bound_kv_s, "cache_mb": cached / 1e6,
         "prefill_s": prefill_s, "gen_ms_per_token": gen_per_token_s * 1e3,
         "batch": sequences, "tokens": tokens,
         "phases": {key.removeprefix("timing_s/"): med(key) for key in runs[0] if key.startswith("timing_s/")},
@@ -287,12 +302,12 @@ def main() -> None:
         return "-" if value is None else f"{value:.2f}"
 
     print(f"\n{'model':<11}{'params':>8}{'GFLOP/s':>9}{'GB/s':>7}{'step s':>8}{'upd act':>8}{'upd crit':>9}"
-          f"{'old lp':>7}{'ref':>6}{'values':>7}{'decode ms':>10}{'bound ms':>9}{'x bound':>8}")
+          f"{'old lp':>7}{'ref':>6}{'values':>7}{'decode ms':>10}{'bound ms':>9}{'x bound':>8}{'x b+kv':>7}")
     for r in rows:
         print(f"{r['model']:<11}{r['params_m']:>7.1f}M{r['matmul_gflops']:>9.1f}{r['bandwidth_gbs']:>7.1f}"
               f"{r['step_s']:>8.2f}{pct(r['update_actor']):>8}{pct(r['update_critic']):>9}{pct(r['old_log_prob']):>7}"
               f"{pct(r['ref']):>6}{pct(r['values']):>7}{r['decode_ms']:>10.2f}{r['decode_bound_ms']:>9.2f}"
-              f"{r['decode_x_bound']:>8.2f}")
+              f"{r['decode_x_bound']:>8.2f}{r['decode_x_bound_kv']:>7.2f}")
     for r in rows:
         low, high = r["matmul_gflops_range"]
         print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
@@ -307,7 +322,9 @@ def main() -> None:
           "rates over the seconds it took (1.00 = at the limit); decode ms: the rollout's decode loop per step (a draw "
           "and a one-token forward of every row; the prefill apart), or where the engine does not time it, the "
           "generation over its steps; x bound: decode ms over the longer of weight bytes / bandwidth and its products "
-          "at those rates (1.00 = at the limit)")
+          "at those rates (1.00 = at the limit); x b+kv: the same with the keys and values attention reads added to "
+          "the bytes (the prompt's width and half the response, a row; " + ", ".join(
+              f"{r['model']} {r['cache_mb']:.0f} MB" for r in rows) + ")")
 
 
 if __name__ == "__main__":

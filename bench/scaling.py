@@ -51,14 +51,14 @@ def measure(work: Path, model: Path, args, workers: int, group: bool) -> dict[st
     """Median step seconds and tokens/s over ``args.iters`` steps on one fixed batch, after warm-up."""
     with trainer_session(load_config(overrides(work, model, args, workers)), use_worker_group=group) as trainer:
         prompts = trainer.train_dataset.collate(list(range(args.batch)))
-        steps, tokens = [], []
-        for i in range(args.warmup + args.iters):
-            metrics = trainer.train_step(prompts)
-            if i >= args.warmup:
-                steps.append(metrics["timing_s/step"])
-                tokens.append(metrics["perf/total_num_tokens"] / metrics["timing_s/step"])
-        return {"step_s": statistics.median(steps), "tokens_per_s": statistics.median(tokens),
-                "gen_s": metrics["timing_s/gen"], "update_s": metrics["timing_s/update_actor"]}
+        timed = [trainer.train_step(prompts) for _ in range(args.warmup + args.iters)][args.warmup:]
+
+        def median(value) -> float:
+            return statistics.median(value(metrics) for metrics in timed)
+
+        return {"step_s": median(lambda m: m["timing_s/step"]),
+                "tokens_per_s": median(lambda m: m["perf/total_num_tokens"] / m["timing_s/step"]),
+                "gen_s": median(lambda m: m["timing_s/gen"]), "update_s": median(lambda m: m["timing_s/update_actor"])}
 
 
 def _matmuls(_: int = 0) -> float:
@@ -75,6 +75,7 @@ def parallel_capacity() -> float:
     one process, then in two at once (2.0 on two idle cores; less when others share them)."""
     import multiprocessing
 
+    _matmuls()  # start-up, as the two processes get below
     alone = _matmuls()
     with multiprocessing.get_context("spawn").Pool(2) as pool:
         pool.map(_matmuls, [0, 0])  # start-up

@@ -1,0 +1,42 @@
+"""The decode bound of bench/roofline.py and bench/decode.py, worked out by hand on SmolLM2-135M's shapes (built on
+the meta device: no weights)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from roofline import Rates, cache_bytes, decode_bound_s, matmul_params  # noqa: E402
+
+SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    with torch.device("meta"):
+        return LlamaForCausalLM(SMOLLM2)
+
+
+def test_the_products_and_the_cache_a_decode_step_reads(smollm2):
+    # per layer q, o 576 x 576; k, v 576 x 192; gate, up, down 576 x 1536: 3,538,944 a layer, 30 layers
+    assert matmul_params(smollm2) == (106_168_320, 49152 * 576)
+    # keys and values: 30 layers x 2 x 3 heads x 64 x 4 bytes = 46,080 a position; 16 rows of 104 positions
+    assert cache_bytes(smollm2, rows=16, positions=104) == 16 * 104 * 46_080  # 76.7 MB
+
+
+def test_the_bound_is_the_longer_of_the_bytes_read_and_the_products(smollm2):
+    weights = (106_168_320 + 49152 * 576) * 4  # float32 blocks and head: 538,060,032 bytes
+    rates = Rates(body=400.0, head=400.0)  # GFLOP/s
+    read = decode_bound_s(smollm2, rows=16, rates=rates, bandwidth_gbs=28.0)
+    assert read == pytest.approx(weights / 28.0 / 1e9)  # 19.2 ms: memory-bound at 16 rows
+    with_cache = decode_bound_s(smollm2, rows=16, rates=rates, bandwidth_gbs=28.0, cache_bytes=76_677_120)
+    assert with_cache == pytest.approx((weights + 76_677_120) / 28.0 / 1e9)  # 21.95 ms
+    products = 2 * 256 * (106_168_320 + 49152 * 576) / 400.0 / 1e9  # 256 rows: 172 ms of products
+    assert decode_bound_s(smollm2, rows=256, rates=rates, bandwidth_gbs=28.0) == pytest.approx(products)
