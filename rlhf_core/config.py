@@ -1058,6 +1058,7 @@ def validate_config(cfg: PPOConfig) -> None:
     if algo.adv_estimator == "gae":
         critic_mini, critic_dynamic = cfg.value("critic.ppo_mini_batch_size"), cfg.value("critic.use_dynamic_bsz")
         _positive(errors, "critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)
+        _positive(errors, "critic.ppo_epochs", critic.ppo_epochs)  # 0: a value model that never trains
         if critic_mini > 0:
             _check_batches(errors, "critic", critic_mini, critic.ppo_micro_batch_size_per_gpu, critic_dynamic,
                            critic.ppo_max_token_len_per_gpu, cfg,

@@ -134,6 +134,8 @@ def preflight(cfg: PPOConfig) -> None:
         except (OSError, ImportError, AttributeError, TypeError) as exc:
             errors.append(f"custom_reward_function: {exc}")
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
+        if key == "data.val_files" and not files:  # no validation: the trainer runs without one
+            continue
         try:
             paths = check_files(files, key)
             if not custom.path:
@@ -284,7 +286,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         steps=trainer.global_step,
         wall_s=time.time() - start,
         local_dir=str(local_dir),
-        checkpoint=str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}"),
+        checkpoint=(None if trainer.last_saved_step is None
+                    else str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}")),
         history=history,
         final_metrics=final,
         final_val_acc=trainer.val_accuracy(final),

@@ -91,3 +91,15 @@ def test_the_library_parses_no_arguments_and_imports_the_commands_only_to_run_th
                 if name == "argparse" or (name.startswith("rlhf_core.cli") and id(node) not in in_main):
                     misplaced.append(f"{path.relative_to(repo_root)}:{node.lineno} imports {name}")
     assert misplaced == []
+
+
+def test_a_model_directory_that_is_not_there_exits_2_with_one_line(tmp_path, capsys):
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.cli.train import smoke
+
+    missing = tmp_path / "no_model"
+    assert smoke([f"actor_rollout_ref.model.path={missing}", f"--work-dir={tmp_path / 'w'}"]) == 2
+    assert f"actor_rollout_ref.model.path: {missing} is not a directory" in capsys.readouterr().err
+    assert evaluate([str(missing), str(tmp_path / "val.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err

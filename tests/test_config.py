@@ -544,3 +544,9 @@ def test_rollout_correction_on_vllm_refuses_top_p_and_top_k():
     assert "algorithm.rollout_correction with actor_rollout_ref.rollout.name=vllm and top_p=0.8 and top_k=20" in message
     load_config(on, notice=lambda _: None)  # whole vocabulary: the two log-probs are the same quantity
     load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.top_p=0.8"], notice=lambda _: None)
+
+
+def test_a_critic_that_never_trains_is_refused():
+    """critic.ppo_epochs=0 under GAE: the update loop runs no pass, so the value model would never learn."""
+    assert "critic.ppo_epochs=0 must be" in _errors("algorithm.adv_estimator=gae", "critic.ppo_epochs=0")
+    load_config(["algorithm.adv_estimator=grpo", "critic.ppo_epochs=0"], notice=lambda _: None)  # no critic: unread

@@ -236,6 +236,7 @@ def _without_template(source: Path, target: Path) -> Path:
 def test_preflight_passes_the_real_tokenizer_without_loading_weights(smollm2_tokenizer_dir, tmp_path):
     actor = _model_dir(tmp_path / "actor", smollm2_tokenizer_dir, 49152)
     preflight(_config(tmp_path, actor))  # no error; the garbage weights were never read
+    preflight(_config(tmp_path, actor, "data.val_files=[]"))  # no validation set: the trainer runs without one
 
 
 def test_a_tokenizer_without_a_chat_template_is_a_preflight_error(smollm2_tokenizer_dir, tmp_path, capsys):

@@ -63,6 +63,25 @@ def test_a_pipeline_run_that_exits_non_zero_is_recorded_as_failed(monkeypatch, c
     assert "scheduled run 1 failed" in caplog.text and "scheduled run 2 finished" in caplog.text
 
 
+def test_the_command_exits_1_when_a_run_it_made_failed(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "retrain.yaml"
+    config.write_text("parameters: {}\n")
+    outcomes = iter([RuntimeError("zenml exited with status 1"), 0])
+
+    def run_pipeline(config, pipeline):
+        outcome = next(outcomes)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(cli, "run_pipeline", run_pipeline)
+    argv = ["--every", "0.01", "--run-now", "-c", str(config)]
+    assert cli.schedule([*argv, "--max-runs", "2"]) == 1  # the first of the two failed
+    assert "error: 1 of 2 scheduled runs failed" in capsys.readouterr().err
+    outcomes = iter([0])
+    assert cli.schedule([*argv, "--max-runs", "1"]) == 0
+
+
 def test_print_crontab(tmp_path, capsys, monkeypatch):
     config = tmp_path / "retrain.yaml"
     config.write_text("parameters: {}\n")

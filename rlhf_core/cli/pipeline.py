@@ -36,12 +36,18 @@ def evaluate(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
+    from rlhf_core.data.dataset import DataError
+    from rlhf_core.models.loading import ModelError
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left")
-    result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
-                             max_problems=args.max_problems, sample_seed=args.sample_seed)
+    try:
+        result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
+                                 max_problems=args.max_problems, sample_seed=args.sample_seed)
+    except (DataError, ModelError, FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     low, high = result.interval
     print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
           f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
@@ -120,9 +126,12 @@ def schedule(argv: list[str] | None = None) -> int:
             print(crontab_line(args.cron, args.config, args.pipeline))
             return 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-        serve(lambda: run_pipeline(args.config, args.pipeline), cron=args.cron, every=args.every,
-              max_runs=args.max_runs, run_now=args.run_now)
+        runs = serve(lambda: run_pipeline(args.config, args.pipeline), cron=args.cron, every=args.every,
+                     max_runs=args.max_runs, run_now=args.run_now)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    return 0
+    failed = sum("error" in run for run in runs or [])
+    if failed:
+        print(f"error: {failed} of {len(runs)} scheduled runs failed (the log above says why)", file=sys.stderr)
+    return 1 if failed else 0

@@ -7,7 +7,7 @@
 Exit codes of ``ppo``: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config,
 data, model, checkpoint) or a checkpoint that could not be written; 128 + signal number after Ctrl-C
 or SIGTERM. ``train-rm``: 0 done; 1 unusable preference data; 2 bad config, model directory or
-checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config.
+checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config, model directory or data.
 """
 
 from __future__ import annotations
@@ -119,5 +119,8 @@ def smoke(argv: list[str] | None = None) -> int:
         except SmokeTestError as exc:
             print(exc, file=sys.stderr)
             return 1
+        except (PreflightError, DataError, ModelError) as exc:  # the config's model or data cannot be used
+            print(exc, file=sys.stderr)
+            return 2
     print(report.summary())
     return 0

@@ -244,7 +244,9 @@ def _tokens(batch: Batch) -> list[int]:
 def minibatch_shares(batch: Batch, mini_rows: int, parts: int, balance: bool = False) -> list[Batch]:
     """Each rank's share of a rollout batch for a PPO update: rank r gets the r-th ``1/parts`` of every
     mini-batch of ``mini_rows`` consecutive rows, so rank r's k-th local mini-batch is its part of the
-    k-th global one and N workers update on exactly the mini-batches one worker would. With ``balance``
+    k-th global one and N workers update on exactly the mini-batches one worker would (without ``shuffle``:
+    with it each rank shuffles its own share, as verl's ranks do, so the mini-batches are drawn otherwise than
+    one worker's, as unbiased). With ``balance``
     each mini-batch's rows are first ordered so that its parts carry about equal tokens (the same rows in
     the same mini-batch: the update is the same, the ranks wait less on each other)."""
     if len(batch) % mini_rows or mini_rows % parts:
