@@ -62,6 +62,9 @@ def train_ppo(
     result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
 
     records = [{"step": step.step, **_finite(step.metrics)} for step in result.history]
+    if result.checkpoint is None:  # trainer.val_only with nothing to resume: there is no policy to hand on
+        raise ValueError("train_ppo saved no checkpoint (trainer.val_only=true with nothing to resume from): the "
+                         "pipeline needs a trained policy; drop trainer.val_only or resume a checkpoint")
     checkpoint = Path(result.checkpoint)
     # the artifact is the policy's HF export: what evaluation, promotion and a warm start read. The full
     # checkpoint (critic, optimizer moments: about 6x the export) stays in local_dir for a resume.
