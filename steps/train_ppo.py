@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -19,6 +20,9 @@ from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
 
 logger = get_logger(__name__)
+
+#: the one file of a skipped run's ppo_checkpoint artifact
+SKIPPED_NOTE = "SKIPPED.txt"
 
 
 def _finite(metrics: dict) -> dict[str, float]:
@@ -41,10 +45,12 @@ def train_ppo(
     (the artifact of train_reward_model) scores the rollouts: ``reward_model.enable=true
     reward_model.model.path=<artifact>``."""
     if skip_reason:
-        if init_from is None:
-            raise ValueError(f"training skipped ({skip_reason}) but there is no checkpoint to carry forward")
-        logger.info("training skipped: %s; the warm-start checkpoint is carried forward unchanged", skip_reason)
-        return init_from, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
+        # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
+        # full copy of production's weights at every skipped scheduled run); this version is never promoted
+        logger.info("training skipped: %s; no checkpoint is stored for this version", skip_reason)
+        folder = Path(tempfile.mkdtemp(prefix="rlhf-skipped-"))
+        (folder / SKIPPED_NOTE).write_text(f"training skipped: {skip_reason}\n")
+        return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files), validated, "train_ppo")

@@ -205,6 +205,10 @@ def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
     assert _version("production").number == production.number
     summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
     assert summary["steps"] == 0
+    # no copy of production's weights for a version that trained nothing: the artifact is a note
+    folder = run.steps["train_ppo"].outputs["ppo_checkpoint"][0].load()
+    assert [p.name for p in folder.iterdir()] == ["SKIPPED.txt"]
+    assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data is unchanged since production")
 
 
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
