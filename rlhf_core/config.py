@@ -592,6 +592,7 @@ FOLLOWS: dict[str, str] = {
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
 }
 
+
 def followed(value_of: Callable[[str], Any], key: str) -> Any:
     """``key``'s value, or where it is null and in :data:`FOLLOWS`, the value it stands for (followed through
     keys that are null in turn); ``value_of`` reads a dotted key."""

@@ -37,8 +37,8 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: st
     if unmergeable := [f"{name} ({type(getattr(layer, 'base_layer', layer)).__name__})"
                        for name, layer in wrapped.named_modules() if _unmergeable(layer)]:
         raise ValueError(f"LoRA adapters on {', '.join(unmergeable[:4])}: only adapters of linear layers are "
-                         "merged into the rollout's and the export's weights (:func:`merged_state_dict`); set "
-                         "model.target_modules to the model's linear projections (e.g. [q_proj,v_proj])")
+                         "merged into the rollout's and the export's weights; set model.target_modules to the "
+                         "model's linear projections (e.g. [q_proj,v_proj])")
     wrapped.config.use_cache = True
     return wrapped
 
