@@ -65,12 +65,15 @@ def train_ppo(
         logger.info("rollouts are scored by the reward model %s", reward_model)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir) / get_step_context().pipeline_run.name)
+    if cfg.trainer.val_only and cfg.trainer.resume_mode != "resume_path":  # before any model loads
+        raise ValueError("trainer.val_only=true trains nothing, and this run's checkpoint folder is new, so there is "
+                         "no policy to hand on: drop trainer.val_only, or validate a checkpoint with "
+                         "trainer.resume_mode=resume_path and trainer.resume_from_path")
     result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
 
     records = [{"step": step.step, **_finite(step.metrics)} for step in result.history]
-    if result.checkpoint is None:  # trainer.val_only with nothing to resume: there is no policy to hand on
-        raise ValueError("train_ppo saved no checkpoint (trainer.val_only=true with nothing to resume from): the "
-                         "pipeline needs a trained policy; drop trainer.val_only or resume a checkpoint")
+    if result.checkpoint is None:  # (refused above; a run that saved nothing has no policy to hand on)
+        raise ValueError("train_ppo: the run saved no checkpoint, so there is no policy to hand on")
     checkpoint = Path(result.checkpoint)
     # the artifact is the policy's HF export: what evaluation, promotion and a warm start read. The full
     # checkpoint (critic, optimizer moments: about 6x the export) stays in local_dir for a resume.

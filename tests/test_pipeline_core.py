@@ -119,6 +119,11 @@ def test_an_overlong_first_prompt_does_not_shrink_the_dry_run(overlong_setup, tm
     assert report.passed, report.summary()
     assert report.n_prompts == 4
     assert len(pd.read_parquet(tmp_path / "data" / "train.parquet")) == 4
+    # a config without validation files (training runs without validation) dry-runs without them too
+    report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4", "data.val_files=[]"),
+                            tmp_path / "no_val", n_prompts=4, response_length=4)
+    assert report.passed, report.summary()
+    assert not (tmp_path / "no_val" / "data" / "val.parquet").exists()
 
 
 def test_too_few_kept_prompts_stop_the_dry_run_in_the_configs_terms(overlong_setup, tmp_path):

@@ -34,6 +34,8 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size} must be >= 1")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError
@@ -45,7 +47,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
                                  max_problems=args.max_problems, sample_seed=args.sample_seed)
-    except (DataError, ModelError, FileNotFoundError, ValueError) as exc:
+    except (DataError, ModelError, FileNotFoundError) as exc:  # input it cannot use; anything else is a bug
         print(f"error: {exc}", file=sys.stderr)
         return 2
     low, high = result.interval

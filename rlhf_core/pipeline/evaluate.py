@@ -41,7 +41,7 @@ import torch
 
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
-from rlhf_core.data.dataset import as_file_list, plain_value
+from rlhf_core.data.dataset import DataError, as_file_list, plain_value
 from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
 
 EXAMPLES_PER_KIND = 3
@@ -187,7 +187,7 @@ def evaluate_policy(
     ids = Counter(row["id"] for row in dataset.rows)
     repeated = sorted(problem for problem, count in ids.items() if count > 1)
     if repeated:
-        raise ValueError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
+        raise DataError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
                          f"row in its file) are shared by several rows, e.g. {', '.join(repeated[:3])}; the "
                          "evaluation pairs each problem with its result elsewhere by this id: give every row its "
                          "own extra_info.index")

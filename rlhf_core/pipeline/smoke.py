@@ -161,7 +161,7 @@ def _divisor_at_most(total: int, limit: int | None) -> int:
     return max(d for d in range(1, limit + 1) if total % d == 0)
 
 
-def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_file: Path, work_dir: Path,
+def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_file: Path | None, work_dir: Path,
                  n_prompts: int, response_length: int, cloned: bool, steps: int = 2) -> PPOConfig:
     """The run config shrunk for the dry run (see the module docstring); validated."""
     small = copy.deepcopy(cfg)
@@ -171,7 +171,7 @@ def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_f
         arr.model.tokenizer_path = None
         critic.model.path = None
         critic.model.tokenizer_path = None
-    data.train_files, data.val_files = [str(train_file)], [str(val_file)]
+    data.train_files, data.val_files = [str(train_file)], [str(val_file)] if val_file is not None else []
     data.train_batch_size = n_prompts
     data.gen_batch_size = None  # each of dynamic sampling's generation rounds draws the dry run's prompts
     data.val_batch_size = None
@@ -256,9 +256,11 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                 f" tokens): lower {batch_key}, raise data.max_prompt_length or add prompts")
         raise SmokeTestError(f"{batch_key} ({batch}) is larger than the {kept} prompts of data.train_files: "
                              f"lower {batch_key} or add prompts")
-    val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files")
     train_file = write_parquet(train_rows, work_dir / "data" / "train.parquet")
-    val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
+    val_file = None  # a config without validation files runs without validation, here as in training
+    if cfg.data.val_files:
+        val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files")
+        val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
     n_prompts = len(train_rows)
     small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)
     report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps)
