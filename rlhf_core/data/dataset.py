@@ -21,7 +21,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.schema import problem_id
+from rlhf_core.data.schema import problem_id, problem_index
 
 
 class DataError(ValueError):
@@ -125,8 +125,9 @@ class RLHFDataset:
             raise DataError(f"{key}: column(s) {missing} missing; found {list(frame.columns)}")
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
+        self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
-        for record in frame.to_dict("records"):
+        for position, record in enumerate(frame.to_dict("records")):
             where = f"{record['_source_file']} row {record['_source_row']}"
             messages = _messages(record[config.prompt_key])
             ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
@@ -144,14 +145,14 @@ class RLHFDataset:
                 raise DataError(f"{where}: reward_model.ground_truth is missing")
             extra = record.get("extra_info", {})
             extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
-            index = extra.get("index") if isinstance(extra, dict) else None
-            source = str(record[config.reward_fn_key])
+            source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])
             self.prompt_ids.append(list(ids))
+            self.positions.append(position)
             self.rows.append({
                 "ground_truth": plain_value(reward_model["ground_truth"]),  # as stored: str, number, list, dict
                 "data_source": source,
-                "index": int(record["_source_row"]) if index is None else index,
-                "id": problem_id(source, extra, record["_source_row"]),
+                "index": index,
+                "id": problem_id(source, index),
                 "extra_info": extra,
                 "messages": messages,
             })

@@ -64,8 +64,13 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
     return path
 
 
-def problem_id(data_source: str, extra_info, source_row: int) -> str:
-    """A prompt row's id in training, validation and evaluation, ``data_source/index``: ``extra_info.index`` as
-    stored, else the row's number within its own file."""
+def problem_index(extra_info, source_row: int):
+    """A prompt row's index in its problem id: ``extra_info.index`` as stored, else the row's number within its
+    own file."""
     index = extra_info.get("index") if isinstance(extra_info, dict) else None
-    return f"{data_source}/{int(source_row) if index is None else index}"
+    return int(source_row) if index is None else index
+
+
+def problem_id(data_source: str, index) -> str:
+    """A prompt row's id in training, validation and evaluation: ``data_source/index`` (:func:`problem_index`)."""
+    return f"{data_source}/{index}"

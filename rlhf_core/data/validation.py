@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS, problem_id
+from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS, problem_id, problem_index
 
 GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
 NON_BLANK_REGEX = r"\S"
@@ -407,7 +407,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     if kind == "prompt" and reward_fn_key in frame:
         rows = range(len(frame)) if source_rows is None else source_rows
         extras = frame["extra_info"] if "extra_info" in frame else [None] * len(frame)
-        out["problem_id"] = column(problem_id(source, extra, int(row))
+        out["problem_id"] = column(problem_id(source, problem_index(extra, int(row)))
                                    for source, extra, row in zip(frame[reward_fn_key], extras, rows))
     if kind == "preference" and parsed is not None and {"chosen", "rejected"} <= set(frame.columns):
         pairs = list(zip(parsed, frame["chosen"], frame["rejected"]))

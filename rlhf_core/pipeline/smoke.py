@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from rlhf_core.config import DataConfig, PPOConfig, validate_config
-from rlhf_core.data.dataset import RLHFDataset, _messages, check_files, plain_value, read_frames
+from rlhf_core.data.dataset import RLHFDataset, read_frames
 
 TINY_THRESHOLD = 5_000_000
 KL_TOLERANCE = 1e-3
@@ -137,16 +137,8 @@ def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_pro
     The files are loaded as the trainer loads them (:class:`RLHFDataset`), so a row it drops is skipped
     here too and any row it would refuse stops the dry run the same way."""
     dataset = RLHFDataset(files, tokenizer, data, key=key)
-    frame = read_frames(check_files(files, key))
-    # the kept prompts are the rows in order with some left out, and whether a row is kept depends on its
-    # messages alone: so the next kept prompt is the next row with the same messages
-    rows: list[int] = []
-    for position, prompt in enumerate(frame[data.prompt_key]):
-        if len(rows) == min(n_prompts, len(dataset)):
-            break
-        if plain_value(_messages(prompt)) == plain_value(dataset.rows[len(rows)]["messages"]):
-            rows.append(position)
-    return frame.iloc[rows].drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
+    frame = read_frames(dataset.paths).iloc[dataset.positions[:n_prompts]]
+    return frame.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
 
 
 def write_parquet(frame: pd.DataFrame, output: str | Path) -> Path:
