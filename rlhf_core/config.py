@@ -350,7 +350,8 @@ class RewardModelConfig:
     rm_coef: float = _k(1.0, "with enable: score = rm_coef * model score + rule_coef * rule score, on the last "
                              "response token")
     rule_coef: float = _k(0.0, "weight of the rule (or custom) reward in that sum; 0 = the model alone (as verl); "
-                               "the rule is still logged as the gold reward")
+                               "the rule is still logged as the gold reward (on prompts that have a ground truth: "
+                               "with 0, data rows may leave it out)")
     reward_manager: str = _k("naive", "naive (the function per response; dapo: the same, its overlong shaping under "
                                       "overlong_buffer) | batch (custom_reward_function called once a batch with "
                                       "lists: data_sources, solution_strs, ground_truths, extra_infos)")
@@ -497,6 +498,13 @@ class PPOConfig:
     @property
     def world_size(self) -> int:
         return self.trainer.n_gpus_per_node * self.trainer.nnodes
+
+    def needs_ground_truth(self) -> bool:
+        """Whether every prompt row needs ``reward_model.ground_truth``: only a built-in rule reward that counts
+        in the score reads it. A custom function gets None for a row without one; with a reward model and
+        ``rule_coef=0`` the rule is skipped on such rows (their gold reward and accuracy are not known)."""
+        rm = self.reward_model
+        return not (self.custom_reward_function.path or (rm.enable and rm.rule_coef == 0))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

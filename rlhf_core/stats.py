@@ -87,7 +87,9 @@ def validation_metrics(
 
     Args:
         data_sources, prompt_ids: per response; responses of one prompt share its id.
-        acc: 1.0 for a correct response, else 0.0. reward: its score.
+        acc: 1.0 for a correct response, else 0.0; NaN where it is not known (no ground truth): a prompt
+            with such a response is left out of the accuracy, and a source with no other has none. reward: its
+            score.
         answers: the answer each response gives, as ``acc`` graded it (the reward function's ``pred``;
             None: no answer), for the majority vote; without them there is no ``maj@n``.
 
@@ -108,18 +110,22 @@ def validation_metrics(
     metrics: dict[str, float] = {}
     for source, prompts in groups.items():
         n = max(len(rows) for rows in prompts.values())
-        mean_acc = [np.mean([acc[i] for i in rows]) for rows in prompts.values()]
         mean_reward = [np.mean([reward[i] for i in rows]) for rows in prompts.values()]
+        graded = {p: rows for p, rows in prompts.items() if not any(math.isnan(acc[i]) for i in rows)}
+        if not graded:  # prompts without a ground truth (a reward model's run): the reward is the core metric
+            metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
+            continue
+        mean_acc = [np.mean([acc[i] for i in rows]) for rows in graded.values()]
         metrics[f"val-core/{source}/acc/mean@{n}"] = float(np.mean(mean_acc))
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
         metrics[f"val-aux/{source}/acc/mean@{n}/std"] = standard_error(mean_acc)
         if n > 1:
-            best = [max(acc[i] for i in rows) for rows in prompts.values()]
+            best = [max(acc[i] for i in rows) for rows in graded.values()]
             metrics[f"val-core/{source}/acc/best@{n}/mean"] = float(np.mean(best))
             metrics[f"val-aux/{source}/acc/best@{n}/std"] = standard_error(best)
             if answers is not None:
                 vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows])
-                        for rows in prompts.values()]
+                        for rows in graded.values()]
                 metrics[f"val-core/{source}/acc/maj@{n}/mean"] = float(np.mean(vote))
                 metrics[f"val-aux/{source}/acc/maj@{n}/std"] = standard_error(vote)
     return metrics

@@ -77,6 +77,24 @@ def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokeni
     assert json_text["ground_truth"] == ["3"]
 
 
+def test_prompts_without_a_ground_truth_only_where_the_reward_does_not_need_one(tmp_path, tokenizer):
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["1+1", "2+2"])]
+    rows[1]["reward_model"] = {"style": "model", "ground_truth": None}
+    pd.DataFrame(rows).to_parquet(tmp_path / "mixed.parquet")
+    prompts_only = pd.DataFrame(rows).drop(columns=["reward_model"])
+    prompts_only.to_parquet(tmp_path / "prompts.parquet")
+    config = DataConfig(max_prompt_length=200)
+    with pytest.raises(DataError, match="row 1: reward_model.ground_truth is missing .*rule_coef=0"):
+        RLHFDataset(str(tmp_path / "mixed.parquet"), tokenizer, config)
+    with pytest.raises(DataError, match=r"column\(s\) \['reward_model'\] missing"):
+        RLHFDataset(str(tmp_path / "prompts.parquet"), tokenizer, config)
+    mixed = RLHFDataset(str(tmp_path / "mixed.parquet"), tokenizer, config, require_ground_truth=False)
+    assert mixed.collate([0, 1]).meta["ground_truth"] == ["0", None]
+    alone = RLHFDataset(str(tmp_path / "prompts.parquet"), tokenizer, config, require_ground_truth=False)
+    assert alone.collate([0, 1]).meta["ground_truth"] == [None, None]
+    assert alone.prompt_ids == mixed.prompt_ids
+
+
 def test_a_file_without_extra_info_beside_one_with_it(tmp_path, tokenizer):
     with_info = _write(tmp_path / "a.parquet", ["one"])
     rows = [make_record("two", "s", "2", "train", 0, "synthetic/arithmetic")]

@@ -290,6 +290,50 @@ def test_combined_reward_is_rm_coef_times_model_plus_rule_coef_times_rule(space)
     assert extras["rm_score"].tolist() == pytest.approx(rm, abs=1e-4)
 
 
+def test_rows_without_a_ground_truth_are_scored_by_the_model_alone(space):
+    """rule_coef=0 and a prompt without a ground truth: the built-in rule is not called on it (its gold reward,
+    accuracy and answer are unknown: NaN, None), its score is the model's; the other row is graded as before."""
+    root, base, same, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES)
+    batch.meta["ground_truth"] = ["7", None]
+    cfg = _rm_config(same, base, rm_coef=2.0, rule_coef=0.0)
+    manager = RewardModelManager(RewardManager(tokenizer), RewardModelWorker(cfg), cfg)
+    token_level, extras = manager.score_batch(batch)
+    rm = [_hf_score(same, tokenizer(p + r, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])
+          for p, r in zip(PROMPTS, RESPONSES)]
+    assert extras["score"].tolist() == pytest.approx([2.0 * rm[0], 2.0 * rm[1]], abs=1e-4)
+    assert token_level[1, len(RESPONSES[1])].item() == pytest.approx(2.0 * rm[1], abs=1e-4)
+    assert extras["gold_reward"][0].item() == 1.0 and torch.isnan(extras["gold_reward"][1])
+    assert extras["acc"][0].item() == 1.0 and torch.isnan(extras["acc"][1])
+    assert extras["pred"] == ["7", None]
+    assert extras["responses"] == RESPONSES  # both decoded, EOS left out
+    batch.meta["ground_truth"] = [None, None]
+    _, extras = manager.score_batch(batch)
+    assert torch.isnan(extras["gold_reward"]).all() and torch.isnan(extras["acc"]).all() and "pred" not in extras
+    assert extras["score"].tolist() == pytest.approx([2.0 * rm[0], 2.0 * rm[1]], abs=1e-4)
+
+
+def test_which_configs_need_a_ground_truth_on_every_row(space):
+    _, base, same, _ = space
+    needs = [load_config(extra, validate=False).needs_ground_truth() for extra in (
+        [],  # the built-in rule is the reward
+        ["reward_model.enable=true", f"reward_model.model.path={same}", "reward_model.rule_coef=0.5"],  # a part
+        ["reward_model.enable=true", f"reward_model.model.path={same}", "reward_model.rule_coef=0"],  # gold only
+        ["custom_reward_function.path=reward.py"],  # the user's function decides what it reads
+    )]
+    assert needs == [True, True, False, False]
+
+
+def test_dynamic_sampling_on_accuracy_refuses_responses_without_one():
+    from rlhf_core.training.dynamic_sampling import group_metric
+
+    extras = {"acc": torch.tensor([1.0, float("nan")]), "score": torch.tensor([0.5, 0.25])}
+    with pytest.raises(ValueError, match="filter_groups.metric=acc is not known for every response"):
+        group_metric(Batch({}, {}), extras, "acc")
+    assert group_metric(Batch({}, {}), extras, "score").tolist() == [0.5, 0.25]
+
+
 # ----------------------------------------------------------------------------- checks before weights load
 
 
@@ -375,6 +419,35 @@ def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, 
     # rule_coef=0: the reward optimised is the model score alone
     assert final[f"val-aux/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
     assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
+
+
+def test_cli_trains_on_prompts_alone_against_a_reward_model(space, data, tmp_path, capsys):
+    """Prompts without any ground truth (no reward_model column): PPO with rule_coef=0 trains and validates on
+    the model's score, the reward is the core validation metric, and no accuracy or gold is logged; with a rule
+    share in the reward the same data are refused before training, naming the row."""
+    import pandas as pd
+
+    root, base, same, _ = space
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for split in ("train", "test"):
+        pd.read_parquet(data / f"{split}.parquet").drop(columns=["reward_model"]).to_parquet(
+            prompts / f"{split}.parquet")
+    out = tmp_path / "out"
+    code = ppo(_cli(root, base, prompts, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
+                    "actor_rollout_ref.rollout.n=1"))
+    assert code == 0, capsys.readouterr().err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    final = records[-1].get("metrics", records[-1])
+    source = "synthetic/arithmetic"
+    assert f"val-core/{source}/reward/mean@1" in final and f"val-aux/{source}/rm_score/mean@1" in final
+    assert final[f"val-core/{source}/reward/mean@1"] == pytest.approx(final[f"val-aux/{source}/rm_score/mean@1"])
+    assert "critic/rm_score/mean" in final
+    assert not [k for k in final if "gold_reward" in k or "/acc/" in k], final
+    code = ppo(_cli(root, base, prompts, tmp_path / "refused", f"reward_model.model.path={same}",
+                    "reward_model.rule_coef=0.5", "trainer.total_training_steps=1"))
+    assert code == 2
+    assert "column(s) ['reward_model'] missing" in capsys.readouterr().err
 
 
 def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_path, monkeypatch):

@@ -65,6 +65,24 @@ def test_no_majority_vote_without_the_answers_graded():
         validation_metrics(["s"] * 4, [0, 0, 1, 1], [1, 0, 0, 0], [1.0, 0.0, 0.0, 0.0], ["5"])
 
 
+def test_prompts_without_a_ground_truth_leave_the_accuracy_and_make_the_reward_core():
+    nan = float("nan")
+    # source s: prompt 0 graded (1, 0), prompt 1 not (a NaN among its responses), prompt 2 graded (1, 1);
+    # source u: nothing graded
+    sources = ["s"] * 6 + ["u"] * 2
+    prompts = [0, 0, 1, 1, 2, 2, 3, 3]
+    acc = [1, 0, nan, nan, 1, 1, nan, nan]
+    reward = [1.0, 0.0, 0.5, 0.3, 2.0, 1.0, 0.25, 0.75]
+    answers = ["7", "8", None, None, "3", "3", None, None]
+    metrics = validation_metrics(sources, prompts, acc, reward, answers)
+    assert metrics["val-core/s/acc/mean@2"] == pytest.approx((0.5 + 1.0) / 2)  # prompts 0 and 2 only
+    assert metrics["val-core/s/acc/best@2/mean"] == pytest.approx(1.0)
+    assert metrics["val-core/s/acc/maj@2/mean"] == pytest.approx(1.0)  # the tie goes to "7" (right); "3" right
+    assert metrics["val-aux/s/reward/mean@2"] == pytest.approx((0.5 + 0.4 + 1.5) / 3)  # every prompt's reward
+    assert metrics["val-core/u/reward/mean@2"] == pytest.approx(0.5)
+    assert not [k for k in metrics if k.startswith(("val-core/u/acc", "val-aux/u/"))]
+
+
 def test_mcnemar_exact_p_values_by_hand():
     assert mcnemar_exact_p(8, 0) == pytest.approx(2 / 2 ** 8)              # 2 * P(X <= 0), X ~ Bin(8, 1/2)
     assert mcnemar_exact_p(1, 5) == pytest.approx(2 * (1 + 6) / 2 ** 6)     # C(6,0) + C(6,1)

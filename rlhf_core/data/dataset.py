@@ -115,14 +115,23 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch
 class RLHFDataset:
     """Tokenized prompts with their ground truth, data source and row index."""
 
-    def __init__(self, files: str | Sequence[str], tokenizer, config: DataConfig, key: str = "data.train_files"):
+    def __init__(self, files: str | Sequence[str], tokenizer, config: DataConfig, key: str = "data.train_files",
+                 require_ground_truth: bool = True):
+        """``require_ground_truth=False`` (:meth:`PPOConfig.needs_ground_truth`) takes rows without a
+        ``reward_model.ground_truth``, or files without the column, as prompts alone: their ground truth is None."""
         self.tokenizer = tokenizer
         self.config = config
         self.paths = check_files(files, key)
         frame = read_frames(self.paths)
-        missing = [c for c in (config.prompt_key, "reward_model", config.reward_fn_key) if c not in frame.columns]
+        needed = (config.prompt_key, "reward_model", config.reward_fn_key) if require_ground_truth \
+            else (config.prompt_key, config.reward_fn_key)
+        missing = [c for c in needed if c not in frame.columns]
         if missing:
-            raise DataError(f"{key}: column(s) {missing} missing; found {list(frame.columns)}")
+            found = [c for c in frame.columns if c not in ("_source_file", "_source_row")]
+            hint = ("; the built-in rule rewards read reward_model.ground_truth (prompts alone train with a custom "
+                    "reward function, or with a reward model and reward_model.rule_coef=0)"
+                    if "reward_model" in missing else "")
+            raise DataError(f"{key}: column(s) {missing} missing; found {found}{hint}")
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
@@ -140,16 +149,19 @@ class RLHFDataset:
                         "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right|middle"
                     )
                 ids = truncate(ids, limit, config.truncation)
-            reward_model = record["reward_model"]
-            if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-                raise DataError(f"{where}: reward_model.ground_truth is missing")
+            reward_model = record.get("reward_model")
+            truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+            if truth is None and require_ground_truth:
+                raise DataError(f"{where}: reward_model.ground_truth is missing (the built-in rule rewards need it; "
+                                "prompts without one train with a custom reward function, or with a reward model "
+                                "and reward_model.rule_coef=0)")
             extra = record.get("extra_info", {})
             extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
             source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])
             self.prompt_ids.append(list(ids))
             self.positions.append(position)
             self.rows.append({
-                "ground_truth": plain_value(reward_model["ground_truth"]),  # as stored: str, number, list, dict
+                "ground_truth": None if truth is None else plain_value(truth),  # as stored: str, number, list, dict
                 "data_source": source,
                 "index": index,
                 "id": problem_id(source, index),

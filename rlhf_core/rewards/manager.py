@@ -106,13 +106,7 @@ class RewardManager:
                 f"extra_infos has {len(extra_infos)} entries but the batch has {batch} responses"
             )
 
-        valid = response_mask.detach().cpu()
-        if not bool(((valid == 0) | (valid == 1)).all()):
-            raise ValueError("response_mask must contain only 0 and 1")
-        valid = valid.bool()
-        ids = response_ids.detach().cpu()
-        id_lists = [ids[i][valid[i]].tolist() for i in range(batch)]
-        responses = list(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)) if batch else []
+        responses, valid = self.decode(response_ids, response_mask)
 
         scores: list[float] = []
         accs: list[float] = []
@@ -152,6 +146,16 @@ class RewardManager:
         if any_pred:
             extras["pred"] = preds
         return token_level_scores, extras
+
+    def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """Each response's valid tokens as text (special tokens left out), and the mask as a CPU bool tensor."""
+        valid = response_mask.detach().cpu()
+        if not bool(((valid == 0) | (valid == 1)).all()):
+            raise ValueError("response_mask must contain only 0 and 1")
+        valid = valid.bool()
+        ids = response_ids.detach().cpu()
+        id_lists = [ids[i][valid[i]].tolist() for i in range(len(ids))]
+        return (list(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)) if id_lists else []), valid
 
     def _results(self, responses: list[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
                  extra_infos: Sequence[Any]) -> list[tuple[RewardFn, Any]]:

@@ -304,9 +304,35 @@ class RewardModelManager:
         self.rm_coef, self.rule_coef = float(config.rm_coef), float(config.rule_coef)
 
     def score_batch(self, batch: Batch) -> tuple[torch.Tensor, dict[str, Any]]:
-        _, extras = self.rule.score_batch(batch)
+        extras = self._rule_extras(batch)
         rm_score = self.scorer.compute_rm_score(batch).float()  # (bs,)
         gold = extras["score"].float()  # (bs,)
-        score = self.rm_coef * rm_score + self.rule_coef * gold
+        score = self.rm_coef * rm_score + (self.rule_coef * gold if self.rule_coef else 0.0)  # gold NaN: no truth
         extras = {**extras, "score": score, "rm_score": rm_score, "gold_reward": gold}
         return place_on_last_token(score, batch["response_mask"]), extras
+
+    def _rule_extras(self, batch: Batch) -> dict[str, Any]:
+        """The rule's extras for every row. A built-in rule grades against a ground truth, so on rows without
+        one (prompts alone, which the dataset takes where ``rule_coef`` is 0) it is not called: their score,
+        accuracy and other numbers are NaN and their ``pred`` None. A custom function is called on every row."""
+        truths = batch.meta["ground_truth"]
+        known = [i for i, truth in enumerate(truths) if truth is not None]
+        if len(known) == len(truths) or getattr(self.rule, "reward_fn", None) is not None:
+            return self.rule.score_batch(batch)[1]
+        responses, _ = self.rule.decode(batch["responses"], batch["response_mask"])
+        extras: dict[str, Any] = {"score": torch.full((len(truths),), float("nan")),
+                                  "acc": torch.full((len(truths),), float("nan"))}
+        if known:
+            rows, meta = torch.tensor(known), batch.meta
+            _, graded = self.rule(batch["responses"][rows], batch["response_mask"][rows],
+                                  [meta["data_source"][i] for i in known], [truths[i] for i in known],
+                                  [meta["extra_info"][i] for i in known])
+            for key, values in graded.items():
+                if isinstance(values, torch.Tensor):
+                    extras.setdefault(key, torch.full((len(truths),), float("nan")))[rows] = values.float()
+                elif key == "pred":
+                    extras["pred"] = [None] * len(truths)
+                    for i, value in zip(known, values):
+                        extras["pred"][i] = value
+        extras["responses"] = responses
+        return extras

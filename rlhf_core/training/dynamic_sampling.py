@@ -28,7 +28,11 @@ def group_metric(batch: Batch, extras: dict, metric: str) -> torch.Tensor:
     if metric == "seq_reward":
         return batch["token_level_scores"].sum(-1)
     if metric in ("score", "acc"):
-        return torch.as_tensor(extras[metric], dtype=torch.float64)
+        values = torch.as_tensor(extras[metric], dtype=torch.float64)
+        if bool(values.isnan().any()):
+            raise ValueError(f"algorithm.filter_groups.metric={metric} is not known for every response (prompts "
+                             "without a ground truth have no accuracy); use seq_reward or score")
+        return values
     raise ValueError(f"unknown algorithm.filter_groups.metric {metric!r}; valid metrics are "
                      f"{', '.join(algos.FILTER_GROUPS_METRICS)}")
 

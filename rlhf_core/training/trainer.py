@@ -404,12 +404,15 @@ class PPOTrainer:
                 with self.phase("update_actor", timings):
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length, cfg.data.max_prompt_length))
-        metrics["critic/acc/mean"] = float(torch.as_tensor(extras["acc"], dtype=torch.float32).mean())
+        acc = torch.as_tensor(extras["acc"], dtype=torch.float32)
+        if not bool(acc.isnan().all()):  # NaN: a prompt without a ground truth (a reward model's run)
+            metrics["critic/acc/mean"] = _nanmean(acc)
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
         for key in reported_extras(extras):  # e.g. a reward model's score and the rule's (gold) apart
-            metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
+            if not bool(torch.as_tensor(extras[key]).isnan().all()):
+                metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
         metrics.update(timings)
         tokens = int(batch["attention_mask"].sum())
         metrics.update(timing_per_token(timings, self._sampled_tokens, tokens))
@@ -453,7 +456,8 @@ class PPOTrainer:
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
         for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
-            metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
+            if not all(math.isnan(v) for v in values):
+                metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
         return metrics
 
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
@@ -629,7 +633,7 @@ class PPOTrainer:
         """The validation after the last step, where the loop ended before the step it expected to be last
         (the data ran out inside a step): merged into that step's metrics, shown to the guards as any
         validation is (a rollback or a stop carried out here), and the step's record logged again whole."""
-        if not self.history or self.val_dataset is None or self.val_accuracy(self.history[-1].metrics) is not None:
+        if not self.history or self.val_dataset is None or any(k.startswith("val-") for k in self.history[-1].metrics):
             return
         last = self.history[-1]
         new_best, event = self._validate_step(last.step, last.metrics, None)
