@@ -364,6 +364,66 @@ def test_reward_spec_holds_the_reward_kwargs(tmp_path):
     assert bound["sha256"] != plain["sha256"]
 
 
+REWARD_WITH_PACKAGES = {
+    "mylib.py": "import math\n\ndef longest(text):\n    from numpy import argmax\n"
+                "    return int(argmax([len(w) for w in text.split()] or [0]))\n",
+    "my_reward.py": "import json\nimport yaml\nfrom rlhf_core.rewards import gsm8k\nfrom mylib import longest\n\n"
+                    "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                    "    import surely_not_installed_anywhere\n"
+                    "    return float(longest(solution_str) > 0)\n",
+}
+
+
+def test_the_reward_spec_holds_the_version_of_each_package_the_reward_imports(tmp_path, monkeypatch):
+    """Packages imported by the reward or its own modules (at the top or inside a function) are pinned by
+    their distributions' versions; the standard library, the user's files and this project are not."""
+    from importlib import metadata
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mylib", raising=False)
+    monkeypatch.chdir(tmp_path)  # not the checkout, whose rlhf_core would count among the user's own modules
+    for name, text in REWARD_WITH_PACKAGES.items():
+        (tmp_path / name).write_text(text)
+    cfg = _custom_config(tmp_path / "my_reward.py")
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    assert pinned["packages"] == {"numpy": {"numpy": metadata.version("numpy")},
+                                  "yaml": {"PyYAML": metadata.version("PyYAML")},
+                                  "surely_not_installed_anywhere": "not installed"}
+    assert check_reward_unchanged(cfg, pinned, "evaluate")["sha256"] == pinned["sha256"]
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda dist: "0.0.1" if dist == "PyYAML" else real(dist))  # an upgrade
+    upgraded = reward_spec(cfg, data_sources=["anything"])
+    assert upgraded["packages"]["yaml"] == {"PyYAML": "0.0.1"}
+    assert upgraded["functions"] == pinned["functions"] and upgraded["sha256"] != pinned["sha256"]
+    with pytest.raises(RewardChangedError, match="else its settings or packages"):
+        check_reward_unchanged(cfg, pinned, "evaluate")
+
+
+def test_a_reward_that_imports_no_package_hashes_as_before(tmp_path, monkeypatch):
+    """Its spec has no ``packages`` and the very hash of the spec that came before them, as production's
+    stored spec has: its reward is not evaluated again for nothing."""
+    import ast
+    import hashlib
+    import json
+
+    files = {"my_reward.py": "import json\nfrom mylib import LIMIT\n\n"
+                             "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                             "    import math\n    return float(math.isfinite(len(solution_str)) > LIMIT)\n",
+             "mylib.py": "from collections import Counter\nLIMIT = 5\n"}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mylib", raising=False)
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    path = (tmp_path / "my_reward.py").resolve()
+    spec = reward_spec(_custom_config(path), data_sources=["anything"])
+    code = "\n".join(f"# {name}\n{ast.unparse(ast.parse(text))}" for name, text in files.items())
+    before = {"kind": "custom", "custom_path": str(path), "custom_name": "score_it", "full_score": 1.0,
+              "functions": {"anything": {"function": f"{path}:score_it", "parameters": {}, "calls": {},
+                                         "source_sha256": hashlib.sha256(code.encode()).hexdigest()}}}
+    assert "packages" not in spec
+    assert spec["sha256"] == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+
+
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     import pandas as pd
 

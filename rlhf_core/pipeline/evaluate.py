@@ -22,6 +22,7 @@ import base64
 import functools
 import hashlib
 import html
+import importlib.metadata
 import inspect
 import io
 import json
@@ -46,6 +47,7 @@ from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_rew
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
+_PROJECT = __name__.partition(".")[0]  # this project's top-level package (rlhf_core)
 
 
 # ----------------------------------------------------------------------------- where the policy is
@@ -402,13 +404,15 @@ def _source_closure(fn: Callable) -> str:
     return "\n".join(parts)
 
 
-def _user_code(path: Path) -> str:
+def _user_code(path: Path) -> tuple[str, set[str]]:
     """A custom reward file's code without its comments or layout (its syntax tree written back), and that of
     each module it imports from beside it, in turn. Any change to the code counts, even to code the reward may
     not reach (its production results are then evaluated again, where a missed change would grade the
-    candidate and production by different rules)."""
+    candidate and production by different rules). With it, the top-level names of the other modules these
+    files import, neither the user's own nor the standard library's: code the text does not hold, which
+    :func:`_installed` pins by its version."""
     path = path.expanduser().resolve()
-    root, parts, seen, todo = path.parent, [], set(), [path]
+    root, parts, seen, todo, imported = path.parent, [], set(), [path], set()
     absolute = [root, Path.cwd()]  # where an absolute import of the user's own modules is found
     while todo:
         file = todo.pop(0)
@@ -420,17 +424,41 @@ def _user_code(path: Path) -> str:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names, bases = [alias.name for alias in node.names], absolute
+                imported.update(name.partition(".")[0] for name in names)
             elif isinstance(node, ast.ImportFrom):
                 bases = [file.parents[node.level - 1]] if node.level else absolute
                 names = ([node.module] if node.module else []) + [
                     f"{node.module}.{alias.name}" if node.module else alias.name for alias in node.names]
+                if not node.level:
+                    imported.add(node.module.partition(".")[0])
             else:
                 continue
             for base in bases:
                 for name in names:
                     stem = base.joinpath(*name.split("."))
                     todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
-    return "\n".join(parts)
+    others = {name for name in imported - set(sys.stdlib_module_names) if not any(
+        (base / f"{name}.py").is_file() or (base / name / "__init__.py").is_file() for base in absolute)}
+    return "\n".join(parts), others
+
+
+def _installed(modules: set[str]) -> dict[str, Any]:
+    """For each top-level module, the installed distributions that provide it with their versions (an upgrade
+    of one may change what the reward gives, in code the reward's text does not hold), or ``"not installed"``
+    (the reward fails at that import, where it runs it). This project's own modules are left out: its
+    version changes at each of its releases, and production would be evaluated again every time, although
+    the reward reaches little of what changed (the built-in rewards are hashed by their source for that)."""
+    if not modules:
+        return {}
+    provides = importlib.metadata.packages_distributions()
+    project = set(provides.get(_PROJECT, ()))
+    packages: dict[str, Any] = {}
+    for name in sorted(modules - {_PROJECT}):
+        dists = sorted(set(provides.get(name, ())))
+        if dists and set(dists) <= project:  # another top-level package of this project
+            continue
+        packages[name] = {dist: importlib.metadata.version(dist) for dist in dists} or "not installed"
+    return packages
 
 
 def _source_or_name(target: Any) -> str:
@@ -491,8 +519,10 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     if data_sources is None:
         data_sources = read_data_sources(cfg.data.val_files, cfg.data.reward_fn_key)
     custom = cfg.custom_reward_function
+    callables = _reward_callables(cfg, data_sources)
+    code, imported = _user_code(Path(custom.path)) if custom.path else (None, set())
     functions = {}
-    for source, fn in _reward_callables(cfg, data_sources).items():
+    for source, fn in callables.items():
         bound = fn.fn if isinstance(fn, BatchRewardFn) else fn  # reward_manager=batch: the file's function
         body = bound.func if isinstance(bound, functools.partial) else bound  # reward_kwargs bound to it
         functions[source] = {
@@ -500,8 +530,7 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
             "parameters": _parameters(bound),  # with reward_kwargs, their values in place of the defaults
             "calls": {f"{spec_module_name(f.__module__)}.{f.__qualname__}": _parameters(f)
                       for f in _called_functions(body)},
-            "source_sha256": hashlib.sha256((_user_code(Path(custom.path)) if custom.path
-                                             else _source_closure(body)).encode()).hexdigest(),
+            "source_sha256": hashlib.sha256((code if custom.path else _source_closure(body)).encode()).hexdigest(),
         }
     spec = {
         "kind": "custom" if custom.path else "builtin",
@@ -512,6 +541,8 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     }
     if custom.path and custom.reward_kwargs:  # (only then, so that a spec without them hashes as before)
         spec["reward_kwargs"] = dict(custom.reward_kwargs)
+    if packages := _installed(imported):  # (only then, so that a spec importing none hashes as before)
+        spec["packages"] = packages
     if cfg.reward_model.reward_manager == "batch":
         spec["reward_manager"] = "batch"
     spec["sha256"] = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -531,7 +562,8 @@ def check_reward_unchanged(cfg: PPOConfig, pinned: Mapping[str, Any], where: str
                          if pinned.get("functions", {}).get(source) != entry)
         raise RewardChangedError(
             f"{where}: the reward changed since define_reward pinned it (sha256 {pinned['sha256'][:12]} -> "
-            f"{now['sha256'][:12]}; data sources {changed or 'none'} differ, else its settings): rerun the pipeline")
+            f"{now['sha256'][:12]}; data sources {changed or 'none'} differ, else its settings or packages): "
+            "rerun the pipeline")
     return now
 
 
