@@ -92,6 +92,7 @@ def preflight(cfg: PPOConfig) -> None:
     """Check models, data, rewards and length budgets without loading weights; raise PreflightError."""
     errors: list[str] = []
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    actor: tuple[Path, int | None] | None = None  # the actor's model directory and position limit, once read
     if trainer.device == "cuda" and not torch.cuda.is_available():
         errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
     try:
@@ -113,6 +114,7 @@ def preflight(cfg: PPOConfig) -> None:
         tokenizer_dir = check_tokenizer_dir(arr.model.tokenizer_path or model_dir, tokenizer_key)
         errors += _tokenizer_errors(cfg, tokenizer_key, tokenizer_dir, model_dir)
         limit = max_positions(model_dir, arr.model.trust_remote_code, arr.model.override_config)
+        actor = model_dir, limit
         budget = cfg.data.max_prompt_length + cfg.data.max_response_length
         if limit is not None and budget > limit:
             errors.append(
@@ -120,13 +122,10 @@ def preflight(cfg: PPOConfig) -> None:
                 f"max_position_embeddings ({limit}); lower data.max_response_length or data.max_prompt_length")
     except ModelError as exc:
         errors.append(str(exc))
-    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.model.path:
-        try:
-            check_model_dir(cfg.critic.model.path, "critic.model.path")
-        except ModelError as exc:
-            errors.append(str(exc))
+    if cfg.algorithm.adv_estimator == "gae":
+        errors.extend(_critic_problems(cfg, actor))
     if cfg.reward_model.enable:
-        errors.extend(_reward_model_problems(cfg))
+        errors.extend(_reward_model_problems(cfg) + _reward_model_length_problems(cfg))
     custom = cfg.custom_reward_function
     if custom.path:
         try:
@@ -150,6 +149,30 @@ def preflight(cfg: PPOConfig) -> None:
         raise PreflightError(errors)
 
 
+def _critic_problems(cfg: PPOConfig, actor: tuple[Path, int | None] | None) -> list[str]:
+    """The critic's directory (a null path is the actor's, checked with it) and its positions: it values every
+    prompt + response the actor reads, so a shorter limit fails or misreads positions mid-training. The actor's
+    own model at the actor's limit was reported with the actor; a critic.model.override_config that changes the
+    limit is reported on its own. ``actor``: the actor's (directory, limit), None where it could not be read."""
+    critic = cfg.critic.model
+    try:
+        folder = check_model_dir(critic.path, "critic.model.path") if critic.path else None
+    except ModelError as exc:
+        return [str(exc)]
+    if folder is None and actor is None:  # the actor's directory is unusable, and reported so
+        return []
+    folder = folder or actor[0]
+    limit = max_positions(folder, cfg.value("critic.model.trust_remote_code"), critic.override_config)
+    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if limit is None or budget <= limit or (actor is not None and folder.resolve() == actor[0].resolve()
+                                            and limit == actor[1]):
+        return []
+    key = "critic.model.path with critic.model.override_config" if critic.override_config else "critic.model.path"
+    return [f"{key}: {folder} has max_position_embeddings {limit} but the critic reads prompt + response sequences "
+            f"of up to data.max_prompt_length + data.max_response_length = {budget} tokens; use a critic with at "
+            f"least {budget} positions, or lower data.max_response_length or data.max_prompt_length"]
+
+
 def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     """What is wrong with the reward model of ``reward_model.enable=true`` (config and tokenizers only)."""
     from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
@@ -165,6 +188,34 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     except ModelError as exc:
         return [str(exc)]
     return []
+
+
+def _reward_model_length_problems(cfg: PPOConfig) -> list[str]:
+    """The reward model's position limit against what it scores, which nothing truncates: the policy's
+    prompt + response ids as they are (at most data.max_prompt_length + data.max_response_length), or where its
+    tokenizer or template differs, the raw chat messages (whole, whatever data.truncation did to the policy's
+    prompt) rendered with its own template, then the decoded response re-tokenized and EOS: a length the config
+    does not bound, the policy's budget where the two tokenizers split text alike. An unusable directory is
+    :func:`_reward_model_problems`' to report."""
+    from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
+
+    rm = cfg.reward_model
+    try:
+        folder = check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
+        limit, switch = max_positions(folder, rm.model.trust_remote_code), needs_template_switch(rm)
+    except ModelError:
+        return []
+    budget = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if limit is None or budget <= limit:
+        return []
+    scored = ("re-encodes each conversation with its own chat template, uncut: the whole prompt (data.truncation "
+              "does not shorten it) plus the response re-tokenized and EOS, about data.max_prompt_length + "
+              f"data.max_response_length = {budget} tokens, more where its tokenizer splits text finer"
+              if switch else "scores the policy's prompt + response ids as they are, uncut: up to "
+              f"data.max_prompt_length + data.max_response_length = {budget} tokens")
+    return [f"reward_model.model.path: {folder} has max_position_embeddings {limit} but the reward model {scored}; "
+            f"use a reward model with at least {budget} positions, or lower data.max_response_length or "
+            "data.max_prompt_length"]
 
 
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):

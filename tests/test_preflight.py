@@ -1,0 +1,141 @@
+"""The preflight's length budget against every model that reads the rollout's sequences: the critic's positions
+(with GAE) and the reward model's, read from config files alone (the weights here are garbage bytes, never loaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from rlhf_core.config import load_config
+from rlhf_core.data.synthetic import build_dataset
+from rlhf_core.main_ppo import PreflightError, preflight
+from rlhf_core.models.toy import random_toy_model
+
+# data.max_prompt_length + data.max_response_length below: 200 + 56
+BUDGET = 256
+OTHER_TEMPLATE = ("{% for message in messages %}{% if message['role'] == 'user' %}### Q: {{ message['content'] }}\n"
+                  "{% else %}### A: {{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory) -> Path:
+    """The root of a 512-position toy actor (``actor``) and synthetic prompts (``data``)."""
+    root = tmp_path_factory.mktemp("preflight")
+    random_toy_model(root / "actor", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    build_dataset(root / "data", n_train=8, n_test=4, seed=0, max_ops=1)
+    return root
+
+
+def _weights_and_tokenizer(base: Path, target: Path, template: str | None = None) -> None:
+    """Garbage weights (the preflight must not read them) and ``base``'s tokenizer, its chat template replaced
+    where ``template`` is given."""
+    (target / "model.safetensors").write_bytes(b"not weights")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    if template is not None:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(target)
+
+
+def causal_model(base: Path, target: Path, positions: int) -> Path:
+    """``base``'s causal LM with ``positions`` position embeddings."""
+    target.mkdir()
+    config = json.loads((base / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    _weights_and_tokenizer(base, target)
+    return target
+
+
+def reward_model(base: Path, target: Path, positions: int, template: str | None = None) -> Path:
+    """A one-label sequence-classification model on ``base``'s architecture with ``positions`` positions."""
+    config = AutoConfig.from_pretrained(base, num_labels=1, max_position_embeddings=positions)
+    config.architectures = ["LlamaForSequenceClassification"]
+    config.pad_token_id = AutoTokenizer.from_pretrained(base).pad_token_id
+    config.save_pretrained(target)
+    _weights_and_tokenizer(base, target, template)
+    return target
+
+
+def _config(root: Path, *extra: str, actor: Path | None = None):
+    return load_config([f"actor_rollout_ref.model.path={actor or root / 'actor'}",
+                        f"data.train_files={root / 'data' / 'train.parquet'}",
+                        f"data.val_files={root / 'data' / 'test.parquet'}", "data.train_batch_size=4",
+                        "data.max_prompt_length=200", "data.max_response_length=56",
+                        "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.device=cpu",
+                        "trainer.n_gpus_per_node=1", f"trainer.default_local_dir={root / 'out'}", *extra])
+
+
+def _errors(cfg) -> list[str]:
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg)
+    return error.value.errors
+
+
+def test_the_fixture_passes(space):
+    preflight(_config(space))  # the 512-position actor, its critic (the same model) and no reward model
+
+
+def test_a_critic_with_fewer_positions_than_the_budget_is_a_preflight_error(space, tmp_path):
+    critic = causal_model(space / "actor", tmp_path / "critic", BUDGET - 1)
+    assert _errors(_config(space, f"critic.model.path={critic}")) == [
+        f"critic.model.path: {critic} has max_position_embeddings 255 but the critic reads prompt + response "
+        "sequences of up to data.max_prompt_length + data.max_response_length = 256 tokens; use a critic with at "
+        "least 256 positions, or lower data.max_response_length or data.max_prompt_length"]
+    # without a critic (GRPO) its positions do not matter
+    preflight(_config(space, f"critic.model.path={critic}", "algorithm.adv_estimator=grpo",
+                      "actor_rollout_ref.rollout.n=2"))
+
+
+def test_a_critic_with_exactly_the_budget_passes(space, tmp_path):
+    preflight(_config(space, f"critic.model.path={causal_model(space / 'actor', tmp_path / 'critic', BUDGET)}"))
+
+
+def test_a_critic_that_is_the_actors_model_is_reported_once(space, tmp_path):
+    actor = causal_model(space / "actor", tmp_path / "short", 128)
+    actor_message = ("data.max_prompt_length + data.max_response_length = 256 exceeds the model's "
+                     "max_position_embeddings (128); lower data.max_response_length or data.max_prompt_length")
+    assert _errors(_config(space, actor=actor)) == [actor_message]  # critic.model.path null: the actor's
+    assert _errors(_config(space, f"critic.model.path={actor}", actor=actor)) == [actor_message]  # named the same
+    assert _errors(_config(space, "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2",
+                           actor=actor)) == [actor_message]
+
+
+def test_a_critic_override_that_shortens_the_actors_model_is_reported(space):
+    errors = _errors(_config(space, "critic.model.override_config={max_position_embeddings: 200}"))
+    assert errors == [
+        f"critic.model.path with critic.model.override_config: {space / 'actor'} has max_position_embeddings 200 "
+        "but the critic reads prompt + response sequences of up to data.max_prompt_length + "
+        "data.max_response_length = 256 tokens; use a critic with at least 256 positions, or lower "
+        "data.max_response_length or data.max_prompt_length"]
+    preflight(_config(space, "critic.model.override_config={max_position_embeddings: 256}"))
+
+
+def test_a_reward_model_with_fewer_positions_than_the_budget_is_a_preflight_error(space, tmp_path):
+    rm = reward_model(space / "actor", tmp_path / "rm", BUDGET - 1)
+    enabled = ("reward_model.enable=true", f"reward_model.model.path={rm}")
+    assert _errors(_config(space, *enabled)) == [
+        f"reward_model.model.path: {rm} has max_position_embeddings 255 but the reward model scores the policy's "
+        "prompt + response ids as they are, uncut: up to data.max_prompt_length + data.max_response_length = 256 "
+        "tokens; use a reward model with at least 256 positions, or lower data.max_response_length or "
+        "data.max_prompt_length"]
+    preflight(_config(space, *enabled, "data.max_response_length=55"))  # 255 tokens fit
+    preflight(_config(space, "reward_model.enable=true",
+                      f"reward_model.model.path={reward_model(space / 'actor', tmp_path / 'rm_ok', BUDGET)}"))
+
+
+def test_a_reward_model_that_re_encodes_says_what_it_scores(space, tmp_path):
+    rm = reward_model(space / "actor", tmp_path / "rm", 128, template=OTHER_TEMPLATE)
+    errors = _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}",
+                             "data.return_raw_chat=true"))
+    assert errors == [
+        f"reward_model.model.path: {rm} has max_position_embeddings 128 but the reward model re-encodes each "
+        "conversation with its own chat template, uncut: the whole prompt (data.truncation does not shorten it) "
+        "plus the response re-tokenized and EOS, about data.max_prompt_length + data.max_response_length = 256 "
+        "tokens, more where its tokenizer splits text finer; use a reward model with at least 256 positions, or "
+        "lower data.max_response_length or data.max_prompt_length"]
+    # without the raw messages both problems are listed
+    errors = _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}"))
+    assert [e.split(" ", 2)[1] for e in errors] == ["the", f"{rm}"]
+    assert "set data.return_raw_chat=true" in errors[0] and "max_position_embeddings 128" in errors[1]
