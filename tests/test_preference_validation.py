@@ -248,8 +248,9 @@ def test_character_budget_names_the_long_row_with_its_length():
 def test_token_budget_counts_the_chat_template_with_the_response(chat_tokenizer_dir):  # noqa: F811
     rows = pairs(3)
     rows[1]["chosen"] = "A much longer chosen answer with all of its working shown. #### 9"
-    # the template writes "<role>content\n" per turn; the response is the assistant turn
-    tokens = [len(f"<user>{r['prompt'][0]['content']}\n<assistant>{max(r['chosen'], r['rejected'], key=len)}\n")
+    # as the reward model trains on it: the template's "<role>content\n" per turn and its generation prompt
+    # "<assistant>", then the response and EOS (one token each character here)
+    tokens = [len(f"<user>{r['prompt'][0]['content']}\n<assistant>{max(r['chosen'], r['rejected'], key=len)}") + 1
               for r in rows]
     limit = tokens[0]
     assert tokens[1] > limit >= tokens[2]
@@ -257,6 +258,27 @@ def test_token_budget_counts_the_chat_template_with_the_response(chat_tokenizer_
     assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
     assert report.failures[0].examples == [(1, tokens[1])]
     assert f"{limit} tokens" in report.summary()
+
+
+def test_token_budget_renders_the_template_with_the_trainers_keywords(char_tokenizer):  # noqa: F811
+    """``template_kwargs`` (``reward_model.train.apply_chat_template_kwargs``) reach the template as in training:
+    here a keyword that writes a preamble, which a budget measured without it would not count."""
+    tokenizer = copy.deepcopy(char_tokenizer)
+    tokenizer.chat_template = ("{% if preamble %}Think first.\n{% endif %}"
+                               "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    rows = pairs(2)
+    rows[1]["chosen"] += " Checked."
+    lengths = [len(f"Think first.\n<user>{r['prompt'][0]['content']}\n<assistant>"
+                   f"{max(r['chosen'], r['rejected'], key=len)}") + 1 for r in rows]
+    limit = lengths[1] - 1  # row 1 is one token over once the preamble counts, row 0 within
+    assert lengths[0] <= limit
+    plain = validate_preference_frames(pd.DataFrame(rows), tokenizer=tokenizer, max_length=limit)
+    assert plain.success  # 13 tokens fewer without it
+    report = validate_preference_frames(pd.DataFrame(rows), tokenizer=tokenizer, max_length=limit,
+                                        template_kwargs={"preamble": True})
+    assert failed(report) == [("pair_length_within_limit", "pair_length", "train")]
+    assert report.failures[0].examples == [(1, lengths[1])]
 
 
 def test_a_pair_the_chat_template_refuses_fails_with_the_templates_error(char_tokenizer):  # noqa: F811

@@ -205,8 +205,9 @@ def _validate_parser() -> argparse.ArgumentParser:
                         help="prompt data scored by a custom reward function (custom_reward_function.path): "
                              "any data_source and any form of ground truth")
     parser.add_argument("--chat-template-kwargs", type=json.loads, default=None, metavar="JSON",
-                        help="keywords to the chat template when prompts are measured, as data.apply_chat_template_"
-                             "kwargs gives them to the trainer, e.g. '{\"enable_thinking\": false}'")
+                        help="keywords to the chat template when lengths are measured, as the trainer gets them "
+                             "(prompt data: data.apply_chat_template_kwargs; preference data: reward_model.train."
+                             "apply_chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")
     parser.add_argument("--prompt-key", default="prompt",
                         help="prompt data: the prompt column, as data.prompt_key names it (default prompt)")
     parser.add_argument("--reward-fn-key", default="data_source",

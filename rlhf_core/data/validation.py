@@ -15,8 +15,8 @@ data: the same prompt, as the reward model's trainer refuses it). Prompt data's 
 are read from the trainer's columns (``prompt_key``, ``reward_fn_key``), its problem ids built as the
 trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and ``max_prompt_length``:
 counted as the trainer counts them); preference data the prompt with the longer response, in tokens (a
-tokenizer and ``max_length``, the response as the assistant turn) or characters (``max_chars``, the
-contents joined by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``); a
+tokenizer and ``max_length``, laid out as the reward model's trainer encodes it: the prompt with its
+generation prompt, the response, EOS) or characters (``max_chars``, the contents joined by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``); a
 conversation the chat template refuses fails on its own (``prompt_renders``, ``pair_renders``).
 
 Usage::
@@ -299,8 +299,7 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return messages if ok else None
 
 
-def _measure(conversations: Sequence[list[dict] | None],
-             count: Callable[[list[dict]], int]) -> tuple[list[float], list[str | None]]:
+def _measure(conversations: Sequence[Any], count: Callable[[Any], int]) -> tuple[list[float], list[str | None]]:
     """``count`` of each conversation (NaN where there is none), and the error where counting raised.
 
     A chat template may refuse a conversation (``raise_exception('System role not supported')``); the
@@ -335,14 +334,15 @@ def _prompt_counter(tokenizer: Any, template_kwargs: dict | None) -> Callable[[l
     return lambda messages: len(prompt_token_ids(tokenizer, messages, template_kwargs))
 
 
-def _pair_counter(tokenizer: Any) -> Callable[[list[dict]], int]:
-    """Length of a prompt with a response as its assistant turn: tokens, else characters."""
+def _pair_counter(tokenizer: Any, template_kwargs: dict | None) -> Callable[[tuple[list[dict], str]], int]:
+    """Length of (prompt, response) as the reward model's trainer lays it out
+    (:func:`rlhf_core.rewards.reward_model.encode_response`: the prompt with its generation prompt, the response,
+    EOS) in tokens; else the prompt's and the response's characters, a newline between them."""
     if tokenizer is None:
-        return lambda messages: len(_joined(messages))
-    if getattr(tokenizer, "chat_template", None):  # the template already writes the special tokens it wants
-        return lambda messages: len(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False),
-                                              add_special_tokens=False)["input_ids"])
-    return lambda messages: len(tokenizer(_joined(messages))["input_ids"])
+        return lambda pair: len(_joined(pair[0] + [{"content": pair[1]}]))
+    from rlhf_core.rewards.reward_model import encode_response  # imports torch: only when pairs are measured
+
+    return lambda pair: len(encode_response(tokenizer, pair[0], pair[1], chat_template_kwargs=template_kwargs)[0])
 
 
 def _canonical_prompt(messages: list[dict]) -> str | None:
@@ -416,10 +416,10 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_json"] = column(_canonical_prompt(m) if m else None for m in conversations)
         for name in ("chosen", "rejected"):
             out[f"{name}_non_text"] = column(map(_not_text, frame[name]))
-        if measure:  # each response after the prompt as the assistant turn; the longer one counts
-            turns = [m + [{"role": "assistant", "content": text}] if m and isinstance(text, str) else None
+        if measure:  # each response after the prompt, as the reward model trains on it; the longer one counts
+            turns = [(m, text) if m and isinstance(text, str) else None
                      for m, (_, chosen, rejected) in zip(conversations, pairs) for text in (chosen, rejected)]
-            counts, errors = _measure(turns, _pair_counter(tokenizer))
+            counts, errors = _measure(turns, _pair_counter(tokenizer, template_kwargs))
             lengths = np.asarray(counts, dtype="float64").reshape(-1, 2)
             out["pair_length"] = column(np.fmax(lengths[:, 0], lengths[:, 1]), "float64")
             out["pair_template_error"] = column(chosen or rejected
@@ -582,7 +582,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     other kind, or a tokenizer without a limit, is a ValueError. ``custom_reward``: a custom reward function
     scores the data (``custom_reward_function.path``), so the checks of the built-in rules (a known data
     source, a numeric ground truth) do not apply. ``template_kwargs``: the chat template's keywords when
-    prompts are measured (``data.apply_chat_template_kwargs``). ``prompt_key``, ``reward_fn_key``: the columns
+    lengths are measured (``data.apply_chat_template_kwargs``; for preference data
+    ``reward_model.train.apply_chat_template_kwargs``). ``prompt_key``, ``reward_fn_key``: the columns
     of prompt data's prompt and data source (``data.prompt_key``, ``data.reward_fn_key``). ``file_rows``: each
     row's number within its file (default: its position in the frame), which numbers a row without
     ``extra_info.index`` as the trainer does.
@@ -671,10 +672,11 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
 
 def validate_preference_files(train: Paths, val: Paths | None = None, tokenizer: Any = None,
                               max_length: int | None = None, *, max_chars: int | None = None,
-                              overlong_tolerance: float = 0.0) -> ValidationReport:
-    """Validate preference parquet file(s): a token (tokenizer + max_length) or character limit."""
+                              overlong_tolerance: float = 0.0, template_kwargs: dict | None = None) -> ValidationReport:
+    """Validate preference parquet file(s): a token (tokenizer + max_length, the chat template rendered with
+    ``template_kwargs``, ``reward_model.train.apply_chat_template_kwargs``) or character limit."""
     return validate_dataset(train, val, tokenizer, kind="preference", max_length=max_length,
-                            max_chars=max_chars, overlong_tolerance=overlong_tolerance)
+                            max_chars=max_chars, overlong_tolerance=overlong_tolerance, template_kwargs=template_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
