@@ -3,9 +3,10 @@
     zenml pipeline run pipelines.retrain.rlhf_retrain_pipeline -c configs/retrain_demo.yaml
     rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00
 
-When the data's fingerprint equals the one production was trained on, ``check_new_data`` says so
-and the smoke test, training and evaluation are skipped; the new version is recorded but not
-promoted.
+When the data's fingerprint equals the one production was trained on, or a version already trained on
+this data from the current production version with the same trainer config and reward was refused,
+``check_new_data`` says so and the smoke test, training and evaluation are skipped; the new version
+is recorded but not promoted. ``force: true`` (a pipeline parameter) trains anyway.
 """
 
 from __future__ import annotations
@@ -33,14 +34,16 @@ def rlhf_retrain_pipeline(
     val_files: str | list[str] | None = None,
     min_improvement: float = 0.0,
     alpha: float = 0.05,
+    force: bool = False,
 ) -> None:
-    """Train a new version from the production checkpoint on new data; skip when the data is unchanged."""
+    """Train a new version from the production checkpoint on new data; skip when the data is unchanged or this
+    training was already done and refused, unless ``force``."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
-    skip_reason = check_new_data(dataset_fingerprint)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
+    skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, force=force)
     smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
                                                 init_from=production.get_model_artifact("ppo_checkpoint"),

@@ -1,40 +1,115 @@
-"""The retraining gate: is there new data since the production version was trained?"""
+"""The retraining gate: is there new data since the production version was trained, and is this training new?"""
 
 from __future__ import annotations
 
-from typing import Annotated
+import hashlib
+import json
+from typing import Annotated, Any
+from uuid import UUID
 
 from zenml import get_step_context, log_metadata, step
 from zenml.client import Client
 from zenml.enums import ModelStages
 from zenml.logger import get_logger
+from zenml.utils.pagination_utils import depaginate
 
 logger = get_logger(__name__)
+
+#: what a skip reason tells the user to do to train anyway
+FORCE_HINT = "to train anyway, run with the pipeline parameter force=true (`parameters: {force: true}` in the run config)"
 
 
 class NoProductionModelError(LookupError):
     """Retraining warm-starts from production; there is none yet."""
 
 
-@step(enable_cache=False)
-def check_new_data(dataset_fingerprint: str) -> Annotated[str, "skip_reason"]:
-    """An empty string when the data changed since production was trained, else why training is skipped."""
-    model_name = get_step_context().model.name
+def config_fingerprint(ppo_config: dict[str, Any]) -> str:
+    """SHA-256 of the trainer config without its data paths: the dataset fingerprint stands for the data's
+    content (and stays the same when the files move), so the same data from another folder is the same training."""
+    data = {k: v for k, v in ppo_config.get("data", {}).items() if k not in ("train_files", "val_files")}
+    return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def refused_before(client: Client, model_name: str, production, dataset_fingerprint: str, config_sha256: str,
+                   reward_sha256: str | None, exclude: UUID | None = None):
+    """The newest version other than production (and ``exclude``, this run's own) that trained what this run
+    would train -- this data, warm-started from this production version, with this trainer config and reward --
+    and was judged and not promoted; None when there is none.
+
+    Training it again gives the same candidate (same seed) against the same production: the same refusal. A
+    version whose run failed before the promotion step, or whose training was skipped, has no decision on a
+    trained candidate and does not count; nor does one without ``warm_started_from``/``config_fingerprint``
+    (the gate's record on each version it runs for; versions from before it kept them are retrained once)."""
+    # the metadata filter narrows the search to versions trained on this data; each is then checked in full
+    versions = depaginate(client.list_model_versions, model_name_or_id=model_name, sort_by="desc:number",
+                          run_metadata=f"dataset_fingerprint:contains:{dataset_fingerprint}")
+    for version in versions:
+        if version.id in (production.id, exclude):
+            continue
+        meta = version.run_metadata
+        if (meta.get("promoted") is False and not meta.get("skipped")
+                and meta.get("dataset_fingerprint") == dataset_fingerprint
+                and meta.get("warm_started_from") == production.name
+                and meta.get("config_fingerprint") == config_sha256 and meta.get("reward_sha256") == reward_sha256):
+            return version
+    return None
+
+
+def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha256: str, reward_sha256: str | None,
+         exclude: UUID | None = None) -> tuple[str, Any, Any]:
+    """(why training is skipped, "" to train; the production version; the refused version that this run would
+    repeat, if any)."""
     try:
-        production = Client().get_model_version(model_name, ModelStages.PRODUCTION)
+        production = client.get_model_version(model_name, ModelStages.PRODUCTION)
     except KeyError:
         raise NoProductionModelError(
             f"model {model_name!r} has no production version to warm-start from; run the training pipeline "
             "first: zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml") from None
+    if production.run_metadata.get("dataset_fingerprint") == dataset_fingerprint:
+        return (f"the data is unchanged since production version {production.name} was trained "
+                f"(dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
+    refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
+                             exclude)
+    if refused is not None:
+        reason = (f"version {refused.name} was already trained on this data (dataset fingerprint "
+                  f"{dataset_fingerprint[:16]}...) from production version {production.name} with the same trainer "
+                  f"config and reward, and was refused ({refused.run_metadata.get('decision_reason')}): training "
+                  f"again would repeat that work and its result; {FORCE_HINT}, or change the trainer config "
+                  "(e.g. trainer.seed)")
+        return reason, production, refused
+    return "", production, None
+
+
+@step(enable_cache=False)
+def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict,
+                   force: bool = False) -> Annotated[str, "skip_reason"]:
+    """An empty string when there is training to do, else why training is skipped: the data is the one
+    production was trained on, or a version already trained on it from this production version with the same
+    trainer config (:func:`config_fingerprint`) and reward was refused. ``force=True`` trains anyway in both
+    cases; in the second, a changed config (e.g. ``trainer.seed``) or reward is new training too.
+
+    Records on this run's model version which production version it warm-starts from (``warm_started_from``)
+    and ``config_fingerprint``: what a later run's gate compares with."""
+    context = get_step_context()
+    model_name, client = context.model.name, Client()
+    config_sha256 = config_fingerprint(ppo_config)
+    reason, production, refused = gate(client, model_name, dataset_fingerprint, config_sha256,
+                                       reward_spec.get("sha256"), exclude=context.model_version.id)
     trained_on = production.run_metadata.get("dataset_fingerprint")
-    if trained_on == dataset_fingerprint:
-        reason = (f"the data is unchanged since production version {production.name} was trained "
-                  f"(dataset fingerprint {dataset_fingerprint[:16]}...)")
+    overridden = reason if force else ""
+    if overridden:
+        logger.warning("force=true: training although %s", overridden)
+        reason = ""
+    elif reason:
         logger.warning("retraining skipped: %s", reason)
     else:
-        reason = ""
         logger.info("new data (fingerprint %s..., production version %s was trained on %s...): retraining from "
                     "its checkpoint", dataset_fingerprint[:16], production.name, str(trained_on)[:16])
-    log_metadata({"production_version": production.name, "production_fingerprint": str(trained_on),
-                  "dataset_fingerprint": dataset_fingerprint, "skipped": bool(reason), "reason": reason or "new data"})
+    log_metadata({"warm_started_from": production.name, "config_fingerprint": config_sha256}, infer_model=True)
+    record = {"production_version": production.name, "production_fingerprint": str(trained_on),
+              "dataset_fingerprint": dataset_fingerprint, "config_fingerprint": config_sha256, "forced": bool(overridden),
+              "skipped": bool(reason), "reason": reason or (f"forced: {overridden}" if overridden else "new data")}
+    if refused is not None:
+        record["refused_version"] = refused.name
+    log_metadata(record)
     return reason

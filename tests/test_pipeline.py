@@ -211,6 +211,22 @@ def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
     assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data is unchanged since production")
 
 
+def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained):
+    """Version 2 was trained on the new data from version 1 and refused (above): the same run again, from the
+    same production with the same config and reward, would repeat it."""
+    second = _version(2).run_metadata
+    assert second["promoted"] is False and second["warm_started_from"] == "1"
+    assert _version("production").number == 1
+    run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file)
+    assert str(run.status) == "completed"
+    meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
+    assert meta["promoted"] is False and meta["warm_started_from"] == "1"
+    assert meta["config_fingerprint"] == second["config_fingerprint"]
+    assert meta["skipped"].startswith("version 2 was already trained on this data"), meta["skipped"]
+    assert "force=true" in meta["skipped"]
+    assert run.steps["train_ppo"].outputs["training_summary"][0].load()["steps"] == 0
+
+
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
     """Through the command line users run: `zenml pipeline run ... -c run_config.yaml`."""
     setup = tiny_setup()
@@ -327,3 +343,136 @@ def test_a_gate_that_cannot_be_applied_fails_before_any_step(trained):
     with pytest.raises(ValueError, match=r"min_improvement=-0.01 must be a finite number >= 0"):
         run_pipeline(MODEL, retrain=True, min_improvement=-0.01)
     assert client.list_pipeline_runs(size=1).total == before
+
+
+# The retraining gate on versions built directly in the store: the gate reads only their metadata, so no
+# training is needed. A refused version carries what promote records (promoted, decision_reason,
+# dataset_fingerprint, reward_sha256) and what the gate records (warm_started_from, config_fingerprint).
+
+def _sha(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+GATE_CONFIG = {"data": {"train_files": "a/train.parquet", "val_files": "a/test.parquet", "train_batch_size": 8},
+               "trainer": {"seed": 1, "total_training_steps": 3}}
+GATE_REWARD = _sha("reward")
+
+
+def _add_version(model_name: str, production: bool = False, **metadata):
+    """A new version of ``model_name`` (created if need be) with ``metadata``, made production if asked."""
+    from zenml import log_metadata
+    from zenml.enums import ModelStages
+
+    client = zenml_client()
+    try:
+        client.get_model(model_name)
+    except KeyError:
+        client.create_model(model_name)
+    version = client.create_model_version(model_name)
+    if metadata:
+        log_metadata(metadata, model_version_id=version.id)
+    if production:
+        client.update_model_version(model_name, version.id, stage=ModelStages.PRODUCTION, force=True)
+    return client.get_model_version(model_name, version.number)
+
+
+def _refused(model_name: str, fingerprint: str, warm_started_from: str, config: dict | None = None, **extra):
+    from steps.check_new_data import config_fingerprint
+
+    metadata = {"promoted": False, "decision_reason": "not promoted: no improvement over production",
+                "dataset_fingerprint": fingerprint, "reward_sha256": GATE_REWARD,
+                "warm_started_from": warm_started_from, "config_fingerprint": config_fingerprint(config or GATE_CONFIG),
+                **extra}
+    return _add_version(model_name, **{k: v for k, v in metadata.items() if v is not None})
+
+
+def _gate(model_name: str, fingerprint: str, config: dict | None = None, reward: str = GATE_REWARD):
+    from steps.check_new_data import config_fingerprint, gate
+
+    reason, production, refused = gate(zenml_client(), model_name, fingerprint, config_fingerprint(config or GATE_CONFIG),
+                                       reward)
+    return reason, production.name, refused.name if refused is not None else None
+
+
+def test_gate_skips_training_that_a_refused_version_already_did():
+    model, (a, b, c) = "gate-refused", (_sha("A"), _sha("B"), _sha("C"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    _refused(model, b, warm_started_from="1")  # version 2: B from version 1, refused
+    reason, production, refused = _gate(model, b)
+    assert (production, refused) == ("1", "2")
+    assert reason.startswith("version 2 was already trained on this data") and "production version 1" in reason
+    assert "not promoted: no improvement over production" in reason and "force=true" in reason
+    # the data paths are not part of the config: the same data from another folder is the same training
+    moved = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": "b/train.parquet"}}
+    assert _gate(model, b, moved)[2] == "2"
+    assert _gate(model, c) == ("", "1", None)  # other data: train
+    assert _gate(model, a)[0].startswith("the data is unchanged since production version 1")
+
+
+def test_gate_retrains_when_production_config_or_reward_changed():
+    model, (a, b, d) = "gate-changed", (_sha("A"), _sha("B"), _sha("D"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    _refused(model, b, warm_started_from="1")  # version 2
+    assert _gate(model, b)[2] == "2"
+    reseeded = {**GATE_CONFIG, "trainer": {**GATE_CONFIG["trainer"], "seed": 2}}
+    assert _gate(model, b, reseeded) == ("", "1", None)
+    assert _gate(model, b, reward=_sha("another reward")) == ("", "1", None)
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=d)  # version 3, promoted later
+    assert zenml_client().get_model_version(model, "production").number == 3
+    assert _gate(model, b) == ("", "3", None)  # version 2 started from version 1, not from this production
+
+
+def test_gate_does_not_count_failed_skipped_or_unrecorded_versions():
+    from steps.check_new_data import config_fingerprint
+
+    model, (a, b) = "gate-not-refused", (_sha("A"), _sha("B"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    # version 2: its run failed before promote, so it has the gate's record and no decision
+    _add_version(model, warm_started_from="1", config_fingerprint=config_fingerprint(GATE_CONFIG))
+    _refused(model, b, warm_started_from="1", skipped="the data is unchanged")  # version 3: trained nothing
+    _refused(model, b, warm_started_from=None, config=None)  # version 4: no warm_started_from recorded
+    assert _gate(model, b) == ("", "1", None)
+    _refused(model, b, warm_started_from="1")  # version 5: a real refusal
+    assert _gate(model, b)[2] == "5"
+
+
+@functools.cache
+def _gate_pipeline():
+    """The gate alone, as the retraining pipeline runs it: one version per run, the gate's metadata on it."""
+    zenml_client()
+    from zenml import pipeline
+
+    from steps.check_new_data import check_new_data
+
+    @pipeline(enable_cache=False)
+    def retraining_gate(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, force: bool = False) -> None:
+        check_new_data(dataset_fingerprint, ppo_config, reward_spec, force=force)
+
+    return retraining_gate
+
+
+def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
+    from zenml import Model, log_metadata
+
+    model, (a, b) = "gate-step", (_sha("A"), _sha("B"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    gate = _gate_pipeline().with_options(model=Model(name=model))
+
+    def skip_reason(**parameters):
+        run = gate(dataset_fingerprint=b, ppo_config=GATE_CONFIG, reward_spec={"sha256": GATE_REWARD}, **parameters)
+        step = zenml_client().get_pipeline_run(run.id).steps["check_new_data"]
+        return step.outputs["skip_reason"][0].load(), step.run_metadata
+
+    assert skip_reason()[0] == ""  # version 2 trains on B from version 1 ...
+    second = zenml_client().get_model_version(model, 2)
+    assert second.run_metadata["warm_started_from"] == "1"
+    # ... and promote refuses it
+    log_metadata({"promoted": False, "decision_reason": "not promoted: no improvement", "dataset_fingerprint": b,
+                  "reward_sha256": GATE_REWARD}, model_version_id=second.id)
+    reason, meta = skip_reason()  # version 3 would do the same again
+    assert reason.startswith("version 2 was already trained on this data"), reason
+    assert meta["skipped"] is True and meta["refused_version"] == "2"
+    reason, meta = skip_reason(force=True)  # version 4 trains anyway
+    assert reason == "" and meta["forced"] is True and meta["reason"].startswith("forced: version 2 was already")

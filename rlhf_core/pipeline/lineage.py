@@ -20,10 +20,10 @@ from typing import Any
 CHAIN = [
     ("data", "load_ppo_config", "the trainer config and the data files"),
     ("validation", "validate_data", "Great Expectations suite over the data; its fingerprint"),
-    ("retraining gate", "check_new_data", "new data since production?"),
     ("preference data", "validate_preferences", "the reward model's preference pairs; their fingerprint"),
     ("reward model", "train_reward_model", "the learned reward model and its held-out pair accuracy"),
     ("reward", "define_reward", "reward function identity, source hash, self-check"),
+    ("retraining gate", "check_new_data", "new data since production, not already trained and refused?"),
     ("smoke test", "smoke_test", "two PPO iterations on a tiny clone"),
     ("checkpoint", "train_ppo", "the trained policy"),
     ("evaluation", "evaluate", "greedy accuracy with its interval, problem by problem, against base and production"),
