@@ -50,7 +50,7 @@ def test_a_validation_that_rolls_back_is_no_accuracy_best():
 
     config = GuardConfig(overopt_patience=2, max_rollbacks=3, max_val_drop=0.1)
     trainer = types.SimpleNamespace(guard=Guard(config), overopt=OverOptimisationGuard(config),
-                                    _log_generations=lambda step: None)
+                                    _log_generations=lambda step: None, _note_idle_guards=lambda metrics: None)
     trainer.val_accuracy = lambda metrics: metrics["val-core/a/acc/mean@1"]
     validations = {0: (0.30, 0.1, 0.5), 10: (0.40, 0.2, 0.6), 20: (0.35, 0.3, 0.55), 30: (0.45, 0.4, 0.5)}
     for step, (acc, proxy, gold) in validations.items():

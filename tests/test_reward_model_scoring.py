@@ -435,8 +435,12 @@ def test_cli_trains_on_prompts_alone_against_a_reward_model(space, data, tmp_pat
             prompts / f"{split}.parquet")
     out = tmp_path / "out"
     code = ppo(_cli(root, base, prompts, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
-                    "actor_rollout_ref.rollout.n=1"))
-    assert code == 0, capsys.readouterr().err
+                    "actor_rollout_ref.rollout.n=1", "trainer.logger=[console,file]"))
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    # the guards on by default have nothing to watch, and say so once; the console shows the validation reward
+    assert captured.err.count("NOTE trainer.guard.max_val_drop and trainer.guard.overopt_patience do not act") == 1
+    assert "step 1/1 | score " in captured.out and " | val_reward " in captured.out and " acc " not in captured.out
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     final = records[-1].get("metrics", records[-1])
     source = "synthetic/arithmetic"

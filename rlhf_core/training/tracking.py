@@ -84,6 +84,7 @@ __all__ = [
 CONSOLE_KEYS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("score", ("critic/score/mean",)),
     ("acc", ("val-core/*/acc/mean@*",)),
+    ("val_reward", ("val-core/*/reward/mean@*",)),  # core where there is no accuracy (prompts alone)
     ("kl", (measured_kl,)),
     ("pg_loss", ("actor/pg_loss",)),
     ("vf_loss", ("critic/vf_loss",)),

@@ -234,6 +234,7 @@ class PPOTrainer:
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
+        self._noted_idle_guards = False  # said once that a guard has nothing to watch (prompts alone)
         self.last_saved_step: int | None = None
         self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
         corr = algo.rollout_correction
@@ -460,6 +461,19 @@ class PPOTrainer:
                 metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
         return metrics
 
+    def _note_idle_guards(self, metrics: dict[str, float]) -> None:
+        """Say once when a configured validation guard has nothing to act on: prompts without a ground truth
+        give no accuracy (``max_val_drop``) and no gold reward beside the model's (``overopt_patience``)."""
+        guard = self.config.trainer.guard
+        idle = [key for key, on, measured in (
+            ("trainer.guard.max_val_drop", guard.max_val_drop is not None, self.val_accuracy(metrics) is not None),
+            ("trainer.guard.overopt_patience", guard.overopt_patience is not None and self.config.reward_model.enable,
+             proxy_and_gold(metrics)[1] is not None)) if on and not measured]
+        if idle and metrics and not self._noted_idle_guards:
+            self._noted_idle_guards = True
+            print(f"NOTE {' and '.join(idle)} {'do' if len(idle) > 1 else 'does'} not act: the validation prompts "
+                  "have no ground truth, so there is no accuracy or gold reward to watch", file=sys.stderr, flush=True)
+
     def val_accuracy(self, metrics: dict[str, float]) -> float | None:
         """The mean of the per-source validation accuracies in ``metrics``."""
         values = [v for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
@@ -618,6 +632,7 @@ class PPOTrainer:
             raise self._worker_failure(exc, "validating after", step) from exc
         metrics["timing_s/testing"] = time.perf_counter() - started
         self._log_generations(step)
+        self._note_idle_guards(metrics)
         new_best = False
         if event is None:
             before = self.guard.state_dict()
@@ -657,6 +672,7 @@ class PPOTrainer:
             val_metrics = self.validate()
         except WorkerError as exc:
             raise self._worker_failure(exc, "validating before", 1) from exc
+        self._note_idle_guards(val_metrics)
         new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
         new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
         self._log(val_metrics, 0)
