@@ -365,6 +365,59 @@ def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
     assert loaded.config.num_labels == 1
 
 
+def _flat_state(worker) -> dict:
+    """A worker's model, optimizer and schedule as one level of (name, value), for exact comparison."""
+    state = worker.state_dict()
+    flat = {f"model.{k}": v for k, v in state.pop("model").items()}
+    optimizer = state.pop("optimizer")
+    flat.update({f"optimizer.{i}.{k}": v for i, moments in optimizer["state"].items() for k, v in moments.items()})
+    for j, group in enumerate(optimizer["param_groups"]):  # betas come back from DCP as a list
+        flat.update({f"optimizer.group_{j}.{k}": list(v) if isinstance(v, tuple) else v for k, v in group.items()})
+    return {**flat, **state}
+
+
+def _same(a, b) -> bool:
+    return torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.slow
+def test_resume_with_another_number_of_workers(tiny, pairs_dir, tmp_path, capsys):
+    """One worker's checkpoint resumes on two, and theirs on one: the state re-split over two workers and gathered
+    back is the same tensors, and the run ends where an uninterrupted one does (to float precision)."""
+    out = tmp_path / "moved"
+    one = _overrides(tiny, pairs_dir, out, "reward_model.train.total_epochs=2")
+    two = [*one, "trainer.n_gpus_per_node=2", "reward_model.train.micro_batch_size_per_gpu=2"]
+    straight = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "straight",
+                                                         "reward_model.train.total_epochs=2"))).fit()
+    first = RewardModelTrainer(load_config([*one, "reward_model.train.total_training_steps=2"]))
+    first.fit()
+    at_two = _flat_state(first.worker)
+    pair = RewardModelTrainer(load_config([*two, "reward_model.train.total_training_steps=4"]))
+    try:
+        pair.resume()  # one worker's whole tensors cut into two ranks' shards, saved again as theirs
+        assert pair.global_step == 2
+        assert "(step 2; saved by 1 worker(s), re-split over 2)" in capsys.readouterr().err
+        pair.save()
+        pair.fit()  # resumes its own shards (as many workers: no notice) and trains steps 3 and 4
+        assert pair.global_step == 4 and "re-split" not in capsys.readouterr().err
+    finally:
+        pair.shutdown()
+    assert (out / "global_step_2" / "reward_model" / "extra_state_rank_1.pt").is_file()
+    gathered = RewardModelTrainer(load_config([*one, "reward_model.train.resume_mode=resume_path",
+                                               f"reward_model.train.resume_from_path={out / 'global_step_2'}"]))
+    gathered.resume()
+    assert "(step 2; saved by 2 worker(s), re-split over 1)" in capsys.readouterr().err
+    back = _flat_state(gathered.worker)
+    assert back.keys() == at_two.keys() and any(k.endswith(".exp_avg_sq") for k in back)
+    assert [k for k in at_two if not _same(back[k], at_two[k])] == []
+    last = RewardModelTrainer(load_config(one))  # the latest checkpoint: two workers' at step 4
+    trained = []
+    val = last.fit(lambda metrics, step: trained.append(step) if "train/loss" in metrics else None)
+    assert trained == [5, 6]
+    assert val["val/loss"] == pytest.approx(straight["val/loss"], abs=1e-5)
+    assert val["val/pair_accuracy"] == straight["val/pair_accuracy"]
+
+
 def test_demo_run_config_resolves(repo_root):
     import yaml
 

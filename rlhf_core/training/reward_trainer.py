@@ -18,9 +18,11 @@ Checkpoints (``reward_model.train.default_local_dir``) follow the PPO layout: ``
 with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), ``trainer_state.json``
 (step, epoch, position in the epoch), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
 written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
-(``reward_model.train.resume_mode``). The end of the run writes ``huggingface/``: the model
-(LoRA merged) and its tokenizer, which ``AutoModelForSequenceClassification.from_pretrained``
-loads; its config.json records the chat-template keyword arguments the pairs were encoded with
+(``reward_model.train.resume_mode``), with as many workers or another number: the weights and
+optimizer moments are re-split exactly, and the steps then differ from the saved run's by float
+rounding alone. The end of the run writes ``huggingface/``: the model (LoRA merged) and its
+tokenizer, which ``AutoModelForSequenceClassification.from_pretrained`` loads; its config.json
+records the chat-template keyword arguments the pairs were encoded with
 (``reward_model.train.apply_chat_template_kwargs``), which PPO compares with its own. Metrics go to
 ``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``, ``train/pair_accuracy``,
 ``train/margin_mean``, ``train/grad_norm``, ``train/lr`` and at each validation ``val/loss``,
@@ -40,6 +42,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,7 +67,13 @@ from rlhf_core.models.loading import (
 from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.workers import distributed
-from rlhf_core.workers.common import CheckpointableWorker, build_optimizer, build_scheduler, clip_and_check
+from rlhf_core.workers.common import (
+    SHARDS_DIR,
+    CheckpointableWorker,
+    build_optimizer,
+    build_scheduler,
+    clip_and_check,
+)
 from rlhf_core.workers.group import DistributedWorker, WorkerGroup
 
 PART = "reward_model"
@@ -285,6 +294,49 @@ class RewardModelWorker(CheckpointableWorker):
     def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
 
+    def load_checkpoint(self, folder: str | Path, saved_workers: int) -> None:
+        """The ``reward_model/`` state that ``saved_workers`` workers wrote, into this worker or this rank.
+
+        Shards (torch DCP) re-split onto any number of ranks, or gather whole into one process; one worker's
+        whole tensors are cut into this rank's shards. The only other state, the schedule's, is the same on
+        every rank, so rank 0's serves a rank the saving run did not have."""
+        folder = Path(folder)
+        if saved_workers > 1:
+            with warnings.catch_warnings():  # read by one process: DCP warns that there is no process group
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                distributed.load_sharded(folder / SHARDS_DIR, self.module, self.optimizer, only_trainable=self.lora)
+            extra = ckpt.load_file(folder / "extra_state_rank_0.pt")
+        else:
+            model = ckpt.load_file(folder / "model_state.pt")
+            optimizer = ckpt.load_file(folder / "optim_state.pt")["optimizer"]
+            extra = ckpt.load_file(folder / "extra_state.pt")
+            if self.sharded:
+                self._shard_whole(model, optimizer)
+            else:
+                self.load_model_state_dict(model)
+                self.optimizer.load_state_dict(optimizer)
+        self.load_extra_state(extra)
+        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
+            group["lr"] = lr
+
+    def _shard_whole(self, model: dict, optimizer: dict) -> None:
+        """Whole state dicts into this rank's FSDP2 shards. torch's loader finds the optimizer's state by
+        parameter name; ``optimizer.state_dict()`` numbers the parameters in the order the optimizer holds
+        them, which both runs build alike."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        current = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
+        saved = [i for group in optimizer["param_groups"] for i in group["params"]]
+        if len(saved) != len(current):
+            raise ValueError(f"its optimizer holds {len(saved)} tensors, the model being trained {len(current)}")
+        name_of = dict(zip(saved, current))
+        named = {"state": {name_of[i]: state for i, state in optimizer["state"].items()},
+                 "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                                  for group in optimizer["param_groups"]]}
+        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=named,
+                       options=StateDictOptions(full_state_dict=True, strict=not self.lora))
+
     def save_hf(self, target: str | Path) -> None:
         """The model as a plain transformers directory (LoRA merged); sharded, every rank calls this."""
         state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
@@ -339,8 +391,8 @@ class _GroupWorker:
     def save_shards(self, folder) -> None:
         self.group.execute_all("call", "save_shards", str(folder))
 
-    def load_shards(self, folder, weights_only: bool = False) -> None:
-        self.group.execute_all("call", "load_shards", str(folder), weights_only)
+    def load_checkpoint(self, folder, saved_workers: int) -> None:
+        self.group.execute_all("call", "load_checkpoint", str(folder), saved_workers)
 
     def save_hf(self, target) -> None:
         self.group.execute_all("call", "save_hf", str(target))
@@ -580,6 +632,13 @@ class RewardModelTrainer:
             return resolve(rm.resume_from_path)
         return ckpt.latest_checkpoint(self.local_dir)
 
+    @staticmethod
+    def saved_workers(manifest: dict) -> int:
+        """How many workers wrote a checkpoint: a group leaves one ``extra_state_rank_R.pt`` per rank beside
+        its shards, one worker whole ``model_state.pt`` and ``extra_state.pt``."""
+        ranks = [rel for rel in manifest["files"] if fnmatch.fnmatchcase(rel, f"{PART}/extra_state_rank_*.pt")]
+        return len(ranks) or 1
+
     def _check_config(self, path: Path) -> None:
         saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
         # flattened under their full names, so that the chat-template keywords compare as one value
@@ -597,19 +656,21 @@ class RewardModelTrainer:
         path = self._resume_path()
         if path is None:
             return
-        ckpt.read_manifest(path)
+        saved = self.saved_workers(ckpt.read_manifest(path))
         self._check_config(path)
-        if getattr(self.worker, "sharded", False):
-            self.worker.load_shards(path / PART)
-        else:
-            model = ckpt.load_file(path / PART / "model_state.pt")
-            optim = ckpt.load_file(path / PART / "optim_state.pt")
-            extra = ckpt.load_file(path / PART / "extra_state.pt")
-            self.worker.load_state_dict({"model": model, **optim, **extra})
+        try:
+            self.worker.load_checkpoint(path / PART, saved)
+        except ckpt.CheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the workers' errors come wrapped; say which checkpoint
+            raise ckpt.CheckpointError(f"checkpoint {path / PART} cannot be loaded into the reward model being "
+                                       f"trained: {exc}") from exc
         state = json.loads((path / ckpt.TRAINER_STATE).read_text())
         self.global_step = int(state["global_step"])
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
-        print(f"resumed the reward model from {path} (step {self.global_step})", file=sys.stderr)
+        world = self.cfg.world_size
+        moved = f"; saved by {saved} worker(s), re-split over {world}" if saved != world else ""
+        print(f"resumed the reward model from {path} (step {self.global_step}{moved})", file=sys.stderr)
 
     def export(self, target: Path) -> Path:
         """The model and tokenizer as a HF directory, written beside ``target`` and renamed into place."""
