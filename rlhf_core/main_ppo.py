@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
+import pyarrow.parquet
 import torch
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.data.dataset import DataError, RLHFDataset, check_files
+from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files, ground_truth
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
@@ -61,14 +62,24 @@ class PreflightError(ValueError):
         super().__init__("cannot start training:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def _data_sources(paths: list[Path], column: str) -> set[str]:
+def _data_sources(paths: list[Path], column: str) -> tuple[set[str], set[str], int]:
+    """The data sources of the rows that have a ``reward_model.ground_truth``, of all rows, and how many rows
+    have none."""
     sources: set[str] = set()
+    every: set[str] = set()
+    without = 0
     for path in paths:
         try:
-            sources.update(pd.read_parquet(path, columns=[column])[column].astype(str).unique())
+            names = set(pyarrow.parquet.read_schema(path).names)
+            frame = pd.read_parquet(path, columns=[column] + (["reward_model"] if "reward_model" in names else []))
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise DataError(f"{path}: cannot read column {column!r}: {exc}") from exc
-    return sources
+        truths = frame["reward_model"] if "reward_model" in frame else [None] * len(frame)
+        graded = [ground_truth(value) is not None for value in truths]
+        sources.update(frame[column][graded].astype(str).unique())
+        every.update(frame[column].astype(str).unique())
+        without += graded.count(False)
+    return sources, every, without
 
 
 def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:
@@ -137,12 +148,19 @@ def preflight(cfg: PPOConfig) -> None:
             continue
         try:
             paths = check_files(files, key)
-            if not custom.path:
-                unknown = sorted(_data_sources(paths, cfg.data.reward_fn_key) - set(known_data_sources()))
-                if unknown:
-                    errors.append(
-                        f"{key}: no reward function for data_source {', '.join(unknown)} (known: "
-                        f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
+            graded, every, without = _data_sources(paths, cfg.data.reward_fn_key)
+            if without and cfg.needs_ground_truth():
+                errors.append(f"{key}: {without} rows have no reward_model.ground_truth{TRUTH_HINT}")
+            # the rule grades the rows with a ground truth; the others only where it counts in the reward
+            unknown = sorted((every if cfg.needs_ground_truth() else graded) - set(known_data_sources()))
+            if unknown and not custom.path:
+                errors.append(
+                    f"{key}: no reward function for data_source {', '.join(unknown)} (known: "
+                    f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
+            groups = cfg.algorithm.filter_groups
+            if without and groups.enable and groups.metric == "acc" and not custom.path:
+                errors.append(f"{key}: {without} rows have no reward_model.ground_truth, so no accuracy: "
+                              "algorithm.filter_groups.metric=acc cannot group them; use seq_reward or score")
         except DataError as exc:
             errors.append(str(exc))
     if errors:
@@ -168,9 +186,14 @@ def _critic_problems(cfg: PPOConfig, actor: tuple[Path, int | None] | None) -> l
                                             and limit == actor[1]):
         return []
     key = "critic.model.path with critic.model.override_config" if critic.override_config else "critic.model.path"
+    remedy = f"use a critic with at least {budget} positions"
+    if not critic.override_config and cfg.actor_rollout_ref.model.override_config \
+            and folder.resolve() == (actor[0].resolve() if actor else None):  # the actor's reach came from its override
+        remedy = ("the actor reaches further through actor_rollout_ref.model.override_config, which the critic does "
+                  "not take: give it the same in critic.model.override_config")
     return [f"{key}: {folder} has max_position_embeddings {limit} but the critic reads prompt + response sequences "
-            f"of up to data.max_prompt_length + data.max_response_length = {budget} tokens; use a critic with at "
-            f"least {budget} positions, or lower data.max_response_length or data.max_prompt_length"]
+            f"of up to data.max_prompt_length + data.max_response_length = {budget} tokens; {remedy}, or lower "
+            "data.max_response_length or data.max_prompt_length"]
 
 
 def _reward_model_problems(cfg: PPOConfig) -> list[str]:

@@ -139,3 +139,63 @@ def test_a_reward_model_that_re_encodes_says_what_it_scores(space, tmp_path):
     errors = _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}"))
     assert [e.split(" ", 2)[1] for e in errors] == ["the", f"{rm}"]
     assert "set data.return_raw_chat=true" in errors[0] and "max_position_embeddings 128" in errors[1]
+
+
+def test_a_critic_without_the_actors_override_is_told_to_take_it(space, tmp_path):
+    """A 128-position actor that reaches 256 through its override_config: the critic (its model, null path) does
+    not take the actor's override, so the remedy names the critic's own."""
+    actor = causal_model(space / "actor", tmp_path / "short", 128)
+    errors = _errors(_config(space, "+actor_rollout_ref.model.override_config.max_position_embeddings=256",
+                             actor=actor))
+    assert errors == [
+        f"critic.model.path: {actor} has max_position_embeddings 128 but the critic reads prompt + response "
+        "sequences of up to data.max_prompt_length + data.max_response_length = 256 tokens; the actor reaches "
+        "further through actor_rollout_ref.model.override_config, which the critic does not take: give it the same "
+        "in critic.model.override_config, or lower data.max_response_length or data.max_prompt_length"]
+    preflight(_config(space, "+actor_rollout_ref.model.override_config.max_position_embeddings=256",
+                      "+critic.model.override_config.max_position_embeddings=256", actor=actor))
+
+
+def _prompts_alone(space, folder: Path, source: str, graded_rows: int = 0) -> Path:
+    """The synthetic prompts under another data source, a ground truth kept on the first ``graded_rows`` only."""
+    import pandas as pd
+
+    folder.mkdir()
+    for split in ("train", "test"):
+        frame = pd.read_parquet(space / "data" / f"{split}.parquet")
+        frame["data_source"] = source
+        frame["reward_model"] = [value if i < graded_rows else {"style": "model", "ground_truth": None}
+                                 for i, value in enumerate(frame["reward_model"])]
+        frame.to_parquet(folder / f"{split}.parquet")
+    return folder
+
+
+def test_prompts_alone_from_a_source_without_a_rule_pass_against_a_reward_model(space, tmp_path):
+    rm = reward_model(space / "actor", tmp_path / "rm", 512)
+    data = _prompts_alone(space, tmp_path / "hh", "hh_rlhf")
+    files = (f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'test.parquet'}")
+    preflight(_config(space, *files, "reward_model.enable=true", f"reward_model.model.path={rm}"))
+    # a rule share in the reward grades every row: the source needs a rule
+    errors = _errors(_config(space, *files, "reward_model.enable=true", f"reward_model.model.path={rm}",
+                             "reward_model.rule_coef=0.5"))
+    assert [e.split(":")[0] for e in errors] == ["data.train_files"] * 2 + ["data.val_files"] * 2
+    assert errors[0].startswith("data.train_files: 8 rows have no reward_model.ground_truth (the built-in rule")
+    assert errors[1].startswith("data.train_files: no reward function for data_source hh_rlhf")
+    # a row that has a ground truth is graded by the rule, so its source needs one even with rule_coef=0
+    mixed = _prompts_alone(space, tmp_path / "mixed", "hh_rlhf", graded_rows=1)
+    errors = _errors(_config(space, f"data.train_files={mixed / 'train.parquet'}", "data.val_files=[]",
+                             "reward_model.enable=true", f"reward_model.model.path={rm}"))
+    assert errors == ["data.train_files: no reward function for data_source hh_rlhf (known: openai/gsm8k, "
+                      "synthetic/arithmetic); set custom_reward_function.path and .name"]
+
+
+def test_dynamic_sampling_on_accuracy_is_refused_for_prompts_without_a_ground_truth(space, tmp_path):
+    rm = reward_model(space / "actor", tmp_path / "rm", 512)
+    data = _prompts_alone(space, tmp_path / "alone", "synthetic/arithmetic", graded_rows=3)
+    grpo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2", "reward_model.enable=true",
+            f"reward_model.model.path={rm}", f"data.train_files={data / 'train.parquet'}", "data.val_files=[]",
+            "algorithm.filter_groups.enable=true")
+    assert _errors(_config(space, *grpo, "algorithm.filter_groups.metric=acc")) == [
+        "data.train_files: 5 rows have no reward_model.ground_truth, so no accuracy: algorithm.filter_groups.metric="
+        "acc cannot group them; use seq_reward or score"]
+    preflight(_config(space, *grpo, "algorithm.filter_groups.metric=score"))

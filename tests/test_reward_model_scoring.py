@@ -450,8 +450,52 @@ def test_cli_trains_on_prompts_alone_against_a_reward_model(space, data, tmp_pat
     assert not [k for k in final if "gold_reward" in k or "/acc/" in k], final
     code = ppo(_cli(root, base, prompts, tmp_path / "refused", f"reward_model.model.path={same}",
                     "reward_model.rule_coef=0.5", "trainer.total_training_steps=1"))
-    assert code == 2
-    assert "column(s) ['reward_model'] missing" in capsys.readouterr().err
+    assert code == 2  # before any weights load
+    assert "data.train_files: 16 rows have no reward_model.ground_truth" in capsys.readouterr().err
+
+
+def test_a_validation_batch_without_ground_truths_keeps_the_others_majority_vote(space, data, tmp_path):
+    """Validation in batches of 2: the first holds the two prompts without a ground truth (nothing graded, no
+    answers), the second two graded ones, whose maj@2 is still reported, over those two prompts alone."""
+    import pandas as pd
+
+    root, base, same, _ = space
+    val = pd.read_parquet(data / "test.parquet")
+    val["reward_model"] = [None, None, *val["reward_model"][2:]]
+    val.to_parquet(tmp_path / "val.parquet")
+    out = tmp_path / "out"
+    code = ppo([*_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
+                      "actor_rollout_ref.rollout.n=1", "trainer.val_before_train=false",
+                      "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                      "data.val_batch_size=2"), f"data.val_files={tmp_path / 'val.parquet'}"])
+    assert code == 0
+    final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    final = final.get("metrics", final)
+    source = "synthetic/arithmetic"
+    for name in ("acc/mean@2", "acc/best@2/mean", "acc/maj@2/mean"):
+        assert f"val-core/{source}/{name}" in final, name
+
+
+def test_the_dry_run_takes_prompts_alone_as_training_does(space, data, tmp_path):
+    """The dry run loads its first prompts as the trainer would: without a ground truth where the reward model
+    alone scores, and refused (naming the column) where a rule share needs one."""
+    import pandas as pd
+
+    from rlhf_core.data.dataset import DataError
+    from rlhf_core.pipeline.smoke import run_smoke_test
+
+    root, base, same, _ = space
+    prompts = tmp_path / "prompts"
+    prompts.mkdir()
+    for split in ("train", "test"):
+        pd.read_parquet(data / f"{split}.parquet").drop(columns=["reward_model"]).to_parquet(
+            prompts / f"{split}.parquet")
+    args = [*_cli(root, base, prompts, tmp_path / "out"), f"reward_model.model.path={same}"]
+    report = run_smoke_test(load_config(args), tmp_path / "smoke", n_prompts=4, response_length=4)
+    assert report.n_prompts == 4 and len(report.metrics) == 2
+    assert report.passed and len(report.checks) == 5, report.checks
+    with pytest.raises(DataError, match=r"column\(s\) \['reward_model'\] missing"):
+        run_smoke_test(load_config([*args, "reward_model.rule_coef=0.5"]), tmp_path / "smoke2", n_prompts=4)
 
 
 def test_cli_scores_with_each_prompt_once_as_with_whole_rows(space, data, tmp_path, monkeypatch):

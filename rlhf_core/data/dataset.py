@@ -28,6 +28,12 @@ class DataError(ValueError):
     """Bad or missing data, named by file and row."""
 
 
+#: why a ground truth is needed, and where it is not
+TRUTH_HINT = (" (the built-in rule rewards and the pipelines' evaluation grade against reward_model.ground_truth; "
+               "training alone takes prompts without one with a custom reward function, or with a reward model and "
+               "reward_model.rule_coef=0)")
+
+
 def as_file_list(files: str | Sequence[str]) -> list[Path]:
     names = [files] if isinstance(files, (str, os.PathLike)) else list(files)
     return [Path(os.path.expanduser(str(name))) for name in names]
@@ -68,6 +74,13 @@ def plain_value(value):
     if isinstance(value, dict):
         return {k: plain_value(v) for k, v in value.items()}
     return value.item() if isinstance(value, np.generic) else value
+
+
+def ground_truth(reward_model) -> object:
+    """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, a null, or the NaN
+    with which pandas fills a missing float)."""
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+    return None if truth is None or (isinstance(truth, float) and math.isnan(truth)) else truth
 
 
 def _messages(value) -> list[dict]:
@@ -128,10 +141,8 @@ class RLHFDataset:
         missing = [c for c in needed if c not in frame.columns]
         if missing:
             found = [c for c in frame.columns if c not in ("_source_file", "_source_row")]
-            hint = ("; the built-in rule rewards read reward_model.ground_truth (prompts alone train with a custom "
-                    "reward function, or with a reward model and reward_model.rule_coef=0)"
-                    if "reward_model" in missing else "")
-            raise DataError(f"{key}: column(s) {missing} missing; found {found}{hint}")
+            raise DataError(f"{key}: column(s) {missing} missing; found {found}"
+                            f"{TRUTH_HINT if 'reward_model' in missing else ''}")
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
@@ -149,12 +160,9 @@ class RLHFDataset:
                         "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right|middle"
                     )
                 ids = truncate(ids, limit, config.truncation)
-            reward_model = record.get("reward_model")
-            truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
+            truth = ground_truth(record.get("reward_model"))
             if truth is None and require_ground_truth:
-                raise DataError(f"{where}: reward_model.ground_truth is missing (the built-in rule rewards need it; "
-                                "prompts without one train with a custom reward function, or with a reward model "
-                                "and reward_model.rule_coef=0)")
+                raise DataError(f"{where}: reward_model.ground_truth is missing{TRUTH_HINT}")
             extra = record.get("extra_info", {})
             extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
             source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])

@@ -130,13 +130,13 @@ def build_tiny_clone(model_path: str | Path, output_dir: str | Path, tokenizer_p
 
 
 def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_prompts: int,
-                  key: str) -> tuple[pd.DataFrame, int]:
+                  key: str, require_ground_truth: bool = True) -> tuple[pd.DataFrame, int]:
     """The rows of the first ``n_prompts`` prompts that the trainer keeps from ``files`` (in order), and how
     many it keeps in all.
 
     The files are loaded as the trainer loads them (:class:`RLHFDataset`), so a row it drops is skipped
     here too and any row it would refuse stops the dry run the same way."""
-    dataset = RLHFDataset(files, tokenizer, data, key=key)
+    dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth)
     frame = read_frames(dataset.paths).iloc[dataset.positions[:n_prompts]]
     return frame.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
 
@@ -235,7 +235,8 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                                       trust_remote_code=model_cfg.trust_remote_code)
     parameters = count_parameters_from_config(model_path, model_cfg.trust_remote_code) if cloned else target_parameters
     tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"), model_cfg.trust_remote_code)
-    train_rows, kept = first_prompts(cfg.data.train_files, tokenizer, cfg.data, n_prompts, "data.train_files")
+    train_rows, kept = first_prompts(cfg.data.train_files, tokenizer, cfg.data, n_prompts, "data.train_files",
+                                     cfg.needs_ground_truth())
     # the real run draws this many prompts a round and stops when the kept ones are fewer: say so now, not there
     rounds = cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size
     batch_key, batch = ("data.gen_batch_size", cfg.data.gen_batch_size) if rounds else \
@@ -251,7 +252,8 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     train_file = write_parquet(train_rows, work_dir / "data" / "train.parquet")
     val_file = None  # a config without validation files runs without validation, here as in training
     if cfg.data.val_files:
-        val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files")
+        val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files",
+                                    cfg.needs_ground_truth())
         val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
     n_prompts = len(train_rows)
     small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)

@@ -449,7 +449,12 @@ class PPOTrainer:
             prompts += batch.meta["uid"]
             acc += [float(a) for a in extras["acc"]]
             score += [float(s) for s in extras["score"]]
-            answers = answers + extras["pred"] if answers is not None and "pred" in extras else None
+            if answers is not None and "pred" in extras:
+                answers += extras["pred"]
+            elif answers is not None and bool(torch.as_tensor(extras["acc"]).isnan().all()):
+                answers += [None] * len(extras["acc"])  # not graded (no ground truth): nothing to vote on
+            else:
+                answers = None
             for key in reported_extras(extras):
                 for source, value in zip(batch.meta["data_source"], extras[key]):
                     apart.setdefault((key, source), []).append(float(value))
