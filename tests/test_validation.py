@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -280,6 +281,108 @@ def test_data_replaced_after_validation_is_caught_before_it_is_used(tmp_path):
     with pytest.raises(DataChangedError, match=rf"train_ppo: the data files changed since they were validated "
                                                rf"\(fingerprint {validated[:12]} then, [0-9a-f]{{12}} now: "):
         check_unchanged([train, val], validated, "train_ppo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts trained without a ground truth (a reward model at rule_coef=0, or a custom reward function)
+
+
+def test_prompts_alone_fail_by_default_and_pass_without_a_ground_truth(char_tokenizer):
+    train = pd.DataFrame(records(4)).drop(columns=["reward_model"])
+    assert failed(validate_frames(train)) == [("column_exists", "reward_model", "train")]
+    assert validate_frames(train, kind="auto").kind is None  # told by its columns: neither kind
+    report = validate_frames(train, kind="auto", ground_truth_required=False, tokenizer=char_tokenizer,
+                             max_prompt_length=512)
+    assert report.kind == "prompt" and report.success, report.summary()
+    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "ability", "extra_info"]
+    assert not any(o.column == "ground_truth" for o in report.results)
+    assert "train: not_null [ground_truth] (rows may go without a ground truth: a reward model at " \
+        "reward_model.rule_coef=0 or a custom reward function scores them)" in report.skipped
+    assert any(item.startswith("train: data_source_known, ground_truth_numeric (no 'reward_model' column")
+               for item in report.skipped)
+    for name in ("prompt_has_user_turn", "prompt_user_content_non_empty", "problem_id_unique",
+                 "prompt_length_within_limit"):
+        assert report.find(name)[0].success, name  # the other checks still run
+    # ... and still fail: a blank prompt, an over-long one, a leaked validation row, a repeated id
+    bad = train.copy()
+    bad.at[1, "prompt"] = [{"role": "user", "content": " "}]
+    bad.at[2, "extra_info"] = {**bad.at[2, "extra_info"], "index": 0}
+    val = pd.DataFrame(records(2, "test", 50)).drop(columns=["reward_model"])
+    val.at[1, "prompt"] = train.at[3, "prompt"]
+    report = validate_frames(bad, val, ground_truth_required=False, tokenizer=char_tokenizer, max_prompt_length=40)
+    assert sorted(failed(report)) == [
+        ("no_train_val_leakage", "prompt_user_content", "val"),
+        ("problem_id_unique", "problem_id", "train"),
+        ("prompt_length_within_limit", "prompt_tokens", "train"),
+        ("prompt_length_within_limit", "prompt_tokens", "val"),
+        ("prompt_user_content_non_empty", "prompt_user_content", "train"),
+    ]
+
+
+@pytest.mark.parametrize("missing", [None, float("nan"), np.float32("nan")], ids=["none", "nan", "nan32"])
+def test_a_missing_ground_truth_fails_not_null_by_default_and_passes_without_one(missing):
+    rows = records(3)
+    rows[1]["reward_model"]["ground_truth"] = missing  # a NaN is a float column's null: missing, not "nan"
+    frame = pd.DataFrame(rows)
+    report = validate_frames(frame)
+    assert failed(report) == [("not_null", "ground_truth", "train")]
+    assert report.failures[0].examples == [(1, None)]
+    assert report.find("ground_truth_numeric")[0].statistics["missing_count"] == 1
+    relaxed = validate_frames(frame, ground_truth_required=False)
+    assert relaxed.success, relaxed.summary()
+    assert relaxed.find("not_null", "ground_truth") == []
+    assert relaxed.find("not_null", "reward_model") == []
+    numeric = relaxed.find("ground_truth_numeric")[0]
+    assert numeric.statistics["element_count"] == 2  # the rows with a ground truth
+    assert "rows with a ground truth" in numeric.description
+
+
+def test_a_nan_ground_truth_read_from_parquet_is_missing(tmp_path):
+    rows = records(3)
+    for row, truth in zip(rows, [7.0, float("nan"), 9.0]):  # a float field: its NaN stands for no value
+        row["reward_model"]["ground_truth"] = truth
+    path = write(tmp_path / "train.parquet", rows)
+    assert failed(validate_dataset(path)) == [("not_null", "ground_truth", "train")]
+    assert validate_dataset(path, ground_truth_required=False).success
+
+
+def test_a_source_without_a_rule_needs_one_only_where_a_ground_truth_is_graded():
+    rows = records(4)
+    rows[1]["data_source"], rows[1]["reward_model"]["ground_truth"] = "my/chat", None  # the reward model's alone
+    assert sorted(failed(validate_frames(pd.DataFrame(rows)))) == [("data_source_known", "data_source", "train"),
+                                                                   ("not_null", "ground_truth", "train")]
+    report = validate_frames(pd.DataFrame(rows), ground_truth_required=False)
+    assert report.success, report.summary()
+    known = report.find("data_source_known")[0]
+    assert known.statistics["element_count"] == 3 and known.description.endswith("(rows with a ground truth)")
+    rows[2]["data_source"] = "my/chat"  # graded by a built-in rule, which this source has none of
+    report = validate_frames(pd.DataFrame(rows), ground_truth_required=False)
+    assert failed(report) == [("data_source_known", "data_source", "train")]
+    assert report.failures[0].examples == [(2, "my/chat")]
+    assert "FAILED data_source_known [train.data_source]" in report.summary()
+    assert "data_source_known" in report.to_html()
+    custom = validate_frames(pd.DataFrame(rows), ground_truth_required=False, custom_reward=True)
+    assert custom.success, custom.summary()
+    assert "train: data_source_known, ground_truth_numeric (a custom reward function scores every source)" \
+        in custom.skipped
+
+
+def test_the_command_line_takes_prompts_without_a_ground_truth(tmp_path, capsys):
+    alone = tmp_path / "alone.parquet"
+    pd.DataFrame(records(3)).drop(columns=["reward_model"]).to_parquet(alone)
+    rows = records(3, "test", 20)
+    rows[0]["reward_model"]["ground_truth"] = None
+    partial = write(tmp_path / "partial.parquet", rows)
+    assert validate([str(alone)]) == 1
+    assert "neither prompt nor preference data" in capsys.readouterr().out
+    assert validate([str(partial)]) == 1
+    assert "FAILED not_null [train.ground_truth]" in capsys.readouterr().out
+    assert validate([str(alone), "--val", str(partial), "--no-ground-truth"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "(prompt data)" in out and "skipped: val: not_null [ground_truth]" in out
+    result = _run_cli(str(partial), "--no-ground-truth", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["success"] is True
 
 
 # ---------------------------------------------------------------------------------------------

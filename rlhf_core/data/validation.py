@@ -8,23 +8,26 @@ see :func:`_suite`. Rows are named by their position in the table, from 0.
 
 The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make preference data
 (:data:`~rlhf_core.data.schema.PREFERENCE_COLUMNS`), ``reward_model`` prompt data (verl's schema,
-:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`); a table with neither is reported with every column
-either kind needs that it lacks. Both kinds check the rows, columns, nulls and the prompt messages, and
-the validation file for rows that repeat training data (prompt data: the same user turn; preference
-data: the same prompt, as the reward model's trainer refuses it). Prompt data's prompt and data source
-are read from the trainer's columns (``prompt_key``, ``reward_fn_key``), its problem ids built as the
-trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and ``max_prompt_length``:
-counted as the trainer counts them); preference data the prompt with the longer response, in tokens (a
-tokenizer and ``max_length``, laid out as the reward model's trainer encodes it: the prompt with its
-generation prompt, the response, EOS) or characters (``max_chars``, the contents joined by newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``); a
-conversation the chat template refuses fails on its own (``prompt_renders``, ``pair_renders``).
+:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`); a table with neither is reported with every column either
+kind needs that it lacks. Prompt data trained without a ground truth (``ground_truth_required=False``,
+``--no-ground-truth``: a reward model at ``reward_model.rule_coef=0`` or a custom reward function) needs no
+``reward_model`` column, and its ground-truth checks cover only the rows that have one. Both kinds check the
+rows, columns, nulls and the prompt messages, and the validation file for rows that repeat training data
+(prompt data: the same user turn; preference data: the same prompt, as the reward model's trainer refuses it).
+Prompt data's prompt and data source are read from the trainer's columns (``prompt_key``, ``reward_fn_key``),
+its problem ids built as the trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and
+``max_prompt_length``: counted as the trainer counts them); preference data the prompt with the longer
+response, in tokens (a tokenizer and ``max_length``, laid out as the reward model's trainer encodes it: the
+prompt with its generation prompt, the response, EOS) or characters (``max_chars``, the contents joined by
+newlines). At most ``overlong_tolerance`` of the rows may be over (GX ``mostly``); a conversation the chat
+template refuses fails on its own (``prompt_renders``, ``pair_renders``).
 
 Usage::
 
     python -m rlhf_core.data.validation TRAIN.parquet [--val VAL.parquet] [--html OUT.html] [--json]
         [--tokenizer DIR --max-prompt-length N]            # prompt data
         [--tokenizer DIR --max-length N | --max-chars N]   # preference data
-        [--overlong-tolerance F]
+        [--overlong-tolerance F] [--custom-reward] [--no-ground-truth]
 
 Exit status: 0 when every expectation holds, 1 when any fails, 2 when an input cannot be read or the
 command line is wrong (a one-line reason on stderr).
@@ -73,12 +76,16 @@ class DataReadError(Exception):
         super().__init__(f"cannot read {self.path}: {self.reason}")
 
 
-def detect_kind(columns: Iterable[str]) -> str | None:
-    """``"preference"`` (a ``chosen`` or ``rejected`` column), ``"prompt"`` (``reward_model``) or None."""
+def detect_kind(columns: Iterable[str], ground_truth_required: bool = True) -> str | None:
+    """``"preference"`` (a ``chosen`` or ``rejected`` column), ``"prompt"`` (``reward_model``) or None.
+
+    Without ``ground_truth_required`` every other table is prompt data: prompts alone carry no
+    ``reward_model`` column to tell them by, and the missing columns are then reported as prompt data's.
+    """
     columns = set(columns)
     if columns & {"chosen", "rejected"}:
         return "preference"
-    return "prompt" if "reward_model" in columns else None
+    return "prompt" if "reward_model" in columns or not ground_truth_required else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,7 +293,11 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 
 def _is_missing(value: Any) -> bool:
-    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
+    """None, pandas' markers (NA, NaT) or a NaN of any float width: a float column's NaN is its null, so a
+    NaN ground truth is a missing one (not the text "nan"), as for the trainer."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    return isinstance(value, (float, np.floating)) and math.isnan(value)
 
 
 def _messages(value: Any) -> list[dict[str, str]] | None:
@@ -400,10 +411,10 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
         out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
-        if measure and parsed is not None:
-            counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
-            out["prompt_tokens"] = column(counts, "float64")
-            out["prompt_template_error"] = column(errors)
+    if kind == "prompt" and measure and parsed is not None:  # prompts alone are measured too
+        counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
+        out["prompt_tokens"] = column(counts, "float64")
+        out["prompt_template_error"] = column(errors)
     if kind == "prompt" and reward_fn_key in frame:
         rows = range(len(frame)) if source_rows is None else source_rows
         extras = frame["extra_info"] if "extra_info" in frame else [None] * len(frame)
@@ -443,19 +454,23 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
 
 def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
            limit: float | None, unit: str, mostly: float, known_sources: Sequence[str] | None,
-           skipped: list[str], prompt_key: str = "prompt", reward_fn_key: str = "data_source") -> list[Any]:
+           skipped: list[str], prompt_key: str = "prompt", reward_fn_key: str = "data_source",
+           ground_truth_required: bool = True) -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
     ``leaked``: the training user turns (prompt data) or prompts (preference data) that a validation table
     must not hold. ``known_sources`` None: a custom reward function scores every source, so neither the
     source nor the answer's form is the built-in rules' business. ``prompt_key``, ``reward_fn_key``: the
-    columns prompt data keeps its prompt and its data source in.
+    columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
+    built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
+    checks cover those rows, and ``reward_model`` is not a required column.
     """
     import great_expectations.expectations as gxe
 
     # the trainer reads the prompt and the source from the configured columns; preference data has fixed ones
     renamed = {"prompt": prompt_key, "data_source": reward_fn_key}
-    prompt_columns = tuple(renamed.get(c, c) for c in REQUIRED_COLUMNS)
+    prompt_columns = tuple(renamed.get(c, c) for c in REQUIRED_COLUMNS
+                           if ground_truth_required or c != "reward_model")
     required = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
         PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
     sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
@@ -481,23 +496,33 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
                       f"no validation row repeats a training {what}", {"value_set": leaked}))
     if kind == "prompt":
-        specs += [
-            ("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
-             "reward_model.ground_truth is never null", {}),
-            ("problem_id_unique", gxe.ExpectColumnValuesToBeUnique, "problem_id",
-             f"no two rows share {reward_fn_key} and extra_info.index (without an index: the row's number in "
-             "its file, as the trainer numbers it); evaluation pairs problems by them", {}),
-        ]
+        if ground_truth_required:
+            specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
+                          "reward_model.ground_truth is never null", {}))
+        else:
+            skipped.append(f"{dataset}: not_null [ground_truth] (rows may go without a ground truth: a reward "
+                           "model at reward_model.rule_coef=0 or a custom reward function scores them)")
+        specs.append(("problem_id_unique", gxe.ExpectColumnValuesToBeUnique, "problem_id",
+                      f"no two rows share {reward_fn_key} and extra_info.index (without an index: the row's number "
+                      "in its file, as the trainer numbers it); evaluation pairs problems by them", {}))
+        # a row without a ground truth is the reward model's alone: only a graded row needs a built-in rule
+        graded = {} if ground_truth_required else {"row_condition": "ground_truth.notnull()",
+                                                   "condition_parser": "pandas"}
+        only = "" if ground_truth_required else " (rows with a ground truth)"
         if known_sources is None:
             skipped.append(f"{dataset}: data_source_known, ground_truth_numeric (a custom reward function "
                            "scores every source)")
+        elif not ground_truth_required and "ground_truth" not in frame:
+            skipped.append(f"{dataset}: data_source_known, ground_truth_numeric (no 'reward_model' column: no row "
+                           "has a ground truth for a built-in rule to grade)")
         else:
             specs += [
                 ("data_source_known", gxe.ExpectColumnValuesToBeInSet, reward_fn_key,
-                 f"{reward_fn_key} has a registered reward function", {"value_set": list(known_sources)}),
+                 f"{reward_fn_key} has a registered reward function{only}",
+                 {"value_set": list(known_sources), **graded}),
                 ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth",
-                 "reward_model.ground_truth is a number (optional minus, thousands commas, decimals)",
-                 {"regex": GROUND_TRUTH_REGEX}),
+                 f"reward_model.ground_truth is a number (optional minus, thousands commas, decimals){only}",
+                 {"regex": GROUND_TRUTH_REGEX, **graded}),
             ]
         renders = ("prompt_renders", "prompt_template_error",
                    "the chat template renders the prompt (the trainer stops on a prompt it refuses)")
@@ -574,7 +599,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     names: tuple[str, str] = ("train", "val"),
                     paths: tuple[str | None, str | None] = (None, None),
                     file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
-                    ) -> ValidationReport:
+                    ground_truth_required: bool = True) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -586,9 +611,13 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     ``reward_model.train.apply_chat_template_kwargs``). ``prompt_key``, ``reward_fn_key``: the columns
     of prompt data's prompt and data source (``data.prompt_key``, ``data.reward_fn_key``). ``file_rows``: each
     row's number within its file (default: its position in the frame), which numbers a row without
-    ``extra_info.index`` as the trainer does.
+    ``extra_info.index`` as the trainer does. ``ground_truth_required=False``: prompt data trained without a
+    ground truth (:meth:`~rlhf_core.config.PPOConfig.needs_ground_truth` False: a reward model at
+    ``reward_model.rule_coef=0`` or a custom reward function), which the trainer takes without the
+    ``reward_model`` column or with rows whose ground truth is null; the pipelines keep the default, as
+    their evaluation grades against the ground truth. Preference data has none, and ignores it.
     """
-    kind = detect_kind(train.columns) if kind == "auto" else kind
+    kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
         tokenizer = max_prompt_length = max_length = max_chars = None
     given = {"max_prompt_length": max_prompt_length, "max_length": max_length, "max_chars": max_chars}
@@ -625,7 +654,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
                        unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
                        known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
-                       skipped=skipped, **keys)
+                       skipped=skipped, ground_truth_required=ground_truth_required, **keys)
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
                 for name, path, frame in tables]
