@@ -374,14 +374,17 @@ REWARD_WITH_PACKAGES = {
 }
 
 
-def test_the_reward_spec_holds_the_version_of_each_package_the_reward_imports(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["checkout", "elsewhere"])
+def test_the_reward_spec_holds_the_version_of_each_package_the_reward_imports(tmp_path, monkeypatch, repo_root,
+                                                                              where):
     """Packages imported by the reward or its own modules (at the top or inside a function) are pinned by
-    their distributions' versions; the standard library, the user's files and this project are not."""
+    their distributions' versions; the standard library, the user's files and this project are not, nor what
+    this project imports, run from its checkout (where its files lie in the current directory) or not."""
     from importlib import metadata
 
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "mylib", raising=False)
-    monkeypatch.chdir(tmp_path)  # not the checkout, whose rlhf_core would count among the user's own modules
+    monkeypatch.chdir(repo_root if where == "checkout" else tmp_path)
     for name, text in REWARD_WITH_PACKAGES.items():
         (tmp_path / name).write_text(text)
     cfg = _custom_config(tmp_path / "my_reward.py")
@@ -422,6 +425,74 @@ def test_a_reward_that_imports_no_package_hashes_as_before(tmp_path, monkeypatch
                                          "source_sha256": hashlib.sha256(code.encode()).hexdigest()}}}
     assert "packages" not in spec
     assert spec["sha256"] == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()
+
+
+REWARD_WITH_PROJECT_MODULE = """\
+import re
+from rlhf_core.rewards import gsm8k
+
+
+def score_it(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info == "never":
+        from rlhf_core.rewards import surely_no_such_name
+    return gsm8k.compute_score(re.sub(r"\\s+", " ", solution_str), ground_truth)
+"""
+
+
+def test_what_a_reward_imports_of_this_project_is_hashed_by_its_source_wherever_it_runs(tmp_path, monkeypatch,
+                                                                                      repo_root):
+    """Run from the checkout, this project's files are in the current directory, but not the user's code and
+    their imports not the reward's packages: the spec is the one made elsewhere, with no packages. The module
+    the reward imports enters by its code (not its comments), so another release of it is another spec."""
+    import importlib.util
+
+    import rlhf_core.rewards
+    from rlhf_core.rewards import gsm8k
+
+    custom = tmp_path / "user" / "my_reward.py"
+    custom.parent.mkdir()
+    custom.write_text(REWARD_WITH_PROJECT_MODULE)
+    specs = {}
+    for where in (repo_root, tmp_path):
+        monkeypatch.chdir(where)
+        specs[where] = reward_spec(_custom_config(custom), data_sources=["anything"])
+    assert specs[repo_root]["sha256"] == specs[tmp_path]["sha256"]
+    assert "packages" not in specs[tmp_path]  # the name that is not found is recorded, not pinned nor fatal
+
+    def shipped(text: str) -> str:
+        """The spec's hash where ``rlhf_core.rewards.gsm8k`` holds ``text``, as the reward imports it."""
+        copy = tmp_path / f"gsm8k_{len(list(tmp_path.glob('gsm8k_*.py')))}.py"
+        copy.write_text(text)
+        found = importlib.util.spec_from_file_location(gsm8k.__name__, copy)
+        module = importlib.util.module_from_spec(found)
+        found.loader.exec_module(module)
+        monkeypatch.setattr(rlhf_core.rewards, "gsm8k", module)
+        monkeypatch.setitem(sys.modules, gsm8k.__name__, module)
+        return _spec_hash(custom)
+
+    source = Path(gsm8k.__file__).read_text()
+    assert "\nSOLUTION_CLIP_CHARS = 300\n" in source
+    assert shipped("# a comment\n" + source) == specs[tmp_path]["sha256"]
+    assert shipped(source.replace("\nSOLUTION_CLIP_CHARS = 300\n", "\nSOLUTION_CLIP_CHARS = 30\n")) \
+        != specs[tmp_path]["sha256"]
+
+
+def test_a_namespace_package_beside_the_reward_is_the_users_code_not_a_package_to_pin(tmp_path, monkeypatch):
+    """A directory without ``__init__.py`` beside the reward is imported from there: its modules are hashed,
+    and its name is not pinned as a package that is not installed."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("my_shared_rules", "my_shared_rules.limits"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    (tmp_path / "my_shared_rules").mkdir()
+    (tmp_path / "my_shared_rules" / "limits.py").write_text("LIMIT = 5\n")
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("from my_shared_rules.limits import LIMIT\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(len(solution_str) > LIMIT)\n")
+    first = reward_spec(_custom_config(custom), data_sources=["anything"])
+    assert "packages" not in first
+    (tmp_path / "my_shared_rules" / "limits.py").write_text("LIMIT = 50\n")
+    assert _spec_hash(custom) != first["sha256"]
 
 
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):

@@ -22,6 +22,7 @@ import base64
 import functools
 import hashlib
 import html
+import importlib
 import importlib.metadata
 import inspect
 import io
@@ -408,12 +409,16 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
     """A custom reward file's code without its comments or layout (its syntax tree written back), and that of
     each module it imports from beside it, in turn. Any change to the code counts, even to code the reward may
     not reach (its production results are then evaluated again, where a missed change would grade the
-    candidate and production by different rules). With it, the top-level names of the other modules these
-    files import, neither the user's own nor the standard library's: code the text does not hold, which
-    :func:`_installed` pins by its version."""
+    candidate and production by different rules). What these files import from this project enters as its
+    source (:func:`_project_source`), whatever the current directory: its checkout there is not the user's
+    code, and its files' imports are not the reward's packages. With it, the top-level names of the other
+    modules these files import, neither the user's own (a module or a directory, a namespace package, beside
+    the reward or in the current directory) nor the standard library's nor this project's: code the text does
+    not hold, which :func:`_installed` pins by its version."""
     path = path.expanduser().resolve()
-    root, parts, seen, todo, imported = path.parent, [], set(), [path], set()
+    root, parts, seen, todo, imported, ours = path.parent, [], set(), [path], set(), {}
     absolute = [root, Path.cwd()]  # where an absolute import of the user's own modules is found
+    project = _project_packages()
     while todo:
         file = todo.pop(0)
         if file in seen:
@@ -425,40 +430,69 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
             if isinstance(node, ast.Import):
                 names, bases = [alias.name for alias in node.names], absolute
                 imported.update(name.partition(".")[0] for name in names)
+                ours.update({name: (name, None) for name in names if name.partition(".")[0] in project})
+                names = [name for name in names if name.partition(".")[0] not in project]  # found by its source
             elif isinstance(node, ast.ImportFrom):
                 bases = [file.parents[node.level - 1]] if node.level else absolute
                 names = ([node.module] if node.module else []) + [
                     f"{node.module}.{alias.name}" if node.module else alias.name for alias in node.names]
                 if not node.level:
                     imported.add(node.module.partition(".")[0])
+                    if node.module.partition(".")[0] in project:  # found by its source, not as the user's files
+                        ours.update({f"{node.module}.{a.name}": (node.module, a.name) for a in node.names})
+                        names = []
             else:
                 continue
             for base in bases:
                 for name in names:
                     stem = base.joinpath(*name.split("."))
                     todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
-    others = {name for name in imported - set(sys.stdlib_module_names) if not any(
-        (base / f"{name}.py").is_file() or (base / name / "__init__.py").is_file() for base in absolute)}
+    parts += [f"# {dotted}\n{_project_source(*ours[dotted])}" for dotted in sorted(ours)]
+    others = {name for name in imported - set(sys.stdlib_module_names) - project if not any(
+        (base / f"{name}.py").is_file() or (base / name).is_dir() for base in absolute)}
     return "\n".join(parts), others
+
+
+@functools.cache
+def _project_packages() -> frozenset[str]:
+    """This project's top-level packages (``rlhf_core``, ``steps``, ``pipelines``): those that only its
+    distribution provides, or ``rlhf_core`` alone where it is not installed. (Looked up once: which packages
+    the running project's code is made of does not change while it runs.)"""
+    provides = importlib.metadata.packages_distributions()
+    project = set(provides.get(_PROJECT, ()))
+    return frozenset({_PROJECT} | {name for name, dists in provides.items() if dists and set(dists) <= project})
+
+
+def _project_source(module: str, name: str | None) -> str:
+    """What ``import module`` (``name`` None) or ``from module import name`` takes from this project, found as
+    Python finds it (an attribute of the module, else its submodule): a module's code without its comments or
+    layout (its syntax tree written back), a function's or class's :func:`_source_closure`, and for any other
+    value the code of the module it comes from. Where it is not found (an import that fails here, a module
+    without source), its dotted name: the spec is still made, and the reward fails at that import where it runs."""
+    dotted = f"{module}.{name}" if name else module
+    try:  # this project's own modules, which it is safe to import here
+        home = target = importlib.import_module(module)
+        if name and name != "*":
+            target = getattr(home, name) if hasattr(home, name) else importlib.import_module(dotted)
+        if inspect.isfunction(target) or inspect.isclass(target):
+            return _source_closure(target)
+        source = inspect.getsource(target if isinstance(target, types.ModuleType) else home)
+        return ast.unparse(ast.parse(source))
+    except Exception:  # whatever a module's import or source lookup raises leaves its name
+        return dotted
 
 
 def _installed(modules: set[str]) -> dict[str, Any]:
     """For each top-level module, the installed distributions that provide it with their versions (an upgrade
     of one may change what the reward gives, in code the reward's text does not hold), or ``"not installed"``
-    (the reward fails at that import, where it runs it). This project's own modules are left out: its
+    (the reward fails at that import, where it runs it). This project's own packages are left out: its
     version changes at each of its releases, and production would be evaluated again every time, although
-    the reward reaches little of what changed (the built-in rewards are hashed by their source for that)."""
+    the reward reaches little of what changed (what the reward imports of it is hashed by its source)."""
     if not modules:
         return {}
     provides = importlib.metadata.packages_distributions()
-    project = set(provides.get(_PROJECT, ()))
-    packages: dict[str, Any] = {}
-    for name in sorted(modules - {_PROJECT}):
-        dists = sorted(set(provides.get(name, ())))
-        if dists and set(dists) <= project:  # another top-level package of this project
-            continue
-        packages[name] = {dist: importlib.metadata.version(dist) for dist in dists} or "not installed"
-    return packages
+    return {name: {dist: importlib.metadata.version(dist) for dist in sorted(set(provides.get(name, ())))}
+            or "not installed" for name in sorted(modules - _project_packages())}
 
 
 def _source_or_name(target: Any) -> str:
