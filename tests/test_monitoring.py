@@ -50,13 +50,15 @@ def test_exporter_serves_every_gauge_from_a_steps_metrics():
                       "perf/throughput": 900.0, "response_length/mean": 12.0, "critic/score/mean": 0.25,
                       "actor/reward_kl_penalty": 0.03, "actor/grad_norm": 0.7, "critic/grad_norm": float("nan"),
                       "training/skipped_steps": 2, "training/rollbacks": 1,
-                      "val-core/a/acc/mean@1": 0.4, "val-core/b/acc/mean@1": 0.6}, step=7)
+                      "val-core/a/acc/mean@1": 0.4, "val-core/b/acc/mean@1": 0.6, "val-aux/a/reward/mean@1": 0.3,
+                      "val-aux/a/gold_reward/mean@1": 0.9, "val-core/b/reward/mean@1": 0.7}, step=7)
         values = scrape(exporter.url)
         assert set(values) == set(GAUGES)
         expected = {"rlhf_global_step": 7, "rlhf_step_time_seconds": 1.5, "rlhf_rollout_tokens_per_second": 320,
                     "rlhf_throughput_tokens_per_second": 900, "rlhf_response_length_mean": 12,
                     "rlhf_reward_mean": 0.25, "rlhf_kl": 0.03, "rlhf_actor_grad_norm": 0.7,
-                    "rlhf_skipped_steps": 2, "rlhf_rollbacks": 1, "rlhf_val_accuracy": 0.5}
+                    "rlhf_skipped_steps": 2, "rlhf_rollbacks": 1, "rlhf_val_accuracy": 0.5,
+                    "rlhf_val_reward": 0.5}  # (0.3 beside a's accuracy, 0.7 as b's core metric) / 2
         assert {k: values[k] for k in expected} == pytest.approx(expected)
         assert math.isnan(values["rlhf_critic_grad_norm"])
         exporter.log({"actor/ppo_kl": 0.01, "actor/reward_kl_penalty": 0.5, "actor/kl_loss": 0.2}, step=8)

@@ -39,6 +39,7 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
                            ("training/skipped_steps",)),
     "rlhf_rollbacks": ("guard rollbacks in this run", ("training/rollbacks",)),
     "rlhf_val_accuracy": ("mean validation accuracy of the last validation", ()),
+    "rlhf_val_reward": ("mean validation reward (what PPO maximises) of the last validation", ()),
 }
 
 
@@ -79,6 +80,11 @@ class PrometheusExporter:
         accuracies = [float(v) for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
         if accuracies:
             self.gauges["rlhf_val_accuracy"].set(sum(accuracies) / len(accuracies))
+        # val-aux beside an accuracy, val-core where there is none (prompts without a ground truth)
+        rewards = [float(v) for k, v in metrics.items()
+                   if k.startswith(("val-core/", "val-aux/")) and "/reward/mean@" in k]
+        if rewards:
+            self.gauges["rlhf_val_reward"].set(sum(rewards) / len(rewards))
 
     def close(self) -> None:
         self.server.shutdown()
