@@ -4,8 +4,8 @@
     rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00
 
 When the data's fingerprint equals the one production was trained on, or a version already trained on
-this data from the current production version with the same trainer config and reward was refused,
-``check_new_data`` says so and the smoke test, training and evaluation are skipped; the new version
+this data from the current production version with the same trainer config and reward was refused on a
+gain and p-value that fail this run's gate too, ``check_new_data`` says so and the smoke test, training and evaluation are skipped; the new version
 is recorded but not promoted. ``force: true`` (a pipeline parameter) trains anyway.
 """
 
@@ -43,7 +43,8 @@ def rlhf_retrain_pipeline(
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
-    skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, force=force)
+    skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, min_improvement=min_improvement,
+                                 alpha=alpha, force=force)
     smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
                                                 init_from=production.get_model_artifact("ppo_checkpoint"),

@@ -13,6 +13,8 @@ from zenml.enums import ModelStages
 from zenml.logger import get_logger
 from zenml.utils.pagination_utils import depaginate
 
+from rlhf_core.pipeline.promotion import check_gate, clears_gate
+
 logger = get_logger(__name__)
 
 #: what a skip reason tells the user to do to train anyway
@@ -30,18 +32,36 @@ def config_fingerprint(ppo_config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def refused_again(meta, min_improvement: float, alpha: float) -> bool:
+    """Whether the comparison promote recorded on a version (``gain``, ``p_value``) fails the gate
+    ``min_improvement``/``alpha`` too: training the same candidate again would then end in the same refusal.
+
+    False when there is no comparison to judge (a refusal that was not about the candidate: production could
+    not be compared, training was skipped): nothing says the candidate itself falls short. The test is
+    :func:`~rlhf_core.pipeline.promotion.decide`'s on the recorded figures, since the per-problem results it
+    starts from are not recorded on the version (:func:`~rlhf_core.pipeline.promotion.clears_gate`)."""
+    gain, p_value = meta.get("gain"), meta.get("p_value")
+    if not isinstance(gain, (int, float)) or not isinstance(p_value, (int, float)):
+        return False
+    return not clears_gate(gain, p_value, min_improvement, alpha)  # judged as promote judges a new one
+
+
 def refused_before(client: Client, model_name: str, production, dataset_fingerprint: str, config_sha256: str,
-                   reward_sha256: str | None, exclude: UUID | None = None):
+                   reward_sha256: str | None, min_improvement: float = 0.0, alpha: float = 0.05,
+                   exclude: UUID | None = None):
     """The newest version other than production (and ``exclude``, this run's own) that trained what this run
     would train -- this data, warm-started from this production version, with this trainer config and reward --
-    and was judged and not promoted; None when there is none.
+    and was compared with this production version and refused on figures that fail the current gate too
+    (:func:`refused_again`); None when there is none.
 
     Training it again gives the same candidate (same seed) against the same production: the same refusal. A
-    version whose run failed before the promotion step, or whose training was skipped, has no decision on a
-    trained candidate and does not count; nor does one without ``warm_started_from``/``config_fingerprint``
-    (the gate's record on each version it runs for; versions from before it kept them are retrained once)."""
+    version whose run failed before the promotion step, whose training was skipped, or that was refused without
+    a comparison (production could not be compared) has no verdict on a trained candidate and does not count;
+    nor does one refused under a stricter gate than this run's when its figures pass this one, nor one without
+    ``warm_started_from``/``config_fingerprint`` (the gate's record on each version it runs for; versions from
+    before it kept them are retrained once)."""
     # the metadata filter narrows the search to versions trained on this data; each is then checked in full
-    versions = depaginate(client.list_model_versions, model_name_or_id=model_name, sort_by="desc:number",
+    versions = depaginate(client.list_model_versions, model=model_name, sort_by="desc:number",
                           run_metadata=f"dataset_fingerprint:contains:{dataset_fingerprint}")
     for version in versions:
         if version.id in (production.id, exclude):
@@ -50,15 +70,18 @@ def refused_before(client: Client, model_name: str, production, dataset_fingerpr
         if (meta.get("promoted") is False and not meta.get("skipped")
                 and meta.get("dataset_fingerprint") == dataset_fingerprint
                 and meta.get("warm_started_from") == production.name
-                and meta.get("config_fingerprint") == config_sha256 and meta.get("reward_sha256") == reward_sha256):
+                and meta.get("previous_production_version") == production.name
+                and meta.get("config_fingerprint") == config_sha256 and meta.get("reward_sha256") == reward_sha256
+                and refused_again(meta, min_improvement, alpha)):
             return version
     return None
 
 
 def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha256: str, reward_sha256: str | None,
-         exclude: UUID | None = None) -> tuple[str, Any, Any]:
+         min_improvement: float = 0.0, alpha: float = 0.05, exclude: UUID | None = None) -> tuple[str, Any, Any]:
     """(why training is skipped, "" to train; the production version; the refused version that this run would
-    repeat, if any)."""
+    repeat, if any). ``min_improvement`` and ``alpha`` are the promotion gate this run's candidate will face."""
+    check_gate(min_improvement, alpha)
     try:
         production = client.get_model_version(model_name, ModelStages.PRODUCTION)
     except KeyError:
@@ -69,24 +92,26 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
         return (f"the data is unchanged since production version {production.name} was trained "
                 f"(dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
     refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
-                             exclude)
+                             min_improvement, alpha, exclude)
     if refused is not None:
         reason = (f"version {refused.name} was already trained on this data (dataset fingerprint "
                   f"{dataset_fingerprint[:16]}...) from production version {production.name} with the same trainer "
-                  f"config and reward, and was refused ({refused.run_metadata.get('decision_reason')}): training "
-                  f"again would repeat that work and its result; {FORCE_HINT}, or change the trainer config "
-                  "(e.g. trainer.seed)")
+                  f"config and reward, and was refused ({refused.run_metadata.get('decision_reason')}); its gain "
+                  f"and p-value fail this run's promotion gate too (min_improvement={min_improvement:g}, "
+                  f"alpha={alpha:g}): training again would repeat that work and its result; {FORCE_HINT}, or "
+                  "change the trainer config (e.g. trainer.seed) or the promotion gate (min_improvement, alpha)")
         return reason, production, refused
     return "", production, None
 
 
 @step(enable_cache=False)
-def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict,
-                   force: bool = False) -> Annotated[str, "skip_reason"]:
+def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, min_improvement: float = 0.0,
+                   alpha: float = 0.05, force: bool = False) -> Annotated[str, "skip_reason"]:
     """An empty string when there is training to do, else why training is skipped: the data is the one
     production was trained on, or a version already trained on it from this production version with the same
-    trainer config (:func:`config_fingerprint`) and reward was refused. ``force=True`` trains anyway in both
-    cases; in the second, a changed config (e.g. ``trainer.seed``) or reward is new training too.
+    trainer config (:func:`config_fingerprint`) and reward was refused on figures that fail this run's promotion
+    gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
+    second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
 
     Records on this run's model version which production version it warm-starts from (``warm_started_from``)
     and ``config_fingerprint``: what a later run's gate compares with."""
@@ -94,7 +119,8 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     model_name, client = context.model.name, Client()
     config_sha256 = config_fingerprint(ppo_config)
     reason, production, refused = gate(client, model_name, dataset_fingerprint, config_sha256,
-                                       reward_spec.get("sha256"), exclude=context.model_version.id)
+                                       reward_spec.get("sha256"), min_improvement, alpha,
+                                       exclude=context.model_version.id)
     trained_on = production.run_metadata.get("dataset_fingerprint")
     overridden = reason if force else ""
     if overridden:

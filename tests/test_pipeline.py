@@ -378,29 +378,40 @@ def _add_version(model_name: str, production: bool = False, **metadata):
     return client.get_model_version(model_name, version.number)
 
 
-def _refused(model_name: str, fingerprint: str, warm_started_from: str, config: dict | None = None, **extra):
+def _refused(model_name: str, fingerprint: str, warm_started_from: str, config: dict | None = None,
+             gain: float | None = 0.0, p_value: float | None = 1.0, **extra):
+    """A version refused as promote records it: compared with production ``warm_started_from`` (``gain``,
+    ``p_value``, ``gain_ci``, the gate it faced) unless ``gain``/``p_value`` are None (no comparison was made)."""
     from steps.check_new_data import config_fingerprint
 
+    compared = gain is not None and p_value is not None
     metadata = {"promoted": False, "decision_reason": "not promoted: no improvement over production",
+                "baseline": "production", "previous_production_version": warm_started_from,
+                "min_improvement": 0.0, "alpha": 0.05, "gain": gain, "p_value": p_value,
+                "gain_ci": [gain - 0.1, gain + 0.1] if compared else None,
                 "dataset_fingerprint": fingerprint, "reward_sha256": GATE_REWARD,
                 "warm_started_from": warm_started_from, "config_fingerprint": config_fingerprint(config or GATE_CONFIG),
                 **extra}
     return _add_version(model_name, **{k: v for k, v in metadata.items() if v is not None})
 
 
-def _gate(model_name: str, fingerprint: str, config: dict | None = None, reward: str = GATE_REWARD):
+def _gate(model_name: str, fingerprint: str, config: dict | None = None, reward: str = GATE_REWARD,
+          **promotion_gate):
+    """The gate for this data, config and reward; ``promotion_gate``: this run's min_improvement and alpha."""
     from steps.check_new_data import config_fingerprint, gate
 
     reason, production, refused = gate(zenml_client(), model_name, fingerprint, config_fingerprint(config or GATE_CONFIG),
-                                       reward)
+                                       reward, **promotion_gate)
     return reason, production.name, refused.name if refused is not None else None
 
 
-def test_gate_skips_training_that_a_refused_version_already_did():
+def test_gate_skips_training_that_a_refused_version_already_did(caplog):
     model, (a, b, c) = "gate-refused", (_sha("A"), _sha("B"), _sha("C"))
     _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
     _refused(model, b, warm_started_from="1")  # version 2: B from version 1, refused
+    caplog.clear()
     reason, production, refused = _gate(model, b)
+    assert "deprecated" not in caplog.text  # the gate runs on every retraining: no warning in each run's log
     assert (production, refused) == ("1", "2")
     assert reason.startswith("version 2 was already trained on this data") and "production version 1" in reason
     assert "not promoted: no improvement over production" in reason and "force=true" in reason
@@ -432,10 +443,53 @@ def test_gate_does_not_count_failed_skipped_or_unrecorded_versions():
     # version 2: its run failed before promote, so it has the gate's record and no decision
     _add_version(model, warm_started_from="1", config_fingerprint=config_fingerprint(GATE_CONFIG))
     _refused(model, b, warm_started_from="1", skipped="the data is unchanged")  # version 3: trained nothing
-    _refused(model, b, warm_started_from=None, config=None)  # version 4: no warm_started_from recorded
+    # version 4: compared with version 1 but no warm_started_from recorded
+    _refused(model, b, warm_started_from=None, config=None, previous_production_version="1")
     assert _gate(model, b) == ("", "1", None)
     _refused(model, b, warm_started_from="1")  # version 5: a real refusal
     assert _gate(model, b)[2] == "5"
+
+
+def test_gate_does_not_count_refusals_without_a_comparison():
+    """Production evaluated on other problems, or scored otherwise: promote refused without judging the
+    candidate, and fixing the evaluation's settings must not leave the data blocked."""
+    model, (a, b) = "gate-not-compared", (_sha("A"), _sha("B"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    cannot = ("not promoted: cannot compare with production: production version 1 was evaluated on other "
+              "validation problems (fingerprint 0123456789ab vs ba9876543210 here)")
+    _refused(model, b, warm_started_from="1", gain=None, p_value=None, decision_reason=cannot)  # version 2
+    assert "gain" not in zenml_client().get_model_version(model, 2).run_metadata
+    assert _gate(model, b) == ("", "1", None)
+    _refused(model, b, warm_started_from="1")  # version 3: compared and refused
+    _refused(model, b, warm_started_from="1", gain=None, p_value=None, decision_reason=cannot)  # version 4
+    assert _gate(model, b)[2] == "3"  # the newer refusal without a comparison hides nothing
+
+
+def test_gate_retrains_a_refused_candidate_whose_figures_pass_a_lowered_min_improvement():
+    model, (a, b) = "gate-min-improvement", (_sha("A"), _sha("B"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    _refused(model, b, warm_started_from="1", gain=0.03, p_value=0.01, min_improvement=0.05,  # version 2
+             decision_reason="not promoted: improvement too small (gain +0.0300, required gain >= 0.0500)")
+    reason, production, refused = _gate(model, b, min_improvement=0.05)
+    assert refused == "2" and "min_improvement=0.05" in reason, reason  # the same gate: the same refusal
+    assert _gate(model, b, min_improvement=0.04)[2] == "2"  # lowered, still above the gain
+    assert _gate(model, b, min_improvement=0.03) == ("", "1", None)  # lowered to the gain: it would pass now
+    assert _gate(model, b) == ("", "1", None)
+    assert _gate(model, b, min_improvement=0.03, alpha=0.01)[2] == "2"  # p = 0.01 is not below 0.01
+
+
+def test_gate_retrains_a_refused_candidate_whose_figures_pass_a_raised_alpha():
+    model, (a, b) = "gate-alpha", (_sha("A"), _sha("B"))
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
+    _refused(model, b, warm_started_from="1", gain=0.05, p_value=0.08,  # version 2
+             decision_reason="not promoted: the gain is not significant, within the noise of 100 problems")
+    assert _gate(model, b)[2] == "2"
+    assert _gate(model, b, alpha=0.08)[2] == "2"  # p must be below alpha
+    assert _gate(model, b, alpha=0.1) == ("", "1", None)  # raised: it would pass now
+    assert _gate(model, b, alpha=0.1, min_improvement=0.06)[2] == "2"  # but not with a larger margin too
+    # a candidate that gained nothing fails every gate, however lax
+    _refused(model, b, warm_started_from="1", gain=-0.01, p_value=0.5)  # version 3
+    assert _gate(model, b, alpha=0.9)[2] == "3"
 
 
 @functools.cache
@@ -447,8 +501,10 @@ def _gate_pipeline():
     from steps.check_new_data import check_new_data
 
     @pipeline(enable_cache=False)
-    def retraining_gate(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, force: bool = False) -> None:
-        check_new_data(dataset_fingerprint, ppo_config, reward_spec, force=force)
+    def retraining_gate(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, min_improvement: float = 0.0,
+                        alpha: float = 0.05, force: bool = False) -> None:
+        check_new_data(dataset_fingerprint, ppo_config, reward_spec, min_improvement=min_improvement, alpha=alpha,
+                       force=force)
 
     return retraining_gate
 
@@ -468,11 +524,15 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     assert skip_reason()[0] == ""  # version 2 trains on B from version 1 ...
     second = zenml_client().get_model_version(model, 2)
     assert second.run_metadata["warm_started_from"] == "1"
-    # ... and promote refuses it
-    log_metadata({"promoted": False, "decision_reason": "not promoted: no improvement", "dataset_fingerprint": b,
-                  "reward_sha256": GATE_REWARD}, model_version_id=second.id)
-    reason, meta = skip_reason()  # version 3 would do the same again
+    # ... and promote refuses it: a gain too small for min_improvement=0.05
+    log_metadata({"promoted": False, "decision_reason": "not promoted: improvement too small",
+                  "baseline": "production", "previous_production_version": "1", "min_improvement": 0.05, "alpha": 0.05, "gain": 0.03,
+                  "p_value": 0.01, "gain_ci": [0.01, 0.05], "dataset_fingerprint": b, "reward_sha256": GATE_REWARD},
+                  model_version_id=second.id)
+    reason, meta = skip_reason(min_improvement=0.05)  # version 3 would do the same again
     assert reason.startswith("version 2 was already trained on this data"), reason
     assert meta["skipped"] is True and meta["refused_version"] == "2"
-    reason, meta = skip_reason(force=True)  # version 4 trains anyway
+    reason, meta = skip_reason(min_improvement=0.05, force=True)  # version 4 trains anyway
     assert reason == "" and meta["forced"] is True and meta["reason"].startswith("forced: version 2 was already")
+    reason, meta = skip_reason()  # version 5: under min_improvement=0 the same candidate would be promoted
+    assert reason == "" and meta["skipped"] is False and "refused_version" not in meta

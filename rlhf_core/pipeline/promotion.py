@@ -31,6 +31,11 @@ from rlhf_core.stats import PairedComparison, check_alpha, paired_comparison
 _TOLERANCE = 1e-9
 
 
+def clears_gate(gain: float, p_value: float, min_improvement: float, alpha: float) -> bool:
+    """The gate on a comparison's figures: a gain, of at least ``min_improvement``, with ``p < alpha``."""
+    return gain > _TOLERANCE and gain >= min_improvement - _TOLERANCE and p_value < alpha
+
+
 @dataclass(frozen=True)
 class PromotionDecision:
     """The outcome and everything needed to explain it later."""
@@ -174,14 +179,14 @@ def decide(
                f"{c.n} problems: gain {c.gain:+.4f}, {100 * (1 - alpha):g}% CI [{c.ci_low:+.4f}, {c.ci_high:+.4f}], "
                f"McNemar exact p = {c.p_value:.4g} ({c.fixed} fixed, {c.broken} broken); required gain {required} "
                f"and p < {alpha:g}")
+    if clears_gate(c.gain, c.p_value, min_improvement, alpha):
+        return outcome(True, f"promoted: {numbers}", c)
     if c.gain <= _TOLERANCE:
         return outcome(False, f"not promoted: no improvement ({numbers})", c)
     if c.gain < min_improvement - _TOLERANCE:
         return outcome(False, f"not promoted: improvement too small ({numbers})", c)
-    if not c.significant:
-        return outcome(False, f"not promoted: the gain is not significant, within the noise of {c.n} problems "
-                              f"({numbers})", c)
-    return outcome(True, f"promoted: {numbers}", c)
+    return outcome(False, f"not promoted: the gain is not significant, within the noise of {c.n} problems "
+                          f"({numbers})", c)
 
 
 def decide_from_evaluation(evaluation: Mapping[str, Any], production_version: str | None,
