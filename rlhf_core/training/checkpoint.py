@@ -18,6 +18,10 @@ With several workers (FSDP2) each role directory holds instead ``dcp/`` (every r
 the model and optimizer state, torch.distributed.checkpoint) and ``extra_state_rank_R.pt`` (each
 rank's scheduler and generators), written by the workers themselves: ``default_local_dir`` must
 then be a filesystem every worker sees. ``huggingface/`` is gathered and written by rank 0.
+Either layout loads on any number of workers (:func:`saved_workers` counts those that saved it):
+shards re-split or gather into one process, one worker's whole tensors are cut into shards, and a
+rank the saved run did not have takes rank 0's schedule and shuffle state and seeds its own
+sampling generator as a fresh run would (:func:`rlhf_core.workers.common.load_saved`).
 
 A save writes everything into ``.global_step_N.tmp-XXXX`` in the same directory, fsyncs
 each file and directory, renames it to ``global_step_N`` and only then replaces
@@ -28,8 +32,10 @@ its manifest, or whose files do not match it, is incomplete and is never loaded.
 
 Resuming refuses a checkpoint whose config differs from the current one outside
 :data:`RESUME_SAFE_KEYS` (logging, frequencies, run length, names, guard and warning
-thresholds, memory knobs that leave the math unchanged): anything else may change
-shapes, batch sizes or the training math, and the error names the keys.
+thresholds, memory knobs and the number of workers, which leave the math unchanged): anything
+else may change shapes, batch sizes or the training math, and the error names the keys. A
+global batch that does not divide over the new number of workers is refused by the config's
+own checks before that.
 
 This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
 ``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
@@ -50,6 +56,7 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -63,6 +70,7 @@ import yaml
 from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
 from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
 from rlhf_core.config import OPEN_KEYS, followed
+from rlhf_core.workers import common
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -83,6 +91,10 @@ RESUME_SAFE_KEYS = (
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
     "trainer.ray_address", "trainer.profile_steps", "trainer.profile_dir", "trainer.val_only",
     "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
+    # the number of workers: the state re-splits over them and the losses are normalised over the global
+    # mini-batch; the config's own checks refuse batches that do not divide over them (load_checkpoint says
+    # what then differs from the saved run)
+    "trainer.n_gpus_per_node", "trainer.nnodes",
     "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged (the
@@ -192,6 +204,13 @@ def find_resume_checkpoint(config) -> Path | None:
     if trainer.resume_mode == "auto":
         return latest_checkpoint(os.path.expanduser(trainer.default_local_dir))
     raise CheckpointError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of auto, disable, resume_path")
+
+
+def saved_workers(manifest: dict, part: str) -> int:
+    """How many workers wrote ``part`` (``actor``, ``critic``, ``reward_model``) of the checkpoint whose
+    manifest this is: a worker group one ``extra_state_rank_R.pt`` per rank, one worker none."""
+    prefix = f"{part}/"
+    return common.saved_workers(rel[len(prefix):] for rel in manifest["files"] if rel.startswith(prefix))
 
 
 def read_trainer_state(path: str | os.PathLike) -> dict:
@@ -510,42 +529,21 @@ def load_file(path: Path, device: torch.device | str = "cpu") -> Any:
         raise CheckpointError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
 
-def _check_shapes(path: Path, saved: dict[str, torch.Tensor], worker) -> None:
-    expected = worker.model_state_dict()
-    problems = [f"{k} missing" for k in expected if k not in saved]
-    problems += [f"{k} unexpected" for k in saved if k not in expected]
-    problems += [f"{k} has shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
-                 for k, v in expected.items() if k in saved and saved[k].shape != v.shape]
-    if problems:
-        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
-        raise CheckpointError(f"checkpoint {path} does not fit the model being trained ({shown}): was it saved "
-                              "from another model or architecture?")
-
-
-def _load_sharded(path: Path, name: str, worker, weights_only: bool = False) -> None:
+def _load_worker(path: Path, name: str, worker, saved: int, weights_only: bool = False) -> None:
+    """``path/name``, written by ``saved`` workers, into ``worker``: a worker group's ranks each read it
+    (counting the saved workers from its files), one worker here."""
     try:
-        worker.load_shards(path / name, weights_only)
+        if worker.sharded:
+            worker.load_shards(path / name, weights_only)
+        else:
+            common.load_saved(worker, path / name, saved, weights_only)
     except Exception as exc:  # noqa: BLE001 - the workers' errors come wrapped; say which checkpoint
         raise CheckpointError(f"checkpoint {path / name} cannot be loaded into the {name} being trained: {exc}") \
             from exc
 
 
-def _load_worker(path: Path, name: str, worker) -> None:
-    if worker.sharded:
-        _load_sharded(path, name, worker)
-        return
-    device = worker.device
-    model = load_file(path / name / "model_state.pt", device)
-    _check_shapes(path / name / "model_state.pt", model, worker)
-    optim = load_file(path / name / "optim_state.pt", device)
-    extra = load_file(path / name / "extra_state.pt", "cpu")
-    try:
-        worker.load_state_dict({"model": model, **optim, **extra})
-    except (RuntimeError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path / name} does not fit the {name} being trained: {exc}") from exc
-
-
-def _loadable(trainer, path: Path) -> Path:
+def _loadable(trainer, path: Path) -> tuple[Path, dict[str, int]]:
+    """(the checkpoint's path, how many workers saved each of the parts the trainer loads)."""
     path = Path(os.path.expanduser(str(path)))
     manifest = read_manifest(path)
     if manifest.get("format") != FORMAT_VERSION:
@@ -556,44 +554,61 @@ def _loadable(trainer, path: Path) -> Path:
         if name not in manifest["parts"] or not (path / name).is_dir():
             raise CheckpointError(f"checkpoint {path} has no {name} state (pruned by max_{name}_ckpt_to_keep, "
                                   "or saved by a run without a critic)")
-    return path
+    return path, {name: saved_workers(manifest, name) for name in trainer.workers()}
+
+
+def _world_size(trainer) -> int:
+    group = getattr(trainer, "worker_group", None)
+    return group.world_size if group is not None else 1
+
+
+def resplit_notice(trainer, path: Path, saved: int, world: int) -> str:
+    """The notice of a resume on another number of workers than saved the checkpoint: what carries over
+    exactly, and why the run then does not continue bit for bit as the saved run would have."""
+    config = trainer.config
+    arr = config.actor_rollout_ref
+    why = ["the sums over the workers (gradients, losses) round otherwise"]
+    if arr.rollout.do_sample:
+        why.append("each worker samples its share of the prompts with its own generator (one the saved run did not "
+                   "have starts from the seed), so other responses are drawn")
+    if arr.actor.shuffle or ("critic" in trainer.workers() and config.value("critic.shuffle")):
+        why.append("each worker shuffles its own share of the batch into mini-batches, so they are drawn otherwise")
+    return (f"notice: {path} was saved by {saved} worker(s) and is re-split over {world}: the weights, optimizer "
+            "moments and learning-rate schedule carry over exactly, but the run does not continue bit for bit as "
+            f"the saved run would have: {'; '.join(why)}")
 
 
 def load_checkpoint(trainer, path: str | os.PathLike) -> None:
-    """Restore everything :func:`save_checkpoint` saved, for an exact resume.
+    """Restore everything :func:`save_checkpoint` saved, for an exact resume; on another number of workers
+    than saved it, re-split (with a notice saying what then differs from the saved run).
 
     Raises CheckpointError naming the path when the checkpoint is missing, incomplete, saved with a
     config that differs in a key that matters, or saved from a model of another shape.
     """
-    path = _loadable(trainer, path)
+    path, saved = _loadable(trainer, path)
     check_config(path, trainer.config)
     for name, worker in trainer.workers().items():
-        _load_worker(path, name, worker)
+        _load_worker(path, name, worker, saved[name])
     trainer.load_state_dict(json.loads((path / TRAINER_STATE).read_text()))
     set_rng_state(load_file(path / RNG_STATE, "cpu"))
     if not trainer.actor.sharded:  # sharded workers sync as they load
         trainer.actor.rollout.sync_weights()
+    world = _world_size(trainer)
+    if saved["actor"] != world:
+        print(resplit_notice(trainer, path, saved["actor"], world), file=sys.stderr, flush=True)
 
 
 def restore_weights(trainer, path: str | os.PathLike) -> None:
-    """Roll the workers back to a checkpoint's weights and optimizer moments (a guard's rollback).
+    """Roll the workers back to a checkpoint's weights and optimizer moments (a guard's rollback), whatever
+    the number of workers that saved it.
 
     The step counter, the LR schedule position, the data sampler and the random streams are
     left as they are, so training carries on with new batches. The current learning rate is
     re-applied after loading the optimizer state (which carries the checkpoint's).
     """
-    path = _loadable(trainer, path)
+    path, saved = _loadable(trainer, path)
     for name, worker in trainer.workers().items():
-        if worker.sharded:
-            _load_sharded(path, name, worker, weights_only=True)
-            continue
-        device = worker.device
-        model = load_file(path / name / "model_state.pt", device)
-        _check_shapes(path / name / "model_state.pt", model, worker)
-        worker.load_model_state_dict(model)
-        worker.optimizer.load_state_dict(load_file(path / name / "optim_state.pt", device)["optimizer"])
-        for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
-            group["lr"] = lr
+        _load_worker(path, name, worker, saved[name], weights_only=True)
     if not trainer.actor.sharded:
         trainer.actor.rollout.sync_weights()
 

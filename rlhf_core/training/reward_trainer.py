@@ -42,7 +42,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -68,11 +67,11 @@ from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
-    SHARDS_DIR,
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
     clip_and_check,
+    load_saved,
 )
 from rlhf_core.workers.group import DistributedWorker, WorkerGroup
 
@@ -295,47 +294,10 @@ class RewardModelWorker(CheckpointableWorker):
         self.scheduler.load_state_dict(state["scheduler"])
 
     def load_checkpoint(self, folder: str | Path, saved_workers: int) -> None:
-        """The ``reward_model/`` state that ``saved_workers`` workers wrote, into this worker or this rank.
-
-        Shards (torch DCP) re-split onto any number of ranks, or gather whole into one process; one worker's
-        whole tensors are cut into this rank's shards. The only other state, the schedule's, is the same on
-        every rank, so rank 0's serves a rank the saving run did not have."""
-        folder = Path(folder)
-        if saved_workers > 1:
-            with warnings.catch_warnings():  # read by one process: DCP warns that there is no process group
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                distributed.load_sharded(folder / SHARDS_DIR, self.module, self.optimizer, only_trainable=self.lora)
-            extra = ckpt.load_file(folder / "extra_state_rank_0.pt")
-        else:
-            model = ckpt.load_file(folder / "model_state.pt")
-            optimizer = ckpt.load_file(folder / "optim_state.pt")["optimizer"]
-            extra = ckpt.load_file(folder / "extra_state.pt")
-            if self.sharded:
-                self._shard_whole(model, optimizer)
-            else:
-                self.load_model_state_dict(model)
-                self.optimizer.load_state_dict(optimizer)
-        self.load_extra_state(extra)
-        for group, lr in zip(self.optimizer.param_groups, self.scheduler.get_last_lr()):
-            group["lr"] = lr
-
-    def _shard_whole(self, model: dict, optimizer: dict) -> None:
-        """Whole state dicts into this rank's FSDP2 shards. torch's loader finds the optimizer's state by
-        parameter name; ``optimizer.state_dict()`` numbers the parameters in the order the optimizer holds
-        them, which both runs build alike."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        names = {id(p): name for name, p in self.module.named_parameters()}
-        current = [names[id(p)] for group in self.optimizer.param_groups for p in group["params"]]
-        saved = [i for group in optimizer["param_groups"] for i in group["params"]]
-        if len(saved) != len(current):
-            raise ValueError(f"its optimizer holds {len(saved)} tensors, the model being trained {len(current)}")
-        name_of = dict(zip(saved, current))
-        named = {"state": {name_of[i]: state for i, state in optimizer["state"].items()},
-                 "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
-                                  for group in optimizer["param_groups"]]}
-        set_state_dict(self.module, self.optimizer, model_state_dict=model, optim_state_dict=named,
-                       options=StateDictOptions(full_state_dict=True, strict=not self.lora))
+        """The ``reward_model/`` state that ``saved_workers`` workers wrote, into this worker or this rank
+        (:func:`~rlhf_core.workers.common.load_saved`: re-split exactly; the schedule, the only other state, is
+        the same on every rank)."""
+        load_saved(self, Path(folder), saved_workers)
 
     def save_hf(self, target: str | Path) -> None:
         """The model as a plain transformers directory (LoRA merged); sharded, every rank calls this."""
@@ -632,13 +594,6 @@ class RewardModelTrainer:
             return resolve(rm.resume_from_path)
         return ckpt.latest_checkpoint(self.local_dir)
 
-    @staticmethod
-    def saved_workers(manifest: dict) -> int:
-        """How many workers wrote a checkpoint: a group leaves one ``extra_state_rank_R.pt`` per rank beside
-        its shards, one worker whole ``model_state.pt`` and ``extra_state.pt``."""
-        ranks = [rel for rel in manifest["files"] if fnmatch.fnmatchcase(rel, f"{PART}/extra_state_rank_*.pt")]
-        return len(ranks) or 1
-
     def _check_config(self, path: Path) -> None:
         saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
         # flattened under their full names, so that the chat-template keywords compare as one value
@@ -656,7 +611,7 @@ class RewardModelTrainer:
         path = self._resume_path()
         if path is None:
             return
-        saved = self.saved_workers(ckpt.read_manifest(path))
+        saved = ckpt.saved_workers(ckpt.read_manifest(path), PART)
         self._check_config(path)
         try:
             self.worker.load_checkpoint(path / PART, saved)

@@ -1,4 +1,5 @@
-"""What the actor and critic workers share: micro-batching, trimmed and packed forwards, optimizers.
+"""What the actor and critic workers share: micro-batching, trimmed and packed forwards, optimizers, and
+checkpoints loaded whatever the number of workers that saved them.
 
 With several workers (FSDP2) every forward is a collective, so every rank must run the same
 number of micro-batches: :func:`micro_batches` splits further where a rank has fewer; and the
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +28,8 @@ from rlhf_core.models.loading import cache_argument
 from rlhf_core.workers import distributed
 
 SHARDS_DIR = "dcp"
+RANK_STATE = "extra_state_rank_{}.pt"  # one per rank beside the shards; one worker writes its state whole instead
+_RANK_STATE = re.compile(r"extra_state_rank_(\d+)\.pt")
 
 
 def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
@@ -333,27 +338,112 @@ def save_shards(worker, folder: Path) -> None:
     and generator states as ``extra_state_rank_R.pt``."""
     folder.mkdir(parents=True, exist_ok=True)
     distributed.save_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
-    with open(folder / f"extra_state_rank_{distributed.rank()}.pt", "xb") as f:
+    with open(folder / RANK_STATE.format(distributed.rank()), "xb") as f:
         torch.save(worker.extra_state(), f)
         f.flush()
         os.fsync(f.fileno())
 
 
+def saved_workers(names: Iterable[str]) -> int:
+    """How many workers saved a checkpoint part, from the names of its files (relative to the part's folder,
+    as a manifest lists them or the folder holds them): a worker group leaves one ``extra_state_rank_R.pt`` per
+    rank beside its shards, one worker its state whole (``model_state.pt``, ``optim_state.pt``, ...)."""
+    return len({match.group(1) for match in map(_RANK_STATE.fullmatch, names) if match}) or 1
+
+
 def load_shards(worker, folder: Path, weights_only: bool = False) -> None:
-    """Read :func:`save_shards`; ``weights_only`` (a guard's rollback) keeps the current learning rate,
-    schedule position and generators and takes only the weights and optimizer moments."""
+    """:func:`load_saved` with the number of workers that saved ``folder`` counted from its files (each rank
+    reads them itself: the trainer checked them against the manifest first)."""
+    load_saved(worker, folder, saved_workers(path.name for path in folder.iterdir()), weights_only)
+
+
+def load_saved(worker, folder: Path, saved: int, weights_only: bool = False) -> None:
+    """The checkpoint part that ``saved`` workers wrote into ``folder``, into this worker or this rank, whatever
+    their number now.
+
+    Shards (torch DCP) re-split onto any number of ranks or gather whole into one process; one worker's whole
+    tensors are cut into this rank's shards (:func:`shard_whole`). The rest is small: the scheduler's state
+    (the same on every rank), the mini-batch shuffle generator (seeded and drawn alike on every rank of a group)
+    and the generators each rank seeds by its rank (:meth:`CheckpointableWorker.rank_generators`). A rank the
+    saved run had takes its own; one it did not have takes rank 0's schedule and shuffle state and starts its
+    rank-seeded generators from their seed, as a fresh run seeds them (a copy of rank 0's would draw the same
+    numbers for other prompts). ``weights_only`` (a guard's rollback) keeps the current learning rate, schedule
+    position and generators and takes only the weights and optimizer moments.
+    """
     lrs = [group["lr"] for group in worker.optimizer.param_groups]
-    distributed.load_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
+    rest: dict = {}
+    shards = (folder / SHARDS_DIR).is_dir()  # a group's layout, even of one rank
+    if shards:
+        with warnings.catch_warnings():  # read by one process: DCP warns that there is no process group
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            distributed.load_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
+    else:
+        device = "cpu" if worker.sharded else worker.device  # cut on the CPU, then each shard goes to the device
+        model = _read(folder / "model_state.pt", device)
+        check_fits(worker, model, folder / "model_state.pt")
+        rest = _read(folder / "optim_state.pt", device)
+        optimizer = rest.pop("optimizer")
+        if worker.sharded:
+            shard_whole(worker, model, optimizer)
+        else:
+            worker.load_model_state_dict(model)
+            worker.optimizer.load_state_dict(optimizer)
     if weights_only:
         for group, lr in zip(worker.optimizer.param_groups, lrs):
             group["lr"] = lr
         return
-    extra = folder / f"extra_state_rank_{distributed.rank()}.pt"
-    if not extra.is_file():
-        raise FileNotFoundError(f"{extra} is missing: the checkpoint was saved with another number of workers")
-    worker.load_extra_state(torch.load(extra, map_location="cpu", weights_only=True))
+    rank = distributed.rank()
+    if shards:
+        extra = _read(folder / RANK_STATE.format(rank if rank < saved else 0))
+    else:
+        extra = {**rest, **_read(folder / "extra_state.pt")}  # the scheduler beside the optimizer, the generators
+    if rank >= saved:
+        for key, generator in worker.rank_generators().items():
+            extra.pop(key, None)
+            generator.manual_seed(generator.initial_seed())
+    worker.load_extra_state(extra)
     for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+def _read(path: Path, device: torch.device | str = "cpu"):
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
+
+
+def check_fits(worker, saved: dict[str, torch.Tensor], source: Path) -> None:
+    """Raise ValueError naming the tensors when a whole saved model does not fit the worker's (sharded, the
+    global shapes count): a checkpoint of another model or architecture."""
+    expected = worker.model_state_dict()
+    problems = [f"{k} missing" for k in expected if k not in saved]
+    problems += [f"{k} unexpected" for k in saved if k not in expected]
+    problems += [f"{k} has shape {tuple(saved[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+                 for k, v in expected.items() if k in saved and saved[k].shape != v.shape]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ValueError(f"{source} does not fit the model being trained ({shown}): was it saved from another "
+                         "model or architecture?")
+
+
+def shard_whole(worker, model: dict[str, torch.Tensor], optimizer: dict) -> None:
+    """One worker's whole state dicts into this rank's FSDP2 shards. torch's loader finds the optimizer's state
+    by parameter name; ``optimizer.state_dict()`` numbers the parameters in the order the optimizer holds them,
+    which both runs build alike (the trainable parameters in module order)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    names = {id(p): name for name, p in worker.module.named_parameters()}
+    current = [names[id(p)] for group in worker.optimizer.param_groups for p in group["params"]]
+    saved = [i for group in optimizer["param_groups"] for i in group["params"]]
+    if len(saved) != len(current):
+        raise ValueError(f"its optimizer holds {len(saved)} tensors, the model being trained {len(current)}")
+    name_of = dict(zip(saved, current))
+    named = {"state": {name_of[i]: state for i, state in optimizer["state"].items()},
+             "param_groups": [{**group, "params": [name_of[i] for i in group["params"]]}
+                              for group in optimizer["param_groups"]]}
+    set_state_dict(worker.module, worker.optimizer, model_state_dict=model, optim_state_dict=named,
+                   options=StateDictOptions(full_state_dict=True, strict=not worker.lora))
 
 
 #: The loss of one micro-batch (on the worker's device), given the global token and sequence counts of its
@@ -459,6 +549,13 @@ class CheckpointableWorker:
         self.scheduler.load_state_dict(state["scheduler"])
         self.shuffle_generator.set_state(state["shuffle_generator"])
 
+    def rank_generators(self) -> dict[str, torch.Generator]:
+        """The generators of ``extra_state`` that each rank seeds by its rank, by key: the HF rollout's sampling
+        generator (seed + rank; vLLM keeps its sampler's state to itself). A rank that a resumed checkpoint's
+        run did not have starts them from their seed (see :func:`load_saved`)."""
+        generator = getattr(getattr(self, "rollout", None), "generator", None)
+        return {"rollout_generator": generator} if isinstance(generator, torch.Generator) else {}
+
     def state_dict(self) -> dict:
         return {"model": self.model_state_dict(), "optimizer": self.optimizer.state_dict(), **self.extra_state()}
 
@@ -472,6 +569,7 @@ class CheckpointableWorker:
         save_shards(self, Path(folder))
 
     def load_shards(self, folder: str | os.PathLike, weights_only: bool = False) -> None:
+        """A checkpoint part saved by any number of workers (shards or whole), into this rank or worker."""
         load_shards(self, Path(folder), weights_only)
 
 

@@ -1,0 +1,194 @@
+"""PPO checkpoints resume and roll back on another number of workers than saved them: one worker's whole
+state is cut into two workers' FSDP2 shards, two workers' shards gather into one worker, the tensors exactly
+as saved (read back with torch's own DCP converter), and a resume on another count says what then differs.
+
+One Ray cluster of 2 CPUs; the tiny one-layer PPO run of ``conftest.workspace`` with GAE (actor and critic).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.training import checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TWO = ("trainer.n_gpus_per_node=2",)
+PARTS = ("actor", "critic")
+
+
+def never(step, metrics) -> bool:  # no validation: it is not what these tests are about
+    return False
+
+
+def _config(workspace, out, *extra):
+    return load_config(workspace.overrides(out, "trainer.total_training_steps=3", "trainer.save_freq=2",
+                                           "trainer.logger=[]", *extra))
+
+
+def _trainer(workspace, out, *extra):
+    from rlhf_core.main_ppo import build_trainer
+
+    return build_trainer(_config(workspace, out, *extra))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster of 2 CPUs, or the one an earlier test left running (a trainer's group starts one)."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one(workspace):
+    """One worker, two steps: ``one/global_step_2`` holds each part whole."""
+    trainer = _trainer(workspace, workspace.root / "one")
+    for _ in range(2):
+        trainer.fit_step(validate=never)
+    return trainer, workspace.root / "one" / "global_step_2"
+
+
+@pytest.fixture(scope="module")
+def two(workspace, ray_cluster):
+    """Two workers, two steps: ``two/global_step_2`` holds each part as DCP shards and one extra state per rank."""
+    trainer = _trainer(workspace, workspace.root / "two", *TWO)
+    try:
+        for _ in range(2):
+            trainer.fit_step(validate=never)
+        yield trainer, workspace.root / "two" / "global_step_2"
+    finally:
+        trainer.close()
+
+
+def _names(worker) -> list[str]:
+    """The parameter names in the order the optimizer holds them (the trainable ones, in module order)."""
+    return [name for name, param in worker.module.named_parameters() if param.requires_grad]
+
+
+def _flat(model: dict, optimizer: dict, names: list[str]) -> dict[str, torch.Tensor]:
+    """A whole model and a ``optimizer.state_dict()`` (numbered parameters) as one level of tensors by name."""
+    order = [i for group in optimizer["param_groups"] for i in group["params"]]
+    flat = {f"model.{k}": v for k, v in model.items()}
+    for i, name in zip(order, names, strict=True):
+        flat.update({f"optimizer.{name}.{k}": v for k, v in optimizer["state"][i].items()})
+    return flat
+
+
+def _whole(folder, names) -> dict[str, torch.Tensor]:
+    return _flat(torch.load(folder / "model_state.pt", weights_only=True),
+                 torch.load(folder / "optim_state.pt", weights_only=True)["optimizer"], names)
+
+
+def _gathered(folder, tmp_path) -> dict[str, torch.Tensor]:
+    """The shards under ``folder/dcp`` gathered by torch's own converter, not by the code under test."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(folder / "dcp", target)
+    state = torch.load(target, weights_only=False)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for name, moments in state["optimizer"]["state"].items():
+        flat.update({f"optimizer.{name}.{k}": v for k, v in moments.items()})
+    return flat
+
+
+def assert_same(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    assert any(k.endswith(".exp_avg_sq") for k in expected) and any(k.endswith(".step") for k in expected)
+    differing = [k for k in expected if not torch.equal(got[k].cpu(), expected[k].cpu())]
+    assert differing == [], differing[:5]
+
+
+def _extra(folder, rank: int | None = None) -> dict:
+    """A part's scheduler and generators: one worker's (optim_state.pt's scheduler beside extra_state.pt) or a
+    rank's."""
+    if rank is not None:
+        return torch.load(folder / f"extra_state_rank_{rank}.pt", weights_only=True)
+    scheduler = torch.load(folder / "optim_state.pt", weights_only=True)["scheduler"]
+    return {"scheduler": scheduler, **torch.load(folder / "extra_state.pt", weights_only=True)}
+
+
+def assert_same_extra(got: dict, expected: dict, keys=("scheduler", "shuffle_generator", "rollout_generator")):
+    for key in keys:
+        if key in expected:
+            same = torch.equal(got[key], expected[key]) if isinstance(expected[key], torch.Tensor) \
+                else got[key] == expected[key]
+            assert same, key
+
+
+def test_the_worker_count_may_change_on_resume_but_batches_must_still_divide(workspace, tmp_path):
+    out = tmp_path / "out"
+    saved, moved = _config(workspace, out).to_dict(), _config(workspace, out, *TWO).to_dict()
+    assert checkpoint.config_differences(saved, moved) == []
+    other = _config(workspace, out, *TWO, "actor_rollout_ref.actor.ppo_mini_batch_size=8").to_dict()
+    assert checkpoint.config_differences(saved, other) == ["actor_rollout_ref.actor.ppo_mini_batch_size"]
+    # 4 prompts x 2 samples a mini-batch, 4 sequences a micro-batch: three workers cannot share them evenly
+    with pytest.raises(ConfigError, match=r"must be divisible by .*ppo_micro_batch_size_per_gpu \* world size"):
+        _config(workspace, out, "trainer.n_gpus_per_node=3")
+
+
+def test_two_workers_checkpoint_gathers_into_one_exactly(workspace, two, tmp_path, capsys):
+    _, saved = two
+    trainer = _trainer(workspace, tmp_path / "gathered")
+    trainer.load_checkpoint(saved)
+    err = capsys.readouterr().err
+    assert f"notice: {saved} was saved by 2 worker(s) and is re-split over 1: the weights, optimizer moments" in err
+    assert err.count("re-split") == 1  # one notice for the checkpoint, not one per part
+    assert "not continue bit for bit" in err and "own generator" in err
+    assert trainer.global_step == 2
+    for name in PARTS:
+        worker = trainer.workers()[name]
+        state = worker.state_dict()
+        assert_same(_flat(state["model"], state["optimizer"], _names(worker)), _gathered(saved / name, tmp_path))
+        assert_same_extra(state, _extra(saved / name, rank=0))  # the schedule and rank 0's generators
+    assert trainer.fit_step(validate=never).step == 3  # and one worker trains on from there
+
+
+def test_one_workers_checkpoint_resumes_on_two_with_a_notice(workspace, one, two, tmp_path, capsys):
+    single, saved = one
+    trainer, _ = two
+    trainer.load_checkpoint(saved)
+    err = capsys.readouterr().err
+    assert f"notice: {saved} was saved by 1 worker(s) and is re-split over 2" in err
+    assert trainer.global_step == 2
+    split = checkpoint.save_checkpoint(trainer, tmp_path / "split")  # the two ranks' state as they loaded it
+    seed = trainer.config.trainer.seed
+    for name in PARTS:
+        assert_same(_gathered(split / name, tmp_path), _whole(saved / name, _names(single.workers()[name])))
+        whole = _extra(saved / name)
+        assert_same_extra(_extra(split / name, rank=0), whole)  # rank 0 goes on with the saved worker's draws
+        rank_1 = _extra(split / name, rank=1)
+        assert_same_extra(rank_1, whole, keys=("scheduler", "shuffle_generator"))
+        if name == "actor":  # the rank the saved run did not have samples from its own seed, as a fresh run would
+            assert torch.equal(rank_1["rollout_generator"], torch.Generator().manual_seed(seed + 1).get_state())
+    result = trainer.fit_step(validate=never)
+    assert result.step == 3 and all(torch.isfinite(torch.tensor(v)) for v in result.metrics.values()
+                                    if isinstance(v, float))
+    assert "re-split" not in capsys.readouterr().err
+
+
+def test_a_rollback_takes_the_weights_saved_by_another_number_of_workers(workspace, one, two, tmp_path):
+    single, one_saved = one
+    trainer, two_saved = two
+    step = trainer.global_step
+    checkpoint.restore_weights(trainer, one_saved)  # one worker's whole weights onto two workers
+    assert trainer.global_step == step
+    rolled = checkpoint.save_checkpoint(trainer, tmp_path / "rolled")
+    for name in PARTS:
+        assert_same(_gathered(rolled / name, tmp_path), _whole(one_saved / name, _names(single.workers()[name])))
+
+    lr = single.actor.optimizer.param_groups[0]["lr"]
+    shuffle = single.actor.shuffle_generator.get_state()
+    checkpoint.restore_weights(single, two_saved)  # two workers' shards onto one worker
+    for name in PARTS:
+        worker = single.workers()[name]
+        state = worker.state_dict()
+        assert_same(_flat(state["model"], state["optimizer"], _names(worker)), _gathered(two_saved / name, tmp_path))
+    assert single.actor.optimizer.param_groups[0]["lr"] == lr
+    assert torch.equal(single.actor.shuffle_generator.get_state(), shuffle)  # weights only: the streams go on
