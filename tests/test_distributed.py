@@ -114,6 +114,9 @@ class _TestWorker(DistributedWorker):
         mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
         result = one_update(cfg, tokenizer, batch, n, minibatch_shares(batch, mini_rows, WORLD, balance)[self.rank])
         actor = result.pop("worker")
+        from rlhf_core.rollout import hf
+
+        hf.FUSED_DECODE = False  # every token from the module's forward, where the hook steers it
         hook = actor.forward_module.register_forward_hook(
             _steering_hook(tokenizer.eos_token_id, force=self.rank == 0))
         mine = slice(2 * self.rank, 2 * self.rank + 2)  # two prompts per rank, two samples each

@@ -53,6 +53,9 @@ from rlhf_core.workers.common import (
     unpack,
 )
 
+#: rank r of a group samples with seed + ROLLOUT_SEED_STRIDE * r (rank 0, and one worker, with the seed itself)
+ROLLOUT_SEED_STRIDE = 1_000_003
+
 
 def response_log_prob(model: torch.nn.Module, batch: Batch, temperature: float,
                       with_entropy: bool, remove_padding: bool = False, entropy_grad: bool = True,
@@ -217,8 +220,9 @@ class ActorWorker(CheckpointableWorker):
                              "hf_overrides": dict(model_cfg.override_config)}
         else:
             engine_kwargs = {"synced": distributed.all_done if self.sharded else None}
+        # each rank samples with its own stream, kept clear of the shuffle generators' seeds (seed + 1, seed + 2)
         self.rollout = make_rollout_engine(rollout.name, self.forward_module, tokenizer,
-                                           seed=seed + distributed.rank(), **engine_kwargs)
+                                           seed=seed + ROLLOUT_SEED_STRIDE * distributed.rank(), **engine_kwargs)
         self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.skipped_steps = 0
 

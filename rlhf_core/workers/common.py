@@ -551,7 +551,7 @@ class CheckpointableWorker:
 
     def rank_generators(self) -> dict[str, torch.Generator]:
         """The generators of ``extra_state`` that each rank seeds by its rank, by key: the HF rollout's sampling
-        generator (seed + rank; vLLM keeps its sampler's state to itself). A rank that a resumed checkpoint's
+        generator (seeded by its rank; vLLM keeps its sampler's state to itself). A rank that a resumed checkpoint's
         run did not have starts them from their seed (see :func:`load_saved`)."""
         generator = getattr(getattr(self, "rollout", None), "generator", None)
         return {"rollout_generator": generator} if isinstance(generator, torch.Generator) else {}
