@@ -158,7 +158,8 @@ def preflight(cfg: PPOConfig) -> None:
                     f"{key}: no reward function for data_source {', '.join(unknown)} (known: "
                     f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
             groups = cfg.algorithm.filter_groups
-            if without and groups.enable and groups.metric == "acc" and not custom.path:
+            if key == "data.train_files" and without and groups.enable and groups.metric == "acc" \
+                    and not custom.path:  # dynamic sampling groups training prompts only
                 errors.append(f"{key}: {without} rows have no reward_model.ground_truth, so no accuracy: "
                               "algorithm.filter_groups.metric=acc cannot group them; use seq_reward or score")
         except DataError as exc:
@@ -187,8 +188,9 @@ def _critic_problems(cfg: PPOConfig, actor: tuple[Path, int | None] | None) -> l
         return []
     key = "critic.model.path with critic.model.override_config" if critic.override_config else "critic.model.path"
     remedy = f"use a critic with at least {budget} positions"
-    if not critic.override_config and cfg.actor_rollout_ref.model.override_config \
-            and folder.resolve() == (actor[0].resolve() if actor else None):  # the actor's reach came from its override
+    if not critic.override_config and cfg.actor_rollout_ref.model.override_config and actor is not None \
+            and folder.resolve() == actor[0].resolve() and actor[1] is not None and actor[1] >= budget > limit:
+        # the actor's reach came from its override
         remedy = ("the actor reaches further through actor_rollout_ref.model.override_config, which the critic does "
                   "not take: give it the same in critic.model.override_config")
     return [f"{key}: {folder} has max_position_embeddings {limit} but the critic reads prompt + response sequences "

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.dataset import DataError, PromptSampler, RLHFDataset, left_pad
+from rlhf_core.data.dataset import DataError, PromptSampler, RLHFDataset, ground_truth, left_pad
 from rlhf_core.data.schema import INSTRUCTION, make_record
 from rlhf_core.models.toy import build_char_tokenizer
 
@@ -93,6 +94,9 @@ def test_prompts_without_a_ground_truth_only_where_the_reward_does_not_need_one(
     alone = RLHFDataset(str(tmp_path / "prompts.parquet"), tokenizer, config, require_ground_truth=False)
     assert alone.collate([0, 1]).meta["ground_truth"] == [None, None]
     assert alone.prompt_ids == mixed.prompt_ids
+    # a NaN of any float width is pandas' missing value, not a ground truth
+    assert [ground_truth(v) for v in ({"ground_truth": float("nan")}, {"ground_truth": np.float32("nan")},
+                                      {"ground_truth": 0.0}, {"style": "model"}, None)] == [None, None, 0.0, None, None]
 
 
 def test_a_file_without_extra_info_beside_one_with_it(tmp_path, tokenizer):

@@ -495,6 +495,20 @@ def test_a_namespace_package_beside_the_reward_is_the_users_code_not_a_package_t
     assert _spec_hash(custom) != first["sha256"]
 
 
+def test_a_directory_named_as_an_installed_package_does_not_unpin_it(tmp_path, monkeypatch):
+    """An empty ``yaml/`` beside the reward: Python imports the installed PyYAML before a namespace directory, so
+    PyYAML is what runs and stays pinned."""
+    from importlib import metadata
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "yaml").mkdir()
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("import yaml\n\ndef score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(bool(yaml.safe_load(solution_str or '0')))\n")
+    spec = reward_spec(_custom_config(custom), data_sources=["anything"])
+    assert spec["packages"] == {"yaml": {"PyYAML": metadata.version("PyYAML")}}
+
+
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     import pandas as pd
 

@@ -154,6 +154,11 @@ def test_a_critic_without_the_actors_override_is_told_to_take_it(space, tmp_path
         "in critic.model.override_config, or lower data.max_response_length or data.max_prompt_length"]
     preflight(_config(space, "+actor_rollout_ref.model.override_config.max_position_embeddings=256",
                       "+critic.model.override_config.max_position_embeddings=256", actor=actor))
+    # an actor override that does not reach the budget either: the plain advice, beside the actor's own error
+    errors = _errors(_config(space, "+actor_rollout_ref.model.override_config.max_position_embeddings=200",
+                             actor=actor))
+    assert len(errors) == 2 and "exceeds the model's max_position_embeddings (200)" in errors[0]
+    assert "use a critic with at least 256 positions" in errors[1]
 
 
 def _prompts_alone(space, folder: Path, source: str, graded_rows: int = 0) -> Path:
@@ -199,3 +204,7 @@ def test_dynamic_sampling_on_accuracy_is_refused_for_prompts_without_a_ground_tr
         "data.train_files: 5 rows have no reward_model.ground_truth, so no accuracy: algorithm.filter_groups.metric="
         "acc cannot group them; use seq_reward or score"]
     preflight(_config(space, *grpo, "algorithm.filter_groups.metric=score"))
+    # validation prompts without one are not grouped: training data that all have one pass
+    graded = _prompts_alone(space, tmp_path / "graded", "synthetic/arithmetic", graded_rows=8)
+    preflight(_config(space, *grpo, "algorithm.filter_groups.metric=acc", f"data.train_files={graded / 'train.parquet'}",
+                      f"data.val_files={data / 'test.parquet'}"))

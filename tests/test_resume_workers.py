@@ -127,6 +127,8 @@ def test_the_worker_count_may_change_on_resume_but_batches_must_still_divide(wor
     out = tmp_path / "out"
     saved, moved = _config(workspace, out).to_dict(), _config(workspace, out, *TWO).to_dict()
     assert checkpoint.config_differences(saved, moved) == []
+    tp = _config(workspace, out, *TWO, "actor_rollout_ref.rollout.tensor_model_parallel_size=2").to_dict()
+    assert checkpoint.config_differences(saved, tp) == []  # vLLM's layout over the workers, not the math
     other = _config(workspace, out, *TWO, "actor_rollout_ref.actor.ppo_mini_batch_size=8").to_dict()
     assert checkpoint.config_differences(saved, other) == ["actor_rollout_ref.actor.ppo_mini_batch_size"]
     # 4 prompts x 2 samples a mini-batch, 4 sequences a micro-batch: three workers cannot share them evenly
@@ -194,3 +196,22 @@ def test_a_rollback_takes_the_weights_saved_by_another_number_of_workers(workspa
         assert_same(_flat(state["model"], state["optimizer"], _names(worker)), _gathered(two_saved / name, tmp_path))
     assert single.actor.optimizer.param_groups[0]["lr"] == lr
     assert torch.equal(single.actor.shuffle_generator.get_state(), shuffle)  # weights only: the streams go on
+
+
+def test_the_notice_names_what_differs_after_a_resplit(workspace, tmp_path):
+    """Greedy, unshuffled, no dynamic sampling: the rounding alone; each of the three settings adds its reason."""
+    from types import SimpleNamespace
+
+    def notice(*extra):
+        config = _config(workspace, tmp_path / "out", *extra)
+        trainer = SimpleNamespace(config=config, workers=lambda: {"actor": None})
+        return checkpoint.resplit_notice(trainer, tmp_path, 2, 1)
+
+    plain = notice("actor_rollout_ref.rollout.do_sample=false")
+    assert plain.endswith("the run does not continue bit for bit as the saved run would have: the sums over the "
+                          "workers (gradients, losses) round otherwise")
+    assert "own generator" in notice("actor_rollout_ref.rollout.do_sample=true")
+    assert "shuffles its own share" in notice("actor_rollout_ref.rollout.do_sample=false",
+                                               "actor_rollout_ref.actor.shuffle=true")
+    assert "dynamic-sampling round" in notice("actor_rollout_ref.rollout.do_sample=false", "algorithm.adv_estimator=grpo",
+                                               "algorithm.filter_groups.enable=true")

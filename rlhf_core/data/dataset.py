@@ -80,7 +80,7 @@ def ground_truth(reward_model) -> object:
     """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, a null, or the NaN
     with which pandas fills a missing float)."""
     truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    return None if truth is None or (isinstance(truth, float) and math.isnan(truth)) else truth
+    return None if truth is None or (isinstance(truth, (float, np.floating)) and math.isnan(truth)) else truth
 
 
 def _messages(value) -> list[dict]:

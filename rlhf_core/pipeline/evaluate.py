@@ -24,6 +24,7 @@ import hashlib
 import html
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import io
 import json
@@ -448,9 +449,23 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
                     stem = base.joinpath(*name.split("."))
                     todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
     parts += [f"# {dotted}\n{_project_source(*ours[dotted])}" for dotted in sorted(ours)]
-    others = {name for name in imported - set(sys.stdlib_module_names) - project if not any(
-        (base / f"{name}.py").is_file() or (base / name).is_dir() for base in absolute)}
+    others = {name for name in imported - set(sys.stdlib_module_names) - project if not _users(name, absolute)}
     return "\n".join(parts), others
+
+
+def _users(name: str, bases: list[Path]) -> bool:
+    """Whether top-level module ``name`` is the user's own: a module or package beside the reward or in the
+    current directory, or a directory there (a namespace package) that no installed package of that name wins
+    over (Python imports an installed regular package before a namespace directory)."""
+    if any((base / f"{name}.py").is_file() or (base / name / "__init__.py").is_file() for base in bases):
+        return True
+    if not any((base / name).is_dir() for base in bases):
+        return False
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return True
+    return spec is None or spec.origin is None  # no origin: the namespace directory itself
 
 
 @functools.cache

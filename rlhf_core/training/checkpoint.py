@@ -95,6 +95,7 @@ RESUME_SAFE_KEYS = (
     # mini-batch; the config's own checks refuse batches that do not divide over them (load_checkpoint says
     # what then differs from the saved run)
     "trainer.n_gpus_per_node", "trainer.nnodes",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",  # how vLLM lays the engine out over them
     "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged (the
@@ -573,6 +574,9 @@ def resplit_notice(trainer, path: Path, saved: int, world: int) -> str:
                    "have starts from the seed), so other responses are drawn")
     if arr.actor.shuffle or ("critic" in trainer.workers() and config.value("critic.shuffle")):
         why.append("each worker shuffles its own share of the batch into mini-batches, so they are drawn otherwise")
+    if config.algorithm.filter_groups.enable:
+        why.append("a dynamic-sampling round that runs out of generation batches trains its groups in whole "
+                   "mini-batches on a worker group and all of them on one worker, so such a round trains otherwise")
     return (f"notice: {path} was saved by {saved} worker(s) and is re-split over {world}: the weights, optimizer "
             "moments and learning-rate schedule carry over exactly, but the run does not continue bit for bit as "
             f"the saved run would have: {'; '.join(why)}")

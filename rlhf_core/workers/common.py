@@ -408,7 +408,8 @@ def load_saved(worker, folder: Path, saved: int, weights_only: bool = False) -> 
 
 def _read(path: Path, device: torch.device | str = "cpu"):
     try:
-        return torch.load(path, map_location=device, weights_only=True)
+        # mapped, not read: the ranks of a group that each cut one worker's whole state share its pages
+        return torch.load(path, map_location=device, weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
         raise ValueError(f"checkpoint file {path} cannot be read: {exc}") from exc
 
