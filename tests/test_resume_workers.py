@@ -23,9 +23,15 @@ def never(step, metrics) -> bool:  # no validation: it is not what these tests a
     return False
 
 
+# shuffled mini-batches and a warm-up, so that the shuffle generators are drawn and the learning rate moves
+# between steps: a schedule or generator loaded wrongly shows
+DRAWN = ("actor_rollout_ref.actor.shuffle=true", "critic.shuffle=true", "actor_rollout_ref.actor.optim.lr_warmup_steps=4",
+         "critic.optim.lr_warmup_steps=4")
+
+
 def _config(workspace, out, *extra):
     return load_config(workspace.overrides(out, "trainer.total_training_steps=3", "trainer.save_freq=2",
-                                           "trainer.logger=[]", *extra))
+                                           "trainer.logger=[]", *DRAWN, *extra))
 
 
 def _trainer(workspace, out, *extra):
@@ -203,7 +209,8 @@ def test_the_notice_names_what_differs_after_a_resplit(workspace, tmp_path):
     from types import SimpleNamespace
 
     def notice(*extra):
-        config = _config(workspace, tmp_path / "out", *extra)
+        config = _config(workspace, tmp_path / "out", "actor_rollout_ref.actor.shuffle=false", "critic.shuffle=false",
+                         *extra)
         trainer = SimpleNamespace(config=config, workers=lambda: {"actor": None})
         return checkpoint.resplit_notice(trainer, tmp_path, 2, 1)
 
