@@ -421,18 +421,22 @@ def test_cli_trains_against_a_reward_model_and_logs_proxy_and_gold(space, data, 
     assert final["critic/score/mean"] == pytest.approx(final["critic/rm_score/mean"], abs=1e-5)
 
 
+def _prompts_alone(data, folder):
+    """The synthetic train and test files without their reward_model column: prompts alone."""
+    import pandas as pd
+
+    folder.mkdir()
+    for split in ("train", "test"):
+        pd.read_parquet(data / f"{split}.parquet").drop(columns=["reward_model"]).to_parquet(folder / f"{split}.parquet")
+    return folder
+
+
 def test_cli_trains_on_prompts_alone_against_a_reward_model(space, data, tmp_path, capsys):
     """Prompts without any ground truth (no reward_model column): PPO with rule_coef=0 trains and validates on
     the model's score, the reward is the core validation metric, and no accuracy or gold is logged; with a rule
     share in the reward the same data are refused before training, naming the row."""
-    import pandas as pd
-
     root, base, same, _ = space
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    for split in ("train", "test"):
-        pd.read_parquet(data / f"{split}.parquet").drop(columns=["reward_model"]).to_parquet(
-            prompts / f"{split}.parquet")
+    prompts = _prompts_alone(data, tmp_path / "prompts")
     out = tmp_path / "out"
     code = ppo(_cli(root, base, prompts, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
                     "actor_rollout_ref.rollout.n=1", "trainer.logger=[console,file]"))
@@ -479,17 +483,11 @@ def test_a_validation_batch_without_ground_truths_keeps_the_others_majority_vote
 def test_the_dry_run_takes_prompts_alone_as_training_does(space, data, tmp_path):
     """The dry run loads its first prompts as the trainer would: without a ground truth where the reward model
     alone scores, and refused (naming the column) where a rule share needs one."""
-    import pandas as pd
-
     from rlhf_core.data.dataset import DataError
     from rlhf_core.pipeline.smoke import run_smoke_test
 
     root, base, same, _ = space
-    prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    for split in ("train", "test"):
-        pd.read_parquet(data / f"{split}.parquet").drop(columns=["reward_model"]).to_parquet(
-            prompts / f"{split}.parquet")
+    prompts = _prompts_alone(data, tmp_path / "prompts")
     args = [*_cli(root, base, prompts, tmp_path / "out"), f"reward_model.model.path={same}"]
     report = run_smoke_test(load_config(args), tmp_path / "smoke", n_prompts=4, response_length=4)
     assert report.n_prompts == 4 and len(report.metrics) == 2
