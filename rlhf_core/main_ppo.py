@@ -31,7 +31,8 @@ import pyarrow.parquet
 import torch
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files, ground_truth
+from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files
+from rlhf_core.data.schema import ground_truth
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,

@@ -21,7 +21,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.schema import problem_id, problem_index
+from rlhf_core.data.schema import ground_truth, problem_id, problem_index
 
 
 class DataError(ValueError):
@@ -74,13 +74,6 @@ def plain_value(value):
     if isinstance(value, dict):
         return {k: plain_value(v) for k, v in value.items()}
     return value.item() if isinstance(value, np.generic) else value
-
-
-def ground_truth(reward_model) -> object:
-    """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, a null, or the NaN
-    with which pandas fills a missing float)."""
-    truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
-    return None if truth is None or (isinstance(truth, (float, np.floating)) and math.isnan(truth)) else truth
 
 
 def _messages(value) -> list[dict]:

@@ -8,11 +8,14 @@ A preference row (for reward models) is ``prompt`` (chat messages, as above), ``
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
@@ -62,6 +65,20 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def is_missing(value) -> bool:
+    """None, pandas' markers (NA, NaT) or a NaN of any float width: a float column's NaN is its null."""
+    if value is None or value is pd.NA or value is pd.NaT:
+        return True
+    return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def ground_truth(reward_model):
+    """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, or a missing
+    value, :func:`is_missing`): what the trainer, preflight and validation read alike."""
+    truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
+    return None if is_missing(truth) else truth
 
 
 def problem_index(extra_info, source_row: int):

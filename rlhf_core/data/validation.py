@@ -54,7 +54,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlhf_core.data.schema import PREFERENCE_COLUMNS, REQUIRED_COLUMNS, problem_id, problem_index
+from rlhf_core.data.schema import (
+    PREFERENCE_COLUMNS,
+    REQUIRED_COLUMNS,
+    ground_truth,
+    is_missing,
+    problem_id,
+    problem_index,
+)
 
 GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
 NON_BLANK_REGEX = r"\S"
@@ -292,14 +299,6 @@ def load_tokenizer(tokenizer: Any) -> Any:
 # Helper columns
 
 
-def _is_missing(value: Any) -> bool:
-    """None, pandas' markers (NA, NaT) or a NaN of any float width: a float column's NaN is its null, so a
-    NaN ground truth is a missing one (not the text "nan"), as for the trainer."""
-    if value is None or value is pd.NA or value is pd.NaT:
-        return True
-    return isinstance(value, (float, np.floating)) and math.isnan(value)
-
-
 def _messages(value: Any) -> list[dict[str, str]] | None:
     """The prompt as ``[{role, content}]`` with string fields, or None when malformed."""
     if not isinstance(value, (list, tuple, np.ndarray)):
@@ -369,7 +368,7 @@ def _canonical_prompt(messages: list[dict]) -> str | None:
 
 def _not_text(value: Any) -> Any:
     """``value`` when it is there but is not a string (a number, a list of messages), else None."""
-    return None if isinstance(value, str) or _is_missing(value) else value
+    return None if isinstance(value, str) or is_missing(value) else value
 
 
 def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prompt",
@@ -397,19 +396,19 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     raw = list(frame[prompt_key]) if prompt_key in frame else None
     if raw is not None and kind == "prompt":  # the RL dataset takes a plain string as one user turn
         raw = [[{"role": "user", "content": v}] if isinstance(v, str) else v for v in raw]
-    parsed = [None if _is_missing(v) else _messages(v) for v in raw] if raw is not None else None
+    parsed = [None if is_missing(v) else _messages(v) for v in raw] if raw is not None else None
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
                  for messages in parsed]
-        out["prompt_num_messages"] = column((math.nan if _is_missing(v) else -1.0 if m is None else len(m)
+        out["prompt_num_messages"] = column((math.nan if is_missing(v) else -1.0 if m is None else len(m)
                                              for v, m in zip(raw, parsed)), "float64")
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
         # the messages as the trainers hand them to the chat template: every key of each message
         conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
-        truths = [v.get("ground_truth") if isinstance(v, Mapping) else None for v in frame["reward_model"]]
-        out["ground_truth"] = column(None if _is_missing(t) else t.decode() if isinstance(t, bytes) else str(t)
+        truths = map(ground_truth, frame["reward_model"])  # as the trainer reads it: a NaN is a missing one
+        out["ground_truth"] = column(None if t is None else t.decode() if isinstance(t, bytes) else str(t)
                                      for t in truths)
     if kind == "prompt" and measure and parsed is not None:  # prompts alone are measured too
         counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
