@@ -102,9 +102,11 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(algos.masked_mean(values, mask)) if mask.sum() > 0 else 0.0
 
 
-def _nanmean(values: torch.Tensor) -> float:
-    """The mean of the entries that are not NaN (a reward function's key missing on some responses)."""
-    return float(torch.nanmean(values.double()))
+def _nanmean(values) -> float | None:
+    """The mean of the entries that are not NaN (a reward function's key missing on some responses, a prompt
+    without a ground truth), None where every entry is: nothing to report."""
+    values = torch.as_tensor(values, dtype=torch.float64)
+    return None if bool(values.isnan().all()) else float(torch.nanmean(values))
 
 
 def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
@@ -405,15 +407,14 @@ class PPOTrainer:
                 with self.phase("update_actor", timings):
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length, cfg.data.max_prompt_length))
-        acc = torch.as_tensor(extras["acc"], dtype=torch.float32)
-        if not bool(acc.isnan().all()):  # NaN: a prompt without a ground truth (a reward model's run)
-            metrics["critic/acc/mean"] = _nanmean(acc)
+        if (acc := _nanmean(extras["acc"])) is not None:  # NaN: a prompt without a ground truth
+            metrics["critic/acc/mean"] = acc
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
         for key in reported_extras(extras):  # e.g. a reward model's score and the rule's (gold) apart
-            if not bool(torch.as_tensor(extras[key]).isnan().all()):
-                metrics[f"critic/{key}/mean"] = _nanmean(extras[key])
+            if (mean := _nanmean(extras[key])) is not None:
+                metrics[f"critic/{key}/mean"] = mean
         metrics.update(timings)
         tokens = int(batch["attention_mask"].sum())
         metrics.update(timing_per_token(timings, self._sampled_tokens, tokens))
@@ -462,8 +463,8 @@ class PPOTrainer:
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
         for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
-            if not all(math.isnan(v) for v in values):
-                metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = _nanmean(torch.tensor(values))
+            if (mean := _nanmean(values)) is not None:
+                metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = mean
         return metrics
 
     def _note_idle_guards(self, metrics: dict[str, float]) -> None:
