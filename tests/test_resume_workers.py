@@ -142,6 +142,27 @@ def test_the_worker_count_may_change_on_resume_but_batches_must_still_divide(wor
         _config(workspace, out, "trainer.n_gpus_per_node=3")
 
 
+def test_dropout_in_the_workers_updates_resumes_exactly(workspace, ray_cluster, tmp_path):
+    """Attention dropout in both updates draws from each worker process's own torch generator, which the trainer's
+    ``rng_state.pt`` does not hold: the ranks save theirs, so step 2 after a resume from step 1 is step 2 again.
+    (Placed before the tests that take ``two``: the cluster's 2 CPUs hold one group at a time.)"""
+    dropout = ("+actor_rollout_ref.model.override_config.attention_dropout=0.5",
+               "+critic.model.override_config.attention_dropout=0.5")
+    out = tmp_path / "out"
+    trainer = _trainer(workspace, out, *TWO, *dropout, "trainer.save_freq=1")
+    try:
+        trainer.fit_step(validate=never)
+        first = trainer.fit_step(validate=never).metrics
+        trainer.load_checkpoint(out / "global_step_1")
+        again = trainer.fit_step(validate=never).metrics
+    finally:
+        trainer.close()
+    for name in ("actor/pg_loss", "actor/grad_norm", "critic/vf_loss", "critic/grad_norm"):
+        assert again[name] == pytest.approx(first[name], rel=1e-6, abs=1e-9), name
+    saved = torch.load(out / "global_step_1" / "actor" / "extra_state_rank_1.pt", weights_only=True)
+    assert saved["process_rng"]["cpu"].dtype == torch.uint8
+
+
 def test_two_workers_checkpoint_gathers_into_one_exactly(workspace, two, tmp_path, capsys):
     _, saved = two
     trainer = _trainer(workspace, tmp_path / "gathered")
@@ -222,3 +243,4 @@ def test_the_notice_names_what_differs_after_a_resplit(workspace, tmp_path):
                                                "actor_rollout_ref.actor.shuffle=true")
     assert "dynamic-sampling round" in notice("actor_rollout_ref.rollout.do_sample=false", "algorithm.adv_estimator=grpo",
                                                "algorithm.filter_groups.enable=true")
+

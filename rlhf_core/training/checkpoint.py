@@ -16,8 +16,9 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
 
 With several workers (FSDP2) each role directory holds instead ``dcp/`` (every rank's shards of
 the model and optimizer state, torch.distributed.checkpoint) and ``extra_state_rank_R.pt`` (each
-rank's scheduler and generators), written by the workers themselves: ``default_local_dir`` must
-then be a filesystem every worker sees. ``huggingface/`` is gathered and written by rank 0.
+rank's scheduler and generators, and the torch generators of its process, which dropout draws
+from), written by the workers themselves: ``default_local_dir`` must then be a filesystem every
+worker sees. ``huggingface/`` is gathered and written by rank 0.
 Either layout loads on any number of workers (:func:`saved_workers` counts those that saved it):
 shards re-split or gather into one process, one worker's whole tensors are cut into shards, and a
 rank the saved run did not have takes rank 0's schedule and shuffle state and seeds its own

@@ -30,6 +30,8 @@ from rlhf_core.workers import distributed
 SHARDS_DIR = "dcp"
 RANK_STATE = "extra_state_rank_{}.pt"  # one per rank beside the shards; one worker writes its state whole instead
 _RANK_STATE = re.compile(r"extra_state_rank_(\d+)\.pt")
+#: the key of a rank's extra state that holds its process's torch generators (dropout in the updates draws from them)
+PROCESS_RNG = "process_rng"
 
 
 def micro_batch_rows(batch: Batch, micro_size: int | None, use_dynamic_bsz: bool, max_token_len: int,
@@ -335,11 +337,12 @@ def clip_and_check(params, max_norm: float) -> tuple[float, bool]:
 def save_shards(worker, folder: Path) -> None:
     """A sharded worker's checkpoint: every rank writes its shards of the model (with LoRA only the
     trainable tensors) and optimizer state under ``folder/dcp`` (torch DCP), and its own scheduler
-    and generator states as ``extra_state_rank_R.pt``."""
+    and generator states as ``extra_state_rank_R.pt``, with the torch generators of its process: a worker of a group
+    runs in a process of its own, whose generators the trainer's ``rng_state.pt`` does not hold."""
     folder.mkdir(parents=True, exist_ok=True)
     distributed.save_sharded(folder / SHARDS_DIR, worker.module, worker.optimizer, only_trainable=worker.lora)
     with open(folder / RANK_STATE.format(distributed.rank()), "xb") as f:
-        torch.save(worker.extra_state(), f)
+        torch.save({**worker.extra_state(), PROCESS_RNG: process_rng(worker.device)}, f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -364,10 +367,11 @@ def load_saved(worker, folder: Path, saved: int, weights_only: bool = False) -> 
     Shards (torch DCP) re-split onto any number of ranks or gather whole into one process; one worker's whole
     tensors are cut into this rank's shards (:func:`shard_whole`). The rest is small: the scheduler's state
     (the same on every rank), the mini-batch shuffle generator (seeded and drawn alike on every rank of a group)
-    and the generators each rank seeds by its rank (:meth:`CheckpointableWorker.rank_generators`). A rank the
-    saved run had takes its own; one it did not have takes rank 0's schedule and shuffle state and starts its
-    rank-seeded generators from their seed, as a fresh run seeds them (a copy of rank 0's would draw the same
-    numbers for other prompts). ``weights_only`` (a guard's rollback) keeps the current learning rate, schedule
+    and the generators each rank seeds by its rank (:meth:`CheckpointableWorker.rank_generators`), with the
+    process's torch generators where a group saved them. A rank the saved run had takes its own; one it did not
+    have takes rank 0's schedule and shuffle state, starts its rank-seeded generators from their seed, as a fresh
+    run seeds them (a copy of rank 0's would draw the same numbers for other prompts), and keeps its process's
+    generators as they are. ``weights_only`` (a guard's rollback) keeps the current learning rate, schedule
     position and generators and takes only the weights and optimizer moments.
     """
     lrs = [group["lr"] for group in worker.optimizer.param_groups]
@@ -395,6 +399,9 @@ def load_saved(worker, folder: Path, saved: int, weights_only: bool = False) -> 
     rank = distributed.rank()
     if shards:
         extra = _read(folder / RANK_STATE.format(rank if rank < saved else 0))
+        process = extra.pop(PROCESS_RNG, None)  # absent from checkpoints written before it was saved
+        if process is not None and rank < saved:
+            set_process_rng(process, worker.device)
     else:
         extra = {**rest, **_read(folder / "extra_state.pt")}  # the scheduler beside the optimizer, the generators
     if rank >= saved:
@@ -404,6 +411,20 @@ def load_saved(worker, folder: Path, saved: int, weights_only: bool = False) -> 
     worker.load_extra_state(extra)
     for group, lr in zip(worker.optimizer.param_groups, worker.scheduler.get_last_lr()):
         group["lr"] = lr
+
+
+def process_rng(device: torch.device | str) -> dict[str, torch.Tensor]:
+    """This process's torch generators: the CPU one, and the current CUDA device's where the worker runs on one."""
+    state = {"cpu": torch.get_rng_state()}
+    if torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_process_rng(state: dict[str, torch.Tensor], device: torch.device | str) -> None:
+    torch.set_rng_state(state["cpu"].clone())  # a private copy: the loaded one may be a mapped file's
+    if "cuda" in state and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"].clone())
 
 
 def _read(path: Path, device: torch.device | str = "cpu"):
