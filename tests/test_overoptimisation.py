@@ -105,6 +105,15 @@ def test_proxy_and_gold_are_the_means_over_sources():
     assert proxy_and_gold({"val-aux/a/reward/mean@1": 2.0}) == (None, None)  # no gold: the guard is off
 
 
+def test_proxy_and_gold_compare_the_same_responses():
+    """A partly graded source gives the proxy of its graded responses; a source with none graded is left out."""
+    metrics = {"val-aux/a/reward/mean@4": 2.0, "val-aux/a/gold_reward/mean@4": 0.5,
+               "val-aux/b/c/reward/mean@4": 4.0, "val-aux/b/c/graded_reward/mean@4": 6.0,
+               "val-aux/b/c/gold_reward/mean@4": 0.25,
+               "val-core/d/reward/mean@4": 10.0, "val-aux/d/rm_score/mean@4": 10.0}  # d: no ground truth at all
+    assert proxy_and_gold(metrics) == (4.0, 0.375)
+
+
 # ----------------------------------------------------------------------------- a planted reward model in PPO
 
 
@@ -250,3 +259,34 @@ def test_overopt_action_stop_restores_the_best_gold_and_stops(space, tmp_path):
         assert max(logged) == 3
     finally:
         trainer.close()
+
+
+MIXED, GRADED, PROMPTS = "synthetic/arithmetic", "openai/gsm8k", "hh/prompts"  # the last has no rule
+
+
+def test_validation_logs_the_graded_responses_reward_where_a_source_is_partly_graded(space, tmp_path):
+    """Validation prompts of three kinds: a source with one of its two prompts graded, a graded source and a source
+    of prompts alone. The proxy beside the gold is the reward of the responses the gold grades (the planted model
+    pays one per token), worked out here from the scripted texts."""
+    root, model = space
+    trainer, tokenizer, _ = _trainer(root, model, tmp_path / "out")
+    try:
+        rows = trainer.val_dataset.rows
+        truths = [row["ground_truth"] for row in rows]
+        for row, (source, graded) in zip(rows, [(MIXED, True), (MIXED, False), (GRADED, True),
+                                               (PROMPTS, False)]):
+            row["data_source"], row["ground_truth"] = source, row["ground_truth"] if graded else None
+        texts = [_text(" The answer is", truths[0], True), "no ground truth here, so a much longer answer",
+                 _text("", truths[2], False), "ungraded"]
+        trainer.actor.generate = lambda prompts, params: _scripted(prompts, tokenizer, lambda i: texts[i])
+        metrics = trainer.validate()
+    finally:
+        trainer.close()
+    length = [len(text) + 1 for text in texts]  # one token a character, and EOS
+    assert metrics[f"val-aux/{MIXED}/reward/mean@1"] == pytest.approx((length[0] + length[1]) / 2)
+    assert metrics[f"val-aux/{MIXED}/graded_reward/mean@1"] == pytest.approx(length[0])
+    assert metrics[f"val-aux/{MIXED}/gold_reward/mean@1"] == 1.0
+    assert metrics[f"val-aux/{GRADED}/gold_reward/mean@1"] == 0.0
+    assert metrics[f"val-core/{PROMPTS}/reward/mean@1"] == pytest.approx(length[3])
+    assert not [key for key in metrics if "graded_reward" in key and f"/{MIXED}/" not in key]  # only where partly graded
+    assert proxy_and_gold(metrics) == (pytest.approx((length[0] + length[2]) / 2), 0.5)

@@ -34,6 +34,7 @@ streak is running) are reported by :meth:`Guard.protected_steps` and never prune
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -222,13 +223,24 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
 
 def proxy_and_gold(metrics: Mapping[str, float]) -> tuple[float | None, float | None]:
     """The validation's proxy reward (``val-aux/<source>/reward/mean@n``, what PPO maximises) and gold
-    reward (``val-aux/<source>/gold_reward/mean@n``, the rule), each the mean over data sources; (None,
-    None) unless both are there (a run with a reward model and rows with a ground truth)."""
-    proxy = [v for k, v in metrics.items() if k.startswith("val-aux/") and "/reward/mean@" in k]
-    gold = [v for k, v in metrics.items() if k.startswith("val-aux/") and "/gold_reward/mean@" in k]
-    if not proxy or not gold:
+    reward (``val-aux/<source>/gold_reward/mean@n``, the rule), each the mean over the data sources that have a
+    gold reward, both measured on the same responses: a source whose prompts are only partly graded gives the
+    proxy of its graded ones (``graded_reward``), and a source with none graded is left out of both. (None, None)
+    unless there is such a pair (a run with a reward model and rows with a ground truth)."""
+    found: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if match := _VALIDATION_REWARD.fullmatch(key):
+            found.setdefault(match[1], {})[match[2]] = value
+    pairs = [(source.get("graded_reward", source.get("reward")), source["gold_reward"]) for source in found.values()
+             if "gold_reward" in source]
+    pairs = [(proxy, gold) for proxy, gold in pairs if proxy is not None]
+    if not pairs:
         return None, None
-    return sum(proxy) / len(proxy), sum(gold) / len(gold)
+    return sum(p for p, _ in pairs) / len(pairs), sum(g for _, g in pairs) / len(pairs)
+
+
+#: a source's validation reward (``reward``, the proxy), its graded responses' alone and its gold reward
+_VALIDATION_REWARD = re.compile(r"val-aux/(.+)/(reward|graded_reward|gold_reward)/mean@\d+")
 
 
 class OverOptimisationGuard:

@@ -102,6 +102,22 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float(algos.masked_mean(values, mask)) if mask.sum() > 0 else 0.0
 
 
+def graded_rewards(sources: Sequence[str], score: Sequence[float], apart: dict[tuple[str, str], list[float]],
+                   n: int) -> dict[str, float]:
+    """``val-aux/<source>/graded_reward/mean@n``: the reward of a source's graded responses alone (those with a gold
+    reward), where only some of them are graded; the over-optimisation guard compares it with their gold."""
+    metrics = {}
+    for source in dict.fromkeys(sources):
+        gold = apart.get(("gold_reward", source))
+        if gold is None:
+            continue
+        scores = [value for value, of in zip(score, sources) if of == source]  # in the order gold was gathered
+        graded = [value for value, truth in zip(scores, gold, strict=True) if not math.isnan(truth)]
+        if graded and len(graded) < len(scores):
+            metrics[f"val-aux/{source}/graded_reward/mean@{n}"] = float(np.mean(graded))
+    return metrics
+
+
 def _nanmean(values) -> float | None:
     """The mean of the entries that are not NaN (a reward function's key missing on some responses, a prompt
     without a ground truth), None where every entry is: nothing to report."""
@@ -465,6 +481,7 @@ class PPOTrainer:
         for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
             if (mean := _nanmean(values)) is not None:
                 metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = mean
+        metrics.update(graded_rewards(sources, score, apart, params.n))
         return metrics
 
     def _note_idle_guards(self, metrics: dict[str, float]) -> None:
