@@ -347,6 +347,11 @@ class RewardModelConfig:
     enable: bool = _k(False, "score responses with a learned reward model (reward_model.model.path)")
     model: RewardModelModelConfig = _section(RewardModelModelConfig, "the reward model")
     micro_batch_size_per_gpu: int = _k(16, "sequences per reward-model forward on one worker")
+    max_length: int | None = _k(None, "where the reward model re-encodes each conversation (its tokenizer or chat "
+                                      "template differs from the policy's): the longest sequence it scores; longer "
+                                      "ones lose tokens from the left, the prompt's first, so the response's end, "
+                                      "where the score is read, stays; null = its max_position_embeddings (the "
+                                      "policy's ids scored as they are are never cut)")
     rm_coef: float = _k(1.0, "with enable: score = rm_coef * model score + rule_coef * rule score, on the last "
                              "response token")
     rule_coef: float = _k(0.0, "weight of the rule (or custom) reward in that sum; 0 = the model alone (as verl); "
@@ -1169,6 +1174,7 @@ def validate_config(cfg: PPOConfig) -> None:
             errors.append("reward_model.enable=true needs reward_model.model.path (an HF sequence-classification "
                           "directory with num_labels=1 and its tokenizer)")
         _positive(errors, "reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu)
+        _positive(errors, "reward_model.max_length", rm.max_length)
         for key, value in (("reward_model.rm_coef", rm.rm_coef), ("reward_model.rule_coef", rm.rule_coef)):
             if value < 0:
                 errors.append(f"{key}={value} must be >= 0")

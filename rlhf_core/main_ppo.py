@@ -217,12 +217,13 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
 
 
 def _reward_model_length_problems(cfg: PPOConfig) -> list[str]:
-    """The reward model's position limit against what it scores, which nothing truncates: the policy's
-    prompt + response ids as they are (at most data.max_prompt_length + data.max_response_length), or where its
-    tokenizer or template differs, the raw chat messages (whole, whatever data.truncation did to the policy's
-    prompt) rendered with its own template, then the decoded response re-tokenized and EOS: a length the config
-    does not bound, the policy's budget where the two tokenizers split text alike. An unusable directory is
-    :func:`_reward_model_problems`' to report."""
+    """The reward model's position limit against what it scores: the policy's prompt + response ids as they are
+    (at most data.max_prompt_length + data.max_response_length), which nothing cuts; or where its tokenizer or
+    template differs, the raw chat messages (whole, whatever data.truncation did to the policy's prompt) rendered
+    with its own template, then the decoded response re-tokenized and EOS: about the policy's budget where the two
+    tokenizers split text alike, cut from the left at ``reward_model.max_length`` (by default the limit itself).
+    Past the limit without that key set is refused, as a budget the reward model would mostly see cut; with it,
+    the user has chosen the cut. An unusable directory is :func:`_reward_model_problems`' to report."""
     from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
 
     rm = cfg.reward_model
@@ -232,15 +233,23 @@ def _reward_model_length_problems(cfg: PPOConfig) -> list[str]:
     except ModelError:
         return []
     budget = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if limit is None or budget <= limit:
+    if rm.max_length is not None and limit is not None and rm.max_length > limit:
+        return [f"reward_model.max_length={rm.max_length} exceeds the max_position_embeddings of {folder} ({limit})"]
+    if not switch and rm.max_length is not None and rm.max_length < budget:
+        return [f"reward_model.max_length={rm.max_length} cuts only sequences the reward model re-encodes, and "
+                f"{folder} scores the policy's ids as they are (same tokenizer and chat template), up to "
+                f"data.max_prompt_length + data.max_response_length = {budget} tokens, uncut; remove the key, or "
+                "lower data.max_response_length or data.max_prompt_length"]
+    if limit is None or budget <= limit or (switch and rm.max_length is not None):
         return []
-    scored = ("re-encodes each conversation with its own chat template, uncut: the whole prompt (data.truncation "
-              "does not shorten it) plus the response re-tokenized and EOS, about data.max_prompt_length + "
+    scored = ("re-encodes each conversation with its own chat template: the whole prompt (data.truncation does not "
+              "shorten it) plus the response re-tokenized and EOS, about data.max_prompt_length + "
               f"data.max_response_length = {budget} tokens, more where its tokenizer splits text finer"
               if switch else "scores the policy's prompt + response ids as they are, uncut: up to "
               f"data.max_prompt_length + data.max_response_length = {budget} tokens")
+    cut = f", or set reward_model.max_length (at most {limit}) to cut longer ones from the left" if switch else ""
     return [f"reward_model.model.path: {folder} has max_position_embeddings {limit} but the reward model {scored}; "
-            f"use a reward model with at least {budget} positions, or lower data.max_response_length or "
+            f"use a reward model with at least {budget} positions{cut}, or lower data.max_response_length or "
             "data.max_prompt_length"]
 
 

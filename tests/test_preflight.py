@@ -121,6 +121,13 @@ def test_a_reward_model_with_fewer_positions_than_the_budget_is_a_preflight_erro
         "tokens; use a reward model with at least 256 positions, or lower data.max_response_length or "
         "data.max_prompt_length"]
     preflight(_config(space, *enabled, "data.max_response_length=55"))  # 255 tokens fit
+    # the policy's ids are never cut: a max_length below the budget would not be applied, so it is refused
+    assert _errors(_config(space, *enabled, "data.max_response_length=55", "reward_model.max_length=200")) == [
+        "reward_model.max_length=200 cuts only sequences the reward model re-encodes, and "
+        f"{rm} scores the policy's ids as they are (same tokenizer and chat template), up to "
+        "data.max_prompt_length + data.max_response_length = 255 tokens, uncut; remove the key, or "
+        "lower data.max_response_length or data.max_prompt_length"]
+    preflight(_config(space, *enabled, "data.max_response_length=55", "reward_model.max_length=255"))
     preflight(_config(space, "reward_model.enable=true",
                       f"reward_model.model.path={reward_model(space / 'actor', tmp_path / 'rm_ok', BUDGET)}"))
 
@@ -131,10 +138,17 @@ def test_a_reward_model_that_re_encodes_says_what_it_scores(space, tmp_path):
                              "data.return_raw_chat=true"))
     assert errors == [
         f"reward_model.model.path: {rm} has max_position_embeddings 128 but the reward model re-encodes each "
-        "conversation with its own chat template, uncut: the whole prompt (data.truncation does not shorten it) "
+        "conversation with its own chat template: the whole prompt (data.truncation does not shorten it) "
         "plus the response re-tokenized and EOS, about data.max_prompt_length + data.max_response_length = 256 "
-        "tokens, more where its tokenizer splits text finer; use a reward model with at least 256 positions, or "
-        "lower data.max_response_length or data.max_prompt_length"]
+        "tokens, more where its tokenizer splits text finer; use a reward model with at least 256 positions, or set "
+        "reward_model.max_length (at most 128) to cut longer ones from the left, or lower data.max_response_length "
+        "or data.max_prompt_length"]
+    # a cut chosen: passes; one past the model's positions: refused
+    preflight(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}", "data.return_raw_chat=true",
+                      "reward_model.max_length=128"))
+    assert _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}",
+                           "data.return_raw_chat=true", "reward_model.max_length=129")) == [
+        f"reward_model.max_length=129 exceeds the max_position_embeddings of {rm} (128)"]
     # without the raw messages both problems are listed
     errors = _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}"))
     assert [e.split(" ", 2)[1] for e in errors] == ["the", f"{rm}"]

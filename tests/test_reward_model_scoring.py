@@ -187,6 +187,30 @@ def test_a_response_cut_at_the_length_limit_is_re_encoded_without_eos(space):
     assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
 
 
+def test_a_re_encoded_sequence_longer_than_max_length_loses_its_first_tokens(space, capsys):
+    """reward_model.max_length=12: each conversation, rendered in the reward model's template, keeps its last 12
+    tokens (the character tokenizer: one a character, and EOS), so the score is read where it is uncut."""
+    root, base, _, other = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    questions = ["3 + 4?", "What is 10 - 3? Think."]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    worker = RewardModelWorker(_rm_config(other, base, 16, 1.0, 0.0, "reward_model.max_length=12"))
+    assert worker.switch_template
+    whole = [tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"]
+             for q, r in zip(questions, RESPONSES)]
+    assert [len(ids) for ids in whole] == [len(f"### Q: {q}\n{r}") + 1 for q, r in zip(questions, RESPONSES)]
+    expected = [_hf_score(other, ids[-12:]) for ids in whole]
+    assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
+    assert abs(expected[0] - _hf_score(other, whole[0])) > 1e-3  # the cut changes the score: it did happen
+    worker.compute_rm_score(batch)
+    err = capsys.readouterr().err
+    assert err.count("notice: 2 of 2 sequences re-encoded for the reward model were longer than its 12 tokens") == 1
+    # by default the model's positions (512 here) bound it: nothing is cut, nothing said
+    RewardModelWorker(_rm_config(other, base)).compute_rm_score(batch)
+    assert "notice" not in capsys.readouterr().err
+
+
 THINK_TEMPLATE = TOY_TEMPLATE.replace(
     "{% if add_generation_prompt %}Assistant: {% endif %}",
     "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"

@@ -29,6 +29,7 @@ score (``extras["rm_score"]``), so validation can log the proxy and the gold sid
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -225,6 +226,9 @@ class RewardModelWorker:
         module = AutoModelForSequenceClassification.from_pretrained(
             str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code)
         module.config.use_cache = False
+        # what a re-encoded sequence may hold: longer ones lose their first tokens (see encode_response)
+        self.max_length = config.max_length or getattr(module.config, "max_position_embeddings", None)
+        self.noted_cut = False
         module = module.to(self.device).eval()
         cpu_matmul.route(module)
         for param in module.parameters():
@@ -253,10 +257,18 @@ class RewardModelWorker:
         responses = self.input_tokenizer.batch_decode(response_ids, skip_special_tokens=True)
         # the decoded text has lost the policy's stop token (a special token), so whether a response ended is read
         # from its ids: one cut at data.max_response_length gets no EOS, as its ids fed as they are have none
-        ids = [encode_response(self.tokenizer, messages, response, chat_template_kwargs=self.template_kwargs,
-                               eos=bool(policy_ids) and policy_ids[-1] in self.input_stop_ids)[0]
-               for messages, response, policy_ids in zip(batch.meta["raw_prompt"], responses, response_ids)]
-        return Batch(left_pad(ids, self.pad_id))
+        encoded = [encode_response(self.tokenizer, messages, response, self.max_length,
+                                   chat_template_kwargs=self.template_kwargs,
+                                   eos=bool(policy_ids) and policy_ids[-1] in self.input_stop_ids)
+                   for messages, response, policy_ids in zip(batch.meta["raw_prompt"], responses, response_ids)]
+        cut = [prompt_cut + response_cut for _, prompt_cut, response_cut in encoded]
+        if any(cut) and not self.noted_cut:
+            self.noted_cut = True
+            print(f"notice: {sum(map(bool, cut))} of {len(cut)} sequences re-encoded for the reward model were "
+                  f"longer than its {self.max_length} tokens (reward_model.max_length, or its "
+                  "max_position_embeddings) and lost their first tokens, the prompt's start first (up to "
+                  f"{max(cut)}); said once", file=sys.stderr, flush=True)
+        return Batch(left_pad([ids for ids, _, _ in encoded], self.pad_id))
 
     @torch.no_grad()
     def compute_rm_score(self, batch: Batch) -> torch.Tensor:
