@@ -509,6 +509,28 @@ def test_a_directory_named_as_an_installed_package_does_not_unpin_it(tmp_path, m
     assert spec["packages"] == {"yaml": {"PyYAML": metadata.version("PyYAML")}}
 
 
+def test_a_namespace_package_pins_the_distribution_of_the_part_imported(tmp_path, monkeypatch):
+    """``google`` is filled by several distributions here (protobuf, google-auth, ...: what ray and mlflow bring):
+    a reward importing google.protobuf pins protobuf alone, and one importing google.auth google-auth alone, so an
+    upgrade of another part does not ask for production to be evaluated again."""
+    from importlib import metadata
+
+    assert len(set(metadata.packages_distributions()["google"])) > 1
+    monkeypatch.chdir(tmp_path)
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("from google.protobuf import message\nimport google.auth.transport\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    spec = reward_spec(_custom_config(custom), data_sources=["anything"])
+    assert spec["packages"] == {"google.auth": {"google-auth": metadata.version("google-auth")},
+                                "google.protobuf": {"protobuf": metadata.version("protobuf")}}
+    custom.write_text("from google import protobuf\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    assert reward_spec(_custom_config(custom), data_sources=["anything"])["packages"] == {
+        "google.protobuf": {"protobuf": metadata.version("protobuf")}}
+
+
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     import pandas as pd
 

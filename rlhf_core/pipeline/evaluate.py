@@ -412,10 +412,11 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
     not reach (its production results are then evaluated again, where a missed change would grade the
     candidate and production by different rules). What these files import from this project enters as its
     source (:func:`_project_source`), whatever the current directory: its checkout there is not the user's
-    code, and its files' imports are not the reward's packages. With it, the top-level names of the other
-    modules these files import, neither the user's own (a module or a directory, a namespace package, beside
-    the reward or in the current directory) nor the standard library's nor this project's: code the text does
-    not hold, which :func:`_installed` pins by its version."""
+    code, and its files' imports are not the reward's packages. With it, the top-level names (of a namespace
+    package that several distributions fill, the part imported) of the other modules these files import, neither
+    the user's own (a module or a directory, a namespace package, beside the reward or in the current directory)
+    nor the standard library's nor this project's: code the text does not hold, which :func:`_installed` pins by
+    its version."""
     path = path.expanduser().resolve()
     root, parts, seen, todo, imported, ours = path.parent, [], set(), [path], set(), {}
     absolute = [root, Path.cwd()]  # where an absolute import of the user's own modules is found
@@ -430,15 +431,15 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 names, bases = [alias.name for alias in node.names], absolute
-                imported.update(name.partition(".")[0] for name in names)
+                imported.update(names)
                 ours.update({name: (name, None) for name in names if name.partition(".")[0] in project})
                 names = [name for name in names if name.partition(".")[0] not in project]  # found by its source
             elif isinstance(node, ast.ImportFrom):
                 bases = [file.parents[node.level - 1]] if node.level else absolute
                 names = ([node.module] if node.module else []) + [
                     f"{node.module}.{alias.name}" if node.module else alias.name for alias in node.names]
-                if not node.level:
-                    imported.add(node.module.partition(".")[0])
+                if not node.level:  # the names too: of a namespace package, they may be what one distribution provides
+                    imported.update(f"{node.module}.{a.name}" if a.name != "*" else node.module for a in node.names)
                     if node.module.partition(".")[0] in project:  # found by its source, not as the user's files
                         ours.update({f"{node.module}.{a.name}": (node.module, a.name) for a in node.names})
                         names = []
@@ -449,8 +450,10 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
                     stem = base.joinpath(*name.split("."))
                     todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
     parts += [f"# {dotted}\n{_project_source(*ours[dotted])}" for dotted in sorted(ours)]
-    others = {name for name in imported - set(sys.stdlib_module_names) - project if not _users(name, absolute)}
-    return "\n".join(parts), others
+    tops = {name.partition(".")[0] for name in imported}
+    others = {top for top in tops - set(sys.stdlib_module_names) - project if not _users(top, absolute)}
+    provides = importlib.metadata.packages_distributions()
+    return "\n".join(parts), {_package_part(name, provides) for name in imported if name.partition(".")[0] in others}
 
 
 def _users(name: str, bases: list[Path]) -> bool:
@@ -497,17 +500,41 @@ def _project_source(module: str, name: str | None) -> str:
         return dotted
 
 
+def _package_part(name: str, provides: dict[str, list[str]]) -> str:
+    """What of an imported module's dotted name one installed distribution provides: its top-level package, or
+    where several distributions fill that package (a namespace such as ``google``), its first two parts
+    (``google.protobuf``: protobuf alone, not google-auth beside it)."""
+    top, _, rest = name.partition(".")
+    shared = len(set(provides.get(top, ()))) > 1
+    return f"{top}.{rest.partition('.')[0]}" if rest and shared else top
+
+
+def _providers(name: str, provides: dict[str, list[str]]) -> list[str]:
+    """The distributions that provide ``name`` (a top-level package, or a namespace's part, :func:`_package_part`):
+    of a namespace's distributions, those whose files lie under the part (all of them where none says)."""
+    top, _, part = name.partition(".")
+    dists = sorted(set(provides.get(top, ())))
+    if not part:
+        return dists
+    inside = (f"{top}/{part}/", f"{top}/{part}.")
+    holding = [dist for dist in dists if any(str(file).startswith(inside)
+                                             for file in importlib.metadata.files(dist) or ())]
+    return holding or dists
+
+
 def _installed(modules: set[str]) -> dict[str, Any]:
-    """For each top-level module, the installed distributions that provide it with their versions (an upgrade
-    of one may change what the reward gives, in code the reward's text does not hold), or ``"not installed"``
-    (the reward fails at that import, where it runs it). This project's own packages are left out: its
-    version changes at each of its releases, and production would be evaluated again every time, although
-    the reward reaches little of what changed (what the reward imports of it is hashed by its source)."""
+    """For each top-level module (or namespace part, :func:`_package_part`), the installed distributions that
+    provide it with their versions (an upgrade of one may change what the reward gives, in code the reward's text
+    does not hold), or ``"not installed"`` (the reward fails at that import, where it runs it). This project's own
+    packages are left out: its version changes at each of its releases, and production would be evaluated again
+    every time, although the reward reaches little of what changed (what the reward imports of it is hashed by its
+    source)."""
     if not modules:
         return {}
     provides = importlib.metadata.packages_distributions()
-    return {name: {dist: importlib.metadata.version(dist) for dist in sorted(set(provides.get(name, ())))}
-            or "not installed" for name in sorted(modules - _project_packages())}
+    project = _project_packages()
+    return {name: {dist: importlib.metadata.version(dist) for dist in _providers(name, provides)}
+            or "not installed" for name in sorted(modules) if name.partition(".")[0] not in project}
 
 
 def _source_or_name(target: Any) -> str:
