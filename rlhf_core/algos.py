@@ -492,16 +492,17 @@ def compute_policy_loss_cispo(
 
     ``loss_t = -sg(clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * log_prob_t``: the
     importance weight is truncated and detached instead of the token being dropped from the gradient, so
-    every token keeps a REINFORCE gradient. Without ``clip_ratio_low`` there is no lower bound (as in the
-    paper); ``clip_ratio_high`` is the truncation bound (large, e.g. 5; ``clip_ratio`` when unset).
+    every token keeps a REINFORCE gradient. ``clip_ratio_low`` (``clip_ratio`` when unset, as verl) bounds it
+    below; the paper's weight, with no lower bound, is ``clip_ratio_low=1.0``. ``clip_ratio_high`` is the
+    truncation bound (large, e.g. 5; ``clip_ratio`` when unset).
 
     Shapes: all (bs, T). Returns the loss and ``actor/pg_clipfrac`` (share of tokens whose weight was
-    truncated), ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (always 0).
+    truncated, either way), ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` (share raised to the lower bound).
     """
     high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)  # (bs, T)
     ratio = torch.exp(log_ratio)  # (bs, T)
-    lower = 0.0 if clip_ratio_low is None else 1.0 - clip_ratio_low
+    lower = 1.0 - (clip_ratio if clip_ratio_low is None else clip_ratio_low)
     truncated = torch.clamp(ratio, min=lower, max=1.0 + high).detach()  # (bs, T)
     pg_losses = -truncated * advantages * log_prob  # (bs, T)
     if rollout_is_weights is not None:
@@ -512,7 +513,7 @@ def compute_policy_loss_cispo(
         metrics = {
             "actor/pg_clipfrac": masked_mean(torch.ne(ratio, truncated).float(), response_mask).item(),
             "actor/ppo_kl": masked_mean(-log_ratio, response_mask).item(),
-            "actor/pg_clipfrac_lower": 0.0,
+            "actor/pg_clipfrac_lower": masked_mean(torch.lt(ratio, lower).float(), response_mask).item(),
         }
     return loss, metrics
 

@@ -140,20 +140,24 @@ def test_cispo_truncates_and_detaches_the_weight_but_keeps_every_gradient():
     log_prob = torch.log(t([ratios])).requires_grad_(True)
     advantages = t([[1.0, 1.0, -1.0, 1.0]])
     mask = t([[1, 1, 1, 0]])
-    loss, metrics = algos.compute_policy_loss_cispo(old, log_prob, advantages, mask, clip_ratio_high=0.5)
-    weights = [1.5, 1.1, 0.1]  # 2.0 truncated at 1 + 0.5; no lower bound without clip_ratio_low
+    # the paper's weight: no lower bound (clip_ratio_low=1.0)
+    loss, metrics = algos.compute_policy_loss_cispo(old, log_prob, advantages, mask, clip_ratio_low=1.0,
+                                                    clip_ratio_high=0.5)
+    weights = [1.5, 1.1, 0.1]  # 2.0 truncated at 1 + 0.5
     lp = [math.log(r) for r in ratios[:3]]
     expected = sum(-w * a * p for w, a, p in zip(weights, [1.0, 1.0, -1.0], lp)) / 3
     assert loss.item() == pytest.approx(expected)
-    assert metrics["actor/pg_clipfrac"] == pytest.approx(1 / 3)
+    assert (metrics["actor/pg_clipfrac"], metrics["actor/pg_clipfrac_lower"]) == (pytest.approx(1 / 3), 0.0)
     loss.backward()
     # the gradient of -sg(w) * A * log_prob is -w * A / 3 on every token, the truncated one included
     np.testing.assert_allclose(log_prob.grad.numpy(), [[-1.5 / 3, -1.1 / 3, 0.1 / 3, 0.0]])
-    # with clip_ratio_low = 0.2 the third weight is raised to 0.8
-    lowered, metrics = algos.compute_policy_loss_cispo(old, log_prob.detach(), advantages, mask, clip_ratio_low=0.2,
-                                                       clip_ratio_high=0.5)
-    assert lowered.item() == pytest.approx(sum(-w * a * p for w, a, p in zip([1.5, 1.1, 0.8], [1, 1, -1], lp)) / 3)
-    assert metrics["actor/pg_clipfrac"] == pytest.approx(2 / 3)
+    # clip_ratio_low unset is clip_ratio (0.2 by default), as verl: the third weight is raised to 0.8
+    for low in ({}, {"clip_ratio_low": 0.2}):
+        lowered, metrics = algos.compute_policy_loss_cispo(old, log_prob.detach(), advantages, mask,
+                                                           clip_ratio_high=0.5, **low)
+        assert lowered.item() == pytest.approx(sum(-w * a * p for w, a, p in zip([1.5, 1.1, 0.8], [1, 1, -1], lp)) / 3)
+        assert (metrics["actor/pg_clipfrac"], metrics["actor/pg_clipfrac_lower"]) == (pytest.approx(2 / 3),
+                                                                                      pytest.approx(1 / 3))
 
 
 def test_rollout_is_weights_multiply_every_policy_loss():
