@@ -699,6 +699,33 @@ def test_remax_step_subtracts_the_greedy_responses_score(tiny, tmp_path, monkeyp
     np.testing.assert_allclose(advantages.tolist(), expected_advantages, rtol=1e-6, atol=1e-6)
 
 
+def test_validation_reward_carries_the_overlong_penalty_as_training_does(tiny):
+    """As verl's DAPO reward manager, validation's reward is the score plus the length penalty; the accuracy is
+    the score's. Worked out from the responses the validation generated (greedy, 8 tokens at most)."""
+    trainer = _trainer(tiny, "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+                       "reward_model.overlong_buffer.penalty_factor=0.5", "actor_rollout_ref.rollout.val_kwargs.n=1")
+    seen = []
+    generate = trainer.actor.generate
+
+    def recording(prompts, params):
+        batch = generate(prompts, params)
+        seen.append(batch)
+        return batch
+
+    trainer.actor.generate = recording
+    metrics = trainer.validate()
+    [batch] = seen
+    lengths = batch["response_mask"].sum(-1).tolist()
+    texts = trainer.tokenizer.batch_decode([r[m.bool()] for r, m in zip(batch["responses"], batch["response_mask"])],
+                                           skip_special_tokens=True)
+    raw = [1.0 if text[:1].isdigit() else 0.0 for text in texts]
+    penalty = [-max(0, n - 4) / 4 * 0.5 for n in lengths]
+    assert any(penalty)  # responses past the free 4 tokens: the penalty shows in the reward
+    source = "synthetic/arithmetic"
+    assert metrics[f"val-aux/{source}/reward/mean@1"] == pytest.approx(sum(r + p for r, p in zip(raw, penalty)) / 8)
+    assert metrics[f"val-core/{source}/acc/mean@1"] == pytest.approx(sum(raw) / 8)
+
+
 def test_dapo_step_filters_groups_and_shapes_overlong_rewards(tiny, monkeypatch):
     trainer = _trainer(tiny, "algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc",
                        "algorithm.filter_groups.max_num_gen_batches=4", "actor_rollout_ref.actor.clip_ratio_low=0.2",

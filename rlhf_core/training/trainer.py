@@ -459,13 +459,14 @@ class PPOTrainer:
             rows = list(range(start, min(start + size, len(self.val_dataset))))
             batch = self.actor.generate(self.val_dataset.collate(rows), params)
             extras = self._score(batch)
+            self._shape_overlong(batch, extras)  # DAPO's length penalty is part of the reward, in validation too
             if self.config.trainer.log_val_generations > 0:
                 texts += zip(self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True),
                              extras["responses"])
             sources += batch.meta["data_source"]
             prompts += batch.meta["uid"]
             acc += [float(a) for a in extras["acc"]]
-            score += [float(s) for s in extras["score"]]
+            score += torch.as_tensor(extras["score"]).float().add(extras.get("overlong_reward", 0.0)).tolist()
             if answers is not None and "pred" in extras:
                 answers += extras["pred"]
             elif answers is not None and bool(torch.as_tensor(extras["acc"]).isnan().all()):
