@@ -56,7 +56,8 @@ class CriticWorker(CheckpointableWorker):
                  loss_scale_factor: int | None = None):
         """``config``: the critic section of :meth:`~rlhf_core.config.PPOConfig.resolved` (the keys that
         default to the actor's filled in); ``loss_scale_factor``: Dr. GRPO's divisor (None: each batch's
-        response width)."""
+        response width; :func:`build_critic` passes data.max_response_length, as verl's critic divides by it,
+        whatever the actor's loss_scale_factor)."""
         require_resolved(config, "critic")
         self.config = config
         self.device = torch.device(device)
