@@ -66,7 +66,7 @@ def evaluate(
         return ({"skipped": skip_reason}, HTMLString(f"<p>Evaluation skipped: {skip_reason}</p>"),
                 pd.DataFrame({"skipped": [skip_reason]}))
     cfg = PPOConfig.from_dict(ppo_config)
-    check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files),
+    check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files),
                     training_summary.get("dataset_fingerprint"), "evaluate")
     spec = check_reward_unchanged(cfg, reward_spec, "evaluate") if reward_spec is not None else reward_spec_of(cfg)
     model = cfg.actor_rollout_ref.model

@@ -53,7 +53,7 @@ def train_ppo(
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
-    check_unchanged(as_file_list(cfg.data.train_files) + as_file_list(cfg.data.val_files), validated, "train_ppo")
+    check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
         model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")  # the tokenizer stays

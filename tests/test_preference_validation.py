@@ -15,7 +15,7 @@ from rlhf_core.data.schema import PREFERENCE_COLUMNS
 from rlhf_core.data.validation import (
     ValidationReport,
     detect_kind,
-    fingerprint,
+    splits_fingerprint,
     validate_dataset,
     validate_frames,
     validate_preference_files,
@@ -63,7 +63,7 @@ def test_valid_pairs_pass(tmp_path):
     assert [(o.column, o.success) for o in report.find("column_exists", dataset="train")] == [
         (c, True) for c in PREFERENCE_COLUMNS]
     assert report.find("no_train_val_leakage")[0].dataset == "val"
-    assert report.fingerprint == fingerprint([train, val])
+    assert report.fingerprint == splits_fingerprint(train, val)
     assert "PASSED" in report.summary() and "preference data" in report.summary()
     json.dumps(report.to_dict(), allow_nan=False)
 
@@ -371,7 +371,7 @@ def test_validate_preference_files_joins_files_and_fingerprints_them(tmp_path):
     assert [row for row, _ in report.failures[0].examples] == [1, 2, 3]  # of 6 joined rows: 1, 2 and 3, 4
     assert report.failures[0].statistics["unexpected_count"] == 4
     assert report.datasets[0].rows == 6 and report.datasets[1].rows == 2
-    assert report.fingerprint == fingerprint([first, second, val])
+    assert report.fingerprint == splits_fingerprint([first, second], val)
 
 
 # ---------------------------------------------------------------------------------------------

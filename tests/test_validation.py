@@ -20,6 +20,7 @@ from rlhf_core.data.validation import (
     ValidationReport,
     fingerprint,
     flatten,
+    splits_fingerprint,
     validate_dataset,
     validate_frames,
 )
@@ -108,7 +109,7 @@ def test_valid_data_passes(valid_files, chat_tokenizer_dir):
     } <= names
     assert report.find("no_train_val_leakage")[0].dataset == "val"
     assert [d.rows for d in report.datasets] == [6, 3]
-    assert report.fingerprint == fingerprint([val, train])
+    assert report.fingerprint == splits_fingerprint(train, val)
     payload = json.loads(json.dumps(report.to_dict()))
     assert payload["success"] is True
     assert payload["statistics"]["unsuccessful_expectations"] == 0
@@ -275,12 +276,14 @@ def test_data_replaced_after_validation_is_caught_before_it_is_used(tmp_path):
 
     train, val = write(tmp_path / "train.parquet", records(4)), write(tmp_path / "val.parquet", records(2, "test", 50))
     validated = validate_dataset(train, val).fingerprint
-    check_unchanged([train, val], validated, "train_ppo")  # the same bytes: nothing to say
-    check_unchanged([train, val], None, "train_ppo")  # nothing validated (a skipped run): nothing to hold to
+    check_unchanged(train, [val], validated, "train_ppo")  # the same bytes: nothing to say
+    check_unchanged(train, val, None, "train_ppo")  # nothing validated (a skipped run): nothing to hold to
+    with pytest.raises(DataChangedError):  # the same files with their roles swapped are other data
+        check_unchanged(val, train, validated, "train_ppo")
     write(train, records(5))  # a nightly job drops new data in place mid-run
     with pytest.raises(DataChangedError, match=rf"train_ppo: the data files changed since they were validated "
                                                rf"\(fingerprint {validated[:12]} then, [0-9a-f]{{12}} now: "):
-        check_unchanged([train, val], validated, "train_ppo")
+        check_unchanged(train, val, validated, "train_ppo")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -590,6 +593,17 @@ def test_fingerprint_is_order_independent_and_byte_sensitive(tmp_path):
         fingerprint([tmp_path / "nope.parquet"])
 
 
+def test_the_splits_fingerprint_tells_which_file_is_in_which_split(tmp_path):
+    """The retraining gate and the data-changed check hold a run to it: a re-split of the same files is new data."""
+    a, b, c = (tmp_path / f"{name}.parquet" for name in "abc")
+    for path in (a, b, c):
+        path.write_bytes(f"bytes of {path.name}".encode())
+    assert splits_fingerprint([a, b], c) == splits_fingerprint([b, a], [c])  # order within a split: no matter
+    assert len({splits_fingerprint([a, b], c), splits_fingerprint([a, c], b), splits_fingerprint([b, c], a),
+                splits_fingerprint([a, b, c]), splits_fingerprint([a, b, c], [])}) == 4  # none and no files: alike
+    assert fingerprint([a, b, c]) not in {splits_fingerprint([a, b], c), splits_fingerprint([a, c], b)}
+
+
 def test_html_report_is_gx_data_docs_naming_failed_rows():
     rows = records(4)
     _no_user_turn(rows[1])
@@ -749,7 +763,7 @@ def test_the_data_step_validates_the_columns_the_trainer_reads(tmp_path, monkeyp
                        "data.reward_fn_key=source"])
     monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
     result, _html, fingerprint_ = step.validate_data.entrypoint(cfg.to_dict())
-    assert result["success"] is True and fingerprint_ == fingerprint([train, val])
+    assert result["success"] is True and fingerprint_ == splits_fingerprint(train, val)
     checked = {r["expectation_config"]["kwargs"].get("column") for d in result["datasets"]
                for r in d["result"]["results"]}
     assert {"question", "source"} <= checked and not {"prompt", "data_source"} & checked

@@ -280,6 +280,16 @@ def fingerprint(paths: Paths) -> str:
     return digest.hexdigest()
 
 
+def splits_fingerprint(train: Paths, val: Paths | None = None) -> str:
+    """SHA-256 over the :func:`fingerprint` of each split, each under its role: the same files shared out
+    otherwise between training and validation (a re-split) give another digest."""
+    digest = hashlib.sha256()
+    for role, paths in (("train", train), ("val", val)):
+        files = _files(paths) if paths is not None else []
+        digest.update(f"{role}:{fingerprint(files) if files else '-'};".encode())
+    return digest.hexdigest()
+
+
 def load_tokenizer(tokenizer: Any) -> Any:
     """``tokenizer`` itself, or the tokenizer saved at that path (loaded offline)."""
     if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
@@ -664,17 +674,18 @@ class DataChangedError(ValueError):
     """The data files are no longer the bytes that were validated."""
 
 
-def check_unchanged(paths: Paths, validated: str | None, where: str) -> None:
-    """Raise :class:`DataChangedError` when the files ``paths`` no longer have the fingerprint ``validated``
-    (None: nothing to hold them to), so that a run never trains or evaluates on data other than the data
-    it validated and records."""
+def check_unchanged(train: Paths, val: Paths | None, validated: str | None, where: str) -> None:
+    """Raise :class:`DataChangedError` when the training and validation files no longer have the fingerprint
+    ``validated`` (:func:`splits_fingerprint`; None: nothing to hold them to), so that a run never trains or
+    evaluates on data other than the data it validated and records."""
     if validated is None:
         return
-    now = fingerprint(paths)
+    now = splits_fingerprint(train, val)
     if now != validated:
+        files = _files(train) + (_files(val) if val is not None else [])
         raise DataChangedError(
             f"{where}: the data files changed since they were validated (fingerprint {validated[:12]} then, "
-            f"{now[:12]} now: {', '.join(map(str, _files(paths)))}); run the pipeline again on data that "
+            f"{now[:12]} now: {', '.join(map(str, files))}); run the pipeline again on data that "
             "stays put while it runs")
 
 
@@ -683,8 +694,8 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
                      **options: Any) -> ValidationReport:
     """Read the parquet file(s) and validate them (see :func:`validate_frames` for ``options``).
 
-    Several files of one split are joined, their rows numbered on; the report carries the files'
-    :func:`fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
+    Several files of one split are joined, their rows numbered on; the report carries the splits'
+    :func:`splits_fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
     """
     train_files, val_files = _files(train), _files(val) if val is not None else []
     tables = [[read_parquet(p) for p in files] for files in (train_files, val_files)]
@@ -694,7 +705,7 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
                              paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
                              file_rows=(rows[0], rows[1]))
-    report.fingerprint = fingerprint(train_files + val_files)
+    report.fingerprint = splits_fingerprint(train_files, val_files)
     return report
 
 
