@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import beta
 
-from rlhf_core.pipeline.promotion import decide, match_production
+from rlhf_core.pipeline.promotion import decide, decide_from_evaluation, match_production
 
 
 def results(right: int, wrong: int) -> list[bool]:
@@ -180,8 +180,6 @@ def test_decision_serialises_with_its_gain_interval_and_p_value():
 
 
 def test_the_evaluate_steps_record_is_paired_by_problem_id():
-    from rlhf_core.pipeline.promotion import decide_from_evaluation
-
     ids = [f"s/{i}" for i in range(10)]
     evaluation = {
         "problems": dict(zip(ids, results(9, 1))),                    # candidate
@@ -255,6 +253,21 @@ def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do
     assert pairing.result is fresh
     assert pairing.reevaluated == "production version 3 was evaluated on other validation problems " \
                                   "(fingerprint fff999 vs abc123 here)"
+    # evaluated on fewer problems (its own tokenizer made some prompts too long to keep): refused, naming them
+    short = EvalResult("prod", 1.0, 1, 1.0, {}, 3.0, problems=[{"id": "s/1", "correct": True}])
+    pairing = pair_with_production(candidate, "3", lambda: other, lambda: "/ckpt", lambda path: short)
+    assert pairing.results is None and pairing.result is short
+    assert pairing.refusal.startswith("production version 3 was evaluated on other validation problems (fingerprint "
+                                      "fff999 vs abc123 here); its checkpoint, evaluated here, kept no result for 1 of "
+                                      "the candidate's 2 problems (s/0): ")
+    decision = decide_from_evaluation({"problems": candidate["problems"], "base_problems": {"s/0": False, "s/1": False},
+                                       "production_version": "3", "production_results": pairing.results,
+                                       "production_refusal": pairing.refusal}, production_version="3")
+    assert not decision.promote and "kept no result for 1 of the candidate's 2 problems" in decision.reason
+    # more problems than the candidate's: compared on the candidate's
+    wide = EvalResult("prod", 0.5, 3, 0.5, {}, 3.0, problems=[{"id": f"s/{i}", "correct": i == 1} for i in range(3)])
+    assert pair_with_production(candidate, "3", lambda: other, lambda: "/ckpt", lambda path: wide).results == {
+        "s/0": False, "s/1": True}
     # no checkpoint, or one that cannot be evaluated: refused, saying so, and the run goes on
     assert pair_with_production(candidate, "3", lambda: other, None, evaluate).refusal.endswith(
         "; it has no checkpoint to evaluate here")

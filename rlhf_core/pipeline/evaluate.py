@@ -292,7 +292,15 @@ def pair_with_production(candidate: Mapping[str, Any], version: str, record: Cal
     except Exception as exc:  # noqa: BLE001 - whatever it was, the candidate is then refused, not the run failed
         return ProductionPairing(refusal=f"{refusal}; its checkpoint could not be evaluated here either "
                                          f"({type(exc).__name__}: {exc})")
-    return ProductionPairing({p["id"]: p["correct"] for p in result.problems}, None, result, reevaluated=refusal)
+    results = {p["id"]: p["correct"] for p in result.problems}
+    missing = [pid for pid in candidate["problems"] if pid not in results]
+    if missing:  # its own tokenizer or template dropped prompts the candidate's run kept (filter_overlong_prompts)
+        return ProductionPairing(refusal=(
+            f"{refusal}; its checkpoint, evaluated here, kept no result for {len(missing)} of the candidate's "
+            f"{len(candidate['problems'])} problems ({', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): "
+            "its own tokenizer or chat template makes those prompts longer than data.max_prompt_length, and "
+            "data.filter_overlong_prompts drops them; raise the limit or turn the filter off to compare"), result=result)
+    return ProductionPairing({pid: results[pid] for pid in candidate["problems"]}, None, result, reevaluated=refusal)
 
 
 def per_problem_table(candidate: EvalResult, base: EvalResult,
