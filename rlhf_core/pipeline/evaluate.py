@@ -298,8 +298,9 @@ def pair_with_production(candidate: Mapping[str, Any], version: str, record: Cal
         return ProductionPairing(refusal=(
             f"{refusal}; its checkpoint, evaluated here, kept no result for {len(missing)} of the candidate's "
             f"{len(candidate['problems'])} problems ({', '.join(map(str, missing[:5]))}{', ...' if len(missing) > 5 else ''}): "
-            "its own tokenizer or chat template makes those prompts longer than data.max_prompt_length, and "
-            "data.filter_overlong_prompts drops them; raise the limit or turn the filter off to compare"), result=result)
+            "with its own tokenizer or chat template, prompts can exceed data.max_prompt_length and "
+            "data.filter_overlong_prompts drops them (a max_problems sample is then drawn from other rows); raise "
+            "the limit or turn the filter off to compare"), result=result)
     return ProductionPairing({pid: results[pid] for pid in candidate["problems"]}, None, result, reevaluated=refusal)
 
 
