@@ -15,7 +15,7 @@ from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
-from rlhf_core.pipeline.promotion import check_gate
+from rlhf_core.pipeline.promotion import check_gate, check_not_cached
 from steps.check_new_data import check_new_data
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
@@ -39,6 +39,7 @@ def rlhf_retrain_pipeline(
     """Train a new version from the production checkpoint on new data; skip when the data is unchanged or this
     training was already done and refused, unless ``force``."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
+    check_not_cached()
     production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
-from rlhf_core.pipeline.promotion import check_gate
+from rlhf_core.pipeline.promotion import check_gate, check_not_cached
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -34,6 +34,7 @@ def rlhf_ppo_pipeline(
 ) -> None:
     """Train a new version of the run config's model and promote it if it beats production."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
+    check_not_cached()
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)

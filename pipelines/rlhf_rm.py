@@ -15,7 +15,7 @@ from __future__ import annotations
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
-from rlhf_core.pipeline.promotion import check_gate
+from rlhf_core.pipeline.promotion import check_gate, check_not_cached
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -41,6 +41,7 @@ def rlhf_rm_pipeline(
 ) -> None:
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
+    check_not_cached()
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     preference_fingerprint = validate_preferences(ppo_config)

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import pandas as pd
 import torch
+from pydantic import PositiveInt
 from zenml import get_step_context, log_metadata, step
 from zenml.client import Client
 from zenml.enums import ModelStages
@@ -49,8 +50,8 @@ def evaluate(
     training_summary: dict,
     reward_spec: dict | None = None,
     skip_reason: str = "",
-    batch_size: int = 64,
-    max_problems: int | None = None,
+    batch_size: PositiveInt = 64,  # typed so that ZenML refuses a bad value as the run compiles, not after training
+    max_problems: PositiveInt | None = None,
     sample_seed: int = 0,
 ) -> tuple[
     Annotated[dict, "evaluation"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 from typing import Annotated
 
+from pydantic import PositiveInt
 from zenml import log_metadata, step
 from zenml.logger import get_logger
 
@@ -15,8 +16,8 @@ logger = get_logger(__name__)
 
 
 @step(enable_cache=False)
-def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: int = 4,
-               response_length: int = 16) -> Annotated[dict, "smoke_report"]:
+def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: PositiveInt = 4,
+               response_length: PositiveInt = 16) -> Annotated[dict, "smoke_report"]:
     """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip."""
     if skip_reason:
         logger.info("smoke test skipped: %s", skip_reason)

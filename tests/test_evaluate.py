@@ -245,3 +245,32 @@ def test_the_fingerprint_covers_every_message_of_a_prompt():
     # worked out by hand: the sorted (id, messages as sorted-key JSON, ground truth) triples, as JSON
     items = [["s/0", json.dumps(plain[0]["messages"], sort_keys=True), "5"]]
     assert val_fingerprint(plain) == hashlib.sha256(json.dumps(items).encode()).hexdigest()
+
+
+def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setup, tmp_path, capsys):
+    """Before any model loads, a count below 1 is an argparse error; data sources without a built-in rule name the
+    option that grades them; with it, the file's function grades every problem (right on even indices: 20 of 40)."""
+    import pandas as pd
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    for flag in ("--max-problems", "--batch-size", "--max-response-length"):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate([str(model), str(val), flag, "0"])
+        assert exit_.value.code == 2 and f"{flag} 0 must be >= 1" in capsys.readouterr().err
+    short = ["--max-response-length", "2", "--max-prompt-length", "320"]
+    assert evaluate([str(model), str(val), *short]) == 2
+    err = capsys.readouterr().err
+    assert "no reward function for data_source 'synthetic/a'" in err and "(here: --custom-reward FILE.py)" in err
+    assert "Traceback" not in err
+    reward = tmp_path / "even.py"
+    reward.write_text("def graded(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if extra_info['index'] % 2 == 0 else 0.0\n")
+    indices = [info["index"] for info in pd.read_parquet(val)["extra_info"]]
+    assert sorted(indices) == list(range(40))
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward),
+                     "--custom-reward-name", "graded"]) == 0
+    assert capsys.readouterr().out.startswith("accuracy 50.00% ")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
+    assert "error: --custom-reward: " in capsys.readouterr().err

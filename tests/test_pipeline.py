@@ -345,6 +345,31 @@ def test_a_gate_that_cannot_be_applied_fails_before_any_step(trained):
     assert client.list_pipeline_runs(size=1).total == before
 
 
+def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path):
+    """A run config's enable_cache: true would replay an earlier run's checks and decision; an evaluation cap of
+    0 would fail after training. Both stop the run as it compiles."""
+    from zenml import Model
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+
+    client = zenml_client()
+    before = client.list_pipeline_runs(size=1).total
+    setup = tiny_setup()
+    parameters = {"trainer_config": str(setup.trainer_config), "train_files": str(setup.train_file),
+                  "val_files": str(setup.val_file)}
+    cached = tmp_path / "cached.yaml"
+    cached.write_text("enable_cache: true\n")
+    for pipeline in (rlhf_ppo_pipeline, rlhf_retrain_pipeline):
+        with pytest.raises(ValueError, match=r"enable_cache: true would replay earlier runs' steps"):
+            pipeline.with_options(model=Model(name=MODEL), config_path=str(cached))(**parameters)
+    capped = tmp_path / "capped.yaml"
+    capped.write_text("steps:\n  evaluate:\n    parameters:\n      max_problems: 0\n")
+    with pytest.raises(RuntimeError, match=r"Input validation failed for input .max_problems."):
+        rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(capped))(**parameters)
+    assert client.list_pipeline_runs(size=1).total == before
+
+
 # The retraining gate on versions built directly in the store: the gate reads only their metadata, so no
 # training is needed. A refused version carries what promote records (promoted, decision_reason,
 # dataset_fingerprint, reward_sha256) and what the gate records (warm_started_from, config_fingerprint).

@@ -32,21 +32,38 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
     parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
+    parser.add_argument("--custom-reward", metavar="FILE.py",
+                        help="grade with the function of this file (as custom_reward_function.path), not the "
+                             "built-in rules by data source")
+    parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
-    if args.batch_size < 1:
-        parser.error(f"--batch-size {args.batch_size} must be >= 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-problems", args.max_problems),
+                        ("--max-prompt-length", args.max_prompt_length),
+                        ("--max-response-length", args.max_response_length)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value} must be >= 1")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError
     from rlhf_core.models.loading import ModelError
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html
+    from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left")
+    try:  # what loading a reward file raises (see load_custom_reward_fn)
+        reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name) if args.custom_reward
+                     else None)
+    except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
+        print(f"error: --custom-reward: {exc}", file=sys.stderr)
+        return 2
     try:
-        result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size,
+        result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
                                  max_problems=args.max_problems, sample_seed=args.sample_seed)
+    except UnknownDataSourceError as exc:
+        print(f"error: {exc.args[0]} (here: --custom-reward FILE.py)", file=sys.stderr)
+        return 2
     except (DataError, ModelError, FileNotFoundError) as exc:  # input it cannot use; anything else is a bug
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -83,6 +83,20 @@ def check_gate(min_improvement: float, alpha: float) -> None:
     check_alpha(alpha, "alpha")
 
 
+def check_not_cached() -> None:
+    """Refuse a run config's ``enable_cache: true`` while a pipeline compiles (ZenML sets it on every step): the
+    cache would replay an earlier run's data checks, training, evaluation and promotion decision, and record them
+    under this run, on data that may have changed since."""
+    from zenml import get_pipeline_context
+
+    if get_pipeline_context().enable_cache:
+        raise ValueError("enable_cache: true would replay earlier runs' steps from ZenML's cache: their data checks, "
+                         "training, evaluation and promotion decision, recorded under this run. These pipelines run "
+                         "every step afresh: remove enable_cache from the run config (to carry on from a failed "
+                         "run's checkpoint, put trainer.resume_mode=resume_path and trainer.resume_from_path in its "
+                         "overrides)")
+
+
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
     """What decides a response's grade besides the model's weights: the reward (its spec's sha256), the prompt
     and response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`) and ``how_run``, how the policies
