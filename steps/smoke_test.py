@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from typing import Annotated
 
 from pydantic import PositiveInt
@@ -11,18 +12,22 @@ from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.smoke import run_smoke_test
+from steps.train_ppo import score_with
 
 logger = get_logger(__name__)
 
 
 @step(enable_cache=False)
 def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: PositiveInt = 4,
-               response_length: PositiveInt = 16) -> Annotated[dict, "smoke_report"]:
-    """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip."""
+               response_length: PositiveInt = 16, reward_model: Path | None = None) -> Annotated[dict, "smoke_report"]:
+    """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip; with
+    ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, as training's will be."""
     if skip_reason:
         logger.info("smoke test skipped: %s", skip_reason)
         return {"passed": None, "skipped": skip_reason}
     cfg = PPOConfig.from_dict(ppo_config)
+    if reward_model is not None:
+        score_with(cfg, reward_model)
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
         report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
     logger.info(report.summary())
@@ -30,6 +35,7 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     result["reward_sha256"] = reward_spec.get("sha256")
     result["dataset_fingerprint"] = reward_spec.get("self_check", {}).get("dataset_fingerprint")  # held to later
     log_metadata({"passed": report.passed, "wall_s": round(report.wall_s, 2), "cloned": report.cloned,
+                  "reward_model": report.reward_model,
                   "parameters": report.parameters, "target_parameters": report.target_parameters,
                   "checks": {check["name"]: check["detail"] for check in report.checks}})
     return result

@@ -25,6 +25,12 @@ logger = get_logger(__name__)
 SKIPPED_NOTE = "SKIPPED.txt"
 
 
+def score_with(cfg: PPOConfig, reward_model: Path) -> None:
+    """``cfg`` with its rollouts scored by ``reward_model`` (the artifact of train_reward_model)."""
+    cfg.reward_model.enable = True
+    cfg.reward_model.model.path = str(reward_model)
+
+
 def _finite(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
@@ -60,8 +66,7 @@ def train_ppo(
         model.path = str(resolve_policy_dir(init_from))
         logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
     if reward_model is not None:
-        cfg.reward_model.enable = True
-        cfg.reward_model.model.path = str(reward_model)
+        score_with(cfg, reward_model)
         logger.info("rollouts are scored by the reward model %s", reward_model)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir) / get_step_context().pipeline_run.name)

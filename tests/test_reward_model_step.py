@@ -85,3 +85,31 @@ def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
     assert str(run.steps["train_reward_model"].status) == "failed"
     assert "below reward_model.train.min_pair_accuracy" in str(run.steps["train_reward_model"].run_metadata["reason"])
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
+
+
+def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run):
+    """rlhf_rm_pipeline end to end on the tiny setup: the smoke test's rollouts and training's are both scored by
+    the reward model the run trained (its metrics carry the model's score beside the rule's gold reward), and the
+    candidate gets a promotion decision."""
+    from zenml import Model
+
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+
+    setup = tiny_setup()
+    run = rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-whole"))(
+        trainer_config=str(setup.trainer_config), train_files=str(setup.train_file), val_files=str(setup.val_file),
+        overrides=list(rm_overrides()), min_pair_accuracy=0.0)
+    run = zenml_client().get_pipeline_run(run.id)
+    assert str(run.status) == "completed"
+    trained = run.steps["train_reward_model"].outputs["reward_model"][0]
+    for name in ("smoke_test", "train_ppo"):  # both take the artifact the run trained (each loads its own copy)
+        given = run.steps[name].inputs["reward_model"]
+        assert [a.id for a in (given if isinstance(given, list) else [given])] == [trained.id], name
+    smoke = run.steps["smoke_test"].outputs["smoke_report"][0].load()
+    assert smoke["passed"] is True and smoke["reward_model"]
+    assert run.steps["smoke_test"].run_metadata["reward_model"] == smoke["reward_model"]
+    assert all("critic/rm_score/mean" in step and "critic/gold_reward/mean" in step for step in smoke["metrics"])
+    history = run.steps["train_ppo"].outputs["training_summary"][0].load()["history"]
+    assert history and all("critic/rm_score/mean" in step for step in history)
+    decision = run.steps["promote"].run_metadata
+    assert isinstance(decision["promoted"], bool) and decision["decision_reason"]

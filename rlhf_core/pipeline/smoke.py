@@ -54,6 +54,7 @@ class SmokeReport:
     parameters: int
     n_prompts: int
     steps: int
+    reward_model: str | None = None  # the reward model that scored the dry run's rollouts, if one did
     checks: list[dict[str, Any]] = field(default_factory=list)
     metrics: list[dict[str, float]] = field(default_factory=list)
     wall_s: float = 0.0
@@ -68,8 +69,9 @@ class SmokeReport:
     def summary(self) -> str:
         what = (f"a 2-layer random clone ({self.parameters:,} parameters) of {self.target_model} "
                 f"({self.target_parameters:,})" if self.cloned else f"{self.model} ({self.parameters:,} parameters)")
+        scored = f", scored by the reward model {self.reward_model}" if self.reward_model else ""
         lines = [f"smoke test {'PASSED' if self.passed else 'FAILED'} in {self.wall_s:.1f} s: {self.steps} PPO "
-                 f"iterations of the run config on {self.n_prompts} prompts with {what}"]
+                 f"iterations of the run config on {self.n_prompts} prompts with {what}{scored}"]
         lines += [f"  [{'ok' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}" for c in self.checks]
         return "\n".join(lines)
 
@@ -257,7 +259,8 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
     n_prompts = len(train_rows)
     small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)
-    report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps)
+    report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps,
+                         small.reward_model.model.path if small.reward_model.enable else None)
 
     preflight(small)
     with trainer_session(small) as trainer:
