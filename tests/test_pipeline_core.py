@@ -553,3 +553,23 @@ def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():
     code = ("import sys\nimport rlhf_core.pipeline.evaluate, rlhf_core.pipeline.lineage, rlhf_core.pipeline.promotion, rlhf_core.pipeline.schedule, "
             "rlhf_core.pipeline.smoke\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_the_kubeflow_example_mounts_the_model_and_data_wherever_they_are_read(repo_root):
+    """Each step that reads the trainer config's model or data paths runs in a pod with both volumes mounted (its
+    own pod settings where it has them, else the pipeline's), and the paths the example gives lie on them."""
+    import yaml
+    from zenml.config.pipeline_run_configuration import PipelineRunConfiguration
+
+    raw = yaml.safe_load((repo_root / "configs" / "kubeflow_example.yaml").read_text())
+    PipelineRunConfiguration.model_validate(raw)  # keys ZenML knows
+    pipeline_pod = raw["settings"]["orchestrator.kubeflow"]["pod_settings"]
+    for step in ("validate_data", "define_reward", "smoke_test", "train_ppo", "evaluate"):
+        own = raw["steps"].get(step, {}).get("settings", {}).get("orchestrator.kubeflow", {}).get("pod_settings")
+        pod = own or pipeline_pod
+        claims = {volume["name"] for volume in pod["volumes"]}
+        mounted = {mount["mountPath"] for mount in pod["volume_mounts"] if mount["name"] in claims}
+        assert {"/models", "/data"} <= mounted, step
+    parameters = raw["parameters"]
+    paths = [parameters["train_files"], parameters["val_files"]] + [o.split("=", 1)[1] for o in parameters["overrides"]]
+    assert all(path.startswith(("/models/", "/data/")) for path in paths), paths
