@@ -93,7 +93,7 @@ def evaluate(
 
     candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
                  "scoring": scoring_settings(spec["sha256"], cfg.data, dtype=kwargs["dtype"], device=kwargs["device"],
-                                             override_config=kwargs["override_config"])}
+                                             override_config=kwargs["override_config"], batch_size=batch_size)}
     production_version = _production_version(get_step_context().model.name)
     version = production_version.name if production_version is not None else None
     pairing = ProductionPairing()

@@ -328,6 +328,7 @@ def test_production_evaluated_on_other_problems_is_evaluated_again_on_these(trai
     assert sorted(evaluation["production_results"]) == sorted(evaluation["problems"]) and \
         len(evaluation["problems"]) == 8
     assert evaluation["production_results"] == evaluation["problems"]  # the same policy, problem by problem
+    assert evaluation["scoring"]["batch_size"] == 64  # the step's default: a record read later compares it
     meta = latest.run_metadata
     assert meta["promoted"] is False and meta["baseline"] == "production"
     assert meta["decision_reason"].startswith("not promoted: no improvement")

@@ -100,7 +100,8 @@ def check_not_cached() -> None:
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
     """What decides a response's grade besides the model's weights: the reward (its spec's sha256), the prompt
     and response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`) and ``how_run``, how the policies
-    ran (dtype, device, model config overrides: greedy responses in bfloat16 on a GPU are not float32's)."""
+    ran (dtype, device, model config overrides, batch size: greedy responses in bfloat16 on a GPU are not
+    float32's, and a prompt left-padded to another width in a batch of others can round to another token)."""
     settings = {"reward_sha256": reward_sha256, "max_prompt_length": data.max_prompt_length,
                 "max_response_length": data.max_response_length, "truncation": data.truncation, **how_run}
     if getattr(data, "apply_chat_template_kwargs", None):  # (only when set: records without it compare as before)
