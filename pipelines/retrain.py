@@ -4,9 +4,10 @@
     rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00
 
 When the data's fingerprint equals the one production was trained on, or a version already trained on
-this data from the current production version with the same trainer config and reward was refused on a
-gain and p-value that fail this run's gate too, ``check_new_data`` says so and the smoke test, training and evaluation are skipped; the new version
-is recorded but not promoted. ``force: true`` (a pipeline parameter) trains anyway.
+this data from the current production version with the same trainer config, reward and evaluation settings
+was refused on a gain and p-value that fail this run's gate too, ``check_new_data`` says so and the smoke
+test, training and evaluation are skipped; the new version is recorded but not promoted. ``force: true`` (a
+pipeline parameter) trains anyway.
 """
 
 from __future__ import annotations

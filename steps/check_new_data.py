@@ -32,6 +32,18 @@ def config_fingerprint(ppo_config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: the evaluate step's parameters that decide which problems a candidate is judged on, and how it is run on them
+EVALUATION_KEYS = ("batch_size", "max_problems", "sample_seed")
+
+
+def evaluation_settings(context) -> dict[str, Any]:
+    """This run's evaluate step parameters (:data:`EVALUATION_KEYS`, defaults included), as the run's snapshot
+    holds them ({} in a pipeline without the step): a refusal measured under other ones may not repeat."""
+    step = context.pipeline_run.snapshot.step_configurations.get("evaluate")
+    parameters = step.config.parameters if step is not None else {}
+    return {key: parameters[key] for key in EVALUATION_KEYS if key in parameters}
+
+
 def refused_again(meta, min_improvement: float, alpha: float) -> bool:
     """Whether the comparison promote recorded on a version (``gain``, ``p_value``) fails the gate
     ``min_improvement``/``alpha`` too: training the same candidate again would then end in the same refusal.
@@ -48,18 +60,19 @@ def refused_again(meta, min_improvement: float, alpha: float) -> bool:
 
 def refused_before(client: Client, model_name: str, production, dataset_fingerprint: str, config_sha256: str,
                    reward_sha256: str | None, min_improvement: float = 0.0, alpha: float = 0.05,
-                   exclude: UUID | None = None):
+                   exclude: UUID | None = None, evaluation: dict[str, Any] | None = None):
     """The newest version other than production (and ``exclude``, this run's own) that trained what this run
     would train -- this data, warm-started from this production version, with this trainer config and reward --
-    and was compared with this production version and refused on figures that fail the current gate too
-    (:func:`refused_again`); None when there is none.
+    and was compared with this production version, evaluated as this run will evaluate (``evaluation``:
+    :func:`evaluation_settings`), and refused on figures that fail the current gate too (:func:`refused_again`);
+    None when there is none.
 
     Training it again gives the same candidate (same seed) against the same production: the same refusal. A
     version whose run failed before the promotion step, whose training was skipped, or that was refused without
     a comparison (production could not be compared) has no verdict on a trained candidate and does not count;
     nor does one refused under a stricter gate than this run's when its figures pass this one, nor one without
-    ``warm_started_from``/``config_fingerprint`` (the gate's record on each version it runs for; versions from
-    before it kept them are retrained once)."""
+    ``warm_started_from``/``config_fingerprint``/``evaluation_settings`` (the gate's record on each version it
+    runs for; versions from before it kept them are retrained once)."""
     # the metadata filter narrows the search to versions trained on this data; each is then checked in full
     versions = depaginate(client.list_model_versions, model=model_name, sort_by="desc:number",
                           run_metadata=f"dataset_fingerprint:contains:{dataset_fingerprint}")
@@ -72,15 +85,18 @@ def refused_before(client: Client, model_name: str, production, dataset_fingerpr
                 and meta.get("warm_started_from") == production.name
                 and meta.get("previous_production_version") == production.name
                 and meta.get("config_fingerprint") == config_sha256 and meta.get("reward_sha256") == reward_sha256
+                and meta.get("evaluation_settings") == (evaluation or {})
                 and refused_again(meta, min_improvement, alpha)):
             return version
     return None
 
 
 def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha256: str, reward_sha256: str | None,
-         min_improvement: float = 0.0, alpha: float = 0.05, exclude: UUID | None = None) -> tuple[str, Any, Any]:
+         min_improvement: float = 0.0, alpha: float = 0.05, exclude: UUID | None = None,
+         evaluation: dict[str, Any] | None = None) -> tuple[str, Any, Any]:
     """(why training is skipped, "" to train; the production version; the refused version that this run would
-    repeat, if any). ``min_improvement`` and ``alpha`` are the promotion gate this run's candidate will face."""
+    repeat, if any). ``min_improvement`` and ``alpha`` are the promotion gate this run's candidate will face,
+    ``evaluation`` the evaluate step's settings (:func:`evaluation_settings`)."""
     check_gate(min_improvement, alpha)
     try:
         production = client.get_model_version(model_name, ModelStages.PRODUCTION)
@@ -92,11 +108,12 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
         return (f"the data is unchanged since production version {production.name} was trained "
                 f"(dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
     refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
-                             min_improvement, alpha, exclude)
+                             min_improvement, alpha, exclude, evaluation)
     if refused is not None:
         reason = (f"version {refused.name} was already trained on this data (dataset fingerprint "
                   f"{dataset_fingerprint[:16]}...) from production version {production.name} with the same trainer "
-                  f"config and reward, and was refused ({refused.run_metadata.get('decision_reason')}); its gain "
+                  f"config, reward and evaluation settings, and was refused "
+                  f"({refused.run_metadata.get('decision_reason')}); its gain "
                   f"and p-value fail this run's promotion gate too (min_improvement={min_improvement:g}, "
                   f"alpha={alpha:g}): training again would repeat that work and its result; {FORCE_HINT}, or "
                   "change the trainer config (e.g. trainer.seed) or the promotion gate (min_improvement, alpha)")
@@ -113,14 +130,14 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
     second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
 
-    Records on this run's model version which production version it warm-starts from (``warm_started_from``)
-    and ``config_fingerprint``: what a later run's gate compares with."""
+    Records on this run's model version which production version it warm-starts from (``warm_started_from``),
+    ``config_fingerprint`` and ``evaluation_settings``: what a later run's gate compares with."""
     context = get_step_context()
     model_name, client = context.model.name, Client()
-    config_sha256 = config_fingerprint(ppo_config)
+    config_sha256, evaluation = config_fingerprint(ppo_config), evaluation_settings(context)
     reason, production, refused = gate(client, model_name, dataset_fingerprint, config_sha256,
                                        reward_spec.get("sha256"), min_improvement, alpha,
-                                       exclude=context.model_version.id)
+                                       exclude=context.model_version.id, evaluation=evaluation)
     trained_on = production.run_metadata.get("dataset_fingerprint")
     overridden = reason if force else ""
     if overridden:
@@ -131,7 +148,8 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     else:
         logger.info("new data (fingerprint %s..., production version %s was trained on %s...): retraining from "
                     "its checkpoint", dataset_fingerprint[:16], production.name, str(trained_on)[:16])
-    log_metadata({"warm_started_from": production.name, "config_fingerprint": config_sha256}, infer_model=True)
+    log_metadata({"warm_started_from": production.name, "config_fingerprint": config_sha256,
+                  "evaluation_settings": evaluation}, infer_model=True)
     record = {"production_version": production.name, "production_fingerprint": str(trained_on),
               "dataset_fingerprint": dataset_fingerprint, "config_fingerprint": config_sha256, "forced": bool(overridden),
               "skipped": bool(reason), "reason": reason or (f"forced: {overridden}" if overridden else "new data")}

@@ -222,6 +222,7 @@ def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained)
     meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
     assert meta["promoted"] is False and meta["warm_started_from"] == "1"
     assert meta["config_fingerprint"] == second["config_fingerprint"]
+    assert meta["evaluation_settings"] == second["evaluation_settings"] == GATE_EVALUATION  # read off the run
     assert meta["skipped"].startswith("version 2 was already trained on this data"), meta["skipped"]
     assert "force=true" in meta["skipped"]
     assert run.steps["train_ppo"].outputs["training_summary"][0].load()["steps"] == 0
@@ -384,6 +385,7 @@ def _sha(text: str) -> str:
 GATE_CONFIG = {"data": {"train_files": "a/train.parquet", "val_files": "a/test.parquet", "train_batch_size": 8},
                "trainer": {"seed": 1, "total_training_steps": 3}}
 GATE_REWARD = _sha("reward")
+GATE_EVALUATION = {"batch_size": 64, "max_problems": None, "sample_seed": 0}  # the evaluate step's defaults
 
 
 def _add_version(model_name: str, production: bool = False, **metadata):
@@ -417,17 +419,19 @@ def _refused(model_name: str, fingerprint: str, warm_started_from: str, config: 
                 "gain_ci": [gain - 0.1, gain + 0.1] if compared else None,
                 "dataset_fingerprint": fingerprint, "reward_sha256": GATE_REWARD,
                 "warm_started_from": warm_started_from, "config_fingerprint": config_fingerprint(config or GATE_CONFIG),
-                **extra}
+                "evaluation_settings": GATE_EVALUATION, **extra}
     return _add_version(model_name, **{k: v for k, v in metadata.items() if v is not None})
 
 
 def _gate(model_name: str, fingerprint: str, config: dict | None = None, reward: str = GATE_REWARD,
-          **promotion_gate):
-    """The gate for this data, config and reward; ``promotion_gate``: this run's min_improvement and alpha."""
+          evaluation: dict | None = None, **promotion_gate):
+    """The gate for this data, config, reward and evaluation settings; ``promotion_gate``: this run's
+    min_improvement and alpha."""
     from steps.check_new_data import config_fingerprint, gate
 
     reason, production, refused = gate(zenml_client(), model_name, fingerprint, config_fingerprint(config or GATE_CONFIG),
-                                       reward, **promotion_gate)
+                                       reward, evaluation=GATE_EVALUATION if evaluation is None else evaluation,
+                                       **promotion_gate)
     return reason, production.name, refused.name if refused is not None else None
 
 
@@ -456,9 +460,15 @@ def test_gate_retrains_when_production_config_or_reward_changed():
     reseeded = {**GATE_CONFIG, "trainer": {**GATE_CONFIG["trainer"], "seed": 2}}
     assert _gate(model, b, reseeded) == ("", "1", None)
     assert _gate(model, b, reward=_sha("another reward")) == ("", "1", None)
-    _add_version(model, production=True, promoted=True, dataset_fingerprint=d)  # version 3, promoted later
-    assert zenml_client().get_model_version(model, "production").number == 3
-    assert _gate(model, b) == ("", "3", None)  # version 2 started from version 1, not from this production
+    # refused on a sample of 100 problems: a run judged on all of them, or on another sample, may decide otherwise
+    assert _gate(model, b, evaluation={**GATE_EVALUATION, "max_problems": 100}) == ("", "1", None)
+    _refused(model, b, warm_started_from="1", evaluation_settings={**GATE_EVALUATION, "max_problems": 100})
+    assert _gate(model, b, evaluation={**GATE_EVALUATION, "max_problems": 100})[2] == "3"
+    assert _gate(model, b, evaluation={**GATE_EVALUATION, "max_problems": 100, "sample_seed": 1}) == ("", "1", None)
+    assert _gate(model, b)[2] == "2"
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=d)  # version 4, promoted later
+    assert zenml_client().get_model_version(model, "production").number == 4
+    assert _gate(model, b) == ("", "4", None)  # versions 2 and 3 started from version 1, not from this production
 
 
 def test_gate_does_not_count_failed_skipped_or_unrecorded_versions():
