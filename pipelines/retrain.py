@@ -12,6 +12,8 @@ pipeline parameter) trains anyway.
 
 from __future__ import annotations
 
+import uuid
+
 from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
@@ -42,7 +44,7 @@ def rlhf_retrain_pipeline(
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     check_not_cached()
     production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
-    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, min_improvement=min_improvement,

@@ -8,6 +8,8 @@ data (``parameters.train_files`` / ``val_files``), so the same pipeline trains o
 
 from __future__ import annotations
 
+import uuid
+
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
@@ -35,7 +37,7 @@ def rlhf_ppo_pipeline(
     """Train a new version of the run config's model and promote it if it beats production."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     check_not_cached()
-    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     smoke_report = smoke_test(ppo_config, reward_spec)

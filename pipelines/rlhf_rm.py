@@ -12,6 +12,8 @@ not given). The rule reward is still defined and self-checked: evaluation measur
 
 from __future__ import annotations
 
+import uuid
+
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
@@ -42,7 +44,7 @@ def rlhf_rm_pipeline(
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     check_not_cached()
-    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files)
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     preference_fingerprint = validate_preferences(ppo_config)
     reward_model, _ = train_reward_model(ppo_config, preference_fingerprint, min_pair_accuracy=min_pair_accuracy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from zenml import log_metadata, step
+from zenml import get_step_context, log_metadata, step
 from zenml.logger import get_logger
 
 from rlhf_core.config import load_config, validate_config
@@ -18,8 +18,20 @@ def load_ppo_config(
     overrides: list[str] | None = None,
     train_files: str | list[str] | None = None,
     val_files: str | list[str] | None = None,
+    run_nonce: str | None = None,
 ) -> Annotated[dict, "ppo_config"]:
-    """The validated trainer config; ``train_files``/``val_files`` override the file's data paths."""
+    """The validated trainer config; ``train_files``/``val_files`` override the file's data paths.
+
+    ``run_nonce``, a value the pipeline draws anew each time it compiles, keeps this step out of ZenML's cache,
+    and with it every step after it (their inputs are then new artifacts): a cached step would replay an earlier
+    run's checks, training or decision. A run config that asks for caching step by step is refused here, as the
+    pipeline refuses it whole (:func:`~rlhf_core.pipeline.promotion.check_not_cached`)."""
+    snapshot = get_step_context().pipeline_run.snapshot
+    cached = sorted(name for name, step_ in snapshot.step_configurations.items() if step_.config.enable_cache)
+    if cached:
+        raise ValueError(f"enable_cache is set on step(s) {', '.join(cached)}: a cached step replays an earlier "
+                         "run's data checks, training, evaluation or promotion decision under this run. These "
+                         "pipelines run every step afresh: remove enable_cache from the run config's steps")
     extra = list(overrides or [])
     cfg = load_config(extra, config_file=trainer_config, notice=logger.warning, validate=False)
     # paths are assigned, not written into an override, so that no character of a path needs quoting

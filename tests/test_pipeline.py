@@ -349,7 +349,8 @@ def test_a_gate_that_cannot_be_applied_fails_before_any_step(trained):
 
 def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path):
     """A run config's enable_cache: true would replay an earlier run's checks and decision; an evaluation cap of
-    0 would fail after training. Both stop the run as it compiles."""
+    0 would fail after training. Both stop the run as it compiles; caching asked for step by step stops it at its
+    first step."""
     from zenml import Model
 
     from pipelines.retrain import rlhf_retrain_pipeline
@@ -370,6 +371,13 @@ def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path)
     with pytest.raises(RuntimeError, match=r"Input validation failed for input .max_problems."):
         rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(capped))(**parameters)
     assert client.list_pipeline_runs(size=1).total == before
+    # caching asked for step by step: the first step refuses it, and no other step runs
+    stepwise = tmp_path / "stepwise.yaml"
+    stepwise.write_text("steps:\n  validate_data:\n    enable_cache: true\n  train_ppo:\n    enable_cache: true\n")
+    with pytest.raises(ValueError, match=r"enable_cache is set on step\(s\) train_ppo, validate_data: "):
+        rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(stepwise))(**parameters)
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
 
 
 # The retraining gate on versions built directly in the store: the gate reads only their metadata, so no
