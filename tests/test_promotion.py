@@ -161,6 +161,14 @@ def test_production_scored_otherwise_is_refused_and_a_record_without_settings_is
     assert gpu == {**settings, "dtype": "bfloat16", "device": "cuda"}
     matched, refusal = match_production({**candidate, "scoring": cpu}, {**candidate, "scoring": gpu}, "3")
     assert matched is None and "(device, dtype changed since)" in refusal
+    # the batch size (left padding of another width can flip a greedy answer): a record from before it was kept
+    # pairs, one of another batch size does not
+    batched = {**candidate, "scoring": {**settings, "batch_size": 64}}
+    assert match_production(batched, candidate, "3") == (problems, None)
+    assert match_production(candidate, batched, "3") == (problems, None)
+    matched, refusal = match_production(batched, {**candidate, "scoring": {**settings, "batch_size": 32}}, "3")
+    assert matched is None and "(batch_size changed since)" in refusal
+    assert match_production(batched, {**candidate, "scoring": {**settings, "batch_size": 64}}, "3") == (problems, None)
 
 
 @pytest.mark.parametrize("bad", [{"alpha": 0.0}, {"alpha": 1.0}, {"alpha": 1.2}, {"alpha": -0.05},

@@ -97,6 +97,11 @@ def check_not_cached() -> None:
                          "overrides)")
 
 
+#: scoring settings that evaluation records hold only since a later version of this package: where one of two
+#: records lacks one, it is unknown there (not "unset"), and the two are compared without it
+RECORDED_LATER = frozenset({"batch_size"})
+
+
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
     """What decides a response's grade besides the model's weights: the reward (its spec's sha256), the prompt
     and response budgets (``data``: a :class:`~rlhf_core.config.DataConfig`) and ``how_run``, how the policies
@@ -126,6 +131,9 @@ def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any]
         return None, (f"{label} was evaluated on other validation problems (fingerprint {str(theirs)[:12]} vs "
                       f"{str(ours)[:12]} here)")
     theirs, ours = production.get("scoring"), candidate.get("scoring")
+    if theirs is not None and ours is not None:  # an older record's setting that it did not hold yet: unknown
+        theirs, ours = ({k: v for k, v in record.items() if k not in RECORDED_LATER or k in theirs.keys() & ours.keys()}
+                        for record in (theirs, ours))
     if theirs is not None and ours is not None and theirs != ours:  # records from before it was kept: unknown
         changed = sorted(key for key in set(theirs) | set(ours) if theirs.get(key) != ours.get(key))
         return None, (f"{label} was scored otherwise on these problems ({', '.join(changed)} changed since), so its "
