@@ -479,6 +479,36 @@ def test_gate_retrains_when_production_config_or_reward_changed():
     assert _gate(model, b) == ("", "4", None)  # versions 2 and 3 started from version 1, not from this production
 
 
+def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_told_apart(tmp_path):
+    """Production recorded its data's fingerprint over all the files taken whole: the same files now are unchanged
+    data; the same files split otherwise, recorded since, are not."""
+    from zenml import Model
+
+    from rlhf_core.data.validation import fingerprint, splits_fingerprint
+    from steps.check_new_data import config_fingerprint, gate
+
+    train, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
+    train.write_bytes(b"training rows")
+    val.write_bytes(b"validation rows")
+    model = "gate-whole-fingerprint"
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=fingerprint([train, val]))  # version 1
+
+    def reason(dataset_fingerprint):
+        return gate(zenml_client(), model, dataset_fingerprint, config_fingerprint(GATE_CONFIG), GATE_REWARD,
+                    evaluation=GATE_EVALUATION, whole_fingerprint=fingerprint([train, val]))[0]
+
+    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 1")
+    # the step reads the files its config names
+    config = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": str(train), "val_files": [str(val)]}}
+    run = _gate_pipeline().with_options(model=Model(name=model))(
+        dataset_fingerprint=splits_fingerprint(train, val), ppo_config=config, reward_spec={"sha256": GATE_REWARD})
+    skipped = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].outputs["skip_reason"][0].load()
+    assert skipped.startswith("the data is unchanged since production version 1"), skipped
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=splits_fingerprint(train, val))  # v3
+    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 3")
+    assert reason(splits_fingerprint(val, train)) == ""  # swapped: other training data
+
+
 def test_gate_does_not_count_failed_skipped_or_unrecorded_versions():
     from steps.check_new_data import config_fingerprint
 
