@@ -7,7 +7,7 @@ from typing import Annotated
 
 import pandas as pd
 import torch
-from pydantic import PositiveInt
+from pydantic import NonNegativeInt, PositiveInt
 from zenml import get_step_context, log_metadata, step
 from zenml.client import Client
 from zenml.enums import ModelStages
@@ -52,7 +52,7 @@ def evaluate(
     skip_reason: str = "",
     batch_size: PositiveInt = 64,  # typed so that ZenML refuses a bad value as the run compiles, not after training
     max_problems: PositiveInt | None = None,
-    sample_seed: int = 0,
+    sample_seed: NonNegativeInt = 0,
 ) -> tuple[
     Annotated[dict, "evaluation"],
     Annotated[HTMLString, "evaluation_report"],

@@ -35,7 +35,7 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     result["reward_sha256"] = reward_spec.get("sha256")
     result["dataset_fingerprint"] = reward_spec.get("self_check", {}).get("dataset_fingerprint")  # held to later
     log_metadata({"passed": report.passed, "wall_s": round(report.wall_s, 2), "cloned": report.cloned,
-                  "reward_model": report.reward_model,
+                  **({"reward_model": report.reward_model} if report.reward_model else {}),
                   "parameters": report.parameters, "target_parameters": report.target_parameters,
                   "checks": {check["name"]: check["detail"] for check in report.checks}})
     return result

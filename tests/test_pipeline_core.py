@@ -529,6 +529,15 @@ def test_a_namespace_package_pins_the_distribution_of_the_part_imported(tmp_path
                       "    return 1.0\n")
     assert reward_spec(_custom_config(custom), data_sources=["anything"])["packages"] == {
         "google.protobuf": {"protobuf": metadata.version("protobuf")}}
+    # deeper: opentelemetry.exporter.otlp.proto is shared by two distributions (wandb brings both); its http part
+    # is one of them alone
+    otlp = "opentelemetry-exporter-otlp-proto-"
+    assert {f"{otlp}common", f"{otlp}http"} <= set(metadata.packages_distributions()["opentelemetry"])
+    custom.write_text("from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    assert reward_spec(_custom_config(custom), data_sources=["anything"])["packages"] == {
+        "opentelemetry.exporter.otlp.proto.http": {f"{otlp}http": metadata.version(f"{otlp}http")}}
 
 
 def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):

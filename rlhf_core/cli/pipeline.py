@@ -43,6 +43,8 @@ def evaluate(argv: list[str] | None = None) -> int:
                         ("--max-response-length", args.max_response_length)):
         if value is not None and value < 1:
             parser.error(f"{flag} {value} must be >= 1")
+    if args.sample_seed < 0:
+        parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError

@@ -511,24 +511,31 @@ def _project_source(module: str, name: str | None) -> str:
 
 def _package_part(name: str, provides: dict[str, list[str]]) -> str:
     """What of an imported module's dotted name one installed distribution provides: its top-level package, or
-    where several distributions fill that package (a namespace such as ``google``), its first two parts
-    (``google.protobuf``: protobuf alone, not google-auth beside it)."""
-    top, _, rest = name.partition(".")
-    shared = len(set(provides.get(top, ()))) > 1
-    return f"{top}.{rest.partition('.')[0]}" if rest and shared else top
+    where several distributions fill that package (a namespace such as ``google``), the shortest part of the
+    name that fewer of them hold, and so on down while several still share it (``google.protobuf``: protobuf
+    alone, not google-auth beside it; ``google.cloud.storage``: not every ``google.cloud`` distribution)."""
+    parts = name.split(".")
+    depth, dists = 1, set(provides.get(parts[0], ()))
+    while len(dists) > 1 and depth < len(parts):
+        holding = _holding(dists, parts[:depth + 1])
+        if not holding:  # the rest names something inside a module, not a module of its own
+            break
+        dists, depth = holding, depth + 1
+    return ".".join(parts[:depth])
+
+
+def _holding(dists, parts: list[str]) -> set[str]:
+    """Those of ``dists`` with files under the module ``parts`` (``a/b/`` or ``a/b.py``, ``a/b.so``, ...)."""
+    inside = ("/".join(parts) + "/", "/".join(parts) + ".")
+    return {dist for dist in dists if any(str(file).startswith(inside) for file in importlib.metadata.files(dist) or ())}
 
 
 def _providers(name: str, provides: dict[str, list[str]]) -> list[str]:
     """The distributions that provide ``name`` (a top-level package, or a namespace's part, :func:`_package_part`):
     of a namespace's distributions, those whose files lie under the part (all of them where none says)."""
-    top, _, part = name.partition(".")
-    dists = sorted(set(provides.get(top, ())))
-    if not part:
-        return dists
-    inside = (f"{top}/{part}/", f"{top}/{part}.")
-    holding = [dist for dist in dists if any(str(file).startswith(inside)
-                                             for file in importlib.metadata.files(dist) or ())]
-    return holding or dists
+    parts = name.split(".")
+    dists = set(provides.get(parts[0], ()))
+    return sorted((_holding(dists, parts) if len(parts) > 1 else set()) or dists)
 
 
 def _installed(modules: set[str]) -> dict[str, Any]:
