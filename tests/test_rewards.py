@@ -116,6 +116,19 @@ def test_compute_score_values():
     assert isinstance(compute_score("#### 72", "72"), float)
 
 
+def test_a_ground_truth_is_cleaned_as_the_answer_is_and_a_stored_number_read_as_written():
+    """A ground truth with thousands commas, or a numeric parquet column's float, is matched by the answer a
+    correct response writes; a string with a fraction stays exact."""
+    import numpy as np
+
+    for answer, truth in [("#### 1000", "1,000"), ("#### 1,000", "1,000"), ("#### 18", 18.0), ("#### 18", 18),
+                          ("#### 18", np.float64(18.0)), ("#### 18", np.int64(18)), ("#### 2.5", 2.5),
+                          ("#### -3", -3.0), ("#### 70000", 70000.0), ("#### 12", "$12")]:
+        assert compute_score(answer, truth) == 1.0, (answer, truth)
+    for answer, truth in [("#### 18", "18.0"), ("#### 18.0", 18.0), ("#### 2", 2.5), ("#### 1", True)]:
+        assert compute_score(answer, truth) == 0.0, (answer, truth)
+
+
 def test_unknown_method_is_rejected():
     with pytest.raises(ValueError, match="unknown GSM8K extraction method 'loose'"):
         compute_score("#### 1", "1", method="loose")

@@ -8,12 +8,14 @@ A response is graded on its final numeric answer only. Two ways of finding it:
 
 Only the last :data:`SOLUTION_CLIP_CHARS` characters of a response are searched, which bounds
 the regex cost on runaway generations and matches where a final answer belongs.
-The extracted answer (commas and dollar signs removed) must equal the ground truth exactly as
-strings: ``"18"`` and ``"18.0"`` are different answers.
+The extracted answer (commas and dollar signs removed) must equal the ground truth, cleaned the same way,
+exactly as strings: ``"18"`` and ``"18.0"`` are different answers, ``"1,000"`` and ``"1000"`` the same. A
+ground truth stored as a number (a numeric parquet column) is written as the number it is: ``18.0`` as ``18``.
 """
 
 from __future__ import annotations
 
+import numbers
 import re
 
 SOLUTION_CLIP_CHARS = 300
@@ -45,6 +47,15 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     return None
 
 
+def expected_answer(ground_truth) -> str:
+    """``ground_truth`` as an extracted answer is compared with it: cleaned of ``,`` and ``$``, and a number
+    (not a string) with an integral value written without its fraction (``18.0`` -> ``"18"``)."""
+    if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, bool):
+        value = float(ground_truth)
+        return str(int(value)) if value.is_integer() else repr(value)
+    return _clean(str(ground_truth).strip())
+
+
 def compute_score(
     solution_str: str,
     ground_truth: str,
@@ -57,6 +68,6 @@ def compute_score(
     answer = extract_solution(solution_str, method=method)
     if answer is None:
         return 0.0
-    if answer == str(ground_truth).strip():
+    if answer == expected_answer(ground_truth):
         return float(score)
     return float(format_score)
