@@ -77,7 +77,9 @@ if not OmegaConf.has_resolver("coalesce"):
 
 @dataclass
 class DataConfig:
-    tokenizer: str | None = _k(None, "tokenizer path for the dataset; null = the actor's tokenizer")
+    tokenizer: str | None = _k(None, "tokenizer the data checks measure prompts with; null = the actor's, with "
+                                     "which training renders them (another must share its vocabulary and chat "
+                                     "template)")
     train_files: StrOrList = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
     val_files: StrOrList = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
     prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")

@@ -97,7 +97,15 @@ def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, m
             tokenizers.append(("critic.model.path", critic.path))
         if critic.path and Path(os.path.expanduser(critic.path), "config.json").is_file():
             models.append(("critic.model.path", critic.path))
-    return tokenizer_problems((tokenizer_key, tokenizer_dir), tokenizers, models, cfg.actor_rollout_ref.model.trust_remote_code)
+    trust = cfg.actor_rollout_ref.model.trust_remote_code
+    problems = tokenizer_problems((tokenizer_key, tokenizer_dir), tokenizers, models, trust)
+    if cfg.data.tokenizer and not problems:  # (the data checks measure prompts with it, training with the actor's)
+        template = getattr(load_tokenizer(tokenizer_dir, trust), "chat_template", None)
+        if getattr(load_tokenizer(cfg.data.tokenizer, trust), "chat_template", None) != template:
+            problems.append(f"data.tokenizer: {cfg.data.tokenizer} has another chat template than {tokenizer_key} "
+                            f"({tokenizer_dir}), with which training renders the prompts: the data checks would "
+                            "measure other prompts than the trainer reads; leave data.tokenizer null")
+    return problems
 
 
 def preflight(cfg: PPOConfig) -> None:

@@ -222,3 +222,17 @@ def test_dynamic_sampling_on_accuracy_is_refused_for_prompts_without_a_ground_tr
     graded = _prompts_alone(space, tmp_path / "graded", "synthetic/arithmetic", graded_rows=8)
     preflight(_config(space, *grpo, "algorithm.filter_groups.metric=acc", f"data.train_files={graded / 'train.parquet'}",
                       f"data.val_files={data / 'test.parquet'}"))
+
+
+def test_a_data_tokenizer_with_another_chat_template_is_refused(space, tmp_path):
+    """The data checks measure prompts with data.tokenizer, training renders them with the actor's: the two must
+    render alike. The same vocabulary with the same template passes; another template is refused."""
+    same, other = tmp_path / "same", tmp_path / "other"
+    for folder, template in ((same, None), (other, OTHER_TEMPLATE)):
+        folder.mkdir()
+        _weights_and_tokenizer(space / "actor", folder, template)
+    preflight(_config(space, f"data.tokenizer={same}"))
+    assert _errors(_config(space, f"data.tokenizer={other}")) == [
+        f"data.tokenizer: {other} has another chat template than actor_rollout_ref.model.path ({space / 'actor'}), "
+        "with which training renders the prompts: the data checks would measure other prompts than the trainer "
+        "reads; leave data.tokenizer null"]
