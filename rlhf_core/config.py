@@ -786,8 +786,9 @@ def _parser() -> OverridesParser:
 
 
 def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
-                    deferred: dict[str, Any]) -> None:
-    """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``."""
+                    deferred: dict[str, Any], given: dict[str, Any]) -> None:
+    """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``;
+    ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given)."""
     try:
         override = _parser().parse_override(text)
     except HydraException as exc:
@@ -811,14 +812,17 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             canonical, extra = ALIASES[key]
             for target in (canonical, *extra):
                 _assign(cfg, target, _default(target), errors, merge=False)
+                given.pop(target, None)
             return
         for target in _targets(key, None, notice, errors):
             _assign(cfg, target, _default(target), errors, merge=False)
+            given.pop(target, None)
     elif _deferred(key, override.value()):
         deferred[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
             _assign(cfg, target, value, errors)
+            given[target] = value
 
 
 def _deferred(key: str, value: Any) -> bool:
@@ -839,7 +843,7 @@ def _resolved_value(cfg: DictConfig, value: Any) -> Any:
 
 
 def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
-                     errors: list[str]) -> None:
+                     errors: list[str], given: dict[str, Any]) -> None:
     """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES),
     the DAPO recipe's response budget of its length penalty, which must be data.max_response_length, and the
     interpolations given to keys without effect, judged by what they resolve to."""
@@ -857,8 +861,7 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
                               " to which the overlong penalty (reward_model.overlong_buffer) counts here")
             continue
         per_worker = GLOBAL_MICRO_BATCHES[key]
-        given = OmegaConf.select(cfg, per_worker)
-        if given is not None and given != _default(per_worker):  # (verl's generated config holds it null)
+        if given.get(per_worker) is not None:  # set by the user, to any value (verl's generated config holds it null)
             errors.append(f"{key} and {per_worker} are both set (as in verl, one or the other)")
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % world:
@@ -887,15 +890,17 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
     deferred: dict[str, Any] = {}
+    given: dict[str, Any] = {}  # the schema keys the file and the overrides set, with their values
     for key, value in _leaves(tree) if tree is not None else ():
         if _deferred(key, value):
             deferred[key] = value
             continue
         for target, target_value in _targets(key, value, notice, errors).items():
             _assign(cfg, target, target_value, errors)
+            given[target] = target_value
     for text in overrides:
-        _apply_override(cfg, text, notice, errors, deferred)
-    _assign_deferred(cfg, deferred, notice, errors)
+        _apply_override(cfg, text, notice, errors, deferred, given)
+    _assign_deferred(cfg, deferred, notice, errors, given)
     if not errors:
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}

@@ -291,6 +291,18 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     # both forms of one size: verl refuses it, and so does this loader
     assert "ppo_micro_batch_size and actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu are both set" in _errors(
         "actor_rollout_ref.actor.ppo_micro_batch_size=8", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    # ... whatever the per-worker value, its default (4) included, and wherever it was set
+    assert "both set" in _errors("actor_rollout_ref.actor.ppo_micro_batch_size=16",
+                                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    both = tmp_path / "both.yaml"
+    both.write_text("actor_rollout_ref:\n  actor:\n    ppo_micro_batch_size_per_gpu: 4\n")
+    with pytest.raises(ConfigError, match="both set"):
+        load_config(["actor_rollout_ref.actor.ppo_micro_batch_size=16"], config_file=both, validate=False)
+    # set and then deleted: not given
+    assert load_config(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "~actor_rollout_ref.actor."
+                        "ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_micro_batch_size=8"],
+                       validate=False, notice=notices.append).actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 1
+    # (8 over the default 8 workers a node)
     # verl's generated config: a deprecated alias at null sets nothing; an interpolation where a number is expected
     loaded = load_config(["actor_rollout_ref.actor.optim.warmup_style=null", "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
                           "actor_rollout_ref.ref.ulysses_sequence_parallel_size=${oc.select:a.b,1}"], validate=False)
