@@ -879,6 +879,8 @@ def _read_yaml(path: Path) -> DictConfig:
         tree = OmegaConf.load(path)
     except yaml.YAMLError as exc:
         raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"]) from exc
     if not isinstance(tree, DictConfig):
         raise ConfigError([f"config file {path} must hold a mapping of config keys"])
     return tree
@@ -1055,6 +1057,9 @@ def validate_config(cfg: PPOConfig) -> None:
     errors: list[str] = []
     data, arr, algo, trainer = cfg.data, cfg.actor_rollout_ref, cfg.algorithm, cfg.trainer
     actor, rollout, critic = arr.actor, arr.rollout, cfg.critic
+    if not arr.hybrid_engine:
+        errors.append("actor_rollout_ref.hybrid_engine=false: the actor, its rollout and the reference always share "
+                      "workers and weights here (verl too supports only the hybrid engine); leave it true")
 
     for key, value in [
         ("data.train_batch_size", data.train_batch_size),

@@ -539,6 +539,26 @@ def test_cli_reports_every_input_error_with_exit_2_and_no_traceback():
     assert "Traceback" not in result.stderr
 
 
+def test_cli_takes_overrides_on_both_sides_of_the_config_file_and_refuses_what_it_cannot_read(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  seed: 3\n")
+    result = _cli("data.train_batch_size=512", "--config", str(path), "trainer.total_epochs=2")
+    assert result.returncode == 0, result.stderr
+    tree = yaml.safe_load(result.stdout)
+    assert (tree["data"]["train_batch_size"], tree["trainer"]["seed"], tree["trainer"]["total_epochs"]) == (512, 3, 2)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("# caf\u00e9\ntrainer:\n  seed: 3\n".encode("latin-1"))
+    result = _cli("--config", str(latin))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"config file {latin} is not UTF-8 text (byte 5: invalid continuation byte)" in result.stderr
+
+
+def test_the_hybrid_engine_cannot_be_turned_off():
+    assert "actor_rollout_ref.hybrid_engine=false: the actor, its rollout and the reference always share" in \
+        _errors("actor_rollout_ref.hybrid_engine=false")
+    load_config(["actor_rollout_ref.hybrid_engine=true"], notice=lambda _: None)
+
+
 def test_cli_alias_prints_grad_clip_and_a_notice():
     result = _cli("actor_rollout_ref.actor.optim.max_grad_norm=0.5")
     assert result.returncode == 0, result.stderr

@@ -20,7 +20,7 @@ def config(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
     parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
                         "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     if args.defaults:
         sys.stdout.write(defaults_yaml())
         return 0

@@ -35,7 +35,7 @@ def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         result = run(cfg)
@@ -63,7 +63,7 @@ def train_rm(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         frames = preflight(cfg)
@@ -107,7 +107,7 @@ def smoke(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
     except ConfigError as exc:
