@@ -37,6 +37,7 @@ from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
     check_tokenizer_dir,
+    import_external_lib,
     load_tokenizer,
     max_positions,
     tokenizer_problems,
@@ -127,6 +128,10 @@ def preflight(cfg: PPOConfig) -> None:
         elif not ray_address and trainer.device == "cuda" and torch.cuda.device_count() < trainer.n_gpus_per_node:
             errors.append(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this machine has "
                           f"{torch.cuda.device_count()} GPUs; lower it or set trainer.ray_address to a larger cluster")
+    try:  # first: it registers the architectures the model configs below may name (verl imports it in each worker)
+        import_external_lib(arr.model.external_lib)
+    except ModelError as exc:
+        errors.append(str(exc))
     try:
         model_dir = check_model_dir(arr.model.path, "actor_rollout_ref.model.path")
         tokenizer_key = "actor_rollout_ref.model.tokenizer_path" if arr.model.tokenizer_path else \
@@ -142,6 +147,9 @@ def preflight(cfg: PPOConfig) -> None:
                 f"max_position_embeddings ({limit}); lower data.max_response_length or data.max_prompt_length")
     except ModelError as exc:
         errors.append(str(exc))
+    except (OSError, ValueError) as exc:  # transformers' own: an architecture it does not know, a broken file
+        errors.append(f"actor_rollout_ref.model.path: {arr.model.path} cannot be read as a HF model: "
+                      f"{str(exc).splitlines()[0]}")
     if cfg.algorithm.adv_estimator == "gae":
         errors.extend(_critic_problems(cfg, actor))
     if cfg.reward_model.enable:
@@ -266,6 +274,7 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
     the world size is above 1, or when ``use_worker_group`` says so). :func:`trainer_session` closes it."""
     from rlhf_core.training.trainer import PPOTrainer
 
+    import_external_lib(cfg.actor_rollout_ref.model.external_lib)  # as each worker of a group imports it
     tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"),
                                cfg.actor_rollout_ref.model.trust_remote_code)
     truth = cfg.needs_ground_truth()

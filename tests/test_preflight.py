@@ -236,3 +236,46 @@ def test_a_data_tokenizer_with_another_chat_template_is_refused(space, tmp_path)
         f"data.tokenizer: {other} has another chat template than actor_rollout_ref.model.path ({space / 'actor'}), "
         "with which training renders the prompts: the data checks would measure other prompts than the trainer "
         "reads; leave data.tokenizer null"]
+
+
+CUSTOM_ARCH = '''from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+
+class ToyCustomConfig(LlamaConfig):
+    model_type = "toy_custom_preflight"
+
+
+class ToyCustomForCausalLM(LlamaForCausalLM):
+    config_class = ToyCustomConfig
+
+
+AutoConfig.register("toy_custom_preflight", ToyCustomConfig, exist_ok=True)
+AutoModelForCausalLM.register(ToyCustomConfig, ToyCustomForCausalLM, exist_ok=True)
+'''
+
+
+def test_external_lib_registers_an_architecture_before_the_checks_and_a_broken_config_is_named(space, tmp_path,
+                                                                                                  monkeypatch):
+    """A model of an architecture only its library knows: preflight imports actor_rollout_ref.model.external_lib
+    first (as verl's workers do), so its config reads; without it, or with a module that does not import, or with
+    a config.json that is not JSON, preflight says so in one line each."""
+    (tmp_path / "toy_custom_arch.py").write_text(CUSTOM_ARCH)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    config = json.loads((space / "actor" / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**config, "model_type": "toy_custom_preflight",
+                                                    "architectures": ["ToyCustomForCausalLM"]}))
+    _weights_and_tokenizer(space / "actor", custom)
+    [error] = _errors(_config(space, actor=custom))
+    assert error.startswith(f"actor_rollout_ref.model.path: {custom} cannot be read as a HF model: ")
+    preflight(_config(space, "actor_rollout_ref.model.external_lib=toy_custom_arch", actor=custom))
+    errors = _errors(_config(space, "actor_rollout_ref.model.external_lib=no_such_module_here"))
+    assert errors == ["actor_rollout_ref.model.external_lib: module 'no_such_module_here' cannot be imported "
+                      "(No module named 'no_such_module_here')"]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", ')
+    _weights_and_tokenizer(space / "actor", broken)
+    [error] = _errors(_config(space, actor=broken))
+    assert error.startswith(f"actor_rollout_ref.model.path: {broken / 'config.json'} cannot be read as JSON (")

@@ -7,6 +7,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
 import logging
 import os
 from pathlib import Path
@@ -57,6 +58,11 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
                          "build the demo model with python -m rlhf_core.models.toy --output DIR)")
     if not (folder / "config.json").is_file():
         raise ModelError(f"{key}: {folder} has no config.json; it is not a HF model directory")
+    try:
+        json.loads((folder / "config.json").read_text())
+    except (ValueError, OSError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
+        raise ModelError(f"{key}: {folder / 'config.json'} cannot be read as JSON ({exc}); is the copy complete?") \
+            from exc
     if need_weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ModelError(f"{key}: {folder} has no weights (looked for {', '.join(WEIGHT_FILES)}); "
                          "is the download or copy incomplete?")
@@ -71,9 +77,14 @@ def check_tokenizer_dir(path: str | os.PathLike, key: str) -> Path:
     return folder
 
 
-def import_external_lib(name: str | None) -> None:
+def import_external_lib(name: str | None, key: str = "actor_rollout_ref.model.external_lib") -> None:
+    """Import the module ``name`` (verl's ``external_lib``: it registers custom architectures with transformers);
+    raise ModelError naming ``key`` where it cannot be imported."""
     if name:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ModelError(f"{key}: module {name!r} cannot be imported ({exc})") from exc
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
