@@ -17,8 +17,10 @@ Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrup
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -40,8 +42,10 @@ from rlhf_core.models.loading import (
     import_external_lib,
     load_tokenizer,
     max_positions,
+    resolve,
     tokenizer_problems,
 )
+from rlhf_core.models.lora import unmatched_targets
 from rlhf_core.rewards import custom_reward_fn, known_data_sources
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.training.checkpoint import (
@@ -150,6 +154,9 @@ def preflight(cfg: PPOConfig) -> None:
     except (OSError, ValueError) as exc:  # transformers' own: an architecture it does not know, a broken file
         errors.append(f"actor_rollout_ref.model.path: {arr.model.path} cannot be read as a HF model: "
                       f"{str(exc).splitlines()[0]}")
+    if actor is not None:
+        errors.extend(_lora_problems(cfg, actor[0]))
+    errors.extend(_runtime_problems(cfg))
     if cfg.algorithm.adv_estimator == "gae":
         errors.extend(_critic_problems(cfg, actor))
     if cfg.reward_model.enable:
@@ -183,6 +190,49 @@ def preflight(cfg: PPOConfig) -> None:
             errors.append(str(exc))
     if errors:
         raise PreflightError(errors)
+
+
+def _lora_problems(cfg: PPOConfig, actor_dir: Path) -> list[str]:
+    """LoRA target modules that name no module of the model they adapt (peft fails on them after the weights
+    load). The actor's model, and the critic's where it has LoRA too (its own model, or the actor's)."""
+    arr, critic = cfg.actor_rollout_ref.model, cfg.critic.model
+    adapted = [("actor_rollout_ref.model", arr.lora_rank, arr.target_modules, actor_dir, arr.trust_remote_code,
+                arr.override_config)]
+    if cfg.algorithm.adv_estimator == "gae":
+        adapted.append(("critic.model", critic.lora_rank, critic.target_modules, resolve(critic.path or actor_dir),
+                        cfg.value("critic.model.trust_remote_code"), critic.override_config))
+    problems = []
+    for key, rank, targets, folder, trust, override in adapted:
+        if rank > 0 and Path(folder, "config.json").is_file():
+            if missing := unmatched_targets(folder, targets, trust, dict(override)):
+                problems.append(f"{key}.target_modules: {', '.join(map(str, missing))} names no module of {folder} "
+                                "(a module's name or its last parts, e.g. q_proj, or all-linear)")
+    return problems
+
+
+def _runtime_problems(cfg: PPOConfig) -> list[str]:
+    """What the run needs besides models and data and meets only after the weights load: the rollout engine's
+    package, the loggers' packages, a free Prometheus port."""
+    problems = []
+    if cfg.actor_rollout_ref.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("actor_rollout_ref.rollout.name=vllm but vllm is not installed (pip install -e '.[gpu]' on "
+                        "a CUDA machine), or use rollout.name=hf")
+    from rlhf_core.training.tracking import LOGGER_PACKAGES
+
+    for logger in cfg.trainer.logger:
+        package = LOGGER_PACKAGES.get(logger)
+        if package is not None and importlib.util.find_spec(package) is None:
+            problems.append(f"trainer.logger includes {logger} but the {package} package is not installed: install "
+                            f"it or leave {logger} out")
+    port = cfg.trainer.prometheus_port
+    if port:  # (0: any free port)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                problems.append(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served ({exc.strerror}); "
+                                "choose another port or null to switch the exporter off")
+    return problems
 
 
 def _critic_problems(cfg: PPOConfig, actor: tuple[Path, int | None] | None) -> list[str]:

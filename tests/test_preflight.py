@@ -279,3 +279,32 @@ def test_external_lib_registers_an_architecture_before_the_checks_and_a_broken_c
     _weights_and_tokenizer(space / "actor", broken)
     [error] = _errors(_config(space, actor=broken))
     assert error.startswith(f"actor_rollout_ref.model.path: {broken / 'config.json'} cannot be read as JSON (")
+
+
+def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(space, monkeypatch):
+    """A LoRA target naming no module of the model, a logger or rollout engine whose package is not installed,
+    and a Prometheus port already taken: each failed only after the weights had loaded."""
+    import importlib.util
+    import socket
+
+    assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4",
+                           "actor_rollout_ref.model.target_modules=[q_proj,vproj]")) == [
+        f"actor_rollout_ref.model.target_modules: vproj names no module of {space / 'actor'} (a module's name or its "
+        "last parts, e.g. q_proj, or all-linear)"]
+    preflight(_config(space, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"))
+    assert "critic.model.target_modules: .*attention names no module" in "\n".join(_errors(_config(
+        space, "critic.model.lora_rank=4", "critic.model.target_modules=.*attention")))  # a regex over whole names
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *args: None if name in ("wandb", "vllm") else real(name, *args))
+    errors = _errors(_config(space, "trainer.logger=[console,wandb]"))
+    assert errors == ["trainer.logger includes wandb but the wandb package is not installed: install it or leave "
+                      "wandb out"]
+    errors = _errors(_config(space, "actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"))
+    assert "actor_rollout_ref.rollout.name=vllm but vllm is not installed (pip install -e '.[gpu]' on a CUDA " \
+           "machine), or use rollout.name=hf" in errors
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        [error] = _errors(_config(space, f"trainer.prometheus_port={port}"))
+    assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")

@@ -11,6 +11,7 @@ sync get the merged weights ``W + (alpha / r) * B @ A`` under the base model's o
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
@@ -59,6 +60,28 @@ def is_lora(module: torch.nn.Module) -> bool:
 def lora_scaling(module: torch.nn.Module) -> float:
     config = module.peft_config[ADAPTER]
     return config.lora_alpha / config.r
+
+
+def unmatched_targets(model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
+                      override_config: dict | None = None) -> list[str]:
+    """The entries of ``target_modules`` that name no module of the model in ``model_dir`` as peft matches them
+    (a list: a module name or its last parts; a string: a regular expression over whole names; ``all-linear``:
+    every linear layer). The model is built on the meta device: no weights are read."""
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if target_modules == "all-linear":
+        return []
+    config = AutoConfig.from_pretrained(str(Path(model_dir).expanduser()), trust_remote_code=trust_remote_code,
+                                        **(override_config or {}))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    names = [name for name, _ in model.named_modules() if name]
+    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    return [target for target in targets
+            if not any(check_target_module_exists(LoraConfig(target_modules=target if isinstance(target_modules, str)
+                                                             else [target]), name) for name in names)]
 
 
 def trainable_names(module: torch.nn.Module) -> set[str]:

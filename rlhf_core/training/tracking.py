@@ -62,6 +62,7 @@ __all__ = [
     "Backend",
     "CONSOLE_KEYS",
     "VALID_LOGGERS",
+    "LOGGER_PACKAGES",
     "WARN_THRESHOLD_KEYS",
     "ConsoleLogger",
     "FileLogger",
@@ -516,6 +517,8 @@ BACKENDS: dict[str, type[Backend]] = {
     cls.name: cls for cls in (ConsoleLogger, FileLogger, TensorBoardLogger, WandbLogger, MlflowLogger)
 }
 VALID_LOGGERS: tuple[str, ...] = tuple(BACKENDS)
+#: the package each logger that needs one imports (preflight checks it is installed before any weights load)
+LOGGER_PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 # ----------------------------------------------------------------------------------------------- tracking
