@@ -259,6 +259,9 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
         with pytest.raises(SystemExit) as exit_:
             evaluate([str(model), str(val), flag, "0"])
         assert exit_.value.code == 2 and f"{flag} 0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # said before the evaluation, not after it
+        evaluate([str(model), str(val), "--html", str(tmp_path / "no" / "such" / "report.html")])
+    assert exit_.value.code == 2 and "the folder" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # numpy's generator takes no negative seed
         evaluate([str(model), str(val), "--max-problems", "4", "--sample-seed", "-1"])
     assert exit_.value.code == 2 and "--sample-seed -1 must be >= 0" in capsys.readouterr().err

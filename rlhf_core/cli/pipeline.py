@@ -45,6 +45,8 @@ def evaluate(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {value} must be >= 1")
     if args.sample_seed < 0:
         parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
+    if args.html and not Path(args.html).resolve().parent.is_dir():  # before the evaluation, not after it
+        parser.error(f"--html {args.html}: the folder {Path(args.html).resolve().parent} does not exist")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError
