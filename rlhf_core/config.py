@@ -1170,7 +1170,8 @@ def validate_config(cfg: PPOConfig) -> None:
         if value is None and key == "reward_model.train.val_files":
             continue  # no held-out pairs
         if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]")
+            none = "; for no validation, data.val_files=[]" if key == "data.val_files" and value is None else ""
+            errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]{none}")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)

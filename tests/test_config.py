@@ -553,6 +553,12 @@ def test_cli_takes_overrides_on_both_sides_of_the_config_file_and_refuses_what_i
     assert f"config file {latin} is not UTF-8 text (byte 5: invalid continuation byte)" in result.stderr
 
 
+def test_a_null_validation_file_list_says_how_to_have_none():
+    assert "data.val_files=None must be a string or a list of strings, e.g. data.val_files=[a,b]; for no " \
+           "validation, data.val_files=[]" in _errors("data.val_files=null")
+    assert load_config(["data.val_files=[]"], notice=lambda _: None).data.val_files == []
+
+
 def test_the_hybrid_engine_cannot_be_turned_off():
     assert "actor_rollout_ref.hybrid_engine=false: the actor, its rollout and the reference always share" in \
         _errors("actor_rollout_ref.hybrid_engine=false")
