@@ -442,8 +442,8 @@ class TrainerConfig:
     log_val_generations: int = _k(0, "validation samples (prompt, response, score) logged after each validation: "
                                      "printed, in val_generations.jsonl, and to tensorboard, wandb or mlflow")
     total_epochs: int = _k(30, "passes over the training data")
-    total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; null = "
-                                                "epochs decide")
+    total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; also "
+                                                "the learning-rate schedule's length, as in verl; null = epochs decide")
     save_freq: int = _k(-1, "save a checkpoint every N steps (and at the end); -1 = only at the end")
     test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
     val_before_train: bool = _k(True, "validate before the first step")

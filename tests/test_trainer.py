@@ -211,6 +211,29 @@ def test_the_lr_schedule_warms_up_from_zero_then_decays_along_a_cosine():
     assert rates[4] == pytest.approx(2.0) and rates[7] == pytest.approx(2.0 * 0.55) and rates[10] == pytest.approx(0.2)
 
 
+def test_the_lr_schedule_runs_over_total_training_steps_where_the_data_end_sooner(workspace):
+    """As verl: total_training_steps=10 on data for 4 steps (32 prompts, 8 a step, one epoch) trains 4 steps, with
+    the cosine schedule laid over 10: after step 1 the actor's rate is lr * (1 + cos(pi / 10)) / 2."""
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "trainer.total_training_steps=10",
+                                                   "trainer.total_epochs=1", "actor_rollout_ref.actor.optim.lr=1e-2",
+                                                   "critic.optim.lr=1e-2",
+                                                   "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                                                   "critic.optim.lr_scheduler_type=cosine")))
+    assert trainer.total_steps == 4
+    for worker in (trainer.actor, trainer.critic):
+        worker.optimizer.step()
+        worker.scheduler.step()
+        assert worker.scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 + math.cos(math.pi / 10)) / 2)
+    shorter = build_trainer(load_config(_overrides(root, model, "trainer.total_training_steps=3",
+                                                   "trainer.total_epochs=1", "actor_rollout_ref.actor.optim.lr=1e-2",
+                                                   "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine")))
+    assert shorter.total_steps == 3
+    shorter.actor.optimizer.step()
+    shorter.actor.scheduler.step()
+    assert shorter.actor.scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 + math.cos(math.pi / 3)) / 2)
+
+
 def test_the_logged_lr_is_the_one_the_update_used_and_vpred_mean_the_critics_values(workspace):
     root, model, _ = workspace
     trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.optim.lr=1e-3",

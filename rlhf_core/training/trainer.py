@@ -208,6 +208,9 @@ class PPOTrainer:
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
         self.total_steps = min(config.trainer.total_training_steps or self.total_batches, self.total_batches)
+        # the learning-rate schedule runs over total_training_steps where it is set, as verl's does, even where the
+        # data end training sooner
+        schedule_steps = config.trainer.total_training_steps or self.total_batches
         seed = config.trainer.seed
         torch.manual_seed(seed)
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
@@ -220,12 +223,12 @@ class PPOTrainer:
             from rlhf_core.workers.group import build_worker_groups
 
             self.worker_group, self.actor, self.critic = build_worker_groups(
-                config, self.total_steps, self.use_ref, self.use_critic)
+                config, schedule_steps, self.use_ref, self.use_critic)
         else:
-            self.actor = build_actor(config, tokenizer, self.total_steps, self.use_ref, seed, device)
+            self.actor = build_actor(config, tokenizer, schedule_steps, self.use_ref, seed, device)
             self.critic = None
             if self.use_critic:
-                self.critic = build_critic(config, self.total_steps, seed, device)
+                self.critic = build_critic(config, schedule_steps, seed, device)
         if config.reward_model.enable:  # a learned reward model, on the worker group where there is one
             from rlhf_core.rewards.reward_model import RewardModelManager, RewardModelWorker
             from rlhf_core.workers.group import RewardModelGroup
