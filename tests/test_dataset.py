@@ -204,3 +204,68 @@ def test_batch_select_split_repeat_concat():
     assert rep["x"][:, 0].tolist() == [0, 0, 2, 2, 4, 4]
     with pytest.raises(ValueError, match="disagree"):
         Batch({"x": torch.zeros(2)}, {"m": ["a"]})
+
+
+GOOD_PROMPT = [{"role": "user", "content": "What is 3+4?"}]
+
+
+@pytest.mark.parametrize("prompts, row, problem", [
+    ([GOOD_PROMPT, None], 1, "prompt is null"),
+    ([GOOD_PROMPT, []], 1, "prompt is an empty list of messages"),
+    ([GOOD_PROMPT, [{"role": "user", "content": None}]], 1, "prompt message 0 has a null 'content'"),
+    ([GOOD_PROMPT, [{"role": "system", "content": "Be brief."}, {"role": None, "content": "Hi"}]], 1,
+     "prompt message 1 has a null 'role'"),
+    ([[{"content": "What is 3+4?"}], [{"content": "Hi"}]], 0, "prompt message 0 has no 'role'"),
+    ([["What is 3+4?"], ["Hi"]], 0, "prompt message 0 is a str, not a {role, content} mapping"),
+    ([b"What is 3+4?\xff", b"Hi"], 0, "prompt is binary (bytes), not a list of {role, content} messages"),
+])
+def test_a_malformed_prompt_is_a_data_error_naming_its_file_and_row(tmp_path, tokenizer, prompts, row, problem):
+    """The second file's bad row is named by its row within that file, with what is wrong with it."""
+    good = _write(tmp_path / "a.parquet", ["one", "two"])
+    rows = [make_record(f"q{i}", f"s #### {i}", str(i), "train", i, "synthetic/arithmetic") for i in range(2)]
+    for record, prompt in zip(rows, prompts):
+        record["prompt"] = prompt
+    bad = tmp_path / "b.parquet"
+    pd.DataFrame(rows).to_parquet(bad)
+    with pytest.raises(DataError) as info:
+        RLHFDataset([good, str(bad)], tokenizer, DataConfig(max_prompt_length=200))
+    assert str(info.value).startswith(f"{bad} row {row}: {problem}; ")
+
+
+def test_a_prompt_in_another_column_names_the_config_key(tmp_path, tokenizer):
+    rows = [make_record("q", "s #### 1", "1", "train", 0, "synthetic/arithmetic")]
+    rows[0]["question_messages"] = []
+    pd.DataFrame(rows).to_parquet(tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=r"row 0: prompt is an empty list of messages \(column 'question_messages', "
+                                        r"data.prompt_key\)"):
+        RLHFDataset(str(tmp_path / "a.parquet"), tokenizer,
+                    DataConfig(max_prompt_length=200, prompt_key="question_messages"))
+
+
+def test_a_prompt_the_chat_template_refuses_is_a_data_error_naming_its_row(tmp_path):
+    strict = build_char_tokenizer()
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}"
+                            "User: {{ m['content'] }}\n{% endfor %}Assistant: ")
+    rows = [make_record(f"q{i}", f"s #### {i}", str(i), "train", i, "synthetic/arithmetic") for i in range(3)]
+    rows[2]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "q2"}]
+    path = tmp_path / "a.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    with pytest.raises(DataError, match=rf"^{path} row 2: the tokenizer's chat template refuses the prompt "
+                                        r"\(TemplateError: System role not supported\)"):
+        RLHFDataset(str(path), strict, DataConfig(max_prompt_length=200))
+
+
+def test_an_empty_file_says_it_has_no_rows(tmp_path, tokenizer):
+    path = _write(tmp_path / "a.parquet", ["one"])
+    pd.read_parquet(path).iloc[:0].to_parquet(path)
+    with pytest.raises(DataError) as info:
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+    assert str(info.value) == f"data.val_files: {path} has no rows; give files with prompts"
+
+
+def test_every_prompt_filtered_out_says_so(tmp_path, tokenizer):
+    path = _write(tmp_path / "a.parquet", ["x" * 300, "y" * 300])
+    with pytest.raises(DataError, match=r"no prompts left: all 2 are longer than data.max_prompt_length \(100\) "
+                                        "and data.filter_overlong_prompts drops them"):
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))

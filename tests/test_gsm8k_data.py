@@ -270,3 +270,16 @@ def test_real_folder_holds_both_layouts(gsm8k_dir):
     assert detect_layout(gsm8k_dir)[0] == "jsonl"
     layout, files = detect_layout(gsm8k_dir, layout="parquet")
     assert layout == "parquet" and files["train"][0].parent.name == "main"
+
+
+def test_a_line_that_is_not_utf8_is_named_like_a_bad_json_line(tmp_path, capsys):
+    """Latin-1 'é' (byte 0xe9) on line 4 of train.jsonl, after three good lines: exit 1, one line naming the
+    file, the line and the byte's column (18: after '{"question": "Caf')."""
+    source = _small_release(tmp_path / "in")
+    with open(source / "train.jsonl", "ab") as handle:
+        handle.write(b'{"question": "Caf\xe9 costs 3. What is 3 + 1?", "answer": "3 + 1 = 4\\n#### 4"}\n')
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {source / 'train.jsonl'}, line 4: not UTF-8 text (byte 0xe9 at column 18); "
+                   "the GSM8K release is UTF-8: save the file as UTF-8"]
+    assert not (tmp_path / "out").exists()

@@ -175,3 +175,48 @@ def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_p
                                                   r"reward_model.train.val_files=null"):
         check_preference_files([train], [empty])
     assert check_preference_files([train], [])["val_pairs"] == 0  # no validation files: nothing to refuse
+
+
+def _pair(prompt) -> dict:
+    return {"prompt": prompt, "chosen": "#### 5", "rejected": "#### 6", "data_source": "s",
+            "extra_info": {"split": "train"}}
+
+
+GOOD_PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.mark.parametrize("prompts, named", [
+    ([GOOD_PROMPT, GOOD_PROMPT, None], "1 prompt(s) are not chat messages (prompt is null in row(s) 2)"),
+    ([GOOD_PROMPT, [], [{"role": "user", "content": None}], []],
+     "3 prompt(s) are not chat messages (prompt is an empty list of messages in row(s) 1, 3; "
+     "prompt message 0 has a null 'content' in row(s) 2)"),
+    (["What is 2 + 3?", "What is 4 + 1?"],
+     "2 prompt(s) are not chat messages (prompt is a plain string, not a list of {role, content} messages in "
+     "row(s) 0, 1)"),
+    ([["What is 2 + 3?"]],
+     "1 prompt(s) are not chat messages (prompt message 0 is a str, not a {role, content} mapping in row(s) 0)"),
+    ([[{"content": "What is 2 + 3?"}]], "1 prompt(s) are not chat messages (prompt message 0 has no 'role' in row(s) 0)"),
+    ([b"What is 2 + 3?\xff"], "1 prompt(s) are not chat messages (prompt is binary (bytes), not a list of "
+                              "{role, content} messages in row(s) 0)"),
+])
+def test_read_preferences_names_the_rows_whose_prompt_is_not_chat_messages(tmp_path, prompts, named):
+    path = tmp_path / "pairs.parquet"
+    pd.DataFrame([_pair(p) for p in prompts]).to_parquet(path)
+    with pytest.raises(PreferenceDataError) as info:
+        read_preferences(path)
+    assert str(info.value).startswith(f"{path}: {named}; a prompt is a non-empty list of ")
+
+
+def test_check_preference_frames_names_a_bad_prompt_of_frames_in_memory():
+    from pathlib import Path
+
+    from rlhf_core.data.preference import check_preference_frames
+
+    train = pd.DataFrame([_pair(GOOD_PROMPT), _pair(None)])
+    with pytest.raises(PreferenceDataError, match=r"^train.parquet: 1 prompt\(s\) are not chat messages "
+                                                  r"\(prompt is null in row\(s\) 1\)"):
+        check_preference_frames([(Path("train.parquet"), train)], [])
+    more = pd.DataFrame([_pair(None) for _ in range(7)])
+    with pytest.raises(PreferenceDataError, match=r"7 prompt\(s\) are not chat messages \(prompt is null in "
+                                                  r"row\(s\) 0, 1, 2, 3, 4 \.\.\.\)"):
+        check_preference_frames([(Path("train.parquet"), more)], [])

@@ -396,3 +396,17 @@ def test_real_gsm8k_solution_pairs(gsm8k_dir):
     assert failed(report) == [("no_duplicate_pairs", "pair", "train")], report.summary()
     assert report.failures[0].statistics["unexpected_count"] == len(repeated)
     assert [row for row, _ in report.failures[0].examples] == repeated[:3]
+
+
+def test_no_pair_to_measure_fails_and_says_why(tmp_path, capsys):
+    """Every prompt a plain string (preference prompts are messages): exit 1, and no pair was measured."""
+    rows = pairs(3)
+    for row in rows:
+        row["prompt"] = row["prompt"][0]["content"]
+    path = write(tmp_path / "train.parquet", rows)
+    assert validate([str(path), "--max-chars", "500"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED prompt_is_non_empty_message_list [train.prompt_num_messages]" in out
+    assert "3 of 3 rows fail (100.0%)" in out
+    assert ("  train: no row could be measured against the limit (prompt and the longer response are at most "
+            "500 characters): every row is null, malformed") in out

@@ -812,3 +812,59 @@ def test_a_plain_string_prompt_is_one_user_turn_as_the_trainer_takes_it(char_tok
     row["prompt"] = 5  # not text and not messages: still malformed
     assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
         validate_frames(pd.DataFrame([row])))
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing to measure against the length limit
+
+
+def _every_prompt(value):
+    def mutate(rows):
+        for row in rows:
+            row["prompt"] = value(row)
+        return rows
+    return mutate
+
+
+@pytest.mark.parametrize("mutate, failing, why", [
+    (lambda rows: rows[:0], ("has_rows", None), "the table has no rows"),
+    (_every_prompt(lambda row: [{"content": row["prompt"][0]["content"]}]),
+     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+    (_every_prompt(lambda row: [row["prompt"][0]["content"]]),
+     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+    (_every_prompt(lambda row: row["prompt"][0]["content"].encode() + b"\xff"),
+     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+])
+def test_no_prompt_to_measure_fails_and_says_why_without_a_traceback(tmp_path, capsys, chat_tokenizer_dir,
+                                                                    mutate, failing, why):
+    """An empty file, or one where every prompt is malformed (no role, strings for messages, bytes), with a
+    token limit: exit 1 with the failed checks, and the limit's line says no row was measured."""
+    path = tmp_path / "train.parquet"
+    rows = mutate(records(3))
+    (pd.DataFrame(rows) if rows else pd.DataFrame(records(3)).iloc[:0]).to_parquet(path)
+    args = [str(path), "--tokenizer", str(chat_tokenizer_dir), "--max-prompt-length", "500"]
+    assert validate(args) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("Dataset validation FAILED: 1 of ")
+    assert [line.split(" (")[0] for line in out.splitlines() if line.startswith("FAILED")] == [
+        f"FAILED {failing[0]} [train.{failing[1]}]" if failing[1] else f"FAILED {failing[0]} [train]"]
+    assert "  train: no row could be measured against the limit (prompt is at most 500 tokens): " + why in out
+    assert "% of rows over the limit" not in out
+    assert validate([*args, "--json"]) == 1
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["success"] is False and payload["statistics"]["unsuccessful_expectations"] == 1
+
+
+def test_share_over_counts_only_the_measured_prompts(char_tokenizer):
+    """Two of four prompts malformed, one of the other two over the limit: half the measured rows are over."""
+    rows = records(4)
+    rows[0]["prompt"] = [{"content": "no role"}]
+    rows[1]["prompt"] = [{"role": "user", "content": None}]
+    rows[3]["prompt"][0]["content"] += "!" * 200
+    limit = len(rows[2]["prompt"][0]["content"])  # no chat template: the content's characters
+    report = validate_frames(pd.DataFrame(rows), tokenizer=char_tokenizer, max_prompt_length=limit)
+    length = report.find("prompt_length_within_limit")[0]
+    assert not length.success and length.statistics["share_over"] == pytest.approx(0.5)
+    assert length.examples == [(3, limit + 200)]
+    malformed = report.find("prompt_is_non_empty_message_list")[0]
+    assert [row for row, _ in malformed.examples] == [0, 1]

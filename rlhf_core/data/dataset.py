@@ -21,7 +21,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.schema import ground_truth, problem_id, problem_index
+from rlhf_core.data.schema import ground_truth, problem_id, problem_index, prompt_problem
 
 
 class DataError(ValueError):
@@ -76,9 +76,17 @@ def plain_value(value):
     return value.item() if isinstance(value, np.generic) else value
 
 
-def _messages(value) -> list[dict]:
+def prompt_messages(value, where: str, key: str = "prompt") -> list[dict]:
+    """A prompt cell as chat messages: a plain string is one user turn, as verl takes it; anything but a
+    non-empty list of ``{role, content}`` string messages (:func:`~rlhf_core.data.schema.prompt_problem`) is a
+    DataError naming ``where`` (file and row) and column ``key`` (``data.prompt_key``)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    problem = prompt_problem(value)
+    if problem is not None:
+        column = f" (column '{key}', data.prompt_key)" if key != "prompt" else ""
+        raise DataError(f"{where}: {problem}{column}; a prompt is a list of {{'role': ..., 'content': ...}} "
+                        "messages with text values, or one string (a user turn)")
     return [dict(m) for m in value]
 
 
@@ -129,6 +137,9 @@ class RLHFDataset:
         self.config = config
         self.paths = check_files(files, key)
         frame = read_frames(self.paths)
+        if frame.empty:
+            raise DataError(f"{key}: {', '.join(map(str, self.paths))} "
+                            f"{'has' if len(self.paths) == 1 else 'have'} no rows; give files with prompts")
         needed = (config.prompt_key, "reward_model", config.reward_fn_key) if require_ground_truth \
             else (config.prompt_key, config.reward_fn_key)
         missing = [c for c in needed if c not in frame.columns]
@@ -142,8 +153,13 @@ class RLHFDataset:
         limit = config.max_prompt_length
         for position, record in enumerate(frame.to_dict("records")):
             where = f"{record['_source_file']} row {record['_source_row']}"
-            messages = _messages(record[config.prompt_key])
-            ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
+            messages = prompt_messages(record[config.prompt_key], where, config.prompt_key)
+            try:
+                ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
+            except Exception as exc:  # templates raise anything: TemplateError, KeyError, ValueError, ...
+                reason = " ".join(str(exc).split())
+                raise DataError(f"{where}: the tokenizer's chat template refuses the prompt ({type(exc).__name__}"
+                                f"{': ' + reason if reason else ''}); fix the row or the template") from exc
             if len(ids) > limit:
                 if config.filter_overlong_prompts:
                     continue
@@ -169,8 +185,9 @@ class RLHFDataset:
                 "extra_info": extra,
                 "messages": messages,
             })
-        if not self.rows:
-            raise DataError(f"{key}: no prompts left (all {len(frame)} longer than max_prompt_length={limit}?)")
+        if not self.rows:  # only data.filter_overlong_prompts drops rows
+            raise DataError(f"{key}: no prompts left: all {len(frame)} are longer than data.max_prompt_length "
+                            f"({limit}) and data.filter_overlong_prompts drops them; raise max_prompt_length")
         self.data_sources = sorted({row["data_source"] for row in self.rows})
 
     def __len__(self) -> int:

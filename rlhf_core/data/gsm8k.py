@@ -130,8 +130,17 @@ def detect_layout(input_dir: str | Path, layout: str = "auto") -> tuple[str, dic
 def _read_jsonl(path: Path) -> list[tuple[int, int | None, dict]]:
     """(row, line, object) for every non-blank line of ``path``."""
     rows = []
-    with open(path, encoding="utf-8") as handle:
+    # bytes that are not UTF-8 become lone surrogates, so that the line they are on can be named
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
         for line_no, line in enumerate(handle, start=1):
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                byte = ord(line[exc.start]) - 0xDC00  # surrogateescape keeps byte b as U+DC00 + b
+                raise GSM8KDataError(
+                    f"{path}, line {line_no}: not UTF-8 text (byte 0x{byte:02x} at column {exc.start + 1}); "
+                    "the GSM8K release is UTF-8: save the file as UTF-8"
+                ) from exc
             if not line.strip():
                 continue
             try:

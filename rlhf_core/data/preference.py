@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf_core.data.schema import INSTRUCTION, PREFERENCE_COLUMNS, write_parquet_atomic
+from rlhf_core.data.schema import INSTRUCTION, PREFERENCE_COLUMNS, prompt_problem, write_parquet_atomic
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
@@ -202,6 +202,7 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
         raise PreferenceDataError(f"{path} is not a readable parquet file ({exc})") from exc
     check_columns(columns, str(path))
     frame = pd.read_parquet(path)
+    check_prompts(frame, path)
     for column in ("chosen", "rejected"):
         bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text]
         if bad:
@@ -210,7 +211,26 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     return frame
 
 
+def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
+    """PreferenceDataError naming, by what is wrong, the first rows (from 0) of ``where`` whose prompt is not chat
+    messages (:func:`~rlhf_core.data.schema.prompt_problem`: a non-empty list of ``{role, content}`` string
+    messages)."""
+    rows_by_problem: dict[str, list[int]] = {}
+    for row, prompt in enumerate(frame["prompt"]):
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            rows_by_problem.setdefault(problem, []).append(row)
+    if rows_by_problem:
+        count = sum(len(rows) for rows in rows_by_problem.values())
+        shown = "; ".join(f"{problem} in row(s) {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}"
+                          for problem, rows in list(rows_by_problem.items())[:3])
+        raise PreferenceDataError(f"{where}: {count} prompt(s) are not chat messages ({shown}"
+                                  f"{'; ...' if len(rows_by_problem) > 3 else ''}); a prompt is a non-empty list of "
+                                  "{'role': ..., 'content': ...} messages with text values")
+
+
 def canonical_prompt(prompt) -> str:
+    """The prompt's messages as sorted-key JSON: what tells train prompts from val prompts."""
     return json.dumps([dict(m) for m in prompt], sort_keys=True)
 
 
@@ -221,11 +241,13 @@ def check_preference_files(train: list[Path], val: list[Path]) -> dict:
 
 
 def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tuple[Path, pd.DataFrame]]) -> dict:
-    """Refuse pairs whose chosen and rejected are the same text, a prompt that has pairs in both train and val,
-    and validation files without a pair; ``train`` and ``val`` hold (path, frame) per file. Returns counts."""
+    """Refuse prompts that are not chat messages (:func:`check_prompts`), pairs whose chosen and rejected are the
+    same text, a prompt that has pairs in both train and val, and validation files without a pair; ``train`` and
+    ``val`` hold (path, frame) per file. Returns counts."""
     frames = {"train": train, "val": val}
     for items in frames.values():
         for path, frame in items:
+            check_prompts(frame, path)
             same = [i for i, (c, r) in enumerate(zip(frame["chosen"], frame["rejected"])) if c == r]
             if same:
                 raise PreferenceDataError(f"{path}: chosen and rejected are the same text in row(s) "

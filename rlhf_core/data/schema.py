@@ -4,6 +4,7 @@ A prompt row is ``data_source``, ``prompt`` (chat messages), ``ability``,
 ``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``.
 A preference row (for reward models) is ``prompt`` (chat messages, as above), ``chosen`` and
 ``rejected`` (assistant texts, the preferred one first), ``data_source`` and ``extra_info`` (a dict).
+Chat messages are a non-empty list of ``{role, content}`` mappings with string values (:func:`prompt_problem`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,34 @@ def is_missing(value) -> bool:
     if value is None or value is pd.NA or value is pd.NaT:
         return True
     return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def prompt_problem(prompt) -> str | None:
+    """What is wrong with a ``prompt`` cell as chat messages, or None when it is a non-empty list of messages,
+    each a mapping with a string ``role`` and a string ``content`` (other keys are free). The RL dataset takes a
+    plain string as one user turn before it asks; preference data does not."""
+    if is_missing(prompt):
+        return "prompt is null"
+    if isinstance(prompt, (bytes, bytearray)):
+        return "prompt is binary (bytes), not a list of {role, content} messages"
+    if isinstance(prompt, str):
+        return "prompt is a plain string, not a list of {role, content} messages"
+    if not isinstance(prompt, (list, tuple, np.ndarray)):
+        return f"prompt is a {type(prompt).__name__}, not a list of {{role, content}} messages"
+    if len(prompt) == 0:
+        return "prompt is an empty list of messages"
+    for number, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"prompt message {number} is a {type(message).__name__}, not a {{role, content}} mapping"
+        for key in ("role", "content"):
+            if key not in message:
+                return f"prompt message {number} has no '{key}'"
+            value = message[key]
+            if is_missing(value):
+                return f"prompt message {number} has a null '{key}'"
+            if not isinstance(value, str):
+                return f"prompt message {number}'s '{key}' is a {type(value).__name__}, not text"
+    return None
 
 
 def ground_truth(reward_model):

@@ -69,6 +69,7 @@ MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
 _LIMITS = {"prompt": ("max_prompt_length",), "preference": ("max_length", "max_chars"), None: ()}
+_LENGTH_CHECKS = ("prompt_length_within_limit", "pair_length_within_limit")
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no usage reports (there is no network anyway)
@@ -120,8 +121,8 @@ class Outcome:
         error = _raised(item.exception_info)
         if error is not None:
             stats["error"] = error
-        if "max_value" in config.kwargs and "unexpected_percent" in raw:  # a length limit
-            stats["share_over"] = raw["unexpected_percent"] / 100.0
+        if "max_value" in config.kwargs and raw.get("unexpected_percent") is not None:  # a length limit
+            stats["share_over"] = raw["unexpected_percent"] / 100.0  # GX gives None where no row was measured
         rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
         examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
         name = config.meta["check"]
@@ -207,8 +208,7 @@ class ValidationReport:
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
             lines += [f"    row {row}: {_excerpt(value)}" for row, value in o.examples]
-        lines += [f"  {o.dataset}: {_percent(o.statistics['share_over'])} of rows over the limit ({o.description})"
-                  for o in results if o.success and "share_over" in o.statistics]
+        lines += [_describe_limit(o) for o in results if o.success and o.name in _LENGTH_CHECKS]
         return "\n".join(lines + [f"  skipped: {item}" for item in self.skipped])
 
     def to_html(self) -> str:
@@ -749,6 +749,17 @@ def _escape(value: Any) -> Any:
 
 def _percent(share: float) -> str:
     return f"{100.0 * float(share):.1f}%"
+
+
+def _describe_limit(outcome: Outcome) -> str:
+    """A passed length check's line: the share of rows over the limit, or why no row was measured (GX passes
+    a check with nothing to check)."""
+    if "share_over" in outcome.statistics:
+        return f"  {outcome.dataset}: {_percent(outcome.statistics['share_over'])} of rows over the limit " \
+               f"({outcome.description})"
+    why = "every row is null, malformed or refused by the chat template (see the failures above)" \
+        if outcome.statistics.get("element_count") else "the table has no rows"
+    return f"  {outcome.dataset}: no row could be measured against the limit ({outcome.description}): {why}"
 
 
 def _describe_failure(outcome: Outcome) -> str:
