@@ -315,12 +315,20 @@ def _tensor_parallel_pair(monkeypatch, rank: int, partner_prompts: list[list[int
 
 
 def test_both_ranks_of_a_tensor_parallel_engine_get_the_same_seed(fake, tokenizer, model_dir, monkeypatch):
+    """The seed each rank's engine is built with, as the actor worker computes it (rollout_seed): ranks 0 and 1 serve
+    engine 0, ranks 2 and 3 engine 1; the HF rollout's ranks each draw their own."""
+    from rlhf_core.workers.actor import ROLLOUT_SEED_STRIDE, rollout_seed
+
+    rollout = load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+                          validate=False).actor_rollout_ref.rollout
     for rank in range(4):
         _tensor_parallel_pair(monkeypatch, rank, [])
         _engine(fake, tokenizer, model_dir, "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                seed=10 + rank)  # the actor worker adds its rank
-    assert [kwargs["seed"] for kwargs, _ in fake.built] == [10, 10, 12, 12]
+                seed=rollout_seed(10, rank, rollout))
+    assert [kwargs["seed"] for kwargs, _ in fake.built] == [10, 10, 10 + ROLLOUT_SEED_STRIDE, 10 + ROLLOUT_SEED_STRIDE]
     assert {kwargs["tensor_parallel_size"] for kwargs, _ in fake.built} == {2}
+    hf = load_config(["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], validate=False).actor_rollout_ref.rollout
+    assert [rollout_seed(10, rank, hf) for rank in range(3)] == [10, 10 + ROLLOUT_SEED_STRIDE, 10 + 2 * ROLLOUT_SEED_STRIDE]
 
 
 @pytest.mark.parametrize("rank", [2, 3])

@@ -70,7 +70,6 @@ class VLLMRolloutEngine:
         self.dtype = DTYPES[config.dtype]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.tp = config.tensor_model_parallel_size
-        rank = distributed.rank()
         self.tp_group = None
         if distributed.is_distributed() and self.tp > 1:  # every rank makes every group, then keeps its own
             self.tp_group, _ = torch.distributed.new_subgroups(group_size=self.tp, backend="gloo")
@@ -81,7 +80,7 @@ class VLLMRolloutEngine:
             "max_num_batched_tokens": max(config.max_num_batched_tokens, max_model_len or 0),
             "enable_chunked_prefill": config.enable_chunked_prefill,
             "disable_custom_all_reduce": True, "skip_tokenizer_init": False,
-            "seed": seed - rank % self.tp,  # the same seed within a tensor-parallel engine
+            "seed": seed,  # the actor gives every rank of one tensor-parallel engine the same (rollout_seed)
         }
         if max_model_len:
             kwargs["max_model_len"] = max_model_len

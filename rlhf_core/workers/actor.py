@@ -53,7 +53,8 @@ from rlhf_core.workers.common import (
     unpack,
 )
 
-#: rank r of a group samples with seed + ROLLOUT_SEED_STRIDE * r (rank 0, and one worker, with the seed itself)
+#: engine e of a group samples with seed + ROLLOUT_SEED_STRIDE * e (engine 0, and one worker, with the seed itself;
+#: an engine is a rank, or a tensor-parallel vLLM engine's ranks: :func:`rollout_seed`)
 ROLLOUT_SEED_STRIDE = 1_000_003
 
 
@@ -171,6 +172,14 @@ def packed_response_log_prob(model: torch.nn.Module, batch: Batch, temperature: 
     return unpack(log_prob[0], response_mask), (unpack(entropy[0], response_mask) if with_entropy else None)
 
 
+def rollout_seed(seed: int, rank: int, rollout) -> int:
+    """The sampling seed of ``rank``'s rollout engine: each engine draws its own stream, clear of the shuffle
+    generators' seeds (seed + 1, seed + 2). An engine is one rank, or for vLLM the ``tensor_model_parallel_size``
+    ranks that serve one model together, which must sample alike and so share one seed."""
+    ranks_an_engine = rollout.tensor_model_parallel_size if rollout.name == "vllm" else 1
+    return seed + ROLLOUT_SEED_STRIDE * (rank // ranks_an_engine)
+
+
 class ActorWorker(CheckpointableWorker):
     def __init__(self, config: ActorRolloutRefConfig, tokenizer, total_steps: int, need_ref: bool,
                  seed: int = 0, device: str = "cpu", max_model_len: int | None = None):
@@ -220,9 +229,8 @@ class ActorWorker(CheckpointableWorker):
                              "hf_overrides": dict(model_cfg.override_config)}
         else:
             engine_kwargs = {"synced": distributed.all_done if self.sharded else None}
-        # each rank samples with its own stream, kept clear of the shuffle generators' seeds (seed + 1, seed + 2)
         self.rollout = make_rollout_engine(rollout.name, self.forward_module, tokenizer,
-                                           seed=seed + ROLLOUT_SEED_STRIDE * distributed.rank(), **engine_kwargs)
+                                           seed=rollout_seed(seed, distributed.rank(), rollout), **engine_kwargs)
         self.shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.skipped_steps = 0
 
