@@ -90,7 +90,8 @@ def _data_sources(paths: list[Path], column: str) -> tuple[set[str], set[str], i
 
 def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:
     """The actor's tokenizer has a chat template; the data's and the critic's tokenizers (where set)
-    share its vocabulary; the actor's and the critic's embeddings cover it. Reads files, no weights."""
+    share its vocabulary, and the data's its chat template; the actor's and the critic's embeddings cover it.
+    Reads files, no weights."""
     tokenizers, models = [], [("actor_rollout_ref.model.path", model_dir)]
     if cfg.data.tokenizer:
         tokenizers.append(("data.tokenizer", cfg.data.tokenizer))
@@ -102,15 +103,8 @@ def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, m
             tokenizers.append(("critic.model.path", critic.path))
         if critic.path and Path(os.path.expanduser(critic.path), "config.json").is_file():
             models.append(("critic.model.path", critic.path))
-    trust = cfg.actor_rollout_ref.model.trust_remote_code
-    problems = tokenizer_problems((tokenizer_key, tokenizer_dir), tokenizers, models, trust)
-    if cfg.data.tokenizer and not problems:  # (the data checks measure prompts with it, training with the actor's)
-        template = getattr(load_tokenizer(tokenizer_dir, trust), "chat_template", None)
-        if getattr(load_tokenizer(cfg.data.tokenizer, trust), "chat_template", None) != template:
-            problems.append(f"data.tokenizer: {cfg.data.tokenizer} has another chat template than {tokenizer_key} "
-                            f"({tokenizer_dir}), with which training renders the prompts: the data checks would "
-                            "measure other prompts than the trainer reads; leave data.tokenizer null")
-    return problems
+    return tokenizer_problems((tokenizer_key, tokenizer_dir), tokenizers, models,
+                              cfg.actor_rollout_ref.model.trust_remote_code, renders_prompts=("data.tokenizer",))
 
 
 def preflight(cfg: PPOConfig) -> None:

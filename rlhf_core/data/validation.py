@@ -61,6 +61,7 @@ from rlhf_core.data.schema import (
     is_missing,
     problem_id,
     problem_index,
+    prompt_problem,
 )
 
 GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
@@ -310,13 +311,13 @@ def load_tokenizer(tokenizer: Any) -> Any:
 
 
 def _messages(value: Any) -> list[dict[str, str]] | None:
-    """The prompt as ``[{role, content}]`` with string fields, or None when malformed."""
-    if not isinstance(value, (list, tuple, np.ndarray)):
+    """The prompt as ``[{role, content}]`` with string fields (an empty list as it is: a check of its own counts
+    the messages), or None when malformed by the trainer's rule (:func:`~rlhf_core.data.schema.prompt_problem`)."""
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value) == 0:
+        return []
+    if prompt_problem(value) is not None:
         return None
-    messages = [{"role": m.get("role"), "content": m.get("content")} if isinstance(m, Mapping) else None
-                for m in value]
-    ok = all(m and isinstance(m["role"], str) and isinstance(m["content"], str) for m in messages)
-    return messages if ok else None
+    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def _measure(conversations: Sequence[Any], count: Callable[[Any], int]) -> tuple[list[float], list[str | None]]:

@@ -236,12 +236,14 @@ def _first_difference(vocab: dict[str, int], other: dict[str, int]) -> str:
 
 
 def tokenizer_problems(actor_tokenizer: tuple[str, str | os.PathLike], tokenizers: list[tuple[str, str | os.PathLike]],
-                       models: list[tuple[str, str | os.PathLike]], trust_remote_code: bool = False) -> list[str]:
+                       models: list[tuple[str, str | os.PathLike]], trust_remote_code: bool = False,
+                       renders_prompts: tuple[str, ...] = ()) -> list[str]:
     """What stops the tokenizers from working together, read from their files (no weights load).
 
     ``actor_tokenizer`` is (config key, directory) of the tokenizer that encodes prompts and decodes
     responses: it needs a chat template (the prompts are chat messages). Every other tokenizer in
-    ``tokenizers`` (key, directory) must have the same vocabulary, and every model in ``models``
+    ``tokenizers`` (key, directory) must have the same vocabulary, those whose keys ``renders_prompts`` names
+    (the data checks measure prompts with them) the same chat template too, and every model in ``models``
     (key, directory) an embedding large enough for its ids.
     """
     key, path = actor_tokenizer
@@ -262,12 +264,18 @@ def tokenizer_problems(actor_tokenizer: tuple[str, str | os.PathLike], tokenizer
                 problems.append(f"{other_key}: {folder} holds no tokenizer files (tokenizer.json, "
                                 "tokenizer_config.json or tokenizer.model)")
             continue
-        other = load_tokenizer(folder, trust_remote_code).get_vocab()
+        other_tokenizer = load_tokenizer(folder, trust_remote_code)
+        other = other_tokenizer.get_vocab()
         if other != vocab:
             problems.append(
                 f"{other_key} and {key} have different vocabularies ({len(other)} vs {len(vocab)} tokens; "
                 f"{_first_difference(other, vocab)}): every model reads the actor's token ids, so use one "
                 f"tokenizer family (point {other_key} at {resolve(path)}, or a model of the actor's family)")
+        elif other_key in renders_prompts and \
+                getattr(other_tokenizer, "chat_template", None) != getattr(tokenizer, "chat_template", None):
+            problems.append(f"{other_key}: {other_path} has another chat template than {key} ({resolve(path)}), "
+                            "with which training renders the prompts: the data checks would measure other prompts "
+                            f"than the trainer reads; leave {other_key} null")
     for model_key, model_path in models:
         config = AutoConfig.from_pretrained(str(resolve(model_path)), trust_remote_code=trust_remote_code)
         size = getattr(config.get_text_config(), "vocab_size", None)
