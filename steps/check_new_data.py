@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 from uuid import UUID
 
@@ -95,12 +96,14 @@ def refused_before(client: Client, model_name: str, production, dataset_fingerpr
 
 def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha256: str, reward_sha256: str | None,
          min_improvement: float = 0.0, alpha: float = 0.05, exclude: UUID | None = None,
-         evaluation: dict[str, Any] | None = None, whole_fingerprint: str | None = None) -> tuple[str, Any, Any]:
+         evaluation: dict[str, Any] | None = None,
+         whole_fingerprint: Callable[[], str | None] | None = None) -> tuple[str, Any, Any]:
     """(why training is skipped, "" to train; the production version; the refused version that this run would
     repeat, if any). ``min_improvement`` and ``alpha`` are the promotion gate this run's candidate will face,
-    ``evaluation`` the evaluate step's settings (:func:`evaluation_settings`). ``whole_fingerprint``: the same
-    files' :func:`~rlhf_core.data.validation.fingerprint` taken whole, what production versions recorded before
-    the splits were told apart: such a version trained on these files counts as trained on this data."""
+    ``evaluation`` the evaluate step's settings (:func:`evaluation_settings`). ``whole_fingerprint`` gives the
+    same files' :func:`~rlhf_core.data.validation.fingerprint` taken whole, what production versions recorded
+    before the splits were told apart: such a version trained on these files counts as trained on this data
+    (asked only where production's fingerprint is not this one: it reads the files again)."""
     check_gate(min_improvement, alpha)
     try:
         production = client.get_model_version(model_name, ModelStages.PRODUCTION)
@@ -108,7 +111,8 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
         raise NoProductionModelError(
             f"model {model_name!r} has no production version to warm-start from; run the training pipeline "
             "first: zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml") from None
-    if production.run_metadata.get("dataset_fingerprint") in {dataset_fingerprint, whole_fingerprint} - {None}:
+    trained_on = production.run_metadata.get("dataset_fingerprint")
+    if trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint()):
         return (f"the data is unchanged since production version {production.name} was trained "
                 f"(dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
     refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
@@ -140,10 +144,12 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     model_name, client = context.model.name, Client()
     config_sha256, evaluation = config_fingerprint(ppo_config), evaluation_settings(context)
     data = ppo_config.get("data", {})
-    try:  # (validate_data read these files; one gone since leaves only the fingerprint it recorded to go by)
-        whole = fingerprint(as_file_list(data.get("train_files")) + as_file_list(data.get("val_files") or []))
-    except DataReadError:
-        whole = None
+
+    def whole() -> str | None:
+        try:  # (validate_data read these files; one gone since leaves only the fingerprint it recorded to go by)
+            return fingerprint(as_file_list(data.get("train_files")) + as_file_list(data.get("val_files") or []))
+        except DataReadError:
+            return None
     reason, production, refused = gate(client, model_name, dataset_fingerprint, config_sha256,
                                        reward_spec.get("sha256"), min_improvement, alpha,
                                        exclude=context.model_version.id, evaluation=evaluation,

@@ -495,7 +495,7 @@ def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_tol
 
     def reason(dataset_fingerprint):
         return gate(zenml_client(), model, dataset_fingerprint, config_fingerprint(GATE_CONFIG), GATE_REWARD,
-                    evaluation=GATE_EVALUATION, whole_fingerprint=fingerprint([train, val]))[0]
+                    evaluation=GATE_EVALUATION, whole_fingerprint=lambda: fingerprint([train, val]))[0]
 
     assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 1")
     # the step reads the files its config names
