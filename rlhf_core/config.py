@@ -556,14 +556,19 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "critic.optim.clip_grad": ("critic.grad_clip", {}),
 }
 
+# verl's shard-group sizes: a size below 0 or of at least the workers is one group over all of them (verl's mesh
+# reads it so), which is what FSDP2 does here; a smaller one asks for hybrid sharding, which is not done here.
+# Judged once the worker count is settled (see _assign_deferred).
+FSDP_SIZES = tuple(f"{section}.fsdp_size" for section in (
+    "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.model.fsdp_config",
+    "critic.fsdp_config"))
+
 # verl keys with no counterpart here: each with the values that mean what this trainer does anyway
 # (accepted with a notice) and what it does instead (any other value is an error that says so)
 WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"{section}.ulysses_sequence_parallel_size": (lambda v: str(v) == "1", "there is no sequence parallelism here")
        for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")},
-    **{f"{section}.fsdp_size": (lambda v: str(v) == "-1", "FSDP2 shards over all the workers")
-       for section in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config",
-                       "critic.model.fsdp_config", "critic.fsdp_config")},
+    **{key: (lambda v: str(v) == "-1", "FSDP2 shards over all the workers") for key in FSDP_SIZES},
     **{f"{section}.grad_offload": (lambda v: str(v).lower() == "false", "gradients stay on the device")
        for section in ("actor_rollout_ref.actor.fsdp_config", "critic.model.fsdp_config", "critic.fsdp_config")},
     "actor_rollout_ref.rollout.mode": (lambda v: True, "rollouts run in the trainer's workers, one batch at a time"),
@@ -828,7 +833,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
 def _deferred(key: str, value: Any) -> bool:
     """Whether ``key`` is settled once every other key is: a value that depends on the others (a deprecated
     size over all workers, the DAPO recipe's response budget, an interpolation on a key without effect)."""
-    return key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN or (
+    return key in GLOBAL_MICRO_BATCHES or key == MAX_RESP_LEN or (key in FSDP_SIZES and value is not None) or (
         key in WITHOUT_EFFECT and isinstance(value, str) and value.startswith("${"))
 
 
@@ -851,6 +856,15 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
     for key, value in values.items():
         value = _resolved_value(cfg, value)
         if value is None:
+            continue
+        if key in FSDP_SIZES and isinstance(value, int) and not isinstance(value, bool) and (
+                value < 0 or value >= world):
+            notice(f"notice: {key}={value!r} has no effect: FSDP2 shards over all the {world} workers")
+            continue
+        if key in FSDP_SIZES:
+            errors.append(f"{key}={value!r} is not supported: FSDP2 shards over all the {world} workers "
+                          f"(trainer.n_gpus_per_node * trainer.nnodes); hybrid sharding over groups of fewer is "
+                          "not done here: set -1")
             continue
         if key in WITHOUT_EFFECT:
             _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead

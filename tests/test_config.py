@@ -343,7 +343,17 @@ def test_verl_keys_without_a_counterpart_are_taken_when_harmless():
     # a value that would mean something the trainer does not do is refused, saying what it does instead
     message = _errors("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "critic.model.fsdp_config.fsdp_size=4")
     assert "ulysses_sequence_parallel_size=2 is not supported: there is no sequence parallelism here" in message
-    assert "critic.model.fsdp_config.fsdp_size=4 is not supported: FSDP2 shards over all the workers" in message
+    assert "critic.model.fsdp_config.fsdp_size=4 is not supported: FSDP2 shards over all the 8 workers" in message
+    # verl's mesh is one shard group over all workers for a size below 0 or of at least the workers (its
+    # 8-GPU examples write fsdp_size=8); a smaller size is hybrid sharding, which is refused
+    notices = []
+    load_config(["trainer.n_gpus_per_node=4", "trainer.nnodes=2", "critic.model.fsdp_config.fsdp_size=8",
+                 "actor_rollout_ref.ref.fsdp_config.fsdp_size=16"], notice=notices.append, validate=False)
+    assert "notice: critic.model.fsdp_config.fsdp_size=8 has no effect: FSDP2 shards over all the 8 workers" in notices
+    assert any(n.startswith("notice: actor_rollout_ref.ref.fsdp_config.fsdp_size=16 has no effect") for n in notices)
+    assert "actor_rollout_ref.actor.fsdp_config.fsdp_size=4 is not supported" in _errors(
+        "trainer.n_gpus_per_node=4", "trainer.nnodes=2", "actor_rollout_ref.actor.fsdp_config.fsdp_size=4")
+    assert "fsdp_size=0 is not supported" in _errors("actor_rollout_ref.actor.fsdp_config.fsdp_size=0")
     assert "actor_rollout_ref.actor.megatron.tensor_model_parallel_size is not supported: Megatron is not a backend" \
         in _errors("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
     # gen_batch_size is dynamic sampling's; elsewhere it can only be train_batch_size
