@@ -444,8 +444,10 @@ class TrainerConfig:
     total_epochs: int = _k(30, "passes over the training data")
     total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; also "
                                                 "the learning-rate schedule's length, as in verl; null = epochs decide")
-    save_freq: int = _k(-1, "save a checkpoint every N steps (and at the end); -1 = only at the end")
-    test_freq: int = _k(-1, "validate every N steps; -1 = only at the end")
+    save_freq: int = _k(-1, "save a checkpoint every N steps and after the last; -1 = after the last only (verl "
+                            "writes none then: the run's result is kept here)")
+    test_freq: int = _k(-1, "validate every N steps and after the last, as verl; -1 (or 0) = no validation while "
+                            "training (val_before_train is its own switch)")
     val_before_train: bool = _k(True, "validate before the first step")
     val_only: bool = _k(False, "validate the model (or the checkpoint resumed) and stop, without training")
     balance_batch: bool = _k(True, "with several workers: lay rows out so each worker's share of a log-prob, value "

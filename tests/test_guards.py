@@ -234,6 +234,18 @@ def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollb
     assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
 
 
+@pytest.mark.parametrize(("test_freq", "validated"), [(-1, []), (0, []), (2, [2, 4, 5]), (5, [5]), (9, [5])])
+@pytest.mark.usefixtures("one_thread")
+def test_validation_schedule_is_verls(workspace, tmp_path, test_freq, validated):
+    """verl validates at every test_freq-th step and after the last where test_freq > 0, and never while
+    training where it is -1 or 0 (the validation before training has its own switch, off here)."""
+    trainer = make_trainer(workspace, tmp_path / "run", "trainer.total_training_steps=5", f"trainer.test_freq={test_freq}")
+    seen = []
+    trainer.validate = lambda: seen.append(trainer.global_step) or {"val-core/synthetic/acc/mean@1": 0.5}
+    trainer.fit()
+    assert seen == validated
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_fit_step_on_a_callers_schedule_keeps_the_validation_guard(workspace, tmp_path):
     """A caller's loop of fit_step (as bench/learning.py runs one against a time budget) validates where

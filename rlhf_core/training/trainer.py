@@ -7,7 +7,7 @@ update -> actor update -> metrics. Each phase is timed under its verl name
 steps listed in ``trainer.profile_steps`` are recorded as torch.profiler traces that show the
 rollout/training split (in ``trainer.profile_dir``; TensorBoard or Perfetto open them).
 
-Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps, lets the
+Around the steps, :meth:`PPOTrainer.fit` validates every ``test_freq`` steps and after the last, lets the
 guards (:mod:`rlhf_core.training.guards`) judge each step, logs it, then checkpoints it every
 ``save_freq`` steps, at the end, after a rollback and when a validation sets a new best; one such
 iteration is :meth:`PPOTrainer.fit_step`, which a caller's own loop can run on its own schedule.
@@ -710,7 +710,8 @@ class PPOTrainer:
 
     def fit_step(self, validate: Callable[[int, dict[str, float]], bool] | None = None) -> StepResult:
         """One iteration of :meth:`fit`: the next batch, a train step, the guards, a validation, logging
-        and checkpoints. The validation runs at ``trainer.test_freq`` and after the last step, or, with
+        and checkpoints. The validation runs every ``trainer.test_freq`` steps and after the last (none where
+        it is -1 or 0, as in verl), or, with
         ``validate``, where ``validate(step, metrics)`` says (a caller's own schedule). A guard's
         rollback is carried out here and returned in the result; its stop raises :class:`GuardError`."""
         trainer_cfg = self.config.trainer
@@ -727,7 +728,7 @@ class PPOTrainer:
         save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
         event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
         due = (validate(step, metrics) if validate is not None
-               else last or (trainer_cfg.test_freq > 0 and step % trainer_cfg.test_freq == 0))
+               else trainer_cfg.test_freq > 0 and (last or step % trainer_cfg.test_freq == 0))
         if self.val_dataset is not None and due:
             new_best, event = self._validate_step(step, metrics, event)
             save = save or new_best
