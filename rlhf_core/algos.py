@@ -233,20 +233,27 @@ _KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] 
     "low_var_kl": _kl_k3,
     "k3": _kl_k3,
 }
-KL_TYPES: tuple[str, ...] = tuple(_KL_ESTIMATORS)
+# each name with "+": its value, k2's gradient (verl's straight-through estimators, e.g. ``k3+``)
+KL_TYPES: tuple[str, ...] = (*_KL_ESTIMATORS, *(f"{name}+" for name in _KL_ESTIMATORS))
 
 
 def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_type: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs (Schulman 2020).
 
-    ``kl_type`` is one of ``KL_TYPES``: ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``.
+    ``kl_type`` is one of ``KL_TYPES``: ``kl``/``k1``, ``abs``, ``mse``/``k2``, ``low_var_kl``/``k3``, or one
+    of them with ``+``: that estimator's value with k2's gradient, ``(lp - ref) * d lp`` (the k1 and k3
+    estimates are unbiased in value but not in gradient; k2's gradient is the KL's in expectation).
     Shapes: (bs, T), (bs, T) -> (bs, T). Keeps the autograd graph (used as the actor's KL loss too).
     """
     try:
-        estimator = _KL_ESTIMATORS[kl_type]
+        estimator = _KL_ESTIMATORS[kl_type.removesuffix("+")]
     except KeyError:
         raise ValueError(f"unknown kl_type {kl_type!r}; valid kl types are {', '.join(KL_TYPES)}") from None
-    return estimator(log_prob, ref_log_prob)
+    value = estimator(log_prob, ref_log_prob)
+    if not kl_type.endswith("+"):
+        return value
+    k2 = _kl_k2(log_prob, ref_log_prob)
+    return k2 - k2.detach() + value.detach()
 
 
 # --------------------------------------------------------------------------------------------------

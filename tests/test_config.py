@@ -326,6 +326,126 @@ def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     assert (reset.type, reset.target_kl) == ("fixed", PPOConfig().algorithm.kl_ctrl.target_kl)
 
 
+# keys of verl's generated trainer config (verl/trainer/config/_generated_ppo_trainer.yaml) with its default values,
+# for machinery this trainer does not have or keys that repeat another's value: a verl user's full config file holds
+# them, so each must be taken (with a notice where it says something), never refused as unknown
+VERL_DEFAULTS_WITHOUT_COUNTERPART = """
+actor_rollout_ref.actor._target_=verl.workers.config.FSDPActorConfig
+actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002 actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.0002
+actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.1 actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra]
+actor_rollout_ref.actor.checkpoint.async_save=false actor_rollout_ref.actor.optim.total_training_steps=-1
+actor_rollout_ref.actor.use_fused_kernels=false actor_rollout_ref.actor.profiler.enable=false
+actor_rollout_ref.actor.profiler.ranks=[] actor_rollout_ref.actor.profiler.tool_config.torch.step_start=0
+actor_rollout_ref.actor.entropy_from_logits_with_chunking=false
+actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params=0 actor_rollout_ref.actor.fsdp_config.offload_policy=false
+actor_rollout_ref.actor.fsdp_config.forward_prefetch=false actor_rollout_ref.actor.fsdp_config.model_dtype=fp32
+actor_rollout_ref.actor.use_remove_padding=false actor_rollout_ref.actor.tis_imp_ratio_cap=-1
+actor_rollout_ref.ref.strategy=fsdp actor_rollout_ref.ref.use_torch_compile=true actor_rollout_ref.ref.entropy_checkpointing=false
+actor_rollout_ref.rollout.prompt_length=512 actor_rollout_ref.rollout.response_length=512
+actor_rollout_ref.rollout.max_model_len=null actor_rollout_ref.rollout.max_num_seqs=1024
+actor_rollout_ref.rollout.cudagraph_capture_sizes=null actor_rollout_ref.rollout.disable_log_stats=true
+actor_rollout_ref.rollout.over_sample_rate=0 actor_rollout_ref.rollout.multi_stage_wake_up=false
+actor_rollout_ref.rollout.multi_turn.enable=false actor_rollout_ref.rollout.multi_turn.format=hermes
+actor_rollout_ref.rollout.agent.num_workers=8 actor_rollout_ref.rollout.update_weights_bucket_megabytes=512
+actor_rollout_ref.rollout.trace.backend=null actor_rollout_ref.rollout.trace.token2text=false
+actor_rollout_ref.rollout.skip_rollout=false actor_rollout_ref.rollout.skip_dump_dir=/tmp/rollout_dump
+actor_rollout_ref.nccl_timeout=600 actor_rollout_ref.model.custom_chat_template=null
+actor_rollout_ref.model.enable_activation_offload=false actor_rollout_ref.model.exclude_modules=null
+data.use_shm=false data.return_raw_input_ids=false data.return_full_prompt=false data.dataloader_num_workers=8
+data.validation_shuffle=false data.filter_overlong_prompts_workers=1 data.image_key=images data.video_key=videos
+data.trust_remote_code=false data.custom_cls.path=null data.return_multi_modal_inputs=true data.sampler.class_path=null
+data.datagen.name=null
+critic.rollout_n=1 critic.enable=true critic.optim.min_lr_ratio=null critic.model.external_lib=null critic.model.use_shm=false
+critic.model.enable_activation_offload=false critic.model.fsdp_config.offload_policy=false
+critic.forward_max_token_len_per_gpu=32768 critic.forward_micro_batch_size_per_gpu=null critic.checkpoint.save_contents=[model,optimizer,extra]
+critic.profiler.enable=false
+reward_model.strategy=fsdp reward_model.model.use_shm=false reward_model.model.use_fused_kernels=false
+reward_model.model.fsdp_config.fsdp_size=-1 reward_model.model.fsdp_config.forward_prefetch=false
+reward_model.launch_reward_fn_async=false reward_model.sandbox_fusion.url=null reward_model.sandbox_fusion.max_concurrent=64
+algorithm.use_pf_ppo=false algorithm.pf_ppo.reweight_method=pow algorithm.pf_ppo.weight_pow=2.0
+trainer.rollout_data_dir=null trainer.validation_data_dir=null trainer.esi_redundant_time=0
+trainer.ray_wait_register_center_timeout=300
+global_profiler.tool=null global_profiler.steps=null global_profiler.save_path=outputs/profile
+ray_kwargs.ray_init.num_cpus=null ray_kwargs.timeline_json_file=null
+""".split()
+
+
+def test_verl_generated_config_keys_are_all_taken():
+    notices = []
+    cfg = load_config(VERL_DEFAULTS_WITHOUT_COUNTERPART, notice=notices.append, validate=False)
+    assert cfg == load_config([], notice=lambda _: None, validate=False)  # and none changes a setting
+    assert "notice: actor_rollout_ref.rollout.response_length=512 is taken: it repeats data.max_response_length, " \
+        "which the rollout reads here" in notices
+    assert "notice: critic.enable=True is taken: algorithm.adv_estimator=gae trains critic" in notices
+    assert any(n.startswith("notice: actor_rollout_ref.rollout.max_num_seqs=1024 has no effect: not passed to vLLM")
+               for n in notices)
+
+
+def test_a_config_file_in_the_shape_of_verls_generated_one_loads(tmp_path):
+    """verl's file form: each section names its class (_target_), keys interpolate their neighbours (${.key}),
+    the reference's model is null and the rollout engine is left for the user (???)."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("""
+actor_rollout_ref:
+  actor:
+    _target_: verl.workers.config.FSDPActorConfig
+    checkpoint: {_target_: verl.trainer.config.CheckpointConfig, save_contents: [model, optimizer, extra],
+                 load_contents: '${.save_contents}', async_save: false}
+    optim: {_target_: verl.workers.config.FSDPOptimizerConfig, lr: 2.0e-06, total_training_steps: -1}
+    fsdp_config: {wrap_policy: {min_num_params: 0}, fsdp_size: -1, offload_policy: false}
+  ref: {model: null, strategy: '${actor_rollout_ref.actor.strategy}'}
+  rollout:
+    name: ???
+    prompt_length: ${oc.select:data.max_prompt_length,512}
+    engine_kwargs: {vllm: {}}
+critic:
+  rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}
+  optim: {min_lr_ratio: null}
+reward_model: {micro_batch_size_per_gpu: null, launch_reward_fn_async: false}
+""")
+    message = "\n".join(pytest.raises(ConfigError, load_config, [], config_file=path, notice=lambda _: None).value.errors)
+    assert message == "actor_rollout_ref.rollout.name must be set (the config holds ??? there)"
+    cfg = load_config(["actor_rollout_ref.rollout.name=hf"], config_file=path, notice=lambda _: None, validate=False)
+    assert cfg.actor_rollout_ref.actor.optim.lr == 2.0e-06 and cfg.critic.optim.min_lr_ratio == 0.0
+
+
+def test_verl_keys_asking_for_what_is_not_here_are_refused_with_the_reason():
+    message = _errors(
+        "actor_rollout_ref.rollout.multi_turn.enable=true", "critic.profiler.enable=true",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model]", "trainer.rollout_data_dir=/tmp/rollouts",
+        "actor_rollout_ref.rollout.response_length=1024", "critic.enable=true", "algorithm.adv_estimator=grpo",
+        "data.custom_cls.path=my_dataset.py", "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0")
+    assert "actor_rollout_ref.rollout.multi_turn.enable=True is not supported: multi-turn rollouts with tools" in message
+    assert "critic.profiler.enable=True is not supported: trainer.profile_steps records torch.profiler traces" in message
+    assert "actor_rollout_ref.actor.checkpoint.save_contents=['model'] is not supported" in message
+    assert "trainer.rollout_data_dir='/tmp/rollouts' is not supported: rollouts are not written out here" in message
+    assert ("actor_rollout_ref.rollout.response_length=1024 differs from data.max_response_length (512), which the "
+            "rollout reads here") in message
+    assert "critic.enable=True is not supported: the critic is trained where the advantage estimator needs it " \
+        "(algorithm.adv_estimator=grpo does not)" in message
+    assert "data.custom_cls.path='my_dataset.py' is not supported" in message
+    assert "tis_imp_ratio_cap=2.0 is not supported: truncated importance sampling is " \
+        "algorithm.rollout_correction.rollout_is=token" in message
+    assert "actor_rollout_ref.rollout.name must be set (the config holds ??? there)" in _errors(
+        "actor_rollout_ref.rollout.name=???")
+    # verl's algorithm names this trainer lacks are named as such, never matched to a near name of another algorithm
+    message = _errors("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "trainer.logger=[swanlab]")
+    assert "loss_mode='clip_cov' (verl's) is not implemented here: one of vanilla, gspo, cispo" in message
+    assert "trainer.logger='swanlab' (verl's) is not implemented here" in message and "wandb?" not in message
+    # verl's prime manager scores as naive does
+    notices = []
+    assert load_config(["reward_model.reward_manager=prime"], notice=notices.append).reward_model.reward_manager \
+        == "naive"
+    assert any("reward_manager='prime' is taken as 'naive'" in n for n in notices)
+
+
+def test_sections_without_counterpart_hold_no_key_of_this_trainer():
+    from rlhf_core.config import WITHOUT_EFFECT, WITHOUT_EFFECT_BELOW, _known_keys
+    known = _known_keys()
+    assert not [k for k in known for section in WITHOUT_EFFECT_BELOW if k.startswith(section)]
+    assert not [k for k in WITHOUT_EFFECT if k in known]
+
+
 def test_verl_keys_without_a_counterpart_are_taken_when_harmless():
     notices = []
     cfg = load_config(["actor_rollout_ref.actor.ulysses_sequence_parallel_size=1", "trainer.use_legacy_worker_impl=auto",
@@ -493,13 +613,13 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be > 0"),
         ("trainer.log_val_generations=-1", "trainer.log_val_generations=-1 must be >= 0"),
         ("trainer.val_only=true data.val_files=null", "trainer.val_only=true validates on data.val_files: set them"),
-        ("reward_model.reward_manager=prime", "reward_model.reward_manager='prime' is not one of naive, dapo, batch"),
+        ("reward_model.reward_manager=primo", "reward_model.reward_manager='primo' is not one of naive, dapo, batch"),
         ("reward_model.reward_manager=batch", "reward_model.reward_manager=batch calls custom_reward_function with "
                                               "whole batches: set custom_reward_function.path"),
         ("actor_rollout_ref.actor.kl_loss_type=low_var", "kl_loss_type='low_var' is not one of"),
         ("algorithm.adv_estimator=ppo", "algorithm.adv_estimator='ppo' is not one of"),
         ("actor_rollout_ref.actor.loss_agg_mode=mean", "loss_agg_mode='mean' is not one of"),
-        ("actor_rollout_ref.rollout.name=sglang", "rollout.name='sglang' is not one of hf, vllm"),
+        ("actor_rollout_ref.rollout.name=sglang", "rollout.name='sglang' (verl's) is not implemented here: one of hf, vllm"),
         ("trainer.logger=[console,neptune]", "trainer.logger='neptune' is not one of"),
         ("data.train_batch_size=abc", "data.train_batch_size='abc': Value 'abc' of type 'str' could not be converted"),
         ("data.train_files=5", "data.train_files=5 must be a string or a list of strings"),
