@@ -278,15 +278,50 @@ def test_low_var_kl_is_clamped():
 
 
 def test_kl_types_listed_and_unknown_rejected():
-    assert set(KL_TYPES) == {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+    base = {"kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"}
+    assert set(KL_TYPES) == base | {f"{name}+" for name in base}
     with pytest.raises(ValueError, match="unknown kl_type 'bogus'.*low_var_kl"):
         kl_penalty(t([0.0]), t([0.0]), "bogus")
 
 
-def test_kl_penalty_keeps_gradient():
-    lp = t([[-1.0, -2.0]]).requires_grad_()
-    kl_penalty(lp, t([[-1.5, -1.0]]), "low_var_kl").sum().backward()
-    assert lp.grad is not None
+def test_kl_with_plus_has_its_estimators_value():
+    # verl's straight-through estimators: the value of the one named (here k3 at ref - lp = -0.5 and 1:
+    # exp(-0.5) + 0.5 - 1 and e - 2), the gradient of k2 (tested below)
+    lp, ref = t([[-1.0, -2.0]]), t([[-1.5, -1.0]])
+    assert kl_penalty(lp, ref, "k3+")[0].tolist() == pytest.approx([math.exp(-0.5) - 0.5, math.e - 2])
+    assert kl_penalty(lp, ref, "kl+")[0].tolist() == pytest.approx([0.5, -1.0])
+
+
+# d = lp - ref per token: 0.5, -1.0, then two where low_var_kl's clamps hold: ref - lp = 3 (exp(3) - 4 = 16.1,
+# clamped to 10) and ref - lp = -50 (clamped to -20 before exp: exp(-20) + 19 ~ 19, clamped to 10)
+KL_GRAD_LP = [[-1.0, -2.0, -3.0, 0.0]]
+KL_GRAD_REF = [[-1.5, -1.0, 0.0, -50.0]]
+KL_GRADIENTS = {
+    # k1 = lp - ref: d/dlp = 1
+    "kl": [1.0, 1.0, 1.0, 1.0],
+    "k1": [1.0, 1.0, 1.0, 1.0],
+    # |lp - ref|: d/dlp = sign(lp - ref)
+    "abs": [1.0, -1.0, -1.0, 1.0],
+    # k2 = (lp - ref)^2 / 2: d/dlp = lp - ref
+    "mse": [0.5, -1.0, -3.0, 50.0],
+    "k2": [0.5, -1.0, -3.0, 50.0],
+    # k3 = exp(ref - lp) - (ref - lp) - 1: d/dlp = 1 - exp(ref - lp); 0 where a clamp holds (the last two)
+    "low_var_kl": [1 - math.exp(-0.5), 1 - math.exp(1.0), 0.0, 0.0],
+    "k3": [1 - math.exp(-0.5), 1 - math.exp(1.0), 0.0, 0.0],
+}
+
+
+def test_kl_gradients_cover_every_estimator():
+    assert {name.removesuffix("+") for name in KL_TYPES} == set(KL_GRADIENTS)
+
+
+@pytest.mark.parametrize("name", KL_TYPES)
+def test_kl_penalty_gradient_by_hand(name):
+    lp = t(KL_GRAD_LP).requires_grad_()
+    kl_penalty(lp, t(KL_GRAD_REF), name).sum().backward()
+    # a name with "+" (verl's straight-through estimators) has k2's gradient, lp - ref, whatever its value
+    expected = KL_GRADIENTS["k2"] if name.endswith("+") else KL_GRADIENTS[name]
+    assert lp.grad[0].tolist() == pytest.approx(expected)
 
 
 log_probs = st.lists(st.floats(-8, 0), min_size=1, max_size=8)
@@ -741,6 +776,25 @@ def test_apply_kl_penalty_by_hand():
     assert metrics == {"actor/reward_kl_penalty": batch_kl, "actor/reward_kl_penalty_coeff": 0.5}
     # error clip(-0.25 / 0.1 - 1) = -0.2, n_steps = bs = 2 -> 0.5 * (1 - 0.2 * 2 / 20)
     assert ctrl.value == pytest.approx(0.5 * 0.98)
+
+
+def test_apply_kl_penalty_batch_kl_is_the_mean_of_sequence_means():
+    # rows of unequal length: row 0 one token (k1 = 0.5), row 1 three tokens (k1 = -1, 0, 0)
+    scores = t([[1.0, 0.0, 0.0], [0.0, 0.0, 2.0]])
+    old = t([[-1.0, -9.0, 5.0], [-2.0, -1.0, -0.5]])
+    ref = t([[-1.5, 0.0, 0.0], [-1.0, -1.0, -0.5]])
+    mask = t([[1, 0, 0], [1, 1, 1]])
+    ctrl = AdaptiveKLController(init_kl_coef=0.5, target_kl=0.1, horizon=20)
+    rewards, batch_kl, metrics = apply_kl_penalty(scores, old, ref, mask, ctrl, "kl")
+    # r = score - 0.5 * k1 on the valid tokens; masked tokens keep their score
+    assert torch.allclose(rewards, t([[0.75, 0.0, 0.0], [0.5, 0.0, 2.0]]))
+    # per-sequence means 0.5 and -1/3, then their mean: (0.5 - 1/3) / 2 = 1/12 (a per-token mean would give
+    # (0.5 - 1) / 4 = -1/8)
+    assert batch_kl == pytest.approx(1 / 12)
+    assert metrics == {"actor/reward_kl_penalty": pytest.approx(1 / 12), "actor/reward_kl_penalty_coeff": 0.5}
+    # error (1/12) / 0.1 - 1 = -1/6 (inside the +-0.2 clip; -1/8 would clip to -0.2), n_steps = bs = 2:
+    # 0.5 * (1 - (1/6) * 2 / 20) = 0.5 * 59 / 60
+    assert ctrl.value == pytest.approx(0.5 * 59 / 60)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -479,6 +479,98 @@ def test_rejection_masks_tokens_or_whole_responses():
         float((seq_mean.unsqueeze(-1) * mask).sum() / mask.sum()))
 
 
+# log(pi_train / pi_rollout) per token, on responses of 3, 2 and 3 tokens (the 9.0 is padding: never counted)
+RC_LOG_RATIO = [[0.5, -0.5, 0.0], [1.0, 0.2, 9.0], [-0.3, -0.3, -0.3]]
+RC_MASK = [[1, 1, 1], [1, 1, 0], [1, 1, 1]]
+RC_ROLLOUT = [[-1.0, -2.0, -0.5], [-0.5, -1.5, -3.0], [-2.0, -1.0, -1.0]]
+
+
+def _rc_tokens(rows):
+    """The unmasked entries of ``rows`` (3 x 3), row by row."""
+    return [[x for x, keep in zip(row, mask) if keep] for row, mask in zip(rows, RC_MASK)]
+
+
+# verl's estimators of the log-ratio x: k1 = -x, k2 = x^2 / 2, k3 = exp(x) - 1 - x
+RC_ESTIMATORS = {"k1": lambda x: -x, "k2": lambda x: x * x / 2, "k3": lambda x: math.exp(x) - 1 - x}
+
+
+@pytest.mark.parametrize(("mode", "threshold", "expected_mask"), [
+    # token_k2 <= 0.12: k2 = .125 .125 0 | .5 .02 | .045 x3
+    ("token_k2", 0.12, [[0, 0, 1], [0, 1, 0], [1, 1, 1]]),
+    # token_k3 <= 0.12: k3 = .1487 .1065 0 | .7183 .0214 | .0408 x3 (k2 would reject row 0's second token)
+    ("token_k3", 0.12, [[0, 1, 1], [0, 1, 0], [1, 1, 1]]),
+    # seq_sum_k1 in [-log 2, log 2] = [-.693, .693]: sums of -x = 0 | -1.2 | .9
+    ("seq_sum_k1", 2.0, [[1, 1, 1], [0, 0, 0], [0, 0, 0]]),
+    # seq_sum_k2 <= 0.3: sums .25 | .52 | .135
+    ("seq_sum_k2", 0.3, [[1, 1, 1], [0, 0, 0], [1, 1, 1]]),
+    # seq_sum_k3 <= 0.252: sums .2553 | .7397 | .1225 (seq_sum_k2 would keep row 0, .25)
+    ("seq_sum_k3", 0.252, [[0, 0, 0], [0, 0, 0], [1, 1, 1]]),
+    # seq_mean_k1 in [-log 1.5, log 1.5] = [-.405, .405]: means of -x = 0 | -.6 | .3 (the sums would drop row 2)
+    ("seq_mean_k1", 1.5, [[1, 1, 1], [0, 0, 0], [1, 1, 1]]),
+    # seq_mean_k2 <= 0.1: means .0833 | .26 | .045 (the sums .25 and .135 would drop rows 0 and 2)
+    ("seq_mean_k2", 0.1, [[1, 1, 1], [0, 0, 0], [1, 1, 1]]),
+    # seq_max_k2 <= 0.1: maxima .125 | .5 | .045 (the mean would keep row 0)
+    ("seq_max_k2", 0.1, [[0, 0, 0], [0, 0, 0], [1, 1, 1]]),
+    # seq_max_k3 <= 0.13: maxima .1487 | .7183 | .0408 (k2's maximum .125 would keep row 0)
+    ("seq_max_k3", 0.13, [[0, 0, 0], [0, 0, 0], [1, 1, 1]]),
+])
+def test_every_rejection_mode_by_hand(mode, threshold, expected_mask):
+    assert set(algos.ROLLOUT_RS_MODES) - {"token_k1", "seq_mean_k3"} == {  # (those two: the test above)
+        "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1", "seq_mean_k2",
+        "seq_max_k2", "seq_max_k3"}
+    rollout = t(RC_ROLLOUT)
+    old = rollout + t(RC_LOG_RATIO)
+    mask = t(RC_MASK)
+    _, new_mask, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_rs=mode,
+                                                            rollout_rs_threshold=threshold)
+    torch.testing.assert_close(new_mask, t(expected_mask))
+    # the statistic on each response token (a sequence's own on each of its tokens), in plain python
+    level, estimator = mode.rsplit("_", 1)
+    per_token = [[RC_ESTIMATORS[estimator](x) for x in row] for row in _rc_tokens(RC_LOG_RATIO)]
+    reduce = {"token": None, "seq_sum": sum, "seq_mean": lambda v: sum(v) / len(v), "seq_max": max}[level]
+    statistic = per_token if reduce is None else [[reduce(row)] * len(row) for row in per_token]
+    flat = [v for row in statistic for v in row]
+    assert metrics[f"rollout_corr/rollout_rs_{mode}_mean"] == pytest.approx(sum(flat) / 8)
+    assert metrics[f"rollout_corr/rollout_rs_{mode}_max"] == pytest.approx(max(flat))
+    assert metrics[f"rollout_corr/rollout_rs_{mode}_min"] == pytest.approx(min(flat))
+    rejected = [[1 - kept for kept, m in zip(row, mask_row) if m] for row, mask_row in zip(expected_mask, RC_MASK)]
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(sum(map(sum, rejected)) / 8)
+    assert metrics["rollout_corr/rollout_rs_seq_masked_fraction"] == pytest.approx(sum(map(any, rejected)) / 3)
+
+
+def test_off_policy_diagnostics_and_sequence_weight_extremes_by_hand():
+    rollout = t(RC_ROLLOUT)
+    old = rollout + t(RC_LOG_RATIO)
+    mask = t(RC_MASK)
+    _, _, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_is="token", rollout_is_threshold=1.5)
+    x = _rc_tokens(RC_LOG_RATIO)
+    train = _rc_tokens(old.tolist())
+    sampled = _rc_tokens(RC_ROLLOUT)
+    flat = [v for row in x for v in row]
+    # k3 of KL(rollout || train) per token: exp(x) - 1 - x, averaged over the 8 tokens
+    assert metrics["rollout_corr/k3_kl"] == pytest.approx(sum(math.exp(v) - 1 - v for v in flat) / 8)
+    # perplexities per sequence, exp(-mean log-prob), averaged over the 3 sequences: train rows' means are
+    # (-0.5 - 2.5 - 0.5) / 3, (0.5 - 1.3) / 2, (-2.3 - 1.3 - 1.3) / 3; rollout rows' -3.5/3, -1, -4/3
+    mean = [sum(row) / len(row) for row in train]
+    assert mean == pytest.approx([-3.5 / 3, -0.4, -4.9 / 3])
+    assert metrics["rollout_corr/training_ppl"] == pytest.approx(sum(math.exp(-m) for m in mean) / 3)
+    assert metrics["rollout_corr/rollout_ppl"] == pytest.approx(
+        (math.exp(3.5 / 3) + math.exp(1.0) + math.exp(4 / 3)) / 3)
+    # mean over sequences of (mean rollout log-prob - mean train log-prob) = -mean_t x: -(0, 0.6, -0.3) -> -0.1
+    assert [sum(r) / len(r) - sum(tr) / len(tr) for r, tr in zip(sampled, train)] == pytest.approx([0.0, -0.6, 0.3])
+    assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx(-0.1)
+    # token weights min(exp(x), 1.5): 1.5 .6065 1 | 1.5 1.2214 | .7408 x3; per-sequence means 1.0355 | 1.3607 | .7408
+    seq_means = [(1.5 + math.exp(-0.5) + 1.0) / 3, (1.5 + math.exp(0.2)) / 2, math.exp(-0.3)]
+    assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(seq_means[1])
+    assert metrics["rollout_corr/rollout_is_seq_min"] == pytest.approx(seq_means[2])
+    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx(sum(seq_means) / 3)
+    # sequence-level weights: exp of the row sums 0 | 1.2 | -0.9, truncated at 1.5: 1 | 1.5 | .4066
+    _, _, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_is="sequence",
+                                                     rollout_is_threshold=1.5)
+    assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(1.5)
+    assert metrics["rollout_corr/rollout_is_seq_min"] == pytest.approx(math.exp(-0.9))
+
+
 def test_rollout_correction_needs_tokens():
     with pytest.raises(ValueError, match="at least one response token"):
         algos.compute_rollout_correction(torch.zeros(2, 2), torch.zeros(2, 2), torch.zeros(2, 2), rollout_is="token")

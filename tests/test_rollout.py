@@ -168,6 +168,22 @@ def test_top_k_and_top_p_restrict_the_support():
     assert abs(share - 0.644 / 0.881) < 0.04
 
 
+@pytest.mark.parametrize(("temperature", "expected"), [
+    # logits ln(1, 2, 4): at T=0.5 they double, softmax ~ (1, 4, 16) / 21 = .0476, .1905, .7619
+    (0.5, [1 / 21, 4 / 21, 16 / 21]),
+    # at T=2 they halve, softmax ~ (1, sqrt 2, 2) / (3 + sqrt 2) = .2265, .3204, .4531
+    (2.0, [1 / (3 + 2 ** 0.5), 2 ** 0.5 / (3 + 2 ** 0.5), 2 / (3 + 2 ** 0.5)]),
+])
+def test_sampling_follows_softmax_of_logits_over_temperature(temperature, expected):
+    # without the temperature it would be softmax(ln(1, 2, 4)) = (1, 2, 4) / 7 = .143, .286, .571: at least .19
+    # from either expectation on the last token (and logits x T instead of / T swaps the two expectations)
+    logits = torch.log(torch.tensor([[1.0, 2.0, 4.0]])).repeat(20000, 1)
+    drawn = sample_next_token(logits, SamplingParams(temperature=temperature), torch.Generator().manual_seed(0))
+    counts = torch.bincount(drawn, minlength=3).double() / len(drawn)
+    # binomial standard error at n=20000 is at most 0.0036 (p=0.5): 0.015 is more than four of them
+    torch.testing.assert_close(counts, torch.tensor(expected, dtype=torch.float64), atol=0.015, rtol=0)
+
+
 def test_draw_from_follows_the_probabilities_and_never_picks_zero_mass():
     probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]]).repeat(20000, 1)
     gen = torch.Generator().manual_seed(0)

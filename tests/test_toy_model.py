@@ -6,6 +6,7 @@ Only the small ``test`` preset is built here.
 from __future__ import annotations
 
 import json
+import re
 import string
 
 import pytest
@@ -133,9 +134,48 @@ def test_marker_records_the_build(built):
     assert marker["preset"] == "test" and marker["seed"] == 0
     assert marker["settings"] == toy.preset_settings("test")
     assert marker["parameters"] > 0
-    for key in ("greedy_accuracy", "sampled_accuracy"):
-        assert 0.0 <= marker[key] <= 1.0
     assert marker["eval_problems"] == toy.PRESETS["test"]["eval_problems"]
+    # each accuracy is the count-weighted mean of its per-operation accuracies (those rounded to 4 places): the
+    # first operation of a solution is the sign after the first number of its "<<a+b=c>>" annotation
+    problems = toy.heldout_problems("test", 0)
+    operations = [problem["solution"].split("<<", 1)[1].lstrip(string.digits)[0] for problem in problems]
+    for key in ("greedy_accuracy", "sampled_accuracy"):
+        by_operation = marker[f"{key}_by_operation"]
+        assert set(by_operation) == set(operations)
+        weighted = sum(by_operation[op] * operations.count(op) for op in by_operation) / len(problems)
+        assert marker[key] == pytest.approx(weighted, abs=1e-4)
+
+
+def _greedy_text(model, tokenizer, question: str, max_new_tokens: int) -> str:
+    """A plain greedy loop: the whole sequence through the model at each step, argmax, stop at EOS."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question + INSTRUCTION}], tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def test_marker_greedy_figures_match_a_plain_greedy_rescoring(built, tokenizer):
+    """The saved model, decoded greedily by a plain loop here, gives the marker's greedy samples and accuracy
+    (right: the last "#### <number>" of the response, commas dropped, equals the problem's answer)."""
+    marker = json.loads((built / toy.MARKER).read_text())
+    model = AutoModelForCausalLM.from_pretrained(built).eval()
+    problems = toy.heldout_problems("test", 0)
+    texts = [_greedy_text(model, tokenizer, p["question"], marker["settings"]["max_new_tokens"]) for p in problems]
+    assert marker["greedy_samples"] == texts[:5]
+
+    def right(text: str, answer: str) -> bool:
+        found = re.findall(r"#### (-?[0-9.,]+)", text)
+        return bool(found) and found[-1].replace(",", "") == answer.replace(",", "")
+
+    assert marker["greedy_accuracy"] == sum(right(t, p["answer"]) for t, p in zip(texts, problems)) / len(problems)
     assert marker["max_prompt_tokens"] > marker["max_reference_response_tokens"] > 0
     for name in (
         "config.json",

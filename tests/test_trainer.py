@@ -697,3 +697,141 @@ def test_bfloat16_products_on_cpu_train_the_blocks_in_bfloat16(workspace, monkey
         assert moved == list(initial)
     for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss"):
         assert math.isfinite(metrics[key]), key
+
+
+# ---------------------------------------------------------------------------------------------------
+# The actor's loss: KL loss and entropy bonus, on log-probs and entropies the test supplies
+# ---------------------------------------------------------------------------------------------------
+
+
+def _actor_with_given_log_probs(workspace, monkeypatch, log_prob, entropy, *extra):
+    """An actor on the tiny model whose ``policy_loss`` reads ``log_prob`` and ``entropy`` (leaf tensors of the
+    test) instead of the model's: the loss's dependence on them is then the loss's alone."""
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.workers import actor as actor_module
+
+    root, model, _ = workspace
+    cfg = load_config(_overrides(root, model, *extra)).resolved().actor_rollout_ref
+    worker = actor_module.ActorWorker(cfg, load_tokenizer(model), total_steps=1, need_ref=False)
+    monkeypatch.setattr(actor_module, "response_log_prob",
+                        lambda *args, **kwargs: (log_prob, entropy if args[3] else None))
+    return worker
+
+
+# two responses of unequal length: row 0 two tokens, row 1 one (the other places are padding)
+LOSS_MASK = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+LOSS_LOG_PROB = [[-1.0, -2.0, -7.0], [-0.5, -7.0, -7.0]]
+LOSS_REF_LOG_PROB = [[-1.5, -1.0, -1.0], [-1.0, -1.0, -1.0]]  # ref - lp on the tokens: -0.5, 1, -0.5
+
+
+@pytest.mark.parametrize(("kl_type", "dkl"), [
+    ("low_var_kl", [1 - math.exp(-0.5), 1 - math.exp(1.0), 1 - math.exp(-0.5)]),  # d/dlp = 1 - exp(ref - lp)
+    ("k1", [1.0, 1.0, 1.0]),  # d/dlp (lp - ref) = 1
+    ("mse", [0.5, -1.0, 0.5]),  # d/dlp (lp - ref)^2 / 2 = lp - ref
+])
+@pytest.mark.parametrize(("mode", "weights"), [
+    ("token-mean", [1 / 3, 1 / 3, 1 / 3]),  # / the 3 tokens of the mini-batch
+    ("seq-mean-token-mean", [1 / 4, 1 / 4, 1 / 2]),  # / (2 sequences x the row's token count: 2, 2, 1)
+])
+def test_kl_loss_gradient_reaches_the_log_probs_by_hand(workspace, monkeypatch, kl_type, dkl, mode, weights):
+    """With zero advantages the policy loss is 0 and has no gradient; what is left is kl_loss_coef x the KL
+    loss, whose gradient with respect to each token's log-prob is coef x dKL/dlp x the token's weight in
+    loss_agg_mode."""
+    mask = torch.tensor(LOSS_MASK)
+    log_prob = torch.tensor(LOSS_LOG_PROB, requires_grad=True)
+    actor = _actor_with_given_log_probs(workspace, monkeypatch, log_prob, None,
+                                        "actor_rollout_ref.actor.use_kl_loss=true",
+                                        f"actor_rollout_ref.actor.kl_loss_type={kl_type}",
+                                        f"actor_rollout_ref.actor.loss_agg_mode={mode}")
+    mb = Batch({"response_mask": mask, "advantages": torch.zeros(2, 3), "old_log_prob": log_prob.detach().clone(),
+                "ref_log_prob": torch.tensor(LOSS_REF_LOG_PROB)}, {})
+    coef = 0.25
+    loss, summed, constant = actor.policy_loss(mb, token_count=3, seq_count=2, kl_loss_coef=coef)
+    loss.backward()
+    expected = [[coef * dkl[0] * weights[0], coef * dkl[1] * weights[1], 0.0], [coef * dkl[2] * weights[2], 0.0, 0.0]]
+    assert log_prob.grad.tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
+    # the KL values themselves, aggregated the same way: k1 = lp - ref = 0.5, -1, 0.5; k2 = 0.125, 0.5, 0.125;
+    # k3 = exp(ref - lp) - (ref - lp) - 1
+    kl = {"low_var_kl": [math.exp(-0.5) - 0.5, math.exp(1.0) - 2, math.exp(-0.5) - 0.5],
+          "k1": [0.5, -1.0, 0.5], "mse": [0.125, 0.5, 0.125]}[kl_type]
+    kl_loss = sum(k * w for k, w in zip(kl, weights))
+    assert summed["actor/kl_loss"] == pytest.approx(kl_loss, rel=1e-6)
+    assert summed["actor/pg_loss"] == 0.0
+    assert loss.item() == pytest.approx(coef * kl_loss, rel=1e-6)
+    assert constant["actor/kl_coef"] == coef
+
+
+def test_entropy_bonus_is_subtracted_so_descending_the_loss_raises_entropy(workspace, monkeypatch):
+    """verl's ``loss = pg_loss - entropy_coeff * entropy``: with entropy_coeff > 0 the loss falls as the
+    entropy rises, so its gradient with respect to each token's entropy is negative."""
+    mask = torch.tensor(LOSS_MASK)
+    log_prob = torch.tensor(LOSS_LOG_PROB, requires_grad=True)
+    entropy = torch.tensor([[1.2, 0.8, 9.0], [2.0, 9.0, 9.0]], requires_grad=True)
+    actor = _actor_with_given_log_probs(workspace, monkeypatch, log_prob, entropy,
+                                        "actor_rollout_ref.actor.entropy_coeff=0.1",
+                                        "actor_rollout_ref.actor.loss_agg_mode=token-mean")
+    # ratio 1 (old = current log-probs): the clipped surrogate is -A per token, -(1 - 1 + 0.5) / 3 = -1/6
+    mb = Batch({"response_mask": mask, "advantages": torch.tensor([[1.0, -1.0, 0.0], [0.5, 0.0, 0.0]]),
+                "old_log_prob": log_prob.detach().clone()}, {})
+    loss, summed, _ = actor.policy_loss(mb, token_count=3, seq_count=2, kl_loss_coef=0.0)
+    assert summed["actor/pg_loss"] == pytest.approx(-1 / 6)
+    # entropy token-mean (1.2 + 0.8 + 2.0) / 3 = 4/3: loss = -1/6 - 0.1 * 4/3 = -0.3
+    assert loss.item() == pytest.approx(-0.3)
+    loss.backward()
+    # d loss / d entropy = -0.1 / 3 on each of the 3 tokens, 0 on padding
+    assert entropy.grad.tolist() == [pytest.approx([-0.1 / 3, -0.1 / 3, 0.0]), pytest.approx([-0.1 / 3, 0.0, 0.0])]
+    # and d loss / d lp = -A / 3 (ratio 1): -1/3, 1/3, -1/6
+    assert log_prob.grad.tolist() == [pytest.approx([-1 / 3, 1 / 3, 0.0]), pytest.approx([-1 / 6, 0.0, 0.0])]
+
+
+def _gae_by_hand(rewards: list[float], values: list[float], gamma: float, lam: float) -> list[float]:
+    """GAE over one response's tokens, backwards: delta_t = r_t + gamma V_{t+1} - V_t (V after the last token
+    0), A_t = delta_t + gamma lam A_{t+1}."""
+    advantages, next_value, running = [], 0.0, 0.0
+    for r, v in zip(reversed(rewards), reversed(values)):
+        running = r + gamma * next_value - v + gamma * lam * running
+        advantages.append(running)
+        next_value = v
+    return advantages[::-1]
+
+
+def test_a_training_step_uses_the_configured_gamma_and_lambda(workspace):
+    """algorithm.gamma=0.9 and algorithm.lam=0.8 reach the step's GAE: its returns and advantages are the ones
+    worked out here from the step's own token rewards and critic values (with gamma and lam swapped, or left at
+    1, they differ: the values are not 0, so gamma also weighs V_{t+1} apart from the product gamma x lam)."""
+    root, model, _ = workspace
+    reward = root / "reward_first_character.py"
+    reward.write_text(FIRST_CHARACTER_REWARD)
+    trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+                                                   "algorithm.gamma=0.9", "algorithm.lam=0.8")))
+    with torch.no_grad():  # the value head starts at 0: values that differ between tokens instead
+        trainer.critic.forward_module.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
+    seen = {}
+    update_critic = trainer.critic.update_critic
+
+    def recording(batch, *args):
+        seen["batch"] = batch
+        return update_critic(batch, *args)
+
+    trainer.critic.update_critic = recording
+    trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    batch = seen["batch"]
+    mask = batch["response_mask"].bool().tolist()
+    rewards, values = batch["token_level_rewards"].tolist(), batch["values"].tolist()
+    raw, expected_returns = [], []
+    for row_mask, row_rewards, row_values in zip(mask, rewards, values):
+        n = sum(row_mask)  # the response's tokens come first, then padding
+        assert row_mask == [True] * n + [False] * (len(row_mask) - n)
+        advantages = _gae_by_hand(row_rewards[:n], row_values[:n], gamma=0.9, lam=0.8)
+        raw.append(advantages)
+        expected_returns.append([a + v for a, v in zip(advantages, row_values[:n])] + [0.0] * (len(row_mask) - n))
+    assert sum(1 for row in rewards if any(row)) > 0 and len({round(v, 6) for row in values for v in row}) > 10
+    torch.testing.assert_close(batch["returns"].double(), torch.tensor(expected_returns, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)
+    # the advantages are the GAE whitened over every response token of the batch (unbiased variance)
+    flat = [a for row in raw for a in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((a - mean) ** 2 for a in flat) / (len(flat) - 1) + 1e-8)
+    whitened = [[(a - mean) / std for a in row] + [0.0] * (len(mask[0]) - len(row)) for row in raw]
+    torch.testing.assert_close(batch["advantages"].double(), torch.tensor(whitened, dtype=torch.float64),
+                               rtol=1e-4, atol=1e-4)
