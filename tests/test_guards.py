@@ -17,16 +17,42 @@ from rlhf_core.training.guards import Guard, GuardError, measured_kl, tighten_kl
 # ----------------------------------------------------------------------------- decisions
 
 
-def test_consecutive_skips_stop_at_the_limit_and_target_the_checkpoint_before_the_streak():
+def test_consecutive_skips_stop_at_the_limit_and_target_the_checkpoint_before_the_weights_that_failed():
     guard = Guard(GuardConfig(max_consecutive_skips=3))
+    guard.on_checkpoint(1)
     guard.on_checkpoint(2)
+    assert guard.protected_steps() == {1}  # the anchor of a streak from step 3, kept from pruning
+    # step 3 ran on step 2's weights and their gradient was not finite: step 2's update may have wrecked them
     assert guard.observe_step(3, {}, skipped=True) is None
     guard.on_checkpoint(3)  # saved during the streak: not a good state
     assert guard.observe_step(4, {}, skipped=True) is None
-    assert guard.protected_steps() == {2}
+    assert guard.protected_steps() == {1, 2}
     event = guard.observe_step(5, {}, skipped=True)
-    assert (event.kind, event.action, event.target_step) == ("non_finite", "stop", 2)
+    assert (event.kind, event.action, event.target_step) == ("non_finite", "stop", 1)
     assert "3 consecutive steps (up to step 5)" in event.message
+    # with checkpoints every 5 steps, a streak from step 8 restores step 5's (the weights step 6 started from)
+    guard = Guard(GuardConfig(max_consecutive_skips=1))
+    guard.on_checkpoint(5)
+    assert guard.observe_step(8, {}, skipped=True).target_step == 5
+    # a streak from step 2 has no checkpoint before it
+    guard = Guard(GuardConfig(max_consecutive_skips=1))
+    guard.on_checkpoint(1)
+    assert guard.observe_step(2, {}, skipped=True).target_step is None
+    # with the non-finite and KL guards off, only the best checkpoint is kept from pruning
+    guard = Guard(GuardConfig(max_consecutive_skips=None, max_kl=None))
+    guard.on_checkpoint(1)
+    guard.on_checkpoint(2)
+    assert guard.protected_steps() == set()
+
+
+def test_a_kl_streak_skips_the_checkpoint_whose_weights_were_already_far_from_the_reference():
+    guard = Guard(GuardConfig(max_kl=0.5, patience=1))
+    for step in (1, 2, 3):
+        guard.on_checkpoint(step)
+    # step 4's own update moved too far (ppo_kl), from step 3's weights, which were close to the reference
+    assert guard.observe_step(4, {"actor/ppo_kl": 0.9, "actor/reward_kl_penalty": 0.1}, False).target_step == 3
+    # step 4 started from weights already over the limit (the KL in its reward measures step 3's weights)
+    assert guard.observe_step(4, {"actor/ppo_kl": 0.1, "actor/kl_loss": 0.7}, False).target_step == 2
 
     guard = Guard(GuardConfig(max_consecutive_skips=2))
     guard.observe_step(1, {}, skipped=True)

@@ -7,15 +7,14 @@ the event out (restore a checkpoint, adjust the KL control, stop). Three guards:
 non-finite steps
     A step whose loss or gradient was not finite is skipped by the workers (no
     optimizer step). After ``max_consecutive_skips`` such steps in a row the run
-    restores the last checkpoint saved before the streak began, marks it latest and
-    stops with a :class:`GuardError`: the cause (data, reward, learning rate) needs a
-    person.
+    restores the anchor of the streak (below), marks it latest and stops with a
+    :class:`GuardError`: the cause (data, reward, learning rate) needs a person.
 KL explosion
     The measured KL is the largest of ``actor/ppo_kl``, ``actor/reward_kl_penalty``
     and ``actor/kl_loss`` present in the step's metrics (a non-finite value counts as
     above any limit). After ``patience`` consecutive steps above ``max_kl`` the run
-    restores the last checkpoint saved before the streak began and tightens the KL
-    control (:func:`tighten_kl_control` says how; the trainer applies it), then continues.
+    restores the anchor of the streak and tightens the KL control
+    (:func:`tighten_kl_control` says how; the trainer applies it), then continues.
 validation drop
     When the validation accuracy falls more than ``max_val_drop`` below the best seen,
     the run restores the checkpoint of the best validation and continues. So that one
@@ -27,8 +26,18 @@ sees new batches instead of replaying the ones that led it astray. Each rollback
 counted (``training/rollbacks``); once ``max_rollbacks`` have been made, the next
 trigger restores its checkpoint and stops the run with a :class:`GuardError`.
 
-The checkpoints a guard may still need (the best one, and the last good one while a
-streak is running) are reported by :meth:`Guard.protected_steps` and never pruned.
+A streak's anchor is the newest checkpoint of weights not known to be bad. A non-finite streak
+from step k restores a checkpoint of step k-2 or earlier: the checkpoint of step k-1 holds the
+very weights whose gradient was not finite (a skipped step changes nothing), which may be what
+fails (a learning rate too high wrecks the weights with a finite gradient, and the next step's
+gradient is not finite). A KL streak from step k does the same where the KL of step k-1's
+weights to the reference (``actor/reward_kl_penalty``, ``actor/kl_loss``) was over the limit,
+and restores step k-1 or earlier where only step k's own update moved too far (``actor/ppo_kl``).
+
+The checkpoints a guard may still need (the best one, the anchor while a streak is running,
+and, while the non-finite or KL guard is on, the one before the latest: the anchor of a
+streak that starts at the next step) are reported by :meth:`Guard.protected_steps` and never
+pruned.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import GuardConfig, PPOConfig
 
 KL_METRICS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")
+KL_TO_REFERENCE = ("actor/reward_kl_penalty", "actor/kl_loss")  # of the weights the step started from
 KL_LOSS_COEF_FACTOR = 2.0  # a KL rollback with actor.use_kl_loss multiplies kl_loss_coef by this
 LR_FACTOR = 0.5  # a KL rollback with no KL term at all multiplies the actor learning rate by this
 MIN_ADAPTIVE_KL_COEF = 1e-3  # an adaptive controller cannot grow from a zero coefficient
@@ -91,25 +101,29 @@ class Guard:
     def __init__(self, config: GuardConfig):
         self.config = config
         self.consecutive_skips = 0
-        self.skip_anchor: int | None = None  # last checkpoint saved before the current skip streak
+        self.skip_anchor: int | None = None  # the current skip streak's anchor (see the module's note)
         self.kl_streak = 0
-        self.kl_anchor: int | None = None  # last checkpoint saved before the current KL streak
+        self.kl_anchor: int | None = None  # the current KL streak's anchor
         self.best_val: float | None = None
         self.best_step: int | None = None
         self.rollbacks = 0
-        self.last_checkpoint: int | None = None
+        self.saved: list[int] = []  # the steps of the checkpoints saved (or found at a resume), in order
 
     # ------------------------------------------------------------------ observations
     def on_checkpoint(self, step: int) -> None:
-        """A checkpoint of ``step`` now exists."""
-        self.last_checkpoint = step
+        """A checkpoint of ``step`` now exists (a rollback's later saves replace newer ones)."""
+        self.saved = [s for s in self.saved if s < step] + [step]
+
+    def anchor(self, last_good: int) -> int | None:
+        """The newest checkpoint of step ``last_good`` or earlier."""
+        return next((s for s in reversed(self.saved) if s <= last_good), None)
 
     def observe_step(self, step: int, metrics: Mapping[str, float], skipped: bool) -> GuardEvent | None:
         """Check one finished step; ``skipped`` is True when any of its updates was skipped."""
         cfg = self.config
         if skipped:
             if self.consecutive_skips == 0:
-                self.skip_anchor = self.last_checkpoint
+                self.skip_anchor = self.anchor(step - 2)
             self.consecutive_skips += 1
             if cfg.max_consecutive_skips is not None and self.consecutive_skips >= cfg.max_consecutive_skips:
                 target = self.skip_anchor
@@ -125,7 +139,8 @@ class Guard:
         kl = measured_kl(metrics)
         if cfg.max_kl is not None and kl is not None and not kl <= cfg.max_kl:
             if self.kl_streak == 0:
-                self.kl_anchor = self.last_checkpoint
+                before = measured_kl({k: v for k, v in metrics.items() if k in KL_TO_REFERENCE})
+                self.kl_anchor = self.anchor(step - 2 if before is not None and not before <= cfg.max_kl else step - 1)
             self.kl_streak += 1
             if self.kl_streak >= cfg.patience:
                 target = self.kl_anchor
@@ -163,7 +178,9 @@ class Guard:
     # ------------------------------------------------------------------ checkpoints
     def protected_steps(self) -> set[int]:
         """Checkpoints a guard may restore later: never prune these."""
-        return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor) if s is not None}
+        streaks_watched = self.config.max_consecutive_skips is not None or self.config.max_kl is not None
+        next_anchor = self.saved[-2] if streaks_watched and len(self.saved) >= 2 else None
+        return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor, next_anchor) if s is not None}
 
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "skip_anchor": self.skip_anchor,
