@@ -461,7 +461,8 @@ class TrainerConfig:
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint and metrics directory"
     )
     max_actor_ckpt_to_keep: int | None = _k(None, "keep at most this many actor checkpoints (never pruned: the "
-                                                  "latest, a guard's rollback target); null or 0 = all")
+                                                  "latest, a guard's rollback target, and while the non-finite or "
+                                                  "KL guard is on, the one before the latest); null or 0 = all")
     max_critic_ckpt_to_keep: int | None = _k(None, "keep at most this many critic checkpoints; null or 0 = all")
     default_hdfs_dir: str | None = _k(None, "verl's HDFS copy of the checkpoints: only null (checkpoints stay in "
                                             "default_local_dir)")
