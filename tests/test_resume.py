@@ -203,3 +203,16 @@ def test_a_resume_from_the_checkpoint_after_the_first_validation_does_not_valida
     assert sorted(metrics) == [1, 2]
     for step in (1, 2):
         assert_same_metrics(metrics[step], expected[step], step)
+
+
+def test_a_resume_that_lengthens_the_run_follows_the_new_schedule_from_its_first_step(workspace, reference):
+    """total_training_steps may change on a resume; the cosine schedule is then laid over the new length, from
+    the step resumed on (the optimizer's saved rate is the old schedule's: after step 2 of 4, lr * (1 + cos(pi
+    / 2)) / 2 = lr / 2)."""
+    out, _, _ = reference
+    longer = build_trainer(load_config(overrides(workspace, workspace.root / "longer",
+                                                 f"trainer.total_training_steps={STEPS + 4}")))
+    longer.load_checkpoint(out / "global_step_2")
+    lr = longer.config.actor_rollout_ref.actor.optim.lr  # no warm-up: after step 2 of 8, lr * (1 + cos(pi / 4)) / 2
+    assert longer.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * (1 + math.cos(math.pi / 4)) / 2)
+    assert longer.actor.scheduler.get_last_lr()[0] == pytest.approx(lr * (1 + math.cos(math.pi / 4)) / 2)

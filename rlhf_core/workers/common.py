@@ -569,6 +569,12 @@ class CheckpointableWorker:
 
     def load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+        # the rate of the step to come from this run's schedule (the rule is rebuilt from the config, the
+        # position and base rates are loaded): the optimizer's saved rate is the old schedule's where a resume
+        # changed its length (trainer.total_training_steps), and the same value where it did not
+        for group, base, rule in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * rule(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
         self.shuffle_generator.set_state(state["shuffle_generator"])
 
     def rank_generators(self) -> dict[str, torch.Generator]:
