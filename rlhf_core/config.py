@@ -996,7 +996,8 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
 
 def _deferred(key: str, value: Any) -> bool:
     """Whether ``key`` is settled once every other key is: a value that depends on the others (a deprecated
-    size over all workers, the DAPO recipe's response budget, an interpolation on a key without effect)."""
+    size over all workers, a key that repeats another's value, verl's critic switch and shard-group sizes, an
+    interpolation on a key without effect)."""
     return key in GLOBAL_MICRO_BATCHES or key in MIRRORS or key == CRITIC_ENABLE or (
         key in FSDP_SIZES and value is not None) or (
         without_effect(key) is not None and isinstance(value, str) and value.startswith("${"))
@@ -1133,7 +1134,7 @@ def load_config(
 VERL_VALUES_NOT_HERE = frozenset({
     "clip_cov", "kl_cov", "gpg", "geo_mean", "gmpo", "sapo", "opo", "grpo_vectorized", "rloo_vectorized",
     "optimal_token_baseline", "tir_optimal_token_baseline", "swanlab", "vemlp_wandb", "clearml", "trackio", "full",
-    "sglang", "prime"})
+    "sglang"})
 
 
 def _one_of(errors: list[str], key: str, value: Any, valid: Iterable[str]) -> None:
