@@ -401,7 +401,7 @@ def _cli(root, base, data, out, *extra):
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
             "actor_rollout_ref.model.enable_gradient_checkpointing=false",
             "critic.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1", "trainer.device=cpu",
-            f"trainer.default_local_dir={out}", "trainer.logger=[file]", "reward_model.enable=true", *extra]
+            f"trainer.default_local_dir={out}", "trainer.logger=[file]", "trainer.test_freq=1", "reward_model.enable=true", *extra]
 
 
 @pytest.mark.parametrize("make, needle", [

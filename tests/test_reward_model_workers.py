@@ -53,7 +53,7 @@ def test_two_workers_score_like_one_process_and_train(ray_cluster, tmp_path):
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2", "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false", "reward_model.enable=true",
         f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=1", "trainer.n_gpus_per_node=2",
-        "trainer.device=cpu", "trainer.val_before_train=false", "trainer.total_training_steps=1",
+        "trainer.device=cpu", "trainer.val_before_train=false", "trainer.total_training_steps=1", "trainer.test_freq=1",
         "trainer.logger=[]", f"trainer.default_local_dir={tmp_path / 'out'}",
     ])
     trainer = build_trainer(cfg)
