@@ -9,15 +9,18 @@ new one, never a half-written one::
     write_text_atomic(root / "latest_checkpointed_iteration.txt", "12\\n")
 
 The staging folder lies in the target's own directory, so the final move is a rename on one
-filesystem. Its name starts with ``.<target name>.tmp-`` and a replaced target is set aside as
-``.<target name>.old-...``: a process killed midway leaves only such dot-names, which the owner of
-the directory may sweep up (checkpoints do). This module imports nothing of the project.
+filesystem. Its name starts with ``.<target name>.tmp-<pid>-`` and a replaced target is set aside as
+``.<target name>.old-<pid>-...`` (a staged file is ``.<name>.<pid>-XXXX.tmp``): a process killed midway
+leaves only such dot-names, which the owner of the directory may sweep up (checkpoints do), skipping
+those whose process still runs (:func:`staging_owner`, :func:`process_alive`): another run writing into
+the same directory. This module imports nothing of the project.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -72,6 +75,33 @@ def _aside_name(target: Path) -> Path:
     return target.with_name(f".{target.name}.old-{os.getpid()}-{time.monotonic_ns()}")
 
 
+# the names this module gives its staging folders, set-aside targets and staged files, with the pid of their process
+_OWNED = re.compile(r"\..+\.(?:tmp-(\d+)-\w+|old-(\d+)-\d+|(\d+)-\w+\.tmp)")
+
+
+def staging_owner(name: str) -> int | None:
+    """The pid of the process that made a staging folder, set-aside target or staged file of this module
+    named ``name``; None for any other name (also those of older versions, which recorded no pid)."""
+    match = _OWNED.fullmatch(name)
+    if not match:
+        return None
+    return int(next(group for group in match.groups() if group is not None))
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (another host's, on a shared filesystem, cannot be told:
+    a sweep then takes its leftovers as stale, as it would without the pid)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except PermissionError:  # it does, as another user's
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def staged_directory(
     target: str | os.PathLike,
@@ -103,7 +133,7 @@ def staged_directory(
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
     try:
         yield staging
         if usual_modes:
@@ -158,7 +188,7 @@ def staged_file(path: str | os.PathLike) -> Iterator[Path]:
     ``os.replace``, and the directory fsynced. On an exception the temporary file is removed.
     """
     path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(name)
     try:

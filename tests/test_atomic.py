@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 
@@ -215,3 +217,28 @@ def test_write_text_atomic_failing_keeps_the_old_text_and_no_temp_file(tmp_path,
         write_text_atomic(path, "2\n")
     assert path.read_text() == "1\n"
     assert _entries(tmp_path) == ["latest.txt"]
+
+
+def test_staging_names_record_the_process_that_made_them(tmp_path):
+    """So that a sweep of leftovers can spare those of a process still running (another run in the same folder)."""
+    pid = os.getpid()
+    with staged_directory(tmp_path / "model") as staging:
+        assert atomic.staging_owner(staging.name) == pid
+    assert atomic.staging_owner(atomic._aside_name(tmp_path / "model").name) == pid
+    names = []
+    with atomic.staged_file(tmp_path / "latest.txt") as tmp:
+        names.append(tmp.name)
+        tmp.write_text("1\n")
+    assert names[0].startswith(".latest.txt.") and names[0].endswith(".tmp")
+    assert atomic.staging_owner(names[0]) == pid
+    # older names recorded no pid, and other names are none of this module's
+    for name in (".model.tmp-k2j3x9_a", ".latest.txt.a1b2c3d4.tmp", "model", ".model", "latest.txt"):
+        assert atomic.staging_owner(name) is None, name
+
+
+def test_process_alive():
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    assert atomic.process_alive(os.getpid())
+    assert not atomic.process_alive(ended.pid)
+    assert not atomic.process_alive(0) and not atomic.process_alive(-1)  # never a signal to a process group

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import copy
 import errno
+import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,8 +120,11 @@ def scratch(trained, tmp_path):
     shutil.copytree(out, copy)
     trainer.checkpoint_dir = copy
     trainer.global_step = 3
+    # the tests save through checkpoint.save_checkpoint, which does not tell the guards: they start knowing none
+    # (else the one before the run's latest would be kept as a guard's next anchor)
+    saved, trainer.guard.saved = trainer.guard.saved, []
     yield trainer, copy
-    trainer.checkpoint_dir, trainer.global_step = out, 2
+    trainer.checkpoint_dir, trainer.global_step, trainer.guard.saved = out, 2, saved
 
 
 def _fail_on_call(monkeypatch, number: int, error: OSError):
@@ -163,6 +172,77 @@ def test_disk_full_midway_keeps_the_previous_checkpoint(scratch, monkeypatch, ca
     assert (root / checkpoint.LATEST_FILE).read_text().strip() == "3"
 
 
+class _FullDisk:
+    """A file that takes ``room`` bytes and then fails as a full disk does."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data):
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self.file.__exit__(*exc)
+
+
+def test_disk_full_inside_torch_save_is_reported_as_disk_full(scratch, monkeypatch):
+    """torch.save's zip writer turns a write that fails midway into a RuntimeError ("unexpected pos"): the
+    save still says disk full, and the previous checkpoint stays the latest."""
+    trainer, root = scratch
+    real_open = open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return _FullDisk(file, 1000) if Path(path).name == "optim_state.pt" and "x" in mode else file
+
+    monkeypatch.setattr(checkpoint, "open", full_disk_open, raising=False)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.save_checkpoint(trainer, root)
+    message = str(info.value)
+    assert "disk full while writing actor/optim_state.pt of checkpoint" in message, message
+    assert f"the previous checkpoint {root / 'global_step_2'} is intact" in message
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert (root / checkpoint.LATEST_FILE).read_text().strip() == "2"
+    assert not (root / "global_step_3").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    checkpoint.verify_checkpoint(root / "global_step_2")
+
+
+def test_a_file_size_limit_hit_inside_torch_save_is_a_clear_error(tmp_path):
+    """The real thing: a file-size limit (EFBIG) reached in the middle of torch.save, in a process of its own."""
+    script = textwrap.dedent(f"""
+        import resource, signal, torch
+        from rlhf_core.training import checkpoint
+
+        def fill(numbers):
+            return lambda files: files.torch("actor/model_state.pt", torch.zeros(numbers)) or ["actor"]
+
+        checkpoint.write_checkpoint({str(tmp_path)!r}, 1, fill(10))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # so that writing past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+        try:
+            checkpoint.write_checkpoint({str(tmp_path)!r}, 2, fill(1 << 16))
+        except checkpoint.CheckpointError as exc:
+            print("refused:", exc)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(checkpoint.__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused: could not write actor/model_state.pt of checkpoint" in done.stdout, done.stdout
+    assert "File too large" in done.stdout and f"{tmp_path / 'global_step_1'} is intact" in done.stdout
+    assert checkpoint.latest_checkpoint(tmp_path, verify=True) == tmp_path / "global_step_1"
+    assert not (tmp_path / "global_step_2").exists()
+
+
 def test_unwritable_directory_is_reported(scratch, monkeypatch, tmp_path):
     trainer, root = scratch
     _fail_on_call(monkeypatch, 2, PermissionError(errno.EACCES, "Permission denied"))
@@ -189,6 +269,154 @@ def test_a_save_killed_midway_leaves_nothing_that_loads(scratch):
     checkpoint.save_checkpoint(trainer, root)
     assert not (root / ".global_step_3.tmp-killed").exists()
     assert [step for step, _ in checkpoint.list_checkpoints(root)] == [1, 2, 3]
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_stale_temp_files_are_swept_but_not_those_of_a_running_process(tmp_path):
+    """A save sweeps what killed saves left, the latest marker's temp file too, but not the temp directories
+    and files of another process still running (another run saving into the same directory); its own process's
+    are an earlier failed save's (a retried pipeline step) and go."""
+    dead, live, own = _dead_pid(), os.getppid(), os.getpid()
+    marker = checkpoint.LATEST_FILE
+    stale = [f".global_step_3.tmp-{dead}-k2j3x9_a", ".global_step_3.tmp-killed", f".global_step_2.old-{dead}-17",
+             f".trash-global_step_1-{dead}-42", f".{marker}.{dead}-a1b2c3d4.tmp", f".{marker}.a1b2c3d4.tmp",
+             f".global_step_4.tmp-{own}-k2j3x9_a", f".{marker}.{own}-a1b2c3d4.tmp"]
+    running = [f".global_step_5.tmp-{live}-k2j3x9_a", f".global_step_2.old-{live}-17", f".trash-actor-{live}-42",
+               f".{marker}.{live}-a1b2c3d4.tmp"]
+    for name in stale + running:
+        if name.endswith(".tmp"):
+            (tmp_path / name).write_text("1\n")
+        else:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model_state.pt").write_bytes(b"x")
+    checkpoint.write_checkpoint(tmp_path, 1, lambda files: files.text("a.txt", "a") or [])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted(running)
+    assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_1"
+
+
+def _damage(path: Path) -> None:
+    """Overwrite bytes in the middle of ``path``: the same size, other content."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(255 - b for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+def _strip_hashes(path: Path) -> None:
+    """Make the checkpoint ``path`` look saved before manifests held hashes."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.pop("sha256", None)
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def test_a_file_damaged_in_place_is_refused_naming_an_intact_checkpoint(workspace, scratch):
+    trainer, root = scratch
+    manifest = checkpoint.read_manifest(root / "global_step_1")
+    assert set(manifest["sha256"]) == set(manifest["files"]) and any("huggingface/" in f for f in manifest["files"])
+    for rel, digest in manifest["sha256"].items():
+        assert hashlib.sha256((root / "global_step_1" / rel).read_bytes()).hexdigest() == digest, rel
+
+    _damage(root / "global_step_2" / "actor" / "model_state.pt")
+    checkpoint.read_manifest(root / "global_step_2")  # the sizes still match: only the hashes tell
+    with pytest.raises(CheckpointError, match=r"global_step_2 is corrupt: actor/model_state.pt changed"):
+        checkpoint.verify_checkpoint(root / "global_step_2")
+    resume = f"trainer.resume_mode=resume_path trainer.resume_from_path={root / 'global_step_1'}"
+    auto = load_config(tiny_overrides(workspace, root))
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.find_resume_checkpoint(auto)
+    message = str(info.value)
+    assert "names step 2, but checkpoint" in message and "actor/model_state.pt changed since it was saved" in message
+    assert f"newest earlier checkpoint that is intact is {root / 'global_step_1'}" in message and resume in message
+    with pytest.raises(CheckpointError, match="actor/model_state.pt changed since it was saved") as info:
+        trainer.load_checkpoint(root / "global_step_2")
+    assert resume in str(info.value)
+    chosen = load_config(tiny_overrides(workspace, root, "trainer.resume_mode=resume_path",
+                                        f"trainer.resume_from_path={root / 'global_step_2'}"))
+    with pytest.raises(CheckpointError, match="trainer.resume_from_path: .*corrupt") as info:
+        checkpoint.find_resume_checkpoint(chosen)
+    assert resume in str(info.value)
+
+    # saved before manifests held hashes: loads, its sizes checked as before
+    _strip_hashes(root / "global_step_1")
+    checkpoint.verify_checkpoint(root / "global_step_1")
+    fresh = build_trainer(load_config(tiny_overrides(workspace, root)))
+    fresh.load_checkpoint(root / "global_step_1")
+    assert fresh.global_step == 1
+    (root / "global_step_1" / "rng_state.pt").write_bytes(b"short")
+    with pytest.raises(CheckpointError, match="global_step_1 is incomplete: rng_state.pt missing or truncated"):
+        fresh.load_checkpoint(root / "global_step_1")
+
+
+def test_an_unreadable_trainer_state_is_a_checkpoint_error_before_the_workers_load(workspace, scratch, monkeypatch):
+    trainer, root = scratch
+    state = root / "global_step_2" / "trainer_state.json"
+    state.write_bytes(b"\0" * state.stat().st_size)  # as a crash of the filesystem may leave it
+    auto = load_config(tiny_overrides(workspace, root))
+    with pytest.raises(CheckpointError, match="global_step_2 is corrupt: trainer_state.json changed"):
+        checkpoint.find_resume_checkpoint(auto)
+    _strip_hashes(root / "global_step_2")  # a checkpoint without hashes: the file is parsed
+    monkeypatch.setattr(checkpoint, "_load_worker", lambda *args, **kwargs: pytest.fail("a worker was loaded"))
+    for check in (lambda: checkpoint.find_resume_checkpoint(auto),
+                  lambda: trainer.load_checkpoint(root / "global_step_2"),
+                  lambda: checkpoint.read_trainer_state(root / "global_step_2")):
+        with pytest.raises(CheckpointError, match=f"{state} is unreadable"):
+            check()
+    with pytest.raises(CheckpointError, match=f"trainer.resume_from_path={root / 'global_step_1'}"):
+        checkpoint.find_resume_checkpoint(auto)
+
+
+def _no_manifest(root):
+    (root / "global_step_2" / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize(("damage", "says", "intact"), [
+    (lambda root: (root / "global_step_2" / "actor" / "model_state.pt").write_bytes(b"cut"),
+     "global_step_2 is incomplete: actor/model_state.pt missing or truncated", 1),
+    (lambda root: (root / "global_step_2" / "rng_state.pt").unlink(),
+     "global_step_2 is incomplete: rng_state.pt missing or truncated", 1),
+    (_no_manifest, "global_step_2 is incomplete: it has no manifest.json", 1),
+    (lambda root: (root / checkpoint.LATEST_FILE).write_text("9\n"),
+     "names step 9, but checkpoint .*global_step_9 does not exist", 2),
+])
+def test_a_refused_latest_checkpoint_names_the_newest_intact_one_before_it(workspace, scratch, damage, says, intact):
+    trainer, root = scratch
+    damage(root)
+    auto = load_config(tiny_overrides(workspace, root))
+    with pytest.raises(CheckpointError, match=says) as info:
+        checkpoint.find_resume_checkpoint(auto)
+    older = root / f"global_step_{intact}"
+    assert (f"The newest earlier checkpoint that is intact is {older}: to resume from it, run with "
+            f"trainer.resume_mode=resume_path trainer.resume_from_path={older}") in str(info.value)
+    for step in range(1, intact + 1):  # those too: none left to name
+        _damage(root / f"global_step_{step}" / "critic" / "optim_state.pt")
+    with pytest.raises(CheckpointError, match=f"No earlier checkpoint under {root} is intact either"):
+        checkpoint.find_resume_checkpoint(auto)
+
+
+def test_auto_refuses_checkpoints_without_the_latest_marker_before_loading_a_model(workspace, scratch, monkeypatch):
+    """Without the marker, starting afresh would write a new run's global_step_1.. over the old run's."""
+    from rlhf_core import main_ppo
+
+    trainer, root = scratch
+    (root / checkpoint.LATEST_FILE).unlink()
+    monkeypatch.setattr(main_ppo, "trainer_session", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    with pytest.raises(CheckpointError) as info:
+        main_ppo.run(load_config(tiny_overrides(workspace, root)))
+    message = str(info.value)
+    assert f"{root} holds checkpoints (global_step_1, global_step_2) but no {checkpoint.LATEST_FILE}" in message
+    assert f"trainer.resume_mode=resume_path trainer.resume_from_path={root / 'global_step_2'}" in message
+    assert "another trainer.default_local_dir" in message and "trainer.resume_mode=disable" in message
+    _damage(root / "global_step_2" / "rng_state.pt")  # the newest that is intact is named
+    with pytest.raises(CheckpointError, match=f"the newest intact one is {root / 'global_step_1'}"):
+        checkpoint.find_resume_checkpoint(load_config(tiny_overrides(workspace, root)))
+    assert checkpoint.find_resume_checkpoint(
+        load_config(tiny_overrides(workspace, root, "trainer.resume_mode=disable"))) is None
+    assert not (root / checkpoint.LATEST_FILE).exists()
 
 
 def test_missing_incomplete_and_mismatched_checkpoints_are_clear_errors(workspace, scratch, tmp_path):

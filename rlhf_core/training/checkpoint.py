@@ -12,7 +12,7 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guards, skips
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
       config.yaml                         the resolved config the run started with
-      manifest.json                       every file above with its size; written last
+      manifest.json                       every file above with its size and SHA-256; written last
 
 With several workers (FSDP2) each role directory holds instead ``dcp/`` (every rank's shards of
 the model and optimizer state, torch.distributed.checkpoint) and ``extra_state_rank_R.pt`` (each
@@ -29,7 +29,12 @@ each file and directory, renames it to ``global_step_N`` and only then replaces
 ``latest_checkpointed_iteration.txt`` (temp file, fsync, ``os.replace``). A save that
 fails at any point removes its temp directory, leaves the previous latest checkpoint
 as it was and raises :class:`CheckpointError` saying what failed. A directory without
-its manifest, or whose files do not match it, is incomplete and is never loaded.
+its manifest, or whose files do not match it, is incomplete and is never loaded. Before a resume
+(and a guard's rollback) every file's SHA-256 is checked too, so that a file damaged in place (the
+same size, other bytes) is refused as well; checkpoints written before the manifest held hashes
+are checked by size only. A refusal of the checkpoint to resume from names the newest earlier one
+that passes the same checks. ``trainer.resume_mode=auto`` refuses a directory that holds
+checkpoints but no ``latest_checkpointed_iteration.txt`` rather than starting a new run over them.
 
 Resuming refuses a checkpoint whose config differs from the current one outside
 :data:`RESUME_SAFE_KEYS` (logging, frequencies, run length, names, guard and warning
@@ -52,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import hashlib
 import json
 import os
 import random
@@ -61,6 +67,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
@@ -69,7 +76,7 @@ import torch
 import yaml
 
 from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
-from rlhf_core.atomic import fsync_tree, staged_directory, write_text_atomic
+from rlhf_core.atomic import fsync_tree, process_alive, staged_directory, staging_owner, write_text_atomic
 from rlhf_core.config import OPEN_KEYS, followed
 from rlhf_core.workers import common
 
@@ -82,6 +89,7 @@ HF_DIR = "huggingface"
 PARTS = ("actor", "critic")
 FORMAT_VERSION = 2  # 2: the trainer's runtime coefficients are its own state (kl_loss_coef, the controller type)
 _STEP_DIR = re.compile(r"global_step_(\d+)")
+_TRASH = re.compile(r"\.trash-.+-(\d+)-\d+")  # _remove's names: .trash-<name>-<pid>-<ns>
 
 #: Config keys (fnmatch patterns) that may differ between a checkpoint and the run resuming it.
 RESUME_SAFE_KEYS = (
@@ -134,8 +142,13 @@ def step_of(path: str | os.PathLike) -> int:
     return int(match.group(1))
 
 
-def read_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a complete checkpoint; CheckpointError naming the path if it is missing or incomplete."""
+def read_manifest(path: str | os.PathLike, verify: bool = False) -> dict:
+    """The manifest of a complete checkpoint; CheckpointError naming the path if it is missing or incomplete.
+
+    Each file must have the size the manifest records; with ``verify`` also its SHA-256 (where the
+    manifest has them: not in checkpoints written before), which reads every file, so only before
+    loading one.
+    """
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
@@ -152,6 +165,73 @@ def read_manifest(path: str | os.PathLike) -> dict:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise CheckpointError(f"checkpoint {path} is incomplete: {shown} missing or truncated "
                               "(pruned by max_*_ckpt_to_keep, or copied partially?)")
+    if verify:
+        _check_hashes(path, manifest)
+    return manifest
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sha256_files(folder: Path, rels: list[str]) -> dict[str, str]:
+    """SHA-256 of ``folder/rel`` for each ``rel``, a few files at a time (hashing and reading release the GIL)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1))) as pool:
+        return dict(zip(rels, pool.map(lambda rel: _sha256_of(folder / rel), rels)))
+
+
+# checkpoint directory -> the (file, inode, size, mtime, ctime) its hashes last matched with: a resume checks
+# the checkpoint before loading models and again as it loads it, and reading a large one twice is not free
+_HASHES_MATCHED: dict[Path, tuple] = {}
+
+
+def _check_hashes(path: Path, manifest: dict) -> None:
+    expected = manifest.get("sha256") or {}  # none: saved before the manifest held hashes, sizes only
+    rels = sorted(rel for rel in manifest["files"] if rel in expected)
+    if not rels:
+        return
+    stats = [(path / rel).stat() for rel in rels]
+    seen = tuple((rel, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for rel, st in zip(rels, stats))
+    key = path.resolve()
+    if _HASHES_MATCHED.get(key) == seen:
+        return
+    try:
+        actual = _sha256_files(path, rels)
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read: {exc}") from exc
+    damaged = [rel for rel in rels if actual[rel] != expected[rel]]
+    if damaged:
+        _HASHES_MATCHED.pop(key, None)
+        shown = ", ".join(damaged[:3]) + (f" and {len(damaged) - 3} more" if len(damaged) > 3 else "")
+        raise CheckpointError(f"checkpoint {path} is corrupt: {shown} changed since it was saved (its SHA-256 "
+                              f"differs from the one in {MANIFEST}: damaged on disk or overwritten)")
+    _HASHES_MATCHED[key] = seen
+
+
+def _read_trainer_state(path: Path) -> dict:
+    """``trainer_state.json`` of the checkpoint ``path``, parsed; CheckpointError naming it if it does not parse."""
+    file = path / TRAINER_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"checkpoint {path} is corrupt: {file} is unreadable ({exc})") from exc
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt: {file} holds no trainer state")
+    return state
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """The manifest of a checkpoint that is complete and undamaged: every file of the size and SHA-256 the
+    manifest records, and its ``trainer_state.json`` readable (checked by the hashes of newer checkpoints,
+    parsed for older ones); else CheckpointError naming the file. Reads the whole checkpoint."""
+    path = Path(path)
+    manifest = read_manifest(path, verify=True)
+    if TRAINER_STATE in manifest["files"]:
+        _read_trainer_state(path)
     return manifest
 
 
@@ -168,8 +248,12 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The checkpoint named by ``latest_checkpointed_iteration.txt``; None when there is no such file."""
+def latest_checkpoint(root: str | os.PathLike, verify: bool = False) -> Path | None:
+    """The checkpoint named by ``latest_checkpointed_iteration.txt``; None when there is no such file.
+
+    CheckpointError when it names no complete checkpoint; with ``verify``, none that passes
+    :func:`verify_checkpoint` (which reads it whole).
+    """
     marker = Path(root) / LATEST_FILE
     if not marker.is_file():
         return None
@@ -178,10 +262,48 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
         raise CheckpointError(f"{marker} should hold a step number, found {text[:40]!r}")
     path = step_dir(root, int(text))
     try:
-        read_manifest(path)
+        verify_checkpoint(path) if verify else read_manifest(path)
     except CheckpointError as exc:
         raise CheckpointError(f"{marker} names step {text}, but {exc}") from exc
     return path
+
+
+def _marked_step(root: Path) -> int | None:
+    """The step ``latest_checkpointed_iteration.txt`` names; None without one, or if it names none."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = (root / LATEST_FILE).read_text().strip()
+        return int(text) if text.isdigit() else None
+    return None
+
+
+def newest_intact(root: str | os.PathLike, before: int | None = None) -> Path | None:
+    """The newest checkpoint under ``root`` (older than step ``before``, where given) that passes
+    :func:`verify_checkpoint`; None if there is none."""
+    for step, path in reversed(list_checkpoints(root)):
+        if before is not None and step >= before:
+            continue
+        try:
+            verify_checkpoint(path)
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def _instead_of(path: Path) -> str:
+    """:func:`_resume_instead` for the refused checkpoint ``path``; nothing where it is no ``global_step_N``."""
+    match = _STEP_DIR.fullmatch(path.name)
+    return _resume_instead(path.parent, int(match.group(1))) if match and path.parent.is_dir() else ""
+
+
+def _resume_instead(root: Path, before: int | None) -> str:
+    """What to say after refusing the checkpoint of step ``before`` under ``root``: the one to resume from instead."""
+    intact = newest_intact(root, before)
+    earlier = "earlier " if before is not None else ""
+    if intact is None:
+        return f". No {earlier}checkpoint under {root} is intact either"
+    return (f". The newest {earlier}checkpoint that is intact is {intact}: to resume from it, run with "
+            f"trainer.resume_mode=resume_path trainer.resume_from_path={intact}")
 
 
 def find_resume_checkpoint(config) -> Path | None:
@@ -189,6 +311,10 @@ def find_resume_checkpoint(config) -> Path | None:
 
     ``auto``: the latest checkpoint under ``trainer.default_local_dir`` if there is one;
     ``disable``: None; ``resume_path``: ``trainer.resume_from_path``, a ``global_step_N`` directory.
+    The checkpoint is verified whole (:func:`verify_checkpoint`), before any model loads; a refusal
+    names the newest earlier checkpoint that is intact. ``auto`` also refuses a directory holding
+    checkpoints but no ``latest_checkpointed_iteration.txt``: starting afresh there would replace
+    them one by one with a new run's.
     """
     trainer = config.trainer
     if trainer.resume_mode == "disable":
@@ -199,12 +325,19 @@ def find_resume_checkpoint(config) -> Path | None:
         path = Path(os.path.expanduser(trainer.resume_from_path))
         try:
             step_of(path)
-            read_manifest(path)
+            verify_checkpoint(path)
         except CheckpointError as exc:
-            raise CheckpointError(f"trainer.resume_from_path: {exc}") from exc
+            raise CheckpointError(f"trainer.resume_from_path: {exc}{_instead_of(path)}") from exc
         return path
     if trainer.resume_mode == "auto":
-        return latest_checkpoint(os.path.expanduser(trainer.default_local_dir))
+        root = Path(os.path.expanduser(trainer.default_local_dir))
+        try:
+            latest = latest_checkpoint(root, verify=True)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}{_resume_instead(root, _marked_step(root))}") from exc
+        if latest is None and list_checkpoints(root):
+            raise CheckpointError(_unmarked(root))
+        return latest
     raise CheckpointError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of auto, disable, resume_path")
 
 
@@ -215,21 +348,71 @@ def saved_workers(manifest: dict, part: str) -> int:
     return common.saved_workers(rel[len(prefix):] for rel in manifest["files"] if rel.startswith(prefix))
 
 
+def _unmarked(root: Path) -> str:
+    """The refusal of ``resume_mode=auto`` in ``root``, which holds checkpoints but no marker naming the latest."""
+    found = list_checkpoints(root)
+    steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
+    intact = newest_intact(root)
+    verdict = (f"the newest intact one is {intact}" if intact is not None
+               else "none of them is intact (missing files or other hashes than their manifest's)")
+    resume = (f"to continue that run, resume from it with trainer.resume_mode=resume_path "
+              f"trainer.resume_from_path={intact}; " if intact is not None else "")
+    return (f"{root} holds checkpoints ({steps}) but no {LATEST_FILE}, which names the one to resume from "
+            f"(deleted, lost in a copy, or the run killed as its first save ended?); {verdict}. trainer.resume_mode=auto does not guess: "
+            f"{resume}to start a new run, set another trainer.default_local_dir, or trainer.resume_mode=disable "
+            "to start afresh in this one (its saves then replace those checkpoints step by step, and later "
+            "steps of the old run stay until reached)")
+
+
 def read_trainer_state(path: str | os.PathLike) -> dict:
     """``trainer_state.json`` of a complete checkpoint (step, sampler, KL controller, guard, ...)."""
     read_manifest(path)
-    return json.loads((Path(path) / TRAINER_STATE).read_text())
+    return _read_trainer_state(Path(path))
 
 
 # ----------------------------------------------------------------------------- low-level writing
 
 
-def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> None:
-    """Create ``path``, fill it with ``write(file)``, and fsync it. Every checkpoint file goes through here."""
+class _HashingFile:
+    """The file object a checkpoint file is written through: hashes the bytes as they pass (the manifest's
+    SHA-256, without reading the file back) and keeps the OSError of a failed write.
+
+    torch.save's zip writer, when a write fails midway (ENOSPC, EFBIG), raises a RuntimeError of its own
+    ("unexpected pos ...") while the OSError unwinds, which would hide the errno the message is chosen by.
+    """
+
+    def __init__(self, file: IO[bytes]):
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.sha256.update(data)  # a buffered file writes all of it or raises
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> str:
+    """Create ``path``, fill it with ``write(file)``, and fsync it; returns its SHA-256. Every checkpoint file
+    goes through here; a failed write raises its OSError, whatever the writer made of it."""
     with open(path, "xb") as f:
-        write(f)
+        sink = _HashingFile(f)
+        try:
+            write(sink)
+        except Exception as exc:
+            if sink.error is not None and exc is not sink.error:
+                raise sink.error from None  # torch's RuntimeError only restates it, without the errno
+            raise
         f.flush()
         os.fsync(f.fileno())
+    return sink.sha256.hexdigest()
 
 
 def _remove(path: Path) -> None:
@@ -242,10 +425,29 @@ def _remove(path: Path) -> None:
 
 
 def _remove_stale(root: Path) -> None:
-    """Temp, set-aside and trash directories left by a process killed mid-save."""
+    """Temp, set-aside and trash directories, and the latest marker's temp files, left by a process killed
+    mid-save. Those of another process still running on this machine (another run saving into the same
+    directory, whose save this would break) are left; names without a pid (older versions) count as stale."""
     for child in root.iterdir():
-        if child.name.startswith((".global_step_", ".trash-")) and child.is_dir():
+        name = child.name
+        if name.startswith(".global_step_") and child.is_dir():
+            owner = staging_owner(name)
+        elif name.startswith(".trash-") and child.is_dir():
+            match = _TRASH.fullmatch(name)
+            owner = int(match.group(1)) if match else None
+        elif name.startswith(f".{LATEST_FILE}.") and name.endswith(".tmp") and child.is_file():
+            owner = staging_owner(name)
+        else:
+            continue
+        # this process saves one checkpoint at a time: its own leftovers are an earlier save's that failed (a
+        # pipeline step retried in the same process), and a pid reused by a restarted container is ours too
+        if owner is not None and owner != os.getpid() and process_alive(owner):
+            continue
+        if child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                child.unlink()
 
 
 def mark_latest(root: str | os.PathLike, step: int) -> None:
@@ -268,22 +470,24 @@ def _explain(exc: OSError, root: Path, final: Path, current: str | None) -> str:
 
 
 class CheckpointFiles:
-    """Writes the files of one checkpoint into its staging directory and remembers their sizes.
+    """Writes the files of one checkpoint into its staging directory and remembers their sizes and hashes.
 
-    Every file is created new and fsynced; ``sizes`` (path relative to the checkpoint: bytes) goes
-    into the manifest, and ``current`` names the file being written, for the error message.
+    Every file is created new and fsynced; ``sizes`` (path relative to the checkpoint: bytes) and
+    ``hashes`` (the same paths: SHA-256) go into the manifest, and ``current`` names the file being
+    written, for the error message.
     """
 
     def __init__(self, folder: Path):
         self.folder = folder
         self.sizes: dict[str, int] = {}
+        self.hashes: dict[str, str] = {}
         self.current: str | None = None
 
     def write(self, rel: str, write: Callable[[IO[bytes]], Any]) -> None:
         self.current = rel
         path = self.folder / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write(path, write)
+        self.hashes[rel] = _write(path, write)
         self.sizes[rel] = path.stat().st_size
 
     def torch(self, rel: str, obj: Any) -> None:
@@ -298,8 +502,11 @@ class CheckpointFiles:
         target = self.folder / rel
         fill(target)
         fsync_tree(target)
-        for file in sorted(p for p in target.rglob("*") if p.is_file()):
-            self.sizes[file.relative_to(self.folder).as_posix()] = file.stat().st_size
+        rels = [file.relative_to(self.folder).as_posix() for file in sorted(target.rglob("*")) if file.is_file()]
+        for rel in rels:
+            self.sizes[rel] = (self.folder / rel).stat().st_size
+        # written by others (other processes, with shards): read back to hash, mostly from the page cache
+        self.hashes.update(_sha256_files(self.folder, rels))
 
 
 # ----------------------------------------------------------------------------- what goes in
@@ -401,7 +608,7 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
             files = CheckpointFiles(tmp)
             parts = fill(files)
             files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
-                                             "files": dict(files.sizes)}, indent=1))
+                                             "files": dict(files.sizes), "sha256": dict(files.hashes)}, indent=1))
             files.current = None
     except OSError as exc:
         raise CheckpointError(_explain(exc, root, final, files.current if files else None) + intact) from exc
@@ -545,9 +752,10 @@ def _load_worker(path: Path, name: str, worker, saved: int, weights_only: bool =
 
 
 def _loadable(trainer, path: Path) -> tuple[Path, dict[str, int]]:
-    """(the checkpoint's path, how many workers saved each of the parts the trainer loads)."""
+    """(the checkpoint's path, how many workers saved each of the parts the trainer loads), once it is verified
+    whole (:func:`verify_checkpoint`)."""
     path = Path(os.path.expanduser(str(path)))
-    manifest = read_manifest(path)
+    manifest = verify_checkpoint(path)
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path} has format {manifest.get('format')}, this version reads format "
                               f"{FORMAT_VERSION}: start a new run (trainer.resume_mode=disable or another "
@@ -590,11 +798,17 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     Raises CheckpointError naming the path when the checkpoint is missing, incomplete, saved with a
     config that differs in a key that matters, or saved from a model of another shape.
     """
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        verify_checkpoint(path)  # (_loadable's check then finds it verified)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{exc}{_instead_of(path)}") from exc
     path, saved = _loadable(trainer, path)
     check_config(path, trainer.config)
+    state = _read_trainer_state(path)  # before the workers load, so that an unreadable one fails fast
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker, saved[name])
-    trainer.load_state_dict(json.loads((path / TRAINER_STATE).read_text()))
+    trainer.load_state_dict(state)
     set_rng_state(load_file(path / RNG_STATE, "cpu"))
     if not trainer.actor.sharded:  # sharded workers sync as they load
         trainer.actor.rollout.sync_weights()
