@@ -10,8 +10,9 @@ drives the trainer step by step (benchmarks, the smoke test) opens it with :func
 which closes it, and its Ray workers, however the block ends.
 
 Exit codes: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config, data, model,
-checkpoint) or a checkpoint that could not be written; 128 + signal number after
-Ctrl-C (130) or SIGTERM (143), once the checkpoint of ``trainer.save_on_interrupt`` is saved.
+checkpoint), a reward function that failed (raised, or returned NaN, inf or no number) or a checkpoint that
+could not be written; 128 + signal number after Ctrl-C (130) or SIGTERM (143), once the checkpoint of
+``trainer.save_on_interrupt`` is saved, or at once, without saving, after a second one.
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ from rlhf_core.models.loading import (
 )
 from rlhf_core.models.lora import unmatched_targets
 from rlhf_core.rewards import custom_reward_fn, known_data_sources
-from rlhf_core.rewards.manager import RewardManager
+from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
     CheckpointError,
     check_config,
     check_writable,
     find_resume_checkpoint,
+    latest_checkpoint,
 )
+from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.monitoring import PrometheusExporter
 
 if TYPE_CHECKING:  # the trainer (and the models) load only once a run starts
@@ -330,27 +333,96 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
                       device=cfg.trainer.device, use_worker_group=use_worker_group)
 
 
+class StoppedWithoutSaving(TrainingInterrupted):
+    """A second Ctrl-C or SIGTERM stopped the run at once, without saving: ``checkpoint`` is the latest one
+    (None where none was saved yet), as it was before; ``step`` the last step finished."""
+
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None):
+        super().__init__(signal_name, signal_number, step, checkpoint)
+        kept = (f"the latest checkpoint {checkpoint} is as it was: rerun the same command to resume from it"
+                if checkpoint else "no checkpoint was saved yet")
+        self.args = (f"second {signal_name}: stopped now without saving; {kept}",)
+
+
+class _StopNow(KeyboardInterrupt):
+    """Raised by the signal handler at a second signal. A KeyboardInterrupt (not an Exception), so that no
+    ``except Exception`` on the way (a reward function's, the checkpoint writer's) takes it for its own error
+    and carries on; :func:`stop_on_signals` turns whatever reaches it then into :class:`StoppedWithoutSaving`."""
+
+
+def _latest_checkpoint(trainer) -> Path | None:
+    """The checkpoint a rerun would resume from, None where there is none (or its marker is unreadable)."""
+    folder = getattr(trainer, "checkpoint_dir", None)
+    if folder is None:  # a stand-in trainer that saves nowhere
+        return None
+    try:
+        return latest_checkpoint(folder)
+    except CheckpointError:
+        return None
+
+
 @contextlib.contextmanager
 def stop_on_signals(trainer, enabled: bool = True):
-    """While inside, Ctrl-C and SIGTERM ask ``trainer`` to stop after its current step (and save);
-    a second signal stops at once. Only in the main thread (where Python delivers signals)."""
+    """While inside, Ctrl-C and SIGTERM ask ``trainer`` to stop (and save) at the loop's next check, between
+    steps (:meth:`PPOTrainer.fit`); a second signal stops at once, without saving, and leaves the block as
+    :class:`StoppedWithoutSaving`. Only in the main thread (where Python delivers signals).
+
+    The first signal's message says which step the run stops after: a step whose training is under way
+    (``trainer.step_under_way``) is finished, validated and saved first; otherwise the last step done is the
+    last, once what is left of it (its validation, logging, checkpoint) is done."""
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield
         return
+    stop_now: list[tuple[str, int]] = []
 
     def handler(signum, frame):
+        name = signal.Signals(signum).name
         if trainer.stop_requested is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        trainer.stop_requested = (signal.Signals(signum).name, signum)
-        print(f"received {signal.Signals(signum).name}: finishing step {trainer.global_step + 1}, then saving a "
-              "checkpoint (send it again to stop at once)", file=sys.stderr, flush=True)
+            stop_now.append((name, signum))
+            raise _StopNow(f"second {name}: stopping now without saving")
+        trainer.stop_requested = (name, signum)
+        if (step := getattr(trainer, "step_under_way", None)) is not None:
+            plan = f"finishing step {step} (with its validation, if due, and checkpoint), then stopping"
+        elif trainer.global_step == 0:
+            plan = "stopping before step 1, once the validation under way (if any) is done"
+        else:
+            plan = (f"stopping after step {trainer.global_step}, once what is left of it (validation, logging, "
+                    f"checkpoint) is done; step {trainer.global_step + 1} will not start")
+        print(f"received {name}: {plan} (send {name} again to stop now without saving)", file=sys.stderr,
+              flush=True)
 
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+    except BaseException:
+        if not stop_now:
+            raise
+        # what reaches here may be _StopNow or what code on the way made of it (torch's checkpoint writer turns
+        # it into a RuntimeError): either way the second signal ended the run, and anything it interrupted (a
+        # save's temporary directory) is cleaned up by now, so the latest checkpoint is the one to name
+        name, number = stop_now[0]
+        latest = _latest_checkpoint(trainer)
+        raise StoppedWithoutSaving(name, number, trainer.global_step, str(latest) if latest else None) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+def _reward_failure(trainer, exc: RewardError) -> RewardError:
+    """``exc`` said as the run's failure: what the run was doing at which step, the reward function's error,
+    and the checkpoint a rerun resumes from, untouched (the step's scores never reached an update or a save)."""
+    if exc.step is not None:
+        doing = f"training step {exc.step}"
+    elif trainer.config.trainer.val_only:
+        doing = f"validating (trainer.val_only) at step {trainer.global_step}"
+    elif trainer.global_step == 0:
+        doing = "validating before step 1"
+    else:
+        doing = f"validating after step {trainer.global_step}"
+    latest = _latest_checkpoint(trainer)
+    resume = (f"the latest checkpoint {latest} is intact: fix the reward function, then rerun to resume from it"
+              if latest is not None else "no checkpoint was saved yet")
+    return exc.reworded(f"{doing} failed: {exc}\n{resume}")
 
 
 def _warn_thresholds(trainer_cfg) -> dict[str, float]:
@@ -427,7 +499,12 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         trainer.logger = log
         trainer.generations_logger = tracking.log_generations
         stack.enter_context(stop_on_signals(trainer, handle_signals and trainer_cfg.save_on_interrupt))
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except RewardError as exc:
+            if exc.step is None:  # a training step's scores (a validation scores between steps)
+                exc.step = getattr(trainer, "step_under_way", None)
+            raise _reward_failure(trainer, exc) from exc
         if trainer.last_saved_step != trainer.global_step and not trainer_cfg.val_only:
             trainer.save_checkpoint()
     final = history[-1].metrics if history else {}

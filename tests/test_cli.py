@@ -5,13 +5,17 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
 
-from rlhf_core import cli
+from rlhf_core import cli, main_ppo
+from rlhf_core.config import load_config
+from rlhf_core.main_ppo import build_trainer
 
 # the commands the README documents, written out here rather than read from the table
 DOCUMENTED = ["ppo", "train-rm", "smoke", "gsm8k", "synthetic", "preference", "validate", "toy-model", "gguf",
@@ -103,3 +107,166 @@ def test_a_model_directory_that_is_not_there_exits_2_with_one_line(tmp_path, cap
     assert evaluate([str(missing), str(tmp_path / "val.parquet")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
+
+
+# --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
+
+# The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.
+NAN_FROM_STEP_2 = (
+    "calls = [0]\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    calls[0] += 1\n"
+    "    return float('nan') if calls[0] > 16 else float(solution_str[:1].isdigit())\n"
+)
+RAISES_FROM_STEP_2 = (
+    "calls = [0]\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    calls[0] += 1\n"
+    "    if calls[0] > 16:\n"
+    "        raise KeyError('no rubric for this answer')\n"
+    "    return float(solution_str[:1].isdigit())\n"
+)
+RAISES_IN_VALIDATION = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if extra_info['split'] == 'test':\n"
+    "        raise ValueError('the grader is down')\n"
+    "    return float(solution_str[:1].isdigit())\n"
+)
+
+
+def _only_step_1_saved(out):
+    """The step-1 checkpoint is the latest, whole (every file's size and hash as its manifest says), and
+    nothing of step 2 was written, not even a staging folder."""
+    from rlhf_core.training import checkpoint
+
+    latest = checkpoint.latest_checkpoint(out)
+    assert latest == out / "global_step_1"
+    checkpoint.read_manifest(latest, verify=True)
+    assert checkpoint.read_trainer_state(latest)["global_step"] == 1
+    assert sorted(p.name for p in out.iterdir() if "global_step" in p.name) == ["global_step_1"]
+
+
+@pytest.mark.parametrize(("reward", "extra", "said"), [
+    (NAN_FROM_STEP_2, [], ["error: training step 2 failed: reward function 'compute_score' returned a non-finite "
+                           "score (nan) for sample 0 (data_source='synthetic/arithmetic'); a score must be a finite number"]),
+    (RAISES_FROM_STEP_2, [], ["error: training step 2 failed: reward function 'compute_score' failed on sample 0 "
+                              "(data_source='synthetic/arithmetic'): KeyError: 'no rubric for this answer'"]),
+    (RAISES_IN_VALIDATION, ["trainer.test_freq=2"],
+     ["error: validating after step 2 failed: reward function 'compute_score' failed on sample 0 "
+      "(data_source='synthetic/arithmetic'): ValueError: the grader is down"]),
+], ids=["nan", "raises", "raises-in-validation"])
+def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_intact_checkpoint(
+        workspace, one_thread, tmp_path, capsys, reward, extra, said):
+    from rlhf_core.cli.train import ppo
+
+    (tmp_path / "reward.py").write_text(reward)
+    out = tmp_path / "out"
+    code = ppo(workspace.overrides(out, f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                                   "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+                                   *extra))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()[-2:]  # the message's two lines end the output
+    assert lines == [*said, f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function, "
+                            "then rerun to resume from it"]
+    assert "Traceback" not in err
+    _only_step_1_saved(out)
+
+
+# --- rlhf-ppo: Ctrl-C and SIGTERM, the handler's messages ----------------------------------------------------
+
+
+def _fake_trainer(root, step=0):
+    """What :func:`main_ppo.stop_on_signals` reads of a trainer: its step, the step under way, its stop flag and
+    checkpoint folder."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(global_step=step, step_under_way=None, stop_requested=None, checkpoint_dir=root)
+
+
+def _signal(sig=signal.SIGINT):
+    signal.getsignal(sig)(sig, None)  # the handler stop_on_signals installed, as Python would call it
+
+
+def _save_step(root, step):
+    from rlhf_core.training.checkpoint import write_checkpoint
+
+    return write_checkpoint(root, step, lambda files: [])
+
+
+def test_a_signal_while_a_step_is_validated_or_saved_says_that_step_is_the_last(tmp_path, capsys):
+    # the loop checks between steps: a step already trained (its validation or save under way) is the last one
+    trainer = _fake_trainer(tmp_path, step=3)  # step 3 trained; its validation and save follow
+    with main_ppo.stop_on_signals(trainer):
+        _signal()
+    err = capsys.readouterr().err
+    assert trainer.stop_requested == ("SIGINT", signal.SIGINT)
+    assert "received SIGINT: stopping after step 3, once what is left of it" in err
+    assert "step 4 will not start" in err and "finishing step 4" not in err
+
+
+def test_a_signal_during_a_steps_training_says_that_step_is_finished_first(tmp_path, capsys):
+    trainer = _fake_trainer(tmp_path, step=2)
+    trainer.step_under_way = 3  # fit_step has drawn step 3's batch and trains it
+    with main_ppo.stop_on_signals(trainer):
+        _signal(signal.SIGTERM)
+    err = capsys.readouterr().err
+    assert "received SIGTERM: finishing step 3 (with its validation, if due, and checkpoint), then stopping" in err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_trainer_says_which_step_is_under_way(workspace, tmp_path):
+    """What the stop handler reads: set from the drawing of a step's batch to the end of its training."""
+    trainer = build_trainer(load_config(workspace.overrides(tmp_path / "run", "trainer.total_training_steps=1",
+                                                            "trainer.test_freq=1")))
+    seen = {}
+    train_step, validate = trainer.train_step, trainer.validate
+
+    def recording_train_step(batch):
+        seen["training"] = trainer.step_under_way
+        return train_step(batch)
+
+    def recording_validate():
+        seen["validating"] = trainer.step_under_way
+        return validate()
+
+    trainer.train_step, trainer.validate = recording_train_step, recording_validate
+    trainer.fit_step()
+    assert seen == {"training": 1, "validating": None} and trainer.step_under_way is None
+
+
+def test_a_signal_before_the_first_step_says_so(tmp_path, capsys):
+    trainer = _fake_trainer(tmp_path)
+    with main_ppo.stop_on_signals(trainer):  # e.g. the validation before training
+        _signal()
+    assert "received SIGINT: stopping before step 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("saved", [True, False])
+def test_a_second_signal_stops_now_naming_the_checkpoint_left_as_it_was(tmp_path, monkeypatch, capsys, sig, code,
+                                                                        saved):
+    from rlhf_core.cli import train
+
+    latest = _save_step(tmp_path, 2) if saved else None
+    trainer = _fake_trainer(tmp_path, step=3)
+
+    def run(cfg):  # the second signal arrives in step 3's checkpoint save, a real one (not a call of the handler)
+        with main_ppo.stop_on_signals(trainer):
+            signal.raise_signal(sig)
+            try:
+                signal.raise_signal(sig)
+                time.sleep(5)  # (not reached: the handler raises as the signal arrives)
+            except KeyboardInterrupt as exc:  # as torch's zip writer does with it: another error in its place
+                raise RuntimeError("unexpected pos 317632 vs 317584") from exc
+
+    monkeypatch.setattr(train, "run", run)
+    before = signal.getsignal(sig)
+    assert train.ppo([]) == code
+    assert signal.getsignal(sig) is before
+    name = signal.Signals(sig).name
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"received {name}: stopping after step 3")
+    kept = (f"the latest checkpoint {latest} is as it was: rerun the same command to resume from it" if saved
+            else "no checkpoint was saved yet")
+    assert lines[1:] == [f"second {name}: stopped now without saving; {kept}"]

@@ -465,6 +465,70 @@ def test_non_finite_score_is_rejected(char_tokenizer):
         RewardManager(char_tokenizer, reward_fn=lambda **_: float("nan"))(ids, mask, ["s"], [""])
 
 
+def _scored_as(results: dict[str, object]):
+    """A reward function that answers each response text with ``results[text]``: raised if an exception."""
+    def compute_score(data_source, solution_str, ground_truth, extra_info, scale=1.0):
+        result = results.get(solution_str, 1.0)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return compute_score
+
+
+@pytest.mark.parametrize(("result", "kind", "builtin", "said"), [
+    (ZeroDivisionError("my rule divided by zero"), "RewardFunctionFailed", RuntimeError,
+     "failed on sample 1 (data_source='src/b'): ZeroDivisionError: my rule divided by zero"),
+    (float("nan"), "NonFiniteReward", ValueError, "returned a non-finite score (nan) for sample 1 (data_source='src/b')"),
+    (-math.inf, "NonFiniteReward", ValueError, "returned a non-finite score (-inf) for sample 1"),
+    ({"score": math.inf}, "NonFiniteReward", ValueError, "returned a non-finite score (inf) for sample 1"),
+    ("1.0", "BadRewardResult", TypeError, "returned str ('1.0') for sample 1 (data_source='src/b')"),
+], ids=["raises", "nan", "-inf", "dict-inf", "str"])
+def test_a_reward_functions_failure_is_a_reward_error_naming_function_sample_and_source(
+        char_tokenizer, result, kind, builtin, said):
+    import pickle
+
+    from rlhf_core.rewards import manager as manager_module
+
+    ids, mask = _batch(char_tokenizer, ["fine", "bad", "fine"])
+    # reward_kwargs bound (a functools.partial): the message names the function, not the partial
+    fn = functools.partial(_scored_as({"bad": result}), scale=2.0)
+    with pytest.raises(manager_module.RewardError) as caught:
+        RewardManager(char_tokenizer, reward_fn=fn)(ids, mask, ["src/a", "src/b", "src/c"], ["", "", ""])
+    error = caught.value
+    assert type(error).__name__ == kind and isinstance(error, builtin)  # what code catching the old error expects
+    assert f"reward function 'compute_score' {said}" in str(error)
+    assert (error.function, error.sample, error.data_source, error.step) == ("compute_score", 1, "src/b", None)
+    if isinstance(result, Exception):
+        assert error.__cause__ is result
+    # it keeps its class and fields across a process boundary (pickled, as Ray or a process pool send errors)
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error)
+    assert (copy.function, copy.sample, copy.data_source) == ("compute_score", 1, "src/b")
+    # and put in the run's context, it stays what it was
+    error.step = 4
+    said_again = error.reworded(f"training step 4 failed: {error}")
+    assert type(said_again) is type(error) and (said_again.sample, said_again.step) == (1, 4)
+
+
+def test_a_batch_reward_functions_failure_is_a_reward_error(char_tokenizer):
+    from rlhf_core.rewards.manager import BadRewardResult, RewardError, RewardFunctionFailed
+
+    ids, mask = _batch(char_tokenizer, ["a", "b"])
+
+    def broken(data_sources, solution_strs, ground_truths, extra_infos):
+        return [len(s) / None for s in solution_strs]  # a TypeError of its own
+
+    with pytest.raises(RewardFunctionFailed, match=r"batch reward function 'broken' failed on a batch of 2: "
+                                                   r"TypeError: unsupported operand") as caught:
+        RewardManager(char_tokenizer, BatchRewardFn(broken))(ids, mask, ["s", "s"], ["", ""])
+    assert isinstance(caught.value, RewardError) and caught.value.sample is None
+    with pytest.raises(BadRewardResult, match="returned 1 scores for 2 responses"):
+        RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0]))(ids, mask, ["s", "s"], ["", ""])
+    with pytest.raises(RewardError, match=r"non-finite score \(nan\) for sample 1 \(data_source='t'\)"):
+        RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0, math.nan]))(ids, mask, ["s", "t"], ["", ""])
+
+
 def test_input_validation(char_tokenizer):
     ids, mask = _batch(char_tokenizer, ["a", "b"])
     manager = RewardManager(char_tokenizer)

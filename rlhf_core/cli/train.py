@@ -5,9 +5,10 @@
     rlhf smoke [--config FILE] [key=value ...]       # also python -m rlhf_core.pipeline.smoke
 
 Exit codes of ``ppo``: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config,
-data, model, checkpoint) or a checkpoint that could not be written; 128 + signal number after Ctrl-C
-or SIGTERM. ``train-rm``: 0 done; 1 unusable preference data; 2 bad config, model directory or
-checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config, model directory or data.
+data, model, checkpoint), a reward function that failed (raised, or returned NaN, inf or no number) or a
+checkpoint that could not be written; 128 + signal number after Ctrl-C or SIGTERM (once saved, or at
+once without saving after a second one). ``train-rm``: 0 done; 1 unusable preference data; 2 bad
+config, model directory or checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config, model directory or data.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlhf_core.data.preference import PreferenceDataError
 from rlhf_core.main_ppo import PreflightError, run
 from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
+from rlhf_core.rewards.manager import RewardError
 from rlhf_core.training.checkpoint import CheckpointError
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
@@ -39,6 +41,9 @@ def ppo(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         result = run(cfg)
+    except RewardError as exc:  # the user's reward function, not the run: its message says which checkpoint is left
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
         print(exc, file=sys.stderr)
         return 2

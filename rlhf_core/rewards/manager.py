@@ -2,7 +2,10 @@
 
 :class:`RewardManager` decodes each response, scores it with the reward function for its
 ``data_source`` (or one custom function for every source) and puts the scalar score on the
-response's last valid token, the convention PPO's advantage estimators expect.
+response's last valid token, the convention PPO's advantage estimators expect. A reward function
+that raises, returns something that is not a score, or returns NaN or inf stops the scoring with a
+:class:`RewardError` naming the function, the sample and its data source, before the score can reach
+an update or a checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +18,49 @@ from typing import Any
 import torch
 
 from rlhf_core.rewards import BatchRewardFn, RewardFn, UnknownDataSourceError, get_reward_fn
+
+
+class RewardError(Exception):
+    """A reward function failed on a response: it raised, returned something that is not a score, or returned
+    NaN or inf. The user's code, not the run, is at fault: the training command reports it without a traceback.
+
+    ``function`` is the reward function's name, ``sample`` the response's index in the scored batch and
+    ``data_source`` its source (both None where a batch function failed on the whole batch); the function's own
+    exception, where it raised, is chained (``__cause__``) and its text is in the message. ``step`` is the
+    training step whose rollouts were being scored, where the caller knows it (:func:`rlhf_core.main_ppo.run`
+    sets it; None for a validation's scores). Each kind below is also the built-in error the manager raised
+    before, so that code catching that still catches it.
+    """
+
+    def __init__(self, message: str, function: str | None = None, sample: int | None = None,
+                 data_source: str | None = None) -> None:
+        super().__init__(message)
+        self.function, self.sample, self.data_source = function, sample, data_source
+        self.step: int | None = None
+
+    def reworded(self, message: str) -> RewardError:
+        """The same error (same class and fields) with ``message``, e.g. this one's put in the run's context
+        (the step, the checkpoint left); raise it ``from`` this one."""
+        error = type(self)(message, self.function, self.sample, self.data_source)
+        error.step = self.step
+        return error
+
+
+class RewardFunctionFailed(RewardError, RuntimeError):
+    """The reward function raised (its exception chained, its type and text in the message)."""
+
+
+class BadRewardResult(RewardError, TypeError):
+    """The reward function returned something other than a number or a dict with a numeric ``"score"``."""
+
+
+class NonFiniteReward(RewardError, ValueError):
+    """The reward function returned NaN or inf, which would turn every advantage and weight it reaches into NaN."""
+
+
+def _fn_name(fn: Any) -> str:
+    """A reward function's name for messages; that of the function inside a partial (``reward_kwargs`` bound)."""
+    return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
 
 
 def _is_number(value: object) -> bool:
@@ -83,10 +129,12 @@ class RewardManager:
         Raises:
             ValueError: inconsistent shapes or lengths, or a mask that is not 0/1.
             UnknownDataSourceError: a data_source without a built-in function (and no custom one).
-            RuntimeError: the reward function raised on a sample (index, data_source and the
-                original error in the message; the original is chained).
-            TypeError: the reward function returned something other than a number or a dict
-                with a numeric ``"score"``, naming the sample.
+            RewardFunctionFailed: (a RewardError and a RuntimeError) the reward function raised on a
+                sample (index, data_source and the original error in the message; the original is chained).
+            BadRewardResult: (a RewardError and a TypeError) the reward function returned something other
+                than a number or a dict with a numeric ``"score"``, naming the sample.
+            NonFiniteReward: (a RewardError and a ValueError) the reward function returned NaN or inf,
+                naming the sample.
         """
         if response_ids.dim() != 2:
             raise ValueError(f"response_ids must be (batch, length), got shape {tuple(response_ids.shape)}")
@@ -164,13 +212,14 @@ class RewardManager:
             if not responses:
                 return []
             fn = self.reward_fn
+            name = _fn_name(fn.fn)
             try:
                 results = fn.score_batch(list(data_sources), responses, list(ground_truths), list(extra_infos))
-            except TypeError:
-                raise
             except Exception as exc:
-                raise RuntimeError(f"batch reward function {getattr(fn.fn, '__name__', fn.fn)!r} failed on a batch "
-                                   f"of {len(responses)}: {type(exc).__name__}: {exc}") from exc
+                if isinstance(exc, TypeError) and str(exc).startswith("batch reward function"):
+                    raise BadRewardResult(str(exc), name) from exc  # BatchRewardFn's check of the list returned
+                raise RewardFunctionFailed(f"batch reward function {name!r} failed on a batch of {len(responses)}: "
+                                           f"{type(exc).__name__}: {exc}", name) from exc
             return [(fn.fn, result) for result in results]
         out = []
         for i, data_source in enumerate(data_sources):
@@ -186,9 +235,10 @@ class RewardManager:
                     extra_info=extra_infos[i],
                 )
             except Exception as exc:
-                raise RuntimeError(
-                    f"reward function {getattr(fn, '__name__', fn)!r} failed on sample {i} "
-                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}"
+                name = _fn_name(fn)
+                raise RewardFunctionFailed(
+                    f"reward function {name!r} failed on sample {i} "
+                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}", name, i, data_source
                 ) from exc
             out.append((fn, result))
         return out
@@ -197,13 +247,14 @@ class RewardManager:
         self, result: Any, index: int, data_source: str, fn: RewardFn
     ) -> tuple[float, float, dict[str, float]]:
         """(score, acc, other numeric entries) of one reward result, checked."""
-        name = getattr(fn, "__name__", repr(fn))
+        name = _fn_name(fn)
         where = f"sample {index} (data_source={data_source!r})"
         if isinstance(result, dict):
             if "score" not in result or not _is_number(result["score"]):
-                raise TypeError(
+                raise BadRewardResult(
                     f"reward function {name!r} returned a dict without a numeric 'score' for {where}: "
-                    f"keys {sorted(map(str, result))}; return a number or a dict with a 'score' entry"
+                    f"keys {sorted(map(str, result))}; return a number or a dict with a 'score' entry",
+                    name, index, data_source,
                 )
             score = float(result["score"])
             acc_value = result.get("acc")
@@ -218,10 +269,12 @@ class RewardManager:
             acc = float(score >= self.full_score)
             extra = {}
         else:
-            raise TypeError(
+            raise BadRewardResult(
                 f"reward function {name!r} returned {type(result).__name__} ({result!r:.60}) for {where}; "
-                "it must return a float/int/bool or a dict with a 'score' key"
+                "it must return a float/int/bool or a dict with a 'score' key",
+                name, index, data_source,
             )
         if not math.isfinite(score):
-            raise ValueError(f"reward function {name!r} returned a non-finite score ({score}) for {where}")
+            raise NonFiniteReward(f"reward function {name!r} returned a non-finite score ({score}) for {where}; "
+                                  "a score must be a finite number", name, index, data_source)
         return score, acc, extra

@@ -251,6 +251,9 @@ class PPOTrainer:
         #: context-manager factories entered around every timed phase, called with its name (innermost
         #: last): a memory sampler's tag, a tracer's span
         self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
+        # the step whose batch is drawn and whose training is under way (None between two steps' training, and
+        # still set where the training failed): a stop request lets it finish; its failures are that step's
+        self.step_under_way: int | None = None
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
@@ -718,6 +721,7 @@ class PPOTrainer:
         ``validate``, where ``validate(step, metrics)`` says (a caller's own schedule). A guard's
         rollback is carried out here and returned in the result; its stop raises :class:`GuardError`."""
         trainer_cfg = self.config.trainer
+        self.step_under_way = self.global_step + 1
         epoch, rows = self.sampler.next_batch()
         skipped_before = self._skipped_total()
         try:
@@ -726,6 +730,7 @@ class PPOTrainer:
         except WorkerError as exc:
             raise self._worker_failure(exc, "training", self.global_step + 1) from exc
         self.global_step += 1
+        self.step_under_way = None
         step = self.global_step
         last = step == self.total_steps or self.data_exhausted
         save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
