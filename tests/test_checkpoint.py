@@ -466,7 +466,7 @@ def test_resume_modes(workspace, trained, tmp_path):
 DENIED = {
     "data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "4", "data.max_response_length": "16",
     "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
-    "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.lr": "0.5",
+    "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.weight_decay": "0.5",
     "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo", "algorithm.filter_groups.enable": "true",
 }
 ALLOWED = {
@@ -476,6 +476,7 @@ ALLOWED = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
     "reward_model.train.margin": "0.5", "reward_model.overlong_buffer.log": "true",
     "trainer.val_only": "true", "trainer.balance_batch": "false",
+    "actor_rollout_ref.actor.optim.lr": "0.5", "critic.optim.lr": "0.5",  # a resume's schedule takes the new rate
 }
 
 

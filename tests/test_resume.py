@@ -216,3 +216,29 @@ def test_a_resume_that_lengthens_the_run_follows_the_new_schedule_from_its_first
     lr = longer.config.actor_rollout_ref.actor.optim.lr  # no warm-up: after step 2 of 8, lr * (1 + cos(pi / 4)) / 2
     assert longer.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr * (1 + math.cos(math.pi / 4)) / 2)
     assert longer.actor.scheduler.get_last_lr()[0] == pytest.approx(lr * (1 + math.cos(math.pi / 4)) / 2)
+
+
+def test_a_resume_may_lower_the_learning_rate_and_the_schedule_goes_on_at_it(workspace, reference, capsys):
+    """A guard's stop says to lower the learning rate and resume: the run resumed with half the rates trains its
+    next step at half the schedule's rate at that step (cosine over 4 steps, after step 2: lr / 2)."""
+    out, _, _ = reference
+    lr = load_config(overrides(workspace, out)).actor_rollout_ref.actor.optim.lr
+    critic_lr = load_config(overrides(workspace, out)).critic.optim.lr
+    lower = build_trainer(load_config(overrides(workspace, workspace.root / "lower",
+                                                f"actor_rollout_ref.actor.optim.lr={lr / 2}",
+                                                f"critic.optim.lr={critic_lr / 2}")))
+    lower.load_checkpoint(out / "global_step_2")
+    assert lower.actor.optimizer.param_groups[0]["lr"] == pytest.approx(lr / 2 * (1 + math.cos(math.pi / 2)) / 2)
+    assert lower.actor.scheduler.base_lrs == [pytest.approx(lr / 2)]
+    assert lower.critic.scheduler.base_lrs == [pytest.approx(critic_lr / 2)]
+    err = capsys.readouterr().err
+    assert f"notice: actor_rollout_ref.actor.optim.lr is {lr / 2} now, {lr} in {out / 'global_step_2'}" in err
+    # the checkpoint saved next holds the new base rates: a resume from it keeps them without a notice
+    lower.global_step = 3
+    lower.save_checkpoint()
+    again = build_trainer(load_config(overrides(workspace, workspace.root / "lower",
+                                                f"actor_rollout_ref.actor.optim.lr={lr / 2}",
+                                                f"critic.optim.lr={critic_lr / 2}")))
+    again.load_checkpoint(workspace.root / "lower" / "global_step_3")
+    assert again.actor.scheduler.base_lrs == [pytest.approx(lr / 2)]
+    assert "optim.lr is" not in capsys.readouterr().err

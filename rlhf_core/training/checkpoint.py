@@ -120,7 +120,12 @@ RESUME_SAFE_KEYS = (
     "reward_model.overlong_buffer.log",
     # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
     "reward_model.train.*",
+    # the way on after a guard's stop (an absurd rate): the schedule goes on from the step resumed, at the new
+    # rate (load_checkpoint rescales it, saying so)
+    "actor_rollout_ref.actor.optim.lr", "critic.optim.lr",
 )
+# the learning rates RESUME_SAFE_KEYS lets change, by the checkpoint part whose schedule they set
+LEARNING_RATES = {"actor": "actor_rollout_ref.actor.optim.lr", "critic": "critic.optim.lr"}
 
 
 class CheckpointError(ValueError):
@@ -808,6 +813,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     state = _read_trainer_state(path)  # before the workers load, so that an unreadable one fails fast
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker, saved[name])
+    _follow_new_rates(trainer, path)
     trainer.load_state_dict(state)
     set_rng_state(load_file(path / RNG_STATE, "cpu"))
     if not trainer.actor.sharded:  # sharded workers sync as they load
@@ -815,6 +821,24 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     world = _world_size(trainer)
     if saved["actor"] != world:
         print(resplit_notice(trainer, path, saved["actor"], world), file=sys.stderr, flush=True)
+
+
+def _follow_new_rates(trainer, path: Path) -> None:
+    """Where this run's learning rate differs from the checkpoint's, the loaded schedule (its base rates saved
+    with it, a guard's factor included) goes on at this run's: its rates scaled by new / old, with a notice."""
+    saved = flatten_config(yaml.safe_load((path / CONFIG_FILE).read_text()) or {})
+    current = flatten_config(trainer.config.to_dict())
+    for name, worker in trainer.workers().items():
+        key = LEARNING_RATES.get(name)
+        old, new = saved.get(key), current.get(key)
+        if key is None or old is None or old == new:
+            continue
+        if not old > 0:
+            raise CheckpointError(f"cannot resume from {path} with {key}={new}: its schedule ran at {old}, which "
+                                  "no factor takes to another rate")
+        worker.scale_lr(new / old)
+        print(f"notice: {key} is {new} now, {old} in {path}: its schedule goes on from step "
+              f"{step_of(path)} at the new rate", file=sys.stderr, flush=True)
 
 
 def restore_weights(trainer, path: str | os.PathLike) -> None:

@@ -132,7 +132,7 @@ class Guard:
                     f"{self.consecutive_skips} consecutive steps (up to step {step}) had a non-finite loss or "
                     f"gradient and were skipped (trainer.guard.max_consecutive_skips="
                     f"{cfg.max_consecutive_skips}); check the rewards and the data for NaN/inf and lower the "
-                    "learning rate")
+                    "learning rate (actor_rollout_ref.actor.optim.lr and critic.optim.lr may change on a resume)")
         else:
             self.consecutive_skips, self.skip_anchor = 0, None
 

@@ -361,16 +361,6 @@ class ActorWorker(CheckpointableWorker):
             summed[name] = value * share
         return loss, summed, constant
 
-    def scale_lr(self, factor: float) -> None:
-        """Multiply the learning rate, its schedule included, by ``factor`` (a guard's last lever on KL).
-
-        The schedule's current rate (``get_last_lr``, saved with it) scales too: a resume and a rollback
-        re-apply it to the optimizer."""
-        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
-        self.scheduler._last_lr = [lr * factor for lr in self.scheduler.get_last_lr()]
-        for group in self.optimizer.param_groups:
-            group["lr"] *= factor
-
     # ------------------------------------------------------------------ state
     def extra_state(self) -> dict:
         return {**super().extra_state(), "rollout_generator": self.rollout.generator.get_state()

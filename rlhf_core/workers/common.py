@@ -572,10 +572,20 @@ class CheckpointableWorker:
         # the rate of the step to come from this run's schedule (the rule is rebuilt from the config, the
         # position and base rates are loaded): the optimizer's saved rate is the old schedule's where a resume
         # changed its length (trainer.total_training_steps), and the same value where it did not
+        self._follow_schedule()
+        self.shuffle_generator.set_state(state["shuffle_generator"])
+
+    def _follow_schedule(self) -> None:
+        """Set the optimizer's rates to the schedule's at its position, after its base rates or its rule changed."""
         for group, base, rule in zip(self.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * rule(self.scheduler.last_epoch)
         self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-        self.shuffle_generator.set_state(state["shuffle_generator"])
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the learning rate, its schedule included, by ``factor`` (a guard's last lever on KL; a resume
+        with another ``optim.lr``). The base rates are saved with the schedule: a resume keeps the factor."""
+        self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+        self._follow_schedule()
 
     def rank_generators(self) -> dict[str, torch.Generator]:
         """The generators of ``extra_state`` that each rank seeds by its rank, by key: the HF rollout's sampling

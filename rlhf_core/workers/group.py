@@ -339,8 +339,8 @@ class HybridWorker(DistributedWorker):
     def save_hf(self, folder: str) -> None:
         self.actor.save_hf(folder)
 
-    def scale_lr(self, factor: float) -> None:
-        self.actor.scale_lr(factor)
+    def scale_lr(self, factor: float, role: str = "actor") -> None:
+        self._role(role).scale_lr(factor)
 
     def peak_memory_gb(self) -> float:
         return peak_memory_gb()
@@ -418,7 +418,7 @@ class ActorGroup(_RoleGroup):
         self.group.execute_all("save_hf", str(target))
 
     def scale_lr(self, factor: float) -> None:
-        self.group.execute_all("scale_lr", factor)
+        self.group.execute_all("scale_lr", factor, self.role)
 
     def peak_memory_gb(self) -> float:
         return max(self.group.execute_all("peak_memory_gb"))
