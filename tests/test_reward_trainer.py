@@ -17,6 +17,7 @@ from rlhf_core.data.synthetic import DATA_SOURCE
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import CHAT_TEMPLATE as TOY_TEMPLATE
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.reward_trainer import (
     RewardModelTrainer,
     bradley_terry_loss,
@@ -269,6 +270,15 @@ def test_resume_is_exact(tiny, pairs_dir, tmp_path):
     with pytest.raises(ValueError, match="optim.lr"):
         RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
                                                   "reward_model.train.optim.lr=5e-4"))).resume()
+    # a checkpoint file damaged in place (its size kept) is refused before it loads, naming the file
+    latest = ckpt.latest_checkpoint(tmp_path / "b")
+    weights = next(p for p in (latest / "reward_model").rglob("*.pt") if p.stat().st_size > 64)
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {latest} is corrupt: .*{weights.name}"):
+        RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                  "reward_model.train.total_epochs=2"))).resume()
 
 
 def test_learns_the_demo_preference(tiny, pairs_dir, tmp_path):

@@ -611,7 +611,7 @@ class RewardModelTrainer:
         path = self._resume_path()
         if path is None:
             return
-        saved = ckpt.saved_workers(ckpt.read_manifest(path), PART)
+        saved = ckpt.saved_workers(ckpt.verify_checkpoint(path), PART)  # sizes and hashes, before any load
         self._check_config(path)
         try:
             self.worker.load_checkpoint(path / PART, saved)
@@ -620,7 +620,7 @@ class RewardModelTrainer:
         except Exception as exc:  # noqa: BLE001 - the workers' errors come wrapped; say which checkpoint
             raise ckpt.CheckpointError(f"checkpoint {path / PART} cannot be loaded into the reward model being "
                                        f"trained: {exc}") from exc
-        state = json.loads((path / ckpt.TRAINER_STATE).read_text())
+        state = ckpt.read_trainer_state(path)
         self.global_step = int(state["global_step"])
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         world = self.cfg.world_size
