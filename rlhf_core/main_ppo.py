@@ -55,6 +55,7 @@ from rlhf_core.training.checkpoint import (
     check_writable,
     find_resume_checkpoint,
     latest_checkpoint,
+    run_lock,
 )
 from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.monitoring import PrometheusExporter
@@ -477,6 +478,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     if resume_from is not None:
         check_config(resume_from, cfg)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(run_lock(local_dir))  # before any model loads: one run per checkpoint folder
         trainer = stack.enter_context(trainer_session(cfg))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)

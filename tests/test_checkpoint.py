@@ -617,3 +617,21 @@ def test_cuda_checkpoint_round_trip_and_resume(workspace, tmp_path):
     resumed.fit()
     for key in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss", "actor/ppo_kl", "critic/values/mean"):
         assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-4, abs=1e-6), key
+
+
+def test_one_run_at_a_time_holds_a_checkpoint_folder(tmp_path):
+    """Two runs saving into one folder replace each other's checkpoints: the second is refused while the first
+    runs; a lock left by a killed run is taken over; the lock goes with the run."""
+    lock = tmp_path / checkpoint.RUN_LOCK
+    with checkpoint.run_lock(tmp_path):
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert not lock.exists()
+    lock.write_text(f"{os.getppid()}\n")  # another process, alive
+    with pytest.raises(CheckpointError, match=f"is in use by another run \\(pid {os.getppid()}"):
+        with checkpoint.run_lock(tmp_path):
+            pass
+    assert lock.read_text() == f"{os.getppid()}\n"  # left to its holder
+    lock.write_text(f"{_dead_pid()}\n")  # a killed run's
+    with checkpoint.run_lock(tmp_path):
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert not lock.exists()

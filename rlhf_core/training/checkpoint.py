@@ -863,6 +863,45 @@ def load_model_state(path: str | os.PathLike, part: str = "actor") -> dict[str, 
     return load_file(path / part / "model_state.pt")
 
 
+RUN_LOCK = ".run.lock"
+
+
+@contextlib.contextmanager
+def run_lock(root: str | os.PathLike):
+    """Hold ``root`` for this run while inside: a second run writing checkpoints into the same folder would
+    replace the first's and sweep its saves' temporary folders. The lock is a file naming this process; one
+    left by a process that no longer runs (killed) is taken over. CheckpointError naming the holder if another
+    live process holds it."""
+    root = Path(os.path.expanduser(str(root)))
+    root.mkdir(parents=True, exist_ok=True)
+    lock = root / RUN_LOCK
+    for _ in range(2):  # a stale lock is removed once, then taken
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            text = lock.read_text(errors="replace").strip() if lock.is_file() else ""
+            holder = int(text) if text.isdigit() else None
+            if holder is not None and holder != os.getpid() and process_alive(holder):
+                raise CheckpointError(
+                    f"{root} is in use by another run (pid {holder}, {lock}): two runs saving into one folder "
+                    "replace each other's checkpoints; set another trainer.default_local_dir, or stop that run "
+                    "(the lock of a run that no longer runs is taken over)") from None
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        break
+    else:
+        raise CheckpointError(f"{lock} could not be taken (another run is starting in {root}?)")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if lock.read_text().strip() == str(os.getpid()):
+                lock.unlink()
+
+
 def check_writable(root: str | os.PathLike) -> None:
     """Raise CheckpointError unless checkpoints can be written under ``root`` (creates it)."""
     root = Path(os.path.expanduser(str(root)))
