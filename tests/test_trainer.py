@@ -234,11 +234,8 @@ def test_the_lr_schedule_runs_over_total_training_steps_where_the_data_end_soone
     assert shorter.actor.scheduler.get_last_lr()[0] == pytest.approx(1e-2 * (1 + math.cos(math.pi / 3)) / 2)
 
 
-def test_the_logged_lr_is_the_one_the_update_used_and_vpred_mean_the_critics_values(workspace):
-    root, model, _ = workspace
-    trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.optim.lr=1e-3",
-                                                   "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
-                                                   "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=2")))
+def _record_critic_batch(trainer) -> dict:
+    """``seen["batch"]``: the batch of the critic's last update (the step's values, returns and rewards)."""
     seen = {}
     update_critic = trainer.critic.update_critic
 
@@ -247,6 +244,15 @@ def test_the_logged_lr_is_the_one_the_update_used_and_vpred_mean_the_critics_val
         return update_critic(batch, *args)
 
     trainer.critic.update_critic = recording
+    return seen
+
+
+def test_the_logged_lr_is_the_one_the_update_used_and_vpred_mean_the_critics_values(workspace):
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.actor.optim.lr=1e-3",
+                                                   "actor_rollout_ref.actor.optim.lr_warmup_steps=2",
+                                                   "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=2")))
+    seen = _record_critic_batch(trainer)
     actor_before = {k: v.clone() for k, v in trainer.actor.module.state_dict().items()}
     logged = []
     for step in range(3):
@@ -806,14 +812,7 @@ def test_a_training_step_uses_the_configured_gamma_and_lambda(workspace):
                                                    "algorithm.gamma=0.9", "algorithm.lam=0.8")))
     with torch.no_grad():  # the value head starts at 0: values that differ between tokens instead
         trainer.critic.forward_module.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(7))
-    seen = {}
-    update_critic = trainer.critic.update_critic
-
-    def recording(batch, *args):
-        seen["batch"] = batch
-        return update_critic(batch, *args)
-
-    trainer.critic.update_critic = recording
+    seen = _record_critic_batch(trainer)
     trainer.train_step(trainer.train_dataset.collate(list(range(8))))
     batch = seen["batch"]
     mask = batch["response_mask"].bool().tolist()
