@@ -244,3 +244,25 @@ def test_the_notice_names_what_differs_after_a_resplit(workspace, tmp_path):
     assert "dynamic-sampling round" in notice("actor_rollout_ref.rollout.do_sample=false", "algorithm.adv_estimator=grpo",
                                                "algorithm.filter_groups.enable=true")
 
+
+
+def test_a_resume_with_lower_rates_rescales_both_parts_on_every_rank(workspace, one, two, tmp_path, capsys):
+    """Lowering the learning rates is the way on after a guard's stop: on a worker group both the actor's and
+    the critic's schedules (every rank's) go on at the new rates."""
+    single, saved = one
+    trainer, _ = two
+    optim = {"actor": trainer.config.actor_rollout_ref.actor.optim, "critic": trainer.config.critic.optim}
+    old = {name: cfg.lr for name, cfg in optim.items()}
+    try:
+        for cfg in optim.values():
+            cfg.lr /= 2
+        trainer.load_checkpoint(saved)
+        halved = checkpoint.save_checkpoint(trainer, tmp_path / "halved")
+    finally:
+        for name, cfg in optim.items():
+            cfg.lr = old[name]
+    err = capsys.readouterr().err
+    for name in PARTS:
+        assert f"optim.lr is {old[name] / 2} now, {old[name]} in {saved}" in err
+        for rank in (0, 1):
+            assert _extra(halved / name, rank=rank)["scheduler"]["base_lrs"] == [pytest.approx(old[name] / 2)]

@@ -384,6 +384,9 @@ class _RoleGroup:
     def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
         self.group.execute_all("load_shards", self.role, str(folder), weights_only)
 
+    def scale_lr(self, factor: float) -> None:
+        self.group.execute_all("scale_lr", factor, self.role)
+
 
 def _cat(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
     merged = torch.cat(parts)
@@ -416,9 +419,6 @@ class ActorGroup(_RoleGroup):
 
     def save_hf(self, target: str | Path) -> None:
         self.group.execute_all("save_hf", str(target))
-
-    def scale_lr(self, factor: float) -> None:
-        self.group.execute_all("scale_lr", factor, self.role)
 
     def peak_memory_gb(self) -> float:
         return max(self.group.execute_all("peak_memory_gb"))
