@@ -1134,6 +1134,24 @@ def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, t
     assert trainer.guard.best_step == 2 and trainer.last_saved_step == 2
 
 
+def test_when_the_data_runs_out_with_test_freq_off_nothing_is_validated(tiny, tmp_path):
+    """The same run with test_freq=-1 (no validation while training, as in verl): the data running out inside
+    step 3 validates nothing, and step 3, which never trained, is not left as the step under way."""
+    reward = tmp_path / "fading.py"
+    reward.write_text("import itertools\n_calls = itertools.count()\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    i = next(_calls)\n"
+                      "    return float(i % 2) if i < 64 else 0.0\n")
+    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
+                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
+                       "trainer.total_epochs=1", "trainer.test_freq=-1")
+    validated = []
+    validate = trainer.validate
+    trainer.validate = lambda: validated.append(trainer.global_step) or validate()
+    history = trainer.fit()
+    assert [r.step for r in history] == [1, 2] and validated == [] and trainer.step_under_way is None
+
+
 def test_the_dry_run_of_a_dynamic_sampling_config_runs_its_steps(tiny, tmp_path):
     """The smoke test of a DAPO config: a step may take several generation rounds, so the dry run keeps data for
     them. The reward makes the first group of each round of 4 prompts x 4 score alike (dropped), so a step of 4

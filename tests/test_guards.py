@@ -317,3 +317,16 @@ def test_a_halved_learning_rate_survives_a_later_rollback_and_a_resume(workspace
     resumed = make_trainer(workspace, out)
     checkpoint.load_checkpoint(resumed, checkpoint.save_checkpoint(trainer, out))
     assert rates(resumed.actor) == pytest.approx((5e-3, 5e-3, 5e-3))
+
+
+def test_after_a_rollback_the_abandoned_checkpoints_are_no_anchor():
+    """A rollback to step 2 abandons the weights saved at 3 and 4: a non-finite streak right after must not take
+    them for its anchor (nor keep them from pruning); the next save follows step 2."""
+    guard = Guard(GuardConfig(max_consecutive_skips=1))
+    for step in (1, 2, 3, 4, 5):
+        guard.on_checkpoint(step)
+    guard.on_restore(2)  # a val-drop rollback at step 5 to the best, step 2
+    assert guard.protected_steps() == {1}
+    assert guard.observe_step(6, {}, skipped=True).target_step == 2
+    guard.on_checkpoint(6)  # the step after the rollback, saved
+    assert guard.saved == [1, 2, 6]

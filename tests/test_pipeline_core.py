@@ -66,6 +66,9 @@ def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
                                                   "on-policy first step", "checkpoint round trip"]
     assert len(report.metrics) == 2
     assert abs(report.metrics[0]["actor/ppo_kl"]) < 1e-3
+    # one validation, after the last step, on the validation files (a reward that fails on them fails here)
+    assert not any(k.startswith("val-") for k in report.metrics[0])
+    assert "val-core/synthetic/arithmetic/acc/mean@1" in report.metrics[1]
     assert "smoke test PASSED" in report.summary()
 
 

@@ -190,7 +190,9 @@ def scale_config(cfg: PPOConfig, model_path: str | Path, train_file: Path, val_f
     if groups.enable:  # a step may draw several generation rounds: data for as many as it is allowed
         groups.max_num_gen_batches = groups.max_num_gen_batches if groups.max_num_gen_batches > 0 else 8
         trainer.total_epochs = steps * groups.max_num_gen_batches
-    trainer.test_freq, trainer.save_freq, trainer.val_before_train = -1, -1, False
+    # one validation, after the last step (test_freq -1 would be none): a reward that breaks on the validation
+    # split fails here, not in the run
+    trainer.test_freq, trainer.save_freq, trainer.val_before_train = steps, -1, False
     trainer.critic_warmup = 0  # the actor must update on the first step for the KL check
     trainer.resume_mode, trainer.resume_from_path = "disable", None
     trainer.default_local_dir = str(work_dir / "checkpoints")

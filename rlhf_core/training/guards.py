@@ -114,6 +114,11 @@ class Guard:
         """A checkpoint of ``step`` now exists (a rollback's later saves replace newer ones)."""
         self.saved = [s for s in self.saved if s < step] + [step]
 
+    def on_restore(self, step: int) -> None:
+        """A rollback restored the checkpoint of ``step``: the checkpoints saved after it hold the weights it
+        abandoned, so no later streak may take them for its anchor (the next save follows ``step``)."""
+        self.saved = [s for s in self.saved if s <= step]
+
     def anchor(self, last_good: int) -> int | None:
         """The newest checkpoint of step ``last_good`` or earlier."""
         return next((s for s in reversed(self.saved) if s <= last_good), None)

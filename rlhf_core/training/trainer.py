@@ -572,6 +572,7 @@ class PPOTrainer:
         if event.target_step is not None:
             restored = checkpoint.step_dir(self.checkpoint_dir, event.target_step)
             checkpoint.restore_weights(self, restored)
+            self.guard.on_restore(event.target_step)
         if event.action == "stop":
             if restored is not None:
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
@@ -649,6 +650,7 @@ class PPOTrainer:
             try:
                 self.fit_step()
             except dynamic_sampling.DataExhausted as exc:
+                self.step_under_way = None  # the step that drew from the data never trains
                 print(f"notice: {exc}; training ends at step {self.global_step}", file=sys.stderr, flush=True)
                 self._validate_last_step()
                 break
@@ -681,8 +683,9 @@ class PPOTrainer:
         """The validation after the last step, where the loop ended before the step it expected to be last
         (the data ran out inside a step): merged into that step's metrics, shown to the guards as any
         validation is (a rollback or a stop carried out here), and the step's record logged again whole."""
-        if not self.history or self.val_dataset is None or any(k.startswith("val-") for k in self.history[-1].metrics):
-            return
+        if (not self.history or self.val_dataset is None or self.config.trainer.test_freq <= 0
+                or any(k.startswith("val-") for k in self.history[-1].metrics)):
+            return  # (test_freq -1 or 0: no validation while training, as in verl)
         last = self.history[-1]
         new_best, event = self._validate_step(last.step, last.metrics, None)
         last.metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks  # this one's too
