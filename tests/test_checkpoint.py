@@ -621,17 +621,22 @@ def test_cuda_checkpoint_round_trip_and_resume(workspace, tmp_path):
 
 def test_one_run_at_a_time_holds_a_checkpoint_folder(tmp_path):
     """Two runs saving into one folder replace each other's checkpoints: the second is refused while the first
-    runs; a lock left by a killed run is taken over; the lock goes with the run."""
+    runs (here another process holding the lock); once that one has ended, however it ended, the folder is free."""
     lock = tmp_path / checkpoint.RUN_LOCK
     with checkpoint.run_lock(tmp_path):
         assert lock.read_text() == f"{os.getpid()}\n"
-    assert not lock.exists()
-    lock.write_text(f"{os.getppid()}\n")  # another process, alive
-    with pytest.raises(CheckpointError, match=f"is in use by another run \\(pid {os.getppid()}"):
-        with checkpoint.run_lock(tmp_path):
-            pass
-    assert lock.read_text() == f"{os.getppid()}\n"  # left to its holder
-    lock.write_text(f"{_dead_pid()}\n")  # a killed run's
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[2]); from rlhf_core.training import "
+         "checkpoint; import time\nwith checkpoint.run_lock(sys.argv[1]):\n    print('held', flush=True)\n"
+         "    time.sleep(60)", str(tmp_path), str(Path(checkpoint.__file__).parents[2])],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=f"is in use by another run \\(pid {holder.pid}"):
+            with checkpoint.run_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()  # killed while holding it: the kernel releases the lock
+        holder.wait()
     with checkpoint.run_lock(tmp_path):
         assert lock.read_text() == f"{os.getpid()}\n"
-    assert not lock.exists()

@@ -275,14 +275,13 @@ def test_a_second_signal_stops_now_naming_the_checkpoint_left_as_it_was(tmp_path
 def test_a_second_run_into_a_busy_checkpoint_folder_is_refused_before_loading(workspace, tmp_path, capsys,
                                                                                monkeypatch):
     from rlhf_core.cli.train import ppo
-    from rlhf_core.training.checkpoint import RUN_LOCK
+    from rlhf_core.training.checkpoint import RUN_LOCK, run_lock
 
     def no_models(*args, **kwargs):
         raise AssertionError("models were loaded into a folder another run holds")
 
     monkeypatch.setattr(main_ppo, "build_trainer", no_models)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / RUN_LOCK).write_text(f"{os.getppid()}\n")  # a live process's: another run saving here
-    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1")) == 2
-    assert f"{out} is in use by another run (pid {os.getppid()}" in capsys.readouterr().err
+    with run_lock(out):  # another run saving here (a lock taken on another open file conflicts, in one process too)
+        assert ppo(workspace.overrides(out, "trainer.total_training_steps=1")) == 2
+    assert f"{out} is in use by another run (pid {os.getpid()}, {out / RUN_LOCK})" in capsys.readouterr().err

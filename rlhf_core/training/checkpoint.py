@@ -869,37 +869,29 @@ RUN_LOCK = ".run.lock"
 @contextlib.contextmanager
 def run_lock(root: str | os.PathLike):
     """Hold ``root`` for this run while inside: a second run writing checkpoints into the same folder would
-    replace the first's and sweep its saves' temporary folders. The lock is a file naming this process; one
-    left by a process that no longer runs (killed) is taken over. CheckpointError naming the holder if another
-    live process holds it."""
+    replace the first's and sweep its saves' temporary folders. The lock is an exclusive ``flock`` on
+    ``root/.run.lock`` (which names the holder's pid for the message): the kernel releases it when its process
+    ends, however it ends, so a killed run's lock is free. CheckpointError naming the holder if another
+    process holds it. (On a filesystem without flock, e.g. some network ones, the lock holds on one machine.)"""
+    import fcntl
+
     root = Path(os.path.expanduser(str(root)))
     root.mkdir(parents=True, exist_ok=True)
     lock = root / RUN_LOCK
-    for _ in range(2):  # a stale lock is removed once, then taken
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            text = lock.read_text(errors="replace").strip() if lock.is_file() else ""
-            holder = int(text) if text.isdigit() else None
-            if holder is not None and holder != os.getpid() and process_alive(holder):
-                raise CheckpointError(
-                    f"{root} is in use by another run (pid {holder}, {lock}): two runs saving into one folder "
-                    "replace each other's checkpoints; set another trainer.default_local_dir, or stop that run "
-                    "(the lock of a run that no longer runs is taken over)") from None
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-            continue
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{os.getpid()}\n")
-        break
-    else:
-        raise CheckpointError(f"{lock} could not be taken (another run is starting in {root}?)")
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise CheckpointError(
+                f"{root} is in use by another run (pid {holder}, {lock}): two runs saving into one folder "
+                "replace each other's checkpoints; set another trainer.default_local_dir, or stop that run") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            if lock.read_text().strip() == str(os.getpid()):
-                lock.unlink()
+        os.close(fd)  # releases the lock; the file stays (removing it would race with a run opening it)
 
 
 def check_writable(root: str | os.PathLike) -> None:
