@@ -330,3 +330,16 @@ def test_after_a_rollback_the_abandoned_checkpoints_are_no_anchor():
     assert guard.observe_step(6, {}, skipped=True).target_step == 2
     guard.on_checkpoint(6)  # the step after the rollback, saved
     assert guard.saved == [1, 2, 6]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resume_takes_only_whole_checkpoints_for_the_guards_anchors(workspace, tmp_path):
+    """Pruning takes the actor's part from older checkpoints: a resumed run's guards must not count on those."""
+    out = tmp_path / "run"
+    pruned = ("trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.max_actor_ckpt_to_keep=1",
+              "trainer.guard.max_consecutive_skips=null", "trainer.guard.max_kl=null")
+    make_trainer(workspace, out, *pruned).fit()
+    assert [(out / f"global_step_{s}" / "actor").is_dir() for s in (1, 2, 3)] == [False, False, True]
+    resumed = make_trainer(workspace, out, "trainer.total_training_steps=4")
+    resumed.load_checkpoint(out / "global_step_3")
+    assert resumed.guard.saved == [3]

@@ -28,8 +28,9 @@ class RewardError(Exception):
     ``data_source`` its source (both None where a batch function failed on the whole batch); the function's own
     exception, where it raised, is chained (``__cause__``) and its text is in the message. ``step`` is the
     training step whose rollouts were being scored, where the caller knows it (:func:`rlhf_core.main_ppo.run`
-    sets it; None for a validation's scores). Each kind below is also the built-in error the manager raised
-    before, so that code catching that still catches it.
+    sets it; None for a validation's scores). Each kind below is also a built-in error (RuntimeError, TypeError,
+    ValueError: the one the manager raised for it before, so that code catching that still catches it; a
+    TypeError a batch function raises itself is now a RewardFunctionFailed, as any other error it raises).
     """
 
     def __init__(self, message: str, function: str | None = None, sample: int | None = None,

@@ -369,6 +369,16 @@ def _unmarked(root: Path) -> str:
             "steps of the old run stay until reached)")
 
 
+def holds_parts(path: str | os.PathLike, parts: Iterable[str]) -> bool:
+    """Whether the checkpoint ``path`` is complete and holds each of ``parts`` (``max_*_ckpt_to_keep`` prunes
+    the actor's and the critic's apart): one a rollback can restore."""
+    try:
+        files = read_manifest(path)["files"]
+    except CheckpointError:
+        return False
+    return all(any(rel.startswith(f"{part}/") for rel in files) for part in parts)
+
+
 def read_trainer_state(path: str | os.PathLike) -> dict:
     """``trainer_state.json`` of a complete checkpoint (step, sampler, KL controller, guard, ...)."""
     read_manifest(path)

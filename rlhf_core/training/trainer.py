@@ -558,8 +558,8 @@ class PPOTrainer:
         checkpoint.load_checkpoint(self, path)
         self.resumed = True  # the validation before training is behind it (a step-0 checkpoint follows it)
         self.last_saved_step = self.global_step
-        for step, _ in checkpoint.list_checkpoints(self.checkpoint_dir):  # the guards' anchors to come
-            if step < self.global_step:
+        for step, path in checkpoint.list_checkpoints(self.checkpoint_dir):  # the guards' anchors to come
+            if step < self.global_step and checkpoint.holds_parts(path, self.workers()):
                 self.guard.on_checkpoint(step)
         self.guard.on_checkpoint(self.global_step)
 
