@@ -95,7 +95,8 @@ def run(engine: str, model: Path, work: Path, args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="hf,vllm")
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated rollout engines (default hf,vllm; with --smoke, hf: vLLM needs a GPU)")
     parser.add_argument("--batch", type=int, default=128, help="prompts per step")
     parser.add_argument("--n", type=int, default=4, help="responses per prompt")
     parser.add_argument("--response", type=int, default=256)
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--smoke", action="store_true",
                         help="on the CPU, a tiny model, 4 prompts x 2, responses of 8 tokens, one step each")
     args = parser.parse_args(argv)
+    args.engines = args.engines or ("hf" if args.smoke else "hf,vllm")
     args.micro, args.device = 32, "cuda"
     if args.smoke:
         args.batch, args.n, args.response, args.warmup, args.steps = 4, 2, 8, 1, 1

@@ -446,7 +446,8 @@ class TrainerConfig:
     total_training_steps: int | None = _k(None, "stop after this many steps, or after total_epochs if sooner; also "
                                                 "the learning-rate schedule's length, as in verl; null = epochs decide")
     save_freq: int = _k(-1, "save a checkpoint every N steps and after the last; -1 = after the last only (verl "
-                            "writes none then: the run's result is kept here)")
+                            "writes none then: the run's result is kept here); the guards save besides after a "
+                            "validation that sets a new best (the one before training too) and after a rollback")
     test_freq: int = _k(-1, "validate every N steps and after the last, as verl; -1 (or 0) = no validation while "
                             "training (val_before_train is its own switch)")
     val_before_train: bool = _k(True, "validate before the first step")
@@ -904,7 +905,8 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
     canonical, extra = ALIASES[key]
     if value is None and _default(canonical) is not None:  # verl's generated config: null, the key unused
         return {}
-    notice(f"notice: {key} is an alias; use {canonical}")
+    also = "".join(f" and {k}={v}" for k, v in extra.items())  # what the alias sets besides (kl_ctrl.type)
+    notice(f"notice: {key} is an alias; use {canonical}{also}")
     return {canonical: value, **extra}
 
 
@@ -1134,7 +1136,7 @@ def load_config(
 VERL_VALUES_NOT_HERE = frozenset({
     "clip_cov", "kl_cov", "gpg", "geo_mean", "gmpo", "sapo", "opo", "grpo_vectorized", "rloo_vectorized",
     "optimal_token_baseline", "tir_optimal_token_baseline", "swanlab", "vemlp_wandb", "clearml", "trackio", "full",
-    "sglang"})
+    "sglang", "megatron"})
 
 
 def _one_of(errors: list[str], key: str, value: Any, valid: Iterable[str]) -> None:

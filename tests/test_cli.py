@@ -285,3 +285,16 @@ def test_a_second_run_into_a_busy_checkpoint_folder_is_refused_before_loading(wo
     with run_lock(out):  # another run saving here (a lock taken on another open file conflicts, in one process too)
         assert ppo(workspace.overrides(out, "trainer.total_training_steps=1")) == 2
     assert f"{out} is in use by another run (pid {os.getpid()}, {out / RUN_LOCK})" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_closing_line_counts_the_steps_this_run_trained(workspace, tmp_path, capsys):
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "out"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.val_before_train=false")) == 0
+    assert "done: 1 steps in" in capsys.readouterr().out
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_before_train=false")) == 0
+    assert "done: 1 steps (now at step 2) in" in capsys.readouterr().out  # resumed from step 1
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_only=true")) == 0
+    assert "done: validated at step 2 in" in capsys.readouterr().out

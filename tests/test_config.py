@@ -499,6 +499,9 @@ def test_aliases_map_to_canonical_keys_with_a_notice():
     assert len(notices) == 4
     assert "actor_rollout_ref.actor.grad_clip" in notices[0]
     assert "trainer.save_freq" in notices[2]
+    # the alias sets the controller's type besides, and says so (its advice alone would leave it fixed)
+    assert notices[3] == ("notice: algorithm.kl_ctrl_target is an alias; use algorithm.kl_ctrl.target_kl and "
+                          "algorithm.kl_ctrl.type=adaptive")
 
 
 def test_config_file_errors_name_the_file(tmp_path):
