@@ -27,9 +27,11 @@ def evaluate(argv: list[str] | None = None) -> int:
                                      description="Greedy accuracy of a HF model directory on a validation parquet.")
     parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
     parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")
-    parser.add_argument("--max-prompt-length", type=int, default=1024)
-    parser.add_argument("--max-response-length", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-prompt-length", type=int, default=1024,
+                        help="a longer prompt keeps its last this many tokens (default: %(default)s)")
+    parser.add_argument("--max-response-length", type=int, default=64,
+                        help="greedy responses are cut at this many tokens (default: %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts generated at once (default: %(default)s)")
     parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
     parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
     parser.add_argument("--custom-reward", metavar="FILE.py",

@@ -103,7 +103,7 @@ def train_rm(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 3
     shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
-    print(f"reward model: {trainer.global_step} steps in {time.time() - started:.0f} s; {shown or 'no validation'}")
+    print(f"reward model: at step {trainer.global_step} after {time.time() - started:.0f} s; {shown or 'no validation'}")
     print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
     print(f"metrics: {trainer.local_dir / 'metrics.jsonl'}")
     return 0
