@@ -276,9 +276,18 @@ def test_resume_is_exact(tiny, pairs_dir, tmp_path):
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
-    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {latest} is corrupt: .*{weights.name}"):
+    with pytest.raises(ckpt.CheckpointError, match=f"checkpoint {latest} is corrupt: .*{weights.name}") as info:
         RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
                                                   "reward_model.train.total_epochs=2"))).resume()
+    # ... and the refusal names the intact one before it, with the reward model's own resume keys
+    assert str(info.value).endswith(
+        f"The newest earlier checkpoint that is intact is {tmp_path / 'b' / 'global_step_4'}: to resume from it, run "
+        f"with reward_model.train.resume_mode=resume_path reward_model.train.resume_from_path="
+        f"{tmp_path / 'b' / 'global_step_4'}")
+    # one run at a time trains into a folder
+    with ckpt.run_lock(tmp_path / "b"), pytest.raises(ckpt.CheckpointError, match="is in use by another run"):
+        RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                  "reward_model.train.total_epochs=2"))).fit()
 
 
 def test_learns_the_demo_preference(tiny, pairs_dir, tmp_path):

@@ -295,20 +295,21 @@ def newest_intact(root: str | os.PathLike, before: int | None = None) -> Path | 
     return None
 
 
-def _instead_of(path: Path) -> str:
-    """:func:`_resume_instead` for the refused checkpoint ``path``; nothing where it is no ``global_step_N``."""
+def intact_instead(path: Path, section: str = "trainer") -> str:
+    """:func:`_resume_instead` for the refused checkpoint ``path``; nothing where it is no ``global_step_N``.
+    ``section`` holds the run's resume keys (``reward_model.train`` for a reward model's)."""
     match = _STEP_DIR.fullmatch(path.name)
-    return _resume_instead(path.parent, int(match.group(1))) if match and path.parent.is_dir() else ""
+    return _resume_instead(path.parent, int(match.group(1)), section) if match and path.parent.is_dir() else ""
 
 
-def _resume_instead(root: Path, before: int | None) -> str:
+def _resume_instead(root: Path, before: int | None, section: str = "trainer") -> str:
     """What to say after refusing the checkpoint of step ``before`` under ``root``: the one to resume from instead."""
     intact = newest_intact(root, before)
     earlier = "earlier " if before is not None else ""
     if intact is None:
         return f". No {earlier}checkpoint under {root} is intact either"
     return (f". The newest {earlier}checkpoint that is intact is {intact}: to resume from it, run with "
-            f"trainer.resume_mode=resume_path trainer.resume_from_path={intact}")
+            f"{section}.resume_mode=resume_path {section}.resume_from_path={intact}")
 
 
 def find_resume_checkpoint(config) -> Path | None:
@@ -332,7 +333,7 @@ def find_resume_checkpoint(config) -> Path | None:
             step_of(path)
             verify_checkpoint(path)
         except CheckpointError as exc:
-            raise CheckpointError(f"trainer.resume_from_path: {exc}{_instead_of(path)}") from exc
+            raise CheckpointError(f"trainer.resume_from_path: {exc}{intact_instead(path)}") from exc
         return path
     if trainer.resume_mode == "auto":
         root = Path(os.path.expanduser(trainer.default_local_dir))
@@ -817,7 +818,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     try:
         verify_checkpoint(path)  # (_loadable's check then finds it verified)
     except CheckpointError as exc:
-        raise CheckpointError(f"{exc}{_instead_of(path)}") from exc
+        raise CheckpointError(f"{exc}{intact_instead(path)}") from exc
     path, saved = _loadable(trainer, path)
     check_config(path, trainer.config)
     state = _read_trainer_state(path)  # before the workers load, so that an unreadable one fails fast

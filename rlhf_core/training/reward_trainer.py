@@ -532,6 +532,10 @@ class RewardModelTrainer:
     def fit(self, log=None) -> dict[str, float]:
         """Train to ``total_steps`` (resuming first), validating and saving as configured; returns the last
         validation metrics (``val/pair_accuracy``, ...) and writes the HF export."""
+        with ckpt.run_lock(self.local_dir):  # one run at a time saves into the folder (as PPO's)
+            return self._fit(log)
+
+    def _fit(self, log=None) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         self.resume()
@@ -611,7 +615,11 @@ class RewardModelTrainer:
         path = self._resume_path()
         if path is None:
             return
-        saved = ckpt.saved_workers(ckpt.verify_checkpoint(path), PART)  # sizes and hashes, before any load
+        try:
+            manifest = ckpt.verify_checkpoint(path)  # sizes and hashes, before any load
+        except ckpt.CheckpointError as exc:
+            raise ckpt.CheckpointError(f"{exc}{ckpt.intact_instead(path, KEY)}") from exc
+        saved = ckpt.saved_workers(manifest, PART)
         self._check_config(path)
         try:
             self.worker.load_checkpoint(path / PART, saved)
