@@ -1100,19 +1100,24 @@ def test_dynamic_sampling_generates_gen_batch_size_prompts_a_round(tiny, monkeyp
     assert trainer.sampler.batch_size == 4 and trainer.total_steps == 8  # 32 prompts: 8 rounds an epoch
 
 
-def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, tmp_path):
-    """Responses score 0/1 alternately for the first 64 (two generation rounds of 8 prompts x 4), then all 0:
-    the third round keeps no group and the data (4 rounds) runs out inside the step, which ends the loop at
-    step 2 before the step it expected to be last; step 2 is then validated, as the last step always is (with a
-    test_freq above 0)."""
+def _fading_trainer(tiny, tmp_path, test_freq: int):
+    """Dynamic sampling on a reward that scores 0/1 alternately for the first 64 responses, then all 0."""
     reward = tmp_path / "fading.py"
     reward.write_text("import itertools\n_calls = itertools.count()\n"
                       "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    i = next(_calls)\n"
                       "    return float(i % 2) if i < 64 else 0.0\n")
-    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
-                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
-                       "trainer.total_epochs=1", "trainer.test_freq=5")
+    return _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
+                    "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
+                    "trainer.total_epochs=1", f"trainer.test_freq={test_freq}")
+
+
+def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, tmp_path):
+    """Responses score 0/1 alternately for the first 64 (two generation rounds of 8 prompts x 4), then all 0:
+    the third round keeps no group and the data (4 rounds) runs out inside the step, which ends the loop at
+    step 2 before the step it expected to be last; step 2 is then validated, as the last step always is (with a
+    test_freq above 0)."""
+    trainer = _fading_trainer(tiny, tmp_path, test_freq=5)
     logged = []
     trainer.logger = lambda metrics, step: logged.append((step, dict(metrics)))
     observe = trainer.guard.observe_validation
@@ -1137,14 +1142,7 @@ def test_when_the_data_runs_out_inside_a_step_the_last_step_is_validated(tiny, t
 def test_when_the_data_runs_out_with_test_freq_off_nothing_is_validated(tiny, tmp_path):
     """The same run with test_freq=-1 (no validation while training, as in verl): the data running out inside
     step 3 validates nothing, and step 3, which never trained, is not left as the step under way."""
-    reward = tmp_path / "fading.py"
-    reward.write_text("import itertools\n_calls = itertools.count()\n"
-                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    i = next(_calls)\n"
-                      "    return float(i % 2) if i < 64 else 0.0\n")
-    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
-                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
-                       "trainer.total_epochs=1", "trainer.test_freq=-1")
+    trainer = _fading_trainer(tiny, tmp_path, test_freq=-1)
     validated = []
     validate = trainer.validate
     trainer.validate = lambda: validated.append(trainer.global_step) or validate()
