@@ -54,7 +54,7 @@ from rlhf_core.training.checkpoint import (
     check_config,
     check_writable,
     find_resume_checkpoint,
-    latest_checkpoint,
+    latest_or_none,
     run_lock,
 )
 from rlhf_core.training.guards import TrainingInterrupted
@@ -353,13 +353,8 @@ class _StopNow(KeyboardInterrupt):
 
 def _latest_checkpoint(trainer) -> Path | None:
     """The checkpoint a rerun would resume from, None where there is none (or its marker is unreadable)."""
-    folder = getattr(trainer, "checkpoint_dir", None)
-    if folder is None:  # a stand-in trainer that saves nowhere
-        return None
-    try:
-        return latest_checkpoint(folder)
-    except CheckpointError:
-        return None
+    folder = getattr(trainer, "checkpoint_dir", None)  # (None: a stand-in trainer that saves nowhere)
+    return None if folder is None else latest_or_none(folder)
 
 
 @contextlib.contextmanager

@@ -273,6 +273,15 @@ def latest_checkpoint(root: str | os.PathLike, verify: bool = False) -> Path | N
     return path
 
 
+def latest_or_none(root: str | os.PathLike) -> Path | None:
+    """:func:`latest_checkpoint`, or None where its marker names none that is complete: the checkpoint a rerun
+    resumes from, for a failure's message (which must not fail in turn)."""
+    try:
+        return latest_checkpoint(root)
+    except CheckpointError:
+        return None
+
+
 def _marked_step(root: Path) -> int | None:
     """The step ``latest_checkpointed_iteration.txt`` names; None without one, or if it names none."""
     with contextlib.suppress(OSError, UnicodeDecodeError):
@@ -655,8 +664,7 @@ def prune_checkpoints(root: str | os.PathLike, max_actor: int | None, max_critic
     """
     root = Path(root)
     keep = set(protected)
-    marker = root / LATEST_FILE
-    latest = int(marker.read_text().strip()) if marker.is_file() and marker.read_text().strip().isdigit() else None
+    latest = _marked_step(root)
     if latest is not None:
         keep.add(latest)
     removed: list[Path] = []
@@ -728,13 +736,19 @@ def _resolved(flat: dict[str, Any]) -> dict[str, Any]:
     return {key: followed(flat.get, key) for key in flat}
 
 
+def saved_config(path: str | os.PathLike) -> dict:
+    """The config tree the checkpoint ``path`` was saved with (its ``config.yaml``); CheckpointError if unreadable."""
+    path = Path(path)
+    try:
+        return yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"checkpoint {path}: cannot read {CONFIG_FILE} ({exc})") from exc
+
+
 def check_config(path: str | os.PathLike, config) -> None:
     """Refuse to resume from ``path`` when its config differs from ``config`` in a key that matters."""
     path = Path(path)
-    try:
-        saved = yaml.safe_load((path / CONFIG_FILE).read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise CheckpointError(f"checkpoint {path}: cannot read {CONFIG_FILE} ({exc})") from exc
+    saved = saved_config(path)
     current = config.to_dict()
     differing = config_differences(saved, current)
     if differing:
@@ -837,7 +851,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
 def _follow_new_rates(trainer, path: Path) -> None:
     """Where this run's learning rate differs from the checkpoint's, the loaded schedule (its base rates saved
     with it, a guard's factor included) goes on at this run's: its rates scaled by new / old, with a notice."""
-    saved = flatten_config(yaml.safe_load((path / CONFIG_FILE).read_text()) or {})
+    saved = flatten_config(saved_config(path))
     current = flatten_config(trainer.config.to_dict())
     for name, worker in trainer.workers().items():
         key = LEARNING_RATES.get(name)
@@ -878,12 +892,13 @@ RUN_LOCK = ".run.lock"
 
 
 @contextlib.contextmanager
-def run_lock(root: str | os.PathLike):
+def run_lock(root: str | os.PathLike, key: str = "trainer.default_local_dir"):
     """Hold ``root`` for this run while inside: a second run writing checkpoints into the same folder would
     replace the first's and sweep its saves' temporary folders. The lock is an exclusive ``flock`` on
     ``root/.run.lock`` (which names the holder's pid for the message): the kernel releases it when its process
     ends, however it ends, so a killed run's lock is free. CheckpointError naming the holder if another
-    process holds it. (On a filesystem without flock, e.g. some network ones, the lock holds on one machine.)"""
+    process holds it; ``key`` is the setting that names the folder. (On a filesystem without flock, e.g. some
+    network ones, the lock holds on one machine.)"""
     import fcntl
 
     root = Path(os.path.expanduser(str(root)))
@@ -897,7 +912,7 @@ def run_lock(root: str | os.PathLike):
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
             raise CheckpointError(
                 f"{root} is in use by another run (pid {holder}, {lock}): two runs saving into one folder "
-                "replace each other's checkpoints; set another trainer.default_local_dir, or stop that run") from None
+                f"replace each other's checkpoints; set another {key}, or stop that run") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

@@ -46,7 +46,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import yaml
 
 from rlhf_core import heap
 from rlhf_core.atomic import staged_directory
@@ -532,7 +531,7 @@ class RewardModelTrainer:
     def fit(self, log=None) -> dict[str, float]:
         """Train to ``total_steps`` (resuming first), validating and saving as configured; returns the last
         validation metrics (``val/pair_accuracy``, ...) and writes the HF export."""
-        with ckpt.run_lock(self.local_dir):  # one run at a time saves into the folder (as PPO's)
+        with ckpt.run_lock(self.local_dir, f"{KEY}.default_local_dir"):  # one run at a time saves into the folder (as PPO's)
             return self._fit(log)
 
     def _fit(self, log=None) -> dict[str, float]:
@@ -599,7 +598,7 @@ class RewardModelTrainer:
         return ckpt.latest_checkpoint(self.local_dir)
 
     def _check_config(self, path: Path) -> None:
-        saved = yaml.safe_load((path / ckpt.CONFIG_FILE).read_text()) or {}
+        saved = ckpt.saved_config(path)
         # flattened under their full names, so that the chat-template keywords compare as one value
         old = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}.")
         new = ckpt.flatten_config(dataclasses.asdict(self.rm), f"{KEY}.")

@@ -612,11 +612,7 @@ class PPOTrainer:
 
     def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError:
         """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from."""
-        latest = None
-        try:
-            latest = checkpoint.latest_checkpoint(self.checkpoint_dir)
-        except checkpoint.CheckpointError:
-            pass
+        latest = checkpoint.latest_or_none(self.checkpoint_dir)
         resume = (f"the latest checkpoint {latest} is intact: rerun to resume from it" if latest is not None
                   else "no checkpoint was saved yet")
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
