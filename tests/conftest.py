@@ -1,5 +1,6 @@
 """Shared fixtures: where the real GSM8K files are, the repository root, and the tiny PPO run of the
-checkpoint, guard and resume tests (``workspace``, ``one_thread``); every test leaves the linear-layer kernel
+checkpoint, guard and resume tests (``workspace``, ``one_thread``), a module's own Ray cluster
+(``ray_cluster``); every test leaves the linear-layer kernel
 choice as it found it."""
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A fresh local Ray cluster of 2 CPUs for the module. A cluster an earlier module left running (a trainer's
+    worker group starts one sized to the machine and keeps it) is shut down first: ``ray.init`` refuses a
+    second one, and the module's workers should not land on that run's state."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
 
 
 @dataclass(frozen=True)

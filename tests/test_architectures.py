@@ -288,16 +288,13 @@ class _FamilyWorker(DistributedWorker):
 
 
 @pytest.fixture(scope="module")
-def worker_group():
-    ray = pytest.importorskip("ray")
+def worker_group(ray_cluster):
     from rlhf_core.workers.group import WorkerGroup
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     group = WorkerGroup(_FamilyWorker, WORLD, device="cpu")
     yield group
     group.shutdown()
-    ray.shutdown()
 
 
 #: how far a sharded update's weights may be from one worker's: float sums over shards, and each rank's

@@ -144,12 +144,9 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's worker class, by value
-    yield ray
-    ray.shutdown()
+def ray_cluster(ray_cluster):
+    ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the test's worker class, by value
+    return ray_cluster
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,6 @@ def make_reward_model(folder, base, seed=0):
     return folder
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def test_two_workers_score_like_one_process_and_train(ray_cluster, tmp_path):
     base = random_toy_model(tmp_path / "policy", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
     rm = make_reward_model(tmp_path / "rm", base, seed=3)
