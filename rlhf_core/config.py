@@ -231,6 +231,8 @@ class RolloutConfig:
 @dataclass
 class ActorRolloutRefConfig:
     hybrid_engine: bool = _k(True, "actor, rollout and reference share workers and weights")
+    nccl_timeout: int = _k(1800, "seconds a collective between workers (NCCL, or gloo on CPU) waits for a peer "
+                                 "before the call fails (verl: 600; longer here for slow CPU steps)")
     model: ModelConfig = _section(ModelConfig, "the policy model")
     actor: ActorConfig = _section(ActorConfig, "the policy update")
     ref: RefConfig = _section(RefConfig, "the frozen reference policy")
@@ -647,7 +649,6 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "actor_rollout_ref.actor.tis_imp_ratio_cap": (
         lambda v: isinstance(v, int | float) and v <= 0,
         "truncated importance sampling is algorithm.rollout_correction.rollout_is=token with rollout_is_threshold"),
-    "actor_rollout_ref.nccl_timeout": (_any, "collectives between workers time out after 1800 s"),
     **{f"{section}.enable_activation_offload": (_off, "activations stay on the device; "
                                                       "model.enable_gradient_checkpointing saves their memory")
        for section in ("actor_rollout_ref.model", "critic.model")},
@@ -1299,6 +1300,7 @@ def validate_config(cfg: PPOConfig) -> None:
                            check_train_batch=critic.ppo_mini_batch_size is not None)
     if data.val_batch_size is not None:
         _positive(errors, "data.val_batch_size", data.val_batch_size)
+    _positive(errors, "actor_rollout_ref.nccl_timeout", arr.nccl_timeout)
 
     for key, value in [
         ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),

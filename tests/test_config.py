@@ -349,7 +349,7 @@ actor_rollout_ref.rollout.multi_turn.enable=false actor_rollout_ref.rollout.mult
 actor_rollout_ref.rollout.agent.num_workers=8 actor_rollout_ref.rollout.update_weights_bucket_megabytes=512
 actor_rollout_ref.rollout.trace.backend=null actor_rollout_ref.rollout.trace.token2text=false
 actor_rollout_ref.rollout.skip_rollout=false actor_rollout_ref.rollout.skip_dump_dir=/tmp/rollout_dump
-actor_rollout_ref.nccl_timeout=600 actor_rollout_ref.model.custom_chat_template=null
+actor_rollout_ref.model.custom_chat_template=null
 actor_rollout_ref.model.enable_activation_offload=false actor_rollout_ref.model.exclude_modules=null
 data.use_shm=false data.return_raw_input_ids=false data.return_full_prompt=false data.dataloader_num_workers=8
 data.validation_shuffle=false data.filter_overlong_prompts_workers=1 data.image_key=images data.video_key=videos
@@ -379,6 +379,13 @@ def test_verl_generated_config_keys_are_all_taken():
     assert "notice: critic.enable=True is taken: algorithm.adv_estimator=gae trains critic" in notices
     assert any(n.startswith("notice: actor_rollout_ref.rollout.max_num_seqs=1024 has no effect: not passed to vLLM")
                for n in notices)
+
+
+def test_verls_collective_timeout_is_a_setting_here():
+    assert load_config(["actor_rollout_ref.nccl_timeout=600"]).actor_rollout_ref.nccl_timeout == 600
+    assert load_config([]).actor_rollout_ref.nccl_timeout == 1800  # CPU steps are slow: longer than verl's 600
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.nccl_timeout=0 must be > 0"):
+        load_config(["actor_rollout_ref.nccl_timeout=0"])
 
 
 def test_a_config_file_in_the_shape_of_verls_generated_one_loads(tmp_path):

@@ -129,6 +129,11 @@ class _TestWorker(DistributedWorker):
     def rows(self, share: Batch) -> list[int]:
         return [self.rank, *share["row"].tolist()]
 
+    def sleep_on(self, rank: int, seconds: float) -> int:
+        if self.rank == rank:
+            time.sleep(seconds)
+        return self.rank
+
     def die_during_all_reduce(self, dying_rank: int) -> float:
         if self.rank == dying_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -249,6 +254,23 @@ def test_batch_layouts_for_the_ranks(test_group):
     assert test_group.dispatch("rows", chunks) == [[0, 0, 1, 2], [1, 3, 4, 4]]  # rank order kept
 
 
+def test_a_rank_still_running_long_after_the_others_is_named_with_its_pid(test_group, monkeypatch, capsys):
+    """(Before the dying-worker test, which shuts the group down.) Rank 1 sleeps 2.5 s while rank 0 returns:
+    with the notice due after 1 s, two notices (at 1 and 2 s) name rank 1 and its pid, rank 0 as finished and
+    the timeout that would end a hang; the next call of the method waits 3x the longest call before one."""
+    from rlhf_core.workers import group as group_module
+
+    monkeypatch.setattr(group_module, "STALL_NOTICE_S", 1.0)
+    assert test_group.execute_all("sleep_on", 1, 2.5) == [0, 1]
+    notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: sleep_on has run")]
+    assert [line.split(" s on ")[0] for line in notices] == ["notice: sleep_on has run 1", "notice: sleep_on has run 2"]
+    assert f"on rank 1 (pid {test_group.pids[1]}); rank 0 finished it after 0 s" in notices[0]
+    assert "actor_rollout_ref.nccl_timeout (1800 s)" in notices[0]
+    assert f"py-spy dump --pid {test_group.pids[1]}" in notices[0]
+    assert test_group.execute_all("sleep_on", 0, 2.0) == [0, 1]  # under 3 x 2.5 s: no notice
+    assert "sleep_on has run" not in capsys.readouterr().err
+
+
 def test_a_worker_dying_in_a_collective_fails_the_call_at_once(test_group):
     from rlhf_core.workers.group import WorkerError
 
@@ -287,9 +309,11 @@ def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_
 
     build_dataset(tmp_path / "data", n_train=8, n_test=3, seed=0, max_ops=1)
     out = tmp_path / "out"
-    trainer = build_trainer(load_config(_trainer_overrides(tmp_path, model_dir, out)))
+    trainer = build_trainer(load_config([*_trainer_overrides(tmp_path, model_dir, out),
+                                         "actor_rollout_ref.nccl_timeout=900"]))
     try:
         assert trainer.worker_group is not None and trainer.worker_group.world_size == 2
+        assert trainer.worker_group.collective_timeout_s == 900  # verl's key sets the workers' collective timeout
         history = trainer.fit()
         assert [h.step for h in history] == [1, 2]
         last = history[-1].metrics

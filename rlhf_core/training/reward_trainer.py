@@ -487,7 +487,8 @@ class RewardModelTrainer:
         pad_id = self.tokenizer.pad_token_id
         if cfg.world_size > 1:
             self.group = WorkerGroup(RewardModelRayWorker, cfg.world_size, device=cfg.trainer.device,
-                                     ray_address=cfg.trainer.ray_address)
+                                     ray_address=cfg.trainer.ray_address,
+                                     collective_timeout_s=cfg.actor_rollout_ref.nccl_timeout)
             try:
                 self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul,
                                        cfg.trainer.keep_freed_memory)

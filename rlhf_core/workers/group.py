@@ -38,6 +38,11 @@ from rlhf_core.workers.common import peak_memory_gb
 
 #: How long to wait, after a first failure, for the others (to report a death rather than its echo).
 FAILURE_GRACE_S = 2.0
+#: A call still running after this many seconds (or after STALL_FACTOR times the longest earlier call of the same
+#: method, if that is longer) gets a notice naming the ranks still in it, and again each time its age doubles: a
+#: rank that hangs otherwise shows nothing until the collective timeout fails the call.
+STALL_NOTICE_S = 300.0
+STALL_FACTOR = 3.0
 
 
 class WorkerError(RuntimeError):
@@ -99,6 +104,8 @@ class WorkerGroup:
         ensure_ray(ray_address, world_size, device)
         self.world_size = world_size
         self.failed: str | None = None
+        self.collective_timeout_s = collective_timeout_s
+        self._longest: dict[str, float] = {}  # method -> its longest call so far, seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
@@ -151,15 +158,41 @@ class WorkerGroup:
         rank_of = {ref: rank for ref, rank in zip(refs, ranks)}
         results: dict = {}
         pending = list(refs)
+        started = time.monotonic()
+        finished: dict[int, float] = {}  # rank -> seconds it took
+        notice_at = max(STALL_NOTICE_S, STALL_FACTOR * self._longest.get(method, 0.0))
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1)
+            ready, pending = ray.wait(pending, num_returns=1,
+                                      timeout=max(0.0, notice_at - (time.monotonic() - started)))
+            if not ready:
+                self._stall_notice(method, time.monotonic() - started, [rank_of[ref] for ref in pending], finished)
+                notice_at *= 2
+                continue
             for ref in ready:
                 try:
                     results[ref] = ray.get(ref)
                 except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
                     failures = [(rank_of[ref], exc)] + self._more_failures(pending, rank_of)
                     self._raise(method, failures)
+                finished[rank_of[ref]] = time.monotonic() - started
+        self._longest[method] = max(self._longest.get(method, 0.0), time.monotonic() - started)
         return [results[ref] for ref in refs]
+
+    def _stall_notice(self, method: str, elapsed: float, running: list[int], finished: dict[int, float]) -> None:
+        """Say which ranks are still in ``method``, and what happens if one of them hangs."""
+        pids = getattr(self, "pids", None)
+        who = ", ".join(f"{rank} (pid {pids[rank]})" if pids else str(rank) for rank in sorted(running))
+        line = f"notice: {method} has run {elapsed:.0f} s on rank{'s' if len(running) > 1 else ''} {who}"
+        if finished:
+            done = sorted(finished)
+            line += (f"; rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished it after "
+                     f"{max(finished.values()):.0f} s")
+        if method in self._longest:
+            line += f"; its longest earlier call took {self._longest[method]:.0f} s"
+        pid = f" {pids[min(running)]}" if pids else " PID"
+        print(f"{line}. A rank that hangs holds the others at their next collective until "
+              f"actor_rollout_ref.nccl_timeout ({self.collective_timeout_s:.0f} s) fails the call; "
+              f"`py-spy dump --pid{pid}` shows where a rank is.", file=sys.stderr, flush=True)
 
     @staticmethod
     def _more_failures(pending: list, rank_of: dict) -> list:
@@ -451,7 +484,8 @@ def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_
     """Start ``trainer.n_gpus_per_node * trainer.nnodes`` hybrid workers and load the models on them."""
     trainer = config.trainer
     started = time.perf_counter()
-    group = WorkerGroup(worker_cls, config.world_size, device=trainer.device, ray_address=trainer.ray_address)
+    group = WorkerGroup(worker_cls, config.world_size, device=trainer.device, ray_address=trainer.ray_address,
+                        collective_timeout_s=config.actor_rollout_ref.nccl_timeout)
     try:
         group.execute_all("setup", config, total_steps, use_ref, use_critic)
     except BaseException:
