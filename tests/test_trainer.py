@@ -192,6 +192,32 @@ def test_other_numbers_a_reward_function_returns_are_logged_in_training_and_vali
     assert not [key for key in metrics if "maj@" in key]  # n = 1, and no answers reported to vote on
 
 
+def test_validation_shows_the_prompts_done_batch_by_batch_where_the_console_logs(workspace, monkeypatch, capsys):
+    from rlhf_core.training import trainer as trainer_module
+
+    root, model, reward = workspace
+    bars = []
+
+    class Recording(trainer_module.tqdm):
+        def __init__(self, *args, **kwargs):
+            bars.append((kwargs, []))
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            bars[-1][1].append(n)
+            return super().update(n)
+
+    monkeypatch.setattr(trainer_module, "tqdm", Recording)
+    for logger, hidden in (("[console]", False), ("[file]", True)):
+        trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+                                                       "data.val_batch_size=3", f"trainer.logger={logger}")))
+        trainer.validate()
+        [(kwargs, updates)] = bars
+        bars.clear()
+        assert (kwargs["desc"], kwargs["total"], kwargs["disable"], updates) == ("validation", 8, hidden, [3, 3, 2])
+        assert ("validation:" in capsys.readouterr().err) is not hidden
+
+
 def test_the_lr_schedule_warms_up_from_zero_then_decays_along_a_cosine():
     from rlhf_core.config import OptimConfig
     from rlhf_core.workers.common import build_scheduler

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from rlhf_core import algos, heap
 from rlhf_core.batch import Batch
@@ -461,27 +462,31 @@ class PPOTrainer:
         answers: list[str | None] | None = []  # what each response answers, if the reward function says
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         texts: list[tuple[str, str]] = []  # (prompt, response) for trainer.log_val_generations
-        for start in range(0, len(self.val_dataset), size):
-            rows = list(range(start, min(start + size, len(self.val_dataset))))
-            batch = self.actor.generate(self.val_dataset.collate(rows), params)
-            extras = self._score(batch)
-            self._shape_overlong(batch, extras)  # DAPO's length penalty is part of the reward, in validation too
-            if self.config.trainer.log_val_generations > 0:
-                texts += zip(self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True),
-                             extras["responses"])
-            sources += batch.meta["data_source"]
-            prompts += batch.meta["uid"]
-            acc += [float(a) for a in extras["acc"]]
-            score += torch.as_tensor(extras["score"]).float().add(extras.get("overlong_reward", 0.0)).tolist()
-            if answers is not None and "pred" in extras:
-                answers += extras["pred"]
-            elif answers is not None and bool(torch.as_tensor(extras["acc"]).isnan().all()):
-                answers += [None] * len(extras["acc"])  # not graded (no ground truth): nothing to vote on
-            else:
-                answers = None
-            for key in reported_extras(extras):
-                for source, value in zip(batch.meta["data_source"], extras[key]):
-                    apart.setdefault((key, source), []).append(float(value))
+        # prompts done, batch by batch (data.val_batch_size sets the grain), beside the console's training bar
+        with tqdm(total=len(self.val_dataset), desc="validation", unit="prompt", file=sys.stderr, leave=False,
+                  dynamic_ncols=True, disable="console" not in self.config.trainer.logger) as bar:
+            for start in range(0, len(self.val_dataset), size):
+                rows = list(range(start, min(start + size, len(self.val_dataset))))
+                batch = self.actor.generate(self.val_dataset.collate(rows), params)
+                extras = self._score(batch)
+                self._shape_overlong(batch, extras)  # DAPO's length penalty is part of the reward, in validation too
+                if self.config.trainer.log_val_generations > 0:
+                    texts += zip(self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True),
+                                 extras["responses"])
+                sources += batch.meta["data_source"]
+                prompts += batch.meta["uid"]
+                acc += [float(a) for a in extras["acc"]]
+                score += torch.as_tensor(extras["score"]).float().add(extras.get("overlong_reward", 0.0)).tolist()
+                if answers is not None and "pred" in extras:
+                    answers += extras["pred"]
+                elif answers is not None and bool(torch.as_tensor(extras["acc"]).isnan().all()):
+                    answers += [None] * len(extras["acc"])  # not graded (no ground truth): nothing to vote on
+                else:
+                    answers = None
+                for key in reported_extras(extras):
+                    for source, value in zip(batch.meta["data_source"], extras[key]):
+                        apart.setdefault((key, source), []).append(float(value))
+                bar.update(len(rows))
         metrics = validation_metrics(sources, prompts, acc, score, answers)
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
