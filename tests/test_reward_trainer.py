@@ -288,6 +288,15 @@ def test_resume_is_exact(tiny, pairs_dir, tmp_path):
     with ckpt.run_lock(tmp_path / "b"), pytest.raises(ckpt.CheckpointError, match="is in use by another run"):
         RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
                                                   "reward_model.train.total_epochs=2"))).fit()
+    # checkpoints without the marker naming the latest: auto refuses to start a new run over them
+    (tmp_path / "b" / ckpt.LATEST_FILE).unlink()
+    with pytest.raises(ckpt.CheckpointError) as info:
+        RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                  "reward_model.train.total_epochs=2"))).resume()
+    assert f"{tmp_path / 'b'} holds checkpoints (" in str(info.value)
+    assert (f"reward_model.train.resume_mode=resume_path reward_model.train.resume_from_path="
+            f"{tmp_path / 'b' / 'global_step_4'}") in str(info.value)
+    assert "reward_model.train.resume_mode=disable" in str(info.value)
 
 
 def test_learns_the_demo_preference(tiny, pairs_dir, tmp_path):

@@ -351,7 +351,7 @@ def find_resume_checkpoint(config) -> Path | None:
         except CheckpointError as exc:
             raise CheckpointError(f"{exc}{_resume_instead(root, _marked_step(root))}") from exc
         if latest is None and list_checkpoints(root):
-            raise CheckpointError(_unmarked(root))
+            raise CheckpointError(unmarked_refusal(root))
         return latest
     raise CheckpointError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of auto, disable, resume_path")
 
@@ -363,20 +363,21 @@ def saved_workers(manifest: dict, part: str) -> int:
     return common.saved_workers(rel[len(prefix):] for rel in manifest["files"] if rel.startswith(prefix))
 
 
-def _unmarked(root: Path) -> str:
-    """The refusal of ``resume_mode=auto`` in ``root``, which holds checkpoints but no marker naming the latest."""
+def unmarked_refusal(root: Path, section: str = "trainer") -> str:
+    """The refusal of ``resume_mode=auto`` in ``root``, which holds checkpoints but no marker naming the latest;
+    ``section`` holds the run's resume keys (``reward_model.train`` for a reward model's)."""
     found = list_checkpoints(root)
     steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
     intact = newest_intact(root)
     verdict = (f"the newest intact one is {intact}" if intact is not None
                else "none of them is intact (missing files or other hashes than their manifest's)")
-    resume = (f"to continue that run, resume from it with trainer.resume_mode=resume_path "
-              f"trainer.resume_from_path={intact}; " if intact is not None else "")
+    resume = (f"to continue that run, resume from it with {section}.resume_mode=resume_path "
+              f"{section}.resume_from_path={intact}; " if intact is not None else "")
     return (f"{root} holds checkpoints ({steps}) but no {LATEST_FILE}, which names the one to resume from "
-            f"(deleted, lost in a copy, or the run killed as its first save ended?); {verdict}. trainer.resume_mode=auto does not guess: "
-            f"{resume}to start a new run, set another trainer.default_local_dir, or trainer.resume_mode=disable "
-            "to start afresh in this one (its saves then replace those checkpoints step by step, and later "
-            "steps of the old run stay until reached)")
+            f"(deleted, lost in a copy, or the run killed as its first save ended?); {verdict}. "
+            f"{section}.resume_mode=auto does not guess: {resume}to start a new run, set another "
+            f"{section}.default_local_dir, or {section}.resume_mode=disable to start afresh in this one (its saves "
+            "then replace those checkpoints step by step, and later steps of the old run stay until reached)")
 
 
 def holds_parts(path: str | os.PathLike, parts: Iterable[str]) -> bool:

@@ -596,7 +596,10 @@ class RewardModelTrainer:
             return None
         if rm.resume_mode == "resume_path":
             return resolve(rm.resume_from_path)
-        return ckpt.latest_checkpoint(self.local_dir)
+        latest = ckpt.latest_checkpoint(self.local_dir)
+        if latest is None and ckpt.list_checkpoints(self.local_dir):  # a new run would overwrite them: say so
+            raise ckpt.CheckpointError(ckpt.unmarked_refusal(self.local_dir, KEY))
+        return latest
 
     def _check_config(self, path: Path) -> None:
         saved = ckpt.saved_config(path)
