@@ -56,6 +56,7 @@ from rlhf_core.training.checkpoint import (
     find_resume_checkpoint,
     latest_or_none,
     run_lock,
+    start_afresh,
 )
 from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.monitoring import PrometheusExporter
@@ -474,6 +475,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         check_config(resume_from, cfg)
     with contextlib.ExitStack() as stack:
         stack.enter_context(run_lock(local_dir))  # before any model loads: one run per checkpoint folder
+        if trainer_cfg.resume_mode == "disable" and not trainer_cfg.val_only:
+            start_afresh(local_dir)  # an earlier run's checkpoints there: a rerun must not resume that run
         trainer = stack.enter_context(trainer_session(cfg))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)

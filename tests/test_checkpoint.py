@@ -398,6 +398,29 @@ def test_a_refused_latest_checkpoint_names_the_newest_intact_one_before_it(works
         checkpoint.find_resume_checkpoint(auto)
 
 
+def test_a_run_started_afresh_over_checkpoints_takes_their_marker_so_a_rerun_never_resumes_them(
+        workspace, scratch, monkeypatch, capsys):
+    """resume_mode=disable in a folder of an earlier run: killed before its first save, its rerun (auto) resumed
+    the earlier run. Now the marker goes as the run starts (the checkpoints stay), and that rerun is refused."""
+    from rlhf_core import main_ppo
+
+    _, root = scratch
+    monkeypatch.setattr(main_ppo, "trainer_session", lambda *args, **kwargs: pytest.fail("killed before loading"))
+    with pytest.raises(pytest.fail.Exception, match="killed before loading"):
+        main_ppo.run(load_config(tiny_overrides(workspace, root, "trainer.resume_mode=disable")))
+    assert not (root / checkpoint.LATEST_FILE).exists()
+    assert [path.name for _, path in checkpoint.list_checkpoints(root)] == ["global_step_1", "global_step_2"]
+    assert (f"notice: trainer.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
+            "checkpoints (global_step_1, global_step_2)") in capsys.readouterr().err
+    with pytest.raises(CheckpointError, match="holds checkpoints .* but no latest_checkpointed_iteration.txt"):
+        checkpoint.find_resume_checkpoint(load_config(tiny_overrides(workspace, root)))
+    # validating only (val_only) writes nothing, the marker included
+    checkpoint.write_text_atomic(root / checkpoint.LATEST_FILE, "2")
+    with pytest.raises(pytest.fail.Exception):
+        main_ppo.run(load_config(tiny_overrides(workspace, root, "trainer.resume_mode=disable", "trainer.val_only=true")))
+    assert checkpoint.latest_checkpoint(root) == root / "global_step_2"
+
+
 def test_auto_refuses_checkpoints_without_the_latest_marker_before_loading_a_model(workspace, scratch, monkeypatch):
     """Without the marker, starting afresh would write a new run's global_step_1.. over the old run's."""
     from rlhf_core import main_ppo

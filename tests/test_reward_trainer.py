@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 
 import pandas as pd
 import pytest
@@ -238,6 +239,64 @@ def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
     assert val[-1]["val/loss"] == pytest.approx(loss, abs=1e-5)
     assert val[-1]["val/pair_accuracy"] == pytest.approx(sum(d > 0 for d in deltas) / len(deltas))
     assert val[-1]["val/margin_mean"] == pytest.approx(sum(deltas) / len(deltas), abs=1e-5)
+
+
+def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C during step 3 of 6: the step is finished and saved, the command exits 130 naming the checkpoint,
+    and the same command again resumes there and trains steps 4 to 6 (the weights those of a run never
+    stopped). A second signal stops at once without saving, naming the checkpoint left."""
+    out, args = tmp_path / "rm", _overrides(tiny, pairs_dir, tmp_path / "rm", "reward_model.train.total_epochs=2")
+    straight = _trained_weights(load_config(_overrides(tiny, pairs_dir, tmp_path / "straight",
+                                                       "reward_model.train.total_epochs=2")))
+    train_step = RewardModelTrainer.train_step
+
+    def interrupted_at_3(self):
+        if self.global_step == 2:
+            signal.raise_signal(signal.SIGINT)  # as Ctrl-C during the step's training
+        return train_step(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", interrupted_at_3)
+    assert train_rm(args) == 130
+    err = capsys.readouterr().err
+    assert "received SIGINT: finishing step 3" in err
+    assert f"interrupted by SIGINT after step 3: checkpoint saved at {out / 'global_step_3'}; rerun the same " \
+        "command to resume" in err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_3" and not (out / "huggingface").exists()
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    assert train_rm(args) == 0
+    assert f"resumed the reward model from {out / 'global_step_3'} (step 3" in capsys.readouterr().err
+    exported = AutoModelForSequenceClassification.from_pretrained(out / "huggingface").state_dict()
+    assert exported.keys() == straight.keys()
+    assert all(torch.equal(exported[k], v) for k, v in straight.items())
+
+    def stopped_twice(self):  # the second signal, in step 7's training (the run extended to 9 steps)
+        if self.global_step == 6:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        return train_step(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", stopped_twice)
+    assert train_rm([*args, "reward_model.train.total_epochs=3"]) == 143
+    assert (f"second SIGTERM: stopped now without saving; the latest checkpoint {out / 'global_step_6'} is as it "
+            "was") in capsys.readouterr().err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_6"
+
+    # a new run in the folder (resume_mode=disable), stopped before its first save: a rerun must not resume the
+    # earlier run's step 6 as if it were this one's, so the marker went as it started
+    def stopped_in_step_1(self):
+        if self.global_step == 0:
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+        return train_step(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", stopped_in_step_1)
+    assert train_rm([*args, "reward_model.train.resume_mode=disable"]) == 130
+    assert "notice: reward_model.train.resume_mode=disable starts a new run in" in capsys.readouterr().err
+    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    assert train_rm(args) == 2
+    assert "holds checkpoints (global_step_3, global_step_6) but no latest_checkpointed_iteration.txt" \
+        in capsys.readouterr().err
 
 
 def _trained_weights(cfg) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ import time
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
-from rlhf_core.main_ppo import PreflightError, run
+from rlhf_core.main_ppo import PreflightError, run, stop_on_signals
 from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
 from rlhf_core.rewards.manager import RewardError
@@ -92,10 +92,14 @@ def train_rm(argv: list[str] | None = None) -> int:
         trainer = RewardModelTrainer(cfg, frames)
         try:
             with Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
-                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1)) as tracking:
+                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1)) as tracking, \
+                    stop_on_signals(trainer, trainer_cfg.save_on_interrupt):
                 val = trainer.fit(tracking.log)
         finally:
             trainer.shutdown()
+    except TrainingInterrupted as exc:
+        print(exc, file=sys.stderr)
+        return 128 + exc.signal_number
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

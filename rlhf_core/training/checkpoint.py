@@ -76,7 +76,14 @@ import torch
 import yaml
 
 from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
-from rlhf_core.atomic import fsync_tree, process_alive, staged_directory, staging_owner, write_text_atomic
+from rlhf_core.atomic import (
+    fsync_dir,
+    fsync_tree,
+    process_alive,
+    staged_directory,
+    staging_owner,
+    write_text_atomic,
+)
 from rlhf_core.config import OPEN_KEYS, followed
 from rlhf_core.workers import common
 
@@ -378,6 +385,27 @@ def unmarked_refusal(root: Path, section: str = "trainer") -> str:
             f"{section}.resume_mode=auto does not guess: {resume}to start a new run, set another "
             f"{section}.default_local_dir, or {section}.resume_mode=disable to start afresh in this one (its saves "
             "then replace those checkpoints step by step, and later steps of the old run stay until reached)")
+
+
+def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
+    """A run started with ``resume_mode=disable`` in ``root``, which may hold an earlier run's checkpoints: their
+    latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and
+    before that refuses (:func:`unmarked_refusal`, naming the earlier run's newest intact checkpoint) rather
+    than resume the run this one set out to replace. The checkpoints themselves stay; this run's saves replace
+    them step by step. Call it holding :func:`run_lock`."""
+    root = Path(root)
+    marker = root / LATEST_FILE
+    found = list_checkpoints(root)
+    if not found:
+        return
+    steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
+    if marker.exists():
+        marker.unlink()
+        fsync_dir(root)
+    print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
+          f"checkpoints ({steps}): their {LATEST_FILE} is removed, so that a rerun resumes this run once it has "
+          "saved and never that one; this run's saves replace them step by step (another "
+          f"{section}.default_local_dir keeps them apart)", file=sys.stderr, flush=True)
 
 
 def holds_parts(path: str | os.PathLike, parts: Iterable[str]) -> bool:

@@ -64,6 +64,7 @@ from rlhf_core.models.loading import (
 )
 from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
 from rlhf_core.training import checkpoint as ckpt
+from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     CheckpointableWorker,
@@ -476,6 +477,11 @@ class RewardModelTrainer:
         heap.configure(cfg.trainer.keep_freed_memory)
         preferences = preflight(cfg) if preferences is None else preferences
         self.local_dir = resolve(self.rm.default_local_dir)
+        self.checkpoint_dir = self.local_dir  # (the name the signal handling looks for, as on PPO's trainer)
+        #: (signal name, number) once Ctrl-C or SIGTERM asked the run to stop (main_ppo.stop_on_signals): it
+        #: saves and stops before the next step; the step whose training is under way, if any
+        self.stop_requested: tuple[str, int] | None = None
+        self.step_under_way: int | None = None
         self.tokenizer = preferences.tokenizer
         self.train_pairs, self.val_pairs = preferences.train, preferences.val
         self.steps_per_epoch = len(self.train_pairs) // self.rm.train_batch_size  # the last partial batch waits
@@ -538,6 +544,8 @@ class RewardModelTrainer:
     def _fit(self, log=None) -> dict[str, float]:
         from tqdm.auto import tqdm
 
+        if self.rm.resume_mode == "disable":
+            ckpt.start_afresh(self.local_dir, KEY)  # an earlier run's checkpoints there: never resumed by a rerun
         self.resume()
         log = log or (lambda metrics, step: None)
         rm, last_val = self.rm, {}
@@ -545,6 +553,8 @@ class RewardModelTrainer:
                    dynamic_ncols=True, file=sys.stderr)
         try:
             while self.global_step < self.total_steps:
+                self._stop_if_requested()
+                self.step_under_way = self.global_step + 1
                 metrics = self.train_step()
                 step = self.global_step
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
@@ -555,6 +565,8 @@ class RewardModelTrainer:
                 log(metrics, step)
                 if rm.save_freq > 0 and step % rm.save_freq == 0 and step < self.total_steps:
                     self.save()
+                self.step_under_way = None
+            self._stop_if_requested()  # a signal during the last step: saved, not validated or exported
         finally:
             bar.close()
         last_val = self.validate()
@@ -564,6 +576,18 @@ class RewardModelTrainer:
             self.save()
         self.export(self.local_dir / HF_DIR)
         return last_val
+
+    def _stop_if_requested(self) -> None:
+        """Where a signal asked the run to stop: save this step (unless it is saved, or none has run) and raise
+        :class:`TrainingInterrupted` naming the checkpoint a rerun resumes from."""
+        if self.stop_requested is None:
+            return
+        name, number = self.stop_requested
+        saved = None
+        if self.global_step > 0:
+            saved = ckpt.step_dir(self.local_dir, self.global_step) if self.latest_step() == self.global_step \
+                else self.save()
+        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None)
 
     # ------------------------------------------------------------------ checkpoints
     def latest_step(self) -> int | None:
