@@ -250,12 +250,17 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
                                                        "reward_model.train.total_epochs=2")))
     train_step = RewardModelTrainer.train_step
 
-    def interrupted_at_3(self):
-        if self.global_step == 2:
-            signal.raise_signal(signal.SIGINT)  # as Ctrl-C during the step's training
-        return train_step(self)
+    def signalled(in_step: int, *signals: signal.Signals) -> None:
+        """Train with ``signals`` raised as step ``in_step``'s training starts (Ctrl-C, kill); plain with none."""
+        def step(self):
+            if self.global_step == in_step - 1:
+                for sig in signals:
+                    signal.raise_signal(sig)
+            return train_step(self)
 
-    monkeypatch.setattr(RewardModelTrainer, "train_step", interrupted_at_3)
+        monkeypatch.setattr(RewardModelTrainer, "train_step", step if signals else train_step)
+
+    signalled(3, signal.SIGINT)
     assert train_rm(args) == 130
     err = capsys.readouterr().err
     assert "received SIGINT: finishing step 3" in err
@@ -263,20 +268,14 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
         "command to resume" in err
     assert ckpt.latest_checkpoint(out) == out / "global_step_3" and not (out / "huggingface").exists()
 
-    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    signalled(0)
     assert train_rm(args) == 0
     assert f"resumed the reward model from {out / 'global_step_3'} (step 3" in capsys.readouterr().err
     exported = AutoModelForSequenceClassification.from_pretrained(out / "huggingface").state_dict()
     assert exported.keys() == straight.keys()
     assert all(torch.equal(exported[k], v) for k, v in straight.items())
 
-    def stopped_twice(self):  # the second signal, in step 7's training (the run extended to 9 steps)
-        if self.global_step == 6:
-            signal.raise_signal(signal.SIGTERM)
-            signal.raise_signal(signal.SIGTERM)
-        return train_step(self)
-
-    monkeypatch.setattr(RewardModelTrainer, "train_step", stopped_twice)
+    signalled(7, signal.SIGTERM, signal.SIGTERM)  # the run extended to 9 steps
     assert train_rm([*args, "reward_model.train.total_epochs=3"]) == 143
     assert (f"second SIGTERM: stopped now without saving; the latest checkpoint {out / 'global_step_6'} is as it "
             "was") in capsys.readouterr().err
@@ -284,16 +283,10 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
 
     # a new run in the folder (resume_mode=disable), stopped before its first save: a rerun must not resume the
     # earlier run's step 6 as if it were this one's, so the marker went as it started
-    def stopped_in_step_1(self):
-        if self.global_step == 0:
-            signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)
-        return train_step(self)
-
-    monkeypatch.setattr(RewardModelTrainer, "train_step", stopped_in_step_1)
+    signalled(1, signal.SIGINT, signal.SIGINT)
     assert train_rm([*args, "reward_model.train.resume_mode=disable"]) == 130
     assert "notice: reward_model.train.resume_mode=disable starts a new run in" in capsys.readouterr().err
-    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    signalled(0)
     assert train_rm(args) == 2
     assert "holds checkpoints (global_step_3, global_step_6) but no latest_checkpointed_iteration.txt" \
         in capsys.readouterr().err
