@@ -302,8 +302,10 @@ class RewardTrainConfig:
     model: RewardTrainModelConfig = _section(RewardTrainModelConfig, "the backbone and its adapters")
     train_batch_size: int = _k(64, "pairs per optimizer step (over all workers)")
     micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
-    max_length: int = _k(1024, "tokens per prompt + response; longer ones lose tokens from the left (the prompt's, "
-                               "then the response's); a pair left with the same ids on both sides is dropped")
+    max_length: int | None = _k(None, "tokens per prompt + response, at most the model's positions; null = the "
+                                      "model's max_position_embeddings (1024 where it names none), as the run then "
+                                      "records; longer ones lose tokens from the left (the prompt's, then the "
+                                      "response's); a pair left with the same ids on both sides is dropped")
     apply_chat_template_kwargs: dict[str, Any] = _k("${data.apply_chat_template_kwargs}",
                                                     "keyword arguments to the chat template when encoding the pairs, "
                                                     "recorded in the export's config.json (chat_template_kwargs)")

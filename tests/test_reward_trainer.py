@@ -8,6 +8,7 @@ import signal
 
 import pandas as pd
 import pytest
+import yaml
 import torch
 from transformers import AutoModelForSequenceClassification
 
@@ -415,6 +416,20 @@ def test_model_path_that_is_not_a_model_or_has_no_tokenizer(tiny, pairs_dir, tmp
     assert train_rm(_overrides(no_tok, pairs_dir, out)) == 2
     assert "holds no tokenizer files" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_max_length_is_the_models_positions_unless_set_and_never_past_them(tiny, pairs_dir, tmp_path, capsys):
+    """The tiny model has 512 positions: a longer max_length is refused before anything is written (PPO's
+    scoring would cut what it trained on); left null it is 512, recorded in the checkpoints' config."""
+    out = tmp_path / "rm"
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.max_length=1024")) == 2
+    assert "reward_model.train.max_length=1024 exceeds the max_position_embeddings of" in capsys.readouterr().err
+    assert not out.exists()
+    cfg = load_config(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=1"))
+    assert cfg.reward_model.train.max_length is None
+    RewardModelTrainer(cfg).fit()
+    saved = yaml.safe_load((out / "global_step_1" / ckpt.CONFIG_FILE).read_text())
+    assert saved["reward_model"]["train"]["max_length"] == 512
 
 
 def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):

@@ -59,6 +59,7 @@ from rlhf_core.models.loading import (
     check_model_dir,
     check_tokenizer_dir,
     load_tokenizer,
+    max_positions,
     resolve,
     save_hf_model,
 )
@@ -378,8 +379,13 @@ class Preferences:
     val: list[tuple[list[int], list[int]]]
 
 
+#: ``reward_model.train.max_length`` where it is null and the model's config names no max_position_embeddings
+DEFAULT_MAX_LENGTH = 1024
+
+
 def preflight(cfg: PPOConfig) -> Preferences:
     """Check config, model, output and data, and encode the pairs, without loading weights or writing anything.
+    A null ``reward_model.train.max_length`` becomes the model's positions here, in ``cfg``.
 
     Raises PreferenceDataError for unusable preference files, RewardTrainingError for the rest.
     """
@@ -389,6 +395,13 @@ def preflight(cfg: PPOConfig) -> Preferences:
         check_model_dir(model_path, f"{KEY}.model.path")
         check_tokenizer_dir(rm.model.tokenizer_path or model_path,
                             f"{KEY}.model.tokenizer_path" if rm.model.tokenizer_path else f"{KEY}.model.path")
+        limit = max_positions(model_path, rm.model.trust_remote_code)
+        if rm.max_length is None:  # the model's positions, written into the config its checkpoints record
+            rm.max_length = limit or DEFAULT_MAX_LENGTH
+        elif limit is not None and rm.max_length > limit:  # past them: sequences its scoring in PPO would cut
+            errors.append(f"{KEY}.max_length={rm.max_length} exceeds the max_position_embeddings of {model_path} "
+                          f"({limit}): set {KEY}.max_length to at most {limit} (longer pairs lose tokens from the "
+                          "left, the response's end kept)")
     except ModelError as exc:
         errors.append(str(exc))
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
