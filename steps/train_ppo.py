@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import math
 import tempfile
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +17,7 @@ from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
+from rlhf_core.pipeline.training import add_resume_advice, stable_copy, whole_history
 
 logger = get_logger(__name__)
 
@@ -31,8 +31,10 @@ def score_with(cfg: PPOConfig, reward_model: Path) -> None:
     cfg.reward_model.model.path = str(reward_model)
 
 
-def _finite(metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+def warm_start_copy(policy: Path, root: Path) -> Path:
+    """The warm-start policy at ``<root>/warm_start/<artifact id>`` (:func:`stable_copy`)."""
+    inputs = get_step_context().inputs.get("init_from") or []
+    return stable_copy(policy, root, str(inputs[0].id)) if inputs else policy
 
 
 @step(enable_cache=False)
@@ -56,6 +58,7 @@ def train_ppo(
         logger.info("training skipped: %s; no checkpoint is stored for this version", skip_reason)
         folder = Path(tempfile.mkdtemp(prefix="rlhf-skipped-"))
         (folder / SKIPPED_NOTE).write_text(f"training skipped: {skip_reason}\n")
+        log_metadata({"skipped": skip_reason, "steps": 0})  # (the lineage: the warm-start input went unused)
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
@@ -63,7 +66,7 @@ def train_ppo(
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
         model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")  # the tokenizer stays
-        model.path = str(resolve_policy_dir(init_from))
+        model.path = str(warm_start_copy(resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir)))
         logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
     if reward_model is not None:
         score_with(cfg, reward_model)
@@ -74,9 +77,13 @@ def train_ppo(
         raise ValueError("trainer.val_only=true trains nothing, and this run's checkpoint folder is new, so there is "
                          "no policy to hand on: drop trainer.val_only, or validate a checkpoint with "
                          "trainer.resume_mode=resume_path and trainer.resume_from_path")
-    result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
+    try:
+        result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
+    except Exception as exc:
+        add_resume_advice(exc, cfg.trainer.default_local_dir)  # its message says "rerun": a new run, a new folder
+        raise
 
-    records = [{"step": step.step, **_finite(step.metrics)} for step in result.history]
+    records = whole_history(result)
     if result.checkpoint is None:  # (refused above; a run that saved nothing has no policy to hand on)
         raise ValueError("train_ppo: the run saved no checkpoint, so there is no policy to hand on")
     checkpoint = Path(result.checkpoint)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-ppo-policy"
@@ -226,6 +227,40 @@ def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained)
     assert meta["skipped"].startswith("version 2 was already trained on this data"), meta["skipped"]
     assert "force=true" in meta["skipped"]
     assert run.steps["train_ppo"].outputs["training_summary"][0].load()["steps"] == 0
+
+
+def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_history(trained, tmp_path):
+    """The reward fails once, after step 1's checkpoint: ZenML's retry of train_ppo resumes from it. The warm-start
+    policy keeps one path over the attempts (the artifact store unpacks it afresh each time, and a resume refuses
+    a changed model path), and the summary's history holds step 1 from before the retry."""
+    from zenml import Model
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+
+    setup, runs = tiny_setup(), tmp_path / "runs"
+    flaky = tmp_path / "flaky.py"
+    flaky.write_text(
+        "import pathlib\n"
+        f"RUNS, FLAG = pathlib.Path({str(runs)!r}), pathlib.Path({str(tmp_path / 'failed_once')!r})\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if not FLAG.exists() and any(RUNS.glob('*/global_step_1')):\n"
+        "        FLAG.write_text('x')\n"
+        "        raise RuntimeError('planted failure after the first checkpoint')\n"
+        "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    pipeline = rlhf_retrain_pipeline.with_options(
+        model=Model(name=MODEL), steps={"train_ppo": {"retry": {"max_retries": 1, "delay": 0}}})
+    run = pipeline(trainer_config=str(setup.trainer_config), train_files=str(setup.new_train_file),
+                   val_files=str(setup.val_file), force=True,
+                   overrides=["trainer.save_freq=1", f"custom_reward_function.path={flaky}",
+                              f"trainer.default_local_dir={runs}"])
+    assert str(run.status) == "completed" and (tmp_path / "failed_once").exists()
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    folder = runs / run.name
+    assert summary["resumed_from"] == str(folder / "global_step_1")
+    assert [record["step"] for record in summary["history"]] == [1, 2, 3]
+    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
+    saved = yaml.safe_load((folder / "global_step_3" / "config.yaml").read_text())
+    assert saved["actor_rollout_ref"]["model"]["path"] == str(runs / "warm_start" / str(init_from.id))
 
 
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):

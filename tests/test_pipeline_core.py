@@ -563,7 +563,7 @@ def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():
     import sys
 
     code = ("import sys\nimport rlhf_core.pipeline.evaluate, rlhf_core.pipeline.lineage, rlhf_core.pipeline.promotion, rlhf_core.pipeline.schedule, "
-            "rlhf_core.pipeline.smoke\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
+            "rlhf_core.pipeline.smoke, rlhf_core.pipeline.training\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
@@ -585,3 +585,59 @@ def test_the_kubeflow_example_mounts_the_model_and_data_wherever_they_are_read(r
     parameters = raw["parameters"]
     paths = [parameters["train_files"], parameters["val_files"]] + [o.split("=", 1)[1] for o in parameters["overrides"]]
     assert all(path.startswith(("/models/", "/data/")) for path in paths), paths
+
+
+# --- the training step: history across a resume, the warm-start path, the way on after a failure ---------------
+
+
+def _metrics_file(folder: Path, lines: list[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
+
+
+def test_the_whole_history_joins_the_run_resumed_from_and_keeps_each_steps_last_record(tmp_path):
+    from rlhf_core.main_ppo import RunResult
+    from rlhf_core.pipeline.training import whole_history
+    from rlhf_core.training.trainer import StepResult
+
+    other, own = tmp_path / "other", tmp_path / "own"
+    # the earlier run: validation at 0, steps 1-4, checkpointed at 3 (its step 4 is not this run's)
+    _metrics_file(other, ['{"step": 0, "val": 0.1}', '{"step": 1, "r": 10}', '{"step": 2, "r": 20, "kl": null}',
+                          '{"step": 3, "r": 30}', '{"step": 4, "r": 41}'])
+    # this run: an attempt that logged step 4 and died, the retry's step 4 again, a partial last line
+    _metrics_file(own, ['{"step": 4, "r": 999}', '{"step": 4, "r": 40.5}', '{"step": 5, "r": 50.5}', '{"step": 6, "r'])
+    result = RunResult(steps=5, wall_s=1.0, local_dir=str(own), checkpoint=str(own / "global_step_5"),
+                       history=[StepResult(5, {"r": 50.5, "nan": float("nan")})],
+                       resumed_from=str(other / "global_step_3"))
+    assert whole_history(result) == [{"step": 1, "r": 10.0}, {"step": 2, "r": 20.0}, {"step": 3, "r": 30.0},
+                                     {"step": 4, "r": 40.5}, {"step": 5, "r": 50.5}]
+    # without metrics files (no file logger): the run's own steps
+    bare = RunResult(steps=5, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
+                     history=[StepResult(5, {"r": 50.5})])
+    assert whole_history(bare) == [{"step": 5, "r": 50.5}]
+
+
+def test_the_warm_start_policy_is_copied_once_to_a_path_named_by_the_artifact(tmp_path):
+    from rlhf_core.pipeline.training import stable_copy
+
+    first, second = tmp_path / "unpacked_1", tmp_path / "unpacked_2"
+    for folder, text in ((first, "a"), (second, "b")):
+        folder.mkdir()
+        (folder / "config.json").write_text(text)
+    target = stable_copy(first, tmp_path / "runs", "4f2a")
+    assert target == tmp_path / "runs" / "warm_start" / "4f2a" and (target / "config.json").read_text() == "a"
+    assert stable_copy(second, tmp_path / "runs", "4f2a") == target  # a retry: the same path, not copied again
+    assert (target / "config.json").read_text() == "a"
+
+
+def test_a_failed_training_run_in_a_pipeline_says_how_to_go_on_from_its_checkpoint(tmp_path):
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.checkpoint import write_checkpoint
+
+    error = RuntimeError("training step 3 failed: ... rerun to resume from it")
+    add_resume_advice(error, tmp_path)
+    assert not getattr(error, "__notes__", [])  # nothing saved: nothing to go on from
+    write_checkpoint(tmp_path, 2, lambda files: [])
+    add_resume_advice(error, tmp_path)
+    [note] = error.__notes__
+    assert f"trainer.resume_mode=resume_path and trainer.resume_from_path={tmp_path / 'global_step_2'}" in note

@@ -8,8 +8,8 @@ import signal
 
 import pandas as pd
 import pytest
-import yaml
 import torch
+import yaml
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.cli.train import train_rm

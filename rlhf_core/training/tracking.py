@@ -312,6 +312,23 @@ class ConsoleLogger(Backend):
             self._bar = None
 
 
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (:class:`FileLogger`) in order; none where it does not exist. A partial
+    line (a run killed mid-write) and lines without a step are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 class FileLogger(Backend):
     """JSON lines at ``<local_dir>/metrics.jsonl``; non-finite values become null; appends; flushes."""
 
