@@ -121,3 +121,48 @@ def test_every_stage_of_the_chain_has_highlights():
     from rlhf_core.pipeline import lineage as module
 
     assert sorted(module._HIGHLIGHTS) == sorted(stage for stage, _, _ in module.CHAIN)
+
+
+def _link(stage, step, metadata, inputs=None):
+    return {"stage": stage, "about": "...", "step": step, "status": "completed", "run": "r", "inputs": inputs or {},
+            "artifacts": [], "metadata": metadata}
+
+
+def test_the_checkpoint_stage_says_what_it_resumed_from_and_when_it_trained_nothing():
+    from rlhf_core.pipeline.lineage import format_lineage
+
+    def record(metadata):
+        return {"model": "m", "version": "4", "stage": None, "run": "r", "pipeline": "rlhf_retrain_pipeline",
+                "run_status": "completed", "run_id": "1", "model_version_metadata": {},
+                "chain": [_link("checkpoint", "train_ppo", metadata, {"init_from": ["a1"]})]}
+
+    resumed = format_lineage(record({"steps": 3, "warm_started": True,
+                                     "resumed_from": "runs/other/global_step_2"})).splitlines()
+    assert resumed[3:] == ["      warm-started from artifact a1", "      steps: 3", "      warm_started: true",
+                           "      resumed_from: runs/other/global_step_2"]
+    skipped = format_lineage(record({"skipped": "the data is unchanged", "steps": 0})).splitlines()
+    assert skipped[3:] == ["      warm-start artifact (unused: nothing trained) a1",
+                           "      skipped: the data is unchanged", "      steps: 0"]
+
+
+def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(capsys):
+    from types import SimpleNamespace
+
+    failed = SimpleNamespace(name="10", run_metadata={}, pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})
+    runs = {"run-7": SimpleNamespace(name="rlhf_ppo_pipeline-7", status="failed", id="run-7")}
+
+    class Client:
+        active_project = SimpleNamespace(name="default")
+
+        def get_model_version(self, model, version):
+            if version == "latest":
+                return failed
+            raise KeyError(version)
+
+        def get_pipeline_run(self, run_id):
+            return runs[run_id]
+
+    assert cli.demo_summary(["--model", "m"], client=Client()) == 0
+    out = capsys.readouterr().out
+    assert "run:        rlhf_ppo_pipeline-7 (failed)" in out
+    assert "projects/default/runs/run-7" in out

@@ -17,7 +17,13 @@ import logging
 import sys
 from pathlib import Path
 
-from rlhf_core.pipeline.lineage import LineageError, default_client, format_lineage, get_version
+from rlhf_core.pipeline.lineage import (
+    LineageError,
+    default_client,
+    format_lineage,
+    get_version,
+    version_run_id,
+)
 from rlhf_core.pipeline.lineage import lineage as read_lineage
 from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, run_pipeline, serve
 
@@ -111,7 +117,8 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     meta = latest.run_metadata
-    run = client.get_pipeline_run(meta["pipeline_run_id"]) if "pipeline_run_id" in meta else None
+    run_id = version_run_id(latest)  # (a run that failed before promotion recorded none in the metadata)
+    run = client.get_pipeline_run(run_id) if run_id is not None else None
     try:
         production = client.get_model_version(args.model, "production").name
     except KeyError:

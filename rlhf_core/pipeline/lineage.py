@@ -81,6 +81,16 @@ def get_version(client, model_name: str, version: str | None):
         raise LineageError(f"model {model_name!r} has {what} (try --version latest or a number)") from exc
 
 
+def version_run_id(model_version) -> str | None:
+    """The pipeline run that made a model version: the one its promotion recorded, else the first run linked to
+    it (a run that failed before it reached promotion); None where it has none."""
+    run_id = model_version.run_metadata.get("pipeline_run_id")
+    if run_id is None:
+        run_ids = list(model_version.pipeline_run_ids.values())
+        run_id = run_ids[0] if run_ids else None
+    return run_id
+
+
 def _artifact(artifact) -> dict[str, Any]:
     return {"name": artifact.artifact.name, "id": str(artifact.id), "version": str(artifact.version),
             "type": str(artifact.type), "uri": artifact.uri}
@@ -92,12 +102,9 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
     model_name = model or _pick_model(client)
     model_version = get_version(client, model_name, version)
     metadata = dict(model_version.run_metadata)
-    run_id = metadata.get("pipeline_run_id")
+    run_id = version_run_id(model_version)
     if run_id is None:
-        run_ids = list(model_version.pipeline_run_ids.values())
-        if not run_ids:
-            raise LineageError(f"model {model_name!r} version {model_version.name} is linked to no pipeline run")
-        run_id = run_ids[0]
+        raise LineageError(f"model {model_name!r} version {model_version.name} is linked to no pipeline run")
     run = client.get_pipeline_run(run_id)
     steps = run.steps
     chain = []
@@ -140,7 +147,8 @@ _HIGHLIGHTS = {
                      "preference_fingerprint", "base_model"),
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
     "smoke test": ("passed", "wall_s", "cloned", "parameters"),
-    "checkpoint": ("steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started"),
+    "checkpoint": ("skipped", "steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started",
+                   "resumed_from"),
     "evaluation": ("accuracy", "accuracy_ci", "base_accuracy", "n", "budget", "val_fingerprint"),
     "promotion": ("promoted", "decision_reason"),
 }
@@ -175,7 +183,9 @@ def format_lineage(record: Mapping[str, Any]) -> str:
             lines.append(f"      artifact {artifact['name']} v{artifact['version']} id {artifact['id']}")
         for name, ids in link["inputs"].items():
             if name in ("init_from",):
-                lines.append(f"      warm-started from artifact {', '.join(ids)}")
+                how = "warm-start artifact (unused: nothing trained)" if link["metadata"].get("skipped") \
+                    else "warm-started from artifact"
+                lines.append(f"      {how} {', '.join(ids)}")
         for key in _HIGHLIGHTS.get(link["stage"], ()):
             if key in link["metadata"]:
                 lines.append(f"      {key}: {_short(link['metadata'][key])}")
