@@ -63,6 +63,16 @@ def test_a_pipeline_run_that_exits_non_zero_is_recorded_as_failed(monkeypatch, c
     assert "scheduled run 1 failed" in caplog.text and "scheduled run 2 finished" in caplog.text
 
 
+def test_the_first_message_says_when_the_first_run_starts(caplog):
+    with caplog.at_level("INFO", logger=schedule.logger.name):
+        schedule.serve(lambda: 0, every=3600, max_runs=1, run_now=True)
+    assert "schedule every 3600 s: a run now, then the next at" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger=schedule.logger.name):
+        schedule.serve(lambda: 0, every=0.2, max_runs=1)
+    assert "schedule every 0.2 s: next run at" in caplog.text
+
+
 def test_the_command_exits_1_when_a_run_it_made_failed(tmp_path, capsys, monkeypatch):
     config = tmp_path / "retrain.yaml"
     config.write_text("parameters: {}\n")
@@ -161,8 +171,21 @@ def test_a_bad_weekday_names_the_field(cron, message):
 
 def test_a_percent_sign_in_a_path_is_escaped_for_cron(monkeypatch):
     monkeypatch.setattr(schedule, "zenml_executable", lambda: "zenml")
+    for key in schedule.STORE_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
     line = schedule.crontab_line("0 3 * * 0", "configs/retrain%v2.yaml", repo="/srv/rlhf%2/jobs")
     assert line == (r"0 3 * * 0 cd /srv/rlhf\%2/jobs && mkdir -p /srv/rlhf\%2/jobs/outputs/logs && "
                     r"flock -n /srv/rlhf\%2/jobs/outputs/.retrain.lock zenml pipeline run "
                     r"pipelines.retrain.rlhf_retrain_pipeline -c configs/retrain\%v2.yaml "
                     r">> /srv/rlhf\%2/jobs/outputs/logs/retrain.log 2>&1")
+
+
+def test_the_crontab_line_carries_the_zenml_store_this_shell_uses(monkeypatch):
+    monkeypatch.setattr(schedule, "zenml_executable", lambda: "zenml")
+    for key in schedule.STORE_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("ZENML_CONFIG_PATH", "/home/me/zen config")
+    monkeypatch.setenv("ZENML_STORE_URL", "sqlite:////home/me/zen.db")
+    line = schedule.crontab_line("0 3 * * *", "configs/retrain_demo.yaml", repo="/srv/jobs")
+    assert ("&& env 'ZENML_CONFIG_PATH=/home/me/zen config' ZENML_STORE_URL=sqlite:////home/me/zen.db "
+            "flock -n /srv/jobs/outputs/.retrain.lock zenml pipeline run") in line

@@ -13,6 +13,7 @@ block in the run config instead; see ``configs/retrain_demo.yaml``.
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import shutil
 import subprocess
@@ -134,6 +135,11 @@ def make_trigger(cron: str | None = None, every: float | None = None, timezone: 
                          f"'0 3 * * *'): {exc}") from exc
 
 
+#: The environment that decides which ZenML store and repository a run uses (not its credentials, which do not
+#: belong in a crontab: a store that needs them is logged into for the user cron runs as)
+STORE_VARIABLES = ("ZENML_CONFIG_PATH", "ZENML_REPOSITORY_PATH", "ZENML_STORE_URL")
+
+
 def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE, repo: str | Path | None = None,
                  log_file: str | Path | None = None) -> str:
     """A crontab entry running the pipeline from ``repo``; ``flock -n`` keeps two runs from overlapping."""
@@ -141,7 +147,10 @@ def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE
     repo = Path(repo or Path.cwd()).resolve()
     log_file = Path(log_file) if log_file else repo / "outputs" / "logs" / "retrain.log"
     lock = repo / "outputs" / ".retrain.lock"
-    command = shlex.join(["flock", "-n", str(lock), *pipeline_command(config, pipeline)])
+    # cron starts jobs with an almost empty environment: the ZenML store this shell uses goes with the line
+    store = [f"{key}={os.environ[key]}" for key in STORE_VARIABLES if os.environ.get(key)]
+    command = shlex.join([*(["env", *store] if store else []), "flock", "-n", str(lock),
+                          *pipeline_command(config, pipeline)])
     command = f"cd {shlex.quote(str(repo))} && mkdir -p {shlex.quote(str(log_file.parent))} && {command} " \
               f">> {shlex.quote(str(log_file))} 2>&1"
     # cron cuts the command at an unescaped % (the rest becomes its stdin) and drops the backslash of \%
@@ -187,7 +196,8 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
     # an explicit next_run_time=None would add the job paused, so it is only passed to run at once
     first = {"next_run_time": datetime.now().astimezone()} if run_now else {}
     scheduler.add_job(job, trigger, id="retrain", max_instances=1, coalesce=True, misfire_grace_time=None, **first)
-    logger.info("schedule %s: next run at %s (Ctrl-C stops)", cron or f"every {every} s",
+    logger.info("schedule %s: %s %s (Ctrl-C stops)", cron or f"every {every} s",
+                "a run now, then the next at" if run_now else "next run at",
                 trigger.get_next_fire_time(None, datetime.now().astimezone()))
     try:
         scheduler.start()
