@@ -36,7 +36,8 @@ def train_reward_model(
     rm.default_local_dir = str(Path(rm.default_local_dir) / get_step_context().pipeline_run.name)
     threshold = rm.min_pair_accuracy if min_pair_accuracy is None else min_pair_accuracy
     export, val = train(cfg)
-    passed, reason = pair_accuracy_gate(val, threshold)
+    passed, reason = pair_accuracy_gate(val, threshold, "reward_model.train.min_pair_accuracy"
+                                        if min_pair_accuracy is None else "the pipeline's min_pair_accuracy")
     summary = {"held_out_pair_accuracy": val.get("val/pair_accuracy"), "held_out_loss": val.get("val/loss"),
                "held_out_margin_mean": val.get("val/margin_mean"), "min_pair_accuracy": threshold,
                "passed": passed, "reason": reason, "preference_fingerprint": preference_fingerprint,

@@ -83,7 +83,7 @@ def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
     run = zenml_client().list_pipeline_runs(sort_by="desc:created", size=1)[0]
     assert str(run.status) == "failed"
     assert str(run.steps["train_reward_model"].status) == "failed"
-    assert "below reward_model.train.min_pair_accuracy" in str(run.steps["train_reward_model"].run_metadata["reason"])
+    assert "below the pipeline's min_pair_accuracy (" in str(run.steps["train_reward_model"].run_metadata["reason"])
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
 
 

@@ -697,16 +697,18 @@ def train_reward_model(cfg: PPOConfig, log=None) -> tuple[Path, dict[str, float]
     return trainer.local_dir / HF_DIR, val
 
 
-def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float) -> tuple[bool, str]:
-    """(passed, reason): whether the held-out pair accuracy reaches ``min_pair_accuracy``."""
+def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float,
+                       setting: str = f"{KEY}.min_pair_accuracy") -> tuple[bool, str]:
+    """(passed, reason): whether the held-out pair accuracy reaches ``min_pair_accuracy``, which ``setting`` set
+    (the config key, or a pipeline's parameter in its place)."""
     accuracy = val.get("val/pair_accuracy")
     if accuracy is None:
         if min_pair_accuracy > 0:
-            return False, (f"{KEY}.min_pair_accuracy={min_pair_accuracy} needs held-out pairs: set {KEY}.val_files")
+            return False, (f"{setting}={min_pair_accuracy} needs held-out pairs: set {KEY}.val_files")
         return True, "no held-out pairs and no accuracy required"
     if accuracy < min_pair_accuracy:
         return False, (f"the reward model ranks {accuracy:.1%} of the held-out pairs right, below "
-                       f"{KEY}.min_pair_accuracy ({min_pair_accuracy:.1%}): PPO against it would chase noise; "
+                       f"{setting} ({min_pair_accuracy:.1%}): PPO against it would chase noise; "
                        "train longer, add pairs or start from a stronger model")
     return True, f"held-out pair accuracy {accuracy:.1%} >= {min_pair_accuracy:.1%}"
 
