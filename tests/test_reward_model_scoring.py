@@ -5,6 +5,7 @@ and the checks made before any weights load."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from rlhf_core.rewards.reward_model import (
     RewardModelManager,
     RewardModelWorker,
     check_reward_model_dir,
+    encode_response,
     place_on_last_token,
 )
 
@@ -379,6 +381,11 @@ def test_reward_model_dir_checks_name_what_is_wrong(space, tmp_path):
     AutoModelForSequenceClassification.from_pretrained(same).save_pretrained(bare)  # weights, no tokenizer
     with pytest.raises(ModelError, match="no tokenizer"):
         check_reward_model_dir(bare)
+    training = tmp_path / "rm_run"  # rlhf-train-rm's folder: checkpoints, and the model under huggingface/
+    shutil.copytree(same, training / "huggingface")
+    with pytest.raises(ModelError, match=f"is a reward model's training folder; the model is its export, "
+                                         f"reward_model.model.path={training / 'huggingface'}"):
+        check_reward_model_dir(training)
 
 
 def test_enable_without_a_path_is_a_config_error():
@@ -561,3 +568,24 @@ def test_the_stop_ids_are_the_policys_generation_configs(space, tmp_path):
     GenerationConfig(eos_token_id=[eos, 7]).save_pretrained(policy)  # 7: a second stop token of the model
     assert RewardModelWorker(_rm_config(other, tokens_only)).input_stop_ids == {eos}
     assert RewardModelWorker(_rm_config(other, tokens_only), policy_path=str(policy)).input_stop_ids == {eos, 7}
+
+
+def test_a_text_cut_to_max_length_raises_no_warning_of_indexing_errors(space):
+    """transformers warns once per tokenizer that a text longer than its model_max_length will fail in the model
+    (and marks the tokenizer as having warned); the pairs and conversations encoded here are cut to max_length
+    right after, so the warning only misleads."""
+    _, _, same, _ = space
+    messages, response = [{"role": "user", "content": "7 + 8 = ?" * 40}], "15 " * 40
+    warned = "sequence-length-is-longer-than-the-specified-maximum"
+
+    def fresh():
+        tokenizer = AutoTokenizer.from_pretrained(same)
+        tokenizer.model_max_length = 16
+        return tokenizer
+
+    tokenizer = fresh()
+    ids, _, _ = encode_response(tokenizer, messages, response, max_length=16)
+    assert len(ids) == 16 and not tokenizer.deprecation_warnings.get(warned)
+    tokenizer = fresh()
+    tokenizer(response)  # called plainly it warns: the check above can see a warning
+    assert tokenizer.deprecation_warnings.get(warned)

@@ -63,6 +63,10 @@ def check_reward_model_dir(path: str | os.PathLike | None, trust_remote_code: bo
     a sequence-classification architecture and a pad token id, weights, and a tokenizer."""
     if not path:
         raise ModelError(f"{KEY} is not set: reward_model.enable=true needs the directory of a reward model")
+    export = Path(os.path.expanduser(str(path))) / "huggingface"
+    if (export / "config.json").is_file() and not (export.parent / "config.json").is_file():
+        raise ModelError(f"{KEY}: {export.parent} is a reward model's training folder; the model is its export, "
+                         f"{KEY}={export}")
     folder = check_model_dir(path, KEY)
     check_tokenizer_dir(folder, KEY)
     try:
@@ -293,10 +297,12 @@ def encode_response(tokenizer, messages: list[dict], response: str, max_length: 
     if getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True,
                                                **(chat_template_kwargs or {}))
-        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
     else:
-        prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n")["input_ids"]
-    response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if eos else [])
+        prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n", verbose=False)["input_ids"]
+    # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length below)
+    response_ids = tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] \
+        + ([tokenizer.eos_token_id] if eos else [])
     cut = max(len(prompt_ids) + len(response_ids) - max_length, 0) if max_length is not None else 0
     return (prompt_ids + response_ids)[cut:], min(cut, len(prompt_ids)), max(cut - len(prompt_ids), 0)
 
