@@ -339,9 +339,10 @@ class StoppedWithoutSaving(TrainingInterrupted):
     """A second Ctrl-C or SIGTERM stopped the run at once, without saving: ``checkpoint`` is the latest one
     (None where none was saved yet), as it was before; ``step`` the last step finished."""
 
-    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None):
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None,
+                 rerun: str = "rerun the same command"):
         super().__init__(signal_name, signal_number, step, checkpoint)
-        kept = (f"the latest checkpoint {checkpoint} is as it was: rerun the same command to resume from it"
+        kept = (f"the latest checkpoint {checkpoint} is as it was: {rerun} to resume from it"
                 if checkpoint else "no checkpoint was saved yet")
         self.args = (f"second {signal_name}: stopped now without saving; {kept}",)
 
@@ -399,7 +400,8 @@ def stop_on_signals(trainer, enabled: bool = True):
         # save's temporary directory) is cleaned up by now, so the latest checkpoint is the one to name
         name, number = stop_now[0]
         latest = _latest_checkpoint(trainer)
-        raise StoppedWithoutSaving(name, number, trainer.global_step, str(latest) if latest else None) from None
+        raise StoppedWithoutSaving(name, number, trainer.global_step, str(latest) if latest else None,
+                                   getattr(trainer, "rerun_advice", "rerun the same command")) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -417,7 +419,8 @@ def _reward_failure(trainer, exc: RewardError) -> RewardError:
     else:
         doing = f"validating after step {trainer.global_step}"
     latest = _latest_checkpoint(trainer)
-    resume = (f"the latest checkpoint {latest} is intact: fix the reward function, then rerun to resume from it"
+    resume = (f"the latest checkpoint {latest} is intact: fix the reward function, then {trainer.rerun_advice} to "
+              "resume from it"
               if latest is not None else "no checkpoint was saved yet")
     return exc.reworded(f"{doing} failed: {exc}\n{resume}")
 

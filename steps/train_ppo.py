@@ -31,10 +31,10 @@ def score_with(cfg: PPOConfig, reward_model: Path) -> None:
     cfg.reward_model.model.path = str(reward_model)
 
 
-def warm_start_copy(policy: Path, root: Path) -> Path:
-    """The warm-start policy at ``<root>/warm_start/<artifact id>`` (:func:`stable_copy`)."""
-    inputs = get_step_context().inputs.get("init_from") or []
-    return stable_copy(policy, root, str(inputs[0].id)) if inputs else policy
+def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
+    """The model of input ``name`` at ``<root>/<kind>/<artifact id>`` (:func:`stable_copy`)."""
+    inputs = get_step_context().inputs.get(name) or []
+    return stable_copy(model, root, f"{kind}/{inputs[0].id}") if inputs else model
 
 
 @step(enable_cache=False)
@@ -66,10 +66,11 @@ def train_ppo(
     model = cfg.actor_rollout_ref.model
     if init_from is not None:
         model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")  # the tokenizer stays
-        model.path = str(warm_start_copy(resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir)))
+        model.path = str(stable_input("init_from", resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir),
+                                      "warm_start"))
         logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
     if reward_model is not None:
-        score_with(cfg, reward_model)
+        score_with(cfg, stable_input("reward_model", reward_model, Path(cfg.trainer.default_local_dir), "reward_model"))
         logger.info("rollouts are scored by the reward model %s", reward_model)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir) / get_step_context().pipeline_run.name)

@@ -168,7 +168,7 @@ def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_in
     assert code == 2, err
     lines = err.strip().splitlines()[-2:]  # the message's two lines end the output
     assert lines == [*said, f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function, "
-                            "then rerun to resume from it"]
+                            "then rerun the same command to resume from it"]
     assert "Traceback" not in err
     _only_step_1_saved(out)
 
@@ -233,6 +233,20 @@ def test_the_trainer_says_which_step_is_under_way(workspace, tmp_path):
     trainer.train_step, trainer.validate = recording_train_step, recording_validate
     trainer.fit_step()
     assert seen == {"training": 1, "validating": None} and trainer.step_under_way is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_started_afresh_says_how_to_resume_it(workspace, tmp_path):
+    """Rerunning a command with trainer.resume_mode=disable would start afresh again (its checkpoints' marker
+    removed): the interrupted run's message names resume_mode=auto instead of the same command."""
+    from rlhf_core.training.guards import TrainingInterrupted
+
+    trainer = build_trainer(load_config(workspace.overrides(tmp_path / "run", "trainer.resume_mode=disable")))
+    trainer.fit_step(validate=lambda step, metrics: False)
+    trainer.stop_requested = ("SIGINT", signal.SIGINT)
+    with pytest.raises(TrainingInterrupted, match=r"checkpoint saved at .*global_step_1; rerun with "
+                                                  r"trainer.resume_mode=auto to resume$"):
+        trainer._stop_if_requested()
 
 
 def test_a_signal_before_the_first_step_says_so(tmp_path, capsys):

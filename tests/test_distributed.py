@@ -256,14 +256,15 @@ def test_batch_layouts_for_the_ranks(test_group):
 
 def test_a_rank_still_running_long_after_the_others_is_named_with_its_pid(test_group, monkeypatch, capsys):
     """(Before the dying-worker test, which shuts the group down.) Rank 1 sleeps 2.5 s while rank 0 returns:
-    with the notice due after 1 s, two notices (at 1 and 2 s) name rank 1 and its pid, rank 0 as finished and
-    the timeout that would end a hang; the next call of the method waits 3x the longest call before one."""
+    with the notice due after 0.5 s, three notices (at 0.5, 1 and 2 s: the age doubles) name rank 1 and its pid,
+    rank 0 as finished and the timeout that would end a hang; the next call of the method waits 3x the previous
+    call before one."""
     from rlhf_core.workers import group as group_module
 
-    monkeypatch.setattr(group_module, "STALL_NOTICE_S", 1.0)
+    monkeypatch.setattr(group_module, "STALL_NOTICE_S", 0.5)
     assert test_group.execute_all("sleep_on", 1, 2.5) == [0, 1]
     notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: sleep_on has run")]
-    assert [line.split(" s on ")[0] for line in notices] == ["notice: sleep_on has run 1", "notice: sleep_on has run 2"]
+    assert len(notices) == 3 and notices[-1].startswith("notice: sleep_on has run 2 s on rank 1"), notices
     assert f"on rank 1 (pid {test_group.pids[1]}); rank 0 finished it after 0 s" in notices[0]
     assert "actor_rollout_ref.nccl_timeout (1800 s)" in notices[0]
     assert f"py-spy dump --pid {test_group.pids[1]}" in notices[0]

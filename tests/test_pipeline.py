@@ -229,6 +229,21 @@ def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained)
     assert run.steps["train_ppo"].outputs["training_summary"][0].load()["steps"] == 0
 
 
+def failing_once_after_step_1(tmp_path: Path, runs: Path) -> Path:
+    """The digit-first reward, raising once when a run under ``runs`` has saved step 1 (``tmp_path/failed_once``
+    marks that it did)."""
+    reward = tmp_path / "flaky.py"
+    reward.write_text(
+        "import pathlib\n"
+        f"RUNS, FLAG = pathlib.Path({str(runs)!r}), pathlib.Path({str(tmp_path / 'failed_once')!r})\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if not FLAG.exists() and any(RUNS.glob('*/global_step_1')):\n"
+        "        FLAG.write_text('x')\n"
+        "        raise RuntimeError('planted failure after the first checkpoint')\n"
+        "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    return reward
+
+
 def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_history(trained, tmp_path):
     """The reward fails once, after step 1's checkpoint: ZenML's retry of train_ppo resumes from it. The warm-start
     policy keeps one path over the attempts (the artifact store unpacks it afresh each time, and a resume refuses
@@ -238,15 +253,7 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
     from pipelines.retrain import rlhf_retrain_pipeline
 
     setup, runs = tiny_setup(), tmp_path / "runs"
-    flaky = tmp_path / "flaky.py"
-    flaky.write_text(
-        "import pathlib\n"
-        f"RUNS, FLAG = pathlib.Path({str(runs)!r}), pathlib.Path({str(tmp_path / 'failed_once')!r})\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if not FLAG.exists() and any(RUNS.glob('*/global_step_1')):\n"
-        "        FLAG.write_text('x')\n"
-        "        raise RuntimeError('planted failure after the first checkpoint')\n"
-        "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    flaky = failing_once_after_step_1(tmp_path, runs)
     pipeline = rlhf_retrain_pipeline.with_options(
         model=Model(name=MODEL), steps={"train_ppo": {"retry": {"max_retries": 1, "delay": 0}}})
     run = pipeline(trainer_config=str(setup.trainer_config), train_files=str(setup.new_train_file),

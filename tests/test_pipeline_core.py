@@ -611,6 +611,10 @@ def test_the_whole_history_joins_the_run_resumed_from_and_keeps_each_steps_last_
                        resumed_from=str(other / "global_step_3"))
     assert whole_history(result) == [{"step": 1, "r": 10.0}, {"step": 2, "r": 20.0}, {"step": 3, "r": 30.0},
                                      {"step": 4, "r": 40.5}, {"step": 5, "r": 50.5}]
+    # resumed at the earlier run's last step with nothing left to train: its step 4 is still not this run's
+    nothing = RunResult(steps=3, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
+                        resumed_from=str(other / "global_step_3"))
+    assert [record["step"] for record in whole_history(nothing)] == [1, 2, 3]
     # without metrics files (no file logger): the run's own steps
     bare = RunResult(steps=5, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
                      history=[StepResult(5, {"r": 50.5})])
@@ -624,9 +628,9 @@ def test_the_warm_start_policy_is_copied_once_to_a_path_named_by_the_artifact(tm
     for folder, text in ((first, "a"), (second, "b")):
         folder.mkdir()
         (folder / "config.json").write_text(text)
-    target = stable_copy(first, tmp_path / "runs", "4f2a")
+    target = stable_copy(first, tmp_path / "runs", "warm_start/4f2a")
     assert target == tmp_path / "runs" / "warm_start" / "4f2a" and (target / "config.json").read_text() == "a"
-    assert stable_copy(second, tmp_path / "runs", "4f2a") == target  # a retry: the same path, not copied again
+    assert stable_copy(second, tmp_path / "runs", "warm_start/4f2a") == target  # a retry: the same path, not copied
     assert (target / "config.json").read_text() == "a"
 
 

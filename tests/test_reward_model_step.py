@@ -87,20 +87,32 @@ def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
 
 
-def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run):
+def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run, tmp_path):
     """rlhf_rm_pipeline end to end on the tiny setup: the smoke test's rollouts and training's are both scored by
     the reward model the run trained (its metrics carry the model's score beside the rule's gold reward), and the
-    candidate gets a promotion decision."""
+    candidate gets a promotion decision. The rule reward fails once after step 1's checkpoint: the step's retry
+    resumes it, the reward model's path the same over the attempts (each unpacks the artifact afresh)."""
+    import yaml
+    from test_pipeline import failing_once_after_step_1
     from zenml import Model
 
     from pipelines.rlhf_rm import rlhf_rm_pipeline
 
-    setup = tiny_setup()
-    run = rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-whole"))(
+    setup, runs = tiny_setup(), tmp_path / "runs"
+    flaky = failing_once_after_step_1(tmp_path, runs)
+    run = rlhf_rm_pipeline.with_options(
+        model=Model(name="tiny-rm-whole"), steps={"train_ppo": {"retry": {"max_retries": 1, "delay": 0}}})(
         trainer_config=str(setup.trainer_config), train_files=str(setup.train_file), val_files=str(setup.val_file),
-        overrides=list(rm_overrides()), min_pair_accuracy=0.0)
+        overrides=[*rm_overrides(), "trainer.save_freq=1", f"custom_reward_function.path={flaky}",
+                   f"trainer.default_local_dir={runs}"], min_pair_accuracy=0.0)
     run = zenml_client().get_pipeline_run(run.id)
-    assert str(run.status) == "completed"
+    assert str(run.status) == "completed" and (tmp_path / "failed_once").exists()
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    assert summary["resumed_from"] == str(runs / run.name / "global_step_1")
+    saved = yaml.safe_load((runs / run.name / "global_step_3" / "config.yaml").read_text())
+    given = run.steps["train_ppo"].inputs["reward_model"]
+    artifact = (given if isinstance(given, list) else [given])[0]
+    assert saved["reward_model"]["model"]["path"] == str(runs / "reward_model" / str(artifact.id))
     trained = run.steps["train_reward_model"].outputs["reward_model"][0]
     for name in ("smoke_test", "train_ppo"):  # both take the artifact the run trained (each loads its own copy)
         given = run.steps[name].inputs["reward_model"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import signal
 
 import pandas as pd
@@ -291,6 +292,17 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
     assert train_rm(args) == 2
     assert "holds checkpoints (global_step_3, global_step_6) but no latest_checkpointed_iteration.txt" \
         in capsys.readouterr().err
+    # stopped in step 2 of a new run (disable): the same command would start afresh again, so the message says
+    # how to resume; a signal in the last step lets the run finish (validated, exported)
+    signalled(2, signal.SIGINT)
+    assert train_rm([*args, "reward_model.train.resume_mode=disable"]) == 130
+    assert (f"checkpoint saved at {out / 'global_step_2'}; rerun with reward_model.train.resume_mode=auto to "
+            "resume") in capsys.readouterr().err
+    shutil.rmtree(out / "huggingface")  # (the first run's export)
+    signalled(6, signal.SIGTERM)
+    assert train_rm(args) == 0
+    assert f"resumed the reward model from {out / 'global_step_2'}" in capsys.readouterr().err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_6" and (out / "huggingface" / "config.json").is_file()
 
 
 def _trained_weights(cfg) -> dict[str, torch.Tensor]:

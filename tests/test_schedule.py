@@ -180,7 +180,7 @@ def test_a_percent_sign_in_a_path_is_escaped_for_cron(monkeypatch):
                     r">> /srv/rlhf\%2/jobs/outputs/logs/retrain.log 2>&1")
 
 
-def test_the_crontab_line_carries_the_zenml_store_this_shell_uses(monkeypatch):
+def test_the_crontab_line_carries_the_zenml_store_this_shell_uses(monkeypatch, tmp_path):
     monkeypatch.setattr(schedule, "zenml_executable", lambda: "zenml")
     for key in schedule.STORE_VARIABLES:
         monkeypatch.delenv(key, raising=False)
@@ -189,3 +189,7 @@ def test_the_crontab_line_carries_the_zenml_store_this_shell_uses(monkeypatch):
     line = schedule.crontab_line("0 3 * * *", "configs/retrain_demo.yaml", repo="/srv/jobs")
     assert ("&& env 'ZENML_CONFIG_PATH=/home/me/zen config' ZENML_STORE_URL=sqlite:////home/me/zen.db "
             "flock -n /srv/jobs/outputs/.retrain.lock zenml pipeline run") in line
+    monkeypatch.chdir(tmp_path)  # a relative path is the one this shell meant, wherever cron starts
+    monkeypatch.setenv("ZENML_CONFIG_PATH", "zen")
+    line = schedule.crontab_line("0 3 * * *", "configs/retrain_demo.yaml", repo="/srv/jobs")
+    assert f"&& env ZENML_CONFIG_PATH={tmp_path / 'zen'} ZENML_STORE_URL=" in line

@@ -148,7 +148,9 @@ def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE
     log_file = Path(log_file) if log_file else repo / "outputs" / "logs" / "retrain.log"
     lock = repo / "outputs" / ".retrain.lock"
     # cron starts jobs with an almost empty environment: the ZenML store this shell uses goes with the line
-    store = [f"{key}={os.environ[key]}" for key in STORE_VARIABLES if os.environ.get(key)]
+    # (paths made absolute: the line runs from the repository)
+    store = [f"{key}={os.path.abspath(value) if key.endswith('_PATH') else value}"
+             for key in STORE_VARIABLES if (value := os.environ.get(key))]
     command = shlex.join([*(["env", *store] if store else []), "flock", "-n", str(lock),
                           *pipeline_command(config, pipeline)])
     command = f"cd {shlex.quote(str(repo))} && mkdir -p {shlex.quote(str(log_file.parent))} && {command} " \

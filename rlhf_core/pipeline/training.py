@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 from pathlib import Path
 
 from rlhf_core.atomic import staged_directory
@@ -38,15 +39,16 @@ def whole_history(result: RunResult) -> list[dict]:
     return [by_step[number] for number in sorted(by_step)]
 
 
-def stable_copy(policy: Path, root: Path, key: str) -> Path:
-    """``policy`` (a HF model folder) copied once to ``<root>/warm_start/<key>`` (``key``: the artifact's id), the
-    same path for every attempt and run warm-started from it: the artifact store unpacks an artifact into a new
-    temporary folder each time, and a resume refuses a checkpoint whose ``actor_rollout_ref.model.path`` (where
-    the reference policy's weights come from) changed."""
-    target = root / "warm_start" / key
+def stable_copy(model: Path, root: Path, key: str) -> Path:
+    """``model`` (a HF model folder unpacked from an artifact) copied once to ``<root>/<key>``, the same path for
+    every attempt and run that takes the artifact (``key``: ``warm_start/<artifact id>``, or ``reward_model/...``):
+    the artifact store unpacks an artifact into a new temporary folder each time, and a resume refuses a checkpoint
+    whose ``actor_rollout_ref.model.path`` (where the reference policy's weights come from) or
+    ``reward_model.model.path`` changed."""
+    target = root / key
     if not (target / "config.json").is_file():
         with staged_directory(target, keep_existing=lambda existing: (existing / "config.json").is_file()) as staging:
-            shutil.copytree(policy, staging, dirs_exist_ok=True)
+            shutil.copytree(model, staging, dirs_exist_ok=True)
     return target
 
 
@@ -54,8 +56,12 @@ def add_resume_advice(exc: BaseException, local_dir: str | Path) -> None:
     """Note on ``exc`` (a failed training run inside a pipeline step) how to go on from the run's latest
     checkpoint, where it has one: its message says to rerun, but a new pipeline run trains in a new folder."""
     latest = latest_or_none(local_dir)
-    if latest is not None:
-        exc.add_note(f"In a pipeline each run trains in a folder of its own, so running the pipeline again starts "
-                     f"afresh: to go on from {latest}, add trainer.resume_mode=resume_path and "
-                     f"trainer.resume_from_path={latest} to the run config's overrides (a retry of this step in "
-                     "this run resumes there by itself).")
+    if latest is None:
+        return
+    advice = (f"In a pipeline each run trains in a folder of its own, so running the pipeline again starts afresh: "
+              f"to go on from {latest}, add trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to "
+              "the run config's overrides (a retry of this step in this run resumes there by itself).")
+    if hasattr(exc, "add_note"):  # shown under the error's message
+        exc.add_note(advice)
+    else:  # Python 3.10
+        print(advice, file=sys.stderr, flush=True)

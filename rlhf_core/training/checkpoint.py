@@ -105,7 +105,7 @@ RESUME_SAFE_KEYS = (
     "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
-    "trainer.ray_address", "trainer.profile_steps", "trainer.profile_dir", "trainer.val_only",
+    "trainer.ray_address", "actor_rollout_ref.nccl_timeout", "trainer.profile_steps", "trainer.profile_dir", "trainer.val_only",
     "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
     # the number of workers: the state re-splits over them and the losses are normalised over the global
     # mini-batch; the config's own checks refuse batches that do not divide over them (load_checkpoint says
@@ -387,6 +387,12 @@ def unmarked_refusal(root: Path, section: str = "trainer") -> str:
             "then replace those checkpoints step by step, and later steps of the old run stay until reached)")
 
 
+def rerun_advice(resume_mode: str, section: str = "trainer") -> str:
+    """How to rerun a run so that it resumes from its latest checkpoint: the same command where ``resume_mode`` is
+    ``auto``; otherwise ``disable`` would start afresh and ``resume_path`` go back to the path it names."""
+    return "rerun the same command" if resume_mode == "auto" else f"rerun with {section}.resume_mode=auto"
+
+
 def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
     """A run started with ``resume_mode=disable`` in ``root``, which may hold an earlier run's checkpoints: their
     latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and
@@ -395,13 +401,13 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
     them step by step. Call it holding :func:`run_lock`."""
     root = Path(root)
     marker = root / LATEST_FILE
+    if marker.exists():  # (also one naming a checkpoint that is gone: auto would then fail on it)
+        marker.unlink()
+        fsync_dir(root)
     found = list_checkpoints(root)
     if not found:
         return
     steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
-    if marker.exists():
-        marker.unlink()
-        fsync_dir(root)
     print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
           f"checkpoints ({steps}): their {LATEST_FILE} is removed, so that a rerun resumes this run once it has "
           "saved and never that one; this run's saves replace them step by step (another "

@@ -64,10 +64,10 @@ class GuardError(RuntimeError):
 class TrainingInterrupted(Exception):
     """Ctrl-C or SIGTERM stopped the run between steps (after saving a checkpoint when asked to)."""
 
-    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None):
+    def __init__(self, signal_name: str, signal_number: int, step: int, checkpoint: str | None,
+                 rerun: str = "rerun the same command"):
         self.signal_name, self.signal_number, self.step, self.checkpoint = signal_name, signal_number, step, checkpoint
-        saved = (f"checkpoint saved at {checkpoint}; rerun the same command to resume"
-                 if checkpoint else "no checkpoint saved")
+        saved = f"checkpoint saved at {checkpoint}; {rerun} to resume" if checkpoint else "no checkpoint saved"
         super().__init__(f"interrupted by {signal_name} after step {step}: {saved}")
 
 

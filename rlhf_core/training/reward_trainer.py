@@ -579,7 +579,6 @@ class RewardModelTrainer:
                 if rm.save_freq > 0 and step % rm.save_freq == 0 and step < self.total_steps:
                     self.save()
                 self.step_under_way = None
-            self._stop_if_requested()  # a signal during the last step: saved, not validated or exported
         finally:
             bar.close()
         last_val = self.validate()
@@ -600,7 +599,12 @@ class RewardModelTrainer:
         if self.global_step > 0:
             saved = ckpt.step_dir(self.local_dir, self.global_step) if self.latest_step() == self.global_step \
                 else self.save()
-        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None)
+        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None, self.rerun_advice)
+
+    @property
+    def rerun_advice(self) -> str:
+        """How a rerun resumes from the latest checkpoint (:func:`checkpoint.rerun_advice`)."""
+        return ckpt.rerun_advice(self.rm.resume_mode, KEY)
 
     # ------------------------------------------------------------------ checkpoints
     def latest_step(self) -> int | None:

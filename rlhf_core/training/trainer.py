@@ -581,7 +581,8 @@ class PPOTrainer:
         if event.action == "stop":
             if restored is not None:
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
-                where = f"restored {restored} and marked it latest: fix the cause, then rerun to resume from it"
+                where = (f"restored {restored} and marked it latest: fix the cause, then {self.rerun_advice} to "
+                         "resume from it")
             else:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
@@ -613,12 +614,18 @@ class PPOTrainer:
             saved = checkpoint.step_dir(self.checkpoint_dir, self.global_step)
         elif self.config.trainer.save_on_interrupt and self.global_step > 0:
             saved = self.save_checkpoint()
-        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None)
+        raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None, self.rerun_advice)
+
+    @property
+    def rerun_advice(self) -> str:
+        """How a rerun resumes from the latest checkpoint (:func:`checkpoint.rerun_advice`)."""
+        return checkpoint.rerun_advice(self.config.trainer.resume_mode)
 
     def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError:
         """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from."""
         latest = checkpoint.latest_or_none(self.checkpoint_dir)
-        resume = (f"the latest checkpoint {latest} is intact: rerun to resume from it" if latest is not None
+        resume = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                  if latest is not None
                   else "no checkpoint was saved yet")
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
 

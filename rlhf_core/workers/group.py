@@ -38,9 +38,9 @@ from rlhf_core.workers.common import peak_memory_gb
 
 #: How long to wait, after a first failure, for the others (to report a death rather than its echo).
 FAILURE_GRACE_S = 2.0
-#: A call still running after this many seconds (or after STALL_FACTOR times the longest earlier call of the same
-#: method, if that is longer) gets a notice naming the ranks still in it, and again each time its age doubles: a
-#: rank that hangs otherwise shows nothing until the collective timeout fails the call.
+#: A call still running after this many seconds (or after STALL_FACTOR times the previous call of the same method,
+#: if that is longer) gets a notice naming the ranks still in it, and again each time its age doubles: a rank that
+#: hangs otherwise shows nothing until the collective timeout fails the call.
 STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
 
@@ -105,7 +105,7 @@ class WorkerGroup:
         self.world_size = world_size
         self.failed: str | None = None
         self.collective_timeout_s = collective_timeout_s
-        self._longest: dict[str, float] = {}  # method -> its longest call so far, seconds
+        self._last: dict[str, float] = {}  # method -> its previous call's seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
@@ -160,7 +160,7 @@ class WorkerGroup:
         pending = list(refs)
         started = time.monotonic()
         finished: dict[int, float] = {}  # rank -> seconds it took
-        notice_at = max(STALL_NOTICE_S, STALL_FACTOR * self._longest.get(method, 0.0))
+        notice_at = max(STALL_NOTICE_S, STALL_FACTOR * self._last.get(method, 0.0))
         while pending:
             ready, pending = ray.wait(pending, num_returns=1,
                                       timeout=max(0.0, notice_at - (time.monotonic() - started)))
@@ -175,7 +175,7 @@ class WorkerGroup:
                     failures = [(rank_of[ref], exc)] + self._more_failures(pending, rank_of)
                     self._raise(method, failures)
                 finished[rank_of[ref]] = time.monotonic() - started
-        self._longest[method] = max(self._longest.get(method, 0.0), time.monotonic() - started)
+        self._last[method] = time.monotonic() - started
         return [results[ref] for ref in refs]
 
     def _stall_notice(self, method: str, elapsed: float, running: list[int], finished: dict[int, float]) -> None:
@@ -187,12 +187,13 @@ class WorkerGroup:
             done = sorted(finished)
             line += (f"; rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished it after "
                      f"{max(finished.values()):.0f} s")
-        if method in self._longest:
-            line += f"; its longest earlier call took {self._longest[method]:.0f} s"
+        if method in self._last:
+            line += f"; its previous call took {self._last[method]:.0f} s"
         pid = f" {pids[min(running)]}" if pids else " PID"
         print(f"{line}. A rank that hangs holds the others at their next collective until "
-              f"actor_rollout_ref.nccl_timeout ({self.collective_timeout_s:.0f} s) fails the call; "
-              f"`py-spy dump --pid{pid}` shows where a rank is.", file=sys.stderr, flush=True)
+              f"actor_rollout_ref.nccl_timeout ({self.collective_timeout_s:.0f} s) fails the call (a hang outside "
+              f"any collective is not timed out); `py-spy dump --pid{pid}` shows where a rank is.",
+              file=sys.stderr, flush=True)
 
     @staticmethod
     def _more_failures(pending: list, rank_of: dict) -> list:
