@@ -242,3 +242,23 @@ def test_process_alive():
     assert atomic.process_alive(os.getpid())
     assert not atomic.process_alive(ended.pid)
     assert not atomic.process_alive(0) and not atomic.process_alive(-1)  # never a signal to a process group
+
+
+def test_written_data_and_exported_models_are_readable_as_plainly_written_files_are(tmp_path):
+    """mkstemp's temporary file and safetensors' weights file are private to their owner (0600): the parquet files
+    and the model export get the modes a plain open() gives (0666 less the umask), as their other files have."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.atomic import current_umask
+    from rlhf_core.data.schema import write_parquet_atomic
+    from rlhf_core.models.loading import save_hf_model
+    from rlhf_core.models.toy import random_toy_model
+
+    usual = 0o666 & ~current_umask()
+    data = write_parquet_atomic(pd.DataFrame({"a": [1]}), tmp_path / "train.parquet")
+    assert data.stat().st_mode & 0o777 == usual
+    model = AutoModelForCausalLM.from_pretrained(random_toy_model(tmp_path / "toy", n_layers=1, hidden_size=32, seed=0))
+    save_hf_model(model, model.state_dict(), tmp_path / "export")
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "export").iterdir()}
+    assert "model.safetensors" in modes and set(modes.values()) == {usual}, modes

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from rlhf_core.atomic import current_umask
+
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
@@ -59,6 +61,7 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
     os.close(fd)
     try:
         frame.to_parquet(tmp, index=False)
+        os.chmod(tmp, 0o666 & ~current_umask())  # as open() would make it (mkstemp's file is the owner's only)
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -21,6 +21,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from rlhf_core.atomic import give_usual_modes
 from rlhf_core.models import cpu_matmul, packed_attention
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -221,6 +222,7 @@ def save_hf_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], t
     if getattr(model, "generation_config", None) is not None:
         clean.generation_config = copy.deepcopy(model.generation_config)
     clean.save_pretrained(target)
+    give_usual_modes(target)  # safetensors writes its file private to the owner, the rest as open() would
 
 
 def _has_tokenizer_files(folder: Path) -> bool:
