@@ -499,6 +499,7 @@ ALLOWED = {
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2", "data.val_batch_size": "4",
     "reward_model.train.margin": "0.5", "reward_model.overlong_buffer.log": "true",
     "trainer.val_only": "true", "trainer.balance_batch": "false",
+    "actor_rollout_ref.nccl_timeout": "3600",  # raised after a hang: the stall notice points at it
     "actor_rollout_ref.actor.optim.lr": "0.5", "critic.optim.lr": "0.5",  # a resume's schedule takes the new rate
 }
 

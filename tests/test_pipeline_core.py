@@ -645,3 +645,15 @@ def test_a_failed_training_run_in_a_pipeline_says_how_to_go_on_from_its_checkpoi
     add_resume_advice(error, tmp_path)
     [note] = error.__notes__
     assert f"trainer.resume_mode=resume_path and trainer.resume_from_path={tmp_path / 'global_step_2'}" in note
+
+
+def test_without_exception_notes_the_advice_goes_to_stderr(tmp_path, capsys):
+    """Python 3.10's exceptions take no notes (add_note is 3.11's): the advice is printed instead."""
+    from types import SimpleNamespace
+
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.checkpoint import write_checkpoint
+
+    write_checkpoint(tmp_path, 2, lambda files: [])
+    add_resume_advice(SimpleNamespace(), tmp_path)  # an error as Python 3.10 makes it, for what is read of it
+    assert f"trainer.resume_from_path={tmp_path / 'global_step_2'}" in capsys.readouterr().err
