@@ -63,7 +63,7 @@ def check_reward_model_dir(path: str | os.PathLike | None, trust_remote_code: bo
     a sequence-classification architecture and a pad token id, weights, and a tokenizer."""
     if not path:
         raise ModelError(f"{KEY} is not set: reward_model.enable=true needs the directory of a reward model")
-    export = Path(os.path.expanduser(str(path))) / "huggingface"
+    export = resolve(path) / "huggingface"
     if (export / "config.json").is_file() and not (export.parent / "config.json").is_file():
         raise ModelError(f"{KEY}: {export.parent} is a reward model's training folder; the model is its export, "
                          f"{KEY}={export}")

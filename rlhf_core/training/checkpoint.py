@@ -370,11 +370,16 @@ def saved_workers(manifest: dict, part: str) -> int:
     return common.saved_workers(rel[len(prefix):] for rel in manifest["files"] if rel.startswith(prefix))
 
 
+def _last_names(found: list[tuple[int, Path]]) -> str:
+    """The last three of :func:`list_checkpoints`' folders by name, for a message."""
+    return ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
+
+
 def unmarked_refusal(root: Path, section: str = "trainer") -> str:
     """The refusal of ``resume_mode=auto`` in ``root``, which holds checkpoints but no marker naming the latest;
     ``section`` holds the run's resume keys (``reward_model.train`` for a reward model's)."""
     found = list_checkpoints(root)
-    steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
+    steps = _last_names(found)
     intact = newest_intact(root)
     verdict = (f"the newest intact one is {intact}" if intact is not None
                else "none of them is intact (missing files or other hashes than their manifest's)")
@@ -407,7 +412,7 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
     found = list_checkpoints(root)
     if not found:
         return
-    steps = ("..., " if len(found) > 3 else "") + ", ".join(path.name for _, path in found[-3:])
+    steps = _last_names(found)
     print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
           f"checkpoints ({steps}): their {LATEST_FILE} is removed, so that a rerun resumes this run once it has "
           "saved and never that one; this run's saves replace them step by step (another "
