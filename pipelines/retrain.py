@@ -18,6 +18,7 @@ from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
+from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.promotion import check_gate, check_not_cached
 from steps.check_new_data import check_new_data
 from steps.define_reward import define_reward
@@ -29,7 +30,8 @@ from steps.train_ppo import train_ppo
 from steps.validate_data import validate_data
 
 
-@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST)
+@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST,
+          on_failure=mark_failed_version)
 def rlhf_retrain_pipeline(
     trainer_config: str = "configs/ppo_demo_cpu.yaml",
     overrides: list[str] | None = None,

@@ -13,6 +13,7 @@ import uuid
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
+from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.promotion import check_gate, check_not_cached
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
@@ -25,7 +26,8 @@ from steps.validate_data import validate_data
 DEFAULT_MODEL = Model(name="rlhf-ppo-policy", description="PPO-trained policy (rlhf_ppo_pipeline)")
 
 
-@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST)
+@pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST,
+          on_failure=mark_failed_version)
 def rlhf_ppo_pipeline(
     trainer_config: str = "configs/ppo_demo_cpu.yaml",
     overrides: list[str] | None = None,

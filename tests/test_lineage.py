@@ -166,3 +166,49 @@ def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(cap
     out = capsys.readouterr().out
     assert "run:        rlhf_ppo_pipeline-7 (failed)" in out
     assert "projects/default/runs/run-7" in out
+
+
+def test_a_version_whose_run_failed_says_at_which_step_and_why(capsys):
+    """The pipelines' failure hook records the step and the error on the version; the chain and the summary
+    lead with them."""
+    from types import SimpleNamespace
+
+    from rlhf_core.pipeline.lineage import format_lineage
+
+    meta = {"failed_step": "train_ppo", "failure": "RewardFunctionError: compute_score raised on row 3",
+            "pipeline_run_id": "run-8"}
+    record = {"model": "m", "version": "11", "stage": None, "run": "r-8", "pipeline": "rlhf_ppo_pipeline",
+              "run_status": "failed", "run_id": "run-8", "model_version_metadata": meta,
+              "chain": [_link("checkpoint", "train_ppo", {})]}
+    assert format_lineage(record).splitlines()[2] == \
+        "  failed at step train_ppo: RewardFunctionError: compute_score raised on row 3"
+
+    failed = SimpleNamespace(name="11", run_metadata=meta, pipeline_run_ids={})
+    run = SimpleNamespace(name="r-8", status="failed", id="run-8")
+
+    class Client:
+        active_project = SimpleNamespace(name="default")
+
+        def get_model_version(self, model, version):
+            if version == "latest":
+                return failed
+            raise KeyError(version)
+
+        def get_pipeline_run(self, run_id):
+            assert run_id == "run-8"
+            return run
+
+    assert cli.demo_summary(["--model", "m"], client=Client()) == 0
+    out = capsys.readouterr().out
+    assert "run:        r-8 (failed)" in out
+    assert "decision:   none: the run failed at step train_ppo: RewardFunctionError: compute_score raised" in out
+
+
+def test_the_failure_record_keeps_the_error_short():
+    from rlhf_core.pipeline.failure import MAX_ERROR_CHARS, failure_record
+
+    record = failure_record("evaluate", RuntimeError("x" * 5000), "r-9", "id-9")
+    assert record["failure"] == "RuntimeError: " + "x" * (MAX_ERROR_CHARS - 3 - len("RuntimeError: ")) + "..."
+    assert len(record["failure"]) == MAX_ERROR_CHARS
+    assert record == {"failed_step": "evaluate", "failure": record["failure"], "pipeline_run": "r-9",
+                      "pipeline_run_id": "id-9"}

@@ -261,6 +261,9 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
                    overrides=["trainer.save_freq=1", f"custom_reward_function.path={flaky}",
                               f"trainer.default_local_dir={runs}"])
     assert str(run.status) == "completed" and (tmp_path / "failed_once").exists()
+    version = zenml_client().get_model_version(MODEL, run.model_version.id)
+    assert "failed" not in [tag.name for tag in version.tags]  # the hook waits for the last attempt
+    assert "failed_step" not in version.run_metadata
     summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
     folder = runs / run.name
     assert summary["resumed_from"] == str(folder / "global_step_1")
@@ -301,6 +304,12 @@ parameters:
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
     with pytest.raises(KeyError):
         client.get_model_version("tiny-bad-data", "production")
+    # the failure hook marked the version the run made, naming the step and the error
+    version = client.get_model_version("tiny-bad-data", "latest")
+    assert [tag.name for tag in version.tags] == ["failed"]
+    assert version.run_metadata["failed_step"] == "validate_data"
+    assert version.run_metadata["failure"].startswith("DataValidationError: Dataset validation FAILED")
+    assert version.run_metadata["pipeline_run_id"] == str(run.id)
 
 
 def _mcnemar_by_hand(fixed: int, broken: int) -> float:

@@ -126,7 +126,10 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
     print(f"run:        {run.name if run else '?'} ({run.status if run else 'no run recorded'})")
     print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
           f"(base model {meta.get('base_accuracy', 'n/a')})")
-    print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
+    if "failed_step" in meta:  # recorded by the pipelines' failure hook
+        print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
+    else:
+        print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
     print(f"production: {'version ' + production if production else 'none yet'}")
     print("browse:")
     print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")

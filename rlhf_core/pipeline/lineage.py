@@ -176,6 +176,9 @@ def format_lineage(record: Mapping[str, Any]) -> str:
     """The chain as indented text, one block per stage."""
     lines = [f"model {record['model']} version {record['version']} (stage: {record['stage'] or 'none'})",
              f"  produced by run {record['run']} of {record['pipeline']} ({record['run_status']}, id {record['run_id']})"]
+    meta = record["model_version_metadata"]
+    if "failed_step" in meta:  # recorded by the pipelines' failure hook
+        lines.append(f"  failed at step {meta['failed_step']}: {_short(meta.get('failure', ''))}")
     for index, link in enumerate(record["chain"]):
         arrow = "   " if index == 0 else "-> "
         lines.append(f"{arrow}{link['stage']}: step {link['step']} [{link['status']}] - {link['about']}")
@@ -191,7 +194,6 @@ def format_lineage(record: Mapping[str, Any]) -> str:
                 lines.append(f"      {key}: {_short(link['metadata'][key])}")
         if link["stage"] == "evaluation":
             lines += _changed_lines(link["metadata"])
-    meta = record["model_version_metadata"]
     for key in ("dataset_fingerprint", "reward_sha256", "checkpoint_artifact_id", "accuracy", "baseline",
                 "baseline_accuracy", "previous_production_version", "gain", "gain_ci", "p_value", "alpha"):
         if key in meta:
