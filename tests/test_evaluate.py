@@ -280,3 +280,18 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert capsys.readouterr().out.startswith("accuracy 50.00% ")
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
     assert "error: --custom-reward: " in capsys.readouterr().err
+
+
+def test_the_report_draws_accuracies_of_none_and_all_right():
+    """0 of 40 and 40 of 40: the plot's error bars were a rounding error below 0 there, which matplotlib refused
+    (the report failed after training had finished); an interval end a hair inside the value is drawn too."""
+    from rlhf_core.pipeline.evaluate import EvalResult
+    from rlhf_core.stats import wilson_interval
+
+    none = EvalResult("base model", 0.0, 40, 0.0, {}, 3.0, interval=wilson_interval(0, 40))
+    every = EvalResult("trained policy", 1.0, 40, 1.0, {}, 3.0, interval=wilson_interval(40, 40))
+    page = evaluation_html({"base model": none, "trained policy": every})
+    assert "<td>0.00%</td><td>[0.0%, 8.8%]</td><td>40</td>" in page
+    assert "<td>100.00%</td><td>[91.2%, 100.0%]</td><td>40</td>" in page
+    hair = EvalResult("base model", 0.0, 40, 0.0, {}, 3.0, interval=(6.9e-18, 0.0876))
+    assert "<img" in evaluation_html({"base model": hair})

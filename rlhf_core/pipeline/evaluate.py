@@ -787,6 +787,7 @@ def accuracy_bar_png(results: Mapping[str, EvalResult]) -> bytes:
     values = [results[name].accuracy for name in names]
     errors = np.array([[value - (results[name].interval or (value, value))[0] for name, value in zip(names, values)],
                        [(results[name].interval or (value, value))[1] - value for name, value in zip(names, values)]])
+    errors = errors.clip(min=0.0)  # an interval end a rounding error inside the value must not refuse the plot
     bars = axes.bar(names, values, yerr=errors, capsize=6, color=["#9aa5b1", "#f2994a", "#2f80ed"][: len(names)])
     for bar, value, above in zip(bars, values, errors[1]):
         axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
