@@ -6,8 +6,8 @@
   says what each response answers), per data source, each with its standard error over prompts.
   ``val-core/`` holds the headline values, ``val-aux/`` their standard errors.
 * :func:`wilson_interval`: the confidence interval of one accuracy.
-* :func:`paired_comparison`: two models on the same problems: the gain, its interval, and McNemar's
-  exact test on the problems where they disagree.
+* :func:`paired_comparison`: two models on the same problems: the gain, its interval (Newcombe's, for
+  paired proportions), and McNemar's exact test on the problems where they disagree.
 * :func:`stratified_sample`: at most ``max_problems`` problems, each data source keeping its share.
 
 No torch and no I/O: the trainer, the evaluation and the promotion rule all call into this.
@@ -50,7 +50,10 @@ def wilson_interval(successes: int, n: int, alpha: float = 0.05) -> tuple[float,
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
+    # at 0 and n the bound is 0 (or 1) exactly; in floats centre - half may land a rounding error off it
+    low = 0.0 if successes <= 0 else max(0.0, centre - half)
+    high = 1.0 if successes >= n else min(1.0, centre + half)
+    return (low, high)
 
 
 def half_width(n: int, alpha: float = 0.05, p: float = 0.5) -> float:
@@ -167,45 +170,14 @@ class PairedComparison:
         return {**asdict(self), "significant": self.significant}
 
 
-def _at_least(k: int, n: int, p: float) -> float:
-    """P(X >= k) for X ~ Binomial(n, p), summed in log space (exact enough for thousands of trials)."""
-    if k <= 0 or p >= 1:
-        return 1.0
-    if k > n or p <= 0:
-        return 0.0
-    logs = [math.lgamma(n + 1) - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * math.log(p)
-            + (n - j) * math.log1p(-p) for j in range(k, n + 1)]
-    top = max(logs)
-    return min(1.0, math.exp(top) * sum(math.exp(value - top) for value in logs))
-
-
-def _solve(f, target: float, increasing: bool) -> float:
-    """The p in [0, 1] where the monotone ``f(p)`` reaches ``target``, by bisection."""
-    low, high = 0.0, 1.0
-    for _ in range(100):
-        middle = (low + high) / 2
-        if (f(middle) < target) == increasing:
-            low = middle
-        else:
-            high = middle
-    return (low + high) / 2
-
-
-def clopper_pearson(successes: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
-    """The exact ``1 - alpha`` interval of a binomial proportion: each bound leaves ``alpha / 2`` in its tail."""
-    low = 0.0 if successes == 0 else _solve(lambda p: _at_least(successes, n, p), alpha / 2, increasing=True)
-    high = 1.0 if successes == n else _solve(lambda p: 1 - _at_least(successes + 1, n, p), alpha / 2,
-                                             increasing=False)
-    return low, high
-
-
 def paired_comparison(candidate: Sequence[bool], baseline: Sequence[bool], alpha: float = 0.05) -> PairedComparison:
     """The gain of ``candidate`` over ``baseline`` (per-problem correctness, same order), McNemar's exact
-    p-value and the ``1 - alpha`` interval of the gain that agrees with it: given the ``d = fixed + broken``
-    problems where the two differ, the gain is ``d / n * (2 q - 1)`` with ``q`` the share of them fixed, so
-    the exact (Clopper-Pearson) interval of ``q`` gives the gain's. It excludes 0 exactly when the test
-    rejects at ``alpha`` (both are the binomial test of ``q = 1/2``); a Wald interval could exclude 0 beside
-    a p-value above ``alpha`` (5 fixed, 0 broken of 100: [+0.007, +0.093] at p = 0.0625)."""
+    p-value, and the ``1 - alpha`` interval of the gain: Newcombe's hybrid score interval for a difference of
+    paired proportions (Newcombe 1998, method 10; one of those Fagerland, Lydersen and Laake 2014 recommend).
+    Each accuracy gets its Wilson interval, and the two are combined with the correlation of the pairs, so the
+    interval widens with the problems the two models disagree on and with the number of problems; it is not
+    the test (its ends need not fall on either side of 0 exactly when the p-value does), and the promotion rule
+    decides on the p-value."""
     check_alpha(alpha)
     if len(candidate) != len(baseline):
         raise ValueError(f"paired comparison needs the same problems: {len(candidate)} candidate results vs "
@@ -213,13 +185,37 @@ def paired_comparison(candidate: Sequence[bool], baseline: Sequence[bool], alpha
     n = len(candidate)
     if n == 0:
         raise ValueError("paired comparison of zero problems: the validation set is empty")
-    fixed = sum(1 for c, b in zip(candidate, baseline) if c and not b)
-    broken = sum(1 for c, b in zip(candidate, baseline) if b and not c)
-    discordant = fixed + broken
-    low, high = clopper_pearson(fixed, discordant, alpha) if discordant else (0.5, 0.5)
-    return PairedComparison(n, sum(map(bool, candidate)) / n, sum(map(bool, baseline)) / n, fixed, broken,
-                            (fixed - broken) / n, discordant / n * (2 * low - 1), discordant / n * (2 * high - 1),
-                            mcnemar_exact_p(fixed, broken), alpha)
+    pairs = Counter((bool(c), bool(b)) for c, b in zip(candidate, baseline))
+    both, fixed, broken, neither = pairs[True, True], pairs[True, False], pairs[False, True], pairs[False, False]
+    low, high = newcombe_paired_interval(both, fixed, broken, neither, alpha)
+    return PairedComparison(n, (both + fixed) / n, (both + broken) / n, fixed, broken, (fixed - broken) / n,
+                            low, high, mcnemar_exact_p(fixed, broken), alpha)
+
+
+def newcombe_paired_interval(both: int, first_only: int, second_only: int, neither: int,
+                             alpha: float = 0.05) -> tuple[float, float]:
+    """Newcombe's hybrid score interval (method 10) for ``p1 - p2``, two proportions measured on the same
+    items: ``both`` items count for each, ``first_only`` for the first alone, ``second_only`` for the second.
+
+    With ``(l1, u1)`` and ``(l2, u2)`` the Wilson intervals of ``p1`` and ``p2`` and ``phi`` the correlation of
+    the pairs (its numerator ``both * neither - first_only * second_only`` lowered by ``n / 2`` when positive,
+    not below 0; 0 when a margin is empty), the ends are
+    ``p1 - p2 -+ sqrt(a^2 - 2 phi a b + b^2)`` with ``(a, b) = (p1 - l1, u2 - p2)`` below and
+    ``(u1 - p1, p2 - l2)`` above."""
+    n = both + first_only + second_only + neither
+    p1, p2 = (both + first_only) / n, (both + second_only) / n
+    l1, u1 = wilson_interval(both + first_only, n, alpha)
+    l2, u2 = wilson_interval(both + second_only, n, alpha)
+    margins = (both + first_only) * (second_only + neither) * (both + second_only) * (first_only + neither)
+    association = both * neither - first_only * second_only
+    if association > 0:
+        association = max(association - n / 2, 0.0)
+    phi = association / math.sqrt(margins) if margins else 0.0
+
+    def spread(a: float, b: float) -> float:
+        return math.sqrt(max(0.0, a * a - 2 * phi * a * b + b * b))
+
+    return (p1 - p2 - spread(p1 - l1, u2 - p2), p1 - p2 + spread(u1 - p1, p2 - l2))
 
 
 # ----------------------------------------------------------------------------- budget
@@ -228,9 +224,12 @@ def paired_comparison(candidate: Sequence[bool], baseline: Sequence[bool], alpha
 def stratified_sample(data_sources: Sequence[str], max_problems: int | None, seed: int = 0) -> list[int]:
     """Sorted positions of at most ``max_problems`` rows, each data source keeping its share.
 
-    Shares are rounded by largest remainder (every source keeps at least one row while the cap
-    allows); rows within a source are drawn with a seeded generator, so the same data, cap and
-    seed always give the same problems. ``None`` (or a cap >= the rows) keeps every row.
+    Each source keeps at least one row while the cap allows (with fewer rows than sources, the largest
+    sources keep one each); the rest follow the shares, rounded by largest remainder: a source short of its
+    share gets a row before one at or above it, and where the one-row floors overshoot the cap, rows go back
+    from the sources furthest above their share. Rows within a source are drawn with a seeded generator, so
+    the same data, cap and seed always give the same problems. ``None`` (or a cap >= the rows) keeps every
+    row.
     """
     total = len(data_sources)
     if max_problems is None or max_problems >= total:
@@ -241,16 +240,20 @@ def stratified_sample(data_sources: Sequence[str], max_problems: int | None, see
     for position, source in enumerate(data_sources):
         by_source.setdefault(source, []).append(position)
     sources = sorted(by_source)
-    exact = {s: max_problems * len(by_source[s]) / total for s in sources}
-    quota = {s: min(len(by_source[s]), max(1, math.floor(exact[s]))) for s in sources}
-    while sum(quota.values()) > max_problems:  # more sources than the cap: drop the smallest shares
-        smallest = min((s for s in sources if quota[s] > 0), key=lambda s: (exact[s], s))
-        quota[smallest] -= 1
-    by_remainder = sorted(sources, key=lambda s: (-(exact[s] - math.floor(exact[s])), s))
-    while sum(quota.values()) < max_problems:  # hand out the rest, largest remainder first
-        for s in by_remainder:
-            if sum(quota.values()) < max_problems and quota[s] < len(by_source[s]):
-                quota[s] += 1
+    exact = {s: max_problems * len(by_source[s]) / total for s in sources}  # each below its rows: cap < total
+    if max_problems < len(sources):
+        kept = sorted(sources, key=lambda s: (-exact[s], s))[:max_problems]
+        quota = {s: int(s in kept) for s in sources}
+    else:
+        quota = {s: max(1, math.floor(exact[s])) for s in sources}
+        while sum(quota.values()) > max_problems:  # the one-row floors overshoot: back from the furthest over
+            over = max((s for s in sources if quota[s] > 1),
+                       key=lambda s: (quota[s] - exact[s], -sources.index(s)))
+            quota[over] -= 1
+        while sum(quota.values()) < max_problems:  # the rest to the sources furthest short of their share
+            short = max((s for s in sources if quota[s] < len(by_source[s])),
+                        key=lambda s: (exact[s] - quota[s], -sources.index(s)))
+            quota[short] += 1
     rng = np.random.default_rng(seed)
     chosen = [int(p) for s in sources for p in rng.choice(by_source[s], size=quota[s], replace=False)]
     return sorted(chosen)

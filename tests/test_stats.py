@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
-from scipy.stats import beta
 
 from rlhf_core.stats import (
     check_alpha,
@@ -105,33 +105,68 @@ def test_paired_comparison_counts_the_gain_its_interval_and_p():
     assert (c.n, c.fixed, c.broken) == (10, 4, 1)
     assert (c.candidate_accuracy, c.baseline_accuracy) == (pytest.approx(0.7), pytest.approx(0.4))
     assert c.gain == pytest.approx(0.3)
-    # the 5 discordant problems: 4 fixed, an exact interval of the share fixed (beta quantiles), scaled to the gain
-    low, high = beta.ppf(0.025, 4, 2), beta.ppf(0.975, 5, 1)  # 0.2836, 0.9949
-    assert (c.ci_low, c.ci_high) == (pytest.approx(0.5 * (2 * low - 1)), pytest.approx(0.5 * (2 * high - 1)))
+    assert c.ci_low < c.gain < c.ci_high
     assert c.p_value == pytest.approx(2 * (1 + 5) / 2 ** 5)  # 0.375
     assert not c.significant
     with pytest.raises(ValueError, match="same problems"):
         paired_comparison([1, 0], [1])
 
 
-@pytest.mark.parametrize("fixed, broken", [(5, 0), (6, 0), (9, 2), (10, 2), (30, 15), (0, 0)])
-def test_the_gain_interval_excludes_zero_exactly_when_the_test_rejects(fixed, broken):
-    """5 fixed, 0 broken of 100: p = 2 / 2^5 = 0.0625, and the interval's lower end is 5/100 * (2 * 0.025^(1/5) - 1),
-    just below 0 (a Wald interval read [+0.007, +0.093] there); 6 fixed: p = 0.03125 and the interval is above 0."""
-    n = 100
-    c = paired_comparison([True] * fixed + [False] * (n - fixed), [False] * fixed + [True] * broken + [False] * (n - fixed - broken))
-    assert (c.fixed, c.broken) == (fixed, broken)
-    assert (c.ci_low > 0) == c.significant
-    assert c.ci_low <= c.gain <= c.ci_high
-    if (fixed, broken) == (5, 0):
-        assert c.p_value == pytest.approx(0.0625)
-        assert c.ci_low == pytest.approx(0.05 * (2 * 0.025 ** 0.2 - 1)) and c.ci_low < 0 and c.ci_high == pytest.approx(0.05)
+def _pairs(both, first_only, second_only, neither):
+    first = [True] * (both + first_only) + [False] * (second_only + neither)
+    second = [True] * both + [False] * first_only + [True] * second_only + [False] * neither
+    return first, second
+
+
+@pytest.mark.parametrize("table, published", [
+    # Fagerland, Lydersen and Laake (2014, Stat Med 33: 2850), Newcombe's hybrid score interval on two examples:
+    # complete response before and after consolidation therapy (Cavo et al. 2012): 59 both, 6 and 16 one, 80 none
+    ((59, 6, 16, 80), (-0.1186, -0.0046)),
+    # airway hyper-responsiveness before and after stem cell transplantation (Bentur et al. 2009)
+    ((1, 1, 7, 12), (-0.507, -0.026)),
+])
+def test_the_gain_interval_is_newcombes_for_paired_proportions(table, published):
+    c = paired_comparison(*_pairs(*table))
+    digits = len(str(published[0]).split(".")[1])
+    assert (round(c.ci_low, digits), round(c.ci_high, digits)) == published
+    assert c.gain == pytest.approx((table[1] - table[2]) / sum(table))
+
+
+def test_models_that_always_agree_still_get_an_interval_as_wide_as_n_allows():
+    """10 problems all right for both: each accuracy's Wilson interval is [n / (n + z^2), 1], so the gain's is
+    +-z^2 / (n + z^2) = +-0.2775, not the [0, 0] of an interval conditioned on the problems they disagree on."""
+    c = paired_comparison([True] * 10, [True] * 10)
+    half = Z95 ** 2 / (10 + Z95 ** 2)
+    assert (c.ci_low, c.ci_high) == (pytest.approx(-half), pytest.approx(half))
+    assert c.p_value == 1.0
+
+
+def test_the_gain_interval_covers_the_true_gain_about_as_often_as_it_says():
+    """Draws of 100 problems with 8% fixed and none broken (true gain +0.08): an interval that takes the number
+    of disagreements as known covered the gain in about 55% of draws; a 95% interval must come near 95%."""
+    rng = np.random.default_rng(0)
+    draws = rng.multinomial(100, [0.40, 0.08, 0.0, 0.52], size=400)
+    covered = 0
+    for both, fixed, broken, neither in draws:
+        c = paired_comparison(*_pairs(int(both), int(fixed), int(broken), int(neither)))
+        covered += c.ci_low <= 0.08 <= c.ci_high
+    assert covered / len(draws) >= 0.88
 
 
 def test_wilson_interval_matches_the_table():
     low, high = wilson_interval(8, 10)
     assert (low, high) == (pytest.approx(0.4902, abs=1e-4), pytest.approx(0.9433, abs=1e-4))
     assert wilson_interval(0, 20)[0] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_wilson_interval_ends_at_0_and_1_exactly_for_none_and_all_right():
+    """In floats the centre minus the half-width at 0 of 40 came to 6.9e-18 (and 40 of 40 to 1 - 1.1e-16): a
+    negative error bar the report's plot refused. By the formula, the bound is 0 (1) exactly."""
+    for n in range(1, 2001):
+        low, high = wilson_interval(0, n)
+        assert low == 0.0 and high == pytest.approx(Z95 ** 2 / (n + Z95 ** 2))
+        low, high = wilson_interval(n, n)
+        assert high == 1.0 and low == pytest.approx(n / (n + Z95 ** 2))
     assert half_width(1000) == pytest.approx(Z95 * math.sqrt(0.25 / 1000))  # +-3.1 points on 1,000 problems
 
 
@@ -158,3 +193,19 @@ def test_stratified_sample_keeps_each_source_share_and_is_seeded():
     assert sorted(skewed[i] for i in stratified_sample(skewed, 5)) == ["a", "a", "a", "b", "c"]
     with pytest.raises(ValueError, match="max_problems"):
         stratified_sample(sources, 0)
+
+
+@pytest.mark.parametrize("counts, cap, expected", [
+    # shares 0.9, 3.55, 2.55 of 7: floors 1 (raised from 0), 3, 2, and the last row to a source short of its share
+    ({"a": 90, "b": 355, "c": 255}, 7, {"a": 1, "b": 4, "c": 2}),
+    # shares 0.61, 0.83, 2.26, 0.30 of 4: one each (the largest gives back the row its floor had)
+    ({"s0": 14, "s1": 19, "s2": 52, "s3": 7}, 4, {"s0": 1, "s1": 1, "s2": 1, "s3": 1}),
+    # shares 0.26, 0.09, 1.32, 4.31, 5.02 of 11: the floors overshoot by one, taken from the one furthest over
+    ({"s0": 3, "s1": 1, "s2": 15, "s3": 49, "s4": 57}, 11, {"s0": 1, "s1": 1, "s2": 1, "s3": 4, "s4": 4}),
+    # fewer rows than sources: the largest sources keep one each
+    ({"a": 30, "b": 10, "c": 1}, 2, {"a": 1, "b": 1, "c": 0}),
+])
+def test_stratified_sample_keeps_every_source_the_cap_allows_and_rounds_to_the_shares(counts, cap, expected):
+    sources = [name for name, count in counts.items() for _ in range(count)]
+    chosen = stratified_sample(sources, cap, seed=1)
+    assert {name: sum(sources[i] == name for i in chosen) for name in counts} == expected
