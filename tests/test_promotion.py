@@ -227,6 +227,10 @@ def test_the_evaluate_steps_record_is_paired_by_problem_id():
     moved = decide_from_evaluation(evaluation, "5")
     assert not moved.promote
     assert "production is version 5 but the evaluation was paired with version 4" in moved.reason
+    # production archived between evaluate and promote (no production now): refused, not promoted against it
+    archived = decide_from_evaluation({**evaluation, "production_results": dict(zip(ids, results(1, 9)))}, None)
+    assert not archived.promote
+    assert "production is no version but the evaluation was paired with version 4" in archived.reason
 
 
 def test_a_version_promoted_by_another_run_meanwhile_turns_the_promotion_into_a_refusal():

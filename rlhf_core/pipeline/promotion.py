@@ -223,8 +223,9 @@ def decide_from_evaluation(evaluation: Mapping[str, Any], production_version: st
     problems = evaluation.get("problems") or {}
     refusal = evaluation.get("production_refusal")
     paired_with = evaluation.get("production_version")
-    if production_version is not None and not skipped_reason and paired_with != production_version:
-        refusal = (f"production is version {production_version} but the evaluation was paired with "
+    if not skipped_reason and paired_with != production_version:  # also production archived meanwhile (None)
+        now = f"version {production_version}" if production_version is not None else "no version"
+        refusal = (f"production is {now} but the evaluation was paired with "
                    f"{'version ' + str(paired_with) if paired_with else 'no production version'}: production "
                    "changed during this run; run it again")
     production = evaluation.get("production_results")
