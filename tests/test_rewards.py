@@ -8,6 +8,7 @@ import math
 import string
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -401,6 +402,23 @@ def test_custom_fn_overrides_registry_and_reports_extra_keys(char_tokenizer):
     assert extras["acc"].tolist() == [1.0, 1.0]  # dict 'acc'; number >= full_score
     assert extras["length"][0] == 3.0 and math.isnan(extras["length"][1])
     assert "note" not in extras
+
+
+def test_numpy_values_in_a_dict_are_read_and_a_non_numeric_acc_is_refused(char_tokenizer):
+    """``np.isclose`` returns numpy's bool, which is not a ``numbers.Real``: its 'acc' (and extras) went unread,
+    and the accuracy fell back to score >= full score (0.8 < 1: every answer counted wrong)."""
+    def reward(solution_str, **_):
+        right = np.isclose(float(solution_str), 2.0)
+        return {"score": 0.8 * right, "acc": right, "close": right, "gap": np.float32(abs(float(solution_str) - 2))}
+
+    ids, mask = _batch(char_tokenizer, ["2", "3"])
+    _, extras = RewardManager(char_tokenizer, reward_fn=reward)(ids, mask, ["s"] * 2, [""] * 2)
+    assert extras["score"].tolist() == [pytest.approx(0.8), 0.0]
+    assert extras["acc"].tolist() == [1.0, 0.0]
+    assert extras["close"].tolist() == [1.0, 0.0] and extras["gap"].tolist() == [0.0, 1.0]
+    wordy = RewardManager(char_tokenizer, reward_fn=lambda **_: {"score": 1.0, "acc": "yes"})
+    with pytest.raises(TypeError, match=r"non-numeric 'acc' \('yes'\) for sample 0"):
+        wordy(ids, mask, ["s"] * 2, [""] * 2)
 
 
 def test_dict_without_acc_is_accurate_at_full_score(char_tokenizer):

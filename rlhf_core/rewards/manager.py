@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlhf_core.rewards import BatchRewardFn, RewardFn, UnknownDataSourceError, get_reward_fn
@@ -65,8 +66,9 @@ def _fn_name(fn: Any) -> str:
 
 
 def _is_number(value: object) -> bool:
-    """A real number (bool, int, float, numpy scalar) that is not a complex or a string."""
-    return isinstance(value, numbers.Real)
+    """A real number (bool, int, float, numpy scalar) that is not a complex or a string. numpy's bool is not a
+    ``numbers.Real``, and ``np.isclose(...)`` returns one: without it an ``acc`` of that type went unread."""
+    return isinstance(value, (numbers.Real, np.bool_))
 
 
 class RewardManager:
@@ -259,7 +261,13 @@ class RewardManager:
                 )
             score = float(result["score"])
             acc_value = result.get("acc")
-            acc = float(acc_value) if _is_number(acc_value) else float(score >= self.full_score)
+            if acc_value is not None and not _is_number(acc_value):
+                raise BadRewardResult(
+                    f"reward function {name!r} returned a non-numeric 'acc' ({acc_value!r:.60}) for {where}; "
+                    "'acc' must be a bool or a number (1 for a correct answer), or left out",
+                    name, index, data_source,
+                )
+            acc = float(acc_value) if acc_value is not None else float(score >= self.full_score)
             extra = {
                 str(key): float(value)
                 for key, value in result.items()
