@@ -35,7 +35,7 @@ import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files
-from rlhf_core.data.schema import ground_truth
+from rlhf_core.data.schema import ground_truth, is_missing
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
@@ -47,7 +47,7 @@ from rlhf_core.models.loading import (
     tokenizer_problems,
 )
 from rlhf_core.models.lora import unmatched_targets
-from rlhf_core.rewards import custom_reward_fn, known_data_sources
+from rlhf_core.rewards import custom_reward_fn, gsm8k, known_data_sources
 from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
     CheckpointError,
@@ -73,24 +73,47 @@ class PreflightError(ValueError):
         super().__init__("cannot start training:\n" + "\n".join(f"  - {e}" for e in errors))
 
 
-def _data_sources(paths: list[Path], column: str) -> tuple[set[str], set[str], int]:
-    """The data sources of the rows that have a ``reward_model.ground_truth``, of all rows, and how many rows
-    have none."""
-    sources: set[str] = set()
-    every: set[str] = set()
-    without = 0
+@dataclass
+class _SourceScan:
+    """What preflight reads of a data key's files: the data sources of the rows with a ground truth and of all
+    rows, the rows without a ground truth, and (``file row N: reason``, a few) rows without a data source and
+    rows whose ground truth no response can match under the built-in rule (:func:`gsm8k.unanswerable`)."""
+
+    graded: set[str] = field(default_factory=set)
+    every: set[str] = field(default_factory=set)
+    without: int = 0
+    no_source: list[str] = field(default_factory=list)
+    unanswerable: dict[str, list[str]] = field(default_factory=dict)  # by data source
+
+
+def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceScan:
+    scan = _SourceScan()
     for path in paths:
         try:
-            names = set(pyarrow.parquet.read_schema(path).names)
-            frame = pd.read_parquet(path, columns=[column] + (["reward_model"] if "reward_model" in names else []))
+            names = pyarrow.parquet.read_schema(path).names
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-            raise DataError(f"{path}: cannot read column {column!r}: {exc}") from exc
+            raise DataError(f"{path}: cannot read it as parquet: {exc}") from exc
+        if column not in names:
+            raise DataError(f"{path}: no column {column!r} (data.reward_fn_key) to route the reward by; the file "
+                            f"has {', '.join(repr(n) for n in names if not n.startswith('__'))}")
+        frame = pd.read_parquet(path, columns=[column] + (["reward_model"] if "reward_model" in names else []))
         truths = frame["reward_model"] if "reward_model" in frame else [None] * len(frame)
-        graded = [ground_truth(value) is not None for value in truths]
-        sources.update(frame[column][graded].astype(str).unique())
-        every.update(frame[column].astype(str).unique())
-        without += graded.count(False)
-    return sources, every, without
+        for row, (source, cell) in enumerate(zip(frame[column], truths)):
+            if is_missing(source):
+                if len(scan.no_source) < examples:
+                    scan.no_source.append(f"{path.name} row {row}")
+                continue
+            source, truth = str(source), ground_truth(cell)
+            scan.every.add(source)
+            if truth is None:
+                scan.without += 1
+                continue
+            scan.graded.add(source)
+            reason = gsm8k.unanswerable(truth)
+            found = scan.unanswerable.setdefault(source, []) if reason else []
+            if reason and len(found) < examples:
+                found.append(f"{path.name} row {row}: {reason}")
+    return scan
 
 
 def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:
@@ -171,15 +194,24 @@ def preflight(cfg: PPOConfig) -> None:
             continue
         try:
             paths = check_files(files, key)
-            graded, every, without = _data_sources(paths, cfg.data.reward_fn_key)
+            scan = _data_sources(paths, cfg.data.reward_fn_key)
+            graded, without = scan.graded, scan.without
+            if scan.no_source:
+                errors.append(f"{key}: rows without a {cfg.data.reward_fn_key} (the reward is routed by it): "
+                              f"{'; '.join(scan.no_source)}")
             if without and cfg.needs_ground_truth():
                 errors.append(f"{key}: {without} rows have no reward_model.ground_truth{TRUTH_HINT}")
             # the rule grades the rows with a ground truth; the others only where it counts in the reward
-            unknown = sorted((every if cfg.needs_ground_truth() else graded) - set(known_data_sources()))
+            known = set(known_data_sources())
+            unknown = sorted((scan.every if cfg.needs_ground_truth() else graded) - known)
             if unknown and not custom.path:
                 errors.append(
                     f"{key}: no reward function for data_source {', '.join(unknown)} (known: "
                     f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
+            rule_rows = [row for source, rows in sorted(scan.unanswerable.items()) if source in known for row in rows]
+            if rule_rows and not custom.path:
+                errors.append(f"{key}: ground truths no response can match under the built-in rule reward: "
+                              f"{'; '.join(rule_rows[:3])}")
             groups = cfg.algorithm.filter_groups
             if key == "data.train_files" and without and groups.enable and groups.metric == "acc" \
                     and not custom.path:  # dynamic sampling groups training prompts only

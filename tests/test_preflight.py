@@ -308,3 +308,29 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
         port = taken.getsockname()[1]
         [error] = _errors(_config(space, f"trainer.prometheus_port={port}"))
     assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")
+
+
+def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_named(space, tmp_path):
+    """Ground truths no response can earn the rule's score against (a list turned to text, a word, "4.0") trained
+    at score 0 without a word; a row without a data_source failed in preflight with pandas' TypeError."""
+    import pandas as pd
+
+    frame = pd.read_parquet(space / "data" / "train.parquet")
+    frame["reward_model"] = [{"style": "rule", "ground_truth": ["['4']", "four", "4.0"][i] if i < 3 else
+                              cell["ground_truth"]} for i, cell in enumerate(frame["reward_model"])]
+    frame.loc[5, "data_source"] = None
+    path = tmp_path / "train.parquet"
+    frame.to_parquet(path)
+    errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
+    assert errors == [
+        "data.train_files: rows without a data_source (the reward is routed by it): train.parquet row 5",
+        "data.train_files: ground truths no response can match under the built-in rule reward: train.parquet row 0: "
+        "\"['4']\" is not a number: the rule reads the number after '#### '; train.parquet row 1: 'four' is not a "
+        "number: the rule reads the number after '#### '; train.parquet row 2: '4.0' is an integer written with a "
+        "fraction of zeros: responses answering '#### 4' score 0 (the rule compares strings); store it as '4'"]
+    # a custom reward function reads the ground truths its own way
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]",
+                             f"custom_reward_function.path={reward}"))
+    assert errors == ["data.train_files: rows without a data_source (the reward is routed by it): train.parquet row 5"]

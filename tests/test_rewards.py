@@ -124,10 +124,29 @@ def test_a_ground_truth_is_cleaned_as_the_answer_is_and_a_stored_number_read_as_
 
     for answer, truth in [("#### 1000", "1,000"), ("#### 1,000", "1,000"), ("#### 18", 18.0), ("#### 18", 18),
                           ("#### 18", np.float64(18.0)), ("#### 18", np.int64(18)), ("#### 2.5", 2.5),
-                          ("#### -3", -3.0), ("#### 70000", 70000.0), ("#### 12", "$12")]:
+                          ("#### -3", -3.0), ("#### 70000", 70000.0), ("#### 12", "$12"),
+                          # a float32 column: its 0.1 is 0.10000000149011612 as a double, the answer 0.1 as written
+                          ("#### 0.1", np.float32(0.1)), ("#### 1.2", np.float32(1.2)),
+                          ("#### 0.00001", 1e-05)]:  # never the exponent form repr gives ("1e-05")
         assert compute_score(answer, truth) == 1.0, (answer, truth)
     for answer, truth in [("#### 18", "18.0"), ("#### 18.0", 18.0), ("#### 2", 2.5), ("#### 1", True)]:
         assert compute_score(answer, truth) == 0.0, (answer, truth)
+
+
+@pytest.mark.parametrize("truth, reason", [
+    ("18", None), ("1,000", None), ("$12", None), ("-3", None), ("2.5", None), ("2.50", None), (18.0, None),
+    (np.float32(0.1), None), (b"7", None),
+    ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0"),
+    ("18.", "'18.' is an integer written with a fraction of zeros"),
+    ("four", "'four' is not a number"), ("", "'' is not a number"), ("12 apples", "'12 apples' is not a number"),
+    (["4"], "a list (['4']), not a number or the text of one"), (True, "a bool (True), not a number"),
+    ({"answer": "4"}, "a dict ({'answer': '4'}), not a number"),
+])
+def test_a_ground_truth_no_response_can_match_says_why(truth, reason):
+    from rlhf_core.rewards.gsm8k import unanswerable
+
+    found = unanswerable(truth)
+    assert found == reason if reason is None else found.startswith(reason), found
 
 
 def test_unknown_method_is_rejected():

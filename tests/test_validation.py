@@ -130,6 +130,10 @@ def _text_ground_truth(row):
     row["reward_model"]["ground_truth"] = "12 apples"
 
 
+def _zero_fraction_ground_truth(row):
+    row["reward_model"]["ground_truth"] = "13.0"  # a float column written as text: "#### 13" would score 0
+
+
 def _empty_prompt(row):
     row["prompt"] = []
 
@@ -158,6 +162,7 @@ def _null_source(row):
 BAD_ROWS = [
     (_null_ground_truth, "not_null", "ground_truth", None),
     (_text_ground_truth, "ground_truth_numeric", "ground_truth", "12 apples"),
+    (_zero_fraction_ground_truth, "ground_truth_numeric", "ground_truth", "13.0"),
     (_empty_prompt, "prompt_is_non_empty_message_list", "prompt_num_messages", 0),
     (_empty_content, "prompt_user_content_non_empty", "prompt_user_content", ""),
     (_blank_content, "prompt_user_content_non_empty", "prompt_user_content", "  \n "),
@@ -868,3 +873,16 @@ def test_share_over_counts_only_the_measured_prompts(char_tokenizer):
     assert length.examples == [(3, limit + 200)]
     malformed = report.find("prompt_is_non_empty_message_list")[0]
     assert [row for row, _ in malformed.examples] == [0, 1]
+
+
+def test_numeric_ground_truths_are_read_as_the_rule_writes_them():
+    """A float column's 13.0 is the answer 13 to the rule (it passes), a float32 2.5 is 2.5 (not 2.5 plus float32's
+    rounding), while the text "13.0" fails: the rule, comparing strings, matches it to no '#### 13'."""
+    rows = records(4)
+    for row, truth in zip(rows, [13.0, 2.5, 7.0, 0.1]):
+        row["reward_model"]["ground_truth"] = truth
+    frame = pd.DataFrame(rows)
+    frame["reward_model"] = [{**cell, "ground_truth": np.float32(cell["ground_truth"])} for cell in frame["reward_model"]]
+    report = validate_frames(frame)
+    assert report.find("ground_truth_numeric")[0].success, report.summary()
+    assert list(flatten(frame)["ground_truth"]) == ["13", "2.5", "7", "0.1"]

@@ -42,6 +42,7 @@ import html
 import json
 import logging
 import math
+import numbers
 import os
 import sys
 import threading
@@ -63,8 +64,10 @@ from rlhf_core.data.schema import (
     problem_index,
     prompt_problem,
 )
+from rlhf_core.rewards import gsm8k
 
-GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]+)?\s*$"  # optional minus, thousands commas, decimals
+# optional minus, thousands commas, decimals with a digit other than 0 (an integer as "4.0" matches no "#### 4")
+GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\s*$"
 NON_BLANK_REGEX = r"\S"
 MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
@@ -419,8 +422,10 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
         truths = map(ground_truth, frame["reward_model"])  # as the trainer reads it: a NaN is a missing one
-        out["ground_truth"] = column(None if t is None else t.decode() if isinstance(t, bytes) else str(t)
-                                     for t in truths)
+        # a number as the rule writes it (4.0 as "4", a float32 0.1 as "0.1"); text as it is stored
+        out["ground_truth"] = column(None if t is None else t.decode() if isinstance(t, bytes) else
+                                     gsm8k.expected_answer(t) if isinstance(t, numbers.Real) and not
+                                     isinstance(t, (bool, np.bool_)) else str(t) for t in truths)
     if kind == "prompt" and measure and parsed is not None:  # prompts alone are measured too
         counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
         out["prompt_tokens"] = column(counts, "float64")
@@ -531,7 +536,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                  f"{reward_fn_key} has a registered reward function{only}",
                  {"value_set": list(known_sources), **graded}),
                 ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth",
-                 f"reward_model.ground_truth is a number (optional minus, thousands commas, decimals){only}",
+                 f"reward_model.ground_truth is a number (optional minus, thousands commas, decimals; an integer "
+                 f"without '.0', which the rule's string match would miss){only}",
                  {"regex": GROUND_TRUTH_REGEX, **graded}),
             ]
         renders = ("prompt_renders", "prompt_template_error",

@@ -10,13 +10,17 @@ Only the last :data:`SOLUTION_CLIP_CHARS` characters of a response are searched,
 the regex cost on runaway generations and matches where a final answer belongs.
 The extracted answer (commas and dollar signs removed) must equal the ground truth, cleaned the same way,
 exactly as strings: ``"18"`` and ``"18.0"`` are different answers, ``"1,000"`` and ``"1000"`` the same. A
-ground truth stored as a number (a numeric parquet column) is written as the number it is: ``18.0`` as ``18``.
+ground truth stored as a number (a numeric parquet column) is written as the number it is, at its own precision
+and without an exponent: ``18.0`` as ``18``, a float32 ``0.1`` as ``0.1``, ``1e-05`` as ``0.00001``.
+:func:`unanswerable` says why no response can match a ground truth (a list, a word, ``"18.0"``).
 """
 
 from __future__ import annotations
 
 import numbers
 import re
+
+import numpy as np
 
 SOLUTION_CLIP_CHARS = 300
 METHODS = ("strict", "flexible")
@@ -50,10 +54,34 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
 def expected_answer(ground_truth) -> str:
     """``ground_truth`` as an extracted answer is compared with it: cleaned of ``,`` and ``$``, and a number
     (not a string) with an integral value written without its fraction (``18.0`` -> ``"18"``)."""
-    if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, bool):
-        value = float(ground_truth)
-        return str(int(value)) if value.is_integer() else repr(value)
+    if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, (bool, np.bool_)):
+        if float(ground_truth).is_integer():
+            return str(int(ground_truth))
+        # the shortest digits that read back as the stored value, in its own precision (float32's 0.1 is not
+        # 0.10000000149011612), never in exponent form (1e-05): the form a response's answer takes
+        return np.format_float_positional(ground_truth, unique=True, trim="-")
     return _clean(str(ground_truth).strip())
+
+
+_ANSWER_FORM = re.compile(r"-?[0-9.]*[0-9][0-9.]*")  # what strict extraction returns, once cleaned
+_ZERO_FRACTION = re.compile(r"-?[0-9]+\.0*")
+
+
+def unanswerable(ground_truth) -> str | None:
+    """Why no response earns the rule's score against ``ground_truth``, or None where one can: a ground truth
+    that is not a number or a string of one (a list, a word, an empty string), or an integer written with a
+    fraction of zeros (``"18.0"``, what a float column turned to text gives), which the rule, comparing strings,
+    matches only to a response that writes the ``.0`` too."""
+    if isinstance(ground_truth, (bool, np.bool_)) or not isinstance(ground_truth, (str, bytes, numbers.Real)):
+        return f"a {type(ground_truth).__name__} ({ground_truth!r:.40}), not a number or the text of one"
+    answer = expected_answer(ground_truth.decode() if isinstance(ground_truth, bytes) else ground_truth)
+    if not _ANSWER_FORM.fullmatch(answer):
+        return f"{answer!r} is not a number: the rule reads the number after '#### '"
+    if isinstance(ground_truth, (str, bytes)) and _ZERO_FRACTION.fullmatch(answer):
+        return (f"{answer!r} is an integer written with a fraction of zeros: responses answering "
+                f"'#### {answer.split('.')[0]}' score 0 (the rule compares strings); store it as "
+                f"{answer.split('.')[0]!r}")
+    return None
 
 
 def compute_score(
