@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -126,7 +128,7 @@ def test_overlong_prompt_error_names_the_row_and_length(tmp_path, tokenizer):
     assert "row 1" in message and f"{expected_len} tokens" in message and "max_prompt_length (100)" in message
 
 
-def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer):
+def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     path = _write(tmp_path / "a.parquet", ["short", "y" * 300])
     left = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="left"))
     right = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="right"))
@@ -134,7 +136,13 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer):
     assert tokenizer.decode(left.prompt_ids[1]).endswith("Assistant: ")
     assert tokenizer.decode(right.prompt_ids[1]).startswith("User: yyy")
     kept = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))
-    assert len(kept) == 1
+    assert len(kept) == 1 and kept.dropped_overlong == 1
+    assert capsys.readouterr().err.splitlines()[-1] == ("notice: data.train_files: data.filter_overlong_prompts "
+                                                        "dropped 1 of 2 prompts longer than data.max_prompt_length "
+                                                        "(100 tokens); 1 remain")
+    with pytest.raises(DataError, match=r"data.train_batch_size \(2\) is larger than the dataset \(1 prompts, after "
+                                        r"data.filter_overlong_prompts dropped 1 longer than data.max_prompt_length\)"):
+        PromptSampler(len(kept), 2, dropped=kept.dropped_overlong)
     # middle: the first 50 tokens and the last 50 (a character tokenizer: one character a token)
     middle = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="middle"))
     whole = tokenizer.decode(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=400)).prompt_ids[1])
@@ -218,6 +226,8 @@ GOOD_PROMPT = [{"role": "user", "content": "What is 3+4?"}]
     ([[{"content": "What is 3+4?"}], [{"content": "Hi"}]], 0, "prompt message 0 has no 'role'"),
     ([["What is 3+4?"], ["Hi"]], 0, "prompt message 0 is a str, not a {role, content} mapping"),
     ([b"What is 3+4?\xff", b"Hi"], 0, "prompt is binary (bytes), not a list of {role, content} messages"),
+    # json.dumps(messages) (a CSV round trip, some exports): one user turn holding the JSON, were it taken
+    ([json.dumps(GOOD_PROMPT)] * 2, 0, "the prompt ('prompt') is the JSON text of a message list"),
 ])
 def test_a_malformed_prompt_is_a_data_error_naming_its_file_and_row(tmp_path, tokenizer, prompts, row, problem):
     """The second file's bad row is named by its row within that file, with what is wrong with it."""

@@ -814,6 +814,9 @@ def test_a_plain_string_prompt_is_one_user_turn_as_the_trainer_takes_it(char_tok
     assert failed(validate_frames(pd.DataFrame([row]), tokenizer=char_tokenizer, max_prompt_length=46)) == []
     assert failed(validate_frames(pd.DataFrame([row]), tokenizer=char_tokenizer, max_prompt_length=45)) == [
         ("prompt_length_within_limit", "prompt_tokens", "train")]
+    row["prompt"] = json.dumps([{"role": "user", "content": question}])  # the JSON text of messages: refused
+    assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
+        validate_frames(pd.DataFrame([row])))
     row["prompt"] = 5  # not text and not messages: still malformed
     assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
         validate_frames(pd.DataFrame([row])))

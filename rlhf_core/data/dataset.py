@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.schema import ground_truth, problem_id, problem_index, prompt_problem
+from rlhf_core.data.schema import ground_truth, json_message_list, problem_id, problem_index, prompt_problem
 
 
 class DataError(ValueError):
@@ -80,6 +81,10 @@ def prompt_messages(value, where: str, key: str = "prompt") -> list[dict]:
     """A prompt cell as chat messages: a plain string is one user turn, as verl takes it; anything but a
     non-empty list of ``{role, content}`` string messages (:func:`~rlhf_core.data.schema.prompt_problem`) is a
     DataError naming ``where`` (file and row) and column ``key`` (``data.prompt_key``)."""
+    if isinstance(value, str) and json_message_list(value):
+        raise DataError(f"{where}: the prompt ({key!r}) is the JSON text of a message list; it would train as one "
+                        "user turn holding the JSON: store the list itself (e.g. frame[prompt_key] = "
+                        "frame[prompt_key].map(json.loads) before writing the parquet)")
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     problem = prompt_problem(value)
@@ -151,6 +156,7 @@ class RLHFDataset:
         self.rows: list[dict] = []
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
+        self.dropped_overlong = 0  # rows data.filter_overlong_prompts left out
         for position, record in enumerate(frame.to_dict("records")):
             where = f"{record['_source_file']} row {record['_source_row']}"
             messages = prompt_messages(record[config.prompt_key], where, config.prompt_key)
@@ -162,6 +168,7 @@ class RLHFDataset:
                                 f"{': ' + reason if reason else ''}); fix the row or the template") from exc
             if len(ids) > limit:
                 if config.filter_overlong_prompts:
+                    self.dropped_overlong += 1
                     continue
                 if config.truncation == "error":
                     raise DataError(
@@ -188,6 +195,10 @@ class RLHFDataset:
         if not self.rows:  # only data.filter_overlong_prompts drops rows
             raise DataError(f"{key}: no prompts left: all {len(frame)} are longer than data.max_prompt_length "
                             f"({limit}) and data.filter_overlong_prompts drops them; raise max_prompt_length")
+        if self.dropped_overlong:
+            print(f"notice: {key}: data.filter_overlong_prompts dropped {self.dropped_overlong} of {len(frame)} "
+                  f"prompts longer than data.max_prompt_length ({limit} tokens); {len(self.rows)} remain",
+                  file=sys.stderr)
         self.data_sources = sorted({row["data_source"] for row in self.rows})
 
     def __len__(self) -> int:
@@ -216,9 +227,12 @@ class PromptSampler:
     """
 
     def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 key: str = "data.train_batch_size"):
+                 key: str = "data.train_batch_size", dropped: int = 0):
+        """``dropped``: the prompts data.filter_overlong_prompts left out, for the error where too few remain."""
         if batch_size > n:
-            raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts)")
+            why = (f", after data.filter_overlong_prompts dropped {dropped} longer than data.max_prompt_length"
+                   if dropped else "")
+            raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why})")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.epoch, self.batch_in_epoch = 0, 0
 

@@ -9,6 +9,7 @@ Chat messages are a non-empty list of ``{role, content}`` mappings with string v
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -76,6 +77,18 @@ def is_missing(value) -> bool:
     if value is None or value is pd.NA or value is pd.NaT:
         return True
     return isinstance(value, (float, np.floating)) and math.isnan(value)
+
+
+def json_message_list(value) -> bool:
+    """Whether a string cell is the JSON text of a message list (``json.dumps(messages)``, what a CSV round trip
+    or some exports leave): taken as one user turn it would train on the JSON itself."""
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return False
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(parsed, list) and bool(parsed) and all(isinstance(m, dict) and "role" in m for m in parsed)
 
 
 def prompt_problem(prompt) -> str | None:

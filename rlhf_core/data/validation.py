@@ -60,6 +60,7 @@ from rlhf_core.data.schema import (
     REQUIRED_COLUMNS,
     ground_truth,
     is_missing,
+    json_message_list,
     problem_id,
     problem_index,
     prompt_problem,
@@ -408,8 +409,9 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         return pd.Series(list(values), index=index, dtype=dtype)
 
     raw = list(frame[prompt_key]) if prompt_key in frame else None
-    if raw is not None and kind == "prompt":  # the RL dataset takes a plain string as one user turn
-        raw = [[{"role": "user", "content": v}] if isinstance(v, str) else v for v in raw]
+    if raw is not None and kind == "prompt":  # the RL dataset takes a plain string as one user turn (not JSON text)
+        raw = [[{"role": "user", "content": v}] if isinstance(v, str) and not json_message_list(v) else v
+               for v in raw]
     parsed = [None if is_missing(v) else _messages(v) for v in raw] if raw is not None else None
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None

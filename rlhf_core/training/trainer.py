@@ -204,7 +204,8 @@ class PPOTrainer:
         rounds = algo.filter_groups.enable and config.data.gen_batch_size
         self.sampler = PromptSampler(len(train_dataset), config.data.gen_batch_size if rounds else
                                      config.data.train_batch_size, config.data.shuffle, config.data.seed,
-                                     key="data.gen_batch_size" if rounds else "data.train_batch_size")
+                                     key="data.gen_batch_size" if rounds else "data.train_batch_size",
+                                     dropped=getattr(train_dataset, "dropped_overlong", 0))
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
