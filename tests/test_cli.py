@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -150,10 +151,11 @@ def _only_step_1_saved(out):
     (NAN_FROM_STEP_2, [], ["error: training step 2 failed: reward function 'compute_score' returned a non-finite "
                            "score (nan) for sample 0 (data_source='synthetic/arithmetic'); a score must be a finite number"]),
     (RAISES_FROM_STEP_2, [], ["error: training step 2 failed: reward function 'compute_score' failed on sample 0 "
-                              "(data_source='synthetic/arithmetic'): KeyError: 'no rubric for this answer'"]),
+                              "(data_source='synthetic/arithmetic', extra_info.index=<n>): KeyError: 'no rubric for "
+                              "this answer'"]),
     (RAISES_IN_VALIDATION, ["trainer.test_freq=2"],
      ["error: validating after step 2 failed: reward function 'compute_score' failed on sample 0 "
-      "(data_source='synthetic/arithmetic'): ValueError: the grader is down"]),
+      "(data_source='synthetic/arithmetic', extra_info.index=<n>): ValueError: the grader is down"]),
 ], ids=["nan", "raises", "raises-in-validation"])
 def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_intact_checkpoint(
         workspace, one_thread, tmp_path, capsys, reward, extra, said):
@@ -167,8 +169,10 @@ def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_in
     err = capsys.readouterr().err
     assert code == 2, err
     lines = err.strip().splitlines()[-2:]  # the message's two lines end the output
-    assert lines == [*said, f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function, "
-                            "then rerun the same command to resume from it"]
+    # <n>: the problem's index in its file, whichever the sampler drew first
+    assert re.fullmatch(re.escape(said[0]).replace("<n>", "[0-9]+"), lines[0]), lines[0]
+    assert lines[1] == (f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function, "
+                        "then rerun the same command to resume from it")
     assert "Traceback" not in err
     _only_step_1_saved(out)
 

@@ -337,6 +337,29 @@ def test_custom_fn_not_callable_and_broken_file(tmp_path):
         load_custom_reward_fn(broken, "compute_score")
 
 
+def test_a_custom_fn_that_cannot_take_the_managers_arguments_is_refused_before_training(tmp_path):
+    """fn(solution_str, ground_truth) failed with "unexpected keyword argument 'data_source'" at the first batch,
+    after the models had loaded and generated; a per-response function under the batch manager likewise."""
+    from rlhf_core.config import load_config
+    from rlhf_core.rewards import custom_reward_fn
+
+    path = tmp_path / "rewards.py"
+    path.write_text("def two_args(solution_str, ground_truth):\n    return 0.0\n\n"
+                    "def per_response(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n\n"
+                    "def flexible(**kwargs):\n    return 0.0\n")
+
+    def loaded(name, *extra):
+        return custom_reward_fn(load_config([f"custom_reward_function.path={path}",
+                                             f"custom_reward_function.name={name}", *extra], validate=False))
+
+    with pytest.raises(TypeError, match=r"'two_args' in .* cannot be called as the reward manager calls it for each "
+                                        r"response, fn\(data_source=\.\.\., solution_str=.*unexpected keyword"):
+        loaded("two_args")
+    assert loaded("per_response") is not None and loaded("flexible") is not None
+    with pytest.raises(TypeError, match=r"for reward_model.reward_manager=batch, fn\(data_sources=\.\.\."):
+        loaded("per_response", "reward_model.reward_manager=batch")
+
+
 def test_custom_fn_wrong_return_type_is_caught_by_manager(tmp_path, char_tokenizer):
     path = tmp_path / "rewards.py"
     path.write_text(

@@ -202,7 +202,28 @@ def custom_reward_fn(cfg: PPOConfig) -> RewardFn | None:
     if not custom.path:
         return None
     fn = load_custom_reward_fn(custom.path, custom.name, custom.reward_kwargs)
-    return BatchRewardFn(fn) if cfg.reward_model.reward_manager == "batch" else fn
+    batch = cfg.reward_model.reward_manager == "batch"
+    _check_call(fn, BATCH_KEYWORDS if batch else KEYWORDS, custom.name, custom.path,
+                "reward_model.reward_manager=batch" if batch else "each response")
+    return BatchRewardFn(fn) if batch else fn
+
+
+KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")  # how the reward manager calls a function
+BATCH_KEYWORDS = ("data_sources", "solution_strs", "ground_truths", "extra_infos")
+
+
+def _check_call(fn: Callable[..., Any], keywords: tuple[str, ...], name: str, path: str, how: str) -> None:
+    """A TypeError, before any model loads, where ``fn`` cannot take the keyword arguments the reward manager
+    calls it with (it failed at the first batch, after the models loaded and generated)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an extension without a signature: the call will tell
+        return
+    try:
+        signature.bind(**dict.fromkeys(keywords))
+    except TypeError as exc:
+        raise TypeError(f"{name!r} in {str(path)!r} cannot be called as the reward manager calls it for {how}, "
+                        f"fn({', '.join(k + '=...' for k in keywords)}): {exc}") from None
 
 
 __all__ = [

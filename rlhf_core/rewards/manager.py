@@ -239,9 +239,11 @@ class RewardManager:
                 )
             except Exception as exc:
                 name = _fn_name(fn)
+                index = extra_infos[i].get("index") if isinstance(extra_infos[i], dict) else None
+                problem = f", extra_info.index={index!r}" if index is not None else ""
                 raise RewardFunctionFailed(
                     f"reward function {name!r} failed on sample {i} "
-                    f"(data_source={data_source!r}): {type(exc).__name__}: {exc}", name, i, data_source
+                    f"(data_source={data_source!r}{problem}): {type(exc).__name__}: {exc}", name, i, data_source
                 ) from exc
             out.append((fn, result))
         return out
