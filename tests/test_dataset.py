@@ -167,6 +167,12 @@ def test_missing_file_and_missing_column(tmp_path, tokenizer):
     pd.DataFrame({"prompt": ["x"]}).to_parquet(tmp_path / "bad.parquet")
     with pytest.raises(DataError, match="reward_model"):
         RLHFDataset(str(tmp_path / "bad.parquet"), tokenizer, DataConfig())
+    # a folder and a pattern were "does not exist" (of a folder that does)
+    with pytest.raises(DataError, match=rf"data.train_files: {tmp_path} is a folder; name its parquet files .*; it "
+                                        "holds bad.parquet"):
+        RLHFDataset(str(tmp_path), tokenizer, DataConfig())
+    with pytest.raises(DataError, match=r"does not exist \(a pattern is not expanded: list the files\)"):
+        RLHFDataset(str(tmp_path / "*.parquet"), tokenizer, DataConfig())
 
 
 def test_sampler_covers_each_epoch_once_in_seeded_order():

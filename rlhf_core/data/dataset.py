@@ -46,9 +46,16 @@ def check_files(files: str | Sequence[str], key: str) -> list[Path]:
     if not paths:
         raise DataError(f"{key} is empty: give at least one parquet file")
     for path in paths:
+        if path.is_dir():
+            found = sorted(p.name for p in path.glob("*.parquet"))[:4]
+            raise DataError(f"{key}: {path} is a folder; name its parquet files (a list: {key}=[a.parquet,"
+                            f"b.parquet]){'; it holds ' + ', '.join(found) if found else ''}")
         if not path.is_file():
-            raise DataError(f"{key}: {path} does not exist (preprocess your data first, "
-                            "e.g. python -m rlhf_core.data.gsm8k or python -m rlhf_core.data.synthetic)")
+            pattern = any(char in str(path) for char in "*?[")
+            raise DataError(f"{key}: {path} does not exist" + (
+                " (a pattern is not expanded: list the files)" if pattern else
+                " (preprocess your data first, e.g. python -m rlhf_core.data.gsm8k or python -m "
+                "rlhf_core.data.synthetic)"))
     return paths
 
 
