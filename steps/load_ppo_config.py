@@ -37,6 +37,9 @@ def load_ppo_config(
     # paths are assigned, not written into an override, so that no character of a path needs quoting
     cfg.data.train_files = train_files or cfg.data.train_files
     cfg.data.val_files = val_files or cfg.data.val_files
+    if not cfg.data.val_files:  # the trainer runs without one; the pipeline's evaluation and promotion cannot
+        raise ValueError("no validation data: the pipeline evaluates the trained policy on data.val_files and "
+                         "decides its promotion on them; give val_files (a pipeline parameter) or data.val_files")
     validate_config(cfg)
     logger.info("trainer config %s with %d override(s):\n%s", trainer_config, len(extra), cfg.to_yaml())
     log_metadata({"trainer_config": trainer_config, "overrides": extra,

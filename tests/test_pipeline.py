@@ -429,6 +429,12 @@ def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path)
         rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(stepwise))(**parameters)
     run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
     assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
+    # no validation data: the run trained fully, then failed in evaluate; now its first step stops it
+    with pytest.raises(ValueError, match=r"no validation data: the pipeline evaluates the trained policy"):
+        rlhf_ppo_pipeline.with_options(model=Model(name=MODEL))(**{**parameters, "val_files": None},
+                                                                overrides=["data.val_files=[]"])
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
 
 
 # The retraining gate on versions built directly in the store: the gate reads only their metadata, so no
