@@ -90,7 +90,7 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     assert guard.observe_validation(4, 0.45) == (False, None)  # 0.15 below the best: within the limit
     new_best, event = guard.observe_validation(6, 0.35)
     assert not new_best and (event.kind, event.action, event.target_step) == ("val_drop", "rollback", 2)
-    assert "0.35 at step 6 is 0.25 below the best 0.6 (step 2" in event.message
+    assert "fell from the best 0.6 (step 2) to 0.35 at step 6: a drop of 0.25 > trainer.guard.max_val_drop=" in event.message
     assert guard.protected_steps() == {2}
     copy = Guard(GuardConfig())
     copy.load_state_dict(guard.state_dict())
@@ -247,8 +247,8 @@ def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollb
 
     assert sorted(metrics) == [1, 2, 3, 4]
     assert [metrics[s]["training/rollbacks"] for s in (1, 2, 3, 4)] == [0, 0, 1, 1]
-    assert "rollback 1/1 at step 3: validation accuracy 0.3 at step 3 is 0.3 below the best 0.6" in \
-        capsys.readouterr().err
+    assert ("rollback 1/1 at step 3: validation accuracy fell from the best 0.6 (step 2) to 0.3 at step 3: a drop "
+            "of 0.3") in capsys.readouterr().err
     best = checkpoint.load_model_state(out / "global_step_2")
     assert not all(torch.equal(v, best[k]) for k, v in weights[3].items())
     saved_after_rollback = checkpoint.load_model_state(out / "global_step_3")

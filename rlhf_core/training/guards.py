@@ -166,9 +166,9 @@ class Guard:
             self.best_val, self.best_step = float(accuracy), step
             return True, None
         if self.best_val - accuracy > cfg.max_val_drop:
-            reason = (f"validation accuracy {accuracy:.4g} at step {step} is {self.best_val - accuracy:.4g} below "
-                      f"the best {self.best_val:.4g} (step {self.best_step}; trainer.guard.max_val_drop="
-                      f"{cfg.max_val_drop})")
+            reason = (f"validation accuracy fell from the best {self.best_val:.4g} (step {self.best_step}) to "
+                      f"{accuracy:.4g} at step {step}: a drop of {self.best_val - accuracy:.4g} > "
+                      f"trainer.guard.max_val_drop={cfg.max_val_drop}")
             return False, self._rollback("val_drop", self.best_step, reason)
         return False, None
 
