@@ -287,6 +287,15 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert "| input | output | score |" in table and "| Q: 2+2? | 4 \\| four<br>#### 4 | 1 |" in table
 
 
+def test_tensorboard_writes_where_verls_variable_says(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb" / "exp"))
+    with Tracking(["tensorboard"], "p", "e", tmp_path / "run") as tracker:
+        tracker.log({"critic/score/mean": 0.25}, step=1)
+    assert list((tmp_path / "tb" / "exp").glob("events.out.tfevents.*"))
+    assert not (tmp_path / "run" / "tensorboard").exists()
+
+
 SAMPLES = [{"input": "Q: 2+2?", "output": "4 | four\n#### 4", "score": 1.0}, {"input": "Q: 3*3?", "output": "6", "score": 0.0}]
 
 

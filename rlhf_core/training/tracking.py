@@ -20,8 +20,8 @@ Backends (``VALID_LOGGERS``):
     appended to (a resumed run continues it; a step logged twice appears twice, readers should keep
     the last record of a step).
 ``tensorboard``
-    ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name.
-    Needs the ``tensorboard`` package.
+    ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
+    ``$TENSORBOARD_DIR`` where that is set, as verl writes it. Needs the ``tensorboard`` package.
 ``wandb``
     ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
     ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
@@ -370,7 +370,7 @@ class FileLogger(Backend):
 
 
 class TensorBoardLogger(Backend):
-    """Scalars by metric name in ``<local_dir>/tensorboard``."""
+    """Scalars by metric name in ``<local_dir>/tensorboard``, or ``$TENSORBOARD_DIR`` (verl's variable)."""
 
     name = "tensorboard"
     SUBDIR = "tensorboard"
@@ -381,7 +381,7 @@ class TensorBoardLogger(Backend):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise _missing("tensorboard", self.name, "tensorboard", e) from e
-        self.log_dir = run.local_dir / self.SUBDIR
+        self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run.local_dir / self.SUBDIR).expanduser()
         self.writer = SummaryWriter(log_dir=str(self.log_dir))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
