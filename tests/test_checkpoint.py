@@ -299,6 +299,21 @@ def test_stale_temp_files_are_swept_but_not_those_of_a_running_process(tmp_path)
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_1"
 
 
+def test_a_part_whose_save_wrote_nothing_fails_the_save_and_leaves_the_marker(tmp_path):
+    """Workers that wrote their shards into another folder left an empty part that the manifest still listed."""
+    checkpoint.write_checkpoint(tmp_path, 1, lambda files: files.text("a.txt", "a") or [])
+
+    def fill(files):
+        files.text("a.txt", "a")
+        files.tree("actor", lambda target: target.mkdir(parents=True))  # a save that wrote elsewhere
+        return ["actor"]
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"actor: its save wrote no files into .*absolute path"):
+        checkpoint.write_checkpoint(tmp_path, 2, fill)
+    assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_1"
+    assert not (tmp_path / "global_step_2").exists()
+
+
 def _damage(path: Path) -> None:
     """Overwrite bytes in the middle of ``path``: the same size, other content."""
     data = bytearray(path.read_bytes())

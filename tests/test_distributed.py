@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -283,6 +285,32 @@ def test_a_worker_dying_in_a_collective_fails_the_call_at_once(test_group):
         test_group.execute_all("rows", Batch({"row": torch.arange(2)}))
 
 
+def test_more_workers_than_the_cluster_holds_say_why_they_wait(ray_cluster, capsys):
+    """3 workers of one CPU on the module's 2-CPU cluster: the wait (an autoscaling cluster may grow) is said at
+    once, not after the timeout in silence."""
+    from rlhf_core.workers.group import WorkerError, WorkerGroup
+
+    with pytest.raises(WorkerError, match=r"cannot place 3 workers of \{'CPU': 1\} each within 1 s"):
+        WorkerGroup(DistributedWorker, 3, placement_timeout_s=1)
+    assert "waiting up to 1 s to place 3 workers of {'CPU': 1} each: the Ray cluster has {'CPU': 2.0} now" in \
+        capsys.readouterr().err
+
+
+def test_a_cluster_that_refuses_the_connection_names_the_address(monkeypatch):
+    import ray
+
+    from rlhf_core.workers.group import WorkerError, ensure_ray
+
+    def refuse(**_):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.9:6379: AuthenticationError")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(WorkerError, match=r"cannot connect to the Ray cluster at trainer.ray_address='10.0.0.9:6379' "
+                                          r"\(or RAY_ADDRESS\): Failed to connect .*AuthenticationError; check"):
+        ensure_ray("10.0.0.9:6379", 2, "cpu")
+
+
 def _trainer_overrides(root, model, out):
     return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={root / 'data' / 'train.parquet'}",
@@ -359,6 +387,37 @@ def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_
         assert json.loads((out / "global_step_2" / "trainer_state.json").read_text())["global_step"] == 2
     finally:
         trainer.close()
+
+
+def test_relative_paths_reach_workers_that_run_in_another_folder(ray_cluster, model_dir, tmp_path, monkeypatch):
+    """The cluster's workers run in the folder the cluster started in, not the driver's: relative model and
+    checkpoint paths named other folders there (the checkpoint's manifest listed actor and critic with no shard
+    in it, the shards went to the cluster's folder). The driver now sends them absolute."""
+    from rlhf_core.data.synthetic import build_dataset
+    from rlhf_core.main_ppo import build_trainer
+
+    build_dataset(tmp_path / "data", n_train=8, n_test=3, seed=0, max_ops=1)
+    origin = Path.cwd()  # where the module's cluster started: its workers run here
+    driver = tmp_path / "driver"
+    driver.mkdir()
+    (driver / "model").symlink_to(model_dir)
+    monkeypatch.chdir(driver)
+    out = f"out-{tmp_path.name}"  # relative; a name no folder at the origin has
+    overrides = [item for item in _trainer_overrides(tmp_path, "model", out)
+                 if not item.startswith(("trainer.total_training_steps", "trainer.test_freq"))]
+    trainer = build_trainer(load_config([*overrides, "trainer.total_training_steps=1", "trainer.test_freq=-1"]))
+    try:
+        trainer.fit()
+        saved = checkpoint.read_manifest(driver / out / "global_step_1", verify=True)["files"]
+        for role in ("actor", "critic"):
+            assert f"{role}/dcp/.metadata" in saved and f"{role}/extra_state_rank_1.pt" in saved
+        assert "actor/huggingface/model.safetensors" in saved
+    finally:
+        trainer.close()
+        stray = origin / out
+        if stray.exists():  # what the old code left at the cluster's folder
+            shutil.rmtree(stray)
+            pytest.fail(f"the workers wrote into {stray}")
 
 
 def test_two_ray_workers_take_the_bfloat16_blocks(ray_cluster, model_dir, tmp_path):

@@ -568,6 +568,10 @@ class CheckpointFiles:
         fill(target)
         fsync_tree(target)
         rels = [file.relative_to(self.folder).as_posix() for file in sorted(target.rglob("*")) if file.is_file()]
+        if not rels:  # e.g. workers that wrote to another folder: a manifest must never list an empty part
+            raise CheckpointError(f"{rel}: its save wrote no files into {target} (workers on another node or "
+                                  "with another working directory write where they see the path: give "
+                                  "trainer.default_local_dir as an absolute path every worker can write)")
         for rel in rels:
             self.sizes[rel] = (self.folder / rel).stat().st_size
         # written by others (other processes, with shards): read back to hash, mostly from the page cache

@@ -74,7 +74,7 @@ from rlhf_core.workers.common import (
     clip_and_check,
     load_saved,
 )
-from rlhf_core.workers.group import DistributedWorker, WorkerGroup
+from rlhf_core.workers.group import DistributedWorker, WorkerGroup, absolute, for_workers
 
 PART = "reward_model"
 HF_DIR = "huggingface"
@@ -352,13 +352,13 @@ class _GroupWorker:
         return self.group.dispatch("evaluate_share", self._shares(pairs, weights))[0]
 
     def save_shards(self, folder) -> None:
-        self.group.execute_all("call", "save_shards", str(folder))
+        self.group.execute_all("call", "save_shards", absolute(folder))
 
     def load_checkpoint(self, folder, saved_workers: int) -> None:
-        self.group.execute_all("call", "load_checkpoint", str(folder), saved_workers)
+        self.group.execute_all("call", "load_checkpoint", absolute(folder), saved_workers)
 
     def save_hf(self, target) -> None:
-        self.group.execute_all("call", "save_hf", str(target))
+        self.group.execute_all("call", "save_hf", absolute(target))
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -509,7 +509,9 @@ class RewardModelTrainer:
                                      ray_address=cfg.trainer.ray_address,
                                      collective_timeout_s=cfg.actor_rollout_ref.nccl_timeout)
             try:
-                self.group.execute_all("setup", self.rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul,
+                rm = for_workers(self.rm, ("model.path", "model.tokenizer_path", "default_local_dir"),
+                                 folders=("default_local_dir",))  # the workers read paths as the driver does
+                self.group.execute_all("setup", rm, pad_id, self.total_steps, cfg.trainer.cpu_matmul,
                                        cfg.trainer.keep_freed_memory)
             except BaseException:
                 self.group.shutdown()

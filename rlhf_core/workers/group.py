@@ -22,6 +22,8 @@ otherwise a local cluster sized to this machine is started.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import sys
 import time
@@ -83,7 +85,13 @@ def ensure_ray(address: str | None, world_size: int, device: str) -> None:
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address)
+        try:
+            ray.init(address=address)
+        except ConnectionError as exc:  # refused, timed out, or an authentication the cluster asks for
+            raise WorkerError(f"cannot connect to the Ray cluster at trainer.ray_address={address!r} (or "
+                              f"RAY_ADDRESS): {' '.join(str(exc).split())[:300]}; check the address, that the cluster "
+                              "is up (ray status there), and the cluster's authentication (RAY_AUTH_MODE and its "
+                              "token)") from None
         return
     cpus = os.cpu_count() or 1
     if device == "cpu":  # one CPU per worker; a smaller machine runs them oversubscribed
@@ -108,6 +116,11 @@ class WorkerGroup:
         self._last: dict[str, float] = {}  # method -> its previous call's seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        total = ray.cluster_resources()
+        short = {kind: total.get(kind, 0.0) for kind, need in bundle.items() if total.get(kind, 0.0) < need * world_size}
+        if short:  # it may grow (an autoscaling cluster): say why the wait, rather than wait in silence
+            print(f"waiting up to {placement_timeout_s:.0f} s to place {world_size} workers of {bundle} each: the Ray "
+                  f"cluster has {short} now", file=sys.stderr, flush=True)
         ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
         if not ready:
             ray.util.remove_placement_group(self.placement_group)
@@ -413,13 +426,43 @@ class _RoleGroup:
         return results[0][0]  # metrics are already reduced over the ranks
 
     def save_shards(self, folder: str | Path) -> None:
-        self.group.execute_all("save_shards", self.role, str(folder))
+        self.group.execute_all("save_shards", self.role, absolute(folder))
 
     def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
-        self.group.execute_all("load_shards", self.role, str(folder), weights_only)
+        self.group.execute_all("load_shards", self.role, absolute(folder), weights_only)
 
     def scale_lr(self, factor: float) -> None:
         self.group.execute_all("scale_lr", factor, self.role)
+
+
+def absolute(path: str | Path) -> str:
+    """``path`` against the driver's working directory: a worker of an existing Ray cluster runs in the
+    cluster's own, where a relative path names another folder (its shards went there, the checkpoint lacked
+    them)."""
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
+# the config's local paths a worker reads or writes (models, tokenizers, checkpoints, a reward file)
+WORKER_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
+                    "critic.model.tokenizer_path", "reward_model.model.path", "reward_model.model.input_tokenizer",
+                    "data.tokenizer", "custom_reward_function.path", "trainer.default_local_dir",
+                    "trainer.resume_from_path")
+
+
+def for_workers(config, keys: Sequence[str] = WORKER_PATH_KEYS, folders: Sequence[str] = ("trainer.default_local_dir",)):
+    """A copy of ``config`` (a :class:`PPOConfig`, or a section of one with ``keys`` of its own) whose relative
+    local paths under ``keys`` (those that exist here, and the ``folders`` a run creates) are absolute against
+    the driver's working directory, as the workers must read them (:func:`absolute`). The driver's own config,
+    the one checkpoints record and resumes compare, stays as given."""
+    copied = copy.deepcopy(config)
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        node = functools.reduce(getattr, section.split("."), copied) if section else copied
+        value = getattr(node, name)
+        if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)) \
+                and (os.path.exists(value) or key in folders):
+            setattr(node, name, absolute(value))
+    return copied
 
 
 def _cat(parts: list[torch.Tensor], pad: int) -> torch.Tensor:
@@ -452,7 +495,7 @@ class ActorGroup(_RoleGroup):
         return self._update(batch, n_per_prompt, kl_loss_coef=kl_loss_coef)
 
     def save_hf(self, target: str | Path) -> None:
-        self.group.execute_all("save_hf", str(target))
+        self.group.execute_all("save_hf", absolute(target))
 
     def peak_memory_gb(self) -> float:
         return max(self.group.execute_all("peak_memory_gb"))
@@ -488,7 +531,7 @@ def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_
     group = WorkerGroup(worker_cls, config.world_size, device=trainer.device, ray_address=trainer.ray_address,
                         collective_timeout_s=config.actor_rollout_ref.nccl_timeout)
     try:
-        group.execute_all("setup", config, total_steps, use_ref, use_critic)
+        group.execute_all("setup", for_workers(config), total_steps, use_ref, use_critic)
     except BaseException:
         group.shutdown()
         raise
