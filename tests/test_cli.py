@@ -316,3 +316,37 @@ def test_the_closing_line_counts_the_steps_this_run_trained(workspace, tmp_path,
     assert "done: 1 steps (now at step 2) in" in capsys.readouterr().out  # resumed from step 1
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_only=true")) == 0
     assert "done: validated at step 2 in" in capsys.readouterr().out
+
+
+def test_a_command_that_connected_to_ray_disconnects_with_signals_held(monkeypatch):
+    """Ray's own exit hook took seconds after the "interrupted" message; a second signal then interrupted it and
+    left Ray's agents running, orphaned. The commands now disconnect themselves, signals ignored meanwhile."""
+    from rlhf_core.cli.train import releases_ray
+
+    seen = []
+
+    class FakeRay:
+        up = False
+
+        def is_initialized(self):
+            return self.up
+
+        def shutdown(self):
+            seen.append((signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+            self.up = False
+
+    fake = FakeRay()
+    monkeypatch.setitem(sys.modules, "ray", fake)
+    before = signal.getsignal(signal.SIGINT)
+
+    def connects(argv=None):
+        fake.up = True
+        raise RuntimeError("failed after connecting")
+
+    with pytest.raises(RuntimeError):
+        releases_ray(connects)()
+    assert seen == [(signal.SIG_IGN, signal.SIG_IGN)] and not fake.up
+    assert signal.getsignal(signal.SIGINT) is before  # restored
+    fake.up = True  # a connection the caller had made before the command stays
+    assert releases_ray(lambda argv=None: 0)() == 0
+    assert seen == [(signal.SIG_IGN, signal.SIG_IGN)] and fake.up

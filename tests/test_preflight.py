@@ -334,3 +334,27 @@ def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_name
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]",
                              f"custom_reward_function.path={reward}"))
     assert errors == ["data.train_files: rows without a data_source (the reward is routed by it): train.parquet row 5"]
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypatch):
+    """ray.init waited minutes on such an address, printing only Ray's retries; a listening one passes."""
+    import socket
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    two = ("trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+           "critic.ppo_micro_batch_size_per_gpu=2")
+    errors = _errors(_config(space, *two, f"trainer.ray_address=127.0.0.1:{port}"))
+    assert len(errors) == 1 and errors[0].startswith(
+        f"trainer.ray_address (or RAY_ADDRESS) '127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} within 5 s")
+    assert errors[0].endswith(f"start the cluster there (ray start --head --port {port}) or fix the address")
+    monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
+    assert "nothing answers" in _errors(_config(space, *two))[0]
+    monkeypatch.delenv("RAY_ADDRESS")
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        preflight(_config(space, *two, f"trainer.ray_address=127.0.0.1:{listening.getsockname()[1]}"))
+    preflight(_config(space, *two, "trainer.ray_address=auto"))  # Ray's own lookup: left to it

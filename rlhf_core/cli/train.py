@@ -14,9 +14,13 @@ config, model directory or checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from rlhf_core.config import ConfigError, load_config
@@ -33,6 +37,40 @@ from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, Reward
 from rlhf_core.workers.group import WorkerError
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """Ctrl-C and SIGTERM ignored inside (main thread only; elsewhere Python delivers no signals anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def releases_ray(command):
+    """``command`` stops the Ray connection it made (a local cluster it started, or one it joined) before it
+    returns, with Ctrl-C and SIGTERM held off for those seconds: left to Ray's exit hook, a second signal then
+    interrupted it and left Ray's agent processes running without a parent. A connection that was up before the
+    command (its caller's) stays."""
+    @functools.wraps(command)
+    def wrapped(argv: list[str] | None = None) -> int:
+        ray = sys.modules.get("ray")
+        connected = ray is not None and ray.is_initialized()
+        try:
+            return command(argv)
+        finally:
+            ray = sys.modules.get("ray")
+            if not connected and ray is not None and ray.is_initialized():
+                with _signals_held():
+                    ray.shutdown()
+    return wrapped
+
+
+@releases_ray
 def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
@@ -62,6 +100,7 @@ def ppo(argv: list[str] | None = None) -> int:
     return 0
 
 
+@releases_ray
 def train_rm(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlhf-train-rm",
