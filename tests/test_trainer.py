@@ -584,7 +584,7 @@ def test_on_policy_update_skips_the_old_log_prob_pass_and_updates_the_same(works
     monkeypatch.setattr(PPOTrainer, "_on_policy_update", lambda self: False)
     separate = build_trainer(load_config(overrides))
     slow = separate.train_step(separate.train_dataset.collate(prompts))
-    assert "timing_s/old_log_prob" not in fast and "timing_s/old_log_prob" in slow
+    assert fast["timing_s/old_log_prob"] == 0.0 and slow["timing_s/old_log_prob"] > 0  # verl's key, the pass skipped
     assert fast["actor/entropy"] == pytest.approx(slow["actor/entropy"], rel=1e-5)
     assert fast["actor/pg_loss"] == pytest.approx(slow["actor/pg_loss"], rel=1e-4, abs=1e-7)
     assert fast["actor/ppo_kl"] == 0.0 and fast["actor/pg_clipfrac"] == 0.0
@@ -593,6 +593,18 @@ def test_on_policy_update_skips_the_old_log_prob_pass_and_updates_the_same(works
     initial = AutoModelForCausalLM.from_pretrained(str(model)).state_dict()
     changed = any(not torch.equal(a, initial[name]) for name, a in shortcut.actor.module.state_dict().items())
     assert changed  # the update did something, so the equality above means something
+
+
+def test_a_step_that_saves_times_the_save_into_its_record_as_verl_does(workspace, tmp_path):
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "trainer.total_training_steps=3", "trainer.save_freq=2",
+                                                   "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}")))
+    logged = []
+    trainer.logger = lambda metrics, step: logged.append((step, dict(metrics)))
+    history = trainer.fit()
+    assert ["timing_s/save_checkpoint" in h.metrics for h in history] == [False, True, True]  # save_freq; the last
+    assert all(h.metrics["timing_s/save_checkpoint"] > 0 for h in history[1:])
+    assert [step for step, _ in logged] == [1, 2, 3] and "timing_s/save_checkpoint" in logged[1][1]  # in the record
 
 
 def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_update(workspace):

@@ -388,6 +388,8 @@ class PPOTrainer:
             if not self._on_policy_update():
                 with self.phase("old_log_prob", timings):
                     batch["old_log_prob"], entropy = self.actor.compute_log_prob(batch)
+            else:  # the pass is skipped (the update's own first log-probs are the old ones): verl's key, 0 s
+                timings["timing_s/old_log_prob"] = 0.0
             if self.use_ref:
                 with self.phase("ref", timings):
                     batch["ref_log_prob"] = self.actor.compute_ref_log_prob(batch)
@@ -757,6 +759,14 @@ class PPOTrainer:
         metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
         result = StepResult(step, metrics, event)
         self.history.append(result)
+        if save and event is None:  # timed into the step's record, as verl's timing_s/save_checkpoint
+            started = time.perf_counter()
+            try:
+                self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+            finally:
+                self._log(metrics, step)  # a failed save still leaves the step's metrics
+            return result
         self._log(metrics, step)
         if event is not None:
             self.apply_guard_event(event)
