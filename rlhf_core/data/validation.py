@@ -172,6 +172,17 @@ class ValidationReport:
     datasets: list[DatasetInfo]
     skipped: list[str] = field(default_factory=list)
     fingerprint: str | None = None
+    #: dataset -> (file, rows) of each file joined into it, in order, where it was read from several files
+    file_spans: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+
+    def where(self, dataset: str, row: int) -> str:
+        """A row of a dataset's joined table as the user finds it: ``row N`` of its one file, or ``<file> row N``
+        in the file it came from (the trainer's and the reward's numbering)."""
+        for path, rows in self.file_spans.get(dataset, []):
+            if row < rows:
+                return f"{Path(path).name} row {row}"
+            row -= rows
+        return f"row {row}"
 
     @property
     def results(self) -> list[Outcome]:
@@ -212,7 +223,7 @@ class ValidationReport:
                          f"preference data needs {', '.join(PREFERENCE_COLUMNS)}")
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
-            lines += [f"    row {row}: {_excerpt(value)}" for row, value in o.examples]
+            lines += [f"    {self.where(o.dataset, row)}: {_excerpt(value)}" for row, value in o.examples]
         lines += [_describe_limit(o) for o in results if o.success and o.name in _LENGTH_CHECKS]
         return "\n".join(lines + [f"  skipped: {item}" for item in self.skipped])
 
@@ -715,6 +726,9 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
                              paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
                              file_rows=(rows[0], rows[1]))
     report.fingerprint = splits_fingerprint(train_files, val_files)
+    for info, files, table in zip(report.datasets, (train_files, val_files), tables):
+        if len(files) > 1:
+            report.file_spans[info.name] = [(str(path), len(frame)) for path, frame in zip(files, table)]
     return report
 
 
