@@ -145,24 +145,30 @@ def test_the_checkpoint_stage_says_what_it_resumed_from_and_when_it_trained_noth
                            "      skipped: the data is unchanged", "      steps: 0"]
 
 
-def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(capsys):
+def _summary_client(latest, runs: dict):
+    """A client that knows one model version, ``latest``, no production version, and the pipeline ``runs``."""
     from types import SimpleNamespace
-
-    failed = SimpleNamespace(name="10", run_metadata={}, pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})
-    runs = {"run-7": SimpleNamespace(name="rlhf_ppo_pipeline-7", status="failed", id="run-7")}
 
     class Client:
         active_project = SimpleNamespace(name="default")
 
         def get_model_version(self, model, version):
             if version == "latest":
-                return failed
+                return latest
             raise KeyError(version)
 
         def get_pipeline_run(self, run_id):
             return runs[run_id]
 
-    assert cli.demo_summary(["--model", "m"], client=Client()) == 0
+    return Client()
+
+
+def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(capsys):
+    from types import SimpleNamespace
+
+    failed = SimpleNamespace(name="10", run_metadata={}, pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})
+    runs = {"run-7": SimpleNamespace(name="rlhf_ppo_pipeline-7", status="failed", id="run-7")}
+    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
     out = capsys.readouterr().out
     assert "run:        rlhf_ppo_pipeline-7 (failed)" in out
     assert "projects/default/runs/run-7" in out
@@ -183,22 +189,9 @@ def test_a_version_whose_run_failed_says_at_which_step_and_why(capsys):
     assert format_lineage(record).splitlines()[2] == \
         "  failed at step train_ppo: RewardFunctionError: compute_score raised on row 3"
 
-    failed = SimpleNamespace(name="11", run_metadata=meta, pipeline_run_ids={})
-    run = SimpleNamespace(name="r-8", status="failed", id="run-8")
-
-    class Client:
-        active_project = SimpleNamespace(name="default")
-
-        def get_model_version(self, model, version):
-            if version == "latest":
-                return failed
-            raise KeyError(version)
-
-        def get_pipeline_run(self, run_id):
-            assert run_id == "run-8"
-            return run
-
-    assert cli.demo_summary(["--model", "m"], client=Client()) == 0
+    failed = SimpleNamespace(name="11", run_metadata=meta, pipeline_run_ids={})  # the run is the metadata's
+    runs = {"run-8": SimpleNamespace(name="r-8", status="failed", id="run-8")}
+    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
     out = capsys.readouterr().out
     assert "run:        r-8 (failed)" in out
     assert "decision:   none: the run failed at step train_ppo: RewardFunctionError: compute_score raised" in out
