@@ -110,7 +110,8 @@ def main() -> None:
         print(f"{variant:<6}{row['actor_trainable']:>12,}{row['loaded_mib']:>16.0f}{row['peak_mib']:>14.0f}"
               f"{row['state_mib']:>11.0f}")
     full, lora = results["full"]["peak_mib"], results["lora"]["peak_mib"]
-    print(f"peak RSS with LoRA / without: {lora / full:.2f} ({full - lora:.0f} MiB less); weights + gradients + "
+    print(f"peak RSS with LoRA / without: {lora / full:.2f} ({abs(full - lora):.0f} MiB "
+          f"{'less' if lora <= full else 'more'}); weights + gradients + "
           f"AdamW moments held: {results['lora']['state_mib'] / results['full']['state_mib']:.2f} of full")
     print("(state MiB: actor, reference and critic weights, their gradients and optimizer moments after the step)")
 

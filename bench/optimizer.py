@@ -56,6 +56,8 @@ def main() -> None:
     shapes = parameter_shapes(model)
     count = sum(torch.Size(s).numel() for s in shapes)
     times = {"plain": [], "fused": []}
+    for kind in times:  # a round not counted: the process's first steps pay its one-off costs (allocation, threads)
+        seconds_per_step(shapes, kind == "fused", 1)
     for _ in range(args.rounds):
         for kind in times:
             times[kind].append(seconds_per_step(shapes, kind == "fused", args.steps))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +95,7 @@ def main() -> None:
                            "reward_model.enable=true", f"reward_model.model.use_shared_prefix={str(shared).lower()}",
                            f"reward_model.micro_batch_size_per_gpu={args.micro}"], validate=False).reward_model
         workers["shared" if shared else "whole"] = RewardModelWorker(cfg)
+    shutil.rmtree(folder.parent, ignore_errors=True)  # loaded: the reward model's copy (some 500 MB) may go
     batch = gsm8k_batch(workers["whole"].tokenizer, solutions, args.prompts, args.response)
     prompt_tokens = int(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum()) // len(SOLVERS)
     response_tokens = int(batch["response_mask"].sum())

@@ -242,7 +242,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         took, the median over the timed steps; the products are those of the model that runs the phase (the
         critic's: its blocks and value head, no LM head)."""
         key = f"timing_s/{phase}"
-        if key not in runs[0]:
+        if key not in runs[0] or not med(key):  # never run, or skipped (an on-policy step's old_log_prob: 0 s)
             return None
         body, head = params[model]
         return statistics.median(
