@@ -967,7 +967,9 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         override = _parser().parse_override(text)
     except HydraException as exc:
         errors.append(f"override {text!r} is not key=value ({str(exc).splitlines()[0]}); quote a value that "
-                      "holds special characters, e.g. data.train_files='~/data/train.parquet'")
+                      "holds special characters, e.g. data.train_files='~/data/train.parquet' (on a shell's "
+                      "command line inside double quotes, which the shell removes: "
+                      "\"data.train_files='~/data/train.parquet'\")")
         return
     key = override.key_or_group
     if override.package is not None or override.is_sweep_override():

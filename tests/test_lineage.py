@@ -172,6 +172,8 @@ def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(cap
     out = capsys.readouterr().out
     assert "run:        rlhf_ppo_pipeline-7 (failed)" in out
     assert "projects/default/runs/run-7" in out
+    # no production version: the lineage command it prints names this version (the default would find none)
+    assert "  rlhf-lineage --model m --version 10   # data -> ... -> this run's version" in out
 
 
 def test_a_version_whose_run_failed_says_at_which_step_and_why(capsys):

@@ -132,7 +132,10 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
         print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
     print(f"production: {'version ' + production if production else 'none yet'}")
     print("browse:")
-    print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")
+    if production:
+        print(f"  rlhf-lineage --model {args.model}            # data -> ... -> promotion of the production version")
+    else:  # without one, the default (the production version) has nothing to show
+        print(f"  rlhf-lineage --model {args.model} --version {latest.name}   # data -> ... -> this run's version")
     print("  zenml login --local                         # the dashboard on http://127.0.0.1:8237")
     if run is not None:
         print(f"  then open http://127.0.0.1:8237/projects/{client.active_project.name}/runs/{run.id}")
