@@ -18,7 +18,8 @@ The draws alone are timed too: multinomial, the one-level float64 CDF the rollou
 the two-level one it uses now (:func:`rlhf_core.rollout.hf.draw_from`).
 
 A decode step is timed as (time for R tokens - time for 1 token) / (R - 1), so that the prompt pass
-is left out, with EOS switched off so that every row runs all R steps. The bound is the one of
+is left out, with EOS switched off so that every row runs all R steps (the 1-token time the fastest of three
+since 2026-12-05; a single sample could exceed the steps' share under load and make the figure negative). The bound is the one of
 ``bench/roofline.py``: the longer of reading every weight once at the measured bandwidth and the
 step's products at the faster kernel's matmul rate. ``--cpu-matmul`` picks the linear layers' kernel
 (``trainer.cpu_matmul``), ``--cpu-matmul-dtype`` the blocks' product dtype (``trainer.cpu_matmul_dtype``).
