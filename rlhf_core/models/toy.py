@@ -650,6 +650,9 @@ def ensure_toy_model(
     def finished(folder: Path) -> bool:  # a concurrent build that finished first: use it
         return read_marker(folder) is not None  # (one without its marker was interrupted: replaced)
 
+    if progress:
+        print(f"building the {preset!r} toy model once (a warm start of minutes on a few CPU cores); it is cached at "
+              f"{final} (${CACHE_ENV} moves the cache)", file=sys.stderr, flush=True)
     with staged_directory(final, replace=True, keep_existing=finished) as staging:
         build_toy_model(staging, preset, seed, force=True, progress=progress, threads=threads)
     return final
