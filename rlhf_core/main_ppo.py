@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet
 import torch
@@ -90,9 +91,11 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
     scan = _SourceScan()
     for path in paths:
         try:
-            names = pyarrow.parquet.read_schema(path).names
+            schema = pyarrow.parquet.read_schema(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise DataError(f"{path}: cannot read it as parquet: {exc}") from exc
+        names = schema.names
+        single = _single_precision_truth(schema)
         if column not in names:
             raise DataError(f"{path}: no column {column!r} (data.reward_fn_key) to route the reward by; the file "
                             f"has {', '.join(repr(n) for n in names if not n.startswith('__'))}")
@@ -101,7 +104,7 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
         for row, (source, cell) in enumerate(zip(frame[column], truths)):
             if is_missing(source):
                 if len(scan.no_source) < examples:
-                    scan.no_source.append(f"{path.name} row {row}")
+                    scan.no_source.append(f"{path} row {row}")
                 continue
             source, truth = str(source), ground_truth(cell)
             scan.every.add(source)
@@ -110,10 +113,29 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
                 continue
             scan.graded.add(source)
             reason = gsm8k.unanswerable(truth)
+            if reason is None and single and isinstance(truth, float) and _widened(truth, single):
+                reason = (f"{truth!r} is a {single} field's value read back as a double, which no answer matches; "
+                          "store the ground truths as text (or float64)")
             found = scan.unanswerable.setdefault(source, []) if reason else []
             if reason and len(found) < examples:
-                found.append(f"{path.name} row {row}: {reason}")
+                found.append(f"{path} row {row}: {reason}")
     return scan
+
+
+def _widened(value: float, stored: str) -> bool:
+    """Whether ``value``, read from a ``stored`` (float32, float16) field as a double, has digits its stored
+    precision does not (0.1 as 0.10000000149011612; 2.5 and whole numbers read back as written)."""
+    narrow = np.dtype(stored).type(value)
+    return np.format_float_positional(narrow, unique=True) != np.format_float_positional(value, unique=True)
+
+
+def _single_precision_truth(schema) -> str | None:
+    """``float32``/``float16`` where the schema stores ``reward_model.ground_truth`` so, else None."""
+    try:
+        kind = schema.field("reward_model").type.field("ground_truth").type
+    except (KeyError, AttributeError, TypeError):  # no such column or field, or not a struct
+        return None
+    return {pyarrow.float32(): "float32", pyarrow.float16(): "float16"}.get(kind)
 
 
 def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:
@@ -233,10 +255,13 @@ def _ray_address_problems(address: str) -> list[str]:
     for minutes, printing only Ray's own retries. ``auto`` and addresses of other forms are left to Ray."""
     target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or (":" in host and not host.startswith("[")):  # (a bare IPv6 address)
         return []
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except socket.gaierror as exc:
+        return [f"trainer.ray_address (or RAY_ADDRESS) {address!r}: cannot resolve the host {host!r} "
+                f"({exc.strerror or exc}); fix the address"]
     except OSError as exc:
         return [f"trainer.ray_address (or RAY_ADDRESS) {address!r}: nothing answers at {host}:{port} within "
                 f"{RAY_CONNECT_TIMEOUT_S:.0f} s ({exc.strerror or exc}); start the cluster there (ray start --head "

@@ -323,17 +323,40 @@ def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_name
     frame.to_parquet(path)
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
     assert errors == [
-        "data.train_files: rows without a data_source (the reward is routed by it): train.parquet row 5",
-        "data.train_files: ground truths no response can match under the built-in rule reward: train.parquet row 0: "
-        "\"['4']\" is not a number: the rule reads the number after '#### '; train.parquet row 1: 'four' is not a "
-        "number: the rule reads the number after '#### '; train.parquet row 2: '4.0' is an integer written with a "
+        f"data.train_files: rows without a data_source (the reward is routed by it): {path} row 5",
+        f"data.train_files: ground truths no response can match under the built-in rule reward: {path} row 0: "
+        f"\"['4']\" is not a number: the rule reads the number after '#### '; {path} row 1: 'four' is not a "
+        f"number: the rule reads the number after '#### '; {path} row 2: '4.0' is an integer written with a "
         "fraction of zeros: responses answering '#### 4' score 0 (the rule compares strings); store it as '4'"]
     # a custom reward function reads the ground truths its own way
     reward = tmp_path / "reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]",
                              f"custom_reward_function.path={reward}"))
-    assert errors == ["data.train_files: rows without a data_source (the reward is routed by it): train.parquet row 5"]
+    assert errors == [f"data.train_files: rows without a data_source (the reward is routed by it): {path} row 5"]
+
+
+def test_a_float32_ground_truth_field_with_fractions_is_refused(space, tmp_path):
+    """pyarrow reads a float32 field back as a double: 2.5 stays 2.5, but 0.1 becomes 0.10000000149011612, which no
+    '#### 0.1' matches (it trained at score 0); integers read back whole."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.read_parquet(space / "data" / "train.parquet")
+    truths = [0.1, 2.5] + [float(i) for i in range(len(frame) - 2)]
+    rule = pa.struct([("style", pa.string()), ("ground_truth", pa.float32())])
+    table = pa.Table.from_pandas(frame.drop(columns=["reward_model"]), preserve_index=False).append_column(
+        "reward_model", pa.array([{"style": "rule", "ground_truth": t} for t in truths], type=rule))
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
+    assert errors == [f"data.train_files: ground truths no response can match under the built-in rule reward: "
+                      f"{path} row 0: 0.10000000149011612 is a float32 field's value read back as a double, which no "
+                      "answer matches; store the ground truths as text (or float64)"]
+    pq.write_table(table.set_column(table.schema.get_field_index("reward_model"), "reward_model", pa.array(
+        [{"style": "rule", "ground_truth": float(i)} for i in range(len(truths))], type=rule)), path)
+    preflight(_config(space, f"data.train_files={path}", "data.val_files=[]"))  # whole numbers read back whole
 
 
 def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypatch):
@@ -358,3 +381,7 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypat
         listening.listen()
         preflight(_config(space, *two, f"trainer.ray_address=127.0.0.1:{listening.getsockname()[1]}"))
     preflight(_config(space, *two, "trainer.ray_address=auto"))  # Ray's own lookup: left to it
+    preflight(_config(space, *two, "trainer.ray_address='::1'"))  # a bare IPv6 address (no port): left to Ray
+    errors = _errors(_config(space, *two, "trainer.ray_address=no-such-host.invalid:6379"))
+    assert errors[0].startswith("trainer.ray_address (or RAY_ADDRESS) 'no-such-host.invalid:6379': cannot resolve the "
+                                "host 'no-such-host.invalid'")

@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import string
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -135,7 +136,8 @@ def test_a_ground_truth_is_cleaned_as_the_answer_is_and_a_stored_number_read_as_
 
 @pytest.mark.parametrize("truth, reason", [
     ("18", None), ("1,000", None), ("$12", None), ("-3", None), ("2.5", None), ("2.50", None), (18.0, None),
-    (np.float32(0.1), None), (b"7", None),
+    (np.float32(0.1), None), (b"7", None), (Decimal("1.5"), None),
+    (Decimal("18.0"), "'18.0' is an integer written with a fraction of zeros"),  # a decimal128 column's scale
     ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0"),
     ("18.", "'18.' is an integer written with a fraction of zeros"),
     ("four", "'four' is not a number"), ("", "'' is not a number"), ("12 apples", "'12 apples' is not a number"),
@@ -147,6 +149,10 @@ def test_a_ground_truth_no_response_can_match_says_why(truth, reason):
 
     found = unanswerable(truth)
     assert found == reason if reason is None else found.startswith(reason), found
+    if reason is None:  # and the rule does match it: a response answering it as written scores
+        written = truth.decode() if isinstance(truth, bytes) else str(truth)
+        answer = "18" if truth == 18.0 else "0.1" if isinstance(truth, np.float32) else written.replace("$", "")
+        assert compute_score(f"#### {answer}", truth) == 1.0, truth
 
 
 def test_unknown_method_is_rejected():

@@ -23,6 +23,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.training.checkpoint import CheckpointError
 from rlhf_core.training.guards import GuardError
 from rlhf_core.training.trainer import PPOTrainer, data_metrics, pick_generations, timing_per_token
 
@@ -605,6 +606,21 @@ def test_a_step_that_saves_times_the_save_into_its_record_as_verl_does(workspace
     assert ["timing_s/save_checkpoint" in h.metrics for h in history] == [False, True, True]  # save_freq; the last
     assert all(h.metrics["timing_s/save_checkpoint"] > 0 for h in history[1:])
     assert [step for step, _ in logged] == [1, 2, 3] and "timing_s/save_checkpoint" in logged[1][1]  # in the record
+
+    # a save that fails still leaves the step's metrics logged (without a save time), and the error goes up
+    failing = build_trainer(load_config(_overrides(root, model, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                                                   f"trainer.default_local_dir={tmp_path / 'failing'}")))
+    logged.clear()
+    failing.logger = lambda metrics, step: logged.append((step, dict(metrics)))
+
+    def refuse():
+        raise CheckpointError("disk full")
+
+    failing.save_checkpoint = refuse
+    with pytest.raises(CheckpointError, match="disk full"):
+        failing.fit()
+    assert [step for step, _ in logged] == [1] and "actor/pg_loss" in logged[0][1]
+    assert "timing_s/save_checkpoint" not in logged[0][1]
 
 
 def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_update(workspace):

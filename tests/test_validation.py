@@ -892,14 +892,17 @@ def test_numeric_ground_truths_are_read_as_the_rule_writes_them():
 
 
 def test_a_bad_row_of_the_second_file_is_named_by_its_file_and_row(tmp_path):
-    """Two training files are joined into one table: row 0 of the second was reported as "row 5"."""
-    first = write(tmp_path / "a.parquet", records(5))
+    """Two training files (of one name, in two folders, as verl's layouts have them) are joined into one table:
+    row 0 of the second was reported as "row 5"."""
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "math").mkdir()
+    first = write(tmp_path / "gsm8k" / "train.parquet", records(5))
     rows = records(3, offset=5)
     _text_ground_truth(rows[0])
-    second = write(tmp_path / "b.parquet", rows)
+    second = write(tmp_path / "math" / "train.parquet", rows)
     report = validate_dataset([first, second])
     assert failed(report) == [("ground_truth_numeric", "ground_truth", "train")]
     assert report.failures[0].examples == [(5, "12 apples")]  # the joined table's row, for code that reads it
-    assert "    b.parquet row 0: '12 apples'" in report.summary().splitlines()
+    assert f"    {second} row 0: '12 apples'" in report.summary().splitlines()
     single = validate_dataset(second)
     assert "    row 0: '12 apples'" in single.summary().splitlines()

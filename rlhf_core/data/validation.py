@@ -176,11 +176,11 @@ class ValidationReport:
     file_spans: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
     def where(self, dataset: str, row: int) -> str:
-        """A row of a dataset's joined table as the user finds it: ``row N`` of its one file, or ``<file> row N``
+        """A row of a dataset's joined table as the user finds it: ``row N`` of its one file, or ``<path> row N``
         in the file it came from (the trainer's and the reward's numbering)."""
         for path, rows in self.file_spans.get(dataset, []):
             if row < rows:
-                return f"{Path(path).name} row {row}"
+                return f"{path} row {row}"  # the path as given: files of one name in two folders stay apart
             row -= rows
         return f"row {row}"
 

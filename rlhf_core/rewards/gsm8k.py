@@ -11,12 +11,15 @@ the regex cost on runaway generations and matches where a final answer belongs.
 The extracted answer (commas and dollar signs removed) must equal the ground truth, cleaned the same way,
 exactly as strings: ``"18"`` and ``"18.0"`` are different answers, ``"1,000"`` and ``"1000"`` the same. A
 ground truth stored as a number (a numeric parquet column) is written as the number it is, at its own precision
-and without an exponent: ``18.0`` as ``18``, a float32 ``0.1`` as ``0.1``, ``1e-05`` as ``0.00001``.
+and without an exponent: ``18.0`` as ``18``, a numpy float32 ``0.1`` as ``0.1``, ``1e-05`` as ``0.00001`` (a
+float32 parquet field reads back as a double, ``0.10000000149011612``, which no answer matches: preflight refuses
+such values).
 :func:`unanswerable` says why no response can match a ground truth (a list, a word, ``"18.0"``).
 """
 
 from __future__ import annotations
 
+import decimal
 import numbers
 import re
 
@@ -54,6 +57,8 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
 def expected_answer(ground_truth) -> str:
     """``ground_truth`` as an extracted answer is compared with it: cleaned of ``,`` and ``$``, and a number
     (not a string) with an integral value written without its fraction (``18.0`` -> ``"18"``)."""
+    if isinstance(ground_truth, bytes):  # a binary parquet column: its text
+        ground_truth = ground_truth.decode()
     if isinstance(ground_truth, numbers.Real) and not isinstance(ground_truth, (bool, np.bool_)):
         if float(ground_truth).is_integer():
             return str(int(ground_truth))
@@ -72,12 +77,13 @@ def unanswerable(ground_truth) -> str | None:
     that is not a number or a string of one (a list, a word, an empty string), or an integer written with a
     fraction of zeros (``"18.0"``, what a float column turned to text gives), which the rule, comparing strings,
     matches only to a response that writes the ``.0`` too."""
-    if isinstance(ground_truth, (bool, np.bool_)) or not isinstance(ground_truth, (str, bytes, numbers.Real)):
+    if isinstance(ground_truth, (bool, np.bool_)) or not isinstance(ground_truth, (str, bytes, numbers.Real,
+                                                                                 decimal.Decimal)):
         return f"a {type(ground_truth).__name__} ({ground_truth!r:.40}), not a number or the text of one"
-    answer = expected_answer(ground_truth.decode() if isinstance(ground_truth, bytes) else ground_truth)
+    answer = expected_answer(ground_truth)
     if not _ANSWER_FORM.fullmatch(answer):
         return f"{answer!r} is not a number: the rule reads the number after '#### '"
-    if isinstance(ground_truth, (str, bytes)) and _ZERO_FRACTION.fullmatch(answer):
+    if isinstance(ground_truth, (str, bytes, decimal.Decimal)) and _ZERO_FRACTION.fullmatch(answer):
         return (f"{answer!r} is an integer written with a fraction of zeros: responses answering "
                 f"'#### {answer.split('.')[0]}' score 0 (the rule compares strings); store it as "
                 f"{answer.split('.')[0]!r}")
