@@ -860,7 +860,16 @@ def _known_keys_and_sections() -> frozenset[str]:
     return frozenset(key.rsplit(".", i)[0] for key in _known_keys() for i in range(key.count(".") + 1))
 
 
+# keys verl itself dropped, with what took their place there (a close spelling would point elsewhere)
+REPLACED_IN_VERL: dict[str, str] = {
+    "actor_rollout_ref.actor.use_token_level_loss": "actor_rollout_ref.actor.loss_agg_mode=token-mean (true) or "
+                                                    "seq-mean-token-mean (false), as verl replaced it",
+}
+
+
 def _suggest(key: str) -> str:
+    if key in REPLACED_IN_VERL:
+        return f"; use {REPLACED_IN_VERL[key]}"
     known = _known_keys()
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not close:  # the right leaf name in the wrong section, or a misspelt leaf
@@ -959,8 +968,21 @@ def _parser() -> OverridesParser:
     return OverridesParser.create()
 
 
+def _same_key_twice(origins: dict[str, tuple[str, Any]], target: str, key: str, value: Any,
+                    errors: list[str]) -> None:
+    """Record that ``key`` set ``target`` to ``value``; two spellings of one key (verl's alias and the key, or two
+    of verl's) that set it to different values in the same place (the file, or the command line) are refused:
+    the one written last won, silently."""
+    source, before = origins.get(target, (key, value))
+    if source != key and before != value:
+        errors.append(f"{key}={value!r} and {source}={before!r} both set {target} (verl's spellings of one key): "
+                      "keep one")
+    origins[target] = (key, value)
+
+
 def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
-                    deferred: dict[str, Any], given: dict[str, Any]) -> None:
+                    deferred: dict[str, Any], given: dict[str, Any],
+                    origins: dict[str, tuple[str, Any]] | None = None) -> None:
     """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``;
     ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given)."""
     try:
@@ -997,6 +1019,8 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         deferred[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
+            if origins is not None:
+                _same_key_twice(origins, target, key, value, errors)
             _assign(cfg, target, value, errors)
             given[target] = value
 
@@ -1094,15 +1118,18 @@ def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[
     errors: list[str] = []
     deferred: dict[str, Any] = {}
     given: dict[str, Any] = {}  # the schema keys the file and the overrides set, with their values
+    in_file: dict[str, tuple[str, Any]] = {}  # each key the file sets: the spelling that set it, and its value
     for key, value in _leaves(tree) if tree is not None else ():
         if _deferred(key, value):
             deferred[key] = value
             continue
         for target, target_value in _targets(key, value, notice, errors).items():
+            _same_key_twice(in_file, target, key, target_value, errors)
             _assign(cfg, target, target_value, errors)
             given[target] = target_value
+    on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
     for text in overrides:
-        _apply_override(cfg, text, notice, errors, deferred, given)
+        _apply_override(cfg, text, notice, errors, deferred, given, on_command_line)
     _assign_deferred(cfg, deferred, notice, errors, given)
     if not errors:
         try:

@@ -728,3 +728,30 @@ def test_a_critic_that_never_trains_is_refused():
     """critic.ppo_epochs=0 under GAE: the update loop runs no pass, so the value model would never learn."""
     assert "critic.ppo_epochs=0 must be" in _errors("algorithm.adv_estimator=gae", "critic.ppo_epochs=0")
     load_config(["algorithm.adv_estimator=grpo", "critic.ppo_epochs=0"], notice=lambda _: None)  # no critic: unread
+
+
+def test_two_spellings_of_one_key_with_different_values_are_refused(tmp_path):
+    """verl's DAPO spelling and the key it stands for, disagreeing on one command line (or in one file): the one
+    written last won without a word. Agreeing, or a later command line over the file, is taken."""
+    conflict = _errors_or_none("reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=32",
+                               "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=false")
+    assert conflict == ("reward_model.reward_kwargs.overlong_buffer_cfg.enable=False and "
+                        "reward_model.overlong_buffer.enable=True both set reward_model.overlong_buffer.enable "
+                        "(verl's spellings of one key): keep one")
+    assert _errors_or_none("reward_model.overlong_buffer.len=32", "+reward_model.reward_kwargs.overlong_buffer_cfg.len=32",
+                           "trainer.seed=1", "trainer.seed=2") is None  # agreeing; one key given twice: the last
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    grad_clip: 1.0\n    optim:\n      max_grad_norm: 0.5\n")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref.actor.optim.max_grad_norm=0.5 and "
+                                          r"actor_rollout_ref.actor.grad_clip=1.0 both set"):
+        load_config([], config_file=path, notice=lambda _: None, validate=False)
+    path.write_text("actor_rollout_ref:\n  actor:\n    grad_clip: 1.0\n")
+    cfg = load_config(["actor_rollout_ref.actor.optim.max_grad_norm=0.25"], config_file=path, notice=lambda _: None,
+                      validate=False)
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.25  # the command line over the file
+
+
+def test_a_key_verl_replaced_names_its_replacement():
+    assert _errors_or_none("actor_rollout_ref.actor.use_token_level_loss=true") == (
+        "unknown config key actor_rollout_ref.actor.use_token_level_loss; use actor_rollout_ref.actor.loss_agg_mode="
+        "token-mean (true) or seq-mean-token-mean (false), as verl replaced it")
