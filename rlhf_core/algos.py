@@ -1036,8 +1036,9 @@ def apply_kl_penalty(
 # --------------------------------------------------------------------------------------------------
 
 #: What must differ within a prompt group for dynamic sampling to keep it (``algorithm.filter_groups.metric``):
-#: the summed token scores, or the ``score`` / ``acc`` the reward function reported.
-FILTER_GROUPS_METRICS: tuple[str, ...] = ("seq_reward", "score", "acc")
+#: the summed token scores (``seq_final_reward``: verl's name, the same where the reward holds no KL penalty), or
+#: the ``score`` / ``acc`` the reward function reported (with a custom function, any number it reports).
+FILTER_GROUPS_METRICS: tuple[str, ...] = ("seq_reward", "seq_final_reward", "score", "acc")
 
 
 @torch.no_grad()

@@ -390,7 +390,9 @@ class KLCtrlConfig:
 @dataclass
 class FilterGroupsConfig:
     enable: bool = _k(False, "DAPO dynamic sampling: drop prompt groups whose responses all score the same")
-    metric: str = _k("seq_reward", "what must differ within a group: seq_reward (summed token scores) | score | acc")
+    metric: str = _k("seq_reward", "what must differ within a group: seq_reward (summed token scores) | "
+                                   "seq_final_reward (the same; no KL in the reward) | score | acc | a number a "
+                                   "custom reward function reports")
     max_num_gen_batches: int = _k(10, "generation batches per step before training on a partial batch; <= 0 = no "
                                       "limit")
 
@@ -1246,7 +1248,12 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
                       "it credits the best response of each group over the second best")
 
     groups = algo.filter_groups
-    _one_of(errors, "algorithm.filter_groups.metric", groups.metric, algos.FILTER_GROUPS_METRICS)
+    if not (cfg.custom_reward_function.path and str(groups.metric).isidentifier()):  # else: a key the reward reports
+        _one_of(errors, "algorithm.filter_groups.metric", groups.metric, algos.FILTER_GROUPS_METRICS)
+    if groups.enable and groups.metric == "seq_final_reward" and algo.use_kl_in_reward:
+        errors.append("algorithm.filter_groups.metric=seq_final_reward is the reward after the KL penalty, which "
+                      "comes here after dynamic sampling has picked the groups (algorithm.use_kl_in_reward=true): use "
+                      "seq_reward, the reward before it")
     if data.gen_batch_size is not None:
         _positive(errors, "data.gen_batch_size", data.gen_batch_size)
         if not groups.enable and data.gen_batch_size != data.train_batch_size:

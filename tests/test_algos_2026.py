@@ -410,6 +410,35 @@ def test_training_ends_after_total_epochs_whatever_the_step_count(tiny):
     assert sum(r.metrics["train/num_gen_batches"] for r in history) <= 4
 
 
+def test_dynamic_sampling_groups_on_verls_other_metrics():
+    """verl's seq_final_reward (the summed reward after the KL penalty: without one, the summed scores) and any
+    number a custom reward reports were refused as metrics ("is not one of seq_reward, score, acc")."""
+    batch = Batch({"token_level_scores": torch.tensor([[0.0, 1.0], [0.5, 0.0]])})
+    extras = {"score": torch.tensor([1.0, 0.5]), "fmt": torch.tensor([0.0, 1.0]), "responses": ["a", "b"]}
+    assert dynamic_sampling.group_metric(batch, extras, "seq_final_reward").tolist() == [1.0, 0.5]
+    assert dynamic_sampling.group_metric(batch, extras, "fmt").tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match=r"metric='style' is not a number the reward reports \(it reports fmt, "
+                                         r"score\)"):
+        dynamic_sampling.group_metric(batch, extras, "style")
+
+    def errors(*extra):
+        try:
+            load_config(["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=2", *extra],
+                        notice=lambda _: None)
+        except ConfigError as exc:
+            return exc.errors
+        return []
+
+    assert errors("algorithm.filter_groups.metric=seq_final_reward") == []
+    assert errors("algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=true") == [
+        "algorithm.filter_groups.metric=seq_final_reward is the reward after the KL penalty, which comes here after "
+        "dynamic sampling has picked the groups (algorithm.use_kl_in_reward=true): use seq_reward, the reward before "
+        "it"]
+    assert errors("algorithm.filter_groups.metric=fmt", "custom_reward_function.path=reward.py") == []
+    assert errors("algorithm.filter_groups.metric=fmt") == [
+        "algorithm.filter_groups.metric='fmt' is not one of seq_reward, seq_final_reward, score, acc"]
+
+
 def test_dynamic_sampling_without_any_varied_group_is_an_error():
     with pytest.raises(RuntimeError, match="every one of the 4 prompt groups scored the same.*"
                                            "algorithm.filter_groups.metric=seq_reward.*max_num_gen_batches"):

@@ -24,17 +24,22 @@ from rlhf_core.batch import Batch
 
 def group_metric(batch: Batch, extras: dict, metric: str) -> torch.Tensor:
     """One value per response for ``algorithm.filter_groups.metric``: ``seq_reward`` (the sum of the token
-    scores, shaping included), ``score`` or ``acc`` (as the reward function reported them). -> (bs,)."""
-    if metric == "seq_reward":
+    scores, shaping included; ``seq_final_reward``, verl's name for it after the KL penalty, is the same where no
+    KL penalty is in the reward, the only case the config takes), ``score``, ``acc`` or another number the
+    reward function reports (as it reported them). -> (bs,)."""
+    if metric in ("seq_reward", "seq_final_reward"):
         return batch["token_level_scores"].sum(-1)
-    if metric in ("score", "acc"):
-        values = torch.as_tensor(extras[metric], dtype=torch.float64)
-        if bool(values.isnan().any()):
-            raise ValueError(f"algorithm.filter_groups.metric={metric} is not known for every response (prompts "
-                             "without a ground truth have no accuracy); use seq_reward or score")
-        return values
-    raise ValueError(f"unknown algorithm.filter_groups.metric {metric!r}; valid metrics are "
-                     f"{', '.join(algos.FILTER_GROUPS_METRICS)}")
+    if metric not in extras or not isinstance(extras[metric], torch.Tensor):
+        reported = sorted(k for k, v in extras.items() if isinstance(v, torch.Tensor))
+        raise ValueError(f"algorithm.filter_groups.metric={metric!r} is not a number the reward reports (it "
+                         f"reports {', '.join(reported)}); use one of them or "
+                         f"{', '.join(algos.FILTER_GROUPS_METRICS)}")
+    values = torch.as_tensor(extras[metric], dtype=torch.float64)
+    if bool(values.isnan().any()):
+        raise ValueError(f"algorithm.filter_groups.metric={metric} is not known for every response (prompts "
+                         "without a ground truth have no accuracy, a reward's key missing from some results); use "
+                         "seq_reward or score")
+    return values
 
 
 def select_extras(extras: dict, rows: list[int]) -> dict:
