@@ -532,7 +532,7 @@ class PPOConfig:
 
     def value(self, key: str) -> Any:
         """The value of dotted ``key``; for a null key of :data:`FOLLOWS`, the value it stands for."""
-        return followed(functools.partial(_attribute, self), key)
+        return followed(functools.partial(attribute, self), key)
 
     def resolved(self) -> PPOConfig:
         """A copy with each null of :data:`FOLLOWS` replaced by the value it stands for: what the workers read."""
@@ -540,7 +540,7 @@ class PPOConfig:
         values = {key: self.value(key) for key in FOLLOWS}
         for key, value in values.items():
             section, _, name = key.rpartition(".")
-            setattr(_attribute(out, section), name, value)
+            setattr(attribute(out, section), name, value)
         return out
 
     @classmethod
@@ -772,12 +772,13 @@ def require_resolved(section: Any, prefix: str) -> None:
     """Refuse a config section (``section`` at dotted ``prefix``) in which a key of :data:`FOLLOWS` is still
     null: a worker reads its keys as they are, so it must be given a section of :meth:`PPOConfig.resolved`."""
     start = f"{prefix}."
-    unresolved = [key for key in FOLLOWS if key.startswith(start) and _attribute(section, key[len(start):]) is None]
+    unresolved = [key for key in FOLLOWS if key.startswith(start) and attribute(section, key[len(start):]) is None]
     if unresolved:
         raise ValueError(f"{', '.join(unresolved)} null: build the worker from PPOConfig.resolved()'s {prefix}")
 
 
-def _attribute(node: Any, dotted: str) -> Any:
+def attribute(node: Any, dotted: str) -> Any:
+    """The attribute of ``node`` at the dotted path ``dotted`` (``node`` itself for an empty one)."""
     for name in dotted.split(".") if dotted else ():
         node = getattr(node, name)
     return node

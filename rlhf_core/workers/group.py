@@ -23,7 +23,6 @@ otherwise a local cluster sized to this machine is started.
 from __future__ import annotations
 
 import copy
-import functools
 import os
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 from rlhf_core.batch import Batch
-from rlhf_core.config import PPOConfig
+from rlhf_core.config import PPOConfig, attribute
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import peak_memory_gb
@@ -457,7 +456,7 @@ def for_workers(config, keys: Sequence[str] = WORKER_PATH_KEYS, folders: Sequenc
     copied = copy.deepcopy(config)
     for key in keys:
         section, _, name = key.rpartition(".")
-        node = functools.reduce(getattr, section.split("."), copied) if section else copied
+        node = attribute(copied, section)
         value = getattr(node, name)
         if isinstance(value, str) and value and not os.path.isabs(os.path.expanduser(value)) \
                 and (os.path.exists(value) or key in folders):
