@@ -46,14 +46,26 @@ def test_every_command_resolves_to_a_function():
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
-@pytest.mark.parametrize(("command", "module"), [("lineage", "rlhf_core.pipeline.lineage"),
-                                                  ("gsm8k", "rlhf_core.data.gsm8k")])
-def test_a_commands_help_is_that_of_its_module_path(repo_root, command, module):
+@pytest.mark.parametrize(("command", "module", "own_name"),
+                         [("lineage", "rlhf_core.pipeline.lineage", "rlhf-lineage"),
+                          ("gsm8k", "rlhf_core.data.gsm8k", "python -m rlhf_core.data.gsm8k")])
+def test_a_commands_help_is_that_of_its_module_path_under_the_name_typed(repo_root, command, module, own_name):
     umbrella = _python("-m", "rlhf_core.cli", command, "--help", cwd=repo_root)
     old_path = _python("-m", module, "--help", cwd=repo_root)
     assert umbrella.returncode == old_path.returncode == 0, umbrella.stderr + old_path.stderr
-    assert umbrella.stdout == old_path.stdout
-    assert "usage: " in umbrella.stdout and "--help" in umbrella.stdout
+    assert umbrella.stdout.startswith(f"usage: rlhf {command} [-h]")
+    assert old_path.stdout.startswith(f"usage: {own_name} [-h]")
+    # the same options and text; argparse only wraps the usage lines to the name's width
+    assert umbrella.stdout.split("\n\n", 1)[1] == old_path.stdout.split("\n\n", 1)[1]
+    assert "--help" in umbrella.stdout
+
+
+def test_a_commands_errors_name_it_as_typed_and_the_name_does_not_stick(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["config", "--no-such-option"])
+    assert exited.value.code == 2
+    assert "rlhf config: error: unrecognized arguments: --no-such-option" in capsys.readouterr().err
+    assert cli.program("python -m rlhf_core.config") == "python -m rlhf_core.config"
 
 
 def test_arguments_and_exit_codes_pass_through(capsys):

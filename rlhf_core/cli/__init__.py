@@ -34,6 +34,16 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# the command ``main`` is running, so that its parser names itself as the user typed it
+_running: str | None = None
+
+
+def program(default: str) -> str:
+    """The name a command's parser shows in its usage and errors: ``rlhf <command>`` when ``rlhf``
+    dispatched it, else ``default`` (its ``python -m`` path or console script)."""
+    return f"rlhf {_running}" if _running else default
+
+
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: rlhf <command> [args]    (rlhf <command> --help: the command's options)", "", "commands:"]
@@ -54,4 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlhf: unknown command '{name}'; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module, function, _ = COMMANDS[name]
-    return getattr(importlib.import_module(module), function)(rest)
+    global _running
+    _running = name
+    try:
+        return getattr(importlib.import_module(module), function)(rest)
+    finally:
+        _running = None

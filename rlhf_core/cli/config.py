@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rlhf_core.cli import program
 from rlhf_core.config import ConfigError, defaults_yaml, load_config
 
 
 def config(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.config", description="Print the resolved PPO config tree as YAML."
+        prog=program("python -m rlhf_core.config"), description="Print the resolved PPO config tree as YAML."
     )
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")

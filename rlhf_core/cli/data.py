@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhf_core.cli import program
 from rlhf_core.data.gsm8k import LAYOUTS, MAX_REPORTED, SPLITS, GSM8KDataError, preprocess_gsm8k
 from rlhf_core.data.preference import (
     GSM8K_SOURCE,
@@ -35,7 +36,7 @@ from rlhf_core.data.validation import DataReadError, one_line, validate_dataset
 
 def gsm8k(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.gsm8k",
+        prog=program("python -m rlhf_core.data.gsm8k"),
         description="Convert GSM8K (jsonl or parquet layout) into verl-style train.parquet and test.parquet.",
     )
     parser.add_argument(
@@ -79,7 +80,7 @@ def gsm8k(argv: list[str] | None = None) -> int:
 
 def synthetic(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.synthetic",
+        prog=program("python -m rlhf_core.data.synthetic"),
         description="Write synthetic GSM8K-style arithmetic problems as verl-style train/test parquet files.",
     )
     parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
@@ -142,7 +143,7 @@ def synthetic(argv: list[str] | None = None) -> int:
 
 def preference(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.data.preference",
+        prog=program("python -m rlhf_core.data.preference"),
         description="Write preference pairs (prompt, chosen, rejected) as train/val parquet files, split by "
                     "question.",
         epilog=TEST_SET_WARNING,
@@ -191,7 +192,7 @@ def preference(argv: list[str] | None = None) -> int:
 
 
 def _validate_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.data.validation", description="Validate verl "
+    parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.data.validation"), description="Validate verl "
                                      "prompt or preference parquet files (told by their columns) with GX.")
     parser.add_argument("train", help="training parquet file")
     parser.add_argument("--val", help="validation parquet file (also checked for train/val leakage)")

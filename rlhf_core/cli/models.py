@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rlhf_core.cli import program
 from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
 from rlhf_core.models.gguf import read_marker as read_import_marker
 from rlhf_core.models.toy import (
@@ -24,7 +25,7 @@ from rlhf_core.models.toy import (
 
 def toy_model(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m rlhf_core.models.toy",
+        prog=program("python -m rlhf_core.models.toy"),
         description="Build the tiny offline toy model (character tokenizer + small Llama) into a folder.",
     )
     parser.add_argument(
@@ -71,7 +72,7 @@ def toy_model(argv: list[str] | None = None) -> int:
 
 
 def gguf(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.models.gguf",
+    parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.models.gguf"),
                                      description="Import a GGUF file into a local HF model directory.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="the .gguf file")

@@ -17,6 +17,7 @@ import logging
 import sys
 from pathlib import Path
 
+from rlhf_core.cli import program
 from rlhf_core.pipeline.lineage import (
     LineageError,
     default_client,
@@ -29,7 +30,7 @@ from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, run_pipe
 
 
 def evaluate(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.evaluate",
+    parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.evaluate"),
                                      description="Greedy accuracy of a HF model directory on a validation parquet.")
     parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
     parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")
@@ -90,7 +91,7 @@ def evaluate(argv: list[str] | None = None) -> int:
 
 
 def lineage(argv: list[str] | None = None, client=None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-lineage",
+    parser = argparse.ArgumentParser(prog=program("rlhf-lineage"),
                                      description="Show the data, reward, checkpoint and decision behind a model version.")
     parser.add_argument("--model", help="model name (default: the only model, or the last one promoted)")
     parser.add_argument("--version", help="version number, name or stage (default: production)")
@@ -107,7 +108,7 @@ def lineage(argv: list[str] | None = None, client=None) -> int:
 
 def demo_summary(argv: list[str] | None = None, client=None) -> int:
     """``rlhf-demo-summary``: the model's latest run, its promotion decision, and how to browse it."""
-    parser = argparse.ArgumentParser(prog="rlhf-demo-summary", description="Summarise the latest run of a model.")
+    parser = argparse.ArgumentParser(prog=program("rlhf-demo-summary"), description="Summarise the latest run of a model.")
     parser.add_argument("--model", default="demo-ppo-policy", help="model name (default demo-ppo-policy)")
     args = parser.parse_args(argv)
     client = client or default_client()
@@ -145,7 +146,7 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
 
 
 def schedule(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-schedule", description="Run the retraining pipeline on a schedule.")
+    parser = argparse.ArgumentParser(prog=program("rlhf-schedule"), description="Run the retraining pipeline on a schedule.")
     when = parser.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
     when.add_argument("--every", type=float, metavar="SECONDS", help="a fixed interval instead of a cron expression")

@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 
+from rlhf_core.cli import program
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
@@ -72,7 +73,7 @@ def releases_ray(command):
 
 @releases_ray
 def ppo(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlhf-ppo", description="PPO training with verl's config keys.")
+    parser = argparse.ArgumentParser(prog=program("rlhf-ppo"), description="PPO training with verl's config keys.")
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
@@ -103,7 +104,7 @@ def ppo(argv: list[str] | None = None) -> int:
 @releases_ray
 def train_rm(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="rlhf-train-rm",
+        prog=program("rlhf-train-rm"),
         description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
                     "those of the PPO config tree, under reward_model.train.",
     )
@@ -153,7 +154,7 @@ def train_rm(argv: list[str] | None = None) -> int:
 
 
 def smoke(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rlhf_core.pipeline.smoke", description="Dry-run a PPO config.")
+    parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.smoke"), description="Dry-run a PPO config.")
     parser.add_argument("--config", help="YAML file of overrides applied before the command line")
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
