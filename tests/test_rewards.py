@@ -140,6 +140,7 @@ def test_a_ground_truth_is_cleaned_as_the_answer_is_and_a_stored_number_read_as_
     (Decimal("18.0"), "'18.0' is an integer written with a fraction of zeros"),  # a decimal128 column's scale
     ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0"),
     ("18.", "'18.' is an integer written with a fraction of zeros"),
+    (".5", "'.5' is not a number"), ("1.2.3", "'1.2.3' is not a number"), (float("nan"), "'nan' is not a number"),
     ("four", "'four' is not a number"), ("", "'' is not a number"), ("12 apples", "'12 apples' is not a number"),
     (["4"], "a list (['4']), not a number or the text of one"), (True, "a bool (True), not a number"),
     ({"answer": "4"}, "a dict ({'answer': '4'}), not a number"),

@@ -906,3 +906,21 @@ def test_a_bad_row_of_the_second_file_is_named_by_its_file_and_row(tmp_path):
     assert f"    {second} row 0: '12 apples'" in report.summary().splitlines()
     single = validate_dataset(second)
     assert "    row 0: '12 apples'" in single.summary().splitlines()
+
+
+def test_the_ground_truth_check_passes_exactly_the_texts_the_gsm8k_rule_can_match(tmp_path):
+    from rlhf_core.rewards.gsm8k import compute_score, unanswerable
+
+    # (stored ground truth, a response's answer that scores it, or None where no answer can)
+    cases = [("$12", "12"), ("1,000", "1000"), (" 7 ", "7"), ("2.5", "2.5"), ("-3", "-3"),
+             ("4.0", None), (".5", None), ("1.2.3", None), ("12 apples", None)]
+    for truth, answer in cases:  # what the rule itself does with each, worked out by hand above
+        assert (compute_score(f"#### {answer}", truth) == 1.0) if answer else unanswerable(truth), truth
+    rows = records(len(cases))
+    for row, (truth, _) in zip(rows, cases):
+        row["reward_model"]["ground_truth"] = truth
+    report = validate_dataset(write(tmp_path / "train.parquet", rows))
+    [check] = report.failures  # the rows whose answer no response can give, and nothing else
+    assert check.name == "ground_truth_numeric"
+    assert check.statistics["unexpected_count"] == 4
+    assert check.examples == [(5, "4.0"), (6, ".5"), (7, "1.2.3")]  # the first three of the four

@@ -67,8 +67,6 @@ from rlhf_core.data.schema import (
 )
 from rlhf_core.rewards import gsm8k
 
-# optional minus, thousands commas, decimals with a digit other than 0 (an integer as "4.0" matches no "#### 4")
-GROUND_TRUTH_REGEX = r"^\s*-?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\s*$"
 NON_BLANK_REGEX = r"\S"
 MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
@@ -549,9 +547,9 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                  f"{reward_fn_key} has a registered reward function{only}",
                  {"value_set": list(known_sources), **graded}),
                 ("ground_truth_numeric", gxe.ExpectColumnValuesToMatchRegex, "ground_truth",
-                 f"reward_model.ground_truth is a number (optional minus, thousands commas, decimals; an integer "
-                 f"without '.0', which the rule's string match would miss){only}",
-                 {"regex": GROUND_TRUTH_REGEX, **graded}),
+                 f"reward_model.ground_truth is a number (optional dollar sign and minus, thousands commas, "
+                 f"decimals; an integer without '.0', which the rule's string match would miss){only}",
+                 {"regex": gsm8k.ANSWERABLE_TEXT, **graded}),
             ]
         renders = ("prompt_renders", "prompt_template_error",
                    "the chat template renders the prompt (the trainer stops on a prompt it refuses)")

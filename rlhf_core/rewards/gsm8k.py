@@ -68,26 +68,32 @@ def expected_answer(ground_truth) -> str:
     return _clean(str(ground_truth).strip())
 
 
-_ANSWER_FORM = re.compile(r"-?[0-9.]*[0-9][0-9.]*")  # what strict extraction returns, once cleaned
+# The text of a ground truth the rule can match, as stored: an optional dollar sign and minus, digits with
+# thousands commas, and decimals with a digit other than 0 (an integer as "4.0" matches no "#### 4": the rule
+# compares strings). The data validation checks stored text with this pattern too.
+ANSWERABLE_TEXT = r"^\s*\$?-?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\s*$"
+_ANSWERABLE = re.compile(ANSWERABLE_TEXT)
 _ZERO_FRACTION = re.compile(r"-?[0-9]+\.0*")
 
 
 def unanswerable(ground_truth) -> str | None:
     """Why no response earns the rule's score against ``ground_truth``, or None where one can: a ground truth
-    that is not a number or a string of one (a list, a word, an empty string), or an integer written with a
-    fraction of zeros (``"18.0"``, what a float column turned to text gives), which the rule, comparing strings,
-    matches only to a response that writes the ``.0`` too."""
+    that is not a number or text of the form :data:`ANSWERABLE_TEXT` (a list, a word, an empty string), or an
+    integer written with a fraction of zeros (``"18.0"``, what a float column turned to text gives), which the
+    rule, comparing strings, matches only to a response that writes the ``.0`` too."""
     if isinstance(ground_truth, (bool, np.bool_)) or not isinstance(ground_truth, (str, bytes, numbers.Real,
                                                                                  decimal.Decimal)):
         return f"a {type(ground_truth).__name__} ({ground_truth!r:.40}), not a number or the text of one"
-    answer = expected_answer(ground_truth)
-    if not _ANSWER_FORM.fullmatch(answer):
-        return f"{answer!r} is not a number: the rule reads the number after '#### '"
-    if isinstance(ground_truth, (str, bytes, decimal.Decimal)) and _ZERO_FRACTION.fullmatch(answer):
+    answer = expected_answer(ground_truth)  # a number written as the rule writes it; text cleaned
+    if isinstance(ground_truth, bytes):
+        ground_truth = ground_truth.decode()
+    if _ANSWERABLE.match(answer if isinstance(ground_truth, numbers.Real) else str(ground_truth)):
+        return None
+    if _ZERO_FRACTION.fullmatch(answer):
         return (f"{answer!r} is an integer written with a fraction of zeros: responses answering "
                 f"'#### {answer.split('.')[0]}' score 0 (the rule compares strings); store it as "
                 f"{answer.split('.')[0]!r}")
-    return None
+    return f"{answer!r} is not a number: the rule reads the number after '#### '"
 
 
 def compute_score(
