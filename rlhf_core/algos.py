@@ -129,15 +129,18 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
     """Whiten ``x`` with the statistics of its unmasked positions: ``(x - mean) * rsqrt(var + 1e-8)``.
 
-    With ``shift_mean=False`` the mean is added back, so only the scale changes.
-    Shapes: ``x`` and ``mask`` (bs, T) -> (bs, T). Values at masked positions are not meaningful.
+    With ``shift_mean=False`` the mean is added back, so only the scale changes. The statistics are taken
+    in float64: where every value is the same (a batch of equal returns) the float32 mean's rounding error,
+    divided by ``sqrt(1e-8)``, would come out as advantages of 1e-3 instead of 0.
+    Shapes: ``x`` and ``mask`` (bs, T) -> (bs, T), ``x``'s dtype. Values at masked positions are not meaningful.
     """
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask)
-    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)  # (bs, T)
+    wide = x.double()
+    mean = masked_mean(wide, mask)
+    var = masked_var(wide, mask)
+    whitened = (wide - mean) * torch.rsqrt(var + WHITEN_EPS)  # (bs, T)
     if not shift_mean:
         whitened = whitened + mean
-    return whitened
+    return whitened.to(x.dtype)
 
 
 def _zero_where_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

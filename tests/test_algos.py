@@ -168,6 +168,21 @@ def test_masked_whiten_without_shift_keeps_mean():
     assert out.tolist()[0] == pytest.approx([2.0, 3.0, 4.0])
 
 
+def test_equal_returns_whiten_to_zero_advantages_not_to_float32_rounding():
+    # every response scores 0.98 (not exact in binary) and gamma = lam = 1: every token's return is 0.98, so
+    # the mean is 0.98 and every advantage 0 (in float32 the mean's rounding, divided by sqrt(1e-8), gave 1e-3)
+    mask = torch.ones(16, 37)
+    mask[3, 20:] = 0
+    rewards = torch.zeros(16, 37)
+    rewards[:, -1] = 0.98
+    rewards[3, -1], rewards[3, 19] = 0.0, 0.98
+    reinforce, returns = algos.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=1.0)
+    gae, _ = compute_gae_advantage_return(rewards, torch.zeros(16, 37), mask, gamma=1.0, lam=1.0)
+    assert torch.all(returns[mask.bool()] == torch.tensor(0.98))
+    assert reinforce.dtype == gae.dtype == torch.float32
+    assert reinforce.abs().max().item() < 1e-9 and gae.abs().max().item() < 1e-9
+
+
 @st.composite
 def masked_batches(draw, min_valid: int = 2):
     bs = draw(st.integers(1, 4))
