@@ -343,3 +343,28 @@ def test_a_resume_takes_only_whole_checkpoints_for_the_guards_anchors(workspace,
     resumed = make_trainer(workspace, out, "trainer.total_training_steps=4")
     resumed.load_checkpoint(out / "global_step_3")
     assert resumed.guard.saved == [3]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_pruning_keeps_the_checkpoint_before_the_one_being_saved_for_a_kl_streaks_anchor(workspace, tmp_path):
+    """A KL streak whose rollout had already drifted anchors two steps back: with one checkpoint kept, the one
+    before the latest must outlive each save (it was pruned as the new one was written, and the rollback then
+    failed on the missing part)."""
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=4", "trainer.max_actor_ckpt_to_keep=1",
+                           "trainer.max_critic_ckpt_to_keep=1", "trainer.guard.max_kl=0.5",
+                           "trainer.guard.patience=1")
+    for step in (1, 2):
+        trainer.global_step = step
+        trainer.save_checkpoint()
+    parts = trainer.workers()
+    assert [checkpoint.holds_parts(out / f"global_step_{s}", parts) for s in (1, 2)] == [True, True]
+    event = trainer.guard.observe_step(3, {"actor/ppo_kl": 1.0, "actor/kl_loss": 1.0}, skipped=False)
+    assert event.target_step == 1  # the rollout of step 3 was already far from the reference
+    trainer.global_step = 3
+    trainer.apply_guard_event(event)  # restores global_step_1 (it failed here)
+    assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_1"))
+    trainer.save_checkpoint()  # the next save after the rollback: now step 1 is the one before it
+    trainer.global_step = 4
+    trainer.save_checkpoint()
+    assert [s for s, p in checkpoint.list_checkpoints(out) if checkpoint.holds_parts(p, parts)] == [3, 4]

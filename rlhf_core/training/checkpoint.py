@@ -693,7 +693,7 @@ def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
     final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer))
     cfg = trainer.config.trainer
     prune_checkpoints(final.parent, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep,
-                      trainer.protected_steps())
+                      trainer.protected_steps(int(trainer.global_step)))
     return final
 
 

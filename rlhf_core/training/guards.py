@@ -181,10 +181,12 @@ class Guard:
         return GuardEvent(kind, "rollback", target, reason)
 
     # ------------------------------------------------------------------ checkpoints
-    def protected_steps(self) -> set[int]:
-        """Checkpoints a guard may restore later: never prune these."""
+    def protected_steps(self, saving: int | None = None) -> set[int]:
+        """Checkpoints a guard may restore later: never prune these. ``saving``: the step whose checkpoint is
+        being written (pruning runs before :meth:`on_checkpoint` records it), so that the one before it is kept."""
+        saved = self.saved if saving is None else [s for s in self.saved if s < saving] + [saving]
         streaks_watched = self.config.max_consecutive_skips is not None or self.config.max_kl is not None
-        next_anchor = self.saved[-2] if streaks_watched and len(self.saved) >= 2 else None
+        next_anchor = saved[-2] if streaks_watched and len(saved) >= 2 else None
         return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor, next_anchor) if s is not None}
 
     def state_dict(self) -> dict:

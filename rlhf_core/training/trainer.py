@@ -546,10 +546,10 @@ class PPOTrainer:
         for name, worker in self.workers().items():
             worker.skipped_steps = int(state["skipped_steps"].get(name, 0))
 
-    def protected_steps(self) -> set[int]:
+    def protected_steps(self, saving: int | None = None) -> set[int]:
         """Checkpoints a guard may still roll back to (never pruned): the KL / val-drop guard's and the
-        best-gold one of the over-optimisation guard."""
-        return self.guard.protected_steps() | self.overopt.protected_steps()
+        best-gold one of the over-optimisation guard. ``saving``: the step being saved now."""
+        return self.guard.protected_steps(saving) | self.overopt.protected_steps()
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
