@@ -433,6 +433,8 @@ class _StopNow(KeyboardInterrupt):
 
 def _latest_checkpoint(trainer) -> Path | None:
     """The checkpoint a rerun would resume from, None where there is none (or its marker is unreadable)."""
+    if hasattr(trainer, "rerun_checkpoint"):
+        return trainer.rerun_checkpoint()
     folder = getattr(trainer, "checkpoint_dir", None)  # (None: a stand-in trainer that saves nowhere)
     return None if folder is None else latest_or_none(folder)
 

@@ -12,7 +12,7 @@ from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import ConfigError, GuardConfig, load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.training import checkpoint
-from rlhf_core.training.guards import Guard, GuardError, measured_kl, tighten_kl_control
+from rlhf_core.training.guards import Guard, GuardError, GuardEvent, measured_kl, tighten_kl_control
 
 # ----------------------------------------------------------------------------- decisions
 
@@ -96,7 +96,10 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     copy.load_state_dict(guard.state_dict())
     assert copy.state_dict() == guard.state_dict() == {
         "consecutive_skips": 0, "skip_anchor": None, "kl_streak": 0, "kl_anchor": None, "best_val": 0.6,
-        "best_step": 2, "rollbacks": 1}
+        "best_step": 2, "rollbacks": 1, "saved": []}
+    guard.on_checkpoint(2)
+    copy.load_state_dict(guard.state_dict())
+    assert copy.saved == [2]
     assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
 
 
@@ -368,3 +371,61 @@ def test_pruning_keeps_the_checkpoint_before_the_one_being_saved_for_a_kl_streak
     trainer.global_step = 4
     trainer.save_checkpoint()
     assert [s for s, p in checkpoint.list_checkpoints(out) if checkpoint.holds_parts(p, parts)] == [3, 4]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resume_anchors_only_on_the_checkpoints_its_own_run_saved(workspace, tmp_path):
+    """A run started afresh in a folder holding another run's checkpoints, then resumed: the other run's
+    global_step_1 is no anchor for the resumed run's guards (a rollback loaded it before)."""
+    out = tmp_path / "run"
+    make_trainer(workspace, out, "trainer.total_training_steps=2", "trainer.save_freq=1").fit()  # run A: 1, 2
+    make_trainer(workspace, out, "trainer.total_training_steps=2", "trainer.save_freq=-1",
+                 "trainer.resume_mode=disable").fit()  # run B saves step 2 alone, over A's
+    resumed = make_trainer(workspace, out, "trainer.total_training_steps=4")
+    resumed.load_checkpoint(out / "global_step_2")
+    assert resumed.guard.saved == [2]
+    assert resumed.guard.anchor(1) is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resume_from_another_folder_rolls_back_to_the_checkpoints_beside_the_one_it_loaded(workspace, tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    make_trainer(workspace, first, "trainer.total_training_steps=2", "trainer.save_freq=1").fit()
+    resumed = make_trainer(workspace, second, "trainer.total_training_steps=4", "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={first / 'global_step_2'}")
+    resumed.load_checkpoint(first / "global_step_2")
+    assert resumed.guard.saved == [1, 2]
+    resumed.global_step = 3
+    resumed.apply_guard_event(GuardEvent("kl_explosion", "rollback", 1, "KL too high"))  # failed: second/global_step_1
+    assert_weights(resumed.actor.module, checkpoint.load_model_state(first / "global_step_1"))
+    with pytest.raises(GuardError) as stopped:
+        resumed.apply_guard_event(GuardEvent("kl_explosion", "stop", 1, "KL too high"))
+    assert (f"restored {first / 'global_step_1'}: fix the cause, then rerun with trainer.resume_mode=resume_path "
+            f"trainer.resume_from_path={first / 'global_step_1'}") in str(stopped.value)
+    assert checkpoint.latest_or_none(second) is None and checkpoint.latest_checkpoint(first) == first / "global_step_2"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_resumed_from_a_path_says_to_resume_that_path_until_it_saves(workspace, tmp_path):
+    """Resumed from step 2 of a folder whose latest is step 4 (the run it sets out to leave): until it saves, a
+    rerun must load step 2 again (the same command), not the folder's latest (which auto would take)."""
+    out = tmp_path / "run"
+    make_trainer(workspace, out, "trainer.total_training_steps=4", "trainer.save_freq=2").fit()
+    resumed = make_trainer(workspace, out, "trainer.total_training_steps=4", "trainer.save_freq=2",
+                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_2'}")
+    resumed.load_checkpoint(out / "global_step_2")
+    assert resumed.rerun_advice == "rerun the same command"
+    assert resumed.rerun_checkpoint() == out / "global_step_2"  # (the folder's latest is still step 4)
+    resumed.global_step = 3
+    resumed.save_checkpoint()
+    assert resumed.rerun_advice == "rerun with trainer.resume_mode=auto"
+    assert resumed.rerun_checkpoint() == out / "global_step_3"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_rollback_refuses_a_checkpoint_saved_with_another_training_config(workspace, tmp_path):
+    out = tmp_path / "run"
+    make_trainer(workspace, out, "trainer.total_training_steps=1", "algorithm.lam=0.9").fit()
+    other = make_trainer(workspace, out, "trainer.total_training_steps=2", "algorithm.lam=0.5")
+    with pytest.raises(checkpoint.CheckpointError, match="algorithm.lam"):
+        checkpoint.restore_weights(other, out / "global_step_1")

@@ -916,9 +916,11 @@ def restore_weights(trainer, path: str | os.PathLike) -> None:
 
     The step counter, the LR schedule position, the data sampler and the random streams are
     left as they are, so training carries on with new batches. The current learning rate is
-    re-applied after loading the optimizer state (which carries the checkpoint's).
+    re-applied after loading the optimizer state (which carries the checkpoint's). A checkpoint saved with
+    a config that differs in a key that matters is refused (CheckpointError), as at a resume.
     """
     path, saved = _loadable(trainer, path)
+    check_config(path, trainer.config)
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker, saved[name], weights_only=True)
     if not trainer.actor.sharded:

@@ -192,7 +192,7 @@ class Guard:
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "skip_anchor": self.skip_anchor,
                 "kl_streak": self.kl_streak, "kl_anchor": self.kl_anchor, "best_val": self.best_val,
-                "best_step": self.best_step, "rollbacks": self.rollbacks}
+                "best_step": self.best_step, "rollbacks": self.rollbacks, "saved": list(self.saved)}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
@@ -202,6 +202,9 @@ class Guard:
         self.best_val = state.get("best_val")
         self.best_step = state.get("best_step")
         self.rollbacks = int(state.get("rollbacks", 0))
+        # the steps this run saved before (older checkpoints have no list: none of their folder's is taken on
+        # trust, as another run's may lie beside them)
+        self.saved = [int(s) for s in state.get("saved", [])]
 
 
 @dataclass
@@ -333,3 +336,6 @@ class OverOptimisationGuard:
         self.best_gold, self.best_proxy = state.get("best_gold"), state.get("best_proxy")
         self.best_step = state.get("best_step")
         self.rollbacks = int(state.get("rollbacks", 0))
+        # the steps this run saved before (older checkpoints have no list: none of their folder's is taken on
+        # trust, as another run's may lie beside them)
+        self.saved = [int(s) for s in state.get("saved", [])]

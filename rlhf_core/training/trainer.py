@@ -262,6 +262,10 @@ class PPOTrainer:
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
         self._noted_idle_guards = False  # said once that a guard has nothing to watch (prompts alone)
         self.last_saved_step: int | None = None
+        self.resumed_from: Path | None = None  # the checkpoint load_checkpoint loaded
+        # the folder of each checkpoint the guards may restore (a resume's earlier ones are beside the one it
+        # loaded, which need not be under default_local_dir); the rest are this run's, in checkpoint_dir
+        self.anchor_folders: dict[int, Path] = {}
         self.stop_requested: tuple[str, int] | None = None  # (signal name, number), set by a signal handler
         corr = algo.rollout_correction
         if (corr.rollout_is or corr.rollout_rs) and arr.rollout.name == "hf":
@@ -559,17 +563,22 @@ class PPOTrainer:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
         self.guard.on_checkpoint(self.global_step)
+        self.anchor_folders[self.global_step] = self.checkpoint_dir
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off."""
+        """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off.
+
+        The guards may roll back to the checkpoints the run saved before it (their steps are in its state), where
+        they are still whole beside ``path``: never to another run's that share the folder."""
+        path = Path(os.path.expanduser(str(path)))
         checkpoint.load_checkpoint(self, path)
-        self.resumed = True  # the validation before training is behind it (a step-0 checkpoint follows it)
+        self.resumed, self.resumed_from = True, path  # the validation before training is behind it
         self.last_saved_step = self.global_step
-        for step, path in checkpoint.list_checkpoints(self.checkpoint_dir):  # the guards' anchors to come
-            if step < self.global_step and checkpoint.holds_parts(path, self.workers()):
-                self.guard.on_checkpoint(step)
-        self.guard.on_checkpoint(self.global_step)
+        earlier = [step for step in self.guard.saved if step < self.global_step
+                   and checkpoint.holds_parts(checkpoint.step_dir(path.parent, step), self.workers())]
+        self.guard.saved = earlier + [self.global_step]
+        self.anchor_folders = dict.fromkeys(self.guard.saved, path.parent)
 
     def _skipped_total(self) -> int:
         return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
@@ -578,14 +587,18 @@ class PPOTrainer:
         """Carry out a guard's event: restore its checkpoint, then stop (GuardError) or adjust and go on."""
         restored = None
         if event.target_step is not None:
-            restored = checkpoint.step_dir(self.checkpoint_dir, event.target_step)
+            folder = self.anchor_folders.get(event.target_step, self.checkpoint_dir)
+            restored = checkpoint.step_dir(folder, event.target_step)
             checkpoint.restore_weights(self, restored)
             self.guard.on_restore(event.target_step)
         if event.action == "stop":
-            if restored is not None:
+            if restored is not None and restored.parent == self.checkpoint_dir:
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
                 where = (f"restored {restored} and marked it latest: fix the cause, then {self.rerun_advice} to "
                          "resume from it")
+            elif restored is not None:  # a checkpoint from before a resume out of another folder
+                where = (f"restored {restored}: fix the cause, then rerun with trainer.resume_mode=resume_path "
+                         f"trainer.resume_from_path={restored} to resume from it")
             else:
                 where = "no checkpoint was saved before the problem began, so nothing was restored"
             raise GuardError(f"training stopped at step {self.global_step}: {event.message}; {where}")
@@ -621,12 +634,26 @@ class PPOTrainer:
 
     @property
     def rerun_advice(self) -> str:
-        """How a rerun resumes from the latest checkpoint (:func:`checkpoint.rerun_advice`)."""
+        """How a rerun resumes from this run's latest checkpoint (:func:`checkpoint.rerun_advice`): until a run
+        resumed from ``trainer.resume_from_path`` saves, that is the checkpoint it loaded, which the same command
+        loads again (``auto`` would take the folder's latest, which may be the checkpoints it set out to leave)."""
+        if self._resumes_its_path_again:
+            return "rerun the same command"
         return checkpoint.rerun_advice(self.config.trainer.resume_mode)
+
+    @property
+    def _resumes_its_path_again(self) -> bool:
+        """Whether the run resumed from ``trainer.resume_from_path`` and has saved nothing since."""
+        return (self.config.trainer.resume_mode == "resume_path" and self.resumed_from is not None
+                and self.last_saved_step == checkpoint.step_of(self.resumed_from))
+
+    def rerun_checkpoint(self) -> Path | None:
+        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
+        return self.resumed_from if self._resumes_its_path_again else checkpoint.latest_or_none(self.checkpoint_dir)
 
     def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError:
         """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from."""
-        latest = checkpoint.latest_or_none(self.checkpoint_dir)
+        latest = self.rerun_checkpoint()
         resume = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
                   if latest is not None
                   else "no checkpoint was saved yet")
