@@ -152,7 +152,7 @@ def _fail_on_call(monkeypatch, number: int, error: OSError):
 
 
 @pytest.mark.parametrize(("call", "what"), [(1, "actor/model_state.pt"), (4, "critic/model_state.pt"),
-                                             (10, "manifest.json"), (11, checkpoint.LATEST_FILE)])
+                                             (11, "manifest.json"), (12, checkpoint.LATEST_FILE)])
 def test_disk_full_midway_keeps_the_previous_checkpoint(scratch, monkeypatch, call, what):
     trainer, root = scratch
     calls = _fail_on_call(monkeypatch, call, OSError(errno.ENOSPC, "No space left on device"))
@@ -479,9 +479,21 @@ def test_missing_incomplete_and_mismatched_checkpoints_are_clear_errors(workspac
     shutil.rmtree(other)
     random_toy_model(other, n_layers=1, hidden_size=48, max_position_embeddings=512, seed=0)
     wide = build_trainer(load_config(tiny_overrides(workspace, root, model=other)))
+    with pytest.raises(CheckpointError, match=f"actor_rollout_ref.model.path, actor_rollout_ref.model.tokenizer_path, "
+                                              f"critic.model.path, critic.model.tokenizer_path: {other} holds another "
+                                              r"model than when the checkpoint was trained from it \(config.json, "
+                                              r"model.safetensors differ\)"):
+        wide.load_checkpoint(tmp_path / "small" / "global_step_0")
+    # a checkpoint of an older version has no fingerprints of its models: their shapes are compared as they load
+    saved = tmp_path / "small" / "global_step_0"
+    manifest = json.loads((saved / checkpoint.MANIFEST).read_text())
+    for table in ("files", "sha256"):
+        del manifest[table][checkpoint.MODELS_FILE]
+    (saved / checkpoint.MODELS_FILE).unlink()
+    (saved / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"global_step_0/actor/model_state.pt does not fit the model being "
                                               r"trained \(.* has shape \(\d+, 32\) in the checkpoint, \(\d+, 48\)"):
-        wide.load_checkpoint(tmp_path / "small" / "global_step_0")
+        wide.load_checkpoint(saved)
 
 
 def test_resume_modes(workspace, trained, tmp_path):
@@ -530,7 +542,11 @@ def test_resume_refuses_config_changes_that_matter_and_allows_harmless_ones(work
         with pytest.raises(CheckpointError) as info:
             checkpoint.check_config(ckpt, load_config(base + [f"{key}={value}"], validate=False))
         assert f"cannot resume from {ckpt}" in str(info.value)
-        assert f"{key}: " in str(info.value) and "in the checkpoint" in str(info.value), key
+        if key in checkpoint.MODEL_PATH_KEYS:  # compared as the folder's content (with the keys that follow it)
+            assert f"{key}, " in str(info.value), key
+            assert "/elsewhere/model is not a model folder (the checkpoint was trained from" in str(info.value)
+        else:
+            assert f"{key}: " in str(info.value) and "in the checkpoint" in str(info.value), key
     everything = load_config(base + [f"{k}={v}" for k, v in DENIED.items()], validate=False)
     assert sorted(checkpoint.config_differences(yaml.safe_load((ckpt / "config.yaml").read_text()),
                                                 everything.to_dict())) == \
@@ -679,3 +695,21 @@ def test_one_run_at_a_time_holds_a_checkpoint_folder(tmp_path):
         holder.wait()
     with checkpoint.run_lock(tmp_path):
         assert lock.read_text() == f"{os.getpid()}\n"
+
+
+def test_a_resume_knows_the_model_by_its_content_not_by_how_its_path_is_written(workspace, trained, tmp_path):
+    """The same model folder at its absolute path, or copied elsewhere, resumes (the path as written differed, and
+    was refused); another model is refused by its content, naming the folders and the files that differ."""
+    _, out = trained
+    ckpt = out / "global_step_2"
+    base = tiny_overrides(workspace, out, "trainer.total_training_steps=2")
+    model = Path(load_config(base).actor_rollout_ref.model.path)
+    copy_of_it = tmp_path / "copy"
+    shutil.copytree(model, copy_of_it)
+    for path in (model.resolve(), copy_of_it):
+        checkpoint.check_config(ckpt, load_config(base + [f"actor_rollout_ref.model.path={path}"]))
+    other = tmp_path / "other"
+    random_toy_model(other, n_layers=1, hidden_size=32, max_position_embeddings=512, seed=1)
+    with pytest.raises(CheckpointError, match=f"{other} is not the model the checkpoint was trained from, "
+                                              rf"{model.resolve()} \(.*model.safetensors.* differ\)"):
+        checkpoint.check_config(ckpt, load_config(base + [f"actor_rollout_ref.model.path={other}"]))

@@ -93,6 +93,16 @@ TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng_state.pt"
 CONFIG_FILE = "config.yaml"
 HF_DIR = "huggingface"
+MODELS_FILE = "models.json"  # the fingerprints of the model folders the run loads (model_fingerprints)
+# the config keys that name a model folder: a resume compares the folders' contents, not the paths as written
+MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
+                   "critic.model.tokenizer_path", "reward_model.model.path")
+# the files of a model folder that loading reads (weights, config, tokenizer, chat template)
+_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "*.bin",
+                "*.bin.index.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab*",
+                "merges.txt", "chat_template*")
+_WHOLE_BELOW = 8 << 20  # files up to 8 MiB are hashed whole; larger ones (weights) in evenly spaced samples
+_SAMPLES, _SAMPLE_BYTES = 64, 64 << 10
 PARTS = ("actor", "critic")
 FORMAT_VERSION = 2  # 2: the trainer's runtime coefficients are its own state (kl_loss_coef, the controller type)
 _STEP_DIR = re.compile(r"global_step_(\d+)")
@@ -642,6 +652,7 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
     files.text(TRAINER_STATE, json.dumps(state, indent=1))
     files.torch(RNG_STATE, rng_state())
     files.text(CONFIG_FILE, trainer.config_yaml)
+    files.text(MODELS_FILE, json.dumps(getattr(trainer, "model_fingerprints", {}), indent=1))
     return parts
 
 
@@ -789,18 +800,89 @@ def saved_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path}: cannot read {CONFIG_FILE} ({exc})") from exc
 
 
-def check_config(path: str | os.PathLike, config) -> None:
-    """Refuse to resume from ``path`` when its config differs from ``config`` in a key that matters."""
+def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
+    """A model folder's content, file by file (those of :data:`_MODEL_FILES`): ``name -> "size:sha256"`` of the
+    whole file up to 8 MiB, else of 64 evenly spaced 64 KiB samples (weights: a copy of the folder, or the
+    same folder at another path, fingerprints the same; weights trained on, or another model, do not)."""
+    directory = Path(os.path.expanduser(str(directory)))
+    names = sorted({f.name for pattern in _MODEL_FILES for f in directory.glob(pattern) if f.is_file()})
+    digests = {}
+    for name in names:
+        file = directory / name
+        size = file.stat().st_size
+        digest = hashlib.sha256()
+        with open(file, "rb") as handle:
+            if size <= _WHOLE_BELOW:
+                digest.update(handle.read())
+            else:
+                for k in range(_SAMPLES):
+                    handle.seek((size - _SAMPLE_BYTES) * k // (_SAMPLES - 1))
+                    digest.update(handle.read(_SAMPLE_BYTES))
+        digests[name] = f"{size}:{digest.hexdigest()}"
+    return digests
+
+
+def model_fingerprints(config) -> dict[str, dict]:
+    """For each key of :data:`MODEL_PATH_KEYS` the run reads (the critic's with a critic, the reward model's
+    when enabled), nulls followed as they resolve: ``{"path": the absolute path, "files": folder_fingerprint}``,
+    or ``"files": None`` where the key names no folder. Saved in every checkpoint."""
+    tree = config.to_dict()
+    flat = _resolved(flatten_config(tree))
+    found = {}
+    for key in MODEL_PATH_KEYS:
+        value = flat.get(key)
+        if not isinstance(value, str) or (key.startswith("critic.") and not _has_critic(tree)) \
+                or (key.startswith("reward_model.") and not tree.get("reward_model", {}).get("enable")):
+            continue
+        folder = Path(os.path.expanduser(value))
+        found[key] = {"path": str(folder.resolve()), "files": folder_fingerprint(folder) if folder.is_dir() else None}
+    return found
+
+
+def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
+    """The model folders of ``current`` whose content differs from the ones a checkpoint was trained from
+    (``saved``, its :data:`MODELS_FILE`), each said once with the keys that name it, both paths and the files
+    that differ. A key the run no longer reads is left to the config's own comparison."""
+    differing: dict[tuple[str, str, str], list[str]] = {}
+    for key, then in saved.items():
+        now = current.get(key)
+        if now is None or now["files"] == then["files"]:
+            continue
+        if now["files"] is None:
+            what = f"{now['path']} is not a model folder (the checkpoint was trained from {then['path']})"
+        else:
+            changed = sorted(name for name in set(now["files"]) | set(then["files"] or {})
+                             if now["files"].get(name) != (then["files"] or {}).get(name))
+            files = f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} differ"
+            what = (f"{now['path']} holds another model than when the checkpoint was trained from it ({files})"
+                    if now["path"] == then["path"] else
+                    f"{now['path']} is not the model the checkpoint was trained from, {then['path']} ({files})")
+        differing.setdefault(what, []).append(key)
+    return [f"{', '.join(keys)}: {what}" for what, keys in differing.items()]
+
+
+def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None = None) -> None:
+    """Refuse to resume from ``path`` when its config differs from ``config`` in a key that matters, or a model
+    folder it names holds another model than the checkpoint's (``models``: ``config``'s
+    :func:`model_fingerprints`, computed when not given). The model folders are compared by content, so the same
+    model at another path (relative or absolute, copied) resumes; a checkpoint without fingerprints (an older
+    one) has its paths compared as written."""
     path = Path(path)
     saved = saved_config(path)
     current = config.to_dict()
-    differing = config_differences(saved, current)
+    fingerprints = path / MODELS_FILE
+    saved_models = json.loads(fingerprints.read_text()) if fingerprints.is_file() else None
+    differing = [key for key in config_differences(saved, current) if key not in (saved_models or {})]
+    problems = []
     if differing:
         old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))  # nulls as they resolve
-        listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
+        problems.append("; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing))
+    if saved_models is not None:
+        problems += _model_problems(saved_models, model_fingerprints(config) if models is None else models)
+    if problems:
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
-            f"training math ({listed}). Restore those values, or start a new run with "
+            f"training math ({'; '.join(problems)}). Restore those values, or start a new run with "
             "trainer.resume_mode=disable or another trainer.default_local_dir")
 
 
@@ -878,7 +960,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> None:
     except CheckpointError as exc:
         raise CheckpointError(f"{exc}{intact_instead(path)}") from exc
     path, saved = _loadable(trainer, path)
-    check_config(path, trainer.config)
+    check_config(path, trainer.config, getattr(trainer, "model_fingerprints", None))
     state = _read_trainer_state(path)  # before the workers load, so that an unreadable one fails fast
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker, saved[name])
@@ -920,7 +1002,7 @@ def restore_weights(trainer, path: str | os.PathLike) -> None:
     a config that differs in a key that matters is refused (CheckpointError), as at a resume.
     """
     path, saved = _loadable(trainer, path)
-    check_config(path, trainer.config)
+    check_config(path, trainer.config, getattr(trainer, "model_fingerprints", None))
     for name, worker in trainer.workers().items():
         _load_worker(path, name, worker, saved[name], weights_only=True)
     if not trainer.actor.sharded:

@@ -257,6 +257,7 @@ class PPOTrainer:
         # still set where the training failed): a stop request lets it finish; its failures are that step's
         self.step_under_way: int | None = None
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
+        self.model_fingerprints = checkpoint.model_fingerprints(config)  # and the model folders it loaded
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
