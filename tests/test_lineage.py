@@ -207,3 +207,32 @@ def test_the_failure_record_keeps_the_error_short():
     assert len(record["failure"]) == MAX_ERROR_CHARS
     assert record == {"failed_step": "evaluate", "failure": record["failure"], "pipeline_run": "r-9",
                       "pipeline_run_id": "id-9"}
+
+
+def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chain_shows_it(tmp_path, capsys):
+    """A training error inside a pipeline says 'rerun the same command', which in a pipeline starts afresh: the
+    step notes the resume_path overrides on it, and the version's record keeps that note."""
+    from types import SimpleNamespace
+
+    from rlhf_core.pipeline.failure import failure_record
+    from rlhf_core.pipeline.lineage import format_lineage
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.checkpoint import LATEST_FILE, write_checkpoint
+
+    write_checkpoint(tmp_path, 3, lambda files: files.text("x.txt", "state") or ["actor"])
+    assert (tmp_path / LATEST_FILE).read_text().strip() == "3"
+    error = RuntimeError("step 4 failed: ...; rerun the same command to resume")
+    add_resume_advice(error, tmp_path)
+    record = failure_record("train_ppo", error, "r-5", "id-5")
+    assert record["advice"].startswith("In a pipeline each run trains in a folder of its own")
+    assert (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={tmp_path / 'global_step_3'}"
+            in record["advice"])
+    meta = {**record}
+    chain = {"model": "m", "version": "12", "stage": None, "run": "r-5", "pipeline": "rlhf_ppo_pipeline",
+             "run_status": "failed", "run_id": "id-5", "model_version_metadata": meta,
+             "chain": [_link("checkpoint", "train_ppo", {})]}
+    assert format_lineage(chain).splitlines()[3] == f"  to go on: {record['advice']}"
+    failed = SimpleNamespace(name="12", run_metadata=meta, pipeline_run_ids={})
+    runs = {"id-5": SimpleNamespace(name="r-5", status="failed", id="id-5")}
+    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
+    assert f"to go on:   {record['advice']}" in capsys.readouterr().out

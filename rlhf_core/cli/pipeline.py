@@ -129,6 +129,8 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
           f"(base model {meta.get('base_accuracy', 'n/a')})")
     if "failed_step" in meta:  # recorded by the pipelines' failure hook
         print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
+        if "advice" in meta:
+            print(f"to go on:   {meta['advice']}")
     else:
         print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
     print(f"production: {'version ' + production if production else 'none yet'}")

@@ -18,12 +18,20 @@ FAILED_TAG = "failed"
 MAX_ERROR_CHARS = 600
 
 
+def _clipped(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
 def failure_record(step_name: str, exception: BaseException, run_name: str, run_id: str) -> dict[str, str]:
-    """What the model version records of a failed run: the step, the error's first line(s), and the run."""
-    text = f"{type(exception).__name__}: {exception}".strip()
-    if len(text) > MAX_ERROR_CHARS:
-        text = text[: MAX_ERROR_CHARS - 3] + "..."
-    return {"failed_step": step_name, "failure": text, "pipeline_run": run_name, "pipeline_run_id": run_id}
+    """What the model version records of a failed run: the step, the error's first line(s), and the run; and
+    ``advice``, the notes on the error (how to go on from a failed training's checkpoint in a pipeline, where
+    the error's own "rerun the same command" would start afresh), where it has any."""
+    record = {"failed_step": step_name, "failure": _clipped(f"{type(exception).__name__}: {exception}".strip()),
+              "pipeline_run": run_name, "pipeline_run_id": run_id}
+    notes = [str(note) for note in getattr(exception, "__notes__", ())]
+    if notes:
+        record["advice"] = _clipped(" ".join(notes))
+    return record
 
 
 def mark_failed_version(exception: BaseException) -> None:

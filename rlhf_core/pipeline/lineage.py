@@ -179,6 +179,8 @@ def format_lineage(record: Mapping[str, Any]) -> str:
     meta = record["model_version_metadata"]
     if "failed_step" in meta:  # recorded by the pipelines' failure hook
         lines.append(f"  failed at step {meta['failed_step']}: {_short(meta.get('failure', ''))}")
+        if "advice" in meta:
+            lines.append(f"  to go on: {meta['advice']}")
     for index, link in enumerate(record["chain"]):
         arrow = "   " if index == 0 else "-> "
         lines.append(f"{arrow}{link['stage']}: step {link['step']} [{link['status']}] - {link['about']}")

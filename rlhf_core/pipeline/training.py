@@ -42,9 +42,8 @@ def whole_history(result: RunResult) -> list[dict]:
 def stable_copy(model: Path, root: Path, key: str) -> Path:
     """``model`` (a HF model folder unpacked from an artifact) copied once to ``<root>/<key>``, the same path for
     every attempt and run that takes the artifact (``key``: ``warm_start/<artifact id>``, or ``reward_model/...``):
-    the artifact store unpacks an artifact into a new temporary folder each time, and a resume refuses a checkpoint
-    whose ``actor_rollout_ref.model.path`` (where the reference policy's weights come from) or
-    ``reward_model.model.path`` changed."""
+    the artifact store unpacks an artifact into a new temporary folder each time (a resume knows the model by its
+    content, wherever it is, but one copy on disk beats one per attempt)."""
     target = root / key
     if not (target / "config.json").is_file():
         with staged_directory(target, keep_existing=lambda existing: (existing / "config.json").is_file()) as staging:
