@@ -3,9 +3,10 @@
     zenml pipeline run pipelines.retrain.rlhf_retrain_pipeline -c configs/retrain_demo.yaml
     rlhf-schedule --cron "0 3 * * *" -c configs/retrain_demo.yaml      # every night at 03:00
 
-When the data's fingerprint equals the one production was trained on, or a version already trained on
-this data from the current production version with the same trainer config, reward and evaluation settings
-was refused on a gain and p-value that fail this run's gate too, ``check_new_data`` says so and the smoke
+When the data's fingerprint, the trainer config's and the reward's equal those production was trained with, or a
+version already trained on this data from the current production version with the same trainer config, reward
+and evaluation settings was refused on a gain and p-value that fail this run's gate too, ``check_new_data`` says
+so and the smoke
 test, training and evaluation are skipped; the new version is recorded but not promoted. ``force: true`` (a
 pipeline parameter) trains anyway.
 """
@@ -51,9 +52,9 @@ def rlhf_retrain_pipeline(
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, min_improvement=min_improvement,
                                  alpha=alpha, force=force)
-    smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason)
-    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report,
-                                                init_from=production.get_model_artifact("ppo_checkpoint"),
+    warm_start = production.get_model_artifact("ppo_checkpoint")
+    smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason, init_from=warm_start)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, init_from=warm_start,
                                                 skip_reason=skip_reason)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec, skip_reason=skip_reason)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from typing import Annotated, Any
 from uuid import UUID
@@ -16,7 +14,9 @@ from zenml.utils.pagination_utils import depaginate
 
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import DataReadError, fingerprint
-from rlhf_core.pipeline.promotion import check_gate, clears_gate
+from rlhf_core.pipeline.promotion import changed_since, check_gate, clears_gate, config_fingerprint
+
+__all__ = ["check_new_data", "config_fingerprint", "gate", "refused_before"]
 
 logger = get_logger(__name__)
 
@@ -26,13 +26,6 @@ FORCE_HINT = "to train anyway, run with the pipeline parameter force=true (`para
 
 class NoProductionModelError(LookupError):
     """Retraining warm-starts from production; there is none yet."""
-
-
-def config_fingerprint(ppo_config: dict[str, Any]) -> str:
-    """SHA-256 of the trainer config without its data paths: the dataset fingerprint stands for the data's
-    content (and stays the same when the files move), so the same data from another folder is the same training."""
-    data = {k: v for k, v in ppo_config.get("data", {}).items() if k not in ("train_files", "val_files")}
-    return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
 
 
 #: the evaluate step's parameters that decide which problems a candidate is judged on, and how it is run on them
@@ -112,9 +105,10 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
             f"model {model_name!r} has no production version to warm-start from; run the training pipeline "
             "first: zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml") from None
     trained_on = production.run_metadata.get("dataset_fingerprint")
-    if trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint()):
-        return (f"the data is unchanged since production version {production.name} was trained "
-                f"(dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
+    same_data = trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint())
+    if same_data and not changed_since(production.run_metadata, config_sha256, reward_sha256):
+        return (f"the data, trainer config and reward are unchanged since production version {production.name} was "
+                f"trained (dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
     refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
                              min_improvement, alpha, exclude, evaluation)
     if refused is not None:
@@ -132,8 +126,8 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
 @step(enable_cache=False)
 def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, min_improvement: float = 0.0,
                    alpha: float = 0.05, force: bool = False) -> Annotated[str, "skip_reason"]:
-    """An empty string when there is training to do, else why training is skipped: the data is the one
-    production was trained on, or a version already trained on it from this production version with the same
+    """An empty string when there is training to do, else why training is skipped: the data, trainer config
+    (:func:`config_fingerprint`) and reward are the ones production was trained with, or a version already trained on it from this production version with the same
     trainer config (:func:`config_fingerprint`) and reward was refused on figures that fail this run's promotion
     gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
     second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
@@ -161,6 +155,9 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
         reason = ""
     elif reason:
         logger.warning("retraining skipped: %s", reason)
+    elif (changed := changed_since(production.run_metadata, config_sha256, reward_spec.get("sha256"))):
+        logger.info("the %s changed since production version %s was trained: retraining from its checkpoint",
+                    " and ".join(changed), production.name)
     else:
         logger.info("new data (fingerprint %s..., production version %s was trained on %s...): retraining from "
                     "its checkpoint", dataset_fingerprint[:16], production.name, str(trained_on)[:16])

@@ -13,6 +13,8 @@ from rlhf_core.pipeline.promotion import decide_from_evaluation
 
 logger = get_logger(__name__)
 
+SKIPPED_TAG = "skipped"  # on a version whose run skipped training (retraining with nothing new)
+
 
 def _production(client: Client, model_name: str):
     try:
@@ -84,6 +86,8 @@ def promote(
     }
     if skip_reason:
         record["skipped"] = skip_reason
+        # its ppo_checkpoint is a note, not a model: the tag tells such versions apart in the dashboard and queries
+        client.update_model_version(model.model_id, model.id, add_tags=[SKIPPED_TAG])
     record = {key: value for key, value in record.items() if value is not None}
     if decision.promote:  # force archives the version compared against; without one, a newcomer makes this fail
         model.set_stage(ModelStages.PRODUCTION, force=production is not None)  # before the record says so

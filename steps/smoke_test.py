@@ -11,23 +11,28 @@ from zenml import log_metadata, step
 from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.pipeline.evaluate import resolve_policy_dir
 from rlhf_core.pipeline.smoke import run_smoke_test
-from steps.train_ppo import score_with
+from steps.train_ppo import score_with, start_from
 
 logger = get_logger(__name__)
 
 
 @step(enable_cache=False)
 def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: PositiveInt = 4,
-               response_length: PositiveInt = 16, reward_model: Path | None = None) -> Annotated[dict, "smoke_report"]:
+               response_length: PositiveInt = 16, reward_model: Path | None = None,
+               init_from: Path | None = None) -> Annotated[dict, "smoke_report"]:
     """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip; with
-    ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, as training's will be."""
+    ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, and with ``init_from``
+    (the warm start train_ppo is given) the policy starts from it, as training's will."""
     if skip_reason:
         logger.info("smoke test skipped: %s", skip_reason)
         return {"passed": None, "skipped": skip_reason}
     cfg = PPOConfig.from_dict(ppo_config)
     if reward_model is not None:
         score_with(cfg, reward_model)
+    if init_from is not None:
+        start_from(cfg, resolve_policy_dir(init_from))
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
         report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
     logger.info(report.summary())

@@ -17,6 +17,7 @@ from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
+from rlhf_core.pipeline.promotion import config_fingerprint
 from rlhf_core.pipeline.training import add_resume_advice, stable_copy, whole_history
 
 logger = get_logger(__name__)
@@ -29,6 +30,14 @@ def score_with(cfg: PPOConfig, reward_model: Path) -> None:
     """``cfg`` with its rollouts scored by ``reward_model`` (the artifact of train_reward_model)."""
     cfg.reward_model.enable = True
     cfg.reward_model.model.path = str(reward_model)
+
+
+def start_from(cfg: PPOConfig, policy: Path) -> None:
+    """``cfg`` with the actor (and the critic's backbone, and the reference) starting from ``policy`` (a warm
+    start's HF folder); the tokenizer stays the configured one."""
+    model = cfg.actor_rollout_ref.model
+    model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")
+    model.path = str(policy)
 
 
 def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
@@ -63,12 +72,10 @@ def train_ppo(
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
-    model = cfg.actor_rollout_ref.model
     if init_from is not None:
-        model.tokenizer_path = cfg.value("actor_rollout_ref.model.tokenizer_path")  # the tokenizer stays
-        model.path = str(stable_input("init_from", resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir),
-                                      "warm_start"))
-        logger.info("warm start: the actor (and critic backbone) start from %s", model.path)
+        start_from(cfg, stable_input("init_from", resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir),
+                                     "warm_start"))
+        logger.info("warm start: the actor (and critic backbone) start from %s", cfg.actor_rollout_ref.model.path)
     if reward_model is not None:
         score_with(cfg, stable_input("reward_model", reward_model, Path(cfg.trainer.default_local_dir), "reward_model"))
         logger.info("rollouts are scored by the reward model %s", reward_model)
@@ -107,5 +114,7 @@ def train_ppo(
         "history": records,
     }
     log_metadata({key: value for key, value in summary.items() if key != "history" and value is not None})
+    # on the version, what the retraining gate compares a later run's config with (it trained with this one)
+    log_metadata({"config_fingerprint": config_fingerprint(ppo_config)}, infer_model=True)
     curves = Image.open(io.BytesIO(training_curves_png(records)))
     return policy, summary, curves

@@ -236,3 +236,17 @@ def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chai
     runs = {"id-5": SimpleNamespace(name="r-5", status="failed", id="id-5")}
     assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
     assert f"to go on:   {record['advice']}" in capsys.readouterr().out
+
+
+def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(capsys):
+    from types import SimpleNamespace
+
+    reason = "the data, trainer config and reward are unchanged since production version 1 was trained"
+    meta = {"skipped": reason, "promoted": False, "decision_reason": f"not promoted: training was skipped: {reason}",
+            "pipeline_run_id": "run-9"}
+    skipped = SimpleNamespace(name="13", run_metadata=meta, pipeline_run_ids={})
+    runs = {"run-9": SimpleNamespace(name="rlhf_retrain_pipeline-9", status="completed", id="run-9")}
+    assert cli.demo_summary(["--model", "m"], client=_summary_client(skipped, runs)) == 0
+    out = capsys.readouterr().out
+    assert f"model:      m version 13: training skipped: {reason}" in out
+    assert "accuracy n/a" not in out

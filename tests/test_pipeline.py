@@ -144,6 +144,7 @@ def test_first_run_trains_and_promotes_version_1(trained):
     meta = version.run_metadata
     assert meta["promoted"] is True, meta["decision_reason"]
     assert meta["baseline"] == "base_model"
+    assert meta["config_fingerprint"] == _version(2).run_metadata["config_fingerprint"]  # the same trainer config
     assert meta["accuracy"] > meta["base_accuracy"]
     # the digit-first reward is easy: three steps reach its ceiling on every validation prompt
     assert meta["accuracy"] == 1.0
@@ -167,6 +168,10 @@ def test_second_run_creates_version_2_and_decides_against_the_first(trained):
     # warm start: training began from version 1's checkpoint artifact
     init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
     assert str(init_from.id) == first.run_metadata["checkpoint_artifact_id"]
+    # and the dry run before it started from the same checkpoint, not from the base model of the config
+    assert str(run.steps["smoke_test"].regular_inputs["init_from"][0].id) == str(init_from.id)
+    smoke = run.steps["smoke_test"].outputs["smoke_report"][0].load()
+    assert smoke["passed"] is True and smoke["target_model"] != str(tiny_setup().root / "model")
     # version 1 already has the ceiling accuracy (1.0), so version 2 can at best tie it, and a tie is
     # no gain: version 2 is not promoted and production stays at version 1
     assert meta["accuracy"] <= meta["baseline_accuracy"] == 1.0
@@ -201,15 +206,17 @@ def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
     version = zenml_client().get_model_version(MODEL, "latest")
     meta = version.run_metadata
     assert meta["promoted"] is False
-    assert "unchanged since production version" in meta["skipped"]
+    assert "the data, trainer config and reward are unchanged since production version" in meta["skipped"]
     assert meta["decision_reason"].startswith("not promoted: training was skipped")
+    assert "skipped" in [tag.name for tag in version.tags]  # its ppo_checkpoint is a note, not a model
     assert _version("production").number == production.number
     summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
     assert summary["steps"] == 0
     # no copy of production's weights for a version that trained nothing: the artifact is a note
     folder = run.steps["train_ppo"].outputs["ppo_checkpoint"][0].load()
     assert [p.name for p in folder.iterdir()] == ["SKIPPED.txt"]
-    assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data is unchanged since production")
+    assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data, trainer config and reward are "
+                                                          "unchanged since production")
 
 
 def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained):
@@ -514,7 +521,8 @@ def test_gate_skips_training_that_a_refused_version_already_did(caplog):
     moved = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": "b/train.parquet"}}
     assert _gate(model, b, moved)[2] == "2"
     assert _gate(model, c) == ("", "1", None)  # other data: train
-    assert _gate(model, a)[0].startswith("the data is unchanged since production version 1")
+    assert _gate(model, a)[0].startswith("the data, trainer config and reward are unchanged since production "
+                                          "version 1")
 
 
 def test_gate_retrains_when_production_config_or_reward_changed():
@@ -536,6 +544,25 @@ def test_gate_retrains_when_production_config_or_reward_changed():
     assert _gate(model, b) == ("", "4", None)  # versions 2 and 3 started from version 1, not from this production
 
 
+def test_gate_retrains_on_unchanged_data_when_the_config_or_reward_changed_since_production():
+    """A fixed reward or a changed trainer config on the data production was trained on is new training (it was
+    skipped until the data changed); the same again after such a version was refused is not."""
+    from steps.check_new_data import config_fingerprint
+
+    model, a = "gate-same-data", _sha("A")
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a, reward_sha256=GATE_REWARD,
+                 config_fingerprint=config_fingerprint(GATE_CONFIG))  # version 1
+    assert _gate(model, a)[0].startswith("the data, trainer config and reward are unchanged since production version 1")
+    reseeded = {**GATE_CONFIG, "trainer": {**GATE_CONFIG["trainer"], "seed": 5}}
+    assert _gate(model, a, reseeded) == ("", "1", None)
+    assert _gate(model, a, reward=_sha("the fixed reward")) == ("", "1", None)
+    _refused(model, a, warm_started_from="1", config=reseeded)  # version 2: that training, refused
+    assert _gate(model, a, reseeded)[2] == "2"
+    # a production version that recorded no config fingerprint (made before versions kept it): the data decides
+    _add_version("gate-same-data-older", production=True, promoted=True, dataset_fingerprint=a)
+    assert _gate("gate-same-data-older", a, reseeded)[0].startswith("the data, trainer config and reward are unchanged")
+
+
 def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_told_apart(tmp_path):
     """Production recorded its data's fingerprint over all the files taken whole: the same files now are unchanged
     data; the same files split otherwise, recorded since, are not."""
@@ -554,15 +581,17 @@ def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_tol
         return gate(zenml_client(), model, dataset_fingerprint, config_fingerprint(GATE_CONFIG), GATE_REWARD,
                     evaluation=GATE_EVALUATION, whole_fingerprint=lambda: fingerprint([train, val]))[0]
 
-    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 1")
+    assert reason(splits_fingerprint(train, val)).startswith(
+        "the data, trainer config and reward are unchanged since production version 1")
     # the step reads the files its config names
     config = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": str(train), "val_files": [str(val)]}}
     run = _gate_pipeline().with_options(model=Model(name=model))(
         dataset_fingerprint=splits_fingerprint(train, val), ppo_config=config, reward_spec={"sha256": GATE_REWARD})
     skipped = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].outputs["skip_reason"][0].load()
-    assert skipped.startswith("the data is unchanged since production version 1"), skipped
+    assert skipped.startswith("the data, trainer config and reward are unchanged since production version 1"), skipped
     _add_version(model, production=True, promoted=True, dataset_fingerprint=splits_fingerprint(train, val))  # v3
-    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 3")
+    assert reason(splits_fingerprint(train, val)).startswith(
+        "the data, trainer config and reward are unchanged since production version 3")
     assert reason(splits_fingerprint(val, train)) == ""  # swapped: other training data
 
 

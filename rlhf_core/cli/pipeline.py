@@ -125,8 +125,11 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
     except KeyError:
         production = None
     print(f"run:        {run.name if run else '?'} ({run.status if run else 'no run recorded'})")
-    print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
-          f"(base model {meta.get('base_accuracy', 'n/a')})")
+    if "skipped" in meta:  # a retraining run with nothing new: no model was trained or evaluated
+        print(f"model:      {args.model} version {latest.name}: training skipped: {meta['skipped']}")
+    else:
+        print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
+              f"(base model {meta.get('base_accuracy', 'n/a')})")
     if "failed_step" in meta:  # recorded by the pipelines' failure hook
         print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
         if "advice" in meta:

@@ -21,6 +21,8 @@ shares in [0, 1]; gains are compared with a tolerance of 1e-9 so that 0.52 - 0.5
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -100,6 +102,21 @@ def check_not_cached() -> None:
 #: scoring settings that evaluation records hold only since a later version of this package: where one of two
 #: records lacks one, it is unknown there (not "unset"), and the two are compared without it
 RECORDED_LATER = frozenset({"batch_size"})
+
+
+def config_fingerprint(ppo_config: Mapping[str, Any]) -> str:
+    """SHA-256 of the trainer config without its data paths: the dataset fingerprint stands for the data's
+    content (and stays the same when the files move), so the same data from another folder is the same training.
+    Recorded on every version that trains; the retraining gate compares it with production's."""
+    data = {k: v for k, v in ppo_config.get("data", {}).items() if k not in ("train_files", "val_files")}
+    return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def changed_since(production_metadata: Mapping[str, Any], config_sha256: str, reward_sha256: str | None) -> list[str]:
+    """What of this training differs from the one production recorded: ``"trainer config"``, ``"reward"`` (a
+    version that recorded no fingerprint of one, made before versions kept it, is taken as unchanged in it)."""
+    recorded = (("trainer config", "config_fingerprint", config_sha256), ("reward", "reward_sha256", reward_sha256))
+    return [what for what, key, now in recorded if key in production_metadata and production_metadata[key] != now]
 
 
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
