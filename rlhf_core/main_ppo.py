@@ -47,7 +47,7 @@ from rlhf_core.models.loading import (
     resolve,
     tokenizer_problems,
 )
-from rlhf_core.models.lora import unmatched_targets
+from rlhf_core.models.lora import advice, check_targets
 from rlhf_core.rewards import custom_reward_fn, gsm8k, known_data_sources
 from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
@@ -270,20 +270,24 @@ def _ray_address_problems(address: str) -> list[str]:
 
 
 def _lora_problems(cfg: PPOConfig, actor_dir: Path) -> list[str]:
-    """LoRA target modules that name no module of the model they adapt (peft fails on them after the weights
-    load). The actor's model, and the critic's where it has LoRA too (its own model, or the actor's)."""
+    """LoRA target modules that name no module of the model they adapt, or name layers whose adapters the
+    rollout's and the export's weights cannot hold (peft and the merge fail on them, or lose them, after the
+    weights load). The actor's model, and the critic's where it has LoRA too (its own model, or the actor's)."""
     arr, critic = cfg.actor_rollout_ref.model, cfg.critic.model
     adapted = [("actor_rollout_ref.model", arr.lora_rank, arr.target_modules, actor_dir, arr.trust_remote_code,
-                arr.override_config)]
+                arr.override_config, False)]
     if cfg.algorithm.adv_estimator == "gae":
         adapted.append(("critic.model", critic.lora_rank, critic.target_modules, resolve(critic.path or actor_dir),
-                        cfg.value("critic.model.trust_remote_code"), critic.override_config))
+                        cfg.value("critic.model.trust_remote_code"), critic.override_config, True))
     problems = []
-    for key, rank, targets, folder, trust, override in adapted:
-        if rank > 0 and Path(folder, "config.json").is_file():
-            if missing := unmatched_targets(folder, targets, trust, dict(override)):
-                problems.append(f"{key}.target_modules: {', '.join(map(str, missing))} names no module of {folder} "
-                                "(a module's name or its last parts, e.g. q_proj, or all-linear)")
+    for key, rank, targets, folder, trust, override, is_critic in adapted:
+        if rank <= 0 or not Path(folder, "config.json").is_file():
+            continue
+        found = check_targets(folder, targets, trust, dict(override), critic=is_critic)
+        if found.unmatched:
+            problems.append(f"{key}.target_modules: {', '.join(map(str, found.unmatched))} names no module of "
+                            f"{folder} (an entry is a module's name or its last parts); {advice(found.linear)}")
+        problems.extend(f"{key}.target_modules ({folder}): {problem}" for problem in found.refusals)
     return problems
 
 

@@ -113,14 +113,16 @@ def test_merge_is_w_plus_scaled_b_a():
     torch.testing.assert_close(merged["proj.weight"], weight + 0.5 * lora_b @ lora_a)
 
 
-@pytest.mark.parametrize("targets, named", [("all-linear", "Conv1D"), (["wte"], "Embedding")])
+@pytest.mark.parametrize("targets, named", [("all-linear", r"\(Conv1D\)"), (["wte"], r"\(Embedding\)")])
 def test_adapters_the_merge_cannot_take_are_refused_when_applied(targets, named):
     """GPT-2's projections are Conv1D (weights stored transposed) and an embedding's adapters are lora_embedding_A/B:
-    neither merges as W + s B A, so the rollout's weights and the export would be wrong; they are refused."""
+    neither merges as W + s B A, so the rollout's weights and the export would be wrong; they are refused, and the
+    message says GPT-2 has no layer LoRA can adapt (its one linear layer, lm_head, is the embedding's weight)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rlhf_core.models.lora import apply_lora
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=32))
-    with pytest.raises(ValueError, match=rf"LoRA adapters on .*\({named}\).*set model.target_modules"):
+    with pytest.raises(ValueError, match=rf"LoRA adapters on .*{named}.*the model has no linear layer LoRA can adapt "
+                                         r"here: train it in full, lora_rank=0"):
         apply_lora(model, rank=2, alpha=4, target_modules=targets)

@@ -58,6 +58,10 @@ def reward_model(base: Path, target: Path, positions: int, template: str | None 
     return target
 
 
+LLAMA_TARGETS = ("set model.target_modules to some of its linear layers, "
+                 "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj], or all-linear")
+
+
 def _config(root: Path, *extra: str, actor: Path | None = None):
     return load_config([f"actor_rollout_ref.model.path={actor or root / 'actor'}",
                         f"data.train_files={root / 'data' / 'train.parquet'}",
@@ -289,8 +293,8 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
 
     assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4",
                            "actor_rollout_ref.model.target_modules=[q_proj,vproj]")) == [
-        f"actor_rollout_ref.model.target_modules: vproj names no module of {space / 'actor'} (a module's name or its "
-        "last parts, e.g. q_proj, or all-linear)"]
+        f"actor_rollout_ref.model.target_modules: vproj names no module of {space / 'actor'} (an entry is a module's "
+        f"name or its last parts); {LLAMA_TARGETS}"]
     preflight(_config(space, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"))
     assert "critic.model.target_modules: .*attention names no module" in "\n".join(_errors(_config(
         space, "critic.model.lora_rank=4", "critic.model.target_modules=.*attention")))  # a regex over whole names
@@ -308,6 +312,38 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
         port = taken.getsockname()[1]
         [error] = _errors(_config(space, f"trainer.prometheus_port={port}"))
     assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")
+
+
+def tiny_gpt2(base: Path, target: Path) -> Path:
+    """A GPT-2 (Conv1D projections, its lm_head tied to the embedding) with ``base``'s tokenizer and vocabulary."""
+    from transformers import GPT2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(tokenizer), n_positions=BUDGET,
+               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(target)
+    _weights_and_tokenizer(base, target)
+    return target
+
+
+def test_lora_on_a_model_without_linear_projections_is_refused_before_any_weights_load(space, tmp_path):
+    """GPT-2's projections are Conv1D and its one linear layer, lm_head, is tied to the embedding: LoRA's default
+    all-linear adapted the Conv1D layers and failed in apply_lora after the weights had loaded, advising q_proj."""
+    gpt2 = tiny_gpt2(space / "actor", tmp_path / "gpt2")
+    cannot = "the model has no linear layer LoRA can adapt here: train it in full, lora_rank=0"
+    assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4", "algorithm.adv_estimator=grpo",
+                           "actor_rollout_ref.rollout.n=2", actor=gpt2)) == [
+        f"actor_rollout_ref.model.target_modules ({gpt2}): LoRA adapters on transformer.h.0.attn.c_attn (Conv1D), "
+        "transformer.h.0.attn.c_proj (Conv1D), transformer.h.0.mlp.c_fc (Conv1D), transformer.h.0.mlp.c_proj "
+        f"(Conv1D): only adapters of linear layers (torch.nn.Linear) are merged into the rollout's and the export's "
+        f"weights; {cannot}"]
+    assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4", "critic.model.lora_rank=4",
+                           "critic.model.target_modules=[q_proj]", actor=gpt2))[1:] == [
+        f"critic.model.target_modules: q_proj names no module of {gpt2} (an entry is a module's name or its last "
+        f"parts); {cannot}"]
+    assert _errors(_config(space, "critic.model.lora_rank=4", "critic.model.target_modules=[embed_tokens]")) == [
+        f"critic.model.target_modules ({space / 'actor'}): LoRA adapters on model.embed_tokens (Embedding): only "
+        "adapters of linear layers (torch.nn.Linear) are merged into the rollout's and the export's weights; "
+        f"{LLAMA_TARGETS}"]
 
 
 def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_named(space, tmp_path):

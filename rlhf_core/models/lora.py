@@ -11,6 +11,7 @@ sync get the merged weights ``W + (alpha / r) * B @ A`` under the base model's o
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,28 +21,75 @@ PEFT_PREFIX = "base_model.model."
 CRITIC_HEADS = ("score", "classifier")
 
 
+def _lora_config(model: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str], critic: bool):
+    """peft's config for ``model``; for a critic the value head is excluded and trained in full (``modules_to_save``)."""
+    from peft import LoraConfig, TaskType
+
+    heads = [name for name in CRITIC_HEADS if hasattr(model, name)] if critic else []
+    return LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
+        exclude_modules=heads or None, modules_to_save=heads or None,
+        task_type=TaskType.TOKEN_CLS if critic else TaskType.CAUSAL_LM,
+    )
+
+
 def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str],
                critic: bool = False) -> torch.nn.Module:
     """``model`` wrapped with fresh LoRA adapters (B = 0: the wrapped model computes what it did before).
 
     For a critic the value head is excluded from the adapters and trained in full (``modules_to_save``).
+    Adapters the rollout's and the export's weights cannot hold (:func:`refusals`) are refused.
     """
-    from peft import LoraConfig, TaskType, get_peft_model
+    from peft import get_peft_model
 
-    heads = [name for name in CRITIC_HEADS if hasattr(model, name)] if critic else []
-    config = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0, bias="none",
-        exclude_modules=heads or None, modules_to_save=heads or None,
-        task_type=TaskType.TOKEN_CLS if critic else TaskType.CAUSAL_LM,
-    )
-    wrapped = get_peft_model(model, config)
-    if unmergeable := [f"{name} ({type(getattr(layer, 'base_layer', layer)).__name__})"
-                       for name, layer in wrapped.named_modules() if _unmergeable(layer)]:
-        raise ValueError(f"LoRA adapters on {', '.join(unmergeable[:4])}: only adapters of linear layers are "
-                         "merged into the rollout's and the export's weights; set model.target_modules to the "
-                         "model's linear projections (e.g. [q_proj,v_proj])")
+    linear = adaptable_linear_names(model)
+    wrapped = get_peft_model(model, _lora_config(model, rank, alpha, target_modules, critic))
+    if problems := refusals(wrapped, linear):
+        raise ValueError("; ".join(problems))
     wrapped.config.use_cache = True
     return wrapped
+
+
+def refusals(wrapped: torch.nn.Module, linear: list[str]) -> list[str]:
+    """Why the adapters of ``wrapped`` (a peft model) cannot be trained here, as sentences; empty where they can.
+    ``linear``: the model's :func:`adaptable_linear_names`, for the advice.
+
+    The rollout (vLLM's weight sync) and the Hugging Face export take the merged ``W + s B A`` of each adapted
+    ``nn.Linear``: other layers do not merge so (:func:`_unmergeable`).
+    """
+    problems = []
+    if unmergeable := [f"{name.removeprefix(PEFT_PREFIX)} ({type(getattr(layer, 'base_layer', layer)).__name__})"
+                       for name, layer in wrapped.named_modules() if _unmergeable(layer)]:
+        problems.append(f"LoRA adapters on {', '.join(unmergeable[:4])}: only adapters of linear layers (torch.nn."
+                        f"Linear) are merged into the rollout's and the export's weights; {advice(linear)}")
+    return problems
+
+
+def advice(linear: list[str]) -> str:
+    """What model.target_modules may name, given a model's :func:`adaptable_linear_names`."""
+    if not linear:
+        return "the model has no linear layer LoRA can adapt here: train it in full, lora_rank=0"
+    return f"set model.target_modules to some of its linear layers, [{','.join(linear)}], or all-linear"
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s output head and input embedding share one weight (``tie_word_embeddings``)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    return (head is not None and embedding is not None
+            and getattr(head, "base_layer", head).weight is getattr(embedding, "base_layer", embedding).weight)
+
+
+def adaptable_linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last parts of the names of ``model``'s ``nn.Linear`` layers that LoRA can adapt here (not an
+    output head tied to the input embedding, nor a critic's value head), in the model's order. ``model``: a
+    transformers model without adapters."""
+    head = model.get_output_embeddings() if _tied(model) else None
+    names: dict[str, None] = {}
+    for name, layer in model.named_modules():
+        leaf = name.rpartition(".")[2]
+        if isinstance(layer, torch.nn.Linear) and layer is not head and leaf not in CRITIC_HEADS:
+            names[leaf] = None
+    return list(names)
 
 
 def _unmergeable(layer: torch.nn.Module) -> bool:
@@ -62,26 +110,49 @@ def lora_scaling(module: torch.nn.Module) -> float:
     return config.lora_alpha / config.r
 
 
-def unmatched_targets(model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
-                      override_config: dict | None = None) -> list[str]:
-    """The entries of ``target_modules`` that name no module of the model in ``model_dir`` as peft matches them
-    (a list: a module name or its last parts; a string: a regular expression over whole names; ``all-linear``:
-    every linear layer). The model is built on the meta device: no weights are read."""
-    from peft import LoraConfig
-    from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoConfig, AutoModelForCausalLM
+@dataclass
+class TargetCheck:
+    """What :func:`check_targets` found: the entries of target_modules that name no module, the sentences of
+    :func:`refusals` for the modules they do name, and the model's adaptable linear layers (for the advice)."""
 
-    if target_modules == "all-linear":
-        return []
+    unmatched: list[str]
+    refusals: list[str]
+    linear: list[str]
+
+
+def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
+                  override_config: dict | None = None, critic: bool = False) -> TargetCheck:
+    """LoRA's ``target_modules`` on the model in ``model_dir`` as :func:`apply_lora` would take them, before any
+    weight is read: the model (a critic's: its token-classification form) is built and wrapped on the meta device.
+
+    peft matches a list's entries against a module's name or its last parts, a string as a regular expression
+    over whole names, and ``all-linear`` as every linear layer but the output head."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    extra = {"num_labels": 1} if critic else {}
     config = AutoConfig.from_pretrained(str(Path(model_dir).expanduser()), trust_remote_code=trust_remote_code,
-                                        **(override_config or {}))
+                                        **extra, **(override_config or {}))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    names = [name for name, _ in model.named_modules() if name]
-    targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
-    return [target for target in targets
-            if not any(check_target_module_exists(LoraConfig(target_modules=target if isinstance(target_modules, str)
-                                                             else [target]), name) for name in names)]
+        auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    linear = adaptable_linear_names(model)
+    unmatched = []
+    if target_modules != "all-linear":
+        names = [name for name, _ in model.named_modules() if name]
+        targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+        unmatched = [target for target in targets
+                     if not any(check_target_module_exists(LoraConfig(target_modules=target if isinstance(
+                         target_modules, str) else [target]), name) for name in names)]
+        if len(unmatched) == len(targets):  # peft refuses a config that adapts nothing
+            return TargetCheck(unmatched, [], linear)
+    try:
+        with torch.device("meta"):
+            wrapped = get_peft_model(model, _lora_config(model, 1, 1, target_modules, critic))
+    except ValueError as exc:  # all-linear on a model without a linear layer
+        return TargetCheck(unmatched, [f"{str(exc).splitlines()[0]}; {advice(linear)}"], linear)
+    return TargetCheck(unmatched, refusals(wrapped, linear), linear)
 
 
 def trainable_names(module: torch.nn.Module) -> set[str]:
