@@ -113,11 +113,12 @@ def test_merge_is_w_plus_scaled_b_a():
     torch.testing.assert_close(merged["proj.weight"], weight + 0.5 * lora_b @ lora_a)
 
 
-@pytest.mark.parametrize("targets, named", [("all-linear", r"\(Conv1D\)"), (["wte"], r"\(Embedding\)")])
+@pytest.mark.parametrize("targets, named", [("all-linear", r"\(Conv1D\)"), (["wte"], r"\(Embedding\)"),
+                                             (["lm_head"], "lm_head, the output head tied to the input embedding")])
 def test_adapters_the_merge_cannot_take_are_refused_when_applied(targets, named):
-    """GPT-2's projections are Conv1D (weights stored transposed) and an embedding's adapters are lora_embedding_A/B:
-    neither merges as W + s B A, so the rollout's weights and the export would be wrong; they are refused, and the
-    message says GPT-2 has no layer LoRA can adapt (its one linear layer, lm_head, is the embedding's weight)."""
+    """GPT-2's projections are Conv1D (weights stored transposed), an embedding's adapters are lora_embedding_A/B,
+    and its lm_head is the embedding's weight: none merges as W + s B A into a tensor of its own, so the rollout's
+    weights and the export would be wrong; they are refused, and GPT-2 has no other layer to adapt."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rlhf_core.models.lora import apply_lora
@@ -126,3 +127,44 @@ def test_adapters_the_merge_cannot_take_are_refused_when_applied(targets, named)
     with pytest.raises(ValueError, match=rf"LoRA adapters on .*{named}.*the model has no linear layer LoRA can adapt "
                                          r"here: train it in full, lora_rank=0"):
         apply_lora(model, rank=2, alpha=4, target_modules=targets)
+
+
+def _llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)).eval()
+
+
+def test_an_adapted_output_head_tied_to_the_embedding_is_refused():
+    """With tie_word_embeddings the head's weight is the embedding's: the export writes one tensor for both (the
+    embedding) and vLLM loads only it, so the trained head would be lost and the base model scored instead."""
+    from rlhf_core.models.lora import apply_lora
+
+    with pytest.raises(ValueError, match=r"LoRA adapters on lm_head, the output head tied to the input embedding "
+                                         r"\(tie_word_embeddings\).*leave lm_head out: set model.target_modules to "
+                                         r"some of its linear layers, \[q_proj,k_proj,v_proj,o_proj,gate_proj,"
+                                         r"up_proj,down_proj\], or all-linear"):
+        apply_lora(_llama(tied=True), rank=2, alpha=4, target_modules=["lm_head"])
+
+
+def test_an_adapted_output_head_of_its_own_is_exported_with_its_adapter(tmp_path):
+    """An untied head is a linear layer like the others: its adapter is merged into the export's lm_head."""
+    from rlhf_core.models.loading import save_hf_model
+    from rlhf_core.models.lora import apply_lora, base_model, lora_scaling
+
+    actor = apply_lora(_llama(tied=False), rank=2, alpha=4, target_modules=["lm_head", "q_proj"])
+    with torch.no_grad():
+        for name, param in actor.named_parameters():
+            if ".lora_B." in name:
+                param.normal_()  # adapters that change the model (B starts at 0)
+    save_hf_model(base_model(actor), merged_state_dict(actor.state_dict(), lora_scaling(actor)), tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    input_ids = torch.tensor([[1, 5, 7, 9, 11]])
+    with torch.no_grad():
+        expected = torch.log_softmax(actor(input_ids=input_ids).logits, dim=-1)
+        base = torch.log_softmax(_llama(tied=False)(input_ids=input_ids).logits, dim=-1)
+        torch.testing.assert_close(torch.log_softmax(exported(input_ids=input_ids).logits, dim=-1), expected,
+                                   rtol=1e-4, atol=1e-5)
+    assert (expected - base).abs().max() > 1e-2  # the adapters did change the policy

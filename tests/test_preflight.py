@@ -346,6 +346,17 @@ def test_lora_on_a_model_without_linear_projections_is_refused_before_any_weight
         f"{LLAMA_TARGETS}"]
 
 
+def test_lora_on_an_output_head_tied_to_the_embedding_is_refused(space):
+    """The toy model ties lm_head to embed_tokens (as SmolLM2 does): the export and vLLM hold one tensor for both,
+    so an adapted head was exported as the base model's, silently."""
+    assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4",
+                           "actor_rollout_ref.model.target_modules=[q_proj,lm_head]")) == [
+        f"actor_rollout_ref.model.target_modules ({space / 'actor'}): LoRA adapters on lm_head, the output head tied "
+        "to the input embedding (tie_word_embeddings): the rollout's and the export's weights hold one tensor for "
+        "both, the embedding's, so the trained head would be lost there and the base model's used instead; leave "
+        f"lm_head out: {LLAMA_TARGETS}"]
+
+
 def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_named(space, tmp_path):
     """Ground truths no response can earn the rule's score against (a list turned to text, a word, "4.0") trained
     at score 0 without a word; a row without a data_source failed in preflight with pandas' TypeError."""

@@ -55,13 +55,22 @@ def refusals(wrapped: torch.nn.Module, linear: list[str]) -> list[str]:
     ``linear``: the model's :func:`adaptable_linear_names`, for the advice.
 
     The rollout (vLLM's weight sync) and the Hugging Face export take the merged ``W + s B A`` of each adapted
-    ``nn.Linear``: other layers do not merge so (:func:`_unmergeable`).
+    ``nn.Linear``: other layers do not merge so (:func:`_unmergeable`), and an output head whose weight is the
+    input embedding's (``tie_word_embeddings``) is one tensor there, written and loaded as the embedding: the
+    adapted head would be dropped and the base model's head scored and sampled instead.
     """
-    problems = []
+    model, problems = wrapped.get_base_model(), []
     if unmergeable := [f"{name.removeprefix(PEFT_PREFIX)} ({type(getattr(layer, 'base_layer', layer)).__name__})"
                        for name, layer in wrapped.named_modules() if _unmergeable(layer)]:
         problems.append(f"LoRA adapters on {', '.join(unmergeable[:4])}: only adapters of linear layers (torch.nn."
                         f"Linear) are merged into the rollout's and the export's weights; {advice(linear)}")
+    head = model.get_output_embeddings()
+    if head is not None and hasattr(head, "lora_A") and _tied(model):
+        name = next(name for name, layer in model.named_modules() if layer is head)
+        problems.append(f"LoRA adapters on {name}, the output head tied to the input embedding (tie_word_embeddings): "
+                        "the rollout's and the export's weights hold one tensor for both, the embedding's, so the "
+                        f"trained head would be lost there and the base model's used instead; leave {name} out: "
+                        f"{advice(linear)}")
     return problems
 
 
