@@ -99,6 +99,9 @@ class DataConfig:
                                                         "enable_thinking: false")
 
 
+TARGET_MODULES_HELP = ("linear layers that get LoRA adapters: a list of names or their last parts, e.g. "
+                       "[q_proj,v_proj]; a string is one regular expression over whole names; all-linear: "
+                       "all but the output head")
 SHARED_PREFIX_HELP = ("run each distinct prompt of a micro-batch once, its rollout.n responses attending to its "
                       "KV cache: the same values and gradients for 1/n of the prompt's work (one process, padded "
                       "rows, Llama/Qwen/Mistral heads; with gradient checkpointing the passes without gradients "
@@ -118,7 +121,7 @@ class ModelConfig:
     use_shared_prefix: bool = _k(False, SHARED_PREFIX_HELP)
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", TARGET_MODULES_HELP)
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
     override_config: dict[str, Any] = _k({}, "model config attributes set before loading, e.g. attention_dropout: 0.0")
@@ -248,7 +251,7 @@ class CriticModelConfig:
     use_shared_prefix: bool = _k(False, SHARED_PREFIX_HELP)
     lora_rank: int = _k(0, "LoRA rank of the critic; 0 trains all weights")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", TARGET_MODULES_HELP)
     trust_remote_code: bool | None = _k(None, "allow model code from the model directory; null = the actor's "
                                               "setting")
     override_config: dict[str, Any] = _k({}, "critic model config attributes set before loading")
@@ -289,7 +292,7 @@ class RewardTrainModelConfig:
     enable_gradient_checkpointing: bool = _k(False, "recompute activations in backward to save memory")
     lora_rank: int = _k(0, "LoRA rank; 0 trains all weights (the scalar head is always trained in full)")
     lora_alpha: int = _k(16, "LoRA scaling numerator")
-    target_modules: StrOrList = _k("all-linear", "modules that get LoRA adapters")
+    target_modules: StrOrList = _k("all-linear", TARGET_MODULES_HELP)
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
 
 

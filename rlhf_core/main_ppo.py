@@ -284,7 +284,13 @@ def _lora_problems(cfg: PPOConfig, actor_dir: Path) -> list[str]:
         if rank <= 0 or not Path(folder, "config.json").is_file():
             continue
         found = check_targets(folder, targets, trust, dict(override), critic=is_critic)
-        if found.unmatched:
+        if isinstance(targets, str) and found.unmatched:  # peft reads a string as one regular expression
+            plain = targets.isidentifier()
+            problems.append(
+                f"{key}.target_modules={targets}: a string is a regular expression over whole module names (such as "
+                f"model.layers.0.self_attn.q_proj) and matches no module of {folder}; "
+                + (f"for the layers named {targets}, write the list [{targets}]" if plain else advice(found.linear)))
+        elif found.unmatched:
             problems.append(f"{key}.target_modules: {', '.join(map(str, found.unmatched))} names no module of "
                             f"{folder} (an entry is a module's name or its last parts); {advice(found.linear)}")
         problems.extend(f"{key}.target_modules ({folder}): {problem}" for problem in found.refusals)

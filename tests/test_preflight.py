@@ -296,7 +296,7 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
         f"actor_rollout_ref.model.target_modules: vproj names no module of {space / 'actor'} (an entry is a module's "
         f"name or its last parts); {LLAMA_TARGETS}"]
     preflight(_config(space, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"))
-    assert "critic.model.target_modules: .*attention names no module" in "\n".join(_errors(_config(
+    assert "critic.model.target_modules=.*attention: a string is a regular expression" in "\n".join(_errors(_config(
         space, "critic.model.lora_rank=4", "critic.model.target_modules=.*attention")))  # a regex over whole names
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -355,6 +355,18 @@ def test_lora_on_an_output_head_tied_to_the_embedding_is_refused(space):
         "to the input embedding (tie_word_embeddings): the rollout's and the export's weights hold one tensor for "
         "both, the embedding's, so the trained head would be lost there and the base model's used instead; leave "
         f"lm_head out: {LLAMA_TARGETS}"]
+
+
+def test_a_target_modules_string_is_said_to_be_a_regular_expression(space):
+    """peft reads a string as one regular expression over whole module names: q_proj matches none of them, and the
+    message advised q_proj."""
+    assert _errors(_config(space, "actor_rollout_ref.model.lora_rank=4",
+                           "actor_rollout_ref.model.target_modules=q_proj")) == [
+        "actor_rollout_ref.model.target_modules=q_proj: a string is a regular expression over whole module names "
+        f"(such as model.layers.0.self_attn.q_proj) and matches no module of {space / 'actor'}; for the layers "
+        "named q_proj, write the list [q_proj]"]
+    preflight(_config(space, "actor_rollout_ref.model.lora_rank=4",
+                      "actor_rollout_ref.model.target_modules='.*\\.q_proj'"))
 
 
 def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_named(space, tmp_path):
