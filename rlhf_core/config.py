@@ -662,6 +662,10 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "actor_rollout_ref.model.custom_chat_template": (
         _null, "the chat template is the tokenizer's: put it in its tokenizer_config.json (chat_template)"),
     "actor_rollout_ref.model.exclude_modules": (_null, "LoRA adapts the modules model.target_modules names"),
+    "actor_rollout_ref.model.lora_adapter_path": (
+        _null, "LoRA adapters start fresh here (B = 0): to start from a trained adapter, merge it into its base model "
+               "(peft's merge_and_unload, then save_pretrained) and give that directory as actor_rollout_ref.model.path "
+               "(the reference is then the merged model)"),
     **{f"{section}.use_shm": (_any, "models load from their directory") for section in ("critic.model", "reward_model.model")},
     "reward_model.model.use_fused_kernels": (_any, "the reward model scores with its own head"),
     # the rollout engine's knobs this trainer does not pass on, and verl's agent and multi-turn machinery

@@ -351,6 +351,7 @@ actor_rollout_ref.rollout.trace.backend=null actor_rollout_ref.rollout.trace.tok
 actor_rollout_ref.rollout.skip_rollout=false actor_rollout_ref.rollout.skip_dump_dir=/tmp/rollout_dump
 actor_rollout_ref.model.custom_chat_template=null
 actor_rollout_ref.model.enable_activation_offload=false actor_rollout_ref.model.exclude_modules=null
+actor_rollout_ref.model.lora_adapter_path=null
 data.use_shm=false data.return_raw_input_ids=false data.return_full_prompt=false data.dataloader_num_workers=8
 data.validation_shuffle=false data.filter_overlong_prompts_workers=1 data.image_key=images data.video_key=videos
 data.trust_remote_code=false data.custom_cls.path=null data.return_multi_modal_inputs=true data.sampler.class_path=null
@@ -421,7 +422,8 @@ def test_verl_keys_asking_for_what_is_not_here_are_refused_with_the_reason():
         "actor_rollout_ref.rollout.multi_turn.enable=true", "critic.profiler.enable=true",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model]", "trainer.rollout_data_dir=/tmp/rollouts",
         "actor_rollout_ref.rollout.response_length=1024", "critic.enable=true", "algorithm.adv_estimator=grpo",
-        "data.custom_cls.path=my_dataset.py", "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0")
+        "data.custom_cls.path=my_dataset.py", "actor_rollout_ref.actor.tis_imp_ratio_cap=2.0",
+        "actor_rollout_ref.model.lora_adapter_path=/sft/adapter")
     assert "actor_rollout_ref.rollout.multi_turn.enable=True is not supported: multi-turn rollouts with tools" in message
     assert "critic.profiler.enable=True is not supported: trainer.profile_steps records torch.profiler traces" in message
     assert "actor_rollout_ref.actor.checkpoint.save_contents=['model'] is not supported" in message
@@ -433,6 +435,8 @@ def test_verl_keys_asking_for_what_is_not_here_are_refused_with_the_reason():
     assert "data.custom_cls.path='my_dataset.py' is not supported" in message
     assert "tis_imp_ratio_cap=2.0 is not supported: truncated importance sampling is " \
         "algorithm.rollout_correction.rollout_is=token" in message
+    assert "actor_rollout_ref.model.lora_adapter_path='/sft/adapter' is not supported: LoRA adapters start fresh " \
+        "here (B = 0): to start from a trained adapter, merge it into its base model" in message  # (not lora_alpha?)
     assert "actor_rollout_ref.rollout.name must be set (the config holds ??? there)" in _errors(
         "actor_rollout_ref.rollout.name=???")
     # verl's algorithm names this trainer lacks are named as such, never matched to a near name of another algorithm
