@@ -23,6 +23,28 @@ def test_a_missing_file_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_directory_given_as_the_file_is_named_as_such(tmp_path, capsys):
+    """A folder read 'no such file' of a path that exists."""
+    assert gguf(["--gguf", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
+    assert f"--gguf {tmp_path} is a directory: give the .gguf file itself (it holds no .gguf file)" \
+        in _one_line_error(capsys)
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    assert gguf(["--gguf", str(tmp_path), "--output", str(tmp_path / "out")]) == 2
+    assert f"give the .gguf file itself, e.g. --gguf {tmp_path / 'model.gguf'}" in _one_line_error(capsys)
+
+
+def test_a_gguf_file_given_as_the_model_path_points_to_the_import(tmp_path):
+    """The trainer loads HF directories: a .gguf model path said 'is not a directory' and advised the demo model."""
+    from rlhf_core.models.loading import ModelError, check_model_dir
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelError) as error:
+        check_model_dir(tmp_path / "model.gguf")
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.path: {tmp_path / 'model.gguf'} is a GGUF file and models load from local HF "
+        f"directories; import it into one with rlhf gguf --gguf {tmp_path / 'model.gguf'} --output DIR and give DIR")
+
+
 def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
     (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip archive, not a model")
     assert gguf(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2

@@ -48,6 +48,10 @@ def package_gguf(package: str) -> Path:
 def check_gguf(path: str | os.PathLike) -> Path:
     """``path`` as a readable GGUF file with an architecture; GGUFImportError otherwise."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        found = sorted(file.glob("*.gguf"))
+        raise GGUFImportError(f"--gguf {file} is a directory: give the .gguf file itself"
+                              + (f", e.g. --gguf {found[0]}" if found else " (it holds no .gguf file)"))
     if not file.is_file():
         raise GGUFImportError(f"--gguf {file}: no such file")
     with open(file, "rb") as handle:

@@ -54,6 +54,9 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
                     need_weights: bool = True) -> Path:
     """Raise ModelError unless ``path`` is a complete local HF model directory."""
     folder = resolve(path)
+    if folder.is_file() and folder.suffix.lower() == ".gguf":
+        raise ModelError(f"{key}: {folder} is a GGUF file and models load from local HF directories; import it "
+                         f"into one with rlhf gguf --gguf {folder} --output DIR and give DIR")
     if not folder.is_dir():
         raise ModelError(f"{key}: {folder} is not a directory (models load from local HF directories; "
                          "build the demo model with python -m rlhf_core.models.toy --output DIR)")
