@@ -5,6 +5,7 @@ and the checks made before any weights load."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -386,6 +387,39 @@ def test_reward_model_dir_checks_name_what_is_wrong(space, tmp_path):
     with pytest.raises(ModelError, match=f"is a reward model's training folder; the model is its export, "
                                          f"reward_model.model.path={training / 'huggingface'}"):
         check_reward_model_dir(training)
+
+
+def _headless(base, folder):
+    """``base``'s causal-LM weights under a one-label sequence-classification config: no score head stored."""
+    shutil.copytree(base, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(architectures=["LlamaForSequenceClassification"], num_labels=1,
+                  id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_a_language_model_without_a_score_head_is_refused(space, tmp_path):
+    """transformers loads such a copy with a random head and only prints 'newly initialized': PPO would train
+    against noise. The safetensors header names the weights without loading them, so the directory check refuses
+    it; a checkpoint whose names cannot be read so (pytorch_model.bin) is refused when the worker loads it."""
+    root, base, same, _ = space
+    headless = _headless(base, tmp_path / "headless")
+    message = (f"reward_model.model.path: {headless} has no trained score head (its weights lack score.weight): "
+               "it holds a language model's weights under a sequence-classification config")
+    with pytest.raises(ModelError, match=re.escape(message)):
+        check_reward_model_dir(headless)
+    with pytest.raises(ModelError, match="no trained score head"):
+        RewardModelWorker(_rm_config(headless, base))
+    from safetensors.torch import load_file
+
+    pickled = _headless(base, tmp_path / "pickled")
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
+    assert check_reward_model_dir(pickled) == pickled  # unread here
+    with pytest.raises(ModelError, match=f"{pickled} has no trained score head"):
+        RewardModelWorker(_rm_config(pickled, base))
+    RewardModelWorker(_rm_config(same, base))  # a trained head passes both
 
 
 def test_enable_without_a_path_is_a_config_error():

@@ -28,6 +28,7 @@ score (``extras["rm_score"]``), so validation can log the proxy and the gold sid
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -83,7 +84,49 @@ def check_reward_model_dir(path: str | os.PathLike | None, trust_remote_code: bo
     if getattr(config, "pad_token_id", None) is None:
         raise ModelError(f"{KEY}: {folder}/config.json has no pad_token_id; set it to the tokenizer's pad token id "
                          "so that padded sequences are scored at their last real token")
+    if missing := missing_head_weights(folder, config, trust_remote_code):
+        raise untrained_head_error(folder, missing)
     return folder
+
+
+def checkpoint_keys(folder: Path) -> set[str] | None:
+    """The names of the weights stored in ``folder``, read from the safetensors header or index alone; None where
+    they cannot be read so (a pytorch_model.bin, an unreadable file): the load's own report then says."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if (folder / "model.safetensors.index.json").is_file():
+            return set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
+        if (folder / "model.safetensors").is_file():
+            with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+                return set(weights.keys())
+    except (OSError, ValueError, KeyError, SafetensorError):
+        return None
+    return None
+
+
+def missing_head_weights(folder: Path, config, trust_remote_code: bool = False) -> list[str]:
+    """The scoring head's weights (``score.weight``, ...) that ``folder``'s checkpoint lacks: all of them for a
+    causal LM's weights under a sequence-classification config, which transformers would load with a random head
+    (saying only "newly initialized"). The model is built on the meta device to name its head; no weights load."""
+    keys = checkpoint_keys(folder)
+    if keys is None:
+        return []
+    try:
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - a model transformers cannot build is the load's to report
+        return []
+    name = reward_head_name(model)
+    return sorted(f"{name}.{param}" for param, _ in getattr(model, name).named_parameters()
+                  if f"{name}.{param}" not in keys)
+
+
+def untrained_head_error(folder: Path, missing) -> ModelError:
+    return ModelError(f"{KEY}: {folder} has no trained score head (its weights lack {', '.join(sorted(missing))}): "
+                      "it holds a language model's weights under a sequence-classification config, and its head "
+                      "would start random, so PPO would chase noise; train a reward model from it (rlhf-train-rm, "
+                      "or the rlhf_rm pipeline) and use that export")
 
 
 def load_rm_tokenizer(folder: str | os.PathLike, trust_remote_code: bool = False, key: str = KEY):
@@ -140,13 +183,18 @@ def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bo
 # ----------------------------------------------------------------------------- the forward
 
 
-def reward_head(model: torch.nn.Module) -> torch.nn.Module:
-    """The scalar head of a sequence-classification model (``score`` in the Llama/Qwen/Mistral family)."""
+def reward_head_name(model: torch.nn.Module) -> str:
+    """The attribute holding a sequence-classification model's scalar head (``score`` in the Llama/Qwen/Mistral
+    family), which is also its weights' prefix."""
     for name in ("score", "classifier", "v_head"):
-        head = getattr(model, name, None)
-        if isinstance(head, torch.nn.Module):
-            return head
+        if isinstance(getattr(model, name, None), torch.nn.Module):
+            return name
     raise ModelError(f"{KEY}: {type(model).__name__} has no 'score' (or 'classifier') head to read the reward from")
+
+
+def reward_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The scalar head of a sequence-classification model (:func:`reward_head_name`)."""
+    return getattr(model, reward_head_name(model))
 
 
 def scored_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int | None) -> torch.Tensor:
@@ -227,8 +275,11 @@ class RewardModelWorker:
         self.switch_template = (self.input_tokenizer is not None
                                 and not same_tokenization(self.input_tokenizer, self.tokenizer,
                                                           model_cfg.input_chat_template_kwargs, self.template_kwargs))
-        module = AutoModelForSequenceClassification.from_pretrained(
-            str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code)
+        module, loading = AutoModelForSequenceClassification.from_pretrained(
+            str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code, output_loading_info=True)
+        # checked above where the weights' names could be read without loading them; here for every checkpoint
+        if missing := [key for key in loading["missing_keys"] if key.startswith(f"{reward_head_name(module)}.")]:
+            raise untrained_head_error(folder, missing)
         module.config.use_cache = False
         # what a re-encoded sequence may hold: longer ones lose their first tokens (see encode_response)
         self.max_length = config.max_length or getattr(module.config, "max_position_embeddings", None)
