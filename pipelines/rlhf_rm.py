@@ -46,7 +46,8 @@ def rlhf_rm_pipeline(
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
     check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
     check_not_cached()
-    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
+    ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex,
+                                 trains_reward_model=True)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     preference_fingerprint = validate_preferences(ppo_config)
     reward_model, _ = train_reward_model(ppo_config, preference_fingerprint, min_pair_accuracy=min_pair_accuracy)

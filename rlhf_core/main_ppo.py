@@ -206,7 +206,7 @@ def preflight(cfg: PPOConfig) -> None:
     if cfg.algorithm.adv_estimator == "gae":
         errors.extend(_critic_problems(cfg, actor))
     if cfg.reward_model.enable:
-        errors.extend(_reward_model_problems(cfg) + _reward_model_length_problems(cfg))
+        errors.extend(_reward_model_problems(cfg))
     custom = cfg.custom_reward_function
     if custom.path:
         try:
@@ -354,56 +354,80 @@ def _critic_problems(cfg: PPOConfig, actor: tuple[Path, int | None] | None) -> l
 
 def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     """What is wrong with the reward model of ``reward_model.enable=true`` (config and tokenizers only)."""
-    from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
-
-    rm = cfg.reward_model
-    try:
-        check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
-        if needs_template_switch(rm) and not cfg.data.return_raw_chat:
-            return [f"reward_model.model.path: the tokenizer or chat template of {rm.model.path} differs from "
-                    f"reward_model.model.input_tokenizer ({rm.model.input_tokenizer}), so responses are re-encoded "
-                    "from the chat messages: set data.return_raw_chat=true (or input_tokenizer=null to feed the "
-                    "policy's ids as they are)"]
-    except ModelError as exc:
-        return [str(exc)]
-    return []
-
-
-def _reward_model_length_problems(cfg: PPOConfig) -> list[str]:
-    """The reward model's position limit against what it scores: the policy's prompt + response ids as they are
-    (at most data.max_prompt_length + data.max_response_length), which nothing cuts; or where its tokenizer or
-    template differs, the raw chat messages (whole, whatever data.truncation did to the policy's prompt) rendered
-    with its own template, then the decoded response re-tokenized and EOS: about the policy's budget where the two
-    tokenizers split text alike, cut from the left at ``reward_model.max_length`` (by default the limit itself).
-    Past the limit without that key set is refused, as a budget the reward model would mostly see cut; with it,
-    the user has chosen the cut. An unusable directory is :func:`_reward_model_problems`' to report."""
-    from rlhf_core.rewards.reward_model import check_reward_model_dir, needs_template_switch
+    from rlhf_core.rewards.reward_model import KEY, check_reward_model_dir, needs_template_switch
 
     rm = cfg.reward_model
     try:
         folder = check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
-        limit, switch = max_positions(folder, rm.model.trust_remote_code), needs_template_switch(rm)
-    except ModelError:
-        return []
+        switch = needs_template_switch(rm)
+        limit = max_positions(folder, rm.model.trust_remote_code)
+    except ModelError as exc:
+        return [str(exc)]
+    return _scoring_problems(cfg, switch, limit, f"{KEY}: the tokenizer or chat template of {rm.model.path}",
+                             KEY, str(folder))
+
+
+def trained_reward_model_problems(cfg: PPOConfig) -> list[str]:
+    """:func:`_reward_model_problems` of the reward model a pipeline will train from ``reward_model.train`` and
+    score PPO's rollouts with, known before it trains: its export keeps the base's tokenizer
+    (``reward_model.train.model.tokenizer_path``, else its path) and positions, and records the chat-template
+    keywords it was trained with (``reward_model.train.apply_chat_template_kwargs``). The messages name the base."""
+    from rlhf_core.rewards.reward_model import load_rm_tokenizer, reads_otherwise
+
+    base, key = cfg.reward_model.train.model, "reward_model.train.model.path"
+    tokenizer_key = "reward_model.train.model.tokenizer_path" if base.tokenizer_path else key
+    try:
+        folder = check_model_dir(base.path, key)
+        tokenizer = load_rm_tokenizer(check_tokenizer_dir(base.tokenizer_path or folder, tokenizer_key),
+                                      base.trust_remote_code, tokenizer_key)
+        switch = reads_otherwise(cfg.reward_model, tokenizer, dict(cfg.reward_model.train.apply_chat_template_kwargs))
+        limit = max_positions(folder, base.trust_remote_code)
+    except ModelError as exc:
+        return [str(exc)]
+    return _scoring_problems(cfg, switch, limit, f"{tokenizer_key}: the tokenizer or chat template of "
+                             f"{base.tokenizer_path or base.path} (which the reward model trained from it keeps)",
+                             key, f"the reward model trained from {folder}")
+
+
+def _scoring_problems(cfg: PPOConfig, switch: bool, limit: int | None, template_subject: str, key: str,
+                      named: str) -> list[str]:
+    """A reward model's tokenizer and positions against what it scores. ``switch``: it re-encodes responses (its
+    tokenizer or chat template differs from the policy's); ``limit``: its max_position_embeddings; the messages
+    open with ``template_subject`` (the key and tokenizer at fault) and ``key`` and name the model ``named``.
+
+    The length: the reward model scores the policy's prompt + response ids as they are (at most
+    data.max_prompt_length + data.max_response_length), which nothing cuts; or where it re-encodes, the raw chat
+    messages (whole, whatever data.truncation did to the policy's prompt) rendered with its own template, then
+    the decoded response re-tokenized and EOS: about the policy's budget where the two tokenizers split text alike,
+    cut from the left at ``reward_model.max_length`` (by default the limit itself). Past the limit without that
+    key set is refused, as a budget the reward model would mostly see cut; with it, the user has chosen the cut."""
+    rm = cfg.reward_model
+    problems = []
+    if switch and not cfg.data.return_raw_chat:
+        problems.append(f"{template_subject} differs from reward_model.model.input_tokenizer "
+                        f"({rm.model.input_tokenizer}), so responses are re-encoded from the chat messages: set "
+                        "data.return_raw_chat=true (or input_tokenizer=null to feed the policy's ids as they are)")
     budget = cfg.data.max_prompt_length + cfg.data.max_response_length
     if rm.max_length is not None and limit is not None and rm.max_length > limit:
-        return [f"reward_model.max_length={rm.max_length} exceeds the max_position_embeddings of {folder} ({limit})"]
+        return problems + [f"reward_model.max_length={rm.max_length} exceeds the max_position_embeddings of {named} "
+                           f"({limit})"]
     if not switch and rm.max_length is not None and rm.max_length < budget:
-        return [f"reward_model.max_length={rm.max_length} cuts only sequences the reward model re-encodes, and "
-                f"{folder} scores the policy's ids as they are (same tokenizer and chat template), up to "
-                f"data.max_prompt_length + data.max_response_length = {budget} tokens, uncut; remove the key, or "
-                "lower data.max_response_length or data.max_prompt_length"]
+        return problems + [
+            f"reward_model.max_length={rm.max_length} cuts only sequences the reward model re-encodes, and {named} "
+            "scores the policy's ids as they are (same tokenizer and chat template), up to data.max_prompt_length + "
+            f"data.max_response_length = {budget} tokens, uncut; remove the key, or lower data.max_response_length "
+            "or data.max_prompt_length"]
     if limit is None or budget <= limit or (switch and rm.max_length is not None):
-        return []
+        return problems
     scored = ("re-encodes each conversation with its own chat template: the whole prompt (data.truncation does not "
               "shorten it) plus the response re-tokenized and EOS, about data.max_prompt_length + "
               f"data.max_response_length = {budget} tokens, more where its tokenizer splits text finer"
               if switch else "scores the policy's prompt + response ids as they are, uncut: up to "
               f"data.max_prompt_length + data.max_response_length = {budget} tokens")
     cut = f", or set reward_model.max_length (at most {limit}) to cut longer ones from the left" if switch else ""
-    return [f"reward_model.model.path: {folder} has max_position_embeddings {limit} but the reward model {scored}; "
-            f"use a reward model with at least {budget} positions{cut}, or lower data.max_response_length or "
-            "data.max_prompt_length"]
+    return problems + [
+        f"{key}: {named} has max_position_embeddings {limit} but the reward model {scored}; use a reward model with "
+        f"at least {budget} positions{cut}, or lower data.max_response_length or data.max_prompt_length"]
 
 
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):

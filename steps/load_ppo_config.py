@@ -8,6 +8,7 @@ from zenml import get_step_context, log_metadata, step
 from zenml.logger import get_logger
 
 from rlhf_core.config import load_config, validate_config
+from rlhf_core.main_ppo import PreflightError, trained_reward_model_problems
 
 logger = get_logger(__name__)
 
@@ -19,8 +20,13 @@ def load_ppo_config(
     train_files: str | list[str] | None = None,
     val_files: str | list[str] | None = None,
     run_nonce: str | None = None,
+    trains_reward_model: bool = False,
 ) -> Annotated[dict, "ppo_config"]:
     """The validated trainer config; ``train_files``/``val_files`` override the file's data paths.
+
+    ``trains_reward_model``: the pipeline trains a reward model from ``reward_model.train`` and scores PPO's
+    rollouts with it; what would stop it there (a tokenizer or chat template other than the policy's without
+    ``data.return_raw_chat``, too few positions) is refused here, before it trains.
 
     ``run_nonce``, a value the pipeline draws anew each time it compiles, keeps this step out of ZenML's cache,
     and with it every step after it (their inputs are then new artifacts): a cached step would replay an earlier
@@ -41,6 +47,8 @@ def load_ppo_config(
         raise ValueError("no validation data: the pipeline evaluates the trained policy on data.val_files and "
                          "decides its promotion on them; give val_files (a pipeline parameter) or data.val_files")
     validate_config(cfg)
+    if trains_reward_model and (problems := trained_reward_model_problems(cfg)):
+        raise PreflightError(problems)
     logger.info("trainer config %s with %d override(s):\n%s", trainer_config, len(extra), cfg.to_yaml())
     log_metadata({"trainer_config": trainer_config, "overrides": extra,
                   "model_path": cfg.actor_rollout_ref.model.path,

@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
-from rlhf_core.main_ppo import PreflightError, preflight
+from rlhf_core.main_ppo import PreflightError, preflight, trained_reward_model_problems
 from rlhf_core.models.toy import random_toy_model
 
 # data.max_prompt_length + data.max_response_length below: 200 + 56
@@ -157,6 +157,40 @@ def test_a_reward_model_that_re_encodes_says_what_it_scores(space, tmp_path):
     errors = _errors(_config(space, "reward_model.enable=true", f"reward_model.model.path={rm}"))
     assert [e.split(" ", 2)[1] for e in errors] == ["the", f"{rm}"]
     assert "set data.return_raw_chat=true" in errors[0] and "max_position_embeddings 128" in errors[1]
+
+
+def test_a_reward_model_still_to_be_trained_is_checked_from_its_base(space, tmp_path):
+    """The rlhf_rm pipeline's first step: the reward model it trains from reward_model.train keeps its base's
+    tokenizer, chat template and positions, so what would stop PPO against it is known before it trains (the
+    smoke test found it after training, and named the artifact's temporary folder instead of the base)."""
+    base = causal_model(space / "actor", tmp_path / "base", 128)
+    _weights_and_tokenizer(space / "actor", base, OTHER_TEMPLATE)
+    trained = f"reward_model.train.model.path={base}"
+    assert trained_reward_model_problems(_config(space, trained)) == [
+        f"reward_model.train.model.path: the tokenizer or chat template of {base} (which the reward model trained "
+        f"from it keeps) differs from reward_model.model.input_tokenizer ({space / 'actor'}), so responses are "
+        "re-encoded from the chat messages: set data.return_raw_chat=true (or input_tokenizer=null to feed the "
+        "policy's ids as they are)",
+        f"reward_model.train.model.path: the reward model trained from {base} has max_position_embeddings 128 but "
+        "the reward model re-encodes each conversation with its own chat template: the whole prompt "
+        "(data.truncation does not shorten it) plus the response re-tokenized and EOS, about data.max_prompt_length "
+        "+ data.max_response_length = 256 tokens, more where its tokenizer splits text finer; use a reward model "
+        "with at least 256 positions, or set reward_model.max_length (at most 128) to cut longer ones from the "
+        "left, or lower data.max_response_length or data.max_prompt_length"]
+    assert trained_reward_model_problems(_config(space, trained, "data.return_raw_chat=true",
+                                                 "reward_model.max_length=128")) == []
+    # the tokenizer from reward_model.train.model.tokenizer_path: named by that key; the policy's own passes
+    same = causal_model(space / "actor", tmp_path / "same", BUDGET)
+    errors = trained_reward_model_problems(_config(space, f"reward_model.train.model.path={same}",
+                                                   f"reward_model.train.model.tokenizer_path={base}"))
+    assert errors == [f"reward_model.train.model.tokenizer_path: the tokenizer or chat template of {base} (which "
+                      f"the reward model trained from it keeps) differs from reward_model.model.input_tokenizer "
+                      f"({space / 'actor'}), so responses are re-encoded from the chat messages: set "
+                      "data.return_raw_chat=true (or input_tokenizer=null to feed the policy's ids as they are)"]
+    assert trained_reward_model_problems(_config(space, f"reward_model.train.model.path={same}")) == []
+    missing = trained_reward_model_problems(_config(space, f"reward_model.train.model.path={tmp_path / 'none'}"))
+    assert [e.startswith(f"reward_model.train.model.path: {tmp_path / 'none'} is not a directory") for e in missing] \
+        == [True]
 
 
 def test_a_critic_without_the_actors_override_is_told_to_take_it(space, tmp_path):

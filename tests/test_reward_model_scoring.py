@@ -255,7 +255,8 @@ def test_input_tokenizer_follows_the_policys_tokenizer_path(space, tmp_path):
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         (weights / name).write_bytes((base / name).read_bytes())
     policy = [f"actor_rollout_ref.model.path={weights}", f"reward_model.model.path={same}", "reward_model.enable=true"]
-    cfg = load_config([*policy, f"actor_rollout_ref.model.tokenizer_path={base}"], validate=False)
+    cfg = load_config([*policy, f"actor_rollout_ref.model.tokenizer_path={base}", "data.max_prompt_length=256",
+                       "data.max_response_length=256"], validate=False)  # (within the 512 positions)
     assert cfg.reward_model.model.input_tokenizer == str(base)
     assert _reward_model_problems(cfg) == []
     assert not RewardModelWorker(cfg.reward_model).switch_template

@@ -87,6 +87,33 @@ def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
 
 
+def test_a_base_with_another_chat_template_stops_the_run_at_its_first_step(tmp_path):
+    """The reward model keeps its base's chat template, so PPO against it re-encodes each conversation and needs
+    the raw chat messages: the run trained the reward model, then its smoke test refused, naming the artifact's
+    temporary folder. Now load_ppo_config refuses, naming the base and the fix."""
+    import shutil
+
+    from zenml import Model
+
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+    from rlhf_core.main_ppo import PreflightError
+
+    setup = tiny_setup()
+    base = tmp_path / "base"
+    shutil.copytree(setup.root / "model", base)
+    (base / "chat_template.jinja").write_text("{% for message in messages %}Q: {{ message['content'] }}\n"
+                                              "{% endfor %}{% if add_generation_prompt %}A: {% endif %}")
+    zenml_client()
+    with pytest.raises(PreflightError, match=rf"reward_model.train.model.path: the tokenizer or chat template of "
+                                             rf"{base} .* set data.return_raw_chat=true"):
+        rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-template"))(
+            trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+            val_files=str(setup.val_file), overrides=[*rm_overrides(), f"reward_model.train.model.path={base}"],
+            min_pair_accuracy=0.0)
+    run = zenml_client().list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
+
+
 def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run, tmp_path):
     """rlhf_rm_pipeline end to end on the tiny setup: the smoke test's rollouts and training's are both scored by
     the reward model the run trained (its metrics carry the model's score beside the rule's gold reward), and the

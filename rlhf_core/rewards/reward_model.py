@@ -169,15 +169,24 @@ def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bo
     with that key null, the ids are fed as they are.
     """
     model_cfg = config.model
+    if input_tokenizer is None and not model_cfg.input_tokenizer:
+        return False
+    folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
+    return reads_otherwise(config, load_rm_tokenizer(folder, model_cfg.trust_remote_code),
+                           trained_template_kwargs(folder, model_cfg.trust_remote_code), input_tokenizer)
+
+
+def reads_otherwise(config: RewardModelConfig, tokenizer, template_kwargs: dict, input_tokenizer=None) -> bool:
+    """Whether a reward model with ``tokenizer``, trained with ``template_kwargs``, must have responses decoded and
+    re-encoded: :func:`needs_template_switch` of a reward model known by its tokenizer and keywords alone (one yet
+    to be trained from ``reward_model.train``, whose export keeps them)."""
+    model_cfg = config.model
     if input_tokenizer is None:
         if not model_cfg.input_tokenizer:
             return False
         input_tokenizer = load_rm_tokenizer(model_cfg.input_tokenizer, model_cfg.trust_remote_code,
                                             "reward_model.model.input_tokenizer")
-    folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
-    return not same_tokenization(input_tokenizer, load_rm_tokenizer(folder, model_cfg.trust_remote_code),
-                                 model_cfg.input_chat_template_kwargs,
-                                 trained_template_kwargs(folder, model_cfg.trust_remote_code))
+    return not same_tokenization(input_tokenizer, tokenizer, model_cfg.input_chat_template_kwargs, template_kwargs)
 
 
 # ----------------------------------------------------------------------------- the forward
