@@ -439,8 +439,9 @@ class GuardConfig:
                                          "far below the best seen; null = off")
     max_rollbacks: int = _k(3, "rollbacks each guard may make in a run (the KL / skip / val-drop guard and the "
                                "over-optimisation guard count apart); its next trigger stops the run with an error")
-    overopt_patience: int | None = _k(3, "with a reward model: validations in a row where the proxy (model) reward "
-                                         "rose while the gold (rule) reward fell before acting; null = off")
+    overopt_patience: int | None = _k(3, "with a reward model: validations in a row where its score (the proxy, "
+                                         "whatever rule_coef mixes in) rose while the gold (rule) reward fell "
+                                         "before acting; null = off")
     overopt_action: str = _k("rollback", "then: rollback (to the best-gold checkpoint) | stop")
 
 

@@ -100,9 +100,23 @@ def test_state_round_trips():
 
 def test_proxy_and_gold_are_the_means_over_sources():
     metrics = {"val-aux/a/reward/mean@1": 2.0, "val-aux/b/reward/mean@1": 4.0, "val-aux/a/gold_reward/mean@1": 0.5,
-               "val-aux/b/gold_reward/mean@1": 0.25, "val-core/a/acc/mean@1": 0.5, "val-aux/a/rm_score/mean@1": 9.0}
-    assert proxy_and_gold(metrics) == (3.0, 0.375)
+               "val-aux/b/gold_reward/mean@1": 0.25, "val-core/a/acc/mean@1": 0.5}
+    assert proxy_and_gold(metrics) == (3.0, 0.375)  # no model score (a custom function's own gold): the reward
     assert proxy_and_gold({"val-aux/a/reward/mean@1": 2.0}) == (None, None)  # no gold: the guard is off
+
+
+def test_with_the_rule_mixed_in_the_proxy_is_the_reward_models_score():
+    """reward = rm_score + rule_coef * gold (here 1 and 1): a model score rising as fast as the gold falls leaves the
+    reward flat, which the guard read as no over-optimisation. Gao et al.'s proxy is the model's score."""
+    validations = [(1.0, 0.8), (1.2, 0.6), (1.4, 0.4)]  # (rm_score, gold)
+    guard, events = _guard(), []
+    for step, (rm_score, gold) in enumerate(validations):
+        metrics = {"val-aux/a/reward/mean@1": rm_score + gold, "val-aux/a/rm_score/mean@1": rm_score,
+                   "val-aux/a/gold_reward/mean@1": gold}
+        assert proxy_and_gold(metrics) == (rm_score, gold)
+        events.append(guard.observe(step, *proxy_and_gold(metrics))[1])
+    assert events[:2] == [None, None]
+    assert (events[2].action, events[2].target_step) == ("rollback", 0)
 
 
 def test_proxy_and_gold_compare_the_same_responses():
@@ -249,6 +263,28 @@ def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold
         fresh.close()
 
 
+def test_a_reward_model_mixed_with_the_rule_is_caught_as_it_rises_while_the_gold_falls(space, tmp_path):
+    """reward_model.rule_coef=40: the falling gold pulls the reward PPO maximises down at validations 2 and 3 while
+    the length-paying model's score rises. The guard compares the model's score with the gold and rolls back."""
+    root, model = space
+    trainer, _, logged = _trainer(root, model, tmp_path / "out", "reward_model.rule_coef=40")
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    source = "synthetic/arithmetic"
+    reward = [logged[step][f"val-aux/{source}/reward/mean@1"] for step in range(4)]
+    assert reward[3] < reward[2] < reward[1]  # the mixed reward falls: it showed no over-optimisation
+    truths = [row["ground_truth"] for row in trainer.val_dataset.rows]
+    for validation in range(4):
+        proxy, gold = _expected_proxy_and_gold(truths, validation)
+        assert logged[validation][f"val-aux/{source}/rm_score/mean@1"] == pytest.approx(proxy)
+        assert reward[validation] == pytest.approx(proxy + 40 * gold)
+    assert logged[2]["training/rollbacks"] == 0
+    assert logged[3]["training/rollbacks"] == 1
+    assert trainer.overopt.best_step == 0
+
+
 def test_overopt_action_stop_restores_the_best_gold_and_stops(space, tmp_path):
     root, model = space
     trainer, _, logged = _trainer(root, model, tmp_path / "out", "trainer.guard.overopt_action=stop")
@@ -285,8 +321,9 @@ def test_validation_logs_the_graded_responses_reward_where_a_source_is_partly_gr
     length = [len(text) + 1 for text in texts]  # one token a character, and EOS
     assert metrics[f"val-aux/{MIXED}/reward/mean@1"] == pytest.approx((length[0] + length[1]) / 2)
     assert metrics[f"val-aux/{MIXED}/graded_reward/mean@1"] == pytest.approx(length[0])
+    assert metrics[f"val-aux/{MIXED}/graded_rm_score/mean@1"] == pytest.approx(length[0])  # (the model alone)
     assert metrics[f"val-aux/{MIXED}/gold_reward/mean@1"] == 1.0
     assert metrics[f"val-aux/{GRADED}/gold_reward/mean@1"] == 0.0
     assert metrics[f"val-core/{PROMPTS}/reward/mean@1"] == pytest.approx(length[3])
-    assert not [key for key in metrics if "graded_reward" in key and f"/{MIXED}/" not in key]  # only where partly graded
+    assert not [key for key in metrics if "graded_" in key and f"/{MIXED}/" not in key]  # only where partly graded
     assert proxy_and_gold(metrics) == (pytest.approx((length[0] + length[2]) / 2), 0.5)

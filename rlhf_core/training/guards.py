@@ -249,25 +249,32 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
 
 
 def proxy_and_gold(metrics: Mapping[str, float]) -> tuple[float | None, float | None]:
-    """The validation's proxy reward (``val-aux/<source>/reward/mean@n``, what PPO maximises) and gold
-    reward (``val-aux/<source>/gold_reward/mean@n``, the rule), each the mean over the data sources that have a
-    gold reward, both measured on the same responses: a source whose prompts are only partly graded gives the
-    proxy of its graded ones (``graded_reward``), and a source with none graded is left out of both. (None, None)
-    unless there is such a pair (a run with a reward model and rows with a ground truth)."""
+    """The validation's proxy reward and gold reward (``val-aux/<source>/gold_reward/mean@n``, the rule), each the
+    mean over the data sources that have a gold reward, both measured on the same responses. (None, None) unless
+    there is such a pair (a run with a reward model and rows with a ground truth).
+
+    The proxy is the reward model's score (``val-aux/<source>/rm_score/mean@n``), as in Gao et al.: PPO's reward
+    adds ``reward_model.rule_coef`` times the rule's score, which falls with the gold, so a reward model rising
+    while the gold falls can leave that sum flat. Without a model score (a custom reward function reporting its
+    own gold) it is the reward, ``reward/mean@n``. A source whose prompts are only partly graded gives the proxy of
+    its graded ones (``graded_rm_score``, ``graded_reward``); a source with none graded is left out of both."""
     found: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
         if match := _VALIDATION_REWARD.fullmatch(key):
             found.setdefault(match[1], {})[match[2]] = value
-    pairs = [(source.get("graded_reward", source.get("reward")), source["gold_reward"]) for source in found.values()
-             if "gold_reward" in source]
+    pairs = [(next((source[key] for key in _PROXIES if key in source), None), source["gold_reward"])
+             for source in found.values() if "gold_reward" in source]
     pairs = [(proxy, gold) for proxy, gold in pairs if proxy is not None]
     if not pairs:
         return None, None
     return sum(p for p, _ in pairs) / len(pairs), sum(g for _, g in pairs) / len(pairs)
 
 
-#: a source's validation reward (``reward``, the proxy), its graded responses' alone and its gold reward
-_VALIDATION_REWARD = re.compile(r"val-aux/(.+)/(reward|graded_reward|gold_reward)/mean@\d+")
+#: a source's validation reward (``reward``), the reward model's score (``rm_score``), each of its graded responses
+#: alone, and its gold reward
+_VALIDATION_REWARD = re.compile(r"val-aux/(.+)/(reward|graded_reward|rm_score|graded_rm_score|gold_reward)/mean@\d+")
+#: the proxy of a source: the first of these it logs
+_PROXIES = ("graded_rm_score", "rm_score", "graded_reward", "reward")
 
 
 class OverOptimisationGuard:

@@ -105,17 +105,19 @@ def _mean(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 def graded_rewards(sources: Sequence[str], score: Sequence[float], apart: dict[tuple[str, str], list[float]],
                    n: int) -> dict[str, float]:
-    """``val-aux/<source>/graded_reward/mean@n``: the reward of a source's graded responses alone (those with a gold
-    reward), where only some of them are graded; the over-optimisation guard compares it with their gold."""
+    """``val-aux/<source>/graded_reward/mean@n`` and, with a reward model, ``graded_rm_score/mean@n``: the reward
+    and the model's score of a source's graded responses alone (those with a gold reward), where only some of them
+    are graded; the over-optimisation guard compares them with their gold."""
     metrics = {}
     for source in dict.fromkeys(sources):
         gold = apart.get(("gold_reward", source))
         if gold is None:
             continue
         scores = [value for value, of in zip(score, sources) if of == source]  # in the order gold was gathered
-        graded = [value for value, truth in zip(scores, gold, strict=True) if not math.isnan(truth)]
-        if graded and len(graded) < len(scores):
-            metrics[f"val-aux/{source}/graded_reward/mean@{n}"] = float(np.mean(graded))
+        for name, values in (("graded_reward", scores), ("graded_rm_score", apart.get(("rm_score", source), []))):
+            graded = [value for value, truth in zip(values, gold, strict=bool(values)) if not math.isnan(truth)]
+            if graded and len(graded) < len(values):
+                metrics[f"val-aux/{source}/{name}/mean@{n}"] = float(np.mean(graded))
     return metrics
 
 
@@ -498,7 +500,7 @@ class PPOTrainer:
         metrics = validation_metrics(sources, prompts, acc, score, answers)
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
-        for (key, source), values in apart.items():  # e.g. the proxy (reward) and the gold side by side
+        for (key, source), values in apart.items():  # e.g. the proxy (rm_score) and the gold side by side
             if (mean := _nanmean(values)) is not None:
                 metrics[f"val-aux/{source}/{key}/mean@{params.n}"] = mean
         metrics.update(graded_rewards(sources, score, apart, params.n))
