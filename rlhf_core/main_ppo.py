@@ -47,7 +47,7 @@ from rlhf_core.models.loading import (
     resolve,
     tokenizer_problems,
 )
-from rlhf_core.models.lora import advice, check_targets
+from rlhf_core.models.lora import target_problems
 from rlhf_core.rewards import custom_reward_fn, gsm8k, known_data_sources
 from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
@@ -279,22 +279,9 @@ def _lora_problems(cfg: PPOConfig, actor_dir: Path) -> list[str]:
     if cfg.algorithm.adv_estimator == "gae":
         adapted.append(("critic.model", critic.lora_rank, critic.target_modules, resolve(critic.path or actor_dir),
                         cfg.value("critic.model.trust_remote_code"), critic.override_config, True))
-    problems = []
-    for key, rank, targets, folder, trust, override, is_critic in adapted:
-        if rank <= 0 or not Path(folder, "config.json").is_file():
-            continue
-        found = check_targets(folder, targets, trust, dict(override), critic=is_critic)
-        if isinstance(targets, str) and found.unmatched:  # peft reads a string as one regular expression
-            plain = targets.isidentifier()
-            problems.append(
-                f"{key}.target_modules={targets}: a string is a regular expression over whole module names (such as "
-                f"model.layers.0.self_attn.q_proj) and matches no module of {folder}; "
-                + (f"for the layers named {targets}, write the list [{targets}]" if plain else advice(found.linear)))
-        elif found.unmatched:
-            problems.append(f"{key}.target_modules: {', '.join(map(str, found.unmatched))} names no module of "
-                            f"{folder} (an entry is a module's name or its last parts); {advice(found.linear)}")
-        problems.extend(f"{key}.target_modules ({folder}): {problem}" for problem in found.refusals)
-    return problems
+    return [problem for key, rank, targets, folder, trust, override, is_critic in adapted
+            if rank > 0 and Path(folder, "config.json").is_file()
+            for problem in target_problems(key, folder, targets, trust, dict(override), critic=is_critic)]
 
 
 def _runtime_problems(cfg: PPOConfig) -> list[str]:

@@ -534,3 +534,17 @@ def test_demo_run_config_resolves(repo_root):
     rm = cfg.reward_model.train
     assert rm.model.path == "outputs/toy-demo" and rm.train_batch_size == 32 and rm.optim.lr == 2e-3
     assert 0 < params["min_pair_accuracy"] <= 1
+
+
+def test_preflight_refuses_lora_targets_the_backbone_lacks_before_loading_weights(tiny, pairs_dir, tmp_path):
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    base = _overrides(tiny, pairs_dir, tmp_path / "lora", "reward_model.train.model.lora_rank=4")
+    with pytest.raises(RewardTrainingError, match=r"reward_model.train.model.target_modules: nope names no module of "
+                                                  r".*; set model.target_modules to some of its linear layers, "
+                                                  r"\[q_proj,"):
+        preflight(load_config([*base, "reward_model.train.model.target_modules=[nope]"]))
+    with pytest.raises(RewardTrainingError, match=r"target_modules=q_proj: a string is a regular expression over "
+                                                  r"whole module names .* write the list \[q_proj\]"):
+        preflight(load_config([*base, "reward_model.train.model.target_modules=q_proj"]))
+    assert preflight(load_config([*base, "reward_model.train.model.target_modules=[q_proj]"])).train

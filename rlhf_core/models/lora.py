@@ -164,6 +164,25 @@ def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_
     return TargetCheck(unmatched, refusals(wrapped, linear), linear)
 
 
+def target_problems(key: str, model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
+                    override_config: dict | None = None, critic: bool = False) -> list[str]:
+    """:func:`check_targets` said as sentences for the config section ``key`` (``actor_rollout_ref.model``, ...):
+    the targets that name no module, with the list form to write or the model's linear layers, and the adapters
+    the rollout's and the export's weights cannot hold. Empty where the targets can be trained."""
+    found = check_targets(model_dir, target_modules, trust_remote_code, override_config, critic=critic)
+    problems = []
+    if isinstance(target_modules, str) and found.unmatched:  # peft reads a string as one regular expression
+        problems.append(
+            f"{key}.target_modules={target_modules}: a string is a regular expression over whole module names (such "
+            f"as model.layers.0.self_attn.q_proj) and matches no module of {model_dir}; "
+            + (f"for the layers named {target_modules}, write the list [{target_modules}]"
+               if target_modules.isidentifier() else advice(found.linear)))
+    elif found.unmatched:
+        problems.append(f"{key}.target_modules: {', '.join(map(str, found.unmatched))} names no module of "
+                        f"{model_dir} (an entry is a module's name or its last parts); {advice(found.linear)}")
+    return problems + [f"{key}.target_modules ({model_dir}): {problem}" for problem in found.refusals]
+
+
 def trainable_names(module: torch.nn.Module) -> set[str]:
     return {name for name, param in module.named_parameters() if param.requires_grad}
 

@@ -402,6 +402,9 @@ def preflight(cfg: PPOConfig) -> Preferences:
             errors.append(f"{KEY}.max_length={rm.max_length} exceeds the max_position_embeddings of {model_path} "
                           f"({limit}): set {KEY}.max_length to at most {limit} (longer pairs lose tokens from the "
                           "left, the response's end kept)")
+        if rm.model.lora_rank > 0:  # as apply_lora takes them, before the weights load (the head trains in full)
+            errors += lora.target_problems(f"{KEY}.model", resolve(model_path), rm.model.target_modules,
+                                           rm.model.trust_remote_code, critic=True)
     except ModelError as exc:
         errors.append(str(exc))
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
