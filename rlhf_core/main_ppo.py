@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -298,6 +299,13 @@ def _runtime_problems(cfg: PPOConfig) -> list[str]:
         if package is not None and importlib.util.find_spec(package) is None:
             problems.append(f"trainer.logger includes {logger} but the {package} package is not installed: install "
                             f"it or leave {logger} out")
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" in cfg.trainer.logger and urllib.parse.urlparse(uri).scheme in ("", "file") \
+            and uri not in ("", "databricks", "databricks-uc"):  # a folder
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+            problems.append(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow refuses unless "
+                            "MLFLOW_ALLOW_FILE_STORE=true: set that, or use a database store (sqlite:///PATH/mlflow.db), "
+                            "or unset MLFLOW_TRACKING_URI for the run's own SQLite store")
     port = cfg.trainer.prometheus_port
     if port:  # (0: any free port)
         with socket.socket() as probe:
@@ -588,7 +596,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
                   file=sys.stderr)
         tracking = stack.enter_context(Tracking(
             trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
-            config=cfg.to_dict(), total_steps=trainer.total_steps, warn_thresholds=_warn_thresholds(trainer_cfg)))
+            config=cfg.to_dict(), total_steps=trainer.total_steps, warn_thresholds=_warn_thresholds(trainer_cfg),
+            resume_step=trainer.global_step if resume_from is not None else None))
         sinks = [tracking.log]
         if trainer_cfg.prometheus_port is not None:
             exporter = stack.enter_context(PrometheusExporter(

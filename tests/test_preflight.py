@@ -348,6 +348,23 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
     assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")
 
 
+@pytest.mark.parametrize("uri", ["file:/tmp/mlruns", "/tmp/mlruns", "./mlruns"])
+def test_an_mlflow_file_store_without_mlflows_permission_is_refused_before_the_weights_load(space, monkeypatch, uri):
+    """MLflow 3 refuses a folder store unless MLFLOW_ALLOW_FILE_STORE is true: it failed after the models loaded,
+    with a traceback and exit 1."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    assert _errors(_config(space, "trainer.logger=[console,mlflow]")) == [
+        f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: set "
+        "that, or use a database store (sqlite:///PATH/mlflow.db), or unset MLFLOW_TRACKING_URI for the run's own "
+        "SQLite store"]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    preflight(_config(space, "trainer.logger=[console,mlflow]"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////tmp/mlflow.db")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    preflight(_config(space, "trainer.logger=[console,mlflow]"))
+
+
 def tiny_gpt2(base: Path, target: Path) -> Path:
     """A GPT-2 (Conv1D projections, its lm_head tied to the embedding) with ``base``'s tokenizer and vocabulary."""
     from transformers import GPT2Config

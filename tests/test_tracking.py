@@ -390,3 +390,49 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
     saved = client.download_artifacts(run_id, "val_generations/step_2.json", str(tmp_path / "run" / "dl"))
     assert json.loads(Path(saved).read_text()) == SAMPLES
     assert no_network == []
+
+
+def _wandb_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        monkeypatch.setenv(var, str(tmp_path / sub))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_logs_again(
+        tmp_path, monkeypatch, no_network, sqlite_without_fsync):
+    """A run killed during step 4 (steps 1-3 logged) resumes from its step-2 checkpoint and logs 3, 4, 5: one wandb
+    run and one MLflow run hold it all, and TensorBoard shows step 3 once, as the resumed run logged it."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _wandb_offline(monkeypatch, tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    local_dir, loggers = tmp_path / "run", ["tensorboard", "wandb", "mlflow"]
+    first = Tracking(loggers, "proj", "exp", local_dir, config={"trainer": {"total_training_steps": 5}})
+    for step in (1, 2, 3):
+        first.log({"critic/score/mean": step / 10}, step=step)
+    ids = (first.backends["wandb"].wandb_run.id, first.backends["mlflow"].run_id)
+    first.finish(failed=True)
+    with Tracking(loggers, "proj", "exp", local_dir, config={"trainer": {"total_training_steps": 6}},
+                  resume_step=2) as resumed:
+        assert (resumed.backends["wandb"].wandb_run.id, resumed.backends["mlflow"].run_id) == ids
+        for step in (3, 4, 5):
+            resumed.log({"critic/score/mean": step / 10 + 0.01}, step=step)
+    client = MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert run.info.run_id == ids[1] and run.info.status == "FINISHED"
+    assert run.data.params["trainer.total_training_steps"] == "5"  # MLflow keeps a param's first value
+    assert [m.step for m in client.get_metric_history(ids[1], "critic/score/mean")] == [1, 2, 3, 3, 4, 5]
+    acc = EventAccumulator(str(local_dir / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("critic/score/mean")] == \
+        [(1, 0.1), (2, 0.2), (3, 0.31), (4, 0.41), (5, 0.51)]
+    # a new run in the same folder (not a resume) starts runs of its own
+    with Tracking(["mlflow"], "proj", "exp", local_dir) as fresh:
+        assert fresh.backends["mlflow"].run_id != ids[1]

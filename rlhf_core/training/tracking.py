@@ -156,6 +156,7 @@ def _fmt(value: float) -> str:
 
 GENERATIONS_KEY = "val/generations"
 GENERATIONS_FILENAME = "val_generations.jsonl"
+RUN_IDS_FILENAME = "tracking_runs.json"  # the wandb and MLflow run ids, for a resumed run to go on in them
 CLIP_CHARS = 200
 
 
@@ -192,6 +193,25 @@ class RunInfo:
     config: dict[str, Any]
     total_steps: int | None = None
     warn_thresholds: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: the step of the checkpoint a resumed run continues from (None: a new run); a resumed run goes on in the
+    #: wandb and MLflow runs it started (:data:`RUN_IDS_FILENAME`) and hides TensorBoard's points past this step
+    resume_step: int | None = None
+
+    def saved_run_id(self, backend: str) -> str | None:
+        """The id of the run ``backend`` logged this run into before a resume; None for a new run."""
+        path = self.local_dir / RUN_IDS_FILENAME
+        if self.resume_step is None or not path.is_file():
+            return None
+        with contextlib.suppress(ValueError, OSError):
+            return json.loads(path.read_text()).get(backend)
+        return None
+
+    def save_run_id(self, backend: str, run_id: str) -> None:
+        path = self.local_dir / RUN_IDS_FILENAME
+        ids = {}
+        with contextlib.suppress(ValueError, OSError):
+            ids = json.loads(path.read_text()) if path.is_file() else {}
+        path.write_text(json.dumps({**ids, backend: run_id}, indent=1) + "\n")
 
 
 def _missing(package: str, backend: str, pip_name: str, error: ImportError) -> ImportError:
@@ -382,7 +402,9 @@ class TensorBoardLogger(Backend):
         except ImportError as e:
             raise _missing("tensorboard", self.name, "tensorboard", e) from e
         self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run.local_dir / self.SUBDIR).expanduser()
-        self.writer = SummaryWriter(log_dir=str(self.log_dir))
+        # a resumed run logs again the steps after its checkpoint: TensorBoard hides the first attempt's from there
+        purge = run.resume_step + 1 if run.resume_step is not None else None
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         for key, value in metrics.items():
@@ -409,13 +431,16 @@ class WandbLogger(Backend):
         except ImportError as e:
             raise _missing("wandb", self.name, "wandb", e) from e
         self.mode = os.environ.get("WANDB_MODE", "offline")
+        previous = run.saved_run_id(self.name)  # a resumed run goes on in its wandb run
         self.wandb_run = wandb.init(
             project=run.project_name,
             name=run.experiment_name,
             config=run.config,
             dir=str(run.local_dir),
             mode=self.mode,
+            **({"id": previous, "resume": "allow"} if previous else {}),
         )
+        run.save_run_id(self.name, self.wandb_run.id)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.wandb_run.log(metrics, step=step)
@@ -491,8 +516,25 @@ class MlflowLogger(Backend):
             experiment_id = experiment.experiment_id
             if experiment.lifecycle_stage == "deleted":
                 self.client.restore_experiment(experiment_id)
-        self.run_id = self.client.create_run(experiment_id, run_name=run.experiment_name).info.run_id
+        self.run_id = self._resumed(run.saved_run_id(self.name), experiment_id)
+        if self.run_id is None:
+            self.run_id = self.client.create_run(experiment_id, run_name=run.experiment_name).info.run_id
+        run.save_run_id(self.name, self.run_id)
         self._log_params(flatten_dict(run.config))
+
+    def _resumed(self, run_id: str | None, experiment_id: str) -> str | None:
+        """``run_id`` (the run a resumed run logged into) set running again, where the store still holds it."""
+        if run_id is None:
+            return None
+        try:
+            found = self.client.get_run(run_id)
+        except Exception:  # noqa: BLE001 - a run the store no longer has (deleted, another store): a new run
+            return None
+        if found.info.experiment_id != experiment_id or found.info.lifecycle_stage == "deleted":
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        self._logged_params = dict(found.data.params)
+        return run_id
 
     def _unique(self, name: str, taken: set[str]) -> str:
         clean = sanitize_mlflow_name(name)
@@ -503,10 +545,13 @@ class MlflowLogger(Backend):
         return candidate
 
     def _log_params(self, params: Mapping[str, Any]) -> None:
+        """The config as params; on a resumed run only those it lacks (MLflow refuses to change a param's value, so a
+        key a resume may change, such as the run's length, keeps its first value there)."""
         taken: set[str] = set()
+        logged = getattr(self, "_logged_params", {})
         entries = [
-            self._Param(self._unique(key, taken), str(value)[: self.MAX_PARAM_VALUE])
-            for key, value in params.items()
+            self._Param(name, str(value)[: self.MAX_PARAM_VALUE])
+            for key, value in params.items() if (name := self._unique(key, taken)) not in logged
         ]
         for i in range(0, len(entries), self.PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=entries[i : i + self.PARAMS_PER_BATCH])
@@ -557,6 +602,7 @@ class Tracking:
         config: dict | None = None,
         total_steps: int | None = None,
         warn_thresholds: dict | None = None,
+        resume_step: int | None = None,
     ) -> None:
         names = [loggers] if isinstance(loggers, str) else list(loggers)
         unknown = [n for n in names if n not in BACKENDS]
@@ -589,6 +635,7 @@ class Tracking:
             config=_config_dict(config),
             total_steps=int(total_steps) if total_steps is not None else None,
             warn_thresholds=thresholds,
+            resume_step=resume_step,
         )
         self.backends: dict[str, Backend] = {}
         self._skipped: set[str] = set()
