@@ -596,7 +596,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
                   file=sys.stderr)
         tracking = stack.enter_context(Tracking(
             trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
-            config=cfg.to_dict(), total_steps=trainer.total_steps, warn_thresholds=_warn_thresholds(trainer_cfg),
+            config=cfg.to_dict(), total_steps=None if trainer_cfg.val_only else trainer.total_steps,  # (no bar)
+            warn_thresholds=_warn_thresholds(trainer_cfg),
             resume_step=trainer.global_step if resume_from is not None else None))
         sinks = [tracking.log]
         if trainer_cfg.prometheus_port is not None:

@@ -371,8 +371,9 @@ def test_val_only_validates_and_stops_without_training_or_saving(workspace, caps
     root, model, _ = workspace
     out = root / "val_only"
     code = ppo(_overrides(root, model, "trainer.val_only=true", f"trainer.default_local_dir={out}",
-                           "trainer.logger=[file]", "trainer.log_val_generations=2"))
+                           "trainer.logger=[console,file]", "trainer.log_val_generations=2"))
     assert code == 0
+    assert "training" not in capsys.readouterr().err  # no training progress bar for a run that trains nothing
     [record] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert record["step"] == 0 and "val-core/synthetic/arithmetic/acc/mean@1" in record
     assert not any(key.startswith("actor/") for key in record)
