@@ -713,3 +713,11 @@ def test_a_resume_knows_the_model_by_its_content_not_by_how_its_path_is_written(
     with pytest.raises(CheckpointError, match=f"{other} is not the model the checkpoint was trained from, "
                                               rf"{model.resolve()} \(.*model.safetensors.* differ\)"):
         checkpoint.check_config(ckpt, load_config(base + [f"actor_rollout_ref.model.path={other}"]))
+
+
+def test_two_model_paths_that_name_no_folder_are_told_apart_by_their_paths():
+    key = "actor_rollout_ref.model.path"
+    saved = {key: {"path": "/models/a", "files": None}}
+    assert checkpoint._model_problems(saved, {key: {"path": "/models/a", "files": None}}) == []
+    assert checkpoint._model_problems(saved, {key: {"path": "/models/b", "files": None}}) == [
+        f"{key}: /models/b is not a model folder (the checkpoint was trained from /models/a)"]

@@ -846,8 +846,8 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[st
     differing: dict[tuple[str, str, str], list[str]] = {}
     for key, then in saved.items():
         now = current.get(key)
-        if now is None or now["files"] == then["files"]:
-            continue
+        if now is None or now["files"] == then["files"] and (now["files"] is not None or now["path"] == then["path"]):
+            continue  # (two paths that name no folder are told apart by the paths themselves)
         if now["files"] is None:
             what = f"{now['path']} is not a model folder (the checkpoint was trained from {then['path']})"
         else:
