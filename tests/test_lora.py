@@ -168,3 +168,32 @@ def test_an_adapted_output_head_of_its_own_is_exported_with_its_adapter(tmp_path
         torch.testing.assert_close(torch.log_softmax(exported(input_ids=input_ids).logits, dim=-1), expected,
                                    rtol=1e-4, atol=1e-5)
     assert (expected - base).abs().max() > 1e-2  # the adapters did change the policy
+
+
+def test_targets_are_checked_in_the_form_the_model_trains_in_and_a_form_it_lacks_is_left_to_the_load(tmp_path):
+    """OLMo2 has a sequence-classification class (a reward model) but no token-classification one (a critic): the
+    reward model's check must build the former (it built the latter and failed with transformers' ValueError)."""
+    from transformers import Olmo2Config
+
+    from rlhf_core.models.lora import check_targets, target_problems
+
+    Olmo2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, eos_token_id=1, pad_token_id=0).save_pretrained(tmp_path)
+    assert target_problems("reward_model.train.model", tmp_path, ["q_proj"], scorer=True) == []
+    [problem] = target_problems("reward_model.train.model", tmp_path, ["qproj"], scorer=True)
+    assert problem.startswith(f"reward_model.train.model.target_modules: qproj names no module of {tmp_path}")
+    assert "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]" in problem  # the score head is not offered
+    found = check_targets(tmp_path, ["q_proj"], critic=True)  # no token-classification OLMo2: nothing to say here
+    assert (found.unmatched, found.refusals, found.linear) == ([], [], [])
+
+
+def test_a_misspelled_string_target_is_not_told_to_become_a_list_of_itself(tmp_path):
+    from rlhf_core.models.lora import target_problems
+
+    model = random_toy_model(tmp_path / "m", n_layers=1, hidden_size=32, max_position_embeddings=64, seed=0)
+    [plain] = target_problems("actor_rollout_ref.model", model, "q_proj")
+    assert plain.endswith("for the layers named q_proj, write the list [q_proj]")
+    [misspelled] = target_problems("actor_rollout_ref.model", model, "qproj")
+    assert "write the list [qproj]" not in misspelled
+    assert misspelled.endswith("set model.target_modules to some of its linear layers, "
+                               "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj], or all-linear")

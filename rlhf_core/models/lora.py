@@ -130,22 +130,35 @@ class TargetCheck:
 
 
 def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
-                  override_config: dict | None = None, critic: bool = False) -> TargetCheck:
+                  override_config: dict | None = None, critic: bool = False, scorer: bool = False) -> TargetCheck:
     """LoRA's ``target_modules`` on the model in ``model_dir`` as :func:`apply_lora` would take them, before any
-    weight is read: the model (a critic's: its token-classification form) is built and wrapped on the meta device.
+    weight is read: the model is built and wrapped on the meta device, in the form it trains in (a critic's
+    token-classification form; with ``scorer``, a reward model's sequence-classification form, its head out of
+    the adapters as a critic's). A model transformers cannot build in that form is left to the load to report
+    (nothing found here).
 
     peft matches a list's entries against a module's name or its last parts, a string as a regular expression
     over whole names, and ``all-linear`` as every linear layer but the output head."""
     from peft import LoraConfig, get_peft_model
     from peft.tuners.tuners_utils import check_target_module_exists
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
 
+    critic = critic or scorer
     extra = {"num_labels": 1} if critic else {}
     config = AutoConfig.from_pretrained(str(Path(model_dir).expanduser()), trust_remote_code=trust_remote_code,
                                         **extra, **(override_config or {}))
-    with torch.device("meta"):
-        auto = AutoModelForTokenClassification if critic else AutoModelForCausalLM
-        model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    auto = AutoModelForSequenceClassification if scorer else AutoModelForTokenClassification if critic \
+        else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            model = auto.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError:  # e.g. no token-classification class for this architecture: the load says so itself
+        return TargetCheck([], [], [])
     linear = adaptable_linear_names(model)
     unmatched = []
     if target_modules != "all-linear":
@@ -165,18 +178,18 @@ def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_
 
 
 def target_problems(key: str, model_dir: str | Path, target_modules: str | list[str], trust_remote_code: bool = False,
-                    override_config: dict | None = None, critic: bool = False) -> list[str]:
+                    override_config: dict | None = None, critic: bool = False, scorer: bool = False) -> list[str]:
     """:func:`check_targets` said as sentences for the config section ``key`` (``actor_rollout_ref.model``, ...):
     the targets that name no module, with the list form to write or the model's linear layers, and the adapters
     the rollout's and the export's weights cannot hold. Empty where the targets can be trained."""
-    found = check_targets(model_dir, target_modules, trust_remote_code, override_config, critic=critic)
+    found = check_targets(model_dir, target_modules, trust_remote_code, override_config, critic=critic, scorer=scorer)
     problems = []
     if isinstance(target_modules, str) and found.unmatched:  # peft reads a string as one regular expression
         problems.append(
             f"{key}.target_modules={target_modules}: a string is a regular expression over whole module names (such "
             f"as model.layers.0.self_attn.q_proj) and matches no module of {model_dir}; "
             + (f"for the layers named {target_modules}, write the list [{target_modules}]"
-               if target_modules.isidentifier() else advice(found.linear)))
+               if target_modules in found.linear else advice(found.linear)))
     elif found.unmatched:
         problems.append(f"{key}.target_modules: {', '.join(map(str, found.unmatched))} names no module of "
                         f"{model_dir} (an entry is a module's name or its last parts); {advice(found.linear)}")

@@ -404,7 +404,7 @@ def preflight(cfg: PPOConfig) -> Preferences:
                           "left, the response's end kept)")
         if rm.model.lora_rank > 0:  # as apply_lora takes them, before the weights load (the head trains in full)
             errors += lora.target_problems(f"{KEY}.model", resolve(model_path), rm.model.target_modules,
-                                           rm.model.trust_remote_code, critic=True)
+                                           rm.model.trust_remote_code, scorer=True)
     except ModelError as exc:
         errors.append(str(exc))
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
