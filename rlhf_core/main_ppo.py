@@ -79,7 +79,8 @@ class PreflightError(ValueError):
 class _SourceScan:
     """What preflight reads of a data key's files: the data sources of the rows with a ground truth and of all
     rows, the rows without a ground truth, and (``file row N: reason``, a few) rows without a data source and
-    rows whose ground truth no response can match under the built-in rule (:func:`gsm8k.unanswerable`)."""
+    rows whose ground truth a right answer, written as numbers are, cannot match under the built-in
+    rule (:func:`gsm8k.unanswerable`)."""
 
     graded: set[str] = field(default_factory=set)
     every: set[str] = field(default_factory=set)
@@ -235,7 +236,7 @@ def preflight(cfg: PPOConfig) -> None:
                     f"{', '.join(known_data_sources())}); set custom_reward_function.path and .name")
             rule_rows = [row for source, rows in sorted(scan.unanswerable.items()) if source in known for row in rows]
             if rule_rows and not custom.path:
-                errors.append(f"{key}: ground truths no response can match under the built-in rule reward: "
+                errors.append(f"{key}: ground truths a right answer cannot match under the built-in rule reward: "
                               f"{'; '.join(rule_rows[:3])}")
             groups = cfg.algorithm.filter_groups
             if key == "data.train_files" and without and groups.enable and groups.metric == "acc" \

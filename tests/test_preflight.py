@@ -434,9 +434,11 @@ def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_name
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
     assert errors == [
         f"data.train_files: rows without a data_source (the reward is routed by it): {path} row 5",
-        f"data.train_files: ground truths no response can match under the built-in rule reward: {path} row 0: "
-        f"\"['4']\" is not a number: the rule reads the number after '#### '; {path} row 1: 'four' is not a "
-        f"number: the rule reads the number after '#### '; {path} row 2: '4.0' is an integer written with a "
+        f"data.train_files: ground truths a right answer cannot match under the built-in rule reward: {path} row 0: "
+        f"\"['4']\" is not a number as answers write them (digits, a leading minus or $, thousands commas, "
+        f"decimals: e.g. 0.5, not .5): the rule compares the text after '#### ' with it; {path} row 1: 'four' is "
+        f"not a number as answers write them (digits, a leading minus or $, thousands commas, decimals: e.g. 0.5, "
+        f"not .5): the rule compares the text after '#### ' with it; {path} row 2: '4.0' is an integer written with a "
         "fraction of zeros: responses answering '#### 4' score 0 (the rule compares strings); store it as '4'"]
     # a custom reward function reads the ground truths its own way
     reward = tmp_path / "reward.py"
@@ -461,7 +463,7 @@ def test_a_float32_ground_truth_field_with_fractions_is_refused(space, tmp_path)
     path = tmp_path / "train.parquet"
     pq.write_table(table, path)
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
-    assert errors == [f"data.train_files: ground truths no response can match under the built-in rule reward: "
+    assert errors == [f"data.train_files: ground truths a right answer cannot match under the built-in rule reward: "
                       f"{path} row 0: 0.10000000149011612 is a float32 field's value read back as a double, which no "
                       "answer matches; store the ground truths as text (or float64)"]
     pq.write_table(table.set_column(table.schema.get_field_index("reward_model"), "reward_model", pa.array(

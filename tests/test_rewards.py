@@ -134,26 +134,31 @@ def test_a_ground_truth_is_cleaned_as_the_answer_is_and_a_stored_number_read_as_
         assert compute_score(answer, truth) == 0.0, (answer, truth)
 
 
-@pytest.mark.parametrize("truth, reason", [
-    ("18", None), ("1,000", None), ("$12", None), ("-3", None), ("2.5", None), ("2.50", None), (18.0, None),
-    (np.float32(0.1), None), (b"7", None), (Decimal("1.5"), None),
-    (Decimal("18.0"), "'18.0' is an integer written with a fraction of zeros"),  # a decimal128 column's scale
-    ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0"),
-    ("18.", "'18.' is an integer written with a fraction of zeros"),
-    (".5", "'.5' is not a number"), ("1.2.3", "'1.2.3' is not a number"), (float("nan"), "'nan' is not a number"),
-    ("four", "'four' is not a number"), ("", "'' is not a number"), ("12 apples", "'12 apples' is not a number"),
-    (["4"], "a list (['4']), not a number or the text of one"), (True, "a bool (True), not a number"),
-    ({"answer": "4"}, "a dict ({'answer': '4'}), not a number"),
+NOT_AS_WRITTEN = "is not a number as answers write them"
+
+
+# (ground truth, why a right answer written as numbers are fails to match it, and that right answer)
+@pytest.mark.parametrize("truth, reason, right", [
+    ("18", None, "18"), ("1,000", None, "1000"), ("$12", None, "12"), ("-$12", None, "-12"), ("-3", None, "-3"),
+    ("2.5", None, "2.5"), ("2.50", None, "2.50"), (18.0, None, "18"), (np.float32(0.1), None, "0.1"),
+    (b"7", None, "7"), (Decimal("1.5"), None, "1.5"),
+    (Decimal("18.0"), "'18.0' is an integer written with a fraction of zeros", "18"),  # a decimal128's scale
+    ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0", "18"),
+    ("18.", "'18.' is an integer written with a fraction of zeros", "18"),
+    (".5", f"'.5' {NOT_AS_WRITTEN}", "0.5"), ("12$", None, "12"),
+    ("1.2.3", f"'1.2.3' {NOT_AS_WRITTEN}", None), (float("nan"), f"'nan' {NOT_AS_WRITTEN}", None),
+    ("four", f"'four' {NOT_AS_WRITTEN}", "4"), ("", f"'' {NOT_AS_WRITTEN}", None),
+    ("12 apples", f"'12 apples' {NOT_AS_WRITTEN}", "12"),
+    (["4"], "a list (['4']), not a number or the text of one", None), (True, "a bool (True), not a number", None),
+    ({"answer": "4"}, "a dict ({'answer': '4'}), not a number", None),
 ])
-def test_a_ground_truth_no_response_can_match_says_why(truth, reason):
+def test_a_ground_truth_a_right_answer_cannot_match_says_why(truth, reason, right):
     from rlhf_core.rewards.gsm8k import unanswerable
 
     found = unanswerable(truth)
     assert found == reason if reason is None else found.startswith(reason), found
-    if reason is None:  # and the rule does match it: a response answering it as written scores
-        written = truth.decode() if isinstance(truth, bytes) else str(truth)
-        answer = "18" if truth == 18.0 else "0.1" if isinstance(truth, np.float32) else written.replace("$", "")
-        assert compute_score(f"#### {answer}", truth) == 1.0, truth
+    if right is not None and not isinstance(truth, (list, dict, bool)):  # the right answer, as a response writes it
+        assert compute_score(f"The answer is {right}.\n#### {right}", truth) == (1.0 if reason is None else 0.0), truth
 
 
 def test_unknown_method_is_rejected():

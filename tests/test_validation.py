@@ -908,16 +908,19 @@ def test_a_bad_row_of_the_second_file_is_named_by_its_file_and_row(tmp_path):
     assert "    row 0: '12 apples'" in single.summary().splitlines()
 
 
-def test_the_ground_truth_check_passes_exactly_the_texts_the_gsm8k_rule_can_match(tmp_path):
+def test_the_ground_truth_check_passes_exactly_the_texts_a_right_answer_matches(tmp_path):
     from rlhf_core.rewards.gsm8k import compute_score, unanswerable
 
-    # (stored ground truth, a response's answer that scores it, or None where no answer can)
-    cases = [("$12", "12"), ("1,000", "1000"), (" 7 ", "7"), ("2.5", "2.5"), ("-3", "-3"),
-             ("4.0", None), (".5", None), ("1.2.3", None), ("12 apples", None)]
-    for truth, answer in cases:  # what the rule itself does with each, worked out by hand above
-        assert (compute_score(f"#### {answer}", truth) == 1.0) if answer else unanswerable(truth), truth
+    # (stored ground truth, the right answer as a response writes numbers (None: it is no number), and whether
+    # the rule scores that answer)
+    cases = [("$12", "12", True), ("1,000", "1000", True), (" 7 ", "7", True), ("2.5", "2.5", True),
+             ("-3", "-3", True), ("4.0", "4", False), (".5", "0.5", False), ("1.2.3", None, False),
+             ("12 apples", "12", False)]
+    for truth, answer, scores in cases:  # what the rule itself does with each, worked out by hand above
+        assert answer is None or compute_score(f"#### {answer}", truth) == (1.0 if scores else 0.0), truth
+        assert (unanswerable(truth) is None) == scores, truth
     rows = records(len(cases))
-    for row, (truth, _) in zip(rows, cases):
+    for row, (truth, _, _) in zip(rows, cases):
         row["reward_model"]["ground_truth"] = truth
     report = validate_dataset(write(tmp_path / "train.parquet", rows))
     [check] = report.failures  # the rows whose answer no response can give, and nothing else

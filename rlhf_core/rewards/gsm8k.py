@@ -14,7 +14,8 @@ ground truth stored as a number (a numeric parquet column) is written as the num
 and without an exponent: ``18.0`` as ``18``, a numpy float32 ``0.1`` as ``0.1``, ``1e-05`` as ``0.00001`` (a
 float32 parquet field reads back as a double, ``0.10000000149011612``, which no answer matches: preflight refuses
 such values).
-:func:`unanswerable` says why no response can match a ground truth (a list, a word, ``"18.0"``).
+:func:`unanswerable` says why a right answer, written as numbers are, cannot match a ground truth (a list, a
+word, ``"18.0"``).
 """
 
 from __future__ import annotations
@@ -68,32 +69,34 @@ def expected_answer(ground_truth) -> str:
     return _clean(str(ground_truth).strip())
 
 
-# The text of a ground truth the rule can match, as stored: an optional dollar sign and minus, digits with
-# thousands commas, and decimals with a digit other than 0 (an integer as "4.0" matches no "#### 4": the rule
-# compares strings). The data validation checks stored text with this pattern too.
-ANSWERABLE_TEXT = r"^\s*\$?-?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\s*$"
+# A ground truth's text as the rule's answers are written: a number of digits, with a minus and a dollar sign
+# where it has them, thousands commas, and decimals ending in a digit other than 0. Other text ("4.0", ".5",
+# "12 apples") either matches no answer or only one written as oddly ("#### 4.0", "#### .5"), which a right
+# response rarely is: the rule compares strings. The data validation checks stored text with this pattern too.
+ANSWERABLE_TEXT = r"^\s*(?:-\$?|\$-?)?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\$?\s*$"
 _ANSWERABLE = re.compile(ANSWERABLE_TEXT)
 _ZERO_FRACTION = re.compile(r"-?[0-9]+\.0*")
 
 
 def unanswerable(ground_truth) -> str | None:
-    """Why no response earns the rule's score against ``ground_truth``, or None where one can: a ground truth
-    that is not a number or text of the form :data:`ANSWERABLE_TEXT` (a list, a word, an empty string), or an
-    integer written with a fraction of zeros (``"18.0"``, what a float column turned to text gives), which the
-    rule, comparing strings, matches only to a response that writes the ``.0`` too."""
+    """Why a right response, its answer written as numbers are (``#### 18``, ``#### 0.5``), would not earn the
+    rule's score against ``ground_truth``, or None where it would: a ground truth that is not a number or text of
+    the form :data:`ANSWERABLE_TEXT` (a list, a word, ``".5"``), or an integer written with a fraction of zeros
+    (``"18.0"``, what a float column turned to text gives)."""
     if isinstance(ground_truth, (bool, np.bool_)) or not isinstance(ground_truth, (str, bytes, numbers.Real,
                                                                                  decimal.Decimal)):
         return f"a {type(ground_truth).__name__} ({ground_truth!r:.40}), not a number or the text of one"
     answer = expected_answer(ground_truth)  # a number written as the rule writes it; text cleaned
-    if isinstance(ground_truth, bytes):
-        ground_truth = ground_truth.decode()
-    if _ANSWERABLE.match(answer if isinstance(ground_truth, numbers.Real) else str(ground_truth)):
+    text = answer if isinstance(ground_truth, numbers.Real) else (
+        ground_truth.decode() if isinstance(ground_truth, bytes) else str(ground_truth))
+    if _ANSWERABLE.match(text):
         return None
     if _ZERO_FRACTION.fullmatch(answer):
-        return (f"{answer!r} is an integer written with a fraction of zeros: responses answering "
+        return (f"{text.strip()!r} is an integer written with a fraction of zeros: responses answering "
                 f"'#### {answer.split('.')[0]}' score 0 (the rule compares strings); store it as "
                 f"{answer.split('.')[0]!r}")
-    return f"{answer!r} is not a number: the rule reads the number after '#### '"
+    return (f"{text.strip()!r} is not a number as answers write them (digits, a leading minus or $, thousands "
+            "commas, decimals: e.g. 0.5, not .5): the rule compares the text after '#### ' with it")
 
 
 def compute_score(
