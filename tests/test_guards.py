@@ -4,6 +4,7 @@ absurd learning rate, a validation collapse) with the rollback checked against t
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -429,3 +430,20 @@ def test_a_rollback_refuses_a_checkpoint_saved_with_another_training_config(work
     other = make_trainer(workspace, out, "trainer.total_training_steps=2", "algorithm.lam=0.5")
     with pytest.raises(checkpoint.CheckpointError, match="algorithm.lam"):
         checkpoint.restore_weights(other, out / "global_step_1")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_relative_checkpoint_folder_resumed_by_its_absolute_path_is_one_folder(workspace, tmp_path, monkeypatch):
+    """default_local_dir=run (relative) resumed with resume_from_path=<absolute>/run/global_step_2: a stop at step 3
+    restores global_step_1 of that one folder and marks it latest (it was taken for another folder)."""
+    monkeypatch.chdir(tmp_path)
+    make_trainer(workspace, Path("run"), "trainer.total_training_steps=2", "trainer.save_freq=1").fit()
+    resumed = make_trainer(workspace, Path("run"), "trainer.total_training_steps=4", "trainer.save_freq=1",
+                           "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={tmp_path / 'run' / 'global_step_2'}")
+    resumed.load_checkpoint(tmp_path / "run" / "global_step_2")
+    resumed.global_step = 3
+    resumed.save_checkpoint()
+    with pytest.raises(GuardError, match="and marked it latest"):
+        resumed.apply_guard_event(GuardEvent("kl_explosion", "stop", 1, "KL too high"))
+    assert checkpoint.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "global_step_1"

@@ -343,6 +343,3 @@ class OverOptimisationGuard:
         self.best_gold, self.best_proxy = state.get("best_gold"), state.get("best_proxy")
         self.best_step = state.get("best_step")
         self.rollbacks = int(state.get("rollbacks", 0))
-        # the steps this run saved before (older checkpoints have no list: none of their folder's is taken on
-        # trust, as another run's may lie beside them)
-        self.saved = [int(s) for s in state.get("saved", [])]

@@ -566,7 +566,7 @@ class PPOTrainer:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
         self.guard.on_checkpoint(self.global_step)
-        self.anchor_folders[self.global_step] = self.checkpoint_dir
+        self.anchor_folders[self.global_step] = self.checkpoint_dir.absolute()
         return path
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -581,7 +581,7 @@ class PPOTrainer:
         earlier = [step for step in self.guard.saved if step < self.global_step
                    and checkpoint.holds_parts(checkpoint.step_dir(path.parent, step), self.workers())]
         self.guard.saved = earlier + [self.global_step]
-        self.anchor_folders = dict.fromkeys(self.guard.saved, path.parent)
+        self.anchor_folders = dict.fromkeys(self.guard.saved, path.parent.absolute())  # (as saves record theirs)
 
     def _skipped_total(self) -> int:
         return self.actor.skipped_steps + (self.critic.skipped_steps if self.critic else 0)
@@ -590,12 +590,12 @@ class PPOTrainer:
         """Carry out a guard's event: restore its checkpoint, then stop (GuardError) or adjust and go on."""
         restored = None
         if event.target_step is not None:
-            folder = self.anchor_folders.get(event.target_step, self.checkpoint_dir)
+            folder = self.anchor_folders.get(event.target_step, self.checkpoint_dir.absolute())
             restored = checkpoint.step_dir(folder, event.target_step)
             checkpoint.restore_weights(self, restored)
             self.guard.on_restore(event.target_step)
         if event.action == "stop":
-            if restored is not None and restored.parent == self.checkpoint_dir:
+            if restored is not None and restored.parent == self.checkpoint_dir.absolute():
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
                 where = (f"restored {restored} and marked it latest: fix the cause, then {self.rerun_advice} to "
                          "resume from it")
