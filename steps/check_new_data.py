@@ -14,7 +14,14 @@ from zenml.utils.pagination_utils import depaginate
 
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import DataReadError, fingerprint
-from rlhf_core.pipeline.promotion import changed_since, check_gate, clears_gate, config_fingerprint
+from rlhf_core.pipeline.promotion import (
+    TRAINING_FINGERPRINTS,
+    changed_since,
+    check_gate,
+    clears_gate,
+    config_fingerprint,
+    unrecorded,
+)
 
 __all__ = ["check_new_data", "config_fingerprint", "gate", "refused_before"]
 
@@ -107,8 +114,12 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
     trained_on = production.run_metadata.get("dataset_fingerprint")
     same_data = trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint())
     if same_data and not changed_since(production.run_metadata, config_sha256, reward_sha256):
-        return (f"the data, trainer config and reward are unchanged since production version {production.name} was "
-                f"trained (dataset fingerprint {dataset_fingerprint[:16]}...); {FORCE_HINT}"), production, None
+        unknown = unrecorded(production.run_metadata)
+        *others, last = ["data"] + [what for what, _ in TRAINING_FINGERPRINTS if what not in unknown]
+        compared = f"the {', '.join(others)} and {last} are" if others else f"the {last} is"
+        unseen = f"; it recorded no {' or '.join(unknown)} fingerprint to compare with" if unknown else ""
+        return (f"{compared} unchanged since production version {production.name} was trained (dataset fingerprint "
+                f"{dataset_fingerprint[:16]}...{unseen}); {FORCE_HINT}"), production, None
     refused = refused_before(client, model_name, production, dataset_fingerprint, config_sha256, reward_sha256,
                              min_improvement, alpha, exclude, evaluation)
     if refused is not None:

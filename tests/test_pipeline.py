@@ -521,8 +521,7 @@ def test_gate_skips_training_that_a_refused_version_already_did(caplog):
     moved = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": "b/train.parquet"}}
     assert _gate(model, b, moved)[2] == "2"
     assert _gate(model, c) == ("", "1", None)  # other data: train
-    assert _gate(model, a)[0].startswith("the data, trainer config and reward are unchanged since production "
-                                          "version 1")
+    assert _gate(model, a)[0].startswith("the data is unchanged since production version 1")  # (no fingerprints)
 
 
 def test_gate_retrains_when_production_config_or_reward_changed():
@@ -560,7 +559,9 @@ def test_gate_retrains_on_unchanged_data_when_the_config_or_reward_changed_since
     assert _gate(model, a, reseeded)[2] == "2"
     # a production version that recorded no config fingerprint (made before versions kept it): the data decides
     _add_version("gate-same-data-older", production=True, promoted=True, dataset_fingerprint=a)
-    assert _gate("gate-same-data-older", a, reseeded)[0].startswith("the data, trainer config and reward are unchanged")
+    older = _gate("gate-same-data-older", a, reseeded)[0]
+    assert older.startswith("the data is unchanged since production version 1 was trained (dataset fingerprint")
+    assert "; it recorded no trainer config or reward fingerprint to compare with)" in older
 
 
 def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_told_apart(tmp_path):
@@ -581,17 +582,15 @@ def test_gate_takes_a_production_fingerprint_recorded_before_the_splits_were_tol
         return gate(zenml_client(), model, dataset_fingerprint, config_fingerprint(GATE_CONFIG), GATE_REWARD,
                     evaluation=GATE_EVALUATION, whole_fingerprint=lambda: fingerprint([train, val]))[0]
 
-    assert reason(splits_fingerprint(train, val)).startswith(
-        "the data, trainer config and reward are unchanged since production version 1")
+    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 1")
     # the step reads the files its config names
     config = {**GATE_CONFIG, "data": {**GATE_CONFIG["data"], "train_files": str(train), "val_files": [str(val)]}}
     run = _gate_pipeline().with_options(model=Model(name=model))(
         dataset_fingerprint=splits_fingerprint(train, val), ppo_config=config, reward_spec={"sha256": GATE_REWARD})
     skipped = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].outputs["skip_reason"][0].load()
-    assert skipped.startswith("the data, trainer config and reward are unchanged since production version 1"), skipped
+    assert skipped.startswith("the data is unchanged since production version 1"), skipped
     _add_version(model, production=True, promoted=True, dataset_fingerprint=splits_fingerprint(train, val))  # v3
-    assert reason(splits_fingerprint(train, val)).startswith(
-        "the data, trainer config and reward are unchanged since production version 3")
+    assert reason(splits_fingerprint(train, val)).startswith("the data is unchanged since production version 3")
     assert reason(splits_fingerprint(val, train)) == ""  # swapped: other training data
 
 

@@ -112,11 +112,22 @@ def config_fingerprint(ppo_config: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: what a training is besides its data, and the key of its fingerprint on a model version
+TRAINING_FINGERPRINTS = (("trainer config", "config_fingerprint"), ("reward", "reward_sha256"))
+
+
 def changed_since(production_metadata: Mapping[str, Any], config_sha256: str, reward_sha256: str | None) -> list[str]:
     """What of this training differs from the one production recorded: ``"trainer config"``, ``"reward"`` (a
-    version that recorded no fingerprint of one, made before versions kept it, is taken as unchanged in it)."""
-    recorded = (("trainer config", "config_fingerprint", config_sha256), ("reward", "reward_sha256", reward_sha256))
-    return [what for what, key, now in recorded if key in production_metadata and production_metadata[key] != now]
+    version that recorded no fingerprint of one, made before versions kept it, is taken as unchanged in it:
+    :func:`unrecorded` names those)."""
+    now = dict(zip((key for _, key in TRAINING_FINGERPRINTS), (config_sha256, reward_sha256), strict=True))
+    return [what for what, key in TRAINING_FINGERPRINTS
+            if key in production_metadata and production_metadata[key] != now[key]]
+
+
+def unrecorded(production_metadata: Mapping[str, Any]) -> list[str]:
+    """What of its training a version recorded no fingerprint of (:data:`TRAINING_FINGERPRINTS`)."""
+    return [what for what, key in TRAINING_FINGERPRINTS if key not in production_metadata]
 
 
 def scoring_settings(reward_sha256: str, data: Any, **how_run: Any) -> dict[str, Any]:
