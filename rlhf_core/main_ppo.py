@@ -25,7 +25,6 @@ import socket
 import sys
 import threading
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -293,20 +292,14 @@ def _runtime_problems(cfg: PPOConfig) -> list[str]:
     if cfg.actor_rollout_ref.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("actor_rollout_ref.rollout.name=vllm but vllm is not installed (pip install -e '.[gpu]' on "
                         "a CUDA machine), or use rollout.name=hf")
-    from rlhf_core.training.tracking import LOGGER_PACKAGES
+    from rlhf_core.training.tracking import LOGGER_PACKAGES, store_problems
 
     for logger in cfg.trainer.logger:
         package = LOGGER_PACKAGES.get(logger)
         if package is not None and importlib.util.find_spec(package) is None:
             problems.append(f"trainer.logger includes {logger} but the {package} package is not installed: install "
                             f"it or leave {logger} out")
-    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if "mlflow" in cfg.trainer.logger and urllib.parse.urlparse(uri).scheme in ("", "file") \
-            and uri not in ("", "databricks", "databricks-uc"):  # a folder
-        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
-            problems.append(f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow refuses unless "
-                            "MLFLOW_ALLOW_FILE_STORE=true: set that, or use a database store (sqlite:///PATH/mlflow.db), "
-                            "or unset MLFLOW_TRACKING_URI for the run's own SQLite store")
+    problems += store_problems(cfg.trainer.logger)
     port = cfg.trainer.prometheus_port
     if port:  # (0: any free port)
         with socket.socket() as probe:

@@ -548,3 +548,32 @@ def test_preflight_refuses_lora_targets_the_backbone_lacks_before_loading_weight
                                                   r"whole module names .* write the list \[q_proj\]"):
         preflight(load_config([*base, "reward_model.train.model.target_modules=q_proj"]))
     assert preflight(load_config([*base, "reward_model.train.model.target_modules=[q_proj]"])).train
+
+
+def test_a_resumed_reward_model_run_goes_on_in_its_tracking_runs(tiny, pairs_dir, tmp_path, monkeypatch):
+    """rlhf-train-rm hands the step it resumes from to its loggers (a new wandb and MLflow run each time, else)."""
+    from rlhf_core.cli import train as cli_train
+    from rlhf_core.training import tracking
+
+    seen = []
+
+    class Recording(tracking.Tracking):
+        def __init__(self, *args, resume_step=None, **kwargs):
+            seen.append(resume_step)
+            super().__init__(*args, resume_step=resume_step, **kwargs)
+
+    monkeypatch.setattr(tracking, "Tracking", Recording)
+    args = _overrides(tiny, pairs_dir, tmp_path / "rm", "trainer.logger=[console,tensorboard]")
+    assert cli_train.train_rm([*args, "reward_model.train.total_epochs=1"]) == 0
+    done = ckpt.step_of(ckpt.latest_checkpoint(tmp_path / "rm"))
+    assert cli_train.train_rm([*args, "reward_model.train.total_epochs=2"]) == 0
+    assert seen == [None, done] and done > 0
+
+
+def test_an_mlflow_file_store_is_refused_before_the_reward_model_loads(tiny, pairs_dir, tmp_path, monkeypatch):
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", str(tmp_path / "mlruns"))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(RewardTrainingError, match=f"MLFLOW_TRACKING_URI={tmp_path / 'mlruns'} is a file store"):
+        preflight(load_config(_overrides(tiny, pairs_dir, tmp_path / "rm", "trainer.logger=[console,mlflow]")))

@@ -66,6 +66,7 @@ from rlhf_core.models.loading import (
 from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.guards import TrainingInterrupted
+from rlhf_core.training.tracking import store_problems
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     CheckpointableWorker,
@@ -409,6 +410,7 @@ def preflight(cfg: PPOConfig) -> Preferences:
         errors.append(str(exc))
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
+    errors += store_problems(cfg.trainer.logger)
     out = resolve(rm.default_local_dir)
     existing = _nearest_existing(out.absolute())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
@@ -636,7 +638,9 @@ class RewardModelTrainer:
         """``global_step_N`` written into a temp directory, renamed into place, then marked latest."""
         return ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
 
-    def _resume_path(self) -> Path | None:
+    def resume_path(self) -> Path | None:
+        """The checkpoint :meth:`fit` resumes from (None: it starts afresh); CheckpointError where auto finds
+        checkpoints without a latest marker."""
         rm = self.rm
         if rm.resume_mode == "disable":
             return None
@@ -661,7 +665,7 @@ class RewardModelTrainer:
                                        f"{KEY}.default_local_dir")
 
     def resume(self) -> None:
-        path = self._resume_path()
+        path = self.resume_path()
         if path is None:
             return
         try:

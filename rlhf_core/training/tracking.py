@@ -48,6 +48,7 @@ import os
 import re
 import sys
 import time
+import urllib.parse
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -471,6 +472,20 @@ def sanitize_mlflow_name(name: str) -> str:
     parts = [p for p in name.split("/") if p]
     parts = ["_" * len(p) if p in (".", "..") else p for p in parts]
     return "/".join(parts)[:250].rstrip("/") or "_"
+
+
+def store_problems(loggers: Iterable[str]) -> list[str]:
+    """What stops ``loggers`` once the models have loaded, said before: an ``MLFLOW_TRACKING_URI`` naming a folder
+    (a file store), which MLflow 3 refuses unless ``MLFLOW_ALLOW_FILE_STORE`` is true. No package is imported."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if "mlflow" not in loggers or uri in ("", "databricks", "databricks-uc") \
+            or urllib.parse.urlparse(uri).scheme not in ("", "file"):
+        return []
+    if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() in ("true", "1"):
+        return []
+    return [f"MLFLOW_TRACKING_URI={uri} is a file store, which MLflow refuses unless MLFLOW_ALLOW_FILE_STORE=true: "
+            "set that, or use a database store (sqlite:///PATH/mlflow.db), or unset MLFLOW_TRACKING_URI for the "
+            "run's own SQLite store"]
 
 
 def mlflow_tracking_uri(local_dir: str | Path) -> str:
