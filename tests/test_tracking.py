@@ -318,8 +318,7 @@ def test_a_sample_without_a_score_is_written_as_json_null(tmp_path):
     assert text == '{"step": 1, "input": "Q", "output": "A", "score": null}\n'  # not NaN, which is not JSON
 
 
-def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):
-    pytest.importorskip("wandb")
+def _wandb_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     # keep wandb's own config/cache out of the home directory; a closed local port as the server
@@ -327,6 +326,11 @@ def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_n
         monkeypatch.setenv(var, str(tmp_path / sub))
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
+
+
+def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):
+    pytest.importorskip("wandb")
+    _wandb_offline(monkeypatch, tmp_path)
 
     local_dir = tmp_path / "run"
     with Tracking(["wandb"], "proj", "exp", local_dir, config={"a": {"b": 1}}) as tracker:
@@ -390,15 +394,6 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
     saved = client.download_artifacts(run_id, "val_generations/step_2.json", str(tmp_path / "run" / "dl"))
     assert json.loads(Path(saved).read_text()) == SAMPLES
     assert no_network == []
-
-
-def _wandb_offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    for var, sub in (("WANDB_CONFIG_DIR", "cfg"), ("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
-        monkeypatch.setenv(var, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
 
 def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_logs_again(
