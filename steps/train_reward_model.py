@@ -10,6 +10,8 @@ from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
+from rlhf_core.data.dataset import as_file_list
+from rlhf_core.data.validation import check_unchanged
 from rlhf_core.training.reward_trainer import pair_accuracy_gate
 from rlhf_core.training.reward_trainer import train_reward_model as train
 
@@ -33,6 +35,9 @@ def train_reward_model(
     (default ``reward_model.train.min_pair_accuracy``)."""
     cfg = PPOConfig.from_dict(ppo_config)
     rm = cfg.reward_model.train
+    # the pairs validate_preferences checked and recorded, not files replaced since (as train_ppo holds its data)
+    check_unchanged(as_file_list(rm.train_files), as_file_list(rm.val_files) if rm.val_files is not None else None,
+                    preference_fingerprint, "train_reward_model")
     rm.default_local_dir = str(Path(rm.default_local_dir) / get_step_context().pipeline_run.name)
     threshold = rm.min_pair_accuracy if min_pair_accuracy is None else min_pair_accuracy
     export, val = train(cfg)

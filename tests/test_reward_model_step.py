@@ -152,3 +152,19 @@ def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trai
     assert history and all("critic/rm_score/mean" in step for step in history)
     decision = run.steps["promote"].run_metadata
     assert isinstance(decision["promoted"], bool) and decision["decision_reason"]
+
+
+def test_preference_files_replaced_after_their_validation_stop_the_training_step():
+    """The step trains on the pairs validate_preferences checked and recorded: files whose content changed since
+    (the fingerprint it was handed differs) stop it, as train_ppo stops on changed prompt data."""
+    from rlhf_core.config import load_config
+    from rlhf_core.data.validation import DataChangedError, splits_fingerprint
+    from steps.train_reward_model import train_reward_model
+
+    config = load_config([f"actor_rollout_ref.model.path={tiny_setup().root / 'model'}", *rm_overrides()])
+    rm = config.reward_model.train
+    validated = splits_fingerprint([rm.train_files], [rm.val_files])
+    changed = splits_fingerprint([rm.val_files], [rm.val_files])  # what another train file would give
+    with pytest.raises(DataChangedError, match=r"train_reward_model: the data files changed since they were validated"):
+        train_reward_model.entrypoint(config.to_dict(), changed, min_pair_accuracy=0.0)
+    assert validated != changed
