@@ -138,9 +138,9 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
 def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict, min_improvement: float = 0.0,
                    alpha: float = 0.05, force: bool = False) -> Annotated[str, "skip_reason"]:
     """An empty string when there is training to do, else why training is skipped: the data, trainer config
-    (:func:`config_fingerprint`) and reward are the ones production was trained with, or a version already trained on it from this production version with the same
-    trainer config (:func:`config_fingerprint`) and reward was refused on figures that fail this run's promotion
-    gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
+    (:func:`config_fingerprint`) and reward are the ones production was trained with, or a version already
+    trained on this data from this production version with the same trainer config and reward was refused on
+    figures that fail this run's promotion gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
     second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
 
     Records on this run's model version which production version it warm-starts from (``warm_started_from``),
