@@ -29,14 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import pandas as pd
 import pyarrow.parquet
 import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files
-from rlhf_core.data.schema import ground_truth, is_missing
+from rlhf_core.data.schema import ground_truth, is_missing, single_precision_truth, widened
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
@@ -96,7 +95,7 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise DataError(f"{path}: cannot read it as parquet: {exc}") from exc
         names = schema.names
-        single = _single_precision_truth(schema)
+        single = single_precision_truth(schema)
         if column not in names:
             raise DataError(f"{path}: no column {column!r} (data.reward_fn_key) to route the reward by; the file "
                             f"has {', '.join(repr(n) for n in names if not n.startswith('__'))}")
@@ -114,29 +113,13 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
                 continue
             scan.graded.add(source)
             reason = gsm8k.unanswerable(truth)
-            if reason is None and single and isinstance(truth, float) and _widened(truth, single):
+            if reason is None and single and isinstance(truth, float) and widened(truth, single):
                 reason = (f"{truth!r} is a {single} field's value read back as a double, which no answer matches; "
                           "store the ground truths as text (or float64)")
             found = scan.unanswerable.setdefault(source, []) if reason else []
             if reason and len(found) < examples:
                 found.append(f"{path} row {row}: {reason}")
     return scan
-
-
-def _widened(value: float, stored: str) -> bool:
-    """Whether ``value``, read from a ``stored`` (float32, float16) field as a double, has digits its stored
-    precision does not (0.1 as 0.10000000149011612; 2.5 and whole numbers read back as written)."""
-    narrow = np.dtype(stored).type(value)
-    return np.format_float_positional(narrow, unique=True) != np.format_float_positional(value, unique=True)
-
-
-def _single_precision_truth(schema) -> str | None:
-    """``float32``/``float16`` where the schema stores ``reward_model.ground_truth`` so, else None."""
-    try:
-        kind = schema.field("reward_model").type.field("ground_truth").type
-    except (KeyError, AttributeError, TypeError):  # no such column or field, or not a struct
-        return None
-    return {pyarrow.float32(): "float32", pyarrow.float16(): "float16"}.get(kind)
 
 
 def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, model_dir: Path) -> list[str]:

@@ -927,3 +927,21 @@ def test_the_ground_truth_check_passes_exactly_the_texts_a_right_answer_matches(
     assert check.name == "ground_truth_numeric"
     assert check.statistics["unexpected_count"] == 4
     assert check.examples == [(5, "4.0"), (6, ".5"), (7, "1.2.3")]  # the first three of the four
+
+
+def test_a_float32_ground_truth_field_read_back_with_digits_of_its_own_fails_as_in_preflight(tmp_path):
+    """A parquet float32 field's 0.1 reads back as 0.10000000149011612, which no answer matches (preflight refuses
+    it); 2.5 and 18 read back as written. The validation read the widened value as a fine number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame(records(3))
+    truth = pa.struct([("style", pa.string()), ("ground_truth", pa.float32())])
+    table = pa.Table.from_pandas(frame.drop(columns=["reward_model"]), preserve_index=False).append_column(
+        "reward_model", pa.array([{"style": "rule", "ground_truth": v} for v in (0.1, 2.5, 18.0)], type=truth))
+    path = tmp_path / "train.parquet"
+    pq.write_table(table, path)
+    report = validate_dataset(path)
+    [check] = report.failures
+    assert check.name == "ground_truth_numeric" and check.statistics["unexpected_count"] == 1
+    assert check.examples == [(0, "0.10000000149011612 (a float32 field read back as a double)")]

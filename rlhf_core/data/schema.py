@@ -136,3 +136,21 @@ def problem_index(extra_info, source_row: int):
 def problem_id(data_source: str, index) -> str:
     """A prompt row's id in training, validation and evaluation: ``data_source/index`` (:func:`problem_index`)."""
     return f"{data_source}/{index}"
+
+
+def widened(value: float, stored: str) -> bool:
+    """Whether ``value``, read from a ``stored`` (float32, float16) field as a double, has digits its stored
+    precision does not (0.1 as 0.10000000149011612; 2.5 and whole numbers read back as written)."""
+    narrow = np.dtype(stored).type(value)
+    return np.format_float_positional(narrow, unique=True) != np.format_float_positional(value, unique=True)
+
+
+def single_precision_truth(schema) -> str | None:
+    """``float32``/``float16`` where a parquet ``schema`` stores ``reward_model.ground_truth`` so, else None."""
+    import pyarrow
+
+    try:
+        kind = schema.field("reward_model").type.field("ground_truth").type
+    except (KeyError, AttributeError, TypeError):  # no such column or field, or not a struct
+        return None
+    return {pyarrow.float32(): "float32", pyarrow.float16(): "float16"}.get(kind)

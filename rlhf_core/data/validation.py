@@ -64,6 +64,8 @@ from rlhf_core.data.schema import (
     problem_id,
     problem_index,
     prompt_problem,
+    single_precision_truth,
+    widened,
 )
 from rlhf_core.rewards import gsm8k
 
@@ -716,7 +718,7 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     :func:`splits_fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
     """
     train_files, val_files = _files(train), _files(val) if val is not None else []
-    tables = [[read_parquet(p) for p in files] for files in (train_files, val_files)]
+    tables = [[_mark_widened(read_parquet(p), p) for p in files] for files in (train_files, val_files)]
     frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
     # the trainer numbers a row without extra_info.index by its row in its own file, not in the joined table
     rows = [np.concatenate([np.arange(len(f)) for f in table]) if table else None for table in tables]
@@ -728,6 +730,25 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
         if len(files) > 1:
             report.file_spans[info.name] = [(str(path), len(frame)) for path, frame in zip(files, table)]
     return report
+
+
+def _mark_widened(frame: pd.DataFrame, path: Path) -> pd.DataFrame:
+    """``frame`` (read from ``path``) with each ground truth its file stores as float32 or float16 that reads back
+    with digits of its own (0.1 as 0.10000000149011612, which no answer matches, as the trainer reads it) replaced
+    by that value and why, text the ground-truth check refuses and the report shows."""
+    import pyarrow.parquet as pq
+
+    narrow = single_precision_truth(pq.read_schema(path)) if "reward_model" in frame else None
+    if narrow is None:
+        return frame
+
+    def mark(cell):
+        truth = cell.get("ground_truth") if isinstance(cell, Mapping) else None
+        if isinstance(truth, float) and widened(truth, narrow):
+            return {**cell, "ground_truth": f"{truth!r} (a {narrow} field read back as a double)"}
+        return cell
+
+    return frame.assign(reward_model=frame["reward_model"].map(mark))
 
 
 def validate_preference_files(train: Paths, val: Paths | None = None, tokenizer: Any = None,
