@@ -283,3 +283,19 @@ def test_a_line_that_is_not_utf8_is_named_like_a_bad_json_line(tmp_path, capsys)
     assert err == [f"error: {source / 'train.jsonl'}, line 4: not UTF-8 text (byte 0xe9 at column 18); "
                    "the GSM8K release is UTF-8: save the file as UTF-8"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_final_answer_the_rule_cannot_match_is_an_invalid_row(tmp_path, capsys):
+    """'#### 18 dollars' (and '#### 18.') gave the ground truths '18 dollars' and '18.', which no '#### 18'
+    matches: written without a word, to fail at validation or preflight later."""
+    rows = [{"question": "How much?", "answer": "9 + 9 = 18\n#### 18 dollars"},
+            {"question": "How many?", "answer": "9 + 9 = 18\n#### 18."},
+            {"question": "And now?", "answer": "3 + 3 = 6\n#### 6"}]
+    source = _small_release(tmp_path / "in", train=rows)
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "row 0 (line 1)" in err and "the final answer '18 dollars' is not a number as answers write them" in err
+    assert "row 1 (line 2)" in err and "the final answer '18.' is an integer written with a fraction of zeros" in err
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out"), "--skip-invalid"]) == 0
+    train = pd.read_parquet(tmp_path / "out" / "train.parquet")
+    assert [rm["ground_truth"] for rm in train["reward_model"]] == ["6"]

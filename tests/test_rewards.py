@@ -146,7 +146,7 @@ NOT_AS_WRITTEN = "is not a number as answers write them"
     ("18.0", "'18.0' is an integer written with a fraction of zeros: responses answering '#### 18' score 0", "18"),
     ("18.", "'18.' is an integer written with a fraction of zeros", "18"),
     (".5", f"'.5' {NOT_AS_WRITTEN}", "0.5"), ("12$", None, "12"),
-    ("1.2.3", f"'1.2.3' {NOT_AS_WRITTEN}", None), (float("nan"), f"'nan' {NOT_AS_WRITTEN}", None),
+    ("007", f"'007' {NOT_AS_WRITTEN}", "7"), ("1.2.3", f"'1.2.3' {NOT_AS_WRITTEN}", None), (float("nan"), f"'nan' {NOT_AS_WRITTEN}", None),
     ("four", f"'four' {NOT_AS_WRITTEN}", "4"), ("", f"'' {NOT_AS_WRITTEN}", None),
     ("12 apples", f"'12 apples' {NOT_AS_WRITTEN}", "12"),
     (["4"], "a list (['4']), not a number or the text of one", None), (True, "a bool (True), not a number", None),

@@ -30,6 +30,7 @@ from pathlib import Path
 import pandas as pd
 
 from rlhf_core.data.schema import extract_final_answer, make_record, write_parquet_atomic
+from rlhf_core.rewards.gsm8k import unanswerable
 
 DATA_SOURCE = "openai/gsm8k"
 SPLITS = ("train", "test")
@@ -205,6 +206,9 @@ def _load_split(name: str, files: list[Path], layout: str) -> _Split:
                 split.problems.append(
                     _Problem(path, row, line, "answer has no '#### <final answer>' marker", _excerpt(answer))
                 )
+                continue
+            if (why := unanswerable(ground_truth)) is not None:  # e.g. '#### 18 dollars': the rule would miss it
+                split.problems.append(_Problem(path, row, line, f"the final answer {why}", _excerpt(answer)))
                 continue
             split.records.append(make_record(question, answer, ground_truth, name, row, DATA_SOURCE))
     return split

@@ -69,11 +69,12 @@ def expected_answer(ground_truth) -> str:
     return _clean(str(ground_truth).strip())
 
 
-# A ground truth's text as the rule's answers are written: a number of digits, with a minus and a dollar sign
-# where it has them, thousands commas, and decimals ending in a digit other than 0. Other text ("4.0", ".5",
-# "12 apples") either matches no answer or only one written as oddly ("#### 4.0", "#### .5"), which a right
-# response rarely is: the rule compares strings. The data validation checks stored text with this pattern too.
-ANSWERABLE_TEXT = r"^\s*(?:-\$?|\$-?)?[0-9][0-9,]*(?:\.[0-9]*[1-9][0-9]*)?\$?\s*$"
+# A ground truth's text as the rule's answers are written: a number of digits without leading zeros, with a minus
+# and a dollar sign where it has them, thousands commas, and decimals with a digit other than 0 ("2.50" as money
+# is written). Other text ("4.0", ".5", "007", "12 apples") either matches no answer or only one written as oddly
+# ("#### 4.0", "#### .5"), which a right response rarely is: the rule compares strings. The data validation
+# checks stored text with this pattern too.
+ANSWERABLE_TEXT = r"^\s*(?:-\$?|\$-?)?(?:0|[1-9][0-9,]*)(?:\.[0-9]*[1-9][0-9]*)?\$?\s*$"
 _ANSWERABLE = re.compile(ANSWERABLE_TEXT)
 _ZERO_FRACTION = re.compile(r"-?[0-9]+\.0*")
 
