@@ -447,3 +447,18 @@ def test_a_relative_checkpoint_folder_resumed_by_its_absolute_path_is_one_folder
     with pytest.raises(GuardError, match="and marked it latest"):
         resumed.apply_guard_event(GuardEvent("kl_explosion", "stop", 1, "KL too high"))
     assert checkpoint.latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "global_step_1"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stop_right_after_a_resume_from_a_path_says_to_resume_the_checkpoint_it_marked(workspace, tmp_path):
+    """Resumed from step 2 by its path and stopped by a guard before saving: the rollback to step 1 is marked
+    latest, so the way on is auto (the same command would load step 2, the weights the guard left, again)."""
+    out = tmp_path / "run"
+    make_trainer(workspace, out, "trainer.total_training_steps=2", "trainer.save_freq=1").fit()
+    resumed = make_trainer(workspace, out, "trainer.total_training_steps=4", "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={out / 'global_step_2'}")
+    resumed.load_checkpoint(out / "global_step_2")
+    resumed.global_step = 3
+    with pytest.raises(GuardError, match=f"restored {out / 'global_step_1'} and marked it latest: fix the cause, "
+                                         "then rerun with trainer.resume_mode=auto to resume from it"):
+        resumed.apply_guard_event(GuardEvent("kl_explosion", "stop", 1, "KL too high"))

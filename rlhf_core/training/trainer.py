@@ -597,8 +597,8 @@ class PPOTrainer:
         if event.action == "stop":
             if restored is not None and restored.parent == self.checkpoint_dir.absolute():
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
-                where = (f"restored {restored} and marked it latest: fix the cause, then {self.rerun_advice} to "
-                         "resume from it")
+                advice = checkpoint.rerun_advice(self.config.trainer.resume_mode)  # auto: to the one marked latest
+                where = f"restored {restored} and marked it latest: fix the cause, then {advice} to resume from it"
             elif restored is not None:  # a checkpoint from before a resume out of another folder
                 where = (f"restored {restored}: fix the cause, then rerun with trainer.resume_mode=resume_path "
                          f"trainer.resume_from_path={restored} to resume from it")
