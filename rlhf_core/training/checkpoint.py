@@ -843,7 +843,7 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[st
     """The model folders of ``current`` whose content differs from the ones a checkpoint was trained from
     (``saved``, its :data:`MODELS_FILE`), each said once with the keys that name it, both paths and the files
     that differ. A key the run no longer reads is left to the config's own comparison."""
-    differing: dict[tuple[str, str, str], list[str]] = {}
+    differing: dict[str, list[str]] = {}  # what is wrong -> the keys that name that folder
     for key, then in saved.items():
         now = current.get(key)
         if now is None or now["files"] == then["files"] and (now["files"] is not None or now["path"] == then["path"]):
