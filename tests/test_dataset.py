@@ -80,6 +80,21 @@ def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokeni
     assert json_text["ground_truth"] == ["3"]
 
 
+def test_a_reward_function_that_changes_its_extra_info_changes_that_batch_only(tmp_path, tokenizer):
+    row = make_record("q", "s", "0", "train", 0, "custom/source")
+    row["extra_info"] = {"index": 0, "tags": ["a"]}
+    pd.DataFrame([row]).to_parquet(tmp_path / "one.parquet")
+    dataset = RLHFDataset(str(tmp_path / "one.parquet"), tokenizer, DataConfig(max_prompt_length=200,
+                                                                              return_raw_chat=True))
+    first = dataset.collate([0]).meta
+    first["extra_info"][0]["seen"] = True  # what a reward function may do with what it is handed
+    first["extra_info"][0]["tags"].append("b")
+    first["raw_prompt"][0][0]["content"] = "changed"
+    again = dataset.collate([0]).meta
+    assert again["extra_info"] == [{"index": 0, "tags": ["a"]}]
+    assert again["raw_prompt"][0][0]["content"] == row["prompt"][0]["content"]
+
+
 def test_prompts_without_a_ground_truth_only_where_the_reward_does_not_need_one(tmp_path, tokenizer):
     rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["1+1", "2+2"])]
     rows[1]["reward_model"] = {"style": "model", "ground_truth": None}

@@ -9,6 +9,7 @@ the next unseen batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import sys
@@ -212,17 +213,19 @@ class RLHFDataset:
         return len(self.rows)
 
     def collate(self, indices: Sequence[int]) -> Batch:
-        """Rows ``indices`` as a left-padded batch with their metadata."""
+        """Rows ``indices`` as a left-padded batch with their metadata. The batch holds copies of the rows'
+        ``extra_info`` and messages: a reward function that changes what it is handed changes that batch only (the
+        dataset is read once, not once a batch)."""
         tensors = left_pad([self.prompt_ids[i] for i in indices], self.tokenizer.pad_token_id)
         meta = {
             "ground_truth": [self.rows[i]["ground_truth"] for i in indices],
             "data_source": [self.rows[i]["data_source"] for i in indices],
             "index": [self.rows[i]["index"] for i in indices],
-            "extra_info": [self.rows[i]["extra_info"] for i in indices],
+            "extra_info": [copy.deepcopy(self.rows[i]["extra_info"]) for i in indices],
             "uid": [int(i) for i in indices],
         }
         if self.config.return_raw_chat:
-            meta["raw_prompt"] = [self.rows[i]["messages"] for i in indices]
+            meta["raw_prompt"] = [copy.deepcopy(self.rows[i]["messages"]) for i in indices]
         return Batch(tensors, meta)
 
 
