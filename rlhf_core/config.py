@@ -92,7 +92,8 @@ class DataConfig:
     val_batch_size: int | None = _k(None, "prompts per validation batch; null = the whole validation set")
     return_raw_chat: bool = _k(False, "keep the raw chat messages in the batch")
     shuffle: bool = _k(True, "shuffle the training prompts each epoch")
-    seed: int = _k(1, "seed of the training-data shuffle")
+    seed: int | None = _k(1, "seed of the training-data shuffle; null = trainer.seed (newer verl's null, an unseeded "
+                             "shuffle, stays reproducible here)")
     truncation: str = _k("error", "over-long prompts: error | left | right | middle (keep both ends)")
     filter_overlong_prompts: bool = _k(False, "drop prompts longer than max_prompt_length before training")
     apply_chat_template_kwargs: dict[str, Any] = _k({}, "keyword arguments to the tokenizer's chat template, e.g. "
@@ -752,6 +753,7 @@ FOLLOWS: dict[str, str] = {
     "critic.model.tokenizer_path": "actor_rollout_ref.model.tokenizer_path",
     "actor_rollout_ref.model.tokenizer_path": "actor_rollout_ref.model.path",
     "data.tokenizer": "actor_rollout_ref.model.tokenizer_path",
+    "data.seed": "trainer.seed",
     "actor_rollout_ref.actor.loss_scale_factor": "data.max_response_length",
     "critic.loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
     "critic.shuffle": "actor_rollout_ref.actor.shuffle",

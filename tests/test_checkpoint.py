@@ -721,3 +721,24 @@ def test_two_model_paths_that_name_no_folder_are_told_apart_by_their_paths():
     assert checkpoint._model_problems(saved, {key: {"path": "/models/a", "files": None}}) == []
     assert checkpoint._model_problems(saved, {key: {"path": "/models/b", "files": None}}) == [
         f"{key}: /models/b is not a model folder (the checkpoint was trained from /models/a)"]
+
+
+def test_a_null_data_seed_shuffles_with_the_trainer_seed_and_resumes_as_that_number(workspace):
+    """Newer verl's data.seed default is null (an unseeded shuffle there; refused here before): it takes
+    trainer.seed, and a checkpoint saved with the number itself resumes under the null."""
+    config = load_config(tiny_overrides(workspace, workspace.root / "unused", "data.seed=null", "trainer.seed=7"))
+    assert config.data.seed is None and config.value("data.seed") == 7
+    trainer = build_trainer(config)
+    order = [trainer.sampler.next_batch() for _ in range(3)]
+    numbered = build_trainer(load_config(tiny_overrides(workspace, workspace.root / "unused", "data.seed=7",
+                                                        "trainer.seed=7")))
+    assert [numbered.sampler.next_batch() for _ in range(3)] == order
+    default = build_trainer(load_config(tiny_overrides(workspace, workspace.root / "unused", "trainer.seed=7")))
+    assert [default.sampler.next_batch() for _ in range(3)] != order  # (data.seed 1: another order)
+    saved = PPOConfig().to_dict()
+    saved["data"]["seed"], saved["trainer"]["seed"] = 7, 7
+    current = copy.deepcopy(saved)
+    current["data"]["seed"] = None
+    assert checkpoint.config_differences(saved, current) == []
+    current["trainer"]["seed"] = 8  # the null now stands for another number
+    assert sorted(checkpoint.config_differences(saved, current)) == ["data.seed", "trainer.seed"]

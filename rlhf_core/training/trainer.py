@@ -205,7 +205,7 @@ class PPOTrainer:
         # dynamic sampling draws data.gen_batch_size prompts a generation round (verl's DAPO key)
         rounds = algo.filter_groups.enable and config.data.gen_batch_size
         self.sampler = PromptSampler(len(train_dataset), config.data.gen_batch_size if rounds else
-                                     config.data.train_batch_size, config.data.shuffle, config.data.seed,
+                                     config.data.train_batch_size, config.data.shuffle, config.value("data.seed"),
                                      key="data.gen_batch_size" if rounds else "data.train_batch_size",
                                      dropped=getattr(train_dataset, "dropped_overlong", 0))
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
