@@ -1121,6 +1121,12 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"]) from exc
     if not isinstance(tree, DictConfig):
         raise ConfigError([f"config file {path} must hold a mapping of config keys"])
+    parameters = tree.get("parameters")
+    if isinstance(parameters, DictConfig) and "trainer_config" in parameters:  # a pipeline's, not a trainer's
+        raise ConfigError([f"config file {path} is a ZenML pipeline run config (its parameters name the trainer "
+                           f"config {parameters.get('trainer_config')!r}, with overrides of its own): run the pipeline "
+                           f"it is for with it (zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c {path}, "
+                           "or the retraining or reward-model pipeline), or give the trainer config itself here"])
     return tree
 
 

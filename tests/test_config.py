@@ -759,3 +759,17 @@ def test_a_key_verl_replaced_names_its_replacement():
     assert _errors_or_none("actor_rollout_ref.actor.use_token_level_loss=true") == (
         "unknown config key actor_rollout_ref.actor.use_token_level_loss; use actor_rollout_ref.actor.loss_agg_mode="
         "token-mean (true) or seq-mean-token-mean (false), as verl replaced it")
+
+
+@pytest.mark.parametrize("run_config", ["demo_cpu.yaml", "retrain_demo.yaml", "demo_rm_cpu.yaml"])
+def test_a_pipeline_run_config_given_as_the_trainer_config_says_what_it_is(repo_root, run_config):
+    """configs/ holds both kinds side by side: a run config read as trainer keys gave a dozen unknown keys with
+    wrong guesses (model.tags: 'did you mean ...optim.betas?')."""
+    path = repo_root / "configs" / run_config
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=path)
+    [error] = info.value.errors
+    assert error.startswith(f"config file {path} is a ZenML pipeline run config (its parameters name the trainer "
+                            "config 'configs/ppo_demo_cpu.yaml'")
+    assert "give the trainer config itself here" in error
+    load_config(config_file=repo_root / "configs" / "ppo_demo_cpu.yaml")  # the trainer config loads
