@@ -309,6 +309,10 @@ def test_cli_rejects_bad_options(tmp_path, capsys):
     assert "min_ops" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.synthetic(["--output", str(tmp_path), "--n-train", "5", "--n-test", "5", "--operations", "x"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:  # an empty split, which the validation and the trainer refuse
+        cli.synthetic(["--output", str(tmp_path), "--n-train", "5", "--n-test", "0"])
+    assert exc.value.code == 2 and "--n-test must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "train.parquet").exists()
 
 

@@ -81,7 +81,9 @@ def gsm8k(argv: list[str] | None = None) -> int:
 def synthetic(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("python -m rlhf_core.data.synthetic"),
-        description="Write synthetic GSM8K-style arithmetic problems as verl-style train/test parquet files.",
+        description="Write synthetic GSM8K-style arithmetic problems as verl-style train/test parquet files. "
+                    "The defaults give problems of up to 3 operations; the demo model's task (configs/ppo_demo_cpu.yaml,"
+                    " whose prompt and response budgets it fits) is --max-ops 1 --max-operand 12.",
     )
     parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
     parser.add_argument("--n-train", type=int, required=True, help="number of training problems")
@@ -120,9 +122,9 @@ def synthetic(argv: list[str] | None = None) -> int:
     }
     try:
         validate_options(**options)
-        for name in ("n_train", "n_test"):
-            if getattr(args, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be non-negative")
+        for name in ("n_train", "n_test"):  # an empty split is refused by the validation and the trainer
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     except ValueError as exc:
         parser.error(str(exc))
     try:
