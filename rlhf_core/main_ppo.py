@@ -331,7 +331,7 @@ def _reward_model_problems(cfg: PPOConfig) -> list[str]:
     rm = cfg.reward_model
     try:
         folder = check_reward_model_dir(rm.model.path, rm.model.trust_remote_code)
-        switch = needs_template_switch(rm)
+        switch = needs_template_switch(rm, folder=folder)  # (the directory, its head and its weights' names once)
         limit = max_positions(folder, rm.model.trust_remote_code)
     except ModelError as exc:
         return [str(exc)]

@@ -162,16 +162,18 @@ def same_tokenization(a, b, a_kwargs: dict | None = None, b_kwargs: dict | None 
             and (not template or (a_kwargs or {}) == (b_kwargs or {})))
 
 
-def needs_template_switch(config: RewardModelConfig, input_tokenizer=None) -> bool:
+def needs_template_switch(config: RewardModelConfig, input_tokenizer=None, folder: Path | None = None) -> bool:
     """Whether responses must be decoded and re-encoded for the reward model (tokenizers only, no weights).
 
     ``input_tokenizer`` (a loaded tokenizer) stands for ``reward_model.model.input_tokenizer``;
-    with that key null, the ids are fed as they are.
+    with that key null, the ids are fed as they are. ``folder``: the reward model's directory where the caller
+    has checked it already (:func:`check_reward_model_dir`), else it is checked here.
     """
     model_cfg = config.model
     if input_tokenizer is None and not model_cfg.input_tokenizer:
         return False
-    folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
+    if folder is None:
+        folder = check_reward_model_dir(model_cfg.path, model_cfg.trust_remote_code)
     return reads_otherwise(config, load_rm_tokenizer(folder, model_cfg.trust_remote_code),
                            trained_template_kwargs(folder, model_cfg.trust_remote_code), input_tokenizer)
 
