@@ -517,6 +517,7 @@ class MlflowLogger(Backend):
         self._Metric, self._Param = Metric, Param
         self._names: dict[str, str] = {}  # metric name -> sanitised, unique name
         self._taken: set[str] = set()
+        self._logged_params: dict[str, str] = {}  # a resumed run's params, logged when it started
 
         self.tracking_uri = mlflow_tracking_uri(run.local_dir)
         local = not os.environ.get("MLFLOW_TRACKING_URI")
@@ -563,10 +564,9 @@ class MlflowLogger(Backend):
         """The config as params; on a resumed run only those it lacks (MLflow refuses to change a param's value, so a
         key a resume may change, such as the run's length, keeps its first value there)."""
         taken: set[str] = set()
-        logged = getattr(self, "_logged_params", {})
         entries = [
             self._Param(name, str(value)[: self.MAX_PARAM_VALUE])
-            for key, value in params.items() if (name := self._unique(key, taken)) not in logged
+            for key, value in params.items() if (name := self._unique(key, taken)) not in self._logged_params
         ]
         for i in range(0, len(entries), self.PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=entries[i : i + self.PARAMS_PER_BATCH])
