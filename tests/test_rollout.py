@@ -154,6 +154,26 @@ def test_sampling_is_reproducible_by_seed(actor, tokenizer):
     assert not torch.equal(first["responses"], third["responses"])
 
 
+def test_a_seeded_call_draws_a_stream_of_its_own_and_leaves_the_engines_generator_alone(actor, tokenizer):
+    prompts = _prompts(tokenizer, ["ab", "cde"])
+    engine = make_rollout_engine("hf", actor, tokenizer, seed=4)
+    before = engine.generator.get_state()
+    seeded = SamplingParams(n=2, max_new_tokens=8, seed=7)
+    first = engine.generate(prompts, seeded)
+    assert torch.equal(engine.generator.get_state(), before)  # the running stream has not moved
+    assert torch.equal(engine.generate(prompts, seeded)["responses"], first["responses"])  # the same draws again
+    # the running stream gives what a fresh engine of the same seed gives, as if the seeded calls had not happened
+    running = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8))
+    fresh = make_rollout_engine("hf", actor, tokenizer, seed=4).generate(prompts, SamplingParams(n=2, max_new_tokens=8))
+    assert torch.equal(running["responses"], fresh["responses"])
+    # another call seed, or another engine (another rank) with the same call seed, draws otherwise
+    other_call = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=8, seed=8))
+    other_rank = make_rollout_engine("hf", actor, tokenizer, seed=5).generate(prompts, seeded)
+    assert not torch.equal(other_call["responses"], first["responses"])
+    assert not torch.equal(other_rank["responses"], first["responses"])
+    assert not torch.equal(running["responses"], first["responses"])
+
+
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)

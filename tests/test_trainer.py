@@ -515,6 +515,26 @@ def test_ignore_eos_gives_full_length_training_responses_and_leaves_validation_a
     assert metrics["response_length/mean"] == 8.0 and metrics["response_length/min"] == 8.0
 
 
+def test_sampled_validation_draws_the_same_each_time_and_leaves_the_training_rollouts_alone(workspace):
+    """Validation with sampling draws from streams of its own: two validations of the same weights agree
+    sample for sample, and the training rollouts' generator is where it was, so how often validation runs does
+    not change what training samples (nor what a resumed run samples)."""
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(
+        root, model, "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=3",
+        "data.val_batch_size=3", "trainer.log_val_generations=8")))
+    before = trainer.actor.rollout.generator.get_state()
+    first = trainer.validate()
+    first_samples = trainer.val_generations
+    second = trainer.validate()
+    after = trainer.actor.rollout.generator.get_state()
+    trainer.close()
+    assert torch.equal(before, after)
+    assert first == second
+    assert len(first_samples) == 8 and first_samples == trainer.val_generations
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
     """``actor/entropy`` under each ``loss_agg_mode``, as verl logs it: from the old-log-prob pass's entropies,

@@ -121,11 +121,14 @@ class FakeVLLM:
 
             def generate(self, prompts, sampling, **kwargs):
                 ids = [p["prompt_token_ids"] for p in prompts]
-                fake.requests.append((ids, sampling.kwargs, kwargs))
+                each = sampling if isinstance(sampling, list) else [sampling] * len(ids)  # one, or one a prompt
+                assert len(each) == len(ids)
+                fake.requests.append((ids, [s.kwargs for s in sampling] if isinstance(sampling, list)
+                                      else sampling.kwargs, kwargs))
                 return [RequestOutput([
                     CompletionOutput(tokens, [{token: Logprob(lp), RIVAL: Logprob(-0.01)}
                                               for token, lp in zip(tokens, lps)])
-                    for tokens, lps in fake.script[tuple(p)][:sampling.kwargs["n"]]]) for p in ids]
+                    for tokens, lps in fake.script[tuple(p)][:s.kwargs["n"]]]) for p, s in zip(ids, each)]
 
         vllm = types.ModuleType("vllm")
         vllm.LLM, vllm.SamplingParams = LLM, FakeSamplingParams
@@ -238,6 +241,25 @@ def test_sampling_settings_reach_vllm(fake, tokenizer, model_dir, params, temper
     _engine(fake, tokenizer, model_dir).generate(prompts, params)
     sampling = fake.requests[0][1]
     assert (sampling["temperature"], sampling["top_k"]) == (temperature, top_k)
+
+
+def test_a_seeded_call_gives_each_prompt_a_seed_of_its_own_from_the_engines_seed(fake, tokenizer, model_dir):
+    """Validation's draws (``SamplingParams.seed``): one vLLM request seed a prompt, the same for the same call and
+    engine seed, other for another prompt, call or engine; a greedy call and an unseeded one carry no seed."""
+    prompts = Batch({"input_ids": torch.tensor([[5, 6], [0, 7]]), "attention_mask": torch.tensor([[1, 1], [0, 1]]),
+                     "position_ids": torch.tensor([[0, 1], [0, 0]])}, {"uid": [0, 1]})
+    fake.script = {(5, 6): [([20], [-0.5])] * 2, (7,): [([30, 31], [-0.25, -1.0])] * 2}
+    seeded = SamplingParams(n=2, max_new_tokens=2, seed=3)
+    for engine_seed, params in [(0, seeded), (0, seeded), (0, dataclasses.replace(seeded, seed=4)), (1, seeded),
+                                (0, dataclasses.replace(seeded, seed=None)),
+                                (0, dataclasses.replace(seeded, do_sample=False))]:
+        _engine(fake, tokenizer, model_dir, seed=engine_seed).generate(prompts, params)
+    (_, first, _), (_, again, _), (_, other_call, _), (_, other_engine, _), (_, unseeded, _), (_, greedy, _) = fake.requests
+    seeds = [[request["seed"] for request in call] for call in (first, again, other_call, other_engine)]
+    assert [request["n"] for request in first] == [2, 2]
+    assert seeds[0] == seeds[1] and len(set(seeds[0])) == 2  # repeatable, and one a prompt
+    assert not set(seeds[0]) & set(seeds[2]) and not set(seeds[0]) & set(seeds[3])
+    assert "seed" not in unseeded and "seed" not in greedy and greedy["n"] == 1
 
 
 def test_greedy_samples_are_asked_one_request_each(fake, tokenizer, model_dir):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+
 from rlhf_core.batch import Batch
 
 
@@ -22,10 +24,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = False  # keep sampling after EOS, to max_new_tokens (fixed-length responses)
+    #: None: draw from the engine's running generator (training: its state is saved with a checkpoint). A number:
+    #: draw this call's samples from a stream of their own, made from the engine's seed and this number
+    #: (:func:`call_seed`), which leaves the running generator where it was: validation draws the same way at every
+    #: validation, and how often it runs does not change what training samples
+    seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0
+
+
+def call_seed(*numbers: int) -> int:
+    """A seed for a stream of its own, derived from ``numbers`` (an engine's seed, a call's, a prompt's index)
+    through numpy's SeedSequence: nearby inputs give unrelated streams, and none is an engine's own seed."""
+    return int(np.random.SeedSequence([*numbers]).generate_state(1, np.uint64)[0] >> np.uint64(1))  # < 2**63
 
 
 @runtime_checkable

@@ -23,7 +23,7 @@ import torch
 from rlhf_core.batch import Batch
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import cache_argument, takes_logits_to_keep
-from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.base import SamplingParams, call_seed
 from rlhf_core.rollout.cache import PreallocatedCache
 from rlhf_core.rollout.fused_decode import FusedDecoder, unsupported
 
@@ -107,6 +107,7 @@ class HFRolloutEngine:
             raise ValueError("the tokenizer and the model's generation_config name no EOS token")
         self.eos_ids = torch.tensor(sorted(eos_ids))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+        self.seed = seed
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
         self.cache_arg = cache_argument(type(module))
         self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
@@ -137,6 +138,8 @@ class HFRolloutEngine:
         prompt_pos = prompts["position_ids"].to(device)
         n = params.n
         eos_ids = self.eos_ids.to(device)
+        generator = (self.generator if params.seed is None
+                     else torch.Generator(device=self.generator.device).manual_seed(call_seed(self.seed, params.seed)))
 
         # the decode steps' weights for their row count, copied for this rollout (the update changes them): the
         # fused step's own, or the model's layers' packed (MKL's layout or oneDNN's)
@@ -165,7 +168,7 @@ class HFRolloutEngine:
                 torch.cuda.synchronize(device)  # the prompts' pass counts as prefill, not as the first step
             first, forwards = time.perf_counter(), 0
             for step in range(params.max_new_tokens):
-                token = sample_next_token(logits, params, self.generator)
+                token = sample_next_token(logits, params, generator)
                 token = torch.where(done, torch.full_like(token, self.pad_id), token)
                 valid = ~done  # this token belongs to the response (EOS included)
                 tokens.append(token)

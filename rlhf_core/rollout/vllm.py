@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rlhf_core.batch import Batch
-from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.base import SamplingParams, call_seed
 from rlhf_core.workers import distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,6 +65,7 @@ class VLLMRolloutEngine:
         from vllm.engine.arg_utils import EngineArgs
 
         self.module = module
+        self.seed = seed
         self.weights = weights
         self.config = config
         self.dtype = DTYPES[config.dtype]
@@ -155,12 +156,18 @@ class VLLMRolloutEngine:
         everyone, mine = self._group_prompts(own)
         n, width = params.n, params.max_new_tokens  # every rank pads to the same width
         copies = n if params.greedy else 1  # vLLM refuses n > 1 when greedy: each prompt goes n times, n=1
-        sampling = VLLMSamplingParams(
+        options = dict(
             n=n // copies, max_tokens=width, logprobs=0,
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, ignore_eos=params.ignore_eos,
         )
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in everyone for _ in range(copies)]
+        if params.seed is None or params.greedy:
+            sampling = VLLMSamplingParams(**options)
+        else:  # a stream of its own for each prompt (vLLM's per-request seed; a request's n samples draw from
+            # seed, seed + 1, ...), the same on every rank of the engine, and the engine's generator left alone
+            sampling = [VLLMSamplingParams(**options, seed=call_seed(self.seed, params.seed, index))
+                        for index in range(len(requests))]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)[mine.start * copies:mine.stop * copies]
         samples = [sample for request in outputs for sample in request.outputs]  # a prompt's n are adjacent
 

@@ -477,7 +477,9 @@ class PPOTrainer:
                   dynamic_ncols=True, disable="console" not in self.config.trainer.logger) as bar:
             for start in range(0, len(self.val_dataset), size):
                 rows = list(range(start, min(start + size, len(self.val_dataset))))
-                batch = self.actor.generate(self.val_dataset.collate(rows), params)
+                # each batch's samples from a stream of their own (its first row's index: the same draws at
+                # every validation), so that validating does not move the training rollouts' generator
+                batch = self.actor.generate(self.val_dataset.collate(rows), replace(params, seed=start))
                 extras = self._score(batch)
                 self._shape_overlong(batch, extras)  # DAPO's length penalty is part of the reward, in validation too
                 if self.config.trainer.log_val_generations > 0:
