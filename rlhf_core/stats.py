@@ -2,9 +2,10 @@
 
 * :func:`validation_metrics`: verl's validation metric names from per-sample correctness. With
   ``n`` responses per prompt: ``mean@n`` (the average correctness), ``best@n`` (pass@n: any of the
-  ``n`` right) and ``maj@n`` (the answer most responses give is right, where the reward function
-  says what each response answers), per data source, each with its standard error over prompts.
-  ``val-core/`` holds the headline values, ``val-aux/`` their standard errors.
+  ``n`` right), ``worst@n`` (all ``n`` right) and ``maj@n`` (the answer most responses give is right,
+  where the reward function says what each response answers), per data source, each with its
+  standard error over prompts, and ``std@n`` (the spread of a prompt's ``n`` responses, averaged).
+  ``val-core/`` holds the headline values, ``val-aux/`` the rest, as verl splits them.
 * :func:`wilson_interval`: the confidence interval of one accuracy.
 * :func:`paired_comparison`: two models on the same problems: the gain, its interval (Newcombe's, for
   paired proportions), and McNemar's exact test on the problems where they disagree.
@@ -101,7 +102,10 @@ def validation_metrics(
     ``val-core/<source>/acc/best@n/mean`` (the share of prompts with a right response among their
     ``n``: pass@n, not verl's bootstrap, which runs lower) and, given ``answers``, ``.../maj@n/mean``;
     and in ``val-aux/`` the standard error over prompts of each (``.../acc/mean@n/std``,
-    ``best@n/std``, ``maj@n/std``). ``n`` is the most responses any prompt has.
+    ``best@n/std``, ``maj@n/std``), ``.../acc/worst@n/mean`` (the share of prompts whose ``n``
+    responses are all right, exact as ``best@n``; verl's bootstrap runs higher) with its ``/std``, and
+    verl's ``std@n`` of ``acc`` and ``reward``: each prompt's population standard deviation over its
+    responses, averaged over prompts (not a standard error). ``n`` is the most responses any prompt has.
     """
     if not len(data_sources) == len(prompt_ids) == len(acc) == len(reward):
         raise ValueError("data_sources, prompt_ids, acc and reward need one entry per response")
@@ -115,6 +119,9 @@ def validation_metrics(
         n = max(len(rows) for rows in prompts.values())
         mean_reward = [np.mean([reward[i] for i in rows]) for rows in prompts.values()]
         graded = {p: rows for p, rows in prompts.items() if not any(math.isnan(acc[i]) for i in rows)}
+        if n > 1:  # verl's std@n: the spread of one prompt's responses (population std), averaged over prompts
+            metrics[f"val-aux/{source}/reward/std@{n}"] = float(np.mean([np.std([reward[i] for i in rows])
+                                                                         for rows in prompts.values()]))
         if not graded:  # prompts without a ground truth (a reward model's run): the reward is the core metric
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
             continue
@@ -123,9 +130,14 @@ def validation_metrics(
         metrics[f"val-aux/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
         metrics[f"val-aux/{source}/acc/mean@{n}/std"] = standard_error(mean_acc)
         if n > 1:
+            metrics[f"val-aux/{source}/acc/std@{n}"] = float(np.mean([np.std([acc[i] for i in rows])
+                                                                      for rows in graded.values()]))
             best = [max(acc[i] for i in rows) for rows in graded.values()]
             metrics[f"val-core/{source}/acc/best@{n}/mean"] = float(np.mean(best))
             metrics[f"val-aux/{source}/acc/best@{n}/std"] = standard_error(best)
+            worst = [min(acc[i] for i in rows) for rows in graded.values()]
+            metrics[f"val-aux/{source}/acc/worst@{n}/mean"] = float(np.mean(worst))
+            metrics[f"val-aux/{source}/acc/worst@{n}/std"] = standard_error(worst)
             if answers is not None:
                 vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows])
                         for rows in graded.values()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 
 import pandas as pd
 import pytest
@@ -64,6 +65,8 @@ def expected_sampled(scored):
             "problems": {problem: sum(values) / len(values) for problem, values in right.items()},
             "mean": sum(map(sum, right.values())) / sum(map(len, right.values())),  # every problem has n responses
             "best": sum(max(values) for values in right.values()) / len(right),
+            "worst": sum(min(values) for values in right.values()) / len(right),
+            "spread": sum(statistics.pstdev(values) for values in right.values()) / len(right),
             "vote": sum(majority(problems[problem], values) for problem, values in right.items()) / len(right),
         }
     return expected
@@ -223,11 +226,15 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
         for name, key in (("mean", "mean@3"), ("best", "best@3/mean"), ("vote", "maj@3/mean")):
             assert metrics[f"val-core/{source}/acc/{key}"] == pytest.approx(want[name]), (source, key)
         assert metrics[f"val-aux/{source}/reward/mean@3"] == pytest.approx(want["mean"])  # reward is 0/1 right
-        for name, share in (("best@3", want["best"]), ("maj@3", want["vote"])):  # per-prompt 0/1: sqrt(p (1 - p) / m)
+        assert metrics[f"val-aux/{source}/acc/worst@3/mean"] == pytest.approx(want["worst"])
+        assert metrics[f"val-aux/{source}/acc/std@3"] == pytest.approx(want["spread"])
+        assert metrics[f"val-aux/{source}/reward/std@3"] == pytest.approx(want["spread"])
+        for name, share in (("best@3", want["best"]), ("maj@3", want["vote"]), ("worst@3", want["worst"])):
+            # per-prompt 0/1: sqrt(p (1 - p) / m)
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
     assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
-    assert len(metrics) == 2 * 7
+    assert len(metrics) == 2 * 11  # and std@3 of acc and reward, worst@3 with its std
 
 
 def test_the_fingerprint_covers_every_message_of_a_prompt():

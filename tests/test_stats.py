@@ -38,7 +38,27 @@ def test_sampled_metrics_mean_best_and_majority_with_standard_errors():
     assert metrics["val-aux/gsm8k/acc/mean@3/std"] == pytest.approx(math.sqrt((1 / 6) ** 2 / 2))
     assert metrics["val-aux/gsm8k/acc/best@3/std"] == pytest.approx(0.0)
     assert metrics["val-aux/gsm8k/acc/maj@3/std"] == pytest.approx(math.sqrt(0.25 / 2))
-    assert len(metrics) == 7
+    # std@3: each prompt's population std over its 3 responses, averaged; 1 of 3 or 2 of 3 right: sqrt(2/9)
+    assert metrics["val-aux/gsm8k/acc/std@3"] == pytest.approx(math.sqrt(2) / 3)
+    # rewards (1, 0.1, 0.1): mean 0.4, squares 0.36 + 0.09 + 0.09 = 0.54, sqrt(0.54 / 3); (0, 1, 1): sqrt(2/9)
+    assert metrics["val-aux/gsm8k/reward/std@3"] == pytest.approx((math.sqrt(0.18) + math.sqrt(2) / 3) / 2)
+    assert metrics["val-aux/gsm8k/acc/worst@3/mean"] == 0.0  # each prompt has a wrong response
+    assert metrics["val-aux/gsm8k/acc/worst@3/std"] == 0.0
+    assert len(metrics) == 11
+
+
+def test_worst_and_std_at_n_by_hand_in_val_aux_as_verl():
+    # prompt 0: both right; prompt 1: one of two; prompt 2: neither
+    acc = [1, 1, 1, 0, 0, 0]
+    reward = [1.0, 1.0, 1.0, 0.0, 0.0, 0.5]
+    metrics = validation_metrics(["s"] * 6, [0, 0, 1, 1, 2, 2], acc, reward)
+    assert metrics["val-aux/s/acc/worst@2/mean"] == pytest.approx(1 / 3)          # prompt 0 alone all right
+    assert metrics["val-aux/s/acc/worst@2/std"] == pytest.approx(math.sqrt(2 / 27))  # sqrt((1/3)(2/3) / 3)
+    assert metrics["val-core/s/acc/best@2/mean"] == pytest.approx(2 / 3)
+    assert metrics["val-aux/s/acc/std@2"] == pytest.approx((0 + 0.5 + 0) / 3)      # (1, 0): std 0.5
+    assert metrics["val-aux/s/reward/std@2"] == pytest.approx((0 + 0.5 + 0.25) / 3)  # (0, 0.5): std 0.25
+    # verl's split: mean, best and maj are core; std and worst are aux
+    assert not [key for key in metrics if key.startswith("val-core/") and ("std@" in key or "worst@" in key)]
 
 
 def test_greedy_validation_keeps_the_mean_at_1_headline_only():
@@ -46,7 +66,7 @@ def test_greedy_validation_keeps_the_mean_at_1_headline_only():
     assert metrics["val-core/s/acc/mean@1"] == 0.5
     assert metrics["val-core/t/acc/mean@1"] == 1.0
     assert metrics["val-aux/s/acc/mean@1/std"] == pytest.approx(0.5 / math.sqrt(2))
-    assert not [key for key in metrics if "best@" in key or "maj@" in key]
+    assert not [key for key in metrics if "best@" in key or "maj@" in key or "worst@" in key or "std@" in key]
 
 
 def test_majority_vote_ties_go_to_the_first_answer_and_silence_is_wrong():
@@ -80,7 +100,11 @@ def test_prompts_without_a_ground_truth_leave_the_accuracy_and_make_the_reward_c
     assert metrics["val-core/s/acc/maj@2/mean"] == pytest.approx(1.0)  # the tie goes to "7" (right); "3" right
     assert metrics["val-aux/s/reward/mean@2"] == pytest.approx((0.5 + 0.4 + 1.5) / 3)  # every prompt's reward
     assert metrics["val-core/u/reward/mean@2"] == pytest.approx(0.5)
-    assert not [k for k in metrics if k.startswith(("val-core/u/acc", "val-aux/u/"))]
+    assert metrics["val-aux/s/acc/worst@2/mean"] == pytest.approx(0.5)  # prompts 0 (1, 0) and 2 (1, 1)
+    assert metrics["val-aux/s/acc/std@2"] == pytest.approx((0.5 + 0.0) / 2)  # graded prompts only
+    assert metrics["val-aux/s/reward/std@2"] == pytest.approx((0.5 + 0.1 + 0.5) / 3)  # every prompt's reward
+    assert metrics["val-aux/u/reward/std@2"] == pytest.approx(0.25)  # (0.25, 0.75): the reward's spread
+    assert not [k for k in metrics if k.startswith(("val-core/u/acc", "val-aux/u/acc"))]
 
 
 def test_mcnemar_exact_p_values_by_hand():

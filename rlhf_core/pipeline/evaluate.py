@@ -2,8 +2,9 @@
 
 * :func:`evaluate_policy`: greedy accuracy of a local HF model directory on a validation set (or a
   stratified sample of it, ``max_problems``), with its interval, every problem's result and, with
-  ``val_kwargs.n > 1``, the sampled ``mean@n`` / ``best@n`` / ``maj@n``; generated with the project's
-  HF rollout engine and scored by the :class:`RewardManager`, as training scores it.
+  ``val_kwargs.n > 1``, the sampled ``mean@n`` / ``best@n`` / ``maj@n`` (``std@n`` and ``worst@n``
+  beside them in ``val-aux/``); generated with the project's HF rollout engine and scored by the
+  :class:`RewardManager`, as training scores it.
 * :func:`per_problem_table` and :func:`changed_problems`: the models side by side, problem by
   problem, and the problems the new version fixed and broke.
 * :func:`reward_spec` and :func:`check_reference_solutions`: the identity of the reward (which
@@ -175,7 +176,8 @@ def evaluate_policy(
     problems at a sample stratified by data source (``sample_seed`` draws it: the same data, cap
     and seed give the same problems). With ``val_kwargs`` asking for sampling (``n > 1`` or
     ``do_sample``) each problem is also sampled ``n`` times (generator seed ``seed``) for the
-    verl ``mean@n`` / ``best@n`` / ``maj@n`` metrics in ``sampled``; greedy stays the headline.
+    verl ``mean@n`` / ``best@n`` / ``maj@n`` metrics (and ``std@n`` / ``worst@n``) in ``sampled``; greedy stays the
+    headline.
     ``override_config`` sets model config attributes before loading, as training loads the actor
     (``actor_rollout_ref.model.override_config``; a trained policy's export already holds them).
     """

@@ -463,7 +463,8 @@ class PPOTrainer:
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
         """Accuracy and reward on the validation set with val_kwargs, per data source: ``mean@n`` and,
-        with ``n > 1``, ``best@n`` and ``maj@n``, with their standard errors (:func:`validation_metrics`)."""
+        with ``n > 1``, ``best@n``, ``worst@n`` and ``maj@n``, with their standard errors, and ``std@n``
+        (:func:`validation_metrics`)."""
         if self.val_dataset is None:
             return {}
         size = self.config.data.val_batch_size or len(self.val_dataset)
