@@ -241,6 +241,54 @@ def test_the_two_level_draw_follows_rare_and_scattered_mass():
                                atol=0.01, rtol=0)
 
 
+def test_a_row_of_nan_probabilities_is_drawn_past_the_vocabulary_not_out_of_range():
+    for vocab in (6, 1000):  # one block, and 3 blocks and a part one
+        probs = torch.full((3, vocab), 1.0 / vocab)
+        probs[1] = float("nan")
+        drawn = draw_from(probs, torch.Generator().manual_seed(0))
+        assert drawn[1] == vocab and (drawn[[0, 2]] < vocab).all(), vocab
+
+
+class _NanAt(_EosAfter):
+    """The fake LM whose logits turn NaN for one row from one step on (weights that diverged)."""
+
+    def __init__(self, row, step, eos_id):
+        super().__init__(stop_at=[99], eos_id=eos_id)
+        self.row, self.step = row, step
+
+    def forward(self, input_ids, *args, **kwargs):
+        out = super().forward(input_ids, *args, **kwargs)
+        if self.calls - 1 >= self.step:
+            out.logits[self.row] = float("nan")
+        return out
+
+
+def test_nan_logits_stop_sampling_with_what_usually_causes_them(tokenizer):
+    from rlhf_core.rollout.hf import NonFiniteLogits
+
+    fake = _NanAt(row=1, step=2, eos_id=tokenizer.eos_token_id)
+    fake.generation_config = None
+    fake.train()
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    prompts = Batch(left_pad([[5, 6], [5], [6]], tokenizer.pad_token_id), {"uid": [0, 1, 2]})
+    with pytest.raises(NonFiniteLogits, match=r"logits held NaN .* response token 2 of rows 1, .*learning rate"
+                                              r".*bad checkpoint"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=6, do_sample=True, top_p=0.9, top_k=5))
+    assert fake.calls == 3  # the prompts' pass and two decode steps: the NaN row's draw reaches no forward
+    assert fake.training  # put back as generate found it
+
+
+def test_a_model_with_nan_weights_fails_sampling_by_name_not_with_an_index_error(model_dir, tokenizer):
+    from rlhf_core.rollout.hf import NonFiniteLogits
+
+    broken = load_actor(model_dir)  # a checkpoint whose weights diverged
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    engine = make_rollout_engine("hf", broken, tokenizer, seed=0)
+    with pytest.raises(NonFiniteLogits, match="response token 0 of rows 0, 1, 2, 3, so"):
+        engine.generate(_prompts(tokenizer, ["Hi", "What is 3+4?"]), SamplingParams(n=2, max_new_tokens=4))
+
+
 def test_preallocated_cache_gives_the_logits_of_dynamic_cache(actor, tokenizer):
     """Prompt pass, repeat for n samples, then decode steps: both caches see the same keys."""
     from transformers import DynamicCache

@@ -64,7 +64,9 @@ def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.T
     ms, against 0.9-8.8 ms for one float64 cumulative sum over all of it, ``bench/decode.py``). The
     running sums, over the blocks and within the chosen one, are float64, so a rare token's mass is not
     rounded away against a total of 1 (its block's float32 mass only scales where in the block the draw
-    falls); an entry of zero probability adds nothing to either sum and is never returned.
+    falls); an entry of zero probability adds nothing to either sum and is never returned. A row whose
+    probabilities hold NaN (logits that did) has no CDF to invert: it gets ``V``, one past the last entry,
+    which :meth:`HFRolloutEngine.generate` reports (nothing is indexed out of range here, on any device).
     """
     rows, vocab = probs.shape
     # drawn where the generator lives: an engine built on offloaded (CPU) shards keeps a CPU generator while
@@ -78,11 +80,11 @@ def draw_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.T
         probs = torch.nn.functional.pad(probs, (0, blocks * CDF_BLOCK - vocab))  # zero mass: never drawn
     grouped = probs.view(rows, blocks, CDF_BLOCK)
     outer = grouped.sum(-1).double().cumsum(-1)  # (bs, blocks)
-    block = _invert(outer, u)  # (bs, 1)
+    block = _invert(outer, u).clamp(max=blocks - 1)  # (bs, 1); a NaN row's search runs past the end
     before = torch.where(block > 0, outer.gather(1, (block - 1).clamp(min=0)), 0.0)
     share = (u * outer[:, -1:] - before) / (outer.gather(1, block) - before)  # where in its block the draw falls
     inner = grouped.gather(1, block[:, :, None].expand(rows, 1, CDF_BLOCK)).squeeze(1).double().cumsum(-1)
-    return (block * CDF_BLOCK + _invert(inner, share.clamp(0, 1))).squeeze(-1)
+    return (block * CDF_BLOCK + _invert(inner, share.clamp(0, 1))).clamp(max=vocab).squeeze(-1)
 
 
 def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -91,6 +93,20 @@ def _invert(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True)
+
+
+class NonFiniteLogits(FloatingPointError):
+    """The policy's logits held NaN where a token was to be sampled: there are no probabilities to draw from."""
+
+
+def _nan_logits_error(step: int, rows: list[int]) -> NonFiniteLogits:
+    shown = ", ".join(map(str, rows[:8])) + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
+    return NonFiniteLogits(
+        f"the policy's logits held NaN (or inf) at response token {step} of rows {shown}, so there is no "
+        "distribution to sample from. This usually means a diverged update (too high a learning rate, "
+        "actor_rollout_ref.actor.optim.lr; look for inf or NaN in actor/grad_norm and actor/pg_loss of the steps "
+        "before; trainer.guard can roll back on non-finite steps) or a bad checkpoint or model directory (NaN in "
+        "its weights)")
 
 
 class HFRolloutEngine:
@@ -166,7 +182,7 @@ class HFRolloutEngine:
             tokens, masks = [], []
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the prompts' pass counts as prefill, not as the first step
-            first, forwards = time.perf_counter(), 0
+            first, forwards, failure = time.perf_counter(), 0, None
             for step in range(params.max_new_tokens):
                 token = sample_next_token(logits, params, generator)
                 token = torch.where(done, torch.full_like(token, self.pad_id), token)
@@ -175,7 +191,14 @@ class HFRolloutEngine:
                 masks.append(valid)
                 if not params.ignore_eos:
                     done = done | torch.isin(token, eos_ids)
-                all_done = bool(done.all())
+                # draw_from gives V to a row whose logits held NaN: read with the end test, in the same transfer,
+                # and stopped before that token reaches the embedding (out of range: an index error, on CUDA a
+                # device-side assert)
+                nan_rows = token >= logits.shape[-1]
+                all_done, broken = torch.stack([done.all(), nan_rows.any()]).tolist()
+                if broken:
+                    failure = _nan_logits_error(step, nan_rows.nonzero().flatten().tolist())
+                    break
                 if self.synced is not None:
                     all_done = self.synced(all_done)
                 if all_done or step == params.max_new_tokens - 1:
@@ -193,6 +216,8 @@ class HFRolloutEngine:
                             "decode_forwards": forwards}
         if was_training:
             self.module.train()
+        if failure is not None:
+            raise failure
 
         responses = torch.stack(tokens, dim=1)  # (B*n, R)
         response_mask = torch.stack(masks, dim=1).long()  # (B*n, R)
