@@ -303,6 +303,23 @@ def test_budget_options_are_checked():
         validate_preference_frames(frame, max_length=10)
     with pytest.raises(ValueError, match="not both"):
         validate_preference_frames(frame, tokenizer=object(), max_length=10, max_chars=10)
+    # called from Python, the errors name the parameters
+    cases = [
+        ({"max_length": 10}, "a length limit in tokens needs both a tokenizer and the limit: tokenizer and max_length"),
+        ({"tokenizer": object(), "max_length": 10, "max_chars": 10},
+         "give a token limit (max_length) or a character limit (max_chars), not both"),
+        ({"tokenizer": object(), "max_chars": 10}, "a length limit in tokens needs both a tokenizer and the limit: "
+                                                    "tokenizer and max_length (max_chars counts characters, without "
+                                                    "a tokenizer)"),
+        ({"max_prompt_length": 10}, "max_prompt_length does not apply to preference data; limits by kind: prompt "
+                                    "data max_prompt_length (tokens), preference data max_length (tokens) or "
+                                    "max_chars (characters)"),
+        ({"max_chars": 0}, "max_chars must be a positive integer (the length limit), not 0"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError) as error:
+            validate_preference_frames(frame, **options)
+        assert str(error.value) == message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,11 +372,25 @@ def test_cli_rejects_an_option_of_the_other_kind(tmp_path, capsys):
     folder.mkdir()
     assert validate([str(train), "--tokenizer", str(folder), "--max-prompt-length", "10"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "preference data" in err[0] and "max_length" in err[0]
-    assert validate([str(train), "--max-chars", "10", "--max-length", "10", "--tokenizer", str(folder)]) == 2
-    assert "not both" in capsys.readouterr().err
-    assert validate([str(train), "--max-chars", "0"]) == 2
-    assert "positive" in capsys.readouterr().err
+    assert err == [f"error: {train}: --max-prompt-length does not apply to preference data; limits by kind: prompt "
+                   "data --max-prompt-length (tokens), preference data --max-length (tokens) or --max-chars "
+                   "(characters)"]
+    # each message names the options as typed, not the library's parameters
+    cases = [
+        (["--max-chars", "10", "--max-length", "10", "--tokenizer", str(folder)],
+         "give a token limit (--max-length) or a character limit (--max-chars), not both"),
+        (["--max-chars", "0"], "--max-chars must be a positive integer (the length limit), not 0"),
+        (["--max-length", "10"], "a length limit in tokens needs both a tokenizer and the limit: --tokenizer and "
+                                 "--max-length"),
+        (["--tokenizer", str(folder), "--max-chars", "10"], "a length limit in tokens needs both a tokenizer and "
+                                                            "the limit: --tokenizer and --max-length (--max-chars "
+                                                            "counts characters, without a tokenizer)"),
+        (["--tokenizer", str(folder), "--max-length", "-3"],
+         "--max-length must be a positive integer (the length limit), not -3"),
+    ]
+    for options, message in cases:
+        assert validate([str(train), *options]) == 2, options
+        assert capsys.readouterr().err == f"error: {train}: {message}\n"
 
 
 def test_validate_preference_files_joins_files_and_fingerprints_them(tmp_path):

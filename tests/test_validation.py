@@ -574,7 +574,40 @@ def test_cli_rejects_tokenizer_without_limit(valid_files, chat_tokenizer_dir, ca
     [line] = capsys.readouterr().err.strip().splitlines()
     assert str(valid_files[0]) in line and "needs both a tokenizer and the limit" in line
     assert validate([str(valid_files[0]), "--max-chars", "100"]) == 2  # a preference-data limit
-    assert "max_chars does not apply to prompt data" in capsys.readouterr().err
+    assert "--max-chars does not apply to prompt data" in capsys.readouterr().err
+
+
+def test_cli_errors_name_the_options_the_user_typed(valid_files, chat_tokenizer_dir, capsys):
+    train, tokenizer = str(valid_files[0]), str(chat_tokenizer_dir)
+    cases = [
+        ([train, "--tokenizer", tokenizer],
+         "a length limit in tokens needs both a tokenizer and the limit: --tokenizer and --max-prompt-length"),
+        ([train, "--max-chars", "100"],
+         "--max-chars does not apply to prompt data; limits by kind: prompt data --max-prompt-length (tokens), "
+         "preference data --max-length (tokens) or --max-chars (characters)"),
+        ([train, "--tokenizer", tokenizer, "--max-prompt-length", "0"],
+         "--max-prompt-length must be a positive integer (the length limit), not 0"),
+        ([train, "--overlong-tolerance", "1.5"], "--overlong-tolerance must lie in [0, 1], not 1.5"),
+    ]
+    for argv, message in cases:
+        assert validate(argv) == 2, argv
+        assert capsys.readouterr().err == f"error: {train}: {message}\n"
+
+
+def test_library_errors_name_the_parameters(valid_files, char_tokenizer):
+    cases = [
+        ({"tokenizer": char_tokenizer},
+         "a length limit in tokens needs both a tokenizer and the limit: tokenizer and max_prompt_length"),
+        ({"max_chars": 100}, "max_chars does not apply to prompt data; limits by kind: prompt data max_prompt_length "
+                             "(tokens), preference data max_length (tokens) or max_chars (characters)"),
+        ({"tokenizer": char_tokenizer, "max_prompt_length": 0},
+         "max_prompt_length must be a positive integer (the length limit), not 0"),
+        ({"overlong_tolerance": -0.5}, "overlong_tolerance must lie in [0, 1], not -0.5"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError) as error:
+            validate_dataset(valid_files[0], **options)
+        assert str(error.value) == message
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,6 +225,12 @@ def _validate_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: the options the library's errors name, as the user typed them (not as its parameters)
+_VALIDATE_OPTIONS = {"tokenizer": "--tokenizer", "max_prompt_length": "--max-prompt-length",
+                     "max_length": "--max-length", "max_chars": "--max-chars",
+                     "overlong_tolerance": "--overlong-tolerance"}
+
+
 def validate(argv: Sequence[str] | None = None) -> int:
     args = _validate_parser().parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -233,7 +239,8 @@ def validate(argv: Sequence[str] | None = None) -> int:
                                   max_length=args.max_length, max_chars=args.max_chars,
                                   overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward,
                                   template_kwargs=args.chat_template_kwargs, prompt_key=args.prompt_key,
-                                  reward_fn_key=args.reward_fn_key, ground_truth_required=args.ground_truth_required)
+                                  reward_fn_key=args.reward_fn_key, ground_truth_required=args.ground_truth_required,
+                                  option_names=_VALIDATE_OPTIONS)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -74,6 +74,8 @@ MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
 _LIMITS = {"prompt": ("max_prompt_length",), "preference": ("max_length", "max_chars"), None: ()}
+#: the parameters :func:`validate_frames`' errors name; a caller may name them its own way (``option_names``)
+_OPTIONS = ("tokenizer", "max_prompt_length", "max_length", "max_chars", "overlong_tolerance")
 _LENGTH_CHECKS = ("prompt_length_within_limit", "pair_length_within_limit")
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
@@ -628,7 +630,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     names: tuple[str, str] = ("train", "val"),
                     paths: tuple[str | None, str | None] = (None, None),
                     file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
-                    ground_truth_required: bool = True) -> ValidationReport:
+                    ground_truth_required: bool = True,
+                    option_names: Mapping[str, str] | None = None) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -645,25 +648,33 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     ``reward_model.rule_coef=0`` or a custom reward function), which the trainer takes without the
     ``reward_model`` column or with rows whose ground truth is null; the pipelines keep the default, as
     their evaluation grades against the ground truth. Preference data has none, and ignores it.
+    ``option_names``: what the errors call the tokenizer, the limits and the tolerance (:data:`_OPTIONS`), for a
+    caller whose user set them otherwise (the command line's ``--max-chars``); by default these parameters' names.
     """
     kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
         tokenizer = max_prompt_length = max_length = max_chars = None
+    name = {**dict(zip(_OPTIONS, _OPTIONS)), **(option_names or {})}
     given = {"max_prompt_length": max_prompt_length, "max_length": max_length, "max_chars": max_chars}
-    wrong = [name for name, value in given.items() if value is not None and name not in _LIMITS[kind]]
+    wrong = [name[key] for key, value in given.items() if value is not None and key not in _LIMITS[kind]]
     if wrong:
-        raise ValueError(f"{', '.join(wrong)} does not apply to {kind or 'this'} data; limits by kind: "
-                         "prompt data max_prompt_length, preference data max_length (tokens) or max_chars")
-    token_limit = max_prompt_length if kind == "prompt" else max_length
-    if (tokenizer is None) != (token_limit is None):
-        raise ValueError("a length limit in tokens needs both a tokenizer and the limit")
+        raise ValueError(f"{', '.join(wrong)} does not apply to {kind or 'this'} data; limits by kind: prompt data "
+                         f"{name['max_prompt_length']} (tokens), preference data {name['max_length']} (tokens) or "
+                         f"{name['max_chars']} (characters)")
+    token_limit, token_name = (max_prompt_length, name["max_prompt_length"]) if kind == "prompt" else \
+        (max_length, name["max_length"])
     if token_limit is not None and max_chars is not None:
-        raise ValueError("give a token limit (max_length) or a character limit (max_chars), not both")
+        raise ValueError(f"give a token limit ({token_name}) or a character limit ({name['max_chars']}), not both")
+    if (tokenizer is None) != (token_limit is None):
+        chars = f" ({name['max_chars']} counts characters, without a tokenizer)" if max_chars is not None else ""
+        raise ValueError(f"a length limit in tokens needs both a tokenizer and the limit: {name['tokenizer']} and "
+                         f"{token_name}{chars}")
     limit = token_limit if token_limit is not None else max_chars
     if limit is not None and limit < 1:
-        raise ValueError("the length limit must be a positive integer")
+        limit_name = token_name if token_limit is not None else name["max_chars"]
+        raise ValueError(f"{limit_name} must be a positive integer (the length limit), not {limit}")
     if not 0.0 <= overlong_tolerance <= 1.0:
-        raise ValueError("overlong_tolerance must lie in [0, 1]")
+        raise ValueError(f"{name['overlong_tolerance']} must lie in [0, 1], not {overlong_tolerance}")
     if kind == "prompt" and known_sources is None and not custom_reward:
         from rlhf_core.rewards import known_data_sources
 
