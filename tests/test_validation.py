@@ -610,6 +610,18 @@ def test_library_errors_name_the_parameters(valid_files, char_tokenizer):
         assert str(error.value) == message
 
 
+def test_cli_chat_template_kwargs_must_be_a_json_object(valid_files, capsys):
+    for text, reason in [("{x", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+                                 "(char 1)): '{x'"),
+                         ("[1]", "a JSON object of keywords is needed, e.g. '{\"enable_thinking\": false}', "
+                                 "not '[1]'")]:
+        with pytest.raises(SystemExit) as stop:
+            validate([str(valid_files[0]), "--chat-template-kwargs", text])
+        assert stop.value.code == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.endswith(f"error: argument --chat-template-kwargs: {reason}"), last
+
+
 # ---------------------------------------------------------------------------------------------
 # Fingerprint and HTML
 
