@@ -12,7 +12,7 @@ import pytest
 
 from rlhf_core.cli.data import gsm8k
 from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, preprocess_gsm8k
-from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
+from rlhf_core.data.schema import INSTRUCTION, PROMPT_COLUMNS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,7 +78,7 @@ def test_parquet_layout_gives_identical_output(gsm8k_dir, jsonl_out, tmp_path, n
 def test_schema_and_prompt_of_row_zero(gsm8k_dir, frames):
     raw = _raw_rows(gsm8k_dir / "train.jsonl")
     train = frames["train"]
-    assert tuple(train.columns) == REQUIRED_COLUMNS
+    assert tuple(train.columns) == PROMPT_COLUMNS
     row = train.iloc[0]
     assert row["data_source"] == "openai/gsm8k"
     assert row["ability"] == "math"

@@ -346,7 +346,7 @@ def test_prompt_without_chosen_rejected_or_reward_model_is_exit_1_naming_the_col
     assert "neither prompt nor preference data" in out
     missing = [line.split("[train.")[1].split("]")[0] for line in out.splitlines()
                if line.startswith("FAILED column_exists")]
-    assert missing == ["ability", "reward_model", "chosen", "rejected"]
+    assert missing == ["reward_model", "chosen", "rejected"]
 
 
 def test_cli_checks_a_preference_file_and_its_val(tmp_path, capsys):

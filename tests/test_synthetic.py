@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from rlhf_core.cli import data as cli
 from rlhf_core.data import synthetic
-from rlhf_core.data.schema import INSTRUCTION, REQUIRED_COLUMNS
+from rlhf_core.data.schema import INSTRUCTION, PROMPT_COLUMNS
 from rlhf_core.data.synthetic import DATA_SOURCE, build_dataset, build_splits, generate_problems
 from rlhf_core.rewards.gsm8k import compute_score
 
@@ -225,7 +225,7 @@ def test_build_dataset_schema(tmp_path):
     train, test = _read(tmp_path / "train.parquet"), _read(tmp_path / "test.parquet")
     assert len(train) == 60 and len(test) == 20
     for split, frame in (("train", train), ("test", test)):
-        assert tuple(frame.columns) == REQUIRED_COLUMNS
+        assert tuple(frame.columns) == PROMPT_COLUMNS
         assert set(frame["data_source"]) == {DATA_SOURCE} == {"synthetic/arithmetic"}
         assert set(frame["ability"]) == {"math"}
         for i, row in enumerate(frame.itertuples()):

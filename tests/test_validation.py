@@ -302,7 +302,7 @@ def test_prompts_alone_fail_by_default_and_pass_without_a_ground_truth(char_toke
     report = validate_frames(train, kind="auto", ground_truth_required=False, tokenizer=char_tokenizer,
                              max_prompt_length=512)
     assert report.kind == "prompt" and report.success, report.summary()
-    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "ability", "extra_info"]
+    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "extra_info"]
     assert not any(o.column == "ground_truth" for o in report.results)
     assert "train: not_null [ground_truth] (rows may go without a ground truth: a reward model at " \
         "reward_model.rule_coef=0 or a custom reward function scores them)" in report.skipped
@@ -793,8 +793,7 @@ def test_the_configured_prompt_and_source_columns_are_the_ones_checked():
     report = validate_frames(pd.DataFrame(rows), **keys)
     assert failed(report) == [("data_source_known", "source", "train")]
     assert report.failures[0].examples == [(2, "nobody/knows")]
-    assert [o.column for o in report.find("column_exists")] == [
-        "source", "question", "ability", "reward_model", "extra_info"]
+    assert [o.column for o in report.find("column_exists")] == ["source", "question", "reward_model", "extra_info"]
     assert report.find("prompt_has_user_turn")[0].statistics["element_count"] == 3  # read from 'question'
     assert report.find("problem_id_unique")[0].success  # openai/gsm8k/0, openai/gsm8k/1, nobody/knows/2
     # with the default columns the same table lacks both
@@ -817,6 +816,45 @@ def test_the_data_step_validates_the_columns_the_trainer_reads(tmp_path, monkeyp
     checked = {r["expectation_config"]["kwargs"].get("column") for d in result["datasets"]
                for r in d["result"]["results"]}
     assert {"question", "source"} <= checked and not {"prompt", "data_source"} & checked
+
+
+def _without_ability(rows: list[dict]) -> list[dict]:
+    return [{key: value for key, value in row.items() if key != "ability"} for row in rows]
+
+
+def test_ability_is_optional_and_checked_where_it_is_there():
+    """Neither the trainer nor a reward function reads 'ability' (nor does verl's RLHFDataset need it): a table
+    without it passes; where it is there it is still never null."""
+    report = validate_frames(pd.DataFrame(_without_ability(records(3))))
+    assert report.success, report.summary()
+    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "reward_model", "extra_info"]
+    assert [o.column for o in report.find("not_null")] == [
+        "data_source", "prompt", "reward_model", "extra_info", "ground_truth"]
+    rows = records(3)
+    rows[1]["ability"] = None
+    report = validate_frames(pd.DataFrame(rows))
+    assert failed(report) == [("not_null", "ability", "train")]
+    assert [o.column for o in report.find("not_null")] == [
+        "data_source", "prompt", "ability", "reward_model", "extra_info", "ground_truth"]
+    assert report.failures[0].statistics["unexpected_count"] == 1
+    # a table of neither kind is told what prompt data needs: 'ability' is not among it
+    summary = validate_frames(pd.DataFrame([{"text": "hello"}]), kind="auto").summary()
+    assert "  prompt data needs the columns data_source, prompt, reward_model, extra_info; " in summary
+
+
+def test_the_command_line_and_the_data_step_take_prompts_without_ability(tmp_path, monkeypatch, capsys,
+                                                                         chat_tokenizer_dir):
+    import steps.validate_data as step
+    from rlhf_core.config import load_config
+
+    train = write(tmp_path / "train.parquet", _without_ability(records(4)))
+    val = write(tmp_path / "val.parquet", _without_ability(records(2, "test", 40)))
+    assert validate([str(train), "--val", str(val)]) == 0
+    assert capsys.readouterr().out.startswith("Dataset validation PASSED")
+    cfg = load_config([f"data.train_files={train}", f"data.val_files={val}", f"data.tokenizer={chat_tokenizer_dir}"])
+    monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
+    result, _html, _fingerprint = step.validate_data.entrypoint(cfg.to_dict())
+    assert result["success"] is True
 
 
 def test_the_command_line_takes_the_prompt_and_source_columns(tmp_path, capsys):

@@ -1,7 +1,9 @@
 """The verl prompt-dataset schema shared by every data source, and the preference schema beside it.
 
 A prompt row is ``data_source``, ``prompt`` (chat messages), ``ability``,
-``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``.
+``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``; ``ability`` is
+optional (:data:`OPTIONAL_COLUMNS`): the data commands write it, as verl's do, but neither the trainer nor a
+reward function reads it (nor does verl's RLHFDataset need it).
 A preference row (for reward models) is ``prompt`` (chat messages, as above), ``chosen`` and
 ``rejected`` (assistant texts, the preferred one first), ``data_source`` and ``extra_info`` (a dict).
 Chat messages are a non-empty list of ``{role, content}`` mappings with string values (:func:`prompt_problem`).
@@ -23,7 +25,9 @@ import pandas as pd
 from rlhf_core.atomic import current_umask
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
-REQUIRED_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
+PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")  # as the data commands write them
+OPTIONAL_COLUMNS = ("ability",)  # a prompt table may go without them
+REQUIRED_COLUMNS = tuple(c for c in PROMPT_COLUMNS if c not in OPTIONAL_COLUMNS)
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
 _FINAL_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf_core.data.schema import REQUIRED_COLUMNS, make_record, write_parquet_atomic
+from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquet_atomic
 
 DATA_SOURCE = "synthetic/arithmetic"
 OPERATIONS = ("+", "-", "*", "/")
@@ -417,7 +417,7 @@ def build_dataset(
             make_record(p["question"], p["solution"], p["answer"], split, i, DATA_SOURCE)
             for i, p in enumerate(problems)
         ]
-        frame = pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS))
+        frame = pd.DataFrame(rows, columns=list(PROMPT_COLUMNS))
         write_parquet_atomic(frame, paths[split], overwrite=overwrite)
     return paths
 

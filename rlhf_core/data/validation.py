@@ -8,8 +8,9 @@ see :func:`_suite`. Rows are named by their position in the table, from 0.
 
 The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make preference data
 (:data:`~rlhf_core.data.schema.PREFERENCE_COLUMNS`), ``reward_model`` prompt data (verl's schema,
-:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`); a table with neither is reported with every column either
-kind needs that it lacks. Prompt data trained without a ground truth (``ground_truth_required=False``,
+:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`; ``ability``, which nothing in training reads, only where it is
+there, :data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`); a table with neither is reported with every column
+either kind needs that it lacks. Prompt data trained without a ground truth (``ground_truth_required=False``,
 ``--no-ground-truth``: a reward model at ``reward_model.rule_coef=0`` or a custom reward function) needs no
 ``reward_model`` column, and its ground-truth checks cover only the rows that have one. Both kinds check the
 rows, columns, nulls and the prompt messages, and the validation file for rows that repeat training data
@@ -56,7 +57,9 @@ import numpy as np
 import pandas as pd
 
 from rlhf_core.data.schema import (
+    OPTIONAL_COLUMNS,
     PREFERENCE_COLUMNS,
+    PROMPT_COLUMNS,
     REQUIRED_COLUMNS,
     ground_truth,
     is_missing,
@@ -493,23 +496,26 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     source nor the answer's form is the built-in rules' business. ``prompt_key``, ``reward_fn_key``: the
     columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
-    checks cover those rows, and ``reward_model`` is not a required column.
+    checks cover those rows, and ``reward_model`` is not a required column. An optional column
+    (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``) is checked for nulls where it is there.
     """
     import great_expectations.expectations as gxe
 
     # the trainer reads the prompt and the source from the configured columns; preference data has fixed ones
     renamed = {"prompt": prompt_key, "data_source": reward_fn_key}
-    prompt_columns = tuple(renamed.get(c, c) for c in REQUIRED_COLUMNS
+    prompt_columns = tuple(renamed.get(c, c) for c in PROMPT_COLUMNS
                            if ground_truth_required or c != "reward_model")
-    required = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
+    columns = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
         PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
+    optional = set(OPTIONAL_COLUMNS) - {prompt_key, reward_fn_key}  # a column the trainer is told to read is not
+    required = [c for c in columns if c not in optional]
     sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
     key = "prompt_json" if kind == "preference" else "prompt_user_content"
     # (check, GX expectation, column or columns, what it checks, the expectation's arguments)
     specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
         *[("column_exists", gxe.ExpectColumnToExist, c, f"column '{c}' is present", {}) for c in required],
-        *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in required
+        *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in columns
           if c in frame],
         ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeBetween, "prompt_num_messages",
          "prompt is a non-empty list of {role, content} string messages (-1: malformed)", {"min_value": 1}),
