@@ -220,3 +220,34 @@ def test_check_preference_frames_names_a_bad_prompt_of_frames_in_memory():
     with pytest.raises(PreferenceDataError, match=r"7 prompt\(s\) are not chat messages \(prompt is null in "
                                                   r"row\(s\) 0, 1, 2, 3, 4 \.\.\.\)"):
         check_preference_frames([(Path("train.parquet"), more)], [])
+
+
+# ----------------------------------------------------------------------------- options of the other source
+
+
+def _solutions(tmp_path, n=20):
+    """n questions Q0..Q(n-1), each with 2 correct and 2 incorrect solutions: 4 pairs a question."""
+    source = tmp_path / "solutions.jsonl"
+    source.write_text("\n".join(
+        _row(f"Q{i}", [(f"right {i}", True), (f"wrong {i}", False), (f"bad {i}", False), (f"right2 {i}", True)])
+        for i in range(n)) + "\n")
+    return source
+
+
+@pytest.mark.parametrize("source, options, message", [
+    (["--synthetic"], ["--val-fraction", "0.3"], "--val-fraction only applies to --gsm8k-solutions; --synthetic "
+                                                  "does not use it"),
+    (["--gsm8k-solutions", "S"], ["--n-train", "10"], "--n-train only applies to --synthetic; --gsm8k-solutions "
+                                                      "does not use it"),
+    (["--gsm8k-solutions", "S"], ["--n-val", "5", "--n-train", "10"],
+     "--n-train and --n-val only apply to --synthetic; --gsm8k-solutions does not use them"),
+])
+def test_an_option_of_the_other_source_is_refused(tmp_path, capsys, source, options, message):
+    solutions = _solutions(tmp_path, n=3)
+    source = [str(solutions) if s == "S" else s for s in source]
+    out = tmp_path / "pairs"
+    with pytest.raises(SystemExit) as info:
+        preference([*source, "--output", str(out), *options])
+    assert info.value.code == 2
+    assert f"error: {message}\n" in capsys.readouterr().err
+    assert not out.exists()

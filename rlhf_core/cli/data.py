@@ -156,25 +156,34 @@ def preference(argv: list[str] | None = None) -> int:
     source.add_argument("--synthetic", action="store_true",
                         help="pairs on the demo task: the right final answer vs the demo model's slip")
     parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
-    parser.add_argument("--val-fraction", type=float, default=0.2,
-                        help="share of questions held out for validation (GSM8K; default 0.2)")
-    parser.add_argument("--n-train", type=int, default=2000, help="synthetic training questions (default 2000)")
-    parser.add_argument("--n-val", type=int, default=400, help="synthetic validation questions (default 400)")
+    # None = not given: each source refuses the other's options instead of ignoring them
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="GSM8K: share of questions held out for validation (default 0.2)")
+    parser.add_argument("--n-train", type=int, default=None, help="synthetic: training questions (default 2000)")
+    parser.add_argument("--n-val", type=int, default=None, help="synthetic: validation questions (default 400)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
+    other_source = ("--n-train", "--n-val") if not args.synthetic else ("--val-fraction",)
+    given = [option for option in other_source if getattr(args, option[2:].replace("-", "_")) is not None]
+    if given:
+        this, other = ("--synthetic", "--gsm8k-solutions") if args.synthetic else ("--gsm8k-solutions", "--synthetic")
+        verb, pronoun = ("apply", "them") if len(given) > 1 else ("applies", "it")
+        parser.error(f"{' and '.join(given)} only {verb} to {other}; {this} does not use {pronoun}")
     try:
         if args.synthetic:
-            if args.n_train < 1 or args.n_val < 1:
+            n_train = 2000 if args.n_train is None else args.n_train
+            n_val = 400 if args.n_val is None else args.n_val
+            if n_train < 1 or n_val < 1:
                 parser.error("--n-train and --n-val must be at least 1")
-            train, val = synthetic_pairs(args.n_train, args.n_val, args.seed)
+            train, val = synthetic_pairs(n_train, n_val, args.seed)
             data_source = DATA_SOURCE
         else:
             pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
             if not pairs:
                 raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
                                           "and an incorrect solution")
-            train, val = split_by_group(pairs, args.val_fraction, args.seed)
+            train, val = split_by_group(pairs, 0.2 if args.val_fraction is None else args.val_fraction, args.seed)
             data_source = GSM8K_SOURCE
             print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
         paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)

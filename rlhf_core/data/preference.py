@@ -22,7 +22,10 @@ Usage::
     python -m rlhf_core.data.preference --gsm8k-solutions FILE --output DIR [--val-fraction 0.2] [--seed 0]
     python -m rlhf_core.data.preference --synthetic --output DIR [--n-train 2000] [--n-val 400] [--seed 0]
 
-writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both.
+writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both. ``--val-fraction``
+belongs to the GSM8K source, ``--n-train``/``--n-val`` to the synthetic one; the other source refuses them
+rather than ignore them.
+
 Exit status: 0 on success, 1 for unusable input, 2 when an output exists (without
 ``--overwrite``) or the command line is wrong.
 """
