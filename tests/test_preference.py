@@ -251,3 +251,104 @@ def test_an_option_of_the_other_source_is_refused(tmp_path, capsys, source, opti
     assert info.value.code == 2
     assert f"error: {message}\n" in capsys.readouterr().err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- pairs kept apart from prompt sets
+
+
+def _prompt_file(path, questions, split="test"):
+    """A prompt parquet in the schema the data commands write (the question plus the instruction)."""
+    from rlhf_core.data.schema import REQUIRED_COLUMNS, make_record
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [make_record(q, f"#### {i}", str(i), split, i, "s") for i, q in enumerate(questions)]
+    pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)).to_parquet(path)
+    return path
+
+
+def test_exclude_drops_the_gsm8k_pairs_on_questions_of_the_prompt_data(tmp_path, capsys):
+    source = _solutions(tmp_path)
+    # a folder: its train.parquet as the data commands write it (Q3 and a question without pairs) and a test.parquet
+    # of another source (a system turn, no instruction, no extra_info, stray spaces) holding Q7
+    folder = tmp_path / "prompts"
+    _prompt_file(folder / "train.parquet", ["Q3", "not among the pairs"], split="train")
+    pd.DataFrame({"prompt": [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Q7  "}]]}
+                 ).to_parquet(folder / "test.parquet")
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.5",
+                       "--exclude", str(folder)]) == 0
+    assert f"excluded: 8 pair(s) over 2 question(s) of {folder}\n" in capsys.readouterr().out
+    train, val = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
+    questions = [e["question"] for e in pd.concat([train, val])["extra_info"]]
+    assert sorted(set(questions)) == sorted(f"Q{i}" for i in range(20) if i not in (3, 7))
+    assert (len(train), len(val)) == (9 * 4, 9 * 4)  # half of the 18 questions left, 4 pairs each
+
+
+def test_exclude_that_leaves_no_pair_is_refused_and_writes_nothing(tmp_path, capsys):
+    source = _solutions(tmp_path, n=3)
+    prompts = _prompt_file(tmp_path / "test.parquet", ["Q0", "Q1", "Q2"])
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--exclude", str(prompts)]) == 1
+    captured = capsys.readouterr()
+    assert "excluded: 12 pair(s) over 3 question(s)" in captured.out
+    assert f"error: every pair of {source} is on a question of --exclude ({prompts}): no pair is left" in captured.err
+    assert not out.exists()
+
+
+def test_exclude_names_a_missing_path_and_a_file_that_is_not_prompt_data(tmp_path, capsys):
+    source = _solutions(tmp_path, n=3)
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(tmp_path / "a"),
+                       "--exclude", str(tmp_path / "nowhere.parquet")]) == 1
+    assert f"error: prompt data {tmp_path / 'nowhere.parquet'} does not exist" in capsys.readouterr().err
+    other = tmp_path / "other.parquet"
+    pd.DataFrame({"text": ["Q0"]}).to_parquet(other)
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(tmp_path / "b"), "--exclude", str(other)]) == 1
+    assert f"error: {other} is not prompt data: it has no 'prompt' column (its columns: text)" in capsys.readouterr().err
+
+
+def test_synthetic_exclude_draws_other_questions_so_the_counts_hold(tmp_path, capsys):
+    train, val = synthetic_pairs(30, 10, seed=0)
+    excluded = [p["question"] for p in train[:5] + val[:3]]  # 8 distinct questions the plain draw has pairs on
+    prompts = _prompt_file(tmp_path / "test.parquet", excluded)
+    out = tmp_path / "pairs"
+    assert preference(["--synthetic", "--n-train", "30", "--n-val", "10", "--output", str(out),
+                       "--exclude", str(prompts)]) == 0
+    assert f"excluded: 8 pair(s) on questions of {prompts}, drawn again on other questions\n" in capsys.readouterr().out
+    train2, val2 = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
+    assert (len(train2), len(val2)) == (30, 10)
+    questions = [e["question"] for e in pd.concat([train2, val2])["extra_info"]]
+    assert len(set(questions)) == 40 and not set(excluded) & set(questions)
+
+
+def test_the_demo_pairs_stay_apart_from_the_demo_evaluation_prompts(tmp_path, capsys):
+    """The demo's prompt data (make demo-assets) and pairs (make demo-rm) at seed 1: without --exclude, 3 of the
+    1,024 evaluation questions have pairs; with it none has, and the pairs are still 2,000 + 400."""
+    from rlhf_core.data.synthetic import build_dataset
+
+    data = build_dataset(tmp_path / "synthetic", 8192, 1024, seed=1, max_ops=1, max_operand=12)
+    evaluation = set(pd.read_parquet(data["test"])["extra_info"].map(lambda e: e["question"]))
+    for name, extra in (("plain", []), ("apart", ["--exclude", str(data["test"])])):
+        assert preference(["--synthetic", "--seed", "1", "--output", str(tmp_path / name), *extra]) == 0
+    assert f"excluded: 3 pair(s) on questions of {data['test']}" in capsys.readouterr().out
+    for name, shared in (("plain", 3), ("apart", 0)):
+        frames = [pd.read_parquet(tmp_path / name / f"{split}.parquet") for split in ("train", "val")]
+        assert [len(f) for f in frames] == [2000, 400]
+        questions = set(pd.concat(frames)["extra_info"].map(lambda e: e["question"]))
+        assert len(questions & evaluation) == shared
+
+
+def test_synthetic_exclude_that_leaves_too_few_questions_is_refused(tmp_path, capsys, monkeypatch):
+    """The draws stop after a bounded run of excluded or repeated questions: with a run of 1 allowed, excluding the
+    first question of the validation stream (the only val pair of the plain draw) leaves none to draw."""
+    import rlhf_core.data.synthetic as synthetic
+
+    _, val = synthetic_pairs(1, 1, seed=0)
+    prompts = _prompt_file(tmp_path / "test.parquet", [val[0]["question"]])
+    monkeypatch.setattr(synthetic, "_MAX_DUPLICATE_RUN", 1)
+    out = tmp_path / "pairs"
+    assert preference(["--synthetic", "--n-train", "1", "--n-val", "1", "--output", str(out),
+                       "--exclude", str(prompts)]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: the demo task has too few questions outside the prompt data of --exclude ({prompts}) for "
+            "--n-train 1 and --n-val 1: ask for fewer (only 0 distinct problems found before 1 duplicates") in err
+    assert not out.exists()

@@ -23,7 +23,9 @@ from rlhf_core.data.preference import (
     GSM8K_SOURCE,
     TEST_SET_WARNING,
     PreferenceDataError,
+    drop_questions,
     gsm8k_solution_pairs,
+    prompt_questions,
     split_by_group,
     synthetic_pairs,
     write_splits,
@@ -161,6 +163,10 @@ def preference(argv: list[str] | None = None) -> int:
                         help="GSM8K: share of questions held out for validation (default 0.2)")
     parser.add_argument("--n-train", type=int, default=None, help="synthetic: training questions (default 2000)")
     parser.add_argument("--n-val", type=int, default=None, help="synthetic: validation questions (default 400)")
+    parser.add_argument("--exclude", nargs="+", metavar="PATH", default=[],
+                        help="prompt parquet file(s), or folders of them, whose questions no pair may be on (the "
+                             "evaluation prompts: a reward model fitted on them leaks them into the PPO reward); "
+                             "GSM8K drops such pairs, synthetic draws other questions in their place")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
@@ -170,19 +176,40 @@ def preference(argv: list[str] | None = None) -> int:
         this, other = ("--synthetic", "--gsm8k-solutions") if args.synthetic else ("--gsm8k-solutions", "--synthetic")
         verb, pronoun = ("apply", "them") if len(given) > 1 else ("applies", "it")
         parser.error(f"{' and '.join(given)} only {verb} to {other}; {this} does not use {pronoun}")
+    excluded = " ".join(args.exclude)
     try:
+        apart = prompt_questions(args.exclude) if args.exclude else set()
         if args.synthetic:
             n_train = 2000 if args.n_train is None else args.n_train
             n_val = 400 if args.n_val is None else args.n_val
             if n_train < 1 or n_val < 1:
                 parser.error("--n-train and --n-val must be at least 1")
-            train, val = synthetic_pairs(n_train, n_val, args.seed)
+            if apart:
+                # the same seed without --exclude: its pairs on excluded questions are the ones drawn again
+                replaced = sum(len(drop_questions(pairs, apart)[1])
+                               for pairs in synthetic_pairs(n_train, n_val, args.seed))
+                try:
+                    train, val = synthetic_pairs(n_train, n_val, args.seed, exclude=apart)
+                except ValueError as exc:
+                    raise PreferenceDataError(
+                        f"the demo task has too few questions outside the prompt data of --exclude ({excluded}) for "
+                        f"--n-train {n_train} and --n-val {n_val}: ask for fewer ({exc})") from exc
+                print(f"excluded: {replaced} pair(s) on questions of {excluded}, drawn again on other questions")
+            else:
+                train, val = synthetic_pairs(n_train, n_val, args.seed)
             data_source = DATA_SOURCE
         else:
             pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
             if not pairs:
                 raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
                                           "and an incorrect solution")
+            if apart:
+                pairs, dropped = drop_questions(pairs, apart)
+                print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} question(s) of "
+                      f"{excluded}")
+                if not pairs:
+                    raise PreferenceDataError(f"every pair of {args.gsm8k_solutions} is on a question of --exclude "
+                                              f"({excluded}): no pair is left")
             train, val = split_by_group(pairs, 0.2 if args.val_fraction is None else args.val_fraction, args.seed)
             data_source = GSM8K_SOURCE
             print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)

@@ -20,14 +20,23 @@ Sources:
 Usage::
 
     python -m rlhf_core.data.preference --gsm8k-solutions FILE --output DIR [--val-fraction 0.2] [--seed 0]
+        [--exclude PATH ...]
     python -m rlhf_core.data.preference --synthetic --output DIR [--n-train 2000] [--n-val 400] [--seed 0]
+        [--exclude PATH ...]
 
 writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both. ``--val-fraction``
 belongs to the GSM8K source, ``--n-train``/``--n-val`` to the synthetic one; the other source refuses them
 rather than ignore them.
 
-Exit status: 0 on success, 1 for unusable input, 2 when an output exists (without
-``--overwrite``) or the command line is wrong.
+``--exclude`` takes prompt parquet files, or folders of them (their ``*.parquet``), and keeps every pair off
+their questions (:func:`prompt_questions`): give it the prompts the policy is evaluated on, since a reward
+model fitted on pairs of those questions carries them into the PPO reward. The GSM8K source drops such pairs
+(and refuses when none is left); the synthetic source draws other questions in their place, so
+``--n-train``/``--n-val`` still hold (refused when the demo task runs out of questions). Either says how many
+pairs the exclusion took.
+
+Exit status: 0 on success, 1 for unusable input (a missing or unreadable ``--exclude`` path included),
+2 when an output exists (without ``--overwrite``) or the command line is wrong.
 """
 
 from __future__ import annotations
@@ -155,6 +164,76 @@ def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None =
                           "group": f"{name}-{i}", "answer": problem["answer"]})
         out.append(pairs)
     return out[0], out[1]
+
+
+# ----------------------------------------------------------------------------- keeping pairs apart from prompt sets
+
+
+def question_keys(prompt, extra_info=None) -> set[str]:
+    """The question a prompt or preference row is about, whitespace collapsed, in each form the row gives it:
+    ``extra_info.question`` where it is text, and the last user message without the prompts' instruction
+    (:data:`~rlhf_core.data.schema.INSTRUCTION`). Rows written by this project give the same text both ways; a
+    prompt file of another source is matched by its last user turn. ``prompt`` must be chat messages
+    (:func:`~rlhf_core.data.schema.prompt_problem`)."""
+    keys = set()
+    if isinstance(extra_info, dict) and isinstance(extra_info.get("question"), str):
+        keys.add(extra_info["question"])
+    users = [m["content"] for m in prompt if m["role"] == "user"]
+    if users:
+        content = users[-1]
+        keys.add(content[:-len(INSTRUCTION)] if content.endswith(INSTRUCTION) else content)
+    return {" ".join(key.split()) for key in keys} - {""}
+
+
+def prompt_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The parquet files named by ``paths``: a file as it is, a folder as the ``*.parquet`` files in it (its
+    train/test split). PreferenceDataError for a path that does not exist or a folder without parquet files."""
+    files = []
+    for path in map(Path, paths):
+        path = path.expanduser()
+        if path.is_dir():
+            found = sorted(path.glob("*.parquet"))
+            if not found:
+                raise PreferenceDataError(f"{path} holds no .parquet file; name the prompt parquet file(s)")
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise PreferenceDataError(f"prompt data {path} does not exist")
+    return files
+
+
+def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") -> set[str]:
+    """The questions (:func:`question_keys`) of prompt parquet files, or folders of them (:func:`prompt_files`):
+    what preference pairs must stay apart from. PreferenceDataError names a file that is not prompt data and the
+    rows whose prompt is not chat messages."""
+    questions: set[str] = set()
+    for path in prompt_files(paths):
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+            raise PreferenceDataError(f"{path} is not a readable parquet file ({exc})") from exc
+        if prompt_key not in frame.columns:
+            raise PreferenceDataError(f"{path} is not prompt data: it has no {prompt_key!r} column (its columns: "
+                                      f"{', '.join(map(str, frame.columns))})")
+        bad = [(row, problem) for row, prompt in enumerate(frame[prompt_key])
+               if (problem := prompt_problem(prompt)) is not None]
+        if bad:
+            raise PreferenceDataError(f"{path}: {len(bad)} prompt(s) are not chat messages, so their questions "
+                                      f"cannot be compared (row {bad[0][0]}: {bad[0][1]})")
+        extra = frame["extra_info"] if "extra_info" in frame.columns else [None] * len(frame)
+        for prompt, extra_info in zip(frame[prompt_key], extra):
+            questions |= question_keys(prompt, extra_info)
+    return questions
+
+
+def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], list[dict]]:
+    """(kept, dropped): the pairs whose ``question`` (whitespace collapsed) is not, and is, in ``questions``
+    (as :func:`prompt_questions` gives them)."""
+    kept, dropped = [], []
+    for pair in pairs:
+        (dropped if " ".join(pair["question"].split()) in questions else kept).append(pair)
+    return kept, dropped
 
 
 # ----------------------------------------------------------------------------- writing and reading
