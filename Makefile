@@ -45,9 +45,11 @@ demo: demo-assets
 	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
 
 # RLHF from preferences: synthetic pairs, a reward model trained from the demo model, PPO against it.
+# The pairs stay off the questions the pipeline evaluates on (the demo's test split), which its
+# validate_preferences step checks.
 demo-rm: demo-assets
 	@[ -f $(DEMO_PREFERENCES)/train.parquet ] || $(PY) -m rlhf_core.data.preference --synthetic \
-		--output $(DEMO_PREFERENCES)
+		--output $(DEMO_PREFERENCES) --exclude $(DEMO_DATA)/test.parquet
 	@[ -d .zen ] || $(VENV)/bin/zenml init
 	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
 		-c configs/demo_rm_cpu.yaml --stack default

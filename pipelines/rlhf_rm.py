@@ -6,8 +6,9 @@ the reward model -> evaluate -> promote.
 The reward model is trained from ``reward_model.train.*`` of the trainer config (its preference files,
 base model, batch sizes) and handed to PPO as a MODEL artifact; the run stops before PPO when its
 held-out pair accuracy is below ``min_pair_accuracy`` (``reward_model.train.min_pair_accuracy`` when
-not given). The rule reward is still defined and self-checked: evaluation measures the policy with it
-(the gold reward), while PPO optimises the learned one (the proxy).
+not given); the pairs must be on none of the evaluation prompts' questions (``data.val_files``: the reward
+model would carry them into the PPO reward). The rule reward is still defined and self-checked: evaluation
+measures the policy with it (the gold reward), while PPO optimises the learned one (the proxy).
 """
 
 from __future__ import annotations

@@ -352,3 +352,20 @@ def test_synthetic_exclude_that_leaves_too_few_questions_is_refused(tmp_path, ca
     assert (f"error: the demo task has too few questions outside the prompt data of --exclude ({prompts}) for "
             "--n-train 1 and --n-val 1: ask for fewer (only 0 distinct problems found before 1 duplicates") in err
     assert not out.exists()
+
+
+def test_check_apart_from_prompts_names_the_pairs_on_evaluation_questions(tmp_path):
+    from rlhf_core.data.preference import check_apart_from_prompts, to_frame
+
+    pairs = tmp_path / "pairs.parquet"
+    to_frame([{"question": q, "chosen": "#### 1", "rejected": "#### 2", "group": q} for q in ("Q1", "Q2", "Q3")],
+             "train", "s").to_parquet(pairs)
+    apart = _prompt_file(tmp_path / "apart.parquet", ["Q4", "Q5"])
+    assert check_apart_from_prompts([pairs], [apart]) == 3
+    evaluation = _prompt_file(tmp_path / "test.parquet", ["Q5", "Q3", "Q1"])
+    with pytest.raises(PreferenceDataError) as info:
+        check_apart_from_prompts([pairs], [evaluation])
+    assert str(info.value) == (
+        f"2 preference pair(s) are on questions of the evaluation prompts ({evaluation}), e.g. {pairs}: 'Q1'; a "
+        "reward model fitted on them leaks those questions into the PPO reward. Rebuild the pairs with "
+        f"python -m rlhf_core.data.preference ... --exclude {evaluation} --overwrite")

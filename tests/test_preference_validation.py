@@ -441,3 +441,39 @@ def test_no_pair_to_measure_fails_and_says_why(tmp_path, capsys):
     assert "3 of 3 rows fail (100.0%)" in out
     assert ("  train: no row could be measured against the limit (prompt and the longer response are at most "
             "500 characters): every row is null, malformed") in out
+
+
+def test_the_pipeline_step_refuses_pairs_on_the_evaluation_questions(tmp_path, monkeypatch):
+    """validate_preferences knows the prompts the pipeline evaluates on (data.val_files): a pair on one of their
+    questions stops the run, naming the files; pairs apart from them pass."""
+    import steps.validate_preferences as step
+    from rlhf_core.config import load_config
+    from rlhf_core.data.preference import PreferenceDataError, to_frame
+    from rlhf_core.data.schema import REQUIRED_COLUMNS, make_record
+
+    def pair_file(name, questions):
+        path = tmp_path / name
+        to_frame([{"question": q, "chosen": "#### 1", "rejected": "#### 2", "group": q} for q in questions],
+                 "x", SOURCE).to_parquet(path)
+        return path
+
+    def prompt_file(name, questions):
+        path = tmp_path / name
+        rows = [make_record(q, "#### 1", "1", "test", i, SOURCE) for i, q in enumerate(questions)]
+        pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)).to_parquet(path)
+        return path
+
+    train, val = pair_file("train.parquet", ["Q1", "Q2"]), pair_file("val.parquet", ["Q3"])
+    monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
+
+    def run(evaluation):
+        cfg = load_config([f"data.val_files={evaluation}", f"reward_model.train.train_files={train}",
+                           f"reward_model.train.val_files={val}"])
+        return step.validate_preferences.entrypoint(cfg.to_dict())
+
+    assert run(prompt_file("apart.parquet", ["Q4", "Q5"])) == splits_fingerprint([train], [val])
+    evaluation = prompt_file("test.parquet", ["Q4", "Q3"])
+    with pytest.raises(PreferenceDataError, match=r"^1 preference pair\(s\) are on questions of the evaluation "
+                                                  r"prompts \(data.val_files\) \(.*test.parquet\), e.g. .*val.parquet: "
+                                                  r"'Q3'"):
+        run(evaluation)

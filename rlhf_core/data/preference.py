@@ -236,6 +236,31 @@ def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], 
     return kept, dropped
 
 
+def check_apart_from_prompts(preference_files: Iterable[str | Path], prompt_paths: Iterable[str | Path],
+                             what: str = "the evaluation prompts", prompt_key: str = "prompt") -> int:
+    """PreferenceDataError when a pair of ``preference_files`` is on a question of the prompt data ``prompt_paths``
+    (:func:`prompt_questions`): a reward model fitted on pairs of the evaluation questions carries them into the
+    PPO reward, and the evaluation no longer measures held-out questions. Returns the number of pairs checked."""
+    prompt_paths = list(prompt_paths)
+    questions = prompt_questions(prompt_paths, prompt_key)
+    checked, shared, example = 0, 0, None
+    for path in preference_files:
+        frame = read_preferences(path)
+        checked += len(frame)
+        for prompt, extra_info in zip(frame["prompt"], frame["extra_info"]):
+            found = question_keys(prompt, extra_info) & questions
+            if found:
+                shared += 1
+                example = example or (Path(path), min(found))
+    if shared:
+        named = " ".join(str(p) for p in prompt_paths)
+        raise PreferenceDataError(
+            f"{shared} preference pair(s) are on questions of {what} ({named}), e.g. {example[0]}: "
+            f"{example[1][:80]!r}; a reward model fitted on them leaks those questions into the PPO reward. Rebuild "
+            f"the pairs with python -m rlhf_core.data.preference ... --exclude {named} --overwrite")
+    return checked
+
+
 # ----------------------------------------------------------------------------- writing and reading
 
 
