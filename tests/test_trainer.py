@@ -65,6 +65,18 @@ def test_data_metrics_by_hand():
     assert m["response_length/clip_ratio"] == 0.5
     assert (m["prompt_length/mean"], m["prompt_length/max"], m["prompt_length/min"]) == (2.5, 3.0, 2.0)
     assert m["prompt_length/clip_ratio"] == 0.5
+    # nothing aborted: newer verl's non-aborted lengths are the lengths
+    assert (m["response_length_non_aborted/mean"], m["response_length_non_aborted/max"],
+            m["response_length_non_aborted/min"], m["response_length_non_aborted/clip_ratio"]) == (3.0, 4.0, 2.0, 0.5)
+    assert m["response/aborted_ratio"] == 0.0
+    # a third row aborted before its first token: left out of the non-aborted lengths, counted in the ratio
+    aborted = Batch({key: torch.cat([value, value[:1] * 0]) for key, value in batch.tensors.items()}, {})
+    aborted["attention_mask"][2, :3] = 1  # its prompt; no response token
+    m = data_metrics(aborted, max_response_length=4, max_prompt_length=3)
+    assert (m["response_length/mean"], m["response_length/min"]) == (2.0, 0.0)
+    assert (m["response_length_non_aborted/mean"], m["response_length_non_aborted/min"],
+            m["response_length_non_aborted/clip_ratio"]) == (3.0, 2.0, 0.5)
+    assert m["response/aborted_ratio"] == pytest.approx(1 / 3)
     # generation per response token, the other passes per token of the batch; phases that did not run are left out
     per_token = timing_per_token({"timing_s/gen": 0.6, "timing_s/update_actor": 1.1, "timing_s/step": 3.0},
                                  response_tokens=6, tokens=11)

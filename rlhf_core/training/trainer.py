@@ -138,7 +138,9 @@ def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
 
 def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int) -> dict[str, float]:
     """verl's per-step data metrics: scores, rewards, advantages, returns, values (mean, max, min; the last three
-    over the loss tokens), response and prompt lengths (with the share at their limits)."""
+    over the loss tokens), response and prompt lengths (with the share at their limits), and newer verl's lengths
+    of the responses that were not aborted (those with at least one token) beside the share that were (none of the
+    HF rollout's; a vLLM request cut off before its first token)."""
     mask = batch["response_mask"].bool()  # the losses' mask (narrower than the responses after rejection)
     prompt_width = batch["prompts"].shape[1]
     response_length = batch["attention_mask"][:, prompt_width:].float().sum(-1)  # (bs,) as sampled
@@ -150,6 +152,10 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
         **_spread("critic/returns", batch["returns"][mask]),
         **_spread("response_length", response_length),
         "response_length/clip_ratio": float((response_length >= max_response_length).float().mean()),
+        **_spread("response_length_non_aborted", kept := response_length[response_length > 0]),
+        "response_length_non_aborted/clip_ratio": float((kept >= max_response_length).float().mean())
+        if kept.numel() else 0.0,
+        "response/aborted_ratio": float((response_length == 0).float().mean()),
         **_spread("prompt_length", prompt_length),
         "prompt_length/clip_ratio": float((prompt_length >= max_prompt_length).float().mean()),
     }
