@@ -20,6 +20,7 @@ from rlhf_core.pipeline.promotion import (
     check_gate,
     clears_gate,
     config_fingerprint,
+    stage_disagreement,
     unrecorded,
 )
 
@@ -144,7 +145,9 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
 
     Records on this run's model version which production version it warm-starts from (``warm_started_from``),
-    ``config_fingerprint`` and ``evaluation_settings``: what a later run's gate compares with."""
+    ``config_fingerprint`` and ``evaluation_settings``: what a later run's gate compares with. Where production's
+    stage and promotion record disagree (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`), the step's
+    record and log say so (``production_record``)."""
     context = get_step_context()
     model_name, client = context.model.name, Client()
     config_sha256, evaluation = config_fingerprint(ppo_config), evaluation_settings(context)
@@ -160,6 +163,9 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
                                        exclude=context.model_version.id, evaluation=evaluation,
                                        whole_fingerprint=whole)
     trained_on = production.run_metadata.get("dataset_fingerprint")
+    disagreement = stage_disagreement(True, production.run_metadata)
+    if disagreement:
+        logger.warning("production version %s: %s", production.name, disagreement)
     overridden = reason if force else ""
     if overridden:
         logger.warning("force=true: training although %s", overridden)
@@ -179,5 +185,7 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
               "skipped": bool(reason), "reason": reason or (f"forced: {overridden}" if overridden else "new data")}
     if refused is not None:
         record["refused_version"] = refused.name
+    if disagreement:
+        record["production_record"] = disagreement
     log_metadata(record)
     return reason

@@ -1,4 +1,9 @@
-"""Promote the new model version to production when it beats the current one significantly; record why."""
+"""Promote the new model version to production when it beats the current one significantly; record why.
+
+A promotion is recorded on the version as pending (``promotion: pending``, the decision and its figures), then the
+stage is set, then the record is marked done (``promoted: true``, ``promotion: done``); a refusal is recorded
+once (``promoted: false``).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from zenml.client import Client
 from zenml.enums import ModelStages
 from zenml.logger import get_logger
 
-from rlhf_core.pipeline.promotion import decide_from_evaluation
+from rlhf_core.pipeline.promotion import PROMOTION, decide_from_evaluation
 
 logger = get_logger(__name__)
 
@@ -89,9 +94,17 @@ def promote(
         # its ppo_checkpoint is a note, not a model: the tag tells such versions apart in the dashboard and queries
         client.update_model_version(model.model_id, model.id, add_tags=[SKIPPED_TAG])
     record = {key: value for key, value in record.items() if value is not None}
-    if decision.promote:  # force archives the version compared against; without one, a newcomer makes this fail
-        model.set_stage(ModelStages.PRODUCTION, force=production is not None)  # before the record says so
-    log_metadata(record, infer_model=True)
+    if decision.promote:
+        # the decision first, as pending, then the stage, then the record marked done: a run that stops anywhere
+        # between leaves "pending", which readers compare with the stage (stage_disagreement), and never a
+        # production version without its reason or a record of a promotion that did not happen
+        log_metadata({**{key: value for key, value in record.items() if key != "promoted"}, PROMOTION: "pending"},
+                     infer_model=True)
+        # force archives the version compared against; without one, a newcomer makes this fail
+        model.set_stage(ModelStages.PRODUCTION, force=production is not None)
+        log_metadata({"promoted": True, PROMOTION: "done"}, infer_model=True)
+    else:
+        log_metadata(record, infer_model=True)
     log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
     logger.info("model %s version %s: %s", model.name, model.version, decision.reason)
     return {**record, "model": model.name, "version": str(model.version), **decision.to_dict()}

@@ -88,7 +88,8 @@ def test_the_reward_model_stages_show_their_accuracy_and_fingerprint():
 
     record = {
         "model": "rlhf-rm-policy", "version": "2", "stage": "production", "run": "rm-run",
-        "pipeline": "rlhf_rm_pipeline", "run_status": "completed", "run_id": "42", "model_version_metadata": {},
+        "pipeline": "rlhf_rm_pipeline", "run_status": "completed", "run_id": "42",
+        "model_version_metadata": {"promoted": True, "promotion": "done"},  # as promote leaves a production version
         "chain": [
             link("preference data", "validate_preferences", "the pairs",
                  {"preference_fingerprint": "9f2c", "train_pairs": 48, "val_pairs": 16, "unrelated": 1}),

@@ -143,6 +143,7 @@ def test_first_run_trains_and_promotes_version_1(trained):
     version = _version(1)
     meta = version.run_metadata
     assert meta["promoted"] is True, meta["decision_reason"]
+    assert meta["promotion"] == "done"  # recorded pending before the stage was set, then marked done
     assert meta["baseline"] == "base_model"
     assert meta["config_fingerprint"] == _version(2).run_metadata["config_fingerprint"]  # the same trainer config
     assert meta["accuracy"] > meta["base_accuracy"]
@@ -175,7 +176,7 @@ def test_second_run_creates_version_2_and_decides_against_the_first(trained):
     # version 1 already has the ceiling accuracy (1.0), so version 2 can at best tie it, and a tie is
     # no gain: version 2 is not promoted and production stays at version 1
     assert meta["accuracy"] <= meta["baseline_accuracy"] == 1.0
-    assert meta["promoted"] is False
+    assert meta["promoted"] is False and "promotion" not in meta  # a refusal changes no stage: one record
     assert meta["decision_reason"].startswith("not promoted: no improvement"), meta["decision_reason"]
     assert _version("production").number == 1
 
@@ -695,3 +696,137 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     assert reason == "" and meta["forced"] is True and meta["reason"].startswith("forced: version 2 was already")
     reason, meta = skip_reason()  # version 5: under min_improvement=0 the same candidate would be promoted
     assert reason == "" and meta["skipped"] is False and "refused_version" not in meta
+
+
+# A promotion is recorded pending, the stage set, then the record marked done: promote alone, on an evaluation that
+# promotes (20 problems the candidate gets right and the base model wrong), with a failure planted between writes.
+
+PROMOTING_EVALUATION = {"problems": {f"p{i}": True for i in range(20)},
+                        "base_problems": {f"p{i}": False for i in range(20)}, "production_version": None,
+                        "accuracy": 1.0, "base_accuracy": 0.0}
+PROMOTED_REASON = ("promoted: accuracy 1.0000 vs 0.0000 of the base model (no production version yet) on the same "
+                   "20 problems: gain +1.0000")
+
+
+@functools.cache
+def _promote_pipeline():
+    zenml_client()
+    from zenml import pipeline
+
+    from rlhf_core.pipeline.failure import mark_failed_version
+    from steps.promote import promote
+
+    @pipeline(enable_cache=False, on_failure=mark_failed_version)
+    def promotion_only(evaluation: dict, dataset_fingerprint: str) -> None:
+        promote(evaluation, dataset_fingerprint, {"sha256": GATE_REWARD}, {"passed": True})
+
+    return promotion_only
+
+
+def _promote_stopped(model_name: str, monkeypatch, after_stage: bool):
+    """promote on :data:`PROMOTING_EVALUATION`, failing right before setting the stage or right after."""
+    from zenml import Model
+
+    set_stage = Model.set_stage
+
+    def stop(self, *args, **kwargs):
+        if after_stage:
+            set_stage(self, *args, **kwargs)
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(Model, "set_stage", stop)
+    with pytest.raises(RuntimeError, match="failure in step"):  # (the hook records the planted error)
+        _promote_pipeline().with_options(model=Model(name=model_name))(evaluation=PROMOTING_EVALUATION,
+                                                                       dataset_fingerprint=_sha("A"))
+    monkeypatch.undo()
+    return zenml_client().get_model_version(model_name, 1)
+
+
+def test_a_promotion_carried_out_is_recorded_done_and_readers_see_no_disagreement(capsys):
+    from zenml import Model
+
+    from rlhf_core.cli import pipeline as cli
+    from rlhf_core.pipeline.lineage import lineage
+
+    model = "promote-done"
+    _promote_pipeline().with_options(model=Model(name=model))(evaluation=PROMOTING_EVALUATION,
+                                                              dataset_fingerprint=_sha("A"))
+    version = zenml_client().get_model_version(model, 1)
+    assert str(version.stage) == "production"
+    meta = version.run_metadata
+    assert (meta["promoted"], meta["promotion"]) == (True, "done")
+    assert meta["decision_reason"].startswith(PROMOTED_REASON)
+    assert meta["p_value"] == pytest.approx(2 * 0.5 ** 20)  # McNemar exact, 20 fixed and none broken
+    assert lineage(model, client=zenml_client())["stage_vs_record"] is None
+    assert cli.demo_summary(["--model", model], client=zenml_client()) == 0
+    assert "stage:  " not in capsys.readouterr().out
+
+
+def test_a_promotion_stopped_before_the_stage_is_recorded_pending_and_readers_say_it_was_not_carried_out(
+        monkeypatch, capsys):
+    from rlhf_core.cli import pipeline as cli
+    from rlhf_core.pipeline.lineage import format_lineage, lineage
+
+    model = "promote-stopped-before-stage"
+    version = _promote_stopped(model, monkeypatch, after_stage=False)
+    assert version.stage is None
+    meta = version.run_metadata
+    assert meta["promotion"] == "pending" and "promoted" not in meta  # no record of a promotion that did not happen
+    assert meta["decision_reason"].startswith(PROMOTED_REASON) and meta["failed_step"] == "promote"
+    not_carried_out = ("promotion decided but not carried out: the run stopped before the stage was set (or just "
+                       "after, and another version was promoted since); it is not production")
+    record = lineage(model, "1", client=zenml_client())
+    assert record["stage_vs_record"] == not_carried_out
+    assert format_lineage(record).splitlines()[2] == f"  stage and record disagree: {not_carried_out}"
+    assert cli.demo_summary(["--model", model], client=zenml_client()) == 0
+    out = capsys.readouterr().out
+    assert f"decision:   {PROMOTED_REASON}" in out
+    assert "failed:     the run failed at step promote: RuntimeError: planted failure" in out
+    assert f"stage:      {not_carried_out}" in out
+    assert "production: none yet" in out
+
+
+def test_a_promotion_stopped_after_the_stage_is_production_with_its_reason_and_readers_say_it_was_not_marked_done(
+        monkeypatch, capsys):
+    from zenml import Model
+
+    from rlhf_core.cli import pipeline as cli
+    from rlhf_core.pipeline.lineage import format_lineage, lineage
+
+    model = "promote-stopped-after-stage"
+    version = _promote_stopped(model, monkeypatch, after_stage=True)
+    assert str(version.stage) == "production"
+    meta = version.run_metadata
+    assert meta["promotion"] == "pending" and "promoted" not in meta
+    assert meta["decision_reason"].startswith(PROMOTED_REASON)  # production keeps the reason it was promoted for
+    assert meta["dataset_fingerprint"] == _sha("A") and meta["reward_sha256"] == GATE_REWARD
+    not_done = ("in production, but its promotion was not marked done: the run stopped after setting the stage; "
+                "its decision and figures were recorded before the stage was set")
+    record = lineage(model, client=zenml_client())  # the production version
+    assert (record["version"], record["stage_vs_record"]) == ("1", not_done)
+    assert format_lineage(record).splitlines()[2] == f"  stage and record disagree: {not_done}"
+    assert cli.demo_summary(["--model", model], client=zenml_client()) == 0
+    out = capsys.readouterr().out
+    assert f"decision:   {PROMOTED_REASON}" in out and f"stage:      {not_done}" in out
+    assert "production: version 1" in out
+    # the retraining gate goes by the figures recorded before the stage was set, and says what it found
+    assert _gate(model, _sha("A"))[0].startswith("the data and reward are unchanged since production version 1")
+    gate = _gate_pipeline().with_options(model=Model(name=model))
+    run = gate(dataset_fingerprint=_sha("B"), ppo_config=GATE_CONFIG, reward_spec={"sha256": GATE_REWARD})
+    step = zenml_client().get_pipeline_run(run.id).steps["check_new_data"]
+    assert step.outputs["skip_reason"][0].load() == ""
+    assert step.run_metadata["production_record"] == not_done
+
+
+def test_the_gate_says_when_production_has_no_promotion_recorded():
+    from zenml import Model
+
+    model = "gate-production-set-by-hand"
+    _add_version(model, production=True, dataset_fingerprint=_sha("A"))  # the stage set outside promote
+    run = _gate_pipeline().with_options(model=Model(name=model))(
+        dataset_fingerprint=_sha("B"), ppo_config=GATE_CONFIG, reward_spec={"sha256": GATE_REWARD})
+    meta = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].run_metadata
+    assert meta["production_version"] == "1" and meta["skipped"] is False
+    assert meta["production_record"] == ("in production, but no promotion is recorded on it: the stage was set "
+                                         "outside the promote step, or by a run that stopped before recording its "
+                                         "decision")

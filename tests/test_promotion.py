@@ -317,3 +317,19 @@ def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do
     assert pairing.results == {"s/0": True, "s/1": False} and pairing.reevaluated == (
         "production version 3 kept no per-problem evaluation results to pair with (its evaluation record could "
         "not be read: FileNotFoundError: the artifact's files are gone)")
+
+
+def test_a_stage_and_a_promotion_record_that_disagree_are_named_and_ones_that_agree_are_not():
+    from rlhf_core.pipeline.promotion import stage_disagreement
+
+    promoted = {"promoted": True, "promotion": "done", "decision_reason": "promoted: ..."}
+    assert stage_disagreement(True, promoted) is None
+    assert stage_disagreement(False, promoted) is None  # promoted, then archived by a later promotion
+    assert stage_disagreement(True, {"promoted": True}) is None  # recorded before promotions were marked done
+    assert stage_disagreement(False, {"promoted": False}) is None  # refused
+    assert stage_disagreement(False, {}) is None  # a run that failed before promote
+    pending = {"promotion": "pending", "decision_reason": "promoted: ..."}
+    assert stage_disagreement(True, pending).startswith("in production, but its promotion was not marked done")
+    assert stage_disagreement(False, pending).startswith("promotion decided but not carried out")
+    for unrecorded in ({}, {"promoted": False}):  # set by hand, or a refused version promoted outside promote
+        assert stage_disagreement(True, unrecorded).startswith("in production, but no promotion is recorded on it")

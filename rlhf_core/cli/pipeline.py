@@ -26,6 +26,7 @@ from rlhf_core.pipeline.lineage import (
     version_run_id,
 )
 from rlhf_core.pipeline.lineage import lineage as read_lineage
+from rlhf_core.pipeline.promotion import stage_disagreement
 from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, run_pipeline, serve
 
 
@@ -130,12 +131,17 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
     else:
         print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
               f"(base model {meta.get('base_accuracy', 'n/a')})")
-    if "failed_step" in meta:  # recorded by the pipelines' failure hook
+    if "failed_step" in meta and "decision_reason" not in meta:  # recorded by the pipelines' failure hook
         print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
         if "advice" in meta:
             print(f"to go on:   {meta['advice']}")
     else:
         print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
+        if "failed_step" in meta:  # promote stopped after recording its decision
+            print(f"failed:     the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
+    disagreement = stage_disagreement(production is not None and production == latest.name, meta)
+    if disagreement:
+        print(f"stage:      {disagreement}")
     print(f"production: {'version ' + production if production else 'none yet'}")
     print("browse:")
     if production:

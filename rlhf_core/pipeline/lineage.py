@@ -16,6 +16,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from rlhf_core.pipeline.promotion import stage_disagreement
+
 # (stage, step name, what the stage is about); the retraining gate appears only in retraining runs
 CHAIN = [
     ("data", "load_ppo_config", "the trainer config and the data files"),
@@ -122,11 +124,14 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
             "artifacts": [_artifact(a) for outputs in step.outputs.values() for a in outputs],
             "metadata": _jsonable(dict(step.run_metadata)),
         })
+    stage = str(model_version.stage) if model_version.stage else None
     return {
         "model": model_name,
         "version": model_version.name,
         "number": model_version.number,
-        "stage": str(model_version.stage) if model_version.stage else None,
+        "stage": stage,
+        # where the stage and the promotion record disagree (promote stopped between its writes), what that means
+        "stage_vs_record": stage_disagreement(stage == "production", metadata),
         "pipeline": run.pipeline.name if run.pipeline else None,
         "run": run.name,
         "run_id": str(run.id),
@@ -177,6 +182,9 @@ def format_lineage(record: Mapping[str, Any]) -> str:
     lines = [f"model {record['model']} version {record['version']} (stage: {record['stage'] or 'none'})",
              f"  produced by run {record['run']} of {record['pipeline']} ({record['run_status']}, id {record['run_id']})"]
     meta = record["model_version_metadata"]
+    disagreement = stage_disagreement(record["stage"] == "production", meta)
+    if disagreement:
+        lines.append(f"  stage and record disagree: {disagreement}")
     if "failed_step" in meta:  # recorded by the pipelines' failure hook
         lines.append(f"  failed at step {meta['failed_step']}: {_short(meta.get('failure', ''))}")
         if "advice" in meta:

@@ -77,6 +77,28 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
     return [bool(v) for v in values]
 
 
+#: a promoting decision's state on the model version: "pending" from before the stage is set until it is, then
+#: "done". A record "pending" says the stage change may not have happened; one without it was never a promotion
+PROMOTION = "promotion"
+
+
+def stage_disagreement(is_production: bool, metadata: Mapping[str, Any]) -> str | None:
+    """What it means where a version's stage (``is_production``) and the promote step's record on it
+    (``metadata``) disagree; None where they agree. promote records a promotion as pending, sets the stage, then
+    marks it done: a run that stopped between leaves the record pending, whichever side of the stage change it
+    stopped on. A version archived since it was promoted agrees with its record (``promoted: true``)."""
+    if metadata.get(PROMOTION) == "pending":
+        if is_production:
+            return ("in production, but its promotion was not marked done: the run stopped after setting the stage; "
+                    "its decision and figures were recorded before the stage was set")
+        return ("promotion decided but not carried out: the run stopped before the stage was set (or just after, "
+                "and another version was promoted since); it is not production")
+    if is_production and metadata.get("promoted") is not True:
+        return ("in production, but no promotion is recorded on it: the stage was set outside the promote step, or "
+                "by a run that stopped before recording its decision")
+    return None
+
+
 def check_gate(min_improvement: float, alpha: float) -> None:
     """Refuse a promotion gate that cannot be applied: the pipelines call it while they compile, so that a bad
     value fails before any step runs, not at the promote step after training."""
