@@ -75,8 +75,8 @@ def refused_before(client: Client, model_name: str, production, dataset_fingerpr
     version whose run failed before the promotion step, whose training was skipped, or that was refused without
     a comparison (production could not be compared) has no verdict on a trained candidate and does not count;
     nor does one refused under a stricter gate than this run's when its figures pass this one, nor one without
-    ``warm_started_from``/``config_fingerprint``/``evaluation_settings`` (the gate's record on each version it
-    runs for; versions from before it kept them are retrained once)."""
+    ``warm_started_from``/``config_fingerprint``/``evaluation_settings`` (train_ppo's and the gate's record on each
+    version the retraining trains; versions from before they kept them are retrained once)."""
     # the metadata filter narrows the search to versions trained on this data; each is then checked in full
     versions = depaginate(client.list_model_versions, model=model_name, sort_by="desc:number",
                           run_metadata=f"dataset_fingerprint:contains:{dataset_fingerprint}")
@@ -144,10 +144,11 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     figures that fail this run's promotion gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
     second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
 
-    Records on this run's model version which production version it warm-starts from (``warm_started_from``),
-    ``config_fingerprint`` and ``evaluation_settings``: what a later run's gate compares with. Where production's
-    stage and promotion record disagree (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`), the step's
-    record and log say so (``production_record``)."""
+    Records on this run's model version ``config_fingerprint`` and ``evaluation_settings``: with
+    ``warm_started_from`` (recorded by train_ppo, from the checkpoint it starts from: production may change before
+    it resolves it), what a later run's gate compares with. Where production's stage and promotion record disagree
+    (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`), the step's record and log say so
+    (``production_record``)."""
     context = get_step_context()
     model_name, client = context.model.name, Client()
     config_sha256, evaluation = config_fingerprint(ppo_config), evaluation_settings(context)
@@ -178,8 +179,7 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     else:
         logger.info("new data (fingerprint %s..., production version %s was trained on %s...): retraining from "
                     "its checkpoint", dataset_fingerprint[:16], production.name, str(trained_on)[:16])
-    log_metadata({"warm_started_from": production.name, "config_fingerprint": config_sha256,
-                  "evaluation_settings": evaluation}, infer_model=True)
+    log_metadata({"config_fingerprint": config_sha256, "evaluation_settings": evaluation}, infer_model=True)
     record = {"production_version": production.name, "production_fingerprint": str(trained_on),
               "dataset_fingerprint": dataset_fingerprint, "config_fingerprint": config_sha256, "forced": bool(overridden),
               "skipped": bool(reason), "reason": reason or (f"forced: {overridden}" if overridden else "new data")}

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from PIL import Image
 from zenml import ArtifactConfig, get_step_context, log_metadata, step
+from zenml.client import Client
 from zenml.enums import ArtifactType
 from zenml.logger import get_logger
 
@@ -46,6 +47,15 @@ def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
     return stable_copy(model, root, f"{kind}/{inputs[0].id}") if inputs else model
 
 
+def producer_version(name: str) -> str | None:
+    """The model version whose run produced input ``name`` (a warm start's checkpoint: that of the version that
+    was production when this step's inputs were resolved); None where it has none."""
+    inputs = get_step_context().inputs.get(name) or []
+    run_id = inputs[0].producer_pipeline_run_id if inputs else None
+    model_version = Client().get_pipeline_run(run_id).model_version if run_id is not None else None
+    return model_version.name if model_version is not None else None
+
+
 @step(enable_cache=False)
 def train_ppo(
     ppo_config: dict,
@@ -60,7 +70,11 @@ def train_ppo(
 ]:
     """Train; ``init_from`` (a checkpoint artifact) warm-starts the actor from its HF export; ``reward_model``
     (the artifact of train_reward_model) scores the rollouts: ``reward_model.enable=true
-    reward_model.model.path=<artifact>``."""
+    reward_model.model.path=<artifact>``.
+
+    A warm start records on the model version the version whose checkpoint it starts from
+    (``warm_started_from``), before training: read off the artifact this step was given, not production as an
+    earlier step saw it (another run may promote a version in between)."""
     if skip_reason:
         # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
         # full copy of production's weights at every skipped scheduled run); this version is never promoted
@@ -72,10 +86,15 @@ def train_ppo(
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
+    warm_started_from = None
     if init_from is not None:
         start_from(cfg, stable_input("init_from", resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir),
                                      "warm_start"))
-        logger.info("warm start: the actor (and critic backbone) start from %s", cfg.actor_rollout_ref.model.path)
+        warm_started_from = producer_version("init_from")
+        if warm_started_from is not None:  # what the retraining gate compares a later run's production with
+            log_metadata({"warm_started_from": warm_started_from}, infer_model=True)
+        logger.info("warm start: the actor (and critic backbone) start from %s (version %s)",
+                    cfg.actor_rollout_ref.model.path, warm_started_from)
     if reward_model is not None:
         score_with(cfg, stable_input("reward_model", reward_model, Path(cfg.trainer.default_local_dir), "reward_model"))
         logger.info("rollouts are scored by the reward model %s", reward_model)
@@ -108,6 +127,7 @@ def train_ppo(
         "local_dir": result.local_dir,
         "resumed_from": result.resumed_from,
         "warm_started": init_from is not None,
+        "warm_started_from": warm_started_from,
         "smoke_test_passed": smoke_report.get("passed"),
         "dataset_fingerprint": validated,
         "final_metrics": records[-1] if records else {},

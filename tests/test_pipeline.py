@@ -145,6 +145,7 @@ def test_first_run_trains_and_promotes_version_1(trained):
     assert meta["promoted"] is True, meta["decision_reason"]
     assert meta["promotion"] == "done"  # recorded pending before the stage was set, then marked done
     assert meta["baseline"] == "base_model"
+    assert "warm_started_from" not in meta  # trained from the config's base model
     assert meta["config_fingerprint"] == _version(2).run_metadata["config_fingerprint"]  # the same trainer config
     assert meta["accuracy"] > meta["base_accuracy"]
     # the digit-first reward is easy: three steps reach its ceiling on every validation prompt
@@ -179,6 +180,8 @@ def test_second_run_creates_version_2_and_decides_against_the_first(trained):
     assert meta["promoted"] is False and "promotion" not in meta  # a refusal changes no stage: one record
     assert meta["decision_reason"].startswith("not promoted: no improvement"), meta["decision_reason"]
     assert _version("production").number == 1
+    assert meta["warm_started_from"] == "1"
+    assert run.steps["train_ppo"].run_metadata["warm_started_from"] == "1"
 
 
 def test_artifacts_carry_visualizations_and_a_loadable_hf_checkpoint(trained):
@@ -229,7 +232,8 @@ def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained)
     run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file)
     assert str(run.status) == "completed"
     meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
-    assert meta["promoted"] is False and meta["warm_started_from"] == "1"
+    assert meta["promoted"] is False and meta["previous_production_version"] == "1"
+    assert "warm_started_from" not in meta  # it trained nothing, so it started from nothing
     assert meta["config_fingerprint"] == second["config_fingerprint"]
     assert meta["evaluation_settings"] == second["evaluation_settings"] == GATE_EVALUATION  # read off the run
     assert meta["skipped"].startswith("version 2 was already trained on this data"), meta["skipped"]
@@ -279,6 +283,39 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
     init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
     saved = yaml.safe_load((folder / "global_step_3" / "config.yaml").read_text())
     assert saved["actor_rollout_ref"]["model"]["path"] == str(runs / "warm_start" / str(init_from.id))
+
+
+def test_the_version_records_the_checkpoint_training_warm_started_from(trained, monkeypatch):
+    """Another run promotes a version after the retraining gate looked at production and before train_ppo took
+    its warm start: the version names the checkpoint training started from, not the production the gate saw."""
+    from zenml.enums import ModelStages
+
+    import steps.check_new_data
+
+    client = zenml_client()
+    first, second = _version(1), _version(2)
+    assert _version("production").number == 1
+    looked = steps.check_new_data.gate
+
+    def gate_then_another_promotion(*args, **kwargs):
+        result = looked(*args, **kwargs)
+        client.update_model_version(MODEL, second.id, stage=ModelStages.PRODUCTION, force=True)
+        return result
+
+    monkeypatch.setattr(steps.check_new_data, "gate", gate_then_another_promotion)
+    try:  # force: version 2 was trained on this data from version 1 and refused
+        run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file, force=True)
+    finally:  # production back to version 1, as the other tests of this model expect
+        client.update_model_version(MODEL, first.id, stage=ModelStages.PRODUCTION, force=True)
+    run = client.get_pipeline_run(run.id)
+    assert str(run.status) == "completed"
+    assert run.steps["check_new_data"].run_metadata["production_version"] == "1"  # what the gate decided on
+    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
+    assert str(init_from.id) == second.run_metadata["checkpoint_artifact_id"]  # what training started from
+    meta = client.get_model_version(MODEL, run.model_version.id).run_metadata
+    assert meta["warm_started_from"] == "2"
+    assert meta["previous_production_version"] == "2"  # judged against the version it started from
+    assert run.steps["train_ppo"].run_metadata["warm_started_from"] == "2"
 
 
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
@@ -447,7 +484,7 @@ def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path)
 
 # The retraining gate on versions built directly in the store: the gate reads only their metadata, so no
 # training is needed. A refused version carries what promote records (promoted, decision_reason,
-# dataset_fingerprint, reward_sha256) and what the gate records (warm_started_from, config_fingerprint).
+# dataset_fingerprint, reward_sha256) and what train_ppo and the gate record (warm_started_from, config_fingerprint).
 
 def _sha(text: str) -> str:
     import hashlib
@@ -672,6 +709,8 @@ def _gate_pipeline():
 def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     from zenml import Model, log_metadata
 
+    from steps.check_new_data import config_fingerprint
+
     model, (a, b) = "gate-step", (_sha("A"), _sha("B"))
     _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
     gate = _gate_pipeline().with_options(model=Model(name=model))
@@ -683,9 +722,11 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
 
     assert skip_reason()[0] == ""  # version 2 trains on B from version 1 ...
     second = zenml_client().get_model_version(model, 2)
-    assert second.run_metadata["warm_started_from"] == "1"
-    # ... and promote refuses it: a gain too small for min_improvement=0.05
-    log_metadata({"promoted": False, "decision_reason": "not promoted: improvement too small",
+    assert second.run_metadata["config_fingerprint"] == config_fingerprint(GATE_CONFIG)
+    assert "warm_started_from" not in second.run_metadata  # train_ppo's, from the checkpoint it starts from
+    # ... (train_ppo records that it started from version 1) and promote refuses it: a gain too small for
+    # min_improvement=0.05
+    log_metadata({"warm_started_from": "1", "promoted": False, "decision_reason": "not promoted: improvement too small",
                   "baseline": "production", "previous_production_version": "1", "min_improvement": 0.05, "alpha": 0.05, "gain": 0.03,
                   "p_value": 0.01, "gain_ci": [0.01, 0.05], "dataset_fingerprint": b, "reward_sha256": GATE_REWARD},
                   model_version_id=second.id)
