@@ -116,6 +116,23 @@ def test_the_dry_run_takes_the_first_prompts_the_trainer_keeps(overlong_setup, t
     pd.testing.assert_frame_equal(rows, raw.iloc[[1, 3, 4, 6, 7]].reset_index(drop=True))
 
 
+def test_the_dry_run_reads_each_prompt_file_once(overlong_setup, tmp_path, monkeypatch):
+    # the kept rows are taken from the frame the trainer's dataset checked, not from a second read of the files
+    _, _, data = overlong_setup
+    reads: dict[str, int] = {}
+    read_parquet = pd.read_parquet
+
+    def counting(path, *args, **kwargs):
+        reads[str(path)] = reads.get(str(path), 0) + 1
+        return read_parquet(path, *args, **kwargs)
+
+    monkeypatch.setattr(pd, "read_parquet", counting)
+    report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4"), tmp_path, n_prompts=4,
+                            response_length=4)
+    assert report.passed, report.summary()
+    assert (reads[str(data["train"])], reads[str(data["test"])]) == (1, 1)
+
+
 def test_an_overlong_first_prompt_does_not_shrink_the_dry_run(overlong_setup, tmp_path):
     report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4"), tmp_path, n_prompts=4,
                             response_length=4)

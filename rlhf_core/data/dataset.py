@@ -143,13 +143,18 @@ class RLHFDataset:
     """Tokenized prompts with their ground truth, data source and row index."""
 
     def __init__(self, files: str | Sequence[str], tokenizer, config: DataConfig, key: str = "data.train_files",
-                 require_ground_truth: bool = True):
+                 require_ground_truth: bool = True, frame: pd.DataFrame | None = None):
         """``require_ground_truth=False`` (:meth:`PPOConfig.needs_ground_truth`) takes rows without a
-        ``reward_model.ground_truth``, or files without the column, as prompts alone: their ground truth is None."""
+        ``reward_model.ground_truth``, or files without the column, as prompts alone: their ground truth is None.
+
+        ``frame`` is the rows of ``files`` as :func:`read_frames` returns them, for a caller that reads them
+        anyway (the dry run keeps the first rows kept): the files are then not read a second time. It is only
+        read here, never changed."""
         self.tokenizer = tokenizer
         self.config = config
         self.paths = check_files(files, key)
-        frame = read_frames(self.paths)
+        if frame is None:
+            frame = read_frames(self.paths)
         if frame.empty:
             raise DataError(f"{key}: {', '.join(map(str, self.paths))} "
                             f"{'has' if len(self.paths) == 1 else 'have'} no rows; give files with prompts")

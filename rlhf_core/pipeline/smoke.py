@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from rlhf_core.config import DataConfig, PPOConfig, validate_config
-from rlhf_core.data.dataset import RLHFDataset, read_frames
+from rlhf_core.data.dataset import RLHFDataset, check_files, read_frames
 
 TINY_THRESHOLD = 5_000_000
 KL_TOLERANCE = 1e-3
@@ -137,10 +137,12 @@ def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_pro
     many it keeps in all.
 
     The files are loaded as the trainer loads them (:class:`RLHFDataset`), so a row it drops is skipped
-    here too and any row it would refuse stops the dry run the same way."""
-    dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth)
-    frame = read_frames(dataset.paths).iloc[dataset.positions[:n_prompts]]
-    return frame.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
+    here too and any row it would refuse stops the dry run the same way. They are read once: the dataset
+    is given the frame the kept rows are then taken from (a training file can be large)."""
+    frame = read_frames(check_files(files, key))
+    dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth, frame=frame)
+    kept = frame.iloc[dataset.positions[:n_prompts]]
+    return kept.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
 
 
 def write_parquet(frame: pd.DataFrame, output: str | Path) -> Path:
