@@ -342,6 +342,34 @@ def test_rows_without_a_ground_truth_are_scored_by_the_model_alone(space):
     assert extras["score"].tolist() == pytest.approx([2.0 * rm[0], 2.0 * rm[1]], abs=1e-4)
 
 
+def test_the_graded_rows_are_decoded_once(space):
+    """Rows with and without a ground truth: every row's text is logged and the graded rows' text is the rule's,
+    from one decode of the batch (a long batch's decode is not free)."""
+    _, base, same, _ = space
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    decoded: list[list[int]] = []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def batch_decode(self, sequences, **kwargs):
+            decoded.extend(sequences)
+            return tokenizer.batch_decode(sequences, **kwargs)
+
+    class ResponseLength:
+        def compute_rm_score(self, batch: Batch) -> torch.Tensor:
+            return batch["response_mask"].sum(-1).float()
+
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES)
+    batch.meta["ground_truth"] = ["7", None]
+    manager = RewardModelManager(RewardManager(Counting()), ResponseLength(), _rm_config(same, base, rule_coef=0.0))
+    _, extras = manager.score_batch(batch)
+    assert len(decoded) == len(RESPONSES)  # each row once
+    assert extras["responses"] == RESPONSES and extras["pred"] == ["7", None]
+    assert extras["acc"][0].item() == 1.0 and torch.isnan(extras["acc"][1])
+
+
 def test_which_configs_need_a_ground_truth_on_every_row(space):
     _, base, same, _ = space
     needs = [load_config(extra, validate=False).needs_ground_truth() for extra in (

@@ -627,3 +627,12 @@ def test_decodes_in_one_batch_call(char_tokenizer):
     _, extras = RewardManager(Spy())(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"])
     assert calls == [True]
     assert extras["score"].tolist() == [1.0, 1.0, 0.0]
+    # text the caller has decoded already is scored as it is, not decoded again
+    calls.clear()
+    scores, given = RewardManager(Spy())(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"],
+                                         responses=["#### 1", "#### 2", "#### 3"])
+    assert calls == []
+    assert torch.equal(scores, RewardManager(char_tokenizer)(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"])[0])
+    assert given["score"].tolist() == [1.0, 1.0, 0.0] and given["responses"] == ["#### 1", "#### 2", "#### 3"]
+    with pytest.raises(ValueError, match="responses has 2 entries but the batch has 3"):
+        RewardManager(Spy())(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"], responses=["#### 1", "#### 2"])

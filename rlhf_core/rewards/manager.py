@@ -106,6 +106,7 @@ class RewardManager:
         data_sources: Sequence[str],
         ground_truths: Sequence[Any],
         extra_infos: Sequence[dict | None] | None = None,
+        responses: Sequence[str] | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Score every response.
 
@@ -115,6 +116,9 @@ class RewardManager:
                 valid tokens first, then zeros).
             data_sources, ground_truths: one per response.
             extra_infos: one dict (or None) per response, passed on to the reward function.
+            responses: the text of each response, where the caller has decoded them already (:meth:`decode`
+                of these ids and mask); they are not decoded a second time (a tokenizer's decode is a
+                large part of scoring a long batch). None: decoded here.
 
         Returns:
             ``token_level_scores``: float32 (bs, T), zero except each response's score placed on
@@ -157,7 +161,12 @@ class RewardManager:
                 f"extra_infos has {len(extra_infos)} entries but the batch has {batch} responses"
             )
 
-        responses, valid = self.decode(response_ids, response_mask)
+        if responses is None:
+            responses, valid = self.decode(response_ids, response_mask)
+        else:
+            if len(responses) != batch:
+                raise ValueError(f"responses has {len(responses)} entries but the batch has {batch} responses")
+            responses, valid = list(responses), self.valid_mask(response_mask)
 
         scores: list[float] = []
         accs: list[float] = []
@@ -200,13 +209,18 @@ class RewardManager:
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> tuple[list[str], torch.Tensor]:
         """Each response's valid tokens as text (special tokens left out), and the mask as a CPU bool tensor."""
-        valid = response_mask.detach().cpu()
-        if not bool(((valid == 0) | (valid == 1)).all()):
-            raise ValueError("response_mask must contain only 0 and 1")
-        valid = valid.bool()
+        valid = self.valid_mask(response_mask)
         ids = response_ids.detach().cpu()
         id_lists = [ids[i][valid[i]].tolist() for i in range(len(ids))]
         return (list(self.tokenizer.batch_decode(id_lists, skip_special_tokens=True)) if id_lists else []), valid
+
+    @staticmethod
+    def valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
+        """``response_mask`` as a CPU bool tensor; a ValueError unless it holds only 0 and 1."""
+        valid = response_mask.detach().cpu()
+        if not bool(((valid == 0) | (valid == 1)).all()):
+            raise ValueError("response_mask must contain only 0 and 1")
+        return valid.bool()
 
     def _results(self, responses: list[str], data_sources: Sequence[str], ground_truths: Sequence[Any],
                  extra_infos: Sequence[Any]) -> list[tuple[RewardFn, Any]]:

@@ -399,6 +399,7 @@ class RewardModelManager:
         known = [i for i, truth in enumerate(truths) if truth is not None]
         if len(known) == len(truths) or getattr(self.rule, "reward_fn", None) is not None:
             return self.rule.score_batch(batch)[1]
+        # every row's text is logged, and the graded rows' text is the rule's: decoded once, for both
         responses, _ = self.rule.decode(batch["responses"], batch["response_mask"])
         extras: dict[str, Any] = {"score": torch.full((len(truths),), float("nan")),
                                   "acc": torch.full((len(truths),), float("nan"))}
@@ -406,7 +407,7 @@ class RewardModelManager:
             rows, meta = torch.tensor(known), batch.meta
             _, graded = self.rule(batch["responses"][rows], batch["response_mask"][rows],
                                   [meta["data_source"][i] for i in known], [truths[i] for i in known],
-                                  [meta["extra_info"][i] for i in known])
+                                  [meta["extra_info"][i] for i in known], responses=[responses[i] for i in known])
             for key, values in graded.items():
                 if isinstance(values, torch.Tensor):
                     extras.setdefault(key, torch.full((len(truths),), float("nan")))[rows] = values.float()
