@@ -715,6 +715,58 @@ def test_a_resume_knows_the_model_by_its_content_not_by_how_its_path_is_written(
         checkpoint.check_config(ckpt, load_config(base + [f"actor_rollout_ref.model.path={other}"]))
 
 
+def test_a_resume_reads_each_model_folder_once(workspace, trained, tmp_path, monkeypatch):
+    """A resumed run fingerprints its model folders before any model loads (a checkpoint of another model fails
+    fast) and keeps them for its checkpoints: each file of a folder, named by one key or several, is read once."""
+    from rlhf_core import main_ppo
+
+    _, out = trained
+    model = tmp_path / "model"  # a folder of its own: none of this process's fingerprints is of it yet
+    shutil.copytree(workspace.model, model)
+    for file in model.iterdir():  # written an hour ago, as a model folder is (one written just now is read anew)
+        os.utime(file, (file.stat().st_atime, file.stat().st_mtime - 3600))
+    reads: dict[str, int] = {}
+
+    def counting(file, *args, **kwargs):
+        if Path(file).parent == model:
+            reads[Path(file).name] = reads.get(Path(file).name, 0) + 1
+        return open(file, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "open", counting, raising=False)  # what folder_fingerprint reads with
+    result = main_ppo.run(load_config(tiny_overrides(
+        workspace, tmp_path / "run", "trainer.total_training_steps=2", "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={out / 'global_step_2'}", model=model)), handle_signals=False)
+    assert result.resumed_from == str(out / "global_step_2")
+    assert "model.safetensors" in reads and set(reads.values()) == {1}, reads
+
+
+def test_a_model_folder_is_fingerprinted_anew_when_its_files_change(tmp_path, monkeypatch):
+    """What a fingerprint is read once for must not hide a change: a file rewritten (same size, other bytes),
+    added or replaced is read again, and so is a folder written too recently for its times to tell."""
+    model = random_toy_model(tmp_path / "model", n_layers=1, hidden_size=32, max_position_embeddings=512, seed=0)
+    weights = model / "model.safetensors"
+    hour_ago = weights.stat().st_mtime - 3600
+    for file in model.iterdir():
+        os.utime(file, (hour_ago, hour_ago))
+    hashed: list[str] = []
+    sha256 = hashlib.sha256
+    monkeypatch.setattr(checkpoint.hashlib, "sha256", lambda: hashed.append("") or sha256())
+    first = checkpoint.folder_fingerprint(model)
+    read = len(hashed)
+    assert checkpoint.folder_fingerprint(model) == first and len(hashed) == read  # unchanged: not read again
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))  # same size, just written
+    changed = checkpoint.folder_fingerprint(model)
+    assert changed["model.safetensors"] != first["model.safetensors"] and len(hashed) == 2 * read
+    assert checkpoint.folder_fingerprint(model) == changed and len(hashed) == 3 * read  # too recent to trust
+    os.utime(weights, (hour_ago, hour_ago))
+    checkpoint.folder_fingerprint(model)
+    (model / "added_tokens.json").write_text("{}")
+    os.utime(model / "added_tokens.json", (hour_ago, hour_ago))
+    assert "added_tokens.json" in checkpoint.folder_fingerprint(model)
+
+
 def test_two_model_paths_that_name_no_folder_are_told_apart_by_their_paths():
     key = "actor_rollout_ref.model.path"
     saved = {key: {"path": "/models/a", "files": None}}

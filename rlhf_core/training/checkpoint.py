@@ -800,16 +800,37 @@ def saved_config(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"checkpoint {path}: cannot read {CONFIG_FILE} ({exc})") from exc
 
 
+# folder_fingerprint's results in this process: the folder's resolved path -> (what each of its files' stat said
+# when it was read, its fingerprint). A resumed run fingerprints its folders before any model loads and again
+# as the trainer starts, each folder under every key that names it (the actor's path is also, followed, its
+# tokenizer's and the critic's): each ~4 MiB of weights read once. One entry a folder, replaced when it changes.
+_FINGERPRINTS: dict[Path, tuple[tuple, dict[str, str]]] = {}
+# a file written this shortly before it was read is read again next time: a file system's clock may be coarse
+# (a kernel tick, or seconds), and a second write within the same tick and of the same size would look unchanged
+_RECENT_NS = 2_000_000_000
+
+
 def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
     """A model folder's content, file by file (those of :data:`_MODEL_FILES`): ``name -> "size:sha256"`` of the
     whole file up to 8 MiB, else of 64 evenly spaced 64 KiB samples (weights: a copy of the folder, or the
-    same folder at another path, fingerprints the same; weights trained on, or another model, do not)."""
+    same folder at another path, fingerprints the same; weights trained on, or another model, do not).
+
+    Read once a process for a folder whose files are unchanged: the same files (names, sizes, modification
+    times, inodes) as when it was last read here give that fingerprint again; any change reads it anew, and so
+    does a folder with a file written within :data:`_RECENT_NS` of the read."""
+    started = time.time_ns()
     directory = Path(os.path.expanduser(str(directory)))
     names = sorted({f.name for pattern in _MODEL_FILES for f in directory.glob(pattern) if f.is_file()})
+    stats = {name: (directory / name).stat() for name in names}
+    seen = tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats.items())
+    folder = directory.resolve()
+    cached = _FINGERPRINTS.get(folder)
+    if cached is not None and cached[0] == seen:
+        return dict(cached[1])
     digests = {}
     for name in names:
         file = directory / name
-        size = file.stat().st_size
+        size = stats[name].st_size
         digest = hashlib.sha256()
         with open(file, "rb") as handle:
             if size <= _WHOLE_BELOW:
@@ -819,7 +840,11 @@ def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
                     handle.seek((size - _SAMPLE_BYTES) * k // (_SAMPLES - 1))
                     digest.update(handle.read(_SAMPLE_BYTES))
         digests[name] = f"{size}:{digest.hexdigest()}"
-    return digests
+    if all(st.st_mtime_ns < started - _RECENT_NS for st in stats.values()):
+        _FINGERPRINTS[folder] = (seen, digests)
+    else:
+        _FINGERPRINTS.pop(folder, None)
+    return dict(digests)
 
 
 def model_fingerprints(config) -> dict[str, dict]:
