@@ -2,7 +2,8 @@
 
 A promotion is recorded on the version as pending (``promotion: pending``, the decision and its figures), then the
 stage is set, then the record is marked done (``promoted: true``, ``promotion: done``); a refusal is recorded
-once (``promoted: false``).
+once (``promoted: false``). A retry of the step after an attempt that set the stage but stopped before marking the
+record done finishes that promotion (:func:`pending_promotion`) rather than deciding again.
 """
 
 from __future__ import annotations
@@ -43,6 +44,27 @@ def decide_against_production(client: Client, model_name: str, evaluation: dict,
     return decision, production
 
 
+def pending_promotion(client: Client, model, evaluation: dict, min_improvement: float, alpha: float):
+    """The promotion an earlier attempt of this step carried out but did not mark done, decided again against the
+    production version its pending record names; None where there is none (this version is not production, or
+    production with no pending record of its own).
+
+    A retry after the stage was set finds this version in production: decided against production now (itself),
+    the evaluation, paired with the version it replaced, reads as "production changed during this run" and a
+    refusal would be written over a production version. The evaluation and the gate are the first attempt's, so
+    the decision against the version it recorded is that attempt's decision."""
+    production = _production(client, model.name)
+    if production is None or production.id != model.id or production.run_metadata.get(PROMOTION) != "pending":
+        return None
+    replaced = production.run_metadata.get("previous_production_version")
+    decision = decide_from_evaluation(evaluation, replaced, min_improvement=min_improvement, alpha=alpha)
+    if not decision.promote:  # not this run's evaluation and gate: the record stays pending, for readers to see
+        raise RuntimeError(f"model {model.name} version {production.name} is production with a pending promotion, "
+                           f"but this evaluation against {replaced or 'the base model'} does not promote it: "
+                           f"{decision.reason}")
+    return decision
+
+
 def _run_artifacts(client: Client, run_id) -> dict[str, str]:
     """``artifact name -> artifact version id`` for every output of this run so far."""
     run = client.get_pipeline_run(run_id)
@@ -64,15 +86,21 @@ def promote(
     set the stage when the gain is large enough and significant at ``alpha``."""
     context = get_step_context()
     model, client = context.model, Client()
-    decision, production = decide_against_production(client, model.name, evaluation, min_improvement, alpha,
-                                                     skip_reason)
+    # a retry after an earlier attempt set the stage finishes that promotion rather than deciding again
+    confirmed = None if skip_reason else pending_promotion(client, model, evaluation, min_improvement, alpha)
+    if confirmed is not None:
+        decision, replaced = confirmed, confirmed.production_version
+    else:
+        decision, production = decide_against_production(client, model.name, evaluation, min_improvement, alpha,
+                                                         skip_reason)
+        replaced = production.name if production else None
     artifacts = _run_artifacts(client, context.pipeline_run.id)
     record = {
         "promoted": decision.promote,
         "decision_reason": decision.reason,
         "baseline": decision.baseline,
         "baseline_accuracy": decision.baseline_accuracy,
-        "previous_production_version": production.name if production else None,
+        "previous_production_version": replaced,
         "min_improvement": min_improvement,
         "alpha": alpha,
         "p_value": decision.comparison.p_value if decision.comparison else None,
@@ -94,14 +122,19 @@ def promote(
         # its ppo_checkpoint is a note, not a model: the tag tells such versions apart in the dashboard and queries
         client.update_model_version(model.model_id, model.id, add_tags=[SKIPPED_TAG])
     record = {key: value for key, value in record.items() if value is not None}
-    if decision.promote:
+    if confirmed is not None:
+        # the decision and figures were recorded pending by the attempt that set the stage
+        logger.info("model %s version %s: production since an earlier attempt of this step set the stage; its "
+                    "promotion is marked done", model.name, model.version)
+        log_metadata({"promoted": True, PROMOTION: "done"}, infer_model=True)
+    elif decision.promote:
         # the decision first, as pending, then the stage, then the record marked done: a run that stops anywhere
         # between leaves "pending", which readers compare with the stage (stage_disagreement), and never a
         # production version without its reason or a record of a promotion that did not happen
         log_metadata({**{key: value for key, value in record.items() if key != "promoted"}, PROMOTION: "pending"},
                      infer_model=True)
         # force archives the version compared against; without one, a newcomer makes this fail
-        model.set_stage(ModelStages.PRODUCTION, force=production is not None)
+        model.set_stage(ModelStages.PRODUCTION, force=replaced is not None)
         log_metadata({"promoted": True, PROMOTION: "done"}, infer_model=True)
     else:
         log_metadata(record, infer_model=True)

@@ -859,6 +859,42 @@ def test_a_promotion_stopped_after_the_stage_is_production_with_its_reason_and_r
     assert step.run_metadata["production_record"] == not_done
 
 
+def test_a_retry_after_the_stage_was_set_marks_the_promotion_done_rather_than_deciding_again(monkeypatch, capsys):
+    """The first attempt of promote sets the stage and stops before marking its record done; ZenML's retry finds the
+    version in production: it finishes that promotion, not refuses it as paired with a production since replaced."""
+    from zenml import Model
+
+    from rlhf_core.cli import pipeline as cli
+    from rlhf_core.pipeline.lineage import lineage
+
+    model, set_stage, attempts = "promote-retried-after-stage", Model.set_stage, []
+
+    def set_then_stop_once(self, *args, **kwargs):
+        set_stage(self, *args, **kwargs)
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(Model, "set_stage", set_then_stop_once)
+    run = _promote_pipeline().with_options(model=Model(name=model),
+                                           steps={"promote": {"retry": {"max_retries": 1, "delay": 0}}})(
+        evaluation=PROMOTING_EVALUATION, dataset_fingerprint=_sha("A"))
+    monkeypatch.undo()
+    run = zenml_client().get_pipeline_run(run.id)
+    assert str(run.status) == "completed" and attempts == [1]  # the retry did not set the stage again
+    version = zenml_client().get_model_version(model, 1)
+    assert str(version.stage) == "production"
+    meta = version.run_metadata
+    assert (meta["promoted"], meta["promotion"]) == (True, "done")
+    assert meta["decision_reason"].startswith(PROMOTED_REASON) and "previous_production_version" not in meta
+    decision = run.steps["promote"].outputs["promotion_decision"][0].load()
+    assert decision["promote"] is True and decision["reason"].startswith(PROMOTED_REASON)
+    assert run.steps["promote"].run_metadata["promoted"] is True
+    assert lineage(model, client=zenml_client())["stage_vs_record"] is None
+    assert cli.demo_summary(["--model", model], client=zenml_client()) == 0
+    assert "stage:  " not in capsys.readouterr().out
+
+
 def test_the_gate_says_when_production_has_no_promotion_recorded():
     from zenml import Model
 
