@@ -113,7 +113,10 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
             f"model {model_name!r} has no production version to warm-start from; run the training pipeline "
             "first: zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml") from None
     trained_on = production.run_metadata.get("dataset_fingerprint")
-    same_data = trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint())
+    # a production version that recorded no fingerprint was not trained on this data as far as anyone knows (and
+    # its None must not match the None of files that cannot be read whole)
+    same_data = trained_on is not None and (
+        trained_on == dataset_fingerprint or (whole_fingerprint is not None and trained_on == whole_fingerprint()))
     if same_data and not changed_since(production.run_metadata, config_sha256, reward_sha256):
         unknown = unrecorded(production.run_metadata)
         *others, last = ["data"] + [what for what, _ in TRAINING_FINGERPRINTS if what not in unknown]

@@ -907,3 +907,16 @@ def test_the_gate_says_when_production_has_no_promotion_recorded():
     assert meta["production_record"] == ("in production, but no promotion is recorded on it: the stage was set "
                                          "outside the promote step, or by a run that stopped before recording its "
                                          "decision")
+
+
+def test_a_production_without_a_data_fingerprint_is_not_taken_as_trained_on_files_that_cannot_be_read_whole():
+    """The files' whole fingerprint is None where one of them is gone; production's missing one is None too."""
+    from steps.check_new_data import config_fingerprint, gate
+
+    model = "gate-nothing-to-compare"
+    _add_version(model, production=True, promoted=True, promotion="done", config_fingerprint=config_fingerprint(GATE_CONFIG),
+                 reward_sha256=GATE_REWARD)
+    reason, production, _ = gate(zenml_client(), model, _sha("B"), config_fingerprint(GATE_CONFIG), GATE_REWARD,
+                                 evaluation=GATE_EVALUATION, whole_fingerprint=lambda: None)
+    assert (reason, production.name) == ("", "1")
+
