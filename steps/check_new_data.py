@@ -179,13 +179,18 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     elif (changed := changed_since(production.run_metadata, config_sha256, reward_spec.get("sha256"))):
         logger.info("the %s changed since production version %s was trained: retraining from its checkpoint",
                     " and ".join(changed), production.name)
+    elif trained_on is None:  # e.g. a version made production by hand: nothing to compare the data with
+        logger.info("new data (fingerprint %s...; production version %s recorded no data fingerprint): retraining "
+                    "from its checkpoint", dataset_fingerprint[:16], production.name)
     else:
         logger.info("new data (fingerprint %s..., production version %s was trained on %s...): retraining from "
                     "its checkpoint", dataset_fingerprint[:16], production.name, str(trained_on)[:16])
     log_metadata({"config_fingerprint": config_sha256, "evaluation_settings": evaluation}, infer_model=True)
-    record = {"production_version": production.name, "production_fingerprint": str(trained_on),
-              "dataset_fingerprint": dataset_fingerprint, "config_fingerprint": config_sha256, "forced": bool(overridden),
-              "skipped": bool(reason), "reason": reason or (f"forced: {overridden}" if overridden else "new data")}
+    record = {"production_version": production.name, "dataset_fingerprint": dataset_fingerprint,
+              "config_fingerprint": config_sha256, "forced": bool(overridden), "skipped": bool(reason),
+              "reason": reason or (f"forced: {overridden}" if overridden else "new data")}
+    if trained_on is not None:  # absent, not the text "None", where production recorded none
+        record["production_fingerprint"] = str(trained_on)
     if refused is not None:
         record["refused_version"] = refused.name
     if disagreement:

@@ -914,9 +914,26 @@ def test_a_production_without_a_data_fingerprint_is_not_taken_as_trained_on_file
     from steps.check_new_data import config_fingerprint, gate
 
     model = "gate-nothing-to-compare"
-    _add_version(model, production=True, promoted=True, promotion="done", config_fingerprint=config_fingerprint(GATE_CONFIG),
-                 reward_sha256=GATE_REWARD)
+    _add_version(model, production=True, promoted=True, promotion="done",
+                 config_fingerprint=config_fingerprint(GATE_CONFIG), reward_sha256=GATE_REWARD)
     reason, production, _ = gate(zenml_client(), model, _sha("B"), config_fingerprint(GATE_CONFIG), GATE_REWARD,
                                  evaluation=GATE_EVALUATION, whole_fingerprint=lambda: None)
     assert (reason, production.name) == ("", "1")
 
+
+def test_the_gate_says_plainly_when_production_recorded_no_data_fingerprint(monkeypatch):
+    from zenml import Model
+
+    import steps.check_new_data
+
+    said = []
+    monkeypatch.setattr(steps.check_new_data.logger, "info", lambda message, *args: said.append(message % args))
+    model = "gate-production-without-fingerprint"
+    _add_version(model, production=True, promoted=True, promotion="done")  # e.g. a base model registered by hand
+    run = _gate_pipeline().with_options(model=Model(name=model))(
+        dataset_fingerprint=_sha("B"), ppo_config=GATE_CONFIG, reward_spec={"sha256": GATE_REWARD})
+    meta = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].run_metadata
+    assert meta["production_version"] == "1" and meta["skipped"] is False
+    assert "production_fingerprint" not in meta  # absent, not the text "None"
+    assert f"new data (fingerprint {_sha('B')[:16]}...; production version 1 recorded no data fingerprint): " \
+           "retraining from its checkpoint" in said, said
