@@ -52,10 +52,12 @@ def rlhf_retrain_pipeline(
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     skip_reason = check_new_data(dataset_fingerprint, ppo_config, reward_spec, min_improvement=min_improvement,
                                  alpha=alpha, force=force)
+    # production's checkpoint, resolved once, when the smoke test starts: its report names the artifact and
+    # train_ppo starts from that one, so that a version promoted between the two steps cannot make training start
+    # from a checkpoint that was not dry-run
     warm_start = production.get_model_artifact("ppo_checkpoint")
     smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason, init_from=warm_start)
-    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, init_from=warm_start,
-                                                skip_reason=skip_reason)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, skip_reason=skip_reason)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec, skip_reason=skip_reason)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
             alpha=alpha, skip_reason=skip_reason)

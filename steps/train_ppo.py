@@ -47,20 +47,21 @@ def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
     return stable_copy(model, root, f"{kind}/{inputs[0].id}") if inputs else model
 
 
-def producer_version(name: str) -> str | None:
-    """The model version whose run produced input ``name`` (a warm start's checkpoint: that of the version that
-    was production when this step's inputs were resolved); None where it has none."""
-    inputs = get_step_context().inputs.get(name) or []
-    run_id = inputs[0].producer_pipeline_run_id if inputs else None
-    model_version = Client().get_pipeline_run(run_id).model_version if run_id is not None else None
-    return model_version.name if model_version is not None else None
+def warm_start(artifact_id: str) -> tuple[Path, str, str | None]:
+    """(the policy folder, the artifact version id, the model version whose run produced it) of the warm start's
+    checkpoint artifact ``artifact_id``: the one the smoke test ran from. Fetched by id inside the step, ZenML
+    records it as one of this step's inputs (loaded by hand: under its artifact name, ``ppo_checkpoint``)."""
+    client = Client()
+    artifact = client.get_artifact_version(artifact_id)
+    run_id = artifact.producer_pipeline_run_id
+    model_version = client.get_pipeline_run(run_id).model_version if run_id is not None else None
+    return resolve_policy_dir(artifact.load()), str(artifact.id), model_version.name if model_version else None
 
 
 @step(enable_cache=False)
 def train_ppo(
     ppo_config: dict,
     smoke_report: dict,
-    init_from: Path | None = None,
     skip_reason: str = "",
     reward_model: Path | None = None,
 ) -> tuple[
@@ -68,33 +69,33 @@ def train_ppo(
     Annotated[dict, "training_summary"],
     Annotated[Image.Image, "training_curves"],
 ]:
-    """Train; ``init_from`` (a checkpoint artifact) warm-starts the actor from its HF export; ``reward_model``
-    (the artifact of train_reward_model) scores the rollouts: ``reward_model.enable=true
+    """Train; ``reward_model`` (the artifact of train_reward_model) scores the rollouts: ``reward_model.enable=true
     reward_model.model.path=<artifact>``.
 
-    A warm start records on the model version the version whose checkpoint it starts from
-    (``warm_started_from``), before training: read off the artifact this step was given, not production as an
-    earlier step saw it (another run may promote a version in between)."""
+    A warm start is the checkpoint the smoke test ran from (``smoke_report["init_from_artifact_id"]``): training
+    starts from the checkpoint that was dry-run, not from production looked up again (another run may promote a
+    version between the two steps). The step records on the model version the version whose checkpoint it starts
+    from (``warm_started_from``), before training, and in its own metadata the artifact (``warm_start_artifact``)."""
     if skip_reason:
         # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
         # full copy of production's weights at every skipped scheduled run); this version is never promoted
         logger.info("training skipped: %s; no checkpoint is stored for this version", skip_reason)
         folder = Path(tempfile.mkdtemp(prefix="rlhf-skipped-"))
         (folder / SKIPPED_NOTE).write_text(f"training skipped: {skip_reason}\n")
-        log_metadata({"skipped": skip_reason, "steps": 0})  # (the lineage: the warm-start input went unused)
+        log_metadata({"skipped": skip_reason, "steps": 0})
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
-    warm_started_from = None
-    if init_from is not None:
-        start_from(cfg, stable_input("init_from", resolve_policy_dir(init_from), Path(cfg.trainer.default_local_dir),
-                                     "warm_start"))
-        warm_started_from = producer_version("init_from")
+    warm_started_from, tested = None, smoke_report.get("init_from_artifact_id")
+    if tested is not None:
+        policy, artifact_id, warm_started_from = warm_start(tested)
+        start_from(cfg, stable_copy(policy, Path(cfg.trainer.default_local_dir), f"warm_start/{artifact_id}"))
+        log_metadata({"warm_start_artifact": artifact_id})
         if warm_started_from is not None:  # what the retraining gate compares a later run's production with
             log_metadata({"warm_started_from": warm_started_from}, infer_model=True)
-        logger.info("warm start: the actor (and critic backbone) start from %s (version %s)",
-                    cfg.actor_rollout_ref.model.path, warm_started_from)
+        logger.info("warm start: the actor (and critic backbone) start from %s (version %s, the checkpoint the smoke "
+                    "test ran from)", cfg.actor_rollout_ref.model.path, warm_started_from)
     if reward_model is not None:
         score_with(cfg, stable_input("reward_model", reward_model, Path(cfg.trainer.default_local_dir), "reward_model"))
         logger.info("rollouts are scored by the reward model %s", reward_model)
@@ -126,7 +127,7 @@ def train_ppo(
         "checkpoint_dir": str(checkpoint),
         "local_dir": result.local_dir,
         "resumed_from": result.resumed_from,
-        "warm_started": init_from is not None,
+        "warm_started": tested is not None,
         "warm_started_from": warm_started_from,
         "smoke_test_passed": smoke_report.get("passed"),
         "dataset_fingerprint": validated,

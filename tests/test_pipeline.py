@@ -167,12 +167,14 @@ def test_second_run_creates_version_2_and_decides_against_the_first(trained):
     assert meta["previous_production_version"] == "1"
     assert meta["baseline_accuracy"] == first.run_metadata["accuracy"]
     assert meta["dataset_fingerprint"] != first.run_metadata["dataset_fingerprint"]
-    # warm start: training began from version 1's checkpoint artifact
-    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
+    # warm start: the dry run started from version 1's checkpoint artifact, not from the base model of the config,
+    # and training from the one the dry run names (loaded by id: ZenML lists it among train_ppo's inputs)
+    init_from = run.steps["smoke_test"].regular_inputs["init_from"][0]
     assert str(init_from.id) == first.run_metadata["checkpoint_artifact_id"]
-    # and the dry run before it started from the same checkpoint, not from the base model of the config
-    assert str(run.steps["smoke_test"].regular_inputs["init_from"][0].id) == str(init_from.id)
+    assert [str(a.id) for a in run.steps["train_ppo"].inputs["ppo_checkpoint"]] == [str(init_from.id)]
+    assert run.steps["train_ppo"].run_metadata["warm_start_artifact"] == str(init_from.id)
     smoke = run.steps["smoke_test"].outputs["smoke_report"][0].load()
+    assert smoke["init_from_artifact_id"] == str(init_from.id)
     assert smoke["passed"] is True and smoke["target_model"] != str(tiny_setup().root / "model")
     # version 1 already has the ceiling accuracy (1.0), so version 2 can at best tie it, and a tie is
     # no gain: version 2 is not promoted and production stays at version 1
@@ -280,7 +282,7 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
     folder = runs / run.name
     assert summary["resumed_from"] == str(folder / "global_step_1")
     assert [record["step"] for record in summary["history"]] == [1, 2, 3]
-    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
+    init_from = run.steps["smoke_test"].regular_inputs["init_from"][0]
     saved = yaml.safe_load((folder / "global_step_3" / "config.yaml").read_text())
     assert saved["actor_rollout_ref"]["model"]["path"] == str(runs / "warm_start" / str(init_from.id))
 
@@ -310,12 +312,43 @@ def test_the_version_records_the_checkpoint_training_warm_started_from(trained, 
     run = client.get_pipeline_run(run.id)
     assert str(run.status) == "completed"
     assert run.steps["check_new_data"].run_metadata["production_version"] == "1"  # what the gate decided on
-    init_from = run.steps["train_ppo"].regular_inputs["init_from"][0]
-    assert str(init_from.id) == second.run_metadata["checkpoint_artifact_id"]  # what training started from
+    init_from = run.steps["train_ppo"].run_metadata["warm_start_artifact"]
+    assert init_from == second.run_metadata["checkpoint_artifact_id"]  # what training started from
     meta = client.get_model_version(MODEL, run.model_version.id).run_metadata
     assert meta["warm_started_from"] == "2"
     assert meta["previous_production_version"] == "2"  # judged against the version it started from
     assert run.steps["train_ppo"].run_metadata["warm_started_from"] == "2"
+
+
+def test_training_starts_from_the_checkpoint_the_smoke_test_ran_from(trained, monkeypatch):
+    """Another run promotes a version after the smoke test dry-ran production's checkpoint and before train_ppo
+    starts: training starts from the checkpoint that was dry-run, not from the new production."""
+    from zenml.enums import ModelStages
+
+    import steps.smoke_test
+
+    client = zenml_client()
+    first, second = _version(1), _version(2)
+    assert _version("production").number == 1
+    dry_run = steps.smoke_test.run_smoke_test
+
+    def dry_run_then_another_promotion(*args, **kwargs):
+        report = dry_run(*args, **kwargs)
+        client.update_model_version(MODEL, second.id, stage=ModelStages.PRODUCTION, force=True)
+        return report
+
+    monkeypatch.setattr(steps.smoke_test, "run_smoke_test", dry_run_then_another_promotion)
+    try:  # force: version 2 was trained on this data from version 1 and refused
+        run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file, force=True)
+    finally:  # production back to version 1, as the other tests of this model expect
+        client.update_model_version(MODEL, first.id, stage=ModelStages.PRODUCTION, force=True)
+    run = client.get_pipeline_run(run.id)
+    assert str(run.status) == "completed"
+    assert client.get_model_version(MODEL, run.model_version.id).run_metadata["warm_started_from"] == "1"
+    tested = run.steps["smoke_test"].outputs["smoke_report"][0].load()["init_from_artifact_id"]
+    assert tested == first.run_metadata["checkpoint_artifact_id"]  # production when the smoke test started
+    assert run.steps["train_ppo"].run_metadata["warm_start_artifact"] == tested
+    assert [str(a.id) for a in run.steps["train_ppo"].inputs["ppo_checkpoint"]] == [tested]
 
 
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):

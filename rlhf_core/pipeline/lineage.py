@@ -153,7 +153,7 @@ _HIGHLIGHTS = {
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
     "smoke test": ("passed", "wall_s", "cloned", "parameters"),
     "checkpoint": ("skipped", "steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started",
-                   "warm_started_from", "resumed_from"),
+                   "warm_started_from", "warm_start_artifact", "resumed_from"),
     "evaluation": ("accuracy", "accuracy_ci", "base_accuracy", "n", "budget", "val_fingerprint"),
     "promotion": ("promoted", "decision_reason"),
 }
