@@ -321,8 +321,9 @@ def test_synthetic_exclude_draws_other_questions_so_the_counts_hold(tmp_path, ca
 
 
 def test_the_demo_pairs_stay_apart_from_the_demo_evaluation_prompts(tmp_path, capsys):
-    """The demo's prompt data (make demo-assets) and pairs (make demo-rm) at seed 1: without --exclude, 3 of the
-    1,024 evaluation questions have pairs; with it none has, and the pairs are still 2,000 + 400."""
+    """The demo's prompt data (make demo-assets) and its pairs at --seed 1 (make demo-rm's seed, 0, draws none on
+    them): without --exclude, 3 of the 1,024 evaluation questions have pairs; with it none has, and the pairs are
+    still 2,000 + 400."""
     from rlhf_core.data.synthetic import build_dataset
 
     data = build_dataset(tmp_path / "synthetic", 8192, 1024, seed=1, max_ops=1, max_operand=12)
@@ -369,3 +370,21 @@ def test_check_apart_from_prompts_names_the_pairs_on_evaluation_questions(tmp_pa
         f"2 preference pair(s) are on questions of the evaluation prompts ({evaluation}), e.g. {pairs}: 'Q1'; a "
         "reward model fitted on them leaks those questions into the PPO reward. Rebuild the pairs with "
         f"python -m rlhf_core.data.preference ... --exclude {evaluation} --overwrite")
+
+
+def test_exclude_takes_prompts_stored_as_one_string_as_the_trainer_does(tmp_path, capsys):
+    """verl's and the trainer's prompt data may hold a prompt as one string (the user turn): its questions are
+    compared like a message list's, not refused."""
+    source = _solutions(tmp_path, n=3)
+    prompts = tmp_path / "test.parquet"
+    pd.DataFrame({"prompt": ["Q1", " Q2 " + "Let's think step by step and output the final answer after \"####\"."],
+                  "reward_model": [{"style": "rule", "ground_truth": "1"}] * 2}).to_parquet(prompts)
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--exclude", str(prompts)]) == 0
+    assert f"excluded: 8 pair(s) over 2 question(s) of {prompts}\n" in capsys.readouterr().out
+    questions = {e["question"] for name in ("train", "val") for e in pd.read_parquet(out / f"{name}.parquet")["extra_info"]}
+    assert questions == {"Q0"}
+    # the JSON text of a message list is still refused: the trainer refuses it too
+    pd.DataFrame({"prompt": ['[{"role": "user", "content": "Q1"}]']}).to_parquet(prompts)
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(tmp_path / "b"), "--exclude", str(prompts)]) == 1
+    assert "1 prompt(s) are not chat messages" in capsys.readouterr().err

@@ -49,7 +49,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf_core.data.schema import INSTRUCTION, PREFERENCE_COLUMNS, prompt_problem, write_parquet_atomic
+from rlhf_core.data.schema import (
+    INSTRUCTION,
+    PREFERENCE_COLUMNS,
+    json_message_list,
+    prompt_problem,
+    write_parquet_atomic,
+)
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
@@ -174,7 +180,8 @@ def question_keys(prompt, extra_info=None) -> set[str]:
     ``extra_info.question`` where it is text, and the last user message without the prompts' instruction
     (:data:`~rlhf_core.data.schema.INSTRUCTION`). Rows written by this project give the same text both ways; a
     prompt file of another source is matched by its last user turn. ``prompt`` must be chat messages
-    (:func:`~rlhf_core.data.schema.prompt_problem`)."""
+    (:func:`~rlhf_core.data.schema.prompt_problem`), or one string, which the trainer takes as the user turn."""
+    prompt = _as_messages(prompt)
     keys = set()
     if isinstance(extra_info, dict) and isinstance(extra_info.get("question"), str):
         keys.add(extra_info["question"])
@@ -183,6 +190,14 @@ def question_keys(prompt, extra_info=None) -> set[str]:
         content = users[-1]
         keys.add(content[:-len(INSTRUCTION)] if content.endswith(INSTRUCTION) else content)
     return {" ".join(key.split()) for key in keys} - {""}
+
+
+def _as_messages(prompt):
+    """A prompt cell as the trainer reads it: a plain string is one user turn (the JSON text of a message list is
+    not: the trainer refuses it, and so does :func:`prompt_problem`)."""
+    if isinstance(prompt, str) and not json_message_list(prompt):
+        return [{"role": "user", "content": prompt}]
+    return prompt
 
 
 def prompt_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -205,8 +220,9 @@ def prompt_files(paths: Iterable[str | Path]) -> list[Path]:
 
 def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") -> set[str]:
     """The questions (:func:`question_keys`) of prompt parquet files, or folders of them (:func:`prompt_files`):
-    what preference pairs must stay apart from. PreferenceDataError names a file that is not prompt data and the
-    rows whose prompt is not chat messages."""
+    what preference pairs must stay apart from; a prompt that is one string is its user turn, as the trainer takes
+    it. PreferenceDataError names a file that is not prompt data and the rows whose prompt is neither chat messages
+    nor one string."""
     questions: set[str] = set()
     for path in prompt_files(paths):
         try:
@@ -217,7 +233,7 @@ def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") ->
             raise PreferenceDataError(f"{path} is not prompt data: it has no {prompt_key!r} column (its columns: "
                                       f"{', '.join(map(str, frame.columns))})")
         bad = [(row, problem) for row, prompt in enumerate(frame[prompt_key])
-               if (problem := prompt_problem(prompt)) is not None]
+               if (problem := prompt_problem(_as_messages(prompt))) is not None]
         if bad:
             raise PreferenceDataError(f"{path}: {len(bad)} prompt(s) are not chat messages, so their questions "
                                       f"cannot be compared (row {bad[0][0]}: {bad[0][1]})")
