@@ -289,6 +289,33 @@ def test_a_model_with_nan_weights_fails_sampling_by_name_not_with_an_index_error
         engine.generate(_prompts(tokenizer, ["Hi", "What is 3+4?"]), SamplingParams(n=2, max_new_tokens=4))
 
 
+def test_sharded_ranks_stop_together_when_one_ranks_logits_hold_nan(tokenizer):
+    """Sharded, each decode step all-reduces (done, failed): the rank whose logits held NaN and the ranks waiting
+    on it stop at the same step, each with an error, rather than the others waiting in the next collective."""
+    from rlhf_core.rollout.hf import HFRolloutEngine, NonFiniteLogits
+
+    prompts = Batch(left_pad([[5, 6], [5]], tokenizer.pad_token_id), {"uid": [0, 1]})
+    params = SamplingParams(max_new_tokens=6, do_sample=True)
+    # this rank's own rows are fine; another rank reports a failure at the second step
+    seen = []
+    fine = _EosAfter(stop_at=[99], eos_id=tokenizer.eos_token_id)
+    fine.generation_config = None
+    engine = HFRolloutEngine(fine, tokenizer, synced=lambda done, failed: seen.append((done, failed)) or
+                             (done, len(seen) == 2))
+    with pytest.raises(NonFiniteLogits, match="another rank's policy logits held NaN .* response token 1"):
+        engine.generate(prompts, params)
+    assert seen == [(False, False), (False, False)] and fine.calls == 2  # the prompts' pass and one decode step
+    # the rank whose row 1 turns NaN at the first decode step tells the others, and names its row
+    seen.clear()
+    broken = _NanAt(row=1, step=1, eos_id=tokenizer.eos_token_id)
+    broken.generation_config = None
+    engine = HFRolloutEngine(broken, tokenizer, synced=lambda done, failed: seen.append((done, failed)) or
+                             (done, failed))
+    with pytest.raises(NonFiniteLogits, match="response token 1 of rows 1, so"):
+        engine.generate(prompts, params)
+    assert seen == [(False, False), (False, True)]
+
+
 def test_preallocated_cache_gives_the_logits_of_dynamic_cache(actor, tokenizer):
     """Prompt pass, repeat for n samples, then decode steps: both caches see the same keys."""
     from transformers import DynamicCache

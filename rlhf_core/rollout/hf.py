@@ -113,7 +113,7 @@ class HFRolloutEngine:
     """Generation with a transformers causal LM, sharing the actor's module."""
 
     def __init__(self, module: torch.nn.Module, tokenizer, seed: int = 0,
-                 synced: Callable[[bool], bool] | None = None):
+                 synced: Callable[[bool, bool], tuple[bool, bool]] | None = None):
         self.module = module
         eos = module.generation_config.eos_token_id if getattr(module, "generation_config", None) else None
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -126,7 +126,7 @@ class HFRolloutEngine:
         self.seed = seed
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
         self.cache_arg = cache_argument(type(module))
-        self.synced = synced  # all-reduce "every local row is done" across ranks; None = one rank
+        self.synced = synced  # all-reduce (every local row is done, a local row failed) across ranks; None = one rank
         #: the last rollout's seconds before its first token could be drawn (the decode weights, the prompts' pass)
         #: and in its decode loop (each step: a draw, then a forward of one token a row), with the loop's forwards
         self.last_timing: dict[str, float] = {}
@@ -196,11 +196,13 @@ class HFRolloutEngine:
                 # device-side assert)
                 nan_rows = token >= logits.shape[-1]
                 all_done, broken = torch.stack([done.all(), nan_rows.any()]).tolist()
-                if broken:
-                    failure = _nan_logits_error(step, nan_rows.nonzero().flatten().tolist())
+                # sharded: every rank stops at the same step, done or failed, so none waits on one that raised
+                all_done, failed = self.synced(all_done, broken) if self.synced is not None else (all_done, broken)
+                if failed:
+                    failure = (_nan_logits_error(step, nan_rows.nonzero().flatten().tolist()) if broken else
+                               NonFiniteLogits(f"another rank's policy logits held NaN (or inf) at response token "
+                                               f"{step}: that rank's error says where and what usually causes it"))
                     break
-                if self.synced is not None:
-                    all_done = self.synced(all_done)
                 if all_done or step == params.max_new_tokens - 1:
                     break
                 attention_mask = torch.cat([attention_mask, valid.long()[:, None]], dim=1)

@@ -112,10 +112,16 @@ def all_true(flag: bool) -> bool:
     return bool(tensor.item())
 
 
-def all_done(local_done: bool) -> bool:
-    """The ``synced`` hook of the HF rollout: stop generating only when every rank is done, so a
-    sharded model runs the same number of forward passes (and all-gathers) everywhere."""
-    return all_true(local_done)
+def all_done(local_done: bool, local_failed: bool = False) -> tuple[bool, bool]:
+    """The ``synced`` hook of the HF rollout: (every rank is done, some rank failed), in one all-reduce. Generating
+    stops only when every rank is done, so a sharded model runs the same number of forward passes (and
+    all-gathers) everywhere, or when any rank cannot go on (NaN logits), so that none is left waiting for it."""
+    if not is_distributed():
+        return local_done, local_failed
+    tensor = torch.tensor([int(not local_done), int(local_failed)], dtype=torch.int64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    not_done, failed = tensor.tolist()
+    return not not_done, bool(failed)
 
 
 # ----------------------------------------------------------------------------- FSDP2
