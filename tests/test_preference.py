@@ -258,11 +258,11 @@ def test_an_option_of_the_other_source_is_refused(tmp_path, capsys, source, opti
 
 def _prompt_file(path, questions, split="test"):
     """A prompt parquet in the schema the data commands write (the question plus the instruction)."""
-    from rlhf_core.data.schema import REQUIRED_COLUMNS, make_record
+    from rlhf_core.data.schema import PROMPT_COLUMNS, make_record
 
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [make_record(q, f"#### {i}", str(i), split, i, "s") for i, q in enumerate(questions)]
-    pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)).to_parquet(path)
+    pd.DataFrame(rows, columns=list(PROMPT_COLUMNS)).to_parquet(path)
     return path
 
 

@@ -449,7 +449,7 @@ def test_the_pipeline_step_refuses_pairs_on_the_evaluation_questions(tmp_path, m
     import steps.validate_preferences as step
     from rlhf_core.config import load_config
     from rlhf_core.data.preference import PreferenceDataError, to_frame
-    from rlhf_core.data.schema import REQUIRED_COLUMNS, make_record
+    from rlhf_core.data.schema import PROMPT_COLUMNS, make_record
 
     def pair_file(name, questions):
         path = tmp_path / name
@@ -460,7 +460,7 @@ def test_the_pipeline_step_refuses_pairs_on_the_evaluation_questions(tmp_path, m
     def prompt_file(name, questions):
         path = tmp_path / name
         rows = [make_record(q, "#### 1", "1", "test", i, SOURCE) for i, q in enumerate(questions)]
-        pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)).to_parquet(path)
+        pd.DataFrame(rows, columns=list(PROMPT_COLUMNS)).to_parquet(path)
         return path
 
     train, val = pair_file("train.parquet", ["Q1", "Q2"]), pair_file("val.parquet", ["Q3"])

@@ -189,8 +189,8 @@ def test_sigterm_finishes_the_step_saves_and_exits_nonzero(workspace, reference,
 
 def test_a_resume_from_the_checkpoint_after_the_first_validation_does_not_validate_again(workspace):
     """The validation before training saves global_step_0 (the guards' first best). A run stopped before its
-    next checkpoint resumes from there: it must not validate (and log step 0) again, or the sampled
-    validation's draws move every later sample away from the uninterrupted run's."""
+    next checkpoint resumes from there: it must not validate (and log step 0) again; its later steps are the
+    uninterrupted run's."""
     out = workspace.root / "resume_at_0"
     extra = ("trainer.val_before_train=true", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
              "actor_rollout_ref.rollout.val_kwargs.n=2", "trainer.total_training_steps=2", "trainer.test_freq=-1")
