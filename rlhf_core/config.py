@@ -845,6 +845,9 @@ class ConfigError(ValueError):
         self.errors = list(errors)
         super().__init__("invalid config:\n" + "\n".join(f"  - {e}" for e in self.errors))
 
+    def __reduce__(self):  # rebuilt from its errors: a worker's error reaches the driver (Ray pickles it) whole
+        return type(self), (self.errors,)
+
 
 # ----------------------------------------------------------------------------- loading
 

@@ -773,3 +773,15 @@ def test_a_pipeline_run_config_given_as_the_trainer_config_says_what_it_is(repo_
                             "config 'configs/ppo_demo_cpu.yaml'")
     assert "give the trainer config itself here" in error
     load_config(config_file=repo_root / "configs" / "ppo_demo_cpu.yaml")  # the trainer config loads
+
+
+def test_a_config_error_pickles_whole():
+    """A worker's ConfigError reaches the driver through pickle (Ray): its message is rebuilt from its errors,
+    not from the message read as a list of characters."""
+    import pickle
+
+    from rlhf_core.training.reward_trainer import RewardTrainingError
+
+    for error in (ConfigError(["a.b must be positive"]), RewardTrainingError(["no pairs"])):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error) and again.errors == error.errors
