@@ -294,7 +294,8 @@ def minibatch_shares(batch: Batch, mini_rows: int, parts: int, balance: bool = F
     with it each rank shuffles its own share, as verl's ranks do, so the mini-batches are drawn otherwise than
     one worker's, as unbiased). With ``balance``
     each mini-batch's rows are first ordered so that its parts carry about equal tokens (the same rows in
-    the same mini-batch: the update is the same, the ranks wait less on each other)."""
+    the same mini-batch: the update is the same, the ranks wait less on each other; with ``shuffle`` the
+    ranks then shuffle other shares, so other rows meet in a mini-batch)."""
     if len(batch) % mini_rows or mini_rows % parts:
         raise ValueError(f"a batch of {len(batch)} rows in mini-batches of {mini_rows} cannot be shared evenly "
                          f"by {parts} workers")
