@@ -136,6 +136,9 @@ class _TestWorker(DistributedWorker):
             time.sleep(seconds)
         return self.rank
 
+    def sleep_share(self, share: Batch, rank: int, seconds: float) -> int:
+        return self.sleep_on(rank, seconds)
+
     def die_during_all_reduce(self, dying_rank: int) -> float:
         if self.rank == dying_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -272,6 +275,14 @@ def test_a_rank_still_running_long_after_the_others_is_named_with_its_pid(test_g
     assert f"py-spy dump --pid {test_group.pids[1]}" in notices[0]
     assert test_group.execute_all("sleep_on", 0, 2.0) == [0, 1]  # under 3 x 2.5 s: no notice
     assert "sleep_on has run" not in capsys.readouterr().err
+    # calls of one method that do unlike work (kinds: the actor's and the critic's updates) wait each on its own
+    shares = [Batch({"row": torch.tensor([rank])}) for rank in range(WORLD)]
+    assert test_group.dispatch("sleep_share", shares, 1, 2.5, kind="slow") == [0, 1]
+    capsys.readouterr()
+    assert test_group.dispatch("sleep_share", shares, 1, 1.0, kind="quick") == [0, 1]  # no previous call: 0.5 s
+    assert "notice: sleep_share has run" in capsys.readouterr().err  # (keyed on the method: none before 7.5 s)
+    assert test_group.dispatch("sleep_share", shares, 1, 2.0, kind="slow") == [0, 1]  # under 3 x 2.5 s
+    assert "sleep_share has run" not in capsys.readouterr().err
 
 
 def test_a_worker_dying_in_a_collective_fails_the_call_at_once(test_group):

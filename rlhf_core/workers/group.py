@@ -39,8 +39,8 @@ from rlhf_core.workers.common import peak_memory_gb
 
 #: How long to wait, after a first failure, for the others (to report a death rather than its echo).
 FAILURE_GRACE_S = 2.0
-#: A call still running after this many seconds (or after STALL_FACTOR times the previous call of the same method,
-#: if that is longer) gets a notice naming the ranks still in it, and again each time its age doubles: a rank that
+#: A call still running after this many seconds (or after STALL_FACTOR times the previous call of the same kind,
+#: if that is longer: the same method, and for those that do unlike work, the same role or sampling) gets a notice naming the ranks still in it, and again each time its age doubles: a rank that
 #: hangs otherwise shows nothing until the collective timeout fails the call.
 STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
@@ -112,7 +112,7 @@ class WorkerGroup:
         self.world_size = world_size
         self.failed: str | None = None
         self.collective_timeout_s = collective_timeout_s
-        self._last: dict[str, float] = {}  # method -> its previous call's seconds
+        self._last: dict[str, float] = {}  # kind of call (its method, or dispatch's kind) -> its previous call's seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         total = ray.cluster_resources()
@@ -150,19 +150,21 @@ class WorkerGroup:
         self._check_alive(method)
         return self._wait([getattr(self.workers[rank], method).remote(*args, **kwargs)], method, ranks=[rank])[0]
 
-    def dispatch(self, method: str, shares: list[Batch], *args, **kwargs) -> list:
-        """``method(shares[rank], *args, **kwargs)`` on each rank; the results in rank order."""
+    def dispatch(self, method: str, shares: list[Batch], *args, kind: str | None = None, **kwargs) -> list:
+        """``method(shares[rank], *args, **kwargs)`` on each rank; the results in rank order. ``kind`` tells calls
+        of one method that do unlike work apart (the actor's and the critic's updates, training and validation
+        rollouts), so that each waits on its own previous call's time before a stall notice."""
         if len(shares) != self.world_size:
             raise ValueError(f"{len(shares)} batch shares for {self.world_size} workers")
         self._check_alive(method)
         refs = [getattr(w, method).remote(share, *args, **kwargs) for w, share in zip(self.workers, shares)]
-        return self._wait(refs, method)
+        return self._wait(refs, method, kind=kind)
 
     def _check_alive(self, method: str) -> None:
         if self.failed is not None:
             raise WorkerError(f"cannot call {method}: the worker group was shut down after a failure ({self.failed})")
 
-    def _wait(self, refs: list, method: str, ranks: list[int] | None = None) -> list:
+    def _wait(self, refs: list, method: str, ranks: list[int] | None = None, kind: str | None = None) -> list:
         """Results of ``refs`` in order; on the first failure, the failure (see :meth:`_raise`)."""
         import ray
 
@@ -172,12 +174,14 @@ class WorkerGroup:
         pending = list(refs)
         started = time.monotonic()
         finished: dict[int, float] = {}  # rank -> seconds it took
-        notice_at = max(STALL_NOTICE_S, STALL_FACTOR * self._last.get(method, 0.0))
+        kind = kind or method
+        notice_at = max(STALL_NOTICE_S, STALL_FACTOR * self._last.get(kind, 0.0))
         while pending:
             ready, pending = ray.wait(pending, num_returns=1,
                                       timeout=max(0.0, notice_at - (time.monotonic() - started)))
             if not ready:
-                self._stall_notice(method, time.monotonic() - started, [rank_of[ref] for ref in pending], finished)
+                self._stall_notice(method, kind, time.monotonic() - started, [rank_of[ref] for ref in pending],
+                                   finished)
                 notice_at *= 2
                 continue
             for ref in ready:
@@ -187,10 +191,11 @@ class WorkerGroup:
                     failures = [(rank_of[ref], exc)] + self._more_failures(pending, rank_of)
                     self._raise(method, failures)
                 finished[rank_of[ref]] = time.monotonic() - started
-        self._last[method] = time.monotonic() - started
+        self._last[kind] = time.monotonic() - started
         return [results[ref] for ref in refs]
 
-    def _stall_notice(self, method: str, elapsed: float, running: list[int], finished: dict[int, float]) -> None:
+    def _stall_notice(self, method: str, kind: str, elapsed: float, running: list[int],
+                      finished: dict[int, float]) -> None:
         """Say which ranks are still in ``method``, and what happens if one of them hangs."""
         pids = getattr(self, "pids", None)
         who = ", ".join(f"{rank} (pid {pids[rank]})" if pids else str(rank) for rank in sorted(running))
@@ -199,8 +204,8 @@ class WorkerGroup:
             done = sorted(finished)
             line += (f"; rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished it after "
                      f"{max(finished.values()):.0f} s")
-        if method in self._last:
-            line += f"; its previous call took {self._last[method]:.0f} s"
+        if kind in self._last:
+            line += f"; its previous call took {self._last[kind]:.0f} s"
         pid = f" {pids[min(running)]}" if pids else " PID"
         print(f"{line}. A rank that hangs holds the others at their next collective until "
               f"actor_rollout_ref.nccl_timeout ({self.collective_timeout_s:.0f} s) fails the call (a hang outside "
@@ -421,7 +426,7 @@ class _RoleGroup:
 
     def _update(self, batch: Batch, n_per_prompt: int, **kwargs) -> dict[str, float]:
         shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size, self.balance)
-        results = self.group.dispatch("update", shares, self.role, n_per_prompt, **kwargs)
+        results = self.group.dispatch("update", shares, self.role, n_per_prompt, kind=f"update ({self.role})", **kwargs)
         self.skipped_steps += results[0][1]  # the skip decision is the same on every rank
         return results[0][0]  # metrics are already reduced over the ranks
 
@@ -481,7 +486,9 @@ class ActorGroup(_RoleGroup):
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         shares, pad = split_evenly(prompts, self.group.world_size)
-        return gather(self.group.dispatch("generate", shares, params), drop_last=pad * params.n)
+        # validation's rollouts (its own n, sampling and streams) are timed apart from training's
+        kind = f"generate (n={params.n}, {'greedy' if params.greedy else 'sampled'}{', seeded' if params.seed is not None else ''})"
+        return gather(self.group.dispatch("generate", shares, params, kind=kind), drop_last=pad * params.n)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         log_prob, entropy = self._map("compute_log_prob", batch)
