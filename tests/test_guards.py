@@ -104,6 +104,23 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
 
 
+def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_abandoned():
+    guard = Guard(GuardConfig(max_kl=0.5, patience=2, max_consecutive_skips=2, max_val_drop=0.2))
+    for step in (1, 2, 3, 4):
+        guard.on_checkpoint(step)
+    assert guard.observe_validation(2, 0.6) == (True, None)
+    assert guard.observe_step(5, {"actor/ppo_kl": 0.9}, skipped=True) is None  # both streaks start, anchors 4, 3
+    assert (guard.kl_anchor, guard.skip_anchor) == (4, 3)
+    event = guard.observe_validation(5, 0.3)[1]
+    assert (event.kind, event.target_step) == ("val_drop", 2)
+    guard.on_restore(2)  # the trainer restores step 2, then saves the restored weights as step 5
+    guard.on_checkpoint(5)
+    # step 6 runs on the restored weights: its KL and its skip start new streaks, anchored on them
+    assert guard.observe_step(6, {"actor/ppo_kl": 0.9}, skipped=True) is None
+    assert (guard.kl_streak, guard.kl_anchor, guard.consecutive_skips, guard.skip_anchor) == (1, 5, 1, 2)
+    assert 3 not in guard.protected_steps() and 4 not in guard.protected_steps()
+
+
 def _config(use_kl_in_reward: bool, use_kl_loss: bool):
     return load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
                         f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])
@@ -262,6 +279,31 @@ def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollb
     # the best checkpoint outlived max_*_ckpt_to_keep=1; the first one did not
     assert [step for step, _ in checkpoint.list_checkpoints(out)] == [2, 3]
     assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_kl_streak_that_a_validation_drop_interrupts_does_not_restore_the_abandoned_weights(workspace, tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.test_freq=1",
+                           "trainer.save_freq=1", "trainer.guard.max_kl=0.5", "trainer.guard.patience=2")
+    accuracy = {1: 0.5, 2: 0.6, 3: 0.55, 4: 0.5, 5: 0.3, 6: 0.5}
+    trainer.validate = lambda: {"val-core/synthetic/acc/mean@1": accuracy[trainer.global_step]}
+    train_step = trainer.train_step
+
+    def kl_over_the_limit_at_steps_5_and_6(prompts):
+        metrics = train_step(prompts)
+        if trainer.global_step + 1 in (5, 6):
+            metrics["actor/ppo_kl"] = 0.9  # the step's own update moved too far
+        return metrics
+
+    trainer.train_step = kl_over_the_limit_at_steps_5_and_6
+    metrics, weights, error = run_recording(trainer)
+
+    assert error is None
+    assert [metrics[s]["training/rollbacks"] for s in (4, 5, 6)] == [0, 1, 1]  # step 6 began a new streak
+    best = checkpoint.load_model_state(out / "global_step_2")
+    assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_4"), equal=False)
+    assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(out / "global_step_5").items())
 
 
 @pytest.mark.parametrize(("test_freq", "validated"), [(-1, []), (0, []), (2, [2, 4, 5]), (5, [5]), (9, [5])])

@@ -116,8 +116,12 @@ class Guard:
 
     def on_restore(self, step: int) -> None:
         """A rollback restored the checkpoint of ``step``: the checkpoints saved after it hold the weights it
-        abandoned, so no later streak may take them for its anchor (the next save follows ``step``)."""
+        abandoned, so no later streak may take them for its anchor (the next save follows ``step``). A streak
+        under way ends here too: its steps ran on the abandoned weights, and its anchor may be one of their
+        checkpoints (a KL streak that a validation drop interrupts would restore the weights it left)."""
         self.saved = [s for s in self.saved if s <= step]
+        self.consecutive_skips, self.skip_anchor = 0, None
+        self.kl_streak, self.kl_anchor = 0, None
 
     def anchor(self, last_good: int) -> int | None:
         """The newest checkpoint of step ``last_good`` or earlier."""
