@@ -104,6 +104,15 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     assert Guard(GuardConfig(max_val_drop=None)).observe_validation(1, 0.9) == (False, None)
 
 
+def test_a_drop_of_exactly_max_val_drop_is_not_more_than_it_whatever_its_rounding():
+    # accuracies of 10 prompts: each of these drops is 2/10, the limit itself, however the subtraction rounds
+    for best, accuracy in ((0.8, 0.6), (0.7, 0.5), (0.9, 0.7), (0.5, 0.3)):
+        guard = Guard(GuardConfig(max_val_drop=0.2))
+        guard.observe_validation(0, best)
+        assert guard.observe_validation(1, accuracy) == (False, None), (best, accuracy)
+        assert guard.observe_validation(2, accuracy - 0.01)[1].kind == "val_drop"
+
+
 def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_abandoned():
     guard = Guard(GuardConfig(max_kl=0.5, patience=2, max_consecutive_skips=2, max_val_drop=0.2))
     for step in (1, 2, 3, 4):

@@ -169,7 +169,7 @@ class Guard:
         if self.best_val is None or accuracy > self.best_val:
             self.best_val, self.best_step = float(accuracy), step
             return True, None
-        if self.best_val - accuracy > cfg.max_val_drop:
+        if _exceeds(self.best_val - accuracy, cfg.max_val_drop):
             reason = (f"validation accuracy fell from the best {self.best_val:.4g} (step {self.best_step}) to "
                       f"{accuracy:.4g} at step {step}: a drop of {self.best_val - accuracy:.4g} > "
                       f"trainer.guard.max_val_drop={cfg.max_val_drop}")
@@ -209,6 +209,12 @@ class Guard:
         # the steps this run saved before (older checkpoints have no list: none of their folder's is taken on
         # trust, as another run's may lie beside them)
         self.saved = [int(s) for s in state.get("saved", [])]
+
+
+def _exceeds(drop: float, limit: float) -> bool:
+    """Whether ``drop`` is more than ``limit``, a difference of accuracies that equals the limit counting as equal
+    whatever its rounding (0.8 - 0.6 is 0.20000000000000007, 0.7 - 0.5 is 0.19999999999999996)."""
+    return drop > limit and not math.isclose(drop, limit, rel_tol=1e-9, abs_tol=1e-12)
 
 
 @dataclass
