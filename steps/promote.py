@@ -137,6 +137,10 @@ def promote(
         model.set_stage(ModelStages.PRODUCTION, force=replaced is not None)
         log_metadata({"promoted": True, PROMOTION: "done"}, infer_model=True)
     else:
+        if client.get_model_version(model.name, model.id).run_metadata.get(PROMOTION) == "pending":
+            # an earlier attempt of this step decided a promotion and stopped before the stage was set; this one
+            # refuses (production changed since): the record says so, not that a promotion is still pending
+            record[PROMOTION] = "refused"
         log_metadata(record, infer_model=True)
     log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
     logger.info("model %s version %s: %s", model.name, model.version, decision.reason)

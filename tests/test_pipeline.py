@@ -970,3 +970,31 @@ def test_the_gate_says_plainly_when_production_recorded_no_data_fingerprint(monk
     assert "production_fingerprint" not in meta  # absent, not the text "None"
     assert f"new data (fingerprint {_sha('B')[:16]}...; production version 1 recorded no data fingerprint): " \
            "retraining from its checkpoint" in said, said
+
+
+def test_a_retry_that_refuses_after_an_attempt_stopped_before_the_stage_leaves_no_pending_record(monkeypatch):
+    """The first attempt records the promotion pending and stops before the stage is set; another run promotes
+    meanwhile, so the retry refuses (production changed during the run). The run completes with a refusal: its
+    record must not still say a promotion was decided and the run stopped before carrying it out."""
+    from zenml import Model
+
+    from rlhf_core.pipeline.lineage import lineage
+
+    model, attempts = "promote-retried-refused", []
+
+    def another_promotion_then_stop(self, *args, **kwargs):
+        attempts.append(1)
+        _add_version(model, production=True, promoted=True, promotion="done")  # version 2, by another run
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(Model, "set_stage", another_promotion_then_stop)
+    run = _promote_pipeline().with_options(model=Model(name=model),
+                                           steps={"promote": {"retry": {"max_retries": 1, "delay": 0}}})(
+        evaluation=PROMOTING_EVALUATION, dataset_fingerprint=_sha("A"))
+    monkeypatch.undo()
+    run = zenml_client().get_pipeline_run(run.id)
+    assert str(run.status) == "completed" and attempts == [1]
+    meta = zenml_client().get_model_version(model, 1).run_metadata
+    assert meta["promoted"] is False and "production changed during this run" in meta["decision_reason"]
+    assert meta["promotion"] == "refused"  # not "pending": the run did not stop before carrying it out
+    assert lineage(model, "1", client=zenml_client())["stage_vs_record"] is None

@@ -78,7 +78,8 @@ def _check_results(name: str, values: Sequence[bool] | None) -> list[bool] | Non
 
 
 #: a promoting decision's state on the model version: "pending" from before the stage is set until it is, then
-#: "done". A record "pending" says the stage change may not have happened; one without it was never a promotion
+#: "done". A record "pending" says the stage change may not have happened; one without it was never a promotion.
+#: "refused": a retry of the step refused what an earlier attempt had recorded pending (production changed since)
 PROMOTION = "promotion"
 
 
