@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -765,6 +766,28 @@ def test_a_model_folder_is_fingerprinted_anew_when_its_files_change(tmp_path, mo
     (model / "added_tokens.json").write_text("{}")
     os.utime(model / "added_tokens.json", (hour_ago, hour_ago))
     assert "added_tokens.json" in checkpoint.folder_fingerprint(model)
+
+
+def test_a_model_folder_copied_over_with_its_times_kept_is_fingerprinted_anew(tmp_path):
+    """Another model of the same shapes copied to the same path (removed first, as a deploy does), its files'
+    modification times kept (copytree/copy2, cp -p, an archive) and the freed inode numbers given back: the
+    fingerprint is of the model now there, not the one read before."""
+    hour_ago = time.time() - 3600
+    releases = []
+    for name, byte in (("release_a", b"A"), ("release_b", b"B")):
+        release = tmp_path / name
+        release.mkdir()
+        (release / "config.json").write_text('{"n_layer": 1}')
+        (release / "model.safetensors").write_bytes(byte * 100_000)  # the same size: the same architecture
+        for file in release.iterdir():
+            os.utime(file, (hour_ago, hour_ago))  # both released at the same second
+        releases.append(release)
+    model = tmp_path / "model"
+    shutil.copytree(releases[0], model)
+    first = checkpoint.folder_fingerprint(model)
+    shutil.rmtree(model)
+    shutil.copytree(releases[1], model)
+    assert checkpoint.folder_fingerprint(model) == checkpoint.folder_fingerprint(releases[1]) != first
 
 
 def test_two_model_paths_that_name_no_folder_are_told_apart_by_their_paths():

@@ -815,14 +815,18 @@ def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
     whole file up to 8 MiB, else of 64 evenly spaced 64 KiB samples (weights: a copy of the folder, or the
     same folder at another path, fingerprints the same; weights trained on, or another model, do not).
 
-    Read once a process for a folder whose files are unchanged: the same files (names, sizes, modification
-    times, inodes) as when it was last read here give that fingerprint again; any change reads it anew, and so
-    does a folder with a file written within :data:`_RECENT_NS` of the read."""
+    Read once a process for a folder whose files are unchanged: the same files (names, sizes, modification and
+    status-change times, devices and inodes) as when it was last read here give that fingerprint again; any
+    change reads it anew, and so does a folder with a file written within :data:`_RECENT_NS` of the read. The
+    status-change time is the one no copy can set back: ``shutil.copytree``/``copy2``, ``cp -p`` and archives keep
+    the modification times of what they copy, and a folder removed and copied again over can get the freed
+    inode numbers back."""
     started = time.time_ns()
     directory = Path(os.path.expanduser(str(directory)))
     names = sorted({f.name for pattern in _MODEL_FILES for f in directory.glob(pattern) if f.is_file()})
     stats = {name: (directory / name).stat() for name in names}
-    seen = tuple((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats.items())
+    seen = tuple((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_dev, st.st_ino)
+                 for name, st in stats.items())
     folder = directory.resolve()
     cached = _FINGERPRINTS.get(folder)
     if cached is not None and cached[0] == seen:
