@@ -77,6 +77,9 @@ def test_data_metrics_by_hand():
     assert (m["response_length_non_aborted/mean"], m["response_length_non_aborted/min"],
             m["response_length_non_aborted/clip_ratio"]) == (3.0, 2.0, 0.5)
     assert m["response/aborted_ratio"] == pytest.approx(1 / 3)
+    # and out of the scores and rewards, as verl leaves them (its score, 0, is no grade of a response)
+    assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (0.75, 1.0, 0.5)
+    assert (m["critic/rewards/mean"], m["critic/rewards/min"]) == pytest.approx((0.6, 0.3))
     # generation per response token, the other passes per token of the batch; phases that did not run are left out
     per_token = timing_per_token({"timing_s/gen": 0.6, "timing_s/update_actor": 1.1, "timing_s/step": 3.0},
                                  response_tokens=6, tokens=11)

@@ -137,17 +137,18 @@ def _spread(name: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int) -> dict[str, float]:
-    """verl's per-step data metrics: scores, rewards, advantages, returns, values (mean, max, min; the last three
-    over the loss tokens), response and prompt lengths (with the share at their limits), and newer verl's lengths
-    of the responses that were not aborted (those with at least one token) beside the share that were (none of the
-    HF rollout's; a vLLM request cut off before its first token)."""
+    """verl's per-step data metrics: scores, rewards (of the responses not aborted), advantages, returns, values
+    (mean, max, min; the last three over the loss tokens), response and prompt lengths (with the share at their
+    limits), and newer verl's lengths of the responses that were not aborted (those with at least one token)
+    beside the share that were (none of the HF rollout's; a vLLM request cut off before its first token)."""
     mask = batch["response_mask"].bool()  # the losses' mask (narrower than the responses after rejection)
     prompt_width = batch["prompts"].shape[1]
     response_length = batch["attention_mask"][:, prompt_width:].float().sum(-1)  # (bs,) as sampled
     prompt_length = batch["attention_mask"][:, :prompt_width].float().sum(-1)
+    answered = response_length > 0  # verl's scores and rewards leave the aborted responses out (none scored)
     metrics = {
-        **_spread("critic/score", batch["token_level_scores"].sum(-1)),
-        **_spread("critic/rewards", batch["token_level_rewards"].sum(-1)),
+        **_spread("critic/score", batch["token_level_scores"].sum(-1)[answered]),
+        **_spread("critic/rewards", batch["token_level_rewards"].sum(-1)[answered]),
         **_spread("critic/advantages", batch["advantages"][mask]),
         **_spread("critic/returns", batch["returns"][mask]),
         **_spread("response_length", response_length),
