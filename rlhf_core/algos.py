@@ -1076,9 +1076,9 @@ def compute_overlong_penalty(
 
     Shapes: ``response_length`` (bs,) tokens per response -> (bs,) penalty (<= 0).
     """
-    if not 0 < overlong_buffer_len < max_response_length:
+    if not 0 < overlong_buffer_len <= max_response_length:  # the whole length: every token is penalised
         raise ValueError(f"overlong_buffer_len ({overlong_buffer_len}) must be in (0, max_response_length = "
-                         f"{max_response_length})")
+                         f"{max_response_length}]")
     expected_length = max_response_length - overlong_buffer_len
     exceed = response_length.double() - expected_length  # (bs,)
     return torch.clamp(-exceed / overlong_buffer_len * penalty_factor, max=0.0)

@@ -1286,9 +1286,9 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
 
     overlong = cfg.reward_model.overlong_buffer
     if overlong.enable:
-        if not 0 < overlong.len < cfg.data.max_response_length:
+        if not 0 < overlong.len <= cfg.data.max_response_length:  # (the whole length: verl takes it too)
             errors.append(f"reward_model.overlong_buffer.len={overlong.len} must be in (0, data.max_response_length = "
-                          f"{cfg.data.max_response_length}) with reward_model.overlong_buffer.enable=true")
+                          f"{cfg.data.max_response_length}] with reward_model.overlong_buffer.enable=true")
         if overlong.penalty_factor < 0:
             errors.append(f"reward_model.overlong_buffer.penalty_factor={overlong.penalty_factor} must be >= 0")
 

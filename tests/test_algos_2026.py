@@ -271,8 +271,11 @@ def test_overlong_penalty_by_hand():
     penalty = algos.compute_overlong_penalty(lengths, max_response_length=10, overlong_buffer_len=4,
                                              penalty_factor=0.5)
     np.testing.assert_allclose(penalty.numpy(), [0.0, 0.0, -0.125, -0.375, -0.5])
-    with pytest.raises(ValueError, match="overlong_buffer_len"):
-        algos.compute_overlong_penalty(lengths, 10, 10, 1.0)
+    # a buffer as long as the limit (verl takes it): every token costs 1 / 10 of the factor
+    np.testing.assert_allclose(algos.compute_overlong_penalty(lengths, 10, 10, 1.0).numpy(), [0.0, -0.6, -0.7, -0.9, -1.0])
+    for buffer in (0, 11):
+        with pytest.raises(ValueError, match="overlong_buffer_len"):
+            algos.compute_overlong_penalty(lengths, 10, buffer, 1.0)
 
 
 def test_add_at_last_token_handles_inner_masks_and_empty_rows():
@@ -651,8 +654,9 @@ def test_loss_modes_name_the_keys_they_need():
 
 def test_other_preflight_errors():
     assert "grpo_passk needs actor_rollout_ref.rollout.n >= 2" in _errors("algorithm.adv_estimator=grpo_passk")
-    assert "reward_model.overlong_buffer.len=512 must be in (0, data.max_response_length = 512)" in _errors(
-        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=512")
+    assert "reward_model.overlong_buffer.len=513 must be in (0, data.max_response_length = 512]" in _errors(
+        "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=513")
+    load_config(["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=512"])  # as verl
     assert "needs algorithm.rollout_correction.rollout_rs_threshold set" in _errors(
         "algorithm.rollout_correction.rollout_rs=token_k2")
     assert "must be > 1 with rollout_rs=token_k1" in _errors(
