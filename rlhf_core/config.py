@@ -845,8 +845,8 @@ class ConfigError(ValueError):
         self.errors = list(errors)
         super().__init__("invalid config:\n" + "\n".join(f"  - {e}" for e in self.errors))
 
-    def __reduce__(self):  # rebuilt from its errors: a worker's error reaches the driver (Ray pickles it) whole
-        return type(self), (self.errors,)
+    def __reduce__(self):  # rebuilt from its errors: a worker's error reaches the driver (Ray pickles it) whole,
+        return type(self), (self.errors,), self.__dict__  # its notes (how to go on) and other attributes too
 
 
 # ----------------------------------------------------------------------------- loading

@@ -783,5 +783,7 @@ def test_a_config_error_pickles_whole():
     from rlhf_core.training.reward_trainer import RewardTrainingError
 
     for error in (ConfigError(["a.b must be positive"]), RewardTrainingError(["no pairs"])):
+        error.add_note("to go on: rerun with x=1")  # the advice a failure record keeps (rlhf_core.pipeline.failure)
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error) and again.errors == error.errors
+        assert again.__notes__ == ["to go on: rerun with x=1"]

@@ -93,8 +93,8 @@ class RewardTrainingError(ValueError):
         self.errors = errors
         super().__init__("cannot train the reward model:\n" + "\n".join(f"  - {e}" for e in errors))
 
-    def __reduce__(self):  # rebuilt from its errors when pickled (a worker's error on its way to the driver)
-        return type(self), (self.errors,)
+    def __reduce__(self):  # rebuilt from its errors when pickled (a worker's error on its way to the driver),
+        return type(self), (self.errors,), self.__dict__  # its notes and other attributes too
 
 
 # ----------------------------------------------------------------------------- the math
