@@ -239,6 +239,21 @@ def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chai
     assert f"to go on:   {record['advice']}" in capsys.readouterr().out
 
 
+def test_a_run_that_failed_after_promote_recorded_its_decision_still_says_how_to_go_on(capsys):
+    from types import SimpleNamespace
+
+    meta = {"decision_reason": "promoted: +0.2 over production version 1", "promotion": "pending",
+            "failed_step": "promote", "failure": "RuntimeError: store unreachable",
+            "advice": "rerun the pipeline: promote decides again", "pipeline_run_id": "run-6"}
+    failed = SimpleNamespace(name="14", run_metadata=meta, pipeline_run_ids={})
+    runs = {"run-6": SimpleNamespace(name="r-6", status="failed", id="run-6")}
+    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
+    out = capsys.readouterr().out
+    assert "decision:   promoted: +0.2 over production version 1" in out
+    assert "failed:     the run failed at step promote: RuntimeError: store unreachable" in out
+    assert "to go on:   rerun the pipeline: promote decides again" in out
+
+
 def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(capsys):
     from types import SimpleNamespace
 
