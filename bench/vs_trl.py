@@ -3,9 +3,11 @@
 Both trainers get the same model directory, the same prompts (synthetic arithmetic, the chat
 template applied by each), the same group size, response length, learning rate and number of
 optimisation steps; GRPO advantages, no KL term (TRL ``beta=0``, ours ``use_kl_loss=false``),
-one optimiser step per generation batch, one pass over it, activation checkpointing off in both (TRL's
-``GRPOConfig`` turns it on unless told; ``--checkpointing`` turns it on in both). Step times are wall-clock medians
-after a warm-up, ours in this process and TRL's in a child process, one after the other. Prints
+one optimiser step per generation batch, one pass over it, in micro-batches of ``--micro`` sequences in both
+(``--trl-micro all``: TRL takes all of them in one), AdamW with betas (0.9, 0.95) in both (TRL's default beta2 is
+0.999), float32 weights in both, activation checkpointing off in both (TRL's ``GRPOConfig`` turns it on unless told;
+``--checkpointing`` turns it on in both). Step times and tokens per second are medians over the steps after a
+warm-up, ours in this process and TRL's in a child process, one after the other. Prints
 
     ours/trl step time: 0.61
     ours/trl tokens per second: 1.64
@@ -78,6 +80,7 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, layout: str = "whol
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={args.prompts * args.group}",
         "actor_rollout_ref.actor.ppo_epochs=1", "actor_rollout_ref.actor.use_kl_loss=false",
         f"actor_rollout_ref.actor.optim.lr={args.lr}", "actor_rollout_ref.actor.optim.lr_warmup_steps=0",
+        "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",  # stated, as TRL's adam_beta1/2 below
         "actor_rollout_ref.actor.optim.weight_decay=0.0", "actor_rollout_ref.actor.entropy_coeff=0.0",
         "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=false", "trainer.logger=[]",
         f"trainer.default_local_dir={data.parent / 'ours'}", "trainer.val_before_train=false",
@@ -97,13 +100,30 @@ def run_ours(model: Path, data: Path, args, max_prompt: int, layout: str = "whol
             trainer.global_step += 1
             if step >= args.warmup:
                 times.append(elapsed)
-                tokens.append(metrics["response_length/mean"] * args.prompts * args.group)
+                tokens.append(metrics["response_length/mean"] * args.prompts * args.group)  # EOS included, as TRL's
                 rewards.append(metrics["critic/score/mean"])
                 phases.append({k.removeprefix("timing_s/"): v for k, v in metrics.items()
                                if k.startswith("timing_s/") and k != "timing_s/step"})
     phase_s = {name: statistics.median(p[name] for p in phases) for name in phases[0]}
-    return {"step_s": statistics.median(times), "tokens_per_s": sum(tokens) / sum(times),
+    return {"step_s": statistics.median(times), "tokens_per_s": median_rate(tokens, times),
             "reward": statistics.mean(rewards[-args.last:]), "phases": phase_s}
+
+
+def median_rate(tokens: list[float], times: list[float]) -> float:
+    """The median over the timed steps of each step's tokens / seconds: the same statistic as the step time's
+    median, so that a single slow step moves neither ratio (a sum over a sum would take it in, a median not)."""
+    return statistics.median(count / seconds for count, seconds in zip(tokens, times, strict=True))
+
+
+def micro_layout(args) -> tuple[int, int]:
+    """TRL's (per_device_train_batch_size, gradient_accumulation_steps) for one optimiser step over the
+    generation batch of ``--prompts`` x ``--group`` sequences: micro-batches of ``--micro`` sequences
+    (default ``--prompts``, as ours), or all of them at once with ``--trl-micro all``."""
+    rows = args.prompts * args.group
+    micro = rows if args.trl_micro == "all" else (args.micro or args.prompts)
+    if rows % micro:
+        raise SystemExit(f"--micro {micro} does not divide the {rows} sequences of a step")
+    return micro, rows // micro
 
 
 def run_trl_in_child(model: Path, data: Path, args) -> dict:
@@ -148,12 +168,17 @@ def run_trl(model: Path, data: Path, args) -> dict:
         def on_step_end(self, *_, **__):
             self.times.append(time.perf_counter() - self.start)
 
+    micro, accumulation = micro_layout(args)
     config = GRPOConfig(
         output_dir=str(data.parent / "trl"), use_cpu=True, bf16=args.bf16, report_to="none",
-        per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
-        gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1,
+        # one generation of --prompts x --group sequences a step, one optimiser step over it in `accumulation`
+        # micro-batches of `micro` (loss_type "dapo", TRL's default: the token mean over the whole generation
+        # batch, as ours with loss_agg_mode=token-mean)
+        per_device_train_batch_size=micro, num_generations=args.group, loss_type="dapo",
+        gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=1,
         max_completion_length=args.response, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+        adam_beta1=0.9, adam_beta2=0.95,  # as configs/ppo_demo_cpu.yaml (TRL's default beta2 is 0.999)
         max_grad_norm=1.0, max_steps=args.warmup + args.steps, logging_steps=1, save_strategy="no",
         shuffle_dataset=False, seed=1, disable_tqdm=True, dataloader_num_workers=0,
         # stated, not left to TRL: GRPOConfig turns activation checkpointing on by default (TRL >= 1.0), which
@@ -163,16 +188,18 @@ def run_trl(model: Path, data: Path, args) -> dict:
         generation_kwargs={"min_new_tokens": args.response} if args.fixed_length else None,
     )
     clock = Clock()
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model)), reward_funcs=reward, args=config,
+    # float32 weights, as ours loads them (transformers 5 loads in the dtype of config.json unless told)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32),
+                          reward_funcs=reward, args=config,
                           train_dataset=dataset, processing_class=AutoTokenizer.from_pretrained(str(model)),
                           callbacks=[clock])
     trainer.train()
     logs = [row for row in trainer.state.log_history if "reward" in row]
     times = clock.times[args.warmup:]
-    lengths = [row["completions/mean_length"] for row in logs][args.warmup:]
+    lengths = [row["completions/mean_length"] for row in logs][args.warmup:]  # EOS included, as ours
     rewards = [row["reward"] for row in logs][args.warmup:]
     return {"step_s": statistics.median(times),
-            "tokens_per_s": sum(length * args.prompts * args.group for length in lengths) / sum(times),
+            "tokens_per_s": median_rate([length * args.prompts * args.group for length in lengths], times),
             "reward": statistics.mean(rewards[-args.last:])}
 
 
@@ -187,8 +214,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--micro", type=int, default=None,
-                        help="our sequences per update micro-batch (default --prompts; TRL takes all "
-                             "--prompts x --group in one)")
+                        help="sequences per update micro-batch in both trainers (default --prompts; TRL: "
+                             "per_device_train_batch_size, with gradient_accumulation_steps = steps_per_generation = "
+                             "--prompts x --group / --micro, still one optimiser step per generation)")
+    parser.add_argument("--trl-micro", choices=("same", "all"), default="same",
+                        help="TRL's micro-batches: --micro sequences, as ours (same), or all --prompts x --group in one "
+                             "(all: the layout of the figures in bench/RESULTS.md up to now)")
     parser.add_argument("--fixed-length", action="store_true",
                         help="every response runs to --response tokens in both trainers (ours: rollout.ignore_eos; "
                              "TRL: min_new_tokens), so that both do exactly the same number of tokens")
@@ -243,6 +274,7 @@ def main() -> None:
                      f"response {'=' if args.fixed_length else '<='} {args.response}, {args.steps} steps after "
                      f"{args.warmup} warm-up, {args.threads} threads{', bf16 mixed precision' if args.bf16 else ''}, "
                      f"activation checkpointing {'on' if args.checkpointing else 'off'} in both, "
+                     f"micro-batches of {args.micro or args.prompts} (ours) and {micro_layout(args)[0]} (TRL), "
                      f"TRL's heap: {'kept, as ours' if args.trl_heap == 'kept' else 'glibc defaults'}")
         for layout, ours in runs.items():
             tag = f"{name}{LAYOUT_TAGS[layout]}"
