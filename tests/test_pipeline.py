@@ -287,29 +287,37 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
     assert saved["actor_rollout_ref"]["model"]["path"] == str(runs / "warm_start" / str(init_from.id))
 
 
-def test_the_version_records_the_checkpoint_training_warm_started_from(trained, monkeypatch):
-    """Another run promotes a version after the retraining gate looked at production and before train_ppo took
-    its warm start: the version names the checkpoint training started from, not the production the gate saw."""
+def _retrain_with_version_2_promoted_after(module, name: str, monkeypatch):
+    """A forced retraining (version 2 was trained on this data from version 1 and refused) during which another
+    run promotes version 2 right after ``module.name`` returns; production is put back to version 1 afterwards,
+    as the other tests of this model expect. Returns the run, read again."""
     from zenml.enums import ModelStages
-
-    import steps.check_new_data
 
     client = zenml_client()
     first, second = _version(1), _version(2)
     assert _version("production").number == 1
-    looked = steps.check_new_data.gate
+    original = getattr(module, name)
 
-    def gate_then_another_promotion(*args, **kwargs):
-        result = looked(*args, **kwargs)
+    def then_another_promotion(*args, **kwargs):
+        result = original(*args, **kwargs)
         client.update_model_version(MODEL, second.id, stage=ModelStages.PRODUCTION, force=True)
         return result
 
-    monkeypatch.setattr(steps.check_new_data, "gate", gate_then_another_promotion)
-    try:  # force: version 2 was trained on this data from version 1 and refused
+    monkeypatch.setattr(module, name, then_another_promotion)
+    try:
         run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file, force=True)
-    finally:  # production back to version 1, as the other tests of this model expect
+    finally:
         client.update_model_version(MODEL, first.id, stage=ModelStages.PRODUCTION, force=True)
-    run = client.get_pipeline_run(run.id)
+    return client.get_pipeline_run(run.id)
+
+
+def test_the_version_records_the_checkpoint_training_warm_started_from(trained, monkeypatch):
+    """Another run promotes a version after the retraining gate looked at production and before train_ppo took
+    its warm start: the version names the checkpoint training started from, not the production the gate saw."""
+    import steps.check_new_data
+
+    client, second = zenml_client(), _version(2)
+    run = _retrain_with_version_2_promoted_after(steps.check_new_data, "gate", monkeypatch)
     assert str(run.status) == "completed"
     assert run.steps["check_new_data"].run_metadata["production_version"] == "1"  # what the gate decided on
     init_from = run.steps["train_ppo"].run_metadata["warm_start_artifact"]
@@ -323,26 +331,10 @@ def test_the_version_records_the_checkpoint_training_warm_started_from(trained, 
 def test_training_starts_from_the_checkpoint_the_smoke_test_ran_from(trained, monkeypatch):
     """Another run promotes a version after the smoke test dry-ran production's checkpoint and before train_ppo
     starts: training starts from the checkpoint that was dry-run, not from the new production."""
-    from zenml.enums import ModelStages
-
     import steps.smoke_test
 
-    client = zenml_client()
-    first, second = _version(1), _version(2)
-    assert _version("production").number == 1
-    dry_run = steps.smoke_test.run_smoke_test
-
-    def dry_run_then_another_promotion(*args, **kwargs):
-        report = dry_run(*args, **kwargs)
-        client.update_model_version(MODEL, second.id, stage=ModelStages.PRODUCTION, force=True)
-        return report
-
-    monkeypatch.setattr(steps.smoke_test, "run_smoke_test", dry_run_then_another_promotion)
-    try:  # force: version 2 was trained on this data from version 1 and refused
-        run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file, force=True)
-    finally:  # production back to version 1, as the other tests of this model expect
-        client.update_model_version(MODEL, first.id, stage=ModelStages.PRODUCTION, force=True)
-    run = client.get_pipeline_run(run.id)
+    client, first = zenml_client(), _version(1)
+    run = _retrain_with_version_2_promoted_after(steps.smoke_test, "run_smoke_test", monkeypatch)
     assert str(run.status) == "completed"
     assert client.get_model_version(MODEL, run.model_version.id).run_metadata["warm_started_from"] == "1"
     tested = run.steps["smoke_test"].outputs["smoke_report"][0].load()["init_from_artifact_id"]
