@@ -752,9 +752,13 @@ def test_a_model_folder_is_fingerprinted_anew_when_its_files_change(tmp_path, mo
     hashed: list[str] = []
     sha256 = hashlib.sha256
     monkeypatch.setattr(checkpoint.hashlib, "sha256", lambda: hashed.append("") or sha256())
+    # the files' status-change times are now's, which no utime sets back: read as if 10 s later at first
+    clock, later = checkpoint.time.time_ns, [10_000_000_000]
+    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: clock() + later[0])
     first = checkpoint.folder_fingerprint(model)
     read = len(hashed)
     assert checkpoint.folder_fingerprint(model) == first and len(hashed) == read  # unchanged: not read again
+    later[0] = 0
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))  # same size, just written
@@ -788,6 +792,23 @@ def test_a_model_folder_copied_over_with_its_times_kept_is_fingerprinted_anew(tm
     shutil.rmtree(model)
     shutil.copytree(releases[1], model)
     assert checkpoint.folder_fingerprint(model) == checkpoint.folder_fingerprint(releases[1]) != first
+
+
+def test_a_folder_copied_in_just_now_with_its_times_kept_is_read_again_next_time(tmp_path):
+    """A file system whose clock is coarse may give the next copy over it the same status-change time: a folder
+    whose files arrived (status change) within the recent window is not kept, whatever modification time the
+    copy kept."""
+    hour_ago = time.time() - 3600
+    release = tmp_path / "release"
+    release.mkdir()
+    (release / "config.json").write_text('{"n_layer": 1}')
+    (release / "model.safetensors").write_bytes(b"A" * 1000)
+    for file in release.iterdir():
+        os.utime(file, (hour_ago, hour_ago))
+    model = tmp_path / "model"
+    shutil.copytree(release, model)
+    checkpoint.folder_fingerprint(model)
+    assert model.resolve() not in checkpoint._FINGERPRINTS
 
 
 def test_two_model_paths_that_name_no_folder_are_told_apart_by_their_paths():

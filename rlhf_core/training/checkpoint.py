@@ -844,7 +844,8 @@ def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
                     handle.seek((size - _SAMPLE_BYTES) * k // (_SAMPLES - 1))
                     digest.update(handle.read(_SAMPLE_BYTES))
         digests[name] = f"{size}:{digest.hexdigest()}"
-    if all(st.st_mtime_ns < started - _RECENT_NS for st in stats.values()):
+    # a copy keeps the modification time it copies: its status-change time says when the file came here
+    if all(max(st.st_mtime_ns, st.st_ctime_ns) < started - _RECENT_NS for st in stats.values()):
         _FINGERPRINTS[folder] = (seen, digests)
     else:
         _FINGERPRINTS.pop(folder, None)
