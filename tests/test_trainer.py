@@ -80,6 +80,11 @@ def test_data_metrics_by_hand():
     # and out of the scores and rewards, as verl leaves them (its score, 0, is no grade of a response)
     assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (0.75, 1.0, 0.5)
     assert (m["critic/rewards/mean"], m["critic/rewards/min"]) == pytest.approx((0.6, 0.3))
+    # every row aborted: no score or reward to report (not a score of 0), the lengths and ratio still there
+    none = Batch({key: value[2:] for key, value in aborted.tensors.items()}, {})
+    m = data_metrics(none, max_response_length=4, max_prompt_length=3)
+    assert not [key for key in m if key.startswith(("critic/score", "critic/rewards"))]
+    assert (m["response/aborted_ratio"], m["response_length/mean"], m["response_length_non_aborted/mean"]) == (1.0, 0, 0)
     # generation per response token, the other passes per token of the batch; phases that did not run are left out
     per_token = timing_per_token({"timing_s/gen": 0.6, "timing_s/update_actor": 1.1, "timing_s/step": 3.0},
                                  response_tokens=6, tokens=11)

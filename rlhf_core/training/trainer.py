@@ -146,14 +146,17 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
     response_length = batch["attention_mask"][:, prompt_width:].float().sum(-1)  # (bs,) as sampled
     prompt_length = batch["attention_mask"][:, :prompt_width].float().sum(-1)
     answered = response_length > 0  # verl's scores and rewards leave the aborted responses out (none scored)
+    # with every response aborted there is no score to report (verl stops there): the keys are left out rather
+    # than read as a score of 0 by the trackers, the monitoring exports and the run's final score
+    scored = {**_spread("critic/score", batch["token_level_scores"].sum(-1)[answered]),
+              **_spread("critic/rewards", batch["token_level_rewards"].sum(-1)[answered])} if answered.any() else {}
     metrics = {
-        **_spread("critic/score", batch["token_level_scores"].sum(-1)[answered]),
-        **_spread("critic/rewards", batch["token_level_rewards"].sum(-1)[answered]),
+        **scored,
         **_spread("critic/advantages", batch["advantages"][mask]),
         **_spread("critic/returns", batch["returns"][mask]),
         **_spread("response_length", response_length),
         "response_length/clip_ratio": float((response_length >= max_response_length).float().mean()),
-        **_spread("response_length_non_aborted", kept := response_length[response_length > 0]),
+        **_spread("response_length_non_aborted", kept := response_length[answered]),
         "response_length_non_aborted/clip_ratio": float((kept >= max_response_length).float().mean())
         if kept.numel() else 0.0,
         "response/aborted_ratio": float((response_length == 0).float().mean()),
