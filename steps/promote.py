@@ -20,6 +20,10 @@ from rlhf_core.pipeline.promotion import PROMOTION, decide_from_evaluation
 logger = get_logger(__name__)
 
 SKIPPED_TAG = "skipped"  # on a version whose run skipped training (retraining with nothing new)
+#: a comparison's figures on the version's record, and what a refusal without a comparison writes over those an
+#: earlier attempt recorded
+COMPARISON_FIGURES = ("gain", "gain_ci", "p_value", "baseline_accuracy")
+NO_COMPARISON = "none (refused without a comparison)"
 
 
 def _production(client: Client, model_name: str):
@@ -137,10 +141,14 @@ def promote(
         model.set_stage(ModelStages.PRODUCTION, force=replaced is not None)
         log_metadata({"promoted": True, PROMOTION: "done"}, infer_model=True)
     else:
-        if client.get_model_version(model.name, model.id).run_metadata.get(PROMOTION) == "pending":
+        earlier = client.get_model_version(model.name, model.id).run_metadata
+        if earlier.get(PROMOTION) == "pending":
             # an earlier attempt of this step decided a promotion and stopped before the stage was set; this one
-            # refuses (production changed since): the record says so, not that a promotion is still pending
+            # refuses (production changed since): the record says so, not that a promotion is still pending, and
+            # the figures of that attempt's comparison, which this refusal has none of, are written over (the
+            # metadata store keeps the last value a key was given, and takes no null)
             record[PROMOTION] = "refused"
+            record.update({key: NO_COMPARISON for key in COMPARISON_FIGURES if key in earlier and key not in record})
         log_metadata(record, infer_model=True)
     log_metadata({"promoted": decision.promote, "decision_reason": decision.reason})
     logger.info("model %s version %s: %s", model.name, model.version, decision.reason)

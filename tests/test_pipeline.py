@@ -990,3 +990,7 @@ def test_a_retry_that_refuses_after_an_attempt_stopped_before_the_stage_leaves_n
     assert meta["promoted"] is False and "production changed during this run" in meta["decision_reason"]
     assert meta["promotion"] == "refused"  # not "pending": the run did not stop before carrying it out
     assert lineage(model, "1", client=zenml_client())["stage_vs_record"] is None
+    # the pending attempt's comparison (against the base model: gain 1, p = 2 * 0.5^20) is not left standing
+    # beside a refusal that made none
+    for key in ("gain", "gain_ci", "p_value", "baseline_accuracy"):
+        assert meta[key] == "none (refused without a comparison)", (key, meta[key])
