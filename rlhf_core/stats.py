@@ -33,8 +33,10 @@ def check_alpha(alpha: float, key: str = "alpha") -> float:
 
 
 def z_value(alpha: float) -> float:
-    """The two-sided normal quantile: 1.96 for ``alpha=0.05``."""
-    return NormalDist().inv_cdf(1 - check_alpha(alpha) / 2)
+    """The two-sided normal quantile: 1.96 for ``alpha=0.05``. Taken from the lower tail, ``alpha / 2`` itself:
+    ``1 - alpha / 2`` loses the digits of a small ``alpha`` (and is 1.0, outside the normal's domain, below
+    about 1e-16)."""
+    return -NormalDist().inv_cdf(check_alpha(alpha) / 2)
 
 
 def standard_error(values: Sequence[float]) -> float:
@@ -149,14 +151,42 @@ def validation_metrics(
 # ----------------------------------------------------------------------------- paired comparison
 
 
+#: discordant problems up to which McNemar's p-value is summed in exact integers (above: in floats, from logs)
+EXACT_DISCORDANT = 100_000
+
+
 def mcnemar_exact_p(fixed: int, broken: int) -> float:
     """Two-sided exact McNemar p-value: under "no difference" each of the ``fixed + broken``
-    discordant problems is fixed or broken with probability 1/2, so the smaller count is binomial."""
+    discordant problems is fixed or broken with probability 1/2, so the smaller count is binomial.
+
+    The tail ``sum_{k <= m} C(d, k) / 2^d`` is summed from its largest term ``C(d, m)`` down
+    (``C(d, k - 1) = C(d, k) k / (d - k + 1)``) until the terms left, which fall at least as fast as that
+    ratio, add up to less than 2^-64 of the sum: in time that grows with about ``sqrt(d)`` terms, not with ``m``
+    binomial coefficients computed afresh. Up to :data:`EXACT_DISCORDANT` discordant problems the terms are exact
+    integers (the p-value is the exact one, rounded once; a term left out can move it by an ulp at most); above,
+    floats scaled by ``C(d, m) / 2^(d - 1)`` taken from ``lgamma`` (a relative error near 1e-9 at a million)."""
     discordant = fixed + broken
-    if discordant == 0:
+    smaller = min(fixed, broken)
+    if discordant == 0 or 2 * smaller >= discordant:  # equal counts: the tail is >= 1/2, doubled >= 1
         return 1.0
-    tail = sum(math.comb(discordant, k) for k in range(min(fixed, broken) + 1)) / 2 ** discordant
-    return min(1.0, 2 * tail)
+    if discordant <= EXACT_DISCORDANT:
+        term = total = math.comb(discordant, smaller)
+        for k in range(smaller, 0, -1):
+            # the terms below sum to less than term * k / (d - 2k + 1) <= term * k: stop below 2^-64 of the total
+            if term.bit_length() + k.bit_length() + 64 < total.bit_length():
+                break
+            term = term * k // (discordant - k + 1)
+            total += term
+        return min(1.0, total / 2 ** (discordant - 1))
+    term = total = 1.0  # the terms relative to the largest
+    for k in range(smaller, 0, -1):
+        term *= k / (discordant - k + 1)
+        total += term
+        if term * k < 2 ** -64 * total * (discordant - 2 * k + 1):
+            break
+    log_largest = (math.lgamma(discordant + 1) - math.lgamma(smaller + 1) - math.lgamma(discordant - smaller + 1)
+                   - (discordant - 1) * math.log(2))
+    return min(1.0, math.exp(log_largest + math.log(total)))
 
 
 @dataclass(frozen=True)
