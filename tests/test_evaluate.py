@@ -190,6 +190,18 @@ def test_a_validation_set_without_ground_truths_cannot_be_scored(setup, tmp_path
         evaluate_policy(model, str(tmp_path / "no_truth.parquet"), DATA, reward_fn=digit_first)
 
 
+def test_a_problem_the_reward_leaves_ungraded_is_refused_not_counted_wrong(setup):
+    """acc NaN (no verdict) on greedy responses was counted wrong: 0.5 on 10 problems half of which had no verdict,
+    where the sampled mean@n, which leaves them out, said 1.0; and a gain over another model was thinned out."""
+    model, val = setup
+
+    def ungraded_odd(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.0, "acc": math.nan} if extra_info["index"] % 2 else {"score": 1.0, "acc": 1.0}
+
+    with pytest.raises(ValueError, match=r"no verdict \(acc NaN\) on \d+ problem"):
+        evaluate_policy(model, str(val), DATA, reward_fn=ungraded_odd, max_problems=10)
+
+
 def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_path):
     import json
 

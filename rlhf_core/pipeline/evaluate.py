@@ -215,6 +215,11 @@ def evaluate_policy(
         _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
                             batch.meta["ground_truth"], batch.meta["extra_info"])
         lengths += batch["response_mask"].sum(-1).float().tolist()
+        ungraded = [dataset.rows[index]["id"] for row, index in enumerate(indices) if math.isnan(extras["acc"][row])]
+        if ungraded:  # counted wrong, it would lower the accuracy and thin out the gain promotion measures
+            raise ValueError(f"the reward gave no verdict (acc NaN) on {len(ungraded)} problem(s), e.g. "
+                             f"{', '.join(map(str, ungraded[:3]))}: the evaluation needs each problem graded right "
+                             "or wrong to pair it with another model's result; return an acc of 0 or 1 there")
         for row, index in enumerate(indices):
             scores.append(float(extras["score"][row]))
             rows.append({
