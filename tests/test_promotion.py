@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from rlhf_core.pipeline.promotion import decide, decide_from_evaluation, match_production
+from rlhf_core.pipeline.promotion import clears_gate, decide, decide_from_evaluation, match_production
+from rlhf_core.stats import mcnemar_exact_p
 
 
 def results(right: int, wrong: int) -> list[bool]:
@@ -333,3 +336,13 @@ def test_a_stage_and_a_promotion_record_that_disagree_are_named_and_ones_that_ag
     assert stage_disagreement(False, pending).startswith("promotion decided but not carried out")
     for unrecorded in ({}, {"promoted": False}):  # set by hand, or a refused version promoted outside promote
         assert stage_disagreement(True, unrecorded).startswith("in production, but no promotion is recorded on it")
+
+
+def test_the_gate_promotes_a_candidate_no_better_than_its_baseline_at_most_alpha_over_2_of_the_time():
+    """The p-value is two-sided and the gain must be positive: under "no difference" (each discordant problem fixed
+    or broken with probability 1/2) the chance of promotion, summed exactly over the binomial, is at most alpha / 2."""
+    for alpha in (0.05, 0.01, 0.2):
+        for d in range(1, 121):
+            chance = sum(math.comb(d, fixed) for fixed in range(d + 1)
+                         if clears_gate((2 * fixed - d) / d, mcnemar_exact_p(fixed, d - fixed), 0.0, alpha)) / 2 ** d
+            assert chance <= alpha / 2

@@ -7,7 +7,9 @@ The rule:
   trained from (evaluated in the same run, on the same problems);
 * it is promoted only when its gain in accuracy is at least ``min_improvement`` (an absolute
   difference, 0.02 = two points), more than nothing (a tie never replaces production), *and*
-  significant: McNemar's exact test on the problems where the two disagree gives ``p < alpha``.
+  significant: McNemar's exact test on the problems where the two disagree gives ``p < alpha``. The p-value is
+  two-sided; with the gain required to be positive, the rule promotes a candidate no better than its baseline with
+  a chance of at most ``alpha / 2`` (a one-sided test at ``alpha / 2``).
   On a few hundred problems a couple of points is noise; this gate says so instead of promoting;
 * a run that did not train (retraining on unchanged data) is never promoted, and neither is a
   candidate that cannot be compared: production's evaluation was on other problems (their
