@@ -346,3 +346,16 @@ def test_the_gate_promotes_a_candidate_no_better_than_its_baseline_at_most_alpha
             chance = sum(math.comb(d, fixed) for fixed in range(d + 1)
                          if clears_gate((2 * fixed - d) / d, mcnemar_exact_p(fixed, d - fixed), 0.0, alpha)) / 2 ** d
             assert chance <= alpha / 2
+
+
+def test_a_gate_of_a_whole_accuracy_or_more_is_refused_as_one_that_never_promotes():
+    """min_improvement is a gain in accuracy (at most 1): 2 meant as "2 points" would refuse every candidate, and
+    a boolean is no gain at all."""
+    from rlhf_core.pipeline.promotion import check_gate
+
+    check_gate(0.02, 0.05)
+    check_gate(0, 0.05)
+    for bad, reason in [(2, "a gain in accuracy, a fraction below 1"), (1.0, "a gain in accuracy"),
+                        (True, "must be a finite number >= 0"), (float("nan"), "must be a finite number >= 0")]:
+        with pytest.raises(ValueError, match=reason):
+            check_gate(bad, 0.05)

@@ -105,8 +105,12 @@ def stage_disagreement(is_production: bool, metadata: Mapping[str, Any]) -> str 
 def check_gate(min_improvement: float, alpha: float) -> None:
     """Refuse a promotion gate that cannot be applied: the pipelines call it while they compile, so that a bad
     value fails before any step runs, not at the promote step after training."""
-    if not (isinstance(min_improvement, (int, float)) and math.isfinite(min_improvement) and min_improvement >= 0):
+    if not (isinstance(min_improvement, (int, float)) and not isinstance(min_improvement, bool)
+            and math.isfinite(min_improvement) and min_improvement >= 0):
         raise ValueError(f"min_improvement={min_improvement!r} must be a finite number >= 0")
+    if min_improvement >= 1:  # a gain is a difference of accuracies: at most 1, so nothing would ever be promoted
+        raise ValueError(f"min_improvement={min_improvement!r} is a gain in accuracy, a fraction below 1 (0.02 for "
+                         "2 points): no candidate could be promoted")
     check_alpha(alpha, "alpha")
 
 
