@@ -724,8 +724,10 @@ def test_a_resume_reads_each_model_folder_once(workspace, trained, tmp_path, mon
     _, out = trained
     model = tmp_path / "model"  # a folder of its own: none of this process's fingerprints is of it yet
     shutil.copytree(workspace.model, model)
-    for file in model.iterdir():  # written an hour ago, as a model folder is (one written just now is read anew)
-        os.utime(file, (file.stat().st_atime, file.stat().st_mtime - 3600))
+    # read as if a minute later: a folder whose files were written or copied just now (its status-change times,
+    # which no utime sets back) is read anew each time, one written a while ago is read once
+    clock = checkpoint._clock_ns
+    monkeypatch.setattr(checkpoint, "_clock_ns", lambda: clock() + 60_000_000_000)
     reads: dict[str, int] = {}
 
     def counting(file, *args, **kwargs):
@@ -753,8 +755,8 @@ def test_a_model_folder_is_fingerprinted_anew_when_its_files_change(tmp_path, mo
     sha256 = hashlib.sha256
     monkeypatch.setattr(checkpoint.hashlib, "sha256", lambda: hashed.append("") or sha256())
     # the files' status-change times are now's, which no utime sets back: read as if 10 s later at first
-    clock, later = checkpoint.time.time_ns, [10_000_000_000]
-    monkeypatch.setattr(checkpoint.time, "time_ns", lambda: clock() + later[0])
+    clock, later = checkpoint._clock_ns, [10_000_000_000]
+    monkeypatch.setattr(checkpoint, "_clock_ns", lambda: clock() + later[0])
     first = checkpoint.folder_fingerprint(model)
     read = len(hashed)
     assert checkpoint.folder_fingerprint(model) == first and len(hashed) == read  # unchanged: not read again
