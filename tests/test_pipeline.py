@@ -808,6 +808,19 @@ def _promote_stopped(model_name: str, monkeypatch, after_stage: bool):
     return zenml_client().get_model_version(model_name, 1)
 
 
+def _promote_retried(model_name: str, monkeypatch, set_stage):
+    """promote on :data:`PROMOTING_EVALUATION` with one retry, ``set_stage`` in place of ``Model.set_stage``;
+    the run, read again once it is over."""
+    from zenml import Model
+
+    monkeypatch.setattr(Model, "set_stage", set_stage)
+    run = _promote_pipeline().with_options(model=Model(name=model_name),
+                                           steps={"promote": {"retry": {"max_retries": 1, "delay": 0}}})(
+        evaluation=PROMOTING_EVALUATION, dataset_fingerprint=_sha("A"))
+    monkeypatch.undo()
+    return zenml_client().get_pipeline_run(run.id)
+
+
 def test_a_promotion_carried_out_is_recorded_done_and_readers_see_no_disagreement(capsys):
     from zenml import Model
 
@@ -900,12 +913,7 @@ def test_a_retry_after_the_stage_was_set_marks_the_promotion_done_rather_than_de
         if len(attempts) == 1:
             raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(Model, "set_stage", set_then_stop_once)
-    run = _promote_pipeline().with_options(model=Model(name=model),
-                                           steps={"promote": {"retry": {"max_retries": 1, "delay": 0}}})(
-        evaluation=PROMOTING_EVALUATION, dataset_fingerprint=_sha("A"))
-    monkeypatch.undo()
-    run = zenml_client().get_pipeline_run(run.id)
+    run = _promote_retried(model, monkeypatch, set_then_stop_once)
     assert str(run.status) == "completed" and attempts == [1]  # the retry did not set the stage again
     version = zenml_client().get_model_version(model, 1)
     assert str(version.stage) == "production"
@@ -968,8 +976,6 @@ def test_a_retry_that_refuses_after_an_attempt_stopped_before_the_stage_leaves_n
     """The first attempt records the promotion pending and stops before the stage is set; another run promotes
     meanwhile, so the retry refuses (production changed during the run). The run completes with a refusal: its
     record must not still say a promotion was decided and the run stopped before carrying it out."""
-    from zenml import Model
-
     from rlhf_core.pipeline.lineage import lineage
 
     model, attempts = "promote-retried-refused", []
@@ -979,12 +985,7 @@ def test_a_retry_that_refuses_after_an_attempt_stopped_before_the_stage_leaves_n
         _add_version(model, production=True, promoted=True, promotion="done")  # version 2, by another run
         raise RuntimeError("planted failure")
 
-    monkeypatch.setattr(Model, "set_stage", another_promotion_then_stop)
-    run = _promote_pipeline().with_options(model=Model(name=model),
-                                           steps={"promote": {"retry": {"max_retries": 1, "delay": 0}}})(
-        evaluation=PROMOTING_EVALUATION, dataset_fingerprint=_sha("A"))
-    monkeypatch.undo()
-    run = zenml_client().get_pipeline_run(run.id)
+    run = _promote_retried(model, monkeypatch, another_promotion_then_stop)
     assert str(run.status) == "completed" and attempts == [1]
     meta = zenml_client().get_model_version(model, 1).run_metadata
     assert meta["promoted"] is False and "production changed during this run" in meta["decision_reason"]
