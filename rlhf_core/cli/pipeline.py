@@ -133,14 +133,12 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
               f"(base model {meta.get('base_accuracy', 'n/a')})")
     if "failed_step" in meta and "decision_reason" not in meta:  # recorded by the pipelines' failure hook
         print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
-        if "advice" in meta:
-            print(f"to go on:   {meta['advice']}")
     else:
         print(f"decision:   {meta.get('decision_reason', 'none recorded (did the run reach promote?)')}")
         if "failed_step" in meta:  # promote stopped after recording its decision
             print(f"failed:     the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
-            if "advice" in meta:
-                print(f"to go on:   {meta['advice']}")
+    if "failed_step" in meta and "advice" in meta:
+        print(f"to go on:   {meta['advice']}")
     disagreement = stage_disagreement(production is not None and production == latest.name, meta)
     if disagreement:
         print(f"stage:      {disagreement}")
