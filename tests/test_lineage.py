@@ -146,9 +146,14 @@ def test_the_checkpoint_stage_says_what_it_resumed_from_and_when_it_trained_noth
                            "      skipped: the data is unchanged", "      steps: 0"]
 
 
-def _summary_client(latest, runs: dict):
-    """A client that knows one model version, ``latest``, no production version, and the pipeline ``runs``."""
+def _summary(capsys, version: str, meta: dict, run_id: str, run_name: str, status: str = "failed",
+             pipeline_run_ids: dict | None = None) -> str:
+    """What ``rlhf-demo-summary`` prints for a model whose latest version is ``version`` (its metadata ``meta``), with
+    no production version, its run ``run_id`` named ``run_name`` and ended ``status``."""
     from types import SimpleNamespace
+
+    latest = SimpleNamespace(name=version, run_metadata=meta, pipeline_run_ids=pipeline_run_ids or {})
+    runs = {run_id: SimpleNamespace(name=run_name, status=status, id=run_id)}
 
     class Client:
         active_project = SimpleNamespace(name="default")
@@ -161,16 +166,13 @@ def _summary_client(latest, runs: dict):
         def get_pipeline_run(self, run_id):
             return runs[run_id]
 
-    return Client()
+    assert cli.demo_summary(["--model", "m"], client=Client()) == 0
+    return capsys.readouterr().out
 
 
 def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(capsys):
-    from types import SimpleNamespace
-
-    failed = SimpleNamespace(name="10", run_metadata={}, pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})
-    runs = {"run-7": SimpleNamespace(name="rlhf_ppo_pipeline-7", status="failed", id="run-7")}
-    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
-    out = capsys.readouterr().out
+    out = _summary(capsys, "10", {}, "run-7", "rlhf_ppo_pipeline-7",
+                   pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})
     assert "run:        rlhf_ppo_pipeline-7 (failed)" in out
     assert "projects/default/runs/run-7" in out
     # no production version: the lineage command it prints names this version (the default would find none)
@@ -180,8 +182,6 @@ def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(cap
 def test_a_version_whose_run_failed_says_at_which_step_and_why(capsys):
     """The pipelines' failure hook records the step and the error on the version; the chain and the summary
     lead with them."""
-    from types import SimpleNamespace
-
     from rlhf_core.pipeline.lineage import format_lineage
 
     meta = {"failed_step": "train_ppo", "failure": "RewardFunctionError: compute_score raised on row 3",
@@ -192,10 +192,7 @@ def test_a_version_whose_run_failed_says_at_which_step_and_why(capsys):
     assert format_lineage(record).splitlines()[2] == \
         "  failed at step train_ppo: RewardFunctionError: compute_score raised on row 3"
 
-    failed = SimpleNamespace(name="11", run_metadata=meta, pipeline_run_ids={})  # the run is the metadata's
-    runs = {"run-8": SimpleNamespace(name="r-8", status="failed", id="run-8")}
-    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
-    out = capsys.readouterr().out
+    out = _summary(capsys, "11", meta, "run-8", "r-8")  # the run is the metadata's
     assert "run:        r-8 (failed)" in out
     assert "decision:   none: the run failed at step train_ppo: RewardFunctionError: compute_score raised" in out
 
@@ -213,8 +210,6 @@ def test_the_failure_record_keeps_the_error_short():
 def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chain_shows_it(tmp_path, capsys):
     """A training error inside a pipeline says 'rerun the same command', which in a pipeline starts afresh: the
     step notes the resume_path overrides on it, and the version's record keeps that note."""
-    from types import SimpleNamespace
-
     from rlhf_core.pipeline.failure import failure_record
     from rlhf_core.pipeline.lineage import format_lineage
     from rlhf_core.pipeline.training import add_resume_advice
@@ -233,36 +228,23 @@ def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chai
              "run_status": "failed", "run_id": "id-5", "model_version_metadata": meta,
              "chain": [_link("checkpoint", "train_ppo", {})]}
     assert format_lineage(chain).splitlines()[3] == f"  to go on: {record['advice']}"
-    failed = SimpleNamespace(name="12", run_metadata=meta, pipeline_run_ids={})
-    runs = {"id-5": SimpleNamespace(name="r-5", status="failed", id="id-5")}
-    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
-    assert f"to go on:   {record['advice']}" in capsys.readouterr().out
+    assert f"to go on:   {record['advice']}" in _summary(capsys, "12", meta, "id-5", "r-5")
 
 
 def test_a_run_that_failed_after_promote_recorded_its_decision_still_says_how_to_go_on(capsys):
-    from types import SimpleNamespace
-
     meta = {"decision_reason": "promoted: +0.2 over production version 1", "promotion": "pending",
             "failed_step": "promote", "failure": "RuntimeError: store unreachable",
             "advice": "rerun the pipeline: promote decides again", "pipeline_run_id": "run-6"}
-    failed = SimpleNamespace(name="14", run_metadata=meta, pipeline_run_ids={})
-    runs = {"run-6": SimpleNamespace(name="r-6", status="failed", id="run-6")}
-    assert cli.demo_summary(["--model", "m"], client=_summary_client(failed, runs)) == 0
-    out = capsys.readouterr().out
+    out = _summary(capsys, "14", meta, "run-6", "r-6")
     assert "decision:   promoted: +0.2 over production version 1" in out
     assert "failed:     the run failed at step promote: RuntimeError: store unreachable" in out
     assert "to go on:   rerun the pipeline: promote decides again" in out
 
 
 def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(capsys):
-    from types import SimpleNamespace
-
     reason = "the data, trainer config and reward are unchanged since production version 1 was trained"
     meta = {"skipped": reason, "promoted": False, "decision_reason": f"not promoted: training was skipped: {reason}",
             "pipeline_run_id": "run-9"}
-    skipped = SimpleNamespace(name="13", run_metadata=meta, pipeline_run_ids={})
-    runs = {"run-9": SimpleNamespace(name="rlhf_retrain_pipeline-9", status="completed", id="run-9")}
-    assert cli.demo_summary(["--model", "m"], client=_summary_client(skipped, runs)) == 0
-    out = capsys.readouterr().out
+    out = _summary(capsys, "13", meta, "run-9", "rlhf_retrain_pipeline-9", status="completed")
     assert f"model:      m version 13: training skipped: {reason}" in out
     assert "accuracy n/a" not in out
