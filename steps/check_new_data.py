@@ -144,8 +144,9 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     """An empty string when there is training to do, else why training is skipped: the data, trainer config
     (:func:`config_fingerprint`) and reward are the ones production was trained with, or a version already
     trained on this data from this production version with the same trainer config and reward was refused on
-    figures that fail this run's promotion gate (``min_improvement``, ``alpha``: promote's) too. ``force=True`` trains anyway in both cases; in the
-    second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate is new training too.
+    figures that fail this run's promotion gate (``min_improvement``, ``alpha``: promote's) too. ``force=True``
+    trains anyway in both cases; in the second, a changed config (e.g. ``trainer.seed``), reward or a laxer gate
+    is new training too.
 
     Records on this run's model version ``config_fingerprint`` and ``evaluation_settings``: with
     ``warm_started_from`` (recorded by train_ppo, from the checkpoint it starts from: production may change before

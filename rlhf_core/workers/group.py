@@ -40,8 +40,9 @@ from rlhf_core.workers.common import peak_memory_gb
 #: How long to wait, after a first failure, for the others (to report a death rather than its echo).
 FAILURE_GRACE_S = 2.0
 #: A call still running after this many seconds (or after STALL_FACTOR times the previous call of the same kind,
-#: if that is longer: the same method, and for those that do unlike work, the same role or sampling) gets a notice naming the ranks still in it, and again each time its age doubles: a rank that
-#: hangs otherwise shows nothing until the collective timeout fails the call.
+#: if that is longer: the same method, and for those that do unlike work, the same role or sampling) gets a
+#: notice naming the ranks still in it, and again each time its age doubles: a rank that hangs otherwise shows
+#: nothing until the collective timeout fails the call.
 STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
 
@@ -112,7 +113,7 @@ class WorkerGroup:
         self.world_size = world_size
         self.failed: str | None = None
         self.collective_timeout_s = collective_timeout_s
-        self._last: dict[str, float] = {}  # kind of call (its method, or dispatch's kind) -> its previous call's seconds
+        self._last: dict[str, float] = {}  # kind of call (its method, or dispatch's kind) -> previous call's seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         total = ray.cluster_resources()
@@ -426,7 +427,8 @@ class _RoleGroup:
 
     def _update(self, batch: Batch, n_per_prompt: int, **kwargs) -> dict[str, float]:
         shares = minibatch_shares(batch, self.mini_batch_size * n_per_prompt, self.group.world_size, self.balance)
-        results = self.group.dispatch("update", shares, self.role, n_per_prompt, kind=f"update ({self.role})", **kwargs)
+        results = self.group.dispatch("update", shares, self.role, n_per_prompt, kind=f"update ({self.role})",
+                                      **kwargs)
         self.skipped_steps += results[0][1]  # the skip decision is the same on every rank
         return results[0][0]  # metrics are already reduced over the ranks
 
@@ -487,7 +489,8 @@ class ActorGroup(_RoleGroup):
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         shares, pad = split_evenly(prompts, self.group.world_size)
         # validation's rollouts (its own n, sampling and streams) are timed apart from training's
-        kind = f"generate (n={params.n}, {'greedy' if params.greedy else 'sampled'}{', seeded' if params.seed is not None else ''})"
+        drawn = "greedy" if params.greedy else "sampled" if params.seed is None else "sampled, seeded"
+        kind = f"generate (n={params.n}, {drawn})"
         return gather(self.group.dispatch("generate", shares, params, kind=kind), drop_last=pad * params.n)
 
     def compute_log_prob(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
