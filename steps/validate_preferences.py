@@ -32,8 +32,9 @@ def validate_preferences(ppo_config: dict) -> Annotated[str, "preference_fingerp
         raise PreferenceDataError(report.summary())
     summary = check_preference_files(train, val)
     # validate_data refuses missing evaluation files in the pipelines; a step run on its own names what it skips
-    evaluation = [p for p in as_file_list(cfg.data.val_files or []) if p.exists()]
-    skipped = [str(p) for p in as_file_list(cfg.data.val_files or []) if not p.exists()]
+    evaluation_files = as_file_list(cfg.data.val_files or [])
+    evaluation = [p for p in evaluation_files if p.exists()]
+    skipped = [str(p) for p in evaluation_files if not p.exists()]
     if skipped:
         logger.warning("preference pairs not checked against data.val_files %s: not found", ", ".join(skipped))
     if evaluation:

@@ -49,10 +49,10 @@ from pathlib import Path
 
 import pandas as pd
 
+from rlhf_core.data.dataset import DataError, prompt_messages
 from rlhf_core.data.schema import (
     INSTRUCTION,
     PREFERENCE_COLUMNS,
-    json_message_list,
     prompt_problem,
     write_parquet_atomic,
 )
@@ -189,15 +189,21 @@ def question_keys(prompt, extra_info=None) -> set[str]:
     if users:
         content = users[-1]
         keys.add(content[:-len(INSTRUCTION)] if content.endswith(INSTRUCTION) else content)
-    return {" ".join(key.split()) for key in keys} - {""}
+    return {_collapsed(key) for key in keys} - {""}
+
+
+def _collapsed(text: str) -> str:
+    """``text`` with each run of whitespace one space, and none at its ends: how questions are compared."""
+    return " ".join(text.split())
 
 
 def _as_messages(prompt):
-    """A prompt cell as the trainer reads it: a plain string is one user turn (the JSON text of a message list is
-    not: the trainer refuses it, and so does :func:`prompt_problem`)."""
-    if isinstance(prompt, str) and not json_message_list(prompt):
-        return [{"role": "user", "content": prompt}]
-    return prompt
+    """A prompt cell as the trainer reads it (:func:`~rlhf_core.data.dataset.prompt_messages`: a plain string is one
+    user turn); one the trainer refuses is handed back as it is, for :func:`prompt_problem` to say why."""
+    try:
+        return prompt_messages(prompt, "")
+    except DataError:
+        return prompt
 
 
 def prompt_files(paths: Iterable[str | Path]) -> list[Path]:
@@ -248,7 +254,7 @@ def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], 
     (as :func:`prompt_questions` gives them)."""
     kept, dropped = [], []
     for pair in pairs:
-        (dropped if " ".join(pair["question"].split()) in questions else kept).append(pair)
+        (dropped if _collapsed(pair["question"]) in questions else kept).append(pair)
     return kept, dropped
 
 
