@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -78,9 +77,13 @@ def train_ppo(
     from (``warm_started_from``), before training, and in its own metadata the artifact (``warm_start_artifact``)."""
     if skip_reason:
         # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
-        # full copy of production's weights at every skipped scheduled run); this version is never promoted
+        # full copy of production's weights at every skipped scheduled run); this version is never promoted. It is
+        # written where a trained run's checkpoints would be (not in the system's temp folder, which keeps one
+        # more folder for every skipped scheduled run)
         logger.info("training skipped: %s; no checkpoint is stored for this version", skip_reason)
-        folder = Path(tempfile.mkdtemp(prefix="rlhf-skipped-"))
+        local_dir = PPOConfig.from_dict(ppo_config).trainer.default_local_dir
+        folder = Path(local_dir) / get_step_context().pipeline_run.name
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / SKIPPED_NOTE).write_text(f"training skipped: {skip_reason}\n")
         log_metadata({"skipped": skip_reason, "steps": 0})
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")

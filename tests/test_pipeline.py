@@ -223,6 +223,9 @@ def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
     assert [p.name for p in folder.iterdir()] == ["SKIPPED.txt"]
     assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data, trainer config and reward are "
                                                           "unchanged since production")
+    # written where this run's checkpoints would have been, not left in the system's temp folder
+    local_dir = run.steps["load_ppo_config"].outputs["ppo_config"][0].load()["trainer"]["default_local_dir"]
+    assert (Path(local_dir) / run.name / "SKIPPED.txt").read_text() == (folder / "SKIPPED.txt").read_text()
 
 
 def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained):
