@@ -8,7 +8,10 @@ from typing import Annotated
 
 from pydantic import PositiveInt
 from zenml import get_step_context, log_metadata, step
+from zenml.client import Client
+from zenml.enums import ModelStages
 from zenml.logger import get_logger
+from zenml.utils.pagination_utils import depaginate
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import resolve_policy_dir
@@ -24,6 +27,30 @@ def input_artifact_id(name: str) -> str | None:
     return str(inputs[0].id) if inputs else None
 
 
+def linked_version(client: Client, model_name: str, artifact_id: str) -> str | None:
+    """The name of the version of ``model_name`` that artifact ``artifact_id`` is linked to: production where it
+    links it (the warm start is production's checkpoint, looked up when this step started), else the version of
+    the run that produced it where that one links it, else the newest version that links it; None where no
+    version of ``model_name`` links it.
+
+    Read from the model's links, not from the run that produced the artifact: a checkpoint saved outside a run of
+    this model (``save_artifact``, an import, another model's run) and linked to a version by hand has no such
+    run, or one of another version."""
+    links = depaginate(client.list_model_version_artifact_links, artifact_version_id=artifact_id)
+    linked = [client.get_model_version(model_version_name_or_number_or_id=link.model_version) for link in links]
+    linked = {version.id: version for version in linked if version.model.name == model_name}
+    try:
+        production = client.get_model_version(model_name, ModelStages.PRODUCTION)
+    except KeyError:
+        production = None
+    run_id = client.get_artifact_version(artifact_id).producer_pipeline_run_id
+    producer = client.get_pipeline_run(run_id).model_version if run_id is not None else None
+    for preferred in (production, producer):
+        if preferred is not None and preferred.id in linked:
+            return linked[preferred.id].name
+    return max(linked.values(), key=lambda version: version.number).name if linked else None
+
+
 @step(enable_cache=False)
 def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: PositiveInt = 4,
                response_length: PositiveInt = 16, reward_model: Path | None = None,
@@ -32,12 +59,19 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, and with ``init_from``
     (a warm start's checkpoint artifact) the policy starts from it, as training's will.
 
-    The report names the warm start's artifact (``init_from_artifact_id``), skipped or not: train_ppo starts from
-    that one rather than resolving production's checkpoint again, which another run may have replaced since."""
-    tested = {"init_from_artifact_id": input_artifact_id("init_from")} if init_from is not None else {}
+    The report names the warm start's artifact (``init_from_artifact_id``) and the version of this model it is
+    linked to (``init_from_version``: :func:`linked_version`, None where none is), skipped or not: train_ppo
+    starts from that artifact rather than resolving production's checkpoint again, which another run may have
+    replaced since, and records that version as the one it warm-started from."""
+    tested = {}
+    if init_from is not None:
+        artifact_id = input_artifact_id("init_from")
+        version = linked_version(Client(), get_step_context().model.name, artifact_id) if artifact_id else None
+        tested = {"init_from_artifact_id": artifact_id, "init_from_version": version}
+    recorded = {key: value for key, value in tested.items() if value is not None}  # (ZenML's metadata takes no None)
     if skip_reason:
         logger.info("smoke test skipped: %s", skip_reason)
-        log_metadata({"skipped": skip_reason, **tested})  # (the lineage: the warm-start input went unused)
+        log_metadata({"skipped": skip_reason, **recorded})  # (the lineage: the warm-start input went unused)
         return {"passed": None, "skipped": skip_reason, **tested}
     cfg = PPOConfig.from_dict(ppo_config)
     if reward_model is not None:
@@ -54,5 +88,5 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     log_metadata({"passed": report.passed, "wall_s": round(report.wall_s, 2), "cloned": report.cloned,
                   **({"reward_model": report.reward_model} if report.reward_model else {}),
                   "parameters": report.parameters, "target_parameters": report.target_parameters,
-                  "checks": {check["name"]: check["detail"] for check in report.checks}, **tested})
+                  "checks": {check["name"]: check["detail"] for check in report.checks}, **recorded})
     return result

@@ -46,15 +46,12 @@ def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
     return stable_copy(model, root, f"{kind}/{inputs[0].id}") if inputs else model
 
 
-def warm_start(artifact_id: str) -> tuple[Path, str, str | None]:
-    """(the policy folder, the artifact version id, the model version whose run produced it) of the warm start's
-    checkpoint artifact ``artifact_id``: the one the smoke test ran from. Fetched by id inside the step, ZenML
-    records it as one of this step's inputs (loaded by hand: under its artifact name, ``ppo_checkpoint``)."""
-    client = Client()
-    artifact = client.get_artifact_version(artifact_id)
-    run_id = artifact.producer_pipeline_run_id
-    model_version = client.get_pipeline_run(run_id).model_version if run_id is not None else None
-    return resolve_policy_dir(artifact.load()), str(artifact.id), model_version.name if model_version else None
+def warm_start(artifact_id: str) -> tuple[Path, str]:
+    """(the policy folder, the artifact version id) of the warm start's checkpoint artifact ``artifact_id``: the
+    one the smoke test ran from. Fetched by id inside the step, ZenML records it as one of this step's inputs
+    (loaded by hand: under its artifact name, ``ppo_checkpoint``)."""
+    artifact = Client().get_artifact_version(artifact_id)
+    return resolve_policy_dir(artifact.load()), str(artifact.id)
 
 
 @step(enable_cache=False)
@@ -73,8 +70,9 @@ def train_ppo(
 
     A warm start is the checkpoint the smoke test ran from (``smoke_report["init_from_artifact_id"]``): training
     starts from the checkpoint that was dry-run, not from production looked up again (another run may promote a
-    version between the two steps). The step records on the model version the version whose checkpoint it starts
-    from (``warm_started_from``), before training, and in its own metadata the artifact (``warm_start_artifact``)."""
+    version between the two steps). The step records on the model version the version of this model that the
+    checkpoint is linked to (``warm_started_from``: the smoke test's ``init_from_version``, production's where it
+    links it), before training, and in its own metadata the artifact (``warm_start_artifact``)."""
     if skip_reason:
         # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
         # full copy of production's weights at every skipped scheduled run); this version is never promoted. It is
@@ -90,9 +88,9 @@ def train_ppo(
     cfg = PPOConfig.from_dict(ppo_config)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
-    warm_started_from, tested = None, smoke_report.get("init_from_artifact_id")
+    warm_started_from, tested = smoke_report.get("init_from_version"), smoke_report.get("init_from_artifact_id")
     if tested is not None:
-        policy, artifact_id, warm_started_from = warm_start(tested)
+        policy, artifact_id = warm_start(tested)
         start_from(cfg, stable_copy(policy, Path(cfg.trainer.default_local_dir), f"warm_start/{artifact_id}"))
         log_metadata({"warm_start_artifact": artifact_id})
         if warm_started_from is not None:  # what the retraining gate compares a later run's production with

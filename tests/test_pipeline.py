@@ -346,6 +346,38 @@ def test_training_starts_from_the_checkpoint_the_smoke_test_ran_from(trained, mo
     assert [str(a.id) for a in run.steps["train_ppo"].inputs["ppo_checkpoint"]] == [tested]
 
 
+def test_a_checkpoint_saved_outside_the_model_s_runs_names_the_version_it_is_linked_to(trained):
+    """Production's checkpoint was saved outside any run (an import) and linked to the version by hand: training
+    records that version as the one it warm-started from, and the gate then knows the refused candidate."""
+    from zenml import save_artifact
+    from zenml.enums import ArtifactType, ModelStages
+    from zenml.model.utils import link_artifact_version_to_model_version
+
+    client, model = zenml_client(), "tiny-imported"
+    policy = _version(1).get_artifact("ppo_checkpoint").load()  # version 1 of MODEL: accuracy 1.0, the ceiling
+    imported = save_artifact(policy, name="ppo_checkpoint", artifact_type=ArtifactType.MODEL)
+    assert imported.producer_pipeline_run_id is None
+    client.create_model(model)
+    version = client.create_model_version(model, name="imported")
+    link_artifact_version_to_model_version(imported, version)
+    client.update_model_version(model, version.id, stage=ModelStages.PRODUCTION, force=True)
+
+    run = client.get_pipeline_run(run_pipeline(model, retrain=True, train_file=tiny_setup().new_train_file).id)
+    assert str(run.status) == "completed"
+    meta = client.get_model_version(model, run.model_version.id).run_metadata
+    assert meta.get("warm_started_from") == "imported"
+    assert run.steps["train_ppo"].run_metadata["warm_started_from"] == "imported"
+    smoke = run.steps["smoke_test"].outputs["smoke_report"][0].load()
+    assert smoke["init_from_artifact_id"] == str(imported.id) and smoke["init_from_version"] == "imported"
+    # the candidate can at best tie the imported ceiling: refused against the version it started from
+    assert meta["promoted"] is False and meta["previous_production_version"] == "imported", meta["decision_reason"]
+    assert client.get_model_version(model, ModelStages.PRODUCTION).name == "imported"
+
+    again = run_pipeline(model, retrain=True, train_file=tiny_setup().new_train_file)
+    skipped = client.get_model_version(model, again.model_version.id).run_metadata["skipped"]
+    assert skipped.startswith(f"version {run.model_version.name} was already trained on this data"), skipped
+
+
 def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
     """Through the command line users run: `zenml pipeline run ... -c run_config.yaml`."""
     setup = tiny_setup()
@@ -765,6 +797,41 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     assert reason == "" and meta["forced"] is True and meta["reason"].startswith("forced: version 2 was already")
     reason, meta = skip_reason()  # version 5: under min_improvement=0 the same candidate would be promoted
     assert reason == "" and meta["skipped"] is False and "refused_version" not in meta
+
+
+def test_the_warm_start_version_is_read_from_the_versions_that_link_the_checkpoint():
+    """Production where it links the checkpoint, else the version whose run produced it where that one links it,
+    else the newest version that links it; a version of another model never counts."""
+    from zenml import Model, save_artifact
+    from zenml.model.utils import link_artifact_version_to_model_version
+
+    from steps.smoke_test import linked_version
+
+    client, model = zenml_client(), "warm-links"
+    first = _add_version(model, production=True)  # version 1
+    second, third, foreign = _add_version(model), _add_version(model), _add_version("warm-links-other")
+
+    def saved(*versions) -> str:  # saved outside any run: it has no producer
+        artifact = save_artifact({"weights": [1.0]}, name="warm-links-checkpoint")
+        for version in versions:
+            link_artifact_version_to_model_version(artifact, version)
+        return str(artifact.id)
+
+    assert linked_version(client, model, saved(second, first, third)) == "1"
+    assert linked_version(client, model, saved(third, second)) == "3"
+    assert linked_version(client, model, saved(foreign)) is None
+    assert linked_version(client, model, saved(foreign, second)) == "2"
+    assert linked_version(client, model, saved()) is None
+    # produced by the run of version 4, then linked by hand to version 5 too: the producer's version, until
+    # production links it
+    gate = _gate_pipeline().with_options(model=Model(name=model))
+    run = gate(dataset_fingerprint=_sha("A"), ppo_config=GATE_CONFIG, reward_spec={"sha256": GATE_REWARD})
+    output = zenml_client().get_pipeline_run(run.id).steps["check_new_data"].outputs["skip_reason"][0]
+    assert zenml_client().get_pipeline_run(run.id).model_version.number == 4
+    link_artifact_version_to_model_version(output, _add_version(model))  # version 5
+    assert linked_version(client, model, str(output.id)) == "4"
+    link_artifact_version_to_model_version(output, first)
+    assert linked_version(client, model, str(output.id)) == "1"
 
 
 # A promotion is recorded pending, the stage set, then the record marked done: promote alone, on an evaluation that
