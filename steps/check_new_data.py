@@ -149,8 +149,8 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     is new training too.
 
     Records on this run's model version ``config_fingerprint`` and ``evaluation_settings``: with
-    ``warm_started_from`` (recorded by train_ppo, from the checkpoint it starts from: production may change before
-    it resolves it), what a later run's gate compares with. Where production's stage and promotion record disagree
+    ``warm_started_from`` (recorded by train_ppo: the version that the checkpoint it starts from is linked to;
+    production may change before that checkpoint is resolved), what a later run's gate compares with. Where production's stage and promotion record disagree
     (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`), the step's record and log say so
     (``production_record``)."""
     context = get_step_context()
