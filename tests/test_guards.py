@@ -97,7 +97,7 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     copy.load_state_dict(guard.state_dict())
     assert copy.state_dict() == guard.state_dict() == {
         "consecutive_skips": 0, "skip_anchor": None, "kl_streak": 0, "kl_anchor": None, "best_val": 0.6,
-        "best_step": 2, "rollbacks": 1, "saved": []}
+        "best_step": 2, "rollbacks": 1, "saved": [], "validated": [[0, 0.5], [2, 0.6], [4, 0.45], [6, 0.35]]}
     guard.on_checkpoint(2)
     copy.load_state_dict(guard.state_dict())
     assert copy.saved == [2]
@@ -128,6 +128,59 @@ def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_a
     assert guard.observe_step(6, {"actor/ppo_kl": 0.9}, skipped=True) is None
     assert (guard.kl_streak, guard.kl_anchor, guard.consecutive_skips, guard.skip_anchor) == (1, 5, 1, 2)
     assert 3 not in guard.protected_steps() and 4 not in guard.protected_steps()
+
+
+def test_after_a_rollback_to_an_earlier_step_the_best_is_that_steps_validation():
+    """An over-optimisation rollback to step 3 abandons step 4, the best accuracy (0.8): the val-drop guard's best
+    becomes step 3's own 0.6, so a drop is measured from the weights the run went on with, and restores them (not
+    step 2's better 0.7: a later best may have let its checkpoint be pruned)."""
+    guard = Guard(GuardConfig(max_val_drop=0.2))
+    for step, accuracy in [(1, 0.5), (2, 0.7), (3, 0.6), (4, 0.8), (5, 0.75)]:
+        guard.observe_validation(step, accuracy)
+        guard.on_checkpoint(step)
+    assert (guard.best_val, guard.best_step) == (0.8, 4)
+    guard.on_restore(3)
+    guard.on_checkpoint(6)  # the restored weights, saved at the rollback's step
+    assert (guard.best_val, guard.best_step) == (0.6, 3)
+    assert guard.protected_steps() == {3}  # the best, and the anchor of a streak from step 7 (not step 4)
+    assert guard.observe_validation(7, 0.45) == (False, None)  # 0.15 below 0.6 (0.35 below the abandoned 0.8)
+    event = guard.observe_validation(8, 0.35)[1]
+    assert (event.kind, event.target_step) == ("val_drop", 3)
+    assert "fell from the best 0.6 (step 3)" in event.message
+
+
+def test_a_rollback_to_a_step_never_validated_clears_the_best_and_the_next_validation_sets_it():
+    guard = Guard(GuardConfig(max_val_drop=0.2, max_kl=0.5))
+    for step in (1, 2, 3, 4):
+        guard.on_checkpoint(step)
+    guard.observe_validation(4, 0.8)
+    guard.on_restore(2)  # a KL streak's anchor: saved, never validated
+    assert (guard.best_val, guard.best_step) == (None, None)
+    assert guard.observe_validation(5, 0.3) == (True, None)  # no drop from the abandoned 0.8: a new best
+    assert (guard.best_val, guard.best_step) == (0.3, 5)
+    guard.on_restore(5)  # a rollback to the best keeps it
+    assert (guard.best_val, guard.best_step) == (0.3, 5)
+
+
+def test_the_validations_kept_are_those_of_saved_steps_and_old_states_load():
+    guard = Guard(GuardConfig(max_val_drop=0.2))
+    for step, accuracy, saved in [(1, 0.5, True), (2, 0.45, False), (3, 0.55, True)]:
+        guard.observe_validation(step, accuracy)
+        if saved:
+            guard.on_checkpoint(step)
+    assert guard.state_dict()["validated"] == [[1, 0.5], [3, 0.55]]  # step 2 has no checkpoint to restore
+    copy = Guard(GuardConfig(max_val_drop=0.2))
+    copy.load_state_dict(guard.state_dict())
+    copy.on_restore(1)
+    assert (copy.best_val, copy.best_step) == (0.5, 1)
+    older = {k: v for k, v in guard.state_dict().items() if k != "validated"}  # saved before validations were kept
+    copy.load_state_dict(older)
+    assert (copy.best_val, copy.best_step, copy.saved) == (0.55, 3, [1, 3])
+    copy.on_restore(1)
+    assert (copy.best_val, copy.best_step) == (None, None)
+    copy.load_state_dict(older)
+    copy.keep_restorable([1])  # a resume that finds step 3 (the best) gone: nothing to roll back to
+    assert (copy.saved, copy.best_val, copy.best_step) == ([1], None, None)
 
 
 def _config(use_kl_in_reward: bool, use_kl_loss: bool):
@@ -313,6 +366,92 @@ def test_a_kl_streak_that_a_validation_drop_interrupts_does_not_restore_the_aban
     best = checkpoint.load_model_state(out / "global_step_2")
     assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_4"), equal=False)
     assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(out / "global_step_5").items())
+
+
+def _kl_loss_over_the_limit_at(trainer, steps):
+    """Make the train steps ``steps`` report a KL of their rollout to the reference over the limit (0.5), so that a
+    KL streak from step k anchors on the checkpoint of step k-2 or earlier."""
+    train_step = trainer.train_step
+
+    def with_kl(prompts):
+        metrics = train_step(prompts)
+        if trainer.global_step + 1 in steps:
+            metrics["actor/kl_loss"] = 0.9
+        return metrics
+
+    trainer.train_step = with_kl
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_after_a_kl_rollback_to_before_the_best_accuracy_drops_are_measured_from_the_restored_step(workspace,
+                                                                                                 tmp_path):
+    """Step 4's KL rollback restores step 2 (accuracy 0.6), abandoning step 3's best 0.7: step 5's 0.45 is within
+    max_val_drop of the weights the run went on with, step 6's 0.35 is not and restores step 2 again."""
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.test_freq=1",
+                           "trainer.save_freq=1", "trainer.guard.max_kl=0.5", "trainer.guard.patience=1")
+    accuracy = {1: 0.5, 2: 0.6, 3: 0.7, 4: 0.9, 5: 0.45, 6: 0.35}  # step 4's: the guards do not see it
+    trainer.validate = lambda: {"val-core/synthetic/acc/mean@1": accuracy[trainer.global_step]}
+    _kl_loss_over_the_limit_at(trainer, {4})
+    metrics, weights, error = run_recording(trainer)
+
+    assert error is None
+    assert [metrics[s]["training/rollbacks"] for s in range(1, 7)] == [0, 0, 0, 1, 1, 2]
+    best = checkpoint.load_model_state(out / "global_step_2")
+    for step in (4, 6):  # saved right after each rollback
+        assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(out / f"global_step_{step}").items())
+    assert_weights(trainer.actor.module, weights[6], equal=False)
+    assert_weights(trainer.actor.module, best)
+    assert (trainer.guard.best_val, trainer.guard.best_step) == (0.6, 2)
+
+
+WATCHED = ("trainer.test_freq=1", "trainer.save_freq=1", "trainer.guard.max_kl=0.5", "trainer.guard.patience=1",
+           "trainer.guard.overopt_patience=2", "trainer.guard.max_val_drop=null")
+#: (proxy, gold) validated after each step; step 4's is not shown to the guards (its KL rollback comes first)
+SCORES = {1: (0.1, 0.5), 2: (0.2, 0.6), 3: (0.3, 0.7), 4: (0.9, 0.1), 5: (0.45, 0.55), 6: (0.5, 0.5)}
+
+
+def _scored(trainer):
+    """Validate with the proxy and gold of :data:`SCORES`, by step."""
+    def validate():
+        proxy, gold = SCORES[trainer.global_step]
+        return {"val-aux/synthetic/reward/mean@1": proxy, "val-aux/synthetic/gold_reward/mean@1": gold}
+
+    trainer.validate = validate
+    return trainer
+
+
+def _rolled_back_run_resumed_elsewhere(workspace, first, second):
+    """Four steps in ``first``, step 4's KL rollback restoring step 2 (its rollout already far from the reference);
+    then a trainer in ``second`` resumed from ``first``'s step 4, to run steps 5 and 6."""
+    trainer = _scored(make_trainer(workspace, first, "trainer.total_training_steps=4", *WATCHED))
+    _kl_loss_over_the_limit_at(trainer, {4})
+    metrics, _, error = run_recording(trainer)
+    assert error is None and metrics[4]["training/rollbacks"] == 1
+    resumed = make_trainer(workspace, second, "trainer.total_training_steps=6", *WATCHED,
+                           "trainer.resume_mode=resume_path", f"trainer.resume_from_path={first / 'global_step_4'}")
+    resumed.load_checkpoint(first / "global_step_4")
+    return _scored(resumed)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_after_a_kl_rollback_the_over_optimisation_guard_compares_with_the_restored_step_even_resumed_elsewhere(
+        workspace, tmp_path):
+    """A run in ``first`` rolls back at step 4 (KL) to step 2, abandoning step 3, the best gold; it is resumed into
+    ``second`` from step 4. Steps 5 and 6 raise the proxy and lower the gold from step 2's scores: the
+    over-optimisation guard restores step 2, from ``first`` (not the abandoned step 3, which ``second`` lacks)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    resumed = _rolled_back_run_resumed_elsewhere(workspace, first, second)
+    state = checkpoint.read_trainer_state(first / "global_step_4")["overopt"]
+    assert (state["streak"], state["previous"], state["best_gold"], state["best_step"]) == (0, [0.2, 0.6], 0.6, 2)
+    metrics, weights, error = run_recording(resumed)
+    assert error is None
+    assert [metrics[s]["training/rollbacks"] for s in (5, 6)] == [1, 2]  # the KL rollback's, then this one
+    assert resumed.overopt.rollbacks == 1
+    best = checkpoint.load_model_state(first / "global_step_2")
+    assert_weights(resumed.actor.module, weights[6], equal=False)
+    assert_weights(resumed.actor.module, best)
+    assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(second / "global_step_6").items())
 
 
 @pytest.mark.parametrize(("test_freq", "validated"), [(-1, []), (0, []), (2, [2, 4, 5]), (5, [5]), (9, [5])])

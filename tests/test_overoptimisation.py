@@ -61,6 +61,54 @@ def test_a_validation_that_rolls_back_is_no_accuracy_best():
     assert (trainer.guard.best_step, trainer.guard.best_val) == (10, 0.40)  # not step 30's 0.45
 
 
+def test_after_another_guards_rollback_the_restored_weights_are_compared_with_their_own_scores():
+    """A KL rollback to step 10 abandons the weights validated at 20 (the best gold) and 30 (one divergence):
+    the next validations compare with step 10's scores, the streak starts again, and the best gold is step 10's."""
+    guard, saved = _guard(), []
+    for step, proxy, gold in [(0, 0.1, 0.5), (10, 0.2, 0.6), (20, 0.3, 0.7), (30, 0.4, 0.65)]:
+        guard.observe(step, proxy, gold)
+        saved.append(step)  # each validation checkpointed
+        guard.keep_restorable(saved)
+    assert (guard.streak, guard.best_step) == (1, 20)
+    guard.on_restore(10)
+    assert (guard.streak, guard.previous, guard.best_gold, guard.best_step) == (0, (0.2, 0.6), 0.6, 10)
+    assert guard.protected_steps() == {10}
+    # proxy 0.5 > 0.4 and gold 0.6 < 0.65 was a second divergence from the abandoned weights; from step 10's
+    # (0.2, 0.6) the gold did not fall, and it ties the best: no streak, no new best
+    assert guard.observe(40, 0.5, 0.6) == (False, None)
+    assert guard.observe(50, 0.6, 0.5) == (False, None)  # 1 of 2
+    _, event = guard.observe(60, 0.7, 0.4)  # 2 of 2: back to step 10, not to the abandoned step 20
+    assert (event.action, event.target_step) == ("rollback", 10)
+
+
+def test_a_rollback_to_a_step_never_validated_clears_the_over_optimisation_guards_best():
+    guard = _guard()
+    for step, proxy, gold in [(10, 0.2, 0.6), (20, 0.3, 0.7)]:
+        guard.observe(step, proxy, gold)
+    guard.on_restore(15)  # a checkpoint between validations (a KL streak's anchor)
+    assert (guard.streak, guard.previous, guard.best_gold, guard.best_step) == (0, None, None, None)
+    assert guard.protected_steps() == set()
+    assert guard.observe(30, 0.4, 0.3) == (True, None)  # the restored policy's first validation: the new best
+    assert guard.observe(40, 0.5, 0.2) == (False, None)  # 1 of 2, from step 30's scores
+    guard.on_restore(30)  # a rollback to the best itself keeps it
+    assert (guard.streak, guard.previous, guard.best_gold, guard.best_step) == (0, (0.4, 0.3), 0.3, 30)
+
+
+def test_only_the_scores_and_the_best_of_restorable_steps_are_kept():
+    """A validation whose step has no checkpoint cannot be restored: its scores are dropped at the next save; at a
+    resume, a best whose checkpoint is not among those the run can restore is forgotten."""
+    guard = _guard()
+    for step, proxy, gold in [(10, 0.2, 0.6), (11, 0.3, 0.5), (12, 0.35, 0.55)]:
+        guard.observe(step, proxy, gold)
+    guard.keep_restorable([10, 12])
+    assert guard.state_dict()["validated"] == [[10, 0.2, 0.6], [12, 0.35, 0.55]]
+    guard.on_restore(12)
+    assert (guard.previous, guard.best_gold, guard.best_step) == ((0.35, 0.55), 0.6, 10)
+    guard.keep_restorable([12])
+    assert (guard.previous, guard.best_gold, guard.best_step) == ((0.35, 0.55), None, None)
+    assert guard.state_dict()["validated"] == [[12, 0.35, 0.55]]
+
+
 def test_no_event_unless_the_divergence_is_unbroken():
     guard = _guard()
     for step, proxy, gold in [(0, 0.1, 0.5), (1, 0.2, 0.4), (2, 0.1, 0.3), (3, 0.3, 0.2), (4, 0.4, 0.3),
@@ -95,7 +143,11 @@ def test_state_round_trips():
     again = _guard()
     again.load_state_dict(guard.state_dict())
     assert again.state_dict() == guard.state_dict() == {
-        "streak": 1, "previous": [0.2, 0.4], "best_gold": 0.5, "best_proxy": 0.1, "best_step": 0, "rollbacks": 0}
+        "streak": 1, "previous": [0.2, 0.4], "best_gold": 0.5, "best_proxy": 0.1, "best_step": 0, "rollbacks": 0,
+        "validated": [[0, 0.1, 0.5], [1, 0.2, 0.4]]}
+    older = {key: value for key, value in guard.state_dict().items() if key != "validated"}
+    again.load_state_dict(older)  # a checkpoint from before the validations were kept: the best's are known
+    assert again.state_dict()["validated"] == [[0, 0.1, 0.5]]
 
 
 def test_proxy_and_gold_are_the_means_over_sources():
@@ -245,9 +297,13 @@ def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold
         assert trainer.config.actor_rollout_ref.actor.kl_loss_coef == pytest.approx(0.001)
         # steps 4 and 5 validate short right answers: gold ties the best (1.0), so no new best and no streak
         proxy0, _ = _expected_proxy_and_gold(truths, 0)
+        proxy4, _ = _expected_proxy_and_gold(truths, 4)
         proxy5, _ = _expected_proxy_and_gold(truths, 5)
+        # the validations kept: step 0's (the restored weights) and those after the rollback (steps 1 to 3's were
+        # of the weights it abandoned)
+        validated = [[0, pytest.approx(proxy0), 1.0], [4, pytest.approx(proxy4), 1.0], [5, pytest.approx(proxy5), 1.0]]
         expected = {"streak": 0, "previous": [pytest.approx(proxy5), 1.0], "best_gold": 1.0,
-                    "best_proxy": pytest.approx(proxy0), "best_step": 0, "rollbacks": 1}
+                    "best_proxy": pytest.approx(proxy0), "best_step": 0, "rollbacks": 1, "validated": validated}
         assert trainer.state_dict()["overopt"] == expected
     finally:
         trainer.close()

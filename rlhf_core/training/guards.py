@@ -108,20 +108,40 @@ class Guard:
         self.best_step: int | None = None
         self.rollbacks = 0
         self.saved: list[int] = []  # the steps of the checkpoints saved (or found at a resume), in order
+        #: the accuracy of each validation at a step in ``saved`` (and of those since the last save): what a
+        #: rollback's weights scored, which becomes the best when the rollback abandons the best's weights
+        self.validated: dict[int, float] = {}
 
     # ------------------------------------------------------------------ observations
     def on_checkpoint(self, step: int) -> None:
         """A checkpoint of ``step`` now exists (a rollback's later saves replace newer ones)."""
         self.saved = [s for s in self.saved if s < step] + [step]
+        self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
 
     def on_restore(self, step: int) -> None:
-        """A rollback restored the checkpoint of ``step``: the checkpoints saved after it hold the weights it
-        abandoned, so no later streak may take them for its anchor (the next save follows ``step``). A streak
+        """A rollback (any guard's) restored the checkpoint of ``step``: the checkpoints saved after it hold the
+        weights it abandoned, so no later rollback may target them (the next save follows ``step``). A streak
         under way ends here too: its steps ran on the abandoned weights, and its anchor may be one of their
-        checkpoints (a KL streak that a validation drop interrupts would restore the weights it left)."""
+        checkpoints (a KL streak that a validation drop interrupts would restore the weights it left). So are
+        the validations after ``step``: a best among them gives way to ``step``'s own validation, or to none where
+        it was not validated (the next validation then sets it, and the trainer checkpoints it). Not to an
+        earlier best: the checkpoint of one that a later best replaced may have been pruned."""
         self.saved = [s for s in self.saved if s <= step]
         self.consecutive_skips, self.skip_anchor = 0, None
         self.kl_streak, self.kl_anchor = 0, None
+        self.validated = {s: v for s, v in self.validated.items() if s <= step}
+        if self.best_step is not None and self.best_step > step:
+            self.best_step = step if step in self.validated else None
+            self.best_val = self.validated.get(step)
+
+    def keep_restorable(self, saved: list[int]) -> None:
+        """At a resume: ``saved`` are the checkpoints the run can restore (its own, whole beside the one loaded).
+        A best among the others is forgotten (a rollback could not restore it; a checkpoint from before the
+        rule of :meth:`on_restore` may name one a rollback abandoned), as are their validations."""
+        self.saved = list(saved)
+        self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
+        if self.best_step is not None and self.best_step not in self.saved:
+            self.best_val, self.best_step = None, None
 
     def anchor(self, last_good: int) -> int | None:
         """The newest checkpoint of step ``last_good`` or earlier."""
@@ -166,6 +186,7 @@ class Guard:
         cfg = self.config
         if accuracy is None or cfg.max_val_drop is None:
             return False, None
+        self.validated[step] = float(accuracy)
         if self.best_val is None or accuracy > self.best_val:
             self.best_val, self.best_step = float(accuracy), step
             return True, None
@@ -196,7 +217,8 @@ class Guard:
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "skip_anchor": self.skip_anchor,
                 "kl_streak": self.kl_streak, "kl_anchor": self.kl_anchor, "best_val": self.best_val,
-                "best_step": self.best_step, "rollbacks": self.rollbacks, "saved": list(self.saved)}
+                "best_step": self.best_step, "rollbacks": self.rollbacks, "saved": list(self.saved),
+                "validated": [[step, accuracy] for step, accuracy in sorted(self.validated.items())]}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
@@ -209,6 +231,10 @@ class Guard:
         # the steps this run saved before (older checkpoints have no list: none of their folder's is taken on
         # trust, as another run's may lie beside them)
         self.saved = [int(s) for s in state.get("saved", [])]
+        # older checkpoints kept no validations but the best's
+        self.validated = {int(step): float(accuracy) for step, accuracy in state.get("validated", [])}
+        if self.best_step is not None:
+            self.validated.setdefault(self.best_step, self.best_val)
 
 
 def _exceeds(drop: float, limit: float) -> bool:
@@ -298,6 +324,10 @@ class OverOptimisationGuard:
     after a KL explosion, so the policy drifts more slowly the next time) or a stop there
     (``overopt_action=stop``, or once ``max_rollbacks`` of its own have been made). So that the best
     gold checkpoint exists, :meth:`observe` reports each new best for the trainer to save.
+
+    After any guard's rollback to step S (:meth:`on_restore`) the comparison goes on from what S's weights
+    scored (with nothing where S was not validated) and the streak ends; a best gold after S (of weights the
+    rollback abandoned) gives way to S's own, or to none (as :meth:`Guard.on_restore` says).
     """
 
     def __init__(self, config: GuardConfig):
@@ -308,12 +338,15 @@ class OverOptimisationGuard:
         self.best_proxy: float | None = None
         self.best_step: int | None = None
         self.rollbacks = 0
+        #: (proxy, gold) of each validation at a checkpointed step (and of those since the last save)
+        self.validated: dict[int, tuple[float, float]] = {}
 
     def observe(self, step: int, proxy: float | None, gold: float | None) -> tuple[bool, GuardEvent | None]:
         """Check one validation; returns (a new best gold that needs a checkpoint at ``step``, event)."""
         cfg = self.config
         if cfg.overopt_patience is None or proxy is None or gold is None:
             return False, None
+        self.validated[step] = (float(proxy), float(gold))
         new_best = self.best_gold is None or gold > self.best_gold
         if new_best:
             self.best_gold, self.best_proxy, self.best_step = float(gold), float(proxy), step
@@ -337,6 +370,25 @@ class OverOptimisationGuard:
         self.rollbacks += 1
         return False, GuardEvent("over_optimisation", "rollback", self.best_step, reason)
 
+    def on_restore(self, step: int) -> None:
+        """A rollback (any guard's) restored the checkpoint of ``step``: the next validation is compared with
+        what ``step``'s weights scored (with nothing where they were not validated), a streak under way ends,
+        and a best gold after ``step`` gives way to ``step``'s own (or to none: the next validation sets it, and
+        the trainer checkpoints it)."""
+        self.validated = {s: scores for s, scores in self.validated.items() if s <= step}
+        self.streak, self.previous = 0, self.validated.get(step)
+        if self.best_step is not None and self.best_step > step:
+            self.best_step = step if self.previous is not None else None
+            self.best_proxy, self.best_gold = self.previous or (None, None)
+
+    def keep_restorable(self, saved: list[int]) -> None:
+        """``saved``: the checkpoints a rollback can restore (:attr:`Guard.saved`, after each save and at a resume).
+        The validations of other steps are dropped, and a best gold among them is forgotten (at a resume, one
+        not whole beside the checkpoint loaded, or one a rollback abandoned before :meth:`on_restore`'s rule)."""
+        self.validated = {s: scores for s, scores in self.validated.items() if s in saved}
+        if self.best_step is not None and self.best_step not in saved:
+            self.best_gold, self.best_proxy, self.best_step = None, None, None
+
     def protected_steps(self) -> set[int]:
         """The best-gold checkpoint: never prune it."""
         return {self.best_step} if self.best_step is not None else set()
@@ -344,7 +396,8 @@ class OverOptimisationGuard:
     def state_dict(self) -> dict:
         return {"streak": self.streak, "previous": list(self.previous) if self.previous else None,
                 "best_gold": self.best_gold, "best_proxy": self.best_proxy, "best_step": self.best_step,
-                "rollbacks": self.rollbacks}
+                "rollbacks": self.rollbacks,
+                "validated": [[step, *scores] for step, scores in sorted(self.validated.items())]}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.streak = int(state.get("streak", 0))
@@ -353,3 +406,7 @@ class OverOptimisationGuard:
         self.best_gold, self.best_proxy = state.get("best_gold"), state.get("best_proxy")
         self.best_step = state.get("best_step")
         self.rollbacks = int(state.get("rollbacks", 0))
+        # older checkpoints kept no validations but the best's
+        self.validated = {int(step): (float(proxy), float(gold)) for step, proxy, gold in state.get("validated", [])}
+        if self.best_step is not None:
+            self.validated.setdefault(self.best_step, (self.best_proxy, self.best_gold))

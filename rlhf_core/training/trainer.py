@@ -579,6 +579,7 @@ class PPOTrainer:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
         self.guard.on_checkpoint(self.global_step)
+        self.overopt.keep_restorable(self.guard.saved)
         self.anchor_folders[self.global_step] = self.checkpoint_dir.absolute()
         return path
 
@@ -606,7 +607,8 @@ class PPOTrainer:
             folder = self.anchor_folders.get(event.target_step, self.checkpoint_dir.absolute())
             restored = checkpoint.step_dir(folder, event.target_step)
             checkpoint.restore_weights(self, restored)
-            self.guard.on_restore(event.target_step)
+            self.guard.on_restore(event.target_step)  # no guard targets a step after it from now on
+            self.overopt.on_restore(event.target_step)
         if event.action == "stop":
             if restored is not None and restored.parent == self.checkpoint_dir.absolute():
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
