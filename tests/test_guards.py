@@ -421,11 +421,14 @@ def _scored(trainer):
     return trainer
 
 
-def _rolled_back_run_resumed_elsewhere(workspace, first, second):
+def _rolled_back_run_resumed_elsewhere(workspace, first, second, keep_abandoned_best=False):
     """Four steps in ``first``, step 4's KL rollback restoring step 2 (its rollout already far from the reference);
-    then a trainer in ``second`` resumed from ``first``'s step 4, to run steps 5 and 6."""
+    then a trainer in ``second`` resumed from ``first``'s step 4, to run steps 5 and 6. ``keep_abandoned_best``:
+    the over-optimisation guard is not told of the rollback, as before it was (its checkpoints still load)."""
     trainer = _scored(make_trainer(workspace, first, "trainer.total_training_steps=4", *WATCHED))
     _kl_loss_over_the_limit_at(trainer, {4})
+    if keep_abandoned_best:
+        trainer.overopt.on_restore = lambda step: None
     metrics, _, error = run_recording(trainer)
     assert error is None and metrics[4]["training/rollbacks"] == 1
     resumed = make_trainer(workspace, second, "trainer.total_training_steps=6", *WATCHED,
@@ -452,6 +455,25 @@ def test_after_a_kl_rollback_the_over_optimisation_guard_compares_with_the_resto
     assert_weights(resumed.actor.module, weights[6], equal=False)
     assert_weights(resumed.actor.module, best)
     assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(second / "global_step_6").items())
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resume_forgets_a_best_gold_that_a_rollback_abandoned_before_the_rule(workspace, tmp_path):
+    """A checkpoint written while the over-optimisation guard kept its best through other guards' rollbacks names
+    step 3, abandoned by step 4's rollback to step 2 and not among the checkpoints the run can restore: resumed in
+    another folder, the guard forgets it, step 5 sets a new best there, and step 6's rollback restores step 5 (it
+    looked for step 3 in ``second``, and failed)."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    resumed = _rolled_back_run_resumed_elsewhere(workspace, first, second, keep_abandoned_best=True)
+    state = checkpoint.read_trainer_state(first / "global_step_4")
+    assert (state["overopt"]["best_step"], state["guard"]["saved"]) == (3, [1, 2])  # (step 4 is the one loaded)
+    assert resumed.overopt.best_step is None and resumed.guard.saved == [1, 2, 4]
+    metrics, weights, error = run_recording(resumed)
+    assert error is None
+    assert resumed.overopt.rollbacks == 1 and metrics[6]["training/rollbacks"] == 2
+    best = checkpoint.load_model_state(second / "global_step_5")
+    assert_weights(resumed.actor.module, weights[6], equal=False)
+    assert_weights(resumed.actor.module, best)
 
 
 @pytest.mark.parametrize(("test_freq", "validated"), [(-1, []), (0, []), (2, [2, 4, 5]), (5, [5]), (9, [5])])

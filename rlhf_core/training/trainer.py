@@ -587,14 +587,16 @@ class PPOTrainer:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off.
 
         The guards may roll back to the checkpoints the run saved before it (their steps are in its state), where
-        they are still whole beside ``path``: never to another run's that share the folder."""
+        they are still whole beside ``path``: never to another run's that share the folder. A guard's best that is
+        not among them is forgotten (:meth:`Guard.keep_restorable`)."""
         path = Path(os.path.expanduser(str(path)))
         checkpoint.load_checkpoint(self, path)
         self.resumed, self.resumed_from = True, path  # the validation before training is behind it
         self.last_saved_step = self.global_step
         earlier = [step for step in self.guard.saved if step < self.global_step
                    and checkpoint.holds_parts(checkpoint.step_dir(path.parent, step), self.workers())]
-        self.guard.saved = earlier + [self.global_step]
+        self.guard.keep_restorable(earlier + [self.global_step])
+        self.overopt.keep_restorable(self.guard.saved)
         self.anchor_folders = dict.fromkeys(self.guard.saved, path.parent.absolute())  # (as saves record theirs)
 
     def _skipped_total(self) -> int:
