@@ -34,6 +34,14 @@ gradient is not finite). A KL streak from step k does the same where the KL of s
 weights to the reference (``actor/reward_kl_penalty``, ``actor/kl_loss``) was over the limit,
 and restores step k-1 or earlier where only step k's own update moved too far (``actor/ppo_kl``).
 
+After a rollback to step S, by any guard (the over-optimisation guard's below included), no guard
+targets a step after S: those checkpoints hold the weights the rollback abandoned. Each guard forgets
+them (:meth:`Guard.on_restore`, :meth:`OverOptimisationGuard.on_restore`): a streak under way ends, and
+a best validation after S gives way to S's own validation where one was seen, else to none, so that the
+next validation sets a new best and the trainer checkpoints it. For this each guard keeps the scores of
+the validations at saved steps (in its ``state_dict``; a checkpoint without them clears the best instead).
+A resume forgets a best whose checkpoint is not among those it can restore (:meth:`Guard.keep_restorable`).
+
 The checkpoints a guard may still need (the best one, the anchor while a streak is running,
 and, while the non-finite or KL guard is on, the one before the latest: the anchor of a
 streak that starts at the next step) are reported by :meth:`Guard.protected_steps` and never
