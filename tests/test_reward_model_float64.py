@@ -1,0 +1,236 @@
+"""The learned reward model's path against computations written out here in float64: the Bradley-Terry loss and
+its statistics, one training step (loss, accuracy, the head's gradient), the score read at each sequence's last
+real token whatever the padding, and PPO's scoring of rollout rows (alone, in a padded batch, each
+prompt once), all compared with a float64 copy of the model run on each sequence alone, without padding."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from rlhf_core.batch import Batch
+from rlhf_core.config import load_config
+from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards.reward_model import RewardModelWorker as ScoringWorker
+from rlhf_core.training.reward_trainer import (
+    RewardModelWorker,
+    bradley_terry_loss,
+    collate,
+    encode_pairs,
+    pair_statistics,
+    sequence_scores,
+)
+
+QUESTIONS = ["3 + 4?", "What is 10 - 3? Think it through.", "1?"]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """The toy backbone, and two reward models on it with a N(0, 1) head: one with its own pad id, one whose pad id
+    is EOS (a tokenizer without a pad token)."""
+    root = tmp_path_factory.mktemp("rm64")
+    base = random_toy_model(root / "base", n_layers=2, hidden_size=32, max_position_embeddings=512, seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    folders = {}
+    for kind, pad_id in (("pad", tokenizer.pad_token_id), ("eos", tokenizer.eos_token_id)):
+        config = AutoConfig.from_pretrained(base, num_labels=1)
+        config.pad_token_id = pad_id
+        torch.manual_seed(7)
+        model = AutoModelForSequenceClassification.from_config(config)
+        with torch.no_grad():
+            model.score.weight.normal_(0.0, 1.0)
+        model.save_pretrained(root / kind)
+        saved = AutoTokenizer.from_pretrained(base)
+        if kind == "eos":
+            saved.pad_token = saved.eos_token
+        saved.save_pretrained(root / kind)
+        folders[kind] = root / kind
+    return base, tokenizer, folders
+
+
+def by_hand(tokenizer, question: str, response: str, eos: bool = True) -> list[int]:
+    """The toy chat template's generation prompt written out, the response, EOS: one character a token."""
+    text = f"User: {question}\nAssistant: {response}"
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * eos
+
+
+def float64_scores(model: torch.nn.Module, sequences: list[list[int]], pad_id: int) -> list[float]:
+    """Each sequence alone in a float64 copy of ``model``: the head on the hidden state of its last token that is
+    not the pad id (transformers' pooling; with pad = EOS, the token before a closing EOS)."""
+    reference = copy.deepcopy(model).double().eval()
+    weight = reference.score.weight[0]
+    scores = []
+    with torch.no_grad():
+        for ids in sequences:
+            last = max(i for i, token in enumerate(ids) if token != pad_id)
+            hidden = reference.model(input_ids=torch.tensor([ids])).last_hidden_state[0]  # (L, H)
+            scores.append(float(hidden[last] @ weight))
+    return scores
+
+
+# ----------------------------------------------------------------------------- the loss and its statistics
+
+
+def test_bradley_terry_loss_and_pair_statistics_are_the_float64_sums():
+    generator = torch.Generator().manual_seed(0)
+    chosen = torch.randn(9, generator=generator) * 3
+    rejected = torch.randn(9, generator=generator) * 3
+    rejected[4] = chosen[4]  # a tie
+    weight = torch.tensor([1.0, 1, 0, 1, 1, 0, 1, 1, 1])
+    c, r, w, m = chosen.double().tolist(), rejected.double().tolist(), weight.tolist(), 0.75
+
+    def nll(delta):  # -log sigmoid(delta) = log(1 + exp(-delta))
+        return math.log1p(math.exp(-delta))
+
+    mean = sum(nll(ci - ri - m) for ci, ri in zip(c, r)) / len(c)
+    assert bradley_terry_loss(chosen, rejected, margin=m).item() == pytest.approx(mean, rel=1e-6)
+    weighted = sum(wi * nll(ci - ri - m) for ci, ri, wi in zip(c, r, w))
+    assert bradley_terry_loss(chosen, rejected, m, weight).item() == pytest.approx(weighted / sum(w), rel=1e-6)
+    assert bradley_terry_loss(chosen, rejected, m, weight, normaliser=20).item() == pytest.approx(weighted / 20,
+                                                                                                  rel=1e-6)
+    stats = pair_statistics(chosen, rejected, m)
+    # accuracy counts a pair right only where chosen scores strictly above rejected (TRL's chosen > rejected): a
+    # tie is wrong; the margin statistic is r_chosen - r_rejected, the loss's margin m not taken off
+    assert stats["correct"] == sum(ci > ri for ci, ri in zip(c, r)) and stats["pairs"] == 9
+    assert stats["margin"] == pytest.approx(sum(ci - ri for ci, ri in zip(c, r)), rel=1e-6)
+    assert stats["loss"] == pytest.approx(sum(nll(ci - ri - m) for ci, ri in zip(c, r)), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _train_config(base, *extra):
+    return load_config([f"reward_model.train.model.path={base}", *extra], validate=False).reward_model.train
+
+
+def _pairs(tokenizer):
+    """Pairs of different lengths, each chosen/rejected sharing its prompt and the start of its response."""
+    texts = [(QUESTIONS[0], "3 + 4 = 7\n#### 7", "3 + 4 = 7\n#### 8"),
+             (QUESTIONS[1], "#### 7", "10 - 3 = 13 so\n#### 13"),
+             (QUESTIONS[2], "abc", "abcd"),
+             (QUESTIONS[0], "x", "x y z w")]
+    return [(by_hand(tokenizer, q, c), by_hand(tokenizer, q, r)) for q, c, r in texts]
+
+
+@pytest.mark.parametrize("kind", ["pad", "eos"])
+def test_training_reads_each_right_padded_sequence_at_its_last_real_token(dirs, kind):
+    base, tokenizer, folders = dirs
+    model = AutoModelForSequenceClassification.from_pretrained(folders[kind]).eval()
+    pad_id = model.config.pad_token_id
+    pairs = _pairs(tokenizer)
+    batch = collate(pairs, pad_id)
+    rows = [c for c, _ in pairs] + [r for _, r in pairs]
+    assert batch["input_ids"].shape == (8, max(map(len, rows)))  # right-padded to the longest
+    with torch.no_grad():
+        got = sequence_scores(model, batch["input_ids"], batch["attention_mask"])
+    expected = float64_scores(model, rows, pad_id)
+    assert got.tolist() == pytest.approx(expected, abs=1e-5)
+    assert max(expected) - min(expected) > 0.1  # the rows really score apart
+
+
+def test_a_training_step_is_the_float64_bradley_terry_step(dirs):
+    """Loss, accuracy and the head's gradient of one step over uneven micro-batches (3 + 1 pairs) with a margin:
+    ``d/dw mean_i -log sigmoid(w . (h_c,i - h_r,i) - m) = mean_i -sigmoid(m - delta_i) (h_c,i - h_r,i)``."""
+    base, tokenizer, _ = dirs
+    pad_id = tokenizer.pad_token_id
+    worker = RewardModelWorker(_train_config(base, "reward_model.train.margin=0.5", "reward_model.train.grad_clip=1e9",
+                                             "reward_model.train.micro_batch_size_per_gpu=3"), pad_id, total_steps=4)
+    with torch.no_grad():
+        worker.module.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    pairs = _pairs(tokenizer)
+    reference = copy.deepcopy(worker.module).double().eval()
+    weight = reference.score.weight[0].detach()
+    with torch.no_grad():
+        hidden = [[reference.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1] for ids in pair]
+                  for pair in pairs]
+    deltas = [float((hc - hr) @ weight) for hc, hr in hidden]
+    n, m = len(pairs), 0.5
+    loss = sum(math.log1p(math.exp(m - d)) for d in deltas) / n
+    gradient = sum(-(hc - hr) / (1 + math.exp(d - m)) for (hc, hr), d in zip(hidden, deltas)) / n  # (H,)
+    seen = []  # the head's gradient of each micro-batch's backward, summed below
+    worker.module.score.weight.register_hook(lambda grad: seen.append(grad[0].double()))
+    sums = worker.train_step(pairs, [1.0] * n, n)
+    assert len(seen) == 2 and sums["pairs"] == n and sums["loss"] / n == pytest.approx(loss, rel=1e-5)
+    assert sums["correct"] == sum(d > 0 for d in deltas) and sums["margin"] == pytest.approx(sum(deltas), abs=1e-4)
+    assert float((sum(seen) - gradient).abs().max()) < 1e-6 * max(1.0, float(gradient.abs().max()))
+
+
+def test_a_head_that_scores_every_sequence_alike_ranks_no_pair_right(dirs):
+    """Ties count as wrong orderings: a zero head (every score 0) ranks 0% of the pairs right at a loss of
+    log(1 + e^m) each, whatever the pairs."""
+    base, tokenizer, _ = dirs
+    worker = RewardModelWorker(_train_config(base, "reward_model.train.margin=0.25"), tokenizer.pad_token_id, 1)
+    with torch.no_grad():
+        worker.module.score.weight.zero_()
+    sums = worker.evaluate(_pairs(tokenizer), [1.0] * 4)
+    assert sums == pytest.approx({"loss": 4 * math.log1p(math.exp(0.25)), "correct": 0.0, "margin": 0.0,
+                                  "pairs": 4.0})
+
+
+# ----------------------------------------------------------------------------- PPO's scoring
+
+
+def _rollout(tokenizer, prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+    """A rollout batch written out by hand: prompts left-padded, responses right-padded with two all-padding
+    columns after the longest, positions counting the valid tokens."""
+    width_p, width_r = max(map(len, prompts)), max(map(len, responses)) + 2
+    rows = len(prompts)
+    prompt_ids = torch.full((rows, width_p), pad_id)
+    response_ids = torch.full((rows, width_r), pad_id)
+    mask = torch.zeros((rows, width_p + width_r), dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        prompt_ids[i, width_p - len(p):] = torch.tensor(p)
+        mask[i, width_p - len(p):width_p] = 1
+        if r:
+            response_ids[i, :len(r)] = torch.tensor(r)
+            mask[i, width_p:width_p + len(r)] = 1
+    positions = torch.zeros_like(mask)
+    for i, (p, _) in enumerate(zip(prompts, responses)):
+        positions[i, width_p - len(p):] = torch.arange(width_p + width_r - (width_p - len(p)))
+    meta = {"data_source": ["synthetic/arithmetic"] * rows, "ground_truth": ["7"] * rows, "extra_info": [{}] * rows}
+    return Batch({"prompts": prompt_ids, "responses": response_ids, "response_mask": mask[:, width_p:],
+                  "input_ids": torch.cat([prompt_ids, response_ids], 1), "attention_mask": mask,
+                  "position_ids": positions}, meta)
+
+
+@pytest.mark.parametrize("kind", ["pad", "eos"])
+def test_ppo_scores_each_rollout_row_as_the_float64_forward_of_its_conversation(dirs, kind):
+    """Three prompts of different lengths, two responses each (one cut at the length limit without EOS, one that
+    is EOS alone): every row's score, alone, in the padded batch, micro-batched, and with each prompt run once,
+    is the float64 forward of prompt (the chat template as training lays it out) + response + EOS."""
+    base, tokenizer, folders = dirs
+    answers = [("3 + 4 = 7\n#### 7", True), ("#### 8", False), ("10 - 3 = 7\n#### 7", True), ("", True),
+               ("#### 1", True), ("1 so\n####", False)]
+    questions = [QUESTIONS[i // 2] for i in range(6)]
+    prompts = [by_hand(tokenizer, q, "", eos=False) for q in questions]
+    responses = [tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] * ended
+                 for text, ended in answers]
+    whole = [by_hand(tokenizer, q, text, eos=ended) for q, (text, ended) in zip(questions, answers)]
+    assert whole == [p + r for p, r in zip(prompts, responses)]
+    # training's own layout of the same conversations: the ids scored here are those it trains on
+    frame = pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q in questions[::2]],
+                          "chosen": [answers[i][0] for i in (0, 2, 4)], "rejected": [answers[i][0] + "!" for i in (0, 2, 4)]})
+    trained = encode_pairs([("p", frame)], tokenizer, 512).pairs
+    assert [chosen for chosen, _ in trained] == [whole[i] for i in (0, 2, 4)]
+
+    model = AutoModelForSequenceClassification.from_pretrained(folders[kind])
+    pad_id = model.config.pad_token_id
+    expected = float64_scores(model, whole, pad_id)
+    batch = _rollout(tokenizer, prompts, responses, pad_id)
+    for shared in (False, True):
+        for micro in (1, 4, 6):
+            config = load_config([f"reward_model.model.path={folders[kind]}", f"reward_model.model.input_tokenizer={base}",
+                                  f"reward_model.micro_batch_size_per_gpu={micro}", "reward_model.enable=true",
+                                  f"reward_model.model.use_shared_prefix={shared}"], validate=False).reward_model
+            worker = ScoringWorker(config)
+            assert worker.shared_prefix == shared and not worker.switch_template
+            assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-5), (shared, micro)
+        alone = [worker.compute_rm_score(_rollout(tokenizer, [p], [r], pad_id)).item()
+                 for p, r in zip(prompts, responses)]
+        assert alone == pytest.approx(expected, abs=1e-5), shared
+    assert len({round(s, 3) for s in expected}) == 6  # six different scores
