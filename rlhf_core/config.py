@@ -308,8 +308,9 @@ class RewardTrainConfig:
     micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
     max_length: int | None = _k(None, "tokens per prompt + response, at most the model's positions; null = the "
                                       "model's max_position_embeddings (1024 where it names none), as the run then "
-                                      "records; longer ones lose tokens from the left (the prompt's, then the "
-                                      "response's); a pair left with the same ids on both sides is dropped")
+                                      "records; longer pairs lose tokens from the left: the same prompt tokens on "
+                                      "both sides (one context for the two), then a response's own start; a pair "
+                                      "left with the same ids on both sides is dropped")
     apply_chat_template_kwargs: dict[str, Any] = _k("${data.apply_chat_template_kwargs}",
                                                     "keyword arguments to the chat template when encoding the pairs, "
                                                     "recorded in the export's config.json (chat_template_kwargs)")

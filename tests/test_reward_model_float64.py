@@ -1,6 +1,6 @@
 """The learned reward model's path against computations written out here in float64: the Bradley-Terry loss and
 its statistics, one training step (loss, accuracy, the head's gradient), the score read at each sequence's last
-real token whatever the padding, and PPO's scoring of rollout rows (alone, in a padded batch, each
+real token whatever the padding, truncation, and PPO's scoring of rollout rows (alone, in a padded batch, each
 prompt once), all compared with a float64 copy of the model run on each sequence alone, without padding."""
 
 from __future__ import annotations
@@ -170,6 +170,34 @@ def test_a_head_that_scores_every_sequence_alike_ranks_no_pair_right(dirs):
     sums = worker.evaluate(_pairs(tokenizer), [1.0] * 4)
     assert sums == pytest.approx({"loss": 4 * math.log1p(math.exp(0.25)), "correct": 0.0, "margin": 0.0,
                                   "pairs": 4.0})
+
+
+def test_truncation_keeps_the_end_of_each_side_in_one_prompt_window(dirs):
+    """Over ``max_length`` a pair loses the prompt tokens its longer side must lose, on both sides, so that chosen and
+    rejected are read in the same context (the Bradley-Terry model compares two responses to one prompt); each keeps
+    its end, where the score is read. A pair left with the same ids on both sides is left out."""
+    _, tokenizer, _ = dirs
+    rows = [(QUESTIONS[1], "a long chosen answer\n#### 7", "#### 8"),  # 51-token prompt + 28 or + 7: 79 and 58
+            (QUESTIONS[0], "yes #### 7", "no! #### 7")]  # 24-token prompt + 11: uncut; the same last 6 tokens
+    frame = pd.DataFrame({"prompt": [[{"role": "user", "content": q}] for q, _, _ in rows],
+                          "chosen": [c for _, c, _ in rows], "rejected": [r for _, _, r in rows]})
+    encoded = encode_pairs([("pairs.parquet", frame)], tokenizer, 38)
+    prompt = by_hand(tokenizer, rows[0][0], "", eos=False)
+    assert len(prompt) == 51
+    window = prompt[41:]  # 79 - 38 = 41 tokens off the prompt of both sides
+    first = tuple(window + tokenizer(side, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                  for side in rows[0][1:])
+    second = tuple(by_hand(tokenizer, rows[1][0], side) for side in rows[1][1:])
+    assert encoded.pairs == [first, second]
+    assert tokenizer.decode(first[0]) == "ssistant: a long chosen answer\n#### 7</s>"  # 38 tokens
+    assert tokenizer.decode(first[1]) == "ssistant: #### 8</s>"  # 17 tokens: the same context
+    assert encoded.identical == [] and (encoded.prompt_cut, encoded.response_cut) == (2, 0)
+    cut = encode_pairs([("pairs.parquet", frame.iloc[1:])], tokenizer, 6)
+    assert cut.pairs == [] and cut.identical == [("pairs.parquet", 0, True)] and cut.response_cut == 2
+    # responses longer than max_length on their own (28 and 7 tokens, 6 kept): no prompt left, each side its last 6
+    both = encode_pairs([("pairs.parquet", frame.iloc[:1])], tokenizer, 6)
+    assert [tokenizer.decode(ids) for ids in both.pairs[0]] == ["### 7</s>", "### 8</s>"]
+    assert (both.prompt_cut, both.response_cut) == (0, 2)
 
 
 # ----------------------------------------------------------------------------- PPO's scoring

@@ -20,12 +20,12 @@ from rlhf_core.data.synthetic import DATA_SOURCE
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import CHAT_TEMPLATE as TOY_TEMPLATE
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rewards.reward_model import encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.reward_trainer import (
     RewardModelTrainer,
     bradley_terry_loss,
     collate,
-    encode_response,
     load_reward_backbone,
     sequence_scores,
 )
@@ -130,14 +130,14 @@ def test_pairs_that_truncation_makes_identical_are_left_out_with_a_notice(tiny, 
     assert [(tokenizer.decode(c), tokenizer.decode(r)) for c, r in prepared.train] == [
         ("t: #### 7</s>", "t: #### 8</s>")]
     err = capsys.readouterr().err
-    assert "4 sequences were longer than reward_model.train.max_length (10): 2 lost prompt tokens from the left; " \
-           "2 lost their whole prompt and the start of their response" in err
+    assert "4 sequences were cut to reward_model.train.max_length (10), both sides of a pair to the same prompt " \
+           "tokens: 2 lost prompt tokens from the left; 2 lost their whole prompt and the start of their response" in err
     assert "1 pair(s) of reward_model.train.train_files are left out" in err and f"row 0 of {train}" in err
     # 30 tokens cut 3 prompt tokens from row 0's sequences alone: both pairs kept
     assert len(preflight(load_config([*base, "reward_model.train.max_length=30"])).train) == 2
     err = capsys.readouterr().err
-    assert "2 sequences were longer than reward_model.train.max_length (30): 2 lost prompt tokens from the left " \
-           "(the response's end" in err and "left out" not in err
+    assert "2 sequences were cut to reward_model.train.max_length (30), both sides of a pair to the same prompt " \
+           "tokens: 2 lost prompt tokens from the left (the response's end" in err and "left out" not in err
     only_same = _preference_file(tmp_path / "same.parquet", [("Q?", "Yes! total 7", "No!! total 7")])
     with pytest.raises(RewardTrainingError, match=r"train_files: in every pair chosen and rejected have the same "
                                                   r"token ids; 1 with the same ids once cut to "

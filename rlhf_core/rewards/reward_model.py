@@ -349,24 +349,45 @@ class RewardModelWorker:
                                  self.config.micro_batch_size_per_gpu, False, 0)
 
 
-def encode_response(tokenizer, messages: list[dict], response: str, max_length: int | None = None,
-                    chat_template_kwargs: dict | None = None, eos: bool = True) -> tuple[list[int], int, int]:
-    """Token ids of ``messages`` (chat template with ``chat_template_kwargs``, generation prompt) + ``response``
-    + EOS (unless ``eos`` is false), as PPO's rollout lays a prompt and its response out: the layout the reward
-    model trains on and scores (a tokenizer without a chat template: the contents joined by newlines, with its
-    special tokens). Over ``max_length`` tokens are cut from the left, the prompt's first, then the response's
-    (its end, where the score is read, is kept). Returns (ids, prompt tokens cut, response tokens cut)."""
+def conversation_ids(tokenizer, messages: list[dict], response: str, chat_template_kwargs: dict | None = None,
+                     eos: bool = True) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids): ``messages`` in the chat template with ``chat_template_kwargs`` and the generation
+    prompt, then ``response`` + EOS (unless ``eos`` is false), as PPO's rollout lays a prompt and its response out:
+    the layout the reward model trains on and scores (a tokenizer without a chat template: the contents joined by
+    newlines, with its special tokens)."""
     if getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True,
                                                **(chat_template_kwargs or {}))
         prompt_ids = tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
     else:
         prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n", verbose=False)["input_ids"]
-    # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length below)
+    # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length later)
     response_ids = tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] \
         + ([tokenizer.eos_token_id] if eos else [])
-    cut = max(len(prompt_ids) + len(response_ids) - max_length, 0) if max_length is not None else 0
-    return (prompt_ids + response_ids)[cut:], min(cut, len(prompt_ids)), max(cut - len(prompt_ids), 0)
+    return prompt_ids, response_ids
+
+
+def cut_from_the_left(prompt_ids: list[int], responses: list[list[int]],
+                      max_length: int | None) -> list[tuple[list[int], int, int]]:
+    """Each of ``responses`` after ``prompt_ids``, at most ``max_length`` tokens, cut from the left so that the end,
+    where the score is read, stays. The responses keep one prompt window: the prompt loses the tokens the longest
+    sequence must lose (at most all of it), so that a pair's two sides are read in the same context; then a
+    response still too long loses its own first tokens. Returns (ids, prompt tokens cut, response tokens cut) each."""
+    if max_length is None:
+        return [(prompt_ids + response, 0, 0) for response in responses]
+    prompt_cut = min(max(len(prompt_ids) + max(map(len, responses)) - max_length, 0), len(prompt_ids))
+    context = prompt_ids[prompt_cut:]
+    cuts = [max(len(context) + len(response) - max_length, 0) for response in responses]
+    return [(context + response[cut:], prompt_cut, cut) for response, cut in zip(responses, cuts)]
+
+
+def encode_response(tokenizer, messages: list[dict], response: str, max_length: int | None = None,
+                    chat_template_kwargs: dict | None = None, eos: bool = True) -> tuple[list[int], int, int]:
+    """Token ids of ``messages`` + ``response`` + EOS (:func:`conversation_ids`), over ``max_length`` cut from the
+    left, the prompt's first, then the response's (its end, where the score is read, is kept). Returns (ids, prompt
+    tokens cut, response tokens cut)."""
+    prompt_ids, response_ids = conversation_ids(tokenizer, messages, response, chat_template_kwargs, eos)
+    return cut_from_the_left(prompt_ids, [response_ids], max_length)[0]
 
 
 # ----------------------------------------------------------------------------- the combination

@@ -63,7 +63,7 @@ from rlhf_core.models.loading import (
     resolve,
     save_hf_model,
 )
-from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, encode_response
+from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, conversation_ids, cut_from_the_left
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.tracking import store_problems
@@ -135,16 +135,19 @@ class EncodedPairs:
 
 def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
                  chat_template_kwargs: dict | None = None) -> EncodedPairs:
-    """(chosen ids, rejected ids) of each row of the preference frames in ``files`` ((path, frame) each), leaving
-    out the rows whose chosen and rejected have the same ids once cut to ``max_length`` (they teach nothing)."""
+    """(chosen ids, rejected ids) of each row of the preference frames in ``files`` ((path, frame) each), cut to
+    ``max_length`` with one prompt window for both sides (:func:`cut_from_the_left`: the Bradley-Terry comparison
+    is of two responses to the same context), leaving out the rows whose chosen and rejected have the same ids
+    once cut (they teach nothing)."""
     encoded = EncodedPairs()
     for path, frame in files:
         for row, (prompt, chosen, rejected) in enumerate(zip(frame["prompt"], frame["chosen"], frame["rejected"])):
             messages = [dict(m) for m in prompt]
+            prompt_ids, chosen_ids = conversation_ids(tokenizer, messages, chosen, chat_template_kwargs)
+            rejected_ids = conversation_ids(tokenizer, messages, rejected, chat_template_kwargs)[1]
             pair, cut = [], False
-            for text in (chosen, rejected):
-                ids, prompt_cut, response_cut = encode_response(tokenizer, messages, text, max_length,
-                                                                chat_template_kwargs)
+            for ids, prompt_cut, response_cut in cut_from_the_left(prompt_ids, [chosen_ids, rejected_ids],
+                                                                   max_length):
                 encoded.response_cut += response_cut > 0
                 encoded.prompt_cut += prompt_cut > 0 and not response_cut
                 cut = cut or response_cut > 0
@@ -462,8 +465,9 @@ def _notify_cuts(splits, max_length: int) -> None:
     parts = [f"{prompt_cut} lost prompt tokens from the left"] if prompt_cut else []
     if response_cut:
         parts.append(f"{response_cut} lost their whole prompt and the start of their response")
-    print(f"notice: {prompt_cut + response_cut} sequences were longer than {KEY}.max_length ({max_length}): "
-          f"{'; '.join(parts)} (the response's end, where the score is read, is kept)", file=sys.stderr)
+    print(f"notice: {prompt_cut + response_cut} sequences were cut to {KEY}.max_length ({max_length}), both sides "
+          f"of a pair to the same prompt tokens: {'; '.join(parts)} (the response's end, where the score is read, is "
+          "kept)", file=sys.stderr)
 
 
 def _check_identical(split: str, encoded: EncodedPairs, max_length: int) -> list[str]:
