@@ -262,3 +262,30 @@ def test_ppo_scores_each_rollout_row_as_the_float64_forward_of_its_conversation(
                  for p, r in zip(prompts, responses)]
         assert alone == pytest.approx(expected, abs=1e-5), shared
     assert len({round(s, 3) for s in expected}) == 6  # six different scores
+
+
+def test_a_reward_model_that_closes_responses_with_another_eos_scores_them_as_it_was_trained(dirs, tmp_path):
+    """A reward model whose tokenizer has the policy's vocabulary and chat template but another EOS (a base model's
+    tokenizer against its instruct policy's) was trained on responses closed with its own EOS: PPO re-encodes the
+    policy's responses so, rather than read its score at the policy's stop token, where it never trained."""
+    base, tokenizer, folders = dirs
+    model = AutoModelForSequenceClassification.from_pretrained(folders["pad"])
+    model.save_pretrained(tmp_path / "rm")
+    own_eos = AutoTokenizer.from_pretrained(folders["pad"])
+    own_eos.eos_token = "<unk>"  # id 3; the policy stops on </s>, id 2
+    own_eos.save_pretrained(tmp_path / "rm")
+    assert own_eos.get_vocab() == tokenizer.get_vocab() and own_eos.chat_template == tokenizer.chat_template
+    questions, answers = QUESTIONS[:2], ["3 + 4 = 7\n#### 7", "#### 8"]
+    trained = [by_hand(tokenizer, q, a, eos=False) + [3] for q, a in zip(questions, answers)]
+    policy = [by_hand(tokenizer, q, a) for q, a in zip(questions, answers)]  # closed with id 2
+    expected = float64_scores(model, trained, model.config.pad_token_id)
+    assert not expected == pytest.approx(float64_scores(model, policy, model.config.pad_token_id), abs=1e-3)
+    batch = _rollout(tokenizer, [by_hand(tokenizer, q, "", eos=False) for q in questions],
+                     [ids[len(by_hand(tokenizer, q, "", eos=False)):] for q, ids in zip(questions, policy)],
+                     tokenizer.pad_token_id)
+    batch.meta["raw_prompt"] = [[{"role": "user", "content": q}] for q in questions]
+    config = load_config([f"reward_model.model.path={tmp_path / 'rm'}", f"reward_model.model.input_tokenizer={base}",
+                          "reward_model.enable=true"], validate=False).reward_model
+    worker = ScoringWorker(config)
+    assert worker.switch_template
+    assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-5)

@@ -7,8 +7,8 @@ the response's last valid token, where the rule reward goes too.
 
 Two ways in, as verl has them (``reward_model.model.input_tokenizer``):
 
-* the same tokenizer and chat template as the policy, rendered with the same keyword arguments
-  (``reward_model.model.input_chat_template_kwargs``, the policy's ``data.apply_chat_template_kwargs``,
+* the same tokenizer (vocabulary and EOS) and chat template as the policy, rendered with the same keyword
+  arguments (``reward_model.model.input_chat_template_kwargs``, the policy's ``data.apply_chat_template_kwargs``,
   against those the reward model was trained with, :data:`TEMPLATE_KWARGS` in its config.json), or
   ``input_tokenizer: null``: the policy's token ids are fed as they are (all-padding columns trimmed,
   the padding set to the reward model's pad id);
@@ -156,10 +156,12 @@ def stop_ids(folder: str | os.PathLike, tokenizer) -> set[int]:
 
 def same_tokenization(a, b, a_kwargs: dict | None = None, b_kwargs: dict | None = None) -> bool:
     """Whether two tokenizers turn a conversation into the same ids: same vocabulary and chat template,
-    rendered with the same keyword arguments (``a_kwargs`` for ``a``, ``b_kwargs`` for ``b``)."""
+    rendered with the same keyword arguments (``a_kwargs`` for ``a``, ``b_kwargs`` for ``b``), and the same EOS,
+    which closes a response (a reward model trained with another, such as a base model's tokenizer against its
+    instruct policy's, reads its score where that EOS stood, not at the policy's stop token)."""
     template = getattr(a, "chat_template", None)
     return (a.get_vocab() == b.get_vocab() and template == getattr(b, "chat_template", None)
-            and (not template or (a_kwargs or {}) == (b_kwargs or {})))
+            and (not template or (a_kwargs or {}) == (b_kwargs or {})) and a.eos_token_id == b.eos_token_id)
 
 
 def needs_template_switch(config: RewardModelConfig, input_tokenizer=None, folder: Path | None = None) -> bool:
