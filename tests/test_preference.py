@@ -84,6 +84,25 @@ def test_real_gsm8k_pairs_count(gsm8k_dir):
     assert not any(compute_score(p["rejected"], p["answer"]) == 1.0 for p in pairs)
 
 
+def test_real_gsm8k_pairs_are_each_questions_labelled_right_against_its_labelled_wrong(gsm8k_dir):
+    """Every pair, rebuilt from the release's own is_correct labels: a solution labelled correct against one labelled
+    incorrect of the same question, each with its closing "A: x" line written "#### x", and nothing else."""
+    expected = set()
+    for number, line in enumerate((gsm8k_dir / "example_model_solutions.jsonl").read_text().splitlines(), start=1):
+        row = json.loads(line)
+        texts = {True: set(), False: set()}
+        for name in GSM8K_MODELS:
+            lines = row[name]["solution"].split("\n")
+            if lines[-1].startswith("A:"):
+                lines[-1] = "#### " + lines[-1][2:].strip()
+            texts[bool(row[name]["is_correct"])].add("\n".join(lines))
+        expected |= {(f"line-{number}", row["question"], right, wrong)
+                     for right in texts[True] for wrong in texts[False] if right != wrong}
+    pairs = gsm8k_solution_pairs(gsm8k_dir / "example_model_solutions.jsonl")
+    got = [(p["group"], p["question"], p["chosen"], p["rejected"]) for p in pairs]
+    assert len(got) == len(set(got)) and set(got) == expected
+
+
 def test_split_keeps_each_question_on_one_side():
     pairs = [{"group": f"q{g}", "i": i} for g in range(50) for i in range(g % 4 + 1)]
     train, val = split_by_group(pairs, 0.2, seed=3)
