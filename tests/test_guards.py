@@ -183,6 +183,24 @@ def test_the_validations_kept_are_those_of_saved_steps_and_old_states_load():
     assert (copy.saved, copy.best_val, copy.best_step) == ([1], None, None)
 
 
+def test_a_resume_that_cannot_restore_a_streaks_anchor_anchors_it_on_the_newest_checkpoint_before_it():
+    guard = Guard(GuardConfig(max_kl=0.5, patience=3, max_consecutive_skips=3))
+    for step in (1, 2, 3, 4):
+        guard.on_checkpoint(step)
+    assert guard.observe_step(5, {"actor/ppo_kl": 0.9, "actor/kl_loss": 0.9}, skipped=True) is None
+    assert (guard.skip_anchor, guard.kl_anchor) == (3, 3)  # step 4's weights are the suspect ones
+    copy = Guard(guard.config)
+    copy.load_state_dict(guard.state_dict())
+    copy.keep_restorable([1, 2, 4])  # resumed from step 4 in another folder: step 3 did not come along
+    assert (copy.skip_anchor, copy.kl_anchor, copy.kl_streak, copy.consecutive_skips) == (2, 2, 1, 1)
+    assert copy.observe_step(6, {"actor/ppo_kl": 0.9}, skipped=True) is None
+    event = copy.observe_step(7, {"actor/ppo_kl": 0.9}, skipped=True)
+    assert (event.kind, event.target_step) == ("non_finite", 2)
+    copy.load_state_dict(guard.state_dict())
+    copy.keep_restorable([4])  # nothing restorable before the suspect weights: no anchor
+    assert (copy.skip_anchor, copy.kl_anchor) == (None, None)
+
+
 def _config(use_kl_in_reward: bool, use_kl_loss: bool):
     return load_config([f"algorithm.use_kl_in_reward={use_kl_in_reward}",
                         f"actor_rollout_ref.actor.use_kl_loss={use_kl_loss}"])

@@ -145,11 +145,15 @@ class Guard:
     def keep_restorable(self, saved: list[int]) -> None:
         """At a resume: ``saved`` are the checkpoints the run can restore (its own, whole beside the one loaded).
         A best among the others is forgotten (a rollback could not restore it; a checkpoint from before the
-        rule of :meth:`on_restore` may name one a rollback abandoned), as are their validations."""
+        rule of :meth:`on_restore` may name one a rollback abandoned), as are their validations; a streak's anchor
+        among them gives way to the newest restorable checkpoint before it (:meth:`anchor`)."""
         self.saved = list(saved)
         self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
         if self.best_step is not None and self.best_step not in self.saved:
             self.best_val, self.best_step = None, None
+        # a streak under way keeps going, anchored on the newest checkpoint it can restore at or before its own
+        self.skip_anchor = self.anchor(self.skip_anchor) if self.skip_anchor is not None else None
+        self.kl_anchor = self.anchor(self.kl_anchor) if self.kl_anchor is not None else None
 
     def anchor(self, last_good: int) -> int | None:
         """The newest checkpoint of step ``last_good`` or earlier."""
