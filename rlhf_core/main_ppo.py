@@ -35,7 +35,13 @@ import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files
-from rlhf_core.data.schema import ground_truth, is_missing, single_precision_truth, widened
+from rlhf_core.data.schema import (
+    ground_truth,
+    is_missing,
+    reward_model_problem,
+    single_precision_truth,
+    widened,
+)
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
@@ -78,13 +84,14 @@ class _SourceScan:
     """What preflight reads of a data key's files: the data sources of the rows with a ground truth and of all
     rows, the rows without a ground truth, and (``file row N: reason``, a few) rows without a data source and
     rows whose ground truth a right answer, written as numbers are, cannot match under the built-in
-    rule (:func:`gsm8k.unanswerable`)."""
+    rule (:func:`gsm8k.unanswerable`), and rows whose ``reward_model`` is no mapping (:func:`reward_model_problem`)."""
 
     graded: set[str] = field(default_factory=set)
     every: set[str] = field(default_factory=set)
     without: int = 0
     no_source: list[str] = field(default_factory=list)
     unanswerable: dict[str, list[str]] = field(default_factory=dict)  # by data source
+    malformed: list[str] = field(default_factory=list)
 
 
 def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceScan:
@@ -108,6 +115,9 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
                 continue
             source, truth = str(source), ground_truth(cell)
             scan.every.add(source)
+            problem = reward_model_problem(cell)
+            if problem and len(scan.malformed) < examples:
+                scan.malformed.append(f"{path} row {row}: {problem}")
             if truth is None:
                 scan.without += 1
                 continue
@@ -207,6 +217,8 @@ def preflight(cfg: PPOConfig) -> None:
             if scan.no_source:
                 errors.append(f"{key}: rows without a {cfg.data.reward_fn_key} (the reward is routed by it): "
                               f"{'; '.join(scan.no_source)}")
+            if scan.malformed:
+                errors.append(f"{key}: {'; '.join(scan.malformed)}")
             if without and cfg.needs_ground_truth():
                 errors.append(f"{key}: {without} rows have no reward_model.ground_truth{TRUTH_HINT}")
             # the rule grades the rows with a ground truth; the others only where it counts in the reward

@@ -300,3 +300,19 @@ def test_every_prompt_filtered_out_says_so(tmp_path, tokenizer):
     with pytest.raises(DataError, match=r"no prompts left: all 2 are longer than data.max_prompt_length \(100\) "
                                         "and data.filter_overlong_prompts drops them"):
         RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))
+
+
+def test_a_reward_model_of_text_is_named_as_such(tmp_path, tokenizer):
+    """The JSON text of a reward_model mapping (a CSV round trip) and a bare answer were reported as a missing ground
+    truth, with the hint to go without one: the cell's type is what is wrong."""
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["1+1", "2+2"])]
+    frame = pd.DataFrame(rows)
+    for cells, expected in (([json.dumps(row["reward_model"]) for row in rows], "reward_model is the JSON text of a "
+                             "mapping, not a {style, ground_truth} mapping: parse it before writing the parquet"),
+                            (["0", "1"], "reward_model is a str, not a {style, ground_truth} mapping")):
+        path = tmp_path / "rows.parquet"
+        frame.assign(reward_model=cells).to_parquet(path)  # a parquet column is all text or all structs
+        for needed in (True, False):  # malformed either way: it is not a missing ground truth
+            with pytest.raises(DataError) as error:
+                RLHFDataset(str(path), tokenizer, DataConfig(max_prompt_length=200), require_ground_truth=needed)
+            assert str(error.value).startswith(f"{path} row 0: {expected}")

@@ -497,3 +497,18 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypat
     errors = _errors(_config(space, *two, "trainer.ray_address=no-such-host.invalid:6379"))
     assert errors[0].startswith("trainer.ray_address (or RAY_ADDRESS) 'no-such-host.invalid:6379': cannot resolve the "
                                 "host 'no-such-host.invalid'")
+
+
+def test_a_reward_model_column_of_text_is_named_as_such_not_as_a_missing_ground_truth(space, tmp_path):
+    """A reward_model stored as JSON text (a CSV round trip) has no ground truth to read: preflight said only that
+    the rows had none, which sent the user looking for nulls."""
+    import pandas as pd
+
+    frame = pd.read_parquet(space / "data" / "train.parquet")
+    frame["reward_model"] = [json.dumps(dict(cell)) for cell in frame["reward_model"]]
+    path = tmp_path / "train.parquet"
+    frame.to_parquet(path)
+    errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
+    why = ("reward_model is the JSON text of a mapping, not a {style, ground_truth} mapping: parse it before "
+           "writing the parquet (frame['reward_model'] = frame['reward_model'].map(json.loads))")
+    assert errors[0] == f"data.train_files: {path} row 0: {why}; {path} row 1: {why}; {path} row 2: {why}"

@@ -1028,3 +1028,28 @@ def test_a_float32_ground_truth_field_read_back_with_digits_of_its_own_fails_as_
     [check] = report.failures
     assert check.name == "ground_truth_numeric" and check.statistics["unexpected_count"] == 1
     assert check.examples == [(0, "0.10000000149011612 (a float32 field read back as a double)")]
+
+
+def test_a_reward_model_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, capsys):
+    """A reward_model column of JSON text (a CSV round trip) or of bare answers read as 'ground_truth is null' with
+    the value None shown: the check names the cells themselves."""
+    rows = records(3)
+    texts = [json.dumps(row["reward_model"]) for row in rows]
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(rows).assign(reward_model=texts).to_parquet(path)  # a parquet column is all text or all structs
+    report = validate_dataset(path)
+    [outcome] = report.find("reward_model_is_mapping")
+    assert not outcome.success
+    assert outcome.examples == [(0, texts[0]), (1, texts[1]), (2, texts[2])]
+    assert validate([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED reward_model_is_mapping [train.reward_model_non_mapping]" in out
+    assert f"row 1: {texts[1]!r}" in out
+    # in memory a column may mix them: only the rows that are not mappings fail
+    frame = pd.DataFrame(records(4))
+    frame["reward_model"] = [frame["reward_model"][0], "11", 11, frame["reward_model"][3]]
+    [outcome] = validate_frames(frame).find("reward_model_is_mapping")
+    assert outcome.examples == [(1, "11"), (2, 11)]
+    assert outcome.statistics["unexpected_count"] == 2
+    # a well-formed table has the check, and passes it
+    assert validate_dataset(write(tmp_path / "good.parquet", records(3))).find("reward_model_is_mapping")[0].success

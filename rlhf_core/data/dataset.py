@@ -23,7 +23,14 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
-from rlhf_core.data.schema import ground_truth, json_message_list, problem_id, problem_index, prompt_problem
+from rlhf_core.data.schema import (
+    ground_truth,
+    json_message_list,
+    problem_id,
+    problem_index,
+    prompt_problem,
+    reward_model_problem,
+)
 
 
 class DataError(ValueError):
@@ -189,6 +196,9 @@ class RLHFDataset:
                         "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right|middle"
                     )
                 ids = truncate(ids, limit, config.truncation)
+            malformed = reward_model_problem(record.get("reward_model"))
+            if malformed is not None:  # its ground truth would read as missing, which is not what is wrong
+                raise DataError(f"{where}: {malformed}")
             truth = ground_truth(record.get("reward_model"))
             if truth is None and require_ground_truth:
                 raise DataError(f"{where}: reward_model.ground_truth is missing{TRUTH_HINT}")

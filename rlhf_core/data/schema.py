@@ -123,6 +123,20 @@ def prompt_problem(prompt) -> str | None:
     return None
 
 
+def reward_model_problem(reward_model) -> str | None:
+    """What is wrong with a ``reward_model`` cell that is there but is not a ``{style, ground_truth}`` mapping (a
+    parquet struct), or None (a mapping, or a missing cell: the ground-truth checks tell of those). Its ground truth
+    would read as missing: the JSON text of a mapping (a CSV round trip) or a bare answer must be told apart."""
+    if is_missing(reward_model) or isinstance(reward_model, Mapping):
+        return None
+    kind = type(reward_model).__name__
+    if isinstance(reward_model, str) and reward_model.lstrip().startswith("{"):
+        return ("reward_model is the JSON text of a mapping, not a {style, ground_truth} mapping: parse it "
+                "before writing the parquet (frame['reward_model'] = frame['reward_model'].map(json.loads))")
+    return (f"reward_model is a {kind}, not a {{style, ground_truth}} mapping: store e.g. "
+            "{'style': 'rule', 'ground_truth': '72'} (a parquet struct)")
+
+
 def ground_truth(reward_model):
     """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, or a missing
     value, :func:`is_missing`): what the trainer, preflight and validation read alike."""

@@ -67,6 +67,7 @@ from rlhf_core.data.schema import (
     problem_id,
     problem_index,
     prompt_problem,
+    reward_model_problem,
     single_precision_truth,
     widened,
 )
@@ -408,7 +409,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
-    prompt data: ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``; without an index the
+    prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
+    ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``; without an index the
     row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
     with a tokenizer), ``prompt_tokens`` with ``prompt_template_error`` (the chat template's error, else null);
     preference data: ``pair`` (the JSON of prompt, chosen, rejected), ``prompt_json`` (the prompt as the
@@ -439,6 +441,9 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         # the messages as the trainers hand them to the chat template: every key of each message
         conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
+        # a cell that is not a mapping (JSON text, a bare answer) has no ground truth to read: told apart from a null
+        out["reward_model_non_mapping"] = column(None if reward_model_problem(v) is None else v
+                                                 for v in frame["reward_model"])
         truths = map(ground_truth, frame["reward_model"])  # as the trainer reads it: a NaN is a missing one
         # a number as the rule writes it (4.0 as "4", a float32 0.1 as "0.1"); text as it is stored
         out["ground_truth"] = column(None if t is None else t.decode() if isinstance(t, bytes) else
@@ -480,7 +485,7 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
     pair = "'prompt', 'chosen' and 'rejected'"
     return {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
                              "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
-            "ground_truth": "'reward_model'", "problem_id": repr(source),
+            "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
             **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
             **{f"{c}_non_text": repr(c) for c in ("chosen", "rejected")}}
 
@@ -531,6 +536,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         what = "prompt" if kind == "preference" else "user turn"
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
                       f"no validation row repeats a training {what}", {"value_set": leaked}))
+    if kind == "prompt" and "reward_model_non_mapping" in frame:  # a missing column is column_exists' finding
+        specs.append(("reward_model_is_mapping", gxe.ExpectColumnValuesToBeNull, "reward_model_non_mapping",
+                      "reward_model is a {style, ground_truth} mapping (a parquet struct), not text or a number: "
+                      "parse JSON text (json.loads) before writing the parquet", {}))
     if kind == "prompt":
         if ground_truth_required:
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
