@@ -31,11 +31,15 @@ def validate_data(ppo_config: dict) -> tuple[
     train_paths, val_paths = as_file_list(data.train_files), as_file_list(data.val_files)
     # over-long prompts only break a run whose trainer rejects them
     rejects_overlong = data.truncation == "error" and not data.filter_overlong_prompts
+    # where they are dropped, the prompts left must fill the trainer's batch (each generation round's)
+    rounds = cfg.algorithm.filter_groups.enable and data.gen_batch_size
+    batch = data.gen_batch_size if rounds else data.train_batch_size
     report = validate_dataset(
         train_paths, val_paths, cfg.value("data.tokenizer"), data.max_prompt_length,
         kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,
         custom_reward=bool(cfg.custom_reward_function.path), template_kwargs=dict(data.apply_chat_template_kwargs),
         prompt_key=data.prompt_key, reward_fn_key=data.reward_fn_key,  # the columns the trainer reads
+        min_kept=(batch, 1) if data.filter_overlong_prompts else (None, None),
     )
     result = report.to_dict()
     statistics = result["statistics"]

@@ -1053,3 +1053,40 @@ def test_a_reward_model_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, c
     assert outcome.statistics["unexpected_count"] == 2
     # a well-formed table has the check, and passes it
     assert validate_dataset(write(tmp_path / "good.parquet", records(3))).find("reward_model_is_mapping")[0].success
+
+
+def test_the_data_step_fails_where_filtering_over_long_prompts_leaves_too_few(tmp_path, monkeypatch,
+                                                                             chat_tokenizer_dir):
+    """With data.filter_overlong_prompts the step let every prompt be over the limit (tolerance 1): a training set
+    the filter empties, or leaves short of a batch, passed here and failed only in the smoke test, after the
+    pipeline had trained its reward model."""
+    import steps.validate_data as step
+    from rlhf_core.config import load_config
+
+    train, val = records(4), records(2, "test", 40)
+    for row in train[2:] + val:
+        row["prompt"][0]["content"] += " Think of the apples in the shop." * 6
+    rendered = [len(f"<user>{row['prompt'][0]['content']}\n<assistant>") for row in train + val]  # TEMPLATE, by chars
+    assert max(rendered[:2]) <= 200 < min(rendered[2:])  # two short training prompts, every other one long
+    files = [f"data.train_files={write(tmp_path / 'train.parquet', train)}",
+             f"data.val_files={write(tmp_path / 'val.parquet', val)}", f"data.tokenizer={chat_tokenizer_dir}",
+             "data.max_prompt_length=200", "data.filter_overlong_prompts=true",
+             "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "critic.ppo_micro_batch_size_per_gpu=1"]
+    monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
+    with pytest.raises(step.DataValidationError) as error:
+        step.validate_data.entrypoint(load_config([*files, "data.train_batch_size=4"]).to_dict())
+    message = str(error.value)
+    assert "FAILED prompts_left_after_filter [train.prompt_within_limit]" in message
+    assert "FAILED prompts_left_after_filter [val.prompt_within_limit]" in message
+    assert "2 left (at least 4 prompt(s) of at most 200 tokens" in message
+    assert "0 left (at least 1 prompt(s) of at most 200 tokens" in message
+    # a batch the kept prompts fill, and a validation prompt within the limit, pass
+    val[0]["prompt"] = copy.deepcopy(records(1, "test", 40)[0]["prompt"])
+    write(tmp_path / "val.parquet", val)
+    result, _html, _fingerprint = step.validate_data.entrypoint(load_config([*files, "data.train_batch_size=2"]).to_dict())
+    assert result["success"] is True
+    # kept, not dropped (truncated): every prompt may be over the limit
+    files[4] = "data.filter_overlong_prompts=false"
+    cfg = load_config([*files, "data.train_batch_size=4", "data.truncation=left"])
+    assert step.validate_data.entrypoint(cfg.to_dict())[0]["success"] is True

@@ -486,6 +486,7 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
     return {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
                              "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
+            "prompt_within_limit": repr(prompt),
             **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
             **{f"{c}_non_text": repr(c) for c in ("chosen", "rejected")}}
 
@@ -493,7 +494,7 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
 def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
            limit: float | None, unit: str, mostly: float, known_sources: Sequence[str] | None,
            skipped: list[str], prompt_key: str = "prompt", reward_fn_key: str = "data_source",
-           ground_truth_required: bool = True) -> list[Any]:
+           ground_truth_required: bool = True, min_kept: int | None = None) -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
     ``leaked``: the training user turns (prompt data) or prompts (preference data) that a validation table
@@ -503,6 +504,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
     checks cover those rows, and ``reward_model`` is not a required column. An optional column
     (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``) is checked for nulls where it is there.
+    ``min_kept``: the prompts within the limit the table needs where the over-long ones are dropped
+    (``data.filter_overlong_prompts``); None where they are kept.
     """
     import great_expectations.expectations as gxe
 
@@ -593,6 +596,11 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         specs += [(renders[0], gxe.ExpectColumnValuesToBeNull, renders[1], renders[2], {}),
                   (length[0], gxe.ExpectColumnValuesToBeBetween, length[1], length[2],
                    {"max_value": limit, "mostly": mostly})]
+    if kind == "prompt" and limit is not None and min_kept is not None:
+        # the trainer drops the others: too few left fails there, after the steps before it spent their compute
+        specs.append(("prompts_left_after_filter", gxe.ExpectColumnSumToBeBetween, "prompt_within_limit",
+                      f"at least {min_kept} prompt(s) of at most {limit} {unit}, the ones data.filter_overlong_prompts "
+                      "keeps (a batch of them)", {"min_value": min_kept}))
     expectations = []
     for name, expectation, columns, description, kwargs in specs:
         names = (columns,) if isinstance(columns, str) else columns or ()
@@ -646,7 +654,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     paths: tuple[str | None, str | None] = (None, None),
                     file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
                     ground_truth_required: bool = True,
-                    option_names: Mapping[str, str] | None = None) -> ValidationReport:
+                    option_names: Mapping[str, str] | None = None,
+                    min_kept: tuple[int | None, int | None] = (None, None)) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -665,6 +674,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     their evaluation grades against the ground truth. Preference data has none, and ignores it.
     ``option_names``: what the errors call the tokenizer, the limits and the tolerance (:data:`_OPTIONS`), for a
     caller whose user set them otherwise (the command line's ``--max-chars``); by default these parameters' names.
+    ``min_kept``: for prompt data whose over-long prompts the trainer drops (``data.filter_overlong_prompts``), the
+    prompts within ``max_prompt_length`` that train and val each need (the trainer's batch of prompts; 1), else None.
     """
     kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -706,10 +717,13 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     skipped: list[str] = []
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
+        if kind == "prompt" and "prompt_tokens" in frame and min_kept[position] is not None:
+            frame["prompt_within_limit"] = (frame["prompt_tokens"] <= limit).astype("float64")  # NaN: not kept
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
                        unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
                        known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
-                       skipped=skipped, ground_truth_required=ground_truth_required, **keys)
+                       skipped=skipped, ground_truth_required=ground_truth_required, **keys,
+                       min_kept=min_kept[position] if limit is not None else None)
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
                 for name, path, frame in tables]
@@ -838,6 +852,9 @@ def _describe_failure(outcome: Outcome) -> str:
         return f"column '{outcome.column}' is missing"
     if outcome.name == "has_rows":
         return f"{stats.get('observed_value', 0)} rows"
+    if outcome.name == "prompts_left_after_filter":
+        return (f"{_tidy(stats.get('observed_value')) or 0} left ({outcome.description}): raise the length limit, "
+                "lower the batch size or add shorter prompts")
     checked = int(stats.get("element_count") or 0) - int(stats.get("missing_count") or 0)
     share = stats.get("unexpected_count", 0) / checked if checked else 0.0
     return f"{stats.get('unexpected_count')} of {checked} rows fail ({_percent(share)}): {outcome.description}"
