@@ -1090,3 +1090,24 @@ def test_the_data_step_fails_where_filtering_over_long_prompts_leaves_too_few(tm
     files[4] = "data.filter_overlong_prompts=false"
     cfg = load_config([*files, "data.train_batch_size=4", "data.truncation=left"])
     assert step.validate_data.entrypoint(cfg.to_dict())[0]["success"] is True
+
+
+def test_a_prompt_repeated_with_another_ground_truth_fails_with_both_rows(tmp_path):
+    """The same prompt twice with two answers passed: one of the rows rewards the right answer as wrong. A prompt
+    repeated with the same answer (4 and "4" read alike), or under another system turn, is not a conflict."""
+    rows = records(6)
+    rows[4]["prompt"] = copy.deepcopy(rows[1]["prompt"])
+    rows[4]["reward_model"]["ground_truth"] = "99"
+    rows[5]["prompt"] = copy.deepcopy(rows[2]["prompt"])  # a plain repeat: same answer
+    rows[5]["reward_model"]["ground_truth"] = "7"  # 2 * 2 + 3, as row 2's
+    rows[3]["prompt"] = [{"role": "system", "content": "Be brief."}, *copy.deepcopy(rows[1]["prompt"])]
+    rows[3]["reward_model"]["ground_truth"] = "98"  # another conversation, so no conflict
+    report = validate_dataset(write(tmp_path / "train.parquet", rows))
+    assert failed(report) == [("prompt_has_one_ground_truth", "prompt_conflicting_truths", "train")]
+    first = rows[1]["reward_model"]["ground_truth"]  # "5": (2*1+3)
+    assert first == "5"
+    assert report.failures[0].examples == [(1, "5 | 99"), (4, "5 | 99")]
+    frame = pd.DataFrame(records(2))
+    frame["prompt"] = [frame["prompt"][0]] * 2
+    frame["reward_model"] = [{"style": "rule", "ground_truth": 4}, {"style": "rule", "ground_truth": "4"}]
+    assert validate_frames(frame).find("prompt_has_one_ground_truth")[0].success

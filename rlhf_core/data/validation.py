@@ -398,6 +398,17 @@ def _canonical_prompt(messages: list[dict]) -> str | None:
         return None
 
 
+def _conflicting_truths(conversations: Sequence[list[dict] | None], truths: Iterable[str | None]) -> list[str | None]:
+    """For each row whose prompt (all its messages) other rows repeat with another ground truth, those ground truths
+    (sorted, ``" | "`` between them), else None: one of them rewards the right answer as wrong."""
+    keys = [json.dumps(m, sort_keys=True, ensure_ascii=False, default=str) if m else None for m in conversations]
+    seen: dict[str, set[str]] = {}
+    for key, truth in zip(keys, truths):
+        if key is not None and truth is not None:
+            seen.setdefault(key, set()).add(truth)
+    return [" | ".join(sorted(seen[key])) if key in seen and len(seen[key]) > 1 else None for key in keys]
+
+
 def _not_text(value: Any) -> Any:
     """``value`` when it is there but is not a string (a number, a list of messages), else None."""
     return None if isinstance(value, str) or is_missing(value) else value
@@ -410,7 +421,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 
     ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
-    ``ground_truth``, ``problem_id`` (``data_source/extra_info.index``; without an index the
+    ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id`` (``data_source/extra_info.index``; without an index the
     row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
     with a tokenizer), ``prompt_tokens`` with ``prompt_template_error`` (the chat template's error, else null);
     preference data: ``pair`` (the JSON of prompt, chosen, rejected), ``prompt_json`` (the prompt as the
@@ -449,6 +460,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["ground_truth"] = column(None if t is None else t.decode() if isinstance(t, bytes) else
                                      gsm8k.expected_answer(t) if isinstance(t, numbers.Real) and not
                                      isinstance(t, (bool, np.bool_)) else str(t) for t in truths)
+    if kind == "prompt" and parsed is not None and "ground_truth" in out:
+        out["prompt_conflicting_truths"] = column(_conflicting_truths(conversations, out["ground_truth"]))
     if kind == "prompt" and measure and parsed is not None:  # prompts alone are measured too
         counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
         out["prompt_tokens"] = column(counts, "float64")
@@ -486,7 +499,7 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
     return {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
                              "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
-            "prompt_within_limit": repr(prompt),
+            "prompt_within_limit": repr(prompt), "prompt_conflicting_truths": f"{prompt!r} and 'reward_model'",
             **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
             **{f"{c}_non_text": repr(c) for c in ("chosen", "rejected")}}
 
@@ -550,6 +563,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         else:
             skipped.append(f"{dataset}: not_null [ground_truth] (rows may go without a ground truth: a reward "
                            "model at reward_model.rule_coef=0 or a custom reward function scores them)")
+        if "ground_truth" in frame:  # no reward_model column (prompts alone): no ground truth to disagree
+            specs.append(("prompt_has_one_ground_truth", gxe.ExpectColumnValuesToBeNull, "prompt_conflicting_truths",
+                          "rows that repeat a prompt (all its messages) agree on reward_model.ground_truth (the "
+                          "shown truths: all but one reward a right answer as wrong); fix or drop the wrong rows", {}))
         specs.append(("problem_id_unique", gxe.ExpectColumnValuesToBeUnique, "problem_id",
                       f"no two rows share {reward_fn_key} and extra_info.index (without an index: the row's number "
                       "in its file, as the trainer numbers it); evaluation pairs problems by them", {}))
