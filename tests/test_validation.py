@@ -1111,3 +1111,21 @@ def test_a_prompt_repeated_with_another_ground_truth_fails_with_both_rows(tmp_pa
     frame["prompt"] = [frame["prompt"][0]] * 2
     frame["reward_model"] = [{"style": "rule", "ground_truth": 4}, {"style": "rule", "ground_truth": "4"}]
     assert validate_frames(frame).find("prompt_has_one_ground_truth")[0].success
+
+
+def test_an_optional_column_of_one_file_only_is_checked_in_that_file(tmp_path):
+    """Joined with a file that has 'ability', a file without it (optional, as alone it passes) failed not_null on
+    each of its rows; the nulls of the file that has it still fail, named by file and row."""
+    with_ability = records(3)
+    without = _without_ability(records(2, offset=10))
+    first, second = write(tmp_path / "a.parquet", with_ability), write(tmp_path / "b.parquet", without)
+    report = validate_dataset([first, second])
+    assert report.success, report.summary()
+    assert validate_dataset([second, first]).success  # either order
+    with_ability[1]["ability"] = None
+    write(first, with_ability)
+    report = validate_dataset([second, first])
+    assert failed(report) == [("not_null", "ability", "train")]
+    assert report.failures[0].examples == [(3, None)]  # the second file's row 1, after the first's two rows
+    assert report.failures[0].statistics["unexpected_count"] == 1
+    assert f"{first} row 1: None" in report.summary()

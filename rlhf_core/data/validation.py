@@ -537,7 +537,11 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
         *[("column_exists", gxe.ExpectColumnToExist, c, f"column '{c}' is present", {}) for c in required],
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in columns
-          if c in frame],
+          if c in frame and f"{c}_in_file" not in frame],
+        # an optional column some of the joined files lack: its nulls count in the files that have it
+        *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null in the files that have it",
+           {"row_condition": f"{c}_in_file == True", "condition_parser": "pandas"}) for c in columns
+          if c in frame and f"{c}_in_file" in frame],
         ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeBetween, "prompt_num_messages",
          "prompt is a non-empty list of {role, content} string messages (-1: malformed)", {"min_value": 1}),
         ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
@@ -672,7 +676,9 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
                     ground_truth_required: bool = True,
                     option_names: Mapping[str, str] | None = None,
-                    min_kept: tuple[int | None, int | None] = (None, None)) -> ValidationReport:
+                    min_kept: tuple[int | None, int | None] = (None, None),
+                    optional_in_file: tuple[Mapping[str, Sequence[bool]] | None, ...] = (None, None)) \
+        -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -693,6 +699,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     caller whose user set them otherwise (the command line's ``--max-chars``); by default these parameters' names.
     ``min_kept``: for prompt data whose over-long prompts the trainer drops (``data.filter_overlong_prompts``), the
     prompts within ``max_prompt_length`` that train and val each need (the trainer's batch of prompts; 1), else None.
+    ``optional_in_file``: for train and val, an optional column (``ability``) that only some of the files joined
+    into the table have -> whether each row's file has it: its rows from the other files are not its nulls.
     """
     kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -734,6 +742,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     skipped: list[str] = []
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
+        for column, has in (optional_in_file[position] or {}).items():
+            frame[f"{column}_in_file"] = np.asarray(has, dtype=bool)
         if kind == "prompt" and "prompt_tokens" in frame and min_kept[position] is not None:
             frame["prompt_within_limit"] = (frame["prompt_tokens"] <= limit).astype("float64")  # NaN: not kept
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
@@ -779,9 +789,12 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
     # the trainer numbers a row without extra_info.index by its row in its own file, not in the joined table
     rows = [np.concatenate([np.arange(len(f)) for f in table]) if table else None for table in tables]
+    # an optional column of some files only: the joined table holds nulls for the others' rows, which are no finding
+    partial = [{c: np.concatenate([np.full(len(f), c in f) for f in table]) for c in OPTIONAL_COLUMNS
+                if 0 < sum(c in f for f in table) < len(table)} for table in tables]
     report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
                              paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
-                             file_rows=(rows[0], rows[1]))
+                             file_rows=(rows[0], rows[1]), optional_in_file=(partial[0], partial[1]))
     report.fingerprint = splits_fingerprint(train_files, val_files)
     for info, files, table in zip(report.datasets, (train_files, val_files), tables):
         if len(files) > 1:
