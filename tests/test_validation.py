@@ -1129,3 +1129,21 @@ def test_an_optional_column_of_one_file_only_is_checked_in_that_file(tmp_path):
     assert report.failures[0].examples == [(3, None)]  # the second file's row 1, after the first's two rows
     assert report.failures[0].statistics["unexpected_count"] == 1
     assert f"{first} row 1: None" in report.summary()
+
+
+def test_the_command_line_validates_splits_of_several_files(tmp_path, capsys):
+    """data.train_files and data.val_files are lists, but the command took one file a split (a second was an
+    argparse error): ids repeated across files, or a question of the second training file in the validation set,
+    could not be checked from it."""
+    first, second = write(tmp_path / "a.parquet", records(3)), write(tmp_path / "b.parquet", records(2))
+    val = write(tmp_path / "val.parquet", records(2, "test", 50))
+    leaking = write(tmp_path / "leak.parquet", records(1, "test", 1))  # second's row 1 (index 1) again
+    assert validate([str(first), "--val", str(val)]) == 0
+    assert capsys.readouterr().out.startswith("Dataset validation PASSED")
+    assert validate([str(first), str(second), "--val", str(val), str(leaking)]) == 1
+    out = capsys.readouterr().out
+    assert f"  train: {first},{second} (5 rows)" in out
+    assert "FAILED problem_id_unique [train.problem_id]" in out
+    assert f"{second} row 0: '{SOURCE}/0'" in out
+    assert "FAILED no_train_val_leakage [val.prompt_user_content]" in out
+    assert f"{leaking} row 0: " in out

@@ -3,7 +3,7 @@
     rlhf gsm8k --input IN --output OUT                 # python -m rlhf_core.data.gsm8k
     rlhf synthetic --output OUT --n-train N --n-test M # python -m rlhf_core.data.synthetic
     rlhf preference --synthetic --output DIR           # python -m rlhf_core.data.preference
-    rlhf validate TRAIN.parquet [--val VAL.parquet]    # python -m rlhf_core.data.validation
+    rlhf validate TRAIN.parquet... [--val VAL.parquet...]  # python -m rlhf_core.data.validation
 
 Each library module's docstring gives its command's options and exit codes.
 """
@@ -244,8 +244,8 @@ def _json_object(text: str) -> dict:
 def _validate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.data.validation"), description="Validate verl "
                                      "prompt or preference parquet files (told by their columns) with GX.")
-    parser.add_argument("train", help="training parquet file")
-    parser.add_argument("--val", help="validation parquet file (also checked for train/val leakage)")
+    parser.add_argument("train", nargs="+", help="training parquet file(s), joined as data.train_files joins them")
+    parser.add_argument("--val", nargs="+", help="validation parquet file(s) (also checked for train/val leakage)")
     parser.add_argument("--tokenizer", help="saved tokenizer directory for a length limit in tokens")
     parser.add_argument("--max-prompt-length", type=int, help="prompt data: largest prompt in tokens")
     parser.add_argument("--max-length", type=int, help="preference data: largest prompt + response in tokens")
@@ -293,7 +293,7 @@ def validate(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except ValueError as exc:  # an inconsistent limit, or one for the other kind of data
-        print(f"error: {args.train}: {one_line(str(exc))}", file=sys.stderr)
+        print(f"error: {', '.join(args.train)}: {one_line(str(exc))}", file=sys.stderr)
         return 2
     if args.html:
         try:

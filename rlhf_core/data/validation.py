@@ -25,7 +25,7 @@ template refuses fails on its own (``prompt_renders``, ``pair_renders``).
 
 Usage::
 
-    python -m rlhf_core.data.validation TRAIN.parquet [--val VAL.parquet] [--html OUT.html] [--json]
+    python -m rlhf_core.data.validation TRAIN.parquet... [--val VAL.parquet...] [--html OUT.html] [--json]
         [--tokenizer DIR --max-prompt-length N]            # prompt data
         [--tokenizer DIR --max-length N | --max-chars N]   # preference data
         [--overlong-tolerance F] [--custom-reward] [--no-ground-truth]
