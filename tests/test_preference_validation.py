@@ -437,7 +437,7 @@ def test_no_pair_to_measure_fails_and_says_why(tmp_path, capsys):
     path = write(tmp_path / "train.parquet", rows)
     assert validate([str(path), "--max-chars", "500"]) == 1
     out = capsys.readouterr().out
-    assert "FAILED prompt_is_non_empty_message_list [train.prompt_num_messages]" in out
+    assert "FAILED prompt_is_non_empty_message_list [train.prompt_problem]" in out
     assert "3 of 3 rows fail (100.0%)" in out
     assert ("  train: no row could be measured against the limit (prompt and the longer response are at most "
             "500 characters): every row is null, malformed") in out

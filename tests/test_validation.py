@@ -163,7 +163,7 @@ BAD_ROWS = [
     (_null_ground_truth, "not_null", "ground_truth", None),
     (_text_ground_truth, "ground_truth_numeric", "ground_truth", "12 apples"),
     (_zero_fraction_ground_truth, "ground_truth_numeric", "ground_truth", "13.0"),
-    (_empty_prompt, "prompt_is_non_empty_message_list", "prompt_num_messages", 0),
+    (_empty_prompt, "prompt_is_non_empty_message_list", "prompt_problem", "prompt is an empty list of messages"),
     (_empty_content, "prompt_user_content_non_empty", "prompt_user_content", ""),
     (_blank_content, "prompt_user_content_non_empty", "prompt_user_content", "  \n "),
     (_no_user_turn, "prompt_has_user_turn", "prompt_has_user_turn", False),
@@ -898,10 +898,10 @@ def test_a_plain_string_prompt_is_one_user_turn_as_the_trainer_takes_it(char_tok
     assert failed(validate_frames(pd.DataFrame([row]), tokenizer=char_tokenizer, max_prompt_length=45)) == [
         ("prompt_length_within_limit", "prompt_tokens", "train")]
     row["prompt"] = json.dumps([{"role": "user", "content": question}])  # the JSON text of messages: refused
-    assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
+    assert ("prompt_is_non_empty_message_list", "prompt_problem", "train") in failed(
         validate_frames(pd.DataFrame([row])))
     row["prompt"] = 5  # not text and not messages: still malformed
-    assert ("prompt_is_non_empty_message_list", "prompt_num_messages", "train") in failed(
+    assert ("prompt_is_non_empty_message_list", "prompt_problem", "train") in failed(
         validate_frames(pd.DataFrame([row])))
 
 
@@ -920,11 +920,11 @@ def _every_prompt(value):
 @pytest.mark.parametrize("mutate, failing, why", [
     (lambda rows: rows[:0], ("has_rows", None), "the table has no rows"),
     (_every_prompt(lambda row: [{"content": row["prompt"][0]["content"]}]),
-     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+     ("prompt_is_non_empty_message_list", "prompt_problem"), "every row is null, malformed"),
     (_every_prompt(lambda row: [row["prompt"][0]["content"]]),
-     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+     ("prompt_is_non_empty_message_list", "prompt_problem"), "every row is null, malformed"),
     (_every_prompt(lambda row: row["prompt"][0]["content"].encode() + b"\xff"),
-     ("prompt_is_non_empty_message_list", "prompt_num_messages"), "every row is null, malformed"),
+     ("prompt_is_non_empty_message_list", "prompt_problem"), "every row is null, malformed"),
 ])
 def test_no_prompt_to_measure_fails_and_says_why_without_a_traceback(tmp_path, capsys, chat_tokenizer_dir,
                                                                     mutate, failing, why):
@@ -1147,3 +1147,23 @@ def test_the_command_line_validates_splits_of_several_files(tmp_path, capsys):
     assert f"{second} row 0: '{SOURCE}/0'" in out
     assert "FAILED no_train_val_leakage [val.prompt_user_content]" in out
     assert f"{leaking} row 0: " in out
+
+
+def test_a_malformed_prompt_is_shown_with_what_is_wrong_with_it(tmp_path, capsys):
+    """A message without 'content', or a number for a role, showed as 'row N: -1': the report says which message
+    and which key, as the trainer would."""
+    rows = records(5)
+    rows[1]["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user"}]
+    rows[2]["prompt"] = [{"role": "user", "content": "What is 2 + 2?", "name": "x"}, {"content": "hi"}]
+    rows[3]["prompt"] = json.dumps(rows[3]["prompt"])
+    frame = pd.DataFrame(rows)
+    report = validate_frames(frame)
+    assert failed(report) == [("prompt_is_non_empty_message_list", "prompt_problem", "train")]
+    assert report.failures[0].examples == [
+        (1, "prompt message 1 has no 'content'"), (2, "prompt message 1 has no 'role'"),
+        (3, "prompt is the JSON text of a message list: store the list itself (json.loads before writing)")]
+    frame.drop(index=3).to_parquet(tmp_path / "train.parquet")  # parquet fills a struct's missing keys with nulls
+    assert validate([str(tmp_path / "train.parquet")]) == 1
+    out = capsys.readouterr().out
+    assert "row 1: \"prompt message 1 has a null 'content'\"" in out
+    assert "row 2: \"prompt message 1 has a null 'role'\"" in out

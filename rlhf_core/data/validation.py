@@ -341,6 +341,14 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _prompt_problem(value: Any) -> str | None:
+    """What is wrong with a prompt cell as the trainers read it, in their words (the message and the key), or None;
+    the JSON text of a message list is told as such (the trainer refuses it so)."""
+    if json_message_list(value):
+        return "prompt is the JSON text of a message list: store the list itself (json.loads before writing)"
+    return prompt_problem(value)
+
+
 def _measure(conversations: Sequence[Any], count: Callable[[Any], int]) -> tuple[list[float], list[str | None]]:
     """``count`` of each conversation (NaN where there is none), and the error where counting raised.
 
@@ -419,7 +427,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
             reward_fn_key: str = "data_source", source_rows: Sequence[int] | None = None) -> pd.DataFrame:
     """``frame`` plus the helper columns the expectations run on.
 
-    ``prompt_num_messages`` (-1 malformed, NaN null), ``prompt_has_user_turn``, ``prompt_user_content``;
+    ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`_prompt_problem`; null where nothing
+    is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``;
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
     ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id`` (``data_source/extra_info.index``; without an index the
     row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
@@ -445,8 +454,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
                  for messages in parsed]
-        out["prompt_num_messages"] = column((math.nan if is_missing(v) else -1.0 if m is None else len(m)
-                                             for v, m in zip(raw, parsed)), "float64")
+        out["prompt_problem"] = column(None if is_missing(v) else _prompt_problem(v) for v in raw)
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
         # the messages as the trainers hand them to the chat template: every key of each message
@@ -496,7 +504,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 def _sources(prompt: str, source: str) -> dict[str, str]:
     """Where each helper column comes from, for the note on a check that could not run."""
     pair = "'prompt', 'chosen' and 'rejected'"
-    return {**dict.fromkeys(("prompt_num_messages", "prompt_has_user_turn", "prompt_user_content",
+    return {**dict.fromkeys(("prompt_problem", "prompt_has_user_turn", "prompt_user_content",
                              "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
             "prompt_within_limit": repr(prompt), "prompt_conflicting_truths": f"{prompt!r} and 'reward_model'",
@@ -542,8 +550,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null in the files that have it",
            {"row_condition": f"{c}_in_file == True", "condition_parser": "pandas"}) for c in columns
           if c in frame and f"{c}_in_file" in frame],
-        ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeBetween, "prompt_num_messages",
-         "prompt is a non-empty list of {role, content} string messages (-1: malformed)", {"min_value": 1}),
+        ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeNull, "prompt_problem",
+         "prompt is a non-empty list of {role, content} string messages (shown: what is wrong)", {}),
         ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
          "prompt has a 'user' turn", {"value_set": [True]}),
         ("prompt_user_content_non_empty", gxe.ExpectColumnValuesToMatchRegex, "prompt_user_content",
