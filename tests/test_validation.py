@@ -1167,3 +1167,17 @@ def test_a_malformed_prompt_is_shown_with_what_is_wrong_with_it(tmp_path, capsys
     out = capsys.readouterr().out
     assert "row 1: \"prompt message 1 has a null 'content'\"" in out
     assert "row 2: \"prompt message 1 has a null 'role'\"" in out
+
+
+def test_roles_outside_the_chat_format_fail_with_the_roles_named():
+    """A ShareGPT conversion's 'human'/'gpt' roles, or 'User', passed wherever a 'user' turn was there too: a chat
+    template writes an unknown role as text (SmolLM2's as '<|im_start|>gpt') or drops the message."""
+    rows = records(5)
+    rows[1]["prompt"] = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "gpt", "content": "4"},
+                         {"role": "user", "content": "And 3 + 3?"}]
+    rows[2]["prompt"] = [{"role": "User", "content": "What is 2 + 2?"}, {"role": "user", "content": "And 3 + 3?"},
+                         {"role": "Human", "content": "x"}, {"role": "User", "content": "y"}]
+    rows[3]["prompt"] = [{"role": role, "content": "c"} for role in ("system", "user", "assistant", "tool", "user")]
+    report = validate_frames(pd.DataFrame(rows))
+    assert failed(report) == [("prompt_roles_known", "prompt_unknown_roles", "train")]
+    assert report.failures[0].examples == [(1, "gpt"), (2, "User, Human")]

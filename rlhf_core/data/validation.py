@@ -74,6 +74,8 @@ from rlhf_core.data.schema import (
 from rlhf_core.rewards import gsm8k
 
 NON_BLANK_REGEX = r"\S"
+#: message roles of the chat format (HF's and OpenAI's); ShareGPT's "human"/"gpt" or "User" are not among them
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
@@ -428,7 +430,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     """``frame`` plus the helper columns the expectations run on.
 
     ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`_prompt_problem`; null where nothing
-    is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``;
+    is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
+    outside :data:`CHAT_ROLES`, else null);
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
     ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id`` (``data_source/extra_info.index``; without an index the
     row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
@@ -457,6 +460,9 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_problem"] = column(None if is_missing(v) else _prompt_problem(v) for v in raw)
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
+        out["prompt_unknown_roles"] = column(", ".join(dict.fromkeys(m["role"] for m in messages
+                                                                     if m["role"] not in CHAT_ROLES)) or None
+                                             if messages else None for messages in parsed)
         # the messages as the trainers hand them to the chat template: every key of each message
         conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
@@ -504,7 +510,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 def _sources(prompt: str, source: str) -> dict[str, str]:
     """Where each helper column comes from, for the note on a check that could not run."""
     pair = "'prompt', 'chosen' and 'rejected'"
-    return {**dict.fromkeys(("prompt_problem", "prompt_has_user_turn", "prompt_user_content",
+    return {**dict.fromkeys(("prompt_problem", "prompt_has_user_turn", "prompt_unknown_roles", "prompt_user_content",
                              "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
             "prompt_within_limit": repr(prompt), "prompt_conflicting_truths": f"{prompt!r} and 'reward_model'",
@@ -554,6 +560,9 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
          "prompt is a non-empty list of {role, content} string messages (shown: what is wrong)", {}),
         ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
          "prompt has a 'user' turn", {"value_set": [True]}),
+        ("prompt_roles_known", gxe.ExpectColumnValuesToBeNull, "prompt_unknown_roles",
+         f"every message's role is one of {', '.join(CHAT_ROLES)} (shown: the others; a chat template writes an "
+         "unknown role as text, or drops the message): rename them, e.g. human -> user, gpt -> assistant", {}),
         ("prompt_user_content_non_empty", gxe.ExpectColumnValuesToMatchRegex, "prompt_user_content",
          "the last user turn is not blank", {"regex": NON_BLANK_REGEX}),
     ]
