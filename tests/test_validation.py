@@ -1181,3 +1181,21 @@ def test_roles_outside_the_chat_format_fail_with_the_roles_named():
     report = validate_frames(pd.DataFrame(rows))
     assert failed(report) == [("prompt_roles_known", "prompt_unknown_roles", "train")]
     assert report.failures[0].examples == [(1, "gpt"), (2, "User, Human")]
+
+
+def test_a_folder_of_shards_is_refused_with_the_files_it_holds(tmp_path, capsys):
+    """A folder (verl's shards) was 'is a directory, expected a parquet file', with no word of what to give."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    for name in ("part-1.parquet", "part-0.parquet"):
+        write(folder / name, records(2))
+    assert validate([str(folder)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot read {folder}: is a directory, expected a parquet file: name its files (it holds "
+        "part-0.parquet, part-1.parquet)")
+    assert validate([str(folder / "part-0.parquet"), str(folder / "part-1.parquet")]) == 1  # ids 0, 1 twice
+    capsys.readouterr()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(DataReadError, match=r"name its files \(it holds no \.parquet file\)$"):
+        validate_dataset(empty)

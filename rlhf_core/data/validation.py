@@ -269,8 +269,11 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise DataReadError(path, "no such file")
-    if path.is_dir():
-        raise DataReadError(path, "is a directory, expected a parquet file")
+    if path.is_dir():  # a folder of shards: the files are named one by one, as data.train_files lists them
+        found = sorted(p.name for p in path.glob("*.parquet"))
+        held = f" (it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''})" if found else \
+            " (it holds no .parquet file)"
+        raise DataReadError(path, f"is a directory, expected a parquet file: name its files{held}")
     try:
         return pq.read_table(path).to_pandas()
     except (OSError, pa.ArrowException, ValueError) as exc:
