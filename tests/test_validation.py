@@ -1199,3 +1199,14 @@ def test_a_folder_of_shards_is_refused_with_the_files_it_holds(tmp_path, capsys)
     empty.mkdir()
     with pytest.raises(DataReadError, match=r"name its files \(it holds no \.parquet file\)$"):
         validate_dataset(empty)
+
+
+def test_a_pass_without_a_length_limit_says_the_lengths_went_unchecked(valid_files, capsys):
+    """Without --tokenizer and --max-prompt-length the command said PASSED and nothing of lengths, though the
+    trainer stops on a prompt over data.max_prompt_length (data.truncation=error)."""
+    train, val = valid_files
+    assert validate([str(train), "--val", str(val)]) == 0
+    assert ("  skipped: train, val: prompt_length_within_limit (no length limit given: needs --tokenizer and "
+            "--max-prompt-length)") in capsys.readouterr().out.splitlines()
+    assert validate_frames(pd.DataFrame(records(2))).skipped == [
+        "train: prompt_length_within_limit (no length limit given: needs tokenizer and max_prompt_length)"]

@@ -760,6 +760,11 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         seen = set(flat[0][key].dropna())
         leaked = sorted({value for value in flat[1][key].dropna() if value in seen})
     skipped: list[str] = []
+    if kind is not None and limit is None:  # a PASSED must not read as "the prompts fit"
+        needs = f"{name['tokenizer']} and {name['max_prompt_length']}" if kind == "prompt" else \
+            f"{name['tokenizer']} and {name['max_length']}, or {name['max_chars']}"
+        check = "prompt_length_within_limit" if kind == "prompt" else "pair_length_within_limit"
+        skipped.append(f"{', '.join(t[0] for t in tables)}: {check} (no length limit given: needs {needs})")
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
         for column, has in (optional_in_file[position] or {}).items():
