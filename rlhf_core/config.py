@@ -530,6 +530,13 @@ class PPOConfig:
         rm = self.reward_model
         return not (self.custom_reward_function.path or (rm.enable and rm.rule_coef == 0))
 
+    def prompt_batch(self) -> tuple[str, int]:
+        """(key, value) of the prompts the trainer draws at once: ``data.gen_batch_size`` where dynamic sampling
+        draws its generation rounds of that many (verl's DAPO key), else ``data.train_batch_size``."""
+        if self.algorithm.filter_groups.enable and self.data.gen_batch_size:
+            return "data.gen_batch_size", self.data.gen_batch_size
+        return "data.train_batch_size", self.data.train_batch_size
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

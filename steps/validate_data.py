@@ -32,8 +32,7 @@ def validate_data(ppo_config: dict) -> tuple[
     # over-long prompts only break a run whose trainer rejects them
     rejects_overlong = data.truncation == "error" and not data.filter_overlong_prompts
     # where they are dropped, the prompts left must fill the trainer's batch (each generation round's)
-    rounds = cfg.algorithm.filter_groups.enable and data.gen_batch_size
-    batch = data.gen_batch_size if rounds else data.train_batch_size
+    batch = cfg.prompt_batch()[1]
     report = validate_dataset(
         train_paths, val_paths, cfg.value("data.tokenizer"), data.max_prompt_length,
         kind="prompt", overlong_tolerance=0.0 if rejects_overlong else 1.0,

@@ -244,9 +244,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     train_rows, kept = first_prompts(cfg.data.train_files, tokenizer, cfg.data, n_prompts, "data.train_files",
                                      cfg.needs_ground_truth())
     # the real run draws this many prompts a round and stops when the kept ones are fewer: say so now, not there
-    rounds = cfg.algorithm.filter_groups.enable and cfg.data.gen_batch_size
-    batch_key, batch = ("data.gen_batch_size", cfg.data.gen_batch_size) if rounds else \
-        ("data.train_batch_size", cfg.data.train_batch_size)
+    batch_key, batch = cfg.prompt_batch()
     if kept < batch:
         if cfg.data.filter_overlong_prompts:
             raise SmokeTestError(

@@ -212,12 +212,9 @@ class PPOTrainer:
         arr, algo = config.actor_rollout_ref, config.algorithm
         self.use_critic = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_CRITIC
         self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
-        # dynamic sampling draws data.gen_batch_size prompts a generation round (verl's DAPO key)
-        rounds = algo.filter_groups.enable and config.data.gen_batch_size
-        self.sampler = PromptSampler(len(train_dataset), config.data.gen_batch_size if rounds else
-                                     config.data.train_batch_size, config.data.shuffle, config.value("data.seed"),
-                                     key="data.gen_batch_size" if rounds else "data.train_batch_size",
-                                     dropped=getattr(train_dataset, "dropped_overlong", 0))
+        batch_key, batch = config.prompt_batch()  # dynamic sampling draws its generation rounds' prompts
+        self.sampler = PromptSampler(len(train_dataset), batch, config.data.shuffle, config.value("data.seed"),
+                                     key=batch_key, dropped=getattr(train_dataset, "dropped_overlong", 0))
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
