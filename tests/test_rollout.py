@@ -289,6 +289,26 @@ def test_a_model_with_nan_weights_fails_sampling_by_name_not_with_an_index_error
         engine.generate(_prompts(tokenizer, ["Hi", "What is 3+4?"]), SamplingParams(n=2, max_new_tokens=4))
 
 
+def test_greedy_decoding_of_nan_logits_fails_by_name_too(model_dir, tokenizer):
+    """Greedy (validation's default) has no probabilities to invert, but argmax of a NaN row is an index in range:
+    it must stop with the same error as sampling, not decode the NaN rows into tokens."""
+    from rlhf_core.rollout.hf import NonFiniteLogits
+
+    broken = load_actor(model_dir)
+    with torch.no_grad():
+        broken.lm_head.weight.fill_(float("nan"))
+    engine = make_rollout_engine("hf", broken, tokenizer, seed=0)
+    for params in (SamplingParams(max_new_tokens=4, do_sample=False), SamplingParams(max_new_tokens=4, temperature=0)):
+        with pytest.raises(NonFiniteLogits, match="response token 0 of rows 0, 1, so"):
+            engine.generate(_prompts(tokenizer, ["Hi", "What is 3+4?"]), params)
+    # one row's logits turn NaN at a later step: that row is named, at that step
+    fake = _NanAt(row=1, step=2, eos_id=tokenizer.eos_token_id)
+    fake.generation_config = None
+    prompts = Batch(left_pad([[5, 6], [5], [6]], tokenizer.pad_token_id), {"uid": [0, 1, 2]})
+    with pytest.raises(NonFiniteLogits, match="response token 2 of rows 1, so"):
+        make_rollout_engine("hf", fake, tokenizer).generate(prompts, SamplingParams(max_new_tokens=6, do_sample=False))
+
+
 def test_sharded_ranks_stop_together_when_one_ranks_logits_hold_nan(tokenizer):
     """Sharded, each decode step all-reduces (done, failed): the rank whose logits held NaN and the ranks waiting
     on it stop at the same step, each with an error, rather than the others waiting in the next collective."""

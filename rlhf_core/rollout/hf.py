@@ -33,9 +33,12 @@ FUSED_DECODE = True
 
 
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from ``logits`` (bs, V): greedy, or temperature / top-k / top-p sampling."""
+    """One token per row from ``logits`` (bs, V): greedy, or temperature / top-k / top-p sampling. Greedy takes the
+    first of equal maxima (as ``torch.argmax``, HF's greedy search and vLLM's); a row whose logits hold NaN gets
+    ``V``, as :func:`draw_from` gives it (argmax would pick the NaN's own index, a token like any other)."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        top, token = logits.max(dim=-1)  # max propagates NaN
+        return torch.where(top.isnan(), logits.shape[-1], token)
     logits = logits.float() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (bs, 1)
