@@ -113,6 +113,21 @@ def test_the_sampler_draws_from_softmax_over_temperature_cut_by_top_k_then_top_p
         assert chisquare(counts[kept], draws * expected[kept]).pvalue > 1e-4, (name, counts, expected)
 
 
+def test_the_cut_distribution_is_followed_over_a_vocabulary_of_several_draw_blocks():
+    """Over 1,000 tokens (the two-level draw's blocks, :data:`hf.CDF_BLOCK` each) with the kept tokens spread
+    among them: top-k 40 then top-p 0.9 at T=0.8, the draws' frequencies against the reference's."""
+    logits = np.random.default_rng(3).normal(0.0, 2.0, 1000)
+    expected = reference_probs(logits, 0.8, 40, 0.9)
+    kept = expected > 0
+    assert 5 < kept.sum() < 40 and len(set(np.flatnonzero(kept) // hf.CDF_BLOCK)) > 1
+    draws = 20000
+    drawn = hf.sample_next_token(torch.tensor(logits, dtype=torch.float32)[None].repeat(draws, 1),
+                                 SamplingParams(temperature=0.8, top_k=40, top_p=0.9), torch.Generator().manual_seed(5))
+    counts = np.bincount(drawn.numpy(), minlength=len(logits))
+    assert counts[~kept].sum() == 0
+    assert chisquare(counts[kept], draws * expected[kept]).pvalue > 1e-4
+
+
 def test_greedy_takes_the_argmax_and_the_first_of_tied_maxima():
     """do_sample=false, or temperature 0, picks the largest logit; among equal maxima the lowest index, as
     torch.argmax (HF's greedy search, vLLM's greedy sampler) breaks ties."""
