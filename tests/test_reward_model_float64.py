@@ -22,6 +22,7 @@ from rlhf_core.training.reward_trainer import (
     bradley_terry_loss,
     collate,
     encode_pairs,
+    pair_metrics,
     pair_statistics,
     sequence_scores,
 )
@@ -158,6 +159,48 @@ def test_a_training_step_is_the_float64_bradley_terry_step(dirs):
     assert len(seen) == 2 and sums["pairs"] == n and sums["loss"] / n == pytest.approx(loss, rel=1e-5)
     assert sums["correct"] == sum(d > 0 for d in deltas) and sums["margin"] == pytest.approx(sum(deltas), abs=1e-4)
     assert float((sum(seen) - gradient).abs().max()) < 1e-6 * max(1.0, float(gradient.abs().max()))
+    # the scores of the step's pairs, as they stood before it, over both micro-batches
+    scores = [(float(hc @ weight), float(hr @ weight)) for hc, hr in hidden]
+    assert pair_metrics(sums, "train") == pytest.approx(expected_pair_metrics("train", scores, m), abs=1e-5)
+
+
+def expected_pair_metrics(split: str, scores: list[tuple[float, float]], margin: float) -> dict[str, float]:
+    """The pair metrics of (chosen, rejected) scores, worked out here in float64 over every pair at once."""
+    flat = [score for pair in scores for score in pair]
+    mean = sum(flat) / len(flat)
+    values = {"loss": sum(math.log1p(math.exp(margin - c + r)) for c, r in scores) / len(scores),
+              "pair_accuracy": sum(c > r for c, r in scores) / len(scores),
+              "margin_mean": sum(c - r for c, r in scores) / len(scores),
+              "chosen_score_mean": sum(c for c, _ in scores) / len(scores),
+              "rejected_score_mean": sum(r for _, r in scores) / len(scores), "score_mean": mean,
+              "score_std": math.sqrt(sum((s - mean) ** 2 for s in flat) / len(flat)),
+              "score_min": min(flat), "score_max": max(flat)}
+    return {f"{split}/{name}": value for name, value in values.items()}
+
+
+def test_held_out_score_metrics_cover_every_kept_pair_of_uneven_micro_batches(dirs):
+    """Micro-batches of 3 + 1 pairs, one of the first left out with weight 0 (a rank's padding): the scores'
+    means weigh each kept pair alike, the max and min are over every kept score, whichever micro-batch holds it,
+    and the left-out pair, which holds the highest score of all, counts nowhere."""
+    base, tokenizer, _ = dirs
+    pad_id = tokenizer.pad_token_id
+    worker = RewardModelWorker(_train_config(base, "reward_model.train.margin=0.5",
+                                             "reward_model.train.micro_batch_size_per_gpu=3"), pad_id, total_steps=1)
+    with torch.no_grad():
+        worker.module.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    pairs = _pairs(tokenizer)
+    scores = list(zip(*[iter(float64_scores(worker.module, [ids for pair in pairs for ids in pair], pad_id))] * 2))
+    order = sorted(range(4), key=lambda i: max(scores[i]))  # the highest-scoring pair last
+    dropped = order.pop()
+    lowest = min(order, key=lambda i: min(scores[i]))
+    order.remove(lowest)
+    layout = [*order, dropped, lowest]  # micro-batches [kept, kept, dropped] and [the kept lowest score]
+    sums = worker.evaluate([pairs[i] for i in layout], [1.0, 1.0, 0.0, 1.0])
+    kept = [scores[i] for i in (*order, lowest)]
+    expected = expected_pair_metrics("val", kept, 0.5)
+    assert pair_metrics(sums, "val") == pytest.approx(expected, abs=1e-5)
+    assert max(scores[dropped]) > expected["val/score_max"]  # the left-out pair would have moved it
+    assert min(scores[lowest]) == expected["val/score_min"]  # held by the one-pair micro-batch
 
 
 def test_a_head_that_scores_every_sequence_alike_ranks_no_pair_right(dirs):
@@ -169,7 +212,8 @@ def test_a_head_that_scores_every_sequence_alike_ranks_no_pair_right(dirs):
         worker.module.score.weight.zero_()
     sums = worker.evaluate(_pairs(tokenizer), [1.0] * 4)
     assert sums == pytest.approx({"loss": 4 * math.log1p(math.exp(0.25)), "correct": 0.0, "margin": 0.0,
-                                  "pairs": 4.0})
+                                  "pairs": 4.0, "chosen_score": 0.0, "rejected_score": 0.0, "score_square": 0.0,
+                                  "score_max": 0.0, "score_min": 0.0})
 
 
 def test_truncation_keeps_the_end_of_each_side_in_one_prompt_window(dirs):

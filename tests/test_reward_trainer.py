@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 import yaml
+from test_reward_model_float64 import expected_pair_metrics
 from transformers import AutoModelForSequenceClassification
 
 from rlhf_core.cli.train import train_rm
@@ -27,6 +28,7 @@ from rlhf_core.training.reward_trainer import (
     bradley_terry_loss,
     collate,
     load_reward_backbone,
+    pair_metrics,
     sequence_scores,
 )
 
@@ -219,7 +221,9 @@ def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if "train/loss" in r]
     assert train_steps == [1, 2, 3, 4, 5, 6]  # 24 pairs / 8 per step * 2 epochs
-    assert {"train/pair_accuracy", "train/margin_mean", "train/grad_norm", "train/lr"} <= set(records[0])
+    assert {"train/pair_accuracy", "train/margin_mean", "train/chosen_score_mean", "train/rejected_score_mean",
+            "train/score_mean", "train/score_std", "train/score_min", "train/score_max", "train/grad_norm",
+            "train/lr"} <= set(records[0])
     val = [r for r in records if "val/pair_accuracy" in r]
     assert [r["step"] for r in val] == [2, 4, 6]
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
@@ -230,17 +234,25 @@ def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
     assert loaded.config.num_labels == 1 and loaded.config.pad_token_id == tokenizer.pad_token_id
     # the exported model reproduces the last validation: recompute loss and accuracy over the val pairs
     frame = pd.read_parquet(pairs_dir / "val.parquet")
-    deltas = []
+    deltas, scores = [], []
     with torch.no_grad():
         for prompt, chosen, rejected in zip(frame["prompt"], frame["chosen"], frame["rejected"]):
             messages = [dict(m) for m in prompt]
             ids = [encode_response(tokenizer, messages, text, 1024)[0] for text in (chosen, rejected)]
             r = [float(loaded(input_ids=torch.tensor([i])).logits[0, 0]) for i in ids]
             deltas.append(r[0] - r[1])
+            scores += r
     loss = sum(math.log1p(math.exp(-d)) for d in deltas) / len(deltas)
     assert val[-1]["val/loss"] == pytest.approx(loss, abs=1e-5)
     assert val[-1]["val/pair_accuracy"] == pytest.approx(sum(d > 0 for d in deltas) / len(deltas))
     assert val[-1]["val/margin_mean"] == pytest.approx(sum(deltas) / len(deltas), abs=1e-5)
+    # the scores' scale over both val micro-batches (4 + 4 pairs), in float64 here
+    mean = sum(scores) / len(scores)
+    expected = {"val/chosen_score_mean": sum(scores[::2]) / len(deltas),
+                "val/rejected_score_mean": sum(scores[1::2]) / len(deltas), "val/score_mean": mean,
+                "val/score_std": math.sqrt(sum((s - mean) ** 2 for s in scores) / len(scores)),
+                "val/score_min": min(scores), "val/score_max": max(scores)}
+    assert {name: val[-1][name] for name in expected} == pytest.approx(expected, abs=1e-5)
 
 
 def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
@@ -470,6 +482,30 @@ def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
     assert (tmp_path / "two" / "global_step_3" / "reward_model" / "extra_state_rank_1.pt").is_file()
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "two" / "huggingface")
     assert loaded.config.num_labels == 1
+
+
+@pytest.mark.slow
+def test_two_workers_report_the_scores_of_every_pair(tiny, pairs_dir, tmp_path):
+    """On 2 Ray workers (gloo), a validation's and a step's pair metrics are over the pairs of both ranks: 5 pairs
+    shared 3 + 3 (the second rank's last a weight-0 repeat), each share in micro-batches of 2 + 1, against the float64
+    scores of the model as it stood before the step, each sequence alone."""
+    trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "two", "trainer.n_gpus_per_node=2",
+                                                        "reward_model.train.micro_batch_size_per_gpu=2")))
+    try:
+        trainer.export(tmp_path / "before")
+        trainer.val_pairs = trainer.val_pairs[:5]
+        val = trainer.validate()
+        step = pair_metrics(trainer.worker.train_step(trainer.train_pairs[:5], [1.0] * 5, 5), "train")
+    finally:
+        trainer.shutdown()
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "before").double().eval()
+    with torch.no_grad():
+        def scores(pairs):
+            return [tuple(float(model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in pair) for pair in pairs]
+
+        held_out, trained = scores(trainer.val_pairs), scores(trainer.train_pairs[:5])
+    assert val == pytest.approx(expected_pair_metrics("val", held_out, 0.0), abs=1e-5)
+    assert step == pytest.approx(expected_pair_metrics("train", trained, 0.0), abs=1e-5)
 
 
 def _flat_state(worker) -> dict:

@@ -25,8 +25,11 @@ tokenizer, which ``AutoModelForSequenceClassification.from_pretrained`` loads; i
 records the chat-template keyword arguments the pairs were encoded with
 (``reward_model.train.apply_chat_template_kwargs``), which PPO compares with its own. Metrics go to
 ``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``, ``train/pair_accuracy``,
-``train/margin_mean``, ``train/grad_norm``, ``train/lr`` and at each validation ``val/loss``,
-``val/pair_accuracy``, ``val/margin_mean``.
+``train/margin_mean``, the scores' scale (free under the loss, which sees differences only):
+``train/chosen_score_mean``, ``train/rejected_score_mean`` and over both sides ``train/score_mean``,
+``train/score_std``, ``train/score_min``, ``train/score_max``, all over every pair of the step; then
+``train/grad_norm``, ``train/lr``, ``train/skipped_step``, and at each validation the same pair metrics under
+``val/`` over every held-out pair.
 
 Exit codes: 0 done; 1 unusable preference data (the message names the file, columns or rows);
 2 bad config, model directory or checkpoint; 3 a worker failed.
@@ -39,6 +42,8 @@ import dataclasses
 import fnmatch
 import json
 import logging
+import math
+import operator
 import os
 import sys
 import time
@@ -113,11 +118,53 @@ def bradley_terry_loss(chosen_reward: torch.Tensor, rejected_reward: torch.Tenso
     return (per_pair * weight).sum() / max(total, 1e-12)
 
 
+#: the entries of :func:`pair_statistics` that combine by max and min rather than by sum
+EXTREMES = {"score_max": max, "score_min": min}
+
+
 def pair_statistics(chosen_reward: torch.Tensor, rejected_reward: torch.Tensor, margin: float = 0.0) -> dict:
-    """Sums over pairs (so ranks and micro-batches add up): loss, correct orderings, margin, count."""
-    delta = (chosen_reward - rejected_reward).double()
+    """Over pairs, in forms that micro-batches and ranks combine exactly (:func:`merge_statistics`): the sums of
+    the loss, correct orderings, margin, pairs, each side's scores and the squared scores; the largest and
+    smallest score (-inf and inf where there is no pair)."""
+    chosen, rejected = chosen_reward.double(), rejected_reward.double()  # (n_pairs,)
+    delta = chosen - rejected
+    scores = torch.cat([chosen, rejected])  # (2 * n_pairs,)
     return {"loss": float(-F.logsigmoid(delta - margin).sum()), "correct": float((delta > 0).sum()),
-            "margin": float(delta.sum()), "pairs": float(len(delta))}
+            "margin": float(delta.sum()), "pairs": float(len(delta)), "chosen_score": float(chosen.sum()),
+            "rejected_score": float(rejected.sum()), "score_square": float((scores * scores).sum()),
+            "score_max": float(scores.max()) if len(scores) else -math.inf,
+            "score_min": float(scores.min()) if len(scores) else math.inf}
+
+
+def merge_statistics(total: dict | None, part: dict) -> dict:
+    """Two micro-batches' :func:`pair_statistics` as one: sums added, the extremes of both."""
+    if total is None:
+        return dict(part)
+    return {name: EXTREMES.get(name, operator.add)(total[name], value) for name, value in part.items()}
+
+
+def reduce_statistics(stats: dict) -> dict:
+    """A rank's :func:`pair_statistics` combined over the ranks: sums in one all-reduce, extremes in another."""
+    summed = [name for name in stats if name not in EXTREMES]
+    total = dict(zip(summed, distributed.all_reduce_sum([stats[name] for name in summed])))
+    top, negated_bottom = distributed.all_reduce_max_floats([stats["score_max"], -stats["score_min"]])
+    return {**total, "score_max": top, "score_min": -negated_bottom}
+
+
+def pair_metrics(stats: dict, split: str) -> dict[str, float]:
+    """``<split>/loss``, ``/pair_accuracy``, ``/margin_mean`` from the :func:`pair_statistics` of all the pairs
+    seen, and the scores' scale, which the Bradley-Terry loss leaves free (it sees differences only, so the scores
+    may drift in offset and spread): ``/chosen_score_mean``, ``/rejected_score_mean``, and over both sides
+    ``/score_mean``, ``/score_std`` (population), ``/score_min``, ``/score_max``."""
+    pairs = stats["pairs"]
+    mean = (stats["chosen_score"] + stats["rejected_score"]) / (2 * pairs)
+    # E[r^2] - E[r]^2 from float64 sums: the std good to about 1e-4 of itself while |mean| < 1e6 std
+    variance = max(stats["score_square"] / (2 * pairs) - mean * mean, 0.0)
+    values = {"loss": stats["loss"] / pairs, "pair_accuracy": stats["correct"] / pairs,
+              "margin_mean": stats["margin"] / pairs, "chosen_score_mean": stats["chosen_score"] / pairs,
+              "rejected_score_mean": stats["rejected_score"] / pairs, "score_mean": mean,
+              "score_std": math.sqrt(variance), "score_min": stats["score_min"], "score_max": stats["score_max"]}
+    return {f"{split}/{name}": value for name, value in values.items()}
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -261,7 +308,7 @@ class RewardModelWorker(CheckpointableWorker):
         cfg = self.config
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
+        stats = None
         finite = True
         for micro, micro_weights in self._micro_batches(pairs, weights):
             chosen, rejected = self._rewards(micro)
@@ -270,8 +317,8 @@ class RewardModelWorker(CheckpointableWorker):
             finite = finite and bool(torch.isfinite(loss))
             loss.backward()
             keep = weight > 0
-            for name, value in pair_statistics(chosen.detach()[keep], rejected.detach()[keep], cfg.margin).items():
-                sums[name] += value
+            stats = merge_statistics(stats, pair_statistics(chosen.detach()[keep], rejected.detach()[keep],
+                                                            cfg.margin))
         finite = distributed.all_true(finite)
         grad_norm, grad_finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
         if finite and grad_finite:
@@ -280,20 +327,19 @@ class RewardModelWorker(CheckpointableWorker):
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.module.eval()
-        totals = dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
-        return {**totals, "grad_norm": grad_norm, "lr": lr, "skipped": float(not (finite and grad_finite))}
+        return {**reduce_statistics(stats), "grad_norm": grad_norm, "lr": lr,
+                "skipped": float(not (finite and grad_finite))}
 
     @torch.no_grad()
     def evaluate(self, pairs: list, weights: list[float]) -> dict[str, float]:
-        """Summed statistics over this rank's share of the held-out pairs, reduced over the ranks."""
+        """The :func:`pair_statistics` of this rank's share of the held-out pairs, reduced over the ranks."""
         self.module.eval()
-        sums = {"loss": 0.0, "correct": 0.0, "margin": 0.0, "pairs": 0.0}
+        stats = None
         for micro, micro_weights in self._micro_batches(pairs, weights):
             chosen, rejected = self._rewards(micro)
             keep = torch.tensor(micro_weights, device=chosen.device) > 0
-            for name, value in pair_statistics(chosen[keep], rejected[keep], self.config.margin).items():
-                sums[name] += value
-        return dict(zip(sums, distributed.all_reduce_sum(list(sums.values()))))
+            stats = merge_statistics(stats, pair_statistics(chosen[keep], rejected[keep], self.config.margin))
+        return reduce_statistics(stats)
 
     def extra_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict()}
@@ -548,17 +594,14 @@ class RewardModelTrainer:
     def validate(self) -> dict[str, float]:
         if not self.val_pairs:
             return {}
-        sums = self.worker.evaluate(self.val_pairs, [1.0] * len(self.val_pairs))
-        return {"val/loss": sums["loss"] / sums["pairs"], "val/pair_accuracy": sums["correct"] / sums["pairs"],
-                "val/margin_mean": sums["margin"] / sums["pairs"]}
+        return pair_metrics(self.worker.evaluate(self.val_pairs, [1.0] * len(self.val_pairs)), "val")
 
     def train_step(self) -> dict[str, float]:
         pairs = self._step_pairs(self.global_step)
         started = time.perf_counter()
         sums = self.worker.train_step(pairs, [1.0] * len(pairs), len(pairs))
         self.global_step += 1
-        return {"train/loss": sums["loss"] / sums["pairs"], "train/pair_accuracy": sums["correct"] / sums["pairs"],
-                "train/margin_mean": sums["margin"] / sums["pairs"], "train/grad_norm": sums["grad_norm"],
+        return {**pair_metrics(sums, "train"), "train/grad_norm": sums["grad_norm"],
                 "train/lr": sums["lr"], "train/skipped_step": sums["skipped"],
                 "timing_s/step": time.perf_counter() - started}
 

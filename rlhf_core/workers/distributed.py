@@ -103,6 +103,15 @@ def all_reduce_max(value: int) -> int:
     return int(tensor.item())
 
 
+def all_reduce_max_floats(values: list[float]) -> list[float]:
+    """Element-wise maximum of ``values`` over the ranks (float64; a minimum is minus the maximum of the negated)."""
+    if not is_distributed() or not values:
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def all_true(flag: bool) -> bool:
     """True only if ``flag`` is true on every rank."""
     if not is_distributed():
