@@ -44,7 +44,10 @@ def train_reward_model(
     passed, reason = pair_accuracy_gate(val, threshold, "reward_model.train.min_pair_accuracy"
                                         if min_pair_accuracy is None else "the pipeline's min_pair_accuracy")
     summary = {"held_out_pair_accuracy": val.get("val/pair_accuracy"), "held_out_loss": val.get("val/loss"),
-               "held_out_margin_mean": val.get("val/margin_mean"), "min_pair_accuracy": threshold,
+               "held_out_margin_mean": val.get("val/margin_mean"),
+               # the scale PPO's rewards will have: the loss fixes neither offset nor spread of the scores
+               "held_out_score_min": val.get("val/score_min"), "held_out_score_max": val.get("val/score_max"),
+               "min_pair_accuracy": threshold,
                "passed": passed, "reason": reason, "preference_fingerprint": preference_fingerprint,
                "base_model": rm.model.path, "local_dir": rm.default_local_dir}
     log_metadata({k: v for k, v in summary.items() if v is not None})

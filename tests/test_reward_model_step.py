@@ -64,6 +64,22 @@ def test_reward_model_is_a_model_artifact_with_its_held_out_accuracy(passing_run
     assert 0.0 <= accuracy < 1.0  # 16 held-out pairs, 2 steps of a random model: far from perfect
     assert accuracy * 16 == round(accuracy * 16)  # a share of the 16 pairs
     assert step.run_metadata["passed"] is True
+    # the held-out scores' range, worked out here in float64 from the exported model, each sequence alone
+    import pandas as pd
+    import torch
+
+    from rlhf_core.models.loading import load_tokenizer
+    from rlhf_core.rewards.reward_model import encode_response
+
+    tokenizer, scorer = load_tokenizer(artifact.load()), model.double().eval()
+    frame = pd.read_parquet(tiny_setup().root / "preferences" / "val.parquet")
+    with torch.no_grad():
+        scores = [float(scorer(input_ids=torch.tensor([encode_response(tokenizer, [dict(m) for m in prompt], text,
+                                                                       1024)[0]])).logits[0, 0])
+                  for prompt, *sides in zip(frame["prompt"], frame["chosen"], frame["rejected"]) for text in sides]
+    assert len(scores) == 32
+    for name, value in (("held_out_score_min", min(scores)), ("held_out_score_max", max(scores))):
+        assert step.run_metadata[name] == summary[name] == pytest.approx(value, abs=1e-5), name
     fingerprint = run.steps["validate_preferences"].outputs["preference_fingerprint"][0].load()
     assert step.run_metadata["preference_fingerprint"] == fingerprint
 
