@@ -38,8 +38,11 @@ from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_fil
 from rlhf_core.data.schema import (
     ground_truth,
     is_missing,
+    prompt_problem,
     reward_model_problem,
+    roles_problem,
     single_precision_truth,
+    unknown_roles,
     widened,
 )
 from rlhf_core.models.loading import (
@@ -84,7 +87,8 @@ class _SourceScan:
     """What preflight reads of a data key's files: the data sources of the rows with a ground truth and of all
     rows, the rows without a ground truth, and (``file row N: reason``, a few) rows without a data source and
     rows whose ground truth a right answer, written as numbers are, cannot match under the built-in
-    rule (:func:`gsm8k.unanswerable`), and rows whose ``reward_model`` is no mapping (:func:`reward_model_problem`)."""
+    rule (:func:`gsm8k.unanswerable`), rows whose ``reward_model`` is no mapping (:func:`reward_model_problem`), and
+    (``file row N``, roles) the rows whose prompt messages have roles outside the chat format (:func:`unknown_roles`)."""
 
     graded: set[str] = field(default_factory=set)
     every: set[str] = field(default_factory=set)
@@ -92,9 +96,10 @@ class _SourceScan:
     no_source: list[str] = field(default_factory=list)
     unanswerable: dict[str, list[str]] = field(default_factory=dict)  # by data source
     malformed: list[str] = field(default_factory=list)
+    unknown_roles: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
-def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceScan:
+def _data_sources(paths: list[Path], column: str, prompt_key: str = "prompt", examples: int = 3) -> _SourceScan:
     scan = _SourceScan()
     for path in paths:
         try:
@@ -106,8 +111,12 @@ def _data_sources(paths: list[Path], column: str, examples: int = 3) -> _SourceS
         if column not in names:
             raise DataError(f"{path}: no column {column!r} (data.reward_fn_key) to route the reward by; the file "
                             f"has {', '.join(repr(n) for n in names if not n.startswith('__'))}")
-        frame = pd.read_parquet(path, columns=[column] + (["reward_model"] if "reward_model" in names else []))
+        frame = pd.read_parquet(path, columns=[column] + [c for c in ("reward_model", prompt_key)
+                                                          if c in names and c != column])
         truths = frame["reward_model"] if "reward_model" in frame else [None] * len(frame)
+        if prompt_key in frame:  # a malformed prompt (or a missing column) is the dataset's to name
+            scan.unknown_roles += [(f"{path} row {row}", roles) for row, prompt in enumerate(frame[prompt_key])
+                                   if prompt_problem(prompt) is None and (roles := unknown_roles(prompt))]
         for row, (source, cell) in enumerate(zip(frame[column], truths)):
             if is_missing(source):
                 if len(scan.no_source) < examples:
@@ -212,8 +221,11 @@ def preflight(cfg: PPOConfig) -> None:
             continue
         try:
             paths = check_files(files, key)
-            scan = _data_sources(paths, cfg.data.reward_fn_key)
+            scan = _data_sources(paths, cfg.data.reward_fn_key, cfg.data.prompt_key)
             graded, without = scan.graded, scan.without
+            roles = roles_problem(scan.unknown_roles)
+            if roles is not None:
+                errors.append(f"{key}: {roles}")
             if scan.no_source:
                 errors.append(f"{key}: rows without a {cfg.data.reward_fn_key} (the reward is routed by it): "
                               f"{'; '.join(scan.no_source)}")

@@ -316,3 +316,28 @@ def test_a_reward_model_of_text_is_named_as_such(tmp_path, tokenizer):
             with pytest.raises(DataError) as error:
                 RLHFDataset(str(path), tokenizer, DataConfig(max_prompt_length=200), require_ground_truth=needed)
             assert str(error.value).startswith(f"{path} row 0: {expected}")
+
+
+def test_prompt_roles_outside_the_chat_format_are_refused_naming_every_row(tmp_path, tokenizer):
+    """ShareGPT's human/gpt and a capitalised User trained as text (or were dropped) by the chat template: every such
+    row is named, across the files, with its roles and their chat-format names, before any prompt is tokenized."""
+    good = _write(tmp_path / "a.parquet", ["one", "two"])
+    rows = [make_record(f"q{i}", f"s #### {i}", str(i), "train", i, "synthetic/arithmetic") for i in range(3)]
+    rows[0]["prompt"] = [{"role": "human", "content": "Hi"}, {"role": "gpt", "content": "Hello"},
+                         {"role": "human", "content": "What is 3+4?"}]
+    rows[2]["prompt"] = [{"role": "User", "content": "What is 2+2?"}]
+    bad = tmp_path / "b.parquet"
+    pd.DataFrame(rows).to_parquet(bad)
+    with pytest.raises(DataError) as info:
+        RLHFDataset([good, str(bad)], tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+    assert str(info.value) == (
+        f"data.val_files: 2 prompt(s) have message roles outside the chat format (human, gpt, User), which a chat "
+        f"template writes as text or drops: {bad} row 0 (human, gpt); {bad} row 2 (User); rename human -> user, "
+        "gpt -> assistant, User -> user (the chat format's roles: system, developer, user, assistant, tool, "
+        "function, ipython)")
+    rows[2]["prompt"] = [{"role": "bot", "content": "Hi"}, {"role": "user", "content": "What is 2+2?"}]
+    del rows[0]
+    pd.DataFrame(rows).to_parquet(bad)
+    with pytest.raises(DataError, match=rf"\(bot\), which .*: {bad} row 1 \(bot\); give bot a role of the chat "
+                                        r"format \(the chat format's roles: system, "):
+        RLHFDataset([good, str(bad)], tokenizer, DataConfig(max_prompt_length=200))

@@ -512,3 +512,23 @@ def test_a_reward_model_column_of_text_is_named_as_such_not_as_a_missing_ground_
     why = ("reward_model is the JSON text of a mapping, not a {style, ground_truth} mapping: parse it before "
            "writing the parquet (frame['reward_model'] = frame['reward_model'].map(json.loads))")
     assert errors[0] == f"data.train_files: {path} row 0: {why}; {path} row 1: {why}; {path} row 2: {why}"
+
+
+def test_prompt_roles_outside_the_chat_format_are_refused_before_any_weights_load(space, tmp_path):
+    """The trainer run alone trained on ShareGPT's human/gpt turns, which the chat template wrote as text or dropped;
+    only the validate step refused them."""
+    import pandas as pd
+
+    frame = pd.read_parquet(space / "data" / "train.parquet")
+    frame.at[1, "prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "human", "content": "What is 2+2?"}]
+    frame.at[4, "prompt"] = [{"role": "gpt", "content": "Hi"}, {"role": "user", "content": "What is 3+3?"}]
+    path = tmp_path / "train.parquet"
+    frame.to_parquet(path)
+    errors = _errors(_config(space, f"data.train_files={path}"))
+    assert errors == [
+        f"data.train_files: 2 prompt(s) have message roles outside the chat format (human, gpt), which a chat "
+        f"template writes as text or drops: {path} row 1 (human); {path} row 4 (gpt); rename human -> user, "
+        "gpt -> assistant (the chat format's roles: system, developer, user, assistant, tool, function, ipython)"]
+    frame.rename(columns={"prompt": "messages"}).to_parquet(path)  # read from the column data.prompt_key names
+    errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]", "data.prompt_key=messages"))
+    assert len(errors) == 1 and errors[0].startswith("data.train_files: 2 prompt(s) have message roles outside")

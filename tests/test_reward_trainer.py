@@ -170,6 +170,31 @@ def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_preflight_refuses_prompt_roles_outside_the_chat_format(tiny, tmp_path):
+    """ShareGPT's human/gpt turns were encoded as the chat template writes an unknown role (as text, or not at all):
+    the reward model trained on prompts the PPO policy never shows it."""
+    from rlhf_core.data.preference import PreferenceDataError
+    from rlhf_core.training.reward_trainer import preflight
+
+    train = _preference_file(tmp_path / "train.parquet", [("Q1", "a", "b"), ("Q2", "c", "d"), ("Q3", "e", "f")])
+    frame = pd.read_parquet(train)
+    frame.at[2, "prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "human", "content": "Q3"}]
+    frame.to_parquet(train)
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+            f"reward_model.train.train_files={train}", "reward_model.train.val_files=null",
+            "reward_model.train.train_batch_size=1", "reward_model.train.micro_batch_size_per_gpu=1",
+            f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
+    with pytest.raises(PreferenceDataError) as error:
+        preflight(load_config(base))
+    assert str(error.value) == (
+        f"reward_model.train.train_files: {train}: 1 prompt(s) have message roles outside the chat format (human), "
+        "which a chat template writes as text or drops: row 2 (human); rename human -> user (the chat format's "
+        "roles: system, developer, user, assistant, tool, function, ipython)")
+    frame.at[2, "prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q3"}]
+    frame.to_parquet(train)
+    assert len(preflight(load_config(base)).train) == 3
+
+
 THINK_TEMPLATE = TOY_TEMPLATE.replace(
     "{% if add_generation_prompt %}Assistant: {% endif %}",
     "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"

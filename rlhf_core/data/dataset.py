@@ -30,6 +30,8 @@ from rlhf_core.data.schema import (
     problem_index,
     prompt_problem,
     reward_model_problem,
+    roles_problem,
+    unknown_roles,
 )
 
 
@@ -95,7 +97,9 @@ def plain_value(value):
 def prompt_messages(value, where: str, key: str = "prompt") -> list[dict]:
     """A prompt cell as chat messages: a plain string is one user turn, as verl takes it; anything but a
     non-empty list of ``{role, content}`` string messages (:func:`~rlhf_core.data.schema.prompt_problem`) is a
-    DataError naming ``where`` (file and row) and column ``key`` (``data.prompt_key``)."""
+    DataError naming ``where`` (file and row) and column ``key`` (``data.prompt_key``). The roles are not checked
+    here: :class:`RLHFDataset` names every row whose roles are outside the chat format
+    (:func:`~rlhf_core.data.schema.roles_problem`) at once."""
     if isinstance(value, str) and json_message_list(value):
         raise DataError(f"{where}: the prompt ({key!r}) is the JSON text of a message list; it would train as one "
                         "user turn holding the JSON: store the list itself (e.g. frame[prompt_key] = "
@@ -177,9 +181,15 @@ class RLHFDataset:
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
         self.dropped_overlong = 0  # rows data.filter_overlong_prompts left out
-        for position, record in enumerate(frame.to_dict("records")):
-            where = f"{record['_source_file']} row {record['_source_row']}"
-            messages = prompt_messages(record[config.prompt_key], where, config.prompt_key)
+        records = frame.to_dict("records")
+        wheres = [f"{record['_source_file']} row {record['_source_row']}" for record in records]
+        conversations = [prompt_messages(record[config.prompt_key], where, config.prompt_key)
+                         for record, where in zip(records, wheres)]
+        # every row at once, before any is tokenized: a chat template would write these turns as text or drop them
+        roles = roles_problem((where, unknown_roles(messages)) for where, messages in zip(wheres, conversations))
+        if roles is not None:
+            raise DataError(f"{key}: {roles}")
+        for position, (record, where, messages) in enumerate(zip(records, wheres, conversations)):
             try:
                 ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
             except Exception as exc:  # templates raise anything: TemplateError, KeyError, ValueError, ...

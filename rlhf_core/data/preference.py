@@ -54,6 +54,8 @@ from rlhf_core.data.schema import (
     INSTRUCTION,
     PREFERENCE_COLUMNS,
     prompt_problem,
+    roles_problem,
+    unknown_roles,
     write_parquet_atomic,
 )
 
@@ -343,12 +345,16 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
 def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
     """PreferenceDataError naming, by what is wrong, the first rows (from 0) of ``where`` whose prompt is not chat
     messages (:func:`~rlhf_core.data.schema.prompt_problem`: a non-empty list of ``{role, content}`` string
-    messages)."""
+    messages), or, where all are, whose messages have roles outside the chat format
+    (:func:`~rlhf_core.data.schema.roles_problem`), which the chat template writes as text or drops."""
     rows_by_problem: dict[str, list[int]] = {}
+    roles: list[tuple[str, list[str]]] = []
     for row, prompt in enumerate(frame["prompt"]):
         problem = prompt_problem(prompt)
         if problem is not None:
             rows_by_problem.setdefault(problem, []).append(row)
+        else:
+            roles.append((f"row {row}", unknown_roles(prompt)))
     if rows_by_problem:
         count = sum(len(rows) for rows in rows_by_problem.values())
         shown = "; ".join(f"{problem} in row(s) {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}"
@@ -356,6 +362,9 @@ def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
         raise PreferenceDataError(f"{where}: {count} prompt(s) are not chat messages ({shown}"
                                   f"{'; ...' if len(rows_by_problem) > 3 else ''}); a prompt is a non-empty list of "
                                   "{'role': ..., 'content': ...} messages with text values")
+    unknown = roles_problem(roles)
+    if unknown is not None:
+        raise PreferenceDataError(f"{where}: {unknown}")
 
 
 def canonical_prompt(prompt) -> str:

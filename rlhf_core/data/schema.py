@@ -6,7 +6,8 @@ optional (:data:`OPTIONAL_COLUMNS`): the data commands write it, as verl's do, b
 reward function reads it (nor does verl's RLHFDataset need it).
 A preference row (for reward models) is ``prompt`` (chat messages, as above), ``chosen`` and
 ``rejected`` (assistant texts, the preferred one first), ``data_source`` and ``extra_info`` (a dict).
-Chat messages are a non-empty list of ``{role, content}`` mappings with string values (:func:`prompt_problem`).
+Chat messages are a non-empty list of ``{role, content}`` mappings with string values (:func:`prompt_problem`),
+each role one of :data:`CHAT_ROLES` (:func:`unknown_roles`, :func:`roles_problem`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_inf
 OPTIONAL_COLUMNS = ("ability",)  # a prompt table may go without them
 REQUIRED_COLUMNS = tuple(c for c in PROMPT_COLUMNS if c not in OPTIONAL_COLUMNS)
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
+#: message roles of the chat format (HF's and OpenAI's); ShareGPT's "human"/"gpt" or "User" are not among them
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+#: roles of other formats (ShareGPT's) and their chat-format names; a role in other letter case is its lower case
+ROLE_RENAMES = {"human": "user", "gpt": "assistant"}
 _FINAL_ANSWER = re.compile(r"####\s*(.+?)\s*$", re.DOTALL)
 
 
@@ -121,6 +126,30 @@ def prompt_problem(prompt) -> str | None:
             if not isinstance(value, str):
                 return f"prompt message {number}'s '{key}' is a {type(value).__name__}, not text"
     return None
+
+
+def unknown_roles(messages) -> list[str]:
+    """The roles of chat ``messages`` (:func:`prompt_problem` None) outside :data:`CHAT_ROLES`, each once, in order:
+    a chat template writes such a turn as text, or drops it."""
+    return list(dict.fromkeys(m["role"] for m in messages if m["role"] not in CHAT_ROLES))
+
+
+def roles_problem(found, shown: int = 5) -> str | None:
+    """What is wrong with the prompts ``found`` as ``(where, roles)`` (where: the file and row; roles: its
+    :func:`unknown_roles`), with the renames that fix them, or None when there are none."""
+    found = [(where, roles) for where, roles in found if roles]
+    if not found:
+        return None
+    roles = list(dict.fromkeys(role for _, row_roles in found for role in row_roles))
+    renames = {role: ROLE_RENAMES.get(role.lower(), role.lower()) for role in roles}
+    fixes = [f"{role} -> {name}" for role, name in renames.items() if name in CHAT_ROLES]
+    others = [role for role, name in renames.items() if name not in CHAT_ROLES]
+    todo = ([f"rename {', '.join(fixes)}"] if fixes else []) + \
+        ([f"give {', '.join(others)} a role of the chat format"] if others else [])
+    rows = "; ".join(f"{where} ({', '.join(row_roles)})" for where, row_roles in found[:shown])
+    return (f"{len(found)} prompt(s) have message roles outside the chat format ({', '.join(roles)}), which a chat "
+            f"template writes as text or drops: {rows}{'; ...' if len(found) > shown else ''}; {' and '.join(todo)} "
+            f"(the chat format's roles: {', '.join(CHAT_ROLES)})")
 
 
 def reward_model_problem(reward_model) -> str | None:

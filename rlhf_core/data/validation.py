@@ -57,6 +57,7 @@ import numpy as np
 import pandas as pd
 
 from rlhf_core.data.schema import (
+    CHAT_ROLES,
     OPTIONAL_COLUMNS,
     PREFERENCE_COLUMNS,
     PROMPT_COLUMNS,
@@ -69,13 +70,12 @@ from rlhf_core.data.schema import (
     prompt_problem,
     reward_model_problem,
     single_precision_truth,
+    unknown_roles,
     widened,
 )
 from rlhf_core.rewards import gsm8k
 
 NON_BLANK_REGEX = r"\S"
-#: message roles of the chat format (HF's and OpenAI's); ShareGPT's "human"/"gpt" or "User" are not among them
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
@@ -434,7 +434,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
 
     ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`_prompt_problem`; null where nothing
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
-    outside :data:`CHAT_ROLES`, else null);
+    outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
     ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id`` (``data_source/extra_info.index``; without an index the
     row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
@@ -463,9 +463,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_problem"] = column(None if is_missing(v) else _prompt_problem(v) for v in raw)
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
-        out["prompt_unknown_roles"] = column(", ".join(dict.fromkeys(m["role"] for m in messages
-                                                                     if m["role"] not in CHAT_ROLES)) or None
-                                             if messages else None for messages in parsed)
+        out["prompt_unknown_roles"] = column(", ".join(unknown_roles(messages)) or None if messages else None
+                                             for messages in parsed)
         # the messages as the trainers hand them to the chat template: every key of each message
         conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
