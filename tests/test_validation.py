@@ -327,6 +327,26 @@ def test_prompts_alone_fail_by_default_and_pass_without_a_ground_truth(char_toke
     ]
 
 
+def test_prompts_without_a_reward_model_column_are_told_how_they_pass(tmp_path, capsys):
+    """Prompts alone, validated by their columns, were reported as neither kind with chosen/rejected missing, and
+    nothing said that a run without a ground truth needs no reward_model column."""
+    note = ("  'prompt' without 'reward_model', 'chosen' or 'rejected' is prompt data without a ground truth, which "
+            "trains with a custom reward function or a reward model at reward_model.rule_coef=0 and needs no "
+            "'reward_model' column: validate it so with {}")
+    train = pd.DataFrame(records(3)).drop(columns=["reward_model"])
+    assert note.format("ground_truth_required=False") in validate_frames(train, kind="auto").summary().splitlines()
+    alone = tmp_path / "alone.parquet"
+    train.to_parquet(alone)
+    assert validate([str(alone)]) == 1
+    assert note.format("--no-ground-truth") in capsys.readouterr().out.splitlines()
+    assert validate([str(alone), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["notes"] == [note.format("--no-ground-truth").strip()]
+    # no prompt column: nothing tells it as prompts; prompt data: no note
+    assert validate_frames(pd.DataFrame([{"text": "hello"}]), kind="auto").notes == []
+    assert validate_frames(pd.DataFrame(records(3)), kind="auto").notes == []
+    assert validate_frames(train, kind="auto", ground_truth_required=False).notes == []
+
+
 @pytest.mark.parametrize("missing", [None, float("nan"), np.float32("nan")], ids=["none", "nan", "nan32"])
 def test_a_missing_ground_truth_fails_not_null_by_default_and_passes_without_one(missing):
     rows = records(3)

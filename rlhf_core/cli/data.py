@@ -276,7 +276,7 @@ def _validate_parser() -> argparse.ArgumentParser:
 #: the options the library's errors name, as the user typed them (not as its parameters)
 _VALIDATE_OPTIONS = {"tokenizer": "--tokenizer", "max_prompt_length": "--max-prompt-length",
                      "max_length": "--max-length", "max_chars": "--max-chars",
-                     "overlong_tolerance": "--overlong-tolerance"}
+                     "overlong_tolerance": "--overlong-tolerance", "ground_truth_required": "--no-ground-truth"}
 
 
 def validate(argv: Sequence[str] | None = None) -> int:

@@ -10,7 +10,8 @@ The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make
 (:data:`~rlhf_core.data.schema.PREFERENCE_COLUMNS`), ``reward_model`` prompt data (verl's schema,
 :data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`; ``ability``, which nothing in training reads, only where it is
 there, :data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`); a table with neither is reported with every column
-either kind needs that it lacks. Prompt data trained without a ground truth (``ground_truth_required=False``,
+either kind needs that it lacks, and where it has the prompt column with a note (:attr:`ValidationReport.notes`)
+that prompts trained without a ground truth need no ``reward_model`` (``ground_truth_required=False``). Prompt data trained without a ground truth (``ground_truth_required=False``,
 ``--no-ground-truth``: a reward model at ``reward_model.rule_coef=0`` or a custom reward function) needs no
 ``reward_model`` column, and its ground-truth checks cover only the rows that have one. Both kinds check the
 rows, columns, nulls and the prompt messages, and the validation file for rows that repeat training data
@@ -80,8 +81,8 @@ MAX_EXAMPLES = 3
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
 _LIMITS = {"prompt": ("max_prompt_length",), "preference": ("max_length", "max_chars"), None: ()}
-#: the parameters :func:`validate_frames`' errors name; a caller may name them its own way (``option_names``)
-_OPTIONS = ("tokenizer", "max_prompt_length", "max_length", "max_chars", "overlong_tolerance")
+#: the parameters :func:`validate_frames`' errors and notes name; a caller may name them its own way (``option_names``)
+_OPTIONS = ("tokenizer", "max_prompt_length", "max_length", "max_chars", "overlong_tolerance", "ground_truth_required")
 _LENGTH_CHECKS = ("prompt_length_within_limit", "pair_length_within_limit")
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
@@ -180,6 +181,8 @@ class ValidationReport:
     datasets: list[DatasetInfo]
     skipped: list[str] = field(default_factory=list)
     fingerprint: str | None = None
+    #: what the summary adds to the findings: how data of neither kind may still be valid
+    notes: list[str] = field(default_factory=list)
     #: dataset -> (file, rows) of each file joined into it, in order, where it was read from several files
     file_spans: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
 
@@ -216,7 +219,8 @@ class ValidationReport:
         totals = {key: sum(int(r.statistics[key]) for r in self.gx_results.values()) for key in keys}
         datasets = [{**vars(d), "result": self.gx_results[d.name].to_json_dict()} for d in self.datasets]
         return {"success": self.success, "kind": self.kind, "fingerprint": self.fingerprint,
-                "statistics": totals, "datasets": datasets, "skipped": list(self.skipped)}
+                "statistics": totals, "datasets": datasets, "skipped": list(self.skipped),
+                "notes": list(self.notes)}
 
     def summary(self) -> str:
         results, failures = self.results, self.failures
@@ -229,6 +233,7 @@ class ValidationReport:
         if self.kind is None:
             lines.append(f"  prompt data needs the columns {', '.join(REQUIRED_COLUMNS)}; "
                          f"preference data needs {', '.join(PREFERENCE_COLUMNS)}")
+        lines += [f"  {note}" for note in self.notes]
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
             lines += [f"    {self.where(o.dataset, row)}: {_excerpt(value)}" for row, value in o.examples]
@@ -714,8 +719,10 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     ``reward_model.rule_coef=0`` or a custom reward function), which the trainer takes without the
     ``reward_model`` column or with rows whose ground truth is null; the pipelines keep the default, as
     their evaluation grades against the ground truth. Preference data has none, and ignores it.
-    ``option_names``: what the errors call the tokenizer, the limits and the tolerance (:data:`_OPTIONS`), for a
-    caller whose user set them otherwise (the command line's ``--max-chars``); by default these parameters' names.
+    ``option_names``: what the errors call the tokenizer, the limits and the tolerance, and what the note on prompts
+    without a ``reward_model`` column calls ``ground_truth_required`` (:data:`_OPTIONS`), for a caller whose user
+    set them otherwise (the command line's ``--max-chars``, ``--no-ground-truth``); by default these parameters'
+    names (``ground_truth_required=False``).
     ``min_kept``: for prompt data whose over-long prompts the trainer drops (``data.filter_overlong_prompts``), the
     prompts within ``max_prompt_length`` that train and val each need (the trainer's batch of prompts; 1), else None.
     ``optional_in_file``: for train and val, an optional column (``ability``) that only some of the files joined
@@ -724,7 +731,14 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
         tokenizer = max_prompt_length = max_length = max_chars = None
-    name = {**dict(zip(_OPTIONS, _OPTIONS)), **(option_names or {})}
+    name = {**dict(zip(_OPTIONS, _OPTIONS)), "ground_truth_required": "ground_truth_required=False",
+            **(option_names or {})}
+    notes = []
+    if kind is None and ground_truth_required and prompt_key in train.columns:  # prompts, told by no column
+        notes.append(f"'{prompt_key}' without 'reward_model', 'chosen' or 'rejected' is prompt data without a ground "
+                     "truth, which trains with a custom reward function or a reward model at "
+                     f"reward_model.rule_coef=0 and needs no 'reward_model' column: validate it so with "
+                     f"{name['ground_truth_required']}")
     given = {"max_prompt_length": max_prompt_length, "max_length": max_length, "max_chars": max_chars}
     wrong = [name[key] for key, value in given.items() if value is not None and key not in _LIMITS[kind]]
     if wrong:
@@ -778,7 +792,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
                 for name, path, frame in tables]
-    return ValidationReport(kind, results, datasets, skipped)
+    return ValidationReport(kind, results, datasets, skipped, notes=notes)
 
 
 class DataChangedError(ValueError):
