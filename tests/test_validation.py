@@ -1151,6 +1151,40 @@ def test_an_optional_column_of_one_file_only_is_checked_in_that_file(tmp_path):
     assert f"{first} row 1: None" in report.summary()
 
 
+def test_a_required_column_one_file_of_a_split_lacks_is_named_with_the_file(tmp_path):
+    """Joined with files that have it, a file without 'reward_model' (or 'extra_info') showed as nulls on each of its
+    rows, in reward_model and in its ground truth, and the file went unnamed."""
+    first = write(tmp_path / "a.parquet", records(2))
+    second = write(tmp_path / "b.parquet", [{k: v for k, v in row.items() if k != "reward_model"}
+                                            for row in records(3, offset=10)])
+    third = write(tmp_path / "c.parquet", records(1, offset=20))
+    report = validate_dataset([first, second, third])
+    assert failed(report) == [("column_in_every_file", "reward_model_missing_from", "train")]
+    outcome = report.failures[0]
+    assert outcome.examples == [(2, str(second))]  # the file, once, by its first row (the first file has two)
+    assert outcome.statistics["unexpected_count"] == 3
+    assert (f"FAILED column_in_every_file [train.reward_model_missing_from] (expect_column_values_to_be_null): file "
+            f"{second} lacks column 'reward_model', which the split's other files have (3 rows without it): add the "
+            "column to it") in report.summary().splitlines()
+    assert f"{second} row 0" not in report.summary()  # no row-by-row nulls
+    # the others' nulls still fail, by file and row
+    rows = records(1, offset=20)
+    rows[0]["reward_model"]["ground_truth"] = None
+    write(third, rows)
+    assert sorted(failed(validate_dataset([first, second, third]))) == [
+        ("column_in_every_file", "reward_model_missing_from", "train"), ("not_null", "ground_truth", "train")]
+    # two files without a column, in the validation split; the column a run without a ground truth needs not
+    val = [write(tmp_path / f"v{i}.parquet", [{k: v for k, v in row.items() if k != "data_source"}
+                                               for row in records(1, "test", 50 + i)]) for i in range(2)]
+    val.insert(1, write(tmp_path / "v.parquet", records(1, "test", 60)))
+    report = validate_dataset(first, val, ground_truth_required=False)
+    assert failed(report) == [("column_in_every_file", "data_source_missing_from", "val")]
+    assert report.failures[0].examples == [(0, str(val[0])), (2, str(val[2]))]
+    assert f"files {val[0]}, {val[2]} lack column 'data_source', which the split's other files have (2 rows " \
+        "without it): add the column to them" in report.summary()
+    assert validate_dataset([first, second], ground_truth_required=False).success
+
+
 def test_the_command_line_validates_splits_of_several_files(tmp_path, capsys):
     """data.train_files and data.val_files are lists, but the command took one file a split (a second was an
     argparse error): ids repeated across files, or a question of the second training file in the validation set,

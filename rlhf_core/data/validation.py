@@ -138,8 +138,13 @@ class Outcome:
         if "max_value" in config.kwargs and raw.get("unexpected_percent") is not None:  # a length limit
             stats["share_over"] = raw["unexpected_percent"] / 100.0  # GX gives None where no row was measured
         rows = list(zip(raw.get("unexpected_index_list") or [], raw.get("unexpected_list") or []))
-        examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
         name = config.meta["check"]
+        if name == "column_in_every_file":  # the files, each by its first row (all its rows lack the column)
+            first: dict[Any, int] = {}
+            for row, value in rows:
+                first.setdefault(value, row)
+            rows = [(row, value) for value, row in first.items()]
+        examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
         description = (config.description or "").removeprefix(f"{name}: ")
         return cls(name, column, dataset, bool(item.success), config.type, description, stats, examples)
 
@@ -236,7 +241,8 @@ class ValidationReport:
         lines += [f"  {note}" for note in self.notes]
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
-            lines += [f"    {self.where(o.dataset, row)}: {_excerpt(value)}" for row, value in o.examples]
+            if o.name != "column_in_every_file":  # its description names the files
+                lines += [f"    {self.where(o.dataset, row)}: {_excerpt(value)}" for row, value in o.examples]
         lines += [_describe_limit(o) for o in results if o.success and o.name in _LENGTH_CHECKS]
         return "\n".join(lines + [f"  skipped: {item}" for item in self.skipped])
 
@@ -537,7 +543,9 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
     checks cover those rows, and ``reward_model`` is not a required column. An optional column
-    (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``) is checked for nulls where it is there.
+    (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``) is checked for nulls where it is there. A
+    required column that only some of the files joined into the table have (``{column}_missing_from``) fails
+    ``column_in_every_file``, which names the files without it; its nulls are checked in the files that have it.
     ``min_kept``: the prompts within the limit the table needs where the over-long ones are dropped
     (``data.filter_overlong_prompts``); None where they are kept.
     """
@@ -557,6 +565,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
         *[("column_exists", gxe.ExpectColumnToExist, c, f"column '{c}' is present", {}) for c in required],
+        # a split of several files: each file has each required column (a file without it is named, not its rows)
+        *[("column_in_every_file", gxe.ExpectColumnValuesToBeNull, f"{c}_missing_from",
+           f"every file joined into the table has column '{c}' (shown: the files without it)", {})
+          for c in required if f"{c}_missing_from" in frame],
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in columns
           if c in frame and f"{c}_in_file" not in frame],
         # an optional column some of the joined files lack: its nulls count in the files that have it
@@ -585,7 +597,11 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                       "reward_model is a {style, ground_truth} mapping (a parquet struct), not text or a number: "
                       "parse JSON text (json.loads) before writing the parquet", {}))
     if kind == "prompt":
-        if ground_truth_required:
+        if ground_truth_required and "reward_model_in_file" in frame:  # column_in_every_file names the others
+            specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
+                          "reward_model.ground_truth is never null in the files that have 'reward_model'",
+                          {"row_condition": "reward_model_in_file == True", "condition_parser": "pandas"}))
+        elif ground_truth_required:
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
                           "reward_model.ground_truth is never null", {}))
         else:
@@ -701,7 +717,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     ground_truth_required: bool = True,
                     option_names: Mapping[str, str] | None = None,
                     min_kept: tuple[int | None, int | None] = (None, None),
-                    optional_in_file: tuple[Mapping[str, Sequence[bool]] | None, ...] = (None, None)) \
+                    missing_in_file: tuple[Mapping[str, Sequence[str | None]] | None, ...] = (None, None)) \
         -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
@@ -725,8 +741,10 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     names (``ground_truth_required=False``).
     ``min_kept``: for prompt data whose over-long prompts the trainer drops (``data.filter_overlong_prompts``), the
     prompts within ``max_prompt_length`` that train and val each need (the trainer's batch of prompts; 1), else None.
-    ``optional_in_file``: for train and val, an optional column (``ability``) that only some of the files joined
-    into the table have -> whether each row's file has it: its rows from the other files are not its nulls.
+    ``missing_in_file``: for train and val, a column that only some of the files joined into the table have -> for
+    each row, the file it came from where that file lacks the column, else None: the other files' rows are not the
+    column's nulls; a required column fails ``column_in_every_file`` naming those files, an optional one
+    (``ability``) is not required of them.
     """
     kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
@@ -780,8 +798,9 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         skipped.append(f"{', '.join(t[0] for t in tables)}: {check} (no length limit given: needs {needs})")
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
-        for column, has in (optional_in_file[position] or {}).items():
-            frame[f"{column}_in_file"] = np.asarray(has, dtype=bool)
+        for column, lacking in (missing_in_file[position] or {}).items():
+            frame[f"{column}_in_file"] = np.array([path is None for path in lacking], dtype=bool)
+            frame[f"{column}_missing_from"] = pd.Series(list(lacking), index=frame.index, dtype="object")
         if kind == "prompt" and "prompt_tokens" in frame and min_kept[position] is not None:
             frame["prompt_within_limit"] = (frame["prompt_tokens"] <= limit).astype("float64")  # NaN: not kept
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
@@ -827,12 +846,15 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
     # the trainer numbers a row without extra_info.index by its row in its own file, not in the joined table
     rows = [np.concatenate([np.arange(len(f)) for f in table]) if table else None for table in tables]
-    # an optional column of some files only: the joined table holds nulls for the others' rows, which are no finding
-    partial = [{c: np.concatenate([np.full(len(f), c in f) for f in table]) for c in OPTIONAL_COLUMNS
-                if 0 < sum(c in f for f in table) < len(table)} for table in tables]
+    # a column of some files only: the joined table holds nulls for the others' rows, which are not the finding;
+    # each row -> its file where that file lacks the column (the suite names the files a required column is not in)
+    partial = [{c: np.concatenate([np.full(len(f), None if c in f else str(path), dtype=object)
+                                   for path, f in zip(files, table)])
+                for c in dict.fromkeys(c for f in table for c in f.columns) if sum(c in f for f in table) < len(table)}
+               for files, table in zip((train_files, val_files), tables)]
     report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
                              paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
-                             file_rows=(rows[0], rows[1]), optional_in_file=(partial[0], partial[1]))
+                             file_rows=(rows[0], rows[1]), missing_in_file=(partial[0], partial[1]))
     report.fingerprint = splits_fingerprint(train_files, val_files)
     for info, files, table in zip(report.datasets, (train_files, val_files), tables):
         if len(files) > 1:
@@ -918,6 +940,12 @@ def _describe_failure(outcome: Outcome) -> str:
         return f"error: {stats['error']} (the check could not run: {outcome.description})"
     if outcome.name == "column_exists":
         return f"column '{outcome.column}' is missing"
+    if outcome.name == "column_in_every_file":
+        files = [str(value) for _, value in outcome.examples]
+        one = len(files) == 1
+        return (f"{'file' if one else 'files'} {', '.join(files)} {'lacks' if one else 'lack'} column "
+                f"'{outcome.column.removesuffix('_missing_from')}', which the split's other files have "
+                f"({stats.get('unexpected_count')} rows without it): add the column to {'it' if one else 'them'}")
     if outcome.name == "has_rows":
         return f"{stats.get('observed_value', 0)} rows"
     if outcome.name == "prompts_left_after_filter":
