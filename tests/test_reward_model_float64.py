@@ -102,6 +102,21 @@ def test_bradley_terry_loss_and_pair_statistics_are_the_float64_sums():
     assert stats["loss"] == pytest.approx(sum(nll(ci - ri - m) for ci, ri in zip(c, r)), rel=1e-6)
 
 
+def test_a_nan_score_makes_the_scores_range_nan_whichever_micro_batch_holds_it():
+    from rlhf_core.training.reward_trainer import merge_statistics
+
+    finite = pair_statistics(torch.tensor([1.0, -2.0]), torch.tensor([0.5, 3.0]))
+    broken = pair_statistics(torch.tensor([float("nan")]), torch.tensor([0.0]))
+    for parts in ((finite, broken), (broken, finite)):
+        total = None
+        for part in parts:
+            total = merge_statistics(total, part)
+        metrics = pair_metrics(total, "val")
+        assert all(math.isnan(metrics[f"val/{name}"]) for name in ("score_min", "score_max", "score_std")), metrics
+    metrics = pair_metrics(finite, "val")
+    assert (metrics["val/score_min"], metrics["val/score_max"]) == (-2.0, 3.0)
+
+
 # ----------------------------------------------------------------------------- training
 
 

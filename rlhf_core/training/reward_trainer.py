@@ -160,10 +160,14 @@ def pair_metrics(stats: dict, split: str) -> dict[str, float]:
     mean = (stats["chosen_score"] + stats["rejected_score"]) / (2 * pairs)
     # E[r^2] - E[r]^2 from float64 sums: the std good to about 1e-4 of itself while |mean| < 1e6 std
     variance = max(stats["score_square"] / (2 * pairs) - mean * mean, 0.0)
+    # a NaN score reaches the sums, but not always the extremes (max and min, in Python and in an all-reduce, may
+    # pass over it): the range is NaN too then, not the finite scores' range
+    nan = math.isnan(stats["score_square"])
     values = {"loss": stats["loss"] / pairs, "pair_accuracy": stats["correct"] / pairs,
               "margin_mean": stats["margin"] / pairs, "chosen_score_mean": stats["chosen_score"] / pairs,
               "rejected_score_mean": stats["rejected_score"] / pairs, "score_mean": mean,
-              "score_std": math.sqrt(variance), "score_min": stats["score_min"], "score_max": stats["score_max"]}
+              "score_std": math.nan if nan else math.sqrt(variance),
+              "score_min": math.nan if nan else stats["score_min"], "score_max": math.nan if nan else stats["score_max"]}
     return {f"{split}/{name}": value for name, value in values.items()}
 
 
