@@ -34,7 +34,14 @@ import pyarrow.parquet
 import torch
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.data.dataset import TRUTH_HINT, DataError, RLHFDataset, check_files
+from rlhf_core.data.dataset import (
+    TRUTH_HINT,
+    DataError,
+    RLHFDataset,
+    check_files,
+    columns_not_in_every_file,
+    needed_columns,
+)
 from rlhf_core.data.schema import (
     ground_truth,
     is_missing,
@@ -221,6 +228,10 @@ def preflight(cfg: PPOConfig) -> None:
             continue
         try:
             paths = check_files(files, key)
+            partial = columns_not_in_every_file(paths, needed_columns(cfg.data, cfg.needs_ground_truth()))
+            if partial is not None:  # the scan would count that file's rows as rows without a ground truth
+                errors.append(f"{key}: {partial}")
+                continue
             scan = _data_sources(paths, cfg.data.reward_fn_key, cfg.data.prompt_key)
             graded, without = scan.graded, scan.without
             roles = roles_problem(scan.unknown_roles)

@@ -127,6 +127,43 @@ def test_a_file_without_extra_info_beside_one_with_it(tmp_path, tokenizer):
     assert meta["extra_info"][1] == {} and meta["index"] == [0, 0]
 
 
+def test_a_file_of_a_split_without_a_column_the_others_have_is_named(tmp_path, tokenizer):
+    """Joined with files that have it, a file without 'reward_model' or the prompt column read as rows without a
+    ground truth ("row 0: reward_model.ground_truth is missing") or a null prompt: the file and column went unnamed."""
+    first = _write(tmp_path / "a.parquet", ["one", "two"])
+    no_truth = str(tmp_path / "b.parquet")
+    pd.read_parquet(first).drop(columns=["reward_model"]).to_parquet(no_truth)
+    no_prompt = str(tmp_path / "c.parquet")
+    pd.read_parquet(first).drop(columns=["prompt"]).to_parquet(no_prompt)
+    config = DataConfig(max_prompt_length=200)
+    with pytest.raises(DataError) as error:
+        RLHFDataset([first, no_truth], tokenizer, config)
+    assert str(error.value).startswith(f"data.train_files: {no_truth} lacks column 'reward_model', which {first} "
+                                       "has: add it to that file (the built-in rule rewards")
+    with pytest.raises(DataError) as error:
+        RLHFDataset([no_prompt, first, no_truth], tokenizer, config, key="data.val_files")
+    assert str(error.value).startswith(f"data.val_files: {no_prompt} lacks column 'prompt', which {first} has: add "
+                                       f"it to that file; {no_truth} lacks column 'reward_model', which {no_prompt} has")
+    # data.prompt_key's column, two files without it
+    renamed = str(tmp_path / "q.parquet")
+    pd.read_parquet(first).rename(columns={"prompt": "question"}).to_parquet(renamed)
+    with pytest.raises(DataError, match=f"^data.train_files: {no_prompt}, {first} lack column 'question', which "
+                                        f"{renamed} has: add it to those files$"):
+        RLHFDataset([renamed, no_prompt, first], tokenizer, DataConfig(max_prompt_length=200, prompt_key="question"))
+    # the data source's column: its rows were routed to a reward function for data_source 'nan'
+    no_source = str(tmp_path / "d.parquet")
+    pd.read_parquet(first).drop(columns=["data_source"]).to_parquet(no_source)
+    with pytest.raises(DataError, match=f"^data.train_files: {no_source} lacks column 'data_source', which {first} "
+                                        "has: add it to that file$"):
+        RLHFDataset([first, no_source], tokenizer, config, require_ground_truth=False)
+    # trained without a ground truth, a file of prompts alone joins one with ground truths
+    joined = RLHFDataset([first, no_truth], tokenizer, config, require_ground_truth=False)
+    assert joined.collate([0, 1, 2, 3]).meta["ground_truth"] == ["0", "1", None, None]
+    # no file has the column: said as before
+    with pytest.raises(DataError, match=r"column\(s\) \['reward_model'\] missing"):
+        RLHFDataset([no_truth, no_truth], tokenizer, config)
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

@@ -448,6 +448,30 @@ def test_ground_truths_the_rule_never_matches_and_rows_without_a_source_are_name
     assert errors == [f"data.train_files: rows without a data_source (the reward is routed by it): {path} row 5"]
 
 
+def test_a_file_of_a_split_without_a_column_the_others_have_is_named(space, tmp_path):
+    """A file without 'reward_model' beside one with it was counted as rows without a ground truth ("4 rows have no
+    reward_model.ground_truth"), and one without the prompt column passed preflight to fail in the dataset."""
+    import pandas as pd
+
+    frame = pd.read_parquet(space / "data" / "test.parquet")
+    with_all = space / "data" / "train.parquet"
+    no_truth, no_prompt = tmp_path / "no_truth.parquet", tmp_path / "no_prompt.parquet"
+    frame.drop(columns=["reward_model"]).to_parquet(no_truth)
+    frame.drop(columns=["prompt"]).to_parquet(no_prompt)
+    errors = _errors(_config(space, f"data.train_files=[{with_all},{no_truth}]", f"data.val_files=[{no_prompt},"
+                                    f"{with_all}]"))
+    assert [e.split(". ")[0].split(" (")[0] for e in errors] == [
+        f"data.train_files: {no_truth} lacks column 'reward_model', which {with_all} has: add it to that file",
+        f"data.val_files: {no_prompt} lacks column 'prompt', which {with_all} has: add it to that file"]
+    assert "the built-in rule rewards" in errors[0]
+    # prompts alone, as a reward model at rule_coef=0 takes them: only the prompt column is wanted of every file
+    rm = reward_model(space / "actor", tmp_path / "rm", 512)
+    alone = ("reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.rule_coef=0")
+    assert _errors(_config(space, *alone, f"data.train_files=[{with_all},{no_truth}]",
+                           f"data.val_files=[{no_prompt},{with_all}]")) == [errors[1]]
+    preflight(_config(space, *alone, f"data.train_files=[{with_all},{no_truth}]", "data.val_files=[]"))
+
+
 def test_a_float32_ground_truth_field_with_fractions_is_refused(space, tmp_path):
     """pyarrow reads a float32 field back as a double: 2.5 stays 2.5, but 0.1 becomes 0.10000000149011612, which no
     '#### 0.1' matches (it trained at score 0); integers read back whole."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow
+import pyarrow.parquet
 import torch
 
 from rlhf_core.batch import Batch
@@ -80,6 +81,44 @@ def read_frames(paths: Sequence[Path]) -> pd.DataFrame:
         frame["_source_row"] = np.arange(len(frame))
         frames.append(frame)
     return pd.concat(frames, ignore_index=True)
+
+
+def needed_columns(config: DataConfig, require_ground_truth: bool = True) -> tuple[str, ...]:
+    """The columns every prompt file needs: the prompt (``data.prompt_key``), the data source the reward is routed
+    by (``data.reward_fn_key``) and, where rows need a ground truth, ``reward_model``. ``extra_info`` is optional, as
+    in verl: a row without it is numbered by its row in its own file (:func:`~rlhf_core.data.schema.problem_index`)."""
+    if require_ground_truth:
+        return config.prompt_key, "reward_model", config.reward_fn_key
+    return config.prompt_key, config.reward_fn_key
+
+
+def column_names(path: Path) -> list[str]:
+    """The columns of a parquet file, from its schema alone."""
+    try:
+        return pyarrow.parquet.read_schema(path).names
+    except (pyarrow.ArrowException, OSError, ValueError) as exc:
+        raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
+
+
+def columns_not_in_every_file(paths: Sequence[Path], columns: Sequence[str]) -> str | None:
+    """What is wrong where some files of a split lack a column of ``columns`` that others have, else None.
+
+    Joined, such a file's rows read as missing values in the column, and each would be reported as a row without
+    its prompt or its ground truth, not as the file without the column. A column no file has is the caller's to
+    report. Reads the files' schemas only."""
+    if len(paths) < 2:
+        return None
+    names = {path: column_names(path) for path in paths}
+    problems = []
+    for column in columns:
+        having = [path for path in paths if column in names[path]]
+        lacking = [str(path) for path in paths if column not in names[path]]
+        if having and lacking:
+            one = len(lacking) == 1
+            problems.append(f"{', '.join(lacking)} {'lacks' if one else 'lack'} column {column!r}, which "
+                            f"{having[0]} has: add it to {'that file' if one else 'those files'}"
+                            f"{TRUTH_HINT if column == 'reward_model' else ''}")
+    return "; ".join(problems) or None
 
 
 def plain_value(value):
@@ -169,13 +208,15 @@ class RLHFDataset:
         if frame.empty:
             raise DataError(f"{key}: {', '.join(map(str, self.paths))} "
                             f"{'has' if len(self.paths) == 1 else 'have'} no rows; give files with prompts")
-        needed = (config.prompt_key, "reward_model", config.reward_fn_key) if require_ground_truth \
-            else (config.prompt_key, config.reward_fn_key)
+        needed = needed_columns(config, require_ground_truth)
         missing = [c for c in needed if c not in frame.columns]
         if missing:
             found = [c for c in frame.columns if c not in ("_source_file", "_source_row")]
             raise DataError(f"{key}: column(s) {missing} missing; found {found}"
                             f"{TRUTH_HINT if 'reward_model' in missing else ''}")
+        partial = columns_not_in_every_file(self.paths, needed)
+        if partial is not None:  # joined, its rows would each read as a row without its prompt or ground truth
+            raise DataError(f"{key}: {partial}")
         self.prompt_ids: list[list[int]] = []
         self.rows: list[dict] = []
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
