@@ -224,7 +224,7 @@ def test_missing_column_is_reported_and_dependent_checks_skipped():
 def test_prompt_lengths_are_measured_without_extra_info(char_tokenizer):
     frame = pd.DataFrame(records(3)).drop(columns=["extra_info"])
     report = validate_frames(frame, tokenizer=char_tokenizer, max_prompt_length=512)
-    assert failed(report) == [("column_exists", "extra_info", "train")]
+    assert report.success, report.summary()  # extra_info is optional, as the trainer (and verl) take it
     assert report.find("prompt_length_within_limit")[0].success  # measured: it needs only the prompt
     # the trainer numbers rows without extra_info by their row in the file: ids 0, 1, 2, all distinct
     assert report.find("problem_id_unique")[0].success
@@ -302,7 +302,7 @@ def test_prompts_alone_fail_by_default_and_pass_without_a_ground_truth(char_toke
     report = validate_frames(train, kind="auto", ground_truth_required=False, tokenizer=char_tokenizer,
                              max_prompt_length=512)
     assert report.kind == "prompt" and report.success, report.summary()
-    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "extra_info"]
+    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt"]
     assert not any(o.column == "ground_truth" for o in report.results)
     assert "train: not_null [ground_truth] (rows may go without a ground truth: a reward model at " \
         "reward_model.rule_coef=0 or a custom reward function scores them)" in report.skipped
@@ -744,6 +744,30 @@ def test_rows_without_an_index_are_numbered_per_file_as_the_trainer_numbers_them
     assert outcome.examples == [(0, f"{SOURCE}/1"), (1, f"{SOURCE}/1")]
 
 
+def test_a_file_without_extra_info_beside_one_with_it_passes_as_the_trainer_takes_it(tmp_path, char_tokenizer,
+                                                                                     capsys):
+    """extra_info is optional, as in verl: the trainer numbers a file's rows without it by their row in that file,
+    but validation refused such a file beside one with the column (column_in_every_file). Its ids are checked."""
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.dataset import RLHFDataset
+
+    first = write(tmp_path / "a.parquet", records(2, offset=10))  # indices 10, 11
+    second = write(tmp_path / "b.parquet", [{k: v for k, v in row.items() if k != "extra_info"}
+                                            for row in records(3, offset=20)])  # rows 0, 1, 2 of their file
+    report = validate_dataset([first, second])
+    assert report.success, report.summary()
+    assert not report.find("column_in_every_file")
+    assert validate([str(first), str(second)]) == 0
+    assert capsys.readouterr().out.startswith("Dataset validation PASSED")
+    dataset = RLHFDataset([str(first), str(second)], char_tokenizer, DataConfig())
+    assert [row["id"] for row in dataset.rows] == [f"{SOURCE}/{i}" for i in (10, 11, 0, 1, 2)]
+    # a third file whose index 1 is the second file's row 1: the id repeats, in validation as in the trainer
+    third = write(tmp_path / "c.parquet", records(1, offset=1))
+    report = validate_dataset([first, second, third])
+    assert failed(report) == [("problem_id_unique", "problem_id", "train")]
+    assert report.failures[0].examples == [(3, f"{SOURCE}/1"), (5, f"{SOURCE}/1")]
+
+
 @pytest.fixture(scope="module")
 def no_system_tokenizer(char_tokenizer):
     """The character tokenizer with a chat template that refuses a system turn (as Gemma's does)."""
@@ -813,7 +837,7 @@ def test_the_configured_prompt_and_source_columns_are_the_ones_checked():
     report = validate_frames(pd.DataFrame(rows), **keys)
     assert failed(report) == [("data_source_known", "source", "train")]
     assert report.failures[0].examples == [(2, "nobody/knows")]
-    assert [o.column for o in report.find("column_exists")] == ["source", "question", "reward_model", "extra_info"]
+    assert [o.column for o in report.find("column_exists")] == ["source", "question", "reward_model"]
     assert report.find("prompt_has_user_turn")[0].statistics["element_count"] == 3  # read from 'question'
     assert report.find("problem_id_unique")[0].success  # openai/gsm8k/0, openai/gsm8k/1, nobody/knows/2
     # with the default columns the same table lacks both
@@ -847,7 +871,7 @@ def test_ability_is_optional_and_checked_where_it_is_there():
     without it passes; where it is there it is still never null."""
     report = validate_frames(pd.DataFrame(_without_ability(records(3))))
     assert report.success, report.summary()
-    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "reward_model", "extra_info"]
+    assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "reward_model"]
     assert [o.column for o in report.find("not_null")] == [
         "data_source", "prompt", "reward_model", "extra_info", "ground_truth"]
     rows = records(3)
@@ -859,7 +883,7 @@ def test_ability_is_optional_and_checked_where_it_is_there():
     assert report.failures[0].statistics["unexpected_count"] == 1
     # a table of neither kind is told what prompt data needs: 'ability' is not among it
     summary = validate_frames(pd.DataFrame([{"text": "hello"}]), kind="auto").summary()
-    assert "  prompt data needs the columns data_source, prompt, reward_model, extra_info; " in summary
+    assert "  prompt data needs the columns data_source, prompt, reward_model; " in summary
 
 
 def test_the_command_line_and_the_data_step_take_prompts_without_ability(tmp_path, monkeypatch, capsys,
@@ -1152,7 +1176,7 @@ def test_an_optional_column_of_one_file_only_is_checked_in_that_file(tmp_path):
 
 
 def test_a_required_column_one_file_of_a_split_lacks_is_named_with_the_file(tmp_path):
-    """Joined with files that have it, a file without 'reward_model' (or 'extra_info') showed as nulls on each of its
+    """Joined with files that have it, a file without 'reward_model' (or 'data_source') showed as nulls on each of its
     rows, in reward_model and in its ground truth, and the file went unnamed."""
     first = write(tmp_path / "a.parquet", records(2))
     second = write(tmp_path / "b.parquet", [{k: v for k, v in row.items() if k != "reward_model"}

@@ -1,9 +1,11 @@
 """The verl prompt-dataset schema shared by every data source, and the preference schema beside it.
 
 A prompt row is ``data_source``, ``prompt`` (chat messages), ``ability``,
-``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``; ``ability`` is
-optional (:data:`OPTIONAL_COLUMNS`): the data commands write it, as verl's do, but neither the trainer nor a
-reward function reads it (nor does verl's RLHFDataset need it).
+``reward_model {style, ground_truth}`` and ``extra_info {split, index, answer, question}``; ``ability`` and
+``extra_info`` are optional (:data:`OPTIONAL_COLUMNS`): the data commands write them, as verl's do, but neither
+the trainer nor a reward function reads ``ability``, and a row without ``extra_info`` is numbered by its row in
+its own file (:func:`problem_index`), as verl's RLHFDataset takes it (two such files give
+repeated ids, which validation's ``problem_id_unique`` and the evaluation refuse).
 A preference row (for reward models) is ``prompt`` (chat messages, as above), ``chosen`` and
 ``rejected`` (assistant texts, the preferred one first), ``data_source`` and ``extra_info`` (a dict).
 Chat messages are a non-empty list of ``{role, content}`` mappings with string values (:func:`prompt_problem`),
@@ -27,7 +29,7 @@ from rlhf_core.atomic import current_umask
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")  # as the data commands write them
-OPTIONAL_COLUMNS = ("ability",)  # a prompt table may go without them
+OPTIONAL_COLUMNS = ("ability", "extra_info")  # a prompt table may go without them (preference data needs extra_info)
 REQUIRED_COLUMNS = tuple(c for c in PROMPT_COLUMNS if c not in OPTIONAL_COLUMNS)
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected", "data_source", "extra_info")
 #: message roles of the chat format (HF's and OpenAI's); ShareGPT's "human"/"gpt" or "User" are not among them

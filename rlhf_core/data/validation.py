@@ -8,8 +8,9 @@ see :func:`_suite`. Rows are named by their position in the table, from 0.
 
 The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make preference data
 (:data:`~rlhf_core.data.schema.PREFERENCE_COLUMNS`), ``reward_model`` prompt data (verl's schema,
-:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`; ``ability``, which nothing in training reads, only where it is
-there, :data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`); a table with neither is reported with every column
+:data:`~rlhf_core.data.schema.REQUIRED_COLUMNS`; ``ability``, which nothing in training reads, and ``extra_info``,
+whose ``index`` the trainer replaces by the row's number in its file, only where they are there,
+:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`); a table with neither is reported with every column
 either kind needs that it lacks, and where it has the prompt column with a note (:attr:`ValidationReport.notes`)
 that prompts trained without a ground truth need no ``reward_model`` (``ground_truth_required=False``). Prompt data trained without a ground truth (``ground_truth_required=False``,
 ``--no-ground-truth``: a reward model at ``reward_model.rule_coef=0`` or a custom reward function) needs no
@@ -543,7 +544,9 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
     checks cover those rows, and ``reward_model`` is not a required column. An optional column
-    (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``) is checked for nulls where it is there. A
+    of prompt data (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``, ``extra_info``) is checked for
+    nulls where it is there: a file of the table without it is no finding (its rows' problem ids are their rows in
+    that file, which ``problem_id_unique`` checks). A
     required column that only some of the files joined into the table have (``{column}_missing_from``) fails
     ``column_in_every_file``, which names the files without it; its nulls are checked in the files that have it.
     ``min_kept``: the prompts within the limit the table needs where the over-long ones are dropped
@@ -557,7 +560,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                            if ground_truth_required or c != "reward_model")
     columns = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
         PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
-    optional = set(OPTIONAL_COLUMNS) - {prompt_key, reward_fn_key}  # a column the trainer is told to read is not
+    # a column the trainer is told to read is not optional, nor is a column preference data needs
+    optional = set(OPTIONAL_COLUMNS) - {prompt_key, reward_fn_key} - set(PREFERENCE_COLUMNS if kind != "prompt" else ())
     required = [c for c in columns if c not in optional]
     sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
     key = "prompt_json" if kind == "preference" else "prompt_user_content"
