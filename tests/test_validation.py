@@ -395,6 +395,36 @@ def test_a_source_without_a_rule_needs_one_only_where_a_ground_truth_is_graded()
         in custom.skipped
 
 
+def test_each_split_may_need_a_ground_truth_and_says_why():
+    """A pipeline whose trainer takes prompts without a ground truth (a reward model at rule_coef=0) while its
+    evaluation grades the validation set with the built-in rule: the splits differ, and the refusal gives the
+    evaluation's reason."""
+    train = pd.DataFrame(records(4)).drop(columns=["reward_model"])
+    rows = records(3, "test", 50)
+    rows[2]["reward_model"]["ground_truth"] = None
+    val = pd.DataFrame(rows)
+    why = "the evaluation grades every validation problem against it"
+    report = validate_frames(train, val, ground_truth_required=(False, True), ground_truth_reason=(None, why))
+    assert failed(report) == [("not_null", "ground_truth", "val")]
+    assert report.failures[0].examples == [(2, None)]
+    assert f"FAILED not_null [val.ground_truth] (expect_column_values_to_not_be_null): 1 of 3 rows fail (33.3%): " \
+        f"reward_model.ground_truth is never null ({why})" in report.summary().splitlines()
+    assert "train: not_null [ground_truth] (rows may go without a ground truth: a reward model at " \
+        "reward_model.rule_coef=0 or a custom reward function scores them)" in report.skipped
+    # a validation file without the column: the column is missing, for that reason
+    report = validate_frames(train, val.drop(columns=["reward_model"]), ground_truth_required=(False, True),
+                             ground_truth_reason=(None, why))
+    assert failed(report) == [("column_exists", "reward_model", "val")]
+    assert f"FAILED column_exists [val.reward_model] (expect_column_to_exist): column 'reward_model' is missing " \
+        f"({why})" in report.summary().splitlines()
+    # the reason is said only where the split needs a ground truth; without one it reads as before
+    assert validate_frames(train, val.drop(index=[2]), ground_truth_required=(False, True),
+                           ground_truth_reason=(why, why)).success
+    plain = validate_frames(pd.DataFrame(rows))
+    assert failed(plain) == [("not_null", "ground_truth", "train")]
+    assert plain.failures[0].description == "reward_model.ground_truth is never null"
+
+
 def test_the_command_line_takes_prompts_without_a_ground_truth(tmp_path, capsys):
     alone = tmp_path / "alone.parquet"
     pd.DataFrame(records(3)).drop(columns=["reward_model"]).to_parquet(alone)

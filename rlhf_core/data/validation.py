@@ -12,11 +12,13 @@ The kind follows the columns (:func:`detect_kind`): ``chosen``/``rejected`` make
 whose ``index`` the trainer replaces by the row's number in its file, only where they are there,
 :data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`); a table with neither is reported with every column
 either kind needs that it lacks, and where it has the prompt column with a note (:attr:`ValidationReport.notes`)
-that prompts trained without a ground truth need no ``reward_model`` (``ground_truth_required=False``). Prompt data trained without a ground truth (``ground_truth_required=False``,
-``--no-ground-truth``: a reward model at ``reward_model.rule_coef=0`` or a custom reward function) needs no
-``reward_model`` column, and its ground-truth checks cover only the rows that have one. Both kinds check the
-rows, columns, nulls and the prompt messages, and the validation file for rows that repeat training data
-(prompt data: the same user turn; preference data: the same prompt, as the reward model's trainer refuses it).
+that prompts trained without a ground truth need no ``reward_model`` (``ground_truth_required=False``). Prompt
+data trained without a ground truth (``ground_truth_required=False``, ``--no-ground-truth``: a reward model at
+``reward_model.rule_coef=0``, or a custom reward function, which ``--custom-reward`` implies) needs no
+``reward_model`` column, and its ground-truth checks cover only the rows that have one; a split that needs one
+for a reason beyond the trainer's says so (``ground_truth_reason``). Both kinds check the rows, columns, nulls
+and the prompt messages, and the validation file for rows that repeat training data (prompt data: the same
+user turn; preference data: the same prompt, as the reward model's trainer refuses it).
 Prompt data's prompt and data source are read from the trainer's columns (``prompt_key``, ``reward_fn_key``),
 its problem ids built as the trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and
 ``max_prompt_length``: counted as the trainer counts them); preference data the prompt with the longer
@@ -535,7 +537,8 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
 def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[str] | None, is_val: bool,
            limit: float | None, unit: str, mostly: float, known_sources: Sequence[str] | None,
            skipped: list[str], prompt_key: str = "prompt", reward_fn_key: str = "data_source",
-           ground_truth_required: bool = True, min_kept: int | None = None) -> list[Any]:
+           ground_truth_required: bool = True, ground_truth_reason: str | None = None,
+           min_kept: int | None = None) -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
     ``leaked``: the training user turns (prompt data) or prompts (preference data) that a validation table
@@ -543,10 +546,12 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     source nor the answer's form is the built-in rules' business. ``prompt_key``, ``reward_fn_key``: the
     columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
-    checks cover those rows, and ``reward_model`` is not a required column. An optional column
-    of prompt data (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``, ``extra_info``) is checked for
-    nulls where it is there: a file of the table without it is no finding (its rows' problem ids are their rows in
-    that file, which ``problem_id_unique`` checks). A
+    checks cover those rows, and ``reward_model`` is not a required column. ``ground_truth_reason``: why the
+    table needs a ground truth on every row where the trainer's reason is not the whole story, said in the
+    descriptions of the checks that require it (``reward_model`` present, its ground truth not null). An optional
+    column of prompt data (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``, ``extra_info``) is checked
+    for nulls where it is there: a file of the table without it is no finding (its rows' problem ids are their rows
+    in that file, which ``problem_id_unique`` checks). A
     required column that only some of the files joined into the table have (``{column}_missing_from``) fails
     ``column_in_every_file``, which names the files without it; its nulls are checked in the files that have it.
     ``min_kept``: the prompts within the limit the table needs where the over-long ones are dropped
@@ -558,6 +563,7 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     renamed = {"prompt": prompt_key, "data_source": reward_fn_key}
     prompt_columns = tuple(renamed.get(c, c) for c in PROMPT_COLUMNS
                            if ground_truth_required or c != "reward_model")
+    because = f" ({ground_truth_reason})" if ground_truth_required and ground_truth_reason else ""
     columns = dict.fromkeys(prompt_columns + PREFERENCE_COLUMNS) if kind is None else (
         PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
     # a column the trainer is told to read is not optional, nor is a column preference data needs
@@ -568,7 +574,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     # (check, GX expectation, column or columns, what it checks, the expectation's arguments)
     specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
-        *[("column_exists", gxe.ExpectColumnToExist, c, f"column '{c}' is present", {}) for c in required],
+        *[("column_exists", gxe.ExpectColumnToExist, c,
+           f"column '{c}' is present{because if c == 'reward_model' else ''}", {}) for c in required],
         # a split of several files: each file has each required column (a file without it is named, not its rows)
         *[("column_in_every_file", gxe.ExpectColumnValuesToBeNull, f"{c}_missing_from",
            f"every file joined into the table has column '{c}' (shown: the files without it)", {})
@@ -603,11 +610,11 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     if kind == "prompt":
         if ground_truth_required and "reward_model_in_file" in frame:  # column_in_every_file names the others
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
-                          "reward_model.ground_truth is never null in the files that have 'reward_model'",
+                          f"reward_model.ground_truth is never null in the files that have 'reward_model'{because}",
                           {"row_condition": "reward_model_in_file == True", "condition_parser": "pandas"}))
         elif ground_truth_required:
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
-                          "reward_model.ground_truth is never null", {}))
+                          f"reward_model.ground_truth is never null{because}", {}))
         else:
             skipped.append(f"{dataset}: not_null [ground_truth] (rows may go without a ground truth: a reward "
                            "model at reward_model.rule_coef=0 or a custom reward function scores them)")
@@ -718,7 +725,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     names: tuple[str, str] = ("train", "val"),
                     paths: tuple[str | None, str | None] = (None, None),
                     file_rows: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
-                    ground_truth_required: bool = True,
+                    ground_truth_required: bool | tuple[bool, bool] = True,
+                    ground_truth_reason: tuple[str | None, str | None] = (None, None),
                     option_names: Mapping[str, str] | None = None,
                     min_kept: tuple[int | None, int | None] = (None, None),
                     missing_in_file: tuple[Mapping[str, Sequence[str | None]] | None, ...] = (None, None)) \
@@ -737,8 +745,10 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     ``extra_info.index`` as the trainer does. ``ground_truth_required=False``: prompt data trained without a
     ground truth (:meth:`~rlhf_core.config.PPOConfig.needs_ground_truth` False: a reward model at
     ``reward_model.rule_coef=0`` or a custom reward function), which the trainer takes without the
-    ``reward_model`` column or with rows whose ground truth is null; the pipelines keep the default, as
-    their evaluation grades against the ground truth. Preference data has none, and ignores it.
+    ``reward_model`` column or with rows whose ground truth is null; a pair (train, val) sets each split's, as the
+    pipelines do where their evaluation grades the validation set with the built-in rule (a reward model at
+    ``rule_coef=0``), and ``ground_truth_reason`` then says for each split why it needs one (None: the trainer's
+    rule reward), in the checks that require it. Preference data has none, and ignores both.
     ``option_names``: what the errors call the tokenizer, the limits and the tolerance, and what the note on prompts
     without a ``reward_model`` column calls ``ground_truth_required`` (:data:`_OPTIONS`), for a caller whose user
     set them otherwise (the command line's ``--max-chars``, ``--no-ground-truth``); by default these parameters'
@@ -750,13 +760,15 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     column's nulls; a required column fails ``column_in_every_file`` naming those files, an optional one
     (``ability``) is not required of them.
     """
-    kind = detect_kind(train.columns, ground_truth_required) if kind == "auto" else kind
+    truth_required = (ground_truth_required,) * 2 if isinstance(ground_truth_required, bool) else \
+        tuple(ground_truth_required)
+    kind = detect_kind(train.columns, truth_required[0]) if kind == "auto" else kind
     if kind is None:  # the missing columns are the finding; no limit applies
         tokenizer = max_prompt_length = max_length = max_chars = None
     name = {**dict(zip(_OPTIONS, _OPTIONS)), "ground_truth_required": "ground_truth_required=False",
             **(option_names or {})}
     notes = []
-    if kind is None and ground_truth_required and prompt_key in train.columns:  # prompts, told by no column
+    if kind is None and truth_required[0] and prompt_key in train.columns:  # prompts, told by no column
         notes.append(f"'{prompt_key}' without 'reward_model', 'chosen' or 'rejected' is prompt data without a ground "
                      "truth, which trains with a custom reward function or a reward model at "
                      f"reward_model.rule_coef=0 and needs no 'reward_model' column: validate it so with "
@@ -810,7 +822,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
                        unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
                        known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
-                       skipped=skipped, ground_truth_required=ground_truth_required, **keys,
+                       skipped=skipped, ground_truth_required=truth_required[position],
+                       ground_truth_reason=ground_truth_reason[position], **keys,
                        min_kept=min_kept[position] if limit is not None else None)
         results[name] = _run(frame, suite, f"{name}.{kind or 'unknown'}_data")
     datasets = [DatasetInfo(name, path, len(frame), [str(c) for c in frame.columns])
@@ -942,8 +955,8 @@ def _describe_failure(outcome: Outcome) -> str:
     stats = outcome.statistics
     if "error" in stats:  # GX could not evaluate it: no row count would mean anything
         return f"error: {stats['error']} (the check could not run: {outcome.description})"
-    if outcome.name == "column_exists":
-        return f"column '{outcome.column}' is missing"
+    if outcome.name == "column_exists":  # with the reason its description gives, if any
+        return f"column '{outcome.column}' is missing{outcome.description.partition(' is present')[2]}"
     if outcome.name == "column_in_every_file":
         files = [str(value) for _, value in outcome.examples]
         one = len(files) == 1
