@@ -425,6 +425,27 @@ def test_each_split_may_need_a_ground_truth_and_says_why():
     assert plain.failures[0].description == "reward_model.ground_truth is never null"
 
 
+def test_a_custom_reward_on_the_command_line_takes_prompts_without_a_ground_truth(tmp_path, capsys):
+    """The trainer with a custom reward function takes rows without a ground truth; `rlhf validate --custom-reward`
+    refused them unless --no-ground-truth was also given."""
+    alone = tmp_path / "alone.parquet"
+    pd.DataFrame(records(3)).drop(columns=["reward_model"]).to_parquet(alone)
+    rows = records(3, "test", 20)
+    rows[0]["reward_model"]["ground_truth"] = None
+    partial = write(tmp_path / "partial.parquet", rows)
+    assert validate([str(alone), "--val", str(partial), "--custom-reward"]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED" in out and "(prompt data)" in out and "skipped: val: not_null [ground_truth]" in out
+    assert validate([str(partial), "--custom-reward", "--no-ground-truth"]) == 0  # the same, said twice
+    capsys.readouterr()
+    assert validate([str(partial)]) == 1  # the built-in rule: still needed
+    assert "FAILED not_null [train.ground_truth]" in capsys.readouterr().out
+    result = _run_cli("--help")
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert "implies --no-ground-truth" in text
+
+
 def test_the_command_line_takes_prompts_without_a_ground_truth(tmp_path, capsys):
     alone = tmp_path / "alone.parquet"
     pd.DataFrame(records(3)).drop(columns=["reward_model"]).to_parquet(alone)

@@ -254,10 +254,11 @@ def _validate_parser() -> argparse.ArgumentParser:
                         help="share of rows allowed over the length limit (default 0)")
     parser.add_argument("--custom-reward", action="store_true",
                         help="prompt data scored by a custom reward function (custom_reward_function.path): "
-                             "any data_source and any form of ground truth")
+                             "any data_source and any form of ground truth, or none, as the trainer takes it "
+                             "(implies --no-ground-truth)")
     parser.add_argument("--no-ground-truth", dest="ground_truth_required", action="store_false",
                         help="prompt data trained without a ground truth: a reward model with "
-                             "reward_model.rule_coef=0 or a custom reward function; rows may leave "
+                             "reward_model.rule_coef=0 (a custom reward function: --custom-reward); rows may leave "
                              "reward_model.ground_truth out and files may lack the reward_model column")
     parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                         help="keywords to the chat template when lengths are measured, as the trainer gets them "
@@ -287,7 +288,9 @@ def validate(argv: Sequence[str] | None = None) -> int:
                                   max_length=args.max_length, max_chars=args.max_chars,
                                   overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward,
                                   template_kwargs=args.chat_template_kwargs, prompt_key=args.prompt_key,
-                                  reward_fn_key=args.reward_fn_key, ground_truth_required=args.ground_truth_required,
+                                  reward_fn_key=args.reward_fn_key,
+                                  # a custom reward gets None where a row has none, as in training
+                                  ground_truth_required=args.ground_truth_required and not args.custom_reward,
                                   option_names=_VALIDATE_OPTIONS)
     except DataReadError as exc:
         print(f"error: {exc}", file=sys.stderr)
