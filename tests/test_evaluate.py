@@ -181,13 +181,34 @@ def test_report_shows_intervals_and_what_was_fixed_and_broken(setup):
         assert f"<td>fixed</td><td>{item['problem_id']}</td>" in page
 
 
-def test_a_validation_set_without_ground_truths_cannot_be_scored(setup, tmp_path):
+def test_a_validation_set_without_ground_truths_is_graded_by_a_custom_reward_only(setup, tmp_path):
+    """A custom reward grades prompts without a ground truth in training (it gets None); the evaluation refused
+    them even so, after the pipeline had trained on them. The built-in rules cannot grade them."""
     model, val = setup
     frame = pd.read_parquet(val)
     frame["reward_model"] = [{"style": "rule", "ground_truth": None}] * len(frame)
     frame.to_parquet(tmp_path / "no_truth.parquet", index=False)
+    frame.drop(columns=["reward_model"]).to_parquet(tmp_path / "prompts_alone.parquet", index=False)
     with pytest.raises(DataError, match=r"row 0: reward_model.ground_truth is missing"):
-        evaluate_policy(model, str(tmp_path / "no_truth.parquet"), DATA, reward_fn=digit_first)
+        evaluate_policy(model, str(tmp_path / "no_truth.parquet"), DATA)  # the built-in rule
+    with pytest.raises(DataError, match=r"column\(s\) \['reward_model'\] missing"):
+        evaluate_policy(model, str(tmp_path / "prompts_alone.parquet"), DATA)
+    seen = []
+
+    def digit_first_seen(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(ground_truth)
+        return digit_first(data_source, solution_str, ground_truth)
+
+    with_truth = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=10)
+    for name in ("no_truth.parquet", "prompts_alone.parquet"):
+        seen.clear()
+        result = evaluate_policy(model, str(tmp_path / name), DATA, reward_fn=digit_first_seen, max_problems=10)
+        assert seen == [None] * 10
+        # the same problems and greedy responses as with the ground truths, right where they start with a digit
+        assert [(p["id"], p["response"]) for p in result.problems] == \
+            [(p["id"], p["response"]) for p in with_truth.problems]
+        assert [p["correct"] for p in result.problems] == [p["response"][:1].isdigit() for p in result.problems]
+        assert result.accuracy == sum(p["response"][:1].isdigit() for p in result.problems) / 10
 
 
 def test_a_problem_the_reward_leaves_ungraded_is_refused_not_counted_wrong(setup):

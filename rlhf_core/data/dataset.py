@@ -41,9 +41,9 @@ class DataError(ValueError):
 
 
 #: why a ground truth is needed, and where it is not
-TRUTH_HINT = (" (the built-in rule rewards and the pipelines' evaluation grade against reward_model.ground_truth; "
-               "training alone takes prompts without one with a custom reward function, or with a reward model and "
-               "reward_model.rule_coef=0)")
+TRUTH_HINT = (" (the built-in rule rewards grade against reward_model.ground_truth, in training and in the "
+               "pipelines' evaluation; prompts without one train and evaluate with a custom reward function, and "
+               "train alone with a reward model and reward_model.rule_coef=0)")
 
 
 def as_file_list(files: str | Sequence[str]) -> list[Path]:

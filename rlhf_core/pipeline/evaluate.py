@@ -172,7 +172,8 @@ def evaluate_policy(
 
     ``data_config`` gives the prompt settings (key, length limit, truncation) and, when
     ``max_new_tokens`` is None, the response length; ``reward_fn`` replaces the built-in reward
-    by data source, as ``custom_reward_function`` does in training. ``max_problems`` caps the
+    by data source, as ``custom_reward_function`` does in training, and then grades rows without a
+    ``reward_model.ground_truth`` (it gets None), which the built-in rules cannot. ``max_problems`` caps the
     problems at a sample stratified by data source (``sample_seed`` draws it: the same data, cap
     and seed give the same problems). With ``val_kwargs`` asking for sampling (``n > 1`` or
     ``do_sample``) each problem is also sampled ``n`` times (generator seed ``seed``) for the
@@ -189,7 +190,8 @@ def evaluate_policy(
     data_config = data_config or DataConfig()
     model_dir = resolve_policy_dir(model_dir)
     tokenizer = load_tokenizer(tokenizer_path or model_dir)
-    dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files")
+    dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files",
+                          require_ground_truth=reward_fn is None)
     ids = Counter(row["id"] for row in dataset.rows)
     repeated = sorted(problem for problem, count in ids.items() if count > 1)
     if repeated:
