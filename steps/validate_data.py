@@ -11,6 +11,7 @@ from zenml.types import HTMLString
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import validate_dataset
+from rlhf_core.pipeline.evaluate import ground_truth_needs
 
 logger = get_logger(__name__)
 
@@ -39,6 +40,7 @@ def validate_data(ppo_config: dict) -> tuple[
         custom_reward=bool(cfg.custom_reward_function.path), template_kwargs=dict(data.apply_chat_template_kwargs),
         prompt_key=data.prompt_key, reward_fn_key=data.reward_fn_key,  # the columns the trainer reads
         min_kept=(batch, 1) if data.filter_overlong_prompts else (None, None),
+        **ground_truth_needs(cfg),  # what training, evaluation and the reward's self-check grade against
     )
     result = report.to_dict()
     statistics = result["statistics"]

@@ -104,7 +104,8 @@ trainer: {{total_training_steps: 3, test_freq: -1, val_before_train: false, n_gp
     return TinySetup(root, trainer_config, first["train"], first["test"], more["train"])
 
 
-def run_pipeline(model_name: str, retrain: bool = False, train_file: Path | None = None, **parameters):
+def run_pipeline(model_name: str, retrain: bool = False, train_file: Path | None = None,
+                 val_file: Path | None = None, **parameters):
     """One in-process run of the training (or retraining) pipeline on the tiny setup."""
     zenml_client()
     from zenml import Model
@@ -115,7 +116,7 @@ def run_pipeline(model_name: str, retrain: bool = False, train_file: Path | None
     setup = tiny_setup()
     pipeline = (rlhf_retrain_pipeline if retrain else rlhf_ppo_pipeline).with_options(model=Model(name=model_name))
     return pipeline(trainer_config=str(setup.trainer_config), train_files=str(train_file or setup.train_file),
-                    val_files=str(setup.val_file), **parameters)
+                    val_files=str(val_file or setup.val_file), **parameters)
 
 
 @functools.cache
@@ -382,7 +383,7 @@ def test_bad_data_stops_at_validate_data_and_nothing_is_promoted(tmp_path):
     """Through the command line users run: `zenml pipeline run ... -c run_config.yaml`."""
     setup = tiny_setup()
     bad = pd.read_parquet(setup.train_file)
-    bad.at[3, "reward_model"] = {"style": "rule", "ground_truth": None}
+    bad.at[3, "prompt"] = [{"role": "user", "content": " "}]  # (the custom reward needs no ground truth)
     bad.to_parquet(tmp_path / "train.parquet", index=False)
     run_config = tmp_path / "bad_data.yaml"
     run_config.write_text(f"""\
@@ -399,7 +400,7 @@ parameters:
     output = result.stdout + result.stderr
     assert result.returncode != 0, output
     assert "Dataset validation FAILED" in output
-    assert "not_null [train.ground_truth]" in output
+    assert "prompt_user_content_non_empty [train.prompt_user_content]" in output
     assert "row 3" in output
 
     client = zenml_client()
@@ -415,6 +416,32 @@ parameters:
     assert version.run_metadata["failed_step"] == "validate_data"
     assert version.run_metadata["failure"].startswith("DataValidationError: Dataset validation FAILED")
     assert version.run_metadata["pipeline_run_id"] == str(run.id)
+
+
+def test_a_custom_reward_s_run_goes_through_on_prompts_without_a_ground_truth(tmp_path):
+    """The custom reward grades training, its self-check and the evaluation without a ground truth (it gets None),
+    as the trainer alone takes such prompts: validate_data refused them, and had it not, evaluate did."""
+    setup = tiny_setup()
+    files = {}
+    for split, path in (("train", setup.train_file), ("val", setup.val_file)):
+        files[split] = tmp_path / f"{split}.parquet"
+        pd.read_parquet(path).drop(columns=["reward_model"]).to_parquet(files[split], index=False)
+    run = run_pipeline("tiny-no-ground-truth", train_file=files["train"], val_file=files["val"])
+    run = zenml_client().get_pipeline_run(run.id)
+    assert str(run.status) == "completed"
+    assert sorted(run.steps) == sorted(STEPS)
+    validation = run.steps["validate_data"].outputs["validation_result"][0].load()
+    assert validation["success"] is True
+    assert {f"{split}: not_null [ground_truth] (rows may go without a ground truth: a reward model at "
+            "reward_model.rule_coef=0 or a custom reward function scores them)" for split in ("train", "val")} \
+        <= set(validation["skipped"])
+    spec = run.steps["define_reward"].outputs["reward_spec"][0].load()
+    assert spec["self_check"]["checked"] == 8 and spec["self_check"]["passed"] is True  # the bare answers
+    evaluation = run.steps["evaluate"].outputs["evaluation"][0].load()
+    assert evaluation["n"] == 8 and len(evaluation["problems"]) == 8  # every validation problem graded
+    meta = zenml_client().get_model_version("tiny-no-ground-truth", 1).run_metadata
+    # the digit-first reward is easy: three steps reach its ceiling on every validation prompt, as with them
+    assert meta["accuracy"] == 1.0 and meta["promoted"] is True, meta["decision_reason"]
 
 
 def _mcnemar_by_hand(fixed: int, broken: int) -> float:

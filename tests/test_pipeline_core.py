@@ -18,9 +18,11 @@ from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.pipeline.evaluate import (
+    RULE_GRADES_EVALUATION,
     RewardChangedError,
     check_reference_solutions,
     check_reward_unchanged,
+    ground_truth_needs,
     reward_spec,
 )
 from rlhf_core.pipeline.smoke import (
@@ -573,6 +575,40 @@ def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     check = check_reference_solutions(cfg)
     assert (check.checked, [m["row"] for m in check.mismatches]) == (6, [2])
     assert f"{paths['test']} row 2" in check.summary() and "'99999'" in check.summary()
+
+
+def test_the_pipeline_needs_a_ground_truth_where_training_or_its_evaluation_grades_with_the_rule(tmp_path):
+    """validate_data held every run to a ground truth on every row: a custom reward's run on prompts without one
+    was refused though training, the reward's self-check and the evaluation all grade with that function; a reward
+    model at rule_coef=0 trains without one, while the evaluation grades the validation set with the rule."""
+    from rlhf_core.data.validation import validate_dataset
+
+    reward_model = ["reward_model.enable=true", "reward_model.model.path=rm"]
+    custom = ["custom_reward_function.path=reward.py"]
+    runs = {  # -> (train, val) needed, and the validation set's reason
+        "built-in rule": ([], (True, True), None),
+        "reward model and rule": ([*reward_model, "reward_model.rule_coef=0.5"], (True, True), None),
+        "reward model alone": ([*reward_model, "reward_model.rule_coef=0"], (False, True), RULE_GRADES_EVALUATION),
+        "custom reward": (custom, (False, False), None),
+        "reward model, custom reward": ([*reward_model, "reward_model.rule_coef=0", *custom], (False, False), None),
+    }
+    for run, (overrides, required, reason) in runs.items():
+        needs = ground_truth_needs(load_config(overrides, validate=False))
+        assert needs == {"ground_truth_required": required, "ground_truth_reason": (None, reason)}, run
+    assert "evaluate step grades every validation problem with the built-in rule" in RULE_GRADES_EVALUATION
+    # as validate_data calls it: prompts alone to train on, a validation row without a ground truth
+    paths = build_dataset(tmp_path / "data", n_train=4, n_test=3, seed=0, max_ops=1)
+    pd.read_parquet(paths["train"]).drop(columns=["reward_model"]).to_parquet(paths["train"], index=False)
+    val = pd.read_parquet(paths["test"])
+    val.at[1, "reward_model"] = {"style": "rule", "ground_truth": None}
+    val.to_parquet(paths["test"], index=False)
+    alone = validate_dataset(paths["train"], paths["test"], kind="prompt",
+                             **ground_truth_needs(load_config(runs["reward model alone"][0], validate=False)))
+    assert [(o.name, o.column, o.dataset) for o in alone.failures] == [("not_null", "ground_truth", "val")]
+    assert f"reward_model.ground_truth is never null ({RULE_GRADES_EVALUATION})" in alone.summary()
+    graded = validate_dataset(paths["train"], paths["test"], kind="prompt", custom_reward=True,
+                              **ground_truth_needs(load_config(custom, validate=False)))
+    assert graded.success, graded.summary()
 
 
 def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():

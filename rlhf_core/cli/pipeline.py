@@ -44,7 +44,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
     parser.add_argument("--custom-reward", metavar="FILE.py",
                         help="grade with the function of this file (as custom_reward_function.path), not the "
-                             "built-in rules by data source")
+                             "built-in rules by data source; it also grades prompts without a ground truth")
     parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)

@@ -10,6 +10,7 @@
 * :func:`reward_spec` and :func:`check_reference_solutions`: the identity of the reward (which
   function, its parameters, a SHA-256 of its source) and the self-check that every reference
   solution in the validation data earns full marks against its own ground truth.
+* :func:`ground_truth_needs`: which splits a pipeline run needs a ground truth on every row of, and why.
 * :func:`training_curves_png` and :func:`evaluation_html`: the figures and the HTML report.
 
     python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--max-problems 500]
@@ -360,6 +361,29 @@ def changed_problems(table: pd.DataFrame, baseline: str = "base", limit: int = C
 
 
 # ----------------------------------------------------------------------------- the reward under test
+
+
+#: why a pipeline run needs a ground truth on every validation row where its trainer does not (a reward model at
+#: ``reward_model.rule_coef=0``): the pipeline's own steps grade the validation set with the built-in rule
+RULE_GRADES_EVALUATION = (
+    "the pipeline's evaluate step grades every validation problem with the built-in rule against its "
+    "reward_model.ground_truth (and define_reward's self-check scores the reference solutions against it): a "
+    "reward model at reward_model.rule_coef=0 trains without one, the evaluation does not; give every validation "
+    "row its ground truth, or grade with a custom reward function (custom_reward_function.path)")
+
+
+def ground_truth_needs(cfg: PPOConfig) -> dict[str, tuple]:
+    """:func:`~rlhf_core.data.validation.validate_dataset`'s ``ground_truth_required`` and ``ground_truth_reason``
+    for a pipeline run of ``cfg``, each a pair (train, val).
+
+    Training needs a ground truth where :meth:`PPOConfig.needs_ground_truth` says so. Evaluation, and the reward's
+    self-check, grade the validation set with the reward the run defines (:func:`_reward_callables`): a custom
+    reward function grades rows without one, the built-in rule does not, even where a reward model at
+    ``rule_coef=0`` trains without it; the reason (:data:`RULE_GRADES_EVALUATION`) is then the pipeline's own."""
+    trains = cfg.needs_ground_truth()
+    rule_grades = not cfg.custom_reward_function.path
+    return {"ground_truth_required": (trains, trains or rule_grades),
+            "ground_truth_reason": (None, RULE_GRADES_EVALUATION if rule_grades and not trains else None)}
 
 
 def _reward_callables(cfg: PPOConfig, data_sources: Sequence[str]) -> dict[str, RewardFn]:
