@@ -94,8 +94,9 @@ class _SourceScan:
     """What preflight reads of a data key's files: the data sources of the rows with a ground truth and of all
     rows, the rows without a ground truth, and (``file row N: reason``, a few) rows without a data source and
     rows whose ground truth a right answer, written as numbers are, cannot match under the built-in
-    rule (:func:`gsm8k.unanswerable`), rows whose ``reward_model`` is no mapping (:func:`reward_model_problem`), and
-    (``file row N``, roles) the rows whose prompt messages have roles outside the chat format (:func:`unknown_roles`)."""
+    rule (:func:`gsm8k.unanswerable`), rows whose ``reward_model`` is no mapping (:func:`reward_model_problem`,
+    counted), and (``file row N``, roles) the rows whose prompt messages have roles outside the chat format
+    (:func:`unknown_roles`)."""
 
     graded: set[str] = field(default_factory=set)
     every: set[str] = field(default_factory=set)
@@ -103,6 +104,7 @@ class _SourceScan:
     no_source: list[str] = field(default_factory=list)
     unanswerable: dict[str, list[str]] = field(default_factory=dict)  # by data source
     malformed: list[str] = field(default_factory=list)
+    malformed_rows: int = 0
     unknown_roles: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
@@ -132,8 +134,11 @@ def _data_sources(paths: list[Path], column: str, prompt_key: str = "prompt", ex
             source, truth = str(source), ground_truth(cell)
             scan.every.add(source)
             problem = reward_model_problem(cell)
-            if problem and len(scan.malformed) < examples:
-                scan.malformed.append(f"{path} row {row}: {problem}")
+            if problem:  # told as such, not as a row without a ground truth (whose advice is to train without one)
+                scan.malformed_rows += 1
+                if len(scan.malformed) < examples:
+                    scan.malformed.append(f"{path} row {row}: {problem}")
+                continue
             if truth is None:
                 scan.without += 1
                 continue
@@ -241,7 +246,9 @@ def preflight(cfg: PPOConfig) -> None:
                 errors.append(f"{key}: rows without a {cfg.data.reward_fn_key} (the reward is routed by it): "
                               f"{'; '.join(scan.no_source)}")
             if scan.malformed:
-                errors.append(f"{key}: {'; '.join(scan.malformed)}")
+                more = "; ..." if scan.malformed_rows > len(scan.malformed) else ""
+                errors.append(f"{key}: {scan.malformed_rows} rows' reward_model is no mapping: "
+                              f"{'; '.join(scan.malformed)}{more}")
             if without and cfg.needs_ground_truth():
                 errors.append(f"{key}: {without} rows have no reward_model.ground_truth{TRUTH_HINT}")
             # the rule grades the rows with a ground truth; the others only where it counts in the reward

@@ -150,8 +150,9 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
 
     Records on this run's model version ``config_fingerprint`` and ``evaluation_settings``: with
     ``warm_started_from`` (recorded by train_ppo: the version that the checkpoint it starts from is linked to;
-    production may change before that checkpoint is resolved), what a later run's gate compares with. Where production's stage and promotion record disagree
-    (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`), the step's record and log say so
+    production may change before that checkpoint is resolved), what a later run's gate compares with. Where
+    production's stage and promotion record disagree (:func:`~rlhf_core.pipeline.promotion.stage_disagreement`),
+    the step's record and log say so
     (``production_record``)."""
     context = get_step_context()
     model_name, client = context.model.name, Client()

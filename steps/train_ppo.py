@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -80,7 +81,7 @@ def train_ppo(
         # more folder for every skipped scheduled run)
         logger.info("training skipped: %s; no checkpoint is stored for this version", skip_reason)
         local_dir = PPOConfig.from_dict(ppo_config).trainer.default_local_dir
-        folder = Path(local_dir) / get_step_context().pipeline_run.name
+        folder = Path(os.path.expanduser(local_dir)) / get_step_context().pipeline_run.name
         folder.mkdir(parents=True, exist_ok=True)
         (folder / SKIPPED_NOTE).write_text(f"training skipped: {skip_reason}\n")
         log_metadata({"skipped": skip_reason, "steps": 0})

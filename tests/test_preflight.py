@@ -535,7 +535,11 @@ def test_a_reward_model_column_of_text_is_named_as_such_not_as_a_missing_ground_
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]"))
     why = ("reward_model is the JSON text of a mapping, not a {style, ground_truth} mapping: parse it before "
            "writing the parquet (frame['reward_model'] = frame['reward_model'].map(json.loads))")
-    assert errors[0] == f"data.train_files: {path} row 0: {why}; {path} row 1: {why}; {path} row 2: {why}"
+    assert len(frame) > 3  # three rows shown, and a sign that there are more
+    assert errors[0] == (f"data.train_files: {len(frame)} rows' reward_model is no mapping: {path} row 0: {why}; "
+                         f"{path} row 1: {why}; {path} row 2: {why}; ...")
+    # and not also told as rows without a ground truth, whose advice is to train without one
+    assert not any("have no reward_model.ground_truth" in error for error in errors), errors
 
 
 def test_prompt_roles_outside_the_chat_format_are_refused_before_any_weights_load(space, tmp_path):

@@ -1206,6 +1206,16 @@ def test_a_prompt_repeated_with_another_ground_truth_fails_with_both_rows(tmp_pa
     frame["prompt"] = [frame["prompt"][0]] * 2
     frame["reward_model"] = [{"style": "rule", "ground_truth": 4}, {"style": "rule", "ground_truth": "4"}]
     assert validate_frames(frame).find("prompt_has_one_ground_truth")[0].success
+    # truths the rule reads as one answer (it drops "," and "$") agree; a repeat under another data source is
+    # graded by another rule, so neither is it a conflict
+    frame["reward_model"] = [{"style": "rule", "ground_truth": "1,000"}, {"style": "rule", "ground_truth": "1000"}]
+    assert validate_frames(frame).find("prompt_has_one_ground_truth")[0].success
+    frame["reward_model"] = [{"style": "rule", "ground_truth": "$5"}, {"style": "rule", "ground_truth": "5"}]
+    assert validate_frames(frame).find("prompt_has_one_ground_truth")[0].success
+    frame["reward_model"] = [{"style": "rule", "ground_truth": "5"}, {"style": "rule", "ground_truth": "6"}]
+    assert not validate_frames(frame).find("prompt_has_one_ground_truth")[0].success
+    frame["data_source"] = ["openai/gsm8k", "other/source"]
+    assert validate_frames(frame, custom_reward=True).find("prompt_has_one_ground_truth")[0].success
 
 
 def test_an_optional_column_of_one_file_only_is_checked_in_that_file(tmp_path):
@@ -1258,6 +1268,11 @@ def test_a_required_column_one_file_of_a_split_lacks_is_named_with_the_file(tmp_
     assert f"files {val[0]}, {val[2]} lack column 'data_source', which the split's other files have (2 rows " \
         "without it): add the column to them" in report.summary()
     assert validate_dataset([first, second], ground_truth_required=False).success
+    # more files lacking it than a failure shows examples of: every one is named
+    lacking = [write(tmp_path / f"w{i}.parquet", [{k: v for k, v in row.items() if k != "data_source"}
+                                                  for row in records(1, "test", 70 + i)]) for i in range(4)]
+    report = validate_dataset(first, [val[1], *lacking], ground_truth_required=False)
+    assert f"files {', '.join(map(str, lacking))} lack column 'data_source'" in report.summary()
 
 
 def test_the_command_line_validates_splits_of_several_files(tmp_path, capsys):

@@ -147,7 +147,8 @@ class Outcome:
             for row, value in rows:
                 first.setdefault(value, row)
             rows = [(row, value) for value, row in first.items()]
-        examples = [(int(row), _tidy(value)) for row, value in rows[:MAX_EXAMPLES]]
+        shown = None if name == "column_in_every_file" else MAX_EXAMPLES  # the failure's message lists every file
+        examples = [(int(row), _tidy(value)) for row, value in rows[:shown]]
         description = (config.description or "").removeprefix(f"{name}: ")
         return cls(name, column, dataset, bool(item.success), config.type, description, stats, examples)
 
@@ -425,15 +426,20 @@ def _canonical_prompt(messages: list[dict]) -> str | None:
         return None
 
 
-def _conflicting_truths(conversations: Sequence[list[dict] | None], truths: Iterable[str | None]) -> list[str | None]:
-    """For each row whose prompt (all its messages) other rows repeat with another ground truth, those ground truths
-    (sorted, ``" | "`` between them), else None: one of them rewards the right answer as wrong."""
-    keys = [json.dumps(m, sort_keys=True, ensure_ascii=False, default=str) if m else None for m in conversations]
-    seen: dict[str, set[str]] = {}
+def _conflicting_truths(conversations: Sequence[list[dict] | None], truths: Iterable[str | None],
+                        sources: Iterable[Any]) -> list[str | None]:
+    """For each row whose prompt (all its messages) other rows of its data source repeat with another ground truth,
+    those ground truths (as stored, sorted, ``" | "`` between them), else None: one of them rewards the right answer
+    as wrong. Truths the rule reads as one answer (``1,000`` and ``1000``, ``$5`` and ``5``:
+    :func:`~rlhf_core.rewards.gsm8k.expected_answer`) agree."""
+    keys = [json.dumps([str(source), m], sort_keys=True, ensure_ascii=False, default=str) if m else None
+            for m, source in zip(conversations, sources)]
+    seen: dict[str, dict[str, set[str]]] = {}  # by prompt: the truths as stored, by the answer the rule reads
     for key, truth in zip(keys, truths):
         if key is not None and truth is not None:
-            seen.setdefault(key, set()).add(truth)
-    return [" | ".join(sorted(seen[key])) if key in seen and len(seen[key]) > 1 else None for key in keys]
+            seen.setdefault(key, {}).setdefault(gsm8k.expected_answer(truth), set()).add(truth)
+    return [" | ".join(sorted(set().union(*seen[key].values()))) if key in seen and len(seen[key]) > 1 else None
+            for key in keys]
 
 
 def _not_text(value: Any) -> Any:
@@ -450,8 +456,9 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
     outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
-    ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id`` (``data_source/extra_info.index``; without an index the
-    row's number in its file, ``source_rows``, as the trainer numbers rows) and, if ``measure`` (default:
+    ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id``
+    (``data_source/extra_info.index``; without an index the row's number in its file, ``source_rows``, as the
+    trainer numbers rows) and, if ``measure`` (default:
     with a tokenizer), ``prompt_tokens`` with ``prompt_template_error`` (the chat template's error, else null);
     preference data: ``pair`` (the JSON of prompt, chosen, rejected), ``prompt_json`` (the prompt as the
     reward model's trainer keys it), ``chosen_non_text``/``rejected_non_text`` (a value that is not a string)
@@ -491,7 +498,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
                                      gsm8k.expected_answer(t) if isinstance(t, numbers.Real) and not
                                      isinstance(t, (bool, np.bool_)) else str(t) for t in truths)
     if kind == "prompt" and parsed is not None and "ground_truth" in out:
-        out["prompt_conflicting_truths"] = column(_conflicting_truths(conversations, out["ground_truth"]))
+        sources = frame[reward_fn_key] if reward_fn_key in frame else [None] * len(frame)
+        out["prompt_conflicting_truths"] = column(_conflicting_truths(conversations, out["ground_truth"], sources))
     if kind == "prompt" and measure and parsed is not None:  # prompts alone are measured too
         counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
         out["prompt_tokens"] = column(counts, "float64")

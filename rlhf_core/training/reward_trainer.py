@@ -167,7 +167,8 @@ def pair_metrics(stats: dict, split: str) -> dict[str, float]:
               "margin_mean": stats["margin"] / pairs, "chosen_score_mean": stats["chosen_score"] / pairs,
               "rejected_score_mean": stats["rejected_score"] / pairs, "score_mean": mean,
               "score_std": math.nan if nan else math.sqrt(variance),
-              "score_min": math.nan if nan else stats["score_min"], "score_max": math.nan if nan else stats["score_max"]}
+              "score_min": math.nan if nan else stats["score_min"],
+              "score_max": math.nan if nan else stats["score_max"]}
     return {f"{split}/{name}": value for name, value in values.items()}
 
 
