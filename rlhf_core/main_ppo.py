@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pandas as pd
-import pyarrow.parquet
 import torch
 
 from rlhf_core.config import PPOConfig
@@ -41,6 +40,7 @@ from rlhf_core.data.dataset import (
     check_files,
     columns_not_in_every_file,
     needed_columns,
+    parquet_schema,
 )
 from rlhf_core.data.schema import (
     ground_truth,
@@ -111,10 +111,7 @@ class _SourceScan:
 def _data_sources(paths: list[Path], column: str, prompt_key: str = "prompt", examples: int = 3) -> _SourceScan:
     scan = _SourceScan()
     for path in paths:
-        try:
-            schema = pyarrow.parquet.read_schema(path)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-            raise DataError(f"{path}: cannot read it as parquet: {exc}") from exc
+        schema = parquet_schema(path)
         names = schema.names
         single = single_precision_truth(schema)
         if column not in names:

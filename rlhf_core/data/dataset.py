@@ -92,11 +92,12 @@ def needed_columns(config: DataConfig, require_ground_truth: bool = True) -> tup
     return config.prompt_key, config.reward_fn_key
 
 
-def column_names(path: Path) -> list[str]:
-    """The columns of a parquet file, from its schema alone."""
+def parquet_schema(path: Path) -> pyarrow.Schema:
+    """A parquet file's schema (its columns and their types), read without its rows; a DataError naming the file
+    where it cannot be read."""
     try:
-        return pyarrow.parquet.read_schema(path).names
-    except (pyarrow.ArrowException, OSError, ValueError) as exc:
+        return pyarrow.parquet.read_schema(path)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
         raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
 
 
@@ -108,7 +109,7 @@ def columns_not_in_every_file(paths: Sequence[Path], columns: Sequence[str]) -> 
     report. Reads the files' schemas only."""
     if len(paths) < 2:
         return None
-    names = {path: column_names(path) for path in paths}
+    names = {path: parquet_schema(path).names for path in paths}
     problems = []
     for column in columns:
         having = [path for path in paths if column in names[path]]
