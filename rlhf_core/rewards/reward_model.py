@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -351,12 +352,12 @@ class RewardModelWorker:
                                  self.config.micro_batch_size_per_gpu, False, 0)
 
 
-def conversation_ids(tokenizer, messages: list[dict], response: str, chat_template_kwargs: dict | None = None,
-                     eos: bool = True) -> tuple[list[int], list[int]]:
-    """(prompt ids, response ids): ``messages`` in the chat template with ``chat_template_kwargs`` and the generation
-    prompt, then ``response`` + EOS (unless ``eos`` is false), as PPO's rollout lays a prompt and its response out:
-    the layout the reward model trains on and scores (a tokenizer without a chat template: the contents joined by
-    newlines, with its special tokens)."""
+def conversation_ids(tokenizer, messages: list[dict], responses: Sequence[str],
+                     chat_template_kwargs: dict | None = None, eos: bool = True) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, each response's ids): ``messages`` in the chat template with ``chat_template_kwargs`` and the
+    generation prompt (rendered once for all the responses), then each of ``responses`` + EOS (unless ``eos`` is
+    false), as PPO's rollout lays a prompt and its response out: the layout the reward model trains on and scores
+    (a tokenizer without a chat template: the contents joined by newlines, with its special tokens)."""
     if getattr(tokenizer, "chat_template", None):
         prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True,
                                                **(chat_template_kwargs or {}))
@@ -364,9 +365,9 @@ def conversation_ids(tokenizer, messages: list[dict], response: str, chat_templa
     else:
         prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n", verbose=False)["input_ids"]
     # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length later)
-    response_ids = tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] \
-        + ([tokenizer.eos_token_id] if eos else [])
-    return prompt_ids, response_ids
+    closing = [tokenizer.eos_token_id] if eos else []
+    return prompt_ids, [tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + closing
+                        for response in responses]
 
 
 def cut_from_the_left(prompt_ids: list[int], responses: list[list[int]],
@@ -388,8 +389,8 @@ def encode_response(tokenizer, messages: list[dict], response: str, max_length: 
     """Token ids of ``messages`` + ``response`` + EOS (:func:`conversation_ids`), over ``max_length`` cut from the
     left, the prompt's first, then the response's (its end, where the score is read, is kept). Returns (ids, prompt
     tokens cut, response tokens cut)."""
-    prompt_ids, response_ids = conversation_ids(tokenizer, messages, response, chat_template_kwargs, eos)
-    return cut_from_the_left(prompt_ids, [response_ids], max_length)[0]
+    prompt_ids, response_ids = conversation_ids(tokenizer, messages, [response], chat_template_kwargs, eos)
+    return cut_from_the_left(prompt_ids, response_ids, max_length)[0]
 
 
 # ----------------------------------------------------------------------------- the combination

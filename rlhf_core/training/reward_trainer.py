@@ -195,11 +195,9 @@ def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
     for path, frame in files:
         for row, (prompt, chosen, rejected) in enumerate(zip(frame["prompt"], frame["chosen"], frame["rejected"])):
             messages = [dict(m) for m in prompt]
-            prompt_ids, chosen_ids = conversation_ids(tokenizer, messages, chosen, chat_template_kwargs)
-            rejected_ids = conversation_ids(tokenizer, messages, rejected, chat_template_kwargs)[1]
+            prompt_ids, response_ids = conversation_ids(tokenizer, messages, [chosen, rejected], chat_template_kwargs)
             pair, cut = [], False
-            for ids, prompt_cut, response_cut in cut_from_the_left(prompt_ids, [chosen_ids, rejected_ids],
-                                                                   max_length):
+            for ids, prompt_cut, response_cut in cut_from_the_left(prompt_ids, response_ids, max_length):
                 encoded.response_cut += response_cut > 0
                 encoded.prompt_cut += prompt_cut > 0 and not response_cut
                 cut = cut or response_cut > 0
