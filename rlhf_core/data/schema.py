@@ -111,6 +111,8 @@ def prompt_problem(prompt) -> str | None:
     if isinstance(prompt, (bytes, bytearray)):
         return "prompt is binary (bytes), not a list of {role, content} messages"
     if isinstance(prompt, str):
+        if json_message_list(prompt):  # the trainer refuses it as such, not as a plain string
+            return "prompt is the JSON text of a message list: store the list itself (json.loads before writing)"
         return "prompt is a plain string, not a list of {role, content} messages"
     if not isinstance(prompt, (list, tuple, np.ndarray)):
         return f"prompt is a {type(prompt).__name__}, not a list of {{role, content}} messages"

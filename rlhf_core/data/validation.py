@@ -361,14 +361,6 @@ def _messages(value: Any) -> list[dict[str, str]] | None:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _prompt_problem(value: Any) -> str | None:
-    """What is wrong with a prompt cell as the trainers read it, in their words (the message and the key), or None;
-    the JSON text of a message list is told as such (the trainer refuses it so)."""
-    if json_message_list(value):
-        return "prompt is the JSON text of a message list: store the list itself (json.loads before writing)"
-    return prompt_problem(value)
-
-
 def _measure(conversations: Sequence[Any], count: Callable[[Any], int]) -> tuple[list[float], list[str | None]]:
     """``count`` of each conversation (NaN where there is none), and the error where counting raised.
 
@@ -452,7 +444,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
             reward_fn_key: str = "data_source", source_rows: Sequence[int] | None = None) -> pd.DataFrame:
     """``frame`` plus the helper columns the expectations run on.
 
-    ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`_prompt_problem`; null where nothing
+    ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`prompt_problem`; null where nothing
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
     outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
@@ -481,7 +473,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     if parsed is not None:
         users = [[m["content"] for m in messages if m["role"] == "user"] if messages else None
                  for messages in parsed]
-        out["prompt_problem"] = column(None if is_missing(v) else _prompt_problem(v) for v in raw)
+        out["prompt_problem"] = column(None if is_missing(v) else prompt_problem(v) for v in raw)
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
         out["prompt_unknown_roles"] = column(", ".join(unknown_roles(messages)) or None if messages else None
