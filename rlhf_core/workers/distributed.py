@@ -86,13 +86,18 @@ def _device() -> torch.device:
 # ----------------------------------------------------------------------------- small collectives
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Element-wise sum of ``values`` over the ranks (float64, so token counts stay exact)."""
+def _all_reduce_floats(values: list[float], op) -> list[float]:
+    """``values`` reduced element-wise over the ranks by ``op``, in float64."""
     if not is_distributed() or not values:
         return list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Element-wise sum of ``values`` over the ranks (float64, so token counts stay exact)."""
+    return _all_reduce_floats(values, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(value: int) -> int:
@@ -105,11 +110,7 @@ def all_reduce_max(value: int) -> int:
 
 def all_reduce_max_floats(values: list[float]) -> list[float]:
     """Element-wise maximum of ``values`` over the ranks (float64; a minimum is minus the maximum of the negated)."""
-    if not is_distributed() or not values:
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    return _all_reduce_floats(values, dist.ReduceOp.MAX)
 
 
 def all_true(flag: bool) -> bool:
