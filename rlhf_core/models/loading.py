@@ -18,6 +18,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    PreTrainedConfig,
     PreTrainedModel,
 )
 
@@ -118,6 +119,58 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.
     return model  # no dropout: log-probs must be reproducible between phases
 
 
+#: the dropout modules whose rate is their ``p``
+DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                   torch.nn.FeatureAlphaDropout)
+
+
+def _is_dropout_rate(name: str, value) -> bool:
+    """A float attribute named for dropout: ``resid_pdrop``, ``hidden_dropout_prob``, ``attention_dropout``,
+    ``layerdrop``, ``drop_path_rate`` ... (a config's, or the copy a module took of it when it was built)."""
+    return type(value) is float and "drop" in name.lower()
+
+
+def _configs(config: PreTrainedConfig, prefix: str = "") -> list[tuple[str, PreTrainedConfig]]:
+    """``config`` and the configs nested in it (``text_config``, ...), each with its dotted path."""
+    found = [(prefix, config)]
+    for name, value in vars(config).items():
+        if isinstance(value, PreTrainedConfig):
+            found += _configs(value, f"{prefix}{name}.")
+    return found
+
+
+def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
+    """Every dropout of ``model`` off, in train mode too: each dropout module's ``p``, every float attribute named
+    for dropout on its modules (Llama's and Qwen's attentions pass their ``attention_dropout``, a copy of the
+    config's, to sdpa) and on its config and the configs nested in it (GPT-Neo's and Persimmon's attentions read
+    ``config.attention_dropout`` in their forward). LoRA layers added afterwards keep their own. Returns the
+    config's rates as they were, by dotted attribute path (``resid_pdrop``, ``text_config.attention_dropout``),
+    for :func:`config_with` to give an export the base's settings back."""
+    base = {}
+    for prefix, config in _configs(model.config):
+        for name, value in list(vars(config).items()):
+            if _is_dropout_rate(name, value):
+                base[prefix + name] = value
+                setattr(config, name, 0.0)
+    for module in model.modules():
+        if isinstance(module, DROPOUT_MODULES):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_rate(name, value):
+                setattr(module, name, 0.0)
+    return base
+
+
+def config_with(config: PreTrainedConfig, values: dict[str, float]) -> PreTrainedConfig:
+    """A copy of ``config`` with ``values`` (dotted attribute paths, as :func:`disable_dropout` returns them) set."""
+    config = copy.deepcopy(config)
+    for path, value in values.items():
+        *parents, name = path.split(".")
+        target = functools.reduce(getattr, parents, config)
+        setattr(target, name, value)
+    return config
+
+
 def attention_for(use_remove_padding: bool, device: torch.device | str) -> str | None:
     """The attention for packed sequences where they are asked for: ``flash_attention_2`` on CUDA with flash-attn,
     :data:`packed_attention.NAME` on the CPU; None (the model's default attention) otherwise."""
@@ -214,12 +267,13 @@ def hf_class(model: torch.nn.Module) -> type[PreTrainedModel]:
     raise TypeError(f"{type(model).__name__} is not a transformers model")
 
 
-def save_hf_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], target: str | os.PathLike) -> None:
+def save_hf_model(model: PreTrainedModel, state_dict: dict[str, torch.Tensor], target: str | os.PathLike,
+                  config: PreTrainedConfig | None = None) -> None:
     """``save_pretrained`` of ``model``'s architecture holding ``state_dict`` (full tensors under the
-    transformers names, e.g. gathered from FSDP shards or with LoRA merged in). The model is rebuilt
-    on the meta device, so nothing is allocated besides ``state_dict`` itself."""
+    transformers names, e.g. gathered from FSDP shards or with LoRA merged in), under ``config`` (default: the
+    model's own). The model is rebuilt on the meta device, so nothing is allocated besides ``state_dict`` itself."""
     with torch.device("meta"):
-        clean = hf_class(model)(copy.deepcopy(model.config))
+        clean = hf_class(model)(copy.deepcopy(model.config if config is None else config))
     clean.load_state_dict(state_dict, strict=True, assign=True)
     clean.tie_weights()
     if getattr(model, "generation_config", None) is not None:
