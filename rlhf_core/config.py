@@ -318,6 +318,9 @@ class RewardTrainConfig:
     total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
     margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
     grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    disable_dropout: bool = _k(True, "train with every dropout of the backbone and head off (as TRL's reward "
+                                     "trainer): the loss compares two scores as PPO reads them, without dropout; "
+                                     "the export keeps the base's dropout settings")
     optim: OptimConfig = _section(lambda: OptimConfig(lr=1e-5, lr_warmup_steps_ratio=0.03),
                                   "reward-model optimizer (AdamW; warm-up then constant | cosine)")
     fsdp_config: FSDPConfig = _section(FSDPConfig, "reward-model sharding with several workers")

@@ -18,13 +18,14 @@ from rlhf_core.cli.train import train_rm
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.synthetic import DATA_SOURCE
-from rlhf_core.models.loading import load_tokenizer
+from rlhf_core.models.loading import config_with, disable_dropout, load_tokenizer
 from rlhf_core.models.toy import CHAT_TEMPLATE as TOY_TEMPLATE
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.rewards.reward_model import encode_response
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.reward_trainer import (
     RewardModelTrainer,
+    RewardModelWorker,
     bradley_terry_loss,
     collate,
     load_reward_backbone,
@@ -436,6 +437,106 @@ def test_lora_trains_adapters_and_head_and_exports_merged(tiny, pairs_dir, tmp_p
     assert torch.allclose(mine, theirs, atol=1e-5)
     # the adapters moved away from B = 0, so the merge is not the base model
     assert any(p.abs().sum() > 0 for n, p in trainer.worker.module.named_parameters() if "lora_B" in n)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+#: the base configs' dropout rates: the toy Llama's attention dropout (a float its attention passes to sdpa),
+#: GPT-2's dropout modules (embeddings, attention weights, residuals)
+DROPOUT_RATES = {"llama": {"attention_dropout": 0.5},
+                 "gpt2": {"resid_pdrop": 0.5, "embd_pdrop": 0.5, "attn_pdrop": 0.5}}
+
+
+@pytest.fixture(scope="module")
+def dropout_models(tiny, tmp_path_factory):
+    """The tiny toy Llama and a tiny GPT-2 with its tokenizer, each with dropout 0.5."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    root = tmp_path_factory.mktemp("dropout")
+    llama = root / "llama"
+    shutil.copytree(tiny, llama)
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, **DROPOUT_RATES["llama"]}))
+    gpt2 = root / "gpt2"
+    shutil.copytree(tiny, gpt2)  # for its tokenizer files
+    for weights in gpt2.glob("*.safetensors"):
+        weights.unlink()
+    tokenizer = load_tokenizer(tiny)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=1, n_head=2,
+                               bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                               **DROPOUT_RATES["gpt2"])).save_pretrained(gpt2)
+    return {"llama": llama, "gpt2": gpt2}
+
+
+def _dropout_worker(model, disable_dropout: bool) -> RewardModelWorker:
+    cfg = load_config(["trainer.device=cpu", f"reward_model.train.model.path={model}",
+                       f"reward_model.train.disable_dropout={str(disable_dropout).lower()}"])
+    return RewardModelWorker(cfg.reward_model.train, load_tokenizer(model).pad_token_id, total_steps=1)
+
+
+def _dropout_pairs(model) -> list[tuple[list[int], list[int]]]:
+    tokenizer = load_tokenizer(model)
+    texts = [("User: 2+3?\nAssistant: 5", "User: 2+3?\nAssistant: 6 apples"),
+             ("User: 4*2?\nAssistant: It is 8", "User: 4*2?\nAssistant: 9"),
+             ("User: 9-1?\nAssistant: 8", "User: 9-1?\nAssistant: 7")]
+    return [tuple(tokenizer.encode(text) + [tokenizer.eos_token_id] for text in pair) for pair in texts]
+
+
+def test_disable_dropout_zeroes_every_rate_and_returns_the_base_ones():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.2,
+                        classifier_dropout=0.4, num_labels=1)
+    model = BertForSequenceClassification(config)
+    assert model.classifier is not None and model.dropout.p == 0.4  # the head's own dropout module
+    base = disable_dropout(model)
+    assert base == {"hidden_dropout_prob": 0.3, "attention_probs_dropout_prob": 0.2, "classifier_dropout": 0.4}
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert len(dropouts) >= 4 and all(m.p == 0.0 for m in dropouts)
+    assert (model.config.hidden_dropout_prob, model.config.attention_probs_dropout_prob,
+            model.config.classifier_dropout) == (0.0, 0.0, 0.0)
+    model.train()
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
+    restored = config_with(model.config, base)
+    assert (restored.hidden_dropout_prob, restored.classifier_dropout) == (0.3, 0.4)
+    assert model.config.hidden_dropout_prob == 0.0  # a copy: the model's own stays off
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_reward_training_runs_without_dropout(dropout_models, arch, tmp_path):
+    model = dropout_models[arch]
+    pairs = _dropout_pairs(model)
+    # the scores by hand: each sequence alone (no padding) through the base in eval mode, head seeded as the
+    # worker's (reward_model.train.seed), the last token's score
+    reference = load_reward_backbone(model, load_tokenizer(model).pad_token_id, seed=1).eval()
+    with torch.no_grad():
+        by_hand = [[float(reference(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in pair] for pair in pairs]
+    loss_by_hand = sum(math.log1p(math.exp(-(chosen - rejected))) for chosen, rejected in by_hand) / len(pairs)
+
+    worker = _dropout_worker(model, disable_dropout=True)
+    worker.module.train()
+    with torch.no_grad():
+        first, second = (torch.cat(worker._rewards(pairs)) for _ in range(2))
+    assert torch.equal(first, second)
+    assert first.tolist() == pytest.approx([c for c, _ in by_hand] + [r for _, r in by_hand], abs=1e-5)
+    stats = worker.train_step(pairs, [1.0] * len(pairs), len(pairs))
+    assert stats["loss"] / stats["pairs"] == pytest.approx(loss_by_hand, abs=1e-6)
+    # the export keeps the base's dropout rates (a model fine-tuned from it later gets them)
+    worker.save_hf(tmp_path / "export")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert {name: exported[name] for name in DROPOUT_RATES[arch]} == DROPOUT_RATES[arch]
+
+    # with the key false, training draws dropout: two passes of the same pairs differ, and so does the loss
+    worker = _dropout_worker(model, disable_dropout=False)
+    worker.module.train()
+    with torch.no_grad():
+        first, second = (torch.cat(worker._rewards(pairs)) for _ in range(2))
+    assert not torch.equal(first, second)
+    stats = worker.train_step(pairs, [1.0] * len(pairs), len(pairs))
+    assert stats["loss"] / stats["pairs"] != pytest.approx(loss_by_hand, abs=1e-6)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -9,7 +9,8 @@ token. Training minimises the Bradley-Terry loss (Bradley & Terry 1952; Ouyang e
     loss = -log sigmoid(r_chosen - r_rejected - margin)
 
 averaged over the pairs of an optimizer step, with AdamW, linear warm-up, gradient clipping and
-micro-batches; ``reward_model.train.model.lora_rank > 0`` trains LoRA adapters and the head only.
+micro-batches, every dropout of the backbone and head off (``reward_model.train.disable_dropout``: the scores
+compared are those PPO reads); ``reward_model.train.model.lora_rank > 0`` trains LoRA adapters and the head only.
 With ``trainer.n_gpus_per_node * trainer.nnodes > 1`` the model is sharded with FSDP2 over a Ray
 worker group (each rank takes an equal share of every step's pairs; losses are divided by the
 step's global pair count and gradients summed, so N workers take the step one would).
@@ -63,6 +64,8 @@ from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
     check_tokenizer_dir,
+    config_with,
+    disable_dropout,
     load_tokenizer,
     max_positions,
     resolve,
@@ -281,6 +284,9 @@ class RewardModelWorker(CheckpointableWorker):
                                       config.seed, self.device)
         # saved with the export, so that PPO can tell whether its prompts are rendered as these pairs were
         setattr(module.config, TEMPLATE_KWARGS, dict(config.apply_chat_template_kwargs))
+        # the Bradley-Terry loss of two scores each drawn with its own dropout masks is not the loss of the scores
+        # PPO reads (eval mode): off in training too; the base's rates, which the export records, by config path
+        self.base_dropout = disable_dropout(module) if config.disable_dropout else {}
         if model_cfg.enable_gradient_checkpointing:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.lora = model_cfg.lora_rank > 0
@@ -363,7 +369,8 @@ class RewardModelWorker(CheckpointableWorker):
             if self.lora:
                 state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
             with _no_hf_bars():
-                save_hf_model(self.forward_module, state, target)
+                save_hf_model(self.forward_module, state, target,
+                              config_with(self.forward_module.config, self.base_dropout))
 
 
 class RewardModelRayWorker(DistributedWorker):
