@@ -122,7 +122,7 @@ def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_a
     assert (guard.kl_anchor, guard.skip_anchor) == (4, 3)
     event = guard.observe_validation(5, 0.3)[1]
     assert (event.kind, event.target_step) == ("val_drop", 2)
-    guard.on_restore(2)  # the trainer restores step 2, then saves the restored weights as step 5
+    guard.on_restore(2, at=5)  # the trainer restores step 2, then saves the restored weights as step 5
     guard.on_checkpoint(5)
     # step 6 runs on the restored weights: its KL and its skip start new streaks, anchored on them
     assert guard.observe_step(6, {"actor/ppo_kl": 0.9}, skipped=True) is None
@@ -139,7 +139,7 @@ def test_after_a_rollback_to_an_earlier_step_the_best_is_that_steps_validation()
         guard.observe_validation(step, accuracy)
         guard.on_checkpoint(step)
     assert (guard.best_val, guard.best_step) == (0.8, 4)
-    guard.on_restore(3)
+    guard.on_restore(3, at=6)
     guard.on_checkpoint(6)  # the restored weights, saved at the rollback's step
     assert (guard.best_val, guard.best_step) == (0.6, 3)
     assert guard.protected_steps() == {3}  # the best, and the anchor of a streak from step 7 (not step 4)
@@ -147,6 +147,29 @@ def test_after_a_rollback_to_an_earlier_step_the_best_is_that_steps_validation()
     event = guard.observe_validation(8, 0.35)[1]
     assert (event.kind, event.target_step) == ("val_drop", 3)
     assert "fell from the best 0.6 (step 3)" in event.message
+
+
+def test_the_checkpoint_saved_after_a_rollback_keeps_the_restored_steps_validation_for_a_later_rollback_to_it():
+    """A drop at step 3 restores step 2 (0.6); the checkpoint saved at step 3 then holds step 2's weights, so it
+    scores 0.6 too, in the state a resume loads. After step 4's best (0.7), a KL rollback to step 3 makes the best
+    0.6 at step 3 (not none, which would make step 6's 0.35 a new best rather than 0.25 below it)."""
+    guard = Guard(GuardConfig(max_val_drop=0.2))
+    for step, accuracy in [(1, 0.5), (2, 0.6)]:
+        guard.observe_validation(step, accuracy)
+        guard.on_checkpoint(step)
+    assert guard.observe_validation(3, 0.3)[1].target_step == 2
+    guard.on_restore(2, at=3)
+    assert guard.state_dict()["validated"] == [[1, 0.5], [2, 0.6], [3, 0.6]]  # what the checkpoint of 3 holds
+    guard.on_checkpoint(3)
+    resumed = Guard(guard.config)
+    resumed.load_state_dict(guard.state_dict())
+    resumed.keep_restorable([1, 2, 3])
+    assert resumed.observe_validation(4, 0.7) == (True, None)
+    resumed.on_checkpoint(4)
+    resumed.on_restore(3, at=5)  # a KL streak's anchor at step 5: the checkpoint saved after the first rollback
+    assert (resumed.best_val, resumed.best_step) == (0.6, 3)
+    event = resumed.observe_validation(6, 0.35)[1]
+    assert (event.kind, event.target_step) == ("val_drop", 3)
 
 
 def test_a_rollback_to_a_step_never_validated_clears_the_best_and_the_next_validation_sets_it():
@@ -423,6 +446,37 @@ def test_after_a_kl_rollback_to_before_the_best_accuracy_drops_are_measured_from
     assert (trainer.guard.best_val, trainer.guard.best_step) == (0.6, 2)
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_rollback_to_the_checkpoint_saved_after_an_earlier_rollback_keeps_the_best_it_holds(workspace, tmp_path):
+    """Step 3's drop restores step 2 (0.6) and saves its weights as step 3; step 5's KL rollback (its rollout far
+    from the reference: the anchor is step 3) abandons step 4's best 0.7 and restores step 3, whose weights scored
+    0.6: step 6's 0.35 is 0.25 below it and restores step 3 again (a third rollback), in the run and in one
+    resumed from step 3 into another folder."""
+    accuracy = {1: 0.5, 2: 0.6, 3: 0.3, 4: 0.7, 5: 0.9, 6: 0.35}  # step 5's: the guards do not see it
+    first, second = tmp_path / "first", tmp_path / "second"
+    watched = ("trainer.total_training_steps=6", "trainer.test_freq=1", "trainer.save_freq=1",
+               "trainer.guard.max_kl=0.5", "trainer.guard.patience=1")
+
+    def run_to_step_6(run):  # from step 0, or resumed from step 3
+        run.validate = lambda: {"val-core/synthetic/acc/mean@1": accuracy[run.global_step]}
+        _kl_loss_over_the_limit_at(run, {5})
+        metrics, weights, error = run_recording(run)
+        assert error is None
+        assert [metrics[s]["training/rollbacks"] for s in (4, 5, 6)] == [1, 2, 3]
+        assert (run.guard.best_val, run.guard.best_step) == (0.6, 3)
+        assert_weights(run.actor.module, weights[6], equal=False)
+        assert_weights(run.actor.module, checkpoint.load_model_state(first / "global_step_2"))
+
+    run_to_step_6(make_trainer(workspace, first, *watched))
+    best = checkpoint.load_model_state(first / "global_step_2")
+    assert all(torch.equal(v, best[k]) for k, v in checkpoint.load_model_state(first / "global_step_3").items())
+    resumed = make_trainer(workspace, second, *watched, "trainer.resume_mode=resume_path",
+                           f"trainer.resume_from_path={first / 'global_step_3'}")
+    resumed.load_checkpoint(first / "global_step_3")
+    assert (resumed.guard.best_val, resumed.guard.best_step, resumed.guard.saved) == (0.6, 2, [1, 2, 3])
+    run_to_step_6(resumed)
+
+
 WATCHED = ("trainer.test_freq=1", "trainer.save_freq=1", "trainer.guard.max_kl=0.5", "trainer.guard.patience=1",
            "trainer.guard.overopt_patience=2", "trainer.guard.max_val_drop=null")
 #: (proxy, gold) validated after each step; step 4's is not shown to the guards (its KL rollback comes first)
@@ -446,7 +500,7 @@ def _rolled_back_run_resumed_elsewhere(workspace, first, second, keep_abandoned_
     trainer = _scored(make_trainer(workspace, first, "trainer.total_training_steps=4", *WATCHED))
     _kl_loss_over_the_limit_at(trainer, {4})
     if keep_abandoned_best:
-        trainer.overopt.on_restore = lambda step: None
+        trainer.overopt.on_restore = lambda step, at=None: None
     metrics, _, error = run_recording(trainer)
     assert error is None and metrics[4]["training/rollbacks"] == 1
     resumed = make_trainer(workspace, second, "trainer.total_training_steps=6", *WATCHED,

@@ -94,6 +94,32 @@ def test_a_rollback_to_a_step_never_validated_clears_the_over_optimisation_guard
     assert (guard.streak, guard.previous, guard.best_gold, guard.best_step) == (0, (0.4, 0.3), 0.3, 30)
 
 
+def test_the_checkpoint_saved_after_a_rollback_keeps_the_restored_steps_scores_for_a_later_rollback_to_it():
+    """Step 30's rollback restores step 10 (proxy 0.2, gold 0.6) and saves its weights as step 30, which then scores
+    what step 10 did, in the state a resume loads. A KL rollback at step 50 to step 30 abandons step 40's best gold
+    0.8: step 30 becomes the best with gold 0.6, and steps 60 and 70 diverge from its (0.2, 0.6) and restore it."""
+    guard = _guard()
+    assert guard.observe(10, 0.2, 0.6) == (True, None)
+    guard.keep_restorable([10])
+    assert guard.observe(20, 0.3, 0.5) == (False, None)
+    guard.keep_restorable([10, 20])
+    _, event = guard.observe(30, 0.4, 0.4)
+    assert (event.action, event.target_step) == ("rollback", 10)
+    guard.on_restore(10, at=30)
+    guard.keep_restorable([10, 30])  # step 20 abandoned, step 30 saved after the rollback
+    assert guard.state_dict()["validated"] == [[10, 0.2, 0.6], [30, 0.2, 0.6]]
+    resumed = _guard()
+    resumed.load_state_dict(guard.state_dict())
+    resumed.keep_restorable([10, 30])
+    assert resumed.observe(40, 0.3, 0.8) == (True, None)
+    resumed.keep_restorable([10, 30, 40])
+    resumed.on_restore(30, at=50)
+    assert (resumed.previous, resumed.best_proxy, resumed.best_gold, resumed.best_step) == ((0.2, 0.6), 0.2, 0.6, 30)
+    assert resumed.observe(60, 0.5, 0.5) == (False, None)  # 1 of 2
+    _, event = resumed.observe(70, 0.6, 0.4)
+    assert (event.action, event.target_step) == ("rollback", 30)
+
+
 def test_only_the_scores_and_the_best_of_restorable_steps_are_kept():
     """A validation whose step has no checkpoint cannot be restored: its scores are dropped at the next save; at a
     resume, a best whose checkpoint is not among those the run can restore is forgotten."""
@@ -299,9 +325,11 @@ def test_a_length_paying_reward_model_is_caught_and_rolled_back_to_the_best_gold
         proxy0, _ = _expected_proxy_and_gold(truths, 0)
         proxy4, _ = _expected_proxy_and_gold(truths, 4)
         proxy5, _ = _expected_proxy_and_gold(truths, 5)
-        # the validations kept: step 0's (the restored weights) and those after the rollback (steps 1 to 3's were
-        # of the weights it abandoned)
-        validated = [[0, pytest.approx(proxy0), 1.0], [4, pytest.approx(proxy4), 1.0], [5, pytest.approx(proxy5), 1.0]]
+        # the validations kept: step 0's (the restored weights), step 0's again for step 3 (its checkpoint, saved
+        # after the rollback, holds them) and those after the rollback (steps 1 to 3's were of the weights it
+        # abandoned)
+        validated = [[0, pytest.approx(proxy0), 1.0], [3, pytest.approx(proxy0), 1.0],
+                     [4, pytest.approx(proxy4), 1.0], [5, pytest.approx(proxy5), 1.0]]
         expected = {"streak": 0, "previous": [pytest.approx(proxy5), 1.0], "best_gold": 1.0,
                     "best_proxy": pytest.approx(proxy0), "best_step": 0, "rollbacks": 1, "validated": validated}
         assert trainer.state_dict()["overopt"] == expected

@@ -40,6 +40,8 @@ them (:meth:`Guard.on_restore`, :meth:`OverOptimisationGuard.on_restore`): a str
 a best validation after S gives way to S's own validation where one was seen, else to none, so that the
 next validation sets a new best and the trainer checkpoints it. For this each guard keeps the scores of
 the validations at saved steps (in its ``state_dict``; a checkpoint without them clears the best instead).
+The checkpoint the trainer writes right after a rollback (at the step G the run had reached) holds S's weights,
+so it takes S's scores: a later rollback to G finds S's validation there.
 A resume forgets a best whose checkpoint is not among those it can restore (:meth:`Guard.keep_restorable`).
 
 The checkpoints a guard may still need (the best one, the anchor while a streak is running,
@@ -126,18 +128,23 @@ class Guard:
         self.saved = [s for s in self.saved if s < step] + [step]
         self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
 
-    def on_restore(self, step: int) -> None:
+    def on_restore(self, step: int, at: int | None = None) -> None:
         """A rollback (any guard's) restored the checkpoint of ``step``: the checkpoints saved after it hold the
         weights it abandoned, so no later rollback may target them (the next save follows ``step``). A streak
         under way ends here too: its steps ran on the abandoned weights, and its anchor may be one of their
         checkpoints (a KL streak that a validation drop interrupts would restore the weights it left). So are
         the validations after ``step``: a best among them gives way to ``step``'s own validation, or to none where
         it was not validated (the next validation then sets it, and the trainer checkpoints it). Not to an
-        earlier best: the checkpoint of one that a later best replaced may have been pruned."""
+        earlier best: the checkpoint of one that a later best replaced may have been pruned.
+
+        ``at``: the step the run has reached, whose checkpoint (the rollback's re-save) will hold ``step``'s
+        weights: it is given ``step``'s validation, so that a rollback to it later finds that score."""
         self.saved = [s for s in self.saved if s <= step]
         self.consecutive_skips, self.skip_anchor = 0, None
         self.kl_streak, self.kl_anchor = 0, None
         self.validated = {s: v for s, v in self.validated.items() if s <= step}
+        if at is not None and step in self.validated:
+            self.validated[at] = self.validated[step]
         if self.best_step is not None and self.best_step > step:
             self.best_step = step if step in self.validated else None
             self.best_val = self.validated.get(step)
@@ -382,13 +389,16 @@ class OverOptimisationGuard:
         self.rollbacks += 1
         return False, GuardEvent("over_optimisation", "rollback", self.best_step, reason)
 
-    def on_restore(self, step: int) -> None:
+    def on_restore(self, step: int, at: int | None = None) -> None:
         """A rollback (any guard's) restored the checkpoint of ``step``: the next validation is compared with
         what ``step``'s weights scored (with nothing where they were not validated), a streak under way ends,
         and a best gold after ``step`` gives way to ``step``'s own (or to none: the next validation sets it, and
-        the trainer checkpoints it)."""
+        the trainer checkpoints it). ``at``: the step whose checkpoint will hold ``step``'s weights (the
+        rollback's re-save), given ``step``'s scores as in :meth:`Guard.on_restore`."""
         self.validated = {s: scores for s, scores in self.validated.items() if s <= step}
         self.streak, self.previous = 0, self.validated.get(step)
+        if at is not None and self.previous is not None:
+            self.validated[at] = self.previous
         if self.best_step is not None and self.best_step > step:
             self.best_step = step if self.previous is not None else None
             self.best_proxy, self.best_gold = self.previous or (None, None)

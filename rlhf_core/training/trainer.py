@@ -606,8 +606,9 @@ class PPOTrainer:
             folder = self.anchor_folders.get(event.target_step, self.checkpoint_dir.absolute())
             restored = checkpoint.step_dir(folder, event.target_step)
             checkpoint.restore_weights(self, restored)
-            self.guard.on_restore(event.target_step)  # no guard targets a step after it from now on
-            self.overopt.on_restore(event.target_step)
+            # no guard targets a step after it from now on; the checkpoint of this step, saved next, holds its weights
+            self.guard.on_restore(event.target_step, at=self.global_step)
+            self.overopt.on_restore(event.target_step, at=self.global_step)
         if event.action == "stop":
             if restored is not None and restored.parent == self.checkpoint_dir.absolute():
                 checkpoint.mark_latest(self.checkpoint_dir, event.target_step)
