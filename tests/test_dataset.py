@@ -58,8 +58,8 @@ def test_plain_text_without_a_template(tmp_path, tokenizer):
 
 
 def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokenizer):
-    """As verl hands them over: a list, dict or number stays one (not its printed form), an extra_info that is
-    not a dict stays what it is, and an index may be a string id."""
+    """As verl hands them over: a list, dict or number stays one (not its printed form), and an index may be a
+    string id."""
     def meta_of(name, ground_truth="3", extra_info=None):
         row = make_record("q", "s", "0", "train", 0, "custom/source")
         row["reward_model"] = {"style": "rule", "ground_truth": ground_truth}
@@ -75,9 +75,6 @@ def test_ground_truth_and_extra_info_reach_the_reward_as_stored(tmp_path, tokeni
     assert number == 72 and type(number) is int
     string_id = meta_of("id.parquet", extra_info={"split": "train", "index": "q-17"})
     assert string_id["index"] == ["q-17"] and string_id["extra_info"] == [{"split": "train", "index": "q-17"}]
-    json_text = meta_of("json.parquet", extra_info='{"id": 5}')  # as some converted datasets store it
-    assert json_text["extra_info"] == ['{"id": 5}'] and json_text["index"] == [0]
-    assert json_text["ground_truth"] == ["3"]
 
 
 def test_a_reward_function_that_changes_its_extra_info_changes_that_batch_only(tmp_path, tokenizer):
@@ -125,6 +122,37 @@ def test_a_file_without_extra_info_beside_one_with_it(tmp_path, tokenizer):
                        DataConfig(max_prompt_length=200)).collate([0, 1]).meta
     # the second file's row gets an empty extra_info (pandas fills the missing column with NaN), its row as index
     assert meta["extra_info"][1] == {} and meta["index"] == [0, 0]
+
+
+def test_a_null_extra_info_reads_as_an_empty_one_as_a_missing_column_does(tmp_path, tokenizer):
+    """pandas and pyarrow write a row without extra_info beside rows with it as a null cell: the row is numbered by
+    its row in its file and its reward gets {}, as a file without the column gives."""
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b", "c"])]
+    rows[0]["extra_info"]["index"] = 40
+    rows[2]["extra_info"]["index"] = 42
+    rows[1]["extra_info"] = None
+    pd.DataFrame(rows).to_parquet(tmp_path / "holes.parquet")
+    meta = RLHFDataset(str(tmp_path / "holes.parquet"), tokenizer,
+                       DataConfig(max_prompt_length=200)).collate([0, 1, 2]).meta
+    assert meta["index"] == [40, 1, 42]
+    assert meta["extra_info"][1] == {}
+    assert meta["extra_info"][2]["index"] == 42 and meta["extra_info"][2]["split"] == "train"
+
+
+@pytest.mark.parametrize("cells, row, reason", [
+    (['{"index": 0}', '{"index": 1}'], 0, "extra_info is the JSON text of a mapping, not a mapping: parse it"),
+    ([None, "hard"], 1, "extra_info is a str, not a mapping: store e.g. {'index': 0"),
+    ([3, 4], 0, "extra_info is a int, not a mapping"),
+])
+def test_an_extra_info_that_is_not_a_mapping_is_refused_with_its_row(tmp_path, tokenizer, cells, row, reason):
+    """verl reads extra_info.get("index"): text or a number there has no index nor anything a reward can look up,
+    and was handed on as it was (a parquet column holds one type: all text, all numbers, or nulls beside them)."""
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b"])]
+    frame = pd.DataFrame(rows).assign(extra_info=cells)
+    frame.to_parquet(tmp_path / "text.parquet")
+    with pytest.raises(DataError) as raised:
+        RLHFDataset(str(tmp_path / "text.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(raised.value).startswith(f"{tmp_path / 'text.parquet'} row {row}: {reason}")
 
 
 def test_a_file_of_a_split_without_a_column_the_others_have_is_named(tmp_path, tokenizer):

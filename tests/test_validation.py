@@ -923,14 +923,13 @@ def test_ability_is_optional_and_checked_where_it_is_there():
     report = validate_frames(pd.DataFrame(_without_ability(records(3))))
     assert report.success, report.summary()
     assert [o.column for o in report.find("column_exists")] == ["data_source", "prompt", "reward_model"]
-    assert [o.column for o in report.find("not_null")] == [
-        "data_source", "prompt", "reward_model", "extra_info", "ground_truth"]
+    assert [o.column for o in report.find("not_null")] == ["data_source", "prompt", "reward_model", "ground_truth"]
     rows = records(3)
     rows[1]["ability"] = None
     report = validate_frames(pd.DataFrame(rows))
     assert failed(report) == [("not_null", "ability", "train")]
     assert [o.column for o in report.find("not_null")] == [
-        "data_source", "prompt", "ability", "reward_model", "extra_info", "ground_truth"]
+        "data_source", "prompt", "ability", "reward_model", "ground_truth"]
     assert report.failures[0].statistics["unexpected_count"] == 1
     # a table of neither kind is told what prompt data needs: 'ability' is not among it
     summary = validate_frames(pd.DataFrame([{"text": "hello"}]), kind="auto").summary()
@@ -1148,6 +1147,40 @@ def test_a_reward_model_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, c
     assert outcome.statistics["unexpected_count"] == 2
     # a well-formed table has the check, and passes it
     assert validate_dataset(write(tmp_path / "good.parquet", records(3))).find("reward_model_is_mapping")[0].success
+
+
+def test_a_null_extra_info_passes_as_the_trainer_reads_it_an_empty_one(tmp_path):
+    """A row written without extra_info beside rows with it is a null cell, which the trainer reads as {} (numbered
+    by its row in its file), as it does a file without the column: no finding."""
+    rows = records(3)
+    rows[1]["extra_info"] = None
+    path = write(tmp_path / "train.parquet", rows)
+    report = validate_dataset(path)
+    assert report.success, report.summary()
+    assert [o.column for o in report.find("not_null")] == ["data_source", "prompt", "ability", "reward_model",
+                                                            "ground_truth"]
+    assert report.find("extra_info_is_mapping")[0].success
+
+
+def test_an_extra_info_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, capsys):
+    """The trainer refuses text or a number in extra_info (it has no index to read); validation let it pass."""
+    rows = records(3)
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(rows).assign(extra_info=[None, "hard", "easy"]).to_parquet(path)
+    report = validate_dataset(path)
+    assert failed(report) == [("extra_info_is_mapping", "extra_info_non_mapping", "train")]
+    [outcome] = report.failures
+    reason = ("extra_info is a str, not a mapping: store e.g. {'index': 0, 'split': 'train'} (a parquet struct), "
+              "or leave the cell null")
+    assert outcome.examples == [(1, reason), (2, reason)]
+    assert validate([str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED extra_info_is_mapping [train.extra_info_non_mapping]" in out and str(path) in out
+    assert "row 1: \"extra_info is a str, not a mapping: store e.g." in out  # the shown text is cut short
+    json_text = pd.DataFrame(rows).assign(extra_info=[json.dumps(row["extra_info"]) for row in rows])
+    [outcome] = validate_frames(json_text).find("extra_info_is_mapping")
+    assert [row for row, _ in outcome.examples] == [0, 1, 2]
+    assert outcome.examples[0][1].startswith("extra_info is the JSON text of a mapping, not a mapping: parse it")
 
 
 def test_the_data_step_fails_where_filtering_over_long_prompts_leaves_too_few(tmp_path, monkeypatch,

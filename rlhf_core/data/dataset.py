@@ -10,7 +10,6 @@ the next unseen batch.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -25,7 +24,9 @@ import torch
 from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
 from rlhf_core.data.schema import (
+    extra_info_problem,
     ground_truth,
+    is_missing,
     json_message_list,
     problem_id,
     problem_index,
@@ -232,6 +233,10 @@ class RLHFDataset:
         if roles is not None:
             raise DataError(f"{key}: {roles}")
         for position, (record, where, messages) in enumerate(zip(records, wheres, conversations)):
+            extra = record.get("extra_info")
+            malformed = extra_info_problem(extra)  # refused whether or not the row is kept, as validation does
+            if malformed is not None:  # verl reads extra_info.get("index"): text or a number has no index to give
+                raise DataError(f"{where}: {malformed}")
             try:
                 ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
             except Exception as exc:  # templates raise anything: TemplateError, KeyError, ValueError, ...
@@ -254,8 +259,8 @@ class RLHFDataset:
             truth = ground_truth(record.get("reward_model"))
             if truth is None and require_ground_truth:
                 raise DataError(f"{where}: reward_model.ground_truth is missing{TRUTH_HINT}")
-            extra = record.get("extra_info", {})
-            extra = {} if isinstance(extra, float) and math.isnan(extra) else plain_value(extra)  # a file without it
+            # a null cell, or a file without the column (pandas fills it with NaN), is an empty extra_info
+            extra = {} if is_missing(extra) else plain_value(extra)
             source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])
             self.prompt_ids.append(list(ids))
             self.positions.append(position)

@@ -170,6 +170,19 @@ def reward_model_problem(reward_model) -> str | None:
             "{'style': 'rule', 'ground_truth': '72'} (a parquet struct)")
 
 
+def extra_info_problem(extra_info) -> str | None:
+    """What is wrong with an ``extra_info`` cell that is there but is not a mapping (a parquet struct), or None (a
+    mapping, or a missing cell, which reads as an empty mapping as a file without the column does: pandas and
+    pyarrow give a null for a row written without it beside rows that have it)."""
+    if is_missing(extra_info) or isinstance(extra_info, Mapping):
+        return None
+    if isinstance(extra_info, str) and extra_info.lstrip().startswith("{"):
+        return ("extra_info is the JSON text of a mapping, not a mapping: parse it before writing the parquet "
+                "(frame['extra_info'] = frame['extra_info'].map(json.loads))")
+    return (f"extra_info is a {type(extra_info).__name__}, not a mapping: store e.g. {{'index': 0, 'split': "
+            "'train'} (a parquet struct), or leave the cell null")
+
+
 def ground_truth(reward_model):
     """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, or a missing
     value, :func:`is_missing`): what the trainer, preflight and validation read alike."""

@@ -66,6 +66,7 @@ from rlhf_core.data.schema import (
     PREFERENCE_COLUMNS,
     PROMPT_COLUMNS,
     REQUIRED_COLUMNS,
+    extra_info_problem,
     ground_truth,
     is_missing,
     json_message_list,
@@ -448,6 +449,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
     outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
     prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
+    ``extra_info_non_mapping`` (what is wrong with an ``extra_info`` cell that is there but is no mapping,
+    :func:`~rlhf_core.data.schema.extra_info_problem`, else null),
     ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id``
     (``data_source/extra_info.index``; without an index the row's number in its file, ``source_rows``, as the
     trainer numbers rows) and, if ``measure`` (default:
@@ -496,6 +499,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         counts, errors = _measure(conversations, _prompt_counter(tokenizer, template_kwargs))
         out["prompt_tokens"] = column(counts, "float64")
         out["prompt_template_error"] = column(errors)
+    if kind == "prompt" and "extra_info" in frame:  # a null reads as an empty mapping, as the trainer takes it
+        out["extra_info_non_mapping"] = column(map(extra_info_problem, frame["extra_info"]))
     if kind == "prompt" and reward_fn_key in frame:
         rows = range(len(frame)) if source_rows is None else source_rows
         extras = frame["extra_info"] if "extra_info" in frame else [None] * len(frame)
@@ -550,8 +555,9 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     table needs a ground truth on every row where the trainer's reason is not the whole story, said in the
     descriptions of the checks that require it (``reward_model`` present, its ground truth not null). An optional
     column of prompt data (:data:`~rlhf_core.data.schema.OPTIONAL_COLUMNS`: ``ability``, ``extra_info``) is checked
-    for nulls where it is there: a file of the table without it is no finding (its rows' problem ids are their rows
-    in that file, which ``problem_id_unique`` checks). A
+    where it is there: a file of the table without it is no finding (its rows' problem ids are their rows in that
+    file, which ``problem_id_unique`` checks); ``ability`` for nulls, ``extra_info`` for cells that are not mappings
+    (``extra_info_is_mapping``): a null one reads as an empty mapping, as in a file without the column. A
     required column that only some of the files joined into the table have (``{column}_missing_from``) fails
     ``column_in_every_file``, which names the files without it; its nulls are checked in the files that have it.
     ``min_kept``: the prompts within the limit the table needs where the over-long ones are dropped
@@ -568,6 +574,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         PREFERENCE_COLUMNS if kind == "preference" else prompt_columns)
     # a column the trainer is told to read is not optional, nor is a column preference data needs
     optional = set(OPTIONAL_COLUMNS) - {prompt_key, reward_fn_key} - set(PREFERENCE_COLUMNS if kind != "prompt" else ())
+    # the trainer reads a null extra_info of prompt data as an empty one, as it does a file without the column
+    nullable = {"extra_info"} - {prompt_key, reward_fn_key} if kind == "prompt" else set()
     required = [c for c in columns if c not in optional]
     sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
     key = "prompt_json" if kind == "preference" else "prompt_user_content"
@@ -581,11 +589,11 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
            f"every file joined into the table has column '{c}' (shown: the files without it)", {})
           for c in required if f"{c}_missing_from" in frame],
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in columns
-          if c in frame and f"{c}_in_file" not in frame],
+          if c in frame and f"{c}_in_file" not in frame and c not in nullable],
         # an optional column some of the joined files lack: its nulls count in the files that have it
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null in the files that have it",
            {"row_condition": f"{c}_in_file == True", "condition_parser": "pandas"}) for c in columns
-          if c in frame and f"{c}_in_file" in frame],
+          if c in frame and f"{c}_in_file" in frame and c not in nullable],
         ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeNull, "prompt_problem",
          "prompt is a non-empty list of {role, content} string messages (shown: what is wrong)", {}),
         ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
@@ -607,6 +615,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         specs.append(("reward_model_is_mapping", gxe.ExpectColumnValuesToBeNull, "reward_model_non_mapping",
                       "reward_model is a {style, ground_truth} mapping (a parquet struct), not text or a number: "
                       "parse JSON text (json.loads) before writing the parquet", {}))
+    if kind == "prompt" and "extra_info_non_mapping" in frame:
+        specs.append(("extra_info_is_mapping", gxe.ExpectColumnValuesToBeNull, "extra_info_non_mapping",
+                      "extra_info is a mapping (a parquet struct) or null, which the trainer reads as an empty one "
+                      "(shown: what is wrong)", {}))
     if kind == "prompt":
         if ground_truth_required and "reward_model_in_file" in frame:  # column_in_every_file names the others
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
