@@ -136,7 +136,10 @@ def test_a_null_extra_info_reads_as_an_empty_one_as_a_missing_column_does(tmp_pa
                        DataConfig(max_prompt_length=200)).collate([0, 1, 2]).meta
     assert meta["index"] == [40, 1, 42]
     assert meta["extra_info"][1] == {}
-    assert meta["extra_info"][2]["index"] == 42 and meta["extra_info"][2]["split"] == "train"
+    assert meta["extra_info"][2] == {"split": "train", "index": 42, "answer": "s", "question": "c"}
+    # the other rows' integers stay integers (pandas reads a struct field with a null slot as floats: 40.0)
+    assert [type(index) for index in meta["index"]] == [int, int, int]
+    assert type(meta["extra_info"][0]["index"]) is int
 
 
 @pytest.mark.parametrize("cells, row, reason", [

@@ -14,6 +14,7 @@ import pytest
 from transformers import AutoConfig
 
 from rlhf_core.config import PPOConfig, load_config
+from rlhf_core.data import dataset as dataset_module
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
@@ -124,11 +125,13 @@ def test_the_dry_run_reads_each_prompt_file_once(overlong_setup, tmp_path, monke
     reads: dict[str, int] = {}
     read_parquet = pd.read_parquet
 
-    def counting(path, *args, **kwargs):
+    def counting(path, *args, read=read_parquet, **kwargs):  # pandas' reading, and the trainer's (read_rows)
         reads[str(path)] = reads.get(str(path), 0) + 1
-        return read_parquet(path, *args, **kwargs)
+        return read(path, *args, **kwargs)
 
     monkeypatch.setattr(pd, "read_parquet", counting)
+    read_rows = dataset_module.read_rows
+    monkeypatch.setattr(dataset_module, "read_rows", lambda path: counting(path, read=read_rows))
     report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4"), tmp_path, n_prompts=4,
                             response_length=4)
     assert report.passed, report.summary()

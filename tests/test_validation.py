@@ -20,6 +20,7 @@ from rlhf_core.data.validation import (
     ValidationReport,
     fingerprint,
     flatten,
+    read_parquet,
     splits_fingerprint,
     validate_dataset,
     validate_frames,
@@ -1152,7 +1153,7 @@ def test_a_reward_model_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, c
 def test_a_null_extra_info_passes_as_the_trainer_reads_it_an_empty_one(tmp_path):
     """A row written without extra_info beside rows with it is a null cell, which the trainer reads as {} (numbered
     by its row in its file), as it does a file without the column: no finding."""
-    rows = records(3)
+    rows = records(3, offset=10)
     rows[1]["extra_info"] = None
     path = write(tmp_path / "train.parquet", rows)
     report = validate_dataset(path)
@@ -1160,6 +1161,12 @@ def test_a_null_extra_info_passes_as_the_trainer_reads_it_an_empty_one(tmp_path)
     assert [o.column for o in report.find("not_null")] == ["data_source", "prompt", "ability", "reward_model",
                                                             "ground_truth"]
     assert report.find("extra_info_is_mapping")[0].success
+    # the others keep their integer index: problem ids as the trainer builds them, not source/10.0
+    assert flatten(read_parquet(path))["problem_id"].tolist() == [f"{SOURCE}/10", f"{SOURCE}/1", f"{SOURCE}/12"]
+    rows = records(2, offset=10)
+    rows[1]["extra_info"]["index"] = None  # a null field in one row, as a null cell
+    path = write(tmp_path / "index.parquet", rows)
+    assert flatten(read_parquet(path))["problem_id"].tolist() == [f"{SOURCE}/10", f"{SOURCE}/1"]
 
 
 def test_an_extra_info_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, capsys):

@@ -31,6 +31,7 @@ from rlhf_core.data.schema import (
     problem_id,
     problem_index,
     prompt_problem,
+    read_rows,
     reward_model_problem,
     roles_problem,
     unknown_roles,
@@ -75,7 +76,7 @@ def read_frames(paths: Sequence[Path]) -> pd.DataFrame:
     frames = []
     for path in paths:
         try:
-            frame = pd.read_parquet(path)
+            frame = read_rows(path)
         except (pyarrow.ArrowException, OSError, ValueError) as exc:
             raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
         frame["_source_file"] = str(path)

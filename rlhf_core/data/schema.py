@@ -83,6 +83,15 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
     return path
 
 
+def read_rows(path) -> pd.DataFrame:
+    """A parquet file's rows, as the trainer and validation read them: a struct's integer field stays integers where
+    a row has it null, or the whole cell (pandas' own reading makes the field floats then: ``extra_info.index`` 10
+    as 10.0, a problem id ``source/10.0``), as ``datasets`` hands rows to verl."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pandas(integer_object_nulls=True)
+
+
 def is_missing(value) -> bool:
     """None, pandas' markers (NA, NaT) or a NaN of any float width: a float column's NaN is its null."""
     if value is None or value is pd.NA or value is pd.NaT:

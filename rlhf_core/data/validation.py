@@ -73,6 +73,7 @@ from rlhf_core.data.schema import (
     problem_id,
     problem_index,
     prompt_problem,
+    read_rows,
     reward_model_problem,
     single_precision_truth,
     unknown_roles,
@@ -280,7 +281,6 @@ class ValidationReport:
 def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     """Read one parquet file; any failure becomes a :class:`DataReadError` with a one-line reason."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.exists():
@@ -291,7 +291,7 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
             " (it holds no .parquet file)"
         raise DataReadError(path, f"is a directory, expected a parquet file: name its files{held}")
     try:
-        return pq.read_table(path).to_pandas()
+        return read_rows(path)  # as the trainer reads it
     except (OSError, pa.ArrowException, ValueError) as exc:
         reason = one_line(str(exc)) or type(exc).__name__
         raise DataReadError(path, f"not a readable parquet file ({reason})") from exc
