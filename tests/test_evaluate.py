@@ -4,6 +4,8 @@ metrics, the report, bad input; and two evaluations of one model under different
 from __future__ import annotations
 
 import functools
+import io
+import json
 import math
 import statistics
 
@@ -179,6 +181,43 @@ def test_report_shows_intervals_and_what_was_fixed_and_broken(setup):
     assert f"fixed {changed['n_fixed']}, broke {changed['n_broken']}" in page
     for item in changed["fixed"]:
         assert f"<td>fixed</td><td>{item['problem_id']}</td>" in page
+
+
+def test_a_problem_without_a_ground_truth_is_shown_as_such_not_as_the_text_none():
+    """A custom reward's prompts may have no ground truth: the table, its CSV and the report showed "None", the
+    text a real answer "None" has too."""
+    from rlhf_core.pipeline.evaluate import EvalResult
+
+    def result(correct: list[bool]) -> EvalResult:
+        truths = [None, "None", 7]  # none; the answer "None"; a number
+        problems = [{"id": f"s/{i}", "data_source": "s", "index": i, "correct": right, "ground_truth": truth,
+                     "prompt": f"q{i}", "response": f"r{i}"} for i, (truth, right) in enumerate(zip(truths, correct))]
+        return EvalResult("m", sum(correct) / 3, 3, 0.0, {}, 2.0, examples=problems, val_fingerprint="f",
+                          problems=problems)
+
+    base, candidate = result([False, False, True]), result([True, True, False])
+    table = per_problem_table(candidate, base)
+    for stored in (table, pd.read_parquet(io.BytesIO(table.to_parquet()))):  # the artifact is stored as parquet
+        assert stored["ground_truth"].isna().tolist() == [True, False, False]
+        assert stored["ground_truth"].tolist()[1:] == ["None", "7"]
+    csv = pd.read_csv(io.StringIO(table.to_csv(index=False)), keep_default_na=False)
+    assert csv["ground_truth"].tolist() == ["", "None", "7"]
+    changed = changed_problems(table, "base")
+    assert [item["ground_truth"] for item in changed["fixed"]] == [None, "None"]  # JSON null in the metadata
+    assert json.dumps(changed["fixed"][0]["ground_truth"]) == "null"
+    page = evaluation_html({"base model": base, "trained policy": candidate}, changed=changed)
+    marker = "<td class='no-truth'><em>(no ground truth)</em></td>"
+    assert f"<td>fixed</td><td>s/0</td><td>s</td>{marker}<td><pre>r0</pre></td>" in page
+    assert "<td>fixed</td><td>s/1</td><td>s</td><td>None</td><td><pre>r1</pre></td>" in page
+    assert "<td>broken</td><td>s/2</td><td>s</td><td>7</td><td><pre>r2</pre></td>" in page
+    assert f"<td><pre>q0</pre></td><td><pre>r0</pre></td>{marker}</tr>" in page  # the examples
+    assert "<td><pre>q1</pre></td><td><pre>r1</pre></td><td>None</td></tr>" in page
+    # and the lineage's text of the version, from the step's metadata
+    from rlhf_core.pipeline.lineage import _changed_lines
+
+    lines = _changed_lines({"compared_with": "base", **changed})
+    assert lines[1:] == ["        fixed s/0 (no ground truth): 'r0'", "        fixed s/1 (answer None): 'r1'",
+                         "        broken s/2 (answer 7): 'r2'"]
 
 
 def test_a_validation_set_without_ground_truths_is_graded_by_a_custom_reward_only(setup, tmp_path):

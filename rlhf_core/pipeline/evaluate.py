@@ -47,10 +47,13 @@ import torch
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError, as_file_list, plain_value
+from rlhf_core.data.schema import is_missing
 from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
+#: the report's ground-truth cell of a problem without one (a custom reward's prompts): never an answer's text
+NO_GROUND_TRUTH_HTML = "<td class='no-truth'><em>(no ground truth)</em></td>"
 _PROJECT = __name__.partition(".")[0]  # this project's top-level package (rlhf_core)
 
 
@@ -319,7 +322,9 @@ def per_problem_table(candidate: EvalResult, base: EvalResult,
     """One row per problem: id, data source, base / candidate / production correctness, the responses.
 
     ``production`` maps problem id to the production version's correctness (absent: no column
-    values, ``None``). Base and candidate must have been evaluated on the same problems.
+    values, ``None``). Base and candidate must have been evaluated on the same problems. ``ground_truth`` is the
+    stored one as text, null for a problem without one (a custom reward's prompts): an empty CSV cell, never the
+    text "None", which a ground truth may be.
     """
     if base.val_fingerprint != candidate.val_fingerprint:
         raise ValueError(f"base model and candidate were evaluated on different problems (fingerprints "
@@ -334,7 +339,7 @@ def per_problem_table(candidate: EvalResult, base: EvalResult,
             "base_correct": bool(base_rows[row["id"]]["correct"]),
             "candidate_correct": bool(row["correct"]),
             "production_correct": None if production is None else production.get(row["id"]),
-            "ground_truth": str(row["ground_truth"]),
+            "ground_truth": None if is_missing(row["ground_truth"]) else str(row["ground_truth"]),
             "prompt": row["prompt"],
             "candidate_response": row["response"],
             "base_response": base_rows[row["id"]]["response"],
@@ -352,7 +357,9 @@ def changed_problems(table: pd.DataFrame, baseline: str = "base", limit: int = C
     after = known["candidate_correct"].astype(bool)
 
     def listed(rows: pd.DataFrame) -> list[dict[str, Any]]:
-        return [{"problem_id": r["problem_id"], "data_source": r["data_source"], "ground_truth": r["ground_truth"],
+        # a missing ground truth is pandas' NaN in the table: None in the step's metadata (JSON null)
+        return [{"problem_id": r["problem_id"], "data_source": r["data_source"],
+                 "ground_truth": None if is_missing(r["ground_truth"]) else r["ground_truth"],
                  "candidate_response": r["candidate_response"]} for _, r in rows.head(limit).iterrows()]
 
     fixed, broken = known[~before & after], known[before & ~after]
@@ -842,6 +849,11 @@ def _interval(result: EvalResult) -> str:
     return f"[{low:.1%}, {high:.1%}]"
 
 
+def _truth_html(truth: Any) -> str:
+    """A ground truth's table cell: its text, or :data:`NO_GROUND_TRUTH_HTML` (never "None", an answer's text)."""
+    return NO_GROUND_TRUTH_HTML if is_missing(truth) else f"<td>{html.escape(str(truth))}</td>"
+
+
 def _changed_html(changed: Mapping[str, Any], baseline_name: str) -> str:
     parts = [f"<h2>Problems the new version fixed and broke (against the {html.escape(baseline_name)})</h2>",
              f"<p id='changed-counts'>fixed {changed['n_fixed']}, broke {changed['n_broken']}; "
@@ -852,7 +864,7 @@ def _changed_html(changed: Mapping[str, Any], baseline_name: str) -> str:
         for item in changed[kind]:
             parts.append(f"<tr class='{css}'><td>{kind}</td><td>{html.escape(str(item['problem_id']))}</td>"
                          f"<td>{html.escape(str(item['data_source']))}</td>"
-                         f"<td>{html.escape(str(item['ground_truth']))}</td>"
+                         f"{_truth_html(item['ground_truth'])}"
                          f"<td><pre>{html.escape(str(item['candidate_response']))}</pre></td></tr>")
     parts.append("</table>")
     return "".join(parts)
@@ -873,7 +885,7 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
         f"<html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>"
         "body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top} pre{white-space:pre-wrap;margin:0}"
-        ".right{background:#eefbea}.wrong{background:#fdecea}</style></head><body>",
+        ".right{background:#eefbea}.wrong{background:#fdecea}.no-truth{color:#777}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         "<table id='accuracy'><tr><th>model</th><th>accuracy</th><th>95% interval</th><th>prompts</th>"
         f"<th>mean reward</th><th>mean response tokens</th><th>path</th></tr>{rows}</table>",
@@ -901,7 +913,7 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
             kind = "right" if example["correct"] else "wrong"
             parts.append(f"<tr class='{kind}'><td>{kind}</td><td><pre>{html.escape(example['prompt'])}</pre></td>"
                          f"<td><pre>{html.escape(example['response'])}</pre></td>"
-                         f"<td>{html.escape(str(example['ground_truth']))}</td></tr>")
+                         f"{_truth_html(example['ground_truth'])}</tr>")
         parts.append("</table>")
     parts.append("</body></html>")
     return "".join(parts)

@@ -172,8 +172,9 @@ def _changed_lines(metadata: Mapping[str, Any]) -> list[str]:
              f"broke {metadata['n_broken']} problem(s)"]
     for kind in ("fixed", "broken"):
         for item in metadata.get(kind) or []:
-            lines.append(f"        {kind} {item['problem_id']} (answer {item['ground_truth']}): "
-                         f"{_short(item['candidate_response'], 80)!r}")
+            truth = item["ground_truth"]  # None: a problem without one (a custom reward's), not the answer "None"
+            answer = "no ground truth" if truth is None else f"answer {truth}"
+            lines.append(f"        {kind} {item['problem_id']} ({answer}): {_short(item['candidate_response'], 80)!r}")
     return lines
 
 
