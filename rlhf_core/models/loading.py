@@ -139,6 +139,13 @@ def _configs(config: PreTrainedConfig, prefix: str = "") -> list[tuple[str, PreT
     return found
 
 
+def dropout_rates(config: PreTrainedConfig) -> dict[str, float]:
+    """The dropout rates of ``config`` and the configs nested in it, by dotted attribute path (``resid_pdrop``,
+    ``text_config.attention_dropout``)."""
+    return {prefix + name: value for prefix, nested in _configs(config) for name, value in vars(nested).items()
+            if _is_dropout_rate(name, value)}
+
+
 def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     """Every dropout of ``model`` off, in train mode too: each dropout module's ``p``, every float attribute named
     for dropout on its modules (Llama's and Qwen's attentions pass their ``attention_dropout``, a copy of the
@@ -146,11 +153,10 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     ``config.attention_dropout`` in their forward). LoRA layers added afterwards keep their own. Returns the
     config's rates as they were, by dotted attribute path (``resid_pdrop``, ``text_config.attention_dropout``),
     for :func:`config_with` to give an export the base's settings back."""
-    base = {}
-    for prefix, config in _configs(model.config):
+    base = dropout_rates(model.config)
+    for _, config in _configs(model.config):
         for name, value in list(vars(config).items()):
             if _is_dropout_rate(name, value):
-                base[prefix + name] = value
                 setattr(config, name, 0.0)
     for module in model.modules():
         if isinstance(module, DROPOUT_MODULES):
