@@ -126,6 +126,9 @@ class ModelConfig:
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
     override_config: dict[str, Any] = _k({}, "model config attributes set before loading, e.g. attention_dropout: 0.0")
+    disable_dropout: bool = _k(False, "every dropout of the policy (and its reference) off for the run, so the "
+                                      "updates see the log-probs the rollout-time passes computed (TRL's GRPO "
+                                      "option; verl keeps dropout); exports keep the base's dropout settings")
 
 
 @dataclass
@@ -256,6 +259,8 @@ class CriticModelConfig:
     trust_remote_code: bool | None = _k(None, "allow model code from the model directory; null = the actor's "
                                               "setting")
     override_config: dict[str, Any] = _k({}, "critic model config attributes set before loading")
+    disable_dropout: bool = _k(False, "every dropout of the value model off for the run, so the update's "
+                                      "predictions start at the rollout-time values (verl keeps dropout)")
 
 
 @dataclass

@@ -519,6 +519,8 @@ DENIED = {
     "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
     "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.weight_decay": "0.5",
     "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo", "algorithm.filter_groups.enable": "true",
+    # dropout on or off changes the updates' forwards (as reward_model.train.disable_dropout does rlhf-train-rm's)
+    "actor_rollout_ref.model.disable_dropout": "true", "critic.model.disable_dropout": "true",
 }
 ALLOWED = {
     "trainer.logger": "[console]", "trainer.test_freq": "5", "trainer.save_freq": "3",

@@ -29,6 +29,7 @@ from rlhf_core.models.fused_head import chunked_head_log_prob, logits_log_prob, 
 from rlhf_core.models.loading import (
     attention_for,
     compile_blocks,
+    config_with,
     load_actor,
     make_reference,
     resolve,
@@ -41,6 +42,7 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
+    dropout_off,
     map_micro_batches,
     micro_batches,
     packed_inputs,
@@ -195,6 +197,8 @@ class ActorWorker(CheckpointableWorker):
                             model_cfg.trust_remote_code, self.device,
                             attn_implementation=attention_for(model_cfg.use_remove_padding, self.device),
                             override_config=model_cfg.override_config)
+        # before the reference copies it: the update's, the old and the reference log-probs all without dropout
+        self.base_dropout = dropout_off(module, model_cfg.disable_dropout, "actor_rollout_ref.model.disable_dropout")
         self.lora = model_cfg.lora_rank > 0
         if self.lora:
             module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)
@@ -379,14 +383,16 @@ class ActorWorker(CheckpointableWorker):
     def save_hf(self, target: str | Path) -> None:
         """The policy as a plain transformers model directory (LoRA merged); sharded, every rank must call
         this (the weights are gathered) and rank 0 writes."""
-        if not self.lora and not self.sharded:
+        if not self.lora and not self.sharded and not self.base_dropout:
             self.module.save_pretrained(target)
             return
         state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
         if distributed.rank() == 0:
             if self.lora:
                 state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
-            save_hf_model(self.forward_module, state, target)
+            # the base's dropout rates, not the run's zeros: a model fine-tuned from the export gets them back
+            save_hf_model(self.forward_module, state, target,
+                          config_with(self.forward_module.config, self.base_dropout))
 
 
 def build_actor(config: PPOConfig, tokenizer, total_steps: int, need_ref: bool, seed: int, device: str) -> ActorWorker:

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
 from rlhf_core.models import lora, packed_attention
-from rlhf_core.models.loading import cache_argument
+from rlhf_core.models.loading import cache_argument, disable_dropout, dropout_rates
 from rlhf_core.workers import distributed
 
 SHARDS_DIR = "dcp"
@@ -231,6 +231,22 @@ def resolve_shared_prefix(requested: bool, module: torch.nn.Module, key: str, *,
         print(f"notice: {key}=true is not used: {why}, so every row runs its whole prompt", file=sys.stderr,
               flush=True)
     return SharedPrefix(why is None, why is None)
+
+
+def dropout_off(model: torch.nn.Module, disable: bool, key: str) -> dict[str, float]:
+    """Every dropout of a just-loaded ``model`` off where ``disable`` (``key``, a ``*.model.disable_dropout``);
+    returns the base's rates, for its exports (:func:`~rlhf_core.models.loading.config_with`). Otherwise the
+    updates (train mode) draw dropout that the rollout-time passes (eval mode) do not: a one-line notice names
+    the model's non-zero rates and the key, and nothing is returned."""
+    if disable:
+        return disable_dropout(model)
+    rates = {path: rate for path, rate in dropout_rates(model.config).items() if rate}
+    if rates and distributed.rank() == 0:
+        listed = ", ".join(f"{path}={rate:g}" for path, rate in rates.items())
+        print(f"notice: {key.removesuffix('.disable_dropout')} has dropout ({listed}): its updates run with it, "
+              f"its rollout-time passes (generation, log-probs, values) without; {key}=true turns it off for the run",
+              file=sys.stderr, flush=True)
+    return {}
 
 
 def pad_response(values: torch.Tensor, response_len: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from rlhf_core.workers.common import (
     CheckpointableWorker,
     build_optimizer,
     build_scheduler,
+    dropout_off,
     map_micro_batches,
     micro_batches,
     packed_inputs,
@@ -67,6 +68,7 @@ class CriticWorker(CheckpointableWorker):
                              model_cfg.trust_remote_code, self.device, seed=seed,
                              attn_implementation=attention_for(model_cfg.use_remove_padding, self.device),
                              override_config=model_cfg.override_config)
+        dropout_off(module, model_cfg.disable_dropout, "critic.model.disable_dropout")  # no export: rates not kept
         self.lora = model_cfg.lora_rank > 0
         if self.lora:
             module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules,

@@ -1,0 +1,126 @@
+"""PPO's actor and critic on a backbone with dropout: ``actor_rollout_ref.model.disable_dropout`` and
+``critic.model.disable_dropout``.
+
+The rollout and the old-log-prob, reference and values passes run in eval mode (no dropout); the updates in
+train mode. Where dropout is off, the first mini-batch of an update is on-policy with the same weights and the
+same forward as those passes (the same rows, micro-batches and padding): its log-probs are the old ones bit for
+bit, so the ratio is exactly 1 (``actor/ppo_kl`` = mean(old - new) = 0, nothing clipped, a KL loss of 0 to the
+reference, which is the same weights), and the critic's first predictions are the values exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.main_ppo import build_trainer
+from rlhf_core.workers import critic as critic_module
+
+#: the toy Llama's attention dropout (a float its attention passes to sdpa in train mode)
+RATE = 0.5
+FIRST_CHARACTER_REWARD = (  # scores that differ between responses, so advantages and value targets are not 0
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return (ord(solution_str[0]) % 5) / 4 if solution_str else 0.0\n"
+)
+
+
+@pytest.fixture(scope="module")
+def dropout_model(workspace):
+    """The tiny toy model with attention dropout 0.5 in its config."""
+    model = workspace.root / "dropout_model"
+    if not model.exists():
+        shutil.copytree(workspace.model, model)
+        config = json.loads((model / "config.json").read_text())
+        assert config["attention_dropout"] == 0.0
+        (model / "config.json").write_text(json.dumps({**config, "attention_dropout": RATE}))
+    return model
+
+
+def _trainer(workspace, model, tmp_path, disable: bool, *extra):
+    reward = tmp_path / "reward_first_character.py"
+    reward.write_text(FIRST_CHARACTER_REWARD)
+    # 8 prompts x 2 samples in two mini-batches of 8 rows, one micro-batch each, as the log-prob and values passes
+    # take them: the first mini-batch's forward is theirs, row for row
+    flag = str(disable).lower()
+    return build_trainer(load_config(workspace.overrides(
+        tmp_path / "out", f"custom_reward_function.path={reward}", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.seed=3",
+        # the random model's next-token distributions are near uniform, so dropout moves its log-probs by about
+        # 1e-3: a clip range below that lets the clip show the noise
+        "actor_rollout_ref.actor.clip_ratio=1e-4",
+        f"actor_rollout_ref.model.disable_dropout={flag}", f"critic.model.disable_dropout={flag}", *extra,
+        model=model)))
+
+
+def _first_mini_batches(trainer, monkeypatch) -> dict:
+    """Records the actor's first mini-batch metrics (``seen["actor"]``) and the critic's first predictions with
+    the rollout-time values of their rows (``seen["critic"]``)."""
+    seen = {}
+    policy_loss = trainer.actor.policy_loss
+
+    def recording_loss(mb, *args):
+        loss, summed, constant = policy_loss(mb, *args)
+        seen.setdefault("actor", summed)  # one micro-batch a mini-batch: the mini-batch's metrics
+        return loss, summed, constant
+
+    trainer.actor.policy_loss = recording_loss
+    response_values = critic_module.response_values
+
+    def recording_values(model, batch, *args):
+        values = response_values(model, batch, *args)
+        if torch.is_grad_enabled():  # the update's forward, not the values pass
+            seen.setdefault("critic", (values.detach().clone(), batch["values"].clone()))
+        return values
+
+    monkeypatch.setattr(critic_module, "response_values", recording_values)
+    return seen
+
+
+def _one_step(trainer, monkeypatch) -> dict:
+    with torch.no_grad():  # a value head that is not zero (a new one starts at 0), so dropout would show
+        trainer.critic.forward_module.score.weight.normal_(generator=torch.Generator().manual_seed(0))
+    seen = _first_mini_batches(trainer, monkeypatch)
+    trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    return seen
+
+
+def test_without_dropout_the_first_mini_batch_is_exactly_on_policy(workspace, dropout_model, tmp_path, monkeypatch):
+    trainer = _trainer(workspace, dropout_model, tmp_path, disable=True)
+    seen = _one_step(trainer, monkeypatch)
+    first = seen["actor"]
+    assert first["actor/ppo_kl"] == 0.0 and first["actor/pg_clipfrac"] == 0.0 and first["actor/kl_loss"] == 0.0
+    predicted, values = seen["critic"]
+    assert values.abs().sum() > 0  # the head is not zero, so the equality below means something
+    assert torch.equal(predicted, values)
+    # the export keeps the base's dropout rate; the run's model keeps its own off
+    trainer.actor.save_hf(tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["attention_dropout"] == RATE
+    for model in (trainer.actor.forward_module, trainer.actor.ref_module, trainer.critic.forward_module):
+        assert model.config.attention_dropout == 0.0
+
+
+def test_with_dropout_the_first_mini_batch_is_not(workspace, dropout_model, tmp_path, monkeypatch, capsys):
+    trainer = _trainer(workspace, dropout_model, tmp_path, disable=False)
+    err = capsys.readouterr().err
+    for key in ("actor_rollout_ref.model", "critic.model"):
+        assert err.count(f"notice: {key} has dropout (attention_dropout=0.5)") == 1, err
+        assert f"{key}.disable_dropout=true turns it off" in err
+    seen = _one_step(trainer, monkeypatch)
+    first = seen["actor"]
+    assert first["actor/ppo_kl"] != 0 and first["actor/pg_clipfrac"] > 0 and first["actor/kl_loss"] > 0
+    predicted, values = seen["critic"]
+    assert (predicted - values).abs().max() > 1e-3
+    # the export is the model as loaded
+    trainer.actor.save_hf(tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["attention_dropout"] == RATE
+
+
+def test_no_notice_where_dropout_is_off_or_the_model_has_none(workspace, dropout_model, tmp_path, capsys):
+    _trainer(workspace, dropout_model, tmp_path, disable=True)
+    _trainer(workspace, workspace.model, tmp_path, disable=False)
+    assert "has dropout" not in capsys.readouterr().err
