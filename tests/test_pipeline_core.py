@@ -580,6 +580,42 @@ def test_reference_check_names_the_rows_that_do_not_earn_full_marks(tmp_path):
     assert f"{paths['test']} row 2" in check.summary() and "'99999'" in check.summary()
 
 
+def _integer_truths(path: Path, truths: list, answers: list) -> None:
+    """A prompt file whose ground truths are integers, one of them null, with the reference solutions ``answers``
+    (None: the row has no extra_info, which pandas reads as a null index)."""
+    pd.DataFrame([{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"q{row}"}],
+                   "reward_model": {"style": "rule", "ground_truth": truth},
+                   "extra_info": {"split": "test", "index": 10 + row, "answer": answer} if answer else None}
+                  for row, (truth, answer) in enumerate(zip(truths, answers))]).to_parquet(path, index=False)
+
+
+def test_the_reference_check_hands_integer_ground_truths_over_as_integers_beside_a_null(tmp_path):
+    """The self-check reads the rows as training does: an integer ground truth stays an integer where another row's
+    is null (pandas made them all floats, 72.0, which a reward comparing text grades wrong against '#### 72')."""
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str.rsplit('####', 1)[-1].strip() == str(ground_truth))\n")
+    cfg = _custom_config(custom)
+    cfg.data.val_files = str(tmp_path / "val.parquet")
+    _integer_truths(tmp_path / "val.parquet", [72, 5, None], ["6 * 12 = 72\n#### 72", "2 + 3 = 5\n#### 5", None])
+    check = check_reference_solutions(cfg)
+    assert (check.checked, check.mismatches) == (2, []), check.summary()
+
+
+def test_the_reference_check_grades_and_names_integer_ground_truths_as_they_are_stored(tmp_path):
+    # 2**53 + 1 = 9007199254740993 has no double: as a float it is ...992, and its right answer was graded wrong
+    cfg = PPOConfig()
+    cfg.data.val_files = str(tmp_path / "val.parquet")
+    _integer_truths(tmp_path / "val.parquet", [2**53 + 1, 99999, None],
+                    ["#### 9007199254740993", "#### 5", None])
+    check = check_reference_solutions(cfg)
+    assert check.checked == 2
+    assert [(m["row"], m["index"], m["ground_truth"]) for m in check.mismatches] == [(1, 11, 99999)]
+    assert [type(m["index"]) for m in check.mismatches] == [int]
+    assert [type(m["ground_truth"]) for m in check.mismatches] == [int]
+    assert "row 1 (data_source=openai/gsm8k): ground truth 99999, reward {" in check.summary()
+
+
 def test_the_pipeline_needs_a_ground_truth_where_training_or_its_evaluation_grades_with_the_rule(tmp_path):
     """validate_data held every run to a ground truth on every row: a custom reward's run on prompts without one
     was refused though training, the reward's self-check and the evaluation all grade with that function; a reward

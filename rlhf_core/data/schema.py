@@ -83,13 +83,14 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
     return path
 
 
-def read_rows(path) -> pd.DataFrame:
-    """A parquet file's rows, as the trainer and validation read them: a struct's integer field stays integers where
-    a row has it null, or the whole cell (pandas' own reading makes the field floats then: ``extra_info.index`` 10
-    as 10.0, a problem id ``source/10.0``), as ``datasets`` hands rows to verl."""
+def read_rows(path, columns: list[str] | None = None) -> pd.DataFrame:
+    """A parquet file's rows (only ``columns``, where given), as every reader of the project takes them: a struct's
+    integer field stays integers where a row has it null, or the whole cell (pandas' own reading makes the field
+    floats then: ``extra_info.index`` 10 as 10.0, a problem id ``source/10.0``, a ground truth 72 as 72.0), and so
+    does an integer column with a null, as ``datasets`` hands rows to verl."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(path).to_pandas(integer_object_nulls=True)
+    return pq.read_table(path, columns=columns).to_pandas(integer_object_nulls=True)
 
 
 def is_missing(value) -> bool:

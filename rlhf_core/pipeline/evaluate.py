@@ -47,7 +47,7 @@ import torch
 from rlhf_core import stats
 from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError, as_file_list, plain_value
-from rlhf_core.data.schema import is_missing
+from rlhf_core.data.schema import is_missing, read_rows
 from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
 
 EXAMPLES_PER_KIND = 3
@@ -637,7 +637,7 @@ def _parameters(fn: Callable) -> dict[str, Any]:
 def read_data_sources(files: str | Sequence[str], column: str = "data_source") -> list[str]:
     sources: set[str] = set()
     for path in as_file_list(files):
-        sources.update(pd.read_parquet(path, columns=[column])[column].astype(str))
+        sources.update(read_rows(path, columns=[column])[column].astype(str))
     return sorted(sources)
 
 
@@ -741,7 +741,7 @@ def check_reference_solutions(cfg: PPOConfig, files: str | Sequence[str] | None 
     checked, mismatches = 0, []
     fns: dict[str, RewardFn] = {}
     for path in as_file_list(files):
-        frame = pd.read_parquet(path)
+        frame = read_rows(path)  # as training reads them: an integer ground truth beside a null is no float
         for row, record in enumerate(frame.to_dict("records")):
             record = plain_value(record)  # the cells as training hands them to the reward function
             extra = record.get("extra_info")
