@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.cli.data import gsm8k
@@ -299,3 +301,19 @@ def test_a_final_answer_the_rule_cannot_match_is_an_invalid_row(tmp_path, capsys
     assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out"), "--skip-invalid"]) == 0
     train = pd.read_parquet(tmp_path / "out" / "train.parquet")
     assert [rm["ground_truth"] for rm in train["reward_model"]] == ["6"]
+
+
+def test_a_parquet_shard_names_integer_answers_beside_a_null_as_stored(tmp_path):
+    """An integer answer column with a null read as floats: the rows were named '72.0' and 'nan', not what the
+    shard holds (72, and a null, which the JSON lines layout names 'None')."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    pq.write_table(pa.table({"question": ["How many?", "And now?", "Why?"], "answer": [72, None, 5]}),
+                   folder / "train-00000-of-00001.parquet")  # an int64 column with a null, as the hub's are written
+    pd.DataFrame({"question": ["q"], "answer": ["#### 1"]}).to_parquet(folder / "test-00000-of-00001.parquet")
+    with pytest.raises(GSM8KDataError) as error:
+        preprocess_gsm8k(folder, tmp_path / "out")
+    shard = folder / "train-00000-of-00001.parquet"
+    assert str(error.value).splitlines()[1:4] == [f"  {shard}, row 0: answer is not text: '72'",
+                                                  f"  {shard}, row 1: answer is not text: 'None'",
+                                                  f"  {shard}, row 2: answer is not text: '5'"]

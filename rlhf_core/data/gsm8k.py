@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rlhf_core.data.schema import extract_final_answer, make_record, write_parquet_atomic
+from rlhf_core.data.schema import extract_final_answer, make_record, read_rows, write_parquet_atomic
 from rlhf_core.rewards.gsm8k import unanswerable
 
 DATA_SOURCE = "openai/gsm8k"
@@ -168,7 +168,7 @@ def _read_jsonl(path: Path) -> list[tuple[int, int | None, dict]]:
 
 def _read_parquet(path: Path, first_row: int) -> list[tuple[int, int | None, dict]]:
     try:
-        frame = pd.read_parquet(path)
+        frame = read_rows(path)  # an integer answer beside a null is named as stored, not as 72.0
     except Exception as exc:
         raise GSM8KDataError(f"{path}: cannot be read as parquet ({exc})") from exc
     missing = [col for col in SOURCE_COLUMNS if col not in frame.columns]
