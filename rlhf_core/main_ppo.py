@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
 
 from rlhf_core.config import PPOConfig
@@ -46,6 +45,7 @@ from rlhf_core.data.schema import (
     ground_truth,
     is_missing,
     prompt_problem,
+    read_rows,
     reward_model_problem,
     roles_problem,
     single_precision_truth,
@@ -117,8 +117,8 @@ def _data_sources(paths: list[Path], column: str, prompt_key: str = "prompt", ex
         if column not in names:
             raise DataError(f"{path}: no column {column!r} (data.reward_fn_key) to route the reward by; the file "
                             f"has {', '.join(repr(n) for n in names if not n.startswith('__'))}")
-        frame = pd.read_parquet(path, columns=[column] + [c for c in ("reward_model", prompt_key)
-                                                          if c in names and c != column])
+        frame = read_rows(path, columns=[column] + [c for c in ("reward_model", prompt_key)
+                                                    if c in names and c != column])
         truths = frame["reward_model"] if "reward_model" in frame else [None] * len(frame)
         if prompt_key in frame:  # a malformed prompt (or a missing column) is the dataset's to name
             scan.unknown_roles += [(f"{path} row {row}", roles) for row, prompt in enumerate(frame[prompt_key])

@@ -14,7 +14,6 @@ import pytest
 from transformers import AutoConfig
 
 from rlhf_core.config import PPOConfig, load_config
-from rlhf_core.data import dataset as dataset_module
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
@@ -122,16 +121,16 @@ def test_the_dry_run_takes_the_first_prompts_the_trainer_keeps(overlong_setup, t
 def test_the_dry_run_reads_each_prompt_file_once(overlong_setup, tmp_path, monkeypatch):
     # the kept rows are taken from the frame the trainer's dataset checked, not from a second read of the files
     _, _, data = overlong_setup
+    import pyarrow.parquet as pq
+
     reads: dict[str, int] = {}
-    read_parquet = pd.read_parquet
+    read_table = pq.read_table
 
-    def counting(path, *args, read=read_parquet, **kwargs):  # pandas' reading, and the trainer's (read_rows)
-        reads[str(path)] = reads.get(str(path), 0) + 1
-        return read(path, *args, **kwargs)
+    def counting(source, *args, **kwargs):  # what pandas' reading and every read_rows call read a file with
+        reads[str(source)] = reads.get(str(source), 0) + 1
+        return read_table(source, *args, **kwargs)
 
-    monkeypatch.setattr(pd, "read_parquet", counting)
-    read_rows = dataset_module.read_rows
-    monkeypatch.setattr(dataset_module, "read_rows", lambda path: counting(path, read=read_rows))
+    monkeypatch.setattr(pq, "read_table", counting)
     report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4"), tmp_path, n_prompts=4,
                             response_length=4)
     assert report.passed, report.summary()

@@ -54,6 +54,7 @@ from rlhf_core.data.schema import (
     INSTRUCTION,
     PREFERENCE_COLUMNS,
     prompt_problem,
+    read_rows,
     roles_problem,
     unknown_roles,
     write_parquet_atomic,
@@ -234,7 +235,7 @@ def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") ->
     questions: set[str] = set()
     for path in prompt_files(paths):
         try:
-            frame = pd.read_parquet(path)
+            frame = read_rows(path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
             raise PreferenceDataError(f"{path} is not a readable parquet file ({exc})") from exc
         if prompt_key not in frame.columns:
@@ -332,7 +333,7 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
         raise PreferenceDataError(f"{path} is not a readable parquet file ({exc})") from exc
     check_columns(columns, str(path))
-    frame = pd.read_parquet(path)
+    frame = read_rows(path)
     check_prompts(frame, path)
     for column in ("chosen", "rejected"):
         bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text]
