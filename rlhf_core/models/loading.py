@@ -114,9 +114,11 @@ def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = True
+    # eval mode: the rollout-time passes (generation, log-probs, values) draw no dropout; the updates switch to
+    # train mode, where a model's dropout runs unless its disable_dropout key turns it off
     model = model.to(device).eval()
     cpu_matmul.route(model)
-    return model  # no dropout: log-probs must be reproducible between phases
+    return model
 
 
 #: the dropout modules whose rate is their ``p``
