@@ -197,3 +197,183 @@ def test_a_misspelled_string_target_is_not_told_to_become_a_list_of_itself(tmp_p
     assert "write the list [qproj]" not in misspelled
     assert misspelled.endswith("set model.target_modules to some of its linear layers, "
                                "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj], or all-linear")
+
+
+# ---------------------------------------------------------------- several steps, checked against plain transformers
+STEPS = 3  # the 8 prompts in batches of 4: the third step starts a second epoch
+
+
+def _base_log_prob(model: torch.nn.Module, batch) -> torch.Tensor:
+    """log p(response token | everything before it) under ``model``, written out here: (bs, R)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.float()  # (bs, P + R, V), temperature 1
+    prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    predicting = torch.log_softmax(logits[:, prompt_len - 1:prompt_len - 1 + response_len], dim=-1)  # (bs, R, V)
+    return predicting.gather(-1, batch["responses"][..., None]).squeeze(-1)
+
+
+def _record_fit(trainer) -> dict[int, dict]:
+    metrics: dict[int, dict] = {}
+    trainer.logger = lambda m, step: metrics.__setitem__(step, dict(m))
+    trainer.fit()
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def fitted(workspace):
+    """A LoRA run of STEPS steps (KL in the reward and as a loss, a checkpoint each step): the trainer, its
+    metrics, each step's batch with the reference log-probs it was given, and the weights it started from."""
+    root, model = workspace
+    out = root / "fitted"
+    trainer = _trainer(root, model, out, f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
+                       "algorithm.use_kl_in_reward=true")
+    initial = {part: {name: p.detach().clone() for name, p in worker.module.named_parameters()}
+               for part, worker in (("actor", trainer.actor), ("critic", trainer.critic))}
+    references = []
+    compute_ref_log_prob = trainer.actor.compute_ref_log_prob
+
+    def recording(batch):
+        references.append((batch, compute_ref_log_prob(batch).clone()))
+        return references[-1][1]
+
+    trainer.actor.compute_ref_log_prob = recording
+    metrics = _record_fit(trainer)
+    assert sorted(metrics) == list(range(1, STEPS + 1)) and len(references) == STEPS
+    return trainer, metrics, references, initial, out
+
+
+def _independent_peft(model_dir, adapter: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The base model from its folder with peft's own LoRA (r=4, alpha=8, all-linear) and ``adapter`` loaded."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                                LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    expected = {name for name in peft_model.state_dict() if ".lora_" in name}
+    assert set(adapter) == expected  # every adapter tensor, nothing else
+    peft_model.load_state_dict(adapter, strict=False)
+    return peft_model.eval()
+
+
+def test_the_reference_is_the_base_model_at_every_step_after_updates(fitted, workspace):
+    _, model = workspace
+    trainer, _, references, _, _ = fitted
+    base = AutoModelForCausalLM.from_pretrained(model).eval()  # plain transformers, no adapter code
+    for step, (batch, ref_log_prob) in enumerate(references, start=1):
+        mask = batch["response_mask"].bool()
+        torch.testing.assert_close(ref_log_prob[mask], _base_log_prob(base, batch)[mask], rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, step=step: f"step {step}: {m}")
+    batch, _ = references[-1]
+    mask = batch["response_mask"].bool()
+    policy, _ = trainer.actor.compute_log_prob(batch)
+    assert (policy - _base_log_prob(base, batch))[mask].abs().max() > 1e-2  # the adapters moved the policy
+
+
+def test_after_steps_the_base_weights_of_actor_and_critic_are_bit_identical(fitted):
+    trainer, _, _, initial, _ = fitted
+    for part, worker in (("actor", trainer.actor), ("critic", trainer.critic)):
+        params = dict(worker.module.named_parameters())
+        frozen = [name for name, p in params.items() if not p.requires_grad]
+        assert frozen and all(torch.equal(params[name], initial[part][name]) for name in frozen), part
+        trained = [name for name, p in params.items() if p.requires_grad]
+        assert all(".lora_" in name or ".modules_to_save." in name for name in trained), part
+        moved = [name for name in trained if not torch.equal(params[name], initial[part][name])]
+        assert any(".lora_B." in name for name in moved), part
+
+
+def test_a_resume_with_lora_continues_as_the_unbroken_run(fitted, workspace):
+    from test_resume import assert_same_metrics
+
+    root, model = workspace
+    _, metrics, _, _, out = fitted
+    resumed = _trainer(root, model, root / "resumed", f"trainer.total_training_steps={STEPS}",
+                       "trainer.save_freq=1", "algorithm.use_kl_in_reward=true")
+    resumed.load_checkpoint(out / f"global_step_{STEPS - 1}")
+    again = _record_fit(resumed)
+    assert sorted(again) == [STEPS]
+    assert again[STEPS]["actor/kl_loss"] > 0
+    assert_same_metrics(again[STEPS], metrics[STEPS], STEPS)
+
+
+def test_after_updates_log_probs_rollout_and_weight_sync_are_the_saved_adapters(fitted, workspace, monkeypatch):
+    """The saved adapter, loaded into peft's own LoRA on a plain load of the base, is the policy the actor
+    scores with, the one its HF rollout samples from (the prompts' pass and each decode step), and the one its
+    merged weights for vLLM hold."""
+    from rlhf_core.rollout import hf
+
+    _, model = workspace
+    trainer, _, references, _, out = fitted
+    adapted = _independent_peft(model, checkpoint.load_model_state(out / f"global_step_{STEPS}", "actor"))
+    base = AutoModelForCausalLM.from_pretrained(model).eval()
+    batch, _ = references[-1]
+    mask = batch["response_mask"].bool()
+    policy, _ = trainer.actor.compute_log_prob(batch)
+    torch.testing.assert_close(policy[mask], _base_log_prob(adapted, batch)[mask], rtol=1e-5, atol=1e-5)
+
+    draw = hf.sample_next_token
+    for fused in (True, False):  # the decode steps in the fused step (llama) or in the model's adapted layers
+        drawn_from = []  # the logits the rollout draws each response token from, (bs, V) a step
+        monkeypatch.setattr(hf, "FUSED_DECODE", fused)
+        monkeypatch.setattr(hf, "sample_next_token",
+                            lambda logits, *args, seen=drawn_from: draw(seen.append(logits.float().clone()) or logits,
+                                                                        *args))
+        rollout = trainer.actor.generate(trainer.train_dataset.collate(list(range(4))), trainer._train_params())
+        responses, rollout_mask = rollout["responses"], rollout["response_mask"].bool()
+        rollout_log_prob = torch.log_softmax(torch.stack(drawn_from, dim=1), dim=-1)  # (bs, R, V), temperature 1
+        rollout_log_prob = rollout_log_prob.gather(-1, responses[..., None]).squeeze(-1)  # (bs, R)
+        torch.testing.assert_close(rollout_log_prob[rollout_mask], _base_log_prob(adapted, rollout)[rollout_mask],
+                                   rtol=1e-4, atol=1e-4, msg=lambda m, fused=fused: f"fused decode {fused}: {m}")
+        assert (rollout_log_prob - _base_log_prob(base, rollout))[rollout_mask].abs().max() > 1e-2
+
+    synced = AutoModelForCausalLM.from_pretrained(model)
+    weights = dict(trainer.actor.rollout_weights())
+    assert sorted(weights) == sorted(synced.state_dict())  # the base model's own names, no adapter's
+    synced.load_state_dict(weights)
+    torch.testing.assert_close(_base_log_prob(synced.eval(), batch)[mask], _base_log_prob(adapted, batch)[mask],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_checkpoints_merged_export_is_the_saved_adapters_policy(fitted, workspace):
+    _, model = workspace
+    _, _, references, _, out = fitted
+    saved = out / f"global_step_{STEPS}"
+    adapted = _independent_peft(model, checkpoint.load_model_state(saved, "actor"))
+    exported = AutoModelForCausalLM.from_pretrained(saved / "actor" / "huggingface").eval()  # plain transformers
+    batch, _ = references[-1]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(_base_log_prob(exported, batch)[mask], _base_log_prob(adapted, batch)[mask],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_adapters_scale_by_alpha_over_rank(fitted, workspace):
+    """peft's LoRA: a layer computes x W^T + (lora_alpha / r) x A^T B^T; the actor has r=4, alpha=8 (2), the
+    critic r=4 and the default alpha 16 (4)."""
+    from transformers import AutoModelForTokenClassification
+
+    _, model = workspace
+    trainer = fitted[0]
+    plain = {"actor": AutoModelForCausalLM.from_pretrained(model),
+             "critic": AutoModelForTokenClassification.from_pretrained(model, num_labels=1)}
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    for part, worker, scale in (("actor", trainer.actor, 8 / 4), ("critic", trainer.critic, 16 / 4)):
+        layer = dict(worker.module.named_modules())["base_model.model.model.layers.0.self_attn.q_proj"]
+        weight = plain[part].model.layers[0].self_attn.q_proj.weight
+        lora_a, lora_b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+        assert lora_b.abs().max() > 0, part  # trained: B has left zero
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), x @ weight.T + scale * (x @ lora_a.T @ lora_b.T),
+                                       rtol=1e-5, atol=1e-6, msg=lambda m, part=part: f"{part}: {m}")
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[q_proj,v_proj]"])
+def test_target_modules_adapt_the_linear_layers_verl_names(workspace, tmp_path, targets):
+    """verl's default, all-linear, adapts every linear layer but the output head; a list adapts those named."""
+    root, model = workspace
+    trainer = _trainer(root, model, tmp_path / "out", f"actor_rollout_ref.model.target_modules={targets}")
+    linear = {name for name, layer in AutoModelForCausalLM.from_pretrained(model).named_modules()
+              if isinstance(layer, torch.nn.Linear)}
+    expected = linear - {"lm_head"} if targets == "all-linear" else {
+        name for name in linear if name.endswith((".q_proj", ".v_proj"))}
+    adapted = {name.removeprefix("base_model.model.") for name, layer in trainer.actor.module.named_modules()
+               if hasattr(layer, "lora_A")}
+    assert adapted == expected and "lm_head" in linear
