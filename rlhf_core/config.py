@@ -45,6 +45,7 @@ TRUNCATIONS = ("error", "left", "right", "middle")
 LR_SCHEDULERS = ("constant", "cosine")
 RESUME_MODES = ("auto", "disable", "resume_path")
 DEVICES = ("cpu", "cuda")
+OVERLONG_PAIRS = ("truncate", "drop")  # reward_model.train.overlong: what rlhf-train-rm does with a long pair
 CPU_MATMULS = ("auto", "onednn", "blas")  # trainer.cpu_matmul: rlhf_core.models.cpu_matmul's choices
 CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # trainer.cpu_matmul_dtype
 DTYPES = ("float32", "bfloat16", "float16")
@@ -313,9 +314,12 @@ class RewardTrainConfig:
     micro_batch_size_per_gpu: int = _k(8, "pairs per forward/backward on one worker (2 sequences each)")
     max_length: int | None = _k(None, "tokens per prompt + response, at most the model's positions; null = the "
                                       "model's max_position_embeddings (1024 where it names none), as the run then "
-                                      "records; longer pairs lose tokens from the left: the same prompt tokens on "
-                                      "both sides (one context for the two), then a response's own start; a pair "
-                                      "left with the same ids on both sides is dropped")
+                                      "records; longer pairs (overlong=truncate) lose tokens from the left: the same "
+                                      "prompt tokens on both sides (one context for the two), then a response's own "
+                                      "start; a pair left with the same ids on both sides is dropped")
+    overlong: str = _k("truncate", "a pair with either side over max_length: truncate (cut from the left as "
+                                   "max_length says, the pair kept) | drop (left out of training and validation, as "
+                                   "TRL's RewardTrainer: each text scored whole, but fewer pairs, long answers first)")
     apply_chat_template_kwargs: dict[str, Any] = _k("${data.apply_chat_template_kwargs}",
                                                     "keyword arguments to the chat template when encoding the pairs, "
                                                     "recorded in the export's config.json (chat_template_kwargs)")
@@ -1558,6 +1562,7 @@ def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
     _one_of(errors, f"{key}.optim.lr_scheduler_type", rm.optim.lr_scheduler_type, LR_SCHEDULERS)
     _one_of(errors, f"{key}.model.dtype", rm.model.dtype, DTYPES)
     _one_of(errors, f"{key}.resume_mode", rm.resume_mode, RESUME_MODES)
+    _one_of(errors, f"{key}.overlong", rm.overlong, OVERLONG_PAIRS)
     if rm.resume_mode == "resume_path" and not rm.resume_from_path:
         errors.append(f"{key}.resume_mode=resume_path needs {key}.resume_from_path (a global_step_N directory)")
 

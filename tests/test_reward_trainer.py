@@ -133,14 +133,16 @@ def test_pairs_that_truncation_makes_identical_are_left_out_with_a_notice(tiny, 
     assert [(tokenizer.decode(c), tokenizer.decode(r)) for c, r in prepared.train] == [
         ("t: #### 7</s>", "t: #### 8</s>")]
     err = capsys.readouterr().err
-    assert "4 sequences were cut to reward_model.train.max_length (10), both sides of a pair to the same prompt " \
-           "tokens: 2 lost prompt tokens from the left; 2 lost their whole prompt and the start of their response" in err
+    assert "notice: 2 of 2 training pairs are over reward_model.train.max_length=10 on a side (reward_model.train." \
+           "overlong=truncate): cut to one prompt window (the same prompt tokens on both sides); of their sequences, " \
+           "2 lost prompt tokens from the left; 2 lost their whole prompt and the start of their response" in err
     assert "1 pair(s) of reward_model.train.train_files are left out" in err and f"row 0 of {train}" in err
     # 30 tokens cut 3 prompt tokens from row 0's sequences alone: both pairs kept
     assert len(preflight(load_config([*base, "reward_model.train.max_length=30"])).train) == 2
     err = capsys.readouterr().err
-    assert "2 sequences were cut to reward_model.train.max_length (30), both sides of a pair to the same prompt " \
-           "tokens: 2 lost prompt tokens from the left (the response's end" in err and "left out" not in err
+    assert "notice: 1 of 2 training pairs are over reward_model.train.max_length=30 on a side (reward_model.train." \
+           "overlong=truncate): cut to one prompt window (the same prompt tokens on both sides); of their sequences, " \
+           "2 lost prompt tokens from the left (the response's end" in err and "left out" not in err
     only_same = _preference_file(tmp_path / "same.parquet", [("Q?", "Yes! total 7", "No!! total 7")])
     with pytest.raises(RewardTrainingError, match=r"train_files: in every pair chosen and rejected have the same "
                                                   r"token ids; 1 with the same ids once cut to "
@@ -154,6 +156,103 @@ def test_pairs_that_truncation_makes_identical_are_left_out_with_a_notice(tiny, 
     with pytest.raises(RewardTrainingError, match=r"1 with the same ids uncut: the tokenizer reads their differences "
                                                   r"as the same tokens .*make the texts differ"):
         preflight(load_config([*base, f"reward_model.train.train_files={unknown}"]))
+
+
+def _long_pairs(tmp_path):
+    """Preference files whose sides' lengths in the toy tokenizer (a token per character) are known: the prompt
+    "User: Q?\nAssistant: " is 20 tokens ("User: " 6 + "Q?" 2 + "\nAssistant: " 12), a response its characters +
+    EOS. Against max_length=30, the longer side of each pair is (train) 27, 42, 48, 30, 45, 43 and (val) 27, 52."""
+    train = _preference_file(tmp_path / "train.parquet", [
+        ("Q?", "#### 7", "#### 8"),  # 27 and 27: within
+        ("Q?", "a long answer: #### 7", "#### 8"),  # chosen 20 + 21 + 1 = 42: over
+        ("Q?", "#### 7", "the rejected is long #### 8"),  # rejected 20 + 27 + 1 = 48: over
+        ("Q?", "ok #### 7", "no #### 8"),  # 20 + 9 + 1 = 30 each: exactly max_length, within
+        ("Q?", "both are too long #### 1", "both are too long #### 2"),  # 20 + 24 + 1 = 45 each: over
+        ("A longer question?", "#### 1", "#### 2"),  # the prompt alone 6 + 18 + 12 = 36: over
+    ])
+    val = _preference_file(tmp_path / "val.parquet", [
+        ("V?", "#### 1", "#### 2"),  # 27: within
+        ("V?", "#### 1", "this one is far too long #### 2"),  # 20 + 31 + 1 = 52: over
+    ])
+    return train, val
+
+
+def _long_pairs_overrides(tiny, train, val, out, *extra):
+    return ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+            f"reward_model.train.train_files={train}", f"reward_model.train.val_files={val}",
+            "reward_model.train.train_batch_size=2", "reward_model.train.micro_batch_size_per_gpu=1",
+            "reward_model.train.max_length=30", f"reward_model.train.default_local_dir={out}", *extra]
+
+
+def test_overlong_drop_leaves_out_the_pairs_with_a_side_over_max_length(tiny, tmp_path, capsys):
+    from rlhf_core.training.reward_trainer import preflight
+
+    train, val = _long_pairs(tmp_path)
+    base = _long_pairs_overrides(tiny, train, val, tmp_path / "out")
+    prepared = preflight(load_config([*base, "reward_model.train.overlong=drop"]))
+    decode = prepared.tokenizer.decode
+    # rows 0 and 3 of train and row 0 of val are kept, whole
+    assert [(decode(c), decode(r)) for c, r in prepared.train] == [
+        ("User: Q?\nAssistant: #### 7</s>", "User: Q?\nAssistant: #### 8</s>"),
+        ("User: Q?\nAssistant: ok #### 7</s>", "User: Q?\nAssistant: no #### 8</s>")]
+    assert [(decode(c), decode(r)) for c, r in prepared.val] == [
+        ("User: V?\nAssistant: #### 1</s>", "User: V?\nAssistant: #### 2</s>")]
+    assert prepared.over_length == {"train": 4, "val": 1}
+    err = capsys.readouterr().err
+    assert "notice: 4 of 6 training pairs and 1 of 2 held-out pairs are over reward_model.train.max_length=30 on a " \
+           "side (reward_model.train.overlong=drop): left out of training and validation" in err
+    assert err.count("max_length") == 1  # one line says it
+
+    # truncate (the default) keeps every pair, the same ones counted, each side at most 30 tokens
+    prepared = preflight(load_config(base))
+    assert len(prepared.train) == 6 and len(prepared.val) == 2
+    assert max(len(ids) for pair in prepared.train + prepared.val for ids in pair) == 30
+    assert prepared.over_length == {"train": 4, "val": 1}
+    # train rows 1, 2, 4, 5 lose prompt tokens only on both sides (8 sequences), and val row 1's sides lose the
+    # whole prompt (52 - 30 = 22 > 20), its long side 2 response tokens too: 9 prompt-only, 1 into the response
+    err = capsys.readouterr().err
+    assert "notice: 4 of 6 training pairs and 1 of 2 held-out pairs are over reward_model.train.max_length=30 on a " \
+           "side (reward_model.train.overlong=truncate): cut to one prompt window (the same prompt tokens on both " \
+           "sides); of their sequences, 9 lost prompt tokens from the left; 1 lost their whole prompt and the " \
+           "start of their response" in err
+    assert err.count("max_length") == 1
+
+
+def test_overlong_counts_reach_the_metrics_and_the_summary(tiny, tmp_path):
+    from rlhf_core.training.reward_trainer import train_reward_model
+
+    train, val = _long_pairs(tmp_path)
+    logged = []
+    export, summary = train_reward_model(load_config(_long_pairs_overrides(
+        tiny, train, val, tmp_path / "out", "reward_model.train.overlong=drop")),
+        lambda metrics, step: logged.append((step, metrics)))
+    assert (export / "config.json").is_file()
+    assert summary["train/pairs_over_max_length"] == 4 and summary["val/pairs_over_max_length"] == 1
+    # 2 pairs kept at 2 a step: one step, which logs the counts, then the held-out metrics over the 1 pair kept
+    (step, first), *rest = logged
+    assert step == 1 and first["train/pairs_over_max_length"] == 4 and first["val/pairs_over_max_length"] == 1
+    assert all("train/pairs_over_max_length" not in metrics for _, metrics in rest)
+    # validated over that one pair: its two scores are the extremes, and the loss is that of its margin alone
+    assert [summary["val/score_min"], summary["val/score_max"]] == pytest.approx(
+        sorted([summary["val/chosen_score_mean"], summary["val/rejected_score_mean"]]), abs=1e-6)
+    assert summary["val/loss"] == pytest.approx(math.log1p(math.exp(-summary["val/margin_mean"])), abs=1e-6)
+
+
+def test_overlong_drop_of_every_pair_fails_before_training(tiny, tmp_path):
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    train = _preference_file(tmp_path / "train.parquet", [("Q?", "a long answer: #### 7", "#### 8"),  # 42
+                                                            ("A longer question?", "#### 1", "#### 2")])  # 36 + 7 = 43
+    base = _long_pairs_overrides(tiny, train, "null", tmp_path / "out", "reward_model.train.train_batch_size=1")
+    with pytest.raises(RewardTrainingError) as info:
+        preflight(load_config([*base, "reward_model.train.overlong=drop"]))
+    assert ("reward_model.train.train_files: every pair is left out: 2 of 2 are over reward_model.train.max_length=30 "
+            "on a side, which reward_model.train.overlong=drop leaves out (their longer sides run from 42 to 43 "
+            "tokens): raise max_length to at least 42") in str(info.value)
+    assert "reward_model.train.overlong=truncate" in str(info.value)
+    assert len(preflight(load_config(base)).train) == 2  # cut, both kept
+    with pytest.raises(ConfigError, match=r"reward_model.train.overlong='cut' is not one of truncate, drop"):
+        load_config([*base, "reward_model.train.overlong=cut"])
 
 
 def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp_path, capsys):
@@ -373,6 +472,10 @@ def test_resume_is_exact(tiny, pairs_dir, tmp_path):
     with pytest.raises(ValueError, match="optim.lr"):
         RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
                                                   "reward_model.train.optim.lr=5e-4"))).resume()
+    # nor with long pairs now left out (or cut) where the checkpoint's run cut them (or left them out)
+    with pytest.raises(ValueError, match="reward_model.train.overlong: 'truncate' in the checkpoint, 'drop' now"):
+        RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "b",
+                                                  "reward_model.train.overlong=drop"))).resume()
     # a checkpoint file damaged in place (its size kept) is refused before it loads, naming the file
     latest = ckpt.latest_checkpoint(tmp_path / "b")
     weights = next(p for p in (latest / "reward_model").rglob("*.pt") if p.stat().st_size > 64)

@@ -30,7 +30,10 @@ records the chat-template keyword arguments the pairs were encoded with
 ``train/chosen_score_mean``, ``train/rejected_score_mean`` and over both sides ``train/score_mean``,
 ``train/score_std``, ``train/score_min``, ``train/score_max``, all over every pair of the step; then
 ``train/grad_norm``, ``train/lr``, ``train/skipped_step``, and at each validation the same pair metrics under
-``val/`` over every held-out pair.
+``val/`` over every held-out pair. The run's first step also logs ``train/pairs_over_max_length`` and
+``val/pairs_over_max_length``: the pairs with a side over ``reward_model.train.max_length``, cut to one prompt
+window (``reward_model.train.overlong=truncate``) or left out of training and validation (``drop``, as TRL's
+RewardTrainer).
 
 Exit codes: 0 done; 1 unusable preference data (the message names the file, columns or rows);
 2 bad config, model directory or checkpoint; 3 a worker failed.
@@ -186,19 +189,29 @@ class EncodedPairs:
     prompt_cut: int = 0  # sequences that lost prompt tokens only
     response_cut: int = 0  # sequences that lost their whole prompt and response tokens too
     identical: list[tuple[str, int, bool]] = dataclasses.field(default_factory=list)  # (file, row, cut) left out
+    rows: int = 0  # the preference rows read
+    over_length: list[int] = dataclasses.field(default_factory=list)  # the longer side's tokens of each pair over
+    dropped: bool = False  # whether those pairs were left out (overlong=drop) rather than cut
 
 
-def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int,
-                 chat_template_kwargs: dict | None = None) -> EncodedPairs:
-    """(chosen ids, rejected ids) of each row of the preference frames in ``files`` ((path, frame) each), cut to
-    ``max_length`` with one prompt window for both sides (:func:`cut_from_the_left`: the Bradley-Terry comparison
-    is of two responses to the same context), leaving out the rows whose chosen and rejected have the same ids
-    once cut (they teach nothing)."""
-    encoded = EncodedPairs()
+def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int | None,
+                 chat_template_kwargs: dict | None = None, overlong: str = "truncate") -> EncodedPairs:
+    """(chosen ids, rejected ids) of each row of the preference frames in ``files`` ((path, frame) each). A pair
+    with either side over ``max_length`` is cut with one prompt window for both sides (``overlong="truncate"``:
+    :func:`cut_from_the_left`, the Bradley-Terry comparison is of two responses to the same context) or left out
+    (``"drop"``: every text scored is whole). Rows whose chosen and rejected have the same ids (once cut) are left
+    out too: they teach nothing."""
+    encoded = EncodedPairs(dropped=overlong == "drop")
     for path, frame in files:
         for row, (prompt, chosen, rejected) in enumerate(zip(frame["prompt"], frame["chosen"], frame["rejected"])):
+            encoded.rows += 1
             messages = [dict(m) for m in prompt]
             prompt_ids, response_ids = conversation_ids(tokenizer, messages, [chosen, rejected], chat_template_kwargs)
+            longer = len(prompt_ids) + max(map(len, response_ids))  # the pair's longer side, uncut
+            if max_length is not None and longer > max_length:
+                encoded.over_length.append(longer)
+                if encoded.dropped:
+                    continue
             pair, cut = [], False
             for ids, prompt_cut, response_cut in cut_from_the_left(prompt_ids, response_ids, max_length):
                 encoded.response_cut += response_cut > 0
@@ -435,11 +448,13 @@ def _nearest_existing(path: Path) -> Path:
 
 @dataclasses.dataclass
 class Preferences:
-    """What :func:`preflight` hands the trainer: the tokenizer and the encoded training and held-out pairs."""
+    """What :func:`preflight` hands the trainer: the tokenizer, the encoded training and held-out pairs, and how
+    many pairs of each split were over ``max_length`` (cut or left out, as ``overlong`` says)."""
 
     tokenizer: object
     train: list[tuple[list[int], list[int]]]
     val: list[tuple[list[int], list[int]]]
+    over_length: dict[str, int] = dataclasses.field(default_factory=dict)  # split: pairs over max_length
 
 
 #: ``reward_model.train.max_length`` where it is null and the model's config names no max_position_embeddings
@@ -498,37 +513,55 @@ def preflight(cfg: PPOConfig) -> Preferences:
     if errors:
         raise RewardTrainingError(errors)
     tokenizer = load_tokenizer(rm.model.tokenizer_path or model_path, rm.model.trust_remote_code)
-    encoded = {split: encode_pairs(items, tokenizer, rm.max_length, rm.apply_chat_template_kwargs)
+    encoded = {split: encode_pairs(items, tokenizer, rm.max_length, rm.apply_chat_template_kwargs, rm.overlong)
                for split, items in frames.items()}
-    _notify_cuts(encoded.values(), rm.max_length)
+    _notify_over_length(encoded, rm.max_length)
     for split, pairs in encoded.items():
-        errors += _check_identical(split, pairs, rm.max_length)
+        errors += _check_left_out(split, pairs, rm.max_length)
     kept = len(encoded["train"].pairs)
     if encoded["train"].pairs and kept < rm.train_batch_size:
-        errors.append(f"{KEY}.train_files hold {kept} pairs whose chosen and rejected differ once cut to "
-                      f"{KEY}.max_length ({rm.max_length}), fewer than {KEY}.train_batch_size "
+        which = (f"within {KEY}.max_length ({rm.max_length}) whose chosen and rejected differ ({KEY}.overlong=drop "
+                 f"left out {len(encoded['train'].over_length)})" if encoded["train"].dropped else
+                 f"whose chosen and rejected differ once cut to {KEY}.max_length ({rm.max_length})")
+        errors.append(f"{KEY}.train_files hold {kept} pairs {which}, fewer than {KEY}.train_batch_size "
                       f"({rm.train_batch_size}): raise max_length, lower the batch size or add pairs")
     if errors:
         raise RewardTrainingError(errors)
-    return Preferences(tokenizer, encoded["train"].pairs, encoded["val"].pairs)
+    return Preferences(tokenizer, encoded["train"].pairs, encoded["val"].pairs,
+                       {split: len(pairs.over_length) for split, pairs in encoded.items() if pairs.rows})
 
 
-def _notify_cuts(splits, max_length: int) -> None:
-    prompt_cut = sum(s.prompt_cut for s in splits)
-    response_cut = sum(s.response_cut for s in splits)
-    if not prompt_cut + response_cut:
+def _notify_over_length(encoded: dict[str, EncodedPairs], max_length: int) -> None:
+    """One line: how many pairs of each split are over ``max_length``, and what ``overlong`` did with them."""
+    train, val = encoded["train"], encoded["val"]
+    if not train.over_length and not val.over_length:
         return
-    parts = [f"{prompt_cut} lost prompt tokens from the left"] if prompt_cut else []
-    if response_cut:
-        parts.append(f"{response_cut} lost their whole prompt and the start of their response")
-    print(f"notice: {prompt_cut + response_cut} sequences were cut to {KEY}.max_length ({max_length}), both sides "
-          f"of a pair to the same prompt tokens: {'; '.join(parts)} (the response's end, where the score is read, is "
-          "kept)", file=sys.stderr)
+    counts = f"{len(train.over_length):,} of {train.rows:,} training pairs"
+    if val.rows:
+        counts += f" and {len(val.over_length):,} of {val.rows:,} held-out pairs"
+    if train.dropped:
+        done = f"left out of training{' and validation' if val.rows else ''}, every text scored whole"
+    else:
+        sequences = [f"{n} lost prompt tokens from the left" for n in [train.prompt_cut + val.prompt_cut] if n]
+        sequences += [f"{n} lost their whole prompt and the start of their response"
+                      for n in [train.response_cut + val.response_cut] if n]
+        done = (f"cut to one prompt window (the same prompt tokens on both sides); of their sequences, "
+                f"{'; '.join(sequences)} (the response's end, where the score is read, is kept)")
+    print(f"notice: {counts} are over {KEY}.max_length={max_length} on a side ({KEY}.overlong="
+          f"{'drop' if train.dropped else 'truncate'}): {done}", file=sys.stderr)
 
 
-def _check_identical(split: str, encoded: EncodedPairs, max_length: int) -> list[str]:
-    """The error of a split left without a pair by those whose chosen and rejected are the same ids once cut;
-    a notice where only some are."""
+def _check_left_out(split: str, encoded: EncodedPairs, max_length: int) -> list[str]:
+    """The error of a split left without a pair by those over ``max_length`` (``overlong=drop``) and those whose
+    chosen and rejected are the same ids (once cut); a notice where only some have the same ids."""
+    if encoded.dropped and encoded.over_length and not encoded.pairs:
+        shortest, longest = min(encoded.over_length), max(encoded.over_length)
+        same = f"; the other {len(encoded.identical)} have the same token ids on both sides" \
+            if encoded.identical else ""
+        return [f"{KEY}.{split}_files: every pair is left out: {len(encoded.over_length)} of {encoded.rows} are over "
+                f"{KEY}.max_length={max_length} on a side, which {KEY}.overlong=drop leaves out (their longer "
+                f"sides run from {shortest} to {longest} tokens){same}: raise max_length to at least {shortest} "
+                f"(within the model's positions), or set {KEY}.overlong=truncate to cut them"]
     if not encoded.identical:
         return []
     causes = []
@@ -565,6 +598,10 @@ class RewardModelTrainer:
         self.step_under_way: int | None = None
         self.tokenizer = preferences.tokenizer
         self.train_pairs, self.val_pairs = preferences.train, preferences.val
+        #: pairs over max_length, cut or left out as reward_model.train.overlong says: logged with this run's first
+        #: step, and returned with the validation metrics by train_reward_model
+        self.length_metrics = {f"{split}/pairs_over_max_length": count
+                               for split, count in preferences.over_length.items()}
         self.steps_per_epoch = len(self.train_pairs) // self.rm.train_batch_size  # the last partial batch waits
         self.total_steps = self.steps_per_epoch * self.rm.total_epochs
         if self.rm.total_training_steps is not None:
@@ -628,7 +665,7 @@ class RewardModelTrainer:
             ckpt.start_afresh(self.local_dir, KEY)  # an earlier run's checkpoints there: never resumed by a rerun
         self.resume()
         log = log or (lambda metrics, step: None)
-        rm, last_val = self.rm, {}
+        rm, last_val, first = self.rm, {}, True
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
                    dynamic_ncols=True, file=sys.stderr)
         try:
@@ -636,6 +673,9 @@ class RewardModelTrainer:
                 self._stop_if_requested()
                 self.step_under_way = self.global_step + 1
                 metrics = self.train_step()
+                if first:
+                    metrics.update(self.length_metrics)
+                    first = False
                 step = self.global_step
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
                     last_val = self.validate()
@@ -761,13 +801,14 @@ class RewardModelTrainer:
 
 
 def train_reward_model(cfg: PPOConfig, log=None) -> tuple[Path, dict[str, float]]:
-    """Preflight, train (resuming), export; returns (HF directory, last validation metrics)."""
+    """Preflight, train (resuming), export; returns (HF directory, last validation metrics and each split's
+    ``<split>/pairs_over_max_length``)."""
     trainer = RewardModelTrainer(cfg)
     try:
         val = trainer.fit(log)
     finally:
         trainer.shutdown()
-    return trainer.local_dir / HF_DIR, val
+    return trainer.local_dir / HF_DIR, {**trainer.length_metrics, **val}
 
 
 def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float,
