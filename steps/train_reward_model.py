@@ -47,6 +47,9 @@ def train_reward_model(
                "held_out_margin_mean": val.get("val/margin_mean"),
                # the scale PPO's rewards will have: the loss fixes neither offset nor spread of the scores
                "held_out_score_min": val.get("val/score_min"), "held_out_score_max": val.get("val/score_max"),
+               # pairs with a side over max_length: cut to one prompt window, or left out (reward_model.train.overlong)
+               "pairs_over_max_length": val.get("train/pairs_over_max_length"),
+               "held_out_pairs_over_max_length": val.get("val/pairs_over_max_length"), "overlong": rm.overlong,
                "min_pair_accuracy": threshold,
                "passed": passed, "reason": reason, "preference_fingerprint": preference_fingerprint,
                "base_model": rm.model.path, "local_dir": rm.default_local_dir}

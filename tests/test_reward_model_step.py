@@ -82,6 +82,14 @@ def test_reward_model_is_a_model_artifact_with_its_held_out_accuracy(passing_run
         assert step.run_metadata[name] == summary[name] == pytest.approx(value, abs=1e-5), name
     fingerprint = run.steps["validate_preferences"].outputs["preference_fingerprint"][0].load()
     assert step.run_metadata["preference_fingerprint"] == fingerprint
+    # the pairs over max_length (the model's positions here), counted from each side's whole length
+    positions = model.config.max_position_embeddings
+    for key, split in (("pairs_over_max_length", "train"), ("held_out_pairs_over_max_length", "val")):
+        frame = pd.read_parquet(tiny_setup().root / "preferences" / f"{split}.parquet")
+        over = sum(max(len(encode_response(tokenizer, [dict(m) for m in prompt], text)[0]) for text in sides)
+                   > positions for prompt, *sides in zip(frame["prompt"], frame["chosen"], frame["rejected"]))
+        assert step.run_metadata[key] == summary[key] == over, key
+    assert step.run_metadata["overlong"] == summary["overlong"] == "truncate"
 
 
 def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
