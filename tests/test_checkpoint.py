@@ -94,6 +94,7 @@ def test_hf_directory_loads_with_plain_transformers_and_generates(trained, tmp_p
 
     trainer, out = trained
     hf_dir = out / "global_step_2" / "actor" / "huggingface"
+    assert not (hf_dir.parent / "lora_adapter").exists()  # no LoRA: no peft adapter folder
     model = AutoModelForCausalLM.from_pretrained(hf_dir)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     for name, value in trainer.actor.module.state_dict().items():

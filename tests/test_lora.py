@@ -104,6 +104,50 @@ def test_checkpoint_holds_adapters_and_the_export_is_merged_plain_transformers(t
     torch.testing.assert_close(fresh.actor.compute_log_prob(batch)[0], trainer.actor.compute_log_prob(batch)[0])
 
 
+def test_checkpoint_holds_the_adapter_as_peft_saves_it_over_the_actors_model_path(trained, workspace, tmp_path):
+    """verl's lora_adapter folder beside the actor's checkpoint files: peft's own from_pretrained over a plain load
+    of the base model named in it is the policy the actor scores with after its update."""
+    import json
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    trainer, base, _, batch = trained
+    _, model = workspace
+    trainer.checkpoint_dir = tmp_path / "ckpt"
+    path = trainer.save_checkpoint()
+    folder = path / "actor" / "lora_adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(r=4, lora_alpha=8)).save_pretrained(
+        tmp_path / "peft")  # the files peft writes for an adapter
+    written = sorted(file.name for file in folder.iterdir())
+    assert written == sorted(file.name for file in (tmp_path / "peft").iterdir())
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(written)
+    listed = checkpoint.read_manifest(path, verify=True)["files"]
+    assert all(f"actor/lora_adapter/{name}" in listed for name in written)  # in the manifest: saved atomically
+
+    adapter_config = json.loads((folder / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(model)
+    assert (adapter_config["peft_type"], adapter_config["r"], adapter_config["lora_alpha"]) == ("LORA", 4, 8)
+    plain = AutoModelForCausalLM.from_pretrained(adapter_config["base_model_name_or_path"])
+    adapted = PeftModel.from_pretrained(plain, folder).eval()
+    mask = batch["response_mask"].bool()
+    policy, _ = trainer.actor.compute_log_prob(batch)
+    torch.testing.assert_close(_base_log_prob(adapted, batch)[mask], policy[mask], rtol=1e-5, atol=1e-5)
+    assert (policy - _base_log_prob(base, batch))[mask].abs().max() > 1e-3  # the trained adapter, not a fresh one
+
+
+def test_the_adapters_base_model_is_named_by_an_absolute_path_where_model_path_is_relative(workspace, tmp_path,
+                                                                                           monkeypatch):
+    """A relative actor_rollout_ref.model.path names its folder from the run's working directory only: the adapter
+    names the same folder from anywhere."""
+    import json
+
+    root, model = workspace
+    monkeypatch.chdir(model.parent)
+    trainer = _trainer(root, model.name, tmp_path / "out", "critic.model.lora_rank=0")
+    saved = json.loads((trainer.save_checkpoint() / "actor" / "lora_adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == str(model)
+
+
 def test_merge_is_w_plus_scaled_b_a():
     weight, lora_a, lora_b = torch.randn(3, 4), torch.randn(2, 4), torch.randn(3, 2)
     state = {"base_model.model.proj.base_layer.weight": weight, "base_model.model.proj.lora_A.default.weight": lora_a,

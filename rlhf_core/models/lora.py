@@ -5,7 +5,9 @@ are trained; the base weights stay frozen, so the reference policy is the same m
 adapters switched off (``with module.disable_adapter():``) and no second copy of the weights
 exists. Checkpoints hold the trainable tensors only; the Hugging Face export and the vLLM weight
 sync get the merged weights ``W + (alpha / r) * B @ A`` under the base model's own names
-(:func:`merged_state_dict`), computed from a state dict so the module itself is never modified.
+(:func:`merged_state_dict`), computed from a state dict so the module itself is never modified. The actor's
+checkpoints also hold its adapter as peft saves it (:func:`save_adapter`, verl's ``lora_adapter`` folder), which
+``PeftModel.from_pretrained`` loads over the base model.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 ADAPTER = "default"
 PEFT_PREFIX = "base_model.model."
 CRITIC_HEADS = ("score", "classifier")
+ADAPTER_DIR = "lora_adapter"  # verl's folder of the actor's adapter, beside its checkpoint files
 
 
 def _lora_config(model: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str], critic: bool):
@@ -213,6 +216,19 @@ def load_trainable_state_dict(module: torch.nn.Module, state: dict[str, torch.Te
     if missing or unexpected:
         raise RuntimeError(f"LoRA state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     module.load_state_dict(state, strict=False)
+
+
+def save_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], target: str | Path,
+                 base_model_path: str | Path) -> None:
+    """``module``'s adapter as peft's ``save_pretrained`` writes it (``adapter_model.safetensors``,
+    ``adapter_config.json``, its ``README.md``), holding the tensors of ``state`` (whole, under the module's own
+    names: gathered from FSDP shards where sharded) rather than the module's own, over the base model at
+    ``base_model_path``: ``PeftModel.from_pretrained(that base, target)`` is the policy ``module`` computes.
+
+    The embedding is never adapted here (:func:`refusals`), so none is saved: peft's ``"auto"`` would look the
+    base model up (on the Hub, where its path is no local folder) to decide."""
+    module.peft_config[ADAPTER].base_model_name_or_path = str(base_model_path)
+    module.save_pretrained(str(target), state_dict=state, save_embedding_layers=False)
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       actor/optim_state.pt                {"optimizer": ..., "scheduler": ...}
       actor/extra_state.pt                the worker's generators (mini-batch shuffle, rollout sampling)
       actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
+      actor/lora_adapter/                 with LoRA: the actor's adapter as peft saves it, over model.path (verl's)
       critic/model_state.pt, optim_state.pt, extra_state.pt     (GAE only)
       trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guards, skips
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
@@ -18,7 +19,7 @@ With several workers (FSDP2) each role directory holds instead ``dcp/`` (every r
 the model and optimizer state, torch.distributed.checkpoint) and ``extra_state_rank_R.pt`` (each
 rank's scheduler and generators, and the torch generators of its process, which dropout draws
 from), written by the workers themselves: ``default_local_dir`` must then be a filesystem every
-worker sees. ``huggingface/`` is gathered and written by rank 0.
+worker sees. ``huggingface/`` and ``lora_adapter/`` are gathered and written by rank 0.
 Either layout loads on any number of workers (:func:`saved_workers` counts those that saved it):
 shards re-split or gather into one process, one worker's whole tensors are cut into shards, and a
 rank the saved run did not have takes rank 0's schedule and shuffle state and seeds its own
@@ -85,6 +86,7 @@ from rlhf_core.atomic import (
     write_text_atomic,
 )
 from rlhf_core.config import OPEN_KEYS, followed
+from rlhf_core.models import lora
 from rlhf_core.workers import common
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -648,6 +650,8 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
         files.torch(f"{name}/extra_state.pt", state)
         parts.append(name)
     files.tree(f"actor/{HF_DIR}", lambda target: _write_hf(trainer, target))
+    if trainer.config.actor_rollout_ref.model.lora_rank > 0:  # the critic's adapter is in its state only, as verl's
+        files.tree(f"actor/{lora.ADAPTER_DIR}", trainer.actor.save_adapter)
     state = {"format": FORMAT_VERSION, **trainer.state_dict(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     files.text(TRAINER_STATE, json.dumps(state, indent=1))
     files.torch(RNG_STATE, rng_state())

@@ -394,6 +394,13 @@ class ActorWorker(CheckpointableWorker):
             save_hf_model(self.forward_module, state, target,
                           config_with(self.forward_module.config, self.base_dropout))
 
+    def save_adapter(self, target: str | Path) -> None:
+        """The LoRA adapter as peft saves it (:func:`lora.save_adapter`), over the base model at model.path made
+        absolute; sharded, every rank must call this (the adapters are gathered) and rank 0 writes."""
+        state = distributed.full_state_dict(self.module, only_trainable=True)  # {} on ranks other than 0 when sharded
+        if distributed.rank() == 0:
+            lora.save_adapter(self.module, state, target, Path(resolve(self.config.model.path)).absolute())
+
 
 def build_actor(config: PPOConfig, tokenizer, total_steps: int, need_ref: bool, seed: int, device: str) -> ActorWorker:
     """The actor (with its rollout engine and reference) of ``config``, its unset keys resolved."""

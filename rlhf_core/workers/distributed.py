@@ -233,13 +233,18 @@ def grad_norm_value(norm: torch.Tensor) -> float:
     return float(norm)
 
 
-def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The unsharded state dict on CPU: on rank 0 only when sharded (other ranks get {}), else everywhere."""
+def full_state_dict(module: torch.nn.Module, only_trainable: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state dict on CPU: on rank 0 only when sharded (other ranks get {}), else everywhere. With
+    ``only_trainable``, the tensors of parameters that train (LoRA adapters) alone: the frozen ones are not
+    gathered."""
     if not is_sharded(module):
-        return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()}
+        trainable = {name for name, param in module.named_parameters() if param.requires_grad}
+        return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()
+                if not only_trainable or name in trainable}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=only_trainable))
 
 
 def iter_full_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -392,6 +392,9 @@ class HybridWorker(DistributedWorker):
     def save_hf(self, folder: str) -> None:
         self.actor.save_hf(folder)
 
+    def save_adapter(self, folder: str) -> None:
+        self.actor.save_adapter(folder)
+
     def scale_lr(self, factor: float, role: str = "actor") -> None:
         self._role(role).scale_lr(factor)
 
@@ -506,6 +509,9 @@ class ActorGroup(_RoleGroup):
 
     def save_hf(self, target: str | Path) -> None:
         self.group.execute_all("save_hf", absolute(target))
+
+    def save_adapter(self, target: str | Path) -> None:
+        self.group.execute_all("save_adapter", absolute(target))
 
     def peak_memory_gb(self) -> float:
         return max(self.group.execute_all("peak_memory_gb"))
