@@ -139,6 +139,19 @@ class _TestWorker(DistributedWorker):
     def sleep_share(self, share: Batch, rank: int, seconds: float) -> int:
         return self.sleep_on(rank, seconds)
 
+    def lora_update_and_save_adapter(self, model: str, folder: str) -> dict[str, torch.Tensor]:
+        """An actor with LoRA updated on this rank's share, its peft adapter saved into ``folder``; the whole
+        weights after the update (rank 0; {} on the others)."""
+        from rlhf_core.workers.actor import ActorWorker
+
+        cfg = _config(model, "actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
+        batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
+        actor = ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model), total_steps=1, need_ref=False)
+        mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
+        actor.update_policy(minibatch_shares(batch, mini_rows, WORLD)[self.rank], n)
+        actor.save_adapter(folder)
+        return distributed.full_state_dict(actor.module)
+
     def die_during_all_reduce(self, dying_rank: int) -> float:
         if self.rank == dying_rank:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -211,6 +224,24 @@ def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_s
     assert ranks[0]["generated_mask"].sum(-1).tolist() == [1] * 4
     assert ranks[1]["generated_mask"].sum(-1).tolist() == [6] * 4
     assert ranks[0]["generated_mask"].shape == ranks[1]["generated_mask"].shape == (4, 6)
+
+
+def test_a_sharded_lora_actor_saves_its_whole_adapter_once_as_peft_does(test_group, model_dir, tmp_path):
+    """Rank 0 gathers the adapters' shards and writes the folder peft writes; peft's from_pretrained over the
+    plain base model holds the whole trained adapters."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "lora_adapter"
+    whole = test_group.execute_all("lora_update_and_save_adapter", model_dir, str(folder))[0]
+    assert sorted(file.name for file in folder.iterdir()) == ["README.md", "adapter_config.json",
+                                                              "adapter_model.safetensors"]
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), folder).state_dict()
+    adapters = {name: tensor for name, tensor in whole.items() if ".lora_" in name}
+    assert adapters and {name for name in adapted if ".lora_" in name} == set(adapters)
+    for name, tensor in adapters.items():
+        assert tensor.shape == adapted[name].shape and torch.equal(adapted[name], tensor), name
+    assert any(".lora_B." in name and tensor.abs().max() > 0 for name, tensor in adapters.items())  # trained
 
 
 def test_balanced_layouts_by_hand():
@@ -403,7 +434,8 @@ def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_
 def test_relative_paths_reach_workers_that_run_in_another_folder(ray_cluster, model_dir, tmp_path, monkeypatch):
     """The cluster's workers run in the folder the cluster started in, not the driver's: relative model and
     checkpoint paths named other folders there (the checkpoint's manifest listed actor and critic with no shard
-    in it, the shards went to the cluster's folder). The driver now sends them absolute."""
+    in it, the shards went to the cluster's folder). The driver now sends them absolute. (The actor trains LoRA
+    adapters here: its peft adapter folder is written there too.)"""
     from rlhf_core.data.synthetic import build_dataset
     from rlhf_core.main_ppo import build_trainer
 
@@ -416,13 +448,19 @@ def test_relative_paths_reach_workers_that_run_in_another_folder(ray_cluster, mo
     out = f"out-{tmp_path.name}"  # relative; a name no folder at the origin has
     overrides = [item for item in _trainer_overrides(tmp_path, "model", out)
                  if not item.startswith(("trainer.total_training_steps", "trainer.test_freq"))]
-    trainer = build_trainer(load_config([*overrides, "trainer.total_training_steps=1", "trainer.test_freq=-1"]))
+    trainer = build_trainer(load_config([*overrides, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                                         "actor_rollout_ref.model.lora_rank=4"]))
     try:
         trainer.fit()
         saved = checkpoint.read_manifest(driver / out / "global_step_1", verify=True)["files"]
         for role in ("actor", "critic"):
             assert f"{role}/dcp/.metadata" in saved and f"{role}/extra_state_rank_1.pt" in saved
         assert "actor/huggingface/model.safetensors" in saved
+        # with LoRA, the adapter as peft saves it, over the model folder as the driver names it
+        assert {"actor/lora_adapter/adapter_model.safetensors", "actor/lora_adapter/adapter_config.json"} <= set(saved)
+        adapter_config = json.loads((driver / out / "global_step_1" / "actor" / "lora_adapter" /
+                                     "adapter_config.json").read_text())
+        assert adapter_config["base_model_name_or_path"] == str(driver / "model")
     finally:
         trainer.close()
         stray = origin / out
