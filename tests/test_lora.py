@@ -421,3 +421,40 @@ def test_target_modules_adapt_the_linear_layers_verl_names(workspace, tmp_path, 
     adapted = {name.removeprefix("base_model.model.") for name, layer in trainer.actor.module.named_modules()
                if hasattr(layer, "lora_A")}
     assert adapted == expected and "lm_head" in linear
+
+
+def _check_lora_run_on(device: str, workspace, tmp_path) -> None:
+    """Two LoRA PPO steps on ``device``, checkpointed: the base weights are those of the model's folder, and the
+    adapter folder of the last checkpoint, loaded by peft over a plain CPU load of the base, scores the rollout's
+    responses as the actor on ``device`` does (and not as the base model does)."""
+    from peft import PeftModel
+
+    root, model = workspace
+    trainer = _trainer(root, model, tmp_path / "out", f"trainer.device={device}", "trainer.total_training_steps=2",
+                       "trainer.save_freq=1")
+    _record_fit(trainer)
+    plain = AutoModelForCausalLM.from_pretrained(model).eval()
+    adapted = dict(trainer.actor.module.named_parameters())
+    for name, weight in plain.named_parameters():
+        kept = adapted[f"base_model.model.{name}".replace(".weight", ".base_layer.weight")
+                       if f"base_model.model.{name}" not in adapted else f"base_model.model.{name}"]
+        assert torch.equal(kept.detach().cpu(), weight.detach()), name
+    batch = trainer.actor.generate(trainer.train_dataset.collate(list(range(4))), trainer._train_params())
+    policy, _ = trainer.actor.compute_log_prob(batch)
+    cpu_batch = batch.to("cpu")
+    mask = cpu_batch["response_mask"].bool()
+    base = _base_log_prob(plain, cpu_batch)[mask]  # before peft wraps ``plain`` in place
+    peft_model = PeftModel.from_pretrained(plain, tmp_path / "out" / "global_step_2" / "actor" / "lora_adapter")
+    ours, theirs = policy.cpu()[mask], _base_log_prob(peft_model.eval(), cpu_batch)[mask]
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+    assert (theirs - base).abs().max() > 2e-2  # the trained adapter counts
+
+
+def test_two_lora_steps_keep_the_base_and_save_the_adapter_the_actor_scores_with(workspace, tmp_path):
+    _check_lora_run_on("cpu", workspace, tmp_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_two_lora_steps_keep_the_base_and_save_the_adapter_the_actor_scores_with(workspace, tmp_path):
+    _check_lora_run_on("cuda", workspace, tmp_path)
