@@ -176,10 +176,11 @@ def test_the_workers_pack_on_the_cpu_without_a_notice(model_dir, capsys):
 
 
 def test_an_attention_that_cannot_pack_gives_a_notice_and_the_padded_path(model_dir, capsys):
-    model = AutoModelForCausalLM.from_pretrained(model_dir)  # transformers' sdpa, as on CUDA without flash-attn
+    model = AutoModelForCausalLM.from_pretrained(model_dir)  # transformers' sdpa, as a model loaded by hand has it
     assert resolve_remove_padding(True, model, "actor_rollout_ref.model.use_remove_padding") is False
     err = capsys.readouterr().err
-    assert "notice: actor_rollout_ref.model.use_remove_padding=true needs flash_attention_2 on CUDA" in err
+    assert ("notice: actor_rollout_ref.model.use_remove_padding=true needs flash_attention_2 or sdpa_packed "
+            "attention") in err
     assert "attention here is sdpa, so sequences run padded" in err
 
 
@@ -195,6 +196,48 @@ def test_flash_attention_packed_rows_match_padded(model_dir):
         packed, _ = response_log_prob(flash, batch, 1.0, False, remove_padding=True)
         padded, _ = response_log_prob(flash, batch, 1.0, False)
     torch.testing.assert_close(packed[mask], padded[mask], rtol=0, atol=5e-2)  # bf16
+
+
+def test_attention_for_packs_with_flash_attention_where_installed_and_packed_sdpa_elsewhere(monkeypatch):
+    from rlhf_core.models import loading
+
+    installed = {"flash_attn": True}
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: object() if installed.get(name) else None)
+    assert loading.attention_for(True, "cuda") == "flash_attention_2"
+    assert loading.attention_for(True, "cpu") == packed_attention.NAME
+    assert loading.attention_for(False, "cuda") is None
+    installed["flash_attn"] = False
+    assert loading.attention_for(True, "cuda") == packed_attention.NAME  # the padded path was all CUDA had here
+    assert loading.attention_for(True, "meta") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_packed_sdpa_rows_match_whole_rows(model_dir, dtype):
+    """Without flash-attn, CUDA packs with packed_attention: log-probs and gradients are each row's run whole."""
+    batch = padded_batch().to("cuda")
+    mask = batch["response_mask"].bool()
+    packed_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                        attn_implementation=packed_attention.NAME).cuda().eval()
+    plain = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    packed, _ = response_log_prob(packed_model, batch, 1.0, False, remove_padding=True)
+    whole = torch.zeros_like(packed)
+    for row in range(len(batch)):  # each sequence alone: no padding, no mask
+        one = batch.select([row])
+        valid = one["attention_mask"][0].bool()
+        prompt_len = int(one["prompts"].shape[1])
+        ids = one["input_ids"][:, valid]
+        with torch.no_grad():
+            logits = plain(input_ids=ids).logits.float()
+        n_prompt = int(valid[:prompt_len].sum())
+        n_response = int(one["response_mask"][0].sum())
+        predicted = torch.log_softmax(logits[0, n_prompt - 1:n_prompt - 1 + n_response], -1)
+        whole[row, :n_response] = predicted.gather(-1, ids[0, n_prompt:n_prompt + n_response, None]).squeeze(-1)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(packed.float()[mask], whole[mask], rtol=0, atol=tolerance)
+    packed[mask].sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in packed_model.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("remove_padding", [False, True])

@@ -181,13 +181,14 @@ def config_with(config: PreTrainedConfig, values: dict[str, float]) -> PreTraine
 
 def attention_for(use_remove_padding: bool, device: torch.device | str) -> str | None:
     """The attention for packed sequences where they are asked for: ``flash_attention_2`` on CUDA with flash-attn,
-    :data:`packed_attention.NAME` on the CPU; None (the model's default attention) otherwise."""
+    :data:`packed_attention.NAME` on the CPU and on CUDA without it; None (the model's default attention)
+    otherwise."""
     if not use_remove_padding:
         return None
     kind = torch.device(device).type
     if kind == "cuda" and importlib.util.find_spec("flash_attn"):
         return "flash_attention_2"
-    return packed_attention.NAME if kind == "cpu" else None
+    return packed_attention.NAME if kind in ("cpu", "cuda") else None
 
 
 def _attn_kwargs(attn_implementation: str | None) -> dict:

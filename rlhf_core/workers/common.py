@@ -283,13 +283,14 @@ def supports_packing(module: torch.nn.Module) -> bool:
 
 def resolve_remove_padding(requested: bool, module: torch.nn.Module, key: str) -> bool:
     """``use_remove_padding`` as it can run: packing needs flash attention (CUDA) or :mod:`packed_attention`
-    (CPU); elsewhere a one-line notice and the padded path (which trims all-padding columns)."""
+    (CPU, or CUDA without flash-attn); with another attention a one-line notice and the padded path (which trims
+    all-padding columns)."""
     if not requested or supports_packing(module):
         return requested
     implementation = getattr(module.config, "_attn_implementation", None)
     if distributed.rank() == 0:
-        print(f"notice: {key}=true needs flash_attention_2 on CUDA (with flash-attn installed) or the CPU; attention "
-              f"here is {implementation}, so sequences run padded", file=sys.stderr, flush=True)
+        print(f"notice: {key}=true needs flash_attention_2 or {packed_attention.NAME} attention; attention here is "
+              f"{implementation}, so sequences run padded", file=sys.stderr, flush=True)
     return False
 
 
