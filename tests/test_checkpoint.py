@@ -587,6 +587,21 @@ def test_a_key_that_follows_the_actors_compares_resolved():
     assert checkpoint.config_differences(saved, current) == ["actor_rollout_ref.model.override_config"]
 
 
+def test_a_key_the_checkpoint_predates_compares_as_it_then_was(tmp_path):
+    """A checkpoint written before the dropout keys existed trained with the models' dropout (false): resumed
+    with a key true it is refused naming the key and both values; with the keys false it resumes."""
+    saved = load_config([]).to_dict()
+    del saved["actor_rollout_ref"]["model"]["disable_dropout"], saved["critic"]["model"]["disable_dropout"]
+    assert checkpoint.config_differences(saved, load_config([]).to_dict()) == []
+    off = load_config(["actor_rollout_ref.model.disable_dropout=true", "critic.model.disable_dropout=true"])
+    assert sorted(checkpoint.config_differences(saved, off.to_dict())) == [
+        "actor_rollout_ref.model.disable_dropout", "critic.model.disable_dropout"]
+    (tmp_path / checkpoint.CONFIG_FILE).write_text(yaml.safe_dump(saved))
+    with pytest.raises(CheckpointError, match=r"\(actor_rollout_ref\.model\.disable_dropout: False in the "
+                                              r"checkpoint, True now; critic\.model\.disable_dropout: False"):
+        checkpoint.check_config(tmp_path, off)
+
+
 def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as_started(workspace, scratch):
     trainer, root = scratch
     saved = trainer.kl_ctrl, trainer.kl_loss_coef

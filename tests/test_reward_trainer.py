@@ -442,6 +442,26 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
     assert ckpt.latest_checkpoint(out) == out / "global_step_6" and (out / "huggingface" / "config.json").is_file()
 
 
+def test_a_checkpoint_older_than_a_key_compares_as_the_key_then_was(tiny, pairs_dir, tmp_path):
+    """A checkpoint written before reward_model.train.disable_dropout (and overlong) existed trained with its
+    dropout on (and cut long pairs): resumed under the default disable_dropout=true it is refused naming the
+    key, as the same change on a newer checkpoint is; with the key false (and long pairs cut) it resumes."""
+    old = tmp_path / "global_step_2"
+    old.mkdir()
+    trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path)))
+    tree = yaml.safe_load(trainer.cfg.to_yaml())  # as a checkpoint saves it
+    del tree["reward_model"]["train"]["disable_dropout"], tree["reward_model"]["train"]["overlong"]
+    (old / ckpt.CONFIG_FILE).write_text(yaml.safe_dump(tree))
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"\(reward_model\.train\.disable_dropout: False in the checkpoint, True now\)"):
+        trainer._check_config(old)
+    as_then = _overrides(tiny, pairs_dir, tmp_path, "reward_model.train.disable_dropout=false")
+    RewardModelTrainer(load_config(as_then))._check_config(old)
+    with pytest.raises(ckpt.CheckpointError,
+                       match=r"\(reward_model\.train\.overlong: 'truncate' in the checkpoint, 'drop' now\)"):
+        RewardModelTrainer(load_config([*as_then, "reward_model.train.overlong=drop"]))._check_config(old)
+
+
 def _trained_weights(cfg) -> dict[str, torch.Tensor]:
     trainer = RewardModelTrainer(cfg)
     trainer.fit()

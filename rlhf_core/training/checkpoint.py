@@ -143,6 +143,25 @@ RESUME_SAFE_KEYS = (
     # rate (load_checkpoint rescales it, saying so)
     "actor_rollout_ref.actor.optim.lr", "critic.optim.lr",
 )
+#: what each key added since checkpoints were first written did before it existed: a checkpoint saved without
+#: the key compares as if it held this value, so that a resume under a new default that changes the training
+#: (an older reward model trained with its dropout, before disable_dropout=true) is refused as any change is
+FORMER_VALUES: dict[str, Any] = {
+    "actor_rollout_ref.model.disable_dropout": False,
+    "critic.model.disable_dropout": False,
+    "reward_model.train.disable_dropout": False,  # the updates ran with the backbone's dropout
+    "reward_model.train.overlong": "truncate",  # a pair over max_length was cut, never left out
+    "reward_model.train.apply_chat_template_kwargs": {},  # the pairs were encoded without keywords
+    "reward_model.max_length": None,  # the model's positions (longer failed)
+}
+
+
+def with_former_values(saved_flat: dict[str, Any]) -> dict[str, Any]:
+    """A saved config's flattened keys (:func:`flatten_config`) with each key of :data:`FORMER_VALUES` it lacks
+    at the value it stands for."""
+    return {**FORMER_VALUES, **saved_flat}
+
+
 # the learning rates RESUME_SAFE_KEYS lets change, by the checkpoint part whose schedule they set
 LEARNING_RATES = {"actor": "actor_rollout_ref.actor.optim.lr", "critic": "critic.optim.lr"}
 
@@ -774,9 +793,10 @@ def flatten_config(tree: dict, prefix: str = "") -> dict[str, Any]:
 def config_differences(saved: dict, current: dict) -> list[str]:
     """Keys whose values differ between two config trees and are not in :data:`RESUME_SAFE_KEYS`.
 
-    Keys absent from ``saved`` (written by an older version) are not compared.
+    Keys absent from ``saved`` (written by an older version) are not compared, but for those of
+    :data:`FORMER_VALUES`, which compare as the value they stand for.
     """
-    old_flat, new_flat = flatten_config(saved), flatten_config(current)
+    old_flat, new_flat = with_former_values(flatten_config(saved)), flatten_config(current)
     old, new = _resolved(old_flat), _resolved(new_flat)
     no_critic = not _has_critic(saved) and not _has_critic(current)  # the critic's keys are read by no one
     return [key for key in new if key in old and old[key] != new[key]
@@ -910,7 +930,8 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
     differing = [key for key in config_differences(saved, current) if key not in (saved_models or {})]
     problems = []
     if differing:
-        old, new = _resolved(flatten_config(saved)), _resolved(flatten_config(current))  # nulls as they resolve
+        # nulls as they resolve, and the keys the checkpoint predates as they stand
+        old, new = _resolved(with_former_values(flatten_config(saved))), _resolved(flatten_config(current))
         problems.append("; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing))
     if saved_models is not None:
         problems += _model_problems(saved_models, model_fingerprints(config) if models is None else models)

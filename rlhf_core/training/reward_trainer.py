@@ -754,7 +754,7 @@ class RewardModelTrainer:
     def _check_config(self, path: Path) -> None:
         saved = ckpt.saved_config(path)
         # flattened under their full names, so that the chat-template keywords compare as one value
-        old = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}.")
+        old = ckpt.with_former_values(ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}."))
         new = ckpt.flatten_config(dataclasses.asdict(self.rm), f"{KEY}.")
         differing = [k for k in new if k in old and old[k] != new[k]
                      and not any(fnmatch.fnmatchcase(k[len(KEY) + 1:], pattern) for pattern in RESUME_SAFE)]
