@@ -14,9 +14,11 @@ import shutil
 
 import pytest
 import torch
+from transformers import MixtralConfig, MixtralForCausalLM, PhimoeConfig, PhimoeForCausalLM
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer
+from rlhf_core.models.loading import config_with, disable_dropout
 from rlhf_core.workers import critic as critic_module
 
 #: the toy Llama's attention dropout (a float its attention passes to sdpa in train mode)
@@ -124,3 +126,44 @@ def test_no_notice_where_dropout_is_off_or_the_model_has_none(workspace, dropout
     _trainer(workspace, dropout_model, tmp_path, disable=True)
     _trainer(workspace, workspace.model, tmp_path, disable=False)
     assert "has dropout" not in capsys.readouterr().err
+
+
+#: a tiny mixture-of-experts decoder (Mixtral's and PhiMoE's configs take the same keys)
+MOE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=64,
+           vocab_size=100, num_local_experts=4, num_experts_per_tok=2, attention_dropout=0.0)
+
+
+def _logits(model, ids: torch.Tensor, train: bool) -> torch.Tensor:
+    model.train(train)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_disable_dropout_turns_a_routers_jitter_off():
+    """Mixtral's router_jitter_noise multiplies each MoE block's input by uniform noise in train mode: off with
+    the dropout, returned with the rates (the export gets it back), and train mode then gives eval mode's
+    logits exactly."""
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**MOE, router_jitter_noise=0.01))
+    ids = torch.randint(0, 100, (2, 12))
+    plain = _logits(model, ids, train=False)
+    assert not torch.equal(_logits(model, ids, train=True), plain)  # the jitter draws in train mode
+    rates = disable_dropout(model)
+    assert rates == {"attention_dropout": 0.0, "router_jitter_noise": 0.01}
+    assert model.config.router_jitter_noise == 0.0
+    assert torch.equal(_logits(model, ids, train=True), plain)
+    assert config_with(model.config, rates).router_jitter_noise == 0.01
+
+
+def test_disable_dropout_keeps_phimoes_expert_mask_threshold():
+    """PhiMoE's input_jitter_noise is train-mode noise (off); its router_jitter_noise is the threshold of the
+    routers' expert mask, read in eval mode too: kept, so the model's eval-mode logits do not change."""
+    torch.manual_seed(0)
+    model = PhimoeForCausalLM(PhimoeConfig(**MOE, router_jitter_noise=0.5, input_jitter_noise=0.01))
+    ids = torch.randint(0, 100, (2, 12))
+    plain = _logits(model, ids, train=False)
+    assert disable_dropout(model) == {"attention_dropout": 0.0, "input_jitter_noise": 0.01}
+    assert model.config.router_jitter_noise == 0.5 and model.config.input_jitter_noise == 0.0
+    assert {router.router_jitter_noise for router in model.modules() if hasattr(router, "router_jitter_noise")} \
+        == {0.5}
+    assert torch.equal(_logits(model, ids, train=False), plain)

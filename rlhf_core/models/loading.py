@@ -126,10 +126,20 @@ DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, tor
                    torch.nn.FeatureAlphaDropout)
 
 
-def _is_dropout_rate(name: str, value) -> bool:
-    """A float attribute named for dropout: ``resid_pdrop``, ``hidden_dropout_prob``, ``attention_dropout``,
-    ``layerdrop``, ``drop_path_rate`` ... (a config's, or the copy a module took of it when it was built)."""
-    return type(value) is float and "drop" in name.lower()
+#: names of float attributes that draw noise in train mode though they do not say dropout: the jitter that
+#: mixture-of-experts routers multiply their input by (Mixtral's router_jitter_noise and its blocks' copy,
+#: jitter_noise; PhiMoE's input_jitter_noise; DBRX's moe_jitter_eps)
+NOISE_NAMES = ("drop", "jitter_noise", "jitter_eps")
+#: by model_type, attributes those names match that are not noise: PhiMoE's router_jitter_noise is the
+#: threshold of its routers' expert mask (sparsemixer's jitter_eps), read in eval mode too
+NOT_NOISE = {"phimoe": frozenset({"router_jitter_noise"})}
+
+
+def _is_noise_rate(name: str, value, not_noise: frozenset[str] = frozenset()) -> bool:
+    """A float attribute that sets train-mode noise: a dropout rate (``resid_pdrop``, ``hidden_dropout_prob``,
+    ``attention_dropout``, ``layerdrop``, ``drop_path_rate`` ...) or a router's jitter (``router_jitter_noise``),
+    a config's or the copy a module took of it when it was built; none named in ``not_noise``."""
+    return type(value) is float and any(part in name.lower() for part in NOISE_NAMES) and name not in not_noise
 
 
 def _configs(config: PreTrainedConfig, prefix: str = "") -> list[tuple[str, PreTrainedConfig]]:
@@ -141,30 +151,39 @@ def _configs(config: PreTrainedConfig, prefix: str = "") -> list[tuple[str, PreT
     return found
 
 
+def _not_noise(config: PreTrainedConfig) -> frozenset[str]:
+    """The attributes of :data:`NOT_NOISE` for the model types of ``config`` and the configs nested in it."""
+    return frozenset().union(*(NOT_NOISE.get(getattr(nested, "model_type", None), ()) for _, nested in
+                               _configs(config)))
+
+
 def dropout_rates(config: PreTrainedConfig) -> dict[str, float]:
-    """The dropout rates of ``config`` and the configs nested in it, by dotted attribute path (``resid_pdrop``,
-    ``text_config.attention_dropout``)."""
+    """The train-mode noise rates (dropout, a router's jitter) of ``config`` and the configs nested in it, by
+    dotted attribute path (``resid_pdrop``, ``text_config.attention_dropout``, ``router_jitter_noise``)."""
+    not_noise = _not_noise(config)
     return {prefix + name: value for prefix, nested in _configs(config) for name, value in vars(nested).items()
-            if _is_dropout_rate(name, value)}
+            if _is_noise_rate(name, value, not_noise)}
 
 
 def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
-    """Every dropout of ``model`` off, in train mode too: each dropout module's ``p``, every float attribute named
-    for dropout on its modules (Llama's and Qwen's attentions pass their ``attention_dropout``, a copy of the
-    config's, to sdpa) and on its config and the configs nested in it (GPT-Neo's and Persimmon's attentions read
+    """Every dropout of ``model`` off, in train mode too, and every router jitter: each dropout module's ``p``,
+    every float attribute of :func:`_is_noise_rate` on its modules (Llama's and Qwen's attentions pass their
+    ``attention_dropout``, a copy of the config's, to sdpa; Mixtral's MoE blocks their ``jitter_noise``) and on
+    its config and the configs nested in it (GPT-Neo's and Persimmon's attentions read
     ``config.attention_dropout`` in their forward). LoRA layers added afterwards keep their own. Returns the
     config's rates as they were, by dotted attribute path (``resid_pdrop``, ``text_config.attention_dropout``),
     for :func:`config_with` to give an export the base's settings back."""
     base = dropout_rates(model.config)
+    not_noise = _not_noise(model.config)
     for _, config in _configs(model.config):
         for name, value in list(vars(config).items()):
-            if _is_dropout_rate(name, value):
+            if _is_noise_rate(name, value, not_noise):
                 setattr(config, name, 0.0)
     for module in model.modules():
         if isinstance(module, DROPOUT_MODULES):
             module.p = 0.0
         for name, value in list(vars(module).items()):
-            if _is_dropout_rate(name, value):
+            if _is_noise_rate(name, value, not_noise):
                 setattr(module, name, 0.0)
     return base
 
