@@ -14,12 +14,22 @@ import shutil
 
 import pytest
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM, PhimoeConfig, PhimoeForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PhimoeConfig,
+    PhimoeForCausalLM,
+)
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.loading import config_with, disable_dropout
 from rlhf_core.workers import critic as critic_module
+from rlhf_core.workers.common import dropout_off
 
 #: the toy Llama's attention dropout (a float its attention passes to sdpa in train mode)
 RATE = 0.5
@@ -167,3 +177,48 @@ def test_disable_dropout_keeps_phimoes_expert_mask_threshold():
     assert {router.router_jitter_noise for router in model.modules() if hasattr(router, "router_jitter_noise")} \
         == {0.5}
     assert torch.equal(_logits(model, ids, train=False), plain)
+
+
+KEY = "actor_rollout_ref.model.disable_dropout"
+
+
+def _neox(attention_dropout: float) -> torch.nn.Module:
+    """A Pythia-style causal LM: classifier_dropout 0.1 (GPT-NeoX's default, read by its classification heads)."""
+    return GPTNeoXForCausalLM(GPTNeoXConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=64, vocab_size=100, hidden_dropout=0.0,
+                                            attention_dropout=attention_dropout, classifier_dropout=0.1)).eval()
+
+
+def _gpt2(attn_pdrop: float) -> torch.nn.Module:
+    """A GPT-2 causal LM: summary_first_dropout 0.1 (GPT-2's default, read by its double-heads model's summary)."""
+    return GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=100, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=attn_pdrop, summary_first_dropout=0.1,
+                                      bos_token_id=0, eos_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("build", [_neox, _gpt2])
+def test_the_notice_names_dropout_the_model_runs_not_a_heads_rate(build, capsys):
+    """A rate only a head the causal LM lacks reads draws nothing in its updates: no notice; the same model
+    with attention dropout gets one. The run's generators are not drawn from by the trial forward."""
+    torch.manual_seed(0)
+    without, with_dropout = build(0.0), build(0.5)
+    state = torch.get_rng_state()
+    assert dropout_off(without, False, KEY) == {}
+    assert "notice" not in capsys.readouterr().err
+    assert dropout_off(with_dropout, False, KEY) == {}
+    err = capsys.readouterr().err
+    assert err.count("notice: actor_rollout_ref.model has dropout (") == 1, err
+    assert f"{KEY}=true turns it off" in err
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_noise_the_key_cannot_turn_off_is_said(capsys):
+    """PhiMoE's routers sample their experts in train mode, which no rate sets: with the key true its train-mode
+    forward still differs from eval mode (where two experts' scores are within the mask's threshold, 0.5 here,
+    of each other), and the notice says so; Mixtral's jitter, which the key turns off, leaves none."""
+    torch.manual_seed(0)
+    dropout_off(PhimoeForCausalLM(PhimoeConfig(**MOE, router_jitter_noise=0.5)).eval(), True, KEY)
+    assert f"notice: {KEY}=true leaves actor_rollout_ref.model's train-mode forward unlike its eval-mode one" \
+        in capsys.readouterr().err
+    dropout_off(MixtralForCausalLM(MixtralConfig(**MOE, router_jitter_noise=0.01)).eval(), True, KEY)
+    assert "notice" not in capsys.readouterr().err

@@ -188,6 +188,28 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     return base
 
 
+def train_mode_differs(model: torch.nn.Module, tokens: int = 32) -> bool | None:
+    """Whether ``model``'s train-mode forward differs from its eval-mode one on ``tokens`` token ids: whether its
+    updates draw noise its rollout-time passes do not. What the built model runs decides, not its config: a rate
+    for a head the model lacks (GPT-NeoX's classifier_dropout in a causal LM) draws nothing, and a router that
+    samples its experts in train mode (PhiMoE's) draws though no rate names it. None where the forward cannot
+    run on bare token ids. The generators are left as they were, the model in the mode it was in."""
+    training = model.training
+    device = next(model.parameters()).device
+    try:
+        ids = torch.arange(1, tokens + 1, device=device).remainder(model.config.get_text_config().vocab_size)[None]
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            outputs = [model.train(mode)(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                                         output_hidden_states=True) for mode in (False, True)]
+    except Exception:  # noqa: BLE001 - an architecture that wants other inputs: the caller reads the config instead
+        return None
+    finally:
+        model.train(training)
+    # the hidden states too: a new value head is zero, and its values are 0 in both modes whatever the backbone draws
+    evaluated, trained = ([*output.hidden_states, output.logits] for output in outputs)
+    return not all(torch.equal(a, b) for a, b in zip(evaluated, trained))
+
+
 def config_with(config: PreTrainedConfig, values: dict[str, float]) -> PreTrainedConfig:
     """A copy of ``config`` with ``values`` (dotted attribute paths, as :func:`disable_dropout` returns them) set."""
     config = copy.deepcopy(config)

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from rlhf_core.batch import Batch
 from rlhf_core.config import OptimConfig
 from rlhf_core.models import lora, packed_attention
-from rlhf_core.models.loading import cache_argument, disable_dropout, dropout_rates
+from rlhf_core.models.loading import cache_argument, disable_dropout, dropout_rates, train_mode_differs
 from rlhf_core.workers import distributed
 
 SHARDS_DIR = "dcp"
@@ -237,15 +237,28 @@ def dropout_off(model: torch.nn.Module, disable: bool, key: str) -> dict[str, fl
     """Every dropout of a just-loaded ``model`` off where ``disable`` (``key``, a ``*.model.disable_dropout``);
     returns the base's rates, for its exports (:func:`~rlhf_core.models.loading.config_with`). Otherwise the
     updates (train mode) draw dropout that the rollout-time passes (eval mode) do not: a one-line notice names
-    the model's non-zero rates and the key, and nothing is returned."""
+    the model's non-zero rates and the key, and nothing is returned.
+
+    Whether the model draws anything is tried (:func:`~rlhf_core.models.loading.train_mode_differs`, one forward
+    of a few tokens in each mode): a config's rate the built model does not read (a head it lacks) gives no
+    notice, and noise that no rate names and ``key`` cannot turn off (a router sampling its experts) gets one."""
+    section = key.removesuffix(".disable_dropout")
     if disable:
-        return disable_dropout(model)
+        base = disable_dropout(model)
+        if distributed.rank() == 0 and train_mode_differs(model):
+            print(f"notice: {key}=true leaves {section}'s train-mode forward unlike its eval-mode one: something "
+                  "besides dropout draws in train mode (a mixture-of-experts router that samples its experts, as "
+                  "PhiMoE's), so its updates still differ from its rollout-time passes", file=sys.stderr, flush=True)
+        return base
+    if distributed.rank() != 0:
+        return {}
     rates = {path: rate for path, rate in dropout_rates(model.config).items() if rate}
-    if rates and distributed.rank() == 0:
-        listed = ", ".join(f"{path}={rate:g}" for path, rate in rates.items())
-        print(f"notice: {key.removesuffix('.disable_dropout')} has dropout ({listed}): its updates run with it, "
-              f"its rollout-time passes (generation, log-probs, values) without; {key}=true turns it off for the run",
-              file=sys.stderr, flush=True)
+    differs = train_mode_differs(model)
+    if differs is False or (differs is None and not rates):
+        return {}
+    listed = ", ".join(f"{path}={rate:g}" for path, rate in rates.items()) or "none its config names"
+    print(f"notice: {section} has dropout ({listed}): its updates run with it, its rollout-time passes "
+          f"(generation, log-probs, values) without; {key}=true turns it off for the run", file=sys.stderr, flush=True)
     return {}
 
 
