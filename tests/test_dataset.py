@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -156,6 +158,19 @@ def test_an_extra_info_that_is_not_a_mapping_is_refused_with_its_row(tmp_path, t
     with pytest.raises(DataError) as raised:
         RLHFDataset(str(tmp_path / "text.parquet"), tokenizer, DataConfig(max_prompt_length=200))
     assert str(raised.value).startswith(f"{tmp_path / 'text.parquet'} row {row}: {reason}")
+
+
+def test_an_extra_info_written_as_a_parquet_map_is_refused_as_one(tmp_path, tokenizer):
+    """A parquet map (Spark's MapType) reads back as a list of (key, value) pairs, and verl's reader (HF datasets)
+    cannot read the column at all: refused, saying it is a map and to write a struct (not that it is a list)."""
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b"])]
+    table = pa.Table.from_pandas(pd.DataFrame(rows).drop(columns=["extra_info"]), preserve_index=False)
+    pairs = pa.array([[("index", 0), ("split", 0)], [("index", 1), ("split", 0)]], pa.map_(pa.string(), pa.int64()))
+    pq.write_table(table.append_column("extra_info", pairs), tmp_path / "map.parquet")
+    with pytest.raises(DataError) as raised:
+        RLHFDataset(str(tmp_path / "map.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(raised.value).startswith(f"{tmp_path / 'map.parquet'} row 0: extra_info is a parquet map, which "
+                                        "verl's reader cannot read: write a struct (e.g. a dict")
 
 
 def test_a_file_of_a_split_without_a_column_the_others_have_is_named(tmp_path, tokenizer):

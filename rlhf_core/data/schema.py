@@ -189,6 +189,11 @@ def extra_info_problem(extra_info) -> str | None:
     if isinstance(extra_info, str) and extra_info.lstrip().startswith("{"):
         return ("extra_info is the JSON text of a mapping, not a mapping: parse it before writing the parquet "
                 "(frame['extra_info'] = frame['extra_info'].map(json.loads))")
+    # a parquet map (Spark's MapType) reads back as its (key, value) pairs, which nothing else does
+    if isinstance(extra_info, list | np.ndarray) and len(extra_info) and \
+            all(isinstance(pair, tuple) and len(pair) == 2 for pair in extra_info):
+        return ("extra_info is a parquet map, which verl's reader cannot read: write a struct (e.g. a dict "
+                "{'index': 0, 'split': 'train'} per row from pandas, or a StructType column from Spark)")
     return (f"extra_info is a {type(extra_info).__name__}, not a mapping: store e.g. {{'index': 0, 'split': "
             "'train'} (a parquet struct), or leave the cell null")
 
