@@ -127,7 +127,7 @@ class ModelConfig:
     trust_remote_code: bool = _k(False, "allow model code from the model directory")
     external_lib: str | None = _k(None, "python module imported before loading (custom architectures)")
     override_config: dict[str, Any] = _k({}, "model config attributes set before loading, e.g. attention_dropout: 0.0")
-    disable_dropout: bool = _k(False, "every dropout of the policy (and its reference) off for the run, so the "
+    disable_dropout: bool = _k(False, "every dropout (and MoE router jitter) of the policy and its reference off for the run, so the "
                                       "updates see the log-probs the rollout-time passes computed (TRL's GRPO "
                                       "option; verl keeps dropout); exports keep the base's dropout settings")
 
@@ -260,7 +260,7 @@ class CriticModelConfig:
     trust_remote_code: bool | None = _k(None, "allow model code from the model directory; null = the actor's "
                                               "setting")
     override_config: dict[str, Any] = _k({}, "critic model config attributes set before loading")
-    disable_dropout: bool = _k(False, "every dropout of the value model off for the run, so the update's "
+    disable_dropout: bool = _k(False, "every dropout (and MoE router jitter) of the value model off for the run, so the update's "
                                       "predictions start at the rollout-time values (verl keeps dropout)")
 
 
@@ -327,7 +327,7 @@ class RewardTrainConfig:
     total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
     margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
     grad_clip: float = _k(1.0, "clip the gradient norm to this value")
-    disable_dropout: bool = _k(True, "train with every dropout of the backbone and head off (as TRL's reward "
+    disable_dropout: bool = _k(True, "train with every dropout (and MoE router jitter) of the backbone and head off (as TRL's reward "
                                      "trainer): the loss compares two scores as PPO reads them, without dropout; "
                                      "the export keeps the base's dropout settings")
     optim: OptimConfig = _section(lambda: OptimConfig(lr=1e-5, lr_warmup_steps_ratio=0.03),
