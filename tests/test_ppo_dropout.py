@@ -222,3 +222,21 @@ def test_noise_the_key_cannot_turn_off_is_said(capsys):
         in capsys.readouterr().err
     dropout_off(MixtralForCausalLM(MixtralConfig(**MOE, router_jitter_noise=0.01)).eval(), True, KEY)
     assert "notice" not in capsys.readouterr().err
+
+
+def test_an_output_without_hidden_states_has_its_logits_compared():
+    """Remote code may ignore output_hidden_states and return logits alone: the logits are compared (attention
+    dropout 0.5 draws in train mode, none does not); an output with neither gives None (the config decides)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from rlhf_core.models.loading import train_mode_differs
+
+    torch.manual_seed(0)
+    for attention_dropout, expected in ((0.0, False), (0.5, True)):
+        model = _neox(attention_dropout)
+        full = model.forward
+        model.forward = lambda output_hidden_states=False, _full=full, **kw: CausalLMOutputWithPast(
+            logits=_full(**kw).logits)
+        assert train_mode_differs(model) is expected
+    model.forward = lambda **kw: CausalLMOutputWithPast()
+    assert train_mode_differs(model) is None

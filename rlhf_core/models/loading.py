@@ -206,8 +206,19 @@ def train_mode_differs(model: torch.nn.Module, tokens: int = 32) -> bool | None:
     finally:
         model.train(training)
     # the hidden states too: a new value head is zero, and its values are 0 in both modes whatever the backbone draws
-    evaluated, trained = ([*output.hidden_states, output.logits] for output in outputs)
+    # (an output without them, from remote code that ignores output_hidden_states, has its logits compared alone)
+    evaluated, trained = (_compared(output) for output in outputs)
+    if not evaluated or len(evaluated) != len(trained):
+        return None
     return not all(torch.equal(a, b) for a, b in zip(evaluated, trained))
+
+
+def _compared(output) -> list[torch.Tensor]:
+    """The tensors of a forward's ``output`` that :func:`train_mode_differs` compares: its hidden states and its
+    logits, those it has."""
+    hidden = getattr(output, "hidden_states", None) or ()
+    logits = getattr(output, "logits", None)
+    return [*hidden, *([logits] if logits is not None else [])]
 
 
 def config_with(config: PreTrainedConfig, values: dict[str, float]) -> PreTrainedConfig:
