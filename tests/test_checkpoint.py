@@ -520,9 +520,7 @@ DENIED = {
     "algorithm.adv_estimator": "grpo", "trainer.seed": "7", "actor_rollout_ref.actor.ppo_mini_batch_size": "8",
     "actor_rollout_ref.model.path": "/elsewhere/model", "actor_rollout_ref.actor.optim.weight_decay": "0.5",
     "actor_rollout_ref.actor.policy_loss.loss_mode": "cispo", "algorithm.filter_groups.enable": "true",
-    # dropout on or off changes the updates' forwards (as reward_model.train.disable_dropout does rlhf-train-rm's)
-    "actor_rollout_ref.model.disable_dropout": "true", "critic.model.disable_dropout": "true",
-}
+}  # (the disable_dropout keys: test_a_key_the_checkpoint_predates_compares_as_it_then_was, by the model's rates)
 ALLOWED = {
     "trainer.logger": "[console]", "trainer.test_freq": "5", "trainer.save_freq": "3",
     "trainer.total_training_steps": "50", "trainer.experiment_name": "renamed", "trainer.guard.max_kl": "0.5",
@@ -588,18 +586,56 @@ def test_a_key_that_follows_the_actors_compares_resolved():
 
 
 def test_a_key_the_checkpoint_predates_compares_as_it_then_was(tmp_path):
-    """A checkpoint written before the dropout keys existed trained with the models' dropout (false): resumed
-    with a key true it is refused naming the key and both values; with the keys false it resumes."""
-    saved = load_config([]).to_dict()
-    del saved["actor_rollout_ref"]["model"]["disable_dropout"], saved["critic"]["model"]["disable_dropout"]
-    assert checkpoint.config_differences(saved, load_config([]).to_dict()) == []
-    off = load_config(["actor_rollout_ref.model.disable_dropout=true", "critic.model.disable_dropout=true"])
-    assert sorted(checkpoint.config_differences(saved, off.to_dict())) == [
-        "actor_rollout_ref.model.disable_dropout", "critic.model.disable_dropout"]
+    """A checkpoint written before the dropout keys existed trained with the models' dropout (false): for a model
+    with dropout, resumed with a key true it is refused naming the key, what the run ran as and the override that
+    resumes it; with the keys false it resumes. A newer checkpoint whose key differs is refused as well. For a
+    model whose config has no non-zero rate the keys change nothing: it resumes either way."""
+    plain = random_toy_model(tmp_path / "plain", n_layers=1, hidden_size=32, max_position_embeddings=64)
+    dropping = tmp_path / "dropping"
+    shutil.copytree(plain, dropping)
+    config = json.loads((dropping / "config.json").read_text())
+    (dropping / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    keys = ["actor_rollout_ref.model.disable_dropout", "critic.model.disable_dropout"]
+    on = [f"{key}=true" for key in keys]
+    for model in (plain, dropping):
+        current = load_config([f"actor_rollout_ref.model.path={model}"])
+        saved = current.to_dict()
+        newer = copy.deepcopy(saved)
+        del saved["actor_rollout_ref"]["model"]["disable_dropout"], saved["critic"]["model"]["disable_dropout"]
+        assert checkpoint.config_differences(saved, current.to_dict()) == []
+        off = load_config([f"actor_rollout_ref.model.path={model}", *on])
+        expected = keys if model == dropping else []
+        assert sorted(checkpoint.config_differences(saved, off.to_dict())) == expected
+        assert sorted(checkpoint.config_differences(newer, off.to_dict())) == expected
     (tmp_path / checkpoint.CONFIG_FILE).write_text(yaml.safe_dump(saved))
-    with pytest.raises(CheckpointError, match=r"\(actor_rollout_ref\.model\.disable_dropout: False in the "
-                                              r"checkpoint, True now; critic\.model\.disable_dropout: False"):
+    with pytest.raises(CheckpointError) as refused:
         checkpoint.check_config(tmp_path, off)
+    assert ("(actor_rollout_ref.model.disable_dropout: True now (not in the checkpoint, which predates the key: it "
+            "ran as False; actor_rollout_ref.model.disable_dropout=false resumes it); critic.model.disable_dropout: "
+            "True now (not in the checkpoint, which predates the key: it ran as False; "
+            "critic.model.disable_dropout=false resumes it))") in str(refused.value)
+    checkpoint.check_config(tmp_path, load_config([f"actor_rollout_ref.model.path={dropping}"]))
+    # a model folder whose config cannot be read: the keys are compared as written
+    gone = load_config([f"actor_rollout_ref.model.path={tmp_path / 'gone'}"])
+    saved["actor_rollout_ref"]["model"]["path"] = str(tmp_path / "gone")
+    assert checkpoint.config_differences(saved, gone.to_dict()) == []
+    assert sorted(checkpoint.config_differences(saved, load_config([f"actor_rollout_ref.model.path={tmp_path / 'gone'}",
+                                                                      *on]).to_dict())) == keys
+
+
+def test_the_reward_models_chat_template_keywords_compare_as_before_the_key_where_it_is_read():
+    """A checkpoint written before reward_model.model.input_chat_template_kwargs existed rendered the policy's
+    prompts for the reward model without keywords ({}): with the reward model on and keywords now, refused; with
+    the reward model off in both runs the key is read by no one."""
+    keywords = "data.apply_chat_template_kwargs={enable_thinking: false}"  # the key follows the policy's
+    for enable, expected in (("true", ["reward_model.model.input_chat_template_kwargs"]), ("false", [])):
+        current = load_config([keywords, f"reward_model.enable={enable}"], validate=False).to_dict()
+        saved = copy.deepcopy(current)
+        del saved["reward_model"]["model"]["input_chat_template_kwargs"]
+        assert checkpoint.config_differences(saved, current) == expected
+        as_then = load_config([keywords, f"reward_model.enable={enable}", "reward_model.model.input_chat_template_kwargs={}"],
+                              validate=False)
+        assert checkpoint.config_differences(saved, as_then.to_dict()) == []
 
 
 def test_runtime_coefficients_are_saved_as_trainer_state_and_the_config_stays_as_started(workspace, scratch):

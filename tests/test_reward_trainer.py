@@ -444,22 +444,33 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
 
 def test_a_checkpoint_older_than_a_key_compares_as_the_key_then_was(tiny, pairs_dir, tmp_path):
     """A checkpoint written before reward_model.train.disable_dropout (and overlong) existed trained with its
-    dropout on (and cut long pairs): resumed under the default disable_dropout=true it is refused naming the
-    key, as the same change on a newer checkpoint is; with the key false (and long pairs cut) it resumes."""
+    dropout on (and cut long pairs): for a model with dropout, resumed under the default disable_dropout=true it is
+    refused, saying what the run ran as and the override that resumes it; with the key false (and long pairs cut)
+    it resumes. For a model without dropout (the toy's rates are all 0) the key changes nothing: it resumes."""
+    dropping = tmp_path / "dropping"
+    shutil.copytree(tiny, dropping)
+    config = json.loads((dropping / "config.json").read_text())
+    (dropping / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
     old = tmp_path / "global_step_2"
     old.mkdir()
-    trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path)))
+    trainer = RewardModelTrainer(load_config(_overrides(dropping, pairs_dir, tmp_path)))
     tree = yaml.safe_load(trainer.cfg.to_yaml())  # as a checkpoint saves it
     del tree["reward_model"]["train"]["disable_dropout"], tree["reward_model"]["train"]["overlong"]
     (old / ckpt.CONFIG_FILE).write_text(yaml.safe_dump(tree))
-    with pytest.raises(ckpt.CheckpointError,
-                       match=r"\(reward_model\.train\.disable_dropout: False in the checkpoint, True now\)"):
+    with pytest.raises(ckpt.CheckpointError) as refused:
         trainer._check_config(old)
-    as_then = _overrides(tiny, pairs_dir, tmp_path, "reward_model.train.disable_dropout=false")
+    assert ("(reward_model.train.disable_dropout: True now (not in the checkpoint, which predates the key: it ran "
+            "as False; reward_model.train.disable_dropout=false resumes it));") in str(refused.value)
+    as_then = _overrides(dropping, pairs_dir, tmp_path, "reward_model.train.disable_dropout=false")
     RewardModelTrainer(load_config(as_then))._check_config(old)
-    with pytest.raises(ckpt.CheckpointError,
-                       match=r"\(reward_model\.train\.overlong: 'truncate' in the checkpoint, 'drop' now\)"):
+    with pytest.raises(ckpt.CheckpointError) as refused:
         RewardModelTrainer(load_config([*as_then, "reward_model.train.overlong=drop"]))._check_config(old)
+    assert ("(reward_model.train.overlong: 'drop' now (not in the checkpoint, which predates the key: it ran as "
+            "'truncate'; reward_model.train.overlong=truncate resumes it));") in str(refused.value)
+    # the same checkpoint of the toy without dropout resumes under the default
+    tree["reward_model"]["train"]["model"]["path"] = str(tiny)
+    (old / ckpt.CONFIG_FILE).write_text(yaml.safe_dump(tree))
+    RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path)))._check_config(old)
 
 
 def _trained_weights(cfg) -> dict[str, torch.Tensor]:

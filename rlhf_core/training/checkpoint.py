@@ -75,6 +75,7 @@ from typing import IO, Any
 import numpy as np
 import torch
 import yaml
+from transformers import AutoConfig
 
 from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
 from rlhf_core.atomic import (
@@ -86,7 +87,7 @@ from rlhf_core.atomic import (
     write_text_atomic,
 )
 from rlhf_core.config import OPEN_KEYS, followed
-from rlhf_core.models import lora
+from rlhf_core.models import loading, lora
 from rlhf_core.workers import common
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -153,6 +154,14 @@ FORMER_VALUES: dict[str, Any] = {
     "reward_model.train.overlong": "truncate",  # a pair over max_length was cut, never left out
     "reward_model.train.apply_chat_template_kwargs": {},  # the pairs were encoded without keywords
     "reward_model.max_length": None,  # the model's positions (longer failed)
+    "reward_model.model.input_chat_template_kwargs": {},  # the policy's prompts were rendered as they came
+}
+#: each disable_dropout key, by the config section of the model it acts on (its path, override_config and
+#: trust_remote_code): on a model whose config has no non-zero noise rate the key changes nothing
+DROPOUT_KEYS = {
+    "actor_rollout_ref.model.disable_dropout": "actor_rollout_ref.model",
+    "critic.model.disable_dropout": "critic.model",
+    "reward_model.train.disable_dropout": "reward_model.train.model",
 }
 
 
@@ -160,6 +169,32 @@ def with_former_values(saved_flat: dict[str, Any]) -> dict[str, Any]:
     """A saved config's flattened keys (:func:`flatten_config`) with each key of :data:`FORMER_VALUES` it lacks
     at the value it stands for."""
     return {**FORMER_VALUES, **saved_flat}
+
+
+def draws_noise(flat: dict[str, Any], key: str) -> bool:
+    """Whether the model that the disable_dropout ``key`` (of :data:`DROPOUT_KEYS`) acts on has a non-zero noise
+    rate (dropout, a router's jitter) in its config, with the section's override_config; ``flat``: the current
+    config's flattened keys, nulls resolved. True where the config cannot be read: the key may then matter."""
+    section = DROPOUT_KEYS[key]
+    try:
+        config = AutoConfig.from_pretrained(str(loading.resolve(flat[f"{section}.path"])),
+                                            trust_remote_code=bool(flat.get(f"{section}.trust_remote_code")),
+                                            **(flat.get(f"{section}.override_config") or {}))
+    except Exception:  # noqa: BLE001 - no readable config: compare the key as written
+        return True
+    return any(loading.dropout_rates(config).values())
+
+
+def difference_text(key: str, saved_flat: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> str:
+    """How ``key`` differs between a checkpoint (``saved_flat``: its flattened keys as saved; ``old``: with
+    :data:`FORMER_VALUES` and nulls resolved) and now (``new``): a key the checkpoint predates says what the run
+    ran as and the override that resumes it."""
+    if key not in saved_flat and key in FORMER_VALUES:
+        then = old[key]
+        written = then if isinstance(then, str) else json.dumps(then)
+        return (f"{key}: {new[key]!r} now (not in the checkpoint, which predates the key: it ran as {then!r}; "
+                f"{key}={written} resumes it)")
+    return f"{key}: {old[key]!r} in the checkpoint, {new[key]!r} now"
 
 
 # the learning rates RESUME_SAFE_KEYS lets change, by the checkpoint part whose schedule they set
@@ -799,10 +834,19 @@ def config_differences(saved: dict, current: dict) -> list[str]:
     old_flat, new_flat = with_former_values(flatten_config(saved)), flatten_config(current)
     old, new = _resolved(old_flat), _resolved(new_flat)
     no_critic = not _has_critic(saved) and not _has_critic(current)  # the critic's keys are read by no one
+    # nor, without a reward model, the keys of its model (reward_model.reward_manager, overlong_buffer ... are the
+    # rule-based reward's too)
+    no_reward_model = not _has_reward_model(saved) and not _has_reward_model(current)
     return [key for key in new if key in old and old[key] != new[key]
             and not (no_critic and key.startswith("critic."))
+            and not (no_reward_model and key.startswith("reward_model.model."))
             and not (old_flat[key] is None and new_flat[key] is None)  # null in both: the key it stands for differs
-            and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)]
+            and not any(fnmatch.fnmatchcase(key, pattern) for pattern in RESUME_SAFE_KEYS)
+            and not (key in DROPOUT_KEYS and not draws_noise(new, key))]  # a model without dropout: no change
+
+
+def _has_reward_model(tree: dict) -> bool:
+    return bool(tree.get("reward_model", {}).get("enable"))
 
 
 def _has_critic(tree: dict) -> bool:
@@ -931,8 +975,9 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
     problems = []
     if differing:
         # nulls as they resolve, and the keys the checkpoint predates as they stand
-        old, new = _resolved(with_former_values(flatten_config(saved))), _resolved(flatten_config(current))
-        problems.append("; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing))
+        saved_flat = flatten_config(saved)
+        old, new = _resolved(with_former_values(saved_flat)), _resolved(flatten_config(current))
+        problems.append("; ".join(difference_text(k, saved_flat, old, new) for k in differing))
     if saved_models is not None:
         problems += _model_problems(saved_models, model_fingerprints(config) if models is None else models)
     if problems:

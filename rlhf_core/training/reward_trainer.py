@@ -754,12 +754,14 @@ class RewardModelTrainer:
     def _check_config(self, path: Path) -> None:
         saved = ckpt.saved_config(path)
         # flattened under their full names, so that the chat-template keywords compare as one value
-        old = ckpt.with_former_values(ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}."))
+        saved_flat = ckpt.flatten_config(saved.get("reward_model", {}).get("train", {}), f"{KEY}.")
+        old = ckpt.with_former_values(saved_flat)
         new = ckpt.flatten_config(dataclasses.asdict(self.rm), f"{KEY}.")
         differing = [k for k in new if k in old and old[k] != new[k]
-                     and not any(fnmatch.fnmatchcase(k[len(KEY) + 1:], pattern) for pattern in RESUME_SAFE)]
+                     and not any(fnmatch.fnmatchcase(k[len(KEY) + 1:], pattern) for pattern in RESUME_SAFE)
+                     and not (k in ckpt.DROPOUT_KEYS and not ckpt.draws_noise(new, k))]  # a model without dropout
         if differing:
-            listed = "; ".join(f"{k}: {old[k]!r} in the checkpoint, {new[k]!r} now" for k in differing)
+            listed = "; ".join(ckpt.difference_text(k, saved_flat, old, new) for k in differing)
             raise ckpt.CheckpointError(f"cannot resume from {path}: the config differs ({listed}); restore those "
                                        f"values or start afresh with {KEY}.resume_mode=disable or another "
                                        f"{KEY}.default_local_dir")
