@@ -120,7 +120,7 @@ def test_with_dropout_the_first_mini_batch_is_not(workspace, dropout_model, tmp_
     trainer = _trainer(workspace, dropout_model, tmp_path, disable=False)
     err = capsys.readouterr().err
     for key in ("actor_rollout_ref.model", "critic.model"):
-        assert err.count(f"notice: {key} has dropout (attention_dropout=0.5)") == 1, err
+        assert err.count(f"notice: {key} has dropout (its config's rates: attention_dropout=0.5)") == 1, err
         assert f"{key}.disable_dropout=true turns it off" in err
     seen = _one_step(trainer, monkeypatch)
     first = seen["actor"]
@@ -209,6 +209,10 @@ def test_the_notice_names_dropout_the_model_runs_not_a_heads_rate(build, capsys)
     err = capsys.readouterr().err
     assert err.count("notice: actor_rollout_ref.model has dropout (") == 1, err
     assert f"{KEY}=true turns it off" in err
+    if build is _neox:  # the config's rates, as the config has them: the head's is named as the config's
+        assert err == ("notice: actor_rollout_ref.model has dropout (its config's rates: attention_dropout=0.5, "
+                       "classifier_dropout=0.1): its updates run with it, its rollout-time passes (generation, "
+                       f"log-probs, values) without; {KEY}=true turns it off for the run\n")
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -240,3 +244,17 @@ def test_an_output_without_hidden_states_has_its_logits_compared():
         assert train_mode_differs(model) is expected
     model.forward = lambda **kw: CausalLMOutputWithPast()
     assert train_mode_differs(model) is None
+
+
+def test_noise_no_rate_names_is_not_promised_off_by_the_key(capsys):
+    """PhiMoE without dropout or input jitter, the key false: its routers still sample in train mode, which the
+    key cannot turn off, and the notice says so rather than promising that the key turns it off."""
+    torch.manual_seed(0)
+    model = PhimoeForCausalLM(PhimoeConfig(**MOE, router_jitter_noise=0.5, input_jitter_noise=0.0)).eval()
+    assert dropout_off(model, False, KEY) == {}
+    err = capsys.readouterr().err
+    assert err == ("notice: actor_rollout_ref.model's train-mode forward differs from its eval-mode one though its "
+                   "config names no dropout: something besides dropout draws in train mode (a mixture-of-experts "
+                   "router that samples its experts, as PhiMoE's), so its updates differ from its rollout-time "
+                   f"passes; {KEY}=true cannot turn that off\n")
+    assert model.config.router_jitter_noise == 0.5 and not model.training  # the model itself is left as it was

@@ -9,6 +9,7 @@ losses are normalised by the token and sequence counts of the global mini-batch
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -256,10 +257,28 @@ def dropout_off(model: torch.nn.Module, disable: bool, key: str) -> dict[str, fl
     differs = train_mode_differs(model)
     if differs is False or (differs is None and not rates):
         return {}
-    listed = ", ".join(f"{path}={rate:g}" for path, rate in rates.items()) or "none its config names"
+    if not rates and _differs_without_dropout(model):  # no rate says why, and the key would not change it
+        print(f"notice: {section}'s train-mode forward differs from its eval-mode one though its config names no "
+              "dropout: something besides dropout draws in train mode (a mixture-of-experts router that samples "
+              f"its experts, as PhiMoE's), so its updates differ from its rollout-time passes; {key}=true cannot "
+              "turn that off", file=sys.stderr, flush=True)
+        return {}
+    # the config's rates, some of which a head the model lacks may be all that reads (GPT-NeoX's classifier_dropout)
+    listed = f"its config's rates: {', '.join(f'{path}={rate:g}' for path, rate in rates.items())}" if rates \
+        else "none its config names"
     print(f"notice: {section} has dropout ({listed}): its updates run with it, its rollout-time passes "
           f"(generation, log-probs, values) without; {key}=true turns it off for the run", file=sys.stderr, flush=True)
     return {}
+
+
+def _differs_without_dropout(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s train-mode forward still differs from its eval-mode one with every dropout and jitter
+    off (tried on a copy, which the rare model whose config names no noise rate is worth)."""
+    trial = copy.deepcopy(model)
+    disable_dropout(trial)
+    differs = train_mode_differs(trial)
+    del trial
+    return bool(differs)
 
 
 def pad_response(values: torch.Tensor, response_len: int) -> torch.Tensor:
