@@ -3,6 +3,8 @@ adapters (and the value head) learn, checkpoints hold the adapters, the export i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -10,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
-from rlhf_core.models.lora import merged_state_dict
+from rlhf_core.models.lora import base_model, merged_state_dict
 from rlhf_core.models.toy import random_toy_model
 from rlhf_core.training import checkpoint
 from rlhf_core.workers.actor import response_log_prob
@@ -458,3 +460,17 @@ def test_two_lora_steps_keep_the_base_and_save_the_adapter_the_actor_scores_with
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_two_lora_steps_keep_the_base_and_save_the_adapter_the_actor_scores_with(workspace, tmp_path):
     _check_lora_run_on("cuda", workspace, tmp_path)
+
+
+def test_the_adapters_card_names_the_base_by_its_absolute_path(workspace, tmp_path, monkeypatch):
+    """A policy loaded by a relative path: the adapter's README.md (peft's card) names the base by the absolute
+    path, as its adapter_config.json does, so that the card read from elsewhere still points at the base."""
+    root, model = workspace
+    monkeypatch.chdir(model.parent)
+    trainer = _trainer(root, model.name, tmp_path / "out", "critic.model.lora_rank=0")
+    folder = trainer.save_checkpoint() / "actor" / "lora_adapter"
+    absolute = str(model.resolve())
+    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == absolute
+    front_matter = (folder / "README.md").read_text().split("---")[1]
+    assert f"base_model: {absolute}\n" in front_matter, front_matter
+    assert base_model(trainer.actor.module).config._name_or_path == model.name  # the model's own config is left as loaded

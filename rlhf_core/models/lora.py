@@ -228,7 +228,15 @@ def save_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], target
     The embedding is never adapted here (:func:`refusals`), so none is saved: peft's ``"auto"`` would look the
     base model up (on the Hub, where its path is no local folder) to decide."""
     module.peft_config[ADAPTER].base_model_name_or_path = str(base_model_path)
-    module.save_pretrained(str(target), state_dict=state, save_embedding_layers=False)
+    # the card (README.md) names the base by its config's _name_or_path, the path as the model was loaded (relative,
+    # perhaps): the same path as adapter_config.json's while it is written
+    config = base_model(module).config
+    loaded_as = config._name_or_path
+    config._name_or_path = str(base_model_path)
+    try:
+        module.save_pretrained(str(target), state_dict=state, save_embedding_layers=False)
+    finally:
+        config._name_or_path = loaded_as
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
