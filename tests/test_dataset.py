@@ -173,6 +173,18 @@ def test_an_extra_info_written_as_a_parquet_map_is_refused_as_one(tmp_path, toke
                                         "verl's reader cannot read: write a struct (e.g. a dict")
 
 
+def test_an_empty_parquet_map_is_refused_as_a_map(tmp_path, tokenizer):
+    """An empty map reads back as [] (no pairs to tell it by): the column's Arrow type says it is a map."""
+    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b"])]
+    table = pa.Table.from_pandas(pd.DataFrame(rows).drop(columns=["extra_info"]), preserve_index=False)
+    pairs = pa.array([[], [("index", 1)]], pa.map_(pa.string(), pa.int64()))
+    pq.write_table(table.append_column("extra_info", pairs), tmp_path / "map.parquet")
+    with pytest.raises(DataError) as raised:
+        RLHFDataset(str(tmp_path / "map.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(raised.value).startswith(f"{tmp_path / 'map.parquet'} row 0: extra_info is a parquet map, which "
+                                        "verl's reader cannot read: write a struct (e.g. a dict")
+
+
 def test_a_file_of_a_split_without_a_column_the_others_have_is_named(tmp_path, tokenizer):
     """Joined with files that have it, a file without 'reward_model' or the prompt column read as rows without a
     ground truth ("row 0: reward_model.ground_truth is missing") or a null prompt: the file and column went unnamed."""

@@ -1190,6 +1190,22 @@ def test_an_extra_info_that_is_not_a_mapping_is_named_with_its_rows(tmp_path, ca
     assert outcome.examples[0][1].startswith("extra_info is the JSON text of a mapping, not a mapping: parse it")
 
 
+def test_an_empty_parquet_map_in_extra_info_is_named_a_map(tmp_path):
+    """A parquet map column (Spark's MapType) reads back as (key, value) pairs, an empty map as []: the column's
+    type, not the cell, says it is a map, so an empty one is named a map too (not "a list")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = records(2)
+    table = pa.Table.from_pandas(pd.DataFrame(rows).drop(columns=["extra_info"]), preserve_index=False)
+    maps = pa.array([[], [("index", 1)]], pa.map_(pa.string(), pa.int64()))
+    pq.write_table(table.append_column("extra_info", maps), tmp_path / "train.parquet")
+    [outcome] = validate_dataset(tmp_path / "train.parquet").find("extra_info_is_mapping")
+    reason = ("extra_info is a parquet map, which verl's reader cannot read: write a struct (e.g. a dict "
+              "{'index': 0, 'split': 'train'} per row from pandas, or a StructType column from Spark)")
+    assert outcome.examples == [(0, reason), (1, reason)]
+
+
 def test_the_data_step_fails_where_filtering_over_long_prompts_leaves_too_few(tmp_path, monkeypatch,
                                                                              chat_tokenizer_dir):
     """With data.filter_overlong_prompts the step let every prompt be over the limit (tolerance 1): a training set

@@ -88,9 +88,22 @@ def read_rows(path, columns: list[str] | None = None) -> pd.DataFrame:
     integer field stays integers where a row has it null, or the whole cell (pandas' own reading makes the field
     floats then: ``extra_info.index`` 10 as 10.0, a problem id ``source/10.0``, a ground truth 72 as 72.0), and so
     does an integer column with a null, as ``datasets`` hands rows to verl."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.read_table(path, columns=columns).to_pandas(integer_object_nulls=True)
+    table = pq.read_table(path, columns=columns)
+    frame = table.to_pandas(integer_object_nulls=True)
+    # a map column (Spark's MapType) reads back as lists of (key, value) pairs, an empty map as an empty list:
+    # its cells say that they were a map, which their values alone cannot (extra_info_problem)
+    for field in table.schema:
+        if pa.types.is_map(field.type):
+            frame[field.name] = pd.Series([cell if cell is None else ParquetMap(cell) for cell in frame[field.name]],
+                                          index=frame.index, dtype=object)
+    return frame
+
+
+class ParquetMap(list):
+    """A cell of a parquet map column as :func:`read_rows` gives it: its (key, value) pairs, as pandas reads them."""
 
 
 def is_missing(value) -> bool:
@@ -189,8 +202,9 @@ def extra_info_problem(extra_info) -> str | None:
     if isinstance(extra_info, str) and extra_info.lstrip().startswith("{"):
         return ("extra_info is the JSON text of a mapping, not a mapping: parse it before writing the parquet "
                 "(frame['extra_info'] = frame['extra_info'].map(json.loads))")
-    # a parquet map (Spark's MapType) reads back as its (key, value) pairs, which nothing else does
-    if isinstance(extra_info, list | np.ndarray) and len(extra_info) and \
+    # a parquet map (Spark's MapType) reads back as its (key, value) pairs: the column's type says so where the
+    # file was read by read_rows (an empty map too); elsewhere non-empty pairs, which nothing else reads back as
+    if isinstance(extra_info, ParquetMap) or isinstance(extra_info, list | np.ndarray) and len(extra_info) and \
             all(isinstance(pair, tuple) and len(pair) == 2 for pair in extra_info):
         return ("extra_info is a parquet map, which verl's reader cannot read: write a struct (e.g. a dict "
                 "{'index': 0, 'split': 'train'} per row from pandas, or a StructType column from Spark)")
