@@ -258,3 +258,25 @@ def test_noise_no_rate_names_is_not_promised_off_by_the_key(capsys):
                    "router that samples its experts, as PhiMoE's), so its updates differ from its rollout-time "
                    f"passes; {KEY}=true cannot turn that off\n")
     assert model.config.router_jitter_noise == 0.5 and not model.training  # the model itself is left as it was
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_train_mode_differs_on_cuda(dtype):
+    """The notice's check runs on the device the model loads to: on CUDA, in fp32 and bf16, a model without
+    dropout gives the same forward in both modes (False) and one with attention dropout 0.5 does not (True)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_core.models.loading import train_mode_differs
+
+    torch.manual_seed(0)
+    for attention_dropout, expected in ((0.0, False), (0.5, True)):
+        config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                             vocab_size=100, attention_dropout=attention_dropout)
+        model = LlamaForCausalLM(config).to("cuda", dtype).eval()
+        state = torch.cuda.get_rng_state()
+        assert train_mode_differs(model) is expected, (dtype, attention_dropout)
+        assert torch.equal(torch.cuda.get_rng_state(), state)  # the run's CUDA generator is not drawn from
+        assert not model.training
