@@ -10,6 +10,10 @@ from test_pipeline import tiny_setup, zenml_client
 from rlhf_core.data.preference import synthetic_pairs, write_splits
 from rlhf_core.data.synthetic import DATA_SOURCE
 
+#: reward_model.train.max_length: below the longest side of 10 of the 16 training pairs and 3 of the 16 held-out
+#: ones (201 to 271 tokens with the toy's character tokenizer), so that the counts of pairs over it are not 0
+MAX_LENGTH = 224
+
 
 @functools.cache
 def rm_overrides() -> tuple[str, ...]:
@@ -22,6 +26,7 @@ def rm_overrides() -> tuple[str, ...]:
             f"reward_model.train.train_files={pairs / 'train.parquet'}",
             f"reward_model.train.val_files={pairs / 'val.parquet'}",
             "reward_model.train.train_batch_size=8", "reward_model.train.micro_batch_size_per_gpu=8",
+            f"reward_model.train.max_length={MAX_LENGTH}",
             f"reward_model.train.default_local_dir={setup.root / 'reward_models'}")
 
 
@@ -64,7 +69,8 @@ def test_reward_model_is_a_model_artifact_with_its_held_out_accuracy(passing_run
     assert 0.0 <= accuracy < 1.0  # 16 held-out pairs, 2 steps of a random model: far from perfect
     assert accuracy * 16 == round(accuracy * 16)  # a share of the 16 pairs
     assert step.run_metadata["passed"] is True
-    # the held-out scores' range, worked out here in float64 from the exported model, each sequence alone
+    # the held-out scores' range, worked out here in float64 from the exported model, each sequence alone and cut
+    # from the left to max_length (overlong=truncate)
     import pandas as pd
     import torch
 
@@ -75,20 +81,19 @@ def test_reward_model_is_a_model_artifact_with_its_held_out_accuracy(passing_run
     frame = pd.read_parquet(tiny_setup().root / "preferences" / "val.parquet")
     with torch.no_grad():
         scores = [float(scorer(input_ids=torch.tensor([encode_response(tokenizer, [dict(m) for m in prompt], text,
-                                                                       1024)[0]])).logits[0, 0])
+                                                                       MAX_LENGTH)[0]])).logits[0, 0])
                   for prompt, *sides in zip(frame["prompt"], frame["chosen"], frame["rejected"]) for text in sides]
     assert len(scores) == 32
     for name, value in (("held_out_score_min", min(scores)), ("held_out_score_max", max(scores))):
         assert step.run_metadata[name] == summary[name] == pytest.approx(value, abs=1e-5), name
     fingerprint = run.steps["validate_preferences"].outputs["preference_fingerprint"][0].load()
     assert step.run_metadata["preference_fingerprint"] == fingerprint
-    # the pairs over max_length (the model's positions here), counted from each side's whole length
-    positions = model.config.max_position_embeddings
-    for key, split in (("pairs_over_max_length", "train"), ("held_out_pairs_over_max_length", "val")):
+    # the pairs over max_length, counted from each side's whole length
+    for key, split, expected in (("pairs_over_max_length", "train", 10), ("held_out_pairs_over_max_length", "val", 3)):
         frame = pd.read_parquet(tiny_setup().root / "preferences" / f"{split}.parquet")
         over = sum(max(len(encode_response(tokenizer, [dict(m) for m in prompt], text)[0]) for text in sides)
-                   > positions for prompt, *sides in zip(frame["prompt"], frame["chosen"], frame["rejected"]))
-        assert step.run_metadata[key] == summary[key] == over, key
+                   > MAX_LENGTH for prompt, *sides in zip(frame["prompt"], frame["chosen"], frame["rejected"]))
+        assert step.run_metadata[key] == summary[key] == over == expected, key
     assert step.run_metadata["overlong"] == summary["overlong"] == "truncate"
 
 
