@@ -160,24 +160,14 @@ def test_an_extra_info_that_is_not_a_mapping_is_refused_with_its_row(tmp_path, t
     assert str(raised.value).startswith(f"{tmp_path / 'text.parquet'} row {row}: {reason}")
 
 
-def test_an_extra_info_written_as_a_parquet_map_is_refused_as_one(tmp_path, tokenizer):
-    """A parquet map (Spark's MapType) reads back as a list of (key, value) pairs, and verl's reader (HF datasets)
-    cannot read the column at all: refused, saying it is a map and to write a struct (not that it is a list)."""
+@pytest.mark.parametrize("first", [[("index", 0), ("split", 0)], []], ids=["pairs", "empty"])
+def test_an_extra_info_written_as_a_parquet_map_is_refused_as_one(tmp_path, tokenizer, first):
+    """A parquet map (Spark's MapType) reads back as a list of (key, value) pairs, an empty one as [] (no pairs to
+    tell it by: the column's Arrow type says it is a map), and verl's reader (HF datasets) cannot read the column at
+    all: refused, saying it is a map and to write a struct (not that it is a list)."""
     rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b"])]
     table = pa.Table.from_pandas(pd.DataFrame(rows).drop(columns=["extra_info"]), preserve_index=False)
-    pairs = pa.array([[("index", 0), ("split", 0)], [("index", 1), ("split", 0)]], pa.map_(pa.string(), pa.int64()))
-    pq.write_table(table.append_column("extra_info", pairs), tmp_path / "map.parquet")
-    with pytest.raises(DataError) as raised:
-        RLHFDataset(str(tmp_path / "map.parquet"), tokenizer, DataConfig(max_prompt_length=200))
-    assert str(raised.value).startswith(f"{tmp_path / 'map.parquet'} row 0: extra_info is a parquet map, which "
-                                        "verl's reader cannot read: write a struct (e.g. a dict")
-
-
-def test_an_empty_parquet_map_is_refused_as_a_map(tmp_path, tokenizer):
-    """An empty map reads back as [] (no pairs to tell it by): the column's Arrow type says it is a map."""
-    rows = [make_record(q, "s", str(i), "train", i, "synthetic/arithmetic") for i, q in enumerate(["a", "b"])]
-    table = pa.Table.from_pandas(pd.DataFrame(rows).drop(columns=["extra_info"]), preserve_index=False)
-    pairs = pa.array([[], [("index", 1)]], pa.map_(pa.string(), pa.int64()))
+    pairs = pa.array([first, [("index", 1), ("split", 0)]], pa.map_(pa.string(), pa.int64()))
     pq.write_table(table.append_column("extra_info", pairs), tmp_path / "map.parquet")
     with pytest.raises(DataError) as raised:
         RLHFDataset(str(tmp_path / "map.parquet"), tokenizer, DataConfig(max_prompt_length=200))
