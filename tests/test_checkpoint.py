@@ -110,6 +110,8 @@ def test_hf_directory_loads_with_plain_transformers_and_generates(trained, tmp_p
 
     exported = checkpoint.export_hf(trainer, tmp_path / "export")  # the standalone export, same content
     assert (exported / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes()
+    assert sorted(file.name for file in exported.iterdir()) == sorted(file.name for file in hf_dir.iterdir())
+    assert not (exported / "lora_adapter").exists()  # no LoRA: no peft adapter folder in the export either
     with pytest.raises(CheckpointError, match="already exists and is not empty"):
         checkpoint.export_hf(trainer, tmp_path / "export")
 

@@ -391,6 +391,45 @@ def test_the_checkpoints_merged_export_is_the_saved_adapters_policy(fitted, work
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["checkpoint", "checkpoint_without_adapter_folder"])
+def test_the_export_of_a_lora_checkpoint_holds_the_adapter_peft_loads_as_the_merged_policy(fitted, workspace,
+                                                                                           tmp_path, older):
+    """A fresh trainer loads the last checkpoint and exports it: lora_adapter/ inside the export, loaded by peft's
+    own from_pretrained over a plain load of the base, scores as the merged model beside it and holds the
+    checkpoint's adapter tensors; a checkpoint saved before the adapter folder existed exports one as well."""
+    import shutil
+
+    from peft import PeftModel
+
+    root, model = workspace
+    _, _, references, _, out = fitted
+    saved = out / f"global_step_{STEPS}"
+    if older:  # as checkpoints were written before they held actor/lora_adapter/
+        saved = shutil.copytree(saved, tmp_path / "older" / saved.name)
+        shutil.rmtree(saved / "actor" / "lora_adapter")
+        manifest = json.loads((saved / "manifest.json").read_text())
+        for listing in (manifest["files"], manifest["sha256"]):
+            for rel in [rel for rel in listing if rel.startswith("actor/lora_adapter/")]:
+                del listing[rel]
+        (saved / "manifest.json").write_text(json.dumps(manifest))
+    fresh = _trainer(root, model, tmp_path / "fresh", f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1",
+                     "algorithm.use_kl_in_reward=true")  # the run's config: a checkpoint loads into its own
+    fresh.load_checkpoint(saved)
+    exported = checkpoint.export_hf(fresh, tmp_path / "export")
+
+    merged = AutoModelForCausalLM.from_pretrained(exported).eval()  # plain transformers
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), exported / "lora_adapter").eval()
+    adapter = {name: tensor for name, tensor in adapted.state_dict().items() if ".lora_" in name}
+    expected = checkpoint.load_model_state(saved, "actor")
+    assert sorted(adapter) == sorted(expected) and all(torch.equal(adapter[n], expected[n]) for n in expected)
+    batch, _ = references[-1]
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(_base_log_prob(adapted, batch)[mask], _base_log_prob(merged, batch)[mask],
+                               rtol=1e-5, atol=1e-5)
+    base = AutoModelForCausalLM.from_pretrained(model).eval()
+    assert (_base_log_prob(merged, batch) - _base_log_prob(base, batch))[mask].abs().max() > 1e-2  # trained
+
+
 def test_the_adapters_scale_by_alpha_over_rank(fitted, workspace):
     """peft's LoRA: a layer computes x W^T + (lora_alpha / r) x A^T B^T; the actor has r=4, alpha=8 (2), the
     critic r=4 and the default alpha 16 (4)."""

@@ -6,8 +6,8 @@ adapters switched off (``with module.disable_adapter():``) and no second copy of
 exists. Checkpoints hold the trainable tensors only; the Hugging Face export and the vLLM weight
 sync get the merged weights ``W + (alpha / r) * B @ A`` under the base model's own names
 (:func:`merged_state_dict`), computed from a state dict so the module itself is never modified. The actor's
-checkpoints also hold its adapter as peft saves it (:func:`save_adapter`, verl's ``lora_adapter`` folder), which
-``PeftModel.from_pretrained`` loads over the base model.
+checkpoints and Hugging Face exports also hold its adapter as peft saves it (:func:`save_adapter`, verl's
+``lora_adapter`` folder), which ``PeftModel.from_pretrained`` loads over the base model.
 """
 
 from __future__ import annotations

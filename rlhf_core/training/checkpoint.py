@@ -690,6 +690,11 @@ def _write_hf(trainer, target: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
+def _lora_actor(trainer) -> bool:
+    """Whether the actor trains LoRA adapters: its checkpoints and exports then hold the peft adapter folder."""
+    return trainer.config.actor_rollout_ref.model.lora_rank > 0
+
+
 def _fill(files: CheckpointFiles, trainer) -> list[str]:
     parts = []
     for name, worker in trainer.workers().items():
@@ -704,7 +709,7 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
         files.torch(f"{name}/extra_state.pt", state)
         parts.append(name)
     files.tree(f"actor/{HF_DIR}", lambda target: _write_hf(trainer, target))
-    if trainer.config.actor_rollout_ref.model.lora_rank > 0:  # the critic's adapter is in its state only, as verl's
+    if _lora_actor(trainer):  # the critic's adapter is in its state only, as verl's
         files.tree(f"actor/{lora.ADAPTER_DIR}", trainer.actor.save_adapter)
     state = {"format": FORMAT_VERSION, **trainer.state_dict(), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     files.text(TRAINER_STATE, json.dumps(state, indent=1))
@@ -798,13 +803,22 @@ def prune_checkpoints(root: str | os.PathLike, max_actor: int | None, max_critic
 
 
 def export_hf(trainer, directory: str | os.PathLike) -> Path:
-    """Write the actor as a plain Hugging Face model directory (weights, config, tokenizer), atomically."""
+    """Write the actor as a plain Hugging Face model directory (weights, config, tokenizer), atomically.
+
+    With LoRA (``actor_rollout_ref.model.lora_rank > 0``) the directory also holds ``lora_adapter/``: the actor's
+    adapter as peft saves it over model.path, as in a checkpoint's ``actor/lora_adapter/``, so that
+    ``PeftModel.from_pretrained(base, directory / "lora_adapter")`` is the policy the merged weights beside it
+    hold. Both are written from the actor's weights now (after :func:`load_checkpoint`, the checkpoint's, also
+    one saved before checkpoints held the adapter folder), never copied from a checkpoint the actor may have
+    trained past since."""
     target = Path(os.path.expanduser(str(directory)))
     if target.exists() and any(target.iterdir()):
         raise CheckpointError(f"{target} already exists and is not empty; export into a new directory")
     try:
         with staged_directory(target, replace=True, usual_modes=False) as tmp:  # replace: an empty folder
             _write_hf(trainer, tmp)
+            if _lora_actor(trainer):
+                trainer.actor.save_adapter(tmp / lora.ADAPTER_DIR)
     except OSError as exc:
         raise CheckpointError(_explain(exc, target.parent, target, None)) from exc
     return target
