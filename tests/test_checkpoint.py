@@ -68,7 +68,7 @@ def test_layout_and_exact_round_trip(workspace, trained):
         assert (ckpt / rel).is_file(), rel
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["global_step"] == 2
-    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": 2, "seed": 1, "n": 32}
+    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": 2, "seed": 1, "n": 32, "order": "one_generator"}
     assert state["kl_ctrl"]["type"] == "adaptive" and state["kl_ctrl"]["value"] == trainer.kl_ctrl.value
     assert yaml.safe_load((ckpt / "config.yaml").read_text())["data"]["train_batch_size"] == 8
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temp directory left behind

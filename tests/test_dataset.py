@@ -290,15 +290,66 @@ def test_sampler_covers_each_epoch_once_in_seeded_order():
     assert [other.next_batch()[1] for _ in range(3)] != [rows for _, rows in epoch0]
 
 
+def _torch_batches(n: int, batch_size: int, seed: int, epochs: int) -> list[list[int]]:
+    """verl's batches: a RandomSampler over one generator seeded once, in drop_last batches, epoch after epoch."""
+    sampler = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(seed))
+    batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last=True)
+    return [rows for _ in range(epochs) for rows in batches]
+
+
+@pytest.mark.parametrize(("n", "batch_size", "seed"), [(10, 3, 5), (32, 8, 1), (7, 7, 0)])
+def test_sampler_draws_the_batches_of_verls_random_sampler_for_the_same_seed(n, batch_size, seed):
+    expected = _torch_batches(n, batch_size, seed, epochs=3)
+    sampler = PromptSampler(n, batch_size, shuffle=True, seed=seed)
+    drawn = [sampler.next_batch() for _ in range(len(expected))]
+    assert [rows for _, rows in drawn] == expected
+    assert [epoch for epoch, _ in drawn] == [e for e in range(3) for _ in range(n // batch_size)]
+
+
+def test_sampler_in_order_without_shuffle():
+    sampler = PromptSampler(7, 3, shuffle=False, seed=5)
+    assert [sampler.next_batch() for _ in range(4)] == [(0, [0, 1, 2]), (0, [3, 4, 5]), (1, [0, 1, 2]),
+                                                        (1, [3, 4, 5])]
+
+
 def test_sampler_resumes_with_the_next_unseen_batch():
-    straight = PromptSampler(20, 4, seed=1)
-    expected = [straight.next_batch() for _ in range(9)]
+    expected = _torch_batches(20, 4, 1, epochs=2)  # 5 batches an epoch: the save falls in the second
     first = PromptSampler(20, 4, seed=1)
-    seen = [first.next_batch() for _ in range(6)]
+    seen = [first.next_batch()[1] for _ in range(7)]
+    state = first.state_dict()
+    assert state == {"epoch": 1, "batch_in_epoch": 2, "seed": 1, "n": 20, "order": "one_generator"}
     resumed = PromptSampler(20, 4, seed=1)
-    resumed.load_state_dict(first.state_dict())
-    seen += [resumed.next_batch() for _ in range(3)]
+    resumed.load_state_dict(state)
+    seen += [resumed.next_batch()[1] for _ in range(3)]
     assert seen == expected
+
+
+def _seed_and_epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order before verl's: each epoch a generator of its own, seeded by the seed and the epoch."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+
+
+def test_a_state_saved_before_the_order_marker_resumes_with_its_own_order():
+    """A checkpoint from before verl's order, saved at epoch 1's third batch: the rest of that epoch, and the
+    epochs after, keep the order it was drawn in, so no prompt of the epoch is repeated or skipped."""
+    old = {"epoch": 1, "batch_in_epoch": 2, "seed": 3, "n": 20}
+    sampler = PromptSampler(20, 4, seed=3)
+    sampler.load_state_dict(old)
+    rest = [sampler.next_batch() for _ in range(4)]
+    epoch1, epoch2 = _seed_and_epoch_order(20, 3, 1), _seed_and_epoch_order(20, 3, 2)
+    assert rest == [(1, epoch1[8:12]), (1, epoch1[12:16]), (1, epoch1[16:20]), (2, epoch2[0:4])]
+    # saved again, it says which rule it was drawn in, and resumes with it again
+    state = sampler.state_dict()
+    assert state == {"epoch": 2, "batch_in_epoch": 1, "seed": 3, "n": 20, "order": "seed_and_epoch"}
+    again = PromptSampler(20, 4, seed=3)
+    again.load_state_dict(state)
+    assert again.next_batch() == (2, epoch2[4:8])
+
+
+def test_sampler_refuses_a_state_with_an_unknown_order():
+    sampler = PromptSampler(20, 4, seed=3)
+    with pytest.raises(DataError, match="the checkpoint's sampler has an unknown order 'other'"):
+        sampler.load_state_dict({"epoch": 0, "batch_in_epoch": 1, "seed": 3, "n": 20, "order": "other"})
 
 
 def test_sampler_rejects_a_batch_larger_than_the_data():

@@ -163,7 +163,7 @@ def test_sigkill_after_a_checkpoint_then_the_same_command_continues_exactly(work
     for step in range(1, STEPS + 1):
         assert_same_metrics(got[step], expected[step], step)
     state = json.loads((out / f"global_step_{STEPS}" / "trainer_state.json").read_text())
-    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": STEPS, "seed": 1, "n": 32}
+    assert state["sampler"] == {"epoch": 0, "batch_in_epoch": STEPS, "seed": 1, "n": 32, "order": "one_generator"}
 
 
 def test_sigterm_finishes_the_step_saves_and_exits_nonzero(workspace, reference, tmp_path):

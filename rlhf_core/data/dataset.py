@@ -305,9 +305,17 @@ class RLHFDataset:
 class PromptSampler:
     """Seeded epoch-by-epoch order over ``n`` rows, in whole batches (the remainder is dropped).
 
-    The state is (epoch, batch index within the epoch); restoring it resumes with the
-    next unseen batch, and the order of every epoch depends only on (seed, epoch).
+    With ``shuffle`` the order is verl's for the same seed: verl's ``RandomSampler`` draws every epoch from one
+    generator seeded once with ``seed``, two ``torch.randperm(n)`` a pass (the epoch's order, then the empty
+    tail ``[:num_samples % n]``, drawn all the same once the pass runs to its end), so epoch ``e`` is the
+    ``2e``-th permutation counted from 0, and a run here and a verl run with the same ``data.seed`` train on
+    the same prompts at every step. The state is (epoch, batch index within the epoch); restoring it resumes
+    with the next unseen batch, and the order of every epoch depends only on (seed, epoch).
     """
+
+    #: the order rule a state_dict names: verl's one generator over all epochs, or (before it) a generator
+    #: seeded by the seed and the epoch, which a state without the marker was saved under
+    ORDER_ONE_GENERATOR, ORDER_SEED_AND_EPOCH = "one_generator", "seed_and_epoch"
 
     def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0,
                  key: str = "data.train_batch_size", dropped: int = 0):
@@ -318,6 +326,12 @@ class PromptSampler:
             raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why})")
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.epoch, self.batch_in_epoch = 0, 0
+        self.order_rule = self.ORDER_ONE_GENERATOR
+        # the generator after its first ``_drawn`` epochs, and the last order drawn: a run draws each epoch's
+        # permutation once, not every epoch's before it at each batch
+        self._generator: torch.Generator | None = None
+        self._drawn = 0
+        self._cached: tuple[int, list[int]] | None = None
 
     @property
     def batches_per_epoch(self) -> int:
@@ -331,8 +345,20 @@ class PromptSampler:
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
             return list(range(self.n))
-        generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.n, generator=generator).tolist()
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        if self.order_rule == self.ORDER_SEED_AND_EPOCH:
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            order = torch.randperm(self.n, generator=generator).tolist()
+        else:
+            if self._generator is None or self._drawn > epoch:  # (an earlier epoch: draw again from the seed)
+                self._generator, self._drawn = torch.Generator().manual_seed(self.seed), 0
+            while self._drawn <= epoch:
+                order = torch.randperm(self.n, generator=self._generator).tolist()
+                torch.randperm(self.n, generator=self._generator)  # the pass's empty tail, drawn as verl's
+                self._drawn += 1
+        self._cached = (epoch, order)
+        return order
 
     def next_batch(self) -> tuple[int, list[int]]:
         """(epoch, row indices) of the next batch; advances the state."""
@@ -345,9 +371,17 @@ class PromptSampler:
         return epoch, rows
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed, "n": self.n}
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed, "n": self.n,
+                "order": self.order_rule}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state saved without ``order`` (before verl's order) keeps its own rule for the rest of the run,
+        so that a run resumed mid-epoch neither repeats nor skips prompts."""
         if state.get("n", self.n) != self.n:
             raise DataError(f"the checkpoint's sampler covered {state['n']} prompts; this dataset has {self.n}")
+        rule = state.get("order", self.ORDER_SEED_AND_EPOCH)
+        if rule not in (self.ORDER_ONE_GENERATOR, self.ORDER_SEED_AND_EPOCH):
+            raise DataError(f"the checkpoint's sampler has an unknown order {rule!r} (known: "
+                            f"{self.ORDER_ONE_GENERATOR!r}, {self.ORDER_SEED_AND_EPOCH!r})")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self.order_rule, self._generator, self._drawn, self._cached = rule, None, 0, None
