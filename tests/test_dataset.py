@@ -306,6 +306,17 @@ def test_sampler_draws_the_batches_of_verls_random_sampler_for_the_same_seed(n, 
     assert [epoch for epoch, _ in drawn] == [e for e in range(3) for _ in range(n // batch_size)]
 
 
+def test_sampler_draws_each_epochs_permutation_once(monkeypatch):
+    """Two permutations a pass (verl's order and its empty tail), not every epoch's again at each batch."""
+    calls = []
+    randperm = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *args, **kwargs: calls.append(args) or randperm(*args, **kwargs))
+    sampler = PromptSampler(10, 3, shuffle=True, seed=5)
+    for _ in range(9):  # 3 epochs of 3 batches
+        sampler.next_batch()
+    assert len(calls) == 6
+
+
 def test_sampler_in_order_without_shuffle():
     sampler = PromptSampler(7, 3, shuffle=False, seed=5)
     assert [sampler.next_batch() for _ in range(4)] == [(0, [0, 1, 2]), (0, [3, 4, 5]), (1, [0, 1, 2]),
