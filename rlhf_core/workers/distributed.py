@@ -23,6 +23,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from rlhf_core.models import lora
+
 # ----------------------------------------------------------------------------- process groups
 
 
@@ -238,9 +240,8 @@ def full_state_dict(module: torch.nn.Module, only_trainable: bool = False) -> di
     ``only_trainable``, the tensors of parameters that train (LoRA adapters) alone: the frozen ones are not
     gathered."""
     if not is_sharded(module):
-        trainable = {name for name, param in module.named_parameters() if param.requires_grad}
-        return {name: tensor.detach().cpu() for name, tensor in module.state_dict().items()
-                if not only_trainable or name in trainable}
+        state = lora.trainable_state_dict(module) if only_trainable else module.state_dict()
+        return {name: tensor.detach().cpu() for name, tensor in state.items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
