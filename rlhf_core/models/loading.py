@@ -176,16 +176,19 @@ def disable_dropout(model: torch.nn.Module) -> dict[str, float]:
     base = dropout_rates(model.config)
     not_noise = _not_noise(model.config)
     for _, config in _configs(model.config):
-        for name, value in list(vars(config).items()):
-            if _is_noise_rate(name, value, not_noise):
-                setattr(config, name, 0.0)
+        _zero_noise_rates(config, not_noise)
     for module in model.modules():
         if isinstance(module, DROPOUT_MODULES):
             module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if _is_noise_rate(name, value, not_noise):
-                setattr(module, name, 0.0)
+        _zero_noise_rates(module, not_noise)
     return base
+
+
+def _zero_noise_rates(holder, not_noise: frozenset[str]) -> None:
+    """Every float attribute of ``holder`` (a config or a module) that :func:`_is_noise_rate` names, set to 0."""
+    for name, value in list(vars(holder).items()):
+        if _is_noise_rate(name, value, not_noise):
+            setattr(holder, name, 0.0)
 
 
 def train_mode_differs(model: torch.nn.Module, tokens: int = 32) -> bool | None:
