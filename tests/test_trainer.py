@@ -654,7 +654,7 @@ def test_a_step_that_saves_times_the_save_into_its_record_as_verl_does(workspace
     logged.clear()
     failing.logger = lambda metrics, step: logged.append((step, dict(metrics)))
 
-    def refuse():
+    def refuse(before_latest=None):
         raise CheckpointError("disk full")
 
     failing.save_checkpoint = refuse
@@ -662,6 +662,29 @@ def test_a_step_that_saves_times_the_save_into_its_record_as_verl_does(workspace
         failing.fit()
     assert [step for step, _ in logged] == [1] and "actor/pg_loss" in logged[0][1]
     assert "timing_s/save_checkpoint" not in logged[0][1]
+
+
+def test_a_saving_step_is_logged_before_its_checkpoint_is_marked_latest(workspace, tmp_path, monkeypatch):
+    """A run killed right after the latest marker is written resumes after that step: its record must be in the
+    log by then, or no run ever writes it (the record keeps its save time)."""
+    from rlhf_core.training import checkpoint
+
+    root, model, _ = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                                                   "trainer.test_freq=-1", f"trainer.default_local_dir={tmp_path}")))
+    logged: list[int] = []
+    trainer.logger = lambda metrics, step: logged.append(step) if "timing_s/save_checkpoint" in metrics else None
+    at_marker: list[tuple[str, list[int]]] = []
+    write = checkpoint.write_text_atomic
+
+    def watched(path, text, *args, **kwargs):
+        if path.name == checkpoint.LATEST_FILE:
+            at_marker.append((text.strip(), list(logged)))
+        return write(path, text, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_text_atomic", watched)
+    trainer.fit()
+    assert at_marker == [("1", [1]), ("2", [1, 2])]
 
 
 def test_on_policy_shortcut_is_off_where_old_log_probs_are_needed_before_the_update(workspace):

@@ -722,7 +722,8 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
 # ----------------------------------------------------------------------------- saving
 
 
-def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[CheckpointFiles], list[str]]) -> Path:
+def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[CheckpointFiles], list[str]],
+                     before_latest: Callable[[], None] | None = None) -> Path:
     """Write ``root/global_step_<step>`` atomically and mark it latest; returns its directory.
 
     ``fill(files)`` writes the checkpoint's files through ``files`` and returns the parts it saved
@@ -730,7 +731,9 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     ``.global_step_N.tmp-XXXX`` and renamed into place; a checkpoint of the same step (saved again
     after resuming from an older one) is removed only once the new one is in place and marked
     latest. Any failure leaves the checkpoints and the latest marker as they were and raises
-    :class:`CheckpointError` saying what failed.
+    :class:`CheckpointError` saying what failed. ``before_latest()`` runs once the files are written, before the
+    checkpoint moves into place and is marked latest (the step's record is logged there: a run killed after the
+    marker resumes after the step, so the record must be written by then).
     """
     root = Path(os.path.expanduser(str(root)))
     final = step_dir(root, step)
@@ -753,18 +756,21 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
             files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
                                              "files": dict(files.sizes), "sha256": dict(files.hashes)}, indent=1))
             files.current = None
+            if before_latest is not None:
+                before_latest()
     except OSError as exc:
         raise CheckpointError(_explain(exc, root, final, files.current if files else None) + intact) from exc
     return final
 
 
-def save_checkpoint(trainer, root: str | os.PathLike) -> Path:
+def save_checkpoint(trainer, root: str | os.PathLike, before_latest: Callable[[], None] | None = None) -> Path:
     """Save the trainer's full state as ``root/global_step_<trainer.global_step>``, atomically.
 
     Then marks it latest and prunes old checkpoints (``trainer.max_*_ckpt_to_keep``, never the
-    latest nor ``trainer.protected_steps()``). Returns the checkpoint directory.
+    latest nor ``trainer.protected_steps()``). Returns the checkpoint directory. ``before_latest``: as for
+    :func:`write_checkpoint`.
     """
-    final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer))
+    final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer), before_latest)
     cfg = trainer.config.trainer
     prune_checkpoints(final.parent, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep,
                       trainer.protected_steps(int(trainer.global_step)))

@@ -568,10 +568,11 @@ class PPOTrainer:
         best-gold one of the over-optimisation guard. ``saving``: the step being saved now."""
         return self.guard.protected_steps(saving) | self.overopt.protected_steps()
 
-    def save_checkpoint(self) -> Path:
-        """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`)."""
+    def save_checkpoint(self, before_latest: Callable[[], None] | None = None) -> Path:
+        """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`);
+        ``before_latest()`` runs before the checkpoint is marked latest (:func:`checkpoint.write_checkpoint`)."""
         try:
-            path = checkpoint.save_checkpoint(self, self.checkpoint_dir)
+            path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest)
         except WorkerError as exc:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved_step = self.global_step
@@ -806,11 +807,25 @@ class PPOTrainer:
         self.history.append(result)
         if save and event is None:  # timed into the step's record, as verl's timing_s/save_checkpoint
             started = time.perf_counter()
-            try:
-                self.save_checkpoint()
+            logged: list[BaseException | None] = []
+
+            def log_before_latest() -> None:
+                # the record is written before the checkpoint is marked latest: a run killed after the marker
+                # resumes after this step and would never log it; a logger's failure waits for the save to finish
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+                try:
+                    self._log(metrics, step)
+                    logged.append(None)
+                except Exception as exc:  # noqa: BLE001 - raised below, once the checkpoint is in place
+                    logged.append(exc)
+
+            try:
+                self.save_checkpoint(before_latest=log_before_latest)
             finally:
-                self._log(metrics, step)  # a failed save still leaves the step's metrics
+                if not logged:
+                    self._log(metrics, step)  # a save that failed before its files were written: the metrics stay
+            if logged and logged[0] is not None:
+                raise logged[0]
             return result
         self._log(metrics, step)
         if event is not None:
