@@ -1122,34 +1122,71 @@ def compute_rollout_is_weights(
 
     ``log_ratio = old_log_prob - rollout_log_prob`` (bs, T). ``rollout_is='token'`` gives one weight per
     token, ``'sequence'`` the product over the response (``exp`` of the masked sum) on every token of it.
-    Returns weights (bs, T), 0 at masked positions, and verl's ``rollout_is_*`` metrics (unprefixed).
+    Returns weights (bs, T), 0 at masked positions, and verl's ``rollout_is_*`` metrics (unprefixed), which
+    describe the weights before truncation (see :func:`_rollout_is_metrics`).
     """
+    seq_log_ratio = None
     if rollout_is == "token":
         log_weights = torch.clamp(log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND)  # (bs, T)
     elif rollout_is == "sequence":
-        seq_log = torch.clamp(masked_sum(log_ratio, response_mask, dim=-1), -_SAFETY_BOUND, _SAFETY_BOUND)
-        log_weights = seq_log.unsqueeze(-1).expand_as(log_ratio)  # (bs, T)
+        seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1)  # (bs,) log of the product
+        log_weights = torch.clamp(seq_log_ratio, -_SAFETY_BOUND, _SAFETY_BOUND).unsqueeze(-1).expand_as(log_ratio)
     else:
         raise ValueError(f"unknown rollout_is {rollout_is!r}; valid levels are {', '.join(ROLLOUT_IS_LEVELS)}")
-    raw = _zero_where_masked(torch.exp(log_weights), response_mask)  # (bs, T)
-    weights = raw.clamp(max=rollout_is_threshold)
-    normalised = weights / masked_mean(weights, response_mask).clamp(min=1e-8)
-    seq_has_tokens = _seq_has_tokens(response_mask)
-    seq_weights = masked_mean(weights, response_mask, dim=-1)[seq_has_tokens]  # (n_seq,)
-    valid = response_mask != 0
-    metrics = {
-        "rollout_is_mean": masked_mean(weights, response_mask).item(),
-        "rollout_is_max": weights[valid].max().item(),
-        "rollout_is_min": weights[valid].min().item(),
-        "rollout_is_ratio_fraction_high": masked_mean((raw > rollout_is_threshold).float(), response_mask).item(),
-        "rollout_is_ratio_fraction_low": masked_mean((raw < 1.0 / rollout_is_threshold).float(),
-                                                     response_mask).item(),
-        "rollout_is_eff_sample_size": 1.0 / masked_mean(normalised.square(), response_mask).item(),
+    raw = _zero_where_masked(torch.exp(log_weights), response_mask)  # (bs, T) before truncation
+    weights = raw.clamp(max=rollout_is_threshold)  # (bs, T)
+    return weights, _rollout_is_metrics(raw, response_mask, seq_log_ratio, rollout_is_threshold)
+
+
+def _rollout_is_metrics(raw: torch.Tensor, response_mask: torch.Tensor, seq_log_ratio: torch.Tensor | None,
+                        threshold: float) -> dict[str, float]:
+    """verl's ``rollout_is_*`` metrics (``compute_is_metrics``) of the importance weights before truncation.
+
+    ``raw`` (bs, T): the weights bounded only by ``exp(+-20)``, 0 at masked positions; ``seq_log_ratio`` (bs,):
+    each response's summed log ratio at sequence level, None at token level. With ``lower = 1 / threshold``:
+
+    - ``mean``: over tokens. ``max``, ``min`` and ``ratio_fraction_high`` / ``_low`` (share above
+      ``threshold`` / below ``lower``): over tokens at token level; over sequences at sequence level, from the
+      summed log ratio itself (``max`` is ``exp`` of the largest, bounded at ``exp(20)``; ``min`` unbounded).
+    - ``std`` and ``eff_sample_size`` (``1 / mean((w / mean(w))^2)``): over tokens, of the weights held within
+      ``[lower, threshold]``; ``std`` is 0 for a single token.
+    - ``seq_*``: over sequences, of each one's mean weight ``s``: mean, std (unbiased, 0 for one sequence),
+      max, min, ``max_deviation`` (largest ``|s - 1|``), ``fraction_high`` / ``_low``.
+
+    Sequences count only with response tokens (verl's count an empty row too; see README).
+    """
+    valid = response_mask != 0  # (bs, T)
+    has_tokens = _seq_has_tokens(response_mask)  # (bs,)
+    lower = 1.0 / threshold
+    if seq_log_ratio is None:
+        largest, smallest = raw[valid].max(), raw[valid].min()
+        fraction_high = masked_mean((raw > threshold).float(), response_mask)
+        fraction_low = masked_mean((raw < lower).float(), response_mask)
+    else:
+        seq_log = seq_log_ratio[has_tokens]  # (n_seq,)
+        largest, smallest = torch.exp(seq_log.max().clamp(max=_SAFETY_BOUND)), torch.exp(seq_log.min())
+        fraction_high = (seq_log > math.log(threshold)).float().mean()
+        fraction_low = (seq_log < math.log(lower)).float().mean()
+    held = raw.clamp(min=lower, max=threshold)  # (bs, T)
+    held_mean = masked_mean(held, response_mask)
+    held_var = masked_mean(held.square(), response_mask) - held_mean.square()
+    seq_weights = masked_mean(raw, response_mask, dim=-1)[has_tokens]  # (n_seq,)
+    return {
+        "rollout_is_mean": masked_mean(raw, response_mask).item(),
+        "rollout_is_max": largest.item(),
+        "rollout_is_min": smallest.item(),
+        "rollout_is_ratio_fraction_high": fraction_high.item(),
+        "rollout_is_ratio_fraction_low": fraction_low.item(),
+        "rollout_is_std": held_var.clamp(min=0.0).sqrt().item() if valid.sum() > 1 else 0.0,
+        "rollout_is_eff_sample_size": 1.0 / masked_mean((held / (held_mean + 1e-8)).square(), response_mask).item(),
         "rollout_is_seq_mean": seq_weights.mean().item(),
+        "rollout_is_seq_std": seq_weights.std().item() if seq_weights.numel() > 1 else 0.0,
         "rollout_is_seq_max": seq_weights.max().item(),
         "rollout_is_seq_min": seq_weights.min().item(),
+        "rollout_is_seq_max_deviation": (seq_weights - 1.0).abs().max().item(),
+        "rollout_is_seq_fraction_high": (seq_weights > threshold).float().mean().item(),
+        "rollout_is_seq_fraction_low": (seq_weights < lower).float().mean().item(),
     }
-    return weights, metrics
 
 
 @torch.no_grad()

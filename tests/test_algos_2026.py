@@ -462,16 +462,19 @@ def test_token_truncated_importance_weights_by_hand():
                                                                   rollout_is_threshold=2.0)
     torch.testing.assert_close(weights, t([[2.0, 0.4, 1.0], [1.5, 1.0, 0.0], [0, 0, 0]]))
     assert torch.equal(new_mask, mask)
-    applied = [2.0, 0.4, 1.0, 1.5, 1.0]
-    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(sum(applied) / 5)
-    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(2.0)
+    # as verl's, the metrics describe the weights before truncation (the 3.0 counts as 3.0)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx((3.0 + 0.4 + 1.0 + 1.5 + 1.0) / 5)
+    assert metrics["rollout_corr/rollout_is_max"] == pytest.approx(3.0)
     assert metrics["rollout_corr/rollout_is_min"] == pytest.approx(0.4)
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1 / 5)  # the 3.0
     assert metrics["rollout_corr/rollout_is_ratio_fraction_low"] == pytest.approx(1 / 5)  # the 0.4
-    mean = sum(applied) / 5
+    # std and ESS see the weights held within [1/2, 2]: 2, 0.5, 1, 1.5, 1 (mean 1.2)
+    held = [2.0, 0.5, 1.0, 1.5, 1.0]
+    mean = sum(held) / 5
+    assert metrics["rollout_corr/rollout_is_std"] == pytest.approx(math.sqrt(sum(w * w for w in held) / 5 - mean ** 2))
     assert metrics["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(
-        1 / (sum((w / mean) ** 2 for w in applied) / 5))
-    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx((3.4 / 3 + 2.5 / 2) / 2)
+        1 / (sum((w / mean) ** 2 for w in held) / 5))
+    assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx((4.4 / 3 + 2.5 / 2) / 2)
     # off-policy diagnostics: k1 of KL(rollout || train) is the mean of log(rollout / train) over 5 tokens
     logs = [math.log(r) for r in (3.0, 0.4, 1.0, 1.5, 1.0)]
     assert metrics["rollout_corr/kl"] == pytest.approx(-sum(logs) / 5)
@@ -487,6 +490,46 @@ def test_sequence_importance_weight_is_the_truncated_product():
                                                      rollout_is_threshold=1.5)
     # row 0: 1.2 * 1.5 = 1.8, truncated to 1.5; row 1: 0.5 * 0.8 = 0.4 (the masked 7.0 does not count)
     torch.testing.assert_close(weights, t([[1.5, 1.5, 1.5], [0.4, 0.4, 0.0]]))
+
+
+def test_sequence_importance_metrics_are_over_sequences_before_truncation():
+    # verl's sequence-level figures: max / min / fractions from each response's summed log ratio, not from
+    # the truncated weights on its tokens. Row 0: 4 tokens of +0.5 (weight e^2 = 7.39, over the threshold 2);
+    # row 1: one token of -0.1 (e^-0.1); row 2: 2 tokens of -0.5 (e^-1 = 0.37, under 1/2); row 3: no token.
+    log_ratio = t([[0.5, 0.5, 0.5, 0.5], [-0.1, 3.0, 3.0, 3.0], [-0.5, -0.5, 3.0, 3.0], [5.0, 5.0, 5.0, 5.0]])
+    mask = t([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]])
+    weights, metrics = algos.compute_rollout_is_weights(log_ratio, mask, "sequence", 2.0)
+    e = math.exp
+    torch.testing.assert_close(weights, t([[2.0] * 4, [e(-0.1), 0, 0, 0], [e(-1), e(-1), 0, 0], [0] * 4]))
+    assert metrics["rollout_is_max"] == pytest.approx(e(2))  # not the truncated 2
+    assert metrics["rollout_is_min"] == pytest.approx(e(-1))
+    assert metrics["rollout_is_ratio_fraction_high"] == pytest.approx(1 / 3)  # a share of sequences: row 0
+    assert metrics["rollout_is_ratio_fraction_low"] == pytest.approx(1 / 3)  # row 2 (of tokens it would be 2/7)
+    assert metrics["rollout_is_mean"] == pytest.approx((4 * e(2) + e(-0.1) + 2 * e(-1)) / 7)  # over the 7 tokens
+    held = [2.0] * 4 + [e(-0.1)] + [0.5] * 2  # the tokens' weights held within [1/2, 2]
+    held_mean = sum(held) / 7
+    held_square = sum(w * w for w in held) / 7
+    assert metrics["rollout_is_std"] == pytest.approx(math.sqrt(held_square - held_mean ** 2))
+    assert metrics["rollout_is_eff_sample_size"] == pytest.approx(held_mean ** 2 / held_square)
+    seq = [e(2), e(-0.1), e(-1)]  # the empty row 3 is no sequence
+    assert metrics["rollout_is_seq_mean"] == pytest.approx(sum(seq) / 3)
+    assert metrics["rollout_is_seq_std"] == pytest.approx(float(np.std(seq, ddof=1)))
+    assert metrics["rollout_is_seq_max"] == pytest.approx(e(2))
+    assert metrics["rollout_is_seq_min"] == pytest.approx(e(-1))
+    assert metrics["rollout_is_seq_max_deviation"] == pytest.approx(e(2) - 1)
+    assert metrics["rollout_is_seq_fraction_high"] == pytest.approx(1 / 3)
+    assert metrics["rollout_is_seq_fraction_low"] == pytest.approx(1 / 3)
+
+
+def test_sequence_importance_extremes_keep_verls_bounds():
+    # a sum of 30 reports exp(20) (the safety bound), a sum of -25 reports exp(-25) (no bound below, as verl)
+    log_ratio = t([[15.0, 15.0], [-25.0, 0.0]])
+    mask = t([[1, 1], [1, 0]])
+    _, metrics = algos.compute_rollout_is_weights(log_ratio, mask, "sequence", 2.0)
+    assert metrics["rollout_is_max"] == pytest.approx(math.exp(20))
+    assert metrics["rollout_is_min"] == pytest.approx(math.exp(-25))
+    assert metrics["rollout_is_ratio_fraction_high"] == pytest.approx(0.5)
+    assert metrics["rollout_is_ratio_fraction_low"] == pytest.approx(0.5)
 
 
 def test_rejection_masks_tokens_or_whole_responses():
@@ -591,15 +634,16 @@ def test_off_policy_diagnostics_and_sequence_weight_extremes_by_hand():
     # mean over sequences of (mean rollout log-prob - mean train log-prob) = -mean_t x: -(0, 0.6, -0.3) -> -0.1
     assert [sum(r) / len(r) - sum(tr) / len(tr) for r, tr in zip(sampled, train)] == pytest.approx([0.0, -0.6, 0.3])
     assert metrics["rollout_corr/log_ppl_diff"] == pytest.approx(-0.1)
-    # token weights min(exp(x), 1.5): 1.5 .6065 1 | 1.5 1.2214 | .7408 x3; per-sequence means 1.0355 | 1.3607 | .7408
-    seq_means = [(1.5 + math.exp(-0.5) + 1.0) / 3, (1.5 + math.exp(0.2)) / 2, math.exp(-0.3)]
+    # token weights exp(x) before truncation: 1.6487 .6065 1 | 2.7183 1.2214 | .7408 x3; per-sequence means
+    # 1.0851 | 1.9698 | .7408
+    seq_means = [(math.exp(0.5) + math.exp(-0.5) + 1.0) / 3, (math.e + math.exp(0.2)) / 2, math.exp(-0.3)]
     assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(seq_means[1])
     assert metrics["rollout_corr/rollout_is_seq_min"] == pytest.approx(seq_means[2])
     assert metrics["rollout_corr/rollout_is_seq_mean"] == pytest.approx(sum(seq_means) / 3)
-    # sequence-level weights: exp of the row sums 0 | 1.2 | -0.9, truncated at 1.5: 1 | 1.5 | .4066
+    # sequence-level weights before truncation: exp of the row sums 0 | 1.2 | -0.9: 1 | 3.3201 | .4066
     _, _, metrics = algos.compute_rollout_correction(old, rollout, mask, rollout_is="sequence",
                                                      rollout_is_threshold=1.5)
-    assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(1.5)
+    assert metrics["rollout_corr/rollout_is_seq_max"] == pytest.approx(math.exp(1.2))
     assert metrics["rollout_corr/rollout_is_seq_min"] == pytest.approx(math.exp(-0.9))
 
 
@@ -940,8 +984,8 @@ def test_rollout_correction_weights_an_engine_with_its_own_log_probs(tiny):
 
     trainer.actor.generate = engine_with_log_probs
     metrics = _step(trainer)
-    # every token's ratio is e^0.5 = 1.65, truncated to 1.5
-    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(1.5)
+    # every token's ratio is e^0.5 = 1.65 (truncated to 1.5 in the loss; the metrics see it before)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(math.exp(0.5), rel=1e-5)
     assert metrics["rollout_corr/rollout_is_ratio_fraction_high"] == pytest.approx(1.0)
     assert metrics["rollout_corr/kl"] == pytest.approx(-0.5, abs=1e-5)
 
