@@ -1057,9 +1057,9 @@ def filter_groups_keep(metric: torch.Tensor, index: Sequence[Hashable]) -> torch
     group_ids = _group_ids(index, metric.shape[0], metric.device)  # (bs,)
     num_groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
     values = metric.double()
-    group_max = torch.full((num_groups,), -torch.inf, dtype=values.dtype).scatter_reduce(
+    group_max = torch.full((num_groups,), -torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
         0, group_ids, values, reduce="amax")
-    group_min = torch.full((num_groups,), torch.inf, dtype=values.dtype).scatter_reduce(
+    group_min = torch.full((num_groups,), torch.inf, dtype=values.dtype, device=values.device).scatter_reduce(
         0, group_ids, values, reduce="amin")
     group_size = _group_sum(torch.ones_like(values), group_ids)  # (bs,)
     return (group_max[group_ids] > group_min[group_ids]) | (group_size < 2)

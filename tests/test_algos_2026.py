@@ -265,6 +265,16 @@ def test_filter_groups_drops_all_equal_groups_and_keeps_groups_of_one():
     assert keep.tolist() == [False, False, True, True, False, False, True, False, False, False]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_filter_groups_runs_on_cuda_tensors():
+    metric = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.7], device="cuda")
+    keep = algos.filter_groups_keep(metric, ["a", "a", "b", "b", "c"])
+    # a: all 1 -> drop; b: mixed -> keep; c: alone -> keep
+    assert keep.device.type == "cuda"
+    assert keep.tolist() == [False, False, True, True, True]
+
+
 def test_overlong_penalty_by_hand():
     lengths = torch.tensor([0, 6, 7, 9, 10])
     # limit 10, buffer 4: free up to 6 tokens, then -(len - 6) / 4 * factor
