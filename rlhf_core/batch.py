@@ -55,7 +55,7 @@ class Batch:
             idx = [int(i) for i in (rows.tolist() if isinstance(rows, torch.Tensor) else rows)]
         index = torch.tensor(idx, dtype=torch.long)
         return Batch(
-            {k: v.index_select(0, index) for k, v in self.tensors.items()},
+            {k: v.index_select(0, index.to(v.device)) for k, v in self.tensors.items()},
             {k: [v[i] for i in idx] for k, v in self.meta.items()},
         )
 

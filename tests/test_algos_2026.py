@@ -334,7 +334,7 @@ def _fake_rollout(prompts: Batch) -> tuple[Batch, dict]:
     return batch, extras
 
 
-def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward"):
+def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward", rollout=_fake_rollout):
     batches = iter([[4, 5, 6, 7], [8, 9, 10, 11]])
     calls = []
 
@@ -343,7 +343,7 @@ def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward"):
         calls.append(uids)
         return _prompts(uids, width=2 + len(calls))  # the prompt width differs too
 
-    result = dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), next_prompts, _fake_rollout, metric=metric,
+    result = dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), next_prompts, rollout, metric=metric,
                                              max_num_gen_batches=max_num_gen_batches, pad_id=0,
                                              group_multiple=group_multiple)
     return result, calls
@@ -378,6 +378,22 @@ def test_dynamic_sampling_pads_batches_of_different_widths():
     # prompt 4 (batch 2): prompt left-padded by 1, response full width
     assert batch["attention_mask"][2].tolist() == [0, 1, 1, 1, 1, 1, 1, 1]
     assert batch["input_ids"][2].tolist() == [0, 1, 1, 1, 40, 40, 40, 40]
+    assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("metric", ["seq_reward", "score"])
+def test_dynamic_sampling_runs_on_cuda_rollouts(metric):
+    def cuda_rollout(prompts):
+        batch, extras = _fake_rollout(prompts)
+        return batch.to("cuda"), {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in extras.items()}
+
+    (batch, extras, _), _ = _collect(metric=metric, rollout=cuda_rollout)
+    assert batch["responses"].device.type == extras["score"].device.type == "cuda"
+    # the same groups as on the CPU: prompt 1, then 4 and 6, then 9
+    assert [int(r[0]) // 10 for r in batch["responses"]] == [1, 1, 4, 4, 6, 6, 9, 9]
+    # prompt 1's positions: the prompt left-padded by 2, the response extended by 1 past its last position
     assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
 
 

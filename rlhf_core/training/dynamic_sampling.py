@@ -87,7 +87,7 @@ def concat_rollouts(batches: list[Batch], pad_id: int) -> Batch:
                 prompt_part = _pad(value[:, :p], grow_p, 0, fill)
                 response_part = value[:, p:]
                 if name == "position_ids" and grow_r:
-                    steps = torch.arange(1, grow_r + 1, dtype=value.dtype)
+                    steps = torch.arange(1, grow_r + 1, dtype=value.dtype, device=value.device)
                     extension = value[:, -1:] + steps
                     response_part = torch.cat([response_part, extension], dim=1)
                 else:
