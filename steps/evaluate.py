@@ -19,6 +19,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.pipeline.evaluate import (
+    VAL_FINGERPRINT_VERSION,
     ProductionPairing,
     changed_problems,
     check_reward_unchanged,
@@ -91,7 +92,8 @@ def evaluate(
               f"an accuracy near 50% is known to +-{stats.half_width(policy.n):.1%} (95%)")
     logger.info("evaluating on %s", budget)
 
-    candidate = {"val_fingerprint": policy.val_fingerprint, "problems": {p["id"]: p["correct"] for p in policy.problems},
+    candidate = {"val_fingerprint": policy.val_fingerprint, "val_fingerprint_version": VAL_FINGERPRINT_VERSION,
+                 "problems": {p["id"]: p["correct"] for p in policy.problems},
                  "scoring": scoring_settings(spec["sha256"], cfg.data, dtype=kwargs["dtype"], device=kwargs["device"],
                                              override_config=kwargs["override_config"], batch_size=batch_size)}
     production_version = _production_version(get_step_context().model.name)

@@ -312,7 +312,6 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
 def test_the_fingerprint_covers_every_message_of_a_prompt():
     """Two problems alike in their last message but not in their system message are other problems."""
     import hashlib
-    import json
 
     from rlhf_core.pipeline.evaluate import val_fingerprint
 
@@ -321,9 +320,72 @@ def test_the_fingerprint_covers_every_message_of_a_prompt():
               "messages": [{"role": "system", "content": "Answer after ####."}, question]}]
     terse = [{**plain[0], "messages": [{"role": "system", "content": "Answer in one word."}, question]}]
     assert val_fingerprint(plain) != val_fingerprint(terse)
-    # worked out by hand: the sorted (id, messages as sorted-key JSON, ground truth) triples, as JSON
-    items = [["s/0", json.dumps(plain[0]["messages"], sort_keys=True), "5"]]
-    assert val_fingerprint(plain) == hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    # worked out by hand: the problem's line, [id, messages, ground truth, extra_info] as sorted-key JSON (no
+    # extra_info given: null)
+    line = '["s/0", [{"content": "Answer after ####.", "role": "system"}, {"content": "What is 2 + 3?", ' \
+           '"role": "user"}], "5", null]'
+    assert val_fingerprint(plain) == hashlib.sha256(line.encode()).hexdigest()
+
+
+def test_the_fingerprint_covers_extra_info_and_tells_a_missing_ground_truth_from_the_text_none():
+    """A reward reads extra_info (a rubric, test cases): two sets that differ there alone are graded otherwise, and
+    a missing ground truth (None) is not the answer "None". The digest is worked out here from the documented
+    rendering: each problem as the sorted-key JSON line [id, messages, ground truth, extra_info], NumPy values as
+    their Python ones, the lines sorted and joined by newlines, SHA-256."""
+    import hashlib
+
+    import numpy as np
+
+    from rlhf_core.pipeline.evaluate import val_fingerprint
+
+    question = [{"role": "user", "content": "Is 7 prime?"}]
+    problems = [
+        {"id": "s/1", "prompt": "Is 7 prime?", "messages": question, "ground_truth": None,
+         "extra_info": {"index": np.int64(1), "rubric": "yes", "cases": np.array([2, 3])}},
+        {"id": "s/0", "prompt": "Is 7 prime?", "messages": question, "ground_truth": "None",
+         "extra_info": {"rubric": "no", "index": 0}},
+    ]
+    lines = ['["s/0", [{"content": "Is 7 prime?", "role": "user"}], "None", {"index": 0, "rubric": "no"}]',
+             '["s/1", [{"content": "Is 7 prime?", "role": "user"}], null, '
+             '{"cases": [2, 3], "index": 1, "rubric": "yes"}]']
+    expected = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    assert val_fingerprint(problems) == expected
+    assert val_fingerprint(problems[::-1]) == expected  # the order the problems came in does not count
+    # NumPy scalars and arrays hash as the Python values they hold
+    plain = [{**problems[0], "extra_info": {"index": 1, "rubric": "yes", "cases": [2, 3]}}, problems[1]]
+    assert val_fingerprint(plain) == expected
+    relaxed = [{**problems[0], "extra_info": {**problems[0]["extra_info"], "rubric": "maybe"}}, problems[1]]
+    assert val_fingerprint(relaxed) != expected
+    truth_text = [{**problems[0], "ground_truth": "None"}, problems[1]]  # null and the text "None" differ
+    assert val_fingerprint(truth_text) != expected
+
+
+def test_validation_sets_differing_in_extra_info_alone_do_not_pair(setup, tmp_path):
+    """Production graded against a strict rubric in extra_info, the candidate against a relaxed one, with the same
+    ids, prompts and ground truths: pairing their results would measure the rubric's change as a gain."""
+    from rlhf_core.pipeline.promotion import match_production
+
+    model, val = setup
+    frame = pd.read_parquet(val).head(6)
+    for name, strict in (("strict", True), ("relaxed", False)):
+        frame.assign(extra_info=[{**extra, "strict": strict} for extra in frame["extra_info"]]).to_parquet(
+            tmp_path / f"{name}.parquet", index=False)
+
+    def rubric(data_source, solution_str, ground_truth, extra_info=None):
+        return 0.0 if extra_info["strict"] else 1.0
+
+    old = evaluate_policy(model, str(tmp_path / "strict.parquet"), DATA, reward_fn=rubric)
+    new = evaluate_policy(model, str(tmp_path / "relaxed.parquet"), DATA, reward_fn=rubric)
+    assert [p["id"] for p in old.problems] == [p["id"] for p in new.problems]
+    assert (old.accuracy, new.accuracy) == (0.0, 1.0)
+    assert old.val_fingerprint != new.val_fingerprint
+    assert [p["extra_info"]["strict"] for p in new.problems] == [False] * 6  # each row keeps what it was graded by
+
+    def record(result):
+        return {"val_fingerprint": result.val_fingerprint, "problems": {p["id"]: p["correct"] for p in result.problems}}
+
+    results, refusal = match_production(record(new), record(old), "1")
+    assert results is None and refusal.startswith("production version 1 was evaluated on other validation problems")
 
 
 def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setup, tmp_path, capsys):

@@ -520,6 +520,29 @@ def test_production_evaluated_on_other_problems_is_evaluated_again_on_these(trai
     assert _version("production").number == production.number
 
 
+def test_production_graded_against_other_extra_info_is_evaluated_again(trained, tmp_path):
+    """The validation rows keep their ids, prompts and ground truths but not their extra_info, which a custom reward
+    grades against (a rubric, test cases): production's stored results, graded against the old extra_info, must
+    not pair with the candidate's; its checkpoint is evaluated on these rows instead."""
+    setup = tiny_setup()
+    frame = pd.read_parquet(setup.val_file)
+    frame["extra_info"] = [{**extra, "rubric": "relaxed"} for extra in frame["extra_info"]]
+    relaxed = tmp_path / "relaxed.parquet"
+    frame.to_parquet(relaxed, index=False)
+    production = _version("production")
+    stored = production.get_artifact("evaluation").load()
+    run = run_pipeline(MODEL, val_file=relaxed)
+    assert str(run.status) == "completed"
+    evaluation = zenml_client().get_model_version(MODEL, "latest").get_artifact("evaluation").load()
+    assert sorted(evaluation["problems"]) == sorted(stored["problems"])  # the same problem ids
+    assert evaluation["val_fingerprint"] != stored["val_fingerprint"]
+    assert evaluation["production_reevaluated"].startswith(
+        f"production version {production.number} was evaluated on other validation problems")
+    assert evaluation["production_refusal"] is None
+    assert evaluation["production_results"] == evaluation["problems"]  # version 1's recipe again: the same policy
+    assert _version("production").number == production.number
+
+
 def test_a_gate_that_cannot_be_applied_fails_before_any_step(trained):
     client = zenml_client()
     before = client.list_pipeline_runs(size=1).total

@@ -322,6 +322,29 @@ def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do
         "not be read: FileNotFoundError: the artifact's files are gone)")
 
 
+def test_a_record_fingerprinted_before_extra_info_entered_the_fingerprint_has_production_evaluated_again():
+    """A record of the earlier rule (no val_fingerprint_version: 1) cannot say whether its problems were these, even
+    with the digest equal by chance: production's checkpoint is evaluated once on the candidate's problems."""
+    from rlhf_core.pipeline.evaluate import VAL_FINGERPRINT_VERSION, EvalResult, pair_with_production
+
+    assert VAL_FINGERPRINT_VERSION == 2
+    candidate = {"val_fingerprint": "abc123", "val_fingerprint_version": 2, "problems": {"s/0": True, "s/1": True}}
+    earlier = {"val_fingerprint": "abc123", "problems": {"s/0": True, "s/1": True},
+               "policy": {"model": "prod", "accuracy": 1.0, "n": 2, "mean_score": 1.0, "per_source": {},
+                          "mean_response_length": 3.0}}
+    results, refusal = match_production(candidate, earlier, "4")
+    assert results is None and refusal == (
+        "production version 4's evaluation record fingerprints its validation problems by another rule (version 1 "
+        "vs 2 here; version 2 added each problem's extra_info), so it cannot tell whether they were these")
+    fresh = EvalResult("prod", 0.5, 2, 0.5, {}, 3.0, problems=[{"id": "s/0", "correct": False},
+                                                              {"id": "s/1", "correct": True}])
+    pairing = pair_with_production(candidate, "4", lambda: earlier, lambda: "/ckpt", lambda path: fresh)
+    assert (pairing.results, pairing.refusal, pairing.reevaluated) == ({"s/0": False, "s/1": True}, None, refusal)
+    # a record of this rule pairs as before
+    assert match_production(candidate, {**earlier, "val_fingerprint_version": 2}, "4") == (
+        {"s/0": True, "s/1": True}, None)
+
+
 def test_a_stage_and_a_promotion_record_that_disagree_are_named_and_ones_that_agree_are_not():
     from rlhf_core.pipeline.promotion import stage_disagreement
 

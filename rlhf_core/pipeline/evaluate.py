@@ -118,15 +118,34 @@ class EvalResult:
 def _pick_examples(rows: list[dict[str, Any]], per_kind: int) -> list[dict[str, Any]]:
     right = [row for row in rows if row["correct"]][:per_kind]
     wrong = [row for row in rows if not row["correct"]][:per_kind]
-    return right + wrong
+    # without extra_info (test cases, rubrics: anything a reward reads), which the report does not show
+    return [{k: v for k, v in row.items() if k != "extra_info"} for row in right + wrong]
+
+
+#: the rule :func:`val_fingerprint` follows, kept in each evaluation record: 1 (records without the key) hashed id,
+#: messages and the ground truth's text; 2 adds extra_info and hashes a missing ground truth as a null
+VAL_FINGERPRINT_VERSION = 2
+
+
+def _plain_json(value: Any) -> Any:
+    """A value ``json`` cannot write, as one it can: a NumPy scalar or array as its Python value, else its text."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
 
 
 def val_fingerprint(problems: Sequence[Mapping[str, Any]]) -> str:
-    """SHA-256 over the evaluated problems (id, prompt messages, ground truth): equal only for the same problems,
-    asked the same way (a system message or an earlier turn changed is another problem)."""
-    items = sorted((str(p["id"]), json.dumps(p.get("messages", p["prompt"]), sort_keys=True, default=str),
-                    str(p["ground_truth"])) for p in problems)
-    return hashlib.sha256(json.dumps(items).encode()).hexdigest()
+    """SHA-256 over the evaluated problems: equal only for the same problems, asked the same way and graded against
+    the same data (a system message, an earlier turn or an ``extra_info`` entry changed is another problem).
+
+    Each problem is the JSON list ``[id, messages, ground_truth, extra_info]`` (keys sorted, NumPy values as their
+    Python ones, a missing ground truth and extra_info as null); the digest is over these lines, sorted, joined by
+    newlines. Version :data:`VAL_FINGERPRINT_VERSION`."""
+    lines = sorted(json.dumps([str(p["id"]), p.get("messages", p["prompt"]), p["ground_truth"], p.get("extra_info")],
+                              sort_keys=True, default=_plain_json) for p in problems)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwargs: ValKwargsConfig,
@@ -236,6 +255,7 @@ def evaluate_policy(
                 "messages": dataset.rows[index]["messages"],  # the whole prompt, for the fingerprint
                 "response": extras["responses"][row],
                 "ground_truth": batch.meta["ground_truth"][row],
+                "extra_info": dataset.rows[index]["extra_info"],  # what the reward grades against, for the fingerprint
                 "score": float(extras["score"][row]),
                 "correct": bool(extras["acc"][row] > 0),
             })

@@ -13,7 +13,7 @@ The rule:
   On a few hundred problems a couple of points is noise; this gate says so instead of promoting;
 * a run that did not train (retraining on unchanged data) is never promoted, and neither is a
   candidate that cannot be compared: production's evaluation was on other problems (their
-  fingerprints differ), scored otherwise, or kept no per-problem results, and production has no
+  fingerprints, over ids, prompts, ground truths and extra_info, differ), scored otherwise, or kept no per-problem results, and production has no
   checkpoint to evaluate again (the evaluate step evaluates production's checkpoint on the
   candidate's problems when it has one).
 
@@ -175,7 +175,8 @@ def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any]
                      production_version: str | None) -> tuple[dict[str, bool] | None, str | None]:
     """Production's per-problem correctness on the candidate's problems, or why it cannot be compared.
 
-    ``candidate`` and ``production`` are evaluation records holding ``val_fingerprint``, ``problems``
+    ``candidate`` and ``production`` are evaluation records holding ``val_fingerprint`` (and the rule it follows,
+    ``val_fingerprint_version``: 1 where a record lacks it), ``problems``
     (``{problem_id: correct}``) and ``scoring`` (what decides a response's grade besides the model:
     :func:`scoring_settings`). Returns ``(results, None)`` when they were evaluated on the same problems
     and scored alike, ``(None, refusal)`` otherwise.
@@ -184,6 +185,11 @@ def match_production(candidate: Mapping[str, Any], production: Mapping[str, Any]
     if production is None or not production.get("problems"):
         return None, f"{label} kept no per-problem evaluation results to pair with"
     theirs, ours = production.get("val_fingerprint"), candidate.get("val_fingerprint")
+    rules = [record.get("val_fingerprint_version", 1) for record in (production, candidate)]
+    if rules[0] != rules[1]:  # the same problems fingerprint otherwise: whether they are these cannot be told
+        return None, (f"{label}'s evaluation record fingerprints its validation problems by another rule (version "
+                      f"{rules[0]} vs {rules[1]} here; version 2 added each problem's extra_info), so it cannot tell "
+                      "whether they were these")
     if theirs != ours:
         return None, (f"{label} was evaluated on other validation problems (fingerprint {str(theirs)[:12]} vs "
                       f"{str(ours)[:12]} here)")
