@@ -18,6 +18,7 @@ from rlhf_core import stats
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
+from rlhf_core.models.loading import import_external_lib
 from rlhf_core.pipeline.evaluate import (
     VAL_FINGERPRINT_VERSION,
     ProductionPairing,
@@ -72,6 +73,7 @@ def evaluate(
                     training_summary.get("dataset_fingerprint"), "evaluate")
     spec = check_reward_unchanged(cfg, reward_spec, "evaluate") if reward_spec is not None else reward_spec_of(cfg)
     model = cfg.actor_rollout_ref.model
+    import_external_lib(model.external_lib)  # registers a custom architecture, as the trainer's workers import it
     kwargs = {
         "data_config": cfg.data,
         "batch_size": batch_size,
@@ -83,6 +85,7 @@ def evaluate(
         "val_kwargs": cfg.actor_rollout_ref.rollout.val_kwargs,
         "seed": cfg.trainer.seed,
         "override_config": dict(model.override_config),  # the base model as training loaded it
+        "trust_remote_code": model.trust_remote_code,  # a policy whose architecture is code in its folder
     }
     base_model = model.path
     base = evaluate_policy(base_model, cfg.data.val_files, tokenizer_path=model.tokenizer_path, **kwargs)

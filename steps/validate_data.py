@@ -41,6 +41,7 @@ def validate_data(ppo_config: dict) -> tuple[
         prompt_key=data.prompt_key, reward_fn_key=data.reward_fn_key,  # the columns the trainer reads
         min_kept=(batch, 1) if data.filter_overlong_prompts else (None, None),
         **ground_truth_needs(cfg),  # what training, evaluation and the reward's self-check grade against
+        trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,  # the tokenizer as the trainer loads it
     )
     result = report.to_dict()
     statistics = result["statistics"]

@@ -423,6 +423,48 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert "error: --custom-reward: " in capsys.readouterr().err
 
 
+def test_a_policy_whose_architecture_is_code_in_its_folder_evaluates_only_when_trusted(setup, tmp_path, capsys):
+    """A model folder naming its classes in config.json's auto_map (actor_rollout_ref.model.trust_remote_code trains
+    it): evaluated with trust_remote_code, as the evaluate step passes it and the command's --trust-remote-code asks,
+    its greedy responses are the plain model's (its class is the same architecture under another name); without it,
+    an error says which switch runs the code."""
+    import json
+    import shutil
+
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.models.loading import ModelError
+
+    model, val = setup
+    custom = tmp_path / "custom_model"
+    shutil.copytree(model, custom)
+    (custom / "toy_custom.py").write_text(
+        "from transformers import LlamaConfig, LlamaForCausalLM\n\n\n"
+        "class ToyCustomConfig(LlamaConfig):\n    model_type = 'toy_custom'\n\n\n"
+        "class ToyCustomForCausalLM(LlamaForCausalLM):\n    config_class = ToyCustomConfig\n")
+    config = json.loads((custom / "config.json").read_text())
+    config.update(model_type="toy_custom", architectures=["ToyCustomForCausalLM"],
+                  auto_map={"AutoConfig": "toy_custom.ToyCustomConfig",
+                            "AutoModelForCausalLM": "toy_custom.ToyCustomForCausalLM"})
+    (custom / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"holds model code of its own .* set actor_rollout_ref\.model\."
+                                         r"trust_remote_code=true \(the evaluate command's --trust-remote-code\)"):
+        evaluate_policy(custom, str(val), DATA, reward_fn=digit_first, max_problems=6)
+    plain = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=6)
+    trusted = evaluate_policy(custom, str(val), DATA, reward_fn=digit_first, max_problems=6, trust_remote_code=True)
+    assert [p["response"] for p in trusted.problems] == [p["response"] for p in plain.problems]
+    assert trusted.accuracy == plain.accuracy
+    reward = tmp_path / "digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    command = [str(custom), str(val), "--max-prompt-length", "320", "--max-response-length", "4", "--max-problems",
+               "6", "--custom-reward", str(reward)]
+    assert evaluate(command) == 2
+    err = capsys.readouterr().err
+    assert f"error: {custom} holds model code of its own" in err and "Traceback" not in err
+    assert evaluate([*command, "--trust-remote-code"]) == 0
+    assert capsys.readouterr().out.startswith(f"accuracy {plain.accuracy:.2%} ")
+
+
 def test_the_report_draws_accuracies_of_none_and_all_right():
     """0 of 40 and 40 of 40: the plot's error bars were a rounding error below 0 there, which matplotlib refused
     (the report failed after training had finished); an interval end a hair inside the value is drawn too."""

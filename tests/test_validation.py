@@ -20,6 +20,7 @@ from rlhf_core.data.validation import (
     ValidationReport,
     fingerprint,
     flatten,
+    load_tokenizer,
     read_parquet,
     splits_fingerprint,
     validate_dataset,
@@ -117,6 +118,27 @@ def test_valid_data_passes(valid_files, chat_tokenizer_dir):
     assert "PASSED" in report.summary()
     length = report.find("prompt_length_within_limit", dataset="train")[0]
     assert length.statistics["share_over"] == 0.0
+
+
+def test_a_tokenizer_with_code_of_its_own_loads_only_when_trusted(valid_files, chat_tokenizer_dir, tmp_path):
+    """A tokenizer folder whose class is code in it (tokenizer_config.json's auto_map) loads as the trainer loads it,
+    with actor_rollout_ref.model.trust_remote_code, which validate_data passes on; without it, it is refused."""
+    import json
+    import shutil
+
+    folder = tmp_path / "custom_tokenizer"
+    shutil.copytree(chat_tokenizer_dir, folder)
+    (folder / "char_tok.py").write_text("from transformers import PreTrainedTokenizerFast\n\n\n"
+                                        "class CharTokenizerFast(PreTrainedTokenizerFast):\n    pass\n")
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.update(tokenizer_class="CharTokenizerFast", auto_map={"AutoTokenizer": [None, "char_tok.CharTokenizerFast"]})
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    train, val = valid_files
+    with pytest.raises(DataReadError, match=r"cannot load tokenizer \(.*trust_remote_code"):
+        validate_dataset(train, val, tokenizer=str(folder), max_prompt_length=512)
+    assert type(load_tokenizer(str(folder), trust_remote_code=True)).__name__ == "CharTokenizerFast"
+    report = validate_dataset(train, val, tokenizer=str(folder), max_prompt_length=512, trust_remote_code=True)
+    assert report.success, report.summary()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,9 @@ def evaluate(argv: list[str] | None = None) -> int:
                         help="grade with the function of this file (as custom_reward_function.path), not the "
                              "built-in rules by data source; it also grades prompts without a ground truth")
     parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the model code the model folder holds (its config.json's auto_map), as "
+                             "actor_rollout_ref.model.trust_remote_code=true lets training")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
     for flag, value in (("--batch-size", args.batch_size), ("--max-problems", args.max_problems),
@@ -74,7 +77,8 @@ def evaluate(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
-                                 max_problems=args.max_problems, sample_seed=args.sample_seed)
+                                 max_problems=args.max_problems, sample_seed=args.sample_seed,
+                                 trust_remote_code=args.trust_remote_code)
     except UnknownDataSourceError as exc:
         print(f"error: {exc.args[0]} (here: --custom-reward FILE.py)", file=sys.stderr)
         return 2

@@ -333,8 +333,9 @@ def splits_fingerprint(train: Paths, val: Paths | None = None) -> str:
     return digest.hexdigest()
 
 
-def load_tokenizer(tokenizer: Any) -> Any:
-    """``tokenizer`` itself, or the tokenizer saved at that path (loaded offline)."""
+def load_tokenizer(tokenizer: Any, trust_remote_code: bool = False) -> Any:
+    """``tokenizer`` itself, or the tokenizer saved at that path (loaded offline; ``trust_remote_code`` runs the
+    tokenizer or model code the folder holds, as ``actor_rollout_ref.model.trust_remote_code`` lets training)."""
     if tokenizer is None or not isinstance(tokenizer, (str, os.PathLike)):
         return tokenizer
     if not Path(tokenizer).exists():
@@ -342,7 +343,7 @@ def load_tokenizer(tokenizer: Any) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True, trust_remote_code=trust_remote_code)
     except Exception as exc:  # transformers raises many kinds for a broken folder
         reason = one_line(str(exc)) or type(exc).__name__
         raise DataReadError(tokenizer, f"cannot load tokenizer ({reason})") from exc
@@ -741,8 +742,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                     ground_truth_reason: tuple[str | None, str | None] = (None, None),
                     option_names: Mapping[str, str] | None = None,
                     min_kept: tuple[int | None, int | None] = (None, None),
-                    missing_in_file: tuple[Mapping[str, Sequence[str | None]] | None, ...] = (None, None)) \
-        -> ValidationReport:
+                    missing_in_file: tuple[Mapping[str, Sequence[str | None]] | None, ...] = (None, None),
+                    trust_remote_code: bool = False) -> ValidationReport:
     """Validate in-memory frames of one ``kind``: "prompt", "preference", "auto" (told by ``train``'s columns).
 
     A limit in tokens (``max_prompt_length`` for prompt data, ``max_length`` for preference data)
@@ -771,6 +772,8 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     each row, the file it came from where that file lacks the column, else None: the other files' rows are not the
     column's nulls; a required column fails ``column_in_every_file`` naming those files, an optional one
     (``ability``) is not required of them.
+    ``trust_remote_code``: a tokenizer given by its path loads with the code its folder holds
+    (``actor_rollout_ref.model.trust_remote_code``).
     """
     truth_required = (ground_truth_required,) * 2 if isinstance(ground_truth_required, bool) else \
         tuple(ground_truth_required)
@@ -809,7 +812,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         from rlhf_core.rewards import known_data_sources
 
         known_sources = known_data_sources()
-    tokenizer = load_tokenizer(tokenizer)
+    tokenizer = load_tokenizer(tokenizer, trust_remote_code)
     tables = [(names[0], paths[0], train)] + ([(names[1], paths[1], val)] if val is not None else [])
     keys = {"prompt_key": prompt_key, "reward_fn_key": reward_fn_key}
     flat = [flatten(frame, tokenizer, kind, limit is not None, template_kwargs, source_rows=rows, **keys)

@@ -14,13 +14,14 @@
 * :func:`training_curves_png` and :func:`evaluation_html`: the figures and the HTML report.
 
     python -m rlhf_core.pipeline.evaluate MODEL_DIR VAL.parquet [--max-response-length 64] [--max-problems 500]
-                                          [--html out.html]
+                                          [--trust-remote-code] [--html out.html]
 """
 
 from __future__ import annotations
 
 import ast
 import base64
+import contextlib
 import functools
 import hashlib
 import html
@@ -173,6 +174,21 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
         [float(np.mean(per_problem[i])) for i in selected]
 
 
+@contextlib.contextmanager
+def _trusted_code(folder: str | Path, trust_remote_code: bool):
+    """transformers' refusal of a folder's model code, untrusted, as a ModelError saying which switch allows it."""
+    from rlhf_core.models.loading import ModelError
+
+    try:
+        yield
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ModelError(f"{folder} holds model code of its own (config.json's auto_map), which runs only when "
+                         "trusted: set actor_rollout_ref.model.trust_remote_code=true (the evaluate command's "
+                         "--trust-remote-code) if you trust it") from exc
+
+
 @torch.no_grad()
 def evaluate_policy(
     model_dir: str | Path,
@@ -190,6 +206,7 @@ def evaluate_policy(
     val_kwargs: ValKwargsConfig | None = None,
     seed: int = 0,
     override_config: dict | None = None,
+    trust_remote_code: bool = False,
 ) -> EvalResult:
     """Greedy (one response per prompt) accuracy of the model in ``model_dir`` on ``val_files``.
 
@@ -204,6 +221,8 @@ def evaluate_policy(
     headline.
     ``override_config`` sets model config attributes before loading, as training loads the actor
     (``actor_rollout_ref.model.override_config``; a trained policy's export already holds them).
+    ``trust_remote_code`` runs the model code a model or tokenizer folder holds (its ``auto_map``), as
+    ``actor_rollout_ref.model.trust_remote_code`` lets training; without it such a folder is a :class:`ModelError`.
     """
     from rlhf_core.data.dataset import RLHFDataset
     from rlhf_core.models.loading import load_actor, load_tokenizer
@@ -212,7 +231,8 @@ def evaluate_policy(
 
     data_config = data_config or DataConfig()
     model_dir = resolve_policy_dir(model_dir)
-    tokenizer = load_tokenizer(tokenizer_path or model_dir)
+    with _trusted_code(tokenizer_path or model_dir, trust_remote_code):
+        tokenizer = load_tokenizer(tokenizer_path or model_dir, trust_remote_code)
     dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files",
                           require_ground_truth=reward_fn is None)
     ids = Counter(row["id"] for row in dataset.rows)
@@ -225,7 +245,9 @@ def evaluate_policy(
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
     selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
-    module = load_actor(model_dir, dtype=dtype, device=device, override_config=override_config)
+    with _trusted_code(model_dir, trust_remote_code):
+        module = load_actor(model_dir, dtype=dtype, device=device, override_config=override_config,
+                            trust_remote_code=trust_remote_code)
     engine = make_rollout_engine("hf", module, tokenizer, seed=seed)
     response_length = max_new_tokens or data_config.max_response_length
     params = SamplingParams(n=1, max_new_tokens=response_length, do_sample=False)
