@@ -55,6 +55,7 @@ from rlhf_core.data.schema import (
 from rlhf_core.models.loading import (
     ModelError,
     check_model_dir,
+    check_policy_dir,
     check_tokenizer_dir,
     import_external_lib,
     load_tokenizer,
@@ -195,7 +196,7 @@ def preflight(cfg: PPOConfig) -> None:
     except ModelError as exc:
         errors.append(str(exc))
     try:
-        model_dir = check_model_dir(arr.model.path, "actor_rollout_ref.model.path")
+        model_dir = check_policy_dir(arr.model.path, "actor_rollout_ref.model.path")
         tokenizer_key = "actor_rollout_ref.model.tokenizer_path" if arr.model.tokenizer_path else \
             "actor_rollout_ref.model.path"
         tokenizer_dir = check_tokenizer_dir(arr.model.tokenizer_path or model_dir, tokenizer_key)

@@ -478,3 +478,25 @@ def test_the_report_draws_accuracies_of_none_and_all_right():
     assert "<td>100.00%</td><td>[91.2%, 100.0%]</td><td>40</td>" in page
     hair = EvalResult("base model", 0.0, 40, 0.0, {}, 3.0, interval=(6.9e-18, 0.0876))
     assert "<img" in evaluation_html({"base model": hair})
+
+
+def test_the_evaluate_command_refuses_a_reward_model_as_the_policy(setup, tmp_path, capsys):
+    """A sequence-classification model (what train-rm exports) was loaded as a causal LM with a new random head and
+    scored 0%, exit 0; it is refused before any weights load, as itself and as the export beside a checkpoint."""
+    import json
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    for folder in (tmp_path / "rm", tmp_path / "run" / "huggingface"):
+        folder.mkdir(parents=True)
+        config = json.loads((model / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"],
+                                                        "num_labels": 1}))
+        (folder / "model.safetensors").write_bytes(b"never read")
+    for given, folder in ((tmp_path / "rm", tmp_path / "rm"), (tmp_path / "run", tmp_path / "run" / "huggingface")):
+        assert evaluate([str(given), str(val)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {folder} holds a reward/classification model (one score per sequence): "
+                              "LlamaForSequenceClassification, not a causal language model;"), err
+        assert "Traceback" not in err

@@ -560,3 +560,42 @@ def test_prompt_roles_outside_the_chat_format_are_refused_before_any_weights_loa
     frame.rename(columns={"prompt": "messages"}).to_parquet(path)  # read from the column data.prompt_key names
     errors = _errors(_config(space, f"data.train_files={path}", "data.val_files=[]", "data.prompt_key=messages"))
     assert len(errors) == 1 and errors[0].startswith("data.train_files: 2 prompt(s) have message roles outside")
+
+
+def test_a_reward_model_as_the_policy_is_refused_and_as_the_critic_taken(space, tmp_path):
+    """A sequence-classification folder as actor_rollout_ref.model.path trained: its score head was dropped and a
+    random LM head made. It is refused before any weights load, in the trainer's checks and in the dry run; as the
+    critic's start (verl's usual) it still passes."""
+    from rlhf_core.models.loading import ModelError
+    from rlhf_core.pipeline.smoke import run_smoke_test
+
+    rm = reward_model(space / "actor", tmp_path / "rm", 512)
+    expected = (f"actor_rollout_ref.model.path: {rm} holds a reward/classification model (one score per sequence): "
+                "LlamaForSequenceClassification, not a causal language model;")
+    errors = _errors(_config(space, actor=rm))
+    assert len(errors) == 1 and errors[0].startswith(expected), errors
+    with pytest.raises(ModelError) as error:
+        run_smoke_test(_config(space, actor=rm), tmp_path / "smoke")
+    assert str(error.value).startswith(expected)
+    preflight(_config(space, f"critic.model.path={rm}"))
+
+
+def test_a_hub_id_as_the_model_path_says_nothing_is_downloaded_and_how_to_get_a_folder(space, tmp_path,
+                                                                                       monkeypatch):
+    from rlhf_core.models.loading import looks_like_hub_id
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").mkdir()
+
+    errors = _errors(_config(space, actor="Qwen/Qwen2.5-0.5B-Instruct"))
+    assert errors == [
+        "actor_rollout_ref.model.path: Qwen/Qwen2.5-0.5B-Instruct is not a directory: models load from local HF "
+        "directories and nothing is downloaded at run time. If Qwen/Qwen2.5-0.5B-Instruct is a Hugging Face hub id, "
+        "download it on a machine with access (huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR), "
+        "copy DIR here and give its path; a GGUF file of it imports with rlhf gguf --gguf FILE --output DIR"]
+    # a path that is not there but reads as a local one keeps the local advice
+    errors = _errors(_config(space, actor=tmp_path / "no_model"))
+    assert errors == [f"actor_rollout_ref.model.path: {tmp_path / 'no_model'} is not a directory (models load from "
+                      "local HF directories; build the demo model with python -m rlhf_core.models.toy --output DIR)"]
+    assert [looks_like_hub_id(p) for p in ("meta-llama/Llama-3.2-1B", "local/no_model", "./a/b", "a/b/c", "/x/y",
+                                           "~/x", "gpt2")] == [True, False, False, False, False, False, False]

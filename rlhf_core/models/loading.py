@@ -10,6 +10,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -59,8 +60,7 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
         raise ModelError(f"{key}: {folder} is a GGUF file and models load from local HF directories; import it "
                          f"into one with rlhf gguf --gguf {folder} --output DIR and give DIR")
     if not folder.is_dir():
-        raise ModelError(f"{key}: {folder} is not a directory (models load from local HF directories; "
-                         "build the demo model with python -m rlhf_core.models.toy --output DIR)")
+        raise ModelError(f"{key}: {missing_model_dir(path)}")
     if not (folder / "config.json").is_file():
         raise ModelError(f"{key}: {folder} has no config.json; it is not a HF model directory")
     try:
@@ -71,6 +71,67 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
     if need_weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ModelError(f"{key}: {folder} has no weights (looked for {', '.join(WEIGHT_FILES)}); "
                          "is the download or copy incomplete?")
+    return folder
+
+
+def looks_like_hub_id(path: str | os.PathLike) -> bool:
+    """Whether ``path``, which is not there, reads as a Hugging Face hub id (``ORG/NAME``) rather than a local
+    path: two plain names, the first of which is no local folder either."""
+    text = str(path)
+    match = re.fullmatch(r"([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)", text)
+    return match is not None and not resolve(text).exists() and not Path(match[1]).is_dir()
+
+
+def missing_model_dir(path: str | os.PathLike) -> str:
+    """Why a model path that is no directory cannot load, and what to do: for a hub id, how to get a local copy
+    (nothing is downloaded at run time); for any other path, how to build the demo model."""
+    folder = resolve(path)
+    if looks_like_hub_id(path):
+        return (f"{folder} is not a directory: models load from local HF directories and nothing is downloaded "
+                f"at run time. If {path} is a Hugging Face hub id, download it on a machine with access "
+                f"(huggingface-cli download {path} --local-dir DIR), copy DIR here and give its path; a GGUF file "
+                "of it imports with rlhf gguf --gguf FILE --output DIR")
+    return (f"{folder} is not a directory (models load from local HF directories; build the demo model with "
+            "python -m rlhf_core.models.toy --output DIR)")
+
+
+#: the heads of transformers architectures that score or label text rather than generate it, and what a model
+#: with one is: a folder whose every architecture ends so has no language-model head to generate with
+NOT_GENERATIVE = {
+    "ForSequenceClassification": "a reward/classification model (one score per sequence)",
+    "ForTokenClassification": "a value/token-classification model (one score per token, as critics are saved)",
+    "ForQuestionAnswering": "a question-answering (span extraction) model",
+    "ForMultipleChoice": "a multiple-choice classification model",
+    "ForMaskedLM": "a masked language model (it fills in blanks, it does not generate)",
+}
+
+
+def not_a_policy(folder: str | os.PathLike) -> str | None:
+    """What ``folder`` (a HF model directory) holds where it cannot act as a policy: a reward or other
+    classification model, by its config's ``architectures`` (all of them of :data:`NOT_GENERATIVE`); else None
+    (a causal LM, an architecture this cannot tell, or a config without the field). Reads config.json only."""
+    try:
+        architectures = json.loads((resolve(folder) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):  # unreadable or no mapping: check_model_dir says so
+        return None
+    kinds = [next((kind for head, kind in NOT_GENERATIVE.items() if str(name).endswith(head)), None)
+             for name in architectures]
+    if not kinds or None in kinds:
+        return None
+    return (f"{resolve(folder)} holds {kinds[0]}: {', '.join(architectures)}, not a causal language model; a "
+            "policy generates its responses through a language-model head, which this has not; give a causal LM "
+            "(config architectures *ForCausalLM), e.g. the model the reward model was trained from, and use a "
+            "reward model as reward_model.model.path (it may also start the critic, critic.model.path)")
+
+
+def check_policy_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model.path",
+                     need_weights: bool = True) -> Path:
+    """:func:`check_model_dir` of a model that generates (the actor's): ModelError also where it holds a reward or
+    other classification model (:func:`not_a_policy`)."""
+    folder = check_model_dir(path, key, need_weights)
+    problem = not_a_policy(folder)
+    if problem is not None:
+        raise ModelError(f"{key}: {problem}")
     return folder
 
 

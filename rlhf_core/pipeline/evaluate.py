@@ -66,20 +66,30 @@ def resolve_policy_dir(path: str | Path) -> Path:
 
     ``path`` may be a HF model directory itself, a ``global_step_N`` checkpoint, or a checkpoint
     root holding ``latest_checkpointed_iteration.txt`` (the actor's ``huggingface/`` export of the
-    latest step is used).
+    latest step is used). A ModelError where the directory holds a reward or other classification model
+    (:func:`~rlhf_core.models.loading.not_a_policy`), a FileNotFoundError where there is none.
     """
+    from rlhf_core.models.loading import ModelError, missing_model_dir, not_a_policy
+
     folder = Path(path).expanduser()
     if (folder / "config.json").is_file():
+        problem = not_a_policy(folder)
+        if problem is not None:
+            raise ModelError(problem)
         return folder
+    if not folder.exists():
+        raise FileNotFoundError(missing_model_dir(path))
     if (folder / "latest_checkpointed_iteration.txt").is_file():
         from rlhf_core.training.checkpoint import latest_checkpoint
 
         latest = latest_checkpoint(folder)
-        if latest is not None:
+        # (a reward model's training root keeps its export beside its steps, which hold none: the loop below)
+        if latest is not None and ((latest / "actor" / "huggingface").is_dir() or
+                                   not (folder / "huggingface").is_dir()):
             return resolve_policy_dir(latest)
     for candidate in (folder / "actor" / "huggingface", folder / "huggingface"):
         if (candidate / "config.json").is_file():
-            return candidate
+            return resolve_policy_dir(candidate)
     raise FileNotFoundError(
         f"{folder} holds no HF model: expected config.json there, in actor/huggingface/ (a global_step_N "
         "checkpoint) or under the step named by latest_checkpointed_iteration.txt (a checkpoint root)")

@@ -225,14 +225,15 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                    steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
     """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
     from rlhf_core.main_ppo import preflight, trainer_session
-    from rlhf_core.models.loading import check_model_dir, load_tokenizer
+    from rlhf_core.models.loading import check_policy_dir, load_tokenizer
     from rlhf_core.training.checkpoint import latest_checkpoint
 
     started = time.perf_counter()
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     model_cfg = cfg.actor_rollout_ref.model
-    target = check_model_dir(model_cfg.path, need_weights=False)  # ModelError naming the key, not a hub lookup
+    # ModelError naming the key, not a hub lookup; and a reward model, which its causal-LM clone would hide
+    target = check_policy_dir(model_cfg.path, need_weights=False)
     target_parameters = count_parameters_from_config(target, model_cfg.trust_remote_code)
     cloned = target_parameters >= tiny_threshold
     model_path = target
