@@ -38,6 +38,7 @@ from rlhf_core.data.dataset import (
     RLHFDataset,
     check_files,
     columns_not_in_every_file,
+    missing_columns_problem,
     needed_columns,
     parquet_schema,
 )
@@ -231,6 +232,12 @@ def preflight(cfg: PPOConfig) -> None:
             continue
         try:
             paths = check_files(files, key)
+            # the prompts' column, here with the other problems (the dataset would name it alone, after the
+            # models load); the ground truths' and the data sources' are counted and named by the scan below
+            no_prompts = missing_columns_problem(paths, [cfg.data.prompt_key], key, cfg.data.prompt_key)
+            if no_prompts is not None:
+                errors.append(no_prompts)
+                continue
             partial = columns_not_in_every_file(paths, needed_columns(cfg.data, cfg.needs_ground_truth()))
             if partial is not None:  # the scan would count that file's rows as rows without a ground truth
                 errors.append(f"{key}: {partial}")

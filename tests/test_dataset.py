@@ -488,3 +488,34 @@ def test_prompt_roles_outside_the_chat_format_are_refused_naming_every_row(tmp_p
     with pytest.raises(DataError, match=rf"\(bot\), which .*: {bad} row 1 \(bot\); give bot a role of the chat "
                                         r"format \(the chat format's roles: system, "):
         RLHFDataset([good, str(bad)], tokenizer, DataConfig(max_prompt_length=200))
+
+
+def test_the_likely_prompt_column_is_named_where_data_prompt_key_is_missing(tmp_path, tokenizer):
+    """A file without data.prompt_key's column: the dataset names the column that likely holds the prompts (chat
+    messages first, then text named like a prompt) and the key that reads it; none where no column looks so."""
+    from rlhf_core.data.dataset import prompt_column_guess
+
+    messages = pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))
+    schema = pa.schema([("data_source", pa.string()), ("ability", pa.string()), ("question", pa.string()),
+                        ("conversation", messages), ("extra_info", pa.struct([("question", pa.string())]))])
+    assert prompt_column_guess(schema) == "conversation"
+    assert prompt_column_guess(pa.schema([("id", pa.int64()), ("question_text", pa.string()),
+                                          ("data_source", pa.string())])) == "question_text"
+    assert prompt_column_guess(pa.schema([("query", pa.string()), ("instruction", pa.string())])) == "query"
+    assert prompt_column_guess(pa.schema([("data_source", pa.string()), ("answer", pa.string()),
+                                          ("prompt_tokens", pa.int64())])) is None
+
+    first = pd.read_parquet(_write(tmp_path / "a.parquet", ["one", "two"]))
+    first.assign(query=["one", "two"]).drop(columns=["prompt"]).to_parquet(tmp_path / "q.parquet")
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(tmp_path / "q.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == ("data.train_files: column(s) ['prompt'] missing; found ['data_source', 'ability', "
+                                "'reward_model', 'extra_info', 'query']; the prompts look to be in 'query': set "
+                                "data.prompt_key=query")
+    assert RLHFDataset(str(tmp_path / "q.parquet"), tokenizer, DataConfig(max_prompt_length=200,
+                                                                           prompt_key="query")).rows
+    first.drop(columns=["prompt"]).to_parquet(tmp_path / "none.parquet")
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(tmp_path / "none.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == ("data.train_files: column(s) ['prompt'] missing; found ['data_source', 'ability', "
+                                "'reward_model', 'extra_info']")

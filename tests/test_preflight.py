@@ -599,3 +599,24 @@ def test_a_hub_id_as_the_model_path_says_nothing_is_downloaded_and_how_to_get_a_
                       "local HF directories; build the demo model with python -m rlhf_core.models.toy --output DIR)"]
     assert [looks_like_hub_id(p) for p in ("meta-llama/Llama-3.2-1B", "local/no_model", "./a/b", "a/b/c", "/x/y",
                                            "~/x", "gpt2")] == [True, False, False, False, False, False, False]
+
+
+def test_a_file_without_the_prompt_column_is_reported_with_the_others_and_its_likely_column(space, tmp_path):
+    """The missing prompt column was raised alone once the models had loaded, without the 'cannot start
+    training:' heading, while a bad model path and a missing validation file were reported without it."""
+    import pandas as pd
+
+    frame = pd.read_parquet(space / "data" / "train.parquet").rename(columns={"prompt": "question"})
+    frame.to_parquet(tmp_path / "question.parquet")
+    cfg = _config(space, f"data.train_files={tmp_path / 'question.parquet'}",
+                  f"data.val_files={tmp_path / 'none.parquet'}", actor=tmp_path / "no_model")
+    with pytest.raises(PreflightError) as error:
+        preflight(cfg)
+    assert str(error.value).startswith("cannot start training:\n")
+    assert [e.split(":")[0] for e in error.value.errors] == \
+        ["actor_rollout_ref.model.path", "data.train_files", "data.val_files"]
+    assert error.value.errors[1] == (
+        "data.train_files: column(s) ['prompt'] missing; found ['data_source', 'question', 'ability', 'reward_model', "
+        "'extra_info']; the prompts look to be in 'question': set data.prompt_key=question")
+    preflight(_config(space, f"data.train_files={tmp_path / 'question.parquet'}", "data.prompt_key=question",
+                      "data.val_files=[]"))

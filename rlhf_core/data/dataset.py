@@ -124,6 +124,62 @@ def columns_not_in_every_file(paths: Sequence[Path], columns: Sequence[str]) -> 
     return "; ".join(problems) or None
 
 
+#: names of the columns likeliest to hold the prompts of a file without data.prompt_key's column, likeliest first
+PROMPT_LIKE = ("messages", "conversations", "conversation", "chat", "prompt", "question", "query", "problem",
+               "instruction", "input")
+
+
+def _is_message_list(kind: pyarrow.DataType) -> bool:
+    """A parquet type of chat messages: a list of structs with a role and a content."""
+    return (pyarrow.types.is_list(kind) or pyarrow.types.is_large_list(kind)) and \
+        pyarrow.types.is_struct(kind.value_type) and \
+        {"role", "content"} <= {kind.value_type.field(i).name for i in range(kind.value_type.num_fields)}
+
+
+def prompt_column_guess(schema: pyarrow.Schema) -> str | None:
+    """The column of ``schema`` that likely holds the prompts, for a file without data.prompt_key's: a column of
+    chat messages, else a text column named like a prompt (:data:`PROMPT_LIKE`, or holding one of those names, as
+    ``question_text`` does); by the order of :data:`PROMPT_LIKE`. None where no column looks so."""
+    def rank(name: str) -> int:
+        lowered = name.lower()
+        exact = [i for i, like in enumerate(PROMPT_LIKE) if lowered == like]
+        within = [len(PROMPT_LIKE) + i for i, like in enumerate(PROMPT_LIKE) if like in lowered]
+        return (exact or within or [2 * len(PROMPT_LIKE)])[0]
+
+    chats = [field.name for field in schema if _is_message_list(field.type)]
+    texts = [field.name for field in schema if (pyarrow.types.is_string(field.type) or
+                                                pyarrow.types.is_large_string(field.type))
+             and rank(field.name) < 2 * len(PROMPT_LIKE)]
+    for names in (chats, texts):
+        if names:
+            return min(names, key=rank)
+    return None
+
+
+def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: str, prompt_key: str = "prompt",
+                            prompt_option: str = "data.prompt_key=") -> str | None:
+    """What to say where no file of ``paths`` has a column of ``columns``, else None: the columns missing and
+    those found, and what to do: a file of preference pairs is named as such (they train a reward model), a
+    likely prompt column (:func:`prompt_column_guess`) is suggested as ``{prompt_option}<column>``, and a missing
+    ``reward_model`` gets :data:`TRUTH_HINT`. Reads the files' schemas only."""
+    schemas = [parquet_schema(path) for path in paths]
+    found = [name for name in dict.fromkeys(n for schema in schemas for n in schema.names)
+             if not name.startswith("__")]  # (pandas' saved index)
+    absent = [column for column in columns if column not in found]
+    if not absent:
+        return None
+    text = f"{key}: column(s) {absent} missing; found {found}"
+    if {"chosen", "rejected"} <= set(found):
+        return (f"{text}: this is preference data (a prompt with chosen and rejected responses), which trains a "
+                "reward model (rlhf train-rm, or reward_model.train in the pipelines); PPO training and evaluation "
+                "read prompt files (prompt, data_source, reward_model.ground_truth)")
+    if prompt_key in absent:
+        guess = next((g for schema in schemas if (g := prompt_column_guess(schema)) is not None), None)
+        if guess is not None:
+            text += f"; the prompts look to be in {guess!r}: set {prompt_option}{guess}"
+    return text + (TRUTH_HINT if "reward_model" in absent else "")
+
+
 def plain_value(value):
     """A parquet cell as Python objects (lists, dicts, str, int, float), as ``datasets`` gives them to verl:
     pandas reads a list as a NumPy array and a number as a NumPy scalar."""
@@ -214,9 +270,8 @@ class RLHFDataset:
         needed = needed_columns(config, require_ground_truth)
         missing = [c for c in needed if c not in frame.columns]
         if missing:
-            found = [c for c in frame.columns if c not in ("_source_file", "_source_row")]
-            raise DataError(f"{key}: column(s) {missing} missing; found {found}"
-                            f"{TRUTH_HINT if 'reward_model' in missing else ''}")
+            raise DataError(missing_columns_problem(self.paths, needed, key, config.prompt_key) or
+                            f"{key}: column(s) {missing} missing")
         partial = columns_not_in_every_file(self.paths, needed)
         if partial is not None:  # joined, its rows would each read as a row without its prompt or ground truth
             raise DataError(f"{key}: {partial}")
