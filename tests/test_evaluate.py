@@ -500,3 +500,38 @@ def test_the_evaluate_command_refuses_a_reward_model_as_the_policy(setup, tmp_pa
         assert err.startswith(f"error: {folder} holds a reward/classification model (one score per sequence): "
                               "LlamaForSequenceClassification, not a causal language model;"), err
         assert "Traceback" not in err
+
+
+def test_the_evaluate_command_names_its_data_argument_and_says_what_a_file_is(setup, tmp_path, capsys):
+    """Errors about the positional data files named data.val_files, which the command has not; a file of preference
+    pairs was reported as lacking reward_model; a file whose prompts are in another column names it and the option
+    that reads it (which then evaluates)."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    missing = tmp_path / "missing.parquet"
+    assert evaluate([str(model), str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: val_files: {missing} does not exist") and "data.val_files" not in err
+
+    frame = pd.read_parquet(val)
+    pairs = frame.drop(columns=["reward_model"]).assign(chosen="#### 1", rejected="#### 2")
+    pairs.to_parquet(tmp_path / "pairs.parquet")
+    assert evaluate([str(model), str(tmp_path / "pairs.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: val_files: column(s) ['reward_model'] missing; found ['data_source', 'prompt', "
+                          "'ability', 'extra_info', 'chosen', 'rejected']: this is preference data "), err
+    assert "data.val_files" not in err
+
+    frame.rename(columns={"prompt": "question"}).to_parquet(tmp_path / "question.parquet")
+    assert evaluate([str(model), str(tmp_path / "question.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: val_files: column(s) ['prompt'] missing;") and \
+        err.rstrip().endswith("the prompts look to be in 'question': set --prompt-key question"), err
+    reward = tmp_path / "digit.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    assert evaluate([str(model), str(tmp_path / "question.parquet"), "--prompt-key", "question", "--max-problems",
+                     "4", "--max-response-length", "2", "--max-prompt-length", "320", "--custom-reward",
+                     str(reward)]) == 0
+    assert capsys.readouterr().out.startswith("accuracy 100.00% (95% interval [51.0%, 100.0%]) on 4 of 40 prompts")

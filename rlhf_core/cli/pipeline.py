@@ -34,7 +34,9 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.evaluate"),
                                      description="Greedy accuracy of a HF model directory on a validation parquet.")
     parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
-    parser.add_argument("val_files", nargs="+", help="validation parquet file(s), verl schema")
+    parser.add_argument("val_files", nargs="+", help="validation parquet file(s) of prompts, verl schema")
+    parser.add_argument("--prompt-key", default="prompt",
+                        help="the column of the prompts, as data.prompt_key (default: %(default)s)")
     parser.add_argument("--max-prompt-length", type=int, default=1024,
                         help="a longer prompt keeps its last this many tokens (default: %(default)s)")
     parser.add_argument("--max-response-length", type=int, default=64,
@@ -62,18 +64,32 @@ def evaluate(argv: list[str] | None = None) -> int:
         parser.error(f"--html {args.html}: the folder {Path(args.html).resolve().parent} does not exist")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
-    from rlhf_core.data.dataset import DataError
+    from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
     from rlhf_core.models.loading import ModelError
-    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html
+    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
     from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
-                      truncation="left")
+                      truncation="left", prompt_key=args.prompt_key)
     try:  # what loading a reward file raises (see load_custom_reward_fn)
         reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name) if args.custom_reward
                      else None)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         print(f"error: --custom-reward: {exc}", file=sys.stderr)
+        return 2
+    problems = []  # the model folder, the files and their columns, named as given here, before the model loads
+    try:
+        resolve_policy_dir(args.model)
+    except (ModelError, FileNotFoundError) as exc:
+        problems.append(str(exc))
+    try:
+        paths = check_files(args.val_files, "val_files")
+        problems.append(missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
+                                                data.prompt_key, prompt_option="--prompt-key "))
+    except DataError as exc:
+        problems.append(str(exc))
+    if any(problems):
+        print("\n".join(f"error: {problem}" for problem in problems if problem), file=sys.stderr)
         return 2
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
