@@ -248,3 +248,51 @@ def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(cap
     out = _summary(capsys, "13", meta, "run-9", "rlhf_retrain_pipeline-9", status="completed")
     assert f"model:      m version 13: training skipped: {reason}" in out
     assert "accuracy n/a" not in out
+
+
+class _Store:
+    """A pipeline store holding ``models`` ({name: version names, in order}), none of them promoted."""
+
+    def __init__(self, models: dict[str, list[str]]):
+        self.models = models
+
+    def list_models(self, size):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(name=name) for name in self.models]
+
+    def list_model_versions(self, model_name_or_id, size):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(name=name) for name in self.models[model_name_or_id]]
+
+    def get_model_version(self, model, version):
+        names = self.models.get(model, [])
+        if version == "latest" and names:
+            return names[-1]
+        raise KeyError(f"no version {version} of {model}")
+
+
+@pytest.mark.parametrize("models, argv, expected", [
+    # the summary takes no --version: it was told to try one
+    ({"demo-ppo-policy": ["1"], "gsm8k-ppo-policy": []}, ["summary", "--model", "nope"],
+     "error: no model 'nope' in the store; its models: demo-ppo-policy, gsm8k-ppo-policy (pass --model one of them)"),
+    ({"demo-ppo-policy": []}, ["summary", "--model", "demo-ppo-policy"],
+     "error: model 'demo-ppo-policy' has no versions yet: run its training pipeline first"),
+    # an empty store: the lineage suggested the --version latest it had been given
+    ({}, ["lineage", "--model", "demo-ppo-policy", "--version", "latest"],
+     "error: no model 'demo-ppo-policy': the store has no models yet; run the training pipeline first"),
+    ({"m": ["1", "2"]}, ["lineage", "--model", "m"],
+     "error: model 'm' has no production version (none was promoted); its versions: 1, 2 (pass --version latest "
+     "or one of them)"),
+    ({"m": [str(n) for n in range(1, 13)]}, ["lineage", "--model", "m", "--version", "13"],
+     "error: model 'm' has no version '13'; its versions: ..., 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 (pass --version "
+     "latest or one of them)"),
+])
+def test_a_model_or_version_not_in_the_store_is_said_with_what_the_store_and_the_command_offer(models, argv, expected,
+                                                                                               capsys):
+    command, *args = argv
+    store = _Store(models)
+    code = cli.demo_summary(args, client=store) if command == "summary" else cli.lineage(args, client=store)
+    assert code == 2
+    assert capsys.readouterr().err.strip() == expected

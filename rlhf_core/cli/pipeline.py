@@ -134,7 +134,7 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
     args = parser.parse_args(argv)
     client = client or default_client()
     try:
-        latest = get_version(client, args.model, "latest")
+        latest = get_version(client, args.model, "latest", version_option=False)
     except LineageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -72,15 +72,40 @@ def _pick_model(client) -> str:
     return max(promoted)[1]
 
 
-def get_version(client, model_name: str, version: str | None):
+#: the versions of a model a message lists, the latest ones
+VERSIONS_SHOWN = 10
+
+
+def _not_found(client, model_name: str, version: str | None, version_option: bool) -> LineageError:
+    """Why ``model_name``'s ``version`` (None: its production version) is not in the store, and what to ask
+    for instead: the store's models where it has no such model, the model's versions where it has no such
+    version, and ``--version`` only for a command that takes one (``version_option``)."""
+    models = [model.name for model in client.list_models(size=100)]
+    if model_name not in models:
+        if not models:
+            return LineageError(f"no model {model_name!r}: the store has no models yet; run the training pipeline "
+                                "first")
+        return LineageError(f"no model {model_name!r} in the store; its models: {', '.join(models)} (pass --model "
+                            "one of them)")
+    versions = [v.name for v in client.list_model_versions(model_name_or_id=model_name, size=100)]
+    if not versions:
+        return LineageError(f"model {model_name!r} has no versions yet: run its training pipeline first")
+    what = "no production version (none was promoted)" if version is None else f"no version {version!r}"
+    shown = ("..., " if len(versions) > VERSIONS_SHOWN else "") + ", ".join(versions[-VERSIONS_SHOWN:])
+    hint = " (pass --version latest or one of them)" if version_option else ""
+    return LineageError(f"model {model_name!r} has {what}; its versions: {shown}{hint}")
+
+
+def get_version(client, model_name: str, version: str | None, version_option: bool = True):
+    """The model version ``version`` of ``model_name`` (a number, a name or a stage; None: production), or a
+    LineageError saying what the store holds instead; ``version_option``: the command takes ``--version``."""
     wanted: Any = version or "production"
     if isinstance(wanted, str) and wanted.isdigit():
         wanted = int(wanted)
     try:
         return client.get_model_version(model_name, wanted)
     except KeyError as exc:
-        what = "no production version" if version is None else f"no version {version!r}"
-        raise LineageError(f"model {model_name!r} has {what} (try --version latest or a number)") from exc
+        raise _not_found(client, model_name, version, version_option) from exc
 
 
 def version_run_id(model_version) -> str | None:
