@@ -83,6 +83,10 @@ class DataConfig:
                                      "template)")
     train_files: StrOrList = _k("~/data/gsm8k/train.parquet", "training parquet file(s), verl schema")
     val_files: StrOrList = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
+    train_max_samples: int = _k(-1, "training prompts kept (before filter_overlong_prompts): with data.shuffle a "
+                                     "draw seeded by data.seed, else the first ones, as verl's; -1 = all")
+    val_max_samples: int = _k(-1, "validation prompts kept, drawn as train_max_samples (data.shuffle and data.seed "
+                                  "decide, as in verl); -1 = all")
     prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")
     reward_fn_key: str = _k("data_source", "column that selects the reward function")
     max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
@@ -715,6 +719,10 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
                                        "a custom sampler (curriculum) is not supported")
        for name in ("class_path", "class_name")},
     **{f"data.datagen.{name}": (_null, "prompts are not generated during training here") for name in ("path", "name")},
+    "data.image_patch_size": (_any, "prompts are text; no image is cut into patches"),
+    "data.tool_config_path": (_null, "prompts are measured without tool schemas: multi-turn rollouts with tools are "
+                                     "not done here"),
+    "data.databuffer.enable": (_off, "filtered prompts are not kept for reuse here"),
     # critic and reward
     **{f"critic.{name}": (_any, "the critic's value pass runs critic.ppo_micro_batch_size_per_gpu rows (or "
                                 "ppo_max_token_len_per_gpu tokens with dynamic batching) at a time")
@@ -742,6 +750,7 @@ WITHOUT_EFFECT_BELOW: dict[str, str] = {
     "actor_rollout_ref.rollout.trace.": "rollouts are not traced here",
     "reward_model.sandbox_fusion.": "read only with sandbox_fusion.url, which is not supported here",
     "algorithm.pf_ppo.": "read only with algorithm.use_pf_ppo, which is not supported here",
+    "data.databuffer.": "read only with data.databuffer.enable, which is not supported here",
     "global_profiler.": "trainer.profile_steps records torch.profiler traces",
     "ray_kwargs.": "Ray starts (or is joined, trainer.ray_address) with its own settings",
     **{f"{section}.profiler.": "trainer.profile_steps records torch.profiler traces"
@@ -1378,6 +1387,10 @@ def validate_config(cfg: PPOConfig) -> None:
                            check_train_batch=critic.ppo_mini_batch_size is not None)
     if data.val_batch_size is not None:
         _positive(errors, "data.val_batch_size", data.val_batch_size)
+    batch_key, batch = cfg.prompt_batch()
+    if 0 < data.train_max_samples < batch:  # (-1, or any size <= 0 as verl reads it, keeps every prompt)
+        errors.append(f"data.train_max_samples ({data.train_max_samples}) keeps fewer prompts than {batch_key} "
+                      f"({batch}) draws at once: raise it to at least {batch} (-1 keeps all) or lower {batch_key}")
     _positive(errors, "actor_rollout_ref.nccl_timeout", arr.nccl_timeout)
 
     for key, value in [

@@ -458,9 +458,11 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
     tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"),
                                cfg.actor_rollout_ref.model.trust_remote_code)
     truth = cfg.needs_ground_truth()
-    train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files", require_ground_truth=truth)
-    val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files", require_ground_truth=truth) \
-        if cfg.data.val_files else None
+    seed = cfg.value("data.seed")  # (null: trainer.seed) the draw of data.train_max_samples and val_max_samples
+    train = RLHFDataset(cfg.data.train_files, tokenizer, cfg.data, key="data.train_files", require_ground_truth=truth,
+                        max_samples=cfg.data.train_max_samples, seed=seed)
+    val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files", require_ground_truth=truth,
+                      max_samples=cfg.data.val_max_samples, seed=seed) if cfg.data.val_files else None
     reward_fn = custom_reward_fn(cfg)
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
                       device=cfg.trainer.device, use_worker_group=use_worker_group)

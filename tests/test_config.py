@@ -787,3 +787,20 @@ def test_a_config_error_pickles_whole():
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error) and again.errors == error.errors
         assert again.__notes__ == ["to go on: rerun with x=1"]
+
+
+def test_verls_max_samples_and_image_and_databuffer_data_keys():
+    notices = []
+    cfg = load_config(["data.train_max_samples=2048", "data.val_max_samples=100", "data.image_patch_size=14",
+                       "data.databuffer.enable=false", "data.databuffer.keep_filtered=false"], notice=notices.append)
+    assert (cfg.data.train_max_samples, cfg.data.val_max_samples) == (2048, 100)
+    assert (PPOConfig().data.train_max_samples, PPOConfig().data.val_max_samples) == (-1, -1)  # verl's: all rows
+    assert any(n.startswith("notice: data.image_patch_size=14 has no effect") for n in notices)
+    assert any(n.startswith("notice: data.databuffer.enable=False has no effect") for n in notices)
+    assert any(n.startswith("notice: data.databuffer.keep_filtered=False has no effect") for n in notices)
+    assert "data.databuffer.enable=True is not supported" in _errors("data.databuffer.enable=true")
+    # fewer prompts kept than a batch draws cannot make one step: refused before any model loads
+    sizes = ["data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.n_gpus_per_node=1"]
+    message = _errors(*sizes, "data.train_max_samples=40")
+    assert "data.train_max_samples (40) keeps fewer prompts than data.train_batch_size (64)" in message
+    assert load_config([*sizes, "data.train_max_samples=64"], notice=lambda _: None).data.train_max_samples == 64

@@ -519,3 +519,66 @@ def test_the_likely_prompt_column_is_named_where_data_prompt_key_is_missing(tmp_
         RLHFDataset(str(tmp_path / "none.parquet"), tokenizer, DataConfig(max_prompt_length=200))
     assert str(error.value) == ("data.train_files: column(s) ['prompt'] missing; found ['data_source', 'ability', "
                                 "'reward_model', 'extra_info']")
+
+
+def _verl_draw(total: int, size: int, seed: int) -> list[int]:
+    """verl's RLHFDataset keeps rows ``default_rng(seed).choice(total, size, replace=False)`` in that order."""
+    return np.random.default_rng(seed).choice(total, size=size, replace=False).tolist()
+
+
+def test_max_samples_keeps_verls_seeded_draw_of_rows_in_its_order(tmp_path, tokenizer, capsys):
+    questions = [f"What is {i}+1?" for i in range(10)]
+    path = _write(tmp_path / "a.parquet", questions)
+    dataset = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200, shuffle=True), max_samples=4, seed=7)
+    drawn = _verl_draw(10, 4, 7)
+    assert sorted(drawn) != drawn  # the draw's order, not the files' (else this test would not tell them apart)
+    assert dataset.positions == drawn
+    assert [row["ground_truth"] for row in dataset.rows] == [str(i) for i in drawn]
+    assert [row["messages"][0]["content"].split(INSTRUCTION)[0] for row in dataset.rows] == [
+        questions[i] for i in drawn]
+    assert "notice: data.train_files: data.train_max_samples keeps 4 of 10 prompts, drawn with data.seed 7" \
+        in capsys.readouterr().err
+    # the seed defaults to the data config's, and another seed keeps other rows
+    again = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200, seed=7), max_samples=4)
+    assert again.positions == drawn
+    other = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200, seed=8), max_samples=4)
+    assert other.positions == _verl_draw(10, 4, 8) != drawn
+
+
+def test_max_samples_without_shuffle_keeps_the_first_rows_and_minus_one_keeps_all(tmp_path, tokenizer, capsys):
+    path = _write(tmp_path / "a.parquet", [f"q{i}" for i in range(6)])
+    first = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200, shuffle=False), key="data.val_files",
+                        max_samples=2)
+    assert first.positions == [0, 1]
+    assert "data.val_max_samples keeps 2 of 6 prompts, the first ones" in capsys.readouterr().err
+    for size in (-1, 0, 6, 9):  # -1 as verl's default; any size <= 0 or of all the rows keeps them all, unshuffled
+        assert RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200), max_samples=size).positions == [
+            0, 1, 2, 3, 4, 5]
+    assert "max_samples" not in capsys.readouterr().err
+
+
+def test_max_samples_draws_before_overlong_prompts_are_filtered(tmp_path, tokenizer):
+    # as verl: the draw is over every row, and the filter then drops the long ones among those drawn
+    questions = [("long " * 40 if i % 2 else "") + f"q{i}" for i in range(8)]
+    path = _write(tmp_path / "a.parquet", questions)
+    drawn = _verl_draw(8, 5, 1)
+    data = DataConfig(max_prompt_length=120, filter_overlong_prompts=True, seed=1)
+    dataset = RLHFDataset(path, tokenizer, data, max_samples=5)
+    assert dataset.positions == [i for i in drawn if i % 2 == 0]
+    assert dataset.dropped_overlong == sum(i % 2 for i in drawn)
+
+
+def test_the_trainer_keeps_train_and_val_max_samples_drawn_with_data_seed(workspace, one_thread):
+    from rlhf_core.config import load_config
+    from rlhf_core.main_ppo import build_trainer
+
+    cfg = load_config(workspace.overrides(workspace.root / "max_samples", "data.train_max_samples=12",
+                                          "data.val_max_samples=3", "trainer.seed=5"))
+    trainer = build_trainer(cfg)
+    try:
+        # data.seed (1 by default) draws the rows, not trainer.seed
+        assert trainer.train_dataset.positions == _verl_draw(32, 12, 1)
+        assert trainer.val_dataset.positions == _verl_draw(8, 3, 1)
+        assert trainer.sampler.n == 12
+    finally:
+        trainer.close()

@@ -248,13 +248,30 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> dict[str, torch
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
 
 
+def sample_rows(total: int, max_samples: int, shuffle: bool, seed: int | None) -> list[int]:
+    """The positions of the rows verl's ``data.train_max_samples`` / ``data.val_max_samples`` keep of ``total``:
+    all where ``max_samples`` is -1 (any size <= 0) or at least ``total``; else, with ``shuffle`` (data.shuffle),
+    ``max_samples`` positions drawn without replacement by NumPy's ``default_rng(seed).choice``, in the order drawn
+    (verl's draw, so a verl run with the same seed keeps the same rows), and without it the first ``max_samples``."""
+    if max_samples <= 0 or max_samples >= total:
+        return list(range(total))
+    if not shuffle:
+        return list(range(max_samples))
+    return [int(i) for i in np.random.default_rng(seed).choice(total, size=max_samples, replace=False)]
+
+
 class RLHFDataset:
     """Tokenized prompts with their ground truth, data source and row index."""
 
     def __init__(self, files: str | Sequence[str], tokenizer, config: DataConfig, key: str = "data.train_files",
-                 require_ground_truth: bool = True, frame: pd.DataFrame | None = None):
+                 require_ground_truth: bool = True, frame: pd.DataFrame | None = None, max_samples: int = -1,
+                 seed: int | None = None):
         """``require_ground_truth=False`` (:meth:`PPOConfig.needs_ground_truth`) takes rows without a
         ``reward_model.ground_truth``, or files without the column, as prompts alone: their ground truth is None.
+
+        ``max_samples`` (``data.train_max_samples`` or ``data.val_max_samples``) keeps that many rows of the files,
+        chosen by :func:`sample_rows` with ``config.shuffle`` and ``seed`` (``data.seed``, or the ``trainer.seed`` it
+        follows; None: ``config.seed``), before any is checked, tokenized or filtered, as verl does; -1 keeps all.
 
         ``frame`` is the rows of ``files`` as :func:`read_frames` returns them, for a caller that reads them
         anyway (the dry run keeps the first rows kept): the files are then not read a second time. It is only
@@ -280,6 +297,13 @@ class RLHFDataset:
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
         self.dropped_overlong = 0  # rows data.filter_overlong_prompts left out
+        seed = config.seed if seed is None else seed
+        chosen = sample_rows(len(frame), max_samples, config.shuffle, seed)  # positions in the files' rows
+        if len(chosen) < len(frame):
+            how = f"drawn with data.seed {seed}" if config.shuffle else "the first ones (data.shuffle=false)"
+            print(f"notice: {key}: {key.removesuffix('_files')}_max_samples keeps {len(chosen)} of {len(frame)} "
+                  f"prompts, {how}", file=sys.stderr)
+            frame = frame.iloc[chosen]
         records = frame.to_dict("records")
         wheres = [f"{record['_source_file']} row {record['_source_row']}" for record in records]
         conversations = [prompt_messages(record[config.prompt_key], where, config.prompt_key)
@@ -319,7 +343,7 @@ class RLHFDataset:
             extra = {} if is_missing(extra) else plain_value(extra)
             source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])
             self.prompt_ids.append(list(ids))
-            self.positions.append(position)
+            self.positions.append(chosen[position])
             self.rows.append({
                 "ground_truth": None if truth is None else plain_value(truth),  # as stored: str, number, list, dict
                 "data_source": source,
