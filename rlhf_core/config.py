@@ -1,8 +1,9 @@
 """The typed config tree, with verl's key names and defaults, built on OmegaConf structured configs.
 
 The dataclasses below are the schema (each key's default and one-line help, mirrored by
-``configs/ppo_trainer.yaml``). Loading order: the defaults, then an optional YAML file of overrides, then
-command-line overrides in Hydra's grammar, as verl users type them:
+``configs/ppo_trainer.yaml``). Loading order: the defaults, then optional YAML files of overrides (in the order
+given, a later file's keys overriding an earlier one's), then command-line overrides in Hydra's grammar, as verl
+users type them:
 
     key=value   +key=value   ~key (back to the default)   trainer.logger=[console,wandb]
     data.train_files='["a.parquet","b.parquet"]'   trainer.default_local_dir=out/${trainer.experiment_name}
@@ -12,7 +13,7 @@ is done here: the aliases (with a notice), "did you mean" for unknown keys, and 
 :func:`validate_config`. Every problem is collected and raised together as a :class:`ConfigError` before
 any model or data is touched; each message names the key, the value and the fix.
 
-    python -m rlhf_core.config [--config FILE] [key=value ...]
+    python -m rlhf_core.config [--config FILE ...] [key=value ...]
 
 prints the resolved tree as YAML (exit 0) or the errors on stderr (exit 2).
 """
@@ -23,8 +24,9 @@ import copy
 import dataclasses
 import difflib
 import functools
+import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -575,7 +577,7 @@ class PPOConfig:
     @classmethod
     def from_dict(cls, tree: Mapping[str, Any]) -> PPOConfig:
         """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps."""
-        return _build(OmegaConf.create(dict(tree)), (), notice=_stderr, validate=True)
+        return _build([OmegaConf.create(dict(tree))], (), notice=_stderr, validate=True)
 
 
 # ----------------------------------------------------------------------------- aliases
@@ -1162,22 +1164,24 @@ def _read_yaml(path: Path) -> DictConfig:
     return tree
 
 
-def _build(tree: DictConfig | None, overrides: Iterable[str], notice: Callable[[str], None],
+def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callable[[str], None],
            validate: bool) -> PPOConfig:
-    """Defaults, then the keys of ``tree``, then ``overrides``; resolved, typed and (optionally) validated."""
+    """Defaults, then the keys of each of ``trees`` in turn (a later one's override an earlier one's), then
+    ``overrides``; resolved, typed and (optionally) validated."""
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
     deferred: dict[str, Any] = {}
-    given: dict[str, Any] = {}  # the schema keys the file and the overrides set, with their values
-    in_file: dict[str, tuple[str, Any]] = {}  # each key the file sets: the spelling that set it, and its value
-    for key, value in _leaves(tree) if tree is not None else ():
-        if _deferred(key, value):
-            deferred[key] = value
-            continue
-        for target, target_value in _targets(key, value, notice, errors).items():
-            _same_key_twice(in_file, target, key, target_value, errors)
-            _assign(cfg, target, target_value, errors)
-            given[target] = target_value
+    given: dict[str, Any] = {}  # the schema keys the files and the overrides set, with their values
+    for tree in trees:
+        in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
+        for key, value in _leaves(tree):
+            if _deferred(key, value):
+                deferred[key] = value
+                continue
+            for target, target_value in _targets(key, value, notice, errors).items():
+                _same_key_twice(in_file, target, key, target_value, errors)
+                _assign(cfg, target, target_value, errors)
+                given[target] = target_value
     on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
     for text in overrides:
         _apply_override(cfg, text, notice, errors, deferred, given, on_command_line)
@@ -1202,13 +1206,19 @@ def _stderr(message: str) -> None:
 
 def load_config(
     overrides: Iterable[str] = (),
-    config_file: str | Path | None = None,
+    config_file: str | Path | Sequence[str | Path] | None = None,
     notice: Callable[[str], None] = _stderr,
     validate: bool = True,
 ) -> PPOConfig:
-    """Build the config: defaults, then ``config_file`` (a YAML tree of overrides), then ``overrides``."""
-    tree = _read_yaml(Path(config_file)) if config_file is not None else None
-    return _build(tree, overrides, notice, validate)
+    """Build the config: defaults, then ``config_file`` (a YAML tree of overrides, or a list of them merged in
+    order: a later file's key overrides an earlier file's, as ``overrides`` then override them all)."""
+    if config_file is None:
+        files = []
+    elif isinstance(config_file, str | os.PathLike):
+        files = [config_file]
+    else:
+        files = list(config_file)
+    return _build([_read_yaml(Path(file)) for file in files], overrides, notice, validate)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -362,3 +362,44 @@ def test_a_command_that_connected_to_ray_disconnects_with_signals_held(monkeypat
     fake.up = True  # a connection the caller had made before the command stays
     assert releases_ray(lambda argv=None: 0)() == 0
     assert seen == [(signal.SIG_IGN, signal.SIG_IGN)] and fake.up
+
+
+def _two_config_files(tmp_path):
+    first = tmp_path / "first.yaml"
+    first.write_text("data:\n  train_batch_size: 64\n  max_prompt_length: 100\ntrainer:\n  seed: 3\n  nnodes: 2\n")
+    second = tmp_path / "second.yaml"
+    second.write_text("data:\n  train_batch_size: 32\ntrainer:\n  nnodes: 1\n")
+    return str(first), str(second)
+
+
+def test_repeated_config_files_merge_in_order_under_the_command_line(tmp_path, capsys, monkeypatch):
+    first, second = _two_config_files(tmp_path)
+    # rlhf config prints the tree: the second file's keys over the first's, the first's others kept, the
+    # command line over both
+    assert cli.main(["config", "--config", first, "trainer.seed=4", "--config", second,
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=32"]) == 0
+    tree = yaml.safe_load(capsys.readouterr().out)
+    assert (tree["data"]["train_batch_size"], tree["data"]["max_prompt_length"]) == (32, 100)
+    assert (tree["trainer"]["nnodes"], tree["trainer"]["seed"]) == (1, 4)
+    # rlhf ppo trains the same tree
+    from rlhf_core.cli import train as train_cli
+    from rlhf_core.config import ConfigError
+
+    seen = []
+
+    def stop(cfg):
+        seen.append(cfg)
+        raise ConfigError(["stopped before training"])
+
+    monkeypatch.setattr(train_cli, "run", stop)
+    assert cli.main(["ppo", "--config", second, "--config", first, "actor_rollout_ref.actor.ppo_mini_batch_size=32",
+                     "trainer.n_gpus_per_node=1"]) == 2
+    assert (seen[0].data.train_batch_size, seen[0].trainer.nnodes, seen[0].trainer.seed) == (64, 2, 3)
+    assert load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=32"], config_file=[first, second],
+                       notice=lambda _: None, validate=False).data.train_batch_size == 32
+
+
+def test_config_help_says_repeated_files_merge_in_order(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["ppo", "--help"])
+    assert "repeat it to merge several in order" in " ".join(capsys.readouterr().out.split())

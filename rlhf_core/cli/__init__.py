@@ -34,6 +34,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+#: the help of the commands' --config
+CONFIG_HELP = ("YAML file of overrides applied before the command line; repeat it to merge several in order, a later "
+               "file's keys overriding an earlier one's (as the command line's override them all)")
+
+
 # the command ``main`` is running, so that its parser names itself as the user typed it
 _running: str | None = None
 

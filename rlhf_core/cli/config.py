@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlhf_core.cli import program
+from rlhf_core.cli import CONFIG_HELP, program
 from rlhf_core.config import ConfigError, defaults_yaml, load_config
 
 
@@ -17,7 +17,7 @@ def config(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("python -m rlhf_core.config"), description="Print the resolved PPO config tree as YAML."
     )
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
     parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
                         "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")

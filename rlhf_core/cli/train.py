@@ -1,8 +1,8 @@
 """The training commands: ``rlhf-ppo`` (PPO), ``rlhf-train-rm`` (a reward model) and the smoke test.
 
-    rlhf ppo [--config FILE] [key=value ...]         # also rlhf-ppo, python -m rlhf_core.main_ppo
-    rlhf train-rm [--config FILE] [key=value ...]    # also rlhf-train-rm
-    rlhf smoke [--config FILE] [key=value ...]       # also python -m rlhf_core.pipeline.smoke
+    rlhf ppo [--config FILE ...] [key=value ...]        # also rlhf-ppo, python -m rlhf_core.main_ppo
+    rlhf train-rm [--config FILE ...] [key=value ...]   # also rlhf-train-rm
+    rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
 Exit codes of ``ppo``: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config,
 data, model, checkpoint), a reward function that failed (raised, or returned NaN, inf or no number) or a
@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from rlhf_core.cli import program
+from rlhf_core.cli import CONFIG_HELP, program
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
@@ -74,7 +74,7 @@ def releases_ray(command):
 @releases_ray
 def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("rlhf-ppo"), description="PPO training with verl's config keys.")
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
@@ -108,7 +108,7 @@ def train_rm(argv: list[str] | None = None) -> int:
         description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
                     "those of the PPO config tree, under reward_model.train.",
     )
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
@@ -157,7 +157,7 @@ def train_rm(argv: list[str] | None = None) -> int:
 
 def smoke(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.smoke"), description="Dry-run a PPO config.")
-    parser.add_argument("--config", help="YAML file of overrides applied before the command line")
+    parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
