@@ -596,6 +596,8 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "critic.model.use_rmpad": ("critic.model.use_remove_padding", {}),
     "actor_rollout_ref.actor.optim.clip_grad": ("actor_rollout_ref.actor.grad_clip", {}),
     "critic.optim.clip_grad": ("critic.grad_clip", {}),
+    # verl's name until it was renamed log_val_generations (it logs to any logger there since)
+    "trainer.val_generations_to_log_to_wandb": ("trainer.log_val_generations", {}),
 }
 
 # verl's shard-group sizes: a size below 0 or of at least the workers is one group over all of them (verl's mesh
@@ -923,7 +925,22 @@ def _suggest(key: str) -> str:
         leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(known)}
         leaf = difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)
         close = [leaves[leaf[0]]] if leaf else []
-    return f"; did you mean {close[0]}?" if close else ""
+    if not close:
+        return ""
+    return f"; did you mean {_policy_first(key, close[0], known)}?"
+
+
+def _policy_first(key: str, match: str, known: Iterable[str]) -> str:
+    """``match``, or where it is the critic's or a reward model's key, ``key`` does not name that section, and the
+    policy's section has a key ending as ``match`` does over as many parts as ``key`` has (``model.lora_rank``:
+    critic.model.lora_rank and actor_rollout_ref.model.lora_rank), the policy's: a key written without its
+    section is the policy's more often than not, as in verl's guides, and the closest spelling is only the
+    shortest."""
+    section = match.split(".", 1)[0]
+    if section not in ("critic", "reward_model") or key.split(".", 1)[0] == section:
+        return match
+    tail = ".".join(match.split(".")[-(key.count(".") + 1):])
+    return next((k for k in known if k.startswith("actor_rollout_ref.") and k.endswith("." + tail)), match)
 
 
 # verl's deprecated switches: what setting one to true stands for (false or ~key: nothing)
@@ -1204,6 +1221,38 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+#: entries of a Hydra defaults list that name verl's own tree, which is this trainer's defaults
+VERL_OWN_DEFAULTS = frozenset({"ppo_trainer", "_self_"})
+
+
+def _without_hydra_keys(tree: DictConfig, path: Path, notice: Callable[[str], None]) -> DictConfig:
+    """A verl experiment file's tree without Hydra's keys: a ``defaults`` list naming only verl's ppo_trainer (and
+    ``_self_``) is dropped with a notice, since that tree is the defaults here; any other is refused, since the
+    files it names are not read; ``hydra`` (Hydra's own settings: search path, run folder) is dropped with a
+    notice."""
+    if "defaults" in tree:
+        listed = OmegaConf.to_container(tree["defaults"]) if isinstance(tree["defaults"], ListConfig | DictConfig) \
+            else tree["defaults"]
+        entries = listed if isinstance(listed, list) else [listed]
+        shown = ", ".join(", ".join(f"{k}: {v}" for k, v in e.items()) if isinstance(e, dict) else str(e)
+                          for e in entries)
+        if any(not isinstance(e, str) or e.lstrip("/") not in VERL_OWN_DEFAULTS for e in entries):
+            raise ConfigError([
+                f"config file {path}: its Hydra defaults list ({shown}) is not read here: the files it names would "
+                "be merged by Hydra, which does not load this config. Write the keys you need from them into this "
+                "file directly (under their sections, e.g. actor_rollout_ref.actor.clip_ratio_high), or give a "
+                "file of verl keys as a --config before this one (files merge in order), and delete the defaults "
+                "list; a list naming only ppo_trainer and _self_ is taken, as verl's ppo_trainer tree is the "
+                "defaults here"])
+        notice(f"notice: config file {path}: its defaults list ({shown}) is not read: verl's ppo_trainer tree is "
+               "the defaults here, and the file's keys apply over it")
+        tree = OmegaConf.masked_copy(tree, [k for k in tree.keys() if k != "defaults"])
+    if "hydra" in tree:
+        notice(f"notice: config file {path}: hydra.* (Hydra's own settings) is not read here")
+        tree = OmegaConf.masked_copy(tree, [k for k in tree.keys() if k != "hydra"])
+    return tree
+
+
 def load_config(
     overrides: Iterable[str] = (),
     config_file: str | Path | Sequence[str | Path] | None = None,
@@ -1218,7 +1267,8 @@ def load_config(
         files = [config_file]
     else:
         files = list(config_file)
-    return _build([_read_yaml(Path(file)) for file in files], overrides, notice, validate)
+    trees = [_without_hydra_keys(_read_yaml(Path(file)), Path(file), notice) for file in files]
+    return _build(trees, overrides, notice, validate)
 
 
 # ----------------------------------------------------------------------------- validation

@@ -403,3 +403,20 @@ def test_config_help_says_repeated_files_merge_in_order(capsys):
     with pytest.raises(SystemExit):
         cli.main(["ppo", "--help"])
     assert "repeat it to merge several in order" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--config-path=recipe/dapo/config", "--config-name=dapo_trainer"],
+     "--config-path and --config-name are Hydra's, which does not load the config here: give that file with "
+     "--config, e.g. --config recipe/dapo/config/dapo_trainer.yaml"),
+    (["--config-name", "ppo_trainer"], "verl's ppo_trainer tree is the defaults here; drop --config-name"),
+    (["-cp", "conf", "-cn", "exp.yaml"], "--config conf/exp.yaml"),
+    (["--config-path", "conf"], "give the YAML file itself with --config FILE"),
+])
+@pytest.mark.parametrize("command", ["ppo", "config"])
+def test_hydras_config_options_point_to_config_file(command, argv, said, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main([command, *argv, "data.train_batch_size=8"])
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert said in err and "unrecognized arguments" not in err

@@ -804,3 +804,46 @@ def test_verls_max_samples_and_image_and_databuffer_data_keys():
     message = _errors(*sizes, "data.train_max_samples=40")
     assert "data.train_max_samples (40) keeps fewer prompts than data.train_batch_size (64)" in message
     assert load_config([*sizes, "data.train_max_samples=64"], notice=lambda _: None).data.train_max_samples == 64
+
+
+def test_a_defaults_list_naming_verls_ppo_trainer_is_dropped_with_a_notice(tmp_path):
+    # the head of verl's recipe files: Hydra's search path, then verl's tree and the file's own keys over it
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("hydra:\n  searchpath:\n    - file://verl/trainer/config\ndefaults:\n  - ppo_trainer\n"
+                      "  - _self_\ndata:\n  train_batch_size: 64\n")
+    notices = []
+    cfg = load_config(config_file=recipe, notice=notices.append, validate=False)
+    assert cfg.data.train_batch_size == 64
+    assert any("its defaults list (ppo_trainer, _self_) is not read" in n for n in notices)
+    assert any("hydra.* (Hydra's own settings) is not read" in n for n in notices)
+
+
+@pytest.mark.parametrize("entries", ["  - ppo_trainer\n  - override /algorithm: grpo\n", "  - my_base\n  - _self_\n"])
+def test_a_defaults_list_naming_other_files_is_refused_saying_it_is_not_read(tmp_path, entries):
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text(f"defaults:\n{entries}data:\n  train_batch_size: 64\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=experiment, notice=lambda _: None, validate=False)
+    message = "\n".join(info.value.errors)
+    assert f"config file {experiment}: its Hydra defaults list" in message
+    assert "is not read here" in message and "Write the keys you need from them into this file directly" in message
+    assert "did you mean" not in message
+
+
+@pytest.mark.parametrize(("key", "meant"), [
+    ("model.lora_rank", "actor_rollout_ref.model.lora_rank"),
+    ("model.lora_rnk", "actor_rollout_ref.model.lora_rank"),
+    ("optim.lr", "actor_rollout_ref.actor.optim.lr"),
+    ("ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
+    ("critic.model.lora_rnk", "critic.model.lora_rank"),  # a key in the critic's section stays there
+    ("shuffle", "data.shuffle"),
+])
+def test_a_key_without_its_section_is_suggested_in_the_policys(key, meant):
+    assert _errors_or_none(f"{key}=1") == f"unknown config key {key}; did you mean {meant}?"
+
+
+def test_verls_old_val_generations_to_log_to_wandb_is_an_alias_of_log_val_generations():
+    notices = []
+    cfg = load_config(["trainer.val_generations_to_log_to_wandb=10"], notice=notices.append, validate=False)
+    assert cfg.trainer.log_val_generations == 10
+    assert notices == ["notice: trainer.val_generations_to_log_to_wandb is an alias; use trainer.log_val_generations"]

@@ -9,6 +9,7 @@ starts without torch.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 from collections.abc import Sequence
@@ -37,6 +38,46 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 #: the help of the commands' --config
 CONFIG_HELP = ("YAML file of overrides applied before the command line; repeat it to merge several in order, a later "
                "file's keys overriding an earlier one's (as the command line's override them all)")
+
+
+# Hydra's options of verl's entry points, which these commands do not take: name -> what it gives
+HYDRA_OPTIONS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name",
+                 "--config-dir": "dir", "-cd": "dir"}
+
+
+def hydra_options_problem(argv: Sequence[str]) -> str | None:
+    """What to say where ``argv`` holds Hydra's ``--config-path``/``--config-name`` (or ``--config-dir``), as verl's
+    commands take them, else None: the file they name is given here as ``--config FILE`` (argparse would only
+    call them unrecognized arguments)."""
+    found: dict[str, tuple[str, str]] = {}
+    for i, arg in enumerate(argv):
+        option, equals, value = arg.partition("=")
+        if option in HYDRA_OPTIONS:
+            if not equals:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            found[HYDRA_OPTIONS[option]] = (option, value.strip("'\""))
+    if not found:
+        return None
+    used = " and ".join(option for option, _ in found.values())
+    name = found.get("name", ("", ""))[1]
+    folder = found.get("path", ("", ""))[1] or found.get("dir", ("", ""))[1]
+    said = f"{used} {'are' if len(found) > 1 else 'is'} Hydra's, which does not load the config here"
+    if not name:
+        return f"{said}: give the YAML file itself with --config FILE (repeat it for several, merged in order)"
+    if name.removesuffix(".yaml") == "ppo_trainer" and not folder:
+        return f"{said}: verl's ppo_trainer tree is the defaults here; drop {used} and give your overrides"
+    file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    where = f"{folder.rstrip('/')}/{file}" if folder else f"verl/trainer/config/{file} (verl's config folder)"
+    return (f"{said}: give that file with --config, e.g. --config {where}, by its path from here (Hydra reads a "
+            "relative --config-path from the folder of verl's main module); a defaults list in it may name only "
+            "verl's ppo_trainer and _self_")
+
+
+def refuse_hydra_options(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> None:
+    """Exit through ``parser.error`` (code 2) where ``argv`` (None: the process's) holds Hydra's config options."""
+    problem = hydra_options_problem(sys.argv[1:] if argv is None else argv)
+    if problem is not None:
+        parser.error(problem)
 
 
 # the command ``main`` is running, so that its parser names itself as the user typed it

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rlhf_core.cli import CONFIG_HELP, program
+from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options
 from rlhf_core.config import ConfigError, defaults_yaml, load_config
 
 
@@ -21,6 +21,7 @@ def config(argv: list[str] | None = None) -> int:
     parser.add_argument("--defaults", action="store_true", help="print the commented default tree and exit")
     parser.add_argument("overrides", nargs="*", help="overrides in Hydra's syntax (key=value, +key=value, ~key), "
                         "e.g. data.train_batch_size=64 trainer.logger='[console,file]'")
+    refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     if args.defaults:
         sys.stdout.write(defaults_yaml())

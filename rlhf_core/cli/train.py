@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from rlhf_core.cli import CONFIG_HELP, program
+from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
@@ -76,6 +76,7 @@ def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("rlhf-ppo"), description="PPO training with verl's config keys.")
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
@@ -110,6 +111,7 @@ def train_rm(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
+    refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
@@ -160,6 +162,7 @@ def smoke(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
