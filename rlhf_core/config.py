@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -1298,14 +1299,13 @@ def _positive(errors: list[str], key: str, value: float | None) -> None:
 
 
 def _check_batches(errors: list[str], prefix: str, mini: int, micro: int | None, dynamic: bool,
-                   max_tok: int, cfg: PPOConfig, check_train_batch: bool = True) -> None:
+                   max_tok: int, cfg: PPOConfig, check_train_batch: bool = True,
+                   sharing: tuple[tuple[str, int | None, bool], ...] = ()) -> None:
+    """The batch arithmetic of one trained model (``prefix``); ``sharing``: (prefix, micro-batch size, dynamic) of
+    another model whose mini-batch follows this one's, so that a suggested size fits it too."""
     data, n, world = cfg.data, cfg.actor_rollout_ref.rollout.n, cfg.world_size
     if check_train_batch and data.train_batch_size % mini:
-        errors.append(
-            f"data.train_batch_size ({data.train_batch_size}) must be divisible by "
-            f"{prefix}.ppo_mini_batch_size ({mini}): set ppo_mini_batch_size to a divisor, "
-            f"e.g. {_divisor_near(data.train_batch_size, mini)}"
-        )
+        errors.append(_mini_batch_advice(cfg, prefix, mini, ((prefix, micro, dynamic), *sharing)))
     if dynamic and (mini * n) % world:
         errors.append(
             f"{prefix}.ppo_mini_batch_size * rollout.n ({mini} * {n} = {mini * n} sequences) must be divisible "
@@ -1328,9 +1328,34 @@ def _check_batches(errors: list[str], prefix: str, mini: int, micro: int | None,
         )
 
 
-def _divisor_near(total: int, wanted: int) -> int:
-    divisors = [d for d in range(1, total + 1) if total % d == 0]
-    return min(divisors, key=lambda d: (abs(d - wanted), -d))
+def _mini_batch_advice(cfg: PPOConfig, prefix: str, mini: int,
+                       models: tuple[tuple[str, int | None, bool], ...]) -> str:
+    """The error of a train batch that ``prefix``'s ppo_mini_batch_size does not divide, with a size that passes
+    every check on it: a divisor of data.train_batch_size whose sequences (times rollout.n) split into whole
+    micro-batches on every worker, for each of ``models`` (prefix, micro-batch size, dynamic) that trains with it.
+
+    A mini-batch of ``d`` prompts is ``d * n`` sequences; they must be a multiple of ``micro * world`` (or of
+    ``world`` with dynamic batching), that is ``d`` a multiple of ``unit / gcd(n, unit)``, so ``d`` is a multiple
+    of the least common multiple of those over the models."""
+    total, n, world = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, cfg.world_size
+    step, needs = 1, {}
+    for name, micro, dynamic in models:
+        if not dynamic and micro is None:
+            continue  # (its own error says it is required)
+        unit = world if dynamic else micro * world
+        step = math.lcm(step, unit // math.gcd(n, unit))
+        need = f"the world size ({world})" if dynamic else f"ppo_micro_batch_size_per_gpu * world size ({micro} * {world})"
+        needs.setdefault(need, []).append(name)
+    head = f"data.train_batch_size ({total}) must be divisible by {prefix}.ppo_mini_batch_size ({mini})"
+    fitting = [d for d in range(step, total + 1, step) if total % d == 0]
+    if fitting:
+        near = min(fitting, key=lambda d: (abs(d - mini), -d))
+        return f"{head}: set ppo_mini_batch_size to a divisor, e.g. {near}"
+    whole = max(step, (total + step // 2) // step * step)  # the nearest multiple (the larger of two as near)
+    said = "; ".join(f"{' and '.join(names)}: of {need}" for need, names in needs.items())
+    return (f"{head}, and no divisor of it gives every worker whole micro-batches (ppo_mini_batch_size * rollout.n "
+            f"({n}) must be a multiple, for {said}), which needs a multiple of {step} prompts: set "
+            f"data.train_batch_size to a multiple of {step} (e.g. {whole}) or lower ppo_micro_batch_size_per_gpu")
 
 
 def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
@@ -1435,10 +1460,13 @@ def validate_config(cfg: PPOConfig) -> None:
     if errors:  # the batch arithmetic below needs positive sizes
         raise ConfigError(errors)
 
+    critic_mini, critic_dynamic = cfg.value("critic.ppo_mini_batch_size"), cfg.value("critic.use_dynamic_bsz")
+    # a critic whose mini-batch follows the actor's (null) trains with the size suggested for the actor's
+    follows = algo.adv_estimator == "gae" and critic.ppo_mini_batch_size is None
     _check_batches(errors, "actor_rollout_ref.actor", actor.ppo_mini_batch_size,
-                   actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, cfg)
+                   actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu, cfg,
+                   sharing=(("critic", critic.ppo_micro_batch_size_per_gpu, critic_dynamic),) if follows else ())
     if algo.adv_estimator == "gae":
-        critic_mini, critic_dynamic = cfg.value("critic.ppo_mini_batch_size"), cfg.value("critic.use_dynamic_bsz")
         _positive(errors, "critic.ppo_mini_batch_size", critic.ppo_mini_batch_size)
         _positive(errors, "critic.ppo_epochs", critic.ppo_epochs)  # 0: a value model that never trains
         if critic_mini > 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import subprocess
 import sys
@@ -847,3 +848,46 @@ def test_verls_old_val_generations_to_log_to_wandb_is_an_alias_of_log_val_genera
     cfg = load_config(["trainer.val_generations_to_log_to_wandb=10"], notice=notices.append, validate=False)
     assert cfg.trainer.log_val_generations == 10
     assert notices == ["notice: trainer.val_generations_to_log_to_wandb is an alias; use trainer.log_val_generations"]
+
+
+def test_the_suggested_mini_batch_for_a_train_batch_of_48_makes_whole_micro_batches():
+    # 4 workers of 16-sequence micro-batches, 4 responses a prompt: a mini-batch of d prompts is 4d sequences, a
+    # multiple of 64 only where d is one of 16; of 48's divisors 16 and 48 are, and 16 is the nearer to 20 (24,
+    # as near to 20 and a divisor, is 96 sequences: a micro-batch and a half on each worker)
+    sizes = ["data.train_batch_size=48", "actor_rollout_ref.rollout.n=4", "trainer.n_gpus_per_node=4",
+             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16", "critic.ppo_micro_batch_size_per_gpu=16"]
+    message = _errors(*sizes, "actor_rollout_ref.actor.ppo_mini_batch_size=20")
+    assert "must be divisible by actor_rollout_ref.actor.ppo_mini_batch_size (20): set ppo_mini_batch_size to a " \
+           "divisor, e.g. 16" in message
+    # the critic follows the actor's mini-batch: its 8-sequence micro-batches need 4d a multiple of 32 (d of 8),
+    # which 16 is, and with 32-sequence ones (d a multiple of 32) no divisor of 48 fits both: the train batch must
+    # be a multiple of 32, 32 and 64 as near to 48
+    message = _errors(*sizes, "actor_rollout_ref.actor.ppo_mini_batch_size=20",
+                      "critic.ppo_micro_batch_size_per_gpu=32")
+    assert "no divisor of it gives every worker whole micro-batches" in message
+    assert "needs a multiple of 32 prompts: set data.train_batch_size to a multiple of 32 (e.g. 64)" in message
+
+
+@pytest.mark.parametrize("gae", [True, False])
+def test_every_suggested_mini_batch_passes_validation(gae):
+    suggested = 0
+    for total, n, workers, micro, critic_micro, mini, dynamic in [
+        (48, 4, 4, 16, 16, 20, False), (48, 4, 8, 8, 8, 32, False), (48, 1, 1, 4, 4, 256, False),
+        (96, 5, 2, 4, 2, 50, False), (60, 3, 4, 2, 6, 25, False), (120, 2, 8, 3, 5, 7, False),
+        (72, 6, 8, 4, 4, 40, True), (30, 2, 3, 5, 5, 7, False), (64, 1, 2, 8, 4, 24, False),
+    ]:
+        sizes = [f"data.train_batch_size={total}", f"actor_rollout_ref.rollout.n={n}",
+                 f"trainer.n_gpus_per_node={workers}", f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+                 f"critic.ppo_micro_batch_size_per_gpu={critic_micro}",
+                 f"actor_rollout_ref.actor.use_dynamic_bsz={dynamic}",
+                 f"algorithm.adv_estimator={'gae' if gae else 'grpo'}"]
+        message = _errors(*sizes, f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}")
+        hint = re.search(rf"ppo_mini_batch_size \({mini}\): set ppo_mini_batch_size to a divisor, e\.g\. (\d+)",
+                         message)
+        if hint is None:  # no divisor fits: the error says which multiple the train batch must be instead
+            step = int(re.search(r"set data\.train_batch_size to a multiple of (\d+)", message).group(1))
+            assert total % step
+            continue
+        suggested += 1
+        load_config([*sizes, f"actor_rollout_ref.actor.ppo_mini_batch_size={hint.group(1)}"], notice=lambda _: None)
+    assert suggested >= 6
