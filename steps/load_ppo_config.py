@@ -7,8 +7,7 @@ from typing import Annotated
 from zenml import get_step_context, log_metadata, step
 from zenml.logger import get_logger
 
-from rlhf_core.config import load_config, validate_config
-from rlhf_core.main_ppo import PreflightError, trained_reward_model_problems
+from rlhf_core.pipeline.run_config import resolve_trainer_config
 
 logger = get_logger(__name__)
 
@@ -22,7 +21,8 @@ def load_ppo_config(
     run_nonce: str | None = None,
     trains_reward_model: bool = False,
 ) -> Annotated[dict, "ppo_config"]:
-    """The validated trainer config; ``train_files``/``val_files`` override the file's data paths.
+    """The validated trainer config (:func:`~rlhf_core.pipeline.run_config.resolve_trainer_config`, which the
+    pipelines call while they compile too); ``train_files``/``val_files`` override the file's data paths.
 
     ``trains_reward_model``: the pipeline trains a reward model from ``reward_model.train`` and scores PPO's
     rollouts with it; what would stop it there (a tokenizer or chat template other than the policy's without
@@ -39,16 +39,8 @@ def load_ppo_config(
                          "run's data checks, training, evaluation or promotion decision under this run. These "
                          "pipelines run every step afresh: remove enable_cache from the run config's steps")
     extra = list(overrides or [])
-    cfg = load_config(extra, config_file=trainer_config, notice=logger.warning, validate=False)
-    # paths are assigned, not written into an override, so that no character of a path needs quoting
-    cfg.data.train_files = train_files or cfg.data.train_files
-    cfg.data.val_files = val_files or cfg.data.val_files
-    if not cfg.data.val_files:  # the trainer runs without one; the pipeline's evaluation and promotion cannot
-        raise ValueError("no validation data: the pipeline evaluates the trained policy on data.val_files and "
-                         "decides its promotion on them; give val_files (a pipeline parameter) or data.val_files")
-    validate_config(cfg)
-    if trains_reward_model and (problems := trained_reward_model_problems(cfg)):
-        raise PreflightError(problems)
+    cfg = resolve_trainer_config(trainer_config, extra, train_files, val_files, trains_reward_model,
+                                 notice=logger.warning)
     logger.info("trainer config %s with %d override(s):\n%s", trainer_config, len(extra), cfg.to_yaml())
     log_metadata({"trainer_config": trainer_config, "overrides": extra,
                   "model_path": cfg.actor_rollout_ref.model.path,
