@@ -20,7 +20,7 @@ from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
 from rlhf_core.pipeline.failure import mark_failed_version
-from rlhf_core.pipeline.promotion import check_gate, check_not_cached
+from rlhf_core.pipeline.run_config import check_run_config
 from steps.check_new_data import check_new_data
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
@@ -44,8 +44,8 @@ def rlhf_retrain_pipeline(
 ) -> None:
     """Train a new version from the production checkpoint on new data; skip when the data is unchanged or this
     training was already done and refused, unless ``force``."""
-    check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
-    check_not_cached()
+    # while the pipeline compiles: before the run, its model version or any step
+    check_run_config(trainer_config, overrides, train_files, val_files, min_improvement, alpha)
     production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
     _, _, dataset_fingerprint = validate_data(ppo_config)

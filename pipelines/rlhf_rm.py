@@ -19,7 +19,7 @@ from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
 from rlhf_core.pipeline.failure import mark_failed_version
-from rlhf_core.pipeline.promotion import check_gate, check_not_cached
+from rlhf_core.pipeline.run_config import check_run_config
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -45,8 +45,9 @@ def rlhf_rm_pipeline(
     alpha: float = 0.05,
 ) -> None:
     """Train a reward model, then a new version of the run config's model against it; promote on gold gains."""
-    check_gate(min_improvement, alpha)  # while the pipeline compiles: before any step runs
-    check_not_cached()
+    # while the pipeline compiles: before the run, its model version or any step
+    check_run_config(trainer_config, overrides, train_files, val_files, min_improvement, alpha,
+                     trains_reward_model=True, min_pair_accuracy=min_pair_accuracy)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex,
                                  trains_reward_model=True)
     _, _, dataset_fingerprint = validate_data(ppo_config)

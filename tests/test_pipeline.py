@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -576,6 +577,10 @@ def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path)
     capped.write_text("steps:\n  evaluate:\n    parameters:\n      max_problems: 0\n")
     with pytest.raises(RuntimeError, match=r"Input validation failed for input .max_problems."):
         rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(capped))(**parameters)
+    # no validation data: the run trained fully, then failed in evaluate; now it is refused as the pipeline compiles
+    with pytest.raises(ValueError, match=r"no validation data: the pipeline evaluates the trained policy"):
+        rlhf_ppo_pipeline.with_options(model=Model(name=MODEL))(**{**parameters, "val_files": None},
+                                                                overrides=["data.val_files=[]"])
     assert client.list_pipeline_runs(size=1).total == before
     # caching asked for step by step: the first step refuses it, and no other step runs
     stepwise = tmp_path / "stepwise.yaml"
@@ -584,12 +589,98 @@ def test_caching_and_bad_step_parameters_fail_before_any_step(trained, tmp_path)
         rlhf_ppo_pipeline.with_options(model=Model(name=MODEL), config_path=str(stepwise))(**parameters)
     run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
     assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
-    # no validation data: the run trained fully, then failed in evaluate; now its first step stops it
-    with pytest.raises(ValueError, match=r"no validation data: the pipeline evaluates the trained policy"):
-        rlhf_ppo_pipeline.with_options(model=Model(name=MODEL))(**{**parameters, "val_files": None},
-                                                                overrides=["data.val_files=[]"])
+
+
+TYPO = r"unknown config key trainer\.total_trainig_steps; did you mean trainer\.total_training_steps\?"
+
+
+def test_a_mistyped_override_or_a_missing_file_stops_each_pipeline_before_its_run_and_model_version(tmp_path):
+    """The trainer config, its overrides, the reward and the data files are resolved as the pipeline compiles: a
+    mistake in one stopped the run at its first step, after ZenML had made the run and a model version (marked
+    failed). Now neither exists."""
+    from zenml import Model
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+
+    client, setup, model = zenml_client(), tiny_setup(), "tiny-refused-parameters"
+    before = client.list_pipeline_runs(size=1).total
+    parameters = {"trainer_config": str(setup.trainer_config), "train_files": str(setup.train_file),
+                  "val_files": str(setup.val_file)}
+    for pipeline in (rlhf_ppo_pipeline, rlhf_retrain_pipeline, rlhf_rm_pipeline):
+        with pytest.raises(ValueError, match=TYPO):
+            pipeline.with_options(model=Model(name=model))(
+                **parameters, overrides=["trainer.total_trainig_steps=2", "trainer.test_freq=10"])
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    missing = tmp_path / "missing.parquet"
+    for changed, refusal in (
+            ({"trainer_config": str(tmp_path / "ppo.yaml")}, rf"config file {re.escape(str(tmp_path))}/ppo.yaml does "
+             r"not exist"),
+            ({"overrides": [f"custom_reward_function.path={reward}"]},
+             rf"custom_reward_function: custom reward file '{re.escape(str(reward))}' has no function 'compute_score'; "
+             r"functions it defines: score"),
+            ({"train_files": str(missing)}, rf"data.train_files: {re.escape(str(missing))} does not exist"),
+            ({"val_files": [str(setup.val_file), str(missing)]},
+             rf"data.val_files: {re.escape(str(missing))} does not exist")):
+        with pytest.raises(ValueError, match=refusal):
+            rlhf_ppo_pipeline.with_options(model=Model(name=model))(**{**parameters, **changed})
+    assert client.list_pipeline_runs(size=1).total == before
+    with pytest.raises(KeyError):  # no version, nor the model it would have been made under
+        client.get_model(model)
+
+
+def test_with_a_remote_orchestrator_the_files_are_left_to_the_steps(monkeypatch, tmp_path):
+    """A remote orchestrator's steps read the data from their own volumes (configs/kubeflow_example.yaml), which
+    the machine the pipeline compiles on may not have: there the trainer config is still checked, the files not."""
+    from zenml import Model
+
+    import rlhf_core.pipeline.run_config
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+    from rlhf_core.data.validation import DataReadError
+
+    monkeypatch.setattr(rlhf_core.pipeline.run_config, "steps_run_here", lambda: False)
+    client, setup, missing = zenml_client(), tiny_setup(), tmp_path / "train.parquet"
+    pipeline = rlhf_ppo_pipeline.with_options(model=Model(name="tiny-remote-files"))
+    parameters = {"trainer_config": str(setup.trainer_config), "train_files": str(missing),
+                  "val_files": str(setup.val_file)}
+    before = client.list_pipeline_runs(size=1).total
+    with pytest.raises(ValueError, match=TYPO):
+        pipeline(**parameters, overrides=["trainer.total_trainig_steps=2"])
+    assert client.list_pipeline_runs(size=1).total == before
+    with pytest.raises(DataReadError, match=rf"cannot read {re.escape(str(missing))}: no such file"):
+        pipeline(**parameters)  # validate_data's refusal
     run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
-    assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
+    assert str(run.status) == "failed" and str(run.steps["validate_data"].status) == "failed"
+
+
+def test_the_command_line_prints_a_refused_override_alone_and_starts_nothing(tmp_path):
+    """`zenml pipeline run -c run_config.yaml` with a mistyped override: exit status 1 and the problem, without
+    the traceback (over 300 lines) it came in."""
+    setup = tiny_setup()
+    run_config = tmp_path / "typo.yaml"
+    run_config.write_text(f"""\
+model: {{name: tiny-cli-typo}}
+parameters:
+  trainer_config: {setup.trainer_config}
+  train_files: {setup.train_file}
+  val_files: {setup.val_file}
+  overrides: [trainer.total_trainig_steps=2]
+""")
+    client = zenml_client()  # the store exists before a second process opens it
+    before = client.list_pipeline_runs(size=1).total
+    zenml = Path(sys.executable).with_name("zenml")
+    result = subprocess.run([str(zenml), "pipeline", "run", "pipelines.rlhf_ppo.rlhf_ppo_pipeline", "-c",
+                             str(run_config)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    lines = output.splitlines()
+    assert "  - unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps?" in lines
+    assert "Traceback" not in output and len(lines) < 12, output
+    assert client.list_pipeline_runs(size=1).total == before
+    with pytest.raises(KeyError):
+        client.get_model("tiny-cli-typo")
 
 
 # The retraining gate on versions built directly in the store: the gate reads only their metadata, so no

@@ -654,7 +654,7 @@ def test_rlhf_core_modules_behind_the_steps_import_no_orchestrator():
     import sys
 
     code = ("import sys\nimport rlhf_core.pipeline.evaluate, rlhf_core.pipeline.lineage, rlhf_core.pipeline.promotion, rlhf_core.pipeline.schedule, "
-            "rlhf_core.pipeline.smoke, rlhf_core.pipeline.training\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
+            "rlhf_core.pipeline.run_config, rlhf_core.pipeline.smoke, rlhf_core.pipeline.training\nassert 'zenml' not in sys.modules, 'rlhf_core imported zenml'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 

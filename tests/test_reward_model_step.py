@@ -116,31 +116,59 @@ def test_low_pair_accuracy_stops_the_run_before_ppo(passing_run):
     assert not {"define_reward", "smoke_test", "train_ppo", "evaluate", "promote"} & set(run.steps)
 
 
-def test_a_base_with_another_chat_template_stops_the_run_at_its_first_step(tmp_path):
+def test_a_base_with_another_chat_template_stops_the_run_before_it_starts(tmp_path):
     """The reward model keeps its base's chat template, so PPO against it re-encodes each conversation and needs
     the raw chat messages: the run trained the reward model, then its smoke test refused, naming the artifact's
-    temporary folder. Now load_ppo_config refuses, naming the base and the fix."""
+    temporary folder. Now the pipeline refuses as it compiles, before the run starts, naming the base and the fix."""
     import shutil
 
     from zenml import Model
 
     from pipelines.rlhf_rm import rlhf_rm_pipeline
-    from rlhf_core.main_ppo import PreflightError
 
     setup = tiny_setup()
     base = tmp_path / "base"
     shutil.copytree(setup.root / "model", base)
     (base / "chat_template.jinja").write_text("{% for message in messages %}Q: {{ message['content'] }}\n"
                                               "{% endfor %}{% if add_generation_prompt %}A: {% endif %}")
-    zenml_client()
-    with pytest.raises(PreflightError, match=rf"reward_model.train.model.path: the tokenizer or chat template of "
-                                             rf"{base} .* set data.return_raw_chat=true"):
+    before = zenml_client().list_pipeline_runs(size=1).total
+    with pytest.raises(ValueError, match=rf"reward_model.train.model.path: the tokenizer or chat template of "
+                                         rf"{base} .* set data.return_raw_chat=true"):
         rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-template"))(
             trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
             val_files=str(setup.val_file), overrides=[*rm_overrides(), f"reward_model.train.model.path={base}"],
             min_pair_accuracy=0.0)
-    run = zenml_client().list_pipeline_runs(sort_by="desc:created", size=1)[0]
-    assert str(run.status) == "failed" and list(run.steps) == ["load_ppo_config"]
+    assert zenml_client().list_pipeline_runs(size=1).total == before
+
+
+def test_an_accuracy_gate_that_cannot_be_applied_or_missing_pairs_stop_the_run_before_it_starts():
+    """A pair accuracy outside [0, 1], or one above 0 with no held-out pairs to measure it on, failed the run at
+    train_reward_model, after the reward model had trained, and a missing preference file at its third step; now
+    the pipeline refuses them as it compiles."""
+    from zenml import Model
+
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+
+    setup, client = tiny_setup(), zenml_client()
+    before = client.list_pipeline_runs(size=1).total
+    no_held_out = [*(o for o in rm_overrides() if not o.startswith("reward_model.train.val_files=")),
+                   "reward_model.train.val_files=null"]
+    for overrides, min_pair_accuracy, refusal in (
+            (list(rm_overrides()), 1.5,
+             r"min_pair_accuracy \(a pipeline parameter\)=1.5 must be a share of held-out pairs in \[0, 1\]"),
+            (no_held_out, 0.6, r"min_pair_accuracy \(a pipeline parameter\)=0.6 is measured on held-out pairs: "
+                               r"set reward_model.train.val_files"),
+            ([*no_held_out, "reward_model.train.min_pair_accuracy=0.6"], None,
+             r"reward_model.train.min_pair_accuracy=0.6 is measured on held-out pairs"),
+            ([*rm_overrides(), "reward_model.train.train_files=/nonexistent/pairs.parquet"], 0.0,
+             r"reward_model.train.train_files: /nonexistent/pairs.parquet does not exist")):
+        with pytest.raises(ValueError, match=refusal):
+            rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-gate-refused"))(
+                trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+                val_files=str(setup.val_file), overrides=overrides, min_pair_accuracy=min_pair_accuracy)
+    assert client.list_pipeline_runs(size=1).total == before
+    with pytest.raises(KeyError):
+        client.get_model("tiny-rm-gate-refused")
 
 
 def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run, tmp_path):

@@ -1,11 +1,34 @@
-"""The trainer config a pipeline trains with, resolved from its parameters."""
+"""A pipeline's parameters, checked while the pipeline compiles: before ZenML creates the run or a model version,
+and before any step runs.
+
+The trainer config (its file, then the run config's ``overrides``, then ``train_files``/``val_files``) is
+resolved by :func:`resolve_trainer_config`, here as in the ``load_ppo_config`` step, so that an unknown key or a
+bad value stops the run before it starts rather than leaving a model version marked failed. The promotion gate
+and the reward model's accuracy gate must be applicable. Where the steps run on this machine (ZenML's local
+orchestrator), the files they would read are checked too: the custom reward function must load, the data and
+preference files exist. A refusal is a :class:`RunConfigError`: a ValueError to a caller in Python, and to
+``zenml pipeline run`` a message printed alone (exit status 1), without a traceback around it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
-from rlhf_core.config import PPOConfig, load_config, validate_config
+import click
+
+from rlhf_core.config import ConfigError, PPOConfig, load_config, validate_config
+from rlhf_core.data.dataset import DataError, check_files
 from rlhf_core.main_ppo import PreflightError, trained_reward_model_problems
+from rlhf_core.pipeline.promotion import check_gate, check_not_cached
+from rlhf_core.rewards import custom_reward_fn
+
+
+class RunConfigError(ValueError, click.ClickException):
+    """A pipeline parameter that cannot run. A ClickException too: the ``zenml`` command prints the message and
+    exits with status 1 instead of raising it through a traceback."""
+
+    def __init__(self, message: str):
+        click.ClickException.__init__(self, message)
 
 
 def resolve_trainer_config(config_file: str, overrides: Sequence[str] | None = None,
@@ -27,3 +50,74 @@ def resolve_trainer_config(config_file: str, overrides: Sequence[str] | None = N
     if trains_reward_model and (problems := trained_reward_model_problems(cfg)):
         raise PreflightError(problems)
     return cfg
+
+
+def _pair_accuracy_problems(cfg: PPOConfig, min_pair_accuracy: float | None) -> list[str]:
+    """What stops the reward model pipeline's accuracy gate (``min_pair_accuracy``, else the config's) after the
+    reward model has trained: a value outside [0, 1], or one above 0 with no held-out pairs to measure it on."""
+    rm = cfg.reward_model.train
+    if min_pair_accuracy is None:
+        threshold, setting = rm.min_pair_accuracy, "reward_model.train.min_pair_accuracy"
+    else:
+        threshold, setting = min_pair_accuracy, "min_pair_accuracy (a pipeline parameter)"
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
+                or not 0 <= threshold <= 1:
+            return [f"{setting}={threshold!r} must be a share of held-out pairs in [0, 1]"]
+    if threshold > 0 and not rm.val_files:
+        return [f"{setting}={threshold} is measured on held-out pairs: set reward_model.train.val_files"]
+    return []
+
+
+def steps_run_here() -> bool:
+    """Whether the active stack's orchestrator runs the steps on this machine (ZenML's ``local`` one): only then
+    are the files a run config names (data, reward, models) where the steps will read them. A remote orchestrator
+    reads them from its own volumes (``configs/kubeflow_example.yaml``), which this machine may not have."""
+    from zenml.client import Client
+    from zenml.enums import StackComponentType
+
+    orchestrators = Client().active_stack_model.components.get(StackComponentType.ORCHESTRATOR, [])
+    return bool(orchestrators) and orchestrators[0].flavor_name == "local"
+
+
+def _file_problems(cfg: PPOConfig, trains_reward_model: bool) -> list[str]:
+    """The files ``cfg`` names that the steps could not read: a custom reward function that does not load, data
+    files that do not exist, and (``trains_reward_model``) preference files that do not exist."""
+    problems: list[str] = []
+    if cfg.custom_reward_function.path:
+        try:
+            custom_reward_fn(cfg)
+        except (OSError, ImportError, AttributeError, TypeError) as exc:
+            problems.append(f"custom_reward_function: {exc}")
+    files = [("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)]
+    if trains_reward_model:  # (no held-out pairs: _pair_accuracy_problems says where that matters)
+        pairs = cfg.reward_model.train
+        files += [("reward_model.train.train_files", pairs.train_files)]
+        files += [("reward_model.train.val_files", pairs.val_files)] if pairs.val_files is not None else []
+    for key, paths in files:
+        try:
+            check_files(paths, key)
+        except DataError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def check_run_config(config_file: str, overrides: Sequence[str] | None, train_files: str | list[str] | None,
+                     val_files: str | list[str] | None, min_improvement: float, alpha: float,
+                     trains_reward_model: bool = False, min_pair_accuracy: float | None = None) -> None:
+    """Refuse, while a pipeline compiles, what would stop its run later: a promotion gate that cannot be applied,
+    caching, a trainer config that does not resolve (:func:`resolve_trainer_config`) and, with
+    ``trains_reward_model``, an accuracy gate that cannot be applied; where the steps run on this machine
+    (:func:`steps_run_here`), also the files the steps would fail to read (:func:`_file_problems`) and a reward
+    model base that could not score the policy's rollouts. Raises :class:`RunConfigError`."""
+    try:
+        check_gate(min_improvement, alpha)
+        check_not_cached()
+        here = steps_run_here()
+        cfg = resolve_trainer_config(config_file, overrides, train_files, val_files, trains_reward_model and here)
+        problems = _pair_accuracy_problems(cfg, min_pair_accuracy) if trains_reward_model else []
+        if here:
+            problems += _file_problems(cfg, trains_reward_model)
+        if problems:
+            raise ConfigError(problems)
+    except ValueError as exc:
+        raise RunConfigError(f"the pipeline's parameters cannot run; nothing was started:\n{exc}") from exc
