@@ -952,3 +952,77 @@ def test_a_training_step_uses_the_configured_gamma_and_lambda(workspace):
     whitened = [[(a - mean) / std for a in row] + [0.0] * (len(mask[0]) - len(row)) for row in raw]
     torch.testing.assert_close(batch["advantages"].double(), torch.tensor(whitened, dtype=torch.float64),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_scores_without_spread_by_hand():
+    from rlhf_core.training.trainer import scores_without_spread
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    assert scores_without_spread(scores, ["a", "a", "b", "b"])  # each prompt's two responses alike
+    assert not scores_without_spread(scores)  # but the batch has 1s and 0s: GAE's critic still sees a signal
+    assert not scores_without_spread(torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "a", "b", "b"])  # prompt a tells apart
+    assert not scores_without_spread(scores, ["a", "b", "a", "b"])  # groups in any order
+    assert scores_without_spread(torch.full((6,), 0.5))
+    assert scores_without_spread(torch.tensor([3.0, 1.0]), ["a", "b"])  # rollout.n=1: each group one response
+
+
+LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                 "    return len(solution_str) / 100\n")
+CONSTANT_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    return 0.5\n")
+
+
+def _advice_run(workspace, capsys, out, reward, *extra) -> tuple[list[dict], list[str]]:
+    """A 3-step run from the CLI scored by ``reward``, responses up to 150 tokens (the random model ends about
+    two in three of them before): its records and the warnings it printed."""
+    root, model, _ = workspace
+    (root / f"{out}.py").write_text(reward)
+    assert ppo(_overrides(root, model, "data.max_response_length=150", f"custom_reward_function.path={root / out}.py",
+                          "trainer.total_training_steps=3", "trainer.test_freq=-1", f"trainer.default_local_dir={root / out}",
+                          *extra)) == 0
+    records = [json.loads(line) for line in (root / out / "metrics.jsonl").read_text().splitlines()]
+    return records, [line for line in capsys.readouterr().err.splitlines() if "WARNING" in line]
+
+
+def test_a_run_that_can_learn_gets_no_warning(workspace, capsys):
+    records, warnings = _advice_run(workspace, capsys, "advice_normal", LENGTH_REWARD)
+    # what makes the run a normal one, read from its records: responses mostly end before the limit, and their
+    # scores (their lengths) differ
+    assert all(r["response_length/clip_ratio"] < 0.9 and r["critic/score/max"] > r["critic/score/min"] for r in records)
+    assert warnings == []
+
+
+def test_responses_cut_at_the_length_limit_are_warned_once_naming_the_fix(workspace, capsys):
+    # ignore_eos: every response runs to data.max_response_length (clip_ratio 1)
+    records, warnings = _advice_run(workspace, capsys, "advice_cut", LENGTH_REWARD,
+                                    "actor_rollout_ref.rollout.ignore_eos=true")
+    assert [r["response_length/clip_ratio"] for r in records] == [1.0, 1.0, 1.0]
+    assert all(r["critic/score/max"] > r["critic/score/min"] for r in records)  # (the EOS tokens decode to nothing)
+    assert warnings == ["WARNING step 1: 100% of the responses reached data.max_response_length=150 and were cut off "
+                        "(response_length/clip_ratio 1.00): a cut response seldom reaches its answer, so it scores "
+                        "little; raise data.max_response_length"]  # at step 1, not again at steps 2 and 3
+    # cut off and scored alike (the quickstart's max_response_length too short for any answer): one warning
+    _, warnings = _advice_run(workspace, capsys, "advice_cut_flat", CONSTANT_REWARD,
+                              "actor_rollout_ref.rollout.ignore_eos=true")
+    assert len(warnings) == 1
+    assert warnings[0].startswith("WARNING step 1: 100% of the responses reached data.max_response_length=150 and "
+                                  "were cut off (response_length/clip_ratio 1.00) and every response of the batch "
+                                  "scored the same")
+    assert warnings[0].endswith("raise data.max_response_length") and "check the reward" not in warnings[0]
+
+
+def test_a_reward_that_tells_no_response_apart_is_warned_every_n_steps(workspace, capsys, monkeypatch):
+    from rlhf_core.training import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "STUCK_WARNING_EVERY", 2)
+    records, warnings = _advice_run(workspace, capsys, "advice_flat", CONSTANT_REWARD)
+    assert all(r["critic/score/max"] == r["critic/score/min"] == 0.5 for r in records)
+    assert all(r["response_length/clip_ratio"] < 0.9 for r in records)
+    assert [w.split(":")[0] for w in warnings] == ["WARNING step 1", "WARNING step 3"]
+    assert "every response of the batch scored the same" in warnings[0] and "check the reward" in warnings[0]
+    monkeypatch.undo()
+    # GRPO compares each prompt's responses: with one response a prompt, none is ever told apart
+    _, warnings = _advice_run(workspace, capsys, "advice_grpo", LENGTH_REWARD, "algorithm.adv_estimator=grpo",
+                              "actor_rollout_ref.rollout.n=1")
+    assert len(warnings) == 1 and "the responses to each prompt scored the same" in warnings[0]
+    assert "actor_rollout_ref.rollout.n=1 samples one: raise rollout.n" in warnings[0]

@@ -171,6 +171,26 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
     return metrics
 
 
+def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None) -> bool:
+    """Whether the responses' scores (bs,) tell none of them apart where the advantages compare them: within each
+    group (``groups``: each response's group id, for the group estimators: GRPO, RLOO, ...) or over the whole
+    batch (``None``). Then every advantage is 0 (or, with a critic, follows the values alone): the step has no
+    reward to learn from."""
+    if groups is None:
+        return bool(scores.numel() == 0 or (scores == scores[0]).all())
+    first: dict = {}
+    for group, score in zip(groups, scores.tolist()):
+        if first.setdefault(group, score) != score:
+            return False
+    return True
+
+
+#: steps between two warnings of the same kind about a run that cannot learn (:meth:`PPOTrainer._warn_if_stuck`)
+STUCK_WARNING_EVERY = 20
+#: the share of responses cut at data.max_response_length from which the run is warned
+CLIP_RATIO_WARNING = 0.9
+
+
 def pick_generations(texts: Sequence[tuple[str, str]], scores: Sequence[float], count: int) -> list[dict]:
     """``count`` validation samples as verl picks them: sorted by (input, output, score), shuffled by a
     generator seeded 42, the first ``count`` taken, so that the same prompts are shown at every validation."""
@@ -271,6 +291,8 @@ class PPOTrainer:
         self.guard = Guard(config.trainer.guard)
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
         self._noted_idle_guards = False  # said once that a guard has nothing to watch (prompts alone)
+        self.scores_flat = False  # whether the last train_step's scores told no responses apart (scores_without_spread)
+        self._stuck_warned: dict[str, int] = {}  # the step each kind of warning of a run that cannot learn was given
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None  # the checkpoint load_checkpoint loaded
         # the folder of each checkpoint the guards may restore (a resume's earlier ones are beside the one it
@@ -447,6 +469,9 @@ class PPOTrainer:
                 with self.phase("update_actor", timings):
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length, cfg.data.max_prompt_length))
+        grouped = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS
+        self.scores_flat = scores_without_spread(batch["token_level_scores"].sum(-1),
+                                                 batch.meta["uid"] if grouped else None)
         if (acc := _nanmean(extras["acc"])) is not None:  # NaN: a prompt without a ground truth
             metrics["critic/acc/mean"] = acc
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
@@ -713,6 +738,38 @@ class PPOTrainer:
                 break
         return self.history
 
+    def _warn_if_stuck(self, step: int, metrics: dict[str, float]) -> None:
+        """Warn where the step shows a run that cannot learn, each kind at most once every
+        :data:`STUCK_WARNING_EVERY` steps: most responses cut off at ``data.max_response_length`` (a cut response
+        seldom reaches its answer), or scores that tell no responses apart (:func:`scores_without_spread`)."""
+        cfg = self.config
+        length = cfg.data.max_response_length
+        clipped = metrics.get("response_length/clip_ratio", 0.0)
+        cut = (f"{clipped:.0%} of the responses reached data.max_response_length={length} and were cut off "
+               f"(response_length/clip_ratio {clipped:.2f})")
+        estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
+        grouped = estimator in algos.ADV_ESTIMATORS_NEED_GROUPS
+        same = (f"{'the responses to each prompt' if grouped else 'every response of the batch'} scored the same, "
+                "so the advantages carry no reward signal and the policy learns nothing from this step")
+        if clipped >= CLIP_RATIO_WARNING and self.scores_flat:
+            kinds, text = ("clip", "flat"), (f"{cut} and {same}: a cut response seldom reaches its answer; raise "
+                                             "data.max_response_length")
+        elif clipped >= CLIP_RATIO_WARNING:
+            kinds, text = ("clip",), (f"{cut}: a cut response seldom reaches its answer, so it scores little; raise "
+                                      "data.max_response_length")
+        elif self.scores_flat:
+            cause = (f"algorithm.adv_estimator={estimator} compares the responses to the same prompt and "
+                     "actor_rollout_ref.rollout.n=1 samples one: raise rollout.n" if grouped and n == 1 else
+                     "check the reward: the reward function (custom_reward_function) or reward model, and the "
+                     "data's ground truth (its reward_model.ground_truth field)")
+            kinds, text = ("flat",), f"{same}; {cause}"
+        else:
+            return
+        if all(kind in self._stuck_warned and step - self._stuck_warned[kind] < STUCK_WARNING_EVERY for kind in kinds):
+            return
+        self._stuck_warned.update(dict.fromkeys(kinds, step))
+        print(f"WARNING step {step}: {text}", file=sys.stderr, flush=True)
+
     def _validate_step(self, step: int, metrics: dict[str, float],
                        event: GuardEvent | None) -> tuple[bool, GuardEvent | None]:
         """Validate after ``step`` into ``metrics`` and show the result to the val-drop and over-optimisation
@@ -792,6 +849,7 @@ class PPOTrainer:
         self.global_step += 1
         self.step_under_way = None
         step = self.global_step
+        self._warn_if_stuck(step, metrics)
         last = step == self.total_steps or self.data_exhausted
         save = last or (trainer_cfg.save_freq > 0 and step % trainer_cfg.save_freq == 0)
         event = self.guard.observe_step(step, metrics, skipped=self._skipped_total() > skipped_before)
