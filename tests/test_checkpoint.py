@@ -896,3 +896,30 @@ def test_a_null_data_seed_shuffles_with_the_trainer_seed_and_resumes_as_that_num
     assert checkpoint.config_differences(saved, current) == []
     current["trainer"]["seed"] = 8  # the null now stands for another number
     assert sorted(checkpoint.config_differences(saved, current)) == ["data.seed", "trainer.seed"]
+
+
+def test_a_run_started_afresh_moves_the_earlier_runs_records_aside(workspace, tmp_path, capsys):
+    """resume_mode=disable in a folder of an earlier run: its metrics.jsonl held that run's steps, then this one's
+    from step 1 again. Now that run's records move aside and this run's file holds its own steps alone."""
+    from rlhf_core import main_ppo
+
+    out = tmp_path / "run"
+
+    def steps(name: str) -> list[int]:
+        return [json.loads(line)["step"] for line in (out / name).read_text().splitlines()]
+
+    main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=2", "trainer.test_freq=1")))
+    assert steps("metrics.jsonl") == [1, 2]
+    main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=1", "trainer.test_freq=1",
+                                            "trainer.resume_mode=disable")))
+    assert steps("metrics.jsonl") == [1] and steps("metrics.jsonl.prev") == [1, 2]
+    assert "its records are moved aside (metrics.jsonl to metrics.jsonl.prev)" in capsys.readouterr().err
+    # a third run: the second run's records go to the next free name; a folder that holds records but no
+    # checkpoint (removed by hand) is told so as well
+    shutil.rmtree(out / "global_step_1")
+    shutil.rmtree(out / "global_step_2")
+    main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=1",
+                                            "trainer.resume_mode=disable")))
+    assert steps("metrics.jsonl") == [1] and steps("metrics.jsonl.prev.2") == [1]
+    assert (f"notice: trainer.resume_mode=disable starts a new run in {out}: an earlier run's records there are "
+            "moved aside (metrics.jsonl to metrics.jsonl.prev.2)") in capsys.readouterr().err

@@ -873,3 +873,17 @@ def test_an_mlflow_file_store_is_refused_before_the_reward_model_loads(tiny, pai
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
     with pytest.raises(RewardTrainingError, match=f"MLFLOW_TRACKING_URI={tmp_path / 'mlruns'} is a file store"):
         preflight(load_config(_overrides(tiny, pairs_dir, tmp_path / "rm", "trainer.logger=[console,mlflow]")))
+
+
+def test_a_new_run_in_the_folder_moves_the_earlier_runs_metrics_aside(tiny, pairs_dir, tmp_path, capsys):
+    out = tmp_path / "rm"
+
+    def steps(name: str) -> list[int]:
+        return [r["step"] for r in map(json.loads, (out / name).read_text().splitlines()) if "train/loss" in r]
+
+    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0
+    assert steps("metrics.jsonl") == [1, 2, 3]  # 24 pairs, 8 a step
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.resume_mode=disable",
+                               "reward_model.train.total_training_steps=2")) == 0
+    assert steps("metrics.jsonl") == [1, 2] and steps("metrics.jsonl.prev") == [1, 2, 3]
+    assert "its records are moved aside (metrics.jsonl to metrics.jsonl.prev)" in capsys.readouterr().err

@@ -431,3 +431,32 @@ def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_lo
     # a new run in the same folder (not a resume) starts runs of its own
     with Tracking(["mlflow"], "proj", "exp", local_dir) as fresh:
         assert fresh.backends["mlflow"].run_id != ids[1]
+
+
+def test_an_earlier_runs_records_are_set_aside_under_the_next_free_name(tmp_path):
+    from rlhf_core.training.tracking import set_aside_run_files
+
+    assert set_aside_run_files(tmp_path) == []  # nothing there, nothing moved
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "val_generations.jsonl").write_text('{"step": 1, "input": "q"}\n')
+    assert set_aside_run_files(tmp_path) == [
+        (tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.prev"),
+        (tmp_path / "val_generations.jsonl", tmp_path / "val_generations.jsonl.prev")]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2}\n')
+    (tmp_path / "metrics.jsonl.prev.2").write_text('{"step": 3}\n')  # taken as well: the next free one is .3
+    assert set_aside_run_files(tmp_path) == [(tmp_path / "metrics.jsonl", tmp_path / "metrics.jsonl.prev.3")]
+    assert not (tmp_path / "metrics.jsonl").exists()
+    assert [(tmp_path / name).read_text() for name in ("metrics.jsonl.prev", "metrics.jsonl.prev.2",
+                                                        "metrics.jsonl.prev.3", "val_generations.jsonl.prev")] == [
+        '{"step": 1}\n', '{"step": 3}\n', '{"step": 2}\n', '{"step": 1, "input": "q"}\n']
+
+
+def test_the_file_logger_writes_where_the_file_is_at_its_first_record(tmp_path):
+    """Set up before an earlier run's file is moved aside (the reward model's command does so), it writes a new
+    file, not into the one moved."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "old": 1}\n')
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        (tmp_path / "metrics.jsonl").rename(tmp_path / "metrics.jsonl.prev")
+        tracker.log({"a": 1.0}, step=1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n'
+    assert (tmp_path / "metrics.jsonl.prev").read_text() == '{"step": 1, "old": 1}\n'

@@ -469,20 +469,28 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
     latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and
     before that refuses (:func:`unmarked_refusal`, naming the earlier run's newest intact checkpoint) rather
     than resume the run this one set out to replace. The checkpoints themselves stay; this run's saves replace
-    them step by step. Call it holding :func:`run_lock`."""
+    them step by step. The earlier run's ``metrics.jsonl`` and validation samples are moved aside
+    (:func:`~rlhf_core.training.tracking.set_aside_run_files`), so that this run's records start a file of their
+    own rather than follow that run's steps. Call it holding :func:`run_lock`."""
+    from rlhf_core.training.tracking import set_aside_run_files
+
     root = Path(root)
+    found = list_checkpoints(root)
     marker = root / LATEST_FILE
     if marker.exists():  # (also one naming a checkpoint that is gone: auto would then fail on it)
         marker.unlink()
         fsync_dir(root)
-    found = list_checkpoints(root)
-    if not found:
-        return
-    steps = _last_names(found)
-    print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
-          f"checkpoints ({steps}): their {LATEST_FILE} is removed, so that a rerun resumes this run once it has "
-          "saved and never that one; this run's saves replace them step by step (another "
-          f"{section}.default_local_dir keeps them apart)", file=sys.stderr, flush=True)
+    moved = set_aside_run_files(root)
+    aside = ", ".join(f"{old.name} to {new.name}" for old, new in moved)
+    if found:
+        print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
+              f"checkpoints ({_last_names(found)}): their {LATEST_FILE} is removed, so that a rerun resumes this run "
+              "once it has saved and never that one; this run's saves replace them step by step (another "
+              f"{section}.default_local_dir keeps them apart)" + (f"; its records are moved aside ({aside})"
+                                                                 if moved else ""), file=sys.stderr, flush=True)
+    elif moved:
+        print(f"notice: {section}.resume_mode=disable starts a new run in {root}: an earlier run's records there are "
+              f"moved aside ({aside}), so that this run's start afresh", file=sys.stderr, flush=True)
 
 
 def holds_parts(path: str | os.PathLike, parts: Iterable[str]) -> bool:

@@ -18,7 +18,8 @@ Backends (``VALID_LOGGERS``):
     Non-finite values (NaN, +-inf) are written as ``null`` so every line is valid JSON. Each line is
     flushed as soon as it is written, so a killed run keeps every finished step. An existing file is
     appended to (a resumed run continues it; a step logged twice appears twice, readers should keep
-    the last record of a step).
+    the last record of a step); a run started afresh in the folder (``resume_mode=disable``) first moves
+    the earlier run's aside (:func:`set_aside_run_files`). The file is opened at the first record.
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
     ``$TENSORBOARD_DIR`` where that is set, as verl writes it. Needs the ``tensorboard`` package.
@@ -52,7 +53,7 @@ import urllib.parse
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import IO, Any, ClassVar
 
 from tqdm import tqdm
 
@@ -350,6 +351,24 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def set_aside_run_files(local_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """Move an earlier run's records in ``local_dir`` (``metrics.jsonl``, ``val_generations.jsonl``) aside, each to
+    ``<name>.prev``, or ``<name>.prev.2``, ``.prev.3`` ... where that is taken, so that a new run's records start
+    a file of their own; returns (old, new) of each file moved."""
+    moved = []
+    for name in (FileLogger.FILENAME, GENERATIONS_FILENAME):
+        path = Path(local_dir) / name
+        if not path.is_file():
+            continue
+        target, number = path.with_name(f"{name}.prev"), 1
+        while target.exists():
+            number += 1
+            target = path.with_name(f"{name}.prev.{number}")
+        path.rename(target)
+        moved.append((path, target))
+    return moved
+
+
 class FileLogger(Backend):
     """JSON lines at ``<local_dir>/metrics.jsonl``; non-finite values become null; appends; flushes."""
 
@@ -359,18 +378,25 @@ class FileLogger(Backend):
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)
         self.path = run.local_dir / self.FILENAME
+        # opened at the first record, not here: a run that starts afresh moves an earlier run's file aside after
+        # its tracking is set up (the reward model's), and an open file would follow it there
+        self._file: IO[str] | None = None
+
+    def _open(self) -> IO[str]:
         # A run killed mid-write may have left a partial last line: start ours on a fresh line.
         needs_newline = False
         if self.path.exists() and self.path.stat().st_size > 0:
             with open(self.path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
                 needs_newline = f.read(1) != b"\n"
-        self._file = open(self.path, "a", encoding="utf-8")  # closed in finish()
+        file = open(self.path, "a", encoding="utf-8")  # closed in finish()
         if needs_newline:
-            self._file.write("\n")
-            self._file.flush()
+            file.write("\n")
+        return file
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        if self._file is None:
+            self._file = self._open()
         record: dict[str, Any] = {"step": step}
         for key, value in metrics.items():
             if key != "step":
@@ -386,7 +412,7 @@ class FileLogger(Backend):
                 f.write(json.dumps(record, allow_nan=False) + "\n")
 
     def finish(self, failed: bool = False) -> None:
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
 
