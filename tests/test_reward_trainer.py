@@ -887,3 +887,50 @@ def test_a_new_run_in_the_folder_moves_the_earlier_runs_metrics_aside(tiny, pair
                                "reward_model.train.total_training_steps=2")) == 0
     assert steps("metrics.jsonl") == [1, 2] and steps("metrics.jsonl.prev") == [1, 2, 3]
     assert "its records are moved aside (metrics.jsonl to metrics.jsonl.prev)" in capsys.readouterr().err
+
+
+def test_ppo_and_the_reward_model_refuse_each_others_checkpoints_by_what_they_hold(
+        tiny, pairs_dir, workspace, tmp_path, capsys):
+    """PPO pointed at a reward model's folder (or the reverse) listed every config key the two runs set apart and
+    said to restore them, which no config could do; now the checkpoint's parts say what it is, before a model
+    loads. A new run there (resume_mode=disable) would replace the other run's checkpoints: refused too."""
+    from rlhf_core.cli.train import ppo
+
+    rm_dir, ppo_dir = tmp_path / "rm", tmp_path / "ppo"
+    assert train_rm(_overrides(tiny, pairs_dir, rm_dir)) == 0  # saves global_step_3 (24 pairs, 8 a step)
+    assert ppo(workspace.overrides(ppo_dir, "trainer.total_training_steps=1")) == 0  # saves global_step_1
+    capsys.readouterr()
+    rm_step, ppo_step = rm_dir / "global_step_3", ppo_dir / "global_step_1"
+
+    def refusal(code: int) -> str:
+        assert code == 2
+        err = capsys.readouterr().err
+        assert "differs" not in err and "Restore" not in err
+        return err
+
+    # PPO: the folder's latest checkpoint, then a path named, then a new run there
+    hint = f"; to score PPO's rollouts with that reward model, set reward_model.enable=true " \
+           f"reward_model.model.path={rm_dir / 'huggingface'}"
+    assert (f"{rm_step} is a reward-model checkpoint (rlhf-train-rm's: it holds reward_model/), not a PPO one, so "
+            f"this run cannot resume from it: use another trainer.default_local_dir{hint}"
+            ) in refusal(ppo(workspace.overrides(rm_dir)))
+    assert f"not a PPO one, so this run cannot resume from it: use another trainer.resume_from_path{hint}" in refusal(
+        ppo(workspace.overrides(tmp_path / "elsewhere", "trainer.resume_mode=resume_path",
+                                f"trainer.resume_from_path={rm_step}")))
+    assert (f"{rm_dir} holds reward-model checkpoints (global_step_3; rlhf-train-rm's), and this PPO run's saves "
+            "would replace them: use another trainer.default_local_dir"
+            ) in refusal(ppo(workspace.overrides(rm_dir, "trainer.resume_mode=disable")))
+    assert ckpt.latest_checkpoint(rm_dir) == rm_step and not (rm_dir / "metrics.jsonl.prev").exists()
+
+    # the reward model's command at PPO's checkpoints, the same three ways
+    assert (f"error: {ppo_step} is a PPO checkpoint (rlhf-ppo's: it holds actor/), not a reward-model one, so this "
+            "run cannot resume from it: use another reward_model.train.default_local_dir"
+            ) in refusal(train_rm(_overrides(tiny, pairs_dir, ppo_dir)))
+    assert "not a reward-model one, so this run cannot resume from it: use another reward_model.train." \
+           "resume_from_path" in refusal(train_rm(_overrides(tiny, pairs_dir, tmp_path / "elsewhere_rm",
+                                                             "reward_model.train.resume_mode=resume_path",
+                                                             f"reward_model.train.resume_from_path={ppo_step}")))
+    assert (f"{ppo_dir} holds PPO checkpoints (global_step_1; rlhf-ppo's), and this reward-model run's saves would "
+            "replace them: use another reward_model.train.default_local_dir"
+            ) in refusal(train_rm(_overrides(tiny, pairs_dir, ppo_dir, "reward_model.train.resume_mode=disable")))
+    assert ckpt.latest_checkpoint(ppo_dir) == ppo_step and not list(ppo_dir.glob("global_step_[23]"))

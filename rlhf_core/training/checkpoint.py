@@ -42,7 +42,8 @@ Resuming refuses a checkpoint whose config differs from the current one outside
 thresholds, memory knobs and the number of workers, which leave the math unchanged): anything
 else may change shapes, batch sizes or the training math, and the error names the keys. A
 global batch that does not divide over the new number of workers is refused by the config's
-own checks before that.
+own checks before that. A checkpoint of another kind of run (the reward model's, which holds
+``reward_model/`` instead of ``actor/``) is refused for what it is before any of that (:func:`refuse_other_kind`).
 
 This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
 ``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
@@ -413,9 +414,10 @@ def find_resume_checkpoint(config) -> Path | None:
         path = Path(os.path.expanduser(trainer.resume_from_path))
         try:
             step_of(path)
-            verify_checkpoint(path)
+            manifest = verify_checkpoint(path)
         except CheckpointError as exc:
             raise CheckpointError(f"trainer.resume_from_path: {exc}{intact_instead(path)}") from exc
+        refuse_other_kind(path, manifest, "PPO", "trainer.resume_from_path")
         return path
     if trainer.resume_mode == "auto":
         root = Path(os.path.expanduser(trainer.default_local_dir))
@@ -425,8 +427,36 @@ def find_resume_checkpoint(config) -> Path | None:
             raise CheckpointError(f"{exc}{_resume_instead(root, _marked_step(root))}") from exc
         if latest is None and list_checkpoints(root):
             raise CheckpointError(unmarked_refusal(root))
+        if latest is not None:
+            refuse_other_kind(latest, read_manifest(latest), "PPO", "trainer.default_local_dir")
         return latest
     raise CheckpointError(f"trainer.resume_mode={trainer.resume_mode!r} is not one of auto, disable, resume_path")
+
+
+#: the kinds of run that save checkpoints, by the part each saves (a manifest's ``parts``) and the command that
+#: trains it: PPO's hold ``actor/`` (and ``critic/``), the reward model's ``reward_model/``
+KINDS = {"PPO": ("actor", "rlhf-ppo"), "reward-model": ("reward_model", "rlhf-train-rm")}
+
+
+def checkpoint_kind(manifest: dict) -> str | None:
+    """The kind of run (a key of :data:`KINDS`) that saved the checkpoint whose manifest this is; None where its
+    parts are none of theirs."""
+    parts = set(manifest.get("parts") or ()) | {rel.split("/", 1)[0] for rel in manifest["files"] if "/" in rel}
+    return next((kind for kind, (part, _) in KINDS.items() if part in parts), None)
+
+
+def refuse_other_kind(path: Path, manifest: dict, kind: str, key: str) -> None:
+    """CheckpointError where the checkpoint ``path`` was saved by another kind of run than ``kind`` (a reward
+    model's where PPO resumes, or the reverse): no config of this run could resume it, so the message says what
+    it is and to set ``key`` (the folder or path the run resumes from) to another."""
+    found = checkpoint_kind(manifest)
+    if found is None or found == kind:
+        return
+    part, command = KINDS[found]
+    hint = (f"; to score PPO's rollouts with that reward model, set reward_model.enable=true "
+            f"reward_model.model.path={path.parent / HF_DIR}" if found == "reward-model" else "")
+    raise CheckpointError(f"{path} is a {found} checkpoint ({command}'s: it holds {part}/), not a {kind} one, so this "
+                          f"run cannot resume from it: use another {key}{hint}")
 
 
 def saved_workers(manifest: dict, part: str) -> int:
@@ -464,18 +494,25 @@ def rerun_advice(resume_mode: str, section: str = "trainer") -> str:
     return "rerun the same command" if resume_mode == "auto" else f"rerun with {section}.resume_mode=auto"
 
 
-def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
+def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = "PPO") -> None:
     """A run started with ``resume_mode=disable`` in ``root``, which may hold an earlier run's checkpoints: their
     latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and
     before that refuses (:func:`unmarked_refusal`, naming the earlier run's newest intact checkpoint) rather
     than resume the run this one set out to replace. The checkpoints themselves stay; this run's saves replace
     them step by step. The earlier run's ``metrics.jsonl`` and validation samples are moved aside
     (:func:`~rlhf_core.training.tracking.set_aside_run_files`), so that this run's records start a file of their
-    own rather than follow that run's steps. Call it holding :func:`run_lock`."""
+    own rather than follow that run's steps. Checkpoints of another ``kind`` of run (a reward model's in PPO's
+    folder, or the reverse) are refused (CheckpointError): this run's saves would replace them. Call it holding
+    :func:`run_lock`."""
     from rlhf_core.training.tracking import set_aside_run_files
 
     root = Path(root)
     found = list_checkpoints(root)
+    others = [path for _, path in found if _kind_of(path) not in (None, kind)]
+    if others:
+        other = _kind_of(others[-1])
+        raise CheckpointError(f"{root} holds {other} checkpoints ({_last_names(found)}; {KINDS[other][1]}'s), and "
+                              f"this {kind} run's saves would replace them: use another {section}.default_local_dir")
     marker = root / LATEST_FILE
     if marker.exists():  # (also one naming a checkpoint that is gone: auto would then fail on it)
         marker.unlink()
@@ -491,6 +528,14 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer") -> None:
     elif moved:
         print(f"notice: {section}.resume_mode=disable starts a new run in {root}: an earlier run's records there are "
               f"moved aside ({aside}), so that this run's start afresh", file=sys.stderr, flush=True)
+
+
+def _kind_of(path: Path) -> str | None:
+    """:func:`checkpoint_kind` of the checkpoint ``path``; None where its manifest does not read."""
+    try:
+        return checkpoint_kind(read_manifest(path))
+    except CheckpointError:
+        return None
 
 
 def holds_parts(path: str | os.PathLike, parts: Iterable[str]) -> bool:

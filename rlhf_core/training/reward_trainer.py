@@ -662,7 +662,8 @@ class RewardModelTrainer:
         from tqdm.auto import tqdm
 
         if self.rm.resume_mode == "disable":
-            ckpt.start_afresh(self.local_dir, KEY)  # an earlier run's checkpoints there: never resumed by a rerun
+            # an earlier run's checkpoints there: never resumed by a rerun (and never a PPO run's, replaced)
+            ckpt.start_afresh(self.local_dir, KEY, "reward-model")
         self.resume()
         log = log or (lambda metrics, step: None)
         rm, last_val, first = self.rm, {}, True
@@ -774,6 +775,8 @@ class RewardModelTrainer:
             manifest = ckpt.verify_checkpoint(path)  # sizes and hashes, before any load
         except ckpt.CheckpointError as exc:
             raise ckpt.CheckpointError(f"{exc}{ckpt.intact_instead(path, KEY)}") from exc
+        where = "resume_from_path" if self.rm.resume_mode == "resume_path" else "default_local_dir"
+        ckpt.refuse_other_kind(path, manifest, "reward-model", f"{KEY}.{where}")  # a PPO run's: no config fits it
         saved = ckpt.saved_workers(manifest, PART)
         self._check_config(path)
         try:
