@@ -923,3 +923,27 @@ def test_a_run_started_afresh_moves_the_earlier_runs_records_aside(workspace, tm
     assert steps("metrics.jsonl") == [1] and steps("metrics.jsonl.prev.2") == [1]
     assert (f"notice: trainer.resume_mode=disable starts a new run in {out}: an earlier run's records there are "
             "moved aside (metrics.jsonl to metrics.jsonl.prev.2)") in capsys.readouterr().err
+
+
+def test_a_resume_already_at_the_end_says_the_run_is_complete_and_how_to_go_on(workspace, tmp_path, capsys):
+    """Resumed at or past its last step, a run trained nothing and said only "done: 0 steps": now it says the run
+    was complete and which limit to raise, and still exits 0."""
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "run"
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_training_steps=2")) == 0
+    capsys.readouterr()
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_training_steps=1")) == 0
+    captured = capsys.readouterr()
+    assert (f"notice: the run is already complete: {out / 'global_step_2'} is at step 2 and this run ends at step 1 "
+            "(trainer.total_training_steps=1), so nothing is trained; to train on from it, raise "
+            "trainer.total_training_steps above 2 and run again") in captured.err
+    assert "done: 0 steps (now at step 2)" in captured.out
+    # the data's end: 32 prompts, 8 a step, one epoch (4 steps); trained on to it, then run again
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=1")) == 0
+    assert "already complete" not in capsys.readouterr().err
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=1")) == 0
+    assert (f"notice: the run is already complete: {out / 'global_step_4'} is at step 4 and this run ends at step 4 "
+            "(trainer.total_epochs=1 of 4 batches each), so nothing is trained; to train on from it, raise "
+            "trainer.total_epochs to 2 or more and run again") in capsys.readouterr().err
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_4"

@@ -934,3 +934,19 @@ def test_ppo_and_the_reward_model_refuse_each_others_checkpoints_by_what_they_ho
             "replace them: use another reward_model.train.default_local_dir"
             ) in refusal(train_rm(_overrides(tiny, pairs_dir, ppo_dir, "reward_model.train.resume_mode=disable")))
     assert ckpt.latest_checkpoint(ppo_dir) == ppo_step and not list(ppo_dir.glob("global_step_[23]"))
+
+
+def test_a_resume_already_at_the_end_says_the_reward_models_run_is_complete(tiny, pairs_dir, tmp_path, capsys):
+    out = tmp_path / "rm"
+    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0  # 3 steps: 24 pairs, 8 a step, one epoch
+    assert "already complete" not in capsys.readouterr().err
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2")) == 0
+    assert (f"notice: the reward model's run is already complete: {out / 'global_step_3'} is at step 3 and this run "
+            "ends at step 2 (reward_model.train.total_training_steps=2), so nothing is trained (the model is "
+            "validated and exported again); to train on from it, raise reward_model.train.total_training_steps "
+            "above 3 and run again") in capsys.readouterr().err
+    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0
+    assert ("ends at step 3 (reward_model.train.total_epochs=1 of 3 steps each), so nothing is trained (the model is "
+            "validated and exported again); to train on from it, raise reward_model.train.total_epochs to 2 or more "
+            "and run again") in capsys.readouterr().err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_3"

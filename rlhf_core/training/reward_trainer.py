@@ -607,6 +607,7 @@ class RewardModelTrainer:
         if self.rm.total_training_steps is not None:
             self.total_steps = min(self.total_steps, self.rm.total_training_steps)
         self.global_step = 0
+        self.resumed_from: Path | None = None  # the checkpoint resume() loaded
         self.group = None
         pad_id = self.tokenizer.pad_token_id
         if cfg.world_size > 1:
@@ -665,6 +666,8 @@ class RewardModelTrainer:
             # an earlier run's checkpoints there: never resumed by a rerun (and never a PPO run's, replaced)
             ckpt.start_afresh(self.local_dir, KEY, "reward-model")
         self.resume()
+        if self.resumed_from is not None and self.global_step >= self.total_steps:
+            print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         log = log or (lambda metrics, step: None)
         rm, last_val, first = self.rm, {}, True
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
@@ -696,6 +699,20 @@ class RewardModelTrainer:
             self.save()
         self.export(self.local_dir / HF_DIR)
         return last_val
+
+    def already_complete(self) -> str:
+        """What to say where a resume finds the run already at its end: the limit that ends it and how to go on."""
+        rm = self.rm
+        if rm.total_training_steps is not None and rm.total_training_steps <= self.steps_per_epoch * rm.total_epochs:
+            limit = f"{KEY}.total_training_steps={rm.total_training_steps}"
+            advice = f"raise {KEY}.total_training_steps above {self.global_step}"
+        else:
+            limit = f"{KEY}.total_epochs={rm.total_epochs} of {self.steps_per_epoch} steps each"
+            advice = (f"raise {KEY}.total_epochs to {self.global_step // max(self.steps_per_epoch, 1) + 1} or more"
+                      + (f" (and {KEY}.total_training_steps with it)" if rm.total_training_steps is not None else ""))
+        return (f"the reward model's run is already complete: {self.resumed_from} is at step {self.global_step} and this "
+                f"run ends at step {self.total_steps} ({limit}), so nothing is trained (the model is validated and "
+                f"exported again); to train on from it, {advice} and run again")
 
     def _stop_if_requested(self) -> None:
         """Where a signal asked the run to stop: save this step (unless it is saved, or none has run) and raise
@@ -787,7 +804,7 @@ class RewardModelTrainer:
             raise ckpt.CheckpointError(f"checkpoint {path / PART} cannot be loaded into the reward model being "
                                        f"trained: {exc}") from exc
         state = ckpt.read_trainer_state(path)
-        self.global_step = int(state["global_step"])
+        self.global_step, self.resumed_from = int(state["global_step"]), path
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         world = self.cfg.world_size
         moved = f"; saved by {saved} worker(s), re-split over {world}" if saved != world else ""

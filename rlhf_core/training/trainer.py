@@ -727,6 +727,8 @@ class PPOTrainer:
         if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
                 and not self.resumed:
             self.validate_before_train()
+        if self.resumed and (self.global_step >= self.total_steps or self.data_exhausted):
+            print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         while self.global_step < self.total_steps and not self.data_exhausted:
             self._stop_if_requested()
             try:
@@ -737,6 +739,22 @@ class PPOTrainer:
                 self._validate_last_step()
                 break
         return self.history
+
+    def already_complete(self) -> str:
+        """What to say where a resume finds the run already at its end: the step it is at, the limit that ends
+        it (``trainer.total_training_steps``, or ``trainer.total_epochs`` passes over the data) and how to go on."""
+        cfg = self.config.trainer
+        per_epoch = self.sampler.batches_per_epoch
+        if cfg.total_training_steps and cfg.total_training_steps <= self.total_batches and not self.data_exhausted:
+            limit = f"trainer.total_training_steps={cfg.total_training_steps}"
+            advice = f"raise trainer.total_training_steps above {self.global_step}"
+        else:
+            limit = f"trainer.total_epochs={cfg.total_epochs} of {per_epoch} batches each"
+            advice = (f"raise trainer.total_epochs to {self.sampler.batches_drawn // per_epoch + 1} or more"
+                      + (" (and trainer.total_training_steps with it)" if cfg.total_training_steps else ""))
+        return (f"the run is already complete: {self.resumed_from} is at step {self.global_step} and this run ends "
+                f"at step {self.total_steps} ({limit}), so nothing is trained; to train on from it, {advice} "
+                "and run again")
 
     def _warn_if_stuck(self, step: int, metrics: dict[str, float]) -> None:
         """Warn where the step shows a run that cannot learn, each kind at most once every
