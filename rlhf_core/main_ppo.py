@@ -74,6 +74,7 @@ from rlhf_core.training.checkpoint import (
     find_resume_checkpoint,
     latest_or_none,
     run_lock,
+    set_aside_unsaved_records,
     start_afresh,
 )
 from rlhf_core.training.guards import TrainingInterrupted
@@ -615,6 +616,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         stack.enter_context(run_lock(local_dir))  # before any model loads: one run per checkpoint folder
         if trainer_cfg.resume_mode == "disable" and not trainer_cfg.val_only:
             start_afresh(local_dir)  # an earlier run's checkpoints there: a rerun must not resume that run
+        elif resume_from is None and not trainer_cfg.val_only:
+            set_aside_unsaved_records(local_dir)  # a run killed before its first save left its steps' records
         trainer = stack.enter_context(trainer_session(cfg))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)

@@ -125,10 +125,13 @@ def scratch(trained, tmp_path):
     trainer.checkpoint_dir = copy
     trainer.global_step = 3
     # the tests save through checkpoint.save_checkpoint, which does not tell the guards: they start knowing none
-    # (else the one before the run's latest would be kept as a guard's next anchor)
+    # (else the one before the run's latest would be kept as a guard's next anchor), and no best validation (else
+    # the run's best step would be kept: what a test sees would hang on whether an earlier test had cleared it)
     saved, trainer.guard.saved = trainer.guard.saved, []
+    best, trainer.guard.best_step = trainer.guard.best_step, None
     yield trainer, copy
     trainer.checkpoint_dir, trainer.global_step, trainer.guard.saved = out, 2, saved
+    trainer.guard.best_step = best
 
 
 def _fail_on_call(monkeypatch, number: int, error: OSError):
@@ -923,6 +926,26 @@ def test_a_run_started_afresh_moves_the_earlier_runs_records_aside(workspace, tm
     assert steps("metrics.jsonl") == [1] and steps("metrics.jsonl.prev.2") == [1]
     assert (f"notice: trainer.resume_mode=disable starts a new run in {out}: an earlier run's records there are "
             "moved aside (metrics.jsonl to metrics.jsonl.prev.2)") in capsys.readouterr().err
+
+
+def test_a_fresh_auto_run_moves_records_left_without_a_checkpoint_aside(workspace, tmp_path, capsys):
+    """resume_mode=auto in a folder whose earlier run was killed before its first save: no checkpoint to resume,
+    but that run's steps were in metrics.jsonl, and this run's step 1 followed them. They now move aside."""
+    from rlhf_core import main_ppo
+
+    out = tmp_path / "run"
+    out.mkdir()
+    left = [{"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.25}]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in left))
+    main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=1")))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [json.loads(line) for line in (out / "metrics.jsonl.prev").read_text().splitlines()] == left
+    assert (f"notice: trainer.default_local_dir {out} holds records of an earlier run that saved no checkpoint: "
+            "moved aside (metrics.jsonl to metrics.jsonl.prev)") in capsys.readouterr().err
+    # resumed (auto, a checkpoint now there), the run's records stay where they are
+    main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.total_training_steps=2")))
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert not (out / "metrics.jsonl.prev.2").exists()
 
 
 def test_a_resume_already_at_the_end_says_the_run_is_complete_and_how_to_go_on(workspace, tmp_path, capsys):

@@ -889,6 +889,18 @@ def test_a_new_run_in_the_folder_moves_the_earlier_runs_metrics_aside(tiny, pair
     assert "its records are moved aside (metrics.jsonl to metrics.jsonl.prev)" in capsys.readouterr().err
 
 
+def test_a_fresh_auto_run_moves_the_records_of_a_run_that_never_saved_aside(tiny, pairs_dir, tmp_path, capsys):
+    out = tmp_path / "rm"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 0.7}\n')  # a run killed before its first save
+    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3]  # 24 pairs, 8 a step
+    assert (out / "metrics.jsonl.prev").read_text() == '{"step": 1, "train/loss": 0.7}\n'
+    assert (f"notice: reward_model.train.default_local_dir {out} holds records of an earlier run that saved no "
+            "checkpoint: moved aside (metrics.jsonl to metrics.jsonl.prev)") in capsys.readouterr().err
+
+
 def test_ppo_and_the_reward_model_refuse_each_others_checkpoints_by_what_they_hold(
         tiny, pairs_dir, workspace, tmp_path, capsys):
     """PPO pointed at a reward model's folder (or the reverse) listed every config key the two runs set apart and

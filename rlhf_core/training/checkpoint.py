@@ -530,6 +530,20 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = 
               f"moved aside ({aside}), so that this run's start afresh", file=sys.stderr, flush=True)
 
 
+def set_aside_unsaved_records(root: str | os.PathLike, section: str = "trainer") -> None:
+    """A run that starts afresh in ``root`` without ``resume_mode=disable`` (``auto`` finding no checkpoint): the
+    records an earlier run left there before it saved anything (one killed before its first save) are moved aside
+    with a notice, as :func:`start_afresh` moves them, so that this run's step 1 does not follow that run's steps
+    in ``metrics.jsonl``. Call it holding :func:`run_lock`."""
+    from rlhf_core.training.tracking import set_aside_run_files
+
+    moved = set_aside_run_files(root)
+    if moved:
+        aside = ", ".join(f"{old.name} to {new.name}" for old, new in moved)
+        print(f"notice: {section}.default_local_dir {root} holds records of an earlier run that saved no checkpoint: "
+              f"moved aside ({aside}), so that this run's records start afresh", file=sys.stderr, flush=True)
+
+
 def _kind_of(path: Path) -> str | None:
     """:func:`checkpoint_kind` of the checkpoint ``path``; None where its manifest does not read."""
     try:

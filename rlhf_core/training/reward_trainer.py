@@ -666,6 +666,8 @@ class RewardModelTrainer:
             # an earlier run's checkpoints there: never resumed by a rerun (and never a PPO run's, replaced)
             ckpt.start_afresh(self.local_dir, KEY, "reward-model")
         self.resume()
+        if self.resumed_from is None and self.rm.resume_mode != "disable":
+            ckpt.set_aside_unsaved_records(self.local_dir, KEY)  # a run killed before its first save left records
         if self.resumed_from is not None and self.global_step >= self.total_steps:
             print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         log = log or (lambda metrics, step: None)
