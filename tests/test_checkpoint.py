@@ -590,6 +590,18 @@ def test_a_key_that_follows_the_actors_compares_resolved():
     assert checkpoint.config_differences(saved, current) == ["actor_rollout_ref.model.override_config"]
 
 
+def test_a_checkpoint_before_max_samples_kept_every_prompt():
+    """A checkpoint written before data.train_max_samples / val_max_samples existed trained on every prompt: it
+    resumes at -1 (all) and is refused with a cut, which would train on other prompts from the same step on."""
+    saved = PPOConfig().to_dict()
+    for key in ("train_max_samples", "val_max_samples"):
+        del saved["data"][key]
+    current = PPOConfig().to_dict()
+    assert checkpoint.config_differences(saved, current) == []
+    current["data"]["train_max_samples"], current["data"]["val_max_samples"] = 100, 20
+    assert sorted(checkpoint.config_differences(saved, current)) == ["data.train_max_samples", "data.val_max_samples"]
+
+
 def test_a_key_the_checkpoint_predates_compares_as_it_then_was(tmp_path):
     """A checkpoint written before the dropout keys existed trained with the models' dropout (false): for a model
     with dropout, resumed with a key true it is refused naming the key, what the run ran as and the override that

@@ -156,6 +156,8 @@ FORMER_VALUES: dict[str, Any] = {
     "reward_model.train.apply_chat_template_kwargs": {},  # the pairs were encoded without keywords
     "reward_model.max_length": None,  # the model's positions (longer failed)
     "reward_model.model.input_chat_template_kwargs": {},  # the policy's prompts were rendered as they came
+    "data.train_max_samples": -1,  # every prompt of the files was kept
+    "data.val_max_samples": -1,
 }
 #: each disable_dropout key, by the config section of the model it acts on (its path, override_config and
 #: trust_remote_code): on a model whose config has no non-zero noise rate the key changes nothing
