@@ -27,7 +27,7 @@ from rlhf_core.pipeline.lineage import (
 )
 from rlhf_core.pipeline.lineage import lineage as read_lineage
 from rlhf_core.pipeline.promotion import stage_disagreement
-from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, run_pipeline, serve
+from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, make_trigger, run_pipeline, serve
 
 
 def evaluate(argv: list[str] | None = None) -> int:
@@ -177,6 +177,10 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
 
 
 def schedule(argv: list[str] | None = None) -> int:
+    from rlhf_core.pipeline.run_config import (
+        check_run_config_file,  # (the trainer's config: loaded when used)
+    )
+
     parser = argparse.ArgumentParser(prog=program("rlhf-schedule"), description="Run the retraining pipeline on a schedule.")
     when = parser.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
@@ -190,9 +194,11 @@ def schedule(argv: list[str] | None = None) -> int:
     if not Path(args.config).is_file():
         parser.error(f"run config {args.config} does not exist")
     try:
+        if args.print_crontab and args.cron is None:
+            parser.error("--print-crontab needs --cron")
+        make_trigger(cron=args.cron, every=args.every)  # a bad expression is told before the config is read
+        check_run_config_file(args.config, args.pipeline)  # once now, rather than at each scheduled run
         if args.print_crontab:
-            if args.cron is None:
-                parser.error("--print-crontab needs --cron")
             print(crontab_line(args.cron, args.config, args.pipeline))
             return 0
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

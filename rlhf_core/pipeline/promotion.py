@@ -114,6 +114,12 @@ def check_gate(min_improvement: float, alpha: float) -> None:
     check_alpha(alpha, "alpha")
 
 
+CACHE_REFUSAL = ("enable_cache: true would replay earlier runs' steps from ZenML's cache: their data checks, "
+                 "training, evaluation and promotion decision, recorded under this run. These pipelines run every "
+                 "step afresh: remove enable_cache from the run config (to carry on from a failed run's checkpoint, "
+                 "put trainer.resume_mode=resume_path and trainer.resume_from_path in its overrides)")
+
+
 def check_not_cached() -> None:
     """Refuse a run config's ``enable_cache: true`` while a pipeline compiles (ZenML sets it on every step): the
     cache would replay an earlier run's data checks, training, evaluation and promotion decision, and record them
@@ -121,11 +127,7 @@ def check_not_cached() -> None:
     from zenml import get_pipeline_context
 
     if get_pipeline_context().enable_cache:
-        raise ValueError("enable_cache: true would replay earlier runs' steps from ZenML's cache: their data checks, "
-                         "training, evaluation and promotion decision, recorded under this run. These pipelines run "
-                         "every step afresh: remove enable_cache from the run config (to carry on from a failed "
-                         "run's checkpoint, put trainer.resume_mode=resume_path and trainer.resume_from_path in its "
-                         "overrides)")
+        raise ValueError(CACHE_REFUSAL)
 
 
 #: scoring settings that evaluation records hold only since a later version of this package: where one of two

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import click
 
 from rlhf_core.config import ConfigError, PPOConfig, load_config, validate_config
 from rlhf_core.data.dataset import DataError, check_files
 from rlhf_core.main_ppo import PreflightError, trained_reward_model_problems
-from rlhf_core.pipeline.promotion import check_gate, check_not_cached
+from rlhf_core.pipeline.promotion import CACHE_REFUSAL, check_gate, check_not_cached
 from rlhf_core.rewards import custom_reward_fn
 
 
@@ -103,16 +104,21 @@ def _file_problems(cfg: PPOConfig, trains_reward_model: bool) -> list[str]:
 
 def check_run_config(config_file: str, overrides: Sequence[str] | None, train_files: str | list[str] | None,
                      val_files: str | list[str] | None, min_improvement: float, alpha: float,
-                     trains_reward_model: bool = False, min_pair_accuracy: float | None = None) -> None:
+                     trains_reward_model: bool = False, min_pair_accuracy: float | None = None,
+                     compiling: bool = True) -> None:
     """Refuse, while a pipeline compiles, what would stop its run later: a promotion gate that cannot be applied,
     caching, a trainer config that does not resolve (:func:`resolve_trainer_config`) and, with
     ``trains_reward_model``, an accuracy gate that cannot be applied; where the steps run on this machine
     (:func:`steps_run_here`), also the files the steps would fail to read (:func:`_file_problems`) and a reward
-    model base that could not score the policy's rollouts. Raises :class:`RunConfigError`."""
+    model base that could not score the policy's rollouts. Raises :class:`RunConfigError`.
+
+    ``compiling=False`` (:func:`check_run_config_file`, before runs are scheduled): no pipeline context to ask
+    about caching, and no files checked, since a scheduled run reads them when it starts, not now."""
     try:
         check_gate(min_improvement, alpha)
-        check_not_cached()
-        here = steps_run_here()
+        if compiling:
+            check_not_cached()
+        here = compiling and steps_run_here()
         cfg = resolve_trainer_config(config_file, overrides, train_files, val_files, trains_reward_model and here)
         problems = _pair_accuracy_problems(cfg, min_pair_accuracy) if trains_reward_model else []
         if here:
@@ -121,3 +127,35 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
             raise ConfigError(problems)
     except ValueError as exc:
         raise RunConfigError(f"the pipeline's parameters cannot run; nothing was started:\n{exc}") from exc
+
+
+def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
+    """The check :func:`check_run_config` makes as the pipeline ``pipeline_source`` (``module.name``) compiles,
+    made once on the run config file ``run_config`` before runs are scheduled with it (``rlhf-schedule``), so that a
+    typo is told now rather than at each scheduled run: its parameters, the pipeline's defaults for those it leaves
+    out, must be the pipeline's and resolve; ``enable_cache`` is refused. Raises :class:`RunConfigError`."""
+    import importlib
+    import inspect
+
+    import yaml
+
+    try:
+        tree = yaml.safe_load(Path(run_config).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunConfigError(f"run config {run_config} does not read: {exc}") from exc
+    if not isinstance(tree, dict) or not isinstance(tree.get("parameters") or {}, dict):
+        raise RunConfigError(f"run config {run_config}: ZenML's run config is a mapping, its parameters a mapping of "
+                             "the pipeline's parameters to values")
+    if tree.get("enable_cache"):
+        raise RunConfigError(f"run config {run_config}: {CACHE_REFUSAL}")
+    module, _, name = pipeline_source.rpartition(".")
+    parameters = inspect.signature(getattr(importlib.import_module(module), name).entrypoint).parameters
+    given = tree.get("parameters") or {}
+    if unknown := sorted(set(given) - set(parameters)):
+        raise RunConfigError(f"run config {run_config}: {', '.join(unknown)} is not a parameter of {pipeline_source} "
+                             f"(its parameters: {', '.join(parameters)})")
+    values = {key: parameter.default for key, parameter in parameters.items()} | given
+    check_run_config(values["trainer_config"], values.get("overrides"), values.get("train_files"),
+                     values.get("val_files"), values["min_improvement"], values["alpha"],
+                     trains_reward_model="min_pair_accuracy" in parameters,
+                     min_pair_accuracy=values.get("min_pair_accuracy"), compiling=False)
