@@ -962,3 +962,33 @@ def test_a_resume_already_at_the_end_says_the_reward_models_run_is_complete(tiny
             "validated and exported again); to train on from it, raise reward_model.train.total_epochs to 2 or more "
             "and run again") in capsys.readouterr().err
     assert ckpt.latest_checkpoint(out) == out / "global_step_3"
+
+
+def test_a_refused_reward_model_run_leaves_the_folders_tracking_runs_as_they_were(
+        tiny, pairs_dir, workspace, tmp_path, capsys, monkeypatch):
+    """Each refusal of rlhf-train-rm in PPO's folder (the checkpoint's kind, under auto, disable and resume_path)
+    comes before its loggers start: PPO's wandb run id, its wandb runs and its TensorBoard events stay as PPO left
+    them, so that PPO's next resume goes on in its own wandb run."""
+    from rlhf_core.cli.train import ppo
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    ppo_dir = tmp_path / "ppo"
+    assert ppo(workspace.overrides(ppo_dir, "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                                   "trainer.logger=[file,wandb,tensorboard]")) == 0
+
+    def folder() -> dict[str, object]:
+        return {"ids": (ppo_dir / "tracking_runs.json").read_text(),
+                "tensorboard": sorted(p.name for p in (ppo_dir / "tensorboard").iterdir()),
+                "wandb": sorted(p.name for p in (ppo_dir / "wandb").iterdir()),
+                "files": sorted(p.name for p in ppo_dir.iterdir())}
+
+    before = folder()
+    assert json.loads(before["ids"]).keys() == {"wandb"} and len(before["tensorboard"]) == 1
+    capsys.readouterr()
+    loggers = "trainer.logger=[console,wandb,tensorboard]"
+    for extra in ([], ["reward_model.train.resume_mode=disable"],
+                  ["reward_model.train.resume_mode=resume_path",
+                   f"reward_model.train.resume_from_path={ppo_dir / 'global_step_1'}"]):
+        assert train_rm(_overrides(tiny, pairs_dir, ppo_dir, loggers, *extra)) == 2
+        assert "PPO" in capsys.readouterr().err
+        assert folder() == before

@@ -31,7 +31,7 @@ from rlhf_core.main_ppo import PreflightError, run, stop_on_signals
 from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
 from rlhf_core.rewards.manager import RewardError
-from rlhf_core.training.checkpoint import CheckpointError, step_of
+from rlhf_core.training.checkpoint import CheckpointError
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
 from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
@@ -133,12 +133,15 @@ def train_rm(argv: list[str] | None = None) -> int:
     try:
         trainer = RewardModelTrainer(cfg, frames)
         try:
-            resumed = trainer.resume_path()  # a resumed run goes on in its wandb and MLflow runs
-            with Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
-                          trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1),
-                          resume_step=step_of(resumed) if resumed is not None else None) as tracking, \
-                    stop_on_signals(trainer, trainer_cfg.save_on_interrupt):
-                val = trainer.fit(tracking.log)
+            # the checkpoint checks (its kind, its files, the config) before any tracking: a refused run leaves
+            # the folder's wandb and MLflow runs and its TensorBoard events as they were
+            with trainer.started(), \
+                    Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
+                             trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1),
+                             resume_step=trainer.global_step if trainer.resumed_from is not None else None
+                             ) as tracking, \
+                    stop_on_signals(trainer, trainer_cfg.save_on_interrupt):  # (a resumed run goes on in its runs)
+                val = trainer.train(tracking.log)
         finally:
             trainer.shutdown()
     except TrainingInterrupted as exc:

@@ -656,20 +656,32 @@ class RewardModelTrainer:
     def fit(self, log=None) -> dict[str, float]:
         """Train to ``total_steps`` (resuming first), validating and saving as configured; returns the last
         validation metrics (``val/pair_accuracy``, ...) and writes the HF export."""
-        with ckpt.run_lock(self.local_dir, f"{KEY}.default_local_dir"):  # one run at a time saves into the folder (as PPO's)
-            return self._fit(log)
+        with self.started():
+            return self.train(log)
 
-    def _fit(self, log=None) -> dict[str, float]:
+    @contextlib.contextmanager
+    def started(self):
+        """Hold the folder's run lock (one run at a time saves into it, as PPO's) and start the run as
+        ``resume_mode`` says: afresh (an earlier run's records moved aside) or from the checkpoint it resumes,
+        loaded. Every refusal (a checkpoint of another kind, one that does not verify, a config that differs) is
+        raised here, so that a caller sets up its tracking inside and a refused run leaves the folder's wandb,
+        MLflow and TensorBoard runs as they were."""
+        with ckpt.run_lock(self.local_dir, f"{KEY}.default_local_dir"):
+            if self.rm.resume_mode == "disable":
+                # an earlier run's checkpoints there: never resumed by a rerun (and never a PPO run's, replaced)
+                ckpt.start_afresh(self.local_dir, KEY, "reward-model")
+            self.resume()
+            if self.resumed_from is None and self.rm.resume_mode != "disable":
+                ckpt.set_aside_unsaved_records(self.local_dir, KEY)  # a run killed before its first save left records
+            if self.resumed_from is not None and self.global_step >= self.total_steps:
+                print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
+            yield self
+
+    def train(self, log=None) -> dict[str, float]:
+        """The steps from where :meth:`started` left the run to ``total_steps``, a validation after the last, the
+        last save and the HF export; call it inside :meth:`started`."""
         from tqdm.auto import tqdm
 
-        if self.rm.resume_mode == "disable":
-            # an earlier run's checkpoints there: never resumed by a rerun (and never a PPO run's, replaced)
-            ckpt.start_afresh(self.local_dir, KEY, "reward-model")
-        self.resume()
-        if self.resumed_from is None and self.rm.resume_mode != "disable":
-            ckpt.set_aside_unsaved_records(self.local_dir, KEY)  # a run killed before its first save left records
-        if self.resumed_from is not None and self.global_step >= self.total_steps:
-            print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         log = log or (lambda metrics, step: None)
         rm, last_val, first = self.rm, {}, True
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",

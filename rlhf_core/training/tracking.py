@@ -378,8 +378,8 @@ class FileLogger(Backend):
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)
         self.path = run.local_dir / self.FILENAME
-        # opened at the first record, not here: a run that starts afresh moves an earlier run's file aside after
-        # its tracking is set up (the reward model's), and an open file would follow it there
+        # opened at the first record, not here: a file opened early would follow the earlier run's to where a
+        # caller that sets tracking up first moves it aside
         self._file: IO[str] | None = None
 
     def _open(self) -> IO[str]:
