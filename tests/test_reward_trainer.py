@@ -949,19 +949,34 @@ def test_ppo_and_the_reward_model_refuse_each_others_checkpoints_by_what_they_ho
 
 
 def test_a_resume_already_at_the_end_says_the_reward_models_run_is_complete(tiny, pairs_dir, tmp_path, capsys):
+    """The notice names the limit that ends the run (both where they end it at the same step) and every limit at or
+    below the step reached: following it trains on. 24 pairs, 8 a step: 3 steps an epoch."""
     out = tmp_path / "rm"
-    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0  # 3 steps: 24 pairs, 8 a step, one epoch
+    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0  # 3 steps, one epoch
     assert "already complete" not in capsys.readouterr().err
+    head = f"notice: the reward model's run is already complete: {out / 'global_step_3'} is at step 3 and this run "
+    tail = ", so nothing is trained (the model is validated and exported again); to train on from it, raise "
+    # 2 steps: ends at step 2; the epoch (3 steps) ends at the step reached too, so both are to be raised
     assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2")) == 0
-    assert (f"notice: the reward model's run is already complete: {out / 'global_step_3'} is at step 3 and this run "
-            "ends at step 2 (reward_model.train.total_training_steps=2), so nothing is trained (the model is "
-            "validated and exported again); to train on from it, raise reward_model.train.total_training_steps "
-            "above 3 and run again") in capsys.readouterr().err
-    assert train_rm(_overrides(tiny, pairs_dir, out)) == 0
-    assert ("ends at step 3 (reward_model.train.total_epochs=1 of 3 steps each), so nothing is trained (the model is "
-            "validated and exported again); to train on from it, raise reward_model.train.total_epochs to 2 or more "
-            "and run again") in capsys.readouterr().err
+    assert (f"{head}ends at step 2 (reward_model.train.total_training_steps=2){tail}"
+            "reward_model.train.total_training_steps above 3 and reward_model.train.total_epochs to 2 or more and "
+            "run again") in capsys.readouterr().err
+    # 3 steps and one epoch of 3 steps: both end the run at step 3
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=3")) == 0
+    assert (f"{head}ends at step 3 (reward_model.train.total_training_steps=3 and reward_model.train.total_epochs=1 "
+            f"of 3 steps each){tail}reward_model.train.total_training_steps above 3 and "
+            "reward_model.train.total_epochs to 2 or more and run again") in capsys.readouterr().err
+    # the epochs alone (no step limit), or a step limit past the epochs: raise the epochs only
+    for extra in ([], ["reward_model.train.total_training_steps=5"]):
+        assert train_rm(_overrides(tiny, pairs_dir, out, *extra)) == 0
+        assert (f"{head}ends at step 3 (reward_model.train.total_epochs=1 of 3 steps each){tail}"
+                "reward_model.train.total_epochs to 2 or more and run again") in capsys.readouterr().err
     assert ckpt.latest_checkpoint(out) == out / "global_step_3"
+    # following the advice trains on: to step 4, where the step limit now ends it (two epochs end at step 6)
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=4",
+                               "reward_model.train.total_epochs=2")) == 0
+    assert "already complete" not in capsys.readouterr().err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_4"
 
 
 def test_a_refused_reward_model_run_leaves_the_folders_tracking_runs_as_they_were(

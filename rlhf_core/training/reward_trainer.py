@@ -715,18 +715,22 @@ class RewardModelTrainer:
         return last_val
 
     def already_complete(self) -> str:
-        """What to say where a resume finds the run already at its end: the limit that ends it and how to go on."""
-        rm = self.rm
-        if rm.total_training_steps is not None and rm.total_training_steps <= self.steps_per_epoch * rm.total_epochs:
-            limit = f"{KEY}.total_training_steps={rm.total_training_steps}"
-            advice = f"raise {KEY}.total_training_steps above {self.global_step}"
-        else:
-            limit = f"{KEY}.total_epochs={rm.total_epochs} of {self.steps_per_epoch} steps each"
-            advice = (f"raise {KEY}.total_epochs to {self.global_step // max(self.steps_per_epoch, 1) + 1} or more"
-                      + (f" (and {KEY}.total_training_steps with it)" if rm.total_training_steps is not None else ""))
-        return (f"the reward model's run is already complete: {self.resumed_from} is at step {self.global_step} and this "
-                f"run ends at step {self.total_steps} ({limit}), so nothing is trained (the model is validated and "
-                f"exported again); to train on from it, {advice} and run again")
+        """What to say where a resume finds the run already at its end: the limit that ends it (both where
+        total_training_steps and the last epoch end at the same step) and every limit to raise to train on."""
+        rm, step = self.rm, self.global_step
+        steps_key, epochs_key = f"{KEY}.total_training_steps", f"{KEY}.total_epochs"
+        epochs_end = self.steps_per_epoch * rm.total_epochs
+        limits = [f"{steps_key}={rm.total_training_steps}"] if rm.total_training_steps == self.total_steps else []
+        if epochs_end == self.total_steps:
+            limits.append(f"{epochs_key}={rm.total_epochs} of {self.steps_per_epoch} steps each")
+        raise_ = []  # every limit at or below the step reached: raising one alone would end the next run there too
+        if rm.total_training_steps is not None and rm.total_training_steps <= step:
+            raise_.append(f"{steps_key} above {step}")
+        if epochs_end <= step:
+            raise_.append(f"{epochs_key} to {step // max(self.steps_per_epoch, 1) + 1} or more")
+        return (f"the reward model's run is already complete: {self.resumed_from} is at step {step} and this run "
+                f"ends at step {self.total_steps} ({' and '.join(limits)}), so nothing is trained (the model is "
+                f"validated and exported again); to train on from it, raise {' and '.join(raise_)} and run again")
 
     def _stop_if_requested(self) -> None:
         """Where a signal asked the run to stop: save this step (unless it is saved, or none has run) and raise
