@@ -535,6 +535,7 @@ ALLOWED = {
     "trainer.val_only": "true", "trainer.balance_batch": "false",
     "actor_rollout_ref.nccl_timeout": "3600",  # raised after a hang: the stall notice points at it
     "actor_rollout_ref.actor.optim.lr": "0.5", "critic.optim.lr": "0.5",  # a resume's schedule takes the new rate
+    "data.val_max_samples": "4",  # fewer validation prompts, as other validation files: no step trains on them
 }
 
 
@@ -592,14 +593,17 @@ def test_a_key_that_follows_the_actors_compares_resolved():
 
 def test_a_checkpoint_before_max_samples_kept_every_prompt():
     """A checkpoint written before data.train_max_samples / val_max_samples existed trained on every prompt: it
-    resumes at -1 (all) and is refused with a cut, which would train on other prompts from the same step on."""
+    resumes at -1 (all) and is refused with a cut of the training prompts, which would train on other prompts from
+    the same step on; a cut of the validation prompts resumes, as other validation files do."""
     saved = PPOConfig().to_dict()
     for key in ("train_max_samples", "val_max_samples"):
         del saved["data"][key]
     current = PPOConfig().to_dict()
     assert checkpoint.config_differences(saved, current) == []
-    current["data"]["train_max_samples"], current["data"]["val_max_samples"] = 100, 20
-    assert sorted(checkpoint.config_differences(saved, current)) == ["data.train_max_samples", "data.val_max_samples"]
+    current["data"]["val_max_samples"] = 20
+    assert checkpoint.config_differences(saved, current) == []
+    current["data"]["train_max_samples"] = 100
+    assert checkpoint.config_differences(saved, current) == ["data.train_max_samples"]
 
 
 def test_a_key_the_checkpoint_predates_compares_as_it_then_was(tmp_path):

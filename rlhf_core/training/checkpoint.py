@@ -126,7 +126,8 @@ RESUME_SAFE_KEYS = (
     # what then differs from the saved run)
     "trainer.n_gpus_per_node", "trainer.nnodes",
     "actor_rollout_ref.rollout.tensor_model_parallel_size",  # how vLLM lays the engine out over them
-    "data.val_files", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
+    # what is validated, as the validation files themselves: no step trains on it
+    "data.val_files", "data.val_max_samples", "data.val_batch_size", "actor_rollout_ref.rollout.val_kwargs.*",
     "reward_model.train.*",  # training a reward model (rlhf-train-rm checks its own resumes)
     # memory and speed knobs: losses are normalised over the mini-batch, so these leave the math unchanged (the
     # sharding's param_dtype / reduce_dtype change the rounding on a GPU, as a change of precision would)
@@ -157,7 +158,6 @@ FORMER_VALUES: dict[str, Any] = {
     "reward_model.max_length": None,  # the model's positions (longer failed)
     "reward_model.model.input_chat_template_kwargs": {},  # the policy's prompts were rendered as they came
     "data.train_max_samples": -1,  # every prompt of the files was kept
-    "data.val_max_samples": -1,
 }
 #: each disable_dropout key, by the config section of the model it acts on (its path, override_config and
 #: trust_remote_code): on a model whose config has no non-zero noise rate the key changes nothing
