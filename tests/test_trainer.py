@@ -963,7 +963,52 @@ def test_scores_without_spread_by_hand():
     assert not scores_without_spread(torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "a", "b", "b"])  # prompt a tells apart
     assert not scores_without_spread(scores, ["a", "b", "a", "b"])  # groups in any order
     assert scores_without_spread(torch.full((6,), 0.5))
-    assert scores_without_spread(torch.tensor([3.0, 1.0]), ["a", "b"])  # rollout.n=1: each group one response
+    # rollout.n=1: GRPO and RLOO take a group of one's score as its advantage (by hand: [3, 1]), so the responses
+    # are compared over the batch
+    assert not scores_without_spread(torch.tensor([3.0, 1.0]), ["a", "b"])
+    assert scores_without_spread(torch.tensor([2.0, 2.0]), ["a", "b"])
+    # a group of two and groups of one: GRPO's advantages by hand [0, 0, 0] (a alike, b's own score 0), then
+    # [0, 0, 0, 2] (c's own score 2)
+    assert scores_without_spread(torch.tensor([1.0, 1.0, 0.0]), ["a", "a", "b"])
+    assert not scores_without_spread(torch.tensor([1.0, 1.0, 0.0, 2.0]), ["a", "a", "b", "c"])
+
+
+def test_scores_without_spread_judges_remax_by_the_greedy_baseline():
+    """ReMax's advantage is the score minus the score of its prompt's greedy response: 2 prompts, rollout.n=2,
+    prompt A's greedy answer right (1), prompt B's wrong (0)."""
+    from rlhf_core.training.trainer import scores_without_spread
+
+    baselines = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    # every sample wrong: flat scores, but A's samples fall short of its greedy answer: advantages -1, -1, 0, 0
+    assert not scores_without_spread(torch.tensor([0.0, 0.0, 0.0, 0.0]), baselines=baselines)
+    # every sample scores as its prompt's greedy answer: scores 1, 1, 0, 0 differ, yet every advantage is 0
+    assert scores_without_spread(torch.tensor([1.0, 1.0, 0.0, 0.0]), baselines=baselines)
+    assert not scores_without_spread(torch.tensor([1.0, 0.0, 0.0, 0.0]), baselines=baselines)
+
+
+def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
+    """A step whose scores tell no responses apart: the warning says which estimator's comparison they fail and
+    what still moves the advantages (a critic's values, the KL penalty in the reward)."""
+    from types import SimpleNamespace as NS
+
+    from rlhf_core.training.trainer import PPOTrainer
+
+    def warning(estimator: str, n: int, kl: bool = False) -> str:
+        cfg = NS(data=NS(max_response_length=256), actor_rollout_ref=NS(rollout=NS(n=n)),
+                 algorithm=NS(adv_estimator=estimator, use_kl_in_reward=kl))
+        trainer = NS(config=cfg, scores_flat=True, _stuck_warned={}, use_critic=estimator == "gae")
+        PPOTrainer._warn_if_stuck(trainer, 1, {"response_length/clip_ratio": 0.1})
+        return capsys.readouterr().err
+
+    no_signal = "so the advantages carry no reward signal"
+    assert (f"every response scored what its prompt's greedy response scored (algorithm.adv_estimator=remax's "
+            f"baseline), {no_signal} and the policy learns nothing about the reward") in warning("remax", 2)
+    assert f"the responses to each prompt scored the same, {no_signal} and" in warning("grpo", 4)
+    assert f"every response of the batch scored the same, {no_signal} and" in warning("grpo", 1)
+    assert f"{no_signal} (only the critic's values move them) and" in warning("gae", 1)
+    assert f"{no_signal} (only the critic's values and the KL penalty in the reward move them)" in warning(
+        "gae", 1, kl=True)
+    assert f"{no_signal} (only the KL penalty in the reward move them)" in warning("rloo", 4, kl=True)
 
 
 LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -1020,9 +1065,27 @@ def test_a_reward_that_tells_no_response_apart_is_warned_every_n_steps(workspace
     assert all(r["response_length/clip_ratio"] < 0.9 for r in records)
     assert [w.split(":")[0] for w in warnings] == ["WARNING step 1", "WARNING step 3"]
     assert "every response of the batch scored the same" in warnings[0] and "check the reward" in warnings[0]
-    monkeypatch.undo()
-    # GRPO compares each prompt's responses: with one response a prompt, none is ever told apart
-    _, warnings = _advice_run(workspace, capsys, "advice_grpo", LENGTH_REWARD, "algorithm.adv_estimator=grpo",
-                              "actor_rollout_ref.rollout.n=1")
-    assert len(warnings) == 1 and "the responses to each prompt scored the same" in warnings[0]
-    assert "actor_rollout_ref.rollout.n=1 samples one: raise rollout.n" in warnings[0]
+
+
+ONE_RESPONSE_A_PROMPT = (
+    "WARNING: algorithm.adv_estimator=grpo compares the responses to the same prompt, and "
+    "actor_rollout_ref.rollout.n=1 samples one: each response is a group of its own, whose advantage is its score "
+    "as it stands (whitened over the batch for reinforce_plus_plus_baseline), without the baseline the other "
+    "responses to its prompt would give; raise actor_rollout_ref.rollout.n to 2 or more")
+
+
+def test_a_group_estimator_with_one_response_a_prompt_is_warned_before_the_first_step(workspace, capsys):
+    """GRPO with rollout.n=1 is a config fact: said once before step 1, whatever the steps show (scores that differ,
+    responses cut off and scored alike), and not taken for scores that tell no responses apart."""
+    grpo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=1")
+    _, warnings = _advice_run(workspace, capsys, "advice_grpo", LENGTH_REWARD, *grpo)
+    assert warnings == [ONE_RESPONSE_A_PROMPT]  # scores that differ over the batch: GRPO's advantages follow them
+    _, warnings = _advice_run(workspace, capsys, "advice_grpo_cut", CONSTANT_REWARD, *grpo,
+                              "actor_rollout_ref.rollout.ignore_eos=true")
+    assert len(warnings) == 2 and warnings[0] == ONE_RESPONSE_A_PROMPT
+    assert warnings[1].startswith("WARNING step 1: 100% of the responses reached data.max_response_length=150 and "
+                                  "were cut off (response_length/clip_ratio 1.00) and every response of the batch "
+                                  "scored the same")
+    _, warnings = _advice_run(workspace, capsys, "advice_grpo_n2", LENGTH_REWARD, "algorithm.adv_estimator=grpo",
+                              "actor_rollout_ref.rollout.n=2")
+    assert ONE_RESPONSE_A_PROMPT not in warnings

@@ -171,18 +171,28 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
     return metrics
 
 
-def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None) -> bool:
-    """Whether the responses' scores (bs,) tell none of them apart where the advantages compare them: within each
-    group (``groups``: each response's group id, for the group estimators: GRPO, RLOO, ...) or over the whole
-    batch (``None``). Then every advantage is 0 (or, with a critic, follows the values alone): the step has no
-    reward to learn from."""
+def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None,
+                          baselines: torch.Tensor | None = None) -> bool:
+    """Whether the responses' scores (bs,) tell none of them apart where the advantage estimator compares them, so
+    that the advantages carry no reward signal:
+
+    - ``baselines`` (bs,), ReMax's (the score of each prompt's greedy response): every score equals its baseline,
+      so every advantage (score minus baseline) is 0;
+    - ``groups``, each response's group id, for the group estimators (GRPO, RLOO, ...): within each group of two
+      or more; a group of one (``rollout.n=1``) has no other response to compare with, and these estimators take
+      its score as it stands (REINFORCE++'s baseline variant whitens it over the batch), so the responses of such
+      groups are compared over the batch;
+    - neither (GAE, REINFORCE++): over the whole batch (with a critic the advantages then follow the values
+      alone)."""
+    if baselines is not None:
+        return bool((scores == baselines).all())
     if groups is None:
         return bool(scores.numel() == 0 or (scores == scores[0]).all())
-    first: dict = {}
+    members: dict = {}
     for group, score in zip(groups, scores.tolist()):
-        if first.setdefault(group, score) != score:
-            return False
-    return True
+        members.setdefault(group, []).append(score)
+    alone = {values[0] for values in members.values() if len(values) == 1}  # compared over the batch
+    return len(alone) <= 1 and all(len(set(values)) == 1 for values in members.values())
 
 
 #: steps between two warnings of the same kind about a run that cannot learn (:meth:`PPOTrainer._warn_if_stuck`)
@@ -470,8 +480,9 @@ class PPOTrainer:
                     metrics.update(self.actor.update_policy(batch, n, kl_loss_coef=self.kl_loss_coef))
         metrics.update(data_metrics(batch, cfg.data.max_response_length, cfg.data.max_prompt_length))
         grouped = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS
-        self.scores_flat = scores_without_spread(batch["token_level_scores"].sum(-1),
-                                                 batch.meta["uid"] if grouped else None)
+        self.scores_flat = scores_without_spread(
+            batch["token_level_scores"].sum(-1), batch.meta["uid"] if grouped else None,
+            batch.tensors.get("reward_baselines") if algo.adv_estimator == "remax" else None)
         if (acc := _nanmean(extras["acc"])) is not None:  # NaN: a prompt without a ground truth
             metrics["critic/acc/mean"] = acc
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
@@ -729,6 +740,8 @@ class PPOTrainer:
             self.validate_before_train()
         if self.resumed and (self.global_step >= self.total_steps or self.data_exhausted):
             print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
+        else:
+            self._warn_single_response_groups()
         while self.global_step < self.total_steps and not self.data_exhausted:
             self._stop_if_requested()
             try:
@@ -759,16 +772,27 @@ class PPOTrainer:
     def _warn_if_stuck(self, step: int, metrics: dict[str, float]) -> None:
         """Warn where the step shows a run that cannot learn, each kind at most once every
         :data:`STUCK_WARNING_EVERY` steps: most responses cut off at ``data.max_response_length`` (a cut response
-        seldom reaches its answer), or scores that tell no responses apart (:func:`scores_without_spread`)."""
+        seldom reaches its answer), or scores that tell no responses apart where the advantage estimator compares
+        them (:func:`scores_without_spread`). A group estimator with one response a prompt is a config fact, said
+        once before the first step (:meth:`_warn_single_response_groups`)."""
         cfg = self.config
         length = cfg.data.max_response_length
         clipped = metrics.get("response_length/clip_ratio", 0.0)
         cut = (f"{clipped:.0%} of the responses reached data.max_response_length={length} and were cut off "
                f"(response_length/clip_ratio {clipped:.2f})")
-        estimator, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
-        grouped = estimator in algos.ADV_ESTIMATORS_NEED_GROUPS
-        same = (f"{'the responses to each prompt' if grouped else 'every response of the batch'} scored the same, "
-                "so the advantages carry no reward signal and the policy learns nothing from this step")
+        algo, n = cfg.algorithm, cfg.actor_rollout_ref.rollout.n
+        if algo.adv_estimator == "remax":
+            alike = ("every response scored what its prompt's greedy response scored (algorithm.adv_estimator=remax's "
+                     "baseline)")
+        elif algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS and n > 1:
+            alike = "the responses to each prompt scored the same"
+        else:  # (a group of one response is compared over the batch)
+            alike = "every response of the batch scored the same"
+        moved_by = [what for what, holds in (("the critic's values", self.use_critic),
+                                             ("the KL penalty in the reward", algo.use_kl_in_reward)) if holds]
+        same = (f"{alike}, so the advantages carry no reward signal"
+                + (f" (only {' and '.join(moved_by)} move them)" if moved_by else "")
+                + " and the policy learns nothing about the reward from this step")
         if clipped >= CLIP_RATIO_WARNING and self.scores_flat:
             kinds, text = ("clip", "flat"), (f"{cut} and {same}: a cut response seldom reaches its answer; raise "
                                              "data.max_response_length")
@@ -776,17 +800,27 @@ class PPOTrainer:
             kinds, text = ("clip",), (f"{cut}: a cut response seldom reaches its answer, so it scores little; raise "
                                       "data.max_response_length")
         elif self.scores_flat:
-            cause = (f"algorithm.adv_estimator={estimator} compares the responses to the same prompt and "
-                     "actor_rollout_ref.rollout.n=1 samples one: raise rollout.n" if grouped and n == 1 else
-                     "check the reward: the reward function (custom_reward_function) or reward model, and the "
-                     "data's ground truth (its reward_model.ground_truth field)")
-            kinds, text = ("flat",), f"{same}; {cause}"
+            kinds, text = ("flat",), (f"{same}; check the reward: the reward function (custom_reward_function) or "
+                                      "reward model, and the data's ground truth (its reward_model.ground_truth "
+                                      "field)")
         else:
             return
         if all(kind in self._stuck_warned and step - self._stuck_warned[kind] < STUCK_WARNING_EVERY for kind in kinds):
             return
         self._stuck_warned.update(dict.fromkeys(kinds, step))
         print(f"WARNING step {step}: {text}", file=sys.stderr, flush=True)
+
+    def _warn_single_response_groups(self) -> None:
+        """Warn, once before the first step, where a group estimator (GRPO, RLOO, REINFORCE++ with its group
+        baseline) gets one response a prompt: a group of one has no other response to compare with."""
+        estimator, n = self.config.algorithm.adv_estimator, self.config.actor_rollout_ref.rollout.n
+        if estimator not in algos.ADV_ESTIMATORS_NEED_GROUPS or n > 1:
+            return
+        print(f"WARNING: algorithm.adv_estimator={estimator} compares the responses to the same prompt, and "
+              f"actor_rollout_ref.rollout.n={n} samples one: each response is a group of its own, whose advantage is "
+              "its score as it stands (whitened over the batch for reinforce_plus_plus_baseline), without the "
+              "baseline the other responses to its prompt would give; raise actor_rollout_ref.rollout.n to 2 or "
+              "more", file=sys.stderr, flush=True)
 
     def _validate_step(self, step: int, metrics: dict[str, float],
                        event: GuardEvent | None) -> tuple[bool, GuardEvent | None]:
