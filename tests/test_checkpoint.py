@@ -944,6 +944,39 @@ def test_a_run_started_afresh_moves_the_earlier_runs_records_aside(workspace, tm
             "moved aside (metrics.jsonl to metrics.jsonl.prev.2)") in capsys.readouterr().err
 
 
+def test_a_run_started_afresh_moves_tensorboard_and_the_tracking_run_ids_aside(workspace, tmp_path, capsys,
+                                                                              monkeypatch):
+    """resume_mode=disable after a 2-step run: TensorBoard showed steps 1, 2, 1 as one run; and the earlier run's
+    wandb id stayed in tracking_runs.json for a resume of the new run (which logged no wandb) to go on in."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlhf_core import main_ppo
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+
+    def steps(folder: str) -> list[int]:
+        events = EventAccumulator(str(out / folder))
+        events.Reload()
+        return [event.step for event in events.Scalars("critic/score/mean")]
+
+    def run(*extra: str) -> None:
+        main_ppo.run(load_config(tiny_overrides(workspace, out, "trainer.test_freq=-1", *extra)))
+
+    run("trainer.total_training_steps=2", "trainer.logger=[file,wandb,tensorboard]")
+    first_id = json.loads((out / "tracking_runs.json").read_text())["wandb"]
+    run("trainer.total_training_steps=1", "trainer.logger=[file,tensorboard]", "trainer.resume_mode=disable")
+    assert steps("tensorboard") == [1] and steps("tensorboard.prev") == [1, 2]
+    assert not (out / "tracking_runs.json").exists()
+    assert json.loads((out / "tracking_runs.json.prev").read_text()) == {"wandb": first_id}
+    assert ("its records are moved aside (metrics.jsonl to metrics.jsonl.prev, tensorboard to tensorboard.prev, "
+            "tracking_runs.json to tracking_runs.json.prev)") in capsys.readouterr().err
+    # the new run resumed with wandb: a wandb run of its own, not the earlier run's
+    run("trainer.total_training_steps=2", "trainer.logger=[file,wandb,tensorboard]")
+    assert json.loads((out / "tracking_runs.json").read_text())["wandb"] != first_id
+    assert steps("tensorboard") == [1, 2]
+
+
 def test_a_fresh_auto_run_moves_records_left_without_a_checkpoint_aside(workspace, tmp_path, capsys):
     """resume_mode=auto in a folder whose earlier run was killed before its first save: no checkpoint to resume,
     but that run's steps were in metrics.jsonl, and this run's step 1 followed them. They now move aside."""

@@ -451,6 +451,27 @@ def test_an_earlier_runs_records_are_set_aside_under_the_next_free_name(tmp_path
         '{"step": 1}\n', '{"step": 3}\n', '{"step": 2}\n', '{"step": 1, "input": "q"}\n']
 
 
+def test_an_earlier_runs_tensorboard_events_and_run_ids_are_set_aside(tmp_path):
+    """TensorBoard's folder (else it draws the new run's step 1 after the earlier run's last) and the wandb and
+    MLflow run ids (else a resume of the new run goes on in the earlier run's) move aside with the records."""
+    from rlhf_core.training.tracking import set_aside_run_files
+
+    (tmp_path / "tensorboard").mkdir()
+    assert set_aside_run_files(tmp_path) == []  # an empty folder holds no run's events
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"1")
+    (tmp_path / "tracking_runs.json").write_text('{"wandb": "old"}\n')
+    assert set_aside_run_files(tmp_path) == [(tmp_path / "tensorboard", tmp_path / "tensorboard.prev"),
+                                             (tmp_path / "tracking_runs.json", tmp_path / "tracking_runs.json.prev")]
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.2").write_bytes(b"2")
+    assert set_aside_run_files(tmp_path) == [(tmp_path / "tensorboard", tmp_path / "tensorboard.prev.2")]
+    assert (tmp_path / "tensorboard.prev" / "events.out.tfevents.1").read_bytes() == b"1"
+    assert (tmp_path / "tensorboard.prev.2" / "events.out.tfevents.2").read_bytes() == b"2"
+    assert (tmp_path / "tracking_runs.json.prev").read_text() == '{"wandb": "old"}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tensorboard.prev", "tensorboard.prev.2",
+                                                          "tracking_runs.json.prev"]
+
+
 def test_the_file_logger_writes_where_the_file_is_at_its_first_record(tmp_path):
     """Set up before an earlier run's file is moved aside (the reward model's command does so), it writes a new
     file, not into the one moved."""

@@ -501,9 +501,10 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = 
     latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and
     before that refuses (:func:`unmarked_refusal`, naming the earlier run's newest intact checkpoint) rather
     than resume the run this one set out to replace. The checkpoints themselves stay; this run's saves replace
-    them step by step. The earlier run's ``metrics.jsonl`` and validation samples are moved aside
-    (:func:`~rlhf_core.training.tracking.set_aside_run_files`), so that this run's records start a file of their
-    own rather than follow that run's steps. Checkpoints of another ``kind`` of run (a reward model's in PPO's
+    them step by step. The earlier run's ``metrics.jsonl``, validation samples, TensorBoard events and tracking run
+    ids are moved aside (:func:`~rlhf_core.training.tracking.set_aside_run_files`), so that this run's records
+    start afresh rather than follow that run's steps, and its resumes never go on in that run's wandb or MLflow
+    run. Checkpoints of another ``kind`` of run (a reward model's in PPO's
     folder, or the reverse) are refused (CheckpointError): this run's saves would replace them. Call it holding
     :func:`run_lock`."""
     from rlhf_core.training.tracking import set_aside_run_files

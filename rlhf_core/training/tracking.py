@@ -22,7 +22,8 @@ Backends (``VALID_LOGGERS``):
     the earlier run's aside (:func:`set_aside_run_files`). The file is opened at the first record.
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
-    ``$TENSORBOARD_DIR`` where that is set, as verl writes it. Needs the ``tensorboard`` package.
+    ``$TENSORBOARD_DIR`` where that is set, as verl writes it. A run started afresh moves the earlier run's
+    ``<local_dir>/tensorboard`` aside, as the file's records. Needs the ``tensorboard`` package.
 ``wandb``
     ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
     ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
@@ -352,13 +353,16 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def set_aside_run_files(local_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
-    """Move an earlier run's records in ``local_dir`` (``metrics.jsonl``, ``val_generations.jsonl``) aside, each to
-    ``<name>.prev``, or ``<name>.prev.2``, ``.prev.3`` ... where that is taken, so that a new run's records start
-    a file of their own; returns (old, new) of each file moved."""
+    """Move an earlier run's records in ``local_dir`` aside, each to ``<name>.prev``, or ``<name>.prev.2``,
+    ``.prev.3`` ... where that is taken, so that a new run's records start afresh; returns (old, new) of each one
+    moved. The records: ``metrics.jsonl`` and ``val_generations.jsonl`` (else the new run's steps follow the
+    earlier run's), the ``tensorboard`` folder (else TensorBoard draws both runs' steps as one line) and
+    ``tracking_runs.json`` (else a resume of the new run, with a logger the new run did not use, goes on in the
+    earlier run's wandb or MLflow run)."""
     moved = []
-    for name in (FileLogger.FILENAME, GENERATIONS_FILENAME):
+    for name in (FileLogger.FILENAME, GENERATIONS_FILENAME, TensorBoardLogger.SUBDIR, RUN_IDS_FILENAME):
         path = Path(local_dir) / name
-        if not path.is_file():
+        if not (path.is_file() or (path.is_dir() and any(path.iterdir()))):
             continue
         target, number = path.with_name(f"{name}.prev"), 1
         while target.exists():
