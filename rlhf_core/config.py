@@ -1226,27 +1226,53 @@ def _stderr(message: str) -> None:
 VERL_OWN_DEFAULTS = frozenset({"ppo_trainer", "_self_"})
 
 
+def _sets_hydra_group(entry: Any) -> bool:
+    """Whether a defaults-list entry chooses one of Hydra's own settings (``override hydra/job_logging:
+    disabled``): those are Hydra's, as the ``hydra:`` section is, not the trainer's."""
+    if not isinstance(entry, dict) or len(entry) != 1:
+        return False
+    group = str(next(iter(entry))).strip()
+    group = group.removeprefix("override").strip().lstrip("/")
+    return group.startswith("hydra/")
+
+
 def _without_hydra_keys(tree: DictConfig, path: Path, notice: Callable[[str], None]) -> DictConfig:
     """A verl experiment file's tree without Hydra's keys: a ``defaults`` list naming only verl's ppo_trainer (and
-    ``_self_``) is dropped with a notice, since that tree is the defaults here; any other is refused, since the
-    files it names are not read; ``hydra`` (Hydra's own settings: search path, run folder) is dropped with a
-    notice."""
+    ``_self_`` after it) is dropped with a notice, since that tree is the defaults here; one naming other files is
+    refused, since the files it names are not read, and so is ``_self_`` before ppo_trainer, with which Hydra
+    applies verl's defaults over the file's own keys. ``hydra`` (Hydra's own settings: search path, run folder)
+    and the defaults list's ``override hydra/...`` entries are dropped with a notice."""
     if "defaults" in tree:
         listed = OmegaConf.to_container(tree["defaults"]) if isinstance(tree["defaults"], ListConfig | DictConfig) \
             else tree["defaults"]
         entries = listed if isinstance(listed, list) else [listed]
-        shown = ", ".join(", ".join(f"{k}: {v}" for k, v in e.items()) if isinstance(e, dict) else str(e)
-                          for e in entries)
+
+        def shown(chosen: list) -> str:
+            return ", ".join(", ".join(f"{k}: {v}" for k, v in e.items()) if isinstance(e, dict) else str(e)
+                             for e in chosen)
+
+        if hydra_settings := [e for e in entries if _sets_hydra_group(e)]:
+            notice(f"notice: config file {path}: its defaults list's {shown(hydra_settings)} (Hydra's own "
+                   "settings) is not read here")
+            entries = [e for e in entries if not _sets_hydra_group(e)]
         if any(not isinstance(e, str) or e.lstrip("/") not in VERL_OWN_DEFAULTS for e in entries):
             raise ConfigError([
-                f"config file {path}: its Hydra defaults list ({shown}) is not read here: the files it names would "
-                "be merged by Hydra, which does not load this config. Write the keys you need from them into this "
-                "file directly (under their sections, e.g. actor_rollout_ref.actor.clip_ratio_high), or give a "
-                "file of verl keys as a --config before this one (files merge in order), and delete the defaults "
-                "list; a list naming only ppo_trainer and _self_ is taken, as verl's ppo_trainer tree is the "
-                "defaults here"])
-        notice(f"notice: config file {path}: its defaults list ({shown}) is not read: verl's ppo_trainer tree is "
-               "the defaults here, and the file's keys apply over it")
+                f"config file {path}: its Hydra defaults list ({shown(entries)}) is not read here: the files it "
+                "names would be merged by Hydra, which does not load this config. Write the keys you need from "
+                "them into this file directly (under their sections, e.g. actor_rollout_ref.actor.clip_ratio_high), "
+                "or give a file of verl keys as a --config before this one (files merge in order), and delete the "
+                "defaults list; a list naming only ppo_trainer and _self_ is taken, as verl's ppo_trainer tree is "
+                "the defaults here"])
+        names = [e.lstrip("/") for e in entries]
+        if "_self_" in names and "ppo_trainer" in names and names.index("_self_") < names.index("ppo_trainer"):
+            raise ConfigError([
+                f"config file {path}: its defaults list ({shown(entries)}) puts _self_ before ppo_trainer, with "
+                "which Hydra applies verl's defaults over this file's own keys, so that those verl sets would not "
+                "take effect; here the file's keys always apply over the defaults: put _self_ after ppo_trainer "
+                "(or delete the defaults list), and delete from the file the keys meant to stay at verl's defaults"])
+        if entries:
+            notice(f"notice: config file {path}: its defaults list ({shown(entries)}) is not read: verl's "
+                   "ppo_trainer tree is the defaults here, and the file's keys apply over it")
         tree = OmegaConf.masked_copy(tree, [k for k in tree.keys() if k != "defaults"])
     if "hydra" in tree:
         notice(f"notice: config file {path}: hydra.* (Hydra's own settings) is not read here")

@@ -819,6 +819,30 @@ def test_a_defaults_list_naming_verls_ppo_trainer_is_dropped_with_a_notice(tmp_p
     assert any("hydra.* (Hydra's own settings) is not read" in n for n in notices)
 
 
+def test_a_defaults_lists_choice_of_hydras_own_settings_is_dropped_with_a_notice(tmp_path):
+    # Hydra's job_logging chosen in the defaults list is Hydra's setting, as the hydra: section is
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("defaults:\n  - ppo_trainer\n  - _self_\n  - override hydra/job_logging: disabled\n"
+                      "actor_rollout_ref:\n  actor:\n    clip_ratio: 0.3\n")
+    notices = []
+    cfg = load_config(config_file=recipe, notice=notices.append, validate=False)
+    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.3
+    assert any("override hydra/job_logging: disabled (Hydra's own settings) is not read here" in n for n in notices)
+    assert any("its defaults list (ppo_trainer, _self_) is not read" in n for n in notices)
+
+
+def test_a_defaults_list_with_self_before_ppo_trainer_is_refused(tmp_path):
+    # in Hydra, _self_ first lets verl's defaults override the file's keys: clip_ratio would stay 0.2, not 0.3
+    experiment = tmp_path / "experiment.yaml"
+    experiment.write_text("defaults:\n  - _self_\n  - ppo_trainer\nactor_rollout_ref:\n  actor:\n"
+                          "    clip_ratio: 0.3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=experiment, notice=lambda _: None, validate=False)
+    message = "\n".join(info.value.errors)
+    assert f"config file {experiment}: its defaults list (_self_, ppo_trainer) puts _self_ before ppo_trainer" in message
+    assert "put _self_ after ppo_trainer" in message
+
+
 @pytest.mark.parametrize("entries", ["  - ppo_trainer\n  - override /algorithm: grpo\n", "  - my_base\n  - _self_\n"])
 def test_a_defaults_list_naming_other_files_is_refused_saying_it_is_not_read(tmp_path, entries):
     experiment = tmp_path / "experiment.yaml"
