@@ -580,6 +580,25 @@ def test_a_reward_model_as_the_policy_is_refused_and_as_the_critic_taken(space, 
     preflight(_config(space, f"critic.model.path={rm}"))
 
 
+@pytest.mark.parametrize(("architectures", "kind"), [
+    (["Qwen2ForRewardModel"], "a reward model"),  # remote-code reward models: their own score head, no LM head
+    (["InternLM2ForRewardModel"], "a reward model"),
+    (["Qwen2ForProcessRewardModel"], "a process reward model"),
+    (["LlamaForSequenceClassification"], "a reward/classification model"),
+    (["Qwen2ForCausalLM"], None),
+    (["Qwen2ForCausalLM", "Qwen2ForRewardModel"], None),  # one architecture generates: not refused
+])
+def test_reward_model_architectures_are_not_taken_as_a_policy(tmp_path, architectures, kind):
+    from rlhf_core.models.loading import not_a_policy
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": architectures}))
+    problem = not_a_policy(tmp_path)
+    if kind is None:
+        assert problem is None
+    else:
+        assert problem.startswith(f"{tmp_path} holds {kind} ") and "not a causal language model" in problem
+
+
 def test_a_hub_id_as_the_model_path_says_nothing_is_downloaded_and_how_to_get_a_folder(space, tmp_path,
                                                                                        monkeypatch):
     from rlhf_core.models.loading import looks_like_hub_id

@@ -99,6 +99,8 @@ def missing_model_dir(path: str | os.PathLike) -> str:
 #: with one is: a folder whose every architecture ends so has no language-model head to generate with
 NOT_GENERATIVE = {
     "ForSequenceClassification": "a reward/classification model (one score per sequence)",
+    "ForRewardModel": "a reward model (one score per sequence, from its own head)",
+    "ForProcessRewardModel": "a process reward model (scores for each step of a solution)",
     "ForTokenClassification": "a value/token-classification model (one score per token, as critics are saved)",
     "ForQuestionAnswering": "a question-answering (span extraction) model",
     "ForMultipleChoice": "a multiple-choice classification model",
