@@ -521,6 +521,30 @@ def test_the_likely_prompt_column_is_named_where_data_prompt_key_is_missing(tmp_
                                 "'reward_model', 'extra_info']")
 
 
+def test_a_column_of_sft_conversations_is_not_suggested_as_the_prompts(tmp_path, tokenizer):
+    """SFT data: each conversation ends with the assistant's answer, which read as a prompt would sit inside it.
+    The column is named for what it holds, not offered as data.prompt_key; one ending with a user turn is."""
+    def conversation(i: int, answered: bool) -> list[dict]:
+        turns = [{"role": "user", "content": f"what is {i}+1?"}]
+        return turns + [{"role": "assistant", "content": f"{i + 1}"}] if answered else turns
+
+    for answered in (True, False):
+        rows = [{"messages": conversation(i, answered), "data_source": "openai/gsm8k",
+                 "reward_model": {"ground_truth": str(i + 1), "style": "rule"}} for i in range(4)]
+        path = tmp_path / f"answered_{answered}.parquet"
+        pd.DataFrame(rows).to_parquet(path)
+        with pytest.raises(DataError) as error:
+            RLHFDataset(str(path), tokenizer, DataConfig(max_prompt_length=200))
+        found = "data.train_files: column(s) ['prompt'] missing; found ['messages', 'data_source', 'reward_model']; "
+        if answered:
+            assert str(error.value) == (
+                found + "'messages' holds conversations that end with an assistant turn (SFT data): read as prompts, "
+                "the answer would sit inside every prompt; write a prompt column of each conversation without its "
+                "last assistant turn and set data.prompt_key=<that column>")
+        else:
+            assert str(error.value) == found + "the prompts look to be in 'messages': set data.prompt_key=messages"
+
+
 def _verl_draw(total: int, size: int, seed: int) -> list[int]:
     """verl's RLHFDataset keeps rows ``default_rng(seed).choice(total, size, replace=False)`` in that order."""
     return np.random.default_rng(seed).choice(total, size=size, replace=False).tolist()

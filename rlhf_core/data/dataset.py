@@ -156,12 +156,23 @@ def prompt_column_guess(schema: pyarrow.Schema) -> str | None:
     return None
 
 
+def _ends_with_an_answer(path: Path, column: str, rows: int = 100) -> bool:
+    """Whether one of the first ``rows`` conversations in the chat-message column ``column`` of ``path`` ends with
+    an assistant turn, as SFT data's do. Reads that column of the file's first rows only."""
+    first = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=rows, columns=[column]), None)
+    conversations = first.column(0).to_pylist() if first is not None else []
+    return any(conversation and (conversation[-1] or {}).get("role") == "assistant"
+               for conversation in conversations)
+
+
 def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: str, prompt_key: str = "prompt",
                             prompt_option: str = "data.prompt_key=") -> str | None:
     """What to say where no file of ``paths`` has a column of ``columns``, else None: the columns missing and
     those found, and what to do: a file of preference pairs is named as such (they train a reward model), a
-    likely prompt column (:func:`prompt_column_guess`) is suggested as ``{prompt_option}<column>``, and a missing
-    ``reward_model`` gets :data:`TRUTH_HINT`. Reads the files' schemas only."""
+    likely prompt column (:func:`prompt_column_guess`) is suggested as ``{prompt_option}<column>`` (but a column of
+    conversations that end with an assistant turn, SFT data, is named as such: its answers would sit inside the
+    prompts), and a missing ``reward_model`` gets :data:`TRUTH_HINT`. Reads the files' schemas, and the first rows
+    of a guessed column of chat messages."""
     schemas = [parquet_schema(path) for path in paths]
     found = [name for name in dict.fromkeys(n for schema in schemas for n in schema.names)
              if not name.startswith("__")]  # (pandas' saved index)
@@ -174,8 +185,13 @@ def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: 
                 "reward model (rlhf train-rm, or reward_model.train in the pipelines); PPO training and evaluation "
                 "read prompt files (prompt, data_source, reward_model.ground_truth)")
     if prompt_key in absent:
-        guess = next((g for schema in schemas if (g := prompt_column_guess(schema)) is not None), None)
-        if guess is not None:
+        guess, where, schema = next(((g, path, schema) for path, schema in zip(paths, schemas)
+                                     if (g := prompt_column_guess(schema)) is not None), (None, None, None))
+        if guess is not None and _is_message_list(schema.field(guess).type) and _ends_with_an_answer(where, guess):
+            text += (f"; {guess!r} holds conversations that end with an assistant turn (SFT data): read as prompts, "
+                     "the answer would sit inside every prompt; write a prompt column of each conversation without "
+                     f"its last assistant turn and set {prompt_option}<that column>")
+        elif guess is not None:
             text += f"; the prompts look to be in {guess!r}: set {prompt_option}{guess}"
     return text + (TRUTH_HINT if "reward_model" in absent else "")
 
