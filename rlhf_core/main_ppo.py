@@ -33,11 +33,13 @@ import torch
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import (
+    PREFERENCE_DATA,
     TRUTH_HINT,
     DataError,
     RLHFDataset,
     check_files,
     columns_not_in_every_file,
+    is_preference_data,
     missing_columns_problem,
     needed_columns,
     parquet_schema,
@@ -228,11 +230,17 @@ def preflight(cfg: PPOConfig) -> None:
             custom_reward_fn(cfg)
         except (OSError, ImportError, AttributeError, TypeError) as exc:
             errors.append(f"custom_reward_function: {exc}")
+    pairs: dict[Path, list[str]] = {}  # files of preference pairs given as prompts: the keys naming each
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         if key == "data.val_files" and not files:  # no validation: the trainer runs without one
             continue
         try:
             paths = check_files(files, key)
+            # told once per file, with the keys naming it, rather than as columns missing from each key's files
+            if preference := [path for path in paths if _preference_not_prompts(path, cfg)]:
+                for path in preference:
+                    pairs.setdefault(path, []).append(key)
+                continue
             # the prompts' column, here with the other problems (the dataset would name it alone, after the
             # models load); the ground truths' and the data sources' are counted and named by the scan below
             no_prompts = missing_columns_problem(paths, [cfg.data.prompt_key], key, cfg.data.prompt_key)
@@ -275,8 +283,21 @@ def preflight(cfg: PPOConfig) -> None:
                               "algorithm.filter_groups.metric=acc cannot group them; use seq_reward or score")
         except DataError as exc:
             errors.append(str(exc))
+    errors += [f"{', '.join(keys)}: {path} has columns {_columns(path)}: {PREFERENCE_DATA}"
+               for path, keys in pairs.items()]
     if errors:
         raise PreflightError(errors)
+
+
+def _columns(path: Path) -> str:
+    return ", ".join(name for name in parquet_schema(path).names if not name.startswith("__"))  # (pandas' index)
+
+
+def _preference_not_prompts(path: Path, cfg: PPOConfig) -> bool:
+    """Whether ``path`` is a file of preference pairs (:func:`is_preference_data`) without the columns the trainer
+    reads prompts and routes rewards by (``data.prompt_key``, ``data.reward_fn_key``)."""
+    schema = parquet_schema(path)
+    return is_preference_data(schema) and not {cfg.data.prompt_key, cfg.data.reward_fn_key} <= set(schema.names)
 
 
 RAY_CONNECT_TIMEOUT_S = 5.0

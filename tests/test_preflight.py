@@ -562,6 +562,26 @@ def test_prompt_roles_outside_the_chat_format_are_refused_before_any_weights_loa
     assert len(errors) == 1 and errors[0].startswith("data.train_files: 2 prompt(s) have message roles outside")
 
 
+def test_a_file_of_preference_pairs_is_named_as_such_once_with_the_keys_that_give_it(space, tmp_path):
+    """Preference pairs (prompt, chosen, rejected) as the prompt data: named as data a reward model trains on,
+    once for the file that both data keys give, not as a data source missing from each."""
+    import pandas as pd
+
+    pairs = tmp_path / "pairs.parquet"
+    pd.DataFrame({"prompt": [[{"role": "user", "content": "2+2?"}]] * 4,
+                  "chosen": [[{"role": "assistant", "content": "4"}]] * 4,
+                  "rejected": [[{"role": "assistant", "content": "5"}]] * 4}).to_parquet(pairs)
+    errors = _errors(_config(space, f"data.train_files={pairs}", f"data.val_files={pairs}"))
+    assert errors == [f"data.train_files, data.val_files: {pairs} has columns prompt, chosen, rejected: this is "
+                      "preference data (a prompt with chosen and rejected responses), which trains a reward model "
+                      "(rlhf train-rm, or reward_model.train in the pipelines); PPO training and evaluation read "
+                      "prompt files (prompt, data_source, reward_model.ground_truth)"]
+    # prompt data with chosen and rejected columns besides is prompt data
+    frame = pd.read_parquet(space / "data" / "train.parquet")
+    frame.assign(chosen="4", rejected="5").to_parquet(tmp_path / "prompts_and_pairs.parquet")
+    preflight(_config(space, f"data.train_files={tmp_path / 'prompts_and_pairs.parquet'}"))
+
+
 def test_a_reward_model_as_the_policy_is_refused_and_as_the_critic_taken(space, tmp_path):
     """A sequence-classification folder as actor_rollout_ref.model.path trained: its score head was dropped and a
     random LM head made. It is refused before any weights load, in the trainer's checks and in the dry run; as the

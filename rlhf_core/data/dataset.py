@@ -156,6 +156,17 @@ def prompt_column_guess(schema: pyarrow.Schema) -> str | None:
     return None
 
 
+#: what a file of preference pairs is, said where it is given as prompt data
+PREFERENCE_DATA = ("this is preference data (a prompt with chosen and rejected responses), which trains a reward "
+                   "model (rlhf train-rm, or reward_model.train in the pipelines); PPO training and evaluation read "
+                   "prompt files (prompt, data_source, reward_model.ground_truth)")
+
+
+def is_preference_data(schema: pyarrow.Schema) -> bool:
+    """Whether a file of this schema holds preference pairs: chosen and rejected responses."""
+    return {"chosen", "rejected"} <= set(schema.names)
+
+
 def _ends_with_an_answer(path: Path, column: str, rows: int = 100) -> bool:
     """Whether one of the first ``rows`` conversations in the chat-message column ``column`` of ``path`` ends with
     an assistant turn, as SFT data's do. Reads that column of the file's first rows only."""
@@ -180,10 +191,8 @@ def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: 
     if not absent:
         return None
     text = f"{key}: column(s) {absent} missing; found {found}"
-    if {"chosen", "rejected"} <= set(found):
-        return (f"{text}: this is preference data (a prompt with chosen and rejected responses), which trains a "
-                "reward model (rlhf train-rm, or reward_model.train in the pipelines); PPO training and evaluation "
-                "read prompt files (prompt, data_source, reward_model.ground_truth)")
+    if any(is_preference_data(schema) for schema in schemas):
+        return f"{text}: {PREFERENCE_DATA}"
     if prompt_key in absent:
         guess, where, schema = next(((g, path, schema) for path, schema in zip(paths, schemas)
                                      if (g := prompt_column_guess(schema)) is not None), (None, None, None))
