@@ -748,3 +748,47 @@ def test_without_exception_notes_the_advice_goes_to_stderr(tmp_path, capsys):
     write_checkpoint(tmp_path, 2, lambda files: [])
     add_resume_advice(SimpleNamespace(), tmp_path)  # an error as Python 3.10 makes it, for what is read of it
     assert f"trainer.resume_from_path={tmp_path / 'global_step_2'}" in capsys.readouterr().err
+
+
+def test_a_remote_orchestrators_trainer_config_is_left_to_its_step_where_it_resolves_only_there(monkeypatch,
+                                                                                                tmp_path, capsys):
+    """A remote orchestrator's pods read the trainer config from their own volume, with their own environment:
+    a file only there, or a ${oc.env:VAR} set only there, is left to the load_ppo_config step; the local
+    orchestrator's run (the steps read what this machine has) refuses both, and the gates are refused either way."""
+    from rlhf_core.pipeline import run_config
+    from rlhf_core.pipeline.run_config import RunConfigError, check_run_config
+
+    monkeypatch.setattr(run_config, "check_not_cached", lambda: None)  # (asks a pipeline being compiled)
+    monkeypatch.delenv("PODS_CKPT_ROOT", raising=False)
+    env = tmp_path / "env.yaml"
+    env.write_text("trainer:\n  default_local_dir: ${oc.env:PODS_CKPT_ROOT}/ppo\n")
+    on_pods = tmp_path / "pods" / "ppo.yaml"
+    data = ("/data/train.parquet", "/data/test.parquet")
+
+    monkeypatch.setattr(run_config, "steps_run_here", lambda: True)
+    with pytest.raises(RunConfigError, match="Environment variable 'PODS_CKPT_ROOT' not found"):
+        check_run_config(str(env), [], *data, 0.0, 0.05)
+    with pytest.raises(RunConfigError, match=f"config file {re.escape(str(on_pods))} does not exist"):
+        check_run_config(str(on_pods), [], *data, 0.0, 0.05)
+
+    monkeypatch.setattr(run_config, "steps_run_here", lambda: False)
+    capsys.readouterr()
+    check_run_config(str(env), [], *data, 0.0, 0.05)
+    check_run_config(str(on_pods), [], *data, 0.0, 0.05)
+    check_run_config(str(on_pods), [], *data, 0.0, 0.05, trains_reward_model=True, min_pair_accuracy=0.6)
+    demo = str(Path(__file__).parents[1] / "configs" / "ppo_demo_cpu.yaml")
+    check_run_config(demo, ["trainer.default_local_dir=${oc.env:PODS_CKPT_ROOT}"], *data, 0.0, 0.05)
+    err = capsys.readouterr().err
+    assert ("notice: the trainer config reads environment variable(s) PODS_CKPT_ROOT, not set on this machine: the "
+            "load_ppo_config step resolves and checks it where it runs") in err
+    assert f"notice: the trainer config {on_pods} is not on this machine: the load_ppo_config step resolves" in err
+    # what resolves here is still checked; the gates need no trainer config
+    with pytest.raises(RunConfigError, match="unknown config key trainer.total_trainig_steps"):
+        check_run_config(demo, ["trainer.total_trainig_steps=2"], *data, 0.0, 0.05)
+    with pytest.raises(RunConfigError, match=r"min_improvement=1\.5 is a gain in accuracy"):
+        check_run_config(str(on_pods), [], *data, 1.5, 0.05)
+    with pytest.raises(RunConfigError, match=r"min_pair_accuracy \(a pipeline parameter\)=1\.5 must be a share"):
+        check_run_config(str(on_pods), [], *data, 0.0, 0.05, trains_reward_model=True, min_pair_accuracy=1.5)
+    monkeypatch.setenv("PODS_CKPT_ROOT", str(tmp_path))  # set here too: resolved here, and a typo refused
+    with pytest.raises(RunConfigError, match="unknown config key trainer.total_trainig_steps"):
+        check_run_config(str(env), ["trainer.total_trainig_steps=2"], *data, 0.0, 0.05)

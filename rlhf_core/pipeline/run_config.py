@@ -6,12 +6,18 @@ resolved by :func:`resolve_trainer_config`, here as in the ``load_ppo_config`` s
 bad value stops the run before it starts rather than leaving a model version marked failed. The promotion gate
 and the reward model's accuracy gate must be applicable. Where the steps run on this machine (ZenML's local
 orchestrator), the files they would read are checked too: the custom reward function must load, the data and
-preference files exist. A refusal is a :class:`RunConfigError`: a ValueError to a caller in Python, and to
+preference files exist. A remote orchestrator's steps read the trainer config from their own volumes, with their
+own environment: there it is resolved here only where its file is on this machine and every ``${oc.env:VAR}``
+it reads without a default is set here; else the ``load_ppo_config`` step resolves it, and refuses it there. A
+refusal is a :class:`RunConfigError`: a ValueError to a caller in Python, and to
 ``zenml pipeline run`` a message printed alone (exit status 1), without a traceback around it."""
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -53,6 +59,18 @@ def resolve_trainer_config(config_file: str, overrides: Sequence[str] | None = N
     return cfg
 
 
+PAIR_ACCURACY_PARAMETER = "min_pair_accuracy (a pipeline parameter)"
+
+
+def _pair_accuracy_range_problems(min_pair_accuracy: float | None) -> list[str]:
+    """The pipeline parameter ``min_pair_accuracy`` where it is no share in [0, 1]."""
+    threshold = min_pair_accuracy
+    if threshold is None or (not isinstance(threshold, bool) and isinstance(threshold, (int, float))
+                             and math.isfinite(threshold) and 0 <= threshold <= 1):
+        return []
+    return [f"{PAIR_ACCURACY_PARAMETER}={threshold!r} must be a share of held-out pairs in [0, 1]"]
+
+
 def _pair_accuracy_problems(cfg: PPOConfig, min_pair_accuracy: float | None) -> list[str]:
     """What stops the reward model pipeline's accuracy gate (``min_pair_accuracy``, else the config's) after the
     reward model has trained: a value outside [0, 1], or one above 0 with no held-out pairs to measure it on."""
@@ -60,10 +78,9 @@ def _pair_accuracy_problems(cfg: PPOConfig, min_pair_accuracy: float | None) -> 
     if min_pair_accuracy is None:
         threshold, setting = rm.min_pair_accuracy, "reward_model.train.min_pair_accuracy"
     else:
-        threshold, setting = min_pair_accuracy, "min_pair_accuracy (a pipeline parameter)"
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not math.isfinite(threshold) \
-                or not 0 <= threshold <= 1:
-            return [f"{setting}={threshold!r} must be a share of held-out pairs in [0, 1]"]
+        threshold, setting = min_pair_accuracy, PAIR_ACCURACY_PARAMETER
+        if problems := _pair_accuracy_range_problems(min_pair_accuracy):
+            return problems
     if threshold > 0 and not rm.val_files:
         return [f"{setting}={threshold} is measured on held-out pairs: set reward_model.train.val_files"]
     return []
@@ -78,6 +95,27 @@ def steps_run_here() -> bool:
 
     orchestrators = Client().active_stack_model.components.get(StackComponentType.ORCHESTRATOR, [])
     return bool(orchestrators) and orchestrators[0].flavor_name == "local"
+
+
+#: an interpolation of an environment variable without a default: ``${oc.env:VAR}`` (``${oc.env:VAR,x}`` has one)
+ENV_WITHOUT_DEFAULT = re.compile(r"\$\{\s*oc\.env\s*:\s*['\"]?([A-Za-z_][A-Za-z0-9_]*)['\"]?\s*\}")
+
+
+def unresolvable_here(config_file: str, overrides: Sequence[str] | None) -> str | None:
+    """Why the trainer config cannot be resolved on this machine though the steps may resolve it where they run
+    (a remote orchestrator's pods): its file is not here, or it (or an override) reads an environment variable
+    without a default that is not set here. None where it can be."""
+    path = Path(config_file)
+    if not path.is_file():
+        return f"the trainer config {config_file} is not on this machine"
+    try:
+        texts = [path.read_text(errors="replace"), *(str(o) for o in overrides or [])]
+    except OSError:
+        return None  # (resolving it here says what is wrong with it)
+    unset = sorted({name for text in texts for name in ENV_WITHOUT_DEFAULT.findall(text)} - set(os.environ))
+    if unset:
+        return f"the trainer config reads environment variable(s) {', '.join(unset)}, not set on this machine"
+    return None
 
 
 def _file_problems(cfg: PPOConfig, trains_reward_model: bool) -> list[str]:
@@ -112,6 +150,9 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
     (:func:`steps_run_here`), also the files the steps would fail to read (:func:`_file_problems`) and a reward
     model base that could not score the policy's rollouts. Raises :class:`RunConfigError`.
 
+    With a remote orchestrator, a trainer config that cannot be resolved here (:func:`unresolvable_here`: its file
+    or an environment variable it reads is only where the steps run) is left to the ``load_ppo_config`` step.
+
     ``compiling=False`` (:func:`check_run_config_file`, before runs are scheduled): no pipeline context to ask
     about caching, and no files checked, since a scheduled run reads them when it starts, not now."""
     try:
@@ -119,6 +160,12 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
         if compiling:
             check_not_cached()
         here = compiling and steps_run_here()
+        if compiling and not here and (reason := unresolvable_here(config_file, overrides)):
+            print(f"notice: {reason}: the load_ppo_config step resolves and checks it where it runs",
+                  file=sys.stderr)
+            if trains_reward_model and (problems := _pair_accuracy_range_problems(min_pair_accuracy)):
+                raise ConfigError(problems)  # (the parameter's range needs no trainer config)
+            return
         cfg = resolve_trainer_config(config_file, overrides, train_files, val_files, trains_reward_model and here)
         problems = _pair_accuracy_problems(cfg, min_pair_accuracy) if trains_reward_model else []
         if here:
