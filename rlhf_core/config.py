@@ -88,8 +88,9 @@ class DataConfig:
     val_files: StrOrList = _k("~/data/gsm8k/test.parquet", "validation parquet file(s)")
     train_max_samples: int = _k(-1, "training prompts kept (before filter_overlong_prompts): with data.shuffle a "
                                      "draw seeded by data.seed, else the first ones, as verl's; -1 = all")
-    val_max_samples: int = _k(-1, "validation prompts kept, drawn as train_max_samples (data.shuffle and data.seed "
-                                  "decide, as in verl); -1 = all")
+    val_max_samples: int = _k(-1, "validation prompts the trainer's validation keeps, drawn as train_max_samples "
+                                  "(data.shuffle and data.seed decide, as in verl); -1 = all; the pipelines' "
+                                  "evaluate step reads every prompt, capped by its own max_problems")
     prompt_key: str = _k("prompt", "column holding the chat messages of each prompt")
     reward_fn_key: str = _k("data_source", "column that selects the reward function")
     max_prompt_length: int = _k(512, "prompts longer than this (in tokens) are truncated or rejected")
