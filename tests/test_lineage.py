@@ -251,20 +251,33 @@ def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(cap
 
 
 class _Store:
-    """A pipeline store holding ``models`` ({name: version names, in order}), none of them promoted."""
+    """A pipeline store holding ``models`` ({name: version names, in order}), none of them promoted. It answers
+    as ZenML 0.98's Client does: a page of at most ``size`` items, sorted by ``sort_by`` (``desc:`` first for
+    descending), with the total count; an argument it has not (the deprecated model_name_or_id) is a TypeError."""
 
     def __init__(self, models: dict[str, list[str]]):
         self.models = models
 
-    def list_models(self, size):
+    @staticmethod
+    def _page(items: list, sort_by: str, page: int, size: int):
         from types import SimpleNamespace
 
-        return [SimpleNamespace(name=name) for name in self.models]
+        assert 1 <= size <= 100 and page >= 1  # ZenML's own limits on a page
+        ordered = items[::-1] if sort_by.startswith("desc:") else items
+        return SimpleNamespace(items=ordered[(page - 1) * size:page * size], total=len(items), index=page,
+                               total_pages=max(1, -(-len(items) // size)))
 
-    def list_model_versions(self, model_name_or_id, size):
+    def list_models(self, *, sort_by: str = "created", page: int = 1, size: int = 20):
         from types import SimpleNamespace
 
-        return [SimpleNamespace(name=name) for name in self.models[model_name_or_id]]
+        assert sort_by.removeprefix("desc:").removeprefix("asc:") == "created"  # (created in dict order here)
+        return self._page([SimpleNamespace(name=name) for name in self.models], sort_by, page, size)
+
+    def list_model_versions(self, *, model: str, sort_by: str = "number", page: int = 1, size: int = 20):
+        from types import SimpleNamespace
+
+        assert sort_by.removeprefix("desc:").removeprefix("asc:") == "number"  # (numbered in list order here)
+        return self._page([SimpleNamespace(name=name) for name in self.models[model]], sort_by, page, size)
 
     def get_model_version(self, model, version):
         names = self.models.get(model, [])
@@ -288,6 +301,13 @@ class _Store:
     ({"m": [str(n) for n in range(1, 13)]}, ["lineage", "--model", "m", "--version", "13"],
      "error: model 'm' has no version '13'; its versions: ..., 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 (pass --version "
      "latest or one of them)"),
+    # past ZenML's page of 100: the latest ten are the store's, not the first page's last ten
+    ({"m": [f"v{n}" for n in range(1, 106)]}, ["lineage", "--model", "m", "--version", "999"],
+     "error: model 'm' has no version '999'; its versions: ..., v96, v97, v98, v99, v100, v101, v102, v103, v104, "
+     "v105 (pass --version latest or one of them)"),
+    # a store of more models than one page holds: the one asked for is found past the first page
+    ({**{f"other-{n}": [] for n in range(120)}, "m": ["1"]}, ["lineage", "--model", "m", "--version", "2"],
+     "error: model 'm' has no version '2'; its versions: 1 (pass --version latest or one of them)"),
 ])
 def test_a_model_or_version_not_in_the_store_is_said_with_what_the_store_and_the_command_offer(models, argv, expected,
                                                                                                capsys):

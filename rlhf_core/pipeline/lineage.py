@@ -53,8 +53,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _all_models(client) -> list:
+    """Every model in the store, oldest first: ZenML answers a page (at most 100) at a time."""
+    models, number = [], 1
+    while True:
+        page = client.list_models(sort_by="created", page=number, size=100)
+        models += list(page.items)
+        if page.index >= page.total_pages:
+            return models
+        number += 1
+
+
 def _pick_model(client) -> str:
-    models = list(client.list_models(size=100))
+    models = _all_models(client)
     if not models:
         raise LineageError("no models in the store yet: run the training pipeline first")
     if len(models) == 1:
@@ -80,18 +91,19 @@ def _not_found(client, model_name: str, version: str | None, version_option: boo
     """Why ``model_name``'s ``version`` (None: its production version) is not in the store, and what to ask
     for instead: the store's models where it has no such model, the model's versions where it has no such
     version, and ``--version`` only for a command that takes one (``version_option``)."""
-    models = [model.name for model in client.list_models(size=100)]
+    models = [model.name for model in _all_models(client)]
     if model_name not in models:
         if not models:
             return LineageError(f"no model {model_name!r}: the store has no models yet; run the training pipeline "
                                 "first")
         return LineageError(f"no model {model_name!r} in the store; its models: {', '.join(models)} (pass --model "
                             "one of them)")
-    versions = [v.name for v in client.list_model_versions(model_name_or_id=model_name, size=100)]
+    newest = client.list_model_versions(model=model_name, sort_by="desc:number", size=VERSIONS_SHOWN)
+    versions = [v.name for v in reversed(newest.items)]  # (shown oldest first, the latest last)
     if not versions:
         return LineageError(f"model {model_name!r} has no versions yet: run its training pipeline first")
     what = "no production version (none was promoted)" if version is None else f"no version {version!r}"
-    shown = ("..., " if len(versions) > VERSIONS_SHOWN else "") + ", ".join(versions[-VERSIONS_SHOWN:])
+    shown = ("..., " if newest.total > len(versions) else "") + ", ".join(versions)
     hint = " (pass --version latest or one of them)" if version_option else ""
     return LineageError(f"model {model_name!r} has {what}; its versions: {shown}{hint}")
 
