@@ -1018,4 +1018,15 @@ def test_a_resume_already_at_the_end_says_the_run_is_complete_and_how_to_go_on(w
     assert (f"notice: the run is already complete: {out / 'global_step_4'} is at step 4 and this run ends at step 4 "
             "(trainer.total_epochs=1 of 4 batches each), so nothing is trained; to train on from it, raise "
             "trainer.total_epochs to 2 or more and run again") in capsys.readouterr().err
+    # a step limit past the data's end does not end the run: only the epochs are named (it was told to raise the
+    # steps "with it"); a step limit at the data's end ends it too, so both are named, and raising both goes on
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=1", "trainer.total_training_steps=9")) == 0
+    assert ("this run ends at step 4 (trainer.total_epochs=1 of 4 batches each), so nothing is trained; to train "
+            "on from it, raise trainer.total_epochs to 2 or more and run again") in capsys.readouterr().err
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=1", "trainer.total_training_steps=4")) == 0
+    assert ("this run ends at step 4 (trainer.total_training_steps=4 and trainer.total_epochs=1 of 4 batches each), "
+            "so nothing is trained; to train on from it, raise trainer.total_training_steps above 4 and "
+            "trainer.total_epochs to 2 or more and run again") in capsys.readouterr().err
     assert checkpoint.latest_checkpoint(out) == out / "global_step_4"
+    assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=2", "trainer.total_training_steps=5")) == 0
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_5"

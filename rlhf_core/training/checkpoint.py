@@ -140,8 +140,6 @@ RESUME_SAFE_KEYS = (
     # follows the policy's tokenizer_path (else its model.path) by default, a change of which is refused by itself
     "reward_model.model.input_tokenizer",
     "reward_model.overlong_buffer.log",
-    # reward-model training (rlhf-train-rm) is its own run: the PPO loop never reads these
-    "reward_model.train.*",
     # the way on after a guard's stop (an absurd rate): the schedule goes on from the step resumed, at the new
     # rate (load_checkpoint rescales it, saying so)
     "actor_rollout_ref.actor.optim.lr", "critic.optim.lr",

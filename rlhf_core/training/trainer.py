@@ -754,20 +754,22 @@ class PPOTrainer:
         return self.history
 
     def already_complete(self) -> str:
-        """What to say where a resume finds the run already at its end: the step it is at, the limit that ends
-        it (``trainer.total_training_steps``, or ``trainer.total_epochs`` passes over the data) and how to go on."""
-        cfg = self.config.trainer
+        """What to say where a resume finds the run already at its end: the step it is at, each limit that ends
+        it there (``trainer.total_training_steps``, ``trainer.total_epochs`` passes over the data, or both) and
+        each one to raise to go on (raising one alone where both end it would end the next run there again)."""
+        cfg, step = self.config.trainer, self.global_step
         per_epoch = self.sampler.batches_per_epoch
-        if cfg.total_training_steps and cfg.total_training_steps <= self.total_batches and not self.data_exhausted:
-            limit = f"trainer.total_training_steps={cfg.total_training_steps}"
-            advice = f"raise trainer.total_training_steps above {self.global_step}"
-        else:
-            limit = f"trainer.total_epochs={cfg.total_epochs} of {per_epoch} batches each"
-            advice = (f"raise trainer.total_epochs to {self.sampler.batches_drawn // per_epoch + 1} or more"
-                      + (" (and trainer.total_training_steps with it)" if cfg.total_training_steps else ""))
-        return (f"the run is already complete: {self.resumed_from} is at step {self.global_step} and this run ends "
-                f"at step {self.total_steps} ({limit}), so nothing is trained; to train on from it, {advice} "
-                "and run again")
+        steps_end = bool(cfg.total_training_steps) and cfg.total_training_steps <= step
+        limits, raise_ = [], []
+        if steps_end:
+            limits.append(f"trainer.total_training_steps={cfg.total_training_steps}")
+            raise_.append(f"trainer.total_training_steps above {step}")
+        if self.data_exhausted or not steps_end:
+            limits.append(f"trainer.total_epochs={cfg.total_epochs} of {per_epoch} batches each")
+            raise_.append(f"trainer.total_epochs to {self.sampler.batches_drawn // per_epoch + 1} or more")
+        return (f"the run is already complete: {self.resumed_from} is at step {step} and this run ends at step "
+                f"{self.total_steps} ({' and '.join(limits)}), so nothing is trained; to train on from it, raise "
+                f"{' and '.join(raise_)} and run again")
 
     def _warn_if_stuck(self, step: int, metrics: dict[str, float]) -> None:
         """Warn where the step shows a run that cannot learn, each kind at most once every
