@@ -545,6 +545,25 @@ def test_a_column_of_sft_conversations_is_not_suggested_as_the_prompts(tmp_path,
             assert str(error.value) == found + "the prompts look to be in 'messages': set data.prompt_key=messages"
 
 
+def test_prompts_that_end_with_an_assistant_turn_are_told(tmp_path, tokenizer, capsys):
+    """data.prompt_key set to SFT conversations: the answer sits inside the prompt the policy goes on from. The
+    rows are taken (verl's dataset takes them) with a notice counting them and naming the first."""
+    turns = [[{"role": "user", "content": "what is 1+1?"}],
+             [{"role": "user", "content": "what is 2+1?"}, {"role": "assistant", "content": "3"}],
+             [{"role": "user", "content": "what is 3+1?"}, {"role": "assistant", "content": "4"}]]
+    rows = [{"messages": t, "data_source": "openai/gsm8k", "reward_model": {"ground_truth": "x", "style": "rule"}}
+            for t in turns]
+    path = tmp_path / "sft.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    dataset = RLHFDataset(str(path), tokenizer, DataConfig(max_prompt_length=200, prompt_key="messages"))
+    assert len(dataset.rows) == 3
+    assert (f"notice: data.train_files: 2 of 3 prompts end with an assistant turn (first: {path} row 1), so the "
+            "policy is asked to go on after that answer") in capsys.readouterr().err
+    pd.DataFrame(rows[:1]).to_parquet(path)
+    RLHFDataset(str(path), tokenizer, DataConfig(max_prompt_length=200, prompt_key="messages"))
+    assert "assistant turn" not in capsys.readouterr().err
+
+
 def _verl_draw(total: int, size: int, seed: int) -> list[int]:
     """verl's RLHFDataset keeps rows ``default_rng(seed).choice(total, size, replace=False)`` in that order."""
     return np.random.default_rng(seed).choice(total, size=size, replace=False).tolist()

@@ -337,6 +337,11 @@ class RLHFDataset:
         roles = roles_problem((where, unknown_roles(messages)) for where, messages in zip(wheres, conversations))
         if roles is not None:
             raise DataError(f"{key}: {roles}")
+        answered = [where for where, messages in zip(wheres, conversations) if messages[-1].get("role") == "assistant"]
+        if answered:  # SFT conversations: the answer to learn is inside the prompt the policy continues
+            print(f"notice: {key}: {len(answered)} of {len(conversations)} prompts end with an assistant turn "
+                  f"(first: {answered[0]}), so the policy is asked to go on after that answer; conversations of SFT "
+                  f"data hold the answer there: give prompts that end with the user's turn", file=sys.stderr)
         for position, (record, where, messages) in enumerate(zip(records, wheres, conversations)):
             extra = record.get("extra_info")
             malformed = extra_info_problem(extra)  # refused whether or not the row is kept, as validation does
