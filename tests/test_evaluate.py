@@ -465,6 +465,49 @@ def test_a_policy_whose_architecture_is_code_in_its_folder_evaluates_only_when_t
     assert capsys.readouterr().out.startswith(f"accuracy {plain.accuracy:.2%} ")
 
 
+def test_the_evaluate_command_imports_external_lib_first(setup, tmp_path, capsys, monkeypatch):
+    """A policy whose architecture a module registers with transformers (actor_rollout_ref.model.external_lib trains
+    it): --external-lib imports that module before the model loads, and its responses are the plain model's; a
+    module that does not import is named as the option's."""
+    import json
+    import shutil
+    import sys
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    registered = tmp_path / "registered_model"
+    shutil.copytree(model, registered)
+    config = json.loads((registered / "config.json").read_text())
+    config.update(model_type="toy_registered", architectures=["ToyRegisteredForCausalLM"])
+    (registered / "config.json").write_text(json.dumps(config))
+    library = tmp_path / "lib"
+    library.mkdir()
+    (library / "toy_registry.py").write_text(
+        "from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM\n\n\n"
+        "class ToyRegisteredConfig(LlamaConfig):\n    model_type = 'toy_registered'\n\n\n"
+        "class ToyRegisteredForCausalLM(LlamaForCausalLM):\n    config_class = ToyRegisteredConfig\n\n\n"
+        "AutoConfig.register('toy_registered', ToyRegisteredConfig)\n"
+        "AutoModelForCausalLM.register(ToyRegisteredConfig, ToyRegisteredForCausalLM)\n")
+    monkeypatch.syspath_prepend(str(library))
+    monkeypatch.delitem(sys.modules, "toy_registry", raising=False)
+    reward = tmp_path / "digit_first.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    command = [str(registered), str(val), "--max-prompt-length", "320", "--max-response-length", "4",
+               "--max-problems", "6", "--custom-reward", str(reward)]
+    assert evaluate(command) == 2  # transformers knows no toy_registered until the module registers it
+    assert (f"error: {registered}: transformers does not know its model type; a module that registers it is imported "
+            "with actor_rollout_ref.model.external_lib (the evaluate command's --external-lib MODULE)"
+            ) in capsys.readouterr().err
+    assert evaluate([*command, "--external-lib", "no_such_registry"]) == 2
+    assert "error: --external-lib: module 'no_such_registry' cannot be imported" in capsys.readouterr().err
+    assert "toy_registry" not in sys.modules
+    assert evaluate([*command, "--external-lib", "toy_registry"]) == 0
+    plain = evaluate_policy(model, str(val), DATA, reward_fn=digit_first, max_problems=6)
+    assert capsys.readouterr().out.startswith(f"accuracy {plain.accuracy:.2%} ")
+
+
 def test_the_report_draws_accuracies_of_none_and_all_right():
     """0 of 40 and 40 of 40: the plot's error bars were a rounding error below 0 there, which matplotlib refused
     (the report failed after training had finished); an interval end a hair inside the value is drawn too."""

@@ -139,6 +139,14 @@ def test_a_tokenizer_with_code_of_its_own_loads_only_when_trusted(valid_files, c
     assert type(load_tokenizer(str(folder), trust_remote_code=True)).__name__ == "CharTokenizerFast"
     report = validate_dataset(train, val, tokenizer=str(folder), max_prompt_length=512, trust_remote_code=True)
     assert report.success, report.summary()
+    # the command: refused without --trust-remote-code, as the library is
+    from rlhf_core.cli.data import validate as validate_command
+
+    command = [str(path) for path in (train if isinstance(train, list) else [train])]
+    command += ["--val", *[str(path) for path in (val if isinstance(val, list) else [val])],
+                "--tokenizer", str(folder), "--max-prompt-length", "512"]
+    assert validate_command(command) == 2
+    assert validate_command([*command, "--trust-remote-code"]) == 0
 
 
 # ---------------------------------------------------------------------------------------------

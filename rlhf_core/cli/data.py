@@ -247,6 +247,9 @@ def _validate_parser() -> argparse.ArgumentParser:
     parser.add_argument("train", nargs="+", help="training parquet file(s), joined as data.train_files joins them")
     parser.add_argument("--val", nargs="+", help="validation parquet file(s) (also checked for train/val leakage)")
     parser.add_argument("--tokenizer", help="saved tokenizer directory for a length limit in tokens")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the tokenizer code the --tokenizer folder holds (its auto_map), as "
+                             "actor_rollout_ref.model.trust_remote_code=true lets training")
     parser.add_argument("--max-prompt-length", type=int, help="prompt data: largest prompt in tokens")
     parser.add_argument("--max-length", type=int, help="preference data: largest prompt + response in tokens")
     parser.add_argument("--max-chars", type=int, help="preference data: largest prompt + response in characters")
@@ -288,7 +291,7 @@ def validate(argv: Sequence[str] | None = None) -> int:
                                   max_length=args.max_length, max_chars=args.max_chars,
                                   overlong_tolerance=args.overlong_tolerance, custom_reward=args.custom_reward,
                                   template_kwargs=args.chat_template_kwargs, prompt_key=args.prompt_key,
-                                  reward_fn_key=args.reward_fn_key,
+                                  reward_fn_key=args.reward_fn_key, trust_remote_code=args.trust_remote_code,
                                   # a custom reward gets None where a row has none, as in training
                                   ground_truth_required=args.ground_truth_required and not args.custom_reward,
                                   option_names=_VALIDATE_OPTIONS)

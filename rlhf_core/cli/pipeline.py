@@ -51,6 +51,9 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
+    parser.add_argument("--external-lib", metavar="MODULE",
+                        help="import this module first (it registers a custom architecture with transformers), as "
+                             "actor_rollout_ref.model.external_lib")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
     for flag, value in (("--batch-size", args.batch_size), ("--max-problems", args.max_problems),
@@ -65,7 +68,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
-    from rlhf_core.models.loading import ModelError
+    from rlhf_core.models.loading import ModelError, import_external_lib
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
     from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
 
@@ -79,6 +82,7 @@ def evaluate(argv: list[str] | None = None) -> int:
         return 2
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads
     try:
+        import_external_lib(args.external_lib, "--external-lib")
         resolve_policy_dir(args.model)
     except (ModelError, FileNotFoundError) as exc:
         problems.append(str(exc))

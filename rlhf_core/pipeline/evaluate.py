@@ -186,12 +186,17 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
 
 @contextlib.contextmanager
 def _trusted_code(folder: str | Path, trust_remote_code: bool):
-    """transformers' refusal of a folder's model code, untrusted, as a ModelError saying which switch allows it."""
+    """transformers' refusal of a folder's model code, untrusted, or of a model type it does not know, as a
+    ModelError saying which switch loads it."""
     from rlhf_core.models.loading import ModelError
 
     try:
         yield
     except ValueError as exc:
+        if "does not recognize this architecture" in str(exc):
+            raise ModelError(f"{folder}: transformers does not know its model type; a module that registers it is "
+                             "imported with actor_rollout_ref.model.external_lib (the evaluate command's "
+                             "--external-lib MODULE)") from exc
         if trust_remote_code or "trust_remote_code" not in str(exc):
             raise
         raise ModelError(f"{folder} holds model code of its own (config.json's auto_map), which runs only when "
