@@ -139,6 +139,32 @@ def test_a_run_config_that_cannot_run_is_refused_before_anything_is_scheduled(tm
     assert cli.schedule(["--cron", "0 3 * * *", "--print-crontab", "-c", str(config)]) == 0
 
 
+def test_the_schedule_check_reads_parameters_as_zenml_does(tmp_path, capsys, monkeypatch):
+    """The run config's parameters are typed as ZenML types them (YAML reads 5e-2 as text, ZenML passes 0.05); with
+    a remote orchestrator a trainer config only its pods hold is left to the step, as when the pipeline compiles;
+    a --pipeline that does not import is said so."""
+    from rlhf_core.pipeline import run_config
+
+    config = tmp_path / "retrain.yaml"
+    demo = REPO / "configs" / "ppo_demo_cpu.yaml"
+    crontab = ["--cron", "0 3 * * *", "--print-crontab", "-c", str(config)]
+    config.write_text(f"parameters: {{trainer_config: {demo}, alpha: 5e-2}}\n")
+    assert cli.schedule(crontab) == 0
+    config.write_text(f"parameters: {{trainer_config: {demo}, alpha: five percent}}\n")
+    assert cli.schedule(crontab) == 2
+    assert "parameter alpha='five percent' is not a <class 'float'>" in capsys.readouterr().err
+    config.write_text("parameters: {trainer_config: /mnt/pod-volume/ppo.yaml}\n")
+    assert cli.schedule(crontab) == 2  # the steps run here: the file must be here
+    assert "config file /mnt/pod-volume/ppo.yaml does not exist" in capsys.readouterr().err
+    monkeypatch.setattr(run_config, "steps_run_here", lambda: False)
+    assert cli.schedule(crontab) == 0
+    assert ("the trainer config /mnt/pod-volume/ppo.yaml is not on this machine: the load_ppo_config step resolves "
+            "and checks it where it runs") in capsys.readouterr().err
+    config.write_text(f"parameters: {{trainer_config: {demo}}}\n")
+    assert cli.schedule([*crontab, "--pipeline", "pipelines.retrain.rlhf_retrain_pipline"]) == 2
+    assert "error: pipeline pipelines.retrain.rlhf_retrain_pipline cannot be imported (" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("cron", ["0 3 * *", "61 3 * * *", "every night"])
 def test_a_bad_cron_expression_is_an_error(tmp_path, capsys, cron):
     config = tmp_path / "retrain.yaml"

@@ -159,8 +159,9 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
         check_gate(min_improvement, alpha)
         if compiling:
             check_not_cached()
-        here = compiling and steps_run_here()
-        if compiling and not here and (reason := unresolvable_here(config_file, overrides)):
+        remote = not steps_run_here()
+        here = compiling and not remote  # (the files a run reads: where and when it runs)
+        if remote and (reason := unresolvable_here(config_file, overrides)):
             print(f"notice: {reason}: the load_ppo_config step resolves and checks it where it runs",
                   file=sys.stderr)
             if trains_reward_model and (problems := _pair_accuracy_range_problems(min_pair_accuracy)):
@@ -183,7 +184,9 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
     out, must be the pipeline's and resolve; ``enable_cache`` is refused. Raises :class:`RunConfigError`."""
     import importlib
     import inspect
+    import typing
 
+    import pydantic
     import yaml
 
     try:
@@ -196,11 +199,23 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
     if tree.get("enable_cache"):
         raise RunConfigError(f"run config {run_config}: {CACHE_REFUSAL}")
     module, _, name = pipeline_source.rpartition(".")
-    parameters = inspect.signature(getattr(importlib.import_module(module), name).entrypoint).parameters
-    given = tree.get("parameters") or {}
+    try:
+        entrypoint = getattr(importlib.import_module(module), name).entrypoint
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise RunConfigError(f"pipeline {pipeline_source} cannot be imported ({exc}); give it as module.name, e.g. "
+                             "pipelines.retrain.rlhf_retrain_pipeline") from exc
+    parameters = inspect.signature(entrypoint).parameters
+    given = dict(tree.get("parameters") or {})
     if unknown := sorted(set(given) - set(parameters)):
         raise RunConfigError(f"run config {run_config}: {', '.join(unknown)} is not a parameter of {pipeline_source} "
                              f"(its parameters: {', '.join(parameters)})")
+    hints = typing.get_type_hints(entrypoint)
+    for key, value in given.items():  # as ZenML converts them (YAML reads 5e-2 as text; ZenML takes it as 0.05)
+        try:
+            given[key] = pydantic.TypeAdapter(hints[key]).validate_python(value) if key in hints else value
+        except pydantic.ValidationError as exc:
+            raise RunConfigError(f"run config {run_config}: parameter {key}={value!r} is not a {hints[key]}: "
+                                 f"{exc.errors()[0]['msg']}") from exc
     values = {key: parameter.default for key, parameter in parameters.items()} | given
     check_run_config(values["trainer_config"], values.get("overrides"), values.get("train_files"),
                      values.get("val_files"), values["min_improvement"], values["alpha"],
