@@ -380,6 +380,26 @@ def test_cli_trains_exports_and_logs(tiny, pairs_dir, tmp_path):
     assert {name: val[-1][name] for name in expected} == pytest.approx(expected, abs=1e-5)
 
 
+def test_ctrl_c_while_the_run_resumes_stops_it_at_its_checkpoint(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the checkpoint is verified and loaded: the run stops before its next step, exit 130 naming the
+    checkpoint it resumed (it raised KeyboardInterrupt through a traceback once the resume moved ahead of the
+    signal handlers)."""
+    out, args = tmp_path / "rm", _overrides(tiny, pairs_dir, tmp_path / "rm")
+    assert train_rm([*args, "reward_model.train.total_training_steps=1"]) == 0
+    resume = RewardModelTrainer.resume
+
+    def resume_under_a_signal(self):
+        signal.raise_signal(signal.SIGINT)
+        return resume(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "resume", resume_under_a_signal)
+    assert train_rm(args) == 130
+    err = capsys.readouterr().err
+    assert "received SIGINT" in err
+    assert f"interrupted by SIGINT after step 1: checkpoint saved at {out / 'global_step_1'}" in err
+    assert ckpt.latest_checkpoint(out) == out / "global_step_1"
+
+
 def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
     """Ctrl-C during step 3 of 6: the step is finished and saved, the command exits 130 naming the checkpoint,
     and the same command again resumes there and trains steps 4 to 6 (the weights those of a run never

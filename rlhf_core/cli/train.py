@@ -134,13 +134,13 @@ def train_rm(argv: list[str] | None = None) -> int:
         trainer = RewardModelTrainer(cfg, frames)
         try:
             # the checkpoint checks (its kind, its files, the config) before any tracking: a refused run leaves
-            # the folder's wandb and MLflow runs and its TensorBoard events as they were
-            with trainer.started(), \
+            # the folder's wandb and MLflow runs and its TensorBoard events as they were; a signal while the run
+            # starts (a checkpoint verified, loaded) stops it before its next step
+            with stop_on_signals(trainer, trainer_cfg.save_on_interrupt), trainer.started(), \
                     Tracking(loggers, trainer_cfg.project_name, f"{trainer_cfg.experiment_name}-reward_model",
                              trainer.local_dir, config=cfg.to_dict(), total_steps=max(trainer.total_steps, 1),
                              resume_step=trainer.global_step if trainer.resumed_from is not None else None
-                             ) as tracking, \
-                    stop_on_signals(trainer, trainer_cfg.save_on_interrupt):  # (a resumed run goes on in its runs)
+                             ) as tracking:  # (a resumed run goes on in its wandb and MLflow runs)
                 val = trainer.train(tracking.log)
         finally:
             trainer.shutdown()
