@@ -986,6 +986,40 @@ def test_scores_without_spread_judges_remax_by_the_greedy_baseline():
     assert not scores_without_spread(torch.tensor([1.0, 0.0, 0.0, 0.0]), baselines=baselines)
 
 
+def test_the_already_complete_notice_of_a_run_whose_data_ran_out_before_its_last_step():
+    """Dynamic sampling drew 8 batches (two epochs of 4) in 5 steps: the run ended at step 5 for lack of data, not
+    at total_steps 8, and the notice said it ended at step 8 while at step 5."""
+    from types import SimpleNamespace
+
+    from rlhf_core.training.trainer import PPOTrainer
+
+    run = SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(total_training_steps=None, total_epochs=2)),
+                          sampler=SimpleNamespace(batches_per_epoch=4, batches_drawn=8), global_step=5,
+                          total_steps=8, data_exhausted=True, resumed_from="ckpt/global_step_5")
+    assert PPOTrainer.already_complete(run) == (
+        "the run is already complete: ckpt/global_step_5 is at step 5 and its data ran out at step 5 (dynamic "
+        "sampling drew more than a batch for some steps) (trainer.total_epochs=2 of 4 batches each), so nothing is "
+        "trained; to train on from it, raise trainer.total_epochs to 3 or more and run again")
+
+
+def test_scores_without_spread_judges_grpo_passk_by_a_groups_one_best():
+    """grpo_passk gives its advantage to a group's single best response: a best score two responses share gives
+    none (by hand: scores [1, 1, 0 | 0, 1, 1] have advantages all 0, though both groups tell responses apart)."""
+    from rlhf_core import algos
+    from rlhf_core.training.trainer import scores_without_spread
+
+    groups = ["a", "a", "a", "b", "b", "b"]
+    tied, single = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 1.0]), torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    assert scores_without_spread(tied, groups, top_only=True)
+    assert not scores_without_spread(tied, groups)  # (GRPO's advantages there are not 0)
+    assert not scores_without_spread(single, groups, top_only=True)  # a's best is its own
+    mask = torch.ones(6, 1)
+    for scores, flat in ((tied, True), (single, False)):  # the estimator agrees
+        advantages, _ = algos.compute_advantage("grpo_passk", token_level_rewards=scores[:, None],
+                                                response_mask=mask, index=groups)
+        assert bool((advantages == 0).all()) is flat
+
+
 def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
     """A step whose scores tell no responses apart: the warning says which estimator's comparison they fail and
     what still moves the advantages (a critic's values, the KL penalty in the reward)."""

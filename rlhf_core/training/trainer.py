@@ -172,7 +172,7 @@ def data_metrics(batch: Batch, max_response_length: int, max_prompt_length: int)
 
 
 def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None,
-                          baselines: torch.Tensor | None = None) -> bool:
+                          baselines: torch.Tensor | None = None, top_only: bool = False) -> bool:
     """Whether the responses' scores (bs,) tell none of them apart where the advantage estimator compares them, so
     that the advantages carry no reward signal:
 
@@ -182,6 +182,8 @@ def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None,
       or more; a group of one (``rollout.n=1``) has no other response to compare with, and these estimators take
       its score as it stands (REINFORCE++'s baseline variant whitens it over the batch), so the responses of such
       groups are compared over the batch;
+    - ``groups`` with ``top_only`` (grpo_passk, whose advantage goes to a group's one best response, and to none
+      where the best score is shared): every group's best score is shared;
     - neither (GAE, REINFORCE++): over the whole batch (with a critic the advantages then follow the values
       alone)."""
     if baselines is not None:
@@ -191,6 +193,8 @@ def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None,
     members: dict = {}
     for group, score in zip(groups, scores.tolist()):
         members.setdefault(group, []).append(score)
+    if top_only:
+        return all(values.count(max(values)) > 1 for values in members.values())
     alone = {values[0] for values in members.values() if len(values) == 1}  # compared over the batch
     return len(alone) <= 1 and all(len(set(values)) == 1 for values in members.values())
 
@@ -482,7 +486,8 @@ class PPOTrainer:
         grouped = algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS
         self.scores_flat = scores_without_spread(
             batch["token_level_scores"].sum(-1), batch.meta["uid"] if grouped else None,
-            batch.tensors.get("reward_baselines") if algo.adv_estimator == "remax" else None)
+            batch.tensors.get("reward_baselines") if algo.adv_estimator == "remax" else None,
+            top_only=algo.adv_estimator == "grpo_passk")
         if (acc := _nanmean(extras["acc"])) is not None:  # NaN: a prompt without a ground truth
             metrics["critic/acc/mean"] = acc
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
@@ -767,8 +772,11 @@ class PPOTrainer:
         if self.data_exhausted or not steps_end:
             limits.append(f"trainer.total_epochs={cfg.total_epochs} of {per_epoch} batches each")
             raise_.append(f"trainer.total_epochs to {self.sampler.batches_drawn // per_epoch + 1} or more")
-        return (f"the run is already complete: {self.resumed_from} is at step {step} and this run ends at step "
-                f"{self.total_steps} ({' and '.join(limits)}), so nothing is trained; to train on from it, raise "
+        # (with dynamic sampling a step may draw several batches: the data can run out before total_steps)
+        ends = f"this run ends at step {self.total_steps}" if self.total_steps <= step else \
+            f"its data ran out at step {step} (dynamic sampling drew more than a batch for some steps)"
+        return (f"the run is already complete: {self.resumed_from} is at step {step} and {ends} "
+                f"({' and '.join(limits)}), so nothing is trained; to train on from it, raise "
                 f"{' and '.join(raise_)} and run again")
 
     def _warn_if_stuck(self, step: int, metrics: dict[str, float]) -> None:
