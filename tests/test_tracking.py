@@ -473,8 +473,8 @@ def test_an_earlier_runs_tensorboard_events_and_run_ids_are_set_aside(tmp_path):
 
 
 def test_the_file_logger_writes_where_the_file_is_at_its_first_record(tmp_path):
-    """Set up before an earlier run's file is moved aside (the reward model's command does so), it writes a new
-    file, not into the one moved."""
+    """Set up before an earlier run's file is moved aside (as a caller of the reward model's fit() may), it writes
+    a new file, not into the one moved."""
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "old": 1}\n')
     with Tracking(["file"], "p", "e", tmp_path) as tracker:
         (tmp_path / "metrics.jsonl").rename(tmp_path / "metrics.jsonl.prev")

@@ -152,7 +152,9 @@ def import_external_lib(name: str | None, key: str = "actor_rollout_ref.model.ex
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise ModelError(f"{key}: module {name!r} cannot be imported ({exc})") from exc
+            raise ModelError(f"{key}: module {name!r} cannot be imported ({exc}); a module of the current folder "
+                             "imports where the folder is on PYTHONPATH (PYTHONPATH=. ...), which the installed "
+                             "commands do not add") from exc
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):
