@@ -1038,6 +1038,8 @@ def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
     assert (f"every response scored what its prompt's greedy response scored (algorithm.adv_estimator=remax's "
             f"baseline), {no_signal} and the policy learns nothing about the reward") in warning("remax", 2)
     assert f"the responses to each prompt scored the same, {no_signal} and" in warning("grpo", 4)
+    assert (f"each prompt's best score was shared by two or more of its responses (algorithm.adv_estimator="
+            f"grpo_passk rewards a single best one), {no_signal} and") in warning("grpo_passk", 4)
     assert f"every response of the batch scored the same, {no_signal} and" in warning("grpo", 1)
     assert f"{no_signal} (only the critic's values move them) and" in warning("gae", 1)
     assert f"{no_signal} (only the critic's values and the KL penalty in the reward move them)" in warning(

@@ -794,6 +794,9 @@ class PPOTrainer:
         if algo.adv_estimator == "remax":
             alike = ("every response scored what its prompt's greedy response scored (algorithm.adv_estimator=remax's "
                      "baseline)")
+        elif algo.adv_estimator == "grpo_passk":
+            alike = ("each prompt's best score was shared by two or more of its responses (algorithm.adv_estimator="
+                     "grpo_passk rewards a single best one)")
         elif algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS and n > 1:
             alike = "the responses to each prompt scored the same"
         else:  # (a group of one response is compared over the batch)
