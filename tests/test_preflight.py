@@ -310,7 +310,8 @@ def test_external_lib_registers_an_architecture_before_the_checks_and_a_broken_c
     preflight(_config(space, "actor_rollout_ref.model.external_lib=toy_custom_arch", actor=custom))
     errors = _errors(_config(space, "actor_rollout_ref.model.external_lib=no_such_module_here"))
     assert errors == ["actor_rollout_ref.model.external_lib: module 'no_such_module_here' cannot be imported "
-                      "(No module named 'no_such_module_here')"]
+                      "(No module named 'no_such_module_here'); a module of the current folder imports where the "
+                      "folder is on PYTHONPATH (PYTHONPATH=. ...), which the installed commands do not add"]
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "llama", ')
