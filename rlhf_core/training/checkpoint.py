@@ -505,8 +505,6 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = 
     run. Checkpoints of another ``kind`` of run (a reward model's in PPO's
     folder, or the reverse) are refused (CheckpointError): this run's saves would replace them. Call it holding
     :func:`run_lock`."""
-    from rlhf_core.training.tracking import set_aside_run_files
-
     root = Path(root)
     found = list_checkpoints(root)
     others = [path for _, path in found if _kind_of(path) not in (None, kind)]
@@ -518,15 +516,14 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = 
     if marker.exists():  # (also one naming a checkpoint that is gone: auto would then fail on it)
         marker.unlink()
         fsync_dir(root)
-    moved = set_aside_run_files(root)
-    aside = ", ".join(f"{old.name} to {new.name}" for old, new in moved)
+    aside = _set_aside(root)
     if found:
         print(f"notice: {section}.resume_mode=disable starts a new run in {root}, which holds an earlier run's "
               f"checkpoints ({_last_names(found)}): their {LATEST_FILE} is removed, so that a rerun resumes this run "
               "once it has saved and never that one; this run's saves replace them step by step (another "
               f"{section}.default_local_dir keeps them apart)" + (f"; its records are moved aside ({aside})"
-                                                                 if moved else ""), file=sys.stderr, flush=True)
-    elif moved:
+                                                                 if aside else ""), file=sys.stderr, flush=True)
+    elif aside:
         print(f"notice: {section}.resume_mode=disable starts a new run in {root}: an earlier run's records there are "
               f"moved aside ({aside}), so that this run's start afresh", file=sys.stderr, flush=True)
 
@@ -536,13 +533,18 @@ def set_aside_unsaved_records(root: str | os.PathLike, section: str = "trainer")
     records an earlier run left there before it saved anything (one killed before its first save) are moved aside
     with a notice, as :func:`start_afresh` moves them, so that this run's step 1 does not follow that run's steps
     in ``metrics.jsonl``. Call it holding :func:`run_lock`."""
-    from rlhf_core.training.tracking import set_aside_run_files
-
-    moved = set_aside_run_files(root)
-    if moved:
-        aside = ", ".join(f"{old.name} to {new.name}" for old, new in moved)
+    aside = _set_aside(root)
+    if aside:
         print(f"notice: {section}.default_local_dir {root} holds records of an earlier run that saved no checkpoint: "
               f"moved aside ({aside}), so that this run's records start afresh", file=sys.stderr, flush=True)
+
+
+def _set_aside(root: str | os.PathLike) -> str:
+    """Move an earlier run's records in ``root`` aside (:func:`~rlhf_core.training.tracking.set_aside_run_files`);
+    what was moved where, as a notice says it ("metrics.jsonl to metrics.jsonl.prev, ..."), empty where nothing."""
+    from rlhf_core.training.tracking import set_aside_run_files
+
+    return ", ".join(f"{old.name} to {new.name}" for old, new in set_aside_run_files(root))
 
 
 def _kind_of(path: Path) -> str | None:
