@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -167,13 +167,17 @@ def is_preference_data(schema: pyarrow.Schema) -> bool:
     return {"chosen", "rejected"} <= set(schema.names)
 
 
+def ends_with_an_answer(messages: Sequence[Mapping] | None) -> bool:
+    """Whether a conversation ends with an assistant turn, as SFT data's do (the answer inside the prompt)."""
+    return bool(messages) and (messages[-1] or {}).get("role") == "assistant"
+
+
 def _ends_with_an_answer(path: Path, column: str, rows: int = 100) -> bool:
     """Whether one of the first ``rows`` conversations in the chat-message column ``column`` of ``path`` ends with
-    an assistant turn, as SFT data's do. Reads that column of the file's first rows only."""
+    an assistant turn (:func:`ends_with_an_answer`). Reads that column of the file's first rows only."""
     first = next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=rows, columns=[column]), None)
     conversations = first.column(0).to_pylist() if first is not None else []
-    return any(conversation and (conversation[-1] or {}).get("role") == "assistant"
-               for conversation in conversations)
+    return any(ends_with_an_answer(conversation) for conversation in conversations)
 
 
 def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: str, prompt_key: str = "prompt",
@@ -337,7 +341,7 @@ class RLHFDataset:
         roles = roles_problem((where, unknown_roles(messages)) for where, messages in zip(wheres, conversations))
         if roles is not None:
             raise DataError(f"{key}: {roles}")
-        answered = [where for where, messages in zip(wheres, conversations) if messages[-1].get("role") == "assistant"]
+        answered = [where for where, messages in zip(wheres, conversations) if ends_with_an_answer(messages)]
         if answered:  # SFT conversations: the answer to learn is inside the prompt the policy continues
             print(f"notice: {key}: {len(answered)} of {len(conversations)} prompts end with an assistant turn "
                   f"(first: {answered[0]}), so the policy is asked to go on after that answer; conversations of SFT "
