@@ -807,28 +807,26 @@ def test_verls_max_samples_and_image_and_databuffer_data_keys():
     assert load_config([*sizes, "data.train_max_samples=64"], notice=lambda _: None).data.train_max_samples == 64
 
 
-def test_a_defaults_list_naming_verls_ppo_trainer_is_dropped_with_a_notice(tmp_path):
+@pytest.mark.parametrize(("recipe_text", "key", "value", "notices_said"), [
     # the head of verl's recipe files: Hydra's search path, then verl's tree and the file's own keys over it
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("hydra:\n  searchpath:\n    - file://verl/trainer/config\ndefaults:\n  - ppo_trainer\n"
-                      "  - _self_\ndata:\n  train_batch_size: 64\n")
-    notices = []
-    cfg = load_config(config_file=recipe, notice=notices.append, validate=False)
-    assert cfg.data.train_batch_size == 64
-    assert any("its defaults list (ppo_trainer, _self_) is not read" in n for n in notices)
-    assert any("hydra.* (Hydra's own settings) is not read" in n for n in notices)
-
-
-def test_a_defaults_lists_choice_of_hydras_own_settings_is_dropped_with_a_notice(tmp_path):
+    ("hydra:\n  searchpath:\n    - file://verl/trainer/config\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+     "data:\n  train_batch_size: 64\n", "data.train_batch_size", 64,
+     ["its defaults list (ppo_trainer, _self_) is not read", "hydra.* (Hydra's own settings) is not read"]),
     # Hydra's job_logging chosen in the defaults list is Hydra's setting, as the hydra: section is
+    ("defaults:\n  - ppo_trainer\n  - _self_\n  - override hydra/job_logging: disabled\n"
+     "actor_rollout_ref:\n  actor:\n    clip_ratio: 0.3\n", "actor_rollout_ref.actor.clip_ratio", 0.3,
+     ["override hydra/job_logging: disabled (Hydra's own settings) is not read here",
+      "its defaults list (ppo_trainer, _self_) is not read"]),
+])
+def test_a_defaults_list_naming_verls_ppo_trainer_and_hydras_settings_is_dropped_with_a_notice(
+        tmp_path, recipe_text, key, value, notices_said):
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text("defaults:\n  - ppo_trainer\n  - _self_\n  - override hydra/job_logging: disabled\n"
-                      "actor_rollout_ref:\n  actor:\n    clip_ratio: 0.3\n")
+    recipe.write_text(recipe_text)
     notices = []
     cfg = load_config(config_file=recipe, notice=notices.append, validate=False)
-    assert cfg.actor_rollout_ref.actor.clip_ratio == 0.3
-    assert any("override hydra/job_logging: disabled (Hydra's own settings) is not read here" in n for n in notices)
-    assert any("its defaults list (ppo_trainer, _self_) is not read" in n for n in notices)
+    assert cfg.value(key) == value
+    for said in notices_said:
+        assert any(said in n for n in notices), said
 
 
 def test_a_defaults_list_with_self_before_ppo_trainer_is_refused(tmp_path):
