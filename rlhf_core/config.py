@@ -515,7 +515,7 @@ class TrainerConfig:
     keep_freed_memory: bool = _k(True, "glibc: serve blocks up to 1 GB from the heap and keep freed memory for "
                                        "reuse, so large tensors are not faulted in afresh at every micro-batch "
                                        "(resident memory stays at its high-water mark); false = glibc's defaults")
-    seed: int = _k(1, "seed of model init, sampling and mini-batch order")
+    seed: int = _k(1, "seed of model init, sampling, mini-batch order, Python's and NumPy's global streams")
     save_on_interrupt: bool = _k(True, "on Ctrl-C or SIGTERM finish the current step, save a checkpoint, exit")
     guard: GuardConfig = _section(GuardConfig, "rollbacks and stops on non-finite steps, KL explosions, "
                                                "validation drops")

@@ -213,6 +213,33 @@ def test_other_numbers_a_reward_function_returns_are_logged_in_training_and_vali
     assert not [key for key in metrics if "maj@" in key]  # n = 1, and no answers reported to vote on
 
 
+def test_trainer_seed_seeds_python_and_numpy_streams_a_reward_function_draws_from(workspace, tmp_path):
+    """A reward function drawing from ``random`` or ``np.random`` scores the same from a fresh start under the same
+    ``trainer.seed`` (the trainer seeds both global streams as it seeds torch's), and otherwise under another."""
+    root, model, _ = workspace
+    reward, log = tmp_path / "drawing.py", tmp_path / "draws.jsonl"
+    reward.write_text(
+        "import json, random\n"
+        "import numpy as np\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    with open({str(log)!r}, 'a') as out:\n"
+        "        out.write(json.dumps([random.random(), float(np.random.random())]) + '\\n')\n"
+        "    return 0.0\n")
+
+    def draws(seed: int) -> list:
+        trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+                                                       "algorithm.adv_estimator=grpo", f"trainer.seed={seed}")))
+        trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+        drawn = [json.loads(line) for line in log.read_text().splitlines()]
+        log.unlink()
+        return drawn
+
+    first = draws(5)
+    assert len(first) == 16
+    assert draws(5) == first  # the process's streams moved on between the two runs: the seed set them back
+    assert draws(6) != first
+
+
 def test_validation_shows_the_prompts_done_batch_by_batch_where_the_console_logs(workspace, monkeypatch, capsys):
     from rlhf_core.training import trainer as trainer_module
 

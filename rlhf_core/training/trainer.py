@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -258,6 +259,10 @@ class PPOTrainer:
         schedule_steps = config.trainer.total_training_steps or self.total_batches
         seed = config.trainer.seed
         torch.manual_seed(seed)
+        # Python's and NumPy's global streams too: a custom reward function drawing from them scores the same
+        # from a fresh start (a resume restores all three from the checkpoint)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)  # NumPy takes 32 bits; torch took the number as it is
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
         heap.configure(config.trainer.keep_freed_memory)
         if config.trainer.cpu_matmul_dtype == "bfloat16" and device == "cpu" and not cpu_matmul.native_bf16():
