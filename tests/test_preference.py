@@ -114,6 +114,44 @@ def test_split_keeps_each_question_on_one_side():
         split_by_group(pairs, 1.0)
 
 
+@pytest.mark.parametrize("n_groups, val_fraction, n_val", [
+    (2, 0.75, 1),  # round(1.5) = 2 would leave training no question
+    (3, 0.9, 2),  # round(2.7) = 3
+    (2, 0.1, 1),  # round(0.2) = 0: validation still gets one
+    (10, 0.5, 5),
+])
+def test_split_leaves_each_side_at_least_one_question(n_groups, val_fraction, n_val):
+    pairs = [{"group": f"q{g}", "i": i} for g in range(n_groups) for i in range(2)]
+    train, val = split_by_group(pairs, val_fraction)
+    assert len({p["group"] for p in val}) == n_val
+    assert len({p["group"] for p in train}) == n_groups - n_val
+    assert len(train) + len(val) == len(pairs)
+
+
+def test_split_of_a_single_question_is_refused():
+    with pytest.raises(PreferenceDataError, match=r"on 1 question\(s\): .*at least 2.*--val-fraction \(0.2\)"):
+        split_by_group([{"group": "q0"}, {"group": "q0"}], 0.2)
+
+
+def test_cli_split_of_two_questions_at_a_large_fraction_keeps_one_for_training(tmp_path, capsys):
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(_solutions(tmp_path, n=2)), "--output", str(out),
+                       "--val-fraction", "0.75"]) == 0
+    train, val = pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")
+    assert (len(train), len(val)) == (4, 4)  # one question each, 4 pairs a question
+    assert "train: 4 pairs over 1 questions" in capsys.readouterr().out
+
+
+def test_cli_refuses_a_single_question_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(_solutions(tmp_path, n=1)), "--output", str(out),
+                       "--val-fraction", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "error: the pairs are on 1 question(s): a split by question needs at least 2" in err
+    assert "--val-fraction (0.5)" in err
+    assert not out.exists()
+
+
 def test_synthetic_pairs_right_answer_against_the_slip():
     train, val = synthetic_pairs(30, 10, seed=0)
     assert len(train) == 30 and len(val) == 10  # one-step problems: the slip never equals the result
@@ -394,7 +432,7 @@ def test_check_apart_from_prompts_names_the_pairs_on_evaluation_questions(tmp_pa
 def test_exclude_takes_prompts_stored_as_one_string_as_the_trainer_does(tmp_path, capsys):
     """verl's and the trainer's prompt data may hold a prompt as one string (the user turn): its questions are
     compared like a message list's, not refused."""
-    source = _solutions(tmp_path, n=3)
+    source = _solutions(tmp_path, n=4)  # two questions left: one for each side of the split
     prompts = tmp_path / "test.parquet"
     pd.DataFrame({"prompt": ["Q1", " Q2 " + "Let's think step by step and output the final answer after \"####\"."],
                   "reward_model": [{"style": "rule", "ground_truth": "1"}] * 2}).to_parquet(prompts)
@@ -402,7 +440,7 @@ def test_exclude_takes_prompts_stored_as_one_string_as_the_trainer_does(tmp_path
     assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--exclude", str(prompts)]) == 0
     assert f"excluded: 8 pair(s) over 2 question(s) of {prompts}\n" in capsys.readouterr().out
     questions = {e["question"] for name in ("train", "val") for e in pd.read_parquet(out / f"{name}.parquet")["extra_info"]}
-    assert questions == {"Q0"}
+    assert questions == {"Q0", "Q3"}
     # the JSON text of a message list is still refused: the trainer refuses it too
     pd.DataFrame({"prompt": ['[{"role": "user", "content": "Q1"}]']}).to_parquet(prompts)
     assert preference(["--gsm8k-solutions", str(source), "--output", str(tmp_path / "b"), "--exclude", str(prompts)]) == 1

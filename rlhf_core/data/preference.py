@@ -24,9 +24,10 @@ Usage::
     python -m rlhf_core.data.preference --synthetic --output DIR [--n-train 2000] [--n-val 400] [--seed 0]
         [--exclude PATH ...]
 
-writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both. ``--val-fraction``
-belongs to the GSM8K source, ``--n-train``/``--n-val`` to the synthetic one; the other source refuses them
-rather than ignore them.
+writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both, and neither is empty (the GSM8K
+source holds at least one question out and keeps at least one for training, and refuses pairs on one question alone).
+``--val-fraction`` belongs to the GSM8K source, ``--n-train``/``--n-val`` to the synthetic one; the other source
+refuses them rather than ignore them.
 
 ``--exclude`` takes prompt parquet files, or folders of them (their ``*.parquet``), and keeps every pair off
 their questions (:func:`prompt_questions`): give it the prompts the policy is evaluated on, since a reward
@@ -136,12 +137,17 @@ def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
 
 
 def split_by_group(pairs: list[dict], val_fraction: float, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """(train, val): a seeded ``val_fraction`` of the groups (questions) go to val with all their pairs."""
+    """(train, val): a seeded ``val_fraction`` of the groups (questions) go to val with all their pairs, at least
+    one and at most all but one, so that neither side is empty; PreferenceDataError for fewer than two groups."""
     if not 0 < val_fraction < 1:
         raise PreferenceDataError(f"--val-fraction must be in (0, 1), got {val_fraction}")
     groups = sorted({p["group"] for p in pairs}, key=lambda g: (len(g), g))
+    if len(groups) < 2:
+        raise PreferenceDataError(f"the pairs are on {len(groups)} question(s): a split by question needs at least "
+                                  f"2, one for training and one for validation, whatever --val-fraction "
+                                  f"({val_fraction}); add questions with both a correct and an incorrect solution")
     random.Random(f"preference-split-{seed}").shuffle(groups)
-    n_val = max(1, round(val_fraction * len(groups))) if len(groups) > 1 else 0
+    n_val = min(max(1, round(val_fraction * len(groups))), len(groups) - 1)
     val_groups = set(groups[:n_val])
     return [p for p in pairs if p["group"] not in val_groups], [p for p in pairs if p["group"] in val_groups]
 
