@@ -207,6 +207,23 @@ def test_read_preferences_names_missing_columns(tmp_path):
         read_preferences(path)
 
 
+@pytest.mark.parametrize("column, texts, rows", [
+    ("chosen", ["#### 5", "   ", "#### 5"], "1"),
+    ("rejected", ["\n\t ", "#### 6", ""], "0, 2"),
+    ("chosen", ["#### 5", None, "#### 5"], "1"),
+])
+def test_read_preferences_refuses_empty_blank_and_missing_texts(tmp_path, column, texts, rows):
+    """A response of only whitespace is refused as the pipeline's validation refuses it ('holds a non-blank
+    character'), not only an empty one."""
+    path = tmp_path / "pairs.parquet"
+    frame = pd.DataFrame([_pair([{"role": "user", "content": f"What is {i} + 3?"}]) for i in range(3)])
+    frame[column] = texts
+    frame.to_parquet(path)
+    with pytest.raises(PreferenceDataError) as info:
+        read_preferences(path)
+    assert str(info.value) == f"{path}: column {column} is empty, blank or not text in row(s) {rows}"
+
+
 def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):
     from rlhf_core.data.preference import check_preference_files, to_frame
 

@@ -328,7 +328,9 @@ def check_columns(columns: Iterable[str], where: str) -> None:
 
 
 def read_preferences(path: str | Path) -> pd.DataFrame:
-    """A preference parquet, its columns checked (only the schema is read before that check)."""
+    """A preference parquet, its columns checked (only the schema is read before that check), then its rows: prompts
+    that are chat messages (:func:`check_prompts`), and chosen and rejected texts that are not empty or blank (only
+    whitespace, as the pipeline's validation refuses them)."""
     import pyarrow.parquet as pq
 
     path = Path(path).expanduser()
@@ -342,9 +344,9 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     frame = read_rows(path)
     check_prompts(frame, path)
     for column in ("chosen", "rejected"):
-        bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text]
+        bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text.strip()]
         if bad:
-            raise PreferenceDataError(f"{path}: column {column} is empty or not text in row(s) "
+            raise PreferenceDataError(f"{path}: column {column} is empty, blank or not text in row(s) "
                                       f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
     return frame
 
