@@ -296,6 +296,22 @@ def test_check_preference_frames_names_a_bad_prompt_of_frames_in_memory():
         check_preference_frames([(Path("train.parquet"), more)], [])
 
 
+def test_check_preference_frames_starts_a_files_error_with_the_key_that_named_it():
+    from pathlib import Path
+
+    from rlhf_core.data.preference import check_preference_frames
+
+    good = pd.DataFrame([_pair(GOOD_PROMPT)])
+    same = pd.DataFrame([_pair([{"role": "user", "content": "Q2"}]) | {"rejected": "#### 5"}])
+    keys = {"train": "reward_model.train.train_files", "val": "reward_model.train.val_files"}
+    with pytest.raises(PreferenceDataError) as info:
+        check_preference_frames([(Path("t.parquet"), good)], [(Path("v.parquet"), same)], keys)
+    assert str(info.value) == ("reward_model.train.val_files: v.parquet: chosen and rejected are the same text in "
+                               "row(s) 0; such a pair teaches nothing, drop it")
+    with pytest.raises(PreferenceDataError, match=r"^reward_model.train.train_files: t.parquet: 1 prompt\(s\)"):
+        check_preference_frames([(Path("t.parquet"), pd.DataFrame([_pair(None)]))], [], keys)
+
+
 # ----------------------------------------------------------------------------- options of the other source
 
 

@@ -270,6 +270,19 @@ def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_preflight_names_the_key_of_a_file_whose_pair_has_the_same_text_twice(tiny, tmp_path, capsys):
+    """As every other error about a preference file, it starts with the key that named the file."""
+    train = _preference_file(tmp_path / "train.parquet", [("Q1", "a", "b"), ("Q2", "c", "c")])
+    val = _preference_file(tmp_path / "val.parquet", [("Q3", "e", "f")])
+    assert train_rm(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+                     f"reward_model.train.train_files={train}", f"reward_model.train.val_files={val}",
+                     "reward_model.train.train_batch_size=2", "reward_model.train.micro_batch_size_per_gpu=1",
+                     f"reward_model.train.default_local_dir={tmp_path / 'out'}"]) == 1
+    assert (f"error: reward_model.train.train_files: {train}: chosen and rejected are the same text in row(s) 1; "
+            "such a pair teaches nothing, drop it") in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_preflight_refuses_prompt_roles_outside_the_chat_format(tiny, tmp_path):
     """ShareGPT's human/gpt turns were encoded as the chat template writes an unknown role (as text, or not at all):
     the reward model trained on prompts the PPO policy never shows it."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import random
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -387,17 +387,20 @@ def check_preference_files(train: list[Path], val: list[Path]) -> dict:
     return check_preference_frames([(p, read_preferences(p)) for p in train], [(p, read_preferences(p)) for p in val])
 
 
-def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tuple[Path, pd.DataFrame]]) -> dict:
+def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tuple[Path, pd.DataFrame]],
+                            keys: Mapping[str, str] | None = None) -> dict:
     """Refuse prompts that are not chat messages (:func:`check_prompts`), pairs whose chosen and rejected are the
     same text, a prompt that has pairs in both train and val, and validation files without a pair; ``train`` and
-    ``val`` hold (path, frame) per file. Returns counts."""
+    ``val`` hold (path, frame) per file. ``keys`` names where each split's files were given (``{"train":
+    "reward_model.train.train_files", ...}``): an error about one file starts with it. Returns counts."""
     frames = {"train": train, "val": val}
-    for items in frames.values():
+    for split, items in frames.items():
+        where = f"{keys[split]}: " if keys and split in keys else ""
         for path, frame in items:
-            check_prompts(frame, path)
+            check_prompts(frame, f"{where}{path}")
             same = [i for i, (c, r) in enumerate(zip(frame["chosen"], frame["rejected"])) if c == r]
             if same:
-                raise PreferenceDataError(f"{path}: chosen and rejected are the same text in row(s) "
+                raise PreferenceDataError(f"{where}{path}: chosen and rejected are the same text in row(s) "
                                           f"{', '.join(map(str, same[:5]))}; such a pair teaches nothing, drop it")
     if val and not any(len(frame) for _, frame in val):
         raise PreferenceDataError(f"the validation file(s) {', '.join(str(p) for p, _ in val)} hold no pair: add "

@@ -505,7 +505,7 @@ def preflight(cfg: PPOConfig) -> Preferences:
             frames[split] = [(str(path), read_preferences(path)) for path in as_file_list(files)]
         except PreferenceDataError as exc:
             raise PreferenceDataError(f"{KEY}.{split}_files: {exc}") from exc
-    check_preference_frames(frames["train"], frames["val"])
+    check_preference_frames(frames["train"], frames["val"], {split: f"{KEY}.{split}_files" for split in frames})
     n_train = sum(len(frame) for _, frame in frames["train"])
     if n_train < rm.train_batch_size:
         errors.append(f"{KEY}.train_files hold {n_train} pairs, fewer than {KEY}.train_batch_size "
