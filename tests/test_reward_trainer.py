@@ -475,6 +475,40 @@ def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp
     assert ckpt.latest_checkpoint(out) == out / "global_step_6" and (out / "huggingface" / "config.json").is_file()
 
 
+def test_a_resumed_reward_model_run_holds_each_step_once_in_its_metrics(tiny, pairs_dir, tmp_path, monkeypatch,
+                                                                        capsys):
+    """Saved at step 2, step 3 logged, then stopped at once as step 4 starts (a second SIGTERM: no save): the
+    resume from step 2 logs step 3 again. metrics.jsonl holds steps 1 to 6 once each; the stopped run's step 3
+    is beside it."""
+    out = tmp_path / "rm"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.total_epochs=2", "reward_model.train.save_freq=2",
+                      "reward_model.train.test_freq=-1")
+    train_step = RewardModelTrainer.train_step
+
+    def killed_in_step_4(self):
+        if self.global_step == 3:
+            signal.raise_signal(signal.SIGTERM)
+            signal.raise_signal(signal.SIGTERM)
+        return train_step(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", killed_in_step_4)
+    assert train_rm(args) == 143
+    assert ckpt.latest_checkpoint(out) == out / "global_step_2"
+    stopped = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in stopped] == [1, 2, 3]
+    capsys.readouterr()
+
+    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    assert train_rm(args) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # 24 pairs, 8 a step
+    assert (out / "metrics.jsonl").read_text().splitlines()[:2] == stopped[:2]
+    assert (out / "metrics.jsonl.before_resume_from_step_2").read_text() == stopped[2] + "\n"
+    assert (f"notice: resumed from step 2: {out / 'metrics.jsonl'} held 1 line(s) logged after that checkpoint by "
+            "the run that stopped (step 3); moved to metrics.jsonl.before_resume_from_step_2 beside it") \
+        in capsys.readouterr().err
+
+
 def test_a_checkpoint_older_than_a_key_compares_as_the_key_then_was(tiny, pairs_dir, tmp_path):
     """A checkpoint written before reward_model.train.disable_dropout (and overlong) existed trained with its
     dropout on (and cut long pairs): for a model with dropout, resumed under the default disable_dropout=true it is

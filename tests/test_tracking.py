@@ -481,3 +481,100 @@ def test_the_file_logger_writes_where_the_file_is_at_its_first_record(tmp_path):
         tracker.log({"a": 1.0}, step=1)
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n'
     assert (tmp_path / "metrics.jsonl.prev").read_text() == '{"step": 1, "old": 1}\n'
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_resume_moves_the_steps_the_stopped_run_logged_past_its_checkpoint_aside(tmp_path, capsys):
+    """The stopped run logged steps 1 to 4 and began a fifth line, but saved at step 2: resumed from there, the file
+    would hold steps 3 and 4 twice. At the resumed run's first step past 2 they move to a side file, in order."""
+    earlier = [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 3.0}, {"step": 4, "a": 4.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"step": 5, "a')
+    (tmp_path / "val_generations.jsonl").write_text('{"step": 2, "input": "q2"}\n{"step": 4, "input": "q4"}\n')
+    with Tracking(["file"], "p", "e", tmp_path, resume_step=2) as tracker:
+        tracker.log({"a": 30.0}, step=3)
+        tracker.log_generations([{"input": "q", "output": "o", "score": 1.0}], step=4)
+        tracker.log({"a": 40.0}, step=4)
+    assert _records(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0},
+                                                    {"step": 3, "a": 30.0}, {"step": 4, "a": 40.0}]
+    assert (tmp_path / "metrics.jsonl.before_resume_from_step_2").read_text() == (
+        '{"step": 3, "a": 3.0}\n{"step": 4, "a": 4.0}\n{"step": 5, "a\n')  # the line cut short kept, ended
+    assert _records(tmp_path / "val_generations.jsonl") == [
+        {"step": 2, "input": "q2"}, {"step": 4, "input": "q", "output": "o", "score": 1.0}]
+    assert (tmp_path / "val_generations.jsonl.before_resume_from_step_2").read_text() == \
+        '{"step": 4, "input": "q4"}\n'
+    err = capsys.readouterr().err
+    assert (f"notice: resumed from step 2: {tmp_path / 'metrics.jsonl'} held 3 line(s) logged after that checkpoint "
+            "by the run that stopped (steps 3-4); moved to metrics.jsonl.before_resume_from_step_2 beside it") in err
+    assert (f"{tmp_path / 'val_generations.jsonl'} held 1 line(s) logged after that checkpoint by the run that "
+            "stopped (step 4); moved to val_generations.jsonl.before_resume_from_step_2") in err
+
+
+def test_a_resume_logging_its_checkpoints_step_first_moves_the_later_steps_when_it_passes_it(tmp_path, capsys):
+    """A run that only validates its checkpoint (step 2) leaves the later steps where they are; one that logs step 2
+    and then goes on moves them as it passes, and its file, open by then, takes the records that follow."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "old": 1}\n')
+    with Tracking(["file"], "p", "e", tmp_path, resume_step=2) as tracker:
+        tracker.log({"val": 1.0}, step=2)
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 2]
+    assert not list(tmp_path.glob("*.before_resume*")) and "notice" not in capsys.readouterr().err
+    with Tracking(["file"], "p", "e", tmp_path, resume_step=2) as tracker:
+        tracker.log({"val": 2.0}, step=2)
+        tracker.log({"new": 1.0}, step=3)
+        tracker.log({"new": 2.0}, step=4)
+    assert _records(tmp_path / "metrics.jsonl") == [{"step": 1}, {"step": 2}, {"step": 2, "val": 1.0},
+                                                    {"step": 2, "val": 2.0}, {"step": 3, "new": 1.0},
+                                                    {"step": 4, "new": 2.0}]
+    assert (tmp_path / "metrics.jsonl.before_resume_from_step_2").read_text() == '{"step": 3, "old": 1}\n'
+    # stopped again after logging step 3, resumed from step 2 once more: the next free side file
+    with Tracking(["file"], "p", "e", tmp_path, resume_step=2) as tracker:
+        tracker.log({"again": 1.0}, step=3)
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 2, 2, 3]
+    assert _records(tmp_path / "metrics.jsonl.before_resume_from_step_2.2") == [{"step": 3, "new": 1.0},
+                                                                              {"step": 4, "new": 2.0}]
+    # a new run (no resume) appends as before: nothing moves
+    with Tracking(["file"], "p", "e", tmp_path) as tracker:
+        tracker.log({"b": 1.0}, step=1)
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [1, 2, 2, 2, 3, 1]
+    assert len(list(tmp_path.glob("*.before_resume*"))) == 2
+
+
+def test_a_ppo_run_stopped_after_a_save_and_a_later_step_holds_each_step_once_when_resumed(workspace, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """Saved at step 2, step 3 logged, then the run dies in step 4: the same command resumes from step 2 and logs
+    step 3 again. metrics.jsonl holds steps 1 to 4 once each, the stopped run's step 3 beside it; the history the
+    pipeline step reads from it (whole_history) is the resumed run's."""
+    from rlhf_core import main_ppo
+    from rlhf_core.config import load_config
+    from rlhf_core.pipeline.training import whole_history
+    from rlhf_core.training.trainer import PPOTrainer
+
+    out = tmp_path / "run"
+    args = workspace.overrides(out, "trainer.total_training_steps=4", "trainer.save_freq=2", "trainer.test_freq=-1",
+                               "trainer.logger=[file]")
+    fit_step = PPOTrainer.fit_step
+
+    def dies_in_step_4(self, *a, **k):
+        if self.global_step == 3:
+            raise RuntimeError("the machine went away")
+        return fit_step(self, *a, **k)
+
+    monkeypatch.setattr(PPOTrainer, "fit_step", dies_in_step_4)
+    with pytest.raises(RuntimeError, match="the machine went away"):
+        main_ppo.run(load_config(args))
+    stopped = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in stopped] == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("global_step_*")) == ["global_step_2"]
+
+    monkeypatch.setattr(PPOTrainer, "fit_step", fit_step)
+    result = main_ppo.run(load_config(args))
+    assert f"resumed from {out / 'global_step_2'}" in capsys.readouterr().err
+    records = _records(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[:2] == stopped[:2]
+    assert _records(out / "metrics.jsonl.before_resume_from_step_2") == stopped[2:]
+    assert records[2]["timing_s/step"] != stopped[2]["timing_s/step"]  # the resumed run's own record of step 3
+    assert [r["step"] for r in whole_history(result)] == [1, 2, 3, 4]
+    assert whole_history(result)[2]["timing_s/step"] == records[2]["timing_s/step"]

@@ -17,9 +17,14 @@ Backends (``VALID_LOGGERS``):
     JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``.
     Non-finite values (NaN, +-inf) are written as ``null`` so every line is valid JSON. Each line is
     flushed as soon as it is written, so a killed run keeps every finished step. An existing file is
-    appended to (a resumed run continues it; a step logged twice appears twice, readers should keep
-    the last record of a step); a run started afresh in the folder (``resume_mode=disable``) first moves
-    the earlier run's aside (:func:`set_aside_run_files`). The file is opened at the first record.
+    appended to: a resumed run continues it, and as it logs its first step past the checkpoint it resumed
+    (``resume_step``), the records of later steps, which the run that stopped logged after that checkpoint,
+    move to ``metrics.jsonl.before_resume_from_step_<k>`` with a notice (:func:`set_aside_steps_after`; the
+    validation samples of ``val_generations.jsonl`` alike), so that the file holds each step of the run
+    once. Within a run a step may still be logged twice (after a guard's rollback, or its record again
+    whole): readers keep the last record of a step. A run started afresh in the folder
+    (``resume_mode=disable``) first moves the earlier run's aside (:func:`set_aside_run_files`). The file
+    is opened at the first record.
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
     ``$TENSORBOARD_DIR`` where that is set, as verl writes it. A run started afresh moves the earlier run's
@@ -58,6 +63,7 @@ from typing import IO, Any, ClassVar
 
 from tqdm import tqdm
 
+from rlhf_core.atomic import fsync_dir, write_text_atomic
 from rlhf_core.training.guards import measured_kl
 
 __all__ = [
@@ -352,6 +358,15 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
+def _next_free(path: Path) -> Path:
+    """``path``, or ``<path>.2``, ``<path>.3`` ... where that is taken."""
+    target, number = path, 1
+    while target.exists():
+        number += 1
+        target = path.with_name(f"{path.name}.{number}")
+    return target
+
+
 def set_aside_run_files(local_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
     """Move an earlier run's records in ``local_dir`` aside, each to ``<name>.prev``, or ``<name>.prev.2``,
     ``.prev.3`` ... where that is taken, so that a new run's records start afresh; returns (old, new) of each one
@@ -364,17 +379,57 @@ def set_aside_run_files(local_dir: str | os.PathLike) -> list[tuple[Path, Path]]
         path = Path(local_dir) / name
         if not (path.is_file() or (path.is_dir() and any(path.iterdir()))):
             continue
-        target, number = path.with_name(f"{name}.prev"), 1
-        while target.exists():
-            number += 1
-            target = path.with_name(f"{name}.prev.{number}")
+        target = _next_free(path.with_name(f"{name}.prev"))
         path.rename(target)
         moved.append((path, target))
     return moved
 
 
+def set_aside_steps_after(path: str | os.PathLike, step: int) -> tuple[Path, int, list[int]] | None:
+    """Move the lines of the JSON-lines file ``path`` (``metrics.jsonl``, ``val_generations.jsonl``) that are not
+    records of a step up to ``step`` (the later steps' records, and a line cut short by a killed run) to
+    ``<name>.before_resume_from_step_<step>`` (``.2``, ``.3`` ... where taken), in their order, leaving the others
+    in ``path`` in theirs. Returns (that file, the number of lines moved, the steps of the records among them), or
+    None where nothing is moved. The file of moved lines is complete before ``path`` is replaced (atomically): a
+    crash between the two leaves lines twice, never none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    kept, moved, steps = [], [], []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        number = record.get("step") if isinstance(record, dict) else None
+        if isinstance(number, int) and number <= step:
+            kept.append(line)
+        elif line.strip():
+            moved.append(line if line.endswith("\n") else line + "\n")
+            if isinstance(number, int):
+                steps.append(number)
+    if not moved:
+        return None
+    target = _next_free(path.with_name(f"{path.name}.before_resume_from_step_{step}"))
+    with open(target, "x", encoding="utf-8") as file:
+        file.writelines(moved)
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_dir(path.parent)
+    write_text_atomic(path, "".join(kept))
+    return target, len(moved), steps
+
+
+def _steps_text(steps: list[int]) -> str:
+    """``steps 5-7`` for the steps 5, 6, 7 (in any order, repeated or not), ``step 5``, or ``no whole record``."""
+    if not steps:
+        return "no whole record"
+    return f"steps {min(steps)}-{max(steps)}" if min(steps) < max(steps) else f"step {steps[0]}"
+
+
 class FileLogger(Backend):
-    """JSON lines at ``<local_dir>/metrics.jsonl``; non-finite values become null; appends; flushes."""
+    """JSON lines at ``<local_dir>/metrics.jsonl``; non-finite values become null; appends; flushes; a resumed
+    run's first step past its checkpoint moves the later steps the stopped run logged aside."""
 
     name = "file"
     FILENAME = "metrics.jsonl"
@@ -385,6 +440,29 @@ class FileLogger(Backend):
         # opened at the first record, not here: a file opened early would follow the earlier run's to where a
         # caller that sets tracking up first moves it aside
         self._file: IO[str] | None = None
+        # a resumed run: the step of its checkpoint, until its first step past it has moved the stopped run's
+        # records of those steps aside
+        self._resumed_at = run.resume_step
+
+    def _past_checkpoint(self, step: int) -> None:
+        """At a resumed run's first step past its checkpoint ``k``: the records of steps after ``k`` in this
+        folder's files were logged by the run that stopped, and this run logs those steps again; they move to
+        a side file (:func:`set_aside_steps_after`) with a notice. A run that logs no step past ``k`` (one that
+        only validates its checkpoint) leaves them."""
+        if self._resumed_at is None or step <= self._resumed_at:
+            return
+        resumed_at, self._resumed_at = self._resumed_at, None
+        if self._file is not None:  # (the file is replaced: reopened at the next record)
+            self._file.close()
+            self._file = None
+        for name in (self.FILENAME, GENERATIONS_FILENAME):
+            aside = set_aside_steps_after(self.run.local_dir / name, resumed_at)
+            if aside is not None:
+                target, lines, steps = aside
+                print(f"notice: resumed from step {resumed_at}: {self.run.local_dir / name} held {lines} line(s) "
+                      f"logged after that checkpoint by the run that stopped ({_steps_text(steps)}); moved to "
+                      f"{target.name} beside it, so that this run's records of those steps are the only ones",
+                      file=sys.stderr, flush=True)
 
     def _open(self) -> IO[str]:
         # A run killed mid-write may have left a partial last line: start ours on a fresh line.
@@ -399,6 +477,7 @@ class FileLogger(Backend):
         return file
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        self._past_checkpoint(step)
         if self._file is None:
             self._file = self._open()
         record: dict[str, Any] = {"step": step}
@@ -409,6 +488,7 @@ class FileLogger(Backend):
         self._file.flush()
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
+        self._past_checkpoint(step)
         with open(self.run.local_dir / GENERATIONS_FILENAME, "a", encoding="utf-8") as f:
             for sample in samples:
                 record = {key: None if isinstance(value, float) and not math.isfinite(value) else value
