@@ -306,6 +306,41 @@ def test_stale_temp_files_are_swept_but_not_those_of_a_running_process(tmp_path)
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "global_step_1"
 
 
+def _two_parts(files):
+    for part in ("actor", "critic"):
+        files.tree(part, lambda target: (target.mkdir(), (target / "model_state.pt").write_bytes(b"weights")))
+    return ["actor", "critic"]
+
+
+class _Killed(BaseException):
+    """What a SIGKILL is to the code it stops: nothing after it runs."""
+
+
+def test_a_prune_killed_while_deleting_leaves_nothing_the_next_save_does_not_sweep(tmp_path, monkeypatch):
+    """Pruning renames a part out of view, then deletes it; a process killed in between left the renamed part
+    inside a checkpoint that keeps its critic, where no later save looked. Trash an older version left there
+    goes too."""
+    for step in (1, 2):
+        checkpoint.write_checkpoint(tmp_path, step, _two_parts)
+    dead = _dead_pid()
+    older = tmp_path / "global_step_2" / f".trash-actor-{dead}-42"  # an older version's leftover
+    older.mkdir()
+    (older / "model_state.pt").write_bytes(b"weights")
+
+    def killed_while_deleting(path, *args, **kwargs):
+        raise _Killed(path)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_while_deleting)
+    with pytest.raises(_Killed):
+        checkpoint.prune_checkpoints(tmp_path, max_actor=1, max_critic=None)
+    monkeypatch.undo()
+    assert not (tmp_path / "global_step_1" / "actor").exists()
+    checkpoint.write_checkpoint(tmp_path, 3, _two_parts)  # the run goes on (or is rerun) and saves again
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob(".trash-*")] == []
+    assert sorted(p.name for p in (tmp_path / "global_step_1").iterdir()) == ["critic", "manifest.json"]
+    assert sorted(p.name for p in (tmp_path / "global_step_2").iterdir()) == ["actor", "critic", "manifest.json"]
+
+
 def test_a_part_whose_save_wrote_nothing_fails_the_save_and_leaves_the_marker(tmp_path):
     """Workers that wrote their shards into another folder left an empty part that the manifest still listed."""
     checkpoint.write_checkpoint(tmp_path, 1, lambda files: files.text("a.txt", "a") or [])

@@ -110,7 +110,7 @@ _SAMPLES, _SAMPLE_BYTES = 64, 64 << 10
 PARTS = ("actor", "critic")
 FORMAT_VERSION = 2  # 2: the trainer's runtime coefficients are its own state (kl_loss_coef, the controller type)
 _STEP_DIR = re.compile(r"global_step_(\d+)")
-_TRASH = re.compile(r"\.trash-.+-(\d+)-\d+")  # _remove's names: .trash-<name>-<pid>-<ns>
+_TRASH = re.compile(r"\.trash-.+-(\d+)-\d+")  # _remove's names: .trash-<global_step_N[-part]>-<pid>-<ns>
 
 #: Config keys (fnmatch patterns) that may differ between a checkpoint and the run resuming it.
 RESUME_SAFE_KEYS = (
@@ -616,11 +616,14 @@ def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> str:
     return sink.sha256.hexdigest()
 
 
-def _remove(path: Path) -> None:
-    """Take ``path`` out of view atomically (rename), then delete it."""
+def _remove(path: Path, root: Path) -> None:
+    """Take ``path`` (``root``'s ``global_step_N`` or a part of one) out of view atomically, renamed into ``root``
+    (``.trash-global_step_N-actor-<pid>-<ns>``), then delete it: a process killed while deleting leaves it where
+    :func:`_remove_stale` sweeps, not inside a checkpoint that stays."""
     if not path.exists():
         return
-    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    name = "-".join(path.relative_to(root).parts)
+    trash = root / f".trash-{name}-{os.getpid()}-{time.monotonic_ns()}"
     os.rename(path, trash)
     shutil.rmtree(trash, ignore_errors=True)
 
@@ -628,8 +631,9 @@ def _remove(path: Path) -> None:
 def _remove_stale(root: Path) -> None:
     """Temp, set-aside and trash directories, and the latest marker's temp files, left by a process killed
     mid-save. Those of another process still running on this machine (another run saving into the same
-    directory, whose save this would break) are left; names without a pid (older versions) count as stale."""
-    for child in root.iterdir():
+    directory, whose save this would break) are left; names without a pid (older versions) count as stale. Trash
+    that older versions left inside a checkpoint (``global_step_N/.trash-actor-...``) goes too."""
+    for child in [*root.iterdir(), *root.glob("global_step_*/.trash-*")]:
         name = child.name
         if name.startswith(".global_step_") and child.is_dir():
             owner = staging_owner(name)
@@ -869,11 +873,11 @@ def prune_checkpoints(root: str | os.PathLike, max_actor: int | None, max_critic
         having = [(step, path) for step, path in checkpoints if (path / part).is_dir()]
         for step, path in having[:-limit] if len(having) > limit else []:
             if step not in keep:
-                _remove(path / part)
+                _remove(path / part, root)
                 removed.append(path / part)
     for step, path in checkpoints:
         if step not in keep and not any((path / part).is_dir() for part in PARTS):
-            _remove(path)
+            _remove(path, root)
             removed.append(path)
     return removed
 
