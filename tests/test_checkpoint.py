@@ -538,6 +538,50 @@ def test_missing_incomplete_and_mismatched_checkpoints_are_clear_errors(workspac
         wide.load_checkpoint(saved)
 
 
+def _verl_checkpoint(root: Path, hf_weights: bool) -> Path:
+    """A folder laid out as verl's FSDP trainer saves one step of one worker (names from its checkpoint docs)."""
+    step = root / "global_step_2"
+    for name in ("model", "optim", "extra_state"):
+        (step / "actor").mkdir(parents=True, exist_ok=True)
+        torch.save({}, step / "actor" / f"{name}_world_size_1_rank_0.pt")
+    torch.save({}, step / "data.pt")
+    (step / "actor" / "huggingface").mkdir()
+    (step / "actor" / "huggingface" / "config.json").write_text("{}")
+    if hf_weights:
+        (step / "actor" / "huggingface" / "model.safetensors").write_bytes(b"")
+    (root / checkpoint.LATEST_FILE).write_text("2")
+    return step
+
+
+@pytest.mark.parametrize("hf_weights", [True, False], ids=["huggingface-weights", "huggingface-config-only"])
+def test_a_verl_checkpoint_is_named_for_what_it_is_with_the_way_to_start_from_it(workspace, tmp_path, hf_weights):
+    """A folder verl wrote has no manifest, but its save finished: it is refused as verl's, never as a save cut
+    short, and the message says how to start a new run from its actor."""
+    step = _verl_checkpoint(tmp_path, hf_weights)
+    hf = step / "actor" / "huggingface"
+    auto = load_config(tiny_overrides(workspace, tmp_path))
+    chosen = load_config(tiny_overrides(workspace, tmp_path / "new", "trainer.resume_mode=resume_path",
+                                        f"trainer.resume_from_path={step}"))
+    for config in (auto, chosen):
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.find_resume_checkpoint(config)
+        message = str(info.value)
+        assert f"checkpoint {step} was written by verl (it holds actor/model_world_size_1_rank_0.pt)" in message
+        assert "cannot resume" in message and "did not finish" not in message and "incomplete" not in message
+        if hf_weights:
+            assert message.endswith(f"a new run can start: actor_rollout_ref.model.path={hf}")
+        else:
+            assert f"its {hf} holds no weights" in message and "model merger" in message
+    (step / "actor" / "model_world_size_1_rank_0.pt").rename(step / "actor" / "model.pt")  # data.pt alone says so
+    for name in ("optim", "extra_state"):
+        (step / "actor" / f"{name}_world_size_1_rank_0.pt").unlink()
+    with pytest.raises(CheckpointError, match=f"checkpoint {step} was written by verl \\(it holds data.pt\\)"):
+        checkpoint.read_manifest(step)
+    (step / "data.pt").unlink()  # none of verl's files: a save cut short, as before
+    with pytest.raises(CheckpointError, match="global_step_2 is incomplete: it has no manifest.json"):
+        checkpoint.read_manifest(step)
+
+
 def test_resume_modes(workspace, trained, tmp_path):
     _, out = trained
     auto = load_config(tiny_overrides(workspace, out))

@@ -233,7 +233,8 @@ def read_manifest(path: str | os.PathLike, verify: bool = False) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist")
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)")
+        raise CheckpointError(_verl_refusal(path) or
+                              f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)")
     try:
         manifest = json.loads(manifest_file.read_text())
     except (OSError, ValueError) as exc:
@@ -247,6 +248,28 @@ def read_manifest(path: str | os.PathLike, verify: bool = False) -> dict:
     if verify:
         _check_hashes(path, manifest)
     return manifest
+
+
+def _verl_refusal(path: Path) -> str | None:
+    """Why ``path``, a folder without a manifest, cannot be resumed where verl wrote it (each rank's
+    ``<part>/model_world_size_W_rank_R.pt``, the dataloader's ``data.pt``); None where it holds no such file."""
+    found = sorted(path.glob("*/model_world_size_*_rank_*.pt")) + sorted(path.glob("data.pt"))
+    if not found:
+        return None
+    hf = path / "actor" / HF_DIR
+    weights = [f for pattern in ("*.safetensors", "*.bin") for f in hf.glob(pattern)] if hf.is_dir() else []
+    if weights:
+        start = (f"; its {hf} holds the actor as a Hugging Face model, from which a new run can start: "
+                 f"actor_rollout_ref.model.path={hf}")
+    elif hf.is_dir():
+        start = (f"; its {hf} holds no weights (verl writes them there only with hf_model among the checkpoint's "
+                 "save contents): merge the shards into a Hugging Face model with verl's model merger and start a "
+                 "new run from it as actor_rollout_ref.model.path")
+    else:
+        start = ("; merge its shards into a Hugging Face model with verl's model merger and start a new run from it "
+                 "as actor_rollout_ref.model.path")
+    return (f"checkpoint {path} was written by verl (it holds {found[0].relative_to(path)}), whose checkpoints this "
+            f"trainer cannot resume{start}")
 
 
 def _sha256_of(path: Path) -> str:
@@ -386,7 +409,11 @@ def intact_instead(path: Path, section: str = "trainer") -> str:
 
 
 def _resume_instead(root: Path, before: int | None, section: str = "trainer") -> str:
-    """What to say after refusing the checkpoint of step ``before`` under ``root``: the one to resume from instead."""
+    """What to say after refusing the checkpoint of step ``before`` under ``root``: the one to resume from instead;
+    nothing after a checkpoint of verl's, whose refusal itself says how to go on."""
+    refused = step_dir(root, before) if before is not None else None
+    if refused is not None and not (refused / MANIFEST).is_file() and _verl_refusal(refused):
+        return ""
     intact = newest_intact(root, before)
     earlier = "earlier " if before is not None else ""
     if intact is None:
