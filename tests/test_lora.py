@@ -513,3 +513,53 @@ def test_the_adapters_card_names_the_base_by_its_absolute_path(workspace, tmp_pa
     front_matter = (folder / "README.md").read_text().split("---")[1]
     assert f"base_model: {absolute}\n" in front_matter, front_matter
     assert base_model(trainer.actor.module).config._name_or_path == model.name  # the model's own config is left as loaded
+
+
+def test_two_workers_lora_checkpoint_holds_the_trainable_tensors_alone_as_one_workers_does(
+        workspace, trained, ray_cluster, tmp_path):
+    """The toy model ties its output matrix to its embedding (``lm_head.weight`` is ``embed_tokens.weight``),
+    frozen under LoRA: two workers' shards hold the adapters (and the value head) alone, as one worker's
+    ``model_state.pt`` does, not the whole tied matrix; a checkpoint that holds it (an older version's) loads."""
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    from rlhf_core.workers import common
+
+    root, model = workspace
+    single = trained[0]
+    tied = base_model(single.actor.module)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    one = checkpoint.save_checkpoint(single, tmp_path / "one")
+    two = _trainer(root, model, tmp_path / "two", "trainer.n_gpus_per_node=2")
+    try:
+        two.fit_step(validate=lambda step, metrics: False)
+        saved = checkpoint.save_checkpoint(two, tmp_path / "two")
+    finally:
+        two.close()
+
+    def gathered(folder):  # by torch's own converter
+        dcp_to_torch_save(folder / "dcp", tmp_path / "gathered.pt")
+        return torch.load(tmp_path / "gathered.pt", weights_only=False)
+
+    for part in ("actor", "critic"):
+        keys = set(gathered(saved / part)["model"])
+        assert keys == set(torch.load(one / part / "model_state.pt", weights_only=True)), part
+        assert not [key for key in keys if "lm_head" in key or "embed_tokens" in key], part
+        assert all("lora_" in key for key in keys if ".layers." in key), part
+
+    older = tmp_path / "older" / "actor"  # the actor's shards with the tied matrix, as an older version saved them
+    shutil.copytree(saved / "actor", older)
+    shutil.rmtree(older / "dcp")
+    state = gathered(saved / "actor")
+    embedding = tied.model.embed_tokens.weight.detach().clone()
+    state["model"]["base_model.model.lm_head.weight"] = embedding
+    torch.save(state, tmp_path / "older.pt")
+    torch_save_to_dcp(tmp_path / "older.pt", older / "dcp")
+    fresh = _trainer(root, model, tmp_path / "fresh")
+    common.load_saved(fresh.actor, older, saved=2)
+    loaded = {name: p for name, p in fresh.actor.module.named_parameters() if p.requires_grad}
+    assert loaded.keys() == {key for key in state["model"] if "lora_" in key}
+    for name, param in loaded.items():
+        assert torch.equal(param.detach(), state["model"][name]), name
+    assert torch.equal(base_model(fresh.actor.module).lm_head.weight, embedding)

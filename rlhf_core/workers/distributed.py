@@ -19,6 +19,7 @@ import socket
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -272,6 +273,17 @@ def _state_options(only_trainable: bool):
     return StateDictOptions(ignore_frozen_params=only_trainable, strict=not only_trainable)
 
 
+def _only_trainable(module: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a model state dict) without the tensors of frozen parameters under any of their names.
+
+    ``ignore_frozen_params`` drops a frozen parameter by the first name it has only (torch's state_dict helpers
+    walk ``named_parameters()``, which lists a shared parameter once): a tied embedding's second name
+    (``lm_head.weight``) stayed, and a LoRA checkpoint of a worker group held the whole frozen matrix, which one
+    worker's (:func:`rlhf_core.models.lora.trainable_state_dict`) does not."""
+    trainable = {name for name, param in module.named_parameters(remove_duplicate=False) if param.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
+
+
 def save_sharded(folder: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  only_trainable: bool = False) -> None:
     """Every rank writes its shards of the model and optimizer state into ``folder`` (torch DCP)."""
@@ -279,17 +291,23 @@ def save_sharded(folder: str | os.PathLike, module: torch.nn.Module, optimizer: 
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(module, optimizer, options=_state_options(only_trainable))
+    if only_trainable:
+        model_state = _only_trainable(module, model_state)
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(folder))
 
 
 def load_sharded(folder: str | os.PathLike, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  only_trainable: bool = False) -> None:
-    """Read what :func:`save_sharded` wrote (any world size) into ``module`` (and ``optimizer``)."""
+    """Read what :func:`save_sharded` wrote (any world size) into ``module`` (and ``optimizer``). With
+    ``only_trainable`` only the trainable tensors are read: a frozen one that an older checkpoint holds (a tied
+    ``lm_head.weight``) is left where it is."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     options = _state_options(only_trainable)
     model_state, optim_state = get_state_dict(module, optimizer or [], options=options)
+    if only_trainable:
+        model_state = _only_trainable(module, model_state)
     state = {"model": model_state}
     if optimizer is not None:
         state["optimizer"] = optim_state
