@@ -279,6 +279,34 @@ def test_train_val_leakage_names_the_leaking_val_row(tmp_path):
     assert outcome.statistics["unexpected_count"] == 1
 
 
+@pytest.mark.parametrize("edit", [
+    lambda text: text + " ",                      # a trailing space
+    lambda text: text.replace(" ", "  ", 1),      # a doubled space
+    lambda text: text + "\n",                     # a newline at the end
+    lambda text: text.replace(" ", "\n\t", 2),    # a line break and a tab for spaces
+    str.upper,                                    # the case changed
+    lambda text: "  " + text.lower(),             # leading spaces and lower case
+], ids=["trailing_space", "double_space", "newline_end", "newline_tab", "upper", "leading_lower"])
+def test_a_leaked_question_written_with_other_spacing_or_case_is_caught(tmp_path, edit):
+    """Compared character for character, each of these edits of a training question passed as a new one."""
+    train = records(5)
+    val = records(4, "test", 50)
+    question = edit(train[1]["prompt"][0]["content"])
+    val[2]["prompt"] = [{"role": "user", "content": question}]
+    report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
+    assert failed(report) == [("no_train_val_leakage", "prompt_user_content", "val")]
+    assert report.failures[0].examples == [(2, question)]  # val's row as written
+    assert report.failures[0].statistics["unexpected_count"] == 1
+
+
+def test_a_question_differing_by_more_than_spacing_or_case_is_no_leak(tmp_path):
+    train = records(5)
+    val = records(2, "test", 50)
+    val[1]["prompt"] = [{"role": "user", "content": train[1]["prompt"][0]["content"].replace("?", "!")}]
+    report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
+    assert report.success, report.summary()
+
+
 def test_problem_ids_repeated_across_files_fail_with_both_rows(tmp_path):
     # two validation files numbered from 0 each: evaluation would pair problems by id and mix them up
     first, second = records(3, "test", 0), records(2, "test", 0)

@@ -18,7 +18,8 @@ data trained without a ground truth (``ground_truth_required=False``, ``--no-gro
 ``reward_model`` column, and its ground-truth checks cover only the rows that have one; a split that needs one
 for a reason beyond the trainer's says so (``ground_truth_reason``). Both kinds check the rows, columns, nulls
 and the prompt messages, and the validation file for rows that repeat training data (prompt data: the same
-user turn; preference data: the same prompt, as the reward model's trainer refuses it).
+question, the last user turn compared by :func:`question_key`; preference data: the same prompt, as the reward
+model's trainer refuses it).
 Prompt data's prompt and data source are read from the trainer's columns (``prompt_key``, ``reward_fn_key``),
 its problem ids built as the trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and
 ``max_prompt_length``: counted as the trainer counts them); preference data the prompt with the longer
@@ -353,6 +354,12 @@ def load_tokenizer(tokenizer: Any, trust_remote_code: bool = False) -> Any:
 # Helper columns
 
 
+def question_key(text: str) -> str:
+    """The question a user turn asks, as train and val are compared: runs of whitespace (spaces, tabs, newlines)
+    made one space, the ends stripped, the case folded."""
+    return " ".join(text.split()).casefold()
+
+
 def _messages(value: Any) -> list[dict[str, str]] | None:
     """The prompt as ``[{role, content}]`` with string fields (an empty list as it is: a check of its own counts
     the messages), or None when malformed by the trainer's rule (:func:`~rlhf_core.data.schema.prompt_problem`)."""
@@ -609,7 +616,7 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         skipped.append(f"{dataset}: no_train_val_leakage (needs {sources[key]} in both files)")
     elif is_val and kind is not None:
         # preference data by prompt, as the reward model's trainer refuses it: a question's pairs stay on one side
-        what = "prompt" if kind == "preference" else "user turn"
+        what = "prompt" if kind == "preference" else "user turn (whitespace runs and case aside)"
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
                       f"no validation row repeats a training {what}", {"value_set": leaked}))
     if kind == "prompt" and "reward_model_non_mapping" in frame:  # a missing column is column_exists' finding
@@ -819,8 +826,11 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
             for (_, _, frame), rows in zip(tables, file_rows)]
     key, leaked = "prompt_json" if kind == "preference" else "prompt_user_content", None
     if len(flat) == 2 and key in flat[0] and key in flat[1]:
-        seen = set(flat[0][key].dropna())
-        leaked = sorted({value for value in flat[1][key].dropna() if value in seen})
+        # a question is the same whatever its spacing or case; a preference prompt as the reward model's trainer
+        # compares it (its canonical JSON). The set holds val's texts as written, so the report shows them so
+        same = str if kind == "preference" else question_key
+        seen = {same(value) for value in flat[0][key].dropna()}
+        leaked = sorted({value for value in flat[1][key].dropna() if same(value) in seen})
     skipped: list[str] = []
     if kind is not None and limit is None:  # a PASSED must not read as "the prompts fit"
         needs = f"{name['tokenizer']} and {name['max_prompt_length']}" if kind == "prompt" else \
