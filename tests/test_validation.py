@@ -307,6 +307,37 @@ def test_a_question_differing_by_more_than_spacing_or_case_is_no_leak(tmp_path):
     assert report.success, report.summary()
 
 
+def test_a_question_asked_twice_in_the_validation_split_fails_with_both_rows(tmp_path):
+    """Under distinct ids the copies passed, and evaluation counted each as a problem: the promotion's paired test
+    saw the same evidence twice."""
+    val = records(4, "test", 50)  # indices 50..53: every id differs
+    asked = val[1]["prompt"][0]["content"]  # "Tom has 51 apples and buys 54 more. How many ... "####"."
+    val[3]["prompt"] = [{"role": "user", "content": " " + asked.replace("Tom", "TOM").replace(" more. ", " more.\n")}]
+    val[3]["reward_model"] = dict(val[1]["reward_model"])
+    report = validate_dataset(write(tmp_path / "train.parquet", records(5)), write(tmp_path / "val.parquet", val))
+    assert failed(report) == [("question_unique", "prompt_question", "val")]
+    outcome = report.failures[0]
+    question = ("tom has 51 apples and buys 54 more. how many apples does he have? let's think step by step and "
+                'output the final answer after "####".')
+    assert outcome.examples == [(1, question), (3, question)]
+    assert outcome.statistics["unexpected_count"] == 2
+    summary = report.summary()
+    assert "FAILED question_unique [val.prompt_question]" in summary
+    assert "    row 1: 'tom has 51 apples" in summary and "    row 3: 'tom has 51 apples" in summary
+
+
+def test_a_question_asked_twice_in_the_training_split_passes(tmp_path):
+    """Training samples prompts and counts nothing per question: a repeat there is no finding."""
+    train = records(5)
+    train[4]["prompt"] = copy.deepcopy(train[0]["prompt"])
+    train[4]["reward_model"] = dict(train[0]["reward_model"])
+    report = validate_dataset(write(tmp_path / "train.parquet", train),
+                              write(tmp_path / "val.parquet", records(2, "test", 50)))
+    assert report.success, report.summary()
+    assert report.find("question_unique", dataset="train") == []
+    assert report.find("question_unique", dataset="val")[0].success
+
+
 def test_problem_ids_repeated_across_files_fail_with_both_rows(tmp_path):
     # two validation files numbered from 0 each: evaluation would pair problems by id and mix them up
     first, second = records(3, "test", 0), records(2, "test", 0)

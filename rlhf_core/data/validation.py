@@ -19,7 +19,8 @@ data trained without a ground truth (``ground_truth_required=False``, ``--no-gro
 for a reason beyond the trainer's says so (``ground_truth_reason``). Both kinds check the rows, columns, nulls
 and the prompt messages, and the validation file for rows that repeat training data (prompt data: the same
 question, the last user turn compared by :func:`question_key`; preference data: the same prompt, as the reward
-model's trainer refuses it).
+model's trainer refuses it); prompt data's validation file also for a question asked twice (``question_unique``:
+evaluation would count it as two problems).
 Prompt data's prompt and data source are read from the trainer's columns (``prompt_key``, ``reward_fn_key``),
 its problem ids built as the trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and
 ``max_prompt_length``: counted as the trainer counts them); preference data the prompt with the longer
@@ -355,8 +356,8 @@ def load_tokenizer(tokenizer: Any, trust_remote_code: bool = False) -> Any:
 
 
 def question_key(text: str) -> str:
-    """The question a user turn asks, as train and val are compared: runs of whitespace (spaces, tabs, newlines)
-    made one space, the ends stripped, the case folded."""
+    """The question a user turn asks, as train and val are compared and val's questions told apart: runs of
+    whitespace (spaces, tabs, newlines) made one space, the ends stripped, the case folded."""
     return " ".join(text.split()).casefold()
 
 
@@ -456,9 +457,10 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`prompt_problem`; null where nothing
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
     outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
-    prompt data: ``reward_model_non_mapping`` (a ``reward_model`` cell that is there but is no mapping, else null),
-    ``extra_info_non_mapping`` (what is wrong with an ``extra_info`` cell that is there but is no mapping,
-    :func:`~rlhf_core.data.schema.extra_info_problem`, else null),
+    prompt data: ``prompt_question`` (the last user turn's :func:`question_key`), ``reward_model_non_mapping`` (a
+    ``reward_model`` cell that is there but is no mapping, else null), ``extra_info_non_mapping`` (what is wrong
+    with an ``extra_info`` cell that is there but is no mapping, :func:`~rlhf_core.data.schema.extra_info_problem`,
+    else null),
     ``ground_truth``, ``prompt_conflicting_truths`` (:func:`_conflicting_truths`), ``problem_id``
     (``data_source/extra_info.index``; without an index the row's number in its file, ``source_rows``, as the
     trainer numbers rows) and, if ``measure`` (default:
@@ -487,6 +489,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_problem"] = column(None if is_missing(v) else prompt_problem(v) for v in raw)
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
+        if kind != "preference":
+            out["prompt_question"] = column(question_key(u[-1]) if u else None for u in users)
         out["prompt_unknown_roles"] = column(", ".join(unknown_roles(messages)) or None if messages else None
                                              for messages in parsed)
         # the messages as the trainers hand them to the chat template: every key of each message
@@ -540,7 +544,7 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
     """Where each helper column comes from, for the note on a check that could not run."""
     pair = "'prompt', 'chosen' and 'rejected'"
     return {**dict.fromkeys(("prompt_problem", "prompt_has_user_turn", "prompt_unknown_roles", "prompt_user_content",
-                             "prompt_tokens", "prompt_template_error", "prompt_json"), repr(prompt)),
+                             "prompt_tokens", "prompt_template_error", "prompt_json", "prompt_question"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
             "prompt_within_limit": repr(prompt), "prompt_conflicting_truths": f"{prompt!r} and 'reward_model'",
             **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
@@ -619,6 +623,12 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         what = "prompt" if kind == "preference" else "user turn (whitespace runs and case aside)"
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
                       f"no validation row repeats a training {what}", {"value_set": leaked}))
+    if is_val and kind == "prompt":
+        # evaluation scores each row as a problem: a question asked twice counts twice in the promotion's test.
+        # The training split may repeat one (it is sampled more often, nothing is counted)
+        specs.append(("question_unique", gxe.ExpectColumnValuesToBeUnique, "prompt_question",
+                      "no two validation rows ask the same question (the last user turn, whitespace runs and case "
+                      "aside; shown: the question): evaluation would count it as two problems; drop the copies", {}))
     if kind == "prompt" and "reward_model_non_mapping" in frame:  # a missing column is column_exists' finding
         specs.append(("reward_model_is_mapping", gxe.ExpectColumnValuesToBeNull, "reward_model_non_mapping",
                       "reward_model is a {style, ground_truth} mapping (a parquet struct), not text or a number: "
