@@ -576,6 +576,12 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     (``data.filter_overlong_prompts``); None where they are kept.
     """
     import great_expectations.expectations as gxe
+    from great_expectations.expectations.row_conditions import Column
+
+    # row conditions are GX's condition objects: GX 1.9 deprecated the strings pandas parses, GX 2.0 removes them
+    def in_files_with(column: str) -> dict[str, Any]:
+        """Only the rows of the joined files that have ``column``."""
+        return {"row_condition": Column(f"{column}_missing_from").is_null()}
 
     # the trainer reads the prompt and the source from the configured columns; preference data has fixed ones
     renamed = {"prompt": prompt_key, "data_source": reward_fn_key}
@@ -601,11 +607,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
            f"every file joined into the table has column '{c}' (shown: the files without it)", {})
           for c in required if f"{c}_missing_from" in frame],
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null", {}) for c in columns
-          if c in frame and f"{c}_in_file" not in frame and c not in nullable],
+          if c in frame and f"{c}_missing_from" not in frame and c not in nullable],
         # an optional column some of the joined files lack: its nulls count in the files that have it
         *[("not_null", gxe.ExpectColumnValuesToNotBeNull, c, f"'{c}' is never null in the files that have it",
-           {"row_condition": f"{c}_in_file == True", "condition_parser": "pandas"}) for c in columns
-          if c in frame and f"{c}_in_file" in frame and c not in nullable],
+           in_files_with(c)) for c in columns if c in frame and f"{c}_missing_from" in frame and c not in nullable],
         ("prompt_is_non_empty_message_list", gxe.ExpectColumnValuesToBeNull, "prompt_problem",
          "prompt is a non-empty list of {role, content} string messages (shown: what is wrong)", {}),
         ("prompt_has_user_turn", gxe.ExpectColumnValuesToBeInSet, "prompt_has_user_turn",
@@ -638,10 +643,10 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                       "extra_info is a mapping (a parquet struct) or null, which the trainer reads as an empty one "
                       "(shown: what is wrong)", {}))
     if kind == "prompt":
-        if ground_truth_required and "reward_model_in_file" in frame:  # column_in_every_file names the others
+        if ground_truth_required and "reward_model_missing_from" in frame:  # column_in_every_file names the others
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
                           f"reward_model.ground_truth is never null in the files that have 'reward_model'{because}",
-                          {"row_condition": "reward_model_in_file == True", "condition_parser": "pandas"}))
+                          in_files_with("reward_model")))
         elif ground_truth_required:
             specs.append(("not_null", gxe.ExpectColumnValuesToNotBeNull, "ground_truth",
                           f"reward_model.ground_truth is never null{because}", {}))
@@ -656,8 +661,7 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
                       f"no two rows share {reward_fn_key} and extra_info.index (without an index: the row's number "
                       "in its file, as the trainer numbers it); evaluation pairs problems by them", {}))
         # a row without a ground truth is the reward model's alone: only a graded row needs a built-in rule
-        graded = {} if ground_truth_required else {"row_condition": "ground_truth.notnull()",
-                                                   "condition_parser": "pandas"}
+        graded = {} if ground_truth_required else {"row_condition": Column("ground_truth").is_not_null()}
         only = "" if ground_truth_required else " (rows with a ground truth)"
         if known_sources is None:
             skipped.append(f"{dataset}: data_source_known, ground_truth_numeric (a custom reward function "
@@ -850,7 +854,6 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     results = {}
     for position, ((name, _, _), frame) in enumerate(zip(tables, flat)):
         for column, lacking in (missing_in_file[position] or {}).items():
-            frame[f"{column}_in_file"] = np.array([path is None for path in lacking], dtype=bool)
             frame[f"{column}_missing_from"] = pd.Series(list(lacking), index=frame.index, dtype="object")
         if kind == "prompt" and "prompt_tokens" in frame and min_kept[position] is not None:
             frame["prompt_within_limit"] = (frame["prompt_tokens"] <= limit).astype("float64")  # NaN: not kept
