@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from zenml import log_metadata, step
+from zenml import log_metadata, save_artifact, step
 from zenml.logger import get_logger
 from zenml.types import HTMLString
 
@@ -43,12 +43,16 @@ def validate_data(ppo_config: dict) -> tuple[
         **ground_truth_needs(cfg),  # what training, evaluation and the reward's self-check grade against
         trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code,  # the tokenizer as the trainer loads it
     )
-    result = report.to_dict()
-    statistics = result["statistics"]
+    result, html = report.to_dict(), HTMLString(report.to_html())
     log_metadata({"success": report.success, "dataset_fingerprint": report.fingerprint,
-                  "failed_expectations": [outcome.label for outcome in report.failures], **statistics})
+                  "failed_expectations": [outcome.label for outcome in report.failures],
+                  "failed_examples": report.failed_examples(), **result["statistics"]})
     if not report.success:
+        # a failed step returns nothing: the result and its report are saved under the outputs' names, linked to
+        # this step's run, so that the failure can be browsed as a passing run's report is
+        save_artifact(result, name="validation_result")
+        save_artifact(html, name="validation_report")
         logger.error(report.summary())
         raise DataValidationError(report.summary())
     logger.info(report.summary())
-    return result, HTMLString(report.to_html()), report.fingerprint
+    return result, html, report.fingerprint

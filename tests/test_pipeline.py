@@ -419,6 +419,33 @@ parameters:
     assert version.run_metadata["pipeline_run_id"] == str(run.id)
 
 
+def test_refused_data_leaves_its_report_and_failing_rows_on_the_validate_data_step(tmp_path):
+    """validate_data raised before it returned its outputs: the HTML report and the result were lost, and the step
+    kept only the failed checks' labels, so the rows at fault were in the log alone."""
+    from steps.validate_data import DataValidationError
+
+    val = pd.read_parquet(tiny_setup().val_file)
+    val = pd.concat([val, val.iloc[[2]]], ignore_index=True)
+    val.at[8, "extra_info"] = {**val.at[2, "extra_info"], "index": 1000}  # another id
+    val.at[2, "prompt"] = [{"role": "user", "content": "What is 2 plus 2?"}]
+    val.at[8, "prompt"] = [{"role": "user", "content": "WHAT is 2  plus 2?\n"}]  # the same question
+    val.to_parquet(tmp_path / "val.parquet", index=False)
+    with pytest.raises(DataValidationError, match="question_unique"):
+        run_pipeline("tiny-refused-data", val_file=tmp_path / "val.parquet")
+
+    run = zenml_client().list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    step = run.steps["validate_data"]
+    assert str(step.status) == "failed"
+    assert step.run_metadata["failed_expectations"] == ["question_unique [val.prompt_question]"]
+    failure = step.run_metadata["failed_examples"]["question_unique [val.prompt_question]"]
+    assert failure["rows"] == ["row 2: 'what is 2 plus 2?'", "row 8: 'what is 2 plus 2?'"]
+    assert failure["failure"].startswith("2 of 9 rows fail (22.2%)")
+    page = step.outputs["validation_report"][0].load()
+    assert "question_unique" in page and "what is 2 plus 2?" in page
+    result = step.outputs["validation_result"][0].load()
+    assert result["success"] is False and result["statistics"]["unsuccessful_expectations"] == 1
+
+
 def test_a_custom_reward_s_run_goes_through_on_prompts_without_a_ground_truth(tmp_path):
     """The custom reward grades training, its self-check and the evaluation without a ground truth (it gets None),
     as the trainer alone takes such prompts: validate_data refused them, and had it not, evaluate did."""

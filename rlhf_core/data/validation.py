@@ -249,10 +249,21 @@ class ValidationReport:
         lines += [f"  {note}" for note in self.notes]
         for o in failures:
             lines.append(f"FAILED {o.label} ({o.expectation_type}): {_describe_failure(o)}")
-            if o.name != "column_in_every_file":  # its description names the files
-                lines += [f"    {self.where(o.dataset, row)}: {_excerpt(value)}" for row, value in o.examples]
+            lines += [f"    {example}" for example in self._shown_rows(o)]
         lines += [_describe_limit(o) for o in results if o.success and o.name in _LENGTH_CHECKS]
         return "\n".join(lines + [f"  skipped: {item}" for item in self.skipped])
+
+    def _shown_rows(self, outcome: Outcome) -> list[str]:
+        """A failed check's first failing rows, ``<where>: <value>`` (none for ``column_in_every_file``, whose
+        description names the files)."""
+        if outcome.name == "column_in_every_file":
+            return []
+        return [f"{self.where(outcome.dataset, row)}: {_excerpt(value)}" for row, value in outcome.examples]
+
+    def failed_examples(self) -> dict[str, dict[str, Any]]:
+        """Each failed check by its label: what failed (as the summary says it) and its first failing rows, for a
+        record that outlives the log (the validate_data step's metadata)."""
+        return {o.label: {"failure": _describe_failure(o), "rows": self._shown_rows(o)} for o in self.failures}
 
     def to_html(self) -> str:
         """GX's Data Docs page of the validation results, one overview per dataset.
