@@ -600,6 +600,10 @@ ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
     "critic.optim.clip_grad": ("critic.grad_clip", {}),
     # verl's name until it was renamed log_val_generations (it logs to any logger there since)
     "trainer.val_generations_to_log_to_wandb": ("trainer.log_val_generations", {}),
+    # verl's one list of what a checkpoint saves and loads, until it was split in two (load_contents follows
+    # save_contents there by default); both are keys without effect here, judged as save_contents is
+    **{f"{section}.checkpoint.contents": (f"{section}.checkpoint.save_contents", {})
+       for section in ("actor_rollout_ref.actor", "critic")},
 }
 
 # verl's shard-group sizes: a size below 0 or of at least the workers is one group over all of them (verl's mesh
@@ -985,6 +989,8 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
         return {}
     also = "".join(f" and {k}={v}" for k, v in extra.items())  # what the alias sets besides (kl_ctrl.type)
     notice(f"notice: {key} is an alias; use {canonical}{also}")
+    if without_effect(canonical) is not None:  # an alias of a verl key without effect: judged as that key
+        return {**_targets(canonical, value, notice, errors), **extra}
     return {canonical: value, **extra}
 
 
@@ -1070,8 +1076,8 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if _deferred(key, None):
             deferred.pop(key, None)
             return
-        if without_effect(key) is not None:
-            return
+        if without_effect(key) is not None or (key in ALIASES and without_effect(ALIASES[key][0]) is not None):
+            return  # a verl key without effect (or its alias) set nothing
         if key in ALIASES:  # ~alias: back to the default, the key it stands for (and what it sets besides)
             canonical, extra = ALIASES[key]
             for target in (canonical, *extra):

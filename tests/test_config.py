@@ -913,3 +913,19 @@ def test_every_suggested_mini_batch_passes_validation(gae):
         suggested += 1
         load_config([*sizes, f"actor_rollout_ref.actor.ppo_mini_batch_size={hint.group(1)}"], notice=lambda _: None)
     assert suggested >= 6
+
+
+@pytest.mark.parametrize("section", ["actor_rollout_ref.actor", "critic"])
+def test_verls_old_checkpoint_contents_is_an_alias_of_save_contents(section):
+    """verl's scripts before its split into save_contents and load_contents wrote checkpoint.contents=[...]."""
+    notices = []
+    load_config([f"{section}.checkpoint.contents=[model,optimizer,extra,hf_model]"], notice=notices.append,
+                validate=False)
+    assert notices[0] == f"notice: {section}.checkpoint.contents is an alias; use {section}.checkpoint.save_contents"
+    assert notices[1].startswith(f"notice: {section}.checkpoint.save_contents=['model', 'optimizer', 'extra', "
+                                 "'hf_model'] has no effect: ")
+    # what save_contents refuses, its old name refuses too (a checkpoint here always holds the optimizer)
+    assert f"{section}.checkpoint.save_contents=['model'] is not supported" in _errors(
+        f"{section}.checkpoint.contents=[model]")
+    assert _errors_or_none(f"~{section}.checkpoint.contents") is None
+
