@@ -670,9 +670,12 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"{section}.strategy": (lambda v: v in STRATEGIES, "the reference and the reward model run as the actor does, "
                                                           "sharded with FSDP2")
        for section in ("actor_rollout_ref.ref", "reward_model")},
-    **{f"{section}.checkpoint.save_contents": (_all_state, "checkpoints hold the model, optimizer and extra state, "
-                                                           "with a huggingface/ export of the model")
-       for section in ("actor_rollout_ref.actor", "critic")},
+    "actor_rollout_ref.actor.checkpoint.save_contents": (
+        _all_state, "the actor's checkpoints hold its model, optimizer and extra state, with a huggingface/ export "
+                    "of the model"),
+    "critic.checkpoint.save_contents": (
+        _all_state, "the critic's checkpoints hold its model, optimizer and extra state, without a huggingface/ "
+                    "export (only the actor's model is exported)"),
     **{f"{section}.checkpoint.load_contents": (lambda v: _all_state(v) or v == "${.save_contents}",
                                                "a resume loads the model, optimizer and extra state")
        for section in ("actor_rollout_ref.actor", "critic")},

@@ -929,3 +929,12 @@ def test_verls_old_checkpoint_contents_is_an_alias_of_save_contents(section):
         f"{section}.checkpoint.contents=[model]")
     assert _errors_or_none(f"~{section}.checkpoint.contents") is None
 
+
+def test_the_critics_checkpoint_notice_does_not_promise_a_huggingface_export():
+    notices = []
+    load_config(["actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+                 "critic.checkpoint.save_contents=[model,optimizer,extra,hf_model]"], notice=notices.append,
+                validate=False)
+    actor, critic = (n.split("has no effect: ")[1] for n in notices)
+    assert "with a huggingface/ export" in actor  # actor/huggingface/ is written with every checkpoint
+    assert "without a huggingface/ export" in critic  # critic/ holds model_state.pt, optim_state.pt, extra_state.pt
