@@ -17,7 +17,8 @@ with the batch split by rank and the results gathered back in order.
 
 Ray: ``trainer.ray_address`` or ``$RAY_ADDRESS`` joins an existing cluster (where ``rlhf_core``
 must be installed on every node and ``trainer.default_local_dir`` be a shared filesystem);
-otherwise a local cluster sized to this machine is started.
+otherwise a local cluster sized to this machine (and the group) is started, and started again larger for a
+larger group once this process's groups on it are shut down.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import copy
 import os
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -77,12 +79,47 @@ class DistributedWorker:
         return os.getpid()
 
 
-def ensure_ray(address: str | None, world_size: int, device: str) -> None:
-    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers."""
+#: The local cluster this process started, while it is the one Ray is connected to: its Ray node id and the CPUs and
+#: GPUs it was given. None where this process joined a cluster, or where another caller started the one it is on.
+_started: dict | None = None
+#: The worker groups still alive in this process (a group leaves at its shutdown, or when no one holds it).
+_live_groups: weakref.WeakSet = weakref.WeakSet()
+
+
+def _node_id() -> str:
     import ray
 
+    return ray.get_runtime_context().get_node_id()
+
+
+def started_here() -> dict | None:
+    """The local cluster this process started (``{"CPU": n, "GPU": m}``), where Ray is connected to it now."""
+    import ray
+
+    if _started is None or not ray.is_initialized() or _started["node"] != _node_id():
+        return None
+    return {"CPU": _started["CPU"], "GPU": _started["GPU"]}
+
+
+def ensure_ray(address: str | None, world_size: int, device: str) -> None:
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers.
+
+    A local cluster keeps the size it started with; where it is this process's own, too small for ``world_size``
+    workers and no worker group of this process is alive on it (a larger group after a smaller one shut down),
+    it is stopped and started again large enough."""
+    global _started
+    import ray
+
+    cpus = max(os.cpu_count() or 1, world_size)  # one CPU per worker; a smaller machine runs them oversubscribed
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
     if ray.is_initialized():
-        return
+        own = started_here()
+        if own is None or (cpus <= own["CPU"] and gpus <= own["GPU"]) or len(_live_groups):
+            return
+        ray.shutdown()
+        cpus, gpus = max(cpus, own["CPU"]), max(gpus, own["GPU"])
+        print(f"notice: the local Ray cluster this process started ({own}) is too small for {world_size} workers "
+              f"and runs none: started again with {{'CPU': {cpus}, 'GPU': {gpus}}}", file=sys.stderr, flush=True)
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
@@ -92,12 +129,10 @@ def ensure_ray(address: str | None, world_size: int, device: str) -> None:
                               f"RAY_ADDRESS): {' '.join(str(exc).split())[:300]}; check the address, that the cluster "
                               "is up (ray status there), and the cluster's authentication (RAY_AUTH_MODE and its "
                               "token)") from None
+        _started = None
         return
-    cpus = os.cpu_count() or 1
-    if device == "cpu":  # one CPU per worker; a smaller machine runs them oversubscribed
-        ray.init(num_cpus=max(cpus, world_size), num_gpus=0, include_dashboard=False)
-    else:
-        ray.init(num_cpus=max(cpus, world_size), num_gpus=torch.cuda.device_count(), include_dashboard=False)
+    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False)
+    _started = {"node": _node_id(), "CPU": cpus, "GPU": gpus}
 
 
 class WorkerGroup:
@@ -118,15 +153,29 @@ class WorkerGroup:
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
         total = ray.cluster_resources()
         short = {kind: total.get(kind, 0.0) for kind, need in bundle.items() if total.get(kind, 0.0) < need * world_size}
-        if short:  # it may grow (an autoscaling cluster): say why the wait, rather than wait in silence
+        own = started_here()  # this process's local cluster, which does not grow: a group it cannot hold fails at once
+        if short and own is None:  # it may grow (an autoscaling cluster): say why the wait, rather than wait in silence
             print(f"waiting up to {placement_timeout_s:.0f} s to place {world_size} workers of {bundle} each: the Ray "
                   f"cluster has {short} now", file=sys.stderr, flush=True)
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=0 if own and short else placement_timeout_s)
         if not ready:
             ray.util.remove_placement_group(self.placement_group)
+            if own is None:
+                raise WorkerError(
+                    f"cannot place {world_size} workers of {bundle} each within {placement_timeout_s:.0f} s: the Ray "
+                    f"cluster has {ray.cluster_resources()}; lower trainer.n_gpus_per_node * trainer.nnodes or add "
+                    "nodes")
+            alive = len(_live_groups)
+            groups = f"{alive} worker group{'s' if alive != 1 else ''} of this process"
+            run, hold = ("run", "hold") if alive != 1 else ("runs", "holds")
+            why = (f"{groups} still {run} on it, so it was not started again larger: shut them down first"
+                   if short and alive else "this machine has no more" if short
+                   else f"{groups} {hold} its resources: shut them down first")
             raise WorkerError(
-                f"cannot place {world_size} workers of {bundle} each within {placement_timeout_s:.0f} s: the Ray "
-                f"cluster has {ray.cluster_resources()}; lower trainer.n_gpus_per_node * trainer.nnodes or add nodes")
+                f"cannot place {world_size} workers of {bundle} each: the local Ray cluster this process started has "
+                f"{ray.cluster_resources()} (its size when it started: {own}); {why}, or lower "
+                "trainer.n_gpus_per_node * trainer.nnodes")
+        _live_groups.add(self)
         remote_cls = ray.remote(worker_cls)
         self.workers = [
             remote_cls.options(
@@ -261,6 +310,7 @@ class WorkerGroup:
             except Exception:  # noqa: BLE001 - already removed
                 pass
             self.placement_group = None
+        _live_groups.discard(self)
         self.failed = self.failed or "shut down"
 
 
