@@ -505,6 +505,9 @@ class TrainerConfig:
     nnodes: int = _k(1, "number of nodes")
     ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
                                        "a local cluster")
+    ray_runtime_env: dict[str, Any] = _k({}, "Ray's runtime_env given to ray.init where this process joins or starts "
+                                             "Ray (verl's ray_kwargs.ray_init.runtime_env), e.g. {py_modules: [lib]} "
+                                             "ships a module to every node's workers, {env_vars: {K: V}}")
     device: str = _k("cuda", "cuda | cpu")
     cpu_matmul: str = _k("auto", "kernel of float32 linear layers on CPU: auto (oneDNN on AMD CPUs with "
                                  "AVX-512; elsewhere BLAS; decoding on packed weights, MKL's on Intel CPUs, oneDNN's "
@@ -765,7 +768,8 @@ WITHOUT_EFFECT_BELOW: dict[str, str] = {
     "algorithm.pf_ppo.": "read only with algorithm.use_pf_ppo, which is not supported here",
     "data.databuffer.": "read only with data.databuffer.enable, which is not supported here",
     "global_profiler.": "trainer.profile_steps records torch.profiler traces",
-    "ray_kwargs.": "Ray starts (or is joined, trainer.ray_address) with its own settings",
+    "ray_kwargs.": "Ray starts (or is joined, trainer.ray_address) with its own settings and "
+                   "trainer.ray_runtime_env",
     **{f"{section}.profiler.": "trainer.profile_steps records torch.profiler traces"
        for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic",
                        "reward_model")},
@@ -778,9 +782,12 @@ for _section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_roll
 
 def without_effect(key: str) -> tuple[Callable[[Any], bool], str] | None:
     """What :data:`WITHOUT_EFFECT` (or a section of :data:`WITHOUT_EFFECT_BELOW`) says of verl's ``key``: the
-    test of its harmless values and what this trainer does instead; None for a key of this trainer's own."""
+    test of its harmless values and what this trainer does instead; None for a key of this trainer's own (or one
+    of verl's that :data:`PREFIX_ALIASES` places here)."""
     if key in WITHOUT_EFFECT:
         return WITHOUT_EFFECT[key]
+    if _prefix_alias(key) is not None:
+        return None
     for section, instead in WITHOUT_EFFECT_BELOW.items():
         if key.startswith(section):
             return _any, instead
@@ -841,7 +848,16 @@ PREFIX_ALIASES: dict[str, str] = {
     "critic.model.fsdp_config.": "critic.fsdp_config.",  # verl's place for the critic's sharding
     "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward_model.overlong_buffer.",  # verl's DAPO recipe
     "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",  # the recipe's first version
+    "ray_kwargs.ray_init.runtime_env.": "trainer.ray_runtime_env.",  # what verl gives ray.init
 }
+
+
+def _prefix_alias(key: str) -> str | None:
+    """The key that ``key`` (below a section of :data:`PREFIX_ALIASES`, or that section itself) stands for."""
+    for prefix, canonical_prefix in PREFIX_ALIASES.items():
+        if f"{key}.".startswith(prefix):
+            return f"{canonical_prefix}{f'{key}.'[len(prefix):]}"[:-1]
+    return None
 
 # verl keys that repeat another key's value (verl's config interpolates them from it), each with what reads that
 # value here: taken where they hold the same value (or null), refused where they differ
@@ -982,9 +998,8 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
         else:
             errors.append(f"{key}={value!r} is not supported: {instead}")
         return {}
-    for prefix, canonical_prefix in PREFIX_ALIASES.items():
-        if key.startswith(prefix):  # verl's own key: taken without a notice
-            return {canonical_prefix + key[len(prefix):]: value}
+    if (placed := _prefix_alias(key)) is not None:  # verl's own key: taken without a notice
+        return {placed: value}
     if key not in ALIASES:
         return {key: value}
     canonical, extra = ALIASES[key]
@@ -1001,7 +1016,7 @@ REWARD_MANAGERS = ("naive", "dapo", "batch")
 # lists that take one name as a list of it
 ONE_OR_LIST = frozenset({"trainer.logger"})
 # mappings whose keys the user names (``+custom_reward_function.reward_kwargs.scale=2`` or a YAML mapping)
-OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs", "data.apply_chat_template_kwargs",
+OPEN_KEYS = frozenset({"custom_reward_function.reward_kwargs", "data.apply_chat_template_kwargs", "trainer.ray_runtime_env",
                        "actor_rollout_ref.model.override_config", "critic.model.override_config",
                        "reward_model.train.apply_chat_template_kwargs", "reward_model.model.input_chat_template_kwargs"})
 

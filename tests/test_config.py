@@ -938,3 +938,19 @@ def test_the_critics_checkpoint_notice_does_not_promise_a_huggingface_export():
     actor, critic = (n.split("has no effect: ")[1] for n in notices)
     assert "with a huggingface/ export" in actor  # actor/huggingface/ is written with every checkpoint
     assert "without a huggingface/ export" in critic  # critic/ holds model_state.pt, optim_state.pt, extra_state.pt
+
+
+def test_verls_ray_runtime_env_is_taken_as_trainer_ray_runtime_env(tmp_path):
+    notices = []
+    cfg = load_config(["+ray_kwargs.ray_init.runtime_env.env_vars.TOKENIZERS_PARALLELISM=false",
+                       "ray_kwargs.ray_init.num_cpus=null"], notice=notices.append, validate=False)
+    assert cfg.trainer.ray_runtime_env == {"env_vars": {"TOKENIZERS_PARALLELISM": False}}  # as Hydra reads it
+    assert [n.split(" has no effect")[0] for n in notices] == ["notice: ray_kwargs.ray_init.num_cpus=None"]
+    whole = load_config(["ray_kwargs.ray_init.runtime_env={py_modules:[/shared/my_arch]}"], validate=False)
+    assert whole.trainer.ray_runtime_env == {"py_modules": ["/shared/my_arch"]}
+    path = tmp_path / "verl.yaml"
+    path.write_text("ray_kwargs:\n  ray_init:\n    num_cpus: null\n    runtime_env:\n      working_dir: /shared/job\n"
+                    "      env_vars: {VLLM_USE_V1: '1'}\n")
+    from_file = load_config([], config_file=path, notice=lambda _: None, validate=False)
+    assert from_file.trainer.ray_runtime_env == {"working_dir": "/shared/job", "env_vars": {"VLLM_USE_V1": "1"}}
+    assert load_config([], validate=False).trainer.ray_runtime_env == {}

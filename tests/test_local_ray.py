@@ -56,3 +56,75 @@ def test_a_cluster_this_process_did_not_start_is_never_started_again(monkeypatch
     finally:
         monkeypatch.undo()
         ray.shutdown()
+
+
+class _FakeContext:
+    def get_node_id(self):
+        return "node-a"
+
+
+@pytest.mark.parametrize("address", ["10.0.0.9:6379", None], ids=["joined", "started"])
+def test_the_runtime_env_goes_to_ray_init(monkeypatch, address):
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray, "get_runtime_context", _FakeContext)
+    monkeypatch.setattr(group, "_connection", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    env = {"py_modules": ["/shared/my_arch"], "env_vars": {"A": "1", "B": 2, "C": False}}
+    group.ensure_ray(address, 2, "cpu", env)
+    # Ray takes strings only: the command line's B=2 and C=false as they were written
+    assert len(calls) == 1
+    assert calls[0]["runtime_env"] == {"py_modules": ["/shared/my_arch"], "env_vars": {"A": "1", "B": "2", "C": "false"}}
+    assert calls[0].get("address") == address
+
+
+def test_a_runtime_env_that_comes_after_ray_was_connected_says_it_is_not_applied(monkeypatch, capsys):
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # the caller's connection
+    monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("connected twice"))
+    monkeypatch.setattr(group, "_connection", None)
+    group.ensure_ray(None, 2, "cpu", {"env_vars": {"A": "1"}})
+    assert "notice: trainer.ray_runtime_env={'env_vars': {'A': '1'}} is not applied" in capsys.readouterr().err
+
+
+def test_the_trainers_worker_groups_get_the_configs_runtime_env(monkeypatch):
+    from rlhf_core.config import load_config
+
+    given = {}
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            given.update(kwargs)
+            raise RuntimeError("recorded")
+
+    monkeypatch.setattr(group, "WorkerGroup", Recorder)
+    config = load_config(["+ray_kwargs.ray_init.runtime_env.env_vars.A=1", "trainer.n_gpus_per_node=2"],
+                         validate=False)
+    with pytest.raises(RuntimeError, match="recorded"):
+        group.build_worker_groups(config, 1, use_ref=False, use_critic=False)
+    assert given["runtime_env"] == {"env_vars": {"A": 1}}
+
+
+def test_a_worker_that_cannot_import_external_lib_says_every_node_needs_it():
+    """The driver imported it (from its PYTHONPATH, say); a worker on a joined cluster, started without that
+    PYTHONPATH, did not: setting PYTHONPATH for the command, as the driver's hint says, would not have helped."""
+    import torch
+
+    from rlhf_core.config import load_config
+    from rlhf_core.models.loading import ModelError
+
+    config = load_config(["actor_rollout_ref.model.external_lib=no_such_module_here"], validate=False)
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(ModelError) as info:
+            group.HybridWorker(0, 1, "cpu").setup(config, 1, use_ref=False, use_critic=False)
+    finally:
+        torch.set_num_threads(threads)
+    message = str(info.value)
+    assert message.startswith("actor_rollout_ref.model.external_lib: module 'no_such_module_here' cannot be imported")
+    assert "it must be importable on every node of the cluster" in message
+    assert "PYTHONPATH=. ..." not in message
+    # the shipping it names is a valid override, and reaches ray.init as Ray's runtime_env
+    shipped = load_config(["+ray_kwargs.ray_init.runtime_env.py_modules=[/path/to/its/package]"], validate=False)
+    assert "+ray_kwargs.ray_init.runtime_env.py_modules=[/path/to/its/package]" in message
+    assert shipped.trainer.ray_runtime_env == {"py_modules": ["/path/to/its/package"]}

@@ -145,16 +145,26 @@ def check_tokenizer_dir(path: str | os.PathLike, key: str) -> Path:
     return folder
 
 
-def import_external_lib(name: str | None, key: str = "actor_rollout_ref.model.external_lib") -> None:
+#: what to do where the driver (the command's own process) cannot import an external_lib
+LOCAL_IMPORT_HINT = ("a module of the current folder imports where the folder is on PYTHONPATH (PYTHONPATH=. ...), "
+                     "which the installed commands do not add")
+#: ... and where a Ray worker cannot, which imports it again in its own process, maybe on another node
+WORKER_IMPORT_HINT = ("each Ray worker imports it: it must be importable on every node of the cluster (installed "
+                      "there, or in a folder on the PYTHONPATH that node's Ray was started with: the driver's "
+                      "PYTHONPATH does not reach the workers of a cluster joined with trainer.ray_address), or be "
+                      "shipped with trainer.ray_runtime_env (verl's ray_kwargs.ray_init.runtime_env), e.g. "
+                      "+ray_kwargs.ray_init.runtime_env.py_modules=[/path/to/its/package]")
+
+
+def import_external_lib(name: str | None, key: str = "actor_rollout_ref.model.external_lib",
+                        hint: str = LOCAL_IMPORT_HINT) -> None:
     """Import the module ``name`` (verl's ``external_lib``: it registers custom architectures with transformers);
-    raise ModelError naming ``key`` where it cannot be imported."""
+    raise ModelError naming ``key``, with ``hint`` (what to do), where it cannot be imported."""
     if name:
         try:
             importlib.import_module(name)
         except ImportError as exc:
-            raise ModelError(f"{key}: module {name!r} cannot be imported ({exc}); a module of the current folder "
-                             "imports where the folder is on PYTHONPATH (PYTHONPATH=. ...), which the installed "
-                             "commands do not add") from exc
+            raise ModelError(f"{key}: module {name!r} cannot be imported ({exc}); {hint}") from exc
 
 
 def load_tokenizer(path: str | os.PathLike, trust_remote_code: bool = False):

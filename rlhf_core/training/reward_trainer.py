@@ -613,7 +613,8 @@ class RewardModelTrainer:
         if cfg.world_size > 1:
             self.group = WorkerGroup(RewardModelRayWorker, cfg.world_size, device=cfg.trainer.device,
                                      ray_address=cfg.trainer.ray_address,
-                                     collective_timeout_s=cfg.actor_rollout_ref.nccl_timeout)
+                                     collective_timeout_s=cfg.actor_rollout_ref.nccl_timeout,
+                                     runtime_env=cfg.trainer.ray_runtime_env)
             try:
                 rm = for_workers(self.rm, ("model.path", "model.tokenizer_path", "default_local_dir"),
                                  folders=("default_local_dir",))  # the workers read paths as the driver does

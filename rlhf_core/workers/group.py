@@ -15,8 +15,9 @@ group (and, with ``reward_model.enable``, the reward model, scored through :clas
 :class:`~rlhf_core.workers.actor.ActorWorker` and :class:`~rlhf_core.workers.critic.CriticWorker`,
 with the batch split by rank and the results gathered back in order.
 
-Ray: ``trainer.ray_address`` or ``$RAY_ADDRESS`` joins an existing cluster (where ``rlhf_core``
-must be installed on every node and ``trainer.default_local_dir`` be a shared filesystem);
+Ray: ``trainer.ray_address`` or ``$RAY_ADDRESS`` joins an existing cluster (where ``rlhf_core`` and any
+``external_lib`` must be installed on every node, or the latter shipped with ``trainer.ray_runtime_env``, and
+``trainer.default_local_dir`` be a shared filesystem);
 otherwise a local cluster sized to this machine (and the group) is started, and started again larger for a
 larger group once this process's groups on it are shut down.
 """
@@ -79,42 +80,61 @@ class DistributedWorker:
         return os.getpid()
 
 
-#: The local cluster this process started, while it is the one Ray is connected to: its Ray node id and the CPUs and
-#: GPUs it was given. None where this process joined a cluster, or where another caller started the one it is on.
-_started: dict | None = None
+#: The Ray connection this process made, while Ray is on it: the node id of the driver, the runtime_env it was made
+#: with and, for a local cluster it started, the CPUs and GPUs it was given (None where it joined a cluster). None
+#: where it made none, or where a caller connected Ray since.
+_connection: dict | None = None
 #: The worker groups still alive in this process (a group leaves at its shutdown, or when no one holds it).
 _live_groups: weakref.WeakSet = weakref.WeakSet()
 
 
-def _node_id() -> str:
+def _made_here() -> dict | None:
+    """:data:`_connection`, where Ray is on that connection now."""
     import ray
 
-    return ray.get_runtime_context().get_node_id()
+    if _connection is None or not ray.is_initialized() or \
+            _connection["node"] != ray.get_runtime_context().get_node_id():
+        return None
+    return _connection
 
 
 def started_here() -> dict | None:
     """The local cluster this process started (``{"CPU": n, "GPU": m}``), where Ray is connected to it now."""
-    import ray
-
-    if _started is None or not ray.is_initialized() or _started["node"] != _node_id():
-        return None
-    return {"CPU": _started["CPU"], "GPU": _started["GPU"]}
+    made = _made_here()
+    return None if made is None else made["local"]
 
 
-def ensure_ray(address: str | None, world_size: int, device: str) -> None:
-    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers.
+def _for_ray(runtime_env: dict) -> dict:
+    """``runtime_env`` as Ray takes it: its ``env_vars`` strings, as the command line or YAML wrote them
+    (``env_vars.X=false`` or ``=1`` reach here as a bool or a number, which Ray refuses)."""
+    env_vars = runtime_env.get("env_vars")
+    if not isinstance(env_vars, dict):
+        return dict(runtime_env)
+    spelt = {name: str(value).lower() if isinstance(value, bool) else str(value) for name, value in env_vars.items()}
+    return {**runtime_env, "env_vars": spelt}
+
+
+def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: dict | None = None) -> None:
+    """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers;
+    either with ``runtime_env`` (``trainer.ray_runtime_env``: what every worker of the job gets, on any node).
 
     A local cluster keeps the size it started with; where it is this process's own, too small for ``world_size``
     workers and no worker group of this process is alive on it (a larger group after a smaller one shut down),
-    it is stopped and started again large enough."""
-    global _started
+    it is stopped and started again large enough. Otherwise a connection made before (by this process's caller,
+    or for an earlier group) is kept as it is, with the runtime_env it was made with."""
+    global _connection
     import ray
 
+    runtime_env = _for_ray(runtime_env or {})
     cpus = max(os.cpu_count() or 1, world_size)  # one CPU per worker; a smaller machine runs them oversubscribed
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     if ray.is_initialized():
-        own = started_here()
+        made, own = _made_here(), started_here()
         if own is None or (cpus <= own["CPU"] and gpus <= own["GPU"]) or len(_live_groups):
+            if runtime_env and (made is None or made["runtime_env"] != runtime_env):
+                print(f"notice: trainer.ray_runtime_env={runtime_env} is not applied: Ray was started or joined "
+                      "before, and its workers run with the runtime_env it was given then", file=sys.stderr,
+                      flush=True)
             return
         ray.shutdown()
         cpus, gpus = max(cpus, own["CPU"]), max(gpus, own["GPU"])
@@ -123,28 +143,30 @@ def ensure_ray(address: str | None, world_size: int, device: str) -> None:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         try:
-            ray.init(address=address)
+            ray.init(address=address, runtime_env=runtime_env or None)
         except ConnectionError as exc:  # refused, timed out, or an authentication the cluster asks for
             raise WorkerError(f"cannot connect to the Ray cluster at trainer.ray_address={address!r} (or "
                               f"RAY_ADDRESS): {' '.join(str(exc).split())[:300]}; check the address, that the cluster "
                               "is up (ray status there), and the cluster's authentication (RAY_AUTH_MODE and its "
                               "token)") from None
-        _started = None
-        return
-    ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False)
-    _started = {"node": _node_id(), "CPU": cpus, "GPU": gpus}
+        local = None
+    else:
+        ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, runtime_env=runtime_env or None)
+        local = {"CPU": cpus, "GPU": gpus}
+    _connection = {"node": ray.get_runtime_context().get_node_id(), "runtime_env": runtime_env, "local": local}
 
 
 class WorkerGroup:
     """``world_size`` instances of ``worker_cls`` (a :class:`DistributedWorker`) in one process group."""
 
     def __init__(self, worker_cls: type, world_size: int, device: str = "cpu", ray_address: str | None = None,
-                 placement_timeout_s: float = 300.0, collective_timeout_s: float = 1800.0):
+                 placement_timeout_s: float = 300.0, collective_timeout_s: float = 1800.0,
+                 runtime_env: dict | None = None):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ensure_ray(ray_address, world_size, device)
+        ensure_ray(ray_address, world_size, device, runtime_env)
         self.world_size = world_size
         self.failed: str | None = None
         self.collective_timeout_s = collective_timeout_s
@@ -385,14 +407,14 @@ class HybridWorker(DistributedWorker):
     def setup(self, config: PPOConfig, total_steps: int, use_ref: bool, use_critic: bool) -> None:
         from rlhf_core import heap
         from rlhf_core.models import cpu_matmul
-        from rlhf_core.models.loading import import_external_lib, load_tokenizer
+        from rlhf_core.models.loading import WORKER_IMPORT_HINT, import_external_lib, load_tokenizer
         from rlhf_core.workers.actor import build_actor
         from rlhf_core.workers.critic import build_critic
 
         arr = config.actor_rollout_ref
+        import_external_lib(arr.model.external_lib, hint=WORKER_IMPORT_HINT)
         cpu_matmul.configure(config.trainer.cpu_matmul, config.trainer.cpu_matmul_dtype)
         heap.configure(config.trainer.keep_freed_memory)
-        import_external_lib(arr.model.external_lib)
         tokenizer = load_tokenizer(config.value("actor_rollout_ref.model.tokenizer_path"), arr.model.trust_remote_code)
         seed, device = config.trainer.seed, self.device
         self.actor = build_actor(config, tokenizer, total_steps, use_ref, seed, device)
@@ -595,7 +617,8 @@ def build_worker_groups(config: PPOConfig, total_steps: int, use_ref: bool, use_
     trainer = config.trainer
     started = time.perf_counter()
     group = WorkerGroup(worker_cls, config.world_size, device=trainer.device, ray_address=trainer.ray_address,
-                        collective_timeout_s=config.actor_rollout_ref.nccl_timeout)
+                        collective_timeout_s=config.actor_rollout_ref.nccl_timeout,
+                        runtime_env=trainer.ray_runtime_env)
     try:
         group.execute_all("setup", for_workers(config), total_steps, use_ref, use_critic)
     except BaseException:
