@@ -1109,3 +1109,17 @@ def test_a_resume_already_at_the_end_says_the_run_is_complete_and_how_to_go_on(w
     assert checkpoint.latest_checkpoint(out) == out / "global_step_4"
     assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=2", "trainer.total_training_steps=5")) == 0
     assert checkpoint.latest_checkpoint(out) == out / "global_step_5"
+
+
+def test_a_resume_may_ship_another_ray_runtime_env():
+    """Where the workers' code and environment come from (trainer.ray_runtime_env, verl's
+    ray_kwargs.ray_init.runtime_env) changes no step's math: a run resumes under another one, as under another
+    trainer.ray_address, and a checkpoint saved before the key existed resumes with it set."""
+    current = PPOConfig().to_dict()
+    saved = copy.deepcopy(current)
+    current["trainer"]["ray_runtime_env"] = {"env_vars": {"HF_HOME": "/cache"}, "py_modules": ["/src/my_ext"]}
+    assert checkpoint.config_differences(saved, current) == []
+    del saved["trainer"]["ray_runtime_env"]
+    assert checkpoint.config_differences(saved, current) == []
+    current["trainer"]["seed"] = 2  # (the comparison itself still sees a key that matters)
+    assert checkpoint.config_differences(saved, current) == ["trainer.seed"]

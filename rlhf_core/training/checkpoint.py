@@ -119,7 +119,8 @@ RESUME_SAFE_KEYS = (
     "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path", "trainer.default_local_dir",
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
-    "trainer.ray_address", "actor_rollout_ref.nccl_timeout", "trainer.profile_steps", "trainer.profile_dir", "trainer.val_only",
+    "trainer.ray_address", "trainer.ray_runtime_env*", "actor_rollout_ref.nccl_timeout", "trainer.profile_steps",
+    "trainer.profile_dir", "trainer.val_only",
     "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
     # the number of workers: the state re-splits over them and the losses are normalised over the global
     # mini-batch; the config's own checks refuse batches that do not divide over them (load_checkpoint says
