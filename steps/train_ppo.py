@@ -110,7 +110,7 @@ def train_ppo(
     try:
         result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
     except Exception as exc:
-        add_resume_advice(exc, cfg.trainer.default_local_dir)  # its message says "rerun": a new run, a new folder
+        add_resume_advice(exc, cfg.trainer.default_local_dir)  # its "rerun" would be a new run, in a new folder
         raise
 
     records = whole_history(result)

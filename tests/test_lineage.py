@@ -207,28 +207,49 @@ def test_the_failure_record_keeps_the_error_short():
                       "pipeline_run_id": "id-9"}
 
 
-def test_a_failed_training_records_how_to_go_on_from_its_checkpoint_and_the_chain_shows_it(tmp_path, capsys):
-    """A training error inside a pipeline says 'rerun the same command', which in a pipeline starts afresh: the
-    step notes the resume_path overrides on it, and the version's record keeps that note."""
+@pytest.mark.parametrize("rerun", ["rerun the same command", "rerun with trainer.resume_mode=auto"])
+def test_a_failed_training_in_a_pipeline_says_in_its_message_how_to_go_on_and_the_chain_shows_it(tmp_path, capsys,
+                                                                                               rerun):
+    """A training error says '<rerun> to resume from it', which in a pipeline starts afresh (a new run trains in
+    a new folder): the step puts the resume_path overrides in its place, in the message the version records as
+    its failure, and adds no note that says otherwise; the version's advice is that way on."""
+    from types import SimpleNamespace
+
+    from rlhf_core.main_ppo import _reward_failure
     from rlhf_core.pipeline.failure import failure_record
     from rlhf_core.pipeline.lineage import format_lineage
     from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.rewards.manager import RewardFunctionFailed
     from rlhf_core.training.checkpoint import LATEST_FILE, write_checkpoint
 
     write_checkpoint(tmp_path, 3, lambda files: files.text("x.txt", "state") or ["actor"])
     assert (tmp_path / LATEST_FILE).read_text().strip() == "3"
-    error = RuntimeError("step 4 failed: ...; rerun the same command to resume")
+    latest = tmp_path / "global_step_3"
+    trainer = SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(val_only=False)), global_step=3,
+                              rerun_checkpoint=lambda: latest, rerun_advice=rerun)
+    cause = RewardFunctionFailed("reward function 'score' failed on sample 5: ValueError: no answer", "score", 5)
+    cause.step = 4
+    error = _reward_failure(trainer, cause)
+    assert f"{rerun} to resume from it" in str(error)  # what a rerun of the command does, outside a pipeline
     add_resume_advice(error, tmp_path)
+    way = (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to the run config's "
+           "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
+           "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
+    assert str(error) == ("training step 4 failed: reward function 'score' failed on sample 5: ValueError: "
+                          f"no answer\nthe latest checkpoint {latest} is intact: fix the reward function, then {way}")
+    assert not getattr(error, "__notes__", [])
     record = failure_record("train_ppo", error, "r-5", "id-5")
-    assert record["advice"].startswith("In a pipeline each run trains in a folder of its own")
-    assert (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={tmp_path / 'global_step_3'}"
-            in record["advice"])
+    assert record == {"failed_step": "train_ppo", "failure": f"RewardFunctionFailed: {error}", "advice": way,
+                      "pipeline_run": "r-5", "pipeline_run_id": "id-5"}
     meta = {**record}
     chain = {"model": "m", "version": "12", "stage": None, "run": "r-5", "pipeline": "rlhf_ppo_pipeline",
              "run_status": "failed", "run_id": "id-5", "model_version_metadata": meta,
              "chain": [_link("checkpoint", "train_ppo", {})]}
-    assert format_lineage(chain).splitlines()[3] == f"  to go on: {record['advice']}"
-    assert f"to go on:   {record['advice']}" in _summary(capsys, "12", meta, "id-5", "r-5")
+    text = format_lineage(chain).splitlines()
+    assert text[2].startswith("  failed at step train_ppo: RewardFunctionFailed: training step 4 failed: reward "
+                              "function 'score' failed on sample 5: ValueError: no answer the latest checkpoint ")
+    assert text[3] == f"  to go on: {way}"  # (the failure on one line, clipped)
+    assert f"to go on:   {way}" in _summary(capsys, "12", meta, "id-5", "r-5")
 
 
 def test_a_run_that_failed_after_promote_recorded_its_decision_still_says_how_to_go_on(capsys):

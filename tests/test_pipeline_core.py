@@ -734,8 +734,32 @@ def test_a_failed_training_run_in_a_pipeline_says_how_to_go_on_from_its_checkpoi
     assert not getattr(error, "__notes__", [])  # nothing saved: nothing to go on from
     write_checkpoint(tmp_path, 2, lambda files: [])
     add_resume_advice(error, tmp_path)
-    [note] = error.__notes__
+    [note] = error.__notes__  # (a message with no "rerun the same command" in it to put the way on in place of)
     assert f"trainer.resume_mode=resume_path and trainer.resume_from_path={tmp_path / 'global_step_2'}" in note
+    assert str(error) == "training step 3 failed: ... rerun to resume from it"
+
+
+def test_an_interrupted_training_in_a_pipeline_says_how_to_go_on_where_it_said_rerun(tmp_path):
+    """A run stopped by SIGTERM names its checkpoint and 'rerun the same command to resume': in a pipeline that
+    clause gives way to the resume_path overrides; a checkpoint of another folder is left as it is said."""
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.checkpoint import write_checkpoint
+    from rlhf_core.training.guards import TrainingInterrupted
+
+    write_checkpoint(tmp_path, 2, lambda files: [])
+    latest = tmp_path / "global_step_2"
+    error = TrainingInterrupted("SIGTERM", 15, 2, str(latest))
+    add_resume_advice(error, tmp_path)
+    assert str(error) == (f"interrupted by SIGTERM after step 2: checkpoint saved at {latest}; add "
+                          f"trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to the run config's "
+                          "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline "
+                          "starts afresh in a folder of its own; a retry of this step in this run resumes there by "
+                          "itself)")
+    assert not getattr(error, "__notes__", [])
+    elsewhere = TrainingInterrupted("SIGTERM", 15, 5, "/runs/a/global_step_5")  # resumed from there, nothing saved
+    add_resume_advice(elsewhere, tmp_path)
+    assert str(elsewhere) == ("interrupted by SIGTERM after step 5: checkpoint saved at /runs/a/global_step_5; rerun "
+                              "the same command to resume")
 
 
 def test_without_exception_notes_the_advice_goes_to_stderr(tmp_path, capsys):

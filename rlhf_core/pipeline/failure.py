@@ -15,7 +15,7 @@ from zenml.logger import get_logger
 logger = get_logger(__name__)
 
 FAILED_TAG = "failed"
-MAX_ERROR_CHARS = 600
+MAX_ERROR_CHARS = 1000  # room for a failed training's way on, which names its checkpoint twice
 
 
 def _clipped(text: str) -> str:
@@ -24,13 +24,15 @@ def _clipped(text: str) -> str:
 
 def failure_record(step_name: str, exception: BaseException, run_name: str, run_id: str) -> dict[str, str]:
     """What the model version records of a failed run: the step, the error's first line(s), and the run; and
-    ``advice``, the notes on the error (how to go on from a failed training's checkpoint in a pipeline, where
-    the error's own "rerun the same command" would start afresh), where it has any."""
+    ``advice``, how to go on, where the error says it apart from its message: its ``resume_advice`` (how a failed
+    training in a pipeline goes on from its checkpoint, also in its message, where "rerun the same command" was)
+    and the notes on it."""
     record = {"failed_step": step_name, "failure": _clipped(f"{type(exception).__name__}: {exception}".strip()),
               "pipeline_run": run_name, "pipeline_run_id": run_id}
-    notes = [str(note) for note in getattr(exception, "__notes__", ())]
-    if notes:
-        record["advice"] = _clipped(" ".join(notes))
+    advice = getattr(exception, "resume_advice", None)
+    ways = ([advice] if isinstance(advice, str) else []) + [str(note) for note in getattr(exception, "__notes__", ())]
+    if ways:
+        record["advice"] = _clipped(" ".join(ways))
     return record
 
 

@@ -224,7 +224,8 @@ def format_lineage(record: Mapping[str, Any]) -> str:
     if disagreement:
         lines.append(f"  stage and record disagree: {disagreement}")
     if "failed_step" in meta:  # recorded by the pipelines' failure hook
-        lines.append(f"  failed at step {meta['failed_step']}: {_short(meta.get('failure', ''))}")
+        failure = " ".join(str(meta.get("failure", "")).split("\n"))  # on one line: the way on follows it
+        lines.append(f"  failed at step {meta['failed_step']}: {_short(failure)}")
         if "advice" in meta:
             lines.append(f"  to go on: {meta['advice']}")
     for index, link in enumerate(record["chain"]):

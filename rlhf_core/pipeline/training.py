@@ -4,6 +4,7 @@ the same over retries and reruns, the run's whole history across resumes, and th
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -51,16 +52,36 @@ def stable_copy(model: Path, root: Path, key: str) -> Path:
     return target
 
 
+#: what a failed run's message says to do to resume from its latest checkpoint (checkpoint.rerun_advice, then "to
+#: resume" or "to resume from it"): advice for a command run again, which in a pipeline starts afresh
+RERUN_CLAUSE = re.compile(r"(?:rerun the same command|rerun with trainer\.resume_mode=auto) to resume(?: from it)?")
+
+
+def pipeline_resume_advice(latest: str | Path) -> str:
+    """How to go on from ``latest`` (a failed run's checkpoint) when the run was a pipeline step."""
+    return (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to the run config's "
+            "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
+            "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
+
+
 def add_resume_advice(exc: BaseException, local_dir: str | Path) -> None:
-    """Note on ``exc`` (a failed training run inside a pipeline step) how to go on from the run's latest
-    checkpoint, where it has one: its message says to rerun, but a new pipeline run trains in a new folder."""
+    """Make ``exc`` (a failed training run inside a pipeline step) say how to go on from the run's latest
+    checkpoint, where it has one: a new pipeline run trains in a new folder, so the message's "rerun the same
+    command to resume from it" would start afresh. That clause is replaced with the pipeline's way (what the
+    version records as its ``failure``), which is also kept as ``exc.resume_advice`` (the version's ``advice``);
+    an error that names no way on gets it as a note instead."""
     latest = latest_or_none(local_dir)
     if latest is None:
         return
-    advice = (f"In a pipeline each run trains in a folder of its own, so running the pipeline again starts afresh: "
-              f"to go on from {latest}, add trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to "
-              "the run config's overrides (a retry of this step in this run resumes there by itself).")
+    advice = pipeline_resume_advice(latest)
+    args = getattr(exc, "args", ())
+    message = str(exc)
+    if args and args[0] == message and str(latest) in message and RERUN_CLAUSE.search(message):
+        exc.args = (RERUN_CLAUSE.sub(lambda _: advice, message), *args[1:])
+        exc.resume_advice = advice
+        return
+    note = f"The run's latest checkpoint is {latest}: {advice}."
     if hasattr(exc, "add_note"):  # shown under the error's message
-        exc.add_note(advice)
+        exc.add_note(note)
     else:  # Python 3.10
-        print(advice, file=sys.stderr, flush=True)
+        print(note, file=sys.stderr, flush=True)
