@@ -292,6 +292,30 @@ def test_a_retried_retraining_step_resumes_its_checkpoint_and_keeps_the_whole_hi
     assert saved["actor_rollout_ref"]["model"]["path"] == str(runs / "warm_start" / str(init_from.id))
 
 
+def test_a_training_that_fails_in_a_pipeline_says_and_records_how_to_go_on_from_its_checkpoint(tmp_path):
+    """The reward fails after step 1's checkpoint, with no retry: the run fails, and its error (what the version
+    records as its failure) says to resume from that checkpoint with the resume_path overrides, not to rerun the
+    same command, which in a pipeline starts afresh in a new folder."""
+    runs = tmp_path / "runs"
+    flaky = failing_once_after_step_1(tmp_path, runs)
+    with pytest.raises(Exception, match="planted failure after the first checkpoint"):
+        run_pipeline("tiny-failed-training", overrides=["trainer.save_freq=1", f"custom_reward_function.path={flaky}",
+                                                        f"trainer.default_local_dir={runs}"])
+    client = zenml_client()
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed" and str(run.steps["train_ppo"].status) == "failed"
+    meta = client.get_model_version("tiny-failed-training", "latest").run_metadata
+    checkpoint = runs / run.name / "global_step_1"
+    way = (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={checkpoint} to the run config's "
+           "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
+           "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
+    assert meta["failed_step"] == "train_ppo"
+    assert meta["failure"].endswith(f"the latest checkpoint {checkpoint} is intact: fix the reward function, then "
+                                    f"{way}")
+    assert "rerun the same command" not in meta["failure"]
+    assert meta["advice"] == way
+
+
 def _retrain_with_version_2_promoted_after(module, name: str, monkeypatch):
     """A forced retraining (version 2 was trained on this data from version 1 and refused) during which another
     run promotes version 2 right after ``module.name`` returns; production is put back to version 1 afterwards,
