@@ -1,4 +1,5 @@
-"""Pin down the reward: which function, with which parameters and source, checked on the references."""
+"""Pin down the reward: which function, with which parameters and source (a custom file's text kept), checked on
+the references."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.pipeline.lineage import SOURCE_KEY, custom_reward_source
 
 logger = get_logger(__name__)
 
@@ -22,6 +24,8 @@ def define_reward(ppo_config: dict, dataset_fingerprint: str) -> Annotated[dict,
     """The versioned reward spec; stops the run when a reference solution scores below full marks."""
     cfg = PPOConfig.from_dict(ppo_config)
     spec = reward_spec(cfg)
+    if spec["custom_path"]:  # its text, read back by rlhf-lineage --reward-source (outside the spec's sha256)
+        spec[SOURCE_KEY] = custom_reward_source(spec["custom_path"])
     check = check_reference_solutions(cfg)
     spec["self_check"] = {"dataset_fingerprint": dataset_fingerprint, "checked": check.checked,
                           "mismatches": check.mismatches[:20], "passed": check.success}

@@ -58,6 +58,20 @@ def test_cli_prints_the_chain_and_json(trained, capsys):
     assert record["chain"][-1]["stage"] == "promotion"
 
 
+def test_a_trained_version_finds_its_data_and_reward_unchanged_and_keeps_the_reward_file(trained, capsys):
+    from test_pipeline import tiny_setup
+
+    model, _ = trained
+    client = zenml_client()
+    record = lineage(model, "1", client=client)
+    assert record["data_check"]["status"] == "unchanged"
+    assert record["data_check"]["files"] == [str(tiny_setup().train_file), str(tiny_setup().val_file)]
+    reward = tiny_setup().root / "digit_first.py"
+    assert (record["reward_check"]["path"], record["reward_check"]["status"]) == (str(reward), "unchanged")
+    assert cli.lineage(["--model", model, "--version", "1", "--reward-source"], client=client) == 0
+    assert capsys.readouterr().out == reward.read_text()
+
+
 def test_cli_names_what_is_missing(trained, capsys):
     assert cli.lineage(["--model", "no-such-model"], client=zenml_client()) == 2
     assert "error:" in capsys.readouterr().err
@@ -337,3 +351,181 @@ def test_a_model_or_version_not_in_the_store_is_said_with_what_the_store_and_the
     code = cli.demo_summary(args, client=store) if command == "summary" else cli.lineage(args, client=store)
     assert code == 2
     assert capsys.readouterr().err.strip() == expected
+
+
+def test_the_data_files_of_a_version_are_checked_against_the_fingerprint_it_validated(tmp_path):
+    """A retraining run may write new data to the path an older version trained on: the path alone would name
+    other bytes than the version's, so the check says whether they are unchanged, changed since, or missing."""
+    from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.pipeline.lineage import check_data_files
+
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"the rows version 1 trained on")
+    val.write_bytes(b"its validation rows")
+    validated = splits_fingerprint([train], [val])  # what validate_data recorded for the version
+    files = [str(train), str(val)]
+    assert check_data_files(str(train), [str(val)], validated) == {
+        "files": files, "recorded": validated, "status": "unchanged", "now": validated}
+    train.write_bytes(b"the rows a retraining run wrote later")
+    check = check_data_files(str(train), str(val), validated)
+    assert check["status"] == "changed since" and check["now"] != validated
+    train.write_bytes(b"the rows version 1 trained on")  # the same bytes again: the same data
+    assert check_data_files([str(train)], str(val), validated)["status"] == "unchanged"
+    val.unlink()
+    assert check_data_files(str(train), str(val), validated) == {
+        "files": files, "recorded": validated, "status": "missing", "missing": [str(val)]}
+
+
+def test_a_custom_reward_file_is_kept_and_checked_against_its_sha256(tmp_path):
+    import hashlib
+
+    from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
+
+    reward = tmp_path / "reward.py"
+    text = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    reward.write_text(text)
+    kept = custom_reward_source(reward)
+    assert kept == {"path": str(reward), "sha256": hashlib.sha256(text.encode()).hexdigest(), "text": text}
+    spec = {"kind": "custom", "custom_path": str(reward), "custom_source": kept,
+            "functions": {"a": {"source_sha256": "code hash"}}}
+    check = check_reward_file(spec)
+    assert (check["status"], check["hash"], check["source_kept"]) == ("unchanged", "file sha256", True)
+    reward.write_text(text.replace("1.0", "0.5"))
+    check = check_reward_file(spec)
+    assert check["status"] == "changed since"
+    assert check["now"] == hashlib.sha256(text.replace("1.0", "0.5").encode()).hexdigest()
+    reward.unlink()
+    assert check_reward_file(spec)["status"] == "missing"
+    assert check_reward_file({"kind": "builtin", "custom_path": None, "functions": {}}) is None
+
+
+def test_a_reward_spec_from_before_the_text_was_kept_is_checked_by_its_code_hash(tmp_path):
+    """An older spec holds the SHA-256 of the reward's code (without comments): a comment added since is the same
+    code, another return value is not."""
+    import ast
+    import hashlib
+
+    from rlhf_core.pipeline.lineage import check_reward_file
+
+    reward = tmp_path / "reward.py"
+    code = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    reward.write_text(code)
+    recorded = hashlib.sha256(f"# reward.py\n{ast.unparse(ast.parse(code))}".encode()).hexdigest()
+    spec = {"kind": "custom", "custom_path": str(reward), "functions": {"a": {"source_sha256": recorded}}}
+    check = check_reward_file(spec)
+    assert (check["status"], check["hash"], check["source_kept"]) == ("unchanged", "code sha256", False)
+    reward.write_text("# graded by hand first\n" + code)
+    assert check_reward_file(spec)["status"] == "unchanged"
+    reward.write_text(code.replace("1.0", "0.0"))
+    assert check_reward_file(spec)["status"] == "changed since"
+
+
+def test_the_chain_says_whether_the_files_a_version_names_by_path_still_hold_its_data_and_reward():
+    from rlhf_core.pipeline.lineage import format_lineage
+
+    def record(data_check, reward_check):
+        return {"model": "m", "version": "2", "stage": None, "run": "r-2", "pipeline": "rlhf_ppo_pipeline",
+                "run_status": "completed", "run_id": "id-2", "model_version_metadata": {},
+                "chain": [_link("data", "load_ppo_config", {"train_files": "/d/train.parquet"}),
+                          _link("reward", "define_reward", {"reward_sha256": "5e"})],
+                "data_check": data_check, "reward_check": reward_check}
+
+    changed = {"files": ["/d/train.parquet"], "recorded": "a" * 64, "status": "changed since", "now": "b" * 64}
+    kept = {"path": "/r/reward.py", "hash": "file sha256", "recorded": "c" * 64, "source_kept": True,
+            "status": "unchanged", "now": "c" * 64,
+            "source_in": {"artifact": "reward_spec", "id": "77", "version": "4", "key": "custom_source"}}
+    assert format_lineage(record(changed, kept)).splitlines()[2:] == [
+        "   data: step load_ppo_config [completed] - ...",
+        "      train_files: /d/train.parquet",
+        "      data files now: changed since this version: the paths hold other bytes than it validated and trained "
+        "on (fingerprint aaaaaaaaaaaa then, bbbbbbbbbbbb now)",
+        "-> reward: step define_reward [completed] - ...",
+        "      reward_sha256: 5e",
+        "      custom reward file now: unchanged: /r/reward.py (file sha256 cccccccccccc)",
+        "      reward source: its text is kept in artifact reward_spec v4 id 77 under 'custom_source': rlhf-lineage "
+        "--model m --version 2 --reward-source prints it",
+    ]
+    missing = {"files": ["/d/train.parquet"], "recorded": "a" * 64, "status": "missing",
+               "missing": ["/d/train.parquet"]}
+    old = {"path": "/r/reward.py", "hash": "code sha256", "recorded": "c" * 64, "source_kept": False,
+           "status": "changed since", "now": "d" * 64}
+    lines = format_lineage(record(missing, old)).splitlines()
+    assert lines[4] == "      data files now: missing: /d/train.parquet (fingerprint aaaaaaaaaaaa then)"
+    assert lines[7:] == [
+        "      custom reward file now: changed since this version: /r/reward.py holds other code (code sha256 "
+        "cccccccccccc then, dddddddddddd now)",
+        "      reward source: its text was not kept (recorded before reward specs kept it), only its sha256"]
+    assert format_lineage(record(None, None)).splitlines()[2:] == [  # (a built-in reward; nothing recorded)
+        "   data: step load_ppo_config [completed] - ...", "      train_files: /d/train.parquet",
+        "-> reward: step define_reward [completed] - ...", "      reward_sha256: 5e"]
+
+
+class _OneRun:
+    """A store holding one model version of model ``m``, made by one run of load_ppo_config, validate_data and
+    define_reward, whose metadata and reward spec are given; artifacts load what they were given."""
+
+    def __init__(self, train_files, fingerprint, spec):
+        from types import SimpleNamespace as NS
+
+        def artifact(name, id_, value):
+            return NS(artifact=NS(name=name), id=id_, version="4", type="DataArtifact", uri=f"/store/{id_}",
+                      load=lambda: value)
+
+        self.artifacts = {"77": artifact("reward_spec", "77", spec)}
+
+        def step(metadata, outputs=None):
+            return NS(status="completed", regular_inputs={}, outputs=outputs or {}, run_metadata=metadata)
+
+        self.run = NS(name="r-2", id="id-2", status="completed", pipeline=NS(name="rlhf_ppo_pipeline"), steps={
+            "load_ppo_config": step({"train_files": train_files, "val_files": None}),
+            "validate_data": step({"dataset_fingerprint": fingerprint}),
+            "define_reward": step({"reward_sha256": spec["sha256"]}, {"reward_spec": [self.artifacts["77"]]}),
+        })
+        self.version = NS(name="2", number=2, stage=None, run_metadata={"pipeline_run_id": "id-2"},
+                          pipeline_run_ids={})
+
+    def get_model_version(self, model, version):
+        assert (model, version) == ("m", 2)
+        return self.version
+
+    def get_pipeline_run(self, run_id):
+        assert run_id == "id-2"
+        return self.run
+
+    def get_artifact_version(self, artifact_id):
+        return self.artifacts[artifact_id]
+
+
+def test_lineage_of_an_older_version_says_its_data_path_holds_other_bytes_now_and_prints_its_reward(tmp_path,
+                                                                                                   capsys):
+    """Version 2 trained on train.parquet, which a later run overwrote, with a reward file edited since: the
+    chain says so, and --reward-source prints the reward file as version 2 had it."""
+    import hashlib
+
+    from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.pipeline.lineage import custom_reward_source
+
+    train, reward = tmp_path / "train.parquet", tmp_path / "reward.py"
+    train.write_bytes(b"version 2's rows")
+    reward.write_text("def compute_score(*args):\n    return 1.0\n")
+    spec = {"kind": "custom", "custom_path": str(reward), "functions": {}, "sha256": "5e",
+            "custom_source": custom_reward_source(reward)}
+    store = _OneRun(str(train), splits_fingerprint([train], []), spec)
+    train.write_bytes(b"a later run's rows")
+    reward.write_text("def compute_score(*args):\n    return 0.0\n")
+    assert cli.lineage(["--model", "m", "--version", "2"], client=store) == 0
+    text = capsys.readouterr().out
+    assert "      data files now: changed since this version: the paths hold other bytes" in text
+    then = hashlib.sha256(b"def compute_score(*args):\n    return 1.0\n").hexdigest()[:12]
+    now = hashlib.sha256(b"def compute_score(*args):\n    return 0.0\n").hexdigest()[:12]
+    assert (f"      custom reward file now: changed since this version: {reward} holds other code (file sha256 "
+            f"{then} then, {now} now)") in text
+    assert "under 'custom_source': rlhf-lineage --model m --version 2 --reward-source prints it" in text
+    assert cli.lineage(["--model", "m", "--version", "2", "--json"], client=store) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert (record["data_check"]["status"], record["reward_check"]["status"]) == ("changed since", "changed since")
+    assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 0
+    assert capsys.readouterr().out == "def compute_score(*args):\n    return 1.0\n"
+    del spec["custom_source"]  # a spec from before the text was kept
+    assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 2
+    assert f"keeps only the sha256 of {reward}, not its text" in capsys.readouterr().err

@@ -3,6 +3,7 @@ schedule retraining.
 
     rlhf evaluate MODEL_DIR VAL.parquet [--html out.html]   # python -m rlhf_core.pipeline.evaluate
     rlhf lineage [--model NAME] [--version N] [--json]      # also rlhf-lineage
+    rlhf lineage --version N --reward-source                # the custom reward file it kept
     rlhf demo-summary [--model NAME]                        # also rlhf-demo-summary
     rlhf schedule --cron "0 3 * * *" -c CONFIG              # also rlhf-schedule
 
@@ -23,6 +24,7 @@ from rlhf_core.pipeline.lineage import (
     default_client,
     format_lineage,
     get_version,
+    reward_source,
     version_run_id,
 )
 from rlhf_core.pipeline.lineage import lineage as read_lineage
@@ -121,8 +123,13 @@ def lineage(argv: list[str] | None = None, client=None) -> int:
     parser.add_argument("--model", help="model name (default: the only model, or the last one promoted)")
     parser.add_argument("--version", help="version number, name or stage (default: production)")
     parser.add_argument("--json", action="store_true", help="print the chain as JSON")
+    parser.add_argument("--reward-source", action="store_true",
+                        help="print the text of the version's custom reward file, as its reward spec kept it")
     args = parser.parse_args(argv)
     try:
+        if args.reward_source:
+            print(reward_source(args.model, args.version, client=client), end="")
+            return 0
         record = read_lineage(args.model, args.version, client=client)
     except LineageError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,9 +11,12 @@ works without it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rlhf_core.pipeline.promotion import stage_disagreement
@@ -135,6 +138,82 @@ def _artifact(artifact) -> dict[str, Any]:
             "type": str(artifact.type), "uri": artifact.uri}
 
 
+#: what a check of recorded files against what their paths hold now says
+UNCHANGED, CHANGED, MISSING = "unchanged", "changed since", "missing"
+
+#: the reward spec's key that keeps a custom reward file's text (:func:`custom_reward_source`)
+SOURCE_KEY = "custom_source"
+
+
+def _paths(files: Any) -> list[Path]:
+    """``data.train_files`` / ``val_files`` as recorded (one path, a list of them, or None) as paths."""
+    if files is None:
+        return []
+    names = [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    return [Path(os.path.expanduser(str(name))) for name in names]
+
+
+def check_data_files(train_files: Any, val_files: Any, recorded: str | None) -> dict[str, Any]:
+    """Whether the data files a version recorded by path still hold the bytes it validated: the fingerprint
+    validate_data recorded (``recorded``) against the same function over what the paths hold now. A retraining
+    run may write new data to the same path, so a path alone does not say which data a version trained on."""
+    from rlhf_core.data.validation import splits_fingerprint
+
+    train, val = _paths(train_files), _paths(val_files)
+    files = [str(path) for path in train + val]
+    missing = [str(path) for path in train + val if not path.is_file()]
+    check = {"files": files, "recorded": recorded}
+    if missing:
+        return {**check, "status": MISSING, "missing": missing}
+    now = splits_fingerprint(train, val or None)
+    return {**check, "status": UNCHANGED if now == recorded else CHANGED, "now": now}
+
+
+def custom_reward_source(path: str | os.PathLike) -> dict[str, str]:
+    """What the reward spec keeps of a custom reward file (under :data:`SOURCE_KEY`): its path, the SHA-256 of
+    its bytes and its text, so that a version's reward can be read back after the file has changed."""
+    data = Path(path).read_bytes()
+    return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "text": data.decode("utf-8")}
+
+
+def check_reward_file(spec: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Whether a version's custom reward file (None for a built-in reward) still holds what it recorded: the
+    SHA-256 of its bytes where the spec keeps its text, else (a spec from before it did) the SHA-256 of its code
+    as define_reward computed it (``source_sha256``: without comments, with the modules it imports beside it)."""
+    path = spec.get("custom_path")
+    if spec.get("kind") != "custom" or not path:
+        return None
+    kept = spec.get(SOURCE_KEY)
+    if kept:
+        check = {"path": path, "hash": "file sha256", "recorded": kept["sha256"], "source_kept": True}
+    else:
+        hashes = {entry.get("source_sha256") for entry in spec.get("functions", {}).values()}
+        check = {"path": path, "hash": "code sha256", "recorded": next(iter(hashes), None), "source_kept": False}
+    if not Path(path).is_file():
+        return {**check, "status": MISSING}
+    if kept:
+        now = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    else:  # (the import brings torch: only for a spec without the text)
+        from rlhf_core.pipeline.evaluate import _user_code
+
+        try:
+            now = hashlib.sha256(_user_code(Path(path))[0].encode()).hexdigest()
+        except (SyntaxError, UnicodeDecodeError, OSError) as exc:  # not code any more: not what was recorded
+            return {**check, "status": CHANGED, "now": f"unreadable ({type(exc).__name__})"}
+    return {**check, "status": UNCHANGED if now == check["recorded"] else CHANGED, "now": now}
+
+
+def _reward_spec(step) -> tuple[dict[str, Any] | None, Any]:
+    """(the spec, its artifact) of a define_reward step; (None, None) where it has none or it cannot be read."""
+    artifacts = step.outputs.get("reward_spec") or []
+    if not artifacts:
+        return None, None
+    try:
+        return artifacts[0].load(), artifacts[0]
+    except Exception:  # noqa: BLE001 - an artifact store out of reach leaves the rest of the chain to show
+        return None, artifacts[0]
+
+
 def lineage(model: str | None = None, version: str | None = None, client=None) -> dict[str, Any]:
     """The chain behind one model version (default: the production version) as a JSON-able dict."""
     client = client or default_client()
@@ -162,6 +241,19 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
             "metadata": _jsonable(dict(step.run_metadata)),
         })
     stage = str(model_version.stage) if model_version.stage else None
+    data_check = reward_check = None
+    if "load_ppo_config" in steps:
+        recorded = dict(steps["load_ppo_config"].run_metadata)
+        validated = steps["validate_data"].run_metadata.get("dataset_fingerprint") if "validate_data" in steps \
+            else metadata.get("dataset_fingerprint")
+        if "train_files" in recorded and validated:
+            data_check = check_data_files(recorded["train_files"], recorded.get("val_files"), validated)
+    if "define_reward" in steps:
+        spec, artifact = _reward_spec(steps["define_reward"])
+        reward_check = check_reward_file(spec) if spec is not None else None
+        if reward_check is not None and reward_check["source_kept"]:
+            reward_check["source_in"] = {"artifact": "reward_spec", "id": str(artifact.id),
+                                         "version": str(artifact.version), "key": SOURCE_KEY}
     return {
         "model": model_name,
         "version": model_version.name,
@@ -175,7 +267,24 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
         "run_status": str(run.status),
         "model_version_metadata": _jsonable(metadata),
         "chain": chain,
+        # whether the data files and the custom reward file, named by path, still hold what this version recorded
+        "data_check": data_check,
+        "reward_check": reward_check,
     }
+
+
+def reward_source(model: str | None = None, version: str | None = None, client=None) -> str:
+    """The text of the custom reward file that a model version's reward spec kept (:data:`SOURCE_KEY`)."""
+    record = lineage(model, version, client=client)
+    check = record["reward_check"]
+    where = f"model {record['model']} version {record['version']}"
+    if check is None:
+        raise LineageError(f"{where} has no custom reward file (a built-in reward, or no readable reward spec)")
+    if not check["source_kept"]:
+        raise LineageError(f"{where}'s reward spec keeps only the sha256 of {check['path']}, not its text (it was "
+                           "recorded before reward specs kept it)")
+    client = client or default_client()
+    return client.get_artifact_version(check["source_in"]["id"]).load()[SOURCE_KEY]["text"]
 
 
 _HIGHLIGHTS = {
@@ -215,6 +324,35 @@ def _changed_lines(metadata: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _data_check_line(check: Mapping[str, Any]) -> str:
+    recorded = (check["recorded"] or "")[:12]
+    if check["status"] == MISSING:
+        return f"{MISSING}: {', '.join(check['missing'])} (fingerprint {recorded} then)"
+    if check["status"] == CHANGED:
+        return (f"{CHANGED} this version: the paths hold other bytes than it validated and trained on (fingerprint "
+                f"{recorded} then, {check['now'][:12]} now)")
+    return f"{UNCHANGED} (fingerprint {recorded})"
+
+
+def _reward_check_lines(record: Mapping[str, Any], check: Mapping[str, Any]) -> list[str]:
+    recorded = (check["recorded"] or "")[:12]
+    if check["status"] == MISSING:
+        now = f"{MISSING}: {check['path']} ({check['hash']} {recorded} then)"
+    elif check["status"] == CHANGED:
+        now = f"{CHANGED} this version: {check['path']} holds other code ({check['hash']} {recorded} then, " \
+              f"{check['now'][:12]} now)"
+    else:
+        now = f"{UNCHANGED}: {check['path']} ({check['hash']} {recorded})"
+    if check["source_kept"]:
+        where = check["source_in"]
+        kept = (f"its text is kept in artifact {where['artifact']} v{where['version']} id {where['id']} under "
+                f"{where['key']!r}: rlhf-lineage --model {record['model']} --version {record['version']} "
+                "--reward-source prints it")
+    else:
+        kept = "its text was not kept (recorded before reward specs kept it), only its sha256"
+    return [f"      custom reward file now: {now}", f"      reward source: {kept}"]
+
+
 def format_lineage(record: Mapping[str, Any]) -> str:
     """The chain as indented text, one block per stage."""
     lines = [f"model {record['model']} version {record['version']} (stage: {record['stage'] or 'none'})",
@@ -241,6 +379,10 @@ def format_lineage(record: Mapping[str, Any]) -> str:
         for key in _HIGHLIGHTS.get(link["stage"], ()):
             if key in link["metadata"]:
                 lines.append(f"      {key}: {_short(link['metadata'][key])}")
+        if link["stage"] == "data" and record.get("data_check"):
+            lines.append(f"      data files now: {_data_check_line(record['data_check'])}")
+        if link["stage"] == "reward" and record.get("reward_check"):
+            lines += _reward_check_lines(record, record["reward_check"])
         if link["stage"] == "evaluation":
             lines += _changed_lines(link["metadata"])
     for key in ("dataset_fingerprint", "reward_sha256", "checkpoint_artifact_id", "accuracy", "baseline",
