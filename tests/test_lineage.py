@@ -529,3 +529,20 @@ def test_lineage_of_an_older_version_says_its_data_path_holds_other_bytes_now_an
     del spec["custom_source"]  # a spec from before the text was kept
     assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 2
     assert f"keeps only the sha256 of {reward}, not its text" in capsys.readouterr().err
+
+
+def test_after_a_later_run_overwrites_a_versions_data_path_its_lineage_says_the_data_changed(tmp_path, capsys):
+    """Version 1 trains on train.parquet; then new data is written to the same path, as a retraining flow does:
+    version 1's chain still names the path, and says that it holds other bytes now."""
+    import shutil
+
+    from test_pipeline import run_pipeline, tiny_setup
+
+    train = tmp_path / "train.parquet"
+    shutil.copy(tiny_setup().train_file, train)
+    run_pipeline("tiny-overwritten-data", train_file=train)
+    shutil.copy(tiny_setup().new_train_file, train)
+    assert cli.lineage(["--model", "tiny-overwritten-data", "--version", "1"], client=zenml_client()) == 0
+    text = capsys.readouterr().out
+    assert f"      train_files: {train}" in text
+    assert "      data files now: changed since this version: the paths hold other bytes" in text
