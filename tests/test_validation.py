@@ -19,9 +19,11 @@ from rlhf_core.data.schema import extract_final_answer, make_record
 from rlhf_core.data.validation import (
     DataReadError,
     ValidationReport,
+    asked,
     fingerprint,
     flatten,
     load_tokenizer,
+    question_key,
     read_parquet,
     splits_fingerprint,
     validate_dataset,
@@ -274,7 +276,7 @@ def test_train_val_leakage_names_the_leaking_val_row(tmp_path):
     val = records(4, "test", 50)
     val[2]["prompt"] = copy.deepcopy(train[1]["prompt"])
     report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
-    assert failed(report) == [("no_train_val_leakage", "prompt_user_content", "val")]
+    assert failed(report) == [("no_train_val_leakage", "prompt_asked", "val")]
     outcome = report.failures[0]
     assert outcome.examples == [(2, train[1]["prompt"][0]["content"])]
     assert outcome.statistics["unexpected_count"] == 1
@@ -295,7 +297,7 @@ def test_a_leaked_question_written_with_other_spacing_or_case_is_caught(tmp_path
     question = edit(train[1]["prompt"][0]["content"])
     val[2]["prompt"] = [{"role": "user", "content": question}]
     report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
-    assert failed(report) == [("no_train_val_leakage", "prompt_user_content", "val")]
+    assert failed(report) == [("no_train_val_leakage", "prompt_asked", "val")]
     assert report.failures[0].examples == [(2, question)]  # val's row as written
     assert report.failures[0].statistics["unexpected_count"] == 1
 
@@ -325,6 +327,84 @@ def test_a_question_asked_twice_in_the_validation_split_fails_with_both_rows(tmp
     summary = report.summary()
     assert "FAILED question_unique [val.prompt_question]" in summary
     assert "    row 1: 'tom has 51 apples" in summary and "    row 3: 'tom has 51 apples" in summary
+
+
+FOLLOW_UP = "Now give only the final answer."
+
+
+def multi_turn(question: str, thought: str = "Let me think.") -> list[dict]:
+    """A problem, an assistant's turn, and the follow-up every such conversation ends with."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": thought},
+            {"role": "user", "content": FOLLOW_UP}]
+
+
+def test_distinct_problems_ending_in_one_follow_up_are_neither_copies_nor_leaks(tmp_path):
+    """Keyed on the last user turn, every one of these rows asked "now give only the final answer.": each
+    validation row failed question_unique and no_train_val_leakage, and the message said to drop them."""
+    train, val = records(5), records(3, "test", 50)
+    for row in train + val:
+        row["prompt"] = multi_turn(row["prompt"][0]["content"])
+    report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
+    assert report.success, report.summary()
+    assert report.find("question_unique", dataset="val")[0].success
+    assert report.find("no_train_val_leakage", dataset="val")[0].success
+
+
+def test_a_multi_turn_question_asked_again_is_caught_whatever_the_assistant_said(tmp_path):
+    train, val = records(3), records(4, "test", 50)
+    train[1]["prompt"] = multi_turn("What is 2 plus 2?")
+    val[0]["prompt"] = multi_turn("what is  2 plus 2?\n", thought="Four, I think.")  # train's row 1
+    val[1]["prompt"] = multi_turn("What is 3 plus 3?")
+    val[2]["prompt"] = multi_turn("What is 4 plus 4?")
+    val[3]["prompt"] = multi_turn("WHAT is 3 plus 3?", thought="Six.")  # val's row 1
+    report = validate_dataset(write(tmp_path / "train.parquet", train), write(tmp_path / "val.parquet", val))
+    assert sorted(failed(report)) == [("no_train_val_leakage", "prompt_asked", "val"),
+                                      ("question_unique", "prompt_question", "val")]
+    leak = report.find("no_train_val_leakage")[0]  # val's user turns as written, the assistant's left out
+    assert leak.examples == [(0, '[["user", "what is  2 plus 2?\\n"], ["user", "Now give only the final answer."]]')]
+    copies = report.find("question_unique")[0]
+    question = '[["user", "what is 3 plus 3?"], ["user", "now give only the final answer."]]'
+    assert copies.examples == [(1, question), (3, question)]
+    assert copies.statistics["unexpected_count"] == 2
+
+
+@pytest.mark.parametrize("role, first, second, same", [
+    ("system", "Passage: Ann has 3 cats.", "Passage: Ben has 5 dogs.", False),  # the system turn holds the problem
+    ("developer", "Passage: Ann has 3 cats.", "Passage: Ben has 5 dogs.", False),
+    ("system", "Passage: Ann has 3 cats.", "passage:  ANN has 3 cats.\n", True),  # spacing and case aside
+    ("system", " \n", None, True),  # a blank system turn asks nothing: as a prompt without one
+], ids=["system_differs", "developer_differs", "system_respaced", "blank_system"])
+def test_the_system_turn_is_part_of_the_question(tmp_path, role, first, second, same):
+    val = records(3, "test", 50)
+    for row, context in ((1, first), (2, second)):
+        instructions = [{"role": role, "content": context}] if context is not None else []
+        val[row]["prompt"] = instructions + [{"role": "user", "content": "How many animals are there?"}]
+    val[2]["reward_model"] = dict(val[1]["reward_model"])
+    report = validate_dataset(write(tmp_path / "train.parquet", records(5)), write(tmp_path / "val.parquet", val))
+    outcome = report.find("question_unique", dataset="val")[0]
+    assert outcome.success is not same, report.summary()
+    assert [row for row, _ in outcome.examples] == ([1, 2] if same else [])
+
+
+def test_prompts_given_as_one_string_are_compared_as_their_user_turn(tmp_path):
+    train, val = records(3), records(4, "test", 50)
+    train[1]["prompt"] = [{"role": "user", "content": "What is 2 plus 2?"}]
+    val = pd.DataFrame(val).assign(prompt=["what is 2 PLUS 2? ", "What is 3 plus 3?", "Ann has 4 cats.",
+                                           "what is 3 plus 3?"])
+    val.to_parquet(tmp_path / "val.parquet", index=False)
+    report = validate_dataset(write(tmp_path / "train.parquet", train), tmp_path / "val.parquet")
+    assert sorted(failed(report)) == [("no_train_val_leakage", "prompt_asked", "val"),
+                                      ("question_unique", "prompt_question", "val")]
+    assert report.find("no_train_val_leakage")[0].examples == [(0, "what is 2 PLUS 2? ")]
+    assert report.find("question_unique")[0].examples == [(1, "what is 3 plus 3?"), (3, "what is 3 plus 3?")]
+
+
+def test_asked_tells_a_conversation_from_any_one_text():
+    system_and_user = [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]
+    assert asked(system_and_user) == '[["system", "a"], ["user", "b"]]'
+    assert asked([{"role": "user", "content": '[["system", "a"], ["user", "b"]]'}]) != asked(system_and_user)
+    assert asked([{"role": "user", "content": "  What  IS 2?"}], question_key) == "what is 2?"
+    assert asked([{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}]) is None
 
 
 def test_a_question_asked_twice_in_the_training_split_passes(tmp_path):
@@ -410,7 +490,7 @@ def test_prompts_alone_fail_by_default_and_pass_without_a_ground_truth(char_toke
     val.at[1, "prompt"] = train.at[3, "prompt"]
     report = validate_frames(bad, val, ground_truth_required=False, tokenizer=char_tokenizer, max_prompt_length=40)
     assert sorted(failed(report)) == [
-        ("no_train_val_leakage", "prompt_user_content", "val"),
+        ("no_train_val_leakage", "prompt_asked", "val"),
         ("problem_id_unique", "problem_id", "train"),
         ("prompt_length_within_limit", "prompt_tokens", "train"),
         ("prompt_length_within_limit", "prompt_tokens", "val"),
@@ -1468,7 +1548,7 @@ def test_the_command_line_validates_splits_of_several_files(tmp_path, capsys):
     assert f"  train: {first},{second} (5 rows)" in out
     assert "FAILED problem_id_unique [train.problem_id]" in out
     assert f"{second} row 0: '{SOURCE}/0'" in out
-    assert "FAILED no_train_val_leakage [val.prompt_user_content]" in out
+    assert "FAILED no_train_val_leakage [val.prompt_asked]" in out
     assert f"{leaking} row 0: " in out
 
 

@@ -18,9 +18,9 @@ data trained without a ground truth (``ground_truth_required=False``, ``--no-gro
 ``reward_model`` column, and its ground-truth checks cover only the rows that have one; a split that needs one
 for a reason beyond the trainer's says so (``ground_truth_reason``). Both kinds check the rows, columns, nulls
 and the prompt messages, and the validation file for rows that repeat training data (prompt data: the same
-question, the last user turn compared by :func:`question_key`; preference data: the same prompt, as the reward
-model's trainer refuses it); prompt data's validation file also for a question asked twice (``question_unique``:
-evaluation would count it as two problems).
+question, the system and user turns each compared by :func:`question_key`, :func:`asked`; preference data: the
+same prompt, as the reward model's trainer refuses it); prompt data's validation file also for a question asked
+twice (``question_unique``: evaluation would count it as two problems).
 Prompt data's prompt and data source are read from the trainer's columns (``prompt_key``, ``reward_fn_key``),
 its problem ids built as the trainer numbers rows. Length limits: prompt data in tokens (a tokenizer and
 ``max_prompt_length``: counted as the trainer counts them); preference data the prompt with the longer
@@ -367,9 +367,29 @@ def load_tokenizer(tokenizer: Any, trust_remote_code: bool = False) -> Any:
 
 
 def question_key(text: str) -> str:
-    """The question a user turn asks, as train and val are compared and val's questions told apart: runs of
+    """The question a turn asks, as train and val are compared and val's questions told apart: runs of
     whitespace (spaces, tabs, newlines) made one space, the ends stripped, the case folded."""
     return " ".join(text.split()).casefold()
+
+
+#: the turns that pose a prompt's problem: the instructions and the user's words, not an assistant's or a tool's
+ASKING_ROLES = ("system", "developer", "user")
+
+
+def asked(messages: Sequence[Mapping[str, str]], same: Callable[[str], str] = str) -> str | None:
+    """What a conversation asks, as one string: its system, developer and user turns (:data:`ASKING_ROLES`), each
+    as ``same`` writes it (:func:`question_key`: as questions are compared), in order; a blank one is left out.
+
+    A lone user turn is its text, as a one-turn prompt always was; any other (and a lone text that starts with
+    ``[``) is the JSON list ``[[role, text], ...]``, so no two conversations give one string. Distinct problems
+    followed by the same last turn ("Now give only the final answer.") stay apart. None without a user turn."""
+    turns = [[m["role"], same(m["content"])] for m in messages
+             if m["role"] in ASKING_ROLES and m["content"].strip()]
+    if not any(role == "user" for role, _ in turns):
+        return None
+    if len(turns) == 1 and not turns[0][1].startswith("["):
+        return turns[0][1]
+    return json.dumps(turns, ensure_ascii=False)
 
 
 def _messages(value: Any) -> list[dict[str, str]] | None:
@@ -468,7 +488,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
     ``prompt_problem`` (what is wrong with the prompt as chat messages, :func:`prompt_problem`; null where nothing
     is, or the prompt is null), ``prompt_has_user_turn``, ``prompt_user_content``, ``prompt_unknown_roles`` (the roles
     outside :data:`~rlhf_core.data.schema.CHAT_ROLES`, else null);
-    prompt data: ``prompt_question`` (the last user turn's :func:`question_key`), ``reward_model_non_mapping`` (a
+    prompt data: ``prompt_asked`` (the system and user turns as written, :func:`asked`), ``prompt_question``
+    (the same, each turn's :func:`question_key`), ``reward_model_non_mapping`` (a
     ``reward_model`` cell that is there but is no mapping, else null), ``extra_info_non_mapping`` (what is wrong
     with an ``extra_info`` cell that is there but is no mapping, :func:`~rlhf_core.data.schema.extra_info_problem`,
     else null),
@@ -501,7 +522,8 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_has_user_turn"] = column(bool(u) if u is not None else None for u in users)
         out["prompt_user_content"] = column(u[-1] if u else None for u in users)
         if kind != "preference":
-            out["prompt_question"] = column(question_key(u[-1]) if u else None for u in users)
+            out["prompt_asked"] = column(asked(m) if m else None for m in parsed)
+            out["prompt_question"] = column(asked(m, question_key) if m else None for m in parsed)
         out["prompt_unknown_roles"] = column(", ".join(unknown_roles(messages)) or None if messages else None
                                              for messages in parsed)
         # the messages as the trainers hand them to the chat template: every key of each message
@@ -555,7 +577,8 @@ def _sources(prompt: str, source: str) -> dict[str, str]:
     """Where each helper column comes from, for the note on a check that could not run."""
     pair = "'prompt', 'chosen' and 'rejected'"
     return {**dict.fromkeys(("prompt_problem", "prompt_has_user_turn", "prompt_unknown_roles", "prompt_user_content",
-                             "prompt_tokens", "prompt_template_error", "prompt_json", "prompt_question"), repr(prompt)),
+                             "prompt_tokens", "prompt_template_error", "prompt_json", "prompt_question",
+                             "prompt_asked"), repr(prompt)),
             "ground_truth": "'reward_model'", "reward_model_non_mapping": "'reward_model'", "problem_id": repr(source),
             "prompt_within_limit": repr(prompt), "prompt_conflicting_truths": f"{prompt!r} and 'reward_model'",
             **dict.fromkeys(("pair", "pair_length", "pair_template_error"), pair),
@@ -569,8 +592,8 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
            min_kept: int | None = None) -> list[Any]:
     """The expectations for one table; a check whose column the table lacks is listed in ``skipped``.
 
-    ``leaked``: the training user turns (prompt data) or prompts (preference data) that a validation table
-    must not hold. ``known_sources`` None: a custom reward function scores every source, so neither the
+    ``leaked``: the training questions (prompt data: ``prompt_asked``, as val writes them) or prompts (preference
+    data) that a validation table must not hold. ``known_sources`` None: a custom reward function scores every source, so neither the
     source nor the answer's form is the built-in rules' business. ``prompt_key``, ``reward_fn_key``: the
     columns prompt data keeps its prompt and its data source in. Without ``ground_truth_required`` the
     built-in rules grade only the rows with a ground truth (a reward model scores the rest), so their
@@ -607,7 +630,7 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
     nullable = {"extra_info"} - {prompt_key, reward_fn_key} if kind == "prompt" else set()
     required = [c for c in columns if c not in optional]
     sources = _sources("prompt" if kind == "preference" else prompt_key, reward_fn_key)
-    key = "prompt_json" if kind == "preference" else "prompt_user_content"
+    key = "prompt_json" if kind == "preference" else "prompt_asked"
     # (check, GX expectation, column or columns, what it checks, the expectation's arguments)
     specs: list[tuple[str, type, Any, str, dict[str, Any]]] = [
         ("has_rows", gxe.ExpectTableRowCountToBeBetween, None, "the table has at least one row", {"min_value": 1}),
@@ -636,15 +659,17 @@ def _suite(kind: str | None, frame: pd.DataFrame, dataset: str, *, leaked: list[
         skipped.append(f"{dataset}: no_train_val_leakage (needs {sources[key]} in both files)")
     elif is_val and kind is not None:
         # preference data by prompt, as the reward model's trainer refuses it: a question's pairs stay on one side
-        what = "prompt" if kind == "preference" else "user turn (whitespace runs and case aside)"
+        what = "prompt" if kind == "preference" else \
+            "question (its system and user turns, whitespace runs and case aside; shown as written)"
         specs.append(("no_train_val_leakage", gxe.ExpectColumnValuesToNotBeInSet, key,
                       f"no validation row repeats a training {what}", {"value_set": leaked}))
     if is_val and kind == "prompt":
         # evaluation scores each row as a problem: a question asked twice counts twice in the promotion's test.
         # The training split may repeat one (it is sampled more often, nothing is counted)
         specs.append(("question_unique", gxe.ExpectColumnValuesToBeUnique, "prompt_question",
-                      "no two validation rows ask the same question (the last user turn, whitespace runs and case "
-                      "aside; shown: the question): evaluation would count it as two problems; drop the copies", {}))
+                      "no two validation rows ask the same question (the system and user turns, whitespace runs and "
+                      "case aside; shown: the question): evaluation would count it as two problems; drop the copies",
+                      {}))
     if kind == "prompt" and "reward_model_non_mapping" in frame:  # a missing column is column_exists' finding
         specs.append(("reward_model_is_mapping", gxe.ExpectColumnValuesToBeNull, "reward_model_non_mapping",
                       "reward_model is a {style, ground_truth} mapping (a parquet struct), not text or a number: "
@@ -849,13 +874,14 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
     keys = {"prompt_key": prompt_key, "reward_fn_key": reward_fn_key}
     flat = [flatten(frame, tokenizer, kind, limit is not None, template_kwargs, source_rows=rows, **keys)
             for (_, _, frame), rows in zip(tables, file_rows)]
-    key, leaked = "prompt_json" if kind == "preference" else "prompt_user_content", None
-    if len(flat) == 2 and key in flat[0] and key in flat[1]:
-        # a question is the same whatever its spacing or case; a preference prompt as the reward model's trainer
-        # compares it (its canonical JSON). The set holds val's texts as written, so the report shows them so
-        same = str if kind == "preference" else question_key
-        seen = {same(value) for value in flat[0][key].dropna()}
-        leaked = sorted({value for value in flat[1][key].dropna() if same(value) in seen})
+    compared, shown = ("prompt_json",) * 2 if kind == "preference" else ("prompt_question", "prompt_asked")
+    leaked = None
+    if len(flat) == 2 and compared in flat[0] and compared in flat[1]:
+        # a question is its system and user turns whatever their spacing or case; a preference prompt as the reward
+        # model's trainer compares it (its canonical JSON). The set holds val's questions as written (prompt_asked,
+        # from which prompt_question follows), so the report shows them so
+        seen = set(flat[0][compared].dropna())
+        leaked = sorted({text for question, text in zip(flat[1][compared], flat[1][shown]) if question in seen})
     skipped: list[str] = []
     if kind is not None and limit is None:  # a PASSED must not read as "the prompts fit"
         needs = f"{name['tokenizer']} and {name['max_prompt_length']}" if kind == "prompt" else \
