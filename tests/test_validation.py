@@ -326,7 +326,50 @@ def test_a_question_asked_twice_in_the_validation_split_fails_with_both_rows(tmp
     assert outcome.statistics["unexpected_count"] == 2
     summary = report.summary()
     assert "FAILED question_unique [val.prompt_question]" in summary
-    assert "    row 1: 'tom has 51 apples" in summary and "    row 3: 'tom has 51 apples" in summary
+    assert "    rows 1, 3 ask 'tom has 51 apples" in summary
+
+
+def ask(rows: list[dict], asked_at: dict[str, list[int]]) -> list[dict]:
+    """``rows`` with each question put to the rows listed for it, under one ground truth."""
+    for question, at in asked_at.items():
+        for row in at:
+            rows[row]["prompt"] = [{"role": "user", "content": question}]
+            rows[row]["reward_model"] = dict(rows[at[0]]["reward_model"])
+    return rows
+
+
+def test_every_copy_of_a_question_is_named_by_question(tmp_path):
+    """Only the first three failing rows were named: of four copies of one question and two of another, the
+    summary and the step's failed_examples showed rows 1, 2, 3 and said nothing of 6 and 7."""
+    val = ask(records(8, "test", 50), {"What is 2 plus 2?": [1, 3, 4, 6], "What is 3 plus 3?": [2, 7]})
+    report = validate_dataset(write(tmp_path / "train.parquet", records(5)), write(tmp_path / "val.parquet", val))
+    assert failed(report) == [("question_unique", "prompt_question", "val")]
+    assert report.failures[0].statistics["unexpected_count"] == 6
+    named = ["rows 1, 3, 4, 6 ask 'what is 2 plus 2?'", "rows 2, 7 ask 'what is 3 plus 3?'"]
+    assert report.failed_examples()["question_unique [val.prompt_question]"]["rows"] == named
+    assert report.summary().splitlines()[-3:-1] == [f"    {line}" for line in named]
+
+
+def test_the_copies_named_stop_at_max_copies_and_the_rest_are_counted(tmp_path):
+    # one question in 12 rows, then 11 more questions in 2 rows each: 12 questions, 34 rows
+    asked_at = {"Question A?": list(range(12)), **{f"Question {n}?": [10 + 2 * n, 11 + 2 * n] for n in range(1, 12)}}
+    val = ask(records(34, "test", 50), asked_at)
+    report = validate_dataset(write(tmp_path / "train.parquet", records(5)), write(tmp_path / "val.parquet", val))
+    assert report.failures[0].statistics["unexpected_count"] == 34
+    rows = report.failed_examples()["question_unique [val.prompt_question]"]["rows"]
+    assert rows[0] == "rows 0, 1, 2, 3, 4, 5, 6, 7, 8, 9 and 2 more ask 'question a?'"
+    assert rows[1] == "rows 12, 13 ask 'question 1?'" and rows[9] == "rows 28, 29 ask 'question 9?'"
+    assert rows[10:] == ["and 2 more questions asked more than once, in 4 more rows"]
+
+
+def test_copies_in_several_files_are_named_by_file_and_row(tmp_path):
+    first = ask(records(3, "test", 50), {"What is 2 plus 2?": [1]})
+    second = ask(records(2, "test", 60), {"WHAT is 2 plus 2?": [0]})
+    second[0]["reward_model"] = dict(first[1]["reward_model"])
+    paths = [write(tmp_path / "a.parquet", first), write(tmp_path / "b.parquet", second)]
+    report = validate_dataset(write(tmp_path / "train.parquet", records(5)), paths)
+    assert report.failed_examples()["question_unique [val.prompt_question]"]["rows"] == [
+        f"{paths[0]} row 1, {paths[1]} row 0 ask 'what is 2 plus 2?'"]
 
 
 FOLLOW_UP = "Now give only the final answer."

@@ -85,12 +85,16 @@ from rlhf_core.rewards import gsm8k
 
 NON_BLANK_REGEX = r"\S"
 MAX_EXAMPLES = 3
+#: question_unique's report: the questions asked more than once it names, and the rows it names for each
+MAX_COPIES = 10
 _EXCERPT_CHARS = 80
 _STATS = ("element_count", "missing_count", "unexpected_count", "unexpected_percent", "observed_value")
 _LIMITS = {"prompt": ("max_prompt_length",), "preference": ("max_length", "max_chars"), None: ()}
 #: the parameters :func:`validate_frames`' errors and notes name; a caller may name them its own way (``option_names``)
 _OPTIONS = ("tokenizer", "max_prompt_length", "max_length", "max_chars", "overlong_tolerance", "ground_truth_required")
 _LENGTH_CHECKS = ("prompt_length_within_limit", "pair_length_within_limit")
+#: the checks whose outcome keeps every failing row: the message lists every file, and each copy is named
+_EVERY_ROW = ("column_in_every_file", "question_unique")
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no usage reports (there is no network anyway)
@@ -132,7 +136,7 @@ class Outcome:
     expectation_type: str
     description: str
     statistics: dict[str, Any]
-    examples: list[tuple[int, Any]]  # (row, value) of the first failing rows
+    examples: list[tuple[int, Any]]  # (row, value) of the first failing rows; every row for _EVERY_ROW's checks
 
     @classmethod
     def of(cls, item: Any, dataset: str) -> Outcome:
@@ -151,7 +155,7 @@ class Outcome:
             for row, value in rows:
                 first.setdefault(value, row)
             rows = [(row, value) for value, row in first.items()]
-        shown = None if name == "column_in_every_file" else MAX_EXAMPLES  # the failure's message lists every file
+        shown = None if name in _EVERY_ROW else MAX_EXAMPLES
         examples = [(int(row), _tidy(value)) for row, value in rows[:shown]]
         description = (config.description or "").removeprefix(f"{name}: ")
         return cls(name, column, dataset, bool(item.success), config.type, description, stats, examples)
@@ -255,14 +259,38 @@ class ValidationReport:
 
     def _shown_rows(self, outcome: Outcome) -> list[str]:
         """A failed check's first failing rows, ``<where>: <value>`` (none for ``column_in_every_file``, whose
-        description names the files)."""
+        description names the files; ``question_unique``'s by question, :meth:`_copies`)."""
         if outcome.name == "column_in_every_file":
             return []
+        if outcome.name == "question_unique":
+            return self._copies(outcome)
         return [f"{self.where(outcome.dataset, row)}: {_excerpt(value)}" for row, value in outcome.examples]
 
+    def _copies(self, outcome: Outcome) -> list[str]:
+        """``question_unique``'s rows by question, in the order each is first asked: ``rows 1, 7, 9 ask '...'``,
+        every copy of up to :data:`MAX_COPIES` questions, each with up to that many rows named and the number of
+        its others, then the number of the other questions asked more than once and of their rows."""
+        by_question: dict[Any, list[int]] = {}
+        for row, question in outcome.examples:
+            by_question.setdefault(question, []).append(row)
+        one_file = outcome.dataset not in self.file_spans
+        lines = []
+        for question, rows in list(by_question.items())[:MAX_COPIES]:
+            named = rows[:MAX_COPIES]
+            where = f"rows {', '.join(map(str, named))}" if one_file else \
+                ", ".join(self.where(outcome.dataset, row) for row in named)
+            others = f" and {len(rows) - len(named)} more" if len(rows) > len(named) else ""
+            lines.append(f"{where}{others} ask {_excerpt(question)}")
+        rest = list(by_question.values())[MAX_COPIES:]
+        if rest:
+            lines.append(f"and {len(rest)} more questions asked more than once, in "
+                         f"{sum(map(len, rest))} more rows")
+        return lines
+
     def failed_examples(self) -> dict[str, dict[str, Any]]:
-        """Each failed check by its label: what failed (as the summary says it) and its first failing rows, for a
-        record that outlives the log (the validate_data step's metadata)."""
+        """Each failed check by its label: what failed (as the summary says it) and its first failing rows (each
+        copy of a question, :meth:`_copies`), for a record that outlives the log (the validate_data step's
+        metadata)."""
         return {o.label: {"failure": _describe_failure(o), "rows": self._shown_rows(o)} for o in self.failures}
 
     def to_html(self) -> str:
