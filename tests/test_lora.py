@@ -553,7 +553,8 @@ def test_two_workers_lora_checkpoint_holds_the_trainable_tensors_alone_as_one_wo
     shutil.rmtree(older / "dcp")
     state = gathered(saved / "actor")
     embedding = tied.model.embed_tokens.weight.detach().clone()
-    state["model"]["base_model.model.lm_head.weight"] = embedding
+    # another matrix than the fresh trainer's own, so that a load that read it would show
+    state["model"]["base_model.model.lm_head.weight"] = embedding + 1
     torch.save(state, tmp_path / "older.pt")
     torch_save_to_dcp(tmp_path / "older.pt", older / "dcp")
     fresh = _trainer(root, model, tmp_path / "fresh")
@@ -562,4 +563,6 @@ def test_two_workers_lora_checkpoint_holds_the_trainable_tensors_alone_as_one_wo
     assert loaded.keys() == {key for key in state["model"] if "lora_" in key}
     for name, param in loaded.items():
         assert torch.equal(param.detach(), state["model"][name]), name
-    assert torch.equal(base_model(fresh.actor.module).lm_head.weight, embedding)
+    fresh_tied = base_model(fresh.actor.module)
+    assert torch.equal(fresh_tied.lm_head.weight, embedding)  # the frozen matrix the model path holds, not + 1
+    assert torch.equal(fresh_tied.model.embed_tokens.weight, embedding)
