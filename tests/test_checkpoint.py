@@ -569,7 +569,7 @@ def test_a_verl_checkpoint_is_named_for_what_it_is_with_the_way_to_start_from_it
         assert f"checkpoint {step} was written by verl (it holds actor/model_world_size_1_rank_0.pt)" in message
         assert "cannot resume" in message and "did not finish" not in message and "incomplete" not in message
         if hf_weights:
-            assert message.endswith(f"a new run can start: actor_rollout_ref.model.path={hf}")
+            assert f"a new run can start: actor_rollout_ref.model.path={hf}; and " in message
         else:
             assert f"its {hf} holds no weights" in message and "model merger" in message
     (step / "actor" / "model_world_size_1_rank_0.pt").rename(step / "actor" / "model.pt")  # data.pt alone says so
@@ -580,6 +580,107 @@ def test_a_verl_checkpoint_is_named_for_what_it_is_with_the_way_to_start_from_it
     (step / "data.pt").unlink()  # none of verl's files: a save cut short, as before
     with pytest.raises(CheckpointError, match="global_step_2 is incomplete: it has no manifest.json"):
         checkpoint.read_manifest(step)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` by its path there, with its bytes."""
+    return {file.relative_to(root).as_posix(): file.read_bytes() for file in sorted(root.rglob("*")) if file.is_file()}
+
+
+def test_a_folder_verl_wrote_is_neither_resumed_nor_saved_over_by_a_ppo_run_in_any_resume_mode(
+        workspace, tmp_path, capsys):
+    """This trainer's default_local_dir is verl's: a verl user's first run lands in verl's folder. Each resume mode
+    is refused before anything there changes, and each refusal says all a new run needs: the model to start from,
+    another default_local_dir where the run would save into verl's folder (its global_step_N would replace verl's,
+    the one it starts from among them), and, under resume_path, to leave resume_path out."""
+    from rlhf_core.cli.train import ppo
+
+    root = tmp_path / "checkpoints" / "verl_examples" / "gsm8k"
+    step = _verl_checkpoint(root, hf_weights=True)
+    hf = step / "actor" / "huggingface"
+    before = _files(root)
+    start = f"a new run can start: actor_rollout_ref.model.path={hf}"
+    another = f"set another trainer.default_local_dir than {root}: a new run there, with any resume_mode, would save"
+    leave_out = "leave out trainer.resume_mode=resume_path and trainer.resume_from_path"
+
+    def refusal(code: int) -> str:
+        assert code == 2
+        return " ".join(capsys.readouterr().err.split())  # (a long message is wrapped)
+
+    err = refusal(ppo(workspace.overrides(root)))  # auto
+    assert f"{root / checkpoint.LATEST_FILE} names step 2, but checkpoint {step} was written by verl" in err
+    assert start in err and another in err and leave_out not in err
+    err = refusal(ppo(workspace.overrides(tmp_path / "new", "trainer.resume_mode=resume_path",
+                                          f"trainer.resume_from_path={step}")))
+    assert f"trainer.resume_from_path: checkpoint {step} was written by verl" in err
+    assert start in err and leave_out in err and "another trainer.default_local_dir" not in err
+    err = refusal(ppo(workspace.overrides(root, "trainer.resume_mode=resume_path",
+                                          f"trainer.resume_from_path={step}")))
+    assert start in err and leave_out in err and another in err
+    verl_folder = (f"{root} holds checkpoints verl wrote (global_step_2; "
+                   "global_step_2/actor/model_world_size_1_rank_0.pt is verl's), which this trainer cannot resume, and the saves of a new PPO run there would replace "
+                   "them (its global_step_N take their names): set another trainer.default_local_dir. To start from "
+                   f"verl's newest actor: its {hf} holds the actor as a Hugging Face model, from which {start}")
+    assert verl_folder in refusal(ppo(workspace.overrides(root, "trainer.resume_mode=disable")))
+    # our own checkpoint named as resume_path, saved on into verl's folder: refused as disable is
+    ours = tmp_path / "ours"
+    checkpoint.write_checkpoint(ours, 1, lambda files: files.text("actor/model_state.pt", "ours") or ["actor"])
+    assert verl_folder in refusal(ppo(workspace.overrides(root, "trainer.resume_mode=resume_path",
+                                                          f"trainer.resume_from_path={ours / 'global_step_1'}")))
+    assert _files(root) == before
+    # a caller that starts afresh itself, or saves there: refused, nothing changed
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.start_afresh(root)
+    assert " ".join(str(info.value).split()) == verl_folder
+    with pytest.raises(CheckpointError, match="holds a checkpoint verl wrote .* which no save replaces"):
+        checkpoint.write_checkpoint(root, 2, lambda files: files.text("actor/model_state.pt", "new") or ["actor"])
+    assert _files(root) == before
+    # without verl's marker auto finds no checkpoint of ours: refused as disable is, not started afresh there
+    (root / checkpoint.LATEST_FILE).unlink()
+    before = _files(root)
+    assert verl_folder in refusal(ppo(workspace.overrides(root)))
+    assert _files(root) == before
+
+
+def test_a_folder_verl_wrote_is_neither_resumed_nor_saved_over_by_a_reward_model_run(workspace, tmp_path, capsys):
+    """rlhf-train-rm as PPO: each resume mode in (or from) verl's folder is refused before anything there changes,
+    and the refusals name the reward model's keys."""
+    from rlhf_core.cli.train import train_rm
+    from rlhf_core.data.preference import synthetic_pairs, write_splits
+    from rlhf_core.data.synthetic import DATA_SOURCE
+
+    pairs = tmp_path / "pairs"
+    write_splits(pairs, *synthetic_pairs(8, 4, seed=0), DATA_SOURCE)
+    root = tmp_path / "verl"
+    step = _verl_checkpoint(root, hf_weights=True)
+    hf = step / "actor" / "huggingface"
+    before = _files(root)
+    start = f"a new run can start: reward_model.train.model.path={hf}"
+    another = f"set another reward_model.train.default_local_dir than {root}"
+
+    def refusal(out: Path, *extra: str) -> str:
+        assert train_rm(["trainer.device=cpu", "trainer.n_gpus_per_node=1",
+                         f"reward_model.train.model.path={workspace.model}",
+                         f"reward_model.train.train_files={pairs / 'train.parquet'}",
+                         f"reward_model.train.val_files={pairs / 'val.parquet'}",
+                         "reward_model.train.train_batch_size=4", "reward_model.train.micro_batch_size_per_gpu=4",
+                         f"reward_model.train.default_local_dir={out}", *extra]) == 2
+        return " ".join(capsys.readouterr().err.split())
+
+    err = refusal(root)
+    assert f"names step 2, but checkpoint {step} was written by verl" in err and start in err and another in err
+    err = refusal(tmp_path / "new", "reward_model.train.resume_mode=resume_path",
+                  f"reward_model.train.resume_from_path={step}")
+    assert f"reward_model.train.resume_from_path: checkpoint {step} was written by verl" in err and start in err
+    assert "leave out reward_model.train.resume_mode=resume_path and reward_model.train.resume_from_path" in err
+    assert (f"{root} holds checkpoints verl wrote (global_step_2; global_step_2/actor/model_world_size_1_rank_0.pt "
+            "is verl's), which this trainer cannot resume, and the saves of a new reward-model run there would "
+            "replace them (its global_step_N take their names): set another reward_model.train.default_local_dir"
+            ) in refusal(root, "reward_model.train.resume_mode=disable")
+    assert _files(root) == before
+    with pytest.raises(CheckpointError, match="the saves of a new reward-model run there would replace them"):
+        checkpoint.start_afresh(root, "reward_model.train", "reward-model")
+    assert _files(root) == before
 
 
 def test_resume_modes(workspace, trained, tmp_path):

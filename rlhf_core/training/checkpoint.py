@@ -43,7 +43,9 @@ thresholds, memory knobs and the number of workers, which leave the math unchang
 else may change shapes, batch sizes or the training math, and the error names the keys. A
 global batch that does not divide over the new number of workers is refused by the config's
 own checks before that. A checkpoint of another kind of run (the reward model's, which holds
-``reward_model/`` instead of ``actor/``) is refused for what it is before any of that (:func:`refuse_other_kind`).
+``reward_model/`` instead of ``actor/``) is refused for what it is before any of that (:func:`refuse_other_kind`),
+and so is one verl wrote (each rank's ``model_world_size_W_rank_R.pt``, ``data.pt``): neither resumed nor, in
+``default_local_dir``, replaced by a new run's saves in any resume mode (:func:`refuse_verl`).
 
 This module deals in files; the state comes from its owners: ``trainer.workers()`` (each worker's
 ``state_dict()`` or shards), ``trainer.state_dict()`` / ``load_state_dict()`` (the loop's own state),
@@ -251,26 +253,98 @@ def read_manifest(path: str | os.PathLike, verify: bool = False) -> dict:
     return manifest
 
 
-def _verl_refusal(path: Path) -> str | None:
-    """Why ``path``, a folder without a manifest, cannot be resumed where verl wrote it (each rank's
-    ``<part>/model_world_size_W_rank_R.pt``, the dataloader's ``data.pt``); None where it holds no such file."""
-    found = sorted(path.glob("*/model_world_size_*_rank_*.pt")) + sorted(path.glob("data.pt"))
-    if not found:
-        return None
+def _verl_files(path: Path) -> list[Path]:
+    """The files of ``path`` that only verl writes into a checkpoint: each rank's
+    ``<part>/model_world_size_W_rank_R.pt``, the dataloader's ``data.pt``."""
+    return sorted(path.glob("*/model_world_size_*_rank_*.pt")) + sorted(path.glob("data.pt"))
+
+
+#: the key a run's model is read from, by the section of its resume keys
+MODEL_KEYS = {"trainer": "actor_rollout_ref.model.path", "reward_model.train": "reward_model.train.model.path"}
+
+
+def _verl_start(path: Path, section: str) -> str:
+    """How a new run starts from the actor of verl's checkpoint ``path`` (as the model of ``section``'s run)."""
+    key = MODEL_KEYS.get(section, MODEL_KEYS["trainer"])
     hf = path / "actor" / HF_DIR
     weights = [f for pattern in ("*.safetensors", "*.bin") for f in hf.glob(pattern)] if hf.is_dir() else []
     if weights:
-        start = (f"; its {hf} holds the actor as a Hugging Face model, from which a new run can start: "
-                 f"actor_rollout_ref.model.path={hf}")
-    elif hf.is_dir():
-        start = (f"; its {hf} holds no weights (verl writes them there only with hf_model among the checkpoint's "
-                 "save contents): merge the shards into a Hugging Face model with verl's model merger and start a "
-                 "new run from it as actor_rollout_ref.model.path")
-    else:
-        start = ("; merge its shards into a Hugging Face model with verl's model merger and start a new run from it "
-                 "as actor_rollout_ref.model.path")
+        return f"its {hf} holds the actor as a Hugging Face model, from which a new run can start: {key}={hf}"
+    if hf.is_dir():
+        return (f"its {hf} holds no weights (verl writes them there only with hf_model among the checkpoint's save "
+                "contents): merge the shards into a Hugging Face model with verl's model merger and start a new run "
+                f"from it as {key}")
+    return f"merge its shards into a Hugging Face model with verl's model merger and start a new run from it as {key}"
+
+
+def _verl_refusal(path: Path, section: str = "trainer", resume_path: bool = False,
+                  local_dir: str | os.PathLike | None = None) -> str | None:
+    """Why ``path``, a folder without a manifest, cannot be resumed where verl wrote it (:func:`_verl_files`), and
+    how to go on; None where it holds no such file. The new run must not save into verl's folder (its
+    ``global_step_N`` would replace verl's, the model it starts from among them): so the way on names another
+    ``default_local_dir`` where the run's (``local_dir``; unknown: assumed) is that folder, and, for a run given the
+    checkpoint as ``resume_from_path`` (``resume_path``), to leave resume_path out."""
+    found = _verl_files(path)
+    if not found:
+        return None
+    folder = path.parent
+    same = local_dir is None or Path(os.path.expanduser(str(local_dir))).resolve() == folder.resolve()
+    steps = []
+    if resume_path:
+        steps.append(f"leave out {section}.resume_mode=resume_path and {section}.resume_from_path (a new run starts "
+                     "with auto or disable)")
+    if same:
+        steps.append(f"set another {section}.default_local_dir than {folder}: a new run there, with any resume_mode, "
+                     "would save its global_step_N over verl's checkpoints, the model it starts from among them")
     return (f"checkpoint {path} was written by verl (it holds {found[0].relative_to(path)}), whose checkpoints this "
-            f"trainer cannot resume{start}")
+            f"trainer cannot resume; {_verl_start(path, section)}" + ("; and " + " and ".join(steps) if steps else ""))
+
+
+def verl_steps(root: str | os.PathLike) -> list[Path]:
+    """The ``global_step_N`` folders under ``root`` that verl wrote (no manifest of ours, verl's files), oldest
+    first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(match.group(1)), child) for child in root.iterdir()
+             if (match := _STEP_DIR.fullmatch(child.name)) and child.is_dir() and not (child / MANIFEST).exists()
+             and _verl_files(child)]
+    return [path for _, path in sorted(found)]
+
+
+def refuse_verl(root: str | os.PathLike, resume_mode: str, resume_from_path: str | None, section: str = "trainer",
+                kind: str = "PPO") -> None:
+    """CheckpointError where a run of ``kind`` would resume from a checkpoint verl wrote (``resume_from_path``, or
+    the one the latest marker of ``root`` names under ``auto``), or save into a folder holding such checkpoints
+    (``root``, its ``default_local_dir``, in every mode): nothing of verl's is read as ours, and nothing of verl's
+    is replaced. ``section`` holds the run's resume keys. Call it before the run takes ``root``'s lock."""
+    root = Path(os.path.expanduser(str(root)))
+    if resume_mode == "resume_path" and resume_from_path:
+        path = Path(os.path.expanduser(resume_from_path))
+        why = None if (path / MANIFEST).exists() else _verl_refusal(path, section, True, root)
+        if why:
+            raise CheckpointError(f"{section}.resume_from_path: {why}")
+    marked = _marked_step(root)
+    if resume_mode == "auto" and marked is not None and not (step_dir(root, marked) / MANIFEST).exists():
+        why = _verl_refusal(step_dir(root, marked), section, False, root)
+        if why:
+            raise CheckpointError(f"{root / LATEST_FILE} names step {marked}, but {why}")
+    refuse_verl_folder(root, section, kind)
+
+
+def refuse_verl_folder(root: str | os.PathLike, section: str = "trainer", kind: str = "PPO") -> None:
+    """CheckpointError where ``root`` holds checkpoints verl wrote (:func:`verl_steps`): a new ``kind`` run saving
+    there would replace them (its ``global_step_N`` take their names), the one it may start from among them. Asked
+    in every resume mode (:func:`refuse_verl`): a run saves into its ``default_local_dir`` whatever it resumes."""
+    found = verl_steps(root)
+    if not found:
+        return
+    names = ("..., " if len(found) > 3 else "") + ", ".join(path.name for path in found[-3:])
+    example = _verl_files(found[-1])[0].relative_to(root).as_posix()
+    raise CheckpointError(
+        f"{root} holds checkpoints verl wrote ({names}; {example} is verl's), which this trainer cannot resume, "
+        f"and the saves of a new {kind} run there would replace them (its global_step_N take their names): set "
+        f"another {section}.default_local_dir. To start from verl's newest actor: {_verl_start(found[-1], section)}")
 
 
 def _sha256_of(path: Path) -> str:
@@ -431,9 +505,12 @@ def find_resume_checkpoint(config) -> Path | None:
     The checkpoint is verified whole (:func:`verify_checkpoint`), before any model loads; a refusal
     names the newest earlier checkpoint that is intact. ``auto`` also refuses a directory holding
     checkpoints but no ``latest_checkpointed_iteration.txt``: starting afresh there would replace
-    them one by one with a new run's.
+    them one by one with a new run's. In every mode, checkpoints verl wrote are refused (:func:`refuse_verl`):
+    as the one to resume from, and in ``default_local_dir``, where this run's saves would replace them.
     """
     trainer = config.trainer
+    if trainer.resume_mode in ("auto", "disable", "resume_path"):
+        refuse_verl(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path)
     if trainer.resume_mode == "disable":
         return None
     if trainer.resume_mode == "resume_path":
@@ -531,9 +608,10 @@ def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = 
     ids are moved aside (:func:`~rlhf_core.training.tracking.set_aside_run_files`), so that this run's records
     start afresh rather than follow that run's steps, and its resumes never go on in that run's wandb or MLflow
     run. Checkpoints of another ``kind`` of run (a reward model's in PPO's
-    folder, or the reverse) are refused (CheckpointError): this run's saves would replace them. Call it holding
-    :func:`run_lock`."""
+    folder, or the reverse) and checkpoints verl wrote (:func:`refuse_verl_folder`) are refused (CheckpointError),
+    before anything in ``root`` changes: this run's saves would replace them. Call it holding :func:`run_lock`."""
     root = Path(root)
+    refuse_verl_folder(root, section, kind)  # before the marker goes: this run's saves would replace them
     found = list_checkpoints(root)
     others = [path for _, path in found if _kind_of(path) not in (None, kind)]
     if others:
@@ -839,6 +917,9 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     """
     root = Path(os.path.expanduser(str(root)))
     final = step_dir(root, step)
+    if not (final / MANIFEST).exists() and _verl_files(final):  # (the runs refuse such a folder before they start)
+        raise CheckpointError(f"{final} holds a checkpoint verl wrote ({_verl_files(final)[0].relative_to(final)}), "
+                              "which no save replaces: save into another default_local_dir")
     previous = None
     with contextlib.suppress(CheckpointError):
         previous = latest_checkpoint(root)

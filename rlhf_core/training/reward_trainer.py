@@ -492,11 +492,17 @@ def preflight(cfg: PPOConfig) -> Preferences:
     existing = _nearest_existing(out.absolute())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         errors.append(f"{KEY}.default_local_dir: {out} cannot be created ({existing} is not a writable directory)")
-    if rm.resume_mode == "resume_path":
-        try:
-            ckpt.read_manifest(resolve(rm.resume_from_path))
-        except ckpt.CheckpointError as exc:
-            errors.append(f"{KEY}.resume_from_path: {exc}")
+    try:  # checkpoints verl wrote: none is resumed nor saved over (the message names the key)
+        ckpt.refuse_verl(out, rm.resume_mode, rm.resume_from_path and str(resolve(rm.resume_from_path)), KEY,
+                         "reward-model")
+    except ckpt.CheckpointError as exc:
+        errors.append(str(exc))
+    else:
+        if rm.resume_mode == "resume_path":
+            try:
+                ckpt.read_manifest(resolve(rm.resume_from_path))
+            except ckpt.CheckpointError as exc:
+                errors.append(f"{KEY}.resume_from_path: {exc}")
     frames = {"train": [], "val": []}
     for split, files in (("train", rm.train_files), ("val", rm.val_files)):
         if files is None:
