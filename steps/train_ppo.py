@@ -19,7 +19,7 @@ from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
 from rlhf_core.pipeline.promotion import config_fingerprint
-from rlhf_core.pipeline.training import add_resume_advice, stable_copy, whole_history
+from rlhf_core.pipeline.training import add_resume_advice, resume_own_checkpoint, stable_copy, whole_history
 
 logger = get_logger(__name__)
 
@@ -107,13 +107,17 @@ def train_ppo(
         raise ValueError("trainer.val_only=true trains nothing, and this run's checkpoint folder is new, so there is "
                          "no policy to hand on: drop trainer.val_only, or validate a checkpoint with "
                          "trainer.resume_mode=resume_path and trainer.resume_from_path")
+    # the earlier run's checkpoint this run was set to resume from: a retry resumes from this run's own instead
+    configured_path = cfg.trainer.resume_from_path if cfg.trainer.resume_mode == "resume_path" else None
+    resume_own_checkpoint(cfg.trainer)
     try:
         result = run(cfg)  # tracking, signals (in the main thread), resume, the final checkpoint, closing the workers
     except Exception as exc:
-        add_resume_advice(exc, cfg.trainer.default_local_dir)  # its "rerun" would be a new run, in a new folder
+        # its "rerun" would be a new run, in a new folder (resuming from configured_path again, where there is one)
+        add_resume_advice(exc, cfg.trainer.default_local_dir, configured_path)
         raise
 
-    records = whole_history(result)
+    records = whole_history(result, configured_path)
     if result.checkpoint is None:  # (refused above; a run that saved nothing has no policy to hand on)
         raise ValueError("train_ppo: the run saved no checkpoint, so there is no policy to hand on")
     checkpoint = Path(result.checkpoint)

@@ -316,6 +316,52 @@ def test_a_training_that_fails_in_a_pipeline_says_and_records_how_to_go_on_from_
     assert meta["advice"] == way
 
 
+def failing_once_after_each(tmp_path: Path, runs: Path, steps: tuple[int, ...]) -> Path:
+    """The digit-first reward, raising once for each of ``steps`` when a run under ``runs`` has saved that step
+    (``tmp_path/failed_after_N`` marks that it did)."""
+    reward = tmp_path / "flaky_each.py"
+    reward.write_text(
+        "import pathlib\n"
+        f"RUNS, FLAGS, STEPS = pathlib.Path({str(runs)!r}), pathlib.Path({str(tmp_path)!r}), {steps!r}\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    for step in STEPS:\n"
+        "        flag = FLAGS / f'failed_after_{step}'\n"
+        "        if not flag.exists() and any(RUNS.glob(f'*/global_step_{step}')):\n"
+        "            flag.write_text('x')\n"
+        "            raise RuntimeError(f'planted failure after checkpoint {step}')\n"
+        "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    return reward
+
+
+def test_a_retry_of_a_run_set_to_resume_from_an_earlier_run_resumes_from_its_own_checkpoint(tmp_path):
+    """Run 1 fails after its step 1; run 2 follows the advice (resume_path to run 1's step 1), trains step 2 in
+    its own folder, saves it, and fails at step 3: ZenML's retry resumes from run 2's step 2, not from run 1's
+    step 1 (whose steps it would train again), and the history holds run 1's step 1 and run 2's steps."""
+    from zenml import Model
+
+    from pipelines.rlhf_ppo import rlhf_ppo_pipeline
+
+    setup, runs = tiny_setup(), tmp_path / "runs"
+    flaky = failing_once_after_each(tmp_path, runs, (1, 2))
+    overrides = ["trainer.save_freq=1", f"custom_reward_function.path={flaky}", f"trainer.default_local_dir={runs}"]
+    with pytest.raises(Exception, match="planted failure after checkpoint 1"):
+        run_pipeline("tiny-resumed-retry", overrides=overrides)
+    client = zenml_client()
+    first = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    earlier = runs / first.name / "global_step_1"
+    assert client.get_model_version("tiny-resumed-retry", "latest").run_metadata["advice"].startswith(
+        f"add trainer.resume_mode=resume_path and trainer.resume_from_path={earlier} to the run config's overrides")
+    pipeline = rlhf_ppo_pipeline.with_options(
+        model=Model(name="tiny-resumed-retry"), steps={"train_ppo": {"retry": {"max_retries": 1, "delay": 0}}})
+    run = pipeline(trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+                   val_files=str(setup.val_file),
+                   overrides=[*overrides, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={earlier}"])
+    assert str(run.status) == "completed" and (tmp_path / "failed_after_2").exists()
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    assert summary["resumed_from"] == str(runs / run.name / "global_step_2")
+    assert [record["step"] for record in summary["history"]] == [1, 2, 3]
+
+
 def _retrain_with_version_2_promoted_after(module, name: str, monkeypatch):
     """A forced retraining (version 2 was trained on this data from version 1 and refused) during which another
     run promotes version 2 right after ``module.name`` returns; production is put back to version 1 afterwards,

@@ -712,6 +712,64 @@ def test_the_whole_history_joins_the_run_resumed_from_and_keeps_each_steps_last_
     assert whole_history(bare) == [{"step": 5, "r": 50.5}]
 
 
+def test_the_whole_history_of_a_retry_begins_with_the_earlier_run_the_first_attempt_resumed_from(tmp_path):
+    """Set to resume from an earlier run's step 2, the first attempt trained steps 3-4 in its own folder (saving
+    step 3); its retry resumed from that step 3: steps 1-2 come from the earlier run's folder."""
+    from rlhf_core.main_ppo import RunResult
+    from rlhf_core.pipeline.training import whole_history
+    from rlhf_core.training.trainer import StepResult
+
+    earlier, own = tmp_path / "run-1", tmp_path / "run-2"
+    _metrics_file(earlier, ['{"step": 1, "r": 1}', '{"step": 2, "r": 2}', '{"step": 3, "r": 333}'])
+    _metrics_file(own, ['{"step": 3, "r": 3}', '{"step": 4, "r": 444}', '{"step": 4, "r": 4}'])
+    result = RunResult(steps=4, wall_s=1.0, local_dir=str(own), checkpoint=str(own / "global_step_4"),
+                       history=[StepResult(4, {"r": 4.0})], resumed_from=str(own / "global_step_3"))
+    expected = [{"step": 1, "r": 1.0}, {"step": 2, "r": 2.0}, {"step": 3, "r": 3.0}, {"step": 4, "r": 4.0}]
+    assert whole_history(result, str(earlier / "global_step_2")) == expected
+    # the first attempt itself (resumed from the configured path): no step twice
+    first = RunResult(steps=4, wall_s=1.0, local_dir=str(own), checkpoint=str(own / "global_step_4"),
+                      history=[StepResult(3, {"r": 3.0}), StepResult(4, {"r": 4.0})],
+                      resumed_from=str(earlier / "global_step_2"))
+    assert whole_history(first, str(earlier / "global_step_2")) == expected
+
+
+def _ppo_checkpoint(folder: Path, step: int) -> Path:
+    from rlhf_core.training.checkpoint import write_checkpoint
+
+    write_checkpoint(folder, step, lambda files: files.text("actor/x.txt", "x") or ["actor"])
+    return folder / f"global_step_{step}"
+
+
+def test_a_retry_of_the_training_step_resumes_from_the_runs_own_latest_checkpoint(tmp_path, capsys):
+    """A run set to resume from an earlier run's step 7 (resume_path), whose first attempt saved step 9 in its own
+    folder: its retry resumes from that step 9 and says so; before any save of its own, from step 7. A run set to
+    start afresh (disable) resumes its own checkpoint on a retry too; auto does so by itself."""
+    from types import SimpleNamespace
+
+    from rlhf_core.pipeline.training import resume_own_checkpoint
+    from rlhf_core.training.checkpoint import find_resume_checkpoint
+
+    earlier, own = tmp_path / "run-1", tmp_path / "run-2"
+    configured = str(_ppo_checkpoint(earlier, 7))
+    trainer = SimpleNamespace(resume_mode="resume_path", resume_from_path=configured, default_local_dir=str(own))
+    resume_own_checkpoint(trainer)  # the first attempt: nothing of its own yet
+    assert find_resume_checkpoint(SimpleNamespace(trainer=trainer)) == earlier / "global_step_7"
+    assert capsys.readouterr().err == ""
+    _ppo_checkpoint(own, 9)
+    resume_own_checkpoint(trainer)
+    assert find_resume_checkpoint(SimpleNamespace(trainer=trainer)) == own / "global_step_9"
+    assert capsys.readouterr().err == (
+        f"notice: this run's checkpoint folder {own} holds global_step_9, saved by an earlier attempt of this step: "
+        f"this retry resumes from its latest checkpoint there, not from trainer.resume_from_path={configured}\n")
+    afresh = SimpleNamespace(resume_mode="disable", resume_from_path=None, default_local_dir=str(own))
+    resume_own_checkpoint(afresh)
+    assert find_resume_checkpoint(SimpleNamespace(trainer=afresh)) == own / "global_step_9"
+    assert "not afresh as trainer.resume_mode=disable says" in capsys.readouterr().err
+    auto = SimpleNamespace(resume_mode="auto", resume_from_path=None, default_local_dir=str(own))
+    resume_own_checkpoint(auto)
+    assert auto.resume_mode == "auto" and capsys.readouterr().err == ""
+
+
 def test_the_warm_start_policy_is_copied_once_to_a_path_named_by_the_artifact(tmp_path):
     from rlhf_core.pipeline.training import stable_copy
 
@@ -760,6 +818,44 @@ def test_an_interrupted_training_in_a_pipeline_says_how_to_go_on_where_it_said_r
     add_resume_advice(elsewhere, tmp_path)
     assert str(elsewhere) == ("interrupted by SIGTERM after step 5: checkpoint saved at /runs/a/global_step_5; rerun "
                               "the same command to resume")
+
+
+def test_a_failed_training_of_a_run_set_to_resume_from_a_path_says_to_change_that_path(tmp_path):
+    """Run again as it is, a run set to resume from an earlier run's step 7 resumes from that step 7 again: the way
+    on from its own step 9 puts step 9 in place of step 7, and says what running again as it is does."""
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.guards import TrainingInterrupted
+
+    configured = "/runs/run-1/global_step_7"
+    latest = _ppo_checkpoint(tmp_path, 9)
+    error = TrainingInterrupted("SIGTERM", 15, 9, str(latest), "rerun with trainer.resume_mode=auto")
+    add_resume_advice(error, tmp_path, configured)
+    way = (f"put trainer.resume_from_path={latest} in the run config's overrides, in place of "
+           "/runs/run-1/global_step_7, then run the pipeline again, to resume from it (run again as it is, the "
+           "pipeline resumes from /runs/run-1/global_step_7 again, in a folder of its own; a retry of this step in "
+           "this run resumes from this run's latest checkpoint by itself)")
+    assert str(error) == f"interrupted by SIGTERM after step 9: checkpoint saved at {latest}; {way}"
+    assert error.resume_advice == way
+
+
+def test_the_failure_recorded_keeps_the_whole_way_on_of_a_run_set_to_resume_from_a_path(tmp_path):
+    """A reward that fails in a run set to resume from an earlier run's checkpoint: the way on names this run's
+    checkpoint twice and the earlier one twice; with folders named as pipeline runs are, the version's recorded
+    failure keeps it whole."""
+    from rlhf_core.pipeline.failure import failure_record
+    from rlhf_core.pipeline.training import add_resume_advice
+
+    own = tmp_path / "checkpoints" / "rlhf_ppo_pipeline-2026_12_06-02_06_54_020361"
+    configured = str(tmp_path / "checkpoints" / "rlhf_ppo_pipeline-2026_12_05-23_41_07_551902" / "global_step_120")
+    latest = _ppo_checkpoint(own, 180)
+    error = RuntimeError(f"training step 181 failed: reward function 'compute_score' failed on sample 3 (data_source="
+                         "'openai/gsm8k', extra_info.index=5120): ConnectionError: the grading server refused the "
+                         f"connection\nthe latest checkpoint {latest} is intact: fix the reward function, then rerun "
+                         "with trainer.resume_mode=auto to resume from it")
+    add_resume_advice(error, own, configured)
+    record = failure_record("train_ppo", error, "r-1", "id-1")
+    assert record["failure"].endswith(f"resumes from {configured} again, in a folder of its own; a retry of this step "
+                                      "in this run resumes from this run's latest checkpoint by itself)")
 
 
 def test_without_exception_notes_the_advice_goes_to_stderr(tmp_path, capsys):

@@ -15,7 +15,8 @@ from zenml.logger import get_logger
 logger = get_logger(__name__)
 
 FAILED_TAG = "failed"
-MAX_ERROR_CHARS = 1000  # room for a failed training's way on, which names its checkpoint twice
+MAX_ERROR_CHARS = 1500  # room for a failed training's way on, which names its checkpoint twice (and, in a run set
+# to resume from an earlier run's, that one twice too)
 
 
 def _clipped(text: str) -> str:
