@@ -87,22 +87,23 @@ def train_ppo(
         log_metadata({"skipped": skip_reason, "steps": 0})
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
+    root = Path(os.path.expanduser(cfg.trainer.default_local_dir))  # what the trainer saves under (it expands ~)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")
     warm_started_from, tested = smoke_report.get("init_from_version"), smoke_report.get("init_from_artifact_id")
     if tested is not None:
         policy, artifact_id = warm_start(tested)
-        start_from(cfg, stable_copy(policy, Path(cfg.trainer.default_local_dir), f"warm_start/{artifact_id}"))
+        start_from(cfg, stable_copy(policy, root, f"warm_start/{artifact_id}"))
         log_metadata({"warm_start_artifact": artifact_id})
         if warm_started_from is not None:  # what the retraining gate compares a later run's production with
             log_metadata({"warm_started_from": warm_started_from}, infer_model=True)
         logger.info("warm start: the actor (and critic backbone) start from %s (version %s, the checkpoint the smoke "
                     "test ran from)", cfg.actor_rollout_ref.model.path, warm_started_from)
     if reward_model is not None:
-        score_with(cfg, stable_input("reward_model", reward_model, Path(cfg.trainer.default_local_dir), "reward_model"))
+        score_with(cfg, stable_input("reward_model", reward_model, root, "reward_model"))
         logger.info("rollouts are scored by the reward model %s", reward_model)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
-    cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir) / get_step_context().pipeline_run.name)
+    cfg.trainer.default_local_dir = str(root / get_step_context().pipeline_run.name)
     if cfg.trainer.val_only and cfg.trainer.resume_mode != "resume_path":  # before any model loads
         raise ValueError("trainer.val_only=true trains nothing, and this run's checkpoint folder is new, so there is "
                          "no policy to hand on: drop trainer.val_only, or validate a checkpoint with "

@@ -362,6 +362,31 @@ def test_a_retry_of_a_run_set_to_resume_from_an_earlier_run_resumes_from_its_own
     assert [record["step"] for record in summary["history"]] == [1, 2, 3]
 
 
+def test_a_checkpoint_folder_written_with_a_tilde_is_the_home_folders(tmp_path, monkeypatch):
+    """trainer.default_local_dir=~/runs: the run trains in <home>/runs/<run>, where the trainer saves (no folder
+    named ~ in the working directory), and its failure's way on names the checkpoint there."""
+    home, runs = tmp_path / "home", tmp_path / "home" / "runs"
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    flaky = failing_once_after_step_1(tmp_path, runs)
+    with pytest.raises(Exception, match="planted failure after the first checkpoint"):
+        run_pipeline("tiny-tilde-training", overrides=["trainer.save_freq=1", f"custom_reward_function.path={flaky}",
+                                                       "trainer.default_local_dir='~/runs'"])
+    client = zenml_client()
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    meta = client.get_model_version("tiny-tilde-training", "latest").run_metadata
+    checkpoint = runs / run.name / "global_step_1"
+    assert meta["advice"] == (
+        f"add trainer.resume_mode=resume_path and trainer.resume_from_path={checkpoint} to the run config's "
+        "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
+        "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
+    assert "rerun the same command" not in meta["failure"]
+    assert (runs / run.name / "metrics.jsonl").is_file()
+    assert not (work / "~").exists()
+
+
 def _retrain_with_version_2_promoted_after(module, name: str, monkeypatch):
     """A forced retraining (version 2 was trained on this data from version 1 and refused) during which another
     run promotes version 2 right after ``module.name`` returns; production is put back to version 1 afterwards,

@@ -858,6 +858,23 @@ def test_the_failure_recorded_keeps_the_whole_way_on_of_a_run_set_to_resume_from
                                       "in this run resumes from this run's latest checkpoint by itself)")
 
 
+def test_the_way_on_finds_the_checkpoint_of_a_folder_written_with_a_tilde(tmp_path, monkeypatch):
+    """trainer.default_local_dir=~/ckpt: the trainer saves under the home folder, where the way on looks too."""
+    from rlhf_core.pipeline.training import add_resume_advice
+    from rlhf_core.training.guards import TrainingInterrupted
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    latest = _ppo_checkpoint(tmp_path / "home" / "ckpt" / "run-1", 2)
+    error = TrainingInterrupted("SIGTERM", 15, 2, str(latest))
+    add_resume_advice(error, "~/ckpt/run-1")
+    assert str(error) == (f"interrupted by SIGTERM after step 2: checkpoint saved at {latest}; add "
+                          f"trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to the run config's "
+                          "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline "
+                          "starts afresh in a folder of its own; a retry of this step in this run resumes there by "
+                          "itself)")
+
+
 def test_without_exception_notes_the_advice_goes_to_stderr(tmp_path, capsys):
     """Python 3.10's exceptions take no notes (add_note is 3.11's): the advice is printed instead."""
     from types import SimpleNamespace

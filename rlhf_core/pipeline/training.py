@@ -101,7 +101,7 @@ def add_resume_advice(exc: BaseException, local_dir: str | Path, configured_path
     of a run configured with ``resume_mode=resume_path``, resume from that path again). That clause is replaced
     with the pipeline's way (what the version records as its ``failure``), which is also kept as
     ``exc.resume_advice`` (the version's ``advice``); an error that names no way on gets it as a note instead."""
-    latest = latest_or_none(local_dir)
+    latest = latest_or_none(Path(os.path.expanduser(str(local_dir))))
     if latest is None:
         return
     advice = pipeline_resume_advice(latest, configured_path)
