@@ -629,7 +629,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     preflight(cfg)
     trainer_cfg = cfg.trainer
     start = time.time()
-    local_dir = Path(trainer_cfg.default_local_dir)
+    local_dir = Path(os.path.expanduser(trainer_cfg.default_local_dir))  # ~: the home folder, as checkpoints take it
     resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
     if resume_from is not None:
         check_config(resume_from, cfg)

@@ -414,6 +414,26 @@ def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
     assert "done: 2 steps" in printed and printed.count("validation samples at step") == 3
 
 
+def test_a_default_local_dir_under_home_holds_the_lock_records_and_checkpoints_alike(workspace, tmp_path,
+                                                                                    monkeypatch):
+    """``trainer.default_local_dir='~/runs'`` is a folder of the home folder for everything the run writes: the run's
+    lock and records went to a folder named ``~`` in the working directory, its checkpoints to the home folder."""
+    root, model, _ = workspace
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    code = ppo(_overrides(root, model, "trainer.total_training_steps=1", "trainer.save_freq=1",
+                           "trainer.default_local_dir='~/runs'", "trainer.logger=[file]"))
+    assert code == 0
+    out = home / "runs"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert list(cwd.iterdir()) == []  # no folder named ~ beside the command
+
+
 def test_val_only_validates_and_stops_without_training_or_saving(workspace, capsys):
     root, model, _ = workspace
     out = root / "val_only"
