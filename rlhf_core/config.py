@@ -8,6 +8,9 @@ users type them:
     key=value   +key=value   ~key (back to the default)   trainer.logger=[console,wandb]
     data.train_files='["a.parquet","b.parquet"]'   trainer.default_local_dir=out/${trainer.experiment_name}
 
+``~`` on an entry of a mapping whose keys the user names (``OPEN_KEYS``: ``~trainer.ray_runtime_env.env_vars.X``)
+removes that entry.
+
 OmegaConf types each value against the schema and resolves ``${...}`` interpolations. What it does not do
 is done here: the aliases (with a notice), "did you mean" for unknown keys, and the consistency checks of
 :func:`validate_config`. Every problem is collected and raised together as a :class:`ConfigError` before
@@ -1028,7 +1031,7 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         return
     if key in ONE_OR_LIST and isinstance(value, str):  # verl's trainer.logger=console
         value = [value]
-    open_key = next((k for k in OPEN_KEYS if key.startswith(k + ".")), None)
+    open_key = _open_key(key)
     followed_key = _interpolation(cfg, open_key) if open_key else None
     if followed_key is not None:  # OmegaConf would write the entry into the mapping followed
         errors.append(f"{key}: {open_key} is {followed_key} until it is set; set it whole, e.g. "
@@ -1039,6 +1042,31 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
     except ValidationError as exc:
         hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
+
+
+def _open_key(key: str) -> str | None:
+    """The open mapping (one of ``OPEN_KEYS``) that ``key`` names an entry of, or None."""
+    return next((k for k in OPEN_KEYS if key.startswith(k + ".")), None)
+
+
+def _delete_entry(cfg: DictConfig, key: str, written: str, errors: list[str]) -> None:
+    """``~written``: take ``key``, an entry of an open mapping, out of it. There is no default to go back to (a
+    None left there would reach its reader: Ray would give every worker the string "None" for an env var)."""
+    open_key = _open_key(key)
+    if (followed_key := _interpolation(cfg, open_key)) is not None:  # deleting would change the mapping followed
+        errors.append(f"~{written}: {open_key} is {followed_key} until it is set; set it whole instead")
+        return
+    section, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, section)
+    if not isinstance(node, DictConfig):
+        held = "is not set" if node is None else f"is not a mapping: set it whole, e.g. {section}=[...]"
+        errors.append(f"~{written}: there is no {name} to remove ({section} {held})")
+        return
+    if name not in node:
+        errors.append(f"~{written}: there is no {name} in {section} to remove (it holds "
+                      f"{', '.join(map(str, node)) or 'nothing'})")
+        return
+    del node[name]
 
 
 def _interpolation(cfg: DictConfig, key: str) -> str | None:
@@ -1103,7 +1131,10 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                 given.pop(target, None)
             return
         for target in _targets(key, None, notice, errors):
-            _assign(cfg, target, _default(target), errors, merge=False)
+            if _open_key(target) is not None:  # a key the user named in an open mapping: gone, as Hydra's ~ does
+                _delete_entry(cfg, target, key, errors)
+            else:
+                _assign(cfg, target, _default(target), errors, merge=False)
             given.pop(target, None)
     elif _deferred(key, override.value()):
         deferred[key] = override.value()

@@ -269,6 +269,31 @@ def test_reward_kwargs_take_the_keys_the_user_names(tmp_path):
         "+custom_reward_function.reward_kwarg.scale=2")
 
 
+def test_tilde_removes_an_entry_of_a_mapping_whose_keys_the_user_names(tmp_path):
+    """``~`` on such an entry removes it, as Hydra's does: it left the key there holding None (which Ray then gave
+    every worker as the string "None")."""
+    path = tmp_path / "run.yaml"
+    path.write_text("ray_kwargs:\n  ray_init:\n    runtime_env:\n      env_vars:\n        CUDA_LAUNCH_BLOCKING: '1'\n"
+                    "        HF_HOME: /cache\ncustom_reward_function:\n  reward_kwargs:\n    scale: 2\n    bonus: 0.5\n")
+    for spelling in ("ray_kwargs.ray_init.runtime_env", "trainer.ray_runtime_env"):  # verl's key and this one
+        cfg = load_config([f"~{spelling}.env_vars.CUDA_LAUNCH_BLOCKING"], config_file=path, validate=False)
+        assert cfg.trainer.ray_runtime_env == {"env_vars": {"HF_HOME": "/cache"}}
+    cfg = load_config(["~custom_reward_function.reward_kwargs.scale"], config_file=path, validate=False)
+    assert cfg.custom_reward_function.reward_kwargs == {"bonus": 0.5}
+    # an entry that is not there: said, with what is (a misspelt name would otherwise remove nothing, silently)
+    message = str(_config_error(["~trainer.ray_runtime_env.env_vars.HF_HOM"], path))
+    assert "~trainer.ray_runtime_env.env_vars.HF_HOM: there is no HF_HOM in trainer.ray_runtime_env.env_vars to " \
+           "remove (it holds CUDA_LAUNCH_BLOCKING, HF_HOME)" in message
+    message = str(_config_error(["~trainer.ray_runtime_env.py_modules.0"], path))
+    assert "there is no 0 to remove (trainer.ray_runtime_env.py_modules is not set)" in message
+
+
+def _config_error(overrides: list[str], path) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, config_file=path, validate=False)
+    return info.value
+
+
 def test_verls_deprecated_keys_and_a_single_logger(tmp_path):
     notices = []
     path = tmp_path / "verl_generated.yaml"  # verl's generated config holds the deprecated sizes as null

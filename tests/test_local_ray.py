@@ -79,6 +79,25 @@ def test_the_runtime_env_goes_to_ray_init(monkeypatch, address):
     assert calls[0].get("address") == address
 
 
+def test_an_env_var_removed_or_null_does_not_reach_ray_init(monkeypatch, tmp_path):
+    """A run config's env var removed with ~ (or set to null in a YAML file) is not set for the workers: it
+    reached them as the string "None"."""
+    from rlhf_core.config import load_config
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray, "get_runtime_context", _FakeContext)
+    monkeypatch.setattr(group, "_connection", None)
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text("trainer:\n  ray_runtime_env:\n    env_vars:\n      CUDA_LAUNCH_BLOCKING: '1'\n"
+                          "      HF_HOME: /cache\n      TOKENIZERS_PARALLELISM: null\n")
+    config = load_config(["~ray_kwargs.ray_init.runtime_env.env_vars.CUDA_LAUNCH_BLOCKING"], config_file=run_config,
+                         validate=False)
+    group.ensure_ray("10.0.0.9:6379", 2, "cpu", config.trainer.ray_runtime_env)
+    assert calls[0]["runtime_env"] == {"env_vars": {"HF_HOME": "/cache"}}
+
+
 def test_a_runtime_env_that_comes_after_ray_was_connected_says_it_is_not_applied(monkeypatch, capsys):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # the caller's connection
     monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("connected twice"))

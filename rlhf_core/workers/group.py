@@ -106,11 +106,13 @@ def started_here() -> dict | None:
 
 def _for_ray(runtime_env: dict) -> dict:
     """``runtime_env`` as Ray takes it: its ``env_vars`` strings, as the command line or YAML wrote them
-    (``env_vars.X=false`` or ``=1`` reach here as a bool or a number, which Ray refuses)."""
+    (``env_vars.X=false`` or ``=1`` reach here as a bool or a number, which Ray refuses), without those set to
+    null (a YAML ``X: null``), which would otherwise reach every worker as the string "None"."""
     env_vars = runtime_env.get("env_vars")
     if not isinstance(env_vars, dict):
         return dict(runtime_env)
-    spelt = {name: str(value).lower() if isinstance(value, bool) else str(value) for name, value in env_vars.items()}
+    spelt = {name: str(value).lower() if isinstance(value, bool) else str(value)
+             for name, value in env_vars.items() if value is not None}
     return {**runtime_env, "env_vars": spelt}
 
 
