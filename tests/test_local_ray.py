@@ -45,6 +45,33 @@ def test_a_larger_group_starts_this_processs_idle_local_cluster_again(monkeypatc
         ray.shutdown()
 
 
+def test_a_group_that_does_not_fit_beside_a_live_group_of_this_process_fails_at_once(monkeypatch):
+    """A 1-CPU machine whose CPU a live group of this process holds: a second group waited the whole placement
+    timeout, though nothing could free them while the driver waited. Right after that group is shut down, a group
+    as large is placed (Ray's count of available CPUs lags the shutdown by a moment: it is not what decides)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.setattr(group.os, "cpu_count", lambda: 1)
+    first = None
+    try:
+        first = group.WorkerGroup(group.DistributedWorker, 1, placement_timeout_s=60)
+        started = time.monotonic()
+        with pytest.raises(group.WorkerError) as info:
+            group.WorkerGroup(group.DistributedWorker, 1, placement_timeout_s=30)
+        assert time.monotonic() - started < 10  # not the 30 s of its placement timeout
+        assert str(info.value) == (
+            "cannot place 1 worker of {'CPU': 1}: the local Ray cluster this process started has "
+            "{'CPU': 1.0, 'GPU': 0.0} (its size when it started: {'CPU': 1, 'GPU': 0}); 1 worker group of this "
+            "process holds {'CPU': 1.0, 'GPU': 0.0} of it: shut it down first, or lower "
+            "trainer.n_gpus_per_node * trainer.nnodes")  # Ray's CPU_group_<id> keys of the placement group unsaid
+        first.shutdown()
+        group.WorkerGroup(group.DistributedWorker, 1, placement_timeout_s=30).shutdown()
+    finally:
+        if first is not None:
+            first.shutdown()
+        ray.shutdown()
+
+
 def test_a_cluster_this_process_did_not_start_is_never_started_again(monkeypatch):
     if ray.is_initialized():
         ray.shutdown()

@@ -116,6 +116,24 @@ def _for_ray(runtime_env: dict) -> dict:
     return {**runtime_env, "env_vars": spelt}
 
 
+def _cpus_and_gpus(resources: dict) -> dict:
+    """The CPUs and GPUs of Ray's ``resources`` (without its per-placement-group keys, ``CPU_group_...``)."""
+    return {kind: resources.get(kind, 0.0) for kind in ("CPU", "GPU")}
+
+
+def _workers(count: int, bundle: dict) -> str:
+    return f"1 worker of {bundle}" if count == 1 else f"{count} workers of {bundle} each"
+
+
+def _held_by_live_groups() -> dict:
+    """The CPUs and GPUs that this process's live worker groups reserve."""
+    held = {"CPU": 0.0, "GPU": 0.0}
+    for live in list(_live_groups):
+        for kind, n in getattr(live, "holds", {}).items():
+            held[kind] += n
+    return held
+
+
 def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: dict | None = None) -> None:
     """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers;
     either with ``runtime_env`` (``trainer.ray_runtime_env``: what every worker of the job gets, on any node).
@@ -174,31 +192,31 @@ class WorkerGroup:
         self.collective_timeout_s = collective_timeout_s
         self._last: dict[str, float] = {}  # kind of call (its method, or dispatch's kind) -> previous call's seconds
         bundle = {"CPU": 1, "GPU": 1} if device == "cuda" else {"CPU": 1}
-        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        total = ray.cluster_resources()
-        short = {kind: total.get(kind, 0.0) for kind, need in bundle.items() if total.get(kind, 0.0) < need * world_size}
-        own = started_here()  # this process's local cluster, which does not grow: a group it cannot hold fails at once
-        if short and own is None:  # it may grow (an autoscaling cluster): say why the wait, rather than wait in silence
-            print(f"waiting up to {placement_timeout_s:.0f} s to place {world_size} workers of {bundle} each: the Ray "
+        self.holds = {kind: need * world_size for kind, need in bundle.items()}  # what its placement group reserves
+        total = _cpus_and_gpus(ray.cluster_resources())
+        short = {kind: total[kind] for kind, need in self.holds.items() if total[kind] < need}
+        # this process's local cluster does not grow, and what this process's live groups hold on it nothing frees
+        # while this waits: a group that does not fit beside them fails at once (counted from the groups, since
+        # Ray's available resources lag a group's shutdown by a moment)
+        own = started_here()
+        if own is not None:
+            held = _held_by_live_groups()
+            if short or any(total[kind] - held[kind] < need for kind, need in self.holds.items()):
+                raise WorkerError(self._cannot_place_here(bundle, total, own, held, short))
+        elif short:  # it may grow (an autoscaling cluster): say why the wait, rather than wait in silence
+            print(f"waiting up to {placement_timeout_s:.0f} s to place {_workers(world_size, bundle)}: the Ray "
                   f"cluster has {short} now", file=sys.stderr, flush=True)
-        ready, _ = ray.wait([self.placement_group.ready()], timeout=0 if own and short else placement_timeout_s)
+        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ready, _ = ray.wait([self.placement_group.ready()], timeout=placement_timeout_s)
         if not ready:
             ray.util.remove_placement_group(self.placement_group)
-            if own is None:
-                raise WorkerError(
-                    f"cannot place {world_size} workers of {bundle} each within {placement_timeout_s:.0f} s: the Ray "
-                    f"cluster has {ray.cluster_resources()}; lower trainer.n_gpus_per_node * trainer.nnodes or add "
-                    "nodes")
-            alive = len(_live_groups)
-            groups = f"{alive} worker group{'s' if alive != 1 else ''} of this process"
-            run, hold = ("run", "hold") if alive != 1 else ("runs", "holds")
-            why = (f"{groups} still {run} on it, so it was not started again larger: shut them down first"
-                   if short and alive else "this machine has no more" if short
-                   else f"{groups} {hold} its resources: shut them down first")
+            self.placement_group = None
+            where = ("the local Ray cluster this process started" if own is not None else "the Ray cluster")
+            also = ("; lower trainer.n_gpus_per_node * trainer.nnodes or add nodes" if own is None else
+                    ": Ray tasks or actors other than this process's worker groups hold the rest")
             raise WorkerError(
-                f"cannot place {world_size} workers of {bundle} each: the local Ray cluster this process started has "
-                f"{ray.cluster_resources()} (its size when it started: {own}); {why}, or lower "
-                "trainer.n_gpus_per_node * trainer.nnodes")
+                f"cannot place {_workers(world_size, bundle)} within {placement_timeout_s:.0f} s: {where} "
+                f"has {total}, of which {_cpus_and_gpus(ray.available_resources())} are free{also}")
         _live_groups.add(self)
         remote_cls = ray.remote(worker_cls)
         self.workers = [
@@ -213,6 +231,22 @@ class WorkerGroup:
         master_addr, master_port = self.execute_rank(0, "node_address")
         self.execute_all("init_distributed", master_addr, master_port, distributed.backend_for(device),
                          collective_timeout_s)
+
+    def _cannot_place_here(self, bundle: dict, total: dict, own: dict, held: dict, short: dict) -> str:
+        """Why this group does not fit on the local cluster this process started (``own``, as it started), whose
+        size is ``total`` and of which this process's live groups hold ``held``."""
+        alive = len(_live_groups)
+        groups = f"{alive} worker group{'s' if alive != 1 else ''} of this process"
+        run, hold = ("run", "hold") if alive != 1 else ("runs", "holds")
+        if short and alive:
+            why = f"{groups} still {run} on it, so it was not started again larger: shut them down first"
+        elif short:
+            why = "this machine has no more"
+        else:
+            why = f"{groups} {hold} {held} of it: shut {'them' if alive != 1 else 'it'} down first"
+        return (f"cannot place {_workers(self.world_size, bundle)}: the local Ray cluster this process "
+                f"started has {total} (its size when it started: {own}); {why}, or lower "
+                "trainer.n_gpus_per_node * trainer.nnodes")
 
     # ------------------------------------------------------------------ calls
     def execute_all(self, method: str, *args, **kwargs) -> list:
