@@ -91,18 +91,20 @@ class _FakeContext:
 
 
 @pytest.mark.parametrize("address", ["10.0.0.9:6379", None], ids=["joined", "started"])
-def test_the_runtime_env_goes_to_ray_init(monkeypatch, address):
+def test_the_runtime_env_goes_to_ray_init(monkeypatch, tmp_path, address):
     calls = []
     monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "get_runtime_context", _FakeContext)
     monkeypatch.setattr(group, "_connection", None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    env = {"py_modules": ["/shared/my_arch"], "env_vars": {"A": "1", "B": 2, "C": False}}
+    package = tmp_path / "my_arch"  # (a folder on the driver: Ray ships it from there, to any node)
+    package.mkdir()
+    env = {"py_modules": [str(package)], "env_vars": {"A": "1", "B": 2, "C": False}}
     group.ensure_ray(address, 2, "cpu", env)
     # Ray takes strings only: the command line's B=2 and C=false as they were written
     assert len(calls) == 1
-    assert calls[0]["runtime_env"] == {"py_modules": ["/shared/my_arch"], "env_vars": {"A": "1", "B": "2", "C": "false"}}
+    assert calls[0]["runtime_env"] == {"py_modules": [str(package)], "env_vars": {"A": "1", "B": "2", "C": "false"}}
     assert calls[0].get("address") == address
 
 
@@ -123,6 +125,64 @@ def test_an_env_var_removed_or_null_does_not_reach_ray_init(monkeypatch, tmp_pat
                          validate=False)
     group.ensure_ray("10.0.0.9:6379", 2, "cpu", config.trainer.ray_runtime_env)
     assert calls[0]["runtime_env"] == {"env_vars": {"HF_HOME": "/cache"}}
+
+
+REFUSED = "trainer.ray_runtime_env (verl's ray_kwargs.ray_init.runtime_env) is refused by Ray: "
+
+
+def test_a_runtime_env_ray_refuses_is_named_as_the_key_before_ray_starts(monkeypatch, tmp_path):
+    """A py_modules folder that is not there failed as Ray's bare ValueError, after Ray had started, without
+    naming the key."""
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("Ray was started"))
+    monkeypatch.setattr(group, "_connection", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    missing = tmp_path / "my_ext"
+    with pytest.raises(group.WorkerError) as info:
+        group.ensure_ray(None, 2, "cpu", {"py_modules": [str(missing)]})
+    assert str(info.value).startswith(f"{REFUSED}{missing} is not a valid path; it was "
+                                      f"{{'py_modules': ['{missing}']}}")
+    with pytest.raises(group.WorkerError, match="env_vars"):  # a field of the wrong type
+        group.ensure_ray(None, 2, "cpu", {"env_vars": ["A=1"]})
+
+
+@pytest.mark.parametrize("address", ["10.0.0.9:6379", None], ids=["joined", "started"])
+def test_what_ray_init_refuses_of_the_runtime_env_names_the_key(monkeypatch, tmp_path, address):
+    """What Ray checks only as it starts (a py_modules file that is neither .py nor .whl), said as the key; an
+    error of ray.init without a runtime_env is not put on it."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a module")
+    refusal = f"py_modules entry must be a .py file, a directory, or a .whl file; got {notes}"
+
+    def refuse(**kwargs):
+        raise ValueError(refusal)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(group, "_connection", None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(group.WorkerError) as info:
+        group.ensure_ray(address, 2, "cpu", {"py_modules": [str(notes)]})
+    assert str(info.value).startswith(f"{REFUSED}{refusal}; it was {{'py_modules': ['{notes}']}}")
+    with pytest.raises(ValueError, match="py_modules entry must be") as info:
+        group.ensure_ray(address, 2, "cpu")
+    assert not isinstance(info.value, group.WorkerError)
+
+
+def test_the_cli_says_the_runtime_env_ray_refuses_in_one_line(workspace, tmp_path, capsys):
+    """rlhf-ppo with 2 workers and a py_modules folder that is not there: exit 1, the message alone (it showed
+    Ray's ValueError with a traceback)."""
+    from rlhf_core.cli.train import ppo
+
+    if ray.is_initialized():  # another module's cluster: its runtime_env would be kept, and this one not checked
+        ray.shutdown()
+    missing = tmp_path / "my_ext"
+    code = ppo(workspace.overrides(tmp_path / "out", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1",
+                                   f"+trainer.ray_runtime_env.py_modules=[{missing}]"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines()[-1].startswith(f"error: {REFUSED}{missing} is not a valid path")
+    assert "Traceback" not in err and not ray.is_initialized()
 
 
 def test_a_runtime_env_that_comes_after_ray_was_connected_says_it_is_not_applied(monkeypatch, capsys):

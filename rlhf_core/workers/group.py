@@ -134,6 +134,24 @@ def _held_by_live_groups() -> dict:
     return held
 
 
+def _refused(runtime_env: dict, exc: Exception) -> str:
+    reason = " ".join(str(exc).split())[:300].rstrip(".")
+    return (f"trainer.ray_runtime_env (verl's ray_kwargs.ray_init.runtime_env) is refused by Ray: {reason}; it was "
+            f"{runtime_env} (a relative path in it is read from the directory the command runs in, {os.getcwd()})")
+
+
+def _check_runtime_env(runtime_env: dict) -> None:
+    """Ray's own checks of ``runtime_env`` (its fields' types, that its local paths exist), before Ray starts."""
+    if not runtime_env:
+        return
+    from ray.runtime_env import RuntimeEnv
+
+    try:
+        RuntimeEnv(**runtime_env)
+    except (TypeError, ValueError) as exc:
+        raise WorkerError(_refused(runtime_env, exc)) from None
+
+
 def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: dict | None = None) -> None:
     """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers;
     either with ``runtime_env`` (``trainer.ray_runtime_env``: what every worker of the job gets, on any node).
@@ -156,23 +174,31 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
                       "before, and its workers run with the runtime_env it was given then", file=sys.stderr,
                       flush=True)
             return
+        _check_runtime_env(runtime_env)  # before the cluster is stopped to start again
         ray.shutdown()
         cpus, gpus = max(cpus, own["CPU"]), max(gpus, own["GPU"])
         print(f"notice: the local Ray cluster this process started ({own}) is too small for {world_size} workers "
               f"and runs none: started again with {{'CPU': {cpus}, 'GPU': {gpus}}}", file=sys.stderr, flush=True)
+    _check_runtime_env(runtime_env)
     address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        try:
+    try:
+        if address:
             ray.init(address=address, runtime_env=runtime_env or None)
-        except ConnectionError as exc:  # refused, timed out, or an authentication the cluster asks for
-            raise WorkerError(f"cannot connect to the Ray cluster at trainer.ray_address={address!r} (or "
-                              f"RAY_ADDRESS): {' '.join(str(exc).split())[:300]}; check the address, that the cluster "
-                              "is up (ray status there), and the cluster's authentication (RAY_AUTH_MODE and its "
-                              "token)") from None
-        local = None
-    else:
-        ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, runtime_env=runtime_env or None)
-        local = {"CPU": cpus, "GPU": gpus}
+            local = None
+        else:
+            ray.init(num_cpus=cpus, num_gpus=gpus, include_dashboard=False, runtime_env=runtime_env or None)
+            local = {"CPU": cpus, "GPU": gpus}
+    except ConnectionError as exc:  # refused, timed out, or an authentication the cluster asks for
+        raise WorkerError(f"cannot connect to the Ray cluster at trainer.ray_address={address!r} (or "
+                          f"RAY_ADDRESS): {' '.join(str(exc).split())[:300]}; check the address, that the cluster "
+                          "is up (ray status there), and the cluster's authentication (RAY_AUTH_MODE and its "
+                          "token)") from None
+    except (TypeError, ValueError) as exc:  # what Ray checks of the runtime_env only as it starts (a py_modules
+        if not runtime_env:  # entry that is neither a directory, a .py nor a .whl file)
+            raise
+        if ray.is_initialized():
+            ray.shutdown()
+        raise WorkerError(_refused(runtime_env, exc)) from None
     _connection = {"node": ray.get_runtime_context().get_node_id(), "runtime_env": runtime_env, "local": local}
 
 
