@@ -7,6 +7,7 @@ from typing import Annotated
 from zenml import get_step_context, log_metadata, step
 from zenml.logger import get_logger
 
+from rlhf_core.pipeline.lineage import recorded_paths
 from rlhf_core.pipeline.run_config import resolve_trainer_config
 
 logger = get_logger(__name__)
@@ -42,7 +43,8 @@ def load_ppo_config(
     cfg = resolve_trainer_config(trainer_config, extra, train_files, val_files, trains_reward_model,
                                  notice=logger.warning)
     logger.info("trainer config %s with %d override(s):\n%s", trainer_config, len(extra), cfg.to_yaml())
+    # the data paths made absolute: relative ones would name other files (or none) to rlhf-lineage run elsewhere
     log_metadata({"trainer_config": trainer_config, "overrides": extra,
                   "model_path": cfg.actor_rollout_ref.model.path,
-                  "train_files": cfg.data.train_files, "val_files": cfg.data.val_files})
+                  "train_files": recorded_paths(cfg.data.train_files), "val_files": recorded_paths(cfg.data.val_files)})
     return cfg.to_dict()

@@ -546,3 +546,102 @@ def test_after_a_later_run_overwrites_a_versions_data_path_its_lineage_says_the_
     text = capsys.readouterr().out
     assert f"      train_files: {train}" in text
     assert "      data files now: changed since this version: the paths hold other bytes" in text
+
+
+def test_only_hex_digests_are_cut_to_12_digits():
+    """What stops an old reward file being read as code is shown whole, not cut to "unreadable ("."""
+    from rlhf_core.pipeline.lineage import _reward_check_lines
+
+    check = {"path": "/r/reward.py", "hash": "code sha256", "recorded": "c" * 64, "source_kept": False,
+             "status": "changed since", "now": "unreadable (SyntaxError)"}
+    assert _reward_check_lines({"model": "m", "version": "2"}, check)[0] == (
+        "      custom reward file now: changed since this version: /r/reward.py holds other code (code sha256 "
+        "cccccccccccc then, unreadable (SyntaxError) now)")
+
+
+def _deny_reading(monkeypatch, *paths):
+    """Opening any of ``paths`` fails as a file of another user's does (chmod alone stops no root user)."""
+    import builtins
+    import errno
+    import io
+
+    denied, real_open = {str(path) for path in paths}, builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        if str(file) in denied:
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    monkeypatch.setattr(io, "open", guarded_open)  # (what Path.read_bytes opens with)
+
+
+def test_a_data_file_that_cannot_be_read_is_said_unreadable_with_its_reason(tmp_path, monkeypatch, capsys):
+    """A recorded data file that is there but cannot be read (its permissions changed) is reported with the
+    reason, rather than stopping rlhf-lineage."""
+    from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.pipeline.lineage import check_data_files, custom_reward_source
+
+    train, val, reward = tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path / "reward.py"
+    train.write_bytes(b"version 2's rows")
+    val.write_bytes(b"its validation rows")
+    reward.write_text("def compute_score(*args):\n    return 1.0\n")
+    validated = splits_fingerprint([train], [val])
+    spec = {"kind": "custom", "custom_path": str(reward), "functions": {}, "sha256": "5e",
+            "custom_source": custom_reward_source(reward)}
+    store = _OneRun(str(train), validated, spec)
+    _deny_reading(monkeypatch, train)
+    assert check_data_files(str(train), str(val), validated) == {
+        "files": [str(train), str(val)], "recorded": validated, "status": "unreadable",
+        "unreadable": {str(train): "Permission denied"}}
+    assert cli.lineage(["--model", "m", "--version", "2"], client=store) == 0
+    assert f"      data files now: {train} unreadable (Permission denied) (fingerprint {validated[:12]} then)\n" \
+        in capsys.readouterr().out
+
+
+def test_data_paths_are_recorded_absolute_and_a_relative_one_from_before_says_where_it_was_looked_for(tmp_path,
+                                                                                                      monkeypatch):
+    """The demo configs name their data relative to the project (outputs/data/...): recorded as given, a check
+    from another directory would find them missing, or another checkout's files there changed."""
+    from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.pipeline.lineage import check_data_files, recorded_paths
+
+    project, home = tmp_path / "project", tmp_path / "home"
+    (project / "outputs" / "data").mkdir(parents=True)
+    home.mkdir()
+    train = project / "outputs" / "data" / "train.parquet"
+    train.write_bytes(b"rows")
+    monkeypatch.chdir(project)
+    monkeypatch.setenv("HOME", str(home))
+    assert recorded_paths("outputs/data/train.parquet") == str(train)
+    assert recorded_paths(["outputs/data/../data/train.parquet", "~/val.parquet"]) == [str(train),
+                                                                                         str(home / "val.parquet")]
+    assert recorded_paths(None) is None
+    validated = splits_fingerprint([train], None)
+    monkeypatch.chdir(home)  # rlhf-lineage run from the home folder
+    assert check_data_files(str(train), None, validated)["status"] == "unchanged"
+    assert check_data_files("outputs/data/train.parquet", None, validated) == {
+        "files": [str(home / "outputs" / "data" / "train.parquet")], "recorded": validated,
+        "resolved_against": str(home), "status": "missing",
+        "missing": [str(home / "outputs" / "data" / "train.parquet")]}
+
+
+def test_load_ppo_config_records_the_data_files_by_absolute_path(tmp_path, monkeypatch):
+    import os
+    from types import SimpleNamespace as NS
+
+    from test_pipeline import tiny_setup
+
+    from steps import load_ppo_config as module
+
+    setup = tiny_setup()
+    logged = {}
+    monkeypatch.setattr(module, "get_step_context",
+                        lambda: NS(pipeline_run=NS(snapshot=NS(step_configurations={}))))
+    monkeypatch.setattr(module, "log_metadata", logged.update)
+    monkeypatch.chdir(setup.root)
+    train, val = os.path.relpath(setup.train_file, setup.root), os.path.relpath(setup.val_file, setup.root)
+    assert not os.path.isabs(train)
+    config = module.load_ppo_config.entrypoint(str(setup.trainer_config), [], train, [val])
+    assert (logged["train_files"], logged["val_files"]) == (str(setup.train_file), [str(setup.val_file)])
+    assert config["data"]["train_files"] == train  # (the trainer's config as given)

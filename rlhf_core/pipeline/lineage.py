@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -139,7 +140,7 @@ def _artifact(artifact) -> dict[str, Any]:
 
 
 #: what a check of recorded files against what their paths hold now says
-UNCHANGED, CHANGED, MISSING = "unchanged", "changed since", "missing"
+UNCHANGED, CHANGED, MISSING, UNREADABLE = "unchanged", "changed since", "missing", "unreadable"
 
 #: the reward spec's key that keeps a custom reward file's text (:func:`custom_reward_source`)
 SOURCE_KEY = "custom_source"
@@ -153,19 +154,53 @@ def _paths(files: Any) -> list[Path]:
     return [Path(os.path.expanduser(str(name))) for name in names]
 
 
+def recorded_paths(files: Any) -> Any:
+    """Data paths as a version records them (one path, a list of them, or None, as given): each made absolute
+    against the current directory, ``~`` expanded and links kept as named (``/home/me/data`` rather than what a
+    link points to), so that they name the same files to a check made later from another directory."""
+    if files is None:
+        return None
+    absolute = [os.path.abspath(path) for path in _paths(files)]
+    return absolute[0] if isinstance(files, (str, os.PathLike)) else absolute
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
+
+
+def _unreadable(path: Path) -> str | None:
+    """Why the file ``path`` cannot be read (its permissions, say), or None where it can."""
+    try:
+        with open(path, "rb") as handle:
+            handle.read(1)
+    except OSError as exc:
+        return _reason(exc)
+    return None
+
+
 def check_data_files(train_files: Any, val_files: Any, recorded: str | None) -> dict[str, Any]:
     """Whether the data files a version recorded by path still hold the bytes it validated: the fingerprint
     validate_data recorded (``recorded``) against the same function over what the paths hold now. A retraining
-    run may write new data to the same path, so a path alone does not say which data a version trained on."""
-    from rlhf_core.data.validation import splits_fingerprint
+    run may write new data to the same path, so a path alone does not say which data a version trained on.
 
-    train, val = _paths(train_files), _paths(val_files)
-    files = [str(path) for path in train + val]
+    A file there that cannot be read is ``unreadable`` with its reason; a relative path (recorded before versions
+    recorded absolute ones) is resolved against the current directory, which ``resolved_against`` names."""
+    from rlhf_core.data.validation import DataReadError, splits_fingerprint
+
+    train = [Path(os.path.abspath(path)) for path in _paths(train_files)]
+    val = [Path(os.path.abspath(path)) for path in _paths(val_files)]
+    check: dict[str, Any] = {"files": [str(path) for path in train + val], "recorded": recorded}
+    if not all(path.is_absolute() for path in _paths(train_files) + _paths(val_files)):
+        check["resolved_against"] = os.getcwd()
     missing = [str(path) for path in train + val if not path.is_file()]
-    check = {"files": files, "recorded": recorded}
-    if missing:
-        return {**check, "status": MISSING, "missing": missing}
-    now = splits_fingerprint(train, val or None)
+    unreadable = {str(path): reason for path in train + val if path.is_file() and (reason := _unreadable(path))}
+    if missing or unreadable:
+        return {**check, "status": MISSING if missing else UNREADABLE, **({"missing": missing} if missing else {}),
+                **({"unreadable": unreadable} if unreadable else {})}
+    try:
+        now = splits_fingerprint(train, val or None)
+    except DataReadError as exc:  # (readable a moment ago)
+        return {**check, "status": UNREADABLE, "unreadable": {exc.path: exc.reason}}
     return {**check, "status": UNCHANGED if now == recorded else CHANGED, "now": now}
 
 
@@ -324,23 +359,42 @@ def _changed_lines(metadata: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _data_check_line(check: Mapping[str, Any]) -> str:
-    recorded = (check["recorded"] or "")[:12]
-    if check["status"] == MISSING:
-        return f"{MISSING}: {', '.join(check['missing'])} (fingerprint {recorded} then)"
-    if check["status"] == CHANGED:
-        return (f"{CHANGED} this version: the paths hold other bytes than it validated and trained on (fingerprint "
-                f"{recorded} then, {check['now'][:12]} now)")
-    return f"{UNCHANGED} (fingerprint {recorded})"
+def _digest(value: str | None) -> str:
+    """A SHA-256 hex digest cut to its first 12 digits; anything else (``unreadable (...)``) as it is."""
+    if value is None:
+        return ""
+    return value[:12] if re.fullmatch("[0-9a-f]{64}", value) else value
+
+
+def _data_check_lines(check: Mapping[str, Any]) -> list[str]:
+    recorded = _digest(check["recorded"])
+    found = []
+    if check.get("missing"):
+        found.append(f"{MISSING}: {', '.join(check['missing'])}")
+    if check.get("unreadable"):
+        found.append(", ".join(f"{path} {UNREADABLE} ({why})" for path, why in check["unreadable"].items()))
+    if found:
+        line = f"{'; '.join(found)} (fingerprint {recorded} then)"
+    elif check["status"] == CHANGED:
+        line = (f"{CHANGED} this version: the paths hold other bytes than it validated and trained on (fingerprint "
+                f"{recorded} then, {_digest(check['now'])} now)")
+    else:
+        line = f"{UNCHANGED} (fingerprint {recorded})"
+    lines = [f"      data files now: {line}"]
+    if "resolved_against" in check:
+        lines.append(f"      data paths: recorded relative, resolved against the current directory "
+                     f"{check['resolved_against']} (run rlhf-lineage from the directory the pipeline ran in to "
+                     "check the files it read)")
+    return lines
 
 
 def _reward_check_lines(record: Mapping[str, Any], check: Mapping[str, Any]) -> list[str]:
-    recorded = (check["recorded"] or "")[:12]
+    recorded = _digest(check["recorded"])
     if check["status"] == MISSING:
         now = f"{MISSING}: {check['path']} ({check['hash']} {recorded} then)"
     elif check["status"] == CHANGED:
         now = f"{CHANGED} this version: {check['path']} holds other code ({check['hash']} {recorded} then, " \
-              f"{check['now'][:12]} now)"
+              f"{_digest(check['now'])} now)"
     else:
         now = f"{UNCHANGED}: {check['path']} ({check['hash']} {recorded})"
     if check["source_kept"]:
@@ -380,7 +434,7 @@ def format_lineage(record: Mapping[str, Any]) -> str:
             if key in link["metadata"]:
                 lines.append(f"      {key}: {_short(link['metadata'][key])}")
         if link["stage"] == "data" and record.get("data_check"):
-            lines.append(f"      data files now: {_data_check_line(record['data_check'])}")
+            lines += _data_check_lines(record["data_check"])
         if link["stage"] == "reward" and record.get("reward_check"):
             lines += _reward_check_lines(record, record["reward_check"])
         if link["stage"] == "evaluation":
