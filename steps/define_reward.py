@@ -1,4 +1,4 @@
-"""Pin down the reward: which function, with which parameters and source (a custom file's text kept), checked on
+"""Pin down the reward: which function, with which parameters and source (a custom reward's files kept), checked on
 the references."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def define_reward(ppo_config: dict, dataset_fingerprint: str) -> Annotated[dict,
     """The versioned reward spec; stops the run when a reference solution scores below full marks."""
     cfg = PPOConfig.from_dict(ppo_config)
     spec = reward_spec(cfg)
-    if spec["custom_path"]:  # its text, read back by rlhf-lineage --reward-source (outside the spec's sha256)
+    if spec["custom_path"]:  # the text of its files, read back by rlhf-lineage --reward-source (outside the sha256)
         spec[SOURCE_KEY] = custom_reward_source(spec["custom_path"])
     check = check_reference_solutions(cfg)
     spec["self_check"] = {"dataset_fingerprint": dataset_fingerprint, "checked": check.checked,

@@ -68,8 +68,9 @@ def test_a_trained_version_finds_its_data_and_reward_unchanged_and_keeps_the_rew
     assert record["data_check"]["files"] == [str(tiny_setup().train_file), str(tiny_setup().val_file)]
     reward = tiny_setup().root / "digit_first.py"
     assert (record["reward_check"]["path"], record["reward_check"]["status"]) == (str(reward), "unchanged")
+    assert [file["path"] for file in record["reward_check"]["files"]] == [str(reward)]
     assert cli.lineage(["--model", model, "--version", "1", "--reward-source"], client=client) == 0
-    assert capsys.readouterr().out == reward.read_text()
+    assert capsys.readouterr().out == f"# ==> {reward} <==\n" + reward.read_text()
 
 
 def test_cli_names_what_is_missing(trained, capsys):
@@ -376,27 +377,49 @@ def test_the_data_files_of_a_version_are_checked_against_the_fingerprint_it_vali
         "files": files, "recorded": validated, "status": "missing", "missing": [str(val)]}
 
 
-def test_a_custom_reward_file_is_kept_and_checked_against_its_sha256(tmp_path):
+def test_a_custom_reward_file_is_kept_and_checked_against_its_sha256(tmp_path, monkeypatch):
+    import ast
     import hashlib
 
     from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
 
+    monkeypatch.chdir(tmp_path)
     reward = tmp_path / "reward.py"
     text = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
     reward.write_text(text)
     kept = custom_reward_source(reward)
-    assert kept == {"path": str(reward), "sha256": hashlib.sha256(text.encode()).hexdigest(), "text": text}
+    assert kept == {"cwd": str(tmp_path), "files": [
+        {"path": str(reward), "sha256": hashlib.sha256(text.encode()).hexdigest(), "text": text}]}
+    code = hashlib.sha256(f"# reward.py\n{ast.unparse(ast.parse(text))}".encode()).hexdigest()
     spec = {"kind": "custom", "custom_path": str(reward), "custom_source": kept,
-            "functions": {"a": {"source_sha256": "code hash"}}}
+            "functions": {"a": {"source_sha256": code}}}
     check = check_reward_file(spec)
-    assert (check["status"], check["hash"], check["source_kept"]) == ("unchanged", "file sha256", True)
+    assert (check["status"], check["source_kept"], check["added"]) == ("unchanged", True, [])
+    assert check["files"] == [{"path": str(reward), "recorded": kept["files"][0]["sha256"], "status": "unchanged",
+                               "now": kept["files"][0]["sha256"]}]
+    assert check["code"] == {"recorded": code, "status": "unchanged", "now": code}
     reward.write_text(text.replace("1.0", "0.5"))
     check = check_reward_file(spec)
-    assert check["status"] == "changed since"
-    assert check["now"] == hashlib.sha256(text.replace("1.0", "0.5").encode()).hexdigest()
+    assert (check["status"], check["files"][0]["status"], check["code"]["status"]) == ("changed since",) * 3
+    assert check["files"][0]["now"] == hashlib.sha256(text.replace("1.0", "0.5").encode()).hexdigest()
     reward.unlink()
     assert check_reward_file(spec)["status"] == "missing"
     assert check_reward_file({"kind": "builtin", "custom_path": None, "functions": {}}) is None
+
+
+def test_a_reward_spec_that_kept_the_reward_file_alone_is_still_checked_and_printed(tmp_path):
+    """Reward specs first kept the reward file alone, at the top of its key: it is checked as the one file kept."""
+    import hashlib
+
+    from rlhf_core.pipeline.lineage import check_reward_file, kept_files
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(*args):\n    return 1.0\n")
+    digest = hashlib.sha256(reward.read_bytes()).hexdigest()
+    old = {"path": str(reward), "sha256": digest, "text": reward.read_text()}
+    assert kept_files(old) == [old]
+    check = check_reward_file({"kind": "custom", "custom_path": str(reward), "custom_source": old, "functions": {}})
+    assert (check["status"], check["files"][0]["status"], check["code"]) == ("unchanged", "unchanged", None)
 
 
 def test_a_reward_spec_from_before_the_text_was_kept_is_checked_by_its_code_hash(tmp_path):
@@ -413,7 +436,8 @@ def test_a_reward_spec_from_before_the_text_was_kept_is_checked_by_its_code_hash
     recorded = hashlib.sha256(f"# reward.py\n{ast.unparse(ast.parse(code))}".encode()).hexdigest()
     spec = {"kind": "custom", "custom_path": str(reward), "functions": {"a": {"source_sha256": recorded}}}
     check = check_reward_file(spec)
-    assert (check["status"], check["hash"], check["source_kept"]) == ("unchanged", "code sha256", False)
+    assert (check["status"], check["source_kept"], check["files"]) == ("unchanged", False, [])
+    assert check["code"] == {"recorded": recorded, "status": "unchanged", "now": recorded}
     reward.write_text("# graded by hand first\n" + code)
     assert check_reward_file(spec)["status"] == "unchanged"
     reward.write_text(code.replace("1.0", "0.0"))
@@ -431,9 +455,12 @@ def test_the_chain_says_whether_the_files_a_version_names_by_path_still_hold_its
                 "data_check": data_check, "reward_check": reward_check}
 
     changed = {"files": ["/d/train.parquet"], "recorded": "a" * 64, "status": "changed since", "now": "b" * 64}
-    kept = {"path": "/r/reward.py", "hash": "file sha256", "recorded": "c" * 64, "source_kept": True,
-            "status": "unchanged", "now": "c" * 64,
-            "source_in": {"artifact": "reward_spec", "id": "77", "version": "4", "key": "custom_source"}}
+    source_in = {"artifact": "reward_spec", "id": "77", "version": "4", "key": "custom_source"}
+    kept = {"path": "/r/reward.py", "status": "unchanged", "source_kept": True, "added": [],
+            "code": {"recorded": "e" * 64, "status": "unchanged", "now": "e" * 64},
+            "files": [{"path": "/r/reward.py", "recorded": "c" * 64, "status": "unchanged", "now": "c" * 64},
+                      {"path": "/r/grading.py", "recorded": "f" * 64, "status": "unchanged", "now": "f" * 64}],
+            "source_in": source_in}
     assert format_lineage(record(changed, kept)).splitlines()[2:] == [
         "   data: step load_ppo_config [completed] - ...",
         "      train_files: /d/train.parquet",
@@ -441,23 +468,70 @@ def test_the_chain_says_whether_the_files_a_version_names_by_path_still_hold_its
         "on (fingerprint aaaaaaaaaaaa then, bbbbbbbbbbbb now)",
         "-> reward: step define_reward [completed] - ...",
         "      reward_sha256: 5e",
-        "      custom reward file now: unchanged: /r/reward.py (file sha256 cccccccccccc)",
-        "      reward source: its text is kept in artifact reward_spec v4 id 77 under 'custom_source': rlhf-lineage "
-        "--model m --version 2 --reward-source prints it",
+        "      custom reward now: unchanged: /r/reward.py with what it imports (code sha256 eeeeeeeeeeee)",
+        "        /r/reward.py: unchanged (file sha256 cccccccccccc)",
+        "        /r/grading.py: unchanged (file sha256 ffffffffffff)",
+        "      reward source: the text of its files (2) is kept in artifact reward_spec v4 id 77 under "
+        "'custom_source': rlhf-lineage --model m --version 2 --reward-source prints them",
     ]
+    # the files unchanged and the code not: what differs is imported from this project
+    other_code = {**kept, "status": "changed since", "code": {**kept["code"], "status": "changed since",
+                                                              "now": "9" * 64}}
+    assert format_lineage(record(changed, other_code)).splitlines()[7:11] == [
+        "      custom reward now: changed since this version: /r/reward.py with what it imports (code sha256 "
+        "eeeeeeeeeeee then, 999999999999 now)",
+        "        /r/reward.py: unchanged (file sha256 cccccccccccc)",
+        "        /r/grading.py: unchanged (file sha256 ffffffffffff)",
+        "        (its files are unchanged: the code differs in what they import from this project)"]
     missing = {"files": ["/d/train.parquet"], "recorded": "a" * 64, "status": "missing",
                "missing": ["/d/train.parquet"]}
-    old = {"path": "/r/reward.py", "hash": "code sha256", "recorded": "c" * 64, "source_kept": False,
-           "status": "changed since", "now": "d" * 64}
+    old = {"path": "/r/reward.py", "status": "changed since", "source_kept": False, "files": [], "added": [],
+           "code": {"recorded": "c" * 64, "status": "changed since", "now": "d" * 64}}
     lines = format_lineage(record(missing, old)).splitlines()
     assert lines[4] == "      data files now: missing: /d/train.parquet (fingerprint aaaaaaaaaaaa then)"
     assert lines[7:] == [
-        "      custom reward file now: changed since this version: /r/reward.py holds other code (code sha256 "
+        "      custom reward now: changed since this version: /r/reward.py with what it imports (code sha256 "
         "cccccccccccc then, dddddddddddd now)",
-        "      reward source: its text was not kept (recorded before reward specs kept it), only its sha256"]
+        "      reward source: its text was not kept (recorded before reward specs kept it), only its code sha256"]
     assert format_lineage(record(None, None)).splitlines()[2:] == [  # (a built-in reward; nothing recorded)
         "   data: step load_ppo_config [completed] - ...", "      train_files: /d/train.parquet",
         "-> reward: step define_reward [completed] - ...", "      reward_sha256: 5e"]
+
+
+def test_what_stops_a_file_being_read_or_parsed_is_shown_whole_and_relative_data_paths_say_where_they_were_found():
+    """Only hex digests are cut to 12 digits: "not Python (SyntaxError)" and "unreadable (Permission denied)" are
+    shown as they are. A data path recorded relative says against which directory it was checked."""
+    from rlhf_core.pipeline.lineage import format_lineage
+
+    data = {"files": ["/w/outputs/train.parquet", "/w/outputs/val.parquet"], "recorded": "a" * 64,
+            "resolved_against": "/w", "status": "unreadable", "unreadable": {"/w/outputs/val.parquet":
+                                                                             "Permission denied"}}
+    reward = {"path": "/r/reward.py", "status": "changed since", "source_kept": True, "added": ["/r/new.py"],
+              "code": {"recorded": "e" * 64, "status": "changed since", "now": "not Python (SyntaxError)"},
+              "files": [{"path": "/r/reward.py", "recorded": "c" * 64, "status": "changed since", "now": "d" * 64},
+                        {"path": "/r/grading.py", "recorded": "f" * 64, "status": "unreadable",
+                         "now": "unreadable (Permission denied)"},
+                        {"path": "/r/old.py", "recorded": "b" * 64, "status": "missing"}],
+              "source_in": {"artifact": "reward_spec", "id": "77", "version": "4", "key": "custom_source"}}
+    record = {"model": "m", "version": "2", "stage": None, "run": "r-2", "pipeline": "rlhf_ppo_pipeline",
+              "run_status": "completed", "run_id": "id-2", "model_version_metadata": {},
+              "chain": [_link("data", "load_ppo_config", {}), _link("reward", "define_reward", {})],
+              "data_check": data, "reward_check": reward}
+    assert format_lineage(record).splitlines()[2:] == [
+        "   data: step load_ppo_config [completed] - ...",
+        "      data files now: /w/outputs/val.parquet unreadable (Permission denied) (fingerprint aaaaaaaaaaaa then)",
+        "      data paths: recorded relative, resolved against the current directory /w (run rlhf-lineage from the "
+        "directory the pipeline ran in to check the files it read)",
+        "-> reward: step define_reward [completed] - ...",
+        "      custom reward now: changed since this version: /r/reward.py with what it imports (code sha256 "
+        "eeeeeeeeeeee then, not Python (SyntaxError) now)",
+        "        /r/reward.py: changed since (file sha256 cccccccccccc then, dddddddddddd now)",
+        "        /r/grading.py: unreadable (Permission denied) (file sha256 ffffffffffff then)",
+        "        /r/old.py: missing (file sha256 bbbbbbbbbbbb then)",
+        "        /r/new.py: read now, not then (a module it imports is found there now)",
+        "      reward source: the text of its files (3) is kept in artifact reward_spec v4 id 77 under "
+        "'custom_source': rlhf-lineage --model m --version 2 --reward-source prints them",
+    ]
 
 
 class _OneRun:
@@ -518,17 +592,17 @@ def test_lineage_of_an_older_version_says_its_data_path_holds_other_bytes_now_an
     assert "      data files now: changed since this version: the paths hold other bytes" in text
     then = hashlib.sha256(b"def compute_score(*args):\n    return 1.0\n").hexdigest()[:12]
     now = hashlib.sha256(b"def compute_score(*args):\n    return 0.0\n").hexdigest()[:12]
-    assert (f"      custom reward file now: changed since this version: {reward} holds other code (file sha256 "
-            f"{then} then, {now} now)") in text
-    assert "under 'custom_source': rlhf-lineage --model m --version 2 --reward-source prints it" in text
+    assert f"      custom reward now: changed since this version: {reward} with what it imports\n" in text
+    assert f"        {reward}: changed since (file sha256 {then} then, {now} now)\n" in text
+    assert "under 'custom_source': rlhf-lineage --model m --version 2 --reward-source prints them" in text
     assert cli.lineage(["--model", "m", "--version", "2", "--json"], client=store) == 0
     record = json.loads(capsys.readouterr().out)
     assert (record["data_check"]["status"], record["reward_check"]["status"]) == ("changed since", "changed since")
     assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 0
-    assert capsys.readouterr().out == "def compute_score(*args):\n    return 1.0\n"
+    assert capsys.readouterr().out == f"# ==> {reward} <==\ndef compute_score(*args):\n    return 1.0\n"
     del spec["custom_source"]  # a spec from before the text was kept
     assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 2
-    assert f"keeps only the sha256 of {reward}, not its text" in capsys.readouterr().err
+    assert f"keeps only the sha256 of {reward}'s code, not its text" in capsys.readouterr().err
 
 
 def test_after_a_later_run_overwrites_a_versions_data_path_its_lineage_says_the_data_changed(tmp_path, capsys):
@@ -548,17 +622,6 @@ def test_after_a_later_run_overwrites_a_versions_data_path_its_lineage_says_the_
     assert "      data files now: changed since this version: the paths hold other bytes" in text
 
 
-def test_only_hex_digests_are_cut_to_12_digits():
-    """What stops an old reward file being read as code is shown whole, not cut to "unreadable ("."""
-    from rlhf_core.pipeline.lineage import _reward_check_lines
-
-    check = {"path": "/r/reward.py", "hash": "code sha256", "recorded": "c" * 64, "source_kept": False,
-             "status": "changed since", "now": "unreadable (SyntaxError)"}
-    assert _reward_check_lines({"model": "m", "version": "2"}, check)[0] == (
-        "      custom reward file now: changed since this version: /r/reward.py holds other code (code sha256 "
-        "cccccccccccc then, unreadable (SyntaxError) now)")
-
-
 def _deny_reading(monkeypatch, *paths):
     """Opening any of ``paths`` fails as a file of another user's does (chmod alone stops no root user)."""
     import builtins
@@ -576,11 +639,13 @@ def _deny_reading(monkeypatch, *paths):
     monkeypatch.setattr(io, "open", guarded_open)  # (what Path.read_bytes opens with)
 
 
-def test_a_data_file_that_cannot_be_read_is_said_unreadable_with_its_reason(tmp_path, monkeypatch, capsys):
-    """A recorded data file that is there but cannot be read (its permissions changed) is reported with the
-    reason, rather than stopping rlhf-lineage."""
+def test_a_data_or_reward_file_that_cannot_be_read_is_said_unreadable_and_the_reward_source_reads_no_data(
+        tmp_path, monkeypatch, capsys):
+    """A recorded file that is there but cannot be read (its permissions changed) is reported with the reason;
+    --reward-source, which needs no data, neither reads nor fingerprints the data files."""
+    from rlhf_core.data import validation
     from rlhf_core.data.validation import splits_fingerprint
-    from rlhf_core.pipeline.lineage import check_data_files, custom_reward_source
+    from rlhf_core.pipeline.lineage import check_data_files, check_reward_file, custom_reward_source
 
     train, val, reward = tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path / "reward.py"
     train.write_bytes(b"version 2's rows")
@@ -597,6 +662,96 @@ def test_a_data_file_that_cannot_be_read_is_said_unreadable_with_its_reason(tmp_
     assert cli.lineage(["--model", "m", "--version", "2"], client=store) == 0
     assert f"      data files now: {train} unreadable (Permission denied) (fingerprint {validated[:12]} then)\n" \
         in capsys.readouterr().out
+
+    printed = f"# ==> {reward} <==\ndef compute_score(*args):\n    return 1.0\n"
+    assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 0
+    assert capsys.readouterr().out == printed
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data files were fingerprinted")
+
+    monkeypatch.undo()  # the data readable again: still not fingerprinted
+    monkeypatch.setattr(validation, "splits_fingerprint", no_data)
+    monkeypatch.setattr(validation, "fingerprint", no_data)
+    assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"], client=store) == 0
+    assert capsys.readouterr().out == printed
+
+    _deny_reading(monkeypatch, reward)
+    check = check_reward_file(spec)
+    assert (check["status"], check["files"][0]["status"], check["files"][0]["now"]) == (
+        "unreadable", "unreadable", "unreadable (Permission denied)")
+
+
+def test_a_change_to_a_module_the_reward_imports_reads_as_a_changed_reward_and_every_file_is_kept(tmp_path,
+                                                                                                   monkeypatch, capsys):
+    """The reward's code hash covers the modules it imports from beside it: their text is kept and checked too,
+    a module it finds only now (one that shadows another) counts as a change, and --reward-source prints every
+    file kept, each under its path."""
+    import hashlib
+
+    from rlhf_core.pipeline.evaluate import _user_code
+    from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
+
+    monkeypatch.chdir(tmp_path)
+    grading, reward = tmp_path / "grading.py", tmp_path / "reward.py"
+    grading_text = "def score(text):\n    return 1.0 if text.strip() else 0.0\n"
+    reward_text = ("from grading import score\ntry:\n    import extras  # noqa\nexcept ImportError:\n    extras = None\n"
+                   "\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                   "    return score(solution_str)\n")
+    grading.write_text(grading_text)
+    reward.write_text(reward_text)
+    code = hashlib.sha256(_user_code(reward)[0].encode()).hexdigest()  # (define_reward's source_sha256)
+    spec = {"kind": "custom", "custom_path": str(reward), "custom_source": custom_reward_source(reward),
+            "functions": {"compute_score": {"source_sha256": code}}, "sha256": "5e"}
+    assert [(f["path"], f["sha256"], f["text"]) for f in spec["custom_source"]["files"]] == [
+        (str(reward), hashlib.sha256(reward_text.encode()).hexdigest(), reward_text),
+        (str(grading), hashlib.sha256(grading_text.encode()).hexdigest(), grading_text)]
+    assert check_reward_file(spec)["status"] == "unchanged"
+
+    grading.write_text("def score(text):\n    return 0.0\n")  # every answer scores 0 now
+    check = check_reward_file(spec)
+    assert check["status"] == "changed since"
+    assert [(f["path"], f["status"]) for f in check["files"]] == [(str(reward), "unchanged"),
+                                                                  (str(grading), "changed since")]
+    assert check["code"]["status"] == "changed since"
+    no_text = {key: value for key, value in spec.items() if key != "custom_source"}  # a spec keeping no text
+    assert check_reward_file(no_text)["status"] == "changed since"
+
+    grading.write_text(grading_text)
+    (tmp_path / "extras.py").write_text("BONUS = 1\n")  # the reward's `import extras` finds this file now
+    check = check_reward_file(spec)
+    assert (check["status"], check["added"]) == ("changed since", [str(tmp_path / "extras.py")])
+    assert [f["status"] for f in check["files"]] == ["unchanged", "unchanged"]
+    (tmp_path / "extras.py").unlink()
+
+    assert cli.lineage(["--model", "m", "--version", "2", "--reward-source"],
+                       client=_OneRun(None, None, spec)) == 0
+    assert capsys.readouterr().out == f"# ==> {reward} <==\n{reward_text}\n# ==> {grading} <==\n{grading_text}"
+
+
+def test_a_module_found_in_the_directory_the_reward_was_recorded_from_is_found_there_from_anywhere(tmp_path,
+                                                                                                  monkeypatch):
+    """A module the reward imports may sit in the directory the pipeline ran in rather than beside the reward: a
+    check made later from another directory still reads it there, and finds the reward unchanged."""
+    import hashlib
+
+    from rlhf_core.pipeline.evaluate import _user_code
+    from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
+
+    project, rewards, elsewhere = tmp_path / "project", tmp_path / "rewards", tmp_path / "elsewhere"
+    for folder in (project, rewards, elsewhere):
+        folder.mkdir()
+    (project / "grading.py").write_text("def score(text):\n    return 1.0\n")
+    reward = rewards / "reward.py"
+    reward.write_text("from grading import score\n\ndef compute_score(*args):\n    return score(args[1])\n")
+    monkeypatch.chdir(project)
+    code = hashlib.sha256(_user_code(reward)[0].encode()).hexdigest()
+    spec = {"kind": "custom", "custom_path": str(reward), "custom_source": custom_reward_source(reward),
+            "functions": {"compute_score": {"source_sha256": code}}}
+    assert [f["path"] for f in spec["custom_source"]["files"]] == [str(reward), str(project / "grading.py")]
+    monkeypatch.chdir(elsewhere)
+    check = check_reward_file(spec)
+    assert (check["status"], check["code"]["status"]) == ("unchanged", "unchanged")
 
 
 def test_data_paths_are_recorded_absolute_and_a_relative_one_from_before_says_where_it_was_looked_for(tmp_path,

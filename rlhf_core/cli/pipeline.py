@@ -3,7 +3,7 @@ schedule retraining.
 
     rlhf evaluate MODEL_DIR VAL.parquet [--html out.html]   # python -m rlhf_core.pipeline.evaluate
     rlhf lineage [--model NAME] [--version N] [--json]      # also rlhf-lineage
-    rlhf lineage --version N --reward-source                # the custom reward file it kept
+    rlhf lineage --version N --reward-source                # the custom reward's files it kept
     rlhf demo-summary [--model NAME]                        # also rlhf-demo-summary
     rlhf schedule --cron "0 3 * * *" -c CONFIG              # also rlhf-schedule
 
@@ -124,7 +124,8 @@ def lineage(argv: list[str] | None = None, client=None) -> int:
     parser.add_argument("--version", help="version number, name or stage (default: production)")
     parser.add_argument("--json", action="store_true", help="print the chain as JSON")
     parser.add_argument("--reward-source", action="store_true",
-                        help="print the text of the version's custom reward file, as its reward spec kept it")
+                        help="print the text of each file of the version's custom reward (the reward file and "
+                             "the modules it imports), as its reward spec kept it, each under its path")
     args = parser.parse_args(argv)
     try:
         if args.reward_source:

@@ -512,7 +512,7 @@ def _source_closure(fn: Callable) -> str:
     return "\n".join(parts)
 
 
-def _user_code(path: Path) -> tuple[str, set[str]]:
+def _user_code(path: Path, cwd: Path | None = None) -> tuple[str, set[str], dict[Path, bytes]]:
     """A custom reward file's code without its comments or layout (its syntax tree written back), and that of
     each module it imports from beside it, in turn. Any change to the code counts, even to code the reward may
     not reach (its production results are then evaluated again, where a missed change would grade the
@@ -522,17 +522,22 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
     package that several distributions fill, the part imported) of the other modules these files import, neither
     the user's own (a module or a directory, a namespace package, beside the reward or in the current directory)
     nor the standard library's nor this project's: code the text does not hold, which :func:`_installed` pins by
-    its version."""
+    its version. Third, the bytes of each of the user's files it read (the reward file first), by path.
+
+    ``cwd``: the current directory to find the user's modules in (default: this process's), so that a check made
+    later, from elsewhere, reads the same files."""
     path = path.expanduser().resolve()
     root, parts, seen, todo, imported, ours = path.parent, [], set(), [path], set(), {}
-    absolute = [root, Path.cwd()]  # where an absolute import of the user's own modules is found
+    absolute = [root, cwd or Path.cwd()]  # where an absolute import of the user's own modules is found
+    files: dict[Path, bytes] = {}
     project = _project_packages()
     while todo:
         file = todo.pop(0)
         if file in seen:
             continue
         seen.add(file)
-        tree = ast.parse(file.read_text(), filename=str(file))
+        files[file] = file.read_bytes()
+        tree = ast.parse(files[file], filename=str(file))
         parts.append(f"# {file.relative_to(root) if file.is_relative_to(root) else file.name}\n{ast.unparse(tree)}")
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -559,7 +564,8 @@ def _user_code(path: Path) -> tuple[str, set[str]]:
     tops = {name.partition(".")[0] for name in imported}
     others = {top for top in tops - set(sys.stdlib_module_names) - project if not _users(top, absolute)}
     provides = importlib.metadata.packages_distributions()
-    return "\n".join(parts), {_package_part(name, provides) for name in imported if name.partition(".")[0] in others}
+    packages = {_package_part(name, provides) for name in imported if name.partition(".")[0] in others}
+    return "\n".join(parts), packages, files
 
 
 def _users(name: str, bases: list[Path]) -> bool:
@@ -709,7 +715,7 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
         data_sources = read_data_sources(cfg.data.val_files, cfg.data.reward_fn_key)
     custom = cfg.custom_reward_function
     callables = _reward_callables(cfg, data_sources)
-    code, imported = _user_code(Path(custom.path)) if custom.path else (None, set())
+    code, imported, _ = _user_code(Path(custom.path)) if custom.path else (None, set(), {})
     functions = {}
     for source, fn in callables.items():
         bound = fn.fn if isinstance(fn, BatchRewardFn) else fn  # reward_manager=batch: the file's function

@@ -12,10 +12,12 @@ works without it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import sys
+import tokenize
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -142,7 +144,7 @@ def _artifact(artifact) -> dict[str, Any]:
 #: what a check of recorded files against what their paths hold now says
 UNCHANGED, CHANGED, MISSING, UNREADABLE = "unchanged", "changed since", "missing", "unreadable"
 
-#: the reward spec's key that keeps a custom reward file's text (:func:`custom_reward_source`)
+#: the reward spec's key that keeps the text of a custom reward's files (:func:`custom_reward_source`)
 SOURCE_KEY = "custom_source"
 
 
@@ -204,38 +206,88 @@ def check_data_files(train_files: Any, val_files: Any, recorded: str | None) -> 
     return {**check, "status": UNCHANGED if now == recorded else CHANGED, "now": now}
 
 
-def custom_reward_source(path: str | os.PathLike) -> dict[str, str]:
-    """What the reward spec keeps of a custom reward file (under :data:`SOURCE_KEY`): its path, the SHA-256 of
-    its bytes and its text, so that a version's reward can be read back after the file has changed."""
-    data = Path(path).read_bytes()
-    return {"path": str(path), "sha256": hashlib.sha256(data).hexdigest(), "text": data.decode("utf-8")}
+def _text(data: bytes) -> str:
+    """A Python file's bytes as text, in the encoding Python reads it in (UTF-8 unless it declares another)."""
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    return data.decode(encoding)
+
+
+def custom_reward_source(path: str | os.PathLike) -> dict[str, Any]:
+    """What the reward spec keeps of a custom reward (under :data:`SOURCE_KEY`): each file its code hash reads
+    (the reward file, then the modules it imports from beside it or from the current directory, as
+    :func:`~rlhf_core.pipeline.evaluate._user_code` finds them) with its path, the SHA-256 of its bytes and its
+    text; and that current directory. A version's reward can then be read back, and checked, after its files
+    have changed."""
+    from rlhf_core.pipeline.evaluate import _user_code  # (brings torch)
+
+    cwd = Path.cwd()
+    _, _, files = _user_code(Path(path), cwd)
+    return {"cwd": str(cwd), "files": [{"path": str(file), "sha256": hashlib.sha256(data).hexdigest(),
+                                        "text": _text(data)} for file, data in files.items()]}
+
+
+def kept_files(kept: Mapping[str, Any] | None) -> list[dict[str, str]]:
+    """The files (``path``, ``sha256``, ``text``, the reward file first) a reward spec's :data:`SOURCE_KEY` keeps;
+    none where it keeps nothing. A spec from before the modules the reward imports were kept keeps its file
+    alone, at the top level."""
+    if not kept:
+        return []
+    if "files" in kept:
+        return list(kept["files"])
+    return [{"path": kept["path"], "sha256": kept["sha256"], "text": kept["text"]}]
+
+
+def _file_check(path: str, recorded: str) -> dict[str, Any]:
+    """A kept file's SHA-256 then (``recorded``) against that of the bytes its path holds now."""
+    check = {"path": path, "recorded": recorded}
+    if not Path(path).is_file():
+        return {**check, "status": MISSING}
+    try:
+        now = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as exc:
+        return {**check, "status": UNREADABLE, "now": f"{UNREADABLE} ({_reason(exc)})"}
+    return {**check, "status": UNCHANGED if now == recorded else CHANGED, "now": now}
+
+
+def _code_check(path: str, recorded: str | None, cwd: str | None) -> tuple[dict[str, Any], list[str]]:
+    """The reward's code hash then (``source_sha256``) against the same hash of its code now, with the modules it
+    imports found from the directory it was recorded in (``cwd``; None: this one); and the files read for it."""
+    from rlhf_core.pipeline.evaluate import _user_code  # (brings torch)
+
+    check = {"recorded": recorded}
+    if not Path(path).is_file():
+        return {**check, "status": MISSING}, []
+    try:
+        code, _, files = _user_code(Path(path), Path(cwd) if cwd else None)
+    except OSError as exc:
+        return {**check, "status": UNREADABLE, "now": f"{UNREADABLE} ({_reason(exc)})"}, []
+    except (SyntaxError, ValueError) as exc:  # not code any more: not what was recorded
+        return {**check, "status": CHANGED, "now": f"not Python ({type(exc).__name__})"}, []
+    now = hashlib.sha256(code.encode()).hexdigest()
+    return {**check, "status": UNCHANGED if now == recorded else CHANGED, "now": now}, [str(f) for f in files]
 
 
 def check_reward_file(spec: Mapping[str, Any]) -> dict[str, Any] | None:
-    """Whether a version's custom reward file (None for a built-in reward) still holds what it recorded: the
-    SHA-256 of its bytes where the spec keeps its text, else (a spec from before it did) the SHA-256 of its code
-    as define_reward computed it (``source_sha256``: without comments, with the modules it imports beside it)."""
+    """Whether a version's custom reward (None for a built-in reward) still reads as it did: the SHA-256 of the
+    bytes of each file the spec keeps (the reward file and the modules it imports from beside it), and the code
+    hash define_reward recorded (``source_sha256``: the code without comments, of these files and of what they
+    import from this project) against the same hash of the code now. ``added``: files the code reads now that
+    it did not then (a module that now shadows an installed one, say)."""
     path = spec.get("custom_path")
     if spec.get("kind") != "custom" or not path:
         return None
     kept = spec.get(SOURCE_KEY)
-    if kept:
-        check = {"path": path, "hash": "file sha256", "recorded": kept["sha256"], "source_kept": True}
-    else:
-        hashes = {entry.get("source_sha256") for entry in spec.get("functions", {}).values()}
-        check = {"path": path, "hash": "code sha256", "recorded": next(iter(hashes), None), "source_kept": False}
-    if not Path(path).is_file():
-        return {**check, "status": MISSING}
-    if kept:
-        now = hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    else:  # (the import brings torch: only for a spec without the text)
-        from rlhf_core.pipeline.evaluate import _user_code
-
-        try:
-            now = hashlib.sha256(_user_code(Path(path))[0].encode()).hexdigest()
-        except (SyntaxError, UnicodeDecodeError, OSError) as exc:  # not code any more: not what was recorded
-            return {**check, "status": CHANGED, "now": f"unreadable ({type(exc).__name__})"}
-    return {**check, "status": UNCHANGED if now == check["recorded"] else CHANGED, "now": now}
+    files = kept_files(kept)
+    hashes = {entry.get("source_sha256") for entry in spec.get("functions", {}).values()} - {None}
+    checks = [_file_check(entry["path"], entry["sha256"]) for entry in files]
+    code, added = None, []
+    if hashes or not files:
+        code, read = _code_check(path, next(iter(hashes), None), (kept or {}).get("cwd"))
+        added = [file for file in read if file not in {entry["path"] for entry in files}] if files else []
+    statuses = {check["status"] for check in checks} | ({code["status"]} if code else set())
+    status = next((s for s in (CHANGED, MISSING, UNREADABLE) if s in statuses), UNCHANGED)
+    return {"path": path, "status": status, "source_kept": bool(files), "code": code, "files": checks,
+            "added": added}
 
 
 def _reward_spec(step) -> tuple[dict[str, Any] | None, Any]:
@@ -249,16 +301,21 @@ def _reward_spec(step) -> tuple[dict[str, Any] | None, Any]:
         return None, artifacts[0]
 
 
-def lineage(model: str | None = None, version: str | None = None, client=None) -> dict[str, Any]:
-    """The chain behind one model version (default: the production version) as a JSON-able dict."""
-    client = client or default_client()
+def _version_run(client, model: str | None, version: str | None) -> tuple[str, Any, Any]:
+    """(the model's name, the model version, the pipeline run that made it) of ``model`` ``version``."""
     model_name = model or _pick_model(client)
     model_version = get_version(client, model_name, version)
-    metadata = dict(model_version.run_metadata)
     run_id = version_run_id(model_version)
     if run_id is None:
         raise LineageError(f"model {model_name!r} version {model_version.name} is linked to no pipeline run")
-    run = client.get_pipeline_run(run_id)
+    return model_name, model_version, client.get_pipeline_run(run_id)
+
+
+def lineage(model: str | None = None, version: str | None = None, client=None) -> dict[str, Any]:
+    """The chain behind one model version (default: the production version) as a JSON-able dict."""
+    client = client or default_client()
+    model_name, model_version, run = _version_run(client, model, version)
+    metadata = dict(model_version.run_metadata)
     steps = run.steps
     chain = []
     for stage, step_name, about in CHAIN:
@@ -309,17 +366,22 @@ def lineage(model: str | None = None, version: str | None = None, client=None) -
 
 
 def reward_source(model: str | None = None, version: str | None = None, client=None) -> str:
-    """The text of the custom reward file that a model version's reward spec kept (:data:`SOURCE_KEY`)."""
-    record = lineage(model, version, client=client)
-    check = record["reward_check"]
-    where = f"model {record['model']} version {record['version']}"
-    if check is None:
-        raise LineageError(f"{where} has no custom reward file (a built-in reward, or no readable reward spec)")
-    if not check["source_kept"]:
-        raise LineageError(f"{where}'s reward spec keeps only the sha256 of {check['path']}, not its text (it was "
-                           "recorded before reward specs kept it)")
+    """The text of each file of a model version's custom reward that its reward spec kept (:data:`SOURCE_KEY`),
+    each headed by its path, the reward file first; the data files are not read."""
     client = client or default_client()
-    return client.get_artifact_version(check["source_in"]["id"]).load()[SOURCE_KEY]["text"]
+    model_name, model_version, run = _version_run(client, model, version)
+    where = f"model {model_name} version {model_version.name}"
+    step = run.steps.get("define_reward")
+    spec, _ = _reward_spec(step) if step is not None else (None, None)
+    if spec is None or spec.get("kind") != "custom" or not spec.get("custom_path"):
+        raise LineageError(f"{where} has no custom reward file (a built-in reward, or no readable reward spec)")
+    files = kept_files(spec.get(SOURCE_KEY))
+    if not files:
+        raise LineageError(f"{where}'s reward spec keeps only the sha256 of {spec['custom_path']}'s code, not its "
+                           "text (it was recorded before reward specs kept it)")
+    texts = [f"# ==> {entry['path']} <==\n{entry['text']}" + ("" if entry["text"].endswith("\n") else "\n")
+             for entry in files]
+    return "\n".join(texts)
 
 
 _HIGHLIGHTS = {
@@ -388,23 +450,41 @@ def _data_check_lines(check: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _hashes(check: Mapping[str, Any], hash_name: str) -> str:
+    """``<hash> 1f2e...`` (unchanged), ``<hash> 1f2e... then, 3a4b... now`` (changed, or no code any more: ``not
+    Python (SyntaxError)`` now), ``<hash> 1f2e... then`` (missing, unreadable)."""
+    recorded = _digest(check["recorded"]) or "none"
+    if check["status"] == UNCHANGED:
+        return f"{hash_name} {recorded}"
+    if check["status"] == CHANGED:
+        return f"{hash_name} {recorded} then, {_digest(check['now'])} now"
+    return f"{hash_name} {recorded} then"
+
+
+def _state(check: Mapping[str, Any]) -> str:
+    """A check's status; an unreadable file's with its reason (``unreadable (Permission denied)``)."""
+    return check["now"] if check["status"] == UNREADABLE else check["status"]
+
+
 def _reward_check_lines(record: Mapping[str, Any], check: Mapping[str, Any]) -> list[str]:
-    recorded = _digest(check["recorded"])
-    if check["status"] == MISSING:
-        now = f"{MISSING}: {check['path']} ({check['hash']} {recorded} then)"
-    elif check["status"] == CHANGED:
-        now = f"{CHANGED} this version: {check['path']} holds other code ({check['hash']} {recorded} then, " \
-              f"{_digest(check['now'])} now)"
-    else:
-        now = f"{UNCHANGED}: {check['path']} ({check['hash']} {recorded})"
+    code = check["code"]
+    verdict = f"{CHANGED} this version" if check["status"] == CHANGED else \
+        _state(code) if code and code["status"] == check["status"] else check["status"]
+    lines = [f"      custom reward now: {verdict}: {check['path']} with what it imports"
+             + (f" ({_hashes(code, 'code sha256')})" if code else "")]
+    lines += [f"        {file['path']}: {_state(file)} ({_hashes(file, 'file sha256')})" for file in check["files"]]
+    lines += [f"        {path}: read now, not then (a module it imports is found there now)" for path in check["added"]]
+    if check["files"] and code and code["status"] == CHANGED and not check["added"] \
+            and all(file["status"] == UNCHANGED for file in check["files"]):
+        lines.append("        (its files are unchanged: the code differs in what they import from this project)")
     if check["source_kept"]:
         where = check["source_in"]
-        kept = (f"its text is kept in artifact {where['artifact']} v{where['version']} id {where['id']} under "
-                f"{where['key']!r}: rlhf-lineage --model {record['model']} --version {record['version']} "
-                "--reward-source prints it")
+        kept = (f"the text of its files ({len(check['files'])}) is kept in artifact {where['artifact']} "
+                f"v{where['version']} id {where['id']} under {where['key']!r}: rlhf-lineage --model "
+                f"{record['model']} --version {record['version']} --reward-source prints them")
     else:
-        kept = "its text was not kept (recorded before reward specs kept it), only its sha256"
-    return [f"      custom reward file now: {now}", f"      reward source: {kept}"]
+        kept = "its text was not kept (recorded before reward specs kept it), only its code sha256"
+    return [*lines, f"      reward source: {kept}"]
 
 
 def format_lineage(record: Mapping[str, Any]) -> str:
