@@ -234,3 +234,29 @@ def test_a_worker_that_cannot_import_external_lib_says_every_node_needs_it():
     shipped = load_config(["+ray_kwargs.ray_init.runtime_env.py_modules=[/path/to/its/package]"], validate=False)
     assert "+ray_kwargs.ray_init.runtime_env.py_modules=[/path/to/its/package]" in message
     assert shipped.trainer.ray_runtime_env == {"py_modules": ["/path/to/its/package"]}
+
+
+def test_workers_importing_other_rlhf_core_code_than_the_driver_are_warned(ray_cluster, monkeypatch, capsys):
+    """On an existing cluster each node imports its own rlhf_core: a group whose workers' code differs from the
+    driver's says so as it starts (here the driver's fingerprint is made another one), and one whose code is the
+    driver's says nothing."""
+    import hashlib
+    from pathlib import Path
+
+    import rlhf_core
+
+    root = Path(rlhf_core.__file__).resolve().parent
+    digest = hashlib.sha256()  # the package's files, worked out here as the fingerprint is defined
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    assert group.code_fingerprint() == (str(root), digest.hexdigest())
+    same = group.WorkerGroup(group.DistributedWorker, 2)
+    same.shutdown()
+    assert "rlhf_core code" not in capsys.readouterr().err
+    monkeypatch.setattr(group, "code_fingerprint", lambda: ("/driver/rlhf_core", "0" * 64))
+    other = group.WorkerGroup(group.DistributedWorker, 2)
+    other.shutdown()
+    assert (f"warning: the workers of ranks 0, 1 import other rlhf_core code ({root}) than this process "
+            "(/driver/rlhf_core)") in capsys.readouterr().err
+    assert group.code_mismatch(("/a", "1"), [("/a", "1"), ("/b", "2")]).startswith(
+        "warning: the workers of rank 1 import other rlhf_core code (/b) than this process (/a)")

@@ -79,6 +79,38 @@ class DistributedWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def code(self) -> tuple[str, str]:
+        return code_fingerprint()
+
+
+def code_fingerprint() -> tuple[str, str]:
+    """Where this process imports ``rlhf_core`` from, and a SHA-256 over its Python files (each one's path in the
+    package and bytes): what the driver and each worker compare as a group starts (:func:`code_mismatch`)."""
+    import hashlib
+
+    import rlhf_core
+
+    root = Path(rlhf_core.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return str(root), digest.hexdigest()
+
+
+def code_mismatch(driver: tuple[str, str], workers: Sequence[tuple[str, str]]) -> str | None:
+    """A warning where workers import other ``rlhf_core`` code than the driver (``(folder, digest)`` each, as
+    :func:`code_fingerprint` gives them): on an existing cluster each node imports its own installation, which the
+    driver's checkout or ``PYTHONPATH`` does not reach. None where every worker's is the driver's."""
+    other = [rank for rank, (_, digest) in enumerate(workers) if digest != driver[1]]
+    if not other:
+        return None
+    ranks = ", ".join(map(str, other))
+    folders = ", ".join(sorted({workers[rank][0] for rank in other}))
+    return (f"warning: the workers of rank{'s' if len(other) > 1 else ''} {ranks} import other rlhf_core code "
+            f"({folders}) than this process ({driver[0]}): they may train, score or save otherwise than this "
+            "process expects. Install the same rlhf_core on every node of the Ray cluster, or ship it with "
+            "trainer.ray_runtime_env (py_modules)")
+
 
 #: The Ray connection this process made, while Ray is on it: the node id of the driver, the runtime_env it was made
 #: with and, for a local cluster it started, the CPUs and GPUs it was given (None where it joined a cluster). None
@@ -254,6 +286,8 @@ class WorkerGroup:
             for rank in range(world_size)
         ]
         self.pids = self.execute_all("pid")
+        if (mismatch := code_mismatch(code_fingerprint(), self.execute_all("code"))) is not None:
+            print(mismatch, file=sys.stderr, flush=True)
         master_addr, master_port = self.execute_rank(0, "node_address")
         self.execute_all("init_distributed", master_addr, master_port, distributed.backend_for(device),
                          collective_timeout_s)
