@@ -462,6 +462,27 @@ def test_check_apart_from_prompts_names_the_pairs_on_evaluation_questions(tmp_pa
         f"python -m rlhf_core.data.preference ... --exclude {evaluation} --overwrite")
 
 
+def test_pairs_are_kept_apart_from_a_question_written_in_another_case(tmp_path, capsys):
+    """A prompt set that asks a pair's question in other letters' case (and spacing) still holds that question, as
+    the data validation compares questions: --exclude drops its pairs and the check refuses them, showing the
+    pair's question as written."""
+    from rlhf_core.data.preference import check_apart_from_prompts, to_frame
+
+    source = _solutions(tmp_path)
+    folder = tmp_path / "prompts"
+    _prompt_file(folder / "test.parquet", ["q3", "  Q7 "])
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(source), "--output", str(out), "--val-fraction", "0.5",
+                       "--exclude", str(folder)]) == 0
+    assert f"excluded: 8 pair(s) over 2 question(s) of {folder}\n" in capsys.readouterr().out
+    pairs = tmp_path / "pairs.parquet"
+    to_frame([{"question": "Q3", "chosen": "#### 1", "rejected": "#### 2", "group": "Q3"}], "train", "s"
+             ).to_parquet(pairs)
+    with pytest.raises(PreferenceDataError, match=r"1 preference pair\(s\) are on questions of the evaluation "
+                                                  r"prompts \(.*\), e\.g\. .*pairs\.parquet: 'Q3'"):
+        check_apart_from_prompts([pairs], [folder / "test.parquet"])
+
+
 def test_exclude_takes_prompts_stored_as_one_string_as_the_trainer_does(tmp_path, capsys):
     """verl's and the trainer's prompt data may hold a prompt as one string (the user turn): its questions are
     compared like a message list's, not refused."""

@@ -30,7 +30,7 @@ source holds at least one question out and keeps at least one for training, and 
 refuses them rather than ignore them.
 
 ``--exclude`` takes prompt parquet files, or folders of them (their ``*.parquet``), and keeps every pair off
-their questions (:func:`prompt_questions`): give it the prompts the policy is evaluated on, since a reward
+their questions (:func:`prompt_questions`; whitespace collapsed and the case folded): give it the prompts the policy is evaluated on, since a reward
 model fitted on pairs of those questions carries them into the PPO reward. The GSM8K source drops such pairs
 (and refuses when none is left); the synthetic source draws other questions in their place, so
 ``--n-train``/``--n-val`` still hold (refused when the demo task runs out of questions). Either says how many
@@ -260,10 +260,12 @@ def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") ->
 
 def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], list[dict]]:
     """(kept, dropped): the pairs whose ``question`` (whitespace collapsed) is not, and is, in ``questions``
-    (as :func:`prompt_questions` gives them)."""
+    (as :func:`prompt_questions` gives them), the case folded on both sides, as the data validation compares
+    questions."""
+    folded = {question.casefold() for question in questions}
     kept, dropped = [], []
     for pair in pairs:
-        (dropped if _collapsed(pair["question"]) in questions else kept).append(pair)
+        (dropped if _collapsed(pair["question"]).casefold() in folded else kept).append(pair)
     return kept, dropped
 
 
@@ -273,13 +275,14 @@ def check_apart_from_prompts(preference_files: Iterable[str | Path], prompt_path
     (:func:`prompt_questions`): a reward model fitted on pairs of the evaluation questions carries them into the
     PPO reward, and the evaluation no longer measures held-out questions. Returns the number of pairs checked."""
     prompt_paths = list(prompt_paths)
-    questions = prompt_questions(prompt_paths, prompt_key)
+    # the case folded on both sides, as the data validation compares questions; a pair's question shown as written
+    questions = {question.casefold() for question in prompt_questions(prompt_paths, prompt_key)}
     checked, shared, example = 0, 0, None
     for path in preference_files:
         frame = read_preferences(path)
         checked += len(frame)
         for prompt, extra_info in zip(frame["prompt"], frame["extra_info"]):
-            found = question_keys(prompt, extra_info) & questions
+            found = {key for key in question_keys(prompt, extra_info) if key.casefold() in questions}
             if found:
                 shared += 1
                 example = example or (Path(path), min(found))
