@@ -642,6 +642,30 @@ def test_a_folder_verl_wrote_is_neither_resumed_nor_saved_over_by_a_ppo_run_in_a
     assert _files(root) == before
 
 
+def test_a_run_that_only_validates_may_use_verls_folder_but_not_resume_verls_checkpoint(workspace, tmp_path,
+                                                                                       capsys):
+    """trainer.val_only saves no checkpoint, so verl's folder as its default_local_dir is no danger: validating the
+    base model there (disable) or one of ours (resume_path) runs and leaves verl's files as they were; under auto,
+    verl's marker would have it resume verl's checkpoint, which stays refused."""
+    from rlhf_core.cli.train import ppo
+
+    root = tmp_path / "checkpoints" / "verl_examples" / "gsm8k"
+    step = _verl_checkpoint(root, hf_weights=True)
+    before = _files(root)
+    assert ppo(workspace.overrides(root, "trainer.val_only=true", "trainer.resume_mode=disable")) == 0
+    ours = tmp_path / "ours"
+    assert ppo(workspace.overrides(ours, "trainer.resume_mode=disable")) == 0
+    assert ppo(workspace.overrides(root, "trainer.val_only=true", "trainer.resume_mode=resume_path",
+                                   f"trainer.resume_from_path={checkpoint.latest_checkpoint(ours)}")) == 0
+    after = _files(root)
+    assert {name: data for name, data in after.items() if name in before} == before
+    assert not [name for name in after if name.startswith("global_step_") and name not in before]
+    capsys.readouterr()
+    assert ppo(workspace.overrides(root, "trainer.val_only=true")) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{root / checkpoint.LATEST_FILE} names step 2, but checkpoint {step} was written by verl" in err
+
+
 def test_a_folder_verl_wrote_is_neither_resumed_nor_saved_over_by_a_reward_model_run(workspace, tmp_path, capsys):
     """rlhf-train-rm as PPO: each resume mode in (or from) verl's folder is refused before anything there changes,
     and the refusals name the reward model's keys."""

@@ -313,11 +313,12 @@ def verl_steps(root: str | os.PathLike) -> list[Path]:
 
 
 def refuse_verl(root: str | os.PathLike, resume_mode: str, resume_from_path: str | None, section: str = "trainer",
-                kind: str = "PPO") -> None:
+                kind: str = "PPO", saves: bool = True) -> None:
     """CheckpointError where a run of ``kind`` would resume from a checkpoint verl wrote (``resume_from_path``, or
     the one the latest marker of ``root`` names under ``auto``), or save into a folder holding such checkpoints
-    (``root``, its ``default_local_dir``, in every mode): nothing of verl's is read as ours, and nothing of verl's
-    is replaced. ``section`` holds the run's resume keys. Call it before the run takes ``root``'s lock."""
+    (``root``, its ``default_local_dir``, in every mode, where the run ``saves``: a ``val_only`` run writes no
+    checkpoint): nothing of verl's is read as ours, and nothing of verl's is replaced. ``section`` holds the run's
+    resume keys. Call it before the run takes ``root``'s lock."""
     root = Path(os.path.expanduser(str(root)))
     if resume_mode == "resume_path" and resume_from_path:
         path = Path(os.path.expanduser(resume_from_path))
@@ -329,7 +330,8 @@ def refuse_verl(root: str | os.PathLike, resume_mode: str, resume_from_path: str
         why = _verl_refusal(step_dir(root, marked), section, False, root)
         if why:
             raise CheckpointError(f"{root / LATEST_FILE} names step {marked}, but {why}")
-    refuse_verl_folder(root, section, kind)
+    if saves:
+        refuse_verl_folder(root, section, kind)
 
 
 def refuse_verl_folder(root: str | os.PathLike, section: str = "trainer", kind: str = "PPO") -> None:
@@ -510,7 +512,8 @@ def find_resume_checkpoint(config) -> Path | None:
     """
     trainer = config.trainer
     if trainer.resume_mode in ("auto", "disable", "resume_path"):
-        refuse_verl(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path)
+        refuse_verl(trainer.default_local_dir, trainer.resume_mode, trainer.resume_from_path,
+                    saves=not trainer.val_only)  # (a run that only validates writes no checkpoint there)
     if trainer.resume_mode == "disable":
         return None
     if trainer.resume_mode == "resume_path":
