@@ -672,12 +672,15 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         if trainer.last_saved_step != trainer.global_step and not trainer_cfg.val_only:
             trainer.save_checkpoint()
     final = history[-1].metrics if history else {}
+    last = trainer.last_saved_step
+    saved = None if last is None else trainer.checkpoint_dir / f"global_step_{last}"
+    if saved is not None and not saved.exists() and resume_from is not None:
+        saved = Path(resume_from)  # (val_only from resume_path: the checkpoint it loaded, saved in another folder)
     return RunResult(
         steps=trainer.global_step,
         wall_s=time.time() - start,
         local_dir=str(local_dir),
-        checkpoint=(None if trainer.last_saved_step is None
-                    else str(trainer.checkpoint_dir / f"global_step_{trainer.last_saved_step}")),
+        checkpoint=None if saved is None else str(saved),
         history=history,
         final_metrics=final,
         final_val_acc=trainer.val_accuracy(final),

@@ -434,6 +434,19 @@ def test_a_default_local_dir_under_home_holds_the_lock_records_and_checkpoints_a
     assert list(cwd.iterdir()) == []  # no folder named ~ beside the command
 
 
+def test_a_run_that_validates_a_checkpoint_of_another_folder_hands_on_that_checkpoint(workspace, tmp_path):
+    """trainer.val_only with resume_path saves nothing in its own folder: the checkpoint the run hands on (to the
+    pipeline's evaluation) is the one it loaded, not a global_step_N of its own folder that was never written."""
+    root, model, _ = workspace
+    ours = tmp_path / "ours"
+    assert ppo(_overrides(root, model, "trainer.total_training_steps=1", f"trainer.default_local_dir={ours}")) == 0
+    loaded = ours / "global_step_1"
+    result = main_ppo.run(load_config(_overrides(
+        root, model, "trainer.val_only=true", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={loaded}",
+        f"trainer.default_local_dir={tmp_path / 'validation'}")))
+    assert result.checkpoint == str(loaded) and not (tmp_path / "validation" / "global_step_1").exists()
+
+
 def test_val_only_validates_and_stops_without_training_or_saving(workspace, capsys):
     root, model, _ = workspace
     out = root / "val_only"
