@@ -751,7 +751,8 @@ def test_a_retry_of_the_training_step_resumes_from_the_runs_own_latest_checkpoin
 
     earlier, own = tmp_path / "run-1", tmp_path / "run-2"
     configured = str(_ppo_checkpoint(earlier, 7))
-    trainer = SimpleNamespace(resume_mode="resume_path", resume_from_path=configured, default_local_dir=str(own))
+    trainer = SimpleNamespace(resume_mode="resume_path", resume_from_path=configured, default_local_dir=str(own),
+                              val_only=False)
     resume_own_checkpoint(trainer)  # the first attempt: nothing of its own yet
     assert find_resume_checkpoint(SimpleNamespace(trainer=trainer)) == earlier / "global_step_7"
     assert capsys.readouterr().err == ""
@@ -761,11 +762,11 @@ def test_a_retry_of_the_training_step_resumes_from_the_runs_own_latest_checkpoin
     assert capsys.readouterr().err == (
         f"notice: this run's checkpoint folder {own} holds global_step_9, saved by an earlier attempt of this step: "
         f"this retry resumes from its latest checkpoint there, not from trainer.resume_from_path={configured}\n")
-    afresh = SimpleNamespace(resume_mode="disable", resume_from_path=None, default_local_dir=str(own))
+    afresh = SimpleNamespace(resume_mode="disable", resume_from_path=None, default_local_dir=str(own), val_only=False)
     resume_own_checkpoint(afresh)
     assert find_resume_checkpoint(SimpleNamespace(trainer=afresh)) == own / "global_step_9"
     assert "not afresh as trainer.resume_mode=disable says" in capsys.readouterr().err
-    auto = SimpleNamespace(resume_mode="auto", resume_from_path=None, default_local_dir=str(own))
+    auto = SimpleNamespace(resume_mode="auto", resume_from_path=None, default_local_dir=str(own), val_only=False)
     resume_own_checkpoint(auto)
     assert auto.resume_mode == "auto" and capsys.readouterr().err == ""
 
