@@ -60,6 +60,7 @@ from rlhf_core.data.schema import (
     unknown_roles,
     write_parquet_atomic,
 )
+from rlhf_core.data.validation import question_key
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
@@ -262,10 +263,10 @@ def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], 
     """(kept, dropped): the pairs whose ``question`` (whitespace collapsed) is not, and is, in ``questions``
     (as :func:`prompt_questions` gives them), the case folded on both sides, as the data validation compares
     questions."""
-    folded = {question.casefold() for question in questions}
+    folded = {question_key(question) for question in questions}
     kept, dropped = [], []
     for pair in pairs:
-        (dropped if _collapsed(pair["question"]).casefold() in folded else kept).append(pair)
+        (dropped if question_key(pair["question"]) in folded else kept).append(pair)
     return kept, dropped
 
 
@@ -276,13 +277,13 @@ def check_apart_from_prompts(preference_files: Iterable[str | Path], prompt_path
     PPO reward, and the evaluation no longer measures held-out questions. Returns the number of pairs checked."""
     prompt_paths = list(prompt_paths)
     # the case folded on both sides, as the data validation compares questions; a pair's question shown as written
-    questions = {question.casefold() for question in prompt_questions(prompt_paths, prompt_key)}
+    questions = {question_key(question) for question in prompt_questions(prompt_paths, prompt_key)}
     checked, shared, example = 0, 0, None
     for path in preference_files:
         frame = read_preferences(path)
         checked += len(frame)
         for prompt, extra_info in zip(frame["prompt"], frame["extra_info"]):
-            found = {key for key in question_keys(prompt, extra_info) if key.casefold() in questions}
+            found = {key for key in question_keys(prompt, extra_info) if question_key(key) in questions}
             if found:
                 shared += 1
                 example = example or (Path(path), min(found))
