@@ -920,8 +920,8 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     """
     root = Path(os.path.expanduser(str(root)))
     final = step_dir(root, step)
-    if not (final / MANIFEST).exists() and _verl_files(final):  # (the runs refuse such a folder before they start)
-        raise CheckpointError(f"{final} holds a checkpoint verl wrote ({_verl_files(final)[0].relative_to(final)}), "
+    if not (final / MANIFEST).exists() and (verl := _verl_files(final)):  # (the runs refuse such a folder first)
+        raise CheckpointError(f"{final} holds a checkpoint verl wrote ({verl[0].relative_to(final)}), "
                               "which no save replaces: save into another default_local_dir")
     previous = None
     with contextlib.suppress(CheckpointError):
