@@ -12,7 +12,8 @@ Backends (``VALID_LOGGERS``):
 ``console``
     One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a tqdm progress
     bar with ETA on stderr when ``total_steps`` is known. Lines go through ``tqdm.write`` so they do
-    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line.
+    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad norm
+    is warned as well).
 ``file``
     JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``.
     Non-finite values (NaN, +-inf) are written as ``null`` so every line is valid JSON. Each line is
@@ -309,7 +310,12 @@ class ConsoleLogger(Backend):
         if gn_limit is not None:
             for key, (who, prefix) in _GRAD_NORM_KEYS.items():
                 value = metrics.get(key)
-                if value is not None and value > gn_limit:
+                if value is not None and math.isnan(value):  # (a comparison with the limit is false for NaN)
+                    out.append(
+                        f"{who} grad_norm nan: a gradient was not finite and that mini-batch's update was skipped "
+                        f"(training/skipped_steps); lower the learning rate ({prefix}.optim.lr)"
+                    )
+                elif value is not None and value > gn_limit:
                     out.append(
                         f"{who} grad_norm {_fmt(value)} > {_fmt(gn_limit)}: lower the learning rate "
                         f"({prefix}.optim.lr) or grad_clip ({prefix}.grad_clip)"
