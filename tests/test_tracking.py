@@ -190,6 +190,15 @@ def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, c
     assert capsys.readouterr().out.splitlines() == ["step 5 | acc 0.375"]
 
 
+def test_console_names_each_source_whole_with_ten_or_more_responses(tmp_path, capsys):
+    """``mean@16`` is one character longer than the pattern's ``mean@*``: the label is the source, no more."""
+    with Tracking(["console"], "p", "e", tmp_path) as tracker:
+        tracker.log({"val-core/openai/gsm8k/acc/mean@16": 0.5, "val-core/math/acc/mean@16": 0.25}, step=1)
+        tracker.log({"val-core/a/reward/mean@100": 0.5, "val-core/b/reward/mean@100": 0.75}, step=2)
+    assert capsys.readouterr().out.splitlines() == ["step 1 | acc[math] 0.25 | acc[openai/gsm8k] 0.5",
+                                                    "step 2 | val_reward[a] 0.5 | val_reward[b] 0.75"]
+
+
 def test_console_warnings_name_the_knob(tmp_path, capsys):
     thresholds = {"kl": 0.02, "grad_norm": 5.0}
     with Tracking(["console"], "p", "e", tmp_path, warn_thresholds=thresholds) as tracker:

@@ -282,8 +282,9 @@ class ConsoleLogger(Backend):
                         parts.append(f"{label} {_fmt(metrics[matches[0]])}")
                     else:
                         head, _, tail = candidate.partition("*")
+                        fixed = tail.partition("*")[0]  # the tail's text before its own wildcard ("/acc/mean@")
                         for key in matches:
-                            source = key[len(head) : len(key) - len(tail)]
+                            source = key[len(head) : key.rindex(fixed)]  # (mean@16: the tail matches 3 characters)
                             parts.append(f"{label}[{source}] {_fmt(metrics[key])}")
                     break
                 if candidate in metrics:
