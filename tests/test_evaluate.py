@@ -578,3 +578,19 @@ def test_the_evaluate_command_names_its_data_argument_and_says_what_a_file_is(se
                      "4", "--max-response-length", "2", "--max-prompt-length", "320", "--custom-reward",
                      str(reward)]) == 0
     assert capsys.readouterr().out.startswith("accuracy 100.00% (95% interval [51.0%, 100.0%]) on 4 of 40 prompts")
+
+
+def test_the_accuracy_figure_shows_each_data_source_where_there_are_several():
+    from rlhf_core.pipeline.evaluate import EvalResult, accuracy_figure
+
+    base = EvalResult("b", 0.4, 50, 0.4, {"openai/gsm8k": 0.5, "math": 0.3}, 3.0, interval=(0.27, 0.54))
+    policy = EvalResult("p", 0.6, 50, 0.6, {"openai/gsm8k": 0.75, "math": 0.45}, 3.0, interval=(0.46, 0.72))
+    overall, by_source = accuracy_figure({"base model": base, "trained policy": policy}).axes
+    assert [bar.get_height() for bar in overall.patches] == [0.4, 0.6]
+    assert by_source.get_title() == "by data source"
+    assert [tick.get_text() for tick in by_source.get_xticklabels()] == ["math", "openai/gsm8k"]
+    bars = sorted(by_source.patches, key=lambda bar: bar.get_x())  # math: base, policy; then gsm8k: base, policy
+    assert [round(bar.get_height(), 6) for bar in bars] == [0.3, 0.45, 0.5, 0.75]
+    assert [text.get_text() for text in by_source.get_legend().get_texts()] == ["base model", "trained policy"]
+    single = EvalResult("b", 0.4, 50, 0.4, {"math": 0.4}, 3.0, interval=(0.27, 0.54))
+    assert len(accuracy_figure({"base model": single}).axes) == 1  # one source: the overall panel says it all

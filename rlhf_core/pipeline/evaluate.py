@@ -880,25 +880,49 @@ def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
     return _png(figure)
 
 
-def accuracy_bar_png(results: Mapping[str, EvalResult]) -> bytes:
-    """Accuracy per model (and per data source when there are several), as PNG bytes."""
+def accuracy_figure(results: Mapping[str, EvalResult]):
+    """Accuracy per model with its 95% interval and, where the problems come from several data sources, a second
+    panel with each model's accuracy per source (a matplotlib Figure)."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(5, 3.2))
-    axes = figure.add_subplot(1, 1, 1)
+    sources = sorted({source for result in results.values() for source in result.per_source})
+    by_source = len(sources) > 1
+    figure = Figure(figsize=(5 + 1.2 * len(sources) if by_source else 5, 3.2))
+    axes = figure.add_subplot(1, 2, 1) if by_source else figure.add_subplot(1, 1, 1)
     names = list(results)
+    colors = ["#9aa5b1", "#f2994a", "#2f80ed"]
     values = [results[name].accuracy for name in names]
     errors = np.array([[value - (results[name].interval or (value, value))[0] for name, value in zip(names, values)],
                        [(results[name].interval or (value, value))[1] - value for name, value in zip(names, values)]])
     errors = errors.clip(min=0.0)  # an interval end a rounding error inside the value must not refuse the plot
-    bars = axes.bar(names, values, yerr=errors, capsize=6, color=["#9aa5b1", "#f2994a", "#2f80ed"][: len(names)])
+    bars = axes.bar(names, values, yerr=errors, capsize=6, color=colors[: len(names)])
     for bar, value, above in zip(bars, values, errors[1]):
         axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
     axes.set_ylim(0, max(1.0, max(values, default=0) + 0.1))
     axes.set_ylabel("greedy accuracy (95% interval)")
     axes.set_title(f"validation accuracy (n={next(iter(results.values())).n if results else 0})")
+    if by_source:
+        axes.tick_params(axis="x", labelrotation=20)
+        per = figure.add_subplot(1, 2, 2)
+        width = 0.8 / len(names)
+        for offset, (name, color) in enumerate(zip(names, colors)):
+            # a source a model was not evaluated on has no bar (not a bar at 0)
+            shown = [(x, results[name].per_source[source]) for x, source in enumerate(sources)
+                     if source in results[name].per_source]
+            per.bar([x + (offset - (len(names) - 1) / 2) * width for x, _ in shown], [v for _, v in shown],
+                    width=width, color=color, label=name)
+        per.set_xticks(range(len(sources)), sources, rotation=20)
+        per.set_ylim(0, 1.0)
+        per.set_ylabel("greedy accuracy")
+        per.set_title("by data source")
+        per.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on one
     figure.tight_layout()
-    return _png(figure)
+    return figure
+
+
+def accuracy_bar_png(results: Mapping[str, EvalResult]) -> bytes:
+    """:func:`accuracy_figure` as PNG bytes."""
+    return _png(accuracy_figure(results))
 
 
 def _img(png: bytes, alt: str) -> str:
