@@ -68,6 +68,17 @@ def test_exporter_serves_every_gauge_from_a_steps_metrics():
         scrape(url)
 
 
+def test_a_diverged_kl_or_grad_norm_is_served_as_infinite_not_as_unknown():
+    """+Inf is above the dashboard's red line (and any alert's); NaN, the gauges' "no value yet", is above nothing."""
+    with PrometheusExporter(free_port()) as exporter:
+        exporter.log({"actor/grad_norm": float("inf"), "actor/kl_loss": float("nan"), "actor/ppo_kl": 0.01,
+                      "critic/grad_norm": float("nan")}, step=3)
+        values = scrape(exporter.url)
+    assert values["rlhf_actor_grad_norm"] == math.inf
+    assert values["rlhf_kl"] == math.inf  # a KL that is not finite, as the KL guard reads it
+    assert math.isnan(values["rlhf_critic_grad_norm"])  # NaN is served as NaN
+
+
 def test_a_port_in_use_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

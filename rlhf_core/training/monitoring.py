@@ -8,7 +8,9 @@ run's ``project`` and ``experiment``. ``configs/monitoring/prometheus.yml`` scra
 Each gauge maps to the first of its metric keys present in a step's metrics (a step
 without any of them leaves the gauge as it was, NaN until its first value: a GRPO run has no critic, a
 resumed run no validation yet); ``rlhf_kl`` is the step's KL as the KL
-guard measures it (:func:`~rlhf_core.training.guards.measured_kl`). The exporter has its own
+guard measures it (:func:`~rlhf_core.training.guards.measured_kl`: ``inf`` where one is not finite). A value
+is served as it is, ``+Inf`` included (a diverged KL or grad norm crosses the dashboard's thresholds and any
+alert on them, where NaN would draw a gap and compare false). The exporter has its own
 registry, so several can live in one process (tests) without clashing with the default one.
 """
 
@@ -72,11 +74,11 @@ class PrometheusExporter:
             for key in keys:
                 value = metrics.get(key)
                 if value is not None:
-                    self.gauges[name].set(float(value) if math.isfinite(float(value)) else math.nan)
+                    self.gauges[name].set(float(value))  # inf stays inf: over every threshold, not a gap
                     break
         kl = measured_kl(metrics)
         if kl is not None:
-            self.gauges["rlhf_kl"].set(kl if math.isfinite(kl) else math.nan)
+            self.gauges["rlhf_kl"].set(kl)  # (inf where a KL is not finite, as the KL guard reads it)
         accuracies = [float(v) for k, v in metrics.items() if k.startswith("val-core/") and "/acc/mean@" in k]
         if accuracies:
             self.gauges["rlhf_val_accuracy"].set(sum(accuracies) / len(accuracies))
