@@ -80,6 +80,38 @@ def test_a_package_without_a_gguf_file_is_named(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("force", [False, True])
+def test_a_folder_of_other_files_is_refused_not_replaced(tmp_path, capsys, monkeypatch, force):
+    """The import replaced its whole --output folder: --output ~/models ("in there") deleted the models in it."""
+    from rlhf_core.models import gguf as module
+
+    def build(file, staging):  # a stand-in for the seconds-long conversion: what it writes does not matter here
+        (staging / "config.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(module, "check_gguf", lambda file: file)
+    monkeypatch.setattr(module, "_build", build)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    models = tmp_path / "models"
+    (models / "my-finetune").mkdir(parents=True)
+    (models / "my-finetune" / "notes.txt").write_text("kept")
+    argv = ["--gguf", str(source), "--output", str(models)] + (["--force"] if force else [])
+    assert gguf(argv) == 2
+    assert _one_line_error(capsys) == (
+        f"error: --output {models} holds other files (my-finetune) and the import replaces the whole folder; give "
+        f"a new or empty folder, e.g. --output {models / 'model'}\n")
+    assert (models / "my-finetune" / "notes.txt").read_text() == "kept"
+    (tmp_path / "a-file").write_text("kept")
+    assert gguf(["--gguf", str(source), "--output", str(tmp_path / "a-file")]) == 2
+    assert "is a file; give a new folder" in _one_line_error(capsys)
+    # a new folder, an empty one and an earlier import (its marker) take the import
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "new", tmp_path / "empty", tmp_path / "new"):
+        assert gguf(["--gguf", str(source), "--output", str(folder), "--force"]) == 0
+        assert (folder / "gguf_import.json").is_file()
+
+
 def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path):
     pytest.importorskip("gguf")
     try:

@@ -10,8 +10,10 @@ the trainer loads it like any HF directory::
 
 The import is cached: a folder whose marker names the same source file (path, size, modification
 time) is left alone unless ``--force``. The folder is built beside the target and renamed into
-place when complete, so an interrupted import never leaves a folder that looks finished.
-Exit codes: 0 done (or reused); 2 a missing, unreadable or corrupt GGUF file, or a package without one.
+place when complete, so an interrupted import never leaves a folder that looks finished; it replaces a
+folder an earlier import wrote, and refuses any other folder that holds files.
+Exit codes: 0 done (or reused); 2 a missing, unreadable or corrupt GGUF file, a package without one, or an
+--output that is a file or a folder of other files.
 """
 
 from __future__ import annotations
@@ -139,11 +141,26 @@ def _build(file: Path, staging: Path) -> dict:
     }
 
 
+def check_output(output: Path) -> None:
+    """GGUFImportError unless ``output`` may take an import: a new or empty folder, or one an earlier import
+    wrote (its marker). The import replaces the whole folder, so a folder of other files (``--output ~/models``
+    meaning "in there", or the folder of the .gguf file itself) would be deleted with them."""
+    if output.exists() and not output.is_dir():
+        raise GGUFImportError(f"--output {output} is a file; give a new folder for the HF model directory")
+    if output.is_dir() and read_marker(output) is None:
+        held = sorted(path.name for path in output.iterdir())
+        if held:
+            shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+            raise GGUFImportError(f"--output {output} holds other files ({shown}) and the import replaces the whole "
+                                  f"folder; give a new or empty folder, e.g. --output {output / 'model'}")
+
+
 def import_gguf(gguf_file: str | os.PathLike, output: str | os.PathLike, force: bool = False) -> tuple[Path, bool]:
     """Import ``gguf_file`` into the HF directory ``output``; returns (output, reused)."""
     file, out = Path(gguf_file).expanduser(), Path(output).expanduser()
     if not force and file.is_file() and is_imported(out, file):  # before parsing: that takes seconds
         return out, True
+    check_output(out)
     file = check_gguf(file)
     with staged_directory(out, replace=True) as staging:
         start = time.time()
