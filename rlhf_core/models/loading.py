@@ -62,7 +62,10 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
     if not folder.is_dir():
         raise ModelError(f"{key}: {missing_model_dir(path)}")
     if not (folder / "config.json").is_file():
-        raise ModelError(f"{key}: {folder} has no config.json; it is not a HF model directory")
+        gguf = sorted(folder.glob("*.gguf"))
+        raise ModelError(f"{key}: {folder} has no config.json; it is not a HF model directory" + (
+            f" (it holds the GGUF file {gguf[0].name}: import it into one with rlhf gguf --gguf {gguf[0]} --output "
+            "DIR and give DIR)" if gguf else ""))
     try:
         json.loads((folder / "config.json").read_text())
     except (ValueError, OSError) as exc:  # (JSONDecodeError and UnicodeDecodeError are ValueErrors)
