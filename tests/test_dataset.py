@@ -235,6 +235,13 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     assert len(left.prompt_ids[1]) == len(right.prompt_ids[1]) == 100
     assert tokenizer.decode(left.prompt_ids[1]).endswith("Assistant: ")
     assert tokenizer.decode(right.prompt_ids[1]).startswith("User: yyy")
+    # each cut is said at start-up, with what it took: a right cut loses the template's "Assistant: "
+    assert capsys.readouterr().err.splitlines() == [
+        f"notice: data.train_files: data.truncation={side} cut 1 of 2 prompts longer than data.max_prompt_length "
+        f"(100 tokens) to that length (first: {path} row 1), keeping their {kept}"
+        for side, kept in (("left", "ends: a system turn and the start of the question are gone"),
+                           ("right", "starts: the end of the question and a chat template's generation prompt are "
+                                     "gone, so the policy continues the user's text rather than answering it"))]
     kept = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))
     assert len(kept) == 1 and kept.dropped_overlong == 1
     assert capsys.readouterr().err.splitlines()[-1] == ("notice: data.train_files: data.filter_overlong_prompts "

@@ -253,6 +253,15 @@ def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict | No
     return tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
 
 
+#: what each ``data.truncation`` takes from an over-long prompt, said at start-up beside the count
+TRUNCATION_CUTS = {
+    "left": "keeping their ends: a system turn and the start of the question are gone",
+    "right": "keeping their starts: the end of the question and a chat template's generation prompt are gone, so the "
+             "policy continues the user's text rather than answering it",
+    "middle": "keeping both ends: the middle of each is gone",
+}
+
+
 def truncate(ids: list[int], limit: int, side: str) -> list[int]:
     """``ids`` cut to ``limit`` tokens: the last ones (``left``), the first (``right``) or both ends
     (``middle``: the first half of the budget from the start, the rest from the end)."""
@@ -326,6 +335,7 @@ class RLHFDataset:
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
         self.dropped_overlong = 0  # rows data.filter_overlong_prompts left out
+        truncated: list[str] = []  # where each prompt data.truncation cut was
         seed = config.seed if seed is None else seed
         chosen = sample_rows(len(frame), max_samples, config.shuffle, seed)  # positions in the files' rows
         if len(chosen) < len(frame):
@@ -367,6 +377,7 @@ class RLHFDataset:
                         "max_prompt_length, set data.filter_overlong_prompts=true, or data.truncation=left|right|middle"
                     )
                 ids = truncate(ids, limit, config.truncation)
+                truncated.append(where)
             malformed = reward_model_problem(record.get("reward_model"))
             if malformed is not None:  # its ground truth would read as missing, which is not what is wrong
                 raise DataError(f"{where}: {malformed}")
@@ -393,6 +404,10 @@ class RLHFDataset:
             print(f"notice: {key}: data.filter_overlong_prompts dropped {self.dropped_overlong} of {len(frame)} "
                   f"prompts longer than data.max_prompt_length ({limit} tokens); {len(self.rows)} remain",
                   file=sys.stderr)
+        if truncated:
+            print(f"notice: {key}: data.truncation={config.truncation} cut {len(truncated)} of {len(frame)} prompts "
+                  f"longer than data.max_prompt_length ({limit} tokens) to that length (first: {truncated[0]}), "
+                  f"{TRUNCATION_CUTS[config.truncation]}", file=sys.stderr)
         self.data_sources = sorted({row["data_source"] for row in self.rows})
 
     def __len__(self) -> int:
