@@ -173,14 +173,17 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     if disagreement:
         logger.warning("production version %s: %s", production.name, disagreement)
     overridden = reason if force else ""
+    why = "new data"  # what the record says this run trains for
     if overridden:
         logger.warning("force=true: training although %s", overridden)
         reason = ""
     elif reason:
         logger.warning("retraining skipped: %s", reason)
     elif (changed := changed_since(production.run_metadata, config_sha256, reward_spec.get("sha256"))):
-        logger.info("the %s changed since production version %s was trained: retraining from its checkpoint",
-                    " and ".join(changed), production.name)
+        new_data = trained_on is None or (trained_on != dataset_fingerprint and trained_on != whole())
+        why = (f"{'new data, and ' if new_data else ''}the {' and '.join(changed)} changed since production "
+               f"version {production.name} was trained")
+        logger.info("%s: retraining from its checkpoint", why)
     elif trained_on is None:  # e.g. a version made production by hand: nothing to compare the data with
         logger.info("new data (fingerprint %s...; production version %s recorded no data fingerprint): retraining "
                     "from its checkpoint", dataset_fingerprint[:16], production.name)
@@ -190,7 +193,7 @@ def check_new_data(dataset_fingerprint: str, ppo_config: dict, reward_spec: dict
     log_metadata({"config_fingerprint": config_sha256, "evaluation_settings": evaluation}, infer_model=True)
     record = {"production_version": production.name, "dataset_fingerprint": dataset_fingerprint,
               "config_fingerprint": config_sha256, "forced": bool(overridden), "skipped": bool(reason),
-              "reason": reason or (f"forced: {overridden}" if overridden else "new data")}
+              "reason": reason or (f"forced: {overridden}" if overridden else why)}
     if trained_on is not None:  # absent, not the text "None", where production recorded none
         record["production_fingerprint"] = str(trained_on)
     if refused is not None:

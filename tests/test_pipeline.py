@@ -1062,6 +1062,31 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     assert reason == "" and meta["skipped"] is False and "refused_version" not in meta
 
 
+def test_the_gate_step_records_a_changed_config_as_the_reason_to_train_not_new_data():
+    """On the data production was trained on, a changed trainer config is why the run trains, and the step's record
+    (which rlhf-lineage shows) says so; with new data too, it names both."""
+    from zenml import Model
+
+    from steps.check_new_data import config_fingerprint
+
+    model, (a, b) = "gate-step-why", (_sha("A"), _sha("B"))
+    reseeded = {**GATE_CONFIG, "trainer": {**GATE_CONFIG["trainer"], "seed": 7}}
+    _add_version(model, production=True, promoted=True, dataset_fingerprint=a, reward_sha256=GATE_REWARD,
+                 config_fingerprint=config_fingerprint(GATE_CONFIG))  # version 1
+    gate = _gate_pipeline().with_options(model=Model(name=model))
+
+    def recorded(fingerprint: str, config: dict) -> dict:
+        run = gate(dataset_fingerprint=fingerprint, ppo_config=config, reward_spec={"sha256": GATE_REWARD})
+        return zenml_client().get_pipeline_run(run.id).steps["check_new_data"].run_metadata
+
+    same_data = recorded(a, reseeded)
+    assert same_data["skipped"] is False
+    assert same_data["reason"] == "the trainer config changed since production version 1 was trained"
+    both = recorded(b, reseeded)
+    assert both["reason"] == "new data, and the trainer config changed since production version 1 was trained"
+    assert recorded(b, GATE_CONFIG)["reason"] == "new data"
+
+
 def test_the_warm_start_version_is_read_from_the_versions_that_link_the_checkpoint():
     """Production where it links the checkpoint, else the version whose run produced it where that one links it,
     else the newest version that links it; a version of another model never counts."""
