@@ -254,3 +254,59 @@ def test_the_crontab_line_carries_the_zenml_store_this_shell_uses(monkeypatch, t
     monkeypatch.setenv("ZENML_CONFIG_PATH", "zen")
     line = schedule.crontab_line("0 3 * * *", "configs/retrain_demo.yaml", repo="/srv/jobs")
     assert f"&& env ZENML_CONFIG_PATH={tmp_path / 'zen'} ZENML_STORE_URL=" in line
+
+
+@pytest.mark.parametrize("cron", ["0 3 31 2 *", "0 3 30 2 *", "0 0 31 4,6,9,11 *"])
+def test_a_cron_expression_that_never_fires_is_refused(tmp_path, capsys, cron):
+    """No February has a 30th or 31st, no April, June, September or November a 31st: cron takes such a line and
+    never runs it, and the scheduler waited for ever ("next run at None")."""
+    config = tmp_path / "retrain.yaml"
+    config.write_text("parameters: {}\n")
+    for argv in (["--print-crontab"], ["--run-now", "--max-runs", "1"]):
+        assert cli.schedule(["--cron", cron, "-c", str(config), *argv]) == 2
+        assert f"cron expression '{cron}' never fires" in capsys.readouterr().err
+
+
+def test_a_leap_day_schedule_fires_on_the_next_29_february():
+    from datetime import datetime, timezone
+
+    trigger = schedule.make_trigger(cron="0 3 29 2 *", timezone=timezone.utc)
+    assert trigger.get_next_fire_time(None, datetime(2025, 6, 1, tzinfo=timezone.utc)) == datetime(
+        2028, 2, 29, 3, tzinfo=timezone.utc)
+
+
+@pytest.mark.parametrize(("cron", "field"), [("0 3 last * *", "day of month 'last'"), ("0 last * * *", "hour 'last'")])
+def test_a_field_cron_does_not_read_is_refused(cron, field):
+    """APScheduler reads 'last' (the month's last day) where crontab takes only numbers: the schedule would fire
+    where the crontab line cron refuses would not."""
+    with pytest.raises(ValueError, match=f"invalid cron expression '{re.escape(cron)}'.*{field}: crontab takes num"):
+        schedule.make_trigger(cron=cron, timezone="UTC")
+
+
+def test_a_local_time_zone_that_cannot_be_read_is_an_error_not_a_traceback(tmp_path, capsys, monkeypatch):
+    """A TZ that is not a zone name stopped rlhf-schedule with tzlocal's KeyError; the crontab line does not depend
+    on it (cron reads its times in its own zone)."""
+    import tzlocal.unix
+
+    config = tmp_path / "retrain.yaml"
+    config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n")
+    monkeypatch.setenv("TZ", "Mars/Olympus_Mons")
+    monkeypatch.setattr(tzlocal.unix, "_cache_tz", None)  # read again, as a fresh process reads it
+    assert cli.schedule(["--cron", "0 3 * * *", "-c", str(config), "--max-runs", "1"]) == 2
+    assert ("error: the local time zone (TZ='Mars/Olympus_Mons') cannot be read (" in capsys.readouterr().err)
+    assert cli.schedule(["--every", "60", "-c", str(config), "--max-runs", "1"]) == 2
+    assert "set TZ to a zone name, e.g. TZ=Europe/Paris or TZ=UTC" in capsys.readouterr().err
+    assert cli.schedule(["--cron", "0 3 * * *", "-c", str(config), "--print-crontab"]) == 0
+    assert capsys.readouterr().out.startswith("0 3 * * * cd ")
+
+
+@pytest.mark.parametrize(("every", "told"), [
+    ("nan", "the interval must be a positive number of seconds, got nan"),
+    ("inf", "the interval must be a positive number of seconds, got inf"),
+    ("1e300", "the interval of 1e+300 s is longer than a date can reach"),
+])
+def test_an_interval_that_is_not_a_number_of_seconds_is_an_error(tmp_path, capsys, every, told):
+    config = tmp_path / "retrain.yaml"
+    config.write_text("parameters: {}\n")
+    assert cli.schedule(["--every", every, "-c", str(config), "--max-runs", "1"]) == 2
+    assert f"error: {told}" in capsys.readouterr().err

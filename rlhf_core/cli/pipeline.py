@@ -208,7 +208,8 @@ def schedule(argv: list[str] | None = None) -> int:
     try:
         if args.print_crontab and args.cron is None:
             parser.error("--print-crontab needs --cron")
-        make_trigger(cron=args.cron, every=args.every)  # a bad expression is told before the config is read
+        # a bad expression is told before the config is read (the crontab line's times are cron's, in its zone)
+        make_trigger(cron=args.cron, every=args.every, timezone="UTC" if args.print_crontab else None)
         check_run_config_file(args.config, args.pipeline)  # once now, rather than at each scheduled run
         if args.print_crontab:
             print(crontab_line(args.cron, args.config, args.pipeline))

@@ -13,7 +13,9 @@ block in the run config instead; see ``configs/retrain_demo.yaml``.
 from __future__ import annotations
 
 import logging
+import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -51,6 +53,9 @@ def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str 
         raise RuntimeError(f"{shlex.join(command)} exited with status {status}; its output says why")
     return status
 
+
+#: what crontab reads in its minute, hour and day-of-month fields: numbers, ``*``, ranges, steps, lists
+CRON_NUMBERS = re.compile(r"(\*|\d+(-\d+)?)(/\d+)?(,(\*|\d+(-\d+)?)(/\d+)?)*")
 
 # crontab's day-of-week names by number; 7 is Sunday again
 CRON_WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
@@ -111,10 +116,27 @@ def _cron_trigger(cron: str, timezone: Any = None):
     def trigger(day: str, day_of_week: str) -> CronTrigger:
         return CronTrigger(minute=minute, hour=hour, day=day, month=month, day_of_week=day_of_week, timezone=timezone)
 
+    for name, value in (("minute", minute), ("hour", hour), ("day of month", day)):
+        if not CRON_NUMBERS.fullmatch(value):  # APScheduler reads more ("last", "L"), which cron refuses
+            raise ValueError(f"{name} {value!r}: crontab takes numbers, *, ranges (1-5), steps (*/2) and lists (1,15)")
     if day.startswith("*") or weekday.startswith("*"):
         return trigger(day, day_of_week)
     # both restricted: crontab fires on either ("0 3 1 * mon": the 1st and every Monday), APScheduler on both at once
     return OrTrigger([trigger(day, "*"), trigger("*", day_of_week)])
+
+
+def local_timezone():
+    """The time zone the schedule's times are read in: ``TZ``, else the system's. Raises ValueError where it
+    cannot be read (``TZ`` not a zone name), as APScheduler would raise a KeyError at the first trigger."""
+    from tzlocal import get_localzone
+
+    try:
+        return get_localzone()
+    except (LookupError, ValueError) as exc:  # (zoneinfo's ZoneInfoNotFoundError is a KeyError)
+        where = f"TZ={os.environ['TZ']!r}" if os.environ.get("TZ") else "the system's /etc/localtime"
+        detail = " ".join(str(exc.args[0] if exc.args else exc).split())
+        raise ValueError(f"the local time zone ({where}) cannot be read ({detail}); set TZ to a zone name, e.g. "
+                         "TZ=Europe/Paris or TZ=UTC") from None
 
 
 def make_trigger(cron: str | None = None, every: float | None = None, timezone: Any = None):
@@ -124,15 +146,22 @@ def make_trigger(cron: str | None = None, every: float | None = None, timezone: 
 
     if (cron is None) == (every is None):
         raise ValueError("give exactly one of a cron expression or an interval in seconds")
+    timezone = timezone or local_timezone()
     if every is not None:
-        if every <= 0:
-            raise ValueError(f"the interval must be positive, got {every} s")
-        return IntervalTrigger(seconds=every, timezone=timezone)
+        if not (math.isfinite(every) and every > 0):
+            raise ValueError(f"the interval must be a positive number of seconds, got {every}")
+        try:
+            return IntervalTrigger(seconds=every, timezone=timezone)
+        except OverflowError:
+            raise ValueError(f"the interval of {every:g} s is longer than a date can reach") from None
     try:
-        return _cron_trigger(cron, timezone)
+        trigger = _cron_trigger(cron, timezone)
     except ValueError as exc:
         raise ValueError(f"invalid cron expression {cron!r} (minute hour day month weekday, e.g. "
                          f"'0 3 * * *'): {exc}") from exc
+    if trigger.get_next_fire_time(None, datetime.now().astimezone()) is None:  # crontab takes it, and runs nothing
+        raise ValueError(f"cron expression {cron!r} never fires: no date has that day of that month")
+    return trigger
 
 
 #: The environment that decides which ZenML store and repository a run uses (not its credentials, which do not
@@ -143,7 +172,8 @@ STORE_VARIABLES = ("ZENML_CONFIG_PATH", "ZENML_REPOSITORY_PATH", "ZENML_STORE_UR
 def crontab_line(cron: str, config: str | Path, pipeline: str = RETRAIN_PIPELINE, repo: str | Path | None = None,
                  log_file: str | Path | None = None) -> str:
     """A crontab entry running the pipeline from ``repo``; ``flock -n`` keeps two runs from overlapping."""
-    make_trigger(cron=cron)  # reject a bad expression here rather than in cron's mail
+    make_trigger(cron=cron, timezone="UTC")  # reject a bad expression here rather than in cron's mail (cron reads
+    # the times in its own time zone, not this shell's)
     repo = Path(repo or Path.cwd()).resolve()
     log_file = Path(log_file) if log_file else repo / "outputs" / "logs" / "retrain.log"
     lock = repo / "outputs" / ".retrain.lock"
