@@ -310,3 +310,36 @@ def test_an_interval_that_is_not_a_number_of_seconds_is_an_error(tmp_path, capsy
     config.write_text("parameters: {}\n")
     assert cli.schedule(["--every", every, "-c", str(config), "--max-runs", "1"]) == 2
     assert f"error: {told}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("max_runs", ["0", "-1"])
+def test_max_runs_below_one_is_refused_before_any_run(tmp_path, capsys, monkeypatch, max_runs):
+    """--max-runs 0 or -1 ran once: the count is checked after each run."""
+    config = tmp_path / "retrain.yaml"
+    config.write_text("parameters: {}\n")
+    started = []
+    monkeypatch.setattr(cli, "run_pipeline", lambda *args: started.append(args))
+    with pytest.raises(SystemExit) as stopped:
+        cli.schedule(["--every", "0.01", "--run-now", "--max-runs", max_runs, "-c", str(config)])
+    assert stopped.value.code == 2 and f"--max-runs {max_runs} must be >= 1" in capsys.readouterr().err
+    assert started == []
+
+
+def test_a_run_config_with_a_schedule_block_is_refused(tmp_path, capsys, monkeypatch):
+    """A schedule: block asks the orchestrator to schedule: each run started from here failed on the local
+    orchestrator ("Stack default does not support scheduling"), and on one that schedules would register one
+    more schedule every time."""
+    config = tmp_path / "retrain.yaml"
+    config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n"
+                      "schedule: {name: nightly-retrain, cron_expression: '0 3 * * *'}\n")
+    started = []
+    monkeypatch.setattr(cli, "run_pipeline", lambda *args: started.append(args))
+    for argv in (["--every", "0.01", "--run-now", "--max-runs", "1"], ["--cron", "0 3 * * *", "--print-crontab"]):
+        assert cli.schedule([*argv, "-c", str(config)]) == 2
+        out, err = capsys.readouterr()
+        assert f"error: run config {config} has a schedule: block" in err and out == ""
+        assert f"`zenml pipeline run pipelines.retrain.rlhf_retrain_pipeline -c {config}` once" in err
+    assert started == []
+    config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n")
+    assert cli.schedule(["--every", "0.01", "--run-now", "--max-runs", "1", "-c", str(config)]) == 0
+    assert len(started) == 1

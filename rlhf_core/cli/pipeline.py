@@ -189,6 +189,8 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
 
 
 def schedule(argv: list[str] | None = None) -> int:
+    import yaml
+
     from rlhf_core.pipeline.run_config import (
         check_run_config_file,  # (the trainer's config: loaded when used)
     )
@@ -205,12 +207,20 @@ def schedule(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not Path(args.config).is_file():
         parser.error(f"run config {args.config} does not exist")
+    if args.max_runs is not None and args.max_runs < 1:
+        parser.error(f"--max-runs {args.max_runs} must be >= 1")
     try:
         if args.print_crontab and args.cron is None:
             parser.error("--print-crontab needs --cron")
         # a bad expression is told before the config is read (the crontab line's times are cron's, in its zone)
         make_trigger(cron=args.cron, every=args.every, timezone="UTC" if args.print_crontab else None)
         check_run_config_file(args.config, args.pipeline)  # once now, rather than at each scheduled run
+        if "schedule" in (yaml.safe_load(Path(args.config).read_text()) or {}):  # (a mapping: checked above)
+            raise ValueError(
+                f"run config {args.config} has a schedule: block, which asks the orchestrator to schedule the "
+                "pipeline: every run started from here would register one more schedule (or fail, on ZenML's local "
+                "orchestrator, which cannot schedule). Remove the block to schedule here, or keep it and run "
+                f"`zenml pipeline run {args.pipeline} -c {args.config}` once on a stack whose orchestrator schedules")
         if args.print_crontab:
             print(crontab_line(args.cron, args.config, args.pipeline))
             return 0
