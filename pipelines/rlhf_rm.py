@@ -19,7 +19,7 @@ from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
 from rlhf_core.pipeline.failure import mark_failed_version
-from rlhf_core.pipeline.run_config import check_run_config
+from rlhf_core.pipeline.run_config import check_run_config, checked_parameters
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -33,6 +33,7 @@ from steps.validate_preferences import validate_preferences
 DEFAULT_MODEL = Model(name="rlhf-rm-policy", description="policy trained with PPO against a learned reward model")
 
 
+@checked_parameters  # a parameter it does not take, or of a wrong type: refused by name
 @pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST,
           on_failure=mark_failed_version)
 def rlhf_rm_pipeline(

@@ -10,10 +10,15 @@ preference files exist. A remote orchestrator's steps read the trainer config fr
 own environment: there it is resolved here only where its file is on this machine and every ``${oc.env:VAR}``
 it reads without a default is set here; else the ``load_ppo_config`` step resolves it, and refuses it there. A
 refusal is a :class:`RunConfigError`: a ValueError to a caller in Python, and to
-``zenml pipeline run`` a message printed alone (exit status 1), without a traceback around it."""
+``zenml pipeline run`` a message printed alone (exit status 1), without a traceback around it.
+
+ZenML checks the run config's parameters against the pipeline function before its body runs: a parameter the
+pipeline does not take, or a value of the wrong type, is refused there by :class:`CheckedPipeline` alike."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
 import os
 import re
@@ -22,6 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import click
+import pydantic
+from zenml.pipelines.pipeline_definition import Pipeline
 
 from rlhf_core.config import ConfigError, PPOConfig, load_config, validate_config
 from rlhf_core.data.dataset import DataError, check_files
@@ -36,6 +43,54 @@ class RunConfigError(ValueError, click.ClickException):
 
     def __init__(self, message: str):
         click.ClickException.__init__(self, message)
+
+
+REFUSED = "the pipeline's parameters cannot run; nothing was started:"
+
+
+def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) -> list[str]:
+    """What ZenML's check of a pipeline's parameters against its function ``entrypoint`` found (``error``), one
+    line each, naming the parameter as the run config's ``parameters:`` writes it and what it takes."""
+    parameters = inspect.signature(entrypoint).parameters
+    name = entrypoint.__name__
+    problems = []
+    for item in error.errors():
+        key = str(item["loc"][0]) if item["loc"] else "?"
+        where = key + "".join(f"[{part}]" for part in item["loc"][1:])
+        if item["type"] == "unexpected_keyword_argument":
+            close = difflib.get_close_matches(key, parameters, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{key} is not a parameter of {name}{hint} (its parameters: {', '.join(parameters)})")
+        elif item["type"] in ("missing_argument", "missing"):
+            problems.append(f"{name} needs the parameter {key}")
+        else:
+            annotation = parameters[key].annotation if key in parameters else inspect.Parameter.empty
+            takes = "" if annotation is inspect.Parameter.empty else f" ({key} takes {annotation})"
+            problems.append(f"{where}={item['input']!r}: {item['msg']}{takes}")
+    return problems
+
+
+class CheckedPipeline(Pipeline):
+    """A ZenML pipeline whose parameters, where ZenML's check against the pipeline function refuses them (a name
+    the function does not take, a value of the wrong type), stop the run with :class:`RunConfigError`, which
+    names each, instead of the pydantic error ZenML raises through a traceback. Made by :func:`checked_parameters`."""
+
+    def _validate_entrypoint_args(self, *args, **kwargs):
+        try:
+            return super()._validate_entrypoint_args(*args, **kwargs)
+        except ValueError as exc:
+            if not isinstance(exc.__cause__, pydantic.ValidationError):
+                raise
+            problems = parameter_problems(self.entrypoint, exc.__cause__)
+            raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)])) from exc
+
+
+def checked_parameters(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` (made by ZenML's ``@pipeline``) as a :class:`CheckedPipeline`: put above ``@pipeline``."""
+    if type(pipeline) is not Pipeline:
+        raise TypeError(f"checked_parameters takes a pipeline made by @pipeline, not a {type(pipeline).__name__}")
+    pipeline.__class__ = CheckedPipeline
+    return pipeline
 
 
 def resolve_trainer_config(config_file: str, overrides: Sequence[str] | None = None,
@@ -174,7 +229,7 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
         if problems:
             raise ConfigError(problems)
     except ValueError as exc:
-        raise RunConfigError(f"the pipeline's parameters cannot run; nothing was started:\n{exc}") from exc
+        raise RunConfigError(f"{REFUSED}\n{exc}") from exc
 
 
 def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
