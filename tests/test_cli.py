@@ -302,6 +302,28 @@ def test_a_second_signal_stops_now_naming_the_checkpoint_left_as_it_was(tmp_path
     assert lines[1:] == [f"second {name}: stopped now without saving; {kept}"]
 
 
+
+def test_a_reward_model_worker_that_fails_exits_1_as_ppos_workers(tmp_path, monkeypatch, capsys):
+    """Exit 1 is a run that failed (PPO: a guard's stop or a worker's failure), 2 input refused; rlhf-train-rm
+    alone gave a failed worker 3."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from rlhf_core.cli import train
+    from rlhf_core.workers.group import WorkerError
+
+    def train_steps(log):
+        raise WorkerError("worker rank 1 (pid 4242) died during train_step")
+
+    def trainer(cfg, frames):
+        return SimpleNamespace(local_dir=tmp_path / "rm", total_steps=4, global_step=0, resumed_from=None,
+                               started=contextlib.nullcontext, train=train_steps, shutdown=lambda: None)
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", trainer)
+    assert train.train_rm([f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == "error: worker rank 1 (pid 4242) died during train_step"
+
 def test_a_second_run_into_a_busy_checkpoint_folder_is_refused_before_loading(workspace, tmp_path, capsys,
                                                                                monkeypatch):
     from rlhf_core.cli.train import ppo

@@ -263,9 +263,9 @@ def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp
     base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
             f"reward_model.train.train_files={train}", "reward_model.train.train_batch_size=2",
             "reward_model.train.micro_batch_size_per_gpu=1", f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
-    assert train_rm([*base, f"reward_model.train.val_files={shared}"]) == 1
+    assert train_rm([*base, f"reward_model.train.val_files={shared}"]) == 2  # bad input, as PPO's data
     assert "1 prompt(s) have pairs in both the training and the validation files" in capsys.readouterr().err
-    assert train_rm([*base, f"reward_model.train.val_files={empty}"]) == 1
+    assert train_rm([*base, f"reward_model.train.val_files={empty}"]) == 2  # bad input, as PPO's data
     assert f"the validation file(s) {empty} hold no pair" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -277,7 +277,7 @@ def test_preflight_names_the_key_of_a_file_whose_pair_has_the_same_text_twice(ti
     assert train_rm(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
                      f"reward_model.train.train_files={train}", f"reward_model.train.val_files={val}",
                      "reward_model.train.train_batch_size=2", "reward_model.train.micro_batch_size_per_gpu=1",
-                     f"reward_model.train.default_local_dir={tmp_path / 'out'}"]) == 1
+                     f"reward_model.train.default_local_dir={tmp_path / 'out'}"]) == 2  # bad input, as PPO's data
     assert (f"error: reward_model.train.train_files: {train}: chosen and rejected are the same text in row(s) 1; "
             "such a pair teaches nothing, drop it") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -751,7 +751,7 @@ def test_preference_file_without_chosen_rejected(tiny, tmp_path, capsys):
     code = train_rm(["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
                  f"reward_model.train.train_files={bad}", "reward_model.train.val_files=null",
                  f"reward_model.train.default_local_dir={out}"])
-    assert code == 1
+    assert code == 2  # bad input, as PPO's data
     assert "chosen, rejected" in capsys.readouterr().err
     assert not out.exists()
 

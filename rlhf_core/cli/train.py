@@ -4,11 +4,12 @@
     rlhf train-rm [--config FILE ...] [key=value ...]   # also rlhf-train-rm
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
-Exit codes of ``ppo``: 0 done; 1 a guard stopped the run or a worker failed; 2 bad input (config,
-data, model, checkpoint), a reward function that failed (raised, or returned NaN, inf or no number) or a
-checkpoint that could not be written; 128 + signal number after Ctrl-C or SIGTERM (once saved, or at
-once without saving after a second one). ``train-rm``: 0 done; 1 unusable preference data; 2 bad
-config, model directory or checkpoint; 3 a worker failed. ``smoke``: 0 passed; 1 a check failed; 2 a bad config, model directory or data.
+Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it or a worker failed;
+``train-rm``: a worker failed; ``smoke``: a check failed); 2 bad input, refused before anything trains (config,
+data, preference data, model, checkpoint) or met on the way (``ppo``: a reward function that failed, by raising or
+returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be written); 128 + signal
+number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way is saved, or at once
+without saving after a second one).
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def train_rm(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    except PreferenceDataError as exc:
+    except PreferenceDataError as exc:  # bad input, as PPO's data
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except RewardTrainingError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -150,9 +151,9 @@ def train_rm(argv: list[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except WorkerError as exc:
+    except WorkerError as exc:  # the run failed, as PPO's workers
         print(f"error: {exc}", file=sys.stderr)
-        return 3
+        return 1
     shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
     print(f"reward model: at step {trainer.global_step} after {time.time() - started:.0f} s; {shown or 'no validation'}")
     print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")

@@ -35,8 +35,8 @@ records the chat-template keyword arguments the pairs were encoded with
 window (``reward_model.train.overlong=truncate``) or left out of training and validation (``drop``, as TRL's
 RewardTrainer).
 
-Exit codes: 0 done; 1 unusable preference data (the message names the file, columns or rows);
-2 bad config, model directory or checkpoint; 3 a worker failed.
+Exit codes (as PPO's): 0 done; 1 a worker failed; 2 bad input: config, preference data (the message names the
+file, columns or rows), model directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
