@@ -303,6 +303,52 @@ def test_a_second_signal_stops_now_naming_the_checkpoint_left_as_it_was(tmp_path
 
 
 
+def _ctrl_c_in(command, argv):
+    """``command(argv)``, where a Ctrl-C arrives under Python's own handler (as while a run checks its input or
+    loads its models, before the training steps' handler is in place): it must not come out as a traceback."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return command(argv)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C came out of the command as a KeyboardInterrupt (a traceback)")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("saves_on_interrupt", [True, False])
+def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_left(tmp_path, monkeypatch, capsys,
+                                                                                  saves_on_interrupt):
+    from rlhf_core.cli import train
+
+    latest = _save_step(tmp_path, 2)
+
+    def run(cfg):  # e.g. the models loading: Python's handler raises KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(train, "run", run)
+    argv = [f"trainer.default_local_dir={tmp_path}", f"trainer.save_on_interrupt={saves_on_interrupt}"]
+    assert _ctrl_c_in(train.ppo, argv) == 130
+    said = ("interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, no "
+            f"trained step lost; the latest checkpoint is {latest}" if saves_on_interrupt
+            else "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
+                 f"checkpoint {latest} is as it was: rerun the same command to resume from it")
+    assert capsys.readouterr().err.splitlines() == [said]
+
+
+def test_a_ctrl_c_while_the_reward_model_loads_exits_130_saying_nothing_was_saved(tmp_path, monkeypatch, capsys):
+    from rlhf_core.cli import train
+
+    def loading(cfg, frames):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", loading)
+    assert _ctrl_c_in(train.train_rm, [f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, no "
+        "trained step lost; no checkpoint is saved"]
+
+
 def test_a_reward_model_worker_that_fails_exits_1_as_ppos_workers(tmp_path, monkeypatch, capsys):
     """Exit 1 is a run that failed (PPO: a guard's stop or a worker's failure), 2 input refused; rlhf-train-rm
     alone gave a failed worker 3."""

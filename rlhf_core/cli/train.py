@@ -9,7 +9,8 @@ Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stop
 data, preference data, model, checkpoint) or met on the way (``ppo``: a reward function that failed, by raising or
 returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be written); 128 + signal
 number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way is saved, or at once
-without saving after a second one).
+without saving after a second one, or where no step is under way: while the run starts or closes, or with
+``trainer.save_on_interrupt=false``; the message names the checkpoint left).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import signal
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options
 from rlhf_core.config import ConfigError, load_config
@@ -32,7 +35,7 @@ from rlhf_core.main_ppo import PreflightError, run, stop_on_signals
 from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
 from rlhf_core.rewards.manager import RewardError
-from rlhf_core.training.checkpoint import CheckpointError
+from rlhf_core.training.checkpoint import CheckpointError, latest_or_none, rerun_advice
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
 from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
@@ -51,6 +54,23 @@ def _signals_held():
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
+
+
+def stopped_at_once(folder: str | None, saves_on_interrupt: bool, rerun: str | None) -> str:
+    """What a Ctrl-C that reached the command as KeyboardInterrupt left: one that came outside the training steps
+    (while the run checked its input, loaded its models or a checkpoint, or closed), where every step trained is
+    saved, or any Ctrl-C with ``trainer.save_on_interrupt=false``. ``folder``: the run's checkpoint folder, None
+    before its config was read; ``rerun``: how a rerun resumes from its latest checkpoint."""
+    if folder is None:
+        return "interrupted by SIGINT before the run started: nothing was trained or written"
+    latest = latest_or_none(Path(os.path.expanduser(folder)))
+    if not saves_on_interrupt:
+        kept = (f"the latest checkpoint {latest} is as it was: {rerun} to resume from it"
+                if latest is not None else "no checkpoint was saved")
+        return f"interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); {kept}"
+    kept = f"the latest checkpoint is {latest}" if latest is not None else "no checkpoint is saved"
+    return (f"interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, "
+            f"no trained step lost; {kept}")
 
 
 def releases_ray(command):
@@ -79,9 +99,14 @@ def ppo(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+    cfg = None
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         result = run(cfg)
+    except KeyboardInterrupt:  # (within the steps, stop_on_signals turns a Ctrl-C into TrainingInterrupted)
+        print(stopped_at_once(cfg and cfg.trainer.default_local_dir, cfg is None or cfg.trainer.save_on_interrupt,
+                              cfg and rerun_advice(cfg.trainer.resume_mode)), file=sys.stderr)
+        return 128 + signal.SIGINT
     except RewardError as exc:  # the user's reward function, not the run: its message says which checkpoint is left
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -114,9 +139,13 @@ def train_rm(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+    cfg = None
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         frames = preflight(cfg)
+    except KeyboardInterrupt:
+        print(stopped_at_once(cfg and cfg.reward_model.train.default_local_dir, True, None), file=sys.stderr)
+        return 128 + signal.SIGINT
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -148,6 +177,11 @@ def train_rm(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         return 128 + exc.signal_number
+    except KeyboardInterrupt:  # (within the steps, stop_on_signals turns a Ctrl-C into TrainingInterrupted)
+        rm = cfg.reward_model.train
+        print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt,
+                              rerun_advice(rm.resume_mode, "reward_model.train")), file=sys.stderr)
+        return 128 + signal.SIGINT
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
