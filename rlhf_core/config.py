@@ -1219,6 +1219,8 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
 
 
 def _read_yaml(path: Path) -> DictConfig:
+    if path.is_dir():
+        raise ConfigError([f"config file {path} is a folder: name the YAML file in it"])
     if not path.is_file():
         raise ConfigError([f"config file {path} does not exist"])
     try:

@@ -122,6 +122,18 @@ def test_a_model_directory_that_is_not_there_exits_2_with_one_line(tmp_path, cap
     assert err.startswith("error: ") and "Traceback" not in err
 
 
+
+def test_a_folder_given_where_a_file_goes_is_called_a_folder(tmp_path, capsys):
+    """A folder passed as the config file or a preference file was said not to exist."""
+    from rlhf_core.cli.train import train_rm
+
+    assert cli.main(["config", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"  - config file {tmp_path} is a folder: name the YAML file in it"
+    assert train_rm([f"reward_model.train.train_files={tmp_path}", "reward_model.train.val_files=null"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: reward_model.train.train_files: preference file {tmp_path} is a folder: name its parquet file(s), e.g. "
+        "[a.parquet,b.parquet]"]
+
 # --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
 
 # The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.

@@ -338,6 +338,9 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     import pyarrow.parquet as pq
 
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise PreferenceDataError(f"preference file {path} is a folder: name its parquet file(s), e.g. "
+                                  "[a.parquet,b.parquet]")
     if not path.is_file():
         raise PreferenceDataError(f"preference file {path} does not exist")
     try:
