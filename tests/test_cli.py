@@ -134,6 +134,16 @@ def test_a_folder_given_where_a_file_goes_is_called_a_folder(tmp_path, capsys):
         f"error: reward_model.train.train_files: preference file {tmp_path} is a folder: name its parquet file(s), e.g. "
         "[a.parquet,b.parquet]"]
 
+
+def test_a_smoke_work_dir_that_cannot_be_written_exits_2_with_one_line(tmp_path, capsys):
+    from rlhf_core.cli.train import smoke
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    assert smoke([f"--work-dir={a_file}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --work-dir {a_file}: a file, not a folder; give a folder this user may write"]
+
 # --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
 
 # The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.

@@ -195,6 +195,18 @@ def train_rm(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (made where missing), None where they can."""
+    if folder.exists() and not folder.is_dir():
+        return "a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+
+
 def smoke(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.smoke"), description="Dry-run a PPO config.")
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
@@ -206,6 +218,9 @@ def smoke(argv: list[str] | None = None) -> int:
         cfg = load_config(args.overrides, config_file=args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    if args.work_dir and (problem := _unwritable(Path(args.work_dir))):
+        print(f"error: --work-dir {args.work_dir}: {problem}; give a folder this user may write", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
         try:
