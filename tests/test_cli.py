@@ -144,6 +144,27 @@ def test_a_smoke_work_dir_that_cannot_be_written_exits_2_with_one_line(tmp_path,
     assert capsys.readouterr().err.splitlines() == [
         f"error: --work-dir {a_file}: a file, not a folder; give a folder this user may write"]
 
+
+def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, capsys):
+    """An --output (or --html) that cannot be written came out as the OSError's traceback, the HTML report's after
+    the whole evaluation; a file in the way stands in here for a read-only folder (the tests may run as root)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    out = a_file / "out"
+    for argv in (["synthetic", "--output", str(out), "--n-train", "4", "--n-test", "2"],
+                 ["preference", "--synthetic", "--output", str(out), "--n-train", "4", "--n-val", "2"]):
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: {out}: Not a directory; give an --output folder this user may write"]
+    assert cli.main(["toy-model", "--preset", "test", "--output", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: cannot build into {out}: Not a directory; give --output a folder this user may write"]
+    with pytest.raises(SystemExit) as exited:  # before the model or the data are read
+        cli.main(["evaluate", str(tmp_path / "model"), str(tmp_path / "val.parquet"), "--html", str(tmp_path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"rlhf evaluate: error: --html {tmp_path}: a folder; name "
+                                                        "the file to write")
+
 # --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
 
 # The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.

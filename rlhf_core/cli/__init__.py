@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
 # name -> (module, function, one line of help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -78,6 +80,19 @@ def refuse_hydra_options(parser: argparse.ArgumentParser, argv: Sequence[str] | 
     problem = hydra_options_problem(sys.argv[1:] if argv is None else argv)
     if problem is not None:
         parser.error(problem)
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be written in ``folder`` (made where missing), None where they can: told before a command
+    spends minutes on what it would write there."""
+    if folder.exists() and not folder.is_dir():
+        return "a file, not a folder"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
 
 
 # the command ``main`` is running, so that its parser names itself as the user typed it

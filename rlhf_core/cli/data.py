@@ -36,6 +36,16 @@ from rlhf_core.data.validation import DataReadError, one_line, validate_dataset
 # ----------------------------------------------------------------------------- prompt data
 
 
+def _os_problem(exc: OSError, output: str) -> str:
+    """An OSError as one line: the path and the reason, and where it is ``output`` or in it (a folder that
+    cannot be made or written), what to do."""
+    if exc.filename is None:
+        return one_line(str(exc))
+    said = f"{exc.filename}: {exc.strerror or exc}"
+    within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(output))
+    return f"{said}; give an --output folder this user may write" if within else said
+
+
 def gsm8k(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("python -m rlhf_core.data.gsm8k"),
@@ -67,6 +77,9 @@ def gsm8k(argv: list[str] | None = None) -> int:
                                    args.max_rows)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # an output folder that cannot be written (read-only, a file in its path)
+        print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
     except GSM8KDataError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -133,6 +146,9 @@ def synthetic(argv: list[str] | None = None) -> int:
         paths = build_dataset(args.output, args.n_train, args.n_test, args.seed, args.overwrite, **options)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -216,6 +232,9 @@ def preference(argv: list[str] | None = None) -> int:
         paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
     except (PreferenceDataError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

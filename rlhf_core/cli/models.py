@@ -10,10 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf_core.cli import program
+from rlhf_core.cli import program, unwritable
 from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
 from rlhf_core.models.gguf import read_marker as read_import_marker
 from rlhf_core.models.toy import (
+    CACHE_ENV,
     PRESETS,
     build_toy_model,
     default_cache_dir,
@@ -48,6 +49,12 @@ def toy_model(argv: list[str] | None = None) -> int:
     expected = settings_hash(args.preset, args.seed)
     target = Path(args.output) if args.output else default_cache_dir() / f"{args.preset}-{expected}"
     reused = not args.force and (read_marker(target) or {}).get("hash") == expected
+    written = target if args.output else target.parent  # (the cache's build is staged beside its folder)
+    if not reused and (problem := unwritable(written)):
+        where = "--output" if args.output else f"${CACHE_ENV} (the cache)"
+        print(f"error: cannot build into {written}: {problem}; give {where} a folder this user may write",
+              file=sys.stderr)
+        return 2
     if args.output is None and not args.force:
         path = ensure_toy_model(args.preset, args.seed, threads=args.threads)
     else:

@@ -18,7 +18,7 @@ import logging
 import sys
 from pathlib import Path
 
-from rlhf_core.cli import program
+from rlhf_core.cli import program, unwritable
 from rlhf_core.pipeline.lineage import (
     LineageError,
     default_client,
@@ -65,8 +65,13 @@ def evaluate(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {value} must be >= 1")
     if args.sample_seed < 0:
         parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
-    if args.html and not Path(args.html).resolve().parent.is_dir():  # before the evaluation, not after it
-        parser.error(f"--html {args.html}: the folder {Path(args.html).resolve().parent} does not exist")
+    if args.html:  # before the evaluation, not after it
+        folder = Path(args.html).resolve().parent
+        if not folder.is_dir():
+            parser.error(f"--html {args.html}: the folder {folder} does not exist")
+        if Path(args.html).is_dir() or (problem := unwritable(folder)):
+            parser.error(f"--html {args.html}: " + ("a folder; name the file to write" if Path(args.html).is_dir()
+                                                     else f"the folder {folder} cannot be written ({problem})"))
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options
+from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options, unwritable
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
@@ -195,18 +195,6 @@ def train_rm(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _unwritable(folder: Path) -> str | None:
-    """Why files cannot be written in ``folder`` (made where missing), None where they can."""
-    if folder.exists() and not folder.is_dir():
-        return "a file, not a folder"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
-            return None
-    except OSError as exc:
-        return exc.strerror or str(exc)
-
-
 def smoke(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.smoke"), description="Dry-run a PPO config.")
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
@@ -219,7 +207,7 @@ def smoke(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.work_dir and (problem := _unwritable(Path(args.work_dir))):
+    if args.work_dir and (problem := unwritable(Path(args.work_dir))):
         print(f"error: --work-dir {args.work_dir}: {problem}; give a folder this user may write", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
