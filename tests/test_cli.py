@@ -556,3 +556,31 @@ def test_a_run_configs_unknown_or_mistyped_parameter_exits_1_naming_it_without_a
         "  - alpha='abc': Input should be a valid number, unable to parse string as a number (alpha takes float)",
         "  - min_improvment is not a parameter of rlhf_ppo_pipeline; did you mean min_improvement? (its "
         "parameters: trainer_config, overrides, train_files, val_files, min_improvement, alpha)"]
+
+
+def test_a_run_configs_unknown_step_or_step_parameter_exits_1_naming_it_without_a_traceback(repo_root, tmp_path):
+    """ZenML ignored the settings of a misspelt step with a warning (the run went on with the step's defaults) and
+    refused a step's misspelt parameter through a traceback."""
+    from rlhf_core.data.synthetic import build_dataset
+
+    paths = build_dataset(tmp_path / "data", n_train=4, n_test=2, seed=0, max_ops=1)
+    run_config = tmp_path / "run.yaml"
+    run_config.write_text(f"parameters:\n  trainer_config: configs/ppo_demo_cpu.yaml\n  train_files: {paths['train']}\n"
+                          f"  val_files: {paths['test']}\nsteps:\n  evalute:\n    parameters:\n      max_problems: 4\n"
+                          "  smoke_test:\n    parameters:\n      n_prompt: 4\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
+           "ZENML_ANALYTICS_OPT_IN": "false", "ZENML_ENABLE_RICH_TRACEBACK": "false", "COLUMNS": "200"}
+    zenml = ["-c", "from zenml.cli.cli import cli; cli()", "pipeline", "run"]
+    done = subprocess.run([sys.executable, *zenml, "pipelines.rlhf_ppo.rlhf_ppo_pipeline", "-c", str(run_config)],
+                          capture_output=True, text=True, cwd=repo_root, env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "Traceback" not in output
+    lines = output.splitlines()
+    told = lines.index("Error: the pipeline's parameters cannot run; nothing was started:")
+    assert lines[told + 1] == (
+        "  - steps.evalute is not a step of rlhf_ppo_pipeline; did you mean evaluate? (its steps: load_ppo_config, "
+        "validate_data, define_reward, smoke_test, train_ppo, evaluate, promote)")
+    assert lines[told + 2].startswith(  # (then the step's parameters, n_prompts and response_length among them)
+        "  - steps.smoke_test.parameters.n_prompt is not a parameter of the step smoke_test; did you mean n_prompts? "
+        "(its parameters: ppo_config, reward_spec, ")

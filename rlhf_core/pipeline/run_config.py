@@ -70,10 +70,48 @@ def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) ->
     return problems
 
 
+def step_config_problems(run_config: str | Path, pipeline: Pipeline) -> list[str]:
+    """What the ``steps:`` section of the run config file ``run_config`` names that ``pipeline`` (prepared: its
+    step invocations made) does not have: a step (ZenML warns and ignores its settings) or a step's parameter
+    (ZenML raises through a traceback)."""
+    import yaml
+
+    try:
+        steps = (yaml.safe_load(Path(run_config).read_text()) or {}).get("steps") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []  # (ZenML's own reading of the file says what is wrong with it)
+    if not isinstance(steps, dict):
+        return []
+    problems = []
+    for name, section in steps.items():
+        if name not in pipeline.invocations:
+            close = difflib.get_close_matches(str(name), pipeline.invocations, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"steps.{name} is not a step of {pipeline.name}{hint} (its steps: "
+                            f"{', '.join(pipeline.invocations)})")
+            continue
+        given = (section or {}).get("parameters") if isinstance(section, dict) else None
+        taken = inspect.signature(pipeline.invocations[name].step.entrypoint).parameters
+        for key in given or {}:
+            if key not in taken:
+                close = difflib.get_close_matches(str(key), taken, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                problems.append(f"steps.{name}.parameters.{key} is not a parameter of the step {name}{hint} (its "
+                                f"parameters: {', '.join(taken)})")
+    return problems
+
+
 class CheckedPipeline(Pipeline):
     """A ZenML pipeline whose parameters, where ZenML's check against the pipeline function refuses them (a name
     the function does not take, a value of the wrong type), stop the run with :class:`RunConfigError`, which
-    names each, instead of the pydantic error ZenML raises through a traceback. Made by :func:`checked_parameters`."""
+    names each, instead of the pydantic error ZenML raises through a traceback; so do the run config's settings of
+    a step the pipeline does not have, or a step's parameter it does not take (:func:`step_config_problems`).
+    Made by :func:`checked_parameters`."""
+
+    def _compile(self, config_path: str | None = None, **run_configuration_args):
+        if config_path and (problems := step_config_problems(config_path, self)):
+            raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)]))
+        return super()._compile(config_path=config_path, **run_configuration_args)
 
     def _validate_entrypoint_args(self, *args, **kwargs):
         try:
