@@ -584,3 +584,16 @@ def test_a_run_configs_unknown_step_or_step_parameter_exits_1_naming_it_without_
     assert lines[told + 2].startswith(  # (then the step's parameters, n_prompts and response_length among them)
         "  - steps.smoke_test.parameters.n_prompt is not a parameter of the step smoke_test; did you mean n_prompts? "
         "(its parameters: ppo_config, reward_spec, ")
+
+
+@pytest.mark.parametrize(("module", "name"), [("pipelines.rlhf_ppo", "rlhf_ppo_pipeline"),
+                                              ("pipelines.rlhf_rm", "rlhf_rm_pipeline")])
+def test_a_pipeline_module_run_as_a_script_says_how_to_run_it_and_exits_2(repo_root, tmp_path, module, name):
+    """python -m pipelines.<name> -c CONFIG did nothing and exited 0, as if the run had gone through."""
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
+           "ZENML_ANALYTICS_OPT_IN": "false"}
+    done = subprocess.run([sys.executable, "-m", module, "-c", "configs/demo_cpu.yaml"], capture_output=True,
+                          text=True, cwd=repo_root, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (f"{module} is run by ZenML's command: zenml pipeline run {module}.{name} "
+                                            "-c RUN_CONFIG.yaml")
