@@ -76,6 +76,17 @@ def test_arguments_and_exit_codes_pass_through(capsys):
     assert "data.no_such_key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given", [["data.train_batch_size=8"], ["--config", "run.yaml"]])
+def test_config_defaults_with_overrides_or_a_file_exits_2_rather_than_ignoring_them(capsys, given):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["config", "--defaults", *given])
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines()[-1] == ("rlhf config: error: --defaults prints the defaults alone: drop --config "
+                                             "and the overrides, or drop --defaults to print the config they resolve to")
+
+
 def test_an_unknown_command_exits_2_naming_the_valid_ones(capsys):
     assert cli.main(["trian", "--help"]) == 2
     captured = capsys.readouterr()

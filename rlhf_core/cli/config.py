@@ -24,6 +24,9 @@ def config(argv: list[str] | None = None) -> int:
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     if args.defaults:
+        if args.overrides or args.config:  # (they would be ignored: the commented tree is the defaults alone)
+            parser.error("--defaults prints the defaults alone: drop --config and the overrides, or drop --defaults "
+                         "to print the config they resolve to")
         sys.stdout.write(defaults_yaml())
         return 0
     try:
