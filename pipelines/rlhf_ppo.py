@@ -13,8 +13,9 @@ import uuid
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
+from rlhf_core.pipeline.checked import checked_parameters
 from rlhf_core.pipeline.failure import mark_failed_version
-from rlhf_core.pipeline.run_config import check_run_config, checked_parameters
+from rlhf_core.pipeline.run_config import check_run_config
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config

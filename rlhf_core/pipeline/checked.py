@@ -1,0 +1,100 @@
+"""The pipelines' own refusals of a run config, where ZenML checks it before the pipeline's body runs: a parameter
+the pipeline function does not take or of a wrong type (ZenML raised pydantic's error through a traceback), the
+settings of a step the pipeline does not have (ZenML warned and ignored them) and a step's parameter the step does
+not take (a traceback). Each is a :class:`~rlhf_core.pipeline.run_config.RunConfigError`, which ``zenml pipeline
+run`` prints alone (exit status 1). Put :func:`checked_parameters` above a pipeline's ``@pipeline``."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import pydantic
+from zenml.pipelines.pipeline_definition import Pipeline
+
+from rlhf_core.pipeline.run_config import REFUSED, RunConfigError
+
+
+def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) -> list[str]:
+    """What ZenML's check of a pipeline's parameters against its function ``entrypoint`` found (``error``), one
+    line each, naming the parameter as the run config's ``parameters:`` writes it and what it takes."""
+    parameters = inspect.signature(entrypoint).parameters
+    name = entrypoint.__name__
+    problems = []
+    for item in error.errors():
+        key = str(item["loc"][0]) if item["loc"] else "?"
+        where = key + "".join(f"[{part}]" for part in item["loc"][1:])
+        if item["type"] == "unexpected_keyword_argument":
+            close = difflib.get_close_matches(key, parameters, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"{key} is not a parameter of {name}{hint} (its parameters: {', '.join(parameters)})")
+        elif item["type"] in ("missing_argument", "missing"):
+            problems.append(f"{name} needs the parameter {key}")
+        else:
+            annotation = parameters[key].annotation if key in parameters else inspect.Parameter.empty
+            takes = "" if annotation is inspect.Parameter.empty else f" ({key} takes {annotation})"
+            problems.append(f"{where}={item['input']!r}: {item['msg']}{takes}")
+    return problems
+
+
+def step_config_problems(run_config: str | Path, pipeline: Pipeline) -> list[str]:
+    """What the ``steps:`` section of the run config file ``run_config`` names that ``pipeline`` (prepared: its
+    step invocations made) does not have: a step (ZenML warns and ignores its settings) or a step's parameter
+    (ZenML raises through a traceback)."""
+    import yaml
+
+    try:
+        steps = (yaml.safe_load(Path(run_config).read_text()) or {}).get("steps") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return []  # (ZenML's own reading of the file says what is wrong with it)
+    if not isinstance(steps, dict):
+        return []
+    problems = []
+    for name, section in steps.items():
+        if name not in pipeline.invocations:
+            close = difflib.get_close_matches(str(name), pipeline.invocations, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            problems.append(f"steps.{name} is not a step of {pipeline.name}{hint} (its steps: "
+                            f"{', '.join(pipeline.invocations)})")
+            continue
+        given = (section or {}).get("parameters") if isinstance(section, dict) else None
+        taken = inspect.signature(pipeline.invocations[name].step.entrypoint).parameters
+        for key in given or {}:
+            if key not in taken:
+                close = difflib.get_close_matches(str(key), taken, n=1)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                problems.append(f"steps.{name}.parameters.{key} is not a parameter of the step {name}{hint} (its "
+                                f"parameters: {', '.join(taken)})")
+    return problems
+
+
+class CheckedPipeline(Pipeline):
+    """A ZenML pipeline whose parameters, where ZenML's check against the pipeline function refuses them (a name
+    the function does not take, a value of the wrong type), stop the run with :class:`RunConfigError`, which
+    names each, instead of the pydantic error ZenML raises through a traceback; so do the run config's settings of
+    a step the pipeline does not have, or a step's parameter it does not take (:func:`step_config_problems`).
+    Made by :func:`checked_parameters`."""
+
+    def _compile(self, config_path: str | None = None, **run_configuration_args):
+        if config_path and (problems := step_config_problems(config_path, self)):
+            raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)]))
+        return super()._compile(config_path=config_path, **run_configuration_args)
+
+    def _validate_entrypoint_args(self, *args, **kwargs):
+        try:
+            return super()._validate_entrypoint_args(*args, **kwargs)
+        except ValueError as exc:
+            if not isinstance(exc.__cause__, pydantic.ValidationError):
+                raise
+            problems = parameter_problems(self.entrypoint, exc.__cause__)
+            raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)])) from exc
+
+
+def checked_parameters(pipeline: Pipeline) -> Pipeline:
+    """``pipeline`` (made by ZenML's ``@pipeline``) as a :class:`CheckedPipeline`: put above ``@pipeline``."""
+    if type(pipeline) is not Pipeline:
+        raise TypeError(f"checked_parameters takes a pipeline made by @pipeline, not a {type(pipeline).__name__}")
+    pipeline.__class__ = CheckedPipeline
+    return pipeline
