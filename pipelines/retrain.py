@@ -19,6 +19,7 @@ from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
+from rlhf_core.pipeline.checked import checked_parameters
 from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.run_config import check_run_config
 from steps.check_new_data import check_new_data
@@ -31,6 +32,7 @@ from steps.train_ppo import train_ppo
 from steps.validate_data import validate_data
 
 
+@checked_parameters  # a parameter it does not take, or of a wrong type: refused by name
 @pipeline(model=DEFAULT_MODEL, enable_cache=False, execution_mode=ExecutionMode.FAIL_FAST,
           on_failure=mark_failed_version)
 def rlhf_retrain_pipeline(

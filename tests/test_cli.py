@@ -547,7 +547,13 @@ def test_hydras_config_options_point_to_config_file(command, argv, said, capsys)
 # --- zenml pipeline run: the run config's parameters ----------------------------------------------------------
 
 
-def test_a_run_configs_unknown_or_mistyped_parameter_exits_1_naming_it_without_a_traceback(repo_root, tmp_path):
+@pytest.mark.parametrize(("pipeline", "parameters"), [
+    ("pipelines.rlhf_ppo.rlhf_ppo_pipeline", "trainer_config, overrides, train_files, val_files, min_improvement, alpha"),
+    ("pipelines.retrain.rlhf_retrain_pipeline",
+     "trainer_config, overrides, train_files, val_files, min_improvement, alpha, force"),
+])
+def test_a_run_configs_unknown_or_mistyped_parameter_exits_1_naming_it_without_a_traceback(repo_root, tmp_path,
+                                                                                            pipeline, parameters):
     """ZenML checks a run config's parameters against the pipeline function before its body (and the checks of
     the trainer config) runs: a misspelt parameter or a value of the wrong type came out as pydantic's traceback."""
     run_config = tmp_path / "run.yaml"
@@ -556,7 +562,7 @@ def test_a_run_configs_unknown_or_mistyped_parameter_exits_1_naming_it_without_a
     env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
            "ZENML_ANALYTICS_OPT_IN": "false", "ZENML_ENABLE_RICH_TRACEBACK": "false", "COLUMNS": "200"}
     zenml = ["-c", "from zenml.cli.cli import cli; cli()", "pipeline", "run"]
-    done = subprocess.run([sys.executable, *zenml, "pipelines.rlhf_ppo.rlhf_ppo_pipeline", "-c", str(run_config)],
+    done = subprocess.run([sys.executable, *zenml, pipeline, "-c", str(run_config)],
                           capture_output=True, text=True, cwd=repo_root, env=env, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 1, output
@@ -565,8 +571,8 @@ def test_a_run_configs_unknown_or_mistyped_parameter_exits_1_naming_it_without_a
     told = lines.index("Error: the pipeline's parameters cannot run; nothing was started:")
     assert sorted(lines[told + 1:told + 3]) == [
         "  - alpha='abc': Input should be a valid number, unable to parse string as a number (alpha takes float)",
-        "  - min_improvment is not a parameter of rlhf_ppo_pipeline; did you mean min_improvement? (its "
-        "parameters: trainer_config, overrides, train_files, val_files, min_improvement, alpha)"]
+        f"  - min_improvment is not a parameter of {pipeline.rsplit('.', 1)[1]}; did you mean min_improvement? (its "
+        f"parameters: {parameters})"]
 
 
 def test_a_run_configs_unknown_step_or_step_parameter_exits_1_naming_it_without_a_traceback(repo_root, tmp_path):
