@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import string
+import sys
 from decimal import Decimal
 from pathlib import Path
 
@@ -285,6 +286,25 @@ def test_load_custom_reward_fn(tmp_path):
                     "    return float(next(_calls))\n")
     first, second = load_custom_reward_fn(path), load_custom_reward_fn(path)
     assert [first("a", "", "", None), first("a", "", "", None), second("a", "", "", None)] == [0.0, 1.0, 0.0]
+
+
+def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """``from helper import f`` in a reward file finds helper.py beside it, as a script's import does, though
+    neither its folder nor the current directory is on the path (the rlhf-ppo entry point puts neither there)."""
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    folder = tmp_path / "rewards"
+    folder.mkdir()
+    (folder / "reward_helper_beside.py").write_text("def normalise(text):\n    return text.strip().lower()\n")
+    (folder / "with_helper.py").write_text(
+        "from reward_helper_beside import normalise\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(normalise(solution_str) == normalise(ground_truth))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "reward_helper_beside", raising=False)
+    fn = load_custom_reward_fn("rewards/with_helper.py")
+    assert (fn("any", " Yes", "yes", None), fn("any", "no", "yes", None)) == (1.0, 0.0)
+    assert sys.path[-1] == str(folder.resolve())  # after every other entry: it hides no package of the same name
+    sys.modules.pop("reward_helper_beside", None)
 
 
 def test_reward_kwargs_are_bound_and_checked(tmp_path):

@@ -103,7 +103,8 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
     """Load the function ``name`` from the Python file ``path``; with ``reward_kwargs``, the function with
     those keyword arguments bound (a :func:`functools.partial`), as verl's ``reward_kwargs`` give them.
 
-    The file runs as a fresh module on each call (module-level state starts anew) and each stays registered
+    The file runs as a fresh module on each call (module-level state starts anew), with its directory on
+    ``sys.path`` (last) so that it imports the modules beside it as a script does, and each stays registered
     in ``sys.modules`` under a name of its own (so that what it defines pickles by reference, as a
     ``multiprocessing`` pool inside the reward needs). Raises
     FileNotFoundError (no such file), ImportError (the file fails to run), AttributeError (no ``name`` in
@@ -129,6 +130,10 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
         )
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # the modules beside it import as a script's do (``from helper import f``), whatever the current directory or
+    # entry point; after the others on the path, so that a file beside it never hides a package of that name
+    if (directory := str(file.resolve().parent)) not in sys.path:
+        sys.path.append(directory)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
