@@ -407,8 +407,30 @@ def test_custom_fn_wrong_return_type_is_caught_by_manager(tmp_path, char_tokeniz
 def test_dict_without_score_is_rejected(char_tokenizer):
     manager = RewardManager(char_tokenizer, reward_fn=lambda **_: {"acc": 1.0})
     ids, mask = _batch(char_tokenizer, ["1"])
-    with pytest.raises(TypeError, match=r"without a numeric 'score' for sample 0.*keys \['acc'\]"):
+    with pytest.raises(TypeError, match=r"a dict with no 'score' \(keys \['acc'\]\) for sample 0"):
         manager(ids, mask, ["x"], ["1"])
+
+
+def test_a_score_held_in_a_tensor_is_read_as_its_number(char_tokenizer):
+    """A reward computed with torch or numpy returns ``torch.tensor(0.5)`` or a 0-d array (a batch function a
+    tensor of scores, one 0-d tensor a response), which verl's managers write into the reward tensor as a float:
+    it stopped the run at the first batch. A tensor of several numbers is no score."""
+    def reward(solution_str, **_):
+        value = float(solution_str)
+        return {"score": torch.tensor(value / 4), "acc": torch.tensor(value == 2.0), "half": np.array(value / 2)}
+
+    ids, mask = _batch(char_tokenizer, ["2", "3"])
+    scores, extras = RewardManager(char_tokenizer, reward_fn=reward)(ids, mask, ["s"] * 2, [""] * 2)
+    assert scores[:, 0].tolist() == [0.5, 0.75]
+    assert extras["acc"].tolist() == [1.0, 0.0] and extras["half"].tolist() == [1.0, 1.5]
+    bare = RewardManager(char_tokenizer, reward_fn=lambda solution_str, **_: torch.tensor(float(solution_str)))
+    assert bare(ids, mask, ["s"] * 2, [""] * 2)[1]["score"].tolist() == [2.0, 3.0]
+    batched = BatchRewardFn(lambda solution_strs, **_: torch.tensor([float(s) == 3.0 for s in solution_strs]))
+    _, extras = RewardManager(char_tokenizer, reward_fn=batched)(ids, mask, ["s"] * 2, [""] * 2)
+    assert extras["score"].tolist() == [0.0, 1.0] and extras["acc"].tolist() == [0.0, 1.0]
+    several = RewardManager(char_tokenizer, reward_fn=lambda **_: {"score": torch.tensor([1.0, 0.0])})
+    with pytest.raises(TypeError, match=r"a dict with a 'score' of Tensor \(tensor\(\[1\., 0\.\]\)\) for sample 0"):
+        several(ids, mask, ["s"] * 2, [""] * 2)
 
 
 # --- reward manager -----------------------------------------------------------------------------

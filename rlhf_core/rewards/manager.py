@@ -65,10 +65,15 @@ def _fn_name(fn: Any) -> str:
     return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
 
 
-def _is_number(value: object) -> bool:
-    """A real number (bool, int, float, numpy scalar) that is not a complex or a string. numpy's bool is not a
-    ``numbers.Real``, and ``np.isclose(...)`` returns one: without it an ``acc`` of that type went unread."""
-    return isinstance(value, (numbers.Real, np.bool_))
+def as_number(value: object) -> float | None:
+    """A reward result's number as a float, or None where it is none: a real number (bool, int, float, numpy
+    scalar), not a complex or a string, or a tensor or array of one number and no dimension (``torch.tensor(0.5)``,
+    an element of a batch function's tensor of scores; verl's managers write such a value into the reward tensor
+    as they do a float). numpy's bool is not a ``numbers.Real``, and ``np.isclose(...)`` returns one: without it an
+    ``acc`` of that type went unread."""
+    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
+        value = value.item()
+    return float(value) if isinstance(value, (numbers.Real, np.bool_)) else None
 
 
 class RewardManager:
@@ -269,34 +274,34 @@ class RewardManager:
         name = _fn_name(fn)
         where = f"sample {index} (data_source={data_source!r})"
         if isinstance(result, dict):
-            if "score" not in result or not _is_number(result["score"]):
+            score = as_number(result.get("score"))
+            if score is None:
+                what = (f"a 'score' of {type(result['score']).__name__} ({result['score']!r:.60})" if "score" in result
+                        else f"no 'score' (keys {sorted(map(str, result))})")
                 raise BadRewardResult(
-                    f"reward function {name!r} returned a dict without a numeric 'score' for {where}: "
-                    f"keys {sorted(map(str, result))}; return a number or a dict with a 'score' entry",
+                    f"reward function {name!r} returned a dict with {what} for {where}; return a number or a dict "
+                    "whose 'score' entry is one",
                     name, index, data_source,
                 )
-            score = float(result["score"])
             acc_value = result.get("acc")
-            if acc_value is not None and not _is_number(acc_value):
+            acc = as_number(acc_value) if acc_value is not None else float(score >= self.full_score)
+            if acc is None:
                 raise BadRewardResult(
                     f"reward function {name!r} returned a non-numeric 'acc' ({acc_value!r:.60}) for {where}; "
                     "'acc' must be a bool or a number (1 for a correct answer), or left out",
                     name, index, data_source,
                 )
-            acc = float(acc_value) if acc_value is not None else float(score >= self.full_score)
-            extra = {
-                str(key): float(value)
-                for key, value in result.items()
-                if key not in ("score", "acc", "pred") and _is_number(value)
-            }
-        elif _is_number(result):
-            score = float(result)
+            numbers_in = {str(key): as_number(value) for key, value in result.items()
+                          if key not in ("score", "acc", "pred")}
+            extra = {key: value for key, value in numbers_in.items() if value is not None}
+        elif (number := as_number(result)) is not None:
+            score = number
             acc = float(score >= self.full_score)
             extra = {}
         else:
             raise BadRewardResult(
                 f"reward function {name!r} returned {type(result).__name__} ({result!r:.60}) for {where}; "
-                "it must return a float/int/bool or a dict with a 'score' key",
+                "it must return a number (float, int, bool, or a tensor of one) or a dict with a 'score' key",
                 name, index, data_source,
             )
         if not math.isfinite(score):
