@@ -678,3 +678,40 @@ def test_decodes_in_one_batch_call(char_tokenizer):
     assert given["score"].tolist() == [1.0, 1.0, 0.0] and given["responses"] == ["#### 1", "#### 2", "#### 3"]
     with pytest.raises(ValueError, match="responses has 2 entries but the batch has 3"):
         RewardManager(Spy())(ids, mask, ["openai/gsm8k"] * 3, ["1", "2", "4"], responses=["#### 1", "#### 2"])
+
+
+# --- the reward's self-check (define_reward) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("returned, right", [
+    ("np.float32(answer == ground_truth)", [True, False]),
+    ("np.bool_(answer == ground_truth)", [True, False]),
+    ("torch.tensor(float(answer == ground_truth))", [True, False]),
+    ("{'score': 1.0 if answer == ground_truth else 0.2, 'acc': None}", [True, False]),
+    ("{'score': 1.0, 'acc': np.isclose(float(answer), float(ground_truth))}", [True, False]),
+])
+def test_the_reference_check_reads_a_result_as_training_does(tmp_path, returned, right):
+    """A reference solution earns full marks on the result training counts as right: a score in numpy's types or
+    a tensor (training reads np.float32(1.0) as 1.0; the check failed every row and stopped the pipeline), and a
+    dict whose acc is None falls back to its score, as the reward manager does."""
+    import pandas as pd
+
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.pipeline.evaluate import check_reference_solutions
+
+    path = tmp_path / "val.parquet"
+    pd.DataFrame([{"data_source": "mine", "prompt": [{"role": "user", "content": f"q{row}"}],
+                   "reward_model": {"style": "rule", "ground_truth": truth},
+                   "extra_info": {"index": row, "answer": f"so #### {answer}"}}
+                  for row, (truth, answer) in enumerate([("5", "5"), ("7", "8")])]).to_parquet(path, index=False)
+    reward = tmp_path / "typed.py"
+    reward.write_text("import numpy as np\nimport torch\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    answer = solution_str.rsplit('#### ', 1)[-1]\n"
+                      f"    return {returned}\n")
+    cfg = PPOConfig()
+    cfg.data.val_files = str(path)
+    cfg.custom_reward_function.path = str(reward)
+    check = check_reference_solutions(cfg)
+    assert check.checked == 2
+    assert [m["row"] for m in check.mismatches] == [row for row, ok in enumerate(right) if not ok]

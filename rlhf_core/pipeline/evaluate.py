@@ -50,6 +50,7 @@ from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError, as_file_list, plain_value
 from rlhf_core.data.schema import is_missing, read_rows
 from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
+from rlhf_core.rewards.manager import as_number
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -763,11 +764,16 @@ def check_reward_unchanged(cfg: PPOConfig, pinned: Mapping[str, Any], where: str
 
 
 def _full_marks(result: Any, full_score: float) -> bool:
+    """Whether a reward result is a right answer as training reads it (:class:`RewardManager`): its ``acc`` where it
+    gives one (right above 0, as the evaluation counts it), else a finite score of ``full_score`` or more; a score
+    of numpy's types or in a 0-d tensor counts as the number it holds."""
     if isinstance(result, Mapping):
-        if "acc" in result:
-            return bool(result["acc"])
+        if result.get("acc") is not None:
+            acc = as_number(result["acc"])
+            return acc is not None and acc > 0
         result = result.get("score")
-    return isinstance(result, (int, float)) and math.isfinite(result) and result >= full_score
+    score = as_number(result)
+    return score is not None and math.isfinite(score) and score >= full_score
 
 
 @dataclass
