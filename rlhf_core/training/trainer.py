@@ -542,7 +542,10 @@ class PPOTrainer:
                 sources += batch.meta["data_source"]
                 prompts += batch.meta["uid"]
                 acc += [float(a) for a in extras["acc"]]
-                score += torch.as_tensor(extras["score"]).float().add(extras.get("overlong_reward", 0.0)).tolist()
+                shaped = torch.as_tensor(extras["score"]).float()
+                if self.config.reward_model.overlong_buffer.enable:  # the penalty _shape_overlong put in the reward
+                    shaped = shaped + extras["overlong_reward"]  # (not a reward function's own entry of that name)
+                score += shaped.tolist()
                 if answers is not None and "pred" in extras:
                     answers += extras["pred"]
                 elif answers is not None and bool(torch.as_tensor(extras["acc"]).isnan().all()):
