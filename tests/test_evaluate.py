@@ -421,6 +421,15 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert capsys.readouterr().out.startswith("accuracy 50.00% ")
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
     assert "error: --custom-reward: " in capsys.readouterr().err
+    # a reward that raises: exit 2 (as rlhf-ppo's), one line that names the function, not a traceback
+    broken = tmp_path / "broken.py"
+    broken.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    raise KeyError('answer')\n")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == ("error: reward function 'compute_score' failed on sample 0 (data_source="
+                                    "'synthetic/a', extra_info.index=0): KeyError: 'answer'")
+    assert "Traceback" not in err
 
 
 def test_a_policy_whose_architecture_is_code_in_its_folder_evaluates_only_when_trusted(setup, tmp_path, capsys):

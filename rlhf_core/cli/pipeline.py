@@ -78,6 +78,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.models.loading import ModelError, import_external_lib
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
     from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
+    from rlhf_core.rewards.manager import RewardError
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left", prompt_key=args.prompt_key)
@@ -110,6 +111,9 @@ def evaluate(argv: list[str] | None = None) -> int:
         print(f"error: {exc.args[0]} (here: --custom-reward FILE.py)", file=sys.stderr)
         return 2
     except (DataError, ModelError, FileNotFoundError) as exc:  # input it cannot use; anything else is a bug
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RewardError as exc:  # the reward function raised or returned what is not a score (2, as rlhf-ppo's)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     low, high = result.interval
