@@ -227,16 +227,24 @@ def save_adapter(module: torch.nn.Module, state: dict[str, torch.Tensor], target
 
     The embedding is never adapted here (:func:`refusals`), so none is saved: peft's ``"auto"`` would look the
     base model up (on the Hub, where its path is no local folder) to decide."""
-    module.peft_config[ADAPTER].base_model_name_or_path = str(base_model_path)
+    adapter = module.peft_config[ADAPTER]
+    adapter.base_model_name_or_path = str(base_model_path)
     # the card (README.md) names the base by its config's _name_or_path, the path as the model was loaded (relative,
     # perhaps): the same path as adapter_config.json's while it is written
     config = base_model(module).config
     loaded_as = config._name_or_path
     config._name_or_path = str(base_model_path)
+    # peft writes a set (all-linear's target_modules: every module's full name) as list(set), in the order of
+    # Python's string hashing, which differs between processes (PYTHONHASHSEED): sorted, two runs write the same file
+    as_sets = {key: value for key, value in vars(adapter).items() if isinstance(value, set)}
+    for key, value in as_sets.items():
+        setattr(adapter, key, sorted(value))
     try:
         module.save_pretrained(str(target), state_dict=state, save_embedding_layers=False)
     finally:
         config._name_or_path = loaded_as
+        for key, value in as_sets.items():
+            setattr(adapter, key, value)
 
 
 def merged_state_dict(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
