@@ -1678,6 +1678,11 @@ def validate_config(cfg: PPOConfig) -> None:
         errors.append("trainer.val_only=true validates on data.val_files: set them")
     if trainer.log_val_generations < 0:
         errors.append(f"trainer.log_val_generations={trainer.log_val_generations} must be >= 0")
+    # NumPy's seeding (the max_samples draw, the sampled validation's streams) takes no negative number, which
+    # failed the run at its first sampled validation, after training steps
+    for key, value in (("trainer.seed", trainer.seed), ("data.seed", data.seed)):
+        if value is not None and value < 0:
+            errors.append(f"{key}={value} must be >= 0")
     _check_reward_training(errors, cfg)
     if trainer.profile_steps is not None and not all(isinstance(s, int) and s >= 1 for s in trainer.profile_steps):
         errors.append(f"trainer.profile_steps={trainer.profile_steps} must be a list of step numbers >= 1, "
