@@ -10,7 +10,8 @@ Layout under ``trainer.default_local_dir`` (verl's, with our file names)::
       actor/huggingface/                  save_pretrained of the actor + its tokenizer: a plain HF model
       actor/lora_adapter/                 with LoRA: the actor's adapter as peft saves it, over model.path (verl's)
       critic/model_state.pt, optim_state.pt, extra_state.pt     (GAE only)
-      trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guards, skips
+      trainer_state.json                  trainer.state_dict(): step, sampler, KL coefficients, guards, skips,
+                                          the run's seeds, library versions, code hash and threads
       rng_state.pt                        python random, numpy, torch CPU (and CUDA) generator states
       config.yaml                         the resolved config the run started with
       manifest.json                       every file above with its size and SHA-256; written last

@@ -225,6 +225,40 @@ def timing_per_token(timings: dict[str, float], response_tokens: float, tokens: 
     return out
 
 
+#: the distributions whose versions a run records (:func:`run_record`): those that compute its numbers
+RECORDED_PACKAGES = ("torch", "numpy", "transformers", "tokenizers", "peft", "vllm")
+
+
+def run_record(config: PPOConfig) -> dict:
+    """What a person needs, beside the checkpoint's ``config.yaml``, to run a run again: its seeds as it took them
+    (``data.seed``'s null as ``trainer.seed``), Python's and the numerical libraries' versions, a SHA-256 over
+    ``rlhf_core``'s code, and torch's intra-op threads (another count may round the CPU's float sums otherwise)."""
+    import importlib.metadata
+    import platform
+
+    from rlhf_core.workers.group import code_fingerprint
+
+    versions = {"python": platform.python_version()}
+    for name in RECORDED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass  # not installed (vllm on CPU): not part of this run
+    return {"seeds": {"trainer.seed": config.trainer.seed, "data.seed": config.value("data.seed")},
+            "versions": versions, "rlhf_core_sha256": code_fingerprint()[1], "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform()}
+
+
+def changed_since(saved: dict | None, now: dict) -> list[str]:
+    """The entries of a checkpoint's :func:`run_record` a resume runs with otherwise, as ``name: saved -> now``
+    (library versions, code, threads, platform); empty for a checkpoint saved before runs recorded them."""
+    if not saved:
+        return []
+    pairs = [*((name, saved.get("versions", {}).get(name), version) for name, version in now["versions"].items()),
+             *((key, saved.get(key), now[key]) for key in ("rlhf_core_sha256", "torch_threads", "platform"))]
+    return [f"{name}: {before} -> {after}" for name, before, after in pairs if before is not None and before != after]
+
+
 @dataclass
 class StepResult:
     step: int
@@ -306,6 +340,7 @@ class PPOTrainer:
         self.step_under_way: int | None = None
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.model_fingerprints = checkpoint.model_fingerprints(config)  # and the model folders it loaded
+        self.run_record = run_record(config)  # seeds, versions, code, threads: saved in every checkpoint
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
         self.overopt = OverOptimisationGuard(config.trainer.guard)  # acts only where proxy and gold are logged
@@ -600,6 +635,7 @@ class PPOTrainer:
             "guard": self.guard.state_dict(),
             "overopt": self.overopt.state_dict(),
             "skipped_steps": {name: int(worker.skipped_steps) for name, worker in self.workers().items()},
+            "run": self.run_record,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -611,6 +647,9 @@ class PPOTrainer:
         self.overopt.load_state_dict(state["overopt"])
         for name, worker in self.workers().items():
             worker.skipped_steps = int(state["skipped_steps"].get(name, 0))
+        if changed := changed_since(state.get("run"), self.run_record):
+            print(f"notice: the checkpoint was saved with other software or threads ({'; '.join(changed)}): the "
+                  "resumed run may round otherwise than the saved run would have gone on", file=sys.stderr, flush=True)
 
     def protected_steps(self, saving: int | None = None) -> set[int]:
         """Checkpoints a guard may still roll back to (never pruned): the KL / val-drop guard's and the
