@@ -49,10 +49,12 @@ import logging
 import math
 import operator
 import os
+import random
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -593,6 +595,10 @@ class RewardModelTrainer:
 
     def __init__(self, cfg: PPOConfig, preferences: Preferences | None = None):
         self.cfg, self.rm = cfg, cfg.reward_model.train
+        # Python's and NumPy's global streams seeded as PPO's trainer seeds them: their states go into every
+        # checkpoint (rng_state.pt), which otherwise held a fresh process's random ones, other in each run
+        random.seed(self.rm.seed)
+        np.random.seed(self.rm.seed % 2**32)
         cpu_matmul.configure(cfg.trainer.cpu_matmul)
         heap.configure(cfg.trainer.keep_freed_memory)
         preferences = preflight(cfg) if preferences is None else preferences
