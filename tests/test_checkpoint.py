@@ -1248,3 +1248,34 @@ def test_a_resume_may_ship_another_ray_runtime_env():
     assert checkpoint.config_differences(saved, current) == []
     current["trainer"]["seed"] = 2  # (the comparison itself still sees a key that matters)
     assert checkpoint.config_differences(saved, current) == ["trainer.seed"]
+
+
+def test_a_resume_knows_the_custom_reward_by_its_code_not_by_how_its_path_is_written(workspace, tmp_path,
+                                                                                      monkeypatch):
+    """The reward file at its absolute path, or moved and renamed with its helper module, resumes (its path as
+    written differed, and was refused); the same path holding other code (the file or a module it imports from
+    beside it) is refused, naming the file that differs. Comments and layout are not code."""
+    def reward_folder(where, name, score):
+        where.mkdir(parents=True)
+        (where / "helper.py").write_text(f"def score():\n    return {score}\n")
+        (where / name).write_text("from helper import score\n\n\ndef compute_score(data_source, solution_str, "
+                                  "ground_truth, extra_info=None):\n    return score()\n")
+        return where / name
+
+    monkeypatch.chdir(tmp_path)
+    reward_folder(tmp_path / "rw", "reward.py", 1.0)
+    base = tiny_overrides(workspace, tmp_path / "out")
+    trained_with = load_config(base + ["custom_reward_function.path=rw/reward.py"])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / checkpoint.CONFIG_FILE).write_text(yaml.safe_dump(trained_with.to_dict()))
+    (ckpt / checkpoint.MODELS_FILE).write_text(json.dumps(checkpoint.model_fingerprints(trained_with)))
+    moved = reward_folder(tmp_path / "elsewhere", "renamed.py", 1.0)
+    moved.write_text("# the same reward\n" + moved.read_text().replace("return score()", "return  score( )"))
+    for path in (tmp_path / "rw" / "reward.py", moved):
+        checkpoint.check_config(ckpt, load_config(base + [f"custom_reward_function.path={path}"]))
+    (tmp_path / "rw" / "helper.py").write_text("def score():\n    return -1.0\n")
+    with pytest.raises(CheckpointError, match=rf"custom_reward_function.path: {tmp_path / 'rw' / 'reward.py'} holds "
+                                              r"other reward code than the checkpoint was trained with \(helper.py "
+                                              r"differs\)"):
+        checkpoint.check_config(ckpt, trained_with)

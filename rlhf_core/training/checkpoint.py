@@ -100,6 +100,7 @@ TRAINER_STATE = "trainer_state.json"
 RNG_STATE = "rng_state.pt"
 CONFIG_FILE = "config.yaml"
 HF_DIR = "huggingface"
+REWARD_PATH_KEY = "custom_reward_function.path"  # its code is fingerprinted beside the model folders
 MODELS_FILE = "models.json"  # the fingerprints of the model folders the run loads (model_fingerprints)
 # the config keys that name a model folder: a resume compares the folders' contents, not the paths as written
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "actor_rollout_ref.model.tokenizer_path", "critic.model.path",
@@ -1131,7 +1132,8 @@ def folder_fingerprint(directory: str | os.PathLike) -> dict[str, str]:
 def model_fingerprints(config) -> dict[str, dict]:
     """For each key of :data:`MODEL_PATH_KEYS` the run reads (the critic's with a critic, the reward model's
     when enabled), nulls followed as they resolve: ``{"path": the absolute path, "files": folder_fingerprint}``,
-    or ``"files": None`` where the key names no folder. Saved in every checkpoint."""
+    or ``"files": None`` where the key names no folder; and ``custom_reward_function.path``'s
+    :func:`reward_code_fingerprint` where it is set. Saved in every checkpoint."""
     tree = config.to_dict()
     flat = _resolved(flatten_config(tree))
     found = {}
@@ -1142,7 +1144,31 @@ def model_fingerprints(config) -> dict[str, dict]:
             continue
         folder = Path(os.path.expanduser(value))
         found[key] = {"path": str(folder.resolve()), "files": folder_fingerprint(folder) if folder.is_dir() else None}
+    reward = flat.get(REWARD_PATH_KEY)
+    if isinstance(reward, str) and reward:
+        found[REWARD_PATH_KEY] = reward_code_fingerprint(reward)
     return found
+
+
+def reward_code_fingerprint(path: str | os.PathLike) -> dict:
+    """A custom reward file's code and that of the modules it imports from beside it (as the reward spec reads
+    them): ``{"path": the absolute path, "files": {file, relative to the reward's folder where it is inside it:
+    SHA-256 of its syntax tree written back}}``, comments and layout aside; ``"files": None`` where the file cannot
+    be read or parsed (loading the reward then says why)."""
+    import ast
+
+    from rlhf_core.pipeline.evaluate import _user_code  # (the reward spec's walk of the user's modules)
+
+    file = Path(os.path.expanduser(str(path))).resolve()
+    try:
+        _, _, read = _user_code(file)
+    except (OSError, SyntaxError, ValueError):
+        return {"path": str(file), "files": None}
+    return {"path": str(file), "files": {  # (the file itself by its role: renamed or moved, the same code resumes)
+        "the reward file" if name == file else
+        str(name.relative_to(file.parent)) if name.is_relative_to(file.parent) else str(name):
+            hashlib.sha256(ast.unparse(ast.parse(text)).encode()).hexdigest()
+        for name, text in read.items()}}
 
 
 def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
@@ -1154,7 +1180,15 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[st
         now = current.get(key)
         if now is None or now["files"] == then["files"] and (now["files"] is not None or now["path"] == then["path"]):
             continue  # (two paths that name no folder are told apart by the paths themselves)
-        if now["files"] is None:
+        if key == REWARD_PATH_KEY:
+            changed = sorted(name for name in set(now["files"] or {}) | set(then["files"] or {})
+                             if (now["files"] or {}).get(name) != (then["files"] or {}).get(name))
+            what = (f"{now['path']} holds other reward code than the checkpoint was trained with "
+                    f"({', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''}); a resume "
+                    f"under another reward is not the run it continues" if now["path"] == then["path"] else
+                    f"{now['path']} is not the reward code the checkpoint was trained with, {then['path']} "
+                    f"({', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''})")
+        elif now["files"] is None:
             what = f"{now['path']} is not a model folder (the checkpoint was trained from {then['path']})"
         else:
             changed = sorted(name for name in set(now["files"]) | set(then["files"] or {})
