@@ -307,6 +307,33 @@ def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
     sys.modules.pop("reward_helper_beside", None)
 
 
+def test_each_reward_file_imports_its_own_helper_anew(tmp_path, monkeypatch):
+    """Two reward folders each with a helper.py of its own: each reward grades by its own helper, whichever loaded
+    first; a helper edited between two loads is imported as it is now; the earlier folder leaves the path."""
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "reward_grading_helper", raising=False)
+    for name, rule in (("exact", "answer == truth"), ("casefree", "answer.lower() == truth.lower()")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "reward_grading_helper.py").write_text(f"def grade(answer, truth):\n    return {rule}\n")
+        (tmp_path / name / "reward.py").write_text(
+            "from reward_grading_helper import grade\n\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    return float(grade(solution_str, ground_truth))\n")
+    exact = load_custom_reward_fn(tmp_path / "exact" / "reward.py")
+    casefree = load_custom_reward_fn(tmp_path / "casefree" / "reward.py")
+    assert (exact("s", "YES", "yes", None), casefree("s", "YES", "yes", None)) == (0.0, 1.0)
+    assert str(tmp_path / "exact") not in sys.path and sys.path[-1] == str(tmp_path / "casefree")
+    (tmp_path / "exact" / "reward_grading_helper.py").write_text("def grade(answer, truth):\n    return True\n")
+    assert load_custom_reward_fn(tmp_path / "exact" / "reward.py")("s", "no", "yes", None) == 1.0
+    assert exact("s", "YES", "yes", None) == 0.0  # a reward loaded before keeps the helper it imported
+    # a folder that was on the path before (the project's, the current directory) stays on it, where it was
+    sys.path.insert(0, str(tmp_path / "casefree"))
+    load_custom_reward_fn(tmp_path / "casefree" / "reward.py")
+    load_custom_reward_fn(tmp_path / "exact" / "reward.py")
+    assert sys.path[0] == str(tmp_path / "casefree") and sys.path[-1] == str(tmp_path / "exact")
+    sys.modules.pop("reward_grading_helper", None)
+
+
 def test_reward_kwargs_are_bound_and_checked(tmp_path):
     path = tmp_path / "scaled.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import inspect
 import itertools
+import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -80,6 +81,18 @@ def get_reward_fn(data_source: str) -> RewardFn:
 
 
 _LOADS = itertools.count()
+_ADDED_DIRS: list[str] = []  # the reward file's folder this loader put on sys.path (the last one loaded)
+_BESIDE: set[str] = set()  # the modules the last reward file loaded imported from beside it (``helper``)
+_REWARD_MODULES: set[str] = set()  # the names the reward files themselves are registered under
+_PROJECT = frozenset({"rlhf_core", "steps", "pipelines"})  # never imported anew: one copy of the project's classes
+
+
+def _beside(names, directory: str) -> set[str]:
+    """Of the modules ``names``, those imported from ``directory`` or a package in it (not this project's, nor a
+    reward module itself)."""
+    inside = os.path.join(directory, "")
+    return {name for name in names if name not in _REWARD_MODULES and name.partition(".")[0] not in _PROJECT
+            and isinstance(where := getattr(sys.modules.get(name), "__file__", None), str) and where.startswith(inside)}
 
 
 _CUSTOM_MODULE = "_custom_reward_"
@@ -104,7 +117,9 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
     those keyword arguments bound (a :func:`functools.partial`), as verl's ``reward_kwargs`` give them.
 
     The file runs as a fresh module on each call (module-level state starts anew), with its directory on
-    ``sys.path`` (last) so that it imports the modules beside it as a script does, and each stays registered
+    ``sys.path`` (last, in place of an earlier reward file's) so that it imports the modules beside it as a script
+    does, anew on each call (a helper edited since, or another folder's module of the same name, is not the one
+    imported before), and each stays registered
     in ``sys.modules`` under a name of its own (so that what it defines pickles by reference, as a
     ``multiprocessing`` pool inside the reward needs). Raises
     FileNotFoundError (no such file), ImportError (the file fails to run), AttributeError (no ``name`` in
@@ -130,17 +145,30 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
         )
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    _REWARD_MODULES.add(module_name)
     # the modules beside it import as a script's do (``from helper import f``), whatever the current directory or
-    # entry point; after the others on the path, so that a file beside it never hides a package of that name
-    if (directory := str(file.resolve().parent)) not in sys.path:
+    # entry point; after the others on the path, so that a file beside it never hides a package of that name. What
+    # the reward loaded before imported from beside it is imported anew (another folder's helper.py of the same name,
+    # or the same one edited since), and that reward's folder, where this loader put it on the path, leaves it
+    directory = str(file.resolve().parent)
+    for imported in _BESIDE:
+        sys.modules.pop(imported, None)
+    _BESIDE.clear()
+    sys.path[:] = [entry for entry in sys.path if entry not in _ADDED_DIRS or entry == directory]
+    _ADDED_DIRS[:] = [entry for entry in _ADDED_DIRS if entry == directory]
+    if directory not in sys.path:
         sys.path.append(directory)
+        _ADDED_DIRS.append(directory)
+    before = set(sys.modules)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
+        _BESIDE.update(_beside(set(sys.modules) - before, directory))
         sys.modules.pop(module_name, None)
         raise ImportError(
             f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
+    _BESIDE.update(_beside(set(sys.modules) - before, directory))
 
     if not hasattr(module, name):
         defined = sorted(
