@@ -716,11 +716,16 @@ def test_decodes_in_one_batch_call(char_tokenizer):
     ("torch.tensor(float(answer == ground_truth))", [True, False]),
     ("{'score': 1.0 if answer == ground_truth else 0.2, 'acc': None}", [True, False]),
     ("{'score': 1.0, 'acc': np.isclose(float(answer), float(ground_truth))}", [True, False]),
+    # results training refuses earn no marks, whatever their acc says
+    ("{'acc': 1.0}", [False, False]),
+    ("{'score': float('nan'), 'acc': True}", [False, False]),
+    ("{'score': 'right', 'acc': 1}", [False, False]),
 ])
 def test_the_reference_check_reads_a_result_as_training_does(tmp_path, returned, right):
     """A reference solution earns full marks on the result training counts as right: a score in numpy's types or
     a tensor (training reads np.float32(1.0) as 1.0; the check failed every row and stopped the pipeline), and a
-    dict whose acc is None falls back to its score, as the reward manager does."""
+    dict whose acc is None falls back to its score, as the reward manager does; a dict training refuses (no
+    score, a non-finite one, a score that is no number) is no full marks, whatever its acc."""
     import pandas as pd
 
     from rlhf_core.config import PPOConfig

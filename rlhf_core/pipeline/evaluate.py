@@ -765,15 +765,16 @@ def check_reward_unchanged(cfg: PPOConfig, pinned: Mapping[str, Any], where: str
 
 def _full_marks(result: Any, full_score: float) -> bool:
     """Whether a reward result is a right answer as training reads it (:class:`RewardManager`): its ``acc`` where it
-    gives one (right above 0, as the evaluation counts it), else a finite score of ``full_score`` or more; a score
-    of numpy's types or in a 0-d tensor counts as the number it holds."""
-    if isinstance(result, Mapping):
-        if result.get("acc") is not None:
-            acc = as_number(result["acc"])
-            return acc is not None and acc > 0
-        result = result.get("score")
-    score = as_number(result)
-    return score is not None and math.isfinite(score) and score >= full_score
+    gives one (right above 0, as the evaluation counts it), else a score of ``full_score`` or more; never without a
+    finite score, which training refuses; a score of numpy's types or in a 0-d tensor counts as the number it
+    holds."""
+    score = as_number(result.get("score") if isinstance(result, Mapping) else result)
+    if score is None or not math.isfinite(score):  # training stops on such a result, whatever its acc says
+        return False
+    if isinstance(result, Mapping) and result.get("acc") is not None:
+        acc = as_number(result["acc"])
+        return acc is not None and acc > 0
+    return score >= full_score
 
 
 @dataclass
