@@ -220,10 +220,13 @@ def test_a_nan_grad_norm_is_warned(tmp_path, capsys):
     """NaN is not above the threshold by comparison, yet it is the grad norm that most needs the warning."""
     with Tracking(["console"], "p", "e", tmp_path, warn_thresholds={"grad_norm": 5.0}) as tracker:
         tracker.log({"actor/grad_norm": float("nan"), "critic/grad_norm": 1.0}, step=1)
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line == ("step 1 | WARNING actor grad_norm nan: a gradient was not finite and that mini-batch's update "
-                    "was skipped (training/skipped_steps); lower the learning rate "
-                    "(actor_rollout_ref.actor.optim.lr)")
+        tracker.log({"actor/grad_norm": 1.0, "critic/grad_norm": float("inf")}, step=2)  # skipped alike
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("step 1 | WARNING actor grad_norm nan: a gradient was not finite and that mini-batch's update "
+                        "was skipped (training/skipped_steps); lower the learning rate "
+                        "(actor_rollout_ref.actor.optim.lr)")
+    assert lines[1] == ("step 2 | WARNING critic grad_norm inf: a gradient was not finite and that mini-batch's "
+                        "update was skipped (training/skipped_steps); lower the learning rate (critic.optim.lr)")
 
 
 # ----------------------------------------------------------------------------------------------- file

@@ -311,10 +311,10 @@ class ConsoleLogger(Backend):
         if gn_limit is not None:
             for key, (who, prefix) in _GRAD_NORM_KEYS.items():
                 value = metrics.get(key)
-                if value is not None and math.isnan(value):  # (a comparison with the limit is false for NaN)
+                if value is not None and not math.isfinite(value):  # (NaN is never above the limit; no clip helps)
                     out.append(
-                        f"{who} grad_norm nan: a gradient was not finite and that mini-batch's update was skipped "
-                        f"(training/skipped_steps); lower the learning rate ({prefix}.optim.lr)"
+                        f"{who} grad_norm {_fmt(value)}: a gradient was not finite and that mini-batch's update was "
+                        f"skipped (training/skipped_steps); lower the learning rate ({prefix}.optim.lr)"
                     )
                 elif value is not None and value > gn_limit:
                     out.append(
