@@ -239,7 +239,8 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     assert capsys.readouterr().err.splitlines() == [
         f"notice: data.train_files: data.truncation={side} cut 1 of 2 prompts longer than data.max_prompt_length "
         f"(100 tokens) to that length (first: {path} row 1), keeping their {kept}"
-        for side, kept in (("left", "ends: a system turn and the start of the question are gone"),
+        for side, kept in (("left", "ends: their starts are gone (a system turn where there is one, the start of the "
+                                    "question)"),
                            ("right", "starts: the end of the question and a chat template's generation prompt are "
                                      "gone, so the policy continues the user's text rather than answering it"))]
     kept = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True))

@@ -255,7 +255,7 @@ def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict | No
 
 #: what each ``data.truncation`` takes from an over-long prompt, said at start-up beside the count
 TRUNCATION_CUTS = {
-    "left": "keeping their ends: a system turn and the start of the question are gone",
+    "left": "keeping their ends: their starts are gone (a system turn where there is one, the start of the question)",
     "right": "keeping their starts: the end of the question and a chat template's generation prompt are gone, so the "
              "policy continues the user's text rather than answering it",
     "middle": "keeping both ends: the middle of each is gone",
