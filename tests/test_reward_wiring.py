@@ -45,3 +45,6 @@ def test_a_reward_functions_own_overlong_reward_entry_is_not_added_to_the_valida
     assert metrics["val-aux/synthetic/arithmetic/reward/mean@1"] == pytest.approx(0.5)
     step = trainer.train_step(trainer.train_dataset.collate(list(range(4))))
     assert step["critic/score/mean"] == pytest.approx(0.5)
+    # and the entry is reported as any other of the reward's numbers (it was dropped from every metric)
+    assert metrics["val-aux/synthetic/arithmetic/overlong_reward/mean@1"] == pytest.approx(-0.5)
+    assert step["critic/overlong_reward/mean"] == pytest.approx(-0.5)

@@ -60,14 +60,17 @@ from rlhf_core.workers.critic import CriticWorker, build_critic
 from rlhf_core.workers.group import WorkerError
 
 #: Reward extras reported on their own terms, not as ``critic/<key>/mean`` of every response.
-_OWN_METRICS = ("score", "acc", "overlong_reward")
+_OWN_METRICS = ("score", "acc")
 
 
-def reported_extras(extras: dict) -> list[str]:
+def reported_extras(extras: dict, shaped: bool) -> list[str]:
     """The per-response numbers among the reward extras to report as they are: a reward model's
     ``rm_score`` and ``gold_reward`` (the rule's score), and the other numeric entries a reward
-    function returns (``score``, ``acc`` and DAPO's ``overlong_reward`` have metrics of their own)."""
-    return [key for key, value in extras.items() if isinstance(value, torch.Tensor) and key not in _OWN_METRICS]
+    function returns (``score`` and ``acc`` have metrics of their own, and so has ``overlong_reward`` where
+    ``shaped``, ``reward_model.overlong_buffer.enable``, put DAPO's penalty there; else it is the reward
+    function's own entry of that name, reported as any other)."""
+    own = _OWN_METRICS + (("overlong_reward",) if shaped else ())
+    return [key for key, value in extras.items() if isinstance(value, torch.Tensor) and key not in own]
 
 
 @contextmanager
@@ -533,7 +536,7 @@ class PPOTrainer:
         if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
-        for key in reported_extras(extras):  # e.g. a reward model's score and the rule's (gold) apart
+        for key in reported_extras(extras, cfg.reward_model.overlong_buffer.enable):  # e.g. an RM's and the rule's
             if (mean := _nanmean(extras[key])) is not None:
                 metrics[f"critic/{key}/mean"] = mean
         metrics.update(timings)
@@ -587,7 +590,7 @@ class PPOTrainer:
                     answers += [None] * len(extras["acc"])  # not graded (no ground truth): nothing to vote on
                 else:
                     answers = None
-                for key in reported_extras(extras):
+                for key in reported_extras(extras, self.config.reward_model.overlong_buffer.enable):
                     for source, value in zip(batch.meta["data_source"], extras[key]):
                         apart.setdefault((key, source), []).append(float(value))
                 bar.update(len(rows))
