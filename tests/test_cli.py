@@ -403,6 +403,54 @@ def test_a_ctrl_c_while_the_reward_model_loads_exits_130_saying_nothing_was_save
         "trained step lost; no checkpoint is saved"]
 
 
+def test_a_ctrl_c_while_a_failed_run_closes_says_the_failure_with_its_status(tmp_path, monkeypatch, capsys):
+    """A guard's stop (PPO) or a worker's failure (reward model) on its way out when a Ctrl-C comes (the run closing
+    its workers or trackers): the failure is said, with its own status, not hidden behind "no trained step lost"
+    and 130; an error the commands do not know is raised with the Ctrl-C, its traceback kept."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from rlhf_core.cli import train
+    from rlhf_core.training.guards import GuardError
+    from rlhf_core.workers.group import WorkerError
+
+    def closing_after(error):
+        def failing(*args):
+            try:
+                raise error
+            finally:  # (the run closes its workers as the error leaves)
+                signal.raise_signal(signal.SIGINT)
+        return failing
+
+    monkeypatch.setattr(train, "run", closing_after(GuardError("KL 812.3 above trainer.max_kl 10")))
+    assert _ctrl_c_in(train.ppo, [f"trainer.default_local_dir={tmp_path}"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "error: KL 812.3 above trainer.max_kl 10",
+        "(a Ctrl-C came while the run closed after that; nothing else was lost)"]
+
+    def failing(log):
+        raise WorkerError("worker rank 1 died")
+
+    def trainer(cfg, frames):  # the Ctrl-C comes as the workers shut down, after the steps' handler is gone
+        return SimpleNamespace(local_dir=tmp_path / "rm", total_steps=4, global_step=0, resumed_from=None,
+                               stop_requested=None, started=contextlib.nullcontext, train=failing,
+                               shutdown=lambda: signal.raise_signal(signal.SIGINT))
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", trainer)
+    assert _ctrl_c_in(train.train_rm, [f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "error: worker rank 1 died", "(a Ctrl-C came while the run closed after that; nothing else was lost)"]
+    monkeypatch.setattr(train, "run", closing_after(ZeroDivisionError("a bug")))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            train.ppo([f"trainer.default_local_dir={tmp_path}"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert isinstance(raised.value.__context__, ZeroDivisionError)
+
+
 def test_a_reward_model_worker_that_fails_exits_1_as_ppos_workers(tmp_path, monkeypatch, capsys):
     """Exit 1 is a run that failed (PPO: a guard's stop or a worker's failure), 2 input refused; rlhf-train-rm
     alone gave a failed worker 3."""

@@ -92,6 +92,34 @@ def releases_ray(command):
     return wrapped
 
 
+def _failure(exc: BaseException | None) -> tuple[str, int] | None:
+    """(the message, the exit status) of a run that failed with ``exc`` (PPO's or a reward model's), None for an
+    error these commands do not know (a bug: its traceback is shown)."""
+    if isinstance(exc, RewardError):  # the user's reward function, not the run: its message says which checkpoint
+        return f"error: {exc}", 2
+    if isinstance(exc, (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError)):
+        return str(exc), 2
+    if isinstance(exc, (GuardError, WorkerError)):
+        return f"error: {exc}", 1
+    if isinstance(exc, TrainingInterrupted):
+        return str(exc), 128 + exc.signal_number
+    return None
+
+
+def _interrupted_while_failing(interrupt: KeyboardInterrupt) -> int | None:
+    """Where a Ctrl-C came while a failed run closed (its workers, its trackers), that failure said as its own
+    handler says it, with its status (the Ctrl-C lost nothing more); a failure these commands do not know is raised
+    with the Ctrl-C (both tracebacks). None: the Ctrl-C came on its own."""
+    failed = interrupt.__context__
+    if not isinstance(failed, Exception):
+        return None
+    said = _failure(failed)
+    if said is None:
+        raise interrupt
+    print(f"{said[0]}\n(a Ctrl-C came while the run closed after that; nothing else was lost)", file=sys.stderr)
+    return said[1]
+
+
 @releases_ray
 def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("rlhf-ppo"), description="PPO training with verl's config keys.")
@@ -103,22 +131,17 @@ def ppo(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         result = run(cfg)
-    except KeyboardInterrupt:  # (within the steps, stop_on_signals turns a Ctrl-C into TrainingInterrupted)
+    except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
+        if (status := _interrupted_while_failing(interrupt)) is not None:
+            return status
         print(stopped_at_once(cfg and cfg.trainer.default_local_dir, cfg is None or cfg.trainer.save_on_interrupt,
                               cfg and rerun_advice(cfg.trainer.resume_mode)), file=sys.stderr)
         return 128 + signal.SIGINT
-    except RewardError as exc:  # the user's reward function, not the run: its message says which checkpoint is left
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except (GuardError, WorkerError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except TrainingInterrupted as exc:
-        print(exc, file=sys.stderr)
-        return 128 + exc.signal_number
+    except Exception as exc:
+        if (said := _failure(exc)) is None:
+            raise
+        print(said[0], file=sys.stderr)
+        return said[1]
     acc = result.final_val_acc
     trained = len(result.history)  # this run's steps (a resumed run's count goes on from its checkpoint's)
     done = (f"validated at step {result.steps}" if cfg.trainer.val_only  # (its history: the validation's record)
@@ -177,7 +200,9 @@ def train_rm(argv: list[str] | None = None) -> int:
     except TrainingInterrupted as exc:
         print(exc, file=sys.stderr)
         return 128 + exc.signal_number
-    except KeyboardInterrupt:  # (within the steps, stop_on_signals turns a Ctrl-C into TrainingInterrupted)
+    except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
+        if (status := _interrupted_while_failing(interrupt)) is not None:
+            return status
         rm = cfg.reward_model.train
         print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt,
                               rerun_advice(rm.resume_mode, "reward_model.train")), file=sys.stderr)
