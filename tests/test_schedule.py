@@ -115,6 +115,10 @@ def test_print_crontab(tmp_path, capsys, monkeypatch):
      "min_improvment is not a parameter of pipelines.retrain.rlhf_retrain_pipeline (its parameters: trainer_config, "),
     ("enable_cache: true\nparameters: {}\n", "enable_cache: true would replay earlier runs' steps"),
     ("parameters:\n  trainer_config: configs/no_such.yaml\n", "config file configs/no_such.yaml does not exist"),
+    ("parameters: {}\nsteps:\n  evaluat:\n    parameters: {max_problems: 8}\n",
+     "steps.evaluat is not a step of rlhf_retrain_pipeline; did you mean evaluate?"),
+    ("parameters: {}\nsteps:\n  evaluate:\n    parameters: {max_problem: 8}\n",
+     "steps.evaluate.parameters.max_problem is not a parameter of the step evaluate; did you mean max_problems?"),
 ])
 def test_a_run_config_that_cannot_run_is_refused_before_anything_is_scheduled(tmp_path, capsys, monkeypatch,
                                                                              run_config, told):

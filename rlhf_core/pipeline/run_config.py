@@ -18,6 +18,7 @@ pipeline does not have (:mod:`rlhf_core.pipeline.checked`)."""
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import re
@@ -147,6 +148,11 @@ def _file_problems(cfg: PPOConfig, trains_reward_model: bool) -> list[str]:
     return problems
 
 
+#: set while :func:`check_run_config_file` prepares a pipeline (its function run to list its steps): the pipeline's
+#: own check of its parameters then checks them as that function does, no files (a scheduled run reads them later)
+_SCHEDULING: contextvars.ContextVar[bool] = contextvars.ContextVar("scheduling", default=False)
+
+
 def check_run_config(config_file: str, overrides: Sequence[str] | None, train_files: str | list[str] | None,
                      val_files: str | list[str] | None, min_improvement: float, alpha: float,
                      trains_reward_model: bool = False, min_pair_accuracy: float | None = None,
@@ -161,7 +167,10 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
     or an environment variable it reads is only where the steps run) is left to the ``load_ppo_config`` step.
 
     ``compiling=False`` (:func:`check_run_config_file`, before runs are scheduled): no pipeline context to ask
-    about caching, and no files checked, since a scheduled run reads them when it starts, not now."""
+    about caching, and no files checked, since a scheduled run reads them when it starts, not now; nor are they
+    while that check prepares the pipeline to list its steps (:data:`_SCHEDULING`)."""
+    if _SCHEDULING.get():
+        compiling = False
     try:
         check_gate(min_improvement, alpha)
         if compiling:
@@ -188,7 +197,8 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
     """The check :func:`check_run_config` makes as the pipeline ``pipeline_source`` (``module.name``) compiles,
     made once on the run config file ``run_config`` before runs are scheduled with it (``rlhf-schedule``), so that a
     typo is told now rather than at each scheduled run: its parameters, the pipeline's defaults for those it leaves
-    out, must be the pipeline's and resolve; ``enable_cache`` is refused. Raises :class:`RunConfigError`."""
+    out, must be the pipeline's and resolve; ``enable_cache`` is refused; its ``steps:`` must name the pipeline's
+    steps and their parameters. Raises :class:`RunConfigError`."""
     import importlib
     import inspect
     import typing
@@ -228,3 +238,15 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
                      values.get("val_files"), values["min_improvement"], values["alpha"],
                      trains_reward_model="min_pair_accuracy" in parameters,
                      min_pair_accuracy=values.get("min_pair_accuracy"), compiling=False)
+    # its steps: section, as zenml pipeline run refuses it (a step the pipeline does not have, or a step's parameter
+    # the step does not take); the pipeline's steps are known once its function has run (prepared), not before
+    from rlhf_core.pipeline.checked import step_config_problems
+
+    prepared = getattr(importlib.import_module(module), name).with_options()
+    scheduling = _SCHEDULING.set(True)
+    try:
+        prepared.prepare(**given)
+    finally:
+        _SCHEDULING.reset(scheduling)
+    if problems := step_config_problems(run_config, prepared):
+        raise RunConfigError(f"run config {run_config}: {'; '.join(problems)}")
