@@ -652,7 +652,8 @@ def test_a_run_configs_unknown_step_or_step_parameter_exits_1_naming_it_without_
 
 
 @pytest.mark.parametrize(("module", "name"), [("pipelines.rlhf_ppo", "rlhf_ppo_pipeline"),
-                                              ("pipelines.rlhf_rm", "rlhf_rm_pipeline")])
+                                              ("pipelines.rlhf_rm", "rlhf_rm_pipeline"),
+                                              ("pipelines.retrain", "rlhf_retrain_pipeline")])
 def test_a_pipeline_module_run_as_a_script_says_how_to_run_it_and_exits_2(repo_root, tmp_path, module, name):
     """python -m pipelines.<name> -c CONFIG did nothing and exited 0, as if the run had gone through."""
     env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
@@ -661,4 +662,5 @@ def test_a_pipeline_module_run_as_a_script_says_how_to_run_it_and_exits_2(repo_r
                           text=True, cwd=repo_root, env=env, timeout=300)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines()[-1] == (f"{module} is run by ZenML's command: zenml pipeline run {module}.{name} "
-                                            "-c RUN_CONFIG.yaml")
+                                            "-c RUN_CONFIG.yaml" + (" (or on a schedule: rlhf-schedule)"
+                                                                    if name == "rlhf_retrain_pipeline" else ""))
