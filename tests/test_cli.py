@@ -664,3 +664,23 @@ def test_a_pipeline_module_run_as_a_script_says_how_to_run_it_and_exits_2(repo_r
     assert done.stderr.splitlines()[-1] == (f"{module} is run by ZenML's command: zenml pipeline run {module}.{name} "
                                             "-c RUN_CONFIG.yaml" + (" (or on a schedule: rlhf-schedule)"
                                                                     if name == "rlhf_retrain_pipeline" else ""))
+
+
+def test_a_parameter_of_a_union_type_is_named_once_without_the_unions_branches():
+    """pydantic names a union's branch in an error's location (train_files[str], train_files[list[str]]): one
+    mistake read as two lines about keys that do not exist."""
+    import pydantic
+
+    from rlhf_core.pipeline.checked import parameter_problems
+
+    def pipeline(train_files: str | list[str] | None = None, alpha: float = 0.05, steps: list[int] | None = None):
+        pass
+
+    with pytest.raises(pydantic.ValidationError) as error:
+        pydantic.validate_call(pipeline)(train_files=["a.parquet", 3], alpha="abc", steps=[1, "x"])
+    assert parameter_problems(pipeline, error.value) == [
+        "train_files=['a.parquet', 3]: fits none of the types it may take (train_files takes str | list[str] | None)",
+        "alpha='abc': Input should be a valid number, unable to parse string as a number (alpha takes float)",
+        # (one error where the value's own position is wrong: named by it)
+        "steps[1]='x': Input should be a valid integer, unable to parse string as an integer (steps takes "
+        "list[int] | None)"]

@@ -22,10 +22,9 @@ def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) ->
     line each, naming the parameter as the run config's ``parameters:`` writes it and what it takes."""
     parameters = inspect.signature(entrypoint).parameters
     name = entrypoint.__name__
-    problems = []
+    problems, mistyped = [], {}  # (the errors of a value, by its parameter)
     for item in error.errors():
         key = str(item["loc"][0]) if item["loc"] else "?"
-        where = key + "".join(f"[{part}]" for part in item["loc"][1:])
         if item["type"] == "unexpected_keyword_argument":
             close = difflib.get_close_matches(key, parameters, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
@@ -33,9 +32,18 @@ def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) ->
         elif item["type"] in ("missing_argument", "missing"):
             problems.append(f"{name} needs the parameter {key}")
         else:
-            annotation = parameters[key].annotation if key in parameters else inspect.Parameter.empty
-            takes = "" if annotation is inspect.Parameter.empty else f" ({key} takes {annotation})"
-            problems.append(f"{where}={item['input']!r}: {item['msg']}{takes}")
+            mistyped.setdefault(key, []).append(item)
+    for key, items in mistyped.items():
+        annotation = parameters[key].annotation if key in parameters else inspect.Parameter.empty
+        takes = "" if annotation is inspect.Parameter.empty else f" ({key} takes {annotation})"
+        # pydantic names a union's branch in the location (('train_files', 'str'), ('train_files', 'list[str]', 1)):
+        # a location of list positions alone is the value's own; else the value fits none of the union's types
+        if len(items) == 1 and all(isinstance(part, int) for part in items[0]["loc"][1:]):
+            where = key + "".join(f"[{part}]" for part in items[0]["loc"][1:])
+            problems.append(f"{where}={items[0]['input']!r}: {items[0]['msg']}{takes}")
+        else:
+            whole = next((item for item in items if len(item["loc"]) <= 2), items[0])["input"]
+            problems.append(f"{key}={whole!r}: fits none of the types it may take{takes}")
     return problems
 
 
