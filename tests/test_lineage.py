@@ -185,6 +185,12 @@ def _summary(capsys, version: str, meta: dict, run_id: str, run_name: str, statu
     return capsys.readouterr().out
 
 
+def test_the_summary_shows_accuracies_to_four_places_as_the_decision_does(capsys):
+    out = _summary(capsys, "3", {"accuracy": 0.8720703125, "base_accuracy": 0.41015625}, "run-3", "r-3", "completed",
+                   pipeline_run_ids={"r-3": "run-3"})
+    assert "model:      m version 3: accuracy 0.8721 (base model 0.4102)" in out
+
+
 def test_the_summary_names_the_run_of_a_version_that_failed_before_promotion(capsys):
     out = _summary(capsys, "10", {}, "run-7", "rlhf_ppo_pipeline-7",
                    pipeline_run_ids={"rlhf_ppo_pipeline-7": "run-7"})

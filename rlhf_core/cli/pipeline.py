@@ -170,8 +170,11 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
     if "skipped" in meta:  # a retraining run with nothing new: no model was trained or evaluated
         print(f"model:      {args.model} version {latest.name}: training skipped: {meta['skipped']}")
     else:
-        print(f"model:      {args.model} version {latest.name}: accuracy {meta.get('accuracy', 'n/a')} "
-              f"(base model {meta.get('base_accuracy', 'n/a')})")
+        def shown(value):  # (4 places, as the decision's figures; the metadata keeps the exact fraction)
+            return f"{value:.4f}" if isinstance(value, float) else value
+
+        print(f"model:      {args.model} version {latest.name}: accuracy {shown(meta.get('accuracy', 'n/a'))} "
+              f"(base model {shown(meta.get('base_accuracy', 'n/a'))})")
     if "failed_step" in meta and "decision_reason" not in meta:  # recorded by the pipelines' failure hook
         print(f"decision:   none: the run failed at step {meta['failed_step']}: {meta.get('failure', '')}")
     else:
