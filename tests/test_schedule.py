@@ -213,6 +213,27 @@ def test_weekdays_are_read_as_crontab_reads_them(cron, fires):
     assert _fire_days(cron, len(fires)) == fires
 
 
+@pytest.mark.parametrize(("cron", "fires"), [
+    # a fixed time inside the hour the clocks go back (Paris, 25 October 2026: 03:00 CEST becomes 02:00 CET) comes
+    # twice; cron runs such a job once
+    ("30 2 * * *", ["2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00", "2026-10-27T02:30:00+01:00"]),
+    # a wildcard hour runs in both copies of the hour, as cron's does
+    ("30 * * * *", ["2026-10-25T01:30:00+02:00", "2026-10-25T02:30:00+02:00", "2026-10-25T02:30:00+01:00",
+                    "2026-10-25T03:30:00+01:00"]),
+])
+def test_a_fixed_time_fires_once_when_the_clocks_go_back(cron, fires):
+    from datetime import datetime
+    from zoneinfo import ZoneInfo
+
+    paris = ZoneInfo("Europe/Paris")
+    trigger = schedule.make_trigger(cron=cron, timezone=paris)
+    previous, now, got = None, datetime(2026, 10, 25, 1, 0, tzinfo=paris), []
+    for _ in fires:
+        previous = now = trigger.get_next_fire_time(previous, now)
+        got.append(previous.isoformat())
+    assert got == fires
+
+
 @pytest.mark.parametrize(("field", "names"), [
     ("0", "sun"), ("7", "sun"), ("1-5", "mon,tue,wed,thu,fri"), ("1-5/2", "mon,wed,fri"),
     ("*/2", "sun,tue,thu,sat"), ("*/3", "sun,wed,sat"), ("6,0", "sun,sat"), ("SAT-sun", "sun,sat"), ("*", "*"),

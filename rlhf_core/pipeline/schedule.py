@@ -12,6 +12,7 @@ block in the run config instead; see ``configs/retrain_demo.yaml``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -120,9 +121,38 @@ def _cron_trigger(cron: str, timezone: Any = None):
         if not CRON_NUMBERS.fullmatch(value):  # APScheduler reads more ("last", "L"), which cron refuses
             raise ValueError(f"{name} {value!r}: crontab takes numbers, *, ranges (1-5), steps (*/2) and lists (1,15)")
     if day.startswith("*") or weekday.startswith("*"):
-        return trigger(day, day_of_week)
-    # both restricted: crontab fires on either ("0 3 1 * mon": the 1st and every Monday), APScheduler on both at once
-    return OrTrigger([trigger(day, "*"), trigger("*", day_of_week)])
+        made = trigger(day, day_of_week)
+    else:  # both restricted: crontab fires on either ("0 3 1 * mon": the 1st and every Monday), APScheduler on both
+        made = OrTrigger([trigger(day, "*"), trigger("*", day_of_week)])
+    # a job at fixed times (neither minute nor hour a wildcard) runs once where the clocks go back and its time comes
+    # twice, as cron runs it; a wildcard one (hourly, */15) runs in both copies of the hour, as cron's does
+    return made if minute.startswith("*") or hour.startswith("*") else _once_at_repeated_time_class()(made)
+
+
+@functools.cache
+def _once_at_repeated_time_class():
+    """The trigger class below, made once APScheduler is imported (this module imports it only when it schedules)."""
+    from apscheduler.triggers.base import BaseTrigger
+
+    class OnceAtRepeatedTime(BaseTrigger):
+        """``trigger``, whose next fire time is skipped where it shows the previous one's clock time again (the hour
+        the clocks go back: 02:30+02:00, then 02:30+01:00)."""
+
+        def __init__(self, trigger):
+            self.trigger = trigger
+
+        def get_next_fire_time(self, previous_fire_time, now):
+            fire = self.trigger.get_next_fire_time(previous_fire_time, now)
+            while fire is not None and previous_fire_time is not None \
+                    and fire.replace(tzinfo=None) == previous_fire_time.replace(tzinfo=None):
+                fire = self.trigger.get_next_fire_time(fire, fire)
+            return fire
+
+        def __str__(self):
+            return str(self.trigger)
+
+    return OnceAtRepeatedTime
+
 
 
 def local_timezone():
