@@ -421,6 +421,22 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert capsys.readouterr().out.startswith("accuracy 50.00% ")
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
     assert "error: --custom-reward: " in capsys.readouterr().err
+    # keyword arguments reach the function as reward_kwargs do in training: scaled by 0.5, no answer earns full marks
+    scaled = tmp_path / "scaled.py"
+    scaled.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                      "    return scale * (1.0 if extra_info['index'] % 2 == 0 else 0.0)\n")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(scaled), "--reward-kwarg", "scale=0.5"]) == 0
+    assert capsys.readouterr().out.startswith("accuracy 0.00% ")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(scaled), "--reward-kwarg", "scale=1"]) == 0
+    assert capsys.readouterr().out.startswith("accuracy 50.00% ")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(scaled), "--reward-kwarg", "scal=1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --custom-reward: " in err and "'scal'" in err
+    for argv, said in ((["--reward-kwarg", "scale=1"], "name that file"),
+                       (["--custom-reward", str(scaled), "--reward-kwarg", "scale"], "write KEY=VALUE")):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate([str(model), str(val), *short, *argv])
+        assert exit_.value.code == 2 and said in capsys.readouterr().err
     # a reward that raises: exit 2 (as rlhf-ppo's), one line that names the function, not a traceback
     broken = tmp_path / "broken.py"
     broken.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -50,6 +50,9 @@ def evaluate(argv: list[str] | None = None) -> int:
                         help="grade with the function of this file (as custom_reward_function.path), not the "
                              "built-in rules by data source; it also grades prompts without a ground truth")
     parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
+    parser.add_argument("--reward-kwarg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a keyword argument the function is called with (repeatable; the value read as YAML), "
+                             "as custom_reward_function.reward_kwargs gives it in training")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
@@ -65,6 +68,19 @@ def evaluate(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} {value} must be >= 1")
     if args.sample_seed < 0:
         parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
+    if args.reward_kwarg and not args.custom_reward:
+        parser.error("--reward-kwarg is given to the function of --custom-reward FILE.py; name that file")
+    reward_kwargs = {}
+    for item in args.reward_kwarg:
+        key, equals, value = item.partition("=")
+        if not (equals and key.strip().isidentifier()):
+            parser.error(f"--reward-kwarg {item!r}: write KEY=VALUE, KEY a Python name (e.g. --reward-kwarg scale=2)")
+        import yaml
+
+        try:
+            reward_kwargs[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            parser.error(f"--reward-kwarg {item!r}: the value does not read as YAML ({' '.join(str(exc).split())})")
     if args.html:  # before the evaluation, not after it
         folder = Path(args.html).resolve().parent
         if not folder.is_dir():
@@ -83,8 +99,8 @@ def evaluate(argv: list[str] | None = None) -> int:
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left", prompt_key=args.prompt_key)
     try:  # what loading a reward file raises (see load_custom_reward_fn)
-        reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name) if args.custom_reward
-                     else None)
+        reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name, reward_kwargs or None)
+                     if args.custom_reward else None)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         print(f"error: --custom-reward: {exc}", file=sys.stderr)
         return 2
