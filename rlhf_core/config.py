@@ -1241,14 +1241,16 @@ def _read_yaml(path: Path) -> DictConfig:
 
 
 def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callable[[str], None],
-           validate: bool) -> PPOConfig:
+           validate: bool, sources: Sequence[str | os.PathLike] = ()) -> PPOConfig:
     """Defaults, then the keys of each of ``trees`` in turn (a later one's override an earlier one's), then
-    ``overrides``; resolved, typed and (optionally) validated."""
+    ``overrides``; resolved, typed and (optionally) validated. ``sources``: the files the trees were read from,
+    named beside the problems of their keys."""
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
     deferred: dict[str, Any] = {}
     given: dict[str, Any] = {}  # the schema keys the files and the overrides set, with their values
-    for tree in trees:
+    for position, tree in enumerate(trees):
+        first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
         for key, value in _leaves(tree):
             if _deferred(key, value):
@@ -1258,6 +1260,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 _same_key_twice(in_file, target, key, target_value, errors)
                 _assign(cfg, target, target_value, errors)
                 given[target] = target_value
+        if position < len(sources):  # (a key misspelt in one of several files, or in a file a pipeline names)
+            errors[first:] = [f"{error} (in {sources[position]})" for error in errors[first:]]
     on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
     for text in overrides:
         _apply_override(cfg, text, notice, errors, deferred, given, on_command_line)
@@ -1353,7 +1357,7 @@ def load_config(
     else:
         files = list(config_file)
     trees = [_without_hydra_keys(_read_yaml(Path(file)), Path(file), notice) for file in files]
-    return _build(trees, overrides, notice, validate)
+    return _build(trees, overrides, notice, validate, sources=files)
 
 
 # ----------------------------------------------------------------------------- validation

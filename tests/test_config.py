@@ -553,8 +553,10 @@ def test_config_file_errors_name_the_file(tmp_path):
     (tmp_path / "typo.yaml").write_text("trainer:\n  sav_freq: 3\n  seed: x\n")
     with pytest.raises(ConfigError) as info:  # every problem in the file, not only the first
         load_config(config_file=tmp_path / "typo.yaml")
-    assert info.value.errors == ["unknown config key trainer.sav_freq; did you mean trainer.save_freq?",
-                                 "trainer.seed='x': Value 'x' of type 'str' could not be converted to Integer"]
+    typo = tmp_path / "typo.yaml"
+    assert info.value.errors == [f"unknown config key trainer.sav_freq; did you mean trainer.save_freq? (in {typo})",
+                                 f"trainer.seed='x': Value 'x' of type 'str' could not be converted to Integer (in "
+                                 f"{typo})"]
 
 
 def test_alias_inside_a_yaml_file(tmp_path):
@@ -979,3 +981,16 @@ def test_verls_ray_runtime_env_is_taken_as_trainer_ray_runtime_env(tmp_path):
     from_file = load_config([], config_file=path, notice=lambda _: None, validate=False)
     assert from_file.trainer.ray_runtime_env == {"working_dir": "/shared/job", "env_vars": {"VLLM_USE_V1": "1"}}
     assert load_config([], validate=False).trainer.ray_runtime_env == {}
+
+
+def test_a_key_misspelt_in_a_config_file_names_the_file(tmp_path):
+    """With several files (or one a pipeline names), the problem names the file whose key it is; an override's
+    problem names none."""
+    base, experiment = tmp_path / "base.yaml", tmp_path / "experiment.yaml"
+    base.write_text("trainer:\n  total_epochs: 2\n")
+    experiment.write_text("trainer:\n  total_trainig_steps: 5\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(["data.train_batch_sise=4"], config_file=[base, experiment], notice=lambda _: None)
+    assert error.value.errors == [
+        f"unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps? (in {experiment})",
+        "unknown config key data.train_batch_sise; did you mean data.train_batch_size?"]
