@@ -334,6 +334,25 @@ def test_each_reward_file_imports_its_own_helper_anew(tmp_path, monkeypatch):
     sys.modules.pop("reward_grading_helper", None)
 
 
+def test_a_package_an_environment_inside_the_rewards_folder_installed_is_imported_once(tmp_path, monkeypatch):
+    """A reward in the project root, whose .venv is inside it: the packages the reward is the first to import live
+    under its folder, yet are not beside it; imported anew at the next load, some fail (a registry that refuses a
+    second registration), so they stay as imported."""
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    (site / "reward_env_package").mkdir(parents=True)
+    (site / "reward_env_package" / "__init__.py").write_text("LOADS = []\n")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(site)])
+    monkeypatch.delitem(sys.modules, "reward_env_package", raising=False)
+    (tmp_path / "reward.py").write_text("import reward_env_package\n\n"
+                                        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                        "    return 1.0\n")
+    load_custom_reward_fn(tmp_path / "reward.py")
+    first = sys.modules["reward_env_package"]
+    load_custom_reward_fn(tmp_path / "reward.py")
+    assert sys.modules["reward_env_package"] is first
+    sys.modules.pop("reward_env_package", None)
+
+
 def test_reward_kwargs_are_bound_and_checked(tmp_path):
     path = tmp_path / "scaled.py"
     path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"

@@ -88,11 +88,19 @@ _PROJECT = frozenset({"rlhf_core", "steps", "pipelines"})  # never imported anew
 
 
 def _beside(names, directory: str) -> set[str]:
-    """Of the modules ``names``, those imported from ``directory`` or a package in it (not this project's, nor a
-    reward module itself)."""
-    inside = os.path.join(directory, "")
+    """Of the modules ``names``, those whose top-level module was found in ``directory`` itself: a module file
+    there (``helper.py``) or a package folder there, with its submodules; not this project's, nor a reward module
+    itself, nor what an environment inside the folder installed (``.venv/lib/.../site-packages``: such a package
+    is not the user's, and some cannot be imported twice in a process)."""
+    def found_there(top: str) -> bool:
+        module = sys.modules.get(top)
+        where = getattr(module, "__file__", None)
+        folder = os.path.join(directory, top)
+        return (isinstance(where, str) and os.path.dirname(where) in (directory, folder)) \
+            or folder in list(getattr(module, "__path__", None) or [])
+
     return {name for name in names if name not in _REWARD_MODULES and name.partition(".")[0] not in _PROJECT
-            and isinstance(where := getattr(sys.modules.get(name), "__file__", None), str) and where.startswith(inside)}
+            and found_there(name.partition(".")[0])}
 
 
 _CUSTOM_MODULE = "_custom_reward_"
