@@ -1274,6 +1274,10 @@ def test_a_resume_knows_the_custom_reward_by_its_code_not_by_how_its_path_is_wri
     moved.write_text("# the same reward\n" + moved.read_text().replace("return score()", "return  score( )"))
     for path in (tmp_path / "rw" / "reward.py", moved):
         checkpoint.check_config(ckpt, load_config(base + [f"custom_reward_function.path={path}"]))
+    # the reward dropped: the rest of the run would train under the built-in rule
+    with pytest.raises(CheckpointError, match=r"custom_reward_function.path: 'rw/reward.py' in the checkpoint, None "
+                                              "now"):
+        checkpoint.check_config(ckpt, load_config(base + ["custom_reward_function.path=null"]))
     (tmp_path / "rw" / "helper.py").write_text("def score():\n    return -1.0\n")
     with pytest.raises(CheckpointError, match=rf"custom_reward_function.path: {tmp_path / 'rw' / 'reward.py'} holds "
                                               r"other reward code than the checkpoint was trained with \(helper.py "

@@ -1212,7 +1212,11 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
     current = config.to_dict()
     fingerprints = path / MODELS_FILE
     saved_models = json.loads(fingerprints.read_text()) if fingerprints.is_file() else None
-    differing = [key for key in config_differences(saved, current) if key not in (saved_models or {})]
+    models = model_fingerprints(config) if models is None else models
+    # a key compared by content in both (a path given otherwise, the same model or reward code) is not compared as
+    # written; one the run no longer sets (a custom reward dropped) is
+    differing = [key for key in config_differences(saved, current)
+                 if key not in (saved_models or {}) or key not in models]
     problems = []
     if differing:
         # nulls as they resolve, and the keys the checkpoint predates as they stand
@@ -1220,7 +1224,7 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
         old, new = _resolved(with_former_values(saved_flat)), _resolved(flatten_config(current))
         problems.append("; ".join(difference_text(k, saved_flat, old, new) for k in differing))
     if saved_models is not None:
-        problems += _model_problems(saved_models, model_fingerprints(config) if models is None else models)
+        problems += _model_problems(saved_models, models)
     if problems:
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
