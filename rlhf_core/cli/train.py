@@ -108,14 +108,11 @@ def _failure(exc: BaseException | None) -> tuple[str, int] | None:
 
 def _interrupted_while_failing(interrupt: KeyboardInterrupt) -> int | None:
     """Where a Ctrl-C came while a failed run closed (its workers, its trackers), that failure said as its own
-    handler says it, with its status (the Ctrl-C lost nothing more); a failure these commands do not know is raised
-    with the Ctrl-C (both tracebacks). None: the Ctrl-C came on its own."""
-    failed = interrupt.__context__
-    if not isinstance(failed, Exception):
-        return None
-    said = _failure(failed)
+    handler says it, with its status (the Ctrl-C lost nothing more). None: the Ctrl-C came on its own, or while some
+    code handled an error of its own (a library's fallback on a KeyError), which is no failure of the run."""
+    said = _failure(interrupt.__context__)
     if said is None:
-        raise interrupt
+        return None
     print(f"{said[0]}\n(a Ctrl-C came while the run closed after that; nothing else was lost)", file=sys.stderr)
     return said[1]
 

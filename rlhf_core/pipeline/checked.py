@@ -38,12 +38,13 @@ def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) ->
         takes = "" if annotation is inspect.Parameter.empty else f" ({key} takes {annotation})"
         # pydantic names a union's branch in the location (('train_files', 'str'), ('train_files', 'list[str]', 1)):
         # a location of list positions alone is the value's own; else the value fits none of the union's types
-        if len(items) == 1 and all(isinstance(part, int) for part in items[0]["loc"][1:]):
-            where = key + "".join(f"[{part}]" for part in items[0]["loc"][1:])
-            problems.append(f"{where}={items[0]['input']!r}: {items[0]['msg']}{takes}")
+        if all(isinstance(part, int) for item in items for part in item["loc"][1:]):
+            for item in items:
+                where = key + "".join(f"[{part}]" for part in item["loc"][1:])
+                problems.append(f"{where}={item['input']!r}: {item['msg']}{takes}")
         else:
-            whole = next((item for item in items if len(item["loc"]) <= 2), items[0])["input"]
-            problems.append(f"{key}={whole!r}: fits none of the types it may take{takes}")
+            whole = next(item for item in items if len(item["loc"]) > 1 and isinstance(item["loc"][1], str))
+            problems.append(f"{key}={whole['input']!r}: fits none of the types it may take{takes}")
     return problems
 
 
