@@ -40,7 +40,8 @@ def test_a_reward_functions_own_overlong_reward_entry_is_not_added_to_the_valida
     reward = tmp_path / "own_penalty.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return {'score': 1.0 - 0.5, 'overlong_reward': -0.5}\n")
-    trainer = _trainer(tiny, reward, "actor_rollout_ref.rollout.val_kwargs.n=1")
+    trainer = _trainer(tiny, reward, "actor_rollout_ref.rollout.val_kwargs.n=1",
+                       "reward_model.overlong_buffer.log=true")  # (logs DAPO's penalty, where one is applied)
     metrics = trainer.validate()
     assert metrics["val-aux/synthetic/arithmetic/reward/mean@1"] == pytest.approx(0.5)
     step = trainer.train_step(trainer.train_dataset.collate(list(range(4))))
@@ -48,3 +49,4 @@ def test_a_reward_functions_own_overlong_reward_entry_is_not_added_to_the_valida
     # and the entry is reported as any other of the reward's numbers (it was dropped from every metric)
     assert metrics["val-aux/synthetic/arithmetic/overlong_reward/mean@1"] == pytest.approx(-0.5)
     assert step["critic/overlong_reward/mean"] == pytest.approx(-0.5)
+    assert "critic/overlong/ratio" not in step  # no penalty applied: no share of penalised responses to report

@@ -533,7 +533,7 @@ class PPOTrainer:
             top_only=algo.adv_estimator == "grpo_passk")
         if (acc := _nanmean(extras["acc"])) is not None:  # NaN: a prompt without a ground truth
             metrics["critic/acc/mean"] = acc
-        if "overlong_reward" in extras and cfg.reward_model.overlong_buffer.log:
+        if cfg.reward_model.overlong_buffer.enable and cfg.reward_model.overlong_buffer.log:  # (DAPO's penalty)
             metrics["critic/overlong_reward/mean"] = float(extras["overlong_reward"].mean())
             metrics["critic/overlong/ratio"] = float((extras["overlong_reward"] < 0).float().mean())
         for key in reported_extras(extras, cfg.reward_model.overlong_buffer.enable):  # e.g. an RM's and the rule's
