@@ -1278,6 +1278,9 @@ def test_a_resume_knows_the_custom_reward_by_its_code_not_by_how_its_path_is_wri
     with pytest.raises(CheckpointError, match=r"custom_reward_function.path: 'rw/reward.py' in the checkpoint, None "
                                               "now"):
         checkpoint.check_config(ckpt, load_config(base + ["custom_reward_function.path=null"]))
+    (tmp_path / "rw" / "helper.py").write_text("def score(:\n")  # being edited: not Python
+    with pytest.raises(CheckpointError, match=rf"{tmp_path / 'rw' / 'reward.py'} cannot be read as Python now"):
+        checkpoint.check_config(ckpt, trained_with)
     (tmp_path / "rw" / "helper.py").write_text("def score():\n    return -1.0\n")
     with pytest.raises(CheckpointError, match=rf"custom_reward_function.path: {tmp_path / 'rw' / 'reward.py'} holds "
                                               r"other reward code than the checkpoint was trained with \(helper.py "

@@ -1180,7 +1180,10 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[st
         now = current.get(key)
         if now is None or now["files"] == then["files"] and (now["files"] is not None or now["path"] == then["path"]):
             continue  # (two paths that name no folder are told apart by the paths themselves)
-        if key == REWARD_PATH_KEY:
+        if key == REWARD_PATH_KEY and now["files"] is None:
+            what = (f"{now['path']} cannot be read as Python now (the checkpoint was trained with the code of "
+                    f"{then['path']})")
+        elif key == REWARD_PATH_KEY:
             changed = sorted(name for name in set(now["files"] or {}) | set(then["files"] or {})
                              if (now["files"] or {}).get(name) != (then["files"] or {}).get(name))
             what = (f"{now['path']} holds other reward code than the checkpoint was trained with "
