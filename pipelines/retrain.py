@@ -19,7 +19,7 @@ from zenml import Model, get_pipeline_context, pipeline
 from zenml.enums import ExecutionMode, ModelStages
 
 from pipelines.rlhf_ppo import DEFAULT_MODEL
-from rlhf_core.pipeline.checked import checked_parameters
+from rlhf_core.pipeline.checked import checked_parameters, run_by_zenml
 from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.run_config import check_run_config
 from steps.check_new_data import check_new_data
@@ -66,8 +66,4 @@ def rlhf_retrain_pipeline(
 
 
 if __name__ == "__main__":  # (importing the module defines the pipeline; ZenML's command runs it)
-    import sys
-
-    print(f"{__spec__.name} is run by ZenML's command: zenml pipeline run {__spec__.name}.rlhf_retrain_pipeline -c "
-          "RUN_CONFIG.yaml (or on a schedule: rlhf-schedule)", file=sys.stderr)
-    sys.exit(2)
+    run_by_zenml(__spec__.name, "rlhf_retrain_pipeline", " (or on a schedule: rlhf-schedule)")

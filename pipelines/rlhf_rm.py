@@ -18,7 +18,7 @@ import uuid
 from zenml import Model, pipeline
 from zenml.enums import ExecutionMode
 
-from rlhf_core.pipeline.checked import checked_parameters
+from rlhf_core.pipeline.checked import checked_parameters, run_by_zenml
 from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.run_config import check_run_config
 from steps.define_reward import define_reward
@@ -62,10 +62,5 @@ def rlhf_rm_pipeline(
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)
 
 
-
 if __name__ == "__main__":  # (importing the module defines the pipeline; ZenML's command runs it)
-    import sys
-
-    print(f"{__spec__.name} is run by ZenML's command: zenml pipeline run {__spec__.name}.rlhf_rm_pipeline -c RUN_CONFIG.yaml",
-          file=sys.stderr)
-    sys.exit(2)
+    run_by_zenml(__spec__.name, "rlhf_rm_pipeline")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -107,3 +108,11 @@ def checked_parameters(pipeline: Pipeline) -> Pipeline:
         raise TypeError(f"checked_parameters takes a pipeline made by @pipeline, not a {type(pipeline).__name__}")
     pipeline.__class__ = CheckedPipeline
     return pipeline
+
+
+def run_by_zenml(module: str, pipeline: str, also: str = "") -> None:
+    """What a pipeline module run as a script (``python -m pipelines.x -c CONFIG``: its import defines the pipeline
+    and runs nothing) says before exiting 2: the command that runs it (``also``: another one)."""
+    print(f"{module} is run by ZenML's command: zenml pipeline run {module}.{pipeline} -c RUN_CONFIG.yaml{also}",
+          file=sys.stderr)
+    sys.exit(2)

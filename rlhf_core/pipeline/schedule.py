@@ -154,7 +154,6 @@ def _once_at_repeated_time_class():
     return OnceAtRepeatedTime
 
 
-
 def local_timezone():
     """The time zone the schedule's times are read in: ``TZ``, else the system's. Raises ValueError where it
     cannot be read (``TZ`` not a zone name), as APScheduler would raise a KeyError at the first trigger."""

@@ -171,12 +171,12 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        _BESIDE.update(_beside(set(sys.modules) - before, directory))
         sys.modules.pop(module_name, None)
         raise ImportError(
             f"running custom reward file {str(file)!r} failed: {type(exc).__name__}: {exc}"
         ) from exc
-    _BESIDE.update(_beside(set(sys.modules) - before, directory))
+    finally:  # (what it imported before it failed, too)
+        _BESIDE.update(_beside(set(sys.modules) - before, directory))
 
     if not hasattr(module, name):
         defined = sorted(

@@ -1215,11 +1215,12 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
     current = config.to_dict()
     fingerprints = path / MODELS_FILE
     saved_models = json.loads(fingerprints.read_text()) if fingerprints.is_file() else None
-    models = model_fingerprints(config) if models is None else models
+    if saved_models is not None:  # (an older checkpoint's paths are compared as written: no folder is read)
+        models = model_fingerprints(config) if models is None else models
     # a key compared by content in both (a path given otherwise, the same model or reward code) is not compared as
     # written; one the run no longer sets (a custom reward dropped) is
     differing = [key for key in config_differences(saved, current)
-                 if key not in (saved_models or {}) or key not in models]
+                 if saved_models is None or key not in saved_models or key not in models]
     problems = []
     if differing:
         # nulls as they resolve, and the keys the checkpoint predates as they stand
