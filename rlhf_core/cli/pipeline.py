@@ -51,8 +51,8 @@ def evaluate(argv: list[str] | None = None) -> int:
                              "built-in rules by data source; it also grades prompts without a ground truth")
     parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
     parser.add_argument("--reward-kwarg", action="append", default=[], metavar="KEY=VALUE",
-                        help="a keyword argument the function is called with (repeatable; the value read as YAML), "
-                             "as custom_reward_function.reward_kwargs gives it in training")
+                        help="a keyword argument the function is called with (repeatable), read as training reads "
+                             "+custom_reward_function.reward_kwargs.KEY=VALUE")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
@@ -70,24 +70,25 @@ def evaluate(argv: list[str] | None = None) -> int:
         parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
     if args.reward_kwarg and not args.custom_reward:
         parser.error("--reward-kwarg is given to the function of --custom-reward FILE.py; name that file")
-    reward_kwargs = {}
     for item in args.reward_kwarg:
-        key, equals, value = item.partition("=")
+        key, equals, _ = item.partition("=")
         if not (equals and key.strip().isidentifier()):
             parser.error(f"--reward-kwarg {item!r}: write KEY=VALUE, KEY a Python name (e.g. --reward-kwarg scale=2)")
-        import yaml
+    from rlhf_core.config import ConfigError, load_config
 
-        try:
-            reward_kwargs[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            parser.error(f"--reward-kwarg {item!r}: the value does not read as YAML ({' '.join(str(exc).split())})")
+    try:  # the values read as training reads +custom_reward_function.reward_kwargs.KEY=VALUE
+        reward_kwargs = load_config([f"+custom_reward_function.reward_kwargs.{item.strip()}" for item in
+                                     args.reward_kwarg], validate=False).custom_reward_function.reward_kwargs
+    except ConfigError as exc:
+        parser.error(f"--reward-kwarg: {'; '.join(exc.errors)}")
     if args.html:  # before the evaluation, not after it
         folder = Path(args.html).resolve().parent
         if not folder.is_dir():
             parser.error(f"--html {args.html}: the folder {folder} does not exist")
-        if Path(args.html).is_dir() or (problem := unwritable(folder)):
-            parser.error(f"--html {args.html}: " + ("a folder; name the file to write" if Path(args.html).is_dir()
-                                                     else f"the folder {folder} cannot be written ({problem})"))
+        if Path(args.html).is_dir():
+            parser.error(f"--html {args.html}: a folder; name the file to write")
+        if problem := unwritable(folder):
+            parser.error(f"--html {args.html}: the folder {folder} cannot be written ({problem})")
     from rlhf_core import stats
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
@@ -217,8 +218,6 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
 
 
 def schedule(argv: list[str] | None = None) -> int:
-    import yaml
-
     from rlhf_core.pipeline.run_config import (
         check_run_config_file,  # (the trainer's config: loaded when used)
     )
@@ -243,12 +242,6 @@ def schedule(argv: list[str] | None = None) -> int:
         # a bad expression is told before the config is read (the crontab line's times are cron's, in its zone)
         make_trigger(cron=args.cron, every=args.every, timezone="UTC" if args.print_crontab else None)
         check_run_config_file(args.config, args.pipeline)  # once now, rather than at each scheduled run
-        if "schedule" in (yaml.safe_load(Path(args.config).read_text()) or {}):  # (a mapping: checked above)
-            raise ValueError(
-                f"run config {args.config} has a schedule: block, which asks the orchestrator to schedule the "
-                "pipeline: every run started from here would register one more schedule (or fail, on ZenML's local "
-                "orchestrator, which cannot schedule). Remove the block to schedule here, or keep it and run "
-                f"`zenml pipeline run {args.pipeline} -c {args.config}` once on a stack whose orchestrator schedules")
         if args.print_crontab:
             print(crontab_line(args.cron, args.config, args.pipeline))
             return 0

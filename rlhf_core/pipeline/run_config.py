@@ -198,7 +198,8 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
     made once on the run config file ``run_config`` before runs are scheduled with it (``rlhf-schedule``), so that a
     typo is told now rather than at each scheduled run: its parameters, the pipeline's defaults for those it leaves
     out, must be the pipeline's and resolve; ``enable_cache`` is refused; its ``steps:`` must name the pipeline's
-    steps and their parameters. Raises :class:`RunConfigError`."""
+    steps and their parameters; a ``schedule:`` block is refused (runs started here would each schedule the
+    pipeline anew). Raises :class:`RunConfigError`."""
     import importlib
     import inspect
     import typing
@@ -250,3 +251,9 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
         _SCHEDULING.reset(scheduling)
     if problems := step_config_problems(run_config, prepared):
         raise RunConfigError(f"run config {run_config}: {'; '.join(problems)}")
+    if "schedule" in tree:
+        raise RunConfigError(
+            f"run config {run_config} has a schedule: block, which asks the orchestrator to schedule the pipeline: "
+            "every run started from here would register one more schedule (or fail, on ZenML's local orchestrator, "
+            "which cannot schedule). Remove the block to schedule here, or keep it and run `zenml pipeline run "
+            f"{pipeline_source} -c {run_config}` once on a stack whose orchestrator schedules")
