@@ -212,6 +212,23 @@ def test_a_file_of_a_split_without_a_column_the_others_have_is_named(tmp_path, t
         RLHFDataset([no_truth, no_truth], tokenizer, config)
 
 
+def test_a_row_without_a_data_source_is_a_data_error_naming_its_row(tmp_path, tokenizer):
+    """A null in data.reward_fn_key's column was read as the text 'nan': the row went to a reward for data_source
+    'nan' ("sample 1: no reward function for data_source 'nan'" in rlhf evaluate, once the model had loaded), and
+    a custom reward function graded it under that name."""
+    path = _write(tmp_path / "a.parquet", ["one", "two", "three"])
+    frame = pd.read_parquet(path)
+    frame.loc[1, "data_source"] = None
+    frame.to_parquet(path)
+    with pytest.raises(DataError, match=f"^{path} row 1: 'data_source' \\(data.reward_fn_key, which routes the row "
+                                        "to its reward function\\) is null; give every row its data source$"):
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200), require_ground_truth=False)
+    renamed = str(tmp_path / "b.parquet")
+    frame.rename(columns={"data_source": "source"}).to_parquet(renamed)
+    with pytest.raises(DataError, match=f"^{renamed} row 1: 'source' \\(data.reward_fn_key"):
+        RLHFDataset(renamed, tokenizer, DataConfig(max_prompt_length=200, reward_fn_key="source"))
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

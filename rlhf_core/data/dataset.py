@@ -361,6 +361,9 @@ class RLHFDataset:
             malformed = extra_info_problem(extra)  # refused whether or not the row is kept, as validation does
             if malformed is not None:  # verl reads extra_info.get("index"): text or a number has no index to give
                 raise DataError(f"{where}: {malformed}")
+            if is_missing(record[config.reward_fn_key]):  # str() would route it to a reward for data_source 'nan'
+                raise DataError(f"{where}: {config.reward_fn_key!r} (data.reward_fn_key, which routes the row to its "
+                                "reward function) is null; give every row its data source")
             try:
                 ids = prompt_token_ids(tokenizer, messages, config.apply_chat_template_kwargs)
             except Exception as exc:  # templates raise anything: TemplateError, KeyError, ValueError, ...
