@@ -229,6 +229,41 @@ def test_a_row_without_a_data_source_is_a_data_error_naming_its_row(tmp_path, to
         RLHFDataset(renamed, tokenizer, DataConfig(max_prompt_length=200, reward_fn_key="source"))
 
 
+def test_a_datasets_folder_or_a_json_file_is_named_as_such_with_its_conversion(tmp_path, tokenizer):
+    """A datasets save_to_disk folder was "a folder; name its parquet files" (it holds none), and a JSON Lines file
+    "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file"."""
+    datasets = pytest.importorskip("datasets")
+    rows = pd.read_parquet(_write(tmp_path / "a.parquet", ["one", "two"]))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_pandas(rows).save_to_disk(str(saved))
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(saved), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == (f"data.train_files: {saved} is a folder; it is a datasets save_to_disk folder, Arrow "
+                                f"files, not parquet: write it as a parquet file, e.g. datasets.load_from_disk("
+                                f"'{saved}').to_parquet('saved.parquet'), and name that file")
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_pandas(rows)}).save_to_disk(str(splits))
+    with pytest.raises(DataError, match=r"save_to_disk folder of splits \(train\), Arrow files, not parquet: write "
+                                        r"each split as a parquet file, e.g. datasets.load_from_disk\("):
+        RLHFDataset(str(splits), tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+    lines = tmp_path / "a.jsonl"
+    rows.to_json(lines, orient="records", lines=True)
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(lines), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value).startswith(f"{lines} is not a readable parquet file: it is JSON Lines text, not parquet: "
+                                       f"write it as a parquet file, e.g. pandas.read_json('{lines}', lines=True)"
+                                       ".to_parquet('a.parquet')")
+    # the conversion the message gives trains on the same prompts and ground truths
+    pd.read_json(lines, lines=True).to_parquet(tmp_path / "converted.parquet")
+    converted = RLHFDataset(str(tmp_path / "converted.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert converted.collate([0, 1]).meta["ground_truth"] == ["0", "1"]
+    array = tmp_path / "a.json"
+    rows.to_json(array, orient="records")
+    with pytest.raises(DataError, match=r"it is JSON text, not parquet: write it as a parquet file, e.g. pandas."
+                                        rf"read_json\('{array}'\).to_parquet"):
+        RLHFDataset(str(array), tokenizer, DataConfig(max_prompt_length=200))
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

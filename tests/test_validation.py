@@ -1629,6 +1629,18 @@ def test_roles_outside_the_chat_format_fail_with_the_roles_named():
     assert report.failures[0].examples == [(1, "gpt"), (2, "User, Human")]
 
 
+def test_a_json_lines_file_is_named_as_such(tmp_path, capsys):
+    """It was "not a readable parquet file (... Parquet magic bytes not found in footer. Either the file is corrupted
+    or this is not a parquet file.)"."""
+    lines = tmp_path / "train.jsonl"
+    pd.DataFrame(records(2)).to_json(lines, orient="records", lines=True)
+    assert validate([str(lines)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: cannot read {lines}: not a readable parquet file (it is JSON Lines text, not parquet: write it as a "
+        f"parquet file, e.g. pandas.read_json('{lines}', lines=True).to_parquet('train.parquet') (chat messages as "
+        "lists of {role, content} objects, reward_model as an object), and name that file)")
+
+
 def test_a_folder_of_shards_is_refused_with_the_files_it_holds(tmp_path, capsys):
     """A folder (verl's shards) was 'is a directory, expected a parquet file', with no word of what to give."""
     folder = tmp_path / "train"

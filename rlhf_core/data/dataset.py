@@ -28,6 +28,7 @@ from rlhf_core.data.schema import (
     ground_truth,
     is_missing,
     json_message_list,
+    other_format,
     problem_id,
     problem_index,
     prompt_problem,
@@ -59,6 +60,8 @@ def check_files(files: str | Sequence[str], key: str) -> list[Path]:
     if not paths:
         raise DataError(f"{key} is empty: give at least one parquet file")
     for path in paths:
+        if path.is_dir() and (held := other_format(path)) is not None:
+            raise DataError(f"{key}: {path} is a folder; {held}")
         if path.is_dir():
             found = sorted(p.name for p in path.glob("*.parquet"))[:4]
             raise DataError(f"{key}: {path} is a folder; name its parquet files (a list: {key}=[a.parquet,"
@@ -78,7 +81,8 @@ def read_frames(paths: Sequence[Path]) -> pd.DataFrame:
         try:
             frame = read_rows(path)
         except (pyarrow.ArrowException, OSError, ValueError) as exc:
-            raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
+            held = other_format(path)
+            raise DataError(f"{path} is not a readable parquet file: {held or exc}") from exc
         frame["_source_file"] = str(path)
         frame["_source_row"] = np.arange(len(frame))
         frames.append(frame)
@@ -100,7 +104,7 @@ def parquet_schema(path: Path) -> pyarrow.Schema:
     try:
         return pyarrow.parquet.read_schema(path)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-        raise DataError(f"{path} is not a readable parquet file: {exc}") from exc
+        raise DataError(f"{path} is not a readable parquet file: {other_format(path) or exc}") from exc
 
 
 def columns_not_in_every_file(paths: Sequence[Path], columns: Sequence[str]) -> str | None:

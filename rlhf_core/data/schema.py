@@ -102,6 +102,37 @@ def read_rows(path, columns: list[str] | None = None) -> pd.DataFrame:
     return frame
 
 
+def other_format(path: str | os.PathLike) -> str | None:
+    """What a data path that is no parquet file holds, where another tool writes it so, and how to write it as
+    parquet (the trainer and the checks read parquet, as verl's RLHFDataset does): a ``datasets`` save_to_disk
+    folder (Arrow files; a DatasetDict's holds one folder a split), or JSON / JSON Lines text. None otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            try:
+                splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            except (OSError, ValueError, KeyError, TypeError):
+                splits = ["train"]
+            return (f"it is a datasets save_to_disk folder of splits ({', '.join(map(str, splits))}), Arrow files, "
+                    f"not parquet: write each split as a parquet file, e.g. datasets.load_from_disk('{path}')"
+                    f"['{splits[0]}'].to_parquet('{splits[0]}.parquet'), and name those files")
+        if (path / "state.json").is_file() and any(path.glob("*.arrow")):
+            return ("it is a datasets save_to_disk folder, Arrow files, not parquet: write it as a parquet file, "
+                    f"e.g. datasets.load_from_disk('{path}').to_parquet('{path.name}.parquet'), and name that file")
+        return None
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+    except OSError:
+        return None
+    if start not in (b"{", b"["):
+        return None
+    lines = "" if start == b"[" else ", lines=True"  # a JSON array, or one object a line
+    return (f"it is JSON{'' if lines == '' else ' Lines'} text, not parquet: write it as a parquet file, e.g. "
+            f"pandas.read_json('{path}'{lines}).to_parquet('{path.stem}.parquet') (chat messages as lists of "
+            "{role, content} objects, reward_model as an object), and name that file")
+
+
 class ParquetMap(list):
     """A cell of a parquet map column as :func:`read_rows` gives it: its (key, value) pairs, as pandas reads them."""
 

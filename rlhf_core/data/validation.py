@@ -72,6 +72,7 @@ from rlhf_core.data.schema import (
     ground_truth,
     is_missing,
     json_message_list,
+    other_format,
     problem_id,
     problem_index,
     prompt_problem,
@@ -326,6 +327,8 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     path = Path(path)
     if not path.exists():
         raise DataReadError(path, "no such file")
+    if path.is_dir() and (held := other_format(path)) is not None:
+        raise DataReadError(path, f"is a directory, expected a parquet file: {held}")
     if path.is_dir():  # a folder of shards: the files are named one by one, as data.train_files lists them
         found = sorted(p.name for p in path.glob("*.parquet"))
         held = f" (it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''})" if found else \
@@ -334,7 +337,7 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
     try:
         return read_rows(path)  # as the trainer reads it
     except (OSError, pa.ArrowException, ValueError) as exc:
-        reason = one_line(str(exc)) or type(exc).__name__
+        reason = other_format(path) or one_line(str(exc)) or type(exc).__name__
         raise DataReadError(path, f"not a readable parquet file ({reason})") from exc
 
 
