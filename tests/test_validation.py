@@ -957,6 +957,19 @@ def test_html_report_is_gx_data_docs_naming_failed_rows():
     assert "data/&lt;train&gt;.parquet" in page and "<train>" not in page
 
 
+def test_html_report_of_a_split_of_several_files_maps_its_rows_to_their_files(tmp_path):
+    """GX's page indexes the joined table: a bad row in the second file showed as index 6 ("df.filter(items=[6])")
+    under "train: a.parquet,b.parquet (10 rows)", with nothing on the page saying which file's row that is."""
+    a = write(tmp_path / "a.parquet", records(5))
+    rows = records(5, offset=5)
+    _unknown_source(rows[1])
+    b = write(tmp_path / "b.parquet", rows)
+    page = validate_dataset([a, b]).to_html()
+    assert "df.filter(items=[6], axis=0)" in page
+    assert f"train: {a}: rows 0-4; {b}: rows 5-9, indexed on from one file to the next (10 rows)" in page
+    assert f"train: {a} (5 rows)" in validate_dataset(a).to_html()  # one file: as it was
+
+
 # ---------------------------------------------------------------------------------------------
 # The trainer's view: its row numbers, its token counts, its columns, its chat template
 

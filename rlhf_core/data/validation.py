@@ -306,7 +306,13 @@ class ValidationReport:
         for d in self.datasets:
             # GX 1.x writes these table cells unescaped; data text (GSM8K's "<<6*2=12>>") must stay text
             result = copy.deepcopy(self.gx_results[d.name])
-            result.meta["run_id"] = {"run_name": _escape(f"{d.name}: {d.path or 'in memory'} ({d.rows} rows)")}
+            # GX's tables index a split's rows from 0 across its files: each file's span maps an index to its row
+            spans, first = [], 0
+            for path, rows in self.file_spans.get(d.name, []):
+                spans.append(f"{path}: rows {first}-{first + rows - 1}" if rows else f"{path}: no rows")
+                first += rows
+            where = f"{'; '.join(spans)}, indexed on from one file to the next" if spans else d.path or "in memory"
+            result.meta["run_id"] = {"run_name": _escape(f"{d.name}: {where} ({d.rows} rows)")}
             for item in result.results:
                 for key in ("unexpected_list", "partial_unexpected_list", "partial_unexpected_counts"):
                     if key in item.result:
