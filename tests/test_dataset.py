@@ -383,6 +383,20 @@ def test_sampler_in_order_without_shuffle():
                                                         (1, [3, 4, 5])]
 
 
+def test_sampler_in_order_says_which_prompts_never_train(capsys):
+    """In order, every epoch is the same whole batches: of 7 prompts in batches of 3, row 6 never trains, and
+    nothing said so."""
+    sampler = PromptSampler(7, 3, shuffle=False, seed=5)
+    drawn = {row for _ in range(6) for row in sampler.next_batch()[1]}
+    assert drawn == {0, 1, 2, 3, 4, 5}
+    assert capsys.readouterr().err == (
+        "notice: data.train_batch_size (3) leaves 1 of the 7 prompts out of every epoch: with data.shuffle=false "
+        "always the last 1, which never train; set data.shuffle=true, or a batch size that divides 7\n")
+    PromptSampler(7, 3, shuffle=True, seed=5)  # shuffled: each epoch leaves another one out
+    PromptSampler(6, 3, shuffle=False, seed=5)  # nothing left out
+    assert capsys.readouterr().err == ""
+
+
 def test_sampler_resumes_with_the_next_unseen_batch():
     expected = _torch_batches(20, 4, 1, epochs=2)  # 5 batches an epoch: the save falls in the second
     first = PromptSampler(20, 4, seed=1)

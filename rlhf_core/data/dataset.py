@@ -459,6 +459,10 @@ class PromptSampler:
             why = (f", after data.filter_overlong_prompts dropped {dropped} longer than data.max_prompt_length"
                    if dropped else "")
             raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why})")
+        if n % batch_size and not shuffle:  # shuffled, each epoch leaves other prompts out; in order, always these
+            print(f"notice: {key} ({batch_size}) leaves {n % batch_size} of the {n} prompts out of every epoch: "
+                  f"with data.shuffle=false always the last {n % batch_size}, which never train; set "
+                  f"data.shuffle=true, or a batch size that divides {n}", file=sys.stderr)
         self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
         self.epoch, self.batch_in_epoch = 0, 0
         self.order_rule = self.ORDER_ONE_GENERATOR
