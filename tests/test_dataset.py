@@ -595,6 +595,42 @@ def test_the_likely_prompt_column_is_named_where_data_prompt_key_is_missing(tmp_
                                 "'reward_model', 'extra_info']")
 
 
+def test_gsm8k_as_released_is_pointed_at_its_converter(tmp_path, tokenizer):
+    """The hub's GSM8K shards (question, answer) were told "the prompts look to be in 'question': set
+    data.prompt_key=question", after which data_source and reward_model were missing: the converter writes them."""
+    from rlhf_core.data.gsm8k import preprocess_gsm8k
+
+    release = tmp_path / "main"
+    release.mkdir()
+    answers = ["She has 3 + 4 = <<3+4=7>>7.\n#### 7", "So 2 * 5 = <<2*5=10>>10.\n#### 10"]
+    for split in ("train", "test"):
+        pd.DataFrame({"question": ["Tom has 3 apples and 4 more. How many?", "What is 2 times 5?"],
+                      "answer": answers}).to_parquet(release / f"{split}-00000-of-00001.parquet")
+    shard = release / "train-00000-of-00001.parquet"
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(shard), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == (
+        f"data.train_files: column(s) ['prompt', 'reward_model', 'data_source'] missing; found ['question', "
+        f"'answer']; {shard} holds GSM8K as released (question, answer): write verl's columns (prompt, data_source, "
+        f"reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {release} --output "
+        "<folder>, and name the train.parquet and test.parquet it writes")
+    # the advice holds: the converter reads that folder, and its output trains with the answers' final lines
+    preprocess_gsm8k(release, tmp_path / "out")
+    converted = RLHFDataset(str(tmp_path / "out" / "train.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert converted.collate([0, 1]).meta["ground_truth"] == ["7", "10"]
+    renamed = tmp_path / "gsm8k.parquet"  # not a shard's name: the converter would not find it in its folder
+    pd.read_parquet(shard).to_parquet(renamed)
+    with pytest.raises(DataError, match=r"with rlhf gsm8k --input <a folder of train.jsonl and test.jsonl, or of "
+                                        r"train-\*.parquet and test-\*.parquet> --output <folder>"):
+        RLHFDataset(str(renamed), tokenizer, DataConfig(max_prompt_length=200))
+    # prompts of one's own in a 'question' column, beside their ground truths: the column is the advice
+    own = tmp_path / "own.parquet"
+    pd.read_parquet(tmp_path / "out" / "train.parquet").assign(question=["a", "b"], answer=["7", "10"]).drop(
+        columns=["prompt"]).to_parquet(own)
+    with pytest.raises(DataError, match="the prompts look to be in 'question': set data.prompt_key=question$"):
+        RLHFDataset(str(own), tokenizer, DataConfig(max_prompt_length=200))
+
+
 def test_a_column_of_sft_conversations_is_not_suggested_as_the_prompts(tmp_path, tokenizer):
     """SFT data: each conversation ends with the assistant's answer, which read as a prompt would sit inside it.
     The column is named for what it holds, not offered as data.prompt_key; one ending with a user turn is."""

@@ -557,6 +557,11 @@ def test_prompts_without_a_reward_model_column_are_told_how_they_pass(tmp_path, 
     assert json.loads(capsys.readouterr().out)["notes"] == [note.format("--no-ground-truth").strip()]
     # no prompt column: nothing tells it as prompts; prompt data: no note
     assert validate_frames(pd.DataFrame([{"text": "hello"}]), kind="auto").notes == []
+    # GSM8K as released: its converter writes prompt data
+    assert validate_frames(pd.DataFrame([{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}]),
+                           kind="auto").notes == [
+        "'question' and 'answer' are GSM8K as released: rlhf gsm8k --input <its folder> --output <folder> writes "
+        "them as prompt data (verl's columns), the files to validate and train on"]
     assert validate_frames(pd.DataFrame(records(3)), kind="auto").notes == []
     assert validate_frames(train, kind="auto", ground_truth_required=False).notes == []
 

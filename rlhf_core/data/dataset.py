@@ -184,6 +184,23 @@ def _ends_with_an_answer(path: Path, column: str, rows: int = 100) -> bool:
     return any(ends_with_an_answer(conversation) for conversation in conversations)
 
 
+def gsm8k_release(paths: Sequence[Path], schemas: Sequence[pyarrow.Schema]) -> str | None:
+    """What to do with files of GSM8K as released (``question`` and ``answer``, no ``reward_model``: the hub's
+    parquet layout, or its JSON Lines read into parquet), else None: they hold neither verl's prompt nor its ground
+    truth, which ``rlhf gsm8k`` writes; a guessed prompt column (``question``) would leave both missing."""
+    path = next((p for p, schema in zip(paths, schemas)
+                 if {"question", "answer"} <= set(schema.names) and "reward_model" not in schema.names), None)
+    if path is None:
+        return None
+    # the converter reads a folder of the release's shards (train-*.parquet, test-*.parquet) or its JSON Lines
+    shard = path.name.startswith(("train-", "test-")) and path.suffix == ".parquet"
+    folder = path.parent if shard else "<a folder of train.jsonl and test.jsonl, or of train-*.parquet and " \
+        "test-*.parquet>"
+    return (f"{path} holds GSM8K as released (question, answer): write verl's columns (prompt, data_source, "
+            f"reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {folder} "
+            "--output <folder>, and name the train.parquet and test.parquet it writes")
+
+
 def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: str, prompt_key: str = "prompt",
                             prompt_option: str = "data.prompt_key=") -> str | None:
     """What to say where no file of ``paths`` has a column of ``columns``, else None: the columns missing and
@@ -201,6 +218,8 @@ def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: 
     text = f"{key}: column(s) {absent} missing; found {found}"
     if any(is_preference_data(schema) for schema in schemas):
         return f"{text}: {PREFERENCE_DATA}"
+    if prompt_key in absent and (release := gsm8k_release(paths, schemas)) is not None:
+        return f"{text}; {release}"
     if prompt_key in absent:
         guess, where, schema = next(((g, path, schema) for path, schema in zip(paths, schemas)
                                      if (g := prompt_column_guess(schema)) is not None), (None, None, None))

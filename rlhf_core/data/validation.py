@@ -882,6 +882,9 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
                      "truth, which trains with a custom reward function or a reward model at "
                      f"reward_model.rule_coef=0 and needs no 'reward_model' column: validate it so with "
                      f"{name['ground_truth_required']}")
+    if kind is None and prompt_key not in train.columns and {"question", "answer"} <= set(train.columns):
+        notes.append("'question' and 'answer' are GSM8K as released: rlhf gsm8k --input <its folder> --output "
+                     "<folder> writes them as prompt data (verl's columns), the files to validate and train on")
     given = {"max_prompt_length": max_prompt_length, "max_length": max_length, "max_chars": max_chars}
     wrong = [name[key] for key, value in given.items() if value is not None and key not in _LIMITS[kind]]
     if wrong:
