@@ -264,6 +264,25 @@ def test_a_datasets_folder_or_a_json_file_is_named_as_such_with_its_conversion(t
         RLHFDataset(str(array), tokenizer, DataConfig(max_prompt_length=200))
 
 
+def test_a_blank_question_is_a_data_error_naming_its_rows(tmp_path, tokenizer):
+    """A question emptied on the way ("" or spaces where a null was) trained as "User: \\nAssistant: ", graded
+    against its row's answer; rlhf validate failed prompt_user_content_non_empty but rlhf ppo took it."""
+    path = _write(tmp_path / "a.parquet", ["one", "two", "three", "four"])
+    frame = pd.read_parquet(path)
+    frame["prompt"] = [[{"role": "user", "content": text}] for text in ("one", "", "three", " \n\t")]
+    frame.to_parquet(path)
+    with pytest.raises(DataError) as error:
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+    assert str(error.value) == (f"data.val_files: 2 prompt(s) have a blank last user turn (the question), which would "
+                                f"train as a question of nothing: {path} row 1; {path} row 3; fill in the question or "
+                                "drop the row")
+    # a blank system turn, or an earlier blank user turn, leaves a question
+    frame["prompt"] = [[{"role": "system", "content": ""}, {"role": "user", "content": "q"}],
+                       [{"role": "user", "content": " "}, {"role": "user", "content": "q"}]] * 2
+    frame.to_parquet(path)
+    assert len(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=200))) == 4
+
+
 def test_many_files_are_concatenated(tmp_path, tokenizer):
     a = _write(tmp_path / "a.parquet", ["one"])
     b = _write(tmp_path / "b.parquet", ["two", "three"])

@@ -374,6 +374,13 @@ class RLHFDataset:
         roles = roles_problem((where, unknown_roles(messages)) for where, messages in zip(wheres, conversations))
         if roles is not None:
             raise DataError(f"{key}: {roles}")
+        # a question emptied on the way (a null written as "" or spaces): the policy would be asked nothing, and graded
+        blank = [where for where, messages in zip(wheres, conversations)
+                 if (users := [m["content"] for m in messages if m["role"] == "user"]) and not users[-1].strip()]
+        if blank:
+            raise DataError(f"{key}: {len(blank)} prompt(s) have a blank last user turn (the question), which would "
+                            f"train as a question of nothing: {'; '.join(blank[:5])}{'; ...' if len(blank) > 5 else ''}"
+                            "; fill in the question or drop the row")
         answered = [where for where, messages in zip(wheres, conversations) if ends_with_an_answer(messages)]
         if answered:  # SFT conversations: the answer to learn is inside the prompt the policy continues
             print(f"notice: {key}: {len(answered)} of {len(conversations)} prompts end with an assistant turn "
