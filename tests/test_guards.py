@@ -360,6 +360,36 @@ def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_c
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("save_freq, says", [
+    (1, "the latest checkpoint {out}/global_step_3 holds the weights that gave these logits, so a resume from it "
+        "fails again: resume from {out}/global_step_2 with a lower learning rate (trainer.resume_mode=resume_path "
+        "trainer.resume_from_path={out}/global_step_2)"),
+    (2, "the latest checkpoint {out}/global_step_2 is intact and from before the divergence, but a rerun with the "
+        "same settings replays the steps after it: lower the learning rate (actor_rollout_ref.actor.optim.lr may "
+        "change on a resume), then rerun the same command to resume from it"),
+])
+def test_weights_that_generate_nan_stop_the_run_naming_the_checkpoint_to_go_on_from(workspace, tmp_path, save_freq,
+                                                                                      says):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=4", f"trainer.save_freq={save_freq}")
+    train_step = trainer.train_step
+
+    def absurd_lr_at_step_3(prompts):
+        if trainer.global_step == 2:  # step 3's update takes every weight to about 1e30: step 4 samples from NaN
+            trainer.actor.scheduler.base_lrs = [1e30]
+            trainer.actor.optimizer.param_groups[0]["lr"] = 1e30
+        return train_step(prompts)
+
+    trainer.train_step = absurd_lr_at_step_3
+    metrics, _, error = run_recording(trainer)
+
+    assert isinstance(error, GuardError) and sorted(metrics) == [1, 2, 3]
+    first, second = str(error).split("\n")
+    assert first.startswith("training step 4 failed: the policy's logits held NaN (or inf) at response token")
+    assert second == says.format(out=out)
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollbacks(workspace, tmp_path, capsys):
     out = tmp_path / "run"
     trainer = make_trainer(workspace, out, "trainer.total_training_steps=6", "trainer.test_freq=1",

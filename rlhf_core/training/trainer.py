@@ -42,6 +42,7 @@ from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.models import cpu_matmul
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
+from rlhf_core.rollout.hf import NonFiniteLogits
 from rlhf_core.stats import validation_metrics
 from rlhf_core.training import checkpoint, dynamic_sampling
 from rlhf_core.training.guards import (
@@ -769,6 +770,27 @@ class PPOTrainer:
                   else "no checkpoint was saved yet")
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
 
+    def _diverged(self, exc: NonFiniteLogits, doing: str, step: int) -> GuardError:
+        """The error to stop the run with where the policy's logits held NaN (or inf), as :meth:`_worker_failure`
+        says a worker's: but a rerun with the same settings diverges again (the same seed, the same updates), so
+        it says which checkpoint holds the weights that gave those logits and which one to go on from instead."""
+        latest = self.rerun_checkpoint()
+        if latest is None:
+            kept = "no checkpoint was saved yet"
+        elif checkpoint.step_of(latest) < self.global_step:  # its weights generated: the steps after it diverged
+            kept = (f"the latest checkpoint {latest} is intact and from before the divergence, but a rerun with the "
+                    f"same settings replays the steps after it: lower the learning rate (actor_rollout_ref.actor."
+                    f"optim.lr may change on a resume), then {self.rerun_advice} to resume from it")
+        else:
+            earlier = checkpoint.newest_intact(latest.parent, before=checkpoint.step_of(latest))
+            instead = (f"resume from {earlier} with a lower learning rate (trainer.resume_mode=resume_path "
+                       f"trainer.resume_from_path={earlier})" if earlier is not None else
+                       "no earlier checkpoint is intact: start a new run with a lower learning rate "
+                       "(trainer.resume_mode=disable, or another trainer.default_local_dir)")
+            kept = (f"the latest checkpoint {latest} holds the weights that gave these logits, so a resume from it "
+                    f"fails again: {instead}")
+        return GuardError(f"{doing} step {step} failed: {exc}\n{kept}")
+
     def close(self) -> None:
         """Stop the workers (with a worker group); the trainer cannot train afterwards."""
         if self.worker_group is not None:
@@ -894,6 +916,8 @@ class PPOTrainer:
             metrics.update(self.validate())
         except WorkerError as exc:
             raise self._worker_failure(exc, "validating after", step) from exc
+        except NonFiniteLogits as exc:
+            raise self._diverged(exc, "validating after", step) from exc
         metrics["timing_s/testing"] = time.perf_counter() - started
         self._log_generations(step)
         self._note_idle_guards(metrics)
@@ -937,6 +961,8 @@ class PPOTrainer:
             val_metrics = self.validate()
         except WorkerError as exc:
             raise self._worker_failure(exc, "validating before", 1) from exc
+        except NonFiniteLogits as exc:
+            raise self._diverged(exc, "validating before", 1) from exc
         self._note_idle_guards(val_metrics)
         new_best, _ = self.guard.observe_validation(0, self.val_accuracy(val_metrics))
         new_best = self.overopt.observe(0, *proxy_and_gold(val_metrics))[0] or new_best
@@ -961,6 +987,8 @@ class PPOTrainer:
                 metrics = self.train_step(self.train_dataset.collate(rows))
         except WorkerError as exc:
             raise self._worker_failure(exc, "training", self.global_step + 1) from exc
+        except NonFiniteLogits as exc:
+            raise self._diverged(exc, "training", self.global_step + 1) from exc
         self.global_step += 1
         self.step_under_way = None
         step = self.global_step
