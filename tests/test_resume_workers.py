@@ -266,3 +266,24 @@ def test_a_resume_with_lower_rates_rescales_both_parts_on_every_rank(workspace, 
         assert f"optim.lr is {old[name] / 2} now, {old[name]} in {saved}" in err
         for rank in (0, 1):
             assert _extra(halved / name, rank=rank)["scheduler"]["base_lrs"] == [pytest.approx(old[name] / 2)]
+
+
+def test_a_workers_nan_logits_name_the_checkpoint_that_holds_the_weights_that_gave_them(workspace, ray_cluster,
+                                                                                       tmp_path):
+    from rlhf_core.training.guards import GuardError
+
+    out = tmp_path / "diverged"
+    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr=1e30",
+                       "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")  # (DRAWN warms up from 0)
+    try:
+        trainer.fit_step(validate=never)  # its update takes every weight to about 1e30 (and saves them)
+        with pytest.raises(GuardError) as raised:
+            trainer.fit_step(validate=never)  # step 2 samples from NaN logits
+    finally:
+        trainer.close()
+    first, *_, last = str(raised.value).split("\n")
+    assert first.startswith("training step 2 failed: worker rank ")
+    assert "the policy's logits held NaN (or inf)" in str(raised.value)
+    assert last == (f"the latest checkpoint {out / 'global_step_1'} holds the weights that gave these logits, so a "
+                    "resume from it fails again: no earlier checkpoint is intact: start a new run with a lower "
+                    "learning rate (trainer.resume_mode=disable, or another trainer.default_local_dir)")

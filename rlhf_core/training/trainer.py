@@ -762,15 +762,18 @@ class PPOTrainer:
         """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
         return self.resumed_from if self._resumes_its_path_again else checkpoint.latest_or_none(self.checkpoint_dir)
 
-    def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError:
-        """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from."""
+    def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError | GuardError:
+        """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from (a
+        worker's NaN logits as :meth:`_diverged` says them: Ray's error carries the worker's as its ``cause``)."""
+        if isinstance(getattr(exc.__cause__, "cause", None), NonFiniteLogits):
+            return self._diverged(exc, doing, step)
         latest = self.rerun_checkpoint()
         resume = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
                   if latest is not None
                   else "no checkpoint was saved yet")
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
 
-    def _diverged(self, exc: NonFiniteLogits, doing: str, step: int) -> GuardError:
+    def _diverged(self, exc: NonFiniteLogits | WorkerError, doing: str, step: int) -> GuardError:
         """The error to stop the run with where the policy's logits held NaN (or inf), as :meth:`_worker_failure`
         says a worker's: but a rerun with the same settings diverges again (the same seed, the same updates), so
         it says which checkpoint holds the weights that gave those logits and which one to go on from instead."""
