@@ -4,6 +4,7 @@ once. SIGKILL and SIGTERM are sent to real ``python -m rlhf_core.main_ppo`` proc
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer
+from rlhf_core.training.checkpoint import CheckpointError
 
 STEPS = 4  # one epoch: 32 prompts in batches of 8
 REL_TOL = 1e-6
@@ -97,6 +99,37 @@ def test_resume_in_process_sees_each_batch_once_and_matches(workspace, reference
     for step in (3, 4):
         assert_same_metrics(metrics[step], expected[step], step)
     assert metrics[4]["actor/kl_loss"] > 0 and metrics[4]["actor/reward_kl_penalty_coeff"] != 0.001
+
+
+
+def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_rerun_logs_that_step(
+        workspace, reference, tmp_path):
+    _, expected, _ = reference
+    out = tmp_path / "logger"
+    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
+    written: dict[int, dict] = {}
+
+    def disk_full_at_step_2(metrics, step):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written[step] = json.loads(json.dumps(metrics))
+
+    trainer.logger = disk_full_at_step_2
+    with pytest.raises(CheckpointError) as raised:
+        trainer.fit()
+    assert str(raised.value) == (
+        "logging the metrics of step 2 failed (OSError: [Errno 28] No space left on device), so its checkpoint is not "
+        f"kept (a rerun trains the step again and logs it); the latest checkpoint {out / 'global_step_1'} is intact: "
+        "rerun the same command to resume from it")
+    assert _latest(out) == 1 and sorted(path.name for path in out.iterdir()) == [
+        "global_step_1", "latest_checkpointed_iteration.txt"]
+
+    resumed = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
+    resumed.load_checkpoint(out / "global_step_1")  # as trainer.resume_mode=auto finds it
+    metrics, _ = _fit(resumed)
+    assert sorted(written) == [1] and sorted(metrics) == [2, 3, 4]  # every step logged once, step 2 by the rerun
+    for step in (2, 3, 4):
+        assert_same_metrics(metrics[step], expected[step], step)
 
 
 def _cli(workspace, out, *extra) -> list[str]:

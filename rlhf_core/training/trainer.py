@@ -1011,25 +1011,31 @@ class PPOTrainer:
         self.history.append(result)
         if save and event is None:  # timed into the step's record, as verl's timing_s/save_checkpoint
             started = time.perf_counter()
-            logged: list[BaseException | None] = []
+            logged = False
 
             def log_before_latest() -> None:
                 # the record is written before the checkpoint is marked latest: a run killed after the marker
-                # resumes after this step and would never log it; a logger's failure waits for the save to finish
+                # resumes after this step and would never log it. A logger that fails fails the save alike: a
+                # checkpoint marked latest without its step's record would leave that record out for good, where
+                # a rerun from the checkpoint before trains the step again, as it was, and logs it
+                nonlocal logged
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
+                logged = True
                 try:
                     self._log(metrics, step)
-                    logged.append(None)
-                except Exception as exc:  # noqa: BLE001 - raised below, once the checkpoint is in place
-                    logged.append(exc)
+                except Exception as exc:
+                    latest = self.rerun_checkpoint()
+                    kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                            if latest is not None else "no checkpoint was saved yet")
+                    raise checkpoint.CheckpointError(
+                        f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}), so its checkpoint "
+                        f"is not kept (a rerun trains the step again and logs it); {kept}") from exc
 
             try:
                 self.save_checkpoint(before_latest=log_before_latest)
             finally:
                 if not logged:
                     self._log(metrics, step)  # a save that failed before its files were written: the metrics stay
-            if logged and logged[0] is not None:
-                raise logged[0]
             return result
         self._log(metrics, step)
         if event is not None:
