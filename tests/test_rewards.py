@@ -766,3 +766,64 @@ def test_the_reference_check_reads_a_result_as_training_does(tmp_path, returned,
     check = check_reference_solutions(cfg)
     assert check.checked == 2
     assert [m["row"] for m in check.mismatches] == [row for row, ok in enumerate(right) if not ok]
+
+
+# (the result a reward function returns, as Python source; what training does with it: "refused", or accepted
+# with full marks (True) or without (False)), worked out from the rules of rlhf_core.rewards.result by hand
+READ_ALIKE = [
+    ("1.0", True), ("0.5", False), ("True", True), ("np.float32(1.0)", True), ("torch.tensor(1.0)", True),
+    ("np.array(1.0)", True), ("torch.tensor([1.0])", "refused"), ("'1.0'", "refused"), ("None", "refused"),
+    ("float('nan')", "refused"), ("{'score': 1.0}", True), ("{'score': 0.0, 'acc': True}", True),
+    ("{'score': 1.0, 'acc': 0}", False), ("{'score': 1.0, 'acc': float('nan')}", False),  # NaN acc: not graded
+    ("{'score': 1.0, 'acc': 'yes'}", "refused"), ("{'acc': 1.0}", "refused"), ("{'score': math.inf}", "refused"),
+    ("{'score': 1.0, 'pred': 3}", True),
+    # a mapping that is no dict: the self-check gave it full marks, training stopped on it
+    ("types.MappingProxyType({'score': 1.0})", "refused"),
+    # an int no float holds: training stopped on a metric of one with a bare OverflowError, the self-check passed
+    # it; as a score, both stopped with that OverflowError. It reads as inf.
+    ("{'score': 1.0, 'digits': 10**400}", True), ("10**400", "refused"),
+]
+
+
+@pytest.mark.parametrize("returned, training", READ_ALIKE, ids=[source for source, _ in READ_ALIKE])
+def test_the_reference_check_accepts_exactly_what_training_accepts(tmp_path, char_tokenizer, returned, training):
+    """The pipeline's self-check and the reward manager read a result with the one reader: a result training
+    stops on is a mismatch of the check, said with training's reason, and one training takes earns full marks in
+    the check exactly where training counts it right."""
+    import types
+
+    import pandas as pd
+
+    from rlhf_core.config import PPOConfig
+    from rlhf_core.pipeline.evaluate import check_reference_solutions
+    from rlhf_core.rewards.manager import RewardError
+
+    ids, mask = _batch(char_tokenizer, ["#### 5"])
+    result = eval(returned, {"np": np, "torch": torch, "math": math, "types": types})
+    try:
+        _, extras = RewardManager(char_tokenizer, reward_fn=lambda **kw: result)(ids, mask, ["mine"], ["5"])
+        trained = bool(extras["acc"][0] > 0)
+    except RewardError:
+        trained = "refused"
+    assert trained == training
+
+    path = tmp_path / "val.parquet"
+    pd.DataFrame([{"data_source": "mine", "prompt": [{"role": "user", "content": "q"}],
+                   "reward_model": {"style": "rule", "ground_truth": "5"},
+                   "extra_info": {"index": 0, "answer": "#### 5"}}]).to_parquet(path, index=False)
+    reward = tmp_path / "returns.py"
+    reward.write_text("import math\nimport types\n\nimport numpy as np\nimport torch\n\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    return {returned}\n")
+    cfg = PPOConfig()
+    cfg.data.val_files = str(path)
+    cfg.custom_reward_function.path = str(reward)
+    check = check_reference_solutions(cfg)
+    assert check.checked == 1
+    if training is True:
+        assert check.mismatches == [], check.summary()
+    else:
+        assert len(check.mismatches) == 1
+        assert ("refused" in check.mismatches[0]) == (training == "refused")
+    if training == "refused":  # the summary says why, in the words training stops with
+        assert "(training refuses it: returned " in check.summary()

@@ -50,7 +50,7 @@ from rlhf_core.config import DataConfig, PPOConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError, as_file_list, plain_value
 from rlhf_core.data.schema import is_missing, read_rows
 from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
-from rlhf_core.rewards.manager import as_number
+from rlhf_core.rewards.result import RewardResultError, read_reward_result
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -763,20 +763,6 @@ def check_reward_unchanged(cfg: PPOConfig, pinned: Mapping[str, Any], where: str
     return now
 
 
-def _full_marks(result: Any, full_score: float) -> bool:
-    """Whether a reward result is a right answer as training reads it (:class:`RewardManager`): its ``acc`` where it
-    gives one (right above 0, as the evaluation counts it), else a score of ``full_score`` or more; never without a
-    finite score, which training refuses; a score of numpy's types or in a 0-d tensor counts as the number it
-    holds."""
-    score = as_number(result.get("score") if isinstance(result, Mapping) else result)
-    if score is None or not math.isfinite(score):  # training stops on such a result, whatever its acc says
-        return False
-    if isinstance(result, Mapping) and result.get("acc") is not None:
-        acc = as_number(result["acc"])
-        return acc is not None and acc > 0
-    return score >= full_score
-
-
 @dataclass
 class ReferenceCheck:
     """The reward's self-check against the reference solutions of a dataset."""
@@ -797,7 +783,9 @@ class ReferenceCheck:
                  "do not earn full marks against their own ground truth:"]
         for item in self.mismatches[:limit]:
             lines.append(f"  {item['file']} row {item['row']} (data_source={item['data_source']}): ground truth "
-                         f"{item['ground_truth']!r}, reward {item['result']}, solution ends {item['solution_end']!r}")
+                         f"{item['ground_truth']!r}, reward {item['result']}"
+                         + (f" (training refuses it: {item['refused']})" if "refused" in item else "")
+                         + f", solution ends {item['solution_end']!r}")
         if len(self.mismatches) > limit:
             lines.append(f"  ... and {len(self.mismatches) - limit} more")
         return "\n".join(lines)
@@ -823,17 +811,21 @@ def check_reference_solutions(cfg: PPOConfig, files: str | Sequence[str] | None 
             ground_truth = reward_model.get("ground_truth") if isinstance(reward_model, Mapping) else None
             if source not in fns:
                 fns.update(_reward_callables(cfg, [source]))
+            refused = None
             try:
                 result = fns[source](data_source=source, solution_str=solution, ground_truth=ground_truth,
                                      extra_info=extra)
+                full_marks = read_reward_result(result, full_score).full_marks  # as training reads it
+            except RewardResultError as exc:  # a result training refuses: no marks, and the reason said
+                full_marks, refused = False, str(exc)
             except Exception as exc:  # noqa: BLE001 - a crashing reward is a mismatch, reported with its row
-                result = f"{type(exc).__name__}: {exc}"
+                result, full_marks = f"{type(exc).__name__}: {exc}", False
             checked += 1
-            if not _full_marks(result, full_score):
+            if not full_marks:
                 mismatches.append({"file": str(path), "row": row, "index": extra.get("index", row),
                                    "data_source": source, "ground_truth": ground_truth,
                                    "result": result if isinstance(result, (int, float, str)) else repr(result),
-                                   "solution_end": solution[-60:]})
+                                   "solution_end": solution[-60:], **({"refused": refused} if refused else {})})
     return ReferenceCheck(checked, mismatches)
 
 

@@ -11,14 +11,13 @@ an update or a checkpoint.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlhf_core.rewards import BatchRewardFn, RewardFn, UnknownDataSourceError, get_reward_fn
+from rlhf_core.rewards.result import NotFinite, RewardResult, RewardResultError, read_reward_result
 
 
 class RewardError(Exception):
@@ -63,17 +62,6 @@ class NonFiniteReward(RewardError, ValueError):
 def _fn_name(fn: Any) -> str:
     """A reward function's name for messages; that of the function inside a partial (``reward_kwargs`` bound)."""
     return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
-
-
-def as_number(value: object) -> float | None:
-    """A reward result's number as a float, or None where it is none: a real number (bool, int, float, numpy
-    scalar), not a complex or a string, or a tensor or array of one number and no dimension (``torch.tensor(0.5)``,
-    an element of a batch function's tensor of scores; verl's managers write such a value into the reward tensor
-    as they do a float). numpy's bool is not a ``numbers.Real``, and ``np.isclose(...)`` returns one: without it an
-    ``acc`` of that type went unread."""
-    if isinstance(value, (torch.Tensor, np.ndarray)) and value.ndim == 0:
-        value = value.item()
-    return float(value) if isinstance(value, (numbers.Real, np.bool_)) else None
 
 
 class RewardManager:
@@ -181,13 +169,13 @@ class RewardManager:
         results = self._results(responses, data_sources, ground_truths, extra_infos)
         for i, (fn, result) in enumerate(results):
             data_source = data_sources[i]
-            score, acc, extra = self._unpack(result, i, data_source, fn)
-            if isinstance(result, dict) and "pred" in result:
+            read = self._unpack(result, i, data_source, fn)
+            if read.has_pred:
                 any_pred = True
-                preds[i] = None if result["pred"] is None else str(result["pred"])
-            scores.append(score)
-            accs.append(acc)
-            for key, value in extra.items():
+                preds[i] = read.pred
+            scores.append(read.score)
+            accs.append(read.acc)
+            for key, value in read.extra.items():
                 metrics.setdefault(key, [math.nan] * batch)[i] = value
 
         token_level_scores = torch.zeros((batch, length), dtype=torch.float32, device=response_ids.device)
@@ -267,44 +255,13 @@ class RewardManager:
             out.append((fn, result))
         return out
 
-    def _unpack(
-        self, result: Any, index: int, data_source: str, fn: RewardFn
-    ) -> tuple[float, float, dict[str, float]]:
-        """(score, acc, other numeric entries) of one reward result, checked."""
-        name = _fn_name(fn)
-        where = f"sample {index} (data_source={data_source!r})"
-        if isinstance(result, dict):
-            score = as_number(result.get("score"))
-            if score is None:
-                what = (f"a 'score' of {type(result['score']).__name__} ({result['score']!r:.60})" if "score" in result
-                        else f"no 'score' (keys {sorted(map(str, result))})")
-                raise BadRewardResult(
-                    f"reward function {name!r} returned a dict with {what} for {where}; return a number or a dict "
-                    "whose 'score' entry is one",
-                    name, index, data_source,
-                )
-            acc_value = result.get("acc")
-            acc = as_number(acc_value) if acc_value is not None else float(score >= self.full_score)
-            if acc is None:
-                raise BadRewardResult(
-                    f"reward function {name!r} returned a non-numeric 'acc' ({acc_value!r:.60}) for {where}; "
-                    "'acc' must be a bool or a number (1 for a correct answer), or left out",
-                    name, index, data_source,
-                )
-            numbers_in = {str(key): as_number(value) for key, value in result.items()
-                          if key not in ("score", "acc", "pred")}
-            extra = {key: value for key, value in numbers_in.items() if value is not None}
-        elif (number := as_number(result)) is not None:
-            score = number
-            acc = float(score >= self.full_score)
-            extra = {}
-        else:
-            raise BadRewardResult(
-                f"reward function {name!r} returned {type(result).__name__} ({result!r:.60}) for {where}; "
-                "it must return a number (float, int, bool, or a tensor of one) or a dict with a 'score' key",
-                name, index, data_source,
-            )
-        if not math.isfinite(score):
-            raise NonFiniteReward(f"reward function {name!r} returned a non-finite score ({score}) for {where}; "
-                                  "a score must be a finite number", name, index, data_source)
-        return score, acc, extra
+    def _unpack(self, result: Any, index: int, data_source: str, fn: RewardFn) -> RewardResult:
+        """One reward result read (:func:`read_reward_result`, as the reference check reads it); what it refuses
+        raised as a :class:`BadRewardResult` or :class:`NonFiniteReward` naming the function and the sample."""
+        try:
+            return read_reward_result(result, self.full_score)
+        except RewardResultError as exc:
+            name = _fn_name(fn)
+            kind = NonFiniteReward if isinstance(exc, NotFinite) else BadRewardResult
+            raise kind(f"reward function {name!r} returned {exc.returned} for sample {index} "
+                       f"(data_source={data_source!r}); {exc.advice}", name, index, data_source) from None
