@@ -142,7 +142,7 @@ def test_a_folder_given_where_a_file_goes_is_called_a_folder(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines()[-1] == f"  - config file {tmp_path} is a folder: name the YAML file in it"
     assert train_rm([f"reward_model.train.train_files={tmp_path}", "reward_model.train.val_files=null"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"error: reward_model.train.train_files: preference file {tmp_path} is a folder: name its parquet file(s), e.g. "
+        f"reward_model.train.train_files: preference file {tmp_path} is a folder: name its parquet file(s), e.g. "
         "[a.parquet,b.parquet]"]
 
 
@@ -469,6 +469,53 @@ def test_a_reward_model_worker_that_fails_exits_1_as_ppos_workers(tmp_path, monk
     monkeypatch.setattr(train, "RewardModelTrainer", trainer)
     assert train.train_rm([f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == "error: worker rank 1 (pid 4242) died during train_step"
+
+
+def _failing_with(error):
+    def failing(*args, **kwargs):
+        raise error
+    return failing
+
+
+@pytest.mark.parametrize("error, said, status", [
+    ("CheckpointError", "checkpoint /runs/global_step_2 could not be written: No space left on device", 2),
+    ("ModelError", "reward_model.train.model.path: /models/rm has no weights", 2),
+    ("WorkerError", "error: worker rank 1 (pid 4242) died during train_step", 1),
+    ("GuardError", "error: KL 812.3 above trainer.max_kl 10", 1),
+])
+def test_ppo_and_train_rm_report_a_failure_alike(tmp_path, monkeypatch, capsys, error, said, status):
+    """rlhf-ppo and rlhf-train-rm say a failure in one way, same line and status: rlhf-train-rm put "error: "
+    before a checkpoint's error, which rlhf-ppo does not, and a model that failed to load while the reward model
+    started came out of it as a traceback (rlhf-ppo: one line, exit 2)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from rlhf_core.cli import train
+    from rlhf_core.models.loading import ModelError
+    from rlhf_core.training.checkpoint import CheckpointError
+    from rlhf_core.training.guards import GuardError
+    from rlhf_core.workers.group import WorkerError
+
+    kind = {"CheckpointError": CheckpointError, "ModelError": ModelError, "WorkerError": WorkerError,
+            "GuardError": GuardError}[error]
+    message = said.removeprefix("error: ")
+    monkeypatch.setattr(train, "run", _failing_with(kind(message)))
+    assert train.ppo([f"trainer.default_local_dir={tmp_path / 'ppo'}"]) == status
+    assert capsys.readouterr().err.splitlines() == [said]
+
+    def trainer(cfg, frames):
+        return SimpleNamespace(local_dir=tmp_path / "rm", total_steps=4, global_step=0, resumed_from=None,
+                               started=contextlib.nullcontext, train=_failing_with(kind(message)),
+                               shutdown=lambda: None)
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", trainer)
+    assert train.train_rm([f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == status
+    assert capsys.readouterr().err.splitlines() == [said]
+    # and where the reward model's weights fail to load, before its steps
+    monkeypatch.setattr(train, "RewardModelTrainer", _failing_with(kind(message)))
+    assert train.train_rm([f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == status
+    assert capsys.readouterr().err.splitlines() == [said]
 
 def test_a_second_run_into_a_busy_checkpoint_folder_is_refused_before_loading(workspace, tmp_path, capsys,
                                                                                monkeypatch):

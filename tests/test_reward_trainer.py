@@ -278,7 +278,7 @@ def test_preflight_names_the_key_of_a_file_whose_pair_has_the_same_text_twice(ti
                      f"reward_model.train.train_files={train}", f"reward_model.train.val_files={val}",
                      "reward_model.train.train_batch_size=2", "reward_model.train.micro_batch_size_per_gpu=1",
                      f"reward_model.train.default_local_dir={tmp_path / 'out'}"]) == 2  # bad input, as PPO's data
-    assert (f"error: reward_model.train.train_files: {train}: chosen and rejected are the same text in row(s) 1; "
+    assert (f"reward_model.train.train_files: {train}: chosen and rejected are the same text in row(s) 1; "
             "such a pair teaches nothing, drop it") in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -1002,7 +1002,7 @@ def test_ppo_and_the_reward_model_refuse_each_others_checkpoints_by_what_they_ho
     assert ckpt.latest_checkpoint(rm_dir) == rm_step and not (rm_dir / "metrics.jsonl.prev").exists()
 
     # the reward model's command at PPO's checkpoints, the same three ways
-    assert (f"error: {ppo_step} is a PPO checkpoint (rlhf-ppo's: it holds actor/), not a reward-model one, so this "
+    assert (f"{ppo_step} is a PPO checkpoint (rlhf-ppo's: it holds actor/), not a reward-model one, so this "
             "run cannot resume from it: use another reward_model.train.default_local_dir"
             ) in refusal(train_rm(_overrides(tiny, pairs_dir, ppo_dir)))
     assert "not a reward-model one, so this run cannot resume from it: use another reward_model.train." \

@@ -97,13 +97,23 @@ def _failure(exc: BaseException | None) -> tuple[str, int] | None:
     error these commands do not know (a bug: its traceback is shown)."""
     if isinstance(exc, RewardError):  # the user's reward function, not the run: its message says which checkpoint
         return f"error: {exc}", 2
-    if isinstance(exc, (ConfigError, PreflightError, DataError, ModelError, CheckpointError, PortInUseError)):
+    if isinstance(exc, (ConfigError, PreflightError, DataError, PreferenceDataError, RewardTrainingError, ModelError,
+                        CheckpointError, PortInUseError)):
         return str(exc), 2
     if isinstance(exc, (GuardError, WorkerError)):
         return f"error: {exc}", 1
     if isinstance(exc, TrainingInterrupted):
         return str(exc), 128 + exc.signal_number
     return None
+
+
+def _reported(exc: Exception) -> int:
+    """Say the error a run failed with (:func:`_failure`) and return its exit status: the one way ``ppo`` and
+    ``train-rm`` report a failure. An error they do not know goes on (called in its ``except``: a bare raise)."""
+    if (said := _failure(exc)) is None:
+        raise  # (called inside the handler of ``exc``: it goes on with its traceback)
+    print(said[0], file=sys.stderr)
+    return said[1]
 
 
 def _interrupted_while_failing(interrupt: KeyboardInterrupt) -> int | None:
@@ -135,10 +145,7 @@ def ppo(argv: list[str] | None = None) -> int:
                               cfg and rerun_advice(cfg.trainer.resume_mode)), file=sys.stderr)
         return 128 + signal.SIGINT
     except Exception as exc:
-        if (said := _failure(exc)) is None:
-            raise
-        print(said[0], file=sys.stderr)
-        return said[1]
+        return _reported(exc)
     acc = result.final_val_acc
     trained = len(result.history)  # this run's steps (a resumed run's count goes on from its checkpoint's)
     done = (f"validated at step {result.steps}" if cfg.trainer.val_only  # (its history: the validation's record)
@@ -166,15 +173,8 @@ def train_rm(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(stopped_at_once(cfg and cfg.reward_model.train.default_local_dir, True, None), file=sys.stderr)
         return 128 + signal.SIGINT
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except PreferenceDataError as exc:  # bad input, as PPO's data
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RewardTrainingError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    except Exception as exc:
+        return _reported(exc)
     from rlhf_core.training.tracking import Tracking
 
     trainer_cfg = cfg.trainer
@@ -194,9 +194,6 @@ def train_rm(argv: list[str] | None = None) -> int:
                 val = trainer.train(tracking.log)
         finally:
             trainer.shutdown()
-    except TrainingInterrupted as exc:
-        print(exc, file=sys.stderr)
-        return 128 + exc.signal_number
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
@@ -204,12 +201,8 @@ def train_rm(argv: list[str] | None = None) -> int:
         print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt,
                               rerun_advice(rm.resume_mode, "reward_model.train")), file=sys.stderr)
         return 128 + signal.SIGINT
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except WorkerError as exc:  # the run failed, as PPO's workers
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # (TrainingInterrupted too: 128 + its signal)
+        return _reported(exc)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
     print(f"reward model: at step {trainer.global_step} after {time.time() - started:.0f} s; {shown or 'no validation'}")
     print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
