@@ -369,6 +369,50 @@ def _ctrl_c_in(command, argv):
         signal.signal(signal.SIGINT, previous)
 
 
+# Put before a console script's two lines: this process is sent SIGINT as it first imports one of the packages a
+# command's first seconds go to (torch, ZenML, ...), inside that import, where a Ctrl-C is most likely to come.
+CTRL_C_AS_IT_STARTS = """\
+import importlib.abc
+import os
+import signal
+import sys
+
+
+class CtrlCAtImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in {"torch", "transformers", "zenml", "pandas", "numpy"}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+sys.meta_path.insert(0, CtrlCAtImport())
+"""
+
+# each console script, with arguments that take it past its imports, and the name its line gives it
+SCRIPTS = {"rlhf": (["ppo", "--help"], "rlhf ppo"), "rlhf-ppo": (["--help"], "rlhf-ppo"),
+           "rlhf-train-rm": (["--help"], "rlhf-train-rm"), "rlhf-lineage": (["--model", "m"], "rlhf-lineage"),
+           "rlhf-schedule": (["--help"], "rlhf-schedule"), "rlhf-demo-summary": (["m"], "rlhf-demo-summary")}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, tmp_path, script):
+    """A Ctrl-C while a command imports torch or ZenML, in its first seconds, came out of its console script as a
+    traceback (the script imported the command's module before any of the command's code ran)."""
+    table = (repo_root / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([^"]+)"$', table, re.M))  # (tomllib is Python 3.11's)
+    assert set(scripts) == set(SCRIPTS)
+    module, function = scripts[script].split(":")
+    runner = tmp_path / script  # what pip writes as the script, after the Ctrl-C's hook
+    runner.write_text(CTRL_C_AS_IT_STARTS + f"from {module} import {function}\nsys.exit({function}())\n")
+    argv, name = SCRIPTS[script]
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    done = subprocess.run([sys.executable, str(runner), *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        130, [f"interrupted by SIGINT: {name} stopped as it started: nothing was done"]), done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("saves_on_interrupt", [True, False])
 def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_left(tmp_path, monkeypatch, capsys,
                                                                                   saves_on_interrupt):

@@ -4,13 +4,15 @@ Each command is a function ``(argv) -> exit code`` in the module of its role (tr
 pipeline, config); the modules do the argument parsing, the printing and the exit codes, and call
 the library for everything else. The library's ``python -m`` paths and the ``rlhf-*`` console
 scripts call the same functions. A command's module is imported only when it runs, so ``rlhf --help``
-starts without torch.
+starts without torch, and the console scripts (``rlhf_ppo`` ... below) import it the same way: a Ctrl-C while
+torch or ZenML import, in a command's first seconds, ends it with one line and exit status 130, not a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -124,10 +126,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlhf: unknown command '{name}'; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module, function, _ = COMMANDS[name]
     global _running
     _running = name
     try:
-        return getattr(importlib.import_module(module), function)(rest)
+        return _run(name, rest, f"rlhf {name}")
     finally:
         _running = None
+
+
+def _run(name: str, argv: Sequence[str] | None, prog: str) -> int:
+    """Command ``name`` of :data:`COMMANDS` on ``argv`` (None: the process's), its module imported here. A Ctrl-C
+    the command does not handle itself (one while its module imports torch, or while it imports ZenML) ends it
+    with one line naming ``prog`` and 128 + SIGINT, where it came out as a traceback."""
+    module, function, _ = COMMANDS[name]
+    command = None
+    try:
+        command = getattr(importlib.import_module(module), function)
+        return command(argv)
+    except KeyboardInterrupt:
+        said = "stopped before it finished" if command is not None else "stopped as it started: nothing was done"
+        print(f"interrupted by SIGINT: {prog} {said}", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+# The console scripts beside ``rlhf`` (pyproject's [project.scripts]), each named after its script: a script that
+# named the command's own function imported its module (torch) before any code here could take a Ctrl-C.
+
+
+def rlhf_ppo() -> int:
+    return _run("ppo", None, "rlhf-ppo")
+
+
+def rlhf_train_rm() -> int:
+    return _run("train-rm", None, "rlhf-train-rm")
+
+
+def rlhf_lineage() -> int:
+    return _run("lineage", None, "rlhf-lineage")
+
+
+def rlhf_schedule() -> int:
+    return _run("schedule", None, "rlhf-schedule")
+
+
+def rlhf_demo_summary() -> int:
+    return _run("demo-summary", None, "rlhf-demo-summary")
