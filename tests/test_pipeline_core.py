@@ -150,6 +150,20 @@ def test_an_overlong_first_prompt_does_not_shrink_the_dry_run(overlong_setup, tm
     assert not (tmp_path / "no_val" / "data" / "val.parquet").exists()
 
 
+def test_the_dry_run_says_the_truncation_notice_once_with_the_runs_counts(overlong_setup, tmp_path, capsys):
+    """Rows 0, 2 and 5 of the 8 are over data.max_prompt_length: the notice is said once, of the run's file (3 of 8);
+    the trainer's loading of the dry run's copy said it again, of the copy's 4 rows, once per trainer built (2)."""
+    _, _, data = overlong_setup
+    report = run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=4",
+                                             "data.filter_overlong_prompts=false", "data.truncation=left"),
+                            tmp_path, n_prompts=4, response_length=4)
+    assert report.passed, report.summary()
+    notices = [line for line in capsys.readouterr().err.splitlines() if "data.truncation=" in line]
+    assert len(notices) == 1, notices
+    assert notices[0].startswith("notice: data.train_files: data.truncation=left cut 3 of 8 prompts longer than "
+                                 f"data.max_prompt_length (320 tokens) to that length (first: {data['train']} row 0)")
+
+
 def test_too_few_kept_prompts_stop_the_dry_run_in_the_configs_terms(overlong_setup, tmp_path):
     # 8 rows, 3 over data.max_prompt_length: 5 kept, fewer than a batch of 6
     with pytest.raises(SmokeTestError, match=re.escape(

@@ -20,7 +20,9 @@ weights exactly. The first failing check raises :class:`SmokeTestError` naming i
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import math
 import sys
 import time
@@ -221,10 +223,35 @@ def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> 
     return [name for name, value in state_a.items() if not torch.equal(value, state_b[name])]
 
 
+#: the start of the notices loading a prompt file gives (its truncation, its prompts that end with an answer, ...)
+DATA_NOTICES = ("notice: data.train_files: ", "notice: data.val_files: ")
+
+
+@contextlib.contextmanager
+def _dry_run_session(small: PPOConfig):
+    """:func:`~rlhf_core.main_ppo.trainer_session` of the dry run's config, its datasets' notices left out of
+    stderr: they read the dry run's copies of the prompts first_prompts took from the run's files, where it said
+    them once with the run's files and counts (each copy's said them again, of its few rows, once a trainer)."""
+    from rlhf_core.main_ppo import trainer_session
+
+    class Said(io.StringIO):
+        encoding = getattr(sys.stderr, "encoding", None)  # (a progress bar draws as it would on stderr)
+
+    with contextlib.ExitStack() as stack:
+        said = Said()
+        try:
+            with contextlib.redirect_stderr(said):  # (only while the trainer is built: its steps print as they go)
+                trainer = stack.enter_context(trainer_session(small))
+        finally:
+            sys.stderr.writelines(line for line in said.getvalue().splitlines(keepends=True)
+                                  if not line.startswith(DATA_NOTICES))
+        yield trainer
+
+
 def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
                    steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
     """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
-    from rlhf_core.main_ppo import preflight, trainer_session
+    from rlhf_core.main_ppo import preflight
     from rlhf_core.models.loading import check_policy_dir, load_tokenizer
     from rlhf_core.training.checkpoint import latest_checkpoint
 
@@ -266,7 +293,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                          small.reward_model.model.path if small.reward_model.enable else None)
 
     preflight(small)
-    with trainer_session(small) as trainer:
+    with _dry_run_session(small) as trainer:
         history = trainer.fit()
         report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
                           for step in history]
@@ -286,7 +313,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         latest = latest_checkpoint(root)
         if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
             latest = trainer.save_checkpoint()
-        with trainer_session(small) as fresh:
+        with _dry_run_session(small) as fresh:
             fresh.load_checkpoint(latest)
             differing = _state_differences(trainer.actor.module, fresh.actor.module)
             if trainer.critic is not None:
