@@ -156,6 +156,20 @@ def test_a_smoke_work_dir_that_cannot_be_written_exits_2_with_one_line(tmp_path,
         f"error: --work-dir {a_file}: a file, not a folder; give a folder this user may write"]
 
 
+def test_a_reward_function_that_fails_in_the_dry_run_exits_2_with_one_line_as_in_ppo(monkeypatch, capsys):
+    """The dry run's reward error (or any other rlhf-ppo reports in one line) came out of rlhf smoke as a
+    traceback; rlhf-ppo says it in one line and exits 2."""
+    from rlhf_core.cli import train
+    from rlhf_core.rewards.manager import NonFiniteReward
+
+    said = ("reward function 'compute_score' returned a non-finite score (nan) for sample 0 "
+            "(data_source='synthetic/arithmetic'); a score must be a finite number")
+    for command, patched in ((train.smoke, "run_smoke_test"), (train.ppo, "run")):
+        monkeypatch.setattr(train, patched, _failing_with(NonFiniteReward(said, "compute_score", 0, "s")))
+        assert command([]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
+
+
 def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, capsys):
     """An --output (or --html) that cannot be written came out as the OSError's traceback, the HTML report's after
     the whole evaluation; a file in the way stands in here for a read-only folder (the tests may run as root)."""

@@ -6,11 +6,11 @@
 
 Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it or a worker failed;
 ``train-rm``: a worker failed; ``smoke``: a check failed); 2 bad input, refused before anything trains (config,
-data, preference data, model, checkpoint) or met on the way (``ppo``: a reward function that failed, by raising or
-returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be written); 128 + signal
-number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way is saved, or at once
-without saving after a second one, or where no step is under way: while the run starts or closes, or with
-``trainer.save_on_interrupt=false``; the message names the checkpoint left).
+data, preference data, model, checkpoint) or met on the way (``ppo`` and ``smoke``: a reward function that
+failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be
+written); 128 + signal number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way
+is saved, or at once without saving after a second one, or where no step is under way: while the run starts or
+closes, or with ``trainer.save_on_interrupt=false``; the message names the checkpoint left).
 """
 
 from __future__ import annotations
@@ -108,8 +108,9 @@ def _failure(exc: BaseException | None) -> tuple[str, int] | None:
 
 
 def _reported(exc: Exception) -> int:
-    """Say the error a run failed with (:func:`_failure`) and return its exit status: the one way ``ppo`` and
-    ``train-rm`` report a failure. An error they do not know goes on (called in its ``except``: a bare raise)."""
+    """Say the error a run failed with (:func:`_failure`) and return its exit status: the one way ``ppo``,
+    ``train-rm`` and ``smoke`` report a failure. An error they do not know goes on (called in its ``except``: a bare
+    raise)."""
     if (said := _failure(exc)) is None:
         raise  # (called inside the handler of ``exc``: it goes on with its traceback)
     print(said[0], file=sys.stderr)
@@ -219,9 +220,8 @@ def smoke(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
     try:
         cfg = load_config(args.overrides, config_file=args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    except Exception as exc:
+        return _reported(exc)
     if args.work_dir and (problem := unwritable(Path(args.work_dir))):
         print(f"error: --work-dir {args.work_dir}: {problem}; give a folder this user may write", file=sys.stderr)
         return 2
@@ -231,8 +231,7 @@ def smoke(argv: list[str] | None = None) -> int:
         except SmokeTestError as exc:
             print(exc, file=sys.stderr)
             return 1
-        except (PreflightError, DataError, ModelError) as exc:  # the config's model or data cannot be used
-            print(exc, file=sys.stderr)
-            return 2
+        except Exception as exc:  # its model or data cannot be used, its reward function failed, ... as in rlhf-ppo
+            return _reported(exc)
     print(report.summary())
     return 0
