@@ -164,6 +164,23 @@ def test_the_dry_run_says_the_truncation_notice_once_with_the_runs_counts(overlo
                                  f"data.max_prompt_length (320 tokens) to that length (first: {data['train']} row 0)")
 
 
+def test_the_dry_run_keeps_the_prompts_train_max_samples_keeps(overlong_setup, tmp_path):
+    """A config whose data.train_max_samples (2) is its batch was refused by the dry run, which drew 4 prompts
+    and so a batch of 4 over train_max_samples: "data.train_max_samples (2) keeps fewer prompts than
+    data.train_batch_size (4)", a batch size the user never set."""
+    _, _, data = overlong_setup
+    cfg = _overlong_config(overlong_setup, "data.train_batch_size=2", "data.train_max_samples=2", "data.shuffle=false",
+                           "data.filter_overlong_prompts=false", "data.truncation=left",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    report = run_smoke_test(cfg, tmp_path, n_prompts=4, response_length=4)
+    assert report.passed, report.summary()
+    assert report.n_prompts == 2
+    # without data.shuffle, train_max_samples keeps the files' first rows
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "data" / "train.parquet"),
+                                  pd.read_parquet(data["train"]).iloc[:2])
+
+
 def test_too_few_kept_prompts_stop_the_dry_run_in_the_configs_terms(overlong_setup, tmp_path):
     # 8 rows, 3 over data.max_prompt_length: 5 kept, fewer than a batch of 6
     with pytest.raises(SmokeTestError, match=re.escape(

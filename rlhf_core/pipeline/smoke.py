@@ -134,15 +134,18 @@ def build_tiny_clone(model_path: str | Path, output_dir: str | Path, tokenizer_p
 
 
 def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_prompts: int,
-                  key: str, require_ground_truth: bool = True) -> tuple[pd.DataFrame, int]:
+                  key: str, require_ground_truth: bool = True, max_samples: int = -1,
+                  seed: int | None = None) -> tuple[pd.DataFrame, int]:
     """The rows of the first ``n_prompts`` prompts that the trainer keeps from ``files`` (in order), and how
     many it keeps in all.
 
-    The files are loaded as the trainer loads them (:class:`RLHFDataset`), so a row it drops is skipped
-    here too and any row it would refuse stops the dry run the same way. They are read once: the dataset
-    is given the frame the kept rows are then taken from (a training file can be large)."""
+    The files are loaded as the trainer loads them (:class:`RLHFDataset`, with ``data.train_max_samples`` or
+    ``val_max_samples`` as ``max_samples``, drawn with ``seed``), so a row it drops is skipped here too and any
+    row it would refuse stops the dry run the same way. They are read once: the dataset is given the frame the
+    kept rows are then taken from (a training file can be large)."""
     frame = read_frames(check_files(files, key))
-    dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth, frame=frame)
+    dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth, frame=frame,
+                          max_samples=max_samples, seed=seed)
     kept = frame.iloc[dataset.positions[:n_prompts]]
     return kept.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
 
@@ -269,8 +272,11 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                                       trust_remote_code=model_cfg.trust_remote_code)
     parameters = count_parameters_from_config(model_path, model_cfg.trust_remote_code) if cloned else target_parameters
     tokenizer = load_tokenizer(cfg.value("actor_rollout_ref.model.tokenizer_path"), model_cfg.trust_remote_code)
+    # the prompts data.train_max_samples keeps, as the trainer draws them: the dry run's batch is then at most
+    # that many (a batch of n_prompts over it failed the shrunk config's check, naming a batch size not the user's)
+    seed = cfg.value("data.seed")
     train_rows, kept = first_prompts(cfg.data.train_files, tokenizer, cfg.data, n_prompts, "data.train_files",
-                                     cfg.needs_ground_truth())
+                                     cfg.needs_ground_truth(), cfg.data.train_max_samples, seed)
     # the real run draws this many prompts a round and stops when the kept ones are fewer: say so now, not there
     batch_key, batch = cfg.prompt_batch()
     if kept < batch:
@@ -285,7 +291,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     val_file = None  # a config without validation files runs without validation, here as in training
     if cfg.data.val_files:
         val_rows, _ = first_prompts(cfg.data.val_files, tokenizer, cfg.data, n_prompts, "data.val_files",
-                                    cfg.needs_ground_truth())
+                                    cfg.needs_ground_truth(), cfg.data.val_max_samples, seed)
         val_file = write_parquet(val_rows, work_dir / "data" / "val.parquet")
     n_prompts = len(train_rows)
     small = scale_config(cfg, model_path, train_file, val_file, work_dir, n_prompts, response_length, cloned, steps)
