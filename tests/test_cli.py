@@ -427,6 +427,17 @@ def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, 
         130, [f"interrupted by SIGINT: {name} stopped as it started: nothing was done"]), done.stderr[-2000:]
 
 
+def test_a_ctrl_c_during_the_dry_run_exits_130_with_one_line(monkeypatch, capsys):
+    """python -m rlhf_core.pipeline.smoke calls the command itself: a Ctrl-C in the dry run came out as a
+    traceback."""
+    from rlhf_core.cli import train
+
+    monkeypatch.setattr(train, "run_smoke_test", lambda cfg, work_dir: signal.raise_signal(signal.SIGINT))
+    assert _ctrl_c_in(train.smoke, []) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted by SIGINT: the dry run stopped before its checks ended; it wrote nothing of the run's"]
+
+
 @pytest.mark.parametrize("saves_on_interrupt", [True, False])
 def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_left(tmp_path, monkeypatch, capsys,
                                                                                   saves_on_interrupt):

@@ -233,5 +233,9 @@ def smoke(argv: list[str] | None = None) -> int:
             return 1
         except Exception as exc:  # its model or data cannot be used, its reward function failed, ... as in rlhf-ppo
             return _reported(exc)
+        except KeyboardInterrupt:  # (python -m rlhf_core.pipeline.smoke runs it without rlhf's own line for it)
+            print("interrupted by SIGINT: the dry run stopped before its checks ended; it wrote nothing of the run's",
+                  file=sys.stderr)
+            return 128 + signal.SIGINT
     print(report.summary())
     return 0
