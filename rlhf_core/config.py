@@ -1112,6 +1112,11 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                       "\"data.train_files='~/data/train.parquet'\")")
         return
     key = override.key_or_group
+    if key == "hydra" or key.startswith(("hydra.", "hydra/")):  # as a config file's hydra: section
+        notice(f"notice: {text} is Hydra's own setting (its run folder, logging, working directory), not read "
+               "here: relative paths are read from the current folder, and the checkpoints and metrics go to "
+               "trainer.default_local_dir")
+        return
     if override.package is not None or override.is_sweep_override():
         errors.append(f"override {text!r}: sweeps and @package are not supported here; write a list as "
                       f"{key}=[a,b]")

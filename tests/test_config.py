@@ -994,3 +994,18 @@ def test_a_key_misspelt_in_a_config_file_names_the_file(tmp_path):
     assert error.value.errors == [
         f"unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps? (in {experiment})",
         "unknown config key data.train_batch_sise; did you mean data.train_batch_size?"]
+
+
+@pytest.mark.parametrize("hydra_override", [
+    "hydra.run.dir=/tmp/hydra-outputs",  # as verl commands pass it: Hydra's run folder
+    "+hydra.job.chdir=True",
+    "hydra/job_logging=disabled",  # a Hydra group chosen on the command line
+    "~hydra.output_subdir",
+])
+def test_hydras_own_settings_on_the_command_line_are_dropped_with_a_notice(hydra_override):
+    # the command line's counterpart of a config file's hydra: section, which is dropped with a notice: Hydra
+    # does not load the config here, so its settings are no key of the tree to refuse as unknown
+    notices = []
+    cfg = load_config([hydra_override, "data.train_batch_size=64"], notice=notices.append, validate=False)
+    assert cfg.data.train_batch_size == 64
+    assert [n for n in notices if n.startswith(f"notice: {hydra_override} is Hydra's own setting")]
