@@ -15,7 +15,8 @@ Backends (``VALID_LOGGERS``):
     not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad norm
     is warned as well).
 ``file``
-    JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``.
+    JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``
+    (verl's ``VERL_FILE_LOGGER_PATH`` and ``VERL_FILE_LOGGER_ROOT`` are not read: a notice says so).
     Non-finite values (NaN, +-inf) are written as ``null`` so every line is valid JSON. Each line is
     flushed as soon as it is written, so a killed run keeps every finished step. An existing file is
     appended to: a resumed run continues it, and as it logs its first step past the checkpoint it resumed
@@ -165,6 +166,8 @@ def _fmt(value: float) -> str:
 
 
 GENERATIONS_KEY = "val/generations"
+#: where verl's file logger writes (a file; else <root>/<project>/<experiment>.jsonl): not read here, said so
+VERL_FILE_LOGGER_VARIABLES = ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT")
 GENERATIONS_FILENAME = "val_generations.jsonl"
 RUN_IDS_FILENAME = "tracking_runs.json"  # the wandb and MLflow run ids, for a resumed run to go on in them
 CLIP_CHARS = 200
@@ -444,6 +447,13 @@ class FileLogger(Backend):
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)
         self.path = run.local_dir / self.FILENAME
+        # verl's file logger writes where these say; here the file stays beside the checkpoints, where a resume and
+        # a fresh run in the folder look after it: said, so that a verl user does not look for it there
+        for variable in VERL_FILE_LOGGER_VARIABLES:
+            if os.environ.get(variable):
+                print(f"notice: {variable}={os.environ[variable]} (verl's file logger) is not read here: the 'file' "
+                      f"logger writes {self.path} (one flat record a step: {{\"step\": N, \"<metric>\": ...}})",
+                      file=sys.stderr, flush=True)
         # opened at the first record, not here: a file opened early would follow the earlier run's to where a
         # caller that sets tracking up first moves it aside
         self._file: IO[str] | None = None
