@@ -676,6 +676,35 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"{section}.strategy": (lambda v: v in STRATEGIES, "the reference and the reward model run as the actor does, "
                                                           "sharded with FSDP2")
        for section in ("actor_rollout_ref.ref", "reward_model")},
+    # newer verl's engine config repeats these in each fsdp_config
+    **{f"{section}.use_orig_params": (_any, "FSDP2 shards the parameters as they are") for section in FSDP_SECTIONS},
+    **{f"{section}.ulysses_sequence_parallel_size": (lambda v: str(v) == "1", "there is no sequence parallelism here")
+       for section in FSDP_SECTIONS},
+    **{f"{section}.{name}": (_any, "the entropy is computed chunk by chunk")
+       for section in FSDP_SECTIONS for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing")},
+    **{f"{section}.use_torch_compile": (_any, "actor_rollout_ref.actor.use_torch_compile decides")
+       for section in FSDP_SECTIONS},
+    **{f"{section}.forward_only": (_any, "the reference and the reward model only run forward, the actor and the "
+                                         "critic train") for section in FSDP_SECTIONS},
+    **{f"{section}.strategy": (lambda v: v in STRATEGIES, "the workers shard with FSDP2")
+       for section in FSDP_SECTIONS},
+    # newer verl's optimizer choice: AdamW from torch.optim is the one optimizer here
+    **{f"{section}.optim.optimizer": (lambda v: str(v) == "AdamW", "the optimizer is torch.optim.AdamW")
+       for section in ("actor_rollout_ref.actor", "critic")},
+    **{f"{section}.optim.optimizer_impl": (lambda v: str(v) == "torch.optim", "the optimizer is torch.optim.AdamW")
+       for section in ("actor_rollout_ref.actor", "critic")},
+    **{f"{section}.optim.override_optimizer_config": (
+        lambda v: _null(v) or v == {}, "AdamW takes optim.lr, betas and weight_decay, and torch's defaults else")
+       for section in ("actor_rollout_ref.actor", "critic")},
+    "actor_rollout_ref.actor.freeze_vision_tower": (_off, "prompts are text: there is no vision tower"),
+    "actor_rollout_ref.model.hf_config_path": (_null, "the model's config is read from model.path"),
+    "actor_rollout_ref.rollout.data_parallel_size": (lambda v: str(v) == "1",
+                                                     "each worker's rollout engine generates its share of the batch"),
+    "actor_rollout_ref.rollout.expert_parallel_size": (lambda v: str(v) == "1", "there is no expert parallelism here"),
+    "reward_model.enable_resource_pool": (_off, "the reward model runs in the trainer's workers"),
+    **{f"reward_model.{name}": (lambda v: str(v) == "0", "the reward model runs in the trainer's workers "
+                                                         "(reward_model.enable_resource_pool is not supported)")
+       for name in ("n_gpus_per_node", "nnodes")},
     "actor_rollout_ref.actor.checkpoint.save_contents": (
         _all_state, "the actor's checkpoints hold its model, optimizer and extra state, with a huggingface/ export "
                     "of the model"),
@@ -716,7 +745,8 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     # the rollout engine's knobs this trainer does not pass on, and verl's agent and multi-turn machinery
     **{f"actor_rollout_ref.rollout.{name}": (_any, _NOT_PASSED_TO_VLLM)
        for name in ("cudagraph_capture_sizes", "max_model_len", "max_num_seqs", "disable_log_stats",
-                    "enable_prefix_caching", "multi_stage_wake_up", "update_weights_bucket_megabytes")},
+                    "enable_prefix_caching", "multi_stage_wake_up", "update_weights_bucket_megabytes",
+                    "skip_tokenizer_init")},
     "actor_rollout_ref.rollout.over_sample_rate": (lambda v: str(v) in ("0", "0.0"),
                                                    "every prompt's responses are generated to the end"),
     "actor_rollout_ref.rollout.multi_turn.enable": (_off, "multi-turn rollouts with tools are not done here"),

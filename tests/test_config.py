@@ -1009,3 +1009,46 @@ def test_hydras_own_settings_on_the_command_line_are_dropped_with_a_notice(hydra
     cfg = load_config([hydra_override, "data.train_batch_size=64"], notice=notices.append, validate=False)
     assert cfg.data.train_batch_size == 64
     assert [n for n in notices if n.startswith(f"notice: {hydra_override} is Hydra's own setting")]
+
+
+# keys newer verl's generated trainer config adds (its optimizer choice, the engine settings each fsdp_config repeats,
+# the rollout's parallel sizes, the reward model's own pool), at verl's defaults: a full config file of that verl holds
+# them, so each is taken with a notice, and none changes a setting
+NEWER_VERL_DEFAULTS_WITHOUT_COUNTERPART = """
+actor_rollout_ref.actor.optim.optimizer=AdamW actor_rollout_ref.actor.optim.optimizer_impl=torch.optim
+actor_rollout_ref.actor.optim.override_optimizer_config=null
+critic.optim.optimizer=AdamW critic.optim.optimizer_impl=torch.optim critic.optim.override_optimizer_config=null
+actor_rollout_ref.actor.fsdp_config.use_orig_params=false actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1
+actor_rollout_ref.actor.fsdp_config.entropy_from_logits_with_chunking=false
+actor_rollout_ref.actor.fsdp_config.use_torch_compile=true actor_rollout_ref.actor.fsdp_config.entropy_checkpointing=false
+actor_rollout_ref.actor.fsdp_config.forward_only=false actor_rollout_ref.actor.fsdp_config.strategy=fsdp
+actor_rollout_ref.ref.fsdp_config.use_orig_params=false actor_rollout_ref.ref.fsdp_config.forward_only=false
+actor_rollout_ref.ref.fsdp_config.strategy=fsdp critic.model.fsdp_config.use_orig_params=false
+critic.model.fsdp_config.ulysses_sequence_parallel_size=1 critic.model.fsdp_config.use_torch_compile=true
+actor_rollout_ref.actor.freeze_vision_tower=false actor_rollout_ref.model.hf_config_path=null
+actor_rollout_ref.rollout.data_parallel_size=1 actor_rollout_ref.rollout.expert_parallel_size=1
+actor_rollout_ref.rollout.skip_tokenizer_init=true
+reward_model.enable_resource_pool=false reward_model.n_gpus_per_node=0 reward_model.nnodes=0
+""".split()
+
+
+def test_newer_verl_generated_config_keys_are_all_taken():
+    notices = []
+    cfg = load_config(NEWER_VERL_DEFAULTS_WITHOUT_COUNTERPART, notice=notices.append, validate=False)
+    assert cfg == load_config([], notice=lambda _: None, validate=False)
+    for override in NEWER_VERL_DEFAULTS_WITHOUT_COUNTERPART:
+        key = override.partition("=")[0]
+        assert [n for n in notices if n.startswith(f"notice: {key}=") and " has no effect: " in n], key
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("actor_rollout_ref.actor.optim.optimizer=AdamW8bit", "the optimizer is torch.optim.AdamW"),
+    ("critic.optim.optimizer_impl=bitsandbytes.optim", "the optimizer is torch.optim.AdamW"),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config={fused: true}", "torch's defaults"),
+    ("critic.model.fsdp_config.ulysses_sequence_parallel_size=2", "there is no sequence parallelism here"),
+    ("actor_rollout_ref.rollout.expert_parallel_size=4", "there is no expert parallelism here"),
+    ("reward_model.enable_resource_pool=true", "the reward model runs in the trainer's workers"),
+])
+def test_newer_verl_keys_asking_for_what_is_not_here_are_refused(override, said):
+    message = _errors(override)
+    assert f"{override.partition('=')[0]}=" in message and "is not supported" in message and said in message
