@@ -786,6 +786,8 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
        for name in ("rollout_data_dir", "validation_data_dir")},
     "trainer.esi_redundant_time": (_any, "checkpoints are saved on save_freq, at the end and on a stop signal"),
     "trainer.ray_wait_register_center_timeout": (_any, "workers are waited for 300 s"),
+    "trainer.wandb_proxy": (_null, "wandb takes its proxy from the HTTPS_PROXY environment variable (and runs offline "
+                                   "unless WANDB_MODE=online): set that"),
     "global_profiler.tool": (_null, "trainer.profile_steps records torch.profiler traces"),
     "global_profiler.steps": (_null, "trainer.profile_steps records torch.profiler traces"),
     "ray_kwargs.timeline_json_file": (_null, "no Ray timeline is written here"),

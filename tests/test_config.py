@@ -1052,3 +1052,14 @@ def test_newer_verl_generated_config_keys_are_all_taken():
 def test_newer_verl_keys_asking_for_what_is_not_here_are_refused(override, said):
     message = _errors(override)
     assert f"{override.partition('=')[0]}=" in message and "is not supported" in message and said in message
+
+
+def test_verls_wandb_proxy_is_refused_naming_the_variable_wandb_reads():
+    # verl passes +trainer.wandb_proxy to wandb's settings; here wandb reads HTTPS_PROXY, which the refusal names
+    # (it was an unknown key, with trainer.val_only as the closest one)
+    message = _errors("+trainer.wandb_proxy=http://proxy:8080")
+    assert "trainer.wandb_proxy='http://proxy:8080' is not supported: wandb takes its proxy from the HTTPS_PROXY " \
+        "environment variable" in message
+    notices = []
+    load_config(["trainer.wandb_proxy=null"], notice=notices.append, validate=False)
+    assert any(n.startswith("notice: trainer.wandb_proxy=None has no effect") for n in notices)
