@@ -32,3 +32,26 @@ def test_no_notice_without_verls_variables(tmp_path, monkeypatch, capsys):
     with Tracking(["file"], "verl_examples", "gsm8k", tmp_path) as tracking:
         tracking.log({"actor/pg_loss": 0.5}, step=1)
     assert "VERL_FILE_LOGGER" not in capsys.readouterr().err
+
+
+def test_a_verl_command_with_hydras_run_folder_trains_and_writes_verls_names(workspace, tmp_path, monkeypatch, capsys):
+    # a verl command as verl users write it: Hydra's run folder on the command line, verl's file-logger variable,
+    # verl's logger list in Hydra's quoting and +key for a key verl's older tree lacks
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "ckpt"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "verl_metrics.jsonl"))
+    status = ppo(workspace.overrides(out, f"hydra.run.dir={tmp_path / 'hydra'}", "+trainer.val_before_train=False",
+                                     "trainer.logger=['console','file']", "trainer.total_training_steps=1",
+                                     "trainer.save_freq=1", "trainer.test_freq=1"))
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert f"notice: hydra.run.dir={tmp_path / 'hydra'} is Hydra's own setting" in err
+    assert "notice: VERL_FILE_LOGGER_PATH=" in err
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 1
+    assert {"actor/pg_loss", "critic/vf_loss", "response_length/mean", "timing_s/gen"} <= set(record)
+    assert any(key.startswith("val-core/") for key in record)
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert (out / "global_step_1" / "actor").is_dir() and (out / "global_step_1" / "critic").is_dir()
+    assert not (tmp_path / "hydra").exists() and not (tmp_path / "verl_metrics.jsonl").exists()
