@@ -1307,7 +1307,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}
         except InterpolationResolutionError as exc:
-            errors.append(f"{exc.full_key}: {exc.msg.splitlines()[0]}")
+            errors.append(_interpolation_problem(cfg, given, exc))
         except MissingMandatoryValue as exc:  # verl's ??? for a key its user must set
             errors.append(f"{exc.full_key} must be set (the config holds ??? there)")
     if errors:
@@ -1315,6 +1315,27 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     if validate:
         validate_config(resolved)
     return resolved
+
+
+def _interpolation_problem(cfg: DictConfig, given: dict[str, Any], exc: InterpolationResolutionError) -> str:
+    """``exc`` said of the key the user set that holds the interpolation which fails (``trainer.experiment_name=
+    ${now:...}``), not of the first key that reads it (``reward_model.train.default_local_dir`` reads the
+    experiment's name), which is named beside it."""
+    culprit = exc.full_key
+    for key, value in given.items():
+        if isinstance(value, str) and "${" in value:
+            try:
+                OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            except InterpolationResolutionError:
+                culprit = key
+                break
+    said = f"{culprit}: {exc.msg.splitlines()[0]}"
+    if culprit != exc.full_key:
+        said += f" (read by {exc.full_key})"
+    if "interpolation type now" in exc.msg:
+        said += ("; Hydra's ${now:...} is not registered here: give the date from the shell, e.g. "
+                 "trainer.experiment_name=run_$(date +%Y%m%d_%H%M%S)")
+    return said
 
 
 def _stderr(message: str) -> None:

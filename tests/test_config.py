@@ -1063,3 +1063,16 @@ def test_verls_wandb_proxy_is_refused_naming_the_variable_wandb_reads():
     notices = []
     load_config(["trainer.wandb_proxy=null"], notice=notices.append, validate=False)
     assert any(n.startswith("notice: trainer.wandb_proxy=None has no effect") for n in notices)
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ("trainer.experiment_name=${trainer.no_such_key}", "Interpolation key 'trainer.no_such_key' not found"),
+    # Hydra's own resolver, which verl's Hydra registers: refused, saying how to give the date instead
+    ("trainer.experiment_name=run_${now:%Y%m%d}", "Hydra's ${now:...} is not registered here"),
+])
+def test_a_failing_interpolation_is_said_of_the_key_that_holds_it(override, said):
+    # the experiment's name is read first by reward_model.train.default_local_dir, which the user never set: the
+    # problem is said of the key given, with the key that read it beside it
+    message = _errors_or_none(override)
+    assert message is not None and message.startswith("trainer.experiment_name: "), message
+    assert said in message and "(read by reward_model.train.default_local_dir)" in message
