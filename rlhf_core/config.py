@@ -1073,7 +1073,18 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:
         hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
+        if value in ("None", "none") and _takes_null(cfg, key):  # Hydra (verl's too) reads None as text
+            hint = f"; None is read as text: write {key}=null"
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
+
+
+def _takes_null(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` of ``cfg`` may be set to null (its field is Optional)."""
+    try:
+        OmegaConf.update(copy.deepcopy(cfg), key, None, merge=False)
+    except ValidationError:
+        return False
+    return True
 
 
 def _open_key(key: str) -> str | None:

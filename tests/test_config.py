@@ -1076,3 +1076,11 @@ def test_a_failing_interpolation_is_said_of_the_key_that_holds_it(override, said
     message = _errors_or_none(override)
     assert message is not None and message.startswith("trainer.experiment_name: "), message
     assert said in message and "(read by reward_model.train.default_local_dir)" in message
+
+
+def test_none_written_for_null_is_refused_with_the_null_to_write():
+    # Hydra reads None as the text 'None' (as verl's does): where the key takes null, the refusal says to write that
+    assert "None is read as text: write trainer.total_training_steps=null" in \
+        _errors_or_none("trainer.total_training_steps=None")
+    message = _errors_or_none("data.max_prompt_length=None")  # no null to offer where the key takes none
+    assert message is not None and "data.max_prompt_length='None'" in message and "write" not in message
