@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable
 from typing import Annotated, Any
 from uuid import UUID
@@ -110,8 +111,10 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
         production = client.get_model_version(model_name, ModelStages.PRODUCTION)
     except KeyError:
         raise NoProductionModelError(
-            f"model {model_name!r} has no production version to warm-start from; run the training pipeline "
-            "first: zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c configs/demo_cpu.yaml") from None
+            f"model {model_name!r} has no production version to warm-start from: run the training pipeline "
+            f"(zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c RUN_CONFIG, a run config whose model.name "
+            f"is {model_name!r}) until its gate promotes a version, or make a trained version production: "
+            f"zenml model version update {shlex.quote(model_name)} VERSION --stage production") from None
     trained_on = production.run_metadata.get("dataset_fingerprint")
     # a production version that recorded no fingerprint was not trained on this data as far as anyone knows (and
     # its None must not match the None of files that cannot be read whole)

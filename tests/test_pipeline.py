@@ -970,6 +970,21 @@ def test_gate_does_not_count_failed_skipped_or_unrecorded_versions():
     assert _gate(model, b)[2] == "5"
 
 
+def test_gate_without_a_production_version_says_how_to_get_one_for_this_model():
+    """Retraining a model that was trained but never promoted: the way on names that model, not the demo's
+    run config (whose model is another one)."""
+    from steps.check_new_data import NoProductionModelError
+
+    model = "gate-never promoted"
+    _add_version(model, promoted=False, dataset_fingerprint=_sha("A"))  # version 1, refused
+    with pytest.raises(NoProductionModelError) as raised:
+        _gate(model, _sha("A"))
+    message = str(raised.value)
+    assert "configs/demo_cpu.yaml" not in message
+    assert "a run config whose model.name is 'gate-never promoted'" in message
+    assert "zenml model version update 'gate-never promoted' VERSION --stage production" in message
+
+
 def test_gate_does_not_count_refusals_without_a_comparison():
     """Production evaluated on other problems, or scored otherwise: promote refused without judging the
     candidate, and fixing the evaluation's settings must not leave the data blocked."""
