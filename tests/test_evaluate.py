@@ -420,7 +420,9 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
                      "--custom-reward-name", "graded"]) == 0
     assert capsys.readouterr().out.startswith("accuracy 50.00% ")
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
-    assert "error: --custom-reward: " in capsys.readouterr().err
+    err = capsys.readouterr().err  # the way on is this command's option, not training's key
+    assert "error: --custom-reward: " in err and "functions it defines: graded" in err
+    assert "Set --custom-reward-name to one of them." in err and "custom_reward_function" not in err
     # keyword arguments reach the function as reward_kwargs do in training: scaled by 0.5, no answer earns full marks
     scaled = tmp_path / "scaled.py"
     scaled.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
@@ -432,6 +434,7 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(scaled), "--reward-kwarg", "scal=1"]) == 2
     err = capsys.readouterr().err
     assert "error: --custom-reward: " in err and "'scal'" in err
+    assert "--reward-kwarg {'scal': 1} do not fit" in err and "custom_reward_function" not in err
     for argv, said in ((["--reward-kwarg", "scale=1"], "name that file"),
                        (["--custom-reward", str(scaled), "--reward-kwarg", "scale"], "write KEY=VALUE")):
         with pytest.raises(SystemExit) as exit_:

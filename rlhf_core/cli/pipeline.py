@@ -45,11 +45,12 @@ def evaluate(argv: list[str] | None = None) -> int:
                         help="greedy responses are cut at this many tokens (default: %(default)s)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts generated at once (default: %(default)s)")
     parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
-    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps")
+    parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps (default: %(default)s)")
     parser.add_argument("--custom-reward", metavar="FILE.py",
                         help="grade with the function of this file (as custom_reward_function.path), not the "
                              "built-in rules by data source; it also grades prompts without a ground truth")
-    parser.add_argument("--custom-reward-name", default="compute_score", help="its function's name")
+    parser.add_argument("--custom-reward-name", default="compute_score",
+                        help="its function's name, as custom_reward_function.name (default: %(default)s)")
     parser.add_argument("--reward-kwarg", action="append", default=[], metavar="KEY=VALUE",
                         help="a keyword argument the function is called with (repeatable), read as training reads "
                              "+custom_reward_function.reward_kwargs.KEY=VALUE")
@@ -103,7 +104,12 @@ def evaluate(argv: list[str] | None = None) -> int:
         reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name, reward_kwargs or None)
                      if args.custom_reward else None)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
-        print(f"error: --custom-reward: {exc}", file=sys.stderr)
+        message = str(exc)  # the loader names training's keys; here the options stand for them
+        for key, option in (("custom_reward_function.reward_kwargs", "--reward-kwarg"),
+                            ("custom_reward_function.name", "--custom-reward-name"),
+                            ("custom_reward_function.path", "--custom-reward")):
+            message = message.replace(key, option)
+        print(f"error: --custom-reward: {message}", file=sys.stderr)
         return 2
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads
     try:
