@@ -689,6 +689,15 @@ def test_config_help_says_repeated_files_merge_in_order(capsys):
     assert "repeat it to merge several in order" in " ".join(capsys.readouterr().out.split())
 
 
+def test_train_rm_help_says_where_the_run_is_placed(capsys):
+    """The reward model's keys are under reward_model.train, but its device and workers are trainer.*'s, whose
+    defaults (cuda, 8 workers) refuse a run on a CPU machine: the help names the two overrides."""
+    with pytest.raises(SystemExit):
+        cli.main(["train-rm", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "trainer.* for where it runs" in out and "trainer.device=cpu trainer.n_gpus_per_node=1" in out
+
+
 @pytest.mark.parametrize(("argv", "said"), [
     (["--config-path=recipe/dapo/config", "--config-name=dapo_trainer"],
      "--config-path and --config-name are Hydra's, which does not load the config here: give that file with "

@@ -161,7 +161,9 @@ def train_rm(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("rlhf-train-rm"),
         description="Train a reward model (scalar head, Bradley-Terry loss) on preference pairs; the keys are "
-                    "those of the PPO config tree, under reward_model.train.",
+                    "those of the PPO config tree: reward_model.train.* for the model, pairs, batches and optimizer, "
+                    "trainer.* for where it runs (device, n_gpus_per_node, nnodes, logger; the defaults are "
+                    "verl's 8 GPUs: on CPU give trainer.device=cpu trainer.n_gpus_per_node=1).",
     )
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
