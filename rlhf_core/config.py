@@ -493,6 +493,9 @@ class TrainerConfig:
     resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
                                   "resume_path")
     resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
+    allow_reward_code_change: bool = _k(False, "resume from a checkpoint trained with other custom reward code (a "
+                                               "reward function fixed after it failed) with a notice; off, such a "
+                                               "resume is refused")
     default_local_dir: str = _k(
         "checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint and metrics directory"
     )

@@ -564,6 +564,10 @@ def stop_on_signals(trainer, enabled: bool = True):
             signal.signal(sig, old)
 
 
+#: how a failed reward function's run goes on: a resume checks the reward's code against the checkpoint's
+REWARD_FIX = "fix the reward function (an edit of its code also needs trainer.allow_reward_code_change=true)"
+
+
 def _reward_failure(trainer, exc: RewardError) -> RewardError:
     """``exc`` said as the run's failure: what the run was doing at which step, the reward function's error,
     and the checkpoint a rerun resumes from, untouched (the step's scores never reached an update or a save)."""
@@ -576,8 +580,7 @@ def _reward_failure(trainer, exc: RewardError) -> RewardError:
     else:
         doing = f"validating after step {trainer.global_step}"
     latest = _latest_checkpoint(trainer)
-    resume = (f"the latest checkpoint {latest} is intact: fix the reward function, then {trainer.rerun_advice} to "
-              "resume from it"
+    resume = (f"the latest checkpoint {latest} is intact: {REWARD_FIX}, then {trainer.rerun_advice} to resume from it"
               if latest is not None else "no checkpoint was saved yet")
     return exc.reworded(f"{doing} failed: {exc}\n{resume}")
 

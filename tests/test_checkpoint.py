@@ -1286,3 +1286,37 @@ def test_a_resume_knows_the_custom_reward_by_its_code_not_by_how_its_path_is_wri
                                               r"other reward code than the checkpoint was trained with \(helper.py "
                                               r"differs\)"):
         checkpoint.check_config(ckpt, trained_with)
+
+
+def test_a_fixed_reward_function_resumes_where_the_run_allows_a_change_of_reward_code(workspace, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """A reward function fixed after it failed (its code edited at the same path) resumes with
+    trainer.allow_reward_code_change=true, with a notice naming the file that differs; without the key the
+    refusal names it as the way on. Code that does not read as Python, or a reward dropped, stays refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
+                                        "\n    return 1.0 / 0.0\n")
+    base = tiny_overrides(workspace, tmp_path / "out") + ["custom_reward_function.path=reward.py"]
+    trained_with = load_config(base)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / checkpoint.CONFIG_FILE).write_text(yaml.safe_dump(trained_with.to_dict()))
+    (ckpt / checkpoint.MODELS_FILE).write_text(json.dumps(checkpoint.model_fingerprints(trained_with)))
+    (tmp_path / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):"
+                                        "\n    return 0.0\n")
+    with pytest.raises(CheckpointError, match=r"holds other reward code than the checkpoint was trained with \(the "
+                                              r"reward file differs\); a resume under another reward is not the run "
+                                              r"it continues \(trainer.allow_reward_code_change=true resumes with it"):
+        checkpoint.check_config(ckpt, trained_with)
+    capsys.readouterr()
+    checkpoint.check_config(ckpt, load_config(base + ["trainer.allow_reward_code_change=true"]))
+    assert capsys.readouterr().err == (
+        "notice: custom_reward_function.path: resuming with other reward code than the checkpoint was trained with "
+        "(the reward file differs), as trainer.allow_reward_code_change=true allows: the steps before were scored by "
+        "the old code\n")
+    with pytest.raises(CheckpointError, match=r"custom_reward_function.path: 'reward.py' in the checkpoint, None now"):
+        checkpoint.check_config(ckpt, load_config(base + ["trainer.allow_reward_code_change=true",
+                                                          "custom_reward_function.path=null"]))
+    (tmp_path / "reward.py").write_text("def compute_score(:\n")
+    with pytest.raises(CheckpointError, match="cannot be read as Python now"):
+        checkpoint.check_config(ckpt, load_config(base + ["trainer.allow_reward_code_change=true"]))

@@ -251,8 +251,9 @@ def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_in
     lines = err.strip().splitlines()[-2:]  # the message's two lines end the output
     # <n>: the problem's index in its file, whichever the sampler drew first
     assert re.fullmatch(re.escape(said[0]).replace("<n>", "[0-9]+"), lines[0]), lines[0]
-    assert lines[1] == (f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function, "
-                        "then rerun the same command to resume from it")
+    assert lines[1] == (f"the latest checkpoint {out / 'global_step_1'} is intact: fix the reward function "
+                        "(an edit of its code also needs trainer.allow_reward_code_change=true), then rerun the same "
+                        "command to resume from it")
     assert "Traceback" not in err
     _only_step_1_saved(out)
 

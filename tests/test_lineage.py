@@ -257,7 +257,8 @@ def test_a_failed_training_in_a_pipeline_says_in_its_message_how_to_go_on_and_th
            "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
            "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
     assert str(error) == ("training step 4 failed: reward function 'score' failed on sample 5: ValueError: "
-                          f"no answer\nthe latest checkpoint {latest} is intact: fix the reward function, then {way}")
+                          f"no answer\nthe latest checkpoint {latest} is intact: fix the reward function"
+                          f" (an edit of its code also needs trainer.allow_reward_code_change=true), then {way}")
     assert not getattr(error, "__notes__", [])
     record = failure_record("train_ppo", error, "r-5", "id-5")
     assert record == {"failed_step": "train_ppo", "failure": f"RewardFunctionFailed: {error}", "advice": way,

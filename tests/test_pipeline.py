@@ -310,7 +310,8 @@ def test_a_training_that_fails_in_a_pipeline_says_and_records_how_to_go_on_from_
            "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
            "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
     assert meta["failed_step"] == "train_ppo"
-    assert meta["failure"].endswith(f"the latest checkpoint {checkpoint} is intact: fix the reward function, then "
+    assert meta["failure"].endswith(f"the latest checkpoint {checkpoint} is intact: fix the reward function"
+                                    " (an edit of its code also needs trainer.allow_reward_code_change=true), then "
                                     f"{way}")
     assert "rerun the same command" not in meta["failure"]
     assert meta["advice"] == way

@@ -882,7 +882,8 @@ def test_the_failure_recorded_keeps_the_whole_way_on_of_a_run_set_to_resume_from
     latest = _ppo_checkpoint(own, 180)
     error = RuntimeError(f"training step 181 failed: reward function 'compute_score' failed on sample 3 (data_source="
                          "'openai/gsm8k', extra_info.index=5120): ConnectionError: the grading server refused the "
-                         f"connection\nthe latest checkpoint {latest} is intact: fix the reward function, then rerun "
+                         f"connection\nthe latest checkpoint {latest} is intact: fix the reward function"
+                         " (an edit of its code also needs trainer.allow_reward_code_change=true), then rerun "
                          "with trainer.resume_mode=auto to resume from it")
     add_resume_advice(error, own, configured)
     record = failure_record("train_ppo", error, "r-1", "id-1")

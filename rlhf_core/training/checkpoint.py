@@ -124,7 +124,7 @@ RESUME_SAFE_KEYS = (
     "trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.device",
     "trainer.save_on_interrupt", "trainer.guard.*", "trainer.warn_*", "trainer.prometheus_port",
     "trainer.ray_address", "trainer.ray_runtime_env*", "actor_rollout_ref.nccl_timeout", "trainer.profile_steps",
-    "trainer.profile_dir", "trainer.val_only",
+    "trainer.profile_dir", "trainer.val_only", "trainer.allow_reward_code_change",
     "trainer.balance_batch",  # the same mini-batches, laid out otherwise over the workers
     # the number of workers: the state re-splits over them and the losses are normalised over the global
     # mini-batch; the config's own checks refuse batches that do not divide over them (load_checkpoint says
@@ -1171,31 +1171,35 @@ def reward_code_fingerprint(path: str | os.PathLike) -> dict:
         for name, text in read.items()}}
 
 
-def _model_problems(saved: dict[str, dict], current: dict[str, dict]) -> list[str]:
+def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_change: bool = False) -> list[str]:
     """The model folders of ``current`` whose content differs from the ones a checkpoint was trained from
     (``saved``, its :data:`MODELS_FILE`), each said once with the keys that name it, both paths and the files
-    that differ. A key the run no longer reads is left to the config's own comparison."""
+    that differ. A key the run no longer reads is left to the config's own comparison. With ``reward_change``
+    (``trainer.allow_reward_code_change``) custom reward code that differs but reads is said in a notice instead."""
     differing: dict[str, list[str]] = {}  # what is wrong -> the keys that name that folder
     for key, then in saved.items():
         now = current.get(key)
         if now is None or now["files"] == then["files"] and (now["files"] is not None or now["path"] == then["path"]):
             continue  # (two paths that name no folder are told apart by the paths themselves)
+        changed = sorted(name for name in set(now["files"] or {}) | set(then["files"] or {})
+                         if (now["files"] or {}).get(name) != (then["files"] or {}).get(name))
+        differ = f"{', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''}"
+        if key == REWARD_PATH_KEY and reward_change and now["files"] is not None:
+            print(f"notice: {key}: resuming with other reward code than the checkpoint was trained with ({differ}), "
+                  "as trainer.allow_reward_code_change=true allows: the steps before were scored by the old code",
+                  file=sys.stderr)
+            continue
         if key == REWARD_PATH_KEY and now["files"] is None:
             what = (f"{now['path']} cannot be read as Python now (the checkpoint was trained with the code of "
                     f"{then['path']})")
         elif key == REWARD_PATH_KEY:
-            changed = sorted(name for name in set(now["files"] or {}) | set(then["files"] or {})
-                             if (now["files"] or {}).get(name) != (then["files"] or {}).get(name))
-            what = (f"{now['path']} holds other reward code than the checkpoint was trained with "
-                    f"({', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''}); a resume "
-                    f"under another reward is not the run it continues" if now["path"] == then["path"] else
+            what = (f"{now['path']} holds other reward code than the checkpoint was trained with ({differ}); a "
+                    "resume under another reward is not the run it continues" if now["path"] == then["path"] else
                     f"{now['path']} is not the reward code the checkpoint was trained with, {then['path']} "
-                    f"({', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''})")
+                    f"({differ})") + " (trainer.allow_reward_code_change=true resumes with it, a fixed reward say)"
         elif now["files"] is None:
             what = f"{now['path']} is not a model folder (the checkpoint was trained from {then['path']})"
         else:
-            changed = sorted(name for name in set(now["files"]) | set(then["files"] or {})
-                             if now["files"].get(name) != (then["files"] or {}).get(name))
             files = f"{', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''} differ"
             what = (f"{now['path']} holds another model than when the checkpoint was trained from it ({files})"
                     if now["path"] == then["path"] else
@@ -1228,7 +1232,7 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
         old, new = _resolved(with_former_values(saved_flat)), _resolved(flatten_config(current))
         problems.append("; ".join(difference_text(k, saved_flat, old, new) for k in differing))
     if saved_models is not None:
-        problems += _model_problems(saved_models, models)
+        problems += _model_problems(saved_models, models, config.trainer.allow_reward_code_change)
     if problems:
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
