@@ -107,7 +107,9 @@ def validation_metrics(
     ``best@n/std``, ``maj@n/std``), ``.../acc/worst@n/mean`` (the share of prompts whose ``n``
     responses are all right, exact as ``best@n``; verl's bootstrap runs higher) with its ``/std``, and
     verl's ``std@n`` of ``acc`` and ``reward``: each prompt's population standard deviation over its
-    responses, averaged over prompts (not a standard error). ``n`` is the most responses any prompt has.
+    responses, averaged over prompts (not a standard error). For ``n > 1`` the reward has ``best@n/mean`` and
+    ``worst@n/mean`` too (each prompt's highest and lowest reward, averaged; ``best@n`` core where the reward is)
+    with their standard errors. ``n`` is the most responses any prompt has.
     """
     if not len(data_sources) == len(prompt_ids) == len(acc) == len(reward):
         raise ValueError("data_sources, prompt_ids, acc and reward need one entry per response")
@@ -124,6 +126,13 @@ def validation_metrics(
         if n > 1:  # verl's std@n: the spread of one prompt's responses (population std), averaged over prompts
             metrics[f"val-aux/{source}/reward/std@{n}"] = float(np.mean([np.std([reward[i] for i in rows])
                                                                          for rows in prompts.values()]))
+            # the best and the worst response's reward of each prompt, averaged (exact, as the accuracy's)
+            best_reward = [max(reward[i] for i in rows) for rows in prompts.values()]
+            worst_reward = [min(reward[i] for i in rows) for rows in prompts.values()]
+            metrics[f"val-{'aux' if graded else 'core'}/{source}/reward/best@{n}/mean"] = float(np.mean(best_reward))
+            metrics[f"val-aux/{source}/reward/best@{n}/std"] = standard_error(best_reward)
+            metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(np.mean(worst_reward))
+            metrics[f"val-aux/{source}/reward/worst@{n}/std"] = standard_error(worst_reward)
         if not graded:  # prompts without a ground truth (a reward model's run): the reward is the core metric
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
             continue

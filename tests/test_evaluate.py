@@ -301,12 +301,15 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
         assert metrics[f"val-aux/{source}/acc/worst@3/mean"] == pytest.approx(want["worst"])
         assert metrics[f"val-aux/{source}/acc/std@3"] == pytest.approx(want["spread"])
         assert metrics[f"val-aux/{source}/reward/std@3"] == pytest.approx(want["spread"])
+        # the reward is the 0/1 verdict here, so its best and worst response per prompt are the accuracy's
+        assert metrics[f"val-aux/{source}/reward/best@3/mean"] == pytest.approx(want["best"])
+        assert metrics[f"val-aux/{source}/reward/worst@3/mean"] == pytest.approx(want["worst"])
         for name, share in (("best@3", want["best"]), ("maj@3", want["vote"]), ("worst@3", want["worst"])):
             # per-prompt 0/1: sqrt(p (1 - p) / m)
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
     assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
-    assert len(metrics) == 2 * 11  # and std@3 of acc and reward, worst@3 with its std
+    assert len(metrics) == 2 * 15  # and std@3 of acc and reward, worst@3 with its std, the reward's best and worst
 
 
 def test_the_fingerprint_covers_every_message_of_a_prompt():

@@ -46,7 +46,12 @@ def test_sampled_metrics_mean_best_and_majority_with_standard_errors():
     assert metrics["val-aux/gsm8k/reward/std@3"] == pytest.approx((math.sqrt(0.18) + math.sqrt(2) / 3) / 2)
     assert metrics["val-aux/gsm8k/acc/worst@3/mean"] == 0.0  # each prompt has a wrong response
     assert metrics["val-aux/gsm8k/acc/worst@3/std"] == 0.0
-    assert len(metrics) == 11
+    # the reward's best and worst response per prompt: (1.0, 0.1) and (1.0, 0.0); aux, the accuracy being core
+    assert metrics["val-aux/gsm8k/reward/best@3/mean"] == 1.0
+    assert metrics["val-aux/gsm8k/reward/best@3/std"] == 0.0
+    assert metrics["val-aux/gsm8k/reward/worst@3/mean"] == pytest.approx(0.05)
+    assert metrics["val-aux/gsm8k/reward/worst@3/std"] == pytest.approx(math.sqrt(0.05 ** 2 / 2))
+    assert len(metrics) == 15
 
 
 def test_worst_and_std_at_n_by_hand_in_val_aux_as_verl():
@@ -106,6 +111,11 @@ def test_prompts_without_a_ground_truth_leave_the_accuracy_and_make_the_reward_c
     assert metrics["val-aux/s/acc/std@2"] == pytest.approx((0.5 + 0.0) / 2)  # graded prompts only
     assert metrics["val-aux/s/reward/std@2"] == pytest.approx((0.5 + 0.1 + 0.5) / 3)  # every prompt's reward
     assert metrics["val-aux/u/reward/std@2"] == pytest.approx(0.25)  # (0.25, 0.75): the reward's spread
+    # nothing graded in u: its reward's best@2 is core, as its mean@2 (verl's rule); in s the accuracy is core
+    assert metrics["val-core/u/reward/best@2/mean"] == 0.75
+    assert metrics["val-aux/u/reward/worst@2/mean"] == 0.25
+    assert metrics["val-aux/s/reward/best@2/mean"] == pytest.approx((1.0 + 0.5 + 2.0) / 3)
+    assert metrics["val-aux/s/reward/worst@2/mean"] == pytest.approx((0.0 + 0.3 + 1.0) / 3)
     assert not [k for k in metrics if k.startswith(("val-core/u/acc", "val-aux/u/acc"))]
 
 
