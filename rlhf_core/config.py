@@ -705,7 +705,7 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                      "each worker's rollout engine generates its share of the batch"),
     "actor_rollout_ref.rollout.expert_parallel_size": (lambda v: str(v) == "1", "there is no expert parallelism here"),
     "reward_model.enable_resource_pool": (_off, "the reward model runs in the trainer's workers"),
-    **{f"reward_model.{name}": (lambda v: str(v) == "0", "the reward model runs in the trainer's workers "
+    **{f"reward_model.{name}": (lambda v: v is None or str(v) == "0", "the reward model runs in the trainer's workers "
                                                          "(reward_model.enable_resource_pool is not supported)")
        for name in ("n_gpus_per_node", "nnodes")},
     "actor_rollout_ref.actor.checkpoint.save_contents": (

@@ -1084,3 +1084,21 @@ def test_none_written_for_null_is_refused_with_the_null_to_write():
         _errors_or_none("trainer.total_training_steps=None")
     message = _errors_or_none("data.max_prompt_length=None")  # no null to offer where the key takes none
     assert message is not None and "data.max_prompt_length='None'" in message and "write" not in message
+
+
+def _refusals(overrides, config_file=None):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides, config_file=config_file, notice=lambda _: None, validate=False)
+    return info.value.errors
+
+
+def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
+    # verl 0.7's generated config holds the reward model's own pool as nulls
+    path = tmp_path / "run.yaml"
+    path.write_text("reward_model:\n  enable_resource_pool: null\n  n_gpus_per_node: null\n  nnodes: null\n")
+    notices = []
+    cfg = load_config(config_file=path, notice=notices.append, validate=False)
+    assert cfg == load_config([], notice=lambda _: None, validate=False)
+    for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes"):
+        assert [n for n in notices if n.startswith(f"notice: reward_model.{key}=None has no effect: ")], key
+    assert "is not supported" in _errors("reward_model.nnodes=2")
