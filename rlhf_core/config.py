@@ -821,9 +821,12 @@ for _section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_roll
 def without_effect(key: str) -> tuple[Callable[[Any], bool], str] | None:
     """What :data:`WITHOUT_EFFECT` (or a section of :data:`WITHOUT_EFFECT_BELOW`) says of verl's ``key``: the
     test of its harmless values and what this trainer does instead; None for a key of this trainer's own (or one
-    of verl's that :data:`PREFIX_ALIASES` places here)."""
+    of verl's that :data:`PREFIX_ALIASES` places here). An entry below such a key is judged as the key is."""
     if key in WITHOUT_EFFECT:
         return WITHOUT_EFFECT[key]
+    for held in WITHOUT_EFFECT:  # an entry of a mapping verl's key holds (optim.override_optimizer_config.fused)
+        if key.startswith(f"{held}."):
+            return WITHOUT_EFFECT[held]
     if _prefix_alias(key) is not None:
         return None
     for section, instead in WITHOUT_EFFECT_BELOW.items():

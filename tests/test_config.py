@@ -1102,3 +1102,13 @@ def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes"):
         assert [n for n in notices if n.startswith(f"notice: reward_model.{key}=None has no effect: ")], key
     assert "is not supported" in _errors("reward_model.nnodes=2")
+
+
+def test_an_optimizer_override_set_entry_by_entry_is_refused_as_the_whole_mapping_is(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      override_optimizer_config:\n        fused: true\n")
+    [message] = _refusals([], path)
+    assert message.startswith("actor_rollout_ref.actor.optim.override_optimizer_config.fused=True is not supported: "
+                              "AdamW takes optim.lr, betas and weight_decay, and torch's defaults else"), message
+    [message] = _refusals(["+critic.optim.override_optimizer_config.fused=true"])
+    assert message.startswith("critic.optim.override_optimizer_config.fused=True is not supported: AdamW takes")
