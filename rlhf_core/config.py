@@ -686,7 +686,13 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"{section}.{name}": (_any, "the entropy is computed chunk by chunk")
        for section in FSDP_SECTIONS for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing")},
     **{f"{section}.use_torch_compile": (_any, "actor_rollout_ref.actor.use_torch_compile decides")
-       for section in FSDP_SECTIONS},
+       for section in ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config")},
+    **{f"{section}.use_torch_compile": (_any, "the critic is not compiled here (only the actor and its reference "
+                                              "are, with actor_rollout_ref.actor.use_torch_compile)")
+       for section in ("critic.model.fsdp_config", "critic.fsdp_config")},
+    "reward_model.model.fsdp_config.use_torch_compile": (
+        _any, "the reward model is not compiled here (only the actor and its reference are, with "
+              "actor_rollout_ref.actor.use_torch_compile)"),
     **{f"{section}.forward_only": (_any, "the reference and the reward model only run forward, the actor and the "
                                          "critic train") for section in FSDP_SECTIONS},
     **{f"{section}.strategy": (lambda v: v in STRATEGIES, "the workers shard with FSDP2")

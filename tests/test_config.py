@@ -1112,3 +1112,14 @@ def test_an_optimizer_override_set_entry_by_entry_is_refused_as_the_whole_mappin
                               "AdamW takes optim.lr, betas and weight_decay, and torch's defaults else"), message
     [message] = _refusals(["+critic.optim.override_optimizer_config.fused=true"])
     assert message.startswith("critic.optim.override_optimizer_config.fused=True is not supported: AdamW takes")
+
+
+@pytest.mark.parametrize(("section", "model"), [("critic.model.fsdp_config", "the critic"),
+                                                ("critic.fsdp_config", "the critic"),
+                                                ("reward_model.model.fsdp_config", "the reward model")])
+def test_compiling_the_critic_or_reward_model_is_said_to_be_not_done(section, model):
+    # only the actor (and its reference) is compiled: the notice said the actor's key decides for these
+    notices = []
+    load_config([f"{section}.use_torch_compile=true"], notice=notices.append, validate=False)
+    assert notices == [f"notice: {section}.use_torch_compile=True has no effect: {model} is not compiled here "
+                       "(only the actor and its reference are, with actor_rollout_ref.actor.use_torch_compile)"]
