@@ -1233,6 +1233,9 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     for key, value in values.items():
         value = _resolved_value(cfg, value)
+        if without_effect(key) is not None and (value is None or key not in FSDP_SIZES):  # a null as a written one
+            _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead
+            continue
         if value is None:
             continue
         if key in FSDP_SIZES and isinstance(value, int) and not isinstance(value, bool) and (
@@ -1243,9 +1246,6 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
             errors.append(f"{key}={value!r} is not supported: FSDP2 shards over all the {world} workers "
                           f"(trainer.n_gpus_per_node * trainer.nnodes); hybrid sharding over groups of fewer is "
                           "not done here: set -1")
-            continue
-        if without_effect(key) is not None:
-            _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead
             continue
         if key in MIRRORS:
             canonical, reader = MIRRORS[key]

@@ -1123,3 +1123,10 @@ def test_compiling_the_critic_or_reward_model_is_said_to_be_not_done(section, mo
     load_config([f"{section}.use_torch_compile=true"], notice=notices.append, validate=False)
     assert notices == [f"notice: {section}.use_torch_compile=True has no effect: {model} is not compiled here "
                        "(only the actor and its reference are, with actor_rollout_ref.actor.use_torch_compile)"]
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.optim.optimizer", "critic.model.fsdp_config.fsdp_size"])
+def test_an_interpolation_that_gives_null_is_judged_as_a_written_null(key, monkeypatch):
+    monkeypatch.delenv("UNSET_VAR_X", raising=False)
+    assert _refusals([f"{key}=null"]) == _refusals([f"{key}=${{oc.env:UNSET_VAR_X,null}}"])
+    assert f"{key}=None is not supported" in _refusals([f"{key}=null"])[0]
