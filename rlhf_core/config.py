@@ -1081,6 +1081,9 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         errors.append(f"{key}: {open_key} is {followed_key} until it is set; set it whole, e.g. "
                       f"{open_key}={{{key[len(open_key) + 1:]}: {value}}}")
         return
+    if value in ("None", "none") and open_key is None and _takes_null(cfg, key):  # a text key takes it as text
+        errors.append(f"{key}={value!r}: None is read as text: write {key}=null")
+        return
     try:
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:

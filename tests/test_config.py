@@ -1092,6 +1092,13 @@ def _refusals(overrides, config_file=None):
     return info.value.errors
 
 
+@pytest.mark.parametrize("key", ["critic.model.path", "custom_reward_function.path", "trainer.resume_from_path",
+                                 "data.val_files", "actor_rollout_ref.model.tokenizer_path"])
+def test_none_written_for_null_on_a_text_key_is_refused(key):
+    # the text 'None' is a valid value of a text key, so it went through to fail later as a path named None
+    assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
+
+
 def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     # verl 0.7's generated config holds the reward model's own pool as nulls
     path = tmp_path / "run.yaml"
