@@ -39,7 +39,12 @@ import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, ValidationError
+from omegaconf.errors import (
+    GrammarParseError,
+    InterpolationResolutionError,
+    MissingMandatoryValue,
+    ValidationError,
+)
 
 # ----------------------------------------------------------------------------- names without a registry
 # (estimators, KL types, aggregation modes, KL controllers, policy losses, dynamic-sampling metrics, rollout
@@ -1091,6 +1096,9 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         if value in ("None", "none") and _takes_null(cfg, key):  # Hydra (verl's too) reads None as text
             hint = f"; None is read as text: write {key}=null"
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
+    except GrammarParseError as exc:
+        errors.append(f"{key}={value!r} holds a ${{...}} that does not parse ({exc.msg.splitlines()[0]}): close it "
+                      "with }, or write \\${ for the text ${")
 
 
 def _takes_null(cfg: DictConfig, key: str) -> bool:
@@ -1292,6 +1300,9 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError([f"config file {path} is not valid YAML: {exc}"]) from exc
     except UnicodeDecodeError as exc:
         raise ConfigError([f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})"]) from exc
+    except GrammarParseError as exc:  # OmegaConf parses each ${...} as it reads the file
+        raise ConfigError([f"config file {path}: {exc.full_key} holds a ${{...}} that does not parse "
+                           f"({exc.msg.splitlines()[0]}): close it with }}, or write \\${{ for the text ${{"]) from exc
     if not isinstance(tree, DictConfig):
         raise ConfigError([f"config file {path} must hold a mapping of config keys"])
     parameters = tree.get("parameters")

@@ -1092,6 +1092,15 @@ def _refusals(overrides, config_file=None):
     return info.value.errors
 
 
+def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text('trainer:\n  experiment_name: "run_${oops"\n')
+    [message] = _refusals([], path)
+    assert message.startswith(f"config file {path}: trainer.experiment_name holds a ${{...}} that does not parse")
+    [message] = _refusals(["trainer.experiment_name='run_${oops'"])
+    assert message.startswith("trainer.experiment_name='run_${oops' holds a ${...} that does not parse")
+
+
 @pytest.mark.parametrize("key", ["critic.model.path", "custom_reward_function.path", "trainer.resume_from_path",
                                  "data.val_files", "actor_rollout_ref.model.tokenizer_path"])
 def test_none_written_for_null_on_a_text_key_is_refused(key):
