@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import difflib
 import functools
 import math
 import os
+import re
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1323,6 +1326,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     errors: list[str] = []
     deferred: dict[str, Any] = {}
     given: dict[str, Any] = {}  # the schema keys the files and the overrides set, with their values
+    set_in_file: dict[str, str] = {}  # the keys the files set, each with the last file that set it
     for position, tree in enumerate(trees):
         first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
@@ -1334,6 +1338,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 _same_key_twice(in_file, target, key, target_value, errors)
                 _assign(cfg, target, target_value, errors)
                 given[target] = target_value
+                if position < len(sources):
+                    set_in_file[target] = str(sources[position])
         if position < len(sources):  # (a key misspelt in one of several files, or in a file a pipeline names)
             errors[first:] = [f"{error} (in {sources[position]})" for error in errors[first:]]
     on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
@@ -1344,7 +1350,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}
         except InterpolationResolutionError as exc:
-            errors.append(_interpolation_problem(cfg, given, exc))
+            in_file = {key: file for key, file in set_in_file.items() if key not in on_command_line}
+            errors.extend(_interpolation_problems(cfg, given, exc, in_file))
         except MissingMandatoryValue as exc:  # verl's ??? for a key its user must set
             errors.append(f"{exc.full_key} must be set (the config holds ??? there)")
     if errors:
@@ -1354,25 +1361,56 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     return resolved
 
 
-def _interpolation_problem(cfg: DictConfig, given: dict[str, Any], exc: InterpolationResolutionError) -> str:
-    """``exc`` said of the key the user set that holds the interpolation which fails (``trainer.experiment_name=
-    ${now:...}``), not of the first key that reads it (``reward_model.train.default_local_dir`` reads the
-    experiment's name), which is named beside it."""
-    culprit = exc.full_key
+# ${trainer.experiment_name}: an interpolation of another key (no resolver); Hydra's ${now:%Y%m%d}
+_KEY_READ = re.compile(r"\$\{([\w.-]+)\}")
+_NOW = re.compile(r"\$\{now:([^}]*)\}")
+
+
+def _interpolation_problems(cfg: DictConfig, given: dict[str, Any], exc: InterpolationResolutionError,
+                            in_file: dict[str, str]) -> list[str]:
+    """``exc`` said of each key the user set whose own value fails to resolve (``trainer.experiment_name=
+    ${now:...}``), not of a key that reads it (``trainer.default_local_dir: ckpt/${trainer.experiment_name}``, or
+    ``reward_model.train.default_local_dir``, which reads the experiment's name): the first key that read it is
+    named beside it. ``in_file``: the keys a config file set last, with that file."""
+    failing: dict[str, str] = {}  # each given key that does not resolve, with what its resolution said
     for key, value in given.items():
         if isinstance(value, str) and "${" in value:
             try:
                 OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
-            except InterpolationResolutionError:
-                culprit = key
-                break
-    said = f"{culprit}: {exc.msg.splitlines()[0]}"
-    if culprit != exc.full_key:
-        said += f" (read by {exc.full_key})"
-    if "interpolation type now" in exc.msg:
-        said += ("; Hydra's ${now:...} is not registered here: give the date from the shell, e.g. "
-                 "trainer.experiment_name=run_$(date +%Y%m%d_%H%M%S)")
-    return said
+            except InterpolationResolutionError as own:
+                failing[key] = own.msg.splitlines()[0]
+
+    def failing_itself(key: str, seen: frozenset[str]) -> str:  # followed through the failing keys it reads
+        for read in _KEY_READ.findall(given[key]):
+            if read in failing and read not in seen:
+                return failing_itself(read, seen | {read})
+        return key
+
+    said = exc.msg.splitlines()[0]
+    culprits = list(dict.fromkeys(failing_itself(key, frozenset({key})) for key in failing)) or [exc.full_key]
+    problems = []
+    for culprit in culprits:
+        message = failing.get(culprit, said)
+        problem = f"{culprit}: {message}"
+        if message == said and culprit != exc.full_key:
+            problem += f" (read by {exc.full_key})"
+        if "interpolation type now" in message:
+            problem += "; Hydra's ${now:...} is not registered here: " + _date_instead(culprit, given, in_file)
+        problems.append(problem)
+    return problems
+
+
+def _date_instead(key: str, given: dict[str, Any], in_file: dict[str, str]) -> str:
+    """How to give the date that ``key``'s ``${now:...}`` asks for: written out in the config file that set the
+    key, or from the shell on the command line."""
+    value = given.get(key)
+    if not isinstance(value, str):
+        return f"give the date from the shell, e.g. {key}=run_$(date +%Y%m%d_%H%M%S)"
+    if key in in_file:
+        written = _NOW.sub(lambda now: datetime.datetime.now().strftime(now.group(1)), value)
+        return f"write the value itself in {in_file[key]}, e.g. {key.rpartition('.')[2]}: {written}"
+    from_shell = _NOW.sub(lambda now: f"$(date {shlex.quote('+' + now.group(1))})", value)
+    return f"give the date from the shell, e.g. {key}={from_shell}"
 
 
 def _stderr(message: str) -> None:

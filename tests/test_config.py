@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import shlex
 import subprocess
@@ -1090,6 +1091,33 @@ def _refusals(overrides, config_file=None):
     with pytest.raises(ConfigError) as info:
         load_config(overrides, config_file=config_file, notice=lambda _: None, validate=False)
     return info.value.errors
+
+
+def test_a_failing_interpolation_is_said_of_the_key_whose_own_value_fails(tmp_path):
+    # the file's checkpoint folder reads the experiment's name, whose ${now:...} is what fails: the folder was blamed
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  default_local_dir: /data/ckpt/${trainer.experiment_name}\n")
+    [message] = _refusals(["trainer.experiment_name=run_${now:%Y%m%d}"], path)
+    assert message.startswith("trainer.experiment_name: Unsupported interpolation type now"), message
+    assert "e.g. trainer.experiment_name=run_$(date +%Y%m%d)" in message
+    # two keys broken each their own way: each is said with its own problem (one's was pinned on the other)
+    errors = _refusals(["trainer.experiment_name=run_${now:%Y}", "trainer.project_name=${trainer.nope}"])
+    assert sorted(e.split(";")[0].split(" (read by")[0] for e in errors) == [
+        "trainer.experiment_name: Unsupported interpolation type now",
+        "trainer.project_name: Interpolation key 'trainer.nope' not found"]
+    # the date to give is the failing key's, not always the experiment's name
+    [message] = _refusals(["trainer.project_name=${now:%Y}"])
+    assert message.startswith("trainer.project_name: ") and "e.g. trainer.project_name=$(date +%Y)" in message
+    assert "trainer.experiment_name" not in message
+
+
+def test_a_config_files_now_interpolation_asks_for_the_date_written_in_the_file(tmp_path):
+    # a shell's $(date ...) is not run in a YAML file: the value is to be written there
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  experiment_name: run_${now:%Y}\n")
+    [message] = _refusals([], path)
+    assert message.startswith("trainer.experiment_name: ") and "$(date" not in message
+    assert f"write the value itself in {path}, e.g. experiment_name: run_{datetime.date.today().year}" in message
 
 
 def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path):
