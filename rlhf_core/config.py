@@ -1046,6 +1046,9 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
         notice("notice: reward_model.reward_manager='prime' is taken as 'naive': each response is scored by the "
                "reward function in turn (verl's prime runs the same scoring in a process pool)")
         return {key: "naive"}
+    if key == "trainer.logger" and "tracking" in (names := [value] if isinstance(value, str) else list(value or [])):
+        notice("notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb")
+        return {key: list(dict.fromkeys("wandb" if name == "tracking" else name for name in names))}
     if (verl_only := without_effect(key)) is not None:
         harmless, instead = verl_only
         if harmless(value):

@@ -55,3 +55,27 @@ def test_a_verl_command_with_hydras_run_folder_trains_and_writes_verls_names(wor
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert (out / "global_step_1" / "actor").is_dir() and (out / "global_step_1" / "critic").is_dir()
     assert not (tmp_path / "hydra").exists() and not (tmp_path / "verl_metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize(("given", "taken"), [
+    ("trainer.logger=['console','tracking']", ["console", "wandb"]),
+    ("trainer.logger=tracking", ["wandb"]),
+    ("trainer.logger=[tracking,wandb]", ["wandb"]),  # (wandb once, not two runs of it)
+])
+def test_verls_deprecated_tracking_logger_is_taken_as_wandb(given, taken):
+    # verl's older examples log with 'tracking', the name its Tracking class gave wandb before the rename
+    from rlhf_core.config import load_config
+
+    said = []
+    assert list(load_config([given], notice=said.append).trainer.logger) == taken
+    assert said == ["notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb"]
+
+
+def test_verls_deprecated_tracking_logger_in_a_config_file_is_taken_as_wandb(tmp_path):
+    from rlhf_core.config import load_config
+
+    (tmp_path / "run.yaml").write_text("trainer:\n  logger: ['console', 'tracking']\n")
+    said = []
+    assert list(load_config(config_file=tmp_path / "run.yaml", notice=said.append).trainer.logger) == \
+        ["console", "wandb"]
+    assert said == ["notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb"]
