@@ -3,6 +3,7 @@ model, the run config shrunk) and the reward spec with its self-check on referen
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import subprocess
@@ -72,6 +73,26 @@ def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
     assert not any(k.startswith("val-") for k in report.metrics[0])
     assert "val-core/synthetic/arithmetic/acc/mean@1" in report.metrics[1]
     assert "smoke test PASSED" in report.summary()
+
+
+def test_the_dry_run_gives_no_advice_about_its_own_response_cap(big_model_setup, tmp_path, capsys):
+    """The dry run cuts responses at its response_length (8 here; the run config says 64): its random clone's
+    responses all reach that cap, and the trainer warned "100% of the responses reached
+    data.max_response_length=8 ... raise data.max_response_length", a limit the user never set. A warning about
+    the run config itself (a group estimator with one response a prompt) is still given."""
+    _, _, cfg = big_model_setup
+    report = run_smoke_test(cfg, tmp_path / "gae", n_prompts=4, response_length=8)
+    assert report.passed, report.summary()
+    assert report.metrics[0]["response_length/clip_ratio"] == 1.0  # every response was cut at the dry run's cap
+    err = capsys.readouterr().err
+    assert "data.max_response_length" not in err
+    assert "WARNING step" not in err
+    single = copy.deepcopy(cfg)
+    single.algorithm.adv_estimator, single.actor_rollout_ref.rollout.n = "grpo", 1
+    assert run_smoke_test(single, tmp_path / "grpo", n_prompts=4, response_length=8).passed
+    err = capsys.readouterr().err
+    assert "WARNING: algorithm.adv_estimator=grpo compares the responses to the same prompt" in err
+    assert "WARNING step" not in err
 
 
 @pytest.fixture(scope="module")

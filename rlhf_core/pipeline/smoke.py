@@ -248,7 +248,16 @@ def _dry_run_session(small: PPOConfig):
         finally:
             sys.stderr.writelines(line for line in said.getvalue().splitlines(keepends=True)
                                   if not line.startswith(DATA_NOTICES))
+        # the warnings of a run that cannot learn (responses cut at data.max_response_length, scores all alike)
+        # would judge the dry run's own limits: its response cap (response_length), a few prompts for two steps,
+        # often a random clone; they told the user to raise a length the run config already sets higher
+        trainer._warn_if_stuck = _not_judged
         yield trainer
+
+
+def _not_judged(step: int, metrics: dict[str, float]) -> None:
+    """The dry run's :meth:`~rlhf_core.training.trainer.PPOTrainer._warn_if_stuck`: no warning (see
+    :func:`_dry_run_session`)."""
 
 
 def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
