@@ -22,7 +22,7 @@ from pipelines.rlhf_ppo import DEFAULT_MODEL
 from rlhf_core.pipeline.checked import checked_parameters, run_by_zenml
 from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.run_config import check_run_config
-from steps.check_new_data import check_new_data
+from steps.check_new_data import check_new_data, check_production_exists
 from steps.define_reward import define_reward
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
@@ -48,7 +48,9 @@ def rlhf_retrain_pipeline(
     training was already done and refused, unless ``force``."""
     # while the pipeline compiles: before the run, its model version or any step
     check_run_config(trainer_config, overrides, train_files, val_files, min_improvement, alpha)
-    production = Model(name=get_pipeline_context().model.name, version=ModelStages.PRODUCTION)
+    model_name = get_pipeline_context().model.name
+    check_production_exists(model_name)  # the warm start: refused now, not after two steps and a failed version
+    production = Model(name=model_name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)

@@ -25,7 +25,7 @@ from rlhf_core.pipeline.promotion import (
     unrecorded,
 )
 
-__all__ = ["check_new_data", "config_fingerprint", "gate", "refused_before"]
+__all__ = ["check_new_data", "check_production_exists", "config_fingerprint", "gate", "refused_before"]
 
 logger = get_logger(__name__)
 
@@ -35,6 +35,37 @@ FORCE_HINT = "to train anyway, run with the pipeline parameter force=true (`para
 
 class NoProductionModelError(LookupError):
     """Retraining warm-starts from production; there is none yet."""
+
+
+def no_production(model_name: str) -> str:
+    """What to do where ``model_name`` has no production version for the retraining to warm-start from."""
+    return (f"model {model_name!r} has no production version to warm-start from: run the training pipeline "
+            f"(zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c RUN_CONFIG, a run config whose model.name "
+            f"is {model_name!r}) until its gate promotes a version, or make a trained version production: "
+            f"zenml model version update {shlex.quote(model_name)} VERSION --stage production")
+
+
+def check_production_exists(model_name: str) -> None:
+    """Refuse, while the retraining pipeline compiles, a model without a production version: the run would
+    validate the data and define the reward, then stop at :func:`check_new_data` with a model version marked
+    failed (under ``rlhf-schedule``, at every run). Raises
+    :class:`~rlhf_core.pipeline.run_config.RunConfigError` (``zenml pipeline run`` prints it alone, exit status 1).
+
+    Only a store that answers that there is none refuses: one that cannot be read (a server out of reach) leaves
+    the question to the step. Nor is it asked while ``rlhf-schedule`` checks the run config before scheduling:
+    production may be promoted before the first run, and the pipeline prepared there is not yet given the run
+    config's model."""
+    from rlhf_core.pipeline.run_config import _SCHEDULING, RunConfigError
+
+    if _SCHEDULING.get():
+        return
+    try:  # (listed: inside a pipeline's function ZenML defers Client().get_model_version to the step's run)
+        found = Client().list_model_versions(model=model_name, stage=ModelStages.PRODUCTION, size=1).total
+    except Exception:  # noqa: BLE001 - a store that cannot be read: the step asks it again where it runs
+        logger.debug("production version of %s not looked up while compiling", model_name, exc_info=True)
+        return
+    if not found:
+        raise RunConfigError(no_production(model_name))
 
 
 #: the evaluate step's parameters that decide which problems a candidate is judged on, and how it is run on them
@@ -110,11 +141,7 @@ def gate(client: Client, model_name: str, dataset_fingerprint: str, config_sha25
     try:
         production = client.get_model_version(model_name, ModelStages.PRODUCTION)
     except KeyError:
-        raise NoProductionModelError(
-            f"model {model_name!r} has no production version to warm-start from: run the training pipeline "
-            f"(zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c RUN_CONFIG, a run config whose model.name "
-            f"is {model_name!r}) until its gate promotes a version, or make a trained version production: "
-            f"zenml model version update {shlex.quote(model_name)} VERSION --stage production") from None
+        raise NoProductionModelError(no_production(model_name)) from None
     trained_on = production.run_metadata.get("dataset_fingerprint")
     # a production version that recorded no fingerprint was not trained on this data as far as anyone knows (and
     # its None must not match the None of files that cannot be read whole)

@@ -986,6 +986,39 @@ def test_gate_without_a_production_version_says_how_to_get_one_for_this_model():
     assert "zenml model version update 'gate-never promoted' VERSION --stage production" in message
 
 
+def test_retraining_a_model_without_a_production_version_is_refused_before_its_run(monkeypatch):
+    """validate_data and define_reward ran, then check_new_data failed (two tracebacks) and left a version marked
+    failed, at every scheduled run; now the pipeline refuses as it compiles, with the gate's one line. A store that
+    cannot be read leaves the question to the step."""
+    from zenml import Model
+    from zenml.client import Client
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from rlhf_core.pipeline.run_config import RunConfigError
+    from steps.check_new_data import check_production_exists
+
+    client, setup, model = zenml_client(), tiny_setup(), "retrain never promoted"
+    _add_version(model, promoted=False, dataset_fingerprint=_sha("A"))  # version 1, trained and refused
+    before = client.list_pipeline_runs(size=1).total
+    with pytest.raises(RunConfigError) as raised:
+        rlhf_retrain_pipeline.with_options(model=Model(name=model))(
+            trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+            val_files=str(setup.val_file))
+    assert str(raised.value) == (
+        "model 'retrain never promoted' has no production version to warm-start from: run the training pipeline "
+        "(zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c RUN_CONFIG, a run config whose model.name is "
+        "'retrain never promoted') until its gate promotes a version, or make a trained version production: zenml "
+        "model version update 'retrain never promoted' VERSION --stage production")
+    assert client.list_pipeline_runs(size=1).total == before
+    assert [version.number for version in client.list_model_versions(model=model)] == [1]
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("the ZenML server does not answer")
+
+    monkeypatch.setattr(Client, "list_model_versions", unreachable)
+    assert check_production_exists(model) is None  # left to check_new_data, where the run reads the store
+
+
 def test_gate_does_not_count_refusals_without_a_comparison():
     """Production evaluated on other problems, or scored otherwise: promote refused without judging the
     candidate, and fixing the evaluation's settings must not leave the data blocked."""
