@@ -672,7 +672,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
             if exc.step is None:  # a training step's scores (a validation scores between steps)
                 exc.step = getattr(trainer, "step_under_way", None)
             raise _reward_failure(trainer, exc) from exc
-        if trainer.last_saved_step != trainer.global_step and not trainer_cfg.val_only:
+        # (a run that trained no step, its data used up by dynamic sampling before step 1, saves nothing)
+        if trainer.last_saved_step != trainer.global_step and trainer.global_step > 0 and not trainer_cfg.val_only:
             trainer.save_checkpoint()
     final = history[-1].metrics if history else {}
     last = trainer.last_saved_step

@@ -1185,3 +1185,30 @@ def test_a_group_estimator_with_one_response_a_prompt_is_warned_before_the_first
     _, warnings = _advice_run(workspace, capsys, "advice_grpo_n2", LENGTH_REWARD, "algorithm.adv_estimator=grpo",
                               "actor_rollout_ref.rollout.n=2")
     assert ONE_RESPONSE_A_PROMPT not in warnings
+
+
+@pytest.mark.parametrize("val_before_train", [False, True])
+def test_a_run_whose_data_runs_out_before_step_1_saves_no_checkpoint(workspace, capsys, val_before_train):
+    """Dynamic sampling with a constant reward keeps no group; the data (one pass of 2 batches of 8 prompts) runs out before
+    step 1 trains. The run saved global_step_0 of the untrained model (at its end, or as the guards' first best
+    after the validation before training) and marked it latest: a resume with a reward that works then took it as
+    the run's progress, found the data used up and trained nothing."""
+    root, model, _ = workspace
+    out = root / f"exhausted_{val_before_train}"
+    (root / "constant.py").write_text(CONSTANT_REWARD)
+    (root / "length.py").write_text(LENGTH_REWARD)
+    common = ["algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true",
+              "algorithm.filter_groups.max_num_gen_batches=3", "data.train_max_samples=16",
+              "trainer.total_epochs=1", "trainer.total_training_steps=1", f"trainer.val_before_train={str(val_before_train).lower()}",
+              f"trainer.default_local_dir={out}"]
+    assert ppo(_overrides(root, model, *common, f"custom_reward_function.path={root / 'constant.py'}")) == 0
+    err = capsys.readouterr().err
+    assert ("dynamic sampling: the training data ran out: trainer.total_epochs passes drawn before a prompt group "
+            "scored differently (16 groups dropped in 2 generation batches); no step was trained, so no checkpoint "
+            "is saved") in err
+    assert sorted(path.name for path in out.glob("global_step_*")) == []
+    assert not (out / "latest_checkpointed_iteration.txt").exists()
+    # the same folder with a reward that tells responses apart: a new run, which trains its step
+    assert ppo(_overrides(root, model, *common, f"custom_reward_function.path={root / 'length.py'}")) == 0
+    assert "already complete" not in capsys.readouterr().err
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"

@@ -828,10 +828,28 @@ class PPOTrainer:
                 self.fit_step()
             except dynamic_sampling.DataExhausted as exc:
                 self.step_under_way = None  # the step that drew from the data never trains
+                if self.global_step == 0 and not self.resumed:
+                    self._unsave_untrained()
+                    print(f"notice: {exc}; no step was trained, so no checkpoint is saved (a resume would start "
+                          "from the untrained model with the data used up)", file=sys.stderr, flush=True)
+                    break
                 print(f"notice: {exc}; training ends at step {self.global_step}", file=sys.stderr, flush=True)
                 self._validate_last_step()
                 break
         return self.history
+
+    def _unsave_untrained(self) -> None:
+        """Take back the step-0 checkpoint this run saved (the guards' first best, after the validation before
+        training) where the data ran out before step 1: it holds the untrained model and a sampler at the end of
+        the data, and marked latest a resume took it for the run's progress and trained nothing."""
+        if self.last_saved_step != 0 or self.anchor_folders.get(0) != self.checkpoint_dir.absolute():
+            return
+        marker = self.checkpoint_dir / checkpoint.LATEST_FILE
+        if marker.is_file() and marker.read_text().strip() == "0":
+            marker.unlink()
+        checkpoint._remove(checkpoint.step_dir(self.checkpoint_dir, 0), self.checkpoint_dir)
+        self.last_saved_step = None
+        del self.anchor_folders[0]
 
     def already_complete(self) -> str:
         """What to say where a resume finds the run already at its end: the step it is at, each limit that ends
