@@ -983,3 +983,28 @@ def test_a_remote_orchestrators_trainer_config_is_left_to_its_step_where_it_reso
     monkeypatch.setenv("PODS_CKPT_ROOT", str(tmp_path))  # set here too: resolved here, and a typo refused
     with pytest.raises(RunConfigError, match="unknown config key trainer.total_trainig_steps"):
         check_run_config(str(env), ["trainer.total_trainig_steps=2"], *data, 0.0, 0.05)
+
+
+def test_the_dry_run_leaves_out_its_copies_data_notices_and_passes_the_rest_as_it_comes():
+    # what the dry run's trainers write while they are built: its copies' data notices are left out; every other
+    # line (a progress bar's frames, without a newline, among them) reaches stderr at once and in the order written
+    import io
+
+    from rlhf_core.pipeline.smoke import DATA_NOTICES, WithoutNotices
+
+    out = io.StringIO()
+    stream = WithoutNotices(out, DATA_NOTICES)
+    stream.write("loading: 0%")
+    assert out.getvalue() == "loading: 0%"  # not held for a newline
+    stream.write("\rloading: 100%\n")
+    stream.write("notice: data.train_")  # a notice written in pieces: held while it could be one ...
+    assert out.getvalue() == "loading: 0%\rloading: 100%\n"
+    stream.write("files: data.truncation=left cut 4 of 4 prompts\nwarning: kept\n")  # ... and left out
+    stream.write("notice: data.val_files: 2 prompts end with an answer\nnotice: data.seed follows trainer.seed\n")
+    stream.write("notice: d")  # held: it could still be one ...
+    stream.write("ata.x\n")  # ... and is not
+    stream.write("notice: ")
+    stream.close_line()  # a start that could have been one, the last written: written as it was
+    assert out.getvalue() == ("loading: 0%\rloading: 100%\nwarning: kept\nnotice: data.seed follows trainer.seed\n"
+                              "notice: data.x\nnotice: ")
+    assert stream.encoding == out.encoding  # the stream's own attributes, for a progress bar's checks

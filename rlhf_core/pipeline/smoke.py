@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import io
 import math
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -230,6 +230,46 @@ def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> 
 DATA_NOTICES = ("notice: data.train_files: ", "notice: data.val_files: ")
 
 
+class WithoutNotices:
+    """A text stream that passes what is written to ``out`` as it comes, but for the lines that start with one of
+    ``starts``: a line is held back only while what has come of it could still be one of them, so a progress bar
+    (``\\r`` frames, no newline) and every other line reach ``out`` at once and in order."""
+
+    def __init__(self, out, starts: tuple[str, ...]) -> None:
+        self.out, self.starts = out, starts
+        self.held = ""  # the start of the line being written, while it could still be one left out
+        self.leaving = False  # the line being written is one left out: until its newline
+
+    def write(self, text: str) -> int:
+        for piece in re.split(r"(?<=\n)", text):
+            if not piece:
+                continue
+            whole = piece.endswith("\n")
+            if self.leaving:
+                self.leaving = not whole
+                continue
+            line, self.held = self.held + piece, ""
+            if line.startswith(self.starts):
+                self.leaving = not whole
+            elif not whole and any(start.startswith(line) for start in self.starts):
+                self.held = line
+            else:
+                self.out.write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def close_line(self) -> None:
+        """Write what is held (a line that ended before it could be told apart) to ``out``."""
+        if self.held:
+            self.out.write(self.held)
+            self.held = ""
+
+    def __getattr__(self, name: str):  # encoding, isatty, fileno ...: the stream's own
+        return getattr(self.out, name)
+
+
 @contextlib.contextmanager
 def _dry_run_session(small: PPOConfig):
     """:func:`~rlhf_core.main_ppo.trainer_session` of the dry run's config, its datasets' notices left out of
@@ -237,17 +277,13 @@ def _dry_run_session(small: PPOConfig):
     them once with the run's files and counts (each copy's said them again, of its few rows, once a trainer)."""
     from rlhf_core.main_ppo import trainer_session
 
-    class Said(io.StringIO):
-        encoding = getattr(sys.stderr, "encoding", None)  # (a progress bar draws as it would on stderr)
-
     with contextlib.ExitStack() as stack:
-        said = Said()
+        stream = WithoutNotices(sys.stderr, DATA_NOTICES)
         try:
-            with contextlib.redirect_stderr(said):  # (only while the trainer is built: its steps print as they go)
+            with contextlib.redirect_stderr(stream):  # (only while the trainer is built: its steps print as they go)
                 trainer = stack.enter_context(trainer_session(small))
         finally:
-            sys.stderr.writelines(line for line in said.getvalue().splitlines(keepends=True)
-                                  if not line.startswith(DATA_NOTICES))
+            stream.close_line()
         # the warnings of a run that cannot learn (responses cut at data.max_response_length, scores all alike)
         # would judge the dry run's own limits: its response cap (response_length), a few prompts for two steps,
         # often a random clone; they told the user to raise a length the run config already sets higher
