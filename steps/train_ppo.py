@@ -119,8 +119,10 @@ def train_ppo(
         raise
 
     records = whole_history(result, configured_path)
-    if result.checkpoint is None:  # (refused above; a run that saved nothing has no policy to hand on)
-        raise ValueError("train_ppo: the run saved no checkpoint, so there is no policy to hand on")
+    if result.checkpoint is None:  # (val_only refused above; a run that trained no step saves nothing)
+        why = (" (its data ran out before step 1: dynamic sampling, algorithm.filter_groups, kept no batch; its "
+               "notice above says why)" if result.steps == 0 else "")
+        raise ValueError(f"train_ppo: the run saved no checkpoint{why}, so there is no policy to hand on")
     checkpoint = Path(result.checkpoint)
     # the artifact is the policy's HF export: what evaluation, promotion and a warm start read. The full
     # checkpoint (critic, optimizer moments: about 6x the export) stays in local_dir for a resume.
