@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -754,3 +755,16 @@ def test_the_trainer_keeps_train_and_val_max_samples_drawn_with_data_seed(worksp
         assert trainer.sampler.n == 12
     finally:
         trainer.close()
+
+
+def test_a_batch_over_the_prompts_left_names_each_key_that_left_them_and_each_that_gives_more():
+    # 64 of 8192 rows kept, 9 of those too long: the files hold more, so no "add prompts"
+    with pytest.raises(DataError, match=re.escape(
+            "data.gen_batch_size (64) is larger than the dataset (55 prompts, after data.train_max_samples keeps 64 "
+            "of 8192 and data.filter_overlong_prompts dropped 9 longer than data.max_prompt_length): lower "
+            "data.gen_batch_size, raise data.train_max_samples or raise data.max_prompt_length")):
+        PromptSampler(55, 64, key="data.gen_batch_size", dropped=9, sampled=(64, 8192))
+    with pytest.raises(DataError, match=re.escape(
+            "data.train_batch_size (8) is larger than the dataset (5 prompts): lower data.train_batch_size or add "
+            "prompts")):
+        PromptSampler(5, 8)

@@ -15,6 +15,7 @@ import pytest
 from transformers import AutoConfig
 
 from rlhf_core.config import PPOConfig, load_config
+from rlhf_core.data.dataset import DataError
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.models.loading import load_tokenizer
 from rlhf_core.models.toy import random_toy_model
@@ -111,15 +112,19 @@ def overlong_setup(tmp_path_factory):
 
 
 def _overlong_config(setup, *overrides):
+    return load_config(_overlong_overrides(setup, *overrides))
+
+
+def _overlong_overrides(setup, *overrides):
     root, model, data = setup
-    return load_config([
+    return [
         f"actor_rollout_ref.model.path={model}", f"data.train_files={data['train']}", f"data.val_files={data['test']}",
         "data.max_prompt_length=320", "data.max_response_length=4", "data.filter_overlong_prompts=true",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.rollout.n=2", "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false", "trainer.n_gpus_per_node=1",
         "trainer.device=cpu", "trainer.logger=[]", f"trainer.default_local_dir={root / 'unused'}", *overrides,
-    ])
+    ]
 
 
 def test_the_dry_run_takes_the_first_prompts_the_trainer_keeps(overlong_setup, tmp_path):
@@ -132,10 +137,10 @@ def test_the_dry_run_takes_the_first_prompts_the_trainer_keeps(overlong_setup, t
     tokenizer = load_tokenizer(model)
     # rows 0, 2 and 5 are dropped: the first four kept are rows 1, 3, 4 and 6, across both files
     rows, kept = first_prompts([str(first), str(second)], tokenizer, cfg.data, 4, "data.train_files")
-    assert kept == 5
+    assert len(kept) == 5
     pd.testing.assert_frame_equal(rows, raw.iloc[[1, 3, 4, 6]].reset_index(drop=True))
     rows, kept = first_prompts([str(first), str(second)], tokenizer, cfg.data, 8, "data.train_files")
-    assert kept == 5 and len(rows) == 5  # asked for more than are kept: all of them
+    assert len(kept) == 5 and len(rows) == 5  # asked for more than are kept: all of them
     pd.testing.assert_frame_equal(rows, raw.iloc[[1, 3, 4, 6, 7]].reset_index(drop=True))
 
 
@@ -204,12 +209,31 @@ def test_the_dry_run_keeps_the_prompts_train_max_samples_keeps(overlong_setup, t
 
 def test_too_few_kept_prompts_stop_the_dry_run_in_the_configs_terms(overlong_setup, tmp_path):
     # 8 rows, 3 over data.max_prompt_length: 5 kept, fewer than a batch of 6
-    with pytest.raises(SmokeTestError, match=re.escape(
-            "data.train_batch_size (6) is larger than the 5 prompts of data.train_files left after "
-            "data.filter_overlong_prompts drops those over data.max_prompt_length (320 tokens)")):
+    with pytest.raises(DataError, match=re.escape(
+            "data.train_batch_size (6) is larger than the dataset (5 prompts, after data.filter_overlong_prompts "
+            "dropped 3 longer than data.max_prompt_length): lower data.train_batch_size, raise "
+            "data.max_prompt_length or add prompts")):
         run_smoke_test(_overlong_config(overlong_setup, "data.train_batch_size=6",
                                         "actor_rollout_ref.actor.ppo_mini_batch_size=6",
                                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"), tmp_path)
+
+
+def test_too_few_prompts_kept_by_train_max_samples_are_refused_input_in_the_dry_run_as_in_training(
+        overlong_setup, tmp_path, capsys):
+    # data.train_max_samples=6 in order keeps rows 0-5 of the 8; rows 0, 2 and 5 are too long: 3 left for a batch
+    # of 4. The files hold more prompts: the key to raise is train_max_samples; both commands exit 2 (input refused)
+    from rlhf_core.cli.train import ppo, smoke
+
+    overrides = _overlong_overrides(overlong_setup, "data.train_batch_size=4", "data.train_max_samples=6",
+                                    "data.shuffle=false", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
+    refusal = ("data.train_batch_size (4) is larger than the dataset (3 prompts, after data.train_max_samples keeps 6 "
+               "of 8 and data.filter_overlong_prompts dropped 3 longer than data.max_prompt_length): lower "
+               "data.train_batch_size, raise data.train_max_samples or raise data.max_prompt_length")
+    assert smoke([*overrides, f"--work-dir={tmp_path / 'dry'}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == refusal
+    assert ppo([*overrides, f"trainer.default_local_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == refusal
 
 
 def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_root, tmp_path):

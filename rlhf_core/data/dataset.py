@@ -321,6 +321,24 @@ def sample_rows(total: int, max_samples: int, shuffle: bool, seed: int | None) -
     return [int(i) for i in np.random.default_rng(seed).choice(total, size=max_samples, replace=False)]
 
 
+def too_few_prompts(key: str, batch_size: int, n: int, dropped: int = 0,
+                    sampled: tuple[int, int] | None = None) -> str:
+    """The refusal of a batch of ``batch_size`` prompts (``key``) over the ``n`` the training files give: what
+    left that few (``sampled``: data.train_max_samples kept that many of that many rows; ``dropped``: the rows
+    data.filter_overlong_prompts left out of those) and the keys that give more."""
+    causes, levers = [], [f"lower {key}"]
+    if sampled is not None:
+        causes.append(f"data.train_max_samples keeps {sampled[0]} of {sampled[1]}")
+        levers.append("raise data.train_max_samples")
+    if dropped:
+        causes.append(f"data.filter_overlong_prompts dropped {dropped} longer than data.max_prompt_length")
+        levers.append("raise data.max_prompt_length")
+    if sampled is None:  # (with it, the files hold more prompts than are kept: none need adding)
+        levers.append("add prompts")
+    why = f", after {' and '.join(causes)}" if causes else ""
+    return f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why}): {', '.join(levers[:-1])} or {levers[-1]}"
+
+
 class RLHFDataset:
     """Tokenized prompts with their ground truth, data source and row index."""
 
@@ -358,6 +376,7 @@ class RLHFDataset:
         self.positions: list[int] = []  # each kept row's position in the files' rows, joined in order
         limit = config.max_prompt_length
         self.dropped_overlong = 0  # rows data.filter_overlong_prompts left out
+        self.sampled: tuple[int, int] | None = None  # (rows kept, rows in the files) where max_samples kept fewer
         truncated: list[str] = []  # where each prompt data.truncation cut was
         seed = config.seed if seed is None else seed
         chosen = sample_rows(len(frame), max_samples, config.shuffle, seed)  # positions in the files' rows
@@ -365,6 +384,7 @@ class RLHFDataset:
             how = f"drawn with data.seed {seed}" if config.shuffle else "the first ones (data.shuffle=false)"
             print(f"notice: {key}: {key.removesuffix('_files')}_max_samples keeps {len(chosen)} of {len(frame)} "
                   f"prompts, {how}", file=sys.stderr)
+            self.sampled = (len(chosen), len(frame))
             frame = frame.iloc[chosen]
         records = frame.to_dict("records")
         wheres = [f"{record['_source_file']} row {record['_source_row']}" for record in records]
@@ -479,12 +499,11 @@ class PromptSampler:
     ORDER_ONE_GENERATOR, ORDER_SEED_AND_EPOCH = "one_generator", "seed_and_epoch"
 
     def __init__(self, n: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 key: str = "data.train_batch_size", dropped: int = 0):
-        """``dropped``: the prompts data.filter_overlong_prompts left out, for the error where too few remain."""
+                 key: str = "data.train_batch_size", dropped: int = 0, sampled: tuple[int, int] | None = None):
+        """``dropped`` and ``sampled``: the prompts data.filter_overlong_prompts left out and what
+        data.train_max_samples kept (:attr:`RLHFDataset.sampled`), for the error where too few remain."""
         if batch_size > n:
-            why = (f", after data.filter_overlong_prompts dropped {dropped} longer than data.max_prompt_length"
-                   if dropped else "")
-            raise DataError(f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why})")
+            raise DataError(too_few_prompts(key, batch_size, n, dropped, sampled))
         if n % batch_size and not shuffle:  # shuffled, each epoch leaves other prompts out; in order, always these
             print(f"notice: {key} ({batch_size}) leaves {n % batch_size} of the {n} prompts out of every epoch: "
                   f"with data.shuffle=false always the last {n % batch_size}, which never train; set "

@@ -35,7 +35,7 @@ import pandas as pd
 import torch
 
 from rlhf_core.config import DataConfig, PPOConfig, validate_config
-from rlhf_core.data.dataset import RLHFDataset, check_files, read_frames
+from rlhf_core.data.dataset import DataError, RLHFDataset, check_files, read_frames, too_few_prompts
 
 TINY_THRESHOLD = 5_000_000
 KL_TOLERANCE = 1e-3
@@ -135,9 +135,9 @@ def build_tiny_clone(model_path: str | Path, output_dir: str | Path, tokenizer_p
 
 def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_prompts: int,
                   key: str, require_ground_truth: bool = True, max_samples: int = -1,
-                  seed: int | None = None) -> tuple[pd.DataFrame, int]:
-    """The rows of the first ``n_prompts`` prompts that the trainer keeps from ``files`` (in order), and how
-    many it keeps in all.
+                  seed: int | None = None) -> tuple[pd.DataFrame, RLHFDataset]:
+    """The rows of the first ``n_prompts`` prompts that the trainer keeps from ``files`` (in order), and the
+    dataset of all it keeps.
 
     The files are loaded as the trainer loads them (:class:`RLHFDataset`, with ``data.train_max_samples`` or
     ``val_max_samples`` as ``max_samples``, drawn with ``seed``), so a row it drops is skipped here too and any
@@ -147,7 +147,7 @@ def first_prompts(files: str | Sequence[str], tokenizer, data: DataConfig, n_pro
     dataset = RLHFDataset(files, tokenizer, data, key=key, require_ground_truth=require_ground_truth, frame=frame,
                           max_samples=max_samples, seed=seed)
     kept = frame.iloc[dataset.positions[:n_prompts]]
-    return kept.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), len(dataset)
+    return kept.drop(columns=["_source_file", "_source_row"]).reset_index(drop=True), dataset
 
 
 def write_parquet(frame: pd.DataFrame, output: str | Path) -> Path:
@@ -324,14 +324,8 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                                      cfg.needs_ground_truth(), cfg.data.train_max_samples, seed)
     # the real run draws this many prompts a round and stops when the kept ones are fewer: say so now, not there
     batch_key, batch = cfg.prompt_batch()
-    if kept < batch:
-        if cfg.data.filter_overlong_prompts:
-            raise SmokeTestError(
-                f"{batch_key} ({batch}) is larger than the {kept} prompts of data.train_files left after "
-                f"data.filter_overlong_prompts drops those over data.max_prompt_length ({cfg.data.max_prompt_length}"
-                f" tokens): lower {batch_key}, raise data.max_prompt_length or add prompts")
-        raise SmokeTestError(f"{batch_key} ({batch}) is larger than the {kept} prompts of data.train_files: "
-                             f"lower {batch_key} or add prompts")
+    if len(kept) < batch:  # (input refused, as the trainer's own check refuses it: not a failed check)
+        raise DataError(too_few_prompts(batch_key, batch, len(kept), kept.dropped_overlong, kept.sampled))
     train_file = write_parquet(train_rows, work_dir / "data" / "train.parquet")
     val_file = None  # a config without validation files runs without validation, here as in training
     if cfg.data.val_files:

@@ -287,7 +287,8 @@ class PPOTrainer:
         self.use_ref = algo.use_kl_in_reward or arr.actor.use_kl_loss
         batch_key, batch = config.prompt_batch()  # dynamic sampling draws its generation rounds' prompts
         self.sampler = PromptSampler(len(train_dataset), batch, config.data.shuffle, config.value("data.seed"),
-                                     key=batch_key, dropped=getattr(train_dataset, "dropped_overlong", 0))
+                                     key=batch_key, dropped=getattr(train_dataset, "dropped_overlong", 0),
+                                     sampled=getattr(train_dataset, "sampled", None))
         # as in verl's loop: training ends after total_epochs passes over the data, or total_training_steps
         # steps if that comes first (DAPO's dynamic sampling may draw several batches a step)
         self.total_batches = self.sampler.batches_per_epoch * config.trainer.total_epochs
