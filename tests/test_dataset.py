@@ -353,6 +353,21 @@ def test_missing_file_and_missing_column(tmp_path, tokenizer):
         RLHFDataset(str(tmp_path), tokenizer, DataConfig())
     with pytest.raises(DataError, match=r"does not exist \(a pattern is not expanded: list the files\)"):
         RLHFDataset(str(tmp_path / "*.parquet"), tokenizer, DataConfig())
+    # a folder without a parquet file was "name its parquet files", of none: it says so, and what it holds
+    folder = tmp_path / "texts"
+    (folder / "more").mkdir(parents=True)
+    for name in ("b.csv", "a.txt"):
+        (folder / name).write_text("x")
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(folder), tokenizer, DataConfig())
+    assert str(error.value) == (f"data.train_files: {folder} is a folder with no parquet file (it holds a.txt, b.csv, "
+                                "more/); name parquet files of prompts (a list: data.train_files=[a.parquet,"
+                                "b.parquet])")
+    (folder / "more").rmdir()
+    for name in ("b.csv", "a.txt"):
+        (folder / name).unlink()
+    with pytest.raises(DataError, match=r"is a folder with no parquet file \(it is empty\); name parquet files"):
+        RLHFDataset(str(folder), tokenizer, DataConfig(), key="data.val_files")
 
 
 def test_sampler_covers_each_epoch_once_in_seeded_order():

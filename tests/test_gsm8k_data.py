@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,49 @@ def _small_release(folder: Path, train: list[dict] | None = None) -> Path:
     _write_jsonl(folder / "train.jsonl", train if train is not None else good)
     _write_jsonl(folder / "test.jsonl", good[:2])
     return folder
+
+
+def _gsm8k_advice(folder) -> str:
+    return ("GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, data_source, "
+            f"reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {folder} --output "
+            "<folder>, and name the train.parquet and test.parquet it writes")
+
+
+def test_the_release_given_as_training_data_is_sent_to_rlhf_gsm8k_whose_files_then_load(tmp_path):
+    """Its train.jsonl had pandas' read_json(...).to_parquet advice, whose file the trainer then refused as GSM8K as
+    released (a second round trip); its folder "name its parquet files", of none."""
+    from rlhf_core.data.dataset import DataError, check_files, read_frames
+
+    release = _small_release(tmp_path / "release")
+    with pytest.raises(DataError) as error:
+        read_frames(check_files(str(release / "train.jsonl"), "data.train_files"))
+    assert str(error.value) == (f"{release / 'train.jsonl'} is not a readable parquet file: it is JSON Lines of "
+                                + _gsm8k_advice(release))
+    with pytest.raises(DataError) as error:
+        check_files(str(release), "data.train_files")
+    assert str(error.value) == f"data.train_files: {release} is a folder; it holds " + _gsm8k_advice(release)
+    # the advice as given: rlhf gsm8k reads that folder, and its train.parquet has the release's 3 answers as truths
+    assert gsm8k(["--input", str(release), "--output", str(tmp_path / "out")]) == 0
+    rows = read_frames(check_files(str(tmp_path / "out" / "train.parquet"), "data.train_files"))
+    assert [truth["ground_truth"] for truth in rows["reward_model"]] == ["1", "2", "3"]
+    # a file of the release under another name: the command reads train.jsonl and test.jsonl of a folder
+    renamed = release / "gsm8k_train.jsonl"
+    renamed.write_bytes((release / "train.jsonl").read_bytes())
+    with pytest.raises(DataError, match=re.escape("rlhf gsm8k --input <a folder of train.jsonl and test.jsonl> ")):
+        read_frames(check_files(str(renamed), "data.train_files"))
+    # JSON Lines of other keys keeps the generic conversion
+    other = _write_jsonl(tmp_path / "other" / "train.jsonl", [{"question": "q"}])
+    with pytest.raises(DataError, match=re.escape(f"pandas.read_json('{other}', lines=True).to_parquet(")):
+        read_frames(check_files(str(other), "data.train_files"))
+
+
+def test_the_real_release_folder_and_its_train_file_are_sent_to_rlhf_gsm8k(gsm8k_dir):
+    from rlhf_core.data.dataset import DataError, check_files, read_frames
+
+    with pytest.raises(DataError, match=re.escape(_gsm8k_advice(gsm8k_dir))):
+        check_files(str(gsm8k_dir), "data.train_files")
+    with pytest.raises(DataError, match=re.escape(_gsm8k_advice(gsm8k_dir))):
+        read_frames(check_files(str(gsm8k_dir / "train.jsonl"), "data.train_files"))
 
 
 # --- real data ---------------------------------------------------------------------------------

@@ -1673,8 +1673,34 @@ def test_a_folder_of_shards_is_refused_with_the_files_it_holds(tmp_path, capsys)
     capsys.readouterr()
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DataReadError, match=r"name its files \(it holds no \.parquet file\)$"):
+    with pytest.raises(DataReadError, match=r"is a directory with no \.parquet file \(it is empty\), expected a "
+                                            r"parquet file: name parquet files$"):
         validate_dataset(empty)
+
+
+def test_gsm8k_as_released_is_sent_to_rlhf_gsm8k_and_a_folder_without_parquet_says_what_it_holds(tmp_path, capsys):
+    """GSM8K's train.jsonl had the generic pandas.read_json(...).to_parquet advice, whose file is then refused as
+    GSM8K as released; the release folder "name its files (it holds no .parquet file)"."""
+    release = tmp_path / "gsm8k"
+    release.mkdir()
+    for split in ("train", "test"):
+        (release / f"{split}.jsonl").write_text(json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    advice = ("GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, "
+              "data_source, reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input "
+              f"{release} --output <folder>, and name the train.parquet and test.parquet it writes")
+    assert validate([str(release / "train.jsonl")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: cannot read {release / 'train.jsonl'}: not a readable "
+                                               f"parquet file (it is JSON Lines of {advice})")
+    assert validate([str(release)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: cannot read {release}: is a directory, expected a parquet "
+                                               f"file: it holds {advice}")
+    other = tmp_path / "other"
+    (other / "nested").mkdir(parents=True)
+    (other / "rows.csv").write_text("prompt\nx\n")
+    assert validate([str(other)]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: cannot read {other}: is a directory with no .parquet file "
+                                               "(it holds nested/, rows.csv), expected a parquet file: name parquet "
+                                               "files")
 
 
 def test_a_pass_without_a_length_limit_says_the_lengths_went_unchecked(valid_files, capsys):

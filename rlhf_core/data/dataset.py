@@ -25,6 +25,7 @@ from rlhf_core.batch import Batch
 from rlhf_core.config import DataConfig
 from rlhf_core.data.schema import (
     extra_info_problem,
+    folder_listing,
     ground_truth,
     is_missing,
     json_message_list,
@@ -64,8 +65,11 @@ def check_files(files: str | Sequence[str], key: str) -> list[Path]:
             raise DataError(f"{key}: {path} is a folder; {held}")
         if path.is_dir():
             found = sorted(p.name for p in path.glob("*.parquet"))[:4]
+            if not found:  # (naming "its parquet files" would send the user looking for what is not there)
+                raise DataError(f"{key}: {path} is a folder with no parquet file ({folder_listing(path)}); name "
+                                f"parquet files of prompts (a list: {key}=[a.parquet,b.parquet])")
             raise DataError(f"{key}: {path} is a folder; name its parquet files (a list: {key}=[a.parquet,"
-                            f"b.parquet]){'; it holds ' + ', '.join(found) if found else ''}")
+                            f"b.parquet]); it holds {', '.join(found)}")
         if not path.is_file():
             pattern = any(char in str(path) for char in "*?[")
             raise DataError(f"{key}: {path} does not exist" + (

@@ -102,12 +102,42 @@ def read_rows(path, columns: list[str] | None = None) -> pd.DataFrame:
     return frame
 
 
+def folder_listing(folder: Path, shown: int = 6) -> str:
+    """What ``folder`` holds, for a message: its first ``shown`` names (a folder's with a trailing /), or that it is
+    empty."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir())
+    if not names:
+        return "it is empty"
+    return f"it holds {', '.join(names[:shown])}{', ...' if len(names) > shown else ''}"
+
+
+def gsm8k_json_lines(path: Path) -> bool:
+    """Whether ``path`` is JSON Lines whose first object has ``question`` and ``answer``: GSM8K as released."""
+    try:
+        with open(path, "rb") as handle:
+            first = handle.readline(1 << 20)
+        row = json.loads(first.decode("utf-8-sig"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and {"question", "answer"} <= row.keys()
+
+
+def gsm8k_advice(what: str, folder: str | os.PathLike) -> str:
+    """``what`` (a file or folder of GSM8K as released) is taken by ``rlhf gsm8k`` from ``folder``, not as it is."""
+    return (f"{what} GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, "
+            f"data_source, reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {folder} "
+            "--output <folder>, and name the train.parquet and test.parquet it writes")
+
+
 def other_format(path: str | os.PathLike) -> str | None:
     """What a data path that is no parquet file holds, where another tool writes it so, and how to write it as
     parquet (the trainer and the checks read parquet, as verl's RLHFDataset does): a ``datasets`` save_to_disk
-    folder (Arrow files; a DatasetDict's holds one folder a split), or JSON / JSON Lines text. None otherwise."""
+    folder (Arrow files; a DatasetDict's holds one folder a split), GSM8K's release (a folder of train.jsonl and
+    test.jsonl, or one of them: ``rlhf gsm8k`` writes it), or JSON / JSON Lines text. None otherwise."""
     path = Path(path)
     if path.is_dir():
+        if any(gsm8k_json_lines(path / f"{split}.jsonl") for split in ("train", "test")):
+            return gsm8k_advice("it holds", path)
         if (path / "dataset_dict.json").is_file():
             try:
                 splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
@@ -127,6 +157,10 @@ def other_format(path: str | os.PathLike) -> str | None:
         return None
     if start not in (b"{", b"["):
         return None
+    if start == b"{" and gsm8k_json_lines(path):  # (rlhf gsm8k reads a folder's train.jsonl and test.jsonl)
+        folder = path.parent if path.name in ("train.jsonl", "test.jsonl") else \
+            "<a folder of train.jsonl and test.jsonl>"
+        return gsm8k_advice("it is JSON Lines of", folder)
     lines = "" if start == b"[" else ", lines=True"  # a JSON array, or one object a line
     return (f"it is JSON{'' if lines == '' else ' Lines'} text, not parquet: write it as a parquet file, e.g. "
             f"pandas.read_json('{path}'{lines}).to_parquet('{path.stem}.parquet') (chat messages as lists of "

@@ -69,6 +69,7 @@ from rlhf_core.data.schema import (
     PROMPT_COLUMNS,
     REQUIRED_COLUMNS,
     extra_info_problem,
+    folder_listing,
     ground_truth,
     is_missing,
     json_message_list,
@@ -337,8 +338,10 @@ def read_parquet(path: str | os.PathLike) -> pd.DataFrame:
         raise DataReadError(path, f"is a directory, expected a parquet file: {held}")
     if path.is_dir():  # a folder of shards: the files are named one by one, as data.train_files lists them
         found = sorted(p.name for p in path.glob("*.parquet"))
-        held = f" (it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''})" if found else \
-            " (it holds no .parquet file)"
+        if not found:
+            raise DataReadError(path, f"is a directory with no .parquet file ({folder_listing(path)}), expected a "
+                                      "parquet file: name parquet files")
+        held = f" (it holds {', '.join(found[:4])}{', ...' if len(found) > 4 else ''})"
         raise DataReadError(path, f"is a directory, expected a parquet file: name its files{held}")
     try:
         return read_rows(path)  # as the trainer reads it
