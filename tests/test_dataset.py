@@ -642,6 +642,14 @@ def test_gsm8k_as_released_is_pointed_at_its_converter(tmp_path, tokenizer):
         pd.DataFrame({"question": ["Tom has 3 apples and 4 more. How many?", "What is 2 times 5?"],
                       "answer": answers}).to_parquet(release / f"{split}-00000-of-00001.parquet")
     shard = release / "train-00000-of-00001.parquet"
+    # the folder itself, given as the files: its shards are the release, not prompts to name one by one
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(release), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == (
+        f"data.train_files: {release} is a folder; {release / 'test-00000-of-00001.parquet'} holds GSM8K as released "
+        "(question, answer): write verl's columns (prompt, data_source, reward_model.ground_truth from the answer's "
+        f"'####' line) with rlhf gsm8k --input {release} --output <folder>, and name the train.parquet and "
+        "test.parquet it writes")
     with pytest.raises(DataError) as error:
         RLHFDataset(str(shard), tokenizer, DataConfig(max_prompt_length=200))
     assert str(error.value) == (
