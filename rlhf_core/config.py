@@ -595,8 +595,22 @@ class PPOConfig:
 
     @classmethod
     def from_dict(cls, tree: Mapping[str, Any]) -> PPOConfig:
-        """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps."""
-        return _build([OmegaConf.create(dict(tree))], (), notice=_stderr, validate=True)
+        """The validated config of a ``to_dict()`` tree: the form in which it travels between pipeline steps. The
+        tree is resolved already, so a ``${`` in its text is text (a value written ``\\${...}``), escaped here so
+        that OmegaConf does not read it as an interpolation a second time."""
+        return _build([OmegaConf.create(_escaped(dict(tree)))], (), notice=_stderr, validate=True)
+
+
+def _escaped(value: Any) -> Any:
+    """``value`` (a resolved tree) with each ``${`` of its text written as OmegaConf's literal ``\\${``, and the
+    backslashes before it doubled (OmegaConf reads ``\\\\${`` as one backslash before an interpolation)."""
+    if isinstance(value, str):
+        return re.sub(r"(\\*)\$\{", lambda found: found.group(1) * 2 + "\\${", value)
+    if isinstance(value, Mapping):
+        return {key: _escaped(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escaped(item) for item in value]
+    return value
 
 
 # ----------------------------------------------------------------------------- aliases

@@ -1174,3 +1174,21 @@ def test_an_interpolation_that_gives_null_is_judged_as_a_written_null(key, monke
     monkeypatch.delenv("UNSET_VAR_X", raising=False)
     assert _refusals([f"{key}=null"]) == _refusals([f"{key}=${{oc.env:UNSET_VAR_X,null}}"])
     assert f"{key}=None is not supported" in _refusals([f"{key}=null"])[0]
+
+
+@pytest.mark.parametrize(("written", "text"), [
+    (r"run_\${oops", "run_${oops"),
+    (r"lit_\${trainer.project_name}", "lit_${trainer.project_name}"),
+    (r"x\\\${trainer.project_name}", "x\\${trainer.project_name}"),  # OmegaConf: \\ a backslash, \${ the text ${
+])
+def test_a_literal_interpolation_survives_the_trip_between_pipeline_steps(written, text):
+    # written \${...}, the text ${...} is the value; the pipeline hands the config on as to_dict() and each step
+    # reads it with from_dict, which read that text as an interpolation again (a traceback, or another key's value)
+    from rlhf_core.config import PPOConfig
+
+    cfg = load_config([f"trainer.experiment_name='{written}'", r"+custom_reward_function.reward_kwargs.tag='\${x}'"],
+                      notice=lambda _notice: None)
+    assert cfg.trainer.experiment_name == text
+    again = PPOConfig.from_dict(cfg.to_dict())
+    assert again.trainer.experiment_name == text
+    assert again.custom_reward_function.reward_kwargs == {"tag": "${x}"}
