@@ -52,15 +52,17 @@ def check_production_exists(model_name: str) -> None:
     :class:`~rlhf_core.pipeline.run_config.RunConfigError` (``zenml pipeline run`` prints it alone, exit status 1).
 
     Only a store that answers that there is none refuses: one that cannot be read (a server out of reach) leaves
-    the question to the step. Nor is it asked while ``rlhf-schedule`` checks the run config before scheduling:
-    production may be promoted before the first run, and the pipeline prepared there is not yet given the run
-    config's model."""
+    the question to the step. Nor is it asked while ``rlhf-schedule`` checks the run config before scheduling, or
+    while the pipeline compiles to be registered with a schedule (an orchestrator's): production may be promoted
+    before the first run (and the pipeline ``rlhf-schedule`` prepares is not yet given the run config's model)."""
+    from rlhf_core.pipeline.checked import COMPILING_SCHEDULE
     from rlhf_core.pipeline.run_config import _SCHEDULING, RunConfigError
 
-    if _SCHEDULING.get():
+    if _SCHEDULING.get() or COMPILING_SCHEDULE.get():
         return
     try:  # (listed: inside a pipeline's function ZenML defers Client().get_model_version to the step's run)
-        found = Client().list_model_versions(model=model_name, stage=ModelStages.PRODUCTION, size=1).total
+        found = Client().list_model_versions(model=f"equals:{model_name}", stage=ModelStages.PRODUCTION,
+                                             size=1).total
     except Exception:  # noqa: BLE001 - a store that cannot be read: the step asks it again where it runs
         logger.debug("production version of %s not looked up while compiling", model_name, exc_info=True)
         return

@@ -986,14 +986,17 @@ def test_gate_without_a_production_version_says_how_to_get_one_for_this_model():
     assert "zenml model version update 'gate-never promoted' VERSION --stage production" in message
 
 
-def test_retraining_a_model_without_a_production_version_is_refused_before_its_run(monkeypatch):
+def test_retraining_a_model_without_a_production_version_is_refused_before_its_run(monkeypatch, tmp_path):
     """validate_data and define_reward ran, then check_new_data failed (two tracebacks) and left a version marked
     failed, at every scheduled run; now the pipeline refuses as it compiles, with the gate's one line. A store that
     cannot be read leaves the question to the step."""
     from zenml import Model
     from zenml.client import Client
+    from zenml.config.schedule import Schedule
+    from zenml.pipelines.pipeline_definition import Pipeline
 
     from pipelines.retrain import rlhf_retrain_pipeline
+    from rlhf_core.pipeline.checked import COMPILING_SCHEDULE
     from rlhf_core.pipeline.run_config import RunConfigError
     from steps.check_new_data import check_production_exists
 
@@ -1014,6 +1017,26 @@ def test_retraining_a_model_without_a_production_version_is_refused_before_its_r
 
     def unreachable(*args, **kwargs):
         raise ConnectionError("the ZenML server does not answer")
+
+    # a name ZenML's filters would read as an operator is the name: another model's production does not count
+    _add_version("retrain promoted", production=True, promoted=True, dataset_fingerprint=_sha("A"))
+    with pytest.raises(RunConfigError, match="model 'startswith:retrain' has no production version"):
+        check_production_exists("startswith:retrain")
+    check_production_exists("retrain promoted")  # (one that has one passes)
+    # compiled to be registered with a schedule: production may be promoted before the first run comes
+    seen = []
+    monkeypatch.setattr(Pipeline, "_compile", lambda self, config_path=None, **args: seen.append(
+        (COMPILING_SCHEDULE.get(), check_production_exists(model))))
+    scheduled, plain = tmp_path / "scheduled.yaml", tmp_path / "plain.yaml"
+    scheduled.write_text("schedule:\n  cron_expression: '0 3 * * *'\n")
+    plain.write_text("parameters: {}\n")
+    rlhf_retrain_pipeline._compile(schedule=Schedule(cron_expression="0 3 * * *"))
+    rlhf_retrain_pipeline._compile(config_path=str(scheduled))
+    assert seen == [(True, None), (True, None)]
+    for unscheduled in ({"config_path": str(plain)}, {}):
+        with pytest.raises(RunConfigError, match="has no production version"):
+            rlhf_retrain_pipeline._compile(**unscheduled)
+    assert COMPILING_SCHEDULE.get() is False
 
     monkeypatch.setattr(Client, "list_model_versions", unreachable)
     assert check_production_exists(model) is None  # left to check_new_data, where the run reads the store

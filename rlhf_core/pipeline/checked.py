@@ -6,6 +6,7 @@ run`` prints alone (exit status 1). Put :func:`checked_parameters` above a pipel
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import inspect
 import sys
@@ -16,6 +17,10 @@ import pydantic
 from zenml.pipelines.pipeline_definition import Pipeline
 
 from rlhf_core.pipeline.run_config import REFUSED, RunConfigError
+
+#: true while a pipeline compiles with a schedule attached (``with_options(schedule=...)``, or a run config's
+#: ``schedule:``): what its body checks of the store's present state may be different when the runs come
+COMPILING_SCHEDULE: contextvars.ContextVar[bool] = contextvars.ContextVar("compiling_schedule", default=False)
 
 
 def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) -> list[str]:
@@ -53,12 +58,7 @@ def step_config_problems(run_config: str | Path, pipeline: Pipeline) -> list[str
     """What the ``steps:`` section of the run config file ``run_config`` names that ``pipeline`` (prepared: its
     step invocations made) does not have: a step (ZenML warns and ignores its settings) or a step's parameter
     (ZenML raises through a traceback)."""
-    import yaml
-
-    try:
-        steps = (yaml.safe_load(Path(run_config).read_text()) or {}).get("steps") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        return []  # (ZenML's own reading of the file says what is wrong with it)
+    steps = _run_config_tree(run_config).get("steps") or {}
     if not isinstance(steps, dict):
         return []
     problems = []
@@ -80,6 +80,17 @@ def step_config_problems(run_config: str | Path, pipeline: Pipeline) -> list[str
     return problems
 
 
+def _run_config_tree(run_config: str | Path) -> dict:
+    """The run config file's mapping; {} where it cannot be read as one (ZenML's own reading says what is wrong)."""
+    import yaml
+
+    try:
+        tree = yaml.safe_load(Path(run_config).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return tree if isinstance(tree, dict) else {}
+
+
 class CheckedPipeline(Pipeline):
     """A ZenML pipeline whose parameters, where ZenML's check against the pipeline function refuses them (a name
     the function does not take, a value of the wrong type), stop the run with :class:`RunConfigError`, which
@@ -90,7 +101,13 @@ class CheckedPipeline(Pipeline):
     def _compile(self, config_path: str | None = None, **run_configuration_args):
         if config_path and (problems := step_config_problems(config_path, self)):
             raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)]))
-        return super()._compile(config_path=config_path, **run_configuration_args)
+        scheduled = run_configuration_args.get("schedule") is not None or bool(
+            config_path and _run_config_tree(config_path).get("schedule"))
+        token = COMPILING_SCHEDULE.set(scheduled)
+        try:
+            return super()._compile(config_path=config_path, **run_configuration_args)
+        finally:
+            COMPILING_SCHEDULE.reset(token)
 
     def _validate_entrypoint_args(self, *args, **kwargs):
         try:
