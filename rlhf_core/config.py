@@ -1227,6 +1227,8 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             else:
                 _assign(cfg, target, _default(target), errors, merge=False)
             given.pop(target, None)
+    elif (problem := _none_as_text(key, override.value())) is not None:
+        errors.append(problem)
     elif _deferred(key, override.value()):
         deferred[key] = override.value()
     else:  # key=value, +key=value and ++key=value all set a key of the schema
@@ -1235,6 +1237,19 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                 _same_key_twice(origins, target, key, value, errors)
             _assign(cfg, target, value, errors)
             given[target] = value
+
+
+def _none_as_text(key: str, value: Any) -> str | None:
+    """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a verl key that takes null
+    before it reaches the schema (a null that sets nothing: a global micro-batch size, a key without effect, one
+    whose null is its default), else None: the text fails there as something else (two sizes set, a value not
+    supported, a type) or nothing is said."""
+    if value not in ("None", "none"):
+        return None
+    verl_only = without_effect(key)
+    if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or (verl_only is not None and verl_only[0](None)):
+        return f"{key}={value!r}: None is read as text: write {key}=null"
+    return None
 
 
 def _deferred(key: str, value: Any) -> bool:
@@ -1348,6 +1363,9 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
         for key, value in _leaves(tree):
+            if (problem := _none_as_text(key, value)) is not None:
+                errors.append(problem)
+                continue
             if _deferred(key, value):
                 deferred[key] = value
                 continue

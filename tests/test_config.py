@@ -1136,6 +1136,21 @@ def test_none_written_for_null_on_a_text_key_is_refused(key):
     assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
 
 
+@pytest.mark.parametrize("key", ["critic.ppo_micro_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
+                                 "reward_model.n_gpus_per_node", "critic.optim.min_lr_ratio",
+                                 "reward_model.micro_batch_size_per_gpu"])
+def test_none_written_for_null_on_a_verl_key_whose_null_sets_nothing_is_refused_as_such(key, tmp_path):
+    # each takes null (it sets nothing); the text 'None' was said as two sizes set at once, a value not
+    # supported or a type it could not be converted to
+    assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
+    load_config([f"{key}=null"], notice=lambda _: None, validate=False)
+    path = tmp_path / "run.yaml"  # YAML reads None as the text too
+    section, _, name = key.rpartition(".")
+    path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                    + f"{'  ' * (section.count('.') + 1)}{name}: None\n")
+    assert _refusals([], path) == [f"{key}='None': None is read as text: write {key}=null (in {path})"]
+
+
 def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     # verl 0.7's generated config holds the reward model's own pool as nulls
     path = tmp_path / "run.yaml"
