@@ -14,6 +14,7 @@ from rlhf_core.config import ConfigError, GuardConfig, load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.training import checkpoint
 from rlhf_core.training.guards import Guard, GuardError, GuardEvent, measured_kl, tighten_kl_control
+from rlhf_core.workers.group import WorkerError
 
 # ----------------------------------------------------------------------------- decisions
 
@@ -387,6 +388,32 @@ def test_weights_that_generate_nan_stop_the_run_naming_the_checkpoint_to_go_on_f
     first, second = str(error).split("\n")
     assert first.startswith("training step 4 failed: the policy's logits held NaN (or inf) at response token")
     assert second == says.format(out=out)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_validation_in_training(workspace,
+                                                                                                   tmp_path):
+    out = tmp_path / "val_only"
+    trainer = make_trainer(workspace, out, "trainer.val_only=true")
+    with torch.no_grad():
+        for parameter in trainer.actor.module.parameters():
+            parameter.fill_(math.nan)
+    metrics, _, error = run_recording(trainer)
+
+    assert isinstance(error, GuardError) and metrics == {}
+    first, second = str(error).split("\n")
+    assert first.startswith("validating the weights of step 0 failed: the policy's logits held NaN (or inf) at "
+                            "response token 0")
+    assert second == "no checkpoint was saved yet"
+
+    def worker_fails():  # as a worker group's validation fails
+        raise WorkerError("worker rank 1 failed: CUDA error: an illegal memory access was encountered")
+
+    trainer.validate = worker_fails
+    with pytest.raises(WorkerError) as raised:
+        trainer.fit()
+    assert str(raised.value) == ("validating the weights of step 0 failed: worker rank 1 failed: CUDA error: an "
+                                 "illegal memory access was encountered\nno checkpoint was saved yet")
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -811,7 +811,12 @@ class PPOTrainer:
 
     def fit(self) -> list[StepResult]:
         if self.config.trainer.val_only:  # verl's: validate what is loaded (the model, or a resumed checkpoint)
-            metrics = self.validate()
+            try:
+                metrics = self.validate()
+            except WorkerError as exc:
+                raise self._worker_failure(exc, "validating the weights of", self.global_step) from exc
+            except NonFiniteLogits as exc:
+                raise self._diverged(exc, "validating the weights of", self.global_step) from exc
             self._log(metrics, self.global_step)
             self._log_generations(self.global_step)
             self.history.append(StepResult(self.global_step, metrics))
