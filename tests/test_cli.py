@@ -813,3 +813,23 @@ def test_a_parameter_of_a_union_type_is_named_once_without_the_unions_branches()
         # (YAML's "- trainer.seed: 1" for "- trainer.seed=1": each element named by its position)
         "overrides[0]={'trainer.seed': 1}: Input should be a valid string (overrides takes list[str] | None)",
         "overrides[1]={'trainer.total_epochs': 2}: Input should be a valid string (overrides takes list[str] | None)"]
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("save_freq", [1, 2])
+def test_a_logger_that_cannot_write_stops_the_run_with_one_line_and_exit_1_whether_the_step_saves_or_not(
+        workspace, tmp_path, capsys, save_freq):
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "out"
+    (out / "metrics.jsonl").mkdir(parents=True)  # the file logger's file is a folder
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", f"trainer.save_freq={save_freq}",
+                                   "trainer.val_before_train=false", "trainer.test_freq=-1",
+                                   "trainer.logger=[file]")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"error: logging the metrics of step 1 failed (IsADirectoryError: [Errno 21] Is a directory: "
+        f"'{out / 'metrics.jsonl'}')" + (", so its checkpoint is not kept (a rerun trains the step again and logs it)"
+                                          if save_freq == 1 else "") + "; no checkpoint was saved yet")
+    assert not list(out.glob("global_step_*"))

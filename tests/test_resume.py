@@ -17,7 +17,7 @@ import pytest
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer
-from rlhf_core.training.checkpoint import CheckpointError
+from rlhf_core.training.trainer import LoggingError
 
 STEPS = 4  # one epoch: 32 prompts in batches of 8
 REL_TOL = 1e-6
@@ -115,7 +115,7 @@ def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_reru
         written[step] = json.loads(json.dumps(metrics))
 
     trainer.logger = disk_full_at_step_2
-    with pytest.raises(CheckpointError) as raised:
+    with pytest.raises(LoggingError) as raised:
         trainer.fit()
     assert str(raised.value) == (
         "logging the metrics of step 2 failed (OSError: [Errno 28] No space left on device), so its checkpoint is not "
@@ -130,6 +130,24 @@ def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_reru
     assert sorted(written) == [1] and sorted(metrics) == [2, 3, 4]  # every step logged once, step 2 by the rerun
     for step in (2, 3, 4):
         assert_same_metrics(metrics[step], expected[step], step)
+
+
+def test_a_logger_failing_on_a_step_that_does_not_save_stops_naming_the_checkpoint_a_rerun_resumes_from(
+        workspace, tmp_path):
+    out = tmp_path / "logger_unsaved"
+    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=2")))
+
+    def disk_full_at_step_3(metrics, step):
+        if step == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer.logger = disk_full_at_step_3
+    with pytest.raises(LoggingError) as raised:
+        trainer.fit()
+    assert str(raised.value) == (
+        "logging the metrics of step 3 failed (OSError: [Errno 28] No space left on device); the latest checkpoint "
+        f"{out / 'global_step_2'} is intact: rerun the same command to resume from it")
+    assert _latest(out) == 2 and trainer.global_step == 3
 
 
 def _cli(workspace, out, *extra) -> list[str]:

@@ -4,8 +4,9 @@
     rlhf train-rm [--config FILE ...] [key=value ...]   # also rlhf-train-rm
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
-Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it or a worker failed;
-``train-rm``: a worker failed; ``smoke``: a check failed); 2 bad input, refused before anything trains (config,
+Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it, a worker failed or a
+logger could not record a step; ``train-rm``: a worker failed; ``smoke``: a check failed); 2 bad input, refused
+before anything trains (config,
 data, preference data, model, checkpoint) or met on the way (``ppo`` and ``smoke``: a reward function that
 failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be
 written); 128 + signal number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way
@@ -39,6 +40,7 @@ from rlhf_core.training.checkpoint import CheckpointError, latest_or_none, rerun
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
 from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
+from rlhf_core.training.trainer import LoggingError
 from rlhf_core.workers.group import WorkerError
 
 
@@ -100,7 +102,7 @@ def _failure(exc: BaseException | None) -> tuple[str, int] | None:
     if isinstance(exc, (ConfigError, PreflightError, DataError, PreferenceDataError, RewardTrainingError, ModelError,
                         CheckpointError, PortInUseError)):
         return str(exc), 2
-    if isinstance(exc, (GuardError, WorkerError)):
+    if isinstance(exc, (GuardError, WorkerError, LoggingError)):
         return f"error: {exc}", 1
     if isinstance(exc, TrainingInterrupted):
         return str(exc), 128 + exc.signal_number

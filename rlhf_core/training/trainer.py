@@ -263,6 +263,11 @@ def changed_since(saved: dict | None, now: dict) -> list[str]:
     return [f"{name}: {before} -> {after}" for name, before, after in pairs if before is not None and before != after]
 
 
+class LoggingError(RuntimeError):
+    """A logger could not record a step's metrics (a full disk, a file logger's path taken by a folder): the run
+    stops, as where a worker fails, and the message names the checkpoint a rerun resumes from."""
+
+
 @dataclass
 class StepResult:
     step: int
@@ -801,9 +806,19 @@ class PPOTrainer:
             self.worker_group.shutdown()
 
     # ------------------------------------------------------------------ the loop
-    def _log(self, metrics: dict[str, float], step: int) -> None:
-        if self.logger is not None:
+    def _log(self, metrics: dict[str, float], step: int, not_kept: str = "") -> None:
+        """Hand the step's metrics to the logger; one that fails stops the run as :class:`LoggingError`, naming the
+        checkpoint a rerun resumes from (``not_kept``: what its failure means for a checkpoint being saved)."""
+        if self.logger is None:
+            return
+        try:
             self.logger(metrics, step)
+        except Exception as exc:
+            latest = self.rerun_checkpoint()
+            kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                    if latest is not None else "no checkpoint was saved yet")
+            raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}){not_kept}; "
+                               f"{kept}") from exc
 
     def _log_generations(self, step: int) -> None:
         if self.generations_logger is not None and self.val_generations:
@@ -1045,15 +1060,7 @@ class PPOTrainer:
                 nonlocal logged
                 metrics["timing_s/save_checkpoint"] = time.perf_counter() - started
                 logged = True
-                try:
-                    self._log(metrics, step)
-                except Exception as exc:
-                    latest = self.rerun_checkpoint()
-                    kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
-                            if latest is not None else "no checkpoint was saved yet")
-                    raise checkpoint.CheckpointError(
-                        f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}), so its checkpoint "
-                        f"is not kept (a rerun trains the step again and logs it); {kept}") from exc
+                self._log(metrics, step, ", so its checkpoint is not kept (a rerun trains the step again and logs it)")
 
             try:
                 self.save_checkpoint(before_latest=log_before_latest)
