@@ -625,3 +625,26 @@ def test_the_accuracy_figure_shows_each_data_source_where_there_are_several():
     assert [text.get_text() for text in by_source.get_legend().get_texts()] == ["base model", "trained policy"]
     single = EvalResult("b", 0.4, 50, 0.4, {"math": 0.4}, 3.0, interval=(0.27, 0.54))
     assert len(accuracy_figure({"base model": single}).axes) == 1  # one source: the overall panel says it all
+
+
+def test_the_evaluate_command_on_a_model_whose_weights_give_nan_says_so_in_one_line_naming_it(setup, tmp_path,
+                                                                                              capsys):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    broken = tmp_path / "nan_model"
+    shutil.copytree(model, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
+               for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
+    assert evaluate([str(broken), str(val), "--max-problems", "4", "--max-response-length", "4"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [said] = [line for line in err.splitlines() if line.startswith("error:")]  # (after the weights' loading bar)
+    assert said.startswith(f"error: evaluating {broken} failed: the policy's logits held NaN (or inf) at response "
+                           "token 0 of rows 0, 1, 2, 3, so there is no distribution to sample from."), err

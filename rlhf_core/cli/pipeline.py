@@ -97,6 +97,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
     from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
     from rlhf_core.rewards.manager import RewardError
+    from rlhf_core.rollout.hf import NonFiniteLogits
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left", prompt_key=args.prompt_key)
@@ -114,7 +115,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads
     try:
         import_external_lib(args.external_lib, "--external-lib")
-        resolve_policy_dir(args.model)
+        policy_dir = resolve_policy_dir(args.model)
     except (ModelError, FileNotFoundError) as exc:
         problems.append(str(exc))
     try:
@@ -139,6 +140,9 @@ def evaluate(argv: list[str] | None = None) -> int:
     except RewardError as exc:  # the reward function raised or returned what is not a score (2, as rlhf-ppo's)
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteLogits as exc:  # the model loaded and its weights gave NaN: the evaluation ran and failed
+        print(f"error: evaluating {policy_dir} failed: {exc}", file=sys.stderr)
+        return 1
     low, high = result.interval
     print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
           f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
