@@ -740,6 +740,71 @@ def test_reward_training_runs_without_dropout(dropout_models, arch, tmp_path):
     assert stats["loss"] / stats["pairs"] != pytest.approx(loss_by_hand, abs=1e-6)
 
 
+# ----------------------------------------------------------------------------- non-finite losses
+
+
+def _records(out) -> dict[int, dict]:
+    return {record["step"]: record for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_model_whose_weights_are_nan_stops_at_its_first_step_and_exports_nothing(tiny, pairs_dir, tmp_path,
+                                                                                   capsys):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan_model"
+    shutil.copytree(tiny, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
+               for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    assert train_rm(_overrides(broken, pairs_dir, out, "reward_model.train.save_freq=1")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 1: its loss is nan (train/loss): the weights the step "
+        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
+        f"they are those of reward_model.train.model.path ({broken}): check that model for NaN or inf weights")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "metrics.jsonl"]  # no checkpoint, no huggingface/
+    assert list(_records(out)) == [1] and _records(out)[1]["train/loss"] is None  # (the file logger's NaN)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_an_update_that_wrecks_the_weights_stops_the_next_step_naming_the_checkpoint_that_holds_them(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    train_step = RewardModelWorker.train_step
+
+    def update_to_nan_at_step_1(worker, *args):  # step 1's own loss is finite; its update leaves NaN weights
+        result = train_step(worker, *args)
+        if worker.scheduler.last_epoch == 1:
+            with torch.no_grad():
+                for parameter in worker.module.parameters():
+                    parameter.fill_(math.nan)
+        return result
+
+    monkeypatch.setattr(RewardModelWorker, "train_step", update_to_nan_at_step_1)
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.save_freq=1")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 2: its loss is nan (train/loss): the weights the step "
+        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
+        f"an update before step 2 diverged: the latest checkpoint {out / 'global_step_1'} holds them; start again "
+        "with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or another "
+        "reward_model.train.default_local_dir)")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no huggingface/
+    records = _records(out)
+    assert math.isfinite(records[1]["train/loss"]) and records[2]["train/loss"] is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_closing_line_shows_a_validation_metric_that_is_not_finite(tiny, pairs_dir, tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setattr(RewardModelTrainer, "validate", lambda self: {"val/loss": math.nan,
+                                                                      "val/pair_accuracy": 0.5})
+    assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "out", "reward_model.train.total_training_steps=1")) == 0
+    assert "; val/loss nan, val/pair_accuracy 0.5000\n" in capsys.readouterr().out
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -5,13 +5,13 @@
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
 Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it, a worker failed or a
-logger could not record a step; ``train-rm``: a worker failed; ``smoke``: a check failed); 2 bad input, refused
-before anything trains (config,
-data, preference data, model, checkpoint) or met on the way (``ppo`` and ``smoke``: a reward function that
-failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be
-written); 128 + signal number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way
-is saved, or at once without saving after a second one, or where no step is under way: while the run starts or
-closes, or with ``trainer.save_on_interrupt=false``; the message names the checkpoint left).
+logger could not record a step; ``train-rm``: a worker failed or the loss was not finite; ``smoke``: a check
+failed); 2 bad input, refused before anything trains (config, data, preference data, model, checkpoint) or met on
+the way (``ppo`` and ``smoke``: a reward function that failed, by raising or returning NaN, inf or no number;
+``ppo`` and ``train-rm``: a checkpoint that could not be written); 128 + signal number after Ctrl-C (130) or
+SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way is saved, or at once without saving after a second
+one, or where no step is under way: while the run starts or closes, or with ``trainer.save_on_interrupt=false``;
+the message names the checkpoint left).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import math
 import os
 import signal
 import sys
@@ -208,7 +207,7 @@ def train_rm(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGINT
     except Exception as exc:  # (TrainingInterrupted too: 128 + its signal)
         return _reported(exc)
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items() if math.isfinite(v))
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())  # a NaN shown as nan, not left out
     print(f"reward model: at step {trainer.global_step} after {time.time() - started:.0f} s; {shown or 'no validation'}")
     print(f"HF export: {trainer.local_dir / HF_DIR}  (AutoModelForSequenceClassification.from_pretrained)")
     print(f"metrics: {trainer.local_dir / 'metrics.jsonl'}")

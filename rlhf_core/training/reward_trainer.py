@@ -35,8 +35,11 @@ records the chat-template keyword arguments the pairs were encoded with
 window (``reward_model.train.overlong=truncate``) or left out of training and validation (``drop``, as TRL's
 RewardTrainer).
 
-Exit codes (as PPO's): 0 done; 1 a worker failed; 2 bad input: config, preference data (the message names the
-file, columns or rows), model directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
+A step whose loss is not finite stops the run (exit 1): its update is skipped, so the weights it started from
+would meet every later step alike; nothing more is saved and nothing is exported.
+
+Exit codes (as PPO's): 0 done; 1 a worker failed or the loss was not finite; 2 bad input: config, preference data
+(the message names the file, columns or rows), model directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ from rlhf_core.models.loading import (
 )
 from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, conversation_ids, cut_from_the_left
 from rlhf_core.training import checkpoint as ckpt
-from rlhf_core.training.guards import TrainingInterrupted
+from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.tracking import store_problems
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -708,6 +711,9 @@ class RewardModelTrainer:
                     metrics.update(self.length_metrics)
                     first = False
                 step = self.global_step
+                if not math.isfinite(metrics["train/loss"]):
+                    log(metrics, step)  # the step's record, with its loss, before the run stops on it
+                    raise self._not_finite(step, metrics["train/loss"])
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
                     last_val = self.validate()
                     metrics.update(last_val)
@@ -726,6 +732,25 @@ class RewardModelTrainer:
             self.save()
         self.export(self.local_dir / HF_DIR)
         return last_val
+
+    def _not_finite(self, step: int, loss: float) -> GuardError:
+        """The error to stop the run with where step ``step``'s loss was not finite. Its update was skipped (the
+        workers take none on a non-finite loss), so the weights it started from, which gave NaN or inf scores, would
+        meet every later step alike and be exported: nothing more is saved or exported, and the message says where
+        those weights came from and how to go on (``optim.lr`` cannot change on a resume: a new run)."""
+        started = step - 1
+        said = (f"training the reward model stopped at step {step}: its loss is {loss} (train/loss): the weights "
+                "the step started from give NaN or inf scores, so its update was skipped and the run saves and "
+                "exports nothing more; ")
+        if started == 0 and self.resumed_from is None:
+            return GuardError(said + f"they are those of {KEY}.model.path ({self.rm.model.path}): check that model "
+                                     "for NaN or inf weights")
+        latest = ckpt.latest_or_none(self.local_dir)
+        kept = ("no checkpoint was saved" if latest is None else
+                f"the latest checkpoint {latest} holds them" if ckpt.step_of(latest) == started else
+                f"the latest checkpoint {latest} is from before them, but a rerun replays the same updates")
+        return GuardError(said + f"an update before step {step} diverged: {kept}; start again with a lower "
+                                 f"{KEY}.optim.lr ({KEY}.resume_mode=disable, or another {KEY}.default_local_dir)")
 
     def already_complete(self) -> str:
         """What to say where a resume finds the run already at its end: the limit that ends it (both where
