@@ -388,6 +388,13 @@ def test_weights_that_generate_nan_stop_the_run_naming_the_checkpoint_to_go_on_f
     first, second = str(error).split("\n")
     assert first.startswith("training step 4 failed: the policy's logits held NaN (or inf) at response token")
     assert second == says.format(out=out)
+    # step 3's update made the weights NaN: one update of it was skipped, fewer than trainer.guard's limit of 3
+    # steps in a row, and step 4 fails at its rollout before any loss: the advice must not promise a rollback
+    assert metrics[3]["training/skipped_steps"] == 1 and metrics[3]["training/rollbacks"] == 0
+    assert ("weights an update made NaN show first here, at the next rollout, even where that update's own loss and "
+            "gradient were finite, so trainer.guard's non-finite check (trainer.guard.max_consecutive_skips steps "
+            "in a row with a non-finite loss or gradient) does not reach them and the run stops here without a "
+            "rollback") in first
 
 
 @pytest.mark.usefixtures("one_thread")

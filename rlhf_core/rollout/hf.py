@@ -107,9 +107,11 @@ def _nan_logits_error(step: int, rows: list[int]) -> NonFiniteLogits:
     return NonFiniteLogits(
         f"the policy's logits held NaN (or inf) at response token {step} of rows {shown}, so there is no "
         "distribution to sample from. This usually means a diverged update (too high a learning rate, "
-        "actor_rollout_ref.actor.optim.lr; look for inf or NaN in actor/grad_norm and actor/pg_loss of the steps "
-        "before; trainer.guard can roll back on non-finite steps) or a bad checkpoint or model directory (NaN in "
-        "its weights)")
+        "actor_rollout_ref.actor.optim.lr; look for a large or non-finite actor/grad_norm in the steps before): "
+        "weights an update made NaN show first here, at the next rollout, even where that update's own loss and "
+        "gradient were finite, so trainer.guard's non-finite check (trainer.guard.max_consecutive_skips steps in a "
+        "row with a non-finite loss or gradient) does not reach them and the run stops here without a rollback; or "
+        "a bad checkpoint or model directory (NaN in its weights)")
 
 
 class HFRolloutEngine:
