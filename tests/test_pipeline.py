@@ -1023,20 +1023,22 @@ def test_retraining_a_model_without_a_production_version_is_refused_before_its_r
     with pytest.raises(RunConfigError, match="model 'startswith:retrain' has no production version"):
         check_production_exists("startswith:retrain")
     check_production_exists("retrain promoted")  # (one that has one passes)
-    # compiled to be registered with a schedule: production may be promoted before the first run comes
-    seen = []
-    monkeypatch.setattr(Pipeline, "_compile", lambda self, config_path=None, **args: seen.append(
-        (COMPILING_SCHEDULE.get(), check_production_exists(model))))
+    # to be registered with a schedule: production may be promoted before the first run comes. Called as a user
+    # calls it (the body runs in ZenML's prepare, before the run compiles), the run itself left out
+    runs = []
+    monkeypatch.setattr(Pipeline, "_run", lambda self: runs.append(self._run_args.get("schedule")))
     scheduled, plain = tmp_path / "scheduled.yaml", tmp_path / "plain.yaml"
     scheduled.write_text("schedule:\n  cron_expression: '0 3 * * *'\n")
-    plain.write_text("parameters: {}\n")
-    rlhf_retrain_pipeline._compile(schedule=Schedule(cron_expression="0 3 * * *"))
-    rlhf_retrain_pipeline._compile(config_path=str(scheduled))
-    assert seen == [(True, None), (True, None)]
-    for unscheduled in ({"config_path": str(plain)}, {}):
-        with pytest.raises(RunConfigError, match="has no production version"):
-            rlhf_retrain_pipeline._compile(**unscheduled)
-    assert COMPILING_SCHEDULE.get() is False
+    plain.write_text("enable_cache: false\n")
+    arguments = {"trainer_config": str(setup.trainer_config), "train_files": str(setup.train_file),
+                 "val_files": str(setup.val_file)}
+    nightly = Schedule(cron_expression="0 3 * * *")
+    rlhf_retrain_pipeline.with_options(model=Model(name=model), schedule=nightly)(**arguments)
+    rlhf_retrain_pipeline.with_options(model=Model(name=model), config_path=str(scheduled))(**arguments)
+    assert runs == [nightly, None]  # (the file's schedule: is ZenML's to read as the run compiles)
+    with pytest.raises(RunConfigError, match="has no production version"):
+        rlhf_retrain_pipeline.with_options(model=Model(name=model), config_path=str(plain))(**arguments)
+    assert len(runs) == 2 and COMPILING_SCHEDULE.get() is False
 
     monkeypatch.setattr(Client, "list_model_versions", unreachable)
     assert check_production_exists(model) is None  # left to check_new_data, where the run reads the store

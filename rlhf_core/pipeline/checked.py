@@ -101,11 +101,18 @@ class CheckedPipeline(Pipeline):
     def _compile(self, config_path: str | None = None, **run_configuration_args):
         if config_path and (problems := step_config_problems(config_path, self)):
             raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)]))
-        scheduled = run_configuration_args.get("schedule") is not None or bool(
+        return super()._compile(config_path=config_path, **run_configuration_args)
+
+    def prepare(self, *args, **kwargs):
+        """ZenML's ``prepare`` (which runs the pipeline's body, where its checks are), with
+        :data:`COMPILING_SCHEDULE` set where the run is to be registered with a schedule."""
+        run_args = getattr(self, "_run_args", None) or {}
+        config_path = run_args.get("config_path")
+        scheduled = run_args.get("schedule") is not None or bool(
             config_path and _run_config_tree(config_path).get("schedule"))
         token = COMPILING_SCHEDULE.set(scheduled)
         try:
-            return super()._compile(config_path=config_path, **run_configuration_args)
+            return super().prepare(*args, **kwargs)
         finally:
             COMPILING_SCHEDULE.reset(token)
 
