@@ -634,6 +634,7 @@ def test_gsm8k_as_released_is_pointed_at_its_converter(tmp_path, tokenizer):
     """The hub's GSM8K shards (question, answer) were told "the prompts look to be in 'question': set
     data.prompt_key=question", after which data_source and reward_model were missing: the converter writes them."""
     from rlhf_core.data.gsm8k import preprocess_gsm8k
+    from rlhf_core.data.validation import DataReadError, read_parquet
 
     release = tmp_path / "main"
     release.mkdir()
@@ -645,11 +646,17 @@ def test_gsm8k_as_released_is_pointed_at_its_converter(tmp_path, tokenizer):
     # the folder itself, given as the files: its shards are the release, not prompts to name one by one
     with pytest.raises(DataError) as error:
         RLHFDataset(str(release), tokenizer, DataConfig(max_prompt_length=200))
-    assert str(error.value) == (
-        f"data.train_files: {release} is a folder; {release / 'test-00000-of-00001.parquet'} holds GSM8K as released "
-        "(question, answer): write verl's columns (prompt, data_source, reward_model.ground_truth from the answer's "
-        f"'####' line) with rlhf gsm8k --input {release} --output <folder>, and name the train.parquet and "
-        "test.parquet it writes")
+    advice = ("it holds GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, "
+              "data_source, reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {} "
+              "--output <folder>, and name the train.parquet and test.parquet it writes")
+    assert str(error.value) == f"data.train_files: {release} is a folder; {advice.format(release)}"
+    # the hub's repository folder (its shards under main/), which the converter reads too; rlhf validate alike
+    with pytest.raises(DataError) as error:
+        RLHFDataset(str(tmp_path), tokenizer, DataConfig(max_prompt_length=200))
+    assert str(error.value) == f"data.train_files: {tmp_path} is a folder; {advice.format(tmp_path)}"
+    with pytest.raises(DataReadError) as error:
+        read_parquet(release)
+    assert str(error.value).endswith(f"is a directory, expected a parquet file: {advice.format(release)}")
     with pytest.raises(DataError) as error:
         RLHFDataset(str(shard), tokenizer, DataConfig(max_prompt_length=200))
     assert str(error.value) == (

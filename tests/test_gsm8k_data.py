@@ -78,6 +78,19 @@ def test_the_release_given_as_training_data_is_sent_to_rlhf_gsm8k_whose_files_th
     renamed.write_bytes((release / "train.jsonl").read_bytes())
     with pytest.raises(DataError, match=re.escape("rlhf gsm8k --input <a folder of train.jsonl and test.jsonl> ")):
         read_frames(check_files(str(renamed), "data.train_files"))
+    # one split of the release alone: the command needs both, and says so; the advice is what it would say
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "train.jsonl").write_bytes((release / "train.jsonl").read_bytes())
+    lacks = (f"GSM8K as released, which rlhf gsm8k writes as prompt data, but {alone} holds the jsonl layout but "
+             f"lacks the test split (found only {alone / 'train.jsonl'}); both train and test are needed")
+    with pytest.raises(DataError) as error:
+        check_files(str(alone), "data.train_files")
+    assert str(error.value) == f"data.train_files: {alone} is a folder; it holds {lacks}"
+    with pytest.raises(DataError) as error:
+        read_frames(check_files(str(alone / "train.jsonl"), "data.train_files"))
+    assert str(error.value) == f"{alone / 'train.jsonl'} is not a readable parquet file: it is JSON Lines of {lacks}"
+    assert gsm8k(["--input", str(alone), "--output", str(tmp_path / "alone_out")]) != 0  # (as the advice says)
     # JSON Lines of other keys keeps the generic conversion
     other = _write_jsonl(tmp_path / "other" / "train.jsonl", [{"question": "q"}])
     with pytest.raises(DataError, match=re.escape(f"pandas.read_json('{other}', lines=True).to_parquet(")):

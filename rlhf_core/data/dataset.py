@@ -68,9 +68,6 @@ def check_files(files: str | Sequence[str], key: str) -> list[Path]:
             if not found:  # (naming "its parquet files" would send the user looking for what is not there)
                 raise DataError(f"{key}: {path} is a folder with no parquet file ({folder_listing(path)}); name "
                                 f"parquet files of prompts (a list: {key}=[a.parquet,b.parquet])")
-            shards = sorted(path.glob("*.parquet"))  # the hub's GSM8K: train-*.parquet of question and answer
-            if (release := gsm8k_release(shards, [parquet_schema(shard) for shard in shards])) is not None:
-                raise DataError(f"{key}: {path} is a folder; {release}")
             raise DataError(f"{key}: {path} is a folder; name its parquet files (a list: {key}=[a.parquet,"
                             f"b.parquet]); it holds {', '.join(found)}")
         if not path.is_file():

@@ -129,6 +129,32 @@ def gsm8k_advice(what: str, folder: str | os.PathLike) -> str:
             "--output <folder>, and name the train.parquet and test.parquet it writes")
 
 
+def gsm8k_release_folder(path: Path) -> str | None:
+    """What to do with ``path``, a folder ``rlhf gsm8k`` reads as GSM8K as released (train.jsonl and test.jsonl,
+    or the hub's train-*.parquet and test-*.parquet, there or under main/), else None: the converter's advice, or
+    where a split is missing (the converter needs both) what it says of that."""
+    import pyarrow.parquet
+
+    from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout
+
+    def released(file: Path) -> bool:  # (the first object of JSON Lines, or the columns of a shard)
+        if file.suffix == ".jsonl":
+            return gsm8k_json_lines(file)
+        try:
+            return {"question", "answer"} <= set(pyarrow.parquet.read_schema(file).names)
+        except Exception:  # noqa: BLE001 - an unreadable shard is no release
+            return False
+
+    try:
+        _, files = detect_layout(path)
+    except GSM8KDataError as exc:  # found nothing, or a split alone
+        found = [*path.glob("*.jsonl"), *path.glob("*.parquet"), *(path / "main").glob("*.parquet")]
+        if "both train and test are needed" in str(exc) and any(released(file) for file in found):
+            return f"it holds GSM8K as released, which rlhf gsm8k writes as prompt data, but {exc}"
+        return None
+    return gsm8k_advice("it holds", path) if released(files["train"][0]) else None
+
+
 def other_format(path: str | os.PathLike) -> str | None:
     """What a data path that is no parquet file holds, where another tool writes it so, and how to write it as
     parquet (the trainer and the checks read parquet, as verl's RLHFDataset does): a ``datasets`` save_to_disk
@@ -136,8 +162,8 @@ def other_format(path: str | os.PathLike) -> str | None:
     test.jsonl, or one of them: ``rlhf gsm8k`` writes it), or JSON / JSON Lines text. None otherwise."""
     path = Path(path)
     if path.is_dir():
-        if any(gsm8k_json_lines(path / f"{split}.jsonl") for split in ("train", "test")):
-            return gsm8k_advice("it holds", path)
+        if (release := gsm8k_release_folder(path)) is not None:
+            return release
         if (path / "dataset_dict.json").is_file():
             try:
                 splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
@@ -158,9 +184,10 @@ def other_format(path: str | os.PathLike) -> str | None:
     if start not in (b"{", b"["):
         return None
     if start == b"{" and gsm8k_json_lines(path):  # (rlhf gsm8k reads a folder's train.jsonl and test.jsonl)
-        folder = path.parent if path.name in ("train.jsonl", "test.jsonl") else \
-            "<a folder of train.jsonl and test.jsonl>"
-        return gsm8k_advice("it is JSON Lines of", folder)
+        folder = gsm8k_release_folder(path.parent) if path.name in ("train.jsonl", "test.jsonl") else None
+        if folder is not None:  # its folder's advice (or what the converter lacks there), said of this file
+            return folder.replace("it holds", "it is JSON Lines of", 1)
+        return gsm8k_advice("it is JSON Lines of", "<a folder of train.jsonl and test.jsonl>")
     lines = "" if start == b"[" else ", lines=True"  # a JSON array, or one object a line
     return (f"it is JSON{'' if lines == '' else ' Lines'} text, not parquet: write it as a parquet file, e.g. "
             f"pandas.read_json('{path}'{lines}).to_parquet('{path.stem}.parquet') (chat messages as lists of "
