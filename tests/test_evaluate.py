@@ -646,5 +646,6 @@ def test_the_evaluate_command_on_a_model_whose_weights_give_nan_says_so_in_one_l
     err = capsys.readouterr().err
     assert "Traceback" not in err
     [said] = [line for line in err.splitlines() if line.startswith("error:")]  # (after the weights' loading bar)
-    assert said.startswith(f"error: evaluating {broken} failed: the policy's logits held NaN (or inf) at response "
-                           "token 0 of rows 0, 1, 2, 3, so there is no distribution to sample from."), err
+    assert said == (f"error: evaluating {broken} failed: the policy's logits held NaN (or inf) at response token 0 "
+                    "of rows 0, 1, 2, 3, so there is no distribution to sample from: its weights hold NaN or inf, or "
+                    "give them (a checkpoint saved from a diverged run)"), err  # (not a training run's advice)

@@ -141,7 +141,8 @@ def evaluate(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except NonFiniteLogits as exc:  # the model loaded and its weights gave NaN: the evaluation ran and failed
-        print(f"error: evaluating {policy_dir} failed: {exc}", file=sys.stderr)
+        print(f"error: evaluating {policy_dir} failed: {getattr(exc, 'where', exc)}: its weights hold NaN or inf, "
+              "or give them (a checkpoint saved from a diverged run)", file=sys.stderr)
         return 1
     low, high = result.interval
     print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "

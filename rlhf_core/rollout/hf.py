@@ -103,15 +103,19 @@ class NonFiniteLogits(FloatingPointError):
 
 
 def _nan_logits_error(step: int, rows: list[int]) -> NonFiniteLogits:
+    """The error, whose ``where`` says what was found without the advice, which is a training run's."""
     shown = ", ".join(map(str, rows[:8])) + (f" and {len(rows) - 8} more" if len(rows) > 8 else "")
-    return NonFiniteLogits(
-        f"the policy's logits held NaN (or inf) at response token {step} of rows {shown}, so there is no "
-        "distribution to sample from. This usually means a diverged update (too high a learning rate, "
+    where = (f"the policy's logits held NaN (or inf) at response token {step} of rows {shown}, so there is no "
+             "distribution to sample from")
+    error = NonFiniteLogits(
+        f"{where}. This usually means a diverged update (too high a learning rate, "
         "actor_rollout_ref.actor.optim.lr; look for a large or non-finite actor/grad_norm in the steps before): "
         "weights an update made NaN show first here, at the next rollout, even where that update's own loss and "
         "gradient were finite, so trainer.guard's non-finite check (trainer.guard.max_consecutive_skips steps in a "
         "row with a non-finite loss or gradient) does not reach them and the run stops here without a rollback; or "
         "a bad checkpoint or model directory (NaN in its weights)")
+    error.where = where
+    return error
 
 
 class HFRolloutEngine:
