@@ -833,3 +833,23 @@ def test_a_logger_that_cannot_write_stops_the_run_with_one_line_and_exit_1_wheth
         f"'{out / 'metrics.jsonl'}')" + (", so its checkpoint is not kept (a rerun trains the step again and logs it)"
                                           if save_freq == 1 else "") + "; no checkpoint was saved yet")
     assert not list(out.glob("global_step_*"))
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("when", "step"), [(["trainer.val_before_train=false", "trainer.test_freq=1"], 1),
+                                            (["trainer.val_before_train=true", "trainer.test_freq=-1"], 0),
+                                            (["trainer.val_only=true"], 0)])
+def test_a_logger_that_cannot_write_the_validation_generations_stops_the_run_with_one_line_and_exit_1(
+        workspace, tmp_path, capsys, when, step):
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "out"
+    (out / "val_generations.jsonl").mkdir(parents=True)  # the file logger's generations file is a folder
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.save_freq=1", *when,
+                                   "trainer.log_val_generations=2", "trainer.logger=[file]")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"error: logging the validation generations of step {step} failed (IsADirectoryError: [Errno 21] Is a "
+        f"directory: '{out / 'val_generations.jsonl'}'); no checkpoint was saved yet")
+    assert not list(out.glob("global_step_*"))

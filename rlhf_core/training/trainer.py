@@ -264,8 +264,9 @@ def changed_since(saved: dict | None, now: dict) -> list[str]:
 
 
 class LoggingError(RuntimeError):
-    """A logger could not record a step's metrics (a full disk, a file logger's path taken by a folder): the run
-    stops, as where a worker fails, and the message names the checkpoint a rerun resumes from."""
+    """A logger could not record a step's metrics or its validation generations (a full disk, a file logger's path
+    taken by a folder): the run stops, as where a worker fails, and the message names the checkpoint a rerun resumes
+    from."""
 
 
 @dataclass
@@ -814,15 +815,22 @@ class PPOTrainer:
         try:
             self.logger(metrics, step)
         except Exception as exc:
-            latest = self.rerun_checkpoint()
-            kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
-                    if latest is not None else "no checkpoint was saved yet")
-            raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}){not_kept}; "
-                               f"{kept}") from exc
+            raise self._logging_failure(exc, f"the metrics of step {step}", not_kept) from exc
 
     def _log_generations(self, step: int) -> None:
+        """Hand the validation generations of ``step`` to their logger; one that fails stops the run as
+        :meth:`_log` says."""
         if self.generations_logger is not None and self.val_generations:
-            self.generations_logger(self.val_generations, step)
+            try:
+                self.generations_logger(self.val_generations, step)
+            except Exception as exc:
+                raise self._logging_failure(exc, f"the validation generations of step {step}") from exc
+
+    def _logging_failure(self, exc: Exception, what: str, not_kept: str = "") -> LoggingError:
+        latest = self.rerun_checkpoint()
+        kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                if latest is not None else "no checkpoint was saved yet")
+        return LoggingError(f"logging {what} failed ({type(exc).__name__}: {exc}){not_kept}; {kept}")
 
     def fit(self) -> list[StepResult]:
         if self.config.trainer.val_only:  # verl's: validate what is loaded (the model, or a resumed checkpoint)
