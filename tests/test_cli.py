@@ -853,3 +853,26 @@ def test_a_logger_that_cannot_write_the_validation_generations_stops_the_run_wit
         f"error: logging the validation generations of step {step} failed (IsADirectoryError: [Errno 21] Is a "
         f"directory: '{out / 'val_generations.jsonl'}'); no checkpoint was saved yet")
     assert not list(out.glob("global_step_*"))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_checkpoint_that_cannot_be_written_exits_2_though_the_logger_fails_too(
+        workspace, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from rlhf_core.cli.train import ppo
+    from rlhf_core.training import checkpoint, tracking
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_fill", disk_full)  # the checkpoint's files cannot be written
+    monkeypatch.setattr(tracking.FileLogger, "log", disk_full)  # nor can the step's metrics
+    out = tmp_path / "out"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.save_freq=1",
+                                   "trainer.val_before_train=false", "trainer.test_freq=-1")) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"disk full while writing checkpoint {out / 'global_step_1'}"), err[-1]
+    assert err[-2] == ("error: logging the metrics of step 1 failed (OSError: [Errno 28] No space left on device); "
+                       "no checkpoint was saved yet")

@@ -1072,9 +1072,15 @@ class PPOTrainer:
 
             try:
                 self.save_checkpoint(before_latest=log_before_latest)
-            finally:
-                if not logged:
-                    self._log(metrics, step)  # a save that failed before its files were written: the metrics stay
+            except BaseException:
+                if not logged:  # a save that failed before its files were written: the metrics stay
+                    try:
+                        self._log(metrics, step)
+                    except LoggingError as failed:  # said, but the save's failure is the one the run stops with
+                        print(f"error: {failed}", file=sys.stderr, flush=True)
+                raise
+            if not logged:
+                self._log(metrics, step)
             return result
         self._log(metrics, step)
         if event is not None:
