@@ -768,41 +768,103 @@ def test_a_model_whose_weights_are_nan_stops_at_its_first_step_and_exports_nothi
     assert list(_records(out)) == [1] and _records(out)[1]["train/loss"] is None  # (the file logger's NaN)
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_an_update_that_wrecks_the_weights_stops_the_next_step_naming_the_checkpoint_that_holds_them(
-        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
-    out = tmp_path / "out"
+def _nan_after_update(at_step: int):
+    """RewardModelWorker.train_step whose update at ``at_step`` (1-based) leaves every weight NaN, its loss finite."""
     train_step = RewardModelWorker.train_step
 
-    def update_to_nan_at_step_1(worker, *args):  # step 1's own loss is finite; its update leaves NaN weights
+    def update_to_nan(worker, *args):
         result = train_step(worker, *args)
-        if worker.scheduler.last_epoch == 1:
+        if worker.scheduler.last_epoch == at_step:
             with torch.no_grad():
                 for parameter in worker.module.parameters():
                     parameter.fill_(math.nan)
         return result
+    return update_to_nan
 
-    monkeypatch.setattr(RewardModelWorker, "train_step", update_to_nan_at_step_1)
-    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.save_freq=1")) == 1
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "error: training the reward model stopped at step 2: its loss is nan (train/loss): the weights the step "
-        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
-        f"an update before step 2 diverged: the latest checkpoint {out / 'global_step_1'} holds them; start again "
-        "with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or another "
-        "reward_model.train.default_local_dir)")
-    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
-        "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no huggingface/
-    records = _records(out)
-    assert math.isfinite(records[1]["train/loss"]) and records[2]["train/loss"] is None
+
+LOWER_LR = ("start again with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or "
+            "another reward_model.train.default_local_dir)")
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_the_closing_line_shows_a_validation_metric_that_is_not_finite(tiny, pairs_dir, tmp_path, capsys,
-                                                                       monkeypatch):
+@pytest.mark.parametrize("save_freq", [1, 2])
+def test_an_update_that_wrecks_the_weights_stops_the_run_at_its_save_or_the_next_step(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch, save_freq):
+    out = tmp_path / "out"
+    monkeypatch.setattr(RewardModelWorker, "train_step", _nan_after_update(1))  # step 1's own loss is finite
+    assert train_rm(_overrides(tiny, pairs_dir, out, f"reward_model.train.save_freq={save_freq}",
+                               "reward_model.train.test_freq=-1")) == 1
+    stopped = ("step 1: the weights hold NaN or inf values, so the run saves and exports nothing more"
+               if save_freq == 1 else  # its save refuses them
+               "step 2: its loss is nan (train/loss): the weights the step started from give NaN or inf scores, so "
+               "its update was skipped and the run saves and exports nothing more")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: training the reward model stopped at {stopped}; an update up to step 1 diverged: no checkpoint was "
+        f"saved; {LOWER_LR}")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "metrics.jsonl"]  # no checkpoint, no huggingface/
+    records = _records(out)
+    assert math.isfinite(records[1]["train/loss"])
+    assert list(records) == ([1] if save_freq == 1 else [1, 2])
+    if save_freq == 2:
+        assert records[2]["train/loss"] is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_weights_the_last_update_left_nan_are_neither_saved_nor_exported(tiny, pairs_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    out = tmp_path / "out"
+    monkeypatch.setattr(RewardModelWorker, "train_step", _nan_after_update(2))  # the last step's loss is finite
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2",
+                               "reward_model.train.save_freq=1", "reward_model.train.test_freq=-1")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 2: the weights hold NaN or inf values, so the run saves "
+        "and exports nothing more; an update up to step 2 diverged: the latest checkpoint "
+        f"{out / 'global_step_1'} is from before them, but a rerun replays the same updates; {LOWER_LR}")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
+    assert list(_records(out)) == [1, 2]  # no closing validation record: the weights were refused before it
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("test_freq", [1, -1])  # a validation between the steps, and the closing one
+def test_a_validation_whose_loss_is_not_finite_stops_the_run_before_it_saves_or_exports(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch, test_freq):
+    out = tmp_path / "out"
     monkeypatch.setattr(RewardModelTrainer, "validate", lambda self: {"val/loss": math.nan,
                                                                       "val/pair_accuracy": 0.5})
-    assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "out", "reward_model.train.total_training_steps=1")) == 0
-    assert "; val/loss nan, val/pair_accuracy 0.5000\n" in capsys.readouterr().out
+    steps = 2 if test_freq == 1 else 1
+    assert train_rm(_overrides(tiny, pairs_dir, out, f"reward_model.train.total_training_steps={steps}",
+                               "reward_model.train.save_freq=1", f"reward_model.train.test_freq={test_freq}")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 1: its validation loss is nan (val/loss): the weights "
+        "give NaN or inf scores on the held-out pairs, so the run saves and exports nothing more; an update up to "
+        f"step 1 diverged: no checkpoint was saved; {LOWER_LR}")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == ["metrics.jsonl"]
+    records = _records(out)
+    assert list(records) == [1] and records[1]["val/loss"] is None and records[1]["val/pair_accuracy"] == 0.5
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_nan_weights_resumed_from_another_folder_are_named_as_the_checkpoint_they_came_from(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    first, second = tmp_path / "first", tmp_path / "second"
+    with monkeypatch.context() as patched:  # a checkpoint of NaN weights, as a run saved them before it checked
+        patched.setattr(RewardModelWorker, "train_step", _nan_after_update(1))
+        patched.setattr(RewardModelWorker, "weights_finite", lambda self: True)
+        patched.setattr(RewardModelTrainer, "validate", lambda self: {})
+        assert train_rm(_overrides(tiny, pairs_dir, first, "reward_model.train.total_training_steps=1")) == 0
+    capsys.readouterr()
+    assert train_rm(_overrides(tiny, pairs_dir, second, "reward_model.train.total_training_steps=2",
+                               "reward_model.train.resume_mode=resume_path",
+                               f"reward_model.train.resume_from_path={first / 'global_step_1'}")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 2: its loss is nan (train/loss): the weights the step "
+        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
+        f"they are those of the checkpoint the run resumed from, {first / 'global_step_1'}: resume from an earlier "
+        "one, or start again with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or "
+        "another reward_model.train.default_local_dir)")
+    assert not list(second.glob("global_step_*")) and not (second / "huggingface").exists()
 
 
 # ----------------------------------------------------------------------------- bad input

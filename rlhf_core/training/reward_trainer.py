@@ -36,10 +36,13 @@ window (``reward_model.train.overlong=truncate``) or left out of training and va
 RewardTrainer).
 
 A step whose loss is not finite stops the run (exit 1): its update is skipped, so the weights it started from
-would meet every later step alike; nothing more is saved and nothing is exported.
+would meet every later step alike; nothing more is saved and nothing is exported. So does a save or the export
+that would write weights holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and
+a validation whose loss is not finite.
 
-Exit codes (as PPO's): 0 done; 1 a worker failed or the loss was not finite; 2 bad input: config, preference data
-(the message names the file, columns or rows), model directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
+Exit codes (as PPO's): 0 done; 1 a worker failed, or the loss, the weights or a validation's loss were not
+finite; 2 bad input: config, preference data (the message names the file, columns or rows), model directory or
+checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -368,6 +371,14 @@ class RewardModelWorker(CheckpointableWorker):
             stats = merge_statistics(stats, pair_statistics(chosen[keep], rejected[keep], self.config.margin))
         return reduce_statistics(stats)
 
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every parameter (this rank's shards, when sharded) holds finite values: one pass, no gather."""
+        from torch.distributed.tensor import DTensor
+
+        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                   for p in self.module.parameters())
+
     def extra_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict()}
 
@@ -434,6 +445,9 @@ class _GroupWorker:
 
     def save_shards(self, folder) -> None:
         self.group.execute_all("call", "save_shards", absolute(folder))
+
+    def weights_finite(self) -> bool:
+        return all(self.group.execute_all("call", "weights_finite"))
 
     def load_checkpoint(self, folder, saved_workers: int) -> None:
         self.group.execute_all("call", "load_checkpoint", absolute(folder), saved_workers)
@@ -720,14 +734,17 @@ class RewardModelTrainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['train/loss']:.3f}", acc=f"{metrics['train/pair_accuracy']:.2f}")
                 log(metrics, step)
+                self._check_validation(metrics)  # (val/loss there only where the step validated)
                 if rm.save_freq > 0 and step % rm.save_freq == 0 and step < self.total_steps:
                     self.save()
                 self.step_under_way = None
         finally:
             bar.close()
+        self._check_weights()  # before the validation: weights holding NaN give NaN scores
         last_val = self.validate()
         if last_val:
             log(last_val, self.global_step)
+            self._check_validation(last_val)
         if self.latest_step() != self.global_step:
             self.save()
         self.export(self.local_dir / HF_DIR)
@@ -738,19 +755,42 @@ class RewardModelTrainer:
         workers take none on a non-finite loss), so the weights it started from, which gave NaN or inf scores, would
         meet every later step alike and be exported: nothing more is saved or exported, and the message says where
         those weights came from and how to go on (``optim.lr`` cannot change on a resume: a new run)."""
-        started = step - 1
         said = (f"training the reward model stopped at step {step}: its loss is {loss} (train/loss): the weights "
                 "the step started from give NaN or inf scores, so its update was skipped and the run saves and "
                 "exports nothing more; ")
-        if started == 0 and self.resumed_from is None:
-            return GuardError(said + f"they are those of {KEY}.model.path ({self.rm.model.path}): check that model "
-                                     "for NaN or inf weights")
+        return GuardError(said + self._weights_from(step - 1))
+
+    def _weights_from(self, step: int) -> str:
+        """Where the weights the run held after step ``step`` came from, and how to go on: the model or the
+        checkpoint the run started from where it had trained no step since, else an update of this run."""
+        if step == 0 and self.resumed_from is None:
+            return f"they are those of {KEY}.model.path ({self.rm.model.path}): check that model for NaN or inf weights"
+        lower = f"a lower {KEY}.optim.lr ({KEY}.resume_mode=disable, or another {KEY}.default_local_dir)"
+        if self.resumed_from is not None and step == ckpt.step_of(self.resumed_from):
+            return (f"they are those of the checkpoint the run resumed from, {self.resumed_from}: resume from an "
+                    f"earlier one, or start again with {lower}")
         latest = ckpt.latest_or_none(self.local_dir)
         kept = ("no checkpoint was saved" if latest is None else
-                f"the latest checkpoint {latest} holds them" if ckpt.step_of(latest) == started else
+                f"the latest checkpoint {latest} holds them" if ckpt.step_of(latest) == step else
                 f"the latest checkpoint {latest} is from before them, but a rerun replays the same updates")
-        return GuardError(said + f"an update before step {step} diverged: {kept}; start again with a lower "
-                                 f"{KEY}.optim.lr ({KEY}.resume_mode=disable, or another {KEY}.default_local_dir)")
+        return f"an update up to step {step} diverged: {kept}; start again with {lower}"
+
+    def _check_weights(self) -> None:
+        """Stop the run (:class:`GuardError`) where the weights hold NaN or inf: called before every save and the
+        export, which would otherwise write them (an update on a finite loss, the last one too, can leave them so)."""
+        if not self.worker.weights_finite():
+            raise GuardError(f"training the reward model stopped at step {self.global_step}: the weights hold NaN "
+                             f"or inf values, so the run saves and exports nothing more; "
+                             f"{self._weights_from(self.global_step)}")
+
+    def _check_validation(self, val: dict[str, float]) -> None:
+        """Stop the run (:class:`GuardError`) where a validation's loss is not finite: the weights give NaN or inf
+        scores on the held-out pairs, and nothing more is saved or exported."""
+        loss = val.get("val/loss", 0.0)
+        if not math.isfinite(loss):
+            raise GuardError(f"training the reward model stopped at step {self.global_step}: its validation loss is "
+                             f"{loss} (val/loss): the weights give NaN or inf scores on the held-out pairs, so the "
+                             f"run saves and exports nothing more; {self._weights_from(self.global_step)}")
 
     def already_complete(self) -> str:
         """What to say where a resume finds the run already at its end: the limit that ends it (both where
@@ -809,7 +849,9 @@ class RewardModelTrainer:
         return [PART]
 
     def save(self) -> Path:
-        """``global_step_N`` written into a temp directory, renamed into place, then marked latest."""
+        """``global_step_N`` written into a temp directory, renamed into place, then marked latest; never weights
+        that hold NaN or inf (:meth:`_check_weights`)."""
+        self._check_weights()
         return ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
 
     def resume_path(self) -> Path | None:
