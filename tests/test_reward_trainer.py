@@ -867,6 +867,37 @@ def test_nan_weights_resumed_from_another_folder_are_named_as_the_checkpoint_the
     assert not list(second.glob("global_step_*")) and not (second / "huggingface").exists()
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_logger_that_cannot_write_stops_the_run_with_one_line_and_exit_1(tiny, pairs_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "metrics.jsonl").mkdir(parents=True)  # the file logger's file is a folder
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (f"error: logging the metrics of step 1 failed (IsADirectoryError: [Errno 21] Is "
+                                    f"a directory: '{out / 'metrics.jsonl'}'); no checkpoint was saved yet")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_logger_failure_names_the_checkpoint_a_rerun_resumes_from(tiny, pairs_dir, tmp_path):
+    from rlhf_core.training.trainer import LoggingError
+
+    out = tmp_path / "out"
+
+    def log(metrics, step):
+        if step == 2:
+            raise OSError("No space left on device")
+
+    trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, out, "reward_model.train.save_freq=1",
+                                                        "reward_model.train.total_training_steps=3")))
+    with pytest.raises(LoggingError) as raised:
+        trainer.fit(log)
+    assert str(raised.value) == (
+        f"logging the metrics of step 2 failed (OSError: No space left on device); the latest checkpoint "
+        f"{out / 'global_step_1'} is intact: rerun the same command to resume from it")
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -38,11 +38,12 @@ RewardTrainer).
 A step whose loss is not finite stops the run (exit 1): its update is skipped, so the weights it started from
 would meet every later step alike; nothing more is saved and nothing is exported. So does a save or the export
 that would write weights holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and
-a validation whose loss is not finite.
+a validation whose loss is not finite. A logger that cannot record a step stops the run (exit 1), naming the
+checkpoint a rerun resumes from.
 
-Exit codes (as PPO's): 0 done; 1 a worker failed, or the loss, the weights or a validation's loss were not
-finite; 2 bad input: config, preference data (the message names the file, columns or rows), model directory or
-checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
+Exit codes (as PPO's): 0 done; 1 a worker failed, the loss, the weights or a validation's loss were not finite, or
+a logger failed; 2 bad input: config, preference data (the message names the file, columns or rows), model
+directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, conversation_ids, cu
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.tracking import store_problems
+from rlhf_core.training.trainer import LoggingError
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     CheckpointableWorker,
@@ -712,7 +714,7 @@ class RewardModelTrainer:
         last save and the HF export; call it inside :meth:`started`."""
         from tqdm.auto import tqdm
 
-        log = log or (lambda metrics, step: None)
+        log = self._logging(log or (lambda metrics, step: None))
         rm, last_val, first = self.rm, {}, True
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
                    dynamic_ncols=True, file=sys.stderr)
@@ -791,6 +793,20 @@ class RewardModelTrainer:
             raise GuardError(f"training the reward model stopped at step {self.global_step}: its validation loss is "
                              f"{loss} (val/loss): the weights give NaN or inf scores on the held-out pairs, so the "
                              f"run saves and exports nothing more; {self._weights_from(self.global_step)}")
+
+    def _logging(self, log):
+        """``log`` that stops the run with :class:`LoggingError` where it cannot record a step, naming the checkpoint
+        a rerun resumes from (as PPO's trainer does)."""
+        def logged(metrics: dict[str, float], step: int) -> None:
+            try:
+                log(metrics, step)
+            except Exception as exc:
+                latest = ckpt.latest_or_none(self.local_dir)
+                kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                        if latest is not None else "no checkpoint was saved yet")
+                raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
+                                   f"{kept}") from exc
+        return logged
 
     def already_complete(self) -> str:
         """What to say where a resume finds the run already at its end: the limit that ends it (both where
