@@ -423,6 +423,98 @@ def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_va
                                  "illegal memory access was encountered\nno checkpoint was saved yet")
 
 
+def _non_finite_after_update(trainer, role: str, value: float, at_step: int, then=None) -> None:
+    """The ``role``'s update of step ``at_step`` puts ``value`` into one weight after it, its loss and gradient
+    norm as they were (finite): as a diverged update can leave the weights (``then()`` runs after it)."""
+    worker = getattr(trainer, role)
+    name = "update_policy" if role == "actor" else "update_critic"
+    update = getattr(worker, name)
+
+    def update_then_non_finite(*args, **kwargs):
+        metrics = update(*args, **kwargs)
+        if trainer.global_step + 1 == at_step:
+            with torch.no_grad():
+                list(worker.module.parameters())[-1].view(-1)[0] = value  # one value of the last tensor
+            if then is not None:
+                then()
+        return metrics
+
+    setattr(worker, name, update_then_non_finite)
+
+
+def _said_non_finite(step: int, role: str, rate: str) -> str:
+    return (f"saving the checkpoint of step {step} failed: the weights of the {role} hold NaN or inf values, so the "
+            "run saves, marks latest and exports nothing more. This usually means a diverged update (too high a "
+            f"learning rate, {rate}; look for a large grad_norm up to this step), which can leave them so even where "
+            "its own loss and gradient were finite")
+
+
+RATES = {"actor": "actor_rollout_ref.actor.optim.lr", "critic": "critic.optim.lr"}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("role, value", [("actor", math.nan), ("critic", math.inf)])
+def test_weights_the_last_update_left_non_finite_are_never_saved_and_the_run_names_the_checkpoint_before(
+        workspace, tmp_path, role, value):
+    """No rollout follows the last step, so its NaN logits can never show the weights its update broke: the save
+    itself must refuse them, where they would be the run's result (marked latest, exported)."""
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=2", "trainer.save_freq=1")
+    _non_finite_after_update(trainer, role, value, at_step=2)
+    metrics, _, error = run_recording(trainer)
+
+    assert isinstance(error, GuardError) and sorted(metrics) == [1, 2]  # the step's record is kept
+    loss = "actor/pg_loss" if role == "actor" else "critic/vf_loss"
+    assert math.isfinite(metrics[2][loss]) and math.isfinite(metrics[2][f"{role}/grad_norm"])
+    assert metrics[2]["training/skipped_steps"] == 0  # nothing the non-finite guard could see
+    first, second = str(error).split("\n")
+    assert first == _said_non_finite(2, role, RATES[role])
+    assert second == (f"the latest checkpoint {out / 'global_step_1'} is intact and from before the divergence, but "
+                      f"a rerun with the same settings replays the steps after it: lower the learning rate "
+                      f"({RATES[role]} may change on a resume), then rerun the same command to resume from it")
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_1"
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_stop_on_sigterm_saves_no_non_finite_weights(workspace, tmp_path):
+    out = tmp_path / "run"
+    trainer = make_trainer(workspace, out, "trainer.total_training_steps=3", "trainer.save_on_interrupt=true")
+
+    def sigterm():
+        trainer.stop_requested = ("SIGTERM", 15)
+
+    _non_finite_after_update(trainer, "critic", math.nan, at_step=1, then=sigterm)
+    metrics, _, error = run_recording(trainer)
+
+    assert isinstance(error, GuardError) and sorted(metrics) == [1]
+    assert str(error) == _said_non_finite(1, "critic", "critic.optim.lr") + "\nno checkpoint was saved yet"
+    assert list(out.glob("global_step_*")) == [] and checkpoint.latest_or_none(out) is None
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_rlhf_ppo_exits_1_without_a_checkpoint_or_export_where_its_only_update_left_nan_weights(
+        workspace, tmp_path, monkeypatch, capsys):
+    from rlhf_core.cli.train import ppo
+    from rlhf_core.workers.actor import ActorWorker
+
+    update = ActorWorker.update_policy
+
+    def update_then_nan(self, *args, **kwargs):
+        metrics = update(self, *args, **kwargs)
+        with torch.no_grad():
+            self.module.get_input_embeddings().weight[0, 0] = math.nan
+        return metrics
+
+    monkeypatch.setattr(ActorWorker, "update_policy", update_then_nan)
+    out = tmp_path / "run"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1")) == 1
+    err = capsys.readouterr().err
+    assert f"error: {_said_non_finite(1, 'actor', RATES['actor'])}\nno checkpoint was saved yet" in err
+    assert list(out.glob("global_step_*")) == [] and checkpoint.latest_or_none(out) is None
+    assert list(out.rglob("*.safetensors")) == []  # no Hugging Face export either
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollbacks(workspace, tmp_path, capsys):
     out = tmp_path / "run"

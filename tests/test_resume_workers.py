@@ -287,3 +287,23 @@ def test_a_workers_nan_logits_name_the_checkpoint_that_holds_the_weights_that_ga
     assert last == (f"the latest checkpoint {out / 'global_step_1'} holds the weights that gave these logits, so a "
                     "resume from it fails again: no earlier checkpoint is intact: start a new run with a lower "
                     "learning rate (trainer.resume_mode=disable, or another trainer.default_local_dir)")
+
+
+def test_weights_an_update_on_the_workers_left_non_finite_are_never_saved(workspace, ray_cluster, tmp_path):
+    """Each rank checks its own shards before a save: the step's checkpoint is refused, the one before named."""
+    from rlhf_core.training.guards import GuardError
+
+    out = tmp_path / "non_finite"
+    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")
+    try:
+        trainer.fit_step(validate=never)
+        trainer.actor.scale_lr(float("inf"))  # step 2's update leaves inf or NaN in every rank's shards
+        with pytest.raises(GuardError) as raised:
+            trainer.fit_step(validate=never)
+    finally:
+        trainer.close()
+    first, second = str(raised.value).split("\n")
+    assert first.startswith("saving the checkpoint of step 2 failed: the weights of the actor hold NaN or inf values")
+    assert second.startswith(f"the latest checkpoint {out / 'global_step_1'} is intact and from before the divergence")
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_1"

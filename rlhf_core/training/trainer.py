@@ -669,7 +669,9 @@ class PPOTrainer:
 
     def save_checkpoint(self, before_latest: Callable[[], None] | None = None) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`);
-        ``before_latest()`` runs before the checkpoint is marked latest (:func:`checkpoint.write_checkpoint`)."""
+        ``before_latest()`` runs before the checkpoint is marked latest (:func:`checkpoint.write_checkpoint`); never
+        weights that hold NaN or inf (:meth:`_check_weights`)."""
+        self._check_weights()
         try:
             path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest)
         except WorkerError as exc:
@@ -679,6 +681,24 @@ class PPOTrainer:
         self.overopt.keep_restorable(self.guard.saved)
         self.anchor_folders[self.global_step] = self.checkpoint_dir.absolute()
         return path
+
+    def _check_weights(self) -> None:
+        """Stop the run (:class:`GuardError`, as :meth:`_diverged` says it) where the actor's or the critic's weights
+        hold NaN or inf: called before every save, which would otherwise write them, mark them latest and export them.
+        An update can leave them so on a finite loss and gradient norm; the NaN-logits stop at the next rollout
+        catches them only where there is one, never after the last step."""
+        try:
+            bad = [name for name, worker in self.workers().items() if not worker.weights_finite()]
+        except WorkerError as exc:
+            raise self._worker_failure(exc, "checking the weights of", self.global_step) from exc
+        if bad:
+            rates = " and ".join(checkpoint.LEARNING_RATES[name] for name in bad)
+            found = FloatingPointError(
+                f"the weights of the {' and the '.join(bad)} hold NaN or inf values, so the run saves, marks latest "
+                f"and exports nothing more. This usually means a diverged update (too high a learning rate, {rates}; "
+                "look for a large grad_norm up to this step), which can leave them so even where its own loss and "
+                "gradient were finite")
+            raise self._diverged(found, "saving the checkpoint of", self.global_step, rates)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off.
@@ -780,17 +800,19 @@ class PPOTrainer:
                   else "no checkpoint was saved yet")
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
 
-    def _diverged(self, exc: NonFiniteLogits | WorkerError, doing: str, step: int) -> GuardError:
-        """The error to stop the run with where the policy's logits held NaN (or inf), as :meth:`_worker_failure`
-        says a worker's: but a rerun with the same settings diverges again (the same seed, the same updates), so
-        it says which checkpoint holds the weights that gave those logits and which one to go on from instead."""
+    def _diverged(self, exc: FloatingPointError | WorkerError, doing: str, step: int,
+                  rates: str = "actor_rollout_ref.actor.optim.lr") -> GuardError:
+        """The error to stop the run with where the policy's logits held NaN (or inf), or the weights did
+        (:meth:`_check_weights`), as :meth:`_worker_failure` says a worker's: but a rerun with the same settings
+        diverges again (the same seed, the same updates), so it says which checkpoint holds the weights that gave
+        those logits and which one to go on from instead (``rates``: the learning rates to lower)."""
         latest = self.rerun_checkpoint()
         if latest is None:
             kept = "no checkpoint was saved yet"
         elif checkpoint.step_of(latest) < self.global_step:  # its weights generated: the steps after it diverged
             kept = (f"the latest checkpoint {latest} is intact and from before the divergence, but a rerun with the "
-                    f"same settings replays the steps after it: lower the learning rate (actor_rollout_ref.actor."
-                    f"optim.lr may change on a resume), then {self.rerun_advice} to resume from it")
+                    f"same settings replays the steps after it: lower the learning rate ({rates} may change on a "
+                    f"resume), then {self.rerun_advice} to resume from it")
         else:
             earlier = checkpoint.newest_intact(latest.parent, before=checkpoint.step_of(latest))
             instead = (f"resume from {earlier} with a lower learning rate (trainer.resume_mode=resume_path "

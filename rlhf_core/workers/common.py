@@ -651,6 +651,14 @@ class CheckpointableWorker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_extra_state(state)
 
+    @torch.no_grad()
+    def weights_finite(self) -> bool:
+        """Whether every parameter (this rank's shards, when sharded) holds finite values: one pass, no gather."""
+        from torch.distributed.tensor import DTensor
+
+        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+                   for p in self.module.parameters())
+
     def save_shards(self, folder: str | os.PathLike) -> None:
         """Sharded: every rank writes its shards and its own generators into ``folder``."""
         save_shards(self, Path(folder))

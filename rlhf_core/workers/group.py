@@ -557,6 +557,9 @@ class HybridWorker(DistributedWorker):
     def load_shards(self, role: str, folder: str, weights_only: bool) -> None:
         self._role(role).load_shards(folder, weights_only)
 
+    def weights_finite(self, role: str) -> bool:
+        return self._role(role).weights_finite()
+
     def save_hf(self, folder: str) -> None:
         self.actor.save_hf(folder)
 
@@ -608,6 +611,10 @@ class _RoleGroup:
 
     def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
         self.group.execute_all("load_shards", self.role, absolute(folder), weights_only)
+
+    def weights_finite(self) -> bool:
+        """Whether every rank's shards of the role's weights hold finite values."""
+        return all(self.group.execute_all("weights_finite", self.role))
 
     def scale_lr(self, factor: float) -> None:
         self.group.execute_all("scale_lr", factor, self.role)
