@@ -163,6 +163,49 @@ def test_dropout_in_the_workers_updates_resumes_exactly(workspace, ray_cluster, 
     assert saved["process_rng"]["cpu"].dtype == torch.uint8
 
 
+# the tests that start a worker group of their own come before the first that takes ``two``, whose group holds
+# both of the cluster's CPUs until the module ends (a second group could not be placed)
+def test_a_workers_nan_logits_name_the_checkpoint_that_holds_the_weights_that_gave_them(workspace, ray_cluster,
+                                                                                       tmp_path):
+    from rlhf_core.training.guards import GuardError
+
+    out = tmp_path / "diverged"
+    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr=1e30",
+                       "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")  # (DRAWN warms up from 0)
+    try:
+        trainer.fit_step(validate=never)  # its update takes every weight to about 1e30 (and saves them)
+        with pytest.raises(GuardError) as raised:
+            trainer.fit_step(validate=never)  # step 2 samples from NaN logits
+    finally:
+        trainer.close()
+    first, *_, last = str(raised.value).split("\n")
+    assert first.startswith("training step 2 failed: worker rank ")
+    assert "the policy's logits held NaN (or inf)" in str(raised.value)
+    assert last == (f"the latest checkpoint {out / 'global_step_1'} holds the weights that gave these logits, so a "
+                    "resume from it fails again: no earlier checkpoint is intact: start a new run with a lower "
+                    "learning rate (trainer.resume_mode=disable, or another trainer.default_local_dir)")
+
+
+def test_weights_an_update_on_the_workers_left_non_finite_are_never_saved(workspace, ray_cluster, tmp_path):
+    """Each rank checks its own shards before a save: the step's checkpoint is refused, the one before named."""
+    from rlhf_core.training.guards import GuardError
+
+    out = tmp_path / "non_finite"
+    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")
+    try:
+        trainer.fit_step(validate=never)
+        trainer.actor.scale_lr(float("inf"))  # step 2's update leaves inf or NaN in every rank's shards
+        with pytest.raises(GuardError) as raised:
+            trainer.fit_step(validate=never)
+    finally:
+        trainer.close()
+    first, second = str(raised.value).split("\n")
+    assert first.startswith("saving the checkpoint of step 2 failed: the weights of the actor hold NaN or inf values")
+    assert second.startswith(f"the latest checkpoint {out / 'global_step_1'} is intact and from before the divergence")
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
+    assert checkpoint.latest_checkpoint(out) == out / "global_step_1"
+
+
 def test_two_workers_checkpoint_gathers_into_one_exactly(workspace, two, tmp_path, capsys):
     _, saved = two
     trainer = _trainer(workspace, tmp_path / "gathered")
@@ -266,44 +309,3 @@ def test_a_resume_with_lower_rates_rescales_both_parts_on_every_rank(workspace, 
         assert f"optim.lr is {old[name] / 2} now, {old[name]} in {saved}" in err
         for rank in (0, 1):
             assert _extra(halved / name, rank=rank)["scheduler"]["base_lrs"] == [pytest.approx(old[name] / 2)]
-
-
-def test_a_workers_nan_logits_name_the_checkpoint_that_holds_the_weights_that_gave_them(workspace, ray_cluster,
-                                                                                       tmp_path):
-    from rlhf_core.training.guards import GuardError
-
-    out = tmp_path / "diverged"
-    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr=1e30",
-                       "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")  # (DRAWN warms up from 0)
-    try:
-        trainer.fit_step(validate=never)  # its update takes every weight to about 1e30 (and saves them)
-        with pytest.raises(GuardError) as raised:
-            trainer.fit_step(validate=never)  # step 2 samples from NaN logits
-    finally:
-        trainer.close()
-    first, *_, last = str(raised.value).split("\n")
-    assert first.startswith("training step 2 failed: worker rank ")
-    assert "the policy's logits held NaN (or inf)" in str(raised.value)
-    assert last == (f"the latest checkpoint {out / 'global_step_1'} holds the weights that gave these logits, so a "
-                    "resume from it fails again: no earlier checkpoint is intact: start a new run with a lower "
-                    "learning rate (trainer.resume_mode=disable, or another trainer.default_local_dir)")
-
-
-def test_weights_an_update_on_the_workers_left_non_finite_are_never_saved(workspace, ray_cluster, tmp_path):
-    """Each rank checks its own shards before a save: the step's checkpoint is refused, the one before named."""
-    from rlhf_core.training.guards import GuardError
-
-    out = tmp_path / "non_finite"
-    trainer = _trainer(workspace, out, *TWO, "trainer.save_freq=1", "actor_rollout_ref.actor.optim.lr_warmup_steps=-1")
-    try:
-        trainer.fit_step(validate=never)
-        trainer.actor.scale_lr(float("inf"))  # step 2's update leaves inf or NaN in every rank's shards
-        with pytest.raises(GuardError) as raised:
-            trainer.fit_step(validate=never)
-    finally:
-        trainer.close()
-    first, second = str(raised.value).split("\n")
-    assert first.startswith("saving the checkpoint of step 2 failed: the weights of the actor hold NaN or inf values")
-    assert second.startswith(f"the latest checkpoint {out / 'global_step_1'} is intact and from before the divergence")
-    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
-    assert checkpoint.latest_checkpoint(out) == out / "global_step_1"
