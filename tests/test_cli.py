@@ -402,6 +402,8 @@ class CtrlCAtImport(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, CtrlCAtImport())
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a terminal starts it (a harness run in the
+# background hands its processes SIGINT ignored, and Python then keeps it ignored)
 """
 
 # each console script, with arguments that take it past its imports, and the name its line gives it
