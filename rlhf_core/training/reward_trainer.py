@@ -373,14 +373,6 @@ class RewardModelWorker(CheckpointableWorker):
             stats = merge_statistics(stats, pair_statistics(chosen[keep], rejected[keep], self.config.margin))
         return reduce_statistics(stats)
 
-    @torch.no_grad()
-    def weights_finite(self) -> bool:
-        """Whether every parameter (this rank's shards, when sharded) holds finite values: one pass, no gather."""
-        from torch.distributed.tensor import DTensor
-
-        return all(bool(torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-                   for p in self.module.parameters())
-
     def extra_state(self) -> dict:
         return {"scheduler": self.scheduler.state_dict()}
 
