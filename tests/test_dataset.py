@@ -646,24 +646,21 @@ def test_gsm8k_as_released_is_pointed_at_its_converter(tmp_path, tokenizer):
     # the folder itself, given as the files: its shards are the release, not prompts to name one by one
     with pytest.raises(DataError) as error:
         RLHFDataset(str(release), tokenizer, DataConfig(max_prompt_length=200))
-    advice = ("it holds GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, "
+    advice = ("GSM8K as released (question, answer), not verl's prompt data: write verl's columns (prompt, "
               "data_source, reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {} "
               "--output <folder>, and name the train.parquet and test.parquet it writes")
-    assert str(error.value) == f"data.train_files: {release} is a folder; {advice.format(release)}"
+    assert str(error.value) == f"data.train_files: {release} is a folder; it holds {advice.format(release)}"
     # the hub's repository folder (its shards under main/), which the converter reads too; rlhf validate alike
     with pytest.raises(DataError) as error:
         RLHFDataset(str(tmp_path), tokenizer, DataConfig(max_prompt_length=200))
-    assert str(error.value) == f"data.train_files: {tmp_path} is a folder; {advice.format(tmp_path)}"
+    assert str(error.value) == f"data.train_files: {tmp_path} is a folder; it holds {advice.format(tmp_path)}"
     with pytest.raises(DataReadError) as error:
         read_parquet(release)
-    assert str(error.value).endswith(f"is a directory, expected a parquet file: {advice.format(release)}")
+    assert str(error.value).endswith(f"is a directory, expected a parquet file: it holds {advice.format(release)}")
     with pytest.raises(DataError) as error:
         RLHFDataset(str(shard), tokenizer, DataConfig(max_prompt_length=200))
-    assert str(error.value) == (
-        f"data.train_files: column(s) ['prompt', 'reward_model', 'data_source'] missing; found ['question', "
-        f"'answer']; {shard} holds GSM8K as released (question, answer): write verl's columns (prompt, data_source, "
-        f"reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {release} --output "
-        "<folder>, and name the train.parquet and test.parquet it writes")
+    assert str(error.value) == (f"data.train_files: column(s) ['prompt', 'reward_model', 'data_source'] missing; "
+                                f"found ['question', 'answer']; {shard} holds {advice.format(release)}")
     # the advice holds: the converter reads that folder, and its output trains with the answers' final lines
     preprocess_gsm8k(release, tmp_path / "out")
     converted = RLHFDataset(str(tmp_path / "out" / "train.parquet"), tokenizer, DataConfig(max_prompt_length=200))

@@ -27,6 +27,7 @@ from rlhf_core.data.schema import (
     extra_info_problem,
     folder_listing,
     ground_truth,
+    gsm8k_advice,
     is_missing,
     json_message_list,
     other_format,
@@ -200,9 +201,7 @@ def gsm8k_release(paths: Sequence[Path], schemas: Sequence[pyarrow.Schema]) -> s
     shard = path.name.startswith(("train-", "test-")) and path.suffix == ".parquet"
     folder = path.parent if shard else "<a folder of train.jsonl and test.jsonl, or of train-*.parquet and " \
         "test-*.parquet>"
-    return (f"{path} holds GSM8K as released (question, answer): write verl's columns (prompt, data_source, "
-            f"reward_model.ground_truth from the answer's '####' line) with rlhf gsm8k --input {folder} "
-            "--output <folder>, and name the train.parquet and test.parquet it writes")
+    return gsm8k_advice(f"{path} holds", folder)
 
 
 def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: str, prompt_key: str = "prompt",
