@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 
+import pandas as pd
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -652,3 +653,37 @@ def test_a_text_cut_to_max_length_raises_no_warning_of_indexing_errors(space):
     tokenizer = fresh()
     tokenizer(response)  # called plainly it warns: the check above can see a warning
     assert tokenizer.deprecation_warnings.get(warned)
+
+
+def test_a_tokenizer_without_a_chat_template_lays_prompts_out_as_the_ppo_dataset_does(tmp_path):
+    """Without a chat template the PPO dataset joins the contents by newlines without the encoder's special tokens;
+    the reward model's layout (training, scoring, rlhf validate's pair lengths) added a BOS and a closing newline,
+    so the same conversation was read as another sequence in each."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf_core.config import DataConfig
+    from rlhf_core.data.dataset import RLHFDataset
+    from rlhf_core.rewards.reward_model import conversation_ids
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, "<s>": 2, "</s>": 3}
+    for code in list(range(32, 127)) + [10]:
+        vocab.setdefault(chr(code), len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]",
+                                        bos_token="<s>", eos_token="</s>")
+    assert tokenizer.chat_template is None and tokenizer("a")["input_ids"] == [2, vocab["a"]]  # an encoder BOS
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+    expected = [vocab[c] for c in "Be brief.\n2+2?"]  # one id a character: no <s>, no closing newline
+    prompt_ids, responses = conversation_ids(tokenizer, messages, ["4", "5"])
+    assert prompt_ids == expected
+    assert responses == [[vocab["4"], 3], [vocab["5"], 3]]
+    assert encode_response(tokenizer, messages, "4")[0] == expected + [vocab["4"], 3]
+    # the PPO dataset's prompt of the same row: the same ids
+    frame = pd.DataFrame([{"prompt": messages, "data_source": "synthetic/arithmetic",
+                           "reward_model": {"style": "rule", "ground_truth": "4"}}])
+    frame.to_parquet(tmp_path / "one.parquet")
+    dataset = RLHFDataset(str(tmp_path / "one.parquet"), tokenizer, DataConfig(max_prompt_length=64))
+    assert list(dataset.prompt_ids[0]) == expected

@@ -271,12 +271,15 @@ def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict | No
     """The prompt's token ids. With a chat template they are exactly what
     ``apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)`` gives: rendering to
     text and encoding that again can differ on BPE vocabularies (merges across the template's boundaries,
-    a BOS the template writes and the encoder adds again). Without one, the contents joined by newlines."""
+    a BOS the template writes and the encoder adds again). Without one, the contents joined by newlines, without
+    the encoder's special tokens (no BOS). The reward model lays its prompts out by this same rule
+    (:func:`~rlhf_core.rewards.reward_model.conversation_ids`). A prompt longer than the tokenizer's
+    model_max_length raises no warning: the callers cut or refuse it themselves."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                            **(template_kwargs or {}))
+                                            tokenizer_kwargs={"verbose": False}, **(template_kwargs or {}))
         return [int(i) for i in ids]
-    return tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False)["input_ids"]
+    return tokenizer("\n".join(m["content"] for m in messages), add_special_tokens=False, verbose=False)["input_ids"]
 
 
 #: what each ``data.truncation`` takes from an over-long prompt, said at start-up beside the count

@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
-from rlhf_core.data.dataset import left_pad
+from rlhf_core.data.dataset import left_pad, prompt_token_ids
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
@@ -357,13 +357,9 @@ def conversation_ids(tokenizer, messages: list[dict], responses: Sequence[str],
     """(prompt ids, each response's ids): ``messages`` in the chat template with ``chat_template_kwargs`` and the
     generation prompt (rendered once for all the responses), then each of ``responses`` + EOS (unless ``eos`` is
     false), as PPO's rollout lays a prompt and its response out: the layout the reward model trains on and scores
-    (a tokenizer without a chat template: the contents joined by newlines, with its special tokens)."""
-    if getattr(tokenizer, "chat_template", None):
-        prompt = tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False, add_generation_prompt=True,
-                                               **(chat_template_kwargs or {}))
-        prompt_ids = tokenizer(prompt, add_special_tokens=False, verbose=False)["input_ids"]
-    else:
-        prompt_ids = tokenizer("\n".join(m["content"] for m in messages) + "\n", verbose=False)["input_ids"]
+    (the prompt's ids are the PPO dataset's, :func:`~rlhf_core.data.dataset.prompt_token_ids`, with a chat template or
+    without)."""
+    prompt_ids = prompt_token_ids(tokenizer, [dict(m) for m in messages], chat_template_kwargs)
     # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length later)
     closing = [tokenizer.eos_token_id] if eos else []
     return prompt_ids, [tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + closing
