@@ -1106,15 +1106,10 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
         errors.append(f"{key}: {open_key} is {followed_key} until it is set; set it whole, e.g. "
                       f"{open_key}={{{key[len(open_key) + 1:]}: {value}}}")
         return
-    if value in ("None", "none") and open_key is None and _takes_null(cfg, key):  # a text key takes it as text
-        errors.append(f"{key}={value!r}: None is read as text: write {key}=null")
-        return
     try:
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:
         hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
-        if value in ("None", "none") and _takes_null(cfg, key):  # Hydra (verl's too) reads None as text
-            hint = f"; None is read as text: write {key}=null"
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
     except GrammarParseError as exc:
         errors.append(f"{key}={value!r} holds a ${{...}} that does not parse ({exc.msg.splitlines()[0]}): close it "
@@ -1227,7 +1222,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             else:
                 _assign(cfg, target, _default(target), errors, merge=False)
             given.pop(target, None)
-    elif (problem := _none_as_text(key, override.value())) is not None:
+    elif (problem := _none_as_text(cfg, key, override.value())) is not None:
         errors.append(problem)
     elif _deferred(key, override.value()):
         deferred[key] = override.value()
@@ -1239,17 +1234,24 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             given[target] = value
 
 
-def _none_as_text(key: str, value: Any) -> str | None:
-    """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a verl key that takes null
-    before it reaches the schema (a null that sets nothing: a global micro-batch size, a key without effect, one
-    whose null is its default), else None: the text fails there as something else (two sizes set, a value not
-    supported, a type) or nothing is said."""
+def _none_as_text(cfg: DictConfig, key: str, value: Any) -> str | None:
+    """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a key that takes null: a
+    verl key whose null sets nothing before it reaches the schema (a global micro-batch size, a key without
+    effect, one whose null is its default), or a key of the schema whose field is Optional (the key an alias
+    stands for, named as such), else None: the text fails there as something else (two sizes set, a value not
+    supported, a type), or is taken as text (an entry of an open mapping, a text key without null)."""
     if value not in ("None", "none"):
         return None
     verl_only = without_effect(key)
     if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or (verl_only is not None and verl_only[0](None)):
-        return f"{key}={value!r}: None is read as text: write {key}=null"
-    return None
+        target = key
+    else:  # the keys of the schema it sets (its notices and refusals are said when it is set)
+        targets = [target for target, text in _targets(key, value, lambda _: None, []).items() if text == value
+                   and target in _known_keys_and_sections() and _open_key(target) is None and _takes_null(cfg, target)]
+        if not targets:
+            return None
+        target = targets[0]
+    return f"{target}={value!r}: None is read as text: write {target}=null"
 
 
 def _deferred(key: str, value: Any) -> bool:
@@ -1363,7 +1365,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
         for key, value in _leaves(tree):
-            if (problem := _none_as_text(key, value)) is not None:
+            if (problem := _none_as_text(cfg, key, value)) is not None:
                 errors.append(problem)
                 continue
             if _deferred(key, value):
