@@ -1234,12 +1234,13 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             given[target] = value
 
 
-def _none_as_text(cfg: DictConfig, key: str, value: Any) -> str | None:
+def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) -> str | None:
     """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a key that takes null: a
     verl key whose null sets nothing before it reaches the schema (a global micro-batch size, a key without
     effect, one whose null is its default), or a key of the schema whose field is Optional (the key an alias
     stands for, named as such), else None: the text fails there as something else (two sizes set, a value not
-    supported, a type), or is taken as text (an entry of an open mapping, a text key without null)."""
+    supported, a type), or is taken as text (an entry of an open mapping, a text key without null). The advice
+    is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file."""
     if value not in ("None", "none"):
         return None
     verl_only = without_effect(key)
@@ -1251,7 +1252,9 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any) -> str | None:
         if not targets:
             return None
         target = targets[0]
-    return f"{target}={value!r}: None is read as text: write {target}=null"
+    section, _, name = target.rpartition(".")
+    write = f"{target}=null" if not in_file else f"{name}: null" + (f" under {section}" if section else "")
+    return f"{target}={value!r}: None is read as text: write {write}"
 
 
 def _deferred(key: str, value: Any) -> bool:
@@ -1365,7 +1368,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
         for key, value in _leaves(tree):
-            if (problem := _none_as_text(cfg, key, value)) is not None:
+            if (problem := _none_as_text(cfg, key, value, in_file=True)) is not None:
                 errors.append(problem)
                 continue
             if _deferred(key, value):

@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from rlhf_core.config import ConfigError, PPOConfig, load_config
+from rlhf_core.config import ConfigError, PPOConfig, attribute, load_config
 
 
 def _errors_or_none(*overrides: str) -> str | None:
@@ -1136,6 +1136,19 @@ def test_none_written_for_null_on_a_text_key_is_refused(key):
     assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
 
 
+@pytest.mark.parametrize(("section", "name"), [("trainer", "total_training_steps"), ("data", "tokenizer"),
+                                               ("actor_rollout_ref.model", "tokenizer_path")])
+def test_none_written_for_null_in_a_config_file_is_told_the_files_null(section, name, tmp_path):
+    # a file's keys are written name: value under their section, not KEY=null as on the command line
+    path = tmp_path / "run.yaml"
+    path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                    + f"{'  ' * (section.count('.') + 1)}{name}: None\n")
+    assert _refusals([], path) == [
+        f"{section}.{name}='None': None is read as text: write {name}: null under {section} (in {path})"]
+    path.write_text(path.read_text().replace("None", "null"))  # the advice followed: taken
+    assert attribute(load_config(config_file=path, notice=lambda _: None, validate=False), f"{section}.{name}") is None
+
+
 @pytest.mark.parametrize("key", ["critic.ppo_micro_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
                                  "reward_model.n_gpus_per_node", "critic.optim.min_lr_ratio",
                                  "reward_model.micro_batch_size_per_gpu"])
@@ -1148,7 +1161,7 @@ def test_none_written_for_null_on_a_verl_key_whose_null_sets_nothing_is_refused_
     section, _, name = key.rpartition(".")
     path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
                     + f"{'  ' * (section.count('.') + 1)}{name}: None\n")
-    assert _refusals([], path) == [f"{key}='None': None is read as text: write {key}=null (in {path})"]
+    assert _refusals([], path) == [f"{key}='None': None is read as text: write {name}: null under {section} (in {path})"]
 
 
 def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
