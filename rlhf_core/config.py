@@ -947,6 +947,8 @@ MIRRORS: dict[str, tuple[str, str]] = {
 }
 # verl's switch of the critic: null = the advantage estimator decides, as it always does here
 CRITIC_ENABLE = "critic.enable"
+# keys whose "none" is written [] (validation refuses their null), with what [] means there
+EMPTY_NOT_NULL: dict[str, str] = {"data.val_files": "no validation"}
 # verl keys whose null stands for this trainer's default
 NULL_IS_DEFAULT = frozenset({"critic.optim.min_lr_ratio", "reward_model.micro_batch_size_per_gpu"})
 
@@ -1252,9 +1254,10 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
         if not targets:
             return None
         target = targets[0]
+    null, meaning = ("[]", f" ({EMPTY_NOT_NULL[target]})") if target in EMPTY_NOT_NULL else ("null", "")
     section, _, name = target.rpartition(".")
-    write = f"{target}=null" if not in_file else f"{name}: null" + (f" under {section}" if section else "")
-    return f"{target}={value!r}: None is read as text: write {write}"
+    write = f"{target}={null}" if not in_file else f"{name}: {null}" + (f" under {section}" if section else "")
+    return f"{target}={value!r}: None is read as text: write {write}{meaning}"
 
 
 def _deferred(key: str, value: Any) -> bool:

@@ -1130,10 +1130,24 @@ def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path
 
 
 @pytest.mark.parametrize("key", ["critic.model.path", "custom_reward_function.path", "trainer.resume_from_path",
-                                 "data.val_files", "actor_rollout_ref.model.tokenizer_path"])
+                                 "actor_rollout_ref.model.tokenizer_path"])
 def test_none_written_for_null_on_a_text_key_is_refused(key):
     # the text 'None' is a valid value of a text key, so it went through to fail later as a path named None
     assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
+
+
+def test_none_written_for_no_validation_files_is_told_the_empty_list_that_is_taken(tmp_path):
+    # data.val_files=null is refused by validation (no validation is written []): advising it made two
+    # refusals of one mistake
+    assert _refusals(["data.val_files=None"]) == [
+        "data.val_files='None': None is read as text: write data.val_files=[] (no validation)"]
+    assert load_config(["data.val_files=[]"], notice=lambda _: None).data.val_files == []
+    path = tmp_path / "run.yaml"
+    path.write_text("data:\n  val_files: None\n")
+    assert _refusals([], path) == [
+        f"data.val_files='None': None is read as text: write val_files: [] under data (no validation) (in {path})"]
+    path.write_text("data:\n  val_files: []\n")
+    assert load_config(config_file=path, notice=lambda _: None).data.val_files == []
 
 
 @pytest.mark.parametrize(("section", "name"), [("trainer", "total_training_steps"), ("data", "tokenizer"),
