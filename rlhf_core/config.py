@@ -1445,15 +1445,36 @@ def _interpolation_problems(cfg: DictConfig, given: dict[str, Any], exc: Interpo
 
 def _date_instead(key: str, given: dict[str, Any], in_file: dict[str, str]) -> str:
     """How to give the date that ``key``'s ``${now:...}`` asks for: written out in the config file that set the
-    key, or from the shell on the command line."""
-    value = given.get(key)
-    if not isinstance(value, str):
+    key, or from the shell on the command line; a key inside a list or an open mapping (``trainer.logger[1]``) is
+    given as the whole value that holds it, as it was written."""
+    owner = next((k for k in given if key == k or key.startswith((f"{k}.", f"{k}["))), key)
+    value = given.get(owner)
+    if not isinstance(value, str | list | dict):
         return f"give the date from the shell, e.g. {key}=run_$(date +%Y%m%d_%H%M%S)"
-    if key in in_file:
-        written = _NOW.sub(lambda now: datetime.datetime.now().strftime(now.group(1)), value)
-        return f"write the value itself in {in_file[key]}, e.g. {key.rpartition('.')[2]}: {written}"
-    from_shell = _NOW.sub(lambda now: f"$(date {shlex.quote('+' + now.group(1))})", value)
-    return f"give the date from the shell, e.g. {key}={from_shell}"
+    if owner in in_file:
+        written = _dated(value, lambda now: datetime.datetime.now().strftime(now.group(1)))
+        return f"write the value itself in {in_file[owner]}, e.g. {owner.rpartition('.')[2]}: {_flow(written)}"
+    from_shell = _dated(value, lambda now: f"$(date {shlex.quote('+' + now.group(1))})")
+    shown = from_shell if isinstance(from_shell, str) else f'"{_flow(from_shell)}"'  # (quoted: it holds spaces)
+    return f"give the date from the shell, e.g. {owner}={shown}"
+
+
+def _dated(value: Any, date: Callable[[re.Match], str]) -> Any:
+    """``value`` with each ``${now:...}`` in its text (in its lists and mappings too) replaced by ``date``'s."""
+    if isinstance(value, str):
+        return _NOW.sub(date, value)
+    if isinstance(value, list):
+        return [_dated(item, date) for item in value]
+    if isinstance(value, dict):
+        return {name: _dated(item, date) for name, item in value.items()}
+    return value
+
+
+def _flow(value: Any) -> str:
+    """``value`` as YAML writes it on one line: text as it is, a list as ``[a, b]``, a mapping as ``{k: v}``."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
 
 
 def _stderr(message: str) -> None:

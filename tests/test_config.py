@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import re
 import shlex
 import subprocess
@@ -1118,6 +1119,39 @@ def test_a_config_files_now_interpolation_asks_for_the_date_written_in_the_file(
     [message] = _refusals([], path)
     assert message.startswith("trainer.experiment_name: ") and "$(date" not in message
     assert f"write the value itself in {path}, e.g. experiment_name: run_{datetime.date.today().year}" in message
+
+
+@pytest.mark.parametrize(("section", "written", "advised", "read"), [
+    # a list item: the list is written again with the date in its item
+    ("data", "val_files: [a.parquet, 'b_${now:%Y}.parquet']", "val_files: [a.parquet, b_{year}.parquet]",
+     ("data.val_files", ["a.parquet", "b_{year}.parquet"])),
+    # an entry deep in an open mapping: the mapping is written again, not a dotted key of the command line
+    ("trainer", "ray_runtime_env:\n    env_vars:\n      RUN: run_${now:%Y}\n      MODE: x",
+     "ray_runtime_env: {env_vars: {RUN: run_{year}, MODE: x}}",
+     ("trainer.ray_runtime_env", {"env_vars": {"RUN": "run_{year}", "MODE": "x"}})),
+])
+def test_a_config_files_now_inside_a_list_or_mapping_asks_for_the_value_written_in_the_file(
+        section, written, advised, read, tmp_path):
+    # the date was asked from the shell for a dotted key (data.val_files[1]=...) that no file or command line takes
+    year = datetime.date.today().year
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{section}:\n  {written}\n")
+    [message] = _refusals([], path)
+    assert "$(date" not in message and message.endswith("e.g. " + advised.replace("{year}", str(year))), message
+    path.write_text(f"{section}:\n  {message.rpartition('e.g. ')[2]}\n")  # the advice followed
+    key, value = read
+    assert attribute(load_config(config_file=path, notice=lambda _: None, validate=False), key) == \
+        json.loads(json.dumps(value).replace("{year}", str(year)))
+
+
+def test_a_command_lines_now_inside_a_list_asks_for_the_whole_list_from_the_shell():
+    # data.val_files[1]=... is no override: the list is given whole, the shell writing the date into its item
+    [message] = _refusals(["data.val_files=[a.parquet,'b_${now:%Y}.parquet']"])
+    assert message.endswith('e.g. data.val_files="[a.parquet, b_$(date +%Y).parquet]"'), message
+    (override,) = shlex.split(subprocess.run(["bash", "-c", f"printf '%q' {message.rpartition('e.g. ')[2]}"],
+                                             capture_output=True, text=True, check=True).stdout)
+    assert load_config([override], notice=lambda _: None, validate=False).data.val_files == [
+        "a.parquet", f"b_{datetime.date.today().year}.parquet"]
 
 
 def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path):
