@@ -1063,8 +1063,7 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
                "reward function in turn (verl's prime runs the same scoring in a process pool)")
         return {key: "naive"}
     if key == "trainer.logger" and "tracking" in (names := [value] if isinstance(value, str) else list(value or [])):
-        notice("notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb")
-        return {key: list(dict.fromkeys("wandb" if name == "tracking" else name for name in names))}
+        return {key: _tracking_as_wandb(names, notice)}
     if (verl_only := without_effect(key)) is not None:
         harmless, instead = verl_only
         if harmless(value):
@@ -1084,6 +1083,14 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
     if without_effect(canonical) is not None:  # an alias of a verl key without effect: judged as that key
         return {**_targets(canonical, value, notice, errors), **extra}
     return {canonical: value, **extra}
+
+
+def _tracking_as_wandb(names: list[str], notice: Callable[[str], None]) -> list[str]:
+    """trainer.logger's ``names`` with verl's deprecated 'tracking' taken as wandb (once, with a notice)."""
+    if "tracking" not in names:
+        return names
+    notice("notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb")
+    return list(dict.fromkeys("wandb" if name == "tracking" else name for name in names))
 
 
 REWARD_MANAGERS = ("naive", "dapo", "batch")
@@ -1397,6 +1404,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
             errors.extend(_interpolation_problems(cfg, given, exc, in_file))
         except MissingMandatoryValue as exc:  # verl's ??? for a key its user must set
             errors.append(f"{exc.full_key} must be set (the config holds ??? there)")
+        else:  # a 'tracking' written was taken as wandb as it was set; one an interpolation resolves to, here
+            resolved.trainer.logger = _tracking_as_wandb(resolved.trainer.logger, notice)
     if errors:
         raise ConfigError(errors)
     if validate:

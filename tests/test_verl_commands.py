@@ -71,6 +71,29 @@ def test_verls_deprecated_tracking_logger_is_taken_as_wandb(given, taken):
     assert said == ["notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb"]
 
 
+@pytest.mark.parametrize(("overrides", "written", "taken"), [
+    (["trainer.logger=${oc.env:RUN_LOGGER}"], None, ["wandb"]),
+    (["trainer.logger=[console,'${oc.env:RUN_LOGGER}']"], None, ["console", "wandb"]),
+    ([], "trainer:\n  logger: ${oc.env:RUN_LOGGER}\n", ["wandb"]),
+    # a key beside it (the list item's ${..key} is trainer's), whose value is the word
+    ([], "trainer:\n  project_name: tracking\n  logger: ${..project_name}\n", ["wandb"]),
+    (["trainer.logger=[wandb,'${oc.env:RUN_LOGGER}']"], None, ["wandb"]),  # (wandb once)
+])
+def test_verls_tracking_logger_an_interpolation_resolves_to_is_taken_as_wandb(overrides, written, taken, tmp_path,
+                                                                              monkeypatch):
+    # the written word was taken as wandb, the same word given through ${...} refused as no logger
+    from rlhf_core.config import load_config
+
+    monkeypatch.setenv("RUN_LOGGER", "tracking")
+    path = None
+    if written is not None:
+        path = tmp_path / "run.yaml"
+        path.write_text(written)
+    said = []
+    assert list(load_config(overrides, config_file=path, notice=said.append).trainer.logger) == taken
+    assert said == ["notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb"]
+
+
 def test_verls_deprecated_tracking_logger_in_a_config_file_is_taken_as_wandb(tmp_path):
     from rlhf_core.config import load_config
 
