@@ -649,3 +649,42 @@ def test_the_evaluate_command_on_a_model_whose_weights_give_nan_says_so_in_one_l
     assert said == (f"error: evaluating {broken} failed: the policy's logits held NaN (or inf) at response token 0 "
                     "of rows 0, 1, 2, 3, so there is no distribution to sample from: its weights hold NaN or inf, or "
                     "give them (a checkpoint saved from a diverged run)"), err  # (not a training run's advice)
+
+
+def test_the_evaluate_command_grades_with_a_batch_reward_function_as_training_calls_one(setup, tmp_path, capsys):
+    """A reward function of whole batches (reward_model.reward_manager=batch in training) could not grade an
+    evaluation: the command called it once a response. With --reward-manager batch it is called once a batch of
+    --batch-size prompts with lists, as training calls it: 40 problems in batches of 16 are 3 batches (16, 16, 8),
+    and a function that marks the first response of each batch right gives 3 of 40, 7.50%; one that marks the
+    problems whose index is a multiple of 4 right gives 10 of 40 (0, 4, ..., 36), 25.00%."""
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.config import load_config
+    from rlhf_core.rewards import custom_reward_fn
+
+    model, val = setup
+    firsts = tmp_path / "firsts.py"
+    firsts.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                      "    return [1.0 if i == 0 else 0.0 for i in range(len(solution_strs))]\n")
+    fourths = tmp_path / "fourths.py"
+    fourths.write_text("def by_index(data_sources, solution_strs, ground_truths, extra_infos, every=2):\n"
+                       "    return [{'score': 1.0 if info['index'] % every == 0 else 0.0} for info in extra_infos]\n")
+    short = ["--max-response-length", "2", "--max-prompt-length", "320", "--batch-size", "16"]
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(firsts), "--reward-manager", "batch"]) == 0
+    low, high = wilson(3, 40)
+    assert capsys.readouterr().out.startswith(f"accuracy 7.50% (95% interval [{low:.1%}, {high:.1%}]) on 40 of 40 ")
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(fourths), "--custom-reward-name", "by_index",
+                     "--reward-kwarg", "every=4", "--reward-manager", "batch"]) == 0
+    assert capsys.readouterr().out.startswith("accuracy 25.00% ")
+    # called once a response, it is refused before any model loads, with the option that calls it once a batch
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(firsts)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "(a function of whole batches: --reward-manager batch)" in err, err
+    with pytest.raises(SystemExit) as exit_:
+        evaluate([str(model), str(val), "--reward-manager", "batch"])
+    assert exit_.value.code == 2 and "name that file" in capsys.readouterr().err
+    # the pipeline's evaluate step: the function training's config names, as training loads it
+    cfg = load_config([f"custom_reward_function.path={firsts}", "reward_model.reward_manager=batch"], validate=False)
+    result = evaluate_policy(model, str(val), DATA, batch_size=16, reward_fn=custom_reward_fn(cfg))
+    assert (result.n, result.accuracy) == (40, 3 / 40)
+    assert [p["correct"] for p in result.problems] == [i % 16 == 0 for i in range(40)]
+

@@ -54,6 +54,10 @@ def evaluate(argv: list[str] | None = None) -> int:
     parser.add_argument("--reward-kwarg", action="append", default=[], metavar="KEY=VALUE",
                         help="a keyword argument the function is called with (repeatable), read as training reads "
                              "+custom_reward_function.reward_kwargs.KEY=VALUE")
+    parser.add_argument("--reward-manager", choices=("naive", "batch"), default="naive",
+                        help="how the function is called, as reward_model.reward_manager: naive, once a response; "
+                             "batch, once a batch with lists (data_sources, solution_strs, ground_truths, "
+                             "extra_infos), returning one result a response (default: %(default)s)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
@@ -71,6 +75,8 @@ def evaluate(argv: list[str] | None = None) -> int:
         parser.error(f"--sample-seed {args.sample_seed} must be >= 0")
     if args.reward_kwarg and not args.custom_reward:
         parser.error("--reward-kwarg is given to the function of --custom-reward FILE.py; name that file")
+    if args.reward_manager == "batch" and not args.custom_reward:
+        parser.error("--reward-manager batch calls the function of --custom-reward FILE.py; name that file")
     for item in args.reward_kwarg:
         key, equals, _ = item.partition("=")
         if not (equals and key.strip().isidentifier()):
@@ -78,10 +84,14 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.config import ConfigError, load_config
 
     try:  # the values read as training reads +custom_reward_function.reward_kwargs.KEY=VALUE
-        reward_kwargs = load_config([f"+custom_reward_function.reward_kwargs.{item.strip()}" for item in
-                                     args.reward_kwarg], validate=False).custom_reward_function.reward_kwargs
+        reward_config = load_config([f"+custom_reward_function.reward_kwargs.{item.strip()}" for item in
+                                     args.reward_kwarg], validate=False)
     except ConfigError as exc:
         parser.error(f"--reward-kwarg: {'; '.join(exc.errors)}")
+    # the reward keys training reads, so that the reward loads as training loads it (custom_reward_fn)
+    reward_config.custom_reward_function.path = args.custom_reward
+    reward_config.custom_reward_function.name = args.custom_reward_name
+    reward_config.reward_model.reward_manager = args.reward_manager
     if args.html:  # before the evaluation, not after it
         folder = Path(args.html).resolve().parent
         if not folder.is_dir():
@@ -95,20 +105,22 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
     from rlhf_core.models.loading import ModelError, import_external_lib
     from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
-    from rlhf_core.rewards import UnknownDataSourceError, load_custom_reward_fn
+    from rlhf_core.rewards import UnknownDataSourceError, custom_reward_fn
     from rlhf_core.rewards.manager import RewardError
     from rlhf_core.rollout.hf import NonFiniteLogits
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
                       truncation="left", prompt_key=args.prompt_key)
-    try:  # what loading a reward file raises (see load_custom_reward_fn)
-        reward_fn = (load_custom_reward_fn(args.custom_reward, args.custom_reward_name, reward_kwargs or None)
-                     if args.custom_reward else None)
+    try:  # what loading a reward file raises (see load_custom_reward_fn), and a function the calls do not fit
+        reward_fn = custom_reward_fn(reward_config)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
         message = str(exc)  # the loader names training's keys; here the options stand for them
         for key, option in (("custom_reward_function.reward_kwargs", "--reward-kwarg"),
                             ("custom_reward_function.name", "--custom-reward-name"),
-                            ("custom_reward_function.path", "--custom-reward")):
+                            ("custom_reward_function.path", "--custom-reward"),
+                            ("reward_model.reward_manager=batch", "--reward-manager batch"),
+                            ("for each response", "for each response (a function of whole batches: "
+                                                  "--reward-manager batch)")):
             message = message.replace(key, option)
         print(f"error: --custom-reward: {message}", file=sys.stderr)
         return 2

@@ -228,7 +228,9 @@ def evaluate_policy(
 
     ``data_config`` gives the prompt settings (key, length limit, truncation) and, when
     ``max_new_tokens`` is None, the response length; ``reward_fn`` replaces the built-in reward
-    by data source, as ``custom_reward_function`` does in training, and then grades rows without a
+    by data source, as ``custom_reward_function`` does in training (a :class:`BatchRewardFn`, as
+    :func:`~rlhf_core.rewards.custom_reward_fn` gives it under ``reward_model.reward_manager=batch``, is called once
+    a batch of prompts), and then grades rows without a
     ``reward_model.ground_truth`` (it gets None), which the built-in rules cannot. ``max_problems`` caps the
     problems at a sample stratified by data source (``sample_seed`` draws it: the same data, cap
     and seed give the same problems). With ``val_kwargs`` asking for sampling (``n > 1`` or
