@@ -688,3 +688,50 @@ def test_the_evaluate_command_grades_with_a_batch_reward_function_as_training_ca
     assert (result.n, result.accuracy) == (40, 3 / 40)
     assert [p["correct"] for p in result.problems] == [i % 16 == 0 for i in range(40)]
 
+
+def test_the_evaluate_command_names_its_own_options_in_what_it_says_of_the_data(setup, tmp_path, capsys):
+    """Its notices and errors named training's keys (data.max_prompt_length, data.truncation, data.val_files, ...),
+    which the command does not take: they name its options, or say what it does in their place."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    short = ["--max-problems", "2", "--max-response-length", "2"]
+    assert evaluate([str(model), str(val), *short, "--max-prompt-length", "20"]) == 2  # (no rule for synthetic/a)
+    [notice] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notice.startswith(f"notice: val_files: truncation cut 40 of 40 prompts longer than --max-prompt-length "
+                             f"(20 tokens) to that length (first: {val} row 0), keeping their ends: "), notice
+    frame = pd.read_parquet(val)
+    answered = frame.assign(prompt=[[*p, {"role": "assistant", "content": "#### 1"}] for p in frame["prompt"]])
+    answered.to_parquet(tmp_path / "answered.parquet", index=False)
+    assert evaluate([str(model), str(tmp_path / "answered.parquet"), *short, "--max-prompt-length", "320"]) == 2
+    [notice] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert notice.startswith("notice: val_files: 40 of 40 prompts end with an assistant turn"), notice
+    pd.concat([frame, frame]).to_parquet(tmp_path / "twice.parquet", index=False)
+    frame.assign(reward_model=[{"style": "rule", "ground_truth": None}] * 40).to_parquet(tmp_path / "open.parquet")
+    unrouted = frame.copy()
+    unrouted.loc[3, "data_source"] = None
+    unrouted.to_parquet(tmp_path / "unrouted.parquet", index=False)
+    said = {"twice.parquet": "error: val_files: 40 problem ids (data_source/extra_info.index, else the row in its "
+                             "file) are shared by several rows, e.g. ",
+            "open.parquet": f"error: {tmp_path / 'open.parquet'} row 0: reward_model.ground_truth is missing",
+            "unrouted.parquet": f"error: {tmp_path / 'unrouted.parquet'} row 3: 'data_source' (the column that "
+                                "routes the row to its reward function) is null; give every row its data source"}
+    for name, start in said.items():
+        assert evaluate([str(model), str(tmp_path / name), *short]) == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and err.startswith(start), err
+        assert "data.val_files" not in err and "data.reward_fn_key" not in err
+        if name == "open.parquet":
+            assert "evaluate with a custom reward function (here: --custom-reward FILE.py)" in err, err
+
+
+def test_the_evaluate_command_refuses_an_empty_file_naming_its_argument(setup, tmp_path, capsys):
+    """An empty parquet was named data.val_files, which the command has not."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    empty = tmp_path / "empty.parquet"
+    pd.read_parquet(val).iloc[:0].to_parquet(empty, index=False)
+    assert evaluate([str(model), str(empty)]) == 2
+    assert capsys.readouterr().err == f"error: val_files: {empty} has no rows; give files with prompts\n"
+

@@ -31,6 +31,17 @@ from rlhf_core.pipeline.lineage import lineage as read_lineage
 from rlhf_core.pipeline.promotion import stage_disagreement
 from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, make_trigger, run_pipeline, serve
 
+#: training's data keys that the evaluation's notices and errors name, as ``evaluate`` says them: its own options,
+#: or what it does in their place (it always cuts a long prompt's start, and routes by the data_source column)
+EVALUATE_NAMES = {
+    "data.val_files": "val_files",
+    "data.max_prompt_length": "--max-prompt-length",
+    "data.truncation=left": "truncation",
+    "data.prompt_key": "--prompt-key",
+    "data.reward_fn_key, which": "the column that",
+    "evaluate with a custom reward function": "evaluate with a custom reward function (here: --custom-reward FILE.py)",
+}
+
 
 def evaluate(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.pipeline.evaluate"),
@@ -142,7 +153,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
                                  max_problems=args.max_problems, sample_seed=args.sample_seed,
-                                 trust_remote_code=args.trust_remote_code)
+                                 trust_remote_code=args.trust_remote_code, names=EVALUATE_NAMES)
     except UnknownDataSourceError as exc:
         print(f"error: {exc.args[0]} (here: --custom-reward FILE.py)", file=sys.stderr)
         return 2

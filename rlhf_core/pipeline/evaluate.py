@@ -205,6 +205,29 @@ def _trusted_code(folder: str | Path, trust_remote_code: bool):
                          "--trust-remote-code) if you trust it") from exc
 
 
+@contextlib.contextmanager
+def _said_as(names: Mapping[str, str] | None):
+    """The notices (stderr) and DataErrors of the block with each key of ``names`` (training's, such as
+    ``data.max_prompt_length``) put as its value (what the caller, a command, calls it: its own option)."""
+    if not names:
+        yield
+        return
+
+    def reworded(text: str) -> str:
+        for key, name in names.items():
+            text = text.replace(key, name)
+        return text
+
+    notices = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(notices):
+            yield
+    except DataError as exc:
+        raise type(exc)(reworded(str(exc))) from None
+    finally:
+        sys.stderr.write(reworded(notices.getvalue()))
+
+
 @torch.no_grad()
 def evaluate_policy(
     model_dir: str | Path,
@@ -223,6 +246,7 @@ def evaluate_policy(
     seed: int = 0,
     override_config: dict | None = None,
     trust_remote_code: bool = False,
+    names: Mapping[str, str] | None = None,
 ) -> EvalResult:
     """Greedy (one response per prompt) accuracy of the model in ``model_dir`` on ``val_files``.
 
@@ -241,6 +265,8 @@ def evaluate_policy(
     (``actor_rollout_ref.model.override_config``; a trained policy's export already holds them).
     ``trust_remote_code`` runs the model code a model or tokenizer folder holds (its ``auto_map``), as
     ``actor_rollout_ref.model.trust_remote_code`` lets training; without it such a folder is a :class:`ModelError`.
+    ``names`` maps training's data keys (``data.val_files``, ``data.max_prompt_length``, ...) to what the caller
+    calls them (a command's options): the notices and DataErrors about the validation data name those instead.
     """
     from rlhf_core.data.dataset import RLHFDataset
     from rlhf_core.models.loading import load_actor, load_tokenizer
@@ -251,15 +277,16 @@ def evaluate_policy(
     model_dir = resolve_policy_dir(model_dir)
     with _trusted_code(tokenizer_path or model_dir, trust_remote_code):
         tokenizer = load_tokenizer(tokenizer_path or model_dir, trust_remote_code)
-    dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files",
-                          require_ground_truth=reward_fn is None)
-    ids = Counter(row["id"] for row in dataset.rows)
-    repeated = sorted(problem for problem, count in ids.items() if count > 1)
-    if repeated:
-        raise DataError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
-                         f"row in its file) are shared by several rows, e.g. {', '.join(repeated[:3])}; the "
-                         "evaluation pairs each problem with its result elsewhere by this id: give every row its "
-                         "own extra_info.index")
+    with _said_as(names):
+        dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files",
+                              require_ground_truth=reward_fn is None)
+        ids = Counter(row["id"] for row in dataset.rows)
+        repeated = sorted(problem for problem, count in ids.items() if count > 1)
+        if repeated:
+            raise DataError(f"data.val_files: {len(repeated)} problem ids (data_source/extra_info.index, else the "
+                             f"row in its file) are shared by several rows, e.g. {', '.join(repeated[:3])}; the "
+                             "evaluation pairs each problem with its result elsewhere by this id: give every row "
+                             "its own extra_info.index")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
     selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
