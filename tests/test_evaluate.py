@@ -735,3 +735,21 @@ def test_the_evaluate_command_refuses_an_empty_file_naming_its_argument(setup, t
     assert evaluate([str(model), str(empty)]) == 2
     assert capsys.readouterr().err == f"error: val_files: {empty} has no rows; give files with prompts\n"
 
+
+def test_the_evaluate_command_refuses_a_model_without_its_tokenizer_in_one_line(setup, tmp_path, capsys):
+    """A model folder without its tokenizer files ended in transformers' traceback (about slow tokenizers and
+    sentencepiece), exit 1."""
+    import shutil
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(model / name, bare / name)
+    assert evaluate([str(bare), str(val), "--max-problems", "2"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: model: {bare} holds no tokenizer files (looked for tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json): the prompts are encoded and the responses decoded with the policy's "
+        "tokenizer; copy the tokenizer files of the model it was trained from into it\n")

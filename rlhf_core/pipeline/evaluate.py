@@ -267,14 +267,20 @@ def evaluate_policy(
     ``actor_rollout_ref.model.trust_remote_code`` lets training; without it such a folder is a :class:`ModelError`.
     ``names`` maps training's data keys (``data.val_files``, ``data.max_prompt_length``, ...) to what the caller
     calls them (a command's options): the notices and DataErrors about the validation data name those instead.
+    A tokenizer folder (``tokenizer_path``, else the model's) without tokenizer files is a :class:`ModelError`.
     """
     from rlhf_core.data.dataset import RLHFDataset
-    from rlhf_core.models.loading import load_actor, load_tokenizer
+    from rlhf_core.models.loading import ModelError, check_tokenizer_dir, load_actor, load_tokenizer
     from rlhf_core.rewards.manager import RewardManager
     from rlhf_core.rollout import SamplingParams, make_rollout_engine
 
     data_config = data_config or DataConfig()
     model_dir = resolve_policy_dir(model_dir)
+    try:  # (transformers' own refusal is a traceback about slow tokenizers and sentencepiece)
+        check_tokenizer_dir(tokenizer_path or model_dir, "tokenizer_path" if tokenizer_path else "model")
+    except ModelError as exc:
+        raise ModelError(f"{exc}: the prompts are encoded and the responses decoded with the policy's tokenizer; "
+                         "copy the tokenizer files of the model it was trained from into it") from None
     with _trusted_code(tokenizer_path or model_dir, trust_remote_code):
         tokenizer = load_tokenizer(tokenizer_path or model_dir, trust_remote_code)
     with _said_as(names):
