@@ -753,3 +753,18 @@ def test_the_evaluate_command_refuses_a_model_without_its_tokenizer_in_one_line(
         f"error: model: {bare} holds no tokenizer files (looked for tokenizer.json, tokenizer_config.json, "
         "tokenizer.model, vocab.json): the prompts are encoded and the responses decoded with the policy's "
         "tokenizer; copy the tokenizer files of the model it was trained from into it\n")
+
+
+def test_the_evaluate_command_says_how_it_takes_several_files_where_it_is_given_a_folder(setup, tmp_path, capsys):
+    """A folder in place of the data files was answered with training's list syntax (val_files=[a.parquet,...]),
+    which the command does not read: it takes the files one after another."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    folder = tmp_path / "split"
+    folder.mkdir()
+    (folder / "part.parquet").write_bytes(val.read_bytes())
+    assert evaluate([str(model), str(folder)]) == 2
+    assert capsys.readouterr().err == (f"error: val_files: {folder} is a folder; name its parquet files (several, one "
+                                       "after another: rlhf evaluate MODEL a.parquet b.parquet); it holds "
+                                       "part.parquet\n")

@@ -40,6 +40,7 @@ EVALUATE_NAMES = {
     "data.prompt_key": "--prompt-key",
     "data.reward_fn_key, which": "the column that",
     "evaluate with a custom reward function": "evaluate with a custom reward function (here: --custom-reward FILE.py)",
+    "a list: val_files=[a.parquet,b.parquet]": "several, one after another: rlhf evaluate MODEL a.parquet b.parquet",
 }
 
 
@@ -115,7 +116,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
     from rlhf_core.models.loading import ModelError, import_external_lib
-    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir
+    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir, reworded
     from rlhf_core.rewards import UnknownDataSourceError, custom_reward_fn
     from rlhf_core.rewards.manager import RewardError
     from rlhf_core.rollout.hf import NonFiniteLogits
@@ -146,7 +147,7 @@ def evaluate(argv: list[str] | None = None) -> int:
         problems.append(missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
                                                 data.prompt_key, prompt_option="--prompt-key "))
     except DataError as exc:
-        problems.append(str(exc))
+        problems.append(reworded(str(exc), EVALUATE_NAMES))
     if any(problems):
         print("\n".join(f"error: {problem}" for problem in problems if problem), file=sys.stderr)
         return 2

@@ -205,27 +205,28 @@ def _trusted_code(folder: str | Path, trust_remote_code: bool):
                          "--trust-remote-code) if you trust it") from exc
 
 
+def reworded(text: str, names: Mapping[str, str]) -> str:
+    """``text`` with each key of ``names`` (training's, such as ``data.max_prompt_length``) put as its value (what
+    a caller, a command, calls it: its own option)."""
+    for key, name in names.items():
+        text = text.replace(key, name)
+    return text
+
+
 @contextlib.contextmanager
 def _said_as(names: Mapping[str, str] | None):
-    """The notices (stderr) and DataErrors of the block with each key of ``names`` (training's, such as
-    ``data.max_prompt_length``) put as its value (what the caller, a command, calls it: its own option)."""
+    """The notices (stderr) and DataErrors of the block :func:`reworded` by ``names``."""
     if not names:
         yield
         return
-
-    def reworded(text: str) -> str:
-        for key, name in names.items():
-            text = text.replace(key, name)
-        return text
-
     notices = io.StringIO()
     try:
         with contextlib.redirect_stderr(notices):
             yield
     except DataError as exc:
-        raise type(exc)(reworded(str(exc))) from None
+        raise type(exc)(reworded(str(exc), names)) from None
     finally:
-        sys.stderr.write(reworded(notices.getvalue()))
+        sys.stderr.write(reworded(notices.getvalue(), names))
 
 
 @torch.no_grad()
