@@ -949,6 +949,11 @@ MIRRORS: dict[str, tuple[str, str]] = {
 CRITIC_ENABLE = "critic.enable"
 # keys whose "none" is written [] (validation refuses their null), with what [] means there
 EMPTY_NOT_NULL: dict[str, str] = {"data.val_files": "no validation"}
+# keys that take a string or a list of strings (validated as such), with the one of them whose null is taken
+STR_OR_LIST_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.target_modules",
+                    "critic.model.target_modules", "reward_model.train.train_files", "reward_model.train.val_files",
+                    "reward_model.train.model.target_modules")
+STR_OR_LIST_NULL = frozenset({"reward_model.train.val_files"})  # no held-out pairs
 # verl keys whose null stands for this trainer's default
 NULL_IS_DEFAULT = frozenset({"critic.optim.min_lr_ratio", "reward_model.micro_batch_size_per_gpu"})
 
@@ -1261,8 +1266,12 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
         if not targets:
             return None
         target = targets[0]
-    null, meaning = ("[]", f" ({EMPTY_NOT_NULL[target]})") if target in EMPTY_NOT_NULL else ("null", "")
     section, _, name = target.rpartition(".")
+    if target in STR_OR_LIST_KEYS and target not in STR_OR_LIST_NULL and target not in EMPTY_NOT_NULL:
+        example = "[a,b]" if not in_file else "[a, b]"
+        write = f"{target}={example}" if not in_file else f"{name}: {example}" + (f" under {section}" if section else "")
+        return f"{target}={value!r}: None is read as text, and {target} takes no null: a string or a list, e.g. {write}"
+    null, meaning = ("[]", f" ({EMPTY_NOT_NULL[target]})") if target in EMPTY_NOT_NULL else ("null", "")
     write = f"{target}={null}" if not in_file else f"{name}: {null}" + (f" under {section}" if section else "")
     return f"{target}={value!r}: None is read as text: write {write}{meaning}"
 
@@ -1844,14 +1853,10 @@ def validate_config(cfg: PPOConfig) -> None:
         if tp < 1 or cfg.world_size % tp:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the world size "
                           f"({cfg.world_size} = trainer.n_gpus_per_node * trainer.nnodes)")
-    for key, value in [("data.train_files", data.train_files), ("data.val_files", data.val_files),
-                       ("actor_rollout_ref.model.target_modules", arr.model.target_modules),
-                       ("critic.model.target_modules", critic.model.target_modules),
-                       ("reward_model.train.train_files", cfg.reward_model.train.train_files),
-                       ("reward_model.train.val_files", cfg.reward_model.train.val_files),
-                       ("reward_model.train.model.target_modules", cfg.reward_model.train.model.target_modules)]:
-        if value is None and key == "reward_model.train.val_files":
-            continue  # no held-out pairs
+    for key in STR_OR_LIST_KEYS:
+        value = attribute(cfg, key)
+        if value is None and key in STR_OR_LIST_NULL:
+            continue
         if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             none = "; for no validation, data.val_files=[]" if key == "data.val_files" and value is None else ""
             errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]{none}")

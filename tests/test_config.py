@@ -1184,6 +1184,28 @@ def test_none_written_for_no_validation_files_is_told_the_empty_list_that_is_tak
     assert load_config(config_file=path, notice=lambda _: None).data.val_files == []
 
 
+@pytest.mark.parametrize("key", ["data.train_files", "actor_rollout_ref.model.target_modules",
+                                 "reward_model.train.train_files"])
+def test_none_written_on_a_key_without_null_is_told_what_it_takes(key, tmp_path):
+    # these take a string or a list and no null: the advised KEY=null was refused in turn by validation
+    message = f"{key}='None': None is read as text, and {key} takes no null: a string or a list, e.g. "
+    assert _refusals([f"{key}=None"]) == [message + f"{key}=[a,b]"]
+    with pytest.raises(ConfigError) as info:  # as KEY=null would have been, by validation
+        load_config([f"{key}=null"], notice=lambda _: None)
+    assert f"{key}=None must be a string or a list of strings, e.g. {key}=[a,b]" in info.value.errors
+    section, _, name = key.rpartition(".")
+    path = tmp_path / "run.yaml"
+    path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                    + f"{'  ' * (section.count('.') + 1)}{name}: None\n")
+    assert _refusals([], path) == [message + f"{name}: [a, b] under {section} (in {path})"]
+
+
+def test_none_written_for_no_held_out_pairs_is_told_null_which_is_taken():
+    key = "reward_model.train.val_files"
+    assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
+    assert attribute(load_config([f"{key}=null"], notice=lambda _: None), key) is None
+
+
 @pytest.mark.parametrize(("section", "name"), [("trainer", "total_training_steps"), ("data", "tokenizer"),
                                                ("actor_rollout_ref.model", "tokenizer_path")])
 def test_none_written_for_null_in_a_config_file_is_told_the_files_null(section, name, tmp_path):
