@@ -21,6 +21,8 @@ from rlhf_core.data.validation import check_unchanged
 from rlhf_core.models.loading import import_external_lib
 from rlhf_core.pipeline.evaluate import (
     VAL_FINGERPRINT_VERSION,
+    EvalResult,
+    NoticesOnce,
     ProductionPairing,
     changed_problems,
     check_reward_unchanged,
@@ -87,9 +89,15 @@ def evaluate(
         "override_config": dict(model.override_config),  # the base model as training loaded it
         "trust_remote_code": model.trust_remote_code,  # a policy whose architecture is code in its folder
     }
+    once = NoticesOnce()  # each model's evaluation reads the data: its notices said by the first alone
+
+    def evaluate(path: str, **extra) -> EvalResult:
+        with once.said():
+            return evaluate_policy(path, cfg.data.val_files, **kwargs, **extra)
+
     base_model = model.path
-    base = evaluate_policy(base_model, cfg.data.val_files, tokenizer_path=model.tokenizer_path, **kwargs)
-    policy = evaluate_policy(ppo_checkpoint, cfg.data.val_files, **kwargs)
+    base = evaluate(base_model, tokenizer_path=model.tokenizer_path)
+    policy = evaluate(ppo_checkpoint)
     budget = (f"{policy.n} of {policy.total_problems} validation problems"
               f"{' (max_problems, stratified by data source)' if policy.n < policy.total_problems else ''}: "
               f"an accuracy near 50% is known to +-{stats.half_width(policy.n):.1%} (95%)")
@@ -106,7 +114,7 @@ def evaluate(
         record, checkpoint = (production_version.get_artifact(name) for name in ("evaluation", "ppo_checkpoint"))
         pairing = pair_with_production(candidate, version, record.load if record is not None else None,
                                        checkpoint.load if checkpoint is not None else None,
-                                       lambda path: evaluate_policy(path, cfg.data.val_files, **kwargs))
+                                       evaluate)
         if pairing.reevaluated:
             logger.info("production version %s: %s; its checkpoint was evaluated on these problems", version,
                         pairing.reevaluated)

@@ -3,18 +3,26 @@ metrics, the report, bad input; and two evaluations of one model under different
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import json
 import math
 import statistics
+import sys
 
 import pandas as pd
 import pytest
 
 from rlhf_core.config import DataConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError
-from rlhf_core.pipeline.evaluate import changed_problems, evaluate_policy, evaluation_html, per_problem_table
+from rlhf_core.pipeline.evaluate import (
+    NoticesOnce,
+    changed_problems,
+    evaluate_policy,
+    evaluation_html,
+    per_problem_table,
+)
 from rlhf_core.pipeline.promotion import decide
 
 
@@ -768,3 +776,39 @@ def test_the_evaluate_command_says_how_it_takes_several_files_where_it_is_given_
     assert capsys.readouterr().err == (f"error: val_files: {folder} is a folder; name its parquet files (several, one "
                                        "after another: rlhf evaluate MODEL a.parquet b.parquet); it holds "
                                        "part.parquet\n")
+
+
+def test_notices_once_leaves_out_a_notice_already_said_and_passes_the_rest_as_it_comes():
+
+    out = io.StringIO()
+    once = NoticesOnce()
+    with contextlib.redirect_stderr(out):
+        with once.said():
+            sys.stderr.write("notice: data cut 3 of 4 prompts\n")
+            sys.stderr.write("\r 50%|##   ")  # a progress bar's frame: no newline, passed at once
+            assert out.getvalue().endswith("\r 50%|##   ")
+            sys.stderr.write("\r100%|#### \n")
+        with once.said():
+            sys.stderr.write("noti")  # held: it could still be a notice
+            assert out.getvalue().endswith("\r100%|#### \n")
+            sys.stderr.write("ce: data cut 3 of 4 prompts\nnotice: data cut 2 of 4 prompts\n")
+            sys.stderr.write("a line\nnot")
+        sys.stderr.write("|")  # after the block: the held 'not' was written as it left
+    assert out.getvalue() == ("notice: data cut 3 of 4 prompts\n\r 50%|##   \r100%|#### \n"
+                              "notice: data cut 2 of 4 prompts\na line\nnot|")
+
+
+def test_the_pipeline_says_a_notice_of_the_data_once_for_the_models_it_evaluates(setup, capfd):
+    """Each model's evaluation reads the data (base, policy, production's checkpoint): the truncation notice
+    was said once for each."""
+    from rlhf_core.config import DataConfig
+
+
+    model, val = setup
+    once = NoticesOnce()
+    for _ in range(3):
+        with once.said():
+            evaluate_policy(model, str(val), DataConfig(max_prompt_length=20, truncation="left"), max_new_tokens=2,
+                            max_problems=2, reward_fn=lambda *args, **kwargs: 0.0)
+    notices = [line for line in capfd.readouterr().err.splitlines() if line.startswith("notice:")]
+    assert len(notices) == 1 and "cut 40 of 40 prompts longer than data.max_prompt_length" in notices[0], notices

@@ -205,6 +205,46 @@ def _trusted_code(folder: str | Path, trust_remote_code: bool):
                          "--trust-remote-code) if you trust it") from exc
 
 
+class NoticesOnce:
+    """Several evaluations of the same data (the base model, the policy, production's checkpoint) each read it, and
+    each said its notices (a truncation, an assistant turn): under ``with said():`` of one instance a ``notice:``
+    line of stderr already said is left out; every other line, a progress bar's frames included, passes as it
+    comes (a line is held back only while it could still be a notice)."""
+
+    PREFIX = "notice: "
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.out: Any = None
+        self.held = ""
+
+    def write(self, text: str) -> int:
+        for piece in text.splitlines(keepends=True):
+            line, self.held = self.held + piece, ""
+            if not line.endswith("\n") and (line.startswith(self.PREFIX) or self.PREFIX.startswith(line)):
+                self.held = line  # the rest of the line decides
+            elif not line.startswith(self.PREFIX):
+                self.out.write(line)
+            elif line not in self.seen:
+                self.seen.add(line)
+                self.out.write(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    @contextlib.contextmanager
+    def said(self):
+        self.out = sys.stderr
+        try:
+            with contextlib.redirect_stderr(self):
+                yield
+        finally:
+            if self.held:
+                self.out.write(self.held)
+                self.held = ""
+
+
 def reworded(text: str, names: Mapping[str, str]) -> str:
     """``text`` with each key of ``names`` (training's, such as ``data.max_prompt_length``) put as its value (what
     a caller, a command, calls it: its own option)."""
