@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -471,9 +472,11 @@ def _scoring_problems(cfg: PPOConfig, switch: bool, limit: int | None, template_
         f"at least {budget} positions{cut}, or lower data.max_response_length or data.max_prompt_length"]
 
 
-def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
+def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None,
+                  stuck_warnings: Sequence[str] | None = None):
     """Tokenizer, datasets, reward manager and trainer for a checked config (on a Ray worker group when
-    the world size is above 1, or when ``use_worker_group`` says so). :func:`trainer_session` closes it."""
+    the world size is above 1, or when ``use_worker_group`` says so; ``stuck_warnings``: the trainer's, None for all).
+    :func:`trainer_session` closes it."""
     from rlhf_core.training.trainer import PPOTrainer
 
     import_external_lib(cfg.actor_rollout_ref.model.external_lib)  # as each worker of a group imports it
@@ -487,7 +490,7 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
                       max_samples=cfg.data.val_max_samples, seed=seed) if cfg.data.val_files else None
     reward_fn = custom_reward_fn(cfg)
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
-                      device=cfg.trainer.device, use_worker_group=use_worker_group)
+                      device=cfg.trainer.device, use_worker_group=use_worker_group, stuck_warnings=stuck_warnings)
 
 
 class StoppedWithoutSaving(TrainingInterrupted):
@@ -591,10 +594,11 @@ def _warn_thresholds(trainer_cfg) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def trainer_session(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None):
+def trainer_session(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None,
+                    stuck_warnings: Sequence[str] | None = None):
     """:func:`build_trainer`, closed on the way out whatever happens (with a worker group its Ray actors stop
     there instead of outliving the caller). What the benchmarks and the smoke test drive step by step."""
-    trainer = build_trainer(cfg, logger=logger, use_worker_group=use_worker_group)
+    trainer = build_trainer(cfg, logger=logger, use_worker_group=use_worker_group, stuck_warnings=stuck_warnings)
     try:
         yield trainer
     finally:

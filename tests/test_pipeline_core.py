@@ -96,6 +96,19 @@ def test_the_dry_run_gives_no_advice_about_its_own_response_cap(big_model_setup,
     assert "WARNING step" not in err
 
 
+
+def test_the_dry_run_says_nothing_of_a_random_clones_answers_scored_alike(big_model_setup, tmp_path, capsys):
+    """A random clone's answers, ended before the cap, all fail the rule reward alike: that says nothing of the
+    reward (the trainer's "check the reward" would be a false alarm), so the dry run of a clone gives no warning
+    about scores alike."""
+    _, _, cfg = big_model_setup
+    report = run_smoke_test(cfg, tmp_path, n_prompts=4, response_length=64)
+    assert report.passed and report.cloned, report.summary()
+    first = report.metrics[0]
+    assert first["response_length/clip_ratio"] < 0.9  # (not cut: the cut would explain the scores alike)
+    assert first["critic/score/min"] == first["critic/score/max"] == 0.0
+    assert "WARNING step" not in capsys.readouterr().err
+
 @pytest.fixture(scope="module")
 def overlong_setup(tmp_path_factory):
     """A tiny model and 8 training prompts, rows 0, 2 and 5 made far longer than data.max_prompt_length."""

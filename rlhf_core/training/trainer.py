@@ -206,6 +206,9 @@ def scores_without_spread(scores: torch.Tensor, groups: Sequence | None = None,
 
 #: steps between two warnings of the same kind about a run that cannot learn (:meth:`PPOTrainer._warn_if_stuck`)
 STUCK_WARNING_EVERY = 20
+#: the kinds of warning about a run that cannot learn (:meth:`PPOTrainer._warn_if_stuck`): most responses cut off
+#: at data.max_response_length ("clip"), scores that tell no responses apart ("flat")
+STUCK_WARNINGS = ("clip", "flat")
 #: the share of responses cut at data.max_response_length from which the run is warned
 CLIP_RATIO_WARNING = 0.9
 
@@ -281,7 +284,12 @@ class PPOTrainer:
 
     def __init__(self, config: PPOConfig, tokenizer, train_dataset: RLHFDataset, val_dataset: RLHFDataset | None,
                  reward_manager: RewardManager, logger: Callable[[dict[str, float], int], None] | None = None,
-                 device: str = "cpu", use_worker_group: bool | None = None):
+                 device: str = "cpu", use_worker_group: bool | None = None,
+                 stuck_warnings: Sequence[str] | None = None):
+        stuck_warnings = STUCK_WARNINGS if stuck_warnings is None else stuck_warnings
+        if unknown := sorted(set(stuck_warnings) - set(STUCK_WARNINGS)):
+            raise ValueError(f"stuck_warnings: {', '.join(unknown)} is not a kind of warning the trainer gives "
+                             f"(its kinds: {', '.join(STUCK_WARNINGS)})")
         self.config = config
         self.tokenizer = tokenizer
         self.train_dataset = train_dataset
@@ -358,6 +366,7 @@ class PPOTrainer:
         self._noted_idle_guards = False  # said once that a guard has nothing to watch (prompts alone)
         self.scores_flat = False  # whether the last train_step's scores told no responses apart (scores_without_spread)
         self._stuck_warned: dict[str, int] = {}  # the step each kind of warning of a run that cannot learn was given
+        self.stuck_warnings = frozenset(stuck_warnings)  # the kinds of those warnings given (STUCK_WARNINGS)
         self.last_saved_step: int | None = None
         self.resumed_from: Path | None = None  # the checkpoint load_checkpoint loaded
         # the folder of each checkpoint the guards may restore (a resume's earlier ones are beside the one it
@@ -927,8 +936,10 @@ class PPOTrainer:
         """Warn where the step shows a run that cannot learn, each kind at most once every
         :data:`STUCK_WARNING_EVERY` steps: most responses cut off at ``data.max_response_length`` (a cut response
         seldom reaches its answer), or scores that tell no responses apart where the advantage estimator compares
-        them (:func:`scores_without_spread`). A group estimator with one response a prompt is a config fact, said
-        once before the first step (:meth:`_warn_single_response_groups`)."""
+        them (:func:`scores_without_spread`). Only the kinds in ``stuck_warnings`` (the constructor's) are given:
+        a step both cut off and scored alike is warned of as cut off ("clip"), the cut explaining the alike scores.
+        A group estimator with one response a prompt is a config fact, said once before the first step
+        (:meth:`_warn_single_response_groups`)."""
         cfg = self.config
         length = cfg.data.max_response_length
         clipped = metrics.get("response_length/clip_ratio", 0.0)
@@ -961,6 +972,8 @@ class PPOTrainer:
                                       "reward model, and the data's ground truth (its reward_model.ground_truth "
                                       "field)")
         else:
+            return
+        if kinds[0] not in self.stuck_warnings:  # the kind whose advice it gives (cut and alike: the length's)
             return
         if all(kind in self._stuck_warned and step - self._stuck_warned[kind] < STUCK_WARNING_EVERY for kind in kinds):
             return
