@@ -1044,6 +1044,36 @@ def test_retraining_a_model_without_a_production_version_is_refused_before_its_r
     assert check_production_exists(model) is None  # left to check_new_data, where the run reads the store
 
 
+
+def test_a_run_config_file_is_read_once_for_its_schedule_and_its_steps(monkeypatch, tmp_path):
+    """The pipeline read its run config file as it prepared (a schedule: block: the run is to be scheduled, so
+    a model without a production version is not refused yet) and again as it compiled (its steps: must be the
+    pipeline's); one reading now serves both, and each check still acts on what it reads."""
+    from zenml import Model
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from rlhf_core.pipeline.run_config import RunConfigError
+
+    zenml_client()
+    setup = tiny_setup()
+    run_config = tmp_path / "scheduled.yaml"
+    run_config.write_text("schedule:\n  cron_expression: '0 3 * * *'\nsteps:\n  evaluat:\n    parameters: "
+                          "{max_problems: 4}\n")
+    reads, read_text = [], Path.read_text
+
+    def counted(path, *args, **kwargs):
+        reads.extend([path] if Path(path) == run_config else [])
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    with pytest.raises(RunConfigError) as raised:  # ("read once never promoted" has no production version)
+        rlhf_retrain_pipeline.with_options(model=Model(name="read once never promoted"), config_path=str(run_config))(
+            trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+            val_files=str(setup.val_file))
+    assert str(raised.value).splitlines()[1].startswith(
+        "  - steps.evaluat is not a step of rlhf_retrain_pipeline; did you mean evaluate?")
+    assert len(reads) == 1
+
 def test_gate_does_not_count_refusals_without_a_comparison():
     """Production evaluated on other problems, or scored otherwise: promote refused without judging the
     candidate, and fixing the evaluation's settings must not leave the data blocked."""

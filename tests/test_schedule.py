@@ -108,6 +108,25 @@ def test_print_crontab(tmp_path, capsys, monkeypatch):
     assert line.endswith("retrain.log 2>&1")
 
 
+
+def test_the_check_before_scheduling_reads_the_run_config_file_once(tmp_path, monkeypatch):
+    """It read the file for its parameters, then again for its steps: section."""
+    from rlhf_core.pipeline.run_config import RunConfigError, check_run_config_file
+
+    config = tmp_path / "retrain.yaml"
+    config.write_text("parameters: {}\nsteps:\n  evaluat:\n    parameters: {max_problems: 8}\n")
+    reads, read_text = [], Path.read_text
+
+    def counted(path, *args, **kwargs):
+        reads.extend([path] if Path(path) == config else [])
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    with pytest.raises(RunConfigError, match="steps.evaluat is not a step of rlhf_retrain_pipeline; did you mean "
+                                             "evaluate?"):
+        check_run_config_file(config, "pipelines.retrain.rlhf_retrain_pipeline")
+    assert len(reads) == 1
+
 @pytest.mark.parametrize(("run_config", "told"), [
     ("parameters:\n  overrides: [trainer.total_trainig_steps=2]\n",
      "unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps?"),

@@ -10,8 +10,9 @@ import contextvars
 import difflib
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pydantic
 from zenml.pipelines.pipeline_definition import Pipeline
@@ -54,11 +55,11 @@ def parameter_problems(entrypoint: Callable, error: pydantic.ValidationError) ->
     return problems
 
 
-def step_config_problems(run_config: str | Path, pipeline: Pipeline) -> list[str]:
-    """What the ``steps:`` section of the run config file ``run_config`` names that ``pipeline`` (prepared: its
-    step invocations made) does not have: a step (ZenML warns and ignores its settings) or a step's parameter
-    (ZenML raises through a traceback)."""
-    steps = _run_config_tree(run_config).get("steps") or {}
+def step_config_problems(run_config: Mapping[str, Any], pipeline: Pipeline) -> list[str]:
+    """What the ``steps:`` section of a run config file (``run_config``: its mapping, as read) names that
+    ``pipeline`` (prepared: its step invocations made) does not have: a step (ZenML warns and ignores its
+    settings) or a step's parameter (ZenML raises through a traceback)."""
+    steps = run_config.get("steps") or {}
     if not isinstance(steps, dict):
         return []
     problems = []
@@ -99,22 +100,32 @@ class CheckedPipeline(Pipeline):
     Made by :func:`checked_parameters`."""
 
     def _compile(self, config_path: str | None = None, **run_configuration_args):
-        if config_path and (problems := step_config_problems(config_path, self)):
+        if config_path and (problems := step_config_problems(self._run_config(config_path), self)):
             raise RunConfigError("\n".join([REFUSED, *(f"  - {problem}" for problem in problems)]))
         return super()._compile(config_path=config_path, **run_configuration_args)
 
     def prepare(self, *args, **kwargs):
         """ZenML's ``prepare`` (which runs the pipeline's body, where its checks are), with
-        :data:`COMPILING_SCHEDULE` set where the run is to be registered with a schedule."""
+        :data:`COMPILING_SCHEDULE` set where the run is to be registered with a schedule. The run config file
+        read for its ``schedule:`` is kept for :meth:`_compile`'s check of its ``steps:`` (a run prepares, then
+        compiles): one reading of the file for both."""
         run_args = getattr(self, "_run_args", None) or {}
         config_path = run_args.get("config_path")
-        scheduled = run_args.get("schedule") is not None or bool(
-            config_path and _run_config_tree(config_path).get("schedule"))
-        token = COMPILING_SCHEDULE.set(scheduled)
+        self._prepared_run_config = None
+        tree = _run_config_tree(config_path) if config_path else {}
+        token = COMPILING_SCHEDULE.set(run_args.get("schedule") is not None or bool(tree.get("schedule")))
         try:
-            return super().prepare(*args, **kwargs)
+            prepared = super().prepare(*args, **kwargs)
         finally:
             COMPILING_SCHEDULE.reset(token)
+        self._prepared_run_config = (config_path, tree) if config_path else None
+        return prepared
+
+    def _run_config(self, config_path: str) -> dict:
+        """The mapping of the run config file ``config_path``: as :meth:`prepare` read it for this run (taken,
+        so that a later compile reads the file again), else read now."""
+        kept, self._prepared_run_config = getattr(self, "_prepared_run_config", None), None
+        return kept[1] if kept is not None and kept[0] == config_path else _run_config_tree(config_path)
 
     def _validate_entrypoint_args(self, *args, **kwargs):
         try:

@@ -249,7 +249,7 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
         prepared.prepare(**given)
     finally:
         _SCHEDULING.reset(scheduling)
-    if problems := step_config_problems(run_config, prepared):
+    if problems := step_config_problems(tree, prepared):  # (the file as read above)
         raise RunConfigError(f"run config {run_config}: {'; '.join(problems)}")
     if "schedule" in tree:
         raise RunConfigError(
