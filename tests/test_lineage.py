@@ -384,6 +384,34 @@ def test_the_data_files_of_a_version_are_checked_against_the_fingerprint_it_vali
         "files": files, "recorded": validated, "status": "missing", "missing": [str(val)]}
 
 
+
+def test_the_data_check_reads_the_paths_as_the_trainer_does_without_importing_torch(tmp_path, monkeypatch):
+    """Checking a version's data files imported torch (the trainer's dataset module, for its reading of one path
+    or a list), a second and a half of the command for nothing it uses."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.pipeline.lineage import _paths
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert _paths("~/d/train.parquet") == [tmp_path / "d" / "train.parquet"]
+    assert _paths(["a.parquet", Path("~/b.parquet")]) == [Path("a.parquet"), tmp_path / "b.parquet"]
+    assert _paths(None) == []
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"the rows the version trained on")
+    val.write_bytes(b"its validation rows")
+    validated = splits_fingerprint([train], [val])
+    probe = ("import sys\n"
+             "from rlhf_core.pipeline.lineage import check_data_files, check_reward_file, recorded_paths\n"
+             f"check = check_data_files('~/train.parquet', recorded_paths(['~/val.parquet']), {validated!r})\n"
+             "print(check['status'], check_reward_file({'kind': 'builtin'}), 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["unchanged", "None", "False"], done.stderr
+
 def test_a_custom_reward_file_is_kept_and_checked_against_its_sha256(tmp_path, monkeypatch):
     import ast
     import hashlib

@@ -150,10 +150,10 @@ SOURCE_KEY = "custom_source"
 
 def _paths(files: Any) -> list[Path]:
     """``data.train_files`` / ``val_files`` as recorded (one path, a list of them, or None) as paths, as the
-    trainer reads them (:func:`~rlhf_core.data.dataset.as_file_list`)."""
-    from rlhf_core.data.dataset import as_file_list  # (brings torch)
-
-    return [] if files is None else as_file_list(files)
+    trainer reads them (:func:`~rlhf_core.data.dataset.as_file_list`: ``~`` expanded); not imported from there,
+    whose module brings torch, which reading a version's lineage has no use for."""
+    names = [] if files is None else [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    return [Path(os.path.expanduser(str(name))) for name in names]
 
 
 def recorded_paths(files: Any) -> Any:
