@@ -10,7 +10,6 @@ from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
-from rlhf_core.pipeline.lineage import SOURCE_KEY, custom_reward_source
 
 logger = get_logger(__name__)
 
@@ -23,9 +22,7 @@ class RewardCheckError(ValueError):
 def define_reward(ppo_config: dict, dataset_fingerprint: str) -> Annotated[dict, "reward_spec"]:
     """The versioned reward spec; stops the run when a reference solution scores below full marks."""
     cfg = PPOConfig.from_dict(ppo_config)
-    spec = reward_spec(cfg)
-    if spec["custom_path"]:  # the text of its files, read back by rlhf-lineage --reward-source (outside the sha256)
-        spec[SOURCE_KEY] = custom_reward_source(spec["custom_path"])
+    spec = reward_spec(cfg, keep_source=True)  # a custom reward's files, read back by rlhf-lineage --reward-source
     check = check_reference_solutions(cfg)
     spec["self_check"] = {"dataset_fingerprint": dataset_fingerprint, "checked": check.checked,
                           "mismatches": check.mismatches[:20], "passed": check.success}

@@ -412,6 +412,29 @@ def test_the_data_check_reads_the_paths_as_the_trainer_does_without_importing_to
                           env={**os.environ, "HOME": str(tmp_path), "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.stdout.split() == ["unchanged", "None", "False"], done.stderr
 
+def test_a_custom_reward_is_checked_without_importing_torch(tmp_path):
+    """The code hash a custom reward's check makes again lived in the evaluation's module, which imports torch:
+    every lineage of a custom reward's version imported it, for a walk of a few files."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "helper.py").write_text("import math\n\ndef half(x):\n    return x / 2\n")
+    (tmp_path / "my_reward.py").write_text("from helper import half\n\ndef score_it(*args, **kwargs):\n"
+                                           "    return half(1.0)\n")
+    probe = ("import hashlib, sys\n"
+             "from rlhf_core.pipeline.lineage import SOURCE_KEY, check_reward_file, custom_reward_source\n"
+             "from rlhf_core.pipeline.reward_code import user_code\n"
+             "code, _, _ = user_code(__import__('pathlib').Path('my_reward.py'))\n"
+             "spec = {'kind': 'custom', 'custom_path': 'my_reward.py', SOURCE_KEY: custom_reward_source('my_reward.py'),"
+             " 'functions': {'any': {'source_sha256': hashlib.sha256(code.encode()).hexdigest()}}}\n"
+             "check = check_reward_file(spec)\n"
+             "print(check['status'], len(check['files']), 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.stdout.split() == ["unchanged", "2", "False"], done.stderr
+
+
 def test_a_custom_reward_file_is_kept_and_checked_against_its_sha256(tmp_path, monkeypatch):
     import ast
     import hashlib
@@ -724,8 +747,8 @@ def test_a_change_to_a_module_the_reward_imports_reads_as_a_changed_reward_and_e
     file kept, each under its path."""
     import hashlib
 
-    from rlhf_core.pipeline.evaluate import _user_code
     from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
+    from rlhf_core.pipeline.reward_code import user_code
 
     monkeypatch.chdir(tmp_path)
     grading, reward = tmp_path / "grading.py", tmp_path / "reward.py"
@@ -735,7 +758,7 @@ def test_a_change_to_a_module_the_reward_imports_reads_as_a_changed_reward_and_e
                    "    return score(solution_str)\n")
     grading.write_text(grading_text)
     reward.write_text(reward_text)
-    code = hashlib.sha256(_user_code(reward)[0].encode()).hexdigest()  # (define_reward's source_sha256)
+    code = hashlib.sha256(user_code(reward)[0].encode()).hexdigest()  # (define_reward's source_sha256)
     spec = {"kind": "custom", "custom_path": str(reward), "custom_source": custom_reward_source(reward),
             "functions": {"compute_score": {"source_sha256": code}}, "sha256": "5e"}
     assert [(f["path"], f["sha256"], f["text"]) for f in spec["custom_source"]["files"]] == [
@@ -770,8 +793,8 @@ def test_a_module_found_in_the_directory_the_reward_was_recorded_from_is_found_t
     check made later from another directory still reads it there, and finds the reward unchanged."""
     import hashlib
 
-    from rlhf_core.pipeline.evaluate import _user_code
     from rlhf_core.pipeline.lineage import check_reward_file, custom_reward_source
+    from rlhf_core.pipeline.reward_code import user_code
 
     project, rewards, elsewhere = tmp_path / "project", tmp_path / "rewards", tmp_path / "elsewhere"
     for folder in (project, rewards, elsewhere):
@@ -780,7 +803,7 @@ def test_a_module_found_in_the_directory_the_reward_was_recorded_from_is_found_t
     reward = rewards / "reward.py"
     reward.write_text("from grading import score\n\ndef compute_score(*args):\n    return score(args[1])\n")
     monkeypatch.chdir(project)
-    code = hashlib.sha256(_user_code(reward)[0].encode()).hexdigest()
+    code = hashlib.sha256(user_code(reward)[0].encode()).hexdigest()
     spec = {"kind": "custom", "custom_path": str(reward), "custom_source": custom_reward_source(reward),
             "functions": {"compute_score": {"source_sha256": code}}}
     assert [f["path"] for f in spec["custom_source"]["files"]] == [str(reward), str(project / "grading.py")]

@@ -350,6 +350,29 @@ def _spec_hash(path: Path) -> str:
     return reward_spec(_custom_config(path), data_sources=["anything"])["sha256"]
 
 
+def test_the_reward_spec_keeps_the_files_its_hash_read_reading_each_once(tmp_path, monkeypatch):
+    """define_reward hashed the reward's files, then read them all again to keep their text: two walks, and a file
+    edited between them was kept with text other than what was hashed."""
+    import hashlib
+
+    from rlhf_core.pipeline.lineage import SOURCE_KEY
+
+    helper, custom = tmp_path / "helper.py", tmp_path / "my_reward.py"
+    helper.write_text("def half(x):\n    return x / 2\n")
+    custom.write_text("from helper import half\n\ndef score_it(*args, **kwargs):\n    return half(1.0)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reads = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or read_bytes(self))
+    spec = reward_spec(_custom_config(custom), data_sources=["anything"], keep_source=True)
+    assert sorted(reads) == ["helper.py", "my_reward.py"]
+    assert [(entry["path"], entry["sha256"], entry["text"]) for entry in spec[SOURCE_KEY]["files"]] == [
+        (str(path), hashlib.sha256(path.read_bytes()).hexdigest(), path.read_text()) for path in (custom, helper)]
+    assert spec[SOURCE_KEY]["cwd"] == str(tmp_path)
+    assert spec["sha256"] == _spec_hash(custom)  # kept beside the hash, not in it
+
+
 def test_the_reward_spec_follows_helpers_of_helpers_and_the_constants_they_read(tmp_path):
     custom = tmp_path / "my_reward.py"
     custom.write_text(REWARD_WITH_HELPERS.format(keep="{'1', '2', '3'}", limit=5))

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_core.pipeline.promotion import stage_disagreement
+from rlhf_core.pipeline.reward_code import user_code
 
 # (stage, step name, what the stage is about); the retraining gate appears only in retraining runs
 CHAIN = [
@@ -215,13 +216,17 @@ def _text(data: bytes) -> str:
 def custom_reward_source(path: str | os.PathLike) -> dict[str, Any]:
     """What the reward spec keeps of a custom reward (under :data:`SOURCE_KEY`): each file its code hash reads
     (the reward file, then the modules it imports from beside it or from the current directory, as
-    :func:`~rlhf_core.pipeline.evaluate._user_code` finds them) with its path, the SHA-256 of its bytes and its
+    :func:`~rlhf_core.pipeline.reward_code.user_code` finds them) with its path, the SHA-256 of its bytes and its
     text; and that current directory. A version's reward can then be read back, and checked, after its files
     have changed."""
-    from rlhf_core.pipeline.evaluate import _user_code  # (brings torch)
-
     cwd = Path.cwd()
-    _, _, files = _user_code(Path(path), cwd)
+    _, _, files = user_code(Path(path), cwd)
+    return kept_source(files, cwd)
+
+
+def kept_source(files: Mapping[Path, bytes], cwd: Path) -> dict[str, Any]:
+    """:func:`custom_reward_source` of the files :func:`~rlhf_core.pipeline.reward_code.user_code` read (their
+    bytes, by path) from ``cwd``: what the code hash was made of is what is kept."""
     return {"cwd": str(cwd), "files": [{"path": str(file), "sha256": hashlib.sha256(data).hexdigest(),
                                         "text": _text(data)} for file, data in files.items()]}
 
@@ -252,13 +257,11 @@ def _file_check(path: str, recorded: str) -> dict[str, Any]:
 def _code_check(path: str, recorded: str | None, cwd: str | None) -> tuple[dict[str, Any], list[str]]:
     """The reward's code hash then (``source_sha256``) against the same hash of its code now, with the modules it
     imports found from the directory it was recorded in (``cwd``; None: this one); and the files read for it."""
-    from rlhf_core.pipeline.evaluate import _user_code  # (brings torch)
-
     check = {"recorded": recorded}
     if not Path(path).is_file():
         return {**check, "status": MISSING}, []
     try:
-        code, _, files = _user_code(Path(path), Path(cwd) if cwd else None)
+        code, _, files = user_code(Path(path), Path(cwd) if cwd else None)
     except OSError as exc:
         return {**check, "status": UNREADABLE, "now": f"{UNREADABLE} ({_reason(exc)})"}, []
     except (SyntaxError, ValueError) as exc:  # not code any more: not what was recorded

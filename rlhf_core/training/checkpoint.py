@@ -1157,11 +1157,11 @@ def reward_code_fingerprint(path: str | os.PathLike) -> dict:
     be read or parsed (loading the reward then says why)."""
     import ast
 
-    from rlhf_core.pipeline.evaluate import _user_code  # (the reward spec's walk of the user's modules)
+    from rlhf_core.pipeline.reward_code import user_code  # (the reward spec's walk of the user's modules)
 
     file = Path(os.path.expanduser(str(path))).resolve()
     try:
-        _, _, read = _user_code(file)
+        _, _, read = user_code(file)
     except (OSError, SyntaxError, ValueError):
         return {"path": str(file), "files": None}
     return {"path": str(file), "files": {  # (the file itself by its role: renamed or moved, the same code resumes)
