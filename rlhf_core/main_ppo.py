@@ -30,6 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+if __name__ == "__main__":  # python -m rlhf_core.main_ppo: run as rlhf-ppo is, before this module imports torch
+    # below, so that a Ctrl-C in the command's first seconds ends it with one line and 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("ppo", None, "python -m rlhf_core.main_ppo"))
+
 import torch
 
 from rlhf_core.config import PPOConfig
@@ -697,7 +703,3 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         resumed_from=str(resume_from) if resume_from is not None else None,
     )
 
-
-if __name__ == "__main__":
-    from rlhf_core.cli.train import ppo
-    sys.exit(ppo())

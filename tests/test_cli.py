@@ -430,6 +430,20 @@ def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, 
         130, [f"interrupted by SIGINT: {name} stopped as it started: nothing was done"]), done.stderr[-2000:]
 
 
+def test_a_ctrl_c_as_python_m_main_ppo_starts_exits_130_with_one_line(repo_root, tmp_path):
+    """``python -m rlhf_core.main_ppo`` ran the module itself, whose own imports (torch) came before any code that
+    could take a Ctrl-C: it came out as a traceback."""
+    runner = tmp_path / "main_ppo"  # what ``python -m`` does, after the Ctrl-C's hook
+    runner.write_text(CTRL_C_AS_IT_STARTS + "import runpy\n"
+                      "runpy.run_module('rlhf_core.main_ppo', run_name='__main__', alter_sys=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    done = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        130, ["interrupted by SIGINT: python -m rlhf_core.main_ppo stopped as it started: nothing was done"]), \
+        done.stderr[-2000:]
+
+
 def test_a_ctrl_c_during_the_dry_run_exits_130_with_one_line(monkeypatch, capsys):
     """python -m rlhf_core.pipeline.smoke calls the command itself: a Ctrl-C in the dry run came out as a
     traceback."""
