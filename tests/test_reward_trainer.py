@@ -761,7 +761,7 @@ def test_a_model_whose_weights_are_nan_stops_at_its_first_step_and_exports_nothi
     assert train_rm(_overrides(broken, pairs_dir, out, "reward_model.train.save_freq=1")) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 1: its loss is nan (train/loss): the weights the step "
-        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
+        "started from hold NaN or inf values, so its update was skipped and the run saves and exports nothing more; "
         f"they are those of reward_model.train.model.path ({broken}): check that model for NaN or inf weights")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "metrics.jsonl"]  # no checkpoint, no huggingface/
@@ -796,7 +796,7 @@ def test_an_update_that_wrecks_the_weights_stops_the_run_at_its_save_or_the_next
                                "reward_model.train.test_freq=-1")) == 1
     stopped = ("step 1: the weights hold NaN or inf values, so the run saves and exports nothing more"
                if save_freq == 1 else  # its save refuses them
-               "step 2: its loss is nan (train/loss): the weights the step started from give NaN or inf scores, so "
+               "step 2: its loss is nan (train/loss): the weights the step started from hold NaN or inf values, so "
                "its update was skipped and the run saves and exports nothing more")
     assert capsys.readouterr().err.splitlines()[-1] == (
         f"error: training the reward model stopped at {stopped}; an update up to step 1 diverged: no checkpoint was "
@@ -824,6 +824,36 @@ def test_weights_the_last_update_left_nan_are_neither_saved_nor_exported(tiny, p
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
     assert list(_records(out)) == [1, 2]  # no closing validation record: the weights were refused before it
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_lone_non_finite_loss_on_finite_weights_skips_its_update_and_training_goes_on(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """As a step in bfloat16 or float16 can overflow once: its scores NaN, the weights finite. Its update is skipped
+    (as verl's and TRL's trainers skip such a step) rather than the run stopped as though the weights were bad."""
+    rewards = RewardModelWorker._rewards
+
+    def overflow_in_step_1(worker, micro):
+        chosen, rejected = rewards(worker, micro)
+        if worker.scheduler.last_epoch == 0:  # (the scheduler steps after the update)
+            chosen = chosen * math.nan
+        return chosen, rejected
+
+    monkeypatch.setattr(RewardModelWorker, "_rewards", overflow_in_step_1)
+    out = tmp_path / "out"
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2",
+                               "reward_model.train.save_freq=1", "reward_model.train.test_freq=-1")) == 0
+    assert ("warning: the loss of step 1 is nan (train/loss) while the weights are finite, as one step in reduced "
+            "precision can overflow: its update was skipped (train/skipped_step) and training goes on"
+            ) in capsys.readouterr().err.splitlines()
+    steps = [record for record in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if "train/loss" in record]  # (the closing validation's record is another line of step 2)
+    assert [(record["step"], record["train/skipped_step"]) for record in steps] == [(1, 1), (2, 0)]
+    assert steps[0]["train/loss"] is None and math.isfinite(steps[1]["train/loss"])
+    # two steps, one update: AdamW counted a single step for every weight it trained
+    optim = torch.load(out / "global_step_2" / "reward_model" / "optim_state.pt", weights_only=False)["optimizer"]
+    assert {float(state["step"]) for state in optim["state"].values()} == {1.0}
+    assert (out / "huggingface" / "config.json").is_file()
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -860,7 +890,7 @@ def test_nan_weights_resumed_from_another_folder_are_named_as_the_checkpoint_the
                                f"reward_model.train.resume_from_path={first / 'global_step_1'}")) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 2: its loss is nan (train/loss): the weights the step "
-        "started from give NaN or inf scores, so its update was skipped and the run saves and exports nothing more; "
+        "started from hold NaN or inf values, so its update was skipped and the run saves and exports nothing more; "
         f"they are those of the checkpoint the run resumed from, {first / 'global_step_1'}: resume from an earlier "
         "one, or start again with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or "
         "another reward_model.train.default_local_dir)")

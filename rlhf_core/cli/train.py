@@ -5,7 +5,7 @@
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
 Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it, a worker failed or a logger
-could not record a step; ``train-rm``: a worker failed, the loss, the weights or a validation's loss were not
+could not record a step; ``train-rm``: a worker failed, the weights or a validation's loss were not
 finite, or a logger could not record a step; ``smoke``: a check failed); 2 bad input, refused before anything trains
 (config, data, preference data, model, checkpoint) or met on the way (``ppo`` and ``smoke``: a reward function that
 failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be

@@ -35,13 +35,15 @@ records the chat-template keyword arguments the pairs were encoded with
 window (``reward_model.train.overlong=truncate``) or left out of training and validation (``drop``, as TRL's
 RewardTrainer).
 
-A step whose loss is not finite stops the run (exit 1): its update is skipped, so the weights it started from
-would meet every later step alike; nothing more is saved and nothing is exported. So does a save or the export
-that would write weights holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and
-a validation whose loss is not finite. A logger that cannot record a step stops the run (exit 1), naming the
-checkpoint a rerun resumes from.
+A step whose loss or gradient is not finite takes no update (``train/skipped_step``) and training goes on, as
+verl's workers skip a step whose gradient norm is not finite (one step in bfloat16 or float16 can overflow); where
+the loss is not finite because the weights hold NaN or inf the run stops (exit 1), since they would meet every later
+step alike: nothing more is saved and nothing is exported. So does a save or the export that would write weights
+holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and a validation whose loss
+is not finite. A logger that cannot record a step stops the run (exit 1), naming the checkpoint a rerun resumes
+from.
 
-Exit codes (as PPO's): 0 done; 1 a worker failed, the loss, the weights or a validation's loss were not finite, or
+Exit codes (as PPO's): 0 done; 1 a worker failed, the weights or a validation's loss were not finite, or
 a logger failed; 2 bad input: config, preference data (the message names the file, columns or rows), model
 directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
@@ -720,8 +722,12 @@ class RewardModelTrainer:
                     first = False
                 step = self.global_step
                 if not math.isfinite(metrics["train/loss"]):
-                    log(metrics, step)  # the step's record, with its loss, before the run stops on it
-                    raise self._not_finite(step, metrics["train/loss"])
+                    if not self.worker.weights_finite():  # (its update skipped: those the step started from)
+                        log(metrics, step)  # the step's record, with its loss, before the run stops on it
+                        raise self._not_finite(step, metrics["train/loss"])
+                    tqdm.write(f"warning: the loss of step {step} is {metrics['train/loss']} (train/loss) while the "
+                               "weights are finite, as one step in reduced precision can overflow: its update was "
+                               "skipped (train/skipped_step) and training goes on", file=sys.stderr)
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
                     last_val = self.validate()
                     metrics.update(last_val)
@@ -745,12 +751,13 @@ class RewardModelTrainer:
         return last_val
 
     def _not_finite(self, step: int, loss: float) -> GuardError:
-        """The error to stop the run with where step ``step``'s loss was not finite. Its update was skipped (the
-        workers take none on a non-finite loss), so the weights it started from, which gave NaN or inf scores, would
-        meet every later step alike and be exported: nothing more is saved or exported, and the message says where
-        those weights came from and how to go on (``optim.lr`` cannot change on a resume: a new run)."""
+        """The error to stop the run with where step ``step``'s loss was not finite and the weights hold NaN or inf.
+        Its update was skipped (the workers take none on a non-finite loss), so those weights, the ones it started
+        from, would meet every later step alike and be exported: nothing more is saved or exported, and the message
+        says where those weights came from and how to go on (``optim.lr`` cannot change on a resume: a new run).
+        On finite weights the step is skipped alone (one that overflowed in reduced precision) and training goes on."""
         said = (f"training the reward model stopped at step {step}: its loss is {loss} (train/loss): the weights "
-                "the step started from give NaN or inf scores, so its update was skipped and the run saves and "
+                "the step started from hold NaN or inf values, so its update was skipped and the run saves and "
                 "exports nothing more; ")
         return GuardError(said + self._weights_from(step - 1))
 
