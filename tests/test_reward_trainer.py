@@ -928,6 +928,61 @@ def test_a_logger_failure_names_the_checkpoint_a_rerun_resumes_from(tiny, pairs_
     assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
 
 
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("earlier_run", [False, True])  # the new folder empty, or holding an earlier run's
+def test_a_failure_after_a_resume_from_another_folder_names_the_checkpoint_it_resumed_from(
+        tiny, pairs_dir, tmp_path, capsys, earlier_run):
+    """Until it saves, a run resumed from reward_model.train.resume_from_path has its weights in that checkpoint
+    alone: the same command resumes from it again, where resume_mode=auto would take the new folder's latest (none:
+    a fresh start; or an earlier run's)."""
+    from rlhf_core.training.trainer import LoggingError
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_rm(_overrides(tiny, pairs_dir, first, "reward_model.train.total_training_steps=1")) == 0
+    if earlier_run:
+        assert train_rm(_overrides(tiny, pairs_dir, second, "reward_model.train.total_training_steps=1",
+                                   "reward_model.train.seed=7")) == 0
+
+    def log(metrics, step):
+        if step == 2:
+            raise OSError("No space left on device")
+
+    trainer = RewardModelTrainer(load_config(_overrides(
+        tiny, pairs_dir, second, "reward_model.train.total_training_steps=2", "reward_model.train.resume_mode=resume_path",
+        f"reward_model.train.resume_from_path={first / 'global_step_1'}")))
+    with pytest.raises(LoggingError) as raised:
+        trainer.fit(log)
+    assert str(raised.value) == (
+        f"logging the metrics of step 2 failed (OSError: No space left on device); the latest checkpoint "
+        f"{first / 'global_step_1'} is intact: rerun the same command to resume from it")
+
+    # stopped in step 2 without saving: by a second SIGTERM, and by a Ctrl-C with trainer.save_on_interrupt=false
+    args = _overrides(tiny, pairs_dir, second, "reward_model.train.total_training_steps=2",
+                      "reward_model.train.resume_mode=resume_path",
+                      f"reward_model.train.resume_from_path={first / 'global_step_1'}")
+    kept = f"the latest checkpoint {first / 'global_step_1'} is as it was: rerun the same command to resume from it"
+    train_step = RewardModelTrainer.train_step
+
+    def stopped_in_step_2(self):
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)
+        return train_step(self)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(RewardModelTrainer, "train_step", stopped_in_step_2)
+        assert train_rm(args) == 143
+    assert f"second SIGTERM: stopped now without saving; {kept}" in capsys.readouterr().err.splitlines()
+
+    def ctrl_c_in_step_2(self):
+        raise KeyboardInterrupt  # (Python's own handler: the run's is not installed without saving on interrupt)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(RewardModelTrainer, "train_step", ctrl_c_in_step_2)
+        assert train_rm([*args, "trainer.save_on_interrupt=false"]) == 130
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); {kept}")
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -57,14 +57,16 @@ def _signals_held():
             signal.signal(number, handler)
 
 
-def stopped_at_once(folder: str | None, saves_on_interrupt: bool, rerun: str | None) -> str:
+def stopped_at_once(folder: str | None, saves_on_interrupt: bool, rerun: str | None,
+                    checkpoint: Path | None = None) -> str:
     """What a Ctrl-C that reached the command as KeyboardInterrupt left: one that came outside the training steps
     (while the run checked its input, loaded its models or a checkpoint, or closed), where every step trained is
     saved, or any Ctrl-C with ``trainer.save_on_interrupt=false``. ``folder``: the run's checkpoint folder, None
-    before its config was read; ``rerun``: how a rerun resumes from its latest checkpoint."""
+    before its config was read; ``rerun``: how a rerun resumes from its latest checkpoint; ``checkpoint``: that
+    checkpoint where the run says it (one resumed from another folder, nothing saved since), else the folder's."""
     if folder is None:
         return "interrupted by SIGINT before the run started: nothing was trained or written"
-    latest = latest_or_none(Path(os.path.expanduser(folder)))
+    latest = checkpoint or latest_or_none(Path(os.path.expanduser(folder)))
     if not saves_on_interrupt:
         kept = (f"the latest checkpoint {latest} is as it was: {rerun} to resume from it"
                 if latest is not None else "no checkpoint was saved")
@@ -184,6 +186,7 @@ def train_rm(argv: list[str] | None = None) -> int:
     trainer_cfg = cfg.trainer
     loggers = [name for name in trainer_cfg.logger if name != "console"] + ["file"]
     started = time.time()
+    trainer = None
     try:
         trainer = RewardModelTrainer(cfg, frames)
         try:
@@ -202,8 +205,9 @@ def train_rm(argv: list[str] | None = None) -> int:
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
         rm = cfg.reward_model.train
-        print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt,
-                              rerun_advice(rm.resume_mode, "reward_model.train")), file=sys.stderr)
+        rerun = trainer.rerun_advice if trainer is not None else rerun_advice(rm.resume_mode, "reward_model.train")
+        print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt, rerun,
+                              trainer and trainer.rerun_checkpoint()), file=sys.stderr)
         return 128 + signal.SIGINT
     except Exception as exc:  # (TrainingInterrupted too: 128 + its signal)
         return _reported(exc)

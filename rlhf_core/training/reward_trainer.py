@@ -633,6 +633,7 @@ class RewardModelTrainer:
             self.total_steps = min(self.total_steps, self.rm.total_training_steps)
         self.global_step = 0
         self.resumed_from: Path | None = None  # the checkpoint resume() loaded
+        self.last_saved_step: int | None = None  # the step whose weights are saved: by save(), or resume()'s
         self.group = None
         pad_id = self.tokenizer.pad_token_id
         if cfg.world_size > 1:
@@ -800,7 +801,7 @@ class RewardModelTrainer:
             try:
                 log(metrics, step)
             except Exception as exc:
-                latest = ckpt.latest_or_none(self.local_dir)
+                latest = self.rerun_checkpoint()
                 kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
                         if latest is not None else "no checkpoint was saved yet")
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
@@ -832,15 +833,30 @@ class RewardModelTrainer:
             return
         name, number = self.stop_requested
         saved = None
-        if self.global_step > 0:
-            saved = ckpt.step_dir(self.local_dir, self.global_step) if self.latest_step() == self.global_step \
-                else self.save()
+        if self.last_saved_step == self.global_step:
+            saved = self.rerun_checkpoint()
+        elif self.global_step > 0:
+            saved = self.save()
         raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None, self.rerun_advice)
 
     @property
     def rerun_advice(self) -> str:
-        """How a rerun resumes from the latest checkpoint (:func:`checkpoint.rerun_advice`)."""
+        """How a rerun resumes from :meth:`rerun_checkpoint` (:func:`checkpoint.rerun_advice`): until a run resumed
+        from ``resume_from_path`` saves, that is the checkpoint it loaded, which the same command loads again
+        (``auto`` would take the folder's latest: none, a fresh start, or an earlier run's)."""
+        if self._resumes_its_path_again:
+            return "rerun the same command"
         return ckpt.rerun_advice(self.rm.resume_mode, KEY)
+
+    @property
+    def _resumes_its_path_again(self) -> bool:
+        """Whether the run resumed from ``resume_from_path`` and has saved nothing since."""
+        return (self.rm.resume_mode == "resume_path" and self.resumed_from is not None
+                and self.last_saved_step == ckpt.step_of(self.resumed_from))
+
+    def rerun_checkpoint(self) -> Path | None:
+        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
+        return self.resumed_from if self._resumes_its_path_again else ckpt.latest_or_none(self.local_dir)
 
     # ------------------------------------------------------------------ checkpoints
     def latest_step(self) -> int | None:
@@ -867,7 +883,9 @@ class RewardModelTrainer:
         """``global_step_N`` written into a temp directory, renamed into place, then marked latest; never weights
         that hold NaN or inf (:meth:`_check_weights`)."""
         self._check_weights()
-        return ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
+        path = ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
+        self.last_saved_step = self.global_step
+        return path
 
     def resume_path(self) -> Path | None:
         """The checkpoint :meth:`fit` resumes from (None: it starts afresh); CheckpointError where auto finds
@@ -918,6 +936,7 @@ class RewardModelTrainer:
                                        f"trained: {exc}") from exc
         state = ckpt.read_trainer_state(path)
         self.global_step, self.resumed_from = int(state["global_step"]), path
+        self.last_saved_step = self.global_step
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         world = self.cfg.world_size
         moved = f"; saved by {saved} worker(s), re-split over {world}" if saved != world else ""
