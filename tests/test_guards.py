@@ -362,7 +362,7 @@ def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_c
 
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("save_freq, says", [
-    (1, "the latest checkpoint {out}/global_step_3 holds the weights that gave these logits, so a resume from it "
+    (1, "the latest checkpoint {out}/global_step_3 holds these weights, so a resume from it "
         "fails again: resume from {out}/global_step_2 with a lower learning rate (trainer.resume_mode=resume_path "
         "trainer.resume_from_path={out}/global_step_2)"),
     (2, "the latest checkpoint {out}/global_step_2 is intact and from before the divergence, but a rerun with the "
@@ -411,7 +411,8 @@ def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_va
     first, second = str(error).split("\n")
     assert first.startswith("validating the weights of step 0 failed: the policy's logits held NaN (or inf) at "
                             "response token 0")
-    assert second == "no checkpoint was saved yet"
+    assert second == (f"the weights are those of actor_rollout_ref.model.path ({workspace.model}), as the run loaded "
+                      "them: check that model for NaN or inf weights")
 
     def worker_fails():  # as a worker group's validation fails
         raise WorkerError("worker rank 1 failed: CUDA error: an illegal memory access was encountered")
@@ -421,6 +422,30 @@ def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_va
         trainer.fit()
     assert str(raised.value) == ("validating the weights of step 0 failed: worker rank 1 failed: CUDA error: an "
                                  "illegal memory access was encountered\nno checkpoint was saved yet")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_model_whose_weights_give_nan_logits_at_step_1_is_named_not_an_update(workspace, tmp_path, capsys):
+    """Nothing was trained when the first rollout meets NaN logits: the weights are the model folder's, so the
+    message names that folder (as the reward model's trainer does), not a diverged update and a learning rate."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_core.cli.train import ppo
+
+    broken = tmp_path / "nan_model"
+    shutil.copytree(workspace.model, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
+               for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "run"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", model=broken)) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-2].startswith("error: training step 1 failed: the policy's logits held NaN (or inf) at response token 0")
+    assert err[-1] == (f"the weights are those of actor_rollout_ref.model.path ({broken}), as the run loaded them: "
+                       "check that model for NaN or inf weights")
+    assert not list(out.glob("global_step_*"))
 
 
 def _non_finite_after_update(trainer, role: str, value: float, at_step: int, then=None) -> None:
@@ -488,7 +513,8 @@ def test_a_stop_on_sigterm_saves_no_non_finite_weights(workspace, tmp_path):
     metrics, _, error = run_recording(trainer)
 
     assert isinstance(error, GuardError) and sorted(metrics) == [1]
-    assert str(error) == _said_non_finite(1, "critic", "critic.optim.lr") + "\nno checkpoint was saved yet"
+    assert str(error) == _said_non_finite(1, "critic", "critic.optim.lr") + (
+        "\nno checkpoint was saved yet: rerun with a lower learning rate (critic.optim.lr)")
     assert list(out.glob("global_step_*")) == [] and checkpoint.latest_or_none(out) is None
 
 
@@ -510,7 +536,8 @@ def test_rlhf_ppo_exits_1_without_a_checkpoint_or_export_where_its_only_update_l
     out = tmp_path / "run"
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=1")) == 1
     err = capsys.readouterr().err
-    assert f"error: {_said_non_finite(1, 'actor', RATES['actor'])}\nno checkpoint was saved yet" in err
+    assert (f"error: {_said_non_finite(1, 'actor', RATES['actor'])}\nno checkpoint was saved yet: rerun with a lower "
+            f"learning rate ({RATES['actor']})") in err
     assert list(out.glob("global_step_*")) == [] and checkpoint.latest_or_none(out) is None
     assert list(out.rglob("*.safetensors")) == []  # no Hugging Face export either
 

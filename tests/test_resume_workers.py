@@ -181,9 +181,10 @@ def test_a_workers_nan_logits_name_the_checkpoint_that_holds_the_weights_that_ga
     first, *_, last = str(raised.value).split("\n")
     assert first.startswith("training step 2 failed: worker rank ")
     assert "the policy's logits held NaN (or inf)" in str(raised.value)
-    assert last == (f"the latest checkpoint {out / 'global_step_1'} holds the weights that gave these logits, so a "
+    assert last == (f"the latest checkpoint {out / 'global_step_1'} holds these weights, so a "
                     "resume from it fails again: no earlier checkpoint is intact: start a new run with a lower "
-                    "learning rate (trainer.resume_mode=disable, or another trainer.default_local_dir)")
+                    "learning rate (actor_rollout_ref.actor.optim.lr; trainer.resume_mode=disable, or another "
+                    "trainer.default_local_dir)")
 
 
 def test_weights_an_update_on_the_workers_left_non_finite_are_never_saved(workspace, ray_cluster, tmp_path):

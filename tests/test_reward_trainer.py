@@ -762,7 +762,8 @@ def test_a_model_whose_weights_are_nan_stops_at_its_first_step_and_exports_nothi
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 1: its loss is nan (train/loss): the weights the step "
         "started from hold NaN or inf values, so its update was skipped and the run saves and exports nothing more; "
-        f"they are those of reward_model.train.model.path ({broken}): check that model for NaN or inf weights")
+        f"the weights are those of reward_model.train.model.path ({broken}), as the run loaded them: check that "
+        "model for NaN or inf weights")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "metrics.jsonl"]  # no checkpoint, no huggingface/
     assert list(_records(out)) == [1] and _records(out)[1]["train/loss"] is None  # (the file logger's NaN)
@@ -782,8 +783,9 @@ def _nan_after_update(at_step: int):
     return update_to_nan
 
 
-LOWER_LR = ("start again with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or "
-            "another reward_model.train.default_local_dir)")
+NO_CHECKPOINT = "no checkpoint was saved yet: rerun with a lower learning rate (reward_model.train.optim.lr)"
+NEW_RUN = ("start a new run with a lower learning rate (reward_model.train.optim.lr; reward_model.train.resume_mode="
+           "disable, or another reward_model.train.default_local_dir)")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -799,8 +801,7 @@ def test_an_update_that_wrecks_the_weights_stops_the_run_at_its_save_or_the_next
                "step 2: its loss is nan (train/loss): the weights the step started from hold NaN or inf values, so "
                "its update was skipped and the run saves and exports nothing more")
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"error: training the reward model stopped at {stopped}; an update up to step 1 diverged: no checkpoint was "
-        f"saved; {LOWER_LR}")
+        f"error: training the reward model stopped at {stopped}; {NO_CHECKPOINT}")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "metrics.jsonl"]  # no checkpoint, no huggingface/
     records = _records(out)
@@ -819,8 +820,8 @@ def test_weights_the_last_update_left_nan_are_neither_saved_nor_exported(tiny, p
                                "reward_model.train.save_freq=1", "reward_model.train.test_freq=-1")) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 2: the weights hold NaN or inf values, so the run saves "
-        "and exports nothing more; an update up to step 2 diverged: the latest checkpoint "
-        f"{out / 'global_step_1'} is from before them, but a rerun replays the same updates; {LOWER_LR}")
+        f"and exports nothing more; the latest checkpoint {out / 'global_step_1'} is intact and from before the "
+        f"divergence, but a rerun with the same settings replays the steps after it: {NEW_RUN}")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
     assert list(_records(out)) == [1, 2]  # no closing validation record: the weights were refused before it
@@ -868,8 +869,7 @@ def test_a_validation_whose_loss_is_not_finite_stops_the_run_before_it_saves_or_
                                "reward_model.train.save_freq=1", f"reward_model.train.test_freq={test_freq}")) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 1: its validation loss is nan (val/loss): the weights "
-        "give NaN or inf scores on the held-out pairs, so the run saves and exports nothing more; an update up to "
-        f"step 1 diverged: no checkpoint was saved; {LOWER_LR}")
+        f"give NaN or inf scores on the held-out pairs, so the run saves and exports nothing more; {NO_CHECKPOINT}")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == ["metrics.jsonl"]
     records = _records(out)
     assert list(records) == [1] and records[1]["val/loss"] is None and records[1]["val/pair_accuracy"] == 0.5
@@ -891,9 +891,8 @@ def test_nan_weights_resumed_from_another_folder_are_named_as_the_checkpoint_the
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 2: its loss is nan (train/loss): the weights the step "
         "started from hold NaN or inf values, so its update was skipped and the run saves and exports nothing more; "
-        f"they are those of the checkpoint the run resumed from, {first / 'global_step_1'}: resume from an earlier "
-        "one, or start again with a lower reward_model.train.optim.lr (reward_model.train.resume_mode=disable, or "
-        "another reward_model.train.default_local_dir)")
+        f"the checkpoint the run resumed from, {first / 'global_step_1'}, holds these weights, so a resume from it "
+        f"fails again: {NEW_RUN}")
     assert not list(second.glob("global_step_*")) and not (second / "huggingface").exists()
 
 

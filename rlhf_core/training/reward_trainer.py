@@ -89,7 +89,7 @@ from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, conversation_ids, cu
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.tracking import store_problems
-from rlhf_core.training.trainer import LoggingError
+from rlhf_core.training.trainer import LoggingError, weights_origin
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     CheckpointableWorker,
@@ -763,19 +763,11 @@ class RewardModelTrainer:
         return GuardError(said + self._weights_from(step - 1))
 
     def _weights_from(self, step: int) -> str:
-        """Where the weights the run held after step ``step`` came from, and how to go on: the model or the
-        checkpoint the run started from where it had trained no step since, else an update of this run."""
-        if step == 0 and self.resumed_from is None:
-            return f"they are those of {KEY}.model.path ({self.rm.model.path}): check that model for NaN or inf weights"
-        lower = f"a lower {KEY}.optim.lr ({KEY}.resume_mode=disable, or another {KEY}.default_local_dir)"
-        if self.resumed_from is not None and step == ckpt.step_of(self.resumed_from):
-            return (f"they are those of the checkpoint the run resumed from, {self.resumed_from}: resume from an "
-                    f"earlier one, or start again with {lower}")
-        latest = ckpt.latest_or_none(self.local_dir)
-        kept = ("no checkpoint was saved" if latest is None else
-                f"the latest checkpoint {latest} holds them" if ckpt.step_of(latest) == step else
-                f"the latest checkpoint {latest} is from before them, but a rerun replays the same updates")
-        return f"an update up to step {step} diverged: {kept}; start again with {lower}"
+        """Where the weights the run held after step ``step`` came from, and how to go on (:func:`weights_origin`,
+        as PPO's trainer says it; ``optim.lr`` cannot change on a resume: a new run)."""
+        return weights_origin(step, self.resumed_from, self.rerun_checkpoint(),
+                              f"{KEY}.model.path ({self.rm.model.path})", f"{KEY}.optim.lr", KEY, self.rerun_advice,
+                              lr_on_resume=False)
 
     def _check_weights(self) -> None:
         """Stop the run (:class:`GuardError`) where the weights hold NaN or inf: called before every save and the

@@ -60,6 +60,9 @@ from rlhf_core.workers.common import peak_memory_gb
 from rlhf_core.workers.critic import CriticWorker, build_critic
 from rlhf_core.workers.group import WorkerError
 
+#: the key of the model each worker's weights are loaded from
+MODEL_PATHS = {"actor": "actor_rollout_ref.model.path", "critic": "critic.model.path"}
+
 #: Reward extras reported on their own terms, not as ``critic/<key>/mean`` of every response.
 _OWN_METRICS = ("score", "acc")
 
@@ -264,6 +267,36 @@ def changed_since(saved: dict | None, now: dict) -> list[str]:
     pairs = [*((name, saved.get("versions", {}).get(name), version) for name, version in now["versions"].items()),
              *((key, saved.get(key), now[key]) for key in ("rlhf_core_sha256", "torch_threads", "platform"))]
     return [f"{name}: {before} -> {after}" for name, before, after in pairs if before is not None and before != after]
+
+
+def weights_origin(step: int, resumed_from: Path | None, latest: Path | None, model: str, rates: str,
+                   section: str, rerun: str, lr_on_resume: bool) -> str:
+    """Where the NaN or inf weights a run held after step ``step`` came from, and how to go on, as PPO's trainer and
+    the reward model's both say it: the model the run loaded (``model``: its key and path) or the checkpoint it
+    resumed from (``resumed_from``), where it has trained no step since; else an update of this run, and what the
+    checkpoint a rerun resumes from (``latest``, ``rerun``: how) holds. A rerun with the same settings replays the
+    same updates, so the way on is a lower learning rate (``rates``), on a resume where ``lr_on_resume`` (the keys
+    may change on one), else in a new run (``section``: the run's resume keys)."""
+    new_run = (f"start a new run with a lower learning rate ({rates}; {section}.resume_mode=disable, or another "
+               f"{section}.default_local_dir)")
+    if step == (checkpoint.step_of(resumed_from) if resumed_from is not None else 0):  # no update in this run
+        if resumed_from is None:
+            return f"the weights are those of {model}, as the run loaded them: check that model for NaN or inf weights"
+        holder, holds = f"the checkpoint the run resumed from, {resumed_from},", resumed_from
+    elif latest is None:
+        return f"no checkpoint was saved yet: rerun with a lower learning rate ({rates})"
+    elif checkpoint.step_of(latest) < step:  # its weights were finite: the updates after it diverged
+        go_on = (f"lower the learning rate ({rates} may change on a resume), then {rerun} to resume from it"
+                 if lr_on_resume else new_run)
+        return (f"the latest checkpoint {latest} is intact and from before the divergence, but a rerun with the same "
+                f"settings replays the steps after it: {go_on}")
+    else:
+        holder, holds = f"the latest checkpoint {latest}", latest
+    earlier = checkpoint.newest_intact(holds.parent, before=checkpoint.step_of(holds)) if lr_on_resume else None
+    instead = (f"resume from {earlier} with a lower learning rate ({section}.resume_mode=resume_path "
+               f"{section}.resume_from_path={earlier})" if earlier is not None else
+               f"no earlier checkpoint is intact: {new_run}" if lr_on_resume else new_run)
+    return f"{holder} holds these weights, so a resume from it fails again: {instead}"
 
 
 class LoggingError(RuntimeError):
@@ -707,7 +740,7 @@ class PPOTrainer:
                 f"and exports nothing more. This usually means a diverged update (too high a learning rate, {rates}; "
                 "look for a large grad_norm up to this step), which can leave them so even where its own loss and "
                 "gradient were finite")
-            raise self._diverged(found, "saving the checkpoint of", self.global_step, rates)
+            raise self._diverged(found, "saving the checkpoint of", self.global_step, rates, bad)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off.
@@ -810,26 +843,16 @@ class PPOTrainer:
         return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
 
     def _diverged(self, exc: FloatingPointError | WorkerError, doing: str, step: int,
-                  rates: str = "actor_rollout_ref.actor.optim.lr") -> GuardError:
+                  rates: str = "actor_rollout_ref.actor.optim.lr", roles: Sequence[str] = ("actor",)) -> GuardError:
         """The error to stop the run with where the policy's logits held NaN (or inf), or the weights did
         (:meth:`_check_weights`), as :meth:`_worker_failure` says a worker's: but a rerun with the same settings
         diverges again (the same seed, the same updates), so it says which checkpoint holds the weights that gave
-        those logits and which one to go on from instead (``rates``: the learning rates to lower)."""
-        latest = self.rerun_checkpoint()
-        if latest is None:
-            kept = "no checkpoint was saved yet"
-        elif checkpoint.step_of(latest) < self.global_step:  # its weights generated: the steps after it diverged
-            kept = (f"the latest checkpoint {latest} is intact and from before the divergence, but a rerun with the "
-                    f"same settings replays the steps after it: lower the learning rate ({rates} may change on a "
-                    f"resume), then {self.rerun_advice} to resume from it")
-        else:
-            earlier = checkpoint.newest_intact(latest.parent, before=checkpoint.step_of(latest))
-            instead = (f"resume from {earlier} with a lower learning rate (trainer.resume_mode=resume_path "
-                       f"trainer.resume_from_path={earlier})" if earlier is not None else
-                       "no earlier checkpoint is intact: start a new run with a lower learning rate "
-                       "(trainer.resume_mode=disable, or another trainer.default_local_dir)")
-            kept = (f"the latest checkpoint {latest} holds the weights that gave these logits, so a resume from it "
-                    f"fails again: {instead}")
+        those logits (:func:`weights_origin`: at step 0 the model loaded) and which one to go on from instead
+        (``rates``: the learning rates to lower; ``roles``: the workers whose weights they were)."""
+        model = " and ".join(f"{key} ({self.config.value(key)})" for key in
+                             dict.fromkeys(MODEL_PATHS[role] for role in roles))
+        kept = weights_origin(self.global_step, self.resumed_from, self.rerun_checkpoint(), model, rates, "trainer",
+                              self.rerun_advice, lr_on_resume=True)
         return GuardError(f"{doing} step {step} failed: {exc}\n{kept}")
 
     def close(self) -> None:
