@@ -1251,14 +1251,18 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
 def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) -> str | None:
     """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a key that takes null: a
     verl key whose null sets nothing before it reaches the schema (a global micro-batch size, a key without
-    effect, one whose null is its default), or a key of the schema whose field is Optional (the key an alias
+    effect, one whose null is its default, one that repeats another key, the critic's switch, an alias whose null
+    is verl's unused key, a deprecated switch), or a key of the schema whose field is Optional (the key an alias
     stands for, named as such), else None: the text fails there as something else (two sizes set, a value not
     supported, a type), or is taken as text (an entry of an open mapping, a text key without null). The advice
     is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file."""
     if value not in ("None", "none"):
         return None
     verl_only = without_effect(key)
-    if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or (verl_only is not None and verl_only[0](None)):
+    refused: list[str] = []
+    if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or key in MIRRORS or key == CRITIC_ENABLE or (
+            verl_only is not None and verl_only[0](None)) or (  # an alias or a switch whose null sets nothing
+            (key in ALIASES or key in SWITCHES) and not _targets(key, None, lambda _: None, refused) and not refused):
         target = key
     else:  # the keys of the schema it sets (its notices and refusals are said when it is set)
         targets = [target for target, text in _targets(key, value, lambda _: None, []).items() if text == value

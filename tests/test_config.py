@@ -1234,6 +1234,24 @@ def test_none_written_for_null_on_a_verl_key_whose_null_sets_nothing_is_refused_
     assert _refusals([], path) == [f"{key}='None': None is read as text: write {name}: null under {section} (in {path})"]
 
 
+@pytest.mark.parametrize("key", ["critic.model.external_lib", "actor_rollout_ref.actor.use_remove_padding",
+                                 "critic.enable", "actor_rollout_ref.actor.optim.max_grad_norm",
+                                 "trainer.remove_previous_ckpt_in_save"])
+def test_none_written_for_null_on_a_mirror_the_critics_switch_an_alias_or_a_switch_is_told_its_null(key, tmp_path):
+    # each takes null (a repeat of another key, the estimator's choice of critic, verl's unused alias, a switch
+    # left off): the text was said to differ from the key it repeats (external_lib's None), as not supported, as
+    # a float it could not be, or as an unknown key
+    assert _refusals([f"{key}=None"]) == [f"{key}='None': None is read as text: write {key}=null"]
+    load_config([f"{key}=null"], notice=lambda _: None)  # the advice followed: taken, validated
+    path = tmp_path / "run.yaml"
+    section, _, name = key.rpartition(".")
+    path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                    + f"{'  ' * (section.count('.') + 1)}{name}: None\n")
+    assert _refusals([], path) == [f"{key}='None': None is read as text: write {name}: null under {section} (in {path})"]
+    path.write_text(path.read_text().replace("None", "null"))
+    load_config(config_file=path, notice=lambda _: None)
+
+
 def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     # verl 0.7's generated config holds the reward model's own pool as nulls
     path = tmp_path / "run.yaml"
