@@ -1493,10 +1493,11 @@ def _dated(value: Any, date: Callable[[re.Match], str]) -> Any:
 
 
 def _flow(value: Any) -> str:
-    """``value`` as YAML writes it on one line: text as it is, a list as ``[a, b]``, a mapping as ``{k: v}``."""
-    if isinstance(value, str):
-        return value
-    return yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False).strip()
+    """``value`` as YAML writes it on one line: text as it is, or quoted where YAML would read it as something else
+    (a date written 20261206_105832 is read as a number there, 10:58 as one of minutes), a list as ``[a, b]``, a
+    mapping as ``{k: v}``."""
+    flow = yaml.safe_dump(value, default_flow_style=True, width=1 << 30, sort_keys=False)
+    return flow.removesuffix("...\n").strip()  # (the end of document YAML writes after a lone text)
 
 
 def _stderr(message: str) -> None:

@@ -1121,6 +1121,20 @@ def test_a_config_files_now_interpolation_asks_for_the_date_written_in_the_file(
     assert f"write the value itself in {path}, e.g. experiment_name: run_{datetime.date.today().year}" in message
 
 
+@pytest.mark.parametrize(("written", "shape"), [("${now:%Y%m%d_%H%M%S}", r"\d{8}_\d{6}"),
+                                               ("${now:%H:%M}", r"\d\d:\d\d")])
+def test_a_config_files_date_that_yaml_reads_as_a_number_is_advised_quoted(written, shape, tmp_path):
+    # the date written bare (experiment_name: 20261206_105832) is read by YAML as an int, 10:58 as minutes: the
+    # advice followed named the experiment 20261206105832 or 658
+    path = tmp_path / "run.yaml"
+    path.write_text(f"trainer:\n  experiment_name: {written}\n")
+    [message] = _refusals([], path)
+    line = message.rpartition("e.g. ")[2]
+    path.write_text(f"trainer:\n  {line}\n")  # the advice followed
+    name = load_config(config_file=path, notice=lambda _: None, validate=False).trainer.experiment_name
+    assert re.fullmatch(shape, name), (line, name)
+
+
 @pytest.mark.parametrize(("section", "written", "advised", "read"), [
     # a list item: the list is written again with the date in its item
     ("data", "val_files: [a.parquet, 'b_${now:%Y}.parquet']", "val_files: [a.parquet, b_{year}.parquet]",
