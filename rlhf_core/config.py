@@ -1478,7 +1478,19 @@ def _date_instead(key: str, given: dict[str, Any], in_file: dict[str, str]) -> s
         return f"write the value itself in {in_file[owner]}, e.g. {owner.rpartition('.')[2]}: {_flow(written)}"
     from_shell = _dated(value, lambda now: f"$(date {shlex.quote('+' + now.group(1))})")
     shown = from_shell if isinstance(from_shell, str) else f'"{_flow(from_shell)}"'  # (quoted: it holds spaces)
+    if isinstance(value, str) and not _read_as_written(_dated(value, lambda now: datetime.datetime.now().strftime(
+            now.group(1)))):  # the date quoted for Hydra, inside the shell's quotes
+        shown = f'"\'{from_shell}\'"'
     return f"give the date from the shell, e.g. {owner}={shown}"
+
+
+def _read_as_written(text: str) -> bool:
+    """Whether Hydra reads ``text``, given unquoted on the command line, as that text: a date written
+    20261206_105832 is read as the number 20261206105832 there, 12.10 as 12.1."""
+    try:
+        return str(_parser().parse_override(f"key={text}").value()) == text
+    except HydraException:
+        return False
 
 
 def _dated(value: Any, date: Callable[[re.Match], str]) -> Any:

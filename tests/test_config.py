@@ -1168,6 +1168,16 @@ def test_a_command_lines_now_inside_a_list_asks_for_the_whole_list_from_the_shel
         "a.parquet", f"b_{datetime.date.today().year}.parquet"]
 
 
+def test_a_command_lines_date_that_hydra_reads_as_a_number_is_advised_quoted():
+    # trainer.experiment_name=$(date +%Y%m%d_%H%M%S) gives Hydra 20261206_105832, an int to it: the advice followed
+    # named the experiment 20261206105832 (verl's ${now:...} gives the text)
+    [message] = _refusals(["trainer.experiment_name=${now:%Y%m%d_%H%M%S}"])
+    override = subprocess.run(["bash", "-c", f"printf '%s' {message.rpartition('e.g. ')[2]}"],
+                              capture_output=True, text=True, check=True).stdout  # the advice run by a shell
+    name = load_config([override], notice=lambda _: None, validate=False).trainer.experiment_name
+    assert re.fullmatch(r"\d{8}_\d{6}", name), (override, name)
+
+
 def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text('trainer:\n  experiment_name: "run_${oops"\n')
