@@ -827,20 +827,30 @@ def test_weights_the_last_update_left_nan_are_neither_saved_nor_exported(tiny, p
     assert list(_records(out)) == [1, 2]  # no closing validation record: the weights were refused before it
 
 
+def _overflow_in(monkeypatch, steps: set[int]) -> None:
+    """RewardModelWorker's chosen scores NaN in the training steps ``steps`` (1-based, counted by the worker's
+    train_step calls; a validation after such a step is NaN too), as a step in bfloat16 or float16 can overflow."""
+    train_step, rewards = RewardModelWorker.train_step, RewardModelWorker._rewards
+    calls = []
+
+    def counted(worker, *args):
+        calls.append(None)
+        return train_step(worker, *args)
+
+    def overflow(worker, micro):
+        chosen, rejected = rewards(worker, micro)
+        return (chosen * math.nan if len(calls) in steps else chosen), rejected
+
+    monkeypatch.setattr(RewardModelWorker, "train_step", counted)
+    monkeypatch.setattr(RewardModelWorker, "_rewards", overflow)
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_a_lone_non_finite_loss_on_finite_weights_skips_its_update_and_training_goes_on(
         tiny, pairs_dir, tmp_path, capsys, monkeypatch):
     """As a step in bfloat16 or float16 can overflow once: its scores NaN, the weights finite. Its update is skipped
     (as verl's and TRL's trainers skip such a step) rather than the run stopped as though the weights were bad."""
-    rewards = RewardModelWorker._rewards
-
-    def overflow_in_step_1(worker, micro):
-        chosen, rejected = rewards(worker, micro)
-        if worker.scheduler.last_epoch == 0:  # (the scheduler steps after the update)
-            chosen = chosen * math.nan
-        return chosen, rejected
-
-    monkeypatch.setattr(RewardModelWorker, "_rewards", overflow_in_step_1)
+    _overflow_in(monkeypatch, {1})
     out = tmp_path / "out"
     assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2",
                                "reward_model.train.save_freq=1", "reward_model.train.test_freq=-1")) == 0
@@ -855,6 +865,27 @@ def test_a_lone_non_finite_loss_on_finite_weights_skips_its_update_and_training_
     optim = torch.load(out / "global_step_2" / "reward_model" / "optim_state.pt", weights_only=False)["optimizer"]
     assert {float(state["step"]) for state in optim["state"].values()} == {1.0}
     assert (out / "huggingface" / "config.json").is_file()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_skipped_step_leaves_the_learning_rate_schedule_where_it_was(tiny, pairs_dir, tmp_path, monkeypatch):
+    """The schedule counts updates taken: a skipped first step neither moves the warm-up on nor steps the scheduler
+    before the optimizer (torch's warning that the schedule's first value is lost)."""
+    import warnings
+
+    _overflow_in(monkeypatch, {1})
+    out = tmp_path / "out"
+    cfg = load_config(_overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null",
+                                 "reward_model.train.total_training_steps=3", "reward_model.train.optim.lr=1e-3",
+                                 "reward_model.train.optim.lr_warmup_steps=2"))
+    records = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        RewardModelTrainer(cfg).fit(lambda metrics, step: records.append(metrics))
+    assert not [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+    # warm-up over 2 updates from 0: the skipped step would have used 0, the first update takes 0 and the second
+    # 1e-3 * 1/2
+    assert [(m["train/skipped_step"], m["train/lr"]) for m in records] == [(1.0, 0.0), (0.0, 0.0), (0.0, 5e-4)]
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -36,7 +36,8 @@ window (``reward_model.train.overlong=truncate``) or left out of training and va
 RewardTrainer).
 
 A step whose loss or gradient is not finite takes no update (``train/skipped_step``) and training goes on, as
-verl's workers skip a step whose gradient norm is not finite (one step in bfloat16 or float16 can overflow); where
+verl's workers skip a step whose gradient norm is not finite (one step in bfloat16 or float16 can overflow); the
+learning-rate schedule counts the updates taken, so it does not move on for a skipped step either. Where
 the loss is not finite because the weights hold NaN or inf the run stops (exit 1), since they would meet every later
 step alike: nothing more is saved and nothing is exported. So does a save or the export that would write weights
 holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and a validation whose loss
@@ -355,11 +356,13 @@ class RewardModelWorker(CheckpointableWorker):
                                                             cfg.margin))
         finite = distributed.all_true(finite)
         grad_norm, grad_finite = clip_and_check(self.module.parameters(), cfg.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
         if finite and grad_finite:
             self.optimizer.step()
+            # the schedule counts the updates taken (as transformers' Trainer, whose skipped fp16 steps leave it): a
+            # skipped step, which takes none, leaves the warm-up where it was for the next step to start it
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
         self.module.eval()
         return {**reduce_statistics(stats), "grad_norm": grad_norm, "lr": lr,
                 "skipped": float(not (finite and grad_finite))}
