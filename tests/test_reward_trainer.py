@@ -1013,6 +1013,28 @@ def test_a_failure_after_a_resume_from_another_folder_names_the_checkpoint_it_re
         f"interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); {kept}")
 
 
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_resumed_from_another_folder_saves_its_last_step_over_an_earlier_runs_checkpoint_there(
+        tiny, pairs_dir, tmp_path):
+    """The folder an earlier run left at step 2 gets this run's step 2 (its weights, its latest marker): the run
+    saved no step 2 itself, so its last save is not skipped as though that checkpoint were its own."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_rm(_overrides(tiny, pairs_dir, first, "reward_model.train.total_training_steps=1")) == 0
+    assert train_rm(_overrides(tiny, pairs_dir, second, "reward_model.train.total_training_steps=2",
+                               "reward_model.train.seed=7")) == 0
+    saved = second / "global_step_2" / "reward_model" / "model_state.pt"
+    earlier = torch.load(saved, weights_only=False)
+    trainer = RewardModelTrainer(load_config(_overrides(
+        tiny, pairs_dir, second, "reward_model.train.total_training_steps=2", "reward_model.train.resume_mode=resume_path",
+        f"reward_model.train.resume_from_path={first / 'global_step_1'}")))
+    trainer.fit()
+    trained = trainer.worker.module.state_dict()
+    assert not all(torch.equal(earlier[k], trained[k]) for k in trained)  # (the two runs' weights differ)
+    checkpoint = torch.load(saved, weights_only=False)
+    assert checkpoint.keys() == trained.keys() and all(torch.equal(checkpoint[k], trained[k]) for k in trained)
+    assert ckpt.latest_checkpoint(second) == second / "global_step_2"
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

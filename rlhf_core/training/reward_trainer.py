@@ -637,6 +637,7 @@ class RewardModelTrainer:
         self.global_step = 0
         self.resumed_from: Path | None = None  # the checkpoint resume() loaded
         self.last_saved_step: int | None = None  # the step whose weights are saved: by save(), or resume()'s
+        self.last_saved: Path | None = None  # the checkpoint holding them
         self.group = None
         pad_id = self.tokenizer.pad_token_id
         if cfg.world_size > 1:
@@ -749,7 +750,7 @@ class RewardModelTrainer:
         if last_val:
             log(last_val, self.global_step)
             self._check_validation(last_val)
-        if self.latest_step() != self.global_step:
+        if not self._holds_step_here():
             self.save()
         self.export(self.local_dir / HF_DIR)
         return last_val
@@ -854,9 +855,12 @@ class RewardModelTrainer:
         return self.resumed_from if self._resumes_its_path_again else ckpt.latest_or_none(self.local_dir)
 
     # ------------------------------------------------------------------ checkpoints
-    def latest_step(self) -> int | None:
-        path = ckpt.latest_checkpoint(self.local_dir)
-        return ckpt.step_of(path) if path is not None else None
+    def _holds_step_here(self) -> bool:
+        """Whether ``default_local_dir``'s checkpoint of the step reached holds the run's weights: one this run saved,
+        or the one it resumed from there (untrained since). Not one of an earlier run at that step, which a run
+        resumed from ``resume_from_path`` in another folder meets there."""
+        return (self.last_saved_step == self.global_step and self.last_saved is not None
+                and self.last_saved.parent.resolve() == self.local_dir.resolve())
 
     def _fill(self, files: ckpt.CheckpointFiles) -> list[str]:
         if getattr(self.worker, "sharded", False):
@@ -879,7 +883,7 @@ class RewardModelTrainer:
         that hold NaN or inf (:meth:`_check_weights`)."""
         self._check_weights()
         path = ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
-        self.last_saved_step = self.global_step
+        self.last_saved_step, self.last_saved = self.global_step, path
         return path
 
     def resume_path(self) -> Path | None:
@@ -931,7 +935,7 @@ class RewardModelTrainer:
                                        f"trained: {exc}") from exc
         state = ckpt.read_trainer_state(path)
         self.global_step, self.resumed_from = int(state["global_step"]), path
-        self.last_saved_step = self.global_step
+        self.last_saved_step, self.last_saved = self.global_step, path
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         world = self.cfg.world_size
         moved = f"; saved by {saved} worker(s), re-split over {world}" if saved != world else ""
