@@ -346,6 +346,9 @@ class RewardTrainConfig:
     total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
     margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
     grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    max_consecutive_skips: int | None = _k(3, "consecutive steps with a non-finite loss or gradient (skipped, no "
+                                              "update) before the run stops (exit 1); null = off (a run whose every "
+                                              "step was skipped stops either way, exporting nothing)")
     disable_dropout: bool = _k(True, "train with every dropout (and MoE router jitter) of the backbone and head off (as TRL's reward "
                                      "trainer): the loss compares two scores as PPO reads them, without dropout; "
                                      "the export keeps the base's dropout settings")
@@ -1966,7 +1969,7 @@ def reward_training_batch_problems(cfg: PPOConfig) -> list[str]:
 def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
     rm, key = cfg.reward_model.train, "reward_model.train"
     for name in ("train_batch_size", "micro_batch_size_per_gpu", "max_length", "total_epochs",
-                 "total_training_steps", "grad_clip", "optim.lr"):
+                 "total_training_steps", "grad_clip", "max_consecutive_skips", "optim.lr"):
         value = rm
         for part in name.split("."):
             value = getattr(value, part)

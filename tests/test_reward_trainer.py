@@ -888,6 +888,54 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_where_it_was(tiny, pai
     assert [(m["train/skipped_step"], m["train/lr"]) for m in records] == [(1.0, 0.0), (0.0, 0.0), (0.0, 5e-4)]
 
 
+SKIP_ADVICE = ("so the run saves and exports nothing more: check the preference data, and reward_model.train.model."
+               "dtype (float16 and bfloat16 scores can overflow) and reward_model.train.optim.lr, which a new run may "
+               "change")
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_max_consecutive_skips_stops_the_run_naming_the_checkpoint_to_go_on_from(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """As PPO's trainer.guard.max_consecutive_skips: skipped steps in a row past the limit need a person."""
+    with pytest.raises(ConfigError, match=r"reward_model.train.max_consecutive_skips=0 must be > 0"):
+        load_config(_overrides(tiny, pairs_dir, tmp_path, "reward_model.train.max_consecutive_skips=0"))
+    _overflow_in(monkeypatch, {2, 3})
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_training_steps=4")
+    assert train_rm([*args, "reward_model.train.max_consecutive_skips=2"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 3: 2 consecutive steps (up to step 3) had a non-finite loss "
+        "or gradient on finite weights and took no update (train/skipped_step; reward_model.train.max_consecutive_"
+        f"skips=2), {SKIP_ADVICE}; the latest checkpoint {out / 'global_step_2'} is intact: rerun the same command "
+        "to resume from it")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "global_step_1", "global_step_2", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no huggingface/
+    assert [(step, record["train/skipped_step"]) for step, record in _records(out).items()] == [
+        (1, 0), (2, 1), (3, 1)]
+    # the limit may change on a resume (its steps from here on are not skipped: the 4th and 5th calls)
+    assert train_rm([*args, "reward_model.train.max_consecutive_skips=3"]) == 0
+    assert (out / "huggingface" / "config.json").is_file()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("limit", ["null", "3"])  # off, and above the run's two steps
+def test_a_run_whose_every_step_was_skipped_saves_and_exports_nothing_as_trained(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch, limit):
+    _overflow_in(monkeypatch, {1, 2})
+    out = tmp_path / "out"
+    assert train_rm(_overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null",
+                               "reward_model.train.save_freq=1", "reward_model.train.total_training_steps=2",
+                               f"reward_model.train.max_consecutive_skips={limit}")) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 2: no step of this run (steps 1 to 2) took an update: each "
+        "had a non-finite loss or gradient on finite weights (train/skipped_step), "
+        f"{SKIP_ADVICE}; the latest checkpoint {out / 'global_step_1'} is intact: rerun the same command to resume "
+        "from it")
+    assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
+        "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("test_freq", [1, -1])  # a validation between the steps, and the closing one
 def test_a_validation_whose_loss_is_not_finite_stops_the_run_before_it_saves_or_exports(

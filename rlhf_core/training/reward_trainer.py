@@ -37,15 +37,18 @@ RewardTrainer).
 
 A step whose loss or gradient is not finite takes no update (``train/skipped_step``) and training goes on, as
 verl's workers skip a step whose gradient norm is not finite (one step in bfloat16 or float16 can overflow); the
-learning-rate schedule counts the updates taken, so it does not move on for a skipped step either. Where
+learning-rate schedule counts the updates taken, so it does not move on for a skipped step either. After
+``reward_model.train.max_consecutive_skips`` skipped steps in a row (as PPO's ``trainer.guard``), and at the end of a
+run none of whose steps took an update, the run stops (exit 1), saving and exporting nothing more, and names the
+checkpoint a rerun resumes from. Where
 the loss is not finite because the weights hold NaN or inf the run stops (exit 1), since they would meet every later
 step alike: nothing more is saved and nothing is exported. So does a save or the export that would write weights
 holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and a validation whose loss
 is not finite. A logger that cannot record a step stops the run (exit 1), naming the checkpoint a rerun resumes
 from.
 
-Exit codes (as PPO's): 0 done; 1 a worker failed, the weights or a validation's loss were not finite, or
-a logger failed; 2 bad input: config, preference data (the message names the file, columns or rows), model
+Exit codes (as PPO's): 0 done; 1 a worker failed, the weights or a validation's loss were not finite, steps
+were skipped as above, or a logger failed; 2 bad input: config, preference data (the message names the file, columns or rows), model
 directory or checkpoint; 130 or 143 after Ctrl-C or SIGTERM.
 """
 
@@ -107,7 +110,7 @@ KEY = "reward_model.train"
 #: reward_model.train keys that may change between a checkpoint and the run resuming it.
 RESUME_SAFE = ("val_files", "total_epochs", "total_training_steps", "test_freq", "save_freq", "default_local_dir",
                "resume_mode", "resume_from_path", "min_pair_accuracy", "micro_batch_size_per_gpu",
-               "model.enable_gradient_checkpointing", "fsdp_config.*")
+               "max_consecutive_skips", "model.enable_gradient_checkpointing", "fsdp_config.*")
 
 
 class RewardTrainingError(ValueError):
@@ -715,6 +718,7 @@ class RewardModelTrainer:
 
         log = self._logging(log or (lambda metrics, step: None))
         rm, last_val, first = self.rm, {}, True
+        skips, updates, started_at = 0, 0, self.global_step  # skipped steps in a row; updates taken by this run
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
                    dynamic_ncols=True, file=sys.stderr)
         try:
@@ -733,6 +737,13 @@ class RewardModelTrainer:
                     tqdm.write(f"warning: the loss of step {step} is {metrics['train/loss']} (train/loss) while the "
                                "weights are finite, as one step in reduced precision can overflow: its update was "
                                "skipped (train/skipped_step) and training goes on", file=sys.stderr)
+                skips, updates = (skips + 1, updates) if metrics["train/skipped_step"] else (0, updates + 1)
+                if rm.max_consecutive_skips is not None and skips >= rm.max_consecutive_skips:
+                    log(metrics, step)  # the step's record before the run stops on it
+                    raise self._all_skipped(step, f"{skips} consecutive steps (up to step {step}) had a non-finite "
+                                                  "loss or gradient on finite weights and took no update "
+                                                  f"(train/skipped_step; {KEY}.max_consecutive_skips="
+                                                  f"{rm.max_consecutive_skips})")
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
                     last_val = self.validate()
                     metrics.update(last_val)
@@ -745,6 +756,12 @@ class RewardModelTrainer:
                 self.step_under_way = None
         finally:
             bar.close()
+        if self.global_step > started_at and not updates:  # the weights those it started from: not saved as trained
+            steps = (f"steps {started_at + 1} to {self.global_step}" if self.global_step > started_at + 1
+                     else f"step {self.global_step}")
+            raise self._all_skipped(self.global_step, f"no step of this run ({steps}) took an update: each had a "
+                                                      "non-finite loss or gradient on finite weights "
+                                                      "(train/skipped_step)")
         self._check_weights()  # before the validation: weights holding NaN give NaN scores
         last_val = self.validate()
         if last_val:
@@ -765,6 +782,22 @@ class RewardModelTrainer:
                 "the step started from hold NaN or inf values, so its update was skipped and the run saves and "
                 "exports nothing more; ")
         return GuardError(said + self._weights_from(step - 1))
+
+    def _all_skipped(self, step: int, said: str) -> GuardError:
+        """The error to stop the run with at step ``step`` where its steps (``said`` says which) were skipped, each
+        on a non-finite loss or gradient on finite weights: the scores overflow, or the pairs drive them there, step
+        after step, and the weights are those the steps started from, so nothing more is saved or exported (not as
+        trained). ``model.dtype`` and ``optim.lr`` cannot change on a resume: a new run."""
+        return GuardError(f"training the reward model stopped at step {step}: {said}, so the run saves and exports "
+                          f"nothing more: check the preference data, and {KEY}.model.dtype (float16 and bfloat16 "
+                          f"scores can overflow) and {KEY}.optim.lr, which a new run may change; "
+                          f"{self._resume_point()}")
+
+    def _resume_point(self) -> str:
+        """The checkpoint a rerun resumes from (:meth:`rerun_checkpoint`) and how, or that there is none yet."""
+        latest = self.rerun_checkpoint()
+        return (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+                if latest is not None else "no checkpoint was saved yet")
 
     def _weights_from(self, step: int) -> str:
         """Where the weights the run held after step ``step`` came from, and how to go on (:func:`weights_origin`,
@@ -797,11 +830,8 @@ class RewardModelTrainer:
             try:
                 log(metrics, step)
             except Exception as exc:
-                latest = self.rerun_checkpoint()
-                kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
-                        if latest is not None else "no checkpoint was saved yet")
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
-                                   f"{kept}") from exc
+                                   f"{self._resume_point()}") from exc
         return logged
 
     def already_complete(self) -> str:
