@@ -1068,3 +1068,35 @@ def test_the_dry_run_leaves_out_its_copies_data_notices_and_passes_the_rest_as_i
     assert out.getvalue() == ("loading: 0%\rloading: 100%\nwarning: kept\nnotice: data.seed follows trainer.seed\n"
                               "notice: data.x\nnotice: ")
     assert stream.encoding == out.encoding  # the stream's own attributes, for a progress bar's checks
+
+
+def test_the_evaluate_step_passes_a_progress_bar_frame_in_one_write():
+    """NoticesOnce (the evaluate step's) cut each frame of a progress bar (``\\r`` then the bar, no newline:
+    transformers' "Loading weights" at each model load) at its ``\\r``, in two writes: ZenML's step log, which
+    puts the step's name after each ``\\r`` of a write and at the start of every other, showed it twice a frame
+    (``[evaluate] [evaluate] Loading weights``) with its console step names on."""
+    import contextlib
+
+    from rlhf_core.pipeline.evaluate import NoticesOnce
+
+    class Writes:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    out = Writes()
+    frames = ["\rLoading weights:   0%|          | 0/20", "\rLoading weights: 100%|##########| 20/20", "\n"]
+    with contextlib.redirect_stderr(out):
+        once = NoticesOnce()
+        for _ in range(2):
+            with once.said():
+                for frame in frames:
+                    sys.stderr.write(frame)
+                sys.stderr.write("notice: data cut 3 of 4 prompts\nnext\r50%")
+    assert out.writes == [*frames, "notice: data cut 3 of 4 prompts\n", "next\r50%", *frames, "next\r50%"]

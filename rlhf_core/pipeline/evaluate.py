@@ -27,6 +27,7 @@ import html
 import io
 import json
 import math
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -220,7 +221,9 @@ class NoticesOnce:
         self.held = ""
 
     def write(self, text: str) -> int:
-        for piece in text.splitlines(keepends=True):
+        # (cut after each newline alone: a progress bar's frame, "\r" and the bar, passes in one write, where
+        # ZenML's step log puts the step's name after each "\r" of a write and before every other write)
+        for piece in filter(None, re.split(r"(?<=\n)", text)):
             line, self.held = self.held + piece, ""
             if not line.endswith("\n") and (line.startswith(self.PREFIX) or self.PREFIX.startswith(line)):
                 self.held = line  # the rest of the line decides
