@@ -1100,3 +1100,23 @@ def test_the_evaluate_step_passes_a_progress_bar_frame_in_one_write():
                     sys.stderr.write(frame)
                 sys.stderr.write("notice: data cut 3 of 4 prompts\nnext\r50%")
     assert out.writes == [*frames, "notice: data cut 3 of 4 prompts\n", "next\r50%", *frames, "next\r50%"]
+
+
+def test_the_evaluate_steps_stderr_is_the_streams_own_to_a_progress_bar():
+    """Under NoticesOnce stderr had no encoding (nor isatty, fileno): tqdm, which draws its bar in blocks where the
+    stream's encoding is UTF-8, drew transformers' "Loading weights" in ``#`` at each model the step loaded."""
+    import contextlib
+    import io
+
+    from tqdm import tqdm
+
+    from rlhf_core.pipeline.evaluate import NoticesOnce
+
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8", write_through=True)
+    with contextlib.redirect_stderr(out):
+        with NoticesOnce().said():
+            assert (sys.stderr.encoding, sys.stderr.isatty(), sys.stderr.fileno) == ("utf-8", False, out.fileno)
+            with tqdm(total=2, file=sys.stderr, ncols=30) as bar:
+                bar.update(2)
+    assert "\u2588" in raw.getvalue().decode("utf-8")  # a full block: the bar drawn in the stream's encoding

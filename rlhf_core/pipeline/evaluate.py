@@ -237,6 +237,12 @@ class NoticesOnce:
     def flush(self) -> None:
         self.out.flush()
 
+    def __getattr__(self, name: str):  # encoding, isatty, fileno ...: the stream's own (a progress bar reads them)
+        out = self.__dict__.get("out")
+        if out is None:
+            raise AttributeError(name)
+        return getattr(out, name)
+
     @contextlib.contextmanager
     def said(self):
         self.out = sys.stderr
