@@ -100,3 +100,21 @@ def test_the_dry_run_says_nothing_of_responses_its_own_cap_cut(constant_reward_r
     assert [m["response_length/clip_ratio"] for m in report.metrics] == [1.0, 1.0]
     assert report.metrics[0]["critic/score/min"] == report.metrics[0]["critic/score/max"]
     assert "WARNING step" not in capsys.readouterr().err
+
+
+def test_the_dry_run_says_responses_cut_at_the_run_configs_own_length(constant_reward_run, capsys):
+    """Where the run config's data.max_response_length (4) is no longer than the dry run's cap (16), the cap is the
+    run's own: every response cut there is cut in the run too, whose first step says so. The dry run said
+    nothing (the demo config at data.max_response_length=16, its answers all cut, passed without a word)."""
+    import copy
+
+    root, cfg = constant_reward_run
+    short = copy.deepcopy(cfg)
+    short.data.max_response_length = 4
+    report = run_smoke_test(short, root / "own", n_prompts=4, response_length=16)
+    assert report.passed and not report.cloned, report.summary()
+    assert [m["response_length/clip_ratio"] for m in report.metrics] == [1.0, 1.0]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("WARNING step")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "WARNING step 1: 100% of the responses reached data.max_response_length=4 and were cut off"), warnings
+    assert warnings[0].endswith("raise data.max_response_length")

@@ -271,24 +271,27 @@ class WithoutNotices:
 
 
 @contextlib.contextmanager
-def _dry_run_session(small: PPOConfig, cloned: bool):
+def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool):
     """:func:`~rlhf_core.main_ppo.trainer_session` of the dry run's config, its datasets' notices left out of
     stderr: they read the dry run's copies of the prompts first_prompts took from the run's files, where it said
     them once with the run's files and counts (each copy's said them again, of its few rows, once a trainer).
 
     Of the trainer's warnings about a run that cannot learn, the one about scores that tell no responses apart
     ("flat": a reward that scores every response the same teaches nothing, in the run as here) is given where
-    the model is the run's own (not ``cloned``: a random clone's answers all fail a sound reward alike). Not the
-    one about responses cut off at data.max_response_length, which the dry run's own cap (its
-    ``response_length``) cuts: it told the user to raise a length the run config already sets higher; nor, so,
-    about a step both cut off and scored alike, which the trainer puts down to the cut."""
+    the model is the run's own (not ``cloned``: a random clone's answers all fail a sound reward alike). The one
+    about responses cut off at data.max_response_length, and so about a step both cut off and scored alike (which
+    the trainer puts down to the cut), only where that length is the run config's own (``own_cap``: no longer
+    than the dry run's ``response_length``, the run cuts them there too) and the model too: at a cap of the dry
+    run's own it told the user to raise a length the run config already sets higher, and a random clone's
+    answers seldom end."""
     from rlhf_core.main_ppo import trainer_session
 
+    stuck = () if cloned else ("clip", "flat") if own_cap else ("flat",)
     with contextlib.ExitStack() as stack:
         stream = WithoutNotices(sys.stderr, DATA_NOTICES)
         try:
             with contextlib.redirect_stderr(stream):  # (only while the trainer is built: its steps print as they go)
-                trainer = stack.enter_context(trainer_session(small, stuck_warnings=() if cloned else ("flat",)))
+                trainer = stack.enter_context(trainer_session(small, stuck_warnings=stuck))
         finally:
             stream.close_line()
         yield trainer
@@ -336,7 +339,8 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                          small.reward_model.model.path if small.reward_model.enable else None)
 
     preflight(small)
-    with _dry_run_session(small, cloned) as trainer:
+    own_cap = cfg.data.max_response_length <= response_length  # (the shrunk config keeps the run's length then)
+    with _dry_run_session(small, cloned, own_cap) as trainer:
         history = trainer.fit()
         report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
                           for step in history]
@@ -356,7 +360,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         latest = latest_checkpoint(root)
         if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
             latest = trainer.save_checkpoint()
-        with _dry_run_session(small, cloned) as fresh:
+        with _dry_run_session(small, cloned, own_cap) as fresh:
             fresh.load_checkpoint(latest)
             differing = _state_differences(trainer.actor.module, fresh.actor.module)
             if trainer.critic is not None:
