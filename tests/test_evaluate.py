@@ -812,3 +812,43 @@ def test_the_pipeline_says_a_notice_of_the_data_once_for_the_models_it_evaluates
                             max_problems=2, reward_fn=lambda *args, **kwargs: 0.0)
     notices = [line for line in capfd.readouterr().err.splitlines() if line.startswith("notice:")]
     assert len(notices) == 1 and "cut 40 of 40 prompts longer than data.max_prompt_length" in notices[0], notices
+
+
+def test_rewording_leaves_a_key_inside_a_path_or_a_word_as_it_is():
+    """A training key inside a path (a folder a sweep named data.max_prompt_length=20/) or a file's name was put as
+    the command's option, naming a file that is not on disk."""
+    from rlhf_core.pipeline.evaluate import reworded
+
+    names = {"data.val_files": "val_files", "data.max_prompt_length": "--max-prompt-length"}
+    said = ("notice: data.val_files: 3 prompts longer than data.max_prompt_length (20 tokens) (first: "
+            "runs/data.max_prompt_length=20/val.parquet row 0; also my_data.val_files.parquet, "
+            "data.max_prompt_length=20/b.parquet and old.data.val_files)")
+    assert reworded(said, names) == (
+        "notice: val_files: 3 prompts longer than --max-prompt-length (20 tokens) (first: "
+        "runs/data.max_prompt_length=20/val.parquet row 0; also my_data.val_files.parquet, "
+        "data.max_prompt_length=20/b.parquet and old.data.val_files)")
+
+
+def test_the_evaluate_command_names_a_path_holding_a_training_key_as_it_is_on_disk(setup, tmp_path, capsys):
+    """A data folder or a reward file under a folder named by a training key was named with the command's option
+    in its place (sweep/--max-prompt-length=20), a path that is not there."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    folder = tmp_path / "sweep" / "data.max_prompt_length=20"
+    folder.mkdir(parents=True)
+    (folder / "part.parquet").write_bytes(val.read_bytes())
+    assert evaluate([str(model), str(folder)]) == 2
+    assert capsys.readouterr().err == (f"error: val_files: {tmp_path}/sweep/data.max_prompt_length=20 is a folder; "
+                                       "name its parquet files (several, one after another: rlhf evaluate MODEL "
+                                       "a.parquet b.parquet); it holds part.parquet\n")
+    rewards = tmp_path / "rewards" / "reward_model.reward_manager=batch"
+    rewards.mkdir(parents=True)
+    (rewards / "score.py").write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                                      "    return [0.0] * len(solution_strs)\n")
+    assert evaluate([str(model), str(val), "--custom-reward", str(rewards / "score.py")]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: --custom-reward: 'compute_score' in '{tmp_path}/rewards/reward_model.reward_manager=batch/score.py' "
+        "cannot be called as the reward manager calls it for each response (a function of whole batches: "
+        "--reward-manager batch), fn(")
+

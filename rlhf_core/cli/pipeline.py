@@ -126,14 +126,13 @@ def evaluate(argv: list[str] | None = None) -> int:
     try:  # what loading a reward file raises (see load_custom_reward_fn), and a function the calls do not fit
         reward_fn = custom_reward_fn(reward_config)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
-        message = str(exc)  # the loader names training's keys; here the options stand for them
-        for key, option in (("custom_reward_function.reward_kwargs", "--reward-kwarg"),
-                            ("custom_reward_function.name", "--custom-reward-name"),
-                            ("custom_reward_function.path", "--custom-reward"),
-                            ("reward_model.reward_manager=batch", "--reward-manager batch"),
-                            ("for each response", "for each response (a function of whole batches: "
-                                                  "--reward-manager batch)")):
-            message = message.replace(key, option)
+        # the loader names training's keys; here the options stand for them
+        message = reworded(str(exc), {"custom_reward_function.reward_kwargs": "--reward-kwarg",
+                                      "custom_reward_function.name": "--custom-reward-name",
+                                      "custom_reward_function.path": "--custom-reward",
+                                      "reward_model.reward_manager=batch": "--reward-manager batch",
+                                      "for each response": "for each response (a function of whole batches: "
+                                                           "--reward-manager batch)"})
         print(f"error: --custom-reward: {message}", file=sys.stderr)
         return 2
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads

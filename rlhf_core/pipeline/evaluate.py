@@ -257,10 +257,23 @@ class NoticesOnce:
 
 def reworded(text: str, names: Mapping[str, str]) -> str:
     """``text`` with each key of ``names`` (training's, such as ``data.max_prompt_length``) put as its value (what
-    a caller, a command, calls it: its own option)."""
+    a caller, a command, calls it: its own option). A key inside a word or a path is left as it is: the file named
+    (a folder data.max_prompt_length=512/, as a sweep names its runs, or my_data.val_files.parquet) is the one on
+    disk."""
     for key, name in names.items():
-        text = text.replace(key, name)
+        # not after a letter, dot, dash or slash; not before a letter or slash, nor a dot that goes on (.parquet)
+        text = re.sub(rf"(?<![\w./\\-]){re.escape(key)}(?![\w/\\]|\.\w)",
+                      functools.partial(_name_unless_in_path, name), text)
     return text
+
+
+def _name_unless_in_path(name: str, match: re.Match) -> str:
+    """``name``, unless the text around ``match`` up to the spaces either side holds a slash (a path's part)."""
+    text = match.string
+    start = max(text.rfind(space, 0, match.start()) for space in " \t\n") + 1
+    end = min((found for space in " \t\n" if (found := text.find(space, match.end())) >= 0), default=len(text))
+    around = text[start:match.start()] + text[match.end():end]
+    return match.group(0) if "/" in around or "\\" in around else name
 
 
 @contextlib.contextmanager
