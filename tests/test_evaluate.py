@@ -852,3 +852,16 @@ def test_the_evaluate_command_names_a_path_holding_a_training_key_as_it_is_on_di
         "cannot be called as the reward manager calls it for each response (a function of whole batches: "
         "--reward-manager batch), fn(")
 
+
+def test_the_evaluate_command_names_its_custom_reward_option_for_a_file_without_ground_truths(setup, tmp_path,
+                                                                                              capsys):
+    """A file without the reward_model column was told that prompts without one evaluate with a custom reward
+    function, without the option that gives one (a row without a ground truth was told it)."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    pd.read_parquet(val).drop(columns=["reward_model"]).to_parquet(tmp_path / "open.parquet", index=False)
+    assert evaluate([str(model), str(tmp_path / "open.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: val_files: column(s) ['reward_model'] missing"), err
+    assert "evaluate with a custom reward function (here: --custom-reward FILE.py)" in err, err

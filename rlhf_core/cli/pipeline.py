@@ -143,8 +143,9 @@ def evaluate(argv: list[str] | None = None) -> int:
         problems.append(str(exc))
     try:
         paths = check_files(args.val_files, "val_files")
-        problems.append(missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
-                                                data.prompt_key, prompt_option="--prompt-key "))
+        missing = missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
+                                          data.prompt_key, prompt_option="--prompt-key ")
+        problems.append(missing and reworded(missing, EVALUATE_NAMES))
     except DataError as exc:
         problems.append(reworded(str(exc), EVALUATE_NAMES))
     if any(problems):
