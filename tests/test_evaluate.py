@@ -127,10 +127,12 @@ def test_a_capped_evaluation_keeps_each_source_share_and_every_problem(setup):
     assert other.accuracy == right / 8 and other.interval == pytest.approx(wilson(right, 8))
 
 
-def test_problems_sharing_an_id_are_refused_before_any_generation(setup):
+def test_problems_sharing_an_id_are_refused_before_any_generation(setup, tmp_path):
     model, val = setup
+    frame = pd.read_parquet(val)
+    pd.concat([frame, frame]).to_parquet(tmp_path / "twice.parquet", index=False)  # (one file: not named twice)
     with pytest.raises(ValueError, match="40 problem ids .* are shared by several rows, e.g. synthetic/a/0"):
-        evaluate_policy(model, [str(val), str(val)], DATA, reward_fn=digit_first)
+        evaluate_policy(model, str(tmp_path / "twice.parquet"), DATA, reward_fn=digit_first)
 
 
 def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setup):
@@ -865,3 +867,15 @@ def test_the_evaluate_command_names_its_custom_reward_option_for_a_file_without_
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: val_files: column(s) ['reward_model'] missing"), err
     assert "evaluate with a custom reward function (here: --custom-reward FILE.py)" in err, err
+
+
+def test_the_evaluate_command_says_a_file_named_twice_is_named_twice(setup, tmp_path, capsys, monkeypatch):
+    """The same file named twice (as itself and through another path to it) was refused for problem ids shared by
+    several rows, with the advice to give every row its own extra_info.index: its rows are numbered right."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    monkeypatch.chdir(val.parent)
+    assert evaluate([str(model), str(val), f"./{val.name}", "--max-problems", "2"]) == 2
+    assert capsys.readouterr().err == (f"error: val_files: {val.resolve()} is named 2 times; its rows would be "
+                                       "evaluated as many times over: name each file once\n")

@@ -348,6 +348,11 @@ def evaluate_policy(
     with _trusted_code(tokenizer_path or model_dir, trust_remote_code):
         tokenizer = load_tokenizer(tokenizer_path or model_dir, trust_remote_code)
     with _said_as(names):
+        named = Counter(path.resolve() for path in as_file_list(val_files))
+        twice = [(path, count) for path, count in named.items() if count > 1]
+        if twice:  # (its problem ids would be said to be shared, and the user sent to renumber its rows)
+            raise DataError(f"data.val_files: {twice[0][0]} is named {twice[0][1]} times; its rows would be "
+                            "evaluated as many times over: name each file once")
         dataset = RLHFDataset(val_files, tokenizer, data_config, key="data.val_files",
                               require_ground_truth=reward_fn is None)
         ids = Counter(row["id"] for row in dataset.rows)
