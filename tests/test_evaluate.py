@@ -652,7 +652,10 @@ def test_the_evaluate_command_on_a_model_whose_weights_give_nan_says_so_in_one_l
     weights = load_file(broken / "model.safetensors")
     save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
                for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
-    assert evaluate([str(broken), str(val), "--max-problems", "4", "--max-response-length", "4"]) == 1
+    reward = tmp_path / "zero.py"  # (the data's sources have no built-in rule, refused before the model loads)
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    assert evaluate([str(broken), str(val), "--max-problems", "4", "--max-response-length", "4",
+                     "--custom-reward", str(reward)]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
     [said] = [line for line in err.splitlines() if line.startswith("error:")]  # (after the weights' loading bar)
@@ -879,3 +882,19 @@ def test_the_evaluate_command_says_a_file_named_twice_is_named_twice(setup, tmp_
     assert evaluate([str(model), str(val), f"./{val.name}", "--max-problems", "2"]) == 2
     assert capsys.readouterr().err == (f"error: val_files: {val.resolve()} is named 2 times; its rows would be "
                                        "evaluated as many times over: name each file once\n")
+
+
+def test_the_evaluate_command_refuses_a_source_without_a_rule_before_the_model_loads(setup, capsys, monkeypatch):
+    """Data sources without a built-in rule (and no --custom-reward) were refused at the first batch's scoring,
+    once the model had loaded and generated (a 7B model's minutes), as 'sample 0: ...'."""
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.models import loading
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    model, val = setup
+    monkeypatch.setattr(loading, "load_actor", no_load)
+    assert evaluate([str(model), str(val), "--max-prompt-length", "320"]) == 2
+    assert capsys.readouterr().err.startswith("error: val_files: no reward function for data_source 'synthetic/a'; "
+                                              "built-in sources are ")

@@ -52,7 +52,14 @@ from rlhf_core.pipeline.reward_code import (
     source_closure,
     user_code,
 )
-from rlhf_core.rewards import BatchRewardFn, RewardFn, custom_reward_fn, get_reward_fn, spec_module_name
+from rlhf_core.rewards import (
+    BatchRewardFn,
+    RewardFn,
+    UnknownDataSourceError,
+    custom_reward_fn,
+    get_reward_fn,
+    spec_module_name,
+)
 from rlhf_core.rewards.result import RewardResultError, read_reward_result
 
 EXAMPLES_PER_KIND = 3
@@ -365,6 +372,11 @@ def evaluate_policy(
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
     selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
+    for source in sorted({dataset.rows[index]["data_source"] for index in selected} if reward_fn is None else ()):
+        try:  # a source without a built-in rule, said before the model loads and generates its first batch
+            get_reward_fn(source)
+        except UnknownDataSourceError as exc:
+            raise UnknownDataSourceError(reworded(f"data.val_files: {exc.args[0]}", names or {})) from None
     with _trusted_code(model_dir, trust_remote_code):
         module = load_actor(model_dir, dtype=dtype, device=device, override_config=override_config,
                             trust_remote_code=trust_remote_code)
