@@ -898,3 +898,23 @@ def test_the_evaluate_command_refuses_a_source_without_a_rule_before_the_model_l
     assert evaluate([str(model), str(val), "--max-prompt-length", "320"]) == 2
     assert capsys.readouterr().err.startswith("error: val_files: no reward function for data_source 'synthetic/a'; "
                                               "built-in sources are ")
+
+
+def test_the_evaluate_command_points_to_batch_calls_only_for_a_function_of_whole_batches(setup, tmp_path, capsys):
+    """A function of each response without a parameter the calls give (ground_truth) was told of --reward-manager
+    batch, which refuses it again (no data_sources); a function of whole batches is still told of it."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    short = tmp_path / "short.py"
+    short.write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
+    assert evaluate([str(model), str(val), "--custom-reward", str(short)]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --custom-reward: 'compute_score' in '{short}' cannot be called as the reward manager calls it for "
+        "each response, fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...): got an unexpected "
+        "keyword argument 'ground_truth'\n")
+    whole = tmp_path / "whole.py"
+    whole.write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"
+                     "    return [1.0] * len(solution_strs)\n")
+    assert evaluate([str(model), str(val), "--custom-reward", str(whole)]) == 2
+    assert "for each response (a function of whole batches: --reward-manager batch), fn(" in capsys.readouterr().err

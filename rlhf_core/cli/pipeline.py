@@ -13,6 +13,7 @@ schedule retraining.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -126,13 +127,18 @@ def evaluate(argv: list[str] | None = None) -> int:
     try:  # what loading a reward file raises (see load_custom_reward_fn), and a function the calls do not fit
         reward_fn = custom_reward_fn(reward_config)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
+        batch = False  # whether a function the calls of each response do not fit is one of whole batches
+        if args.reward_manager == "naive" and "calls it for each response" in str(exc):
+            reward_config.reward_model.reward_manager = "batch"
+            with contextlib.suppress(FileNotFoundError, ImportError, AttributeError, TypeError):
+                batch = custom_reward_fn(reward_config) is not None
         # the loader names training's keys; here the options stand for them
         message = reworded(str(exc), {"custom_reward_function.reward_kwargs": "--reward-kwarg",
                                       "custom_reward_function.name": "--custom-reward-name",
                                       "custom_reward_function.path": "--custom-reward",
                                       "reward_model.reward_manager=batch": "--reward-manager batch",
-                                      "for each response": "for each response (a function of whole batches: "
-                                                           "--reward-manager batch)"})
+                                      **({"for each response": "for each response (a function of whole batches: "
+                                                               "--reward-manager batch)"} if batch else {})})
         print(f"error: --custom-reward: {message}", file=sys.stderr)
         return 2
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads
