@@ -425,9 +425,12 @@ def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_va
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_model_whose_weights_give_nan_logits_at_step_1_is_named_not_an_update(workspace, tmp_path, capsys):
-    """Nothing was trained when the first rollout meets NaN logits: the weights are the model folder's, so the
-    message names that folder (as the reward model's trainer does), not a diverged update and a learning rate."""
+@pytest.mark.parametrize("broken_role", ["actor", "critic"])
+def test_a_model_folder_that_holds_nan_weights_is_named_before_step_1_not_an_update(workspace, tmp_path, capsys,
+                                                                                    broken_role):
+    """Nothing was trained when the run finds NaN weights: they are the model folder's, so the message names that
+    folder (as the reward model's trainer does), not a diverged update and a learning rate. The critic's were met
+    only at the first save, as an update's divergence: "rerun with a lower learning rate (critic.optim.lr)"."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -439,13 +442,49 @@ def test_a_model_whose_weights_give_nan_logits_at_step_1_is_named_not_an_update(
     weights = load_file(broken / "model.safetensors")
     save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
                for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
+    key = {"actor": "actor_rollout_ref.model.path", "critic": "critic.model.path"}[broken_role]
+    sound = "critic" if broken_role == "actor" else "actor_rollout_ref"
     out = tmp_path / "run"
-    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", model=broken)) == 1
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.save_freq=1",
+                                   f"{key}={broken}", f"{sound}.model.path={workspace.model}")) == 1
     err = capsys.readouterr().err.splitlines()
-    assert err[-2].startswith("error: training step 1 failed: the policy's logits held NaN (or inf) at response token 0")
-    assert err[-1] == (f"the weights are those of actor_rollout_ref.model.path ({broken}), as the run loaded them: "
-                       "check that model for NaN or inf weights")
+    assert err[-2:] == [
+        f"error: checking the weights before step 1 failed: the weights of the {broken_role} hold NaN or inf values, "
+        "so the run trains nothing",
+        f"the weights are those of {key} ({broken}), as the run loaded them: check that model for NaN or inf weights"]
     assert not list(out.glob("global_step_*"))
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_checkpoint_whose_critic_holds_nan_is_named_not_an_update(workspace, tmp_path, capsys):
+    """A checkpoint whose critic weights hold NaN (written by other software, or damaged and its manifest with it)
+    was taken for the step after it diverging: "the latest checkpoint ... is intact ... resume from it", which
+    loads the same NaN again."""
+    import hashlib
+    import json
+
+    from rlhf_core.cli.train import ppo
+
+    out = tmp_path / "run"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.save_freq=1")) == 0
+    part = out / "global_step_2" / "critic" / "model_state.pt"
+    state = torch.load(part, weights_only=False)
+    torch.save({name: torch.full_like(value, math.nan) if torch.is_tensor(value) and value.is_floating_point()
+                else value for name, value in state.items()}, part)
+    manifest = json.loads((out / "global_step_2" / "manifest.json").read_text())
+    manifest["files"]["critic/model_state.pt"] = part.stat().st_size
+    manifest["sha256"]["critic/model_state.pt"] = hashlib.sha256(part.read_bytes()).hexdigest()
+    (out / "global_step_2" / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=3", "trainer.save_freq=1")) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "error: checking the weights before step 3 failed: the weights of the critic hold NaN or inf values, so the "
+        "run trains nothing",
+        f"the checkpoint the run resumed from, {out / 'global_step_2'}, holds these weights, so a resume from it "
+        f"fails again: resume from {out / 'global_step_1'} with a lower learning rate (trainer.resume_mode="
+        f"resume_path trainer.resume_from_path={out / 'global_step_1'})"]
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1", "global_step_2"]
 
 
 def _non_finite_after_update(trainer, role: str, value: float, at_step: int, then=None) -> None:

@@ -724,15 +724,22 @@ class PPOTrainer:
         self.anchor_folders[self.global_step] = self.checkpoint_dir.absolute()
         return path
 
-    def _check_weights(self) -> None:
+    def _check_weights(self, loaded: bool = False) -> None:
         """Stop the run (:class:`GuardError`, as :meth:`_diverged` says it) where the actor's or the critic's weights
         hold NaN or inf: called before every save, which would otherwise write them, mark them latest and export them.
         An update can leave them so on a finite loss and gradient norm; the NaN-logits stop at the next rollout
-        catches them only where there is one, never after the last step."""
+        catches them only where there is one, never after the last step. ``loaded``: the weights as the run loaded
+        them, checked before its first step (the critic's show nowhere before the first save, which took a model or
+        checkpoint holding NaN for an update's divergence and a lower learning rate for the way on)."""
         try:
             bad = [name for name, worker in self.workers().items() if not worker.weights_finite()]
         except WorkerError as exc:
             raise self._worker_failure(exc, "checking the weights of", self.global_step) from exc
+        if bad and loaded:
+            found = FloatingPointError(f"the weights of the {' and the '.join(bad)} hold NaN or inf values, so the run "
+                                       "trains nothing")
+            raise self._diverged(found, "checking the weights before", self.global_step + 1,
+                                 " and ".join(checkpoint.LEARNING_RATES[name] for name in bad), bad)
         if bad:
             rates = " and ".join(checkpoint.LEARNING_RATES[name] for name in bad)
             found = FloatingPointError(
@@ -898,6 +905,8 @@ class PPOTrainer:
             self._log_generations(self.global_step)
             self.history.append(StepResult(self.global_step, metrics))
             return self.history
+        if self.global_step < self.total_steps and not self.data_exhausted:
+            self._check_weights(loaded=True)
         if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
                 and not self.resumed:
             self.validate_before_train()
