@@ -38,6 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf config` is (rlhf_core.cli), before the imports below (Hydra and
+    # OmegaConf), so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("config", None, "python -m rlhf_core.config"))
+
 import yaml
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -2021,8 +2028,3 @@ def _sub_yaml(instance: Any, indent: int) -> str:
         else:
             lines.append(f"{pad}{name}: {_scalar(value)}  # {f.metadata['help']}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.config import config
-    sys.exit(config())

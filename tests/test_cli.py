@@ -395,7 +395,8 @@ import sys
 
 class CtrlCAtImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.partition(".")[0] in {"torch", "transformers", "zenml", "pandas", "numpy"}:
+        if name.partition(".")[0] in {"torch", "transformers", "zenml", "pandas", "numpy", "yaml", "hydra",
+                                          "omegaconf"}:
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.SIGINT)
         return None
@@ -430,17 +431,26 @@ def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, 
         130, [f"interrupted by SIGINT: {name} stopped as it started: nothing was done"]), done.stderr[-2000:]
 
 
-def test_a_ctrl_c_as_python_m_main_ppo_starts_exits_130_with_one_line(repo_root, tmp_path):
-    """``python -m rlhf_core.main_ppo`` ran the module itself, whose own imports (torch) came before any code that
-    could take a Ctrl-C: it came out as a traceback."""
-    runner = tmp_path / "main_ppo"  # what ``python -m`` does, after the Ctrl-C's hook
+# the modules ``python -m`` runs as commands (the README's and the commands' usage lines name them)
+PYTHON_M = ["rlhf_core.main_ppo", "rlhf_core.training.reward_trainer", "rlhf_core.pipeline.smoke",
+            "rlhf_core.pipeline.evaluate", "rlhf_core.pipeline.lineage", "rlhf_core.pipeline.schedule",
+            "rlhf_core.config", "rlhf_core.models.toy", "rlhf_core.models.gguf", "rlhf_core.data.gsm8k",
+            "rlhf_core.data.synthetic", "rlhf_core.data.preference", "rlhf_core.data.validation"]
+
+
+@pytest.mark.parametrize("module", PYTHON_M)
+def test_a_ctrl_c_as_python_m_starts_exits_130_with_one_line(repo_root, tmp_path, module):
+    """``python -m rlhf_core.<module>`` ran the module itself, whose own imports (torch, pandas, Hydra) came before
+    any code that could take a Ctrl-C, or its ``__main__`` block imported the command's module (ZenML) outside
+    it: it came out as a traceback."""
+    runner = tmp_path / "python_m"  # what ``python -m`` does, after the Ctrl-C's hook
     runner.write_text(CTRL_C_AS_IT_STARTS + "import runpy\n"
-                      "runpy.run_module('rlhf_core.main_ppo', run_name='__main__', alter_sys=True)\n")
+                      f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
     env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
     done = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, cwd=tmp_path,
                           env=env, timeout=120)
     assert (done.returncode, done.stderr.splitlines()) == (
-        130, ["interrupted by SIGINT: python -m rlhf_core.main_ppo stopped as it started: nothing was done"]), \
+        130, [f"interrupted by SIGINT: python -m {module} stopped as it started: nothing was done"]), \
         done.stderr[-2000:]
 
 

@@ -27,6 +27,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf gsm8k` is (rlhf_core.cli), before the imports below (pandas), so
+    # that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("gsm8k", None, "python -m rlhf_core.data.gsm8k"))
+
 import pandas as pd
 
 from rlhf_core.data.schema import extract_final_answer, make_record, read_rows, write_parquet_atomic
@@ -267,8 +273,3 @@ def preprocess_gsm8k(
             "sources": [str(p) for p in split.files],
         }
     return summary
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.data import gsm8k
-    sys.exit(gsm8k())

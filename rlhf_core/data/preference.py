@@ -48,6 +48,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf preference` is (rlhf_core.cli), before the imports below (pandas),
+    # so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("preference", None, "python -m rlhf_core.data.preference"))
+
 import pandas as pd
 
 from rlhf_core.data.dataset import DataError, prompt_messages
@@ -422,8 +428,3 @@ def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tu
                                   "something")
     return {f"{split}_pairs": sum(len(f) for _, f in items) for split, items in frames.items()} | {
         f"{split}_prompts": len(keys) for split, keys in prompts.items()}
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.data import preference
-    sys.exit(preference())

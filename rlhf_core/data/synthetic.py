@@ -34,6 +34,12 @@ import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before the imports below (pandas),
+    # so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("synthetic", None, "python -m rlhf_core.data.synthetic"))
+
 import pandas as pd
 
 from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquet_atomic
@@ -420,8 +426,3 @@ def build_dataset(
         frame = pd.DataFrame(rows, columns=list(PROMPT_COLUMNS))
         write_parquet_atomic(frame, paths[split], overwrite=overwrite)
     return paths
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.data import synthetic
-    sys.exit(synthetic())

@@ -59,6 +59,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf validate` is (rlhf_core.cli), before the imports below (pandas), so
+    # that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("validate", None, "python -m rlhf_core.data.validation"))
+
 import numpy as np
 import pandas as pd
 
@@ -1089,8 +1095,3 @@ def _describe_failure(outcome: Outcome) -> str:
     checked = int(stats.get("element_count") or 0) - int(stats.get("missing_count") or 0)
     share = stats.get("unexpected_count", 0) / checked if checked else 0.0
     return f"{stats.get('unexpected_count')} of {checked} rows fail ({_percent(share)}): {outcome.description}"
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.data import validate
-    sys.exit(validate())

@@ -25,6 +25,12 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf gguf` is (rlhf_core.cli), where its command's module imports torch,
+    # so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("gguf", None, "python -m rlhf_core.models.gguf"))
+
 from rlhf_core.atomic import staged_directory
 
 MARKER = "gguf_import.json"
@@ -194,8 +200,3 @@ def cached_tokenizer(gguf_file: str | os.PathLike, cache_dir: str | os.PathLike 
         AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(staging)
         (staging / MARKER).write_text(json.dumps({"source": stamp}) + "\n")
     return final
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.models import gguf
-    sys.exit(gguf())

@@ -39,6 +39,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf toy-model` is (rlhf_core.cli), before the imports below (torch and
+    # transformers), so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("toy-model", None, "python -m rlhf_core.models.toy"))
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -656,8 +663,3 @@ def ensure_toy_model(
     with staged_directory(final, replace=True, keep_existing=finished) as staging:
         build_toy_model(staging, preset, seed, force=True, progress=progress, threads=threads)
     return final
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.models import toy_model
-    sys.exit(toy_model())

@@ -35,6 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf evaluate` is (rlhf_core.cli), before the imports below (pandas and
+    # torch), so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("evaluate", None, "python -m rlhf_core.pipeline.evaluate"))
+
 import numpy as np
 import pandas as pd
 import torch
@@ -885,8 +892,3 @@ def evaluation_html(results: Mapping[str, EvalResult], curves_png: bytes | None 
         parts.append("</table>")
     parts.append("</body></html>")
     return "".join(parts)
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.pipeline import evaluate
-    sys.exit(evaluate())

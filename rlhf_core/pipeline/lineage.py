@@ -22,6 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf lineage` is (rlhf_core.cli), where its command's module imports
+    # ZenML, so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("lineage", None, "python -m rlhf_core.pipeline.lineage"))
+
 from rlhf_core.pipeline.promotion import stage_disagreement
 from rlhf_core.pipeline.reward_code import user_code
 
@@ -527,8 +534,3 @@ def format_lineage(record: Mapping[str, Any]) -> str:
         if key in meta:
             lines.append(f"   model version {key}: {_short(meta[key])}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.pipeline import lineage
-    sys.exit(lineage())

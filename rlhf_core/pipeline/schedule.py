@@ -28,6 +28,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf schedule` is (rlhf_core.cli), where its command's module imports
+    # ZenML, so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("schedule", None, "python -m rlhf_core.pipeline.schedule"))
+
 RETRAIN_PIPELINE = "pipelines.retrain.rlhf_retrain_pipeline"
 
 logger = logging.getLogger("rlhf_core.pipeline.schedule")
@@ -265,8 +272,3 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
     except (KeyboardInterrupt, SystemExit):
         logger.info("stopped after %d run(s)", len(runs))
     return runs
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.pipeline import schedule
-    sys.exit(schedule())

@@ -31,6 +31,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":  # run as `rlhf smoke` is (rlhf_core.cli), before the imports below (pandas and
+    # torch), so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
+    # traceback
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("smoke", None, "python -m rlhf_core.pipeline.smoke"))
+
 import pandas as pd
 import torch
 
@@ -371,8 +378,3 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
                + (f"{len(differing)} tensors differ, e.g. {differing[:3]}" if differing else "weights equal"))
     report.wall_s = time.perf_counter() - started
     return report
-
-
-if __name__ == "__main__":
-    from rlhf_core.cli.train import smoke
-    sys.exit(smoke())

@@ -67,6 +67,13 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__":  # run as `rlhf train-rm` is (rlhf_core.cli), before the imports below (torch), so
+    # that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a traceback; the
+    # command runs this module as imported, not __main__, so Ray ships the worker classes by reference
+    from rlhf_core.cli import _run
+
+    sys.exit(_run("train-rm", None, "python -m rlhf_core.training.reward_trainer"))
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -1008,9 +1015,3 @@ def pair_accuracy_gate(val: dict[str, float], min_pair_accuracy: float,
                        f"{setting} ({min_pair_accuracy:.1%}): PPO against it would chase noise; "
                        "train longer, add pairs or start from a stronger model")
     return True, f"held-out pair accuracy {accuracy:.1%} >= {min_pair_accuracy:.1%}"
-
-
-if __name__ == "__main__":
-    # the command runs this module as imported, not __main__, so Ray ships the worker classes by reference
-    from rlhf_core.cli.train import train_rm
-    sys.exit(train_rm())
