@@ -246,6 +246,22 @@ def test_an_output_without_hidden_states_has_its_logits_compared():
     assert train_mode_differs(model) is None
 
 
+def test_weights_that_give_nan_are_not_said_to_draw_noise_in_train_mode(capsys):
+    """NaN never equals itself: a model whose weights give NaN was said to differ between its modes, and the notice
+    sent its user after dropout or a router before the run's own message about NaN weights."""
+    from rlhf_core.models.loading import train_mode_differs
+
+    torch.manual_seed(0)
+    model = _neox(0.0)
+    model.config.classifier_dropout = 0.0  # no rate in its config: nothing to say of dropout
+    assert train_mode_differs(model) is False
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))
+    assert train_mode_differs(model) is None
+    assert dropout_off(model, False, KEY) == {}
+    assert capsys.readouterr().err == ""
+
+
 def test_noise_no_rate_names_is_not_promised_off_by_the_key(capsys):
     """PhiMoE without dropout or input jitter, the key false: its routers still sample in train mode, which the
     key cannot turn off, and the notice says so rather than promising that the key turns it off."""

@@ -274,7 +274,9 @@ def train_mode_differs(model: torch.nn.Module, tokens: int = 32) -> bool | None:
     updates draw noise its rollout-time passes do not. What the built model runs decides, not its config: a rate
     for a head the model lacks (GPT-NeoX's classifier_dropout in a causal LM) draws nothing, and a router that
     samples its experts in train mode (PhiMoE's) draws though no rate names it. None where the forward cannot
-    run on bare token ids. The generators are left as they were, the model in the mode it was in."""
+    run on bare token ids, or gives NaN or inf (weights that do: NaN never equals itself, which read as noise
+    drawn, and the run then stops on those weights with its own message). The generators are left as they
+    were, the model in the mode it was in."""
     training = model.training
     device = next(model.parameters()).device
     try:
@@ -289,7 +291,7 @@ def train_mode_differs(model: torch.nn.Module, tokens: int = 32) -> bool | None:
     # the hidden states too: a new value head is zero, and its values are 0 in both modes whatever the backbone draws
     # (an output without them, from remote code that ignores output_hidden_states, has its logits compared alone)
     evaluated, trained = (_compared(output) for output in outputs)
-    if not evaluated or len(evaluated) != len(trained):
+    if not evaluated or len(evaluated) != len(trained) or not all(t.isfinite().all() for t in evaluated + trained):
         return None
     return not all(torch.equal(a, b) for a, b in zip(evaluated, trained))
 
