@@ -977,6 +977,10 @@ GLOBAL_MICRO_BATCHES: dict[str, str] = {
     "critic.ppo_micro_batch_size": "critic.ppo_micro_batch_size_per_gpu",
     "reward_model.micro_batch_size": "reward_model.micro_batch_size_per_gpu",
 }
+# per-worker micro-batch sizes whose null validation takes only with dynamic batching on (or the size over all
+# workers above given in its place)
+NULL_NEEDS_DYNAMIC = frozenset({"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                                "critic.ppo_micro_batch_size_per_gpu"})
 
 
 # ----------------------------------------------------------------------------- errors
@@ -1265,7 +1269,8 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
     is verl's unused key, a deprecated switch), or a key of the schema whose field is Optional (the key an alias
     stands for, named as such), else None: the text fails there as something else (two sizes set, a value not
     supported, a type), or is taken as text (an entry of an open mapping, a text key without null). The advice
-    is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file."""
+    is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file (a
+    micro-batch size whose null needs dynamic batching: with it, or a size instead)."""
     if value not in ("None", "none"):
         return None
     verl_only = without_effect(key)
@@ -1285,6 +1290,16 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
         example = "[a,b]" if not in_file else "[a, b]"
         write = f"{target}={example}" if not in_file else f"{name}: {example}" + (f" under {section}" if section else "")
         return f"{target}={value!r}: None is read as text, and {target} takes no null: a string or a list, e.g. {write}"
+    if target in NULL_NEEDS_DYNAMIC:  # null alone is refused by validation: the choices that are taken
+        over_all = next(k for k, per_worker in GLOBAL_MICRO_BATCHES.items() if per_worker == target)
+        said = f"{target}={value!r}: None is read as text: write "
+        if not in_file:
+            return (f"{said}{target}=null with {section}.use_dynamic_bsz=True; without dynamic batching it "
+                    f"takes a size, e.g. {target}={_default(target)} (or {over_all} over all workers in its "
+                    "place)")
+        return (f"{said}{name}: null and use_dynamic_bsz: true under {section}; without dynamic batching it "
+                f"takes a size, e.g. {name}: {_default(target)} (or {over_all.rpartition('.')[2]} over all "
+                "workers in its place)")
     null, meaning = ("[]", f" ({EMPTY_NOT_NULL[target]})") if target in EMPTY_NOT_NULL else ("null", "")
     write = f"{target}={null}" if not in_file else f"{name}: {null}" + (f" under {section}" if section else "")
     return f"{target}={value!r}: None is read as text: write {write}{meaning}"

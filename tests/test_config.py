@@ -1276,6 +1276,30 @@ def test_none_written_for_null_on_a_mirror_the_critics_switch_an_alias_or_a_swit
     load_config(config_file=path, notice=lambda _: None)
 
 
+@pytest.mark.parametrize("section", ["actor_rollout_ref.actor", "critic"])
+def test_none_written_for_a_null_micro_batch_size_is_told_the_choices_that_are_taken(section, tmp_path):
+    # KEY=null alone was advised, then refused in turn: the size is required when use_dynamic_bsz is off
+    key = f"{section}.ppo_micro_batch_size_per_gpu"
+    assert _refusals([f"{key}=None"]) == [
+        f"{key}='None': None is read as text: write {key}=null with {section}.use_dynamic_bsz=True; without "
+        f"dynamic batching it takes a size, e.g. {key}=4 (or {section}.ppo_micro_batch_size over all workers "
+        "in its place)"]
+    for choice in ([f"{key}=null", f"{section}.use_dynamic_bsz=True"], [f"{key}=4"],
+                   [f"{key}=null", f"{section}.ppo_micro_batch_size=8"]):  # each followed: taken, validated
+        load_config(choice, notice=lambda _: None)
+    path = tmp_path / "run.yaml"
+    indent = "  " * (section.count(".") + 1)
+    path.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                    + f"{indent}ppo_micro_batch_size_per_gpu: None\n")
+    assert _refusals([], path) == [
+        f"{key}='None': None is read as text: write ppo_micro_batch_size_per_gpu: null and use_dynamic_bsz: "
+        f"true under {section}; without dynamic batching it takes a size, e.g. "
+        f"ppo_micro_batch_size_per_gpu: 4 (or ppo_micro_batch_size over all workers in its place) "
+        f"(in {path})"]
+    path.write_text(path.read_text().replace("None", f"null\n{indent}use_dynamic_bsz: true"))  # followed
+    load_config(config_file=path, notice=lambda _: None)
+
+
 def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     # verl 0.7's generated config holds the reward model's own pool as nulls
     path = tmp_path / "run.yaml"
