@@ -1502,20 +1502,39 @@ def _date_instead(key: str, given: dict[str, Any], in_file: dict[str, str]) -> s
         written = _dated(value, lambda now: datetime.datetime.now().strftime(now.group(1)))
         return f"write the value itself in {in_file[owner]}, e.g. {owner.rpartition('.')[2]}: {_flow(written)}"
     from_shell = _dated(value, lambda now: f"$(date {shlex.quote('+' + now.group(1))})")
-    shown = from_shell if isinstance(from_shell, str) else f'"{_flow(from_shell)}"'  # (quoted: it holds spaces)
+    shown = from_shell if isinstance(from_shell, str) else f'"{_override_flow(value)}"'  # (it holds spaces)
     if isinstance(value, str) and not _read_as_written(_dated(value, lambda now: datetime.datetime.now().strftime(
             now.group(1)))):  # the date quoted for Hydra, inside the shell's quotes
         shown = f'"\'{from_shell}\'"'
     return f"give the date from the shell, e.g. {owner}={shown}"
 
 
-def _read_as_written(text: str) -> bool:
+def _read_as_written(text: str, text_only: bool = False) -> bool:
     """Whether Hydra reads ``text``, given unquoted on the command line, as that text: a date written
-    20261206_105832 is read as the number 20261206105832 there, 12.10 as 12.1."""
+    20261206_105832 is read as the number 20261206105832 there, 12.10 as 12.1. ``text_only``: as text, not
+    as a number written the same (20261206), which nothing turns back into text in a list or a mapping."""
     try:
-        return str(_parser().parse_override(f"key={text}").value()) == text
+        read = _parser().parse_override(f"key={text}").value()
     except HydraException:
         return False
+    return str(read) == text and (isinstance(read, str) or not text_only)
+
+
+def _override_flow(value: Any) -> str:
+    """A list or mapping ``value`` as Hydra reads it back from a shell's command line (inside double quotes),
+    each ``${now:...}`` given by the shell's date: ``[a, b]``, ``{k: v}``, a text quoted for Hydra where it
+    would read it as something else (the date 20261206 as a number, true as a switch)."""
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_override_flow, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{name}: {_override_flow(item)}" for name, item in value.items()) + "}"
+    if not isinstance(value, str):
+        return _flow(value)  # a number, a switch or null, as Hydra reads it too
+    today = _dated(value, lambda now: datetime.datetime.now().strftime(now.group(1)))
+    if _read_as_written(today, text_only=True):
+        return _dated(value, lambda now: f"$(date {shlex.quote('+' + now.group(1))})")
+    in_quotes = _dated(value.replace("'", "\\'"), lambda now: f"$(date {shlex.quote('+' + now.group(1))})")
+    return f"'{in_quotes}'"  # (a quote in the text escaped for Hydra, not the shell's around a date's format)
 
 
 def _dated(value: Any, date: Callable[[re.Match], str]) -> Any:

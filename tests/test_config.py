@@ -1178,6 +1178,25 @@ def test_a_command_lines_date_that_hydra_reads_as_a_number_is_advised_quoted():
     assert re.fullmatch(r"\d{8}_\d{6}", name), (override, name)
 
 
+@pytest.mark.parametrize(("given", "advised", "key", "dated", "shape"), [
+    ("data.val_files=[a.parquet,${now:%Y%m%d}]", "data.val_files=\"[a.parquet, '$(date +%Y%m%d)']\"",
+     "data.val_files", lambda files: files[1], r"\d{8}"),
+    ("trainer.ray_runtime_env={env_vars: {RUN: ${now:%Y%m%d_%H%M%S}}}",
+     "trainer.ray_runtime_env=\"{env_vars: {RUN: '$(date +%Y%m%d_%H%M%S)'}}\"", "trainer.ray_runtime_env",
+     lambda env: env["env_vars"]["RUN"], r"\d{8}_\d{6}"),
+])
+def test_a_command_lines_date_in_a_list_or_mapping_that_hydra_reads_as_a_number_is_advised_quoted(
+        given, advised, key, dated, shape):
+    # the shell's 20261206 in a list was read by Hydra as an int (then refused as no file name), and an env
+    # var 20261206_105832 as the number 20261206105832: the item is quoted for Hydra inside the shell's quotes
+    [message] = _refusals([given])
+    assert message.endswith(f"e.g. {advised}"), message
+    (override,) = shlex.split(subprocess.run(["bash", "-c", f"printf '%q' {message.rpartition('e.g. ')[2]}"],
+                                             capture_output=True, text=True, check=True).stdout)
+    item = dated(attribute(load_config([override], notice=lambda _: None, validate=False), key))
+    assert isinstance(item, str) and re.fullmatch(shape, item), (override, item)
+
+
 def test_a_malformed_interpolation_is_a_config_error_naming_where_it_is(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text('trainer:\n  experiment_name: "run_${oops"\n')
