@@ -1407,6 +1407,12 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     """Defaults, then the keys of each of ``trees`` in turn (a later one's override an earlier one's), then
     ``overrides``; resolved, typed and (optionally) validated. ``sources``: the files the trees were read from,
     named beside the problems of their keys."""
+    said: list[str] = []  # the notices given, so that the resolved trainer.logger's is not said again
+
+    def notice_kept(message: str) -> None:
+        said.append(message)
+        notice(message)
+
     cfg = OmegaConf.structured(PPOConfig)
     errors: list[str] = []
     deferred: dict[str, Any] = {}
@@ -1422,7 +1428,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
             if _deferred(key, value):
                 deferred[key] = value
                 continue
-            for target, target_value in _targets(key, value, notice, errors).items():
+            for target, target_value in _targets(key, value, notice_kept, errors).items():
                 _same_key_twice(in_file, target, key, target_value, errors)
                 _assign(cfg, target, target_value, errors)
                 given[target] = target_value
@@ -1432,8 +1438,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
             errors[first:] = [f"{error} (in {sources[position]})" for error in errors[first:]]
     on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
     for text in overrides:
-        _apply_override(cfg, text, notice, errors, deferred, given, on_command_line)
-    _assign_deferred(cfg, deferred, notice, errors, given)
+        _apply_override(cfg, text, notice_kept, errors, deferred, given, on_command_line)
+    _assign_deferred(cfg, deferred, notice_kept, errors, given)
     if not errors:
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}
@@ -1443,7 +1449,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         except MissingMandatoryValue as exc:  # verl's ??? for a key its user must set
             errors.append(f"{exc.full_key} must be set (the config holds ??? there)")
         else:  # a 'tracking' written was taken as wandb as it was set; one an interpolation resolves to, here
-            resolved.trainer.logger = _tracking_as_wandb(resolved.trainer.logger, notice)
+            resolved.trainer.logger = _tracking_as_wandb(  # (said once where the list held both)
+                resolved.trainer.logger, lambda message: None if message in said else notice(message))
     if errors:
         raise ConfigError(errors)
     if validate:

@@ -78,6 +78,9 @@ def test_verls_deprecated_tracking_logger_is_taken_as_wandb(given, taken):
     # a key beside it (the list item's ${..key} is trainer's), whose value is the word
     ([], "trainer:\n  project_name: tracking\n  logger: ${..project_name}\n", ["wandb"]),
     (["trainer.logger=[wandb,'${oc.env:RUN_LOGGER}']"], None, ["wandb"]),  # (wandb once)
+    # the word written beside the same word through ${...}: taken as wandb, and said once (it was said twice)
+    (["trainer.logger=[tracking,'${oc.env:RUN_LOGGER}']"], None, ["wandb"]),
+    ([], "trainer:\n  logger: [console, tracking, '${oc.env:RUN_LOGGER}']\n", ["console", "wandb"]),
 ])
 def test_verls_tracking_logger_an_interpolation_resolves_to_is_taken_as_wandb(overrides, written, taken, tmp_path,
                                                                               monkeypatch):
