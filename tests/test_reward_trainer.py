@@ -936,6 +936,124 @@ def test_a_run_whose_every_step_was_skipped_saves_and_exports_nothing_as_trained
         "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
 
 
+class _Killed(BaseException):
+    """The process ended at once, as kill -9 ends it."""
+
+
+def _break_off_after(monkeypatch, how: str, step: int, out, run) -> None:
+    """Run ``run`` (a reward-model command with save_freq=1) broken off once step ``step`` is saved, then leave the
+    trainer as it was: ``ctrl_c`` raises SIGINT as that step's training starts (the step is finished and saved, exit
+    130); ``killed`` ends the run right after the step's save, saying nothing, as kill -9 would."""
+    train_step, save = RewardModelTrainer.train_step, RewardModelTrainer.save
+
+    def signalled(self):
+        if self.global_step == step - 1:
+            signal.raise_signal(signal.SIGINT)
+        return train_step(self)
+
+    def save_then_die(self):
+        path = save(self)
+        if self.global_step == step:
+            raise _Killed
+        return path
+
+    if how == "ctrl_c":
+        monkeypatch.setattr(RewardModelTrainer, "train_step", signalled)
+        assert run() == 130
+    else:
+        monkeypatch.setattr(RewardModelTrainer, "save", save_then_die)
+        with pytest.raises(_Killed):
+            run()
+    monkeypatch.setattr(RewardModelTrainer, "train_step", train_step)
+    monkeypatch.setattr(RewardModelTrainer, "save", save)
+    assert ckpt.latest_checkpoint(out) == out / f"global_step_{step}"
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("broken_off", ["no", "ctrl_c", "killed"])
+def test_a_skip_streak_broken_off_by_a_resume_stops_the_run_at_the_step_an_unbroken_run_stops_at(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch, broken_off):
+    """Steps 2, 3 and 4 of 6 overflow under max_consecutive_skips=3: step 1 takes an update and step 4 is the third
+    skip in a row, so the run stops there. Broken off after step 3 (two skips in a row) and resumed, the count goes
+    on from the checkpoint's: the run stops at step 4 all the same (counted afresh, it ran on to step 6)."""
+    _overflow_in(monkeypatch, {2, 3, 4})  # (its count of steps goes on over both commands: step N is call N)
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_epochs=2", "reward_model.train.max_consecutive_skips=3")
+    if broken_off != "no":
+        _break_off_after(monkeypatch, broken_off, 3, out, lambda: train_rm(args))
+        capsys.readouterr()
+    assert train_rm(args) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 4: 3 consecutive steps (up to step 4) had a non-finite loss "
+        "or gradient on finite weights and took no update (train/skipped_step; reward_model.train.max_consecutive_"
+        f"skips=3), {SKIP_ADVICE}; the latest checkpoint {out / 'global_step_3'} is intact: rerun the same command "
+        "to resume from it")
+    assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1", "global_step_2",
+                                                                       "global_step_3"]
+    assert not (out / "huggingface").exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("broken_off", ["no", "ctrl_c", "killed"])
+@pytest.mark.parametrize("overflowing", [(2, 3, 4), (1, 2, 3, 4)])
+def test_whether_any_step_took_an_update_is_kept_across_a_resume(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch, broken_off, overflowing):
+    """With max_consecutive_skips off, a run of 4 steps stops at its end where none of them took an update. Steps 2
+    to 4 overflowing, step 1's update counts and the run ends well, broken off after step 2 and resumed too (though
+    the resumed steps 3 and 4 took none); steps 1 to 4 overflowing, it stops at step 4 naming all four."""
+    _overflow_in(monkeypatch, set(overflowing))
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_training_steps=4", "reward_model.train.total_epochs=2",
+                      "reward_model.train.max_consecutive_skips=null")
+    if broken_off != "no":
+        _break_off_after(monkeypatch, broken_off, 2, out, lambda: train_rm(args))
+        capsys.readouterr()
+    if overflowing[0] == 2:
+        assert train_rm(args) == 0
+        assert (out / "huggingface" / "config.json").is_file()
+        return
+    assert train_rm(args) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: training the reward model stopped at step 4: no step of this run (steps 1 to 4) took an update: each "
+        "had a non-finite loss or gradient on finite weights (train/skipped_step), "
+        f"{SKIP_ADVICE}; the latest checkpoint {out / 'global_step_3'} is intact: rerun the same command to resume "
+        "from it")
+    assert not (out / "huggingface").exists()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_checkpoint_saved_without_the_skip_counts_resumes_counting_from_its_step(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """trainer_state.json records the skips in a row and the step since which no step took an update (None once one
+    did); a checkpoint saved before it held them resumes, the counts starting at its step."""
+    import hashlib
+
+    _overflow_in(monkeypatch, {2, 3, 4})
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_epochs=2", "reward_model.train.max_consecutive_skips=3")
+    _break_off_after(monkeypatch, "ctrl_c", 3, out, lambda: train_rm(args))
+    saved = out / "global_step_3"
+    state = json.loads((saved / ckpt.TRAINER_STATE).read_text())
+    assert (state.pop("consecutive_skips"), state.pop("no_update_since")) == (2, None)  # steps 2, 3; step 1 updated
+    (saved / ckpt.TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    manifest = json.loads((saved / "manifest.json").read_text())
+    data = (saved / ckpt.TRAINER_STATE).read_bytes()
+    manifest["files"][ckpt.TRAINER_STATE] = len(data)
+    manifest["sha256"][ckpt.TRAINER_STATE] = hashlib.sha256(data).hexdigest()
+    (saved / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    # step 4 the first skip counted, steps 5 and 6 updates: the run ends well
+    assert train_rm(args) == 0
+    assert (out / "huggingface" / "config.json").is_file()
+    state = json.loads((out / "global_step_4" / ckpt.TRAINER_STATE).read_text())
+    assert (state["consecutive_skips"], state["no_update_since"]) == (1, 3)
+    state = json.loads((out / "global_step_5" / ckpt.TRAINER_STATE).read_text())
+    assert (state["consecutive_skips"], state["no_update_since"]) == (0, None)
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("test_freq", [1, -1])  # a validation between the steps, and the closing one
 def test_a_validation_whose_loss_is_not_finite_stops_the_run_before_it_saves_or_exports(

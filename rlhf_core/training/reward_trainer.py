@@ -17,7 +17,8 @@ step's global pair count and gradients summed, so N workers take the step one wo
 
 Checkpoints (``reward_model.train.default_local_dir``) follow the PPO layout: ``global_step_N/``
 with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), ``trainer_state.json``
-(step, epoch, position in the epoch), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
+(step, epoch, position in the epoch, and the counts of skipped steps the stops below read, so that a resumed
+run stops at the step it would have stopped at unbroken), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
 written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
 (``reward_model.train.resume_mode``), with as many workers or another number: the weights and
 optimizer moments are re-split exactly, and the steps then differ from the saved run's by float
@@ -648,6 +649,10 @@ class RewardModelTrainer:
         self.resumed_from: Path | None = None  # the checkpoint resume() loaded
         self.last_saved_step: int | None = None  # the step whose weights are saved: by save(), or resume()'s
         self.last_saved: Path | None = None  # the checkpoint holding them
+        #: what the stops on skipped steps read, kept in every checkpoint (as PPO's trainer.guard keeps its streak):
+        #: the skipped steps in a row up to the step reached, and the step from which none took an update (the
+        #: run's start, 0; None once one did)
+        self.consecutive_skips, self.no_update_since = 0, 0
         self.group = None
         pad_id = self.tokenizer.pad_token_id
         if cfg.world_size > 1:
@@ -725,7 +730,6 @@ class RewardModelTrainer:
 
         log = self._logging(log or (lambda metrics, step: None))
         rm, last_val, first = self.rm, {}, True
-        skips, updates, started_at = 0, 0, self.global_step  # skipped steps in a row; updates taken by this run
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
                    dynamic_ncols=True, file=sys.stderr)
         try:
@@ -744,7 +748,11 @@ class RewardModelTrainer:
                     tqdm.write(f"warning: the loss of step {step} is {metrics['train/loss']} (train/loss) while the "
                                "weights are finite, as one step in reduced precision can overflow: its update was "
                                "skipped (train/skipped_step) and training goes on", file=sys.stderr)
-                skips, updates = (skips + 1, updates) if metrics["train/skipped_step"] else (0, updates + 1)
+                if metrics["train/skipped_step"]:
+                    self.consecutive_skips += 1
+                else:
+                    self.consecutive_skips, self.no_update_since = 0, None
+                skips = self.consecutive_skips
                 if rm.max_consecutive_skips is not None and skips >= rm.max_consecutive_skips:
                     log(metrics, step)  # the step's record before the run stops on it
                     raise self._all_skipped(step, f"{skips} consecutive steps (up to step {step}) had a non-finite "
@@ -763,8 +771,9 @@ class RewardModelTrainer:
                 self.step_under_way = None
         finally:
             bar.close()
-        if self.global_step > started_at and not updates:  # the weights those it started from: not saved as trained
-            steps = (f"steps {started_at + 1} to {self.global_step}" if self.global_step > started_at + 1
+        untrained = self.no_update_since  # the weights those the run started from: not saved as trained
+        if untrained is not None and self.global_step > untrained:
+            steps = (f"steps {untrained + 1} to {self.global_step}" if self.global_step > untrained + 1
                      else f"step {self.global_step}")
             raise self._all_skipped(self.global_step, f"no step of this run ({steps}) took an update: each had a "
                                                       "non-finite loss or gradient on finite weights "
@@ -910,7 +919,9 @@ class RewardModelTrainer:
         epoch, position = divmod(self.global_step, max(self.steps_per_epoch, 1))
         files.text(ckpt.TRAINER_STATE, json.dumps({"format": ckpt.FORMAT_VERSION, "global_step": self.global_step,
                                                    "epoch": epoch, "step_in_epoch": position,
-                                                   "total_steps": self.total_steps}, indent=1))
+                                                   "total_steps": self.total_steps,
+                                                   "consecutive_skips": self.consecutive_skips,
+                                                   "no_update_since": self.no_update_since}, indent=1))
         files.torch(ckpt.RNG_STATE, ckpt.rng_state())
         files.text(ckpt.CONFIG_FILE, self.cfg.to_yaml())
         return [PART]
@@ -973,6 +984,9 @@ class RewardModelTrainer:
         state = ckpt.read_trainer_state(path)
         self.global_step, self.resumed_from = int(state["global_step"]), path
         self.last_saved_step, self.last_saved = self.global_step, path
+        # the stop rules' count goes on from the checkpoint's; one saved without it counts from its step
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self.no_update_since = state.get("no_update_since", self.global_step)
         ckpt.set_rng_state(ckpt.load_file(path / ckpt.RNG_STATE))
         world = self.cfg.world_size
         moved = f"; saved by {saved} worker(s), re-split over {world}" if saved != world else ""
