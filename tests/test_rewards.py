@@ -685,6 +685,17 @@ def test_a_batch_reward_functions_failure_is_a_reward_error(char_tokenizer):
     assert isinstance(caught.value, RewardError) and caught.value.sample is None
     with pytest.raises(BadRewardResult, match="returned 1 scores for 2 responses"):
         RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0]))(ids, mask, ["s", "s"], ["", ""])
+    # a dict of lists is not verl's batch result (a list of one number or dict per response): its keys are not
+    # taken for the scores, whether there are fewer of them than responses or as many
+    columns = BatchRewardFn(lambda solution_strs, **kw: {"score": [1.0] * len(solution_strs)})
+    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 'score'\), not a list of 2 scores: return "
+                                              r"one number or dict per response"):
+        RewardManager(char_tokenizer, columns)(ids, mask, ["s", "s"], ["", ""])
+    by_name = BatchRewardFn(lambda **kw: {"first": 1.0, "second": 0.0})
+    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 'first', 'second'\), not a list of 2"):
+        RewardManager(char_tokenizer, by_name)(ids, mask, ["s", "s"], ["", ""])
+    with pytest.raises(TypeError, match=r"returned an empty dict, not a list of 1 scores"):
+        BatchRewardFn(lambda **kw: {})("s", "a", "")
     with pytest.raises(RewardError, match=r"non-finite score \(nan\) for sample 1 \(data_source='t'\)"):
         RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0, math.nan]))(ids, mask, ["s", "t"], ["", ""])
 

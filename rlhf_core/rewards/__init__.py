@@ -217,6 +217,12 @@ class BatchRewardFn:
     def score_batch(self, data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list) -> list:
         results = self.fn(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
                           extra_infos=extra_infos)
+        if isinstance(results, Mapping):  # list() would take its keys for the scores
+            keys = ", ".join(repr(key) for key in itertools.islice(results, 5)) + (", ..." if len(results) > 5 else "")
+            what = f"a dict (keys {keys})" if results else "an empty dict"
+            raise TypeError(f"batch reward function {_name(self.fn)!r} returned {what}, not a list "
+                            f"of {len(solution_strs)} scores: return one number or dict per response, in the "
+                            "order of solution_strs, e.g. [{'score': 1.0}, ...] rather than {'score': [1.0, ...]}")
         try:
             results = list(results)
         except TypeError:
