@@ -46,8 +46,13 @@ def test_every_command_resolves_to_a_function():
         assert callable(getattr(importlib.import_module(module), function)), name
 
 
+# python -m of a command with a console script was shown as that script (rlhf-train-rm), not as what was run
 @pytest.mark.parametrize(("command", "module", "own_name"),
-                         [("lineage", "rlhf_core.pipeline.lineage", "rlhf-lineage"),
+                         [("lineage", "rlhf_core.pipeline.lineage", "python -m rlhf_core.pipeline.lineage"),
+                          ("train-rm", "rlhf_core.training.reward_trainer",
+                           "python -m rlhf_core.training.reward_trainer"),
+                          ("schedule", "rlhf_core.pipeline.schedule", "python -m rlhf_core.pipeline.schedule"),
+                          ("ppo", "rlhf_core.main_ppo", "python -m rlhf_core.main_ppo"),
                           ("gsm8k", "rlhf_core.data.gsm8k", "python -m rlhf_core.data.gsm8k")])
 def test_a_commands_help_is_that_of_its_module_path_under_the_name_typed(repo_root, command, module, own_name):
     umbrella = _python("-m", "rlhf_core.cli", command, "--help", cwd=repo_root)
@@ -58,6 +63,14 @@ def test_a_commands_help_is_that_of_its_module_path_under_the_name_typed(repo_ro
     # the same options and text; argparse only wraps the usage lines to the name's width
     assert umbrella.stdout.split("\n\n", 1)[1] == old_path.stdout.split("\n\n", 1)[1]
     assert "--help" in umbrella.stdout
+
+
+@pytest.mark.parametrize(("script", "function"), [("rlhf-train-rm", "rlhf_train_rm"), ("rlhf-schedule", "rlhf_schedule")])
+def test_a_console_scripts_help_names_the_script(repo_root, script, function):
+    probe = f"import sys\nsys.argv = [{script!r}, '--help']\nfrom rlhf_core import cli\nsys.exit(cli.{function}())"
+    done = _python("-c", probe, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: {script} [-h]")
 
 
 def test_a_commands_errors_name_it_as_typed_and_the_name_does_not_stick(capsys):

@@ -771,16 +771,22 @@ def test_the_evaluate_command_refuses_a_model_without_its_tokenizer_in_one_line(
 def test_the_evaluate_command_says_how_it_takes_several_files_where_it_is_given_a_folder(setup, tmp_path, capsys):
     """A folder in place of the data files was answered with training's list syntax (val_files=[a.parquet,...]),
     which the command does not read: it takes the files one after another."""
+    from rlhf_core.cli import main
     from rlhf_core.cli.pipeline import evaluate
 
     model, val = setup
     folder = tmp_path / "split"
     folder.mkdir()
     (folder / "part.parquet").write_bytes(val.read_bytes())
-    assert evaluate([str(model), str(folder)]) == 2
+    assert main(["evaluate", str(model), str(folder)]) == 2
     assert capsys.readouterr().err == (f"error: val_files: {folder} is a folder; name its parquet files (several, one "
                                        "after another: rlhf evaluate MODEL a.parquet b.parquet); it holds "
                                        "part.parquet\n")
+    # under its python -m path (its function called itself), the hint names that, as its usage does
+    assert evaluate([str(model), str(folder)]) == 2
+    assert capsys.readouterr().err == (f"error: val_files: {folder} is a folder; name its parquet files (several, one "
+                                       "after another: python -m rlhf_core.pipeline.evaluate MODEL a.parquet "
+                                       "b.parquet); it holds part.parquet\n")
 
 
 def test_notices_once_leaves_out_a_notice_already_said_and_passes_the_rest_as_it_comes():
@@ -845,8 +851,9 @@ def test_the_evaluate_command_names_a_path_holding_a_training_key_as_it_is_on_di
     (folder / "part.parquet").write_bytes(val.read_bytes())
     assert evaluate([str(model), str(folder)]) == 2
     assert capsys.readouterr().err == (f"error: val_files: {tmp_path}/sweep/data.max_prompt_length=20 is a folder; "
-                                       "name its parquet files (several, one after another: rlhf evaluate MODEL "
-                                       "a.parquet b.parquet); it holds part.parquet\n")
+                                       "name its parquet files (several, one after another: python -m "
+                                       "rlhf_core.pipeline.evaluate MODEL a.parquet b.parquet); it holds "
+                                       "part.parquet\n")
     rewards = tmp_path / "rewards" / "reward_model.reward_manager=batch"
     rewards.mkdir(parents=True)
     (rewards / "score.py").write_text("def compute_score(data_sources, solution_strs, ground_truths, extra_infos):\n"

@@ -97,14 +97,15 @@ def unwritable(folder: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
-# the command ``main`` is running, so that its parser names itself as the user typed it
+# the name the running command was started by (``rlhf <command>``, its console script or its ``python -m`` path),
+# so that its parser names itself as the user typed it
 _running: str | None = None
 
 
 def program(default: str) -> str:
-    """The name a command's parser shows in its usage and errors: ``rlhf <command>`` when ``rlhf``
-    dispatched it, else ``default`` (its ``python -m`` path or console script)."""
-    return f"rlhf {_running}" if _running else default
+    """The name a command's parser shows in its usage and errors: the one :func:`_run` was given (``rlhf
+    <command>``, a console script, a ``python -m`` path), else ``default`` (its function called directly)."""
+    return _running or default
 
 
 def usage() -> str:
@@ -126,20 +127,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlhf: unknown command '{name}'; the commands are: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    global _running
-    _running = name
-    try:
-        return _run(name, rest, f"rlhf {name}")
-    finally:
-        _running = None
+    return _run(name, rest, f"rlhf {name}")
 
 
 def _run(name: str, argv: Sequence[str] | None, prog: str) -> int:
     """Command ``name`` of :data:`COMMANDS` on ``argv`` (None: the process's), its module imported here. A Ctrl-C
     the command does not handle itself (one while its module imports torch, or while it imports ZenML) ends it
     with one line naming ``prog`` and 128 + SIGINT, where it came out as a traceback."""
+    global _running
     module, function, _ = COMMANDS[name]
     command = None
+    _running = prog
     try:
         command = getattr(importlib.import_module(module), function)
         return command(argv)
@@ -147,6 +145,8 @@ def _run(name: str, argv: Sequence[str] | None, prog: str) -> int:
         said = "stopped before it finished" if command is not None else "stopped as it started: nothing was done"
         print(f"interrupted by SIGINT: {prog} {said}", file=sys.stderr)
         return 128 + signal.SIGINT
+    finally:
+        _running = None
 
 
 # The console scripts beside ``rlhf`` (pyproject's [project.scripts]), each named after its script: a script that

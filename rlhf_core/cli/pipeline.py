@@ -32,17 +32,21 @@ from rlhf_core.pipeline.lineage import lineage as read_lineage
 from rlhf_core.pipeline.promotion import stage_disagreement
 from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, make_trigger, run_pipeline, serve
 
-#: training's data keys that the evaluation's notices and errors name, as ``evaluate`` says them: its own options,
-#: or what it does in their place (it always cuts a long prompt's start, and routes by the data_source column)
-EVALUATE_NAMES = {
-    "data.val_files": "val_files",
-    "data.max_prompt_length": "--max-prompt-length",
-    "data.truncation=left": "truncation",
-    "data.prompt_key": "--prompt-key",
-    "data.reward_fn_key, which": "the column that",
-    "evaluate with a custom reward function": "evaluate with a custom reward function (here: --custom-reward FILE.py)",
-    "a list: val_files=[a.parquet,b.parquet]": "several, one after another: rlhf evaluate MODEL a.parquet b.parquet",
-}
+
+def evaluate_names(prog: str) -> dict[str, str]:
+    """Training's data keys that the evaluation's notices and errors name, as ``evaluate`` run as ``prog`` says them:
+    its own options, or what it does in their place (it always cuts a long prompt's start, and routes by the
+    data_source column)."""
+    return {
+        "data.val_files": "val_files",
+        "data.max_prompt_length": "--max-prompt-length",
+        "data.truncation=left": "truncation",
+        "data.prompt_key": "--prompt-key",
+        "data.reward_fn_key, which": "the column that",
+        "evaluate with a custom reward function":
+            "evaluate with a custom reward function (here: --custom-reward FILE.py)",
+        "a list: val_files=[a.parquet,b.parquet]": f"several, one after another: {prog} MODEL a.parquet b.parquet",
+    }
 
 
 def evaluate(argv: list[str] | None = None) -> int:
@@ -79,6 +83,7 @@ def evaluate(argv: list[str] | None = None) -> int:
                              "actor_rollout_ref.model.external_lib")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
+    names = evaluate_names(parser.prog)
     for flag, value in (("--batch-size", args.batch_size), ("--max-problems", args.max_problems),
                         ("--max-prompt-length", args.max_prompt_length),
                         ("--max-response-length", args.max_response_length)):
@@ -151,16 +156,16 @@ def evaluate(argv: list[str] | None = None) -> int:
         paths = check_files(args.val_files, "val_files")
         missing = missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
                                           data.prompt_key, prompt_option="--prompt-key ")
-        problems.append(missing and reworded(missing, EVALUATE_NAMES))
+        problems.append(missing and reworded(missing, names))
     except DataError as exc:
-        problems.append(reworded(str(exc), EVALUATE_NAMES))
+        problems.append(reworded(str(exc), names))
     if any(problems):
         print("\n".join(f"error: {problem}" for problem in problems if problem), file=sys.stderr)
         return 2
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
                                  max_problems=args.max_problems, sample_seed=args.sample_seed,
-                                 trust_remote_code=args.trust_remote_code, names=EVALUATE_NAMES)
+                                 trust_remote_code=args.trust_remote_code, names=names)
     except UnknownDataSourceError as exc:
         print(f"error: {exc.args[0]} (here: --custom-reward FILE.py)", file=sys.stderr)
         return 2
