@@ -425,7 +425,7 @@ def test_val_only_on_weights_that_give_nan_logits_stops_with_the_message_of_a_va
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("broken_role", ["actor", "critic"])
+@pytest.mark.parametrize("broken_role", ["actor", "critic", "actor and the critic"])
 def test_a_model_folder_that_holds_nan_weights_is_named_before_step_1_not_an_update(workspace, tmp_path, capsys,
                                                                                     broken_role):
     """Nothing was trained when the run finds NaN weights: they are the model folder's, so the message names that
@@ -442,16 +442,25 @@ def test_a_model_folder_that_holds_nan_weights_is_named_before_step_1_not_an_upd
     weights = load_file(broken / "model.safetensors")
     save_file({name: torch.full_like(value, math.nan) if value.is_floating_point() else value
                for name, value in weights.items()}, broken / "model.safetensors", metadata={"format": "pt"})
-    key = {"actor": "actor_rollout_ref.model.path", "critic": "critic.model.path"}[broken_role]
-    sound = "critic" if broken_role == "actor" else "actor_rollout_ref"
     out = tmp_path / "run"
-    assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.save_freq=1",
-                                   f"{key}={broken}", f"{sound}.model.path={workspace.model}")) == 1
+    if broken_role == "actor and the critic":  # two folders, both NaN: each named, and each to be checked
+        other = tmp_path / "nan_critic"
+        shutil.copytree(broken, other)
+        assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.save_freq=1",
+                                       f"actor_rollout_ref.model.path={broken}", f"critic.model.path={other}")) == 1
+        named = (f"actor_rollout_ref.model.path ({broken}) and critic.model.path ({other}), as the run loaded them: "
+                 "check each of them for NaN or inf weights")
+    else:
+        key = {"actor": "actor_rollout_ref.model.path", "critic": "critic.model.path"}[broken_role]
+        sound = "critic" if broken_role == "actor" else "actor_rollout_ref"
+        assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.save_freq=1",
+                                       f"{key}={broken}", f"{sound}.model.path={workspace.model}")) == 1
+        named = f"{key} ({broken}), as the run loaded them: check that model for NaN or inf weights"
     err = capsys.readouterr().err.splitlines()
     assert err[-2:] == [
         f"error: checking the weights before step 1 failed: the weights of the {broken_role} hold NaN or inf values, "
         "so the run trains nothing",
-        f"the weights are those of {key} ({broken}), as the run loaded them: check that model for NaN or inf weights"]
+        f"the weights are those of {named}"]
     assert not list(out.glob("global_step_*"))
 
 

@@ -269,19 +269,23 @@ def changed_since(saved: dict | None, now: dict) -> list[str]:
     return [f"{name}: {before} -> {after}" for name, before, after in pairs if before is not None and before != after]
 
 
-def weights_origin(step: int, resumed_from: Path | None, latest: Path | None, model: str, rates: str,
+def weights_origin(step: int, resumed_from: Path | None, latest: Path | None, model: str | Sequence[str], rates: str,
                    section: str, rerun: str, lr_on_resume: bool) -> str:
     """Where the NaN or inf weights a run held after step ``step`` came from, and how to go on, as PPO's trainer and
-    the reward model's both say it: the model the run loaded (``model``: its key and path) or the checkpoint it
-    resumed from (``resumed_from``), where it has trained no step since; else an update of this run, and what the
-    checkpoint a rerun resumes from (``latest``, ``rerun``: how) holds. A rerun with the same settings replays the
-    same updates, so the way on is a lower learning rate (``rates``), on a resume where ``lr_on_resume`` (the keys
-    may change on one), else in a new run (``section``: the run's resume keys)."""
+    the reward model's both say it: the model the run loaded (``model``: its key and path, or a list of one a role
+    where several hold NaN, as the actor's and the critic's) or the checkpoint it resumed from (``resumed_from``),
+    where it has trained no step since; else an update of this run, and what the checkpoint a rerun resumes from
+    (``latest``, ``rerun``: how) holds. A rerun with the same settings replays the same updates, so the way on is a
+    lower learning rate (``rates``), on a resume where ``lr_on_resume`` (the keys may change on one), else in a new
+    run (``section``: the run's resume keys)."""
     new_run = (f"start a new run with a lower learning rate ({rates}; {section}.resume_mode=disable, or another "
                f"{section}.default_local_dir)")
     if step == (checkpoint.step_of(resumed_from) if resumed_from is not None else 0):  # no update in this run
         if resumed_from is None:
-            return f"the weights are those of {model}, as the run loaded them: check that model for NaN or inf weights"
+            models = [model] if isinstance(model, str) else list(model)
+            check = "that model" if len(models) == 1 else "each of them"
+            return (f"the weights are those of {' and '.join(models)}, as the run loaded them: check {check} for NaN "
+                    "or inf weights")
         holder, holds = f"the checkpoint the run resumed from, {resumed_from},", resumed_from
     elif latest is None:
         return f"no checkpoint was saved yet: rerun with a lower learning rate ({rates})"
@@ -856,8 +860,7 @@ class PPOTrainer:
         diverges again (the same seed, the same updates), so it says which checkpoint holds the weights that gave
         those logits (:func:`weights_origin`: at step 0 the model loaded) and which one to go on from instead
         (``rates``: the learning rates to lower; ``roles``: the workers whose weights they were)."""
-        model = " and ".join(f"{key} ({self.config.value(key)})" for key in
-                             dict.fromkeys(MODEL_PATHS[role] for role in roles))
+        model = [f"{key} ({self.config.value(key)})" for key in dict.fromkeys(MODEL_PATHS[role] for role in roles)]
         kept = weights_origin(self.global_step, self.resumed_from, self.rerun_checkpoint(), model, rates, "trainer",
                               self.rerun_advice, lr_on_resume=True)
         return GuardError(f"{doing} step {step} failed: {exc}\n{kept}")
