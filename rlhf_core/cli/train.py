@@ -5,13 +5,15 @@
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
 
 Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it, a worker failed or a logger
-could not record a step; ``train-rm``: a worker failed, the weights or a validation's loss were not
-finite, or a logger could not record a step; ``smoke``: a check failed); 2 bad input, refused before anything trains
-(config, data, preference data, model, checkpoint) or met on the way (``ppo`` and ``smoke``: a reward function that
-failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a checkpoint that could not be
-written); 128 + signal number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and ``train-rm``: once the step under way
-is saved, or at once without saving after a second one, or where no step is under way: while the run starts or
-closes, or with ``trainer.save_on_interrupt=false``; the message names the checkpoint left).
+could not record a step; ``train-rm``: a guard stopped it (``reward_model.train.max_consecutive_skips`` steps in a
+row, or all the run's steps, took no update on a non-finite loss or gradient), a worker failed, the weights or a
+validation's loss were not finite, or a logger could not record a step; ``smoke``: a check failed); 2 bad input,
+refused before anything trains (config, data, preference data, model, checkpoint) or met on the way (``ppo`` and
+``smoke``: a reward function that failed, by raising or returning NaN, inf or no number; ``ppo`` and ``train-rm``: a
+checkpoint that could not be written); 128 + signal number after Ctrl-C (130) or SIGTERM (143) (``ppo`` and
+``train-rm``: once the step under way is saved, or at once without saving after a second one, or where no step is
+under way: while the run starts or closes, or with ``trainer.save_on_interrupt=false``; the message names the
+checkpoint left).
 """
 
 from __future__ import annotations
