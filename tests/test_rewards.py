@@ -696,6 +696,9 @@ def test_a_batch_reward_functions_failure_is_a_reward_error(char_tokenizer):
         RewardManager(char_tokenizer, by_name)(ids, mask, ["s", "s"], ["", ""])
     with pytest.raises(TypeError, match=r"returned an empty dict, not a list of 1 scores"):
         BatchRewardFn(lambda **kw: {})("s", "a", "")
+    # nor are a text's characters (two of them for two responses would have been taken, and refused one by one)
+    with pytest.raises(BadRewardResult, match=r"returned str '10', not a list of 2 scores"):
+        RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: "10"))(ids, mask, ["s", "s"], ["", ""])
     with pytest.raises(RewardError, match=r"non-finite score \(nan\) for sample 1 \(data_source='t'\)"):
         RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0, math.nan]))(ids, mask, ["s", "t"], ["", ""])
 

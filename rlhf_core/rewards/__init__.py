@@ -223,6 +223,9 @@ class BatchRewardFn:
             raise TypeError(f"batch reward function {_name(self.fn)!r} returned {what}, not a list "
                             f"of {len(solution_strs)} scores: return one number or dict per response, in the "
                             "order of solution_strs, e.g. [{'score': 1.0}, ...] rather than {'score': [1.0, ...]}")
+        if isinstance(results, (str, bytes)):  # list() would take its characters for the scores
+            raise TypeError(f"batch reward function {_name(self.fn)!r} returned {type(results).__name__} "
+                            f"{results[:40]!r}, not a list of {len(solution_strs)} scores")
         try:
             results = list(results)
         except TypeError:
