@@ -455,6 +455,31 @@ def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_lo
         assert fresh.backends["mlflow"].run_id != ids[1]
 
 
+def test_tensorboard_keeps_the_stopped_runs_later_steps_until_a_resume_logs_past_its_checkpoint(tmp_path):
+    """A run logged steps 1-3; a run on its step-2 checkpoint that validates it only (trainer.val_only) logs step 2
+    and no later one: TensorBoard still shows step 3. A resume that logs its checkpoint's step first, then step 3,
+    hides the first attempt's step 3 from there."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def points(key):
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [(e.step, round(e.value, 4)) for e in acc.Scalars(key)]
+
+    with Tracking(["tensorboard"], "p", "e", tmp_path) as first:
+        for step in (1, 2, 3):
+            first.log({"critic/score/mean": step / 10}, step=step)
+    with Tracking(["tensorboard"], "p", "e", tmp_path, resume_step=2) as validated:
+        validated.log({"val-core/s/acc/mean@1": 0.5}, step=2)
+    assert points("critic/score/mean") == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    with Tracking(["tensorboard"], "p", "e", tmp_path, resume_step=2) as resumed:
+        resumed.log({"val-core/s/acc/mean@1": 0.6}, step=2)
+        resumed.log({"critic/score/mean": 0.31}, step=3)
+    assert points("critic/score/mean") == [(1, 0.1), (2, 0.2), (3, 0.31)]
+    assert points("val-core/s/acc/mean@1") == [(2, 0.5), (2, 0.6)]
+
+
 def test_an_earlier_runs_records_are_set_aside_under_the_next_free_name(tmp_path):
     from rlhf_core.training.tracking import set_aside_run_files
 

@@ -30,7 +30,9 @@ Backends (``VALID_LOGGERS``):
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
     ``$TENSORBOARD_DIR`` where that is set, as verl writes it. A run started afresh moves the earlier run's
-    ``<local_dir>/tensorboard`` aside, as the file's records. Needs the ``tensorboard`` package.
+    ``<local_dir>/tensorboard`` aside, as the file's records. A resumed run hides the points the run that stopped
+    logged after its checkpoint as it logs its first step past it (not before: a run that only validates its
+    checkpoint leaves them). Needs the ``tensorboard`` package.
 ``wandb``
     ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
     ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
@@ -529,22 +531,40 @@ class TensorBoardLogger(Backend):
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
             raise _missing("tensorboard", self.name, "tensorboard", e) from e
+        self._summary_writer = SummaryWriter
         self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run.local_dir / self.SUBDIR).expanduser()
-        # a resumed run logs again the steps after its checkpoint: TensorBoard hides the first attempt's from there
-        purge = run.resume_step + 1 if run.resume_step is not None else None
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge)
+        self._writer: Any = None
+        # a resumed run: the step of its checkpoint, until it logs a step past it (see _writer_for)
+        self._resumed_at = run.resume_step
+
+    def _writer_for(self, step: int) -> Any:
+        """The writer to log ``step`` with. A resumed run logs again the steps after its checkpoint ``k``: at its first
+        step past ``k`` a writer with ``purge_step=k+1`` hides the first attempt's points from there. Not before: a
+        run that logs no step past ``k`` (one that validates its checkpoint only, or fails before its first step)
+        leaves the first attempt's curves whole, as the file logger leaves its records."""
+        if self._resumed_at is not None and step > self._resumed_at:
+            purge, self._resumed_at = self._resumed_at + 1, None
+            if self._writer is not None:
+                self._writer.close()
+            self._writer = self._summary_writer(log_dir=str(self.log_dir), purge_step=purge)
+        elif self._writer is None:
+            self._writer = self._summary_writer(log_dir=str(self.log_dir))
+        return self._writer
 
     def log(self, metrics: dict[str, float], step: int) -> None:
+        writer = self._writer_for(step)
         for key, value in metrics.items():
-            self.writer.add_scalar(key, value, global_step=step)
-        self.writer.flush()
+            writer.add_scalar(key, value, global_step=step)
+        writer.flush()
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
-        self.writer.add_text(GENERATIONS_KEY, _generations_markdown(samples), global_step=step)
-        self.writer.flush()
+        writer = self._writer_for(step)
+        writer.add_text(GENERATIONS_KEY, _generations_markdown(samples), global_step=step)
+        writer.flush()
 
     def finish(self, failed: bool = False) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
 
 
 class WandbLogger(Backend):
