@@ -637,6 +637,24 @@ def test_the_accuracy_figure_shows_each_data_source_where_there_are_several():
     assert len(accuracy_figure({"base model": single}).axes) == 1  # one source: the overall panel says it all
 
 
+def test_the_models_names_under_the_accuracy_bars_do_not_run_into_one_another_beside_the_sources_panel():
+    """The evaluate step's three models (base, production, trained) over two data sources: each name under its bar
+    stands clear of the next one (level text, so its drawn box is the text's)."""
+    from rlhf_core.pipeline.evaluate import EvalResult, _png, accuracy_figure
+
+    sources = {"openai/gsm8k": 0.4, "synthetic/arithmetic": 0.5}
+    results = {name: EvalResult("m", 0.45, 200, 0.45, sources, 10.0, interval=(0.38, 0.52))
+               for name in ("base model", "production (version 12)", "trained policy")}
+    figure = accuracy_figure(results)
+    _png(figure)  # (lays the figure out)
+    overall = figure.axes[0]
+    assert [label.get_rotation() for label in overall.get_xticklabels()] == [0.0, 0.0, 0.0]
+    assert [label.get_text().split() for label in overall.get_xticklabels()] == \
+        [["base", "model"], ["production", "(version", "12)"], ["trained", "policy"]]
+    boxes = [label.get_window_extent(figure.canvas.get_renderer()) for label in overall.get_xticklabels()]
+    assert all(left.x1 < right.x0 for left, right in zip(boxes, boxes[1:]))
+
+
 def test_the_evaluate_command_on_a_model_whose_weights_give_nan_says_so_in_one_line_naming_it(setup, tmp_path,
                                                                                               capsys):
     import shutil

@@ -29,6 +29,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -775,23 +776,27 @@ def accuracy_figure(results: Mapping[str, EvalResult]):
 
     sources = sorted({source for result in results.values() for source in result.per_source})
     by_source = len(sources) > 1
-    figure = Figure(figsize=(5 + 1.2 * len(sources) if by_source else 5, 3.2))
-    axes = figure.add_subplot(1, 2, 1) if by_source else figure.add_subplot(1, 1, 1)
+    # the overall panel as wide beside the sources' as alone: a narrower one ran the models' names into one another
+    per_width = 1.5 + 1.2 * len(sources)
+    figure = Figure(figsize=(5 + per_width if by_source else 5, 3.2))
+    grid = figure.add_gridspec(1, 2, width_ratios=(5, per_width)) if by_source else figure.add_gridspec(1, 1)
+    axes = figure.add_subplot(grid[0])
     names = list(results)
     colors = ["#9aa5b1", "#f2994a", "#2f80ed"]
     values = [results[name].accuracy for name in names]
     errors = np.array([[value - (results[name].interval or (value, value))[0] for name, value in zip(names, values)],
                        [(results[name].interval or (value, value))[1] - value for name, value in zip(names, values)]])
     errors = errors.clip(min=0.0)  # an interval end a rounding error inside the value must not refuse the plot
-    bars = axes.bar(names, values, yerr=errors, capsize=6, color=colors[: len(names)])
+    bars = axes.bar(range(len(names)), values, yerr=errors, capsize=6, color=colors[: len(names)])
+    # each name on lines of its own words, level: names turned aslant ran into one another in the narrower panel
+    axes.set_xticks(range(len(names)), [textwrap.fill(name, 12, break_long_words=False) for name in names])
     for bar, value, above in zip(bars, values, errors[1]):
         axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
     axes.set_ylim(0, max(1.0, max(values, default=0) + 0.1))
     axes.set_ylabel("greedy accuracy (95% interval)")
     axes.set_title(f"validation accuracy (n={next(iter(results.values())).n if results else 0})")
     if by_source:
-        axes.tick_params(axis="x", labelrotation=20)
-        per = figure.add_subplot(1, 2, 2)
+        per = figure.add_subplot(grid[1])
         width = 0.8 / len(names)
         for offset, (name, color) in enumerate(zip(names, colors)):
             # a source a model was not evaluated on has no bar (not a bar at 0)
