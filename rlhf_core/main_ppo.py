@@ -625,6 +625,7 @@ class RunResult:
     final_score: float | None = None
     metrics_file: str | None = None
     resumed_from: str | None = None
+    val_before_train: dict[str, float] | None = None  # this call's validation at step 0 (none where it resumed)
 
 
 def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
@@ -701,5 +702,6 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         final_score=final.get("critic/score/mean"),
         metrics_file=str(local_dir / "metrics.jsonl") if "file" in trainer_cfg.logger else None,
         resumed_from=str(resume_from) if resume_from is not None else None,
+        val_before_train=trainer.val_before,
     )
 

@@ -149,7 +149,8 @@ def evaluate(
     if reevaluated:
         notes.append(f"Production's checkpoint was evaluated in this run: its stored results did not pair with "
                      f"these ({reevaluated}).")
-    curves = training_curves_png(training_summary.get("history", []))
+    before = training_summary.get("val_before_train")  # step 0: the accuracy the validation curve starts from
+    curves = training_curves_png(([before] if before else []) + training_summary.get("history", []))
     report = evaluation_html(results, curves, changed=changed,
                              baseline_name=f"production version {version}" if baseline == "production" else "base model",
                              notes=notes)

@@ -118,7 +118,9 @@ def train_ppo(
         add_resume_advice(exc, cfg.trainer.default_local_dir, configured_path)
         raise
 
-    records = whole_history(result, configured_path)
+    records = whole_history(result, configured_path, first_step=0)
+    # step 0 is the validation before training: drawn in the curves, the history being the steps trained
+    before = records.pop(0) if records and records[0]["step"] == 0 else None
     if result.checkpoint is None:  # (val_only refused above; a run that trained no step saves nothing)
         why = (" (its data ran out before step 1: dynamic sampling, algorithm.filter_groups, kept no batch; its "
                "notice above says why)" if result.steps == 0 else "")
@@ -142,9 +144,10 @@ def train_ppo(
         "dataset_fingerprint": validated,
         "final_metrics": records[-1] if records else {},
         "history": records,
+        "val_before_train": before,
     }
     log_metadata({key: value for key, value in summary.items() if key != "history" and value is not None})
     # on the version, what the retraining gate compares a later run's config with (it trained with this one)
     log_metadata({"config_fingerprint": config_fingerprint(ppo_config)}, infer_model=True)
-    curves = Image.open(io.BytesIO(training_curves_png(records)))
+    curves = Image.open(io.BytesIO(training_curves_png(([before] if before else []) + records)))
     return policy, summary, curves

@@ -156,6 +156,9 @@ def test_first_run_trains_and_promotes_version_1(trained):
     assert meta["dataset_fingerprint"] == run.steps["validate_data"].outputs["dataset_fingerprint"][0].load()
     assert meta["reward_sha256"] == run.steps["define_reward"].outputs["reward_spec"][0].load()["sha256"]
     assert meta["smoke_test_passed"] is True
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    assert [record["step"] for record in summary["history"]] == [1, 2, 3]
+    assert summary["val_before_train"] is None  # trainer.val_before_train=false: the evaluate step measures the base
 
 
 def test_second_run_creates_version_2_and_decides_against_the_first(trained):
@@ -550,7 +553,8 @@ def test_a_custom_reward_s_run_goes_through_on_prompts_without_a_ground_truth(tm
     for split, path in (("train", setup.train_file), ("val", setup.val_file)):
         files[split] = tmp_path / f"{split}.parquet"
         pd.read_parquet(path).drop(columns=["reward_model"]).to_parquet(files[split], index=False)
-    run = run_pipeline("tiny-no-ground-truth", train_file=files["train"], val_file=files["val"])
+    run = run_pipeline("tiny-no-ground-truth", train_file=files["train"], val_file=files["val"],
+                       overrides=["trainer.val_before_train=true"])
     run = zenml_client().get_pipeline_run(run.id)
     assert str(run.status) == "completed"
     assert sorted(run.steps) == sorted(STEPS)
@@ -566,6 +570,12 @@ def test_a_custom_reward_s_run_goes_through_on_prompts_without_a_ground_truth(tm
     meta = zenml_client().get_model_version("tiny-no-ground-truth", 1).run_metadata
     # the digit-first reward is easy: three steps reach its ceiling on every validation prompt, as with them
     assert meta["accuracy"] == 1.0 and meta["promoted"] is True, meta["decision_reason"]
+    # the validation before training (graded by the custom reward too) opens the curves as step 0, beside the
+    # steps trained
+    summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
+    assert [record["step"] for record in summary["history"]] == [1, 2, 3]
+    before = summary["val_before_train"]
+    assert before["step"] == 0 and [key for key in before if key.startswith("val-core/") and "/acc/" in key], before
 
 
 def _mcnemar_by_hand(fixed: int, broken: int) -> float:

@@ -824,6 +824,26 @@ def test_the_whole_history_joins_the_run_resumed_from_and_keeps_each_steps_last_
     assert whole_history(bare) == [{"step": 5, "r": 50.5}]
 
 
+def test_the_whole_history_from_step_0_holds_the_validation_before_training(tmp_path):
+    """The pipeline's curves started at the first step trained: the validation accuracy before training (step 0,
+    the point every later one is read against) was logged but not drawn."""
+    from rlhf_core.main_ppo import RunResult
+    from rlhf_core.pipeline.training import whole_history
+    from rlhf_core.training.trainer import StepResult
+
+    other, own = tmp_path / "other", tmp_path / "own"
+    _metrics_file(other, ['{"step": 0, "val": 0.1}', '{"step": 1, "r": 10}', '{"step": 2, "r": 20}'])
+    resumed = RunResult(steps=3, wall_s=1.0, local_dir=str(own), checkpoint=None,
+                        history=[StepResult(3, {"r": 30.0})], resumed_from=str(other / "global_step_2"))
+    assert whole_history(resumed, first_step=0) == [{"step": 0, "val": 0.1}, {"step": 1, "r": 10.0},
+                                                    {"step": 2, "r": 20.0}, {"step": 3, "r": 30.0}]
+    assert [record["step"] for record in whole_history(resumed)] == [1, 2, 3]  # the steps trained alone
+    # without a metrics file: this run's own validation before its first step
+    bare = RunResult(steps=1, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
+                     history=[StepResult(1, {"r": 5.0})], val_before_train={"val": 0.25, "nan": float("nan")})
+    assert whole_history(bare, first_step=0) == [{"step": 0, "val": 0.25}, {"step": 1, "r": 5.0}]
+
+
 def test_the_whole_history_of_a_retry_begins_with_the_earlier_run_the_first_attempt_resumed_from(tmp_path):
     """Set to resume from an earlier run's step 2, the first attempt trained steps 3-4 in its own folder (saving
     step 3); its retry resumed from that step 3: steps 1-2 come from the earlier run's folder."""

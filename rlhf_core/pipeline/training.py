@@ -22,14 +22,15 @@ def _finite(metrics: dict) -> dict[str, float]:
     return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
 
 
-def whole_history(result: RunResult, first_resumed: str | Path | None = None) -> list[dict]:
+def whole_history(result: RunResult, first_resumed: str | Path | None = None, first_step: int = 1) -> list[dict]:
     """Every step's record up to the run's last, in order: after a resume (a retry of the step, or a resume from
     another run's checkpoint) the run's own history holds only the steps it trained, so the earlier ones come
     from the metrics files (``trainer.logger`` with ``file``) of its folder and of the folder resumed from, a
     step's last record in each (a step logged again after a rollback or a resume replaces the first).
     ``first_resumed``: the checkpoint of another run that the step's first attempt resumed from (the configured
     ``trainer.resume_from_path``), where a retry then resumed from this run's own (:func:`resume_own_checkpoint`):
-    its folder holds the steps up to it."""
+    its folder holds the steps up to it. ``first_step=0``: with the validation before the first step (step 0's
+    record, of this run or of the run it resumed from), where one ran."""
     by_step: dict[int, dict] = {}
     sources = []
     resumed_from = [Path(os.path.expanduser(str(path))) for path in (first_resumed, result.resumed_from) if path]
@@ -39,8 +40,10 @@ def whole_history(result: RunResult, first_resumed: str | Path | None = None) ->
     sources.append((Path(result.local_dir) / FileLogger.FILENAME, result.steps))
     for path, last in sources:
         for record in read_metrics(path):
-            if 1 <= record["step"] <= last:
+            if first_step <= record["step"] <= last:
                 by_step[record["step"]] = {**_finite(record), "step": record["step"]}
+    if first_step == 0 and result.val_before_train:
+        by_step[0] = {"step": 0, **_finite(result.val_before_train)}
     for done in result.history:  # the run's own records, as it holds them
         by_step[done.step] = {"step": done.step, **_finite(done.metrics)}
     return [by_step[number] for number in sorted(by_step)]

@@ -383,6 +383,7 @@ class PPOTrainer:
         self.kl_loss_coef = arr.actor.kl_loss_coef
         self.global_step = 0
         self.history: list[StepResult] = []
+        self.val_before: dict[str, float] | None = None  # the validation before the first step, where fit ran one
         self.resumed = False  # by load_checkpoint
         self.val_generations: list[dict] = []  # the last validation's samples (trainer.log_val_generations)
         #: called with (samples, step) after each validation when trainer.log_val_generations > 0
@@ -912,7 +913,7 @@ class PPOTrainer:
             self._check_weights(loaded=True)
         if self.config.trainer.val_before_train and self.val_dataset is not None and self.global_step == 0 \
                 and not self.resumed:
-            self.validate_before_train()
+            self.val_before = self.validate_before_train()
         if self.resumed and (self.global_step >= self.total_steps or self.data_exhausted):
             print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         else:
