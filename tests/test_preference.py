@@ -172,6 +172,25 @@ def test_synthetic_pairs_leave_out_excluded_questions():
     assert not {p["question"] for p in train2} & {p["question"] for p in val2}
 
 
+def test_synthetic_exclude_keeps_out_a_question_written_in_another_case(tmp_path, capsys):
+    """--exclude compares questions with the case folded and whitespace collapsed for the synthetic source too: a
+    prompt file asking the plain draw's questions in capitals and with doubled spaces keeps their pairs out (the
+    count said they were drawn again while the written pairs still held them, which the pipeline then refused)."""
+    from rlhf_core.data.preference import check_apart_from_prompts
+
+    train, val = synthetic_pairs(30, 10, seed=0)
+    asked = [p["question"] for p in train[:5] + val[:3]]
+    prompts = _prompt_file(tmp_path / "test.parquet", [q.upper().replace(" ", "  ") for q in asked])
+    out = tmp_path / "pairs"
+    assert preference(["--synthetic", "--n-train", "30", "--n-val", "10", "--output", str(out),
+                       "--exclude", str(prompts)]) == 0
+    assert f"excluded: 8 pair(s) on questions of {prompts}, drawn again on other questions\n" in capsys.readouterr().out
+    written = pd.concat([pd.read_parquet(out / "train.parquet"), pd.read_parquet(out / "val.parquet")])
+    questions = {e["question"] for e in written["extra_info"]}
+    assert len(written) == 40 and not set(asked) & questions
+    assert check_apart_from_prompts([out / "train.parquet", out / "val.parquet"], [prompts]) == 40
+
+
 def test_cli_writes_both_splits_in_the_schema(tmp_path, capsys):
     source = tmp_path / "solutions.jsonl"
     source.write_text("\n".join(

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before the imports below (pandas),
@@ -355,13 +355,17 @@ def generate_problems(
     return _take_distinct(stream, n, excluded, dedupe=unique)
 
 
-def _take_distinct(stream: Iterator[dict], n: int, excluded: set[str], dedupe: bool = True) -> list[dict]:
+def _take_distinct(stream: Iterator[dict], n: int, excluded: set[str], dedupe: bool = True,
+                   key: Callable[[str], str] | None = None) -> list[dict]:
+    """``n`` problems of ``stream`` whose question's ``key`` (default: the text itself) is not in ``excluded``,
+    nor, with ``dedupe``, that of a problem taken before."""
     seen = set(excluded)
     out: list[dict] = []
     misses = 0
     while len(out) < n:
         problem = next(stream)
-        if problem["question"] in seen:
+        question = problem["question"] if key is None else key(problem["question"])
+        if question in seen:
             misses += 1
             if misses >= _MAX_DUPLICATE_RUN:
                 raise ValueError(
@@ -371,7 +375,7 @@ def _take_distinct(stream: Iterator[dict], n: int, excluded: set[str], dedupe: b
             continue
         misses = 0
         if dedupe:
-            seen.add(problem["question"])
+            seen.add(question)
         out.append(problem)
     return out
 
@@ -385,15 +389,21 @@ def build_splits(n_train: int, n_test: int, seed: int = 0, exclude: Iterable[str
                  **options) -> dict[str, list[dict]]:
     """Distinct train and test problems with no question shared between them, nor with ``exclude``.
 
-    The test problems come from their own stream, so they do not change with ``n_train``.
+    Questions are compared as the data validation compares them (whitespace collapsed, the case folded:
+    :func:`~rlhf_core.data.validation.question_key`), so that ``exclude`` taken from a prompt file that writes a
+    question in other letters' case still keeps it out. The test problems come from their own stream, so they do
+    not change with ``n_train``.
     """
+    from rlhf_core.data.validation import question_key
+
     for name, value in (("n_train", n_train), ("n_test", n_test)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     train_seed, test_seed = split_seeds(seed)
-    excluded = set(exclude)
-    test = _take_distinct(iter_problems(test_seed, **options), n_test, excluded)
-    train = _take_distinct(iter_problems(train_seed, **options), n_train, excluded | {p["question"] for p in test})
+    excluded = {question_key(question) for question in exclude}
+    test = _take_distinct(iter_problems(test_seed, **options), n_test, excluded, key=question_key)
+    train = _take_distinct(iter_problems(train_seed, **options), n_train,
+                           excluded | {question_key(p["question"]) for p in test}, key=question_key)
     return {"train": train, "test": test}
 
 
