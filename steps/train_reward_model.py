@@ -12,6 +12,7 @@ from zenml.logger import get_logger
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
+from rlhf_core.pipeline.training import add_resume_advice, resume_own_checkpoint
 from rlhf_core.training.reward_trainer import pair_accuracy_gate
 from rlhf_core.training.reward_trainer import train_reward_model as train
 
@@ -40,7 +41,15 @@ def train_reward_model(
                     preference_fingerprint, "train_reward_model")
     rm.default_local_dir = str(Path(rm.default_local_dir) / get_step_context().pipeline_run.name)
     threshold = rm.min_pair_accuracy if min_pair_accuracy is None else min_pair_accuracy
-    export, val = train(cfg)
+    # the earlier run's checkpoint this run was set to resume from: a retry resumes from this run's own instead
+    configured_path = rm.resume_from_path if rm.resume_mode == "resume_path" else None
+    resume_own_checkpoint(rm, "reward_model.train")
+    try:
+        export, val = train(cfg)
+    except Exception as exc:
+        # its "rerun" would be a new run, in a new folder (resuming from configured_path again, where there is one)
+        add_resume_advice(exc, rm.default_local_dir, configured_path, "reward_model.train")
+        raise
     passed, reason = pair_accuracy_gate(val, threshold, "reward_model.train.min_pair_accuracy"
                                         if min_pair_accuracy is None else "the pipeline's min_pair_accuracy")
     summary = {"held_out_pair_accuracy": val.get("val/pair_accuracy"), "held_out_loss": val.get("val/loss"),

@@ -225,3 +225,53 @@ def test_preference_files_replaced_after_their_validation_stop_the_training_step
     with pytest.raises(DataChangedError, match=r"train_reward_model: the data files changed since they were validated"):
         train_reward_model.entrypoint(config.to_dict(), changed, min_pair_accuracy=0.0)
     assert validated != changed
+
+
+def _skipping_step_run(tmp_path, monkeypatch, *extra):
+    """The training step outside a pipeline (its run named ``run-1``) on pairs whose loss is never finite (an
+    infinite margin): every step is skipped, step 1 is saved, and the second skip in a row stops the run."""
+    from types import SimpleNamespace
+
+    import steps.train_reward_model as module
+    from rlhf_core.config import load_config
+    from rlhf_core.data.validation import splits_fingerprint
+
+    monkeypatch.setattr(module, "get_step_context", lambda: SimpleNamespace(pipeline_run=SimpleNamespace(name="run-1")))
+    config = load_config([f"actor_rollout_ref.model.path={tiny_setup().root / 'model'}", *rm_overrides(),
+                          f"reward_model.train.default_local_dir={tmp_path}", "reward_model.train.margin=1e309",
+                          "reward_model.train.save_freq=1", "reward_model.train.max_consecutive_skips=2",
+                          "trainer.device=cpu", "trainer.n_gpus_per_node=1", *extra])
+    rm = config.reward_model.train
+    return lambda: module.train_reward_model.entrypoint(
+        config.to_dict(), splits_fingerprint([rm.train_files], [rm.val_files]), min_pair_accuracy=0.0)
+
+
+def test_a_failed_training_step_says_how_a_new_pipeline_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """A pipeline run again trains the reward model in a folder of its own, from the start: the failed step's
+    message names the overrides that resume from its checkpoint, not "rerun the same command"."""
+    from rlhf_core.training.guards import GuardError
+
+    train = _skipping_step_run(tmp_path, monkeypatch)
+    with pytest.raises(GuardError) as failure:
+        train()
+    latest = tmp_path / "run-1" / "global_step_1"
+    assert (f"add reward_model.train.resume_mode=resume_path and reward_model.train.resume_from_path={latest} to the "
+            "run config's overrides, then run the pipeline again, to resume from it") in str(failure.value)
+    assert "rerun the same command" not in str(failure.value)
+    assert failure.value.resume_advice.startswith("add reward_model.train.resume_mode=resume_path")
+
+
+def test_a_retried_training_step_resumes_its_own_checkpoint(tmp_path, monkeypatch, capsys):
+    """A retry of the step in the same pipeline run (its folder holds the first attempt's checkpoint) resumes from
+    that checkpoint, not afresh as resume_mode=disable would have it."""
+    from rlhf_core.training.guards import GuardError
+
+    train = _skipping_step_run(tmp_path, monkeypatch, "reward_model.train.resume_mode=disable")
+    with pytest.raises(GuardError, match="stopped at step 2"):
+        train()
+    capsys.readouterr()
+    with pytest.raises(GuardError, match="stopped at step 2"):  # one more skip after step 1's: the same stop
+        train()
+    err = capsys.readouterr().err
+    assert f"resumed the reward model from {tmp_path / 'run-1' / 'global_step_1'}" in err
+    assert "not afresh as reward_model.train.resume_mode=disable says" in err

@@ -61,18 +61,19 @@ def stable_copy(model: Path, root: Path, key: str) -> Path:
     return target
 
 
-def resume_own_checkpoint(trainer) -> None:
+def resume_own_checkpoint(trainer, section: str = "trainer") -> None:
     """A retry of the training step in the same pipeline run: where ``trainer.default_local_dir`` (the run's own
     folder) already holds a checkpoint, an earlier attempt of this run saved it, and this attempt resumes from
     the latest one there (``resume_mode`` becomes ``auto``, with a notice), not from ``trainer.resume_from_path``
     (the earlier run's checkpoint the first attempt resumed from, whose steps it would train again) nor afresh
-    (``disable``). ``trainer``: the config's trainer section, changed in place."""
+    (``disable``). ``trainer``: the config's trainer section (or ``reward_model.train``, named by ``section``),
+    changed in place."""
     folder = Path(os.path.expanduser(str(trainer.default_local_dir)))
     latest = latest_or_none(folder)
     if latest is None or trainer.resume_mode == "auto":  # (auto resumes from it by itself)
         return
-    instead = (f"not from trainer.resume_from_path={trainer.resume_from_path}" if trainer.resume_mode == "resume_path"
-               else "not afresh as trainer.resume_mode=disable says")
+    instead = (f"not from {section}.resume_from_path={trainer.resume_from_path}"
+               if trainer.resume_mode == "resume_path" else f"not afresh as {section}.resume_mode=disable says")
     print(f"notice: this run's checkpoint folder {folder} holds {latest.name}, saved by an earlier attempt of this "
           f"step: this retry resumes from its latest checkpoint there, {instead}", file=sys.stderr, flush=True)
     trainer.resume_mode = "auto"
@@ -80,34 +81,39 @@ def resume_own_checkpoint(trainer) -> None:
 
 #: what a failed run's message says to do to resume from its latest checkpoint (checkpoint.rerun_advice, then "to
 #: resume" or "to resume from it"): advice for a command run again, which in a pipeline starts afresh
-RERUN_CLAUSE = re.compile(r"(?:rerun the same command|rerun with trainer\.resume_mode=auto) to resume(?: from it)?")
+RERUN_CLAUSE = re.compile(r"(?:rerun the same command|rerun with (?:trainer|reward_model\.train)\.resume_mode=auto) "
+                          r"to resume(?: from it)?")
 
 
-def pipeline_resume_advice(latest: str | Path, configured_path: str | None = None) -> str:
+def pipeline_resume_advice(latest: str | Path, configured_path: str | None = None, section: str = "trainer") -> str:
     """How to go on from ``latest`` (a failed run's checkpoint) when the run was a pipeline step;
     ``configured_path``: the ``trainer.resume_from_path`` of a run configured with ``resume_mode=resume_path``,
-    which the pipeline run again as it is resumes from again."""
+    which the pipeline run again as it is resumes from again; ``section``: where those keys are (``trainer``, or
+    ``reward_model.train``)."""
     if configured_path is None:
-        return (f"add trainer.resume_mode=resume_path and trainer.resume_from_path={latest} to the run config's "
+        return (f"add {section}.resume_mode=resume_path and {section}.resume_from_path={latest} to the run config's "
                 "overrides, then run the pipeline again, to resume from it (run again as it is, the pipeline starts "
                 "afresh in a folder of its own; a retry of this step in this run resumes there by itself)")
-    return (f"put trainer.resume_from_path={latest} in the run config's overrides, in place of {configured_path}, "
+    return (f"put {section}.resume_from_path={latest} in the run config's overrides, in place of {configured_path}, "
             "then run the pipeline again, to resume from it (run again as it is, the pipeline resumes from "
             f"{configured_path} again, in a folder of its own; a retry of this step in this run resumes from this "
             "run's latest checkpoint by itself)")
 
 
-def add_resume_advice(exc: BaseException, local_dir: str | Path, configured_path: str | None = None) -> None:
+def add_resume_advice(exc: BaseException, local_dir: str | Path, configured_path: str | None = None,
+                      section: str = "trainer") -> None:
     """Make ``exc`` (a failed training run inside a pipeline step) say how to go on from the run's latest
     checkpoint, where it has one: a new pipeline run trains in a new folder, so the message's "rerun the same
     command to resume from it" would start afresh (or, with ``configured_path``, the ``trainer.resume_from_path``
     of a run configured with ``resume_mode=resume_path``, resume from that path again). That clause is replaced
     with the pipeline's way (what the version records as its ``failure``), which is also kept as
-    ``exc.resume_advice`` (the version's ``advice``); an error that names no way on gets it as a note instead."""
+    ``exc.resume_advice`` (the version's ``advice``); an error that names no way on gets it as a note instead.
+    ``section``: the config section whose ``resume_mode`` and ``resume_from_path`` the run reads (``trainer``, or
+    ``reward_model.train`` for a reward model's)."""
     latest = latest_or_none(Path(os.path.expanduser(str(local_dir))))
     if latest is None:
         return
-    advice = pipeline_resume_advice(latest, configured_path)
+    advice = pipeline_resume_advice(latest, configured_path, section)
     args = getattr(exc, "args", ())
     message = str(exc)
     if args and args[0] == message and str(latest) in message and RERUN_CLAUSE.search(message):
