@@ -171,6 +171,26 @@ def test_an_accuracy_gate_that_cannot_be_applied_or_missing_pairs_stop_the_run_b
         client.get_model("tiny-rm-gate-refused")
 
 
+def test_one_checkpoint_folder_for_the_reward_model_and_ppo_stops_the_run_before_it_starts():
+    """Each step trains into <its default_local_dir>/<run name>: with one folder for both, train_ppo met the reward
+    model's checkpoints in its run's folder and refused them, after the reward model had trained; now the pipeline
+    refuses the config as it compiles, the folder however it is written (here with a closing slash)."""
+    from zenml import Model
+
+    from pipelines.rlhf_rm import rlhf_rm_pipeline
+
+    setup, client = tiny_setup(), zenml_client()
+    before = client.list_pipeline_runs(size=1).total
+    folder = setup.root / "reward_models"  # rm_overrides()' reward_model.train.default_local_dir
+    with pytest.raises(ValueError, match=rf"reward_model.train.default_local_dir and trainer.default_local_dir are "
+                                         rf"one folder \({folder}\)"):
+        rlhf_rm_pipeline.with_options(model=Model(name="tiny-rm-one-folder"))(
+            trainer_config=str(setup.trainer_config), train_files=str(setup.train_file),
+            val_files=str(setup.val_file), overrides=[*rm_overrides(), f"trainer.default_local_dir={folder}/"],
+            min_pair_accuracy=0.0)
+    assert client.list_pipeline_runs(size=1).total == before
+
+
 def test_the_whole_pipeline_dry_runs_and_trains_against_the_reward_model_it_trained(passing_run, tmp_path):
     """rlhf_rm_pipeline end to end on the tiny setup: the smoke test's rollouts and training's are both scored by
     the reward model the run trained (its metrics carry the model's score beside the rule's gold reward), and the

@@ -94,6 +94,20 @@ def _pair_accuracy_problems(cfg: PPOConfig, min_pair_accuracy: float | None) -> 
     return []
 
 
+def _checkpoint_folder_problems(cfg: PPOConfig) -> list[str]:
+    """The reward model's and PPO's checkpoint folders where they are one: each step trains into
+    ``<its default_local_dir>/<run name>``, so the reward model's checkpoints would be where train_ppo resumes from,
+    and it refuses them (another kind of run's) after the reward model has trained."""
+    rm_dir, ppo_dir = (os.path.abspath(os.path.expanduser(str(path)))
+                       for path in (cfg.reward_model.train.default_local_dir, cfg.trainer.default_local_dir))
+    if rm_dir != ppo_dir:
+        return []
+    return [f"reward_model.train.default_local_dir and trainer.default_local_dir are one folder ({rm_dir}): each "
+            "pipeline step trains into <its folder>/<run name>, so PPO would meet the reward model's checkpoints "
+            "there and refuse them once the reward model has trained; set reward_model.train.default_local_dir to "
+            "another folder, e.g. a reward_model/ folder inside PPO's"]
+
+
 def steps_run_here() -> bool:
     """Whether the active stack's orchestrator runs the steps on this machine (ZenML's ``local`` one): only then
     are the files a run config names (data, reward, models) where the steps will read them. A remote orchestrator
@@ -184,7 +198,8 @@ def check_run_config(config_file: str, overrides: Sequence[str] | None, train_fi
                 raise ConfigError(problems)  # (the parameter's range needs no trainer config)
             return
         cfg = resolve_trainer_config(config_file, overrides, train_files, val_files, trains_reward_model and here)
-        problems = _pair_accuracy_problems(cfg, min_pair_accuracy) if trains_reward_model else []
+        problems = (_pair_accuracy_problems(cfg, min_pair_accuracy) + _checkpoint_folder_problems(cfg)
+                    if trains_reward_model else [])
         if here:
             problems += _file_problems(cfg, trains_reward_model)
         if problems:
