@@ -1114,6 +1114,36 @@ def test_the_critic_takes_the_actors_loss_settings_unless_given_its_own(tiny, mo
     assert critic_update["prefix"] == "critic" and critic_update["shuffle"] is shuffle
 
 
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-sum-norm", "token-mean"])
+def test_the_kl_guard_reads_the_kl_loss_per_token_whatever_loss_agg_mode(tiny, agg):
+    """A reference 0.1 nat below the policy on every token: the k1 KL is 0.1 per token. verl's actor/kl_loss is
+    aggregated as the loss is (seq-mean-token-sum: 0.1 x each response's length, averaged over responses), while
+    the KL guard, the console and the KL gauge compare a KL per token with trainer.guard.max_kl: 0.1."""
+    from rlhf_core.training.guards import measured_kl
+
+    # one mini-batch, one epoch: the update's log-probs are the rollout's, so the KL is 0.1 on every token
+    trainer = _trainer(tiny, "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=kl",
+                       f"actor_rollout_ref.actor.loss_agg_mode={agg}", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    log_prob = trainer.actor.compute_log_prob
+    lengths = {}
+
+    def reference(batch):
+        lengths["tokens"] = batch["response_mask"].sum(-1).double()
+        return log_prob(batch)[0] - 0.1
+
+    trainer.actor.compute_ref_log_prob = reference
+    metrics = _step(trainer)
+    tokens = lengths["tokens"]
+    verl_kl_loss = {"seq-mean-token-sum": 0.1 * float(tokens[tokens > 0].mean()),
+                    "seq-mean-token-sum-norm": 0.1 * float(tokens[tokens > 0].mean()) / 8,  # / max_response_length
+                    "token-mean": 0.1}[agg]
+    assert metrics["actor/kl_loss"] == pytest.approx(verl_kl_loss, abs=1e-5)
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert measured_kl(metrics) == pytest.approx(0.1, abs=1e-5)
+    assert metrics["actor/kl_loss_token_mean"] == pytest.approx(0.1, abs=1e-5)
+
+
 def test_a_batch_reward_scores_each_generation_batch_in_one_call(tiny, tmp_path):
     """reward_model.reward_manager=batch: the custom function gets the whole rollout as lists, once per
     generation batch, and its scores are the step's (the fixture's digit-first rule, written for lists)."""

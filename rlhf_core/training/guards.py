@@ -11,7 +11,7 @@ non-finite steps
     :class:`GuardError`: the cause (data, reward, learning rate) needs a person.
 KL explosion
     The measured KL is the largest of ``actor/ppo_kl``, ``actor/reward_kl_penalty``
-    and ``actor/kl_loss`` present in the step's metrics (a non-finite value counts as
+    and ``actor/kl_loss`` (per token) present in the step's metrics (a non-finite value counts as
     above any limit). After ``patience`` consecutive steps above ``max_kl`` the run
     restores the anchor of the streak and tightens the KL control
     (:func:`tighten_kl_control` says how; the trainer applies it), then continues.
@@ -61,7 +61,11 @@ from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import GuardConfig, PPOConfig
 
 KL_METRICS = ("actor/ppo_kl", "actor/reward_kl_penalty", "actor/kl_loss")
-KL_TO_REFERENCE = ("actor/reward_kl_penalty", "actor/kl_loss")  # of the weights the step started from
+#: read in place of ``actor/kl_loss`` where the step has it: verl's ``actor/kl_loss`` is aggregated as the
+#: loss is, with ``loss_agg_mode=seq-mean-token-sum`` a sum over each response's tokens, not a KL per token
+KL_LOSS_TOKEN_MEAN = "actor/kl_loss_token_mean"
+# of the weights the step started from
+KL_TO_REFERENCE = ("actor/reward_kl_penalty", "actor/kl_loss", KL_LOSS_TOKEN_MEAN)
 KL_LOSS_COEF_FACTOR = 2.0  # a KL rollback with actor.use_kl_loss multiplies kl_loss_coef by this
 LR_FACTOR = 0.5  # a KL rollback with no KL term at all multiplies the actor learning rate by this
 MIN_ADAPTIVE_KL_COEF = 1e-3  # an adaptive controller cannot grow from a zero coefficient
@@ -97,9 +101,12 @@ class GuardEvent:
 
 
 def measured_kl(metrics: Mapping[str, float]) -> float | None:
-    """The step's KL: the largest of :data:`KL_METRICS` present; ``inf`` when one is not finite; None when
-    there is none. The KL guard, the console warnings and the Prometheus gauge all read this one."""
-    values = [float(metrics[k]) for k in KL_METRICS if k in metrics and metrics[k] is not None]
+    """The step's KL: the largest of :data:`KL_METRICS` present (the KL loss per token,
+    :data:`KL_LOSS_TOKEN_MEAN`, where the step has it); ``inf`` when one is not finite; None when there is
+    none. The KL guard, the console warnings and the Prometheus gauge all read this one."""
+    per_token = metrics.get(KL_LOSS_TOKEN_MEAN) is not None
+    keys = [KL_LOSS_TOKEN_MEAN if key == "actor/kl_loss" and per_token else key for key in KL_METRICS]
+    values = [float(metrics[k]) for k in keys if k in metrics and metrics[k] is not None]
     if not values:
         return None
     return max(v if math.isfinite(v) else math.inf for v in values)

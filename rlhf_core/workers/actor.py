@@ -55,6 +55,9 @@ from rlhf_core.workers.common import (
     unpack,
 )
 
+#: the KL loss's mean over the mini-batch's tokens, logged beside verl's ``actor/kl_loss`` (aggregated as the loss is)
+KL_LOSS_TOKEN_MEAN = "actor/kl_loss_token_mean"
+
 #: engine e of a group samples with seed + ROLLOUT_SEED_STRIDE * e (engine 0, and one worker, with the seed itself;
 #: an engine is a rank, or a tensor-parallel vLLM engine's ranks: :func:`rollout_seed`)
 ROLLOUT_SEED_STRIDE = 1_000_003
@@ -358,6 +361,8 @@ class ActorWorker(CheckpointableWorker):
             kl_loss = algos.agg_loss(kld, mask, cfg.loss_agg_mode, **counts_kw)
             loss = loss + kl_loss_coef * kl_loss
             summed["actor/kl_loss"] = kl_loss.item()
+            # per token whatever loss_agg_mode (seq-mean-token-sum sums each response's tokens): the KL guard's figure
+            summed[KL_LOSS_TOKEN_MEAN] = float(algos.masked_sum(kld.detach(), mask)) / token_count
             constant["actor/kl_coef"] = kl_loss_coef
         summed["actor/pg_loss"] = pg_loss.item()
         share = float(mask.sum()) / token_count  # this micro-batch's share of the mini-batch's tokens
