@@ -34,7 +34,8 @@ GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
                                           ("perf/throughput",)),
     "rlhf_response_length_mean": ("mean response length (tokens)", ("response_length/mean",)),
     "rlhf_reward_mean": ("mean sequence score of the rollout batch", ("critic/score/mean",)),
-    "rlhf_kl": ("KL of the step: the largest of " + ", ".join(KL_METRICS), ()),
+    "rlhf_kl": ("KL of the step per token: the largest of " + ", ".join(KL_METRICS)
+                + " (the KL loss as actor/kl_loss_token_mean where logged)", ()),
     "rlhf_actor_grad_norm": ("actor gradient norm before clipping", ("actor/grad_norm",)),
     "rlhf_critic_grad_norm": ("critic gradient norm before clipping", ("critic/grad_norm",)),
     "rlhf_skipped_steps": ("mini-batch updates skipped for a non-finite loss or gradient, in total",
