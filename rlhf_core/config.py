@@ -1451,11 +1451,28 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
         else:  # a 'tracking' written was taken as wandb as it was set; one an interpolation resolves to, here
             resolved.trainer.logger = _tracking_as_wandb(  # (said once where the list held both)
                 resolved.trainer.logger, lambda message: None if message in said else notice(message))
+            if (unused := _kl_ctrl_unused(resolved, given)) is not None:
+                notice(unused)
     if errors:
         raise ConfigError(errors)
     if validate:
         validate_config(resolved)
     return resolved
+
+
+def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
+    """The notice for ``algorithm.kl_ctrl.*`` set away from its defaults in a run without KL in the reward, where
+    nothing reads the controller (verl ignores it alike, silently): a KL loss's coefficient is its own key."""
+    if cfg.algorithm.use_kl_in_reward:
+        return None
+    defaults = KLCtrlConfig()
+    changed = [f"algorithm.kl_ctrl.{name}={value!r}" for name, value in dataclasses.asdict(cfg.algorithm.kl_ctrl).items()
+               if f"algorithm.kl_ctrl.{name}" in given and value != getattr(defaults, name)]
+    if not changed:
+        return None
+    return (f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: algorithm.kl_ctrl "
+            "sets the coefficient of the KL in the reward, and algorithm.use_kl_in_reward=false; set it true for "
+            "that KL, or for a KL loss set actor_rollout_ref.actor.use_kl_loss=true with its own kl_loss_coef (fixed)")
 
 
 # ${trainer.experiment_name}: an interpolation of another key (no resolver); Hydra's ${now:%Y%m%d}

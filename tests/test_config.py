@@ -1375,3 +1375,26 @@ def test_a_literal_interpolation_survives_the_trip_between_pipeline_steps(writte
     again = PPOConfig.from_dict(cfg.to_dict())
     assert again.trainer.experiment_name == text
     assert again.custom_reward_function.reward_kwargs == {"tag": "${x}"}
+
+
+def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have_no_effect(tmp_path):
+    """algorithm.kl_ctrl sets the coefficient of the KL in the reward: with a KL loss alone (use_kl_in_reward=false)
+    an adaptive controller was taken without a word, and the run's KL coefficient stayed kl_loss_coef."""
+    def kl_ctrl_notices(overrides, config_file=None):
+        said = []
+        load_config(overrides, config_file=config_file, notice=said.append)
+        return [message for message in said if "has no effect: algorithm.kl_ctrl" in message
+                or "have no effect: algorithm.kl_ctrl" in message]
+
+    assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true"]) == [
+        "notice: algorithm.kl_ctrl.type='adaptive' has no effect: algorithm.kl_ctrl sets the coefficient of the KL in "
+        "the reward, and algorithm.use_kl_in_reward=false; set it true for that KL, or for a KL loss set "
+        "actor_rollout_ref.actor.use_kl_loss=true with its own kl_loss_coef (fixed)"]
+    [both] = kl_ctrl_notices(["+algorithm.kl_ctrl_target=0.5"])  # the verl guides' alias sets two keys
+    assert both.startswith("notice: algorithm.kl_ctrl.type='adaptive', algorithm.kl_ctrl.target_kl=0.5 have no effect")
+    # read: with KL in the reward; at their defaults (as verl's generated config holds them); not set at all
+    assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=true"]) == []
+    path = tmp_path / "run.yaml"
+    path.write_text("algorithm:\n  kl_ctrl:\n    type: fixed\n    kl_coef: 0.001\n")
+    assert kl_ctrl_notices([], path) == []
+    assert kl_ctrl_notices([]) == []
