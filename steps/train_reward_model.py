@@ -13,7 +13,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.pipeline.training import add_resume_advice, resume_own_checkpoint
-from rlhf_core.training.reward_trainer import pair_accuracy_gate
+from rlhf_core.training.reward_trainer import NothingTrainedError, pair_accuracy_gate
 from rlhf_core.training.reward_trainer import train_reward_model as train
 
 logger = get_logger(__name__)
@@ -47,8 +47,10 @@ def train_reward_model(
     try:
         export, val = train(cfg)
     except Exception as exc:
-        # its "rerun" would be a new run, in a new folder (resuming from configured_path again, where there is one)
-        add_resume_advice(exc, rm.default_local_dir, configured_path, "reward_model.train")
+        # its "rerun" would be a new run, in a new folder (resuming from configured_path again, where there is one);
+        # checkpoints whose steps took no update are no way on: the message says to start anew, as a new run does
+        if not isinstance(exc, NothingTrainedError):
+            add_resume_advice(exc, rm.default_local_dir, configured_path, "reward_model.train")
         raise
     passed, reason = pair_accuracy_gate(val, threshold, "reward_model.train.min_pair_accuracy"
                                         if min_pair_accuracy is None else "the pipeline's min_pair_accuracy")

@@ -266,19 +266,59 @@ def _skipping_step_run(tmp_path, monkeypatch, *extra):
         config.to_dict(), splits_fingerprint([rm.train_files], [rm.val_files]), min_pair_accuracy=0.0)
 
 
+def _first_step_finite(monkeypatch) -> None:
+    """The first training step's loss at margin 0, finite: it takes an update, and the later steps' do not."""
+    import dataclasses
+
+    from rlhf_core.training.reward_trainer import RewardModelWorker
+
+    train_step, calls = RewardModelWorker.train_step, []
+
+    def first_finite(worker, *args):
+        calls.append(None)
+        if len(calls) > 1:
+            return train_step(worker, *args)
+        kept, worker.config = worker.config, dataclasses.replace(worker.config, margin=0.0)
+        try:
+            return train_step(worker, *args)
+        finally:
+            worker.config = kept
+
+    monkeypatch.setattr(RewardModelWorker, "train_step", first_finite)
+
+
 def test_a_failed_training_step_says_how_a_new_pipeline_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """A pipeline run again trains the reward model in a folder of its own, from the start: the failed step's
-    message names the overrides that resume from its checkpoint, not "rerun the same command"."""
+    message names the overrides that resume from its checkpoint, not "rerun the same command". (Step 1 takes an
+    update, steps 2 and 3 are skipped: the checkpoint of step 2 holds trained weights to go on from.)"""
     from rlhf_core.training.guards import GuardError
 
-    train = _skipping_step_run(tmp_path, monkeypatch)
-    with pytest.raises(GuardError) as failure:
+    _first_step_finite(monkeypatch)
+    train = _skipping_step_run(tmp_path, monkeypatch, "reward_model.train.total_epochs=2")
+    with pytest.raises(GuardError, match="stopped at step 3") as failure:
         train()
-    latest = tmp_path / "run-1" / "global_step_1"
+    latest = tmp_path / "run-1" / "global_step_2"
     assert (f"add reward_model.train.resume_mode=resume_path and reward_model.train.resume_from_path={latest} to the "
             "run config's overrides, then run the pipeline again, to resume from it") in str(failure.value)
     assert "rerun the same command" not in str(failure.value)
     assert failure.value.resume_advice.startswith("add reward_model.train.resume_mode=resume_path")
+
+
+def test_a_training_step_none_of_whose_steps_took_an_update_is_not_told_to_resume(tmp_path, monkeypatch):
+    """Every step skipped, the run's checkpoint holds the weights it started from, and a run resumed from it meets the
+    same pairs on them alike: the step's failure names a new run, with no note to resume from that checkpoint."""
+    from rlhf_core.training.reward_trainer import NothingTrainedError
+
+    train = _skipping_step_run(tmp_path, monkeypatch)
+    with pytest.raises(NothingTrainedError) as failure:
+        train()
+    assert (tmp_path / "run-1" / "global_step_1").is_dir()
+    assert str(failure.value).endswith("its checkpoints hold the weights it started from (reward_model.train.model."
+                                       "path), which no step updated, and a resume meets the same pairs on them "
+                                       "alike: start the new run with reward_model.train.resume_mode=disable or "
+                                       "another reward_model.train.default_local_dir")
+    assert not getattr(failure.value, "__notes__", None)
+    assert not hasattr(failure.value, "resume_advice")
 
 
 def test_a_retried_training_step_resumes_its_own_checkpoint(tmp_path, monkeypatch, capsys):

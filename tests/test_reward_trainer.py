@@ -891,6 +891,13 @@ def test_a_skipped_step_leaves_the_learning_rate_schedule_where_it_was(tiny, pai
 SKIP_ADVICE = ("so the run saves and exports nothing more: check the preference data, and reward_model.train.model."
                "dtype (float16 and bfloat16 scores can overflow) and reward_model.train.optim.lr, which a new run may "
                "change")
+#: where a step of the run took an update: a resume meets the streak's pairs on the same weights, stopping alike
+RAISE_LIMIT = ("a resume meets the same pairs on the same weights at these steps, so to train past them raise "
+               "reward_model.train.max_consecutive_skips")
+#: where none did: the checkpoints hold the weights the run started from, and a resume meets the same pairs on them
+UNTRAINED = ("its checkpoints hold the weights it started from (reward_model.train.model.path), which no step "
+             "updated, and a resume meets the same pairs on them alike: start the new run with reward_model.train."
+             "resume_mode=disable or another reward_model.train.default_local_dir")
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -907,8 +914,8 @@ def test_max_consecutive_skips_stops_the_run_naming_the_checkpoint_to_go_on_from
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 3: 2 consecutive steps (up to step 3) had a non-finite loss "
         "or gradient on finite weights and took no update (train/skipped_step; reward_model.train.max_consecutive_"
-        f"skips=2), {SKIP_ADVICE}; the latest checkpoint {out / 'global_step_2'} is intact: rerun the same command "
-        "to resume from it")
+        f"skips=2), {SKIP_ADVICE}; {RAISE_LIMIT} above 2 or set it to null (a resume may change it); the latest "
+        f"checkpoint {out / 'global_step_2'} is intact: rerun the same command to resume from it")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "global_step_1", "global_step_2", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no huggingface/
     assert [(step, record["train/skipped_step"]) for step, record in _records(out).items()] == [
@@ -930,10 +937,72 @@ def test_a_run_whose_every_step_was_skipped_saves_and_exports_nothing_as_trained
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 2: no step of this run (steps 1 to 2) took an update: each "
         "had a non-finite loss or gradient on finite weights (train/skipped_step), "
-        f"{SKIP_ADVICE}; the latest checkpoint {out / 'global_step_1'} is intact: rerun the same command to resume "
-        "from it")
+        f"{SKIP_ADVICE}; {UNTRAINED}")
     assert sorted(path.name for path in out.iterdir() if not path.name.startswith(".")) == [
         "global_step_1", "latest_checkpointed_iteration.txt", "metrics.jsonl"]  # no global_step_2, no huggingface/
+
+
+def _overflow_on_the_pairs_of(monkeypatch, steps: set[int]) -> None:
+    """RewardModelWorker's chosen scores NaN in training on the pairs of steps ``steps`` (1-based), as pairs that drive
+    the scores past float16's range do in every run that meets them: a resume meets them again (unlike
+    :func:`_overflow_in`, which counts the calls). ``steps`` is read as each step starts: clear it to end them."""
+    step_pairs, rewards = RewardModelTrainer._step_pairs, RewardModelWorker._rewards
+    training = []
+
+    def pairs_of(trainer, step):
+        training[:] = [step + 1]
+        return step_pairs(trainer, step)
+
+    def overflow(worker, micro):
+        chosen, rejected = rewards(worker, micro)
+        return (chosen * math.nan if worker.module.training and training[0] in steps else chosen), rejected
+
+    monkeypatch.setattr(RewardModelTrainer, "_step_pairs", pairs_of)
+    monkeypatch.setattr(RewardModelWorker, "_rewards", overflow)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_skip_streak_after_an_update_asks_for_the_limit_raised_as_the_same_command_stops_alike(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """Steps 2 and 3 of 4 overflow on their pairs: max_consecutive_skips=2 stops the run at step 3. The same command
+    resumes from step 2 and meets step 3's pairs on step 2's weights again: the same stop. Raised on the resume (a
+    key a resume may change), the limit lets the run train past them to its end."""
+    _overflow_on_the_pairs_of(monkeypatch, {2, 3})
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_training_steps=4", "reward_model.train.total_epochs=2",
+                      "reward_model.train.max_consecutive_skips=2")
+    assert train_rm(args) == 1
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.endswith(f"{SKIP_ADVICE}; {RAISE_LIMIT} above 2 or set it to null (a resume may change it); the "
+                         f"latest checkpoint {out / 'global_step_2'} is intact: rerun the same command to resume "
+                         "from it")
+    assert train_rm(args) == 1  # the same command, the same stop
+    assert capsys.readouterr().err.splitlines()[-1] == said
+    assert train_rm([*args, "reward_model.train.max_consecutive_skips=3"]) == 0
+    assert [(step, record["train/skipped_step"]) for step, record in _records(out).items()] == [
+        (1, 0), (2, 1), (3, 1), (4, 0)]
+    assert (out / "huggingface" / "config.json").is_file()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_run_none_of_whose_steps_took_an_update_names_a_new_run_not_its_checkpoint(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """Both steps overflow on their pairs: the run's checkpoint holds the weights it started from, and the same command
+    resumes from it to the same stop, so the message names a new run; one with the cause gone trains to its end."""
+    overflowing = {1, 2}
+    _overflow_on_the_pairs_of(monkeypatch, overflowing)
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.val_files=null", "reward_model.train.save_freq=1",
+                      "reward_model.train.total_training_steps=2", "reward_model.train.max_consecutive_skips=null")
+    assert train_rm(args) == 1
+    said = capsys.readouterr().err.splitlines()[-1]
+    assert said.endswith(f"(train/skipped_step), {SKIP_ADVICE}; {UNTRAINED}")
+    assert train_rm(args) == 1  # resumed from global_step_1: the same stop
+    assert capsys.readouterr().err.splitlines()[-1] == said
+    overflowing.clear()  # (a new run with, say, another model.dtype)
+    assert train_rm([*args, "reward_model.train.resume_mode=disable"]) == 0
+    assert (out / "huggingface" / "config.json").is_file()
 
 
 class _Killed(BaseException):
@@ -987,8 +1056,8 @@ def test_a_skip_streak_broken_off_by_a_resume_stops_the_run_at_the_step_an_unbro
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 4: 3 consecutive steps (up to step 4) had a non-finite loss "
         "or gradient on finite weights and took no update (train/skipped_step; reward_model.train.max_consecutive_"
-        f"skips=3), {SKIP_ADVICE}; the latest checkpoint {out / 'global_step_3'} is intact: rerun the same command "
-        "to resume from it")
+        f"skips=3), {SKIP_ADVICE}; {RAISE_LIMIT} above 3 or set it to null (a resume may change it); the latest "
+        f"checkpoint {out / 'global_step_3'} is intact: rerun the same command to resume from it")
     assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1", "global_step_2",
                                                                        "global_step_3"]
     assert not (out / "huggingface").exists()
@@ -1018,8 +1087,7 @@ def test_whether_any_step_took_an_update_is_kept_across_a_resume(
     assert capsys.readouterr().err.splitlines()[-1] == (
         "error: training the reward model stopped at step 4: no step of this run (steps 1 to 4) took an update: each "
         "had a non-finite loss or gradient on finite weights (train/skipped_step), "
-        f"{SKIP_ADVICE}; the latest checkpoint {out / 'global_step_3'} is intact: rerun the same command to resume "
-        "from it")
+        f"{SKIP_ADVICE}; {UNTRAINED}")
     assert not (out / "huggingface").exists()
 
 

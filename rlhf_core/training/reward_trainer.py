@@ -40,8 +40,9 @@ A step whose loss or gradient is not finite takes no update (``train/skipped_ste
 verl's workers skip a step whose gradient norm is not finite (one step in bfloat16 or float16 can overflow); the
 learning-rate schedule counts the updates taken, so it does not move on for a skipped step either. After
 ``reward_model.train.max_consecutive_skips`` skipped steps in a row (as PPO's ``trainer.guard``), and at the end of a
-run none of whose steps took an update, the run stops (exit 1), saving and exporting nothing more, and names the
-checkpoint a rerun resumes from. Where
+run none of whose steps took an update, the run stops (exit 1), saving and exporting nothing more. A resume meets
+the same pairs on the same weights at those steps, so the message names the checkpoint to resume from with
+``max_consecutive_skips`` raised (a resume may change it), or, where no step took an update, a new run. Where
 the loss is not finite because the weights hold NaN or inf the run stops (exit 1), since they would meet every later
 step alike: nothing more is saved and nothing is exported. So does a save or the export that would write weights
 holding NaN or inf (an update, the last one too, can leave them so on a finite loss), and a validation whose loss
@@ -119,6 +120,11 @@ KEY = "reward_model.train"
 RESUME_SAFE = ("val_files", "total_epochs", "total_training_steps", "test_freq", "save_freq", "default_local_dir",
                "resume_mode", "resume_from_path", "min_pair_accuracy", "micro_batch_size_per_gpu",
                "max_consecutive_skips", "model.enable_gradient_checkpointing", "fsdp_config.*")
+
+
+class NothingTrainedError(GuardError):
+    """A run stopped on skipped steps where no step of it took an update: its checkpoints hold the weights it started
+    from, which a resume meets the same pairs on alike, so its message names a new run, not a checkpoint to resume."""
 
 
 class RewardTrainingError(ValueError):
@@ -758,7 +764,7 @@ class RewardModelTrainer:
                     raise self._all_skipped(step, f"{skips} consecutive steps (up to step {step}) had a non-finite "
                                                   "loss or gradient on finite weights and took no update "
                                                   f"(train/skipped_step; {KEY}.max_consecutive_skips="
-                                                  f"{rm.max_consecutive_skips})")
+                                                  f"{rm.max_consecutive_skips})", streak=True)
                 if rm.test_freq > 0 and step % rm.test_freq == 0 and step < self.total_steps:
                     last_val = self.validate()
                     metrics.update(last_val)
@@ -799,15 +805,29 @@ class RewardModelTrainer:
                 "exports nothing more; ")
         return GuardError(said + self._weights_from(step - 1))
 
-    def _all_skipped(self, step: int, said: str) -> GuardError:
+    def _all_skipped(self, step: int, said: str, streak: bool = False) -> GuardError:
         """The error to stop the run with at step ``step`` where its steps (``said`` says which) were skipped, each
         on a non-finite loss or gradient on finite weights: the scores overflow, or the pairs drive them there, step
         after step, and the weights are those the steps started from, so nothing more is saved or exported (not as
-        trained). ``model.dtype`` and ``optim.lr`` cannot change on a resume: a new run."""
-        return GuardError(f"training the reward model stopped at step {step}: {said}, so the run saves and exports "
-                          f"nothing more: check the preference data, and {KEY}.model.dtype (float16 and bfloat16 "
-                          f"scores can overflow) and {KEY}.optim.lr, which a new run may change; "
-                          f"{self._resume_point()}")
+        trained). ``model.dtype`` and ``optim.lr`` cannot change on a resume: a new run. A resume meets the same
+        pairs (a function of the step) on the same weights, so the same command stops alike: where no step of the
+        run took an update its checkpoints hold the weights it started from, and the way on is a new run; after a
+        ``streak`` (``max_consecutive_skips``, which a resume may change), a resume with the limit raised."""
+        said = (f"training the reward model stopped at step {step}: {said}, so the run saves and exports nothing "
+                f"more: check the preference data, and {KEY}.model.dtype (float16 and bfloat16 scores can overflow) "
+                f"and {KEY}.optim.lr, which a new run may change; ")
+        latest = self.rerun_checkpoint()
+        if latest is not None and self.no_update_since == 0:
+            return NothingTrainedError(said + f"its checkpoints hold the weights it started from ({KEY}.model.path), "
+                                              "which no step updated, and a resume meets the same pairs on them "
+                                              f"alike: start the new run with {KEY}.resume_mode=disable or another "
+                                              f"{KEY}.default_local_dir")
+        if latest is not None and streak:
+            return GuardError(said + "a resume meets the same pairs on the same weights at these steps, so to "
+                                     f"train past them raise {KEY}.max_consecutive_skips above "
+                                     f"{self.consecutive_skips} or set it to null (a resume may change it); "
+                                     + self._resume_point())
+        return GuardError(said + self._resume_point())
 
     def _resume_point(self) -> str:
         """The checkpoint a rerun resumes from (:meth:`rerun_checkpoint`) and how, or that there is none yet."""
