@@ -474,8 +474,8 @@ class AlgorithmConfig:
 class GuardConfig:
     max_consecutive_skips: int | None = _k(3, "consecutive steps with a non-finite loss or gradient before "
                                               "restoring the last good checkpoint and stopping; null = off")
-    max_kl: float | None = _k(1.0, "KL (actor/ppo_kl, actor/reward_kl_penalty, actor/kl_loss) above this is an "
-                                   "explosion; null = off")
+    max_kl: float | None = _k(1.0, "KL per token (actor/ppo_kl, actor/reward_kl_penalty, the KL loss as "
+                                   "actor/kl_loss_token_mean) above this is an explosion; null = off")
     patience: int = _k(3, "consecutive steps above max_kl before rolling back")
     target_kl: float = _k(0.01, "target KL of the adaptive KL controller switched on after a KL rollback")
     max_val_drop: float | None = _k(0.2, "roll back to the best checkpoint when validation accuracy falls this "

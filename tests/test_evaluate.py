@@ -943,3 +943,16 @@ def test_the_evaluate_command_points_to_batch_calls_only_for_a_function_of_whole
                      "    return [1.0] * len(solution_strs)\n")
     assert evaluate([str(model), str(val), "--custom-reward", str(whole)]) == 2
     assert "for each response (a function of whole batches: --reward-manager batch), fn(" in capsys.readouterr().err
+
+
+def test_the_kl_curve_is_the_kl_per_token_as_the_guard_reads_it():
+    """actor/kl_loss is summed as loss_agg_mode says (per response with seq-mean-token-sum): drawn beside the
+    per-token actor/ppo_kl it read some hundred times higher; its per-token mean is drawn where it was logged."""
+    from rlhf_core.pipeline.evaluate import curve_panels
+
+    logged = [{"step": 1, "actor/ppo_kl": 0.01, "actor/kl_loss": 1.6, "actor/kl_loss_token_mean": 0.1,
+               "val-core/a/acc/mean@1": 0.5}]
+    assert dict(curve_panels(logged))["KL"] == ["actor/ppo_kl", "actor/kl_loss_token_mean"]
+    older = [{"step": 1, "actor/ppo_kl": 0.01, "actor/kl_loss": 0.1}]  # a run from before the per-token key
+    assert dict(curve_panels(older))["KL"] == ["actor/ppo_kl", "actor/kl_loss"]
+    assert dict(curve_panels(logged))["validation accuracy"] == ["val-core/a/acc/mean@1"]

@@ -741,18 +741,25 @@ def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], 
     return steps, values
 
 
+def curve_panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The panels of :func:`training_curves_png`: each title with the metrics drawn in it."""
+    keys = sorted({k for record in history for k in record})
+    # the KL per token, as the KL guard reads it: actor/kl_loss is summed as loss_agg_mode says (per response with
+    # seq-mean-token-sum), its per-token mean logged beside it
+    kl_loss = "actor/kl_loss_token_mean" if "actor/kl_loss_token_mean" in keys else "actor/kl_loss"
+    return [
+        ("reward", ["critic/score/mean", "critic/rewards/mean"]),
+        ("KL", [k for k in ("actor/ppo_kl", kl_loss, "actor/reward_kl_penalty") if k in keys]),
+        ("validation accuracy", [k for k in keys if k.startswith("val-core/") and "/acc/" in k]),
+    ]
+
+
 def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
     """Reward, KL and validation accuracy against the training step, one panel each, as PNG bytes."""
     from matplotlib.figure import Figure
 
-    keys = sorted({k for record in history for k in record})
-    panels = [
-        ("reward", ["critic/score/mean", "critic/rewards/mean"]),
-        ("KL", [k for k in ("actor/ppo_kl", "actor/kl_loss", "actor/reward_kl_penalty") if k in keys]),
-        ("validation accuracy", [k for k in keys if k.startswith("val-core/") and "/acc/" in k]),
-    ]
     figure = Figure(figsize=(12, 3.4))
-    for column, (title, names) in enumerate(panels):
+    for column, (title, names) in enumerate(curve_panels(history)):
         axes = figure.add_subplot(1, 3, column + 1)
         for name in names:
             steps, values = _series(history, name)
