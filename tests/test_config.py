@@ -527,6 +527,7 @@ def test_aliases_map_to_canonical_keys_with_a_notice():
             "critic.optim.max_grad_norm=0.3",
             "trainer.checkpoint.every_n_steps=25",
             "algorithm.kl_ctrl_target=0.02",
+            "algorithm.use_kl_in_reward=true",  # (without it, the controller has no effect: a notice of its own)
         ],
         notice=notices.append,
     )
