@@ -199,6 +199,25 @@ def test_console_names_each_source_whole_with_ten_or_more_responses(tmp_path, ca
                                                     "step 2 | val_reward[a] 0.5 | val_reward[b] 0.75"]
 
 
+def test_the_kl_warning_names_the_coefficient_of_the_kl_term_the_run_has(tmp_path, capsys):
+    """algorithm.kl_ctrl.kl_coef is read only with the KL in the reward: a run with a KL loss alone told to raise it
+    was then told by its config that the key has no effect; a run with no KL term has no coefficient to raise."""
+    def advice(use_kl_in_reward, use_kl_loss):
+        config = {"algorithm": {"use_kl_in_reward": use_kl_in_reward},
+                  "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss}}}
+        with Tracking(["console"], "p", "e", tmp_path, config=config, warn_thresholds={"kl": 0.02}) as tracker:
+            tracker.log({"actor/kl_loss": 0.05}, step=1)
+        return capsys.readouterr().out.strip().split(" | WARNING KL 0.05 > 0.02: lower actor_rollout_ref.actor."
+                                                     "optim.lr or ")[1]
+
+    assert advice(False, True) == "raise the KL coefficient (actor_rollout_ref.actor.kl_loss_coef)"
+    assert advice(True, False) == "raise the KL coefficient (algorithm.kl_ctrl.kl_coef)"
+    assert advice(True, True) == \
+        "raise the KL coefficient (algorithm.kl_ctrl.kl_coef / actor_rollout_ref.actor.kl_loss_coef)"
+    assert advice(False, False) == ("add a KL term (algorithm.use_kl_in_reward=true, or "
+                                    "actor_rollout_ref.actor.use_kl_loss=true): the run has none")
+
+
 def test_console_warnings_name_the_knob(tmp_path, capsys):
     thresholds = {"kl": 0.02, "grad_norm": 5.0}
     with Tracking(["console"], "p", "e", tmp_path, warn_thresholds=thresholds) as tracker:

@@ -300,6 +300,21 @@ class ConsoleLogger(Backend):
         parts.extend(f"WARNING {w}" for w in self.warnings(metrics))
         return " | ".join(parts)
 
+    def _kl_term(self) -> str:
+        """The rest of the KL warning's advice: raise the coefficient of the KL term the run has (the controller's
+        only where the KL is in the reward, else it has no effect), or add one; both keys where the config is not
+        known."""
+        algorithm = self.run.config.get("algorithm") or {}
+        actor = (self.run.config.get("actor_rollout_ref") or {}).get("actor") or {}
+        if "use_kl_in_reward" not in algorithm or "use_kl_loss" not in actor:
+            return " or raise the KL coefficient (algorithm.kl_ctrl.kl_coef / actor_rollout_ref.actor.kl_loss_coef)"
+        coefficients = ["algorithm.kl_ctrl.kl_coef"] if algorithm["use_kl_in_reward"] else []
+        coefficients += ["actor_rollout_ref.actor.kl_loss_coef"] if actor["use_kl_loss"] else []
+        if not coefficients:
+            return (" or add a KL term (algorithm.use_kl_in_reward=true, or actor_rollout_ref.actor.use_kl_loss=true): "
+                    "the run has none")
+        return f" or raise the KL coefficient ({' / '.join(coefficients)})"
+
     def warnings(self, metrics: Mapping[str, float]) -> list[str]:
         """Advice for every threshold in ``warn_thresholds`` the step's metrics exceed."""
         limits = self.run.warn_thresholds
@@ -308,10 +323,7 @@ class ConsoleLogger(Backend):
         if kl_limit is not None:
             kl = measured_kl(metrics)
             if kl is not None and kl > kl_limit:
-                out.append(
-                    f"KL {_fmt(kl)} > {_fmt(kl_limit)}: lower actor_rollout_ref.actor.optim.lr or raise the "
-                    "KL coefficient (algorithm.kl_ctrl.kl_coef / actor_rollout_ref.actor.kl_loss_coef)"
-                )
+                out.append(f"KL {_fmt(kl)} > {_fmt(kl_limit)}: lower actor_rollout_ref.actor.optim.lr{self._kl_term()}")
         gn_limit = limits.get("grad_norm")
         if gn_limit is not None:
             for key, (who, prefix) in _GRAD_NORM_KEYS.items():
