@@ -1470,9 +1470,13 @@ def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
                if f"algorithm.kl_ctrl.{name}" in given and value != getattr(defaults, name)]
     if not changed:
         return None
+    actor = cfg.actor_rollout_ref.actor
+    loss = (f"the run's KL loss has its own coefficient, actor_rollout_ref.actor.kl_loss_coef={actor.kl_loss_coef!r} "
+            "(fixed)" if actor.use_kl_loss else
+            "or for a KL loss set actor_rollout_ref.actor.use_kl_loss=true with its own kl_loss_coef (fixed)")
     return (f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: algorithm.kl_ctrl "
             "sets the coefficient of the KL in the reward, and algorithm.use_kl_in_reward=false; set it true for "
-            "that KL, or for a KL loss set actor_rollout_ref.actor.use_kl_loss=true with its own kl_loss_coef (fixed)")
+            f"that KL{';' if actor.use_kl_loss else ','} {loss}")
 
 
 # ${trainer.experiment_name}: an interpolation of another key (no resolver); Hydra's ${now:%Y%m%d}

@@ -1387,10 +1387,16 @@ def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have
         return [message for message in said if "has no effect: algorithm.kl_ctrl" in message
                 or "have no effect: algorithm.kl_ctrl" in message]
 
-    assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true"]) == [
+    assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive"]) == [
         "notice: algorithm.kl_ctrl.type='adaptive' has no effect: algorithm.kl_ctrl sets the coefficient of the KL in "
         "the reward, and algorithm.use_kl_in_reward=false; set it true for that KL, or for a KL loss set "
         "actor_rollout_ref.actor.use_kl_loss=true with its own kl_loss_coef (fixed)"]
+    # a run whose KL loss is on is not told to turn it on: its coefficient is named, as the run takes it
+    assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive", "actor_rollout_ref.actor.use_kl_loss=true",
+                            "actor_rollout_ref.actor.kl_loss_coef=0.05"]) == [
+        "notice: algorithm.kl_ctrl.type='adaptive' has no effect: algorithm.kl_ctrl sets the coefficient of the KL in "
+        "the reward, and algorithm.use_kl_in_reward=false; set it true for that KL; the run's KL loss has its own "
+        "coefficient, actor_rollout_ref.actor.kl_loss_coef=0.05 (fixed)"]
     [both] = kl_ctrl_notices(["+algorithm.kl_ctrl_target=0.5"])  # the verl guides' alias sets two keys
     assert both.startswith("notice: algorithm.kl_ctrl.type='adaptive', algorithm.kl_ctrl.target_kl=0.5 have no effect")
     # read: with KL in the reward; at their defaults (as verl's generated config holds them); not set at all
