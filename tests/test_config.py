@@ -1398,6 +1398,12 @@ def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have
         "the reward, and algorithm.use_kl_in_reward=false; set it true for that KL; the run's KL loss has its own "
         "coefficient, actor_rollout_ref.actor.kl_loss_coef=0.05 (fixed)"]
     [both] = kl_ctrl_notices(["+algorithm.kl_ctrl_target=0.5"])  # the verl guides' alias sets two keys
+    # the section given as one mapping (Hydra's key={...}), on the command line or under algorithm
+    [mapped] = kl_ctrl_notices(["algorithm.kl_ctrl={type: adaptive, kl_coef: 0.01}"])
+    assert mapped.startswith("notice: algorithm.kl_ctrl.type='adaptive', algorithm.kl_ctrl.kl_coef=0.01 have no "
+                             "effect"), mapped
+    [nested] = kl_ctrl_notices(["algorithm={kl_ctrl: {target_kl: 0.5}}"])
+    assert nested.startswith("notice: algorithm.kl_ctrl.target_kl=0.5 has no effect"), nested
     assert both.startswith("notice: algorithm.kl_ctrl.type='adaptive', algorithm.kl_ctrl.target_kl=0.5 have no effect")
     # read: with KL in the reward; at their defaults (as verl's generated config holds them); not set at all
     assert kl_ctrl_notices(["algorithm.kl_ctrl.type=adaptive", "algorithm.use_kl_in_reward=true"]) == []
