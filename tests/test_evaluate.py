@@ -956,3 +956,18 @@ def test_the_kl_curve_is_the_kl_per_token_as_the_guard_reads_it():
     older = [{"step": 1, "actor/ppo_kl": 0.01, "actor/kl_loss": 0.1}]  # a run from before the per-token key
     assert dict(curve_panels(older))["KL"] == ["actor/ppo_kl", "actor/kl_loss"]
     assert dict(curve_panels(logged))["validation accuracy"] == ["val-core/a/acc/mean@1"]
+
+
+def test_the_training_curves_mark_whole_steps_on_their_axes():
+    """A short run's curves were ticked at 0.25 or 0.5 of a training step, which no step is."""
+    from rlhf_core.pipeline.evaluate import training_curves_figure
+
+    history = [{"step": 0, "val-core/a/acc/mean@1": 0.25},
+               {"step": 1, "critic/score/mean": 0.1, "actor/ppo_kl": 0.001},
+               {"step": 2, "critic/score/mean": 0.3, "actor/ppo_kl": 0.002, "val-core/a/acc/mean@1": 0.5}]
+    figure = training_curves_figure(history)
+    figure.canvas.draw()
+    for axes in figure.axes:
+        ticks = [tick for tick in axes.get_xticks() if axes.get_xlim()[0] <= tick <= axes.get_xlim()[1]]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), (axes.get_title(), ticks)
+    assert [axes.get_title() for axes in figure.axes] == ["reward", "KL", "validation accuracy"]

@@ -755,8 +755,15 @@ def curve_panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[s
 
 
 def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
-    """Reward, KL and validation accuracy against the training step, one panel each, as PNG bytes."""
+    """:func:`training_curves_figure` as PNG bytes."""
+    return _png(training_curves_figure(history))
+
+
+def training_curves_figure(history: Sequence[Mapping[str, Any]]):
+    """Reward, KL and validation accuracy against the training step, one panel each (a matplotlib Figure); the
+    steps are whole numbers on the axis (a short run's ticks read 0.5, 1.5, ... of a step)."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(12, 3.4))
     for column, (title, names) in enumerate(curve_panels(history)):
@@ -767,13 +774,14 @@ def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
                 axes.plot(steps, values, marker="o" if len(values) < 30 else None, markersize=3, label=name)
         axes.set_title(title)
         axes.set_xlabel("training step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
         if axes.lines:
             axes.legend(fontsize=7)
         else:
             axes.text(0.5, 0.5, "not logged", ha="center", va="center", transform=axes.transAxes)
     figure.tight_layout()
-    return _png(figure)
+    return figure
 
 
 def accuracy_figure(results: Mapping[str, EvalResult]):
