@@ -69,6 +69,7 @@ from rlhf_core.rewards import (
     spec_module_name,
 )
 from rlhf_core.rewards.result import RewardResultError, read_reward_result
+from rlhf_core.training.guards import KL_LOSS_TOKEN_MEAN
 
 EXAMPLES_PER_KIND = 3
 CHANGED_SHOWN = 5  # fixed and broken problems shown in the report and the lineage, of each kind
@@ -746,7 +747,7 @@ def curve_panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[s
     keys = sorted({k for record in history for k in record})
     # the KL per token, as the KL guard reads it: actor/kl_loss is summed as loss_agg_mode says (per response with
     # seq-mean-token-sum), its per-token mean logged beside it
-    kl_loss = "actor/kl_loss_token_mean" if "actor/kl_loss_token_mean" in keys else "actor/kl_loss"
+    kl_loss = KL_LOSS_TOKEN_MEAN if KL_LOSS_TOKEN_MEAN in keys else "actor/kl_loss"
     return [
         ("reward", ["critic/score/mean", "critic/rewards/mean"]),
         ("KL", [k for k in ("actor/ppo_kl", kl_loss, "actor/reward_kl_penalty") if k in keys]),

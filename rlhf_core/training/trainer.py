@@ -740,19 +740,19 @@ class PPOTrainer:
             bad = [name for name, worker in self.workers().items() if not worker.weights_finite()]
         except WorkerError as exc:
             raise self._worker_failure(exc, "checking the weights of", self.global_step) from exc
-        if bad and loaded:
+        if not bad:
+            return
+        rates = " and ".join(checkpoint.LEARNING_RATES[name] for name in bad)
+        if loaded:
             found = FloatingPointError(f"the weights of the {' and the '.join(bad)} hold NaN or inf values, so the run "
                                        "trains nothing")
-            raise self._diverged(found, "checking the weights before", self.global_step + 1,
-                                 " and ".join(checkpoint.LEARNING_RATES[name] for name in bad), bad)
-        if bad:
-            rates = " and ".join(checkpoint.LEARNING_RATES[name] for name in bad)
-            found = FloatingPointError(
-                f"the weights of the {' and the '.join(bad)} hold NaN or inf values, so the run saves, marks latest "
-                f"and exports nothing more. This usually means a diverged update (too high a learning rate, {rates}; "
-                "look for a large grad_norm up to this step), which can leave them so even where its own loss and "
-                "gradient were finite")
-            raise self._diverged(found, "saving the checkpoint of", self.global_step, rates, bad)
+            raise self._diverged(found, "checking the weights before", self.global_step + 1, rates, bad)
+        found = FloatingPointError(
+            f"the weights of the {' and the '.join(bad)} hold NaN or inf values, so the run saves, marks latest "
+            f"and exports nothing more. This usually means a diverged update (too high a learning rate, {rates}; "
+            "look for a large grad_norm up to this step), which can leave them so even where its own loss and "
+            "gradient were finite")
+        raise self._diverged(found, "saving the checkpoint of", self.global_step, rates, bad)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Continue exactly where the checkpoint ``path`` (a ``global_step_N`` directory) left off.

@@ -37,6 +37,7 @@ from rlhf_core.models.loading import (
     takes_logits_to_keep,
 )
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
+from rlhf_core.training.guards import KL_LOSS_TOKEN_MEAN  # (the KL loss's mean over tokens, beside verl's)
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     CheckpointableWorker,
@@ -54,9 +55,6 @@ from rlhf_core.workers.common import (
     trimmed_inputs,
     unpack,
 )
-
-#: the KL loss's mean over the mini-batch's tokens, logged beside verl's ``actor/kl_loss`` (aggregated as the loss is)
-KL_LOSS_TOKEN_MEAN = "actor/kl_loss_token_mean"
 
 #: engine e of a group samples with seed + ROLLOUT_SEED_STRIDE * e (engine 0, and one worker, with the seed itself;
 #: an engine is a rank, or a tensor-parallel vLLM engine's ranks: :func:`rollout_seed`)
