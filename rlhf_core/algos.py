@@ -132,10 +132,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     With ``shift_mean=False`` the mean is added back, so only the scale changes. The statistics are taken
     in float64: where every value is the same (a batch of equal returns) the float32 mean's rounding error,
     divided by ``sqrt(1e-8)``, would come out as advantages of 1e-3 instead of 0.
+    With fewer than 2 unmasked tokens there is no variance to divide by: the values are centred only, so a
+    lone token comes out as exactly 0 (its own mean), and an empty mask leaves ``x`` as it is.
     Shapes: ``x`` and ``mask`` (bs, T) -> (bs, T), ``x``'s dtype. Values at masked positions are not meaningful.
     """
     wide = x.double()
     mean = masked_mean(wide, mask)
+    if float(mask.sum()) < 2:
+        return (wide if not shift_mean else wide - mean).to(x.dtype)
     var = masked_var(wide, mask)
     whitened = (wide - mean) * torch.rsqrt(var + WHITEN_EPS)  # (bs, T)
     if not shift_mean:

@@ -183,6 +183,34 @@ def test_equal_returns_whiten_to_zero_advantages_not_to_float32_rounding():
     assert reinforce.abs().max().item() < 1e-9 and gae.abs().max().item() < 1e-9
 
 
+def test_masked_whiten_of_fewer_than_two_tokens_centres_only():
+    x = t([[3.0, 7.0], [-2.0, 5.0]])
+    # one token: its own mean, so 0 there (no variance to scale by); without the shift it is left as it is
+    assert masked_whiten(x, t([[0, 1], [0, 0]]))[0, 1].item() == 0.0
+    assert masked_whiten(x, t([[0, 1], [0, 0]]), shift_mean=False)[0, 1].item() == 7.0
+    # no token: nothing to whiten and no error
+    assert torch.isfinite(masked_whiten(x, torch.zeros(2, 2, dtype=torch.float64))).all()
+
+
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_whitened_estimators_on_a_batch_of_one_token_or_none(estimator):
+    # one response token in the batch (row 0, col 0): reward 1.5, value 0.25, gamma 0.9, lam 0.8.
+    # GAE: A = 1.5 + 0.9 * 0 - 0.25 = 1.25, return A + V = 1.5; REINFORCE++: G = 1.5; the baseline variant:
+    # row 0 is alone in its group (baseline 0), 1.5. Whitened over one token, each advantage is 0.
+    rewards = t([[1.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    values = t([[0.25, 0.5, 0.5], [0.5, 0.5, 0.5]])
+    one = t([[1, 0, 0], [0, 0, 0]])
+    advantages, returns = algos.compute_advantage(estimator, rewards, one, values=values, index=["a", "b"],
+                                                  gamma=0.9, lam=0.8)
+    assert advantages.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    expected_return = 0.0 if estimator == "reinforce_plus_plus_baseline" else 1.5  # its returns are its advantages
+    assert returns.tolist() == [[expected_return, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    # no token at all (every response aborted before its first token): zeros, no error
+    advantages, returns = algos.compute_advantage(estimator, rewards * 0, one * 0, values=values, index=["a", "b"],
+                                                  gamma=0.9, lam=0.8)
+    assert advantages.tolist() == returns.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
 @st.composite
 def masked_batches(draw, min_valid: int = 2):
     bs = draw(st.integers(1, 4))

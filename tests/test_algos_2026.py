@@ -847,6 +847,20 @@ def test_a_training_step_runs_in_each_new_mode(tiny, monkeypatch, extra, loss, l
     assert sorted(map(tuple, fed.float().tolist())) == sorted(map(tuple, advantages.float().tolist()))
 
 
+def test_a_gae_step_whose_batch_holds_one_response_token_trains(tiny):
+    # one prompt, one response of one token: no variance to whiten the advantage by; the step must still run
+    trainer = _trainer(tiny, "algorithm.adv_estimator=gae", "data.train_batch_size=1", "data.max_response_length=1",
+                       "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+                       "critic.ppo_micro_batch_size_per_gpu=1")
+    metrics = trainer.train_step(trainer.train_dataset.collate([0]))
+    # the lone token's whitened advantage is 0 (its own mean); its return is its reward (one step, no value after)
+    assert (metrics["critic/advantages/max"], metrics["critic/advantages/min"]) == (0.0, 0.0)
+    assert metrics["critic/returns/mean"] == pytest.approx(metrics["critic/score/mean"], abs=1e-6)
+    assert math.isfinite(metrics["critic/vf_loss"]) and math.isfinite(metrics["actor/pg_loss"])
+
+
 def test_remax_step_subtracts_the_greedy_responses_score(tiny, tmp_path, monkeypatch):
     # the random model's greedy responses are all spaces and score 0 on the digit reward, which would
     # hide a missing baseline; this reward also scores them, and differently per prompt through its answer
