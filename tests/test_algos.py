@@ -263,6 +263,24 @@ def test_gae_one_row_by_hand():
     assert returns[0].tolist() == pytest.approx([0.5, 0.0, 1.0])
 
 
+@pytest.mark.parametrize("gamma, raw", [
+    # lam = 0: each advantage is its one-step TD error r_t + gamma * V(next response token) - V_t;
+    # token 2 (tool output) and token 4 (padding) are masked: V_next of token 1 is token 3's 0.4, of token 3 is 0
+    (0.5, [0.0 + 0.5 * 0.3 - 0.5, 0.0 + 0.5 * 0.4 - 0.3, 1.0 + 0.5 * 0.0 - 0.4]),  # -0.35, -0.1, 0.6
+    (1.0, [0.0 + 0.3 - 0.5, 0.0 + 0.4 - 0.3, 1.0 - 0.4]),  # -0.2, 0.1, 0.6
+])
+def test_gae_with_lambda_zero_is_the_td_error_by_hand(gamma, raw):
+    rewards = t([[0.0, 0.0, 9.0, 1.0, 4.0]])
+    values = t([[0.5, 0.3, 7.0, 0.4, 3.0]])
+    mask = t([[1, 1, 0, 1, 0]])
+    advantages, returns = compute_gae_advantage_return(rewards, values, mask, gamma=gamma, lam=0.0)
+    assert returns[0].tolist() == pytest.approx([raw[0] + 0.5, raw[1] + 0.3, 0.0, raw[2] + 0.4, 0.0])
+    mean = sum(raw) / 3
+    std = math.sqrt(sum((a - mean) ** 2 for a in raw) / 2 + 1e-8)
+    whitened = [(a - mean) / std for a in raw]
+    assert advantages[0].tolist() == pytest.approx([whitened[0], whitened[1], 0.0, whitened[2], 0.0])
+
+
 def test_gae_ignores_masked_values_and_rewards():
     mask = t(MASK)
     clean = compute_gae_advantage_return(t(REWARDS), t(VALUES), mask, 0.95, 0.9)
