@@ -247,44 +247,38 @@ def test_preference_files_replaced_after_their_validation_stop_the_training_step
     assert validated != changed
 
 
-def _skipping_step_run(tmp_path, monkeypatch, *extra):
-    """The training step outside a pipeline (its run named ``run-1``) on pairs whose loss is never finite (an
-    infinite margin): every step is skipped, step 1 is saved, and the second skip in a row stops the run."""
+def _skipping_step_run(tmp_path, monkeypatch, *extra, updated_steps: int = 0):
+    """The training step outside a pipeline (its run named ``run-1``) whose loss is not finite after its first
+    ``updated_steps`` steps (the chosen scores NaN in training, as scores past float16's range are): each step after
+    them is skipped, step 1 is saved, and the second skip in a row stops the run."""
+    import math
     from types import SimpleNamespace
 
     import steps.train_reward_model as module
     from rlhf_core.config import load_config
     from rlhf_core.data.validation import splits_fingerprint
+    from rlhf_core.training.reward_trainer import RewardModelWorker
 
+    train_step, rewards, calls = RewardModelWorker.train_step, RewardModelWorker._rewards, []
+
+    def counted(worker, *args):
+        calls.append(None)
+        return train_step(worker, *args)
+
+    def overflow(worker, micro):
+        chosen, rejected = rewards(worker, micro)
+        return (chosen * math.nan if worker.module.training and len(calls) > updated_steps else chosen), rejected
+
+    monkeypatch.setattr(RewardModelWorker, "train_step", counted)
+    monkeypatch.setattr(RewardModelWorker, "_rewards", overflow)
     monkeypatch.setattr(module, "get_step_context", lambda: SimpleNamespace(pipeline_run=SimpleNamespace(name="run-1")))
     config = load_config([f"actor_rollout_ref.model.path={tiny_setup().root / 'model'}", *rm_overrides(),
-                          f"reward_model.train.default_local_dir={tmp_path}", "reward_model.train.margin=1e309",
-                          "reward_model.train.save_freq=1", "reward_model.train.max_consecutive_skips=2",
-                          "trainer.device=cpu", "trainer.n_gpus_per_node=1", *extra])
+                          f"reward_model.train.default_local_dir={tmp_path}", "reward_model.train.save_freq=1",
+                          "reward_model.train.max_consecutive_skips=2", "trainer.device=cpu",
+                          "trainer.n_gpus_per_node=1", *extra])
     rm = config.reward_model.train
     return lambda: module.train_reward_model.entrypoint(
         config.to_dict(), splits_fingerprint([rm.train_files], [rm.val_files]), min_pair_accuracy=0.0)
-
-
-def _first_step_finite(monkeypatch) -> None:
-    """The first training step's loss at margin 0, finite: it takes an update, and the later steps' do not."""
-    import dataclasses
-
-    from rlhf_core.training.reward_trainer import RewardModelWorker
-
-    train_step, calls = RewardModelWorker.train_step, []
-
-    def first_finite(worker, *args):
-        calls.append(None)
-        if len(calls) > 1:
-            return train_step(worker, *args)
-        kept, worker.config = worker.config, dataclasses.replace(worker.config, margin=0.0)
-        try:
-            return train_step(worker, *args)
-        finally:
-            worker.config = kept
-
-    monkeypatch.setattr(RewardModelWorker, "train_step", first_finite)
 
 
 def test_a_failed_training_step_says_how_a_new_pipeline_run_resumes_from_its_checkpoint(tmp_path, monkeypatch):
@@ -293,8 +287,7 @@ def test_a_failed_training_step_says_how_a_new_pipeline_run_resumes_from_its_che
     update, steps 2 and 3 are skipped: the checkpoint of step 2 holds trained weights to go on from.)"""
     from rlhf_core.training.guards import GuardError
 
-    _first_step_finite(monkeypatch)
-    train = _skipping_step_run(tmp_path, monkeypatch, "reward_model.train.total_epochs=2")
+    train = _skipping_step_run(tmp_path, monkeypatch, "reward_model.train.total_epochs=2", updated_steps=1)
     with pytest.raises(GuardError, match="stopped at step 3") as failure:
         train()
     latest = tmp_path / "run-1" / "global_step_2"
