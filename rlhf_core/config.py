@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 if __name__ == "__main__":  # run as `rlhf config` is (rlhf_core.cli), before the imports below (Hydra and
     # OmegaConf), so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
@@ -209,7 +209,7 @@ class ActorConfig:
     kl_loss_coef: float = _k(0.001, "coefficient of the KL loss")
     kl_loss_type: str = _k("low_var_kl", "KL estimator of the KL loss: kl | abs | mse | low_var_kl (k1/k2/k3); "
                                          "with + (k3+): its value, k2's gradient")
-    grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    grad_clip: float = _k(1.0, "clip the gradient norm to this value; inf = no clipping")
     use_torch_compile: bool = _k(False, "torch.compile (inductor, dynamic shapes) each MLP and RMS norm of the "
                                         "policy and reference, fusing their elementwise work; on by default in "
                                         "verl, off here: on 2 CPU cores it did not pay for its compile time "
@@ -301,7 +301,7 @@ class CriticConfig:
     ppo_max_token_len_per_gpu: int = _k(32768, "tokens per critic micro-batch with dynamic batching")
     ppo_epochs: int | None = _k(None, "passes over each rollout batch; null = the actor's")
     shuffle: bool | None = _k(None, "shuffle sequences between mini-batches; null = the actor's setting")
-    grad_clip: float = _k(1.0, "clip the critic gradient norm to this value")
+    grad_clip: float = _k(1.0, "clip the critic gradient norm to this value; inf = no clipping")
     cliprange_value: float = _k(0.5, "value clipping range around the old values")
     loss_agg_mode: str | None = _k(None, "token-mean | seq-mean-token-sum | seq-mean-token-mean | "
                                          "seq-mean-token-sum-norm; null = the actor's")
@@ -352,7 +352,7 @@ class RewardTrainConfig:
     total_epochs: int = _k(1, "passes over the training pairs")
     total_training_steps: int | None = _k(None, "stop after this many optimizer steps; null = epochs decide")
     margin: float = _k(0.0, "Bradley-Terry margin m: loss = -log sigmoid(r_chosen - r_rejected - m)")
-    grad_clip: float = _k(1.0, "clip the gradient norm to this value")
+    grad_clip: float = _k(1.0, "clip the gradient norm to this value; inf = no clipping")
     max_consecutive_skips: int | None = _k(3, "consecutive steps with a non-finite loss or gradient (skipped, no "
                                               "update) before the run stops (exit 1); null = off (a run whose every "
                                               "step was skipped stops either way, exporting nothing)")
@@ -1687,6 +1687,44 @@ def _one_of(errors: list[str], key: str, value: Any, valid: Iterable[str]) -> No
         errors.append(f"{key}={value!r} is not one of {', '.join(valid)}{hint}")
 
 
+#: float keys where +inf means something, and what: torch's clip_grad_norm_ scales the gradients by max_norm / norm
+#: capped at 1, which an infinite max_norm leaves at 1 for every finite norm (a non-finite norm skips the step as ever)
+INFINITE_MEANS: dict[str, str] = {
+    key: "no clipping" for key in ("actor_rollout_ref.actor.grad_clip", "critic.grad_clip", "reward_model.train.grad_clip")}
+
+
+@functools.cache
+def _float_keys(section: type | None = None, prefix: str = "") -> tuple[str, ...]:
+    """The dotted keys below ``section`` (the whole tree by default) that hold floats: typed ``float``,
+    ``float | None`` or ``list[float]``."""
+    section = section or PPOConfig
+    keys: list[str] = []
+    types = get_type_hints(section)
+    for name in _fields(section):
+        kind = types[name]
+        if dataclasses.is_dataclass(kind):
+            keys += _float_keys(kind, f"{prefix}{name}.")
+        elif kind in (float, float | None, list[float]):
+            keys.append(f"{prefix}{name}")
+    return tuple(keys)
+
+
+def _non_finite(cfg: PPOConfig) -> dict[str, str]:
+    """The error of each float key holding NaN or an infinity, by key. NaN means nothing anywhere; +inf is taken
+    only where :data:`INFINITE_MEANS` says what it does (-inf there is left to those keys' own check, > 0)."""
+    problems = {}
+    for key in _float_keys():
+        value = attribute(cfg, key)
+        values = value if isinstance(value, list) else [value]
+        if key in INFINITE_MEANS:
+            if any(v is not None and math.isnan(v) for v in values):
+                problems[key] = f"{key}={value} must be a finite number or inf ({INFINITE_MEANS[key]})"
+        elif any(v is not None and not math.isfinite(v) for v in values):
+            problems[key] = f"{key}={value} must be " + ("finite numbers" if isinstance(value, list) else
+                                                         "a finite number")
+    return problems
+
+
 def _positive(errors: list[str], key: str, value: float | None) -> None:
     if value is not None and not value > 0:
         errors.append(f"{key}={value} must be > 0")
@@ -2022,6 +2060,11 @@ def validate_config(cfg: PPOConfig) -> None:
     if trainer.prometheus_port is not None and not 1 <= trainer.prometheus_port <= 65535:
         errors.append(f"trainer.prometheus_port={trainer.prometheus_port} must be a TCP port in 1..65535 "
                       "(or null to switch the exporter off)")
+    # NaN or an infinity where it means nothing, which would train on NaN: said once a key, in place of what the
+    # range checks above said of the same value (NaN fails each comparison, so most of them refuse it too)
+    non_finite = _non_finite(cfg)
+    said_of = tuple(f"{key}=" for key in non_finite)
+    errors = [*non_finite.values(), *(error for error in errors if not error.startswith(said_of))]
     if errors:
         raise ConfigError(errors)
 

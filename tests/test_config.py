@@ -685,6 +685,62 @@ def test_each_invalid_value_is_named(override, needle):
     assert needle in _errors(*override.split(" "))
 
 
+#: the float keys where +inf is taken, for what clip_grad_norm_ does with an infinite max_norm: no clipping
+INFINITY_MEANS_NO_CLIPPING = ("actor_rollout_ref.actor.grad_clip", "critic.grad_clip", "reward_model.train.grad_clip")
+
+# keys no range check refused NaN or inf in, and keys whose range check refused them with a message of its own
+NOT_FINITE = [
+    "reward_model.train.margin", "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.kl_loss_coef", "actor_rollout_ref.actor.clip_ratio_c",
+    "actor_rollout_ref.actor.optim.weight_decay", "critic.optim.lr", "algorithm.kl_ctrl.kl_coef",
+    "critic.optim.num_cycles", "reward_model.train.optim.min_lr_ratio", "trainer.guard.max_kl",
+    "actor_rollout_ref.actor.clip_ratio_low", "algorithm.lam", "actor_rollout_ref.rollout.top_p",
+    "actor_rollout_ref.actor.optim.lr", "reward_model.train.min_pair_accuracy",
+]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400"])
+@pytest.mark.parametrize("key", NOT_FINITE)
+def test_a_float_key_refuses_nan_and_infinities_in_one_message(key, value):
+    """A NaN or an infinity would train on NaN (or stop on the guards, which blame data, dtype or learning rate):
+    refused once, in the same words for every key, without the range check's message about the same value."""
+    shown = {"1e400": "inf"}.get(value, value)  # (1e400 overflows to inf as the override is read)
+    with pytest.raises(ConfigError) as info:
+        load_config([f"{key}={value}"], notice=lambda _: None)
+    assert info.value.errors == [f"{key}={shown} must be a finite number"]
+
+
+@pytest.mark.parametrize("key", INFINITY_MEANS_NO_CLIPPING)
+def test_grad_clip_takes_inf_for_no_clipping_and_never_nan(key):
+    assert attribute(load_config([f"{key}=inf"], notice=lambda _: None), key) == float("inf")
+    with pytest.raises(ConfigError) as info:
+        load_config([f"{key}=nan"], notice=lambda _: None)
+    assert info.value.errors == [f"{key}=nan must be a finite number or inf (no clipping)"]
+    with pytest.raises(ConfigError) as info:
+        load_config([f"{key}=-inf"], notice=lambda _: None)
+    assert info.value.errors == [f"{key}=-inf must be > 0"]
+
+
+def test_a_list_of_floats_refuses_nan_and_a_file_s_yaml_nan_and_inf_alike(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    entropy_coeff: .nan\ncritic:\n  optim:\n    betas: [0.9, .inf]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config([], config_file=path, notice=lambda _: None)
+    assert sorted(info.value.errors) == ["actor_rollout_ref.actor.entropy_coeff=nan must be a finite number",
+                                         "critic.optim.betas=[0.9, inf] must be finite numbers"]
+
+
+def test_every_float_key_of_the_tree_refuses_nan():
+    """Each key whose default is a float, read from the dataclasses' defaults: none is left out of the check."""
+    floats = [key for key, default, _ in _dataclass_tree(PPOConfig()) if isinstance(default, float)]
+    assert len(floats) > 30 and "reward_model.train.margin" in floats
+    for key in floats:
+        with pytest.raises(ConfigError) as info:
+            load_config([f"{key}=nan"], notice=lambda _: None)
+        tail = " or inf (no clipping)" if key in INFINITY_MEANS_NO_CLIPPING else ""
+        assert info.value.errors == [f"{key}=nan must be a finite number{tail}"], key
+
+
 def test_unknown_name_suggests_a_close_valid_one():
     assert "did you mean low_var_kl?" in _errors("actor_rollout_ref.actor.kl_loss_type=low_var_kll")
 

@@ -16,6 +16,7 @@ the grad-norm metrics, the returns and advantages, and the adaptive KL coefficie
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -269,6 +270,14 @@ def test_one_step_equals_the_update_worked_out_from_verls_definitions(workspace,
 def test_a_tiny_grad_clip_scales_each_mini_batch_gradient_to_it(workspace):  # noqa: F811
     expected, _ = _check(workspace, "token-mean", 2, grad_clip=1e-3)
     assert min(expected["clipped"][0] + expected["clipped"][1]) > 1e-2  # every gradient clipped, by 10x or more
+
+
+def test_an_infinite_grad_clip_leaves_every_gradient_as_it_is(workspace):  # noqa: F811
+    """grad_clip=inf (its help: no clipping) loads and gives the update of gradients never scaled, though they are
+    above the default grad_clip of 1.0, which would have scaled them."""
+    expected, metrics = _check(workspace, "token-mean", 2, grad_clip=math.inf)
+    assert max(expected["clipped"][0] + expected["clipped"][1]) > 1.0
+    assert all(math.isfinite(metrics[key]) for key in ("actor/grad_norm", "critic/grad_norm"))
 
 
 def test_the_value_loss_is_clipped_around_the_rollout_values(workspace):  # noqa: F811
