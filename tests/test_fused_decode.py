@@ -225,3 +225,64 @@ def test_the_rollout_samples_the_same_tokens_with_the_fused_step(tmp_path, monke
     for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
         assert torch.equal(fused[key], layers[key]), key
     assert fused["responses"].shape[1] > 1
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+@pytest.mark.parametrize("name", ["llama, grouped kv heads, tied", "qwen2 (q, k, v biases)"])
+def test_each_greedy_step_gives_the_logits_of_a_plain_forward_of_its_row_alone(name, lora_rank, fused, monkeypatch,
+                                                                               kind):
+    """Prompts of 1 to 7 tokens left-padded together, n=2 greedy samples each, on a random model built here: the
+    logits each step's choice is made from are those of one forward of the row's own tokens (no padding, no cache,
+    positions 0..L-1), the choice is their argmax, and the rows end at either of the generation_config's EOS ids."""
+    kind("auto")
+    monkeypatch.setattr(hf, "FUSED_DECODE", fused)
+    model = _model(CONFIGS[name]())
+    if lora_rank:
+        model = _with_adapters(model, lora_rank, 0.2, seed=5).eval()
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(6, model.config.vocab_size, (length,), generator=generator).tolist()
+               for length in (1, 7, 3, 5)]
+    # the first prompt's greedy continuation by plain forwards: its first new token after the first that it has
+    # not given before, made the generation_config's second EOS id (the tokenizer's is 2), ends that prompt's rows
+    chain = list(prompts[0])
+    for _ in range(6):
+        with torch.no_grad():
+            chain.append(int(model(input_ids=torch.tensor([chain])).logits[0, -1].argmax()))
+    continuation = chain[len(prompts[0]):]
+    stop = next(i for i in range(1, 6) if continuation[i] not in continuation[:i] and 2 not in continuation[:i + 1])
+    ending = continuation[:stop + 1]
+    eos_ids, pad = [2, ending[-1]], 0
+    model.generation_config.eos_token_id = eos_ids
+    tokenizer = type("Tokenizer", (), {"eos_token_id": 2, "pad_token_id": pad})()
+    seen = []  # the logits of each step, (rows, V)
+    sample = hf.sample_next_token
+    monkeypatch.setattr(hf, "sample_next_token", lambda logits, p, g: seen.append(logits.double()) or sample(logits, p, g))
+    steps = []
+    monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *args: steps.append(1) or FUSED_CALL(self, *args))
+    out = make_rollout_engine("hf", model, tokenizer).generate(
+        Batch(left_pad(prompts, pad), {}), SamplingParams(n=2, max_new_tokens=10, do_sample=False))
+
+    assert len(steps) == (len(seen) - 1 if fused else 0)
+    assert out["responses"][:2, :len(ending)].tolist() == [ending] * 2
+    assert out["response_mask"][:2].sum(-1).tolist() == [len(ending)] * 2
+    width = max(map(len, prompts))
+    for row, response in enumerate(out["responses"].tolist()):
+        prompt = prompts[row // 2]
+        length = int(out["response_mask"][row].sum())
+        assert out["response_mask"][row].tolist() == [1] * length + [0] * (len(response) - length)
+        if length < 10:
+            assert response[length - 1] in eos_ids and response[length:] == [pad] * (len(response) - length)
+        ids = prompt + response[:length]
+        real = out["attention_mask"][row].bool()
+        assert out["input_ids"][row][real].tolist() == ids
+        assert out["position_ids"][row][real].tolist() == list(range(len(ids)))
+        with torch.no_grad():
+            plain = model(input_ids=torch.tensor([ids[:-1]])).logits[0, -length:].double()  # (length, V)
+        got = torch.stack([seen[step][row] for step in range(length)])
+        torch.testing.assert_close(got, plain, rtol=0, atol=5e-5, msg=f"row {row}")
+        assert response[:length] == plain.argmax(-1).tolist()
+        if len(prompt) < width:  # the check can fail: the row with its padding attended to gives other logits
+            with torch.no_grad():
+                unmasked = model(input_ids=torch.tensor([[pad] * (width - len(prompt)) + prompt])).logits[0, -1]
+            assert (unmasked.double() - plain[0]).abs().max() > 1e-2
