@@ -113,6 +113,48 @@ def test_the_sampler_draws_from_softmax_over_temperature_cut_by_top_k_then_top_p
         assert chisquare(counts[kept], draws * expected[kept]).pvalue > 1e-4, (name, counts, expected)
 
 
+def test_a_tie_at_the_top_p_boundary_keeps_as_many_tokens_as_needed_and_those_transformers_keeps(monkeypatch):
+    """Where equal logits straddle the top-p boundary, the kept set is still the smallest whose mass reaches top_p:
+    as many of the tied tokens as it needs (hand-worked below), and the same ones as ``TopPLogitsWarper`` keeps (the
+    higher ids)."""
+    # softmax([2, 1, 1, 1, 0]) = e^2, e, e, e, 1 over 7.389 + 3 x 2.718 + 1 = 16.545: .4466, .1643 x3, .0604; top_p
+    # 0.6 is crossed by the first of the tie (.6109): two tokens stay, renormalised to .4466 / .6109 and .1643 / .6109
+    e = np.e
+    total = e ** 2 + 3 * e + 1
+    first, tied = e ** 2 / total, e / total
+    cases = [([2.0, 1.0, 1.0, 1.0, 0.0], 0.6, [first / (first + tied), tied / (first + tied)]),
+             ([1.0, 1.0, 1.0, 1.0], 0.5, [0.5, 0.5]),  # .25 + .25 reaches 0.5: two of the four
+             ([1.0, 1.0, 1.0, 1.0], 0.51, [1 / 3] * 3),  # two reach only .5: three
+             # 1, e, e, e^2 over 13.826: .5344 then .1966 (x2) crosses 0.6, so one of the tie stays
+             ([0.0, 1.0, 1.0, 2.0], 0.6, [e / (e + 1), 1 / (e + 1)])]
+    handed = []  # the probabilities each draw is handed
+    draw = hf.draw_from
+    monkeypatch.setattr(hf, "draw_from", lambda probs, generator: handed.append(probs[0].double()) or draw(
+        probs, generator))
+    for logits, top_p, kept in cases:
+        scores = torch.tensor([logits])
+        hf.sample_next_token(scores, SamplingParams(top_p=top_p), torch.Generator().manual_seed(0))
+        ours = handed[-1][handed[-1] > 0].sort(descending=True).values
+        theirs = TopPLogitsWarper(top_p)(None, scores.double()).softmax(-1)[0]
+        assert torch.equal(handed[-1] > 0, theirs > 0), (logits, top_p)
+        np.testing.assert_allclose(ours.numpy(), kept, rtol=1e-6, err_msg=str((logits, top_p)))
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.95, 0.99, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_the_set_worked_out_in_float64(top_p, monkeypatch):
+    """Over Qwen2's 151,936 tokens, at T=1 with logits spread as N(0, 2^2): the tokens top-p keeps are those of the
+    float64 reference, down to the least likely of them (each some 1e-6 of the mass: float32's rounding of a running
+    sum near top_p, 6e-8 a step, must not drop them)."""
+    logits = np.random.default_rng(7).normal(0.0, 2.0, 151936).astype(np.float32)
+    expected = reference_probs(logits, 1.0, -1, top_p) > 0
+    handed = []
+    draw = hf.draw_from
+    monkeypatch.setattr(hf, "draw_from", lambda probs, generator: handed.append(probs[0]) or draw(probs, generator))
+    hf.sample_next_token(torch.from_numpy(logits)[None], SamplingParams(top_p=top_p), torch.Generator().manual_seed(0))
+    kept = (handed[0] > 0).numpy()
+    assert kept.sum() == expected.sum() and (kept == expected).all()
+
+
 def test_the_cut_distribution_is_followed_over_a_vocabulary_of_several_draw_blocks():
     """Over 1,000 tokens (the two-level draw's blocks, :data:`hf.CDF_BLOCK` each) with the kept tokens spread
     among them: top-k 40 then top-p 0.9 at T=0.8, the draws' frequencies against the reference's."""

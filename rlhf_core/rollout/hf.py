@@ -35,7 +35,10 @@ FUSED_DECODE = True
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row from ``logits`` (bs, V): greedy, or temperature / top-k / top-p sampling. Greedy takes the
     first of equal maxima (as ``torch.argmax``, HF's greedy search and vLLM's); a row whose logits hold NaN gets
-    ``V``, as :func:`draw_from` gives it (argmax would pick the NaN's own index, a token like any other)."""
+    ``V``, as :func:`draw_from` gives it (argmax would pick the NaN's own index, a token like any other). Top-k keeps
+    every token tied with the k-th; top-p keeps the smallest set of the likeliest tokens whose mass reaches
+    ``top_p`` (the token that crosses it stays). Where that set needs only some of a tie at its edge, the higher ids
+    stay, as in transformers' ``TopPLogitsWarper``."""
     if params.greedy:
         top, token = logits.max(dim=-1)  # max propagates NaN
         return torch.where(top.isnan(), logits.shape[-1], token)
@@ -44,9 +47,12 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: t
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (bs, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)  # (bs, V)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= params.top_p  # keep the token crossing top_p
+        # summed from the least likely up, so that the many small masses of a large vocabulary's tail are added
+        # while the running sum is small too (from the likeliest down, each would round at the ulp of top_p)
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        tail = sorted_logits.softmax(-1).cumsum(-1)  # (bs, V): each token's mass with that of all less likely ones
+        drop_sorted = tail <= 1 - params.top_p  # what stays still holds top_p: the token that crosses it stays
+        drop_sorted[:, -1] = False  # the likeliest token always stays
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return draw_from(logits.softmax(dim=-1), generator)
