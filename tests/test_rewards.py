@@ -688,19 +688,47 @@ def test_a_batch_reward_functions_failure_is_a_reward_error(char_tokenizer):
     # a dict of lists is not verl's batch result (a list of one number or dict per response): its keys are not
     # taken for the scores, whether there are fewer of them than responses or as many
     columns = BatchRewardFn(lambda solution_strs, **kw: {"score": [1.0] * len(solution_strs)})
-    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 'score'\), not a list of 2 scores: return "
-                                              r"one number or dict per response"):
+    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 'score'\), not a list of 2 scores nor a dict "
+                                              r"keyed by position \(0 to 1\): return one number or dict per response"):
         RewardManager(char_tokenizer, columns)(ids, mask, ["s", "s"], ["", ""])
     by_name = BatchRewardFn(lambda **kw: {"first": 1.0, "second": 0.0})
     with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 'first', 'second'\), not a list of 2"):
         RewardManager(char_tokenizer, by_name)(ids, mask, ["s", "s"], ["", ""])
-    with pytest.raises(TypeError, match=r"returned an empty dict, not a list of 1 scores"):
+    # positions counted from 1, or one too many, are not the batch's positions
+    from_one = BatchRewardFn(lambda **kw: {1: 1.0, 2: 0.0})
+    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 1, 2\), not a list of 2 scores nor a dict "
+                                              r"keyed by position \(0 to 1\)"):
+        RewardManager(char_tokenizer, from_one)(ids, mask, ["s", "s"], ["", ""])
+    one_more = BatchRewardFn(lambda **kw: {0: 1.0, 1: 0.0, 2: 0.5})
+    with pytest.raises(BadRewardResult, match=r"returned a dict \(keys 0, 1, 2\), not a list of 2 scores"):
+        RewardManager(char_tokenizer, one_more)(ids, mask, ["s", "s"], ["", ""])
+    with pytest.raises(TypeError, match=r"returned an empty dict, not a list of 1 scores nor a dict keyed by "
+                                        r"position \(0\)"):
         BatchRewardFn(lambda **kw: {})("s", "a", "")
     # nor are a text's characters (two of them for two responses would have been taken, and refused one by one)
     with pytest.raises(BadRewardResult, match=r"returned str '10', not a list of 2 scores"):
         RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: "10"))(ids, mask, ["s", "s"], ["", ""])
     with pytest.raises(RewardError, match=r"non-finite score \(nan\) for sample 1 \(data_source='t'\)"):
         RewardManager(char_tokenizer, BatchRewardFn(lambda **kw: [1.0, math.nan]))(ids, mask, ["s", "t"], ["", ""])
+
+
+def test_a_batch_reward_function_may_key_its_scores_by_position(char_tokenizer):
+    # verl's batch manager reads scores[i] for each position i, so a dict keyed 0 .. n-1 scores as the list would,
+    # whatever order its keys were written in
+    ids, mask = _batch(char_tokenizer, ["a", "bb", "ccc"])
+
+    def by_position(data_sources, solution_strs, ground_truths, extra_infos):
+        return {2: {"score": 0.25, "acc": 0.0}, 0: 1.0, 1: {"score": 0.5, "acc": 1.0}}
+
+    scores, extras = RewardManager(char_tokenizer, BatchRewardFn(by_position))(
+        ids, mask, ["s", "s", "s"], ["", "", ""])
+    # the score sits on each response's last token: lengths 1, 2 and 3
+    assert scores[0, 0].item() == 1.0 and scores[1, 1].item() == 0.5 and scores[2, 2].item() == 0.25
+    assert scores.sum().item() == 1.75
+    assert extras["score"].tolist() == [1.0, 0.5, 0.25]
+    assert extras["acc"].tolist() == [1.0, 1.0, 0.0]  # a number's accuracy is score >= 1; a dict's is its acc
+    # called for one response (the reference check), position 0 is its score
+    assert BatchRewardFn(lambda **kw: {0: 0.75})("s", "a", "") == 0.75
 
 
 def test_input_validation(char_tokenizer):

@@ -208,8 +208,9 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
 class BatchRewardFn:
     """A reward function of whole batches, as verl's ``reward_model.reward_manager=batch`` calls it:
     ``fn(data_sources=[...], solution_strs=[...], ground_truths=[...], extra_infos=[...]) -> list`` of one
-    number or dict per response. The reward manager calls :meth:`score_batch` once a batch; called as a
-    per-response function (the reference check) it scores a batch of one."""
+    number or dict per response (or a dict of them keyed by position 0 .. n-1, which verl reads alike). The
+    reward manager calls :meth:`score_batch` once a batch; called as a per-response function (the reference
+    check) it scores a batch of one."""
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
@@ -218,11 +219,7 @@ class BatchRewardFn:
         results = self.fn(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
                           extra_infos=extra_infos)
         if isinstance(results, Mapping):  # list() would take its keys for the scores
-            keys = ", ".join(repr(key) for key in itertools.islice(results, 5)) + (", ..." if len(results) > 5 else "")
-            what = f"a dict (keys {keys})" if results else "an empty dict"
-            raise TypeError(f"batch reward function {_name(self.fn)!r} returned {what}, not a list "
-                            f"of {len(solution_strs)} scores: return one number or dict per response, in the "
-                            "order of solution_strs, e.g. [{'score': 1.0}, ...] rather than {'score': [1.0, ...]}")
+            results = self._by_position(results, len(solution_strs))
         if isinstance(results, (str, bytes)):  # list() would take its characters for the scores
             raise TypeError(f"batch reward function {_name(self.fn)!r} returned {type(results).__name__} "
                             f"{results[:40]!r}, not a list of {len(solution_strs)} scores")
@@ -235,6 +232,19 @@ class BatchRewardFn:
             raise TypeError(f"batch reward function {_name(self.fn)!r} returned {len(results)} scores for "
                             f"{len(solution_strs)} responses")
         return results
+
+    def _by_position(self, results: Mapping, count: int) -> list:
+        """The scores of a dict keyed by the responses' positions 0 .. count-1, in order: verl's batch manager reads
+        ``scores[i]`` for each position ``i``, so such a dict scores there as a list does. Any other dict is a
+        TypeError naming the keys it has and the keys expected."""
+        if set(results) == set(range(count)):
+            return [results[i] for i in range(count)]
+        keys = ", ".join(repr(key) for key in itertools.islice(results, 5)) + (", ..." if len(results) > 5 else "")
+        what = f"a dict (keys {keys})" if results else "an empty dict"
+        expected = "0" if count == 1 else f"0 to {count - 1}"
+        raise TypeError(f"batch reward function {_name(self.fn)!r} returned {what}, not a list of {count} scores "
+                        f"nor a dict keyed by position ({expected}): return one number or dict per response, in the "
+                        "order of solution_strs, e.g. [{'score': 1.0}, ...] rather than {'score': [1.0, ...]}")
 
     def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> Any:
         return self.score_batch([data_source], [solution_str], [ground_truth], [extra_info])[0]
