@@ -185,6 +185,19 @@ def test_unique_and_exclude():
     assert not excluded & {p["question"] for p in again}
 
 
+def test_exclude_compares_questions_as_the_validation_does():
+    # a question written in other case or spacing (as a hand-edited prompt file may hold it) is the same question
+    # to the train/val overlap check, so it is kept out too
+    first = [p["question"] for p in generate_problems(20, seed=1, max_ops=1, max_operand=3, operations="+")]
+    rewritten = {"  " + q.upper().replace(" ", " \n\t ", 1) + " " for q in first}
+    again = generate_problems(20, seed=1, max_ops=1, max_operand=3, operations="+", exclude=rewritten)
+    folded = {" ".join(q.lower().split()) for q in first}
+    assert not folded & {" ".join(p["question"].lower().split()) for p in again}
+    # and it keeps out what the exact texts keep out, no more
+    exact = generate_problems(20, seed=1, max_ops=1, max_operand=3, operations="+", exclude=set(first))
+    assert again == exact
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

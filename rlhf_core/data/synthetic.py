@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import random
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before the imports below (pandas),
@@ -43,6 +43,7 @@ if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before
 import pandas as pd
 
 from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquet_atomic
+from rlhf_core.data.validation import question_key
 
 DATA_SOURCE = "synthetic/arithmetic"
 OPERATIONS = ("+", "-", "*", "/")
@@ -336,7 +337,9 @@ def generate_problems(
     Each has ``min_ops`` to ``max_ops`` operations drawn from ``operations``; every operand lies in
     ``[min_operand, max_operand]`` (multipliers and divisors are at least 2) and every intermediate
     amount in ``[1, max_value]``. With ``unique`` no question repeats; questions in ``exclude`` are
-    never returned (either way, ValueError if the options cannot supply enough distinct ones).
+    never returned (either way, ValueError if the options cannot supply enough distinct ones). Questions are
+    compared as the data validation compares them (:func:`~rlhf_core.data.validation.question_key`: whitespace
+    collapsed, the case folded), so an excluded question written in other case or spacing stays out too.
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative integer, got {n!r}")
@@ -349,22 +352,21 @@ def generate_problems(
         max_value=max_value,
         operations=operations,
     )
-    excluded = set(exclude)
+    excluded = {question_key(question) for question in exclude}
     if not unique and not excluded:
         return [next(stream) for _ in range(n)]
     return _take_distinct(stream, n, excluded, dedupe=unique)
 
 
-def _take_distinct(stream: Iterator[dict], n: int, excluded: set[str], dedupe: bool = True,
-                   key: Callable[[str], str] | None = None) -> list[dict]:
-    """``n`` problems of ``stream`` whose question's ``key`` (default: the text itself) is not in ``excluded``,
-    nor, with ``dedupe``, that of a problem taken before."""
+def _take_distinct(stream: Iterator[dict], n: int, excluded: set[str], dedupe: bool = True) -> list[dict]:
+    """``n`` problems of ``stream`` whose question's :func:`~rlhf_core.data.validation.question_key` is not in
+    ``excluded`` (keys), nor, with ``dedupe``, that of a problem taken before."""
     seen = set(excluded)
     out: list[dict] = []
     misses = 0
     while len(out) < n:
         problem = next(stream)
-        question = problem["question"] if key is None else key(problem["question"])
+        question = question_key(problem["question"])
         if question in seen:
             misses += 1
             if misses >= _MAX_DUPLICATE_RUN:
@@ -394,16 +396,14 @@ def build_splits(n_train: int, n_test: int, seed: int = 0, exclude: Iterable[str
     question in other letters' case still keeps it out. The test problems come from their own stream, so they do
     not change with ``n_train``.
     """
-    from rlhf_core.data.validation import question_key
-
     for name, value in (("n_train", n_train), ("n_test", n_test)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     train_seed, test_seed = split_seeds(seed)
     excluded = {question_key(question) for question in exclude}
-    test = _take_distinct(iter_problems(test_seed, **options), n_test, excluded, key=question_key)
+    test = _take_distinct(iter_problems(test_seed, **options), n_test, excluded)
     train = _take_distinct(iter_problems(train_seed, **options), n_train,
-                           excluded | {question_key(p["question"]) for p in test}, key=question_key)
+                           excluded | {question_key(p["question"]) for p in test})
     return {"train": train, "test": test}
 
 
