@@ -16,7 +16,7 @@ from zenml.utils.pagination_utils import depaginate
 from rlhf_core.config import PPOConfig
 from rlhf_core.pipeline.evaluate import resolve_policy_dir
 from rlhf_core.pipeline.smoke import run_smoke_test
-from steps.train_ppo import score_with, start_from
+from steps.train_ppo import input_artifact_label, score_with, start_from
 
 logger = get_logger(__name__)
 
@@ -80,6 +80,8 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
         start_from(cfg, resolve_policy_dir(init_from))
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
         report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
+    if report.reward_model is not None:  # the artifact, not the temporary folder ZenML unpacked it into
+        report.reward_model = input_artifact_label("reward_model") or report.reward_model
     logger.info(report.summary())
     result = report.to_dict()
     result["reward_sha256"] = reward_spec.get("sha256")

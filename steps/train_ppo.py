@@ -41,6 +41,17 @@ def start_from(cfg: PPOConfig, policy: Path) -> None:
     model.path = str(policy)
 
 
+def input_artifact_label(name: str) -> str | None:
+    """Input ``name`` of this step as a person finds it again after the run, ``artifact reward_model v3 id
+    <uuid>`` (as the lineage report names artifacts); None where the step was given none. The folder ZenML
+    unpacked it into is a temporary one, gone after the step."""
+    inputs = get_step_context().inputs.get(name) or []
+    if not inputs:
+        return None
+    artifact = inputs[0]
+    return f"artifact {artifact.artifact.name} v{artifact.version} id {artifact.id}"
+
+
 def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:
     """The model of input ``name`` at ``<root>/<kind>/<artifact id>`` (:func:`stable_copy`)."""
     inputs = get_step_context().inputs.get(name) or []
@@ -99,9 +110,12 @@ def train_ppo(
             log_metadata({"warm_started_from": warm_started_from}, infer_model=True)
         logger.info("warm start: the actor (and critic backbone) start from %s (version %s, the checkpoint the smoke "
                     "test ran from)", cfg.actor_rollout_ref.model.path, warm_started_from)
+    scored_by = None
     if reward_model is not None:
         score_with(cfg, stable_input("reward_model", reward_model, root, "reward_model"))
-        logger.info("rollouts are scored by the reward model %s", reward_model)
+        scored_by = input_artifact_label("reward_model") or cfg.reward_model.model.path
+        logger.info("rollouts are scored by the reward model %s (loaded from %s)", scored_by,
+                    cfg.reward_model.model.path)
     # one checkpoint folder per run, so that no run resumes from or overwrites another's
     cfg.trainer.default_local_dir = str(root / get_step_context().pipeline_run.name)
     if cfg.trainer.val_only and cfg.trainer.resume_mode != "resume_path":  # before any model loads
@@ -140,6 +154,7 @@ def train_ppo(
         "resumed_from": result.resumed_from,
         "warm_started": tested is not None,
         "warm_started_from": warm_started_from,
+        "reward_model": scored_by,
         "smoke_test_passed": smoke_report.get("passed"),
         "dataset_fingerprint": validated,
         "final_metrics": records[-1] if records else {},

@@ -404,9 +404,9 @@ _HIGHLIGHTS = {
     "reward model": ("held_out_pair_accuracy", "min_pair_accuracy", "passed", "reason", "held_out_loss",
                      "preference_fingerprint", "base_model"),
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
-    "smoke test": ("passed", "wall_s", "cloned", "parameters"),
+    "smoke test": ("passed", "wall_s", "cloned", "parameters", "reward_model"),
     "checkpoint": ("skipped", "steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started",
-                   "warm_started_from", "warm_start_artifact", "resumed_from"),
+                   "warm_started_from", "warm_start_artifact", "reward_model", "resumed_from"),
     "evaluation": ("accuracy", "accuracy_ci", "base_accuracy", "n", "budget", "val_fingerprint"),
     "promotion": ("promoted", "decision_reason"),
 }
