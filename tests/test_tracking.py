@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import re
 import socket
 import sqlite3
@@ -335,6 +336,39 @@ def test_tensorboard_writes_where_verls_variable_says(tmp_path, monkeypatch):
         tracker.log({"critic/score/mean": 0.25}, step=1)
     assert list((tmp_path / "tb" / "exp").glob("events.out.tfevents.*"))
     assert not (tmp_path / "run" / "tensorboard").exists()
+
+
+def test_a_new_run_is_told_that_verls_tensorboard_folder_holds_an_earlier_runs_events(tmp_path, monkeypatch, capsys):
+    # (the notice is given as the logger is built: no writer is opened here, so that this test does not move the
+    # process-wide counter in the event files' names that the resume tests' file order depends on)
+    pytest.importorskip("tensorboard")
+    shared = tmp_path / "tb"
+    monkeypatch.setenv("TENSORBOARD_DIR", str(shared))
+    with Tracking(["tensorboard"], "p", "e", tmp_path / "first"):  # no folder yet: nothing to say
+        pass
+    shared.mkdir()
+    (shared / "notes.txt").write_text("not events\n")
+    with Tracking(["tensorboard"], "p", "e", tmp_path / "first"):  # no events in it: nothing to say either
+        pass
+    assert "notice" not in capsys.readouterr().err
+    older = shared / "events.out.tfevents.1700000000.host.11.0"
+    newer = shared / "events.out.tfevents.1700000100.host.12.0"
+    for path, when in ((newer, 1_700_000_100), (older, 1_700_000_000)):
+        path.write_bytes(b"")
+        os.utime(path, (when, when))
+    # a new run in the folder would be drawn as one run with the earlier ones: said, naming the newest file,
+    # which stays where it is (the folder is the user's)
+    with Tracking(["tensorboard"], "p", "e", tmp_path / "second"):
+        pass
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"notice: TENSORBOARD_DIR={shared} already holds 2 TensorBoard event file(s) of an earlier run (the "
+            f"newest {newer.name})") in err
+    assert "point TENSORBOARD_DIR at a new folder" in err
+    assert older.is_file() and newer.is_file()
+    # a resumed run goes on writing where it wrote: no notice
+    with Tracking(["tensorboard"], "p", "e", tmp_path / "second", resume_step=1):
+        pass
+    assert "notice" not in capsys.readouterr().err
 
 
 SAMPLES = [{"input": "Q: 2+2?", "output": "4 | four\n#### 4", "score": 1.0}, {"input": "Q: 3*3?", "output": "6", "score": 0.0}]

@@ -30,7 +30,8 @@ Backends (``VALID_LOGGERS``):
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
     ``$TENSORBOARD_DIR`` where that is set, as verl writes it. A run started afresh moves the earlier run's
-    ``<local_dir>/tensorboard`` aside, as the file's records. A resumed run hides the points the run that stopped
+    ``<local_dir>/tensorboard`` aside, as the file's records; ``$TENSORBOARD_DIR``, the user's folder, is left
+    as it is, with a notice where it already holds events (TensorBoard would draw both runs as one). A resumed run hides the points the run that stopped
     logged after its checkpoint as it logs its first step past it (not before: a run that only validates its
     checkpoint leaves them). Needs the ``tensorboard`` package.
 ``wandb``
@@ -545,9 +546,22 @@ class TensorBoardLogger(Backend):
             raise _missing("tensorboard", self.name, "tensorboard", e) from e
         self._summary_writer = SummaryWriter
         self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run.local_dir / self.SUBDIR).expanduser()
+        if os.environ.get("TENSORBOARD_DIR") and run.resume_step is None:
+            self._notice_earlier_events()
         self._writer: Any = None
         # a resumed run: the step of its checkpoint, until it logs a step past it (see _writer_for)
         self._resumed_at = run.resume_step
+
+    def _notice_earlier_events(self) -> None:
+        """A new run writing to ``$TENSORBOARD_DIR``: events already there are an earlier run's, and TensorBoard
+        draws one folder's events as one run, so the two runs' steps would mix. The folder is the user's (verl
+        writes there as it is), so its files stay where they are; a notice names them and the way out."""
+        earlier = sorted(self.log_dir.glob("events.out.tfevents.*"), key=lambda path: path.stat().st_mtime)
+        if earlier:
+            print(f"notice: TENSORBOARD_DIR={self.log_dir} already holds {len(earlier)} TensorBoard event file(s) of "
+                  f"an earlier run (the newest {earlier[-1].name}): TensorBoard draws the events of one folder as one "
+                  "run, so this new run's steps would be drawn mixed with that run's; point TENSORBOARD_DIR at a "
+                  "new folder (one per run) or move those files away", file=sys.stderr, flush=True)
 
     def _writer_for(self, step: int) -> Any:
         """The writer to log ``step`` with. A resumed run logs again the steps after its checkpoint ``k``: at its first
