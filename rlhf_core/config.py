@@ -673,6 +673,11 @@ def _all_state(value: Any) -> bool:  # a checkpoint's contents: everything this 
 
 
 _NOT_PASSED_TO_VLLM = "not passed to vLLM here, which runs with its own default for it"
+_NAMED_MANAGERS = ("the reward manager is picked by its name, reward_model.reward_manager; a class of your own is not "
+                   "loaded here: give your scoring as custom_reward_function.path (reward_manager=naive calls it per "
+                   "response, batch once a batch)")
+_SCORED_IN_LINE = ("rewards are computed after each rollout, a reward model's in the trainer's workers, to the "
+                   "same scores")
 
 # verl keys with no counterpart here: each with the values that mean what this trainer does anyway
 # (accepted with a notice) and what it does instead (any other value is an error that says so)
@@ -818,6 +823,10 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
                                 "ppo_max_token_len_per_gpu tokens with dynamic batching) at a time")
        for name in ("forward_micro_batch_size", "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu")},
     "reward_model.launch_reward_fn_async": (_any, "rewards are computed in line, to the same scores"),
+    # newer verl's reward loop: the reward model served by a rollout engine and scored by reward workers
+    **{f"reward_model.{name}": (_any, _SCORED_IN_LINE) for name in ("use_reward_loop", "num_workers")},
+    "reward_model.reward_loop_source": (lambda v: str(v) == "register", _NAMED_MANAGERS),
+    **{f"reward_model.{name}": (_null, _NAMED_MANAGERS) for name in ("reward_loop_module_path", "reward_loop_class_name")},
     "reward_model.sandbox_fusion.url": (_null, "sandboxed code execution is not done here: score with a "
                                                "custom_reward_function"),
     "algorithm.use_pf_ppo": (_off, "PF-PPO's reweighting of the batch is not done here"),
@@ -841,6 +850,8 @@ WITHOUT_EFFECT_BELOW: dict[str, str] = {
     "actor_rollout_ref.rollout.agent.": "rollouts run in the trainer's workers, without verl's agent loop",
     "actor_rollout_ref.rollout.trace.": "rollouts are not traced here",
     "reward_model.sandbox_fusion.": "read only with sandbox_fusion.url, which is not supported here",
+    "reward_model.rollout.": "the reward model scores with its classification head in the trainer's workers, not "
+                             "through a rollout engine",
     "algorithm.pf_ppo.": "read only with algorithm.use_pf_ppo, which is not supported here",
     "data.databuffer.": "read only with data.databuffer.enable, which is not supported here",
     "global_profiler.": "trainer.profile_steps records torch.profiler traces",

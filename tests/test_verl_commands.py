@@ -105,3 +105,83 @@ def test_verls_deprecated_tracking_logger_in_a_config_file_is_taken_as_wandb(tmp
     assert list(load_config(config_file=tmp_path / "run.yaml", notice=said.append).trainer.logger) == \
         ["console", "wandb"]
     assert said == ["notice: trainer.logger: 'tracking' is verl's deprecated name of 'wandb', taken as wandb"]
+
+
+# newer verl's reward loop, as its example of a reward model beside the actor writes it (the model served by a
+# rollout engine, scored by reward workers): here the model scores in the trainer's workers with its own head
+REWARD_LOOP_KEYS = ["reward_model.use_reward_loop=True", "reward_model.num_workers=8", "reward_model.rollout.name=vllm",
+                    "reward_model.rollout.gpu_memory_utilization=0.8",
+                    "reward_model.rollout.tensor_model_parallel_size=1", "reward_model.rollout.prompt_length=4096",
+                    "reward_model.rollout.response_length=4096", "reward_model.reward_loop_source=register"]
+ENGINE = "the reward model scores with its classification head in the trainer's workers, not through a rollout engine"
+IN_LINE = "rewards are computed after each rollout, a reward model's in the trainer's workers, to the same scores"
+NAMED = ("the reward manager is picked by its name, reward_model.reward_manager; a class of your own is not loaded "
+         "here: give your scoring as custom_reward_function.path (reward_manager=naive calls it per response, batch "
+         "once a batch)")
+
+
+def test_verls_reward_loop_keys_are_taken_saying_where_the_reward_model_scores():
+    # each was an unknown key, with a guess at a key of this trainer's (reward_model.num_workers: "did you mean
+    # reward_model.rm_coef?")
+    from rlhf_core.config import load_config
+
+    said = []
+    assert load_config(REWARD_LOOP_KEYS, notice=said.append) == load_config([], notice=lambda _: None)
+    assert said == [
+        f"notice: reward_model.use_reward_loop=True has no effect: {IN_LINE}",
+        f"notice: reward_model.num_workers=8 has no effect: {IN_LINE}",
+        f"notice: reward_model.rollout.name='vllm' has no effect: {ENGINE}",
+        f"notice: reward_model.rollout.gpu_memory_utilization=0.8 has no effect: {ENGINE}",
+        f"notice: reward_model.rollout.tensor_model_parallel_size=1 has no effect: {ENGINE}",
+        f"notice: reward_model.rollout.prompt_length=4096 has no effect: {ENGINE}",
+        f"notice: reward_model.rollout.response_length=4096 has no effect: {ENGINE}",
+        f"notice: reward_model.reward_loop_source='register' has no effect: {NAMED}",
+    ]
+
+
+def test_verls_reward_loop_keys_in_a_config_file_are_taken(tmp_path):
+    from rlhf_core.config import load_config
+
+    (tmp_path / "run.yaml").write_text("reward_model:\n  use_reward_loop: true\n  rollout:\n    name: sglang\n")
+    said = []
+    assert load_config(config_file=tmp_path / "run.yaml", notice=said.append) == \
+        load_config([], notice=lambda _: None)
+    assert said == [f"notice: reward_model.use_reward_loop=True has no effect: {IN_LINE}",
+                    f"notice: reward_model.rollout.name='sglang' has no effect: {ENGINE}"]
+
+
+def test_verls_reward_manager_class_of_ones_own_is_refused_naming_custom_reward_function():
+    from rlhf_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(["reward_model.reward_loop_source=importlib", "reward_model.reward_loop_module_path=my_rm.py",
+                     "reward_model.reward_loop_class_name=MyManager"], notice=lambda _: None)
+    assert str(refused.value).splitlines()[1:] == [
+        f"  - reward_model.reward_loop_source='importlib' is not supported: {NAMED}",
+        f"  - reward_model.reward_loop_module_path='my_rm.py' is not supported: {NAMED}",
+        f"  - reward_model.reward_loop_class_name='MyManager' is not supported: {NAMED}",
+    ]
+
+
+def test_verls_reward_loop_command_trains_against_its_reward_model(workspace, tmp_path, capsys):
+    # verl's example of a reward model colocated with the actor, sizes made tiny: it was refused before any step
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlhf_core.cli.train import ppo
+
+    config = AutoConfig.from_pretrained(workspace.model, num_labels=1)
+    config.pad_token_id = AutoTokenizer.from_pretrained(workspace.model).pad_token_id
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(workspace.model).save_pretrained(tmp_path / "rm")
+    out = tmp_path / "ckpt"
+    status = ppo(workspace.overrides(out, "reward_model.enable=True", f"reward_model.model.path={tmp_path / 'rm'}",
+                                     *REWARD_LOOP_KEYS, "trainer.total_training_steps=1", "trainer.test_freq=-1"))
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert f"notice: reward_model.rollout.name='vllm' has no effect: {ENGINE}" in err
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert record["step"] == 1
+    # the score trained on is the reward model's (verl's rm alone: reward_model.rule_coef=0)
+    assert record["critic/score/mean"] == pytest.approx(record["critic/rm_score/mean"], abs=1e-6)
