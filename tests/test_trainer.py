@@ -1105,7 +1105,8 @@ def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
     assert f"{no_signal} (only the critic's values move them) and" in warning("gae", 1)
     assert f"{no_signal} (only the critic's values and the KL penalty in the reward move them)" in warning(
         "gae", 1, kl=True)
-    assert f"{no_signal} (only the KL penalty in the reward move them)" in warning("rloo", 4, kl=True)
+    # (one penalty: "moves", where it said "move")
+    assert f"{no_signal} (only the KL penalty in the reward moves them) and" in warning("rloo", 4, kl=True)
 
 
 LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -994,8 +994,9 @@ class PPOTrainer:
             alike = "every response of the batch scored the same"
         moved_by = [what for what, holds in (("the critic's values", self.use_critic),
                                              ("the KL penalty in the reward", algo.use_kl_in_reward)) if holds]
+        verb = "moves" if moved_by == ["the KL penalty in the reward"] else "move"  # (one penalty, values plural)
         same = (f"{alike}, so the advantages carry no reward signal"
-                + (f" (only {' and '.join(moved_by)} move them)" if moved_by else "")
+                + (f" (only {' and '.join(moved_by)} {verb} them)" if moved_by else "")
                 + " and the policy learns nothing about the reward from this step")
         if clipped >= CLIP_RATIO_WARNING and self.scores_flat:
             kinds, text = ("clip", "flat"), (f"{cut} and {same}: a cut response seldom reaches its answer; raise "
