@@ -941,6 +941,34 @@ PREFIX_ALIASES: dict[str, str] = {
     "ray_kwargs.ray_init.runtime_env.": "trainer.ray_runtime_env.",  # what verl gives ray.init
 }
 
+# newest verl gathers the reward settings in one section, reward: each of its keys (or a key below a section
+# ending in ".") stands for the key the verl releases before it wrote, which is judged here as that key is (verl
+# moves the older keys there itself, in migrate_legacy_reward_impl)
+NEWER_REWARD_KEYS: dict[str, str] = {
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_model.rollout.": "reward_model.rollout.",
+    "reward.reward_model.": "reward_model.",  # enable, enable_resource_pool, n_gpus_per_node, nnodes
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_manager.source": "reward_model.reward_loop_source",
+    "reward.reward_manager.module.path": "reward_model.reward_loop_module_path",
+    "reward.reward_manager.module.name": "reward_model.reward_loop_class_name",
+    "reward.custom_reward_function.": "custom_reward_function.",
+    "reward.reward_kwargs.": "reward_model.reward_kwargs.",
+    "reward.num_workers": "reward_model.num_workers",
+    "reward.sandbox_fusion.": "reward_model.sandbox_fusion.",
+}
+
+
+def _older_reward_key(key: str, notice: Callable[[str], None]) -> str:
+    """``key``, or where it is newest verl's name in its reward section, the older key it stands for (with a
+    notice that says so)."""
+    for newer, older in NEWER_REWARD_KEYS.items():
+        if key == newer or (newer.endswith(".") and key.startswith(newer)):
+            taken = older + key[len(newer):]
+            notice(f"notice: {key} is newer verl's name of {taken}, taken as it")
+            return taken
+    return key
+
 
 def _prefix_alias(key: str) -> str | None:
     """The key that ``key`` (below a section of :data:`PREFIX_ALIASES`, or that section itself) stands for."""
@@ -1231,7 +1259,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                       "command line inside double quotes, which the shell removes: "
                       "\"data.train_files='~/data/train.parquet'\")")
         return
-    key = override.key_or_group
+    key = _older_reward_key(override.key_or_group, notice)
     if key == "hydra" or key.startswith(("hydra.", "hydra/")):  # as a config file's hydra: section
         notice(f"notice: {text} is Hydra's own setting (its run folder, logging, working directory), not read "
                "here: relative paths are read from the current folder, and the checkpoints and metrics go to "
@@ -1432,7 +1460,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     for position, tree in enumerate(trees):
         first = len(errors)
         in_file: dict[str, tuple[str, Any]] = {}  # each key this file sets: the spelling that set it, and its value
-        for key, value in _leaves(tree):
+        for written, value in _leaves(tree):
+            key = _older_reward_key(written, notice_kept)
             if (problem := _none_as_text(cfg, key, value, in_file=True)) is not None:
                 errors.append(problem)
                 continue

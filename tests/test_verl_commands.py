@@ -163,21 +163,35 @@ def test_verls_reward_manager_class_of_ones_own_is_refused_naming_custom_reward_
     ]
 
 
-def test_verls_reward_loop_command_trains_against_its_reward_model(workspace, tmp_path, capsys):
-    # verl's example of a reward model colocated with the actor, sizes made tiny: it was refused before any step
+@pytest.fixture(scope="module")
+def reward_model_dir(workspace, tmp_path_factory):
+    """A random one-label sequence-classification model on the workspace's architecture and tokenizer."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlhf_core.cli.train import ppo
-
+    folder = tmp_path_factory.mktemp("verl_rm")
     config = AutoConfig.from_pretrained(workspace.model, num_labels=1)
     config.pad_token_id = AutoTokenizer.from_pretrained(workspace.model).pad_token_id
     torch.manual_seed(0)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(tmp_path / "rm")
-    AutoTokenizer.from_pretrained(workspace.model).save_pretrained(tmp_path / "rm")
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(workspace.model).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("newest", [False, True])
+def test_verls_reward_loop_command_trains_against_its_reward_model(workspace, reward_model_dir, tmp_path, capsys,
+                                                                   newest):
+    # verl's example of a reward model colocated with the actor, sizes made tiny, in the spelling of the verl
+    # releases with the reward loop and in newest verl's (its reward section): both were refused before any step
+    from rlhf_core.cli.train import ppo
+
+    if newest:
+        reward = ["reward.reward_model.enable=True", f"reward.reward_model.model_path={reward_model_dir}",
+                  "reward.reward_model.rollout.name=vllm", "reward.num_workers=8"]
+    else:
+        reward = ["reward_model.enable=True", f"reward_model.model.path={reward_model_dir}", *REWARD_LOOP_KEYS]
     out = tmp_path / "ckpt"
-    status = ppo(workspace.overrides(out, "reward_model.enable=True", f"reward_model.model.path={tmp_path / 'rm'}",
-                                     *REWARD_LOOP_KEYS, "trainer.total_training_steps=1", "trainer.test_freq=-1"))
+    status = ppo(workspace.overrides(out, *reward, "trainer.total_training_steps=1", "trainer.test_freq=-1"))
     err = capsys.readouterr().err
     assert status == 0, err
     assert f"notice: reward_model.rollout.name='vllm' has no effect: {ENGINE}" in err
@@ -185,3 +199,58 @@ def test_verls_reward_loop_command_trains_against_its_reward_model(workspace, tm
     assert record["step"] == 1
     # the score trained on is the reward model's (verl's rm alone: reward_model.rule_coef=0)
     assert record["critic/score/mean"] == pytest.approx(record["critic/rm_score/mean"], abs=1e-6)
+
+
+def test_newest_verls_reward_section_is_taken_as_the_keys_it_stands_for():
+    # newest verl moves reward_model.*, custom_reward_function.* and the DAPO recipe's reward_kwargs into one
+    # section, reward: each was an unknown key (reward.num_workers without a guess)
+    from rlhf_core.config import load_config
+
+    said = []
+    cfg = load_config(["reward.reward_model.enable=True", "reward.reward_model.model_path=/models/rm",
+                       "reward.custom_reward_function.path=/rewards/mine.py",
+                       "+reward.custom_reward_function.reward_kwargs.scale=2", "reward.reward_manager.name=dapo",
+                       "data.max_response_length=16", "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+                       "+reward.reward_kwargs.overlong_buffer_cfg.len=4", "reward.num_workers=4"],
+                      notice=said.append, validate=False)
+    assert cfg.reward_model.enable is True and cfg.reward_model.model.path == "/models/rm"
+    assert cfg.custom_reward_function.path == "/rewards/mine.py"
+    assert dict(cfg.custom_reward_function.reward_kwargs) == {"scale": 2}
+    assert cfg.reward_model.reward_manager == "dapo"
+    assert (cfg.reward_model.overlong_buffer.enable, cfg.reward_model.overlong_buffer.len) == (True, 4)
+    newer = "is newer verl's name of"
+    assert said == [
+        f"notice: reward.reward_model.enable {newer} reward_model.enable, taken as it",
+        f"notice: reward.reward_model.model_path {newer} reward_model.model.path, taken as it",
+        f"notice: reward.custom_reward_function.path {newer} custom_reward_function.path, taken as it",
+        f"notice: reward.custom_reward_function.reward_kwargs.scale {newer} "
+        "custom_reward_function.reward_kwargs.scale, taken as it",
+        f"notice: reward.reward_manager.name {newer} reward_model.reward_manager, taken as it",
+        f"notice: reward.reward_kwargs.overlong_buffer_cfg.enable {newer} "
+        "reward_model.reward_kwargs.overlong_buffer_cfg.enable, taken as it",
+        f"notice: reward.reward_kwargs.overlong_buffer_cfg.len {newer} "
+        "reward_model.reward_kwargs.overlong_buffer_cfg.len, taken as it",
+        f"notice: reward.num_workers {newer} reward_model.num_workers, taken as it",
+        f"notice: reward_model.num_workers=4 has no effect: {IN_LINE}",
+    ]
+
+
+def test_newest_verls_reward_section_in_a_config_file_is_taken(tmp_path):
+    from rlhf_core.config import load_config
+
+    (tmp_path / "run.yaml").write_text("reward:\n  reward_model:\n    enable: true\n    model_path: /models/rm\n"
+                                       "  custom_reward_function:\n    path: /rewards/mine.py\n"
+                                       "    reward_kwargs: {scale: 2}\n")
+    cfg = load_config(config_file=tmp_path / "run.yaml", notice=lambda _: None, validate=False)
+    assert cfg.reward_model.enable is True and cfg.reward_model.model.path == "/models/rm"
+    assert cfg.custom_reward_function.path == "/rewards/mine.py"
+    assert dict(cfg.custom_reward_function.reward_kwargs) == {"scale": 2}
+
+
+def test_newest_verls_reward_manager_class_is_refused_as_its_older_key_is():
+    from rlhf_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(["reward.reward_manager.source=importlib"], notice=lambda _: None)
+    assert str(refused.value).splitlines()[1:] == [
+        f"  - reward_model.reward_loop_source='importlib' is not supported: {NAMED}"]
