@@ -1713,8 +1713,8 @@ def load_config(
 # here is another algorithm: clip_cov is not cispo, swanlab not wandb)
 VERL_VALUES_NOT_HERE = frozenset({
     "clip_cov", "kl_cov", "gpg", "geo_mean", "gmpo", "sapo", "opo", "grpo_vectorized", "rloo_vectorized",
-    "optimal_token_baseline", "tir_optimal_token_baseline", "swanlab", "vemlp_wandb", "clearml", "trackio", "full",
-    "sglang", "megatron"})
+    "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo", "swanlab", "vemlp_wandb", "clearml", "trackio",
+    "full", "sglang", "trtllm", "megatron", "npu"})
 
 
 def _one_of(errors: list[str], key: str, value: Any, valid: Iterable[str]) -> None:

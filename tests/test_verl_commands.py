@@ -254,3 +254,20 @@ def test_newest_verls_reward_manager_class_is_refused_as_its_older_key_is():
         load_config(["reward.reward_manager.source=importlib"], notice=lambda _: None)
     assert str(refused.value).splitlines()[1:] == [
         f"  - reward_model.reward_loop_source='importlib' is not supported: {NAMED}"]
+
+
+@pytest.mark.parametrize(("override", "valid"), [
+    # verl's values that name no near value here: each was answered with a guess at one (npu: "did you mean cpu?",
+    # trtllm: "did you mean vllm?", gdpo: "did you mean grpo?")
+    ("trainer.device=npu", "cpu, cuda"),
+    ("actor_rollout_ref.rollout.name=trtllm", "hf, vllm"),
+    ("algorithm.adv_estimator=gdpo", "gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, "
+                                     "grpo_passk"),
+])
+def test_verls_values_not_implemented_here_are_refused_as_verls(override, valid):
+    from rlhf_core.config import ConfigError, load_config
+
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as refused:
+        load_config([override], notice=lambda _: None)
+    assert str(refused.value).splitlines()[1:] == [f"  - {key}={value!r} (verl's) is not implemented here: one of {valid}"]
