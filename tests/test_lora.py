@@ -566,3 +566,23 @@ def test_two_workers_lora_checkpoint_holds_the_trainable_tensors_alone_as_one_wo
     fresh_tied = base_model(fresh.actor.module)
     assert torch.equal(fresh_tied.lm_head.weight, embedding)  # the frozen matrix the model path holds, not + 1
     assert torch.equal(fresh_tied.model.embed_tokens.weight, embedding)
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_applying_lora_gives_no_warning_of_peft_reading_a_deprecated_attribute(critic):
+    # peft reads model.is_gradient_checkpointing, which transformers deprecates with a FutureWarning: every LoRA
+    # run started with that warning about peft's code, a verl user's LoRA example with it on stderr at each start
+    import warnings
+
+    from transformers import LlamaForTokenClassification
+
+    from rlhf_core.models.lora import apply_lora
+
+    model = _llama(tied=False)
+    if critic:
+        model = LlamaForTokenClassification(model.config)
+    model.activation_checkpointing_enable({"use_reentrant": False})  # as the trainer loads its models
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, rank=2, alpha=4, target_modules="all-linear", critic=critic)
+    assert [str(w.message) for w in caught if "is_gradient_checkpointing" in str(w.message)] == []

@@ -12,6 +12,7 @@ checkpoints and Hugging Face exports also hold its adapter as peft saves it (:fu
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,16 @@ def _lora_config(model: torch.nn.Module, rank: int, alpha: int, target_modules: 
     )
 
 
+def _peft_model(model: torch.nn.Module, config) -> torch.nn.Module:
+    """peft's ``get_peft_model``, without the FutureWarning transformers gives peft's own read of the model's
+    deprecated ``is_gradient_checkpointing`` (a warning about peft's code, not the run's, at every LoRA start)."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, config)
+
+
 def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: str | list[str],
                critic: bool = False) -> torch.nn.Module:
     """``model`` wrapped with fresh LoRA adapters (B = 0: the wrapped model computes what it did before).
@@ -43,10 +54,8 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: int, target_modules: st
     For a critic the value head is excluded from the adapters and trained in full (``modules_to_save``).
     Adapters the rollout's and the export's weights cannot hold (:func:`refusals`) are refused.
     """
-    from peft import get_peft_model
-
     linear = adaptable_linear_names(model)
-    wrapped = get_peft_model(model, _lora_config(model, rank, alpha, target_modules, critic))
+    wrapped = _peft_model(model, _lora_config(model, rank, alpha, target_modules, critic))
     if problems := refusals(wrapped, linear):
         raise ValueError("; ".join(problems))
     wrapped.config.use_cache = True
@@ -142,7 +151,7 @@ def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_
 
     peft matches a list's entries against a module's name or its last parts, a string as a regular expression
     over whole names, and ``all-linear`` as every linear layer but the output head."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from peft.tuners.tuners_utils import check_target_module_exists
     from transformers import (
         AutoConfig,
@@ -174,7 +183,7 @@ def check_targets(model_dir: str | Path, target_modules: str | list[str], trust_
             return TargetCheck(unmatched, [], linear)
     try:
         with torch.device("meta"):
-            wrapped = get_peft_model(model, _lora_config(model, 1, 1, target_modules, critic))
+            wrapped = _peft_model(model, _lora_config(model, 1, 1, target_modules, critic))
     except ValueError as exc:  # all-linear on a model without a linear layer
         return TargetCheck(unmatched, [f"{str(exc).splitlines()[0]}; {advice(linear)}"], linear)
     return TargetCheck(unmatched, refusals(wrapped, linear), linear)
