@@ -743,6 +743,15 @@ def test_train_rm_help_says_where_the_run_is_placed(capsys):
      "--config-path and --config-name are Hydra's, which does not load the config here: give that file with "
      "--config, e.g. --config recipe/dapo/config/dapo_trainer.yaml"),
     (["--config-name", "ppo_trainer"], "verl's ppo_trainer tree is the defaults here; drop --config-name"),
+    # a relative --config-path is read from verl/trainer, so "config" is verl's own folder (verl's examples write
+    # it so): the file there was given as a file of one's own to pass with --config
+    (["--config-path=config", "--config-name=ppo_trainer"],
+     "verl's ppo_trainer tree is the defaults here; drop --config-path and --config-name"),
+    (["--config-path=config", "--config-name='ppo_megatron_trainer.yaml'"],
+     "verl's ppo_megatron_trainer is the config of its Megatron backend, which is not one here (the workers shard "
+     "with FSDP2, as verl's ppo_trainer, whose tree is the defaults here): drop --config-path and --config-name; the "
+     "command's .megatron. keys are refused"),
+    (["--config-name", "ppo_megatron_trainer"], "drop --config-name; the command's .megatron. keys are refused"),
     (["-cp", "conf", "-cn", "exp.yaml"], "--config conf/exp.yaml"),
     (["--config-path", "conf"], "give the YAML file itself with --config FILE"),
 ])

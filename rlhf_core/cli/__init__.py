@@ -68,8 +68,15 @@ def hydra_options_problem(argv: Sequence[str]) -> str | None:
     said = f"{used} {'are' if len(found) > 1 else 'is'} Hydra's, which does not load the config here"
     if not name:
         return f"{said}: give the YAML file itself with --config FILE (repeat it for several, merged in order)"
-    if name.removesuffix(".yaml") == "ppo_trainer" and not folder:
+    # a relative --config-path is read from the folder of verl's main module (verl/trainer), so "config" is verl's
+    verls_folder = not folder or folder.rstrip("/").removeprefix("./") in ("config", "verl/trainer/config")
+    stem = name.removesuffix(".yaml")
+    if stem == "ppo_trainer" and verls_folder:
         return f"{said}: verl's ppo_trainer tree is the defaults here; drop {used} and give your overrides"
+    if stem == "ppo_megatron_trainer" and verls_folder:
+        return (f"{said}: verl's ppo_megatron_trainer is the config of its Megatron backend, which is not one here "
+                f"(the workers shard with FSDP2, as verl's ppo_trainer, whose tree is the defaults here): drop {used}; "
+                "the command's .megatron. keys are refused")
     file = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
     where = f"{folder.rstrip('/')}/{file}" if folder else f"verl/trainer/config/{file} (verl's config folder)"
     return (f"{said}: give that file with --config, e.g. --config {where}, by its path from here (Hydra reads a "
