@@ -1296,7 +1296,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
             if origins is not None:
-                _same_key_twice(origins, target, key, value, errors)
+                _same_key_twice(origins, target, override.key_or_group, value, errors)
             _assign(cfg, target, value, errors)
             given[target] = value
 
@@ -1469,7 +1469,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 deferred[key] = value
                 continue
             for target, target_value in _targets(key, value, notice_kept, errors).items():
-                _same_key_twice(in_file, target, key, target_value, errors)
+                _same_key_twice(in_file, target, written, target_value, errors)
                 _assign(cfg, target, target_value, errors)
                 given[target] = target_value
                 if position < len(sources):

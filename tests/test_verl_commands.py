@@ -271,3 +271,20 @@ def test_verls_values_not_implemented_here_are_refused_as_verls(override, valid)
     with pytest.raises(ConfigError) as refused:
         load_config([override], notice=lambda _: None)
     assert str(refused.value).splitlines()[1:] == [f"  - {key}={value!r} (verl's) is not implemented here: one of {valid}"]
+
+
+@pytest.mark.parametrize("written", ["command line", "file"])
+def test_newest_and_older_verls_spellings_of_one_reward_key_that_differ_are_refused(written, tmp_path):
+    # the one written last won without a word, as both were read as the same key
+    from rlhf_core.config import ConfigError, load_config
+
+    overrides, path = ["reward_model.model.path=/models/a", "reward.reward_model.model_path=/models/b"], None
+    if written == "file":
+        path = tmp_path / "run.yaml"
+        path.write_text("reward_model:\n  model:\n    path: /models/a\nreward:\n  reward_model:\n"
+                        "    model_path: /models/b\n")
+        overrides = []
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides, config_file=path, notice=lambda _: None)
+    assert ("reward.reward_model.model_path='/models/b' and reward_model.model.path='/models/a' both set "
+            "reward_model.model.path (verl's spellings of one key): keep one") in str(refused.value)
