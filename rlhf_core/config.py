@@ -1493,6 +1493,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 resolved.trainer.logger, lambda message: None if message in said else notice(message))
             if (unused := _kl_ctrl_unused(resolved, given)) is not None:
                 notice(unused)
+            for unused in _resume_path_unused(resolved):
+                notice(unused)
     if errors:
         raise ConfigError(errors)
     if validate:
@@ -1519,6 +1521,21 @@ def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
     return (f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: algorithm.kl_ctrl "
             "sets the coefficient of the KL in the reward, and algorithm.use_kl_in_reward=false; set it true for "
             f"that KL{';' if actor.use_kl_loss else ','} {loss}")
+
+
+def _resume_path_unused(cfg: PPOConfig) -> list[str]:
+    """The notices for a ``resume_from_path`` set where its ``resume_mode`` (auto or disable) does not read it: a
+    run given the checkpoint to go on from, without resume_mode=resume_path, trained from the model without a word
+    (as verl's does), or went on from the folder's own latest checkpoint instead."""
+    said = []
+    for key, section in (("trainer", cfg.trainer), ("reward_model.train", cfg.reward_model.train)):
+        if not section.resume_from_path or section.resume_mode not in ("auto", "disable"):
+            continue
+        does = (f"resumes from the latest checkpoint in {key}.default_local_dir, and starts a new run where there is "
+                "none" if section.resume_mode == "auto" else "starts a new run")
+        said.append(f"notice: {key}.resume_from_path={section.resume_from_path} is not read: {key}.resume_mode="
+                    f"{section.resume_mode} {does}; to resume from that checkpoint, set {key}.resume_mode=resume_path")
+    return said
 
 
 # ${trainer.experiment_name}: an interpolation of another key (no resolver); Hydra's ${now:%Y%m%d}

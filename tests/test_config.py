@@ -1434,6 +1434,31 @@ def test_a_literal_interpolation_survives_the_trip_between_pipeline_steps(writte
     assert again.custom_reward_function.reward_kwargs == {"tag": "${x}"}
 
 
+def test_a_resume_path_that_its_resume_mode_does_not_read_is_said_so():
+    """trainer.resume_from_path is read with resume_mode=resume_path only: given with the default auto, a run
+    in an empty folder trained from the model, and one in a folder of checkpoints went on from their latest,
+    without a word that the checkpoint asked for was left aside."""
+    def resume_notices(*overrides):
+        said = []
+        load_config(list(overrides), notice=said.append)
+        return [message for message in said if "resume_from_path" in message]
+
+    assert resume_notices("trainer.resume_from_path=ckpt/global_step_5") == [
+        "notice: trainer.resume_from_path=ckpt/global_step_5 is not read: trainer.resume_mode=auto resumes from the "
+        "latest checkpoint in trainer.default_local_dir, and starts a new run where there is none; to resume from "
+        "that checkpoint, set trainer.resume_mode=resume_path"]
+    assert resume_notices("trainer.resume_mode=disable", "reward_model.train.resume_from_path=rm/global_step_2") == [
+        "notice: reward_model.train.resume_from_path=rm/global_step_2 is not read: reward_model.train.resume_mode="
+        "auto resumes from the latest checkpoint in reward_model.train.default_local_dir, and starts a new run where "
+        "there is none; to resume from that checkpoint, set reward_model.train.resume_mode=resume_path"]
+    assert resume_notices("trainer.resume_mode=disable", "trainer.resume_from_path=ckpt/global_step_5") == [
+        "notice: trainer.resume_from_path=ckpt/global_step_5 is not read: trainer.resume_mode=disable starts a new "
+        "run; to resume from that checkpoint, set trainer.resume_mode=resume_path"]
+    # read where resume_path asks for it; nothing to say without one
+    assert resume_notices("trainer.resume_mode=resume_path", "trainer.resume_from_path=ckpt/global_step_5") == []
+    assert resume_notices("trainer.resume_mode=disable") == []
+
+
 def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have_no_effect(tmp_path):
     """algorithm.kl_ctrl sets the coefficient of the KL in the reward: with a KL loss alone (use_kl_in_reward=false)
     an adaptive controller was taken without a word, and the run's KL coefficient stayed kl_loss_coef."""
