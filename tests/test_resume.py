@@ -14,9 +14,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rlhf_core.config import load_config
-from rlhf_core.main_ppo import build_trainer
+from rlhf_core.main_ppo import build_trainer, run
 from rlhf_core.training.trainer import LoggingError
 
 STEPS = 4  # one epoch: 32 prompts in batches of 8
@@ -85,11 +86,30 @@ def read_metrics(path) -> dict[int, dict]:
     return records
 
 
+def saved_tensors(folder, parts=("actor", "critic")) -> dict[str, torch.Tensor]:
+    """Every tensor of the weights and the optimizer moments that the checkpoint ``folder`` holds for ``parts``."""
+    tensors = {}
+    for part in parts:
+        model = torch.load(folder / part / "model_state.pt", weights_only=True)
+        tensors.update({f"{part}/{name}": value for name, value in model.items()})
+        optimizer = torch.load(folder / part / "optim_state.pt", weights_only=True)["optimizer"]["state"]
+        tensors.update({f"{part}/optim/{index}/{name}": value for index, state in optimizer.items()
+                        for name, value in state.items() if torch.is_tensor(value)})
+    return tensors
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == expected.keys()
+    differ = [name for name in expected if not torch.equal(got[name], expected[name])]
+    assert not differ, differ
+
+
 def test_resume_in_process_sees_each_batch_once_and_matches(workspace, reference):
     out, expected, expected_rows = reference
     assert sorted(expected) == list(range(1, STEPS + 1))
     epoch = [row for step in sorted(expected_rows) for row in expected_rows[step]]
     assert sorted(epoch) == list(range(32))  # the uninterrupted run sees each prompt once per epoch
+    uninterrupted = saved_tensors(out / f"global_step_{STEPS}")  # (the resumed run saves over it)
 
     trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=1")))
     trainer.load_checkpoint(out / "global_step_2")
@@ -99,6 +119,33 @@ def test_resume_in_process_sees_each_batch_once_and_matches(workspace, reference
     for step in (3, 4):
         assert_same_metrics(metrics[step], expected[step], step)
     assert metrics[4]["actor/kl_loss"] > 0 and metrics[4]["actor/reward_kl_penalty_coeff"] != 0.001
+    # the actor's and the critic's weights and Adam moments after the last step: bit for bit the uninterrupted run's
+    assert_same_tensors(saved_tensors(out / f"global_step_{STEPS}"), uninterrupted)
+
+
+def test_a_grpo_run_resumed_from_another_folder_ends_with_the_uninterrupted_runs_weights(workspace, tmp_path):
+    """GRPO (no critic; the advantages from each prompt's group of responses) with a KL loss, shuffled mini-batches
+    over two epochs: a run resumed by resume_path from the uninterrupted run's step 1, into a folder of its own,
+    trains steps 2 and 3 on the same prompts, logs the same metrics and saves the same weights and Adam moments."""
+    grpo = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.shuffle=true", "actor_rollout_ref.actor.ppo_epochs=2",
+            "trainer.total_training_steps=3", "trainer.save_freq=1")
+    first, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run(load_config(workspace.overrides(first, *grpo)), handle_signals=False)
+    result = run(load_config(workspace.overrides(resumed, *grpo, "trainer.resume_mode=resume_path",
+                                                 f"trainer.resume_from_path={first / 'global_step_1'}")),
+                 handle_signals=False)
+    assert result.resumed_from == str(first / "global_step_1") and [r.step for r in result.history] == [2, 3]
+    assert sorted(path.name for path in resumed.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert not (resumed / "global_step_3" / "critic").exists()
+    expected, got = read_metrics(first / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert sorted(got) == [2, 3]
+    for step in (2, 3):
+        assert_same_metrics(got[step], expected[step], step)
+    states = [json.loads((folder / "global_step_3" / "trainer_state.json").read_text()) for folder in (first, resumed)]
+    assert states[0]["sampler"] == states[1]["sampler"] and states[1]["sampler"]["batch_in_epoch"] == 3
+    assert_same_tensors(saved_tensors(resumed / "global_step_3", ["actor"]),
+                        saved_tensors(first / "global_step_3", ["actor"]))
 
 
 
