@@ -700,7 +700,9 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         final_metrics=final,
         final_val_acc=trainer.val_accuracy(final),
         final_score=final.get("critic/score/mean"),
-        metrics_file=str(local_dir / "metrics.jsonl") if "file" in trainer_cfg.logger else None,
+        # (none written where nothing was logged: a run resumed by resume_path into a new folder, already complete)
+        metrics_file=str(metrics) if "file" in trainer_cfg.logger and (metrics := local_dir / "metrics.jsonl").is_file()
+        else None,
         resumed_from=str(resume_from) if resume_from is not None else None,
         val_before_train=trainer.val_before,
     )

@@ -1234,6 +1234,15 @@ def test_a_resume_already_at_the_end_says_the_run_is_complete_and_how_to_go_on(w
     assert checkpoint.latest_checkpoint(out) == out / "global_step_4"
     assert ppo(tiny_overrides(workspace, out, "trainer.total_epochs=2", "trainer.total_training_steps=5")) == 0
     assert checkpoint.latest_checkpoint(out) == out / "global_step_5"
+    # resumed by resume_path into a new folder, already complete: nothing is logged there, and no metrics file named
+    capsys.readouterr()
+    elsewhere = tmp_path / "elsewhere"
+    assert ppo(tiny_overrides(workspace, elsewhere, "trainer.total_epochs=2", "trainer.total_training_steps=5",
+                              "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_5'}")) == 0
+    captured = capsys.readouterr()
+    assert f"notice: the run is already complete: {out / 'global_step_5'} is at step 5" in captured.err
+    assert not (elsewhere / "metrics.jsonl").exists()
+    assert captured.out.splitlines()[-1] == f"outputs: {elsewhere}"
 
 
 def test_a_resume_may_ship_another_ray_runtime_env():
