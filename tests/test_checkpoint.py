@@ -722,6 +722,20 @@ def test_resume_modes(workspace, trained, tmp_path):
                                          f"trainer.resume_from_path={wrong}"))
         with pytest.raises(CheckpointError, match=f"trainer.resume_from_path: .*{needle}"):
             checkpoint.find_resume_checkpoint(cfg)
+    # a path that names no global_step_N is told the checkpoint it likely means: the folder's latest, or the one it
+    # lies in; nothing where there is none
+    for wrong, meant in ((out, f"; it is a folder of checkpoints, whose latest is {out / 'global_step_2'}: "
+                               f"trainer.resume_from_path={out / 'global_step_2'} resumes from it"),
+                         (out / "global_step_1" / "actor" / "huggingface",
+                          f"; it lies inside the checkpoint {out / 'global_step_1'}: "
+                          f"trainer.resume_from_path={out / 'global_step_1'} resumes from it"),
+                         (tmp_path, "")):
+        cfg = load_config(tiny_overrides(workspace, tmp_path / "new", "trainer.resume_mode=resume_path",
+                                         f"trainer.resume_from_path={wrong}"))
+        with pytest.raises(CheckpointError) as info:
+            checkpoint.find_resume_checkpoint(cfg)
+        assert str(info.value) == (f"trainer.resume_from_path: {wrong} is not a checkpoint directory: its name must "
+                                   f"be global_step_N{meant}")
 
 
 DENIED = {

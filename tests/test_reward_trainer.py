@@ -1603,3 +1603,24 @@ def test_a_refused_reward_model_run_leaves_the_folders_tracking_runs_as_they_wer
         assert train_rm(_overrides(tiny, pairs_dir, ppo_dir, loggers, *extra)) == 2
         assert "PPO" in capsys.readouterr().err
         assert folder() == before
+
+
+def test_a_resume_path_that_names_no_checkpoint_is_told_the_one_it_likely_means(tiny, pairs_dir, tmp_path):
+    """reward_model.train.resume_from_path set to the folder of checkpoints rather than one of them was refused as a
+    checkpoint whose save did not finish (it holds no manifest.json): its name is what is wrong, and the folder's
+    latest checkpoint, or the one a path lies in, is named."""
+    from rlhf_core.training import checkpoint
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    saved = tmp_path / "saved"
+    checkpoint.write_checkpoint(saved, 3, lambda files: files.text("reward_model/model_state.pt", "x")
+                                or ["reward_model"])
+    step = saved / "global_step_3"
+    for wrong, meant in ((saved, f"it is a folder of checkpoints, whose latest is {step}"),
+                         (step / "reward_model", f"it lies inside the checkpoint {step}")):
+        with pytest.raises(RewardTrainingError) as info:
+            preflight(load_config(_overrides(tiny, pairs_dir, tmp_path / "out", "reward_model.train.resume_mode="
+                                             "resume_path", f"reward_model.train.resume_from_path={wrong}")))
+        assert info.value.errors == [
+            f"reward_model.train.resume_from_path: {wrong} is not a checkpoint directory: its name must be "
+            f"global_step_N; {meant}: reward_model.train.resume_from_path={step} resumes from it"]

@@ -501,6 +501,23 @@ def _resume_instead(root: Path, before: int | None, section: str = "trainer") ->
             f"{section}.resume_mode=resume_path {section}.resume_from_path={intact}")
 
 
+def checkpoint_meant(path: Path, section: str = "trainer") -> str:
+    """For a ``resume_from_path`` that names no ``global_step_N`` folder: the checkpoint it likely means, where
+    there is one (the folder of checkpoints' latest, or the checkpoint the path lies in: its ``actor/`` say);
+    nothing for a ``global_step_N`` path. ``section`` holds the run's resume keys."""
+    if _STEP_DIR.fullmatch(path.name):
+        return ""
+    inside = next((parent for parent in path.parents if _STEP_DIR.fullmatch(parent.name)), None)
+    if inside is not None:
+        return f"; it lies inside the checkpoint {inside}: {section}.resume_from_path={inside} resumes from it"
+    if path.is_dir() and list_checkpoints(path):
+        latest = latest_or_none(path) or newest_intact(path)
+        if latest is not None:
+            return (f"; it is a folder of checkpoints, whose latest is {latest}: {section}.resume_from_path={latest} "
+                    f"resumes from it")
+    return ""
+
+
 def find_resume_checkpoint(config) -> Path | None:
     """The checkpoint ``trainer.resume_mode`` asks to resume from, or None to start afresh.
 
@@ -524,6 +541,9 @@ def find_resume_checkpoint(config) -> Path | None:
         path = Path(os.path.expanduser(trainer.resume_from_path))
         try:
             step_of(path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"trainer.resume_from_path: {exc}{checkpoint_meant(path)}") from exc
+        try:
             manifest = verify_checkpoint(path)
         except CheckpointError as exc:
             raise CheckpointError(f"trainer.resume_from_path: {exc}{intact_instead(path)}") from exc

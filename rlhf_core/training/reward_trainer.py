@@ -534,10 +534,12 @@ def preflight(cfg: PPOConfig) -> Preferences:
         errors.append(str(exc))
     else:
         if rm.resume_mode == "resume_path":
+            path = resolve(rm.resume_from_path)
             try:
-                ckpt.read_manifest(resolve(rm.resume_from_path))
+                ckpt.step_of(path)
+                ckpt.read_manifest(path)
             except ckpt.CheckpointError as exc:
-                errors.append(f"{KEY}.resume_from_path: {exc}")
+                errors.append(f"{KEY}.resume_from_path: {exc}{ckpt.checkpoint_meant(path, KEY)}")
     frames = {"train": [], "val": []}
     for split, files in (("train", rm.train_files), ("val", rm.val_files)):
         if files is None:
