@@ -1189,6 +1189,43 @@ def test_a_group_estimator_with_one_response_a_prompt_is_warned_before_the_first
     assert ONE_RESPONSE_A_PROMPT not in warnings
 
 
+def test_dynamic_sampling_that_keeps_nothing_stops_with_the_step_and_a_resume_may_raise_its_limit(workspace, tmp_path,
+                                                                                              capsys):
+    """A reward that tells the two responses of each prompt apart for its first 16 calls (step 1's one generation
+    batch of 8 prompts x 2), then scores every response 0: step 2 keeps no group in its max_num_gen_batches=1 batch.
+    The run stopped with a traceback, and the advice to raise max_num_gen_batches could not be followed, a resume
+    with another value being refused as a change of the training math."""
+    root, model, _ = workspace
+    out = tmp_path / "out"
+    counter = tmp_path / "calls.txt"  # the calls over both runs, whatever module state a resume starts from
+    reward = tmp_path / "fading.py"
+    reward.write_text("from pathlib import Path\n"
+                      f"COUNTER = Path({str(counter)!r})\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    calls = int(COUNTER.read_text()) if COUNTER.exists() else 0\n"
+                      "    COUNTER.write_text(str(calls + 1))\n"
+                      "    return float(calls % 2) if calls < 16 else 0.0\n")
+    common = ["algorithm.adv_estimator=grpo", "algorithm.filter_groups.enable=true", "trainer.save_freq=1",
+              "trainer.total_training_steps=3", "trainer.test_freq=-1", f"custom_reward_function.path={reward}",
+              f"trainer.default_local_dir={out}"]
+    assert ppo(_overrides(root, model, *common, "algorithm.filter_groups.max_num_gen_batches=1")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert ("error: training step 2 failed: dynamic sampling: in 1 generation batches "
+            "(algorithm.filter_groups.max_num_gen_batches=1) every one of the 8 prompt groups scored the same") in err
+    assert (f"\nthe latest checkpoint {out / 'global_step_1'} is intact: raise "
+            "algorithm.filter_groups.max_num_gen_batches (it may change on a resume), then rerun the same command to "
+            "resume from it") in err
+    assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    # the resume with a raised limit is taken: its step 2 draws 3 batches (48 more calls, all scored 0)
+    assert ppo(_overrides(root, model, *common, "algorithm.filter_groups.max_num_gen_batches=3")) == 1
+    err = capsys.readouterr().err
+    assert f"resumed from {out / 'global_step_1'} (step 1 of 3)" in err
+    assert ("error: training step 2 failed: dynamic sampling: in 3 generation batches "
+            "(algorithm.filter_groups.max_num_gen_batches=3) every one of the 24 prompt groups") in err
+    assert counter.read_text() == str(16 + 16 + 48)
+
+
 @pytest.mark.parametrize("val_before_train", [False, True])
 def test_a_run_whose_data_runs_out_before_step_1_saves_no_checkpoint(workspace, capsys, val_before_train):
     """Dynamic sampling with a constant reward keeps no group; the data (one pass of 2 batches of 8 prompts) runs out before

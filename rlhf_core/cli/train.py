@@ -38,6 +38,7 @@ from rlhf_core.models.loading import ModelError
 from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
 from rlhf_core.rewards.manager import RewardError
 from rlhf_core.training.checkpoint import CheckpointError, latest_or_none, rerun_advice
+from rlhf_core.training.dynamic_sampling import NothingToTrain
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
 from rlhf_core.training.monitoring import PortInUseError
 from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
@@ -105,7 +106,7 @@ def _failure(exc: BaseException | None) -> tuple[str, int] | None:
     if isinstance(exc, (ConfigError, PreflightError, DataError, PreferenceDataError, RewardTrainingError, ModelError,
                         CheckpointError, PortInUseError)):
         return str(exc), 2
-    if isinstance(exc, (GuardError, WorkerError, LoggingError)):
+    if isinstance(exc, (GuardError, WorkerError, LoggingError, NothingToTrain)):
         return f"error: {exc}", 1
     if isinstance(exc, TrainingInterrupted):
         return str(exc), 128 + exc.signal_number

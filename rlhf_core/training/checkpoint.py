@@ -145,6 +145,9 @@ RESUME_SAFE_KEYS = (
     # follows the policy's tokenizer_path (else its model.path) by default, a change of which is refused by itself
     "reward_model.model.input_tokenizer",
     "reward_model.overlong_buffer.log",
+    # the way on after dynamic sampling kept nothing in its generation batches: how many a step may draw from now
+    # on, which the saved state does not depend on
+    "algorithm.filter_groups.max_num_gen_batches",
     # the way on after a guard's stop (an absurd rate): the schedule goes on from the step resumed, at the new
     # rate (load_checkpoint rescales it, saying so)
     "actor_rollout_ref.actor.optim.lr", "critic.optim.lr",

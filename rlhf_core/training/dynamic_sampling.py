@@ -113,6 +113,12 @@ class DataExhausted(RuntimeError):
     """The training data ran out before a step collected a group it could train on."""
 
 
+class NothingToTrain(RuntimeError):
+    """``max_num_gen_batches`` generation batches kept no group to train on (or fewer than a mini-batch every
+    worker can share): the run cannot go on as configured. The trainer says it with the step and the checkpoint
+    a resume goes on from."""
+
+
 def collect_groups(
     first_prompts: Batch,
     next_prompts: Callable[[], Batch | None],
@@ -147,7 +153,8 @@ def collect_groups(
         dropped groups, near the maximum when the prompts are too easy, near the minimum when too hard).
 
     Raises:
-        RuntimeError: the limit was reached without a single group whose responses score differently.
+        NothingToTrain: the limit was reached without a single group whose responses score differently (or
+            with fewer than ``group_multiple``).
         DataExhausted: the data ran out before there was a group to train on.
     """
     target = len(first_prompts) if target is None else target
@@ -178,7 +185,7 @@ def collect_groups(
             break
         if 0 < max_num_gen_batches <= num_gen_batches:
             if kept_groups == 0:
-                raise RuntimeError(
+                raise NothingToTrain(
                     f"dynamic sampling: in {num_gen_batches} generation batches "
                     f"(algorithm.filter_groups.max_num_gen_batches={max_num_gen_batches}) every one of the "
                     f"{dropped_groups} prompt groups scored the same on algorithm.filter_groups.metric={metric}, "
@@ -201,7 +208,7 @@ def collect_groups(
     if kept_groups < target:
         trained = kept_groups // group_multiple * group_multiple
         if trained == 0:
-            raise (RuntimeError if prompts is not None else DataExhausted)(
+            raise (NothingToTrain if prompts is not None else DataExhausted)(
                 f"dynamic sampling: {kept_groups} prompt group(s) kept in {num_gen_batches} generation batches, fewer "
                 f"than one mini-batch of {group_multiple} prompts that every worker can share; raise "
                 "algorithm.filter_groups.max_num_gen_batches or set algorithm.filter_groups.enable=false")

@@ -843,6 +843,15 @@ class PPOTrainer:
         """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
         return self.resumed_from if self._resumes_its_path_again else checkpoint.latest_or_none(self.checkpoint_dir)
 
+    def _nothing_to_train(self, exc: dynamic_sampling.NothingToTrain, step: int) -> dynamic_sampling.NothingToTrain:
+        """Dynamic sampling's dead end said as the run's failure: the step, why, and the checkpoint a rerun resumes
+        from, where a raised ``max_num_gen_batches`` (a key a resume may change) lets the run go on."""
+        latest = self.rerun_checkpoint()
+        resume = (f"the latest checkpoint {latest} is intact: raise algorithm.filter_groups.max_num_gen_batches (it "
+                  f"may change on a resume), then {self.rerun_advice} to resume from it" if latest is not None
+                  else "no checkpoint was saved yet")
+        return dynamic_sampling.NothingToTrain(f"training step {step} failed: {exc}\n{resume}")
+
     def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError | GuardError:
         """The error to stop the run with: the worker's, the step, and the checkpoint a rerun resumes from (a
         worker's NaN logits as :meth:`_diverged` says them: Ray's error carries the worker's as its ``cause``)."""
@@ -1111,6 +1120,8 @@ class PPOTrainer:
             raise self._worker_failure(exc, "training", self.global_step + 1) from exc
         except NonFiniteLogits as exc:
             raise self._diverged(exc, "training", self.global_step + 1) from exc
+        except dynamic_sampling.NothingToTrain as exc:
+            raise self._nothing_to_train(exc, self.global_step + 1) from exc
         self.global_step += 1
         self.step_under_way = None
         step = self.global_step
