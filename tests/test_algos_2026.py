@@ -1247,6 +1247,24 @@ def test_dynamic_sampling_generates_gen_batch_size_prompts_a_round(tiny, monkeyp
     assert trainer.sampler.batch_size == 4 and trainer.total_steps == 8  # 32 prompts: 8 rounds an epoch
 
 
+def test_a_step_whose_dynamic_sampling_draws_into_the_next_epoch_logs_that_epoch(tiny, tmp_path):
+    """The reward scores every response 0 for the first 128 calls (the 4 generation batches of 8 prompts x 4 of
+    epoch 0: no group kept), then 0/1 alternately: step 1 keeps its 8 groups in the first batch of epoch 1. verl's
+    loop logs the epoch it is in when the step ends (1); the step logged the epoch of its first batch (0)."""
+    reward = tmp_path / "late.py"
+    reward.write_text("import itertools\n_calls = itertools.count()\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    i = next(_calls)\n"
+                      "    return float(i % 2) if i >= 128 else 0.0\n")
+    trainer = _trainer(tiny, f"custom_reward_function.path={reward}", "algorithm.filter_groups.enable=true",
+                       "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=0",
+                       "trainer.total_epochs=2", "trainer.test_freq=-1")
+    metrics = trainer.fit_step().metrics
+    assert metrics["train/num_gen_batches"] == 5 and metrics["train/filter_groups/dropped"] == 32
+    assert trainer.sampler.state_dict()["epoch"] == 1 and trainer.sampler.state_dict()["batch_in_epoch"] == 1
+    assert metrics["training/epoch"] == 1
+
+
 def _fading_trainer(tiny, tmp_path, test_freq: int):
     """Dynamic sampling on a reward that scores 0/1 alternately for the first 64 responses, then all 0."""
     reward = tmp_path / "fading.py"

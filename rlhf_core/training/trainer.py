@@ -1111,7 +1111,7 @@ class PPOTrainer:
         rollback is carried out here and returned in the result; its stop raises :class:`GuardError`."""
         trainer_cfg = self.config.trainer
         self.step_under_way = self.global_step + 1
-        epoch, rows = self.sampler.next_batch()
+        _, rows = self.sampler.next_batch()
         skipped_before = self._skipped_total()
         try:
             with profiled(self.global_step + 1, trainer_cfg.profile_steps, trainer_cfg.profile_dir):
@@ -1122,6 +1122,7 @@ class PPOTrainer:
             raise self._diverged(exc, "training", self.global_step + 1) from exc
         except dynamic_sampling.NothingToTrain as exc:
             raise self._nothing_to_train(exc, self.global_step + 1) from exc
+        epoch = self.sampler.epoch
         self.global_step += 1
         self.step_under_way = None
         step = self.global_step
@@ -1135,6 +1136,7 @@ class PPOTrainer:
             new_best, event = self._validate_step(step, metrics, event)
             save = save or new_best
         metrics["training/global_step"] = step
+        # the epoch of the step's last batch, as verl's loop logs it: dynamic sampling may draw into the next one
         metrics["training/epoch"] = epoch
         metrics["training/rollbacks"] = self.guard.rollbacks + self.overopt.rollbacks
         result = StepResult(step, metrics, event)
