@@ -640,6 +640,25 @@ def test_lora_trains_adapters_and_head_and_exports_merged(tiny, pairs_dir, tmp_p
     assert any(p.abs().sum() > 0 for n, p in trainer.worker.module.named_parameters() if "lora_B" in n)
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_reward_model_with_gradient_checkpointing_starts_without_a_deprecation_warning(tiny, lora_rank):
+    # transformers 5 warns (FutureWarning) at each call of its deprecated gradient_checkpointing_enable: every
+    # reward-model run with checkpointing on started with a warning about the library's call, not the run
+    import warnings
+
+    cfg = load_config(["trainer.device=cpu", f"reward_model.train.model.path={tiny}",
+                       "reward_model.train.model.enable_gradient_checkpointing=true",
+                       f"reward_model.train.model.lora_rank={lora_rank}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        worker = RewardModelWorker(cfg.reward_model.train, load_tokenizer(tiny).pad_token_id, total_steps=1)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)
+            and "is deprecated" in str(w.message)] == []
+    # and the layers do recompute their activations: every decoder layer has checkpointing on
+    layers = worker.forward_module.model.layers
+    assert len(layers) == 1 and all(layer.gradient_checkpointing for layer in layers)
+
+
 # ----------------------------------------------------------------------------- dropout
 
 #: the base configs' dropout rates: the toy Llama's attention dropout (a float its attention passes to sdpa),

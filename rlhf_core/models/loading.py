@@ -185,12 +185,18 @@ def max_positions(path: str | os.PathLike, trust_remote_code: bool = False,
     return getattr(config, "max_position_embeddings", None)
 
 
+def enable_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute ``model``'s activations in backward (non-reentrant), by the name this transformers has: the
+    older ``gradient_checkpointing_enable`` warns that it is deprecated where the newer name exists."""
+    if hasattr(model, "activation_checkpointing_enable"):  # the 5.x name
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def _finish(model: PreTrainedModel, gradient_checkpointing: bool, device: torch.device) -> PreTrainedModel:
     if gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # the 5.x name
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     model.config.use_cache = True
     # eval mode: the rollout-time passes (generation, log-probs, values) draw no dropout; the updates switch to
     # train mode, where a model's dropout runs unless its disable_dropout key turns it off

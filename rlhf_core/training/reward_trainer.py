@@ -93,6 +93,7 @@ from rlhf_core.models.loading import (
     check_tokenizer_dir,
     config_with,
     disable_dropout,
+    enable_checkpointing,
     load_tokenizer,
     max_positions,
     resolve,
@@ -331,7 +332,7 @@ class RewardModelWorker(CheckpointableWorker):
         # PPO reads (eval mode): off in training too; the base's rates, which the export records, by config path
         self.base_dropout = disable_dropout(module) if config.disable_dropout else {}
         if model_cfg.enable_gradient_checkpointing:
-            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_checkpointing(module)
         self.lora = model_cfg.lora_rank > 0
         if self.lora:  # the head stays out of the adapters and is trained in full
             module = lora.apply_lora(module, model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules,
