@@ -10,6 +10,7 @@ import re
 import socket
 import sqlite3
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -531,6 +532,39 @@ def test_tensorboard_keeps_the_stopped_runs_later_steps_until_a_resume_logs_past
         resumed.log({"critic/score/mean": 0.31}, step=3)
     assert points("critic/score/mean") == [(1, 0.1), (2, 0.2), (3, 0.31)]
     assert points("val-core/s/acc/mean@1") == [(2, 0.5), (2, 0.6)]
+
+
+def test_a_resume_opened_in_the_second_of_the_earlier_writers_is_read_after_them(tmp_path):
+    """TensorBoard reads a folder's event files in name order: events.out.tfevents.<second>.<host>.<pid>.<n>, n
+    counting the writers the process opened. Opened in one second as n goes from 9 to 10, the earlier run's file
+    (.9) sorted after the resumed run's (.10): the stopped run's step 3 was read last and stayed on the curve."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    def points(key):
+        acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        acc.Reload()
+        return [(e.step, round(e.value, 4)) for e in acc.Scalars(key)]
+
+    def number(path):  # the writer's place among those the process opened
+        return int(path.name.rsplit(".", 1)[1])
+
+    # writers elsewhere until the next one the process opens is numbered 9 (or 99, ...): the earlier run's
+    elsewhere = tmp_path / "elsewhere"
+    while True:
+        SummaryWriter(log_dir=str(elsewhere)).close()
+        last = max(number(path) for path in elsewhere.iterdir())
+        if re.fullmatch(r"10+", str(last + 2)):
+            break
+    time.sleep(1 - time.time() % 1)  # the start of a second: the run and its resume open their writers in it
+    with Tracking(["tensorboard"], "p", "e", tmp_path) as first:
+        for step in (1, 2, 3):
+            first.log({"critic/score/mean": step / 10}, step=step)
+    with Tracking(["tensorboard"], "p", "e", tmp_path, resume_step=2) as resumed:
+        resumed.log({"critic/score/mean": 0.31}, step=3)
+    assert sorted(number(path) for path in (tmp_path / "tensorboard").iterdir()) == [last + 1, last + 2]
+    assert points("critic/score/mean") == [(1, 0.1), (2, 0.2), (3, 0.31)]
 
 
 def test_an_earlier_runs_records_are_set_aside_under_the_next_free_name(tmp_path):

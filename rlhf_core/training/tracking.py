@@ -33,7 +33,9 @@ Backends (``VALID_LOGGERS``):
     ``<local_dir>/tensorboard`` aside, as the file's records; ``$TENSORBOARD_DIR``, the user's folder, is left
     as it is, with a notice where it already holds events (TensorBoard would draw both runs as one). A resumed run hides the points the run that stopped
     logged after its checkpoint as it logs its first step past it (not before: a run that only validates its
-    checkpoint leaves them). Needs the ``tensorboard`` package.
+    checkpoint leaves them). Each writer's event file sorts after the folder's earlier ones, as TensorBoard reads
+    them in name order (a writer opened in the second of an earlier file waits for the next). Needs the
+    ``tensorboard`` package.
 ``wandb``
     ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
     ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
@@ -572,10 +574,24 @@ class TensorBoardLogger(Backend):
             purge, self._resumed_at = self._resumed_at + 1, None
             if self._writer is not None:
                 self._writer.close()
-            self._writer = self._summary_writer(log_dir=str(self.log_dir), purge_step=purge)
+            self._writer = self._open_writer(purge_step=purge)
         elif self._writer is None:
-            self._writer = self._summary_writer(log_dir=str(self.log_dir))
+            self._writer = self._open_writer()
         return self._writer
+
+    def _open_writer(self, purge_step: int | None = None) -> Any:
+        """A writer whose event file TensorBoard reads after the folder's earlier ones. TensorBoard reads a folder's
+        files in name order, events.out.tfevents.<second>.<host>.<pid>.<n> with n counting the writers the process
+        opened: two opened in one second sort by host, process and n as text (.10 before .9), so a resume's purge
+        and points could be read before the run they replace. A writer opened in the second of a file already
+        there (a retry in the same process, a test) waits for the next second, which its name then starts with."""
+        seconds = [int(part) for path in self.log_dir.glob("events.out.tfevents.*")
+                   if len(parts := path.name.split(".")) > 3 and (part := parts[3]).isdigit()]
+        if seconds:
+            # a file stamped further ahead (another machine's clock) is not waited for
+            while 0 < (wait := max(seconds) + 1 - time.time()) <= 2:
+                time.sleep(wait)
+        return self._summary_writer(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         writer = self._writer_for(step)
