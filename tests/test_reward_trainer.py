@@ -1212,6 +1212,25 @@ def test_a_logger_failure_names_the_checkpoint_a_rerun_resumes_from(tiny, pairs_
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_resume_from_a_checkpoint_renamed_from_global_step_n_is_refused_before_it_trains(
+        tiny, pairs_dir, tmp_path, capsys):
+    """resume_from_path is a global_step_N directory: the step in its name is the one the stop messages compare and
+    name. A copy renamed to best/ was resumed and trained, and its first failure (a logger that could not write, a
+    Ctrl-C) stopped with "best is not a checkpoint directory" in place of the message that names the checkpoint."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert train_rm(_overrides(tiny, pairs_dir, first, "reward_model.train.total_training_steps=1")) == 0
+    shutil.copytree(first / "global_step_1", tmp_path / "best")
+    capsys.readouterr()
+    assert train_rm(_overrides(tiny, pairs_dir, second, "reward_model.train.total_training_steps=2",
+                               "reward_model.train.resume_mode=resume_path",
+                               f"reward_model.train.resume_from_path={tmp_path / 'best'}")) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"  - reward_model.train.resume_from_path: {tmp_path / 'best'} is not a checkpoint directory: its name must "
+        "be global_step_N")
+    assert not second.exists()
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("earlier_run", [False, True])  # the new folder empty, or holding an earlier run's
 def test_a_failure_after_a_resume_from_another_folder_names_the_checkpoint_it_resumed_from(
         tiny, pairs_dir, tmp_path, capsys, earlier_run):
