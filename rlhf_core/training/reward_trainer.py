@@ -656,8 +656,7 @@ class RewardModelTrainer:
             self.total_steps = min(self.total_steps, self.rm.total_training_steps)
         self.global_step = 0
         self.resumed_from: Path | None = None  # the checkpoint resume() loaded
-        self.last_saved_step: int | None = None  # the step whose weights are saved: by save(), or resume()'s
-        self.last_saved: Path | None = None  # the checkpoint holding them
+        self.last_saved: Path | None = None  # the checkpoint the weights were last saved in: by save(), or resume()'s
         #: what the stops on skipped steps read, kept in every checkpoint (as PPO's trainer.guard keeps its streak):
         #: the skipped steps in a row up to the step reached, and the step from which none took an update (the
         #: run's start, 0; None once one did)
@@ -829,12 +828,12 @@ class RewardModelTrainer:
             return GuardError(said + "a resume meets the same pairs on the same weights at these steps, so to "
                                      f"train past them raise {KEY}.max_consecutive_skips above "
                                      f"{self.consecutive_skips} or set it to null (a resume may change it); "
-                                     + self._resume_point())
-        return GuardError(said + self._resume_point())
+                                     + self._resume_point(latest))
+        return GuardError(said + self._resume_point(latest))
 
-    def _resume_point(self) -> str:
-        """The checkpoint a rerun resumes from (:meth:`rerun_checkpoint`) and how, or that there is none yet."""
-        latest = self.rerun_checkpoint()
+    def _resume_point(self, latest: Path | None) -> str:
+        """How a rerun resumes from ``latest``, the checkpoint it resumes from (:meth:`rerun_checkpoint`), or that
+        there is none yet."""
         return (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
                 if latest is not None else "no checkpoint was saved yet")
 
@@ -870,7 +869,7 @@ class RewardModelTrainer:
                 log(metrics, step)
             except Exception as exc:
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
-                                   f"{self._resume_point()}") from exc
+                                   f"{self._resume_point(self.rerun_checkpoint())}") from exc
         return logged
 
     def already_complete(self) -> str:
@@ -898,7 +897,7 @@ class RewardModelTrainer:
             return
         name, number = self.stop_requested
         saved = None
-        if self.last_saved_step == self.global_step:
+        if self._saved_step == self.global_step:
             saved = self.rerun_checkpoint()
         elif self.global_step > 0:
             saved = self.save()
@@ -917,18 +916,23 @@ class RewardModelTrainer:
     def _resumes_its_path_again(self) -> bool:
         """Whether the run resumed from ``resume_from_path`` and has saved nothing since."""
         return (self.rm.resume_mode == "resume_path" and self.resumed_from is not None
-                and self.last_saved_step == ckpt.step_of(self.resumed_from))
+                and self._saved_step == ckpt.step_of(self.resumed_from))
 
     def rerun_checkpoint(self) -> Path | None:
         """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
         return self.resumed_from if self._resumes_its_path_again else ckpt.latest_or_none(self.local_dir)
 
     # ------------------------------------------------------------------ checkpoints
+    @property
+    def _saved_step(self) -> int | None:
+        """The step whose weights :attr:`last_saved` holds (its global_step_N name; None where none is saved)."""
+        return ckpt.step_of(self.last_saved) if self.last_saved is not None else None
+
     def _holds_step_here(self) -> bool:
         """Whether ``default_local_dir``'s checkpoint of the step reached holds the run's weights: one this run saved,
         or the one it resumed from there (untrained since). Not one of an earlier run at that step, which a run
         resumed from ``resume_from_path`` in another folder meets there."""
-        return (self.last_saved_step == self.global_step and self.last_saved is not None
+        return (self._saved_step == self.global_step
                 and self.last_saved.parent.resolve() == self.local_dir.resolve())
 
     def _fill(self, files: ckpt.CheckpointFiles) -> list[str]:
@@ -954,7 +958,7 @@ class RewardModelTrainer:
         that hold NaN or inf (:meth:`_check_weights`)."""
         self._check_weights()
         path = ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill)
-        self.last_saved_step, self.last_saved = self.global_step, path
+        self.last_saved = path
         return path
 
     def resume_path(self) -> Path | None:
@@ -1006,7 +1010,7 @@ class RewardModelTrainer:
                                        f"trained: {exc}") from exc
         state = ckpt.read_trainer_state(path)
         self.global_step, self.resumed_from = int(state["global_step"]), path
-        self.last_saved_step, self.last_saved = self.global_step, path
+        self.last_saved = path
         # the stop rules' count goes on from the checkpoint's; one saved without it counts from its step
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self.no_update_since = state.get("no_update_since", self.global_step)
