@@ -198,7 +198,7 @@ def test_with_gradient_checkpointing_only_the_passes_without_gradients_share(mod
     for key in ("actor_rollout_ref", "critic"):
         assert (f"{key}.model.use_shared_prefix=true runs in the passes without gradients only: gradient "
                 "checkpointing is on") in err
-    assert actor.module.is_gradient_checkpointing  # (the passes without gradients checkpoint nothing: cache kept)
+    assert actor.module.is_activation_checkpointing  # (the passes without gradients checkpoint nothing: cache kept)
 
     shapes = []
     for module in (actor.forward_module, critic.forward_module):
