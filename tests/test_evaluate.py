@@ -272,6 +272,45 @@ def test_a_problem_the_reward_leaves_ungraded_is_refused_not_counted_wrong(setup
         evaluate_policy(model, str(val), DATA, reward_fn=ungraded_odd, max_problems=10)
 
 
+def test_a_partial_acc_is_refused_not_counted_as_a_problem_solved(setup):
+    """A reward's acc of 0.2 on every response (partial credit, which the trainer's validation averages to 0.2)
+    was counted right, as any acc above 0: the evaluation said 100% and paired every problem as solved. An acc of
+    False/True (or 0/1) still counts as it says: right on the even indices, 20 of the 40 problems."""
+    model, val = setup
+
+    def fifth(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.2, "acc": 0.2}
+
+    def even(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5, "acc": extra_info["index"] % 2 == 0}
+
+    with pytest.raises(ValueError, match=r"an acc other than 0 or 1 on 10 problem\(s\), e.g. \S+ \(acc 0\.2\)"):
+        evaluate_policy(model, str(val), DATA, reward_fn=fifth, max_problems=10)
+    indices = pd.read_parquet(val)["extra_info"].map(lambda extra: extra["index"])
+    result = evaluate_policy(model, str(val), DATA, reward_fn=even)
+    assert (result.n, result.accuracy) == (40, sum(index % 2 == 0 for index in indices) / 40) == (40, 0.5)
+
+
+def test_the_evaluate_command_says_a_reward_without_a_verdict_in_one_line(setup, tmp_path, capsys):
+    """A custom reward giving acc NaN (no verdict) or 0.2 (partial credit) ended the command in a traceback with
+    exit status 1; it is the reward's result at fault, said in one line with exit status 2, as a reward function
+    returning what is not a score is."""
+    from rlhf_core.cli.pipeline import evaluate
+
+    model, val = setup
+    short = ["--max-response-length", "2", "--max-prompt-length", "320", "--max-problems", "4"]
+    for acc, said in (("float('nan')", "the reward gave no verdict (acc NaN) on 4 problem(s)"),
+                      ("0.2", "the reward gave an acc other than 0 or 1 on 4 problem(s)")):
+        reward = tmp_path / "reward.py"
+        reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                          f"    return {{'score': 0.2, 'acc': {acc}}}\n")
+        assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        [line] = [line for line in err.splitlines() if line.startswith("error:")]  # (after the weights' loading bar)
+        assert line.startswith(f"error: {said}, e.g. "), err
+
+
 def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_path):
     import json
 

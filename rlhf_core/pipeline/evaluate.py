@@ -68,6 +68,7 @@ from rlhf_core.rewards import (
     get_reward_fn,
     spec_module_name,
 )
+from rlhf_core.rewards.manager import RewardError
 from rlhf_core.rewards.result import RewardResultError, read_reward_result
 from rlhf_core.training.guards import KL_LOSS_TOKEN_MEAN
 
@@ -115,6 +116,11 @@ def resolve_policy_dir(path: str | Path) -> Path:
 
 
 # ----------------------------------------------------------------------------- policy accuracy
+
+
+class NotRightOrWrong(RewardError, ValueError):
+    """The reward's ``acc`` on a greedy response is neither 0 nor 1 (NaN: no verdict; 0.2: partial credit), where
+    the evaluation counts each problem right or wrong: the reward function's result, not the run, is at fault."""
 
 
 @dataclass
@@ -347,7 +353,9 @@ def evaluate_policy(
     ``actor_rollout_ref.model.trust_remote_code`` lets training; without it such a folder is a :class:`ModelError`.
     ``names`` maps training's data keys (``data.val_files``, ``data.max_prompt_length``, ...) to what the caller
     calls them (a command's options): the notices and DataErrors about the validation data name those instead.
-    A tokenizer folder (``tokenizer_path``, else the model's) without tokenizer files is a :class:`ModelError`.
+    A tokenizer folder (``tokenizer_path``, else the model's) without tokenizer files is a :class:`ModelError`; a
+    reward whose ``acc`` on a greedy response is neither 0 nor 1 (NaN, or a partial credit such as 0.2, which the
+    trainer's validation averages as it is) a :class:`NotRightOrWrong`, since each problem counts right or wrong.
     """
     from rlhf_core.data.dataset import RLHFDataset
     from rlhf_core.models.loading import ModelError, check_tokenizer_dir, load_actor, load_tokenizer
@@ -403,11 +411,20 @@ def evaluate_policy(
         _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
                             batch.meta["ground_truth"], batch.meta["extra_info"])
         lengths += batch["response_mask"].sum(-1).float().tolist()
-        ungraded = [dataset.rows[index]["id"] for row, index in enumerate(indices) if math.isnan(extras["acc"][row])]
+        verdicts = [(dataset.rows[index]["id"], float(extras["acc"][row])) for row, index in enumerate(indices)]
+        ungraded = [problem for problem, acc in verdicts if math.isnan(acc)]
         if ungraded:  # counted wrong, it would lower the accuracy and thin out the gain promotion measures
-            raise ValueError(f"the reward gave no verdict (acc NaN) on {len(ungraded)} problem(s), e.g. "
-                             f"{', '.join(map(str, ungraded[:3]))}: the evaluation needs each problem graded right "
-                             "or wrong to pair it with another model's result; return an acc of 0 or 1 there")
+            raise NotRightOrWrong(f"the reward gave no verdict (acc NaN) on {len(ungraded)} problem(s), e.g. "
+                                  f"{', '.join(map(str, ungraded[:3]))}: the evaluation needs each problem graded "
+                                  "right or wrong to pair it with another model's result; return an acc of 0 or 1 "
+                                  "there")
+        partial = [(problem, acc) for problem, acc in verdicts if acc not in (0.0, 1.0)]
+        if partial:  # counted right, an acc of 0.2 would be a problem solved: 100% where training's validation says 20%
+            raise NotRightOrWrong(f"the reward gave an acc other than 0 or 1 on {len(partial)} problem(s), e.g. "
+                                  f"{', '.join(f'{problem} (acc {acc:g})' for problem, acc in partial[:3])}: the "
+                                  "evaluation counts each problem right or wrong to pair it with another model's "
+                                  "result, and a partial acc is neither; return an acc of 0 or 1 (False or True), "
+                                  "and any partial credit as the score")
         for row, index in enumerate(indices):
             scores.append(float(extras["score"][row]))
             rows.append({
