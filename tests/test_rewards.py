@@ -777,6 +777,8 @@ def test_decodes_in_one_batch_call(char_tokenizer):
     ("torch.tensor(float(answer == ground_truth))", [True, False]),
     ("{'score': 1.0 if answer == ground_truth else 0.2, 'acc': None}", [True, False]),
     ("{'score': 1.0, 'acc': np.isclose(float(answer), float(ground_truth))}", [True, False]),
+    # a partial acc is no full marks: the evaluation refuses it, where the check passed it as right (acc above 0)
+    ("{'score': 0.2, 'acc': 0.2 + 0.8 * (answer == ground_truth)}", [True, False]),
     # results training refuses earn no marks, whatever their acc says
     ("{'acc': 1.0}", [False, False]),
     ("{'score': float('nan'), 'acc': True}", [False, False]),

@@ -66,8 +66,9 @@ class RewardResult:
 
     @property
     def full_marks(self) -> bool:
-        """Right, as the evaluation counts it (acc above 0); a NaN acc (not graded) is not."""
-        return self.acc > 0
+        """Right, as the evaluation counts it: an acc of 1. A partial acc (0.2) or a NaN one (not graded) is not,
+        and the evaluation refuses both (it counts each problem right or wrong)."""
+        return self.acc == 1.0
 
 
 def read_reward_result(result: object, full_score: float = 1.0) -> RewardResult:
