@@ -1467,3 +1467,23 @@ def test_a_retry_that_refuses_after_an_attempt_stopped_before_the_stage_leaves_n
     # beside a refusal that made none
     for key in ("gain", "gain_ci", "p_value", "baseline_accuracy"):
         assert meta[key] == "none (refused without a comparison)", (key, meta[key])
+
+
+def test_a_candidate_promoted_over_production_takes_its_stage_and_the_old_version_is_archived():
+    """Version 2 right on the 20 problems production version 1 got wrong: promoted against version 1 (McNemar
+    exact p = 2 * 0.5^20), it becomes production and version 1 is archived, not left in production beside it."""
+    from zenml import Model
+    from zenml.enums import ModelStages
+
+    model = "promote-over-production"
+    _add_version(model, production=True, promoted=True, promotion="done")
+    evaluation = {**PROMOTING_EVALUATION, "production_version": "1",
+                  "production_results": {f"p{i}": False for i in range(20)}}
+    _promote_pipeline().with_options(model=Model(name=model))(evaluation=evaluation, dataset_fingerprint=_sha("A"))
+    first, second = (zenml_client().get_model_version(model, number) for number in (1, 2))
+    assert (str(second.stage), str(first.stage)) == (ModelStages.PRODUCTION.value, ModelStages.ARCHIVED.value)
+    meta = second.run_metadata
+    assert (meta["promoted"], meta["promotion"], meta["baseline"]) == (True, "done", "production")
+    assert meta["previous_production_version"] == "1" and meta["p_value"] == pytest.approx(2 * 0.5 ** 20)
+    assert meta["decision_reason"].startswith("promoted: accuracy 1.0000 vs 0.0000 of production version 1 on the "
+                                              "same 20 problems: gain +1.0000")
