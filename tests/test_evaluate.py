@@ -676,6 +676,24 @@ def test_the_accuracy_figure_shows_each_data_source_where_there_are_several():
     assert len(accuracy_figure({"base model": single}).axes) == 1  # one source: the overall panel says it all
 
 
+def test_the_accuracy_figure_gives_each_models_n_where_they_were_evaluated_on_different_numbers_of_problems():
+    """Production's checkpoint evaluated in the run that kept 38 of the candidate's 40 problems is drawn beside
+    the others (the report's note says why it is not compared): the title said n=40 of every bar."""
+    from rlhf_core.pipeline.evaluate import EvalResult, accuracy_figure
+
+    base = EvalResult("b", 0.4, 40, 0.4, {"math": 0.4}, 3.0, interval=(0.26, 0.56))
+    production = EvalResult("q", 0.5, 38, 0.5, {"math": 0.5}, 3.0, interval=(0.35, 0.65))
+    policy = EvalResult("p", 0.6, 40, 0.6, {"math": 0.6}, 3.0, interval=(0.45, 0.74))
+    [axes] = accuracy_figure({"base model": base, "production (version 1)": production,
+                              "trained policy": policy}).axes
+    assert axes.get_title() == "validation accuracy (n under each model)"
+    assert [tick.get_text() for tick in axes.get_xticklabels()] == [
+        "base model\n(n=40)", "production\n(version 1)\n(n=38)", "trained\npolicy\n(n=40)"]
+    [axes] = accuracy_figure({"base model": base, "trained policy": policy}).axes
+    assert axes.get_title() == "validation accuracy (n=40)"
+    assert [tick.get_text() for tick in axes.get_xticklabels()] == ["base model", "trained\npolicy"]
+
+
 def test_the_models_names_under_the_accuracy_bars_do_not_run_into_one_another_beside_the_sources_panel():
     """The evaluate step's three models (base, production, trained) over two data sources: each name under its bar
     stands clear of the next one (level text, so its drawn box is the text's)."""

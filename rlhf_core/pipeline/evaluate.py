@@ -822,12 +822,17 @@ def accuracy_figure(results: Mapping[str, EvalResult]):
     errors = errors.clip(min=0.0)  # an interval end a rounding error inside the value must not refuse the plot
     bars = axes.bar(range(len(names)), values, yerr=errors, capsize=6, color=colors[: len(names)])
     # each name on lines of its own words, level: names turned aslant ran into one another in the narrower panel
-    axes.set_xticks(range(len(names)), [textwrap.fill(name, 12, break_long_words=False) for name in names])
+    # one n in the title where every model was evaluated on as many problems, else each model's under its name
+    # (production's checkpoint evaluated here that kept fewer of the problems is shown, but on its own n)
+    counts = sorted({results[name].n for name in names})
+    axes.set_xticks(range(len(names)), [textwrap.fill(name, 12, break_long_words=False)
+                                        + (f"\n(n={results[name].n})" if len(counts) > 1 else "") for name in names])
     for bar, value, above in zip(bars, values, errors[1]):
         axes.text(bar.get_x() + bar.get_width() / 2, value + above + 0.01, f"{value:.1%}", ha="center", fontsize=9)
     axes.set_ylim(0, max(1.0, max(values, default=0) + 0.1))
     axes.set_ylabel("greedy accuracy (95% interval)")
-    axes.set_title(f"validation accuracy (n={next(iter(results.values())).n if results else 0})")
+    axes.set_title(f"validation accuracy (n={counts[0] if counts else 0})" if len(counts) <= 1
+                   else "validation accuracy (n under each model)")
     if by_source:
         per = figure.add_subplot(grid[1])
         width = 0.8 / len(names)
