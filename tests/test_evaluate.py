@@ -442,7 +442,8 @@ def test_validation_sets_differing_in_extra_info_alone_do_not_pair(setup, tmp_pa
 
 def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setup, tmp_path, capsys):
     """Before any model loads, a count below 1 is an argparse error; data sources without a built-in rule name the
-    option that grades them; with it, the file's function grades every problem (right on even indices: 20 of 40)."""
+    option that grades them; with it, the file's function grades every problem (right on even indices: 20 of 40),
+    and the --html report says when they were a --max-problems sample of the file's."""
     import pandas as pd
 
     from rlhf_core.cli.pipeline import evaluate
@@ -471,6 +472,15 @@ def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setu
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward),
                      "--custom-reward-name", "graded"]) == 0
     assert capsys.readouterr().out.startswith("accuracy 50.00% ")
+    # the report says the problems were a sample of the file's, as the printed line does (its table gives n alone)
+    report = tmp_path / "report.html"
+    assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward), "--custom-reward-name", "graded",
+                     "--max-problems", "10", "--sample-seed", "3", "--html", str(report)]) == 0
+    assert " on 10 of 40 prompts " in capsys.readouterr().out
+    half = Z95 * math.sqrt(0.25 / 10)  # the normal interval's half-width at 50%: 31.0%
+    assert (f"<p>Evaluated on 10 of 40 problems (--max-problems, stratified by data source, --sample-seed 3): an "
+            f"accuracy near 50% is known to +-{half:.1%} (95%).</p>") in report.read_text()
+    assert f"{half:.1%}" == "31.0%"
     assert evaluate([str(model), str(val), *short, "--custom-reward", str(reward)]) == 2  # no compute_score in it
     err = capsys.readouterr().err  # the way on is this command's option, not training's key
     assert "error: --custom-reward: " in err and "functions it defines: graded" in err

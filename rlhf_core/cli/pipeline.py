@@ -183,8 +183,12 @@ def evaluate(argv: list[str] | None = None) -> int:
     print(f"accuracy {result.accuracy:.2%} (95% interval [{low:.1%}, {high:.1%}]) on {result.n} of "
           f"{result.total_problems} prompts ({result.model}); on {result.n} problems an accuracy near 50% is known "
           f"to +-{stats.half_width(result.n):.1%} (95%)")
-    if args.html:
-        Path(args.html).write_text(evaluation_html({"policy": result}))
+    if args.html:  # what the line above says of the problems, in the report too: its table gives n alone
+        sample = (f" (--max-problems, stratified by data source, --sample-seed {args.sample_seed})"
+                  if result.n < result.total_problems else "")
+        note = (f"Evaluated on {result.n} of {result.total_problems} problems{sample}: an accuracy near 50% is known "
+                f"to +-{stats.half_width(result.n):.1%} (95%).")
+        Path(args.html).write_text(evaluation_html({"policy": result}, notes=[note]))
         print(f"report: {args.html}")
     return 0
 
