@@ -218,6 +218,27 @@ def test_max_rows_keeps_the_first_rows_of_each_split(tmp_path, capsys):
         gsm8k(["--input", str(source), "--output", str(tmp_path / "other"), "--max-rows", "0"])
 
 
+def test_verls_gsm8k_command_line_runs_as_it_is(tmp_path, capsys):
+    """verl's examples/data_preprocess/gsm8k.py takes the hub download as --local_dataset_path and the output folder as
+    --local_save_dir (or --local_dir); they were refused as unknown, with --input and --output said to be missing."""
+    hub = tmp_path / "gsm8k"  # openai/gsm8k as the hub stores it: a folder per config
+    (hub / "main").mkdir(parents=True)
+    for split, rows in (("train", 3), ("test", 2)):
+        pd.DataFrame({"question": [f"What is {i} + 1?" for i in range(rows)],
+                      "answer": [f"{i} + 1 = {i + 1}\n#### {i + 1}" for i in range(rows)]}).to_parquet(
+            hub / "main" / f"{split}-00000-of-00001.parquet")
+    for option in ("--local_save_dir", "--local_dir"):
+        out = tmp_path / option.strip("-")
+        assert gsm8k(["--local_dataset_path", str(hub), option, str(out)]) == 0
+        assert [r["ground_truth"] for r in pd.read_parquet(out / "train.parquet")["reward_model"]] == ["1", "2", "3"]
+        assert [r["ground_truth"] for r in pd.read_parquet(out / "test.parquet")["reward_model"]] == ["1", "2"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # verl's copy to HDFS is not made here: refused before anything is written
+        gsm8k(["--local_dataset_path", str(hub), "--local_save_dir", str(tmp_path / "hdfs"), "--hdfs_dir", "hdfs://x"])
+    assert "--hdfs_dir (verl's copy of the output to HDFS) is not done here" in capsys.readouterr().err
+    assert not (tmp_path / "hdfs").exists()
+
+
 def test_module_entry_point(tmp_path):
     source = _small_release(tmp_path / "in")
     command = [

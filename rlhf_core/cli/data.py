@@ -51,10 +51,16 @@ def gsm8k(argv: list[str] | None = None) -> int:
         prog=program("python -m rlhf_core.data.gsm8k"),
         description="Convert GSM8K (jsonl or parquet layout) into verl-style train.parquet and test.parquet.",
     )
+    # verl's examples/data_preprocess/gsm8k.py names the two folders --local_dataset_path and --local_save_dir
+    # (--local_dir before it): a command written for it runs here as it is
     parser.add_argument(
-        "--input", required=True, help="folder with train.jsonl/test.jsonl or [main/]train-*.parquet"
+        "--input", "--local_dataset_path", dest="input", required=True,
+        help="folder with train.jsonl/test.jsonl or [main/]train-*.parquet (a download of openai/gsm8k; nothing is "
+             "downloaded here)",
     )
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--output", "--local_save_dir", "--local_dir", dest="output", required=True,
+                        help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--hdfs_dir", help=argparse.SUPPRESS)
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument(
         "--skip-invalid",
@@ -72,6 +78,9 @@ def gsm8k(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_rows is not None and args.max_rows < 1:
         parser.error("--max-rows must be at least 1")
+    if args.hdfs_dir is not None:
+        parser.error("--hdfs_dir (verl's copy of the output to HDFS) is not done here: copy the --output folder "
+                     "there yourself")
     try:
         summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
                                    args.max_rows)

@@ -4,6 +4,9 @@ Usage::
 
     python -m rlhf_core.data.gsm8k --input IN --output OUT [--overwrite] [--skip-invalid]
 
+(verl's examples/data_preprocess/gsm8k.py spells them ``--local_dataset_path IN --local_save_dir OUT``, which are
+taken too.)
+
 ``IN`` may hold either layout of the dataset:
 
 * ``jsonl``: the original release, ``IN/train.jsonl`` and ``IN/test.jsonl``;
