@@ -4,6 +4,7 @@ metrics, the report, bad input; and two evaluations of one model under different
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -125,6 +126,18 @@ def test_a_capped_evaluation_keeps_each_source_share_and_every_problem(setup):
     right = sum(row["index"] % 2 == 0 for row in other.problems)
     assert 0 < right < 8  # an accuracy strictly inside (0, 1): every term of the interval counts
     assert other.accuracy == right / 8 and other.interval == pytest.approx(wilson(right, 8))
+
+
+def test_sampled_metrics_are_named_by_data_source_where_reward_fn_key_routes_the_reward(setup, tmp_path):
+    """As in training, and in verl: the val-core metrics name the data_source column, not data.reward_fn_key's."""
+    model, val = setup
+    frame = pd.read_parquet(val)
+    frame["reward_fn"] = "synthetic/arithmetic"
+    frame.to_parquet(tmp_path / "routed.parquet", index=False)
+    result = evaluate_policy(model, str(tmp_path / "routed.parquet"), dataclasses.replace(DATA, reward_fn_key="reward_fn"),
+                             reward_fn=digit_first, max_problems=10, val_kwargs=ValKwargsConfig(do_sample=True, n=2))
+    assert {key for key in result.sampled if key.startswith("val-core/") and "/acc/mean@" in key} == {
+        "val-core/synthetic/a/acc/mean@2", "val-core/synthetic/b/acc/mean@2"}
 
 
 def test_problems_sharing_an_id_are_refused_before_any_generation(setup, tmp_path):

@@ -156,3 +156,24 @@ def test_a_ppo_run_trains_and_validates_on_verls_layout(workspace, tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in metrics if "actor/pg_loss" in line] == [1]
     assert "val-core/openai/gsm8k/acc/mean@1" in metrics[-1]
+
+
+def test_validation_metrics_are_keyed_by_data_source_where_reward_fn_key_routes_the_reward(workspace, tmp_path):
+    """verl routes each row's reward by data.reward_fn_key's column but names its validation metrics by the row's
+    data_source ('unknown' in a file without one); they were named by the reward_fn_key column's value."""
+    rows = _verl_rows(8)
+    for row in rows:
+        row["reward_fn"] = "openai/gsm8k"  # the built-in GSM8K rule grades every row
+    for row in rows[4:]:
+        row["data_source"] = "my/gsm8k_copy"
+    val = _write(tmp_path / "test.parquet", rows[:6])
+    bare = [{key: value for key, value in row.items() if key != "data_source"} for row in rows[6:]]
+    out = tmp_path / "run"
+    overrides = [o for o in workspace.overrides(out) if not o.startswith("custom_reward_function.")]
+    code = ppo([*overrides, f"data.train_files={_write(tmp_path / 'train.parquet', rows)}",
+                f"data.val_files=[{val},{_write(tmp_path / 'bare.parquet', bare)}]", "data.reward_fn_key=reward_fn",
+                "trainer.val_only=true", "trainer.val_before_train=true"])
+    assert code == 0
+    (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {key for key in metrics if key.startswith("val-core/") and "/acc/mean@" in key} == {
+        "val-core/openai/gsm8k/acc/mean@1", "val-core/my/gsm8k_copy/acc/mean@1", "val-core/unknown/acc/mean@1"}

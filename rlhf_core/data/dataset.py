@@ -446,11 +446,15 @@ class RLHFDataset:
             # a null cell, or a file without the column (pandas fills it with NaN), is an empty extra_info
             extra = {} if is_missing(extra) else plain_value(extra)
             source, index = str(record[config.reward_fn_key]), problem_index(extra, record["_source_row"])
+            # verl names validation metrics by the data_source column whatever column routes the reward ('unknown'
+            # where there is none)
+            named = record.get("data_source")
             self.prompt_ids.append(list(ids))
             self.positions.append(chosen[position])
             self.rows.append({
                 "ground_truth": None if truth is None else plain_value(truth),  # as stored: str, number, list, dict
                 "data_source": source,
+                "metric_source": "unknown" if is_missing(named) else str(named),
                 "index": index,
                 "id": problem_id(source, index),
                 "extra_info": extra,
@@ -484,6 +488,8 @@ class RLHFDataset:
             "extra_info": [copy.deepcopy(self.rows[i]["extra_info"]) for i in indices],
             "uid": [int(i) for i in indices],
         }
+        if self.config.reward_fn_key != "data_source":  # (else the same as data_source)
+            meta["metric_source"] = [self.rows[i]["metric_source"] for i in indices]
         if self.config.return_raw_chat:
             meta["raw_prompt"] = [copy.deepcopy(self.rows[i]["messages"]) for i in indices]
         return Batch(tensors, meta)

@@ -197,7 +197,7 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
         batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
         _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
                             batch.meta["ground_truth"], batch.meta["extra_info"])
-        sources += batch.meta["data_source"]
+        sources += batch.meta.get("metric_source", batch.meta["data_source"])  # verl's names, as in training
         prompts += batch.meta["uid"]
         acc += [float(a) for a in extras["acc"]]
         reward += [float(s) for s in extras["score"]]

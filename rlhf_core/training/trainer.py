@@ -632,7 +632,9 @@ class PPOTrainer:
                 if self.config.trainer.log_val_generations > 0:
                     texts += zip(self.tokenizer.batch_decode(batch["prompts"], skip_special_tokens=True),
                                  extras["responses"])
-                sources += batch.meta["data_source"]
+                # named by the data_source column, as verl's metrics are, where data.reward_fn_key routes the reward
+                named = batch.meta.get("metric_source", batch.meta["data_source"])
+                sources += named
                 prompts += batch.meta["uid"]
                 acc += [float(a) for a in extras["acc"]]
                 shaped = torch.as_tensor(extras["score"]).float()
@@ -646,7 +648,7 @@ class PPOTrainer:
                 else:
                     answers = None
                 for key in reported_extras(extras, self.config.reward_model.overlong_buffer.enable):
-                    for source, value in zip(batch.meta["data_source"], extras[key]):
+                    for source, value in zip(named, extras[key]):
                         apart.setdefault((key, source), []).append(float(value))
                 bar.update(len(rows))
         metrics = validation_metrics(sources, prompts, acc, score, answers)
