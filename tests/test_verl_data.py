@@ -177,3 +177,27 @@ def test_validation_metrics_are_keyed_by_data_source_where_reward_fn_key_routes_
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {key for key in metrics if key.startswith("val-core/") and "/acc/mean@" in key} == {
         "val-core/openai/gsm8k/acc/mean@1", "val-core/my/gsm8k_copy/acc/mean@1", "val-core/unknown/acc/mean@1"}
+
+
+def test_the_data_step_passes_verls_layout_and_keeps_an_overlong_prompt_filter_overlong_prompts_drops(
+        workspace, tmp_path, monkeypatch):
+    import steps.validate_data as step
+    from rlhf_core.config import load_config
+
+    train = _with_agent_columns(_verl_rows(9))
+    for row in train:
+        row["reward_model"]["ground_truth"] = int(row["reward_model"]["ground_truth"])
+    train[8]["prompt"][0]["content"] = "x" * 400  # over data.max_prompt_length (320): dropped, 8 prompts remain
+    val = _verl_rows(12, "test")[9:]  # questions of its own
+    for row in val:
+        row["prompt"] = row["prompt"][0]["content"]
+    files = [f"data.train_files={_write(tmp_path / 'train.parquet', train)}",
+             f"data.val_files={_write(tmp_path / 'test.parquet', val)}", f"data.tokenizer={workspace.model}"]
+    overrides = [o for o in workspace.overrides(tmp_path / "run") if not o.startswith("custom_reward_function.")]
+    monkeypatch.setattr(step, "log_metadata", lambda metadata: None)  # no step context outside a pipeline run
+    result, _html, _fingerprint = step.validate_data.entrypoint(
+        load_config([*overrides, *files, "data.filter_overlong_prompts=true"]).to_dict())
+    assert result["success"] is True
+    # without the filter, the trainer refuses the over-long prompt (data.truncation=error), and so does the step
+    with pytest.raises(step.DataValidationError, match="prompt_length_within_limit"):
+        step.validate_data.entrypoint(load_config([*overrides, *files]).to_dict())
