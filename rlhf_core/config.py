@@ -808,8 +808,9 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.validation_shuffle": (_any, "validation goes through its problems in file order (the metrics are the same)"),
     **{f"data.{name}": (_any, "prompts are text; the column is not read") for name in ("image_key", "video_key")},
     "data.trust_remote_code": (_any, "the data tokenizer is loaded with actor_rollout_ref.model.trust_remote_code"),
-    **{f"data.custom_cls.{name}": (_null, "prompts are read from parquet or JSON lines in verl's format; "
-                                          "a custom dataset class is not supported") for name in ("path", "name")},
+    **{f"data.custom_cls.{name}": (_null, "prompts are read from parquet files in verl's format (JSON "
+                                          "Lines are refused: write them as parquet); a custom dataset class is not "
+                                          "supported") for name in ("path", "name")},
     **{f"data.sampler.{name}": (_null, "prompts are drawn in order or shuffled with data.seed; "
                                        "a custom sampler (curriculum) is not supported")
        for name in ("class_path", "class_name")},

@@ -460,7 +460,9 @@ def test_verl_keys_asking_for_what_is_not_here_are_refused_with_the_reason():
             "rollout reads here") in message
     assert "critic.enable=True is not supported: the critic is trained where the advantage estimator needs it " \
         "(algorithm.adv_estimator=grpo does not)" in message
-    assert "data.custom_cls.path='my_dataset.py' is not supported" in message
+    # named by the format the trainer reads: a JSON Lines file is refused there
+    assert ("data.custom_cls.path='my_dataset.py' is not supported: prompts are read from parquet files in verl's "
+            "format (JSON Lines are refused: write them as parquet)") in message
     assert "tis_imp_ratio_cap=2.0 is not supported: truncated importance sampling is " \
         "algorithm.rollout_correction.rollout_is=token" in message
     assert "actor_rollout_ref.model.lora_adapter_path='/sft/adapter' is not supported: LoRA adapters start fresh " \
