@@ -239,6 +239,20 @@ def test_verls_gsm8k_command_line_runs_as_it_is(tmp_path, capsys):
     assert not (tmp_path / "hdfs").exists()
 
 
+def test_a_tilde_in_the_folders_is_the_home_folder_as_the_trainer_reads_it(tmp_path, monkeypatch, capsys):
+    """--output=~/data/gsm8k (no shell expands '~' after '=') made a folder named '~' in the working directory, where
+    the trainer, expanding data.train_files' ~/data/gsm8k/train.parquet, and verl's script look in the home folder."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    work.mkdir()
+    _small_release(home / "gsm8k_release")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert gsm8k(["--input=~/gsm8k_release", "--local_save_dir=~/data/gsm8k"]) == 0
+    assert sorted(p.name for p in (home / "data" / "gsm8k").iterdir()) == ["test.parquet", "train.parquet"]
+    assert list(work.iterdir()) == []
+    assert f"train: 3 rows -> {home / 'data' / 'gsm8k' / 'train.parquet'}" in capsys.readouterr().out
+
+
 def test_module_entry_point(tmp_path):
     source = _small_release(tmp_path / "in")
     command = [

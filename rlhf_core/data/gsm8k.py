@@ -241,7 +241,9 @@ def preprocess_gsm8k(
     written), and :class:`GSM8KDataError` for unusable input, including rows whose answer lacks
     ``####`` unless ``skip_invalid``. Every split is read and checked before anything is written.
     """
-    output_dir = Path(output_dir)
+    # '~' is the home folder, as the trainer reads data.train_files (~/data/gsm8k/train.parquet by default) and as
+    # verl's script writes --local_save_dir, also where no shell expanded it (--output=~/data/gsm8k, a quoted path)
+    input_dir, output_dir = Path(input_dir).expanduser(), Path(output_dir).expanduser()
     outputs = {name: output_dir / f"{name}.parquet" for name in SPLITS}
     existing = [str(path) for path in outputs.values() if path.exists()]
     if existing and not overwrite:
