@@ -376,12 +376,18 @@ def test_update_does_not_depend_on_the_micro_batch_size(workspace):
         # mean of per-token terms of order 1 that nearly cancel (~5e-3), hence an absolute floor of 1e-6
         for key in ("actor/grad_norm", "critic/grad_norm", "actor/pg_loss", "critic/vf_loss"):
             assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
-        # the same step: within 1% of one Adam step (lr 1e-2); a gradient element near 0 (~Adam's eps) turns
-        # rounding differences of the accumulation into steps of up to ~1e-5
-        for module_a, module_b in ((reference.actor.module, other.actor.module),
-                                   (reference.critic.module, other.critic.module)):
+        # the same step: within 1% of one Adam step (lr 1e-2). Adam's first step is lr * g / (|g| + eps), about
+        # lr * sign(g); where |g| is within 10x Adam's eps (1e-8) the step is lr * g / eps itself, so the rounding
+        # of the accumulation, which differs between layouts and CPUs, moves it by a few per cent of lr (1.2e-4
+        # seen on an AMD EPYC): those elements (and the embedding rows of tokens not in the batch, g = 0) are held
+        # to 10% of lr
+        for (module_a, before), module_b in zip(((reference.actor.module, initial[0]),
+                                                 (reference.critic.module, initial[1])),
+                                                (other.actor.module, other.critic.module)):
             for (name, a), b in zip(module_a.state_dict().items(), module_b.state_dict().values()):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+                near_eps = (a - before[name]).abs() < 0.9 * 1e-2  # (sizes as the weight's)
+                torch.testing.assert_close(a[~near_eps], b[~near_eps], rtol=0, atol=1e-4, msg=name)
+                torch.testing.assert_close(a[near_eps], b[near_eps], rtol=0, atol=1e-3, msg=name)
 
 
 def test_cli_runs_end_to_end_and_writes_finite_verl_metrics(workspace, capsys):
