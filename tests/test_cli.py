@@ -498,6 +498,105 @@ def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_lef
     assert capsys.readouterr().err.splitlines() == [said]
 
 
+# A SIGTERM where the training steps' handler is not in place: Python's default ended the process at once, killed
+# by the signal, with no line naming the checkpoint left (and, after ray.init, Ray's C++ handler aborted it). It is
+# sent in a process of its own: without the command's handler it would end the test run.
+SIGTERM_AS_IT_LOADS = """\
+import signal
+import sys
+
+from rlhf_core import cli
+from rlhf_core.cli import train
+
+
+def loading(*args):  # the models or a checkpoint loading, or a step with trainer.save_on_interrupt=false
+    if sys.argv[1] == "ppo-in-ray-get":  # Ray raises a KeyboardInterrupt of its own for what the handler raised
+        try:
+            signal.raise_signal(signal.SIGTERM)
+        except KeyboardInterrupt:
+            pass
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGTERM)
+
+
+train.run = loading  # rlhf-ppo
+train.preflight = lambda cfg: None  # rlhf-train-rm
+train.RewardModelTrainer = loading
+command = sys.argv[1].removesuffix("-in-ray-get")
+sys.exit(cli._run(command, sys.argv[2:], "rlhf-" + command))
+"""
+
+
+@pytest.mark.parametrize(("saves_on_interrupt", "ppo"), [(True, "ppo"), (False, "ppo"), (False, "ppo-in-ray-get")])
+def test_a_sigterm_outside_the_training_steps_exits_143_naming_the_checkpoint_left(repo_root, tmp_path,
+                                                                                  saves_on_interrupt, ppo):
+    latest = _save_step(tmp_path / "ppo", 2)
+    runner = tmp_path / "runner.py"
+    runner.write_text(SIGTERM_AS_IT_LOADS)
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    done = subprocess.run([sys.executable, str(runner), ppo, f"trainer.default_local_dir={tmp_path / 'ppo'}",
+                           f"trainer.save_on_interrupt={saves_on_interrupt}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    said = ("interrupted by SIGTERM outside the training steps (while the run started or closed): stopped at once, no "
+            f"trained step lost; the latest checkpoint is {latest}" if saves_on_interrupt
+            else "interrupted by SIGTERM: stopped at once without saving (trainer.save_on_interrupt=false); the "
+                 f"latest checkpoint {latest} is as it was: rerun the same command to resume from it")
+    assert (done.returncode, done.stderr.splitlines()) == (143, [said]), done.stderr[-2000:]
+    done = subprocess.run([sys.executable, str(runner), "train-rm",
+                           f"reward_model.train.default_local_dir={tmp_path / 'rm'}"],
+                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (143, [
+        "interrupted by SIGTERM outside the training steps (while the run started or closed): stopped at once, no "
+        "trained step lost; no checkpoint is saved"]), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", ["rlhf-ppo", "rlhf-train-rm"])
+def test_a_sigterm_as_a_training_command_starts_exits_143_with_one_line(repo_root, tmp_path, script):
+    module, function = {"rlhf-ppo": ("rlhf_core.cli", "rlhf_ppo"),
+                        "rlhf-train-rm": ("rlhf_core.cli", "rlhf_train_rm")}[script]
+    runner = tmp_path / script  # SIGTERM in place of the Ctrl-C, as the command first imports torch
+    runner.write_text(CTRL_C_AS_IT_STARTS.replace("signal.SIGINT)\n", "signal.SIGTERM)\n", 1)
+                      + f"from {module} import {function}\nsys.exit({function}())\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root)}
+    done = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        143, [f"interrupted by SIGTERM: {script} stopped as it started: nothing was done"]), done.stderr[-2000:]
+
+
+def test_ray_init_leaves_the_commands_sigterm_handler_in_place(monkeypatch):
+    """ray.init puts in a SIGTERM handler of its own, sys.exit(15): a SIGTERM between the workers' start and the
+    training steps (or with trainer.save_on_interrupt=false) then ended rlhf-ppo with status 15 and no line, or with
+    Ray's C++ handler, an abort. The command's handler stays; a default one is Ray's to replace, as before."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from rlhf_core.workers.group import ensure_ray
+
+    def rays_handler(signum, frame):
+        sys.exit(signum)
+
+    def init(**kwargs):
+        signal.signal(signal.SIGTERM, rays_handler)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(get_node_id=lambda: "node"))
+    monkeypatch.setattr("rlhf_core.workers.group._connection", None)  # (restored after: what this test connects)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with cli.sigterm_as_interrupt():
+            commands = signal.getsignal(signal.SIGTERM)
+            ensure_ray(None, 1, "cpu")
+            assert signal.getsignal(signal.SIGTERM) is commands
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ensure_ray(None, 1, "cpu")
+        assert signal.getsignal(signal.SIGTERM) is rays_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_ctrl_c_while_the_reward_model_loads_exits_130_saying_nothing_was_saved(tmp_path, monkeypatch, capsys):
     from rlhf_core.cli import train
 

@@ -6,15 +6,20 @@ the library for everything else. The library's ``python -m`` paths and the ``rlh
 scripts call the same functions. A command's module is imported only when it runs, so ``rlhf --help``
 starts without torch, and the console scripts (``rlhf_ppo`` ... below) import it the same way: a Ctrl-C while
 torch or ZenML import, in a command's first seconds, ends it with one line and exit status 130, not a traceback.
+The training commands (``ppo``, ``train-rm``) take a SIGTERM as they take a Ctrl-C where the training steps' own
+handler is not in place (while a run starts or closes, or with ``trainer.save_on_interrupt=false``): one line naming
+SIGTERM and the checkpoint left, and exit status 143.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -104,6 +109,52 @@ def unwritable(folder: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
+# the commands that take a SIGTERM as a Ctrl-C (:func:`sigterm_as_interrupt`): those whose runs keep checkpoints
+SIGTERM_AS_INTERRUPT = ("ppo", "train-rm")
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM, raised where Python raises KeyboardInterrupt for a Ctrl-C, so that a command's Ctrl-C paths (the
+    line naming what was left, the finally blocks that close its workers) take it too, and say SIGTERM."""
+
+
+# set by :func:`sigterm_as_interrupt`'s handler: Ray turns an exception a signal handler raised inside ``ray.get``
+# into a KeyboardInterrupt of its own, so the Terminated may reach the command as a plain KeyboardInterrupt
+_terminated = False
+
+
+def interrupting_signal(interrupt: BaseException) -> signal.Signals:
+    """The signal a KeyboardInterrupt stands for: SIGTERM for :class:`Terminated` (or any once a SIGTERM came under
+    :func:`sigterm_as_interrupt`), else SIGINT (Ctrl-C)."""
+    return signal.SIGTERM if isinstance(interrupt, Terminated) or _terminated else signal.SIGINT
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While inside, a SIGTERM raises :class:`Terminated`: with Python's default it ended the process at once, with
+    no line and nothing closed, where a Ctrl-C said what it left (a run starting, closing, or with
+    ``trainer.save_on_interrupt=false``). Only in the main thread (where Python delivers signals), and only over
+    SIGTERM's default disposition (one ignored or handled by the caller stays so)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    global _terminated
+
+    def handler(signum, frame):
+        global _terminated
+        _terminated = True
+        raise Terminated(signal.Signals(signum).name)
+
+    _terminated = False
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 # the name the running command was started by (``rlhf <command>``, its console script or its ``python -m`` path),
 # so that its parser names itself as the user typed it
 _running: str | None = None
@@ -140,20 +191,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(name: str, argv: Sequence[str] | None, prog: str) -> int:
     """Command ``name`` of :data:`COMMANDS` on ``argv`` (None: the process's), its module imported here. A Ctrl-C
     the command does not handle itself (one while its module imports torch, or while it imports ZenML) ends it
-    with one line naming ``prog`` and 128 + SIGINT, where it came out as a traceback."""
-    global _running
+    with one line naming ``prog`` and 128 + SIGINT, where it came out as a traceback; a SIGTERM to a training
+    command alike, with 128 + SIGTERM."""
+    global _running, _terminated
     module, function, _ = COMMANDS[name]
     command = None
     _running = prog
     try:
-        command = getattr(importlib.import_module(module), function)
-        return command(argv)
-    except KeyboardInterrupt:
+        with sigterm_as_interrupt() if name in SIGTERM_AS_INTERRUPT else contextlib.nullcontext():
+            command = getattr(importlib.import_module(module), function)
+            return command(argv)
+    except KeyboardInterrupt as interrupt:
+        sig = interrupting_signal(interrupt)
         said = "stopped before it finished" if command is not None else "stopped as it started: nothing was done"
-        print(f"interrupted by SIGINT: {prog} {said}", file=sys.stderr)
-        return 128 + signal.SIGINT
+        print(f"interrupted by {sig.name}: {prog} {said}", file=sys.stderr)
+        return 128 + sig
     finally:
-        _running = None
+        _running, _terminated = None, False
 
 
 # The console scripts beside ``rlhf`` (pyproject's [project.scripts]), each named after its script: a script that

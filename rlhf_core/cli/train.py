@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from rlhf_core.cli import CONFIG_HELP, program, refuse_hydra_options, unwritable
+from rlhf_core.cli import CONFIG_HELP, interrupting_signal, program, refuse_hydra_options, unwritable
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.dataset import DataError
 from rlhf_core.data.preference import PreferenceDataError
@@ -61,22 +61,23 @@ def _signals_held():
 
 
 def stopped_at_once(folder: str | None, saves_on_interrupt: bool, rerun: str | None,
-                    checkpoint: Path | None = None) -> str:
-    """What a Ctrl-C that reached the command as KeyboardInterrupt left: one that came outside the training steps
-    (while the run checked its input, loaded its models or a checkpoint, or closed), where every step trained is
-    saved, or any Ctrl-C with ``trainer.save_on_interrupt=false``. ``folder``: the run's checkpoint folder, None
-    before its config was read; ``rerun``: how a rerun resumes from its latest checkpoint; ``checkpoint``: that
-    checkpoint where the run says it (one resumed from another folder, nothing saved since), else the folder's."""
+                    checkpoint: Path | None = None, sig: signal.Signals = signal.SIGINT) -> str:
+    """What a Ctrl-C (or a SIGTERM, ``sig``) that reached the command as KeyboardInterrupt left: one that came
+    outside the training steps (while the run checked its input, loaded its models or a checkpoint, or closed),
+    where every step trained is saved, or any with ``trainer.save_on_interrupt=false``. ``folder``: the run's
+    checkpoint folder, None before its config was read; ``rerun``: how a rerun resumes from its latest checkpoint;
+    ``checkpoint``: that checkpoint where the run says it (one resumed from another folder, nothing saved since),
+    else the folder's."""
     if folder is None:
-        return "interrupted by SIGINT before the run started: nothing was trained or written"
+        return f"interrupted by {sig.name} before the run started: nothing was trained or written"
     latest = checkpoint or latest_or_none(Path(os.path.expanduser(folder)))
     if not saves_on_interrupt:
         kept = (f"the latest checkpoint {latest} is as it was: {rerun} to resume from it"
                 if latest is not None else "no checkpoint was saved")
-        return f"interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); {kept}"
+        return f"interrupted by {sig.name}: stopped at once without saving (trainer.save_on_interrupt=false); {kept}"
     kept = f"the latest checkpoint is {latest}" if latest is not None else "no checkpoint is saved"
-    return (f"interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, "
-            f"no trained step lost; {kept}")
+    return (f"interrupted by {sig.name} outside the training steps (while the run started or closed): stopped at "
+            f"once, no trained step lost; {kept}")
 
 
 def releases_ray(command):
@@ -130,7 +131,8 @@ def _interrupted_while_failing(interrupt: KeyboardInterrupt) -> int | None:
     said = _failure(interrupt.__context__)
     if said is None:
         return None
-    print(f"{said[0]}\n(a Ctrl-C came while the run closed after that; nothing else was lost)", file=sys.stderr)
+    came = "a Ctrl-C" if interrupting_signal(interrupt) is signal.SIGINT else "a SIGTERM"
+    print(f"{said[0]}\n({came} came while the run closed after that; nothing else was lost)", file=sys.stderr)
     return said[1]
 
 
@@ -148,9 +150,10 @@ def ppo(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
+        sig = interrupting_signal(interrupt)
         print(stopped_at_once(cfg and cfg.trainer.default_local_dir, cfg is None or cfg.trainer.save_on_interrupt,
-                              cfg and rerun_advice(cfg.trainer.resume_mode)), file=sys.stderr)
-        return 128 + signal.SIGINT
+                              cfg and rerun_advice(cfg.trainer.resume_mode), sig=sig), file=sys.stderr)
+        return 128 + sig
     except Exception as exc:
         return _reported(exc)
     acc = result.final_val_acc
@@ -179,9 +182,10 @@ def train_rm(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.overrides, config_file=args.config)
         frames = preflight(cfg)
-    except KeyboardInterrupt:
-        print(stopped_at_once(cfg and cfg.reward_model.train.default_local_dir, True, None), file=sys.stderr)
-        return 128 + signal.SIGINT
+    except KeyboardInterrupt as interrupt:
+        sig = interrupting_signal(interrupt)
+        print(stopped_at_once(cfg and cfg.reward_model.train.default_local_dir, True, None, sig=sig), file=sys.stderr)
+        return 128 + sig
     except Exception as exc:
         return _reported(exc)
     from rlhf_core.training.tracking import Tracking
@@ -209,9 +213,10 @@ def train_rm(argv: list[str] | None = None) -> int:
             return status
         rm = cfg.reward_model.train
         rerun = trainer.rerun_advice if trainer is not None else rerun_advice(rm.resume_mode, "reward_model.train")
+        sig = interrupting_signal(interrupt)
         print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt, rerun,
-                              trainer and trainer.rerun_checkpoint()), file=sys.stderr)
-        return 128 + signal.SIGINT
+                              trainer and trainer.rerun_checkpoint(), sig=sig), file=sys.stderr)
+        return 128 + sig
     except Exception as exc:  # (TrainingInterrupted too: 128 + its signal)
         return _reported(exc)
     shown = ", ".join(f"{k} {v:.4f}" for k, v in val.items())  # a NaN shown as nan, not left out

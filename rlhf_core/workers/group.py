@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
 import sys
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -213,6 +215,9 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
               f"and runs none: started again with {{'CPU': {cpus}, 'GPU': {gpus}}}", file=sys.stderr, flush=True)
     _check_runtime_env(runtime_env)
     address = address or os.environ.get("RAY_ADDRESS")
+    # ray.init puts in a SIGTERM handler of its own (sys.exit(15)): the command's (rlhf_core.cli: a SIGTERM said
+    # as a Ctrl-C is, exit 143) stays; a default one is left to Ray's, as before
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         if address:
             ray.init(address=address, runtime_env=runtime_env or None)
@@ -231,6 +236,9 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
         if ray.is_initialized():
             ray.shutdown()
         raise WorkerError(_refused(runtime_env, exc)) from None
+    finally:
+        if callable(sigterm):
+            signal.signal(signal.SIGTERM, sigterm)
     _connection = {"node": ray.get_runtime_context().get_node_id(), "runtime_env": runtime_env, "local": local}
 
 
