@@ -9,6 +9,7 @@ import functools
 import io
 import json
 import math
+import re
 import statistics
 import sys
 
@@ -19,7 +20,9 @@ from rlhf_core.config import DataConfig, ValKwargsConfig
 from rlhf_core.data.dataset import DataError
 from rlhf_core.pipeline.evaluate import (
     NoticesOnce,
+    NotRightOrWrong,
     changed_problems,
+    check_right_or_wrong,
     evaluate_policy,
     evaluation_html,
     per_problem_table,
@@ -302,6 +305,19 @@ def test_a_partial_acc_is_refused_not_counted_as_a_problem_solved(setup):
     indices = pd.read_parquet(val)["extra_info"].map(lambda extra: extra["index"])
     result = evaluate_policy(model, str(val), DATA, reward_fn=even)
     assert (result.n, result.accuracy) == (40, sum(index % 2 == 0 for index in indices) / 40) == (40, 0.5)
+
+
+def test_the_right_or_wrong_check_counts_a_problem_with_several_responses_once():
+    """The dry run checks every validation response, several to a problem where val_kwargs.n > 1: a problem is
+    counted once, with its first such acc; 0, 1, False and True pass; the reward is named as the caller says."""
+    check_right_or_wrong([("s/0", 0.0), ("s/1", 1.0), ("s/2", float(False)), ("s/3", float(True))])
+    verdicts = [("s/0", 0.2), ("s/0", 0.4), ("s/1", 1.0), ("s/2", 0.5), ("s/2", 0.0)]
+    with pytest.raises(NotRightOrWrong, match=re.escape("the reward function 'f' gave an acc other than 0 or 1 on "
+                                                        "2 problem(s), e.g. s/0 (acc 0.2), s/2 (acc 0.5): ")):
+        check_right_or_wrong(verdicts, "the reward function 'f'")
+    with pytest.raises(NotRightOrWrong, match=re.escape("the reward gave no verdict (acc NaN) on 1 problem(s), e.g. "
+                                                        "s/1: ")):
+        check_right_or_wrong([("s/0", 1.0), ("s/1", math.nan), ("s/1", math.nan)])
 
 
 def test_the_evaluate_command_says_a_reward_without_a_verdict_in_one_line(setup, tmp_path, capsys):

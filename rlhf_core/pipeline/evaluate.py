@@ -120,7 +120,29 @@ def resolve_policy_dir(path: str | Path) -> Path:
 
 class NotRightOrWrong(RewardError, ValueError):
     """The reward's ``acc`` on a greedy response is neither 0 nor 1 (NaN: no verdict; 0.2: partial credit), where
-    the evaluation counts each problem right or wrong: the reward function's result, not the run, is at fault."""
+    the evaluation counts each problem right or wrong: the reward function's result, not the run, is at fault.
+    The pipeline's dry run checks its validation responses alike (:func:`check_right_or_wrong`), before training."""
+
+
+def check_right_or_wrong(verdicts: Sequence[tuple[str, float]], reward: str = "the reward") -> None:
+    """A :class:`NotRightOrWrong` unless the acc of every (problem id, acc) in ``verdicts`` is 0 or 1 (False or
+    True), said of ``reward`` (the evaluation's "the reward"; the dry run names the function). A problem with
+    several responses counts once, with its first such acc."""
+    ungraded = list(dict.fromkeys(problem for problem, acc in verdicts if math.isnan(acc)))
+    if ungraded:  # counted wrong, it would lower the accuracy and thin out the gain promotion measures
+        raise NotRightOrWrong(f"{reward} gave no verdict (acc NaN) on {len(ungraded)} problem(s), e.g. "
+                              f"{', '.join(map(str, ungraded[:3]))}: the evaluation needs each problem graded right "
+                              "or wrong to pair it with another model's result; return an acc of 0 or 1 there")
+    partial: dict[str, float] = {}
+    for problem, acc in verdicts:
+        if acc not in (0.0, 1.0):
+            partial.setdefault(problem, acc)
+    if partial:  # counted right, an acc of 0.2 would be a problem solved: 100% where training's validation says 20%
+        raise NotRightOrWrong(f"{reward} gave an acc other than 0 or 1 on {len(partial)} problem(s), e.g. "
+                              f"{', '.join(f'{problem} (acc {acc:g})' for problem, acc in list(partial.items())[:3])}"
+                              ": the evaluation counts each problem right or wrong to pair it with another model's "
+                              "result, and a partial acc is neither; return an acc of 0 or 1 (False or True), and "
+                              "any partial credit as the score")
 
 
 @dataclass
@@ -412,19 +434,7 @@ def evaluate_policy(
                             batch.meta["ground_truth"], batch.meta["extra_info"])
         lengths += batch["response_mask"].sum(-1).float().tolist()
         verdicts = [(dataset.rows[index]["id"], float(extras["acc"][row])) for row, index in enumerate(indices)]
-        ungraded = [problem for problem, acc in verdicts if math.isnan(acc)]
-        if ungraded:  # counted wrong, it would lower the accuracy and thin out the gain promotion measures
-            raise NotRightOrWrong(f"the reward gave no verdict (acc NaN) on {len(ungraded)} problem(s), e.g. "
-                                  f"{', '.join(map(str, ungraded[:3]))}: the evaluation needs each problem graded "
-                                  "right or wrong to pair it with another model's result; return an acc of 0 or 1 "
-                                  "there")
-        partial = [(problem, acc) for problem, acc in verdicts if acc not in (0.0, 1.0)]
-        if partial:  # counted right, an acc of 0.2 would be a problem solved: 100% where training's validation says 20%
-            raise NotRightOrWrong(f"the reward gave an acc other than 0 or 1 on {len(partial)} problem(s), e.g. "
-                                  f"{', '.join(f'{problem} (acc {acc:g})' for problem, acc in partial[:3])}: the "
-                                  "evaluation counts each problem right or wrong to pair it with another model's "
-                                  "result, and a partial acc is neither; return an acc of 0 or 1 (False or True), "
-                                  "and any partial credit as the score")
+        check_right_or_wrong(verdicts)
         for row, index in enumerate(indices):
             scores.append(float(extras["score"][row]))
             rows.append({
