@@ -249,6 +249,48 @@ def test_too_few_prompts_kept_by_train_max_samples_are_refused_input_in_the_dry_
     assert capsys.readouterr().err.splitlines()[-1] == refusal
 
 
+def test_a_dry_run_before_an_evaluation_refuses_a_reward_whose_acc_is_partial(overlong_setup, tmp_path):
+    """A reward giving a wrong answer {"score": 0.2, "acc": 0.2} passed the pipeline's dry run, which never looked at
+    acc, and the whole training ran before the evaluation refused it. A dry run of a run that is evaluated
+    (``evaluated``: the pipeline's) checks its validation responses as the evaluation does and fails, in the
+    evaluation's words, naming the function; acc False/True passes it, and the dry run of training alone (which
+    averages the acc) takes the partial one."""
+    partial, boolean = tmp_path / "partial.py", tmp_path / "boolean.py"
+    partial.write_text("def fifth(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    if solution_str.strip() == ground_truth:\n"
+                       "        return {'score': 1.0, 'acc': 1}\n"
+                       "    return {'score': 0.2, 'acc': 0.2}\n")
+    boolean.write_text("def even(data_source, solution_str, ground_truth, extra_info=None):\n"
+                       "    return {'score': 0.5, 'acc': extra_info['index'] % 2 == 0}\n")
+
+    def config(reward, name):
+        return _overlong_config(overlong_setup, "data.train_batch_size=4", f"custom_reward_function.path={reward}",
+                                f"custom_reward_function.name={name}")
+
+    # the 4 validation prompts of the dry run are the file's first 4 (synthetic/arithmetic, indices 0-3), and a
+    # random model's 4-token responses are none of them a bare two-digit answer
+    with pytest.raises(SmokeTestError) as refused:
+        run_smoke_test(config(partial, "fifth"), tmp_path / "partial", n_prompts=4, response_length=4, evaluated=True)
+    assert str(refused.value).startswith(
+        f"smoke test failed at 'right or wrong': the reward function 'fifth' of {partial} gave an acc other than 0 "
+        "or 1 on 4 problem(s), e.g. synthetic/arithmetic/0 (acc 0.2), synthetic/arithmetic/1 (acc 0.2), "
+        "synthetic/arithmetic/2 (acc 0.2): the evaluation counts each problem right or wrong to pair it with another "
+        "model's result, and a partial acc is neither; return an acc of 0 or 1 (False or True), and any partial "
+        "credit as the score (on the dry run's validation responses: the evaluation after training would refuse the "
+        "reward there)\nsmoke test FAILED"), refused.value
+    # before the checkpoint round trip, the one check left
+    assert "checkpoint round trip" not in str(refused.value)
+    report = run_smoke_test(config(boolean, "even"), tmp_path / "boolean", n_prompts=4, response_length=4,
+                            evaluated=True)
+    assert report.passed, report.summary()
+    assert {"name": "right or wrong", "passed": True,
+            "detail": "the reward's acc is 0 or 1 on all 4 validation responses, as the evaluation after training "
+                      "counts each problem right or wrong"} in report.checks
+    alone = run_smoke_test(config(partial, "fifth"), tmp_path / "alone", n_prompts=4, response_length=4)
+    assert alone.passed, alone.summary()
+    assert "right or wrong" not in [check["name"] for check in alone.checks]
+
+
 def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_root, tmp_path):
     cfg = load_config(config_file=repo_root / "configs" / "gsm8k_qwen2.5_0.5b_8gpu.yaml")
     small = scale_config(cfg, tmp_path / "clone", tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path,

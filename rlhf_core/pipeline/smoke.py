@@ -13,7 +13,9 @@ The run config is kept exactly, except for what must shrink:
 Then it checks what a real run would trip over first: every loss and gradient norm finite, no
 skipped step, the first step on-policy (``actor/ppo_kl`` ~ 0: the log-probs of the update match
 those of the rollout), and a checkpoint that saves, loads into a fresh trainer and restores the
-weights exactly. The first failing check raises :class:`SmokeTestError` naming it.
+weights exactly; and, for a run whose policy is evaluated after training (the pipeline's), that the reward's
+acc on the validation responses is 0 or 1, as the evaluation counts each problem. The first failing check raises
+:class:`SmokeTestError` naming it.
 
     python -m rlhf_core.pipeline.smoke --config configs/ppo_demo_cpu.yaml [key=value ...]
 """
@@ -277,6 +279,21 @@ class WithoutNotices:
         return getattr(self.out, name)
 
 
+def _right_or_wrong(cfg: PPOConfig, verdicts: Sequence[tuple[str, float]]) -> tuple[bool, str]:
+    """(passed, detail) of the evaluation's check of the reward's acc on the dry run's validation responses."""
+    from rlhf_core.pipeline.evaluate import NotRightOrWrong, check_right_or_wrong
+
+    custom = cfg.custom_reward_function
+    reward = f"the reward function {custom.name!r} of {custom.path}" if custom.path else "the reward"
+    try:
+        check_right_or_wrong(verdicts, reward)
+    except NotRightOrWrong as exc:
+        return False, (f"{exc} (on the dry run's validation responses: the evaluation after training would refuse "
+                       "the reward there)")
+    return True, (f"the reward's acc is 0 or 1 on all {len(verdicts)} validation responses, as the evaluation "
+                  "after training counts each problem right or wrong")
+
+
 @contextlib.contextmanager
 def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool):
     """:func:`~rlhf_core.main_ppo.trainer_session` of the dry run's config, its datasets' notices left out of
@@ -305,8 +322,13 @@ def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool):
 
 
 def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, response_length: int = 16,
-                   steps: int = 2, tiny_threshold: int = TINY_THRESHOLD) -> SmokeReport:
-    """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError."""
+                   steps: int = 2, tiny_threshold: int = TINY_THRESHOLD, evaluated: bool = False) -> SmokeReport:
+    """Run the dry run of ``cfg`` in ``work_dir``; returns the report or raises SmokeTestError.
+
+    ``evaluated``: the trained policy is evaluated after the run (the pipeline's evaluate step), which counts each
+    problem right or wrong; the dry run's validation responses are then checked as it checks its own
+    (:func:`~rlhf_core.pipeline.evaluate.check_right_or_wrong`): a reward giving an acc of 0.2 fails here, not
+    after the whole training. Training alone takes such a reward (its validation averages the acc)."""
     from rlhf_core.main_ppo import preflight
     from rlhf_core.models.loading import check_policy_dir, load_tokenizer
     from rlhf_core.training.checkpoint import latest_checkpoint
@@ -362,6 +384,9 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         _check(report, "on-policy first step", first_kl is not None and abs(first_kl) < KL_TOLERANCE,
                f"actor/ppo_kl on step 1 = {first_kl} (must be |kl| < {KL_TOLERANCE}: the update's log-probs must "
                "equal the rollout's; look at dropout, dtype or padding differences between the two)")
+
+        if evaluated and trainer.val_verdicts:  # (no validation files: no problem the evaluation would grade)
+            _check(report, "right or wrong", *_right_or_wrong(cfg, trainer.val_verdicts))
 
         root = Path(small.trainer.default_local_dir)
         latest = latest_checkpoint(root)

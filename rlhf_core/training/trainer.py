@@ -386,6 +386,8 @@ class PPOTrainer:
         self.val_before: dict[str, float] | None = None  # the validation before the first step, where fit ran one
         self.resumed = False  # by load_checkpoint
         self.val_generations: list[dict] = []  # the last validation's samples (trainer.log_val_generations)
+        #: the last validation's (problem id, acc) of each response, as the reward graded it
+        self.val_verdicts: list[tuple[str, float]] = []
         #: called with (samples, step) after each validation when trainer.log_val_generations > 0
         self.generations_logger: Callable[[list[dict], int], None] | None = None
         self._sampled_tokens = 0.0  # response tokens the step's rollouts sampled (perf/rollout_tokens_per_s)
@@ -616,6 +618,7 @@ class PPOTrainer:
         size = self.config.data.val_batch_size or len(self.val_dataset)
         params = self._val_params()
         sources, prompts, acc, score = [], [], [], []
+        verdicts: list[tuple[str, float]] = []
         answers: list[str | None] | None = []  # what each response answers, if the reward function says
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         texts: list[tuple[str, str]] = []  # (prompt, response) for trainer.log_val_generations
@@ -637,6 +640,8 @@ class PPOTrainer:
                 sources += named
                 prompts += batch.meta["uid"]
                 acc += [float(a) for a in extras["acc"]]
+                verdicts += [(self.val_dataset.rows[row]["id"], float(a)) for row, a in zip(batch.meta["uid"],
+                                                                                            extras["acc"])]
                 shaped = torch.as_tensor(extras["score"]).float()
                 if self.config.reward_model.overlong_buffer.enable:  # the penalty _shape_overlong put in the reward
                     shaped = shaped + extras["overlong_reward"]  # (not a reward function's own entry of that name)
@@ -652,6 +657,7 @@ class PPOTrainer:
                         apart.setdefault((key, source), []).append(float(value))
                 bar.update(len(rows))
         metrics = validation_metrics(sources, prompts, acc, score, answers)
+        self.val_verdicts = verdicts
         if texts:
             self.val_generations = pick_generations(texts, score, self.config.trainer.log_val_generations)
         for (key, source), values in apart.items():  # e.g. the proxy (rm_score) and the gold side by side
