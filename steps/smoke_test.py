@@ -55,7 +55,8 @@ def linked_version(client: Client, model_name: str, artifact_id: str) -> str | N
 def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_prompts: PositiveInt = 4,
                response_length: PositiveInt = 16, reward_model: Path | None = None,
                init_from: Path | None = None) -> Annotated[dict, "smoke_report"]:
-    """Two PPO iterations on a tiny clone: finite losses, on-policy first step, checkpoint round trip; with
+    """Two PPO iterations on a tiny clone: finite losses, on-policy first step, the reward's acc on the validation
+    responses 0 or 1 (as the evaluate step counts each problem right or wrong), checkpoint round trip; with
     ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, and with ``init_from``
     (a warm start's checkpoint artifact) the policy starts from it, as training's will.
 
@@ -79,7 +80,9 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     if init_from is not None:
         start_from(cfg, resolve_policy_dir(init_from))
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as work_dir:
-        report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length)
+        # evaluated: the evaluate step counts each problem right or wrong, and a reward whose acc it refuses is
+        # refused here, before the training
+        report = run_smoke_test(cfg, work_dir, n_prompts=n_prompts, response_length=response_length, evaluated=True)
     if report.reward_model is not None:  # the artifact, not the temporary folder ZenML unpacked it into
         report.reward_model = input_artifact_label("reward_model") or report.reward_model
     logger.info(report.summary())

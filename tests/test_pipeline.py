@@ -545,6 +545,31 @@ def test_refused_data_leaves_its_report_and_failing_rows_on_the_validate_data_st
     assert result["success"] is False and result["statistics"]["unsuccessful_expectations"] == 1
 
 
+def test_a_reward_whose_acc_the_evaluation_refuses_stops_the_run_at_the_dry_run_before_training(tmp_path):
+    """A reward giving {"score": 0.2, "acc": 0.2} to a wrong answer (partial credit) passed define_reward (the
+    reference solutions get acc 1) and the dry run, and the run trained in full before its evaluation refused the
+    reward; the dry run now checks its validation responses as the evaluation will, and the run stops there."""
+    reward = tmp_path / "fifth.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    if solution_str.strip() == ground_truth:  # the bare answer, as the reference solutions\n"
+                      "        return {'score': 1.0, 'acc': 1}\n"
+                      "    return {'score': 0.2, 'acc': 0.2}\n")
+    # the dry run's 4 validation prompts are the file's first 4 (indices 0-3), none answered by the random model
+    said = (f"the reward function 'compute_score' of {reward} gave an acc other than 0 or 1 on 4 problem(s), e.g. "
+            "synthetic/arithmetic/0 (acc 0.2), synthetic/arithmetic/1 (acc 0.2), synthetic/arithmetic/2 (acc 0.2): "
+            "the evaluation counts each problem right or wrong to pair it with another model's result, and a partial "
+            "acc is neither; return an acc of 0 or 1 (False or True), and any partial credit as the score")
+    with pytest.raises(Exception, match=re.escape(f"smoke test failed at 'right or wrong': {said}")):
+        run_pipeline("tiny-partial-acc", overrides=[f"custom_reward_function.path={reward}"])
+    client = zenml_client()
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert str(run.status) == "failed" and str(run.steps["smoke_test"].status) == "failed"
+    assert not {"train_ppo", "evaluate", "promote"} & set(run.steps)
+    assert str(run.steps["define_reward"].status) == "completed"  # its reference check passed the reward
+    meta = client.get_model_version("tiny-partial-acc", "latest").run_metadata
+    assert meta["failed_step"] == "smoke_test" and said in meta["failure"]
+
+
 def test_a_custom_reward_s_run_goes_through_on_prompts_without_a_ground_truth(tmp_path):
     """The custom reward grades training, its self-check and the evaluation without a ground truth (it gets None),
     as the trainer alone takes such prompts: validate_data refused them, and had it not, evaluate did."""
