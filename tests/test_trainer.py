@@ -91,6 +91,97 @@ def test_data_metrics_by_hand():
     assert per_token == pytest.approx({"timing_per_token_ms/gen": 100.0, "timing_per_token_ms/update_actor": 100.0})
 
 
+def _step_with_its_batch(trainer, monkeypatch, steps: int = 1) -> tuple[dict[str, float], Batch]:
+    """The metrics of ``steps`` training steps on the first 8 prompts, and the last step's batch as its metrics saw it."""
+    import rlhf_core.training.trainer as trainer_module
+
+    seen = {}
+    real = trainer_module.data_metrics
+
+    def spy(batch, *args, **kwargs):
+        seen["batch"] = batch
+        return real(batch, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "data_metrics", spy)
+    for _ in range(steps):
+        metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+    return metrics, seen["batch"]
+
+
+def _digit_first_scores(trainer, batch: Batch) -> np.ndarray:
+    """The reward fixture's score of each response of ``batch``, from its decoded text: 1 where it starts with a digit."""
+    texts = [trainer.tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+             for ids, mask in zip(batch["responses"], batch["response_mask"])]
+    return np.array([1.0 if text[:1].isdigit() else 0.0 for text in texts])
+
+
+def test_a_ppo_steps_verl_metrics_recomputed_from_its_batch(workspace, monkeypatch):
+    """The second of two GAE steps with a KL penalty in the reward (actor and reference apart by then): verl's
+    data, timing and throughput metrics, each worked out again from the step's batch."""
+    root, model, reward = workspace
+    beta = 0.5
+    trainer = build_trainer(load_config(_overrides(
+        root, model, f"custom_reward_function.path={reward}", "algorithm.use_kl_in_reward=true",
+        f"algorithm.kl_ctrl.kl_coef={beta}", "actor_rollout_ref.actor.optim.lr=1e-2", "critic.optim.lr=1e-2")))
+    m, batch = _step_with_its_batch(trainer, monkeypatch, steps=2)
+    mask = batch["response_mask"].double().numpy()
+    # critic/score: the reward function's score of each response (before the KL penalty), over the responses
+    score = _digit_first_scores(trainer, batch)
+    assert 0 < score.mean() < 1
+    assert m["critic/score/mean"] == pytest.approx(score.mean())
+    assert (m["critic/score/max"], m["critic/score/min"]) == (score.max(), score.min())
+    # critic/rewards: the score less beta times the KL (old_log_prob - ref_log_prob) summed over the response
+    kl = ((batch["old_log_prob"] - batch["ref_log_prob"]).double().numpy() * mask).sum(-1)
+    assert np.abs(beta * kl).mean() > 1e-3  # the penalty moves the reward away from the score
+    assert m["critic/rewards/mean"] == pytest.approx((score - beta * kl).mean(), abs=1e-5)
+    # critic/returns: with gamma = lam = 1 the return of a token is the reward still to come, averaged over tokens
+    rewards = batch["token_level_rewards"].double().numpy()
+    to_come = np.flip(np.cumsum(np.flip(rewards, -1), -1), -1)
+    assert m["critic/returns/mean"] == pytest.approx((to_come * mask).sum() / mask.sum(), abs=1e-5)
+    # critic/vf_explained_var: 1 - var(returns - values) / (var(returns) + 1e-5), unbiased variances over tokens
+    values = batch["values"].double().numpy()[mask.astype(bool)]
+    returns = to_come[mask.astype(bool)]
+    assert values.std() > 0  # the critic has moved off its zero start
+    explained = 1 - np.var(returns - values, ddof=1) / (np.var(returns, ddof=1) + 1e-5)
+    assert m["critic/vf_explained_var"] == pytest.approx(explained, abs=1e-4)
+    # response_length/clip_ratio: the share of responses with all data.max_response_length = 8 tokens
+    lengths = mask.sum(-1)
+    assert m["response_length/clip_ratio"] == pytest.approx(float((lengths == 8).mean()))
+    # perf/total_num_tokens: every prompt and response token of the batch; perf/throughput per second per GPU
+    prompt_tokens = float(batch["attention_mask"][:, :batch["prompts"].shape[1]].sum())
+    tokens = prompt_tokens + lengths.sum()
+    assert m["perf/total_num_tokens"] == tokens
+    assert m["perf/throughput"] == pytest.approx(tokens / m["timing_s/step"])
+    assert m["perf/time_per_step"] == m["timing_s/step"]
+    # timing_per_token_ms: generation per response token, the other passes per token of the batch
+    assert m["timing_per_token_ms/gen"] == pytest.approx(m["timing_s/gen"] * 1000 / lengths.sum())
+    for phase in ("ref", "values", "adv", "update_critic", "update_actor"):
+        assert m[f"timing_per_token_ms/{phase}"] == pytest.approx(m[f"timing_s/{phase}"] * 1000 / tokens), phase
+
+
+def test_a_grpo_steps_advantages_recomputed_from_its_batch(workspace, monkeypatch):
+    """GRPO without a critic: each response's advantage is its score less its prompt's mean over that prompt's
+    (unbiased) standard deviation plus 1e-6, on every token, and there are no critic value metrics."""
+    root, model, reward = workspace
+    trainer = build_trainer(load_config(_overrides(
+        root, model, f"custom_reward_function.path={reward}", "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")))
+    m, batch = _step_with_its_batch(trainer, monkeypatch)
+    score = _digit_first_scores(trainer, batch).reshape(8, 4)  # (prompts, n): a prompt's responses side by side
+    assert batch.meta["uid"][:4] == [batch.meta["uid"][0]] * 4
+    spread = score.std(-1, ddof=1, keepdims=True)
+    assert (spread > 0).any()
+    advantage = ((score - score.mean(-1, keepdims=True)) / (spread + 1e-6)).reshape(-1)  # (bs,)
+    mask = batch["response_mask"].bool().numpy()
+    per_token = np.broadcast_to(advantage[:, None], mask.shape)[mask]
+    assert m["critic/advantages/mean"] == pytest.approx(per_token.mean(), abs=1e-5)
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == pytest.approx(
+        (per_token.max(), per_token.min()), abs=1e-5)
+    assert m["critic/score/mean"] == pytest.approx(score.mean())
+    assert m["critic/rewards/mean"] == m["critic/score/mean"]  # no KL in the reward
+    assert not [key for key in m if key.startswith(("critic/values", "critic/vf_", "timing_s/values"))]
+
+
 def test_validation_samples_are_picked_as_verl_picks_them():
     texts = [(f"prompt {i}", f"answer {i}") for i in range(6)]
     scores = [i / 10 for i in range(6)]
