@@ -4,7 +4,9 @@
   ``n`` responses per prompt: ``mean@n`` (the average correctness), ``best@n`` (pass@n: any of the
   ``n`` right), ``worst@n`` (all ``n`` right) and ``maj@n`` (the answer most responses give is right,
   where the reward function says what each response answers), per data source, each with its
-  standard error over prompts, and ``std@n`` (the spread of a prompt's ``n`` responses, averaged).
+  standard error over prompts, and ``std@n`` (the spread of a prompt's ``n`` responses, averaged);
+  ``best@k`` and ``worst@k`` also at verl's smaller sizes ``k`` (2, 4, 8, ... below ``n``), exact over the
+  ``k``-response subsets (:func:`best_and_worst_of`).
   ``val-core/`` holds the headline values, ``val-aux/`` the rest, as verl splits them.
 * :func:`wilson_interval`: the confidence interval of one accuracy.
 * :func:`paired_comparison`: two models on the same problems: the gain, its interval (Newcombe's, for
@@ -82,6 +84,33 @@ def majority_correct(answers: Sequence[Hashable | None], correct: Sequence[float
     return float(next(c for answer, c in zip(answers, correct) if answer == winner))
 
 
+def subset_sizes(n: int) -> list[int]:
+    """The ``k`` of verl's ``best@k`` and ``worst@k`` for ``n`` responses a prompt: 2, 4, 8, ... below ``n``, then
+    ``n`` (none for ``n = 1``)."""
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n] if n > 1 else []
+
+
+def best_and_worst_of(values: Sequence[float], k: int) -> tuple[float, float]:
+    """The expected highest and lowest of ``k`` of ``values`` drawn without replacement (all of them where there
+    are ``k`` or fewer). For 0/1 correctness these are pass@k (Chen et al., 2021: ``1 - C(m - c, k) / C(m, k)`` of
+    ``c`` right among ``m``) and the chance that all ``k`` are right.
+
+    The ``i``-th smallest value (from 0) is the highest of a draw when the other ``k - 1`` come from the ``i``
+    below it, ``C(i, k - 1)`` of the ``C(m, k)`` draws, and the lowest when they come from the ``m - 1 - i`` above.
+    """
+    ordered = sorted(values)
+    m = len(ordered)
+    k = min(k, m)
+    draws = math.comb(m, k)
+    best = sum(value * math.comb(i, k - 1) for i, value in enumerate(ordered)) / draws
+    worst = sum(value * math.comb(m - 1 - i, k - 1) for i, value in enumerate(ordered)) / draws
+    return float(best), float(worst)
+
+
 def validation_metrics(
     data_sources: Sequence[str],
     prompt_ids: Sequence[Hashable],
@@ -109,7 +138,10 @@ def validation_metrics(
     verl's ``std@n`` of ``acc`` and ``reward``: each prompt's population standard deviation over its
     responses, averaged over prompts (not a standard error). For ``n > 1`` the reward has ``best@n/mean`` and
     ``worst@n/mean`` too (each prompt's highest and lowest reward, averaged; ``best@n`` core where the reward is)
-    with their standard errors. ``n`` is the most responses any prompt has.
+    with their standard errors. ``best@k`` and ``worst@k`` of both, with their standard errors, at verl's sizes
+    ``k`` below ``n`` (:func:`subset_sizes`) go to ``val-aux/``: the expected highest and lowest among ``k`` of a
+    prompt's responses (:func:`best_and_worst_of`; pass@k for the accuracy). ``n`` is the most responses any
+    prompt has.
     """
     if not len(data_sources) == len(prompt_ids) == len(acc) == len(reward):
         raise ValueError("data_sources, prompt_ids, acc and reward need one entry per response")
@@ -126,13 +158,14 @@ def validation_metrics(
         if n > 1:  # verl's std@n: the spread of one prompt's responses (population std), averaged over prompts
             metrics[f"val-aux/{source}/reward/std@{n}"] = float(np.mean([np.std([reward[i] for i in rows])
                                                                          for rows in prompts.values()]))
-            # the best and the worst response's reward of each prompt, averaged (exact, as the accuracy's)
-            best_reward = [max(reward[i] for i in rows) for rows in prompts.values()]
-            worst_reward = [min(reward[i] for i in rows) for rows in prompts.values()]
-            metrics[f"val-{'aux' if graded else 'core'}/{source}/reward/best@{n}/mean"] = float(np.mean(best_reward))
-            metrics[f"val-aux/{source}/reward/best@{n}/std"] = standard_error(best_reward)
-            metrics[f"val-aux/{source}/reward/worst@{n}/mean"] = float(np.mean(worst_reward))
-            metrics[f"val-aux/{source}/reward/worst@{n}/std"] = standard_error(worst_reward)
+            # the best and the worst reward among k of each prompt's responses, averaged (exact, as the accuracy's)
+            for k in subset_sizes(n):
+                ends = [best_and_worst_of([reward[i] for i in rows], k) for rows in prompts.values()]
+                core = "core" if k == n and not graded else "aux"
+                metrics[f"val-{core}/{source}/reward/best@{k}/mean"] = float(np.mean([b for b, _ in ends]))
+                metrics[f"val-aux/{source}/reward/best@{k}/std"] = standard_error([b for b, _ in ends])
+                metrics[f"val-aux/{source}/reward/worst@{k}/mean"] = float(np.mean([w for _, w in ends]))
+                metrics[f"val-aux/{source}/reward/worst@{k}/std"] = standard_error([w for _, w in ends])
         if not graded:  # prompts without a ground truth (a reward model's run): the reward is the core metric
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
             continue
@@ -143,12 +176,13 @@ def validation_metrics(
         if n > 1:
             metrics[f"val-aux/{source}/acc/std@{n}"] = float(np.mean([np.std([acc[i] for i in rows])
                                                                       for rows in graded.values()]))
-            best = [max(acc[i] for i in rows) for rows in graded.values()]
-            metrics[f"val-core/{source}/acc/best@{n}/mean"] = float(np.mean(best))
-            metrics[f"val-aux/{source}/acc/best@{n}/std"] = standard_error(best)
-            worst = [min(acc[i] for i in rows) for rows in graded.values()]
-            metrics[f"val-aux/{source}/acc/worst@{n}/mean"] = float(np.mean(worst))
-            metrics[f"val-aux/{source}/acc/worst@{n}/std"] = standard_error(worst)
+            for k in subset_sizes(n):  # pass@k: a right response among k of the prompt's; all k right
+                ends = [best_and_worst_of([acc[i] for i in rows], k) for rows in graded.values()]
+                metrics[f"val-{'core' if k == n else 'aux'}/{source}/acc/best@{k}/mean"] = \
+                    float(np.mean([b for b, _ in ends]))
+                metrics[f"val-aux/{source}/acc/best@{k}/std"] = standard_error([b for b, _ in ends])
+                metrics[f"val-aux/{source}/acc/worst@{k}/mean"] = float(np.mean([w for _, w in ends]))
+                metrics[f"val-aux/{source}/acc/worst@{k}/std"] = standard_error([w for _, w in ends])
             if answers is not None:
                 vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows])
                         for rows in graded.values()]

@@ -387,7 +387,9 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
     assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
-    assert len(metrics) == 2 * 15  # and std@3 of acc and reward, worst@3 with its std, the reward's best and worst
+    # and std@3 of acc and reward, worst@3 with its std, the reward's best and worst, and best@2 and worst@2 (each
+    # with its std) of acc and reward
+    assert len(metrics) == 2 * 23
 
 
 def test_the_fingerprint_covers_every_message_of_a_prompt():

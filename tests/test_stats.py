@@ -51,7 +51,41 @@ def test_sampled_metrics_mean_best_and_majority_with_standard_errors():
     assert metrics["val-aux/gsm8k/reward/best@3/std"] == 0.0
     assert metrics["val-aux/gsm8k/reward/worst@3/mean"] == pytest.approx(0.05)
     assert metrics["val-aux/gsm8k/reward/worst@3/std"] == pytest.approx(math.sqrt(0.05 ** 2 / 2))
-    assert len(metrics) == 15
+    # and among 2 of each prompt's 3 responses (verl's sizes 2, 4, ... below n; aux): of the 3 pairs, prompt "a"
+    # has a right one in 2 and none all right, prompt "b" a right one in all 3 and both right in 1
+    assert metrics["val-aux/gsm8k/acc/best@2/mean"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["val-aux/gsm8k/acc/best@2/std"] == pytest.approx(math.sqrt((1 / 6) ** 2 / 2))
+    assert metrics["val-aux/gsm8k/acc/worst@2/mean"] == pytest.approx((0 + 1 / 3) / 2)
+    assert metrics["val-aux/gsm8k/acc/worst@2/std"] == pytest.approx(math.sqrt((1 / 6) ** 2 / 2))
+    # rewards (1, .1, .1): pair highs 1, 1, .1 and lows .1, .1, .1; (0, 1, 1): highs 1, 1, 1 and lows 0, 0, 1
+    assert metrics["val-aux/gsm8k/reward/best@2/mean"] == pytest.approx((2.1 / 3 + 1) / 2)
+    assert metrics["val-aux/gsm8k/reward/best@2/std"] == pytest.approx(math.sqrt(0.15 ** 2 / 2))
+    assert metrics["val-aux/gsm8k/reward/worst@2/mean"] == pytest.approx((0.1 + 1 / 3) / 2)
+    assert metrics["val-aux/gsm8k/reward/worst@2/std"] == pytest.approx(math.sqrt(((1 / 3 - 0.1) / 2) ** 2 / 2))
+    assert len(metrics) == 23
+
+
+def test_best_and_worst_at_k_below_n_at_verls_sizes():
+    # one prompt, 5 responses, 2 right: pass@2 = 1 - C(3, 2) / C(5, 2) = 7/10, both right C(2, 2) / C(5, 2) = 1/10;
+    # pass@4 = 1 - C(3, 4) / C(5, 4) = 1 (any 4 hold a right one), all 4 right: none
+    metrics = validation_metrics(["s"] * 5, [0] * 5, [0, 1, 0, 1, 0], [0.0, 1.0, 0.0, 1.0, 0.0])
+    assert sorted(key for key in metrics if "/acc/best@" in key and key.endswith("/mean")) == [
+        "val-aux/s/acc/best@2/mean", "val-aux/s/acc/best@4/mean", "val-core/s/acc/best@5/mean"]
+    assert metrics["val-aux/s/acc/best@2/mean"] == pytest.approx(0.7)
+    assert metrics["val-aux/s/acc/worst@2/mean"] == pytest.approx(0.1)
+    assert metrics["val-aux/s/acc/best@4/mean"] == pytest.approx(1.0)
+    assert metrics["val-aux/s/acc/worst@4/mean"] == 0.0
+    assert (metrics["val-core/s/acc/best@5/mean"], metrics["val-aux/s/acc/worst@5/mean"]) == (1.0, 0.0)
+    assert not [key for key in metrics if "maj@" in key and "@5" not in key]
+    # rewards 3, 1, 4, 1, 5: the mean of the highest (lowest) of each of the 10 pairs, counted by hand
+    # pairs: (3,1) (3,4) (3,1) (3,5) (1,4) (1,1) (1,5) (4,1) (4,5) (1,5)
+    metrics = validation_metrics(["s"] * 5, [0] * 5, [0] * 5, [3.0, 1.0, 4.0, 1.0, 5.0])
+    assert metrics["val-aux/s/reward/best@2/mean"] == pytest.approx((3 + 4 + 3 + 5 + 4 + 1 + 5 + 4 + 5 + 5) / 10)
+    assert metrics["val-aux/s/reward/worst@2/mean"] == pytest.approx((1 + 3 + 1 + 3 + 1 + 1 + 1 + 1 + 4 + 1) / 10)
+    # a prompt with fewer responses than k takes all of them: (2, 0) among prompts of 4
+    metrics = validation_metrics(["s"] * 6, [0, 0, 0, 0, 1, 1], [1, 0, 0, 0, 1, 0], [0.0] * 6)
+    assert metrics["val-aux/s/acc/best@2/mean"] == pytest.approx((1 / 2 + 1) / 2)  # 3 of 6 pairs; the one pair
+    assert metrics["val-core/s/acc/best@4/mean"] == 1.0
 
 
 def test_worst_and_std_at_n_by_hand_in_val_aux_as_verl():
