@@ -59,14 +59,25 @@ def trained(workspace):
     return trainer, base, initial, batch
 
 
-def test_reference_is_the_base_model_without_a_copy(trained):
+def test_reference_is_the_base_model_without_a_copy(trained, workspace, tmp_path):
+    """With the adapters off every adapted layer computes its base layer alone: the reference log-probs are the
+    base model's to the bit, those of a plain load of it and those of a run without LoRA (lora_rank=0: no
+    adapters, and its reference a frozen copy of the model) alike."""
+    from rlhf_core.models.lora import is_lora
+
     trainer, base, _, batch = trained
+    root, model = workspace
     actor = trainer.actor
     assert actor.ref_module is None  # the reference is the policy with its adapters switched off
     with torch.no_grad():
         expected, _ = response_log_prob(base, batch, actor.config.rollout.temperature, False)
     mask = batch["response_mask"].bool()
-    torch.testing.assert_close(actor.compute_ref_log_prob(batch)[mask], expected[mask], rtol=1e-5, atol=1e-5)
+    reference = actor.compute_ref_log_prob(batch)
+    torch.testing.assert_close(reference[mask], expected[mask], rtol=0, atol=0)
+    plain = _trainer(root, model, tmp_path / "plain", "actor_rollout_ref.model.lora_rank=0", "critic.model.lora_rank=0")
+    assert not is_lora(plain.actor.module) and not is_lora(plain.critic.module) and plain.actor.ref_module is not None
+    assert all(param.requires_grad for param in plain.actor.module.parameters())  # lora_rank=0 trains every weight
+    torch.testing.assert_close(reference[mask], plain.actor.compute_ref_log_prob(batch)[mask], rtol=0, atol=0)
     policy, _ = actor.compute_log_prob(batch)
     assert (policy[mask] - expected[mask]).abs().max() > 1e-3  # the adapters did move the policy
 
@@ -104,6 +115,10 @@ def test_checkpoint_holds_adapters_and_the_export_is_merged_plain_transformers(t
     fresh = _trainer(root, model, tmp_path / "other")
     fresh.load_checkpoint(path)
     torch.testing.assert_close(fresh.actor.compute_log_prob(batch)[0], trainer.actor.compute_log_prob(batch)[0])
+    # the critic's adapters and its value head, trained in full, come back: the same values to the bit
+    values = trainer.critic.compute_values(batch)
+    assert values[batch["response_mask"].bool()].abs().min() > 0  # the head has left its zeros
+    torch.testing.assert_close(fresh.critic.compute_values(batch), values, rtol=0, atol=0)
 
 
 def test_checkpoint_holds_the_adapter_as_peft_saves_it_over_the_actors_model_path(trained, workspace, tmp_path):
@@ -339,6 +354,17 @@ def test_a_resume_with_lora_continues_as_the_unbroken_run(fitted, workspace):
     assert sorted(again) == [STEPS]
     assert again[STEPS]["actor/kl_loss"] > 0
     assert_same_metrics(again[STEPS], metrics[STEPS], STEPS)
+    # the last update lands on the same adapters, value head and Adam moments as the unbroken run's
+    unbroken, resumed_run = out / f"global_step_{STEPS}", root / "resumed" / f"global_step_{STEPS}"
+    for part in ("actor", "critic"):
+        expected, state = (checkpoint.load_model_state(run, part) for run in (unbroken, resumed_run))
+        assert sorted(state) == sorted(expected) and all(torch.equal(state[n], expected[n]) for n in expected), part
+        before = checkpoint.load_model_state(out / f"global_step_{STEPS - 1}", part)
+        assert any(not torch.equal(before[n], expected[n]) for n in expected), part  # the last step moved them
+        expected, state = (torch.load(run / part / "optim_state.pt", weights_only=False)["optimizer"]["state"]
+                           for run in (unbroken, resumed_run))
+        assert sorted(state) == sorted(expected) and all(
+            torch.equal(state[i][key], expected[i][key]) for i in expected for key in expected[i]), part
 
 
 def test_after_updates_log_probs_rollout_and_weight_sync_are_the_saved_adapters(fitted, workspace, monkeypatch):
