@@ -156,10 +156,11 @@ def test_models_it_does_not_know_are_named_with_the_reason(case, reason):
         FusedDecoder(model, rows=2)
 
 
-def _with_adapters(model: torch.nn.Module, rank: int, std: float, seed: int) -> torch.nn.Module:
-    """``model`` with LoRA adapters of ``rank`` on every projection, A and B drawn from N(0, std^2) (PEFT starts
-    B at zero, where the adapters would change nothing)."""
-    model = lora.apply_lora(model, rank, 2 * rank, "all-linear")
+def _with_adapters(model: torch.nn.Module, rank: int, std: float, seed: int,
+                   targets: str | list[str] = "all-linear") -> torch.nn.Module:
+    """``model`` with LoRA adapters of ``rank`` on ``targets`` (default every projection), A and B drawn from
+    N(0, std^2) (PEFT starts B at zero, where the adapters would change nothing)."""
+    model = lora.apply_lora(model, rank, 2 * rank, targets)
     generator = torch.Generator().manual_seed(seed)
     for name, parameter in model.named_parameters():
         if ".lora_" in name:
@@ -167,14 +168,20 @@ def _with_adapters(model: torch.nn.Module, rank: int, std: float, seed: int) -> 
     return model
 
 
-def _lora_model() -> torch.nn.Module:
-    """The first configuration with LoRA adapters of rank 4, A and B away from zero."""
+def _lora_model(head: bool = False) -> torch.nn.Module:
+    """The first configuration with LoRA adapters of rank 4 on every projection, A and B away from zero; with
+    ``head``, the untied configuration with adapters on some projections and on its output head."""
+    if head:
+        return _with_adapters(_model(CONFIGS["llama, biases, linear rope, untied"]()), 4, 0.2, seed=5,
+                              targets=["q_proj", "down_proj", "lm_head"]).eval()
     return _with_adapters(_model(CONFIGS["llama, grouped kv heads, tied"]()), 4, 0.2, seed=5).eval()
 
 
-def test_with_lora_the_fused_step_gives_the_adapted_layers_logits(kind):
+@pytest.mark.parametrize("head", [False, True], ids=["projections", "some_projections_and_the_untied_head"])
+def test_with_lora_the_fused_step_gives_the_adapted_layers_logits(kind, head):
     kind("auto")
-    model = _lora_model()
+    model = _lora_model(head)
+    assert hasattr(lora.base_model(model).lm_head, "lora_A") == head
     tokens = torch.randint(3, model.config.vocab_size, (5, 5), generator=torch.Generator().manual_seed(2))
     adapted = _decode(model, _layers_step(model), tokens)
     # the PEFT model, and the transformers model inside it with its wrapped layers (what the actor's rollout holds)
