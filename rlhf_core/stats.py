@@ -111,6 +111,19 @@ def best_and_worst_of(values: Sequence[float], k: int) -> tuple[float, float]:
     return float(best), float(worst)
 
 
+def _best_and_worst_metrics(metrics: dict[str, float], name: str, per_prompt: Sequence[Sequence[float]], n: int,
+                            core: bool) -> None:
+    """``best@k`` and ``worst@k`` of ``name`` (``source/reward`` or ``source/acc``) at each of verl's sizes ``k``
+    (:func:`subset_sizes`), averaged over the prompts' values (``per_prompt``), with their standard errors; all in
+    ``val-aux/`` but ``best@n/mean`` where ``core``."""
+    for k in subset_sizes(n):
+        best, worst = zip(*(best_and_worst_of(values, k) for values in per_prompt))
+        metrics[f"val-{'core' if core and k == n else 'aux'}/{name}/best@{k}/mean"] = float(np.mean(best))
+        metrics[f"val-aux/{name}/best@{k}/std"] = standard_error(list(best))
+        metrics[f"val-aux/{name}/worst@{k}/mean"] = float(np.mean(worst))
+        metrics[f"val-aux/{name}/worst@{k}/std"] = standard_error(list(worst))
+
+
 def validation_metrics(
     data_sources: Sequence[str],
     prompt_ids: Sequence[Hashable],
@@ -159,13 +172,8 @@ def validation_metrics(
             metrics[f"val-aux/{source}/reward/std@{n}"] = float(np.mean([np.std([reward[i] for i in rows])
                                                                          for rows in prompts.values()]))
             # the best and the worst reward among k of each prompt's responses, averaged (exact, as the accuracy's)
-            for k in subset_sizes(n):
-                ends = [best_and_worst_of([reward[i] for i in rows], k) for rows in prompts.values()]
-                core = "core" if k == n and not graded else "aux"
-                metrics[f"val-{core}/{source}/reward/best@{k}/mean"] = float(np.mean([b for b, _ in ends]))
-                metrics[f"val-aux/{source}/reward/best@{k}/std"] = standard_error([b for b, _ in ends])
-                metrics[f"val-aux/{source}/reward/worst@{k}/mean"] = float(np.mean([w for _, w in ends]))
-                metrics[f"val-aux/{source}/reward/worst@{k}/std"] = standard_error([w for _, w in ends])
+            _best_and_worst_metrics(metrics, f"{source}/reward", [[reward[i] for i in rows] for rows in prompts.values()],
+                                    n, core=not graded)
         if not graded:  # prompts without a ground truth (a reward model's run): the reward is the core metric
             metrics[f"val-core/{source}/reward/mean@{n}"] = float(np.mean(mean_reward))
             continue
@@ -176,13 +184,9 @@ def validation_metrics(
         if n > 1:
             metrics[f"val-aux/{source}/acc/std@{n}"] = float(np.mean([np.std([acc[i] for i in rows])
                                                                       for rows in graded.values()]))
-            for k in subset_sizes(n):  # pass@k: a right response among k of the prompt's; all k right
-                ends = [best_and_worst_of([acc[i] for i in rows], k) for rows in graded.values()]
-                metrics[f"val-{'core' if k == n else 'aux'}/{source}/acc/best@{k}/mean"] = \
-                    float(np.mean([b for b, _ in ends]))
-                metrics[f"val-aux/{source}/acc/best@{k}/std"] = standard_error([b for b, _ in ends])
-                metrics[f"val-aux/{source}/acc/worst@{k}/mean"] = float(np.mean([w for _, w in ends]))
-                metrics[f"val-aux/{source}/acc/worst@{k}/std"] = standard_error([w for _, w in ends])
+            # pass@k: a right response among k of the prompt's; all k right
+            _best_and_worst_metrics(metrics, f"{source}/acc", [[acc[i] for i in rows] for rows in graded.values()],
+                                    n, core=True)
             if answers is not None:
                 vote = [majority_correct([answers[i] for i in rows], [acc[i] for i in rows])
                         for rows in graded.values()]
