@@ -18,6 +18,7 @@ from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
 from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
+from rlhf_core.pipeline.lineage import artifact_label
 from rlhf_core.pipeline.promotion import config_fingerprint
 from rlhf_core.pipeline.training import add_resume_advice, resume_own_checkpoint, stable_copy, whole_history
 
@@ -43,13 +44,13 @@ def start_from(cfg: PPOConfig, policy: Path) -> None:
 
 def input_artifact_label(name: str) -> str | None:
     """Input ``name`` of this step as a person finds it again after the run, ``artifact reward_model v3 id
-    <uuid>`` (as the lineage report names artifacts); None where the step was given none. The folder ZenML
-    unpacked it into is a temporary one, gone after the step."""
+    <uuid>`` (:func:`~rlhf_core.pipeline.lineage.artifact_label`, as the lineage report names them); None where
+    the step was given none. The folder ZenML unpacked it into is a temporary one, gone after the step."""
     inputs = get_step_context().inputs.get(name) or []
     if not inputs:
         return None
     artifact = inputs[0]
-    return f"artifact {artifact.artifact.name} v{artifact.version} id {artifact.id}"
+    return artifact_label(artifact.artifact.name, artifact.version, artifact.id)
 
 
 def stable_input(name: str, model: Path, root: Path, kind: str) -> Path:

@@ -394,6 +394,11 @@ def reward_source(model: str | None = None, version: str | None = None, client=N
     return "\n".join(texts)
 
 
+def artifact_label(name: str, version: Any, artifact_id: Any) -> str:
+    """An artifact version as a person finds it again after the run: ``artifact reward_model v3 id <uuid>``."""
+    return f"artifact {name} v{version} id {artifact_id}"
+
+
 _HIGHLIGHTS = {
     "data": ("trainer_config", "train_files", "val_files", "model_path", "overrides"),
     "validation": ("success", "dataset_fingerprint", "evaluated_expectations", "unsuccessful_expectations",
@@ -514,7 +519,7 @@ def format_lineage(record: Mapping[str, Any]) -> str:
         arrow = "   " if index == 0 else "-> "
         lines.append(f"{arrow}{link['stage']}: step {link['step']} [{link['status']}] - {link['about']}")
         for artifact in link["artifacts"]:
-            lines.append(f"      artifact {artifact['name']} v{artifact['version']} id {artifact['id']}")
+            lines.append(f"      {artifact_label(artifact['name'], artifact['version'], artifact['id'])}")
         for name, ids in link["inputs"].items():
             if name in ("init_from",):
                 how = "warm-start artifact (unused: nothing trained)" if link["metadata"].get("skipped") \
