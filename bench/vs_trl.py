@@ -43,6 +43,7 @@ Needs the ``bench`` extra (``pip install -e ".[bench]"``, which brings TRL).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import multiprocessing
 import os
@@ -183,7 +184,7 @@ def run_trl(model: Path, data: Path, args) -> dict:
         shuffle_dataset=False, seed=1, disable_tqdm=True, dataloader_num_workers=0,
         # stated, not left to TRL: GRPOConfig turns activation checkpointing on by default (TRL >= 1.0), which
         # recomputes each forward in the backward; ours follows --checkpointing too
-        gradient_checkpointing=args.checkpointing,
+        activation_checkpointing=args.checkpointing,  # transformers 5's name (gradient_checkpointing warns)
         # EOS suppressed until the last token: every completion is --response tokens, as ours with ignore_eos
         generation_kwargs={"min_new_tokens": args.response} if args.fixed_length else None,
     )
@@ -233,7 +234,7 @@ def main() -> None:
                         help="mixed precision in both: ours trainer.cpu_matmul_dtype=bfloat16, TRL's bf16=True (autocast)")
     parser.add_argument("--checkpointing", action="store_true",
                         help="activation checkpointing in both trainers (ours: actor_rollout_ref.model."
-                             "enable_gradient_checkpointing; TRL: gradient_checkpointing); off in both by default")
+                             "enable_gradient_checkpointing; TRL: activation_checkpointing); off in both by default")
     parser.add_argument("--trl-heap", choices=("default", "kept"), default="default",
                         help="TRL's process under glibc's defaults, as TRL runs (default), or with glibc's heap "
                              "kept as our trainer keeps it (kept)")
@@ -243,6 +244,9 @@ def main() -> None:
     parser.add_argument("--gsm8k", default=os.environ.get("GSM8K_DIR", str(REPO.parent / "shared" / "data" / "gsm8k")),
                         help="the GSM8K release (the smollm2 run's prompts)")
     args = parser.parse_args()
+    missing = [name for name in ("trl", "datasets") if importlib.util.find_spec(name) is None]
+    if missing:  # found out now, not after our trainer's minutes of steps
+        parser.error(f"{' and '.join(missing)} not installed: `make bench-setup` installs the bench extra")
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))

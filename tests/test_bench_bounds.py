@@ -1,5 +1,5 @@
-"""The decode bound of bench/roofline.py and bench/decode.py, worked out by hand on SmolLM2-135M's shapes (built on
-the meta device: no weights)."""
+"""The bench scripts: the decode bound of bench/roofline.py and bench/decode.py, worked out by hand on SmolLM2-135M's
+shapes (built on the meta device: no weights), and bench/vs_trl.py's check for TRL."""
 
 from __future__ import annotations
 
@@ -40,3 +40,21 @@ def test_the_bound_is_the_longer_of_the_bytes_read_and_the_products(smollm2):
     assert with_cache == pytest.approx((weights + 76_677_120) / 28.0 / 1e9)  # 21.95 ms
     products = 2 * 256 * (106_168_320 + 49152 * 576) / 400.0 / 1e9  # 256 rows: 172 ms of products
     assert decode_bound_s(smollm2, rows=256, rates=rates, bandwidth_gbs=28.0) == pytest.approx(products)
+
+
+def test_vs_trl_stops_before_training_when_trl_is_missing(monkeypatch, capsys):
+    """Without TRL (it comes with the bench extra) the side-by-side run must stop at once, not after our
+    trainer's minutes of steps, and say how to install it."""
+    import importlib.util
+
+    import vs_trl
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("trl", "datasets") else real_find_spec(name, *a))
+    monkeypatch.setattr(vs_trl, "run_ours", lambda *a, **k: pytest.fail("our trainer ran before the check"))
+    monkeypatch.setattr(sys, "argv", ["vs_trl.py", "--models", "demo"])
+    with pytest.raises(SystemExit) as stop:
+        vs_trl.main()
+    assert stop.value.code == 2
+    assert "trl and datasets not installed: `make bench-setup`" in capsys.readouterr().err
