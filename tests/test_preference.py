@@ -227,20 +227,25 @@ def test_read_preferences_names_missing_columns(tmp_path):
 
 
 @pytest.mark.parametrize("column, texts, rows", [
-    ("chosen", ["#### 5", "   ", "#### 5"], "1"),
-    ("rejected", ["\n\t ", "#### 6", ""], "0, 2"),
-    ("chosen", ["#### 5", None, "#### 5"], "1"),
+    ("chosen", ["#### 5", "   ", "#### 5"], "1 (blank)"),
+    ("rejected", ["\n\t ", "#### 6", ""], "0 (blank), 2 (empty)"),
+    ("chosen", ["#### 5", None, "#### 5"], "1 (null)"),
+    ("rejected", [[{"role": "assistant", "content": "#### 6"}]] * 3,  # TRL's conversational pairs
+     "0 (chat messages), 1 (chat messages), 2 (chat messages)"),
+    ("chosen", [5, 6, 7], "0 (int), 1 (int), 2 (int)"),
 ])
 def test_read_preferences_refuses_empty_blank_and_missing_texts(tmp_path, column, texts, rows):
     """A response of only whitespace is refused as the pipeline's validation refuses it ('holds a non-blank
-    character'), not only an empty one."""
+    character'), not only an empty one; each row named says what it holds instead of a text."""
     path = tmp_path / "pairs.parquet"
     frame = pd.DataFrame([_pair([{"role": "user", "content": f"What is {i} + 3?"}]) for i in range(3)])
     frame[column] = texts
     frame.to_parquet(path)
     with pytest.raises(PreferenceDataError) as info:
         read_preferences(path)
-    assert str(info.value) == f"{path}: column {column} is empty, blank or not text in row(s) {rows}"
+    assert str(info.value) == (f"{path}: column {column} is not a response's text in row(s) {rows}; {column} holds "
+                               "the assistant's reply as one non-blank string, the conversation before it being the "
+                               "prompt's messages")
 
 
 def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):

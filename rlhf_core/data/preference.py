@@ -54,12 +54,14 @@ if __name__ == "__main__":  # run as `rlhf preference` is (rlhf_core.cli), befor
 
     sys.exit(_run("preference", None, "python -m rlhf_core.data.preference"))
 
+import numpy as np
 import pandas as pd
 
 from rlhf_core.data.dataset import DataError, prompt_messages
 from rlhf_core.data.schema import (
     INSTRUCTION,
     PREFERENCE_COLUMNS,
+    is_missing,
     prompt_problem,
     read_rows,
     roles_problem,
@@ -357,11 +359,26 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
     frame = read_rows(path)
     check_prompts(frame, path)
     for column in ("chosen", "rejected"):
-        bad = [i for i, text in enumerate(frame[column]) if not isinstance(text, str) or not text.strip()]
+        bad = [(row, problem) for row, text in enumerate(frame[column]) if (problem := response_problem(text))]
         if bad:
-            raise PreferenceDataError(f"{path}: column {column} is empty, blank or not text in row(s) "
-                                      f"{', '.join(map(str, bad[:5]))}{' ...' if len(bad) > 5 else ''}")
+            shown = ", ".join(f"{row} ({problem})" for row, problem in bad[:5])
+            raise PreferenceDataError(f"{path}: column {column} is not a response's text in row(s) {shown}"
+                                      f"{' ...' if len(bad) > 5 else ''}; {column} holds the assistant's reply as "
+                                      "one non-blank string, the conversation before it being the prompt's messages")
     return frame
+
+
+def response_problem(value) -> str | None:
+    """What keeps a ``chosen`` or ``rejected`` cell from being the assistant's reply as text, in a word or two, or
+    None where it is one: empty, blank (whitespace only), null, chat messages (a list of mappings, as TRL's
+    conversational pairs hold them), a list, or the name of another type."""
+    if isinstance(value, str):
+        return None if value.strip() else "blank" if value else "empty"
+    if is_missing(value):
+        return "null"
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "chat messages" if len(value) and all(isinstance(m, Mapping) for m in value) else "a list"
+    return type(value).__name__
 
 
 def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
