@@ -270,6 +270,27 @@ def test_preflight_refuses_shared_prompts_and_an_empty_validation_file(tiny, tmp
     assert not (tmp_path / "out").exists()
 
 
+def test_preflight_names_training_files_without_a_pair(tiny, tmp_path, capsys):
+    """Training files without a row are at fault, not the batch size, which no pair fits: the refusal names them (as
+    PPO's names prompt files without rows), where it said to lower the batch size below 1."""
+    empty = [_preference_file(tmp_path / f"empty{i}.parquet", [("Q3", "g", "h")]) for i in range(2)]
+    for path in empty:
+        pd.read_parquet(path).iloc[:0].to_parquet(path)
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", f"reward_model.train.model.path={tiny}",
+            "reward_model.train.val_files=null", "reward_model.train.train_batch_size=2",
+            "reward_model.train.micro_batch_size_per_gpu=1", f"reward_model.train.default_local_dir={tmp_path / 'out'}"]
+    assert train_rm([*base, f"reward_model.train.train_files={empty[0]}"]) == 2  # bad input, as PPO's data
+    err = capsys.readouterr().err
+    assert f"reward_model.train.train_files: {empty[0]} has no rows; give files with preference pairs" in err
+    assert "lower the batch size" not in err
+    assert train_rm([*base, f"reward_model.train.train_files=[{empty[0]},{empty[1]}]"]) == 2
+    assert f"reward_model.train.train_files: {empty[0]}, {empty[1]} have no rows" in capsys.readouterr().err
+    assert train_rm([*base, "reward_model.train.train_files=[]"]) == 2
+    assert ("reward_model.train.train_files names no file: give the preference parquet file(s) to train on"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
 def test_preflight_names_the_key_of_a_file_whose_pair_has_the_same_text_twice(tiny, tmp_path, capsys):
     """As every other error about a preference file, it starts with the key that named the file."""
     train = _preference_file(tmp_path / "train.parquet", [("Q1", "a", "b"), ("Q2", "c", "c")])

@@ -550,8 +550,14 @@ def preflight(cfg: PPOConfig) -> Preferences:
         except PreferenceDataError as exc:
             raise PreferenceDataError(f"{KEY}.{split}_files: {exc}") from exc
     check_preference_frames(frames["train"], frames["val"], {split: f"{KEY}.{split}_files" for split in frames})
+    train_files = [path for path, _ in frames["train"]]
     n_train = sum(len(frame) for _, frame in frames["train"])
-    if n_train < rm.train_batch_size:
+    if not train_files:
+        errors.append(f"{KEY}.train_files names no file: give the preference parquet file(s) to train on")
+    elif n_train == 0:  # (no batch size fits: the files are the fault, as PPO says of prompt files without rows)
+        errors.append(f"{KEY}.train_files: {', '.join(train_files)} {'has' if len(train_files) == 1 else 'have'} "
+                      "no rows; give files with preference pairs")
+    elif n_train < rm.train_batch_size:
         errors.append(f"{KEY}.train_files hold {n_train} pairs, fewer than {KEY}.train_batch_size "
                       f"({rm.train_batch_size}): lower the batch size or add pairs")
     if errors:
