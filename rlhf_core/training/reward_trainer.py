@@ -17,8 +17,10 @@ step's global pair count and gradients summed, so N workers take the step one wo
 
 Checkpoints (``reward_model.train.default_local_dir``) follow the PPO layout: ``global_step_N/``
 with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), ``trainer_state.json``
-(step, epoch, position in the epoch, and the counts of skipped steps the stops below read, so that a resumed
-run stops at the step it would have stopped at unbroken), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
+(step, epoch, position in the epoch, the counts of skipped steps the stops below read, so that a resumed
+run stops at the step it would have stopped at unbroken, and the training pairs' count and SHA-256 of their token
+ids, since each step's pairs follow from the step over them: a resume on other pairs, or the same in another order,
+is refused), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
 written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
 (``reward_model.train.resume_mode``), with as many workers or another number: the weights and
 optimizer moments are re-split exactly, and the steps then differ from the saved run's by float
@@ -59,6 +61,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -254,6 +258,17 @@ def encode_pairs(files: list[tuple[str, object]], tokenizer, max_length: int | N
             else:
                 encoded.pairs.append((pair[0], pair[1]))
     return encoded
+
+
+def pairs_fingerprint(pairs: list[tuple[list[int], list[int]]]) -> str:
+    """SHA-256 of encoded pairs in their order: each side's length, then its ids as little-endian int64. A checkpoint
+    records it for the training pairs, over which each step's pairs are a function of the step alone."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for ids in pair:
+            digest.update(len(ids).to_bytes(8, "little"))
+            digest.update(np.asarray(ids, dtype="<i8").tobytes())
+    return digest.hexdigest()
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -698,6 +713,12 @@ class RewardModelTrainer:
         size = self.rm.train_batch_size
         return [self.train_pairs[i] for i in order[position * size:(position + 1) * size]]
 
+    @functools.cached_property
+    def train_fingerprint(self) -> str:
+        """:func:`pairs_fingerprint` of the training pairs, which every checkpoint records and a resume compares
+        (hashed once, at the run's first save or its resume)."""
+        return pairs_fingerprint(self.train_pairs)
+
     # ------------------------------------------------------------------ phases
     def validate(self) -> dict[str, float]:
         if not self.val_pairs:
@@ -954,7 +975,9 @@ class RewardModelTrainer:
                                                    "epoch": epoch, "step_in_epoch": position,
                                                    "total_steps": self.total_steps,
                                                    "consecutive_skips": self.consecutive_skips,
-                                                   "no_update_since": self.no_update_since}, indent=1))
+                                                   "no_update_since": self.no_update_since,
+                                                   "train_pairs": len(self.train_pairs),
+                                                   "train_pairs_sha256": self.train_fingerprint}, indent=1))
         files.torch(ckpt.RNG_STATE, ckpt.rng_state())
         files.text(ckpt.CONFIG_FILE, self.cfg.to_yaml())
         return [PART]
@@ -995,6 +1018,24 @@ class RewardModelTrainer:
                                        f"values or start afresh with {KEY}.resume_mode=disable or another "
                                        f"{KEY}.default_local_dir")
 
+    def _check_pairs(self, path: Path, state: dict) -> None:
+        """Refuse (CheckpointError) to resume from ``path`` on other training pairs than its run trained on (its
+        ``trainer_state.json`` holds their count and :func:`pairs_fingerprint`): each step takes its pairs by its
+        position in the epoch's order over them (:meth:`_step_pairs`), so on other pairs, or the same in another
+        order, the steps after the resume would be neither the saved run's nor those of a new run. A checkpoint
+        saved before it recorded them is not checked."""
+        saved = state.get("train_pairs_sha256")
+        if saved is None or saved == self.train_fingerprint:
+            return
+        then, now = state.get("train_pairs"), len(self.train_pairs)
+        counted = f"{then} pairs then, {now} now" if then != now else f"{now} pairs both times, not the same"
+        raise ckpt.CheckpointError(
+            f"cannot resume from {path}: the training pairs differ from those its run trained on ({counted}; "
+            f"compared as token ids, in the order of {KEY}.train_files): the files changed since, or the tokenizer "
+            "encodes them otherwise, and a resumed step takes its pairs by its position in the epoch, so the steps "
+            "after the resume would draw from other pairs than those before it; restore the files, or start "
+            f"afresh with {KEY}.resume_mode=disable or another {KEY}.default_local_dir")
+
     def resume(self) -> None:
         path = self.resume_path()
         if path is None:
@@ -1007,6 +1048,8 @@ class RewardModelTrainer:
         ckpt.refuse_other_kind(path, manifest, "reward-model", f"{KEY}.{where}")  # a PPO run's: no config fits it
         saved = ckpt.saved_workers(manifest, PART)
         self._check_config(path)
+        state = ckpt.read_trainer_state(path)
+        self._check_pairs(path, state)
         try:
             self.worker.load_checkpoint(path / PART, saved)
         except ckpt.CheckpointError:
@@ -1014,7 +1057,6 @@ class RewardModelTrainer:
         except Exception as exc:  # noqa: BLE001 - the workers' errors come wrapped; say which checkpoint
             raise ckpt.CheckpointError(f"checkpoint {path / PART} cannot be loaded into the reward model being "
                                        f"trained: {exc}") from exc
-        state = ckpt.read_trainer_state(path)
         self.global_step, self.resumed_from = int(state["global_step"]), path
         self.last_saved = path
         # the stop rules' count goes on from the checkpoint's; one saved without it counts from its step
