@@ -28,8 +28,10 @@ rounding alone. The end of the run writes ``huggingface/``: the model (LoRA merg
 tokenizer, which ``AutoModelForSequenceClassification.from_pretrained`` loads; its config.json
 records the chat-template keyword arguments the pairs were encoded with
 (``reward_model.train.apply_chat_template_kwargs``), which PPO compares with its own. Metrics go to
-``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``, ``train/pair_accuracy``,
-``train/margin_mean``, the scores' scale (free under the loss, which sees differences only):
+``metrics.jsonl`` there (and any other ``trainer.logger``): ``train/loss``, ``train/pair_accuracy`` (the share
+of pairs whose chosen side scores strictly above the rejected: a tie counts as wrong, as TRL's and OpenRLHF's
+reward trainers count it, so a model that scores every text alike ranks none right), ``train/margin_mean``, the
+scores' scale (free under the loss, which sees differences only):
 ``train/chosen_score_mean``, ``train/rejected_score_mean`` and over both sides ``train/score_mean``,
 ``train/score_std``, ``train/score_min``, ``train/score_max``, all over every pair of the step; then
 ``train/grad_norm``, ``train/lr``, ``train/skipped_step``, and at each validation the same pair metrics under
