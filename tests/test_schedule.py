@@ -387,3 +387,115 @@ def test_a_run_config_with_a_schedule_block_is_refused(tmp_path, capsys, monkeyp
     config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n")
     assert cli.schedule(["--every", "0.01", "--run-now", "--max-runs", "1", "-c", str(config)]) == 0
     assert len(started) == 1
+
+
+# --- SIGTERM: a service manager or `kill` stopping the scheduler ---------------------------------------------------
+# The scheduler runs in a process of its own (without the command's handler a SIGTERM would end the test run); a
+# stand-in for `zenml pipeline run` takes SIGTERM as the pipeline's training step does: it finishes what it is doing,
+# then exits 143. It notes each signal it gets in a file, so a signal passed on twice (a stop without saving) shows.
+SCHEDULER = """\
+import sys
+
+from rlhf_core import cli
+from rlhf_core.pipeline import schedule
+
+schedule.pipeline_command = lambda config, pipeline: [sys.executable, "-c", sys.argv[1]]
+sys.exit(cli._run("schedule", sys.argv[2:], "rlhf-schedule"))
+"""
+
+RUN_UNDER_WAY = """\
+import os
+import signal
+import sys
+import time
+
+
+def note(line):
+    with open({marks!r}, "a") as marks:
+        marks.write(line + "\\n")
+
+
+def stop(signum, frame):
+    note(signal.Signals(signum).name)
+    time.sleep(0.5)  # the step under way is finished and saved
+    sys.exit(143)
+
+
+signal.signal(signal.SIGTERM, stop)
+note(f"started {{os.getpid()}}")
+time.sleep(120)
+"""
+
+
+def _scheduler(tmp_path, *argv):
+    """The scheduler's process (every hour, the run config checked as for a real one), its stderr's lines and its
+    log's (on stdout, where ZenML's handler writes it), read as they come; the file the run under way notes its
+    start and signals in."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "retrain.yaml"
+    config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n")
+    runner, marks = tmp_path / "scheduler.py", tmp_path / "marks.txt"
+    runner.write_text(SCHEDULER)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    process = subprocess.Popen([sys.executable, str(runner), RUN_UNDER_WAY.format(marks=str(marks)), "--every", "3600",
+                                "-c", str(config), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, cwd=tmp_path, env=env)
+    lines: list[str] = []
+    logged: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    reader.start()
+    threading.Thread(target=lambda: logged.extend(process.stdout), daemon=True).start()
+    return process, lines, logged, reader, marks
+
+
+def _wait_for(condition, process, lines, seconds=180.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, f"the scheduler ended with {process.returncode}: {''.join(lines)[-2000:]}"
+        assert time.monotonic() < deadline, "".join(lines)[-2000:]
+        time.sleep(0.05)
+
+
+def test_a_sigterm_stops_the_schedule_with_one_line_and_143(tmp_path):
+    """Python's default ended the scheduler at once on a SIGTERM (a service manager's stop, `kill`), with no line
+    and status -15 (a shell's 143 without a word), where the other commands say what they left."""
+    import signal
+
+    process, lines, logged, reader, _ = _scheduler(tmp_path)
+    try:
+        _wait_for(lambda: any("Scheduler started" in line for line in logged), process, lines)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143, "".join(lines)[-2000:]
+    finally:
+        process.kill()
+    reader.join(timeout=10)
+    assert [line.rstrip("\n") for line in lines] == [
+        "interrupted by SIGTERM: rlhf-schedule stopped after 0 scheduled run(s); no run was under way"]
+
+
+def test_a_sigterm_is_passed_on_once_to_the_run_under_way_which_the_scheduler_waits_for(tmp_path):
+    """The SIGTERM reached the scheduler alone: it died at once and the run it had started went on without it (and,
+    with the scheduler's handler alone, the scheduler would have waited for that run's end, hours on). The run is
+    passed the signal once (a second would stop its training without saving), ends as it takes it, and then the
+    scheduler says so and exits 143."""
+    import os
+    import signal
+
+    process, lines, _, reader, marks = _scheduler(tmp_path, "--run-now")
+    try:
+        _wait_for(lambda: marks.is_file() and marks.read_text().startswith("started "), process, lines)
+        child = int(marks.read_text().split()[1])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 143, "".join(lines)[-2000:]
+    finally:
+        process.kill()
+        if marks.is_file() and "SIGTERM" not in marks.read_text():  # (the stand-in left running: ended here)
+            os.kill(int(marks.read_text().split()[1]), signal.SIGKILL)
+    reader.join(timeout=10)
+    assert marks.read_text().splitlines() == [f"started {child}", "SIGTERM"]
+    assert [line.rstrip("\n") for line in lines] == [
+        "interrupted by SIGTERM: rlhf-schedule stopped after 0 scheduled run(s); the run under way was passed the "
+        "SIGTERM and ended with status 143 (its output above says what it saved)"]

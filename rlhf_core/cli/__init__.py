@@ -8,7 +8,8 @@ starts without torch, and the console scripts (``rlhf_ppo`` ... below) import it
 torch or ZenML import, in a command's first seconds, ends it with one line and exit status 130, not a traceback.
 The training commands (``ppo``, ``train-rm``) take a SIGTERM as they take a Ctrl-C where the training steps' own
 handler is not in place (while a run starts or closes, or with ``trainer.save_on_interrupt=false``): one line naming
-SIGTERM and the checkpoint left, and exit status 143.
+SIGTERM and the checkpoint left, and exit status 143. ``schedule`` passes it on to the run under way, waits for that
+run to end, and says so in one line, with 143.
 """
 
 from __future__ import annotations
@@ -109,8 +110,9 @@ def unwritable(folder: Path) -> str | None:
         return exc.strerror or str(exc)
 
 
-# the commands that take a SIGTERM as a Ctrl-C (:func:`sigterm_as_interrupt`): those whose runs keep checkpoints
-SIGTERM_AS_INTERRUPT = ("ppo", "train-rm")
+# the commands that take a SIGTERM as a Ctrl-C (:func:`sigterm_as_interrupt`): those whose runs keep checkpoints,
+# and the scheduler of such runs, which passes it on to the run under way
+SIGTERM_AS_INTERRUPT = ("ppo", "train-rm", "schedule")
 
 
 class Terminated(KeyboardInterrupt):

@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -30,7 +31,14 @@ from rlhf_core.pipeline.lineage import (
 )
 from rlhf_core.pipeline.lineage import lineage as read_lineage
 from rlhf_core.pipeline.promotion import stage_disagreement
-from rlhf_core.pipeline.schedule import RETRAIN_PIPELINE, crontab_line, make_trigger, run_pipeline, serve
+from rlhf_core.pipeline.schedule import (
+    RETRAIN_PIPELINE,
+    ScheduleTerminated,
+    crontab_line,
+    make_trigger,
+    run_pipeline,
+    serve,
+)
 
 
 def evaluate_names(prog: str) -> dict[str, str]:
@@ -301,6 +309,13 @@ def schedule(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except ScheduleTerminated as stop:  # one line, and 128 + SIGTERM, as the other commands end on it
+        failed = sum("error" in run for run in stop.finished)
+        under_way = "; no run was under way" if not stop.stopped else "; the run under way was passed the " \
+            f"SIGTERM and ended with status {', '.join(map(str, stop.stopped))} (its output above says what it saved)"
+        print(f"interrupted by SIGTERM: {parser.prog} stopped after {len(stop.finished)} scheduled run(s)"
+              f"{f' ({failed} failed)' if failed else ''}{under_way}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     failed = sum("error" in run for run in runs or [])
     if failed:
         print(f"error: {failed} of {len(runs)} scheduled runs failed (the log above says why)", file=sys.stderr)

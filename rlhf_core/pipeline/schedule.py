@@ -8,10 +8,17 @@ APScheduler ``BlockingScheduler``. A job never overlaps itself (``max_instances=
 that arrives while the previous run is still going is skipped and logged, and missed fire times
 are coalesced into one. On orchestrators that schedule (Kubernetes, Kubeflow) put a ``schedule:``
 block in the run config instead; see ``configs/retrain_demo.yaml``.
+
+A Ctrl-C reaches the run under way from the terminal (it is in the scheduler's process group) and stops the
+schedule. A SIGTERM (``kill``, a service manager stopping it) is sent to the scheduler alone: it starts no run
+after it, passes it on to the run under way (whose training step then saves its step and stops) and waits for
+that run to end, then raises :class:`ScheduleTerminated`. Under systemd, ``KillMode=mixed`` sends it to the
+scheduler alone; a second SIGTERM is passed on too, which stops the run at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -19,6 +26,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +35,8 @@ from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from rlhf_core.cli import Terminated
 
 if __name__ == "__main__":  # run as `rlhf schedule` is (rlhf_core.cli), where its command's module imports
     # ZenML, so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
@@ -50,13 +60,50 @@ def pipeline_command(config: str | Path, pipeline: str = RETRAIN_PIPELINE) -> li
     return [zenml_executable(), "pipeline", "run", pipeline, "-c", str(config)]
 
 
+# the runs :func:`run_pipeline` has under way, which a SIGTERM to the scheduler is passed on to, and whether one
+# came (no run starts after it)
+_children: set[subprocess.Popen] = set()
+_children_lock = threading.Lock()
+_stopping = False
+
+
+def _pass_on(signum: int) -> list[subprocess.Popen]:
+    """Send ``signum`` to each run under way and let no other start; the runs it was sent to."""
+    global _stopping
+    with _children_lock:
+        _stopping = True
+        children = list(_children)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+    return children
+
+
+class ScheduleTerminated(Terminated):
+    """A SIGTERM stopped the schedule (:func:`serve`): ``finished`` runs had ended before it (their records),
+    and ``stopped`` holds the exit status of each run that was under way, passed the signal, and has ended."""
+
+    def __init__(self, finished: list[dict[str, Any]], stopped: list[int | None]):
+        super().__init__("SIGTERM")
+        self.finished, self.stopped = finished, stopped
+
+
 def run_pipeline(config: str | Path, pipeline: str = RETRAIN_PIPELINE, cwd: str | Path | None = None) -> int:
     """One run of ``pipeline`` with run config ``config`` in a child process; its exit status, 0.
 
     Raises RuntimeError when the run fails (a non-zero exit status), so that a schedule records a failure."""
     command = pipeline_command(config, pipeline)
-    logger.info("starting: %s", shlex.join(command))
-    status = subprocess.run(command, cwd=cwd, check=False).returncode
+    with _children_lock:
+        if _stopping:  # a SIGTERM came as this run was about to start: it would not be passed on
+            raise RuntimeError(f"{shlex.join(command)} not started: the schedule is stopping (SIGTERM)")
+        logger.info("starting: %s", shlex.join(command))
+        child = subprocess.Popen(command, cwd=cwd)
+        _children.add(child)
+    try:
+        status = child.wait()
+    finally:
+        with _children_lock:
+            _children.discard(child)
     if status != 0:
         raise RuntimeError(f"{shlex.join(command)} exited with status {status}; its output says why")
     return status
@@ -230,17 +277,32 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
           max_runs: int | None = None, run_now: bool = False) -> list[dict[str, Any]]:
     """Call ``runner`` on the schedule, in the foreground, until Ctrl-C (or ``max_runs`` runs).
 
-    Returns one record per run: start and end times and the runner's result (or error).
+    Returns one record per run: start and end times and the runner's result (or error). A SIGTERM (under
+    :func:`rlhf_core.cli.sigterm_as_interrupt`) starts no run after it, is passed on to the run under way
+    (:func:`run_pipeline`'s child), which is waited for, and raises :class:`ScheduleTerminated`.
     """
     from apscheduler.events import EVENT_JOB_MAX_INSTANCES
+    from apscheduler.schedulers import SchedulerNotRunningError
     from apscheduler.schedulers.blocking import BlockingScheduler
+
+    global _stopping
 
     trigger = make_trigger(cron, every)
     scheduler = BlockingScheduler()
     runs: list[dict[str, Any]] = []
     lock = threading.Lock()
+    idle = threading.Event()  # set while no run is under way
+    idle.set()
+    _stopping = False
 
     def job() -> None:
+        idle.clear()
+        try:
+            run_job()
+        finally:
+            idle.set()
+
+    def run_job() -> None:
         record: dict[str, Any] = {"started": time.time()}
         logger.info("scheduled run %d starting", len(runs) + 1)
         try:
@@ -269,6 +331,20 @@ def serve(runner: Callable[[], Any], cron: str | None = None, every: float | Non
                 trigger.get_next_fire_time(None, datetime.now().astimezone()))
     try:
         scheduler.start()
+    except Terminated:
+        with lock:
+            finished = list(runs)
+        with contextlib.suppress(SchedulerNotRunningError):  # (a last run of max_runs may have stopped it)
+            scheduler.shutdown(wait=False)  # no fire time starts a run after this
+        children = _pass_on(signal.SIGTERM)
+        while True:  # the run under way ends as its own SIGTERM handling says (a training step saves, then stops)
+            try:
+                idle.wait()
+                break
+            except KeyboardInterrupt as again:  # a second SIGTERM is passed on too (the run stops at once); a
+                if isinstance(again, Terminated):  # Ctrl-C reached it from the terminal already
+                    _pass_on(signal.SIGTERM)
+        raise ScheduleTerminated(finished, [child.poll() for child in children]) from None
     except (KeyboardInterrupt, SystemExit):
         logger.info("stopped after %d run(s)", len(runs))
     return runs
