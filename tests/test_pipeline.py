@@ -1512,3 +1512,40 @@ def test_a_candidate_promoted_over_production_takes_its_stage_and_the_old_versio
     assert meta["previous_production_version"] == "1" and meta["p_value"] == pytest.approx(2 * 0.5 ** 20)
     assert meta["decision_reason"].startswith("promoted: accuracy 1.0000 vs 0.0000 of production version 1 on the "
                                               "same 20 problems: gain +1.0000")
+
+
+def test_an_evaluation_that_fails_promotes_nothing_and_leaves_production_as_it_was(monkeypatch):
+    """A run whose evaluate step raises stops there: promote never runs, the production version stays production,
+    and the run's own version is marked failed at evaluate with no decision recorded on it."""
+    import steps.evaluate
+
+    model = "tiny-evaluation-fails"
+    production = _add_version(model, production=True, promoted=True, promotion="done")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the evaluation broke")
+
+    monkeypatch.setattr(steps.evaluate, "evaluate_policy", broken)
+    with pytest.raises(RuntimeError):
+        run_pipeline(model)
+    client = zenml_client()
+    run = client.list_pipeline_runs(sort_by="desc:created", size=1)[0]
+    assert (str(run.status), str(run.steps["evaluate"].status)) == ("failed", "failed")
+    assert "promote" not in run.steps
+    assert client.get_model_version(model, "production").id == production.id
+    failed = client.get_model_version(model, "latest")
+    assert failed.number == 2 and failed.stage is None
+    assert [tag.name for tag in failed.tags] == ["failed"]
+    meta = failed.run_metadata
+    assert (meta["failed_step"], meta["failure"]) == ("evaluate", "RuntimeError: the evaluation broke")
+    assert not {"promoted", "promotion", "decision_reason"} & set(meta)
+    # its lineage names the failure and the chain up to the checkpoint it trained, which nothing promoted
+    from rlhf_core.pipeline.lineage import format_lineage, lineage
+
+    record = lineage(model, "2", client=client)
+    assert (record["stage"], record["run_id"]) == (None, str(run.id))
+    assert [(link["stage"], link["status"]) for link in record["chain"]] == [
+        ("data", "completed"), ("validation", "completed"), ("reward", "completed"), ("smoke test", "completed"),
+        ("checkpoint", "completed"), ("evaluation", "failed")]
+    text = format_lineage(record)
+    assert "  failed at step evaluate: RuntimeError: the evaluation broke" in text
