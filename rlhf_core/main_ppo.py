@@ -201,7 +201,10 @@ def preflight(cfg: PPOConfig) -> None:
             errors.append(f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} but this machine has "
                           f"{torch.cuda.device_count()} GPUs; lower it or set trainer.ray_address to a larger cluster")
         if ray_address:
-            errors.extend(_ray_address_problems(ray_address))
+            from rlhf_core.workers.group import address_problem
+
+            if (problem := address_problem(ray_address)) is not None:
+                errors.append(problem)
     try:  # first: it registers the architectures the model configs below may name (verl imports it in each worker)
         import_external_lib(arr.model.external_lib)
     except ModelError as exc:
@@ -305,28 +308,6 @@ def _preference_not_prompts(path: Path, cfg: PPOConfig) -> bool:
     reads prompts and routes rewards by (``data.prompt_key``, ``data.reward_fn_key``)."""
     schema = parquet_schema(path)
     return is_preference_data(schema) and not {cfg.data.prompt_key, cfg.data.reward_fn_key} <= set(schema.names)
-
-
-RAY_CONNECT_TIMEOUT_S = 5.0
-
-
-def _ray_address_problems(address: str) -> list[str]:
-    """An address of ``host:port`` (or ``ray://host:port``) where nothing answers: ``ray.init`` would wait on it
-    for minutes, printing only Ray's own retries. ``auto`` and addresses of other forms are left to Ray."""
-    target = address.removeprefix("ray://")
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit() or (":" in host and not host.startswith("[")):  # (a bare IPv6 address)
-        return []
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
-    except socket.gaierror as exc:
-        return [f"trainer.ray_address (or RAY_ADDRESS) {address!r}: cannot resolve the host {host!r} "
-                f"({exc.strerror or exc}); fix the address"]
-    except OSError as exc:
-        return [f"trainer.ray_address (or RAY_ADDRESS) {address!r}: nothing answers at {host}:{port} within "
-                f"{RAY_CONNECT_TIMEOUT_S:.0f} s ({exc.strerror or exc}); start the cluster there (ray start --head "
-                f"--port {port}) or fix the address"]
-    return []
 
 
 def _lora_problems(cfg: PPOConfig, actor_dir: Path) -> list[str]:

@@ -3,6 +3,7 @@ process's own and idle, and how ``trainer.ray_address`` is joined."""
 
 from __future__ import annotations
 
+import socket
 import time
 import weakref
 
@@ -83,6 +84,37 @@ def test_a_cluster_this_process_did_not_start_is_never_started_again(monkeypatch
     finally:
         monkeypatch.undo()
         ray.shutdown()
+
+
+def closed_port() -> int:
+    """A local port where nothing listens (one the system handed out, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"], ids=["gcs", "ray_client"])
+def test_joining_an_address_where_nothing_answers_fails_in_seconds_on_every_path(monkeypatch, scheme):
+    """Every worker group joins Ray through ensure_ray: PPO's trainer built as a library or in a pipeline step, the
+    reward model's trainer. An address where nothing answers failed there only once ray.init had retried for many
+    minutes (still trying after 200 s; the PPO command's preflight alone said it at once); given as the key or as RAY_ADDRESS, it now fails
+    within the probe's seconds, before Ray starts, saying what to do."""
+    if ray.is_initialized():
+        ray.shutdown()
+    port = closed_port()
+    address = f"{scheme}127.0.0.1:{port}"
+    expected = (f"trainer.ray_address (or RAY_ADDRESS) '{address}': nothing answers at 127.0.0.1:{port} within 5 s "
+                f"(Connection refused); start the cluster there (ray start --head --port {port}) or fix the address")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for given in (address, None):
+        if given is None:
+            monkeypatch.setenv("RAY_ADDRESS", address)
+        started = time.monotonic()
+        with pytest.raises(group.WorkerError) as info:
+            group.ensure_ray(given, 2, "cpu")
+        assert time.monotonic() - started < 5
+        assert str(info.value) == expected
+        assert not ray.is_initialized()
 
 
 class _FakeContext:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -50,6 +51,8 @@ FAILURE_GRACE_S = 2.0
 #: nothing until the collective timeout fails the call.
 STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
+#: How long the address of a Ray cluster to join has to answer before ``ray.init`` is tried on it.
+RAY_CONNECT_TIMEOUT_S = 5.0
 
 
 class WorkerError(RuntimeError):
@@ -186,6 +189,27 @@ def _check_runtime_env(runtime_env: dict) -> None:
         raise WorkerError(_refused(runtime_env, exc)) from None
 
 
+def address_problem(address: str) -> str | None:
+    """Why no Ray cluster can be joined at ``address`` (``host:port`` or ``ray://host:port``): its host does not
+    resolve, or nothing answers at its port within :data:`RAY_CONNECT_TIMEOUT_S`, where ``ray.init`` retries
+    for many minutes (some 45 s a try, 20 tries), printing only Ray's own warnings. None where something answers; ``auto`` and
+    addresses of other forms are left to Ray."""
+    target = address.removeprefix("ray://")
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit() or (":" in host and not host.startswith("[")):  # (a bare IPv6 address)
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except socket.gaierror as exc:
+        return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: cannot resolve the host {host!r} "
+                f"({exc.strerror or exc}); fix the address")
+    except OSError as exc:
+        return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: nothing answers at {host}:{port} within "
+                f"{RAY_CONNECT_TIMEOUT_S:.0f} s ({exc.strerror or exc}); start the cluster there (ray start --head "
+                f"--port {port}) or fix the address")
+    return None
+
+
 def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: dict | None = None) -> None:
     """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers;
     either with ``runtime_env`` (``trainer.ray_runtime_env``: what every worker of the job gets, on any node).
@@ -215,6 +239,8 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
               f"and runs none: started again with {{'CPU': {cpus}, 'GPU': {gpus}}}", file=sys.stderr, flush=True)
     _check_runtime_env(runtime_env)
     address = address or os.environ.get("RAY_ADDRESS")
+    if address and (problem := address_problem(address)) is not None:
+        raise WorkerError(problem)
     # ray.init puts in a SIGTERM handler of its own (sys.exit(15)): the command's (rlhf_core.cli: a SIGTERM said
     # as a Ctrl-C is, exit 143) stays; a default one is left to Ray's, as before
     sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
