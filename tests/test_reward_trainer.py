@@ -6,6 +6,8 @@ import json
 import math
 import shutil
 import signal
+import socket
+import time
 
 import pandas as pd
 import pytest
@@ -1411,6 +1413,25 @@ def test_max_length_is_the_models_positions_unless_set_and_never_past_them(tiny,
     RewardModelTrainer(cfg).fit()
     saved = yaml.safe_load((out / "global_step_1" / ckpt.CONFIG_FILE).read_text())
     assert saved["reward_model"]["train"]["max_length"] == 512
+
+
+def test_a_ray_address_where_nothing_answers_is_refused_before_the_pairs_are_encoded(tiny, pairs_dir, tmp_path,
+                                                                                      capsys):
+    """rlhf-train-rm on 2 workers with trainer.ray_address where nothing answers: ray.init retried for many minutes
+    (still trying after 200 s) before it failed with Ray's words (exit 1); now refused at once as bad input, as PPO's preflight refuses it (exit 2)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once it is closed
+    out = tmp_path / "rm"
+    started = time.monotonic()
+    assert train_rm(_overrides(tiny, pairs_dir, out, "trainer.n_gpus_per_node=2",
+                               "reward_model.train.micro_batch_size_per_gpu=2",
+                               f"trainer.ray_address=127.0.0.1:{port}")) == 2
+    assert time.monotonic() - started < 5
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"  - trainer.ray_address (or RAY_ADDRESS) '127.0.0.1:{port}': nothing answers at 127.0.0.1:{port} within "
+        f"5 s (Connection refused); start the cluster there (ray start --head --port {port}) or fix the address")
+    assert not out.exists()
 
 
 def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):

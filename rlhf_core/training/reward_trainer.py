@@ -118,7 +118,13 @@ from rlhf_core.workers.common import (
     clip_and_check,
     load_saved,
 )
-from rlhf_core.workers.group import DistributedWorker, WorkerGroup, absolute, for_workers
+from rlhf_core.workers.group import (
+    DistributedWorker,
+    WorkerGroup,
+    absolute,
+    address_problem,
+    for_workers,
+)
 
 PART = "reward_model"
 HF_DIR = "huggingface"
@@ -540,6 +546,9 @@ def preflight(cfg: PPOConfig) -> Preferences:
         errors.append(str(exc))
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
+    address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    if cfg.world_size > 1 and address and (problem := address_problem(address)) is not None:
+        errors.append(problem)  # before the pairs are read and encoded, as PPO's preflight says it
     errors += store_problems(cfg.trainer.logger)
     out = resolve(rm.default_local_dir)
     existing = _nearest_existing(out.absolute())
