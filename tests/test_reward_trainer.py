@@ -1463,6 +1463,35 @@ def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_workers_failure_names_the_step_and_the_checkpoint_a_rerun_resumes_from(tiny, pairs_dir, tmp_path):
+    """On 2 Ray workers, step 2's pairs hold a token id past the vocabulary, so the workers raise in it: the run
+    stopped with the worker's error alone, where PPO's trainer names the step and the checkpoint to resume from."""
+    from rlhf_core.workers.group import WorkerError
+
+    out = tmp_path / "two"
+    trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, out, "trainer.n_gpus_per_node=2",
+                                                        "reward_model.train.micro_batch_size_per_gpu=2",
+                                                        "reward_model.train.save_freq=1")))
+
+    def log(metrics, step):
+        if step == 1:  # saved; the next step's pairs are poisoned
+            trainer.train_pairs = [(chosen[:-1] + [10_000], rejected) for chosen, rejected in trainer.train_pairs]
+
+    try:
+        with pytest.raises(WorkerError) as info:
+            trainer.fit(log)
+    finally:
+        trainer.shutdown()
+    message = str(info.value)
+    assert message.startswith("training the reward model failed at step 2: worker rank ")
+    # the worker's own traceback: its frames, down to the embedding's error
+    assert "raised in train_share:" in message and 'File "' in message, message
+    assert "IndexError: index out of range in self" in message, message
+    assert message.splitlines()[-1] == (f"the latest checkpoint {out / 'global_step_1'} is intact: rerun the same "
+                                        "command to resume from it")
+
+
+@pytest.mark.slow
 def test_two_workers_report_the_scores_of_every_pair(tiny, pairs_dir, tmp_path):
     """On 2 Ray workers (gloo), a validation's and a step's pair metrics are over the pairs of both ranks: 5 pairs
     shared 3 + 3 (the second rank's last a weight-0 repeat), each share in micro-batches of 2 + 1, against the float64

@@ -120,6 +120,7 @@ from rlhf_core.workers.common import (
 )
 from rlhf_core.workers.group import (
     DistributedWorker,
+    WorkerError,
     WorkerGroup,
     absolute,
     address_problem,
@@ -771,7 +772,16 @@ class RewardModelTrainer:
 
     def train(self, log=None) -> dict[str, float]:
         """The steps from where :meth:`started` left the run to ``total_steps``, a validation after the last, the
-        last save and the HF export; call it inside :meth:`started`."""
+        last save and the HF export; call it inside :meth:`started`. A worker's failure is said with the step it
+        stopped and the checkpoint a rerun resumes from, as PPO's trainer says it."""
+        try:
+            return self._train(log)
+        except WorkerError as exc:
+            step = self.step_under_way or self.global_step
+            raise WorkerError(f"training the reward model failed at step {step}: {exc}\n"
+                              f"{self._resume_point(self.rerun_checkpoint())}") from exc
+
+    def _train(self, log) -> dict[str, float]:
         from tqdm.auto import tqdm
 
         log = self._logging(log or (lambda metrics, step: None))
