@@ -527,8 +527,8 @@ class TrainerConfig:
                                                 "copy): only false")
     n_gpus_per_node: int = _k(8, "workers per node (GPUs, or CPU processes with device=cpu)")
     nnodes: int = _k(1, "number of nodes")
-    ray_address: str | None = _k(None, "Ray cluster to join with more than one worker; null = $RAY_ADDRESS, else "
-                                       "a local cluster")
+    ray_address: str | None = _k(None, "Ray cluster to join with more than one worker (verl's "
+                                       "ray_kwargs.ray_init.address); null = $RAY_ADDRESS, else a local cluster")
     ray_runtime_env: dict[str, Any] = _k({}, "Ray's runtime_env given to ray.init where this process joins or starts "
                                              "Ray (verl's ray_kwargs.ray_init.runtime_env), e.g. {py_modules: [lib]} "
                                              "ships a module to every node's workers, {env_vars: {K: V}}")
@@ -940,6 +940,7 @@ PREFIX_ALIASES: dict[str, str] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward_model.overlong_buffer.",  # verl's DAPO recipe
     "custom_reward_function.overlong_buffer.": "reward_model.overlong_buffer.",  # the recipe's first version
     "ray_kwargs.ray_init.runtime_env.": "trainer.ray_runtime_env.",  # what verl gives ray.init
+    "ray_kwargs.ray_init.address.": "trainer.ray_address.",  # (the key itself: no key is below it)
 }
 
 # newest verl gathers the reward settings in one section, reward: each of its keys (or a key below a section

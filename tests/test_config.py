@@ -1044,6 +1044,19 @@ def test_verls_ray_runtime_env_is_taken_as_trainer_ray_runtime_env(tmp_path):
     assert load_config([], validate=False).trainer.ray_runtime_env == {}
 
 
+def test_verls_ray_init_address_is_the_cluster_joined(tmp_path):
+    """verl hands ray_kwargs.ray_init to ray.init, so its address is the cluster a verl run joins: here it had no
+    effect but a notice, and the run started a local cluster of its own instead (one where nothing answers at that
+    address was never refused)."""
+    notices = []
+    cfg = load_config(["+ray_kwargs.ray_init.address=10.0.0.9:6379"], notice=notices.append, validate=False)
+    assert cfg.trainer.ray_address == "10.0.0.9:6379" and notices == []
+    path = tmp_path / "verl.yaml"
+    path.write_text("ray_kwargs:\n  ray_init:\n    address: ray://head:10001\n")
+    assert load_config([], config_file=path, validate=False).trainer.ray_address == "ray://head:10001"
+    assert load_config([], validate=False).trainer.ray_address is None
+
+
 def test_a_key_misspelt_in_a_config_file_names_the_file(tmp_path):
     """With several files (or one a pipeline names), the problem names the file whose key it is; an override's
     problem names none."""
