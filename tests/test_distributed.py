@@ -107,10 +107,11 @@ def _steering_hook(token_id: int, force: bool):
 class _TestWorker(DistributedWorker):
     """A rank of the test group (the class travels to the workers by value)."""
 
-    def fsdp_update_and_generate(self, model: str, balance: bool = False) -> dict:
-        """The sharded update on this rank's share (laid out by tokens with ``balance``); then a generation in
-        which rank 0's responses end at their first token while rank 1's run to the length limit."""
-        cfg = _config(model, *UPDATE_OVERRIDES)
+    def fsdp_update_and_generate(self, model: str, balance: bool = False, extra: tuple[str, ...] = ()) -> dict:
+        """The sharded update on this rank's share (laid out by tokens with ``balance``; ``extra`` overrides);
+        then a generation in which rank 0's responses end at their first token while rank 1's run to the length
+        limit."""
+        cfg = _config(model, *UPDATE_OVERRIDES, *extra)
         tokenizer = load_tokenizer(model)
         batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
         mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
@@ -181,15 +182,21 @@ def test_group(ray_cluster):
     group.shutdown()
 
 
-@pytest.mark.parametrize("balance", [False, True], ids=["as_the_rows_come", "balanced_by_tokens"])
-def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir, balance):
+@pytest.mark.parametrize(("balance", "loss_agg_mode"), [(False, "token-mean"), (True, "token-mean"),
+                                                       (False, "seq-mean-token-sum")],
+                         ids=["as_the_rows_come", "balanced_by_tokens", "seq_mean_token_sum"])
+def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir, balance,
+                                                                                    loss_agg_mode):
     """Actor (full weights, reference copy) and critic (LoRA): the same log-probs, values, metrics and
     weights after an update with grad clipping active, on one worker and on two, whether the ranks take
-    each mini-batch's rows as they come or laid out by tokens (trainer.balance_batch)."""
+    each mini-batch's rows as they come or laid out by tokens (trainer.balance_batch), and whether the losses
+    are divided by the mini-batch's tokens or by its responses (loss_agg_mode, the critic's following the actor's):
+    by the counts over both ranks, as one worker counts them."""
     from transformers import AutoModelForCausalLM
 
-    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir, balance)
-    cfg = _config(model_dir, *UPDATE_OVERRIDES)
+    extra = (f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}",)
+    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir, balance, extra)
+    cfg = _config(model_dir, *UPDATE_OVERRIDES, *extra)
     batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
     single = one_update(cfg, load_tokenizer(model_dir), batch, n)
 
