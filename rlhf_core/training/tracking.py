@@ -12,8 +12,8 @@ Backends (``VALID_LOGGERS``):
 ``console``
     One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a tqdm progress
     bar with ETA on stderr when ``total_steps`` is known. Lines go through ``tqdm.write`` so they do
-    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad norm
-    is warned as well).
+    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad
+    norm is warned as well).
 ``file``
     JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``
     (verl's ``VERL_FILE_LOGGER_PATH`` and ``VERL_FILE_LOGGER_ROOT`` are not read: a notice says so).
@@ -30,12 +30,12 @@ Backends (``VALID_LOGGERS``):
 ``tensorboard``
     ``torch.utils.tensorboard.SummaryWriter(<local_dir>/tensorboard)``, one scalar per metric name; in
     ``$TENSORBOARD_DIR`` where that is set, as verl writes it. A run started afresh moves the earlier run's
-    ``<local_dir>/tensorboard`` aside, as the file's records; ``$TENSORBOARD_DIR``, the user's folder, is left
-    as it is, with a notice where it already holds events (TensorBoard would draw both runs as one). A resumed run hides the points the run that stopped
-    logged after its checkpoint as it logs its first step past it (not before: a run that only validates its
-    checkpoint leaves them). Each writer's event file sorts after the folder's earlier ones, as TensorBoard reads
-    them in name order (a writer opened in the second of an earlier file waits for the next). Needs the
-    ``tensorboard`` package.
+    ``<local_dir>/tensorboard`` aside, as the file's records; ``$TENSORBOARD_DIR``, the user's folder, is
+    left as it is, with a notice where it already holds events (TensorBoard would draw both runs as one). A
+    resumed run hides the points the run that stopped logged after its checkpoint as it logs its first step
+    past it (not before: a run that only validates its checkpoint leaves them). Each writer's event file
+    sorts after the folder's earlier ones, as TensorBoard reads them in name order (a writer opened in the
+    second of an earlier file waits for the next). Needs the ``tensorboard`` package.
 ``wandb``
     ``wandb.init(..., dir=local_dir, mode=$WANDB_MODE or "offline")``: offline unless the user sets
     ``WANDB_MODE`` (sync later with ``wandb sync <local_dir>/wandb/offline-run-*``). Needs ``wandb``.
