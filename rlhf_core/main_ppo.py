@@ -668,10 +668,9 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
         if trainer.last_saved_step != trainer.global_step and trainer.global_step > 0 and not trainer_cfg.val_only:
             trainer.save_checkpoint()
     final = history[-1].metrics if history else {}
-    last = trainer.last_saved_step
-    saved = None if last is None else trainer.checkpoint_dir / f"global_step_{last}"
-    if saved is not None and not saved.exists() and resume_from is not None:
-        saved = Path(resume_from)  # (val_only from resume_path: the checkpoint it loaded, saved in another folder)
+    # the checkpoint of the last step: the run's own save, or (nothing trained: val_only, a run already at its
+    # end) the checkpoint it loaded, which under resume_path is in another folder than default_local_dir
+    saved = trainer.last_saved
     return RunResult(
         steps=trainer.global_step,
         wall_s=time.time() - start,

@@ -18,6 +18,7 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer, run
+from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.trainer import LoggingError
 
 STEPS = 4  # one epoch: 32 prompts in batches of 8
@@ -340,3 +341,30 @@ def test_a_resume_may_lower_the_learning_rate_and_the_schedule_goes_on_at_it(wor
     again.load_checkpoint(workspace.root / "lower" / "global_step_3")
     assert again.actor.scheduler.base_lrs == [pytest.approx(lr / 2)]
     assert "optim.lr is" not in capsys.readouterr().err
+
+
+def test_a_run_resumed_from_another_folder_names_the_checkpoint_it_loaded_until_it_saves(workspace, reference,
+                                                                                          tmp_path):
+    """Until a run resumed by resume_path into a folder of its own saves, its weights are those of the checkpoint it
+    loaded, in the other folder: a stop before its first step, and a run already at its end (the checkpoint the
+    pipeline exports), name that one, not the folder's own global_step_N of the same step, which is not there or is
+    an earlier run's."""
+    out, _, _ = reference
+    loaded, other = out / "global_step_2", tmp_path / "other"
+    resume = ("trainer.resume_mode=resume_path", f"trainer.resume_from_path={loaded}")
+    trainer = build_trainer(load_config(overrides(workspace, other, *resume)))
+    trainer.load_checkpoint(loaded)
+    trainer.stop_requested = ("SIGTERM", 15)  # (a signal before the first step resumed)
+    with pytest.raises(TrainingInterrupted) as stopped:
+        trainer.fit()
+    assert stopped.value.checkpoint == str(loaded)
+    assert str(stopped.value) == (f"interrupted by SIGTERM after step 2: checkpoint saved at {loaded}; rerun the "
+                                  "same command to resume")
+
+    complete = out / f"global_step_{STEPS}"
+    (other / f"global_step_{STEPS}").mkdir(parents=True)  # an earlier run's checkpoint of that step in the folder
+    result = run(load_config(overrides(workspace, other, "trainer.resume_mode=resume_path",
+                                       f"trainer.resume_from_path={complete}")), handle_signals=False)
+    assert (result.steps, result.history) == (STEPS, [])  # already at its end: nothing trained, nothing saved
+    assert result.checkpoint == str(complete)
+

@@ -407,7 +407,9 @@ class PPOTrainer:
         self.scores_flat = False  # whether the last train_step's scores told no responses apart (scores_without_spread)
         self._stuck_warned: dict[str, int] = {}  # the step each kind of warning of a run that cannot learn was given
         self.stuck_warnings = frozenset(stuck_warnings)  # the kinds of those warnings given (STUCK_WARNINGS)
-        self.last_saved_step: int | None = None
+        # the checkpoint the run last saved (save_checkpoint) or loaded (load_checkpoint, from checkpoint_dir or from
+        # another folder); None where there is none. Its step: last_saved_step
+        self.last_saved: Path | None = None
         self.resumed_from: Path | None = None  # the checkpoint load_checkpoint loaded
         # the folder of each checkpoint the guards may restore (a resume's earlier ones are beside the one it
         # loaded, which need not be under default_local_dir); the rest are this run's, in checkpoint_dir
@@ -717,6 +719,11 @@ class PPOTrainer:
             print(f"notice: the checkpoint was saved with other software or threads ({'; '.join(changed)}): the "
                   "resumed run may round otherwise than the saved run would have gone on", file=sys.stderr, flush=True)
 
+    @property
+    def last_saved_step(self) -> int | None:
+        """The step of :attr:`last_saved` (its global_step_N name; None where the run saved or loaded none)."""
+        return checkpoint.step_of(self.last_saved) if self.last_saved is not None else None
+
     def protected_steps(self, saving: int | None = None) -> set[int]:
         """Checkpoints a guard may still roll back to (never pruned): the KL / val-drop guard's and the
         best-gold one of the over-optimisation guard. ``saving``: the step being saved now."""
@@ -731,7 +738,7 @@ class PPOTrainer:
             path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest)
         except WorkerError as exc:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
-        self.last_saved_step = self.global_step
+        self.last_saved = path
         self.guard.on_checkpoint(self.global_step)
         self.overopt.keep_restorable(self.guard.saved)
         self.anchor_folders[self.global_step] = self.checkpoint_dir.absolute()
@@ -771,7 +778,7 @@ class PPOTrainer:
         path = Path(os.path.expanduser(str(path)))
         checkpoint.load_checkpoint(self, path)
         self.resumed, self.resumed_from = True, path  # the validation before training is behind it
-        self.last_saved_step = self.global_step
+        self.last_saved = path
         earlier = [step for step in self.guard.saved if step < self.global_step
                    and checkpoint.holds_parts(checkpoint.step_dir(path.parent, step), self.workers())]
         self.guard.keep_restorable(earlier + [self.global_step])
@@ -826,8 +833,8 @@ class PPOTrainer:
             return
         name, number = self.stop_requested
         saved = None
-        if self.last_saved_step == self.global_step:
-            saved = checkpoint.step_dir(self.checkpoint_dir, self.global_step)
+        if self.last_saved_step == self.global_step:  # (the checkpoint a resume loaded, in whichever folder)
+            saved = self.last_saved
         elif self.config.trainer.save_on_interrupt and self.global_step > 0:
             saved = self.save_checkpoint()
         raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None, self.rerun_advice)
@@ -845,7 +852,7 @@ class PPOTrainer:
     def _resumes_its_path_again(self) -> bool:
         """Whether the run resumed from ``trainer.resume_from_path`` and has saved nothing since."""
         return (self.config.trainer.resume_mode == "resume_path" and self.resumed_from is not None
-                and self.last_saved_step == checkpoint.step_of(self.resumed_from))
+                and self.last_saved == self.resumed_from)
 
     def rerun_checkpoint(self) -> Path | None:
         """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
@@ -961,7 +968,7 @@ class PPOTrainer:
         if marker.is_file() and marker.read_text().strip() == "0":
             marker.unlink()
         checkpoint._remove(checkpoint.step_dir(self.checkpoint_dir, 0), self.checkpoint_dir)
-        self.last_saved_step = None
+        self.last_saved = None
         del self.anchor_folders[0]
 
     def already_complete(self) -> str:
