@@ -368,3 +368,50 @@ def test_a_run_resumed_from_another_folder_names_the_checkpoint_it_loaded_until_
     assert (result.steps, result.history) == (STEPS, [])  # already at its end: nothing trained, nothing saved
     assert result.checkpoint == str(complete)
 
+
+def test_a_resume_on_a_training_file_edited_in_place_names_it_once_and_goes_on(workspace, tmp_path, capsys):
+    """The checkpoint's place in the data counts the training files' rows: a file rewritten with as many rows,
+    other prompts or the same in another order, would feed the resumed run other batches than the saved run's
+    without a word. It is not refused (verl does not check, and an edit may be meant): one notice names it. A
+    checkpoint saved before the files were fingerprinted resumes without a word, as it did."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from rlhf_core.training import checkpoint as ckpt
+
+    train = tmp_path / "train.parquet"
+    train.write_bytes((workspace.root / "data" / "train.parquet").read_bytes())
+    out = tmp_path / "edited"
+    extra = (f"data.train_files={train}", "trainer.total_training_steps=1", "trainer.save_freq=1")
+    build_trainer(load_config(workspace.overrides(out, *extra))).fit()
+    saved = out / "global_step_1"
+    state = json.loads((saved / ckpt.TRAINER_STATE).read_text())
+    assert state["train_files"] == [{"path": str(train.resolve()),
+                                     "sha256": hashlib.sha256(train.read_bytes()).hexdigest()}]
+
+    def resumed_notices(*more: str) -> list[str]:
+        capsys.readouterr()
+        build_trainer(load_config(workspace.overrides(out, *extra, *more))).load_checkpoint(saved)
+        return [line for line in capsys.readouterr().err.splitlines() if line.startswith("notice: data.train_files")]
+
+    assert resumed_notices() == []  # the same file: no notice
+    rows = pq.read_table(train)
+    pq.write_table(rows.take(list(reversed(range(rows.num_rows)))), train)  # the same 32 prompts, reversed, in place
+    assert resumed_notices() == [
+        f"notice: data.train_files: {train.resolve()} has changed since the checkpoint was saved (other bytes, as many "
+        "prompts): the resumed run takes its next batches at the checkpoint's place in the data from the rows as "
+        "they are now, which may be other prompts than the saved run would have trained on next (rows edited, or in "
+        "another order); it goes on all the same (an edit may be meant; verl does not check)"]
+    assert resumed_notices("trainer.val_only=true") == []  # (validating alone, it trains on none of them)
+
+    # a checkpoint from before the fingerprints (no train_files in its state; its manifest's hash of the state file
+    # written to match): the edited file resumes silently
+    del state["train_files"]
+    (saved / ckpt.TRAINER_STATE).write_text(json.dumps(state, indent=1))
+    manifest = json.loads((saved / ckpt.MANIFEST).read_text())
+    data = (saved / ckpt.TRAINER_STATE).read_bytes()
+    manifest["files"][ckpt.TRAINER_STATE] = len(data)
+    manifest["sha256"][ckpt.TRAINER_STATE] = hashlib.sha256(data).hexdigest()
+    (saved / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
+    assert resumed_notices() == []

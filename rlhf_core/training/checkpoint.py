@@ -1194,6 +1194,32 @@ def reward_code_fingerprint(path: str | os.PathLike) -> dict:
         for name, text in read.items()}}
 
 
+def data_fingerprints(paths: Iterable[str | os.PathLike]) -> list[dict[str, str]]:
+    """The training files' content, in ``data.train_files``' order: ``{"path": the absolute path, "sha256": of the
+    file's bytes}`` each. Saved in every checkpoint's trainer state (``train_files``) beside the sampler's place in
+    the data, which counts these files' rows: a resume on files whose rows are other prompts, or the same in another
+    order, would take its next batches from other prompts than the saved run's (:func:`changed_data_files`).
+    GSM8K's training set (7473 rows, 3.4 MB of parquet) hashes in about 2 ms."""
+    found = []
+    for path in paths:
+        path = Path(os.path.expanduser(str(path)))
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+        found.append({"path": str(path.resolve()), "sha256": digest.hexdigest()})
+    return found
+
+
+def changed_data_files(saved: list[dict] | None, current: list[dict[str, str]]) -> list[str]:
+    """The paths of ``current`` (:func:`data_fingerprints`) whose bytes differ from those a checkpoint recorded at
+    the same place in ``data.train_files`` (``saved``; None, an older checkpoint's: none are said to differ). The
+    list of files itself is the config's to compare."""
+    if not saved:
+        return []
+    return [now["path"] for then, now in zip(saved, current) if then.get("sha256") != now["sha256"]]
+
+
 def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_change: bool = False) -> list[str]:
     """The model folders of ``current`` whose content differs from the ones a checkpoint was trained from
     (``saved``, its :data:`MODELS_FILE`), each said once with the keys that name it, both paths and the files

@@ -399,6 +399,7 @@ class PPOTrainer:
         self.step_under_way: int | None = None
         self.config_yaml = config.to_yaml()  # as the run started: what a resume is checked against
         self.model_fingerprints = checkpoint.model_fingerprints(config)  # and the model folders it loaded
+        self.data_fingerprints = checkpoint.data_fingerprints(train_dataset.paths)  # and the training files it read
         self.run_record = run_record(config)  # seeds, versions, code, threads: saved in every checkpoint
         self.checkpoint_dir = Path(os.path.expanduser(config.trainer.default_local_dir))
         self.guard = Guard(config.trainer.guard)
@@ -698,6 +699,7 @@ class PPOTrainer:
             "global_step": self.global_step,
             "total_steps": self.total_steps,
             "sampler": self.sampler.state_dict(),
+            "train_files": self.data_fingerprints,  # the files whose rows the sampler counts, as the run read them
             "kl_ctrl": self.kl_ctrl.state_dict(),
             "kl_loss_coef": self.kl_loss_coef,
             "guard": self.guard.state_dict(),
@@ -718,6 +720,15 @@ class PPOTrainer:
         if changed := changed_since(state.get("run"), self.run_record):
             print(f"notice: the checkpoint was saved with other software or threads ({'; '.join(changed)}): the "
                   "resumed run may round otherwise than the saved run would have gone on", file=sys.stderr, flush=True)
+        # (as many prompts as the sampler's: another number was refused above; a checkpoint saved before the files
+        # were fingerprinted resumes without a word, as it did; a run that only validates trains on none of them)
+        changed = checkpoint.changed_data_files(state.get("train_files"), self.data_fingerprints)
+        if changed and not self.config.trainer.val_only:
+            print(f"notice: data.train_files: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} changed "
+                  "since the checkpoint was saved (other bytes, as many prompts): the resumed run takes its next "
+                  "batches at the checkpoint's place in the data from the rows as they are now, which may be other "
+                  "prompts than the saved run would have trained on next (rows edited, or in another order); it goes "
+                  "on all the same (an edit may be meant; verl does not check)", file=sys.stderr, flush=True)
 
     @property
     def last_saved_step(self) -> int | None:
