@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import math
 import re
@@ -82,6 +83,10 @@ def expected_sampled(scored):
             "worst": sum(min(values) for values in right.values()) / len(right),
             "spread": sum(statistics.pstdev(values) for values in right.values()) / len(right),
             "vote": sum(majority(problems[problem], values) for problem, values in right.items()) / len(right),
+            # the vote of each pair of a problem's responses (in their order), averaged over the pairs
+            "vote2": sum(statistics.mean(majority([problems[problem][i] for i in pair], [values[i] for i in pair])
+                                         for pair in itertools.combinations(range(len(values)), 2))
+                         for problem, values in right.items()) / len(right),
         }
     return expected
 
@@ -382,14 +387,15 @@ def test_trainer_validation_logs_sampled_metrics_under_verl_names(setup, tmp_pat
         # the reward is the 0/1 verdict here, so its best and worst response per prompt are the accuracy's
         assert metrics[f"val-aux/{source}/reward/best@3/mean"] == pytest.approx(want["best"])
         assert metrics[f"val-aux/{source}/reward/worst@3/mean"] == pytest.approx(want["worst"])
+        assert metrics[f"val-aux/{source}/acc/maj@2/mean"] == pytest.approx(want["vote2"])  # every pair's vote
         for name, share in (("best@3", want["best"]), ("maj@3", want["vote"]), ("worst@3", want["worst"])):
             # per-prompt 0/1: sqrt(p (1 - p) / m)
             assert metrics[f"val-aux/{source}/acc/{name}/std"] == pytest.approx(math.sqrt(share * (1 - share) / prompts))
     # the samples tell the metrics apart: a prompt right only sometimes, a vote won by a right answer
     assert any(e["best"] > e["mean"] for e in expected.values()) and any(e["vote"] > 0 for e in expected.values())
-    # and std@3 of acc and reward, worst@3 with its std, the reward's best and worst, and best@2 and worst@2 (each
-    # with its std) of acc and reward
-    assert len(metrics) == 2 * 23
+    # and std@3 of acc and reward, worst@3 with its std, the reward's best and worst, best@2 and worst@2 (each
+    # with its std) of acc and reward, and maj@2 with its std
+    assert len(metrics) == 2 * 25
 
 
 def test_the_fingerprint_covers_every_message_of_a_prompt():

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections import Counter
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from rlhf_core.stats import (
     check_alpha,
     half_width,
     majority_correct,
+    majority_of,
     mcnemar_exact_p,
     paired_comparison,
     stratified_sample,
@@ -62,7 +66,11 @@ def test_sampled_metrics_mean_best_and_majority_with_standard_errors():
     assert metrics["val-aux/gsm8k/reward/best@2/std"] == pytest.approx(math.sqrt(0.15 ** 2 / 2))
     assert metrics["val-aux/gsm8k/reward/worst@2/mean"] == pytest.approx((0.1 + 1 / 3) / 2)
     assert metrics["val-aux/gsm8k/reward/worst@2/std"] == pytest.approx(math.sqrt(((1 / 3 - 0.1) / 2) ** 2 / 2))
-    assert len(metrics) == 23
+    # the vote among 2 of the 3 (aux): prompt "a" (5, 7, 7): 5 and 7 tie, to the first, right, twice; 7 and 7 wrong;
+    # prompt "b" (none, 3, 3): 3 wins every pair, right
+    assert metrics["val-aux/gsm8k/acc/maj@2/mean"] == pytest.approx((2 / 3 + 1) / 2)
+    assert metrics["val-aux/gsm8k/acc/maj@2/std"] == pytest.approx(math.sqrt((1 / 6) ** 2 / 2))
+    assert len(metrics) == 25
 
 
 def test_best_and_worst_at_k_below_n_at_verls_sizes():
@@ -114,6 +122,76 @@ def test_majority_vote_ties_go_to_the_first_answer_and_silence_is_wrong():
     assert majority_correct(["4", "5"], [0, 1]) == 0.0
     assert majority_correct(["5", "4"], [1, 0]) == 1.0
     assert majority_correct([None, None], [0, 0]) == 0.0
+
+
+def _vote(answers, correct):
+    """A subset's majority vote, written out: the answer given most (None is no vote), a tie to the one given first;
+    the correctness of the first response giving it; no answer at all: 0."""
+    counts = Counter(answer for answer in answers if answer is not None)
+    if not counts:
+        return Fraction(0)
+    winner = next(answer for answer in answers if counts.get(answer) == max(counts.values()))
+    return Fraction(correct[answers.index(winner)])
+
+
+def _vote_over_subsets(answers, correct, k):
+    """The mean vote over every k-subset of the responses, each in its order, listed one by one (exact)."""
+    subsets = list(itertools.combinations(range(len(answers)), min(k, len(answers))))
+    return sum(_vote([answers[i] for i in subset], [correct[i] for i in subset]) for subset in subsets) / len(subsets)
+
+
+def test_majority_at_k_by_hand():
+    # 7, 5, 7, no answer; 7 is right. Of the 6 pairs: (7, 5) tie, to 7: right; (7, 7) right; (7, -) right twice;
+    # (5, 7) tie, to 5: wrong; (5, -) wrong: 4 of 6
+    assert majority_of(["7", "5", "7", None], [1, 0, 1, 0], 2) == 2 / 3
+    # of the 4 triples: (7, 5, 7) right, (7, 5, -) tie to 7: right, (7, 7, -) right, (5, 7, -) tie to 5: wrong
+    assert majority_of(["7", "5", "7", None], [1, 0, 1, 0], 3) == 3 / 4
+    assert majority_of(["7", "5", "7", None], [1, 0, 1, 0], 4) == 1.0  # all four: 7 twice
+    assert majority_of([None, None, "3"], [0, 0, 1], 2) == 2 / 3  # a pair of no answers votes wrong
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_majority_at_k_is_the_mean_vote_over_every_k_subset(seed):
+    """Against the subsets listed one by one, for every k up to m: answers with ties, unanswered responses, and
+    correctness that differs within an answer (the first response giving the winner decides, as maj@n)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(25):
+        m = int(rng.integers(1, 11))
+        alphabet = [None, "1", "2", "3", "4"][: int(rng.integers(2, 6))]
+        answers = [alphabet[i] for i in rng.integers(0, len(alphabet), size=m)]
+        right = {answer: float(rng.integers(0, 2)) for answer in alphabet}
+        by_answer = [right[answer] if answer is not None else 0.0 for answer in answers]
+        mixed = [float(v) for v in rng.choice([0.0, 0.5, 1.0], size=m)]
+        for correct in (by_answer, mixed):
+            for k in range(1, m + 1):
+                assert majority_of(answers, correct, k) == float(_vote_over_subsets(answers, correct, k)), \
+                    (answers, correct, k)
+
+
+def test_majority_at_k_of_many_responses_counts_without_listing_the_subsets():
+    """64 responses, 32 drawn: 1.8e18 subsets, never listed. Two answers given 30 times each, in turn (the right
+    one first), and four unanswered: the vote is right where more of the right answer's responses are drawn, or
+    as many and its first drawn comes first; a sum over the numbers drawn of each, worked out here."""
+    answers = ["right", "wrong"] * 30 + [None] * 4  # right at 0, 2, ..., 58; wrong at 1, 3, ..., 59
+    correct = [1.0, 0.0] * 30 + [0.0] * 4
+    total = math.comb(64, 32)
+    # x of the right ones, y of the wrong ones and the 32 - x - y left of the four unanswered
+    expected = Fraction(0)
+    for x in range(33):
+        for y in range(33 - x):
+            rest = 32 - x - y
+            if rest > 4 or x < y or x == 0:
+                continue
+            ways = math.comb(30, x) * math.comb(30, y) * math.comb(4, rest)
+            if x > y:
+                expected += Fraction(ways, total)
+            else:  # the right answer's first drawn, its i-th (at 2i, from 0), comes before the wrong one's: its
+                # x - 1 others among the 29 - i after it, the x wrong ones among the 30 - i after 2i
+                first = sum(math.comb(30 - i - 1, x - 1) * math.comb(30 - i, y) for i in range(30))
+                expected += Fraction(first * math.comb(4, rest), total)
+    started = time.perf_counter()
+    assert majority_of(answers, correct, 32) == float(expected)
+    assert time.perf_counter() - started < 10  # (well under a second)
 
 
 def test_no_majority_vote_without_the_answers_graded():
