@@ -626,11 +626,12 @@ def test_resume_is_exact(tiny, pairs_dir, tmp_path):
     assert "reward_model.train.resume_mode=disable" in str(info.value)
 
 
-def test_a_resume_on_other_training_pairs_is_refused_and_on_the_same_pairs_goes_on(tiny, tmp_path, capsys):
-    """Each step's pairs follow from the step over the training pairs in their order: where the files changed since
-    the checkpoint (one text edited, one pair fewer, the rows reordered) a resume would go on over other pairs than
-    the steps before it, so it is refused before anything loads (exit 2, bad input), naming both counts; the same
-    pairs written again resume. A checkpoint saved before it recorded the pairs is not checked."""
+def test_a_resume_on_another_number_of_pairs_is_refused_and_on_other_pairs_as_many_is_told(tiny, tmp_path, capsys):
+    """Each step's pairs follow from the step over the training pairs in their order. One pair fewer since the
+    checkpoint: the saved place in the epoch is no place of the saved run's, so the resume is refused before anything
+    loads (exit 2, bad input), naming both counts. As many pairs with one text edited, or reordered: one notice, and
+    the resume goes on (as PPO's resume treats its prompts); the same pairs written again resume without a word. A
+    checkpoint saved before it recorded the pairs is not checked."""
     import hashlib
 
     train, val = synthetic_pairs(24, 8, seed=0)
@@ -640,21 +641,29 @@ def test_a_resume_on_other_training_pairs_is_refused_and_on_the_same_pairs_goes_
     saved = out / "global_step_2"
     state = json.loads((saved / ckpt.TRAINER_STATE).read_text())
     assert state["train_pairs"] == len(train) == 24
+    write_splits(data, train[1:], val, DATA_SOURCE, overwrite=True)
+    assert train_rm(_overrides(tiny, data, out)) == 2
+    err = capsys.readouterr().err
+    assert (f"cannot resume from {saved}: its run trained on 24 pairs, reward_model.train.train_files hold 23 now"
+            in err)
+    assert "start afresh with reward_model.train.resume_mode=disable" in err
     edited = [dict(pair) for pair in train]
     edited[0]["chosen"] += " indeed"
-    for pairs, counted in ((edited, "24 pairs both times, not the same"), (train[1:], "24 pairs then, 23 now"),
-                           (train[::-1], "24 pairs both times, not the same")):
+    for pairs in (edited, train[::-1]):
         write_splits(data, pairs, val, DATA_SOURCE, overwrite=True)
-        assert train_rm(_overrides(tiny, data, out)) == 2
+        told = RewardModelTrainer(load_config(_overrides(tiny, data, out)))
+        told.resume()
+        assert told.global_step == 2
         err = capsys.readouterr().err
-        assert (f"cannot resume from {saved}: the training pairs differ from those its run trained on ({counted}; "
-                "compared as token ids, in the order of reward_model.train.train_files)") in err
-        assert "start afresh with reward_model.train.resume_mode=disable" in err
+        assert err.count("notice: resuming from") == 1
+        assert (f"notice: resuming from {saved} on other training pairs than its run's (24 pairs both times, their "
+                "token ids not the same: reward_model.train.train_files changed since") in err
     assert ckpt.latest_checkpoint(out) == saved and not (out / "global_step_3").exists()
     write_splits(data, train, val, DATA_SOURCE, overwrite=True)
     resumed = RewardModelTrainer(load_config(_overrides(tiny, data, out)))
     resumed.resume()
     assert resumed.global_step == 2
+    assert "notice: resuming from" not in capsys.readouterr().err
     # trainer_state.json as a checkpoint saved without the record holds it (its manifest to match): not checked
     del state["train_pairs"], state["train_pairs_sha256"]
     (saved / ckpt.TRAINER_STATE).write_text(json.dumps(state, indent=1))
@@ -666,6 +675,7 @@ def test_a_resume_on_other_training_pairs_is_refused_and_on_the_same_pairs_goes_
     older = RewardModelTrainer(load_config(_overrides(tiny, data, out)))
     older.resume()
     assert older.global_step == 2
+    assert "notice: resuming from" not in capsys.readouterr().err
 
 
 def test_learns_the_demo_preference(tiny, pairs_dir, tmp_path):

@@ -19,8 +19,8 @@ Checkpoints (``reward_model.train.default_local_dir``) follow the PPO layout: ``
 with ``reward_model/`` (model, optimizer and scheduler state, or FSDP2 shards), ``trainer_state.json``
 (step, epoch, position in the epoch, the counts of skipped steps the stops below read, so that a resumed
 run stops at the step it would have stopped at unbroken, and the training pairs' count and SHA-256 of their token
-ids, since each step's pairs follow from the step over them: a resume on other pairs, or the same in another order,
-is refused), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
+ids, since each step's pairs follow from the step over them: a resume on another number of pairs is refused, one on
+as many whose ids differ says so and goes on), ``rng_state.pt``, ``config.yaml`` and ``manifest.json``
 written last, then ``latest_checkpointed_iteration.txt``; a run started again resumes exactly
 (``reward_model.train.resume_mode``), with as many workers or another number: the weights and
 optimizer moments are re-split exactly, and the steps then differ from the saved run's by float
@@ -1040,22 +1040,28 @@ class RewardModelTrainer:
                                        f"{KEY}.default_local_dir")
 
     def _check_pairs(self, path: Path, state: dict) -> None:
-        """Refuse (CheckpointError) to resume from ``path`` on other training pairs than its run trained on (its
-        ``trainer_state.json`` holds their count and :func:`pairs_fingerprint`): each step takes its pairs by its
-        position in the epoch's order over them (:meth:`_step_pairs`), so on other pairs, or the same in another
-        order, the steps after the resume would be neither the saved run's nor those of a new run. A checkpoint
-        saved before it recorded them is not checked."""
+        """Compare the training pairs with those the run of the checkpoint at ``path`` trained on (its
+        ``trainer_state.json`` holds their count and :func:`pairs_fingerprint`), as PPO's resume compares its
+        prompts: each step takes its pairs by its position in the epoch's order over them (:meth:`_step_pairs`).
+        Another number of pairs is refused (CheckpointError): that place in an epoch over another count is no place
+        of the saved run's. As many pairs whose token ids differ (texts edited, rows in another order, another
+        tokenizer) get one notice and the resume goes on: an edit may be meant. A checkpoint saved before it recorded
+        them is not checked."""
         saved = state.get("train_pairs_sha256")
         if saved is None or saved == self.train_fingerprint:
             return
         then, now = state.get("train_pairs"), len(self.train_pairs)
-        counted = f"{then} pairs then, {now} now" if then != now else f"{now} pairs both times, not the same"
-        raise ckpt.CheckpointError(
-            f"cannot resume from {path}: the training pairs differ from those its run trained on ({counted}; "
-            f"compared as token ids, in the order of {KEY}.train_files): the files changed since, or the tokenizer "
-            "encodes them otherwise, and a resumed step takes its pairs by its position in the epoch, so the steps "
-            "after the resume would draw from other pairs than those before it; restore the files, or start "
-            f"afresh with {KEY}.resume_mode=disable or another {KEY}.default_local_dir")
+        if then != now:
+            raise ckpt.CheckpointError(
+                f"cannot resume from {path}: its run trained on {then} pairs, {KEY}.train_files hold {now} now: a "
+                "resumed step takes its pairs by its position in the epoch over them, which is no place of the saved "
+                f"run's in an epoch over another number; restore the files, or start afresh with "
+                f"{KEY}.resume_mode=disable or another {KEY}.default_local_dir")
+        print(f"notice: resuming from {path} on other training pairs than its run's ({now} pairs both times, their "
+              f"token ids not the same: {KEY}.train_files changed since, or the tokenizer encodes them otherwise): "
+              "the resumed steps take their pairs at the checkpoint's place in the epoch from the pairs as they are "
+              "now, which may be others than the saved run would have trained on next; it goes on all the same (an "
+              "edit may be meant)", file=sys.stderr, flush=True)
 
     def resume(self) -> None:
         path = self.resume_path()
