@@ -1497,6 +1497,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 notice(unused)
             for unused in _resume_path_unused(resolved):
                 notice(unused)
+            if (greedy := _greedy_validation(resolved.actor_rollout_ref.rollout.val_kwargs)) is not None:
+                notice(greedy)
     if errors:
         raise ConfigError(errors)
     if validate:
@@ -1523,6 +1525,30 @@ def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
     return (f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: algorithm.kl_ctrl "
             "sets the coefficient of the KL in the reward, and algorithm.use_kl_in_reward=false; set it true for "
             f"that KL{';' if actor.use_kl_loss else ','} {loss}")
+
+
+def _greedy_validation(val_kwargs: ValKwargsConfig) -> str | None:
+    """The notice for validation settings that a greedy validation does not read: ``do_sample=false`` decodes
+    greedily whatever ``temperature``, ``top_p`` and ``top_k`` say (as verl's vLLM rollout; its agent-loop rollout
+    samples at ``val_kwargs.temperature`` whatever ``do_sample`` says), and a temperature of 0 does too; with
+    ``n > 1`` each prompt's responses are then one response repeated, its best@n and maj@n its mean@n."""
+    key, n = "actor_rollout_ref.rollout.val_kwargs", val_kwargs.n
+    repeated = (f", so each prompt's {key}.n={n} responses are one response {n} times over (best@{n}, worst@{n} and "
+                f"maj@{n} equal to mean@{n})" if n > 1 else "")
+    if val_kwargs.do_sample:
+        if val_kwargs.temperature > 0 or n == 1:
+            return None
+        return (f"notice: {key}.temperature={val_kwargs.temperature} validates greedily{repeated}; set "
+                f"{key}.temperature above 0 to sample")
+    unread = [f"{key}.{name}={value}" for name, value, read in (
+        ("temperature", val_kwargs.temperature, val_kwargs.temperature > 0),
+        ("top_p", val_kwargs.top_p, val_kwargs.top_p < 1),
+        ("top_k", val_kwargs.top_k, val_kwargs.top_k > 0)) if read]  # (values sampling would read: the defaults are off)
+    if not unread and n == 1:
+        return None
+    effect = f"{', '.join(unread)} {'has' if len(unread) == 1 else 'have'} no effect: " if unread else ""
+    return (f"notice: {effect}{key}.do_sample=false validates greedily (verl's agent-loop rollout samples at "
+            f"val_kwargs.temperature all the same){repeated}; set {key}.do_sample=true to sample")
 
 
 def _resume_path_unused(cfg: PPOConfig) -> list[str]:

@@ -1507,3 +1507,44 @@ def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have
     path.write_text("algorithm:\n  kl_ctrl:\n    type: fixed\n    kl_coef: 0.001\n")
     assert kl_ctrl_notices([], path) == []
     assert kl_ctrl_notices([]) == []
+
+
+def test_validation_settings_that_a_greedy_validation_does_not_read_are_said(tmp_path):
+    """val_kwargs.do_sample=false validates greedily whatever val_kwargs.temperature, top_p and top_k say (verl's
+    vLLM rollout alike; its agent-loop rollout samples at val_kwargs.temperature whatever do_sample says), and so
+    does a temperature of 0: a run given val_kwargs.temperature=0.6 and n=4 without do_sample=true validated on one
+    greedy response four times over, its best@4 and maj@4 equal to mean@4, without a word."""
+    def greedy_notices(overrides, config_file=None):
+        said = []
+        load_config(overrides, config_file=config_file, notice=said.append)
+        return [message for message in said if "val_kwargs" in message]
+
+    key = "actor_rollout_ref.rollout.val_kwargs"
+    assert greedy_notices([f"{key}.temperature=0.6", f"{key}.n=4"]) == [
+        f"notice: {key}.temperature=0.6 has no effect: {key}.do_sample=false validates greedily (verl's agent-loop "
+        f"rollout samples at val_kwargs.temperature all the same), so each prompt's {key}.n=4 responses are one "
+        f"response 4 times over (best@4, worst@4 and maj@4 equal to mean@4); set {key}.do_sample=true to sample"]
+    assert greedy_notices([f"{key}.top_p=0.9", f"{key}.top_k=20"]) == [
+        f"notice: {key}.top_p=0.9, {key}.top_k=20 have no effect: {key}.do_sample=false validates greedily (verl's "
+        f"agent-loop rollout samples at val_kwargs.temperature all the same); set {key}.do_sample=true to sample"]
+    assert greedy_notices([f"{key}.n=2"]) == [
+        f"notice: {key}.do_sample=false validates greedily (verl's agent-loop rollout samples at "
+        f"val_kwargs.temperature all the same), so each prompt's {key}.n=2 responses are one response 2 times over "
+        f"(best@2, worst@2 and maj@2 equal to mean@2); set {key}.do_sample=true to sample"]
+    # sampling at the default temperature, 0, is greedy too
+    assert greedy_notices([f"{key}.do_sample=true", f"{key}.n=3"]) == [
+        f"notice: {key}.temperature=0.0 validates greedily, so each prompt's {key}.n=3 responses are one response 3 "
+        f"times over (best@3, worst@3 and maj@3 equal to mean@3); set {key}.temperature above 0 to sample"]
+    # the same said of a file's keys, the section given as one mapping
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  rollout:\n    val_kwargs: {temperature: 1.0}\n")
+    assert greedy_notices([], path) == [
+        f"notice: {key}.temperature=1.0 has no effect: {key}.do_sample=false validates greedily (verl's agent-loop "
+        f"rollout samples at val_kwargs.temperature all the same); set {key}.do_sample=true to sample"]
+    # nothing to say: sampling at a temperature, one greedy response, the settings at verl's defaults
+    assert greedy_notices([f"{key}.do_sample=true", f"{key}.temperature=0.6", f"{key}.n=4"]) == []
+    assert greedy_notices([]) == []
+    path.write_text("actor_rollout_ref:\n  rollout:\n    val_kwargs: {do_sample: false, temperature: 0, top_p: 1.0, "
+                    "top_k: -1, n: 1}\n")
+    assert greedy_notices([], path) == []
+    assert greedy_notices([f"{key}.top_k=0"]) == []  # 0 is off, as -1
