@@ -292,7 +292,8 @@ def test_a_resume_from_the_checkpoint_after_the_first_validation_does_not_valida
     uninterrupted run's."""
     out = workspace.root / "resume_at_0"
     extra = ("trainer.val_before_train=true", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-             "actor_rollout_ref.rollout.val_kwargs.n=2", "trainer.total_training_steps=2", "trainer.test_freq=-1")
+             "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2",
+             "trainer.total_training_steps=2", "trainer.test_freq=-1")
     expected, _ = _fit(build_trainer(load_config(workspace.overrides(out, *extra))))
     assert sorted(expected) == [0, 1, 2] and (out / "global_step_0").is_dir()
 

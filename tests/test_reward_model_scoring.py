@@ -566,7 +566,7 @@ def test_a_validation_batch_without_ground_truths_keeps_the_others_majority_vote
     code = ppo([*_cli(root, base, data, out, f"reward_model.model.path={same}", "trainer.total_training_steps=1",
                       "actor_rollout_ref.rollout.n=1", "trainer.val_before_train=false",
                       "actor_rollout_ref.rollout.val_kwargs.n=2", "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                      "data.val_batch_size=2"), f"data.val_files={tmp_path / 'val.parquet'}"])
+                      "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "data.val_batch_size=2"), f"data.val_files={tmp_path / 'val.parquet'}"])
     assert code == 0
     final = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
     final = final.get("metrics", final)
