@@ -329,6 +329,18 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     assert tokenizer.decode(middle.prompt_ids[1]) == whole[:50] + whole[-50:]
 
 
+def test_each_truncation_keeps_verls_tokens_of_an_odd_limit(tmp_path, tokenizer):
+    """With data.max_prompt_length=101, as verl cuts: left keeps the last 101 tokens, right the first 101, and
+    middle the first 101 // 2 = 50 and the last 101 - 50 = 51 (the end gets the odd token)."""
+    path = _write(tmp_path / "a.parquet", ["0123456789" * 30])
+    whole = tokenizer.decode(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=400)).prompt_ids[0])
+    assert len(whole) > 300  # (a character tokenizer: one character a token)
+    kept = {side: tokenizer.decode(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=101,
+                                                                            truncation=side)).prompt_ids[0])
+            for side in ("left", "right", "middle")}
+    assert kept == {"left": whole[-101:], "right": whole[:101], "middle": whole[:50] + whole[-51:]}
+
+
 def test_chat_template_kwargs_reach_the_template(tmp_path):
     thinking = build_char_tokenizer()
     thinking.chat_template = ("{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}Assistant: "

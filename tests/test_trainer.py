@@ -712,6 +712,33 @@ def test_sampled_validation_draws_the_same_each_time_and_leaves_the_training_rol
     assert len(first_samples) == 8 and first_samples == trainer.val_generations
 
 
+def test_prompts_the_filter_drops_leave_the_step_count_and_validation_follows_test_freq_and_the_last_step(
+        workspace, tmp_path):
+    """data.filter_overlong_prompts drops 8 of 32 prompts: 24 remain, 3 batches of 8 an epoch, so 2 epochs are 6
+    steps (not the 8 the file's rows would give). trainer.test_freq=4 validates after step 4 and after the last,
+    6 (verl: s % test_freq == 0, or the last step), once each, besides the validation before training."""
+    import pandas as pd
+
+    root, model, _ = workspace
+    frame = pd.read_parquet(root / "data" / "train.parquet")
+    for row in range(8):  # 400 characters more: over data.max_prompt_length=320 with the character tokenizer
+        messages = [dict(message) for message in frame.at[row, "prompt"]]
+        messages[-1]["content"] = "x" * 400 + messages[-1]["content"]
+        frame.at[row, "prompt"] = messages
+    frame.to_parquet(tmp_path / "long.parquet")
+    trainer = build_trainer(load_config(_overrides(
+        root, model, f"data.train_files={tmp_path / 'long.parquet'}", "data.filter_overlong_prompts=true",
+        "trainer.total_epochs=2", "trainer.test_freq=4", "trainer.val_before_train=true",
+        f"trainer.default_local_dir={tmp_path / 'out'}")))
+    assert (len(trainer.train_dataset), trainer.total_steps) == (24, 6)
+    history = trainer.fit()
+    trainer.close()
+    assert [result.step for result in history] == [1, 2, 3, 4, 5, 6]
+    validated = [result.step for result in history if "val-core/synthetic/arithmetic/acc/mean@1" in result.metrics]
+    assert validated == [4, 6]
+    assert "val-core/synthetic/arithmetic/acc/mean@1" in trainer.val_before
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_entropy_metric_is_aggregated_as_the_loss(workspace, monkeypatch, mode):
     """``actor/entropy`` under each ``loss_agg_mode``, as verl logs it: from the old-log-prob pass's entropies,
