@@ -353,6 +353,23 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert thinking.decode(off.prompt_ids[0]) == f"User: Hi{INSTRUCTION}\nAssistant: (no thinking) "
 
 
+def test_a_template_that_writes_the_bos_token_gives_one_bos_with_an_encoder_that_adds_one(tmp_path):
+    """Llama-style: the chat template writes ``{{ bos_token }}`` and the encoder adds BOS to what it encodes. The
+    template is applied once, with the generation prompt, and its text is not encoded again with special tokens
+    (as verl encodes it, add_special_tokens=False): one BOS, where two would open every prompt."""
+    from tokenizers.processors import TemplateProcessing
+
+    llama = build_char_tokenizer()
+    llama._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", llama.bos_token_id)])
+    assert llama("x")["input_ids"][0] == llama.bos_token_id  # (the encoder adds BOS)
+    llama.chat_template = ("{{ bos_token }}{% for m in messages %}User: {{ m['content'] }}\n{% endfor %}"
+                           "{% if add_generation_prompt %}Assistant: {% endif %}")
+    dataset = RLHFDataset(_write(tmp_path / "a.parquet", ["Hi"]), llama, DataConfig(max_prompt_length=200))
+    ids = dataset.prompt_ids[0]
+    assert ids.count(llama.bos_token_id) == 1 and ids[0] == llama.bos_token_id
+    assert llama.decode(ids) == f"<s>User: Hi{INSTRUCTION}\nAssistant: "
+
+
 def test_missing_file_and_missing_column(tmp_path, tokenizer):
     with pytest.raises(DataError, match="does not exist"):
         RLHFDataset(str(tmp_path / "nope.parquet"), tokenizer, DataConfig())
