@@ -370,6 +370,36 @@ def test_a_template_that_writes_the_bos_token_gives_one_bos_with_an_encoder_that
     assert llama.decode(ids) == f"<s>User: Hi{INSTRUCTION}\nAssistant: "
 
 
+def test_prompts_that_come_with_images_are_said_to_train_without_them(tmp_path, tokenizer, capsys):
+    """verl's multimodal rows (geo3k's) carry their pictures in an ``images`` column (``videos`` for clips) and an
+    ``<image>`` placeholder in the question. Prompts are text here: the pictures are not read, and a run trained and
+    validated on questions about a picture it never saw without a word."""
+    rows = [make_record(q, f"{q} #### {i}", str(i), "train", i, "hiyouga/geometry3k")
+            for i, q in enumerate(["<image>Find x.", "<image>Find y.", "What is 2+2?"])]
+    picture = {"bytes": b"\x89PNG", "path": None}
+    frame = pd.DataFrame(rows).assign(images=[[picture], [picture], []])
+    frame.to_parquet(tmp_path / "geo.parquet")
+    dataset = RLHFDataset(str(tmp_path / "geo.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    assert len(dataset) == 3
+    assert capsys.readouterr().err.splitlines() == [
+        f"notice: data.train_files: 2 of 3 prompts come with images (column 'images', verl's data.image_key), which "
+        f"are not read (first: {tmp_path / 'geo.parquet'} row 0): prompts are text here, so the policy is asked "
+        "about pictures it never sees, and any <image> placeholder stays in the question as text; train a "
+        "multimodal task with verl, or give prompts that hold all they ask about"]
+    # a column with no picture in it (nulls, empty lists), or none at all: nothing to say
+    frame.assign(images=[None, [], None]).to_parquet(tmp_path / "none.parquet")
+    RLHFDataset(str(tmp_path / "none.parquet"), tokenizer, DataConfig(max_prompt_length=200))
+    RLHFDataset(_write(tmp_path / "text.parquet", ["Hi"]), tokenizer, DataConfig(max_prompt_length=200))
+    assert capsys.readouterr().err == ""
+    # a clip is said as such
+    frame.drop(columns="images").assign(videos=[None, None, [{"bytes": b"", "path": "clip.mp4"}]]).to_parquet(
+        tmp_path / "clip.parquet")
+    RLHFDataset(str(tmp_path / "clip.parquet"), tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+    assert capsys.readouterr().err.startswith(
+        "notice: data.val_files: 1 of 3 prompts come with videos (column 'videos', verl's data.video_key), which are "
+        f"not read (first: {tmp_path / 'clip.parquet'} row 2)")
+
+
 def test_missing_file_and_missing_column(tmp_path, tokenizer):
     with pytest.raises(DataError, match="does not exist"):
         RLHFDataset(str(tmp_path / "nope.parquet"), tokenizer, DataConfig())

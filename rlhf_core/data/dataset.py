@@ -345,6 +345,20 @@ def too_few_prompts(key: str, batch_size: int, n: int, dropped: int = 0,
     return f"{key} ({batch_size}) is larger than the dataset ({n} prompts{why}): {', '.join(levers[:-1])} or {levers[-1]}"
 
 
+#: the columns verl's multimodal rows carry their media in (its data.image_key and data.video_key defaults), each
+#: with the kind of its placeholder in the prompt text and what a reader calls them
+MEDIA_COLUMNS = {"images": ("image", "pictures"), "videos": ("video", "clips")}
+
+
+def holds_media(value) -> bool:
+    """Whether a cell of a media column holds something: not a null, nor an empty list."""
+    if is_missing(value):
+        return False
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return len(value) > 0
+    return bool(value)
+
+
 class RLHFDataset:
     """Tokenized prompts with their ground truth, data source and row index."""
 
@@ -412,6 +426,14 @@ class RLHFDataset:
             print(f"notice: {key}: {len(answered)} of {len(conversations)} prompts end with an assistant turn "
                   f"(first: {answered[0]}), so the policy is asked to go on after that answer; conversations of SFT "
                   f"data hold the answer there: give prompts that end with the user's turn", file=sys.stderr)
+        for column, (kind, what) in MEDIA_COLUMNS.items():  # verl's multimodal rows: their media are not read here
+            holding = [where for where, record in zip(wheres, records) if holds_media(record.get(column))]
+            if holding:
+                print(f"notice: {key}: {len(holding)} of {len(records)} prompts come with {column} (column "
+                      f"{column!r}, verl's data.{kind}_key), which are not read (first: {holding[0]}): prompts are "
+                      f"text here, so the policy is asked about {what} it never sees, and any <{kind}> placeholder "
+                      "stays in the question as text; train a multimodal task with verl, or give prompts that hold "
+                      "all they ask about", file=sys.stderr)
         for position, (record, where, messages) in enumerate(zip(records, wheres, conversations)):
             extra = record.get("extra_info")
             malformed = extra_info_problem(extra)  # refused whether or not the row is kept, as validation does
