@@ -507,7 +507,7 @@ class TrainerConfig:
     val_only: bool = _k(False, "validate the model (or the checkpoint resumed) and stop, without training")
     balance_batch: bool = _k(True, "with several workers: lay rows out so each worker's share of a log-prob, value "
                                    "or update pass carries about equal tokens (the same mini-batches)")
-    critic_warmup: int = _k(0, "steps that train only the critic")
+    critic_warmup: int = _k(0, "steps that train only the critic (adv_estimator=gae; 0 for the others, which train none)")
     resume_mode: str = _k("auto", "auto (the latest checkpoint in default_local_dir, if any) | disable | "
                                   "resume_path")
     resume_from_path: str | None = _k(None, "global_step_N directory for resume_mode=resume_path")
@@ -2099,6 +2099,12 @@ def validate_config(cfg: PPOConfig) -> None:
         _one_of(errors, "reward_model.model.fsdp_config.reduce_dtype", rm.model.fsdp_config.reduce_dtype, DTYPES)
     if trainer.total_training_steps is not None:
         _positive(errors, "trainer.total_training_steps", trainer.total_training_steps)
+    if trainer.critic_warmup < 0:
+        errors.append(f"trainer.critic_warmup={trainer.critic_warmup} must be >= 0 (0: the actor updates from step 1)")
+    elif trainer.critic_warmup > 0 and algo.adv_estimator not in algos.ADV_ESTIMATORS_NEED_CRITIC:
+        errors.append(f"trainer.critic_warmup={trainer.critic_warmup} holds the actor back for the critic to train "
+                      f"alone, but algorithm.adv_estimator={algo.adv_estimator} trains no critic: those steps would "
+                      "train nothing; set trainer.critic_warmup=0")
     _one_of(errors, "reward_model.reward_manager", cfg.reward_model.reward_manager, REWARD_MANAGERS)
     if cfg.reward_model.reward_manager == "batch" and not cfg.custom_reward_function.path:
         errors.append("reward_model.reward_manager=batch calls custom_reward_function with whole batches: set "

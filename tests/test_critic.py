@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.config import load_config
+from rlhf_core.config import ConfigError, load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.workers import actor as actor_module
 from rlhf_core.workers import common
@@ -228,3 +228,18 @@ def test_the_critic_optimizer_is_the_critics_own(workspace, tmp_path, monkeypatc
     assert rates[0] == pytest.approx((1e-2, 0.0))  # the critic warms up over its own 4 steps, the actor not at all
     assert rates[1] == pytest.approx((1e-2, 3e-3 / 4))
     assert updates == {"actor": 1.0, "critic": 0.25}
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus"])
+def test_critic_warmup_without_a_critic_is_refused(estimator):
+    """A warm-up holds the actor back for a critic to train alone: with an estimator that trains none, those steps
+    would train nothing (verl runs them so), so the config is refused before any model loads."""
+    with pytest.raises(ConfigError, match=rf"trainer.critic_warmup=3 holds the actor back .* "
+                                          rf"algorithm.adv_estimator={estimator} trains no critic.*"
+                                          r"set trainer.critic_warmup=0"):
+        load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2", "trainer.critic_warmup=3"])
+    assert load_config([f"algorithm.adv_estimator={estimator}", "actor_rollout_ref.rollout.n=2",
+                        "trainer.critic_warmup=0"]).trainer.critic_warmup == 0
+    assert load_config(["algorithm.adv_estimator=gae", "trainer.critic_warmup=3"]).trainer.critic_warmup == 3
+    with pytest.raises(ConfigError, match=r"trainer.critic_warmup=-1 must be >= 0"):
+        load_config(["trainer.critic_warmup=-1"])
