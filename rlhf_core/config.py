@@ -1495,6 +1495,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 resolved.trainer.logger, lambda message: None if message in said else notice(message))
             if (unused := _kl_ctrl_unused(resolved, given)) is not None:
                 notice(unused)
+            for kl_notice in _kl_term_notices(resolved, given):
+                notice(kl_notice)
             for unused in _resume_path_unused(resolved):
                 notice(unused)
             if (greedy := _greedy_validation(resolved.actor_rollout_ref.rollout.val_kwargs)) is not None:
@@ -1549,6 +1551,39 @@ def _greedy_validation(val_kwargs: ValKwargsConfig) -> str | None:
     effect = f"{', '.join(unread)} {'has' if len(unread) == 1 else 'have'} no effect: " if unread else ""
     return (f"notice: {effect}{key}.do_sample=false validates greedily (verl's agent-loop rollout samples at "
             f"val_kwargs.temperature all the same){repeated}; set {key}.do_sample=true to sample")
+
+
+def _kl_term_notices(cfg: PPOConfig, given: dict[str, Any]) -> list[str]:
+    """The notices on the run's KL terms: the keys of a KL term that is off, set away from their defaults (nothing
+    reads them: a GSM8K recipe's kl_loss_coef and kl_loss_type copied without use_kl_loss=true leave the policy
+    with no KL at all), and both terms on at once (the policy held to the reference twice, as verl notes too)."""
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    said = []
+    for switch, section, values, names, defaults, term in (
+            ("use_kl_loss", "actor_rollout_ref.actor", actor, ("kl_loss_coef", "kl_loss_type"), ActorConfig(),
+             "the policy loss holds no KL term"),
+            ("use_kl_in_reward", "algorithm", algo, ("kl_penalty",), AlgorithmConfig(),
+             "the rewards hold no KL penalty")):
+        if getattr(values, switch):
+            continue
+        changed = [f"{section}.{name}={getattr(values, name)!r}" for name in names
+                   if _set_by_user(given, f"{section}.{name}") and getattr(values, name) != getattr(defaults, name)]
+        if changed:
+            said.append(f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: "
+                        f"{section}.{switch}=false, so {term}; set it true for that KL")
+    if actor.use_kl_loss and algo.use_kl_in_reward:
+        said.append(
+            "notice: both KL terms are on (algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss="
+            f"true): the policy is held to the reference twice, by the KL penalty in the rewards "
+            f"(algorithm.kl_ctrl.kl_coef={algo.kl_ctrl.kl_coef!r}, {algo.kl_ctrl.type}) and by the KL loss "
+            f"(kl_loss_coef={actor.kl_loss_coef!r}); set one of them false for one KL term")
+    return said
+
+
+def _set_by_user(given: dict[str, Any], key: str) -> bool:
+    """Whether a file or an override set ``key``, by its own name or in a mapping given to a section above it."""
+    parts = key.split(".")
+    return any(".".join(parts[:end]) in given for end in range(1, len(parts) + 1))
 
 
 def _resume_path_unused(cfg: PPOConfig) -> list[str]:

@@ -1474,6 +1474,50 @@ def test_a_resume_path_that_its_resume_mode_does_not_read_is_said_so():
     assert resume_notices("trainer.resume_mode=disable") == []
 
 
+def _kl_term_notices(overrides, config_file=None):
+    said = []
+    load_config(overrides, config_file=config_file, notice=said.append)
+    return [message for message in said if "no effect: actor_rollout_ref.actor.use_kl_loss" in message
+            or "no effect: algorithm.use_kl_in_reward" in message or "both KL terms are on" in message]
+
+
+def test_the_keys_of_a_kl_term_that_is_off_are_said_to_have_no_effect(tmp_path):
+    """A GSM8K recipe's kl_loss_coef and kl_loss_type copied without use_kl_loss=true (or a kl_penalty without
+    use_kl_in_reward=true) were taken without a word, and the run trained with no KL to the reference at all."""
+    assert _kl_term_notices(["actor_rollout_ref.actor.kl_loss_coef=0.01",
+                             "actor_rollout_ref.actor.kl_loss_type=low_var_kl"]) == [
+        "notice: actor_rollout_ref.actor.kl_loss_coef=0.01 has no effect: actor_rollout_ref.actor.use_kl_loss=false, "
+        "so the policy loss holds no KL term; set it true for that KL"]  # low_var_kl is the default: not named
+    assert _kl_term_notices(["actor_rollout_ref.actor={kl_loss_coef: 0.5, kl_loss_type: k3+}"]) == [
+        "notice: actor_rollout_ref.actor.kl_loss_coef=0.5, actor_rollout_ref.actor.kl_loss_type='k3+' have no "
+        "effect: actor_rollout_ref.actor.use_kl_loss=false, so the policy loss holds no KL term; set it true for "
+        "that KL"]
+    assert _kl_term_notices(["algorithm.kl_penalty=low_var_kl"]) == [
+        "notice: algorithm.kl_penalty='low_var_kl' has no effect: algorithm.use_kl_in_reward=false, so the rewards "
+        "hold no KL penalty; set it true for that KL"]
+    # read where their term is on; at their defaults, or not set, nothing to say
+    assert _kl_term_notices(["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+                             "actor_rollout_ref.actor.kl_loss_type=k3"]) == []
+    assert _kl_term_notices(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl"]) == []
+    path = tmp_path / "run.yaml"
+    path.write_text("actor_rollout_ref:\n  actor:\n    kl_loss_coef: 0.001\nalgorithm:\n  kl_penalty: kl\n")
+    assert _kl_term_notices([], path) == []
+    assert _kl_term_notices([]) == []
+
+
+def test_both_kl_terms_on_at_once_is_said_with_both_coefficients():
+    """The KL penalty in the rewards and the KL loss together hold the policy to the reference twice; verl says so
+    at start, this trainer said nothing."""
+    assert _kl_term_notices(["algorithm.use_kl_in_reward=true", "actor_rollout_ref.actor.use_kl_loss=true",
+                             "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.02",
+                             "actor_rollout_ref.actor.kl_loss_coef=0.05"]) == [
+        "notice: both KL terms are on (algorithm.use_kl_in_reward=true and actor_rollout_ref.actor.use_kl_loss=true): "
+        "the policy is held to the reference twice, by the KL penalty in the rewards (algorithm.kl_ctrl.kl_coef=0.02, "
+        "adaptive) and by the KL loss (kl_loss_coef=0.05); set one of them false for one KL term"]
+    assert _kl_term_notices(["algorithm.use_kl_in_reward=true"]) == []
+    assert _kl_term_notices(["actor_rollout_ref.actor.use_kl_loss=true"]) == []
+
+
 def test_the_kl_controller_set_in_a_run_without_kl_in_the_reward_is_said_to_have_no_effect(tmp_path):
     """algorithm.kl_ctrl sets the coefficient of the KL in the reward: with a KL loss alone (use_kl_in_reward=false)
     an adaptive controller was taken without a word, and the run's KL coefficient stayed kl_loss_coef."""
