@@ -330,6 +330,18 @@ def test_the_reference_is_the_base_model_at_every_step_after_updates(fitted, wor
     assert (policy - _base_log_prob(base, batch))[mask].abs().max() > 1e-2  # the adapters moved the policy
 
 
+def test_the_kl_to_the_base_is_exactly_zero_until_the_adapters_move(fitted):
+    """lora_B starts at zero, so the adapted policy that samples the first batch is the base to the bit: step 1's KL
+    in the reward (the old and the reference log-probs, scored in the same micro-batches) is 0.0, not a rounding
+    away from it. Its KL loss (one mini-batch, one epoch: taken before the adapters move) is scored in the update's
+    micro-batches of 4 rows against the reference's one of 8, so it may differ by the rounding of other matmul
+    shapes alone; once the adapters have moved both are far from 0."""
+    _, metrics, _, _, _ = fitted
+    assert metrics[1]["actor/reward_kl_penalty"] == 0.0
+    assert 0.0 <= metrics[1]["actor/kl_loss"] < 1e-12  # low_var_kl of log-probs a few ulps apart: ~1e-14
+    assert abs(metrics[STEPS]["actor/reward_kl_penalty"]) > 1e-6 and metrics[STEPS]["actor/kl_loss"] > 1e-6
+
+
 def test_after_steps_the_base_weights_of_actor_and_critic_are_bit_identical(fitted):
     trainer, _, _, initial, _ = fitted
     for part, worker in (("actor", trainer.actor), ("critic", trainer.critic)):

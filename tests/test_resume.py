@@ -18,6 +18,7 @@ import torch
 
 from rlhf_core.config import load_config
 from rlhf_core.main_ppo import build_trainer, run
+from rlhf_core.training import checkpoint
 from rlhf_core.training.guards import TrainingInterrupted
 from rlhf_core.training.trainer import LoggingError
 
@@ -103,6 +104,28 @@ def assert_same_tensors(got: dict[str, torch.Tensor], expected: dict[str, torch.
     assert got.keys() == expected.keys()
     differ = [name for name in expected if not torch.equal(got[name], expected[name])]
     assert not differ, differ
+
+
+def test_the_adaptive_kl_coefficient_follows_each_steps_kl_and_a_checkpoint_holds_the_next_steps(workspace,
+                                                                                                   reference):
+    """Ziegler et al. (2019) as verl updates it: after each step beta *= 1 + clip(KL / target_kl - 1, -0.2, 0.2)
+    * n / horizon, with KL the step's actor/reward_kl_penalty (the mean over responses of each one's token mean) and
+    n the step's responses (train_batch_size * rollout.n); each step logs the beta it used, and a checkpoint holds
+    the beta the next step uses. The first step's KL is exactly 0: the policy that sampled is the reference."""
+    out, expected, _ = reference
+    cfg = load_config(overrides(workspace, out))
+    kl_ctrl = cfg.algorithm.kl_ctrl
+    responses = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n  # 8 prompts x 2
+    assert expected[1]["actor/reward_kl_penalty"] == 0.0
+    beta = kl_ctrl.kl_coef
+    for step in range(1, STEPS + 1):
+        assert expected[step]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta, rel=1e-12), step
+        error = min(max(expected[step]["actor/reward_kl_penalty"] / kl_ctrl.target_kl - 1, -0.2), 0.2)
+        beta *= 1 + error * responses / kl_ctrl.horizon
+        if step == 2:  # the checkpoint a resume goes on from (the later ones are saved over by the resumed run)
+            saved = checkpoint.read_trainer_state(out / "global_step_2")["kl_ctrl"]
+            assert saved["type"] == "adaptive" and saved["value"] == pytest.approx(beta, rel=1e-12)
+    assert beta < kl_ctrl.kl_coef  # the KL stayed under target_kl: the coefficient shrank
 
 
 def test_resume_in_process_sees_each_batch_once_and_matches(workspace, reference):
