@@ -1036,10 +1036,12 @@ LOSS_REF_LOG_PROB = [[-1.5, -1.0, -1.0], [-1.0, -1.0, -1.0]]  # ref - lp on the 
     ("low_var_kl", [1 - math.exp(-0.5), 1 - math.exp(1.0), 1 - math.exp(-0.5)]),  # d/dlp = 1 - exp(ref - lp)
     ("k1", [1.0, 1.0, 1.0]),  # d/dlp (lp - ref) = 1
     ("mse", [0.5, -1.0, 0.5]),  # d/dlp (lp - ref)^2 / 2 = lp - ref
+    ("k3+", [0.5, -1.0, 0.5]),  # verl's straight-through: low_var_kl's value, k2's gradient lp - ref
 ])
 @pytest.mark.parametrize(("mode", "weights"), [
     ("token-mean", [1 / 3, 1 / 3, 1 / 3]),  # / the 3 tokens of the mini-batch
     ("seq-mean-token-mean", [1 / 4, 1 / 4, 1 / 2]),  # / (2 sequences x the row's token count: 2, 2, 1)
+    ("seq-mean-token-sum", [1 / 2, 1 / 2, 1 / 2]),  # each row's sum / the 2 sequences
 ])
 def test_kl_loss_gradient_reaches_the_log_probs_by_hand(workspace, monkeypatch, kl_type, dkl, mode, weights):
     """With zero advantages the policy loss is 0 and has no gradient; what is left is kl_loss_coef x the KL
@@ -1060,8 +1062,8 @@ def test_kl_loss_gradient_reaches_the_log_probs_by_hand(workspace, monkeypatch, 
     assert log_prob.grad.tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
     # the KL values themselves, aggregated the same way: k1 = lp - ref = 0.5, -1, 0.5; k2 = 0.125, 0.5, 0.125;
     # k3 = exp(ref - lp) - (ref - lp) - 1
-    kl = {"low_var_kl": [math.exp(-0.5) - 0.5, math.exp(1.0) - 2, math.exp(-0.5) - 0.5],
-          "k1": [0.5, -1.0, 0.5], "mse": [0.125, 0.5, 0.125]}[kl_type]
+    k3 = [math.exp(-0.5) - 0.5, math.exp(1.0) - 2, math.exp(-0.5) - 0.5]
+    kl = {"low_var_kl": k3, "k3+": k3, "k1": [0.5, -1.0, 0.5], "mse": [0.125, 0.5, 0.125]}[kl_type]
     kl_loss = sum(k * w for k, w in zip(kl, weights))
     assert summed["actor/kl_loss"] == pytest.approx(kl_loss, rel=1e-6)
     assert summed["actor/pg_loss"] == 0.0
