@@ -462,7 +462,8 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = _k(True, "divide GRPO advantages by the group std (false + "
                                              "loss_agg_mode=seq-mean-token-sum-norm = Dr. GRPO)")
     use_kl_in_reward: bool = _k(False, "subtract beta * KL(actor || ref) from the token rewards")
-    kl_penalty: str = _k("kl", "KL estimator in the reward: kl | abs | mse | low_var_kl")
+    kl_penalty: str = _k("kl", "KL estimator in the reward: kl | abs | mse | low_var_kl (k1/k2/k3); with + its "
+                               "value alone (a reward carries no gradient)")
     kl_ctrl: KLCtrlConfig = _section(KLCtrlConfig, "KL-in-reward controller")
     filter_groups: FilterGroupsConfig = _section(FilterGroupsConfig, "DAPO dynamic sampling")
     rollout_correction: RolloutCorrectionConfig = _section(
