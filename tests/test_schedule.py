@@ -451,7 +451,7 @@ def _scheduler(tmp_path, *argv):
     return process, lines, logged, reader, marks
 
 
-def _wait_for(condition, process, lines, seconds=180.0):
+def _wait_for(condition, process, lines, seconds=600.0):  # (a fresh ZenML store, on a busy machine, takes minutes)
     deadline = time.monotonic() + seconds
     while not condition():
         assert process.poll() is None, f"the scheduler ended with {process.returncode}: {''.join(lines)[-2000:]}"

@@ -24,6 +24,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+from rlhf_core.interrupts import Terminated
+
 # name -> (module, function, one line of help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "ppo": ("rlhf_core.cli.train", "ppo", "PPO training with verl's config keys (also rlhf-ppo)"),
@@ -113,11 +115,6 @@ def unwritable(folder: Path) -> str | None:
 # the commands that take a SIGTERM as a Ctrl-C (:func:`sigterm_as_interrupt`): those whose runs keep checkpoints,
 # and the scheduler of such runs, which passes it on to the run under way
 SIGTERM_AS_INTERRUPT = ("ppo", "train-rm", "schedule")
-
-
-class Terminated(KeyboardInterrupt):
-    """A SIGTERM, raised where Python raises KeyboardInterrupt for a Ctrl-C, so that a command's Ctrl-C paths (the
-    line naming what was left, the finally blocks that close its workers) take it too, and say SIGTERM."""
 
 
 # set by :func:`sigterm_as_interrupt`'s handler: Ray turns an exception a signal handler raised inside ``ray.get``

@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rlhf_core.cli import Terminated
+from rlhf_core.interrupts import Terminated
 
 if __name__ == "__main__":  # run as `rlhf schedule` is (rlhf_core.cli), where its command's module imports
     # ZenML, so that a Ctrl-C in the command's first seconds ends it with one line and exit 130, not a
