@@ -439,7 +439,10 @@ def _scheduler(tmp_path, *argv):
     config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n")
     runner, marks = tmp_path / "scheduler.py", tmp_path / "marks.txt"
     runner.write_text(SCHEDULER)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    # its log at INFO ("Scheduler started" is one: the test pipeline's module sets WARN for the whole test process),
+    # unbuffered (it goes to a pipe here, where Python holds it in a block buffer until the buffer fills)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
+           "ZENML_LOGGING_VERBOSITY": "INFO", "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen([sys.executable, str(runner), RUN_UNDER_WAY.format(marks=str(marks)), "--every", "3600",
                                 "-c", str(config), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, cwd=tmp_path, env=env)
@@ -451,7 +454,7 @@ def _scheduler(tmp_path, *argv):
     return process, lines, logged, reader, marks
 
 
-def _wait_for(condition, process, lines, seconds=600.0):  # (a fresh ZenML store, on a busy machine, takes minutes)
+def _wait_for(condition, process, lines, seconds=300.0):  # (a fresh ZenML store, on a busy machine, takes minutes)
     deadline = time.monotonic() + seconds
     while not condition():
         assert process.poll() is None, f"the scheduler ended with {process.returncode}: {''.join(lines)[-2000:]}"
