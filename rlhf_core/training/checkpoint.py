@@ -1203,11 +1203,7 @@ def data_fingerprints(paths: Iterable[str | os.PathLike]) -> list[dict[str, str]
     found = []
     for path in paths:
         path = Path(os.path.expanduser(str(path)))
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            while block := handle.read(1 << 20):
-                digest.update(block)
-        found.append({"path": str(path.resolve()), "sha256": digest.hexdigest()})
+        found.append({"path": str(path.resolve()), "sha256": _sha256_of(path)})
     return found
 
 
