@@ -1515,10 +1515,8 @@ def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
     if cfg.algorithm.use_kl_in_reward:
         return None
     defaults = KLCtrlConfig()
-    # (set by its own key, or in a mapping given to algorithm.kl_ctrl or to algorithm)
     changed = [f"algorithm.kl_ctrl.{name}={value!r}" for name, value in dataclasses.asdict(cfg.algorithm.kl_ctrl).items()
-               if {"algorithm", "algorithm.kl_ctrl", f"algorithm.kl_ctrl.{name}"} & given.keys()
-               and value != getattr(defaults, name)]
+               if _set_by_user(given, f"algorithm.kl_ctrl.{name}") and value != getattr(defaults, name)]
     if not changed:
         return None
     actor = cfg.actor_rollout_ref.actor
