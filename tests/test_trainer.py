@@ -1315,6 +1315,60 @@ def test_a_group_estimator_with_one_response_a_prompt_is_warned_before_the_first
     assert ONE_RESPONSE_A_PROMPT not in warnings
 
 
+TRUTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                "    return float(ground_truth)\n")
+GREEDY_GROUPS = ("WARNING: actor_rollout_ref.rollout.do_sample=false decodes greedily, so each prompt's "
+                 "actor_rollout_ref.rollout.n=2 responses are one response repeated: algorithm.adv_estimator=grpo "
+                 "compares each response with the others to its prompt, so every advantage is 0 and the policy learns "
+                 "nothing about the reward; set actor_rollout_ref.rollout.do_sample=true")
+
+
+def test_greedy_training_rollouts_in_groups_are_warned_before_the_first_step_naming_the_setting(workspace, capsys):
+    """GRPO on greedy training rollouts (do_sample=false, n=2) compares a response with its own copy: every advantage
+    is 0. Said before step 1, and the step's alike-scores warning names the setting, not the reward (whose scores,
+    the prompts' ground truths, differ between prompts) nor the length limit."""
+    records, warnings = _advice_run(workspace, capsys, "advice_greedy", TRUTH_REWARD, "algorithm.adv_estimator=grpo",
+                                    "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.do_sample=false")
+    assert all(r["critic/advantages/max"] == r["critic/advantages/min"] == 0.0 for r in records)
+    assert records[0]["critic/score/max"] > records[0]["critic/score/min"]  # the reward tells prompts apart
+    assert warnings[0] == GREEDY_GROUPS
+    # the random model's greedy responses all run to the limit: the step is cut off and scored alike, and the
+    # advice is still the setting (a longer limit would not tell a response from its copy)
+    assert [r["response_length/clip_ratio"] for r in records] == [1.0, 1.0, 1.0]
+    assert warnings[1] == ("WARNING step 1: 100% of the responses reached data.max_response_length=150 and were cut "
+                           "off (response_length/clip_ratio 1.00) and the responses to each prompt scored the same, "
+                           "so the advantages carry no "
+                           "reward signal and the policy learns nothing about the reward from this step: "
+                           "actor_rollout_ref.rollout.do_sample=false decodes greedily, so each prompt's "
+                           "actor_rollout_ref.rollout.n=2 responses are one response repeated; set "
+                           "actor_rollout_ref.rollout.do_sample=true")
+    # a temperature of 0 decodes greedily too, and the warning names it
+    _, warnings = _advice_run(workspace, capsys, "advice_greedy_t0", LENGTH_REWARD, "algorithm.adv_estimator=rloo",
+                              "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.temperature=0")
+    assert warnings[0].startswith("WARNING: actor_rollout_ref.rollout.temperature=0.0 decodes greedily, so each "
+                                  "prompt's actor_rollout_ref.rollout.n=2 responses are one response repeated: "
+                                  "algorithm.adv_estimator=rloo compares")
+    assert warnings[0].endswith("; set actor_rollout_ref.rollout.temperature above 0")
+    _, warnings = _advice_run(workspace, capsys, "advice_sampled", LENGTH_REWARD, "algorithm.adv_estimator=grpo",
+                              "actor_rollout_ref.rollout.n=2")
+    assert not any("decodes greedily" in w for w in warnings)
+
+
+def test_greedy_training_rollouts_without_groups_get_a_notice_of_the_repeated_work(workspace, capsys):
+    root, model, _ = workspace
+    (root / "greedy_gae.py").write_text(LENGTH_REWARD)
+    assert ppo(_overrides(root, model, f"custom_reward_function.path={root / 'greedy_gae.py'}",
+                          "trainer.total_training_steps=1", "trainer.test_freq=-1",
+                          f"trainer.default_local_dir={root / 'greedy_gae'}", "actor_rollout_ref.rollout.n=3",
+                          "actor_rollout_ref.rollout.do_sample=false")) == 0
+    err = capsys.readouterr().err
+    assert ("notice: actor_rollout_ref.rollout.do_sample=false decodes greedily, so each prompt's "
+            "actor_rollout_ref.rollout.n=3 responses are one response repeated: each step generates and trains on the "
+            "same response 3 times over; set actor_rollout_ref.rollout.do_sample=true, or set "
+            "actor_rollout_ref.rollout.n=1") in err
+    assert "WARNING: actor_rollout_ref.rollout.do_sample=false" not in err
+
+
 def test_dynamic_sampling_that_keeps_nothing_stops_with_the_step_and_a_resume_may_raise_its_limit(workspace, tmp_path,
                                                                                               capsys):
     """A reward that tells the two responses of each prompt apart for its first 16 calls (step 1's one generation

@@ -953,6 +953,7 @@ class PPOTrainer:
             print(f"notice: {self.already_complete()}", file=sys.stderr, flush=True)
         else:
             self._warn_single_response_groups()
+            self._warn_greedy_repeats()
         while self.global_step < self.total_steps and not self.data_exhausted:
             self._stop_if_requested()
             try:
@@ -1010,7 +1011,8 @@ class PPOTrainer:
         them (:func:`scores_without_spread`). Only the kinds in ``stuck_warnings`` (the constructor's) are given:
         a step both cut off and scored alike is warned of as cut off ("clip"), the cut explaining the alike scores.
         A group estimator with one response a prompt is a config fact, said once before the first step
-        (:meth:`_warn_single_response_groups`)."""
+        (:meth:`_warn_single_response_groups`); with greedy training rollouts, alike scores in every group are one
+        too (:meth:`_warn_greedy_repeats`), and the step's warning names the setting, not the reward."""
         cfg = self.config
         length = cfg.data.max_response_length
         clipped = metrics.get("response_length/clip_ratio", 0.0)
@@ -1033,7 +1035,11 @@ class PPOTrainer:
         same = (f"{alike}, so the advantages carry no reward signal"
                 + (f" (only {' and '.join(moved_by)} {verb} them)" if moved_by else "")
                 + " and the policy learns nothing about the reward from this step")
-        if clipped >= CLIP_RATIO_WARNING and self.scores_flat:
+        greedy_groups = self._greedy_repeats() if algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS else None
+        if self.scores_flat and greedy_groups:  # alike because greedy: the setting is the advice, cut off or not
+            kinds, lead = (("clip", "flat"), f"{cut} and {same}") if clipped >= CLIP_RATIO_WARNING else (("flat",), same)
+            text = f"{lead}: {greedy_groups[0]}; {greedy_groups[1]}"
+        elif clipped >= CLIP_RATIO_WARNING and self.scores_flat:
             kinds, text = ("clip", "flat"), (f"{cut} and {same}: a cut response seldom reaches its answer; raise "
                                              "data.max_response_length")
         elif clipped >= CLIP_RATIO_WARNING:
@@ -1063,6 +1069,35 @@ class PPOTrainer:
               "its score as it stands (whitened over the batch for reinforce_plus_plus_baseline), without the "
               "baseline the other responses to its prompt would give; raise actor_rollout_ref.rollout.n to 2 or "
               "more", file=sys.stderr, flush=True)
+
+    def _greedy_repeats(self) -> tuple[str, str] | None:
+        """Where the training rollouts decode greedily with ``rollout.n > 1``, each prompt's n responses one response
+        repeated: (the setting that makes them greedy and what it does, the change that samples); None otherwise."""
+        rollout = self.config.actor_rollout_ref.rollout
+        if rollout.n < 2 or not self._train_params().greedy:
+            return None
+        key = "actor_rollout_ref.rollout"
+        setting, fix = ((f"{key}.do_sample=false", f"set {key}.do_sample=true") if not rollout.do_sample else
+                        (f"{key}.temperature={rollout.temperature}", f"set {key}.temperature above 0"))
+        return (f"{setting} decodes greedily, so each prompt's {key}.n={rollout.n} responses are one response "
+                "repeated"), fix
+
+    def _warn_greedy_repeats(self) -> None:
+        """Warn, once before the first step, where greedy training rollouts repeat one response ``rollout.n`` times:
+        a group estimator then compares identical responses (every advantage 0: nothing learnt about the reward),
+        any other estimator pays n times the work for one response's signal."""
+        if (repeats := self._greedy_repeats()) is None:
+            return
+        cause, fix = repeats
+        estimator = self.config.algorithm.adv_estimator
+        if estimator in algos.ADV_ESTIMATORS_NEED_GROUPS:
+            print(f"WARNING: {cause}: algorithm.adv_estimator={estimator} compares each response with the others to "
+                  f"its prompt, so every advantage is 0 and the policy learns nothing about the reward; {fix}",
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"notice: {cause}: each step generates and trains on the same response "
+                  f"{self.config.actor_rollout_ref.rollout.n} times over; {fix}, or set "
+                  "actor_rollout_ref.rollout.n=1", file=sys.stderr, flush=True)
 
     def _validate_step(self, step: int, metrics: dict[str, float],
                        event: GuardEvent | None) -> tuple[bool, GuardEvent | None]:
