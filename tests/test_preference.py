@@ -243,9 +243,11 @@ def test_read_preferences_refuses_empty_blank_and_missing_texts(tmp_path, column
     frame.to_parquet(path)
     with pytest.raises(PreferenceDataError) as info:
         read_preferences(path)
+    convert = (f" (TRL's conversational pairs convert with python -m rlhf_core.data.preference --trl {path} --output "
+               "DIR)" if "chat messages" in rows else "")
     assert str(info.value) == (f"{path}: column {column} is not a response's text in row(s) {rows}; {column} holds "
                                "the assistant's reply as one non-blank string, the conversation before it being the "
-                               "prompt's messages")
+                               f"prompt's messages{convert}")
 
 
 def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):
@@ -349,8 +351,11 @@ def _solutions(tmp_path, n=20):
 
 
 @pytest.mark.parametrize("source, options, message", [
-    (["--synthetic"], ["--val-fraction", "0.3"], "--val-fraction only applies to --gsm8k-solutions; --synthetic "
-                                                  "does not use it"),
+    (["--synthetic"], ["--val-fraction", "0.3"], "--val-fraction only applies to --gsm8k-solutions and --trl; "
+                                                  "--synthetic does not use it"),
+    (["--gsm8k-solutions", "S"], ["--data-source", "x"], "--data-source only applies to --trl; --gsm8k-solutions "
+                                                         "does not use it"),
+    (["--trl", "S"], ["--n-train", "10"], "--n-train only applies to --synthetic; --trl does not use it"),
     (["--gsm8k-solutions", "S"], ["--n-train", "10"], "--n-train only applies to --synthetic; --gsm8k-solutions "
                                                       "does not use it"),
     (["--gsm8k-solutions", "S"], ["--n-val", "5", "--n-train", "10"],
@@ -523,3 +528,128 @@ def test_exclude_takes_prompts_stored_as_one_string_as_the_trainer_does(tmp_path
     pd.DataFrame({"prompt": ['[{"role": "user", "content": "Q1"}]']}).to_parquet(prompts)
     assert preference(["--gsm8k-solutions", str(source), "--output", str(tmp_path / "b"), "--exclude", str(prompts)]) == 1
     assert "1 prompt(s) are not chat messages" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- TRL's preference files
+
+
+def _user(text):
+    return {"role": "user", "content": text}
+
+
+def _assistant(text):
+    return {"role": "assistant", "content": text}
+
+
+SYSTEM = {"role": "system", "content": "Answer with #### and the number."}
+
+
+def _trl_rows(form: str, n: int = 4) -> list[dict]:
+    """n pairs in one of TRL's forms, question i answered i + 1 (chosen) against i (rejected)."""
+    rows = []
+    for i in range(n):
+        question, right, wrong = f"What is {i} + 1?", f"#### {i + 1}", f"#### {i}"
+        if form == "standard explicit":
+            rows.append({"prompt": question, "chosen": right, "rejected": wrong})
+        elif form == "conversational explicit":
+            rows.append({"prompt": [SYSTEM, _user(question)], "chosen": [_assistant(right)],
+                         "rejected": [_assistant(wrong)]})
+        elif form == "conversational implicit":
+            rows.append({"chosen": [SYSTEM, _user(question), _assistant(right)],
+                         "rejected": [SYSTEM, _user(question), _assistant(wrong)]})
+        else:  # standard implicit: whole texts, prompt included
+            rows.append({"chosen": f"Human: {question} Assistant: {right}",
+                         "rejected": f"Human: {question} Assistant: {wrong}"})
+    return rows
+
+
+@pytest.mark.parametrize("form, suffix, prompt", [
+    ("standard explicit", ".parquet", lambda q: [_user(q)]),
+    ("conversational explicit", ".jsonl", lambda q: [SYSTEM, _user(q)]),
+    ("conversational implicit", ".parquet", lambda q: [SYSTEM, _user(q)]),
+    ("conversational implicit", ".json", lambda q: [SYSTEM, _user(q)]),
+])
+def test_trl_preference_files_convert_to_pairs_that_train_and_validate(tmp_path, capsys, form, suffix, prompt):
+    """Each of TRL's forms with its prompt found becomes this schema's rows: the prompt as chat messages (a text
+    prompt as the user's turn), chosen and rejected as the reply's text; the files written pass the reward-model
+    trainer's reading and the pipeline's preference suite."""
+    from rlhf_core.data.preference import check_preference_files
+    from rlhf_core.data.validation import validate_preference_files
+
+    source = tmp_path / f"hh_train{suffix}"
+    frame = pd.DataFrame(_trl_rows(form, n=10))
+    frame.to_parquet(source) if suffix == ".parquet" else frame.to_json(source, orient="records", lines=True)
+    out = tmp_path / "pairs"
+    assert preference(["--trl", str(source), "--output", str(out), "--val-fraction", "0.2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"read: 10 pairs from {source} ({form.replace(' ', ', ')} prompt)" in printed
+    assert "train: 8 pairs over 8 prompts" in printed and "val: 2 pairs over 2 prompts" in printed
+    rows = pd.concat([read_preferences(out / "train.parquet"), read_preferences(out / "val.parquet")])
+    assert tuple(rows.columns) == PREFERENCE_COLUMNS and set(rows["data_source"]) == {"hh_train"}
+    got = sorted((json.dumps([dict(m) for m in p]), c, r) for p, c, r in zip(rows["prompt"], rows["chosen"],
+                                                                          rows["rejected"]))
+    assert got == sorted((json.dumps(prompt(f"What is {i} + 1?")), f"#### {i + 1}", f"#### {i}") for i in range(10))
+    assert set(rows["extra_info"].map(lambda e: e["question"])) == {f"What is {i} + 1?" for i in range(10)}
+    assert check_preference_files([out / "train.parquet"], [out / "val.parquet"])["train_pairs"] == 8
+    assert validate_preference_files([out / "train.parquet"], [out / "val.parquet"]).success
+
+
+def test_trl_pairs_leave_out_rows_whose_chosen_and_rejected_are_the_same(tmp_path):
+    from rlhf_core.data.preference import trl_pairs
+
+    rows = _trl_rows("conversational implicit", n=3)
+    rows[1]["rejected"] = rows[1]["chosen"]  # the same conversation twice
+    rows.append({"chosen": [_user("Hi"), _assistant("Hello")], "rejected": [_user("Hi"), _assistant("Hello")]})
+    path = tmp_path / "pairs.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    pairs, identical, form = trl_pairs(path)
+    assert (identical, form) == (2, "conversational, implicit prompt")
+    assert [(p["question"], p["chosen"], p["rejected"]) for p in pairs] == [("What is 0 + 1?", "#### 1", "#### 0"),
+                                                                           ("What is 2 + 1?", "#### 3", "#### 2")]
+
+
+@pytest.mark.parametrize("rows, message", [
+    (_trl_rows("standard implicit", n=2),
+     "2 of 2 row(s) cannot be read as preference pairs: chosen and rejected are not chat messages and there is no "
+     "prompt column: an implicit prompt is read from whole conversations only (text holds no turns to tell the "
+     "prompt from the reply); give a prompt column in row(s) 0, 1"),
+    ([{"prompt": [_user("Q")], "chosen": [_user("Q"), _assistant("A")], "rejected": [_assistant("B")]}],
+     "1 of 1 row(s) cannot be read as preference pairs: chosen holds 2 message(s) (user, assistant) after the "
+     "prompt: a reply is one assistant message in row(s) 0"),
+    ([{"chosen": [_user("Q1"), _assistant("A")], "rejected": [_user("Q2"), _assistant("B")]},
+      {"chosen": [_user("Q"), _assistant("A"), _user("more?"), _assistant("C")],
+       "rejected": [_user("Q"), _assistant("B")]}],
+     "2 of 2 row(s) cannot be read as preference pairs: chosen and rejected begin with different messages: an "
+     "implicit prompt is the messages both begin with in row(s) 0; chosen and rejected differ before their last "
+     "message (4 and 2 messages, 1 shared): an implicit prompt is all messages but the reply in row(s) 1"),
+    ([{"prompt": "Q", "chosen": "  ", "rejected": "B"}, {"prompt": "", "chosen": "A", "rejected": "B"}],
+     "2 of 2 row(s) cannot be read as preference pairs: chosen is blank in row(s) 0; prompt is empty in row(s) 1"),
+    ([{"prompt": "Q", "completion": "A", "label": True}],
+     "holds unpaired preferences (prompt, completion, label: TRL's form for KTO); a reward model trains on pairs of "
+     "a chosen and a rejected reply to one prompt"),
+])
+def test_trl_rows_that_cannot_be_paired_are_named_with_their_reason(tmp_path, capsys, rows, message):
+    path = tmp_path / "trl.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    out = tmp_path / "pairs"
+    assert preference(["--trl", str(path), "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
+    assert not out.exists()
+
+
+def test_a_trl_file_given_to_the_trainer_names_the_conversion(tmp_path):
+    explicit, conversational = tmp_path / "explicit.parquet", tmp_path / "conversational.parquet"
+    pd.DataFrame(_trl_rows("standard explicit", n=2)).to_parquet(explicit)
+    with pytest.raises(PreferenceDataError) as info:
+        read_preferences(explicit)
+    assert str(info.value).endswith(f"lacks the column(s) data_source, extra_info (a preference row has prompt, "
+                                    f"chosen, rejected, data_source, extra_info); TRL's preference files convert with "
+                                    f"python -m rlhf_core.data.preference --trl {explicit} --output DIR")
+    frame = pd.DataFrame(_trl_rows("conversational explicit", n=2))
+    frame["data_source"], frame["extra_info"] = "s", [{"split": "train"}] * 2
+    frame.to_parquet(conversational)
+    with pytest.raises(PreferenceDataError, match=re.escape(
+            f"(TRL's conversational pairs convert with python -m rlhf_core.data.preference --trl {conversational} "
+            "--output DIR)")):
+        read_preferences(conversational)

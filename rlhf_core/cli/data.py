@@ -28,6 +28,7 @@ from rlhf_core.data.preference import (
     prompt_questions,
     split_by_group,
     synthetic_pairs,
+    trl_pairs,
     write_splits,
 )
 from rlhf_core.data.synthetic import DATA_SOURCE, DEFAULT_OPTIONS, OPERATIONS, build_dataset, validate_options
@@ -182,10 +183,16 @@ def preference(argv: list[str] | None = None) -> int:
                         help="example_model_solutions.jsonl of the GSM8K release (GSM8K test questions)")
     source.add_argument("--synthetic", action="store_true",
                         help="pairs on the demo task: the right final answer vs the demo model's slip")
+    source.add_argument("--trl", nargs="+", metavar="FILE",
+                        help="TRL preference file(s), parquet or JSON lines: chosen and rejected as text or chat "
+                             "messages, with a prompt column or without one (conversations: the messages both begin "
+                             "with are the prompt)")
     parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
     # None = not given: each source refuses the other's options instead of ignoring them
     parser.add_argument("--val-fraction", type=float, default=None,
-                        help="GSM8K: share of questions held out for validation (default 0.2)")
+                        help="GSM8K and TRL: share of questions (prompts) held out for validation (default 0.2)")
+    parser.add_argument("--data-source", default=None,
+                        help="TRL: the pairs' data_source (default: the first file's name without its suffix)")
     parser.add_argument("--n-train", type=int, default=None, help="synthetic: training questions (default 2000)")
     parser.add_argument("--n-val", type=int, default=None, help="synthetic: validation questions (default 400)")
     parser.add_argument("--exclude", nargs="+", metavar="PATH", default=[],
@@ -195,12 +202,15 @@ def preference(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
-    other_source = ("--n-train", "--n-val") if not args.synthetic else ("--val-fraction",)
-    given = [option for option in other_source if getattr(args, option[2:].replace("-", "_")) is not None]
+    this = "--synthetic" if args.synthetic else "--trl" if args.trl else "--gsm8k-solutions"
+    sources = {"--n-train": ["--synthetic"], "--n-val": ["--synthetic"], "--val-fraction": ["--gsm8k-solutions", "--trl"],
+               "--data-source": ["--trl"]}
+    given = [option for option, users in sources.items()
+             if this not in users and getattr(args, option[2:].replace("-", "_")) is not None]
     if given:
-        this, other = ("--synthetic", "--gsm8k-solutions") if args.synthetic else ("--gsm8k-solutions", "--synthetic")
+        others = list(dict.fromkeys(user for option in given for user in sources[option]))
         verb, pronoun = ("apply", "them") if len(given) > 1 else ("applies", "it")
-        parser.error(f"{' and '.join(given)} only {verb} to {other}; {this} does not use {pronoun}")
+        parser.error(f"{' and '.join(given)} only {verb} to {' and '.join(others)}; {this} does not use {pronoun}")
     excluded = " ".join(args.exclude)
     try:
         apart = prompt_questions(args.exclude) if args.exclude else set()
@@ -223,6 +233,24 @@ def preference(argv: list[str] | None = None) -> int:
             else:
                 train, val = synthetic_pairs(n_train, n_val, args.seed)
             data_source = DATA_SOURCE
+        elif args.trl:
+            pairs = []
+            for path in args.trl:
+                read, identical, form = trl_pairs(path)
+                left_out = f", {identical} left out: chosen and rejected the same" if identical else ""
+                print(f"read: {len(read)} pairs from {path} ({form}{left_out})")
+                pairs.extend(read)
+            if not pairs:
+                raise PreferenceDataError(f"{' '.join(args.trl)} hold(s) no pair whose chosen and rejected differ")
+            if apart:
+                pairs, dropped = drop_questions(pairs, apart)
+                print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} prompt(s) of "
+                      f"{excluded}")
+                if not pairs:
+                    raise PreferenceDataError(f"every pair of {' '.join(args.trl)} is on a question of --exclude "
+                                              f"({excluded}): no pair is left")
+            train, val = split_by_group(pairs, 0.2 if args.val_fraction is None else args.val_fraction, args.seed)
+            data_source = args.data_source or Path(args.trl[0]).name.split(".")[0]
         else:
             pairs = gsm8k_solution_pairs(args.gsm8k_solutions)
             if not pairs:
@@ -250,7 +278,7 @@ def preference(argv: list[str] | None = None) -> int:
         return 1
     for split, pairs in (("train", train), ("val", val)):
         questions = len({p["group"] for p in pairs})
-        print(f"{split}: {len(pairs)} pairs over {questions} questions -> {paths[split]}")
+        print(f"{split}: {len(pairs)} pairs over {questions} {'prompts' if args.trl else 'questions'} -> {paths[split]}")
     return 0
 
 

@@ -16,6 +16,8 @@ Sources:
 * ``--synthetic``: the demo task (:data:`rlhf_core.models.toy.TOY_TASK`): chosen is the worked
   solution with the right final answer, rejected the same working with the demo model's slip
   (:func:`rlhf_core.models.toy.with_slip`: the final line repeats the problem's first number).
+* ``--trl FILE ...``: TRL's preference files (:func:`trl_pairs`), split by prompt; rows whose chosen and
+  rejected are the same are left out (counted).
 
 Usage::
 
@@ -23,11 +25,13 @@ Usage::
         [--exclude PATH ...]
     python -m rlhf_core.data.preference --synthetic --output DIR [--n-train 2000] [--n-val 400] [--seed 0]
         [--exclude PATH ...]
+    python -m rlhf_core.data.preference --trl FILE [FILE ...] --output DIR [--val-fraction 0.2] [--seed 0]
+        [--data-source NAME] [--exclude PATH ...]
 
 writes ``DIR/train.parquet`` and ``DIR/val.parquet``; no question has pairs in both, and neither is empty (the GSM8K
-source holds at least one question out and keeps at least one for training, and refuses pairs on one question alone).
-``--val-fraction`` belongs to the GSM8K source, ``--n-train``/``--n-val`` to the synthetic one; the other source
-refuses them rather than ignore them.
+and TRL sources hold at least one question out and keep at least one for training, and refuse pairs on one question
+alone). ``--val-fraction`` belongs to the GSM8K and TRL sources, ``--n-train``/``--n-val`` to the synthetic one,
+``--data-source`` to TRL's; the other sources refuse them rather than ignore them.
 
 ``--exclude`` takes prompt parquet files, or folders of them (their ``*.parquet``), and keeps every pair off
 their questions (:func:`prompt_questions`; whitespace collapsed and the case folded): give it the prompts the policy is evaluated on, since a reward
@@ -190,6 +194,143 @@ def synthetic_pairs(n_train: int, n_val: int, seed: int = 0, task: dict | None =
     return out[0], out[1]
 
 
+# ----------------------------------------------------------------------------- TRL's preference files
+
+
+def _message_list(value) -> list | None:
+    """``value`` as a list where it is a list of mappings (chat messages, as JSON or parquet give them), else None."""
+    if isinstance(value, (list, tuple, np.ndarray)) and len(value) and all(isinstance(m, Mapping) for m in value):
+        return list(value)
+    return None
+
+
+def _turns(messages: list, what: str) -> list[dict]:
+    """Chat ``messages`` as ``{role, content}`` dicts (other keys left behind); ValueError naming ``what`` where one
+    is not a message with text role and content."""
+    problem = prompt_problem(messages)
+    if problem is not None:
+        raise ValueError(problem.replace("prompt", what, 1))
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _reply(value, side: str) -> str:
+    """The assistant's reply a ``chosen``/``rejected`` cell holds: a text, or one assistant message (TRL's
+    conversational form with an explicit prompt); ValueError saying what the cell holds instead."""
+    messages = _message_list(value)
+    if messages is None:
+        if (problem := response_problem(value)) is not None:
+            raise ValueError(f"{side} is {problem}" if problem in ("empty", "blank", "null", "a list")
+                             else f"{side} is of type {problem}, not text")
+        return value
+    turns = _turns(messages, side)
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise ValueError(f"{side} holds {len(turns)} message(s) ({', '.join(t['role'] for t in turns)}) after the "
+                         "prompt: a reply is one assistant message")
+    return _reply(turns[0]["content"], f"{side}'s reply")
+
+
+def _implicit(chosen, rejected) -> tuple[list[dict], str, str]:
+    """(prompt messages, chosen reply, rejected reply) of TRL's implicit-prompt conversational pair: two whole
+    conversations whose messages before the last are the same (the prompt), each ending with the assistant's
+    reply; ValueError naming what keeps the pair from being split so."""
+    sides = {"chosen": _message_list(chosen), "rejected": _message_list(rejected)}
+    texts = [side for side, messages in sides.items() if messages is None]
+    if texts:
+        raise ValueError(f"{' and '.join(texts)} {'is' if len(texts) == 1 else 'are'} not chat messages and there is "
+                         "no prompt column: an implicit prompt is read from whole conversations only (text holds "
+                         "no turns to tell the prompt from the reply); give a prompt column")
+    first, second = (_turns(messages, side) for side, messages in sides.items())
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    if shared == len(first) == len(second):
+        return first, "", ""  # the same conversation twice: left out as identical by the caller
+    if shared == 0:
+        raise ValueError("chosen and rejected begin with different messages: an implicit prompt is the messages both "
+                         "begin with")
+    if shared != len(first) - 1 or shared != len(second) - 1:
+        raise ValueError(f"chosen and rejected differ before their last message ({len(first)} and {len(second)} "
+                         f"messages, {shared} shared): an implicit prompt is all messages but the reply")
+    return first[:shared], _reply([first[-1]], "chosen"), _reply([second[-1]], "rejected")
+
+
+def _read_table(path: Path) -> pd.DataFrame:
+    """A parquet or JSON-lines file's rows; PreferenceDataError for another suffix or an unreadable file."""
+    if path.is_dir():
+        raise PreferenceDataError(f"{path} is a folder: name its preference file(s)")
+    if not path.is_file():
+        raise PreferenceDataError(f"{path} does not exist")
+    try:
+        if path.suffix == ".parquet":
+            return read_rows(path)
+        if path.suffix in (".jsonl", ".json"):
+            try:  # datasets' to_json writes JSON lines whatever the suffix
+                return pd.read_json(path, lines=True, dtype=False)
+            except ValueError:
+                return pd.read_json(path, dtype=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise PreferenceDataError(f"{path} is not a readable {path.suffix[1:]} file ({exc})") from exc
+    raise PreferenceDataError(f"{path}: a preference file is .parquet, or JSON lines (.jsonl, .json)")
+
+
+def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
+    """The pairs of one of TRL's preference files (``datasets`` written to parquet or JSON lines): ``chosen`` and
+    ``rejected`` in any of TRL's four forms, as text or as chat messages, with a ``prompt`` column (text, taken as
+    one user turn, or messages) or without one (conversational only: the messages both conversations begin with
+    are the prompt). Returns (pairs as :func:`split_by_group` takes them, each prompt its own group; the count of
+    rows left out as their chosen and rejected are the same; the form read, in words). Messages keep their role and
+    content. PreferenceDataError names the rows that cannot be read, each with its reason."""
+    path = Path(path).expanduser()
+    frame = _read_table(path)
+    columns = set(frame.columns)
+    if {"completion", "label"} <= columns and not {"chosen", "rejected"} <= columns:
+        raise PreferenceDataError(f"{path} holds unpaired preferences (prompt, completion, label: TRL's form for KTO); "
+                                  "a reward model trains on pairs of a chosen and a rejected reply to one prompt")
+    missing = [c for c in ("chosen", "rejected") if c not in columns]
+    if missing:
+        raise PreferenceDataError(f"{path} is not preference data: it lacks the column(s) {', '.join(missing)} (TRL's "
+                                  f"preference columns: prompt, optional, chosen and rejected; its columns: "
+                                  f"{', '.join(map(str, frame.columns))})")
+    explicit = "prompt" in columns
+    pairs, identical, problems, conversational = [], 0, {}, False
+    prompts = frame["prompt"] if explicit else [None] * len(frame)
+    for row, (prompt, chosen, rejected) in enumerate(zip(prompts, frame["chosen"], frame["rejected"])):
+        try:
+            if explicit:
+                messages = _message_list(prompt)
+                if messages is None:
+                    if not isinstance(prompt, str):
+                        raise ValueError(prompt_problem(prompt))
+                    if not prompt.strip():
+                        raise ValueError("prompt is blank" if prompt else "prompt is empty")
+                    messages = [{"role": "user", "content": prompt}]  # TRL's standard form: the user's text
+                messages = _turns(messages, "prompt")
+                chosen_text, rejected_text = _reply(chosen, "chosen"), _reply(rejected, "rejected")
+            else:
+                messages, chosen_text, rejected_text = _implicit(chosen, rejected)
+        except ValueError as exc:
+            problems.setdefault(str(exc), []).append(row)
+            continue
+        conversational = conversational or _message_list(chosen) is not None
+        if chosen_text == rejected_text:
+            identical += 1
+            continue
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        pairs.append({"question": users[-1] if users else "", "messages": messages, "chosen": chosen_text,
+                      "rejected": rejected_text, "group": json.dumps(messages, sort_keys=True)})
+    if problems:
+        count = sum(len(rows) for rows in problems.values())
+        shown = "; ".join(f"{problem} in row(s) {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}"
+                          for problem, rows in list(problems.items())[:3])
+        raise PreferenceDataError(f"{path}: {count} of {len(frame)} row(s) cannot be read as preference pairs: "
+                                  f"{shown}{'; ...' if len(problems) > 3 else ''}")
+    roles = roles_problem([(f"row {i}", unknown_roles(p["messages"])) for i, p in enumerate(pairs)])
+    if roles is not None:
+        raise PreferenceDataError(f"{path}: {roles}")
+    form = f"{'conversational' if conversational else 'standard'}, {'explicit' if explicit else 'implicit'} prompt"
+    return pairs, identical, form
+
+
 # ----------------------------------------------------------------------------- keeping pairs apart from prompt sets
 
 
@@ -310,9 +451,12 @@ def check_apart_from_prompts(preference_files: Iterable[str | Path], prompt_path
 def to_frame(pairs: Iterable[dict], split: str, data_source: str) -> pd.DataFrame:
     rows = []
     for index, pair in enumerate(pairs):
-        extra = {k: v for k, v in pair.items() if k not in ("question", "chosen", "rejected", "group")}
-        rows.append(make_pair(pair["question"], pair["chosen"], pair["rejected"], data_source, split, index,
-                              pair["group"], **extra))
+        extra = {k: v for k, v in pair.items() if k not in ("question", "chosen", "rejected", "group", "messages")}
+        row = make_pair(pair["question"], pair["chosen"], pair["rejected"], data_source, split, index,
+                        pair["group"], **extra)
+        if "messages" in pair:  # a prompt as its source wrote it (TRL's files), not a question asked here
+            row["prompt"] = pair["messages"]
+        rows.append(row)
     return pd.DataFrame(rows, columns=list(PREFERENCE_COLUMNS))
 
 
@@ -334,9 +478,12 @@ def check_columns(columns: Iterable[str], where: str) -> None:
     """PreferenceDataError naming the missing preference columns of ``where``."""
     missing = [c for c in PREFERENCE_COLUMNS if c not in set(columns)]
     if missing:
+        trl = {"chosen", "rejected"} <= set(columns)  # TRL's columns, without this schema's others
         raise PreferenceDataError(
             f"{where} is not a preference file: it lacks the column(s) {', '.join(missing)} (a preference row "
-            f"has {', '.join(PREFERENCE_COLUMNS)}); write one with python -m rlhf_core.data.preference")
+            f"has {', '.join(PREFERENCE_COLUMNS)}); "
+            + (f"TRL's preference files convert with python -m rlhf_core.data.preference --trl {where} --output DIR"
+               if trl else "write one with python -m rlhf_core.data.preference"))
 
 
 def read_preferences(path: str | Path) -> pd.DataFrame:
@@ -362,9 +509,12 @@ def read_preferences(path: str | Path) -> pd.DataFrame:
         bad = [(row, problem) for row, text in enumerate(frame[column]) if (problem := response_problem(text))]
         if bad:
             shown = ", ".join(f"{row} ({problem})" for row, problem in bad[:5])
+            convert = (f" (TRL's conversational pairs convert with python -m rlhf_core.data.preference --trl {path} "
+                       "--output DIR)" if any(problem == "chat messages" for _, problem in bad) else "")
             raise PreferenceDataError(f"{path}: column {column} is not a response's text in row(s) {shown}"
                                       f"{' ...' if len(bad) > 5 else ''}; {column} holds the assistant's reply as "
-                                      "one non-blank string, the conversation before it being the prompt's messages")
+                                      "one non-blank string, the conversation before it being the prompt's "
+                                      f"messages{convert}")
     return frame
 
 
