@@ -2,12 +2,15 @@
 
 Measured in the same process, beside the trainer's steps:
 
-- the fp32 matrix-multiply rate (GFLOP/s) at the shapes of the update: (tokens of a micro-batch) x
+- the fp32 matrix-multiply rate (GFLOP/s) at each pass's shape: (tokens of one of its micro-batches) x
   hidden @ hidden x intermediate, the largest matmul of a transformer block, by each kernel torch has
-  on CPU (``torch.mm``'s BLAS and oneDNN, ``trainer.cpu_matmul``); the faster is the machine's rate. It is
-  taken again right after each timed step, and each step's phases are set against the rate measured after
-  that step (a 2-core VM's speed can drift by a fifth within a process); the fractions printed are the medians
-  over the timed steps, the rate printed is the median rate, with its range;
+  on CPU (``torch.mm``'s BLAS and oneDNN, ``trainer.cpu_matmul``); the faster is the machine's rate. A pass's
+  micro-batch is its own (:func:`micro_batch_tokens`): the updates' and the values pass's
+  ``ppo_micro_batch_size_per_gpu`` sequences, the log-prob passes' ``log_prob_micro_batch_size_per_gpu``
+  (64 and 16 for the demo and 25M models here; before 2026-12-06 every pass was set against the rate at 16
+  sequences). It is taken again right after each timed step, and each step's phases are set against the rate
+  measured after that step (a 2-core VM's speed can drift by a fifth within a process); the fractions printed
+  are the medians over the timed steps, the rate printed is the actor update's median rate, with its range;
 - the memory bandwidth (GB/s): one read of a tensor the size of the model's weights.
 
 Then each phase of a few trainer iterations against its bound:
@@ -150,6 +153,32 @@ def cache_bytes(module: torch.nn.Module, rows: int, positions: float) -> int:
     return int(rows * positions * per_position * next(module.parameters()).element_size())
 
 
+def micro_batch_tokens(cfg, sequences: int, tokens: float) -> dict[str, int]:
+    """Tokens of one micro-batch of each pass, the shape its products run at: the pass's sequences per
+    micro-batch (no more than the step's) at the step's mean tokens a sequence, or under dynamic
+    batching its token cap (no more than the step's ``tokens``). The actor's and the critic's updates take their
+    ``ppo_micro_batch_size_per_gpu``, the values pass the critic's, the log-prob passes their
+    ``log_prob_micro_batch_size_per_gpu``."""
+    actor, rollout = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    ref, critic = cfg.actor_rollout_ref.ref, cfg.critic
+
+    def shape(micro: int | None, dynamic: bool | None, cap: int | None) -> int:
+        if actor.use_dynamic_bsz if dynamic is None else dynamic:  # a null follows the actor's setting
+            return int(min(actor.ppo_max_token_len_per_gpu if cap is None else cap, tokens))
+        return int(min(micro or sequences, sequences) * tokens / sequences)
+
+    return {
+        "update_actor": shape(actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
+        "update_critic": shape(critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
+                               critic.ppo_max_token_len_per_gpu),
+        "values": shape(critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+        "old_log_prob": shape(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
+                              rollout.log_prob_max_token_len_per_gpu),
+        "ref": shape(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,
+                     ref.log_prob_max_token_len_per_gpu),
+    }
+
+
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
     """(parameters of the Linear layers other than the LM head, parameters of the LM head); a critic (a
     token-classification model: a scalar ``score`` on every position, no LM head) has 0 of the latter."""
@@ -214,15 +243,18 @@ def run(name: str, model: Path, work: Path, args) -> dict:
             params["critic"] = matmul_params(trainer.critic.module)
         prompts = trainer.train_dataset.collate(list(range(batch)))
         engine = trainer.actor.rollout
-        sequences, micro = batch * n, min(batch * n, 16)
+        sequences = batch * n
         runs, rollouts, step_rates = [], [], []
         for i in range(args.warmup + args.iters):
             runs.append(trainer.train_step(prompts))
             rollouts.append(dict(getattr(engine, "last_timing", {})))  # the HF engine's prefill and decode loop
-            if i >= args.warmup:  # the rate beside each timed step: this machine's speed drifts within a process
-                micro_tokens = int(micro * runs[-1]["perf/total_num_tokens"] / sequences)
-                step_rates.append(measured_rates(micro_tokens, hf_config.hidden_size, hf_config.intermediate_size,
-                                                 cfg.trainer.cpu_matmul_dtype))
+            if i >= args.warmup:  # the rates beside each timed step: this machine's speed drifts within a process
+                shapes = {phase: t for phase, t in micro_batch_tokens(cfg, sequences,
+                                                                      runs[-1]["perf/total_num_tokens"]).items()
+                          if phase == "update_actor" or f"timing_s/{phase}" in runs[-1]}  # the passes that ran
+                at_shape = {t: measured_rates(t, hf_config.hidden_size, hf_config.intermediate_size,
+                                              cfg.trainer.cpu_matmul_dtype) for t in sorted(set(shapes.values()))}
+                step_rates.append({phase: at_shape[t] for phase, t in shapes.items()})
         runs, rollouts = runs[args.warmup:], rollouts[args.warmup:]
         bandwidth = read_bandwidth_gbs(weight_bytes(module))
     finally:
@@ -233,14 +265,15 @@ def run(name: str, model: Path, work: Path, args) -> dict:
 
     tokens = med("perf/total_num_tokens")
     decode_steps = med("response_length/max")
-    at = Rates(*(statistics.median(getattr(step_at, f) for step_at, _ in step_rates) for f in Rates._fields))
-    rates = {k: statistics.median(by_kernel[k] for _, by_kernel in step_rates) for k in step_rates[0][1]}
-    rate_range = (min(step_at.body for step_at, _ in step_rates), max(step_at.body for step_at, _ in step_rates))
+    update_rates = [step["update_actor"] for step in step_rates]  # the printed rate: the actor update's
+    at = Rates(*(statistics.median(getattr(step_at, f) for step_at, _ in update_rates) for f in Rates._fields))
+    rates = {k: statistics.median(by_kernel[k] for _, by_kernel in update_rates) for k in update_rates[0][1]}
+    rate_range = (min(step_at.body for step_at, _ in update_rates), max(step_at.body for step_at, _ in update_rates))
 
     def fraction(phase: str, passes: int, model: str = "actor") -> float | None:
-        """Seconds the phase's products take at the rates measured right after its step, over the seconds it
-        took, the median over the timed steps; the products are those of the model that runs the phase (the
-        critic's: its blocks and value head, no LM head)."""
+        """Seconds the phase's products take at the rates measured right after its step at its micro-batch's
+        shape, over the seconds it took, the median over the timed steps; the products are those of the model
+        that runs the phase (the critic's: its blocks and value head, no LM head)."""
         key = f"timing_s/{phase}"
         if key not in runs[0] or not med(key):  # never run, or skipped (an on-policy step's old_log_prob: 0 s)
             return None
@@ -248,7 +281,7 @@ def run(name: str, model: Path, work: Path, args) -> dict:
         return statistics.median(
             passes * (body * r["perf/total_num_tokens"] / step_at.body
                       + head * r["response_length/mean"] * sequences / step_at.head) / 1e9 / r[key]
-            for r, (step_at, _) in zip(runs, step_rates))
+            for r, step_at in zip(runs, (step[phase][0] for step in step_rates)))
 
     gen_per_token_s = med("timing_s/gen") / max(decode_steps, 1)  # the whole generation, prefill included
     if all(r.get("decode_forwards") for r in rollouts):  # the decode loop alone, its prefill apart
@@ -312,14 +345,15 @@ def main() -> None:
         low, high = r["matmul_gflops_range"]
         print(f"{r['model']}: matmul GFLOP/s by kernel " + ", ".join(f"{k} {v:.1f}" for k, v in
                                                                   r["matmul_gflops_by_kernel"].items())
-              + f" (medians after the timed steps; the blocks' rate ranged {low:.1f}-{high:.1f}); the trainer's "
+              + f" (medians after the timed steps, at the actor update's micro-batch; the blocks' rate ranged {low:.1f}-{high:.1f}); the trainer's "
               f"linear layers ran on {r['cpu_matmul']}")
         if r["prefill_s"] is not None:
             print(f"{r['model']}: the rollout's prefill (decode weights, prompts' pass) {r['prefill_s']:.2f} s; its "
                   f"generation over its tokens, prefill included, {r['gen_ms_per_token']:.2f} ms a token")
-    print("GFLOP/s: the blocks' matmul rate (the faster float32 kernel's, or bf16's under cpu_matmul_dtype=bfloat16; "
-          "the LM head's is float32's); update/log-prob columns: the seconds the phase's products take at those "
-          "rates over the seconds it took (1.00 = at the limit); decode ms: the rollout's decode loop per step (a draw "
+    print("GFLOP/s: the blocks' matmul rate at the actor update's micro-batch (the faster float32 kernel's, or bf16's "
+          "under cpu_matmul_dtype=bfloat16; the LM head's is float32's); update/log-prob columns: the seconds the "
+          "phase's products take at those rates, measured at the phase's own micro-batch, over the seconds it took "
+          "(1.00 = at the limit); decode ms: the rollout's decode loop per step (a draw "
           "and a one-token forward of every row; the prefill apart), or where the engine does not time it, the "
           "generation over its steps; x bound: decode ms over the longer of weight bytes / bandwidth and its products "
           "at those rates (1.00 = at the limit); x b+kv: the same with the keys and values attention reads added to "

@@ -4,6 +4,7 @@ shapes (built on the meta device: no weights), and bench/vs_trl.py's check for T
 from __future__ import annotations
 
 import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from roofline import Rates, cache_bytes, decode_bound_s, matmul_params  # noqa: E402
+from roofline import Rates, cache_bytes, decode_bound_s, matmul_params, micro_batch_tokens, trainer_config  # noqa: E402
 
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
@@ -40,6 +41,32 @@ def test_the_bound_is_the_longer_of_the_bytes_read_and_the_products(smollm2):
     assert with_cache == pytest.approx((weights + 76_677_120) / 28.0 / 1e9)  # 21.95 ms
     products = 2 * 256 * (106_168_320 + 49152 * 576) / 400.0 / 1e9  # 256 rows: 172 ms of products
     assert decode_bound_s(smollm2, rows=256, rates=rates, bandwidth_gbs=28.0) == pytest.approx(products)
+
+
+def _roofline_config(name: str, *overrides: str):
+    return trainer_config(name, Path("model"), Path("work"), Namespace(response=64, overrides=list(overrides)))
+
+
+def test_each_pass_is_set_against_the_rate_at_its_own_micro_batch():
+    # the demo and 25M models: 16 prompts x 4 samples, the updates and the values pass in micro-batches of 64
+    # sequences, the log-prob passes in 16; 16,000 tokens in all (250 a sequence): 64 x 250 and 16 x 250
+    assert micro_batch_tokens(_roofline_config("random25m"), sequences=64, tokens=16_000) == {
+        "update_actor": 16_000, "update_critic": 16_000, "values": 16_000, "old_log_prob": 4_000, "ref": 4_000}
+    # SmolLM2's 4 x 4 with the updates in micro-batches of 4 (bench/RESULTS.md, "Smaller micro-batches"): 2,176
+    # tokens, 136 a sequence; the updates' and the values pass's at 4 x 136, the log-prob passes' at all 16 rows
+    four = _roofline_config("smollm2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                            "critic.ppo_micro_batch_size_per_gpu=4")
+    assert micro_batch_tokens(four, sequences=16, tokens=2_176) == {
+        "update_actor": 544, "update_critic": 544, "values": 544, "old_log_prob": 2_176, "ref": 2_176}
+
+
+def test_under_dynamic_batching_a_pass_is_set_against_its_token_cap():
+    # the actor's 3,000 tokens; the log-prob passes follow it (their nulls); the critic follows its switch and
+    # keeps its own cap (32,768: more than the step's 16,000 tokens, so all of them)
+    dynamic = _roofline_config("random25m", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=3000")
+    assert micro_batch_tokens(dynamic, sequences=64, tokens=16_000) == {
+        "update_actor": 3_000, "update_critic": 16_000, "values": 16_000, "old_log_prob": 3_000, "ref": 3_000}
 
 
 def test_vs_trl_stops_before_training_when_trl_is_missing(monkeypatch, capsys):
