@@ -181,9 +181,16 @@ def micro_batch_tokens(cfg, sequences: int, tokens: float) -> dict[str, int]:
 
 def matmul_params(module: torch.nn.Module) -> tuple[int, int]:
     """(parameters of the Linear layers other than the LM head, parameters of the LM head); a critic (a
-    token-classification model: a scalar ``score`` on every position, no LM head) has 0 of the latter."""
+    token-classification model: a scalar ``score`` on every position, no LM head) has 0 of the latter. A LoRA
+    adapter's two factors (PEFT's ``lora_A`` and ``lora_B``) are left out: its projection counts as one weight of
+    the base layer's shape, the ``W + (alpha / r) B A`` the fused decode step multiplies. (A LoRA actor's update,
+    whose base weights take no weight gradient, does less than 6 x these per token: the update fractions are
+    for full-weight training.)"""
     head = module.get_output_embeddings()
-    body = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear) and m is not head)
+    factors = {id(factor) for m in module.modules() for name in ("lora_A", "lora_B")
+               if isinstance(getattr(m, name, None), torch.nn.ModuleDict) for factor in getattr(m, name).values()}
+    body = sum(m.weight.numel() for m in module.modules()
+               if isinstance(m, torch.nn.Linear) and m is not head and id(m) not in factors)
     return body, 0 if head is None else head.weight.numel()
 
 

@@ -43,6 +43,19 @@ def test_the_bound_is_the_longer_of_the_bytes_read_and_the_products(smollm2):
     assert decode_bound_s(smollm2, rows=256, rates=rates, bandwidth_gbs=28.0) == pytest.approx(products)
 
 
+def test_a_lora_projection_counts_as_one_weight_of_its_base_shape():
+    """The fused decode step multiplies each adapted projection's W + (alpha / r) B A, one weight of W's shape:
+    the adapter's factors add no bytes to read and no products (``bench/decode.py --lora-rank``'s bound)."""
+    from rlhf_core.models import lora
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=32, tie_word_embeddings=True)
+    model = lora.apply_lora(LlamaForCausalLM(config), 2, 4, "all-linear")
+    # a layer: q, o 8 x 8; k, v 8 x 4 (2 KV heads of 2); gate, up, down 8 x 16: 64 + 32 + 32 + 64 + 3 x 128 = 576;
+    # the tied LM head 32 x 8 (the rank-2 factors, 256 a layer, are not counted)
+    assert matmul_params(model) == (2 * 576, 32 * 8)
+
+
 def _roofline_config(name: str, *overrides: str):
     return trainer_config(name, Path("model"), Path("work"), Namespace(response=64, overrides=list(overrides)))
 
