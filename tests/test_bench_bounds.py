@@ -1,5 +1,6 @@
 """The bench scripts: the decode bound of bench/roofline.py and bench/decode.py, worked out by hand on SmolLM2-135M's
-shapes (built on the meta device: no weights), and bench/vs_trl.py's check for TRL."""
+shapes (built on the meta device: no weights), bench/vs_trl.py's check for TRL, and the parts bench/update_parts.py
+times."""
 
 from __future__ import annotations
 
@@ -98,3 +99,29 @@ def test_vs_trl_stops_before_training_when_trl_is_missing(monkeypatch, capsys):
         vs_trl.main()
     assert stop.value.code == 2
     assert "trl and datasets not installed: `make bench-setup`" in capsys.readouterr().err
+
+
+def test_update_parts_time_every_product_of_a_block_and_the_pass_s_own_mask():
+    """Each part makes the work it stands for: the products part every linear layer of a block (q, k, v, o, gate,
+    up, down), forward and both gradients; the attention part the causal mask with the left padding masked as keys
+    (a padding query attends to itself alone); the counts a pass makes (two norms a block and the final one)."""
+    from update_parts import allowed_keys, parts
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=32)
+    model = LlamaForCausalLM(config)
+    calls = parts(model, rows=2, positions=5, padding=2)
+    assert {name: count for name, (_, count) in calls.items()} == {
+        "whole": 1, "products": 3, "lm head": 1, "attention": 3, "rms norms": 7, "silu x up": 3, "rotary": 3}
+    calls["products"][0]()
+    block = model.model.layers[0]
+    linears = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) == 7 and all(m.weight.grad is not None and m.weight.grad.abs().sum() > 0 for m in linears)
+    assert all(p.grad is None for p in model.model.layers[1].parameters())
+    allowed = allowed_keys(2, 5, 2)
+    expected = torch.tensor([[1, 0, 0, 0, 0],   # padding: itself only
+                             [0, 1, 0, 0, 0],
+                             [0, 0, 1, 0, 0],   # the first real token: itself
+                             [0, 0, 1, 1, 0],
+                             [0, 0, 1, 1, 1]], dtype=torch.bool)
+    assert allowed.shape == (2, 1, 5, 5) and all(torch.equal(row[0], expected) for row in allowed)
