@@ -70,6 +70,23 @@ OVERLONG_PAIRS = ("truncate", "drop")  # reward_model.train.overlong: what rlhf-
 CPU_MATMULS = ("auto", "onednn", "blas")  # trainer.cpu_matmul: rlhf_core.models.cpu_matmul's choices
 CPU_MATMUL_DTYPES = ("float32", "bfloat16")  # trainer.cpu_matmul_dtype
 DTYPES = ("float32", "bfloat16", "float16")
+#: the keys of apply_chat_template that are its own arguments, not variables of the chat template, each with what
+#: decides it here instead: in a *chat_template_kwargs mapping one is given twice (every prompt then fails, blamed on
+#: its row), or changes what every prompt is without a word (max_length cut each to so many tokens)
+RENDERER_ARGUMENTS = {
+    "add_generation_prompt": "every prompt ends in the template's generation prompt",
+    "continue_final_message": "every prompt ends in the template's generation prompt",
+    "conversation": "the messages are each row's prompt",
+    "chat_template": "the chat template is the tokenizer's: put it in its tokenizer_config.json (chat_template)",
+    "tokenize": "the prompts are rendered to token ids",
+    "return_dict": "the prompts are rendered to token ids",
+    "return_tensors": "the prompts are rendered to token ids",
+    "return_assistant_tokens_mask": "the prompts are rendered to token ids",
+    "tokenizer_kwargs": "the prompts are rendered to token ids",
+    "padding": "the prompts are padded as they are batched",
+    "truncation": "over-long prompts are cut as data.max_prompt_length and data.truncation say",
+    "max_length": "over-long prompts are cut as data.max_prompt_length and data.truncation say",
+}
 
 
 #: a string or a list of strings: OmegaConf has no union of the two, so validate_config checks it
@@ -1979,6 +1996,25 @@ def _check_algorithms(errors: list[str], cfg: PPOConfig) -> None:
                       "(top_p=1.0, top_k=-1) or turn rollout correction off")
 
 
+def template_kwargs_problems(cfg: PPOConfig) -> list[str]:
+    """The chat-template keyword mappings that name an argument of apply_chat_template itself
+    (:data:`RENDERER_ARGUMENTS`). The reward model's two follow ``data.apply_chat_template_kwargs`` by default:
+    one holding the same mapping is not named again."""
+    data_kwargs = dict(cfg.data.apply_chat_template_kwargs)
+    problems = []
+    for key, kwargs in (("data.apply_chat_template_kwargs", data_kwargs),
+                        ("reward_model.train.apply_chat_template_kwargs",
+                         dict(cfg.reward_model.train.apply_chat_template_kwargs)),
+                        ("reward_model.model.input_chat_template_kwargs",
+                         dict(cfg.reward_model.model.input_chat_template_kwargs))):
+        if key != "data.apply_chat_template_kwargs" and kwargs == data_kwargs:
+            continue
+        problems += [f"{key}.{name} is an argument of apply_chat_template, not a variable of the chat template, and "
+                     f"is not taken: {RENDERER_ARGUMENTS[name]}; remove it"
+                     for name in kwargs if name in RENDERER_ARGUMENTS]
+    return problems
+
+
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
     # the registries name the valid values; imported here so that importing the config does not import torch
@@ -2109,6 +2145,7 @@ def validate_config(cfg: PPOConfig) -> None:
             none = "; for no validation, data.val_files=[]" if key == "data.val_files" and value is None else ""
             errors.append(f"{key}={value!r} must be a string or a list of strings, e.g. {key}=[a,b]{none}")
     _one_of(errors, "data.truncation", data.truncation, TRUNCATIONS)
+    errors += template_kwargs_problems(cfg)
     _one_of(errors, "trainer.resume_mode", trainer.resume_mode, RESUME_MODES)
     _one_of(errors, "trainer.device", trainer.device, DEVICES)
     _one_of(errors, "trainer.cpu_matmul", trainer.cpu_matmul, CPU_MATMULS)

@@ -271,6 +271,28 @@ def test_reward_kwargs_take_the_keys_the_user_names(tmp_path):
         "+custom_reward_function.reward_kwarg.scale=2")
 
 
+def test_chat_template_kwargs_naming_an_argument_of_apply_chat_template_are_refused():
+    """The mapping reaches apply_chat_template beside the renderer's own arguments: max_length and truncation there cut
+    every prompt to so many tokens (its generation prompt gone) whatever data.truncation said, without a word, and
+    add_generation_prompt, given twice, failed on the first row as if the row or the template were at fault."""
+    cut = "over-long prompts are cut as data.max_prompt_length and data.truncation say; remove it"
+    assert _errors("+data.apply_chat_template_kwargs.enable_thinking=false", "+data.apply_chat_template_kwargs.max_length=5",
+                   "+data.apply_chat_template_kwargs.truncation=true") == (
+        "data.apply_chat_template_kwargs.max_length is an argument of apply_chat_template, not a variable of the chat "
+        f"template, and is not taken: {cut}\n"
+        "data.apply_chat_template_kwargs.truncation is an argument of apply_chat_template, not a variable of the chat "
+        f"template, and is not taken: {cut}")
+    # the reward model's mappings follow data's (the problem said once, above); one set apart is named by its own key
+    assert _errors("reward_model.train.apply_chat_template_kwargs={add_generation_prompt: false}") == (
+        "reward_model.train.apply_chat_template_kwargs.add_generation_prompt is an argument of apply_chat_template, not "
+        "a variable of the chat template, and is not taken: every prompt ends in the template's generation prompt; "
+        "remove it")
+    # the template's own variables are taken
+    cfg = load_config(["+data.apply_chat_template_kwargs.enable_thinking=false",
+                       "+data.apply_chat_template_kwargs.tools=[]"], notice=lambda _: None)
+    assert cfg.reward_model.model.input_chat_template_kwargs == {"enable_thinking": False, "tools": []}
+
+
 def test_tilde_removes_an_entry_of_a_mapping_whose_keys_the_user_names(tmp_path):
     """``~`` on such an entry removes it, as Hydra's does: it left the key there holding None (which Ray then gave
     every worker as the string "None")."""
