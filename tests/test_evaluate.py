@@ -477,6 +477,35 @@ def test_validation_sets_differing_in_extra_info_alone_do_not_pair(setup, tmp_pa
     assert results is None and refusal.startswith("production version 1 was evaluated on other validation problems")
 
 
+def test_the_evaluate_command_renders_prompts_with_the_chat_template_kwargs_given(setup, monkeypatch, capsys):
+    """A policy trained with data.apply_chat_template_kwargs (Qwen3's enable_thinking: false) could only be
+    evaluated on prompts rendered without them: the command had no way to give them."""
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.pipeline import evaluate as module
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def evaluated(model, val_files, data, **kwargs):  # what the evaluation was given, before any model loads
+        seen.append(data.apply_chat_template_kwargs)
+        raise Stop
+
+    monkeypatch.setattr(module, "evaluate_policy", evaluated)
+    model, val = setup
+    with pytest.raises(Stop):
+        evaluate([str(model), str(val), "--chat-template-kwargs", '{"enable_thinking": false, "effort": "low"}'])
+    assert seen == [{"enable_thinking": False, "effort": "low"}]
+    for text, said in (('{"max_length": 8}', "max_length is an argument of apply_chat_template, not a variable of "
+                                             "the chat template: every prompt is rendered as the trainer renders it"),
+                       ("[1]", "a JSON object of keywords is needed")):
+        with pytest.raises(SystemExit) as exit_:
+            evaluate([str(model), str(val), "--chat-template-kwargs", text])
+        assert exit_.value.code == 2 and f"argument --chat-template-kwargs: {said}" in capsys.readouterr().err
+    assert len(seen) == 1
+
+
 def test_the_evaluate_command_refuses_bad_numbers_and_takes_a_custom_reward(setup, tmp_path, capsys):
     """Before any model loads, a count below 1 is an argparse error; data sources without a built-in rule name the
     option that grades them; with it, the file's function grades every problem (right on even indices: 20 of 40),

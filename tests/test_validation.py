@@ -904,7 +904,11 @@ def test_cli_chat_template_kwargs_must_be_a_json_object(valid_files, capsys):
     for text, reason in [("{x", "not JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
                                  "(char 1)): '{x'"),
                          ("[1]", "a JSON object of keywords is needed, e.g. '{\"enable_thinking\": false}', "
-                                 "not '[1]'")]:
+                                 "not '[1]'"),
+                         # an argument of apply_chat_template itself, which measured every prompt cut to 5 tokens
+                         ('{"max_length": 5}', "max_length is an argument of apply_chat_template, not a variable of the "
+                                               "chat template: every prompt is rendered as the trainer renders it (with "
+                                               "the generation prompt, to token ids, cut to the length given)")]:
         with pytest.raises(SystemExit) as stop:
             validate([str(valid_files[0]), "--chat-template-kwargs", text])
         assert stop.value.code == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import signal
 import sys
 import tempfile
@@ -157,6 +158,26 @@ def sigterm_as_interrupt():
 # the name the running command was started by (``rlhf <command>``, its console script or its ``python -m`` path),
 # so that its parser names itself as the user typed it
 _running: str | None = None
+
+
+def chat_template_kwargs(text: str) -> dict:
+    """``--chat-template-kwargs``' value: a JSON object of the chat template's variables, as
+    ``data.apply_chat_template_kwargs`` holds them (argparse names the option with the reason)."""
+    from rlhf_core.config import RENDERER_ARGUMENTS  # (here: the listing of the commands imports no config)
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({' '.join(str(exc).split())}): {text!r}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of keywords is needed, e.g. '{{\"enable_thinking\": "
+                                         f"false}}', not {text!r}")
+    arguments = [key for key in value if key in RENDERER_ARGUMENTS]
+    if arguments:
+        raise argparse.ArgumentTypeError(f"{arguments[0]} is an argument of apply_chat_template, not a variable of the "
+                                         "chat template: every prompt is rendered as the trainer renders it (with the "
+                                         "generation prompt, to token ids, cut to the length given)")
+    return value
 
 
 def program(default: str) -> str:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_core.cli import program
+from rlhf_core.cli import chat_template_kwargs, program
 from rlhf_core.data.gsm8k import LAYOUTS, MAX_REPORTED, SPLITS, GSM8KDataError, preprocess_gsm8k
 from rlhf_core.data.preference import (
     GSM8K_SOURCE,
@@ -285,18 +285,6 @@ def preference(argv: list[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- validation
 
 
-def _json_object(text: str) -> dict:
-    """``--chat-template-kwargs``' value: a JSON object (argparse names the option with the reason)."""
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON ({one_line(str(exc))}): {text!r}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object of keywords is needed, e.g. '{{\"enable_thinking\": "
-                                         f"false}}', not {text!r}")
-    return value
-
-
 def _validate_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.data.validation"), description="Validate verl "
                                      "prompt or preference parquet files (told by their columns) with GX.")
@@ -319,7 +307,7 @@ def _validate_parser() -> argparse.ArgumentParser:
                         help="prompt data trained without a ground truth: a reward model with "
                              "reward_model.rule_coef=0 (a custom reward function: --custom-reward); rows may leave "
                              "reward_model.ground_truth out and files may lack the reward_model column")
-    parser.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    parser.add_argument("--chat-template-kwargs", type=chat_template_kwargs, default=None, metavar="JSON",
                         help="keywords to the chat template when lengths are measured, as the trainer gets them "
                              "(prompt data: data.apply_chat_template_kwargs; preference data: reward_model.train."
                              "apply_chat_template_kwargs), e.g. '{\"enable_thinking\": false}'")

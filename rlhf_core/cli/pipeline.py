@@ -20,7 +20,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlhf_core.cli import program, unwritable
+from rlhf_core.cli import chat_template_kwargs, program, unwritable
 from rlhf_core.pipeline.lineage import (
     LineageError,
     default_client,
@@ -83,6 +83,9 @@ def evaluate(argv: list[str] | None = None) -> int:
                         help="how the function is called, as reward_model.reward_manager: naive, once a response; "
                              "batch, once a batch with lists (data_sources, solution_strs, ground_truths, "
                              "extra_infos), returning one result a response (default: %(default)s)")
+    parser.add_argument("--chat-template-kwargs", type=chat_template_kwargs, metavar="JSON",
+                        help="the chat template's variables the policy was trained with (data.apply_chat_template_"
+                             "kwargs), e.g. '{\"enable_thinking\": false}'")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
@@ -136,7 +139,7 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.rollout.hf import NonFiniteLogits
 
     data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
-                      truncation="left", prompt_key=args.prompt_key)
+                      truncation="left", prompt_key=args.prompt_key, apply_chat_template_kwargs=dict(args.chat_template_kwargs or {}))
     try:  # what loading a reward file raises (see load_custom_reward_fn), and a function the calls do not fit
         reward_fn = custom_reward_fn(reward_config)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
