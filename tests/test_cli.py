@@ -203,6 +203,22 @@ def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, ca
     assert capsys.readouterr().err.splitlines()[-1] == (f"rlhf evaluate: error: --html {tmp_path}: a folder; name "
                                                         "the file to write")
 
+
+def test_a_file_given_as_the_output_folder_is_called_a_file(tmp_path, capsys):
+    """An --output that names a file, not a folder, was told as the folder's mkdir error: '[Errno 17] File exists'."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    gsm8k = tmp_path / "gsm8k"
+    gsm8k.mkdir()
+    for split in ("train", "test"):
+        (gsm8k / f"{split}.jsonl").write_text('{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\\n#### 5"}\n')
+    for argv in (["synthetic", "--output", str(a_file), "--n-train", "4", "--n-test", "2"],
+                 ["preference", "--synthetic", "--output", str(a_file), "--n-train", "4", "--n-val", "2"],
+                 ["gsm8k", "--input", str(gsm8k), "--output", str(a_file)]):
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: {a_file}: a file, not a folder; give an --output folder this user may write"], argv
+
 # --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
 
 # The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.

@@ -42,7 +42,9 @@ def _os_problem(exc: OSError, output: str) -> str:
     cannot be made or written), what to do."""
     if exc.filename is None:
         return one_line(str(exc))
-    said = f"{exc.filename}: {exc.strerror or exc}"
+    # (a file where the folder goes: the folder's mkdir said only "File exists")
+    reason = "a file, not a folder" if isinstance(exc, FileExistsError) and os.path.isfile(exc.filename) else None
+    said = f"{exc.filename}: {reason or exc.strerror or exc}"
     within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(output))
     return f"{said}; give an --output folder this user may write" if within else said
 
@@ -85,9 +87,6 @@ def gsm8k(argv: list[str] | None = None) -> int:
     try:
         summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
                                    args.max_rows)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:  # an output folder that cannot be written (read-only, a file in its path)
         print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
@@ -154,9 +153,6 @@ def synthetic(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     try:
         paths = build_dataset(args.output, args.n_train, args.n_test, args.seed, args.overwrite, **options)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
         print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
@@ -267,9 +263,6 @@ def preference(argv: list[str] | None = None) -> int:
             data_source = GSM8K_SOURCE
             print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
         paths = write_splits(args.output, train, val, data_source, overwrite=args.overwrite)
-    except FileExistsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except OSError as exc:
         print(f"error: {_os_problem(exc, args.output)}", file=sys.stderr)
         return 2
