@@ -1279,6 +1279,10 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                       "command line inside double quotes, which the shell removes: "
                       "\"data.train_files='~/data/train.parquet'\")")
         return
+    if not override.key_or_group:  # '=3', '+=3', '~': Hydra's grammar takes them, as the key ''
+        errors.append(f"override {text!r} names no key: write key=value (e.g. trainer.total_training_steps=3), "
+                      "+key=value or ~key")
+        return
     key = _older_reward_key(override.key_or_group, notice)
     if key == "hydra" or key.startswith(("hydra.", "hydra/")):  # as a config file's hydra: section
         notice(f"notice: {text} is Hydra's own setting (its run folder, logging, working directory), not read "

@@ -222,6 +222,13 @@ def test_a_value_outside_the_grammar_asks_for_quotes():
     assert "sweeps" in _errors("trainer.logger=console,wandb")
 
 
+@pytest.mark.parametrize("text", ["=3", "+=3", "~"])
+def test_an_override_without_a_key_says_so(text):
+    """'=3' (a key lost to the shell, a stray space before '=') was refused as 'unknown config key ' naming nothing."""
+    assert _errors(text) == (f"override {text!r} names no key: write key=value (e.g. "
+                             "trainer.total_training_steps=3), +key=value or ~key")
+
+
 def test_yaml_file_reads_yaml_1_1_floats_and_null(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n    clip_ratio_high: 3e-1\n"
