@@ -159,6 +159,23 @@ def test_a_folder_given_where_a_file_goes_is_called_a_folder(tmp_path, capsys):
         "[a.parquet,b.parquet]"]
 
 
+def test_a_folder_given_as_the_run_config_or_the_gsm8k_solutions_is_called_a_folder(tmp_path, capsys):
+    """rlhf-schedule -c FOLDER and rlhf preference --gsm8k-solutions FOLDER said the folder did not exist."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["schedule", "--cron", "0 3 * * *", "-c", str(tmp_path)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"rlhf schedule: error: run config {tmp_path} is a folder: "
+                                                        "name the YAML file in it")
+    assert cli.main(["preference", "--gsm8k-solutions", str(tmp_path), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path} is a folder; point --gsm8k-solutions at example_model_solutions.jsonl of the GSM8K release"]
+    (tmp_path / "example_model_solutions.jsonl").write_text("")
+    assert cli.main(["preference", "--gsm8k-solutions", str(tmp_path), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {tmp_path} is a folder; point --gsm8k-solutions at example_model_solutions.jsonl of the GSM8K "
+        f"release: {tmp_path / 'example_model_solutions.jsonl'}"]
+
+
 def test_a_smoke_work_dir_that_cannot_be_written_exits_2_with_one_line(tmp_path, capsys):
     from rlhf_core.cli.train import smoke
 

@@ -293,6 +293,8 @@ def schedule(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-now", action="store_true", help="also run once right away")
     parser.add_argument("--max-runs", type=int, help="stop after this many runs (default: run until Ctrl-C)")
     args = parser.parse_args(argv)
+    if Path(args.config).is_dir():
+        parser.error(f"run config {args.config} is a folder: name the YAML file in it")
     if not Path(args.config).is_file():
         parser.error(f"run config {args.config} does not exist")
     if args.max_runs is not None and args.max_runs < 1:

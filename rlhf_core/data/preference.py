@@ -119,6 +119,10 @@ def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
     (:func:`as_instructed`). PreferenceDataError names the line of a malformed row.
     """
     path = Path(path)
+    if path.is_dir():
+        inside = path / "example_model_solutions.jsonl"
+        raise PreferenceDataError(f"{path} is a folder; point --gsm8k-solutions at example_model_solutions.jsonl of "
+                                  "the GSM8K release" + (f": {inside}" if inside.is_file() else ""))
     if not path.is_file():
         raise PreferenceDataError(f"{path} does not exist; point --gsm8k-solutions at example_model_solutions.jsonl "
                                   "of the GSM8K release")
