@@ -41,6 +41,26 @@ def test_help_lists_every_command_with_one_line_and_imports_no_command(repo_root
     assert done.stdout.splitlines()[-1] == "loaded: []"
 
 
+@pytest.mark.parametrize("command", ["ppo", "train-rm", "smoke"])
+def test_a_training_commands_help_and_a_refused_config_key_answer_without_importing_torch(repo_root, command):
+    """``rlhf-ppo --help`` (and a misspelt key) took seconds: the command's module imported torch and transformers
+    before it parsed its arguments."""
+    probe = ("import contextlib, io, sys\nfrom rlhf_core.cli import main\ncodes = []\n"
+             "for argv in (['--help'], ['trainer.total_trainig_steps=2']):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+             "        try:\n"
+             f"            codes.append(main([{command!r}, *argv]))\n"
+             "        except SystemExit as exited:\n"
+             "            codes.append(exited.code)\n"
+             "print(codes, err.getvalue().splitlines()[-1])\n"
+             "print('loaded:', sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))")
+    done = _python("-c", probe, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "[0, 2]   - unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps?",
+        "loaded: []"]
+
+
 def test_every_command_resolves_to_a_function():
     for name, (module, function, _) in cli.COMMANDS.items():
         assert callable(getattr(importlib.import_module(module), function)), name

@@ -31,19 +31,38 @@ from pathlib import Path
 
 from rlhf_core.cli import CONFIG_HELP, interrupting_signal, program, refuse_hydra_options, unwritable
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.data.dataset import DataError
-from rlhf_core.data.preference import PreferenceDataError
-from rlhf_core.main_ppo import PreflightError, run, stop_on_signals
-from rlhf_core.models.loading import ModelError
-from rlhf_core.pipeline.smoke import SmokeTestError, run_smoke_test
-from rlhf_core.rewards.manager import RewardError
-from rlhf_core.training.checkpoint import CheckpointError, latest_or_none, rerun_advice
-from rlhf_core.training.dynamic_sampling import NothingToTrain
-from rlhf_core.training.guards import GuardError, TrainingInterrupted
-from rlhf_core.training.monitoring import PortInUseError
-from rlhf_core.training.reward_trainer import HF_DIR, RewardModelTrainer, RewardTrainingError, preflight
-from rlhf_core.training.trainer import LoggingError
-from rlhf_core.workers.group import WorkerError
+
+# The training library (torch, transformers: seconds to import) is imported once a command has parsed its arguments
+# and read its config: --help, a wrong option and a refused config key answer at once. The four it calls to run are
+# named here, so that a test can put its own in their place.
+
+
+def run(cfg):
+    """:func:`rlhf_core.main_ppo.run`: PPO training."""
+    from rlhf_core.main_ppo import run as run_ppo
+
+    return run_ppo(cfg)
+
+
+def run_smoke_test(cfg, work_dir):
+    """:func:`rlhf_core.pipeline.smoke.run_smoke_test`: the dry run."""
+    from rlhf_core.pipeline.smoke import run_smoke_test as dry_run
+
+    return dry_run(cfg, work_dir)
+
+
+def preflight(cfg):
+    """:func:`rlhf_core.training.reward_trainer.preflight`: a reward model's input checked, its pairs read."""
+    from rlhf_core.training.reward_trainer import preflight as check
+
+    return check(cfg)
+
+
+def RewardModelTrainer(cfg, frames):
+    """A :class:`rlhf_core.training.reward_trainer.RewardModelTrainer`."""
+    from rlhf_core.training import reward_trainer
+
+    return reward_trainer.RewardModelTrainer(cfg, frames)
 
 
 @contextlib.contextmanager
@@ -70,6 +89,8 @@ def stopped_at_once(folder: str | None, saves_on_interrupt: bool, rerun: str | N
     else the folder's."""
     if folder is None:
         return f"interrupted by {sig.name} before the run started: nothing was trained or written"
+    from rlhf_core.training.checkpoint import latest_or_none
+
     latest = checkpoint or latest_or_none(Path(os.path.expanduser(folder)))
     if not saves_on_interrupt:
         kept = (f"the latest checkpoint {latest} is as it was: {rerun} to resume from it"
@@ -102,9 +123,24 @@ def releases_ray(command):
 def _failure(exc: BaseException | None) -> tuple[str, int] | None:
     """(the message, the exit status) of a run that failed with ``exc`` (PPO's or a reward model's), None for an
     error these commands do not know (a bug: its traceback is shown)."""
+    if isinstance(exc, ConfigError):  # (before the library is imported: a refused config is told at once)
+        return str(exc), 2
+    from rlhf_core.data.dataset import DataError
+    from rlhf_core.data.preference import PreferenceDataError
+    from rlhf_core.main_ppo import PreflightError
+    from rlhf_core.models.loading import ModelError
+    from rlhf_core.rewards.manager import RewardError
+    from rlhf_core.training.checkpoint import CheckpointError
+    from rlhf_core.training.dynamic_sampling import NothingToTrain
+    from rlhf_core.training.guards import GuardError, TrainingInterrupted
+    from rlhf_core.training.monitoring import PortInUseError
+    from rlhf_core.training.reward_trainer import RewardTrainingError
+    from rlhf_core.training.trainer import LoggingError
+    from rlhf_core.workers.group import WorkerError
+
     if isinstance(exc, RewardError):  # the user's reward function, not the run: its message says which checkpoint
         return f"error: {exc}", 2
-    if isinstance(exc, (ConfigError, PreflightError, DataError, PreferenceDataError, RewardTrainingError, ModelError,
+    if isinstance(exc, (PreflightError, DataError, PreferenceDataError, RewardTrainingError, ModelError,
                         CheckpointError, PortInUseError)):
         return str(exc), 2
     if isinstance(exc, (GuardError, WorkerError, LoggingError, NothingToTrain)):
@@ -150,6 +186,8 @@ def ppo(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
+        from rlhf_core.training.checkpoint import rerun_advice
+
         sig = interrupting_signal(interrupt)
         print(stopped_at_once(cfg and cfg.trainer.default_local_dir, cfg is None or cfg.trainer.save_on_interrupt,
                               cfg and rerun_advice(cfg.trainer.resume_mode), sig=sig), file=sys.stderr)
@@ -188,13 +226,15 @@ def train_rm(argv: list[str] | None = None) -> int:
         return 128 + sig
     except Exception as exc:
         return _reported(exc)
-    from rlhf_core.training.tracking import Tracking
-
     trainer_cfg = cfg.trainer
     loggers = [name for name in trainer_cfg.logger if name != "console"] + ["file"]
     started = time.time()
     trainer = None
     try:
+        from rlhf_core.main_ppo import stop_on_signals
+        from rlhf_core.training.reward_trainer import HF_DIR
+        from rlhf_core.training.tracking import Tracking
+
         trainer = RewardModelTrainer(cfg, frames)
         try:
             # the checkpoint checks (its kind, its files, the config) before any tracking: a refused run leaves
@@ -211,6 +251,8 @@ def train_rm(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
+        from rlhf_core.training.checkpoint import rerun_advice
+
         rm = cfg.reward_model.train
         rerun = trainer.rerun_advice if trainer is not None else rerun_advice(rm.resume_mode, "reward_model.train")
         sig = interrupting_signal(interrupt)
@@ -240,6 +282,8 @@ def smoke(argv: list[str] | None = None) -> int:
     if args.work_dir and (problem := unwritable(Path(args.work_dir))):
         print(f"error: --work-dir {args.work_dir}: {problem}; give a folder this user may write", file=sys.stderr)
         return 2
+    from rlhf_core.pipeline.smoke import SmokeTestError
+
     with tempfile.TemporaryDirectory(prefix="rlhf-smoke-") as scratch:
         try:
             report = run_smoke_test(cfg, args.work_dir or scratch)
