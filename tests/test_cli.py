@@ -61,6 +61,24 @@ def test_a_training_commands_help_and_a_refused_config_key_answer_without_import
         "loaded: []"]
 
 
+def test_the_schedulers_help_and_a_usage_error_answer_without_importing_torch(repo_root):
+    """``rlhf-schedule --help`` took seconds: the command imported the run-config checks (torch, pandas)
+    before it parsed its arguments."""
+    probe = ("import contextlib, io, sys\nfrom rlhf_core.cli import main\ncodes = []\n"
+             "for argv in (['--help'], ['--cron', '0 3 * * *']):\n"
+             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+             "        try:\n"
+             "            codes.append(main(['schedule', *argv]))\n"
+             "        except SystemExit as exited:\n"
+             "            codes.append(exited.code)\n"
+             "print(codes, err.getvalue().splitlines()[-1])\n"
+             "print('loaded:', sorted(m for m in ('torch', 'zenml', 'pandas') if m in sys.modules))")
+    done = _python("-c", probe, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [
+        "[0, 2] rlhf schedule: error: the following arguments are required: -c/--config", "loaded: []"]
+
+
 def test_every_command_resolves_to_a_function():
     for name, (module, function, _) in cli.COMMANDS.items():
         assert callable(getattr(importlib.import_module(module), function)), name

@@ -279,10 +279,6 @@ def demo_summary(argv: list[str] | None = None, client=None) -> int:
 
 
 def schedule(argv: list[str] | None = None) -> int:
-    from rlhf_core.pipeline.run_config import (
-        check_run_config_file,  # (the trainer's config: loaded when used)
-    )
-
     parser = argparse.ArgumentParser(prog=program("rlhf-schedule"), description="Run the retraining pipeline on a schedule.")
     when = parser.add_mutually_exclusive_group(required=True)
     when.add_argument("--cron", help="crontab expression, e.g. '0 3 * * *' (03:00 every day, local time)")
@@ -299,6 +295,8 @@ def schedule(argv: list[str] | None = None) -> int:
         parser.error(f"run config {args.config} does not exist")
     if args.max_runs is not None and args.max_runs < 1:
         parser.error(f"--max-runs {args.max_runs} must be >= 1")
+    # (imported once the arguments are read: it imports torch and pandas, seconds that --help need not wait for)
+    from rlhf_core.pipeline.run_config import check_run_config_file
     try:
         if args.print_crontab and args.cron is None:
             parser.error("--print-crontab needs --cron")
