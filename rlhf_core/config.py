@@ -1454,8 +1454,17 @@ def _read_yaml(path: Path) -> DictConfig:
     except GrammarParseError as exc:  # OmegaConf parses each ${...} as it reads the file
         raise ConfigError([f"config file {path}: {exc.full_key} holds a ${{...}} that does not parse "
                            f"({exc.msg.splitlines()[0]}): close it with }}, or write \\${{ for the text ${{"]) from exc
+    except OSError as exc:  # (OmegaConf refuses a file that is one number or bool with an OSError of its own)
+        if "Invalid loaded object type" not in str(exc):
+            raise ConfigError([f"config file {path} cannot be read: {exc.strerror or exc}"]) from exc
+        tree = None
     if not isinstance(tree, DictConfig):
         raise ConfigError([f"config file {path} must hold a mapping of config keys"])
+    if len(tree) == 1 and tree[next(iter(tree))] is None and isinstance(text := yaml.safe_load(path.read_text()), str):
+        # one line of text (OmegaConf reads it as a key): overrides written into the file, 'trainer.seed=3'
+        raise ConfigError([f"config file {path} must hold a mapping of config keys, not the text {text!r}: write "
+                           "each key under its section (trainer:, then seed: 3 indented), or give key=value "
+                           "overrides on the command line"])
     parameters = tree.get("parameters")
     if isinstance(parameters, DictConfig) and "trainer_config" in parameters:  # a pipeline's, not a trainer's
         raise ConfigError([f"config file {path} is a ZenML pipeline run config (its parameters name the trainer "

@@ -229,6 +229,20 @@ def test_an_override_without_a_key_says_so(text):
                              "trainer.total_training_steps=3), +key=value or ~key")
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ("42\n", ""), ("true\n", ""), ("[a, b]\n", ""),
+    ("trainer.seed=3\ndata.seed=2\n", ", not the text 'trainer.seed=3 data.seed=2': write each key under its section "
+     "(trainer:, then seed: 3 indented), or give key=value overrides on the command line")])
+def test_a_config_file_that_is_not_a_mapping_is_refused_in_one_line(tmp_path, text, said):
+    """A file of one number came out as OmegaConf's OSError (a traceback), and a file of overrides one a line as the
+    unknown key 'trainer.seed=3 data.seed=2' (YAML reads the lines as one text, OmegaConf that text as a key)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=path)
+    assert info.value.errors == [f"config file {path} must hold a mapping of config keys{said}"]
+
+
 def test_yaml_file_reads_yaml_1_1_floats_and_null(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n    clip_ratio_high: 3e-1\n"
