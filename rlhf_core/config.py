@@ -1274,6 +1274,10 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
     try:
         override = _parser().parse_override(text)
     except HydraException as exc:
+        if "=" not in text and text.lower().endswith((".yaml", ".yml")):  # a config file given as an override
+            errors.append(f"override {text!r} names a YAML file, not key=value: give a config file as --config {text} "
+                          "(in a pipeline's run config, as its trainer_config)")
+            return
         errors.append(f"override {text!r} is not key=value ({str(exc).splitlines()[0]}); quote a value that "
                       "holds special characters, e.g. data.train_files='~/data/train.parquet' (on a shell's "
                       "command line inside double quotes, which the shell removes: "

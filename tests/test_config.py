@@ -222,6 +222,14 @@ def test_a_value_outside_the_grammar_asks_for_quotes():
     assert "sweeps" in _errors("trainer.logger=console,wandb")
 
 
+@pytest.mark.parametrize("text", ["configs/ppo_demo_cpu.yaml", "run.yml"])
+def test_a_config_file_given_as_an_override_points_to_config(text):
+    """``rlhf-ppo configs/x.yaml`` (the file without --config) was refused as a value outside the grammar, asking
+    for quotes."""
+    assert _errors(text) == (f"override {text!r} names a YAML file, not key=value: give a config file as --config "
+                             f"{text} (in a pipeline's run config, as its trainer_config)")
+
+
 @pytest.mark.parametrize("text", ["=3", "+=3", "~"])
 def test_an_override_without_a_key_says_so(text):
     """'=3' (a key lost to the shell, a stray space before '=') was refused as 'unknown config key ' naming nothing."""
