@@ -102,6 +102,26 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
+    """Remove the staging folders (``.<target name>.tmp-<pid>-...``) that a killed process left beside ``target``
+    (a SIGKILLed model import leaves hundreds of MB there); those of a process still running on this machine are
+    kept (another writer of the same target), and so are set-aside targets, one of which may hold the only copy of a
+    target whose replacement was cut short. Returns the folders removed."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    for child in target.parent.iterdir():
+        if not child.name.startswith(f".{target.name}.tmp-") or not child.is_dir():
+            continue
+        owner = staging_owner(child.name)
+        if owner is None or (owner != os.getpid() and process_alive(owner)):
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        removed.append(child)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_directory(
     target: str | os.PathLike,

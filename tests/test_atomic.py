@@ -244,6 +244,22 @@ def test_process_alive():
     assert not atomic.process_alive(0) and not atomic.process_alive(-1)  # never a signal to a process group
 
 
+def test_stale_staging_of_a_target_is_removed_but_a_running_writers_and_a_set_aside_target_are_kept(tmp_path):
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    dead, alive = ended.pid, os.getppid()  # a process that has ended, and one that runs (pytest's parent)
+    names = {f".model.tmp-{dead}-k2j3x9_a": "removed", f".model.tmp-{alive}-p0q1r2": "kept: its writer runs",
+             f".model.old-{dead}-123456": "kept: it may hold the only copy", f".other.tmp-{dead}-x1y2z3": "kept: "
+             "another target's", ".model.tmp-k2j3x9_a": "kept: no pid to tell"}
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights.bin").write_bytes(b"0" * 64)
+    (tmp_path / "model").mkdir()
+    assert atomic.remove_stale_staging(tmp_path / "model") == [tmp_path / f".model.tmp-{dead}-k2j3x9_a"]
+    assert _entries(tmp_path) == sorted({*names, "model"} - {f".model.tmp-{dead}-k2j3x9_a"})
+    assert atomic.remove_stale_staging(tmp_path / "missing" / "model") == []
+
+
 def test_written_data_and_exported_models_are_readable_as_plainly_written_files_are(tmp_path):
     """mkstemp's temporary file and safetensors' weights file are private to their owner (0600): the parquet files
     and the model export get the modes a plain open() gives (0666 less the umask), as their other files have."""

@@ -239,3 +239,30 @@ def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 2)
     assert tokenizer("Hi", add_special_tokens=True)["input_ids"] == tokenizer("Hi", add_special_tokens=False)[
         "input_ids"]  # SmolLM2 adds no BOS to what it encodes
+
+
+def test_an_import_sweeps_the_half_written_folder_a_killed_import_left(tmp_path, monkeypatch):
+    """A SIGKILLed import leaves its staging folder (about 540 MB for SmolLM2) beside the output; the next import
+    removes it. The file's reading and conversion are stubbed: the sweep is what is tested."""
+    import subprocess
+    import sys
+
+    from rlhf_core.models import gguf as gguf_module
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    monkeypatch.setattr(gguf_module, "check_gguf", lambda file: file)
+    def build(file, staging):
+        (staging / "config.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(gguf_module, "_build", build)
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    out = tmp_path / "hf"
+    stale = tmp_path / f".hf.tmp-{ended.pid}-a1b2c3"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"0" * 1024)
+    assert import_gguf(source, out) == (out, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf"]
+    assert (out / "config.json").read_text() == "{}"

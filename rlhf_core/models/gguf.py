@@ -32,7 +32,7 @@ if __name__ == "__main__":  # run as `rlhf gguf` is (rlhf_core.cli), where its c
 
     sys.exit(_run("gguf", None, "python -m rlhf_core.models.gguf"))
 
-from rlhf_core.atomic import staged_directory
+from rlhf_core.atomic import remove_stale_staging, staged_directory
 
 MARKER = "gguf_import.json"
 MAGIC = b"GGUF"
@@ -190,6 +190,7 @@ def import_gguf(gguf_file: str | os.PathLike, output: str | os.PathLike, force: 
         return out, True
     check_output(out)
     file = check_gguf(file)
+    remove_stale_staging(out)  # an import killed midway (SIGKILL, out of memory) left its half-written folder
     with staged_directory(out, replace=True) as staging:
         start = time.time()
         record = _build(file, staging)
