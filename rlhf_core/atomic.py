@@ -11,7 +11,8 @@ new one, never a half-written one::
 The staging folder lies in the target's own directory, so the final move is a rename on one
 filesystem. Its name starts with ``.<target name>.tmp-<pid>-`` and a replaced target is set aside as
 ``.<target name>.old-<pid>-...`` (a staged file is ``.<name>.<pid>-XXXX.tmp``): a process killed midway
-leaves only such dot-names, which the owner of the directory may sweep up (checkpoints do), skipping
+leaves only such dot-names, which the owner of the directory may sweep up (checkpoints do, and the GGUF
+import its own staging folders: :func:`remove_stale_staging`), skipping
 those whose process still runs (:func:`staging_owner`, :func:`process_alive`): another run writing into
 the same directory. This module imports nothing of the project.
 """
