@@ -41,20 +41,26 @@ def test_help_lists_every_command_with_one_line_and_imports_no_command(repo_root
     assert done.stdout.splitlines()[-1] == "loaded: []"
 
 
+def _import_probe(command: str, wrong: list[str], modules: tuple[str, ...]) -> str:
+    """Python that runs ``rlhf COMMAND --help`` and ``rlhf COMMAND WRONG...``, then prints their exit codes with the
+    last line of the second's error, and which of ``modules`` they imported."""
+    return ("import contextlib, io, sys\nfrom rlhf_core.cli import main\ncodes = []\n"
+            f"for argv in (['--help'], {wrong!r}):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
+            "        try:\n"
+            f"            codes.append(main([{command!r}, *argv]))\n"
+            "        except SystemExit as exited:\n"
+            "            codes.append(exited.code)\n"
+            "print(codes, err.getvalue().splitlines()[-1])\n"
+            f"print('loaded:', sorted(m for m in {modules!r} if m in sys.modules))")
+
+
 @pytest.mark.parametrize("command", ["ppo", "train-rm", "smoke"])
 def test_a_training_commands_help_and_a_refused_config_key_answer_without_importing_torch(repo_root, command):
     """``rlhf-ppo --help`` (and a misspelt key) took seconds: the command's module imported torch and transformers
     before it parsed its arguments."""
-    probe = ("import contextlib, io, sys\nfrom rlhf_core.cli import main\ncodes = []\n"
-             "for argv in (['--help'], ['trainer.total_trainig_steps=2']):\n"
-             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
-             "        try:\n"
-             f"            codes.append(main([{command!r}, *argv]))\n"
-             "        except SystemExit as exited:\n"
-             "            codes.append(exited.code)\n"
-             "print(codes, err.getvalue().splitlines()[-1])\n"
-             "print('loaded:', sorted(m for m in ('torch', 'transformers', 'pandas') if m in sys.modules))")
-    done = _python("-c", probe, cwd=repo_root)
+    done = _python("-c", _import_probe(command, ["trainer.total_trainig_steps=2"], ("torch", "transformers", "pandas")),
+                   cwd=repo_root)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "[0, 2]   - unknown config key trainer.total_trainig_steps; did you mean trainer.total_training_steps?",
@@ -64,16 +70,7 @@ def test_a_training_commands_help_and_a_refused_config_key_answer_without_import
 def test_the_schedulers_help_and_a_usage_error_answer_without_importing_torch(repo_root):
     """``rlhf-schedule --help`` took seconds: the command imported the run-config checks (torch, pandas)
     before it parsed its arguments."""
-    probe = ("import contextlib, io, sys\nfrom rlhf_core.cli import main\ncodes = []\n"
-             "for argv in (['--help'], ['--cron', '0 3 * * *']):\n"
-             "    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:\n"
-             "        try:\n"
-             "            codes.append(main(['schedule', *argv]))\n"
-             "        except SystemExit as exited:\n"
-             "            codes.append(exited.code)\n"
-             "print(codes, err.getvalue().splitlines()[-1])\n"
-             "print('loaded:', sorted(m for m in ('torch', 'zenml', 'pandas') if m in sys.modules))")
-    done = _python("-c", probe, cwd=repo_root)
+    done = _python("-c", _import_probe("schedule", ["--cron", "0 3 * * *"], ("torch", "zenml", "pandas")), cwd=repo_root)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "[0, 2] rlhf schedule: error: the following arguments are required: -c/--config", "loaded: []"]

@@ -653,3 +653,14 @@ def test_a_trl_file_given_to_the_trainer_names_the_conversion(tmp_path):
             f"(TRL's conversational pairs convert with python -m rlhf_core.data.preference --trl {conversational} "
             "--output DIR)")):
         read_preferences(conversational)
+
+
+def test_trl_pairs_on_questions_of_the_exclude_prompts_are_dropped(tmp_path, capsys):
+    source = tmp_path / "trl.parquet"
+    pd.DataFrame(_trl_rows("conversational implicit", n=6)).to_parquet(source)
+    prompts = _prompt_file(tmp_path / "eval" / "test.parquet", ["What is 3 + 1?", "What is 5 + 1?", "Unrelated?"])
+    out = tmp_path / "pairs"
+    assert preference(["--trl", str(source), "--output", str(out), "--exclude", str(prompts)]) == 0
+    assert f"excluded: 2 pair(s) over 2 prompt(s) of {prompts}" in capsys.readouterr().out
+    rows = pd.concat([read_preferences(out / "train.parquet"), read_preferences(out / "val.parquet")])
+    assert sorted(rows["chosen"]) == ["#### 1", "#### 2", "#### 3", "#### 5"]

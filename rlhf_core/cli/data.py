@@ -167,6 +167,16 @@ def synthetic(argv: list[str] | None = None) -> int:
 # ----------------------------------------------------------------------------- preference pairs
 
 
+def _off_excluded(pairs: list[dict], apart: set[str], excluded: str, source: str, unit: str) -> list[dict]:
+    """The pairs on no question of ``--exclude``, after a line saying how many it took (over how many of ``unit``);
+    PreferenceDataError where it takes every pair of ``source``."""
+    pairs, dropped = drop_questions(pairs, apart)
+    print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} {unit}(s) of {excluded}")
+    if not pairs:
+        raise PreferenceDataError(f"every pair of {source} is on a question of --exclude ({excluded}): no pair is left")
+    return pairs
+
+
 def preference(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=program("python -m rlhf_core.data.preference"),
@@ -239,12 +249,7 @@ def preference(argv: list[str] | None = None) -> int:
             if not pairs:
                 raise PreferenceDataError(f"{' '.join(args.trl)} hold(s) no pair whose chosen and rejected differ")
             if apart:
-                pairs, dropped = drop_questions(pairs, apart)
-                print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} prompt(s) of "
-                      f"{excluded}")
-                if not pairs:
-                    raise PreferenceDataError(f"every pair of {' '.join(args.trl)} is on a question of --exclude "
-                                              f"({excluded}): no pair is left")
+                pairs = _off_excluded(pairs, apart, excluded, " ".join(args.trl), "prompt")
             train, val = split_by_group(pairs, 0.2 if args.val_fraction is None else args.val_fraction, args.seed)
             data_source = args.data_source or Path(args.trl[0]).name.split(".")[0]
         else:
@@ -253,12 +258,7 @@ def preference(argv: list[str] | None = None) -> int:
                 raise PreferenceDataError(f"{args.gsm8k_solutions} yields no pair: no question has both a correct "
                                           "and an incorrect solution")
             if apart:
-                pairs, dropped = drop_questions(pairs, apart)
-                print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} question(s) of "
-                      f"{excluded}")
-                if not pairs:
-                    raise PreferenceDataError(f"every pair of {args.gsm8k_solutions} is on a question of --exclude "
-                                              f"({excluded}): no pair is left")
+                pairs = _off_excluded(pairs, apart, excluded, args.gsm8k_solutions, "question")
             train, val = split_by_group(pairs, 0.2 if args.val_fraction is None else args.val_fraction, args.seed)
             data_source = GSM8K_SOURCE
             print(f"warning: {TEST_SET_WARNING}", file=sys.stderr)
