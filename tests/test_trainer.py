@@ -1217,7 +1217,7 @@ def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
         cfg = NS(data=NS(max_response_length=256), actor_rollout_ref=NS(rollout=NS(n=n)),
                  algorithm=NS(adv_estimator=estimator, use_kl_in_reward=kl))
         trainer = NS(config=cfg, scores_flat=True, _stuck_warned={}, use_critic=estimator == "gae",
-                     stuck_warnings={"clip", "flat"})
+                     stuck_warnings={"clip", "flat"}, _greedy_repeats=lambda: None)  # (sampled rollouts)
         PPOTrainer._warn_if_stuck(trainer, 1, {"response_length/clip_ratio": 0.1})
         return capsys.readouterr().err
 
