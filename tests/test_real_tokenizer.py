@@ -7,7 +7,6 @@ SmolLM2's special tokens: 0 ``<|endoftext|>``, 1 ``<|im_start|>``, 2 ``<|im_end|
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from rlhf_core.rollout import SamplingParams, make_rollout_engine
 
 END_OF_TEXT, IM_START, IM_END = 0, 1, 2
 SMOL_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-REAL_MODEL = Path(os.environ.get("RLHF_REAL_MODEL", Path(__file__).resolve().parents[1] / "outputs"
-                                 / "smollm2-135m-instruct"))
 
 
 @pytest.fixture(scope="module")
@@ -178,12 +175,10 @@ def test_the_reward_sees_the_decoded_answer_without_special_tokens(tokenizer):
     assert scores[0, len(rows[0]) - 1] == 1.0 and scores[0].sum() == 1.0  # on the EOS, the last valid token
 
 
-@pytest.mark.skipif(not (REAL_MODEL / "model.safetensors").is_file(),
-                    reason=f"no imported SmolLM2 at {REAL_MODEL} (make real-model)")
-def test_the_real_model_answers_and_stops_at_im_end(tokenizer):
+def test_the_real_model_answers_and_stops_at_im_end(tokenizer, smollm2_dir):
     from rlhf_core.models.loading import load_actor
 
-    actor = load_actor(REAL_MODEL)
+    actor = load_actor(smollm2_dir)
     assert actor.generation_config.eos_token_id == IM_END
     messages = [[{"role": "user", "content": "What is 2+3? Answer with a number."}]]
     ids = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, return_dict=False)) for m in messages]
