@@ -167,11 +167,11 @@ def micro_batch_tokens(cfg, sequences: int, tokens: float) -> dict[str, int]:
             return int(min(actor.ppo_max_token_len_per_gpu if cap is None else cap, tokens))
         return int(min(micro or sequences, sequences) * tokens / sequences)
 
+    critic_shape = shape(critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu)
     return {
         "update_actor": shape(actor.ppo_micro_batch_size_per_gpu, actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu),
-        "update_critic": shape(critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz,
-                               critic.ppo_max_token_len_per_gpu),
-        "values": shape(critic.ppo_micro_batch_size_per_gpu, critic.use_dynamic_bsz, critic.ppo_max_token_len_per_gpu),
+        "update_critic": critic_shape,
+        "values": critic_shape,
         "old_log_prob": shape(rollout.log_prob_micro_batch_size_per_gpu, rollout.log_prob_use_dynamic_bsz,
                               rollout.log_prob_max_token_len_per_gpu),
         "ref": shape(ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_use_dynamic_bsz,

@@ -13,7 +13,7 @@ filesystem. Its name starts with ``.<target name>.tmp-<pid>-`` and a replaced ta
 ``.<target name>.old-<pid>-...`` (a staged file is ``.<name>.<pid>-XXXX.tmp``): a process killed midway
 leaves only such dot-names, which the owner of the directory may sweep up (checkpoints do, and the GGUF
 import its own staging folders: :func:`remove_stale_staging`), skipping
-those whose process still runs (:func:`staging_owner`, :func:`process_alive`): another run writing into
+those whose process still runs (:func:`staging_owner`, :func:`running_elsewhere`): another run writing into
 the same directory. This module imports nothing of the project.
 """
 
@@ -103,6 +103,13 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def running_elsewhere(owner: int | None) -> bool:
+    """Whether ``owner``, the pid a leftover's name carries, is another process still running on this machine: its
+    leftovers are in use. This process's own are an earlier attempt's that failed (a pipeline step retried in the
+    same process, or a pid reused by a restarted container); a name without a pid answers False."""
+    return owner is not None and owner != os.getpid() and process_alive(owner)
+
+
 def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
     """Remove the staging folders (``.<target name>.tmp-<pid>-...``) that a killed process left beside ``target``
     (a SIGKILLed model import leaves hundreds of MB there); those of a process still running on this machine are
@@ -116,7 +123,7 @@ def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
         if not child.name.startswith(f".{target.name}.tmp-") or not child.is_dir():
             continue
         owner = staging_owner(child.name)
-        if owner is None or (owner != os.getpid() and process_alive(owner)):
+        if owner is None or running_elsewhere(owner):
             continue
         shutil.rmtree(child, ignore_errors=True)
         removed.append(child)

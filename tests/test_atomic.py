@@ -242,6 +242,10 @@ def test_process_alive():
     assert atomic.process_alive(os.getpid())
     assert not atomic.process_alive(ended.pid)
     assert not atomic.process_alive(0) and not atomic.process_alive(-1)  # never a signal to a process group
+    # a leftover is in use only where its pid is another process that runs: this one's are a failed attempt's
+    assert atomic.running_elsewhere(os.getppid())
+    assert not atomic.running_elsewhere(os.getpid())
+    assert not atomic.running_elsewhere(ended.pid) and not atomic.running_elsewhere(None)
 
 
 def test_stale_staging_of_a_target_is_removed_but_a_running_writers_and_a_set_aside_target_are_kept(tmp_path):

@@ -85,7 +85,7 @@ from rlhf_core.algos import ADV_ESTIMATORS_NEED_CRITIC
 from rlhf_core.atomic import (
     fsync_dir,
     fsync_tree,
-    process_alive,
+    running_elsewhere,
     staged_directory,
     staging_owner,
     write_text_atomic,
@@ -778,9 +778,7 @@ def _remove_stale(root: Path) -> None:
             owner = staging_owner(name)
         else:
             continue
-        # this process saves one checkpoint at a time: its own leftovers are an earlier save's that failed (a
-        # pipeline step retried in the same process), and a pid reused by a restarted container is ours too
-        if owner is not None and owner != os.getpid() and process_alive(owner):
+        if running_elsewhere(owner):  # this process saves one checkpoint at a time: its own are a failed save's
             continue
         if child.is_dir():
             shutil.rmtree(child, ignore_errors=True)
