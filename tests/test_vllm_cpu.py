@@ -13,6 +13,7 @@ from typing import TypedDict
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import load_config
@@ -88,12 +89,15 @@ def _nest(path: str, leaf):
 class FakeVLLM:
     """vllm's ``LLM``, ``SamplingParams``, ``inputs.TokensPrompt`` and ``engine.arg_utils.EngineArgs`` in
     ``sys.modules`` (undone after the test). ``script`` maps a prompt's tokens to its samples, each
-    ``(token_ids, log-probs)``; what the engine asks for is recorded: ``built`` (the LLM's arguments and
+    ``(token_ids, log-probs)``, which ends where vLLM's stop check ends it: at the first token that is ``eos`` (the
+    EOS of the tokenizer vLLM loads; not with ``ignore_eos``) or one of the request's ``stop_token_ids`` (even with
+    ``ignore_eos``), that token kept. What the engine asks for is recorded: ``built`` (the LLM's arguments and
     VLLM_ENABLE_V1_MULTIPROCESSING at that moment), ``requests``, ``events`` (sleep, wake, loads, CUDA calls)
     and ``loaded`` (what ``model.load_weights`` received)."""
 
     def __init__(self, monkeypatch, engine_fields=("logprobs_mode", "generation_config"), model_path=V1_MODEL):
         self.script: dict[tuple[int, ...], list[tuple[list[int], list[float]]]] = {}
+        self.eos: int | None = None
         self.built, self.requests, self.events, self.loaded, self.devices = [], [], [], [], []
         self.actor = {"model.embed_tokens.weight": torch.tensor([[1.5, -2.0], [0.25, 3.0]]),
                       "lm_head.weight": torch.tensor([[-0.5, 0.125]])}
@@ -128,7 +132,8 @@ class FakeVLLM:
                 return [RequestOutput([
                     CompletionOutput(tokens, [{token: Logprob(lp), RIVAL: Logprob(-0.01)}
                                               for token, lp in zip(tokens, lps)])
-                    for tokens, lps in fake.script[tuple(p)][:s.kwargs["n"]]]) for p, s in zip(ids, each)]
+                    for tokens, lps in (fake.stopped(*sample, s.kwargs) for sample in fake.script[tuple(p)][:s.kwargs["n"]])])
+                    for p, s in zip(ids, each)]
 
         vllm = types.ModuleType("vllm")
         vllm.LLM, vllm.SamplingParams = LLM, FakeSamplingParams
@@ -146,6 +151,14 @@ class FakeVLLM:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: self.events.append("synchronize"))
         monkeypatch.setattr(torch.cuda, "empty_cache", lambda: self.events.append("empty_cache"))
 
+    def stopped(self, tokens: list[int], log_probs: list[float], kwargs: dict) -> tuple[list[int], list[float]]:
+        """A scripted sample as vLLM returns it under the request's ``kwargs``."""
+        stops = set(kwargs.get("stop_token_ids") or ())
+        if self.eos is not None and not kwargs.get("ignore_eos"):
+            stops.add(self.eos)
+        end = next((i + 1 for i, token in enumerate(tokens) if token in stops), len(tokens))
+        return tokens[:end], log_probs[:end]
+
     def weights(self):
         self.weight_calls += 1
         return iter([(name, HostTensor(values.clone(), self.devices)) for name, values in self.actor.items()])
@@ -161,9 +174,10 @@ def _rollout_config(*overrides: str):
 
 
 def _engine(fake, tokenizer, model_dir, *overrides: str, seed: int = 0, max_model_len: int | None = 512,
-            trust_remote_code: bool = False, hf_overrides: dict | None = None):
-    """Built as the actor worker builds it; the module is unused (vLLM keeps its own copy of the model)."""
-    return make_rollout_engine("vllm", torch.nn.Linear(2, 2), tokenizer, seed=seed,
+            trust_remote_code: bool = False, hf_overrides: dict | None = None, module: torch.nn.Module | None = None):
+    """Built as the actor worker builds it; the module (the actor's) is read for its generation config only (vLLM
+    keeps its own copy of the model): by default one without."""
+    return make_rollout_engine("vllm", module if module is not None else torch.nn.Linear(2, 2), tokenizer, seed=seed,
                                config=_rollout_config(*overrides), model_path=str(model_dir),
                                max_model_len=max_model_len, weights=fake.weights,
                                trust_remote_code=trust_remote_code, hf_overrides=hf_overrides)
@@ -190,7 +204,7 @@ def test_the_batch_pads_masks_and_repeats_vllms_samples(fake, tokenizer, model_d
     [(sent, sampling, options)] = fake.requests
     assert sent == [[5, 6], [7, 8, 9, 10], [11]]
     assert sampling == {"n": 2, "max_tokens": 4, "logprobs": 0, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
-                        "ignore_eos": False}
+                        "ignore_eos": False, "stop_token_ids": [eos]}
     assert options == {"use_tqdm": False}
 
     prompt_rows = [[pad, pad, 5, 6]] * 2 + [[7, 8, 9, 10]] * 2 + [[pad, pad, pad, 11]] * 2
@@ -226,6 +240,63 @@ def test_with_ignore_eos_every_sampled_token_stays_in_the_mask(fake, tokenizer, 
     assert fake.requests[0][1]["ignore_eos"] is True
     assert out["responses"].tolist() == [[eos, 20, eos]]
     assert out["response_mask"].tolist() == [[1, 1, 1]]
+
+
+def _with_generation_eos(eos_token_id) -> torch.nn.Module:
+    """A stand-in for the actor's module whose generation config names ``eos_token_id`` (an int or a list)."""
+    module = torch.nn.Linear(2, 2)
+    module.generation_config = GenerationConfig(eos_token_id=eos_token_id)
+    return module
+
+
+def test_every_eos_id_of_the_generation_config_ends_a_response_as_the_tokenizers_eos_does(fake, tokenizer, model_dir):
+    """A model whose generation config lists a second EOS (as Qwen2.5-Instruct's two, Llama 3.1 Instruct's three)
+    beside the tokenizer's: vLLM is asked to stop at both, and a row ended by the other id has the layout of one
+    ended by EOS (the id kept, with its log-prob, padding after it), as the HF rollout stops on either."""
+    pad, eos, other = tokenizer.pad_token_id, tokenizer.eos_token_id, 9
+    fake.eos = eos  # the EOS of the tokenizer vLLM loads
+    module = _with_generation_eos([other, eos])
+    prompts = Batch({"input_ids": torch.tensor([[5, 6]]), "attention_mask": torch.tensor([[1, 1]]),
+                     "position_ids": torch.tensor([[0, 1]])}, {"uid": [0]})
+    # the model goes on after the other id, and after EOS, where nothing stops it
+    fake.script = {(5, 6): [([20, other, 21, 22], [-0.5, -0.25, -1.0, -2.0]),
+                            ([23, eos, 24, 25], [-0.75, -0.125, -1.5, -3.0])]}
+    out = _engine(fake, tokenizer, model_dir, module=module).generate(prompts, SamplingParams(n=2, max_new_tokens=4))
+    assert fake.requests[0][1]["stop_token_ids"] == [eos, other]
+    assert out["responses"].tolist() == [[20, other, pad, pad], [23, eos, pad, pad]]
+    assert out["response_mask"].tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
+    assert out["rollout_log_prob"].tolist() == [[-0.5, -0.25, 0.0, 0.0], [-0.75, -0.125, 0.0, 0.0]]
+
+    # ignore_eos: no id ends a response (vLLM would still stop at a stop id), as none ends the HF rollout's
+    out = _engine(fake, tokenizer, model_dir, module=module).generate(
+        prompts, SamplingParams(n=2, max_new_tokens=4, ignore_eos=True))
+    assert fake.requests[1][1]["stop_token_ids"] == []
+    assert out["responses"].tolist() == [[20, other, 21, 22], [23, eos, 24, 25]]
+    assert out["response_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize(("eos_token_id", "generation_eos", "pad", "stop_token_ids"), [
+    (3, None, 3, [3]),  # the tokenizer's EOS pads
+    (3, [3, 1], 1, [1, 3]),  # the least of the ends pads, as in the HF rollout (not the tokenizer's EOS)
+    (None, [6, 4], 4, [4, 6]),  # a tokenizer without EOS: the generation config's ids end and pad the responses
+])
+def test_without_a_pad_token_responses_are_padded_as_the_hf_rollout_pads_them(fake, model_dir, eos_token_id,
+                                                                            generation_eos, pad, stop_token_ids):
+    tokenizer = types.SimpleNamespace(pad_token_id=None, eos_token_id=eos_token_id)
+    module = _with_generation_eos(generation_eos) if generation_eos is not None else None
+    prompts = Batch({"input_ids": torch.tensor([[7]]), "attention_mask": torch.tensor([[1]]),
+                     "position_ids": torch.tensor([[0]])}, {"uid": [0]})
+    fake.script = {(7,): [([20], [-1.0])]}
+    out = _engine(fake, tokenizer, model_dir, module=module).generate(prompts, SamplingParams(max_new_tokens=3))
+    assert fake.requests[0][1]["stop_token_ids"] == stop_token_ids
+    assert out["responses"].tolist() == [[20, pad, pad]]
+    assert out["response_mask"].tolist() == [[1, 0, 0]]
+
+
+def test_a_tokenizer_and_model_without_any_eos_are_refused(fake, model_dir):
+    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=None)
+    with pytest.raises(ValueError, match="name no EOS token"):
+        _engine(fake, tokenizer, model_dir)
 
 
 @pytest.mark.parametrize(("params", "temperature", "top_k"), [
@@ -274,16 +345,6 @@ def test_greedy_samples_are_asked_one_request_each(fake, tokenizer, model_dir):
     assert out["responses"].tolist() == [[20, pad]] * 3 + [[30, 31]] * 3
     assert out["rollout_log_prob"].tolist() == [[-0.5, 0.0]] * 3 + [[-0.25, -1.0]] * 3
     assert out.meta == {"uid": [0, 0, 0, 1, 1, 1]}
-
-
-def test_responses_are_padded_with_eos_when_the_tokenizer_has_no_pad(fake, model_dir):
-    tokenizer = types.SimpleNamespace(pad_token_id=None, eos_token_id=3)
-    prompts = Batch({"input_ids": torch.tensor([[5]]), "attention_mask": torch.tensor([[1]]),
-                     "position_ids": torch.tensor([[0]])}, {"uid": [0]})
-    fake.script = {(5,): [([20], [-1.0])]}
-    out = _engine(fake, tokenizer, model_dir).generate(prompts, SamplingParams(max_new_tokens=3))
-    assert out["responses"].tolist() == [[20, 3, 3]]
-    assert out["response_mask"].tolist() == [[1, 0, 0]]
 
 
 def test_engine_arguments(fake, tokenizer, model_dir):

@@ -35,6 +35,23 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
 
+def stop_tokens(module, tokenizer) -> tuple[list[int], int]:
+    """The ids that end a response, sorted, and the id that pads a response after its end, for every engine alike.
+
+    A response ends at the tokenizer's EOS and at every id of the model's ``generation_config.eos_token_id`` (an int
+    or a list: Qwen2.5-Instruct lists two, Llama 3.1 Instruct three), as transformers' ``generate`` stops; the pad is
+    the tokenizer's, else the least of those ids. ``module`` without a generation config (an engine that keeps its
+    own copy of the model) adds none."""
+    config = getattr(module, "generation_config", None)
+    eos = config.eos_token_id if config is not None else None
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the tokenizer and the model's generation_config name no EOS token")
+    return sorted(ids), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(ids)
+
+
 def call_seed(*numbers: int) -> int:
     """A seed for a stream of its own, derived from ``numbers`` (an engine's seed, a call's, a prompt's index)
     through numpy's SeedSequence: nearby inputs give unrelated streams, and none is an engine's own seed."""

@@ -23,7 +23,7 @@ import torch
 from rlhf_core.batch import Batch
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.loading import cache_argument, takes_logits_to_keep
-from rlhf_core.rollout.base import SamplingParams, call_seed
+from rlhf_core.rollout.base import SamplingParams, call_seed, stop_tokens
 from rlhf_core.rollout.cache import PreallocatedCache
 from rlhf_core.rollout.fused_decode import FusedDecoder, unsupported
 
@@ -130,14 +130,8 @@ class HFRolloutEngine:
     def __init__(self, module: torch.nn.Module, tokenizer, seed: int = 0,
                  synced: Callable[[bool, bool], tuple[bool, bool]] | None = None):
         self.module = module
-        eos = module.generation_config.eos_token_id if getattr(module, "generation_config", None) else None
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
-        if not eos_ids:
-            raise ValueError("the tokenizer and the model's generation_config name no EOS token")
-        self.eos_ids = torch.tensor(sorted(eos_ids))
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+        eos_ids, self.pad_id = stop_tokens(module, tokenizer)
+        self.eos_ids = torch.tensor(eos_ids)
         self.seed = seed
         self.generator = torch.Generator(device=self._device()).manual_seed(seed)
         self.cache_arg = cache_argument(type(module))

@@ -12,6 +12,8 @@ One engine per worker process shares the GPU with training (verl's hybrid engine
 * :meth:`sync_weights` (called after every actor update) marks the weights stale; the next
   :meth:`resume` streams the actor's full tensors (``weights()``: gathered from the FSDP2 shards
   one tensor at a time, LoRA merged) into ``model.load_weights``, with nothing written to disk;
+* a response ends where the HF rollout's ends (:func:`~rlhf_core.rollout.base.stop_tokens`: the tokenizer's EOS
+  and every EOS id of the model's generation config, all passed as ``stop_token_ids``) and is padded alike;
 * the sampled tokens' log-probs come back (``SamplingParams(logprobs=0)``) as
   ``rollout_log_prob`` so that the trainer can log how far they are from the training engine's
   recomputed ``old_log_prob`` (``rollout/logprob_gap``).
@@ -28,7 +30,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rlhf_core.batch import Batch
-from rlhf_core.rollout.base import SamplingParams, call_seed
+from rlhf_core.rollout.base import SamplingParams, call_seed, stop_tokens
 from rlhf_core.workers import distributed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,7 +71,11 @@ class VLLMRolloutEngine:
         self.weights = weights
         self.config = config
         self.dtype = DTYPES[config.dtype]
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        # the HF rollout's ends of a response (the tokenizer's EOS and the actor's generation_config.eos_token_id): vLLM
+        # ends a request at the EOS of the tokenizer it loads from model_path, and at the generation config's other ids
+        # only where its version reads them with generation_config="vllm"; the whole set goes as stop_token_ids, which
+        # vLLM treats as EOS (the token kept as the response's last, with its log-prob)
+        self.eos_ids, self.pad_id = stop_tokens(module, tokenizer)
         self.tp = config.tensor_model_parallel_size
         self.tp_group = None
         if distributed.is_distributed() and self.tp > 1:  # every rank makes every group, then keeps its own
@@ -160,6 +166,8 @@ class VLLMRolloutEngine:
             n=n // copies, max_tokens=width, logprobs=0,
             temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, ignore_eos=params.ignore_eos,
+            # with ignore_eos none: vLLM ends a request at a stop id even then
+            stop_token_ids=[] if params.ignore_eos else list(self.eos_ids),
         )
         requests = [TokensPrompt(prompt_token_ids=ids) for ids in everyone for _ in range(copies)]
         if params.seed is None or params.greedy:
