@@ -174,13 +174,14 @@ def _rollout_config(*overrides: str):
 
 
 def _engine(fake, tokenizer, model_dir, *overrides: str, seed: int = 0, max_model_len: int | None = 512,
-            trust_remote_code: bool = False, hf_overrides: dict | None = None, module: torch.nn.Module | None = None):
+            trust_remote_code: bool = False, hf_overrides: dict | None = None, module: torch.nn.Module | None = None,
+            **engine_kwargs):
     """Built as the actor worker builds it; the module (the actor's) is read for its generation config only (vLLM
     keeps its own copy of the model): by default one without."""
     return make_rollout_engine("vllm", module if module is not None else torch.nn.Linear(2, 2), tokenizer, seed=seed,
                                config=_rollout_config(*overrides), model_path=str(model_dir),
                                max_model_len=max_model_len, weights=fake.weights,
-                               trust_remote_code=trust_remote_code, hf_overrides=hf_overrides)
+                               trust_remote_code=trust_remote_code, hf_overrides=hf_overrides, **engine_kwargs)
 
 
 def test_the_batch_pads_masks_and_repeats_vllms_samples(fake, tokenizer, model_dir):
@@ -354,7 +355,7 @@ def test_engine_arguments(fake, tokenizer, model_dir):
     [(kwargs, multiprocessing)] = fake.built
     assert multiprocessing == "0"  # the engine core in this process, so that its model can be reached
     assert kwargs == {
-        "model": str(model_dir), "dtype": "float32", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.3,
+        "model": str(model_dir), "tokenizer": str(model_dir), "dtype": "float32", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.3,
         "enforce_eager": True, "enable_sleep_mode": True, "trust_remote_code": False,
         "max_num_batched_tokens": 512,  # raised to one whole sequence
         "enable_chunked_prefill": True, "disable_custom_all_reduce": True, "skip_tokenizer_init": False, "seed": 7, "max_model_len": 512,
@@ -368,12 +369,28 @@ def test_engine_arguments_of_an_older_vllm_in_a_worker_group(monkeypatch, tokeni
             "actor_rollout_ref.rollout.enforce_eager=false", "actor_rollout_ref.rollout.enable_chunked_prefill=false",
             seed=3, max_model_len=None, trust_remote_code=True, hf_overrides={"attention_dropout": 0.0})
     assert fake.built[0][0] == {
-        "model": str(model_dir), "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.5,
+        "model": str(model_dir), "tokenizer": str(model_dir), "dtype": "bfloat16", "tensor_parallel_size": 1, "gpu_memory_utilization": 0.5,
         "enforce_eager": False, "enable_sleep_mode": False, "trust_remote_code": True,
         "max_num_batched_tokens": 8192, "enable_chunked_prefill": False, "disable_custom_all_reduce": True,
         "skip_tokenizer_init": False,
         "seed": 3, "distributed_executor_backend": "external_launcher",
         "hf_overrides": {"attention_dropout": 0.0}}  # the actor's model.override_config
+
+
+def test_vllm_reads_the_actors_tokenizer_where_model_tokenizer_path_puts_it(fake, tokenizer, model_dir, tmp_path):
+    """With model.tokenizer_path, the folder the actor's tokenizer came from, not model.path, is vLLM's tokenizer (the
+    EOS vLLM stops at; a model folder may hold no tokenizer at all): as the engine is given it, and as the actor
+    worker gives it."""
+    from rlhf_core.workers.actor import ActorWorker
+
+    elsewhere = str(tmp_path / "tokenizer")
+    _engine(fake, tokenizer, model_dir, tokenizer_path=elsewhere)
+    assert fake.built[-1][0]["tokenizer"] == elsewhere
+
+    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", f"actor_rollout_ref.model.tokenizer_path={elsewhere}",
+                       "actor_rollout_ref.rollout.name=vllm"], validate=False)
+    ActorWorker(cfg.resolved().actor_rollout_ref, tokenizer, total_steps=1, need_ref=False, max_model_len=512)
+    assert (fake.built[-1][0]["model"], fake.built[-1][0]["tokenizer"]) == (str(model_dir), elsewhere)
 
 
 def _tensor_parallel_pair(monkeypatch, rank: int, partner_prompts: list[list[int]]) -> tuple[list, object]:

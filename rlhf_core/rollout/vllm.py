@@ -58,10 +58,12 @@ class VLLMRolloutEngine:
 
     def __init__(self, module: torch.nn.Module, tokenizer, config, model_path: str,
                  weights: Callable[[], Iterator[tuple[str, torch.Tensor]]], max_model_len: int | None = None,
-                 seed: int = 0, trust_remote_code: bool = False, hf_overrides: dict | None = None):
+                 seed: int = 0, trust_remote_code: bool = False, hf_overrides: dict | None = None,
+                 tokenizer_path: str | None = None):
         """``config`` is the ``actor_rollout_ref.rollout`` section; ``weights`` yields the actor's
         full tensors under transformers names (on every rank: gathering them is a collective);
-        ``hf_overrides`` are the model config attributes the actor loaded with (``model.override_config``)."""
+        ``hf_overrides`` are the model config attributes the actor loaded with (``model.override_config``);
+        ``tokenizer_path`` is the folder of ``tokenizer`` (``model.tokenizer_path``; None: ``model_path``)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm is imported: an in-process core
         from vllm import LLM
         from vllm.engine.arg_utils import EngineArgs
@@ -81,7 +83,8 @@ class VLLMRolloutEngine:
         if distributed.is_distributed() and self.tp > 1:  # every rank makes every group, then keeps its own
             self.tp_group, _ = torch.distributed.new_subgroups(group_size=self.tp, backend="gloo")
         kwargs = {
-            "model": model_path, "dtype": config.dtype, "tensor_parallel_size": self.tp,
+            # the actor's tokenizer, whose EOS vLLM stops at, rather than whatever model_path holds (maybe none)
+            "model": model_path, "tokenizer": tokenizer_path or model_path, "dtype": config.dtype, "tensor_parallel_size": self.tp,
             "gpu_memory_utilization": config.gpu_memory_utilization, "enforce_eager": config.enforce_eager,
             "enable_sleep_mode": config.free_cache_engine, "trust_remote_code": trust_remote_code,
             "max_num_batched_tokens": max(config.max_num_batched_tokens, max_model_len or 0),

@@ -229,6 +229,7 @@ class ActorWorker(CheckpointableWorker):
         rollout = config.rollout
         if rollout.name == "vllm":
             engine_kwargs = {"config": rollout, "model_path": str(resolve(model_cfg.path)),
+                             "tokenizer_path": str(resolve(model_cfg.tokenizer_path)),
                              "max_model_len": max_model_len, "weights": self.rollout_weights,
                              "trust_remote_code": model_cfg.trust_remote_code,
                              "hf_overrides": dict(model_cfg.override_config)}
