@@ -1235,6 +1235,48 @@ def test_the_stuck_warnings_say_what_moves_the_advantages(capsys):
     assert f"{no_signal} (only the KL penalty in the reward moves them) and" in warning("rloo", 4, kl=True)
 
 
+def test_a_greedy_step_also_cut_off_names_both_causes_and_both_fixes(capsys):
+    """GRPO on greedy rollouts (rollout.n=2) whose responses all reach the length limit: each cause alone scores a
+    prompt's responses alike (one response repeated; cut responses that never reach an answer), so the warning names
+    both and both fixes, where it gave the greedy setting's alone and a run that followed it stayed stuck at the
+    limit. Where one cause holds, the warning reads as before."""
+    from types import SimpleNamespace as NS
+
+    from rlhf_core.training.trainer import PPOTrainer
+
+    def warning(clip_ratio: float, flat: bool = True, **rollout) -> str:  # (sampled unless rollout says)
+        sampling = {"n": 2, "do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False}
+        cfg = NS(data=NS(max_response_length=256), actor_rollout_ref=NS(rollout=NS(**{**sampling, **rollout})),
+                 algorithm=NS(adv_estimator="grpo", use_kl_in_reward=False))
+        trainer = NS(config=cfg, scores_flat=flat, _stuck_warned={}, use_critic=False, stuck_warnings={"clip", "flat"})
+        trainer._train_params = lambda: PPOTrainer._train_params(trainer)  # (the trainer's own greedy test)
+        trainer._greedy_repeats = lambda: PPOTrainer._greedy_repeats(trainer)
+        PPOTrainer._warn_if_stuck(trainer, 1, {"response_length/clip_ratio": clip_ratio})
+        return capsys.readouterr().err
+
+    key = "actor_rollout_ref.rollout"
+    cut = ("100% of the responses reached data.max_response_length=256 and were cut off (response_length/clip_ratio "
+           "1.00)")
+    alike = ("the responses to each prompt scored the same, so the advantages carry no reward signal and the policy "
+             "learns nothing about the reward from this step")
+    repeated = f"each prompt's {key}.n=2 responses are one response repeated"
+    assert warning(1.0, do_sample=False) == (
+        f"WARNING step 1: {cut} and {alike}: {key}.do_sample=false decodes greedily, so {repeated}, and a cut "
+        "response seldom reaches its answer, so it scores little; either alone scores a prompt's responses alike: "
+        f"set {key}.do_sample=true and raise data.max_response_length\n")
+    assert warning(1.0, temperature=0) == (
+        f"WARNING step 1: {cut} and {alike}: {key}.temperature=0 decodes greedily, so {repeated}, and a cut "
+        "response seldom reaches its answer, so it scores little; either alone scores a prompt's responses alike: "
+        f"set {key}.temperature above 0 and raise data.max_response_length\n")
+    # one cause: greedy and not cut off, the setting alone; cut off and sampled, the length alone
+    assert warning(0.2, do_sample=False) == (f"WARNING step 1: {alike}: {key}.do_sample=false decodes greedily, so "
+                                             f"{repeated}; set {key}.do_sample=true\n")
+    assert warning(1.0) == (f"WARNING step 1: {cut} and {alike}: a cut response seldom reaches its answer; raise "
+                            "data.max_response_length\n")
+    assert warning(1.0, flat=False) == (f"WARNING step 1: {cut}: a cut response seldom reaches its answer, so it "
+                                        "scores little; raise data.max_response_length\n")
+
+
 LENGTH_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                  "    return len(solution_str) / 100\n")
 CONSTANT_REWARD = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
@@ -1333,15 +1375,17 @@ def test_greedy_training_rollouts_in_groups_are_warned_before_the_first_step_nam
     assert records[0]["critic/score/max"] > records[0]["critic/score/min"]  # the reward tells prompts apart
     assert warnings[0] == GREEDY_GROUPS
     # the random model's greedy responses all run to the limit: the step is cut off and scored alike, and the
-    # advice is still the setting (a longer limit would not tell a response from its copy)
+    # advice is the setting and the length (a longer limit would not tell a response from its copy, and sampled
+    # responses all cut off would seldom reach an answer)
     assert [r["response_length/clip_ratio"] for r in records] == [1.0, 1.0, 1.0]
     assert warnings[1] == ("WARNING step 1: 100% of the responses reached data.max_response_length=150 and were cut "
                            "off (response_length/clip_ratio 1.00) and the responses to each prompt scored the same, "
                            "so the advantages carry no "
                            "reward signal and the policy learns nothing about the reward from this step: "
                            "actor_rollout_ref.rollout.do_sample=false decodes greedily, so each prompt's "
-                           "actor_rollout_ref.rollout.n=2 responses are one response repeated; set "
-                           "actor_rollout_ref.rollout.do_sample=true")
+                           "actor_rollout_ref.rollout.n=2 responses are one response repeated, and a cut response "
+                           "seldom reaches its answer, so it scores little; either alone scores a prompt's responses "
+                           "alike: set actor_rollout_ref.rollout.do_sample=true and raise data.max_response_length")
     # a temperature of 0 decodes greedily too, and the warning names it
     _, warnings = _advice_run(workspace, capsys, "advice_greedy_t0", LENGTH_REWARD, "algorithm.adv_estimator=rloo",
                               "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.temperature=0")

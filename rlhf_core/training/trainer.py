@@ -1012,7 +1012,8 @@ class PPOTrainer:
         a step both cut off and scored alike is warned of as cut off ("clip"), the cut explaining the alike scores.
         A group estimator with one response a prompt is a config fact, said once before the first step
         (:meth:`_warn_single_response_groups`); with greedy training rollouts, alike scores in every group are one
-        too (:meth:`_warn_greedy_repeats`), and the step's warning names the setting, not the reward."""
+        too (:meth:`_warn_greedy_repeats`), and the step's warning names the setting, not the reward; a greedy step
+        cut off as well names both the setting and the length, each of which alone scores a group alike."""
         cfg = self.config
         length = cfg.data.max_response_length
         clipped = metrics.get("response_length/clip_ratio", 0.0)
@@ -1036,9 +1037,13 @@ class PPOTrainer:
                 + (f" (only {' and '.join(moved_by)} {verb} them)" if moved_by else "")
                 + " and the policy learns nothing about the reward from this step")
         greedy_groups = self._greedy_repeats() if algo.adv_estimator in algos.ADV_ESTIMATORS_NEED_GROUPS else None
-        if self.scores_flat and greedy_groups:  # alike because greedy: the setting is the advice, cut off or not
-            kinds, lead = (("clip", "flat"), f"{cut} and {same}") if clipped >= CLIP_RATIO_WARNING else (("flat",), same)
-            text = f"{lead}: {greedy_groups[0]}; {greedy_groups[1]}"
+        if self.scores_flat and greedy_groups and clipped >= CLIP_RATIO_WARNING:  # two causes, either one enough
+            kinds, text = ("clip", "flat"), (f"{cut} and {same}: {greedy_groups[0]}, and a cut response seldom "
+                                             "reaches its answer, so it scores little; either alone scores a "
+                                             f"prompt's responses alike: {greedy_groups[1]} and raise "
+                                             "data.max_response_length")
+        elif self.scores_flat and greedy_groups:  # alike because greedy: the setting is the advice
+            kinds, text = ("flat",), f"{same}: {greedy_groups[0]}; {greedy_groups[1]}"
         elif clipped >= CLIP_RATIO_WARNING and self.scores_flat:
             kinds, text = ("clip", "flat"), (f"{cut} and {same}: a cut response seldom reaches its answer; raise "
                                              "data.max_response_length")
