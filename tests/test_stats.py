@@ -213,45 +213,6 @@ def test_majority_at_k_by_hand_with_ties_a_split_answer_and_no_answers():
     assert majority_of([None, None, None], [0.0, 0.0, 0.0], 2) == 0.0  # no answer in any pair
 
 
-def _answers_of_a_validation(prompts: int, seed: int = 0) -> list[list[str | None]]:
-    """64 answers to each of ``prompts`` problems, "0" the right one, in three shapes in turn: a strong model's (the
-    right answer 40-95% of them, the rest among 6 wrong ones, 3% none), a weak one's (30% right, the rest among 40
-    wrong ones, 10% none), and half right with three wrong answers."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for prompt in range(prompts):
-        draws = rng.random(64)
-        if prompt % 3 == 0:
-            share, wrong = rng.uniform(0.4, 0.95), rng.integers(1, 7, size=64)
-            rows.append(["0" if r < share else None if r > 0.97 else str(w) for r, w in zip(draws, wrong)])
-        elif prompt % 3 == 1:
-            wrong = rng.integers(1, 41, size=64)
-            rows.append(["0" if r < 0.3 else None if r > 0.9 else str(w) for r, w in zip(draws, wrong)])
-        else:
-            wrong = rng.integers(1, 4, size=64)
-            rows.append(["0" if r < 0.5 else str(w) for r, w in zip(draws, wrong)])
-    return rows
-
-
-def test_majority_at_k_of_a_64_response_validation_takes_little_cpu():
-    """maj@2 to maj@32 of 64 responses a problem: 1319 problems (GSM8K's test set) at val_kwargs.n=64, answered
-    as below, spent about 9 s of CPU in the vote (a loop over each polynomial's coefficients for each response and
-    size), now about 2.
-    Timed in CPU seconds of this process (other processes on the machine do not count) against a fixed loop of
-    plain python, so that a slower machine moves both: the vote took about 11 of those loops, now about 2.5."""
-    rows = _answers_of_a_validation(60)
-
-    def cpu_seconds(work) -> float:
-        started = time.process_time()
-        work()
-        return time.process_time() - started
-
-    loop = min(cpu_seconds(lambda: sum(i * i for i in range(1_000_000))) for _ in range(3))
-    vote = cpu_seconds(lambda: [majority_of(row, [float(answer == "0") for answer in row], k)
-                                for row in rows for k in (2, 4, 8, 16, 32)])
-    assert vote < 5 * loop, f"the vote took {vote:.2f} s of CPU, {vote / loop:.1f} loops of {loop:.3f} s"
-
-
 def test_no_majority_vote_without_the_answers_graded():
     # a reward function that does not say what its responses answer: mean@2 and best@2, no maj@2
     metrics = validation_metrics(["s"] * 4, [0, 0, 1, 1], [1, 0, 0, 0], [1.0, 0.0, 0.0, 0.0])
