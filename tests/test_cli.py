@@ -67,6 +67,24 @@ def test_a_training_commands_help_and_a_refused_config_key_answer_without_import
         "loaded: []"]
 
 
+@pytest.mark.parametrize(("command", "wrong", "said"), [
+    ("toy-model", ["--threads", "0"], "rlhf toy-model: error: --threads must be at least 1"),
+    ("gguf", ["--output", "out"], "rlhf gguf: error: one of the arguments --gguf --package is required")])
+def test_the_model_commands_help_and_a_usage_error_answer_without_importing_torch(repo_root, command, wrong, said):
+    """``rlhf toy-model --help`` and ``rlhf gguf --help`` took about 5 s: their module imported the toy model's
+    (torch, transformers) before it parsed the arguments."""
+    done = _python("-c", _import_probe(command, wrong, ("torch", "transformers", "numpy")), cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"[0, 2] {said}", "loaded: []"]
+
+
+def test_the_toy_models_presets_named_for_its_help_are_those_it_builds():
+    from rlhf_core.cli import models
+    from rlhf_core.models import toy
+
+    assert sorted(models.TOY_PRESETS) == sorted(toy.PRESETS) == ["demo", "test"]
+
+
 def test_the_schedulers_help_and_a_usage_error_answer_without_importing_torch(repo_root):
     """``rlhf-schedule --help`` took seconds: the command imported the run-config checks (torch, pandas)
     before it parsed its arguments."""
@@ -512,27 +530,48 @@ def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, 
         130, [f"interrupted by SIGINT: {name} stopped as it started: nothing was done"]), done.stderr[-2000:]
 
 
-# the modules ``python -m`` runs as commands (the README's and the commands' usage lines name them)
-PYTHON_M = ["rlhf_core.main_ppo", "rlhf_core.training.reward_trainer", "rlhf_core.pipeline.smoke",
-            "rlhf_core.pipeline.evaluate", "rlhf_core.pipeline.lineage", "rlhf_core.pipeline.schedule",
-            "rlhf_core.config", "rlhf_core.models.toy", "rlhf_core.models.gguf", "rlhf_core.data.gsm8k",
-            "rlhf_core.data.synthetic", "rlhf_core.data.preference", "rlhf_core.data.validation"]
+# the modules ``python -m`` runs as commands (the README's and the commands' usage lines name them), each with
+# arguments that take it to its first import of torch, pandas, ZenML or Hydra (--help, where it parses after them)
+PYTHON_M = {"rlhf_core.main_ppo": ["--help"], "rlhf_core.training.reward_trainer": ["--help"],
+            "rlhf_core.pipeline.smoke": ["--help"], "rlhf_core.pipeline.evaluate": ["--help"],
+            "rlhf_core.pipeline.lineage": ["--help"], "rlhf_core.pipeline.schedule": ["--help"],
+            "rlhf_core.config": ["--help"], "rlhf_core.models.toy": ["--preset", "test", "--output", "toy"],
+            "rlhf_core.data.gsm8k": ["--help"], "rlhf_core.data.synthetic": ["--help"],
+            "rlhf_core.data.preference": ["--help"], "rlhf_core.data.validation": ["--help"]}
+
+
+def _python_m_at_a_ctrl_c(repo_root, tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGV...`` in ``tmp_path``, sent SIGINT as it first imports torch, ZenML, pandas, ..."""
+    runner = tmp_path / "python_m"  # what ``python -m`` does, after the Ctrl-C's hook
+    runner.write_text(CTRL_C_AS_IT_STARTS + "import runpy\n"
+                      f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    return subprocess.run([sys.executable, str(runner), *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
 
 
 @pytest.mark.parametrize("module", PYTHON_M)
 def test_a_ctrl_c_as_python_m_starts_exits_130_with_one_line(repo_root, tmp_path, module):
     """``python -m rlhf_core.<module>`` ran the module itself, whose own imports (torch, pandas, Hydra) came before
     any code that could take a Ctrl-C, or its ``__main__`` block imported the command's module (ZenML) outside
-    it: it came out as a traceback."""
-    runner = tmp_path / "python_m"  # what ``python -m`` does, after the Ctrl-C's hook
-    runner.write_text(CTRL_C_AS_IT_STARTS + "import runpy\n"
-                      f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
-    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
-    done = subprocess.run([sys.executable, str(runner), "--help"], capture_output=True, text=True, cwd=tmp_path,
-                          env=env, timeout=120)
+    it: it came out as a traceback. (The toy model's command imports torch once it has parsed its arguments.)"""
+    done = _python_m_at_a_ctrl_c(repo_root, tmp_path, module, PYTHON_M[module])
     assert (done.returncode, done.stderr.splitlines()) == (
         130, [f"interrupted by SIGINT: python -m {module} stopped as it started: nothing was done"]), \
         done.stderr[-2000:]
+    assert not (tmp_path / "toy").exists()
+
+
+def test_a_ctrl_c_as_a_gguf_import_reads_its_file_exits_130_with_one_line_and_leaves_no_folder(repo_root, tmp_path):
+    """The GGUF import parses its arguments and checks its output folder before it imports the GGUF reader (numpy)
+    and then transformers: a Ctrl-C there is one line, and the import leaves nothing behind."""
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    done = _python_m_at_a_ctrl_c(repo_root, tmp_path, "rlhf_core.models.gguf",
+                                 ["--gguf", "model.gguf", "--output", "out"])
+    assert (done.returncode, done.stderr.splitlines()) == (
+        130, ["interrupted by SIGINT: python -m rlhf_core.models.gguf stopped before it finished"]), \
+        done.stderr[-2000:]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.gguf", "python_m"]
 
 
 def test_a_ctrl_c_during_the_dry_run_exits_130_with_one_line(monkeypatch, capsys):

@@ -155,6 +155,22 @@ def sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, previous)
 
 
+# set while a command imports its library once it has parsed its arguments (:func:`importing`), and left set where
+# a Ctrl-C ends that import: :func:`_run` then says that nothing was done
+_importing = False
+
+
+@contextlib.contextmanager
+def importing():
+    """Around the imports a command makes after parsing its arguments (torch, transformers: seconds, where ``--help``
+    and a usage error answer without them): a Ctrl-C inside stops the command as it started, before it did
+    anything, and :func:`_run`'s line says so."""
+    global _importing
+    _importing = True
+    yield  # (a KeyboardInterrupt leaves the flag set for _run, which clears it)
+    _importing = False
+
+
 # the name the running command was started by (``rlhf <command>``, its console script or its ``python -m`` path),
 # so that its parser names itself as the user typed it
 _running: str | None = None
@@ -210,24 +226,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(name: str, argv: Sequence[str] | None, prog: str) -> int:
     """Command ``name`` of :data:`COMMANDS` on ``argv`` (None: the process's), its module imported here. A Ctrl-C
-    the command does not handle itself (one while its module imports torch, or while it imports ZenML) ends it
+    the command does not handle itself (one while its module imports torch or ZenML, or while it imports them once
+    it has parsed its arguments: :func:`importing`) ends it
     with one line naming ``prog`` and 128 + SIGINT, where it came out as a traceback; a SIGTERM to a training
     command alike, with 128 + SIGTERM."""
-    global _running, _terminated
+    global _running, _terminated, _importing
     module, function, _ = COMMANDS[name]
     command = None
-    _running = prog
+    _running, _importing = prog, False
     try:
         with sigterm_as_interrupt() if name in SIGTERM_AS_INTERRUPT else contextlib.nullcontext():
             command = getattr(importlib.import_module(module), function)
             return command(argv)
     except KeyboardInterrupt as interrupt:
         sig = interrupting_signal(interrupt)
-        said = "stopped before it finished" if command is not None else "stopped as it started: nothing was done"
+        started = command is not None and not _importing
+        said = "stopped before it finished" if started else "stopped as it started: nothing was done"
         print(f"interrupted by {sig.name}: {prog} {said}", file=sys.stderr)
         return 128 + sig
     finally:
-        _running, _terminated = None, False
+        _running, _terminated, _importing = None, False, False
 
 
 # The console scripts beside ``rlhf`` (pyproject's [project.scripts]), each named after its script: a script that

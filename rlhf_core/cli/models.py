@@ -10,18 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from rlhf_core.cli import program, unwritable
-from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
-from rlhf_core.models.gguf import read_marker as read_import_marker
-from rlhf_core.models.toy import (
-    CACHE_ENV,
-    PRESETS,
-    build_toy_model,
-    default_cache_dir,
-    ensure_toy_model,
-    read_marker,
-    settings_hash,
-)
+from rlhf_core.cli import importing, program, unwritable
+
+# The toy model's presets (the keys of rlhf_core.models.toy.PRESETS), named here because that module imports torch and
+# transformers (seconds): each command imports its library once it has parsed its arguments, so --help and a usage
+# error answer at once.
+TOY_PRESETS = ("demo", "test")
 
 
 def toy_model(argv: list[str] | None = None) -> int:
@@ -33,7 +27,7 @@ def toy_model(argv: list[str] | None = None) -> int:
         "--output", default=None, help="folder to build into (default: the cache, <cache>/<preset>-<hash>)"
     )
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="demo", help="which model (default demo)"
+        "--preset", choices=TOY_PRESETS, default="demo", help="which model (default demo)"
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder holds this build")
@@ -46,6 +40,16 @@ def toy_model(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
+    with importing():
+        from rlhf_core.models.toy import (
+            CACHE_ENV,
+            build_toy_model,
+            default_cache_dir,
+            ensure_toy_model,
+            read_marker,
+            settings_hash,
+        )
+
     expected = settings_hash(args.preset, args.seed)
     target = Path(args.output) if args.output else default_cache_dir() / f"{args.preset}-{expected}"
     reused = not args.force and (read_marker(target) or {}).get("hash") == expected
@@ -88,6 +92,10 @@ def gguf(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", required=True, help="the HF model directory to write")
     parser.add_argument("--force", action="store_true", help="import again even if the folder holds this file")
     args = parser.parse_args(argv)
+    # (the module imports no torch: transformers is imported as the file is read, once it passed the checks)
+    from rlhf_core.models.gguf import GGUFImportError, import_gguf, package_gguf
+    from rlhf_core.models.gguf import read_marker as read_import_marker
+
     try:
         file = package_gguf(args.package) if args.package is not None else Path(args.gguf)
         out, reused = import_gguf(file, args.output, force=args.force)
