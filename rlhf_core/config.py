@@ -52,6 +52,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
     GrammarParseError,
     InterpolationResolutionError,
+    KeyValidationError,
     MissingMandatoryValue,
     ValidationError,
 )
@@ -1458,6 +1459,9 @@ def _read_yaml(path: Path) -> DictConfig:
     except GrammarParseError as exc:  # OmegaConf parses each ${...} as it reads the file
         raise ConfigError([f"config file {path}: {exc.full_key} holds a ${{...}} that does not parse "
                            f"({exc.msg.splitlines()[0]}): close it with }}, or write \\${{ for the text ${{"]) from exc
+    except KeyValidationError as exc:  # a key YAML reads as null (null: 1, ~: 1, or a bare ? line), a traceback before
+        raise ConfigError([f"config file {path}: {_where_in_file(exc.full_key)} has a key that is null (null or ~ "
+                           "written as a key): write the key's name, or remove that line"]) from exc
     except OSError as exc:  # (OmegaConf refuses a file that is one number or bool with an OSError of its own)
         if "Invalid loaded object type" not in str(exc):
             raise ConfigError([f"config file {path} cannot be read: {exc.strerror or exc}"]) from exc
@@ -1469,6 +1473,11 @@ def _read_yaml(path: Path) -> DictConfig:
         raise ConfigError([f"config file {path} must hold a mapping of config keys, not the text {text!r}: write "
                            "each key under its section (trainer:, then seed: 3 indented), or give key=value "
                            "overrides on the command line"])
+    if blank := [(section, key) for section, key in _keys_in_file(OmegaConf.to_container(tree)) if not str(key).strip()]:
+        # (read as the key '' of its section: "unknown config key trainer." with a near name that was no help)
+        raise ConfigError([f"config file {path}: {_where_in_file(section)} has a key that is "
+                           f"{'empty' if key == '' else 'blank'} ({key!r}): write the key's name, or remove that line"
+                           for section, key in blank])
     parameters = tree.get("parameters")
     if isinstance(parameters, DictConfig) and "trainer_config" in parameters:  # a pipeline's, not a trainer's
         raise ConfigError([f"config file {path} is a ZenML pipeline run config (its parameters name the trainer "
@@ -1476,6 +1485,23 @@ def _read_yaml(path: Path) -> DictConfig:
                            f"it is for with it (zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline -c {path}, "
                            "or the retraining or reward-model pipeline), or give the trainer config itself here"])
     return tree
+
+
+def _keys_in_file(node: Any, section: str = "") -> Iterator[tuple[str, Any]]:
+    """``(section, key)`` for every key of the mappings in ``node`` (a file's tree as plain dicts and lists), each
+    with the dotted section that holds it ('' for the top level; a list's item as section[i])."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield section, key
+            yield from _keys_in_file(value, f"{section}.{key}" if section else str(key))
+    elif isinstance(node, list):
+        for i, item in enumerate(node):
+            yield from _keys_in_file(item, f"{section}[{i}]")
+
+
+def _where_in_file(section: str) -> str:
+    """A section of a config file as its problems name it: its dotted key, or the file's top level."""
+    return section if section else "the top level"
 
 
 def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callable[[str], None],

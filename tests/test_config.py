@@ -251,6 +251,26 @@ def test_a_config_file_that_is_not_a_mapping_is_refused_in_one_line(tmp_path, te
     assert info.value.errors == [f"config file {path} must hold a mapping of config keys{said}"]
 
 
+@pytest.mark.parametrize(("text", "said"), [
+    ('"": 3\n', "the top level has a key that is empty ('')"),
+    ('trainer:\n  "": 1\n', "trainer has a key that is empty ('')"),
+    ("trainer:\n  seed: 1\n  '':\n    logger: [console]\n", "trainer has a key that is empty ('')"),
+    ('custom_reward_function:\n  reward_kwargs:\n    "": 2\n',
+     "custom_reward_function.reward_kwargs has a key that is empty ('')"),
+    ('actor_rollout_ref:\n  actor:\n    "  ": 1\n', "actor_rollout_ref.actor has a key that is blank ('  ')"),
+    ("~: 3\n", "the top level has a key that is null (null or ~ written as a key)"),
+    ("trainer:\n  null: 1\n", "trainer has a key that is null (null or ~ written as a key)")])
+def test_a_config_files_empty_or_null_key_is_named_with_its_section(tmp_path, text, said):
+    """A key that is the empty string was refused as 'unknown config key trainer.' with a near name ('did you mean
+    trainer.seed?') that was no help, or, at the top level, as 'unknown config key ' naming nothing; a null key came
+    out as OmegaConf's KeyValidationError (a traceback)."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=path)
+    assert info.value.errors == [f"config file {path}: {said}: write the key's name, or remove that line"]
+
+
 def test_yaml_file_reads_yaml_1_1_floats_and_null(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n    clip_ratio_high: 3e-1\n"
