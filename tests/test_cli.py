@@ -970,6 +970,44 @@ def test_hydras_config_options_point_to_config_file(command, argv, said, capsys)
     assert said in err and "unrecognized arguments" not in err
 
 
+@pytest.mark.parametrize("command", ["ppo", "train-rm", "smoke"])
+@pytest.mark.parametrize("cfg", [["--cfg", "job"], ["-c", "job"], ["-c", "all", "--resolve"]])
+def test_hydras_cfg_job_prints_the_config_and_runs_nothing(tmp_path, capsys, monkeypatch, command, cfg):
+    """verl's commands print their config with Hydra's --cfg job (-c job) and exit; here it was refused as
+    'unrecognized arguments: --cfg'."""
+    from rlhf_core.cli import train as train_cli
+
+    def ran(*args):
+        raise AssertionError("the command ran")
+
+    for name in ("run", "preflight", "run_smoke_test"):
+        monkeypatch.setattr(train_cli, name, ran)
+    first, _ = _two_config_files(tmp_path)  # (train_batch_size 64, max_prompt_length 100, nnodes 2, seed 3)
+    assert cli.main([command, *cfg, "--config", first, "trainer.seed=9", "trainer.n_gpus_per_node=1",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=32"]) == 0
+    tree = yaml.safe_load(capsys.readouterr().out)
+    assert (tree["data"]["train_batch_size"], tree["data"]["max_prompt_length"]) == (64, 100)
+    assert tree["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] == 32
+    assert (tree["trainer"]["nnodes"], tree["trainer"]["seed"], tree["trainer"]["n_gpus_per_node"]) == (2, 9, 1)
+    assert tree["trainer"]["total_epochs"] == 30  # a key neither set: its default (verl's)
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    # -c names the config file in zenml pipeline run and rlhf schedule; in verl's commands it is Hydra's --cfg
+    (["-c", "run.yaml"], "argument -c/--cfg: 'run.yaml' is not job, hydra or all: -c/--cfg is Hydra's option that "
+                         "prints the config and exits, as in verl's commands (-c job: the run's config); give a "
+                         "config file with --config run.yaml"),
+    (["--cfg", "hydra"], "--cfg hydra prints Hydra's own settings (its run folder, logging), and the config is not "
+                         "composed by Hydra here: --cfg job prints the run's config"),
+    (["--resolve"], "--resolve goes with --cfg job (it asks Hydra to resolve the config printed): give both, or "
+                    "neither to run")])
+def test_a_config_file_given_with_c_or_hydras_cfg_hydra_is_refused_naming_the_option(capsys, argv, said):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["ppo", *argv, "trainer.seed=9"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"rlhf ppo: error: {said}"
+
+
 # --- zenml pipeline run: the run config's parameters ----------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
     rlhf ppo [--config FILE ...] [key=value ...]        # also rlhf-ppo, python -m rlhf_core.main_ppo
     rlhf train-rm [--config FILE ...] [key=value ...]   # also rlhf-train-rm
     rlhf smoke [--config FILE ...] [key=value ...]      # also python -m rlhf_core.pipeline.smoke
+    rlhf ppo --cfg job [--config FILE ...] [key=value ...]   # (each of the three) print the config, run nothing
 
 Exit codes, alike for the three: 0 done; 1 the run failed (``ppo``: a guard stopped it, a worker failed or a logger
 could not record a step; ``train-rm``: a guard stopped it (``reward_model.train.max_consecutive_skips`` steps in a
@@ -63,6 +64,50 @@ def RewardModelTrainer(cfg, frames):
     from rlhf_core.training import reward_trainer
 
     return reward_trainer.RewardModelTrainer(cfg, frames)
+
+
+# Hydra's -c/--cfg, which verl's commands take (Hydra parses their command line): print the config and exit
+HYDRA_CFG = ("job", "hydra", "all")
+
+
+def hydra_cfg(text: str) -> str:
+    """-c/--cfg's value: job, hydra or all. Anything else is taken for a config file (ZenML's ``pipeline run`` and
+    ``rlhf schedule`` name theirs with -c), which is given here with --config (argparse names the option)."""
+    if text in HYDRA_CFG:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not job, hydra or all: -c/--cfg is Hydra's option that prints the "
+                                     "config and exits, as in verl's commands (-c job: the run's config); give a "
+                                     f"config file with --config {text}")
+
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+    """A training command's -c/--cfg and --resolve, as verl's commands take them from Hydra."""
+    parser.add_argument("-c", "--cfg", type=hydra_cfg, metavar="{job,hydra,all}",
+                        help="print the config that --config and the overrides resolve to, as rlhf config does, and "
+                             "exit without running (Hydra's option in verl's commands; job and all print the same: "
+                             "the config is not composed by Hydra here, so there is no hydra part)")
+    parser.add_argument("--resolve", action="store_true",
+                        help="with --cfg, as in Hydra (the config printed is resolved already)")
+
+
+def print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """Where ``args`` holds --cfg: print the config (exit status 0; 2 where it has errors, each said) and return the
+    status; None where the command runs. --resolve without --cfg exits through ``parser.error``."""
+    if args.cfg is None:
+        if args.resolve:
+            parser.error("--resolve goes with --cfg job (it asks Hydra to resolve the config printed): give both, or "
+                         "neither to run")
+        return None
+    if args.cfg == "hydra":
+        parser.error("--cfg hydra prints Hydra's own settings (its run folder, logging), and the config is not "
+                     "composed by Hydra here: --cfg job prints the run's config")
+    try:
+        cfg = load_config(args.overrides, config_file=args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0
 
 
 @contextlib.contextmanager
@@ -177,8 +222,11 @@ def ppo(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("rlhf-ppo"), description="PPO training with verl's config keys.")
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. data.train_batch_size=64")
+    add_print_config(parser)
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+    if (printed := print_config(parser, args)) is not None:
+        return printed
     cfg = None
     try:
         cfg = load_config(args.overrides, config_file=args.config)
@@ -214,8 +262,11 @@ def train_rm(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("overrides", nargs="*", help="key=value, e.g. reward_model.train.model.path=DIR")
+    add_print_config(parser)
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+    if (printed := print_config(parser, args)) is not None:
+        return printed
     cfg = None
     try:
         cfg = load_config(args.overrides, config_file=args.config)
@@ -273,8 +324,11 @@ def smoke(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     parser.add_argument("--work-dir", help="where to write the clone, data and checkpoints (default: a temp dir)")
     parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    add_print_config(parser)
     refuse_hydra_options(parser, argv)
     args = parser.parse_intermixed_args(argv)  # overrides on both sides of --config
+    if (printed := print_config(parser, args)) is not None:
+        return printed
     try:
         cfg = load_config(args.overrides, config_file=args.config)
     except Exception as exc:
