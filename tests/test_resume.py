@@ -172,6 +172,89 @@ def test_a_grpo_run_resumed_from_another_folder_ends_with_the_uninterrupted_runs
                         saved_tensors(first / "global_step_3", ["actor"]))
 
 
+GRADED_REWARD = (  # the share of digits in a response: a prompt's responses score apart, so every step has a signal
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    return sum(c.isdigit() for c in solution_str) / max(len(solution_str), 1)\n"
+)
+ACTOR, OPTIM = "actor_rollout_ref.actor", "actor_rollout_ref.actor.optim"
+GRPO = "algorithm.adv_estimator=grpo"
+LR = 1e-2  # the tiny run's rate, actor and critic
+
+
+# each case: its overrides, and what shows, in the uninterrupted run, that its feature acted in the resumed steps
+RESUMED_FEATURES = [
+    pytest.param(("algorithm.adv_estimator=rloo",), None, id="rloo"),
+    pytest.param(("algorithm.adv_estimator=reinforce_plus_plus",), None, id="reinforce_plus_plus"),
+    pytest.param(("algorithm.adv_estimator=reinforce_plus_plus_baseline",), None, id="reinforce_plus_plus_baseline"),
+    pytest.param(("algorithm.adv_estimator=remax",), None, id="remax"),
+    # the digit-first reward scores many groups alike, so each step draws several batches of 4 prompts: the 8
+    # batches of an epoch are spent by step 2, whose checkpoint is inside the second epoch
+    pytest.param((GRPO, "algorithm.filter_groups.enable=true", "data.train_batch_size=4", "data.gen_batch_size=4",
+                  f"{ACTOR}.ppo_mini_batch_size=2", "trainer.total_epochs=10"),
+                 lambda expected, _: all(expected[s]["train/num_gen_batches"] > 1 for s in (3, 4))
+                 and expected[2]["training/epoch"] == 1, id="dapo_dynamic_sampling"),
+    pytest.param((GRPO, f"{ACTOR}.policy_loss.loss_mode=gspo", f"{ACTOR}.clip_ratio_low=3e-4",
+                  f"{ACTOR}.clip_ratio_high=4e-4", f"{ACTOR}.loss_agg_mode=seq-mean-token-mean"),
+                 lambda expected, _: all(expected[s]["actor/pg_clipfrac"] > 0 for s in (3, 4)), id="gspo"),
+    pytest.param((GRPO, f"{ACTOR}.policy_loss.loss_mode=cispo", f"{ACTOR}.clip_ratio_high=5.0"), None, id="cispo"),
+    pytest.param((GRPO, "algorithm.norm_adv_by_std_in_grpo=false", f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm"),
+                 None, id="dr_grpo"),
+    pytest.param((GRPO, f"{ACTOR}.use_kl_loss=true", f"{ACTOR}.kl_loss_type=low_var_kl"),
+                 lambda expected, _: all(expected[s]["actor/kl_loss"] > 0 for s in (3, 4)), id="kl_loss_low_var_kl"),
+    pytest.param(("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"),
+                 lambda expected, _: expected[3]["actor/reward_kl_penalty_coeff"] != 0.001, id="adaptive_kl_in_reward"),
+    # the actor warms up over 2 steps, then cosine over the other 2: lr at step 3, lr / 2 at step 4; the critic
+    # over 3 (a ratio of 0.75 of 4 steps), the resume inside it: 2/3 lr at step 3, lr at step 4
+    pytest.param((f"{OPTIM}.lr_warmup_steps=2", f"{OPTIM}.lr_scheduler_type=cosine",
+                  "critic.optim.lr_warmup_steps_ratio=0.75", "critic.optim.lr_scheduler_type=cosine"),
+                 lambda expected, _: [expected[s][f"{part}/lr"] for part in ("actor", "critic") for s in (3, 4)]
+                 == pytest.approx([LR, LR / 2, 2 * LR / 3, LR], rel=1e-12), id="lr_warmup_cosine"),
+    pytest.param(("trainer.critic_warmup=1",), lambda expected, _: "actor/pg_loss" not in expected[1],
+                 id="critic_warmup_gae"),
+    pytest.param(("actor_rollout_ref.model.lora_rank=4",),
+                 lambda _, tensors: any("lora_A" in name for name in tensors), id="lora"),
+    pytest.param(("actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                  "actor_rollout_ref.rollout.val_kwargs.temperature=1.0", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                  "trainer.test_freq=1"),
+                 lambda expected, _: all("val-core/synthetic/arithmetic/acc/best@2/mean" in expected[s]
+                                         for s in (2, 3, 4)), id="sampled_validation_every_step"),
+    pytest.param((f"{ACTOR}.entropy_coeff=0.01",), None, id="entropy_bonus"),
+    # micro-batches of at most 700 valid tokens (three of the tiny run's sequences of about 190, not four),
+    # shuffled over two epochs
+    pytest.param((f"{ACTOR}.use_dynamic_bsz=true", f"{ACTOR}.ppo_max_token_len_per_gpu=700", f"{ACTOR}.shuffle=true",
+                  f"{ACTOR}.ppo_epochs=2"), None, id="dynamic_bsz"),
+]
+
+
+@pytest.mark.parametrize(("extra", "acted"), RESUMED_FEATURES)
+def test_each_algorithm_and_feature_resumed_after_step_2_ends_as_the_uninterrupted_run(workspace, tmp_path, extra,
+                                                                                        acted):
+    """A 4-step run resumed (resume_path, into a folder of its own) from its step 2 checkpoint logs steps 3 and 4 as
+    the uninterrupted run does, timings aside, and ends with its weights and Adam moments bit for bit: every piece of
+    state the feature keeps (generators, sampler position across dynamic sampling's draws, KL controller, schedulers,
+    LoRA adapters) is saved and restored. DAPO keeps the digit-first reward (its groups must often score alike);
+    the others score the share of digits, so that each prompt's responses differ and every step trains on a
+    signal."""
+    (tmp_path / "graded.py").write_text(GRADED_REWARD)
+    dapo = "algorithm.filter_groups.enable=true" in extra
+    reward = () if dapo else (f"custom_reward_function.path={tmp_path / 'graded.py'}",)
+    settings = (*reward, *extra, "trainer.total_training_steps=4", "trainer.save_freq=1")
+    first, resumed = tmp_path / "uninterrupted", tmp_path / "resumed"
+    run(load_config(workspace.overrides(first, *settings)), handle_signals=False)
+    result = run(load_config(workspace.overrides(resumed, *settings, "trainer.resume_mode=resume_path",
+                                                 f"trainer.resume_from_path={first / 'global_step_2'}")),
+                 handle_signals=False)
+    assert [r.step for r in result.history] == [3, 4]
+    expected, got = read_metrics(first / "metrics.jsonl"), read_metrics(resumed / "metrics.jsonl")
+    assert sorted(expected) == [1, 2, 3, 4] and sorted(got) == [3, 4]
+    for step in (3, 4):
+        assert expected[step]["actor/pg_loss"] != 0, step  # the policy learnt from a signal in the resumed steps
+        assert _comparable(got[step]) == _comparable(expected[step]), step
+    parts = [part for part in ("actor", "critic") if (first / "global_step_4" / part).is_dir()]
+    uninterrupted = saved_tensors(first / "global_step_4", parts)
+    assert_same_tensors(saved_tensors(resumed / "global_step_4", parts), uninterrupted)
+    assert acted is None or acted(expected, uninterrupted)
+
 
 def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_rerun_logs_that_step(
         workspace, reference, tmp_path):
