@@ -7,7 +7,8 @@ When the data's fingerprint, the trainer config's and the reward's equal those p
 version already trained on this data from the current production version with the same trainer config, reward
 and evaluation settings was refused on a gain and p-value that fail this run's gate too, ``check_new_data`` says
 so and the smoke
-test, training and evaluation are skipped; the new version is recorded but not promoted. ``force: true`` (a
+test, training and evaluation are skipped; nothing is promoted, and the model version ZenML made as the run started is
+deleted at the end (``discard_skipped_version``): the run, tagged ``skipped``, records why. ``force: true`` (a
 pipeline parameter) trains anyway.
 """
 
@@ -24,6 +25,7 @@ from rlhf_core.pipeline.failure import mark_failed_version
 from rlhf_core.pipeline.run_config import check_run_config
 from steps.check_new_data import check_new_data, check_production_exists
 from steps.define_reward import define_reward
+from steps.discard_skipped_version import discard_skipped_version
 from steps.evaluate import evaluate
 from steps.load_ppo_config import load_ppo_config
 from steps.promote import promote
@@ -63,8 +65,9 @@ def rlhf_retrain_pipeline(
     smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason, init_from=warm_start)
     checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, skip_reason=skip_reason)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec, skip_reason=skip_reason)
-    promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
-            alpha=alpha, skip_reason=skip_reason)
+    decision = promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
+                       alpha=alpha, skip_reason=skip_reason)
+    discard_skipped_version(decision)  # a run that trained nothing leaves no empty model version
 
 
 if __name__ == "__main__":  # (importing the module defines the pipeline; ZenML's command runs it)

@@ -123,7 +123,8 @@ def promote(
     }
     if skip_reason:
         record["skipped"] = skip_reason
-        # its ppo_checkpoint is a note, not a model: the tag tells such versions apart in the dashboard and queries
+        # its ppo_checkpoint is a note, not a model: the tag marks the version until the retraining's last step
+        # (discard_skipped_version) deletes it, and keeps it marked where that step does not get to run
         client.update_model_version(model.model_id, model.id, add_tags=[SKIPPED_TAG])
     record = {key: value for key, value in record.items() if value is not None}
     if confirmed is not None:

@@ -209,21 +209,36 @@ def test_artifacts_carry_visualizations_and_a_loadable_hf_checkpoint(trained):
     assert model.config.num_hidden_layers == 1
 
 
-def test_retraining_on_unchanged_data_is_skipped_and_not_promoted(trained):
+def _versions(model_name: str) -> list[int]:
+    from zenml.utils.pagination_utils import depaginate
+
+    return sorted(v.number for v in depaginate(zenml_client().list_model_versions, model=model_name))
+
+
+def test_retraining_on_unchanged_data_is_skipped_and_leaves_no_model_version(trained):
     production = _version("production")
     assert production.number == 1  # version 2 was not promoted (above): production was trained on train_file
+    before = _versions(MODEL)
     run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().train_file)
     assert str(run.status) == "completed"
-    version = zenml_client().get_model_version(MODEL, "latest")
-    meta = version.run_metadata
-    assert meta["promoted"] is False
-    assert "the data, trainer config and reward are unchanged since production version" in meta["skipped"]
-    assert meta["decision_reason"].startswith("not promoted: training was skipped")
-    assert "skipped" in [tag.name for tag in version.tags]  # its ppo_checkpoint is a note, not a model
+    # the version ZenML made as the run started is gone: a nightly run with nothing new adds none to the model
+    assert _versions(MODEL) == before
+    run = zenml_client().get_pipeline_run(run.id)
+    assert run.model_version is None
+    # the run says why it trained nothing
+    assert "skipped" in [tag.name for tag in run.tags]
+    assert run.run_metadata["skipped"].startswith("the data, trainer config and reward are unchanged since "
+                                                  "production version 1 was trained")
+    assert run.run_metadata["production_version"] == "1" and run.run_metadata["model"] == MODEL
+    gate = run.steps["check_new_data"].run_metadata
+    assert gate["skipped"] is True and gate["reason"] == run.run_metadata["skipped"]
+    promotion = run.steps["promote"].run_metadata
+    assert promotion["promoted"] is False
+    assert promotion["decision_reason"].startswith("not promoted: training was skipped")
     assert _version("production").number == production.number
     summary = run.steps["train_ppo"].outputs["training_summary"][0].load()
     assert summary["steps"] == 0
-    # no copy of production's weights for a version that trained nothing: the artifact is a note
+    # no copy of production's weights for a run that trained nothing: the artifact is a note
     folder = run.steps["train_ppo"].outputs["ppo_checkpoint"][0].load()
     assert [p.name for p in folder.iterdir()] == ["SKIPPED.txt"]
     assert (folder / "SKIPPED.txt").read_text().startswith("training skipped: the data, trainer config and reward are "
@@ -239,15 +254,19 @@ def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained)
     second = _version(2).run_metadata
     assert second["promoted"] is False and second["warm_started_from"] == "1"
     assert _version("production").number == 1
+    before = _versions(MODEL)
     run = run_pipeline(MODEL, retrain=True, train_file=tiny_setup().new_train_file)
     assert str(run.status) == "completed"
-    meta = zenml_client().get_model_version(MODEL, "latest").run_metadata
-    assert meta["promoted"] is False and meta["previous_production_version"] == "1"
-    assert "warm_started_from" not in meta  # it trained nothing, so it started from nothing
-    assert meta["config_fingerprint"] == second["config_fingerprint"]
-    assert meta["evaluation_settings"] == second["evaluation_settings"] == GATE_EVALUATION  # read off the run
-    assert meta["skipped"].startswith("version 2 was already trained on this data"), meta["skipped"]
-    assert "force=true" in meta["skipped"]
+    assert _versions(MODEL) == before  # no empty version 3
+    run = zenml_client().get_pipeline_run(run.id)
+    gate = run.steps["check_new_data"].run_metadata
+    assert gate["production_version"] == "1" and gate["refused_version"] == "2"
+    assert gate["config_fingerprint"] == second["config_fingerprint"]
+    assert second["evaluation_settings"] == GATE_EVALUATION  # read off the run
+    assert run.run_metadata["skipped"] == gate["reason"]
+    assert gate["reason"].startswith("version 2 was already trained on this data"), gate["reason"]
+    assert "force=true" in gate["reason"]
+    assert "warm_started_from" not in run.steps["train_ppo"].run_metadata  # it trained nothing, so started from nothing
     assert run.steps["train_ppo"].outputs["training_summary"][0].load()["steps"] == 0
 
 
@@ -474,8 +493,8 @@ def test_a_checkpoint_saved_outside_the_model_s_runs_names_the_version_it_is_lin
     assert meta["promoted"] is False and meta["previous_production_version"] == "imported", meta["decision_reason"]
     assert client.get_model_version(model, ModelStages.PRODUCTION).name == "imported"
 
-    again = run_pipeline(model, retrain=True, train_file=tiny_setup().new_train_file)
-    skipped = client.get_model_version(model, again.model_version.id).run_metadata["skipped"]
+    again = client.get_pipeline_run(run_pipeline(model, retrain=True, train_file=tiny_setup().new_train_file).id)
+    skipped = again.run_metadata["skipped"]  # (the run's: a run that skips keeps no model version)
     assert skipped.startswith(f"version {run.model_version.name} was already trained on this data"), skipped
 
 
@@ -1199,6 +1218,36 @@ def test_gate_step_records_what_a_later_gate_compares_and_force_overrides_it():
     assert reason == "" and meta["forced"] is True and meta["reason"].startswith("forced: version 2 was already")
     reason, meta = skip_reason()  # version 5: under min_improvement=0 the same candidate would be promoted
     assert reason == "" and meta["skipped"] is False and "refused_version" not in meta
+
+
+def test_a_run_that_skipped_training_keeps_no_model_version_and_records_why_on_the_run():
+    """The retraining's last step, after promote's decision: a skipped run's version (made as the run started) is
+    deleted and the run carries the reason; a run that trained keeps its version."""
+    zenml_client()
+    from zenml import Model, pipeline
+
+    from steps.discard_skipped_version import discard_skipped_version
+
+    @pipeline(enable_cache=False)
+    def retraining_end(decision: dict) -> None:
+        discard_skipped_version(decision)
+
+    model = "discard-skipped"
+    _add_version(model, production=True, promoted=True)  # version 1
+    end = retraining_end.with_options(model=Model(name=model))
+    trained = end(decision={"promoted": False, "previous_production_version": "1"})  # version 2 stays
+    reason = "the data, trainer config and reward are unchanged since production version 1 was trained"
+    skipped = end(decision={"promoted": False, "previous_production_version": "1", "skipped": reason})
+    assert _versions(model) == [1, 2]  # version 3, made as the skipped run started, is gone
+    skipped = zenml_client().get_pipeline_run(skipped.id)
+    assert str(skipped.status) == "completed" and skipped.model_version is None
+    assert [tag.name for tag in skipped.tags] == ["skipped"]
+    assert {key: skipped.run_metadata[key] for key in ("skipped", "model", "production_version")} == \
+        {"skipped": reason, "model": model, "production_version": "1"}
+    trained = zenml_client().get_pipeline_run(trained.id)
+    assert trained.model_version.number == 2 and "skipped" not in [tag.name for tag in trained.tags]
+    assert "skipped" not in trained.run_metadata
+    assert zenml_client().get_model_version(model, 2).run_metadata == {}
 
 
 def test_the_gate_step_records_a_changed_config_as_the_reason_to_train_not_new_data():
