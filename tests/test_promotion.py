@@ -382,3 +382,30 @@ def test_a_gate_of_a_whole_accuracy_or_more_is_refused_as_one_that_never_promote
                         (True, "must be a finite number >= 0"), (float("nan"), "must be a finite number >= 0")]:
         with pytest.raises(ValueError, match=reason):
             check_gate(bad, 0.05)
+
+
+def _resolved(*overrides: str) -> dict:
+    from rlhf_core.config import load_config
+
+    return load_config(["data.train_files=a/train.parquet", "data.val_files=a/test.parquet", *overrides],
+                       config_file="configs/ppo_demo_cpu.yaml", notice=lambda _: None, validate=False).to_dict()
+
+
+def test_a_run_resumed_as_a_failure_advises_fingerprints_as_its_config_and_others_as_before():
+    """A pipeline run that failed is resumed with the overrides its error names (resume_mode=resume_path, the
+    checkpoint, and after a reward fix allow_reward_code_change): it trains what its config trains, and the next
+    retraining with that config on the same data must not train it again as a changed config."""
+    import hashlib
+    import json
+
+    from rlhf_core.pipeline.promotion import config_fingerprint
+
+    plain = _resolved()
+    resumed = _resolved("trainer.resume_mode=resume_path", "trainer.resume_from_path=/runs/r-1/global_step_2",
+                        "trainer.allow_reward_code_change=true", "reward_model.train.resume_mode=disable")
+    assert config_fingerprint(resumed) == config_fingerprint(plain)
+    # a config that sets no resume key fingerprints as versions recorded it before: the whole tree but the data paths
+    data = {key: value for key, value in plain["data"].items() if key not in ("train_files", "val_files")}
+    recorded = hashlib.sha256(json.dumps({**plain, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
+    assert config_fingerprint(plain) == recorded
+    assert config_fingerprint(_resolved("trainer.seed=7")) != recorded  # what is trained still counts

@@ -135,12 +135,32 @@ def check_not_cached() -> None:
 RECORDED_LATER = frozenset({"batch_size"})
 
 
+#: the keys that say how a run goes on from a checkpoint, not what it trains (section -> key -> its default): a
+#: pipeline run resumed from a failed run's checkpoint trains what an unbroken run of its config would
+RESUME_KEYS = {
+    "trainer": {"resume_mode": "auto", "resume_from_path": None, "allow_reward_code_change": False},
+    "reward_model.train": {"resume_mode": "auto", "resume_from_path": None},
+}
+
+
 def config_fingerprint(ppo_config: Mapping[str, Any]) -> str:
     """SHA-256 of the trainer config without its data paths: the dataset fingerprint stands for the data's
     content (and stays the same when the files move), so the same data from another folder is the same training.
-    Recorded on every version that trains; the retraining gate compares it with production's."""
-    data = {k: v for k, v in ppo_config.get("data", {}).items() if k not in ("train_files", "val_files")}
-    return hashlib.sha256(json.dumps({**ppo_config, "data": data}, sort_keys=True, default=str).encode()).hexdigest()
+    Recorded on every version that trains; the retraining gate compares it with production's.
+
+    The resume keys (:data:`RESUME_KEYS`) count at their defaults, whatever they are set to: a version trained by
+    a run resumed from a failed run's checkpoint (``trainer.resume_mode=resume_path``, as the failure advises) is
+    the training of the config without them, and the next retraining with that config must not train it again.
+    (A config that sets none of them fingerprints as it did before they were left out.)"""
+    config = json.loads(json.dumps(ppo_config, default=str))  # a copy to normalise
+    config["data"] = {k: v for k, v in config.get("data", {}).items() if k not in ("train_files", "val_files")}
+    for path, defaults in RESUME_KEYS.items():
+        section = config
+        for key in path.split("."):
+            section = section.get(key) if isinstance(section, dict) else None
+        if isinstance(section, dict):
+            section.update({key: value for key, value in defaults.items() if key in section})
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
 #: what a training is besides its data, and the key of its fingerprint on a model version
