@@ -348,6 +348,7 @@ def test_more_workers_than_the_cluster_holds_say_why_they_wait(ray_cluster, caps
 def test_a_cluster_that_refuses_the_connection_names_the_address(monkeypatch):
     import ray
 
+    from rlhf_core.workers import group
     from rlhf_core.workers.group import WorkerError, ensure_ray
 
     def refuse(**_):
@@ -355,6 +356,7 @@ def test_a_cluster_that_refuses_the_connection_names_the_address(monkeypatch):
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(group, "_what_answers", lambda *_: None)  # Ray answers at the made-up address
     with pytest.raises(WorkerError, match=r"cannot connect to the Ray cluster at trainer.ray_address='10.0.0.9:6379' "
                                           r"\(or RAY_ADDRESS\): Failed to connect .*AuthenticationError; check"):
         ensure_ray("10.0.0.9:6379", 2, "cpu")

@@ -4,6 +4,7 @@ process's own and idle, and how ``trainer.ray_address`` is joined."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import weakref
 
@@ -117,6 +118,112 @@ def test_joining_an_address_where_nothing_answers_fails_in_seconds_on_every_path
         assert not ray.is_initialized()
 
 
+class _Listener:
+    """A local TCP server that is not Ray: each connection it accepts gets ``reply`` (after reading what the client
+    sent first, as a web server reads a request), or nothing at all, the connection held open."""
+
+    def __init__(self, reply: bytes | None):
+        self.reply, self.held = reply, []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            self.held.append(conn)
+            if self.reply is not None:
+                conn.recv(1024)
+                conn.sendall(self.reply)
+                conn.close()
+
+    def close(self):
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+GCS_FIX = "give the head's GCS address (ray start --head prints it; port 6379 by default), or a Ray client server's " \
+          "as ray://<head>:10001"
+CLIENT_FIX = "give ray://<head>:<its --ray-client-server-port, 10001 by default>, or the head's GCS address without " \
+             "ray:// (port 6379 by default)"
+
+
+@pytest.mark.parametrize("scheme", ["", "ray://"], ids=["gcs", "ray_client"])
+def test_an_address_where_something_else_than_ray_listens_is_refused_naming_what_answers(monkeypatch, scheme):
+    """A web server, or any listener, at the address passed the check (a connection was made), and ray.init then
+    retried for minutes or failed with Ray's own words. Now what answers is told from Ray within the check's
+    seconds, and named: a listener that says nothing (within a 1 s timeout here), a web server by its status line."""
+    if ray.is_initialized():
+        ray.shutdown()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_kind, fix = ("a Ray client server", CLIENT_FIX) if scheme else ("Ray's GCS", GCS_FIX)
+    silent, web = _Listener(None), _Listener(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    try:
+        started = time.monotonic()
+        with pytest.raises(group.WorkerError) as info:
+            group.ensure_ray(f"{scheme}127.0.0.1:{web.port}", 2, "cpu")
+        assert time.monotonic() - started < 2  # it answers at once: no timeout waited
+        assert str(info.value) == (
+            f"trainer.ray_address (or RAY_ADDRESS) '{scheme}127.0.0.1:{web.port}': what answers at "
+            f"127.0.0.1:{web.port} is not {ray_kind}: a web server (HTTP/1), which says 'HTTP/1.1 400 Bad Request'; "
+            f"{fix}")
+        monkeypatch.setattr(group, "RAY_CONNECT_TIMEOUT_S", 1.0)
+        started = time.monotonic()
+        with pytest.raises(group.WorkerError) as info:
+            group.ensure_ray(f"{scheme}127.0.0.1:{silent.port}", 2, "cpu")
+        assert time.monotonic() - started < 3
+        assert str(info.value) == (
+            f"trainer.ray_address (or RAY_ADDRESS) '{scheme}127.0.0.1:{silent.port}': what answers at "
+            f"127.0.0.1:{silent.port} is not {ray_kind}: it accepts the connection but sends nothing within 1 s; "
+            f"{fix}")
+        assert silent.held  # (it was reached: the connection was made, then nothing came)
+        assert not ray.is_initialized()
+    finally:
+        silent.close()
+        web.close()
+
+
+def test_a_grpc_server_that_is_not_ray_is_refused_and_a_ray_head_passes():
+    """An HTTP/2 (gRPC) server answers HTTP/2's greeting as Ray's GCS does: the call Ray's own client makes first
+    tells them apart. The GCS of a real (local) Ray cluster passes."""
+    from concurrent import futures
+
+    import grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))  # no service at all
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        problem = group.address_problem(f"127.0.0.1:{port}")
+        assert problem.startswith(
+            f"trainer.ray_address (or RAY_ADDRESS) '127.0.0.1:{port}': what answers at 127.0.0.1:{port} is not "
+            "Ray's GCS: an HTTP/2 server, which answers /ray.rpc.NodeInfoGcsService/GetClusterId with "
+            "UNIMPLEMENTED")
+        assert problem.endswith(GCS_FIX)
+        assert group.address_problem(f"ray://127.0.0.1:{port}").startswith(
+            f"trainer.ray_address (or RAY_ADDRESS) 'ray://127.0.0.1:{port}': what answers at 127.0.0.1:{port} is not "
+            "a Ray client server: an HTTP/2 server, which answers /ray.rpc.RayletDriver/ClusterInfo with UNIMPLEMENTED")
+    finally:
+        server.stop(None)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        gcs = ray.get_runtime_context().gcs_address
+        assert group.address_problem(gcs) is None
+        # its port written as a client server's: the GCS does not answer the client's PING
+        assert "is not a Ray client server: an HTTP/2 server, which answers /ray.rpc.RayletDriver/ClusterInfo " \
+               "with UNIMPLEMENTED" in group.address_problem(f"ray://{gcs}")
+    finally:
+        ray.shutdown()
+
+
 class _FakeContext:
     def get_node_id(self):
         return "node-a"
@@ -125,6 +232,7 @@ class _FakeContext:
 @pytest.mark.parametrize("address", ["10.0.0.9:6379", None], ids=["joined", "started"])
 def test_the_runtime_env_goes_to_ray_init(monkeypatch, tmp_path, address):
     calls = []
+    monkeypatch.setattr(group, "_what_answers", lambda *_: None)  # Ray answers at the made-up address
     monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "get_runtime_context", _FakeContext)
@@ -150,6 +258,7 @@ def test_an_env_var_removed_or_null_does_not_reach_ray_init(monkeypatch, tmp_pat
     monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(ray, "get_runtime_context", _FakeContext)
     monkeypatch.setattr(group, "_connection", None)
+    monkeypatch.setattr(group, "_what_answers", lambda *_: None)  # Ray answers at the made-up address
     run_config = tmp_path / "run.yaml"
     run_config.write_text("trainer:\n  ray_runtime_env:\n    env_vars:\n      CUDA_LAUNCH_BLOCKING: '1'\n"
                           "      HF_HOME: /cache\n      TOKENIZERS_PARALLELISM: null\n")
@@ -192,6 +301,7 @@ def test_what_ray_init_refuses_of_the_runtime_env_names_the_key(monkeypatch, tmp
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
     monkeypatch.setattr(group, "_connection", None)
+    monkeypatch.setattr(group, "_what_answers", lambda *_: None)  # Ray answers at the made-up address
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(group.WorkerError) as info:
         group.ensure_ray(address, 2, "cpu", {"py_modules": [str(notes)]})

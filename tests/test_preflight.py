@@ -497,7 +497,8 @@ def test_a_float32_ground_truth_field_with_fractions_is_refused(space, tmp_path)
 
 
 def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypatch):
-    """ray.init waited minutes on such an address, printing only Ray's retries; a listening one passes."""
+    """ray.init waited minutes on such an address, printing only Ray's retries; a listener that is not Ray (it
+    accepts, and says nothing) is refused as well."""
     import socket
 
     closed = socket.socket()
@@ -513,10 +514,16 @@ def test_a_ray_address_where_nothing_answers_is_refused_at_once(space, monkeypat
     monkeypatch.setenv("RAY_ADDRESS", f"ray://127.0.0.1:{port}")
     assert "nothing answers" in _errors(_config(space, *two))[0]
     monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr("rlhf_core.workers.group.RAY_CONNECT_TIMEOUT_S", 1.0)
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
-        preflight(_config(space, *two, f"trainer.ray_address=127.0.0.1:{listening.getsockname()[1]}"))
+        port = listening.getsockname()[1]
+        errors = _errors(_config(space, *two, f"trainer.ray_address=127.0.0.1:{port}"))
+    assert errors == [f"trainer.ray_address (or RAY_ADDRESS) '127.0.0.1:{port}': what answers at 127.0.0.1:{port} "
+                      "is not Ray's GCS: it accepts the connection but sends nothing within 1 s; give the head's GCS "
+                      "address (ray start --head prints it; port 6379 by default), or a Ray client server's as "
+                      "ray://<head>:10001"]
     preflight(_config(space, *two, "trainer.ray_address=auto"))  # Ray's own lookup: left to it
     preflight(_config(space, *two, "trainer.ray_address='::1'"))  # a bare IPv6 address (no port): left to Ray
     errors = _errors(_config(space, *two, "trainer.ray_address=no-such-host.invalid:6379"))

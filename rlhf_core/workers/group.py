@@ -51,8 +51,19 @@ FAILURE_GRACE_S = 2.0
 #: nothing until the collective timeout fails the call.
 STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
-#: How long the address of a Ray cluster to join has to answer before ``ray.init`` is tried on it.
+#: How long the address of a Ray cluster to join has to answer, as Ray, before ``ray.init`` is tried on it.
 RAY_CONNECT_TIMEOUT_S = 5.0
+#: The first bytes a client sends on an HTTP/2 connection (RFC 9113, 3.4): the preface, then an empty SETTINGS
+#: frame. Any HTTP/2 server (gRPC, as Ray's GCS and its client server speak) answers with a SETTINGS frame.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS_FRAME = 4  # the type byte of a frame's 9-byte header (length 3, type 1, flags 1, stream 4)
+#: What is asked of the server, by the kind of address: Ray's GCS (``host:port``) the cluster's id, as Ray's own
+#: GCS client asks first; a Ray client server (``ray://host:port``) a PING, as ``ray.util.client`` does. Each
+#: request is its protobuf bytes: GetClusterIdRequest has no field; ClusterInfoRequest's field 1 (a varint) is PING, 6.
+_RAY_CALLS = {
+    False: ("Ray's GCS", "/ray.rpc.NodeInfoGcsService/GetClusterId", b""),
+    True: ("a Ray client server", "/ray.rpc.RayletDriver/ClusterInfo", b"\x08\x06"),
+}
 
 
 class WorkerError(RuntimeError):
@@ -191,15 +202,17 @@ def _check_runtime_env(runtime_env: dict) -> None:
 
 def address_problem(address: str) -> str | None:
     """Why no Ray cluster can be joined at ``address`` (``host:port`` or ``ray://host:port``): its host does not
-    resolve, or nothing answers at its port within :data:`RAY_CONNECT_TIMEOUT_S`, where ``ray.init`` retries
-    for many minutes (some 45 s a try, 20 tries), printing only Ray's own warnings. None where something answers; ``auto`` and
-    addresses of other forms are left to Ray."""
+    resolve, nothing answers at its port, or what answers is not Ray (a web server, a listener that says nothing),
+    each found within about :data:`RAY_CONNECT_TIMEOUT_S`, where ``ray.init`` retries for many minutes (some 45 s
+    a try, 20 tries), printing only Ray's own warnings. None where Ray answers; ``auto`` and addresses of other
+    forms are left to Ray."""
     target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or (":" in host and not host.startswith("[")):  # (a bare IPv6 address)
         return None
+    client = address.startswith("ray://")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+        answer = _what_answers(host, int(port), client)
     except socket.gaierror as exc:
         return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: cannot resolve the host {host!r} "
                 f"({exc.strerror or exc}); fix the address")
@@ -207,6 +220,59 @@ def address_problem(address: str) -> str | None:
         return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: nothing answers at {host}:{port} within "
                 f"{RAY_CONNECT_TIMEOUT_S:.0f} s ({exc.strerror or exc}); start the cluster there (ray start --head "
                 f"--port {port}) or fix the address")
+    if answer is not None:
+        fix = ("give ray://<head>:<its --ray-client-server-port, 10001 by default>, or the head's GCS address "
+               "without ray:// (port 6379 by default)") if client else \
+              ("give the head's GCS address (ray start --head prints it; port 6379 by default), or a Ray client "
+               "server's as ray://<head>:10001")
+        return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: what answers at {host}:{port} is not "
+                f"{_RAY_CALLS[client][0]}: {answer}; {fix}")
+    return None
+
+
+def _what_answers(host: str, port: int, client: bool) -> str | None:
+    """What answers at ``host:port`` where it is not Ray (its GCS; a client server where ``client``), in words;
+    None where Ray does. Raises OSError where nothing answers (the host unknown, the connection refused or not
+    made within :data:`RAY_CONNECT_TIMEOUT_S`).
+
+    Two questions, within the timeout together: is it an HTTP/2 server (it answers HTTP/2's preface with a
+    SETTINGS frame), and does it answer Ray's own first call (:data:`_RAY_CALLS`)? A cluster that asks for a
+    token (RAY_AUTH_MODE) refuses the call unauthenticated: it is Ray, and ray.init says what it wants. A cluster
+    on TLS (RAY_USE_TLS) is asked nothing past the connection."""
+    import grpc
+
+    deadline = time.monotonic() + RAY_CONNECT_TIMEOUT_S
+    within = f"within {RAY_CONNECT_TIMEOUT_S:.0f} s"
+    with socket.create_connection((host.strip("[]"), port), timeout=RAY_CONNECT_TIMEOUT_S) as conn:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return None
+        conn.settimeout(max(deadline - time.monotonic(), 0.5))
+        try:
+            conn.sendall(_HTTP2_PREFACE)
+            first = conn.recv(256)
+        except TimeoutError:
+            return f"it accepts the connection but sends nothing {within}"
+        except OSError as exc:
+            return f"it accepts the connection, then drops it ({exc.strerror or exc})"
+    if not first:
+        return "it accepts the connection and closes it without a word"
+    if len(first) < 9 or first[3] != _SETTINGS_FRAME:  # not an HTTP/2 server
+        said = first.split(b"\n")[0].strip().decode("ascii", "replace")[:80]
+        web = first.startswith(b"HTTP/") or first.lstrip().lower().startswith((b"<!doctype html", b"<html"))
+        return f"{'a web server (HTTP/1)' if web else 'a server that does not speak gRPC'}, which says {said!r}"
+    _, method, request = _RAY_CALLS[client]
+    channel = grpc.insecure_channel(f"{host}:{port}", options=[("grpc.enable_http_proxy", 0)])  # (as Ray's own)
+    try:
+        channel.unary_unary(method)(request, timeout=max(deadline - time.monotonic(), 0.5))
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return None
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"an HTTP/2 server, which does not answer {method} {within}"
+        details = f": {exc.details()}" if exc.details() else ""
+        return f"an HTTP/2 server, which answers {method} with {exc.code().name}{details}"
+    finally:
+        channel.close()
     return None
 
 
