@@ -203,7 +203,7 @@ def preflight(cfg: PPOConfig) -> None:
         if ray_address:
             from rlhf_core.workers.group import address_problem
 
-            if (problem := address_problem(ray_address)) is not None:
+            if (problem := address_problem(ray_address, remember=True)) is not None:
                 errors.append(problem)
     try:  # first: it registers the architectures the model configs below may name (verl imports it in each worker)
         import_external_lib(arr.model.external_lib)

@@ -327,6 +327,27 @@ def test_the_cli_says_the_runtime_env_ray_refuses_in_one_line(workspace, tmp_pat
     assert "Traceback" not in err and not ray.is_initialized()
 
 
+def test_the_ppo_command_asks_the_ray_address_once(workspace, tmp_path, monkeypatch, capsys):
+    """rlhf-ppo on 2 workers asked trainer.ray_address in its preflight and again as its worker group joined it."""
+    from rlhf_core.cli.train import ppo
+
+    asked = []
+    monkeypatch.setattr(group, "_what_answers", lambda *args: asked.append(args))  # Ray answers (None), counted
+
+    def refuse(**_):
+        raise ConnectionError("refused here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code = ppo(workspace.overrides(tmp_path / "out", "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1",
+                                   "trainer.ray_address=ray://127.0.0.1:10001"))
+    assert code == 1
+    assert "cannot connect to the Ray cluster at trainer.ray_address='ray://127.0.0.1:10001' (or RAY_ADDRESS): " \
+           "refused here" in capsys.readouterr().err
+    assert asked == [("127.0.0.1", 10001, True)]
+
+
 def test_a_runtime_env_that_comes_after_ray_was_connected_says_it_is_not_applied(monkeypatch, capsys):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)  # the caller's connection
     monkeypatch.setattr(ray, "init", lambda **_: pytest.fail("connected twice"))

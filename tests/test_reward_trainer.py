@@ -1444,6 +1444,34 @@ def test_a_ray_address_where_nothing_answers_is_refused_before_the_pairs_are_enc
     assert not out.exists()
 
 
+def test_the_command_asks_the_ray_address_once(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
+    """rlhf-train-rm on 2 workers asked trainer.ray_address twice: in its preflight, then again as the worker group
+    joined it (each ask up to 5 s where the address is slow). Now the preflight's answer serves the join; a join
+    with no preflight before it (a library call) still asks."""
+    import ray
+
+    from rlhf_core.workers import group
+
+    asked = []
+    monkeypatch.setattr(group, "_what_answers", lambda *args: asked.append(args))  # Ray answers (None), counted
+
+    def refuse(**_):  # the join itself, past the check, fails at once (nothing of Ray starts)
+        raise ConnectionError("refused here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = "127.0.0.1:6379"
+    assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "rm", "trainer.n_gpus_per_node=2",
+                               "reward_model.train.micro_batch_size_per_gpu=2", f"trainer.ray_address={address}")) == 1
+    assert f"cannot connect to the Ray cluster at trainer.ray_address='{address}' (or RAY_ADDRESS): refused here" \
+        in capsys.readouterr().err
+    assert asked == [("127.0.0.1", 6379, False)]
+    with pytest.raises(group.WorkerError, match="refused here"):
+        group.ensure_ray(address, 2, "cpu")
+    assert len(asked) == 2
+
+
 def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):
     assert train_rm(_overrides(tiny, pairs_dir, tmp_path / "never", "reward_model.train.micro_batch_size_per_gpu=3")) == 2
     assert "must be divisible by reward_model.train.micro_batch_size_per_gpu" in capsys.readouterr().err

@@ -548,7 +548,7 @@ def preflight(cfg: PPOConfig) -> Preferences:
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
-    if cfg.world_size > 1 and address and (problem := address_problem(address)) is not None:
+    if cfg.world_size > 1 and address and (problem := address_problem(address, remember=True)) is not None:
         errors.append(problem)  # before the pairs are read and encoded, as PPO's preflight says it
     errors += store_problems(cfg.trainer.logger)
     out = resolve(rm.default_local_dir)

@@ -53,6 +53,8 @@ STALL_NOTICE_S = 300.0
 STALL_FACTOR = 3.0
 #: How long the address of a Ray cluster to join has to answer, as Ray, before ``ray.init`` is tried on it.
 RAY_CONNECT_TIMEOUT_S = 5.0
+#: How long an address that a command's preflight found answering as Ray is joined without asking it again.
+RAY_ANSWER_KEPT_S = 600.0
 #: The first bytes a client sends on an HTTP/2 connection (RFC 9113, 3.4): the preface, then an empty SETTINGS
 #: frame. Any HTTP/2 server (gRPC, as Ray's GCS and its client server speak) answers with a SETTINGS frame.
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
@@ -200,12 +202,13 @@ def _check_runtime_env(runtime_env: dict) -> None:
         raise WorkerError(_refused(runtime_env, exc)) from None
 
 
-def address_problem(address: str) -> str | None:
+def address_problem(address: str, remember: bool = False) -> str | None:
     """Why no Ray cluster can be joined at ``address`` (``host:port`` or ``ray://host:port``): its host does not
     resolve, nothing answers at its port, or what answers is not Ray (a web server, a listener that says nothing),
     each found within about :data:`RAY_CONNECT_TIMEOUT_S`, where ``ray.init`` retries for many minutes (some 45 s
     a try, 20 tries), printing only Ray's own warnings. None where Ray answers; ``auto`` and addresses of other
-    forms are left to Ray."""
+    forms are left to Ray. With ``remember`` (a command's preflight), an address where Ray answers is noted for
+    the next :func:`ensure_ray` to join without asking it again."""
     target = address.removeprefix("ray://")
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit() or (":" in host and not host.startswith("[")):  # (a bare IPv6 address)
@@ -227,7 +230,20 @@ def address_problem(address: str) -> str | None:
                "server's as ray://<head>:10001")
         return (f"trainer.ray_address (or RAY_ADDRESS) {address!r}: what answers at {host}:{port} is not "
                 f"{_RAY_CALLS[client][0]}: {answer}; {fix}")
+    if remember:
+        _answered[address] = time.monotonic()
     return None
+
+
+#: Addresses a preflight found answering as Ray, with when: the next ensure_ray joins one of them (within
+#: RAY_ANSWER_KEPT_S) without asking again, so that a command asks an address once
+_answered: dict[str, float] = {}
+
+
+def _answered_lately(address: str) -> bool:
+    """Whether a preflight found Ray at ``address`` within :data:`RAY_ANSWER_KEPT_S`; the note is used up."""
+    found = _answered.pop(address, None)
+    return found is not None and time.monotonic() - found < RAY_ANSWER_KEPT_S
 
 
 def _what_answers(host: str, port: int, client: bool) -> str | None:
@@ -305,7 +321,7 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
               f"and runs none: started again with {{'CPU': {cpus}, 'GPU': {gpus}}}", file=sys.stderr, flush=True)
     _check_runtime_env(runtime_env)
     address = address or os.environ.get("RAY_ADDRESS")
-    if address and (problem := address_problem(address)) is not None:
+    if address and not _answered_lately(address) and (problem := address_problem(address)) is not None:
         raise WorkerError(problem)
     # ray.init puts in a SIGTERM handler of its own (sys.exit(15)): the command's (rlhf_core.cli: a SIGTERM said
     # as a Ctrl-C is, exit 143) stays; a default one is left to Ray's, as before
