@@ -44,6 +44,7 @@ from rlhf_core.data.dataset import left_pad, prompt_token_ids
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
+from rlhf_core.rollout.base import end_ids
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
     map_micro_batches,
@@ -151,8 +152,7 @@ def stop_ids(folder: str | os.PathLike, tokenizer) -> set[int]:
         eos = GenerationConfig.from_pretrained(str(resolve(folder))).eos_token_id
     except OSError:  # a tokenizer directory without the model's generation_config.json
         eos = None
-    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    return end_ids(eos, tokenizer)
 
 
 def same_tokenization(a, b, a_kwargs: dict | None = None, b_kwargs: dict | None = None) -> bool:

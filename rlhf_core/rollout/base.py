@@ -43,13 +43,17 @@ def stop_tokens(module, tokenizer) -> tuple[list[int], int]:
     the tokenizer's, else the least of those ids. ``module`` without a generation config (an engine that keeps its
     own copy of the model) adds none."""
     config = getattr(module, "generation_config", None)
-    eos = config.eos_token_id if config is not None else None
-    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    ids = end_ids(config.eos_token_id if config is not None else None, tokenizer)
     if not ids:
         raise ValueError("the tokenizer and the model's generation_config name no EOS token")
     return sorted(ids), tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(ids)
+
+
+def end_ids(generation_eos: int | list[int] | None, tokenizer) -> set[int]:
+    """The ids that end a response: ``generation_eos`` (a generation config's ``eos_token_id``: an int, a list or
+    None) and the tokenizer's EOS."""
+    ids = set(generation_eos if isinstance(generation_eos, list) else [] if generation_eos is None else [generation_eos])
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
 def call_seed(*numbers: int) -> int:
