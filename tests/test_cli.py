@@ -85,6 +85,55 @@ def test_the_toy_models_presets_named_for_its_help_are_those_it_builds():
     assert sorted(models.TOY_PRESETS) == sorted(toy.PRESETS) == ["demo", "test"]
 
 
+# the library modules a data command imports once it has parsed its arguments (seconds: pandas, and GX for validate)
+DATA_LIBRARIES = ("pandas", "numpy", "pyarrow", "torch", "great_expectations", "rlhf_core.data.gsm8k",
+                  "rlhf_core.data.synthetic", "rlhf_core.data.preference", "rlhf_core.data.validation")
+
+
+@pytest.mark.parametrize(("command", "wrong", "said"), [
+    ("gsm8k", ["--input", "in", "--output", "out", "--max-rows", "0"], "rlhf gsm8k: error: --max-rows must be at least 1"),
+    ("synthetic", ["--output", "out", "--n-train", "0", "--n-test", "5"],
+     "rlhf synthetic: error: --n-train must be at least 1"),
+    ("preference", ["--synthetic", "--output", "out", "--n-val", "0"],
+     "rlhf preference: error: --n-train and --n-val must be at least 1"),
+    ("validate", ["--json"], "rlhf validate: error: the following arguments are required: train")])
+def test_the_data_commands_help_and_a_usage_error_answer_without_importing_pandas(repo_root, command, wrong, said):
+    """``rlhf gsm8k --help`` (synthetic, preference, validate) took about 2.5 s: their module imported the data
+    library (pandas) before it parsed the arguments."""
+    done = _python("-c", _import_probe(command, wrong, DATA_LIBRARIES), cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"[0, 2] {said}", "loaded: []"]
+
+
+@pytest.mark.parametrize("module", ["rlhf_core.data.gsm8k", "rlhf_core.data.synthetic", "rlhf_core.data.preference",
+                                    "rlhf_core.data.validation"])
+def test_a_data_modules_python_m_help_answers_without_importing_pandas(repo_root, module):
+    probe = ("import contextlib, io, runpy, sys\nsys.argv = ['x', '--help']\n"
+             "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+             "    try:\n"
+             f"        runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+             "    except SystemExit as exited:\n"
+             "        code = exited.code\n"
+             "print(code, out.getvalue().splitlines()[0])\n"
+             f"print('loaded:', sorted(m for m in {DATA_LIBRARIES!r} if m in sys.modules))")
+    done = _python("-c", probe, cwd=repo_root)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith(f"0 usage: python -m {module} [-h]")
+    assert done.stdout.splitlines()[1:] == ["loaded: []"]
+
+
+def test_what_the_data_commands_show_of_their_library_is_what_it_uses():
+    from rlhf_core.cli import data
+    from rlhf_core.data import gsm8k, preference, synthetic
+
+    assert data.GSM8K_LAYOUTS == gsm8k.LAYOUTS == ("auto", "jsonl", "parquet")
+    assert data.SYNTHETIC_DEFAULTS == synthetic.DEFAULT_OPTIONS == {
+        "min_ops": 1, "max_ops": 3, "min_operand": 1, "max_operand": 20, "max_value": 999,
+        "operations": ("+", "-", "*", "/")}
+    assert data.TEST_SET_WARNING == preference.TEST_SET_WARNING
+    assert "GSM8K *test* questions" in data.TEST_SET_WARNING
+
+
 def test_the_schedulers_help_and_a_usage_error_answer_without_importing_torch(repo_root):
     """``rlhf-schedule --help`` took seconds: the command imported the run-config checks (torch, pandas)
     before it parsed its arguments."""
@@ -531,13 +580,16 @@ def test_a_ctrl_c_as_a_console_script_starts_exits_130_with_one_line(repo_root, 
 
 
 # the modules ``python -m`` runs as commands (the README's and the commands' usage lines name them), each with
-# arguments that take it to its first import of torch, pandas, ZenML or Hydra (--help, where it parses after them)
+# arguments that take it to its first import of torch, pandas, ZenML or Hydra (--help, where it parses after them;
+# arguments it takes, where it imports them once it has parsed: each would write into ``out``)
 PYTHON_M = {"rlhf_core.main_ppo": ["--help"], "rlhf_core.training.reward_trainer": ["--help"],
             "rlhf_core.pipeline.smoke": ["--help"], "rlhf_core.pipeline.evaluate": ["--help"],
             "rlhf_core.pipeline.lineage": ["--help"], "rlhf_core.pipeline.schedule": ["--help"],
-            "rlhf_core.config": ["--help"], "rlhf_core.models.toy": ["--preset", "test", "--output", "toy"],
-            "rlhf_core.data.gsm8k": ["--help"], "rlhf_core.data.synthetic": ["--help"],
-            "rlhf_core.data.preference": ["--help"], "rlhf_core.data.validation": ["--help"]}
+            "rlhf_core.config": ["--help"], "rlhf_core.models.toy": ["--preset", "test", "--output", "out"],
+            "rlhf_core.data.gsm8k": ["--input", "in", "--output", "out"],
+            "rlhf_core.data.synthetic": ["--output", "out", "--n-train", "4", "--n-test", "2"],
+            "rlhf_core.data.preference": ["--synthetic", "--output", "out"],
+            "rlhf_core.data.validation": ["train.parquet", "--html", "out"]}
 
 
 def _python_m_at_a_ctrl_c(repo_root, tmp_path, module: str, argv: list[str]) -> subprocess.CompletedProcess:
@@ -554,12 +606,13 @@ def _python_m_at_a_ctrl_c(repo_root, tmp_path, module: str, argv: list[str]) -> 
 def test_a_ctrl_c_as_python_m_starts_exits_130_with_one_line(repo_root, tmp_path, module):
     """``python -m rlhf_core.<module>`` ran the module itself, whose own imports (torch, pandas, Hydra) came before
     any code that could take a Ctrl-C, or its ``__main__`` block imported the command's module (ZenML) outside
-    it: it came out as a traceback. (The toy model's command imports torch once it has parsed its arguments.)"""
+    it: it came out as a traceback. (The toy model's and the data commands import torch or pandas once they have
+    parsed their arguments.)"""
     done = _python_m_at_a_ctrl_c(repo_root, tmp_path, module, PYTHON_M[module])
     assert (done.returncode, done.stderr.splitlines()) == (
         130, [f"interrupted by SIGINT: python -m {module} stopped as it started: nothing was done"]), \
         done.stderr[-2000:]
-    assert not (tmp_path / "toy").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_ctrl_c_as_a_gguf_import_reads_its_file_exits_130_with_one_line_and_leaves_no_folder(repo_root, tmp_path):

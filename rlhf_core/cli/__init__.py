@@ -162,8 +162,8 @@ _importing = False
 
 @contextlib.contextmanager
 def importing():
-    """Around the imports a command makes after parsing its arguments (torch, transformers: seconds, where ``--help``
-    and a usage error answer without them): a Ctrl-C inside stops the command as it started, before it did
+    """Around the imports a command makes after parsing its arguments (torch, transformers, pandas: seconds, where
+    ``--help`` and a usage error answer without them): a Ctrl-C inside stops the command as it started, before it did
     anything, and :func:`_run`'s line says so."""
     global _importing
     _importing = True

@@ -17,29 +17,27 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlhf_core.cli import chat_template_kwargs, program
-from rlhf_core.data.gsm8k import LAYOUTS, MAX_REPORTED, SPLITS, GSM8KDataError, preprocess_gsm8k
-from rlhf_core.data.preference import (
-    GSM8K_SOURCE,
-    TEST_SET_WARNING,
-    PreferenceDataError,
-    drop_questions,
-    gsm8k_solution_pairs,
-    prompt_questions,
-    split_by_group,
-    synthetic_pairs,
-    trl_pairs,
-    write_splits,
+from rlhf_core.cli import chat_template_kwargs, importing, program
+
+# What the parsers show of the library (rlhf_core.data.gsm8k.LAYOUTS, rlhf_core.data.synthetic.DEFAULT_OPTIONS,
+# rlhf_core.data.preference.TEST_SET_WARNING), named here because those modules import pandas (seconds): each command
+# imports its library once it has parsed its arguments, so --help and a usage error answer at once.
+GSM8K_LAYOUTS = ("auto", "jsonl", "parquet")
+SYNTHETIC_DEFAULTS = {"min_ops": 1, "max_ops": 3, "min_operand": 1, "max_operand": 20, "max_value": 999,
+                      "operations": ("+", "-", "*", "/")}
+TEST_SET_WARNING = (
+    "These pairs are built from GSM8K *test* questions: do not evaluate on GSM8K test a policy "
+    "trained against a reward model fitted on them (the reward would leak the test set)."
 )
-from rlhf_core.data.synthetic import DATA_SOURCE, DEFAULT_OPTIONS, OPERATIONS, build_dataset, validate_options
-from rlhf_core.data.validation import DataReadError, one_line, validate_dataset
 
 # ----------------------------------------------------------------------------- prompt data
 
 
 def _os_problem(exc: OSError, output: str) -> str:
     """An OSError as one line: the path and the reason, and where it is ``output`` or in it (a folder that
-    cannot be made or written), what to do."""
+    cannot be made or written), what to do. (Called once the command has imported its library, pandas.)"""
+    from rlhf_core.data.validation import one_line
+
     if exc.filename is None:
         return one_line(str(exc))
     # (a file where the folder goes: the folder's mkdir said only "File exists")
@@ -72,7 +70,7 @@ def gsm8k(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--layout",
-        choices=LAYOUTS,
+        choices=GSM8K_LAYOUTS,
         default="auto",
         help="input layout; auto prefers jsonl when both are present",
     )
@@ -84,6 +82,9 @@ def gsm8k(argv: list[str] | None = None) -> int:
     if args.hdfs_dir is not None:
         parser.error("--hdfs_dir (verl's copy of the output to HDFS) is not done here: copy the --output folder "
                      "there yourself")
+    with importing():
+        from rlhf_core.data.gsm8k import MAX_REPORTED, SPLITS, GSM8KDataError, preprocess_gsm8k
+
     try:
         summary = preprocess_gsm8k(args.input, args.output, args.overwrite, args.skip_invalid, args.layout,
                                    args.max_rows)
@@ -114,25 +115,26 @@ def synthetic(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-test", type=int, required=True, help="number of test problems")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument(
-        "--min-ops", type=int, default=DEFAULT_OPTIONS["min_ops"], help="fewest operations (default 1)"
+        "--min-ops", type=int, default=SYNTHETIC_DEFAULTS["min_ops"], help="fewest operations (default 1)"
     )
     parser.add_argument(
-        "--max-ops", type=int, default=DEFAULT_OPTIONS["max_ops"], help="most operations (default 3)"
+        "--max-ops", type=int, default=SYNTHETIC_DEFAULTS["max_ops"], help="most operations (default 3)"
     )
     parser.add_argument(
-        "--min-operand", type=int, default=DEFAULT_OPTIONS["min_operand"], help="smallest operand (default 1)"
+        "--min-operand", type=int, default=SYNTHETIC_DEFAULTS["min_operand"], help="smallest operand (default 1)"
     )
     parser.add_argument(
-        "--max-operand", type=int, default=DEFAULT_OPTIONS["max_operand"], help="largest operand (default 20)"
+        "--max-operand", type=int, default=SYNTHETIC_DEFAULTS["max_operand"], help="largest operand (default 20)"
     )
     parser.add_argument(
         "--max-value",
         type=int,
-        default=DEFAULT_OPTIONS["max_value"],
+        default=SYNTHETIC_DEFAULTS["max_value"],
         help="largest intermediate amount (default 999; 0 for no limit)",
     )
     parser.add_argument(
-        "--operations", default="".join(OPERATIONS), help="operations to use, e.g. '+-' (default '+-*/')"
+        "--operations", default="".join(SYNTHETIC_DEFAULTS["operations"]),
+        help="operations to use, e.g. '+-' (default '+-*/')",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
@@ -144,11 +146,14 @@ def synthetic(argv: list[str] | None = None) -> int:
         "max_value": args.max_value or None,
         "operations": tuple(args.operations.replace(",", "").replace(" ", "")),
     }
+    for name in ("n_train", "n_test"):  # an empty split is refused by the validation and the trainer
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    with importing():
+        from rlhf_core.data.synthetic import build_dataset, validate_options
+
     try:
         validate_options(**options)
-        for name in ("n_train", "n_test"):  # an empty split is refused by the validation and the trainer
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     except ValueError as exc:
         parser.error(str(exc))
     try:
@@ -169,7 +174,10 @@ def synthetic(argv: list[str] | None = None) -> int:
 
 def _off_excluded(pairs: list[dict], apart: set[str], excluded: str, source: str, unit: str) -> list[dict]:
     """The pairs on no question of ``--exclude``, after a line saying how many it took (over how many of ``unit``);
-    PreferenceDataError where it takes every pair of ``source``."""
+    PreferenceDataError where it takes every pair of ``source``. (Called once the command has imported its
+    library.)"""
+    from rlhf_core.data.preference import PreferenceDataError, drop_questions
+
     pairs, dropped = drop_questions(pairs, apart)
     print(f"excluded: {len(dropped)} pair(s) over {len({p['group'] for p in dropped})} {unit}(s) of {excluded}")
     if not pairs:
@@ -217,14 +225,28 @@ def preference(argv: list[str] | None = None) -> int:
         others = list(dict.fromkeys(user for option in given for user in sources[option]))
         verb, pronoun = ("apply", "them") if len(given) > 1 else ("applies", "it")
         parser.error(f"{' and '.join(given)} only {verb} to {' and '.join(others)}; {this} does not use {pronoun}")
+    n_train = 2000 if args.n_train is None else args.n_train
+    n_val = 400 if args.n_val is None else args.n_val
+    if args.synthetic and (n_train < 1 or n_val < 1):
+        parser.error("--n-train and --n-val must be at least 1")
+    with importing():
+        from rlhf_core.data.preference import (
+            GSM8K_SOURCE,
+            PreferenceDataError,
+            drop_questions,
+            gsm8k_solution_pairs,
+            prompt_questions,
+            split_by_group,
+            synthetic_pairs,
+            trl_pairs,
+            write_splits,
+        )
+        from rlhf_core.data.synthetic import DATA_SOURCE
+
     excluded = " ".join(args.exclude)
     try:
         apart = prompt_questions(args.exclude) if args.exclude else set()
         if args.synthetic:
-            n_train = 2000 if args.n_train is None else args.n_train
-            n_val = 400 if args.n_val is None else args.n_val
-            if n_train < 1 or n_val < 1:
-                parser.error("--n-train and --n-val must be at least 1")
             if apart:
                 # the same seed without --exclude: its pairs on excluded questions are the ones drawn again
                 replaced = sum(len(drop_questions(pairs, apart)[1])
@@ -323,6 +345,9 @@ _VALIDATE_OPTIONS = {"tokenizer": "--tokenizer", "max_prompt_length": "--max-pro
 def validate(argv: Sequence[str] | None = None) -> int:
     args = _validate_parser().parse_args(argv)
     os.environ.setdefault("TQDM_DISABLE", "1")
+    with importing():
+        from rlhf_core.data.validation import DataReadError, one_line, validate_dataset
+
     try:
         report = validate_dataset(args.train, args.val, args.tokenizer, args.max_prompt_length,
                                   max_length=args.max_length, max_chars=args.max_chars,
