@@ -122,18 +122,6 @@ def test_a_data_modules_python_m_help_answers_without_importing_pandas(repo_root
     assert done.stdout.splitlines()[1:] == ["loaded: []"]
 
 
-def test_what_the_data_commands_show_of_their_library_is_what_it_uses():
-    from rlhf_core.cli import data
-    from rlhf_core.data import gsm8k, preference, synthetic
-
-    assert data.GSM8K_LAYOUTS == gsm8k.LAYOUTS == ("auto", "jsonl", "parquet")
-    assert data.SYNTHETIC_DEFAULTS == synthetic.DEFAULT_OPTIONS == {
-        "min_ops": 1, "max_ops": 3, "min_operand": 1, "max_operand": 20, "max_value": 999,
-        "operations": ("+", "-", "*", "/")}
-    assert data.TEST_SET_WARNING == preference.TEST_SET_WARNING
-    assert "GSM8K *test* questions" in data.TEST_SET_WARNING
-
-
 def test_the_schedulers_help_and_a_usage_error_answer_without_importing_torch(repo_root):
     """``rlhf-schedule --help`` took seconds: the command imported the run-config checks (torch, pandas)
     before it parsed its arguments."""

@@ -18,17 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from rlhf_core.cli import chat_template_kwargs, importing, program
-
-# What the parsers show of the library (rlhf_core.data.gsm8k.LAYOUTS, rlhf_core.data.synthetic.DEFAULT_OPTIONS,
-# rlhf_core.data.preference.TEST_SET_WARNING), named here because those modules import pandas (seconds): each command
-# imports its library once it has parsed its arguments, so --help and a usage error answer at once.
-GSM8K_LAYOUTS = ("auto", "jsonl", "parquet")
-SYNTHETIC_DEFAULTS = {"min_ops": 1, "max_ops": 3, "min_operand": 1, "max_operand": 20, "max_value": 999,
-                      "operations": ("+", "-", "*", "/")}
-TEST_SET_WARNING = (
-    "These pairs are built from GSM8K *test* questions: do not evaluate on GSM8K test a policy "
-    "trained against a reward model fitted on them (the reward would leak the test set)."
-)
+from rlhf_core.data.options import GSM8K_LAYOUTS, SYNTHETIC_DEFAULTS, TEST_SET_WARNING  # (imports nothing)
 
 # ----------------------------------------------------------------------------- prompt data
 

@@ -38,12 +38,13 @@ if __name__ == "__main__":  # run as `rlhf gsm8k` is (rlhf_core.cli), before the
 
 import pandas as pd
 
+from rlhf_core.data.options import GSM8K_LAYOUTS
 from rlhf_core.data.schema import extract_final_answer, make_record, read_rows, write_parquet_atomic
 from rlhf_core.rewards.gsm8k import unanswerable
 
 DATA_SOURCE = "openai/gsm8k"
 SPLITS = ("train", "test")
-LAYOUTS = ("auto", "jsonl", "parquet")
+LAYOUTS = GSM8K_LAYOUTS
 SOURCE_COLUMNS = ("question", "answer")
 _EXCERPT_CHARS = 80
 MAX_REPORTED = 10

@@ -76,10 +76,6 @@ from rlhf_core.data.validation import question_key
 
 GSM8K_SOURCE = "openai/gsm8k"
 GSM8K_MODELS = ("6b_finetuning", "6b_verification", "175b_finetuning", "175b_verification")
-TEST_SET_WARNING = (
-    "These pairs are built from GSM8K *test* questions: do not evaluate on GSM8K test a policy "
-    "trained against a reward model fitted on them (the reward would leak the test set)."
-)
 
 
 class PreferenceDataError(ValueError):

@@ -42,20 +42,14 @@ if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before
 
 import pandas as pd
 
+from rlhf_core.data.options import SYNTHETIC_DEFAULTS, SYNTHETIC_OPERATIONS
 from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquet_atomic
 from rlhf_core.data.validation import question_key
 
 DATA_SOURCE = "synthetic/arithmetic"
-OPERATIONS = ("+", "-", "*", "/")
+OPERATIONS = SYNTHETIC_OPERATIONS
 MAX_OPS_LIMIT = 6
-DEFAULT_OPTIONS = {
-    "min_ops": 1,
-    "max_ops": 3,
-    "min_operand": 1,
-    "max_operand": 20,
-    "max_value": 999,
-    "operations": OPERATIONS,
-}
+DEFAULT_OPTIONS = SYNTHETIC_DEFAULTS
 # A problem that runs into a dead end (no operation applies) is drawn again; this many dead
 # ends in a row means the options admit (almost) no problems.
 _MAX_RESTARTS = 1000
