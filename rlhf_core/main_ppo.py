@@ -627,7 +627,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     local_dir = Path(os.path.expanduser(trainer_cfg.default_local_dir))  # ~: the home folder, as checkpoints take it
     resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
     if resume_from is not None:
-        check_config(resume_from, cfg)
+        check_config(resume_from, cfg, notices=False)  # (the load checks again, and gives the notices)
     with contextlib.ExitStack() as stack:
         stack.enter_context(run_lock(local_dir))  # before any model loads: one run per checkpoint folder
         if trainer_cfg.resume_mode == "disable" and not trainer_cfg.val_only:

@@ -522,3 +522,23 @@ def test_a_resume_on_a_training_file_edited_in_place_names_it_once_and_goes_on(w
     manifest["sha256"][ckpt.TRAINER_STATE] = hashlib.sha256(data).hexdigest()
     (saved / ckpt.MANIFEST).write_text(json.dumps(manifest, indent=1))
     assert resumed_notices() == []
+
+
+def test_a_resume_with_reward_code_the_run_allows_to_change_says_so_once(workspace, tmp_path, capsys):
+    """A run resumed under edited reward code (trainer.allow_reward_code_change=true) said its notice twice: the
+    command checks the checkpoint's config before it loads any model, and the load checks it again."""
+    reward = tmp_path / "reward.py"
+    reward.write_text((workspace.root / "reward.py").read_text())
+    out = tmp_path / "out"
+    extra = (f"custom_reward_function.path={reward}", "trainer.save_freq=1")
+    run(load_config(workspace.overrides(out, *extra, "trainer.total_training_steps=1")), handle_signals=False)
+    reward.write_text(reward.read_text() + "\n\ndef unused_helper():\n    return 0\n")  # the code edited
+    capsys.readouterr()
+    result = run(load_config(workspace.overrides(out, *extra, "trainer.total_training_steps=2",
+                                                 "trainer.allow_reward_code_change=true")), handle_signals=False)
+    notices = [line for line in capsys.readouterr().err.splitlines() if "resuming with other reward code" in line]
+    assert notices == [
+        "notice: custom_reward_function.path: resuming with other reward code than the checkpoint was trained with "
+        "(the reward file differs), as trainer.allow_reward_code_change=true allows: the steps before were scored by "
+        "the old code"]
+    assert [step.step for step in result.history] == [2]  # resumed after step 1

@@ -1214,11 +1214,13 @@ def changed_data_files(saved: list[dict] | None, current: list[dict[str, str]]) 
     return [now["path"] for then, now in zip(saved, current) if then.get("sha256") != now["sha256"]]
 
 
-def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_change: bool = False) -> list[str]:
+def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_change: bool = False,
+                    notices: bool = True) -> list[str]:
     """The model folders of ``current`` whose content differs from the ones a checkpoint was trained from
     (``saved``, its :data:`MODELS_FILE`), each said once with the keys that name it, both paths and the files
     that differ. A key the run no longer reads is left to the config's own comparison. With ``reward_change``
-    (``trainer.allow_reward_code_change``) custom reward code that differs but reads is said in a notice instead."""
+    (``trainer.allow_reward_code_change``) custom reward code that differs but reads is said in a notice instead (where
+    ``notices``)."""
     differing: dict[str, list[str]] = {}  # what is wrong -> the keys that name that folder
     for key, then in saved.items():
         now = current.get(key)
@@ -1228,9 +1230,10 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_cha
                          if (now["files"] or {}).get(name) != (then["files"] or {}).get(name))
         differ = f"{', '.join(changed) or 'unreadable'} differ{'s' if len(changed) == 1 else ''}"
         if key == REWARD_PATH_KEY and reward_change and now["files"] is not None:
-            print(f"notice: {key}: resuming with other reward code than the checkpoint was trained with ({differ}), "
-                  "as trainer.allow_reward_code_change=true allows: the steps before were scored by the old code",
-                  file=sys.stderr)
+            if notices:
+                print(f"notice: {key}: resuming with other reward code than the checkpoint was trained with "
+                      f"({differ}), as trainer.allow_reward_code_change=true allows: the steps before were scored by "
+                      "the old code", file=sys.stderr)
             continue
         if key == REWARD_PATH_KEY and now["files"] is None:
             what = (f"{now['path']} cannot be read as Python now (the checkpoint was trained with the code of "
@@ -1251,12 +1254,13 @@ def _model_problems(saved: dict[str, dict], current: dict[str, dict], reward_cha
     return [f"{', '.join(keys)}: {what}" for what, keys in differing.items()]
 
 
-def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None = None) -> None:
+def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None = None, notices: bool = True) -> None:
     """Refuse to resume from ``path`` when its config differs from ``config`` in a key that matters, or a model
     folder it names holds another model than the checkpoint's (``models``: ``config``'s
     :func:`model_fingerprints`, computed when not given). The model folders are compared by content, so the same
     model at another path (relative or absolute, copied) resumes; a checkpoint without fingerprints (an older
-    one) has its paths compared as written."""
+    one) has its paths compared as written. ``notices=False`` leaves out what a resume goes on with but says (other
+    reward code, where the config allows it): a check before the load, which says it."""
     path = Path(path)
     saved = saved_config(path)
     current = config.to_dict()
@@ -1275,7 +1279,7 @@ def check_config(path: str | os.PathLike, config, models: dict[str, dict] | None
         old, new = _resolved(with_former_values(saved_flat)), _resolved(flatten_config(current))
         problems.append("; ".join(difference_text(k, saved_flat, old, new) for k in differing))
     if saved_models is not None:
-        problems += _model_problems(saved_models, models, config.trainer.allow_reward_code_change)
+        problems += _model_problems(saved_models, models, config.trainer.allow_reward_code_change, notices)
     if problems:
         raise CheckpointError(
             f"cannot resume from {path}: the config differs in keys that change shapes, batch sizes or the "
