@@ -29,8 +29,14 @@ def config(argv: list[str] | None = None) -> int:
                          "to print the config they resolve to")
         sys.stdout.write(defaults_yaml())
         return 0
+    return print_resolved(args.overrides, args.config)
+
+
+def print_resolved(overrides: list[str], config_files: list[str] | None) -> int:
+    """Print the config that ``config_files`` and ``overrides`` resolve to (exit status 0), or its errors, each
+    said (2): what ``rlhf config`` and a training command's ``--cfg job`` print."""
     try:
-        cfg = load_config(args.overrides, config_file=args.config)
+        cfg = load_config(overrides, config_file=config_files)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from rlhf_core.cli import CONFIG_HELP, interrupting_signal, program, refuse_hydra_options, unwritable
+from rlhf_core.cli.config import print_resolved
 from rlhf_core.config import ConfigError, load_config
 
 # The training library (torch, transformers: seconds to import) is imported once a command has parsed its arguments
@@ -101,13 +102,7 @@ def print_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     if args.cfg == "hydra":
         parser.error("--cfg hydra prints Hydra's own settings (its run folder, logging), and the config is not "
                      "composed by Hydra here: --cfg job prints the run's config")
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    sys.stdout.write(cfg.to_yaml())
-    return 0
+    return print_resolved(args.overrides, args.config)
 
 
 @contextlib.contextmanager
