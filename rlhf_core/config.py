@@ -2175,7 +2175,8 @@ def validate_config(cfg: PPOConfig) -> None:
             errors.append(f"{name}.lora_alpha={model.lora_alpha} must be > 0 with lora_rank > 0")
     if rollout.name == "vllm":
         if trainer.device != "cuda":
-            errors.append("actor_rollout_ref.rollout.name=vllm needs trainer.device=cuda; use rollout.name=hf on CPU")
+            errors.append("actor_rollout_ref.rollout.name=vllm needs trainer.device=cuda; use "
+                          "actor_rollout_ref.rollout.name=hf on CPU")
         tp = rollout.tensor_model_parallel_size
         if tp < 1 or cfg.world_size % tp:
             errors.append(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} must divide the world size "

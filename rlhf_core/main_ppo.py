@@ -331,7 +331,7 @@ def _runtime_problems(cfg: PPOConfig) -> list[str]:
     problems = []
     if cfg.actor_rollout_ref.rollout.name == "vllm" and importlib.util.find_spec("vllm") is None:
         problems.append("actor_rollout_ref.rollout.name=vllm but vllm is not installed (pip install -e '.[gpu]' on "
-                        "a CUDA machine), or use rollout.name=hf")
+                        "a CUDA machine), or use actor_rollout_ref.rollout.name=hf")
     from rlhf_core.training.tracking import LOGGER_PACKAGES, store_problems
 
     for logger in cfg.trainer.logger:

@@ -1663,3 +1663,12 @@ def test_validation_settings_that_a_greedy_validation_does_not_read_are_said(tmp
                     "top_k: -1, n: 1}\n")
     assert greedy_notices([], path) == []
     assert greedy_notices([f"{key}.top_k=0"]) == []  # 0 is off, as -1
+
+
+def test_vllm_on_cpu_is_answered_with_an_override_the_command_line_takes():
+    """verl's quickstart says rollout.name=vllm; on CPU the refusal's advice, pasted as it is written, runs."""
+    message = _errors("actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu")
+    [advice] = re.findall(r"use (\S+=hf) on CPU", message)
+    assert advice == "actor_rollout_ref.rollout.name=hf"
+    cfg = load_config(["actor_rollout_ref.rollout.name=vllm", "trainer.device=cpu", advice], notice=lambda _: None)
+    assert cfg.actor_rollout_ref.rollout.name == "hf"

@@ -341,7 +341,7 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
                       "wandb out"]
     errors = _errors(_config(space, "actor_rollout_ref.rollout.name=vllm", "trainer.device=cuda"))
     assert "actor_rollout_ref.rollout.name=vllm but vllm is not installed (pip install -e '.[gpu]' on a CUDA " \
-           "machine), or use rollout.name=hf" in errors
+           "machine), or use actor_rollout_ref.rollout.name=hf" in errors
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         port = taken.getsockname()[1]
