@@ -894,9 +894,9 @@ def test_the_closing_line_counts_the_steps_this_run_trained(workspace, tmp_path,
 
     out = tmp_path / "out"
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=1", "trainer.val_before_train=false")) == 0
-    assert "done: 1 steps in" in capsys.readouterr().out
+    assert "done: 1 step in" in capsys.readouterr().out
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_before_train=false")) == 0
-    assert "done: 1 steps (now at step 2) in" in capsys.readouterr().out  # resumed from step 1
+    assert "done: 1 step (now at step 2) in" in capsys.readouterr().out  # resumed from step 1
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_only=true")) == 0
     assert "done: validated at step 2 in" in capsys.readouterr().out
 

@@ -240,7 +240,8 @@ def ppo(argv: list[str] | None = None) -> int:
     acc = result.final_val_acc
     trained = len(result.history)  # this run's steps (a resumed run's count goes on from its checkpoint's)
     done = (f"validated at step {result.steps}" if cfg.trainer.val_only  # (its history: the validation's record)
-            else f"{trained} steps" + (f" (now at step {result.steps})" if result.resumed_from else ""))
+            else f"{trained} step{'' if trained == 1 else 's'}"
+            + (f" (now at step {result.steps})" if result.resumed_from else ""))
     print(f"done: {done} in {result.wall_s:.0f} s" + (f"; final validation accuracy {acc:.3f}" if acc is not None else ""))
     print(f"outputs: {result.local_dir}" + (f" (metrics: {result.metrics_file})" if result.metrics_file else ""))
     return 0
