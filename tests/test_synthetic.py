@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 import subprocess
 import sys
@@ -354,4 +355,21 @@ def test_module_entry_point(tmp_path):
 
 
 def test_module_exports():
-    assert synthetic.DEFAULT_OPTIONS["operations"] == synthetic.OPERATIONS == ("+", "-", "*", "/")
+    assert synthetic.OPERATIONS == ("+", "-", "*", "/")
+
+
+def test_defaults_the_same_in_the_library_and_the_command(capsys):
+    """The generator's defaults and the ones ``rlhf synthetic --help`` shows are the documented ones."""
+    documented = {"min_ops": 1, "max_ops": 3, "min_operand": 1, "max_operand": 20, "max_value": 999,
+                  "operations": ("+", "-", "*", "/")}
+    assert synthetic.validate_options() == documented
+    defaults = {name: parameter.default for name, parameter in
+                inspect.signature(synthetic.generate_problems).parameters.items() if name in documented}
+    assert defaults == documented
+    with pytest.raises(SystemExit):
+        cli.synthetic(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for text in ("fewest operations (default 1)", "most operations (default 3)", "smallest operand (default 1)",
+                 "largest operand (default 20)", "largest intermediate amount (default 999; 0 for no limit)",
+                 "(default '+-*/')"):
+        assert text in shown, text

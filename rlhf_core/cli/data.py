@@ -105,26 +105,26 @@ def synthetic(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-test", type=int, required=True, help="number of test problems")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     parser.add_argument(
-        "--min-ops", type=int, default=SYNTHETIC_DEFAULTS["min_ops"], help="fewest operations (default 1)"
+        "--min-ops", type=int, default=SYNTHETIC_DEFAULTS["min_ops"], help="fewest operations (default %(default)s)"
     )
     parser.add_argument(
-        "--max-ops", type=int, default=SYNTHETIC_DEFAULTS["max_ops"], help="most operations (default 3)"
+        "--max-ops", type=int, default=SYNTHETIC_DEFAULTS["max_ops"], help="most operations (default %(default)s)"
     )
     parser.add_argument(
-        "--min-operand", type=int, default=SYNTHETIC_DEFAULTS["min_operand"], help="smallest operand (default 1)"
+        "--min-operand", type=int, default=SYNTHETIC_DEFAULTS["min_operand"], help="smallest operand (default %(default)s)"
     )
     parser.add_argument(
-        "--max-operand", type=int, default=SYNTHETIC_DEFAULTS["max_operand"], help="largest operand (default 20)"
+        "--max-operand", type=int, default=SYNTHETIC_DEFAULTS["max_operand"], help="largest operand (default %(default)s)"
     )
     parser.add_argument(
         "--max-value",
         type=int,
         default=SYNTHETIC_DEFAULTS["max_value"],
-        help="largest intermediate amount (default 999; 0 for no limit)",
+        help="largest intermediate amount (default %(default)s; 0 for no limit)",
     )
     parser.add_argument(
         "--operations", default="".join(SYNTHETIC_DEFAULTS["operations"]),
-        help="operations to use, e.g. '+-' (default '+-*/')",
+        help="operations to use, e.g. '+-' (default '%(default)s')",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)

@@ -49,7 +49,6 @@ from rlhf_core.data.validation import question_key
 DATA_SOURCE = "synthetic/arithmetic"
 OPERATIONS = SYNTHETIC_OPERATIONS
 MAX_OPS_LIMIT = 6
-DEFAULT_OPTIONS = SYNTHETIC_DEFAULTS
 # A problem that runs into a dead end (no operation applies) is drawn again; this many dead
 # ends in a row means the options admit (almost) no problems.
 _MAX_RESTARTS = 1000
@@ -156,12 +155,12 @@ def _noun(count: int, forms: tuple[str, str]) -> str:
 
 
 def validate_options(
-    min_ops: int = 1,
-    max_ops: int = 3,
-    min_operand: int = 1,
-    max_operand: int = 20,
-    max_value: int | None = 999,
-    operations: Iterable[str] | str = OPERATIONS,
+    min_ops: int = SYNTHETIC_DEFAULTS["min_ops"],
+    max_ops: int = SYNTHETIC_DEFAULTS["max_ops"],
+    min_operand: int = SYNTHETIC_DEFAULTS["min_operand"],
+    max_operand: int = SYNTHETIC_DEFAULTS["max_operand"],
+    max_value: int | None = SYNTHETIC_DEFAULTS["max_value"],
+    operations: Iterable[str] | str = SYNTHETIC_DEFAULTS["operations"],
 ) -> dict:
     """Check the generator options and return them normalised (``operations`` as a tuple).
 
@@ -317,12 +316,12 @@ def iter_problems(seed: int, **options) -> Iterator[dict]:
 def generate_problems(
     n: int,
     seed: int = 0,
-    min_ops: int = 1,
-    max_ops: int = 3,
-    min_operand: int = 1,
-    max_operand: int = 20,
-    max_value: int | None = 999,
-    operations: Iterable[str] | str = OPERATIONS,
+    min_ops: int = SYNTHETIC_DEFAULTS["min_ops"],
+    max_ops: int = SYNTHETIC_DEFAULTS["max_ops"],
+    min_operand: int = SYNTHETIC_DEFAULTS["min_operand"],
+    max_operand: int = SYNTHETIC_DEFAULTS["max_operand"],
+    max_value: int | None = SYNTHETIC_DEFAULTS["max_value"],
+    operations: Iterable[str] | str = SYNTHETIC_DEFAULTS["operations"],
     unique: bool = False,
     exclude: Iterable[str] = (),
 ) -> list[dict]:
