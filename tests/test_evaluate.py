@@ -1104,3 +1104,110 @@ def test_the_training_curves_mark_whole_steps_on_their_axes():
         ticks = [tick for tick in axes.get_xticks() if axes.get_xlim()[0] <= tick <= axes.get_xlim()[1]]
         assert ticks and all(float(tick).is_integer() for tick in ticks), (axes.get_title(), ticks)
     assert [axes.get_title() for axes in figure.axes] == ["reward", "KL", "validation accuracy"]
+
+
+# ----------------------------------------------------------------------------- a checkpoint's own settings
+
+# The tiny run's settings (tests/conftest.py) with what the evaluate command's defaults would not give: responses of
+# 80 tokens where its default is 64, prompts of 300 where it is 1024, cut at their end, a chat template's variable.
+RUN_SETTINGS = ("data.max_response_length=80", "data.max_prompt_length=300", "data.truncation=right",
+                "+data.apply_chat_template_kwargs.effort=low")
+
+
+@pytest.fixture(scope="module")
+def saved_run(workspace, tmp_path_factory):
+    """The global_step_0 checkpoint of the tiny run trained with RUN_SETTINGS."""
+    from rlhf_core.config import load_config
+    from rlhf_core.main_ppo import build_trainer
+
+    trainer = build_trainer(load_config(workspace.overrides(tmp_path_factory.mktemp("run") / "out", *RUN_SETTINGS)))
+    return trainer.save_checkpoint()
+
+
+def _evaluated_with(monkeypatch, argv):
+    """The DataConfig the evaluate command hands the evaluation, stopped there (no model loads)."""
+    from rlhf_core.cli.pipeline import evaluate
+    from rlhf_core.pipeline import evaluate as module
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def evaluated(model, val_files, data, **kwargs):
+        seen.append(data)
+        raise Stop
+
+    monkeypatch.setattr(module, "evaluate_policy", evaluated)
+    with pytest.raises(Stop):
+        evaluate(argv)
+    [data] = seen
+    return (data.max_response_length, data.max_prompt_length, data.truncation, data.prompt_key,
+            data.apply_chat_template_kwargs)
+
+
+def test_the_evaluate_command_on_a_checkpoint_generates_as_its_run_trained_unless_told(saved_run, workspace,
+                                                                                        monkeypatch, capsys):
+    """A checkpoint of a run trained with data.max_response_length=80 was scored on responses cut at the command's
+    own 64 tokens (and prompts at 1024, cut at their start, without the run's chat-template variables): a policy
+    that answers at length read worse than the run's own validation said. Its run's values stand in for the options
+    not given, and one line says so; an option given wins; a plain model folder keeps the defaults."""
+    val, reward = workspace.root / "data" / "test.parquet", workspace.root / "reward.py"
+    common = [str(val), "--custom-reward", str(reward)]
+    run = (80, 300, "right", "prompt", {"effort": "low"})
+    for model in (saved_run, saved_run.parent, saved_run / "actor" / "huggingface"):  # step, root, its export
+        assert _evaluated_with(monkeypatch, [str(model), *common]) == run
+        assert capsys.readouterr().err == (
+            f"notice: as the run that saved {saved_run} trained (data.* of its config.yaml): --prompt-key prompt, "
+            "--max-prompt-length 300, --max-response-length 80, --chat-template-kwargs '{\"effort\": \"low\"}', "
+            "truncation=right; an option given here wins over its run's value\n")
+    assert _evaluated_with(monkeypatch, [str(saved_run), *common, "--max-response-length", "64", "--prompt-key",
+                                         "prompt", "--chat-template-kwargs", "{}"]) == \
+        (64, 300, "right", "prompt", {})
+    assert capsys.readouterr().err == (
+        f"notice: as the run that saved {saved_run} trained (data.* of its config.yaml): --max-prompt-length 300, "
+        "truncation=right; an option given here wins over its run's value\n")
+    assert _evaluated_with(monkeypatch, [str(workspace.model), *common]) == (64, 1024, "left", "prompt", {})
+    assert capsys.readouterr().err == ""
+
+
+def test_the_evaluate_command_generates_a_checkpoints_responses_to_its_runs_length(saved_run, workspace,
+                                                                                   monkeypatch, capsys):
+    """End to end: the greedy responses of the checkpoint are generated up to the run's 80 tokens, not 64."""
+    import rlhf_core.rollout as rollout
+    from rlhf_core.cli.pipeline import evaluate
+
+    asked = []
+    make_engine = rollout.make_rollout_engine
+
+    def recording(*args, **kwargs):
+        engine = make_engine(*args, **kwargs)
+        generate = engine.generate
+        engine.generate = lambda batch, params: asked.append(params.max_new_tokens) or generate(batch, params)
+        return engine
+
+    monkeypatch.setattr(rollout, "make_rollout_engine", recording)
+    assert evaluate([str(saved_run), str(workspace.root / "data" / "test.parquet"), "--max-problems", "2",
+                     "--custom-reward", str(workspace.root / "reward.py")]) == 0
+    assert asked == [80]
+    assert capsys.readouterr().out.startswith("accuracy ")
+
+
+def test_the_evaluate_command_cuts_prompts_as_by_default_where_the_run_refused_them_and_says_an_unread_config(
+        workspace, tmp_path, monkeypatch, capsys):
+    """A run with data.truncation=error cut no prompt: its checkpoint is evaluated cutting a long prompt's start, as
+    any model is; a checkpoint whose config.yaml cannot be read is evaluated with the defaults, and that is said."""
+    import shutil
+
+    step = tmp_path / "global_step_3"
+    shutil.copytree(workspace.model, step / "actor" / "huggingface")
+    common = [str(workspace.root / "data" / "test.parquet"), "--custom-reward", str(workspace.root / "reward.py")]
+    (step / "config.yaml").write_text("data:\n  truncation: error\n  max_response_length: 12\n  prompt_key: null\n")
+    assert _evaluated_with(monkeypatch, [str(step), *common]) == (12, 1024, "left", "prompt", {})
+    assert capsys.readouterr().err == (f"notice: as the run that saved {step} trained (data.* of its config.yaml): "
+                                       "--max-response-length 12; an option given here wins over its run's value\n")
+    (step / "config.yaml").write_text("data: [\n")
+    assert _evaluated_with(monkeypatch, [str(step), *common]) == (64, 1024, "left", "prompt", {})
+    err = capsys.readouterr().err
+    assert err.startswith(f"notice: checkpoint {step}: cannot read config.yaml (") and err.endswith(
+        "): evaluating with the options' own defaults where none is given\n") and len(err.splitlines()) == 1, err

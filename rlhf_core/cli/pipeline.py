@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import json
 import logging
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -40,15 +41,24 @@ from rlhf_core.pipeline.schedule import (
     serve,
 )
 
+#: what ``evaluate`` generates with where neither an option nor the config of the run that saved MODEL says
+EVALUATE_DEFAULTS = {"prompt_key": "prompt", "max_prompt_length": 1024, "max_response_length": 64,
+                     "apply_chat_template_kwargs": {}, "truncation": "left"}
+FROM_RUN = "where MODEL is a checkpoint, its run's"
+#: how the line saying what came from a checkpoint's config names each of its values
+EVALUATE_OPTIONS = {"prompt_key": "--prompt-key", "max_prompt_length": "--max-prompt-length",
+                    "max_response_length": "--max-response-length",
+                    "apply_chat_template_kwargs": "--chat-template-kwargs", "truncation": "truncation"}
 
-def evaluate_names(prog: str) -> dict[str, str]:
+
+def evaluate_names(prog: str, truncation: str = "left") -> dict[str, str]:
     """Training's data keys that the evaluation's notices and errors name, as ``evaluate`` run as ``prog`` says them:
-    its own options, or what it does in their place (it always cuts a long prompt's start, and routes by the
-    data_source column)."""
+    its own options, or what it does in their place (it cuts a long prompt's start unless a checkpoint's run cut
+    another way, ``truncation``, and routes by the data_source column)."""
     return {
         "data.val_files": "val_files",
         "data.max_prompt_length": "--max-prompt-length",
-        "data.truncation=left": "truncation",
+        f"data.truncation={truncation}": "truncation" if truncation == "left" else f"truncation={truncation}",
         "data.prompt_key": "--prompt-key",
         "data.reward_fn_key, which": "the column that",
         "evaluate with a custom reward function":
@@ -62,12 +72,16 @@ def evaluate(argv: list[str] | None = None) -> int:
                                      description="Greedy accuracy of a HF model directory on a validation parquet.")
     parser.add_argument("model", help="HF model directory, global_step_N checkpoint or checkpoint root")
     parser.add_argument("val_files", nargs="+", help="validation parquet file(s) of prompts, verl schema")
-    parser.add_argument("--prompt-key", default="prompt",
-                        help="the column of the prompts, as data.prompt_key (default: %(default)s)")
-    parser.add_argument("--max-prompt-length", type=int, default=1024,
-                        help="a longer prompt keeps its last this many tokens (default: %(default)s)")
-    parser.add_argument("--max-response-length", type=int, default=64,
-                        help="greedy responses are cut at this many tokens (default: %(default)s)")
+    # (unset, None: where MODEL is a checkpoint, the value its run trained with stands in for the default)
+    parser.add_argument("--prompt-key", help="the column of the prompts, as data.prompt_key (default: "
+                                             f"{EVALUATE_DEFAULTS['prompt_key']}; {FROM_RUN} data.prompt_key)")
+    parser.add_argument("--max-prompt-length", type=int,
+                        help="a longer prompt keeps its last this many tokens (default: "
+                             f"{EVALUATE_DEFAULTS['max_prompt_length']}; {FROM_RUN} data.max_prompt_length, "
+                             "cut as its data.truncation cuts, where that is left, right or middle)")
+    parser.add_argument("--max-response-length", type=int,
+                        help="greedy responses are cut at this many tokens (default: "
+                             f"{EVALUATE_DEFAULTS['max_response_length']}; {FROM_RUN} data.max_response_length)")
     parser.add_argument("--batch-size", type=int, default=64, help="prompts generated at once (default: %(default)s)")
     parser.add_argument("--max-problems", type=int, help="evaluate a sample of this many, stratified by data source")
     parser.add_argument("--sample-seed", type=int, default=0, help="which problems --max-problems keeps (default: %(default)s)")
@@ -85,7 +99,8 @@ def evaluate(argv: list[str] | None = None) -> int:
                              "extra_infos), returning one result a response (default: %(default)s)")
     parser.add_argument("--chat-template-kwargs", type=chat_template_kwargs, metavar="JSON",
                         help="the chat template's variables the policy was trained with (data.apply_chat_template_"
-                             "kwargs), e.g. '{\"enable_thinking\": false}'")
+                             "kwargs), e.g. '{\"enable_thinking\": false}' (default: none; "
+                             f"{FROM_RUN} data.apply_chat_template_kwargs)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the model code the model folder holds (its config.json's auto_map), as "
                              "actor_rollout_ref.model.trust_remote_code=true lets training")
@@ -94,7 +109,6 @@ def evaluate(argv: list[str] | None = None) -> int:
                              "actor_rollout_ref.model.external_lib")
     parser.add_argument("--html", help="write the HTML report here")
     args = parser.parse_args(argv)
-    names = evaluate_names(parser.prog)
     for flag, value in (("--batch-size", args.batch_size), ("--max-problems", args.max_problems),
                         ("--max-prompt-length", args.max_prompt_length),
                         ("--max-response-length", args.max_response_length)):
@@ -133,13 +147,38 @@ def evaluate(argv: list[str] | None = None) -> int:
     from rlhf_core.config import DataConfig
     from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
     from rlhf_core.models.loading import ModelError, import_external_lib
-    from rlhf_core.pipeline.evaluate import evaluate_policy, evaluation_html, resolve_policy_dir, reworded
+    from rlhf_core.pipeline.evaluate import (
+        evaluate_policy,
+        evaluation_html,
+        resolve_policy_dir,
+        reworded,
+        run_data_settings,
+    )
     from rlhf_core.rewards import UnknownDataSourceError, custom_reward_fn
     from rlhf_core.rewards.manager import RewardError
     from rlhf_core.rollout.hf import NonFiniteLogits
+    from rlhf_core.training.checkpoint import CheckpointError
 
-    data = DataConfig(max_prompt_length=args.max_prompt_length, max_response_length=args.max_response_length,
-                      truncation="left", prompt_key=args.prompt_key, apply_chat_template_kwargs=dict(args.chat_template_kwargs or {}))
+    problems = []  # the model folder, the files and their columns, named as given here, before the model loads
+    checkpoint, run, unread = None, {}, None  # the checkpoint MODEL is and its run's data settings
+    try:
+        import_external_lib(args.external_lib, "--external-lib")
+        policy_dir = resolve_policy_dir(args.model)
+    except (ModelError, FileNotFoundError) as exc:
+        problems.append(str(exc))
+    else:
+        try:
+            checkpoint, run = run_data_settings(policy_dir)
+        except CheckpointError as exc:
+            unread = exc
+    if run.get("truncation") == "error":  # the run refused over-long prompts; here one is cut, as by default
+        del run["truncation"]
+    given = {"prompt_key": args.prompt_key, "max_prompt_length": args.max_prompt_length,
+             "max_response_length": args.max_response_length, "apply_chat_template_kwargs": args.chat_template_kwargs}
+    taken = {key: value for key, value in run.items() if given.get(key) is None}  # an option given wins
+    settings = {**EVALUATE_DEFAULTS, **taken, **{key: value for key, value in given.items() if value is not None}}
+    data = DataConfig(**{**settings, "apply_chat_template_kwargs": dict(settings["apply_chat_template_kwargs"])})
+    names = evaluate_names(parser.prog, data.truncation)
     try:  # what loading a reward file raises (see load_custom_reward_fn), and a function the calls do not fit
         reward_fn = custom_reward_fn(reward_config)
     except (FileNotFoundError, ImportError, AttributeError, TypeError) as exc:
@@ -157,12 +196,6 @@ def evaluate(argv: list[str] | None = None) -> int:
                                                                "--reward-manager batch)"} if batch else {})})
         print(f"error: --custom-reward: {message}", file=sys.stderr)
         return 2
-    problems = []  # the model folder, the files and their columns, named as given here, before the model loads
-    try:
-        import_external_lib(args.external_lib, "--external-lib")
-        policy_dir = resolve_policy_dir(args.model)
-    except (ModelError, FileNotFoundError) as exc:
-        problems.append(str(exc))
     try:
         paths = check_files(args.val_files, "val_files")
         missing = missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
@@ -173,6 +206,15 @@ def evaluate(argv: list[str] | None = None) -> int:
     if any(problems):
         print("\n".join(f"error: {problem}" for problem in problems if problem), file=sys.stderr)
         return 2
+    if unread is not None:
+        print(f"notice: {' '.join(str(unread).split())}: evaluating with the options' own defaults where none is "
+              "given", file=sys.stderr)  # (on one line: a YAML error's message spans several)
+    said = [f"{EVALUATE_OPTIONS[key]}{'=' if key == 'truncation' else ' '}"
+            f"{shlex.quote(json.dumps(value)) if isinstance(value, dict) else value}"
+            for key, value in taken.items() if value != {}]
+    if said:  # (the values the user did not give, which the run that saved the checkpoint trained with)
+        print(f"notice: as the run that saved {checkpoint} trained (data.* of its config.yaml): {', '.join(said)}; "
+              "an option given here wins over its run's value", file=sys.stderr)
     try:
         result = evaluate_policy(args.model, args.val_files, data, batch_size=args.batch_size, reward_fn=reward_fn,
                                  max_problems=args.max_problems, sample_seed=args.sample_seed,

@@ -115,6 +115,36 @@ def resolve_policy_dir(path: str | Path) -> Path:
         "checkpoint) or under the step named by latest_checkpointed_iteration.txt (a checkpoint root)")
 
 
+#: the ``data`` keys that decide what an evaluation generates: which column holds the prompt, how it is rendered and
+#: cut, and how long a response may grow; with the type each must have to be taken from a saved config
+RUN_DATA_KEYS = {"prompt_key": str, "max_prompt_length": int, "max_response_length": int,
+                 "apply_chat_template_kwargs": dict, "truncation": str}
+
+
+def run_data_settings(policy_dir: str | Path) -> tuple[Path | None, dict[str, Any]]:
+    """The ``global_step_N`` checkpoint whose actor export ``policy_dir`` is (as :func:`resolve_policy_dir` finds
+    it), and the :data:`RUN_DATA_KEYS` of the ``data`` section its run saved in its ``config.yaml``: those present
+    with a usable value (a length below 1 or an unknown truncation is left out). ``(None, {})`` for a plain HF folder;
+    a :class:`~rlhf_core.training.checkpoint.CheckpointError` where the config cannot be read."""
+    from rlhf_core.data.dataset import TRUNCATION_CUTS
+    from rlhf_core.training.checkpoint import CONFIG_FILE, HF_DIR, saved_config
+
+    folder = Path(policy_dir)
+    checkpoint = folder.parent.parent
+    if not (folder.name == HF_DIR and folder.parent.name == "actor" and (checkpoint / CONFIG_FILE).is_file()):
+        return None, {}
+    data = saved_config(checkpoint).get("data")
+    settings = {}
+    for key, kind in RUN_DATA_KEYS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(value, kind) or isinstance(value, bool):
+            continue
+        if (kind is int and value < 1) or (key == "truncation" and value not in (*TRUNCATION_CUTS, "error")):
+            continue
+        settings[key] = value
+    return checkpoint, settings
+
+
 # ----------------------------------------------------------------------------- policy accuracy
 
 
