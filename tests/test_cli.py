@@ -326,6 +326,55 @@ def test_a_file_given_as_the_output_folder_is_called_a_file(tmp_path, capsys):
         assert capsys.readouterr().err.splitlines() == [
             f"error: {a_file}: a file, not a folder; give an --output folder this user may write"], argv
 
+def _data_command(kind, source, out, *extra):
+    return {"gsm8k": ["gsm8k", "--input", str(source), "--output", str(out)],
+            "synthetic": ["synthetic", "--output", str(out), "--n-train", "4", "--n-test", "2"],
+            "preference": ["preference", "--synthetic", "--output", str(out), "--n-train", "4", "--n-val", "2"]}[kind] \
+        + list(extra)
+
+
+@pytest.mark.parametrize("kind", ["gsm8k", "synthetic", "preference"])
+def test_a_data_command_stopped_while_writing_leaves_no_output_or_the_previous_one(kind, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """A Ctrl-C after the first file was written left it in the output folder (a train.parquet without its test
+    split, which a later run took for existing output, or, with --overwrite, a new train.parquet beside the old
+    test.parquet), and an interrupted first write an empty folder: now both files appear, or none."""
+    import pandas as pd
+
+    source = tmp_path / "in"
+    source.mkdir()
+    for split, rows in (("train", 3), ("test", 2)):
+        (source / f"{split}.jsonl").write_text("".join(
+            f'{{"question": "What is {i} + 1?", "answer": "{i} + 1 = {i + 1}\\n#### {i + 1}"}}\n'
+            for i in range(rows)))
+    write = pd.DataFrame.to_parquet
+    calls = []
+
+    def first_file_then_ctrl_c(frame, *args, **kwargs):
+        calls.append(frame)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return write(frame, *args, **kwargs)
+
+    out = tmp_path / "new" / "data"  # neither folder there yet
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", first_file_then_ctrl_c)
+    assert cli.main(_data_command(kind, source, out)) == 130
+    assert len(calls) == 2 and not (tmp_path / "new").exists()
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", write)
+    assert cli.main(_data_command(kind, source, out)) == 0
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    assert sorted(before) == sorted({"preference": ["train.parquet", "val.parquet"]}.get(
+        kind, ["train.parquet", "test.parquet"]))
+    calls.clear()
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", first_file_then_ctrl_c)
+    # other problems, so that a file written now would differ from the one before
+    (source / "train.jsonl").write_text('{"question": "What is 5 + 5?", "answer": "5 + 5 = 10\\n#### 10"}\n')
+    seed = [] if kind == "gsm8k" else ["--seed", "1"]
+    assert cli.main(_data_command(kind, source, out, "--overwrite", *seed)) == 130
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert capsys.readouterr().err.splitlines()[-1].startswith("interrupted by SIGINT: rlhf ")
+
+
 # --- rlhf-ppo: a reward function that fails mid-run ---------------------------------------------------------
 
 # The tiny run scores 8 prompts x 2 responses a step; these fail from the second step's first response on.

@@ -39,7 +39,7 @@ if __name__ == "__main__":  # run as `rlhf gsm8k` is (rlhf_core.cli), before the
 import pandas as pd
 
 from rlhf_core.data.options import GSM8K_LAYOUTS
-from rlhf_core.data.schema import extract_final_answer, make_record, read_rows, write_parquet_atomic
+from rlhf_core.data.schema import extract_final_answer, make_record, read_rows, write_parquets_atomic
 from rlhf_core.rewards.gsm8k import unanswerable
 
 DATA_SOURCE = "openai/gsm8k"
@@ -268,9 +268,11 @@ def preprocess_gsm8k(
             )
 
     summary: dict = {"layout": found_layout}
+    kept = {split.name: split.records[:max_rows] if max_rows is not None else split.records for split in splits}
+    # both files or neither: a run stopped after train.parquet left it beside no (or an older) test.parquet
+    write_parquets_atomic({outputs[name]: pd.DataFrame(records) for name, records in kept.items()}, overwrite)
     for split in splits:
-        records = split.records[:max_rows] if max_rows is not None else split.records
-        write_parquet_atomic(pd.DataFrame(records), outputs[split.name], overwrite=overwrite)
+        records = kept[split.name]
         summary[split.name] = {
             "rows": len(records),
             "skipped": len(split.problems),

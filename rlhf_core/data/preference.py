@@ -70,7 +70,7 @@ from rlhf_core.data.schema import (
     read_rows,
     roles_problem,
     unknown_roles,
-    write_parquet_atomic,
+    write_parquets_atomic,
 )
 from rlhf_core.data.validation import question_key
 
@@ -462,15 +462,17 @@ def to_frame(pairs: Iterable[dict], split: str, data_source: str) -> pd.DataFram
 
 def write_splits(output_dir: str | Path, train: list[dict], val: list[dict], data_source: str,
                  overwrite: bool = False) -> dict[str, Path]:
-    """Write ``train.parquet`` and ``val.parquet`` (each atomically); both are checked before either is written."""
+    """Write ``train.parquet`` and ``val.parquet``, both or neither (:func:`write_parquets_atomic`); both are checked
+    before either is written."""
     out = Path(output_dir)
     paths = {"train": out / "train.parquet", "val": out / "val.parquet"}
     if not overwrite:
         existing = [str(p) for p in paths.values() if p.exists()]
         if existing:
             raise FileExistsError(f"{', '.join(existing)} exist(s); pass --overwrite to replace")
-    for split, pairs in (("train", train), ("val", val)):
-        write_parquet_atomic(to_frame(pairs, split, data_source), paths[split], overwrite=overwrite)
+    # both or neither, as a stopped run leaves them
+    write_parquets_atomic({paths[split]: to_frame(pairs, split, data_source) for split, pairs in
+                           (("train", train), ("val", val))}, overwrite)
     return paths
 
 

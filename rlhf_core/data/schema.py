@@ -14,6 +14,7 @@ each role one of :data:`CHAT_ROLES` (:func:`unknown_roles`, :func:`roles_problem
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlhf_core.atomic import current_umask
+from rlhf_core.atomic import current_umask, staged_file
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")  # as the data commands write them
@@ -81,6 +82,36 @@ def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_parquets_atomic(frames: Mapping[Path, pd.DataFrame], overwrite: bool = False) -> list[Path]:
+    """Write each frame to its path, all or none: every file is written to a temporary name beside its path first
+    (:func:`~rlhf_core.atomic.staged_file`) and renamed into place only once all are written, so that a run failed
+    or interrupted (Ctrl-C) midway leaves the previous files as they were, never a new train.parquet beside an old
+    test.parquet; the folders it made (the output folder, its missing parents) are removed again, since an empty
+    output folder would pass for output. An existing file is kept unless ``overwrite`` (FileExistsError, before
+    anything is written)."""
+    paths = [Path(path) for path in frames]
+    existing = [str(path) for path in paths if path.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{', '.join(existing)} exist(s); pass --overwrite to replace")
+    made: list[Path] = []  # the folders this call makes, each before its parent: removed in this order if it fails
+    for folder in dict.fromkeys(path.parent for path in paths):
+        missing = folder
+        while not missing.exists() and missing not in made:
+            made.append(missing)
+            missing = missing.parent
+        folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with contextlib.ExitStack() as stack:  # each staged file replaces its path as the stack closes, in turn
+            for path, frame in zip(paths, frames.values()):
+                frame.to_parquet(stack.enter_context(staged_file(path)), index=False)
+    except BaseException:
+        for folder in made:  # (left where it holds anything else: another process's files)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    return paths
 
 
 def read_rows(path, columns: list[str] | None = None) -> pd.DataFrame:

@@ -43,7 +43,7 @@ if __name__ == "__main__":  # run as `rlhf synthetic` is (rlhf_core.cli), before
 import pandas as pd
 
 from rlhf_core.data.options import SYNTHETIC_DEFAULTS, SYNTHETIC_OPERATIONS
-from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquet_atomic
+from rlhf_core.data.schema import PROMPT_COLUMNS, make_record, write_parquets_atomic
 from rlhf_core.data.validation import question_key
 
 DATA_SOURCE = "synthetic/arithmetic"
@@ -421,11 +421,12 @@ def build_dataset(
         if existing:
             raise FileExistsError(f"{', '.join(existing)} exist(s); pass --overwrite to replace")
     splits = build_splits(n_train, n_test, seed, **options)
+    frames = {}
     for split, problems in splits.items():
         rows = [
             make_record(p["question"], p["solution"], p["answer"], split, i, DATA_SOURCE)
             for i, p in enumerate(problems)
         ]
-        frame = pd.DataFrame(rows, columns=list(PROMPT_COLUMNS))
-        write_parquet_atomic(frame, paths[split], overwrite=overwrite)
+        frames[paths[split]] = pd.DataFrame(rows, columns=list(PROMPT_COLUMNS))
+    write_parquets_atomic(frames, overwrite)  # both or neither, as a stopped run leaves them
     return paths
