@@ -1211,3 +1211,25 @@ def test_the_evaluate_command_cuts_prompts_as_by_default_where_the_run_refused_t
     err = capsys.readouterr().err
     assert err.startswith(f"notice: checkpoint {step}: cannot read config.yaml (") and err.endswith(
         "): evaluating with the options' own defaults where none is given\n") and len(err.splitlines()) == 1, err
+
+
+def test_the_evaluate_command_says_a_missing_prompt_column_was_its_checkpoints_runs(workspace, tmp_path, capsys):
+    """A checkpoint's run read its prompts from another column: where the file given lacks it, the error says that
+    the column came from the run, not from an option the user gave, and how to name another."""
+    import shutil
+
+    from rlhf_core.cli.pipeline import evaluate
+
+    step = tmp_path / "global_step_2"
+    shutil.copytree(workspace.model, step / "actor" / "huggingface")
+    (step / "config.yaml").write_text("data:\n  prompt_key: question\n")
+    val = str(workspace.root / "data" / "test.parquet")
+    assert evaluate([str(step), val, "--custom-reward", str(workspace.root / "reward.py")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: val_files: column(s) ['question'] missing; found ") and err.endswith(
+        f" (the prompt column 'question' is the data.prompt_key of the run that saved {step}; --prompt-key COLUMN "
+        "names another)\n") and len(err.splitlines()) == 1, err
+    assert evaluate([str(step), val, "--custom-reward", str(workspace.root / "reward.py"), "--prompt-key",
+                     "question"]) == 2  # given by the user: said as before, without the run
+    err = capsys.readouterr().err
+    assert "run that saved" not in err and err.startswith("error: val_files: column(s) ['question'] missing"), err

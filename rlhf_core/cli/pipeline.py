@@ -200,7 +200,11 @@ def evaluate(argv: list[str] | None = None) -> int:
         paths = check_files(args.val_files, "val_files")
         missing = missing_columns_problem(paths, needed_columns(data, reward_fn is None), "val_files",
                                           data.prompt_key, prompt_option="--prompt-key ")
-        problems.append(missing and reworded(missing, names))
+        missing = missing and reworded(missing, names)
+        if missing and "prompt_key" in taken and repr(data.prompt_key) in missing.partition("; found")[0]:
+            missing += (f" (the prompt column {data.prompt_key!r} is the data.prompt_key of the run that saved "
+                        f"{checkpoint}; --prompt-key COLUMN names another)")  # (not an option the user gave)
+        problems.append(missing)
     except DataError as exc:
         problems.append(reworded(str(exc), names))
     if any(problems):
