@@ -271,12 +271,12 @@ def test_written_data_and_exported_models_are_readable_as_plainly_written_files_
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.atomic import current_umask
-    from rlhf_core.data.schema import write_parquet_atomic
+    from rlhf_core.data.schema import write_parquets_atomic
     from rlhf_core.models.loading import save_hf_model
     from rlhf_core.models.toy import random_toy_model
 
     usual = 0o666 & ~current_umask()
-    data = write_parquet_atomic(pd.DataFrame({"a": [1]}), tmp_path / "train.parquet")
+    [data] = write_parquets_atomic({tmp_path / "train.parquet": pd.DataFrame({"a": [1]})})
     assert data.stat().st_mode & 0o777 == usual
     model = AutoModelForCausalLM.from_pretrained(random_toy_model(tmp_path / "toy", n_layers=1, hidden_size=32, seed=0))
     save_hf_model(model, model.state_dict(), tmp_path / "export")

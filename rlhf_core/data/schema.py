@@ -19,14 +19,13 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from rlhf_core.atomic import current_umask, staged_file
+from rlhf_core.atomic import staged_file
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")  # as the data commands write them
@@ -59,29 +58,6 @@ def make_record(question: str, solution: str, ground_truth: str, split: str, ind
         "reward_model": {"style": "rule", "ground_truth": ground_truth},
         "extra_info": {"split": split, "index": int(index), "answer": solution, "question": question},
     }
-
-
-def write_parquet_atomic(frame: pd.DataFrame, path: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Write ``frame`` to ``path`` through a temporary file in the same directory, then rename.
-
-    A reader never sees a half-written file; an existing file is kept unless ``overwrite``.
-    """
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; pass --overwrite to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        frame.to_parquet(tmp, index=False)
-        os.chmod(tmp, 0o666 & ~current_umask())  # as open() would make it (mkstemp's file is the owner's only)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def write_parquets_atomic(frames: Mapping[Path, pd.DataFrame], overwrite: bool = False) -> list[Path]:
