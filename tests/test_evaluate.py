@@ -1233,3 +1233,16 @@ def test_the_evaluate_command_says_a_missing_prompt_column_was_its_checkpoints_r
                      "question"]) == 2  # given by the user: said as before, without the run
     err = capsys.readouterr().err
     assert "run that saved" not in err and err.startswith("error: val_files: column(s) ['question'] missing"), err
+
+
+def test_the_training_curves_of_a_one_step_run_tick_that_step_alone():
+    """A run of one step (or a panel of one point) was ticked 0.945, 0.96, ... 1.05: MaxNLocator keeps to whole
+    numbers only where it finds two in view, and a view around step 1 holds one."""
+    from rlhf_core.pipeline.evaluate import training_curves_figure
+
+    history = [{"step": 1, "critic/score/mean": 0.4, "actor/ppo_kl": 0.0, "val-core/a/acc/mean@1": 0.5}]
+    figure = training_curves_figure(history)
+    figure.canvas.draw()
+    for axes in figure.axes:
+        low, high = axes.get_xlim()
+        assert [float(tick) for tick in axes.get_xticks() if low <= tick <= high] == [1.0], axes.get_title()

@@ -819,7 +819,8 @@ def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
 
 def training_curves_figure(history: Sequence[Mapping[str, Any]]):
     """Reward, KL and validation accuracy against the training step, one panel each (a matplotlib Figure); the
-    steps are whole numbers on the axis (a short run's ticks read 0.5, 1.5, ... of a step)."""
+    steps are whole numbers on the axis (a short run's ticks read 0.5, 1.5, ... of a step; a panel of one step
+    0.945, 0.96, ...)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -832,7 +833,8 @@ def training_curves_figure(history: Sequence[Mapping[str, Any]]):
                 axes.plot(steps, values, marker="o" if len(values) < 30 else None, markersize=3, label=name)
         axes.set_title(title)
         axes.set_xlabel("training step")
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # (a whole step even where the view holds only one: MaxNLocator asks for two, else ticks fractions)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         axes.grid(alpha=0.3)
         if axes.lines:
             axes.legend(fontsize=7)
