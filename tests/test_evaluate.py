@@ -1246,3 +1246,23 @@ def test_the_training_curves_of_a_one_step_run_tick_that_step_alone():
     for axes in figure.axes:
         low, high = axes.get_xlim()
         assert [float(tick) for tick in axes.get_xticks() if low <= tick <= high] == [1.0], axes.get_title()
+
+
+def test_the_training_curves_put_each_step_at_one_place_in_every_panel():
+    """Each panel had an axis of its own: the validation's from its first point (step 0, or a resumed run's step),
+    the reward's and the KL's from the first step trained (here: 3 to 8 against 6 to 8), so one step stood at
+    another place in each panel, and a validation run only at the last step got an axis of that step alone."""
+    from rlhf_core.pipeline.evaluate import training_curves_figure
+
+    history = [{"step": 3, "val-core/a/acc/mean@1": 0.25}]  # resumed at step 3: its validation there
+    history += [{"step": step, "critic/score/mean": 0.1 * step, "actor/ppo_kl": 0.001} for step in (6, 7)]
+    history += [{"step": 8, "critic/score/mean": 0.8, "actor/ppo_kl": 0.001, "val-core/a/acc/mean@1": 0.5}]
+    figure = training_curves_figure(history)
+    figure.canvas.draw()
+    limits = {axes.get_title(): tuple(axes.get_xlim()) for axes in figure.axes}
+    assert len(set(limits.values())) == 1, limits
+    low, high = limits["reward"]
+    assert low <= 3 < 6 and 8 <= high < 9  # the steps of every panel, 3 to 8, with the margin matplotlib adds
+    for axes in figure.axes:  # the step labels stay under each panel
+        shown = [label.get_text() for label in axes.get_xticklabels() if low <= label.get_position()[0] <= high]
+        assert shown == ["3", "4", "5", "6", "7", "8"], shown

@@ -820,13 +820,16 @@ def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
 def training_curves_figure(history: Sequence[Mapping[str, Any]]):
     """Reward, KL and validation accuracy against the training step, one panel each (a matplotlib Figure); the
     steps are whole numbers on the axis (a short run's ticks read 0.5, 1.5, ... of a step; a panel of one step
-    0.945, 0.96, ...)."""
+    0.945, 0.96, ...), and the panels share it, so that one step is at one place in each (the validation's step 0
+    and its points every ``test_freq`` steps stand under the training steps they follow)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(12, 3.4))
+    first = None
     for column, (title, names) in enumerate(curve_panels(history)):
-        axes = figure.add_subplot(1, 3, column + 1)
+        axes = figure.add_subplot(1, 3, column + 1, sharex=first)
+        first = first or axes
         for name in names:
             steps, values = _series(history, name)
             if values:
