@@ -1266,3 +1266,39 @@ def test_the_training_curves_put_each_step_at_one_place_in_every_panel():
     for axes in figure.axes:  # the step labels stay under each panel
         shown = [label.get_text() for label in axes.get_xticklabels() if low <= label.get_position()[0] <= high]
         assert shown == ["3", "4", "5", "6", "7", "8"], shown
+
+
+def test_the_training_curves_mark_a_step_whose_metric_was_not_finite():
+    """A step whose KL or score was NaN (a skipped update, a reward that failed) left no trace: the history kept
+    the finite numbers alone and the line ran straight from the step before to the step after, so the one step
+    where the run went wrong looked like any other. It is now a gap in the line, an x at the panel's foot and a
+    note in the legend."""
+    from rlhf_core.main_ppo import RunResult
+    from rlhf_core.pipeline.evaluate import training_curves_figure
+    from rlhf_core.pipeline.training import whole_history
+    from rlhf_core.training.trainer import StepResult
+
+    # as the trainer hands them on: steps 1-5, the KL NaN at step 3 and inf at step 4, the score NaN at step 5
+    kl = {1: 0.01, 2: 0.02, 3: float("nan"), 4: float("inf"), 5: 0.05}
+    score = {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4, 5: float("nan")}
+    result = RunResult(steps=5, wall_s=1.0, local_dir="/nonexistent", checkpoint=None,
+                       history=[StepResult(step, {"critic/score/mean": score[step], "actor/ppo_kl": kl[step]})
+                                for step in range(1, 6)])
+    history = whole_history(result)
+    json.dumps(history, allow_nan=False)  # the summary artifact stays plain JSON
+    figure = training_curves_figure(history)
+    panels = {axes.get_title(): axes for axes in figure.axes}
+
+    (line, marks) = panels["KL"].lines
+    assert list(line.get_xdata()) == [1, 2, 3, 4, 5]
+    drawn = [float(value) for value in line.get_ydata()]
+    assert drawn[:2] == [0.01, 0.02] and drawn[4] == 0.05 and all(math.isnan(value) for value in drawn[2:4])
+    assert line.get_label() == "actor/ppo_kl (not finite at steps 3, 4)"
+    assert list(marks.get_xdata()) == [3, 4] and marks.get_color() == line.get_color()
+    assert [text.get_text() for text in panels["KL"].get_legend().get_texts()] == [line.get_label()]
+
+    (line, marks) = panels["reward"].lines
+    assert list(line.get_xdata()) == [1, 2, 3, 4, 5] and math.isnan(line.get_ydata()[4])
+    assert line.get_label() == "critic/score/mean (not finite at step 5)" and list(marks.get_xdata()) == [5]
+    figure.canvas.draw()
+    assert panels["reward"].get_xlim()[1] > 5  # the last step, NaN, is still on the axis

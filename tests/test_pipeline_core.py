@@ -854,8 +854,10 @@ def test_the_whole_history_joins_the_run_resumed_from_and_keeps_each_steps_last_
     result = RunResult(steps=5, wall_s=1.0, local_dir=str(own), checkpoint=str(own / "global_step_5"),
                        history=[StepResult(5, {"r": 50.5, "nan": float("nan")})],
                        resumed_from=str(other / "global_step_3"))
-    assert whole_history(result) == [{"step": 1, "r": 10.0}, {"step": 2, "r": 20.0}, {"step": 3, "r": 30.0},
-                                     {"step": 4, "r": 40.5}, {"step": 5, "r": 50.5}]
+    # a value that was not finite (the file's null, the run's NaN) stays, as None: the curves mark its step
+    assert whole_history(result) == [{"step": 1, "r": 10.0}, {"step": 2, "r": 20.0, "kl": None},
+                                     {"step": 3, "r": 30.0}, {"step": 4, "r": 40.5},
+                                     {"step": 5, "r": 50.5, "nan": None}]
     # resumed at the earlier run's last step with nothing left to train: its step 4 is still not this run's
     nothing = RunResult(steps=3, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
                         resumed_from=str(other / "global_step_3"))
@@ -883,7 +885,7 @@ def test_the_whole_history_from_step_0_holds_the_validation_before_training(tmp_
     # without a metrics file: this run's own validation before its first step
     bare = RunResult(steps=1, wall_s=1.0, local_dir=str(tmp_path / "none"), checkpoint=None,
                      history=[StepResult(1, {"r": 5.0})], val_before_train={"val": 0.25, "nan": float("nan")})
-    assert whole_history(bare, first_step=0) == [{"step": 0, "val": 0.25}, {"step": 1, "r": 5.0}]
+    assert whole_history(bare, first_step=0) == [{"step": 0, "val": 0.25, "nan": None}, {"step": 1, "r": 5.0}]
 
 
 def test_the_whole_history_of_a_retry_begins_with_the_earlier_run_the_first_attempt_resumed_from(tmp_path):

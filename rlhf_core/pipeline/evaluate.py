@@ -789,14 +789,29 @@ def _png(figure) -> bytes:
     return buffer.getvalue()
 
 
-def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
+def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float], list[int]]:
+    """The steps that logged ``key``, its values there (NaN where it was not finite: a gap in the line), and those
+    steps of them where it was not finite (NaN or inf, or None: the file logger's and the history's null)."""
+    steps, values, not_finite = [], [], []
     for record in history:
-        value = record.get(key)
+        if key not in record:
+            continue
+        value = record[key]
+        step = int(record.get("step", record.get("training/global_step", len(steps) + 1)))
         if isinstance(value, (int, float)) and math.isfinite(value):
-            steps.append(int(record.get("step", record.get("training/global_step", len(steps) + 1))))
+            steps.append(step)
             values.append(float(value))
-    return steps, values
+        elif value is None or isinstance(value, (int, float)):
+            steps.append(step)
+            values.append(math.nan)
+            not_finite.append(step)
+    return steps, values, not_finite
+
+
+def _steps_note(steps: Sequence[int], shown: int = 5) -> str:
+    """``step 3`` or ``steps 3, 4, 7`` (the first ``shown``, then how many more)."""
+    more = f" and {len(steps) - shown} more" if len(steps) > shown else ""
+    return f"step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps[:shown]))}{more}"
 
 
 def curve_panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
@@ -831,9 +846,16 @@ def training_curves_figure(history: Sequence[Mapping[str, Any]]):
         axes = figure.add_subplot(1, 3, column + 1, sharex=first)
         first = first or axes
         for name in names:
-            steps, values = _series(history, name)
-            if values:
-                axes.plot(steps, values, marker="o" if len(values) < 30 else None, markersize=3, label=name)
+            steps, values, not_finite = _series(history, name)
+            if not steps:
+                continue
+            # a step whose value was NaN or inf is a gap in the line, marked with an x at the panel's foot and named
+            # in the legend: a line drawn straight across it would hide the step where the run went wrong
+            label = f"{name} (not finite at {_steps_note(not_finite)})" if not_finite else name
+            (line,) = axes.plot(steps, values, marker="o" if len(values) < 30 else None, markersize=3, label=label)
+            if not_finite:
+                axes.plot(not_finite, [0.03] * len(not_finite), transform=axes.get_xaxis_transform(), marker="x",
+                          markersize=7, linestyle="none", color=line.get_color(), clip_on=False, label="_not_finite")
         axes.set_title(title)
         axes.set_xlabel("training step")
         # (a whole step even where the view holds only one: MaxNLocator asks for two, else ticks fractions)

@@ -17,9 +17,12 @@ from rlhf_core.training.checkpoint import CheckpointError, latest_or_none, step_
 from rlhf_core.training.tracking import FileLogger, read_metrics
 
 
-def _finite(metrics: dict) -> dict[str, float]:
-    """The numbers of ``metrics`` that are finite, as floats (what the summary and the curves keep)."""
-    return {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+def _numbers(metrics: dict) -> dict[str, float | None]:
+    """The numbers of ``metrics`` as floats, one that is not finite (NaN, inf) as None, as the file logger writes it
+    (``null``) and the ``metrics.jsonl`` read back holds it: kept, so that the curves mark the step where a metric
+    went NaN rather than draw a line straight across it (and the summary stays JSON)."""
+    return {k: (float(v) if math.isfinite(v) else None) if isinstance(v, (int, float)) else None
+            for k, v in metrics.items() if v is None or isinstance(v, (int, float))}
 
 
 def whole_history(result: RunResult, first_resumed: str | Path | None = None, first_step: int = 1) -> list[dict]:
@@ -41,11 +44,11 @@ def whole_history(result: RunResult, first_resumed: str | Path | None = None, fi
     for path, last in sources:
         for record in read_metrics(path):
             if first_step <= record["step"] <= last:
-                by_step[record["step"]] = {**_finite(record), "step": record["step"]}
+                by_step[record["step"]] = {**_numbers(record), "step": record["step"]}
     if first_step == 0 and result.val_before_train:
-        by_step[0] = {"step": 0, **_finite(result.val_before_train)}
+        by_step[0] = {"step": 0, **_numbers(result.val_before_train)}
     for done in result.history:  # the run's own records, as it holds them
-        by_step[done.step] = {"step": done.step, **_finite(done.metrics)}
+        by_step[done.step] = {"step": done.step, **_numbers(done.metrics)}
     return [by_step[number] for number in sorted(by_step)]
 
 
