@@ -1302,3 +1302,20 @@ def test_the_training_curves_mark_a_step_whose_metric_was_not_finite():
     assert line.get_label() == "critic/score/mean (not finite at step 5)" and list(marks.get_xdata()) == [5]
     figure.canvas.draw()
     assert panels["reward"].get_xlim()[1] > 5  # the last step, NaN, is still on the axis
+
+
+def test_the_validation_panel_of_a_run_without_ground_truths_draws_its_validation_reward():
+    """Validation prompts without a ground truth (a reward model's run) log val-core/<source>/reward/mean@1, their
+    headline, and no accuracy: the panel said "not logged" of a run that validated at every test_freq steps."""
+    from rlhf_core.pipeline.evaluate import curve_panels, training_curves_figure
+
+    history = [{"step": 0, "val-core/chat/reward/mean@1": 0.2},
+               {"step": 1, "critic/score/mean": 0.1},
+               {"step": 2, "critic/score/mean": 0.3, "val-core/chat/reward/mean@1": 0.5}]
+    assert curve_panels(history)[2] == ("validation reward", ["val-core/chat/reward/mean@1"])
+    axes = training_curves_figure(history).axes[2]
+    assert axes.get_title() == "validation reward" and not axes.texts
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in axes.lines] == [([0, 2], [0.2, 0.5])]
+    # a run with accuracies draws them alone, its validation rewards being in val-aux/
+    both = [{"step": 2, "val-core/a/acc/mean@1": 0.5, "val-aux/a/reward/mean@1": 0.4}]
+    assert curve_panels(both)[2] == ("validation accuracy", ["val-core/a/acc/mean@1"])

@@ -820,10 +820,14 @@ def curve_panels(history: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[s
     # the KL per token, as the KL guard reads it: actor/kl_loss is summed as loss_agg_mode says (per response with
     # seq-mean-token-sum), its per-token mean logged beside it
     kl_loss = KL_LOSS_TOKEN_MEAN if KL_LOSS_TOKEN_MEAN in keys else "actor/kl_loss"
+    accuracy = [k for k in keys if k.startswith("val-core/") and "/acc/" in k]
+    # validation rows without a ground truth (scored by a reward model or a custom function alone) have no accuracy:
+    # their headline metric is the reward (stats.validation_metrics), drawn under its own name
+    reward = [k for k in keys if k.startswith("val-core/") and "/reward/" in k]
     return [
         ("reward", ["critic/score/mean", "critic/rewards/mean"]),
         ("KL", [k for k in ("actor/ppo_kl", kl_loss, "actor/reward_kl_penalty") if k in keys]),
-        ("validation accuracy", [k for k in keys if k.startswith("val-core/") and "/acc/" in k]),
+        ("validation accuracy", accuracy) if accuracy or not reward else ("validation reward", reward),
     ]
 
 
@@ -833,10 +837,11 @@ def training_curves_png(history: Sequence[Mapping[str, Any]]) -> bytes:
 
 
 def training_curves_figure(history: Sequence[Mapping[str, Any]]):
-    """Reward, KL and validation accuracy against the training step, one panel each (a matplotlib Figure); the
-    steps are whole numbers on the axis (a short run's ticks read 0.5, 1.5, ... of a step; a panel of one step
-    0.945, 0.96, ...), and the panels share it, so that one step is at one place in each (the validation's step 0
-    and its points every ``test_freq`` steps stand under the training steps they follow)."""
+    """Reward, KL and validation accuracy (a run without ground truths: its validation reward) against the training
+    step, one panel each (a matplotlib Figure); the steps are whole numbers on the axis (a short run's ticks read
+    0.5, 1.5, ... of a step; a panel of one step 0.945, 0.96, ...), and the panels share it, so that one step is at
+    one place in each (the validation's step 0 and its points every ``test_freq`` steps stand under the training
+    steps they follow)."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
