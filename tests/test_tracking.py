@@ -173,6 +173,69 @@ def test_console_line_and_progress_bar(tmp_path, capsys):
     assert re.search(r"13/40 \[\d+:\d+<\d+:\d+", err), err
 
 
+def test_console_bar_writes_a_line_now_and_then_where_stderr_is_not_a_terminal(tmp_path, capsys):
+    """``rlhf-ppo ... > log 2>&1``: tqdm rewrote its bar with a "\r" frame at every step (and cleared and redrew
+    it around each step's line), a frame per step in the log. Off a terminal the bar is whole lines: the first
+    step, then at most one every 30 s, and the last; 300 quick steps give those two lines."""
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=300) as tracker:
+        for step in range(301):
+            tracker.log({}, step=step)
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 301
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    assert [line.split(" [")[0] for line in lines] == ["training:   0% 0/300", "training: 100% 300/300"], err
+    assert re.fullmatch(r"training: 100% 300/300 \[\d\d:\d\d<00:00, *[\d.]+step/s\]", lines[1]), lines[1]
+
+
+class _Terminal:
+    """What a terminal shows of what was written to it: "\r" goes back to the line's start, and what follows
+    overwrites the line from there."""
+
+    def __init__(self) -> None:
+        self.lines, self.column = [""], 0
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        for char in text:
+            if char == "\r":
+                self.column = 0
+            elif char == "\n":
+                self.lines.append("")
+                self.column = 0
+            else:
+                line = self.lines[-1].ljust(self.column)
+                self.lines[-1] = line[:self.column] + char + line[self.column + 1:]
+                self.column += 1
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def shown(self) -> list[str]:
+        return [line.rstrip() for line in self.lines if line.strip()]
+
+
+def test_a_line_printed_while_the_bar_is_on_the_terminal_gets_a_line_of_its_own(tmp_path, monkeypatch):
+    """A notice printed to stderr during training (a resumed run's records moved aside, a warning) landed after
+    the bar's text on the bar's line: "training:  60%|...| 3/5 [...]notice: ...". It is now written on a line of
+    its own, and the bar drawn again below it."""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=5) as tracker:
+        tracker.log({}, step=3)
+        print("notice: the records after step 2 were moved aside", file=sys.stderr, flush=True)
+        tracker.log({}, step=4)
+    shown = terminal.shown()
+    assert "notice: the records after step 2 were moved aside" in shown, shown
+    assert ["step 3/5", "step 4/5"] == [line for line in shown if line.startswith("step")]
+    assert shown[-1].startswith("training:  80%|") and "4/5 [" in shown[-1], shown
+    assert sys.stderr is terminal and sys.stdout is terminal  # the streams are handed back when the bar closes
+
+
 def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, capsys):
     metrics = {
         "val-core/openai/gsm8k/acc/mean@1": 0.5,

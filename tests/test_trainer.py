@@ -336,17 +336,16 @@ def test_validation_shows_the_prompts_done_batch_by_batch_where_the_console_logs
 
     root, model, reward = workspace
     bars = []
+    made = trainer_module.progress_bar
 
-    class Recording(trainer_module.tqdm):
-        def __init__(self, *args, **kwargs):
-            bars.append((kwargs, []))
-            super().__init__(*args, **kwargs)
+    def recording(*args, **kwargs):
+        bar, updates = made(*args, **kwargs), []
+        bars.append((kwargs, updates))
+        update = bar.update
+        bar.update = lambda n=1: (updates.append(n), update(n))[1]
+        return bar
 
-        def update(self, n=1):
-            bars[-1][1].append(n)
-            return super().update(n)
-
-    monkeypatch.setattr(trainer_module, "tqdm", Recording)
+    monkeypatch.setattr(trainer_module, "progress_bar", recording)
     for logger, hidden in (("[console]", False), ("[file]", True)):
         trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
                                                        "data.val_batch_size=3", f"trainer.logger={logger}")))
@@ -355,6 +354,28 @@ def test_validation_shows_the_prompts_done_batch_by_batch_where_the_console_logs
         bars.clear()
         assert (kwargs["desc"], kwargs["total"], kwargs["disable"], updates) == ("validation", 8, hidden, [3, 3, 2])
         assert ("validation:" in capsys.readouterr().err) is not hidden
+
+
+def test_validation_under_the_training_bar_writes_plain_lines_where_stderr_is_not_a_terminal(workspace, capsys):
+    """In a log (``> log 2>&1``, CI, a ZenML step) the validation bar under the training bar wrote a frame per
+    batch, each with a newline and a cursor move up (ESC[A) that a file keeps as garbage, and the training bar
+    a "\r" frame at every step: now each bar writes whole lines, at its start and at its end (well under the
+    30 s between two lines here), and no "\r" or escape sequence."""
+    from rlhf_core.training.tracking import Tracking
+
+    root, model, reward = workspace
+    trainer = build_trainer(load_config(_overrides(root, model, f"custom_reward_function.path={reward}",
+                                                   "data.val_batch_size=3", "trainer.logger=[console]")))
+    capsys.readouterr()  # (transformers' own bars of the models loaded)
+    with Tracking(["console"], "p", "e", root / "logs", total_steps=4) as tracker:
+        tracker.log({}, step=0)
+        trainer.validate()  # 8 prompts in batches of 3, 3 and 2
+        tracker.log({}, step=1)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 0/4", "step 1/4"]
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    assert [line.split(" [")[0] for line in err.splitlines()] == [
+        "training:   0% 0/4", "validation:   0% 0/8", "validation: 100% 8/8", "training:  25% 1/4"]
 
 
 def test_the_lr_schedule_warms_up_from_zero_then_decays_along_a_cosine():

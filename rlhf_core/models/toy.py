@@ -382,11 +382,9 @@ def evaluate(
     torch.manual_seed(seed)
     starts = range(0, len(problems), batch_size)
     if progress:
-        from tqdm.auto import tqdm
+        from rlhf_core.progress import progress_bar
 
-        starts = tqdm(
-            starts, desc="sampled eval" if do_sample else "greedy eval", unit="batch", dynamic_ncols=True
-        )
+        starts = progress_bar(starts, desc="sampled eval" if do_sample else "greedy eval", unit="batch")
     try:
         for start in starts:
             chunk = problems[start : start + batch_size]
@@ -523,9 +521,9 @@ def _warm_start(
     losses = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from rlhf_core.progress import progress_bar
 
-        bar = tqdm(total=steps, desc="warm start", unit="step", dynamic_ncols=True)
+        bar = progress_bar(total=steps, desc="warm start", unit="step")
     model.train()
     for step in range(steps):
         batch = _collate(encoded[step * batch_size : (step + 1) * batch_size], tokenizer.pad_token_id)

@@ -782,12 +782,13 @@ class RewardModelTrainer:
                               f"{self._resume_point(self.rerun_checkpoint())}") from exc
 
     def _train(self, log) -> dict[str, float]:
-        from tqdm.auto import tqdm
+        from tqdm import tqdm
+
+        from rlhf_core.progress import progress_bar
 
         log = self._logging(log or (lambda metrics, step: None))
         rm, last_val, first = self.rm, {}, True
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step",
-                   dynamic_ncols=True, file=sys.stderr)
+        bar = progress_bar(total=self.total_steps, initial=self.global_step, desc="reward model", unit="step")
         try:
             while self.global_step < self.total_steps:
                 self._stop_if_requested()

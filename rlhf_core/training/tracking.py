@@ -10,9 +10,9 @@ Usage::
 Backends (``VALID_LOGGERS``):
 
 ``console``
-    One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a tqdm progress
-    bar with ETA on stderr when ``total_steps`` is known. Lines go through ``tqdm.write`` so they do
-    not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad
+    One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a progress bar
+    with ETA on stderr when ``total_steps`` is known (:func:`rlhf_core.progress.progress_bar`: a line every
+    30 s where stderr is not a terminal). Lines go through ``tqdm.write`` so they do not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad
     norm is warned as well).
 ``file``
     JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``
@@ -71,6 +71,7 @@ from typing import IO, Any, ClassVar
 from tqdm import tqdm
 
 from rlhf_core.atomic import fsync_dir, write_text_atomic
+from rlhf_core.progress import progress_bar
 from rlhf_core.training.guards import measured_kl
 
 __all__ = [
@@ -348,8 +349,7 @@ class ConsoleLogger(Backend):
         if total and self._bar is None:
             # Created at the first logged step, which counts as done: the rate (hence the ETA) is
             # measured over the steps after it, so neither startup nor a resume's skipped steps skew it.
-            self._bar = tqdm(total=total, initial=min(max(step, 0), total), desc="training", unit="step", file=sys.stderr,
-                             dynamic_ncols=True)
+            self._bar = progress_bar(total=total, initial=min(max(step, 0), total), desc="training", unit="step")
         if self._bar is not None and step > self._bar.n:
             self._bar.update(min(step, self._bar.total) - self._bar.n)
         tqdm.write(self.format_line(metrics, step), file=sys.stdout)  # clears and redraws the bar

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from rlhf_core import algos, heap
 from rlhf_core.batch import Batch
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import PromptSampler, RLHFDataset
 from rlhf_core.models import cpu_matmul
+from rlhf_core.progress import progress_bar
 from rlhf_core.rewards.manager import RewardManager
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.rollout.hf import NonFiniteLogits
@@ -626,8 +626,8 @@ class PPOTrainer:
         apart: dict[tuple[str, str], list[float]] = {}  # (key, source) -> rule (gold) or model score
         texts: list[tuple[str, str]] = []  # (prompt, response) for trainer.log_val_generations
         # prompts done, batch by batch (data.val_batch_size sets the grain), beside the console's training bar
-        with tqdm(total=len(self.val_dataset), desc="validation", unit="prompt", file=sys.stderr, leave=False,
-                  dynamic_ncols=True, disable="console" not in self.config.trainer.logger) as bar:
+        with progress_bar(total=len(self.val_dataset), desc="validation", unit="prompt", leave=False,
+                          disable="console" not in self.config.trainer.logger) as bar:
             for start in range(0, len(self.val_dataset), size):
                 rows = list(range(start, min(start + size, len(self.val_dataset))))
                 # each batch's samples from a stream of their own (its first row's index: the same draws at
