@@ -60,6 +60,7 @@ from rlhf_core.pipeline.reward_code import (
     source_closure,
     user_code,
 )
+from rlhf_core.progress import progress_bar
 from rlhf_core.rewards import (
     BatchRewardFn,
     RewardFn,
@@ -245,15 +246,17 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
                             temperature=val_kwargs.temperature, top_p=val_kwargs.top_p, top_k=val_kwargs.top_k)
     sources, prompts, acc, reward = [], [], [], []
     answers: list[str | None] | None = []  # what each response answers, if the reward function says
-    for start in range(0, len(selected), batch_size):
-        batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
-        _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
-                            batch.meta["ground_truth"], batch.meta["extra_info"])
-        sources += batch.meta.get("metric_source", batch.meta["data_source"])  # verl's names, as in training
-        prompts += batch.meta["uid"]
-        acc += [float(a) for a in extras["acc"]]
-        reward += [float(s) for s in extras["score"]]
-        answers = answers + extras["pred"] if answers is not None and "pred" in extras else None
+    with progress_bar(total=len(selected), desc=f"sampled evaluation (n={val_kwargs.n})", unit="problem") as bar:
+        for start in range(0, len(selected), batch_size):
+            batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
+            _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
+                                batch.meta["ground_truth"], batch.meta["extra_info"])
+            sources += batch.meta.get("metric_source", batch.meta["data_source"])  # verl's names, as in training
+            prompts += batch.meta["uid"]
+            acc += [float(a) for a in extras["acc"]]
+            reward += [float(s) for s in extras["score"]]
+            answers = answers + extras["pred"] if answers is not None and "pred" in extras else None
+            bar.update(len(selected[start:start + batch_size]))  # (problems, each sampled val_kwargs.n times)
     per_problem: dict[int, list[float]] = {}
     for prompt, a in zip(prompts, acc):
         per_problem.setdefault(prompt, []).append(a)
@@ -457,28 +460,30 @@ def evaluate_policy(
     rows: list[dict[str, Any]] = []
     scores: list[float] = []
     lengths: list[float] = []
-    for start in range(0, len(selected), batch_size):
-        indices = selected[start:start + batch_size]
-        batch = engine.generate(dataset.collate(indices), params)
-        _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
-                            batch.meta["ground_truth"], batch.meta["extra_info"])
-        lengths += batch["response_mask"].sum(-1).float().tolist()
-        verdicts = [(dataset.rows[index]["id"], float(extras["acc"][row])) for row, index in enumerate(indices)]
-        check_right_or_wrong(verdicts)
-        for row, index in enumerate(indices):
-            scores.append(float(extras["score"][row]))
-            rows.append({
-                "id": dataset.rows[index]["id"],
-                "index": dataset.rows[index]["index"],
-                "data_source": batch.meta["data_source"][row],
-                "prompt": dataset.rows[index]["messages"][-1]["content"],
-                "messages": dataset.rows[index]["messages"],  # the whole prompt, for the fingerprint
-                "response": extras["responses"][row],
-                "ground_truth": batch.meta["ground_truth"][row],
-                "extra_info": dataset.rows[index]["extra_info"],  # what the reward grades against, for the fingerprint
-                "score": float(extras["score"][row]),
-                "correct": bool(extras["acc"][row] > 0),
-            })
+    with progress_bar(total=len(selected), desc="evaluation", unit="problem") as bar:
+        for start in range(0, len(selected), batch_size):
+            indices = selected[start:start + batch_size]
+            batch = engine.generate(dataset.collate(indices), params)
+            _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
+                                batch.meta["ground_truth"], batch.meta["extra_info"])
+            lengths += batch["response_mask"].sum(-1).float().tolist()
+            verdicts = [(dataset.rows[index]["id"], float(extras["acc"][row])) for row, index in enumerate(indices)]
+            check_right_or_wrong(verdicts)
+            for row, index in enumerate(indices):
+                scores.append(float(extras["score"][row]))
+                rows.append({
+                    "id": dataset.rows[index]["id"],
+                    "index": dataset.rows[index]["index"],
+                    "data_source": batch.meta["data_source"][row],
+                    "prompt": dataset.rows[index]["messages"][-1]["content"],
+                    "messages": dataset.rows[index]["messages"],  # the whole prompt, for the fingerprint
+                    "response": extras["responses"][row],
+                    "ground_truth": batch.meta["ground_truth"][row],
+                    "extra_info": dataset.rows[index]["extra_info"],  # what the reward grades against, for the fingerprint
+                    "score": float(extras["score"][row]),
+                    "correct": bool(extras["acc"][row] > 0),
+                })
+            bar.update(len(indices))
     sampled: dict[str, float] = {}
     if val_kwargs is not None and (val_kwargs.n > 1 or val_kwargs.do_sample):
         sampled, sampled_acc = _sampled_metrics(engine, dataset, selected, manager, val_kwargs, response_length,
