@@ -151,6 +151,35 @@ def test_a_folder_of_other_files_is_refused_not_replaced(tmp_path, capsys, monke
         assert (folder / "gguf_import.json").is_file()
 
 
+def test_an_import_says_each_phase_as_it_starts(tmp_path, capsys, monkeypatch):
+    """An import of SmolLM2 (about 30 s) said nothing for its first 30 s, reading the tokenizer and the weights,
+    before transformers' own bar of the de-quantising: each phase is now said as it starts. The readers stand in
+    for transformers' (they note what stderr said when they were called, then fail the import)."""
+    import transformers
+
+    from rlhf_core.models import gguf as module
+
+    said_before = {}
+
+    def tokenizer(folder, gguf_file):
+        said_before["tokenizer"] = capsys.readouterr().err
+        return object()
+
+    def model(folder, gguf_file, **kwargs):
+        said_before["weights"] = capsys.readouterr().err
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(module, "check_gguf", lambda file: file)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", tokenizer)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF" + b"\0" * 2_999_996)  # 3 MB
+    with pytest.raises(GGUFImportError, match="transformers cannot load it"):
+        import_gguf(source, tmp_path / "out")
+    assert said_before == {"tokenizer": "importing model.gguf: reading the tokenizer (3 MB file)\n",
+                           "weights": "importing model.gguf: reading and de-quantising the weights\n"}
+
+
 @pytest.mark.slow  # one real import: the file's 272 tensors de-quantised and 540 MB written (about 30 s)
 def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, monkeypatch):
     pytest.importorskip("gguf")

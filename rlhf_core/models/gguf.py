@@ -138,13 +138,21 @@ def _detach_quantizer(model) -> None:
             del model.config.quantization_config
 
 
+def _phase(file: Path, text: str) -> None:
+    """One line on stderr as an import's phase starts: reading a file takes tens of seconds before transformers'
+    own bar (the de-quantising) shows anything."""
+    print(f"importing {file.name}: {text}", file=sys.stderr, flush=True)
+
+
 def _build(file: Path, staging: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
 
     folder, name = str(file.parent), file.name
     try:
+        _phase(file, f"reading the tokenizer ({file.stat().st_size / 1e6:.0f} MB file)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        _phase(file, "reading and de-quantising the weights")
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True))
     except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot read, a damaged tensor
@@ -158,6 +166,7 @@ def _build(file: Path, staging: Path) -> dict:
                                                    eos_token_id=tokenizer.eos_token_id,
                                                    pad_token_id=tokenizer.pad_token_id)
     model.config.name_or_path = file.stem
+    _phase(file, "writing the HF model directory")
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     return {
