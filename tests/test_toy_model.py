@@ -308,3 +308,36 @@ def test_the_slip_rate_sets_the_share_of_slipped_training_solutions():
     assert 0.27 < len(slipped) / len(problems) < 0.32  # 8,000 draws: one standard error is 0.005
     clean = toy._training_problems({**settings, "slip_rate": 0.0}, seed=0)
     assert all(p["solution"].rpartition("#### ")[2] == p["answer"] for p in clean)
+
+
+def test_a_build_stopped_under_its_bar_on_a_terminal_gives_the_streams_back(monkeypatch):
+    """On a terminal the build's bars route other output around themselves while open (sys.stdout and sys.stderr
+    stand in for the terminal's): a Ctrl-C in the warm start's loop left its bar open, so the streams stayed
+    rerouted and a partial line printed after it was held back. (The evaluation's bar wraps its loop and closes as
+    the loop is left.)"""
+    import sys
+
+    from rlhf_core import progress
+
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    settings = {**toy.preset_settings("test"), "train_steps": 3}
+    tokenizer = toy.build_char_tokenizer(settings["max_position_embeddings"])
+    model = toy.LlamaForCausalLM(toy._llama_config(tokenizer, 16, 1, 2, 32, settings["max_position_embeddings"]))
+    calls = []
+
+    def stopped(*args, **kwargs):
+        calls.append(1)
+        raise KeyboardInterrupt
+
+    streams = (sys.stdout, sys.stderr)
+    seen = None
+    try:
+        monkeypatch.setattr(toy, "_collate", stopped)
+        toy._warm_start(model, tokenizer, settings, seed=0, progress=True)
+    except KeyboardInterrupt:  # as the command's handler sees it: the interrupted frames (and the bar) still alive
+        seen = ((sys.stdout, sys.stderr) == streams, progress.TerminalBar._open)
+    finally:
+        sys.stdout, sys.stderr = streams  # (put back for the other tests, whatever happened)
+        progress.TerminalBar._open, progress.TerminalBar._streams = 0, None
+    assert calls == [1]
+    assert seen == (True, 0)

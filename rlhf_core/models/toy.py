@@ -525,21 +525,23 @@ def _warm_start(
 
         bar = progress_bar(total=steps, desc="warm start", unit="step")
     model.train()
-    for step in range(steps):
-        batch = _collate(encoded[step * batch_size : (step + 1) * batch_size], tokenizer.pad_token_id)
-        batch = {key: value.to(device) for key, value in batch.items()}
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
+    try:  # (closed on an error or Ctrl-C too: on a terminal an open bar holds back other output's partial lines)
+        for step in range(steps):
+            batch = _collate(encoded[step * batch_size : (step + 1) * batch_size], tokenizer.pad_token_id)
+            batch = {key: value.to(device) for key, value in batch.items()}
+            loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    finally:
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    if bar is not None:
-        bar.close()
+            bar.close()
     model.eval()
     return losses
 
