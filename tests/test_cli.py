@@ -1256,5 +1256,36 @@ def test_a_checkpoint_that_cannot_be_written_exits_2_though_the_logger_fails_too
     err = capsys.readouterr().err.splitlines()
     assert "Traceback" not in "\n".join(err)
     assert err[-1].startswith(f"disk full while writing checkpoint {out / 'global_step_1'}"), err[-1]
-    assert err[-2] == ("error: logging the metrics of step 1 failed (OSError: [Errno 28] No space left on device); "
-                       "no checkpoint was saved yet")
+    assert err[-2] == ("error: logging the metrics of step 1 failed (OSError: [Errno 28] No space left on device: "
+                       f"'{out / 'metrics.jsonl'}'); no checkpoint was saved yet")
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer thread's own
+def test_a_full_disk_under_the_tensorboard_logger_stops_the_run_with_one_line_naming_its_folder(
+        workspace, tmp_path, capsys, monkeypatch):
+    """TensorBoard writes its events from a thread of its own and raises the thread's error again as the writer
+    closes: that second raise, as the run's trackers closed, took the place of the run's error, so a full disk came
+    out as a traceback of the closing, without the step, the folder or the way on."""
+    import errno
+
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    from rlhf_core.cli.train import ppo
+    from rlhf_core.training.tracking import read_metrics
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "append", disk_full)  # every event the writer thread writes
+    out = tmp_path / "out"
+    assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.save_freq=2",
+                                   "trainer.val_before_train=false", "trainer.test_freq=-1",
+                                   "trainer.logger=[file,tensorboard]")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"error: logging the metrics of step 1 failed (OSError: [Errno 28] No space left on device: "
+        f"'{out / 'tensorboard'}'); no checkpoint was saved yet"), err[-2000:]
+    assert [record["step"] for record in read_metrics(out / "metrics.jsonl")] == [1]  # the file logger's, before
+    assert not list(out.glob("global_step_*"))

@@ -49,6 +49,13 @@ Backends (``VALID_LOGGERS``):
     ``mlflow``) and SQLAlchemy + Alembic for the local store.
 
 The optional packages are imported only when their backend is asked for; all are in the ``dev`` extra.
+
+A backend that cannot write a record (a full disk, a folder it may not write) raises, the TensorBoard logger and
+the validation samples' file included, as verl's tracker lets any backend's error through: the trainer stops the
+run there, saying which step and the checkpoint a rerun resumes from (``LoggingError``), rather than train on for
+hours with curves that stop at that step. The error names where the backend writes (:meth:`Backend.location`)
+where the OS error names no file, and closing a backend whose record failed says nothing more; a backend that
+cannot be closed while the run fails of another error is told in a notice, never in place of that error.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ import sys
 import time
 import urllib.parse
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
@@ -261,6 +268,20 @@ class Backend:
 
     def finish(self, failed: bool = False) -> None:
         """Flush and close; ``failed`` marks a run that ended with an exception (where supported)."""
+
+    def location(self, generations: bool = False) -> str | None:
+        """Where the backend writes (the metrics, or with ``generations`` the validation samples): named in the
+        error of a write that failed without saying where (a full disk, at a flush)."""
+        return None
+
+
+def _located(error: OSError, where: str | None) -> OSError:
+    """``error`` with the path ``where`` where it names none: a write or flush that fails on a full disk says
+    "[Errno 28] No space left on device" and not which file."""
+    if where is None or error.filename is not None or error.errno is None:
+        return error
+    located = OSError(error.errno, error.strerror, where)  # (the subclass of the errno: PermissionError, ...)
+    return located.with_traceback(error.__traceback__)
 
 
 class ConsoleLogger(Backend):
@@ -533,6 +554,9 @@ class FileLogger(Backend):
         if self._file is not None and not self._file.closed:
             self._file.close()
 
+    def location(self, generations: bool = False) -> str:
+        return str(self.run.local_dir / GENERATIONS_FILENAME if generations else self.path)
+
 
 class TensorBoardLogger(Backend):
     """Scalars by metric name in ``<local_dir>/tensorboard``, or ``$TENSORBOARD_DIR`` (verl's variable)."""
@@ -608,6 +632,9 @@ class TensorBoardLogger(Backend):
         if self._writer is not None:
             self._writer.close()
 
+    def location(self, generations: bool = False) -> str:
+        return str(self.log_dir)
+
 
 class WandbLogger(Backend):
     """Weights & Biases, offline unless ``WANDB_MODE`` says otherwise; files under ``<local_dir>/wandb``."""
@@ -644,6 +671,9 @@ class WandbLogger(Backend):
 
     def finish(self, failed: bool = False) -> None:
         self.wandb_run.finish(exit_code=1 if failed else 0)
+
+    def location(self, generations: bool = False) -> str:
+        return str(self.run.local_dir / "wandb")
 
 
 _MLFLOW_BAD_CHARS = re.compile(r"[^A-Za-z0-9_\-./ ]")
@@ -777,6 +807,9 @@ class MlflowLogger(Backend):
     def finish(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
+    def location(self, generations: bool = False) -> str:
+        return self.tracking_uri
+
 
 #: Logger name -> backend class. ``Tracking`` builds one instance per requested name.
 BACKENDS: dict[str, type[Backend]] = {
@@ -843,6 +876,7 @@ class Tracking:
         )
         self.backends: dict[str, Backend] = {}
         self._skipped: set[str] = set()
+        self._failed: set[str] = set()  # the backends a record failed in (their failure is the one told)
         self._finished = False
         try:
             for name in dict.fromkeys(names):  # de-duplicated, order kept
@@ -869,15 +903,28 @@ class Tracking:
                     )
                 continue
             clean[str(key)] = number
-        for backend in self.backends.values():
-            backend.log(clean, step)
+        for name, backend in self.backends.items():
+            self._write(name, backend, lambda backend: backend.log(clean, step))
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         """Validation samples (``input``, ``output``, ``score``; ``trainer.log_val_generations`` of them) in
         every backend that keeps text: printed on the console, ``val_generations.jsonl`` beside the metrics
         file, a text in TensorBoard, a table in wandb, a JSON artifact in MLflow."""
-        for backend in self.backends.values():
-            backend.log_generations(samples, int(step))
+        for name, backend in self.backends.items():
+            self._write(name, backend, lambda backend: backend.log_generations(samples, int(step)), generations=True)
+
+    def _write(self, name: str, backend: Backend, write: Callable[[Backend], None], generations: bool = False) -> None:
+        """``write(backend)``; an OSError names where the backend writes (:meth:`Backend.location`), and the
+        backend is marked failed: closing it then says nothing more (TensorBoard's writer raises the error of its
+        thread again as it closes, which would stand in for the step's)."""
+        try:
+            write(backend)
+        except OSError as exc:
+            self._failed.add(name)
+            raise _located(exc, backend.location(generations)) from None
+        except Exception:
+            self._failed.add(name)
+            raise
 
     def finish(self, failed: bool = False) -> None:
         """Close every backend (idempotent). ``failed`` marks the run as failed where supported."""
@@ -885,11 +932,15 @@ class Tracking:
             return
         self._finished = True
         errors = []
-        for backend in self.backends.values():
+        for name, backend in self.backends.items():
             try:
                 backend.finish(failed=failed)
-            except Exception as e:  # close the others before reporting
-                errors.append(e)
+            except OSError as e:  # close the others before reporting
+                if name not in self._failed:  # (one whose record failed: that failure is told already)
+                    errors.append(_located(e, backend.location()))
+            except Exception as e:
+                if name not in self._failed:
+                    errors.append(e)
         if errors:
             raise errors[0]
 
@@ -897,4 +948,11 @@ class Tracking:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.finish(failed=exc_type is not None)
+        if exc_type is None:
+            self.finish()
+            return
+        try:
+            self.finish(failed=True)
+        except Exception as closing:  # the run's own error is the one to report; this one is said beside it
+            print(f"notice: a logger could not be closed either ({type(closing).__name__}: {closing})",
+                  file=sys.stderr, flush=True)
