@@ -1343,3 +1343,19 @@ def test_a_fixed_reward_function_resumes_where_the_run_allows_a_change_of_reward
     (tmp_path / "reward.py").write_text("def compute_score(:\n")
     with pytest.raises(CheckpointError, match="cannot be read as Python now"):
         checkpoint.check_config(ckpt, load_config(base + ["trainer.allow_reward_code_change=true"]))
+
+
+def test_a_full_disk_while_a_run_saves_says_to_free_space_and_rerun_to_resume_from_the_checkpoint_kept(
+        scratch, monkeypatch):
+    """A run's save that met a full disk said "free space or set trainer.default_local_dir to a larger disk": a
+    rerun in another folder finds no checkpoint and starts afresh, and nothing said how to go on from the one kept."""
+    trainer, root = scratch
+    assert trainer.config.trainer.resume_mode == "auto"  # (a rerun of the same command resumes)
+    _fail_on_call(monkeypatch, 1, OSError(errno.ENOSPC, "No space left on device"))
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_checkpoint()
+    assert str(info.value) == (
+        f"disk full while writing actor/model_state.pt of checkpoint {root / 'global_step_3'} (No space left on "
+        f"device); the previous checkpoint {root / 'global_step_2'} is intact: free space on that disk, then rerun "
+        "the same command to resume from it")
+    assert (root / checkpoint.LATEST_FILE).read_text() == "2\n"

@@ -793,9 +793,18 @@ def mark_latest(root: str | os.PathLike, step: int) -> None:
     write_text_atomic(Path(root) / LATEST_FILE, f"{step}\n")
 
 
-def _explain(exc: OSError, root: Path, final: Path, current: str | None) -> str:
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write refused for want of space (a full disk, a quota used up)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumable: bool = False) -> str:
+    """What failed, and where; ``resumable``: the message goes on naming the checkpoint a rerun resumes from, so a
+    full disk is not told to move to another folder (where a rerun would find no checkpoint and start afresh)."""
     what = f"{current} of checkpoint {final}" if current else f"checkpoint {final}"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(exc):
+        if resumable:
+            return f"disk full while writing {what} ({exc.strerror or exc})"
         return (f"disk full while writing {what}; free space or set trainer.default_local_dir to a larger disk "
                 f"({exc.strerror or exc})")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -929,7 +938,7 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
 
 
 def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[CheckpointFiles], list[str]],
-                     before_latest: Callable[[], None] | None = None) -> Path:
+                     before_latest: Callable[[], None] | None = None, rerun: str | None = None) -> Path:
     """Write ``root/global_step_<step>`` atomically and mark it latest; returns its directory.
 
     ``fill(files)`` writes the checkpoint's files through ``files`` and returns the parts it saved
@@ -939,7 +948,9 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     latest. Any failure leaves the checkpoints and the latest marker as they were and raises
     :class:`CheckpointError` saying what failed. ``before_latest()`` runs once the files are written, before the
     checkpoint moves into place and is marked latest (the step's record is logged there: a run killed after the
-    marker resumes after the step, so the record must be written by then).
+    marker resumes after the step, so the record must be written by then). ``rerun``: how a rerun resumes from the
+    latest checkpoint (:func:`rerun_advice`), which the error then says after naming that checkpoint intact (a full
+    disk: "free space, then ...").
     """
     root = Path(os.path.expanduser(str(root)))
     final = step_dir(root, step)
@@ -968,18 +979,23 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
             if before_latest is not None:
                 before_latest()
     except OSError as exc:
-        raise CheckpointError(_explain(exc, root, final, files.current if files else None) + intact) from exc
+        resumable = previous is not None and rerun is not None
+        if resumable:
+            intact += f": {'free space on that disk, then ' if disk_full(exc) else ''}{rerun} to resume from it"
+        raise CheckpointError(_explain(exc, root, final, files.current if files else None, resumable)
+                              + intact) from exc
     return final
 
 
-def save_checkpoint(trainer, root: str | os.PathLike, before_latest: Callable[[], None] | None = None) -> Path:
+def save_checkpoint(trainer, root: str | os.PathLike, before_latest: Callable[[], None] | None = None,
+                    rerun: str | None = None) -> Path:
     """Save the trainer's full state as ``root/global_step_<trainer.global_step>``, atomically.
 
     Then marks it latest and prunes old checkpoints (``trainer.max_*_ckpt_to_keep``, never the
-    latest nor ``trainer.protected_steps()``). Returns the checkpoint directory. ``before_latest``: as for
+    latest nor ``trainer.protected_steps()``). Returns the checkpoint directory. ``before_latest``, ``rerun``: as for
     :func:`write_checkpoint`.
     """
-    final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer), before_latest)
+    final = write_checkpoint(root, int(trainer.global_step), lambda files: _fill(files, trainer), before_latest, rerun)
     cfg = trainer.config.trainer
     prune_checkpoints(final.parent, cfg.max_actor_ckpt_to_keep, cfg.max_critic_ckpt_to_keep,
                       trainer.protected_steps(int(trainer.global_step)))

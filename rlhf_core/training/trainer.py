@@ -746,7 +746,7 @@ class PPOTrainer:
         weights that hold NaN or inf (:meth:`_check_weights`)."""
         self._check_weights()
         try:
-            path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest)
+            path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest, self.rerun_advice)
         except WorkerError as exc:
             raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved = path
