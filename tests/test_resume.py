@@ -274,7 +274,7 @@ def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_reru
     assert str(raised.value) == (
         "logging the metrics of step 2 failed (OSError: [Errno 28] No space left on device), so its checkpoint is not "
         f"kept (a rerun trains the step again and logs it); the latest checkpoint {out / 'global_step_1'} is intact: "
-        "rerun the same command to resume from it")
+        "free space on that disk, then rerun the same command to resume from it")
     assert _latest(out) == 1 and sorted(path.name for path in out.iterdir()) == [
         "global_step_1", "latest_checkpointed_iteration.txt"]
 
@@ -300,7 +300,7 @@ def test_a_logger_failing_on_a_step_that_does_not_save_stops_naming_the_checkpoi
         trainer.fit()
     assert str(raised.value) == (
         "logging the metrics of step 3 failed (OSError: [Errno 28] No space left on device); the latest checkpoint "
-        f"{out / 'global_step_2'} is intact: rerun the same command to resume from it")
+        f"{out / 'global_step_2'} is intact: free space on that disk, then rerun the same command to resume from it")
     assert _latest(out) == 2 and trainer.global_step == 3
 
 

@@ -1267,22 +1267,26 @@ def test_a_logger_that_cannot_write_stops_the_run_with_one_line_and_exit_1(tiny,
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_logger_failure_names_the_checkpoint_a_rerun_resumes_from(tiny, pairs_dir, tmp_path):
+@pytest.mark.parametrize(("error", "said", "then"), [
+    (OSError("a broken pipe"), "OSError: a broken pipe", ""),
+    (OSError(28, "No space left on device"), "OSError: [Errno 28] No space left on device",
+     "free space on that disk, then ")])  # (a full disk: the space the rerun needs)
+def test_a_logger_failure_names_the_checkpoint_a_rerun_resumes_from(tiny, pairs_dir, tmp_path, error, said, then):
     from rlhf_core.training.trainer import LoggingError
 
     out = tmp_path / "out"
 
     def log(metrics, step):
         if step == 2:
-            raise OSError("No space left on device")
+            raise error
 
     trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, out, "reward_model.train.save_freq=1",
                                                         "reward_model.train.total_training_steps=3")))
     with pytest.raises(LoggingError) as raised:
         trainer.fit(log)
     assert str(raised.value) == (
-        f"logging the metrics of step 2 failed (OSError: No space left on device); the latest checkpoint "
-        f"{out / 'global_step_1'} is intact: rerun the same command to resume from it")
+        f"logging the metrics of step 2 failed ({said}); the latest checkpoint "
+        f"{out / 'global_step_1'} is intact: {then}rerun the same command to resume from it")
     assert sorted(path.name for path in out.glob("global_step_*")) == ["global_step_1"]
 
 

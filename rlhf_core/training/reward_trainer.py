@@ -880,10 +880,10 @@ class RewardModelTrainer:
                                      + self._resume_point(latest))
         return GuardError(said + self._resume_point(latest))
 
-    def _resume_point(self, latest: Path | None) -> str:
+    def _resume_point(self, latest: Path | None, then: str = "") -> str:
         """How a rerun resumes from ``latest``, the checkpoint it resumes from (:meth:`rerun_checkpoint`), or that
-        there is none yet."""
-        return (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+        there is none yet; ``then``: what to do first ("free space on that disk, then ")."""
+        return (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it"
                 if latest is not None else "no checkpoint was saved yet")
 
     def _weights_from(self, step: int) -> str:
@@ -917,8 +917,9 @@ class RewardModelTrainer:
             try:
                 log(metrics, step)
             except Exception as exc:
+                then = "free space on that disk, then " if ckpt.disk_full(exc) else ""
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
-                                   f"{self._resume_point(self.rerun_checkpoint())}") from exc
+                                   f"{self._resume_point(self.rerun_checkpoint(), then)}") from exc
         return logged
 
     def already_complete(self) -> str:

@@ -928,7 +928,8 @@ class PPOTrainer:
 
     def _logging_failure(self, exc: Exception, what: str, not_kept: str = "") -> LoggingError:
         latest = self.rerun_checkpoint()
-        kept = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
+        then = "free space on that disk, then " if checkpoint.disk_full(exc) else ""
+        kept = (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it"
                 if latest is not None else "no checkpoint was saved yet")
         return LoggingError(f"logging {what} failed ({type(exc).__name__}: {exc}){not_kept}; {kept}")
 
