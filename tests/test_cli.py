@@ -1261,13 +1261,17 @@ def test_a_checkpoint_that_cannot_be_written_exits_2_though_the_logger_fails_too
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer thread's own
 def test_a_full_disk_under_the_tensorboard_logger_stops_the_run_with_one_line_naming_its_folder(
         workspace, tmp_path, capsys, monkeypatch):
     """TensorBoard writes its events from a thread of its own and raises the thread's error again as the writer
     closes: that second raise, as the run's trackers closed, took the place of the run's error, so a full disk came
-    out as a traceback of the closing, without the step, the folder or the way on."""
+    out as a traceback of the closing, without the step, the folder or the way on. The thread's own traceback (its
+    error reaches the logger at the next write or flush) is not printed either."""
     import errno
+    import threading
+
+    thread_errors = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)  # what Python prints a thread's error with
 
     from tensorboard.compat.tensorflow_stub.io import gfile
 
@@ -1289,3 +1293,4 @@ def test_a_full_disk_under_the_tensorboard_logger_stops_the_run_with_one_line_na
         f"'{out / 'tensorboard'}'); no checkpoint was saved yet"), err[-2000:]
     assert [record["step"] for record in read_metrics(out / "metrics.jsonl")] == [1]  # the file logger's, before
     assert not list(out.glob("global_step_*"))
+    assert [f"{type(args.exc_value).__name__}: {args.exc_value}" for args in thread_errors] == []

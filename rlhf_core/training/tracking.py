@@ -68,6 +68,7 @@ import math
 import os
 import re
 import sys
+import threading
 import time
 import urllib.parse
 import warnings
@@ -558,6 +559,24 @@ class FileLogger(Backend):
         return str(self.run.local_dir / GENERATIONS_FILENAME if generations else self.path)
 
 
+def _quiet_event_writer_threads() -> None:
+    """Leave out the traceback Python prints where TensorBoard's event-writing thread fails (a full disk): the thread
+    keeps its error and the writer raises it at its next write or flush, which :class:`TensorBoardLogger` calls at
+    every record, so the run stops with that error, named (:meth:`Tracking.log`); the thread's traceback would only
+    bury that one line. Other threads' errors are printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writers", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, Exception):
+            return
+        previous(args)
+
+    hook.quiets_event_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class TensorBoardLogger(Backend):
     """Scalars by metric name in ``<local_dir>/tensorboard``, or ``$TENSORBOARD_DIR`` (verl's variable)."""
 
@@ -571,6 +590,7 @@ class TensorBoardLogger(Backend):
         except ImportError as e:
             raise _missing("tensorboard", self.name, "tensorboard", e) from e
         self._summary_writer = SummaryWriter
+        _quiet_event_writer_threads()
         self.log_dir = Path(os.environ.get("TENSORBOARD_DIR") or run.local_dir / self.SUBDIR).expanduser()
         if os.environ.get("TENSORBOARD_DIR") and run.resume_step is None:
             self._notice_earlier_events()
