@@ -1359,3 +1359,27 @@ def test_a_full_disk_while_a_run_saves_says_to_free_space_and_rerun_to_resume_fr
         f"device); the previous checkpoint {root / 'global_step_2'} is intact: free space on that disk, then rerun "
         "the same command to resume from it")
     assert (root / checkpoint.LATEST_FILE).read_text() == "2\n"
+
+
+def test_a_full_disk_while_safetensors_writes_the_hf_export_is_a_disk_full_checkpoint_error(scratch, monkeypatch):
+    """safetensors reports a failed write in an error of its own, no OSError ("I/O error: No space left on device
+    (os error 28)"): a full disk as the checkpoint's huggingface/ folder was written came out as that error's
+    traceback (exit 1), without "disk full", the checkpoint kept or the way on."""
+    from safetensors import SafetensorError
+    from transformers import modeling_utils
+
+    trainer, root = scratch
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
+    with pytest.raises(CheckpointError) as info:
+        trainer.save_checkpoint()
+    assert str(info.value) == (
+        f"disk full while writing actor/huggingface/ of checkpoint {root / 'global_step_3'} (No space left on "
+        f"device); the previous checkpoint {root / 'global_step_2'} is intact: free space on that disk, then rerun "
+        "the same command to resume from it")
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
+    assert (root / checkpoint.LATEST_FILE).read_text() == "2\n"
+    assert not (root / "global_step_3").exists() and not [p for p in root.iterdir() if p.name.startswith(".")]

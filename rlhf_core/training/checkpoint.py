@@ -750,6 +750,21 @@ def _write(path: Path, write: Callable[[IO[bytes]], Any]) -> str:
     return sink.sha256.hexdigest()
 
 
+# how a writer outside Python (safetensors' Rust code) words the OS error it met: "I/O error: No space left on
+# device (os error 28)"
+_FOREIGN_OS_ERROR = re.compile(r"(?:I/O error: )?([^:()]+?) \(os error (\d+)\)")
+
+
+def os_error_of(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc``: itself, or the one a library reported in an error type of its own (safetensors'
+    SafetensorError on a full disk), rebuilt with its errno so that the message can say "disk full"; None for any
+    other error."""
+    if isinstance(exc, OSError):
+        return exc
+    match = _FOREIGN_OS_ERROR.search(str(exc))
+    return OSError(int(match.group(2)), match.group(1)) if match else None
+
+
 def _remove(path: Path, root: Path) -> None:
     """Take ``path`` (``root``'s ``global_step_N`` or a part of one) out of view atomically, renamed into ``root``
     (``.trash-global_step_N-actor-<pid>-<ns>``), then delete it: a process killed while deleting leaves it where
@@ -846,7 +861,12 @@ class CheckpointFiles:
         """A directory written by someone else's save function (``save_pretrained``)."""
         self.current = rel + "/"
         target = self.folder / rel
-        fill(target)
+        try:
+            fill(target)
+        except Exception as exc:
+            if (error := os_error_of(exc)) is not None and error is not exc:
+                raise error from exc  # (safetensors' full disk: said as the OSError it is)
+            raise
         fsync_tree(target)
         rels = [file.relative_to(self.folder).as_posix() for file in sorted(target.rglob("*")) if file.is_file()]
         if not rels:  # e.g. workers that wrote to another folder: a manifest must never list an empty part
@@ -1050,8 +1070,10 @@ def export_hf(trainer, directory: str | os.PathLike) -> Path:
             _write_hf(trainer, tmp)
             if _lora_actor(trainer):
                 trainer.actor.save_adapter(tmp / lora.ADAPTER_DIR)
-    except OSError as exc:
-        raise CheckpointError(_explain(exc, target.parent, target, None)) from exc
+    except Exception as exc:
+        if (error := os_error_of(exc)) is None:
+            raise
+        raise CheckpointError(_explain(error, target.parent, target, None)) from exc
     return target
 
 
