@@ -1817,3 +1817,31 @@ def test_a_resume_path_that_names_no_checkpoint_is_told_the_one_it_likely_means(
         assert info.value.errors == [
             f"reward_model.train.resume_from_path: {wrong} is not a checkpoint directory: its name must be "
             f"global_step_N; {meant}: reward_model.train.resume_from_path={step} resumes from it"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_full_disk_as_the_export_is_written_says_so_and_a_rerun_exports_from_the_last_checkpoint(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """The export follows the last save: a full disk there (safetensors says it in an error of its own) ended the run
+    in that error's traceback, without "disk full", the checkpoint that holds the trained model or the way on."""
+    from safetensors import SafetensorError
+    from transformers import modeling_utils
+
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.total_training_steps=2")
+
+    def full_disk(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(modeling_utils, "safe_save_file", full_disk)
+        assert train_rm(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        f"disk full while writing the reward model's HF export {out / 'huggingface'} (No space left on device); the "
+        f"latest checkpoint {out / 'global_step_2'} is intact: free space on that disk, then rerun the same command "
+        "to resume from it (at the run's end: the rerun writes the export)")
+    assert not (out / "huggingface").exists() and not [p for p in out.iterdir() if p.name.startswith(".huggingface")]
+    assert train_rm(args) == 0  # the rerun resumes at the run's end and exports
+    assert AutoModelForSequenceClassification.from_pretrained(out / "huggingface").config.num_labels == 1

@@ -1097,10 +1097,23 @@ class RewardModelTrainer:
         print(f"resumed the reward model from {path} (step {self.global_step}{moved})", file=sys.stderr)
 
     def export(self, target: Path) -> Path:
-        """The model and tokenizer as a HF directory, written beside ``target`` and renamed into place."""
-        with staged_directory(target, replace=True, usual_modes=False) as tmp, _no_hf_bars():
-            self.worker.save_hf(tmp)
-            self.tokenizer.save_pretrained(tmp)
+        """The model and tokenizer as a HF directory, written beside ``target`` and renamed into place. A write that
+        fails (a full disk) is a :class:`~rlhf_core.training.checkpoint.CheckpointError` naming the export and the
+        checkpoint a rerun writes it from (the run's end: it resumes there and exports)."""
+        try:
+            with staged_directory(target, replace=True, usual_modes=False) as tmp, _no_hf_bars():
+                self.worker.save_hf(tmp)
+                self.tokenizer.save_pretrained(tmp)
+        except Exception as exc:
+            if (error := ckpt.os_error_of(exc)) is None:
+                raise
+            what = (f"disk full while writing the reward model's HF export {target} ({error.strerror or error})"
+                    if ckpt.disk_full(error) else f"could not write the reward model's HF export {target}: {error}")
+            latest = self.rerun_checkpoint()
+            then = "free space on that disk, then " if ckpt.disk_full(error) else ""
+            way_on = (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it (at the "
+                      "run's end: the rerun writes the export)" if latest is not None else "no checkpoint was saved")
+            raise ckpt.CheckpointError(f"{what}; {way_on}") from exc
         return target
 
     def shutdown(self) -> None:
