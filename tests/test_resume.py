@@ -8,6 +8,7 @@ import errno
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -542,3 +543,40 @@ def test_a_resume_with_reward_code_the_run_allows_to_change_says_so_once(workspa
         "(the reward file differs), as trainer.allow_reward_code_change=true allows: the steps before were scored by "
         "the old code"]
     assert [step.step for step in result.history] == [2]  # resumed after step 1
+
+
+def test_a_read_only_folder_as_a_step_saves_says_how_to_keep_the_run_and_a_move_of_the_folder_resumes_it(
+        workspace, reference, tmp_path, monkeypatch):
+    """A save refused by the folder (a read-only filesystem, its permissions) said "fix its permissions or set
+    trainer.default_local_dir": a rerun in another folder finds no checkpoint and starts afresh, losing the steps
+    saved. The message says how to resume from the checkpoint kept, here or in a folder the run's is moved to; and
+    a rerun pointed at the moved folder goes on from it exactly."""
+    _, expected, _ = reference
+    out, moved = tmp_path / "readonly", tmp_path / "elsewhere" / "run"
+    real_write = checkpoint.CheckpointFiles.write
+
+    def read_only(file):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    def read_only_at_step_3(files, rel, write):
+        real_write(files, rel, read_only if files.folder.name.startswith(".global_step_3.") else write)
+
+    monkeypatch.setattr(checkpoint.CheckpointFiles, "write", read_only_at_step_3)
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        run(load_config(overrides(workspace, out, "trainer.save_freq=1")), handle_signals=False)
+    assert str(refused.value) == (
+        f"checkpoint directory {out} is not writable (Read-only file system) while writing actor/model_state.pt of "
+        f"checkpoint {out / 'global_step_3'}; the previous checkpoint {out / 'global_step_2'} is intact: make {out} "
+        "writable again (its permissions, or remount a read-only filesystem), then rerun the same command to resume "
+        f"from it; or move {out} with its checkpoints and latest_checkpointed_iteration.txt to a writable place and "
+        "set trainer.default_local_dir to that place for the rerun (in a folder without them a rerun starts afresh)")
+    monkeypatch.undo()
+
+    moved.parent.mkdir()
+    shutil.move(out, moved)
+    result = run(load_config(overrides(workspace, moved, "trainer.save_freq=1")), handle_signals=False)
+    assert result.resumed_from == str(moved / "global_step_2") and [r.step for r in result.history] == [3, 4]
+    got = read_metrics(moved / "metrics.jsonl")
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert_same_metrics(got[step], expected[step], step)

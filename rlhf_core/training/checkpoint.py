@@ -813,21 +813,42 @@ def disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
-def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumable: bool = False) -> str:
-    """What failed, and where; ``resumable``: the message goes on naming the checkpoint a rerun resumes from, so a
-    full disk is not told to move to another folder (where a rerun would find no checkpoint and start afresh)."""
+def not_writable(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write refused by the folder's permissions or a read-only filesystem."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumable: bool = False,
+             key: str = "trainer.default_local_dir") -> str:
+    """What failed, and where; ``key``: the setting that names ``root``. ``resumable``: the message goes on naming
+    the checkpoint a rerun resumes from and how (:func:`_way_on`), so it is not told to go to another folder, where
+    a rerun would find no checkpoint and start afresh."""
     what = f"{current} of checkpoint {final}" if current else f"checkpoint {final}"
     if disk_full(exc):
         if resumable:
             return f"disk full while writing {what} ({exc.strerror or exc})"
-        return (f"disk full while writing {what}; free space or set trainer.default_local_dir to a larger disk "
-                f"({exc.strerror or exc})")
-    if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return (f"checkpoint directory {root} is not writable ({exc.strerror or exc}); fix its permissions or set "
-                "trainer.default_local_dir")
+        return f"disk full while writing {what}; free space or set {key} to a larger disk ({exc.strerror or exc})"
+    if not_writable(exc):
+        if resumable:
+            return f"checkpoint directory {root} is not writable ({exc.strerror or exc}) while writing {what}"
+        return f"checkpoint directory {root} is not writable ({exc.strerror or exc}); fix its permissions or set {key}"
     if exc.errno == errno.ENOTDIR or isinstance(exc, NotADirectoryError):
-        return f"checkpoint directory {root} is not a directory; set trainer.default_local_dir"
+        return f"checkpoint directory {root} is not a directory; set {key}"
     return f"could not write {what}: {exc}"
+
+
+def _way_on(exc: OSError, root: Path, rerun: str, key: str) -> str:
+    """How a run whose save into ``root`` failed with ``exc`` goes on from the checkpoint kept there (``rerun``:
+    :func:`rerun_advice`; ``key``: the setting that names ``root``). An unwritable folder may also be left for
+    another one, but only with its checkpoints and latest marker moved along: a rerun in a folder without them
+    starts afresh, and the checkpoints hold no path of the folder they were saved in."""
+    if disk_full(exc):
+        return f"free space on that disk, then {rerun} to resume from it"
+    if not_writable(exc):
+        return (f"make {root} writable again (its permissions, or remount a read-only filesystem), then {rerun} to "
+                f"resume from it; or move {root} with its checkpoints and {LATEST_FILE} to a writable place and set "
+                f"{key} to that place for the rerun (in a folder without them a rerun starts afresh)")
+    return f"{rerun} to resume from it"
 
 
 class CheckpointFiles:
@@ -1001,7 +1022,7 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     except OSError as exc:
         resumable = previous is not None and rerun is not None
         if resumable:
-            intact += f": {'free space on that disk, then ' if disk_full(exc) else ''}{rerun} to resume from it"
+            intact += f": {_way_on(exc, root, rerun, 'trainer.default_local_dir')}"
         raise CheckpointError(_explain(exc, root, final, files.current if files else None, resumable)
                               + intact) from exc
     return final
