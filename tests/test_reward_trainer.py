@@ -1845,3 +1845,50 @@ def test_a_full_disk_as_the_export_is_written_says_so_and_a_rerun_exports_from_t
     assert not (out / "huggingface").exists() and not [p for p in out.iterdir() if p.name.startswith(".huggingface")]
     assert train_rm(args) == 0  # the rerun resumes at the run's end and exports
     assert AutoModelForSequenceClassification.from_pretrained(out / "huggingface").config.num_labels == 1
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_folder_that_refuses_the_reward_models_saves_is_told_with_its_own_keys_and_a_moved_folder_resumes(
+        tiny, pairs_dir, tmp_path, capsys, monkeypatch):
+    """The reward model's checkpoints go to reward_model.train.default_local_dir, but a save its folder refused (or
+    a full disk at its first save) told to "set trainer.default_local_dir", PPO's key, which moves nothing here. A
+    refusal after a checkpoint is kept says how to resume from it, here or in the folder moved whole; a rerun
+    pointed at the moved folder resumes there."""
+    import errno
+
+    out, moved = tmp_path / "out", tmp_path / "elsewhere" / "out"
+    args = ["reward_model.train.total_training_steps=2", "reward_model.train.save_freq=1"]
+    real_write = ckpt.CheckpointFiles.write
+    failing = {}
+
+    def fail(file):
+        raise failing["error"]
+
+    def write(files, rel, fill):
+        real_write(files, rel, fail if files.folder.name.startswith(f".global_step_{failing['step']}.") else fill)
+
+    monkeypatch.setattr(ckpt.CheckpointFiles, "write", write)
+    key = "reward_model.train.default_local_dir"
+    for step, error, said in (
+            (1, OSError(errno.ENOSPC, "No space left on device"),
+             f"disk full while writing reward_model/model_state.pt of checkpoint {out / 'global_step_1'}; free space "
+             f"or set {key} to a larger disk (No space left on device)"),
+            (1, PermissionError(errno.EACCES, "Permission denied"),
+             f"checkpoint directory {out} is not writable (Permission denied); fix its permissions or set {key}"),
+            (2, PermissionError(errno.EACCES, "Permission denied"),
+             f"checkpoint directory {out} is not writable (Permission denied) while writing reward_model/"
+             f"model_state.pt of checkpoint {out / 'global_step_2'}; the previous checkpoint {out / 'global_step_1'} "
+             f"is intact: make {out} writable again (its permissions, or remount a read-only filesystem), then rerun "
+             f"the same command to resume from it; or move {out} with its checkpoints and "
+             f"latest_checkpointed_iteration.txt to a writable place and set {key} to that place for the rerun (in a "
+             "folder without them a rerun starts afresh)")):
+        failing.update(step=step, error=error)
+        assert train_rm(_overrides(tiny, pairs_dir, out, *args)) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == said
+    monkeypatch.undo()
+
+    moved.parent.mkdir()
+    shutil.move(out, moved)
+    assert train_rm(_overrides(tiny, pairs_dir, moved, *args)) == 0
+    assert f"resumed the reward model from {moved / 'global_step_1'} (step 1)" in capsys.readouterr().err
+    assert ckpt.latest_checkpoint(moved, verify=True) == moved / "global_step_2"

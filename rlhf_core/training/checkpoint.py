@@ -859,8 +859,9 @@ class CheckpointFiles:
     written, for the error message.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, key: str = "trainer.default_local_dir"):
         self.folder = folder
+        self.key = key  # the setting that names the folder of checkpoints, for the errors
         self.sizes: dict[str, int] = {}
         self.hashes: dict[str, str] = {}
         self.current: str | None = None
@@ -893,7 +894,7 @@ class CheckpointFiles:
         if not rels:  # e.g. workers that wrote to another folder: a manifest must never list an empty part
             raise CheckpointError(f"{rel}: its save wrote no files into {target} (workers on another node or "
                                   "with another working directory write where they see the path: give "
-                                  "trainer.default_local_dir as an absolute path every worker can write)")
+                                  f"{self.key} as an absolute path every worker can write)")
         for rel in rels:
             self.sizes[rel] = (self.folder / rel).stat().st_size
         # written by others (other processes, with shards): read back to hash, mostly from the page cache
@@ -979,7 +980,8 @@ def _fill(files: CheckpointFiles, trainer) -> list[str]:
 
 
 def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[CheckpointFiles], list[str]],
-                     before_latest: Callable[[], None] | None = None, rerun: str | None = None) -> Path:
+                     before_latest: Callable[[], None] | None = None, rerun: str | None = None,
+                     key: str = "trainer.default_local_dir") -> Path:
     """Write ``root/global_step_<step>`` atomically and mark it latest; returns its directory.
 
     ``fill(files)`` writes the checkpoint's files through ``files`` and returns the parts it saved
@@ -991,13 +993,14 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     checkpoint moves into place and is marked latest (the step's record is logged there: a run killed after the
     marker resumes after the step, so the record must be written by then). ``rerun``: how a rerun resumes from the
     latest checkpoint (:func:`rerun_advice`), which the error then says after naming that checkpoint intact (a full
-    disk: "free space, then ...").
+    disk: "free space, then ..."). ``key``: the setting that names ``root``, as the errors name it
+    (``reward_model.train.default_local_dir`` for a reward model's).
     """
     root = Path(os.path.expanduser(str(root)))
     final = step_dir(root, step)
     if not (final / MANIFEST).exists() and (verl := _verl_files(final)):  # (the runs refuse such a folder first)
         raise CheckpointError(f"{final} holds a checkpoint verl wrote ({verl[0].relative_to(final)}), "
-                              "which no save replaces: save into another default_local_dir")
+                              f"which no save replaces: save into another {key}")
     previous = None
     with contextlib.suppress(CheckpointError):
         previous = latest_checkpoint(root)
@@ -1012,7 +1015,7 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root)
         with staged_directory(final, replace=True, after_move=mark_latest_now, usual_modes=False) as tmp:
-            files = CheckpointFiles(tmp)
+            files = CheckpointFiles(tmp, key)
             parts = fill(files)
             files.text(MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "parts": parts,
                                              "files": dict(files.sizes), "sha256": dict(files.hashes)}, indent=1))
@@ -1022,8 +1025,8 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     except OSError as exc:
         resumable = previous is not None and rerun is not None
         if resumable:
-            intact += f": {_way_on(exc, root, rerun, 'trainer.default_local_dir')}"
-        raise CheckpointError(_explain(exc, root, final, files.current if files else None, resumable)
+            intact += f": {_way_on(exc, root, rerun, key)}"
+        raise CheckpointError(_explain(exc, root, final, files.current if files else None, resumable, key)
                               + intact) from exc
     return final
 

@@ -1009,7 +1009,8 @@ class RewardModelTrainer:
         """``global_step_N`` written into a temp directory, renamed into place, then marked latest; never weights
         that hold NaN or inf (:meth:`_check_weights`)."""
         self._check_weights()
-        path = ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill, rerun=self.rerun_advice)
+        path = ckpt.write_checkpoint(self.local_dir, self.global_step, self._fill, rerun=self.rerun_advice,
+                                     key=f"{KEY}.default_local_dir")
         self.last_saved = path
         return path
 
