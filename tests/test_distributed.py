@@ -500,3 +500,47 @@ def test_two_ray_workers_take_the_bfloat16_blocks(ray_cluster, model_dir, tmp_pa
     assert torch.equal(full[mask], again[mask])
     assert (low - full)[mask].abs().max() > 1e-5
     torch.testing.assert_close(low[mask], full[mask], rtol=0, atol=1e-2)
+
+
+class _FullDiskWorker(DistributedWorker):
+    """A rank whose shards go to a disk that is full for rank 1 (the class travels to the workers by value)."""
+
+    def save_shards(self, role: str, folder: str) -> None:
+        """As a sharded worker saves (torch DCP over the group), rank 1's fsync failing as a full disk's does."""
+        import errno
+
+        import torch.distributed.checkpoint as dcp
+
+        if self.rank == 1:
+            def full(fd):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            os.fsync = full  # (this worker's process only; the group ends with the failure)
+        dcp.save({"weight": torch.full((4,), float(self.rank))}, checkpoint_id=folder)
+
+
+def test_a_full_disk_under_a_workers_sharded_save_is_the_one_line_disk_full_error(ray_cluster, tmp_path):
+    """With several workers each rank writes its shards: a full disk there came back as the worker's error, a
+    traceback of Ray's and torch's many lines inside "worker rank 1 raised in save_shards", not the one line a
+    single process gives (disk full, the file, the checkpoint kept and how to go on)."""
+    from rlhf_core.workers.group import WorkerGroup
+
+    root = tmp_path / "ckpts"
+    checkpoint.write_checkpoint(root, 1, lambda files: files.text("actor/model_state.pt", "kept") or ["actor"])
+    group = WorkerGroup(_FullDiskWorker, WORLD, device="cpu")
+    try:
+        actor = ActorGroup(group, mini_batch_size=2)
+
+        def fill(files):
+            files.tree("actor", actor.save_shards)  # as a checkpoint of sharded workers is filled
+            return ["actor"]
+
+        with pytest.raises(checkpoint.CheckpointError) as info:
+            checkpoint.write_checkpoint(root, 2, fill, rerun="rerun the same command")
+    finally:
+        group.shutdown()
+    assert str(info.value) == (
+        f"disk full while writing actor/ of checkpoint {root / 'global_step_2'} (No space left on device); the "
+        f"previous checkpoint {root / 'global_step_1'} is intact: free space on that disk, then rerun the same "
+        "command to resume from it")
+    assert checkpoint.latest_checkpoint(root, verify=True) == root / "global_step_1"
+    assert sorted(path.name for path in root.iterdir()) == ["global_step_1", "latest_checkpointed_iteration.txt"]

@@ -93,6 +93,7 @@ from rlhf_core.atomic import (
 from rlhf_core.config import OPEN_KEYS, followed
 from rlhf_core.models import loading, lora
 from rlhf_core.workers import common
+from rlhf_core.workers.group import WorkerError
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 MANIFEST = "manifest.json"
@@ -756,13 +757,30 @@ _FOREIGN_OS_ERROR = re.compile(r"(?:I/O error: )?([^:()]+?) \(os error (\d+)\)")
 
 
 def os_error_of(exc: BaseException) -> OSError | None:
-    """The OSError behind ``exc``: itself, or the one a library reported in an error type of its own (safetensors'
+    """The OSError behind ``exc``: itself, the one a worker of a group met (:func:`_raised_within`: a sharded save
+    writes in the workers), or the one a library reported in an error type of its own (safetensors'
     SafetensorError on a full disk), rebuilt with its errno so that the message can say "disk full"; None for any
     other error."""
+    inner = _raised_within(exc)
+    if inner is not None:
+        return os_error_of(inner)
     if isinstance(exc, OSError):
         return exc
     match = _FOREIGN_OS_ERROR.search(str(exc))
     return OSError(int(match.group(2)), match.group(1)) if match else None
+
+
+def _raised_within(exc: BaseException) -> BaseException | None:
+    """The error ``exc`` carries from elsewhere: a worker's own (a :class:`WorkerError` holds Ray's error, whose
+    ``cause`` it is), or the first rank's that torch.distributed.checkpoint gathered into its CheckpointException
+    (``failures``: rank -> (error, traceback)); None where ``exc`` is the error itself."""
+    if isinstance(exc, WorkerError):
+        return getattr(exc.__cause__, "cause", None)
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) and isinstance(first[0], BaseException) else None
+    return None
 
 
 def _remove(path: Path, root: Path) -> None:
