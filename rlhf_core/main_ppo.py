@@ -82,6 +82,7 @@ from rlhf_core.training.checkpoint import (
     check_writable,
     find_resume_checkpoint,
     latest_or_none,
+    rerun_advice,
     run_lock,
     set_aside_unsaved_records,
     start_afresh,
@@ -189,7 +190,7 @@ def preflight(cfg: PPOConfig) -> None:
     if trainer.device == "cuda" and not torch.cuda.is_available():
         errors.append("trainer.device=cuda but no CUDA device is visible; set trainer.device=cpu")
     try:
-        check_writable(trainer.default_local_dir)
+        check_writable(trainer.default_local_dir, rerun_advice(trainer.resume_mode))
     except CheckpointError as exc:
         errors.append(f"trainer.default_local_dir: {exc}")
     if cfg.world_size > 1:

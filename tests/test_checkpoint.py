@@ -265,6 +265,34 @@ def test_unwritable_directory_is_reported(scratch, monkeypatch, tmp_path):
         checkpoint.check_writable(blocker / "sub")
 
 
+def test_a_rerun_into_a_folder_that_still_refuses_writes_says_how_to_resume_from_its_checkpoints(
+        scratch, monkeypatch, tmp_path):
+    """The preflight's check of trainer.default_local_dir, on a rerun after a save the folder refused, said "fix its
+    permissions or set trainer.default_local_dir": a run in another folder finds no checkpoint and starts afresh.
+    Where the folder holds the run's checkpoints the check says how to resume from its latest; an empty one has
+    nothing to keep."""
+    _, root = scratch
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(checkpoint.tempfile, "mkstemp", refused)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.check_writable(root, "rerun with trainer.resume_mode=auto")
+    assert str(info.value) == (
+        f"checkpoint directory {root} is not writable (Permission denied); its latest checkpoint "
+        f"{root / 'global_step_2'} is intact: make {root} writable again (its permissions, or remount a read-only "
+        "filesystem), then rerun with trainer.resume_mode=auto to resume from it; or move "
+        f"{root} with its checkpoints and latest_checkpointed_iteration.txt to a writable place and set "
+        "trainer.default_local_dir to that place for the rerun (in a folder without them a rerun starts afresh)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.check_writable(empty)
+    assert str(info.value) == (f"checkpoint directory {empty} is not writable (Permission denied); fix its "
+                               "permissions or set trainer.default_local_dir")
+
+
 def test_a_save_killed_midway_leaves_nothing_that_loads(scratch):
     trainer, root = scratch
     (root / ".global_step_3.tmp-killed").mkdir()  # what a SIGKILL during a save leaves

@@ -1892,3 +1892,30 @@ def test_a_folder_that_refuses_the_reward_models_saves_is_told_with_its_own_keys
     assert train_rm(_overrides(tiny, pairs_dir, moved, *args)) == 0
     assert f"resumed the reward model from {moved / 'global_step_1'} (step 1)" in capsys.readouterr().err
     assert ckpt.latest_checkpoint(moved, verify=True) == moved / "global_step_2"
+
+
+def test_the_preflight_on_a_folder_of_checkpoints_that_refuses_writes_names_the_reward_models_key(
+        tiny, pairs_dir, tmp_path, monkeypatch):
+    """A rerun into the reward model's folder of checkpoints that still refuses writes is told how to resume from its
+    latest, with the reward model's keys; the preflight said it could not be created (it exists), or nothing where
+    the permission check passes (root) and the run failed at its first save."""
+    import errno
+
+    from rlhf_core.training.reward_trainer import RewardTrainingError, preflight
+
+    out = tmp_path / "out"
+    ckpt.write_checkpoint(out, 1, lambda files: files.text("reward_model/model_state.pt", "x") or ["reward_model"])
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(ckpt.tempfile, "mkstemp", refused)
+    with pytest.raises(RewardTrainingError) as info:
+        preflight(load_config(_overrides(tiny, pairs_dir, out)))
+    key = "reward_model.train.default_local_dir"
+    assert info.value.errors == [
+        f"{key}: checkpoint directory {out} is not writable (Read-only file system); its latest checkpoint "
+        f"{out / 'global_step_1'} is intact: make {out} writable again (its permissions, or remount a read-only "
+        f"filesystem), then rerun the same command to resume from it; or move {out} with its checkpoints and "
+        f"latest_checkpointed_iteration.txt to a writable place and set {key} to that place for the rerun (in a "
+        "folder without them a rerun starts afresh)"]

@@ -1529,8 +1529,12 @@ def run_lock(root: str | os.PathLike, key: str = "trainer.default_local_dir"):
         os.close(fd)  # releases the lock; the file stays (removing it would race with a run opening it)
 
 
-def check_writable(root: str | os.PathLike) -> None:
-    """Raise CheckpointError unless checkpoints can be written under ``root`` (creates it)."""
+def check_writable(root: str | os.PathLike, rerun: str = "rerun the same command",
+                   key: str = "trainer.default_local_dir") -> None:
+    """Raise CheckpointError unless checkpoints can be written under ``root`` (creates it). Where ``root`` holds a
+    run's checkpoints (a rerun after a save it refused), the error says how to resume from its latest, here or in
+    the folder moved whole (:func:`_way_on`; ``rerun``: :func:`rerun_advice`), not to set another ``key``: a run
+    there finds no checkpoint and starts afresh."""
     root = Path(os.path.expanduser(str(root)))
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -1538,4 +1542,9 @@ def check_writable(root: str | os.PathLike) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise CheckpointError(_explain(exc, root, root, None)) from exc
+        latest = latest_or_none(root) if root.is_dir() else None
+        if latest is not None and (not_writable(exc) or disk_full(exc)):
+            state = "is not writable" if not_writable(exc) else "is on a full disk"
+            raise CheckpointError(f"checkpoint directory {root} {state} ({exc.strerror or exc}); its latest checkpoint "
+                                  f"{latest} is intact: {_way_on(exc, root, rerun, key)}") from exc
+        raise CheckpointError(_explain(exc, root, root, None, key=key)) from exc

@@ -553,7 +553,12 @@ def preflight(cfg: PPOConfig) -> Preferences:
     errors += store_problems(cfg.trainer.logger)
     out = resolve(rm.default_local_dir)
     existing = _nearest_existing(out.absolute())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
+    if out.is_dir():  # (a rerun after a save it refused: its checkpoints are there)
+        try:
+            ckpt.check_writable(out, ckpt.rerun_advice(rm.resume_mode, KEY), f"{KEY}.default_local_dir")
+        except ckpt.CheckpointError as exc:
+            errors.append(f"{KEY}.default_local_dir: {exc}")
+    elif not existing.is_dir() or not os.access(existing, os.W_OK):
         errors.append(f"{KEY}.default_local_dir: {out} cannot be created ({existing} is not a writable directory)")
     try:  # checkpoints verl wrote: none is resumed nor saved over (the message names the key)
         ckpt.refuse_verl(out, rm.resume_mode, rm.resume_from_path and str(resolve(rm.resume_from_path)), KEY,
