@@ -116,6 +116,27 @@ def test_hf_directory_loads_with_plain_transformers_and_generates(trained, tmp_p
         checkpoint.export_hf(trainer, tmp_path / "export")
 
 
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EACCES])
+def test_a_failed_export_names_the_export_folder_not_a_runs_key(trained, tmp_path, monkeypatch, code):
+    """The standalone export writes to a folder of the caller's: a full disk or a folder it may not write said
+    "set trainer.default_local_dir", a key no export reads; it says to free space or export elsewhere."""
+    trainer, _ = trained
+
+    def refused(trainer, folder):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(checkpoint, "_write_hf", refused)
+    target = tmp_path / "out" / "export"
+    target.parent.mkdir()
+    with pytest.raises(CheckpointError) as caught:
+        checkpoint.export_hf(trainer, target)
+    expected = (f"disk full while exporting to {target}; free space or export to a folder on another disk "
+                f"({os.strerror(code)})" if code == errno.ENOSPC else
+                f"{target.parent} is not writable ({os.strerror(code)}); export to a folder you may write")
+    assert str(caught.value) == expected
+    assert not target.exists()  # nothing half-written left
+
+
 @pytest.fixture
 def scratch(trained, tmp_path):
     """A copy of the two-step run's checkpoints that a test may damage."""

@@ -1115,7 +1115,14 @@ def export_hf(trainer, directory: str | os.PathLike) -> Path:
     except Exception as exc:
         if (error := os_error_of(exc)) is None:
             raise
-        raise CheckpointError(_explain(error, target.parent, target, None)) from exc
+        why = error.strerror or error
+        if disk_full(error):  # (an export is no run's folder: no trainer.default_local_dir names it)
+            message = f"disk full while exporting to {target}; free space or export to a folder on another disk ({why})"
+        elif not_writable(error):
+            message = f"{target.parent} is not writable ({why}); export to a folder you may write"
+        else:
+            message = f"could not export to {target}: {error}"
+        raise CheckpointError(message) from exc
     return target
 
 
