@@ -300,6 +300,22 @@ def test_console_warnings_name_the_knob(tmp_path, capsys):
            in lines[3]
 
 
+def test_a_grad_norm_the_run_already_clipped_is_not_told_to_lower_grad_clip(tmp_path, capsys):
+    """The grad norm is logged before clipping: with grad_clip below it the update was already cut to grad_clip,
+    and neither knob changes the logged figure, so the advice says what happened instead of "lower grad_clip"."""
+    config = {"actor_rollout_ref": {"actor": {"grad_clip": 1.0}}, "critic": {"grad_clip": 20.0}}
+    with Tracking(["console"], "p", "e", tmp_path, config=config, warn_thresholds={"grad_norm": 5.0}) as tracker:
+        tracker.log({"actor/grad_norm": 6.046, "critic/grad_norm": 12.0}, step=1)
+    line = capsys.readouterr().out.strip()
+    assert line == (
+        "step 1 | WARNING actor grad_norm 6.046 > 5: measured before clipping, and actor_rollout_ref.actor.grad_clip=1 "
+        "scaled this update down to that norm; if it keeps rising over the steps, lower the learning rate "
+        "(actor_rollout_ref.actor.optim.lr); where it is this model's usual size, raise "
+        "trainer.warn_grad_norm"
+        # the critic's grad_clip (20) is above its norm: nothing was clipped, and a lower grad_clip would cut it
+        " | WARNING critic grad_norm 12 > 5: lower the learning rate (critic.optim.lr) or grad_clip (critic.grad_clip)")
+
+
 def test_a_nan_grad_norm_is_warned(tmp_path, capsys):
     """NaN is not above the threshold by comparison, yet it is the grad norm that most needs the warning."""
     with Tracking(["console"], "p", "e", tmp_path, warn_thresholds={"grad_norm": 5.0}) as tracker:

@@ -360,11 +360,22 @@ class ConsoleLogger(Backend):
                         f"skipped (training/skipped_steps); lower the learning rate ({prefix}.optim.lr)"
                     )
                 elif value is not None and value > gn_limit:
-                    out.append(
-                        f"{who} grad_norm {_fmt(value)} > {_fmt(gn_limit)}: lower the learning rate "
-                        f"({prefix}.optim.lr) or grad_clip ({prefix}.grad_clip)"
-                    )
+                    out.append(f"{who} grad_norm {_fmt(value)} > {_fmt(gn_limit)}: {self._grad_norm_advice(prefix, value)}")
         return out
+
+    def _grad_norm_advice(self, prefix: str, grad_norm: float) -> str:
+        """What to do about a grad norm above ``trainer.warn_grad_norm``. The norm is measured before clipping (as
+        verl logs it), so neither a lower learning rate nor a lower grad_clip changes the next step's figure: where
+        the run's grad_clip already cut this update, the warning says so, and what each knob does."""
+        section: Any = self.run.config
+        for name in prefix.split("."):
+            section = section.get(name) if isinstance(section, Mapping) else None
+        grad_clip = to_float(section.get("grad_clip")) if isinstance(section, Mapping) else None
+        if grad_clip is None or not 0 < grad_clip < grad_norm:
+            return f"lower the learning rate ({prefix}.optim.lr) or grad_clip ({prefix}.grad_clip)"
+        return (f"measured before clipping, and {prefix}.grad_clip={_fmt(grad_clip)} scaled this update down to that "
+                f"norm; if it keeps rising over the steps, lower the learning rate ({prefix}.optim.lr); where it is "
+                "this model's usual size, raise trainer.warn_grad_norm")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         total = self.run.total_steps
