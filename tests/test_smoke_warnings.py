@@ -46,6 +46,25 @@ def test_the_stuck_warnings_given_are_a_trainer_option(capsys):
     assert _warned(capsys, every, 0.5, flat=False) == ""  # (a step that can learn)
 
 
+def test_scores_alike_with_many_responses_cut_name_the_length_beside_the_reward(capsys):
+    """Scores that tell no response apart were put down to the reward alone under 90% of the responses cut: at 75%
+    the warning said to check the reward, and a step later, at 100%, to raise the length, for one cause. From half
+    the responses cut the reward's warning names the length too; under half, or where cut responses are not
+    warned of (the dry run), it does not."""
+    every = ("clip", "flat")
+    assert _warned(capsys, every, 0.75, flat=True) == (
+        "WARNING step 1: every response of the batch scored the same, so the advantages carry no reward signal (only "
+        "the critic's values move them) and the policy learns nothing about the reward from this step; check the "
+        "reward: the reward function (custom_reward_function) or reward model, and the data's ground truth (its "
+        "reward_model.ground_truth field); and 75% of the responses reached data.max_response_length=16 and were cut "
+        "off (response_length/clip_ratio 0.75): a cut response seldom reaches its answer, so where the reward is "
+        "right, raise data.max_response_length\n")
+    below = _warned(capsys, every, 0.4, flat=True)
+    assert below.startswith(f"WARNING step 1: {ALIKE}") and "max_response_length" not in below
+    dry_run = _warned(capsys, ("flat",), 0.75, flat=True)
+    assert CHECK_REWARD in dry_run and "max_response_length" not in dry_run
+
+
 def test_a_stuck_warning_the_trainer_does_not_give_is_refused_by_name():
     with pytest.raises(ValueError, match=r"stuck_warnings: clipped is not a kind of warning the trainer gives "
                                          r"\(its kinds: clip, flat\)"):

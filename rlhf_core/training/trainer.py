@@ -214,6 +214,9 @@ STUCK_WARNING_EVERY = 20
 STUCK_WARNINGS = ("clip", "flat")
 #: the share of responses cut at data.max_response_length from which the run is warned
 CLIP_RATIO_WARNING = 0.9
+#: responses cut off in a step whose scores tell none apart, from which its warning names the length beside the
+#: reward (under CLIP_RATIO_WARNING the reward is the likelier cause; a few prompts a step move a share across it)
+CLIP_RATIO_ALSO = 0.5
 
 
 def pick_generations(texts: Sequence[tuple[str, str]], scores: Sequence[float], count: int) -> list[dict]:
@@ -1055,6 +1058,10 @@ class PPOTrainer:
             kinds, text = ("flat",), (f"{same}; check the reward: the reward function (custom_reward_function) or "
                                       "reward model, and the data's ground truth (its reward_model.ground_truth "
                                       "field)")
+            if clipped >= CLIP_RATIO_ALSO and "clip" in self.stuck_warnings:  # (both causes named; not where cut
+                # responses are no warning's matter, as in the dry run at its own short response cap)
+                text += (f"; and {cut}: a cut response seldom reaches its answer, so where the reward is right, "
+                         "raise data.max_response_length")
         else:
             return
         if kinds[0] not in self.stuck_warnings:  # the kind whose advice it gives (cut and alike: the length's)
