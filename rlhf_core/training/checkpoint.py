@@ -838,18 +838,17 @@ def not_writable(exc: BaseException) -> bool:
 
 def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumable: bool = False,
              key: str = "trainer.default_local_dir") -> str:
-    """What failed, and where; ``key``: the setting that names ``root``. ``resumable``: the message goes on naming
-    the checkpoint a rerun resumes from and how (:func:`_way_on`), so it is not told to go to another folder, where
-    a rerun would find no checkpoint and start afresh."""
+    """What failed, and where; ``key``: the setting that names ``root``. Unless ``resumable``, the message goes on
+    to free space or fix the folder's permissions, or set ``key``; a ``resumable`` one goes on naming the checkpoint
+    a rerun resumes from and how (:func:`_way_on`), so it is not told to go to another folder, where a rerun would
+    find no checkpoint and start afresh."""
     what = f"{current} of checkpoint {final}" if current else f"checkpoint {final}"
     if disk_full(exc):
-        if resumable:
-            return f"disk full while writing {what} ({exc.strerror or exc})"
-        return f"disk full while writing {what}; free space or set {key} to a larger disk ({exc.strerror or exc})"
+        advice = "" if resumable else f"; free space or set {key} to a larger disk"
+        return f"disk full while writing {what}{advice} ({exc.strerror or exc})"
     if not_writable(exc):
-        if resumable:
-            return f"checkpoint directory {root} is not writable ({exc.strerror or exc}) while writing {what}"
-        return f"checkpoint directory {root} is not writable ({exc.strerror or exc}); fix its permissions or set {key}"
+        tail = f" while writing {what}" if resumable else f"; fix its permissions or set {key}"
+        return f"checkpoint directory {root} is not writable ({exc.strerror or exc}){tail}"
     if exc.errno == errno.ENOTDIR or isinstance(exc, NotADirectoryError):
         return f"checkpoint directory {root} is not a directory; set {key}"
     return f"could not write {what}: {exc}"
