@@ -1117,9 +1117,8 @@ class RewardModelTrainer:
                     if ckpt.disk_full(error) else f"could not write the reward model's HF export {target}: {error}")
             latest = self.rerun_checkpoint()
             then = "free space on that disk, then " if ckpt.disk_full(error) else ""
-            way_on = (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it (at the "
-                      "run's end: the rerun writes the export)" if latest is not None else "no checkpoint was saved")
-            raise ckpt.CheckpointError(f"{what}; {way_on}") from exc
+            at_end = " (at the run's end: the rerun writes the export)" if latest is not None else ""
+            raise ckpt.CheckpointError(f"{what}; {self._resume_point(latest, then)}{at_end}") from exc
         return target
 
     def shutdown(self) -> None:
