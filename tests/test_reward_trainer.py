@@ -1848,6 +1848,48 @@ def test_a_full_disk_as_the_export_is_written_says_so_and_a_rerun_exports_from_t
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_a_logger_or_the_export_refused_by_the_folder_says_how_to_keep_the_run_with_the_reward_models_key(
+        tiny, pairs_dir, tmp_path, monkeypatch):
+    """A logger or the HF export that the reward model's folder refused (its permissions) told only to rerun, which
+    meets the same refusal; a save refused there says to make the folder writable or move it whole and set
+    reward_model.train.default_local_dir, and so do they."""
+    import errno
+
+    from transformers import modeling_utils
+
+    from rlhf_core.training.trainer import LoggingError
+
+    out = tmp_path / "out"
+    args = _overrides(tiny, pairs_dir, out, "reward_model.train.save_freq=1", "reward_model.train.total_training_steps=3")
+
+    def keep(latest):
+        return (f"the latest checkpoint {latest} is intact: make {out} writable again (its permissions, or remount a "
+                "read-only filesystem), then rerun the same command to resume from it; or move "
+                f"{out} with its checkpoints and latest_checkpointed_iteration.txt to a writable place and set "
+                "reward_model.train.default_local_dir to that place for the rerun (in a folder without them a rerun "
+                "starts afresh)")
+
+    def log(metrics, step):
+        if step == 2:
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    with pytest.raises(LoggingError) as logged:
+        RewardModelTrainer(load_config(args)).fit(log)
+    assert str(logged.value) == ("logging the metrics of step 2 failed (PermissionError: [Errno 13] Permission "
+                                 f"denied); {keep(out / 'global_step_1')}")
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", refused)
+    with pytest.raises(ckpt.CheckpointError) as exported:
+        RewardModelTrainer(load_config(args)).fit()  # resumes from step 1, saves step 3, then exports
+    assert str(exported.value) == (
+        f"could not write the reward model's HF export {out / 'huggingface'}: [Errno 13] Permission denied; "
+        f"{keep(out / 'global_step_3')} (at the run's end: the rerun writes the export)")
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_a_folder_that_refuses_the_reward_models_saves_is_told_with_its_own_keys_and_a_moved_folder_resumes(
         tiny, pairs_dir, tmp_path, capsys, monkeypatch):
     """The reward model's checkpoints go to reward_model.train.default_local_dir, but a save its folder refused (or

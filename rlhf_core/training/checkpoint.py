@@ -840,7 +840,7 @@ def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumab
              key: str = "trainer.default_local_dir") -> str:
     """What failed, and where; ``key``: the setting that names ``root``. Unless ``resumable``, the message goes on
     to free space or fix the folder's permissions, or set ``key``; a ``resumable`` one goes on naming the checkpoint
-    a rerun resumes from and how (:func:`_way_on`), so it is not told to go to another folder, where a rerun would
+    a rerun resumes from and how (:func:`way_on`), so it is not told to go to another folder, where a rerun would
     find no checkpoint and start afresh."""
     what = f"{current} of checkpoint {final}" if current else f"checkpoint {final}"
     if disk_full(exc):
@@ -854,11 +854,12 @@ def _explain(exc: OSError, root: Path, final: Path, current: str | None, resumab
     return f"could not write {what}: {exc}"
 
 
-def _way_on(exc: OSError, root: Path, rerun: str, key: str) -> str:
-    """How a run whose save into ``root`` failed with ``exc`` goes on from the checkpoint kept there (``rerun``:
-    :func:`rerun_advice`; ``key``: the setting that names ``root``). An unwritable folder may also be left for
-    another one, but only with its checkpoints and latest marker moved along: a rerun in a folder without them
-    starts afresh, and the checkpoints hold no path of the folder they were saved in."""
+def way_on(exc: BaseException | None, root: Path, rerun: str, key: str) -> str:
+    """How a run that ``exc`` stopped (a save into ``root`` or a write beside it that failed; None: another cause)
+    goes on from the checkpoint kept there (``rerun``: :func:`rerun_advice`; ``key``: the setting that names
+    ``root``). A full disk wants space first. An unwritable folder may also be left for another one, but only with
+    its checkpoints and latest marker moved along: a rerun in a folder without them starts afresh, and the
+    checkpoints hold no path of the folder they were saved in."""
     if disk_full(exc):
         return f"free space on that disk, then {rerun} to resume from it"
     if not_writable(exc):
@@ -1042,7 +1043,7 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
     except OSError as exc:
         resumable = previous is not None and rerun is not None
         if resumable:
-            intact += f": {_way_on(exc, root, rerun, key)}"
+            intact += f": {way_on(exc, root, rerun, key)}"
         raise CheckpointError(_explain(exc, root, final, files.current if files else None, resumable, key)
                               + intact) from exc
     return final
@@ -1539,7 +1540,7 @@ def check_writable(root: str | os.PathLike, rerun: str = "rerun the same command
                    key: str = "trainer.default_local_dir") -> None:
     """Raise CheckpointError unless checkpoints can be written under ``root`` (creates it). Where ``root`` holds a
     run's checkpoints (a rerun after a save it refused), the error says how to resume from its latest, here or in
-    the folder moved whole (:func:`_way_on`; ``rerun``: :func:`rerun_advice`), not to set another ``key``: a run
+    the folder moved whole (:func:`way_on`; ``rerun``: :func:`rerun_advice`), not to set another ``key``: a run
     there finds no checkpoint and starts afresh."""
     root = Path(os.path.expanduser(str(root)))
     try:
@@ -1552,5 +1553,5 @@ def check_writable(root: str | os.PathLike, rerun: str = "rerun the same command
         if latest is not None and (not_writable(exc) or disk_full(exc)):
             state = "is not writable" if not_writable(exc) else "is on a full disk"
             raise CheckpointError(f"checkpoint directory {root} {state} ({exc.strerror or exc}); its latest checkpoint "
-                                  f"{latest} is intact: {_way_on(exc, root, rerun, key)}") from exc
+                                  f"{latest} is intact: {way_on(exc, root, rerun, key)}") from exc
         raise CheckpointError(_explain(exc, root, root, None, key=key)) from exc

@@ -885,11 +885,14 @@ class RewardModelTrainer:
                                      + self._resume_point(latest))
         return GuardError(said + self._resume_point(latest))
 
-    def _resume_point(self, latest: Path | None, then: str = "") -> str:
+    def _resume_point(self, latest: Path | None, exc: BaseException | None = None) -> str:
         """How a rerun resumes from ``latest``, the checkpoint it resumes from (:meth:`rerun_checkpoint`), or that
-        there is none yet; ``then``: what to do first ("free space on that disk, then ")."""
-        return (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it"
-                if latest is not None else "no checkpoint was saved yet")
+        there is none yet; ``exc``: the failed write that stopped the run, whose remedy comes first (free space, or
+        make the folder writable or move it whole: :func:`checkpoint.way_on`, as a refused save says it)."""
+        if latest is None:
+            return "no checkpoint was saved yet"
+        return (f"the latest checkpoint {latest} is intact: "
+                f"{ckpt.way_on(exc, self.local_dir, self.rerun_advice, f'{KEY}.default_local_dir')}")
 
     def _weights_from(self, step: int) -> str:
         """Where the weights the run held after step ``step`` came from, and how to go on (:func:`weights_origin`,
@@ -917,14 +920,14 @@ class RewardModelTrainer:
 
     def _logging(self, log):
         """``log`` that stops the run with :class:`LoggingError` where it cannot record a step, naming the checkpoint
-        a rerun resumes from (as PPO's trainer does)."""
+        a rerun resumes from (as PPO's trainer does) and, where the disk is full or the folder refuses writes, what
+        to do first (:meth:`_resume_point`)."""
         def logged(metrics: dict[str, float], step: int) -> None:
             try:
                 log(metrics, step)
             except Exception as exc:
-                then = "free space on that disk, then " if ckpt.disk_full(exc) else ""
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
-                                   f"{self._resume_point(self.rerun_checkpoint(), then)}") from exc
+                                   f"{self._resume_point(self.rerun_checkpoint(), exc)}") from exc
         return logged
 
     def already_complete(self) -> str:
@@ -1116,9 +1119,8 @@ class RewardModelTrainer:
             what = (f"disk full while writing the reward model's HF export {target} ({error.strerror or error})"
                     if ckpt.disk_full(error) else f"could not write the reward model's HF export {target}: {error}")
             latest = self.rerun_checkpoint()
-            then = "free space on that disk, then " if ckpt.disk_full(error) else ""
             at_end = " (at the run's end: the rerun writes the export)" if latest is not None else ""
-            raise ckpt.CheckpointError(f"{what}; {self._resume_point(latest, then)}{at_end}") from exc
+            raise ckpt.CheckpointError(f"{what}; {self._resume_point(latest, error)}{at_end}") from exc
         return target
 
     def shutdown(self) -> None:
