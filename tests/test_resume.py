@@ -305,6 +305,27 @@ def test_a_logger_failing_on_a_step_that_does_not_save_stops_naming_the_checkpoi
     assert _latest(out) == 2 and trainer.global_step == 3
 
 
+def test_a_logger_refused_by_the_folder_says_to_make_it_writable_or_move_it_whole(workspace, tmp_path):
+    """A logger whose file the folder's permissions refuse gets the advice a refused save gets: a plain rerun
+    would meet the same refusal, and a rerun in another folder would start afresh unless the checkpoints move."""
+    out = tmp_path / "logger_refused"
+    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=2")))
+
+    def refused_at_step_3(metrics, step):
+        if step == 3:
+            raise PermissionError(errno.EACCES, "Permission denied")
+
+    trainer.logger = refused_at_step_3
+    with pytest.raises(LoggingError) as raised:
+        trainer.fit()
+    assert str(raised.value) == (
+        "logging the metrics of step 3 failed (PermissionError: [Errno 13] Permission denied); the latest checkpoint "
+        f"{out / 'global_step_2'} is intact: make {out} writable again (its permissions, or remount a read-only "
+        "filesystem), then rerun the same command to resume from it; or move "
+        f"{out} with its checkpoints and latest_checkpointed_iteration.txt to a writable place and set "
+        "trainer.default_local_dir to that place for the rerun (in a folder without them a rerun starts afresh)")
+
+
 def _cli(workspace, out, *extra) -> list[str]:
     return [sys.executable, "-m", "rlhf_core.main_ppo", *overrides(workspace, out, *extra)]
 

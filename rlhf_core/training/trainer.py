@@ -875,10 +875,8 @@ class PPOTrainer:
     def _nothing_to_train(self, exc: dynamic_sampling.NothingToTrain, step: int) -> dynamic_sampling.NothingToTrain:
         """Dynamic sampling's dead end said as the run's failure: the step, why, and the checkpoint a rerun resumes
         from, where a raised ``max_num_gen_batches`` (a key a resume may change) lets the run go on."""
-        latest = self.rerun_checkpoint()
-        resume = (f"the latest checkpoint {latest} is intact: raise algorithm.filter_groups.max_num_gen_batches (it "
-                  f"may change on a resume), then {self.rerun_advice} to resume from it" if latest is not None
-                  else "no checkpoint was saved yet")
+        resume = self._resume_point(first="raise algorithm.filter_groups.max_num_gen_batches (it may change on a "
+                                          "resume), then ")
         return dynamic_sampling.NothingToTrain(f"training step {step} failed: {exc}\n{resume}")
 
     def _worker_failure(self, exc: WorkerError, doing: str, step: int) -> WorkerError | GuardError:
@@ -886,11 +884,7 @@ class PPOTrainer:
         worker's NaN logits as :meth:`_diverged` says them: Ray's error carries the worker's as its ``cause``)."""
         if isinstance(getattr(exc.__cause__, "cause", None), NonFiniteLogits):
             return self._diverged(exc, doing, step)
-        latest = self.rerun_checkpoint()
-        resume = (f"the latest checkpoint {latest} is intact: {self.rerun_advice} to resume from it"
-                  if latest is not None
-                  else "no checkpoint was saved yet")
-        return WorkerError(f"{doing} step {step} failed: {exc}\n{resume}")
+        return WorkerError(f"{doing} step {step} failed: {exc}\n{self._resume_point()}")
 
     def _diverged(self, exc: FloatingPointError | WorkerError, doing: str, step: int,
                   rates: str = "actor_rollout_ref.actor.optim.lr", roles: Sequence[str] = ("actor",)) -> GuardError:
@@ -930,11 +924,18 @@ class PPOTrainer:
                 raise self._logging_failure(exc, f"the validation generations of step {step}") from exc
 
     def _logging_failure(self, exc: Exception, what: str, not_kept: str = "") -> LoggingError:
+        return LoggingError(f"logging {what} failed ({type(exc).__name__}: {exc}){not_kept}; "
+                            f"{self._resume_point(exc)}")
+
+    def _resume_point(self, exc: BaseException | None = None, first: str = "") -> str:
+        """The checkpoint a rerun resumes from (:meth:`rerun_checkpoint`) and how (``first``: what to do before; a
+        full disk or an unwritable folder, ``exc``, wants space or the folder writable or moved whole first, as a
+        refused save says it: :func:`checkpoint.way_on`), or that none was saved yet."""
         latest = self.rerun_checkpoint()
-        then = "free space on that disk, then " if checkpoint.disk_full(exc) else ""
-        kept = (f"the latest checkpoint {latest} is intact: {then}{self.rerun_advice} to resume from it"
-                if latest is not None else "no checkpoint was saved yet")
-        return LoggingError(f"logging {what} failed ({type(exc).__name__}: {exc}){not_kept}; {kept}")
+        if latest is None:
+            return "no checkpoint was saved yet"
+        return (f"the latest checkpoint {latest} is intact: {first}"
+                f"{checkpoint.way_on(exc, self.checkpoint_dir, self.rerun_advice, 'trainer.default_local_dir')}")
 
     def fit(self) -> list[StepResult]:
         if self.config.trainer.val_only:  # verl's: validate what is loaded (the model, or a resumed checkpoint)
