@@ -658,6 +658,9 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
 
         trainer.logger = log
         trainer.generations_logger = tracking.log_generations
+        # the phase under way, of the step in training (or, between two, of the step whose validation or save runs)
+        trainer.phase_hooks.append(
+            lambda name: tracking.phase(name, trainer.step_under_way or trainer.global_step))
         stack.enter_context(stop_on_signals(trainer, handle_signals and trainer_cfg.save_on_interrupt))
         try:
             history = trainer.fit()

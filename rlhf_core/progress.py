@@ -6,6 +6,11 @@ cursor moves (``ESC[A``): a long run's log fills with frames nobody reads. There
 instead: whole lines, one when the phase starts, then at most one every :data:`LOG_INTERVAL_S` seconds, and the
 last count when it closes, each with the count, the rate and the time left.
 
+Where one count takes minutes (a PPO step of a real model on a CPU), :meth:`TerminalBar.phase` and
+:meth:`LineBar.phase` tell what the item under way is doing between two counts: on a terminal in the bar's postfix,
+elsewhere as a line of its own where a phase starts :data:`LOG_INTERVAL_S` seconds or more after the bar's last
+line, so that a slow item is told from a hung one and quick items add no line.
+
 While a bar is drawn on a terminal, a line printed to stdout or stderr by other code (a notice, a warning) would
 land after the bar's text on its line; :class:`TerminalBar` routes such lines around the bars instead.
 """
@@ -13,6 +18,8 @@ land after the bar's text on its line; :class:`TerminalBar` routes such lines ar
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from tqdm import tqdm
@@ -37,7 +44,10 @@ class LineBar(tqdm):
     and one of the final count at close (``leave=False`` too: a log keeps what was done)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._shown: tuple[float, float] | None = None  # (count, time) of the last line written
+        self._shown: tuple[float, float] | None = None  # (count, time) of the last line of the count written
+        self._last_line = float("-inf")  # the time of the last line written, of the count or of a phase
+        self._item: str | None = None  # the item whose phases _done times
+        self._done: dict[str, float] = {}  # seconds of each of its phases that ended, in the order they ended
         super().__init__(*args, **kwargs)
 
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
@@ -51,8 +61,33 @@ class LineBar(tqdm):
 
     def _write_line(self, msg: str | None = None) -> None:
         self._shown = (self.n, self._time())
-        self.fp.write((self.__str__() if msg is None else msg) + "\n")
+        self._put(self.__str__() if msg is None else msg)
+
+    def _put(self, line: str) -> None:
+        self._last_line = self._time()
+        self.fp.write(line + "\n")
         self.fp.flush()
+
+    @contextmanager
+    def phase(self, name: str, item: str) -> Iterator[None]:
+        """While ``item`` (the one under way, e.g. ``step 3/10``) is in its phase ``name``: a line
+        ``<item>: <name> (<phase> <s> s, ... done)`` as the phase starts, naming the seconds each of the item's
+        earlier phases took, where the bar has written no line (of the count or of a phase) for
+        ``mininterval`` seconds, none otherwise. The count's own lines keep their rule: a phase line never holds
+        one back."""
+        if self.disable:
+            yield
+            return
+        if item != self._item:
+            self._item, self._done = item, {}
+        started = self._time()
+        if started - self._last_line >= self.mininterval:
+            done = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in self._done.items())
+            self._put(f"{item}: {name}" + (f" ({done} done)" if done else ""))
+        try:
+            yield
+        finally:
+            self._done[name] = self._done.get(name, 0.0) + self._time() - started
 
     def clear(self, nolock: bool = False) -> None:
         """Nothing to clear: every line stays."""
@@ -125,6 +160,21 @@ class TerminalBar(tqdm):
                 sys.stdout, sys.stderr = _AroundBars(sys.stdout), _AroundBars(sys.stderr)
             TerminalBar._open += 1
 
+    @contextmanager
+    def phase(self, name: str, item: str) -> Iterator[None]:
+        """While ``item`` (the one under way, e.g. ``step 3/10``) is in its phase ``name``, the bar's postfix says
+        ``<item>: <name>``, drawn as the phase starts (one frame a phase); as it ends the postfix is what it was
+        before, drawn with the bar's next frame."""
+        if self.disable:
+            yield
+            return
+        before = self.postfix or ""  # (an enclosing phase's, or none)
+        self.set_postfix_str(f"{item}: {name}")
+        try:
+            yield
+        finally:
+            self.set_postfix_str(before, refresh=False)
+
     def close(self) -> None:
         counted = not self.disable
         super().close()
@@ -144,7 +194,7 @@ class TerminalBar(tqdm):
 
 def progress_bar(iterable: Any = None, *, total: float | None = None, desc: str, unit: str = "it",
                  file: Any = None, initial: float = 0, leave: bool = True, disable: bool = False,
-                 interval: float = LOG_INTERVAL_S) -> tqdm:
+                 interval: float = LOG_INTERVAL_S) -> TerminalBar | LineBar:
     """A progress bar on ``file`` (stderr by default): tqdm's own on a terminal, a :class:`LineBar` (a line every
     ``interval`` seconds) on any other stream. ``TQDM_DISABLE=1`` in the environment turns both off."""
     file = sys.stderr if file is None else file

@@ -236,6 +236,126 @@ def test_a_line_printed_while_the_bar_is_on_the_terminal_gets_a_line_of_its_own(
     assert sys.stderr is terminal and sys.stdout is terminal  # the streams are handed back when the bar closes
 
 
+class _Clock:
+    """tqdm's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _phases(tracker: Tracking, step: int, clock: _Clock, seconds: float) -> None:
+    """A training step, each of its phases ``seconds`` long, as the trainer's phase hooks enter them."""
+    with tracker.phase("step", step):
+        for name in ("gen", "ref", "update_actor"):
+            with tracker.phase(name, step):
+                clock.now += seconds
+
+
+def test_a_long_phase_of_a_step_gets_a_line_naming_it_where_stderr_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    """A step of SmolLM2 on two cores takes minutes (generation, critic and actor updates of 30 to 60 s each), and
+    a log showed nothing between two counts of the bar: a slow step looked like a hung one, and step 1 of a run
+    without a validation before training had no bar at all. A phase that starts 30 s or more after the bar's last
+    line now writes a line naming it, its step and the seconds of the step's phases done; quick phases none."""
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=10) as tracker:
+        _phases(tracker, 1, clock, 40)  # three phases of 40 s: the first opens the bar, the next two get a line
+        tracker.log({}, step=1)  # 120 s after the bar's first line: the count's line, as before
+        _phases(tracker, 2, clock, 1)  # three phases of 1 s: no line
+        tracker.log({}, step=2)  # (3 s after the last count: none)
+        during = capsys.readouterr().err.splitlines()
+    after = capsys.readouterr().err.splitlines()
+    assert [line.split(" [")[0] for line in during] == [
+        "training:   0% 0/10",
+        "step 1/10: ref (gen 40 s done)",
+        "step 1/10: update_actor (gen 40 s, ref 40 s done)",
+        "training:  10% 1/10",
+    ], during
+    assert "120.00s/step" in during[-1]  # the step's 120 s, from the start of its first phase
+    assert [line.split(" [")[0] for line in after] == ["training:  20% 2/10"]  # the last count, at close
+
+
+def test_phase_lines_keep_the_bars_interval_and_leave_its_count_lines_be(tmp_path, capsys, monkeypatch):
+    """A phase line needs 30 s since the bar's last line of either kind; the count's own line keeps its own rule,
+    so a phase line just before a step ends does not hold back that step's count."""
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=10) as tracker:
+        tracker.log({}, step=3)  # a resumed run: the bar at 3/10
+        clock.now += 29
+        with tracker.phase("gen", 4):  # 29 s after the bar's line: none
+            clock.now += 2
+        with tracker.phase("update_critic", 4):  # 31 s after: a line
+            clock.now += 20
+        with tracker.phase("update_actor", 4):  # 20 s after that line: none
+            clock.now += 10
+        tracker.log({}, step=4)  # 61 s after the last count: its line, 30 s after the phase's
+        clock.now += 31
+        with tracker.phase("testing", 4):  # the validation of the step logged: 31 s after the count's line
+            clock.now += 5
+        lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" [")[0] for line in lines] == [
+        "training:  30% 3/10",
+        "step 4/10: update_critic (gen 2 s done)",
+        "training:  40% 4/10",
+        "step 4/10: testing (gen 2 s, update_critic 20 s, update_actor 10 s done)",
+    ], lines
+
+
+class _CountingTerminal(_Terminal):
+    """A terminal that counts the frames drawn on it (a bar's frame starts with "\r")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frames = 0
+
+    def write(self, text: str) -> int:
+        self.frames += text.count("\r")
+        return super().write(text)
+
+
+def test_the_training_bar_on_a_terminal_shows_the_phase_under_way(tmp_path, monkeypatch):
+    """On a terminal the bar stood still at the last step's count for minutes; its postfix now names the step and
+    phase under way, drawn once as each phase starts (no redrawing in between), and the step's count once done."""
+    terminal = _CountingTerminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    seen = []
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=5) as tracker:
+        tracker.log({}, step=2)
+        with tracker.phase("step", 3):
+            for name in ("gen", "update_critic", "update_actor"):
+                before = terminal.frames
+                with tracker.phase(name, 3):
+                    seen.append((terminal.shown()[-1], terminal.frames - before))
+                    before = terminal.frames
+                seen.append(terminal.frames - before)  # (a phase that ends draws nothing)
+        tracker.log({}, step=3)
+        done = terminal.shown()[-1]
+    for (bar, frames), name in zip(seen[::2], ("gen", "update_critic", "update_actor")):
+        assert bar.startswith("training:  40%|") and "2/5 [" in bar and bar.endswith(f", step 3/5: {name}]"), bar
+        assert frames == 1
+    assert seen[1::2] == [0, 0, 0]
+    assert done.startswith("training:  60%|") and "3/5 [" in done and "step 3/5" not in done, done
+
+
+def test_phases_show_nothing_before_the_first_step_or_without_a_total(tmp_path, capsys, monkeypatch):
+    """The validation before training (step 0) has its own bar, and a run without a known total (validation only)
+    has no training bar: neither opens one."""
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=10) as tracker:
+        with tracker.phase("testing", 0):
+            clock.now += 40
+    with Tracking(["console"], "p", "e", tmp_path) as tracker:
+        with tracker.phase("testing", 3):
+            clock.now += 40
+    assert capsys.readouterr().err == ""
+
+
 def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, capsys):
     metrics = {
         "val-core/openai/gsm8k/acc/mean@1": 0.5,

@@ -594,6 +594,7 @@ def test_run_closes_the_trainer_when_training_fails(workspace, monkeypatch):
 
     class FailingTrainer:
         total_steps, global_step, last_saved_step, stop_requested, logger = 2, 0, None, None, None
+        phase_hooks: list = []  # (the run shows each phase of a step: trainer.phase_hooks)
 
         def fit(self):
             raise GuardError("training stopped at step 1: test")

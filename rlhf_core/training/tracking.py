@@ -12,8 +12,9 @@ Backends (``VALID_LOGGERS``):
 ``console``
     One compact line per step on stdout, built from ``CONSOLE_KEYS`` (see there), plus a progress bar
     with ETA on stderr when ``total_steps`` is known (:func:`rlhf_core.progress.progress_bar`: a line every
-    30 s where stderr is not a terminal). Lines go through ``tqdm.write`` so they do not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``) append advice to the line (a NaN grad
-    norm is warned as well).
+    30 s where stderr is not a terminal), which shows the phase of the step under way (:meth:`Tracking.phase`).
+    Lines go through ``tqdm.write`` so they do not break the bar. ``warn_thresholds`` (``WARN_THRESHOLD_KEYS``)
+    append advice to the line (a NaN grad norm is warned as well).
 ``file``
     JSON lines at ``<local_dir>/metrics.jsonl``: one object per step, ``{"step": 12, "<metric>": ...}``
     (verl's ``VERL_FILE_LOGGER_PATH`` and ``VERL_FILE_LOGGER_ROOT`` are not read: a notice says so).
@@ -72,14 +73,14 @@ import threading
 import time
 import urllib.parse
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from tqdm import tqdm
 
 from rlhf_core.atomic import fsync_dir, write_text_atomic
-from rlhf_core.progress import progress_bar
+from rlhf_core.progress import LineBar, TerminalBar, progress_bar
 from rlhf_core.training.guards import measured_kl
 
 __all__ = [
@@ -275,6 +276,11 @@ class Backend:
         error of a write that failed without saying where (a full disk, at a flush)."""
         return None
 
+    def phase(self, name: str, step: int) -> contextlib.AbstractContextManager:
+        """A context for the phase ``name`` of ``step`` (see :meth:`Tracking.phase`); backends that show nothing
+        of it give an empty one."""
+        return contextlib.nullcontext()
+
 
 def _located(error: OSError, where: str | None) -> OSError:
     """``error`` with the path ``where`` where it names none: a write or flush that fails on a full disk says
@@ -292,7 +298,26 @@ class ConsoleLogger(Backend):
 
     def __init__(self, run: RunInfo) -> None:
         super().__init__(run)
-        self._bar: tqdm | None = None
+        self._bar: TerminalBar | LineBar | None = None
+
+    def _open_bar(self, done: int) -> TerminalBar | LineBar:
+        """The training bar, opened at ``done`` steps where it is not open yet: at the first step logged or the
+        first phase of a step, whichever comes first. Its rate (hence the ETA) is measured from there, so
+        neither startup nor a resume's skipped steps skew it."""
+        if self._bar is None:
+            total = self.run.total_steps
+            self._bar = progress_bar(total=total, initial=min(max(done, 0), total), desc="training", unit="step")
+        return self._bar
+
+    def phase(self, name: str, step: int) -> contextlib.AbstractContextManager:
+        """The training bar shows the phase ``name`` of ``step`` while it runs (``step 3/10: update_actor``); off a
+        terminal as a line where the bar wrote none for 30 s, naming the seconds of the step's phases done. The
+        step as a whole (``step``) is no phase here, and nothing is shown before the first step (the validation
+        before training has a bar of its own) or without a total (no bar)."""
+        total = self.run.total_steps
+        if name == "step" or step < 1 or not total:
+            return contextlib.nullcontext()
+        return self._open_bar(step - 1).phase(name, f"step {step}/{total}")
 
     def format_line(self, metrics: Mapping[str, float], step: int) -> str:
         total = self.run.total_steps
@@ -378,11 +403,8 @@ class ConsoleLogger(Backend):
                 "this model's usual size, raise trainer.warn_grad_norm")
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        total = self.run.total_steps
-        if total and self._bar is None:
-            # Created at the first logged step, which counts as done: the rate (hence the ETA) is
-            # measured over the steps after it, so neither startup nor a resume's skipped steps skew it.
-            self._bar = progress_bar(total=total, initial=min(max(step, 0), total), desc="training", unit="step")
+        if self.run.total_steps:
+            self._open_bar(step)  # (a step logged counts as done)
         if self._bar is not None and step > self._bar.n:
             self._bar.update(min(step, self._bar.total) - self._bar.n)
         tqdm.write(self.format_line(metrics, step), file=sys.stdout)  # clears and redraws the bar
@@ -936,6 +958,17 @@ class Tracking:
             clean[str(key)] = number
         for name, backend in self.backends.items():
             self._write(name, backend, lambda backend: backend.log(clean, step))
+
+    @contextlib.contextmanager
+    def phase(self, name: str, step: int) -> Iterator[None]:
+        """A context for the phase ``name`` of ``step``, named as its ``timing_s/<name>`` metric (``gen``,
+        ``update_actor``, ``testing``, ``save_checkpoint``, ...), while it runs: the console's training bar
+        shows it (:meth:`ConsoleLogger.phase`), so a step that takes minutes is told from a hung one. A
+        trainer's ``phase_hooks`` entry."""
+        with contextlib.ExitStack() as stack:
+            for backend in self.backends.values():
+                stack.enter_context(backend.phase(name, step))
+            yield
 
     def log_generations(self, samples: list[dict[str, Any]], step: int) -> None:
         """Validation samples (``input``, ``output``, ``score``; ``trainer.log_val_generations`` of them) in
