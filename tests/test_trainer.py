@@ -704,6 +704,30 @@ def test_phase_hooks_enter_around_each_timed_phase_in_order(workspace):
     assert {f"timing_s/{name}" for name in ["step", *inner]} <= set(metrics)  # still timed
 
 
+def test_a_run_shows_each_phase_of_its_steps_validation_and_save_under_its_timing_name(workspace, tmp_path,
+                                                                                       monkeypatch):
+    """The console's bar shows the phase under way (:meth:`Tracking.phase`): a run hands it each phase of each step,
+    the validation and the checkpoint save included (each of which can take minutes with a real model), with the
+    step it belongs to, named as its ``timing_s/<name>`` metric, so the log and the metrics use the same words."""
+    from rlhf_core.training.tracking import Tracking
+
+    root, model, _ = workspace
+    seen = []
+    real = Tracking.phase
+
+    def recording(self, name, step):
+        seen.append((name, step))
+        return real(self, name, step)
+
+    monkeypatch.setattr(Tracking, "phase", recording)
+    result = main_ppo.run(load_config(_overrides(root, model, "trainer.total_training_steps=2", "trainer.test_freq=2",
+                                                 "trainer.logger=[console]", f"trainer.default_local_dir={tmp_path}")))
+    inner = ["gen", "reward", "old_log_prob", "values", "adv", "update_critic", "update_actor"]
+    assert seen == [(name, 1) for name in ["step", *inner]] + \
+        [(name, 2) for name in ["step", *inner, "testing", "save_checkpoint"]]
+    assert {f"timing_s/{name}" for name, _ in seen} <= set(result.history[-1].metrics)
+
+
 def test_ignore_eos_gives_full_length_training_responses_and_leaves_validation_alone(workspace):
     root, model, _ = workspace
     trainer = build_trainer(load_config(_overrides(root, model, "actor_rollout_ref.rollout.ignore_eos=true")))

@@ -394,8 +394,9 @@ class PPOTrainer:
         #: called with (samples, step) after each validation when trainer.log_val_generations > 0
         self.generations_logger: Callable[[list[dict], int], None] | None = None
         self._sampled_tokens = 0.0  # response tokens the step's rollouts sampled (perf/rollout_tokens_per_s)
-        #: context-manager factories entered around every timed phase, called with its name (innermost
-        #: last): a memory sampler's tag, a tracer's span
+        #: context-manager factories entered around every timed phase, the validation (``testing``) and each
+        #: checkpoint save (``save_checkpoint``) included, called with its name (innermost last): a memory
+        #: sampler's tag, a tracer's span, the console's display of the phase under way
         self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
         # the step whose batch is drawn and whose training is under way (None between two steps' training, and
         # still set where the training failed): a stop request lets it finish; its failures are that step's
@@ -526,13 +527,18 @@ class PPOTrainer:
                 and self.global_step >= cfg.trainer.critic_warmup)
 
     @contextmanager
-    def phase(self, name: str, timings: dict[str, float]):
-        """A phase of the step, timed into ``timings`` (:func:`timed`) inside each of ``phase_hooks``."""
+    def hooked(self, name: str):
+        """Inside each of ``phase_hooks``, entered with ``name`` (the phase's ``timing_s/<name>``)."""
         with ExitStack() as hooks:
             for hook in self.phase_hooks:
                 hooks.enter_context(hook(name))
-            with timed(name, timings):
-                yield
+            yield
+
+    @contextmanager
+    def phase(self, name: str, timings: dict[str, float]):
+        """A phase of the step, timed into ``timings`` (:func:`timed`) inside each of ``phase_hooks``."""
+        with self.hooked(name), timed(name, timings):
+            yield
 
     def train_step(self, prompts: Batch) -> dict[str, float]:
         cfg, algo = self.config, self.config.algorithm
@@ -746,12 +752,13 @@ class PPOTrainer:
     def save_checkpoint(self, before_latest: Callable[[], None] | None = None) -> Path:
         """Checkpoint the current step under ``trainer.default_local_dir`` (see :mod:`rlhf_core.training.checkpoint`);
         ``before_latest()`` runs before the checkpoint is marked latest (:func:`checkpoint.write_checkpoint`); never
-        weights that hold NaN or inf (:meth:`_check_weights`)."""
-        self._check_weights()
-        try:
-            path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest, self.rerun_advice)
-        except WorkerError as exc:
-            raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
+        weights that hold NaN or inf (:meth:`_check_weights`). A phase of its own to ``phase_hooks``."""
+        with self.hooked("save_checkpoint"):
+            self._check_weights()
+            try:
+                path = checkpoint.save_checkpoint(self, self.checkpoint_dir, before_latest, self.rerun_advice)
+            except WorkerError as exc:
+                raise self._worker_failure(exc, "saving the checkpoint of", self.global_step) from exc
         self.last_saved = path
         self.guard.on_checkpoint(self.global_step)
         self.overopt.keep_restorable(self.guard.saved)
@@ -1119,7 +1126,8 @@ class PPOTrainer:
         guards (unless ``event`` is already one of theirs): (a new best to checkpoint, the guards' event)."""
         started = time.perf_counter()
         try:
-            metrics.update(self.validate())
+            with self.hooked("testing"):
+                metrics.update(self.validate())
         except WorkerError as exc:
             raise self._worker_failure(exc, "validating after", step) from exc
         except NonFiniteLogits as exc:
@@ -1164,7 +1172,8 @@ class PPOTrainer:
         """The validation before the first step, as :meth:`fit` runs it: logged at step 0, and the first
         best of the val-drop and over-optimisation guards (checkpointed, their first rollback target)."""
         try:
-            val_metrics = self.validate()
+            with self.hooked("testing"):
+                val_metrics = self.validate()
         except WorkerError as exc:
             raise self._worker_failure(exc, "validating before", 1) from exc
         except NonFiniteLogits as exc:
