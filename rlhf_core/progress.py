@@ -13,6 +13,9 @@ line, so that a slow item is told from a hung one and quick items add no line.
 
 While a bar is drawn on a terminal, a line printed to stdout or stderr by other code (a notice, a warning) would
 land after the bar's text on its line; :class:`TerminalBar` routes such lines around the bars instead.
+
+transformers draws bars of its own ("Loading weights" at each model load, "Writing model shards" at each save):
+:func:`route_transformers_bars` makes them follow the same rule, tqdm's bar on a terminal and lines elsewhere.
 """
 
 from __future__ import annotations
@@ -208,3 +211,39 @@ def progress_bar(iterable: Any = None, *, total: float | None = None, desc: str,
                            dynamic_ncols=True, **settings)
     return LineBar(iterable, total=total, desc=desc, unit=unit, file=file, initial=initial, leave=leave,
                    mininterval=interval, bar_format=_LINE_FORMAT if total else None, **settings)
+
+
+def _transformers_bar(factory: Any, args: tuple, kwargs: dict) -> Any:
+    """A bar transformers asked for, made by the rule of :func:`progress_bar`: ``factory``'s own (tqdm's, or its
+    stand-in that draws nothing where transformers' bars are off) on a terminal, a :class:`LineBar` elsewhere."""
+    stream = kwargs.get("file") or sys.stderr
+    if isinstance(stream, _AroundBars):
+        stream = stream.stream
+    if not (isinstance(factory, type) and issubclass(factory, tqdm)) or _is_terminal(stream):
+        return factory(*args, **kwargs)
+    total = kwargs.get("total")
+    if total is None and args and hasattr(args[0], "__len__"):
+        total = len(args[0])
+    return LineBar(*args, **{**kwargs, "file": stream, "mininterval": LOG_INTERVAL_S,
+                             "bar_format": _LINE_FORMAT if total else None})
+
+
+def route_transformers_bars() -> None:
+    """Have transformers' own bars drawn as this module draws its bars: on a stream that is not a terminal (a log
+    file, a pipe, a ZenML step's log, a Ray worker's output) the "Loading weights" bar of each model load was a run of
+    ``\\r`` frames; it is now a line when the load starts and one of its last count (and one every
+    :data:`LOG_INTERVAL_S` seconds of a long load between them).
+
+    It sets transformers' tqdm hook (``transformers.utils.logging.set_tqdm_hook``) once for the process rather than
+    turning the bars off around each load or save of ours: those happen in many places (and in Ray's worker
+    processes), and a switch around each is one more to forget with every new call. What it changes of the process is
+    kept to the bars bound for a stream that is not a terminal: on a terminal the hook gives back transformers' own
+    bar, unchanged; where transformers' bars are off (``disable_progress_bar``, ``HF_HUB_DISABLE_PROGRESS_BARS=1``)
+    they stay off; and a hook that other code set before is left in place. (A load of the caller's own in the same
+    process, bound for a log, writes lines too: what a log needs whoever loads.) Calling it again does nothing."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.set_tqdm_hook(_transformers_bar)
+    if before is not None and before is not _transformers_bar:  # (someone else's: theirs decides)
+        hf_logging.set_tqdm_hook(before)
+

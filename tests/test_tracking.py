@@ -356,6 +356,87 @@ def test_phases_show_nothing_before_the_first_step_or_without_a_total(tmp_path, 
     assert capsys.readouterr().err == ""
 
 
+@pytest.fixture
+def transformers_bars():
+    """transformers' own bars on, as they are by default, whatever an earlier test left; the hook as it was."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    hook = hf_logging.set_tqdm_hook(None)
+    hf_logging.set_tqdm_hook(hook)
+    hf_logging.enable_progress_bar()
+    yield hf_logging
+    hf_logging.set_tqdm_hook(hook)
+    if not before:
+        hf_logging.disable_progress_bar()
+
+
+def _tiny_model(folder: Path) -> tuple[Path, int]:
+    """A random one-layer toy model saved in ``folder``, and the number of tensors its weights file holds (read
+    from the file, as the count a load of it goes through)."""
+    from safetensors import safe_open
+
+    from rlhf_core.models.toy import random_toy_model
+
+    random_toy_model(folder, n_layers=1, hidden_size=32, max_position_embeddings=64)
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
+        return folder, len(list(weights.keys()))
+
+
+def test_a_model_load_writes_lines_not_frames_where_stderr_is_not_a_terminal(tmp_path, capsys, transformers_bars):
+    """``rlhf-ppo ... > log 2>&1``: transformers' "Loading weights" bar wrote its "\r" frames into the log at every
+    model load (the actor's and the critic's, the reward model's, in each Ray worker too), where the project's own
+    bars write lines. It writes lines there as well now: one as the load starts, one of its last count."""
+    from rlhf_core.models.loading import load_actor
+
+    folder, tensors = _tiny_model(tmp_path / "model")
+    capsys.readouterr()
+    load_actor(folder)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    lines = err.splitlines()
+    assert [line.split(" [")[0] for line in lines] == [f"Loading weights:   0% 0/{tensors}",
+                                                       f"Loading weights: 100% {tensors}/{tensors}"], err
+    assert transformers_bars.is_progress_bar_enabled()  # (routed, not switched off for the rest of the process)
+
+
+def test_on_a_terminal_a_model_load_draws_transformers_own_bar(tmp_path, monkeypatch, transformers_bars):
+    """Where a person watches, the load's bar stays transformers' own: tqdm's bar redrawn in place (in blocks, "#"
+    on a terminal that names no encoding)."""
+    from rlhf_core.models.loading import load_actor
+
+    folder, tensors = _tiny_model(tmp_path / "model")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    load_actor(folder)
+    shown = terminal.shown()
+    assert len(shown) == 1 and re.match(rf"Loading weights: 100%\|(█+|#+)\| {tensors}/{tensors} \[", shown[0]), shown
+
+
+def test_transformers_bars_switched_off_stay_off_and_a_hook_set_before_is_kept(tmp_path, capsys, transformers_bars):
+    """The routing changes nothing else of the process: bars a program turned off write nothing, and a hook of its
+    own making keeps deciding its bars."""
+    from rlhf_core.models.loading import load_actor
+    from rlhf_core.progress import route_transformers_bars
+
+    folder, _ = _tiny_model(tmp_path / "model")
+    transformers_bars.disable_progress_bar()
+    capsys.readouterr()
+    load_actor(folder)
+    assert capsys.readouterr().err == ""
+    transformers_bars.enable_progress_bar()
+    asked = []
+
+    def own_hook(factory, args, kwargs):
+        asked.append(kwargs.get("desc"))
+        return factory(*args, **{**kwargs, "disable": True})
+
+    transformers_bars.set_tqdm_hook(own_hook)
+    route_transformers_bars()
+    load_actor(folder)
+    assert asked == ["Loading weights"] and capsys.readouterr().err == ""
+
+
 def test_console_without_total_has_no_bar_and_shows_every_val_source(tmp_path, capsys):
     metrics = {
         "val-core/openai/gsm8k/acc/mean@1": 0.5,

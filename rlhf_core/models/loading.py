@@ -1,4 +1,12 @@
-"""Loading the actor, critic, reference and tokenizer from local HF model directories."""
+"""Loading the actor, critic, reference and tokenizer from local HF model directories.
+
+Every load and save of a model in training, evaluation, the smoke test and the reward model imports this module
+first, in the commands, the ZenML steps and Ray's worker processes alike: its import is where transformers' own
+progress bars are made to write lines where the output is not a terminal
+(:func:`rlhf_core.progress.route_transformers_bars`). Not the package's ``__init__``: ``python -m
+rlhf_core.models.toy`` (or ``.gguf``) runs it before the module's own code, which imports transformers only once a
+Ctrl-C can be taken.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +33,9 @@ from transformers import (
 
 from rlhf_core.atomic import give_usual_modes
 from rlhf_core.models import cpu_matmul, packed_attention
+from rlhf_core.progress import route_transformers_bars
+
+route_transformers_bars()
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
