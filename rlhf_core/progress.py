@@ -15,7 +15,8 @@ While a bar is drawn on a terminal, a line printed to stdout or stderr by other 
 land after the bar's text on its line; :class:`TerminalBar` routes such lines around the bars instead.
 
 transformers draws bars of its own ("Loading weights" at each model load, "Writing model shards" at each save):
-:func:`route_transformers_bars` makes them follow the same rule, tqdm's bar on a terminal and lines elsewhere.
+:func:`route_transformers_bars` makes them follow the same rule, tqdm's bar on a terminal and lines elsewhere, and
+:func:`routed_tqdm` does the same for a module of it that calls tqdm itself (its GGUF reader).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 from tqdm import tqdm
@@ -247,3 +249,20 @@ def route_transformers_bars() -> None:
     if before is not None and before is not _transformers_bar:  # (someone else's: theirs decides)
         hf_logging.set_tqdm_hook(before)
 
+
+@contextmanager
+def routed_tqdm(module: ModuleType) -> Iterator[None]:
+    """For the block, the bars ``module`` makes through its own ``tqdm`` name follow the rule of
+    :func:`route_transformers_bars`: for a module of transformers that calls tqdm itself, which its hook does not
+    reach (``transformers.modeling_gguf_pytorch_utils``, whose "Converting and de-quantizing GGUF tensors" bar
+    wrote a ``\\r`` frame per tensor into a log). The name is put back after the block, so only the calls made
+    inside it (ours) are changed; a module without the name is left as it is."""
+    made = getattr(module, "tqdm", None)
+    if made is None:
+        yield
+        return
+    module.tqdm = lambda *args, **kwargs: _transformers_bar(made, args, kwargs)
+    try:
+        yield
+    finally:
+        module.tqdm = made

@@ -180,6 +180,40 @@ def test_an_import_says_each_phase_as_it_starts(tmp_path, capsys, monkeypatch):
                            "weights": "importing model.gguf: reading and de-quantising the weights\n"}
 
 
+
+def test_the_de_quantising_bar_writes_lines_not_frames_where_stderr_is_not_a_terminal(tmp_path, capsys, monkeypatch):
+    """``make real-model > log``: transformers' GGUF reader draws its "Converting and de-quantizing GGUF tensors" bar
+    with tqdm itself, out of reach of the hook that turns transformers' bars into lines off a terminal, and wrote a
+    "\r" frame per tensor or so into the log (21 for SmolLM2). It writes a line as it starts and one of its last
+    count now. The reader stands in for transformers': it reads 272 tensors through the GGUF module's tqdm, as
+    SmolLM2's are, then fails the import."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+
+    from rlhf_core.models import gguf as module
+
+    def model(folder, gguf_file, **kwargs):
+        for _ in gguf_reader.tqdm(range(272), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        raise RuntimeError("stop here")
+
+    made = gguf_reader.tqdm
+    monkeypatch.setattr(module, "check_gguf", lambda file: file)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda folder, gguf_file: object())
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", model)
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF" + b"\0" * 999_996)
+    with pytest.raises(GGUFImportError, match="transformers cannot load it"):
+        import_gguf(source, tmp_path / "out")
+    err = capsys.readouterr().err
+    assert "\r" not in err, repr(err)
+    assert [line.split(" [")[0] for line in err.splitlines()] == [
+        "importing model.gguf: reading the tokenizer (1 MB file)",
+        "importing model.gguf: reading and de-quantising the weights",
+        "Converting and de-quantizing GGUF tensors...:   0% 0/272",
+        "Converting and de-quantizing GGUF tensors...: 100% 272/272"], err
+    assert gguf_reader.tqdm is made  # (the reader's own tqdm again after the import)
+
 @pytest.mark.slow  # one real import: the file's 272 tensors de-quantised and 540 MB written (about 30 s)
 def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, monkeypatch):
     pytest.importorskip("gguf")

@@ -33,6 +33,7 @@ if __name__ == "__main__":  # run as `rlhf gguf` is (rlhf_core.cli), where its c
     sys.exit(_run("gguf", None, "python -m rlhf_core.models.gguf"))
 
 from rlhf_core.atomic import remove_stale_staging, staged_directory
+from rlhf_core.progress import route_transformers_bars, routed_tqdm
 
 MARKER = "gguf_import.json"
 MAGIC = b"GGUF"
@@ -147,14 +148,17 @@ def _phase(file: Path, text: str) -> None:
 def _build(file: Path, staging: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, GgufConfig
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
 
+    route_transformers_bars()  # (as rlhf_core.models.loading's import does: this reads its file without it)
     folder, name = str(file.parent), file.name
     try:
         _phase(file, f"reading the tokenizer ({file.stat().st_size / 1e6:.0f} MB file)")
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         _phase(file, "reading and de-quantising the weights")
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True))
+        with routed_tqdm(gguf_reader):  # (its bar is tqdm's own, which transformers' hook does not reach)
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True))
     except Exception as exc:  # noqa: BLE001 - an architecture transformers cannot read, a damaged tensor
         raise GGUFImportError(f"--gguf {file}: transformers cannot load it ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from exc

@@ -5,7 +5,7 @@ first, in the commands, the ZenML steps and Ray's worker processes alike: its im
 progress bars are made to write lines where the output is not a terminal
 (:func:`rlhf_core.progress.route_transformers_bars`). Not the package's ``__init__``: ``python -m
 rlhf_core.models.toy`` (or ``.gguf``) runs it before the module's own code, which imports transformers only once a
-Ctrl-C can be taken.
+Ctrl-C can be taken; the GGUF import, which reads its file without this module, routes them itself.
 """
 
 from __future__ import annotations
