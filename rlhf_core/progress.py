@@ -266,3 +266,18 @@ def routed_tqdm(module: ModuleType) -> Iterator[None]:
         yield
     finally:
         module.tqdm = made
+
+
+@contextmanager
+def transformers_bars(shown: bool) -> Iterator[None]:
+    """transformers' own bars shown (``shown``) or hidden for the block, and as they were after it: hidden where a
+    load or save of ours runs under a bar of ours (a "Writing model shards" bar at every save inside the training
+    bar, on a terminal too)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()

@@ -992,3 +992,21 @@ def test_a_ppo_run_stopped_after_a_save_and_a_later_step_holds_each_step_once_wh
     assert records[2]["timing_s/step"] != stopped[2]["timing_s/step"]  # the resumed run's own record of step 3
     assert [r["step"] for r in whole_history(result)] == [1, 2, 3, 4]
     assert whole_history(result)[2]["timing_s/step"] == records[2]["timing_s/step"]
+
+
+def test_the_actors_hf_save_writes_no_bar_and_leaves_transformers_bars_as_they_were(tmp_path, capsys,
+                                                                                     transformers_bars):
+    """The actor's HF export at every checkpoint runs under the training bar, in a Ray worker's process too (where
+    the driver's switches do not reach): it writes no "Writing model shards" bar or line of its own, and the bars
+    of later loads are on again after it."""
+    from types import SimpleNamespace
+
+    from rlhf_core.models.loading import load_actor
+    from rlhf_core.workers.actor import ActorWorker
+
+    folder, _ = _tiny_model(tmp_path / "model")
+    worker = SimpleNamespace(lora=False, sharded=False, base_dropout=None, module=load_actor(folder))
+    capsys.readouterr()
+    ActorWorker.save_hf(worker, tmp_path / "export")
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "export" / "model.safetensors").is_file() and transformers_bars.is_progress_bar_enabled()

@@ -49,11 +49,11 @@ if __name__ == "__main__":  # run as `rlhf toy-model` is (rlhf_core.cli), before
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.utils import logging as hf_logging
 
 from rlhf_core.atomic import current_umask, staged_directory, write_text_atomic
 from rlhf_core.data.schema import INSTRUCTION
 from rlhf_core.data.synthetic import DATA_SOURCE, iter_problems, validate_options
+from rlhf_core.progress import transformers_bars
 from rlhf_core.rewards.gsm8k import compute_score
 
 # Bump whenever a change here alters what a build produces, so that cached builds are redone.
@@ -200,20 +200,9 @@ def _generation_config(tokenizer) -> GenerationConfig:
     )
 
 
-@contextlib.contextmanager
-def _hf_progress(enabled: bool) -> Iterator[None]:
-    """Show or hide transformers' own progress bars for the block."""
-    before = hf_logging.is_progress_bar_enabled()
-    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
-    try:
-        yield
-    finally:
-        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
-
-
 def _save(model: LlamaForCausalLM, tokenizer, output_dir: Path, progress: bool = False) -> None:
     model.generation_config = _generation_config(tokenizer)
-    with _hf_progress(progress):
+    with transformers_bars(progress):
         model.save_pretrained(output_dir)
         tokenizer.save_pretrained(output_dir)
     # Name the generic fast-tokenizer class, which every transformers release (4.x as well as 5.x)

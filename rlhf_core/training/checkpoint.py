@@ -953,16 +953,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def _write_hf(trainer, target: Path) -> None:
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the training log at every save
-    try:
-        trainer.actor.save_hf(target)  # LoRA merged; with several workers gathered and written by rank 0
-        trainer.tokenizer.save_pretrained(target)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
+    trainer.actor.save_hf(target)  # LoRA merged; with several workers gathered and written by rank 0
+    trainer.tokenizer.save_pretrained(target)
 
 
 def _lora_actor(trainer) -> bool:

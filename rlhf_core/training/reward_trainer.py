@@ -105,6 +105,7 @@ from rlhf_core.models.loading import (
     resolve,
     save_hf_model,
 )
+from rlhf_core.progress import transformers_bars
 from rlhf_core.rewards.reward_model import TEMPLATE_KWARGS, conversation_ids, cut_from_the_left
 from rlhf_core.training import checkpoint as ckpt
 from rlhf_core.training.guards import GuardError, TrainingInterrupted
@@ -311,7 +312,7 @@ def load_reward_backbone(path: str | os.PathLike, pad_token_id: int, dtype: str 
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.ERROR)
-    with _no_hf_bars():
+    with transformers_bars(False):
         try:
             torch.manual_seed(seed)
             config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1,
@@ -325,20 +326,6 @@ def load_reward_backbone(path: str | os.PathLike, pad_token_id: int, dtype: str 
     model = model.to(torch.device(device))
     cpu_matmul.route(model)
     return model
-
-
-@contextlib.contextmanager
-def _no_hf_bars():
-    """No "Loading weights" / "Writing model shards" bars inside the training's own progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
 
 
 class RewardModelWorker(CheckpointableWorker):
@@ -438,7 +425,7 @@ class RewardModelWorker(CheckpointableWorker):
         if distributed.rank() == 0:
             if self.lora:
                 state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
-            with _no_hf_bars():
+            with transformers_bars(False):
                 save_hf_model(self.forward_module, state, target,
                               config_with(self.forward_module.config, self.base_dropout))
 
@@ -1110,7 +1097,7 @@ class RewardModelTrainer:
         fails (a full disk) is a :class:`~rlhf_core.training.checkpoint.CheckpointError` naming the export and the
         checkpoint a rerun writes it from (the run's end: it resumes there and exports)."""
         try:
-            with staged_directory(target, replace=True, usual_modes=False) as tmp, _no_hf_bars():
+            with staged_directory(target, replace=True, usual_modes=False) as tmp, transformers_bars(False):
                 self.worker.save_hf(tmp)
                 self.tokenizer.save_pretrained(tmp)
         except Exception as exc:

@@ -36,6 +36,7 @@ from rlhf_core.models.loading import (
     save_hf_model,
     takes_logits_to_keep,
 )
+from rlhf_core.progress import transformers_bars
 from rlhf_core.rollout import SamplingParams, make_rollout_engine
 from rlhf_core.training.guards import KL_LOSS_TOKEN_MEAN  # (the KL loss's mean over tokens, beside verl's)
 from rlhf_core.workers import distributed
@@ -386,17 +387,19 @@ class ActorWorker(CheckpointableWorker):
     # ------------------------------------------------------------------ export
     def save_hf(self, target: str | Path) -> None:
         """The policy as a plain transformers model directory (LoRA merged); sharded, every rank must call
-        this (the weights are gathered) and rank 0 writes."""
-        if not self.lora and not self.sharded and not self.base_dropout:
-            self.module.save_pretrained(target)
-            return
-        state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
-        if distributed.rank() == 0:
-            if self.lora:
-                state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
-            # the base's dropout rates, not the run's zeros: a model fine-tuned from the export gets them back
-            save_hf_model(self.forward_module, state, target,
-                          config_with(self.forward_module.config, self.base_dropout))
+        this (the weights are gathered) and rank 0 writes. Without transformers' "Writing model shards" bar,
+        which at every save would stand in the training bar's log (here, so that a Ray worker's save has none)."""
+        with transformers_bars(False):
+            if not self.lora and not self.sharded and not self.base_dropout:
+                self.module.save_pretrained(target)
+                return
+            state = distributed.full_state_dict(self.module)  # {} on ranks other than 0 when sharded
+            if distributed.rank() == 0:
+                if self.lora:
+                    state = lora.merged_state_dict(state, lora.lora_scaling(self.module))
+                # the base's dropout rates, not the run's zeros: a model fine-tuned from the export gets them back
+                save_hf_model(self.forward_module, state, target,
+                              config_with(self.forward_module.config, self.base_dropout))
 
     def save_adapter(self, target: str | Path) -> None:
         """The LoRA adapter as peft saves it (:func:`lora.save_adapter`), over the base model at model.path made
