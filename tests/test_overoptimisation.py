@@ -43,6 +43,7 @@ def test_proxy_up_gold_down_for_patience_validations_rolls_back_to_the_best_gold
 def test_a_validation_that_rolls_back_is_no_accuracy_best():
     """Validation at step 30 is the best accuracy so far and the over-optimisation guard's second divergence:
     the weights it measured are replaced by step 10's, so the val-drop guard keeps step 10 as its best."""
+    import contextlib
     import types
 
     from rlhf_core.training.guards import Guard
@@ -50,7 +51,8 @@ def test_a_validation_that_rolls_back_is_no_accuracy_best():
 
     config = GuardConfig(overopt_patience=2, max_rollbacks=3, max_val_drop=0.1)
     trainer = types.SimpleNamespace(guard=Guard(config), overopt=OverOptimisationGuard(config),
-                                    _log_generations=lambda step: None, _note_idle_guards=lambda metrics: None)
+                                    _log_generations=lambda step: None, _note_idle_guards=lambda metrics: None,
+                                    hooked=lambda name: contextlib.nullcontext())
     trainer.val_accuracy = lambda metrics: metrics["val-core/a/acc/mean@1"]
     validations = {0: (0.30, 0.1, 0.5), 10: (0.40, 0.2, 0.6), 20: (0.35, 0.3, 0.55), 30: (0.45, 0.4, 0.5)}
     for step, (acc, proxy, gold) in validations.items():
