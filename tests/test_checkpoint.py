@@ -703,7 +703,8 @@ def test_a_run_that_only_validates_may_use_verls_folder_but_not_resume_verls_che
     before = _files(root)
     assert ppo(workspace.overrides(root, "trainer.val_only=true", "trainer.resume_mode=disable")) == 0
     ours = tmp_path / "ours"
-    assert ppo(workspace.overrides(ours, "trainer.resume_mode=disable")) == 0
+    # one step is a checkpoint of ours to validate (the default 30 epochs would train 120 steps to the same end)
+    assert ppo(workspace.overrides(ours, "trainer.resume_mode=disable", "trainer.total_training_steps=1")) == 0
     assert ppo(workspace.overrides(root, "trainer.val_only=true", "trainer.resume_mode=resume_path",
                                    f"trainer.resume_from_path={checkpoint.latest_checkpoint(ours)}")) == 0
     after = _files(root)
