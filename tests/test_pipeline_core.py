@@ -519,8 +519,12 @@ def test_the_reward_spec_of_a_set_constant_is_the_same_in_every_process(tmp_path
     custom.write_text(REWARD_WITH_HELPERS.format(keep="{'alpha', 'beta', 'gamma', 'delta', 'epsilon'}", limit=5))
     script = (f"from pathlib import Path; import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
               f"from test_pipeline_core import _spec_hash; print(_spec_hash(Path({str(custom)!r})))")
-    hashes = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "3")}
+    # the three processes run side by side: each spends its seconds importing, and none depends on another
+    started = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2", "3")]
+    outputs = [process.communicate(timeout=300) for process in started]
+    assert [process.returncode for process in started] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    hashes = {out.strip() for out, _ in outputs}
     assert len(hashes) == 1 and _spec_hash(custom) in hashes
 
 
