@@ -731,20 +731,20 @@ def test_a_sigterm_outside_the_training_steps_exits_143_naming_the_checkpoint_le
     runner = tmp_path / "runner.py"
     runner.write_text(SIGTERM_AS_IT_LOADS)
     env = {**os.environ, "PYTHONPATH": str(repo_root)}
-    done = subprocess.run([sys.executable, str(runner), ppo, f"trainer.default_local_dir={tmp_path / 'ppo'}",
-                           f"trainer.save_on_interrupt={saves_on_interrupt}"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+    # both commands at once, each in its own folder: their seconds go to imports, and neither reads the other's
+    commands = ([ppo, f"trainer.default_local_dir={tmp_path / 'ppo'}", f"trainer.save_on_interrupt={saves_on_interrupt}"],
+                ["train-rm", f"reward_model.train.default_local_dir={tmp_path / 'rm'}"])
+    started = [subprocess.Popen([sys.executable, str(runner), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=tmp_path, env=env) for argv in commands]
+    (_, ppo_err), (_, rm_err) = [process.communicate(timeout=120) for process in started]
     said = ("interrupted by SIGTERM outside the training steps (while the run started or closed): stopped at once, no "
             f"trained step lost; the latest checkpoint is {latest}" if saves_on_interrupt
             else "interrupted by SIGTERM: stopped at once without saving (trainer.save_on_interrupt=false); the "
                  f"latest checkpoint {latest} is as it was: rerun the same command to resume from it")
-    assert (done.returncode, done.stderr.splitlines()) == (143, [said]), done.stderr[-2000:]
-    done = subprocess.run([sys.executable, str(runner), "train-rm",
-                           f"reward_model.train.default_local_dir={tmp_path / 'rm'}"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
-    assert (done.returncode, done.stderr.splitlines()) == (143, [
+    assert (started[0].returncode, ppo_err.splitlines()) == (143, [said]), ppo_err[-2000:]
+    assert (started[1].returncode, rm_err.splitlines()) == (143, [
         "interrupted by SIGTERM outside the training steps (while the run started or closed): stopped at once, no "
-        "trained step lost; no checkpoint is saved"]), done.stderr[-2000:]
+        "trained step lost; no checkpoint is saved"]), rm_err[-2000:]
 
 
 @pytest.mark.parametrize("script", ["rlhf-ppo", "rlhf-train-rm"])
