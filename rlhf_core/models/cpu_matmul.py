@@ -52,8 +52,8 @@ for a while: the memory in use climbs over the first hundred or so steps, then l
 prompts x 2 responses a step, on the AMD EPYC above) held 184 MB more after 150 steps than after 10, 2.9 MB a
 step at first and 0.24 by the end, where ``blas`` held 9 MB more; both variables set to 8 before the process
 starts kept it at 0.2 MB a step (one of them alone did not); 64 did too, 256 did not. What the caps cost in speed
-(kernels built again) could not be told from the noise on a shared machine: 1.18x the step in the one pair
-measured near quiet (``bench/onednn_cache.py``).
+(kernels built again), with the machine to itself: 64 no cost a run could see (0.98x the uncapped step), 8 about
+10% (1.10x; ``bench/onednn_cache.py``).
 """
 
 from __future__ import annotations
