@@ -1097,7 +1097,7 @@ class RewardModelTrainer:
         fails (a full disk) is a :class:`~rlhf_core.training.checkpoint.CheckpointError` naming the export and the
         checkpoint a rerun writes it from (the run's end: it resumes there and exports)."""
         try:
-            with staged_directory(target, replace=True, usual_modes=False) as tmp, transformers_bars(False):
+            with staged_directory(target, replace=True, usual_modes=False) as tmp:  # (save_hf shows no bar)
                 self.worker.save_hf(tmp)
                 self.tokenizer.save_pretrained(tmp)
         except Exception as exc:
