@@ -8,8 +8,8 @@ last count when it closes, each with the count, the rate and the time left.
 
 Where one count takes minutes (a PPO step of a real model on a CPU), :meth:`TerminalBar.phase` and
 :meth:`LineBar.phase` tell what the item under way is doing between two counts: on a terminal in the bar's postfix,
-elsewhere as a line of its own where a phase starts :data:`LOG_INTERVAL_S` seconds or more after the bar's last
-line, so that a slow item is told from a hung one and quick items add no line.
+elsewhere as a line of its own where a phase starts :data:`LOG_INTERVAL_S` seconds or more into its item and after
+the bar's last line, so that a slow item is told from a hung one and quick items add no line.
 
 While a bar is drawn on a terminal, a line printed to stdout or stderr by other code (a notice, a warning) would
 land after the bar's text on its line; :class:`TerminalBar` routes such lines around the bars instead.
@@ -52,6 +52,7 @@ class LineBar(tqdm):
         self._shown: tuple[float, float] | None = None  # (count, time) of the last line of the count written
         self._last_line = float("-inf")  # the time of the last line written, of the count or of a phase
         self._item: str | None = None  # the item whose phases _done times
+        self._item_started = float("-inf")  # the time its first phase started
         self._done: dict[str, float] = {}  # seconds of each of its phases that ended, in the order they ended
         super().__init__(*args, **kwargs)
 
@@ -77,16 +78,16 @@ class LineBar(tqdm):
     def phase(self, name: str, item: str) -> Iterator[None]:
         """While ``item`` (the one under way, e.g. ``step 3/10``) is in its phase ``name``: a line
         ``<item>: <name> (<phase> <s> s, ... done)`` as the phase starts, naming the seconds each of the item's
-        earlier phases took, where the bar has written no line (of the count or of a phase) for
-        ``mininterval`` seconds, none otherwise. The count's own lines keep their rule: a phase line never holds
-        one back."""
+        earlier phases took, where both the item has run and the bar has written no line (of the count or of a
+        phase) for ``mininterval`` seconds, none otherwise: quick items add none, however long the run, and the
+        count's own lines keep their rule (a phase line never holds one back)."""
         if self.disable:
             yield
             return
-        if item != self._item:
-            self._item, self._done = item, {}
         started = self._time()
-        if started - self._last_line >= self.mininterval:
+        if item != self._item:
+            self._item, self._done, self._item_started = item, {}, started
+        if started - max(self._last_line, self._item_started) >= self.mininterval:
             done = ", ".join(f"{phase} {seconds:.0f} s" for phase, seconds in self._done.items())
             self._put(f"{item}: {name}" + (f" ({done} done)" if done else ""))
         try:

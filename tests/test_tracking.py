@@ -279,30 +279,50 @@ def test_a_long_phase_of_a_step_gets_a_line_naming_it_where_stderr_is_not_a_term
 
 
 def test_phase_lines_keep_the_bars_interval_and_leave_its_count_lines_be(tmp_path, capsys, monkeypatch):
-    """A phase line needs 30 s since the bar's last line of either kind; the count's own line keeps its own rule,
-    so a phase line just before a step ends does not hold back that step's count."""
+    """A phase line needs 30 s since the bar's last line of either kind and 30 s into its step; the count's own
+    line keeps its own rule, so a phase line just before a step ends does not hold back that step's count."""
     clock = _Clock()
     monkeypatch.setattr("tqdm.std.time", clock)
     with Tracking(["console"], "p", "e", tmp_path, total_steps=10) as tracker:
         tracker.log({}, step=3)  # a resumed run: the bar at 3/10
-        clock.now += 29
-        with tracker.phase("gen", 4):  # 29 s after the bar's line: none
-            clock.now += 2
-        with tracker.phase("update_critic", 4):  # 31 s after: a line
+        clock.now += 2
+        with tracker.phase("gen", 4):  # 2 s after the bar's line: none
+            clock.now += 30
+        with tracker.phase("update_critic", 4):  # 32 s after it and 30 s into the step: a line
             clock.now += 20
         with tracker.phase("update_actor", 4):  # 20 s after that line: none
             clock.now += 10
-        tracker.log({}, step=4)  # 61 s after the last count: its line, 30 s after the phase's
+        tracker.log({}, step=4)  # 62 s after the last count: its line, 30 s after the phase's
         clock.now += 31
         with tracker.phase("testing", 4):  # the validation of the step logged: 31 s after the count's line
             clock.now += 5
         lines = capsys.readouterr().err.splitlines()
     assert [line.split(" [")[0] for line in lines] == [
         "training:  30% 3/10",
-        "step 4/10: update_critic (gen 2 s done)",
+        "step 4/10: update_critic (gen 30 s done)",
         "training:  40% 4/10",
-        "step 4/10: testing (gen 2 s, update_critic 20 s, update_actor 10 s done)",
+        "step 4/10: testing (gen 30 s, update_critic 20 s, update_actor 10 s done)",
     ], lines
+
+
+def test_a_long_run_of_quick_steps_gets_the_counts_lines_and_no_phase_line(tmp_path, capsys, monkeypatch):
+    """Steps of 7 s (gen 3 s, ref 2 s, update_actor 2 s) for 10 minutes: the log gets the count's line every 30 s
+    or so, as before the phases were shown, and no phase line, though phases keep starting 30 s or more after the
+    bar's last line (step 5's ref at 31 s, 3 s into the step): no step runs for 30 s."""
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    with Tracking(["console"], "p", "e", tmp_path, total_steps=84) as tracker:
+        for step in range(1, 85):
+            with tracker.phase("step", step):
+                for name, seconds in (("gen", 3), ("ref", 2), ("update_actor", 2)):
+                    with tracker.phase(name, step):
+                        clock.now += seconds
+            tracker.log({}, step=step)
+        lines = capsys.readouterr().err.splitlines()
+    assert not [line for line in lines if line.startswith("step ")], lines
+    # the bar opens at step 1's first phase (0 s); a count's line at the first step's end 30 s or more after the
+    # last: steps 5 (35 s), 10 (70 s), ..., 80 (560 s)
+    assert [line.split(" [")[0].split()[-1] for line in lines] == ["0/84"] + [f"{n}/84" for n in range(5, 81, 5)]
 
 
 class _CountingTerminal(_Terminal):

@@ -311,7 +311,7 @@ class ConsoleLogger(Backend):
 
     def phase(self, name: str, step: int) -> contextlib.AbstractContextManager:
         """The training bar shows the phase ``name`` of ``step`` while it runs (``step 3/10: update_actor``); off a
-        terminal as a line where the bar wrote none for 30 s, naming the seconds of the step's phases done. The
+        terminal as a line where the step has run and the bar wrote none for 30 s, naming the seconds of the step's phases done. The
         step as a whole (``step``) is no phase here, and nothing is shown before the first step (the validation
         before training has a bar of its own) or without a total (no bar)."""
         total = self.run.total_steps
