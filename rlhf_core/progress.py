@@ -203,32 +203,38 @@ def progress_bar(iterable: Any = None, *, total: float | None = None, desc: str,
                  interval: float = LOG_INTERVAL_S) -> TerminalBar | LineBar:
     """A progress bar on ``file`` (stderr by default): tqdm's own on a terminal, a :class:`LineBar` (a line every
     ``interval`` seconds) on any other stream. ``TQDM_DISABLE=1`` in the environment turns both off."""
-    file = sys.stderr if file is None else file
-    if isinstance(file, _AroundBars):  # a bar's own frames go straight to the terminal
-        file = file.stream
-    if total is None and hasattr(iterable, "__len__"):
-        total = len(iterable)
+    file = _bar_stream(file)
     settings = {"disable": True} if disable else {}  # (else tqdm's default, which TQDM_DISABLE sets)
+    kwargs = dict(total=total, desc=desc, unit=unit, initial=initial, leave=leave, **settings)
     if _is_terminal(file):
-        return TerminalBar(iterable, total=total, desc=desc, unit=unit, file=file, initial=initial, leave=leave,
-                           dynamic_ncols=True, **settings)
-    return LineBar(iterable, total=total, desc=desc, unit=unit, file=file, initial=initial, leave=leave,
-                   mininterval=interval, bar_format=_LINE_FORMAT if total else None, **settings)
+        return TerminalBar(iterable, file=file, dynamic_ncols=True, **kwargs)
+    return _line_bar((iterable,), kwargs, file, interval)
+
+
+def _bar_stream(file: Any) -> Any:
+    """The stream a bar bound for ``file`` (None: stderr) draws on: a bar's own frames go straight to the terminal,
+    past the wrapper that keeps other output off the bar (:class:`_AroundBars`)."""
+    file = sys.stderr if file is None else file
+    return file.stream if isinstance(file, _AroundBars) else file
+
+
+def _line_bar(args: tuple, kwargs: dict, file: Any, interval: float = LOG_INTERVAL_S) -> LineBar:
+    """The :class:`LineBar` for a stream that is not a terminal, with tqdm's ``args`` and ``kwargs``: a line every
+    ``interval`` seconds, its count out of the total where one is known (given, or the iterable's length)."""
+    total = kwargs.get("total")
+    if total is None and args and hasattr(args[0], "__len__"):
+        total = len(args[0])
+    return LineBar(*args, **{**kwargs, "file": file, "mininterval": interval,
+                             "bar_format": _LINE_FORMAT if total else None})
 
 
 def _transformers_bar(factory: Any, args: tuple, kwargs: dict) -> Any:
     """A bar transformers asked for, made by the rule of :func:`progress_bar`: ``factory``'s own (tqdm's, or its
     stand-in that draws nothing where transformers' bars are off) on a terminal, a :class:`LineBar` elsewhere."""
-    stream = kwargs.get("file") or sys.stderr
-    if isinstance(stream, _AroundBars):
-        stream = stream.stream
+    stream = _bar_stream(kwargs.get("file"))
     if not (isinstance(factory, type) and issubclass(factory, tqdm)) or _is_terminal(stream):
         return factory(*args, **kwargs)
-    total = kwargs.get("total")
-    if total is None and args and hasattr(args[0], "__len__"):
-        total = len(args[0])
-    return LineBar(*args, **{**kwargs, "file": stream, "mininterval": LOG_INTERVAL_S,
-                             "bar_format": _LINE_FORMAT if total else None})
+    return _line_bar(args, kwargs, stream)
 
 
 def route_transformers_bars() -> None:

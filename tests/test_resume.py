@@ -287,43 +287,36 @@ def test_a_logger_failing_as_a_step_saves_keeps_the_checkpoint_before_and_a_reru
         assert_same_metrics(metrics[step], expected[step], step)
 
 
+_FREE_SPACE = "free space on that disk, then rerun the same command to resume from it"
+_WRITABLE_OR_MOVED = (
+    "make {out} writable again (its permissions, or remount a read-only filesystem), then rerun the same command to "
+    "resume from it; or move {out} with its checkpoints and latest_checkpointed_iteration.txt to a writable place "
+    "and set trainer.default_local_dir to that place for the rerun (in a folder without them a rerun starts afresh)")
+
+
+@pytest.mark.parametrize("error, said, advice", [
+    (OSError(errno.ENOSPC, "No space left on device"), "OSError: [Errno 28] No space left on device", _FREE_SPACE),
+    (PermissionError(errno.EACCES, "Permission denied"), "PermissionError: [Errno 13] Permission denied",
+     _WRITABLE_OR_MOVED),
+], ids=["disk_full", "refused"])
 def test_a_logger_failing_on_a_step_that_does_not_save_stops_naming_the_checkpoint_a_rerun_resumes_from(
-        workspace, tmp_path):
-    out = tmp_path / "logger_unsaved"
+        workspace, tmp_path, error, said, advice):
+    """The error names the checkpoint a rerun resumes from and what to do first: space on a full disk; where the
+    folder refuses the logger's file, the advice a refused save gets (a plain rerun would meet the same refusal,
+    and a rerun in another folder would start afresh unless the checkpoints move)."""
+    out = tmp_path / "logger_failing"
     trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=2")))
 
-    def disk_full_at_step_3(metrics, step):
+    def failing_at_step_3(metrics, step):
         if step == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise error
 
-    trainer.logger = disk_full_at_step_3
+    trainer.logger = failing_at_step_3
     with pytest.raises(LoggingError) as raised:
         trainer.fit()
-    assert str(raised.value) == (
-        "logging the metrics of step 3 failed (OSError: [Errno 28] No space left on device); the latest checkpoint "
-        f"{out / 'global_step_2'} is intact: free space on that disk, then rerun the same command to resume from it")
+    assert str(raised.value) == (f"logging the metrics of step 3 failed ({said}); the latest checkpoint "
+                                 f"{out / 'global_step_2'} is intact: " + advice.format(out=out))
     assert _latest(out) == 2 and trainer.global_step == 3
-
-
-def test_a_logger_refused_by_the_folder_says_to_make_it_writable_or_move_it_whole(workspace, tmp_path):
-    """A logger whose file the folder's permissions refuse gets the advice a refused save gets: a plain rerun
-    would meet the same refusal, and a rerun in another folder would start afresh unless the checkpoints move."""
-    out = tmp_path / "logger_refused"
-    trainer = build_trainer(load_config(overrides(workspace, out, "trainer.save_freq=2")))
-
-    def refused_at_step_3(metrics, step):
-        if step == 3:
-            raise PermissionError(errno.EACCES, "Permission denied")
-
-    trainer.logger = refused_at_step_3
-    with pytest.raises(LoggingError) as raised:
-        trainer.fit()
-    assert str(raised.value) == (
-        "logging the metrics of step 3 failed (PermissionError: [Errno 13] Permission denied); the latest checkpoint "
-        f"{out / 'global_step_2'} is intact: make {out} writable again (its permissions, or remount a read-only "
-        "filesystem), then rerun the same command to resume from it; or move "
-        f"{out} with its checkpoints and latest_checkpointed_iteration.txt to a writable place and set "
-        "trainer.default_local_dir to that place for the rerun (in a folder without them a rerun starts afresh)")
 
 
 def _cli(workspace, out, *extra) -> list[str]:

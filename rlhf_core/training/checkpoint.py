@@ -869,6 +869,16 @@ def way_on(exc: BaseException | None, root: Path, rerun: str, key: str) -> str:
     return f"{rerun} to resume from it"
 
 
+def resume_point(latest: Path | None, exc: BaseException | None, root: Path, rerun: str, key: str,
+                 first: str = "") -> str:
+    """What a trainer's error says of going on: that no checkpoint was saved yet (``latest`` None), or that
+    ``latest``, the one a rerun resumes from, is intact and how to go on from it (``first``: what to do before,
+    then :func:`way_on` for ``exc``, ``root``, ``rerun`` and ``key``)."""
+    if latest is None:
+        return "no checkpoint was saved yet"
+    return f"the latest checkpoint {latest} is intact: {first}{way_on(exc, root, rerun, key)}"
+
+
 class CheckpointFiles:
     """Writes the files of one checkpoint into its staging directory and remembers their sizes and hashes.
 

@@ -873,13 +873,9 @@ class RewardModelTrainer:
         return GuardError(said + self._resume_point(latest))
 
     def _resume_point(self, latest: Path | None, exc: BaseException | None = None) -> str:
-        """How a rerun resumes from ``latest``, the checkpoint it resumes from (:meth:`rerun_checkpoint`), or that
-        there is none yet; ``exc``: the failed write that stopped the run, whose remedy comes first (free space, or
-        make the folder writable or move it whole: :func:`checkpoint.way_on`, as a refused save says it)."""
-        if latest is None:
-            return "no checkpoint was saved yet"
-        return (f"the latest checkpoint {latest} is intact: "
-                f"{ckpt.way_on(exc, self.local_dir, self.rerun_advice, f'{KEY}.default_local_dir')}")
+        """:func:`checkpoint.resume_point` for this run, from ``latest`` (:meth:`rerun_checkpoint`), ``exc`` the
+        failed write that stopped it, if one did."""
+        return ckpt.resume_point(latest, exc, self.local_dir, self.rerun_advice, f"{KEY}.default_local_dir")
 
     def _weights_from(self, step: int) -> str:
         """Where the weights the run held after step ``step`` came from, and how to go on (:func:`weights_origin`,

@@ -935,14 +935,10 @@ class PPOTrainer:
                             f"{self._resume_point(exc)}")
 
     def _resume_point(self, exc: BaseException | None = None, first: str = "") -> str:
-        """The checkpoint a rerun resumes from (:meth:`rerun_checkpoint`) and how (``first``: what to do before; a
-        full disk or an unwritable folder, ``exc``, wants space or the folder writable or moved whole first, as a
-        refused save says it: :func:`checkpoint.way_on`), or that none was saved yet."""
-        latest = self.rerun_checkpoint()
-        if latest is None:
-            return "no checkpoint was saved yet"
-        return (f"the latest checkpoint {latest} is intact: {first}"
-                f"{checkpoint.way_on(exc, self.checkpoint_dir, self.rerun_advice, 'trainer.default_local_dir')}")
+        """:func:`checkpoint.resume_point` for this run: the checkpoint a rerun resumes from
+        (:meth:`rerun_checkpoint`), and ``first``, what to do before (a failed write, ``exc``, adds its own)."""
+        return checkpoint.resume_point(self.rerun_checkpoint(), exc, self.checkpoint_dir, self.rerun_advice,
+                                       "trainer.default_local_dir", first)
 
     def fit(self) -> list[StepResult]:
         if self.config.trainer.val_only:  # verl's: validate what is loaded (the model, or a resumed checkpoint)
