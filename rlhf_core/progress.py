@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
 from typing import Any
 
@@ -33,6 +34,8 @@ from tqdm import tqdm
 LOG_INTERVAL_S = 30.0
 
 #: a line of a bar with a known total (no bar drawing: its blocks say nothing a log reader needs)
+#: what the model a load or save inside :func:`bars_about` is (the folder, and its role where the load says it)
+_ABOUT: ContextVar[str | None] = ContextVar("rlhf_transformers_bars_about", default=None)
 _LINE_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
@@ -232,6 +235,8 @@ def _transformers_bar(factory: Any, args: tuple, kwargs: dict) -> Any:
     """A bar transformers asked for, made by the rule of :func:`progress_bar`: ``factory``'s own (tqdm's, or its
     stand-in that draws nothing where transformers' bars are off) on a terminal, a :class:`LineBar` elsewhere."""
     stream = _bar_stream(kwargs.get("file"))
+    if (about := _ABOUT.get()) is not None and kwargs.get("desc"):
+        kwargs = {**kwargs, "desc": f"{kwargs['desc']} ({about})"}
     if not (isinstance(factory, type) and issubclass(factory, tqdm)) or _is_terminal(stream):
         return factory(*args, **kwargs)
     return _line_bar(args, kwargs, stream)
@@ -255,6 +260,18 @@ def route_transformers_bars() -> None:
     before = hf_logging.set_tqdm_hook(_transformers_bar)
     if before is not None and before is not _transformers_bar:  # (someone else's: theirs decides)
         hf_logging.set_tqdm_hook(before)
+
+
+@contextmanager
+def bars_about(about: str) -> Iterator[None]:
+    """transformers' bars drawn inside the block (:func:`route_transformers_bars`) say ``about`` after their own
+    words: "Loading weights" alone, twice for each of the actor's, the critic's and the reward model's loads, left
+    a log's reader to guess which model each was."""
+    token = _ABOUT.set(about)
+    try:
+        yield
+    finally:
+        _ABOUT.reset(token)
 
 
 @contextmanager

@@ -378,8 +378,11 @@ def test_phases_show_nothing_before_the_first_step_or_without_a_total(tmp_path, 
 
 @pytest.fixture
 def transformers_bars():
-    """transformers' own bars on, as they are by default, whatever an earlier test left; the hook as it was."""
+    """transformers' own bars on, as they are by default, whatever an earlier test left; the hook as it was, once
+    the import of model loading has set ours (else a test importing it first would leave the next one none)."""
     from transformers.utils import logging as hf_logging
+
+    import rlhf_core.models.loading  # noqa: F401 - sets the hook, as any process that loads models has it
 
     before = hf_logging.is_progress_bar_enabled()
     hook = hf_logging.set_tqdm_hook(None)
@@ -415,9 +418,31 @@ def test_a_model_load_writes_lines_not_frames_where_stderr_is_not_a_terminal(tmp
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b" not in err, repr(err)
     lines = err.splitlines()
-    assert [line.split(" [")[0] for line in lines] == [f"Loading weights:   0% 0/{tensors}",
-                                                       f"Loading weights: 100% {tensors}/{tensors}"], err
+    assert [line.split(" [")[0] for line in lines] == [f"Loading weights ({folder}):   0% 0/{tensors}",
+                                                       f"Loading weights ({folder}): 100% {tensors}/{tensors}"], err
     assert transformers_bars.is_progress_bar_enabled()  # (routed, not switched off for the rest of the process)
+
+
+def test_a_load_bar_names_the_folder_and_the_role_of_the_model_it_loads(tmp_path, capsys, transformers_bars):
+    """A log of a run holds a load of the policy, the critic and the reward model, often from the same folder:
+    each load's line says the folder and, where the load makes something other than a causal LM of it, what."""
+    from rlhf_core.models.loading import load_critic
+    from rlhf_core.progress import bars_about
+
+    folder, tensors = _tiny_model(tmp_path / "model")
+    capsys.readouterr()
+    load_critic(folder)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in lines] == [f"Loading weights ({folder}, as a value model)"] * 2, lines
+    with bars_about("outer"), bars_about("inner"):  # (the innermost block's words; none after the blocks)
+        with transformers_bars.tqdm(range(2), desc="Writing") as bar:
+            list(bar)
+        with transformers_bars.tqdm(range(2), desc="Reading") as bar:
+            list(bar)
+    with transformers_bars.tqdm(range(2), desc="After") as bar:
+        list(bar)
+    assert [line.split(":")[0] for line in capsys.readouterr().err.splitlines()] == [
+        "Writing (inner)", "Writing (inner)", "Reading (inner)", "Reading (inner)", "After", "After"]
 
 
 def test_on_a_terminal_a_model_load_draws_transformers_own_bar(tmp_path, monkeypatch, transformers_bars):
@@ -430,7 +455,8 @@ def test_on_a_terminal_a_model_load_draws_transformers_own_bar(tmp_path, monkeyp
     monkeypatch.setattr(sys, "stderr", terminal)
     load_actor(folder)
     shown = terminal.shown()
-    assert len(shown) == 1 and re.match(rf"Loading weights: 100%\|(█+|#+)\| {tensors}/{tensors} \[", shown[0]), shown
+    named = re.escape(f"Loading weights ({folder})")
+    assert len(shown) == 1 and re.match(rf"{named}: 100%\|(█+|#+)\| {tensors}/{tensors} \[", shown[0]), shown
 
 
 def test_transformers_bars_switched_off_stay_off_and_a_hook_set_before_is_kept(tmp_path, capsys, transformers_bars):

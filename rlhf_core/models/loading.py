@@ -33,7 +33,7 @@ from transformers import (
 
 from rlhf_core.atomic import give_usual_modes
 from rlhf_core.models import cpu_matmul, packed_attention
-from rlhf_core.progress import route_transformers_bars
+from rlhf_core.progress import bars_about, route_transformers_bars
 
 route_transformers_bars()
 
@@ -354,10 +354,10 @@ def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpo
     (verl's ``model.override_config``, e.g. ``attention_dropout``)."""
     config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code,
                                         **(override_config or {}))
-    model = AutoModelForCausalLM.from_pretrained(
-        str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-        **_attn_kwargs(attn_implementation)
-    )
+    with bars_about(str(path)):
+        model = AutoModelForCausalLM.from_pretrained(
+            str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+            **_attn_kwargs(attn_implementation))
     return _finish(model, gradient_checkpointing, torch.device(device))
 
 
@@ -378,10 +378,10 @@ def load_critic(path: str | os.PathLike, dtype: str = "float32", gradient_checkp
         config = AutoConfig.from_pretrained(str(resolve(path)), num_labels=1, trust_remote_code=trust_remote_code,
                                             **(override_config or {}))
         config.classifier_dropout = 0.0  # values must not differ between the rollout-time pass and the update
-        model, loading = AutoModelForTokenClassification.from_pretrained(
-            str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-            output_loading_info=True, **_attn_kwargs(attn_implementation)
-        )
+        with bars_about(f"{path}, as a value model"):
+            model, loading = AutoModelForTokenClassification.from_pretrained(
+                str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                output_loading_info=True, **_attn_kwargs(attn_implementation))
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)

@@ -44,6 +44,7 @@ from rlhf_core.data.dataset import left_pad, prompt_token_ids
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
+from rlhf_core.progress import bars_about
 from rlhf_core.rollout.base import end_ids
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import (
@@ -289,8 +290,10 @@ class RewardModelWorker:
         self.switch_template = (self.input_tokenizer is not None
                                 and not same_tokenization(self.input_tokenizer, self.tokenizer,
                                                           model_cfg.input_chat_template_kwargs, self.template_kwargs))
-        module, loading = AutoModelForSequenceClassification.from_pretrained(
-            str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code, output_loading_info=True)
+        with bars_about(f"{folder}, as the reward model"):
+            module, loading = AutoModelForSequenceClassification.from_pretrained(
+                str(folder), dtype=DTYPES[dtype], trust_remote_code=model_cfg.trust_remote_code,
+                output_loading_info=True)
         # checked above where the weights' names could be read without loading them; here for every checkpoint
         if missing := [key for key in loading["missing_keys"] if key.startswith(f"{reward_head_name(module)}.")]:
             raise untrained_head_error(folder, missing)
