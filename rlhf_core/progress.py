@@ -39,7 +39,8 @@ _ABOUT: ContextVar[str | None] = ContextVar("rlhf_transformers_bars_about", defa
 _LINE_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
 
-def _is_terminal(stream: Any) -> bool:
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (False for one without ``isatty`` or closed)."""
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # (no isatty, or a closed stream)
@@ -209,7 +210,7 @@ def progress_bar(iterable: Any = None, *, total: float | None = None, desc: str,
     file = _bar_stream(file)
     settings = {"disable": True} if disable else {}  # (else tqdm's default, which TQDM_DISABLE sets)
     kwargs = dict(total=total, desc=desc, unit=unit, initial=initial, leave=leave, **settings)
-    if _is_terminal(file):
+    if is_terminal(file):
         return TerminalBar(iterable, file=file, dynamic_ncols=True, **kwargs)
     return _line_bar((iterable,), kwargs, file, interval)
 
@@ -237,7 +238,7 @@ def _transformers_bar(factory: Any, args: tuple, kwargs: dict) -> Any:
     stream = _bar_stream(kwargs.get("file"))
     if (about := _ABOUT.get()) is not None and kwargs.get("desc"):
         kwargs = {**kwargs, "desc": f"{kwargs['desc']} ({about})"}
-    if not (isinstance(factory, type) and issubclass(factory, tqdm)) or _is_terminal(stream):
+    if not (isinstance(factory, type) and issubclass(factory, tqdm)) or is_terminal(stream):
         return factory(*args, **kwargs)
     return _line_bar(args, kwargs, stream)
 

@@ -423,3 +423,70 @@ def test_workers_importing_other_rlhf_core_code_than_the_driver_are_warned(ray_c
             "(/driver/rlhf_core)") in capsys.readouterr().err
     assert group.code_mismatch(("/a", "1"), [("/a", "1"), ("/b", "2")]).startswith(
         "warning: the workers of rank 1 import other rlhf_core code (/b) than this process (/a)")
+
+
+_WORKER_PRINTS = """
+import pathlib, sys, time
+import ray
+from rlhf_core.workers import group
+
+group.ensure_ray(None, 1, "cpu")
+
+@ray.remote(num_cpus=1)
+def say():
+    print("a line from a worker", file=sys.stderr, flush=True)
+
+ray.get(say.remote())
+log = pathlib.Path(sys.argv[1])
+deadline = time.monotonic() + 60  # (the driver prints a worker's lines as Ray forwards them, within a second or so)
+while "a line from a worker" not in log.read_text() and time.monotonic() < deadline:
+    time.sleep(0.2)
+ray.shutdown()
+"""
+
+
+def test_a_workers_lines_in_a_log_carry_no_colour_codes(tmp_path):
+    """``rlhf-ppo ... > log 2>&1`` on Ray's workers: each worker line came as ``ESC[36m(HybridWorker pid=...)ESC[0m``,
+    Ray's colour escapes in a file read as text. The driver, here a process whose output is a file, as a user's
+    is, now prints the prefix plain."""
+    import os
+    import subprocess
+    import sys
+
+    log = tmp_path / "log"
+    env = {key: value for key, value in os.environ.items() if key not in ("RAY_COLOR_PREFIX", "RAY_ADDRESS")}
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, "-c", _WORKER_PRINTS, str(log)], stdout=out, stderr=subprocess.STDOUT,
+                              env=env, timeout=240)
+    text = log.read_text()
+    worker_lines = [line for line in text.splitlines() if line.endswith("a line from a worker")]
+    assert done.returncode == 0 and len(worker_lines) == 1, text
+    assert worker_lines[0].startswith("(say pid=") and "\x1b" not in text, text
+
+
+class _Stream:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("stdout, stderr, set_before, after", [
+    (True, True, None, None),  # a terminal keeps Ray's colours
+    (True, False, None, "0"),  # stderr to a file
+    (False, True, None, "0"),  # stdout to a file
+    (False, False, "1", "1"),  # what the user set stays
+], ids=["terminal", "stderr_to_file", "stdout_to_file", "user_set"])
+def test_ray_colours_its_prefixes_only_where_both_streams_are_terminals(monkeypatch, stdout, stderr, set_before,
+                                                                         after):
+    import os
+    import sys
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    if set_before is not None:
+        monkeypatch.setenv("RAY_COLOR_PREFIX", set_before)
+    monkeypatch.setattr(sys, "stdout", _Stream(stdout))
+    monkeypatch.setattr(sys, "stderr", _Stream(stderr))
+    group.plain_prefixes()
+    assert os.environ.get("RAY_COLOR_PREFIX") == after

@@ -319,7 +319,7 @@ def test_a_build_stopped_under_its_bar_on_a_terminal_gives_the_streams_back(monk
 
     from rlhf_core import progress
 
-    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)
+    monkeypatch.setattr(progress, "is_terminal", lambda stream: True)
     settings = {**toy.preset_settings("test"), "train_steps": 3}
     tokenizer = toy.build_char_tokenizer(settings["max_position_embeddings"])
     model = toy.LlamaForCausalLM(toy._llama_config(tokenizer, 16, 1, 2, 32, settings["max_position_embeddings"]))
