@@ -9,6 +9,11 @@ TOY_MODEL := outputs/toy-demo
 DEMO_DATA := outputs/data/synthetic
 DEMO_PREFERENCES := outputs/data/preference_synthetic
 
+# ZenML with no usage reports; its lines without colour codes where make's output is not a terminal (a log, CI),
+# as the project's own commands print them, unless ZENML_LOGGING_COLORS_DISABLED is set already
+ZENML_ENV := ZENML_ANALYTICS_OPT_IN=false \
+	ZENML_LOGGING_COLORS_DISABLED=$${ZENML_LOGGING_COLORS_DISABLED:-$$([ -t 1 ] && echo false || echo true)}
+
 .PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data gpu-wheels
 
 setup: $(STAMP)
@@ -40,9 +45,9 @@ demo-assets: setup
 # then the run, the promotion decision and how to browse the lineage.
 demo: demo-assets
 	@[ -d .zen ] || $(VENV)/bin/zenml init
-	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
+	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
 		-c configs/demo_cpu.yaml --stack default
-	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
+	$(ZENML_ENV) $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
 
 # RLHF from preferences: synthetic pairs, a reward model trained from the demo model, PPO against it.
 # The pairs stay off the questions the pipeline evaluates on (the demo's test split), which its
@@ -51,7 +56,7 @@ demo-rm: demo-assets
 	@[ -f $(DEMO_PREFERENCES)/train.parquet ] || $(PY) -m rlhf_core.data.preference --synthetic \
 		--output $(DEMO_PREFERENCES) --exclude $(DEMO_DATA)/test.parquet
 	@[ -d .zen ] || $(VENV)/bin/zenml init
-	ZENML_ANALYTICS_OPT_IN=false $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
+	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
 		-c configs/demo_rm_cpu.yaml --stack default
 
 # The PPO trainer alone on the demo config (verl-style command line).

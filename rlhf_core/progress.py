@@ -21,6 +21,7 @@ transformers draws bars of its own ("Loading weights" at each model load, "Writi
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,21 @@ def is_terminal(stream: Any) -> bool:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # (no isatty, or a closed stream)
         return False
+
+
+#: the variables that turn off the colour codes a library puts in its console lines, and their value for off
+PLAIN_COLOURS = {"RAY_COLOR_PREFIX": "0", "ZENML_LOGGING_COLORS_DISABLED": "true"}
+
+
+def plain_colours() -> None:
+    """Where this process's output is not a terminal (``> log 2>&1``, CI, a pipeline's log), Ray and ZenML are
+    told to print without colour: each wraps its prefixes in ANSI escapes whatever the stream (Ray's
+    ``(HybridWorker pid=...)`` before every worker line, ZenML's step names and its every log line), and a log read
+    as text held ``ESC[36m`` and ``ESC[37m`` on most of its lines. A value the user set is kept. Ray reads its
+    variable as it prints; ZenML reads its own as it is first imported, so this comes before that."""
+    if not (is_terminal(sys.stdout) and is_terminal(sys.stderr)):
+        for name, value in PLAIN_COLOURS.items():
+            os.environ.setdefault(name, value)
 
 
 class LineBar(tqdm):

@@ -462,31 +462,3 @@ def test_a_workers_lines_in_a_log_carry_no_colour_codes(tmp_path):
     worker_lines = [line for line in text.splitlines() if line.endswith("a line from a worker")]
     assert done.returncode == 0 and len(worker_lines) == 1, text
     assert worker_lines[0].startswith("(say pid=") and "\x1b" not in text, text
-
-
-class _Stream:
-    def __init__(self, terminal: bool):
-        self.terminal = terminal
-
-    def isatty(self) -> bool:
-        return self.terminal
-
-
-@pytest.mark.parametrize("stdout, stderr, set_before, after", [
-    (True, True, None, None),  # a terminal keeps Ray's colours
-    (True, False, None, "0"),  # stderr to a file
-    (False, True, None, "0"),  # stdout to a file
-    (False, False, "1", "1"),  # what the user set stays
-], ids=["terminal", "stderr_to_file", "stdout_to_file", "user_set"])
-def test_ray_colours_its_prefixes_only_where_both_streams_are_terminals(monkeypatch, stdout, stderr, set_before,
-                                                                         after):
-    import os
-    import sys
-
-    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
-    if set_before is not None:
-        monkeypatch.setenv("RAY_COLOR_PREFIX", set_before)
-    monkeypatch.setattr(sys, "stdout", _Stream(stdout))
-    monkeypatch.setattr(sys, "stderr", _Stream(stderr))
-    group.plain_prefixes()
-    assert os.environ.get("RAY_COLOR_PREFIX") == after

@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sqlite3
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -1056,3 +1057,49 @@ def test_the_actors_hf_save_writes_no_bar_and_leaves_transformers_bars_as_they_w
     ActorWorker.save_hf(worker, tmp_path / "export")
     assert capsys.readouterr().err == ""
     assert (tmp_path / "export" / "model.safetensors").is_file() and transformers_bars.is_progress_bar_enabled()
+
+
+class _Stream:
+    def __init__(self, terminal: bool):
+        self.terminal = terminal
+
+    def isatty(self) -> bool:
+        return self.terminal
+
+
+@pytest.mark.parametrize("stdout, stderr, set_before, after", [
+    (True, True, None, (None, None)),  # a terminal keeps the libraries' colours
+    (True, False, None, ("0", "true")),  # stderr to a file
+    (False, True, None, ("0", "true")),  # stdout to a file
+    (False, False, "1", ("1", "true")),  # Ray's colours the user asked for stay
+], ids=["terminal", "stderr_to_file", "stdout_to_file", "user_set"])
+def test_ray_and_zenml_colour_their_lines_only_where_both_streams_are_terminals(monkeypatch, stdout, stderr,
+                                                                                set_before, after):
+    from rlhf_core.progress import plain_colours
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    monkeypatch.delenv("ZENML_LOGGING_COLORS_DISABLED", raising=False)
+    if set_before is not None:
+        monkeypatch.setenv("RAY_COLOR_PREFIX", set_before)
+    monkeypatch.setattr(sys, "stdout", _Stream(stdout))
+    monkeypatch.setattr(sys, "stderr", _Stream(stderr))
+    plain_colours()
+    assert (os.environ.get("RAY_COLOR_PREFIX"), os.environ.get("ZENML_LOGGING_COLORS_DISABLED")) == after
+
+
+def test_zenml_lines_in_a_log_carry_no_colour_codes(tmp_path):
+    """``rlhf-schedule ... > log``: ZenML writes each log line (a step's start and end, what a step logs) in ANSI
+    colour escapes whatever the stream. Our commands import the pipeline package before ZenML, which then prints
+    them plain into a file."""
+    script = ("import rlhf_core.pipeline.lineage\n"  # (what rlhf-schedule, rlhf-lineage and rlhf-demo-summary import)
+              "from zenml.logger import get_logger\n"
+              "get_logger('rlhf.step').info('a line a step logs')\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("ZENML_LOGGING_COLORS_DISABLED",)}
+    env.update(ZENML_CONFIG_PATH=str(tmp_path / "zenml"), ZENML_ANALYTICS_OPT_IN="false")
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        done = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env,
+                              timeout=120)
+    text = log.read_text()
+    assert done.returncode == 0 and text.splitlines()[-1:] == ["a line a step logs"], repr(text)
+    assert "\x1b" not in text, repr(text)

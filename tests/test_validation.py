@@ -1716,3 +1716,25 @@ def test_a_pass_without_a_length_limit_says_the_lengths_went_unchecked(valid_fil
             "--max-prompt-length)") in capsys.readouterr().out.splitlines()
     assert validate_frames(pd.DataFrame(records(2))).skipped == [
         "train: prompt_length_within_limit (no length limit given: needs tokenizer and max_prompt_length)"]
+
+
+_VALIDATES_UNDER_INFO_LOGGING = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout)  # as a ZenML step's log has it
+logging.captureWarnings(True)
+from rlhf_core.data.validation import validate_dataset
+print("passed" if validate_dataset(sys.argv[1], sys.argv[2]).success else "failed")
+logging.getLogger("rlhf.test").info("a line of the caller's own")
+"""
+
+
+def test_a_validation_under_info_logging_writes_none_of_gxs_own_lines(valid_files):
+    """A ZenML step logs at INFO: the demo's validate_data step showed some 220 lines GX logs as it imports (its
+    docs registry skipping closures, a temporary docs folder) and google.api_core's warning about the Python
+    version, before the validation's own result. A first validation in a fresh process under INFO logging now
+    writes only what the caller logs."""
+    result = subprocess.run([sys.executable, "-c", _VALIDATES_UNDER_INFO_LOGGING, *map(str, valid_files)],
+                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["passed", "INFO:rlhf.test:a line of the caller's own"], result.stdout

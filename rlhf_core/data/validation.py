@@ -106,6 +106,12 @@ _EVERY_ROW = ("column_in_every_file", "question_unique")
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")  # no usage reports (there is no network anyway)
+# Before GX is first imported (here only): as it imports, GX logs some 220 INFO lines about its own docs registry
+# and google.api_core, which it imports, warns of this Python's end of support; a step's log at INFO (ZenML's)
+# showed them all before the validation's own lines. GX's errors still show.
+logging.getLogger("great_expectations").setLevel(logging.ERROR)
+warnings.filterwarnings("ignore", message="You are using a Python version", category=FutureWarning,
+                        module=r"google\.api_core")
 
 
 class DataReadError(Exception):
@@ -811,7 +817,8 @@ def _batch_definition() -> Any:
     import great_expectations as gx
     from great_expectations.data_context.types.base import ProgressBarsConfig
 
-    logging.getLogger("great_expectations").setLevel(logging.ERROR)
+    # (this one sets INFO for itself as it imports: "Created temporary directory ... for ephemeral docs site")
+    logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.ERROR)
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
     source = context.data_sources.add_pandas(name="rlhf_data")

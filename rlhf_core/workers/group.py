@@ -39,7 +39,7 @@ import torch
 
 from rlhf_core.batch import Batch
 from rlhf_core.config import PPOConfig, attribute
-from rlhf_core.progress import is_terminal
+from rlhf_core.progress import plain_colours
 from rlhf_core.rollout import SamplingParams
 from rlhf_core.workers import distributed
 from rlhf_core.workers.common import peak_memory_gb
@@ -293,15 +293,6 @@ def _what_answers(host: str, port: int, client: bool) -> str | None:
     return None
 
 
-def plain_prefixes() -> None:
-    """Where this process's output is not a terminal (``> log 2>&1``, CI, a ZenML step's log), the
-    ``(HybridWorker pid=...)`` prefix Ray puts before each line a worker prints comes without its colour: Ray
-    wraps it in ANSI escapes whatever the stream, and a log read as text then holds ``ESC[36m`` on every worker
-    line. Ray reads ``RAY_COLOR_PREFIX`` as it prints, in this process; a value the user set is kept."""
-    if not (is_terminal(sys.stdout) and is_terminal(sys.stderr)):
-        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
-
-
 def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: dict | None = None) -> None:
     """Connect to ``address`` / ``$RAY_ADDRESS``, or start a local cluster with room for ``world_size`` workers;
     either with ``runtime_env`` (``trainer.ray_runtime_env``: what every worker of the job gets, on any node).
@@ -313,7 +304,7 @@ def ensure_ray(address: str | None, world_size: int, device: str, runtime_env: d
     global _connection
     import ray
 
-    plain_prefixes()
+    plain_colours()  # (Ray reads it as it prints a worker's line, in this process)
     runtime_env = _for_ray(runtime_env or {})
     cpus = max(os.cpu_count() or 1, world_size)  # one CPU per worker; a smaller machine runs them oversubscribed
     gpus = torch.cuda.device_count() if device == "cuda" else 0
