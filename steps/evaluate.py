@@ -96,8 +96,8 @@ def evaluate(
             return evaluate_policy(path, cfg.data.val_files, **kwargs, **extra)
 
     base_model = model.path
-    base = evaluate(base_model, tokenizer_path=model.tokenizer_path)
-    policy = evaluate(ppo_checkpoint)
+    base = evaluate(base_model, tokenizer_path=model.tokenizer_path, label="base model")
+    policy = evaluate(ppo_checkpoint, label="trained policy")
     budget = (f"{policy.n} of {policy.total_problems} validation problems"
               f"{' (max_problems, stratified by data source)' if policy.n < policy.total_problems else ''}: "
               f"an accuracy near 50% is known to +-{stats.half_width(policy.n):.1%} (95%)")
@@ -114,7 +114,7 @@ def evaluate(
         record, checkpoint = (production_version.get_artifact(name) for name in ("evaluation", "ppo_checkpoint"))
         pairing = pair_with_production(candidate, version, record.load if record is not None else None,
                                        checkpoint.load if checkpoint is not None else None,
-                                       evaluate)
+                                       lambda path: evaluate(path, label=f"production version {version}"))
         if pairing.reevaluated:
             logger.info("production version %s: %s; its checkpoint was evaluated on these problems", version,
                         pairing.reevaluated)

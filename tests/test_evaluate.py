@@ -170,6 +170,22 @@ def test_an_evaluation_shows_the_problems_done_against_the_problems_it_evaluates
         "sampled evaluation (n=2):   0% 0/8", "sampled evaluation (n=2): 100% 8/8"], err
 
 
+def test_a_labelled_evaluation_names_its_model_in_its_load_and_its_bars(setup, capsys, monkeypatch):
+    """The pipeline's evaluate step evaluates the base model, the trained policy (from a temporary folder ZenML
+    makes) and the production version one after the other, and its log said "evaluation" and "Loading weights"
+    alike for each. A label names the model in the load's lines and in both evaluation bars."""
+    from transformers.utils import logging as hf_logging
+
+    model, val = setup
+    monkeypatch.setattr(hf_logging, "_tqdm_active", True)  # (transformers' bars on, whatever an earlier test left)
+    capsys.readouterr()
+    evaluate_policy(model, str(val), DATA, reward_fn=digit_first, batch_size=4, max_problems=4, label="trained policy",
+                    val_kwargs=ValKwargsConfig(do_sample=True, temperature=1.0, n=2))
+    lines = [line.split(":   0%")[0] for line in capsys.readouterr().err.split("\n") if ":   0%" in line]
+    assert lines == [f"Loading weights (trained policy: {model})", "evaluation (trained policy)",
+                     "sampled evaluation (trained policy, n=2)"], lines
+
+
 def test_sampled_metrics_come_with_val_kwargs_and_greedy_stays_the_headline(setup):
     model, val = setup
     scored = []

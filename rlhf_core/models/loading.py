@@ -349,12 +349,14 @@ def _attn_kwargs(attn_implementation: str | None) -> dict:
 
 def load_actor(path: str | os.PathLike, dtype: str = "float32", gradient_checkpointing: bool = False,
                trust_remote_code: bool = False, device: torch.device | str = "cpu",
-               attn_implementation: str | None = None, override_config: dict | None = None) -> PreTrainedModel:
+               attn_implementation: str | None = None, override_config: dict | None = None,
+               about: str | None = None) -> PreTrainedModel:
     """The causal LM at ``path``; ``override_config`` sets attributes of its config before the weights load
-    (verl's ``model.override_config``, e.g. ``attention_dropout``)."""
+    (verl's ``model.override_config``, e.g. ``attention_dropout``). The load's progress lines name ``about`` (what
+    the model is, e.g. ``trained policy: <path>``), else ``path``."""
     config = AutoConfig.from_pretrained(str(resolve(path)), trust_remote_code=trust_remote_code,
                                         **(override_config or {}))
-    with bars_about(str(path)):
+    with bars_about(about or str(path)):
         model = AutoModelForCausalLM.from_pretrained(
             str(resolve(path)), config=config, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
             **_attn_kwargs(attn_implementation))

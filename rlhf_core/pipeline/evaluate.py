@@ -238,7 +238,8 @@ def val_fingerprint(problems: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwargs: ValKwargsConfig,
-                     max_new_tokens: int, batch_size: int) -> tuple[dict[str, float], list[float]]:
+                     max_new_tokens: int, batch_size: int, label: str | None = None
+                     ) -> tuple[dict[str, float], list[float]]:
     """``val_kwargs.n`` sampled responses per problem: the verl metrics and each problem's mean@n."""
     from rlhf_core.rollout import SamplingParams
 
@@ -246,7 +247,8 @@ def _sampled_metrics(engine, dataset, selected: Sequence[int], manager, val_kwar
                             temperature=val_kwargs.temperature, top_p=val_kwargs.top_p, top_k=val_kwargs.top_k)
     sources, prompts, acc, reward = [], [], [], []
     answers: list[str | None] | None = []  # what each response answers, if the reward function says
-    with progress_bar(total=len(selected), desc=f"sampled evaluation (n={val_kwargs.n})", unit="problem") as bar:
+    with progress_bar(total=len(selected), desc=f"sampled evaluation ({f'{label}, ' if label else ''}n={val_kwargs.n})",
+                      unit="problem") as bar:
         for start in range(0, len(selected), batch_size):
             batch = engine.generate(dataset.collate(selected[start:start + batch_size]), params)
             _, extras = manager(batch["responses"], batch["response_mask"], batch.meta["data_source"],
@@ -388,6 +390,7 @@ def evaluate_policy(
     override_config: dict | None = None,
     trust_remote_code: bool = False,
     names: Mapping[str, str] | None = None,
+    label: str | None = None,
 ) -> EvalResult:
     """Greedy (one response per prompt) accuracy of the model in ``model_dir`` on ``val_files``.
 
@@ -408,6 +411,8 @@ def evaluate_policy(
     ``actor_rollout_ref.model.trust_remote_code`` lets training; without it such a folder is a :class:`ModelError`.
     ``names`` maps training's data keys (``data.val_files``, ``data.max_prompt_length``, ...) to what the caller
     calls them (a command's options): the notices and DataErrors about the validation data name those instead.
+    ``label`` says which model this is (``trained policy``, ``base model``) in its load's and its evaluation's
+    progress lines, where a pipeline's log holds several evaluations, one from a temporary folder.
     A tokenizer folder (``tokenizer_path``, else the model's) without tokenizer files is a :class:`ModelError`; a
     reward whose ``acc`` on a greedy response is neither 0 nor 1 (NaN, or a partial credit such as 0.2, which the
     trainer's validation averages as it is) a :class:`NotRightOrWrong`, since each problem counts right or wrong.
@@ -451,7 +456,7 @@ def evaluate_policy(
             raise UnknownDataSourceError(reworded(f"data.val_files: {exc.args[0]}", names or {})) from None
     with _trusted_code(model_dir, trust_remote_code):
         module = load_actor(model_dir, dtype=dtype, device=device, override_config=override_config,
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, about=f"{label}: {model_dir}" if label else None)
     engine = make_rollout_engine("hf", module, tokenizer, seed=seed)
     response_length = max_new_tokens or data_config.max_response_length
     params = SamplingParams(n=1, max_new_tokens=response_length, do_sample=False)
@@ -460,7 +465,8 @@ def evaluate_policy(
     rows: list[dict[str, Any]] = []
     scores: list[float] = []
     lengths: list[float] = []
-    with progress_bar(total=len(selected), desc="evaluation", unit="problem") as bar:
+    with progress_bar(total=len(selected), desc=f"evaluation ({label})" if label else "evaluation",
+                      unit="problem") as bar:
         for start in range(0, len(selected), batch_size):
             indices = selected[start:start + batch_size]
             batch = engine.generate(dataset.collate(indices), params)
@@ -487,7 +493,7 @@ def evaluate_policy(
     sampled: dict[str, float] = {}
     if val_kwargs is not None and (val_kwargs.n > 1 or val_kwargs.do_sample):
         sampled, sampled_acc = _sampled_metrics(engine, dataset, selected, manager, val_kwargs, response_length,
-                                                batch_size)
+                                                batch_size, label)
         for row, value in zip(rows, sampled_acc):
             row[f"mean@{val_kwargs.n}"] = value
     per_source: dict[str, list[bool]] = {}
