@@ -9,7 +9,7 @@ from zenml import log_metadata, step
 from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec
+from rlhf_core.pipeline.evaluate import check_reference_solutions, reward_spec, spec_lines
 
 logger = get_logger(__name__)
 
@@ -32,5 +32,5 @@ def define_reward(ppo_config: dict, dataset_fingerprint: str) -> Annotated[dict,
     if not check.success:
         logger.error(check.summary())
         raise RewardCheckError(check.summary())
-    logger.info("reward %s (sha256 %s); %s", spec["functions"], spec["sha256"][:12], check.summary())
+    logger.info("%s\n%s", "\n".join(spec_lines(spec)), check.summary())
     return spec

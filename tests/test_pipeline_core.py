@@ -26,6 +26,7 @@ from rlhf_core.pipeline.evaluate import (
     check_reward_unchanged,
     ground_truth_needs,
     reward_spec,
+    spec_lines,
 )
 from rlhf_core.pipeline.smoke import (
     SmokeTestError,
@@ -329,6 +330,27 @@ def test_reward_spec_names_the_function_and_hashes_its_source(tmp_path):
         assert spec["functions"]["anything"]["function"] == f"{custom.resolve()}:score_it"
         hashes.append((spec["functions"]["anything"]["source_sha256"], spec["sha256"]))
     assert hashes[0][0] != hashes[1][0] and hashes[0][1] != hashes[1][1]
+
+
+def test_the_reward_spec_reads_as_lines_a_person_can_scan(tmp_path):
+    """define_reward's log line was the spec's dict repr (quotes, braces, a 64-digit hash, some 330 characters for
+    one data source); a person reads which function scores each data source, with what settings."""
+    builtin = reward_spec(PPOConfig(), data_sources=["openai/gsm8k", "synthetic/arithmetic"])
+    assert spec_lines(builtin) == [
+        f"reward {builtin['sha256'][:12]} (builtin), full score 1:",
+        "  openai/gsm8k: rlhf_core.rewards.gsm8k_reward() calling "
+        "rlhf_core.rewards.gsm8k.compute_score(method='strict', format_score=0.0, score=1.0)",
+        "  synthetic/arithmetic: rlhf_core.rewards.gsm8k_reward() calling "
+        "rlhf_core.rewards.gsm8k.compute_score(method='strict', format_score=0.0, score=1.0)"]
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+                      "    return scale\n")
+    cfg = PPOConfig()
+    cfg.custom_reward_function.path, cfg.custom_reward_function.name = str(custom), "score_it"
+    cfg.custom_reward_function.reward_kwargs = {"scale": 0.5}
+    spec = reward_spec(cfg, data_sources=["anything"])
+    assert spec_lines(spec) == [f"reward {spec['sha256'][:12]} (custom), full score 1:",
+                                f"  anything: {custom.resolve()}:score_it(scale=0.5)"]
 
 
 def test_a_reward_edited_after_it_was_pinned_stops_the_evaluation(tmp_path):

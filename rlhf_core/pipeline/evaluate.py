@@ -704,6 +704,20 @@ def reward_spec(cfg: PPOConfig, data_sources: Sequence[str] | None = None, full_
     return spec
 
 
+def spec_lines(spec: Mapping[str, Any]) -> list[str]:
+    """:func:`reward_spec` as a log says it: its hash and kind, then for each data source the function (a custom
+    one by its file), its settings and the functions its body calls with theirs (a dict's repr was one long line)."""
+    def called(name: str, settings: Mapping[str, Any]) -> str:
+        return f"{name}({', '.join(f'{key}={value!r}' for key, value in settings.items())})"
+
+    lines = [f"reward {spec['sha256'][:12]} ({spec['kind']}), full score {spec['full_score']:g}:"]
+    for source, entry in spec["functions"].items():
+        calls = ", ".join(called(name, settings) for name, settings in entry["calls"].items())
+        lines.append(f"  {source}: {called(entry['function'], entry['parameters'])}"
+                     + (f" calling {calls}" if calls else ""))
+    return lines
+
+
 class RewardChangedError(ValueError):
     """The reward (its function, source or settings) is no longer the one the run pinned down."""
 
