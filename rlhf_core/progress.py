@@ -35,9 +35,9 @@ from tqdm import tqdm
 LOG_INTERVAL_S = 30.0
 
 #: a line of a bar with a known total (no bar drawing: its blocks say nothing a log reader needs)
-#: what the model a load or save inside :func:`bars_about` is (the folder, and its role where the load says it)
-_ABOUT: ContextVar[str | None] = ContextVar("rlhf_transformers_bars_about", default=None)
 _LINE_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+#: which model transformers' bars inside :func:`bars_about` are for (its folder, and its role where the load says it)
+_ABOUT: ContextVar[str | None] = ContextVar("rlhf_transformers_bars_about", default=None)
 
 
 def is_terminal(stream: Any) -> bool:
