@@ -13,7 +13,12 @@ from zenml.logger import get_logger
 
 from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
-from rlhf_core.data.preference import PreferenceDataError, check_apart_from_prompts, check_preference_files
+from rlhf_core.data.preference import (
+    PreferenceDataError,
+    check_apart_from_prompts,
+    check_preference_files,
+    counts_line,
+)
 from rlhf_core.data.validation import validate_preference_files
 
 logger = get_logger(__name__)
@@ -41,5 +46,5 @@ def validate_preferences(ppo_config: dict) -> Annotated[str, "preference_fingerp
         check_apart_from_prompts(train + val, evaluation, "the evaluation prompts (data.val_files)",
                                  prompt_key=cfg.data.prompt_key)
     log_metadata({"preference_fingerprint": report.fingerprint, **summary})
-    logger.info("preference data: %s", summary)
+    logger.info("%s\n  %s", report.summary(), counts_line(summary))
     return report.fingerprint

@@ -250,6 +250,16 @@ def test_read_preferences_refuses_empty_blank_and_missing_texts(tmp_path, column
                                f"prompt's messages{convert}")
 
 
+def test_the_pair_counts_read_as_a_line_in_the_pipelines_log():
+    """validate_preferences logged its counts as a dict's repr ({'train_pairs': 2000, ...})."""
+    from rlhf_core.data.preference import counts_line
+
+    assert counts_line({"train_pairs": 2000, "val_pairs": 400, "train_prompts": 1990, "val_prompts": 400}) == (
+        "pairs: 2,000 for training over 1,990 prompts, 400 held out over 400 prompts")
+    assert counts_line({"train_pairs": 3, "val_pairs": 0, "train_prompts": 3, "val_prompts": 0}) == (
+        "pairs: 3 for training over 3 prompts, none held out")
+
+
 def test_check_preference_files_refuses_shared_prompts_and_identical_texts(tmp_path):
     from rlhf_core.data.preference import check_preference_files, to_frame
 

@@ -569,6 +569,13 @@ def check_preference_files(train: list[Path], val: list[Path]) -> dict:
     return check_preference_frames([(p, read_preferences(p)) for p in train], [(p, read_preferences(p)) for p in val])
 
 
+def counts_line(counts: Mapping[str, int]) -> str:
+    """The counts :func:`check_preference_files` returns, as a log line says them."""
+    held_out = (f", {counts['val_pairs']:,} held out over {counts['val_prompts']:,} prompts" if counts["val_pairs"]
+                else ", none held out")
+    return f"pairs: {counts['train_pairs']:,} for training over {counts['train_prompts']:,} prompts{held_out}"
+
+
 def check_preference_frames(train: list[tuple[Path, pd.DataFrame]], val: list[tuple[Path, pd.DataFrame]],
                             keys: Mapping[str, str] | None = None) -> dict:
     """Refuse prompts that are not chat messages (:func:`check_prompts`), pairs whose chosen and rejected are the
