@@ -1095,7 +1095,8 @@ def test_zenml_lines_in_a_log_carry_no_colour_codes(tmp_path):
               "from zenml.logger import get_logger\n"
               "get_logger('rlhf.step').info('a line a step logs')\n")
     env = {key: value for key, value in os.environ.items() if key not in ("ZENML_LOGGING_COLORS_DISABLED",)}
-    env.update(ZENML_CONFIG_PATH=str(tmp_path / "zenml"), ZENML_ANALYTICS_OPT_IN="false")
+    env.update(ZENML_CONFIG_PATH=str(tmp_path / "zenml"), ZENML_ANALYTICS_OPT_IN="false",
+               ZENML_LOGGING_VERBOSITY="INFO")  # (the pipeline tests' module sets WARN for the whole session)
     log = tmp_path / "log"
     with open(log, "w") as out:
         done = subprocess.run([sys.executable, "-c", script], stdout=out, stderr=subprocess.STDOUT, env=env,
