@@ -44,7 +44,7 @@ demo-assets: setup
 # The README's main job: the whole pipeline on the local ZenML stack (SQLite store, no server),
 # then the run, the promotion decision and how to browse the lineage.
 demo: demo-assets
-	@[ -d .zen ] || $(VENV)/bin/zenml init
+	@[ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
 	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
 		-c configs/demo_cpu.yaml --stack default
 	$(ZENML_ENV) $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
@@ -55,7 +55,7 @@ demo: demo-assets
 demo-rm: demo-assets
 	@[ -f $(DEMO_PREFERENCES)/train.parquet ] || $(PY) -m rlhf_core.data.preference --synthetic \
 		--output $(DEMO_PREFERENCES) --exclude $(DEMO_DATA)/test.parquet
-	@[ -d .zen ] || $(VENV)/bin/zenml init
+	@[ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
 	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
 		-c configs/demo_rm_cpu.yaml --stack default
 
