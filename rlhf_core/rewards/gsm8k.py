@@ -3,7 +3,8 @@
 A response is graded on its final numeric answer only. Two ways of finding it:
 
 * ``strict``: the answer must follow ``#### `` (the format the prompt asks for); the last
-  such marker in the response wins.
+  such marker in the response wins, and one followed by only ``.`` or ``,`` holds no answer (verl's rule
+  would take ``"."`` as a wrong answer, worth the format score).
 * ``flexible``: the last number anywhere in the response, whatever surrounds it.
 
 Only the last :data:`SOLUTION_CLIP_CHARS` characters of a response are searched, which bounds
@@ -45,9 +46,10 @@ def extract_solution(solution_str: str, method: str = "strict") -> str | None:
     if not isinstance(solution_str, str):
         raise TypeError(f"solution_str must be a str, got {type(solution_str).__name__}")
     tail = solution_str[-SOLUTION_CLIP_CHARS:]
-    if method == "strict":
+    if method == "strict":  # the last marker's digits; a marker followed by only "." or "," holds no answer
         matches = _STRICT.findall(tail)
-        return _clean(matches[-1]) if matches else None
+        answer = _clean(matches[-1]) if matches else None
+        return None if answer in _NOT_A_NUMBER else answer
     for candidate in reversed(_NUMBER.findall(tail)):
         cleaned = _clean(candidate)
         if cleaned not in _NOT_A_NUMBER:
