@@ -651,6 +651,8 @@ def _over_tokens(seq_values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def _group_ids(index: Sequence[Hashable], batch_size: int, device: torch.device) -> torch.Tensor:
     """Map each row's group id (any hashable) to a dense integer id. -> (bs,) long."""
+    if isinstance(index, torch.Tensor):  # (its elements hash by identity: equal ids would never meet)
+        index = index.tolist()
     if len(index) != batch_size:
         raise ValueError(f"index has {len(index)} group ids but the batch has {batch_size} rows")
     dense: dict[Hashable, int] = {}

@@ -175,7 +175,7 @@ def majority_of(answers: Sequence[Hashable | None], correct: Sequence[float], k:
                 untied[answer] = [0] + [ways(answer, t, ties=False) for t in range(1, min(k, sizes[answer]) + 1)]
             votes[value] += sum(map(operator.mul, drawn[ties_up_to:most], untied[answer][ties_up_to + 1:most + 1]))
     draws = math.comb(m, k)
-    return float(sum(Fraction(value) * Fraction(count, draws) for value, count in votes.items()))
+    return float(sum(Fraction(float(value)) * Fraction(count, draws) for value, count in votes.items()))
 
 
 def subset_sizes(n: int) -> list[int]:

@@ -690,6 +690,17 @@ def test_grpo_by_hand_and_without_std():
     assert same.tolist() == [[0.0], [0.0]]
 
 
+def test_group_ids_in_a_tensor_group_as_in_a_list():
+    # group 0 scores (1, 0): mean 0.5, unbiased std 0.7071, advantages +-0.5 / 0.7071; group 1 (1, 1): 0 each
+    rewards, mask = torch.tensor([[1.0], [0.0], [1.0], [1.0]]), torch.ones(4, 1)
+    for index in ([0, 0, 1, 1], torch.tensor([0, 0, 1, 1])):
+        advantages, _ = compute_grpo_outcome_advantage(rewards, mask, index)
+        assert advantages.flatten().tolist() == pytest.approx([0.5 / 0.5 ** 0.5, -0.5 / 0.5 ** 0.5, 0.0, 0.0],
+                                                              abs=1e-5)
+        keep = algos.filter_groups_keep(torch.tensor([1.0, 1.0, 0.0, 1.0]), index)
+        assert keep.tolist() == [False, False, True, True]  # group 0 all alike, group 1 not
+
+
 @pytest.mark.parametrize("n", [4, 5, 7, 8, 16, 32, 64])
 def test_groups_that_all_score_the_same_get_no_advantage(n):
     # every response of a group scoring the same: no response is better than another, so 0 for each, exactly

@@ -150,6 +150,11 @@ def test_majority_at_k_by_hand():
     assert majority_of([None, None, "3"], [0, 0, 1], 2) == 2 / 3  # a pair of no answers votes wrong
 
 
+def test_majority_at_k_takes_numpy_scores():
+    # pairs of (1, 2, 1), 1 right: (1, 2) tie, to 1: right; (1, 1) right; (2, 1) tie, to 2: wrong
+    assert majority_of(["1", "2", "1"], list(np.array([1, 0, 1], dtype=np.float32)), 2) == 2 / 3
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_majority_at_k_is_the_mean_vote_over_every_k_subset(seed):
     """Against the subsets listed one by one, for every k up to m: answers with ties, unanswered responses, and
