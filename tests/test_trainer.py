@@ -468,9 +468,19 @@ def _one_update(root, model, micro, dynamic=False, *extra):
                                  f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
                                  f"critic.ppo_micro_batch_size_per_gpu={micro}", "actor_rollout_ref.actor.optim.lr=1e-2",
                                  "critic.optim.lr=1e-2", f"actor_rollout_ref.actor.use_dynamic_bsz={dynamic}",
-                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600", "trainer.seed=3"))
+                                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=600",
+                                 "critic.ppo_max_token_len_per_gpu=600", "trainer.seed=3"))
     trainer = build_trainer(cfg)
+    # a fifth of the vocabulary ends a response, so that the random model's responses stop at unequal lengths
+    # and micro-batches of other rows hold other numbers of tokens: where each holds as many, a mean of their
+    # means equals the token mean, and a wrong normalisation would go unseen
+    trainer.actor.rollout.eos_ids = torch.arange(4, 24)
     before = [{k: v.clone() for k, v in m.module.state_dict().items()} for m in (trainer.actor, trainer.critic)]
+    trainer.micro_batches = {"actor": [], "critic": []}  # the token count of each micro-batch the updates ran
+    for role, worker in (("actor", trainer.actor), ("critic", trainer.critic)):
+        worker.module.register_forward_pre_hook(
+            lambda module, args, kwargs, seen=trainer.micro_batches[role]: seen.append(
+                int(kwargs["attention_mask"].sum())) if torch.is_grad_enabled() else None, with_kwargs=True)
     metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
     return trainer, before, metrics
 
@@ -482,7 +492,11 @@ def test_update_does_not_depend_on_the_micro_batch_size(workspace):
         # the update happened: Adam's first step moves every trained weight by about lr (1e-2)
         moved = [name for name, value in module.state_dict().items() if (value - before[name]).abs().max() > 1e-3]
         assert moved == list(before), sorted(set(before) - set(moved))
+    assert expected["response_length/min"] < expected["response_length/max"]
+    assert [len(reference.micro_batches[role]) for role in ("actor", "critic")] == [2, 2]  # one a mini-batch
     for other, _, metrics in (_one_update(root, model, micro=2), _one_update(root, model, micro=1, dynamic=True)):
+        for role in ("actor", "critic"):  # more than one micro-batch a mini-batch, holding unequal token counts
+            assert len(other.micro_batches[role]) > 2 and len(set(other.micro_batches[role])) > 1, role
         # the same gradient: its norm (before clipping) and the losses, which a wrong normalisation changes.
         # Micro-batches of other rows have other padded widths, so the sums round differently: pg_loss is a
         # mean of per-token terms of order 1 that nearly cancel (~5e-3), hence an absolute floor of 1e-6
