@@ -234,10 +234,23 @@ def test_overlong_counts_reach_the_metrics_and_the_summary(tiny, tmp_path):
     (step, first), *rest = logged
     assert step == 1 and first["train/pairs_over_max_length"] == 4 and first["val/pairs_over_max_length"] == 1
     assert all("train/pairs_over_max_length" not in metrics for _, metrics in rest)
-    # validated over that one pair: its two scores are the extremes, and the loss is that of its margin alone
-    assert [summary["val/score_min"], summary["val/score_max"]] == pytest.approx(
-        sorted([summary["val/chosen_score_mean"], summary["val/rejected_score_mean"]]), abs=1e-6)
-    assert summary["val/loss"] == pytest.approx(math.log1p(math.exp(-summary["val/margin_mean"])), abs=1e-6)
+    # validated over that one pair: its two sides scored here by the exported model, each alone in float64; its
+    # two scores are the extremes, and the loss is that of its margin alone
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.training.reward_trainer import preflight
+
+    (chosen_ids, rejected_ids), = preflight(load_config(_long_pairs_overrides(
+        tiny, train, val, tmp_path / "again", "reward_model.train.overlong=drop"))).val
+    scorer = AutoModelForSequenceClassification.from_pretrained(export).double().eval()
+    with torch.no_grad():
+        chosen, rejected = (float(scorer(input_ids=torch.tensor([list(ids)])).logits[0, 0])
+                            for ids in (chosen_ids, rejected_ids))
+    assert summary["val/chosen_score_mean"] == pytest.approx(chosen, abs=1e-5)
+    assert summary["val/rejected_score_mean"] == pytest.approx(rejected, abs=1e-5)
+    assert [summary["val/score_min"], summary["val/score_max"]] == pytest.approx(sorted([chosen, rejected]), abs=1e-5)
+    assert summary["val/loss"] == pytest.approx(math.log1p(math.exp(rejected - chosen)), abs=1e-5)
 
 
 def test_overlong_drop_of_every_pair_fails_before_training(tiny, tmp_path):
