@@ -218,6 +218,16 @@ def test_max_rows_keeps_the_first_rows_of_each_split(tmp_path, capsys):
         gsm8k(["--input", str(source), "--output", str(tmp_path / "other"), "--max-rows", "0"])
 
 
+def test_a_release_saved_with_a_byte_order_mark_converts(tmp_path):
+    source = _small_release(tmp_path / "in")
+    for name in ("train.jsonl", "test.jsonl"):  # as an editor saving "UTF-8 with BOM" writes them
+        (source / name).write_bytes(b"\xef\xbb\xbf" + (source / name).read_bytes())
+    assert gsm8k(["--input", str(source), "--output", str(tmp_path / "out")]) == 0
+    train = pd.read_parquet(tmp_path / "out" / "train.parquet")
+    assert [r["ground_truth"] for r in train["reward_model"]] == ["1", "2", "3"]
+    assert train["prompt"][0][0]["content"].startswith("What is 0 + 1?")
+
+
 def test_verls_gsm8k_command_line_runs_as_it_is(tmp_path, capsys):
     """verl's examples/data_preprocess/gsm8k.py takes the hub download as --local_dataset_path and the output folder as
     --local_save_dir (or --local_dir); they were refused as unknown, with --input and --output said to be missing."""
@@ -345,8 +355,9 @@ def test_unknown_layout_lists_what_was_looked_for(tmp_path, capsys):
     assert gsm8k(["--input", str(tmp_path / "in"), "--output", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "no GSM8K data found" in err and "Traceback" not in err
-    for looked_for in ("train.jsonl", "test.jsonl", "main/train-*.parquet", "train-*.parquet"):
-        assert looked_for in err
+    looked_for = ", ".join(str(tmp_path / "in" / name) for name in (
+        "train.jsonl", "test.jsonl", "main/train-*.parquet", "main/test-*.parquet", "train-*.parquet", "test-*.parquet"))
+    assert f"looked for: {looked_for}." in err  # both layouts, the shards in the folder itself as in its main/
 
 
 def test_missing_input_folder(tmp_path):

@@ -141,8 +141,9 @@ def detect_layout(input_dir: str | Path, layout: str = "auto") -> tuple[str, dic
 def _read_jsonl(path: Path) -> list[tuple[int, int | None, dict]]:
     """(row, line, object) for every non-blank line of ``path``."""
     rows = []
-    # bytes that are not UTF-8 become lone surrogates, so that the line they are on can be named
-    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+    # bytes that are not UTF-8 become lone surrogates, so that the line they are on can be named; a byte-order mark
+    # a Windows editor may put first goes, as the data check that sends such a file here reads past it
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as handle:
         for line_no, line in enumerate(handle, start=1):
             try:
                 line.encode("utf-8")
