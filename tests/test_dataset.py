@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -230,23 +231,40 @@ def test_a_row_without_a_data_source_is_a_data_error_naming_its_row(tmp_path, to
         RLHFDataset(renamed, tokenizer, DataConfig(max_prompt_length=200, reward_fn_key="source"))
 
 
-def test_a_datasets_folder_or_a_json_file_is_named_as_such_with_its_conversion(tmp_path, tokenizer):
-    """A datasets save_to_disk folder was "a folder; name its parquet files" (it holds none), and a JSON Lines file
-    "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a parquet file"."""
-    datasets = pytest.importorskip("datasets")
+def _save_to_disk_layout(folder: Path, rows: pd.DataFrame) -> None:
+    """The folder ``datasets.Dataset.save_to_disk`` writes (``datasets`` is no dependency here): the rows as an Arrow
+    stream file, and ``state.json`` and ``dataset_info.json`` beside it."""
+    folder.mkdir(parents=True)
+    table = pa.Table.from_pandas(rows)
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as out:
+        out.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}],
+                                                   "_fingerprint": "0", "_split": None}))
+    (folder / "dataset_info.json").write_text("{}")
+
+
+def test_a_datasets_folder_is_named_as_such_with_its_conversion(tmp_path, tokenizer):
+    """A datasets save_to_disk folder was "a folder; name its parquet files" (it holds none)."""
     rows = pd.read_parquet(_write(tmp_path / "a.parquet", ["one", "two"]))
     saved = tmp_path / "saved"
-    datasets.Dataset.from_pandas(rows).save_to_disk(str(saved))
+    _save_to_disk_layout(saved, rows)
     with pytest.raises(DataError) as error:
         RLHFDataset(str(saved), tokenizer, DataConfig(max_prompt_length=200))
     assert str(error.value) == (f"data.train_files: {saved} is a folder; it is a datasets save_to_disk folder, Arrow "
                                 f"files, not parquet: write it as a parquet file, e.g. datasets.load_from_disk("
                                 f"'{saved}').to_parquet('saved.parquet'), and name that file")
-    splits = tmp_path / "splits"
-    datasets.DatasetDict({"train": datasets.Dataset.from_pandas(rows)}).save_to_disk(str(splits))
+    splits = tmp_path / "splits"  # a DatasetDict's: a folder a split, and the splits' names
+    _save_to_disk_layout(splits / "train", rows)
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
     with pytest.raises(DataError, match=r"save_to_disk folder of splits \(train\), Arrow files, not parquet: write "
                                         r"each split as a parquet file, e.g. datasets.load_from_disk\("):
         RLHFDataset(str(splits), tokenizer, DataConfig(max_prompt_length=200), key="data.val_files")
+
+
+def test_a_json_file_is_named_as_such_with_its_conversion(tmp_path, tokenizer):
+    """A JSON Lines file was "Parquet magic bytes not found in footer. Either the file is corrupted or this is not a
+    parquet file"."""
+    rows = pd.read_parquet(_write(tmp_path / "a.parquet", ["one", "two"]))
     lines = tmp_path / "a.jsonl"
     rows.to_json(lines, orient="records", lines=True)
     with pytest.raises(DataError) as error:
