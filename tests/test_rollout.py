@@ -234,7 +234,7 @@ def test_the_two_level_draw_follows_rare_and_scattered_mass():
     probs[:, 3], probs[:, 4], probs[:, 300], probs[:, 599] = 0.5, 0.002, 0.25, 0.248
     drawn = draw_from(probs, torch.Generator().manual_seed(0))
     counts = torch.bincount(drawn, minlength=600).double() / len(drawn)
-    assert counts.sum() == 1 and set(drawn.unique().tolist()) <= {3, 4, 300, 599}
+    assert drawn.shape == (40000,) and set(drawn.unique().tolist()) <= {3, 4, 300, 599}  # one draw a row, with mass
     # binomial standard errors at n=40000: 0.0025 at p=0.5, 0.00022 at p=0.002; the tolerances are 4 of them
     assert abs(counts[4] - 0.002) < 0.0009
     torch.testing.assert_close(counts[[3, 300, 599]], torch.tensor([0.5, 0.25, 0.248], dtype=torch.float64),
