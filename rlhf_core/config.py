@@ -1342,6 +1342,8 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
     if value not in ("None", "none"):
         return None
     verl_only = without_effect(key)
+    if verl_only is not None and verl_only[0](value):  # a key without effect whatever it holds: the text is as
+        return None                                    # harmless (verl's nsys option kill: none, nsys's own word)
     refused: list[str] = []
     if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or key in MIRRORS or key == CRITIC_ENABLE or (
             verl_only is not None and verl_only[0](None)) or (  # an alias or a switch whose null sets nothing

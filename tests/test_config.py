@@ -466,6 +466,7 @@ algorithm.use_pf_ppo=false algorithm.pf_ppo.reweight_method=pow algorithm.pf_ppo
 trainer.rollout_data_dir=null trainer.validation_data_dir=null trainer.esi_redundant_time=0
 trainer.ray_wait_register_center_timeout=300
 global_profiler.tool=null global_profiler.steps=null global_profiler.save_path=outputs/profile
+global_profiler.global_tool_config.nsys.worker_nsight_options.kill=none
 ray_kwargs.ray_init.num_cpus=null ray_kwargs.timeline_json_file=null
 """.split()
 
@@ -509,6 +510,8 @@ critic:
   rollout_n: ${oc.select:actor_rollout_ref.rollout.n,1}
   optim: {min_lr_ratio: null}
 reward_model: {micro_batch_size_per_gpu: null, launch_reward_fn_async: false}
+global_profiler:
+  global_tool_config: {nsys: {worker_nsight_options: {capture-range-end: null, kill: none}}}
 """)
     message = "\n".join(pytest.raises(ConfigError, load_config, [], config_file=path, notice=lambda _: None).value.errors)
     assert message == "actor_rollout_ref.rollout.name must be set (the config holds ??? there)"
