@@ -1560,6 +1560,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 notice(unused)
             for kl_notice in _kl_term_notices(resolved, given):
                 notice(kl_notice)
+            if (clip := _clip_ratio_notice(resolved, given)) is not None:
+                notice(clip)
             for unused in _resume_path_unused(resolved):
                 notice(unused)
             if (greedy := _greedy_validation(resolved.actor_rollout_ref.rollout.val_kwargs)) is not None:
@@ -1614,6 +1616,10 @@ def _greedy_validation(val_kwargs: ValKwargsConfig) -> str | None:
             f"val_kwargs.temperature all the same){repeated}; set {key}.do_sample=true to sample")
 
 
+#: verl's defaults of actor.clip_ratio_low and clip_ratio_high, which its policy losses read before clip_ratio
+VERL_CLIP_BOUND = 0.2
+
+
 def _kl_term_notices(cfg: PPOConfig, given: dict[str, Any]) -> list[str]:
     """The notices on the run's KL terms: the keys of a KL term that is off, set away from their defaults (nothing
     reads them: a GSM8K recipe's kl_loss_coef and kl_loss_type copied without use_kl_loss=true leave the policy
@@ -1639,6 +1645,24 @@ def _kl_term_notices(cfg: PPOConfig, given: dict[str, Any]) -> list[str]:
             f"(algorithm.kl_ctrl.kl_coef={algo.kl_ctrl.kl_coef!r}, {algo.kl_ctrl.type}) and by the KL loss "
             f"(kl_loss_coef={actor.kl_loss_coef!r}); set one of them false for one KL term")
     return said
+
+
+def _clip_ratio_notice(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
+    """The notice for a ``clip_ratio`` set away from 0.2 with a bound of its own left null: here that bound is
+    ``clip_ratio``, while verl's ``clip_ratio_low`` and ``clip_ratio_high`` default to 0.2 and take precedence, so the
+    same command clips otherwise in verl (``clip_ratio=0.1`` alone: [0.9, 1.1] here, [0.8, 1.2] there)."""
+    actor, key = cfg.actor_rollout_ref.actor, "actor_rollout_ref.actor"
+    following = [name for name in ("clip_ratio_low", "clip_ratio_high") if getattr(actor, name) is None]
+    if not following or actor.clip_ratio == VERL_CLIP_BOUND or not _set_by_user(given, f"{key}.clip_ratio"):
+        return None
+    low, high = (actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low,
+                 actor.clip_ratio if actor.clip_ratio_high is None else actor.clip_ratio_high)
+    verl_low, verl_high = (VERL_CLIP_BOUND if actor.clip_ratio_low is None else actor.clip_ratio_low,
+                           VERL_CLIP_BOUND if actor.clip_ratio_high is None else actor.clip_ratio_high)
+    return (f"notice: {key}.clip_ratio={actor.clip_ratio:g} clips the ratio to [{1 - low:g}, {1 + high:g}] here, "
+            f"{' and '.join(following)} (null) following it; verl's clip_ratio_low and clip_ratio_high default to "
+            f"{VERL_CLIP_BOUND:g} and come first there, so verl clips the same command at [{1 - verl_low:g}, "
+            f"{1 + verl_high:g}]; set {' and '.join(following)} to say which")
 
 
 def _set_by_user(given: dict[str, Any], key: str) -> bool:

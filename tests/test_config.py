@@ -1555,6 +1555,31 @@ def _kl_term_notices(overrides, config_file=None):
             or "no effect: algorithm.use_kl_in_reward" in message or "both KL terms are on" in message]
 
 
+def test_a_clip_ratio_whose_bounds_follow_it_is_said_to_clip_otherwise_in_verl():
+    """verl's clip_ratio_low and clip_ratio_high default to 0.2 and come before clip_ratio, so a verl command's
+    clip_ratio=0.1 alone clips at [0.8, 1.2] there; here the null bounds follow it: [0.9, 1.1]."""
+    def clip_notices(*overrides):
+        said = []
+        cfg = load_config(list(overrides), notice=said.append)
+        return cfg.actor_rollout_ref.actor, [message for message in said if "clip_ratio=" in message]
+
+    actor, said = clip_notices("actor_rollout_ref.actor.clip_ratio=0.1")
+    assert (actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high) == (0.1, None, None)
+    assert said == ["notice: actor_rollout_ref.actor.clip_ratio=0.1 clips the ratio to [0.9, 1.1] here, "
+                    "clip_ratio_low and clip_ratio_high (null) following it; verl's clip_ratio_low and clip_ratio_high "
+                    "default to 0.2 and come first there, so verl clips the same command at [0.8, 1.2]; set "
+                    "clip_ratio_low and clip_ratio_high to say which"]
+    _, said = clip_notices("actor_rollout_ref.actor.clip_ratio=0.1", "actor_rollout_ref.actor.clip_ratio_high=0.28")
+    assert said == ["notice: actor_rollout_ref.actor.clip_ratio=0.1 clips the ratio to [0.9, 1.28] here, "
+                    "clip_ratio_low (null) following it; verl's clip_ratio_low and clip_ratio_high default to 0.2 and "
+                    "come first there, so verl clips the same command at [0.8, 1.28]; set clip_ratio_low to say which"]
+    # both bounds given, clip_ratio at verl's 0.2, or not set: both trainers clip alike
+    for overrides in (("actor_rollout_ref.actor.clip_ratio=0.1", "actor_rollout_ref.actor.clip_ratio_low=0.1",
+                       "actor_rollout_ref.actor.clip_ratio_high=0.1"), ("actor_rollout_ref.actor.clip_ratio=0.2",),
+                      ("actor_rollout_ref.actor.clip_ratio_high=0.28",), ()):
+        assert clip_notices(*overrides)[1] == [], overrides
+
+
 def test_the_keys_of_a_kl_term_that_is_off_are_said_to_have_no_effect(tmp_path):
     """A GSM8K recipe's kl_loss_coef and kl_loss_type copied without use_kl_loss=true (or a kl_penalty without
     use_kl_in_reward=true) were taken without a word, and the run trained with no KL to the reference at all."""
