@@ -710,6 +710,20 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "actor_rollout_ref.rollout.calculate_log_probs": (
         lambda v: True, "the vllm rollout always returns its log-probs, the hf one none"),
     "trainer.use_legacy_worker_impl": (lambda v: True, "this trainer has one worker implementation"),
+    # verl's rollout correction beyond what is here, at its defaults (off): the trainer recomputes the old log-probs
+    # (verl's decoupled mode), weights are truncated and not renormalised, and rejection bounds are rollout_rs_threshold's
+    **{f"algorithm.rollout_correction.{name}": (_off, "the trainer recomputes the old log-probs, the rollout's are "
+                                                      "weighed against them (verl's decoupled mode)")
+       for name in ("bypass_mode", "bypass_old_logprob_for_rollout", "use_policy_gradient",
+                    "use_pure_rollout_correction")},
+    "algorithm.rollout_correction.loss_type": (lambda v: str(v) == "ppo_clip",
+                                               "it is read in verl's bypass mode, which is not here: the policy loss "
+                                               "is actor_rollout_ref.actor.policy_loss.loss_mode's"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": (
+        _off, "the importance weights are used as truncated, not renormalised to a batch mean of 1"),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": (
+        _null, "a k1 rejection keeps ratios in [1/t, t] for rollout_rs_threshold t"),
+    "algorithm.rollout_correction.rollout_token_veto_threshold": (_null, "no per-token veto of a response is applied"),
     "reward_model.model.use_remove_padding": (lambda v: True, "the reward model scores padded rows"),
     "reward_model.model.use_rmpad": (lambda v: True, "the reward model scores padded rows"),
     "reward_model.use_dynamic_bsz": (lambda v: True, "the reward model scores micro_batch_size_per_gpu rows a pass"),
@@ -875,8 +889,8 @@ WITHOUT_EFFECT_BELOW: dict[str, str] = {
     "algorithm.pf_ppo.": "read only with algorithm.use_pf_ppo, which is not supported here",
     "data.databuffer.": "read only with data.databuffer.enable, which is not supported here",
     "global_profiler.": "trainer.profile_steps records torch.profiler traces",
-    "ray_kwargs.": "Ray starts (or is joined, trainer.ray_address) with its own settings and "
-                   "trainer.ray_runtime_env",
+    **{section: "Ray starts (or is joined, trainer.ray_address) with its own settings and trainer.ray_runtime_env"
+       for section in ("ray_kwargs.", "ray_init.")},  # (ray_init: verl's section before ray_kwargs)
     **{f"{section}.profiler.": "trainer.profile_steps records torch.profiler traces"
        for section in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic",
                        "reward_model")},
@@ -1025,7 +1039,8 @@ STR_OR_LIST_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.mod
                     "reward_model.train.model.target_modules")
 STR_OR_LIST_NULL = frozenset({"reward_model.train.val_files"})  # no held-out pairs
 # verl keys whose null stands for this trainer's default
-NULL_IS_DEFAULT = frozenset({"critic.optim.min_lr_ratio", "reward_model.micro_batch_size_per_gpu"})
+NULL_IS_DEFAULT = frozenset({"actor_rollout_ref.actor.optim.min_lr_ratio", "critic.optim.min_lr_ratio",
+                             "reward_model.micro_batch_size_per_gpu"})
 
 # verl's deprecated micro-batch sizes over all workers: set, each stands for its per-worker key at
 # value / (n_gpus_per_node * nnodes); null (as verl's generated config holds them) sets nothing

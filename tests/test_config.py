@@ -465,6 +465,10 @@ reward_model.launch_reward_fn_async=false reward_model.sandbox_fusion.url=null r
 algorithm.use_pf_ppo=false algorithm.pf_ppo.reweight_method=pow algorithm.pf_ppo.weight_pow=2.0
 trainer.rollout_data_dir=null trainer.validation_data_dir=null trainer.esi_redundant_time=0
 trainer.ray_wait_register_center_timeout=300
+algorithm.rollout_correction.bypass_mode=false algorithm.rollout_correction.loss_type=ppo_clip
+algorithm.rollout_correction.rollout_is_batch_normalize=false algorithm.rollout_correction.rollout_rs_threshold_lower=null
+algorithm.rollout_correction.rollout_token_veto_threshold=null
+ray_init.num_cpus=null actor_rollout_ref.actor.optim.min_lr_ratio=null
 global_profiler.tool=null global_profiler.steps=null global_profiler.save_path=outputs/profile
 global_profiler.global_tool_config.nsys.worker_nsight_options.kill=none
 ray_kwargs.ray_init.num_cpus=null ray_kwargs.timeline_json_file=null
@@ -517,6 +521,19 @@ global_profiler:
     assert message == "actor_rollout_ref.rollout.name must be set (the config holds ??? there)"
     cfg = load_config(["actor_rollout_ref.rollout.name=hf"], config_file=path, notice=lambda _: None, validate=False)
     assert cfg.actor_rollout_ref.actor.optim.lr == 2.0e-06 and cfg.critic.optim.min_lr_ratio == 0.0
+
+
+def test_verls_rollout_correction_keys_beyond_this_trainers_are_refused_away_from_their_defaults():
+    message = _errors("algorithm.rollout_correction.bypass_mode=true",
+                      "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+                      "algorithm.rollout_correction.loss_type=reinforce",
+                      "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4")
+    assert ("algorithm.rollout_correction.bypass_mode=True is not supported: the trainer recomputes the old "
+            "log-probs") in message
+    assert ("algorithm.rollout_correction.rollout_is_batch_normalize=True is not supported: the importance weights "
+            "are used as truncated, not renormalised") in message
+    assert "algorithm.rollout_correction.loss_type='reinforce' is not supported: it is read in verl's bypass" in message
+    assert "algorithm.rollout_correction.rollout_token_veto_threshold=0.0001 is not supported" in message
 
 
 def test_verl_keys_asking_for_what_is_not_here_are_refused_with_the_reason():
