@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.cli.data import gsm8k
+from rlhf_core.config import load_config
 from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, preprocess_gsm8k
 from rlhf_core.data.schema import INSTRUCTION, PROMPT_COLUMNS
 
@@ -247,6 +248,14 @@ def test_verls_gsm8k_command_line_runs_as_it_is(tmp_path, capsys):
         gsm8k(["--local_dataset_path", str(hub), "--local_save_dir", str(tmp_path / "hdfs"), "--hdfs_dir", "hdfs://x"])
     assert "--hdfs_dir (verl's copy of the output to HDFS) is not done here" in capsys.readouterr().err
     assert not (tmp_path / "hdfs").exists()
+
+
+def test_without_an_output_folder_the_files_go_where_verls_script_and_the_trainer_default_to(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert gsm8k(["--local_dataset_path", str(_small_release(tmp_path / "hub"))]) == 0
+    written = tmp_path / "home" / "data" / "gsm8k"
+    assert [r["ground_truth"] for r in pd.read_parquet(written / "train.parquet")["reward_model"]] == ["1", "2", "3"]
+    assert load_config([]).data.train_files == "~/data/gsm8k/train.parquet"  # where a run looks without the key
 
 
 def test_a_tilde_in_the_folders_is_the_home_folder_as_the_trainer_reads_it(tmp_path, monkeypatch, capsys):

@@ -49,8 +49,9 @@ def gsm8k(argv: list[str] | None = None) -> int:
         help="folder with train.jsonl/test.jsonl or [main/]train-*.parquet (a download of openai/gsm8k; nothing is "
              "downloaded here)",
     )
-    parser.add_argument("--output", "--local_save_dir", "--local_dir", dest="output", required=True,
-                        help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--output", "--local_save_dir", "--local_dir", dest="output", default="~/data/gsm8k",
+                        help="folder to write train.parquet and test.parquet into (default: ~/data/gsm8k, verl's, "
+                             "where data.train_files' default looks)")
     parser.add_argument("--hdfs_dir", help=argparse.SUPPRESS)
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument(
