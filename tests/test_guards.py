@@ -244,6 +244,12 @@ def test_tightening_the_kl_control_after_a_kl_rollback_is_a_decision_not_a_chang
     decision = tighten_kl_control(_config(True, False), ctrl, 0.001)
     assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.2, 0.01, 500)
     assert ctrl.target == 0.1
+    # a coefficient of 0 (a config may start there) is raised to 1e-3: an adaptive controller multiplies it, and
+    # twice 0 is 0, so either would stay at 0 and the rollback restore what failed
+    decision = tighten_kl_control(_config(True, False), AdaptiveKLController(0.0, 0.1, 500), 0.001)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target) == (1e-3, 0.01)
+    decision = tighten_kl_control(_config(False, True), FixedKLController(0.001), 0.0)
+    assert decision.kl_loss_coef == 0.002 and "kl_loss_coef -> 0.002" in decision.summary
 
     config = _config(False, True)
     decision = tighten_kl_control(config, FixedKLController(0.001), 0.003)

@@ -284,8 +284,10 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
 
     * KL in the reward (``algorithm.use_kl_in_reward``): a fixed controller becomes adaptive
       (Ziegler et al.) with ``trainer.guard.target_kl``, starting from the current coefficient
-      (at least 1e-3); an adaptive one gets the lower of its target and ``target_kl``.
-    * KL loss (``actor.use_kl_loss``): ``kl_loss_coef`` is doubled (there is no controller to adapt).
+      (at least 1e-3); an adaptive one gets the lower of its target and ``target_kl`` (and a coefficient of at
+      least 1e-3: one at 0 would stay there).
+    * KL loss (``actor.use_kl_loss``): ``kl_loss_coef`` is doubled (there is no controller to adapt), from 1e-3 at
+      least (twice 0 is 0).
     * Neither: the only lever left on ``actor/ppo_kl`` is the step size; the actor learning
       rate (its schedule included) is halved.
     """
@@ -294,14 +296,14 @@ def tighten_kl_control(config: PPOConfig, kl_ctrl, kl_loss_coef: float) -> KLTig
     if config.algorithm.use_kl_in_reward:
         if isinstance(kl_ctrl, AdaptiveKLController):
             target = min(kl_ctrl.target, guard_cfg.target_kl)
-            decision.kl_ctrl = AdaptiveKLController(kl_ctrl.value, target, kl_ctrl.horizon)
+            decision.kl_ctrl = AdaptiveKLController(max(kl_ctrl.value, MIN_ADAPTIVE_KL_COEF), target, kl_ctrl.horizon)
             changes.append(f"adaptive KL controller target {target:.4g}")
         else:
             start = max(kl_ctrl.value, MIN_ADAPTIVE_KL_COEF)
             decision.kl_ctrl = AdaptiveKLController(start, guard_cfg.target_kl, kl_cfg.horizon)
             changes.append(f"KL controller fixed -> adaptive (target_kl {guard_cfg.target_kl}, coef {start:.4g})")
     if config.actor_rollout_ref.actor.use_kl_loss:
-        decision.kl_loss_coef = kl_loss_coef * KL_LOSS_COEF_FACTOR
+        decision.kl_loss_coef = max(kl_loss_coef, MIN_ADAPTIVE_KL_COEF) * KL_LOSS_COEF_FACTOR
         changes.append(f"actor kl_loss_coef -> {decision.kl_loss_coef:.4g}")
     if not changes:
         decision.lr_factor = LR_FACTOR
