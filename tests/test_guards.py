@@ -203,8 +203,13 @@ def test_the_validations_kept_are_those_of_saved_steps_and_old_states_load():
     copy.on_restore(1)
     assert (copy.best_val, copy.best_step) == (None, None)
     copy.load_state_dict(older)
-    copy.keep_restorable([1])  # a resume that finds step 3 (the best) gone: nothing to roll back to
+    copy.keep_restorable([1])  # a resume that finds step 3 (the best) gone, without validations: nothing to go to
     assert (copy.saved, copy.best_val, copy.best_step) == ([1], None, None)
+    copy.load_state_dict(guard.state_dict())
+    copy.keep_restorable([1])  # with them: step 1's 0.5 is the best a rollback can restore
+    assert (copy.saved, copy.best_val, copy.best_step) == ([1], 0.5, 1)
+    event = copy.observe_validation(4, 0.25)[1]  # 0.25 below it, over max_val_drop (0.2)
+    assert (event.kind, event.target_step) == ("val_drop", 1)
 
 
 def test_a_resume_that_cannot_restore_a_streaks_anchor_anchors_it_on_the_newest_checkpoint_before_it():
@@ -767,20 +772,20 @@ def test_after_a_kl_rollback_the_over_optimisation_guard_compares_with_the_resto
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_resume_forgets_a_best_gold_that_a_rollback_abandoned_before_the_rule(workspace, tmp_path):
+def test_a_resume_replaces_a_best_gold_that_a_rollback_abandoned_before_the_rule(workspace, tmp_path):
     """A checkpoint written while the over-optimisation guard kept its best through other guards' rollbacks names
     step 3, abandoned by step 4's rollback to step 2 and not among the checkpoints the run can restore: resumed in
-    another folder, the guard forgets it, step 5 sets a new best there, and step 6's rollback restores step 5 (it
-    looked for step 3 in ``second``, and failed)."""
+    another folder, the guard takes the best of those it can restore, step 2 (gold 0.6; it looked for step 3 in
+    ``second``, and failed), and step 6's rollback restores it from ``first``, over step 5's lower gold 0.55."""
     first, second = tmp_path / "first", tmp_path / "second"
     resumed = _rolled_back_run_resumed_elsewhere(workspace, first, second, keep_abandoned_best=True)
     state = checkpoint.read_trainer_state(first / "global_step_4")
     assert (state["overopt"]["best_step"], state["guard"]["saved"]) == (3, [1, 2])  # (step 4 is the one loaded)
-    assert resumed.overopt.best_step is None and resumed.guard.saved == [1, 2, 4]
+    assert (resumed.overopt.best_step, resumed.overopt.best_gold) == (2, 0.6) and resumed.guard.saved == [1, 2, 4]
     metrics, weights, error = run_recording(resumed)
     assert error is None
     assert resumed.overopt.rollbacks == 1 and metrics[6]["training/rollbacks"] == 2
-    best = checkpoint.load_model_state(second / "global_step_5")
+    best = checkpoint.load_model_state(first / "global_step_2")
     assert_weights(resumed.actor.module, weights[6], equal=False)
     assert_weights(resumed.actor.module, best)
 

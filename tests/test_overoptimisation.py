@@ -124,7 +124,7 @@ def test_the_checkpoint_saved_after_a_rollback_keeps_the_restored_steps_scores_f
 
 def test_only_the_scores_and_the_best_of_restorable_steps_are_kept():
     """A validation whose step has no checkpoint cannot be restored: its scores are dropped at the next save; at a
-    resume, a best whose checkpoint is not among those the run can restore is forgotten."""
+    resume, a best whose checkpoint is not among those the run can restore gives way to the best of those it can."""
     guard = _guard()
     for step, proxy, gold in [(10, 0.2, 0.6), (11, 0.3, 0.5), (12, 0.35, 0.55)]:
         guard.observe(step, proxy, gold)
@@ -133,8 +133,33 @@ def test_only_the_scores_and_the_best_of_restorable_steps_are_kept():
     guard.on_restore(12)
     assert (guard.previous, guard.best_gold, guard.best_step) == ((0.35, 0.55), 0.6, 10)
     guard.keep_restorable([12])
-    assert (guard.previous, guard.best_gold, guard.best_step) == ((0.35, 0.55), None, None)
+    assert (guard.previous, guard.best_gold, guard.best_step) == ((0.35, 0.55), 0.55, 12)
     assert guard.state_dict()["validated"] == [[12, 0.35, 0.55]]
+    guard.keep_restorable([])
+    assert (guard.best_gold, guard.best_step) == (None, None)
+
+
+def test_a_resume_without_the_best_rolls_back_to_the_best_it_can_restore_never_to_the_step_judged():
+    """Steps 10 and 20 score gold 0.6; a resume from step 20 alone (step 10 not beside it) lost the best. Step 30's
+    divergence (proxy up, gold 0.5) then rolled back to step 30 itself, which had no checkpoint, naming its gold
+    0.5 the best: the best is now step 20's 0.6, restorable."""
+    guard = _guard(overopt_patience=1)
+    guard.observe(10, 0.2, 0.6)
+    guard.keep_restorable([10])
+    guard.observe(20, 0.2, 0.6)
+    guard.keep_restorable([10, 20])
+    guard.keep_restorable([20])  # resumed from step 20 alone
+    assert (guard.best_step, guard.best_gold) == (20, 0.6)
+    new_best, event = guard.observe(30, 0.3, 0.5)
+    assert (new_best, event.action, event.target_step) == (False, "rollback", 20)
+    assert "best gold 0.6 at step 20" in event.message
+    # with nothing restorable at all, the step judged is the best: no rollback to it, which is saved first
+    guard = _guard(overopt_patience=1)
+    guard.observe(10, 0.2, 0.6)
+    guard.keep_restorable([])
+    assert guard.observe(20, 0.3, 0.5) == (True, None)
+    _, event = guard.observe(30, 0.4, 0.4)
+    assert (event.action, event.target_step) == ("rollback", 20)
 
 
 def test_no_event_unless_the_divergence_is_unbroken():

@@ -158,13 +158,15 @@ class Guard:
 
     def keep_restorable(self, saved: list[int]) -> None:
         """At a resume: ``saved`` are the checkpoints the run can restore (its own, whole beside the one loaded).
-        A best among the others is forgotten (a rollback could not restore it; a checkpoint from before the
-        rule of :meth:`on_restore` may name one a rollback abandoned), as are their validations; a streak's anchor
-        among them gives way to the newest restorable checkpoint before it (:meth:`anchor`)."""
+        A best among the others (a rollback could not restore it; a checkpoint from before the rule of
+        :meth:`on_restore` may name one a rollback abandoned) gives way to the best of the validations kept, or to
+        none, and their validations are dropped; a streak's anchor among them gives way to the newest restorable
+        checkpoint before it (:meth:`anchor`)."""
         self.saved = list(saved)
         self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
         if self.best_step is not None and self.best_step not in self.saved:
-            self.best_val, self.best_step = None, None
+            kept = max(self.validated.items(), key=lambda item: (item[1], -item[0]), default=None)
+            self.best_step, self.best_val = kept if kept else (None, None)
         # a streak under way keeps going, anchored on the newest checkpoint it can restore at or before its own
         self.skip_anchor = self.anchor(self.skip_anchor) if self.skip_anchor is not None else None
         self.kl_anchor = self.anchor(self.kl_anchor) if self.kl_anchor is not None else None
@@ -381,7 +383,9 @@ class OverOptimisationGuard:
         diverging = self.previous is not None and proxy > self.previous[0] and gold < self.previous[1]
         self.streak = self.streak + 1 if diverging else 0
         self.previous = (float(proxy), float(gold))
-        if self.streak < cfg.overopt_patience:
+        if self.streak < cfg.overopt_patience or self.best_step == step:
+            # (a best gold at this very step: no earlier checkpoint scored better, and this one is not saved yet;
+            # the trainer saves it now, so a divergence that goes on rolls back to it)
             return new_best, None
         reason = (f"reward over-optimisation: the proxy (reward model) reward rose while the gold (rule) reward "
                   f"fell for {self.streak} validations in a row (up to step {step}: proxy {proxy:.4g}, gold "
@@ -414,11 +418,13 @@ class OverOptimisationGuard:
 
     def keep_restorable(self, saved: list[int]) -> None:
         """``saved``: the checkpoints a rollback can restore (:attr:`Guard.saved`, after each save and at a resume).
-        The validations of other steps are dropped, and a best gold among them is forgotten (at a resume, one
-        not whole beside the checkpoint loaded, or one a rollback abandoned before :meth:`on_restore`'s rule)."""
+        The validations of other steps are dropped, and a best gold among them (at a resume, one not whole beside
+        the checkpoint loaded, or one a rollback abandoned before :meth:`on_restore`'s rule) gives way to the best
+        of the validations kept, or to none."""
         self.validated = {s: scores for s, scores in self.validated.items() if s in saved}
         if self.best_step is not None and self.best_step not in saved:
-            self.best_gold, self.best_proxy, self.best_step = None, None, None
+            kept = max(self.validated.items(), key=lambda item: (item[1][1], -item[0]), default=None)
+            self.best_step, (self.best_proxy, self.best_gold) = (kept[0], kept[1]) if kept else (None, (None, None))
 
     def protected_steps(self) -> set[int]:
         """The best-gold checkpoint: never prune it."""
