@@ -98,7 +98,8 @@ def test_validation_drop_rolls_back_to_the_best_and_the_state_round_trips():
     copy.load_state_dict(guard.state_dict())
     assert copy.state_dict() == guard.state_dict() == {
         "consecutive_skips": 0, "skip_anchor": None, "kl_streak": 0, "kl_anchor": None, "best_val": 0.6,
-        "best_step": 2, "rollbacks": 1, "saved": [], "validated": [[0, 0.5], [2, 0.6], [4, 0.45], [6, 0.35]]}
+        "best_step": 2, "rollbacks": 1, "saved": [], "validated": [[0, 0.5], [2, 0.6], [4, 0.45], [6, 0.35]],
+        "went_on_from": []}
     guard.on_checkpoint(2)
     copy.load_state_dict(guard.state_dict())
     assert copy.saved == [2]
@@ -125,10 +126,36 @@ def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_a
     assert (event.kind, event.target_step) == ("val_drop", 2)
     guard.on_restore(2, at=5)  # the trainer restores step 2, then saves the restored weights as step 5
     guard.on_checkpoint(5)
-    # step 6 runs on the restored weights: its KL and its skip start new streaks, anchored on them
+    # step 6 runs on the restored weights: its KL (its own update's) starts a streak anchored on them, its skip
+    # one anchored before them (step 2's weights are the ones whose gradient was not finite)
     assert guard.observe_step(6, {"actor/ppo_kl": 0.9}, skipped=True) is None
-    assert (guard.kl_streak, guard.kl_anchor, guard.consecutive_skips, guard.skip_anchor) == (1, 5, 1, 2)
+    assert (guard.kl_streak, guard.kl_anchor, guard.consecutive_skips, guard.skip_anchor) == (1, 5, 1, 1)
     assert 3 not in guard.protected_steps() and 4 not in guard.protected_steps()
+
+
+def test_a_streak_right_after_a_rollback_restores_a_checkpoint_before_the_restored_weights():
+    """A drop at step 4 restores step 2 and saves its weights as step 4; step 5 runs on them. Its KL to the
+    reference over the limit (or its gradient not finite) says those weights are bad: restoring step 2 again would
+    bring them back, so the guard goes to step 1, in a resumed run too."""
+    guard = Guard(GuardConfig(max_kl=0.5, patience=1, max_consecutive_skips=1, max_val_drop=0.2))
+    for step in (1, 2, 3):
+        guard.on_checkpoint(step)
+    guard.observe_validation(2, 0.6)
+    assert guard.observe_validation(4, 0.3)[1].target_step == 2
+    guard.on_restore(2, at=4)
+    guard.on_checkpoint(4)
+    assert guard.weights_of(4) == 2 and guard.protected_steps() == {1, 2}
+    resumed = Guard(guard.config)
+    resumed.load_state_dict(guard.state_dict())
+    resumed.keep_restorable([1, 2, 4])
+    event = guard.observe_step(5, {"actor/reward_kl_penalty": 0.9}, skipped=False)
+    assert (event.kind, event.target_step) == ("kl_explosion", 1)
+    event = resumed.observe_step(5, {}, skipped=True)
+    assert (event.kind, event.target_step) == ("non_finite", 1)
+    # only its own update's KL (ppo_kl): the weights it ran on are not in question, step 4's checkpoint holds them
+    fresh = Guard(guard.config)
+    fresh.load_state_dict(resumed.state_dict())
+    assert fresh.observe_step(5, {"actor/ppo_kl": 0.9}, skipped=False).target_step == 4
 
 
 def test_after_a_rollback_to_an_earlier_step_the_best_is_that_steps_validation():
@@ -143,7 +170,8 @@ def test_after_a_rollback_to_an_earlier_step_the_best_is_that_steps_validation()
     guard.on_restore(3, at=6)
     guard.on_checkpoint(6)  # the restored weights, saved at the rollback's step
     assert (guard.best_val, guard.best_step) == (0.6, 3)
-    assert guard.protected_steps() == {3}  # the best, and the anchor of a streak from step 7 (not step 4)
+    # the best, and the anchor of a streak from step 7, which runs on step 3's weights: step 2 (not step 4)
+    assert guard.protected_steps() == {2, 3}
     assert guard.observe_validation(7, 0.45) == (False, None)  # 0.15 below 0.6 (0.35 below the abandoned 0.8)
     event = guard.observe_validation(8, 0.35)[1]
     assert (event.kind, event.target_step) == ("val_drop", 3)
@@ -621,8 +649,9 @@ def test_validation_drop_restores_the_best_checkpoint_then_stops_after_max_rollb
     assert all(torch.equal(v, best[k]) for k, v in saved_after_rollback.items())
     assert error is not None and "already rolled back 1 time(s) (trainer.guard.max_rollbacks=1)" in str(error)
     assert_weights(trainer.actor.module, best)
-    # the best checkpoint outlived max_*_ckpt_to_keep=1; the first one did not
-    assert [step for step, _ in checkpoint.list_checkpoints(out)] == [2, 3]
+    # the best checkpoint outlived max_*_ckpt_to_keep=1, and so did step 1's: step 4 ran on step 2's weights
+    # (saved again as step 3), so a streak from it would have restored step 1
+    assert [step for step, _ in checkpoint.list_checkpoints(out)] == [1, 2, 3]
     assert checkpoint.latest_checkpoint(out) == out / "global_step_2"
 
 
@@ -855,9 +884,10 @@ def test_after_a_rollback_the_abandoned_checkpoints_are_no_anchor():
     guard = Guard(GuardConfig(max_consecutive_skips=1))
     for step in (1, 2, 3, 4, 5):
         guard.on_checkpoint(step)
-    guard.on_restore(2)  # a val-drop rollback at step 5 to the best, step 2
+    guard.on_restore(2, at=5)  # a val-drop rollback at step 5 to the best, step 2
     assert guard.protected_steps() == {1}
-    assert guard.observe_step(6, {}, skipped=True).target_step == 2
+    # step 6 ran on step 2's weights and its gradient was not finite: back to step 1, not to those weights again
+    assert guard.observe_step(6, {}, skipped=True).target_step == 1
     guard.on_checkpoint(6)  # the step after the rollback, saved
     assert guard.saved == [1, 2, 6]
 

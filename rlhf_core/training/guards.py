@@ -33,6 +33,8 @@ fails (a learning rate too high wrecks the weights with a finite gradient, and t
 gradient is not finite). A KL streak from step k does the same where the KL of step k-1's
 weights to the reference (``actor/reward_kl_penalty``, ``actor/kl_loss``) was over the limit,
 and restores step k-1 or earlier where only step k's own update moved too far (``actor/ppo_kl``).
+Right after a rollback at step G to step S, step G+1 runs on S's weights: its suspect weights are S's, and
+such a streak restores a checkpoint before S (:meth:`Guard.weights_of`), not S again.
 
 After a rollback to step S, by any guard (the over-optimisation guard's below included), no guard
 targets a step after S: those checkpoints hold the weights the rollback abandoned. Each guard forgets
@@ -128,6 +130,8 @@ class Guard:
         #: the accuracy of each validation at a step in ``saved`` (and of those since the last save): what a
         #: rollback's weights scored, which becomes the best when the rollback abandons the best's weights
         self.validated: dict[int, float] = {}
+        #: after a rollback at step G to S: G -> S, the step whose weights the run went on from after step G
+        self.went_on_from: dict[int, int] = {}
 
     # ------------------------------------------------------------------ observations
     def on_checkpoint(self, step: int) -> None:
@@ -150,6 +154,9 @@ class Guard:
         self.consecutive_skips, self.skip_anchor = 0, None
         self.kl_streak, self.kl_anchor = 0, None
         self.validated = {s: v for s, v in self.validated.items() if s <= step}
+        self.went_on_from = {s: w for s, w in self.went_on_from.items() if s <= step}
+        if at is not None:
+            self.went_on_from[at] = self.weights_of(step)
         if at is not None and step in self.validated:
             self.validated[at] = self.validated[step]
         if self.best_step is not None and self.best_step > step:
@@ -171,6 +178,13 @@ class Guard:
         self.skip_anchor = self.anchor(self.skip_anchor) if self.skip_anchor is not None else None
         self.kl_anchor = self.anchor(self.kl_anchor) if self.kl_anchor is not None else None
 
+    def weights_of(self, step: int) -> int:
+        """The step whose weights the run held after ``step``: ``step`` itself, or after a rollback at ``step`` the
+        step it restored (followed back where that was itself a rollback's)."""
+        while step in self.went_on_from:
+            step = self.went_on_from[step]
+        return step
+
     def anchor(self, last_good: int) -> int | None:
         """The newest checkpoint of step ``last_good`` or earlier."""
         return next((s for s in reversed(self.saved) if s <= last_good), None)
@@ -178,9 +192,10 @@ class Guard:
     def observe_step(self, step: int, metrics: Mapping[str, float], skipped: bool) -> GuardEvent | None:
         """Check one finished step; ``skipped`` is True when any of its updates was skipped."""
         cfg = self.config
+        suspect = self.weights_of(step - 1)  # the weights this step ran on
         if skipped:
             if self.consecutive_skips == 0:
-                self.skip_anchor = self.anchor(step - 2)
+                self.skip_anchor = self.anchor(suspect - 1)
             self.consecutive_skips += 1
             if cfg.max_consecutive_skips is not None and self.consecutive_skips >= cfg.max_consecutive_skips:
                 target = self.skip_anchor
@@ -197,7 +212,8 @@ class Guard:
         if cfg.max_kl is not None and kl is not None and not kl <= cfg.max_kl:
             if self.kl_streak == 0:
                 before = measured_kl({k: v for k, v in metrics.items() if k in KL_TO_REFERENCE})
-                self.kl_anchor = self.anchor(step - 2 if before is not None and not before <= cfg.max_kl else step - 1)
+                self.kl_anchor = self.anchor(suspect - 1 if before is not None and not before <= cfg.max_kl
+                                             else step - 1)
             self.kl_streak += 1
             if self.kl_streak >= cfg.patience:
                 target = self.kl_anchor
@@ -239,14 +255,20 @@ class Guard:
         being written (pruning runs before :meth:`on_checkpoint` records it), so that the one before it is kept."""
         saved = self.saved if saving is None else [s for s in self.saved if s < saving] + [saving]
         streaks_watched = self.config.max_consecutive_skips is not None or self.config.max_kl is not None
-        next_anchor = saved[-2] if streaks_watched and len(saved) >= 2 else None
-        return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor, next_anchor) if s is not None}
+        # a streak from the next step restores the one before the latest, or before the step whose weights the
+        # latest holds (a rollback's re-save)
+        before = self.weights_of(saved[-1]) if saved else None
+        next_anchors = {saved[-2] if len(saved) >= 2 else None,
+                        next((s for s in reversed(saved) if s < before), None) if saved else None} if streaks_watched \
+            else set()
+        return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor, *next_anchors) if s is not None}
 
     def state_dict(self) -> dict:
         return {"consecutive_skips": self.consecutive_skips, "skip_anchor": self.skip_anchor,
                 "kl_streak": self.kl_streak, "kl_anchor": self.kl_anchor, "best_val": self.best_val,
                 "best_step": self.best_step, "rollbacks": self.rollbacks, "saved": list(self.saved),
-                "validated": [[step, accuracy] for step, accuracy in sorted(self.validated.items())]}
+                "validated": [[step, accuracy] for step, accuracy in sorted(self.validated.items())],
+                "went_on_from": [[step, restored] for step, restored in sorted(self.went_on_from.items())]}
 
     def load_state_dict(self, state: Mapping) -> None:
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
@@ -263,6 +285,7 @@ class Guard:
         self.validated = {int(step): float(accuracy) for step, accuracy in state.get("validated", [])}
         if self.best_step is not None:
             self.validated.setdefault(self.best_step, self.best_val)
+        self.went_on_from = {int(step): int(restored) for step, restored in state.get("went_on_from", [])}
 
 
 def _exceeds(drop: float, limit: float) -> bool:
