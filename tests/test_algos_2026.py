@@ -365,6 +365,25 @@ def test_dynamic_sampling_fills_the_batch_from_the_reward_table():
     assert batch.meta["uid"][::2] == [(0, 1), (1, 4), (1, 6), (2, 9)]
 
 
+def test_dynamic_sampling_keeps_an_extra_that_only_some_generation_batches_report():
+    """A reward function may report a metric (or a pred) only where it has one, so a generation batch's extras can
+    lack a key another's has: the first batch's keys were taken for all (a KeyError, or the key lost)."""
+    def rollout(prompts):
+        batch, extras = _fake_rollout(prompts)
+        if prompts.meta["uid"][0] == 4:  # only the second generation batch reports them
+            rows = [(uid, k) for uid in prompts.meta["uid"] for k in range(2)]
+            extras["fmt"] = torch.tensor([uid * 10.0 + k for uid, k in rows])
+            extras["pred"] = [f"p{uid}-{k}" for uid, k in rows]
+        return batch, extras
+
+    (_, extras, _), _ = _collect(rollout=rollout)  # rows of prompts 1 (batch 1), 4 and 6 (batch 2), 9 (batch 3)
+    nan = float("nan")
+    torch.testing.assert_close(extras["fmt"], torch.tensor([nan, nan, 40.0, 41.0, 60.0, 61.0, nan, nan]),
+                               equal_nan=True)
+    assert extras["pred"] == [None, None, "p4-0", "p4-1", "p6-0", "p6-1", None, None]
+    assert extras["responses"] == ["r1-0", "r1-1", "r4-0", "r4-1", "r6-0", "r6-1", "r9-0", "r9-1"]
+
+
 def test_dynamic_sampling_pads_batches_of_different_widths():
     (batch, _, _), _ = _collect()
     # batch 1 (prompt width 2, responses 3), batch 2 (width 3, responses 4), batch 3 (width 4, responses 3)

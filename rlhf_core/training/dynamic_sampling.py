@@ -13,6 +13,7 @@ trainer supplies its actor and reward and a test supplies a fixed reward table.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -54,10 +55,20 @@ def select_extras(extras: dict, rows: list[int]) -> dict:
 
 
 def concat_extras(parts: list[dict]) -> dict:
+    """The reward extras of several generation batches, row after row. A key some batches lack (a reward function
+    reports a metric, or a ``pred``, only where it has one) covers their rows too: NaN in a tensor, None in a list,
+    as the reward manager fills a response that did not report it."""
+    def missing(part: dict, like: torch.Tensor | list) -> torch.Tensor | list:
+        rows = len(next(iter(part.values())))
+        if isinstance(like, torch.Tensor):
+            return torch.full((rows,), math.nan, dtype=like.dtype, device=like.device)
+        return [None] * rows
+
     merged = {}
-    for name in parts[0]:
-        values = [p[name] for p in parts]
-        merged[name] = torch.cat(values) if isinstance(values[0], torch.Tensor) else [v for p in values for v in p]
+    for name in dict.fromkeys(name for part in parts for name in part):
+        like = next(part[name] for part in parts if name in part)
+        pieces = [part[name] if name in part else missing(part, like) for part in parts]
+        merged[name] = torch.cat(pieces) if isinstance(like, torch.Tensor) else [v for piece in pieces for v in piece]
     return merged
 
 
