@@ -50,9 +50,12 @@ def _config(model, *extra):
     ])
 
 
-def rollout_batch(n_rows: int = 8, prompt_len: int = 5, response_len: int = 6, seed: int = 0) -> Batch:
+def rollout_batch(n_rows: int = 8, prompt_len: int = 5, response_len: int = 6, seed: int = 0,
+                  empty: tuple[int, ...] = ()) -> Batch:
     """A fixed rollout batch (no sampling): left-padded prompts, responses of varied lengths, and the
-    old log-probs, advantages, returns and values a PPO update needs."""
+    old log-probs, advantages, returns and values a PPO update needs. ``empty``: rows whose response counts
+    for nothing (its mask all zeros, as rollout rejection leaves a row), so that workers hold unequal numbers
+    of responses as well as of tokens."""
     g = torch.Generator().manual_seed(seed)
     prompt_valid = torch.randint(2, prompt_len + 1, (n_rows,), generator=g)
     response_valid = torch.randint(1, response_len + 1, (n_rows,), generator=g)
@@ -61,6 +64,7 @@ def rollout_batch(n_rows: int = 8, prompt_len: int = 5, response_len: int = 6, s
     prompt_mask = (torch.arange(prompt_len) >= prompt_len - prompt_valid[:, None]).long()
     response_mask = (torch.arange(response_len) < response_valid[:, None]).long()
     attention_mask = torch.cat([prompt_mask, response_mask], 1)
+    response_mask[list(empty)] = 0
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     shape = (n_rows, response_len)
     return Batch({
@@ -107,13 +111,14 @@ def _steering_hook(token_id: int, force: bool):
 class _TestWorker(DistributedWorker):
     """A rank of the test group (the class travels to the workers by value)."""
 
-    def fsdp_update_and_generate(self, model: str, balance: bool = False, extra: tuple[str, ...] = ()) -> dict:
-        """The sharded update on this rank's share (laid out by tokens with ``balance``; ``extra`` overrides);
-        then a generation in which rank 0's responses end at their first token while rank 1's run to the length
-        limit."""
+    def fsdp_update_and_generate(self, model: str, balance: bool = False, extra: tuple[str, ...] = (),
+                                 empty: tuple[int, ...] = ()) -> dict:
+        """The sharded update on this rank's share (laid out by tokens with ``balance``; ``extra`` overrides;
+        ``empty`` as :func:`rollout_batch`'s); then a generation in which rank 0's responses end at their first
+        token while rank 1's run to the length limit."""
         cfg = _config(model, *UPDATE_OVERRIDES, *extra)
         tokenizer = load_tokenizer(model)
-        batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
+        batch, n = rollout_batch(empty=empty), cfg.actor_rollout_ref.rollout.n
         mini_rows = cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n
         result = one_update(cfg, tokenizer, batch, n, minibatch_shares(batch, mini_rows, WORLD, balance)[self.rank])
         actor = result.pop("worker")
@@ -182,22 +187,28 @@ def test_group(ray_cluster):
     group.shutdown()
 
 
-@pytest.mark.parametrize(("balance", "loss_agg_mode"), [(False, "token-mean"), (True, "token-mean"),
-                                                       (False, "seq-mean-token-sum")],
-                         ids=["as_the_rows_come", "balanced_by_tokens", "seq_mean_token_sum"])
+@pytest.mark.parametrize(("balance", "loss_agg_mode", "empty"), [
+    (False, "token-mean", ()), (True, "token-mean", ()), (False, "seq-mean-token-sum", (0, 4)),
+    (False, "seq-mean-token-mean", (0, 4)), (False, "seq-mean-token-sum-norm", (0, 4))],
+    ids=["as_the_rows_come", "balanced_by_tokens", "seq_mean_token_sum", "seq_mean_token_mean",
+         "seq_mean_token_sum_norm"])
 def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_step(test_group, model_dir, balance,
-                                                                                    loss_agg_mode):
+                                                                                    loss_agg_mode, empty):
     """Actor (full weights, reference copy) and critic (LoRA): the same log-probs, values, metrics and
     weights after an update with grad clipping active, on one worker and on two, whether the ranks take
     each mini-batch's rows as they come or laid out by tokens (trainer.balance_batch), and whether the losses
     are divided by the mini-batch's tokens or by its responses (loss_agg_mode, the critic's following the actor's):
-    by the counts over both ranks, as one worker counts them."""
+    by the counts over both ranks, as one worker counts them. Where the losses count responses, rows 0 and 4
+    (rank 0's, as the rows come) hold none, so the ranks' counts differ: a count taken from one rank and
+    multiplied out would pass with equal counts."""
     from transformers import AutoModelForCausalLM
 
-    extra = (f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}",)
-    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir, balance, extra)
+    # a value clip range small enough that a good share of the critic's tokens is clipped (the clip fraction then
+    # tells a wrong aggregation from the right one)
+    extra = (f"actor_rollout_ref.actor.loss_agg_mode={loss_agg_mode}", "critic.cliprange_value=0.05")
+    ranks = test_group.execute_all("fsdp_update_and_generate", model_dir, balance, extra, empty)
     cfg = _config(model_dir, *UPDATE_OVERRIDES, *extra)
-    batch, n = rollout_batch(), cfg.actor_rollout_ref.rollout.n
+    batch, n = rollout_batch(empty=empty), cfg.actor_rollout_ref.rollout.n
     single = one_update(cfg, load_tokenizer(model_dir), batch, n)
 
     # log-probs and values of the shares, gathered in rank order, are the single worker's (the shares
@@ -214,10 +225,12 @@ def test_fsdp2_update_on_two_workers_equals_one_worker_and_generation_stays_in_s
         torch.testing.assert_close(gathered, single[key][rows], rtol=1e-5, atol=1e-6, msg=key)
     # the clip is active (grad norm above grad_clip), so the total norm over the shards matters
     assert single["actor_metrics"]["actor/grad_norm"] > 0.05 and single["critic_metrics"]["critic/grad_norm"] > 0.05
+    assert single["critic_metrics"]["critic/vf_clipfrac"] > 0.2 and single["actor_metrics"]["actor/pg_clipfrac"] > 0.2
     for role in ("actor_metrics", "critic_metrics"):
         for name, value in single[role].items():
-            # a clip fraction counts exact ties decided by rounding (values + (vpreds - values) vs vpreds)
-            tolerance = {"abs": 0.05} if "clipfrac" in name else {"rel": 1e-4, "abs": 1e-6}
+            # the value clip fraction counts exact ties decided by rounding (values + (vpreds - values) against
+            # vpreds): a token or two of a mini-batch's 15 or more
+            tolerance = {"abs": 0.05} if name == "critic/vf_clipfrac" else {"rel": 1e-4, "abs": 1e-6}
             assert ranks[0][role][name] == pytest.approx(value, **tolerance), name
     for role in ("actor", "critic"):
         sharded = ranks[0][role]
