@@ -365,6 +365,45 @@ class _Killed(BaseException):
     """What a SIGKILL is to the code it stops: nothing after it runs."""
 
 
+def _killed_while_replacing(root: Path, step: int, monkeypatch) -> None:
+    """Save ``step`` again over its checkpoint, killed after the old one is set aside and before the new one is in
+    place; then make the set-aside folder's pid a dead process's, as a new process finds it."""
+    from rlhf_core import atomic
+
+    rename = os.rename
+
+    def killed_before_the_move(src, dst):
+        if ".tmp-" in os.fspath(src):  # the new copy's move into place
+            raise _Killed()
+        rename(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", killed_before_the_move)
+    with pytest.raises(_Killed):
+        checkpoint.write_checkpoint(root, step, lambda files: files.text("a.txt", "new") or [])
+    monkeypatch.setattr(atomic.os, "rename", rename)
+    aside, = (child for child in root.iterdir() if ".old-" in child.name)
+    rename(aside, aside.with_name(aside.name.replace(f"-{os.getpid()}-", f"-{_dead_pid()}-")))
+    assert not (root / f"global_step_{step}").exists()
+
+
+@pytest.mark.parametrize("next_act", ["resume", "save"])
+def test_a_save_killed_while_replacing_a_checkpoint_leaves_the_old_one_to_resume_from(tmp_path, monkeypatch,
+                                                                                   next_act):
+    """Replacing a checkpoint (a rollback's or the last validation's save of a step saved before) sets the old one
+    aside, then moves the new one in: killed between the two, the set-aside folder was the only copy, the latest
+    marker named a checkpoint that was not there (the resume refused), and the next save swept it away."""
+    checkpoint.write_checkpoint(tmp_path, 1, lambda files: files.text("a.txt", "old") or [])
+    _killed_while_replacing(tmp_path, 1, monkeypatch)
+    if next_act == "resume":
+        assert checkpoint.latest_checkpoint(tmp_path, verify=True) == tmp_path / "global_step_1"
+    else:
+        checkpoint.write_checkpoint(tmp_path, 2, lambda files: files.text("a.txt", "two") or [])
+        assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [1, 2]
+    assert (tmp_path / "global_step_1" / "a.txt").read_text() == "old"
+    checkpoint.verify_checkpoint(tmp_path / "global_step_1")
+    assert not [child for child in tmp_path.iterdir() if ".old-" in child.name]
+
+
 def test_a_prune_killed_while_deleting_leaves_nothing_the_next_save_does_not_sweep(tmp_path, monkeypatch):
     """Pruning renames a part out of view, then deletes it; a process killed in between left the renamed part
     inside a checkpoint that keeps its critic, where no later save looked. Trash an older version left there

@@ -433,11 +433,37 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+#: a checkpoint a save set aside to replace it (``.global_step_N.old-<pid>-<ns>``, :mod:`rlhf_core.atomic`)
+_SET_ASIDE = re.compile(r"\.(global_step_\d+)\.old-\d+-(\d+)")
+
+
+def recover_set_aside(root: str | os.PathLike) -> list[Path]:
+    """Put back the checkpoints a save set aside to replace them and never replaced: a process killed between
+    moving the old ``global_step_N`` aside and moving the new one into place leaves the set-aside folder as the
+    only copy, and the latest marker naming a checkpoint that is not there. A complete one (its manifest there)
+    whose process is gone becomes ``global_step_N`` again; the newest first where there are several. Returns the
+    checkpoints put back."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = sorted(((int(match.group(2)), child, root / match.group(1)) for child in root.iterdir()
+                    if (match := _SET_ASIDE.fullmatch(child.name)) and child.is_dir()), reverse=True)
+    restored = []
+    for _, aside, target in found:
+        if target.exists() or not (aside / MANIFEST).is_file() or running_elsewhere(staging_owner(aside.name)):
+            continue
+        os.rename(aside, target)
+        fsync_dir(root)
+        restored.append(target)
+    return restored
+
+
 def latest_checkpoint(root: str | os.PathLike, verify: bool = False) -> Path | None:
     """The checkpoint named by ``latest_checkpointed_iteration.txt``; None when there is no such file.
 
     CheckpointError when it names no complete checkpoint; with ``verify``, none that passes
-    :func:`verify_checkpoint` (which reads it whole).
+    :func:`verify_checkpoint` (which reads it whole). A checkpoint a killed save had set aside to replace it is
+    put back first (:func:`recover_set_aside`).
     """
     marker = Path(root) / LATEST_FILE
     if not marker.is_file():
@@ -446,6 +472,8 @@ def latest_checkpoint(root: str | os.PathLike, verify: bool = False) -> Path | N
     if not text.isdigit():
         raise CheckpointError(f"{marker} should hold a step number, found {text[:40]!r}")
     path = step_dir(root, int(text))
+    if not path.exists():
+        recover_set_aside(root)
     try:
         verify_checkpoint(path) if verify else read_manifest(path)
     except CheckpointError as exc:
@@ -1022,7 +1050,8 @@ def write_checkpoint(root: str | os.PathLike, step: int, fill: Callable[[Checkpo
         raise CheckpointError(f"{final} holds a checkpoint verl wrote ({verl[0].relative_to(final)}), "
                               f"which no save replaces: save into another {key}")
     previous = None
-    with contextlib.suppress(CheckpointError):
+    with contextlib.suppress(CheckpointError, OSError):
+        recover_set_aside(root)  # (before the sweep below, which removes what is set aside)
         previous = latest_checkpoint(root)
     intact = f"; the previous checkpoint {previous} is intact" if previous else ""
     files: CheckpointFiles | None = None
