@@ -594,3 +594,19 @@ def test_a_read_only_folder_as_a_step_saves_says_how_to_keep_the_run_and_a_move_
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         assert_same_metrics(got[step], expected[step], step)
+
+
+def test_a_rollout_stream_saved_on_another_kind_of_device_gives_way_to_a_fresh_one_with_a_notice(workspace, tmp_path,
+                                                                                                capsys):
+    """trainer.device may change on a resume, but a CUDA generator's state (16 bytes) does not fit a CPU one
+    (5,056) nor the other way: the load of the checkpoint failed as "cannot be loaded into the actor"."""
+    trainer = build_trainer(load_config(overrides(workspace, tmp_path / "run")))
+    generator = trainer.actor.rollout.generator
+    fresh = generator.get_state()
+    state = trainer.actor.extra_state()
+    assert state["rollout_generator"].numel() == 5056  # a CPU generator's
+    state["rollout_generator"] = torch.zeros(16, dtype=torch.uint8)  # the size of a CUDA generator's state
+    trainer.actor.load_extra_state(state)
+    assert torch.equal(generator.get_state(), fresh)
+    assert ("notice: the rollout's random stream was saved on another kind of device than this run's (cpu)"
+            in capsys.readouterr().err)

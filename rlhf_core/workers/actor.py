@@ -377,8 +377,18 @@ class ActorWorker(CheckpointableWorker):
 
     def load_extra_state(self, state: dict) -> None:
         super().load_extra_state(state)
-        if state.get("rollout_generator") is not None and hasattr(self.rollout, "generator"):
-            self.rollout.generator.set_state(state["rollout_generator"])
+        saved = state.get("rollout_generator")
+        if saved is None or not hasattr(self.rollout, "generator"):
+            return
+        generator = self.rollout.generator
+        if saved.numel() != generator.get_state().numel():  # saved on another kind of device (trainer.device)
+            if distributed.rank() == 0:
+                print(f"notice: the rollout's random stream was saved on another kind of device than this run's "
+                      f"({generator.device.type}), whose stream cannot take it: sampling goes on from a fresh "
+                      "stream of the run's seed, so the responses differ from the saved run's",
+                      file=sys.stderr, flush=True)
+            return
+        generator.set_state(saved)
 
     def load_shards(self, folder: str | Path, weights_only: bool = False) -> None:
         super().load_shards(folder, weights_only)
