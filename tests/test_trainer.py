@@ -477,10 +477,16 @@ def _one_update(root, model, micro, dynamic=False, *extra):
     trainer.actor.rollout.eos_ids = torch.arange(4, 24)
     before = [{k: v.clone() for k, v in m.module.state_dict().items()} for m in (trainer.actor, trainer.critic)]
     trainer.micro_batches = {"actor": [], "critic": []}  # the token count of each micro-batch the updates ran
+
+    def counted(seen):
+        def hook(module, args, kwargs):
+            if torch.is_grad_enabled():  # (packed rows, use_remove_padding, carry no mask: every token is one)
+                mask = kwargs.get("attention_mask")
+                seen.append(int(mask.sum()) if mask is not None else kwargs["input_ids"].numel())
+        return hook
+
     for role, worker in (("actor", trainer.actor), ("critic", trainer.critic)):
-        worker.module.register_forward_pre_hook(
-            lambda module, args, kwargs, seen=trainer.micro_batches[role]: seen.append(
-                int(kwargs["attention_mask"].sum())) if torch.is_grad_enabled() else None, with_kwargs=True)
+        worker.module.register_forward_pre_hook(counted(trainer.micro_batches[role]), with_kwargs=True)
     metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
     return trainer, before, metrics
 
