@@ -41,24 +41,27 @@ def decide_against_production(client: Client, model_name: str, evaluation: dict,
     production = _production(client, model_name)
     decision = decide_from_evaluation(evaluation, production.name if production else None,
                                       min_improvement=min_improvement, alpha=alpha, skipped_reason=skip_reason or None)
-    if decision.promote:  # look again right before the stage changes
+    if decision.promote:  # look again right before the stage changes (another version promoted, or this one archived)
         now = _production(client, model_name)
-        if now is not None and (production is None or now.id != production.id):
-            return decide_from_evaluation(evaluation, now.name, min_improvement=min_improvement, alpha=alpha), now
+        if (now.id if now else None) != (production.id if production else None):
+            return decide_from_evaluation(evaluation, now.name if now else None, min_improvement=min_improvement,
+                                          alpha=alpha), now
     return decision, production
 
 
 def pending_promotion(client: Client, model, evaluation: dict, min_improvement: float, alpha: float):
-    """The promotion an earlier attempt of this step carried out but did not mark done, decided again against the
-    production version its pending record names; None where there is none (this version is not production, or
-    production with no pending record of its own).
+    """The promotion an earlier attempt of this step carried out, decided again against the production version its
+    record names; None where there is none (this version is not production, or production with no record of its
+    own promotion, pending or done).
 
-    A retry after the stage was set finds this version in production: decided against production now (itself),
-    the evaluation, paired with the version it replaced, reads as "production changed during this run" and a
-    refusal would be written over a production version. The evaluation and the gate are the first attempt's, so
+    A retry after the stage was set finds this version in production, its record pending, or done where the attempt
+    failed after marking it (logging the step's metadata, storing its output): decided against production now
+    (itself), the evaluation, paired with the version it replaced, reads as "production changed during this run" and
+    a refusal would be written over a production version. The evaluation and the gate are the first attempt's, so
     the decision against the version it recorded is that attempt's decision."""
     production = _production(client, model.name)
-    if production is None or production.id != model.id or production.run_metadata.get(PROMOTION) != "pending":
+    if (production is None or production.id != model.id
+            or production.run_metadata.get(PROMOTION) not in ("pending", "done")):
         return None
     replaced = production.run_metadata.get("previous_production_version")
     decision = decide_from_evaluation(evaluation, replaced, min_improvement=min_improvement, alpha=alpha)

@@ -1443,24 +1443,38 @@ def test_a_promotion_stopped_after_the_stage_is_production_with_its_reason_and_r
     assert step.run_metadata["production_record"] == not_done
 
 
-def test_a_retry_after_the_stage_was_set_marks_the_promotion_done_rather_than_deciding_again(monkeypatch, capsys):
-    """The first attempt of promote sets the stage and stops before marking its record done; ZenML's retry finds the
-    version in production: it finishes that promotion, not refuses it as paired with a production since replaced."""
+@pytest.mark.parametrize("stopped", ["after the stage", "after the record"])
+def test_a_retry_after_the_stage_was_set_marks_the_promotion_done_rather_than_deciding_again(monkeypatch, capsys,
+                                                                                            stopped):
+    """The first attempt of promote sets the stage and stops before marking its record done, or after (logging the
+    step's own metadata); ZenML's retry finds the version in production: it finishes that promotion, not refuses it
+    as paired with a production since replaced (which, after the record, wrote a refusal over production's)."""
     from zenml import Model
 
+    import steps.promote
     from rlhf_core.cli import pipeline as cli
     from rlhf_core.pipeline.lineage import lineage
 
-    model, set_stage, attempts = "promote-retried-after-stage", Model.set_stage, []
+    model, set_stage, attempts = f"promote-retried-{stopped.replace(' ', '-')}", Model.set_stage, []
+    log_metadata, logged = steps.promote.log_metadata, []
 
     def set_then_stop_once(self, *args, **kwargs):
         set_stage(self, *args, **kwargs)
         attempts.append(1)
-        if len(attempts) == 1:
+        if len(attempts) == 1 and stopped == "after the stage":
             raise RuntimeError("planted failure")
 
+    def stop_once_after_the_record(metadata, **kwargs):
+        if not kwargs and not logged:  # the step's own metadata, after the version's record was marked done
+            logged.append(metadata)
+            raise RuntimeError("planted failure")
+        log_metadata(metadata, **kwargs)
+
+    if stopped == "after the record":
+        monkeypatch.setattr(steps.promote, "log_metadata", stop_once_after_the_record)
     run = _promote_retried(model, monkeypatch, set_then_stop_once)
     assert str(run.status) == "completed" and attempts == [1]  # the retry did not set the stage again
+    assert len(logged) == (stopped == "after the record")
     version = zenml_client().get_model_version(model, 1)
     assert str(version.stage) == "production"
     meta = version.run_metadata

@@ -260,6 +260,14 @@ def test_a_version_promoted_by_another_run_meanwhile_turns_the_promotion_into_a_
     decision, production = decide_against_production(Client(None, seven), "m", evaluation, 0.0, 0.05)
     assert not decision.promote and production is seven
     assert "production is version 7 but the evaluation was paired with no production version" in decision.reason
+    # version 4, the production the evaluation was paired with (and beaten), archived between the two looks
+    four = SimpleNamespace(name="4", id="v4")
+    against_four = {**evaluation, "production_version": "4", "production_results": dict.fromkeys(ids, False)}
+    decision, production = decide_against_production(Client(four, four), "m", against_four, 0.0, 0.05)
+    assert decision.promote and production is four
+    decision, production = decide_against_production(Client(four, None), "m", against_four, 0.0, 0.05)
+    assert not decision.promote and production is None
+    assert "production is no version but the evaluation was paired with version 4" in decision.reason
 
 
 def test_production_is_evaluated_from_its_checkpoint_where_its_stored_results_do_not_pair():
