@@ -505,6 +505,25 @@ def test_data_replaced_after_validation_is_caught_before_it_is_used(tmp_path):
         check_unchanged(train, val, validated, "train_ppo")
 
 
+def test_data_replaced_while_it_is_validated_is_caught_by_the_validation(tmp_path, monkeypatch):
+    """The fingerprint was taken after the suite ran: files replaced meanwhile (a tokenizer pass over GSM8K takes
+    seconds) got a report whose fingerprint vouched for bytes never validated, and training took them."""
+    import rlhf_core.data.validation as validation
+
+    train = write(tmp_path / "train.parquet", records(4))
+    validate_frames = validation.validate_frames
+
+    def replaced_meanwhile(*args, **kwargs):
+        report = validate_frames(*args, **kwargs)
+        write(train, records(5))
+        return report
+
+    monkeypatch.setattr(validation, "validate_frames", replaced_meanwhile)
+    with pytest.raises(validation.DataChangedError, match="data validation: the data files changed since they were "
+                                                          "validated"):
+        validate_dataset(train)
+
+
 # ---------------------------------------------------------------------------------------------
 # Prompts trained without a ground truth (a reward model at rule_coef=0, or a custom reward function)
 
@@ -740,6 +759,16 @@ def test_over_long_prompt_reports_share_over(tmp_path, char_tokenizer):
     )
     assert tolerant.success
     assert tolerant.find("prompt_length_within_limit")[0].statistics["share_over"] == pytest.approx(0.25)
+    # 7 of 10 rows over: a tolerance of 0.7 takes them (1 - 0.7 rounds to 0.30000000000000004 in floats), 0.6 not
+    rows = records(10)
+    for row in rows[:7]:
+        row["prompt"][0]["content"] += " Please show every step of your working."
+    path = write(tmp_path / "ten.parquet", rows)
+    limit = max(len(row["prompt"][0]["content"]) for row in rows[7:])
+    for tolerance, passes in ((0.7, True), (0.6, False)):
+        report = validate_dataset(path, tokenizer=char_tokenizer, max_prompt_length=limit,
+                                  overlong_tolerance=tolerance)
+        assert report.success is passes, tolerance
 
 
 def test_length_check_needs_tokenizer_and_limit(valid_files, char_tokenizer):

@@ -951,7 +951,7 @@ def validate_frames(train: pd.DataFrame, val: pd.DataFrame | None = None, tokeni
         if kind == "prompt" and "prompt_tokens" in frame and min_kept[position] is not None:
             frame["prompt_within_limit"] = (frame["prompt_tokens"] <= limit).astype("float64")  # NaN: not kept
         suite = _suite(kind, frame, name, leaked=leaked if position else None, is_val=position == 1, limit=limit,
-                       unit="tokens" if tokenizer is not None else "characters", mostly=1.0 - overlong_tolerance,
+                       unit="tokens" if tokenizer is not None else "characters", mostly=_kept_share(overlong_tolerance),
                        known_sources=None if custom_reward else sorted(map(str, known_sources or [])),
                        skipped=skipped, ground_truth_required=truth_required[position],
                        ground_truth_reason=ground_truth_reason[position], **keys,
@@ -981,15 +981,28 @@ def check_unchanged(train: Paths, val: Paths | None, validated: str | None, wher
             "stays put while it runs")
 
 
+def _kept_share(overlong_tolerance: float) -> float:
+    """GX's ``mostly`` for at most ``overlong_tolerance`` of the rows over: ``1 - t`` without the float rounding
+    that put it above the share a run exactly at the tolerance keeps (1 - 0.7 is 0.30000000000000004, above 3 of
+    10 rows)."""
+    return round(1.0 - overlong_tolerance, 12)
+
+
 def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = None,
                      max_prompt_length: int | None = None, *, kind: str | None = "auto",
                      **options: Any) -> ValidationReport:
     """Read the parquet file(s) and validate them (see :func:`validate_frames` for ``options``).
 
     Several files of one split are joined, their rows numbered on; the report carries the splits'
-    :func:`splits_fingerprint`. Raises :class:`DataReadError` for an unreadable file or tokenizer.
+    :func:`splits_fingerprint`, taken before they are read: files replaced while the suite runs raise
+    :class:`DataChangedError` rather than give the fingerprint of bytes never validated. Raises
+    :class:`DataReadError` for an unreadable file or tokenizer.
     """
     train_files, val_files = _files(train), _files(val) if val is not None else []
+    try:
+        fingerprint = splits_fingerprint(train_files, val_files)
+    except OSError:  # (the read below names the file and what is wrong with it)
+        fingerprint = None
     tables = [[_mark_widened(read_parquet(p), p) for p in files] for files in (train_files, val_files)]
     frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
     # the trainer numbers a row without extra_info.index by its row in its own file, not in the joined table
@@ -1003,7 +1016,8 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     report = validate_frames(frames[0], frames[1], tokenizer, max_prompt_length, kind=kind, **options,
                              paths=(",".join(map(str, train_files)), ",".join(map(str, val_files)) or None),
                              file_rows=(rows[0], rows[1]), missing_in_file=(partial[0], partial[1]))
-    report.fingerprint = splits_fingerprint(train_files, val_files)
+    check_unchanged(train_files, val_files or None, fingerprint, "data validation")
+    report.fingerprint = fingerprint
     for info, files, table in zip(report.datasets, (train_files, val_files), tables):
         if len(files) > 1:
             report.file_spans[info.name] = [(str(path), len(frame)) for path, frame in zip(files, table)]
