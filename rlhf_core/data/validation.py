@@ -1001,7 +1001,7 @@ def validate_dataset(train: Paths, val: Paths | None = None, tokenizer: Any = No
     train_files, val_files = _files(train), _files(val) if val is not None else []
     try:
         fingerprint = splits_fingerprint(train_files, val_files)
-    except OSError:  # (the read below names the file and what is wrong with it)
+    except (DataReadError, ValueError):  # (the read below names the file and what is wrong with it)
         fingerprint = None
     tables = [[_mark_widened(read_parquet(p), p) for p in files] for files in (train_files, val_files)]
     frames = [pd.concat(table, ignore_index=True) if table else None for table in tables]
