@@ -174,6 +174,25 @@ def test_duplicate_pairs_name_every_row_of_the_repeated_pair():
     assert json.loads(outcome.examples[0][1]) == [rows[1]["prompt"], rows[1]["chosen"], rows[1]["rejected"]]
 
 
+def test_a_prompt_shared_by_train_and_val_is_caught_where_parquet_gave_its_messages_other_keys(tmp_path):
+    """A message with a field the others lack (a name) gives every message of its file that key, null: the same
+    prompt in the other split, without it, passed as another prompt, to the suite and to the trainer's check."""
+    from rlhf_core.data.preference import PreferenceDataError, check_preference_files
+
+    train, val = pairs(4), pairs(3, offset=50, split="test")
+    val[0] = copy.deepcopy(train[1])
+    val[2]["prompt"] = [{**val[2]["prompt"][0], "name": "alice"}]
+    pd.DataFrame(train).to_parquet(tmp_path / "train.parquet")
+    pd.DataFrame(val).to_parquet(tmp_path / "val.parquet")
+    stored = pd.read_parquet(tmp_path / "val.parquet")["prompt"][0]
+    assert [dict(m) for m in stored] == [{**train[1]["prompt"][0], "name": None}]  # as parquet reads it back
+    report = validate_preference_files(tmp_path / "train.parquet", tmp_path / "val.parquet")
+    assert failed(report) == [("no_train_val_leakage", "prompt_json", "val")]
+    assert report.failures[0].examples == [(0, '[{"content": "What is 1 + 4?", "role": "user"}]')]
+    with pytest.raises(PreferenceDataError, match="1 prompt"):
+        check_preference_files([tmp_path / "train.parquet"], [tmp_path / "val.parquet"])
+
+
 def test_prompts_shared_by_train_and_val_name_the_val_rows():
     from pathlib import Path
 

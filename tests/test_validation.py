@@ -1522,6 +1522,13 @@ def test_a_prompt_repeated_with_another_ground_truth_fails_with_both_rows(tmp_pa
     first = rows[1]["reward_model"]["ground_truth"]  # "5": (2*1+3)
     assert first == "5"
     assert report.failures[0].examples == [(1, "5 | 99"), (4, "5 | 99")]
+    # one file's messages all get a key one of them has (a name), null on the others: the prompt is the same
+    extra = records(4)
+    extra[3]["prompt"] = [{**extra[3]["prompt"][0], "name": "x"}]
+    extra[2]["prompt"] = copy.deepcopy(rows[1]["prompt"])
+    extra[2]["reward_model"]["ground_truth"] = "99"
+    joined = validate_dataset([write(tmp_path / "a.parquet", rows[:2]), write(tmp_path / "b.parquet", extra[2:])])
+    assert failed(joined) == [("prompt_has_one_ground_truth", "prompt_conflicting_truths", "train")]
     frame = pd.DataFrame(records(2))
     frame["prompt"] = [frame["prompt"][0]] * 2
     frame["reward_model"] = [{"style": "rule", "ground_truth": 4}, {"style": "rule", "ground_truth": "4"}]

@@ -558,9 +558,16 @@ def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
         raise PreferenceDataError(f"{where}: {unknown}")
 
 
+def present_fields(message) -> dict:
+    """A message's fields that hold something: parquet gives every message of a file each key any of them has (a
+    ``name`` on one message, ``name: None`` on all the others), which the chat template renders as absent."""
+    return {key: value for key, value in dict(message).items() if value is not None}
+
+
 def canonical_prompt(prompt) -> str:
-    """The prompt's messages as sorted-key JSON: what tells train prompts from val prompts."""
-    return json.dumps([dict(m) for m in prompt], sort_keys=True)
+    """The prompt's messages (their fields that hold something) as sorted-key JSON: what tells train prompts from
+    val prompts."""
+    return json.dumps([present_fields(m) for m in prompt], sort_keys=True)
 
 
 def check_preference_files(train: list[Path], val: list[Path]) -> dict:

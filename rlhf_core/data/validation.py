@@ -517,8 +517,10 @@ def _conflicting_truths(conversations: Sequence[list[dict] | None], truths: Iter
     those ground truths (as stored, sorted, ``" | "`` between them), else None: one of them rewards the right answer
     as wrong. Truths the rule reads as one answer (``1,000`` and ``1000``, ``$5`` and ``5``:
     :func:`~rlhf_core.rewards.gsm8k.expected_answer`) agree."""
-    keys = [json.dumps([str(source), m], sort_keys=True, ensure_ascii=False, default=str) if m else None
-            for m, source in zip(conversations, sources)]
+    from rlhf_core.data.preference import present_fields
+
+    keys = [json.dumps([str(source), [present_fields(message) for message in m]], sort_keys=True, ensure_ascii=False,
+                       default=str) if m else None for m, source in zip(conversations, sources)]
     seen: dict[str, dict[str, set[str]]] = {}  # by prompt: the truths as stored, by the answer the rule reads
     for key, truth in zip(keys, truths):
         if key is not None and truth is not None:
