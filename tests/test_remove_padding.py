@@ -128,11 +128,15 @@ def test_packed_attention_runs_each_sequence_causally_in_its_own_row_without_a_m
     monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention", spy)
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=packed_attention.NAME).eval()
     config = model.config
+    given = []  # the mask the model hands its layers: none (transformers built the packed row's T x T one)
+    model.model.layers[0].register_forward_pre_hook(
+        lambda layer, args, kwargs: given.append(kwargs.get("attention_mask")), with_kwargs=True)
     with torch.no_grad():
         model(**packed_inputs(batch)[0], use_cache=False)
     rows = (len(batch), config.num_attention_heads, int(lengths.max()), config.hidden_size // config.num_attention_heads)
     assert len(calls) == config.num_hidden_layers
     assert all(q == rows and k[2] == rows[2] and mask is None and causal for q, k, mask, causal in calls)
+    assert given == [None]
 
 
 def test_unpacked_calls_go_through_transformers_sdpa_unchanged(model_dir):

@@ -10,7 +10,8 @@ sequences apart: flash attention's variable-length kernel does it on CUDA, and t
 Here, attention for a packed row lays its queries, keys and values out one sequence per row, right-padded to the
 longest (an index copy, and its gradient an index back), runs torch's scaled-dot-product attention with
 ``is_causal`` and packs the output back. With every pad after its sequence's tokens, causal attention never lets
-a real token see one, so no mask is built; the pad rows' outputs are dropped. Calls that are not a packed row
+a real token see one, so no mask is built (:func:`packed_sdpa_mask` asks transformers for none); the pad rows'
+outputs are dropped. Calls that are not a packed row
 (the rollout's left-padded prompts, decode steps against a KV cache, a single sequence) go to transformers' sdpa
 attention unchanged, with its usual masks.
 
@@ -95,5 +96,18 @@ def packed_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch
     return layout.to_packed(out), None
 
 
+def packed_sdpa_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                     attention_mask: torch.Tensor | None = None, local_size: int | None = None, **kwargs):
+    """No mask for one row of queries over its own keys without padding, cache or window (a packed row, whose
+    sequences :func:`packed_sdpa_forward` keeps apart itself, or a single sequence, which sdpa then runs with
+    ``is_causal``): for a packed row transformers would build the (tokens x tokens) block-diagonal mask, quadratic in
+    its length, that the forward never reads. Any other call gets transformers' sdpa mask."""
+    if (batch_size == 1 and attention_mask is None and q_length == kv_length and not q_offset and not kv_offset
+            and local_size is None):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask,
+                     local_size=local_size, **kwargs)
+
+
 AttentionInterface.register(NAME, packed_sdpa_forward)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks of the calls that are not a packed row
+AttentionMaskInterface.register(NAME, packed_sdpa_mask)
