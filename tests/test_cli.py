@@ -96,6 +96,8 @@ DATA_LIBRARIES = ("pandas", "numpy", "pyarrow", "torch", "great_expectations", "
      "rlhf synthetic: error: --n-train must be at least 1"),
     ("preference", ["--synthetic", "--output", "out", "--n-val", "0"],
      "rlhf preference: error: --n-train and --n-val must be at least 1"),
+    ("preference", ["--gsm8k-solutions", "solutions.jsonl", "--output", "out", "--val-fraction", "1.5"],
+     "rlhf preference: error: --val-fraction must be in (0, 1), got 1.5"),  # (exit 1, as bad data, once read)
     ("validate", ["--json"], "rlhf validate: error: the following arguments are required: train")])
 def test_the_data_commands_help_and_a_usage_error_answer_without_importing_pandas(repo_root, command, wrong, said):
     """``rlhf gsm8k --help`` (synthetic, preference, validate) took about 2.5 s: their module imported the data
@@ -290,7 +292,7 @@ def test_a_reward_function_that_fails_in_the_dry_run_exits_2_with_one_line_as_in
         assert capsys.readouterr().err.splitlines() == [f"error: {said}"]
 
 
-def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, capsys):
+def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, capsys, monkeypatch):
     """An --output (or --html) that cannot be written came out as the OSError's traceback, the HTML report's after
     the whole evaluation; a file in the way stands in here for a read-only folder (the tests may run as root)."""
     a_file = tmp_path / "notes.txt"
@@ -301,6 +303,18 @@ def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, ca
         assert cli.main(argv) == 2, argv
         assert capsys.readouterr().err.splitlines() == [
             f"error: {out}: Not a directory; give an --output folder this user may write"]
+    # an --output written with ~ (as gsm8k's default is), which the shell leaves where '=' joins it to the option:
+    # the home folder's, as the trainer reads it (synthetic and preference made a folder named '~' here)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for argv in (["synthetic", "--output=~/notes.txt/out", "--n-train", "4", "--n-test", "2"],
+                 ["preference", "--synthetic", "--output=~/notes.txt/out", "--n-train", "4", "--n-val", "2"]):
+        assert cli.main(argv) == 2, argv
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: {out}: Not a directory; give an --output folder this user may write"]
+    assert cli.main(["synthetic", "--output=~/made", "--n-train", "4", "--n-test", "2"]) == 0
+    assert (tmp_path / "made" / "train.parquet").is_file() and not (tmp_path / "~").exists()
+    capsys.readouterr()
     assert cli.main(["toy-model", "--preset", "test", "--output", str(out)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: cannot build into {out}: Not a directory; give --output a folder this user may write"]

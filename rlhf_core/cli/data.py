@@ -33,7 +33,7 @@ def _os_problem(exc: OSError, output: str) -> str:
     # (a file where the folder goes: the folder's mkdir said only "File exists")
     reason = "a file, not a folder" if isinstance(exc, FileExistsError) and os.path.isfile(exc.filename) else None
     said = f"{exc.filename}: {reason or exc.strerror or exc}"
-    within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(output))
+    within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(os.path.expanduser(output)))
     return f"{said}; give an --output folder this user may write" if within else said
 
 
@@ -129,6 +129,7 @@ def synthetic(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
+    args.output = os.path.expanduser(args.output)  # (--output=~/x reaches here with its ~, as the trainer expands it)
     options = {
         "min_ops": args.min_ops,
         "max_ops": args.max_ops,
@@ -207,6 +208,7 @@ def preference(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
+    args.output = os.path.expanduser(args.output)  # (--output=~/x reaches here with its ~, as the trainer expands it)
     this = "--synthetic" if args.synthetic else "--trl" if args.trl else "--gsm8k-solutions"
     sources = {"--n-train": ["--synthetic"], "--n-val": ["--synthetic"], "--val-fraction": ["--gsm8k-solutions", "--trl"],
                "--data-source": ["--trl"]}
@@ -220,6 +222,8 @@ def preference(argv: list[str] | None = None) -> int:
     n_val = 400 if args.n_val is None else args.n_val
     if args.synthetic and (n_train < 1 or n_val < 1):
         parser.error("--n-train and --n-val must be at least 1")
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:  # (before the source is read)
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction:g}")
     with importing():
         from rlhf_core.data.preference import (
             GSM8K_SOURCE,

@@ -51,7 +51,7 @@ def toy_model(argv: list[str] | None = None) -> int:
         )
 
     expected = settings_hash(args.preset, args.seed)
-    target = Path(args.output) if args.output else default_cache_dir() / f"{args.preset}-{expected}"
+    target = Path(args.output).expanduser() if args.output else default_cache_dir() / f"{args.preset}-{expected}"
     reused = not args.force and (read_marker(target) or {}).get("hash") == expected
     written = target if args.output else target.parent  # (the cache's build is staged beside its folder)
     if not reused and (problem := unwritable(written)):
@@ -97,8 +97,8 @@ def gguf(argv: list[str] | None = None) -> int:
     from rlhf_core.models.gguf import read_marker as read_import_marker
 
     try:
-        file = package_gguf(args.package) if args.package is not None else Path(args.gguf)
-        out, reused = import_gguf(file, args.output, force=args.force)
+        file = package_gguf(args.package) if args.package is not None else Path(args.gguf).expanduser()
+        out, reused = import_gguf(file, Path(args.output).expanduser(), force=args.force)
     except GGUFImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
