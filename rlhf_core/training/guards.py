@@ -44,7 +44,8 @@ next validation sets a new best and the trainer checkpoints it. For this each gu
 the validations at saved steps (in its ``state_dict``; a checkpoint without them clears the best instead).
 The checkpoint the trainer writes right after a rollback (at the step G the run had reached) holds S's weights,
 so it takes S's scores: a later rollback to G finds S's validation there.
-A resume forgets a best whose checkpoint is not among those it can restore (:meth:`Guard.keep_restorable`).
+A resume replaces a best whose checkpoint is not among those it can restore with the best validated one that is
+(:meth:`Guard.keep_restorable`).
 
 The checkpoints a guard may still need (the best one, the anchor while a streak is running,
 and, while the non-finite or KL guard is on, the one before the latest: the anchor of a
@@ -255,12 +256,12 @@ class Guard:
         being written (pruning runs before :meth:`on_checkpoint` records it), so that the one before it is kept."""
         saved = self.saved if saving is None else [s for s in self.saved if s < saving] + [saving]
         streaks_watched = self.config.max_consecutive_skips is not None or self.config.max_kl is not None
-        # a streak from the next step restores the one before the latest, or before the step whose weights the
-        # latest holds (a rollback's re-save)
-        before = self.weights_of(saved[-1]) if saved else None
-        next_anchors = {saved[-2] if len(saved) >= 2 else None,
-                        next((s for s in reversed(saved) if s < before), None) if saved else None} if streaks_watched \
-            else set()
+        next_anchors: set[int | None] = set()
+        if streaks_watched and saved:
+            # a streak from the next step restores the one before the latest or, where the latest is a rollback's
+            # re-save, the one before the weights it holds
+            held = self.weights_of(saved[-1])
+            next_anchors = {saved[-2] if len(saved) >= 2 else None, next((s for s in reversed(saved) if s < held), None)}
         return {s for s in (self.best_step, self.skip_anchor, self.kl_anchor, *next_anchors) if s is not None}
 
     def state_dict(self) -> dict:

@@ -795,7 +795,7 @@ class PPOTrainer:
 
         The guards may roll back to the checkpoints the run saved before it (their steps are in its state), where
         they are still whole beside ``path``: never to another run's that share the folder. A guard's best that is
-        not among them is forgotten (:meth:`Guard.keep_restorable`)."""
+        not among them gives way to the best validated one that is (:meth:`Guard.keep_restorable`)."""
         path = Path(os.path.expanduser(str(path)))
         checkpoint.load_checkpoint(self, path)
         self.resumed, self.resumed_from = True, path  # the validation before training is behind it
