@@ -13,7 +13,14 @@ from rlhf_core.algos import AdaptiveKLController, FixedKLController
 from rlhf_core.config import ConfigError, GuardConfig, load_config
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.training import checkpoint
-from rlhf_core.training.guards import Guard, GuardError, GuardEvent, measured_kl, tighten_kl_control
+from rlhf_core.training.guards import (
+    Guard,
+    GuardError,
+    GuardEvent,
+    best_validated,
+    measured_kl,
+    tighten_kl_control,
+)
 from rlhf_core.workers.group import WorkerError
 
 # ----------------------------------------------------------------------------- decisions
@@ -1018,3 +1025,10 @@ def test_a_stop_right_after_a_resume_from_a_path_says_to_resume_the_checkpoint_i
     with pytest.raises(GuardError, match=f"restored {out / 'global_step_1'} and marked it latest: fix the cause, "
                                          "then rerun with trainer.resume_mode=auto to resume from it"):
         resumed.apply_guard_event(GuardEvent("kl_explosion", "stop", 1, "KL too high"))
+
+
+def test_the_best_validation_is_the_highest_score_and_the_earliest_among_equals():
+    """What a resume falls back on (both guards): a run that saw 0.5 at step 2 and again at step 4 kept step 2."""
+    assert best_validated({4: 0.5, 2: 0.5, 3: 0.4}, lambda accuracy: accuracy) == (2, 0.5)
+    assert best_validated({5: (0.9, 0.3), 6: (0.2, 0.6)}, lambda scores: scores[1]) == (6, (0.2, 0.6))
+    assert best_validated({}, lambda accuracy: accuracy) is None

@@ -103,6 +103,12 @@ class GuardEvent:
     message: str
 
 
+def best_validated(validated: Mapping[int, object], score) -> tuple[int, object] | None:
+    """The (step, validation) of ``validated`` whose ``score(validation)`` is highest, the earliest step among
+    equals (the one a run that saw them in order kept as its best); None where there are none."""
+    return max(validated.items(), key=lambda item: (score(item[1]), -item[0]), default=None)
+
+
 def measured_kl(metrics: Mapping[str, float]) -> float | None:
     """The step's KL: the largest of :data:`KL_METRICS` present (the KL loss per token,
     :data:`KL_LOSS_TOKEN_MEAN`, where the step has it); ``inf`` when one is not finite; None when there is
@@ -173,7 +179,7 @@ class Guard:
         self.saved = list(saved)
         self.validated = {s: v for s, v in self.validated.items() if s in self.saved}
         if self.best_step is not None and self.best_step not in self.saved:
-            kept = max(self.validated.items(), key=lambda item: (item[1], -item[0]), default=None)
+            kept = best_validated(self.validated, lambda accuracy: accuracy)
             self.best_step, self.best_val = kept if kept else (None, None)
         # a streak under way keeps going, anchored on the newest checkpoint it can restore at or before its own
         self.skip_anchor = self.anchor(self.skip_anchor) if self.skip_anchor is not None else None
@@ -447,7 +453,7 @@ class OverOptimisationGuard:
         of the validations kept, or to none."""
         self.validated = {s: scores for s, scores in self.validated.items() if s in saved}
         if self.best_step is not None and self.best_step not in saved:
-            kept = max(self.validated.items(), key=lambda item: (item[1][1], -item[0]), default=None)
+            kept = best_validated(self.validated, lambda scores: scores[1])  # (proxy, gold): by gold
             self.best_step, (self.best_proxy, self.best_gold) = (kept[0], kept[1]) if kept else (None, (None, None))
 
     def protected_steps(self) -> set[int]:
