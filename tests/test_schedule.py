@@ -236,6 +236,11 @@ def test_weekdays_are_read_as_crontab_reads_them(cron, fires):
     # a fixed time inside the hour the clocks go back (Paris, 25 October 2026: 03:00 CEST becomes 02:00 CET) comes
     # twice; cron runs such a job once
     ("30 2 * * *", ["2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00", "2026-10-27T02:30:00+01:00"]),
+    # several times in that hour: none runs again until the clock passes the latest one run (02:30), so neither 02:00
+    # nor 02:30 comes a second time (after 02:30+02:00 the clock shows 02:00 again, earlier than 02:30)
+    ("0,30 2 * * *", ["2026-10-25T02:00:00+02:00", "2026-10-25T02:30:00+02:00", "2026-10-26T02:00:00+01:00",
+                      "2026-10-26T02:30:00+01:00"]),
+    ("0 2-3 * * *", ["2026-10-25T02:00:00+02:00", "2026-10-25T03:00:00+01:00", "2026-10-26T02:00:00+01:00"]),
     # a wildcard hour runs in both copies of the hour, as cron's does
     ("30 * * * *", ["2026-10-25T01:30:00+02:00", "2026-10-25T02:30:00+02:00", "2026-10-25T02:30:00+01:00",
                     "2026-10-25T03:30:00+01:00"]),

@@ -189,8 +189,9 @@ def _once_at_repeated_time_class():
     from apscheduler.triggers.base import BaseTrigger
 
     class OnceAtRepeatedTime(BaseTrigger):
-        """``trigger``, whose next fire time is skipped where it shows the previous one's clock time again (the hour
-        the clocks go back: 02:30+02:00, then 02:30+01:00)."""
+        """``trigger``, whose next fire time is skipped where its clock time is not past the previous one's (the hour
+        the clocks go back: 02:30+02:00, then 02:30+01:00; with 0,30 2, 02:00+01:00 after 02:30+02:00 too), as cron
+        holds a fixed-time job back until the clock passes the latest time it ran."""
 
         def __init__(self, trigger):
             self.trigger = trigger
@@ -198,7 +199,7 @@ def _once_at_repeated_time_class():
         def get_next_fire_time(self, previous_fire_time, now):
             fire = self.trigger.get_next_fire_time(previous_fire_time, now)
             while fire is not None and previous_fire_time is not None \
-                    and fire.replace(tzinfo=None) == previous_fire_time.replace(tzinfo=None):
+                    and fire.replace(tzinfo=None) <= previous_fire_time.replace(tzinfo=None):
                 fire = self.trigger.get_next_fire_time(fire, fire)
             return fire
 
