@@ -22,8 +22,8 @@ from zenml.enums import ExecutionMode, ModelStages
 from pipelines.rlhf_ppo import DEFAULT_MODEL
 from rlhf_core.pipeline.checked import checked_parameters, run_by_zenml
 from rlhf_core.pipeline.failure import mark_failed_version
-from rlhf_core.pipeline.run_config import check_run_config
-from steps.check_new_data import check_new_data, check_production_exists
+from rlhf_core.pipeline.run_config import RunConfigError, check_run_config
+from steps.check_new_data import check_new_data, check_production_exists, reused_version
 from steps.define_reward import define_reward
 from steps.discard_skipped_version import discard_skipped_version
 from steps.evaluate import evaluate
@@ -50,7 +50,10 @@ def rlhf_retrain_pipeline(
     training was already done and refused, unless ``force``."""
     # while the pipeline compiles: before the run, its model version or any step
     check_run_config(trainer_config, overrides, train_files, val_files, min_improvement, alpha)
-    model_name = get_pipeline_context().model.name
+    model = get_pipeline_context().model
+    model_name = model.name
+    if problem := reused_version(model_name, model.version):  # a skipped run would delete the version it reused
+        raise RunConfigError(problem)
     check_production_exists(model_name)  # the warm start: refused now, not after two steps and a failed version
     production = Model(name=model_name, version=ModelStages.PRODUCTION)
     ppo_config = load_ppo_config(trainer_config, overrides, train_files, val_files, run_nonce=uuid.uuid4().hex)

@@ -25,7 +25,8 @@ from rlhf_core.pipeline.promotion import (
     unrecorded,
 )
 
-__all__ = ["check_new_data", "check_production_exists", "config_fingerprint", "gate", "refused_before"]
+__all__ = ["check_new_data", "check_production_exists", "config_fingerprint", "gate", "refused_before",
+           "reused_version"]
 
 logger = get_logger(__name__)
 
@@ -68,6 +69,28 @@ def check_production_exists(model_name: str) -> None:
         return
     if not found:
         raise RunConfigError(no_production(model_name))
+
+
+def reused_version(model_name: str, version) -> str | None:
+    """Why a retraining run may not go into the model version ``version`` (a run config's ``model.version``), or
+    None where it makes a new one (no version given, or a name no version has yet: ZenML fills a template's
+    ``{date}``/``{time}`` as the run starts). A stage or a number names an existing version, and so may a name:
+    ZenML would reuse it, this run's gate would record its fingerprints on it, and a skipped run would tag it and
+    delete it (:func:`~steps.discard_skipped_version.discard_skipped_version`), production's own version where
+    ``version: production``. The store is asked only for a plain name, and not where it cannot be read."""
+    if version is None:
+        return None
+    text = str(version)
+    hint = ("the retraining makes a new version each run: leave model.version out of the run config, or give a "
+            "name no version has, e.g. a template such as 'nightly-{date}'")
+    if text.lower() in {stage.value for stage in ModelStages} or text.isdigit():
+        return f"model.version {text!r} names an existing version of {model_name!r} (a stage or a number); {hint}"
+    try:
+        taken = Client().list_model_versions(model=f"equals:{model_name}", name=f"equals:{text}", size=1).total
+    except Exception:  # noqa: BLE001 - a store that cannot be read: the discard step checks again before deleting
+        logger.debug("model version %s of %s not looked up", text, model_name, exc_info=True)
+        return None
+    return f"model.version {text!r} is an existing version of {model_name!r}; {hint}" if taken else None
 
 
 #: the evaluate step's parameters that decide which problems a candidate is judged on, and how it is run on them

@@ -248,6 +248,47 @@ def test_retraining_on_unchanged_data_is_skipped_and_leaves_no_model_version(tra
     assert (Path(local_dir) / run.name / "SKIPPED.txt").read_text() == (folder / "SKIPPED.txt").read_text()
 
 
+def test_a_retraining_into_an_existing_model_version_is_refused_before_the_run(trained):
+    """A run config's model.version that named production (or any existing version) made ZenML reuse it: on
+    unchanged data the gate recorded this run's fingerprints on it, promote tagged it skipped and the last step
+    deleted it, so that the model had no production version left (and no later retraining could warm-start)."""
+    from zenml import Model
+    from zenml.utils.pagination_utils import depaginate
+
+    from pipelines.retrain import rlhf_retrain_pipeline
+    from rlhf_core.pipeline.run_config import RunConfigError
+
+    client = zenml_client()
+    client.create_model_version(MODEL, name="nightly")
+    before = [(v.name, v.stage) for v in depaginate(client.list_model_versions, model=MODEL)]
+    for version, told in (("production", "names an existing version of 'tiny-ppo-policy' (a stage or a number)"),
+                          ("1", "names an existing version of 'tiny-ppo-policy' (a stage or a number)"),
+                          ("nightly", "is an existing version of 'tiny-ppo-policy'")):
+        pipeline = rlhf_retrain_pipeline.with_options(model=Model(name=MODEL, version=version))
+        with pytest.raises(RunConfigError, match=re.escape(f"model.version {version!r} {told}; the retraining makes "
+                                                           "a new version each run")):
+            pipeline(trainer_config=str(tiny_setup().trainer_config), train_files=str(tiny_setup().train_file),
+                     val_files=str(tiny_setup().val_file))
+    assert [(v.name, v.stage) for v in depaginate(client.list_model_versions, model=MODEL)] == before
+    client.delete_model_version(client.get_model_version(MODEL, "nightly").id)
+
+
+def test_the_skipped_runs_discard_keeps_a_version_it_did_not_make(trained):
+    """The discard step's last look before deleting: production's version, or one another run made, is kept."""
+    from steps.discard_skipped_version import not_this_runs_own
+
+    client = zenml_client()
+    _, (first_run_id, second_run_id) = trained
+    production, second = _version("production"), _version(2)  # version 2: the retraining's, refused
+    assert production.number == 1 and second.stage is None
+    assert not_this_runs_own(client, production.id, first_run_id) == "it is the production version"
+    first_run = client.get_pipeline_run(first_run_id).name
+    assert not_this_runs_own(client, second.id, first_run_id) == (
+        f"runs before this one made it: {client.get_pipeline_run(second_run_id).name}")
+    assert not_this_runs_own(client, second.id, second_run_id) is None  # its own: the one a skipped run deletes
+    assert first_run != client.get_pipeline_run(second_run_id).name
+
+
 def test_retraining_on_data_a_refused_version_was_trained_on_is_skipped(trained):
     """Version 2 was trained on the new data from version 1 and refused (above): the same run again, from the
     same production with the same config and reward, would repeat it."""
