@@ -122,7 +122,11 @@ def user_code(path: Path, cwd: Path | None = None) -> tuple[str, set[str], dict[
                 continue
             for base in bases:
                 for name in names:
-                    stem = base.joinpath(*name.split("."))
+                    pieces = name.split(".")
+                    # each package on the way runs its __init__.py first (import a.b.c runs a's and a.b's)
+                    todo += [f for depth in range(1, len(pieces))
+                             if (f := base.joinpath(*pieces[:depth], "__init__.py")).is_file()]
+                    stem = base.joinpath(*pieces)
                     todo += [f for f in (stem.with_suffix(".py"), stem / "__init__.py") if f.is_file()]
     parts += [f"# {dotted}\n{_project_source(*ours[dotted])}" for dotted in sorted(ours)]
     tops = {name.partition(".")[0] for name in imported}
