@@ -66,7 +66,8 @@ def rlhf_retrain_pipeline(
     # from a checkpoint that was not dry-run
     warm_start = production.get_model_artifact("ppo_checkpoint")
     smoke_report = smoke_test(ppo_config, reward_spec, skip_reason=skip_reason, init_from=warm_start)
-    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, skip_reason=skip_reason)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, skip_reason=skip_reason,
+                                                reward_spec=reward_spec)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec, skip_reason=skip_reason)
     decision = promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement,
                        alpha=alpha, skip_reason=skip_reason)

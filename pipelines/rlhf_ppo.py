@@ -45,7 +45,7 @@ def rlhf_ppo_pipeline(
     _, _, dataset_fingerprint = validate_data(ppo_config)
     reward_spec = define_reward(ppo_config, dataset_fingerprint)
     smoke_report = smoke_test(ppo_config, reward_spec)
-    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_spec=reward_spec)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)
 

@@ -57,7 +57,8 @@ def rlhf_rm_pipeline(
     reward_model, _ = train_reward_model(ppo_config, preference_fingerprint, min_pair_accuracy=min_pair_accuracy)
     reward_spec = define_reward(ppo_config, dataset_fingerprint, after="train_reward_model")
     smoke_report = smoke_test(ppo_config, reward_spec, reward_model=reward_model)
-    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_model=reward_model)
+    checkpoint, training_summary, _ = train_ppo(ppo_config, smoke_report, reward_model=reward_model,
+                                                reward_spec=reward_spec)
     evaluation, _, _ = evaluate(ppo_config, checkpoint, training_summary, reward_spec)
     promote(evaluation, dataset_fingerprint, reward_spec, smoke_report, min_improvement=min_improvement, alpha=alpha)
 

@@ -14,7 +14,7 @@ from zenml.logger import get_logger
 from zenml.utils.pagination_utils import depaginate
 
 from rlhf_core.config import PPOConfig
-from rlhf_core.pipeline.evaluate import resolve_policy_dir
+from rlhf_core.pipeline.evaluate import check_reward_unchanged, resolve_policy_dir
 from rlhf_core.pipeline.smoke import run_smoke_test
 from steps.train_ppo import input_artifact_label, score_with, start_from
 
@@ -58,7 +58,8 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
     """Two PPO iterations on a tiny clone: finite losses, on-policy first step, the reward's acc on the validation
     responses 0 or 1 (as the evaluate step counts each problem right or wrong), checkpoint round trip; with
     ``reward_model`` (the artifact train_ppo is given) its rollouts are scored by it, and with ``init_from``
-    (a warm start's checkpoint artifact) the policy starts from it, as training's will.
+    (a warm start's checkpoint artifact) the policy starts from it, as training's will. A reward changed since
+    ``reward_spec`` pinned it stops the step before the dry run.
 
     The report names the warm start's artifact (``init_from_artifact_id``) and the version of this model it is
     linked to (``init_from_version``: :func:`linked_version`, None where none is), skipped or not: train_ppo
@@ -75,6 +76,7 @@ def smoke_test(ppo_config: dict, reward_spec: dict, skip_reason: str = "", n_pro
         log_metadata({"skipped": skip_reason, **recorded})  # (the lineage: the warm-start input went unused)
         return {"passed": None, "skipped": skip_reason, **tested}
     cfg = PPOConfig.from_dict(ppo_config)
+    check_reward_unchanged(cfg, reward_spec, "smoke_test")  # the reward define_reward checked, not one edited since
     if reward_model is not None:
         score_with(cfg, reward_model)
     if init_from is not None:

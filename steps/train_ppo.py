@@ -17,7 +17,7 @@ from rlhf_core.config import PPOConfig
 from rlhf_core.data.dataset import as_file_list
 from rlhf_core.data.validation import check_unchanged
 from rlhf_core.main_ppo import run
-from rlhf_core.pipeline.evaluate import resolve_policy_dir, training_curves_png
+from rlhf_core.pipeline.evaluate import check_reward_unchanged, resolve_policy_dir, training_curves_png
 from rlhf_core.pipeline.lineage import artifact_label
 from rlhf_core.pipeline.promotion import config_fingerprint
 from rlhf_core.pipeline.training import add_resume_advice, resume_own_checkpoint, stable_copy, whole_history
@@ -73,6 +73,7 @@ def train_ppo(
     smoke_report: dict,
     skip_reason: str = "",
     reward_model: Path | None = None,
+    reward_spec: dict | None = None,
 ) -> tuple[
     Annotated[Path, ArtifactConfig(name="ppo_checkpoint", artifact_type=ArtifactType.MODEL)],
     Annotated[dict, "training_summary"],
@@ -85,7 +86,8 @@ def train_ppo(
     starts from the checkpoint that was dry-run, not from production looked up again (another run may promote a
     version between the two steps). The step records on the model version the version of this model that the
     checkpoint is linked to (``warm_started_from``: the smoke test's ``init_from_version``, production's where it
-    links it), before training, and in its own metadata the artifact (``warm_start_artifact``)."""
+    links it), before training, and in its own metadata the artifact (``warm_start_artifact``). ``reward_spec``
+    (the artifact of define_reward): a reward changed since it was pinned stops the step before training."""
     if skip_reason:
         # nothing trained: a folder that says so, not the warm-start checkpoint stored again as a new artifact (a
         # full copy of production's weights at every skipped scheduled run); this version is never promoted. It is
@@ -99,6 +101,8 @@ def train_ppo(
         log_metadata({"skipped": skip_reason, "steps": 0})
         return folder, {"skipped": skip_reason, "steps": 0, "history": []}, Image.new("RGB", (8, 8), "white")
     cfg = PPOConfig.from_dict(ppo_config)
+    if reward_spec is not None:  # the reward define_reward checked and the smoke test ran, not one edited since
+        check_reward_unchanged(cfg, reward_spec, "train_ppo")
     root = Path(os.path.expanduser(cfg.trainer.default_local_dir))  # what the trainer saves under (it expands ~)
     validated = smoke_report.get("dataset_fingerprint")
     check_unchanged(as_file_list(cfg.data.train_files), as_file_list(cfg.data.val_files), validated, "train_ppo")

@@ -373,6 +373,23 @@ def test_a_reward_edited_after_it_was_pinned_stops_the_evaluation(tmp_path):
         check_reward_unchanged(cfg, pinned, "evaluate")
 
 
+def test_a_reward_edited_after_it_was_pinned_stops_the_smoke_test_and_the_training(tmp_path):
+    """Each step loads the reward file again: edited after define_reward checked it, the dry run and the whole
+    training ran the unchecked code, and an edit undone before the evaluation went unseen."""
+    import steps.smoke_test
+    import steps.train_ppo
+
+    custom = tmp_path / "my_reward.py"
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    cfg = load_config([f"custom_reward_function.path={custom}", "custom_reward_function.name=score_it"])
+    pinned = reward_spec(cfg, data_sources=["anything"])
+    custom.write_text("def score_it(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    with pytest.raises(RewardChangedError, match=r"^smoke_test: the reward changed since define_reward pinned it"):
+        steps.smoke_test.smoke_test.entrypoint(cfg.to_dict(), pinned)
+    with pytest.raises(RewardChangedError, match=r"^train_ppo: the reward changed since define_reward pinned it"):
+        steps.train_ppo.train_ppo.entrypoint(cfg.to_dict(), {}, reward_spec=pinned)
+
+
 def test_the_reward_spec_is_the_same_for_every_load_of_an_unchanged_reward(tmp_path):
     custom = tmp_path / "my_reward.py"
     custom.write_text("def _check(s):\n    return float(s == '1')\n\n"
