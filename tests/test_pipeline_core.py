@@ -77,6 +77,39 @@ def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
     assert "smoke test PASSED" in report.summary()
 
 
+def test_the_dry_run_checks_the_runs_log_prob_pass_against_the_update(big_model_setup, tmp_path, monkeypatch):
+    """The dry run's one mini-batch made the update on-policy, so the trainer skipped the old log-prob pass and
+    step 1's KL was 0 by construction: a pass that disagrees with the update (as the run makes it, with several
+    mini-batches) passed. Here the pass is off by 0.5 a token: the KL is 0.5 and the dry run fails."""
+    from rlhf_core.workers.actor import ActorWorker
+
+    _, _, cfg = big_model_setup
+    report = run_smoke_test(cfg, tmp_path / "sound", n_prompts=4, response_length=8)
+    assert report.metrics[0]["timing_s/old_log_prob"] > 0  # the pass ran
+    sound = ActorWorker.compute_log_prob
+    monkeypatch.setattr(ActorWorker, "compute_log_prob",
+                        lambda self, batch: (lambda out: (out[0] + 0.5, out[1]))(sound(self, batch)))
+    with pytest.raises(SmokeTestError, match=r"smoke test failed at 'on-policy first step': actor/ppo_kl on step 1 "
+                                             r"= (\S+) \(must be") as failed:
+        run_smoke_test(cfg, tmp_path / "broken", n_prompts=4, response_length=8)
+    kl = float(re.search(r"on step 1 = (\S+) ", str(failed.value)).group(1))
+    assert kl == pytest.approx(0.5, abs=1e-5)  # the mean of old - new log-probs over the response tokens
+
+
+def test_the_round_trip_fails_where_loading_restores_nothing(big_model_setup, tmp_path, monkeypatch):
+    """A fresh trainer starts from training's own first weights, and a random clone's answers all score alike
+    (GRPO's advantages 0: the actor never moves): a load that restored nothing passed the round trip."""
+    from rlhf_core.training.trainer import PPOTrainer
+
+    _, _, cfg = big_model_setup
+    grpo = copy.deepcopy(cfg)
+    grpo.algorithm.adv_estimator = "grpo"  # no critic: the actor alone is compared
+    monkeypatch.setattr(PPOTrainer, "load_checkpoint", lambda self, path: None)
+    with pytest.raises(SmokeTestError, match=r"failed at 'checkpoint round trip': saved global_step_2 and loaded it "
+                                             r"into a fresh trainer: \d+ tensors differ"):
+        run_smoke_test(grpo, tmp_path, n_prompts=4, response_length=8)
+
+
 def test_the_dry_run_gives_no_advice_about_its_own_response_cap(big_model_setup, tmp_path, capsys):
     """The dry run cuts responses at its response_length (8 here; the run config says 64): its random clone's
     responses all reach that cap, and the trainer warned "100% of the responses reached

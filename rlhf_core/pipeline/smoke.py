@@ -228,6 +228,14 @@ def _check(report: SmokeReport, name: str, passed: bool, detail: str) -> None:
         raise SmokeTestError(f"smoke test failed at '{name}': {detail}\n{report.summary()}")
 
 
+def _move_trainable(module: torch.nn.Module) -> None:
+    """Add 1 to every parameter ``module`` trains (a LoRA adapter's, not the frozen base it loads again)."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                parameter.add_(1.0)
+
+
 def _state_differences(module_a: torch.nn.Module, module_b: torch.nn.Module) -> list[str]:
     state_a, state_b = module_a.state_dict(), module_b.state_dict()
     if state_a.keys() != state_b.keys():
@@ -370,6 +378,9 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     preflight(small)
     own_cap = cfg.data.max_response_length <= response_length  # (the shrunk config keeps the run's length then)
     with _dry_run_session(small, cloned, own_cap) as trainer:
+        # the run's log-prob pass, which its one mini-batch would skip: step 1's KL is then that pass against the
+        # update's own forward, as in a run of several mini-batches (0 by construction without it)
+        trainer.always_old_log_prob = True
         history = trainer.fit()
         report.metrics = [{k: float(v) for k, v in step.metrics.items() if isinstance(v, (int, float))}
                           for step in history]
@@ -393,6 +404,11 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
             latest = trainer.save_checkpoint()
         with _dry_run_session(small, cloned, own_cap) as fresh:
+            # moved off the weights it starts from (training's too: a random clone's flat scores leave the actor
+            # where it began), so that only what the checkpoint restores makes the two equal
+            _move_trainable(fresh.actor.module)
+            if fresh.critic is not None:
+                _move_trainable(fresh.critic.module)
             fresh.load_checkpoint(latest)
             differing = _state_differences(trainer.actor.module, fresh.actor.module)
             if trainer.critic is not None:

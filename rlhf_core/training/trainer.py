@@ -398,6 +398,9 @@ class PPOTrainer:
         #: checkpoint save (``save_checkpoint``) included, called with its name (innermost last): a memory
         #: sampler's tag, a tracer's span, the console's display of the phase under way
         self.phase_hooks: list[Callable[[str], AbstractContextManager]] = []
+        #: run the old log-prob pass even where the update is on-policy (:meth:`_on_policy_update`): the dry run's
+        #: one mini-batch would otherwise skip the pass whose agreement with the update its KL check measures
+        self.always_old_log_prob = False
         # the step whose batch is drawn and whose training is under way (None between two steps' training, and
         # still set where the training failed): a stop request lets it finish; its failures are that step's
         self.step_under_way: int | None = None
@@ -522,7 +525,7 @@ class PPOTrainer:
         actor updates this step (past ``critic_warmup``)."""
         cfg = self.config
         actor = cfg.actor_rollout_ref.actor
-        return (actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        return (not self.always_old_log_prob and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.rollout.name == "hf"
                 and self.global_step >= cfg.trainer.critic_warmup)
 
