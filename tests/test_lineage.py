@@ -144,21 +144,57 @@ def _link(stage, step, metadata, inputs=None):
             "artifacts": [], "metadata": metadata}
 
 
-def test_the_checkpoint_stage_says_what_it_resumed_from_and_when_it_trained_nothing():
+def test_a_retraining_chain_shows_the_warm_start_under_the_smoke_test_and_what_training_started_from():
+    """The retraining gives production's checkpoint to the smoke test (its init_from input); train_ppo loads the
+    artifact the smoke test's report names, by hand (not one of its regular inputs), and records it and the
+    version it is linked to in its metadata. A run that trains nothing skips both steps."""
     from rlhf_core.pipeline.lineage import format_lineage
 
-    def record(metadata):
+    def record(smoke_metadata, training_metadata):
+        smoke_inputs = {"ppo_config": ["c1"], "reward_spec": ["r1"], "skip_reason": ["s1"], "init_from": ["a1"]}
+        training_inputs = {"ppo_config": ["c1"], "smoke_report": ["p1"], "skip_reason": ["s1"], "reward_spec": ["r1"]}
         return {"model": "m", "version": "4", "stage": None, "run": "r", "pipeline": "rlhf_retrain_pipeline",
                 "run_status": "completed", "run_id": "1", "model_version_metadata": {},
-                "chain": [_link("checkpoint", "train_ppo", metadata, {"init_from": ["a1"]})]}
+                "chain": [_link("smoke test", "smoke_test", smoke_metadata, smoke_inputs),
+                          _link("checkpoint", "train_ppo", training_metadata, training_inputs)]}
 
-    resumed = format_lineage(record({"steps": 3, "warm_started": True,
-                                     "resumed_from": "runs/other/global_step_2"})).splitlines()
-    assert resumed[3:] == ["      warm-started from artifact a1", "      steps: 3", "      warm_started: true",
-                           "      resumed_from: runs/other/global_step_2"]
-    skipped = format_lineage(record({"skipped": "the data is unchanged", "steps": 0})).splitlines()
-    assert skipped[3:] == ["      warm-start artifact (unused: nothing trained) a1",
-                           "      skipped: the data is unchanged", "      steps: 0"]
+    # as the steps log it: the smoke test's result and the warm start it ran from; train_ppo's summary (None
+    # values left out) after the artifact it started from, here a retry that resumed from its own checkpoint
+    smoke = {"passed": True, "wall_s": 2.31, "cloned": True, "parameters": 1536, "target_parameters": 540672,
+             "checks": {"finite_losses": "ok"}, "init_from_artifact_id": "a1", "init_from_version": "1"}
+    training = {"warm_start_artifact": "a1", "steps": 3, "wall_s": 12.5, "final_val_acc": 0.75, "final_score": 0.7,
+                "checkpoint": "global_step_3", "checkpoint_dir": "/runs/r/global_step_3", "local_dir": "/runs/r",
+                "resumed_from": "/runs/r/global_step_2", "warm_started": True, "warm_started_from": "1",
+                "smoke_test_passed": True, "dataset_fingerprint": "9f", "final_metrics": {"step": 3}}
+    assert format_lineage(record(smoke, training)).splitlines()[2:] == [
+        "   smoke test: step smoke_test [completed] - ...",
+        "      warm-started from artifact a1",
+        "      passed: true",
+        "      wall_s: 2.31",
+        "      cloned: true",
+        "      parameters: 1536",
+        "-> checkpoint: step train_ppo [completed] - ...",
+        "      steps: 3",
+        "      checkpoint: global_step_3",
+        "      final_val_acc: 0.75",
+        "      final_score: 0.7",
+        "      wall_s: 12.5",
+        "      warm_started: true",
+        "      warm_started_from: 1",
+        "      warm_start_artifact: a1",
+        "      resumed_from: /runs/r/global_step_2",
+    ]
+    reason = "the data, trainer config and reward are unchanged since production version 1 was trained"
+    skipped = record({"skipped": reason, "init_from_artifact_id": "a1", "init_from_version": "1"},
+                     {"skipped": reason, "steps": 0})
+    assert format_lineage(skipped).splitlines()[2:] == [
+        "   smoke test: step smoke_test [completed] - ...",
+        "      warm-start artifact (unused: nothing trained) a1",
+        f"      skipped: {reason}",
+        "-> checkpoint: step train_ppo [completed] - ...",
+        f"      skipped: {reason}",
+        "      steps: 0",
+    ]
 
 
 def _summary(capsys, version: str, meta: dict, run_id: str, run_name: str, status: str = "failed",
@@ -294,12 +330,22 @@ def test_the_summary_of_a_skipped_retraining_says_so_in_place_of_an_accuracy(cap
 
 
 class _Store:
-    """A pipeline store holding ``models`` ({name: version names, in order}), none of them promoted. It answers
-    as ZenML 0.98's Client does: a page of at most ``size`` items, sorted by ``sort_by`` (``desc:`` first for
-    descending), with the total count; an argument it has not (the deprecated model_name_or_id) is a TypeError."""
+    """A pipeline store holding ``models`` ({name: version names, in order, numbered from 1}), the versions in a
+    stage as ``stages`` says ({model: {version name: stage}}; none by default). It answers as ZenML 0.98's Client
+    does: a page of at most ``size`` items, sorted by ``sort_by`` (``desc:`` first for descending), with the total
+    count; a stage that holds more than one version is a RuntimeError; an argument it has not (the deprecated
+    model_name_or_id) is a TypeError."""
 
-    def __init__(self, models: dict[str, list[str]]):
+    def __init__(self, models: dict[str, list[str]], stages: dict[str, dict[str, str]] | None = None):
         self.models = models
+        self.stages = stages or {}
+
+    def _versions(self, model: str, stage: str | None = None) -> list:
+        from types import SimpleNamespace
+
+        stages = self.stages.get(model, {})
+        return [SimpleNamespace(name=name, number=number) for number, name in enumerate(self.models[model], 1)
+                if stage is None or stages.get(name) == stage]
 
     @staticmethod
     def _page(items: list, sort_by: str, page: int, size: int):
@@ -316,16 +362,20 @@ class _Store:
         assert sort_by.removeprefix("desc:").removeprefix("asc:") == "created"  # (created in dict order here)
         return self._page([SimpleNamespace(name=name) for name in self.models], sort_by, page, size)
 
-    def list_model_versions(self, *, model: str, sort_by: str = "number", page: int = 1, size: int = 20):
-        from types import SimpleNamespace
-
+    def list_model_versions(self, *, model: str, stage: str | None = None, sort_by: str = "number", page: int = 1,
+                            size: int = 20):
         assert sort_by.removeprefix("desc:").removeprefix("asc:") == "number"  # (numbered in list order here)
-        return self._page([SimpleNamespace(name=name) for name in self.models[model]], sort_by, page, size)
+        return self._page(self._versions(model, stage), sort_by, page, size)
 
     def get_model_version(self, model, version):
         names = self.models.get(model, [])
         if version == "latest" and names:
             return names[-1]
+        in_stage = self._versions(model, version) if model in self.models else []
+        if len(in_stage) > 1:
+            raise RuntimeError(f"The model version identifier `{version}` is not unique for model `{model}`.")
+        if in_stage:
+            return in_stage[0]
         raise KeyError(f"no version {version} of {model}")
 
 
@@ -359,6 +409,45 @@ def test_a_model_or_version_not_in_the_store_is_said_with_what_the_store_and_the
     code = cli.demo_summary(args, client=store) if command == "summary" else cli.lineage(args, client=store)
     assert code == 2
     assert capsys.readouterr().err.strip() == expected
+
+
+@pytest.mark.parametrize("versions, expected", [
+    # three promotions: each archived the production version before it
+    ({"1": "archived", "2": "archived", "3": "production"},
+     "error: model 'm' has 2 versions in stage 'archived': 1, 2 (pass --version one of their numbers)"),
+    # many archived: the latest ten, as the versions of a model not found are shown
+    ({**{str(n): "archived" for n in range(1, 13)}, "13": "production", "14": None},
+     "error: model 'm' has 12 versions in stage 'archived': ..., 3, 4, 5, 6, 7, 8, 9, 10, 11, 12 (pass --version "
+     "one of their numbers)"),
+])
+def test_a_stage_that_holds_more_than_one_version_names_them_and_asks_for_a_number(versions, expected, capsys):
+    store = _Store({"m": list(versions)}, {"m": versions})
+    assert cli.lineage(["--model", "m", "--version", "archived"], client=store) == 2
+    assert capsys.readouterr().err.strip() == expected
+
+
+def test_a_stage_that_holds_more_than_one_version_in_a_real_store_is_an_error_not_a_traceback(repo_root, tmp_path):
+    """ZenML answers a stage that holds more than one version (archived, after three promotions) with a
+    RuntimeError: the command came out as a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys\n"
+              "from zenml.client import Client\n"
+              "from rlhf_core.cli import pipeline as cli\n"
+              "client = Client()\n"
+              "client.create_model('m')\n"
+              "for _ in range(3):\n"
+              "    client.create_model_version('m').set_stage('production', force=True)\n"
+              "sys.exit(cli.lineage(['--model', 'm', '--version', 'archived'], client=client))\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml"),
+           "ZENML_REPOSITORY_PATH": str(tmp_path), "ZENML_ANALYTICS_OPT_IN": "false"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          timeout=120)
+    assert (done.returncode, done.stderr.splitlines()[-1:]) == (
+        2, ["error: model 'm' has 2 versions in stage 'archived': 1, 2 (pass --version one of their numbers)"]), \
+        done.stderr[-2000:]
 
 
 def test_the_data_files_of_a_version_are_checked_against_the_fingerprint_it_validated(tmp_path):

@@ -122,6 +122,19 @@ def _not_found(client, model_name: str, version: str | None, version_option: boo
     return LineageError(f"model {model_name!r} has {what}; its versions: {shown}{hint}")
 
 
+def _not_unique(client, model_name: str, stage: str, version_option: bool) -> LineageError | None:
+    """Which versions of ``model_name`` are in ``stage``, and to pick one by its number: a stage other than
+    production may hold many (each promotion archives the production version before it), and ZenML then refuses
+    to pick one. None where the stage holds fewer than two (the store's error was about something else)."""
+    newest = client.list_model_versions(model=model_name, stage=stage, sort_by="desc:number", size=VERSIONS_SHOWN)
+    if newest.total < 2:
+        return None
+    numbers = [str(v.number) for v in reversed(newest.items)]  # (shown oldest first, the latest last)
+    shown = ("..., " if newest.total > len(numbers) else "") + ", ".join(numbers)
+    hint = " (pass --version one of their numbers)" if version_option else ""
+    return LineageError(f"model {model_name!r} has {newest.total} versions in stage {stage!r}: {shown}{hint}")
+
+
 def get_version(client, model_name: str, version: str | None, version_option: bool = True):
     """The model version ``version`` of ``model_name`` (a number, a name or a stage; None: production), or a
     LineageError saying what the store holds instead; ``version_option``: the command takes ``--version``."""
@@ -132,6 +145,11 @@ def get_version(client, model_name: str, version: str | None, version_option: bo
         return client.get_model_version(model_name, wanted)
     except KeyError as exc:
         raise _not_found(client, model_name, version, version_option) from exc
+    except RuntimeError as exc:  # ZenML's answer where the stage asked for holds more than one version
+        error = _not_unique(client, model_name, wanted, version_option) if isinstance(wanted, str) else None
+        if error is None:
+            raise
+        raise error from exc
 
 
 def version_run_id(model_version) -> str | None:
@@ -409,7 +427,8 @@ _HIGHLIGHTS = {
     "reward model": ("held_out_pair_accuracy", "min_pair_accuracy", "passed", "reason", "held_out_loss",
                      "preference_fingerprint", "base_model"),
     "reward": ("reward_sha256", "kind", "functions", "references_checked", "reference_mismatches"),
-    "smoke test": ("passed", "wall_s", "cloned", "parameters", "reward_model"),
+    # skipped: a retraining that trains nothing skips its smoke test too, which then holds no result but why
+    "smoke test": ("skipped", "passed", "wall_s", "cloned", "parameters", "reward_model"),
     "checkpoint": ("skipped", "steps", "checkpoint", "final_val_acc", "final_score", "wall_s", "warm_started",
                    "warm_started_from", "warm_start_artifact", "reward_model", "resumed_from"),
     "evaluation": ("accuracy", "accuracy_ci", "base_accuracy", "n", "budget", "val_fingerprint"),
