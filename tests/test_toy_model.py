@@ -133,7 +133,9 @@ def test_marker_records_the_build(built):
     assert marker["hash"] == toy.settings_hash("test", 0)
     assert marker["preset"] == "test" and marker["seed"] == 0
     assert marker["settings"] == toy.preset_settings("test")
-    assert marker["parameters"] > 0
+    # vocab 100, hidden 32, 1 layer, MLP 64, 2 heads and 2 KV heads (so k and v are 32 x 32), no biases: the
+    # embedding (the tied head counted once), q/k/v/o, gate/up/down, and two layer norms plus the final one
+    assert marker["parameters"] == 100 * 32 + 4 * 32 * 32 + 3 * 32 * 64 + 3 * 32  # 13,536
     assert marker["eval_problems"] == toy.PRESETS["test"]["eval_problems"]
     # each accuracy is the count-weighted mean of its per-operation accuracies (those rounded to 4 places): the
     # first operation of a solution is the sign after the first number of its "<<a+b=c>>" annotation
