@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import subprocess
@@ -964,6 +965,20 @@ def test_fingerprint_is_order_independent_and_byte_sensitive(tmp_path):
     assert fingerprint([a, b]) != before
     with pytest.raises(DataReadError):
         fingerprint([tmp_path / "nope.parquet"])
+
+
+def test_a_file_named_relative_to_the_working_directory_fingerprints_as_its_absolute_name(tmp_path, monkeypatch):
+    """Two files of one name, one given relative: sorted by the path as written, "/.../srv/train.parquet" came
+    before "data/train.parquet", and by the absolute paths after "/.../home/proj/data/train.parquet": the lineage,
+    which fingerprints the absolute paths recorded, said data the run validated had changed since."""
+    elsewhere, here = tmp_path / "srv" / "train.parquet", tmp_path / "home" / "proj" / "data" / "train.parquet"
+    for path, text in ((elsewhere, b"one half"), (here, b"the other half")):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(text)
+    monkeypatch.chdir(tmp_path / "home" / "proj")
+    # worked out by hand: the files in the order of their absolute paths, each after its length in 8 bytes
+    expected = hashlib.sha256((14).to_bytes(8, "big") + b"the other half" + (8).to_bytes(8, "big") + b"one half")
+    assert fingerprint([elsewhere, "data/train.parquet"]) == fingerprint([elsewhere, here]) == expected.hexdigest()
 
 
 def test_the_splits_fingerprint_tells_which_file_is_in_which_split(tmp_path):

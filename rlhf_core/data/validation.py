@@ -369,11 +369,12 @@ def _files(paths: Paths) -> list[Path]:
 def fingerprint(paths: Paths) -> str:
     """SHA-256 over the bytes of ``paths``, independent of the order they are given in.
 
-    The files are hashed in order of their file name (ties broken by the full path), each one
-    preceded by its byte length so that moving bytes from one file into another changes the
-    digest. Moving a dataset to another folder keeps its fingerprint.
+    The files are hashed in order of their file name (ties broken by the absolute path, so that a file
+    named relative to the working directory sorts as its absolute name does), each one preceded by its
+    byte length so that moving bytes from one file into another changes the digest. Moving a dataset to
+    another folder keeps its fingerprint.
     """
-    files = sorted(_files(paths), key=lambda p: (p.name, str(p)))
+    files = sorted(_files(paths), key=lambda p: (p.name, os.path.abspath(os.path.expanduser(p))))
     if not files:
         raise ValueError("fingerprint needs at least one file")
     digest = hashlib.sha256()
