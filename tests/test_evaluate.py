@@ -143,9 +143,16 @@ def test_sampled_metrics_are_named_by_data_source_where_reward_fn_key_routes_the
     frame["reward_fn"] = "synthetic/arithmetic"
     frame.to_parquet(tmp_path / "routed.parquet", index=False)
     result = evaluate_policy(model, str(tmp_path / "routed.parquet"), dataclasses.replace(DATA, reward_fn_key="reward_fn"),
-                             reward_fn=digit_first, max_problems=10, val_kwargs=ValKwargsConfig(do_sample=True, n=2))
+                             reward_fn=digit_first, max_problems=8, val_kwargs=ValKwargsConfig(do_sample=True, n=2))
     assert {key for key in result.sampled if key.startswith("val-core/") and "/acc/mean@" in key} == {
         "val-core/synthetic/a/acc/mean@2", "val-core/synthetic/b/acc/mean@2"}
+    # the sample and the accuracy by source go by the same names: 30 and 10 of the 40 rows, 6 and 2 of 8 (one seed
+    # drew 8 and 0 where the sample was stratified by the routing column, the same for every row)
+    sources = [row["metric_source"] for row in result.problems]
+    assert (sources.count("synthetic/a"), sources.count("synthetic/b")) == (6, 2)
+    assert result.per_source == {
+        source: sum(row["correct"] for row in result.problems if row["metric_source"] == source) / count
+        for source, count in (("synthetic/a", 6), ("synthetic/b", 2))}
 
 
 def test_problems_sharing_an_id_are_refused_before_any_generation(setup, tmp_path):

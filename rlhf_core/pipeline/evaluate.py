@@ -448,7 +448,9 @@ def evaluate_policy(
                              "its own extra_info.index")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1 (prompts generated at once)")
-    selected = stats.stratified_sample([row["data_source"] for row in dataset.rows], max_problems, sample_seed)
+    # stratified by the data_source column, which names the groups (as in training's val-core metrics), not by
+    # the column that routes the reward (data.reward_fn_key), which may send every row to one function
+    selected = stats.stratified_sample([row["metric_source"] for row in dataset.rows], max_problems, sample_seed)
     for source in sorted({dataset.rows[index]["data_source"] for index in selected} if reward_fn is None else ()):
         try:  # a source without a built-in rule, said before the model loads and generates its first batch
             get_reward_fn(source)
@@ -481,6 +483,7 @@ def evaluate_policy(
                     "id": dataset.rows[index]["id"],
                     "index": dataset.rows[index]["index"],
                     "data_source": batch.meta["data_source"][row],
+                    "metric_source": dataset.rows[index]["metric_source"],  # the data_source column's
                     "prompt": dataset.rows[index]["messages"][-1]["content"],
                     "messages": dataset.rows[index]["messages"],  # the whole prompt, for the fingerprint
                     "response": extras["responses"][row],
@@ -498,7 +501,7 @@ def evaluate_policy(
             row[f"mean@{val_kwargs.n}"] = value
     per_source: dict[str, list[bool]] = {}
     for row in rows:
-        per_source.setdefault(row["data_source"], []).append(row["correct"])
+        per_source.setdefault(row["metric_source"], []).append(row["correct"])
     right = sum(row["correct"] for row in rows)
     return EvalResult(
         model=str(model_dir),
