@@ -344,6 +344,9 @@ def _runtime_problems(cfg: PPOConfig) -> list[str]:
     port = cfg.trainer.prometheus_port
     if port:  # (0: any free port)
         with socket.socket() as probe:
+            # as the exporter's server binds (SO_REUSEADDR): the connections of a run scraped a moment ago, left in
+            # TIME_WAIT for a minute, do not hold the port, while a server listening on it still does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError as exc:

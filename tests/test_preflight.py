@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from rlhf_core.config import load_config
@@ -30,9 +32,10 @@ def space(tmp_path_factory) -> Path:
 
 
 def _weights_and_tokenizer(base: Path, target: Path, template: str | None = None) -> None:
-    """Garbage weights (the preflight must not read them) and ``base``'s tokenizer, its chat template replaced
-    where ``template`` is given."""
-    (target / "model.safetensors").write_bytes(b"not weights")
+    """Weights that are not the model's (a whole safetensors file holding one stray head: the preflight reads
+    headers, never the weights) and ``base``'s tokenizer, its chat template replaced where ``template`` is
+    given."""
+    save_file({"score.weight": torch.zeros(1)}, target / "model.safetensors")
     tokenizer = AutoTokenizer.from_pretrained(base)
     if template is not None:
         tokenizer.chat_template = template
@@ -347,6 +350,26 @@ def test_lora_targets_packages_and_the_port_are_checked_before_any_weights_load(
         port = taken.getsockname()[1]
         [error] = _errors(_config(space, f"trainer.prometheus_port={port}"))
     assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")
+
+
+def test_the_port_of_a_run_scraped_a_moment_ago_is_free_and_a_served_one_is_not(space):
+    """The exporter's scrapes leave their connections in TIME_WAIT on its port for a minute after the run: the
+    preflight's plain bind called the port taken where the exporter itself (SO_REUSEADDR) serves it at once, as
+    a quick rerun or a retried step would."""
+    import urllib.request
+
+    from rlhf_core.training.monitoring import PrometheusExporter
+
+    with PrometheusExporter(0) as exporter:
+        port = exporter.port
+        for _ in range(3):
+            with urllib.request.urlopen(exporter.url, timeout=10) as page:
+                page.read()
+        [error] = _errors(_config(space, f"trainer.prometheus_port={port}"))  # served: taken
+        assert error.startswith(f"trainer.prometheus_port={port}: 127.0.0.1:{port} cannot be served (")
+    preflight(_config(space, f"trainer.prometheus_port={port}"))  # closed, its connections in TIME_WAIT: free
+    with PrometheusExporter(port) as again:  # and the exporter does serve it
+        assert again.port == port
 
 
 @pytest.mark.parametrize("uri", ["file:/tmp/mlruns", "/tmp/mlruns", "./mlruns"])
