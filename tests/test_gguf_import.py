@@ -63,6 +63,47 @@ def test_a_folder_holding_a_gguf_file_given_as_the_model_path_points_to_the_impo
         "--output DIR and give DIR)")
 
 
+def test_a_sharded_model_missing_a_shard_is_an_incomplete_copy(tmp_path):
+    """An index naming a shard that is not there passed the check, and the run failed later inside transformers
+    (maybe in a Ray worker) with a bare FileNotFoundError."""
+    from safetensors.torch import load_file, save_file
+
+    from rlhf_core.models.loading import ModelError, check_model_dir
+    from rlhf_core.models.toy import random_toy_model
+
+    folder = random_toy_model(tmp_path / "model", n_layers=1, hidden_size=32, seed=0)
+    assert check_model_dir(folder) == folder
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({name: weights[name] for name in names[:2]}, folder / first)  # the second shard is never written
+    weight_map = {name: first if index < 2 else second for index, name in enumerate(names)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ModelError) as error:
+        check_model_dir(folder)
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.path: {folder} lacks 1 of the 2 weight files that model.safetensors.index.json "
+        f"names (first missing: {second}); is the download or copy incomplete?")
+
+
+def test_a_cut_short_safetensors_file_is_an_incomplete_copy(tmp_path):
+    """A model.safetensors holding half its bytes passed the check, and the load failed with a SafetensorError."""
+    from rlhf_core.models.loading import ModelError, check_model_dir
+    from rlhf_core.models.toy import random_toy_model
+
+    folder = random_toy_model(tmp_path / "model", n_layers=1, hidden_size=32, seed=0)
+    assert check_model_dir(folder) == folder
+    weights = folder / "model.safetensors"
+    with weights.open("r+b") as file:
+        file.truncate(weights.stat().st_size // 2)
+    with pytest.raises(ModelError) as error:
+        check_model_dir(folder)
+    assert str(error.value) == (
+        f"actor_rollout_ref.model.path: {weights} is not a complete safetensors file (Error while deserializing "
+        "header: incomplete metadata, file not fully covered); is the download or copy incomplete?")
+
+
 def test_a_file_that_is_not_gguf_is_named(tmp_path, capsys):
     (tmp_path / "model.gguf").write_bytes(b"PK\x03\x04 a zip archive, not a model")
     assert gguf(["--gguf", str(tmp_path / "model.gguf"), "--output", str(tmp_path / "out")]) == 2

@@ -13,6 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import GenerationConfig, LlamaConfig
 
 from rlhf_core.batch import Batch
@@ -195,11 +196,12 @@ def test_the_real_model_answers_and_stops_at_im_end(tokenizer, smollm2_dir):
 
 
 def _model_dir(path: Path, tokenizer_dir: Path, vocab_size: int) -> Path:
-    """A model directory whose weights cannot load (garbage bytes): preflight must not touch them."""
+    """A model directory whose weights cannot load (a whole safetensors file with none of the model's tensors):
+    preflight reads its header alone."""
     path.mkdir(parents=True)
     LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=1024).save_pretrained(path)
-    (path / "model.safetensors").write_bytes(b"not weights")
+    save_file({}, path / "model.safetensors")
     for name in tokenizer_dir.iterdir():
         if name.is_file() and name.name != "gguf_import.json":
             shutil.copy(name, path / name.name)

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -85,7 +86,40 @@ def check_model_dir(path: str | os.PathLike, key: str = "actor_rollout_ref.model
     if need_weights and not any((folder / name).is_file() for name in WEIGHT_FILES):
         raise ModelError(f"{key}: {folder} has no weights (looked for {', '.join(WEIGHT_FILES)}); "
                          "is the download or copy incomplete?")
+    if need_weights and (problem := _incomplete_weights(folder)):
+        raise ModelError(f"{key}: {problem}; is the download or copy incomplete?")
     return folder
+
+
+def _incomplete_weights(folder: Path) -> str | None:
+    """What is missing or cut short in the weights transformers would load from ``folder`` (the first of
+    :data:`WEIGHT_FILES` there, as it picks them; ``folder`` holds one): shards its index names that are absent,
+    or a safetensors file whose header does not cover the file; None where they look whole. Only headers are read
+    (safe_open maps the file and checks the header's offsets against its size), so this costs milliseconds on
+    every start, where an incomplete copy would otherwise fail minutes later inside the load, maybe in a Ray
+    worker."""
+    name = next(name for name in WEIGHT_FILES if (folder / name).is_file())
+    if name.endswith(".index.json"):
+        try:
+            shards = sorted(set(json.loads((folder / name).read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"{folder / name} cannot be read as a weight index ({type(exc).__name__}: {exc})"
+        if not shards:
+            return f"{folder / name} names no weight files"
+        missing = [shard for shard in shards if not (folder / shard).is_file()]
+        if missing:
+            return (f"{folder} lacks {len(missing)} of the {len(shards)} weight files that {name} names "
+                    f"(first missing: {missing[0]})")
+    else:
+        shards = [name]
+    for shard in shards:
+        if shard.endswith(".safetensors"):
+            try:
+                with safe_open(str(folder / shard), "pt"):
+                    pass
+            except (SafetensorError, OSError) as exc:
+                return f"{folder / shard} is not a complete safetensors file ({exc})"
+    return None
 
 
 def looks_like_hub_id(path: str | os.PathLike) -> bool:
