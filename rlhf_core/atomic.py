@@ -23,14 +23,22 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
 def current_umask() -> int:
-    """The process's umask (reading it means setting it, so it is set back at once)."""
+    """The process's umask: read from /proc/self/status where Linux gives it, else by setting it and setting it
+    back at once (a file another thread makes in between would get the placeholder's mask)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
@@ -215,19 +223,61 @@ def staged_file(path: str | os.PathLike) -> Iterator[Path]:
     On exit it gets the usual mode (0o666 less the umask), is fsynced, renamed over ``path`` with
     ``os.replace``, and the directory fsynced. On an exception the temporary file is removed.
     """
-    path = Path(path)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(name)
-    try:
+    with staged_files([path]) as (tmp,):
         yield tmp
-        os.chmod(tmp, 0o666 & ~current_umask())
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold a SIGINT or SIGTERM that arrives inside the block back until it ends, then raise it (its handler
+    runs then: a Ctrl-C's KeyboardInterrupt). Python runs signal handlers in the main thread whichever thread the
+    signal reaches, so only the main thread's block is held (other threads are not interrupted by them), and
+    only a handler Python set can be swapped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    previous = {number: handler for number, handler in previous.items() if handler is not None}
+    for number in previous:
+        signal.signal(number, lambda received, frame: caught.append(received))
+    try:
+        yield
     finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    if caught:
+        signal.raise_signal(caught[0])
+
+
+@contextlib.contextmanager
+def staged_files(paths: Iterable[str | os.PathLike]) -> Iterator[list[Path]]:
+    """:func:`staged_file` for several files that are to change together: a temporary path beside each of
+    ``paths``; on a clean exit every one is given its mode and fsynced, and only then are they renamed into
+    place, one after the other with SIGINT and SIGTERM held back (:func:`signals_held`: a Ctrl-C arrives once all
+    are in place and their folders synced), so that a failure or an interruption before that leaves every path
+    as it was. On an exception the temporary files are removed."""
+    paths = [Path(path) for path in paths]
+    temps: list[Path] = []
+    try:
+        for path in paths:
+            fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
+            os.close(fd)
+            temps.append(Path(name))
+        yield temps
+        mode = 0o666 & ~current_umask()
+        for tmp in temps:
+            os.chmod(tmp, mode)
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+        with signals_held():
+            for tmp, path in zip(temps, paths):
+                os.replace(tmp, path)
+            for folder in dict.fromkeys(path.parent for path in paths):
+                fsync_dir(folder)
+    finally:
+        for tmp in temps:
+            tmp.unlink(missing_ok=True)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -282,3 +282,71 @@ def test_written_data_and_exported_models_are_readable_as_plainly_written_files_
     save_hf_model(model, model.state_dict(), tmp_path / "export")
     modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "export").iterdir()}
     assert "model.safetensors" in modes and set(modes.values()) == {usual}, modes
+
+
+def _old_pair(tmp_path):
+    import pandas as pd
+
+    from rlhf_core.data.schema import write_parquets_atomic
+
+    files = {tmp_path / "train.parquet": pd.DataFrame({"a": ["old train"]}),
+             tmp_path / "test.parquet": pd.DataFrame({"a": ["old test"]})}
+    write_parquets_atomic(files)
+    new = {path: pd.DataFrame({"a": [f"new {path.stem}"]}) for path in files}
+    return new, lambda: {path.stem: pd.read_parquet(path)["a"].tolist() for path in files}
+
+
+def test_a_pair_interrupted_while_its_second_file_is_synced_keeps_both_old_files(tmp_path, monkeypatch):
+    """Each file was renamed into place as soon as it was synced: a Ctrl-C during train.parquet's fsync (slow for a
+    big file) came after test.parquet was replaced, and left a new test split beside the old training split."""
+    from rlhf_core.data.schema import write_parquets_atomic
+
+    new, read = _old_pair(tmp_path)
+    real_fsync = os.fsync
+
+    def interrupted(fd):
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(".train.parquet."):
+            raise KeyboardInterrupt
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_parquets_atomic(new, overwrite=True)
+    assert read() == {"train": ["old train"], "test": ["old test"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test.parquet", "train.parquet"]  # no staged file left
+
+
+def test_a_ctrl_c_while_the_pair_is_renamed_comes_once_both_are_in_place(tmp_path, monkeypatch):
+    """SIGINT arriving between the two renames is held back until the second is done."""
+    import signal
+
+    from rlhf_core.data.schema import write_parquets_atomic
+
+    new, read = _old_pair(tmp_path)
+    real_replace, renamed = os.replace, []
+
+    def replace(source, target):
+        if not renamed:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered at once unless held back
+        real_replace(source, target)
+        renamed.append(os.path.basename(target))
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        write_parquets_atomic(new, overwrite=True)
+    assert sorted(renamed) == ["test.parquet", "train.parquet"]
+    assert read() == {"train": ["new train"], "test": ["new test"]}
+
+
+def test_the_umask_is_read_without_setting_it(monkeypatch):
+    """Reading it by setting it (and setting it back) left a moment in which a file another thread made got the
+    placeholder's mask: 077 became 022 for it. Linux tells it in /proc/self/status."""
+    from rlhf_core.atomic import current_umask
+
+    before = os.umask(0o077)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask was set to read it"))
+        assert current_umask() == 0o077
+    finally:
+        monkeypatch.undo()
+        os.umask(before)

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from rlhf_core.atomic import staged_file
+from rlhf_core.atomic import staged_files
 
 INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 PROMPT_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")  # as the data commands write them
@@ -62,8 +62,8 @@ def make_record(question: str, solution: str, ground_truth: str, split: str, ind
 
 def write_parquets_atomic(frames: Mapping[Path, pd.DataFrame], overwrite: bool = False) -> list[Path]:
     """Write each frame to its path, all or none: every file is written to a temporary name beside its path first
-    (:func:`~rlhf_core.atomic.staged_file`) and renamed into place only once all are written, so that a run failed
-    or interrupted (Ctrl-C) midway leaves the previous files as they were, never a new train.parquet beside an old
+    (:func:`~rlhf_core.atomic.staged_files`) and renamed into place only once all are written and fsynced, so that
+    a run failed or interrupted (Ctrl-C) midway leaves the previous files as they were, never a new train.parquet beside an old
     test.parquet; the folders it made (the output folder, its missing parents) are removed again, since an empty
     output folder would pass for output. An existing file is kept unless ``overwrite`` (FileExistsError, before
     anything is written)."""
@@ -79,9 +79,9 @@ def write_parquets_atomic(frames: Mapping[Path, pd.DataFrame], overwrite: bool =
             missing = missing.parent
         folder.mkdir(parents=True, exist_ok=True)
     try:
-        with contextlib.ExitStack() as stack:  # each staged file replaces its path as the stack closes, in turn
-            for path, frame in zip(paths, frames.values()):
-                frame.to_parquet(stack.enter_context(staged_file(path)), index=False)
+        with staged_files(paths) as temps:
+            for tmp, frame in zip(temps, frames.values()):
+                frame.to_parquet(tmp, index=False)
     except BaseException:
         for folder in made:  # (left where it holds anything else: another process's files)
             with contextlib.suppress(OSError):
