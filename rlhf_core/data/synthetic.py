@@ -387,7 +387,9 @@ def build_splits(n_train: int, n_test: int, seed: int = 0, exclude: Iterable[str
     Questions are compared as the data validation compares them (whitespace collapsed, the case folded:
     :func:`~rlhf_core.data.validation.question_key`), so that ``exclude`` taken from a prompt file that writes a
     question in other letters' case still keeps it out. The test problems come from their own stream, so they do
-    not change with ``n_train``.
+    not change with ``n_train``. Only the wording is kept apart: a test problem may ask a training problem's
+    arithmetic (the same numbers and operations) in other words, as most do where the options allow few sums
+    (one operation on numbers up to 12: every one of the demo's test problems).
     """
     for name, value in (("n_train", n_train), ("n_test", n_test)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
