@@ -122,6 +122,9 @@ class LineBar(tqdm):
         """No cursor moves: a bar under another one writes its lines below the other's."""
 
     def close(self) -> None:
+        # the final line's rate is the whole run's average, as tqdm's own close gives it (not the smoothed rate as
+        # it stood at the line before, which leaves out what the last interval counted)
+        self._ema_dt = lambda: None
         if not self.disable and self._shown is not None and self.n != self._shown[0]:
             self._write_line()  # the final count, however soon after the last line
         self.leave = False  # (tqdm's close would otherwise draw the bar once more, and end it with "\n")

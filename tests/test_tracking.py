@@ -9,6 +9,7 @@ import os
 import re
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -187,6 +188,27 @@ def test_console_bar_writes_a_line_now_and_then_where_stderr_is_not_a_terminal(t
     lines = err.splitlines()
     assert [line.split(" [")[0] for line in lines] == ["training:   0% 0/300", "training: 100% 300/300"], err
     assert re.fullmatch(r"training: 100% 300/300 \[\d\d:\d\d<00:00, *[\d.]+step/s\]", lines[1]), lines[1]
+
+
+def test_the_last_line_of_a_bar_off_a_terminal_gives_the_whole_runs_rate(monkeypatch):
+    """The final line gave tqdm's smoothed rate as it stood at the line before, which left out what the last
+    interval counted: 10 items of 10 s, then 90 of 0.1 s, ended on "10.00s/it". The run's average is
+    (10 x 10 + 90 x 0.1) s / 100 items = 1.09 s an item."""
+    import io
+
+    import tqdm.std
+
+    from rlhf_core.progress import progress_bar
+
+    clock = [1000.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: clock[0])
+    out = io.StringIO()
+    bar = progress_bar(total=100, desc="t", file=out)
+    for seconds in [10.0] * 10 + [0.1] * 90:
+        clock[0] += seconds
+        bar.update(1)
+    bar.close()
+    assert re.fullmatch(r"t: 100% 100/100 \[01:4\d<00:00, +1\.09s/it\]", out.getvalue().splitlines()[-1]), out.getvalue()
 
 
 class _Terminal:
@@ -731,6 +753,47 @@ def _wandb_offline(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
 
 
+def _wandb_offline_history(run_dir: Path) -> tuple[str, list[dict]]:
+    """The run id and the logged rows of an offline wandb run, read back from its transaction log.
+
+    ``run-<id>.wandb`` is a 7-byte file header, then leveldb-log records in 32 KiB blocks (7-byte record header:
+    checksum, little-endian length, type FULL=1 / FIRST=2 / MIDDLE=3 / LAST=4), each a wandb ``Record``. The
+    installed wandb has no reader for it, so this is one. Rows leave out the wall-clock ``_timestamp`` and
+    ``_runtime``; a value logged under nested keys (a table's fields) comes back as a dict.
+    """
+    import wandb
+    from wandb.proto import wandb_internal_pb2
+
+    wandb.teardown()  # a finished run's log is written by wandb's service in the background: wait for it
+    [path] = run_dir.glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} does not start like a wandb transaction log"
+    block, pos, pending, run_id, rows = 32 * 1024, 7, b"", "", []
+    while pos + 7 <= len(data):
+        length, kind = struct.unpack_from("<HB", data, pos + 4)
+        if block - pos % block < 7 or kind == 0:  # the rest of the block is zero padding
+            pos += block - pos % block
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (2, 3):  # the record goes on in the next block
+            continue
+        record = wandb_internal_pb2.Record.FromString(pending)
+        if record.WhichOneof("record_type") == "run":
+            run_id = record.run.run_id
+        elif record.WhichOneof("record_type") == "history":
+            row: dict = {}
+            for item in record.history.item:
+                *parents, key = list(item.nested_key) or [item.key]
+                if key not in ("_timestamp", "_runtime"):
+                    target = row
+                    for parent in parents:
+                        target = target.setdefault(parent, {})
+                    target[key] = json.loads(item.value_json)
+            rows.append(row)
+    return run_id, rows
+
+
 def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     _wandb_offline(monkeypatch, tmp_path)
@@ -743,10 +806,18 @@ def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_n
         tracker.log({"critic/score/mean": 0.5, "val-core/x/acc/mean@1": 0.25}, step=1)
         tracker.log({"critic/score/mean": 0.75}, step=2)
         tracker.log_generations(SAMPLES, step=2)
-    runs = list((local_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    data = list(runs[0].glob("run-*.wandb"))
-    assert data and data[0].stat().st_size > 0
+    [run_dir] = (local_dir / "wandb").glob("offline-run-*")
+    run_id, rows = _wandb_offline_history(run_dir)
+    assert run_id == backend.wandb_run.id
+    tables = [row.pop("val/generations", None) for row in rows]
+    assert rows == [{"critic/score/mean": 0.5, "val-core/x/acc/mean@1": 0.25, "_step": 1},
+                    {"critic/score/mean": 0.75, "_step": 2}]
+    # the samples go into step 2's row as a table, whose rows are in a file of the run
+    assert tables[0] is None and isinstance(tables[1], dict)
+    assert (tables[1]["_type"], tables[1]["nrows"], tables[1]["ncols"]) == ("table-file", 2, 4)
+    assert json.loads((run_dir / "files" / tables[1]["path"]).read_text()) == {
+        "columns": ["step", "input", "output", "score"],
+        "data": [[2, "Q: 2+2?", "4 | four\n#### 4", 1.0], [2, "Q: 3*3?", "6", 0.0]]}
     assert no_network == []
 
 
@@ -822,6 +893,10 @@ def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_lo
         assert (resumed.backends["wandb"].wandb_run.id, resumed.backends["mlflow"].run_id) == ids
         for step in (3, 4, 5):
             resumed.log({"critic/score/mean": step / 10 + 0.01}, step=step)
+    # offline, each attempt is a folder of its own under the one run id; a sync puts them together in that run
+    attempts = [_wandb_offline_history(d) for d in sorted((local_dir / "wandb").glob("offline-run-*"))]
+    assert attempts == [(ids[0], [{"critic/score/mean": step / 10, "_step": step} for step in (1, 2, 3)]),
+                        (ids[0], [{"critic/score/mean": step / 10 + 0.01, "_step": step} for step in (3, 4, 5)])]
     client = MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
     [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
     assert run.info.run_id == ids[1] and run.info.status == "FINISHED"
