@@ -71,13 +71,14 @@ def check_production_exists(model_name: str) -> None:
         raise RunConfigError(no_production(model_name))
 
 
-def reused_version(model_name: str, version) -> str | None:
+def reused_version(model_name: str, version, ask_store: bool = True) -> str | None:
     """Why a retraining run may not go into the model version ``version`` (a run config's ``model.version``), or
     None where it makes a new one (no version given, or a name no version has yet: ZenML fills a template's
     ``{date}``/``{time}`` as the run starts). A stage or a number names an existing version, and so may a name:
     ZenML would reuse it, this run's gate would record its fingerprints on it, and a skipped run would tag it and
     delete it (:func:`~steps.discard_skipped_version.discard_skipped_version`), production's own version where
-    ``version: production``. The store is asked only for a plain name, and not where it cannot be read."""
+    ``version: production``. The store is asked only for a plain name, only where ``ask_store``, and not where it
+    cannot be read."""
     if version is None:
         return None
     text = str(version)
@@ -85,6 +86,8 @@ def reused_version(model_name: str, version) -> str | None:
             "name no version has, e.g. a template such as 'nightly-{date}'")
     if text.lower() in {stage.value for stage in ModelStages} or text.isdigit():
         return f"model.version {text!r} names an existing version of {model_name!r} (a stage or a number); {hint}"
+    if not ask_store:
+        return None
     try:
         taken = Client().list_model_versions(model=f"equals:{model_name}", name=f"equals:{text}", size=1).total
     except Exception:  # noqa: BLE001 - a store that cannot be read: the discard step checks again before deleting

@@ -394,6 +394,24 @@ def test_a_run_config_with_a_schedule_block_is_refused(tmp_path, capsys, monkeyp
     assert len(started) == 1
 
 
+def test_a_retraining_run_config_naming_an_existing_model_version_is_refused_before_scheduling(tmp_path, capsys):
+    """model.version: production made every scheduled run reuse production's version, which a skipped run then
+    deleted; the pipeline refuses it as it compiles, and the schedule before any run is made."""
+    config = tmp_path / "retrain.yaml"
+    for version in ("production", 3):
+        config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n"
+                          f"model: {{name: demo-ppo-policy, version: {version}}}\n")
+        assert cli.schedule(["--cron", "0 3 * * *", "-c", str(config), "--print-crontab"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.strip() == (
+            f"error: run config {config}: model.version '{version}' names an existing version of 'demo-ppo-policy' (a "
+            "stage or a number); the retraining makes a new version each run: leave model.version out of the run "
+            "config, or give a name no version has, e.g. a template such as 'nightly-{date}'")
+    config.write_text(f"parameters: {{trainer_config: {REPO / 'configs' / 'ppo_demo_cpu.yaml'}}}\n"
+                      "model: {name: demo-ppo-policy, version: 'nightly-{date}'}\n")
+    assert cli.schedule(["--cron", "0 3 * * *", "-c", str(config), "--print-crontab"]) == 0
+
+
 # --- SIGTERM: a service manager or `kill` stopping the scheduler ---------------------------------------------------
 # The scheduler runs in a process of its own (without the command's handler a SIGTERM would end the test run); a
 # stand-in for `zenml pipeline run` takes SIGTERM as the pipeline's training step does: it finishes what it is doing,

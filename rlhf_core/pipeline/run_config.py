@@ -266,6 +266,15 @@ def check_run_config_file(run_config: str | Path, pipeline_source: str) -> None:
         _SCHEDULING.reset(scheduling)
     if problems := step_config_problems(tree, prepared):  # (the file as read above)
         raise RunConfigError(f"run config {run_config}: {'; '.join(problems)}")
+    model = tree.get("model") if isinstance(tree.get("model"), dict) else {}
+    if "discard_skipped_version" in prepared.invocations and model.get("version") is not None:
+        # a retraining into an existing version, which a skipped run would delete; refused as the pipeline
+        # compiles too, where a version name is looked up in the store (not here: production may come later)
+        from steps.check_new_data import reused_version
+
+        name = model.get("name") or prepared.configuration.model.name
+        if problem := reused_version(name, model["version"], ask_store=False):
+            raise RunConfigError(f"run config {run_config}: {problem}")
     if "schedule" in tree:
         raise RunConfigError(
             f"run config {run_config} has a schedule: block, which asks the orchestrator to schedule the pipeline: "
