@@ -1,4 +1,4 @@
-"""Synthetic arithmetic problems: correctness by an independent evaluator, schema, determinism, CLI."""
+"""Synthetic arithmetic problems: answers read from the question's wording alone, schema, determinism, CLI."""
 
 from __future__ import annotations
 
@@ -37,11 +37,73 @@ def _evaluate(a: int, op: str, b: int) -> int:
     return a // b
 
 
+# The question read as plain English, written here from the wording and not taken from the generator: a
+# problem whose sentence says one operation while its solution does another works out to another answer.
+# Each pattern matches a whole sentence; its group is the operand.
+_WHO = r"(?:He|She|Then (?:he|she))"
+_NOUN = r"[a-z]+(?: [a-z]+)?"  # "apples", "toy cars"
+_STEP_SENTENCES = (
+    (rf"{_WHO} (?:buys|finds|picks up) (\d+) more\.", "+"),
+    (r"[A-Z][a-z]+ gives (?:him|her) (\d+) more\.", "+"),
+    (rf"{_WHO} gets (\d+) more {_NOUN} from (?:his|her) [a-z]+\.", "+"),
+    (rf"{_WHO} (?:gives away|loses|sells|uses) (\d+)(?: of them| {_NOUN})?\.", "-"),
+    (rf"{_WHO} gives (\d+) {_NOUN} to [A-Z][a-z]+\.", "-"),
+    (rf"{_WHO}(?: then)? (?:has|ends up with) (\d+) times as many {_NOUN}(?: as before)?\.", "*"),
+    (rf"The number of {_NOUN} (?:he|she) has is then multiplied by (\d+)\.", "*"),
+    (rf"{_WHO} splits them into (\d+) equal piles and keeps one pile\.", "/"),
+    (rf"{_WHO} puts them equally into (\d+) bags and keeps only one bag\.", "/"),
+    (rf"{_WHO} shares them equally among (\d+) kids, including (?:him|her)self, and keeps (?:his|her) "
+     r"share\.", "/"),
+)
+# How a question begins: an amount, or a containers holding b objects each, which is the first step, a * b.
+_OPENINGS = (
+    rf"[A-Z][a-z]+ has (\d+) {_NOUN}\.",
+    rf"[A-Z][a-z]+ has (\d+) [a-z]+ of {_NOUN}\. Each [a-z]+ holds (\d+) {_NOUN}\.",
+    rf"[A-Z][a-z]+ buys (\d+) [a-z]+ of {_NOUN} with (\d+) {_NOUN} in each [a-z]+\.",
+)
+_ASKS_FOR_THE_END = (
+    rf" How many {_NOUN} does (?:he|she|[A-Z][a-z]+) have "
+    r"(?:now|at the end|in total now)\?$"
+)
+
+
+def _read_question(question: str) -> tuple[int, list[tuple[str, int]]]:
+    """The start amount and the steps ``(op, operand)`` a question states, from its wording alone."""
+    openings = [match for pattern in _OPENINGS if (match := re.match(pattern, question))]
+    assert len(openings) == 1, f"no single reading of the opening of {question!r}"
+    start, *each = (int(n) for n in openings[0].groups())
+    steps = [("*", each[0])] if each else []
+    rest = question[openings[0].end() :]
+    asks = re.search(_ASKS_FOR_THE_END, rest)
+    assert asks, f"the question does not ask for the final amount: {question!r}"
+    middle = rest[: asks.start()].strip()
+    for sentence in re.split(r"(?<=\.) ", middle) if middle else []:
+        readings = [(op, int(m[1])) for pattern, op in _STEP_SENTENCES
+                    if (m := re.fullmatch(pattern, sentence))]
+        assert len(readings) == 1, f"no single reading of {sentence!r}; add its wording to _STEP_SENTENCES"
+        steps += readings
+    return start, steps
+
+
 def check_problem(
     problem: dict, min_ops=1, max_ops=3, min_operand=1, max_operand=20, max_value=999, operations="+-*/"
 ) -> None:
-    """Recompute every step of a problem from its ``<<a op b=c>>`` annotations and check it."""
+    """Work the problem out from its question's wording alone and check its answer against that, then check
+    that the solution states the same steps, each ``<<a op b=c>>`` annotation right, in GSM8K's format."""
     assert set(problem) == {"question", "solution", "answer"}
+    start, read_steps = _read_question(problem["question"])
+    amount = start
+    for op, b in read_steps:
+        assert op in operations
+        assert min_operand <= b <= max_operand
+        if op in "*/":
+            assert b >= 2
+        amount = _evaluate(amount, op, b)
+        assert 1 <= amount <= max_value, "amounts stay positive and bounded"
+    assert min_operand <= start <= max_operand
+    assert min_ops <= len(read_steps) <= max_ops
+    assert problem["answer"] == str(amount), f"the question works out to {amount}, not {problem['answer']}"
+
     lines = problem["solution"].split("\n")
     assert lines[-1] == f"#### {problem['answer']}"
     steps = []
@@ -55,22 +117,12 @@ def check_problem(
         # The plain-text expression in front of the annotation matches the annotation.
         assert _SHOWN.findall(line) == [(str(a), op, str(b))], line
         steps.append((a, op, b, c))
-    assert min_ops <= len(steps) <= max_ops
     for (_, _, _, before), (after_a, _, _, _) in zip(steps, steps[1:]):
         assert after_a == before, "each step continues from the previous result"
-    numbers_in_question = [int(n) for n in re.findall(r"\d+", problem["question"])]
-    assert numbers_in_question[0] == steps[0][0], "the question starts from the first operand"
-    assert numbers_in_question[1:] == [b for _, _, b, _ in steps], "each operand is stated in order"
-    for _a, op, b, c in steps:
-        assert op in operations
-        assert min_operand <= b <= max_operand
-        if op in "*/":
-            assert b >= 2
-        assert 1 <= c <= max_value, "amounts stay positive and bounded"
-    assert min_operand <= steps[0][0] <= max_operand
+    assert steps[0][0] == start, "the solution starts from the question's amount"
+    assert [(op, b) for _, op, b, _ in steps] == read_steps, "the solution does the steps the question states"
     assert problem["answer"] == str(steps[-1][3])
     assert compute_score(problem["solution"], problem["answer"], method="strict") == 1.0
-    assert problem["question"].endswith("?")
 
 
 def test_default_problems_are_correct():
@@ -86,6 +138,35 @@ def test_example_style():
     problem = generate_problems(1, seed=0, max_ops=1, operations="+")[0]
     first_line = problem["solution"].split("\n")[0]
     assert re.fullmatch(r"(He|She) has \d+ \+ \d+ = <<\d+\+\d+=\d+>>\d+ [a-z ]+\.", first_line)
+
+
+@pytest.mark.parametrize(
+    ("question", "right", "wrong"),
+    [
+        (
+            "Tom has 7 apples. He buys 5 more. How many apples does he have now?",
+            "He has 7 + 5 = <<7+5=12>>12 apples.\n#### 12",
+            "He has 7 - 5 = <<7-5=2>>2 apples.\n#### 2",
+        ),
+        (
+            "Anna has 12 stickers. She splits them into 3 equal piles and keeps one pile. "
+            "How many stickers does she have now?",
+            "She keeps 12 / 3 = <<12/3=4>>4 stickers.\n#### 4",
+            "She has 12 * 3 = <<12*3=36>>36 stickers.\n#### 36",
+        ),
+        (
+            "Ben has 4 bags of marbles. Each bag holds 6 marbles. How many marbles does Ben have at the end?",
+            "He has 4 * 6 = <<4*6=24>>24 marbles.\n#### 24",
+            "He has 4 + 6 = <<4+6=10>>10 marbles.\n#### 10",
+        ),
+    ],
+    ids=["buys", "splits", "containers"],
+)
+def test_check_problem_reads_the_operation_from_the_wording(question, right, wrong):
+    """A solution whose arithmetic is sound but does another operation than the question says is refused."""
+    check_problem({"question": question, "solution": right, "answer": right.rsplit(" ", 1)[1]})
+    with pytest.raises(AssertionError, match="the question works out to"):
+        check_problem({"question": question, "solution": wrong, "answer": wrong.rsplit(" ", 1)[1]})
 
 
 @settings(max_examples=40, deadline=None)
