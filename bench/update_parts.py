@@ -2,7 +2,8 @@
 
 ``torch.profiler`` on 2 cores slows the many short elementwise operations several-fold (see "Profiling" in
 RESULTS.md), so this script times each kind of work of one transformer pass on its own, at the pass's shapes,
-the parts alternating with the whole pass in one process (a change in the machine's speed hits each alike):
+the parts alternating with the whole pass in one process (a change in the machine's speed hits each alike), each
+call writing its gradients afresh as the pass does:
 
 - ``whole``: the model's forward and backward over ``--rows`` rows of ``--positions`` tokens (``--padding`` of them
   left padding), the loss the mean log-probability of each next token, the linear layers routed as the trainer
@@ -43,7 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from roofline import available_models, matmul_gflops, matmul_params  # noqa: E402
 
 
-def _timed(fn) -> float:
+def _timed(fn, leaves) -> float:
+    """One call's seconds, its leaves' gradients set to None first: the whole pass writes each gradient afresh, and
+    a call that added to the last call's gradient would time an addition the pass never makes."""
+    for leaf in leaves:
+        leaf.grad = None
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
@@ -62,8 +67,10 @@ def allowed_keys(rows: int, positions: int, padding: int) -> torch.Tensor:
     return allowed
 
 
-def parts(model: torch.nn.Module, rows: int, positions: int, padding: int) -> dict[str, tuple[callable, int]]:
-    """Each part's call (one forward and backward) and how many times a pass makes it."""
+def parts(model: torch.nn.Module, rows: int, positions: int,
+          padding: int) -> dict[str, tuple[callable, int, list[torch.Tensor]]]:
+    """Each part's call (one forward and backward), how many times a pass makes it, and the leaves (inputs and
+    weights) its backward writes gradients into; ``whole`` sets the model's gradients to None itself."""
     config = model.config
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -119,9 +126,14 @@ def parts(model: torch.nn.Module, rows: int, positions: int, padding: int) -> di
         rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
         torch.autograd.backward([rq, rk], [torch.ones_like(rq), torch.ones_like(rk)])
 
-    return {"whole": (whole, 1), "products": (products, layers), "lm head": (lm_head, 1),
-            "attention": (attention, layers), "rms norms": (rms_norms, 2 * layers + 1),
-            "silu x up": (silu_up, layers), "rotary": (rotary, layers)}
+    block_weights = [p for m in linears for p in m.parameters()]
+    return {"whole": (whole, 1, []),
+            "products": (products, layers, [*inputs.values(), *block_weights]),
+            "lm head": (lm_head, 1, [head_in, *head.parameters()]),
+            "attention": (attention, layers, [q, k, v]),
+            "rms norms": (rms_norms, 2 * layers + 1, [norm_in, *norm.parameters()]),
+            "silu x up": (silu_up, layers, [gate, up]),
+            "rotary": (rotary, layers, [q, k])}
 
 
 def run(name: str, path: Path, args) -> None:
@@ -131,12 +143,12 @@ def run(name: str, path: Path, args) -> None:
     config = model.config
     tokens = args.rows * args.positions
     calls = parts(model, args.rows, args.positions, args.padding)
-    for fn, _ in calls.values():  # warm-up: allocations, the thread pool, oneDNN's primitives
+    for fn, _, _ in calls.values():  # warm-up: allocations, the thread pool, oneDNN's primitives
         fn()
     samples = {part: [] for part in calls}
     for _ in range(args.reps):
-        for part, (fn, count) in calls.items():
-            samples[part].append(_timed(fn) * count)
+        for part, (fn, count, leaves) in calls.items():
+            samples[part].append(_timed(fn, leaves) * count)
     ms = {part: statistics.median(times) * 1e3 for part, times in samples.items()}
     reference = max(matmul_gflops(tokens, config.hidden_size, config.intermediate_size).values())
     body, head = matmul_params(model)

@@ -34,7 +34,7 @@ def test_the_products_and_the_cache_a_decode_step_reads(smollm2):
 
 
 def test_the_bound_is_the_longer_of_the_bytes_read_and_the_products(smollm2):
-    weights = (106_168_320 + 49152 * 576) * 4  # float32 blocks and head: 538,060,032 bytes
+    weights = (106_168_320 + 49152 * 576) * 4  # float32 blocks and head: 537,919,488 bytes (the RMS norms not counted)
     rates = Rates(body=400.0, head=400.0)  # GFLOP/s
     read = decode_bound_s(smollm2, rows=16, rates=rates, bandwidth_gbs=28.0)
     assert read == pytest.approx(weights / 28.0 / 1e9)  # 19.2 ms: memory-bound at 16 rows
@@ -111,7 +111,7 @@ def test_update_parts_time_every_product_of_a_block_and_the_pass_s_own_mask():
                          num_key_value_heads=2, vocab_size=32)
     model = LlamaForCausalLM(config)
     calls = parts(model, rows=2, positions=5, padding=2)
-    assert {name: count for name, (_, count) in calls.items()} == {
+    assert {name: count for name, (_, count, _) in calls.items()} == {
         "whole": 1, "products": 3, "lm head": 1, "attention": 3, "rms norms": 7, "silu x up": 3, "rotary": 3}
     calls["products"][0]()
     block = model.model.layers[0]
@@ -125,3 +125,37 @@ def test_update_parts_time_every_product_of_a_block_and_the_pass_s_own_mask():
                              [0, 0, 1, 1, 0],
                              [0, 0, 1, 1, 1]], dtype=torch.bool)
     assert allowed.shape == (2, 1, 5, 5) and all(torch.equal(row[0], expected) for row in allowed)
+
+
+def test_each_timed_part_writes_its_gradients_afresh_as_the_whole_pass_does():
+    """The whole pass writes each gradient once; a part whose timed calls added to the last call's gradients would
+    time an addition the pass never makes. After the warm-up and two timed rounds each gradient is one call's, worked
+    out by hand, and every weight a part's backward reaches is among the leaves set to None before its call."""
+    from update_parts import _timed, parts
+
+    config = LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=32)
+    model = LlamaForCausalLM(config)
+    calls = parts(model, rows=2, positions=5, padding=2)
+    for fn, _, _ in calls.values():  # the warm-up, untimed, as the script makes it
+        fn()
+    for _ in range(2):
+        for fn, _, leaves in calls.values():
+            _timed(fn, leaves)
+    # silu(gate) * up under an upstream of ones: d/d up = gate s, d/d gate = up s (1 + gate (1 - s)), s = sigmoid(gate)
+    gate, up = calls["silu x up"][2]
+    s = torch.sigmoid(gate.detach())
+    torch.testing.assert_close(up.grad, gate.detach() * s)
+    torch.testing.assert_close(gate.grad, up.detach() * s * (1 + gate.detach() * (1 - s)))
+    # the norm's weight scales x / rms(x): under an upstream of ones its gradient is that summed over rows and positions
+    norm_in, weight = calls["rms norms"][2]
+    x = norm_in.detach()
+    normed = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    torch.testing.assert_close(weight.grad, normed.sum((0, 1)))
+    for name, (fn, _, leaves) in calls.items():
+        if name == "whole":  # it sets the model's gradients to None itself
+            continue
+        model.zero_grad(set_to_none=True)
+        fn()
+        written = {id(p) for p in model.parameters() if p.grad is not None}
+        assert written <= {id(leaf) for leaf in leaves}, name  # products, lm head and rms norms reach weights
