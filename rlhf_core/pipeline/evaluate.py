@@ -70,7 +70,7 @@ from rlhf_core.rewards import (
     spec_module_name,
 )
 from rlhf_core.rewards.manager import RewardError
-from rlhf_core.rewards.result import RewardResultError, read_reward_result
+from rlhf_core.rewards.result import RewardResultError, awaited, read_reward_result
 from rlhf_core.training.guards import KL_LOSS_TOKEN_MEAN
 
 EXAMPLES_PER_KIND = 3
@@ -789,8 +789,8 @@ def check_reference_solutions(cfg: PPOConfig, files: str | Sequence[str] | None 
                 fns.update(_reward_callables(cfg, [source]))
             refused = None
             try:
-                result = fns[source](data_source=source, solution_str=solution, ground_truth=ground_truth,
-                                     extra_info=extra)
+                result = awaited(fns[source](data_source=source, solution_str=solution, ground_truth=ground_truth,
+                                             extra_info=extra))
                 full_marks = read_reward_result(result, full_score).full_marks  # as training reads it
             except RewardResultError as exc:  # a result training refuses: no marks, and the reason said
                 full_marks, refused = False, str(exc)

@@ -159,7 +159,8 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
     # the reward loaded before imported from beside it is imported anew (another folder's helper.py of the same name,
     # or the same one edited since), and that reward's folder, where this loader put it on the path, leaves it
     directory = str(file.resolve().parent)
-    for imported in _BESIDE:
+    # (with what a reward imported from its folder later, inside its function: a folder this loader put on the path)
+    for imported in _BESIDE.union(*(_beside(list(sys.modules), added) for added in _ADDED_DIRS)):
         sys.modules.pop(imported, None)
     _BESIDE.clear()
     sys.path[:] = [entry for entry in sys.path if entry not in _ADDED_DIRS or entry == directory]
@@ -169,7 +170,9 @@ def load_custom_reward_fn(path: str | Path, name: str = "compute_score",
         _ADDED_DIRS.append(directory)
     before = set(sys.modules)
     try:
-        spec.loader.exec_module(module)
+        # the file's bytes now, compiled here: the loader's bytecode cache trusts a .pyc whose source has the same
+        # size and modification second, so a file edited within that second ran as it was before
+        exec(compile(file.read_bytes(), spec.origin, "exec", dont_inherit=True), module.__dict__)
     except Exception as exc:
         sys.modules.pop(module_name, None)
         raise ImportError(
@@ -216,8 +219,10 @@ class BatchRewardFn:
         self.fn = fn
 
     def score_batch(self, data_sources: list, solution_strs: list, ground_truths: list, extra_infos: list) -> list:
-        results = self.fn(data_sources=data_sources, solution_strs=solution_strs, ground_truths=ground_truths,
-                          extra_infos=extra_infos)
+        from rlhf_core.rewards.result import awaited  # (imports torch, which this module does not)
+
+        results = awaited(self.fn(data_sources=data_sources, solution_strs=solution_strs,
+                                  ground_truths=ground_truths, extra_infos=extra_infos))
         if isinstance(results, Mapping):  # list() would take its keys for the scores
             results = self._by_position(results, len(solution_strs))
         if isinstance(results, (str, bytes)):  # list() would take its characters for the scores

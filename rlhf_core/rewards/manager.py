@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlhf_core.rewards import BatchRewardFn, RewardFn, UnknownDataSourceError, get_reward_fn
-from rlhf_core.rewards.result import NotFinite, RewardResult, RewardResultError, read_reward_result
+from rlhf_core.rewards.result import NotFinite, RewardResult, RewardResultError, awaited, read_reward_result
 
 
 class RewardError(Exception):
@@ -238,12 +238,12 @@ class RewardManager:
             except UnknownDataSourceError as exc:
                 raise UnknownDataSourceError(f"sample {i}: {exc}") from None
             try:
-                result = fn(
+                result = awaited(fn(
                     data_source=data_source,
                     solution_str=responses[i],
                     ground_truth=ground_truths[i],
                     extra_info=extra_infos[i],
-                )
+                ))
             except Exception as exc:
                 name = _fn_name(fn)
                 index = extra_infos[i].get("index") if isinstance(extra_infos[i], dict) else None

@@ -11,6 +11,8 @@ score must be finite.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -69,6 +71,14 @@ class RewardResult:
         """Right, as the evaluation counts it: an acc of 1. A partial acc (0.2) or a NaN one (not graded) is not,
         and the evaluation refuses both (it counts each problem right or wrong)."""
         return self.acc == 1.0
+
+
+def awaited(result: object) -> object:
+    """A reward function's result, run to its end where the function is ``async def`` (verl awaits such a
+    ``compute_score``): its coroutine's value; any other result as it is."""
+    if inspect.iscoroutine(result):
+        return asyncio.run(result)
+    return result
 
 
 def read_reward_result(result: object, full_score: float = 1.0) -> RewardResult:
