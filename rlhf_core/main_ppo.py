@@ -74,7 +74,7 @@ from rlhf_core.models.loading import (
     tokenizer_problems,
 )
 from rlhf_core.models.lora import target_problems
-from rlhf_core.rewards import custom_reward_fn, gsm8k, known_data_sources
+from rlhf_core.rewards import RewardFn, custom_reward_fn, gsm8k, known_data_sources
 from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
     CheckpointError,
@@ -182,9 +182,13 @@ def _tokenizer_errors(cfg: PPOConfig, tokenizer_key: str, tokenizer_dir: Path, m
                               cfg.actor_rollout_ref.model.trust_remote_code, renders_prompts=("data.tokenizer",))
 
 
-def preflight(cfg: PPOConfig) -> None:
-    """Check models, data, rewards and length budgets without loading weights; raise PreflightError."""
+def preflight(cfg: PPOConfig) -> RewardFn | None:
+    """Check models, data, rewards and length budgets without loading weights; raise PreflightError. Returns the
+    custom reward function it loaded (None without one), for :func:`build_trainer` to score with: its file runs
+    once a run (top-level code that cannot run twice in a process, a metric registered or a judge model loaded,
+    passed here and failed as the trainer loaded it again)."""
     errors: list[str] = []
+    reward_fn = None
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     actor: tuple[Path, int | None] | None = None  # the actor's model directory and position limit, once read
     if trainer.device == "cuda" and not torch.cuda.is_available():
@@ -238,7 +242,7 @@ def preflight(cfg: PPOConfig) -> None:
     custom = cfg.custom_reward_function
     if custom.path:
         try:
-            custom_reward_fn(cfg)
+            reward_fn = custom_reward_fn(cfg)
         except (OSError, ImportError, AttributeError, TypeError) as exc:
             errors.append(f"custom_reward_function: {exc}")
     pairs: dict[Path, list[str]] = {}  # files of preference pairs given as prompts: the keys naming each
@@ -298,6 +302,7 @@ def preflight(cfg: PPOConfig) -> None:
                for path, keys in pairs.items()]
     if errors:
         raise PreflightError(errors)
+    return reward_fn
 
 
 def _columns(path: Path) -> str:
@@ -463,10 +468,16 @@ def _scoring_problems(cfg: PPOConfig, switch: bool, limit: int | None, template_
         f"at least {budget} positions{cut}, or lower data.max_response_length or data.max_prompt_length"]
 
 
+#: build_trainer's default: load the custom reward function itself (a caller that ran :func:`preflight` passes
+#: the one it loaded)
+LOAD = object()
+
+
 def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None,
-                  stuck_warnings: Sequence[str] | None = None):
+                  stuck_warnings: Sequence[str] | None = None, reward_fn: RewardFn | None | object = LOAD):
     """Tokenizer, datasets, reward manager and trainer for a checked config (on a Ray worker group when
     the world size is above 1, or when ``use_worker_group`` says so; ``stuck_warnings``: the trainer's, None for all).
+    ``reward_fn``: the custom reward function :func:`preflight` loaded (None: the built-in rules), else loaded here.
     :func:`trainer_session` closes it."""
     from rlhf_core.training.trainer import PPOTrainer
 
@@ -479,7 +490,8 @@ def build_trainer(cfg: PPOConfig, logger=None, use_worker_group: bool | None = N
                         max_samples=cfg.data.train_max_samples, seed=seed)
     val = RLHFDataset(cfg.data.val_files, tokenizer, cfg.data, key="data.val_files", require_ground_truth=truth,
                       max_samples=cfg.data.val_max_samples, seed=seed) if cfg.data.val_files else None
-    reward_fn = custom_reward_fn(cfg)
+    if reward_fn is LOAD:
+        reward_fn = custom_reward_fn(cfg)
     return PPOTrainer(cfg, tokenizer, train, val, RewardManager(tokenizer, reward_fn), logger=logger,
                       device=cfg.trainer.device, use_worker_group=use_worker_group, stuck_warnings=stuck_warnings)
 
@@ -586,10 +598,11 @@ def _warn_thresholds(trainer_cfg) -> dict[str, float]:
 
 @contextlib.contextmanager
 def trainer_session(cfg: PPOConfig, logger=None, use_worker_group: bool | None = None,
-                    stuck_warnings: Sequence[str] | None = None):
+                    stuck_warnings: Sequence[str] | None = None, reward_fn: RewardFn | None | object = LOAD):
     """:func:`build_trainer`, closed on the way out whatever happens (with a worker group its Ray actors stop
     there instead of outliving the caller). What the benchmarks and the smoke test drive step by step."""
-    trainer = build_trainer(cfg, logger=logger, use_worker_group=use_worker_group, stuck_warnings=stuck_warnings)
+    trainer = build_trainer(cfg, logger=logger, use_worker_group=use_worker_group, stuck_warnings=stuck_warnings,
+                            reward_fn=reward_fn)
     try:
         yield trainer
     finally:
@@ -625,7 +638,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     """
     from rlhf_core.training.tracking import Tracking
 
-    preflight(cfg)
+    reward_fn = preflight(cfg)
     trainer_cfg = cfg.trainer
     start = time.time()
     local_dir = Path(os.path.expanduser(trainer_cfg.default_local_dir))  # ~: the home folder, as checkpoints take it
@@ -638,7 +651,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
             start_afresh(local_dir)  # an earlier run's checkpoints there: a rerun must not resume that run
         elif resume_from is None and not trainer_cfg.val_only:
             set_aside_unsaved_records(local_dir)  # a run killed before its first save left its steps' records
-        trainer = stack.enter_context(trainer_session(cfg))
+        trainer = stack.enter_context(trainer_session(cfg, reward_fn=reward_fn))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)
             print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})",

@@ -463,6 +463,23 @@ def test_a_failing_reward_function_exits_2_naming_the_step_and_sample_and_the_in
     _only_step_1_saved(out)
 
 
+def test_a_run_runs_its_reward_file_once(workspace, one_thread, tmp_path, capsys):
+    """The preflight loaded the reward file and the trainer loaded it again: top-level code that cannot run twice
+    in a process (a metric registered with prometheus_client) passed the preflight, then failed the run with a
+    traceback (exit 1), and any costly set-up (a judge model) was done twice."""
+    from rlhf_core.cli.train import ppo
+
+    loads = tmp_path / "loads.txt"
+    (tmp_path / "reward.py").write_text(
+        f"with open({str(loads)!r}, 'a') as log:\n    log.write('loaded\\n')\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 1.0 if solution_str[:1].isdigit() else 0.0\n")
+    code = ppo(workspace.overrides(tmp_path / "out", f"custom_reward_function.path={tmp_path / 'reward.py'}",
+                                   "trainer.total_training_steps=1", "trainer.test_freq=-1"))
+    assert code == 0, capsys.readouterr().err
+    assert loads.read_text() == "loaded\n"
+
+
 # --- rlhf-ppo: Ctrl-C and SIGTERM, the handler's messages ----------------------------------------------------
 
 

@@ -303,7 +303,7 @@ def _right_or_wrong(cfg: PPOConfig, verdicts: Sequence[tuple[str, float]]) -> tu
 
 
 @contextlib.contextmanager
-def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool):
+def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool, reward_fn):
     """:func:`~rlhf_core.main_ppo.trainer_session` of the dry run's config, its datasets' notices left out of
     stderr: they read the dry run's copies of the prompts first_prompts took from the run's files, where it said
     them once with the run's files and counts (each copy's said them again, of its few rows, once a trainer).
@@ -323,7 +323,7 @@ def _dry_run_session(small: PPOConfig, cloned: bool, own_cap: bool):
         stream = WithoutNotices(sys.stderr, DATA_NOTICES)
         try:
             with contextlib.redirect_stderr(stream):  # (only while the trainer is built: its steps print as they go)
-                trainer = stack.enter_context(trainer_session(small, stuck_warnings=stuck))
+                trainer = stack.enter_context(trainer_session(small, stuck_warnings=stuck, reward_fn=reward_fn))
         finally:
             stream.close_line()
         yield trainer
@@ -375,9 +375,9 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
     report = SmokeReport(str(target), str(model_path), cloned, target_parameters, parameters, n_prompts, steps,
                          small.reward_model.model.path if small.reward_model.enable else None)
 
-    preflight(small)
+    reward_fn = preflight(small)  # (the reward file runs once: both of the dry run's trainers score with it)
     own_cap = cfg.data.max_response_length <= response_length  # (the shrunk config keeps the run's length then)
-    with _dry_run_session(small, cloned, own_cap) as trainer:
+    with _dry_run_session(small, cloned, own_cap, reward_fn) as trainer:
         # the run's log-prob pass, which its one mini-batch would skip: step 1's KL is then that pass against the
         # update's own forward, as in a run of several mini-batches (0 by construction without it)
         trainer.always_old_log_prob = True
@@ -403,7 +403,7 @@ def run_smoke_test(cfg: PPOConfig, work_dir: str | Path, n_prompts: int = 4, res
         latest = latest_checkpoint(root)
         if latest is None or not latest.name.endswith(f"_{trainer.global_step}"):
             latest = trainer.save_checkpoint()
-        with _dry_run_session(small, cloned, own_cap) as fresh:
+        with _dry_run_session(small, cloned, own_cap, reward_fn) as fresh:
             # moved off the weights it starts from (training's too: a random clone's flat scores leave the actor
             # where it began), so that only what the checkpoint restores makes the two equal
             _move_trainable(fresh.actor.module)
