@@ -689,6 +689,26 @@ def test_a_ctrl_c_as_python_m_starts_exits_130_with_one_line(repo_root, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv", [["evaluate", "model", "val.parquet"],
+                                  ["schedule", "--every", "60", "-c", "retrain.yaml"]])
+def test_a_ctrl_c_as_evaluate_or_schedule_imports_past_its_arguments_says_nothing_was_done(repo_root, tmp_path,
+                                                                                       argv):
+    """Past their arguments, the evaluation and the schedule import torch and pandas outside the guard the other
+    commands put around those imports: a Ctrl-C there said the command stopped before it finished, where it had
+    done nothing."""
+    (tmp_path / "retrain.yaml").write_text("parameters: {}\n")
+    runner = tmp_path / "rlhf"  # the console script, after the Ctrl-C's hook, here at the command's own imports
+    start = CTRL_C_AS_IT_STARTS.index("name.partition")
+    heavy = CTRL_C_AS_IT_STARTS[start:CTRL_C_AS_IT_STARTS.index(":\n", start)]  # the condition of its if
+    hook = CTRL_C_AS_IT_STARTS.replace(heavy, 'name in ("rlhf_core.config", "rlhf_core.pipeline.run_config")')
+    runner.write_text(hook + "from rlhf_core.cli import main\nsys.exit(main())\n")
+    env = {**os.environ, "PYTHONPATH": str(repo_root), "ZENML_CONFIG_PATH": str(tmp_path / "zenml")}
+    done = subprocess.run([sys.executable, str(runner), *argv], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (
+        130, [f"interrupted by SIGINT: rlhf {argv[0]} stopped as it started: nothing was done"]), done.stderr[-2000:]
+
+
 def test_a_ctrl_c_as_a_gguf_import_reads_its_file_exits_130_with_one_line_and_leaves_no_folder(repo_root, tmp_path):
     """The GGUF import parses its arguments and checks its output folder before it imports the GGUF reader (numpy)
     and then transformers: a Ctrl-C there is one line, and the import leaves nothing behind."""

@@ -21,7 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
-from rlhf_core.cli import chat_template_kwargs, program, unwritable
+from rlhf_core.cli import chat_template_kwargs, importing, program, unwritable
 from rlhf_core.pipeline.lineage import (
     LineageError,
     default_client,
@@ -124,7 +124,8 @@ def evaluate(argv: list[str] | None = None) -> int:
         key, equals, _ = item.partition("=")
         if not (equals and key.strip().isidentifier()):
             parser.error(f"--reward-kwarg {item!r}: write KEY=VALUE, KEY a Python name (e.g. --reward-kwarg scale=2)")
-    from rlhf_core.config import ConfigError, load_config
+    with importing():
+        from rlhf_core.config import ConfigError, load_config
 
     try:  # the values read as training reads +custom_reward_function.reward_kwargs.KEY=VALUE
         reward_config = load_config([f"+custom_reward_function.reward_kwargs.{item.strip()}" for item in
@@ -143,21 +144,22 @@ def evaluate(argv: list[str] | None = None) -> int:
             parser.error(f"--html {args.html}: a folder; name the file to write")
         if problem := unwritable(folder):
             parser.error(f"--html {args.html}: the folder {folder} cannot be written ({problem})")
-    from rlhf_core import stats
-    from rlhf_core.config import DataConfig
-    from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
-    from rlhf_core.models.loading import ModelError, import_external_lib
-    from rlhf_core.pipeline.evaluate import (
-        evaluate_policy,
-        evaluation_html,
-        resolve_policy_dir,
-        reworded,
-        run_data_settings,
-    )
-    from rlhf_core.rewards import UnknownDataSourceError, custom_reward_fn
-    from rlhf_core.rewards.manager import RewardError
-    from rlhf_core.rollout.hf import NonFiniteLogits
-    from rlhf_core.training.checkpoint import CheckpointError
+    with importing():
+        from rlhf_core import stats
+        from rlhf_core.config import DataConfig
+        from rlhf_core.data.dataset import DataError, check_files, missing_columns_problem, needed_columns
+        from rlhf_core.models.loading import ModelError, import_external_lib
+        from rlhf_core.pipeline.evaluate import (
+            evaluate_policy,
+            evaluation_html,
+            resolve_policy_dir,
+            reworded,
+            run_data_settings,
+        )
+        from rlhf_core.rewards import UnknownDataSourceError, custom_reward_fn
+        from rlhf_core.rewards.manager import RewardError
+        from rlhf_core.rollout.hf import NonFiniteLogits
+        from rlhf_core.training.checkpoint import CheckpointError
 
     problems = []  # the model folder, the files and their columns, named as given here, before the model loads
     checkpoint, run, unread = None, {}, None  # the checkpoint MODEL is and its run's data settings
@@ -342,7 +344,8 @@ def schedule(argv: list[str] | None = None) -> int:
     if args.max_runs is not None and args.max_runs < 1:
         parser.error(f"--max-runs {args.max_runs} must be >= 1")
     # (imported once the arguments are read: it imports torch and pandas, seconds that --help need not wait for)
-    from rlhf_core.pipeline.run_config import check_run_config_file
+    with importing():
+        from rlhf_core.pipeline.run_config import check_run_config_file
     try:
         if args.print_crontab and args.cron is None:
             parser.error("--print-crontab needs --cron")
