@@ -315,18 +315,24 @@ def test_a_reward_file_imports_the_modules_beside_it(tmp_path, monkeypatch):
     sys.modules.pop("reward_helper_beside", None)
 
 
+def _two_grading_folders(tmp_path, monkeypatch, helper: str, inside: bool) -> None:
+    """``exact/`` and ``casefree/`` under ``tmp_path``, each a reward.py grading by a module ``helper`` of its own
+    beside it (an exact match; one without case), imported at the file's top or, ``inside``, in its function."""
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, helper, raising=False)
+    top, within = ("", f"    from {helper} import grade\n") if inside else (f"from {helper} import grade\n\n", "")
+    for name, rule in (("exact", "answer == truth"), ("casefree", "answer.lower() == truth.lower()")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f"{helper}.py").write_text(f"def grade(answer, truth):\n    return {rule}\n")
+        (tmp_path / name / "reward.py").write_text(
+            f"{top}def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n{within}"
+            "    return float(grade(solution_str, ground_truth))\n")
+
+
 def test_each_reward_file_imports_its_own_helper_anew(tmp_path, monkeypatch):
     """Two reward folders each with a helper.py of its own: each reward grades by its own helper, whichever loaded
     first; a helper edited between two loads is imported as it is now; the earlier folder leaves the path."""
-    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
-    monkeypatch.delitem(sys.modules, "reward_grading_helper", raising=False)
-    for name, rule in (("exact", "answer == truth"), ("casefree", "answer.lower() == truth.lower()")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "reward_grading_helper.py").write_text(f"def grade(answer, truth):\n    return {rule}\n")
-        (tmp_path / name / "reward.py").write_text(
-            "from reward_grading_helper import grade\n\n"
-            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-            "    return float(grade(solution_str, ground_truth))\n")
+    _two_grading_folders(tmp_path, monkeypatch, "reward_grading_helper", inside=False)
     exact = load_custom_reward_fn(tmp_path / "exact" / "reward.py")
     casefree = load_custom_reward_fn(tmp_path / "casefree" / "reward.py")
     assert (exact("s", "YES", "yes", None), casefree("s", "YES", "yes", None)) == (0.0, 1.0)
@@ -345,15 +351,7 @@ def test_each_reward_file_imports_its_own_helper_anew(tmp_path, monkeypatch):
 def test_a_helper_a_reward_imports_inside_its_function_is_its_own_folders(tmp_path, monkeypatch):
     """A helper imported when the function first runs, not as the file loads, stayed in sys.modules: the second
     folder's reward graded by the first folder's helper."""
-    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if entry not in ("", ".", str(tmp_path))])
-    monkeypatch.delitem(sys.modules, "reward_lazy_helper", raising=False)
-    for name, rule in (("exact", "answer == truth"), ("casefree", "answer.lower() == truth.lower()")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "reward_lazy_helper.py").write_text(f"def grade(answer, truth):\n    return {rule}\n")
-        (tmp_path / name / "reward.py").write_text(
-            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-            "    from reward_lazy_helper import grade\n"
-            "    return float(grade(solution_str, ground_truth))\n")
+    _two_grading_folders(tmp_path, monkeypatch, "reward_lazy_helper", inside=True)
     assert load_custom_reward_fn(tmp_path / "exact" / "reward.py")("s", "YES", "yes", None) == 0.0
     assert load_custom_reward_fn(tmp_path / "casefree" / "reward.py")("s", "YES", "yes", None) == 1.0
     sys.modules.pop("reward_lazy_helper", None)
