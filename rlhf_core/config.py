@@ -1110,6 +1110,8 @@ def _suggest(key: str) -> str:
     if key in REPLACED_IN_VERL:
         return f"; use {REPLACED_IN_VERL[key]}"
     known = _known_keys()
+    if f"actor_rollout_ref.{key}" in known:  # verl's short forms, actor.* / ref.* / rollout.*: the policy's section
+        return f"; did you mean actor_rollout_ref.{key}?"
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not close:  # the right leaf name in the wrong section, or a misspelt leaf
         leaves = {k.rsplit(".", 1)[-1]: k for k in reversed(known)}

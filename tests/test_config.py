@@ -1039,6 +1039,12 @@ def test_a_defaults_list_naming_other_files_is_refused_saying_it_is_not_read(tmp
     ("ppo_epochs", "actor_rollout_ref.actor.ppo_epochs"),
     ("critic.model.lora_rnk", "critic.model.lora_rank"),  # a key in the critic's section stays there
     ("shuffle", "data.shuffle"),
+    # verl's short forms of the policy's sections (the critic's key and data.shuffle were suggested)
+    ("actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("actor.optim.lr", "actor_rollout_ref.actor.optim.lr"),
+    ("actor.shuffle", "actor_rollout_ref.actor.shuffle"),
+    ("ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    ("rollout.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
 ])
 def test_a_key_without_its_section_is_suggested_in_the_policys(key, meant):
     assert _errors_or_none(f"{key}=1") == f"unknown config key {key}; did you mean {meant}?"
