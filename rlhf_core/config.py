@@ -2153,6 +2153,14 @@ def validate_config(cfg: PPOConfig) -> None:
         errors.append(f"data.train_max_samples ({data.train_max_samples}) keeps fewer prompts than {batch_key} "
                       f"({batch}) draws at once: raise it to at least {batch} (-1 keeps all) or lower {batch_key}")
     _positive(errors, "actor_rollout_ref.nccl_timeout", arr.nccl_timeout)
+    # the old-log-prob pass, and the reference's where a KL uses it: a size of -1 cut no micro-batch (an IndexError
+    # after the models loaded), and 0 or null without dynamic batching ran the whole batch in one forward
+    uses_ref = algo.use_kl_in_reward or actor.use_kl_loss
+    for section in ("actor_rollout_ref.rollout",) + (("actor_rollout_ref.ref",) if uses_ref else ()):
+        key = f"{section}.log_prob_micro_batch_size_per_gpu"
+        _positive(errors, key, cfg.value(key))
+        if cfg.value(key) is None and not cfg.value(f"{section}.log_prob_use_dynamic_bsz"):
+            errors.append(f"{key} is required when {section}.log_prob_use_dynamic_bsz is off")
 
     for key, value in [
         ("actor_rollout_ref.actor.clip_ratio", actor.clip_ratio),

@@ -1057,6 +1057,27 @@ def test_verls_old_val_generations_to_log_to_wandb_is_an_alias_of_log_val_genera
     assert notices == ["notice: trainer.val_generations_to_log_to_wandb is an alias; use trainer.log_val_generations"]
 
 
+@pytest.mark.parametrize(("overrides", "error"), [
+    (["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=-1", "actor_rollout_ref.actor.use_kl_loss=true"],
+     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=-1 must be > 0"),
+    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0"],
+     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=0 must be > 0"),
+    (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null"],
+     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu is required when "
+     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz is off"),
+])
+def test_a_log_prob_micro_batch_size_that_cuts_no_micro_batches_is_refused(overrides, error):
+    """-1 cut none (an IndexError at the first old-log-prob or reference pass, after the models loaded); 0 or null
+    without dynamic batching ran the whole batch in one forward."""
+    assert _errors(*overrides) == error
+
+
+def test_a_null_log_prob_micro_batch_size_is_taken_where_it_is_not_used():
+    load_config(["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=null",
+                 "actor_rollout_ref.actor.use_dynamic_bsz=true"], notice=lambda _: None)  # cut by tokens
+    load_config(["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=null"])  # no KL: no reference pass
+
+
 def test_the_suggested_mini_batch_for_a_train_batch_of_48_makes_whole_micro_batches():
     # 4 workers of 16-sequence micro-batches, 4 responses a prompt: a mini-batch of d prompts is 4d sequences, a
     # multiple of 64 only where d is one of 16; of 48's divisors 16 and 48 are, and 16 is the nearer to 20 (24,
