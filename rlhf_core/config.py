@@ -2101,6 +2101,22 @@ def template_kwargs_problems(cfg: PPOConfig) -> list[str]:
     return problems
 
 
+def _optim_problems(errors: list[str], name: str, optim: OptimConfig) -> None:
+    """An optimizer section's values AdamW and the schedule can take: a min_lr_ratio below 0 drove the cosine
+    schedule's rate below zero (the last steps ascend the loss) and one above 1 raised it; a negative
+    weight_decay failed in AdamW once the model had loaded."""
+    if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
+        errors.append(f"{name}.betas={optim.betas} must be two numbers in [0, 1)")
+    if not 0 <= optim.lr_warmup_steps_ratio <= 1:
+        errors.append(f"{name}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1]")
+    if not 0 <= optim.min_lr_ratio <= 1:
+        errors.append(f"{name}.min_lr_ratio={optim.min_lr_ratio} must be in [0, 1] (the schedule's floor as a share "
+                      "of lr)")
+    if not optim.weight_decay >= 0:
+        errors.append(f"{name}.weight_decay={optim.weight_decay} must be >= 0")
+    _one_of(errors, f"{name}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULERS)
+
+
 def validate_config(cfg: PPOConfig) -> None:
     """Raise ConfigError listing every inconsistency; runs before any model is loaded."""
     # the registries name the valid values; imported here so that importing the config does not import torch
@@ -2179,8 +2195,8 @@ def validate_config(cfg: PPOConfig) -> None:
         errors.append(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (dual-clip bound)")
     if not 0 <= algo.lam <= 1:
         errors.append(f"algorithm.lam={algo.lam} must be in [0, 1]")
-    if not 0 < algo.gamma <= 1:
-        errors.append(f"algorithm.gamma={algo.gamma} must be in (0, 1]")
+    if not 0 <= algo.gamma <= 1:  # (0: each token's advantage its own reward against its value, as lam=0 is)
+        errors.append(f"algorithm.gamma={algo.gamma} must be in [0, 1]")
     if algo.kl_ctrl.kl_coef < 0:
         errors.append(f"algorithm.kl_ctrl.kl_coef={algo.kl_ctrl.kl_coef} must be >= 0")
     if actor.kl_loss_coef < 0:
@@ -2198,11 +2214,7 @@ def validate_config(cfg: PPOConfig) -> None:
             f"actor_rollout_ref.rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} must be in (0, 1]"
         )
     for name, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", critic.optim)):
-        if len(optim.betas) != 2 or not all(0 <= b < 1 for b in optim.betas):
-            errors.append(f"{name}.betas={optim.betas} must be two numbers in [0, 1)")
-        if not 0 <= optim.lr_warmup_steps_ratio <= 1:
-            errors.append(f"{name}.lr_warmup_steps_ratio={optim.lr_warmup_steps_ratio} must be in [0, 1]")
-        _one_of(errors, f"{name}.lr_scheduler_type", optim.lr_scheduler_type, LR_SCHEDULERS)
+        _optim_problems(errors, name, optim)
 
     _one_of(errors, "actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type, algos.KL_TYPES)
     _one_of(errors, "algorithm.kl_penalty", algo.kl_penalty, algos.KL_TYPES)
@@ -2351,11 +2363,7 @@ def _check_reward_training(errors: list[str], cfg: PPOConfig) -> None:
         errors.append(f"{key}.min_pair_accuracy={rm.min_pair_accuracy} must be in [0, 1]")
     if rm.model.lora_rank < 0:
         errors.append(f"{key}.model.lora_rank={rm.model.lora_rank} must be >= 0 (0 trains all weights)")
-    if len(rm.optim.betas) != 2 or not all(0 <= b < 1 for b in rm.optim.betas):
-        errors.append(f"{key}.optim.betas={rm.optim.betas} must be two numbers in [0, 1)")
-    if not 0 <= rm.optim.lr_warmup_steps_ratio <= 1:
-        errors.append(f"{key}.optim.lr_warmup_steps_ratio={rm.optim.lr_warmup_steps_ratio} must be in [0, 1]")
-    _one_of(errors, f"{key}.optim.lr_scheduler_type", rm.optim.lr_scheduler_type, LR_SCHEDULERS)
+    _optim_problems(errors, f"{key}.optim", rm.optim)
     _one_of(errors, f"{key}.model.dtype", rm.model.dtype, DTYPES)
     _one_of(errors, f"{key}.resume_mode", rm.resume_mode, RESUME_MODES)
     _one_of(errors, f"{key}.overlong", rm.overlong, OVERLONG_PAIRS)

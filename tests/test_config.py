@@ -744,8 +744,13 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
         ("actor_rollout_ref.actor.clip_ratio_high=0", "clip_ratio_high=0.0 must be > 0"),
         ("actor_rollout_ref.actor.clip_ratio_c=1.0", "clip_ratio_c=1.0 must be > 1"),
         ("algorithm.lam=1.5", "algorithm.lam=1.5 must be in [0, 1]"),
-        ("algorithm.gamma=0", "algorithm.gamma=0.0 must be in (0, 1]"),
-        ("algorithm.gamma=1.01", "algorithm.gamma=1.01 must be in (0, 1]"),
+        ("algorithm.gamma=-0.1", "algorithm.gamma=-0.1 must be in [0, 1]"),
+        ("algorithm.gamma=1.01", "algorithm.gamma=1.01 must be in [0, 1]"),
+        ("actor_rollout_ref.actor.optim.min_lr_ratio=-0.5",
+         "actor_rollout_ref.actor.optim.min_lr_ratio=-0.5 must be in [0, 1]"),
+        ("critic.optim.min_lr_ratio=2", "critic.optim.min_lr_ratio=2.0 must be in [0, 1]"),
+        ("actor_rollout_ref.actor.optim.weight_decay=-0.1", "actor_rollout_ref.actor.optim.weight_decay=-0.1 must be >= 0"),
+        ("reward_model.train.optim.min_lr_ratio=-1", "reward_model.train.optim.min_lr_ratio=-1.0 must be in [0, 1]"),
         ("actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr=0.0 must be > 0"),
         ("critic.optim.lr=-1e-5", "critic.optim.lr=-1e-05 must be > 0"),
         ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n=0 must be > 0"),
@@ -838,8 +843,14 @@ def test_unknown_name_suggests_a_close_valid_one():
     assert "did you mean low_var_kl?" in _errors("actor_rollout_ref.actor.kl_loss_type=low_var_kll")
 
 
+def test_a_discount_of_0_is_taken_as_lam_0_is():
+    """gamma=0 was refused, though nothing divides by it: each token's advantage is its own reward against its
+    value, as verl computes it."""
+    assert load_config(["algorithm.gamma=0"]).algorithm.gamma == 0.0
+
+
 def test_all_errors_are_reported_together():
-    message = _errors("algorithm.lam=2", "algorithm.gamma=0", "actor_rollout_ref.actor.clip_ratio_c=0.5")
+    message = _errors("algorithm.lam=2", "algorithm.gamma=-1", "actor_rollout_ref.actor.clip_ratio_c=0.5")
     assert "algorithm.lam" in message and "algorithm.gamma" in message and "clip_ratio_c" in message
 
 
