@@ -1214,6 +1214,9 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
     try:
         OmegaConf.update(cfg, key, value, merge=merge)
     except ValidationError as exc:
+        if value is None and isinstance(OmegaConf.select(cfg, key), DictConfig):  # a section left empty (`trainer:`)
+            errors.append(f"{key} is empty (null): put its keys under it, or leave it out")
+            return
         hint = f"; write a list, e.g. {key}=[a,b]" if "is not a ListConfig" in exc.msg else ""
         errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0].rstrip('.')}{hint}")
     except GrammarParseError as exc:

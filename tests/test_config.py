@@ -271,6 +271,18 @@ def test_a_config_files_empty_or_null_key_is_named_with_its_section(tmp_path, te
     assert info.value.errors == [f"config file {path}: {said}: write the key's name, or remove that line"]
 
 
+def test_a_config_files_section_left_empty_says_so(tmp_path):
+    """A section whose keys were all commented out (``trainer:`` and nothing under it) reads as null: OmegaConf's
+    "field 'trainer' is not Optional" named no fix."""
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n#  seed: 3\nactor_rollout_ref:\n  actor:\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(config_file=path)
+    assert info.value.errors == [f"trainer is empty (null): put its keys under it, or leave it out (in {path})",
+                                 "actor_rollout_ref.actor is empty (null): put its keys under it, or leave it out "
+                                 f"(in {path})"]
+
+
 def test_yaml_file_reads_yaml_1_1_floats_and_null(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-5\n    clip_ratio_high: 3e-1\n"
