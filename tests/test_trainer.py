@@ -186,13 +186,16 @@ def test_validation_samples_are_picked_as_verl_picks_them():
     texts = [(f"prompt {i}", f"answer {i}") for i in range(6)]
     scores = [i / 10 for i in range(6)]
     picked = pick_generations(texts, scores, 3)
-    # verl's rule written out here: sort the (input, output, score) triples, shuffle with RandomState(42), take 3
-    triples = sorted((p, r, s) for (p, r), s in zip(texts, scores))
+    # verl's rule written out here: sort the (input, output, score) triples by input, shuffle with RandomState(42)
+    triples = sorted(((p, r, s) for (p, r), s in zip(texts, scores)), key=lambda t: t[0])
     order = np.random.RandomState(42).permutation(len(triples))  # what RandomState(42).shuffle does to a list
     assert [(d["input"], d["output"], d["score"]) for d in picked] == [triples[i] for i in order[:3]]
-    # whatever order the batches came in, the same samples
-    assert pick_generations(texts[::-1], scores[::-1], 3) == picked
     assert len(pick_generations(texts, scores, 10)) == 6
+    # several responses to a prompt (val_kwargs.n > 1) stay in the order they were generated: the sort is by input
+    # alone (by the whole triple, 'aa' came before 'zz'); RandomState(42) puts positions 1 and 3 first of 4
+    assert list(np.random.RandomState(42).permutation(4)[:2]) == [1, 3]
+    picked = pick_generations([("p1", "zz"), ("p1", "aa"), ("p2", "yy"), ("p2", "bb")], [1.0, 0.0, 1.0, 0.0], 2)
+    assert [(d["input"], d["output"], d["score"]) for d in picked] == [("p1", "aa", 0.0), ("p2", "bb", 0.0)]
 
 
 @pytest.fixture(scope="module")

@@ -220,9 +220,11 @@ CLIP_RATIO_ALSO = 0.5
 
 
 def pick_generations(texts: Sequence[tuple[str, str]], scores: Sequence[float], count: int) -> list[dict]:
-    """``count`` validation samples as verl picks them: sorted by (input, output, score), shuffled by a
-    generator seeded 42, the first ``count`` taken, so that the same prompts are shown at every validation."""
-    samples = sorted((prompt, response, float(score)) for (prompt, response), score in zip(texts, scores))
+    """``count`` validation samples as verl picks them: sorted by their input alone (a stable sort: the responses
+    to one prompt stay in the order they were generated), shuffled by a generator seeded 42, the first ``count``
+    taken, so that the same prompts are shown at every validation."""
+    samples = sorted(((prompt, response, float(score)) for (prompt, response), score in zip(texts, scores)),
+                     key=lambda sample: sample[0])
     np.random.RandomState(42).shuffle(samples)
     return [{"input": i, "output": o, "score": s} for i, o, s in samples[:count]]
 
