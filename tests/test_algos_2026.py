@@ -8,6 +8,7 @@ random tiny model to show the pieces are wired into the trainer and report their
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 
@@ -896,9 +897,23 @@ def test_remax_step_subtracts_the_greedy_responses_score(tiny, tmp_path, monkeyp
         return batch
 
     monkeypatch.setattr(trainer.actor, "generate", recording_generate)
+    # the phase each scoring runs in: the greedy baseline's is timed with its generation (timing_s/gen_max), as
+    # verl times it, and timing_s/reward is the samples' alone
+    phases, scored_in = [], []
+
+    @contextlib.contextmanager
+    def phase(name):
+        phases.append(name)
+        yield
+        phases.pop()
+
+    trainer.phase_hooks.append(phase)
+    score = trainer._score
+    monkeypatch.setattr(trainer, "_score", lambda batch: (scored_in.append(phases[-1]), score(batch))[1])
     estimators = _record_calls(monkeypatch, algos.ADV_ESTIMATORS)
     metrics = _step(trainer)
     assert metrics["timing_s/gen_max"] > 0
+    assert scored_in == ["reward", "gen_max"]
     # two generations: the 4 samples per prompt, then one greedy response per prompt
     (sampled_params, sampled), (greedy_params, greedy) = generated
     assert (sampled_params.n, greedy_params.n, greedy_params.do_sample) == (4, 1, False)

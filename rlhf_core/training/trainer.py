@@ -475,9 +475,8 @@ class PPOTrainer:
             extras = self._score(batch)
             self._shape_overlong(batch, extras)
         if self.config.algorithm.adv_estimator == "remax":
-            with self.phase("gen_max", timings):
+            with self.phase("gen_max", timings):  # its scores too, as verl times them (timing_s/reward: the samples')
                 greedy = self.actor.generate(prompts, replace(self._train_params(), n=1, do_sample=False))
-            with self.phase("reward", timings):
                 self._score(greedy)
                 self._shape_overlong(greedy, {})
             n = self.config.actor_rollout_ref.rollout.n
