@@ -324,6 +324,8 @@ def test_a_ctrl_c_while_the_pair_is_renamed_comes_once_both_are_in_place(tmp_pat
 
     new, read = _old_pair(tmp_path)
     real_replace, renamed = os.replace, []
+    # Python's own handler, as a terminal starts it (a run in the background has SIGINT ignored, and keeps it so)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def replace(source, target):
         if not renamed:
@@ -332,8 +334,11 @@ def test_a_ctrl_c_while_the_pair_is_renamed_comes_once_both_are_in_place(tmp_pat
         renamed.append(os.path.basename(target))
 
     monkeypatch.setattr(os, "replace", replace)
-    with pytest.raises(KeyboardInterrupt):
-        write_parquets_atomic(new, overwrite=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            write_parquets_atomic(new, overwrite=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert sorted(renamed) == ["test.parquet", "train.parquet"]
     assert read() == {"train": ["new train"], "test": ["new test"]}
 
