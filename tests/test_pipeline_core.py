@@ -564,12 +564,15 @@ def test_the_reward_spec_follows_decorated_helpers_and_objects_and_not_values_ma
                       "            extra_info=None: float(_h(solution_str)))\n"},
      ("my_reward.py", "float(_h(", "float(not _h(")),
     # a package's __init__.py, which import mypkg.rules runs before rules.py
-    ({"mypkg/__init__.py": "LIMIT = 5\n", "mypkg/rules.py": "def over(s):\n    import mypkg\n    return len(s) > mypkg.LIMIT\n",
+    ({"mypkg/__init__.py": "LIMIT = 5\n",
+      "mypkg/rules.py": "def over(s):\n    import mypkg\n    return len(s) > mypkg.LIMIT\n",
       "my_reward.py": "import mypkg.rules\n\ndef score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(mypkg.rules.over(solution_str))\n"}, ("mypkg/__init__.py", "5", "50")),
     # the same, from mypkg.rules import over (rules.py reads it by a relative import)
-    ({"mypkg/__init__.py": "LIMIT = 5\n", "mypkg/rules.py": "from . import LIMIT\n\ndef over(s):\n    return len(s) > LIMIT\n",
-      "my_reward.py": "from mypkg.rules import over\n\ndef score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
+    ({"mypkg/__init__.py": "LIMIT = 5\n",
+      "mypkg/rules.py": "from . import LIMIT\n\ndef over(s):\n    return len(s) > LIMIT\n",
+      "my_reward.py": "from mypkg.rules import over\n\n"
+                      "def score_it(data_source, solution_str, ground_truth, extra_info=None):\n"
                       "    return float(over(solution_str))\n"}, ("mypkg/__init__.py", "5", "50")),
 ])
 def test_the_reward_spec_sees_a_change_wherever_the_reward_file_or_its_own_modules_hold_it(tmp_path, monkeypatch,

@@ -208,7 +208,8 @@ def test_the_last_line_of_a_bar_off_a_terminal_gives_the_whole_runs_rate(monkeyp
         clock[0] += seconds
         bar.update(1)
     bar.close()
-    assert re.fullmatch(r"t: 100% 100/100 \[01:4\d<00:00, +1\.09s/it\]", out.getvalue().splitlines()[-1]), out.getvalue()
+    last = out.getvalue().splitlines()[-1]
+    assert re.fullmatch(r"t: 100% 100/100 \[01:4\d<00:00, +1\.09s/it\]", last), out.getvalue()
 
 
 class _Terminal:

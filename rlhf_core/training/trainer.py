@@ -523,10 +523,11 @@ class PPOTrainer:
         """Whether the actor update is one epoch over one mini-batch of this step's samples, so that the
         old log-probs are the update's own (detached) and need no separate pass: nothing uses them before
         the update (no KL in the reward, an HF rollout with no log-probs of its own to compare) and the
-        actor updates this step (past ``critic_warmup``)."""
+        actor updates this step (past ``critic_warmup``); never where :attr:`always_old_log_prob` asks for the pass."""
         cfg = self.config
         actor = cfg.actor_rollout_ref.actor
-        return (not self.always_old_log_prob and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
+        return (not self.always_old_log_prob
+                and actor.ppo_epochs == 1 and actor.ppo_mini_batch_size == cfg.data.train_batch_size
                 and not cfg.algorithm.use_kl_in_reward and cfg.actor_rollout_ref.rollout.name == "hf"
                 and self.global_step >= cfg.trainer.critic_warmup)
 
