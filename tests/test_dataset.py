@@ -371,6 +371,25 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert thinking.decode(off.prompt_ids[0]) == f"User: Hi{INSTRUCTION}\nAssistant: (no thinking) "
 
 
+def test_a_tool_call_list_inside_a_message_reaches_the_template_as_a_list(tmp_path):
+    # pandas reads a list inside a message as a NumPy array; the template must iterate the calls themselves
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                         "{% for c in m.tool_calls or [] %}<call {{ c.name }}>{% endfor %}|{% endfor %}Assistant: ")
+    row = make_record("q", "s", "1", "train", 0, "src")
+    row["prompt"] = [{"role": "user", "content": "add", "tool_calls": None},
+                     {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": "{}"}]},
+                     {"role": "tool", "content": "3", "tool_calls": None},
+                     {"role": "user", "content": "so?", "tool_calls": None}]
+    path = tmp_path / "t.parquet"
+    pd.DataFrame([row]).to_parquet(path)
+    data = RLHFDataset(str(path), tok, DataConfig(max_prompt_length=400, return_raw_chat=True))
+    assert tok.decode(data.prompt_ids[0]) == "user: add|assistant: <call add>|tool: 3|user: so?|Assistant: "
+    raw = data.collate([0]).meta["raw_prompt"][0]
+    assert raw[1]["tool_calls"] == [{"name": "add", "arguments": "{}"}]
+    assert type(raw[1]["tool_calls"]) is list
+
+
 def test_a_template_that_writes_the_bos_token_gives_one_bos_with_an_encoder_that_adds_one(tmp_path):
     """Llama-style: the chat template writes ``{{ bos_token }}`` and the encoder adds BOS to what it encodes. The
     template is applied once, with the generation prompt, and its text is not encoded again with special tokens

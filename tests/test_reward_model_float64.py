@@ -259,6 +259,22 @@ def test_truncation_keeps_the_end_of_each_side_in_one_prompt_window(dirs):
     assert (both.prompt_cut, both.response_cut) == (0, 2)
 
 
+def test_a_tool_call_list_read_from_parquet_reaches_the_template_as_a_list(tmp_path):
+    from rlhf_core.models.toy import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                         "{% for c in m.tool_calls or [] %}<call {{ c.name }}>{% endfor %}|{% endfor %}Assistant: ")
+    prompt = [{"role": "user", "content": "add", "tool_calls": None},
+              {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": "{}"}]},
+              {"role": "user", "content": "so?", "tool_calls": None}]
+    pd.DataFrame({"prompt": [prompt], "chosen": ["3"], "rejected": ["4"]}).to_parquet(tmp_path / "p.parquet")
+    frame = pd.read_parquet(tmp_path / "p.parquet")  # the list inside the message as a NumPy array
+    encoded = encode_pairs([("p.parquet", frame)], tok, None)
+    context = "user: add|assistant: <call add>|user: so?|Assistant: "
+    assert [tok.decode(ids) for ids in encoded.pairs[0]] == [context + "3</s>", context + "4</s>"]
+
+
 # ----------------------------------------------------------------------------- PPO's scoring
 
 

@@ -266,6 +266,25 @@ def test_prompt_lengths_are_measured_without_extra_info(char_tokenizer):
     assert not any("problem_id_unique" in item for item in report.skipped)
 
 
+def test_a_tool_call_list_read_from_parquet_is_measured_as_the_trainer_renders_it(tmp_path):
+    # pandas reads the list inside the message as a NumPy array; rendered as one, its calls would lose their names
+    from rlhf_core.models.toy import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                         "{% for c in m.tool_calls or [] %}<call {{ c.name }}>{% endfor %}|{% endfor %}Assistant: ")
+    row = records(1)[0]
+    row["prompt"] = [{"role": "user", "content": "add", "tool_calls": None},
+                     {"role": "assistant", "content": "", "tool_calls": [{"name": "add", "arguments": "{}"}]},
+                     {"role": "user", "content": "so?", "tool_calls": None}]
+    frame = pd.read_parquet(write(tmp_path / "t.parquet", [row]))
+    rendered = len("user: add|assistant: <call add>|user: so?|Assistant: ")  # 52 characters, a token each
+    fits = validate_frames(frame, tokenizer=tok, max_prompt_length=rendered)
+    assert fits.find("prompt_length_within_limit")[0].success, fits.summary()
+    over = validate_frames(frame, tokenizer=tok, max_prompt_length=rendered - 1)
+    assert not over.find("prompt_length_within_limit")[0].success
+
+
 def test_empty_table_fails_has_rows():
     frame = pd.DataFrame(records(2)).iloc[0:0]
     report = validate_frames(frame)

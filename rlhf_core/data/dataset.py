@@ -31,6 +31,7 @@ from rlhf_core.data.schema import (
     is_missing,
     json_message_list,
     other_format,
+    plain_value,
     problem_id,
     problem_index,
     prompt_problem,
@@ -235,18 +236,6 @@ def missing_columns_problem(paths: Sequence[Path], columns: Sequence[str], key: 
     return text + (TRUTH_HINT if "reward_model" in absent else "")
 
 
-def plain_value(value):
-    """A parquet cell as Python objects (lists, dicts, str, int, float), as ``datasets`` gives them to verl:
-    pandas reads a list as a NumPy array and a number as a NumPy scalar."""
-    if isinstance(value, np.ndarray):
-        return [plain_value(v) for v in value.tolist()]
-    if isinstance(value, (list, tuple)):
-        return [plain_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: plain_value(v) for k, v in value.items()}
-    return value.item() if isinstance(value, np.generic) else value
-
-
 def prompt_messages(value, where: str, key: str = "prompt") -> list[dict]:
     """A prompt cell as chat messages: a plain string is one user turn, as verl takes it; anything but a
     non-empty list of ``{role, content}`` string messages (:func:`~rlhf_core.data.schema.prompt_problem`) is a
@@ -264,7 +253,9 @@ def prompt_messages(value, where: str, key: str = "prompt") -> list[dict]:
         column = f" (column '{key}', data.prompt_key)" if key != "prompt" else ""
         raise DataError(f"{where}: {problem}{column}; a prompt is a list of {{'role': ..., 'content': ...}} "
                         "messages with text values, or one string (a user turn)")
-    return [dict(m) for m in value]
+    # a list inside a message (an assistant turn's tool_calls) comes from pandas as a NumPy array, which a chat
+    # template cannot iterate as verl's plain lists
+    return [plain_value(dict(m)) for m in value]
 
 
 def prompt_token_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:

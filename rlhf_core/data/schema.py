@@ -312,6 +312,18 @@ def extra_info_problem(extra_info) -> str | None:
             "'train'} (a parquet struct), or leave the cell null")
 
 
+def plain_value(value):
+    """A parquet cell as Python objects (lists, dicts, str, int, float), as ``datasets`` gives them to verl:
+    pandas reads a list as a NumPy array and a number as a NumPy scalar."""
+    if isinstance(value, np.ndarray):
+        return [plain_value(v) for v in value.tolist()]
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain_value(v) for k, v in value.items()}
+    return value.item() if isinstance(value, np.generic) else value
+
+
 def ground_truth(reward_model):
     """A row's ``reward_model.ground_truth`` as stored, or None where it has none (no mapping, or a missing
     value, :func:`is_missing`): what the trainer, preflight and validation read alike."""

@@ -80,6 +80,7 @@ from rlhf_core.data.schema import (
     is_missing,
     json_message_list,
     other_format,
+    plain_value,
     problem_id,
     problem_index,
     prompt_problem,
@@ -582,7 +583,7 @@ def flatten(frame: pd.DataFrame, tokenizer: Any = None, kind: str | None = "prom
         out["prompt_unknown_roles"] = column(", ".join(unknown_roles(messages)) or None if messages else None
                                              for messages in parsed)
         # the messages as the trainers hand them to the chat template: every key of each message
-        conversations = [[dict(m) for m in v] if m else None for v, m in zip(raw, parsed)]
+        conversations = [[plain_value(dict(m)) for m in v] if m else None for v, m in zip(raw, parsed)]
     if kind == "prompt" and "reward_model" in frame:
         # a cell that is not a mapping (JSON text, a bare answer) has no ground truth to read: told apart from a null
         out["reward_model_non_mapping"] = column(None if reward_model_problem(v) is None else v

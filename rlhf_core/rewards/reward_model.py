@@ -41,6 +41,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from rlhf_core.batch import Batch
 from rlhf_core.config import RewardModelConfig
 from rlhf_core.data.dataset import left_pad, prompt_token_ids
+from rlhf_core.data.schema import plain_value
 from rlhf_core.models import cpu_matmul
 from rlhf_core.models.fused_head import plain_score_head
 from rlhf_core.models.loading import DTYPES, ModelError, check_model_dir, check_tokenizer_dir, resolve
@@ -362,7 +363,8 @@ def conversation_ids(tokenizer, messages: list[dict], responses: Sequence[str],
     false), as PPO's rollout lays a prompt and its response out: the layout the reward model trains on and scores
     (the prompt's ids are the PPO dataset's, :func:`~rlhf_core.data.dataset.prompt_token_ids`, with a chat template or
     without)."""
-    prompt_ids = prompt_token_ids(tokenizer, [dict(m) for m in messages], chat_template_kwargs)
+    # (a list inside a message, read from parquet as a NumPy array, handed to the template as a list)
+    prompt_ids = prompt_token_ids(tokenizer, [plain_value(dict(m)) for m in messages], chat_template_kwargs)
     # (verbose=False: no "longer than the maximum ... indexing errors" warning for a text cut to max_length later)
     closing = [tokenizer.eos_token_id] if eos else []
     return prompt_ids, [tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + closing
