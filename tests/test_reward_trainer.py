@@ -1501,15 +1501,26 @@ def test_batch_that_workers_cannot_share(tiny, pairs_dir, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_two_workers_match_one(tiny, pairs_dir, tmp_path):
-    """FSDP2 over 2 Ray workers takes the steps one process takes (same validation to float precision)."""
+    """FSDP2 over 2 Ray workers takes the steps one process takes (same validation to float precision), with the
+    same gradient norm at every step: AdamW's update barely changes with the gradient's scale, so a gradient off
+    by the number of workers moves the validation loss by far less than its tolerance, and only the norm shows it."""
+    def grad_norms(into: dict):
+        def log(metrics, step):
+            if "train/grad_norm" in metrics:
+                into[step] = metrics["train/grad_norm"]
+        return log
+
+    one_norms, two_norms = {}, {}
     single = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "one")))
-    one = single.fit()
+    one = single.fit(grad_norms(one_norms))
     two = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "two", "trainer.n_gpus_per_node=2",
                                                     "reward_model.train.micro_batch_size_per_gpu=2")))
     try:
-        two_val = two.fit()
+        two_val = two.fit(grad_norms(two_norms))
     finally:
         two.shutdown()
+    assert list(one_norms) == [1, 2, 3] and all(norm > 0 for norm in one_norms.values())
+    assert two_norms == pytest.approx(one_norms, rel=1e-4)
     assert two_val["val/loss"] == pytest.approx(one["val/loss"], abs=1e-5)
     assert two_val["val/pair_accuracy"] == one["val/pair_accuracy"]
     assert (tmp_path / "two" / "global_step_3" / "reward_model" / "extra_state_rank_1.pt").is_file()
@@ -1550,24 +1561,34 @@ def test_a_workers_failure_names_the_step_and_the_checkpoint_a_rerun_resumes_fro
 def test_two_workers_report_the_scores_of_every_pair(tiny, pairs_dir, tmp_path):
     """On 2 Ray workers (gloo), a validation's and a step's pair metrics are over the pairs of both ranks: 5 pairs
     shared 3 + 3 (the second rank's last a weight-0 repeat), each share in micro-batches of 2 + 1, against the float64
-    scores of the model as it stood before the step, each sequence alone."""
+    scores of the model as it stood before the step, each sequence alone. The step's gradient norm is that of the
+    mean loss over the 5 pairs: each rank divides its share's loss by 5 and FSDP sums the ranks' gradients."""
     trainer = RewardModelTrainer(load_config(_overrides(tiny, pairs_dir, tmp_path / "two", "trainer.n_gpus_per_node=2",
                                                         "reward_model.train.micro_batch_size_per_gpu=2")))
     try:
         trainer.export(tmp_path / "before")
         trainer.val_pairs = trainer.val_pairs[:5]
         val = trainer.validate()
-        step = pair_metrics(trainer.worker.train_step(trainer.train_pairs[:5], [1.0] * 5, 5), "train")
+        sums = trainer.worker.train_step(trainer.train_pairs[:5], [1.0] * 5, 5)
     finally:
         trainer.shutdown()
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "before").double().eval()
-    with torch.no_grad():
-        def scores(pairs):
-            return [tuple(float(model(input_ids=torch.tensor([ids])).logits[0, 0]) for ids in pair) for pair in pairs]
 
-        held_out, trained = scores(trainer.val_pairs), scores(trainer.train_pairs[:5])
-    assert val == pytest.approx(expected_pair_metrics("val", held_out, 0.0), abs=1e-5)
-    assert step == pytest.approx(expected_pair_metrics("train", trained, 0.0), abs=1e-5)
+    def scores(pairs):
+        return [tuple(model(input_ids=torch.tensor([ids])).logits[0, 0] for ids in pair) for pair in pairs]
+
+    with torch.no_grad():
+        held_out = [(float(chosen), float(rejected)) for chosen, rejected in scores(trainer.val_pairs)]
+    trained = scores(trainer.train_pairs[:5])
+    margin = trainer.rm.margin
+    # -log sigmoid(x) = log(1 + e^-x), averaged over the 5 pairs and differentiated in float64
+    loss = sum(torch.log1p(torch.exp(margin - chosen + rejected)) for chosen, rejected in trained) / len(trained)
+    loss.backward()
+    grad_norm = math.sqrt(sum(float(p.grad.pow(2).sum()) for p in model.parameters() if p.grad is not None))
+    trained = [(chosen.item(), rejected.item()) for chosen, rejected in trained]
+    assert val == pytest.approx(expected_pair_metrics("val", held_out, margin), abs=1e-5)
+    assert pair_metrics(sums, "train") == pytest.approx(expected_pair_metrics("train", trained, margin), abs=1e-5)
+    assert grad_norm > 0 and sums["grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
 
 
 def _flat_state(worker) -> dict:
