@@ -50,6 +50,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (
+    ConfigKeyError,
+    ConfigTypeError,
     GrammarParseError,
     InterpolationResolutionError,
     KeyValidationError,
@@ -1222,6 +1224,25 @@ def _assign(cfg: DictConfig, key: str, value: Any, errors: list[str], merge: boo
     except GrammarParseError as exc:
         errors.append(f"{key}={value!r} holds a ${{...}} that does not parse ({exc.msg.splitlines()[0]}): close it "
                       "with }, or write \\${ for the text ${")
+    except KeyValidationError as exc:  # a number (or a bool) as a key of an open mapping
+        mapping = exc.full_key.rpartition(".")[0]
+        errors.append(f"{key}={value!r}: {mapping} takes names as its keys, not {exc.key!r}: name each entry, e.g. "
+                      f"{mapping}={{a: 1}}")
+    except (ConfigTypeError, ConfigKeyError) as exc:  # a list where a mapping goes, a mapping where a list goes
+        if isinstance(value, dict) and isinstance(OmegaConf.select(cfg, key, throw_on_resolution_failure=False),
+                                                  DictConfig):  # the fault is below: each entry set on its
+            before = len(errors)                               # own, as a file's are, names the one at fault
+            for name, item in value.items():
+                _assign(cfg, f"{key}.{name}", item, errors, merge)
+            if len(errors) == before:
+                errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0]}")
+        elif isinstance(value, dict):
+            errors.append(f"{key}={value!r}: {key} takes a list, not a mapping; write a list, e.g. {key}=[a,b]")
+        elif isinstance(value, list):
+            errors.append(f"{key}={value!r}: {key} takes a mapping, not a list; write name: value entries, e.g. "
+                          f"{key}={{a: 1}}")
+        else:
+            errors.append(f"{key}={value!r}: {exc.msg.splitlines()[0]}")
 
 
 def _takes_null(cfg: DictConfig, key: str) -> bool:
@@ -1287,11 +1308,24 @@ def _same_key_twice(origins: dict[str, tuple[str, Any]], target: str, key: str, 
     origins[target] = (key, value)
 
 
+def _switched(origins: dict[str, tuple[str, Any]], switch: str, key: str, value: Any, errors: list[str]) -> None:
+    """Record in ``origins`` what verl's deprecated ``switch`` (written ``key``) sets at ``value``: on, its
+    targets, refused beside one of them given another value in the same place, as two spellings of one key are;
+    off or deleted, nothing (what it recorded on is forgotten). Its last value is applied in _assign_deferred."""
+    for target, target_value in SWITCHES[switch].items():
+        if value:
+            _same_key_twice(origins, target, key, target_value, errors)
+        elif origins.get(target, ("", None))[0] == key:
+            del origins[target]
+
+
 def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
                     deferred: dict[str, Any], given: dict[str, Any],
                     origins: dict[str, tuple[str, Any]] | None = None) -> None:
     """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``;
-    ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given)."""
+    ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given), and
+    ``origins`` the spelling that set each (forgotten where it is deleted: another spelling may set it again)."""
+    origins = {} if origins is None else origins
     try:
         override = _parser().parse_override(text)
     except HydraException as exc:
@@ -1321,8 +1355,10 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
         if override.value_type is not None:
             errors.append(f"override {text!r}: write ~{key} (deleting only a given value is not supported)")
             return
-        if _deferred(key, None):
-            deferred.pop(key, None)
+        if key in deferred or _deferred(key, None):  # a value held until every key is set (see _deferred):
+            deferred.pop(key, None)                   # dropped, whatever held it (a shard size, an interpolation)
+            if key in SWITCHES:
+                _switched(origins, key, override.key_or_group, None, errors)
             return
         if without_effect(key) is not None or (key in ALIASES and without_effect(ALIASES[key][0]) is not None):
             return  # a verl key without effect (or its alias) set nothing
@@ -1331,6 +1367,7 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             for target in (canonical, *extra):
                 _assign(cfg, target, _default(target), errors, merge=False)
                 given.pop(target, None)
+                origins.pop(target, None)
             return
         for target in _targets(key, None, notice, errors):
             if _open_key(target) is not None:  # a key the user named in an open mapping: gone, as Hydra's ~ does
@@ -1338,14 +1375,16 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             else:
                 _assign(cfg, target, _default(target), errors, merge=False)
             given.pop(target, None)
+            origins.pop(target, None)
     elif (problem := _none_as_text(cfg, key, override.value())) is not None:
         errors.append(problem)
     elif _deferred(key, override.value()):
         deferred[key] = override.value()
+        if key in SWITCHES:
+            _switched(origins, key, override.key_or_group, override.value(), errors)
     else:  # key=value, +key=value and ++key=value all set a key of the schema
         for target, value in _targets(key, override.value(), notice, errors).items():
-            if origins is not None:
-                _same_key_twice(origins, target, override.key_or_group, value, errors)
+            _same_key_twice(origins, target, override.key_or_group, value, errors)
             _assign(cfg, target, value, errors)
             given[target] = value
 
@@ -1398,8 +1437,10 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
 def _deferred(key: str, value: Any) -> bool:
     """Whether ``key`` is settled once every other key is: a value that depends on the others (a deprecated
     size over all workers, a key that repeats another's value, verl's critic switch and shard-group sizes, an
-    interpolation on a key without effect)."""
+    interpolation on a key without effect), or a deprecated switch, whose last value decides (a later false or
+    ~key undoes a true)."""
     return key in GLOBAL_MICRO_BATCHES or key in MIRRORS or key == CRITIC_ENABLE or (
+        key in SWITCHES and isinstance(value, bool | None)) or (
         key in FSDP_SIZES and value is not None) or (
         without_effect(key) is not None and isinstance(value, str) and value.startswith("${"))
 
@@ -1426,6 +1467,14 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
             _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead
             continue
         if value is None:
+            continue
+        if key in SWITCHES:  # on: its targets, over theirs given elsewhere (as verl's switch decides); off: nothing
+            for target, target_value in _targets(key, value, notice, errors).items():
+                if given.get(target) not in (None, target_value):
+                    notice(f"notice: {target}={given[target]!r} is not read: {key}=true sets {target}={target_value} "
+                           f"(as in verl); set {key}=false to keep {given[target]!r}")
+                _assign(cfg, target, target_value, errors)
+                given[target] = target_value
             continue
         if key in FSDP_SIZES and isinstance(value, int) and not isinstance(value, bool) and (
                 value < 0 or value >= world):
@@ -1552,6 +1601,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 continue
             if _deferred(key, value):
                 deferred[key] = value
+                if key in SWITCHES:
+                    _switched(in_file, key, written, value, errors)
                 continue
             for target, target_value in _targets(key, value, notice_kept, errors).items():
                 _same_key_twice(in_file, target, written, target_value, errors)
@@ -1887,7 +1938,9 @@ def load_config(
         files = [config_file]
     else:
         files = list(config_file)
-    trees = [_without_hydra_keys(_read_yaml(Path(file)), Path(file), notice) for file in files]
+    # ~ is the home folder, as for trainer.default_local_dir: a shell leaves it as written after --config=
+    paths = [Path(os.path.expanduser(file)) for file in files]
+    trees = [_without_hydra_keys(_read_yaml(path), path, notice) for path in paths]
     return _build(trees, overrides, notice, validate, sources=files)
 
 

@@ -373,6 +373,35 @@ def test_tilde_removes_an_entry_of_a_mapping_whose_keys_the_user_names(tmp_path)
     assert "there is no 0 to remove (trainer.ray_runtime_env.py_modules is not set)" in message
 
 
+def test_tilde_drops_a_held_shard_size_or_interpolation_given_before_it(tmp_path):
+    """``~key`` on a value held until every key is set (a shard-group size, an interpolation on a key without
+    effect) drops it: it stayed held, and the run was refused over the very value deleted."""
+    key = "actor_rollout_ref.ref.ulysses_sequence_parallel_size"
+    notices = []
+    cfg = load_config([f"{key}=${{oc.select:a.b,4}}", f"~{key}"], notice=notices.append)
+    assert notices == []  # nothing left to judge: the default (no sequence parallelism) is what is done here
+    assert cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 16  # the rest untouched
+    path = tmp_path / "run.yaml"
+    path.write_text("trainer:\n  n_gpus_per_node: 4\nactor_rollout_ref:\n  actor:\n    fsdp_config:\n      fsdp_size: 2\n")
+    assert "fsdp_size=2 is not supported" in str(_config_error([], path))  # the size deleted below, refused as given
+    cfg = load_config(["~actor_rollout_ref.actor.fsdp_config.fsdp_size"], config_file=path, notice=notices.append)
+    assert (cfg.trainer.n_gpus_per_node, notices) == (4, [])
+
+
+def test_a_key_deleted_with_tilde_may_be_set_again_under_another_spelling():
+    """``~`` forgets which spelling set the key (verl's alias, or newer verl's name), as it forgets its value: the
+    key set again under another spelling was refused as two spellings disagreeing."""
+    optim = "actor_rollout_ref.actor.optim"
+    cfg = load_config([f"{optim}.warmup_style=constant", f"~{optim}.warmup_style", f"{optim}.lr_scheduler_type=cosine"],
+                      notice=lambda _: None)
+    assert cfg.actor_rollout_ref.actor.optim.lr_scheduler_type == "cosine"
+    cfg = load_config(["reward.reward_model.model_path=/a", "~reward.reward_model.model_path",
+                       "reward_model.model.path=/b"], notice=lambda _: None)
+    assert cfg.reward_model.model.path == "/b"
+    # without the ~, the two spellings still disagree on one command line
+    assert "both set actor_rollout_ref.actor.optim.lr_scheduler_type" in _errors_or_none(
+        f"{optim}.warmup_style=constant", f"{optim}.lr_scheduler_type=cosine")
+
 def _config_error(overrides: list[str], path) -> ConfigError:
     with pytest.raises(ConfigError) as info:
         load_config(overrides, config_file=path, validate=False)
@@ -694,6 +723,33 @@ def test_verls_checkpoint_keys_are_taken_as_verl_means_them(tmp_path):
     assert "trainer.max_critic_ckpt_to_keep=-1 must be >= 0 (0 or null: keep all)" in message
 
 
+def test_a_later_false_or_tilde_undoes_verls_remove_previous_ckpt_in_save(tmp_path):
+    """verl's switch is read at its last value (verl keeps one checkpoint where it is true at the end, else
+    max_*_ckpt_to_keep's own): a true from a file or earlier on the command line kept one checkpoint whatever
+    came after it."""
+    switch, notices = "trainer.remove_previous_ckpt_in_save", []
+
+    def kept(cfg):  # the actor's and the critic's checkpoints kept (null: all)
+        return cfg.trainer.max_actor_ckpt_to_keep, cfg.trainer.max_critic_ckpt_to_keep
+
+    path = tmp_path / "verl.yaml"
+    path.write_text("trainer:\n  remove_previous_ckpt_in_save: true\n")
+    for overrides in ([f"{switch}=false"], [f"~{switch}"]):
+        assert kept(load_config(overrides, config_file=path, notice=notices.append)) == (None, None)  # keep all
+    assert kept(load_config([f"{switch}=true", f"{switch}=false"], notice=notices.append)) == (None, None)
+    assert kept(load_config([f"{switch}=true", f"~{switch}", "trainer.max_actor_ckpt_to_keep=3"],
+                            notice=notices.append)) == (3, None)
+    assert notices == []  # off at the end: not said to be in use
+    assert kept(load_config([f"{switch}=false", f"{switch}=true"], notice=notices.append)) == (1, 1)
+    # on at the end, over a count given in another place (the file), as verl's switch decides; in one place, refused
+    path.write_text("trainer:\n  max_actor_ckpt_to_keep: 3\n")
+    notices.clear()
+    assert kept(load_config([f"{switch}=true"], config_file=path, notice=notices.append)) == (1, 1)
+    assert notices[1] == (f"notice: trainer.max_actor_ckpt_to_keep=3 is not read: {switch}=true sets "
+                          f"trainer.max_actor_ckpt_to_keep=1 (as in verl); set {switch}=false to keep 3")
+    assert "both set trainer.max_actor_ckpt_to_keep" in _errors_or_none(f"{switch}=true",
+                                                                        "trainer.max_actor_ckpt_to_keep=3")
+
 def test_unknown_key_suggests_the_closest():
     message = _errors("actor_rollout_ref.actor.clip_ratoi=0.1")
     assert "unknown config key actor_rollout_ref.actor.clip_ratoi" in message
@@ -900,6 +956,39 @@ def test_cli_takes_overrides_on_both_sides_of_the_config_file_and_refuses_what_i
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert f"config file {latin} is not UTF-8 text (byte 5: invalid continuation byte)" in result.stderr
 
+
+def test_a_list_for_a_mapping_or_a_mapping_for_a_list_is_said_in_one_line(tmp_path):
+    """OmegaConf refuses these with errors of its own kinds, which left a traceback and exit 1."""
+    key = "custom_reward_function.reward_kwargs"
+    assert _errors_or_none(f"{key}=[1]") == (f"{key}=[1]: {key} takes a mapping, not a list; write name: value "
+                                             f"entries, e.g. {key}={{a: 1}}")
+    assert _errors_or_none(f"{key}={{1:2}}") == (f"{key}={{1: 2}}: {key} takes names as its keys, not 1: name each "
+                                                 f"entry, e.g. {key}={{a: 1}}")
+    assert _errors_or_none("trainer.logger={console:1}") == (
+        "trainer.logger={'console': 1}: trainer.logger takes a list, not a mapping; write a list, e.g. "
+        "trainer.logger=[a,b]")
+    # a section given whole: the entry at fault named, as a file's would be
+    assert _errors_or_none("trainer={seed:3,logger:{console:1}}") == (
+        "trainer.logger={'console': 1}: trainer.logger takes a list, not a mapping; write a list, e.g. "
+        "trainer.logger=[a,b]")
+    assert _errors_or_none("trainer={sav_freq:3}") == "unknown config key trainer.sav_freq; did you mean trainer.save_freq?"
+    path = tmp_path / "run.yaml"
+    path.write_text("custom_reward_function:\n  reward_kwargs: [1, 2]\n")
+    assert _config_error([], path).errors == [f"{key}=[1, 2]: {key} takes a mapping, not a list; write name: value "
+                                              f"entries, e.g. {key}={{a: 1}} (in {path})"]
+    result = _cli(f"{key}=[1]")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{key} takes a mapping, not a list" in result.stderr
+
+
+def test_a_config_file_under_the_home_folder_is_read_from_tilde(tmp_path, monkeypatch):
+    """A shell expands ~ in ``--config ~/x.yaml`` but leaves ``--config=~/x.yaml`` as written."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "run.yaml").write_text("trainer:\n  seed: 7\n")
+    assert load_config(config_file="~/run.yaml").trainer.seed == 7
+    result = _cli("--config=~/run.yaml")
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["trainer"]["seed"] == 7
 
 def test_a_null_validation_file_list_says_how_to_have_none():
     assert "data.val_files=None must be a string or a list of strings, e.g. data.val_files=[a,b]; for no " \
