@@ -634,7 +634,10 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     that trains call this. Signal handlers are installed only when ``handle_signals`` and
     ``trainer.save_on_interrupt`` are on and this is the main thread (Python delivers signals there
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
-    Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes.
+    Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes. A Ctrl-C or SIGTERM that leaves as
+    KeyboardInterrupt (outside the training steps, or with ``trainer.save_on_interrupt=false``) carries ``rerun``
+    once the trainer holds the checkpoint it resumes from: its :attr:`~PPOTrainer.rerun_advice` and
+    :meth:`~PPOTrainer.rerun_checkpoint`, which only it knows (whether a resume_path run has saved since).
     """
     from rlhf_core.training.tracking import Tracking
 
@@ -645,7 +648,14 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
     if resume_from is not None:
         check_config(resume_from, cfg, notices=False)  # (the load checks again, and gives the notices)
+    ready = None  # the trainer, once it holds the checkpoint it resumes from (if any): before, it knows of no resume
+
+    def tell_rerun(exc_type, exc, traceback) -> None:
+        if isinstance(exc, KeyboardInterrupt) and ready is not None:
+            exc.rerun = ready.rerun_advice, ready.rerun_checkpoint()
+
     with contextlib.ExitStack() as stack:
+        stack.push(tell_rerun)  # first in, so last out: an interrupt while the trainer or the lock closes is told too
         stack.enter_context(run_lock(local_dir))  # before any model loads: one run per checkpoint folder
         if trainer_cfg.resume_mode == "disable" and not trainer_cfg.val_only:
             start_afresh(local_dir)  # an earlier run's checkpoints there: a rerun must not resume that run
@@ -656,6 +666,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
             trainer.load_checkpoint(resume_from)
             print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})",
                   file=sys.stderr)
+        ready = trainer
         tracking = stack.enter_context(Tracking(
             trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
             config=cfg.to_dict(), total_steps=None if trainer_cfg.val_only else trainer.total_steps,  # (no bar)

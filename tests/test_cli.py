@@ -752,6 +752,63 @@ def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_lef
     assert capsys.readouterr().err.splitlines() == [said]
 
 
+@pytest.mark.parametrize("saves_on_interrupt", [True, False])
+def test_a_ctrl_c_before_a_resume_path_run_loads_names_the_checkpoint_it_goes_back_to(tmp_path, monkeypatch, capsys,
+                                                                                     saves_on_interrupt):
+    """A run sent back to step 2 of a folder whose latest is step 5, stopped before it saved: the same command
+    resumes step 2 again, where resume_mode=auto would take step 5, the checkpoints it set out to leave."""
+    from rlhf_core.cli import train
+
+    _save_step(tmp_path, 2)
+    _save_step(tmp_path, 5)
+
+    def run(cfg):  # e.g. the models loading: Python's handler raises KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(train, "run", run)
+    argv = [f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={tmp_path}/global_step_2", f"trainer.save_on_interrupt={saves_on_interrupt}"]
+    assert _ctrl_c_in(train.ppo, argv) == 130
+    said = ("interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, no "
+            f"trained step lost; the latest checkpoint is {tmp_path}/global_step_2" if saves_on_interrupt
+            else "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
+                 f"checkpoint {tmp_path}/global_step_2 is as it was: rerun the same command to resume from it")
+    assert capsys.readouterr().err.splitlines() == [said]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_ctrl_c_in_a_resume_path_run_names_the_path_until_the_run_saves(workspace, tmp_path, monkeypatch, capsys):
+    """With trainer.save_on_interrupt=false a Ctrl-C in a step leaves the run as KeyboardInterrupt: before the run
+    sent back to step 2 saves, the same command resumes step 2 again; once it has saved step 3, its own step 3 is
+    the latest, which only resume_mode=auto resumes (the same command would go back to step 2)."""
+    from rlhf_core.cli import train
+    from rlhf_core.training.trainer import PPOTrainer
+
+    out = tmp_path / "out"
+    assert train.ppo(workspace.overrides(out, "trainer.total_training_steps=4", "trainer.save_freq=1",
+                                         "trainer.test_freq=-1")) == 0
+    capsys.readouterr()
+    train_step = PPOTrainer.train_step
+    stop_in = []
+
+    def interrupted(self, prompts):
+        if self.global_step + 1 in stop_in:  # Python's handler raises KeyboardInterrupt in the step
+            signal.raise_signal(signal.SIGINT)
+        return train_step(self, prompts)
+
+    monkeypatch.setattr(PPOTrainer, "train_step", interrupted)
+    argv = workspace.overrides(out, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=-1",
+                               "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/global_step_2",
+                               "trainer.save_on_interrupt=false")
+    for step, kept in ((3, f"{out}/global_step_2 is as it was: rerun the same command"),
+                       (4, f"{out}/global_step_3 is as it was: rerun with trainer.resume_mode=auto")):
+        stop_in[:] = [step]
+        assert _ctrl_c_in(train.ppo, argv) == 130
+        assert capsys.readouterr().err.splitlines()[-1] == (
+            "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
+            f"checkpoint {kept} to resume from it")
+
+
 # A SIGTERM where the training steps' handler is not in place: Python's default ended the process at once, killed
 # by the signal, with no line naming the checkpoint left (and, after ray.init, Ray's C++ handler aborted it). It is
 # sent in a process of its own: without the command's handler it would end the test run.
