@@ -449,6 +449,29 @@ def test_ctrl_c_while_the_run_resumes_stops_it_at_its_checkpoint(tiny, pairs_dir
     assert ckpt.latest_checkpoint(out) == out / "global_step_1"
 
 
+def test_ctrl_c_as_a_resume_path_run_loads_names_the_checkpoint_it_goes_back_to(tiny, pairs_dir, tmp_path,
+                                                                                 monkeypatch, capsys):
+    """A run sent back to step 1 of a folder at step 2, stopped at once (save_on_interrupt=false) as it loads
+    the checkpoint: a rerun of the same command loads step 1 again (auto would take step 2, which it set out to
+    leave)."""
+    out, args = tmp_path / "rm", _overrides(tiny, pairs_dir, tmp_path / "rm", "reward_model.train.save_freq=1")
+    assert train_rm([*args, "reward_model.train.total_training_steps=2"]) == 0
+    assert ckpt.latest_checkpoint(out) == out / "global_step_2"
+    resume = RewardModelTrainer.resume
+
+    def resume_under_a_signal(self):
+        signal.raise_signal(signal.SIGINT)
+        return resume(self)
+
+    monkeypatch.setattr(RewardModelTrainer, "resume", resume_under_a_signal)
+    capsys.readouterr()
+    back = [*args, "reward_model.train.resume_mode=resume_path", f"reward_model.train.resume_from_path={out}/global_step_1",
+            "trainer.save_on_interrupt=false"]
+    assert train_rm(back) == 130
+    assert (f"the latest checkpoint {out / 'global_step_1'} is as it was: rerun the same command to resume from "
+            "it") in capsys.readouterr().err
+
+
 def test_ctrl_c_saves_the_step_and_the_same_command_resumes(tiny, pairs_dir, tmp_path, monkeypatch, capsys):
     """Ctrl-C during step 3 of 6: the step is finished and saved, the command exits 130 naming the checkpoint,
     and the same command again resumes there and trains steps 4 to 6 (the weights those of a run never

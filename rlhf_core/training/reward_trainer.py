@@ -955,13 +955,19 @@ class RewardModelTrainer:
 
     @property
     def _resumes_its_path_again(self) -> bool:
-        """Whether the run resumed from ``resume_from_path`` and has saved nothing since."""
-        return (self.rm.resume_mode == "resume_path" and self.resumed_from is not None
-                and self._saved_step == ckpt.step_of(self.resumed_from))
+        """Whether a rerun loads ``resume_from_path`` again: the run resumed from it and has saved nothing since,
+        or was stopped before it had loaded it (nothing saved either)."""
+        if self.rm.resume_mode != "resume_path":
+            return False
+        if self.resumed_from is None:
+            return self.last_saved is None
+        return self._saved_step == ckpt.step_of(self.resumed_from)
 
     def rerun_checkpoint(self) -> Path | None:
         """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
-        return self.resumed_from if self._resumes_its_path_again else ckpt.latest_or_none(self.local_dir)
+        if self._resumes_its_path_again:
+            return self.resumed_from or self.resume_path()
+        return ckpt.latest_or_none(self.local_dir)
 
     # ------------------------------------------------------------------ checkpoints
     @property
