@@ -45,6 +45,30 @@ def test_pairs_are_correct_against_incorrect_with_identical_pairs_once(tmp_path)
     assert pairs[0]["answer"] == "5"
 
 
+def test_a_question_on_two_lines_keeps_its_pairs_on_one_side_and_a_shared_pair_once(tmp_path):
+    """Two releases joined give Q0 on lines 1 and 2, with other solutions the second time: grouped by the line each
+    row is on, some seeds put Q0's pairs on both sides, which the trainer then refuses; grouped by the line where
+    the question first appears, they stay together. The pair both lines hold is one pair."""
+    path = tmp_path / "solutions.jsonl"
+    path.write_text("\n".join([
+        _row("Q0", [("right 0", True), ("wrong 0", False), ("bad 0", False), ("right2 0", True)]),  # 4 pairs
+        # (right 0, wrong 0) again, and 3 new pairs
+        _row("Q0", [("right 0", True), ("wrong 0", False), ("other 0", False), ("right3 0", True)]),
+        _row("Q1", [("right 1", True), ("wrong 1", False), ("bad 1", False), ("right2 1", True)]),
+        _row("Q2", [("right 2", True), ("wrong 2", False), ("bad 2", False), ("right2 2", True)]),
+    ]) + "\n")
+    pairs = gsm8k_solution_pairs(path)
+    assert sorted((p["question"], p["chosen"], p["rejected"]) for p in pairs if p["question"] == "Q0") == [
+        ("Q0", "right 0", "bad 0"), ("Q0", "right 0", "other 0"), ("Q0", "right 0", "wrong 0"),
+        ("Q0", "right2 0", "bad 0"), ("Q0", "right2 0", "wrong 0"), ("Q0", "right3 0", "other 0"),
+        ("Q0", "right3 0", "wrong 0")]
+    assert len(pairs) == 7 + 4 + 4
+    assert [p["group"] for p in pairs] == ["line-1"] * 7 + ["line-3"] * 4 + ["line-4"] * 4
+    for seed in range(6):
+        train, val = split_by_group(pairs, 0.5, seed=seed)
+        assert not {p["question"] for p in train} & {p["question"] for p in val}, seed
+
+
 def test_solutions_end_as_the_instruction_asks(tmp_path):
     path = tmp_path / "solutions.jsonl"
     path.write_text(_row("Q1", [("3 + 2 = <<3+2=5>>5\nA: 5", True), ("A: 6", False), ("no final line", False),
@@ -59,6 +83,24 @@ def test_malformed_row_names_the_line(tmp_path):
     path.write_text(_row("Q1", [("a", True), ("b", False), ("c", False), ("d", False)]) + "\n{\"question\": 1}\n")
     with pytest.raises(PreferenceDataError, match="line 2"):
         gsm8k_solution_pairs(path)
+
+
+@pytest.mark.parametrize("question, solutions, problem", [
+    ("Q2", [("a", True), (None, False), ("c", False), ("d", False)], "6b_verification.solution is null"),
+    (None, [("a", True), ("b", False), ("c", False), ("d", False)], "question is null"),
+    (7, [("a", True), ("b", False), ("c", False), ("d", False)], "question is of type int"),
+    ("Q2", [("a", True), ("b", False), ("c", False), (["d"], False)], "175b_verification.solution is of type list"),
+])
+def test_a_null_or_non_text_question_or_solution_names_the_line(tmp_path, question, solutions, problem):
+    """Such a row stopped the command with an AttributeError or a TypeError that named no line."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(_row("Q1", [("a", True), ("b", False), ("c", False), ("d", False)]) + "\n"
+                    + _row(question, solutions) + "\n")
+    with pytest.raises(PreferenceDataError) as info:
+        gsm8k_solution_pairs(path)
+    assert str(info.value) == (
+        f"{path}, line 2: not a model-solutions row (TypeError: {problem}, not text); each line needs 'question' and "
+        "6b_finetuning, 6b_verification, 175b_finetuning, 175b_verification with 'solution' and 'is_correct'")
 
 
 def test_real_gsm8k_pairs_count(gsm8k_dir):
@@ -87,7 +129,7 @@ def test_real_gsm8k_pairs_count(gsm8k_dir):
 def test_real_gsm8k_pairs_are_each_questions_labelled_right_against_its_labelled_wrong(gsm8k_dir):
     """Every pair, rebuilt from the release's own is_correct labels: a solution labelled correct against one labelled
     incorrect of the same question, each with its closing "A: x" line written "#### x", and nothing else."""
-    expected = set()
+    expected, first = set(), {}
     for number, line in enumerate((gsm8k_dir / "example_model_solutions.jsonl").read_text().splitlines(), start=1):
         row = json.loads(line)
         texts = {True: set(), False: set()}
@@ -96,7 +138,8 @@ def test_real_gsm8k_pairs_are_each_questions_labelled_right_against_its_labelled
             if lines[-1].startswith("A:"):
                 lines[-1] = "#### " + lines[-1][2:].strip()
             texts[bool(row[name]["is_correct"])].add("\n".join(lines))
-        expected |= {(f"line-{number}", row["question"], right, wrong)
+        group = f"line-{first.setdefault(' '.join(row['question'].split()).casefold(), number)}"  # its first line
+        expected |= {(group, row["question"], right, wrong)
                      for right in texts[True] for wrong in texts[False] if right != wrong}
     pairs = gsm8k_solution_pairs(gsm8k_dir / "example_model_solutions.jsonl")
     got = [(p["group"], p["question"], p["chosen"], p["rejected"]) for p in pairs]
@@ -348,6 +391,40 @@ def test_check_preference_frames_starts_a_files_error_with_the_key_that_named_it
         check_preference_frames([(Path("t.parquet"), pd.DataFrame([_pair(None)]))], [], keys)
 
 
+def test_canonical_prompt_reads_arrays_and_leaves_out_nulls_at_every_level():
+    import numpy as np
+
+    from rlhf_core.data.preference import canonical_prompt
+
+    # as pandas reads a parquet message: a list as a NumPy array, every field any row has, None where a row has none
+    message = {"role": "assistant", "content": "", "name": None,
+               "tool_calls": np.array([{"name": "calc", "arguments": "{}", "id": None}], dtype=object)}
+    assert canonical_prompt(np.array([message], dtype=object)) == (
+        '[{"content": "", "role": "assistant", "tool_calls": [{"arguments": "{}", "name": "calc"}]}]')
+
+
+def _tool_prompt(question, call) -> list[dict]:
+    return [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "user", "content": question}]
+
+
+def test_check_preference_files_compares_prompts_with_tool_calls(tmp_path):
+    """A list inside a message (tool_calls) stopped the check with a TypeError (JSON cannot write the NumPy array
+    pandas reads it as); a tool call's id on one row of a file gives the others id None, which hid a prompt that
+    train and val share."""
+    from rlhf_core.data.preference import check_preference_files
+
+    call, with_id = {"name": "calc", "arguments": "{}"}, {"name": "calc", "arguments": "{}", "id": "c7"}
+    train, val, leaky = tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path / "leaky.parquet"
+    pd.DataFrame([_pair(_tool_prompt("Q1", call)), _pair(_tool_prompt("Q2", with_id))]).to_parquet(train)
+    pd.DataFrame([_pair(_tool_prompt("Q3", call))]).to_parquet(val)
+    assert check_preference_files([train], [val]) == {"train_pairs": 2, "val_pairs": 1, "train_prompts": 2,
+                                                      "val_prompts": 1}
+    pd.DataFrame([_pair(_tool_prompt("Q1", call))]).to_parquet(leaky)  # train's row 0, written without an id field
+    with pytest.raises(PreferenceDataError, match=r"^1 prompt\(s\) have pairs in both the training and the "
+                                                  r"validation files \(e\.g\. 'Q1'\)"):
+        check_preference_files([train], [leaky])
+
+
 # ----------------------------------------------------------------------------- options of the other source
 
 
@@ -578,6 +655,9 @@ def _trl_rows(form: str, n: int = 4) -> list[dict]:
     ("conversational explicit", ".jsonl", lambda q: [SYSTEM, _user(q)]),
     ("conversational implicit", ".parquet", lambda q: [SYSTEM, _user(q)]),
     ("conversational implicit", ".json", lambda q: [SYSTEM, _user(q)]),
+    # one line holding a JSON array (json.dump, to_json(orient='records')): read as JSON lines, one row of 10 columns
+    ("standard explicit", ".json array", lambda q: [_user(q)]),
+    ("conversational explicit", ".json array", lambda q: [SYSTEM, _user(q)]),
 ])
 def test_trl_preference_files_convert_to_pairs_that_train_and_validate(tmp_path, capsys, form, suffix, prompt):
     """Each of TRL's forms with its prompt found becomes this schema's rows: the prompt as chat messages (a text
@@ -586,9 +666,14 @@ def test_trl_preference_files_convert_to_pairs_that_train_and_validate(tmp_path,
     from rlhf_core.data.preference import check_preference_files
     from rlhf_core.data.validation import validate_preference_files
 
-    source = tmp_path / f"hh_train{suffix}"
+    source = tmp_path / f"hh_train{suffix.split()[0]}"
     frame = pd.DataFrame(_trl_rows(form, n=10))
-    frame.to_parquet(source) if suffix == ".parquet" else frame.to_json(source, orient="records", lines=True)
+    if suffix == ".parquet":
+        frame.to_parquet(source)
+    elif suffix == ".json array":
+        source.write_text(json.dumps(_trl_rows(form, n=10)))
+    else:
+        frame.to_json(source, orient="records", lines=True)
     out = tmp_path / "pairs"
     assert preference(["--trl", str(source), "--output", str(out), "--val-fraction", "0.2"]) == 0
     printed = capsys.readouterr().out
@@ -618,7 +703,40 @@ def test_trl_pairs_leave_out_rows_whose_chosen_and_rejected_are_the_same(tmp_pat
                                                                            ("What is 2 + 1?", "#### 3", "#### 2")]
 
 
+def test_trl_rows_repeating_a_pair_are_left_out_and_counted(tmp_path, capsys):
+    """Public preference sets repeat some rows; kept, the pipeline's no_duplicate_pairs check refused the files the
+    command wrote. A row with the same prompt and another reply is a pair of its own."""
+    from rlhf_core.data.preference import trl_pairs
+    from rlhf_core.data.validation import validate_preference_files
+
+    rows = _trl_rows("standard explicit", n=10)
+    rows += [dict(rows[3]), dict(rows[3]), rows[5] | {"rejected": "#### 7"}, dict(rows[8])]
+    path = tmp_path / "hh.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    pairs, identical, form = trl_pairs(path)
+    assert (len(pairs), identical) == (11, 0)
+    assert form == "standard, explicit prompt, 3 left out: the same pair as an earlier row"
+    assert [(p["question"], p["rejected"]) for p in pairs if p["question"] == "What is 5 + 1?"] == [
+        ("What is 5 + 1?", "#### 5"), ("What is 5 + 1?", "#### 7")]
+    out = tmp_path / "pairs"
+    assert preference(["--trl", str(path), "--output", str(out)]) == 0
+    assert (f"read: 11 pairs from {path} (standard, explicit prompt, 3 left out: the same pair as an earlier row)"
+            in capsys.readouterr().out)
+    assert validate_preference_files([out / "train.parquet"], [out / "val.parquet"]).success
+
+
+JSON_TEXT = ("the JSON text of a message list; it would train as one turn holding the JSON: store the list itself "
+             "(e.g. frame[{0!r}] = frame[{0!r}].map(json.loads) before writing the file)")
+
+
 @pytest.mark.parametrize("rows, message", [
+    # (a CSV round trip): taken as text, the prompt was one user turn holding the JSON, which the prompt data refuses
+    ([{"prompt": json.dumps([SYSTEM, _user("What is 2 + 2?")]), "chosen": "#### 4", "rejected": "#### 5"}] * 2,
+     f"2 of 2 row(s) cannot be read as preference pairs: prompt is {JSON_TEXT.format('prompt')} in row(s) 0, 1"),
+    ([{"chosen": json.dumps([_user("Q"), _assistant("A")]), "rejected": json.dumps([_user("Q"), _assistant("B")])}],
+     f"1 of 1 row(s) cannot be read as preference pairs: chosen is {JSON_TEXT.format('chosen')} in row(s) 0"),
+    ([{"prompt": [_user("Q")], "chosen": [_assistant("A")], "rejected": json.dumps([_assistant("B")])}],
+     f"1 of 1 row(s) cannot be read as preference pairs: rejected is {JSON_TEXT.format('rejected')} in row(s) 0"),
     (_trl_rows("standard implicit", n=2),
      "2 of 2 row(s) cannot be read as preference pairs: chosen and rejected are not chat messages and there is no "
      "prompt column: an implicit prompt is read from whole conversations only (text holds no turns to tell the "
@@ -674,3 +792,23 @@ def test_trl_pairs_on_questions_of_the_exclude_prompts_are_dropped(tmp_path, cap
     assert f"excluded: 2 pair(s) over 2 prompt(s) of {prompts}" in capsys.readouterr().out
     rows = pd.concat([read_preferences(out / "train.parquet"), read_preferences(out / "val.parquet")])
     assert sorted(rows["chosen"]) == ["#### 1", "#### 2", "#### 3", "#### 5"]
+
+
+def test_trl_pairs_whose_user_turn_ends_with_the_instruction_are_dropped_by_their_question(tmp_path, capsys):
+    """TRL pairs built from verl's GSM8K prompts ask each question with the instruction after it: --exclude compared
+    that whole turn with the prompt data's questions, dropped nothing, and the check then refused the pairs it
+    wrote."""
+    from rlhf_core.data.preference import check_apart_from_prompts
+
+    instruction = ' Let\'s think step by step and output the final answer after "####".'
+    rows = [{"prompt": [_user(f"What is {i} + 1?{instruction}")], "chosen": [_assistant(f"#### {i + 1}")],
+             "rejected": [_assistant(f"#### {i}")]} for i in range(6)]
+    source = tmp_path / "trl.parquet"
+    pd.DataFrame(rows).to_parquet(source)
+    prompts = _prompt_file(tmp_path / "eval" / "test.parquet", ["What is 3 + 1?", "What is 5 + 1?"])
+    out = tmp_path / "pairs"
+    assert preference(["--trl", str(source), "--output", str(out), "--exclude", str(prompts)]) == 0
+    assert f"excluded: 2 pair(s) over 2 prompt(s) of {prompts}" in capsys.readouterr().out
+    rows = pd.concat([read_preferences(out / "train.parquet"), read_preferences(out / "val.parquet")])
+    assert sorted(rows["chosen"]) == ["#### 1", "#### 2", "#### 3", "#### 5"]
+    assert check_apart_from_prompts([out / "train.parquet", out / "val.parquet"], [prompts]) == 4

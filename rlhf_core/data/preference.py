@@ -17,7 +17,7 @@ Sources:
   solution with the right final answer, rejected the same working with the demo model's slip
   (:func:`rlhf_core.models.toy.with_slip`: the final line repeats the problem's first number).
 * ``--trl FILE ...``: TRL's preference files (:func:`trl_pairs`), split by prompt; rows whose chosen and
-  rejected are the same are left out (counted).
+  rejected are the same, and rows repeating an earlier row's pair, are left out (counted).
 
 Usage::
 
@@ -66,6 +66,8 @@ from rlhf_core.data.schema import (
     INSTRUCTION,
     PREFERENCE_COLUMNS,
     is_missing,
+    json_message_list,
+    plain_value,
     prompt_problem,
     read_rows,
     roles_problem,
@@ -111,8 +113,10 @@ def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
     """Every distinct (correct, incorrect) pair of model solutions to the same question in ``path``.
 
     Returns ``{question, chosen, rejected, group, chosen_model, rejected_model, answer}`` dicts in file
-    order; ``group`` is the question's line number; the solutions end as the instruction asks
-    (:func:`as_instructed`). PreferenceDataError names the line of a malformed row.
+    order; ``group`` is the line where the question first appears (questions compared as
+    :func:`~rlhf_core.data.validation.question_key` compares them), so that a question on two lines keeps all its
+    pairs on one side of the split, and a pair two lines share is kept once; the solutions end as the instruction
+    asks (:func:`as_instructed`). PreferenceDataError names the line of a malformed row.
     """
     path = Path(path)
     if path.is_dir():
@@ -122,29 +126,35 @@ def gsm8k_solution_pairs(path: str | Path) -> list[dict]:
     if not path.is_file():
         raise PreferenceDataError(f"{path} does not exist; point --gsm8k-solutions at example_model_solutions.jsonl "
                                   "of the GSM8K release")
-    pairs = []
+    pairs, seen, first_line = [], set(), {}
     with path.open() as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
-                question = row["question"]
-                solutions = [(name, as_instructed(row[name]["solution"]), bool(row[name]["is_correct"]))
+                texts = {"question": row["question"], **{f"{name}.solution": row[name]["solution"]
+                                                          for name in GSM8K_MODELS}}
+                for field, text in texts.items():  # (a null would fail below without naming its line)
+                    if not isinstance(text, str):
+                        kind = "null" if text is None else f"of type {type(text).__name__}"
+                        raise TypeError(f"{field} is {kind}, not text")
+                question = texts["question"]
+                solutions = [(name, as_instructed(texts[f"{name}.solution"]), bool(row[name]["is_correct"]))
                              for name in GSM8K_MODELS]
             except (ValueError, KeyError, TypeError) as exc:
                 raise PreferenceDataError(
                     f"{path}, line {line_no}: not a model-solutions row ({type(exc).__name__}: {exc}); each line "
                     f"needs 'question' and {', '.join(GSM8K_MODELS)} with 'solution' and 'is_correct'") from exc
             answer = str(row.get("ground_truth", "")).rsplit("A:", 1)[-1].strip().replace(",", "")  # as GSM8K's
-            seen = set()
             for chosen_model, chosen, chosen_ok in solutions:
                 for rejected_model, rejected, rejected_ok in solutions:
-                    if not chosen_ok or rejected_ok or chosen == rejected or (chosen, rejected) in seen:
+                    if not chosen_ok or rejected_ok or chosen == rejected or (question, chosen, rejected) in seen:
                         continue
-                    seen.add((chosen, rejected))
+                    seen.add((question, chosen, rejected))
                     pairs.append({"question": question, "chosen": chosen, "rejected": rejected,
-                                  "group": f"line-{line_no}", "chosen_model": chosen_model,
+                                  "group": f"line-{first_line.setdefault(question_key(question), line_no)}",
+                                  "chosen_model": chosen_model,
                                   "rejected_model": rejected_model, "answer": answer})
     return pairs
 
@@ -255,7 +265,8 @@ def _implicit(chosen, rejected) -> tuple[list[dict], str, str]:
 
 
 def _read_table(path: Path) -> pd.DataFrame:
-    """A parquet or JSON-lines file's rows; PreferenceDataError for another suffix or an unreadable file."""
+    """A parquet, JSON-lines or JSON-array file's rows; PreferenceDataError for another suffix or an unreadable
+    file."""
     if path.is_dir():
         raise PreferenceDataError(f"{path} is a folder: name its preference file(s)")
     if not path.is_file():
@@ -264,22 +275,29 @@ def _read_table(path: Path) -> pd.DataFrame:
         if path.suffix == ".parquet":
             return read_rows(path)
         if path.suffix in (".jsonl", ".json"):
+            with path.open("rb") as handle:
+                start = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+            if start == b"[":  # one JSON array (json.dump, to_json(orient='records')), read as lines it is one row
+                return pd.read_json(path, dtype=False)
             try:  # datasets' to_json writes JSON lines whatever the suffix
                 return pd.read_json(path, lines=True, dtype=False)
             except ValueError:
                 return pd.read_json(path, dtype=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
         raise PreferenceDataError(f"{path} is not a readable {path.suffix[1:]} file ({exc})") from exc
-    raise PreferenceDataError(f"{path}: a preference file is .parquet, or JSON lines (.jsonl, .json)")
+    raise PreferenceDataError(f"{path}: a preference file is .parquet, JSON lines (.jsonl, .json) or a JSON array "
+                              "(.json)")
 
 
 def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
-    """The pairs of one of TRL's preference files (``datasets`` written to parquet or JSON lines): ``chosen`` and
-    ``rejected`` in any of TRL's four forms, as text or as chat messages, with a ``prompt`` column (text, taken as
-    one user turn, or messages) or without one (conversational only: the messages both conversations begin with
-    are the prompt). Returns (pairs as :func:`split_by_group` takes them, each prompt its own group; the count of
-    rows left out as their chosen and rejected are the same; the form read, in words). Messages keep their role and
-    content. PreferenceDataError names the rows that cannot be read, each with its reason."""
+    """The pairs of one of TRL's preference files (``datasets`` written to parquet, JSON lines or a JSON array):
+    ``chosen`` and ``rejected`` in any of TRL's four forms, as text or as chat messages, with a ``prompt`` column
+    (text, taken as one user turn, or messages) or without one (conversational only: the messages both
+    conversations begin with are the prompt). Returns (pairs as :func:`split_by_group` takes them, each prompt its
+    own group; the count of rows left out as their chosen and rejected are the same; the form read, in words, and
+    how many rows were left out as repeats of an earlier pair, which the pipeline's checks refuse). Messages keep their role and content.
+    PreferenceDataError names the rows that cannot be read, each with its reason, a cell holding the JSON text of a
+    message list among them (taken as text it would train on the JSON)."""
     path = Path(path).expanduser()
     frame = _read_table(path)
     columns = set(frame.columns)
@@ -293,9 +311,15 @@ def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
                                   f"{', '.join(map(str, frame.columns))})")
     explicit = "prompt" in columns
     pairs, identical, problems, conversational = [], 0, {}, False
+    seen, repeated = set(), 0  # (group, chosen, rejected) of the pairs kept; the rows repeating one
     prompts = frame["prompt"] if explicit else [None] * len(frame)
     for row, (prompt, chosen, rejected) in enumerate(zip(prompts, frame["chosen"], frame["rejected"])):
         try:
+            for column, cell in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+                if json_message_list(cell):  # as the prompt dataset refuses it
+                    raise ValueError(f"{column} is the JSON text of a message list; it would train as one turn "
+                                     f"holding the JSON: store the list itself (e.g. frame[{column!r}] = "
+                                     f"frame[{column!r}].map(json.loads) before writing the file)")
             if explicit:
                 messages = _message_list(prompt)
                 if messages is None:
@@ -315,9 +339,14 @@ def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
         if chosen_text == rejected_text:
             identical += 1
             continue
+        group = json.dumps(messages, sort_keys=True)
+        if (group, chosen_text, rejected_text) in seen:
+            repeated += 1
+            continue
+        seen.add((group, chosen_text, rejected_text))
         users = [m["content"] for m in messages if m["role"] == "user"]
         pairs.append({"question": users[-1] if users else "", "messages": messages, "chosen": chosen_text,
-                      "rejected": rejected_text, "group": json.dumps(messages, sort_keys=True)})
+                      "rejected": rejected_text, "group": group})
     if problems:
         count = sum(len(rows) for rows in problems.values())
         shown = "; ".join(f"{problem} in row(s) {', '.join(map(str, rows[:5]))}{' ...' if len(rows) > 5 else ''}"
@@ -328,7 +357,7 @@ def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
     if roles is not None:
         raise PreferenceDataError(f"{path}: {roles}")
     form = f"{'conversational' if conversational else 'standard'}, {'explicit' if explicit else 'implicit'} prompt"
-    return pairs, identical, form
+    return pairs, identical, form + (f", {repeated} left out: the same pair as an earlier row" if repeated else "")
 
 
 # ----------------------------------------------------------------------------- keeping pairs apart from prompt sets
@@ -409,13 +438,17 @@ def prompt_questions(paths: Iterable[str | Path], prompt_key: str = "prompt") ->
 
 
 def drop_questions(pairs: list[dict], questions: set[str]) -> tuple[list[dict], list[dict]]:
-    """(kept, dropped): the pairs whose ``question`` (whitespace collapsed) is not, and is, in ``questions``
-    (as :func:`prompt_questions` gives them), the case folded on both sides, as the data validation compares
-    questions."""
+    """(kept, dropped): the pairs on none, and on one, of ``questions`` (as :func:`prompt_questions` gives them),
+    the case folded on both sides, as the data validation compares questions. A pair's questions are read as
+    :func:`check_apart_from_prompts` reads them from the row written (:func:`question_keys`): its ``question`` and
+    the last user turn of its prompt without the instruction, so that a TRL pair whose user turn ends with the
+    instruction is dropped by the question it asks."""
     folded = {question_key(question) for question in questions}
     kept, dropped = [], []
     for pair in pairs:
-        (dropped if question_key(pair["question"]) in folded else kept).append(pair)
+        prompt = pair.get("messages", [{"role": "user", "content": pair["question"]}])
+        keys = question_keys(prompt, {"question": pair["question"]})
+        (dropped if any(question_key(key) in folded for key in keys) else kept).append(pair)
     return kept, dropped
 
 
@@ -559,15 +592,26 @@ def check_prompts(frame: pd.DataFrame, where: str | Path) -> None:
 
 
 def present_fields(message) -> dict:
-    """A message's fields that hold something: parquet gives every message of a file each key any of them has (a
-    ``name`` on one message, ``name: None`` on all the others), which the chat template renders as absent."""
-    return {key: value for key, value in dict(message).items() if value is not None}
+    """A message's fields that hold something, at every level (a tool call's fields too): parquet gives every
+    mapping of a column each key any of them has (a ``name`` on one message, ``name: None`` on all the others; an
+    ``id`` on one tool call, ``id: None`` on the rest), which the chat template renders as absent."""
+    return _present(dict(message))
+
+
+def _present(value):
+    """``value`` without the None fields of any mapping in it, however deep."""
+    if isinstance(value, Mapping):
+        return {key: _present(item) for key, item in value.items() if item is not None}
+    if isinstance(value, (list, tuple)):
+        return [_present(item) for item in value]
+    return value
 
 
 def canonical_prompt(prompt) -> str:
     """The prompt's messages (their fields that hold something) as sorted-key JSON: what tells train prompts from
-    val prompts."""
-    return json.dumps([present_fields(m) for m in prompt], sort_keys=True)
+    val prompts. Read as the trainer hands them on (:func:`~rlhf_core.data.schema.plain_value`): a list inside a
+    message comes from parquet as a NumPy array, which JSON cannot write."""
+    return json.dumps([present_fields(plain_value(dict(m))) for m in prompt], sort_keys=True)
 
 
 def check_preference_files(train: list[Path], val: list[Path]) -> dict:
