@@ -675,6 +675,20 @@ FSDP_SECTIONS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.f
                  "critic.fsdp_config", "reward_model.model.fsdp_config")
 FSDP_SIZES = tuple(f"{section}.fsdp_size" for section in FSDP_SECTIONS)
 
+# verl's fsdp_config.model_dtype: the dtype a worker loads its model's weights in and keeps them (verl: fp32 for the
+# actor and the critic, bf16 for the reference), written short or long. The policy's weights are in
+# actor_rollout_ref.model.dtype here, which the actor's key sets (as an alias, its value in the long name)
+POLICY_MODEL_DTYPE = "actor_rollout_ref.actor.fsdp_config.model_dtype"
+VERL_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", **{dtype: dtype for dtype in DTYPES}}
+# ... while the reference is a copy of the policy's weights and the critic is loaded in the policy's dtype
+# (build_critic): their keys are judged against it once every key is set (_assign_deferred), each with what it is
+FOLLOWER_MODEL_DTYPES: dict[str, str] = {
+    "actor_rollout_ref.ref.fsdp_config.model_dtype": "the reference is a copy of the policy's weights, kept in "
+                                                     "actor_rollout_ref.model.dtype ({dtype})",
+    **{f"{section}.model_dtype": "the critic is loaded in the policy's dtype, actor_rollout_ref.model.dtype ({dtype})"
+       for section in ("critic.model.fsdp_config", "critic.fsdp_config")},
+}
+
 
 def _any(value: Any) -> bool:
     return True
@@ -739,15 +753,27 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "actor_rollout_ref.actor.entropy_checkpointing": (lambda v: True, "the entropy is computed chunk by chunk"),
     "actor_rollout_ref.rollout.load_format": (lambda v: True, "the rollout takes the actor's weights after each update"),
     "actor_rollout_ref.rollout.layered_summon": (lambda v: True, "LoRA weights are merged once per rollout"),
+    "actor_rollout_ref.model.lora.merge": (
+        _any, "the vLLM rollout is given the policy's weights with the LoRA adapters merged in (W + (alpha / r) B A) "
+              "after each update, never the adapters apart; the hf rollout generates with the policy itself"),
+    # verl's older switches, at their off values (its ppo_trainer.yaml of the 0.3 releases spells each)
+    "actor_rollout_ref.rollout.use_fire_sampling": (
+        _off, "every response token is sampled at rollout.temperature (FIRE's hotter first token is not done here)"),
+    "actor_rollout_ref.rollout.chat_scheduler": (
+        _null, "rollouts run in the trainer's workers, one batch at a time, without verl's chat scheduler"),
+    **{f"actor_rollout_ref.model.{name}": (
+        _off, "log-probs are computed from the model's logits, or through the LM head in chunks with "
+              "model.use_fused_kernels") for name in ("use_fused_loss", "return_last_hidden_state")},
     # sharding knobs of verl's FSDP1 wrapper and engine
     **{f"{section}.wrap_policy.min_num_params": (_any, "FSDP2 shards each decoder layer and then the whole model")
        for section in FSDP_SECTIONS},
     **{f"{section}.forward_prefetch": (_any, "FSDP2 prefetches as torch sets it") for section in FSDP_SECTIONS},
     **{f"{section}.offload_policy": (_off, "offloading is set with fsdp_config.param_offload and optimizer_offload")
        for section in FSDP_SECTIONS},
-    **{f"{section}.model_dtype": (lambda v: str(v) in ("fp32", "float32"),
-                                  "weights are kept in float32; fsdp_config.param_dtype sets the compute dtype")
-       for section in FSDP_SECTIONS},
+    # (the policy's, the reference's and the critic's model_dtype: see POLICY_MODEL_DTYPE and FOLLOWER_MODEL_DTYPES)
+    "reward_model.model.fsdp_config.model_dtype": (
+        lambda v: str(v) in ("fp32", "float32"),
+        "the reward model is loaded in float32; fsdp_config.param_dtype sets the compute dtype"),
     **{f"{section}.strategy": (lambda v: v in STRATEGIES, "the reference and the reward model run as the actor does, "
                                                           "sharded with FSDP2")
        for section in ("actor_rollout_ref.ref", "reward_model")},
@@ -783,8 +809,9 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                      "each worker's rollout engine generates its share of the batch"),
     "actor_rollout_ref.rollout.expert_parallel_size": (lambda v: str(v) == "1", "there is no expert parallelism here"),
     "reward_model.enable_resource_pool": (_off, "the reward model runs in the trainer's workers"),
-    **{f"reward_model.{name}": (lambda v: v is None or str(v) == "0", "the reward model runs in the trainer's workers "
-                                                         "(reward_model.enable_resource_pool is not supported)")
+    # the reward model's own pool (verl's defaults: 8 GPUs a node, 0 nodes), sized only with enable_resource_pool
+    **{f"reward_model.{name}": (_any, "read only with reward_model.enable_resource_pool, which is not supported here: "
+                                      "the reward model runs in the trainer's workers")
        for name in ("n_gpus_per_node", "nnodes")},
     "actor_rollout_ref.actor.checkpoint.save_contents": (
         _all_state, "the actor's checkpoints hold its model, optimizer and extra state, with a huggingface/ export "
@@ -827,6 +854,7 @@ WITHOUT_EFFECT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{f"actor_rollout_ref.rollout.{name}": (_any, _NOT_PASSED_TO_VLLM)
        for name in ("cudagraph_capture_sizes", "max_model_len", "max_num_seqs", "disable_log_stats",
                     "enable_prefix_caching", "multi_stage_wake_up", "update_weights_bucket_megabytes",
+                    "checkpoint_engine.update_weights_bucket_megabytes",  # (newer verl's place of the one before)
                     "skip_tokenizer_init")},
     "actor_rollout_ref.rollout.over_sample_rate": (lambda v: str(v) in ("0", "0.0"),
                                                    "every prompt's responses are generated to the end"),
@@ -1160,6 +1188,15 @@ def _targets(key: str, value: Any, notice: Callable[[str], None], errors: list[s
         notice("notice: reward_model.reward_manager='prime' is taken as 'naive': each response is scored by the "
                "reward function in turn (verl's prime runs the same scoring in a process pool)")
         return {key: "naive"}
+    if key == POLICY_MODEL_DTYPE:  # (null, verl's default for the actor, sets nothing: model.dtype keeps its value)
+        if value is None:
+            return {}
+        if (dtype := VERL_DTYPES.get(str(value))) is None:
+            errors.append(f"{key}={value!r} is not one of {', '.join(VERL_DTYPES)}")
+            return {}
+        notice(f"notice: {key}={value!r} is taken as actor_rollout_ref.model.dtype={dtype}, the dtype the policy's "
+               "weights are loaded and trained in here")
+        return {"actor_rollout_ref.model.dtype": dtype}
     if key == "trainer.logger" and "tracking" in (names := [value] if isinstance(value, str) else list(value or [])):
         return {key: _tracking_as_wandb(names, notice)}
     if (verl_only := without_effect(key)) is not None:
@@ -1321,11 +1358,14 @@ def _switched(origins: dict[str, tuple[str, Any]], switch: str, key: str, value:
 
 def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], errors: list[str],
                     deferred: dict[str, Any], given: dict[str, Any],
-                    origins: dict[str, tuple[str, Any]] | None = None) -> None:
+                    origins: dict[str, tuple[str, Any]] | None = None,
+                    verl_only: dict[str, Any] | None = None) -> None:
     """One command-line override in Hydra's grammar: ``key=value``, ``+key=value``, ``++key=value``, ``~key``;
-    ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given), and
-    ``origins`` the spelling that set each (forgotten where it is deleted: another spelling may set it again)."""
+    ``given`` records the schema keys it sets (a deleted one goes back to its default, no longer given),
+    ``origins`` the spelling that set each (forgotten where it is deleted: another spelling may set it again), and
+    ``verl_only`` the value of each key without effect it sets (see _resolved_value)."""
     origins = {} if origins is None else origins
+    verl_only = {} if verl_only is None else verl_only
     try:
         override = _parser().parse_override(text)
     except HydraException as exc:
@@ -1348,6 +1388,11 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
                "here: relative paths are read from the current folder, and the checkpoints and metrics go to "
                "trainer.default_local_dir")
         return
+    if without_effect(key) is not None:
+        if override.is_delete():
+            verl_only.pop(key, None)
+        else:
+            verl_only[key] = override.value()
     if override.package is not None or override.is_sweep_override():
         errors.append(f"override {text!r}: sweeps and @package are not supported here; write a list as "
                       f"{key}=[a,b]")
@@ -1362,8 +1407,8 @@ def _apply_override(cfg: DictConfig, text: str, notice: Callable[[str], None], e
             return
         if without_effect(key) is not None or (key in ALIASES and without_effect(ALIASES[key][0]) is not None):
             return  # a verl key without effect (or its alias) set nothing
-        if key in ALIASES:  # ~alias: back to the default, the key it stands for (and what it sets besides)
-            canonical, extra = ALIASES[key]
+        if key in ALIASES or key == POLICY_MODEL_DTYPE:  # ~alias: back to the default, the key it stands for (and
+            canonical, extra = ALIASES.get(key, ("actor_rollout_ref.model.dtype", {}))  # what it sets besides)
             for target in (canonical, *extra):
                 _assign(cfg, target, _default(target), errors, merge=False)
                 given.pop(target, None)
@@ -1393,10 +1438,10 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
     """The problem of ``KEY=None`` (which Hydra, as YAML, reads as the text 'None') on a key that takes null: a
     verl key whose null sets nothing before it reaches the schema (a global micro-batch size, a key without
     effect, one whose null is its default, one that repeats another key, the critic's switch, an alias whose null
-    is verl's unused key, a deprecated switch), or a key of the schema whose field is Optional (the key an alias
-    stands for, named as such), else None: the text fails there as something else (two sizes set, a value not
-    supported, a type), or is taken as text (an entry of an open mapping, a text key without null). The advice
-    is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file (a
+    is verl's unused key, a deprecated switch, a model_dtype), or a key of the schema whose field is Optional (the
+    key an alias stands for, named as such), else None: the text fails there as something else (two sizes set, a
+    value not supported, a type), or is taken as text (an entry of an open mapping, a text key without null). The
+    advice is written as the key was: ``KEY=null`` on the command line, ``name: null`` under its section in a file (a
     micro-batch size whose null needs dynamic batching: with it, or a size instead)."""
     if value not in ("None", "none"):
         return None
@@ -1406,7 +1451,8 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
     refused: list[str] = []
     if key in GLOBAL_MICRO_BATCHES or key in NULL_IS_DEFAULT or key in MIRRORS or key == CRITIC_ENABLE or (
             verl_only is not None and verl_only[0](None)) or (  # an alias or a switch whose null sets nothing
-            (key in ALIASES or key in SWITCHES) and not _targets(key, None, lambda _: None, refused) and not refused):
+            (key in ALIASES or key in SWITCHES or key == POLICY_MODEL_DTYPE) and not _targets(
+                key, None, lambda _: None, refused) and not refused) or key in FOLLOWER_MODEL_DTYPES:
         target = key
     else:  # the keys of the schema it sets (its notices and refusals are said when it is set)
         targets = [target for target, text in _targets(key, value, lambda _: None, []).items() if text == value
@@ -1436,33 +1482,47 @@ def _none_as_text(cfg: DictConfig, key: str, value: Any, in_file: bool = False) 
 
 def _deferred(key: str, value: Any) -> bool:
     """Whether ``key`` is settled once every other key is: a value that depends on the others (a deprecated
-    size over all workers, a key that repeats another's value, verl's critic switch and shard-group sizes, an
-    interpolation on a key without effect), or a deprecated switch, whose last value decides (a later false or
-    ~key undoes a true)."""
-    return key in GLOBAL_MICRO_BATCHES or key in MIRRORS or key == CRITIC_ENABLE or (
+    size over all workers, a key that repeats another's value, verl's critic switch and shard-group sizes, the
+    reference's and the critic's model_dtype, an interpolation on a key without effect), or a deprecated switch,
+    whose last value decides (a later false or ~key undoes a true)."""
+    return key in GLOBAL_MICRO_BATCHES or key in MIRRORS or key == CRITIC_ENABLE or key in FOLLOWER_MODEL_DTYPES or (
         key in SWITCHES and isinstance(value, bool | None)) or (
         key in FSDP_SIZES and value is not None) or (
         without_effect(key) is not None and isinstance(value, str) and value.startswith("${"))
 
 
-def _resolved_value(cfg: DictConfig, value: Any) -> Any:
-    """``value`` with its ``${...}`` interpolation resolved against ``cfg`` (as verl's config would resolve it)."""
+def _resolved_value(cfg: DictConfig, value: Any, verl_only: Mapping[str, Any]) -> Any:
+    """``value`` with its ``${...}`` interpolation resolved against ``cfg`` and the keys without effect given,
+    ``verl_only`` (as verl's config would resolve it: verl's reference reads the actor's
+    ulysses_sequence_parallel_size so, a key that sets nothing here)."""
     if not (isinstance(value, str) and value.startswith("${")):
         return value
+    tree = OmegaConf.to_container(cfg)
+    for key, held in verl_only.items():
+        *sections, name = key.split(".")
+        node = tree
+        for section in sections:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):  # (below a key of the schema: nothing to read there)
+                break
+        else:
+            node.setdefault(name, held)
     try:
-        return OmegaConf.create({**OmegaConf.to_container(cfg), "_probe": value})._probe
+        return OmegaConf.create({**tree, "_probe": value})._probe
     except Exception:  # noqa: BLE001 - an interpolation that does not resolve here is reported as given
         return value
 
 
 def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[str], None],
-                     errors: list[str], given: dict[str, Any]) -> None:
+                     errors: list[str], given: dict[str, Any], verl_only: Mapping[str, Any]) -> None:
     """verl's deprecated micro-batch sizes over all workers, as their per-worker keys (see GLOBAL_MICRO_BATCHES),
-    the DAPO recipe's response budget of its length penalty, which must be data.max_response_length, and the
-    interpolations given to keys without effect, judged by what they resolve to."""
+    the DAPO recipe's response budget of its length penalty, which must be data.max_response_length, the
+    reference's and the critic's model_dtype, judged against the policy's, and the interpolations given to keys
+    without effect, judged by what they resolve to (``verl_only``: the values of those keys given, which they may
+    read)."""
     world = cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes
     for key, value in values.items():
-        value = _resolved_value(cfg, value)
+        value = _resolved_value(cfg, value, verl_only)
         if without_effect(key) is not None and (value is None or key not in FSDP_SIZES):  # a null as a written one
             _targets(key, value, notice, errors)  # a notice, or an error saying what the trainer does instead
             continue
@@ -1503,6 +1563,20 @@ def _assign_deferred(cfg: DictConfig, values: dict[str, Any], notice: Callable[[
             else:
                 notice(f"notice: {key}={value!r} is taken: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                        f"{'trains' if used else 'uses no'} critic")
+            continue
+        if key in FOLLOWER_MODEL_DTYPES:  # judged against the policy's dtype, whichever spelling set it
+            dtype, policy = VERL_DTYPES.get(str(value)), OmegaConf.select(cfg, "actor_rollout_ref.model.dtype")
+            what = FOLLOWER_MODEL_DTYPES[key].format(dtype=policy)
+            if dtype is None:
+                errors.append(f"{key}={value!r} is not one of {', '.join(VERL_DTYPES)}")
+            elif dtype == policy:
+                notice(f"notice: {key}={value!r} is taken: {what}")
+            elif key.startswith("actor_rollout_ref.ref."):  # (verl's own default: a bf16 reference beside an fp32
+                # actor; a copy in the policy's dtype changes the reference's log-probs by their rounding alone)
+                notice(f"notice: {key}={value!r} has no effect: {what}")
+            else:  # a critic trained in another dtype than asked for
+                errors.append(f"{key}={value!r} is not supported: {what}; leave it out, or set "
+                              f"actor_rollout_ref.model.dtype={dtype} for both")
             continue
         per_worker = GLOBAL_MICRO_BATCHES[key]
         if given.get(per_worker) is not None:  # set by the user, to any value (verl's generated config holds it null)
@@ -1590,6 +1664,7 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
     errors: list[str] = []
     deferred: dict[str, Any] = {}
     given: dict[str, Any] = {}  # the schema keys the files and the overrides set, with their values
+    verl_only: dict[str, Any] = {}  # the keys without effect they set, with theirs (an interpolation may read them)
     set_in_file: dict[str, str] = {}  # the keys the files set, each with the last file that set it
     for position, tree in enumerate(trees):
         first = len(errors)
@@ -1599,6 +1674,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
             if (problem := _none_as_text(cfg, key, value, in_file=True)) is not None:
                 errors.append(problem)
                 continue
+            if without_effect(key) is not None:
+                verl_only[key] = value
             if _deferred(key, value):
                 deferred[key] = value
                 if key in SWITCHES:
@@ -1614,8 +1691,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
             errors[first:] = [f"{error} (in {sources[position]})" for error in errors[first:]]
     on_command_line: dict[str, tuple[str, Any]] = {}  # (a command line's later value overrides the file's)
     for text in overrides:
-        _apply_override(cfg, text, notice_kept, errors, deferred, given, on_command_line)
-    _assign_deferred(cfg, deferred, notice_kept, errors, given)
+        _apply_override(cfg, text, notice_kept, errors, deferred, given, on_command_line, verl_only)
+    _assign_deferred(cfg, deferred, notice_kept, errors, given, verl_only)
     if not errors:
         try:
             resolved = OmegaConf.to_object(cfg)  # resolves ${...}
@@ -1635,6 +1712,8 @@ def _build(trees: Iterable[DictConfig], overrides: Iterable[str], notice: Callab
                 notice(clip)
             for unused in _resume_path_unused(resolved):
                 notice(unused)
+            for unread in _vllm_only_unread(resolved, given):
+                notice(unread)
             if (greedy := _greedy_validation(resolved.actor_rollout_ref.rollout.val_kwargs)) is not None:
                 notice(greedy)
     if errors:
@@ -1661,6 +1740,26 @@ def _kl_ctrl_unused(cfg: PPOConfig, given: dict[str, Any]) -> str | None:
     return (f"notice: {', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: algorithm.kl_ctrl "
             "sets the coefficient of the KL in the reward, and algorithm.use_kl_in_reward=false; set it true for "
             f"that KL{';' if actor.use_kl_loss else ','} {loss}")
+
+
+#: the rollout keys only the vLLM engine reads (rollout/vllm.py; the actor reads tensor_model_parallel_size too, for
+#: the vLLM rollout alone, to seed its ranks)
+VLLM_ONLY = ("dtype", "tensor_model_parallel_size", "gpu_memory_utilization", "free_cache_engine", "enforce_eager",
+             "max_num_batched_tokens", "enable_chunked_prefill")
+
+
+def _vllm_only_unread(cfg: PPOConfig, given: dict[str, Any]) -> list[str]:
+    """The notices for the keys of :data:`VLLM_ONLY` set away from their defaults where the rollout is hf, which
+    reads none of them: verl's rollout is vLLM, so a verl command's engine settings ran transformers' generate
+    without a word."""
+    key, rollout = "actor_rollout_ref.rollout", cfg.actor_rollout_ref.rollout
+    if rollout.name != "hf":
+        return []
+    defaults = RolloutConfig()
+    return [f"notice: {key}.{name}={getattr(rollout, name)!r} has no effect: it is read by the vLLM rollout only "
+            f"({key}.name=vllm; GPU), and {key}.name=hf generates with transformers' generate"
+            for name in VLLM_ONLY
+            if _set_by_user(given, f"{key}.{name}") and getattr(rollout, name) != getattr(defaults, name)]
 
 
 def _greedy_validation(val_kwargs: ValKwargsConfig) -> str | None:

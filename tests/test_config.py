@@ -1566,8 +1566,7 @@ def test_none_written_for_null_in_a_config_file_is_told_the_files_null(section, 
 
 
 @pytest.mark.parametrize("key", ["critic.ppo_micro_batch_size", "actor_rollout_ref.rollout.log_prob_micro_batch_size",
-                                 "reward_model.n_gpus_per_node", "critic.optim.min_lr_ratio",
-                                 "reward_model.micro_batch_size_per_gpu"])
+                                 "critic.optim.min_lr_ratio", "reward_model.micro_batch_size_per_gpu"])
 def test_none_written_for_null_on_a_verl_key_whose_null_sets_nothing_is_refused_as_such(key, tmp_path):
     # each takes null (it sets nothing); the text 'None' was said as two sizes set at once, a value not
     # supported or a type it could not be converted to
@@ -1631,7 +1630,51 @@ def test_verl_0_7s_null_reward_model_pool_is_taken_at_the_defaults(tmp_path):
     assert cfg == load_config([], notice=lambda _: None, validate=False)
     for key in ("enable_resource_pool", "n_gpus_per_node", "nnodes"):
         assert [n for n in notices if n.startswith(f"notice: reward_model.{key}=None has no effect: ")], key
-    assert "is not supported" in _errors("reward_model.nnodes=2")
+    assert "is not supported" in _errors("reward_model.enable_resource_pool=true")  # the pool itself
+
+
+POOL_UNREAD = ("read only with reward_model.enable_resource_pool, which is not supported here: the reward model runs "
+               "in the trainer's workers")
+
+
+@pytest.mark.parametrize(("overrides", "said"), [
+    # verl's defaults of the reward model's own pool (reward.yaml: 8 GPUs a node, 0 nodes)
+    (["reward_model.n_gpus_per_node=8", "reward_model.nnodes=0"],
+     [f"notice: reward_model.n_gpus_per_node=8 has no effect: {POOL_UNREAD}",
+      f"notice: reward_model.nnodes=0 has no effect: {POOL_UNREAD}"]),
+    (["reward.reward_model.n_gpus_per_node=8"],
+     ["notice: reward.reward_model.n_gpus_per_node is newer verl's name of reward_model.n_gpus_per_node, taken as it",
+      f"notice: reward_model.n_gpus_per_node=8 has no effect: {POOL_UNREAD}"]),
+    (["reward_model.nnodes=2"], [f"notice: reward_model.nnodes=2 has no effect: {POOL_UNREAD}"]),
+])
+def test_the_reward_models_own_pool_size_is_taken_as_unread(overrides, said):
+    # verl sizes the reward model's pool only with enable_resource_pool=true (refused here on its own): its default
+    # n_gpus_per_node=8 was refused as asking for that pool
+    notices = []
+    assert load_config(overrides, notice=notices.append) == load_config([], notice=lambda _: None)
+    assert notices == said
+
+
+def test_an_interpolation_between_two_keys_without_effect_is_judged_by_what_it_resolves_to(tmp_path):
+    # verl's ppo_trainer.yaml has the reference's sequence-parallel size follow the actor's; both set nothing here,
+    # and the reference's was refused as not supported although it stands for 1
+    actor, ref = ("actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+                  "actor_rollout_ref.ref.ulysses_sequence_parallel_size")
+    unread = "has no effect: there is no sequence parallelism here"
+    notices = []
+    assert load_config([f"{actor}=1", f"{ref}=${{{actor}}}"], notice=notices.append) == \
+        load_config([], notice=lambda _: None)
+    assert notices == [f"notice: {actor}=1 {unread}", f"notice: {ref}=1 {unread}"]
+    path = tmp_path / "verl.yaml"  # the file's order: the reference's after the actor's, reading it
+    path.write_text(f"actor_rollout_ref:\n  actor:\n    ulysses_sequence_parallel_size: 1\n  ref:\n"
+                    f"    ulysses_sequence_parallel_size: ${{{actor}}}\n")
+    notices = []
+    load_config(config_file=path, notice=notices.append)
+    assert notices == [f"notice: {actor}=1 {unread}", f"notice: {ref}=1 {unread}"]
+    # what it resolves to is judged as written: 2 asks for sequence parallelism, for both
+    assert _refusals([f"{ref}=${{{actor}}}", f"{actor}=2"]) == [
+        f"{actor}=2 is not supported: there is no sequence parallelism here",
+        f"{ref}=2 is not supported: there is no sequence parallelism here"]
 
 
 def test_an_optimizer_override_set_entry_by_entry_is_refused_as_the_whole_mapping_is(tmp_path):

@@ -288,3 +288,156 @@ def test_newest_and_older_verls_spellings_of_one_reward_key_that_differ_are_refu
         load_config(overrides, config_file=path, notice=lambda _: None)
     assert ("reward.reward_model.model_path='/models/b' and reward_model.model.path='/models/a' both set "
             "reward_model.model.path (verl's spellings of one key): keep one") in str(refused.value)
+
+
+POLICY_DTYPE = "actor_rollout_ref.actor.fsdp_config.model_dtype"
+REF_DTYPE = "actor_rollout_ref.ref.fsdp_config.model_dtype"
+CRITIC_DTYPE = "critic.model.fsdp_config.model_dtype"
+
+
+@pytest.mark.parametrize(("given", "dtype"), [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"),
+                                              ("bfloat16", "bfloat16")])
+def test_verls_model_dtype_sets_the_dtype_of_the_policys_weights(given, dtype):
+    # verl loads the actor's (and the reference's) weights in fsdp_config.model_dtype, which its LoRA recipes set to
+    # bf16 for both: refused before as "not supported: weights are kept in float32", while model.dtype keeps them so
+    from rlhf_core.config import load_config
+
+    said = []
+    cfg = load_config([f"{POLICY_DTYPE}={given}", f"{REF_DTYPE}={given}"], notice=said.append)
+    assert cfg.actor_rollout_ref.model.dtype == dtype
+    assert said == [
+        f"notice: {POLICY_DTYPE}={given!r} is taken as actor_rollout_ref.model.dtype={dtype}, the dtype the policy's "
+        "weights are loaded and trained in here",
+        f"notice: {REF_DTYPE}={given!r} is taken: the reference is a copy of the policy's weights, kept in "
+        f"actor_rollout_ref.model.dtype ({dtype})"]
+
+
+def test_verls_model_dtype_that_disagrees_with_model_dtype_is_refused_naming_both():
+    # model.dtype=bfloat16 with verl's fp32 loaded bfloat16 weights, with a notice that they were kept in float32
+    from rlhf_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(["actor_rollout_ref.model.dtype=bfloat16", f"{POLICY_DTYPE}=fp32"], notice=lambda _: None)
+    assert refused.value.errors == [
+        f"{POLICY_DTYPE}='float32' and actor_rollout_ref.model.dtype='bfloat16' both set actor_rollout_ref.model.dtype "
+        "(verl's spellings of one key): keep one"]
+    # the two agreeing, each in its own spelling: taken
+    assert load_config(["actor_rollout_ref.model.dtype=bfloat16", f"{POLICY_DTYPE}=bf16"],
+                       notice=lambda _: None).actor_rollout_ref.model.dtype == "bfloat16"
+    # deleted with ~: the weights back at the default, float32
+    assert load_config([f"{POLICY_DTYPE}=bf16", f"~{POLICY_DTYPE}"],
+                       notice=lambda _: None).actor_rollout_ref.model.dtype == "float32"
+    with pytest.raises(ConfigError) as refused:
+        load_config([f"{POLICY_DTYPE}=fp8"], notice=lambda _: None)
+    assert refused.value.errors == [
+        f"{POLICY_DTYPE}='fp8' is not one of fp32, bf16, fp16, float32, bfloat16, float16"]
+
+
+def test_the_references_and_the_critics_model_dtype_are_said_to_follow_the_policys():
+    # the reference is a copy of the policy's weights (make_reference) and the critic is loaded in the policy's dtype
+    # (build_critic): verl's reference alone in bf16 leaves the policy, and so the reference, in float32
+    from rlhf_core.config import ConfigError, load_config
+
+    said = []
+    cfg = load_config([f"{REF_DTYPE}=bf16", f"{CRITIC_DTYPE}=fp32"], notice=said.append)
+    assert cfg.actor_rollout_ref.model.dtype == "float32"
+    assert said == [
+        f"notice: {REF_DTYPE}='bf16' has no effect: the reference is a copy of the policy's weights, kept in "
+        "actor_rollout_ref.model.dtype (float32)",
+        f"notice: {CRITIC_DTYPE}='fp32' is taken: the critic is loaded in the policy's dtype, "
+        "actor_rollout_ref.model.dtype (float32)"]
+    # a critic asked for in float32 beside bfloat16 weights would train in bfloat16
+    with pytest.raises(ConfigError) as refused:
+        load_config([f"{POLICY_DTYPE}=bf16", f"{CRITIC_DTYPE}=fp32"], notice=lambda _: None)
+    assert refused.value.errors == [
+        f"{CRITIC_DTYPE}='fp32' is not supported: the critic is loaded in the policy's dtype, "
+        "actor_rollout_ref.model.dtype (bfloat16); leave it out, or set actor_rollout_ref.model.dtype=float32 for "
+        "both"]
+
+
+LORA_MERGED = ("the vLLM rollout is given the policy's weights with the LoRA adapters merged in (W + (alpha / r) B A) "
+               "after each update, never the adapters apart; the hf rollout generates with the policy itself")
+FROM_LOGITS = ("log-probs are computed from the model's logits, or through the LM head in chunks with "
+               "model.use_fused_kernels")
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    # newer verl's place of the weight-sync bucket size (its examples set it there)
+    ("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096",
+     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=4096 has no effect: not passed to "
+     "vLLM here, which runs with its own default for it"),
+    # verl's LoRA recipes
+    ("+actor_rollout_ref.model.lora.merge=True", f"actor_rollout_ref.model.lora.merge=True has no effect: {LORA_MERGED}"),
+    ("+actor_rollout_ref.model.lora.merge=False",
+     f"actor_rollout_ref.model.lora.merge=False has no effect: {LORA_MERGED}"),
+    # verl's older ppo_trainer.yaml, at its values
+    ("actor_rollout_ref.rollout.use_fire_sampling=False",
+     "actor_rollout_ref.rollout.use_fire_sampling=False has no effect: every response token is sampled at "
+     "rollout.temperature (FIRE's hotter first token is not done here)"),
+    ("actor_rollout_ref.rollout.chat_scheduler=null",
+     "actor_rollout_ref.rollout.chat_scheduler=None has no effect: rollouts run in the trainer's workers, one batch "
+     "at a time, without verl's chat scheduler"),
+    ("actor_rollout_ref.model.use_fused_loss=False",
+     f"actor_rollout_ref.model.use_fused_loss=False has no effect: {FROM_LOGITS}"),
+    ("actor_rollout_ref.model.return_last_hidden_state=False",
+     f"actor_rollout_ref.model.return_last_hidden_state=False has no effect: {FROM_LOGITS}"),
+])
+def test_keys_of_verls_examples_and_older_tree_are_taken_saying_what_is_done(override, said):
+    # each was an unknown key, with a guess at another (update_weights_bucket_megabytes: "did you mean
+    # actor_rollout_ref.rollout.free_cache_engine?")
+    from rlhf_core.config import load_config
+
+    notices = []
+    assert load_config([override], notice=notices.append) == load_config([], notice=lambda _: None)
+    assert notices == [f"notice: {said}"]
+
+
+@pytest.mark.parametrize("override", ["actor_rollout_ref.rollout.use_fire_sampling=True",
+                                      "actor_rollout_ref.rollout.chat_scheduler=verl.schedulers.Naive",
+                                      "actor_rollout_ref.model.use_fused_loss=True"])
+def test_verls_older_switches_asking_for_what_is_not_here_are_refused(override):
+    from rlhf_core.config import ConfigError, load_config
+
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigError) as refused:
+        load_config([override], notice=lambda _: None)
+    [error] = refused.value.errors
+    assert error.startswith(f"{key}={True if value == 'True' else value!r} is not supported: "), error
+
+
+UNREAD_BY_HF = ("has no effect: it is read by the vLLM rollout only (actor_rollout_ref.rollout.name=vllm; GPU), and "
+                "actor_rollout_ref.rollout.name=hf generates with transformers' generate")
+# the rollout keys rollout/vllm.py alone reads, each away from its default
+VLLM_ONLY = {"dtype": "float32", "tensor_model_parallel_size": 4, "gpu_memory_utilization": 0.4,
+             "free_cache_engine": False, "enforce_eager": False, "max_num_batched_tokens": 4096,
+             "enable_chunked_prefill": False}
+
+
+@pytest.mark.parametrize(("name", "value"), VLLM_ONLY.items())
+def test_vllm_settings_under_the_hf_rollout_are_said_to_be_unread(name, value):
+    # verl's rollout is vLLM: its commands' engine settings ran transformers' generate here without a word
+    from rlhf_core.config import load_config
+
+    key = f"actor_rollout_ref.rollout.{name}"
+    said = []
+    load_config([f"{key}={value}"], notice=said.append)
+    assert said == [f"notice: {key}={value!r} {UNREAD_BY_HF}"]
+
+
+def test_vllm_settings_are_unread_only_under_hf_and_away_from_their_defaults(repo_root):
+    from rlhf_core.config import load_config
+
+    verl_command = ["actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=4"]
+    said = []
+    load_config(verl_command, notice=said.append)
+    assert sorted(said) == [f"notice: actor_rollout_ref.rollout.gpu_memory_utilization=0.4 {UNREAD_BY_HF}",
+                            f"notice: actor_rollout_ref.rollout.tensor_model_parallel_size=4 {UNREAD_BY_HF}"]
+    said = []  # the vLLM rollout reads them (8 workers on cuda by default: 4 divides them)
+    load_config([*verl_command, "actor_rollout_ref.rollout.name=vllm"], notice=said.append)
+    assert said == []
+    # at their defaults, as the defaults file spells every key: nothing to say
+    load_config(["actor_rollout_ref.rollout.gpu_memory_utilization=0.5", "actor_rollout_ref.rollout.dtype=bfloat16"],
+                notice=said.append)
+    load_config(config_file=repo_root / "configs" / "ppo_trainer.yaml", notice=said.append)
+    assert said == []
