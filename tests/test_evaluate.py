@@ -155,6 +155,20 @@ def test_sampled_metrics_are_named_by_data_source_where_reward_fn_key_routes_the
         for source, count in (("synthetic/a", 6), ("synthetic/b", 2))}
 
 
+def test_the_accuracy_by_source_is_each_sources_share_right(setup):
+    """Right by the problem (extra_info's index a multiple of 3), whatever the model answers: of indices 0-29
+    (synthetic/a) 0, 3, ..., 27 are right, 10 of 30; of 30-39 (synthetic/b) 30, 33, 36, 39, 4 of 10."""
+    model, val = setup
+
+    def every_third(data_source, solution_str, ground_truth, extra_info=None):
+        return 1.0 if extra_info["index"] % 3 == 0 else 0.0
+
+    result = evaluate_policy(model, str(val), DATA, reward_fn=every_third)
+    assert result.n == 40
+    assert result.accuracy == pytest.approx(14 / 40)
+    assert result.per_source == {"synthetic/a": pytest.approx(10 / 30), "synthetic/b": pytest.approx(4 / 10)}
+
+
 def test_problems_sharing_an_id_are_refused_before_any_generation(setup, tmp_path):
     model, val = setup
     frame = pd.read_parquet(val)

@@ -702,6 +702,10 @@ def test_every_problem_is_kept_and_the_gate_states_gain_interval_and_p(trained):
     broken = int((paired["production_correct"].astype(bool) & ~paired["candidate_correct"]).sum())
     assert meta["p_value"] == _mcnemar_by_hand(fixed, broken)
     assert "of production version 1 on the same 8 problems" in meta["decision_reason"]
+    # the evaluate step counts what was fixed and broken against production, as the gate does, not the base model
+    evaluated = second.steps["evaluate"].run_metadata
+    assert evaluated["compared_with"] == "production"
+    assert (evaluated["n_fixed"], evaluated["n_broken"]) == (fixed, broken)
 
 
 def test_production_evaluated_on_other_problems_is_evaluated_again_on_these(trained, tmp_path):

@@ -87,6 +87,15 @@ def test_significance_level_decides(fixed, broken, alpha, promoted):
     assert decide(candidate, results(0, n), production=baseline, alpha=alpha).promote is promoted
 
 
+def test_a_p_value_equal_to_alpha_is_not_significant():
+    # 5 fixed, 0 broken: p = 2 * (1/2)^5 = 0.0625 exactly, as is alpha; the rule is p < alpha
+    decision = decide(results(5, 5), results(0, 10), alpha=0.0625)
+    assert decision.comparison.p_value == 0.0625
+    assert not decision.comparison.significant
+    assert not decision.promote
+    assert decision.reason.startswith("not promoted: the gain is not significant, within the noise of 10 problems")
+
+
 def test_a_significantly_worse_candidate_is_not_promoted_and_the_reason_says_so():
     # 40 problems, production right on 30; the candidate breaks 8 of them and fixes none: gain -8/40 = -0.2,
     # McNemar on the 8 discordant problems p = 2 * (1/2)^8 = 0.0078125, significant, but the wrong way

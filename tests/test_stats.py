@@ -255,6 +255,21 @@ def test_prompts_without_a_ground_truth_leave_the_accuracy_and_make_the_reward_c
     assert not [k for k in metrics if k.startswith(("val-core/u/acc", "val-aux/u/acc"))]
 
 
+def test_a_prompt_with_some_responses_ungraded_is_left_out_of_the_accuracy_whole():
+    nan = float("nan")
+    # prompt 1 has one ungraded response (NaN) beside a right one: it leaves the accuracy, as a prompt with none
+    # graded does; prompts 0 (1, 0; answers 7, 8: the tie to "7", right) and 2 (1, 1; "3" twice, right) remain
+    acc = [1, 0, nan, 1, 1, 1]
+    reward = [1.0, 0.0, 0.5, 1.0, 1.0, 1.0]
+    metrics = validation_metrics(["s"] * 6, [0, 0, 1, 1, 2, 2], acc, reward, ["7", "8", None, "3", "3", "3"])
+    assert metrics["val-core/s/acc/mean@2"] == pytest.approx((0.5 + 1.0) / 2)
+    assert metrics["val-core/s/acc/best@2/mean"] == 1.0
+    assert metrics["val-core/s/acc/maj@2/mean"] == 1.0
+    assert metrics["val-aux/s/acc/worst@2/mean"] == pytest.approx((0.0 + 1.0) / 2)
+    assert metrics["val-aux/s/reward/mean@2"] == pytest.approx((0.5 + 0.75 + 1.0) / 3)  # every prompt's reward
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+
+
 def test_mcnemar_exact_p_values_by_hand():
     assert mcnemar_exact_p(8, 0) == pytest.approx(2 / 2 ** 8)              # 2 * P(X <= 0), X ~ Bin(8, 1/2)
     assert mcnemar_exact_p(1, 5) == pytest.approx(2 * (1 + 6) / 2 ** 6)     # C(6,0) + C(6,1)
@@ -334,6 +349,19 @@ def test_the_gain_interval_is_newcombes_for_paired_proportions(table, published)
     digits = len(str(published[0]).split(".")[1])
     assert (round(c.ci_low, digits), round(c.ci_high, digits)) == published
     assert c.gain == pytest.approx((table[1] - table[2]) / sum(table))
+
+
+def test_the_gain_interval_follows_alpha():
+    """Newcombe's first example (59 both, 6 and 16 one, 80 none) at 99%, z = 2.5758293035489004 from a table.
+    Worked out apart from this package, to 40 digits, with each Wilson end a root of
+    (n + z^2) p^2 - (2x + z^2) p + x^2 / n = 0: 65/161 in (0.3098512, 0.5052231), 75/161 in (0.3679409, 0.5664403);
+    phi = (59 * 80 - 6 * 16 - 161 / 2) / sqrt(65 * 96 * 75 * 86) = 0.7161737; the ends -10/161 -+
+    sqrt(a^2 - 2 phi a b + b^2), (a, b) the two accuracies' distances to their lower and upper ends (below) and upper
+    and lower (above), give (-0.1356385, +0.0130766), wider than the 95% (-0.1186, -0.0046)."""
+    c = paired_comparison(*_pairs(59, 6, 16, 80), alpha=0.01)
+    assert (c.ci_low, c.ci_high) == (pytest.approx(-0.13563850636498036, abs=1e-9),
+                                     pytest.approx(0.013076551184499905, abs=1e-9))
+    assert c.alpha == 0.01
 
 
 def test_models_that_always_agree_still_get_an_interval_as_wide_as_n_allows():
