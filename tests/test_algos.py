@@ -528,6 +528,17 @@ def test_policy_loss_keeps_graph_and_ignores_masked_tokens():
     assert poisoned_loss.item() == pytest.approx(loss.item())
 
 
+def test_policy_loss_gradient_stays_finite_with_float32_garbage_under_the_mask():
+    # a masked float32 position whose log-ratio is 119.5 would overflow exp() to inf, and the zero gradient the
+    # mask sends back times inf is NaN; the log-ratio is clamped to 20 first, so only the real token has a gradient
+    old = t([[-1.0, -120.0]], dtype=torch.float32)
+    new = t([[-0.9, -0.5]], dtype=torch.float32).requires_grad_()
+    loss, _ = compute_policy_loss(old, new, t([[1.0, 0.0]], dtype=torch.float32), t([[1, 0]], dtype=torch.float32))
+    loss.backward()
+    # the one token: ratio e^0.1 inside the clip range, loss -ratio, d(-ratio)/d log_prob = -e^0.1
+    np.testing.assert_allclose(new.grad.numpy(), [[-math.exp(0.1), 0.0]], rtol=1e-6)
+
+
 @pytest.mark.parametrize("c", [1.0, 0.5])
 def test_policy_loss_rejects_small_dual_clip(c):
     with pytest.raises(ValueError, match="clip_ratio_c"):

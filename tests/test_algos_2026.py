@@ -120,6 +120,26 @@ def test_gspo_uses_the_length_normalised_sequence_ratio_by_hand():
     # d loss / d log_prob_t = -A_i * s_i / |y_i| / (number of sequences)
     expected = [[-s / 3 / 2] * 3, [2 * s / 2 / 2, 2 * s / 2 / 2, 0.0], [0.0, 0.0, 0.0]]
     np.testing.assert_allclose(log_prob.grad.numpy(), expected, rtol=1e-12)
+    # the objective is a mean of per-sequence token means whatever loss_agg_mode says, as verl: token-mean
+    # would give (-3s + 4s) / 5 and seq-mean-token-sum-norm (-3s + 4s) / 2 / 3 here
+    for mode in algos.LOSS_AGG_MODES:
+        any_mode, _ = algos.compute_policy_loss_gspo(old, log_prob.detach(), advantages, mask, clip_ratio_low=0.5,
+                                                     clip_ratio_high=0.5, loss_agg_mode=mode)
+        assert any_mode.item() == pytest.approx(s / 2), mode
+
+
+def test_gspo_ppo_kl_is_a_mean_over_tokens():
+    # rows of 3 and 1 tokens with log-ratios (0.3, -0.1, 0.1) and (0.4): ppo_kl is the mean of -log-ratio over
+    # the 4 tokens, -0.7 / 4, not the mean over sequences of their mean log-ratios, -(0.1 + 0.4) / 2
+    old = t([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    log_prob = t([[0.3, -0.1, 0.1], [0.4, 0.0, 0.0]])
+    mask = t([[1, 1, 1], [1, 0, 0]])
+    loss, metrics = algos.compute_policy_loss_gspo(old, log_prob, torch.ones(2, 3, dtype=torch.float64), mask,
+                                                   clip_ratio_low=0.5, clip_ratio_high=0.5)
+    assert metrics["actor/ppo_kl"] == pytest.approx(-0.7 / 4)
+    # both sequence ratios, e^0.1 and e^0.4, lie inside [0.5, 1.5]: nothing clipped
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(0.4)) / 2)
+    assert metrics["actor/pg_clipfrac"] == 0.0
 
 
 def test_gspo_clips_the_whole_sequence():
@@ -133,6 +153,11 @@ def test_gspo_clips_the_whole_sequence():
     assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)  # both tokens of row 0 out of 4
     loss.backward()
     np.testing.assert_allclose(log_prob.grad.numpy(), [[0.0, 0.0], [-1 / 2 / 2, -1 / 2 / 2]])
+    # clip_ratio_low and clip_ratio_high unset are clip_ratio: row 0's ratio is clipped at 1 + clip_ratio
+    for clip_ratio in (0.2, 0.3):
+        default, _ = algos.compute_policy_loss_gspo(old, log_prob.detach(), advantages,
+                                                    torch.ones(2, 2, dtype=torch.float64), clip_ratio=clip_ratio)
+        assert default.item() == pytest.approx((-(1.0 + clip_ratio) - 1.0) / 2), clip_ratio
 
 
 def test_cispo_truncates_and_detaches_the_weight_but_keeps_every_gradient():
@@ -149,6 +174,8 @@ def test_cispo_truncates_and_detaches_the_weight_but_keeps_every_gradient():
     expected = sum(-w * a * p for w, a, p in zip(weights, [1.0, 1.0, -1.0], lp)) / 3
     assert loss.item() == pytest.approx(expected)
     assert (metrics["actor/pg_clipfrac"], metrics["actor/pg_clipfrac_lower"]) == (pytest.approx(1 / 3), 0.0)
+    # ppo_kl is the mean of old - new log-prob over the unmasked tokens: -(ln 2 + ln 1.1 + ln 0.1) / 3 > 0
+    assert metrics["actor/ppo_kl"] == pytest.approx(-(math.log(2.0) + math.log(1.1) + math.log(0.1)) / 3)
     loss.backward()
     # the gradient of -sg(w) * A * log_prob is -w * A / 3 on every token, the truncated one included
     np.testing.assert_allclose(log_prob.grad.numpy(), [[-1.5 / 3, -1.1 / 3, 0.1 / 3, 0.0]])
@@ -159,6 +186,10 @@ def test_cispo_truncates_and_detaches_the_weight_but_keeps_every_gradient():
         assert lowered.item() == pytest.approx(sum(-w * a * p for w, a, p in zip([1.5, 1.1, 0.8], [1, 1, -1], lp)) / 3)
         assert (metrics["actor/pg_clipfrac"], metrics["actor/pg_clipfrac_lower"]) == (pytest.approx(2 / 3),
                                                                                       pytest.approx(1 / 3))
+    # clip_ratio_high unset is clip_ratio too: the weight 2.0 is truncated at 1 + 0.2
+    higher, _ = algos.compute_policy_loss_cispo(old, log_prob.detach(), advantages, mask, clip_ratio=0.2,
+                                                clip_ratio_low=1.0)
+    assert higher.item() == pytest.approx(-(1.2 * math.log(2.0) + 1.1 * math.log(1.1) - 0.1 * math.log(0.1)) / 3)
 
 
 def test_rollout_is_weights_multiply_every_policy_loss():
