@@ -1472,3 +1472,81 @@ def test_a_full_disk_while_safetensors_writes_the_hf_export_is_a_disk_full_check
     assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOSPC
     assert (root / checkpoint.LATEST_FILE).read_text() == "2\n"
     assert not (root / "global_step_3").exists() and not [p for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_pythons_and_numpys_random_streams_resume_where_they_were(tmp_path):
+    """A reward function drawing from ``random`` or ``np.random`` draws after a resume what the run would have
+    drawn (the cached Gaussian of NumPy's legacy generator included), as torch's generator does."""
+    import random
+
+    import numpy as np
+
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(7)
+    random.random(), np.random.random(), np.random.normal()  # off the seed, a Gaussian cached
+    path = tmp_path / "rng_state.pt"
+    torch.save(checkpoint.rng_state(), path)
+    expected = (random.random(), float(np.random.random()), float(np.random.normal()), float(torch.rand(1)))
+    for seed in (random.seed, np.random.seed, torch.manual_seed):  # as a fresh process's start seeds them
+        seed(99)
+    checkpoint.set_rng_state(checkpoint.load_file(path))
+    assert (random.random(), float(np.random.random()), float(np.random.normal()), float(torch.rand(1))) == expected
+
+
+def test_checkpoints_newer_than_the_latest_do_not_count_against_the_limit(tmp_path):
+    """After a guard moved latest back to step 2 and the rerun saved step 3 again, a limit of 2 keeps steps 2 and 3
+    (the newest two up to latest) and leaves the abandoned step 4 alone: counting it would delete step 2."""
+    def fill(files):
+        for part in ("actor", "critic"):
+            files.text(f"{part}/model_state.pt", "w")
+        return ["actor", "critic"]
+
+    for step in (1, 2, 3, 4):
+        checkpoint.write_checkpoint(tmp_path, step, fill)
+    checkpoint.mark_latest(tmp_path, 2)
+    checkpoint.write_checkpoint(tmp_path, 3, fill)
+    checkpoint.prune_checkpoints(tmp_path, 2, 2)
+    assert [step for step, _ in checkpoint.list_checkpoints(tmp_path)] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("override", ["critic.optim.weight_decay=0.5", "critic.optim.lr_warmup_steps=3",
+                                      "critic.optim.lr_scheduler_type=cosine"])
+def test_a_resume_refuses_a_changed_critic_optimizer(override):
+    saved = load_config(["algorithm.adv_estimator=gae"], validate=False).to_dict()
+    now = load_config(["algorithm.adv_estimator=gae", override], validate=False).to_dict()
+    assert checkpoint.config_differences(saved, now) == [override.split("=")[0]]
+
+
+def test_skipped_update_counts_resume_as_saved(workspace, tmp_path):
+    """training/skipped_steps counts a run's skipped updates in total: a resume goes on from the saved counts."""
+    trainer = build_trainer(load_config(tiny_overrides(workspace, tmp_path)))
+    trainer.global_step = 1
+    trainer.actor.skipped_steps, trainer.critic.skipped_steps = 3, 1
+    path = checkpoint.save_checkpoint(trainer, tmp_path)
+    fresh = build_trainer(load_config(tiny_overrides(workspace, tmp_path)))
+    fresh.load_checkpoint(path)
+    assert (fresh.actor.skipped_steps, fresh.critic.skipped_steps) == (3, 1)
+
+
+def test_a_checkpoint_of_another_format_is_refused_by_name(workspace, tmp_path):
+    trainer = build_trainer(load_config(tiny_overrides(workspace, tmp_path)))
+    trainer.global_step = 1
+    path = checkpoint.save_checkpoint(trainer, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["format"] = checkpoint.FORMAT_VERSION - 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"has format {checkpoint.FORMAT_VERSION - 1}, this version reads "
+                                              f"format {checkpoint.FORMAT_VERSION}"):
+        build_trainer(load_config(tiny_overrides(workspace, tmp_path))).load_checkpoint(path)
+
+
+def test_a_rollback_has_the_rollout_engine_reload_the_restored_weights(workspace, tmp_path, monkeypatch):
+    """vLLM keeps its own copy of the weights: after a guard's rollback its next rollout must sample from the
+    restored ones, not the abandoned ones (the hf rollout reads the actor's own, so only the call can be seen)."""
+    trainer = build_trainer(load_config(tiny_overrides(workspace, tmp_path)))
+    trainer.global_step = 1
+    path = checkpoint.save_checkpoint(trainer, tmp_path)
+    calls = []
+    monkeypatch.setattr(trainer.actor.rollout, "sync_weights", lambda: calls.append(1))
+    checkpoint.restore_weights(trainer, path)
+    assert calls == [1]
