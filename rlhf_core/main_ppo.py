@@ -636,8 +636,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
     Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes. A Ctrl-C or SIGTERM that leaves as
     KeyboardInterrupt (outside the training steps, or with ``trainer.save_on_interrupt=false``) carries ``rerun``
-    once the trainer holds the checkpoint it resumes from: its :attr:`~PPOTrainer.rerun_advice` and
-    :meth:`~PPOTrainer.rerun_checkpoint`, which only it knows (whether a resume_path run has saved since).
+    once the trainer is built: its :attr:`~PPOTrainer.rerun_advice` and :meth:`~PPOTrainer.rerun_checkpoint`,
+    which only it knows (whether a resume_path run has saved since).
     """
     from rlhf_core.training.tracking import Tracking
 
@@ -648,7 +648,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     resume_from = find_resume_checkpoint(cfg)  # before loading models: a bad checkpoint fails fast
     if resume_from is not None:
         check_config(resume_from, cfg, notices=False)  # (the load checks again, and gives the notices)
-    ready = None  # the trainer, once it holds the checkpoint it resumes from (if any): before, it knows of no resume
+    ready = None  # the trainer, once built
 
     def tell_rerun(exc_type, exc, traceback) -> None:
         if isinstance(exc, KeyboardInterrupt) and ready is not None:
@@ -661,12 +661,11 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
             start_afresh(local_dir)  # an earlier run's checkpoints there: a rerun must not resume that run
         elif resume_from is None and not trainer_cfg.val_only:
             set_aside_unsaved_records(local_dir)  # a run killed before its first save left its steps' records
-        trainer = stack.enter_context(trainer_session(cfg, reward_fn=reward_fn))
+        trainer = ready = stack.enter_context(trainer_session(cfg, reward_fn=reward_fn))
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)
             print(f"resumed from {resume_from} (step {trainer.global_step} of {trainer.total_steps})",
                   file=sys.stderr)
-        ready = trainer
         tracking = stack.enter_context(Tracking(
             trainer_cfg.logger, trainer_cfg.project_name, trainer_cfg.experiment_name, local_dir,
             config=cfg.to_dict(), total_steps=None if trainer_cfg.val_only else trainer.total_steps,  # (no bar)

@@ -733,30 +733,12 @@ def test_a_ctrl_c_during_the_dry_run_exits_130_with_one_line(monkeypatch, capsys
 
 
 @pytest.mark.parametrize("saves_on_interrupt", [True, False])
+@pytest.mark.parametrize("resume_mode", ["auto", "resume_path"])
 def test_a_ctrl_c_outside_the_training_steps_exits_130_naming_the_checkpoint_left(tmp_path, monkeypatch, capsys,
-                                                                                  saves_on_interrupt):
-    from rlhf_core.cli import train
-
-    latest = _save_step(tmp_path, 2)
-
-    def run(cfg):  # e.g. the models loading: Python's handler raises KeyboardInterrupt
-        signal.raise_signal(signal.SIGINT)
-
-    monkeypatch.setattr(train, "run", run)
-    argv = [f"trainer.default_local_dir={tmp_path}", f"trainer.save_on_interrupt={saves_on_interrupt}"]
-    assert _ctrl_c_in(train.ppo, argv) == 130
-    said = ("interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, no "
-            f"trained step lost; the latest checkpoint is {latest}" if saves_on_interrupt
-            else "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
-                 f"checkpoint {latest} is as it was: rerun the same command to resume from it")
-    assert capsys.readouterr().err.splitlines() == [said]
-
-
-@pytest.mark.parametrize("saves_on_interrupt", [True, False])
-def test_a_ctrl_c_before_a_resume_path_run_loads_names_the_checkpoint_it_goes_back_to(tmp_path, monkeypatch, capsys,
-                                                                                     saves_on_interrupt):
-    """A run sent back to step 2 of a folder whose latest is step 5, stopped before it saved: the same command
-    resumes step 2 again, where resume_mode=auto would take step 5, the checkpoints it set out to leave."""
+                                                                                  resume_mode, saves_on_interrupt):
+    """A folder whose latest is step 5: auto names it; a run sent back to step 2, stopped before it saved, names
+    step 2, which the same command resumes again, where resume_mode=auto would take step 5, the checkpoints it set
+    out to leave."""
     from rlhf_core.cli import train
 
     _save_step(tmp_path, 2)
@@ -766,21 +748,24 @@ def test_a_ctrl_c_before_a_resume_path_run_loads_names_the_checkpoint_it_goes_ba
         signal.raise_signal(signal.SIGINT)
 
     monkeypatch.setattr(train, "run", run)
-    argv = [f"trainer.default_local_dir={tmp_path}", "trainer.resume_mode=resume_path",
-            f"trainer.resume_from_path={tmp_path}/global_step_2", f"trainer.save_on_interrupt={saves_on_interrupt}"]
+    argv = [f"trainer.default_local_dir={tmp_path}", f"trainer.save_on_interrupt={saves_on_interrupt}"]
+    if resume_mode == "resume_path":
+        argv += ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path}/global_step_2"]
+    latest = tmp_path / ("global_step_2" if resume_mode == "resume_path" else "global_step_5")
     assert _ctrl_c_in(train.ppo, argv) == 130
     said = ("interrupted by SIGINT outside the training steps (while the run started or closed): stopped at once, no "
-            f"trained step lost; the latest checkpoint is {tmp_path}/global_step_2" if saves_on_interrupt
+            f"trained step lost; the latest checkpoint is {latest}" if saves_on_interrupt
             else "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
-                 f"checkpoint {tmp_path}/global_step_2 is as it was: rerun the same command to resume from it")
+                 f"checkpoint {latest} is as it was: rerun the same command to resume from it")
     assert capsys.readouterr().err.splitlines() == [said]
 
 
 @pytest.mark.usefixtures("one_thread")
 def test_a_ctrl_c_in_a_resume_path_run_names_the_path_until_the_run_saves(workspace, tmp_path, monkeypatch, capsys):
-    """With trainer.save_on_interrupt=false a Ctrl-C in a step leaves the run as KeyboardInterrupt: before the run
-    sent back to step 2 saves, the same command resumes step 2 again; once it has saved step 3, its own step 3 is
-    the latest, which only resume_mode=auto resumes (the same command would go back to step 2)."""
+    """With trainer.save_on_interrupt=false a Ctrl-C in a step (or as the checkpoint loads) leaves the run as
+    KeyboardInterrupt: before the run sent back to step 2 saves, the same command resumes step 2 again; once it has
+    saved step 3, its own step 3 is the latest, which only resume_mode=auto resumes (the same command would go back
+    to step 2)."""
     from rlhf_core.cli import train
     from rlhf_core.training.trainer import PPOTrainer
 
@@ -796,11 +781,20 @@ def test_a_ctrl_c_in_a_resume_path_run_names_the_path_until_the_run_saves(worksp
             signal.raise_signal(signal.SIGINT)
         return train_step(self, prompts)
 
+    load_checkpoint = PPOTrainer.load_checkpoint
+
+    def loading(self, path):  # the trainer built, the checkpoint not yet loaded
+        if "load" in stop_in:
+            signal.raise_signal(signal.SIGINT)
+        return load_checkpoint(self, path)
+
     monkeypatch.setattr(PPOTrainer, "train_step", interrupted)
+    monkeypatch.setattr(PPOTrainer, "load_checkpoint", loading)
     argv = workspace.overrides(out, "trainer.total_training_steps=4", "trainer.save_freq=1", "trainer.test_freq=-1",
                                "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out}/global_step_2",
                                "trainer.save_on_interrupt=false")
-    for step, kept in ((3, f"{out}/global_step_2 is as it was: rerun the same command"),
+    for step, kept in (("load", f"{out}/global_step_2 is as it was: rerun the same command"),
+                       (3, f"{out}/global_step_2 is as it was: rerun the same command"),
                        (4, f"{out}/global_step_3 is as it was: rerun with trainer.resume_mode=auto")):
         stop_in[:] = [step]
         assert _ctrl_c_in(train.ppo, argv) == 130

@@ -229,15 +229,11 @@ def ppo(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
-        from rlhf_core.training.checkpoint import rerun_advice
+        from rlhf_core.training.checkpoint import rerun_point
 
         told = getattr(interrupt, "rerun", None)  # (advice, checkpoint): the trainer's, as run() found them
-        if told is None and cfg is not None:
-            # no trainer holding its checkpoint yet, so nothing saved by this run: a resume_path run goes back to its
-            # path with the same command (auto would take the folder's latest, which it may have set out to leave)
-            mode = cfg.trainer.resume_mode
-            told = (("rerun the same command", Path(os.path.expanduser(cfg.trainer.resume_from_path)))
-                    if mode == "resume_path" else (rerun_advice(mode), None))
+        if told is None and cfg is not None:  # no trainer yet: nothing loaded, nothing saved by this run
+            told = rerun_point(cfg.trainer, None, None)
         rerun, checkpoint = told or (None, None)
         sig = interrupting_signal(interrupt)
         print(stopped_at_once(cfg and cfg.trainer.default_local_dir, cfg is None or cfg.trainer.save_on_interrupt,

@@ -656,6 +656,18 @@ def rerun_advice(resume_mode: str, section: str = "trainer") -> str:
     return "rerun the same command" if resume_mode == "auto" else f"rerun with {section}.resume_mode=auto"
 
 
+def rerun_point(trainer, resumed_from: Path | None, last_saved: Path | None) -> tuple[str, Path | None]:
+    """How a rerun of a PPO run resumes (:func:`rerun_advice`) and the checkpoint it resumes from (None where there
+    is none), for a run set by ``trainer`` (the config's section) that loaded ``resumed_from`` and last saved
+    ``last_saved``. A run resumed from ``trainer.resume_from_path`` that has saved nothing since, or that stopped
+    before it loaded it (both None), goes back to that path with the same command: ``auto`` would take the
+    folder's latest, which may be the checkpoints it set out to leave."""
+    path = resumed_from or trainer.resume_from_path
+    if trainer.resume_mode == "resume_path" and last_saved == resumed_from and path:
+        return "rerun the same command", Path(os.path.expanduser(str(path)))
+    return rerun_advice(trainer.resume_mode), latest_or_none(Path(os.path.expanduser(trainer.default_local_dir)))
+
+
 def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = "PPO") -> None:
     """A run started with ``resume_mode=disable`` in ``root``, which may hold an earlier run's checkpoints: their
     latest marker goes (with a notice), so that a rerun with ``auto`` resumes this run once it has saved, and

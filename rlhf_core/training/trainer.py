@@ -867,22 +867,13 @@ class PPOTrainer:
 
     @property
     def rerun_advice(self) -> str:
-        """How a rerun resumes from this run's latest checkpoint (:func:`checkpoint.rerun_advice`): until a run
-        resumed from ``trainer.resume_from_path`` saves, that is the checkpoint it loaded, which the same command
-        loads again (``auto`` would take the folder's latest, which may be the checkpoints it set out to leave)."""
-        if self._resumes_its_path_again:
-            return "rerun the same command"
-        return checkpoint.rerun_advice(self.config.trainer.resume_mode)
-
-    @property
-    def _resumes_its_path_again(self) -> bool:
-        """Whether the run resumed from ``trainer.resume_from_path`` and has saved nothing since."""
-        return (self.config.trainer.resume_mode == "resume_path" and self.resumed_from is not None
-                and self.last_saved == self.resumed_from)
+        """How a rerun resumes from :meth:`rerun_checkpoint` (:func:`checkpoint.rerun_point`)."""
+        return checkpoint.rerun_point(self.config.trainer, self.resumed_from, self.last_saved)[0]
 
     def rerun_checkpoint(self) -> Path | None:
-        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
-        return self.resumed_from if self._resumes_its_path_again else checkpoint.latest_or_none(self.checkpoint_dir)
+        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none): until a
+        run resumed from ``trainer.resume_from_path`` saves, also before it has loaded it, that path."""
+        return checkpoint.rerun_point(self.config.trainer, self.resumed_from, self.last_saved)[1]
 
     def _nothing_to_train(self, exc: dynamic_sampling.NothingToTrain, step: int) -> dynamic_sampling.NothingToTrain:
         """Dynamic sampling's dead end said as the run's failure: the step, why, and the checkpoint a rerun resumes
