@@ -697,8 +697,8 @@ def test_trl_pairs_leave_out_rows_whose_chosen_and_rejected_are_the_same(tmp_pat
     rows.append({"chosen": [_user("Hi"), _assistant("Hello")], "rejected": [_user("Hi"), _assistant("Hello")]})
     path = tmp_path / "pairs.parquet"
     pd.DataFrame(rows).to_parquet(path)
-    pairs, identical, form = trl_pairs(path)
-    assert (identical, form) == (2, "conversational, implicit prompt")
+    pairs, identical, repeated, form = trl_pairs(path)
+    assert (identical, repeated, form) == (2, 0, "conversational, implicit prompt")
     assert [(p["question"], p["chosen"], p["rejected"]) for p in pairs] == [("What is 0 + 1?", "#### 1", "#### 0"),
                                                                            ("What is 2 + 1?", "#### 3", "#### 2")]
 
@@ -713,9 +713,8 @@ def test_trl_rows_repeating_a_pair_are_left_out_and_counted(tmp_path, capsys):
     rows += [dict(rows[3]), dict(rows[3]), rows[5] | {"rejected": "#### 7"}, dict(rows[8])]
     path = tmp_path / "hh.parquet"
     pd.DataFrame(rows).to_parquet(path)
-    pairs, identical, form = trl_pairs(path)
-    assert (len(pairs), identical) == (11, 0)
-    assert form == "standard, explicit prompt, 3 left out: the same pair as an earlier row"
+    pairs, identical, repeated, form = trl_pairs(path)
+    assert (len(pairs), identical, repeated, form) == (11, 0, 3, "standard, explicit prompt")
     assert [(p["question"], p["rejected"]) for p in pairs if p["question"] == "What is 5 + 1?"] == [
         ("What is 5 + 1?", "#### 5"), ("What is 5 + 1?", "#### 7")]
     out = tmp_path / "pairs"

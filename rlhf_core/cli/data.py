@@ -260,8 +260,9 @@ def preference(argv: list[str] | None = None) -> int:
         elif args.trl:
             pairs = []
             for path in args.trl:
-                read, identical, form = trl_pairs(path)
-                left_out = f", {identical} left out: chosen and rejected the same" if identical else ""
+                read, identical, repeated, form = trl_pairs(path)
+                left_out = "".join(f", {count} left out: {why}" for count, why in (
+                    (identical, "chosen and rejected the same"), (repeated, "the same pair as an earlier row")) if count)
                 print(f"read: {len(read)} pairs from {path} ({form}{left_out})")
                 pairs.extend(read)
             if not pairs:

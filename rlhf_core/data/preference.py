@@ -289,13 +289,14 @@ def _read_table(path: Path) -> pd.DataFrame:
                               "(.json)")
 
 
-def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
+def trl_pairs(path: str | Path) -> tuple[list[dict], int, int, str]:
     """The pairs of one of TRL's preference files (``datasets`` written to parquet, JSON lines or a JSON array):
     ``chosen`` and ``rejected`` in any of TRL's four forms, as text or as chat messages, with a ``prompt`` column
     (text, taken as one user turn, or messages) or without one (conversational only: the messages both
     conversations begin with are the prompt). Returns (pairs as :func:`split_by_group` takes them, each prompt its
-    own group; the count of rows left out as their chosen and rejected are the same; the form read, in words, and
-    how many rows were left out as repeats of an earlier pair, which the pipeline's checks refuse). Messages keep their role and content.
+    own group; the count of rows left out as their chosen and rejected are the same; the count left out as repeats
+    of an earlier pair, which the pipeline's checks refuse; the form read, in words). Messages keep their role and
+    content.
     PreferenceDataError names the rows that cannot be read, each with its reason, a cell holding the JSON text of a
     message list among them (taken as text it would train on the JSON)."""
     path = Path(path).expanduser()
@@ -357,7 +358,7 @@ def trl_pairs(path: str | Path) -> tuple[list[dict], int, str]:
     if roles is not None:
         raise PreferenceDataError(f"{path}: {roles}")
     form = f"{'conversational' if conversational else 'standard'}, {'explicit' if explicit else 'implicit'} prompt"
-    return pairs, identical, form + (f", {repeated} left out: the same pair as an earlier row" if repeated else "")
+    return pairs, identical, repeated, form
 
 
 # ----------------------------------------------------------------------------- keeping pairs apart from prompt sets

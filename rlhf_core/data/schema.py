@@ -64,10 +64,9 @@ def write_parquets_atomic(frames: Mapping[Path, pd.DataFrame], overwrite: bool =
     """Write each frame to its path, all or none: every file is written to a temporary name beside its path first
     (:func:`~rlhf_core.atomic.staged_files`) and renamed into place only once all are written and fsynced, so that
     a run failed or interrupted (Ctrl-C) midway leaves the previous files as they were, never a new train.parquet
-    beside an old
-    test.parquet; the folders it made (the output folder, its missing parents) are removed again, since an empty
-    output folder would pass for output. An existing file is kept unless ``overwrite`` (FileExistsError, before
-    anything is written)."""
+    beside an old test.parquet; the folders it made (the output folder, its missing parents) are removed again,
+    since an empty output folder would pass for output. An existing file is kept unless ``overwrite``
+    (FileExistsError, before anything is written)."""
     paths = [Path(path) for path in frames]
     existing = [str(path) for path in paths if path.exists()]
     if existing and not overwrite:
