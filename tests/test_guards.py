@@ -3,6 +3,7 @@ absurd learning rate, a validation collapse) with the rollback checked against t
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 
@@ -376,6 +377,30 @@ def test_nan_rewards_are_skipped_then_the_run_stops_restoring_the_last_good_chec
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_non_finite_loss_skips_the_step_even_where_its_gradient_is_finite(workspace, tmp_path, role):
+    """A loss whose value is NaN while its gradient is the real loss's (finite): the clipped gradient alone would
+    pass, but the step must be skipped on the loss too, the weights left as they were and each skip counted."""
+    trainer = make_trainer(workspace, tmp_path / "run")
+    worker = getattr(trainer, role)
+    name = "policy_loss" if role == "actor" else "value_loss"
+    real_loss = getattr(worker, name)
+
+    def nan_valued(mb, *args):
+        loss, summed, constant = real_loss(mb, *args)
+        return loss + math.nan, summed, constant  # adding a constant leaves the gradient as it was
+
+    setattr(worker, name, nan_valued)
+    before = {k: v.clone() for k, v in worker.module.state_dict().items()}
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+
+    assert math.isfinite(metrics[f"{role}/grad_norm"]) and metrics[f"{role}/grad_norm"] > 0
+    assert_weights(worker.module, before)
+    assert worker.skipped_steps == 2  # 16 responses in mini-batches of 4 prompts x 2: two optimizer steps
+    assert metrics["training/skipped_steps"] == 2
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_control_adaptive(
         workspace, tmp_path, capsys):
     out = tmp_path / "run"
@@ -404,6 +429,58 @@ def test_kl_explosion_from_an_absurd_learning_rate_rolls_back_and_makes_the_kl_c
     state = checkpoint.read_trainer_state(out / "global_step_4")  # saved after the rollback
     assert state["kl_ctrl"]["type"] == "adaptive" and state["guard"]["rollbacks"] == 1
     assert_weights(trainer.actor.module, checkpoint.load_model_state(out / "global_step_4"))
+
+
+def _response_log_prob(model: torch.nn.Module, batch) -> torch.Tensor:
+    """log pi(response token t | the tokens before it) from each row run whole, 0 past the response, (bs, R)."""
+    prompt_len, response_len = batch["prompts"].shape[1], batch["responses"].shape[1]
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits[:, prompt_len - 1:prompt_len - 1 + response_len]
+    return logits.log_softmax(-1).gather(-1, batch["responses"][..., None])[..., 0] * batch["response_mask"]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_kl_loss_coefficient_a_tightening_leaves_is_the_one_the_next_update_uses(workspace, tmp_path):
+    """A KL rollback doubles the trainer's kl_loss_coef and leaves the config's as the run began: the actor's loss
+    must weigh the KL loss by the trainer's. The first mini-batch's loss, worked out here in float64 from the
+    weights before the update: the dual-clip PPO surrogate plus 0.5 x the token mean of k3 = r - 1 - log r,
+    r = pi_ref / pi (with the config's 0.25 it would be another loss)."""
+    trainer = make_trainer(workspace, tmp_path / "run", "actor_rollout_ref.actor.use_kl_loss=true",
+                           "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                           "actor_rollout_ref.actor.kl_loss_coef=0.25",
+                           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")  # a mini-batch in one go
+    trainer._apply(tighten_kl_control(trainer.config, trainer.kl_ctrl, trainer.kl_loss_coef))
+    assert trainer.kl_loss_coef == 0.5 and trainer.config.actor_rollout_ref.actor.kl_loss_coef == 0.25
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the policy away from the reference, else the KL loss is 0 whatever its coefficient
+        for p in trainer.actor.module.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    policy, reference = (copy.deepcopy(m).double() for m in (trainer.actor.module, trainer.actor.ref_module))
+    losses = []
+    policy_loss = trainer.actor.policy_loss
+
+    def recording(mb, token_count, seq_count, kl_loss_coef):
+        loss, summed, constant = policy_loss(mb, token_count, seq_count, kl_loss_coef)
+        losses.append((mb, loss.item()))
+        return loss, summed, constant
+
+    trainer.actor.policy_loss = recording
+    metrics = trainer.train_step(trainer.train_dataset.collate(list(range(8))))
+
+    mb, loss = losses[0]
+    mask = mb["response_mask"].double()
+    with torch.no_grad():
+        log_prob, ref_log_prob = (_response_log_prob(model, mb) for model in (policy, reference))
+    advantages = mb["advantages"].double()
+    ratio = torch.exp(log_prob - mb["old_log_prob"].double())  # (bs, R)
+    surrogate = torch.maximum(-advantages * ratio, -advantages * torch.clamp(ratio, 0.8, 1.2))
+    surrogate = torch.where(advantages < 0, torch.minimum(surrogate, -advantages * 3.0), surrogate)
+    r = torch.exp(ref_log_prob - log_prob)
+    kl_loss = float(((r - 1 - torch.log(r)) * mask).sum() / mask.sum())
+    pg_loss = float((surrogate * mask).sum() / mask.sum())
+    assert (0.5 - 0.25) * kl_loss > 1e-4  # the config's coefficient is far outside the tolerance
+    assert loss == pytest.approx(pg_loss + 0.5 * kl_loss, abs=1e-6)
+    assert metrics["actor/kl_coef"] == 0.5
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -9,6 +9,7 @@ here against each row run whole; with flash attention (``gpu``) the variable-len
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -259,3 +260,34 @@ def test_entropy_without_grad_is_a_metric_outside_the_graph(model_dir, remove_pa
     assert log_prob.requires_grad and with_grad.requires_grad and not metric.requires_grad
     torch.testing.assert_close(metric[mask], with_grad.detach()[mask])
     assert metric[mask].min() > 0  # a random model's next-token distributions are far from one-hot
+
+
+@pytest.mark.parametrize("remove_padding", [False, True])
+def test_the_entropy_bonus_puts_the_gradient_of_the_entropy_into_the_policy_loss(model_dir, remove_padding):
+    """With advantages of 0 the clipped surrogate has no gradient, so the policy loss's gradient is the entropy
+    bonus's alone: that of -entropy_coeff x the token mean of the entropy of softmax(logits / temperature) at the
+    positions that predict response tokens, worked out here in float64 from the rows run whole."""
+    cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cpu", "trainer.n_gpus_per_node=1",
+                       "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+                       f"actor_rollout_ref.model.use_remove_padding={str(remove_padding).lower()}",
+                       "actor_rollout_ref.actor.entropy_coeff=0.1", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+                       "actor_rollout_ref.rollout.temperature=0.7"])
+    actor = ActorWorker(cfg.resolved().actor_rollout_ref, load_tokenizer(model_dir), total_steps=1, need_ref=False)
+    assert actor.remove_padding == remove_padding
+    batch = padded_batch(n_rows=4, seed=3)
+    mask = batch["response_mask"].double()
+    tokens = int(mask.sum())
+    reference = copy.deepcopy(actor.module).double()
+    log_softmax = torch.log_softmax(whole_row_outputs(reference, batch) / 0.7, -1)  # (bs, R, V)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)  # (bs, R)
+    (-0.1 * (entropy * mask).sum() / tokens).backward()
+    expected = {name: p.grad.float() for name, p in reference.named_parameters()}
+
+    batch["advantages"] = torch.zeros(mask.shape)
+    batch["old_log_prob"] = (log_softmax.gather(-1, batch["responses"][..., None])[..., 0] * mask).detach().float()
+    loss, _, _ = actor.policy_loss(batch, tokens, len(batch), kl_loss_coef=0.0)
+    loss.backward()
+    assert min(float(g.norm()) for g in expected.values()) > 1e-6  # every weight feels the entropy
+    for name, p in actor.module.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-4 * float(expected[name].abs().max()),
+                                   msg=name)

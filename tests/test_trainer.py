@@ -182,6 +182,58 @@ def test_a_grpo_steps_advantages_recomputed_from_its_batch(workspace, monkeypatc
     assert not [key for key in m if key.startswith(("critic/values", "critic/vf_", "timing_s/values"))]
 
 
+#: Schulman 2020's estimators of KL(pi || pi_ref) from d = log pi - log pi_ref of the sampled token
+KL_ESTIMATES = {
+    "kl": lambda d: d,
+    "abs": lambda d: d.abs(),
+    "mse": lambda d: 0.5 * d ** 2,
+    "low_var_kl": lambda d: torch.exp(-d) - 1 + d,  # k3 = r - 1 - log r with r = pi_ref / pi = exp(-d)
+}
+
+
+@pytest.mark.parametrize("penalty", list(KL_ESTIMATES))
+def test_the_reward_is_docked_by_the_kl_estimator_algorithm_kl_penalty_names(workspace, monkeypatch, penalty):
+    """A whole step with the KL in the reward: each token's reward is the score (at the response's last token) less
+    beta times algorithm.kl_penalty's estimate at d = old_log_prob - ref_log_prob, and actor/reward_kl_penalty is
+    that estimate's mean over each response's tokens, averaged over the responses."""
+    root, model, reward = workspace
+    beta = 0.5
+    trainer = build_trainer(load_config(_overrides(
+        root, model, f"custom_reward_function.path={reward}", "algorithm.use_kl_in_reward=true",
+        f"algorithm.kl_penalty={penalty}", f"algorithm.kl_ctrl.kl_coef={beta}")))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # the policy away from the reference, else every estimate is 0
+        for p in trainer.actor.module.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    m, batch = _step_with_its_batch(trainer, monkeypatch)
+    mask = batch["response_mask"].double()
+    d = (batch["old_log_prob"] - batch["ref_log_prob"]).double() * mask
+    estimates = {name: estimate(d) * mask for name, estimate in KL_ESTIMATES.items()}
+    for other in set(KL_ESTIMATES) - {penalty}:  # each other estimator docks these rewards by far more than 1e-6
+        assert float((beta * (estimates[other] - estimates[penalty])).abs().max()) > 1e-3, other
+    lengths = mask.sum(-1).long()
+    scores = torch.zeros_like(mask)
+    scores[torch.arange(len(batch)), lengths - 1] = torch.from_numpy(_digit_first_scores(trainer, batch))
+    torch.testing.assert_close(batch["token_level_rewards"].double(), scores - beta * estimates[penalty],
+                               rtol=0, atol=1e-6)
+    seq_mean = estimates[penalty].sum(-1) / lengths
+    assert m["actor/reward_kl_penalty"] == pytest.approx(float(seq_mean.mean()), rel=1e-5, abs=1e-7)
+
+
+def test_a_fixed_kl_controller_keeps_its_coefficient_step_after_step(workspace):
+    """algorithm.kl_ctrl.type=fixed: every step's rewards are docked by beta = kl_coef, and so are the next
+    step's. An adaptive controller (Ziegler et al.) would have moved it after step 1, to 0.5 x (1 - 0.2 x 16 /
+    10000) = 0.49984 at a KL below its target: only equality tells that apart."""
+    root, model, reward = workspace
+    trainer = build_trainer(load_config(_overrides(
+        root, model, f"custom_reward_function.path={reward}", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.5")))
+    used = [trainer.train_step(trainer.train_dataset.collate(list(range(8 * step, 8 * step + 8))))[
+        "actor/reward_kl_penalty_coeff"] for step in range(2)]
+    assert used == [0.5, 0.5]
+    assert trainer.kl_ctrl.value == 0.5
+
+
 def test_validation_samples_are_picked_as_verl_picks_them():
     texts = [(f"prompt {i}", f"answer {i}") for i in range(6)]
     scores = [i / 10 for i in range(6)]

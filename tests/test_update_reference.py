@@ -10,7 +10,8 @@ plain AdamW on the copies). The trainer runs the same in micro-batches with grad
 
 What is compared: the weights after the step, AdamW's two moments (they hold each mini-batch's clipped
 gradient itself, scale included, where the step of a sign-like first Adam update would hide a wrong scale),
-the grad-norm metrics, the returns and advantages, and the adaptive KL coefficient after the step.
+the grad-norm metrics, the policy's clip fraction and KL to the rollout policy, the returns and advantages,
+and the adaptive KL coefficient after the step.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _reference_step(actor, ref, critic, batch, tokenizer, mode: str, grad_clip: 
         loss.backward()
         critic_norms.append(_clip_and_step(critic, critic_optimizer, grad_clip))
 
-    actor_optimizer, actor_norms = _adamw(actor, ACTOR_LR), []
+    actor_optimizer, actor_norms, policy_tokens = _adamw(actor, ACTOR_LR), [], []
     for start in range(0, rows, mini):
         part = {key: value[start:start + mini] for key, value in batch.items()}
         m = mask[start:start + mini]
@@ -152,13 +153,17 @@ def _reference_step(actor, ref, critic, batch, tokenizer, mode: str, grad_clip: 
         surrogate = torch.where(adv < 0, torch.minimum(surrogate, -adv * CLIP_RATIO_C), surrogate)  # dual clip
         log_ref_ratio = ref_log_prob[start:start + mini] - log_prob
         k3 = torch.exp(log_ref_ratio) - log_ref_ratio - 1  # Schulman 2020's low-variance estimator
+        with torch.no_grad():  # per token: whether the clipped surrogate is the larger one, and old - new log-prob
+            clipped = -adv * torch.clamp(ratio, 1 - CLIP_RATIO, 1 + CLIP_RATIO) > -adv * ratio
+            policy_tokens.append((clipped.double(), old_log_prob[start:start + mini] - log_prob, m))
         loss = _agg(surrogate, m, mode, MAX_RESPONSE) + KL_LOSS_COEF * _agg(k3, m, mode, MAX_RESPONSE)
         loss.backward()
         actor_norms.append(_clip_and_step(actor, actor_optimizer, grad_clip))
     return {"advantages": advantages, "returns": returns, "kl_coef": next_kl_coef, "batch_kl": batch_kl,
             "actor_optimizer": actor_optimizer, "critic_optimizer": critic_optimizer,
             "actor/grad_norm": sum(actor_norms) / len(actor_norms),
-            "critic/grad_norm": sum(critic_norms) / len(critic_norms), "clipped": (actor_norms, critic_norms)}
+            "critic/grad_norm": sum(critic_norms) / len(critic_norms), "clipped": (actor_norms, critic_norms),
+            "policy_tokens": policy_tokens}
 
 
 def _trainer(workspace, mode: str, micro: int, grad_clip: float):  # noqa: F811
@@ -286,3 +291,19 @@ def test_the_value_loss_is_clipped_around_the_rollout_values(workspace):  # noqa
     _, metrics = _check(workspace, "token-mean", 1, grad_clip=1e6)
     assert 0 < metrics["critic/vf_clipfrac"] < 1
     assert 0 < metrics["actor/pg_clipfrac"] < 1  # and the policy's clipped surrogate, in the second mini-batch
+
+
+def test_policy_metrics_are_token_means_over_each_mini_batch_whatever_its_micro_batches(workspace):  # noqa: F811
+    """actor/pg_clipfrac and actor/ppo_kl under token-mean: each mini-batch's mean over its tokens, averaged over
+    the mini-batches, from micro-batches of one response each (1 to 8 tokens): the mean of the micro-batches' own
+    means, which weighs a 1-token response as an 8-token one, is another figure here."""
+    expected, metrics = _check(workspace, "token-mean", 1, grad_clip=1e6)
+    for name, column in (("actor/pg_clipfrac", 0), ("actor/ppo_kl", 1)):
+        by_token, by_response = [], []
+        for tokens in expected["policy_tokens"]:
+            value, mask = tokens[column], tokens[2]
+            by_token.append(float((value * mask).sum() / mask.sum()))
+            by_response.append(float(((value * mask).sum(-1) / mask.sum(-1)).mean()))
+        want, other = sum(by_token) / len(by_token), sum(by_response) / len(by_response)
+        assert abs(want - other) > 0.1 * abs(want) > 0, name  # the weighting shows
+        assert metrics[name] == pytest.approx(want, rel=1e-3), name
