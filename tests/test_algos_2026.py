@@ -973,6 +973,45 @@ def test_remax_step_subtracts_the_greedy_responses_score(tiny, tmp_path, monkeyp
     np.testing.assert_allclose(advantages.tolist(), expected_advantages, rtol=1e-6, atol=1e-6)
 
 
+def test_remax_baseline_carries_the_overlong_penalty_as_the_samples_do(tiny, tmp_path):
+    """As verl's ReMax under DAPO's reward manager, the greedy baseline is the greedy response's score plus the
+    same length penalty the samples get, so the advantage compares like with like."""
+    reward = tmp_path / "reward_one.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 1.0\n")
+    trainer = _trainer(tiny, "algorithm.adv_estimator=remax", f"custom_reward_function.path={reward}",
+                       "reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=4",
+                       "reward_model.overlong_buffer.penalty_factor=0.5")
+    # the random model's greedy responses all run to the 8-token limit; ending them after 8, 7, ..., 1 tokens
+    # (as an EOS would) gives each prompt a penalty of its own, so a baseline shaped by the wrong length shows
+    ends = torch.tensor([8, 7, 6, 5, 4, 3, 2, 1])
+    pad = trainer.tokenizer.pad_token_id
+    greedy = []
+    generate = trainer.actor.generate
+
+    def generate_ending_greedy_early(prompts, params):
+        batch = generate(prompts, params)
+        if not params.do_sample:
+            width = batch["responses"].shape[1]
+            after_end = torch.arange(width) >= ends[:, None]  # (8, width)
+            batch["responses"] = batch["responses"].masked_fill(after_end, pad)
+            batch["input_ids"][:, -width:] = batch["responses"]
+            batch["response_mask"] = batch["response_mask"].masked_fill(after_end, 0)
+            batch["attention_mask"][:, -width:] = batch["response_mask"]
+            greedy.append(batch)
+        return batch
+
+    trainer.actor.generate = generate_ending_greedy_early
+    batch, _ = trainer._rollout(trainer.train_dataset.collate(list(range(8))), {})
+    [greedy_batch] = greedy
+    lengths = greedy_batch["response_mask"].sum(-1).tolist()
+    assert lengths == ends.tolist()
+    # DAPO (Yu et al. 2025, eq. 13): free up to L_max - L_buffer = 8 - 4 tokens, then -(L - 4) / 4, times 0.5
+    baselines = [1.0 - max(0, n - (8 - 4)) / 4 * 0.5 for n in lengths]  # 0.5, 0.625, 0.75, 0.875, 1.0, ...
+    np.testing.assert_allclose(batch["reward_baselines"].tolist(), [b for b in baselines for _ in range(4)],
+                               rtol=1e-6)
+
+
 def test_validation_reward_carries_the_overlong_penalty_as_training_does(tiny):
     """As verl's DAPO reward manager, validation's reward is the score plus the length penalty; the accuracy is
     the score's. Worked out from the responses the validation generated (greedy, 8 tokens at most)."""

@@ -556,11 +556,19 @@ def test_score_on_last_valid_token(char_tokenizer):
     last = [len(text) for text in texts]  # index of [EOS], the last valid token
     assert scores[0, last[0]] == 1.0 and scores[0].sum() == 1.0
     assert scores[1].abs().sum() == 0.0  # wrong answer scores 0
-    assert scores[2].abs().sum() == 0.0  # no valid token: no place for a score
     assert scores[3].abs().sum() == 0.0  # strict rule: no #### marker
     assert extras["score"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert extras["acc"].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert extras["score"].dtype == torch.float32
+    # the empty response's GSM8K score is 0, which would hide where it landed: a rule scoring "" as -1 shows
+    # that a response with no valid token is still scored and reported, but its row has no place for the score
+    marked = RewardManager(char_tokenizer, reward_fn=lambda solution_str, **_: -1.0 if solution_str == "" else 1.0)
+    scores, extras = marked(ids, mask, ["s"] * 4, [""] * 4)
+    assert extras["score"].tolist() == [1.0, 1.0, -1.0, 1.0]
+    expected = torch.zeros(ids.shape)
+    for row in (0, 1, 3):
+        expected[row, last[row]] = 1.0
+    torch.testing.assert_close(scores, expected)
 
 
 def test_a_batch_reward_function_scores_the_batch_in_one_call(char_tokenizer):
