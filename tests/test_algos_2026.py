@@ -366,7 +366,7 @@ def _fake_rollout(prompts: Batch) -> tuple[Batch, dict]:
     return batch, extras
 
 
-def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward", rollout=_fake_rollout):
+def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward", rollout=_fake_rollout, pad_id=0):
     batches = iter([[4, 5, 6, 7], [8, 9, 10, 11]])
     calls = []
 
@@ -376,7 +376,7 @@ def _collect(max_num_gen_batches=10, group_multiple=1, metric="seq_reward", roll
         return _prompts(uids, width=2 + len(calls))  # the prompt width differs too
 
     result = dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), next_prompts, rollout, metric=metric,
-                                             max_num_gen_batches=max_num_gen_batches, pad_id=0,
+                                             max_num_gen_batches=max_num_gen_batches, pad_id=pad_id,
                                              group_multiple=group_multiple)
     return result, calls
 
@@ -432,6 +432,21 @@ def test_dynamic_sampling_pads_batches_of_different_widths():
     assert batch["position_ids"][0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5]
 
 
+def test_dynamic_sampling_pads_token_ids_with_the_pad_id_and_masks_with_zero():
+    """With a pad id of 0 a token pad and a mask pad look alike; 7 tells them apart."""
+    (batch, _, _), _ = _collect(pad_id=7)
+    # prompt 1 (batch 1): its prompt [1, 1] left-padded by 2 to width 4, its response [10, 10, 10] right-padded
+    # by 1 to width 4, so the token ids carry the pad id on both sides and the masks carry 0 there
+    assert batch["prompts"][0].tolist() == [7, 7, 1, 1]
+    assert batch["responses"][0].tolist() == [10, 10, 10, 7]
+    assert batch["input_ids"][0].tolist() == [7, 7, 1, 1, 10, 10, 10, 7]
+    assert batch["attention_mask"][0].tolist() == [0, 0, 1, 1, 1, 1, 1, 0]
+    assert batch["response_mask"][0].tolist() == [1, 1, 1, 0]
+    # prompt 9 (batch 3): prompt of width 4, no padding; response of width 3, right-padded by 1
+    assert batch["input_ids"][6].tolist() == [1, 1, 1, 1, 90, 90, 90, 7]
+    assert batch["attention_mask"][6].tolist() == [1, 1, 1, 1, 1, 1, 1, 0]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("metric", ["seq_reward", "score"])
@@ -473,6 +488,18 @@ def test_dynamic_sampling_when_the_data_runs_out_trains_on_what_it_has(capsys):
     with pytest.raises(dynamic_sampling.DataExhausted, match="training data ran out"):
         dynamic_sampling.collect_groups(_prompts([0, 2, 3, 5], 2), lambda: None, _fake_rollout, metric="seq_reward",
                                         max_num_gen_batches=0, pad_id=0)
+
+
+def test_dynamic_sampling_short_of_a_mini_batch_raises_by_what_ended_the_step():
+    """One group kept (prompt 1 of the first batch) and mini-batches of 2: the limit reached is a run that cannot
+    go on as configured (NothingToTrain), the data run out is the end of training (DataExhausted)."""
+    short = r"1 prompt group\(s\) kept in 1 generation batches, fewer than one mini-batch of 2 prompts"
+    with pytest.raises(dynamic_sampling.NothingToTrain, match=short):
+        dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), lambda: _prompts([4, 5, 6, 7], 2), _fake_rollout,
+                                        metric="seq_reward", max_num_gen_batches=1, pad_id=0, group_multiple=2)
+    with pytest.raises(dynamic_sampling.DataExhausted, match=short):
+        dynamic_sampling.collect_groups(_prompts([0, 1, 2, 3], 2), lambda: None, _fake_rollout, metric="seq_reward",
+                                        max_num_gen_batches=0, pad_id=0, group_multiple=2)
 
 
 def test_training_ends_after_total_epochs_whatever_the_step_count(tiny):

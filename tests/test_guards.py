@@ -123,6 +123,14 @@ def test_a_drop_of_exactly_max_val_drop_is_not_more_than_it_whatever_its_roundin
         assert guard.observe_validation(2, accuracy - 0.01)[1].kind == "val_drop"
 
 
+def test_a_validation_that_ties_the_best_is_no_new_best():
+    # the earlier checkpoint already holds weights that scored as well: no new save, and the best stays at step 1
+    guard = Guard(GuardConfig(max_val_drop=0.2))
+    assert guard.observe_validation(1, 0.5) == (True, None)
+    assert guard.observe_validation(2, 0.5) == (False, None)
+    assert (guard.best_val, guard.best_step) == (0.5, 1)
+
+
 def test_a_rollback_ends_the_streaks_under_way_so_none_restores_the_weights_it_abandoned():
     guard = Guard(GuardConfig(max_kl=0.5, patience=2, max_consecutive_skips=2, max_val_drop=0.2))
     for step in (1, 2, 3, 4):
@@ -248,6 +256,20 @@ def test_the_validations_kept_are_those_of_saved_steps_and_old_states_load():
     assert (event.kind, event.target_step) == ("val_drop", 1)
 
 
+def test_an_old_state_keeps_its_best_validation_for_a_rollback_back_to_it():
+    """A state saved before validations were kept still names its best: that is step 3's validation, so a rollback
+    from a later best to step 3 finds 0.55 there, and a drop below it rolls back to step 3 again."""
+    guard = Guard(GuardConfig(max_val_drop=0.2))
+    guard.load_state_dict({"best_val": 0.55, "best_step": 3, "saved": [1, 3], "rollbacks": 0})
+    assert guard.validated == {3: 0.55}
+    assert guard.observe_validation(4, 0.6) == (True, None)
+    guard.on_checkpoint(4)
+    guard.on_restore(3, at=5)  # another guard's rollback abandons step 4's weights
+    assert (guard.best_val, guard.best_step) == (0.55, 3)
+    new_best, event = guard.observe_validation(6, 0.3)  # 0.25 below 0.55, over max_val_drop (0.2)
+    assert not new_best and (event.kind, event.action, event.target_step) == ("val_drop", "rollback", 3)
+
+
 def test_a_resume_that_cannot_restore_a_streaks_anchor_anchors_it_on_the_newest_checkpoint_before_it():
     guard = Guard(GuardConfig(max_kl=0.5, patience=3, max_consecutive_skips=3))
     for step in (1, 2, 3, 4):
@@ -285,6 +307,9 @@ def test_tightening_the_kl_control_after_a_kl_rollback_is_a_decision_not_a_chang
     decision = tighten_kl_control(_config(True, False), ctrl, 0.001)
     assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.2, 0.01, 500)
     assert ctrl.target == 0.1
+    # a controller whose target is already below target_kl (0.01) keeps its own: the lower of the two
+    decision = tighten_kl_control(_config(True, False), AdaptiveKLController(0.2, 0.005, 500), 0.001)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.2, 0.005, 500)
     # a coefficient of 0 (a config may start there) is raised to 1e-3: an adaptive controller multiplies it, and
     # twice 0 is 0, so either would stay at 0 and the rollback restore what failed
     decision = tighten_kl_control(_config(True, False), AdaptiveKLController(0.0, 0.1, 500), 0.001)
@@ -297,6 +322,13 @@ def test_tightening_the_kl_control_after_a_kl_rollback_is_a_decision_not_a_chang
     assert "kl_loss_coef -> 0.006" in decision.summary
     assert (decision.kl_ctrl, decision.kl_loss_coef, decision.lr_factor) == (None, 0.006, None)
     assert config.actor_rollout_ref.actor.kl_loss_coef == 0.001  # the config keeps the value the run started with
+
+    # both KL terms on: both are tightened, the fixed controller made adaptive (target_kl 0.01, from its 0.001 with
+    # algorithm.kl_ctrl.horizon 10000) and the KL loss coefficient doubled (0.003 -> 0.006)
+    decision = tighten_kl_control(_config(True, True), FixedKLController(0.001), 0.003)
+    assert isinstance(decision.kl_ctrl, AdaptiveKLController)
+    assert (decision.kl_ctrl.value, decision.kl_ctrl.target, decision.kl_ctrl.horizon) == (0.001, 0.01, 10000)
+    assert (decision.kl_loss_coef, decision.lr_factor) == (0.006, None)
 
     decision = tighten_kl_control(_config(False, False), FixedKLController(0.001), 0.001)
     assert "learning rate x0.5" in decision.summary
