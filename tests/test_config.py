@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from rlhf_core.config import ConfigError, PPOConfig, attribute, load_config
+from rlhf_core.config import ConfigError, PPOConfig, attribute, load_config, reward_training_batch_problems
 
 
 def _errors_or_none(*overrides: str) -> str | None:
@@ -678,6 +678,14 @@ def test_aliases_map_to_canonical_keys_with_a_notice():
                           "algorithm.kl_ctrl.type=adaptive")
 
 
+@pytest.mark.parametrize(("model", "other"), [("actor_rollout_ref.model", "critic.model"),
+                                              ("critic.model", "actor_rollout_ref.model")])
+def test_verls_use_rmpad_packs_the_sequences_of_its_own_model_alone(model, other):
+    cfg = load_config([f"{model}.use_rmpad=true"], notice=lambda _: None)
+    assert attribute(cfg, f"{model}.use_remove_padding") is True
+    assert attribute(cfg, f"{other}.use_remove_padding") is False
+
+
 def test_config_file_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="missing.yaml does not exist"):
         load_config(config_file=tmp_path / "missing.yaml")
@@ -787,6 +795,30 @@ def test_mini_batch_times_n_not_divisible_by_micro_times_world():
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "trainer.n_gpus_per_node=2"])
 
 
+def test_the_world_size_counts_the_workers_of_every_node():
+    """4 workers a node on 2 nodes are 8 workers: a mini-batch of 8 sequences is one sequence each, half of a
+    micro-batch of 2."""
+    sizes = ["trainer.n_gpus_per_node=4", "trainer.nnodes=2", "data.train_batch_size=8",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=1",
+             "critic.ppo_micro_batch_size_per_gpu=1"]
+    assert load_config(sizes[:2], notice=lambda _: None, validate=False).world_size == 8
+    message = _errors(*sizes, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    assert "(8 * 1 = 8 sequences) must be divisible by actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu * world " \
+           "size (2 * 8)" in message
+    load_config([*sizes, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"], notice=lambda _: None)
+
+
+def test_the_reward_models_training_batch_is_shared_out_over_every_worker():
+    """8 pairs over 2 workers are 4 each, half of a micro-batch of 8; 16 pairs are one micro-batch each."""
+    sizes = ["trainer.n_gpus_per_node=2", "reward_model.train.micro_batch_size_per_gpu=8"]
+    cfg = load_config([*sizes, "reward_model.train.train_batch_size=8"], notice=lambda _: None)
+    assert reward_training_batch_problems(cfg) == [
+        "reward_model.train.train_batch_size (8) must be divisible by reward_model.train.micro_batch_size_per_gpu "
+        "* world size (8 * 2) so each worker gets whole micro-batches"]
+    cfg = load_config([*sizes, "reward_model.train.train_batch_size=16"], notice=lambda _: None)
+    assert reward_training_batch_problems(cfg) == []
+
+
 def test_micro_batch_required_without_dynamic_bsz():
     message = _errors("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null")
     assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu is required" in message
@@ -802,6 +834,11 @@ def test_dynamic_bsz_token_budget_must_hold_one_sequence():
     )
     assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (600)" in message
     assert "(1024)" in message
+    # a budget of exactly 512 + 512 tokens holds the longest sequence; one token fewer does not
+    assert "ppo_max_token_len_per_gpu (1023) must be >= max_prompt_length + max_response_length (1024)" in _errors(
+        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1023")
+    load_config(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024"],
+                notice=lambda _: None)
 
 
 @pytest.mark.parametrize(
@@ -1021,10 +1058,35 @@ def test_rollout_correction_on_vllm_refuses_top_p_and_top_k():
     load_config(["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.top_p=0.8"], notice=lambda _: None)
 
 
+def test_vllms_tensor_parallel_size_must_divide_the_workers():
+    vllm = ["trainer.device=cuda", "actor_rollout_ref.rollout.name=vllm"]  # checked on loading: no GPU is needed
+    message = _errors(*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=3")
+    assert "actor_rollout_ref.rollout.tensor_model_parallel_size=3 must divide the world size (8 = " \
+           "trainer.n_gpus_per_node * trainer.nnodes)" in message
+    load_config([*vllm, "actor_rollout_ref.rollout.tensor_model_parallel_size=4"], notice=lambda _: None)
+
+
 def test_a_critic_that_never_trains_is_refused():
     """critic.ppo_epochs=0 under GAE: the update loop runs no pass, so the value model would never learn."""
     assert "critic.ppo_epochs=0 must be" in _errors("algorithm.adv_estimator=gae", "critic.ppo_epochs=0")
     load_config(["algorithm.adv_estimator=grpo", "critic.ppo_epochs=0"], notice=lambda _: None)  # no critic: unread
+
+
+@pytest.mark.parametrize(("override", "said", "fixed"), [
+    # 1024 prompts: 96 does not divide it; the critic's mini-batches need a multiple of 4 * 8 = 32 prompts (one
+    # response each), and of 1024's divisors 64 and 128 are as near to 96 as each other: the larger is taken
+    ("critic.ppo_mini_batch_size=96", "data.train_batch_size (1024) must be divisible by critic.ppo_mini_batch_size "
+                                      "(96): set ppo_mini_batch_size to a divisor, e.g. 128",
+     "critic.ppo_mini_batch_size=128"),
+    # the actor's 256 sequences, which the critic follows, over 8 workers are 32 each: whole micro-batches of 4
+    # (the actor's) or 2, not of 3
+    ("critic.ppo_micro_batch_size_per_gpu=3", "critic.ppo_mini_batch_size * rollout.n (256 * 1 = 256 sequences) must "
+                                              "be divisible by critic.ppo_micro_batch_size_per_gpu * world size (3 * 8)",
+     "critic.ppo_micro_batch_size_per_gpu=2"),
+])
+def test_the_critics_own_batch_sizes_are_checked(override, said, fixed):
+    assert said in _errors("algorithm.adv_estimator=gae", override)
+    load_config(["algorithm.adv_estimator=gae", fixed], notice=lambda _: None)
 
 
 def test_two_spellings_of_one_key_with_different_values_are_refused(tmp_path):

@@ -1541,6 +1541,21 @@ def test_the_data_step_fails_where_filtering_over_long_prompts_leaves_too_few(tm
     assert step.validate_data.entrypoint(cfg.to_dict())[0]["success"] is True
 
 
+def test_a_prompt_of_exactly_the_limit_counts_as_kept(char_tokenizer):
+    """The trainer drops a prompt only when it is longer than data.max_prompt_length: one of exactly that many
+    tokens trains, so it counts towards the batch the filter must leave."""
+    train = pd.DataFrame(records(2))
+    # without a chat template a prompt is its one message's text, a token a character; the two questions differ
+    # only in one-digit numbers, so both are as long
+    [limit] = {len(row["prompt"][0]["content"]) for row in records(2)}
+    [at] = validate_frames(train, tokenizer=char_tokenizer, max_prompt_length=limit,
+                           min_kept=(2, None)).find("prompts_left_after_filter")
+    assert at.success and at.statistics["observed_value"] == 2
+    [under] = validate_frames(train, tokenizer=char_tokenizer, max_prompt_length=limit - 1,
+                              min_kept=(2, None)).find("prompts_left_after_filter")
+    assert not under.success and under.statistics["observed_value"] == 0
+
+
 def test_a_prompt_repeated_with_another_ground_truth_fails_with_both_rows(tmp_path):
     """The same prompt twice with two answers passed: one of the rows rewards the right answer as wrong. A prompt
     repeated with the same answer (4 and "4" read alike), or under another system turn, is not a conflict."""
