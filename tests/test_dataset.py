@@ -318,6 +318,24 @@ def test_overlong_prompt_error_names_the_row_and_length(tmp_path, tokenizer):
     assert "row 1" in message and f"{expected_len} tokens" in message and "max_prompt_length (100)" in message
 
 
+def test_a_prompt_of_exactly_max_prompt_length_tokens_is_kept_whole(tmp_path, tokenizer, capsys):
+    """verl keeps a prompt of len <= data.max_prompt_length: one of exactly that many tokens is over no limit, so
+    no data.truncation mode refuses or cuts it and data.filter_overlong_prompts does not drop it."""
+    question = "x" * 50
+    text = f"User: {question}{INSTRUCTION}\nAssistant: "  # the chat template's text, one token a character
+    path = _write(tmp_path / "a.parquet", [question])
+    for data in (DataConfig(max_prompt_length=len(text), truncation="error"),
+                 DataConfig(max_prompt_length=len(text), truncation="left"),
+                 DataConfig(max_prompt_length=len(text), filter_overlong_prompts=True)):
+        dataset = RLHFDataset(path, tokenizer, data)
+        assert len(dataset) == 1 and dataset.dropped_overlong == 0
+        assert tokenizer.decode(dataset.prompt_ids[0]) == text
+    assert capsys.readouterr().err == ""  # no notice of a cut or a drop
+    # one token less of room and the same prompt is over it
+    with pytest.raises(DataError, match=rf"prompt has {len(text)} tokens > data.max_prompt_length \({len(text) - 1}\)"):
+        RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=len(text) - 1, truncation="error"))
+
+
 def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     path = _write(tmp_path / "a.parquet", ["short", "y" * 300])
     left = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="left"))
@@ -345,6 +363,17 @@ def test_left_and_right_truncation_and_filtering(tmp_path, tokenizer, capsys):
     middle = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, truncation="middle"))
     whole = tokenizer.decode(RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=400)).prompt_ids[1])
     assert tokenizer.decode(middle.prompt_ids[1]) == whole[:50] + whole[-50:]
+
+
+def test_filter_overlong_prompts_drops_a_long_prompt_whatever_data_truncation_says(tmp_path, tokenizer):
+    """verl filters the over-long prompts out as it builds the dataset, before any truncation: with
+    data.filter_overlong_prompts a data.truncation mode cuts nothing, the long prompt is gone and the short one whole."""
+    path = _write(tmp_path / "a.parquet", ["short", "y" * 300])
+    for side in ("left", "right", "middle"):
+        dataset = RLHFDataset(path, tokenizer, DataConfig(max_prompt_length=100, filter_overlong_prompts=True,
+                                                          truncation=side))
+        assert len(dataset) == 1 and dataset.dropped_overlong == 1, side
+        assert tokenizer.decode(dataset.prompt_ids[0]) == f"User: short{INSTRUCTION}\nAssistant: ", side
 
 
 def test_each_truncation_keeps_verls_tokens_of_an_odd_limit(tmp_path, tokenizer):

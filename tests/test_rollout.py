@@ -85,6 +85,24 @@ def test_eos_is_kept_in_the_mask_and_everything_after_is_masked(tokenizer):
     assert out["position_ids"][1, 2:6].tolist() == [0, 1, 2, 3]
 
 
+def test_the_tokenizers_eos_ends_a_response_beside_the_generation_configs_own(tokenizer):
+    """A response ends at the tokenizer's EOS and at each id of the model's generation_config.eos_token_id, as
+    transformers' generate stops: a model whose config lists only 5 still stops at the tokenizer's EOS."""
+    from types import SimpleNamespace
+
+    from rlhf_core.rollout.base import stop_tokens
+
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    assert (eos, pad) == (2, 0)  # (the toy tokenizer's </s> and <pad>)
+    fake = _EosAfter(stop_at=[0], eos_id=eos)  # the tokenizer's EOS first
+    fake.generation_config = SimpleNamespace(eos_token_id=[5])
+    assert stop_tokens(fake, tokenizer) == ([2, 5], 0)
+    engine = make_rollout_engine("hf", fake, tokenizer)
+    out = engine.generate(Batch(left_pad([[3, 4]], pad), {"uid": [0]}), SamplingParams(max_new_tokens=4,
+                                                                                       do_sample=False))
+    assert out["responses"].tolist() == [[2]] and out["response_mask"].tolist() == [[1]]
+
+
 def test_ignore_eos_samples_every_response_to_the_full_length(tokenizer):
     eos = tokenizer.eos_token_id
     fake = _EosAfter(stop_at=[0, 2], eos_id=eos)

@@ -155,6 +155,15 @@ def test_top_p_over_a_large_vocabulary_keeps_the_set_worked_out_in_float64(top_p
     assert kept.sum() == expected.sum() and (kept == expected).all()
 
 
+def test_a_top_p_below_float32s_resolution_still_keeps_the_likeliest_token():
+    """Below about 6e-8, 1 - top_p rounds to 1.0 in float32, so every token's tail is at most it: the likeliest
+    token stays all the same (transformers' min_tokens_to_keep=1), and with it alone kept the draw is the argmax."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
+    for top_p in (1e-9, 1e-12):
+        drawn = hf.sample_next_token(logits, SamplingParams(top_p=top_p), torch.Generator().manual_seed(0))
+        assert drawn.tolist() == [3, 0], top_p
+
+
 def test_the_cut_distribution_is_followed_over_a_vocabulary_of_several_draw_blocks():
     """Over 1,000 tokens (the two-level draw's blocks, :data:`hf.CDF_BLOCK` each) with the kept tokens spread
     among them: top-k 40 then top-p 0.9 at T=0.8, the draws' frequencies against the reference's."""

@@ -23,6 +23,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.synthetic import build_dataset
 from rlhf_core.main_ppo import build_trainer
 from rlhf_core.models.toy import random_toy_model
+from rlhf_core.rollout import SamplingParams
 from rlhf_core.training.checkpoint import CheckpointError
 from rlhf_core.training.guards import GuardError
 from rlhf_core.training.trainer import PPOTrainer, data_metrics, pick_generations, timing_per_token
@@ -801,6 +802,22 @@ def test_a_run_shows_each_phase_of_its_steps_validation_and_save_under_its_timin
     assert seen == [(name, 1) for name in ["step", *inner]] + \
         [(name, 2) for name in ["step", *inner, "testing", "save_checkpoint"]]
     assert {f"timing_s/{name}" for name, _ in seen} <= set(result.history[-1].metrics)
+
+
+@pytest.mark.parametrize(("method", "expected"), [
+    ("_train_params", SamplingParams(n=4, max_new_tokens=32, do_sample=True, temperature=0.7, top_p=0.9, top_k=20)),
+    ("_val_params", SamplingParams(n=1, max_new_tokens=32, do_sample=True, temperature=0.6, top_p=0.8, top_k=5)),
+])
+def test_the_rollout_settings_reach_the_sampling_of_training_and_of_validation(method, expected):
+    """Training samples with actor_rollout_ref.rollout's n, do_sample, temperature, top_p and top_k, validation with
+    rollout.val_kwargs' (verl's two sets), each up to data.max_response_length tokens. The sets differ in all but
+    do_sample, and top_p / top_k are off their defaults, so a setting left behind or taken from the other set shows."""
+    val_kwargs = SimpleNamespace(n=1, do_sample=True, temperature=0.6, top_p=0.8, top_k=5)
+    rollout = SimpleNamespace(n=4, do_sample=True, temperature=0.7, top_p=0.9, top_k=20, ignore_eos=False,
+                              val_kwargs=val_kwargs)
+    trainer = SimpleNamespace(config=SimpleNamespace(data=SimpleNamespace(max_response_length=32),
+                                                     actor_rollout_ref=SimpleNamespace(rollout=rollout)))
+    assert getattr(PPOTrainer, method)(trainer) == expected
 
 
 def test_ignore_eos_gives_full_length_training_responses_and_leaves_validation_alone(workspace):
