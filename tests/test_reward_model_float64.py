@@ -218,6 +218,75 @@ def test_held_out_score_metrics_cover_every_kept_pair_of_uneven_micro_batches(di
     assert min(scores[lowest]) == expected["val/score_min"]  # held by the one-pair micro-batch
 
 
+def float64_step(module: torch.nn.Module, pairs: list, margin: float) -> tuple[dict[str, torch.Tensor], list]:
+    """The gradient of the mean Bradley-Terry loss of ``pairs``, each sequence run alone in a float64 copy of
+    ``module`` and read at its last token, by parameter name; and the pairs' (chosen, rejected) scores."""
+    reference = copy.deepcopy(module).double().eval()
+    weight = reference.score.weight[0]
+    scores = [[reference.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1] @ weight for ids in pair]
+              for pair in pairs]
+    # -log sigmoid(r_c - r_r - m) = log(1 + exp(m - r_c + r_r))
+    loss = sum(torch.log1p(torch.exp(margin - chosen + rejected)) for chosen, rejected in scores) / len(pairs)
+    loss.backward()
+    gradient = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
+    return gradient, [(chosen.item(), rejected.item()) for chosen, rejected in scores]
+
+
+def gradients_at_step(worker: RewardModelWorker) -> list[dict[str, torch.Tensor]]:
+    """Each gradient ``worker``'s optimizer steps on (after clipping), by parameter name, as it steps: a hook, so
+    that a skipped step records nothing."""
+    seen = []
+    worker.optimizer.register_step_pre_hook(lambda *_: seen.append(
+        {name: p.grad.double().clone() for name, p in worker.module.named_parameters() if p.grad is not None}))
+    return seen
+
+
+def assert_same_gradient(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Every parameter's gradient within 1e-4 of the largest entry: float32 backward is good to a few 1e-6 here."""
+    assert got.keys() == expected.keys()
+    scale = max(float(g.abs().max()) for g in expected.values())
+    error = max(float((got[name] - g).abs().max()) for name, g in expected.items())
+    assert error < 1e-4 * scale, (error, scale)
+
+
+def test_the_optimizer_steps_on_the_gradient_clipped_to_grad_clip(dirs):
+    """reward_model.train.grad_clip=0.01 against a gradient far larger: the step is taken along the float64
+    gradient scaled to norm 0.01, and train/grad_norm reports the norm before clipping."""
+    base, tokenizer, _ = dirs
+    worker = RewardModelWorker(_train_config(base, "reward_model.train.grad_clip=0.01"), tokenizer.pad_token_id, 1)
+    with torch.no_grad():
+        worker.module.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    pairs = _pairs(tokenizer)
+    gradient, _ = float64_step(worker.module, pairs, 0.0)
+    norm = math.sqrt(sum(float(g.pow(2).sum()) for g in gradient.values()))
+    assert norm > 10 * 0.01  # clipping has work to do
+    seen = gradients_at_step(worker)
+    sums = worker.train_step(pairs, [1.0] * 4, 4)
+    assert sums["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert len(seen) == 1
+    assert math.sqrt(sum(float(g.pow(2).sum()) for g in seen[0].values())) == pytest.approx(0.01, rel=1e-4)
+    assert_same_gradient(seen[0], {name: g * 0.01 / norm for name, g in gradient.items()})
+
+
+def test_a_training_step_leaves_out_the_weight_0_pairs_of_each_micro_batch(dirs):
+    """Micro-batches of 2 + 2 pairs, the third pair left out with weight 0 (a rank's padding): the step's
+    gradient and its pair metrics are those of the three kept pairs alone, the left-out pair in neither."""
+    base, tokenizer, _ = dirs
+    worker = RewardModelWorker(_train_config(base, "reward_model.train.margin=0.5", "reward_model.train.grad_clip=1e9",
+                                             "reward_model.train.micro_batch_size_per_gpu=2"),
+                               tokenizer.pad_token_id, total_steps=1)
+    with torch.no_grad():
+        worker.module.score.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(1))
+    pairs = _pairs(tokenizer)
+    kept = [pairs[0], pairs[1], pairs[3]]
+    gradient, scores = float64_step(worker.module, kept, 0.5)
+    seen = gradients_at_step(worker)
+    sums = worker.train_step(pairs, [1.0, 1.0, 0.0, 1.0], 3)
+    assert sums["pairs"] == 3 and len(seen) == 1
+    assert pair_metrics(sums, "train") == pytest.approx(expected_pair_metrics("train", scores, 0.5), abs=1e-5)
+    assert_same_gradient(seen[0], gradient)
+
+
 def test_a_head_that_scores_every_sequence_alike_ranks_no_pair_right(dirs):
     """Ties count as wrong orderings: a zero head (every score 0) ranks 0% of the pairs right at a loss of
     log(1 + e^m) each, whatever the pairs."""

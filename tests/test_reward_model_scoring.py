@@ -215,6 +215,26 @@ def test_a_re_encoded_sequence_longer_than_max_length_loses_its_first_tokens(spa
     assert "notice" not in capsys.readouterr().err
 
 
+def test_max_length_null_cuts_re_encoded_sequences_to_the_reward_models_positions(tmp_path, capsys):
+    """reward_model.max_length unset and a reward model of 20 positions: each conversation, rendered in its
+    template, keeps its last 20 tokens (the character tokenizer: one a character, and EOS), as many as it has."""
+    base = random_toy_model(tmp_path / "policy", n_layers=1, hidden_size=32, max_position_embeddings=20, seed=0)
+    other = make_reward_model(tmp_path / "rm", base, seed=2, template=OTHER_TEMPLATE)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    questions = ["3 + 4?", "What is 10 - 3? Think."]
+    messages = [[{"role": "user", "content": q}] for q in questions]
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    worker = RewardModelWorker(_rm_config(other, base))
+    assert worker.switch_template
+    whole = [tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"]
+             for q, r in zip(questions, RESPONSES)]
+    assert [len(ids) for ids in whole] == [31, 37]  # both over the 20 positions
+    expected = [_hf_score(other, ids[-20:]) for ids in whole]
+    assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
+    assert abs(expected[0] - _hf_score(other, whole[0])) > 1e-3  # the cut changes the score: it did happen
+    assert "2 of 2 sequences re-encoded for the reward model were longer than its 20 tokens" in capsys.readouterr().err
+
+
 THINK_TEMPLATE = TOY_TEMPLATE.replace(
     "{% if add_generation_prompt %}Assistant: {% endif %}",
     "{% if add_generation_prompt %}Assistant: {% if enable_thinking is defined and not enable_thinking %}"
