@@ -105,6 +105,15 @@ def _rm_config(path, input_tokenizer, micro=16, rm_coef=1.0, rule_coef=0.0, *ext
 
 PROMPTS = ["User: 3 + 4?\nAssistant: ", "User: What is 10 - 3? Think.\nAssistant: "]
 RESPONSES = ["3 + 4 = 7\n#### 7", "#### 8"]
+QUESTIONS = ["3 + 4?", "What is 10 - 3? Think."]  # PROMPTS' user turns, as the rollout's conversations hold them
+MESSAGES = [[{"role": "user", "content": q}] for q in QUESTIONS]
+
+
+def _in_other_template(tokenizer) -> list[list[int]]:
+    """Each of PROMPTS' conversations and its response as OTHER_TEMPLATE lays them out, written by hand: its prompt
+    (no generation prompt, so no "### A: "), the response, EOS."""
+    return [tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"]
+            for q, r in zip(QUESTIONS, RESPONSES)]
 
 
 def test_same_tokenizer_feeds_the_ids_and_reads_the_last_token(space):
@@ -127,16 +136,12 @@ def test_same_tokenizer_feeds_the_ids_and_reads_the_last_token(space):
 def test_other_chat_template_decodes_and_re_encodes_the_conversation(space):
     root, base, _, other = space
     tokenizer = AutoTokenizer.from_pretrained(base)
-    questions = ["3 + 4?", "What is 10 - 3? Think."]
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=MESSAGES)
     worker = RewardModelWorker(_rm_config(other, base))
     assert worker.switch_template
     got = worker.compute_rm_score(batch)
-    # the layout the reward model trains on, written out by hand: its template's prompt (this template has no
-    # generation prompt, so no "### A: "), the response, EOS; not the whole conversation in its template
-    expected = [_hf_score(other, tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"])
-                for q, r in zip(questions, RESPONSES)]
+    # the layout the reward model trains on: not the whole conversation in its template
+    expected = [_hf_score(other, ids) for ids in _in_other_template(tokenizer)]
     assert got.tolist() == pytest.approx(expected, abs=1e-4)
     del batch.meta["raw_prompt"]
     with pytest.raises(ValueError, match="data.return_raw_chat=true"):
@@ -178,15 +183,13 @@ def test_with_pad_equal_to_eos_ppo_scores_where_training_and_the_export_do(space
 def test_a_response_cut_at_the_length_limit_is_re_encoded_without_eos(space):
     root, base, _, other = space
     tokenizer = AutoTokenizer.from_pretrained(base)
-    questions = ["3 + 4?", "What is 10 - 3? Think."]
-    messages = [[{"role": "user", "content": q}] for q in questions]
     # the second response was cut at data.max_response_length: no EOS among its ids
-    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages, ended=[True, False])
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=MESSAGES, ended=[True, False])
     worker = RewardModelWorker(_rm_config(other, base))
     assert worker.switch_template
     expected = [_hf_score(other, tokenizer(text, add_special_tokens=False)["input_ids"])
-                for text in (f"### Q: {questions[0]}\n{RESPONSES[0]}</s>", f"### Q: {questions[1]}\n{RESPONSES[1]}")]
-    with_eos = _hf_score(other, tokenizer(f"### Q: {questions[1]}\n{RESPONSES[1]}</s>", add_special_tokens=False)["input_ids"])
+                for text in (f"### Q: {QUESTIONS[0]}\n{RESPONSES[0]}</s>", f"### Q: {QUESTIONS[1]}\n{RESPONSES[1]}")]
+    with_eos = _hf_score(other, tokenizer(f"### Q: {QUESTIONS[1]}\n{RESPONSES[1]}</s>", add_special_tokens=False)["input_ids"])
     assert abs(with_eos - expected[1]) > 1e-3  # the EOS would change the score
     assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
 
@@ -196,14 +199,11 @@ def test_a_re_encoded_sequence_longer_than_max_length_loses_its_first_tokens(spa
     tokens (the character tokenizer: one a character, and EOS), so the score is read where it is uncut."""
     root, base, _, other = space
     tokenizer = AutoTokenizer.from_pretrained(base)
-    questions = ["3 + 4?", "What is 10 - 3? Think."]
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=MESSAGES)
     worker = RewardModelWorker(_rm_config(other, base, 16, 1.0, 0.0, "reward_model.max_length=12"))
     assert worker.switch_template
-    whole = [tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"]
-             for q, r in zip(questions, RESPONSES)]
-    assert [len(ids) for ids in whole] == [len(f"### Q: {q}\n{r}") + 1 for q, r in zip(questions, RESPONSES)]
+    whole = _in_other_template(tokenizer)
+    assert [len(ids) for ids in whole] == [len(f"### Q: {q}\n{r}") + 1 for q, r in zip(QUESTIONS, RESPONSES)]
     expected = [_hf_score(other, ids[-12:]) for ids in whole]
     assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
     assert abs(expected[0] - _hf_score(other, whole[0])) > 1e-3  # the cut changes the score: it did happen
@@ -221,13 +221,10 @@ def test_max_length_null_cuts_re_encoded_sequences_to_the_reward_models_position
     base = random_toy_model(tmp_path / "policy", n_layers=1, hidden_size=32, max_position_embeddings=20, seed=0)
     other = make_reward_model(tmp_path / "rm", base, seed=2, template=OTHER_TEMPLATE)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    questions = ["3 + 4?", "What is 10 - 3? Think."]
-    messages = [[{"role": "user", "content": q}] for q in questions]
-    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=messages)
+    batch = _rollout_batch(tokenizer, PROMPTS, RESPONSES, messages=MESSAGES)
     worker = RewardModelWorker(_rm_config(other, base))
     assert worker.switch_template
-    whole = [tokenizer(f"### Q: {q}\n{r}</s>", add_special_tokens=False)["input_ids"]
-             for q, r in zip(questions, RESPONSES)]
+    whole = _in_other_template(tokenizer)
     assert [len(ids) for ids in whole] == [31, 37]  # both over the 20 positions
     expected = [_hf_score(other, ids[-20:]) for ids in whole]
     assert worker.compute_rm_score(batch).tolist() == pytest.approx(expected, abs=1e-4)
@@ -252,8 +249,7 @@ def test_chat_template_kwargs_other_than_the_reward_models_re_encode(space, tmp_
     config = AutoConfig.from_pretrained(folder)
     config.chat_template_kwargs = {"enable_thinking": False}  # as rlhf-train-rm records them
     config.save_pretrained(folder)
-    messages = [[{"role": "user", "content": "3 + 4?"}]]
-    batch = _rollout_batch(tokenizer, PROMPTS[:1], RESPONSES[:1], messages=messages)  # rendered without keywords
+    batch = _rollout_batch(tokenizer, PROMPTS[:1], RESPONSES[:1], messages=MESSAGES[:1])  # rendered without keywords
     plain = _rm_config(folder, policy)
     assert reward_model.needs_template_switch(plain)
     worker = RewardModelWorker(plain)
