@@ -414,6 +414,8 @@ def test_two_ray_workers_train_checkpoint_resume_and_a_failing_worker_stops_the_
         last = history[-1].metrics
         assert all(torch.isfinite(torch.tensor(v)) for v in last.values() if isinstance(v, float))
         assert "val-core/synthetic/arithmetic/acc/mean@1" in last  # 3 prompts over 2 workers: padded, dropped
+        # verl's perf/throughput is tokens a second per worker
+        assert last["perf/throughput"] == pytest.approx(last["perf/total_num_tokens"] / last["perf/time_per_step"] / 2)
         for step in (1, 2):
             saved = checkpoint.read_manifest(out / f"global_step_{step}")["files"]
             for role in ("actor", "critic"):

@@ -61,6 +61,9 @@ def test_data_metrics_by_hand():
     assert (m["critic/advantages/mean"], m["critic/advantages/max"], m["critic/advantages/min"]) == (1.0, 3.0, -1.0)
     assert (m["critic/returns/mean"], m["critic/returns/max"], m["critic/returns/min"]) == (0.5, 1.5, 0.0)
     assert (m["critic/values/mean"], m["critic/values/max"], m["critic/values/min"]) == pytest.approx((0.3, 1.0, -0.5))
+    # R - V over them: 0, .5, 0, .5, 0 (unbiased variance .30 / 4 = .075); R's: 1.5 / 4 = .375; a rejected token's
+    # return (zeroed) and value (kept) would be a pair the critic never trained on
+    assert m["critic/vf_explained_var"] == pytest.approx(1 - 0.075 / (0.375 + 1e-5))
     # responses as sampled (2 and 4 tokens, the second at the limit); prompts 2 and 3 (the second at its limit)
     assert (m["response_length/mean"], m["response_length/max"], m["response_length/min"]) == (3.0, 4.0, 2.0)
     assert m["response_length/clip_ratio"] == 0.5
