@@ -100,6 +100,25 @@ def test_logits_log_prob_in_bf16_is_computed_in_float32():
     torch.testing.assert_close(logits.grad.float(), want.float(), atol=1e-2, rtol=0)
 
 
+def test_float32_logits_far_beyond_exps_range_give_finite_log_probs_and_entropies():
+    """fp32 ``exp`` overflows past 88 and underflows to 0 below -103: logits of a few hundred after the
+    temperature (as a sharp policy at a low temperature gives) are only safe with the row's maximum taken out."""
+    g = torch.Generator().manual_seed(4)
+    logits = 40 * torch.randn(6, 50, generator=g)  # / 0.5: |z / T| up to about 250
+    logits[:, 0] = logits.amax(-1) - 0.3  # a runner-up close to each row's top: entropies well above 0
+    labels = torch.randint(0, 50, (6,), generator=g)
+    labels[:2] = 0
+    assert (logits / 0.5).abs().max() > 100
+    expected, expected_entropy = _reference(logits.double() / 0.5, labels)
+    # hidden @ identity.T is the logits themselves, exactly: the head path sees the same numbers
+    through_head = chunked_head_log_prob(logits, torch.eye(50), labels, temperature=0.5, chunk_size=4,
+                                         with_entropy=True)
+    for log_prob, entropy in (logits_log_prob(logits, labels, 0.5, chunk_size=4, with_entropy=True), through_head):
+        assert bool(log_prob.isfinite().all()) and bool(entropy.isfinite().all())
+        torch.testing.assert_close(log_prob.double(), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(entropy.double(), expected_entropy, atol=1e-4, rtol=0)
+
+
 def test_gradcheck_and_batch_shapes():
     h, w, labels = _inputs(n=6, hidden=4, vocab=7)
     assert torch.autograd.gradcheck(lambda a, b: chunked_head_log_prob(a, b, labels, 1.3, 4, True), (h, w))

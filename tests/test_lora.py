@@ -198,6 +198,23 @@ def _llama(tied: bool):
                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=tied)).eval()
 
 
+def test_a_lora_state_missing_or_adding_tensors_is_refused_and_a_whole_one_loads():
+    """A LoRA state must hold each adapter tensor of the model and nothing else: a missing lora_B would leave that
+    adapter as initialised (B = 0: silently the base layer), and an extra tensor would be dropped unread."""
+    from rlhf_core.models.lora import apply_lora, load_trainable_state_dict, trainable_state_dict
+
+    model = apply_lora(_llama(tied=False), rank=2, alpha=4, target_modules=["q_proj"])
+    state = {name: torch.full_like(tensor, 0.25) for name, tensor in trainable_state_dict(model).items()}
+    lora_b = next(name for name in state if ".lora_B." in name)
+    with pytest.raises(RuntimeError, match=r"missing .*lora_B"):
+        load_trainable_state_dict(model, {name: tensor for name, tensor in state.items() if name != lora_b})
+    with pytest.raises(RuntimeError, match=r"unexpected \['base_model.model.extra.weight'\]"):
+        load_trainable_state_dict(model, {**state, "base_model.model.extra.weight": torch.zeros(2)})
+    assert all(not bool(param.eq(0.25).all()) for param in trainable_state_dict(model).values())  # nothing loaded
+    load_trainable_state_dict(model, state)
+    assert all(bool(param.eq(0.25).all()) for param in trainable_state_dict(model).values())
+
+
 def test_an_adapted_output_head_tied_to_the_embedding_is_refused():
     """With tie_word_embeddings the head's weight is the embedding's: the export writes one tensor for both (the
     embedding) and vLLM loads only it, so the trained head would be lost and the base model scored instead."""

@@ -72,6 +72,24 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.is_fast
 
 
+def test_load_tokenizer_pads_on_the_left_with_eos_where_a_tokenizer_has_no_pad_token(built, tmp_path):
+    """Batched prompts need a pad token; many base models' tokenizers (Llama's, GPT-2's) ship none, and their EOS
+    stands in for it. A tokenizer's own pad token is kept."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from rlhf_core.models.loading import load_tokenizer
+
+    vocabulary = {"[UNK]": 0, "</s>": 1, "a": 2}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocabulary, unk_token="[UNK]")),
+                            unk_token="[UNK]", eos_token="</s>").save_pretrained(tmp_path / "no_pad")
+    assert AutoTokenizer.from_pretrained(tmp_path / "no_pad").pad_token is None
+    loaded = load_tokenizer(tmp_path / "no_pad")
+    assert (loaded.pad_token, loaded.pad_token_id, loaded.padding_side) == ("</s>", 1, "left")
+    own = load_tokenizer(built)
+    assert (own.pad_token, own.pad_token_id, own.padding_side) == ("<pad>", 0, "left")
+
+
 def test_build_char_tokenizer_matches_saved(tokenizer):
     fresh = toy.build_char_tokenizer()
     assert fresh.get_vocab() == tokenizer.get_vocab()
