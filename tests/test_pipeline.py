@@ -986,6 +986,8 @@ def test_gate_skips_training_that_a_refused_version_already_did(caplog):
 
 
 def test_gate_retrains_when_production_config_or_reward_changed():
+    from zenml.enums import ModelStages
+
     model, (a, b, d) = "gate-changed", (_sha("A"), _sha("B"), _sha("D"))
     _add_version(model, production=True, promoted=True, dataset_fingerprint=a)  # version 1
     _refused(model, b, warm_started_from="1")  # version 2
@@ -1002,6 +1004,15 @@ def test_gate_retrains_when_production_config_or_reward_changed():
     _add_version(model, production=True, promoted=True, dataset_fingerprint=d)  # version 4, promoted later
     assert zenml_client().get_model_version(model, "production").number == 4
     assert _gate(model, b) == ("", "4", None)  # versions 2 and 3 started from version 1, not from this production
+    # version 5: started from version 1 while it was production, refused against version 4, production by then;
+    # production rolled back to version 1, nothing compared that training with it: train
+    e = _sha("E")
+    _refused(model, e, warm_started_from="1", previous_production_version="4")
+    assert _gate(model, e) == ("", "4", None)
+    zenml_client().update_model_version(model, zenml_client().get_model_version(model, 1).id,
+                                        stage=ModelStages.PRODUCTION, force=True)
+    assert _gate(model, e) == ("", "1", None)
+    assert _gate(model, b)[2] == "2"  # (version 2 was compared with version 1: it still counts)
 
 
 def test_gate_retrains_on_unchanged_data_when_the_config_or_reward_changed_since_production():

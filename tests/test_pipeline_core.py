@@ -77,10 +77,12 @@ def test_a_big_model_is_dry_run_as_a_two_layer_clone(big_model_setup, tmp_path):
     assert "smoke test PASSED" in report.summary()
 
 
-def test_the_dry_run_checks_the_runs_log_prob_pass_against_the_update(big_model_setup, tmp_path, monkeypatch):
+@pytest.mark.parametrize("shift", [0.5, -0.5])
+def test_the_dry_run_checks_the_runs_log_prob_pass_against_the_update(big_model_setup, tmp_path, monkeypatch, shift):
     """The dry run's one mini-batch made the update on-policy, so the trainer skipped the old log-prob pass and
     step 1's KL was 0 by construction: a pass that disagrees with the update (as the run makes it, with several
-    mini-batches) passed. Here the pass is off by 0.5 a token: the KL is 0.5 and the dry run fails."""
+    mini-batches) passed. Here the pass is off by 0.5 a token, up or down: the KL is +0.5 or -0.5, as far from
+    on-policy either way, and the dry run fails."""
     from rlhf_core.workers.actor import ActorWorker
 
     _, _, cfg = big_model_setup
@@ -88,12 +90,47 @@ def test_the_dry_run_checks_the_runs_log_prob_pass_against_the_update(big_model_
     assert report.metrics[0]["timing_s/old_log_prob"] > 0  # the pass ran
     sound = ActorWorker.compute_log_prob
     monkeypatch.setattr(ActorWorker, "compute_log_prob",
-                        lambda self, batch: (lambda out: (out[0] + 0.5, out[1]))(sound(self, batch)))
+                        lambda self, batch: (lambda out: (out[0] + shift, out[1]))(sound(self, batch)))
     with pytest.raises(SmokeTestError, match=r"smoke test failed at 'on-policy first step': actor/ppo_kl on step 1 "
                                              r"= (\S+) \(must be") as failed:
         run_smoke_test(cfg, tmp_path / "broken", n_prompts=4, response_length=8)
     kl = float(re.search(r"on step 1 = (\S+) ", str(failed.value)).group(1))
-    assert kl == pytest.approx(0.5, abs=1e-5)  # the mean of old - new log-probs over the response tokens
+    # the mean of old - new log-probs over the response tokens: old is the shifted pass, new the update's own
+    assert kl == pytest.approx(shift, abs=1e-5)
+
+
+def _infinite_first_grad_norm(history):
+    history[0].metrics["actor/grad_norm"] = float("inf")
+    return history
+
+
+def _second_step_skipped(history):
+    history[1].metrics["training/skipped_steps"] = 1.0  # (a running count: step 1 skipped none)
+    return history
+
+
+def _first_step_only(history):
+    return history[:1]
+
+
+@pytest.mark.parametrize(("edit", "failure"), [
+    (_first_step_only, "smoke test failed at 'iterations': 1 of 2 PPO iterations ran"),
+    (_infinite_first_grad_norm, "smoke test failed at 'finite losses': step 1 actor/grad_norm=inf"),
+    (_second_step_skipped, "smoke test failed at 'no skipped updates': 1 optimizer steps skipped for non-finite "
+                           "gradients"),
+], ids=["iterations", "inf", "skipped-on-step-2"])
+def test_the_dry_run_fails_on_a_short_run_an_infinite_norm_or_a_later_skipped_step(big_model_setup, tmp_path,
+                                                                                    monkeypatch, edit, failure):
+    """A random clone trains soundly, so these checks are made to fail by editing what the real training returns:
+    an infinite norm is as unusable as a NaN, and the skip count is the run's total, so a skip on the last step
+    counts."""
+    from rlhf_core.training.trainer import PPOTrainer
+
+    _, _, cfg = big_model_setup
+    fit = PPOTrainer.fit
+    monkeypatch.setattr(PPOTrainer, "fit", lambda self: edit(fit(self)))
+    with pytest.raises(SmokeTestError, match=re.escape(failure)):
+        run_smoke_test(cfg, tmp_path, n_prompts=4, response_length=8)
 
 
 def test_the_round_trip_fails_where_loading_restores_nothing(big_model_setup, tmp_path, monkeypatch):
@@ -108,6 +145,28 @@ def test_the_round_trip_fails_where_loading_restores_nothing(big_model_setup, tm
     with pytest.raises(SmokeTestError, match=r"failed at 'checkpoint round trip': saved global_step_2 and loaded it "
                                              r"into a fresh trainer: \d+ tensors differ"):
         run_smoke_test(grpo, tmp_path, n_prompts=4, response_length=8)
+
+
+def test_the_round_trip_fails_where_loading_restores_the_actor_and_not_the_critic(big_model_setup, tmp_path,
+                                                                                   monkeypatch):
+    """With GAE the checkpoint holds the critic too: a load that left the fresh critic where it started fails,
+    naming the critic's tensors (and none of the actor's, which it restored)."""
+    from rlhf_core.training import checkpoint
+
+    _, _, cfg = big_model_setup
+    load_worker = checkpoint._load_worker
+
+    def load_all_but_the_critic(path, name, worker, saved, weights_only=False):
+        if name != "critic":
+            load_worker(path, name, worker, saved, weights_only)
+
+    monkeypatch.setattr(checkpoint, "_load_worker", load_all_but_the_critic)
+    with pytest.raises(SmokeTestError, match=r"failed at 'checkpoint round trip': saved global_step_2 and loaded it "
+                                             r"into a fresh trainer: \d+ tensors differ, e\.g\. \[") as failed:
+        run_smoke_test(cfg, tmp_path, n_prompts=4, response_length=8)
+    shown = re.findall(r"'([^']+)'", str(failed.value).split("e.g. ", 1)[1].split("]", 1)[0])
+    # the actor's differences come first in the list: a first three all the critic's mean the actor had none
+    assert len(shown) == 3 and all(name.startswith("critic.") for name in shown), shown
 
 
 def test_the_dry_run_gives_no_advice_about_its_own_response_cap(big_model_setup, tmp_path, capsys):
@@ -327,12 +386,14 @@ def test_a_dry_run_before_an_evaluation_refuses_a_reward_whose_acc_is_partial(ov
 
 def test_the_production_recipe_shrinks_to_a_valid_single_process_config(repo_root, tmp_path):
     cfg = load_config(config_file=repo_root / "configs" / "gsm8k_qwen2.5_0.5b_8gpu.yaml")
+    cfg.trainer.critic_warmup = 3
     small = scale_config(cfg, tmp_path / "clone", tmp_path / "train.parquet", tmp_path / "val.parquet", tmp_path,
                          n_prompts=4, response_length=16, cloned=True)
     assert (small.world_size, small.data.train_batch_size, small.data.max_response_length) == (1, 4, 16)
     assert small.actor_rollout_ref.actor.ppo_mini_batch_size == 4
     assert small.trainer.total_training_steps == 2
     assert small.critic.model.path is None  # the clone initialises the critic too
+    assert small.trainer.critic_warmup == 0  # the actor updates on step 1, where its KL is checked
     # kept as the recipe has them
     actor = small.actor_rollout_ref.actor
     assert (actor.ppo_epochs, actor.use_dynamic_bsz, actor.clip_ratio, actor.optim.lr) == (4, True, 0.2, 1e-6)

@@ -352,6 +352,8 @@ def test_a_local_time_zone_that_cannot_be_read_is_an_error_not_a_traceback(tmp_p
 @pytest.mark.parametrize(("every", "told"), [
     ("nan", "the interval must be a positive number of seconds, got nan"),
     ("inf", "the interval must be a positive number of seconds, got inf"),
+    ("0", "the interval must be a positive number of seconds, got 0.0"),  # (APScheduler would make it 1 s)
+    ("-5", "the interval must be a positive number of seconds, got -5.0"),
     ("1e300", "the interval of 1e+300 s is longer than a date can reach"),
 ])
 def test_an_interval_that_is_not_a_number_of_seconds_is_an_error(tmp_path, capsys, every, told):
