@@ -174,6 +174,21 @@ def test_merge_is_w_plus_scaled_b_a():
     torch.testing.assert_close(merged["proj.weight"], weight + 0.5 * lora_b @ lora_a)
 
 
+
+def test_a_bfloat16_models_merge_keeps_its_dtype_rounded_once_from_the_float32_sum():
+    """PEFT keeps the adapters of a bfloat16 model in float32: the merged weight is the model's bfloat16 (an
+    export as large as the model, in the dtype its config names), W + s B A summed in float32 and rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(3, 4, generator=generator).to(torch.bfloat16)
+    lora_a, lora_b = torch.randn(2, 4, generator=generator), torch.randn(3, 2, generator=generator)
+    state = {"base_model.model.proj.base_layer.weight": weight, "base_model.model.proj.lora_A.default.weight": lora_a,
+             "base_model.model.proj.lora_B.default.weight": lora_b}
+    merged = merged_state_dict(state, scaling=0.5)["proj.weight"]
+    assert merged.dtype == torch.bfloat16
+    expected = (weight.double() + 0.5 * lora_b.double() @ lora_a.double()).to(torch.bfloat16)
+    assert torch.equal(merged, expected)
+    assert not torch.equal(merged, weight)  # (the update is not lost to bfloat16's rounding)
+
 @pytest.mark.parametrize("targets, named", [("all-linear", r"\(Conv1D\)"), (["wte"], r"\(Embedding\)"),
                                              (["lm_head"], "lm_head, the output head tied to the input embedding")])
 def test_adapters_the_merge_cannot_take_are_refused_when_applied(targets, named):
