@@ -78,6 +78,7 @@ from rlhf_core.rewards import RewardFn, custom_reward_fn, gsm8k, known_data_sour
 from rlhf_core.rewards.manager import RewardError, RewardManager
 from rlhf_core.training.checkpoint import (
     CheckpointError,
+    RerunPoint,
     check_config,
     check_writable,
     find_resume_checkpoint,
@@ -514,12 +515,14 @@ class _StopNow(KeyboardInterrupt):
     and carries on; :func:`stop_on_signals` turns whatever reaches it then into :class:`StoppedWithoutSaving`."""
 
 
-def _latest_checkpoint(trainer) -> Path | None:
-    """The checkpoint a rerun would resume from, None where there is none (or its marker is unreadable)."""
-    if hasattr(trainer, "rerun_checkpoint"):
-        return trainer.rerun_checkpoint()
+def _rerun_point(trainer) -> RerunPoint:
+    """How a rerun resumes and the checkpoint it resumes from (None where there is none, or its marker is
+    unreadable): the trainer's :meth:`~PPOTrainer.rerun_point`, or for a stand-in trainer, the same command and its
+    folder's latest."""
+    if hasattr(trainer, "rerun_point"):
+        return trainer.rerun_point()
     folder = getattr(trainer, "checkpoint_dir", None)  # (None: a stand-in trainer that saves nowhere)
-    return None if folder is None else latest_or_none(folder)
+    return RerunPoint("rerun the same command", None if folder is None else latest_or_none(folder))
 
 
 @contextlib.contextmanager
@@ -562,9 +565,9 @@ def stop_on_signals(trainer, enabled: bool = True):
         # it into a RuntimeError): either way the second signal ended the run, and anything it interrupted (a
         # save's temporary directory) is cleaned up by now, so the latest checkpoint is the one to name
         name, number = stop_now[0]
-        latest = _latest_checkpoint(trainer)
+        rerun, latest = _rerun_point(trainer)
         raise StoppedWithoutSaving(name, number, trainer.global_step, str(latest) if latest else None,
-                                   getattr(trainer, "rerun_advice", "rerun the same command")) from None
+                                   rerun) from None
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -585,8 +588,8 @@ def _reward_failure(trainer, exc: RewardError) -> RewardError:
         doing = "validating before step 1"
     else:
         doing = f"validating after step {trainer.global_step}"
-    latest = _latest_checkpoint(trainer)
-    resume = (f"the latest checkpoint {latest} is intact: {REWARD_FIX}, then {trainer.rerun_advice} to resume from it"
+    rerun, latest = _rerun_point(trainer)
+    resume = (f"the latest checkpoint {latest} is intact: {REWARD_FIX}, then {rerun} to resume from it"
               if latest is not None else "no checkpoint was saved yet")
     return exc.reworded(f"{doing} failed: {exc}\n{resume}")
 
@@ -636,8 +639,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
     Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes. A Ctrl-C or SIGTERM that leaves as
     KeyboardInterrupt (outside the training steps, or with ``trainer.save_on_interrupt=false``) carries ``rerun``
-    once the trainer is built: its :attr:`~PPOTrainer.rerun_advice` and :meth:`~PPOTrainer.rerun_checkpoint`,
-    which only it knows (whether a resume_path run has saved since).
+    once the trainer is built: its :meth:`~PPOTrainer.rerun_point`, which only it knows (whether a resume_path run has saved since).
     """
     from rlhf_core.training.tracking import Tracking
 
@@ -652,7 +654,7 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
 
     def tell_rerun(exc_type, exc, traceback) -> None:
         if isinstance(exc, KeyboardInterrupt) and ready is not None:
-            exc.rerun = ready.rerun_advice, ready.rerun_checkpoint()
+            exc.rerun = ready.rerun_point()
 
     with contextlib.ExitStack() as stack:
         stack.push(tell_rerun)  # first in, so last out: an interrupt while the trainer or the lock closes is told too

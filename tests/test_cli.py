@@ -916,6 +916,32 @@ def test_a_ctrl_c_while_the_reward_model_loads_exits_130_saying_nothing_was_save
         "trained step lost; no checkpoint is saved"]
 
 
+@pytest.mark.parametrize("resume_mode", ["auto", "resume_path"])
+def test_a_ctrl_c_while_the_reward_model_loads_names_the_checkpoint_a_rerun_resumes(tmp_path, monkeypatch, capsys,
+                                                                                   resume_mode):
+    """As PPO's: a folder whose latest is step 5; a run sent back to step 2, stopped as its trainer is built (nothing
+    loaded or saved), names step 2 and the same command, where resume_mode=auto would take step 5."""
+    from rlhf_core.cli import train
+
+    _save_step(tmp_path, 2)
+    _save_step(tmp_path, 5)
+
+    def loading(cfg, frames):
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", loading)
+    argv = [f"reward_model.train.default_local_dir={tmp_path}", "trainer.save_on_interrupt=false"]
+    if resume_mode == "resume_path":
+        argv += ["reward_model.train.resume_mode=resume_path",
+                 f"reward_model.train.resume_from_path={tmp_path}/global_step_2"]
+    assert _ctrl_c_in(train.train_rm, argv) == 130
+    latest = tmp_path / ("global_step_2" if resume_mode == "resume_path" else "global_step_5")
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted by SIGINT: stopped at once without saving (trainer.save_on_interrupt=false); the latest "
+        f"checkpoint {latest} is as it was: rerun the same command to resume from it"]
+
+
 def test_a_ctrl_c_while_a_failed_run_closes_says_the_failure_with_its_status(tmp_path, monkeypatch, capsys):
     """A guard's stop (PPO) or a worker's failure (reward model) on its way out when a Ctrl-C comes (the run closing
     its workers or trackers): the failure is said, with its own status, not hidden behind "no trained step lost"

@@ -1088,11 +1088,11 @@ def test_a_run_resumed_from_a_path_says_to_resume_that_path_until_it_saves(works
                            "trainer.resume_mode=resume_path", f"trainer.resume_from_path={out / 'global_step_2'}")
     resumed.load_checkpoint(out / "global_step_2")
     assert resumed.rerun_advice == "rerun the same command"
-    assert resumed.rerun_checkpoint() == out / "global_step_2"  # (the folder's latest is still step 4)
+    assert resumed.rerun_point().checkpoint == out / "global_step_2"  # (the folder's latest is still step 4)
     resumed.global_step = 3
     resumed.save_checkpoint()
     assert resumed.rerun_advice == "rerun with trainer.resume_mode=auto"
-    assert resumed.rerun_checkpoint() == out / "global_step_3"
+    assert resumed.rerun_point().checkpoint == out / "global_step_3"
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -277,13 +277,13 @@ def test_a_failed_training_in_a_pipeline_says_in_its_message_how_to_go_on_and_th
     from rlhf_core.pipeline.lineage import format_lineage
     from rlhf_core.pipeline.training import add_resume_advice
     from rlhf_core.rewards.manager import RewardFunctionFailed
-    from rlhf_core.training.checkpoint import LATEST_FILE, write_checkpoint
+    from rlhf_core.training.checkpoint import LATEST_FILE, RerunPoint, write_checkpoint
 
     write_checkpoint(tmp_path, 3, lambda files: files.text("x.txt", "state") or ["actor"])
     assert (tmp_path / LATEST_FILE).read_text().strip() == "3"
     latest = tmp_path / "global_step_3"
     trainer = SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(val_only=False)), global_step=3,
-                              rerun_checkpoint=lambda: latest, rerun_advice=rerun)
+                              rerun_point=lambda: RerunPoint(rerun, latest))
     cause = RewardFunctionFailed("reward function 'score' failed on sample 5: ValueError: no answer", "score", 5)
     cause.step = 4
     error = _reward_failure(trainer, cause)

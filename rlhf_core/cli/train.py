@@ -302,13 +302,14 @@ def train_rm(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:  # (within the steps, stop_on_signals turns it into TrainingInterrupted)
         if (status := _interrupted_while_failing(interrupt)) is not None:
             return status
-        from rlhf_core.training.checkpoint import rerun_advice
+        from rlhf_core.training.checkpoint import rerun_point
 
         rm = cfg.reward_model.train
-        rerun = trainer.rerun_advice if trainer is not None else rerun_advice(rm.resume_mode, "reward_model.train")
+        rerun, checkpoint = (trainer.rerun_point() if trainer is not None  # else nothing loaded, nothing saved
+                             else rerun_point(rm, None, None, "reward_model.train"))
         sig = interrupting_signal(interrupt)
-        print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt, rerun,
-                              trainer and trainer.rerun_checkpoint(), sig=sig), file=sys.stderr)
+        print(stopped_at_once(rm.default_local_dir, trainer_cfg.save_on_interrupt, rerun, checkpoint, sig=sig),
+              file=sys.stderr)
         return 128 + sig
     except Exception as exc:  # (TrainingInterrupted too: 128 + its signal)
         return _reported(exc)

@@ -74,7 +74,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -656,16 +656,26 @@ def rerun_advice(resume_mode: str, section: str = "trainer") -> str:
     return "rerun the same command" if resume_mode == "auto" else f"rerun with {section}.resume_mode=auto"
 
 
-def rerun_point(trainer, resumed_from: Path | None, last_saved: Path | None) -> tuple[str, Path | None]:
-    """How a rerun of a PPO run resumes (:func:`rerun_advice`) and the checkpoint it resumes from (None where there
-    is none), for a run set by ``trainer`` (the config's section) that loaded ``resumed_from`` and last saved
-    ``last_saved``. A run resumed from ``trainer.resume_from_path`` that has saved nothing since, or that stopped
-    before it loaded it (both None), goes back to that path with the same command: ``auto`` would take the
-    folder's latest, which may be the checkpoints it set out to leave."""
-    path = resumed_from or trainer.resume_from_path
-    if trainer.resume_mode == "resume_path" and last_saved == resumed_from and path:
-        return "rerun the same command", Path(os.path.expanduser(str(path)))
-    return rerun_advice(trainer.resume_mode), latest_or_none(Path(os.path.expanduser(trainer.default_local_dir)))
+class RerunPoint(NamedTuple):
+    """How a rerun of a stopped or failed run resumes (:func:`rerun_advice`), and the checkpoint it resumes from
+    (None where there is none)."""
+
+    advice: str
+    checkpoint: Path | None
+
+
+def rerun_point(settings, resumed_from: Path | None, last_saved: Path | None,
+                section: str = "trainer") -> RerunPoint:
+    """The :class:`RerunPoint` of a run set by ``settings`` (the config's ``section``: PPO's ``trainer`` or
+    ``reward_model.train``) that loaded ``resumed_from`` and last saved ``last_saved``. A run resumed from
+    ``resume_from_path`` that has saved nothing since, or that stopped before it loaded it (both None), goes back
+    to that path with the same command: ``auto`` would take the folder's latest, which may be the checkpoints it
+    set out to leave."""
+    path = resumed_from or settings.resume_from_path
+    if settings.resume_mode == "resume_path" and last_saved == resumed_from and path:
+        return RerunPoint("rerun the same command", Path(os.path.expanduser(str(path))))
+    return RerunPoint(rerun_advice(settings.resume_mode, section),
+                      latest_or_none(Path(os.path.expanduser(settings.default_local_dir))))
 
 
 def start_afresh(root: str | os.PathLike, section: str = "trainer", kind: str = "PPO") -> None:

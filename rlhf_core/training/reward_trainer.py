@@ -771,7 +771,7 @@ class RewardModelTrainer:
         except WorkerError as exc:
             step = self.step_under_way or self.global_step
             raise WorkerError(f"training the reward model failed at step {step}: {exc}\n"
-                              f"{self._resume_point(self.rerun_checkpoint())}") from exc
+                              f"{self._resume_point()}") from exc
 
     def _train(self, log) -> dict[str, float]:
         from tqdm import tqdm
@@ -859,7 +859,8 @@ class RewardModelTrainer:
         said = (f"training the reward model stopped at step {step}: {said}, so the run saves and exports nothing "
                 f"more: check the preference data, and {KEY}.model.dtype (float16 and bfloat16 scores can overflow) "
                 f"and {KEY}.optim.lr, which a new run may change; ")
-        latest = self.rerun_checkpoint()
+        rerun = self.rerun_point()
+        latest = rerun.checkpoint
         if latest is not None and self.no_update_since == 0:
             return NothingTrainedError(said + f"its checkpoints hold the weights it started from ({KEY}.model.path), "
                                               "which no step updated, and a resume meets the same pairs on them "
@@ -869,19 +870,21 @@ class RewardModelTrainer:
             return GuardError(said + "a resume meets the same pairs on the same weights at these steps, so to "
                                      f"train past them raise {KEY}.max_consecutive_skips above "
                                      f"{self.consecutive_skips} or set it to null (a resume may change it); "
-                                     + self._resume_point(latest))
-        return GuardError(said + self._resume_point(latest))
+                                     + self._resume_point(rerun=rerun))
+        return GuardError(said + self._resume_point(rerun=rerun))
 
-    def _resume_point(self, latest: Path | None, exc: BaseException | None = None) -> str:
-        """:func:`checkpoint.resume_point` for this run, from ``latest`` (:meth:`rerun_checkpoint`), ``exc`` the
-        failed write that stopped it, if one did."""
-        return ckpt.resume_point(latest, exc, self.local_dir, self.rerun_advice, f"{KEY}.default_local_dir")
+    def _resume_point(self, exc: BaseException | None = None, rerun: ckpt.RerunPoint | None = None) -> str:
+        """:func:`checkpoint.resume_point` for this run, from ``rerun`` (by default :meth:`rerun_point`), ``exc``
+        the failed write that stopped it, if one did."""
+        rerun = rerun or self.rerun_point()
+        return ckpt.resume_point(rerun.checkpoint, exc, self.local_dir, rerun.advice, f"{KEY}.default_local_dir")
 
     def _weights_from(self, step: int) -> str:
         """Where the weights the run held after step ``step`` came from, and how to go on (:func:`weights_origin`,
         as PPO's trainer says it; ``optim.lr`` cannot change on a resume: a new run)."""
-        return weights_origin(step, self.resumed_from, self.rerun_checkpoint(),
-                              f"{KEY}.model.path ({self.rm.model.path})", f"{KEY}.optim.lr", KEY, self.rerun_advice,
+        rerun = self.rerun_point()
+        return weights_origin(step, self.resumed_from, rerun.checkpoint,
+                              f"{KEY}.model.path ({self.rm.model.path})", f"{KEY}.optim.lr", KEY, rerun.advice,
                               lr_on_resume=False)
 
     def _check_weights(self) -> None:
@@ -910,7 +913,7 @@ class RewardModelTrainer:
                 log(metrics, step)
             except Exception as exc:
                 raise LoggingError(f"logging the metrics of step {step} failed ({type(exc).__name__}: {exc}); "
-                                   f"{self._resume_point(self.rerun_checkpoint(), exc)}") from exc
+                                   f"{self._resume_point(exc)}") from exc
         return logged
 
     def already_complete(self) -> str:
@@ -939,35 +942,20 @@ class RewardModelTrainer:
         name, number = self.stop_requested
         saved = None
         if self._saved_step == self.global_step:
-            saved = self.rerun_checkpoint()
+            saved = self.rerun_point().checkpoint
         elif self.global_step > 0:
             saved = self.save()
         raise TrainingInterrupted(name, number, self.global_step, str(saved) if saved else None, self.rerun_advice)
 
     @property
     def rerun_advice(self) -> str:
-        """How a rerun resumes from :meth:`rerun_checkpoint` (:func:`checkpoint.rerun_advice`): until a run resumed
-        from ``resume_from_path`` saves, that is the checkpoint it loaded, which the same command loads again
-        (``auto`` would take the folder's latest: none, a fresh start, or an earlier run's)."""
-        if self._resumes_its_path_again:
-            return "rerun the same command"
-        return ckpt.rerun_advice(self.rm.resume_mode, KEY)
+        """How a rerun resumes (:meth:`rerun_point`'s advice)."""
+        return self.rerun_point().advice
 
-    @property
-    def _resumes_its_path_again(self) -> bool:
-        """Whether a rerun loads ``resume_from_path`` again: the run resumed from it and has saved nothing since,
-        or was stopped before it had loaded it (nothing saved either)."""
-        if self.rm.resume_mode != "resume_path":
-            return False
-        if self.resumed_from is None:
-            return self.last_saved is None
-        return self._saved_step == ckpt.step_of(self.resumed_from)
-
-    def rerun_checkpoint(self) -> Path | None:
-        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none)."""
-        if self._resumes_its_path_again:
-            return self.resumed_from or self.resume_path()
-        return ckpt.latest_or_none(self.local_dir)
+    def rerun_point(self) -> ckpt.RerunPoint:
+        """How a rerun resumes and the checkpoint it resumes from (:func:`checkpoint.rerun_point`, as PPO's trainer
+        says it): until a run resumed from ``resume_from_path`` saves, also before it has loaded it, that path."""
+        return ckpt.rerun_point(self.rm, self.resumed_from, self.last_saved, KEY)
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -1107,9 +1095,9 @@ class RewardModelTrainer:
                 raise
             what = (f"disk full while writing the reward model's HF export {target} ({error.strerror or error})"
                     if ckpt.disk_full(error) else f"could not write the reward model's HF export {target}: {error}")
-            latest = self.rerun_checkpoint()
-            at_end = " (at the run's end: the rerun writes the export)" if latest is not None else ""
-            raise ckpt.CheckpointError(f"{what}; {self._resume_point(latest, error)}{at_end}") from exc
+            rerun = self.rerun_point()
+            at_end = " (at the run's end: the rerun writes the export)" if rerun.checkpoint is not None else ""
+            raise ckpt.CheckpointError(f"{what}; {self._resume_point(error, rerun)}{at_end}") from exc
         return target
 
     def shutdown(self) -> None:

@@ -867,13 +867,13 @@ class PPOTrainer:
 
     @property
     def rerun_advice(self) -> str:
-        """How a rerun resumes from :meth:`rerun_checkpoint` (:func:`checkpoint.rerun_point`)."""
-        return checkpoint.rerun_point(self.config.trainer, self.resumed_from, self.last_saved)[0]
+        """How a rerun resumes (:meth:`rerun_point`'s advice)."""
+        return self.rerun_point().advice
 
-    def rerun_checkpoint(self) -> Path | None:
-        """The checkpoint a rerun as :attr:`rerun_advice` says resumes from (None where there is none): until a
-        run resumed from ``trainer.resume_from_path`` saves, also before it has loaded it, that path."""
-        return checkpoint.rerun_point(self.config.trainer, self.resumed_from, self.last_saved)[1]
+    def rerun_point(self) -> checkpoint.RerunPoint:
+        """How a rerun resumes and the checkpoint it resumes from (:func:`checkpoint.rerun_point`): until a run
+        resumed from ``trainer.resume_from_path`` saves, also before it has loaded it, that path."""
+        return checkpoint.rerun_point(self.config.trainer, self.resumed_from, self.last_saved)
 
     def _nothing_to_train(self, exc: dynamic_sampling.NothingToTrain, step: int) -> dynamic_sampling.NothingToTrain:
         """Dynamic sampling's dead end said as the run's failure: the step, why, and the checkpoint a rerun resumes
@@ -897,8 +897,9 @@ class PPOTrainer:
         those logits (:func:`weights_origin`: at step 0 the model loaded) and which one to go on from instead
         (``rates``: the learning rates to lower; ``roles``: the workers whose weights they were)."""
         model = [f"{key} ({self.config.value(key)})" for key in dict.fromkeys(MODEL_PATHS[role] for role in roles)]
-        kept = weights_origin(self.global_step, self.resumed_from, self.rerun_checkpoint(), model, rates, "trainer",
-                              self.rerun_advice, lr_on_resume=True)
+        rerun = self.rerun_point()
+        kept = weights_origin(self.global_step, self.resumed_from, rerun.checkpoint, model, rates, "trainer",
+                              rerun.advice, lr_on_resume=True)
         return GuardError(f"{doing} step {step} failed: {exc}\n{kept}")
 
     def close(self) -> None:
@@ -932,8 +933,9 @@ class PPOTrainer:
 
     def _resume_point(self, exc: BaseException | None = None, first: str = "") -> str:
         """:func:`checkpoint.resume_point` for this run: the checkpoint a rerun resumes from
-        (:meth:`rerun_checkpoint`), and ``first``, what to do before (a failed write, ``exc``, adds its own)."""
-        return checkpoint.resume_point(self.rerun_checkpoint(), exc, self.checkpoint_dir, self.rerun_advice,
+        (:meth:`rerun_point`), and ``first``, what to do before (a failed write, ``exc``, adds its own)."""
+        rerun = self.rerun_point()
+        return checkpoint.resume_point(rerun.checkpoint, exc, self.checkpoint_dir, rerun.advice,
                                        "trainer.default_local_dir", first)
 
     def fit(self) -> list[StepResult]:
