@@ -639,7 +639,8 @@ def run(cfg: PPOConfig, handle_signals: bool = True) -> RunResult:
     only); elsewhere, e.g. a step run in a worker thread, the caller's own handling applies.
     Raises the errors :func:`rlhf_core.cli.train.ppo` turns into exit codes. A Ctrl-C or SIGTERM that leaves as
     KeyboardInterrupt (outside the training steps, or with ``trainer.save_on_interrupt=false``) carries ``rerun``
-    once the trainer is built: its :meth:`~PPOTrainer.rerun_point`, which only it knows (whether a resume_path run has saved since).
+    once the trainer is built: its :meth:`~PPOTrainer.rerun_point`, which only it knows (whether a resume_path
+    run has saved since).
     """
     from rlhf_core.training.tracking import Tracking
 
