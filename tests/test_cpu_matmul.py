@@ -336,6 +336,29 @@ def test_bfloat16_products_are_the_products_of_the_rounded_operands_with_float32
     torch.testing.assert_close(layer.bias.grad.double(), g64.sum(0), rtol=1e-6, atol=1e-6)  # float32, not rounded
 
 
+@pytest.mark.parametrize("onednn_layout", [True, False])
+def test_bfloat16_decode_products_add_the_bias(kind, monkeypatch, onednn_layout):
+    """Qwen2's query, key and value layers have biases: the bfloat16 decode product adds them, on oneDNN's layout
+    and on the plain bfloat16 copy a CPU without it gets."""
+    if onednn_layout and not cpu_matmul.onednn_packs_bfloat16():
+        pytest.skip("oneDNN lays out bfloat16 weights only with AVX-NE-CONVERT or AVX-512 BW/VL/DQ")
+    if not onednn_layout:
+        monkeypatch.setattr(cpu_matmul, "onednn_packs_bfloat16", lambda: False)
+    kind("onednn", "bfloat16")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(40, 24)
+    cpu_matmul.route(layer)
+    layer.in_block = True
+    x = torch.randn(6, 40)
+    expected = _bf16(x) @ _bf16(layer.weight).T + layer.bias.detach().double()
+    with torch.no_grad(), cpu_matmul.packed_weights(layer, rows=6):
+        weight = layer.packed_weight
+        assert weight.dtype == torch.bfloat16 and weight.is_mkldnn is onednn_layout
+        got = layer(x).double()
+    # the rounded operands' products plus the bias, to the rounding of a bfloat16 result (2^-8 relative)
+    assert (got - expected).abs().max() <= 2 ** -8 * expected.abs().max()
+
+
 def test_bfloat16_stays_inside_the_blocks_and_in_packed_decode_weights(tmp_path, kind):
     path = random_toy_model(tmp_path / "model", n_layers=2, hidden_size=64, seed=0)
     kind("auto", "bfloat16")

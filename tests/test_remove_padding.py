@@ -168,6 +168,51 @@ def test_a_sliding_window_shorter_than_a_sequence_is_refused(model_dir):
                                              sliding_window=6)
 
 
+def _two_sequences(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Query, key and value (1, 2 heads, 12 tokens, dim 8) of a packed row of sequences of 7 and 5 tokens, and
+    its position ids."""
+    g = torch.Generator().manual_seed(seed)
+    query, key, value = (torch.randn(1, 2, 12, 8, generator=g) for _ in range(3))
+    return query, key, value, torch.cat([torch.arange(7), torch.arange(5)])[None]
+
+
+def _causal_attention_by_hand(query, key, value, lengths: list[int], scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v in float64 over each sequence alone, a token seeing itself and those before it;
+    (1, tokens, heads, dim) as attention functions return it."""
+    outputs, start = [], 0
+    for n in lengths:
+        q, k, v = (t[0, :, start:start + n].double() for t in (query, key, value))  # (heads, n, dim)
+        scores = (q @ k.transpose(1, 2)) * scale  # (heads, n, n)
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        outputs.append((scores.softmax(-1) @ v).transpose(0, 1))  # (n, heads, dim)
+        start += n
+    return torch.cat(outputs)[None]
+
+
+def test_packed_attention_scales_the_scores_by_the_models_scaling(model_dir):
+    """Every toy model uses head_dim^-0.5, sdpa's own default: another scaling must reach the product."""
+    attention = AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0].self_attn.eval()
+    query, key, value, positions = _two_sequences()
+    out, _ = packed_attention.packed_sdpa_forward(attention, query, key, value, None, scaling=0.25,
+                                                  position_ids=positions)
+    torch.testing.assert_close(out.double(), _causal_attention_by_hand(query, key, value, [7, 5], 0.25),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_packed_attention_drops_out_in_train_mode_only(model_dir):
+    attention = AutoModelForCausalLM.from_pretrained(model_dir).model.layers[0].self_attn
+    query, key, value, positions = _two_sequences(seed=1)
+    without_dropout = _causal_attention_by_hand(query, key, value, [7, 5], 8 ** -0.5)
+    torch.manual_seed(0)  # the draw of the dropout mask
+    for training in (True, False):
+        out, _ = packed_attention.packed_sdpa_forward(attention.train(training), query, key, value, None,
+                                                      dropout=0.5, scaling=8 ** -0.5, position_ids=positions)
+        if training:  # half the attention weights zeroed, the rest doubled
+            assert (out.double() - without_dropout).abs().max() > 0.1
+        else:
+            torch.testing.assert_close(out.double(), without_dropout, rtol=1e-5, atol=1e-5)
+
+
 def test_the_workers_pack_on_the_cpu_without_a_notice(model_dir, capsys):
     cfg = load_config([f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.use_remove_padding=true",
                        "actor_rollout_ref.model.use_fused_kernels=true", "critic.model.use_remove_padding=true",
