@@ -28,6 +28,10 @@ CONFIGS = {
     "llama, llama3 rope, one kv head per head": lambda: LlamaConfig(
         **{**SMALL, "num_key_value_heads": 4}, rope_parameters=LLAMA3_ROPE),
     "qwen2 (q, k, v biases)": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
+    # yarn scales cos and sin by 0.1 ln(factor) + 1 = 1.1386; the rope types above all scale by 1
+    "llama, yarn rope": lambda: LlamaConfig(**SMALL, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32}),
+    "llama, head_dim 32": lambda: LlamaConfig(**SMALL, head_dim=32),  # not hidden_size / heads (16)
 }
 
 

@@ -255,6 +255,44 @@ def test_the_de_quantising_bar_writes_lines_not_frames_where_stderr_is_not_a_ter
         "Converting and de-quantizing GGUF tensors...: 100% 272/272"], err
     assert gguf_reader.tqdm is made  # (the reader's own tqdm again after the import)
 
+
+def _unpermuted(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """A query or key projection as HF lays it out, from llama.cpp's: its converter interleaves the two halves
+    of each head's rotary dimensions (rows (h, 2, d/2) written as (h, d/2, 2)); this puts them back."""
+    rows, columns = weight.shape
+    return weight.reshape(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def _check_smollm2_import(actor, tokenizer, source: Path) -> None:
+    """An import of SmolLM2's ``source`` against the file read with gguf's own de-quantiser (not transformers'):
+    the Q8_0 embedding in float32, a Q4_1 query projection (un-permuted by hand), the output head one tensor with
+    the embedding; ChatML's special tokens in the tokenizer and the generation config."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    tensors = {t.name: t for t in GGUFReader(str(source)).tensors}
+
+    def gguf_tensor(name: str) -> torch.Tensor:
+        return torch.from_numpy(dequantize(tensors[name].data, tensors[name].tensor_type).copy())
+
+    embedding = actor.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32 and embedding.shape == (49152, 576)
+    assert actor.lm_head.weight is embedding  # tied (tie_word_embeddings): one tensor, trained once
+    assert torch.equal(embedding, gguf_tensor("token_embd.weight"))
+    attention = actor.model.layers[7].self_attn
+    assert torch.equal(attention.q_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_q.weight"), 9))
+    assert torch.equal(attention.k_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_k.weight"), 3))
+    assert torch.equal(attention.v_proj.weight, gguf_tensor("blk.7.attn_v.weight"))  # (not permuted)
+    # ChatML's ids: <|endoftext|> 0 (unknown), <|im_start|> 1 (BOS), <|im_end|> 2 (EOS, and pad)
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) \
+        == (0, 1, 2, 2)
+    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    generation = actor.generation_config
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 2)
+    assert tokenizer("Hi", add_special_tokens=True)["input_ids"] == tokenizer("Hi", add_special_tokens=False)[
+        "input_ids"]  # SmolLM2 adds no BOS to what it encodes
+
+
 @pytest.mark.slow  # one real import: the file's 272 tensors de-quantised and 540 MB written (about 30 s)
 def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, monkeypatch):
     pytest.importorskip("gguf")
@@ -277,6 +315,7 @@ def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, mo
     assert actor.generation_config.eos_token_id == tokenizer.eos_token_id == 2
     assert "<|im_start|>assistant" in tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    _check_smollm2_import(actor, tokenizer, local)  # this import's own folder, not one an earlier run left
     assert import_gguf(local, out) == (out, True)  # the same file again: nothing to do
     from rlhf_core.models import gguf as module
 
@@ -297,46 +336,15 @@ def test_smollm2_imports_into_a_loadable_hf_directory_and_is_reused(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "src"]
 
 
-def _unpermuted(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """A query or key projection as HF lays it out, from llama.cpp's: its converter interleaves the two halves
-    of each head's rotary dimensions (rows (h, 2, d/2) written as (h, d/2, 2)); this puts them back."""
-    rows, columns = weight.shape
-    return weight.reshape(n_heads, rows // n_heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
-
-
 def test_the_imported_smollm2_holds_the_gguf_weights_tied_in_float32_with_chatml_special_tokens(smollm2_dir):
-    """The import against the GGUF file read with gguf's own de-quantiser (not transformers'): the Q8_0 embedding,
-    a Q4_1 query projection (un-permuted by hand), the output head one tensor with the embedding."""
-    gguf = pytest.importorskip("gguf")
-    from gguf.quants import dequantize
-
+    """The SmolLM2 folder the tests share (an earlier ``make real-model`` where there is one) holds its weights."""
+    pytest.importorskip("gguf")
     from rlhf_core.models.loading import load_actor, load_tokenizer
 
     source = Path(json.loads((smollm2_dir / "gguf_import.json").read_text())["source"]["gguf"])
     if not source.is_file():
         pytest.skip(f"{source}, the file {smollm2_dir} was imported from, is gone")
-    tensors = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
-
-    def gguf_tensor(name: str) -> torch.Tensor:
-        return torch.from_numpy(dequantize(tensors[name].data, tensors[name].tensor_type).copy())
-
-    actor, tokenizer = load_actor(smollm2_dir), load_tokenizer(smollm2_dir)
-    embedding = actor.get_input_embeddings().weight
-    assert embedding.dtype == torch.float32 and embedding.shape == (49152, 576)
-    assert actor.lm_head.weight is embedding  # tied (tie_word_embeddings): one tensor, trained once
-    assert torch.equal(embedding, gguf_tensor("token_embd.weight"))
-    attention = actor.model.layers[7].self_attn
-    assert torch.equal(attention.q_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_q.weight"), 9))
-    assert torch.equal(attention.k_proj.weight, _unpermuted(gguf_tensor("blk.7.attn_k.weight"), 3))
-    assert torch.equal(attention.v_proj.weight, gguf_tensor("blk.7.attn_v.weight"))  # (not permuted)
-    # ChatML's ids: <|endoftext|> 0 (unknown), <|im_start|> 1 (BOS), <|im_end|> 2 (EOS, and pad)
-    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) \
-        == (0, 1, 2, 2)
-    assert tokenizer.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    generation = actor.generation_config
-    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 2)
-    assert tokenizer("Hi", add_special_tokens=True)["input_ids"] == tokenizer("Hi", add_special_tokens=False)[
-        "input_ids"]  # SmolLM2 adds no BOS to what it encodes
+    _check_smollm2_import(load_actor(smollm2_dir), load_tokenizer(smollm2_dir), source)
 
 
 def test_an_import_sweeps_the_half_written_folder_a_killed_import_left(tmp_path, monkeypatch):
@@ -364,3 +372,53 @@ def test_an_import_sweeps_the_half_written_folder_a_killed_import_left(tmp_path,
     assert import_gguf(source, out) == (out, False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "model.gguf"]
     assert (out / "config.json").read_text() == "{}"
+
+
+@pytest.fixture
+def stubbed_build(monkeypatch) -> list[Path]:
+    """The import with the file's check and its seconds-long conversion stubbed: each build writes the three files
+    an import must hold, its weights' file saying which build it was. Returns the builds' staging folders."""
+    from rlhf_core.models import gguf as gguf_module
+
+    builds = []
+
+    def build(file, staging):
+        builds.append(staging)
+        (staging / "config.json").write_text("{}")
+        (staging / "model.safetensors").write_text(f"build {len(builds)}")
+        (staging / "tokenizer.json").write_text("{}")
+        return {}
+
+    monkeypatch.setattr(gguf_module, "check_gguf", lambda file: file)
+    monkeypatch.setattr(gguf_module, "_build", build)
+    return builds
+
+
+def test_force_imports_again_over_an_import_of_the_same_file(tmp_path, capsys, stubbed_build):
+    """Without --force a folder holding an import of this very file is reused; with it, built again each time."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    out = tmp_path / "hf"
+    assert import_gguf(source, out) == (out, False)
+    assert import_gguf(source, out) == (out, True)
+    assert len(stubbed_build) == 1
+    assert import_gguf(source, out, force=True) == (out, False)
+    assert import_gguf(source, out, force=True) == (out, False)
+    assert len(stubbed_build) == 3 and (out / "model.safetensors").read_text() == "build 3"
+    assert gguf(["--gguf", str(source), "--output", str(out), "--force"]) == 0
+    assert "(reused)" not in capsys.readouterr().out
+    assert len(stubbed_build) == 4 and (out / "model.safetensors").read_text() == "build 4"
+
+
+@pytest.mark.parametrize("lost", ["config.json", "model.safetensors", "tokenizer.json"])
+def test_an_import_missing_one_of_its_files_is_built_again(tmp_path, stubbed_build, lost):
+    """A folder whose marker names this very file but which lost a file it needs (deleted by hand, a partial copy)
+    is not a finished import: the next import builds it again rather than reuse it."""
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"GGUF")
+    out = tmp_path / "hf"
+    assert import_gguf(source, out) == (out, False)
+    (out / lost).unlink()
+    assert import_gguf(source, out) == (out, False)
+    assert len(stubbed_build) == 2 and (out / lost).is_file()
+    assert (out / "model.safetensors").read_text() == "build 2"
