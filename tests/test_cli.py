@@ -1021,6 +1021,8 @@ def _failing_with(error):
     ("ModelError", "reward_model.train.model.path: /models/rm has no weights", 2),
     ("WorkerError", "error: worker rank 1 (pid 4242) died during train_step", 1),
     ("GuardError", "error: KL 812.3 above trainer.max_kl 10", 1),
+    ("NothingToTrain", "error: training step 3 failed: dynamic sampling: 1 prompt group(s) kept in 4 generation "
+                       "batches, fewer than one mini-batch of 2 prompts that every worker can share", 1),
 ])
 def test_ppo_and_train_rm_report_a_failure_alike(tmp_path, monkeypatch, capsys, error, said, status):
     """rlhf-ppo and rlhf-train-rm say a failure in one way, same line and status: rlhf-train-rm put "error: "
@@ -1032,11 +1034,12 @@ def test_ppo_and_train_rm_report_a_failure_alike(tmp_path, monkeypatch, capsys, 
     from rlhf_core.cli import train
     from rlhf_core.models.loading import ModelError
     from rlhf_core.training.checkpoint import CheckpointError
+    from rlhf_core.training.dynamic_sampling import NothingToTrain
     from rlhf_core.training.guards import GuardError
     from rlhf_core.workers.group import WorkerError
 
     kind = {"CheckpointError": CheckpointError, "ModelError": ModelError, "WorkerError": WorkerError,
-            "GuardError": GuardError}[error]
+            "GuardError": GuardError, "NothingToTrain": NothingToTrain}[error]
     message = said.removeprefix("error: ")
     monkeypatch.setattr(train, "run", _failing_with(kind(message)))
     assert train.ppo([f"trainer.default_local_dir={tmp_path / 'ppo'}"]) == status
@@ -1082,6 +1085,36 @@ def test_the_closing_line_counts_the_steps_this_run_trained(workspace, tmp_path,
     assert "done: 1 step (now at step 2) in" in capsys.readouterr().out  # resumed from step 1
     assert ppo(workspace.overrides(out, "trainer.total_training_steps=2", "trainer.val_only=true")) == 0
     assert "done: validated at step 2 in" in capsys.readouterr().out
+
+
+def test_the_closing_lines_give_the_final_validation_accuracy_and_every_validation_metric(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """rlhf-ppo's summary gives the run's last validation accuracy (not its last training score), to three places;
+    rlhf-train-rm's gives each validation metric, a NaN one as nan rather than leaving it out."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from rlhf_core.cli import train
+    from rlhf_core.main_ppo import RunResult
+
+    result = RunResult(steps=3, wall_s=12.4, local_dir="/runs/x", checkpoint=None, history=[None] * 3,
+                       final_val_acc=0.625, final_score=0.1, metrics_file="/runs/x/metrics.jsonl")
+    monkeypatch.setattr(train, "run", lambda cfg: result)
+    assert train.ppo([f"trainer.default_local_dir={tmp_path / 'ppo'}"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["done: 3 steps in 12 s; final validation accuracy 0.625",
+                                                    "outputs: /runs/x (metrics: /runs/x/metrics.jsonl)"]
+
+    def trainer(cfg, frames):
+        return SimpleNamespace(local_dir=tmp_path / "rm", total_steps=4, global_step=4, resumed_from=None,
+                               started=contextlib.nullcontext, shutdown=lambda: None,
+                               train=lambda log: {"val/acc": 0.75, "val/loss": float("nan")})
+
+    monkeypatch.setattr(train, "preflight", lambda cfg: None)
+    monkeypatch.setattr(train, "RewardModelTrainer", trainer)
+    assert train.train_rm([f"reward_model.train.default_local_dir={tmp_path / 'rm'}"]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    # (the seconds are the wall time of the command)
+    assert re.fullmatch(r"reward model: at step 4 after \d+ s; val/acc 0\.7500, val/loss nan", summary), summary
 
 
 def test_a_command_that_connected_to_ray_disconnects_with_signals_held(monkeypatch):

@@ -636,6 +636,31 @@ def test_file_logger_flushes_every_step(tmp_path):
         tracker.log({"a": 2.0}, step=2)
 
 
+def test_a_logger_that_cannot_be_closed_is_reported_and_never_hides_the_runs_own_error(tmp_path, monkeypatch, capsys):
+    """A file that cannot be flushed as it closes (a full disk) loses the last records: a run that ended well ends
+    with that error, naming the file, where the OS error names none. A run that failed of its own error reports that
+    one, and the closing error in a notice beside it."""
+    import errno
+
+    from rlhf_core.training.tracking import FileLogger
+
+    def full_disk(self, failed=False):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileLogger, "finish", full_disk)
+    with pytest.raises(OSError) as err:
+        with Tracking(["file"], "p", "e", tmp_path) as tracker:
+            tracker.log({"a": 1.0}, step=1)
+    assert (err.value.errno, err.value.filename) == (errno.ENOSPC, str(tmp_path / "metrics.jsonl"))
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with Tracking(["file"], "p", "e", tmp_path) as tracker:
+            tracker.log({"a": 2.0}, step=2)
+            raise RuntimeError("the step failed")
+    assert capsys.readouterr().err.splitlines() == [
+        "notice: a logger could not be closed either (OSError: [Errno 28] No space left on device: "
+        f"'{tmp_path / 'metrics.jsonl'}')"]
+
+
 def test_non_numeric_metric_is_skipped_with_one_warning(tmp_path):
     with Tracking(["file"], "p", "e", tmp_path) as tracker:
         with pytest.warns(UserWarning, match="'hist' is not a single number"):
@@ -822,6 +847,34 @@ def test_wandb_offline_run_directory_without_network(tmp_path, monkeypatch, no_n
     assert no_network == []
 
 
+def test_a_run_that_fails_is_finished_in_wandb_with_exit_code_1(tmp_path, monkeypatch):
+    """wandb tells a failed run from a finished one by the exit code its run is finished with: 1 where the run
+    ended with an exception, 0 where it ended well. (A stand-in wandb: only the finish is looked at.)"""
+    import types
+
+    exit_codes = []
+
+    class Run:
+        id = "stand-in"
+
+        def log(self, metrics, step):
+            pass
+
+        def finish(self, exit_code=None):
+            exit_codes.append(exit_code)
+
+    stand_in = types.ModuleType("wandb")
+    stand_in.init = lambda **kwargs: Run()
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with Tracking(["wandb"], "p", "e", tmp_path) as tracker:
+            tracker.log({"a": 1.0}, step=1)
+            raise RuntimeError("the step failed")
+    with Tracking(["wandb"], "p", "e", tmp_path) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+    assert exit_codes == [1, 0]
+
+
 @pytest.fixture
 def sqlite_without_fsync():
     """Test speed only: a fresh MLflow store runs dozens of schema migrations, each a synced SQLite
@@ -869,6 +922,83 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
     saved = client.download_artifacts(run_id, "val_generations/step_2.json", str(tmp_path / "run" / "dl"))
     assert json.loads(Path(saved).read_text()) == SAMPLES
     assert no_network == []
+
+
+@pytest.fixture
+def local_mlflow(monkeypatch, no_network, sqlite_without_fsync):
+    """The MLflow store a run makes in its own folder (no ``MLFLOW_TRACKING_URI``): a client of the one in
+    ``local_dir``."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    yield lambda local_dir: MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    assert no_network == []
+
+
+def test_a_run_that_fails_is_marked_failed_in_mlflow(tmp_path, local_mlflow):
+    with pytest.raises(RuntimeError, match="the step failed"):
+        with Tracking(["mlflow"], "proj", "exp", tmp_path) as tracker:
+            tracker.log({"a": 1.0}, step=1)
+            failed = tracker.backends["mlflow"].run_id
+            raise RuntimeError("the step failed")
+    with Tracking(["mlflow"], "proj", "exp", tmp_path) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+        finished = tracker.backends["mlflow"].run_id
+    client = local_mlflow(tmp_path)
+    assert [client.get_run(run_id).info.status for run_id in (failed, finished)] == ["FAILED", "FINISHED"]
+
+
+def test_metric_and_param_names_that_clean_up_alike_stay_apart_in_mlflow(tmp_path, local_mlflow):
+    """``acc[gsm8k]`` cleans up to ``acc_gsm8k_`` (brackets are outside MLflow's alphabet), the name of another
+    metric: the name met second gets ``_2``, and keeps it at every step, whichever order the step has them in.
+    Params alike."""
+    config = {"a[b]": 1, "a_b_": 2}
+    with Tracking(["mlflow"], "proj", "exp", tmp_path, config=config) as tracker:
+        tracker.log({"acc[gsm8k]": 0.5, "acc_gsm8k_": 0.25}, step=1)
+        tracker.log({"acc_gsm8k_": 0.125, "acc[gsm8k]": 0.75}, step=2)
+        run_id = tracker.backends["mlflow"].run_id
+    client = local_mlflow(tmp_path)
+    history = {name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)]
+               for name in ("acc_gsm8k_", "acc_gsm8k__2")}
+    assert history == {"acc_gsm8k_": [(1, 0.5), (2, 0.75)], "acc_gsm8k__2": [(1, 0.25), (2, 0.125)]}
+    assert client.get_run(run_id).data.params == {"a_b_": "1", "a_b__2": "2"}
+
+
+def test_a_resume_whose_mlflow_run_was_deleted_starts_a_new_run(tmp_path, local_mlflow):
+    """The run a resumed run logged into was deleted in MLflow meanwhile (the user's clean-up): a deleted run takes
+    no records that MLflow shows, so the resume starts a new run in the experiment."""
+    with Tracking(["mlflow"], "proj", "exp", tmp_path) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+        first = tracker.backends["mlflow"].run_id
+    client = local_mlflow(tmp_path)
+    client.delete_run(first)
+    with Tracking(["mlflow"], "proj", "exp", tmp_path, resume_step=1) as tracker:
+        tracker.log({"a": 2.0}, step=2)
+        second = tracker.backends["mlflow"].run_id
+    run = client.get_run(second)
+    assert second != first
+    assert (run.info.lifecycle_stage, run.info.status) == ("active", "FINISHED")
+    assert [(m.step, m.value) for m in client.get_metric_history(second, "a")] == [(2, 2.0)]
+    assert client.get_run(first).info.lifecycle_stage == "deleted"
+
+
+def test_a_run_whose_mlflow_experiment_was_deleted_restores_it(tmp_path, local_mlflow):
+    """MLflow deletes an experiment with its runs and refuses new records in it, while its name stays taken. The next
+    run of the project restores it, and with it its runs: a resume goes on in its run."""
+    with Tracking(["mlflow"], "proj", "exp", tmp_path) as tracker:
+        tracker.log({"a": 1.0}, step=1)
+        first = tracker.backends["mlflow"].run_id
+    client = local_mlflow(tmp_path)
+    experiment_id = client.get_run(first).info.experiment_id
+    client.delete_experiment(experiment_id)
+    with Tracking(["mlflow"], "proj", "exp", tmp_path, resume_step=1) as tracker:
+        tracker.log({"a": 2.0}, step=2)
+        assert tracker.backends["mlflow"].run_id == first
+    assert client.get_experiment(experiment_id).lifecycle_stage == "active"
+    assert client.get_run(first).info.lifecycle_stage == "active"
+    assert [(m.step, m.value) for m in client.get_metric_history(first, "a")] == [(1, 1.0), (2, 2.0)]
 
 
 def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_logs_again(
@@ -1047,6 +1177,23 @@ def test_a_resume_moves_the_steps_the_stopped_run_logged_past_its_checkpoint_asi
             "by the run that stopped (steps 3-4); moved to metrics.jsonl.before_resume_from_step_2 beside it") in err
     assert (f"{tmp_path / 'val_generations.jsonl'} held 1 line(s) logged after that checkpoint by the run that "
             "stopped (step 4); moved to val_generations.jsonl.before_resume_from_step_2") in err
+
+
+def test_a_resumes_first_validation_samples_logged_before_its_metrics_stay_in_the_file(tmp_path):
+    """The trainer logs a step's validation samples before its metrics. At the resumed run's first step past its
+    checkpoint (2) the samples are that step's first record: the stopped run's step 3 moves aside before they are
+    written, so they stay in the file and the side file holds the stopped run's sample alone."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "old": 1}\n')
+    (tmp_path / "val_generations.jsonl").write_text('{"step": 2, "input": "q2"}\n{"step": 3, "input": "old3"}\n')
+    with Tracking(["file"], "p", "e", tmp_path, resume_step=2) as tracker:
+        tracker.log_generations([{"input": "new3", "output": "o", "score": 1.0}], step=3)
+        tracker.log({"a": 1.0}, step=3)
+    assert _records(tmp_path / "val_generations.jsonl") == [
+        {"step": 2, "input": "q2"}, {"step": 3, "input": "new3", "output": "o", "score": 1.0}]
+    assert (tmp_path / "val_generations.jsonl.before_resume_from_step_2").read_text() == \
+        '{"step": 3, "input": "old3"}\n'
+    assert _records(tmp_path / "metrics.jsonl") == [{"step": 1}, {"step": 2}, {"step": 3, "a": 1.0}]
+    assert (tmp_path / "metrics.jsonl.before_resume_from_step_2").read_text() == '{"step": 3, "old": 1}\n'
 
 
 def test_a_resume_logging_its_checkpoints_step_first_moves_the_later_steps_when_it_passes_it(tmp_path, capsys):
