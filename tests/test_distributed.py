@@ -2,7 +2,9 @@
 one rank finishes first, and the Ray worker group trains, checkpoints, resumes and fails fast.
 
 Everything runs on one local Ray cluster of 2 CPUs: a group of two test workers (FSDP2 checks,
-batch layouts, a worker dying in a collective), then the trainer with two workers.
+batch layouts, a worker dying in a collective), then the trainer with two workers. What the driver's side
+of the actor and critic groups does with the ranks' shares (layouts, padding, skipped steps) is checked
+against ranks faked in this process, without Ray.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rlhf_core.training import checkpoint
 from rlhf_core.workers import distributed
 from rlhf_core.workers.group import (
     ActorGroup,
+    CriticGroup,
     DistributedWorker,
     balanced_order,
     minibatch_shares,
@@ -266,14 +269,47 @@ def test_a_sharded_lora_actor_saves_its_whole_adapter_once_as_peft_does(test_gro
     assert any(".lora_B." in name and tensor.abs().max() > 0 for name, tensor in adapters.items())  # trained
 
 
+class FakeRanks:
+    """``world_size`` ranks in this process, standing for a worker group where only the driver's side of
+    ActorGroup and CriticGroup is checked (no Ray): each call's shares are kept, and each rank answers as a
+    worker does: its prompts each sampled ``n`` times; an update's (metrics, optimizer steps it skipped, one);
+    per row, the row's id times 10 (and, for log-probs, the row's tokens beside it as its entropy)."""
+
+    def __init__(self, world_size: int = WORLD):
+        self.world_size = world_size
+        self.calls: list[list[Batch]] = []  # each call's shares, in rank order
+
+    def dispatch(self, method, shares, *args, kind=None, **kwargs):
+        self.calls.append(shares)
+        if method == "generate":
+            n = args[0].n
+            return [Batch({"row": s["row"].repeat_interleave(n), "responses": torch.zeros(len(s) * n, 3)})
+                    for s in shares]
+        if method == "update":
+            return [({"loss": 0.5}, 1) for _ in shares]
+        if method == "compute_log_prob":
+            return [(s["row"] * 10, s["attention_mask"].sum(-1)) for s in shares]
+        return [s["row"] * 10 for s in shares]
+
+    def rows(self) -> list[list[int]]:
+        """The rows each rank got in the last call."""
+        return [s["row"].tolist() for s in self.calls[-1]]
+
+    def tokens(self) -> list[int]:
+        """The tokens each rank got in the last call."""
+        return [int(s["attention_mask"].sum()) for s in self.calls[-1]]
+
+
+def rows_of(lengths: list[int]) -> Batch:
+    """One row per length, its id in "row" and that many tokens in its attention mask."""
+    return Batch({"row": torch.arange(len(lengths)),
+                  "attention_mask": torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])})
+
+
 def test_balanced_layouts_by_hand():
     # greedy, longest first, each row to the emptier share with room: 10 -> a, 9 -> b, 8 -> b, 3 -> a, 2 -> a
     # (a full), 1 -> b: shares [0, 3, 5] (15 tokens) and [1, 2, 4] (18), against 20 and 13 as the rows come
     assert balanced_order([10, 1, 9, 2, 8, 3], 2) == [0, 3, 5, 1, 2, 4]
-
-    def rows_of(lengths):
-        return Batch({"row": torch.arange(len(lengths)),
-                      "attention_mask": torch.tensor([[1] * n + [0] * (10 - n) for n in lengths])})
 
     # an update's shares: the same rows in each mini-batch of 6 (the same update), balanced within it
     batch = rows_of([10, 1, 9, 2, 8, 3, 1, 1, 1, 1, 1, 10])
@@ -283,22 +319,42 @@ def test_balanced_layouts_by_hand():
     plain = minibatch_shares(batch, mini_rows=6, parts=2)
     assert [s["row"].tolist() for s in plain] == [[0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
 
-    class Group:  # two ranks that return each row's id and its tokens, as a log-prob pass returns per-row tensors
-        world_size = 2
-        seen: list = []
-
-        def dispatch(self, method, shares):
-            self.seen.append([int(s["attention_mask"].sum()) for s in shares])
-            return [(s["row"] * 10, s["attention_mask"].sum(-1)) for s in shares]
-
-    group = Group()
-    role = ActorGroup(group, mini_batch_size=3, balance=True)
+    ranks = FakeRanks()  # log-probs come back per row: here each row's id and its tokens
+    role = ActorGroup(ranks, mini_batch_size=3, balance=True)
     batch = rows_of([10, 1, 9, 2, 8, 3])
     ids, tokens = role.compute_log_prob(batch)
     assert ids.tolist() == [0, 10, 20, 30, 40, 50] and tokens.tolist() == [10, 1, 9, 2, 8, 3]  # back in order
-    assert group.seen == [[15, 18]]  # the shares the ranks computed: 15 and 18 tokens, not 20 and 13
+    assert len(ranks.calls) == 1 and ranks.tokens() == [15, 18]  # the shares the ranks computed, not 20 and 13
     role.balance = False
-    assert role.compute_log_prob(batch)[0].tolist() == [0, 10, 20, 30, 40, 50] and group.seen[-1] == [20, 13]
+    assert role.compute_log_prob(batch)[0].tolist() == [0, 10, 20, 30, 40, 50] and ranks.tokens() == [20, 13]
+
+
+@pytest.mark.parametrize("role_class, mini_batch_size, balance, lengths, expected", [
+    # 2 prompts a mini-batch, 2 samples each: mini-batches of 4 rows, rank r takes the r-th half of each
+    (ActorGroup, 2, False, [4] * 8, [[0, 1, 4, 5], [2, 3, 6, 7]]),
+    # 3 prompts a mini-batch: mini-batches of 6 rows, each balanced as test_balanced_layouts_by_hand works out
+    (CriticGroup, 3, True, [10, 1, 9, 2, 8, 3, 1, 1, 1, 1, 1, 10], [[0, 3, 5, 9, 10, 11], [1, 2, 4, 6, 7, 8]]),
+])
+def test_an_update_gives_each_rank_its_part_of_every_mini_batch_and_counts_a_skipped_step_once(
+        role_class, mini_batch_size, balance, lengths, expected):
+    ranks = FakeRanks()
+    role = role_class(ranks, mini_batch_size, balance)
+    update = role.update_policy if role_class is ActorGroup else role.update_critic
+    assert update(rows_of(lengths), n_per_prompt=2) == {"loss": 0.5}
+    assert ranks.rows() == expected
+    # every rank skipped the same optimizer step: the group skipped one step, not one per rank
+    assert role.skipped_steps == 1
+
+
+def test_the_padding_rows_that_make_even_shares_are_dropped_from_what_comes_back():
+    ranks = FakeRanks()
+    actor = ActorGroup(ranks, mini_batch_size=2)
+    # 3 prompts over 2 ranks: the last prompt is repeated to make shares of 2, and its copy's 2 samples dropped
+    rollout = actor.generate(Batch({"row": torch.arange(3)}), SamplingParams(n=2, max_new_tokens=3))
+    assert ranks.rows() == [[0, 1], [2, 2]] and rollout["row"].tolist() == [0, 0, 1, 1, 2, 2]
+    # 5 rows over 2 ranks: shares [0, 1, 2] and [3, 4, 4], one value per row, the copy's dropped
+    assert actor.compute_ref_log_prob(Batch({"row": torch.arange(5)})).tolist() == [0, 10, 20, 30, 40]
+    assert ranks.rows() == [[0, 1, 2], [3, 4, 4]]
 
 
 def test_batch_layouts_for_the_ranks(test_group):

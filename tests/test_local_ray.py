@@ -425,6 +425,16 @@ def test_workers_importing_other_rlhf_core_code_than_the_driver_are_warned(ray_c
         "warning: the workers of rank 1 import other rlhf_core code (/b) than this process (/a)")
 
 
+def test_workers_whose_rlhf_core_differs_in_the_same_folder_are_warned():
+    """A node's installation at the same path as the driver's may still hold other code: the files' digest tells,
+    not the folder."""
+    driver = ("/opt/rlhf_core", "aaa")
+    assert group.code_mismatch(driver, [driver, driver]) is None
+    assert group.code_mismatch(driver, [driver, ("/opt/rlhf_core", "bbb")]).startswith(
+        "warning: the workers of rank 1 import other rlhf_core code (/opt/rlhf_core) than this process "
+        "(/opt/rlhf_core)")
+
+
 _WORKER_PRINTS = """
 import pathlib, sys, time
 import ray
