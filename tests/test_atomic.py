@@ -32,9 +32,11 @@ def old(tmp_path):
 
 
 @pytest.fixture
-def umask_027():
-    before = os.umask(0o027)
-    yield
+def umask(request):
+    """The umask set to the test's parameter: 0o027 keeps the group from writing, 0o002 (a folder shared by a
+    group) lets it, which a mode built from 0o755 or 0o644 rather than 0o777 or 0o666 would take away."""
+    before = os.umask(request.param)
+    yield request.param
     os.umask(before)
 
 
@@ -144,6 +146,21 @@ def test_a_concurrent_writer_that_wins_the_race_is_kept_when_accepted(tmp_path, 
     assert _entries(tmp_path) == ["model"]
 
 
+def test_a_concurrent_writer_that_wins_the_race_over_a_replaced_target_leaves_no_set_aside_copy(old, monkeypatch):
+    """The old target (refused by keep_existing: unfinished) is set aside before the move; when another writer's
+    accepted result lands first, the set-aside copy is removed rather than left beside it."""
+
+    def theirs_lands_first():
+        old.mkdir()
+        (old / "done").write_text("theirs")
+
+    _failing_rename_into(old, monkeypatch, theirs_lands_first)
+    with staged_directory(old, replace=True, keep_existing=lambda folder: (folder / "done").exists()) as staging:
+        (staging / "done").write_text("mine")
+    assert _contents(old) == {"done": "theirs"}
+    assert _entries(old.parent) == ["model"]  # no .model.old-<pid>-... left
+
+
 def test_a_concurrent_writer_that_is_not_accepted_makes_the_move_fail(tmp_path, monkeypatch):
     target = tmp_path / "model"
     _failing_rename_into(target, monkeypatch, lambda: target.mkdir())
@@ -176,7 +193,9 @@ def test_after_move_failing_without_an_old_target_removes_the_new_one(tmp_path):
     assert _entries(tmp_path) == []
 
 
-def test_published_folders_get_the_usual_modes(tmp_path, umask_027):
+@pytest.mark.parametrize("umask, folder_mode, file_mode", [(0o027, 0o750, 0o640), (0o002, 0o775, 0o664)],
+                         indirect=["umask"])
+def test_published_folders_get_the_usual_modes(tmp_path, umask, folder_mode, file_mode):
     target = tmp_path / "model"
     with staged_directory(target) as staging:
         (staging / "nested").mkdir()
@@ -185,10 +204,12 @@ def test_published_folders_get_the_usual_modes(tmp_path, umask_027):
             os.chmod(path, 0o600)  # as some writers leave them
     modes = {p.relative_to(tmp_path).as_posix(): stat.S_IMODE(p.stat().st_mode)
              for p in [target, target / "a.txt", target / "nested", target / "nested" / "b.txt"]}
-    assert modes == {"model": 0o750, "model/a.txt": 0o640, "model/nested": 0o750, "model/nested/b.txt": 0o640}
+    assert modes == {"model": folder_mode, "model/a.txt": file_mode, "model/nested": folder_mode,
+                     "model/nested/b.txt": file_mode}
 
 
-def test_usual_modes_off_keeps_the_staging_folder_private(tmp_path, umask_027):
+@pytest.mark.parametrize("umask", [0o027], indirect=True)
+def test_usual_modes_off_keeps_the_staging_folder_private(tmp_path, umask):
     target = tmp_path / "model"
     with staged_directory(target, usual_modes=False) as staging:
         (staging / "a.txt").write_text("x")
@@ -196,13 +217,52 @@ def test_usual_modes_off_keeps_the_staging_folder_private(tmp_path, umask_027):
     assert stat.S_IMODE((target / "a.txt").stat().st_mode) == 0o640  # as open() made it
 
 
-def test_write_text_atomic_writes_replaces_and_leaves_no_temp_file(tmp_path, umask_027):
+@pytest.mark.parametrize("umask, mode", [(0o027, 0o640), (0o002, 0o664)], indirect=["umask"])
+def test_write_text_atomic_writes_replaces_and_leaves_no_temp_file(tmp_path, umask, mode):
     path = tmp_path / "latest.txt"
     write_text_atomic(path, "1\n")
     write_text_atomic(path, "2\n")
     assert path.read_text() == "2\n"
     assert _entries(tmp_path) == ["latest.txt"]
-    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # not mkstemp's 0o600
+    assert stat.S_IMODE(path.stat().st_mode) == mode  # not mkstemp's 0o600
+
+
+def _recorded_fsyncs(monkeypatch):
+    """The paths os.fsync is called on, in order (read from the descriptor, as it is named at that moment)."""
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    return synced
+
+
+def test_a_published_folder_is_synced_whole_before_the_move_and_its_parent_after_it(tmp_path, monkeypatch):
+    """A crash after the rename must find every file's data on disk (other libraries' save functions do not sync
+    them), and the rename itself needs the parent synced."""
+    synced = _recorded_fsyncs(monkeypatch)
+    with staged_directory(tmp_path / "model") as staging:
+        (staging / "nested").mkdir()
+        (staging / "weights.bin").write_text("w")
+        (staging / "nested" / "a.txt").write_text("a")
+    parent = str(tmp_path.resolve())
+    staged = os.path.join(parent, staging.name)  # (synced under the staging name: before the move)
+    assert sorted(synced[:-1]) == sorted([staged, f"{staged}/weights.bin", f"{staged}/nested",
+                                          f"{staged}/nested/a.txt"]), synced
+    assert synced[-1] == parent, synced
+
+
+def test_write_text_atomic_syncs_the_file_then_its_folder(tmp_path, monkeypatch):
+    synced = _recorded_fsyncs(monkeypatch)
+    write_text_atomic(tmp_path / "latest.txt", "1\n")
+    parent = tmp_path.resolve()
+    assert len(synced) == 2, synced
+    assert os.path.dirname(synced[0]) == str(parent), synced
+    assert atomic.staging_owner(os.path.basename(synced[0])) == os.getpid(), synced  # the staged file
+    assert synced[1] == str(parent), synced
 
 
 def test_write_text_atomic_failing_keeps_the_old_text_and_no_temp_file(tmp_path, monkeypatch):
@@ -246,6 +306,18 @@ def test_process_alive():
     assert atomic.running_elsewhere(os.getppid())
     assert not atomic.running_elsewhere(os.getpid())
     assert not atomic.running_elsewhere(ended.pid) and not atomic.running_elsewhere(None)
+
+
+def test_another_users_process_is_alive(monkeypatch):
+    """Signal 0 to another user's process is refused (EPERM): it exists, so its leftovers are in use."""
+
+    def kill(pid, number):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(atomic.os, "kill", kill)
+    other = os.getpid() + 1
+    assert atomic.process_alive(other)
+    assert atomic.running_elsewhere(other)
 
 
 def test_stale_staging_of_a_target_is_removed_but_a_running_writers_and_a_set_aside_target_are_kept(tmp_path):

@@ -212,27 +212,73 @@ def test_the_last_line_of_a_bar_off_a_terminal_gives_the_whole_runs_rate(monkeyp
     assert re.fullmatch(r"t: 100% 100/100 \[01:4\d<00:00, +1\.09s/it\]", last), out.getvalue()
 
 
+def test_a_message_long_after_the_last_count_repeats_no_count_line_off_a_terminal(monkeypatch):
+    """tqdm.write redraws the bars after its message: off a terminal that drew the count's line again wherever 30 s
+    had passed since it, though the count had not moved."""
+    import io
+
+    from tqdm import tqdm
+
+    from rlhf_core.progress import progress_bar
+
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    out = io.StringIO()
+    bar = progress_bar(total=10, desc="t", file=out)
+    clock.now += 31
+    bar.update(1)
+    clock.now += 31
+    tqdm.write("note", file=out)
+    bar.close()
+    assert [line.split(" [")[0] for line in out.getvalue().splitlines()] == ["t:   0% 0/10", "t:  10% 1/10", "note"]
+
+
+def test_a_bar_off_a_terminal_whose_last_count_had_its_line_ends_without_repeating_it(monkeypatch):
+    """Items of 31 s each get a line each; the last one's line is the final count, and close adds none."""
+    import io
+
+    from rlhf_core.progress import progress_bar
+
+    clock = _Clock()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    out = io.StringIO()
+    bar = progress_bar(total=2, desc="t", file=out)
+    for _ in range(2):
+        clock.now += 31
+        bar.update(1)
+    bar.close()
+    assert [line.split(" [")[0] for line in out.getvalue().splitlines()] == ["t:   0% 0/2", "t:  50% 1/2",
+                                                                              "t: 100% 2/2"]
+
+
 class _Terminal:
     """What a terminal shows of what was written to it: "\r" goes back to the line's start, and what follows
-    overwrites the line from there."""
+    overwrites the line from there; "\n" goes to the start of the next line, and ESC[A (tqdm's move back from a
+    bar drawn under another) up one line."""
 
     def __init__(self) -> None:
-        self.lines, self.column = [""], 0
+        self.lines, self.row, self.column = [""], 0, 0
 
     def isatty(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        for char in text:
-            if char == "\r":
-                self.column = 0
-            elif char == "\n":
-                self.lines.append("")
-                self.column = 0
-            else:
-                line = self.lines[-1].ljust(self.column)
-                self.lines[-1] = line[:self.column] + char + line[self.column + 1:]
-                self.column += 1
+        for part in re.split(r"(\x1b\[A)", text):
+            if part == "\x1b[A":
+                self.row = max(self.row - 1, 0)
+                continue
+            for char in part:
+                if char == "\r":
+                    self.column = 0
+                elif char == "\n":
+                    self.row += 1
+                    if self.row == len(self.lines):
+                        self.lines.append("")
+                    self.column = 0
+                else:
+                    line = self.lines[self.row].ljust(self.column)
+                    self.lines[self.row] = line[:self.column] + char + line[self.column + 1:]
+                    self.column += 1
         return len(text)
 
     def flush(self) -> None:
@@ -258,6 +304,48 @@ def test_a_line_printed_while_the_bar_is_on_the_terminal_gets_a_line_of_its_own(
     assert ["step 3/5", "step 4/5"] == [line for line in shown if line.startswith("step")]
     assert shown[-1].startswith("training:  80%|") and "4/5 [" in shown[-1], shown
     assert sys.stderr is terminal and sys.stdout is terminal  # the streams are handed back when the bar closes
+
+
+def test_lines_written_together_while_the_bar_is_on_the_terminal_each_get_a_line_above_it(monkeypatch):
+    """Two lines in one write ("one\ntwo\n", as a logging handler or a traceback writes them) both go above the bar,
+    not the first alone with the second held back until the bar closes."""
+    from rlhf_core.progress import progress_bar
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    bar = progress_bar(total=5, desc="t")
+    try:
+        sys.stderr.write("one\ntwo\n")
+        shown = terminal.shown()
+    finally:
+        bar.close()
+    assert shown[:2] == ["one", "two"] and len(shown) == 3, shown
+    assert shown[2].startswith("t:   0%|") and "0/5 [" in shown[2], shown
+
+
+def test_a_bar_opened_under_a_bar_on_the_terminal_is_drawn_below_it(monkeypatch):
+    """The validation's bar opens while the training bar is on the terminal, where stderr stands for the terminal
+    with lines routed around the bars: the inner bar draws on the terminal itself, on the line below."""
+    from rlhf_core.progress import progress_bar
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr(sys, "stderr", terminal)
+    outer = progress_bar(total=5, desc="training")
+    try:
+        inner = progress_bar(total=3, desc="testing")
+        try:
+            inner.update(1)
+            inner.refresh()
+            shown = terminal.shown()
+        finally:
+            inner.close()
+    finally:
+        outer.close()
+    assert len(shown) == 2, shown
+    assert shown[0].startswith("training:   0%|") and "0/5 [" in shown[0], shown
+    assert shown[1].startswith("testing:  33%|") and "1/3 [" in shown[1], shown
 
 
 class _Clock:
