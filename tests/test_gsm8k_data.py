@@ -16,7 +16,7 @@ import pytest
 from rlhf_core.cli.data import gsm8k
 from rlhf_core.config import load_config
 from rlhf_core.data.gsm8k import GSM8KDataError, detect_layout, preprocess_gsm8k
-from rlhf_core.data.schema import INSTRUCTION, PROMPT_COLUMNS
+from rlhf_core.data.schema import INSTRUCTION, PROMPT_COLUMNS, extract_final_answer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,6 +176,17 @@ def test_ground_truth_by_hand(frames, split, index, expected):
     assert frames[split].iloc[index]["reward_model"]["ground_truth"] == expected
 
 
+@pytest.mark.parametrize(
+    ("solution", "expected"),
+    [
+        ("step #### note\n#### 5", "5"),  # an earlier '####' in the working is not the final answer
+        ("He had #### 3 left.\n#### 1,234", "1234"),
+    ],
+)
+def test_the_final_answer_is_after_the_last_marker(solution, expected):
+    assert extract_final_answer(solution) == expected
+
+
 def test_deterministic(gsm8k_dir, jsonl_out, tmp_path):
     preprocess_gsm8k(gsm8k_dir, tmp_path)
     jsonl_dir, _ = jsonl_out
@@ -326,6 +337,36 @@ def test_skip_invalid_counts_and_keeps_source_index(tmp_path, capsys):
     train = pd.read_parquet(out / "train.parquet")
     assert [info["index"] for info in train["extra_info"]] == [0, 2]
     assert [rm["ground_truth"] for rm in train["reward_model"]] == ["2", "6"]
+
+
+def test_row_numbers_count_rows_not_lines_nor_shards(tmp_path):
+    """extra_info.index is the row's place in its split: a blank line of a jsonl file is no row, and the rows of a
+    second parquet shard follow those of the first."""
+    good = [{"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(3)]
+    release = _small_release(tmp_path / "jsonl")
+    (release / "train.jsonl").write_text(json.dumps(good[0]) + "\n\n" + json.dumps(good[1]) + "\n", encoding="utf-8")
+    preprocess_gsm8k(release, tmp_path / "jsonl_out")
+    train = pd.read_parquet(tmp_path / "jsonl_out" / "train.parquet")
+    assert [info["index"] for info in train["extra_info"]] == [0, 1]
+
+    shards = tmp_path / "parquet"
+    shards.mkdir()
+    for name, rows in (("train-00000-of-00002", good[:2]), ("train-00001-of-00002", good[2:]),
+                       ("test-00000-of-00001", good[:1])):
+        pd.DataFrame(rows).to_parquet(shards / f"{name}.parquet")
+    preprocess_gsm8k(shards, tmp_path / "parquet_out")
+    train = pd.read_parquet(tmp_path / "parquet_out" / "train.parquet")
+    assert [info["index"] for info in train["extra_info"]] == [0, 1, 2]
+    assert [rm["ground_truth"] for rm in train["reward_model"]] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("question", ["", "   ", None], ids=["empty", "blank", "null"])
+def test_a_question_without_text_is_an_invalid_row(tmp_path, question):
+    rows = [{"question": "What is 1 + 1?", "answer": "1 + 1 = 2\n#### 2"},
+            {"question": question, "answer": "2 + 2 = 4\n#### 4"}]
+    source = _small_release(tmp_path / "in", train=rows)
+    with pytest.raises(GSM8KDataError, match=re.escape("row 1 (line 2): question is empty or not text")):
+        preprocess_gsm8k(source, tmp_path / "out")
 
 
 def test_missing_key_in_jsonl(tmp_path):

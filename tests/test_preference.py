@@ -185,6 +185,14 @@ def test_cli_split_of_two_questions_at_a_large_fraction_keeps_one_for_training(t
     assert "train: 4 pairs over 1 questions" in capsys.readouterr().out
 
 
+def test_cli_holds_out_a_fifth_of_the_questions_by_default(tmp_path, capsys):
+    out = tmp_path / "pairs"
+    assert preference(["--gsm8k-solutions", str(_solutions(tmp_path, n=10)), "--output", str(out)]) == 0
+    val = pd.read_parquet(out / "val.parquet")
+    # 0.2 of 10 questions is 2, with their 4 pairs each
+    assert len(set(val["extra_info"].map(lambda e: e["question"]))) == 2 and len(val) == 8
+
+
 def test_cli_refuses_a_single_question_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "pairs"
     assert preference(["--gsm8k-solutions", str(_solutions(tmp_path, n=1)), "--output", str(out),
@@ -687,6 +695,19 @@ def test_trl_preference_files_convert_to_pairs_that_train_and_validate(tmp_path,
     assert set(rows["extra_info"].map(lambda e: e["question"])) == {f"What is {i} + 1?" for i in range(10)}
     assert check_preference_files([out / "train.parquet"], [out / "val.parquet"])["train_pairs"] == 8
     assert validate_preference_files([out / "train.parquet"], [out / "val.parquet"]).success
+
+
+def test_trl_split_follows_the_seed(tmp_path, capsys):
+    source = tmp_path / "hh_train.parquet"
+    pd.DataFrame(_trl_rows("standard explicit", n=20)).to_parquet(source)
+    held_out = {}
+    for seed in ("1", "2", "1 again"):
+        out = tmp_path / seed.replace(" ", "_")
+        assert preference(["--trl", str(source), "--output", str(out), "--seed", seed.split()[0]]) == 0
+        held_out[seed] = sorted(pd.read_parquet(out / "val.parquet")["chosen"])
+    assert len(held_out["1"]) == 4  # 0.2 of 20 prompts, one pair each
+    assert held_out["1"] != held_out["2"]
+    assert held_out["1"] == held_out["1 again"]
 
 
 def test_trl_pairs_leave_out_rows_whose_chosen_and_rejected_are_the_same(tmp_path):

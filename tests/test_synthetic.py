@@ -240,6 +240,14 @@ def test_max_value_bounds_intermediates():
         check_problem(problem, min_ops=3, max_ops=3, max_operand=30, max_value=100)
 
 
+def test_a_product_may_reach_max_value_exactly():
+    # the only problem these options allow: start 2, times 2 = 4, which max_value 4 admits
+    problem = generate_problems(1, seed=0, min_ops=1, max_ops=1, min_operand=2, max_operand=2, max_value=4,
+                                operations="*")[0]
+    assert problem["answer"] == "4"
+    check_problem(problem, min_ops=1, max_ops=1, min_operand=2, max_operand=2, max_value=4, operations="*")
+
+
 def test_deterministic_per_seed_and_different_across_seeds():
     assert generate_problems(50, seed=7) == generate_problems(50, seed=7)
     assert generate_problems(50, seed=7) != generate_problems(50, seed=8)
@@ -393,6 +401,39 @@ def test_cli_writes_both_files(tmp_path, capsys):
     assert cli.synthetic(args) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert cli.synthetic(args + ["--overwrite"]) == 0
+
+
+def _cli_problems(out: Path, *options: str) -> list[dict]:
+    """The training problems ``rlhf synthetic`` writes with ``options``, as check_problem takes them."""
+    assert cli.synthetic(["--output", str(out), "--n-train", "20", "--n-test", "5", *options]) == 0
+    return [{"question": row.extra_info["question"], "solution": row.extra_info["answer"],
+             "answer": row.reward_model["ground_truth"]} for row in _read(out / "train.parquet").itertuples()]
+
+
+def test_cli_seed_chooses_the_problems(tmp_path, capsys):
+    written = [p["question"] for p in _cli_problems(tmp_path / "seed3", "--seed", "3")]
+    assert written == [p["question"] for p in build_splits(20, 5, seed=3)["train"]]
+    assert written != [p["question"] for p in _cli_problems(tmp_path / "seed4", "--seed", "4")]
+
+
+@pytest.mark.parametrize(
+    ("options", "flags", "lowest", "highest"),
+    [
+        # three steps of + and * on operands up to 20 pass 30 unless --max-value holds every amount to it
+        ({"min_ops": 3, "max_ops": 3, "max_operand": 20, "max_value": 30, "operations": "+*"},
+         ["--min-ops", "3", "--max-ops", "3", "--max-operand", "20", "--max-value", "30", "--operations", "+*"],
+         1, 30),
+        # one sum of two numbers in [15, 20] lies in [30, 40]
+        ({"max_ops": 1, "min_operand": 15, "max_operand": 20, "operations": "+"},
+         ["--max-ops", "1", "--min-operand", "15", "--max-operand", "20", "--operations", "+"], 30, 40),
+    ],
+    ids=["max-value", "min-operand"],
+)
+def test_cli_bounds_reach_the_problems(tmp_path, capsys, options, flags, lowest, highest):
+    problems = _cli_problems(tmp_path / "out", *flags)
+    for problem in problems:
+        check_problem(problem, **options)
+    assert all(lowest <= int(p["answer"]) <= highest for p in problems)
 
 
 def test_cli_rejects_bad_options(tmp_path, capsys):
