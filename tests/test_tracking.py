@@ -978,12 +978,7 @@ def sqlite_without_fsync():
     sqlalchemy.event.remove(sqlalchemy.engine.Engine, "connect", no_sync)
 
 
-def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network, sqlite_without_fsync):
-    pytest.importorskip("mlflow")
-    from mlflow.tracking import MlflowClient
-
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network, local_mlflow):
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory either
     local_dir = tmp_path / "run"
     config = {"actor": {"optim": {"lr": 1e-6}}, "trainer": {"logger": ["mlflow"]}, "note": "x" * 7000}
@@ -994,7 +989,7 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
         run_id = tracker.backends["mlflow"].run_id
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
-    client = MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    client = local_mlflow(local_dir)
     run = client.get_run(run_id)
     assert run.info.run_name == "exp"
     assert run.info.status == "FINISHED"
@@ -1015,13 +1010,13 @@ def test_mlflow_local_store_metrics_and_params(tmp_path, monkeypatch, no_network
 @pytest.fixture
 def local_mlflow(monkeypatch, no_network, sqlite_without_fsync):
     """The MLflow store a run makes in its own folder (no ``MLFLOW_TRACKING_URI``): a client of the one in
-    ``local_dir``."""
+    ``local_dir`` (where :func:`mlflow_tracking_uri` puts it)."""
     pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
-    yield lambda local_dir: MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    yield lambda local_dir: MlflowClient(tracking_uri=mlflow_tracking_uri(local_dir))
     assert no_network == []
 
 
@@ -1090,17 +1085,13 @@ def test_a_run_whose_mlflow_experiment_was_deleted_restores_it(tmp_path, local_m
 
 
 def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_logs_again(
-        tmp_path, monkeypatch, no_network, sqlite_without_fsync):
+        tmp_path, monkeypatch, local_mlflow):
     """A run killed during step 4 (steps 1-3 logged) resumes from its step-2 checkpoint and logs 3, 4, 5: one wandb
     run and one MLflow run hold it all, and TensorBoard shows step 3 once, as the resumed run logged it."""
-    pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
-    from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     _wandb_offline(monkeypatch, tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     local_dir, loggers = tmp_path / "run", ["tensorboard", "wandb", "mlflow"]
     first = Tracking(loggers, "proj", "exp", local_dir, config={"trainer": {"total_training_steps": 5}})
     for step in (1, 2, 3):
@@ -1116,7 +1107,7 @@ def test_a_resumed_run_goes_on_in_its_runs_and_tensorboard_drops_the_steps_it_lo
     attempts = [_wandb_offline_history(d) for d in sorted((local_dir / "wandb").glob("offline-run-*"))]
     assert attempts == [(ids[0], [{"critic/score/mean": step / 10, "_step": step} for step in (1, 2, 3)]),
                         (ids[0], [{"critic/score/mean": step / 10 + 0.01, "_step": step} for step in (3, 4, 5)])]
-    client = MlflowClient(tracking_uri=f"sqlite:///{(local_dir / 'mlruns' / 'mlflow.db').as_posix()}")
+    client = local_mlflow(local_dir)
     [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
     assert run.info.run_id == ids[1] and run.info.status == "FINISHED"
     assert run.data.params["trainer.total_training_steps"] == "5"  # MLflow keeps a param's first value
